@@ -1,0 +1,38 @@
+# One target per habit. `make test` sets up everything it needs on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP_PY := $(VENV)/.installed
+STAMP_NPM := node_modules/.installed
+
+.PHONY: setup test test-py test-js demo bench lint clean
+
+setup: $(STAMP_PY) $(STAMP_NPM)
+
+$(STAMP_PY): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+$(STAMP_NPM): package.json package-lock.json
+	npm ci --no-audit --no-fund
+	node_modules/.bin/workerd --version
+	touch $@
+
+test: setup test-js test-py
+
+test-py: setup
+	$(PY) -m pytest
+
+test-js: setup
+	node --test worker/test/
+
+demo: setup
+	$(PY) scripts/sandbox.py demo
+
+bench: setup
+	$(PY) scripts/bench_router.py
+
+clean:
+	rm -rf $(VENV) node_modules .colocate

@@ -1,0 +1,293 @@
+"""Stack settings: the ``colocate:*`` keys, their defaults, and their validation.
+
+``SCHEMA`` is the single list of keys; ``Pulumi.yaml`` declares the same keys (a test
+keeps the two equal) and the README's table is written from it. ``parse`` turns the raw
+values of one stack into a validated ``Settings`` or raises a ``ConfigError`` that
+names the key, the value and the fix. Only ``colocate:region`` names a region.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .catalogue import PROVIDERS, Region, region as lookup_region
+from .errors import ConfigError, MissingSetting
+from .ledger import Ledger
+
+NS = "colocate"
+SEGMENTS = ("e2e", "state", "state_rtt", "upstream", "pod_rtt", "fallback", "total")
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    type: str  # Pulumi.yaml config type: string, integer, boolean, array, object
+    default: Any
+    description: str
+    secret: bool = False
+
+
+POD_DEFAULTS = {
+    "provider": "runpod",
+    "gpu": "NVIDIA GeForce RTX 4090",
+    "gpuCount": 1,
+    "image": "vllm/vllm-openai:v0.11.0",
+    "model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
+    "port": 8000,
+    "diskGb": 40,
+    "maxPricePerHr": 0.8,
+    "cloud": "SECURE",
+    "minReliability": 0.98,
+    "readyTimeoutS": 900,
+    "computeMs": 95,
+}
+WORKER_DEFAULTS = {
+    "name": "",  # empty: colocate-<stack>
+    "placement": "targeted",
+    "deadlineMs": 2000,
+    "maxBodyBytes": 1_048_576,
+    "failureThreshold": 3,
+    "openMs": 30_000,
+    "stateTtlMs": 2_000,
+    "migrationTag": "",
+    "allowClassDeletion": False,
+}
+PROBE_DEFAULTS = {"samples": 25, "enforce": False}
+BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
+
+SCHEMA: tuple[Key, ...] = (
+    Key("region", "string", None, "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
+    Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
+    Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
+    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only)."),
+    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (recorded by the kit), allowClassDeletion."),
+    Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
+    Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
+    Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches the pod at the provider's address."),
+    Key("fallbackModel", "string", "", "Model name sent to the fallback API (empty: the client's)."),
+    Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
+    Key("probeToken", "string", None, "Token that guards the Worker's probe and admin endpoints.", secret=True),
+    Key("fallbackUrl", "string", None, "Base URL of the external OpenAI-compatible fallback API.", secret=True),
+    Key("fallbackApiKey", "string", None, "API key of the fallback API.", secret=True),
+    # Optional (the environment may carry them instead), so they have a default and no
+    # `secret: true` in Pulumi.yaml, which would make the CLI demand them on every stack.
+    Key("runpodApiKey", "string", "", "RunPod API key, set with --secret (or RUNPOD_API_KEY in the environment); runpod pods only."),
+    Key("vastaiApiKey", "string", "", "Vast.ai API key, set with --secret (or VASTAI_API_KEY in the environment); vastai pods only."),
+)
+KEYS = {k.name: k for k in SCHEMA}
+ALWAYS_SECRET = ("podToken", "probeToken", "fallbackUrl", "fallbackApiKey")
+PROVIDER_SECRET = {"runpod": ("runpodApiKey", "RUNPOD_API_KEY"), "vastai": ("vastaiApiKey", "VASTAI_API_KEY")}
+_ACCOUNT = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    provider: str
+    gpu: str
+    gpu_count: int
+    image: str
+    model: str
+    port: int
+    disk_gb: int
+    max_price_per_hr: float
+    cloud: str
+    min_reliability: float
+    ready_timeout_s: int
+    compute_ms: int
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    name: str
+    placement: str
+    deadline_ms: int
+    max_body_bytes: int
+    failure_threshold: int
+    open_ms: int
+    state_ttl_ms: int
+    migration_tag: str
+    allow_class_deletion: bool
+
+
+@dataclass(frozen=True)
+class ZoneSettings:
+    id: str
+    name: str
+    worker_hostname: str
+    pod_hostname: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    stack: str
+    region: Region
+    ledger: Ledger
+    account_id: str
+    pod: PodSettings
+    worker: WorkerSettings
+    budgets: dict[str, float]
+    samples: int
+    enforce: bool
+    zone: ZoneSettings | None
+    fallback_model: str
+    secrets: frozenset[str] = field(default_factory=frozenset)
+
+
+def _merged(raw: dict, name: str) -> dict:
+    value = raw.get(name)
+    if value is None:
+        return dict(KEYS[name].default)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{NS}:{name}", value, "must be a mapping", f"see the README's table for {NS}:{name}")
+    unknown = sorted(set(value) - set(KEYS[name].default)) if KEYS[name].default else []
+    if unknown:
+        raise ConfigError(f"{NS}:{name}.{unknown[0]}", value[unknown[0]], "unknown key",
+                          f"use only {', '.join(KEYS[name].default)}")
+    return {**KEYS[name].default, **value}
+
+
+def _number(key: str, value: object, *, integer: bool = False, minimum: float = 0, strict: bool = True) -> Any:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (value <= minimum if strict else value < minimum):
+        kind = "a whole number" if integer else "a number"
+        bound = f"greater than {minimum}" if strict else f"at least {minimum}"
+        raise ConfigError(key, value, f"must be {kind} {bound}", f"pulumi config set --path {key} <{kind}>")
+    return value
+
+
+def _string(key: str, value: object, allowed: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str) or not value or (allowed and value not in allowed):
+        fix = f"use one of {', '.join(allowed)}" if allowed else f"pulumi config set --path {key} <text>"
+        raise ConfigError(key, value, "must be " + ("one of the listed values" if allowed else "non-empty text"), fix)
+    return value
+
+
+def parse_pod(raw: dict) -> PodSettings:
+    p = _merged(raw, "pod")
+    k = f"{NS}:pod."
+    return PodSettings(
+        provider=_string(k + "provider", p["provider"], PROVIDERS),
+        gpu=_string(k + "gpu", p["gpu"]),
+        gpu_count=_number(k + "gpuCount", p["gpuCount"], integer=True),
+        image=_string(k + "image", p["image"]),
+        model=_string(k + "model", p["model"]),
+        port=_number(k + "port", p["port"], integer=True),
+        disk_gb=_number(k + "diskGb", p["diskGb"], integer=True),
+        max_price_per_hr=float(_number(k + "maxPricePerHr", p["maxPricePerHr"])),
+        cloud=_string(k + "cloud", p["cloud"], ("SECURE", "COMMUNITY")),
+        min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False)),
+        ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
+        compute_ms=_number(k + "computeMs", p["computeMs"], integer=True, strict=False),
+    )
+
+
+def parse_worker(raw: dict, stack: str) -> WorkerSettings:
+    w = _merged(raw, "worker")
+    k = f"{NS}:worker."
+    name = w["name"] or f"colocate-{stack}"
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
+        raise ConfigError(k + "name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-prod")
+    if not isinstance(w["allowClassDeletion"], bool):
+        raise ConfigError(k + "allowClassDeletion", w["allowClassDeletion"], "must be true or false", "set true or false")
+    tag = w["migrationTag"]
+    if not isinstance(tag, str):
+        raise ConfigError(k + "migrationTag", tag, "must be text", "leave it to the kit: it records the applied tag")
+    return WorkerSettings(
+        name=name,
+        placement=_string(k + "placement", w["placement"], ("targeted", "smart")),
+        deadline_ms=_number(k + "deadlineMs", w["deadlineMs"], integer=True),
+        max_body_bytes=_number(k + "maxBodyBytes", w["maxBodyBytes"], integer=True),
+        failure_threshold=_number(k + "failureThreshold", w["failureThreshold"], integer=True),
+        open_ms=_number(k + "openMs", w["openMs"], integer=True),
+        state_ttl_ms=_number(k + "stateTtlMs", w["stateTtlMs"], integer=True, strict=False),
+        migration_tag=tag,
+        allow_class_deletion=w["allowClassDeletion"],
+    )
+
+
+def parse_budgets(raw: object, key: str = f"{NS}:budgets") -> dict[str, float]:
+    if raw is None:
+        return dict(BUDGET_DEFAULTS)
+    if not isinstance(raw, dict):
+        raise ConfigError(key, raw, "budgets are a mapping of segment to milliseconds",
+                          f"pulumi config set --path {key}.state 25")
+    out = {}
+    for name, ms in raw.items():
+        if name not in SEGMENTS:
+            raise ConfigError(f"{key}.{name}", ms, "unknown segment", f"use one of {', '.join(SEGMENTS)}")
+        out[name] = float(_number(f"{key}.{name}", ms))
+    return out
+
+
+def parse_zone(raw: object) -> ZoneSettings | None:
+    if not raw:
+        return None
+    key = f"{NS}:zone"
+    if not isinstance(raw, dict):
+        raise ConfigError(key, raw, "must be a mapping {id, name, workerHostname, podHostname}", "see the README")
+    zid = raw.get("id")
+    if not isinstance(zid, str) or not re.fullmatch(r"[0-9a-f]{32}", zid):
+        raise ConfigError(key + ".id", zid, "a zone id is 32 hex characters", "copy it from the zone's overview page")
+    name = _string(key + ".name", raw.get("name"))
+    return ZoneSettings(
+        id=zid,
+        name=name,
+        worker_hostname=raw.get("workerHostname") or f"infer.{name}",
+        pod_hostname=raw.get("podHostname") or f"pod-{{generation}}.{name}",
+    )
+
+
+def parse(raw: dict, stack: str, secrets: frozenset[str] | set[str] = frozenset(), env: dict | None = None) -> Settings:
+    """Validate one stack's raw ``colocate:*`` values (keys without the namespace).
+
+    ``secrets`` names the secret keys that are set; their values never reach the plan.
+    ``env`` is consulted for provider API keys (RUNPOD_API_KEY, VASTAI_API_KEY).
+    """
+    env = env or {}
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{NS}:{unknown[0]}", raw[unknown[0]], "unknown key",
+                          "colocate:region is the only region setting; see the README's table of keys")
+    cell_region = lookup_region(raw.get("region"))
+    ledger = Ledger.parse(raw.get("generations"))
+    ledger.check_region(cell_region.name, stack)
+    pod = parse_pod(raw)
+    cell_region.locations(pod.provider)  # refuses a provider that cannot serve the region
+
+    account = raw.get("accountId")
+    if not isinstance(account, str) or not _ACCOUNT.match(account):
+        problem = "is not set" if account is None else "must be 32 lower-case hex characters"
+        raise MissingSetting(f"{NS}:accountId", account, problem,
+                             f"pulumi config set {NS}:accountId <id from the Cloudflare dashboard>")
+    required = [(name, "") for name in ALWAYS_SECRET]
+    if pod.provider in PROVIDER_SECRET:
+        required.append(PROVIDER_SECRET[pod.provider])
+    for name, env_name in required:
+        if name not in secrets and not (env_name and env.get(env_name)):
+            also = f" (or export {env_name})" if env_name else ""
+            raise MissingSetting(f"{NS}:{name}", None, "secret is not set",
+                                 f"pulumi config set --secret {NS}:{name} <value>{also}")
+
+    probe = _merged(raw, "probe")
+    samples = _number(f"{NS}:probe.samples", probe["samples"], integer=True)
+    if not isinstance(probe["enforce"], bool):
+        raise ConfigError(f"{NS}:probe.enforce", probe["enforce"], "must be true or false", "pulumi config set --path colocate:probe.enforce true")
+    fallback_model = raw.get("fallbackModel") or ""
+    if not isinstance(fallback_model, str):
+        raise ConfigError(f"{NS}:fallbackModel", fallback_model, "must be text", "pulumi config set colocate:fallbackModel <model>")
+    return Settings(
+        stack=stack,
+        region=cell_region,
+        ledger=ledger,
+        account_id=account,
+        pod=pod,
+        worker=parse_worker(raw, stack),
+        budgets=parse_budgets(raw.get("budgets")),
+        samples=samples,
+        enforce=probe["enforce"],
+        zone=parse_zone(raw.get("zone")),
+        fallback_model=fallback_model,
+        secrets=frozenset(secrets),
+    )
