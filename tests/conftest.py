@@ -1,0 +1,9 @@
+"""Shared pytest setup. Area fixtures live in tests/support/<area>.py and the test modules."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
