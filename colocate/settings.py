@@ -239,11 +239,21 @@ def parse_zone(raw: object) -> ZoneSettings | None:
     )
 
 
-def parse(raw: dict, stack: str, secrets: frozenset[str] | set[str] = frozenset(), env: dict | None = None) -> Settings:
+def parse(
+    raw: dict,
+    stack: str,
+    secrets: frozenset[str] | set[str] = frozenset(),
+    env: dict | None = None,
+    *,
+    allow_split_state: bool = False,
+) -> Settings:
     """Validate one stack's raw ``colocate:*`` values (keys without the namespace).
 
     ``secrets`` names the secret keys that are set; their values never reach the plan.
     ``env`` is consulted for provider API keys (RUNPOD_API_KEY, VASTAI_API_KEY).
+    ``allow_split_state`` skips the one check that keeps state and compute together. Only
+    the sandbox's demo passes it, to show what a hand-rolled move does; the Pulumi
+    program never does.
     """
     env = env or {}
     unknown = sorted(set(raw) - set(KEYS))
@@ -252,7 +262,8 @@ def parse(raw: dict, stack: str, secrets: frozenset[str] | set[str] = frozenset(
                           "colocate:region is the only region setting; see the README's table of keys")
     cell_region = lookup_region(raw.get("region"))
     ledger = Ledger.parse(raw.get("generations"))
-    ledger.check_region(cell_region.name, stack)
+    if not allow_split_state:
+        ledger.check_region(cell_region.name, stack)
     pod = parse_pod(raw)
     cell_region.locations(pod.provider)  # refuses a provider that cannot serve the region
 
