@@ -55,6 +55,8 @@ class Module:
 
 @dataclass(frozen=True)
 class WorkerPlan:
+    account_id: str
+    zone_id: str | None
     script_name: str
     main_module: str
     modules: tuple[Module, ...]
@@ -64,6 +66,7 @@ class WorkerPlan:
     migrations: dict  # {"old_tag", "new_tag", "steps"}
     pending_migrations: tuple[str, ...]
     hostname: str | None  # custom domain when a zone is set, else workers.dev
+    url: str  # where clients (and the probe) reach the Worker
 
     def binding(self, name: str) -> Binding:
         return next(b for b in self.bindings if b.name == name)
@@ -230,6 +233,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
     migrations, pending = migrations_after(settings.worker.migration_tag, settings.worker.allow_class_deletion)
     placement = {"mode": "smart"} if settings.worker.placement == "smart" else {"region": reg.placement_region}
     worker = WorkerPlan(
+        account_id=settings.account_id,
+        zone_id=settings.zone.id if settings.zone else None,
         script_name=settings.worker.name,
         main_module=MAIN_MODULE,
         modules=worker_modules(worker_dir),
@@ -239,6 +244,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
         migrations=migrations,
         pending_migrations=pending,
         hostname=settings.zone.worker_hostname if settings.zone else None,
+        url=(f"https://{settings.zone.worker_hostname}" if settings.zone
+             else f"https://{settings.worker.name}.{settings.worker.subdomain}.workers.dev"),
     )
     pod_site = reg.site_of(pod.locations[0])
     probe = ProbePlan(

@@ -45,6 +45,7 @@ POD_DEFAULTS = {
 }
 WORKER_DEFAULTS = {
     "name": "",  # empty: colocate-<stack>
+    "subdomain": "",  # the account's workers.dev subdomain (needed without a zone)
     "placement": "targeted",
     "deadlineMs": 2000,
     "maxBodyBytes": 1_048_576,
@@ -62,7 +63,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only)."),
-    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (recorded by the kit), allowClassDeletion."),
+    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (recorded by the kit), allowClassDeletion."),
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
     Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches the pod at the provider's address."),
@@ -101,6 +102,7 @@ class PodSettings:
 @dataclass(frozen=True)
 class WorkerSettings:
     name: str
+    subdomain: str
     placement: str
     deadline_ms: int
     max_body_bytes: int
@@ -194,8 +196,13 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
     tag = w["migrationTag"]
     if not isinstance(tag, str):
         raise ConfigError(k + "migrationTag", tag, "must be text", "leave it to the kit: it records the applied tag")
+    subdomain = w["subdomain"]
+    if not isinstance(subdomain, str) or (subdomain and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", subdomain)):
+        raise ConfigError(k + "subdomain", subdomain, "must be the bare workers.dev subdomain",
+                          "write only the part before .workers.dev, for example acme")
     return WorkerSettings(
         name=name,
+        subdomain=subdomain,
         placement=_string(k + "placement", w["placement"], ("targeted", "smart")),
         deadline_ms=_number(k + "deadlineMs", w["deadlineMs"], integer=True),
         max_body_bytes=_number(k + "maxBodyBytes", w["maxBodyBytes"], integer=True),
@@ -285,6 +292,12 @@ def parse(
     samples = _number(f"{NS}:probe.samples", probe["samples"], integer=True)
     if not isinstance(probe["enforce"], bool):
         raise ConfigError(f"{NS}:probe.enforce", probe["enforce"], "must be true or false", "pulumi config set --path colocate:probe.enforce true")
+    worker = parse_worker(raw, stack)
+    zone = parse_zone(raw.get("zone"))
+    if zone is None and not worker.subdomain:
+        raise MissingSetting(f"{NS}:worker.subdomain", None, "the Worker needs a public address: no zone and no workers.dev subdomain",
+                             f"pulumi config set --path {NS}:worker.subdomain <your-account-subdomain> (the part before .workers.dev), "
+                             f"or set {NS}:zone")
     fallback_model = raw.get("fallbackModel") or ""
     if not isinstance(fallback_model, str):
         raise ConfigError(f"{NS}:fallbackModel", fallback_model, "must be text", "pulumi config set colocate:fallbackModel <model>")
@@ -294,11 +307,11 @@ def parse(
         ledger=ledger,
         account_id=account,
         pod=pod,
-        worker=parse_worker(raw, stack),
+        worker=worker,
         budgets=parse_budgets(raw.get("budgets")),
         samples=samples,
         enforce=probe["enforce"],
-        zone=parse_zone(raw.get("zone")),
+        zone=zone,
         fallback_model=fallback_model,
         secrets=frozenset(secrets),
     )

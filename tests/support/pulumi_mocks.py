@@ -1,0 +1,119 @@
+"""Run the real Pulumi program under the SDK's mock engine (no CLI) and record what it declares."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import pulumi
+
+from colocate import stackfile
+
+SECRET_VALUES = {
+    "podToken": "pod-token-s3cret",
+    "probeToken": "probe-token-s3cret",
+    "fallbackUrl": "https://fallback.example.com",
+    "fallbackApiKey": "fallback-key-s3cret",
+    "runpodApiKey": "runpod-key-s3cret",
+    "vastaiApiKey": "vastai-key-s3cret",
+}
+POD_STDOUT = {"id": "pod-123", "provider": "runpod", "location": "AP-JP-1", "url": "http://203.0.113.7:41234",
+              "cost_per_hr": 0.69, "gpu": "NVIDIA GeForce RTX 4090", "name": "x", "ip": "203.0.113.7", "port": 41234}
+PROBE_STDOUT = {"ok": True, "verdict": "all checks hold"}
+
+
+class RecordingMocks(pulumi.runtime.Mocks):
+    def __init__(self) -> None:
+        self.resources: list[pulumi.runtime.MockResourceArgs] = []
+
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs):
+        self.resources.append(args)
+        outs = dict(args.inputs)
+        if args.typ == "command:local:Command":
+            create = outs.get("create", "")
+            if "pod.py create" in create:
+                outs["stdout"] = json.dumps(POD_STDOUT)
+            elif "probe.py" in create:
+                outs["stdout"] = json.dumps(PROBE_STDOUT)
+            else:
+                outs["stdout"] = ""
+        return [f"{args.name}-id", outs]
+
+    def call(self, args: pulumi.runtime.MockCallArgs):
+        return {}
+
+    def of_type(self, typ: str) -> list[pulumi.runtime.MockResourceArgs]:
+        return [r for r in self.resources if r.typ == typ]
+
+    def one(self, typ: str, suffix: str = "") -> pulumi.runtime.MockResourceArgs:
+        found = [r for r in self.of_type(typ) if r.name.endswith(suffix)]
+        assert len(found) == 1, f"expected one {typ} named *{suffix}, got {[r.name for r in found]}"
+        return found[0]
+
+
+@dataclass
+class Run:
+    mocks: RecordingMocks
+    exports: dict = field(default_factory=dict)
+    resolved: dict = field(default_factory=dict)
+    secret_flags: dict = field(default_factory=dict)
+
+
+def stack_config(stack: str, *, overrides: dict | None = None, drop: tuple[str, ...] = (),
+                 secrets: dict | None = None, stacks_dir=stackfile.STACKS_DIR) -> tuple[dict, list[str]]:
+    """A stack file's config as the CLI would hand it to the program, plus test secrets."""
+    raw, _ = stackfile.read_config(stack, stacks_dir)
+    raw.setdefault("accountId", "0123456789abcdef0123456789abcdef")
+    worker = dict(raw.get("worker") or {})
+    worker.setdefault("subdomain", "acme")
+    raw["worker"] = worker
+    raw.update(overrides or {})
+    for key in drop:
+        raw.pop(key, None)
+    config = {f"colocate:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in raw.items()}
+    secret_values = dict(SECRET_VALUES if secrets is None else secrets)
+    for k, v in secret_values.items():
+        config[f"colocate:{k}"] = v
+    config["cloudflare:apiToken"] = "cf-token-s3cret"
+    return config, [f"colocate:{k}" for k in secret_values] + ["cloudflare:apiToken"]
+
+
+def run_program(stack: str, config: dict, secret_keys: list[str]) -> Run:
+    """Run infra.program.main() for ``stack`` under mocks; raises what the program raises."""
+    from infra.program import main
+
+    mocks = RecordingMocks()
+    pulumi.runtime.set_all_config(config, secret_keys)
+    pulumi.runtime.set_mocks(mocks, project="colocate", stack=stack, preview=False)
+    run = Run(mocks)
+
+    @pulumi.runtime.test
+    def go():
+        run.exports = main()
+        names = list(run.exports)
+        outs = [pulumi.Output.from_input(run.exports[n]) for n in names]
+
+        async def resolve():
+            for name, out in zip(names, outs):
+                run.secret_flags[name] = await out.is_secret()
+                run.resolved[name] = await out.future()
+
+        return asyncio.ensure_future(resolve())
+
+    go()
+    return run
+
+
+SECRET_SIG = pulumi.runtime.rpc._special_secret_sig
+
+
+def unsecret(value):
+    """(is_secret, plain value) of a mock input that may be wrapped as a secret."""
+    if isinstance(value, dict) and value.get(pulumi.runtime.rpc._special_sig_key) == SECRET_SIG:
+        return True, value["value"]
+    return False, value
+
+
+def plain(value):
+    return unsecret(value)[1]

@@ -1,0 +1,214 @@
+"""The real Pulumi program under the SDK's mock engine, for every stack file in stacks/."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pulumi
+import pytest
+
+from colocate import catalogue, outputs, stackfile
+from colocate.plan import COMPATIBILITY_DATE, worker_modules
+from tests.support.pulumi_mocks import SECRET_VALUES, plain, run_program, stack_config, unsecret
+
+STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"))
+WORKER = "cloudflare:index/workersScript:WorkersScript"
+COMMAND = "command:local:Command"
+
+
+def test_every_required_stack_file_exists():
+    assert {"apac-tw", "apac-jp", "us-east", "sandbox"} <= set(STACKS)
+
+
+@pytest.fixture(params=STACKS)
+def deployed(request):
+    stack = request.param
+    config, secret_keys = stack_config(stack)
+    raw, _ = stackfile.read_config(stack)
+    return stack, raw, run_program(stack, config, secret_keys)
+
+
+def bindings_of(run) -> dict:
+    is_secret, bindings = unsecret(run.mocks.one(WORKER).inputs["bindings"])
+    return {b["name"]: b for b in bindings}, is_secret
+
+
+def test_worker_declared_from_the_region(deployed):
+    stack, raw, run = deployed
+    region = catalogue.region(raw["region"])
+    active = next(g for g in raw["generations"] if g["status"] == "active")
+    w = run.mocks.one(WORKER).inputs
+    assert w["placement"] == {"region": region.placement_region}
+    assert w["mainModule"] == "index.js"
+    assert w["content"] == (stackfile.ROOT / "worker/src/index.js").read_text()
+    others = {m.name for m in worker_modules()} - {"index.js"}
+    assert set(w.get("files", {})) == others
+    for name, f in w.get("files", {}).items():
+        assert base64.b64decode(f["contentBase64"]) == (stackfile.ROOT / "worker/src" / name).read_bytes()
+    assert w["compatibilityDate"] >= "2024-09-02" and w["compatibilityDate"] == COMPATIBILITY_DATE
+    assert w["migrations"] == {"newTag": "v1", "steps": [{"newSqliteClasses": ["Breaker"]}]}
+    bindings, _ = bindings_of(run)
+    assert bindings["BREAKER"] == {"name": "BREAKER", "type": "durable_object_namespace", "className": "Breaker"}
+    assert bindings["ACTIVE_GENERATION"]["text"] == active["name"]
+    assert bindings["ACTIVE_HINT"]["text"] == region.location_hint
+    assert bindings["CELL_REGION"]["text"] == region.name
+    assert "DRAINING_GENERATION" not in bindings
+    # Without a zone the Worker reaches the pod at the address the pod command reported.
+    assert bindings["POD_URL"]["text"] == "http://203.0.113.7:41234"
+
+
+def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
+    _, _, run = deployed
+    bindings, is_secret = bindings_of(run)
+    assert is_secret, "bindings carrying secrets must be stored as a secret"
+    for name, key in [("POD_TOKEN", "podToken"), ("FALLBACK_URL", "fallbackUrl"),
+                      ("FALLBACK_API_KEY", "fallbackApiKey"), ("PROBE_TOKEN", "probeToken")]:
+        assert bindings[name]["type"] == "secret_text"
+        assert bindings[name]["text"] == SECRET_VALUES[key]
+    pod = run.mocks.one(COMMAND, "-pod").inputs
+    env_secret, env = unsecret(pod["environment"])
+    assert env_secret and env["POD_TOKEN"] == SECRET_VALUES["podToken"]
+    for field in ("create", "delete", "stdin"):
+        assert not any(v in json.dumps(pod[field]) for v in SECRET_VALUES.values()), field
+
+
+def test_secrets_stay_secret_in_outputs(deployed):
+    _, _, run = deployed
+    assert set(run.resolved) == set(outputs.ALL)
+    assert run.secret_flags[outputs.PROBE_TOKEN] is True
+    for name, value in run.resolved.items():
+        if name != outputs.PROBE_TOKEN:
+            assert run.secret_flags[name] is False or name == outputs.PROBE_TOKEN
+            assert not any(s in json.dumps(value) for s in SECRET_VALUES.values()), name
+
+
+def test_pod_command_is_replaced_on_identity_change_and_deletes_from_stdout(deployed):
+    stack, raw, run = deployed
+    region = catalogue.region(raw["region"])
+    active = next(g for g in raw["generations"] if g["status"] == "active")
+    pod = run.mocks.one(COMMAND, "-pod").inputs
+    spec = json.loads(pod["stdin"])
+    assert pod["create"] == ".venv/bin/python scripts/pod.py create --spec -"
+    assert pod["delete"] == ".venv/bin/python scripts/pod.py delete"
+    assert spec["region"] == region.name and spec["generation"] == active["name"]
+    assert spec["locations"] == list(region.locations(spec["provider"]))
+    assert spec["name"].startswith(f"colocate-{stack}-")
+    triggers = plain(pod["triggers"])
+    for identity in (region.name, spec["gpu"], spec["image"], active["name"]):
+        assert identity in triggers
+
+
+def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed):
+    stack, raw, run = deployed
+    probe = run.mocks.one(COMMAND, "-probe").inputs
+    create = probe["create"]
+    assert create.startswith(".venv/bin/python scripts/probe.py https://")
+    assert f"--expect-region {raw['region']}" in create
+    assert ("--warn-only" in create) != bool((raw.get("probe") or {}).get("enforce", False))
+    triggers = plain(probe["triggers"])
+    assert json.dumps(json.loads(triggers[-1])) == json.dumps(
+        {"id": "pod-123", "provider": "runpod", "location": "AP-JP-1", "url": "http://203.0.113.7:41234",
+         "cost_per_hr": 0.69, "gpu": "NVIDIA GeForce RTX 4090", "name": "x", "ip": "203.0.113.7", "port": 41234})
+    env_secret, env = unsecret(probe["environment"])
+    assert env_secret and env["COLOCATE_PROBE_TOKEN"] == SECRET_VALUES["probeToken"]
+    for budget, ms in (raw.get("budgets") or {}).items():
+        assert f"--budget {budget}={ms:g}" in create
+
+
+def test_worker_is_reachable_on_workers_dev_without_a_zone(deployed):
+    stack, raw, run = deployed
+    subdomain = (raw.get("worker") or {}).get("subdomain", "acme")
+    sub = run.mocks.one("cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain").inputs
+    assert sub["enabled"] is True and sub["scriptName"] == f"colocate-{stack}"
+    assert run.resolved[outputs.WORKER_URL] == f"https://colocate-{stack}.{subdomain}.workers.dev"
+
+
+def test_outputs(deployed):
+    stack, raw, run = deployed
+    region = catalogue.region(raw["region"])
+    r = run.resolved
+    assert r[outputs.POD_ID] == "pod-123" and r[outputs.POD_COST_PER_HR] == 0.69
+    assert r[outputs.POD_LOCATION] == "AP-JP-1"
+    assert r[outputs.ACTIVE_HINT] == region.location_hint
+    assert r[outputs.PLACEMENT] == {"region": region.placement_region}
+    assert r[outputs.PROBE_VERDICT] == "all checks hold"
+
+
+def test_first_deploy_records_its_migration_tag():
+    config, keys = stack_config("apac-jp")
+    run = run_program("apac-jp", config, keys)
+    rec = run.mocks.one(COMMAND, "-migration-tag").inputs
+    assert rec["create"] == ".venv/bin/python scripts/migrate.py record-tag --stack apac-jp --tag v1"
+    # Once recorded, the deploy carries the tag as a precondition and adds no step.
+    config, keys = stack_config("apac-jp", overrides={"worker": {"subdomain": "acme", "migrationTag": "v1"}})
+    run = run_program("apac-jp", config, keys)
+    assert run.mocks.one(WORKER).inputs["migrations"] == {"oldTag": "v1", "newTag": "v1", "steps": []}
+    assert not [r for r in run.mocks.of_type(COMMAND) if r.name.endswith("-migration-tag")]
+
+
+def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
+    zone = {"id": "f" * 32, "name": "example.com"}
+    config, keys = stack_config("apac-jp", overrides={"zone": zone})
+    run = run_program("apac-jp", config, keys)
+    domain = run.mocks.one("cloudflare:index/workersCustomDomain:WorkersCustomDomain").inputs
+    assert domain["hostname"] == "infer.example.com" and domain["zoneId"] == "f" * 32
+    dns = run.mocks.one("cloudflare:index/dnsRecord:DnsRecord").inputs
+    assert dns["proxied"] is False and dns["type"] == "A" and dns["content"] == "203.0.113.7"
+    assert dns["name"] == "pod-apac-jp-g1.example.com"
+    bindings, _ = bindings_of(run)
+    assert bindings["POD_URL"]["text"] == "http://pod-apac-jp-g1.example.com:8000"
+    assert run.resolved[outputs.WORKER_URL] == "https://infer.example.com"
+
+
+def test_smart_placement_is_an_option():
+    config, keys = stack_config("apac-jp", overrides={"worker": {"subdomain": "acme", "placement": "smart"}})
+    run = run_program("apac-jp", config, keys)
+    assert run.mocks.one(WORKER).inputs["placement"] == {"mode": "smart"}
+
+
+MOVE = [
+    {"name": "apac-jp.g1", "region": "apac-jp", "status": "draining"},
+    {"name": "apac-tw.g2", "region": "apac-tw", "status": "active"},
+]
+
+
+def test_migration_in_progress_binds_both_generations_and_moves_pod_with_state():
+    config, keys = stack_config("apac-tw", overrides={"generations": MOVE})
+    run = run_program("apac-tw", config, keys)
+    bindings, _ = bindings_of(run)
+    assert bindings["ACTIVE_GENERATION"]["text"] == "apac-tw.g2" and bindings["ACTIVE_HINT"]["text"] == "apac"
+    assert bindings["DRAINING_GENERATION"]["text"] == "apac-jp.g1"
+    spec = json.loads(run.mocks.one(COMMAND, "-pod").inputs["stdin"])
+    assert spec["region"] == "apac-tw" and spec["generation"] == "apac-tw.g2" and spec["locations"] == ["TW"]
+    assert run.resolved[outputs.DRAINING_GENERATION] == "apac-jp.g1"
+
+
+def test_after_finish_the_retired_generation_is_unbound_and_purged_once():
+    retired = [dict(MOVE[0], status="retired"), MOVE[1]]
+    config, keys = stack_config("apac-tw", overrides={"generations": retired})
+    run = run_program("apac-tw", config, keys)
+    bindings, _ = bindings_of(run)
+    assert "DRAINING_GENERATION" not in bindings
+    purge = run.mocks.one(COMMAND, "-purge-apac-jp.g1").inputs
+    assert "scripts/migrate.py purge" in purge["create"] and "--generation apac-jp.g1" in purge["create"]
+    assert unsecret(purge["environment"])[0]
+
+
+def test_a_failing_assertion_inside_the_mock_run_is_seen():
+    # Guard against a harness that swallows failures (STYLE.md: check a wrong assertion fails once).
+    config, keys = stack_config("apac-jp")
+    run = run_program("apac-jp", config, keys)
+    with pytest.raises(AssertionError):
+        assert run.mocks.one(WORKER).inputs["placement"] == {"region": "aws:us-east-1"}
+
+
+def test_nothing_is_declared_at_import_time():
+    import importlib
+
+    import infra.cell
+    import infra.program
+
+    importlib.reload(infra.program)
+    importlib.reload(infra.cell)
+    assert isinstance(pulumi.runtime.get_config("colocate:region"), (str, type(None)))
