@@ -113,13 +113,13 @@ class Ledger:
         numbers = [int(m.group(1)) for g in self.generations if (m := _GEN_SUFFIX.search(g.name))]
         return f"{region}.g{max(numbers, default=0) + 1}"
 
-    def start(self, to_region: str) -> Ledger:
+    def start(self, to_region: str, stack: str = "<stack>") -> Ledger:
         """Begin a move: the active generation drains, a new one in ``to_region`` becomes active."""
         lookup_region(to_region, key="--to")
         if self.draining is not None:
             raise LedgerError(
                 KEY, self.draining.name, "a move is already under way (a generation is draining)",
-                "run `python scripts/migrate.py finish --stack <stack>` first",
+                f"run `python scripts/migrate.py finish --stack {stack}` and `pulumi up` first",
             )
         if self.active.region == to_region:
             raise LedgerError("--to", to_region, f"the active generation {self.active.name} already lives there",
@@ -128,11 +128,11 @@ class Ledger:
         gens = tuple(replace(g, status=DRAINING) if g.status == ACTIVE else g for g in self.generations)
         return Ledger(gens + (new,))
 
-    def finish(self) -> Ledger:
+    def finish(self, stack: str = "<stack>") -> Ledger:
         """End a move: the draining generation is retired (purged and unbound by the next deploy)."""
         if self.draining is None:
             raise LedgerError(KEY, [g.name for g in self.generations], "no generation is draining: nothing to finish",
-                              "run `python scripts/migrate.py start --stack <stack> --to <region>` to begin a move")
+                              f"run `python scripts/migrate.py start --stack {stack} --to <region>` to begin a move")
         return Ledger(tuple(replace(g, status=RETIRED) if g.status == DRAINING else g for g in self.generations))
 
     def as_config(self) -> list[dict]:

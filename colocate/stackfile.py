@@ -70,13 +70,19 @@ def read_config(stack: str, stacks_dir: Path = STACKS_DIR) -> tuple[dict, frozen
 
 
 def write_config(stack: str, updates: dict[str, Any], stacks_dir: Path = STACKS_DIR) -> None:
-    """Set top-level ``colocate:<name>`` values, keeping everything else as it was."""
+    """Set ``colocate:<name>`` values (``name`` may be ``pod.provider`` for a nested key),
+    keeping every other key, comment and the key order as they were."""
     path = path_of(stack, stacks_dir)
     doc = load_document(stack, stacks_dir)
     config = doc["config"]
     for name, value in updates.items():
-        key = f"{NS}:{name}"
-        if key in config and isinstance(value, list) and isinstance(config[key], list):
+        top, _, sub = name.partition(".")
+        key = f"{NS}:{top}"
+        if sub:
+            if not isinstance(config.get(key), dict):
+                config[key] = {}
+            config[key][sub] = value
+        elif key in config and isinstance(value, list) and isinstance(config[key], list):
             _replace_list(config[key], value)
         else:
             config[key] = value

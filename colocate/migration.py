@@ -1,0 +1,142 @@
+"""Migration planning: what the next ``pulumi up`` does when the ledger moves. Pure.
+
+A Durable Object never moves; state moves by a new generation first touched from the
+target region. ``start`` and ``finish`` are ledger transitions (colocate.ledger); this
+module turns a before/after pair of cell plans into the actions a person reviews,
+and the state round trip before and after, from the physical floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import geo
+from .catalogue import region as lookup_region
+from .ledger import UNKNOWN_REGION, Ledger
+from .plan import CellPlan, plan_cell
+from .settings import ALWAYS_SECRET, PROVIDER_SECRET, Settings, parse
+
+PLANNING_ACCOUNT = "0" * 32  # planning never deploys; a stack may not have its account id yet
+
+
+@dataclass(frozen=True)
+class Action:
+    verb: str  # create | replace | update | bind | unbind | purge | probe | keep
+    what: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"  {self.verb:<8} {self.what}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    label: str
+    worker_site: str
+    state_site: str | None
+
+    @property
+    def floor_ms(self) -> float | None:
+        return None if self.state_site is None else geo.floor_ms(self.worker_site, self.state_site)
+
+    def __str__(self) -> str:
+        if self.state_site is None:
+            return f"  {self.label:<34} Worker {self.worker_site}, state object: unknown (run the probe)"
+        km = geo.distance_km(self.worker_site, self.state_site)
+        return (f"  {self.label:<34} Worker {self.worker_site} -> state {self.state_site}: {km:,.0f} km, "
+                f"floor {self.floor_ms:.0f} ms (~{self.floor_ms * geo.DEFAULT_STRETCH:.0f} ms at {geo.DEFAULT_STRETCH}x)")
+
+
+def planning_settings(raw: dict, stack: str) -> Settings:
+    """Settings for planning only: secrets and the account id need not be set yet."""
+    raw = dict(raw)
+    raw.setdefault("accountId", PLANNING_ACCOUNT)
+    worker = dict(raw.get("worker") or {})
+    if not worker.get("subdomain") and not raw.get("zone"):
+        worker["subdomain"] = "planning"
+    raw["worker"] = worker
+    secrets = set(ALWAYS_SECRET) | {key for key, _ in PROVIDER_SECRET.values()}
+    return parse(raw, stack, secrets=secrets)
+
+
+def state_site(settings: Settings, generation_name: str) -> str | None:
+    """Where a generation's object lives: its region's edge site, or what the probe observed."""
+    gen = next(g for g in settings.ledger.generations if g.name == generation_name)
+    if gen.observed_colo:
+        return gen.observed_colo
+    if gen.region == UNKNOWN_REGION:
+        return None
+    return lookup_region(gen.region).edge_site
+
+
+def diff(before: CellPlan, after: CellPlan) -> list[Action]:
+    """The actions that take the cell from ``before`` to ``after``."""
+    actions: list[Action] = []
+    bp, ap = before.pod, after.pod
+    if bp.triggers() != ap.triggers():
+        actions.append(Action("create", f"pod {ap.name}", f"{ap.settings.provider} in {ap.region} "
+                              f"({', '.join(ap.locations)}), health-checked before anything is deleted"))
+        actions.append(Action("delete", f"pod {bp.name}", f"{bp.settings.provider} in {bp.region}, after the new pod is up"))
+    else:
+        actions.append(Action("keep", f"pod {ap.name}", "unchanged"))
+    if before.worker.placement != after.worker.placement:
+        actions.append(Action("update", f"Worker {after.worker.script_name}",
+                              f"placement {_placement(before)} -> {_placement(after)}"))
+    b_bind = {b.name: b for b in before.worker.bindings}
+    a_bind = {b.name: b for b in after.worker.bindings}
+    for name in a_bind:
+        if name in b_bind and a_bind[name] == b_bind[name]:
+            continue
+        verb = "bind" if name not in b_bind else "update"
+        actions.append(Action(verb, f"binding {name}", a_bind[name].text or "(value from the new pod)"))
+    for name in b_bind.keys() - a_bind.keys():
+        actions.append(Action("unbind", f"binding {name}", f"was {b_bind[name].text}"))
+    a_state, b_state = after.state, before.state
+    if a_state.active.name != b_state.active.name:
+        actions.append(Action("probe", f"generation {a_state.active.name}",
+                              f"first touched by the post-deploy probe from {after.region.edge_site} "
+                              f"with hint {a_state.hint}, then its colo is checked"))
+    if a_state.draining and a_state.draining != b_state.draining:
+        actions.append(Action("keep", f"generation {a_state.draining.name}",
+                              "draining: read through while the new generation is empty, so breaker state survives"))
+    for gen in set(a_state.purge) - set(b_state.purge):
+        actions.append(Action("purge", f"generation {gen}", "storage deleted by the Worker's purge endpoint; "
+                              "the Breaker class itself is kept (no class is deleted)"))
+    return actions
+
+
+def _placement(p: CellPlan) -> str:
+    return p.worker.placement.get("region") or f"mode {p.worker.placement.get('mode')}"
+
+
+def round_trips(before: Settings, after: Settings) -> list[RoundTrip]:
+    """State round trip now, after a hand-rolled move (state left behind), and after the migration."""
+    now_edge = before.region.edge_site
+    new_edge = after.region.edge_site
+    old_site = state_site(before, before.ledger.active.name)
+    trips = [RoundTrip("now", now_edge, old_site)]
+    if after.region.name != before.region.name or after.ledger.active.name != before.ledger.active.name:
+        if after.region.name != before.region.name:
+            trips.append(RoundTrip("compute moved, state left behind", new_edge, old_site))
+        trips.append(RoundTrip("after this migration", new_edge, state_site(after, after.ledger.active.name)))
+    return trips
+
+
+def with_ledger(raw: dict, ledger: Ledger, region_name: str | None = None) -> dict:
+    out = dict(raw, generations=ledger.as_config())
+    if region_name:
+        out["region"] = region_name
+    return out
+
+
+def adopt_observation(settings: Settings, generation: str, colo_code: str | None) -> Settings:
+    """Settings whose generation carries the colo the probe observed (for an adopted object)."""
+    if not colo_code:
+        return settings
+    gens = tuple(replace(g, observed_colo=colo_code.upper()) if g.name == generation else g
+                 for g in settings.ledger.generations)
+    return replace(settings, ledger=Ledger(gens))
+
+
+def plan_pair(before: Settings, after: Settings) -> tuple[CellPlan, CellPlan]:
+    return plan_cell(before), plan_cell(after)

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Move a cell's state with a generation-rename migration: plan | start | finish.
+
+    migrate.py plan   --stack S [--to REGION] [--probe-json FILE]
+    migrate.py start  --stack S --to REGION [--provider P]
+    migrate.py finish --stack S
+
+``start`` makes a new generation in REGION active, the old one draining, and sets
+``colocate:region``; ``finish`` retires the draining generation. Both edit
+``stacks/Pulumi.<stack>.yaml`` in place (comments and key order kept, atomic write) and
+print what the next ``pulumi up`` does. An illegal step changes nothing and exits 2.
+
+The cell's own Pulumi steps also call:
+    migrate.py record-tag --stack S --tag TAG    record an applied Durable Object migration tag
+    migrate.py purge --url URL --generation G    purge a retired generation (token: COLOCATE_PROBE_TOKEN)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import requests  # noqa: E402
+
+from colocate import migration, stackfile  # noqa: E402
+from colocate.errors import ConfigError, UnsupportedProvider  # noqa: E402
+from colocate.ledger import UNKNOWN_REGION, Ledger  # noqa: E402
+from colocate.plan import MIGRATIONS  # noqa: E402
+
+
+def _load(args) -> tuple[dict, Ledger]:
+    raw, _ = stackfile.read_config(args.stack, args.stacks_dir)
+    return raw, Ledger.parse(raw.get("generations"))
+
+
+def _deployed(raw: dict, ledger: Ledger) -> dict:
+    # What is running now: compute where the active generation lives. A region edited
+    # by hand (the mistake the kit refuses) is not yet deployed.
+    if ledger.active.region != UNKNOWN_REGION:
+        return dict(raw, region=ledger.active.region)
+    return raw
+
+
+def _observed(path: str | None) -> str | None:
+    if not path:
+        return None
+    data = json.loads(Path(path).read_text())
+    return (data.get("placement") or {}).get("state")
+
+
+def _report(stack: str, raw_before: dict, raw_after: dict, observed: str | None, heading: str) -> None:
+    before = migration.planning_settings(raw_before, stack)
+    after = migration.planning_settings(raw_after, stack)
+    if observed:
+        before = migration.adopt_observation(before, before.ledger.active.name, observed)
+        after = migration.adopt_observation(after, before.ledger.active.name, observed)
+    old, new = migration.plan_pair(before, after)
+    print(heading)
+    print(f"Stack {stack}: region {before.region.name} -> {after.region.name}; "
+          f"active {after.ledger.active.name}" + (f", draining {after.ledger.draining.name}" if after.ledger.draining else ""))
+    print("The next `pulumi up` will:")
+    for action in migration.diff(old, new):
+        print(action)
+    print("State round trip (physical floor: 2 x great-circle km / 200 km per ms):")
+    for trip in migration.round_trips(before, after):
+        print(trip)
+
+
+def cmd_plan(args) -> int:
+    raw, ledger = _load(args)
+    observed = _observed(args.probe_json) or ledger.active.observed_colo
+    before = _deployed(raw, ledger)
+    if args.to:
+        after = migration.with_ledger(raw, ledger.start(args.to, args.stack), args.to)
+        if args.provider:
+            after["pod"] = dict(after.get("pod") or {}, provider=args.provider)
+        _report(args.stack, before, after, observed, f"Plan for `migrate.py start --to {args.to}` (nothing written):")
+    elif ledger.draining:
+        after = migration.with_ledger(raw, ledger.finish(args.stack))
+        _report(args.stack, before, after, observed, "Plan for `migrate.py finish` (nothing written):")
+    else:
+        _report(args.stack, before, before, observed, "No move under way. Current cell:")
+        if ledger.active.region == UNKNOWN_REGION and not observed:
+            print(f"  generation {ledger.active.name} was adopted and its home is unknown: run "
+                  f"`python scripts/probe.py --stack {args.stack} --json probe.json`, then "
+                  f"`python scripts/migrate.py plan --stack {args.stack} --probe-json probe.json`")
+    return 0
+
+
+def cmd_start(args) -> int:
+    raw, ledger = _load(args)
+    new_ledger = ledger.start(args.to, args.stack)
+    after = migration.with_ledger(raw, new_ledger, args.to)
+    if args.provider:
+        after["pod"] = dict(after.get("pod") or {}, provider=args.provider)
+    # Validate the whole target cell (region, provider, ledger) before touching the file.
+    _report(args.stack, _deployed(raw, ledger), after, ledger.active.observed_colo, f"Started a move to {args.to}.")
+    updates = {"region": args.to, "generations": new_ledger.as_config()}
+    if args.provider:
+        updates["pod.provider"] = args.provider
+    stackfile.write_config(args.stack, updates, args.stacks_dir)
+    print(f"Wrote {stackfile.path_of(args.stack, args.stacks_dir)}. Next: `pulumi up -s {args.stack}`, "
+          f"then `python scripts/migrate.py finish --stack {args.stack}` and `pulumi up` again.")
+    return 0
+
+
+def cmd_finish(args) -> int:
+    raw, ledger = _load(args)
+    new_ledger = ledger.finish(args.stack)
+    after = migration.with_ledger(raw, new_ledger)
+    _report(args.stack, raw, after, None, f"Finishing: {ledger.draining.name} retires.")
+    stackfile.write_config(args.stack, {"generations": new_ledger.as_config()}, args.stacks_dir)
+    print(f"Wrote {stackfile.path_of(args.stack, args.stacks_dir)}. Next: `pulumi up -s {args.stack}` "
+          "(drops the draining binding and purges its storage).")
+    return 0
+
+
+def cmd_record_tag(args) -> int:
+    tags = [t for t, _ in MIGRATIONS]
+    if args.tag not in tags:
+        raise ConfigError("--tag", args.tag, "not one of the kit's migration tags", f"use one of {', '.join(tags)}")
+    stackfile.write_config(args.stack, {"worker.migrationTag": args.tag}, args.stacks_dir)
+    print(json.dumps({"stack": args.stack, "migrationTag": args.tag}))
+    return 0
+
+
+def cmd_purge(args) -> int:
+    token = os.environ.get("COLOCATE_PROBE_TOKEN")
+    if not token:
+        raise ConfigError("COLOCATE_PROBE_TOKEN", None, "the probe token is not in the environment",
+                          "export COLOCATE_PROBE_TOKEN=<the stack's probeToken>")
+    url = args.url.rstrip("/") + "/_colocate/purge"
+    try:
+        resp = requests.post(url, json={"generation": args.generation},
+                             headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    except requests.RequestException as err:
+        print(f"purge: cannot reach {url}: {err.__class__.__name__}", file=sys.stderr)
+        return 1
+    if resp.status_code >= 300:
+        print(f"purge: {url} answered {resp.status_code}: {resp.text[:300]}", file=sys.stderr)
+        return 1
+    print(json.dumps({"purged": args.generation, "status": resp.status_code}))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="migrate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def stack_args(sp):
+        sp.add_argument("--stack", required=True, help="stack name: stacks/Pulumi.<stack>.yaml")
+        sp.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
+
+    sp = sub.add_parser("plan", help="print what start/finish and the next pulumi up would do")
+    stack_args(sp)
+    sp.add_argument("--to", help="target region (preview a start)")
+    sp.add_argument("--provider", choices=("runpod", "vastai", "local"), help="GPU provider in the target region")
+    sp.add_argument("--probe-json", help="a probe.py --json result: where the active object really lives")
+    sp.set_defaults(func=cmd_plan)
+    sp = sub.add_parser("start", help="begin a move: new generation active in --to, the old one draining")
+    stack_args(sp)
+    sp.add_argument("--to", required=True, help="target region")
+    sp.add_argument("--provider", choices=("runpod", "vastai", "local"), help="GPU provider in the target region")
+    sp.set_defaults(func=cmd_start)
+    sp = sub.add_parser("finish", help="end a move: the draining generation retires")
+    stack_args(sp)
+    sp.set_defaults(func=cmd_finish)
+    sp = sub.add_parser("record-tag", help="record an applied migration tag (run by the cell after deploy)")
+    stack_args(sp)
+    sp.add_argument("--tag", required=True)
+    sp.set_defaults(func=cmd_record_tag)
+    sp = sub.add_parser("purge", help="purge a retired generation's storage (run by the cell after finish)")
+    sp.add_argument("--url", required=True, help="the Worker's URL")
+    sp.add_argument("--generation", required=True)
+    sp.set_defaults(func=cmd_purge)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UnsupportedProvider as err:
+        if getattr(args, "to", None):  # the stack's provider cannot follow the move
+            err = UnsupportedProvider(err.key, err.value, err.problem,
+                                      f"add --provider {err.fix.split()[-1]} to move the pod to a provider that serves {args.to}")
+        print(f"migrate.py: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        print(f"migrate.py: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
