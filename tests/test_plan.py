@@ -1,0 +1,156 @@
+"""Settings and the cell plan: pure, no Pulumi."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from ruamel.yaml import YAML
+
+from colocate import catalogue, plan, settings, stackfile
+from colocate.errors import ConfigError, MissingSetting
+from colocate.projectfile import PROJECT_FILE, declared
+
+SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey", "vastaiApiKey"})
+
+
+def raw_for(region="apac-jp", provider="runpod", **extra):
+    raw = {
+        "region": region,
+        "generations": [{"name": f"{region}.g1", "region": region, "status": "active"}],
+        "accountId": "0123456789abcdef0123456789abcdef",
+        "pod": {"provider": provider},
+        "worker": {"subdomain": "acme"},
+    }
+    raw.update(extra)
+    return raw
+
+
+def cell(raw, stack="t"):
+    return plan.plan_cell(settings.parse(raw, stack, secrets=SECRETS))
+
+
+def test_pulumi_yaml_declares_every_key_as_settings_does():
+    doc = YAML(typ="safe").load(PROJECT_FILE.read_text())
+    assert doc["name"] == "colocate" and doc["stackConfigDir"] == "stacks"
+    assert doc["runtime"]["options"]["virtualenv"] == ".venv"
+    assert doc["config"] == declared()
+    for key, entry in doc["config"].items():
+        assert entry["description"], key
+
+
+@pytest.mark.parametrize("region, provider", [
+    (r.name, p) for r in catalogue.REGIONS.values() for p in r.providers
+])
+def test_pod_and_state_always_share_the_region(region, provider):
+    p = cell(raw_for(region, provider))
+    r = catalogue.region(region)
+    assert p.pod.region == region == p.state.active.region
+    assert p.state.hint == r.location_hint
+    assert p.worker.placement == {"region": r.placement_region}
+    assert p.pod.spec()["locations"] == list(r.locations(provider))
+    assert p.probe.expected_colos == r.in_region_colos
+
+
+def test_bindings_are_generated_from_the_plan():
+    p = cell(raw_for())
+    names = [b.name for b in p.worker.bindings]
+    assert names[0] == "BREAKER"
+    assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "PROBE_TOKEN"} <= {
+        b.name for b in p.worker.bindings if b.type == "secret_text"}
+    assert p.worker.binding("POD_URL").from_output == plan.POD_URL_FROM_OUTPUT
+    assert p.worker.binding("DEADLINE_MS").text == "2000"
+    assert not any(b.text and "s3cret" in b.text for b in p.worker.bindings)
+
+
+def test_draining_generation_is_bound_with_its_own_hint():
+    gens = [{"name": "us-east.g1", "region": "us-east", "status": "draining"},
+            {"name": "apac-jp.g2", "region": "apac-jp", "status": "active"}]
+    p = cell(raw_for(generations=gens))
+    assert p.worker.binding("DRAINING_GENERATION").text == "us-east.g1"
+    assert p.worker.binding("DRAINING_HINT").text == "enam"
+    assert p.pod.name == "colocate-t-apac-jp-g2"
+    assert "apac-jp.g2" in p.pod.triggers()
+
+
+def test_pod_name_is_deterministic_and_triggers_cover_identity():
+    a, b = cell(raw_for()), cell(raw_for())
+    assert a.pod.name == b.pod.name == "colocate-t-apac-jp-g1"
+    assert a.pod.triggers() == b.pod.triggers()
+    other = cell(raw_for(pod={"provider": "runpod", "image": "vllm/vllm-openai:v0.12.0"}))
+    assert other.pod.triggers() != a.pod.triggers()
+
+
+def test_migrations_are_recorded_by_the_kit():
+    assert cell(raw_for()).worker.migrations == {"old_tag": None, "new_tag": "v1",
+                                                 "steps": [{"new_sqlite_classes": ["Breaker"]}]}
+    done = cell(raw_for(worker={"subdomain": "acme", "migrationTag": "v1"}))
+    assert done.worker.migrations == {"old_tag": "v1", "new_tag": "v1", "steps": []}
+    assert done.worker.pending_migrations == ()
+    with pytest.raises(ConfigError, match="migrationTag"):
+        cell(raw_for(worker={"subdomain": "acme", "migrationTag": "v7"}))
+
+
+def test_no_pending_step_ever_deletes_a_class():
+    for _, step in plan.MIGRATIONS:
+        assert "deleted_classes" not in step
+
+
+def test_worker_modules_are_the_project_sources_main_first():
+    mods = plan.worker_modules()
+    assert mods[0].name == "index.js"
+    assert {m.name for m in mods} == {p.name for p in plan.WORKER_DIR.glob("*.js")}
+
+
+@pytest.mark.parametrize("key, value, where", [
+    ("pod", {"provider": "runpod", "gpuCount": 0}, "colocate:pod.gpuCount"),
+    ("pod", {"provider": "runpod", "cloud": "HOME"}, "colocate:pod.cloud"),
+    ("pod", {"provider": "aws"}, "colocate:pod.provider"),
+    ("pod", "big", "colocate:pod"),
+    ("worker", {"subdomain": "acme", "placement": "near"}, "colocate:worker.placement"),
+    ("worker", {"subdomain": "Acme Corp"}, "colocate:worker.subdomain"),
+    ("worker", {"subdomain": "acme", "deadlineMs": True}, "colocate:worker.deadlineMs"),
+    ("probe", {"samples": 0}, "colocate:probe.samples"),
+    ("probe", {"enforce": "yes"}, "colocate:probe.enforce"),
+    ("zone", {"id": "nope", "name": "example.com"}, "colocate:zone.id"),
+    ("accountId", "ABC", "colocate:accountId"),
+])
+def test_bad_values_name_the_key(key, value, where):
+    with pytest.raises(ConfigError) as err:
+        cell(raw_for(**{key: value}))
+    assert where in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_no_address_for_the_worker():
+    with pytest.raises(MissingSetting, match="colocate:worker.subdomain"):
+        cell(raw_for(worker={}))
+
+
+def test_every_stack_file_plans(tmp_path):
+    for path in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"):
+        stack = path.name[len("Pulumi."):-len(".yaml")]
+        raw, _ = stackfile.read_config(stack)
+        raw.setdefault("accountId", "0123456789abcdef0123456789abcdef")
+        raw["worker"] = {"subdomain": "acme", **(raw.get("worker") or {})}
+        p = cell(raw, stack)
+        assert p.pod.region == p.state.active.region == raw["region"]
+
+
+def test_split_state_is_only_possible_on_explicit_request():
+    split = raw_for("apac-tw", "vastai", generations=[{"name": "us-east.g1", "region": "us-east", "status": "active"}])
+    with pytest.raises(ConfigError):
+        cell(split)
+    forced = plan.plan_cell(settings.parse(split, "t", secrets=SECRETS, allow_split_state=True))
+    assert forced.state.hint == "enam" and forced.pod.region == "apac-tw"
+
+
+def test_region_is_the_only_region_knob():
+    region_words = {"region", "location", "hint", "placement", "datacenter", "geolocation"}
+    for key in settings.SCHEMA:
+        if key.name == "region":
+            continue
+        sub = key.default if isinstance(key.default, dict) else {}
+        for name in itertools.chain([key.name], sub):
+            if name == "placement":  # targeted | smart: a mode, not a place
+                continue
+            assert not any(w in name.lower() for w in region_words), f"{key.name}.{name}"
