@@ -122,8 +122,11 @@ class PodPlan:
 
     def triggers(self) -> list[str]:
         # Any change here replaces the pod (create the new one, then delete the old).
-        s = self.settings
-        return [self.region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, self.generation]
+        return _pod_identity(self.region, self.settings, self.generation)
+
+
+def _pod_identity(region: str, s: PodSettings, generation: str) -> list[str]:
+    return [region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, generation]
 
 
 @dataclass(frozen=True)
@@ -218,8 +221,12 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
     )
     gen = ledger.active.name
     pod_hostname = settings.zone.pod_hostname.format(generation=gen.replace(".", "-")) if settings.zone else None
+    # The name carries a digest of what identifies the pod: a replacement (say, a new image
+    # in the same generation) gets a new name, so `create` never adopts the pod that the
+    # replacement's `delete` is about to remove.
+    identity = hashlib.sha256("\0".join(_pod_identity(reg.name, settings.pod, gen)).encode()).hexdigest()[:6]
     pod = PodPlan(
-        name=f"colocate-{settings.stack}-{gen}".replace(".", "-").replace("_", "-").lower(),
+        name=f"colocate-{settings.stack}-{gen}-{identity}".replace(".", "-").replace("_", "-").lower(),
         stack=settings.stack,
         region=reg.name,
         generation=gen,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 from ruamel.yaml import YAML
@@ -69,16 +70,18 @@ def test_draining_generation_is_bound_with_its_own_hint():
     p = cell(raw_for(generations=gens))
     assert p.worker.binding("DRAINING_GENERATION").text == "us-east.g1"
     assert p.worker.binding("DRAINING_HINT").text == "enam"
-    assert p.pod.name == "colocate-t-apac-jp-g2"
+    assert re.fullmatch(r"colocate-t-apac-jp-g2-[0-9a-f]{6}", p.pod.name)
     assert "apac-jp.g2" in p.pod.triggers()
 
 
 def test_pod_name_is_deterministic_and_triggers_cover_identity():
     a, b = cell(raw_for()), cell(raw_for())
-    assert a.pod.name == b.pod.name == "colocate-t-apac-jp-g1"
+    assert a.pod.name == b.pod.name and a.pod.name.startswith("colocate-t-apac-jp-g1-")
     assert a.pod.triggers() == b.pod.triggers()
     other = cell(raw_for(pod={"provider": "runpod", "image": "vllm/vllm-openai:v0.12.0"}))
     assert other.pod.triggers() != a.pod.triggers()
+    # A replacement never shares its name with the pod it replaces (create would adopt it).
+    assert other.pod.name != a.pod.name and other.pod.name.startswith("colocate-t-apac-jp-g1-")
 
 
 def test_migrations_are_recorded_by_the_kit():
