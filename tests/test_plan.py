@@ -157,3 +157,11 @@ def test_region_is_the_only_region_knob():
             if name == "placement":  # targeted | smart: a mode, not a place
                 continue
             assert not any(w in name.lower() for w in region_words), f"{key.name}.{name}"
+
+
+def test_readme_documents_every_key():
+    readme = (stackfile.ROOT / "README.md").read_text()
+    for key in settings.SCHEMA:
+        assert f"colocate:{key.name}" in readme, key.name
+    head = readme.split("## ")[0]
+    assert "make demo" in head and "make test" in head
