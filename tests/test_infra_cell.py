@@ -105,6 +105,7 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
     create = probe["create"]
     assert create.startswith(".venv/bin/python scripts/probe.py https://")
     assert f"--expect-region {raw['region']}" in create
+    assert "--pod-location AP-JP-1" in create and "--wait 120" in create and "--json -" in create
     assert ("--warn-only" in create) != bool((raw.get("probe") or {}).get("enforce", False))
     triggers = plain(probe["triggers"])
     assert json.dumps(json.loads(triggers[-1])) == json.dumps(

@@ -1,0 +1,42 @@
+"""Errors of the probe. Every one of them ends the probe with exit code 2.
+
+    ProbeError            the probe could not run; ``str()`` is the whole message for a person
+    ├── UsageError        a flag or its value is wrong (names the flag, the value and the fix)
+    ├── OutputsError      a stack's outputs cannot be read (no pulumi CLI, no stack, bad JSON)
+    ├── Unreachable       the target refused the connection or timed out on the warm-up
+    ├── Unauthorized      the probe endpoint answered 401: missing or wrong probe token
+    └── TargetError       the target answered, but not as the contract says (e.g. no model to ask for)
+
+A failed *check* (a budget, a placement) is not an error: it is a result, exit 1.
+Messages never carry the token.
+"""
+
+from __future__ import annotations
+
+
+class ProbeError(Exception):
+    """The probe could not run."""
+
+
+class UsageError(ProbeError):
+    """Raised for a bad flag value, e.g. ``--budget foo=10``."""
+
+    def __init__(self, flag: str, value: object, problem: str, fix: str):
+        self.flag, self.value, self.problem, self.fix = flag, value, problem, fix
+        super().__init__(f"{flag} {value!r}: {problem}. Fix: {fix}")
+
+
+class OutputsError(ProbeError):
+    """Raised when ``pulumi stack output`` is missing, fails, or prints something unexpected."""
+
+
+class Unreachable(ProbeError):
+    """Raised when the warm-up request cannot connect or times out."""
+
+
+class Unauthorized(ProbeError):
+    """Raised when the probe endpoint answers 401."""
+
+
+class TargetError(ProbeError):
+    """Raised when the target answers in a way the probe cannot work with."""

@@ -1,0 +1,81 @@
+"""Reading a deployed stack's outputs and config for ``probe.py --stack``.
+
+Outputs come from ``pulumi stack output --json --show-secrets --stack S`` run in the repo
+root (the output names are the constants in ``colocate.outputs``); config (region, budgets,
+samples, placement mode) from ``stacks/Pulumi.<S>.yaml`` via ``colocate.stackfile``. The
+command's stdout holds secrets: it is parsed, never echoed, not even in an error.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import outputs as names
+from .. import stackfile
+from ..errors import ConfigError
+from .errors import OutputsError, UsageError
+
+PULUMI_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class StackOutputs:
+    worker_url: str | None
+    probe_token: str | None
+    pod_location: str | None
+
+    def __repr__(self) -> str:  # never print the token
+        return f"StackOutputs(worker_url={self.worker_url!r}, pod_location={self.pod_location!r}, probe_token=***)"
+
+
+def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi") -> StackOutputs:
+    """Run the Pulumi CLI once; OutputsError says what is missing and how to go on without it."""
+    cmd = [pulumi, "stack", "output", "--json", "--show-secrets", "--stack", stack]
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=PULUMI_TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        raise OutputsError(f"--stack {stack}: the pulumi CLI is not on PATH; install it, or pass the URL, "
+                           "--pod-location and the token (COLOCATE_PROBE_TOKEN) yourself") from None
+    except subprocess.TimeoutExpired:
+        raise OutputsError(f"--stack {stack}: `pulumi stack output` did not finish in {PULUMI_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        why = next((line.strip() for line in proc.stderr.splitlines() if line.strip()), "no message")
+        raise OutputsError(f"--stack {stack}: `pulumi stack output --stack {stack}` failed (exit {proc.returncode}): "
+                           f"{why[:300]}; check the stack name (`pulumi stack ls`) and that it was deployed")
+    try:
+        data = json.loads(proc.stdout)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise OutputsError(f"--stack {stack}: `pulumi stack output --json` did not print a JSON object")
+
+    def text(key: str) -> str | None:
+        v = data.get(key)
+        return v if isinstance(v, str) and v else None
+
+    return StackOutputs(text(names.WORKER_URL), text(names.PROBE_TOKEN), text(names.POD_LOCATION))
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    region: str | None
+    budgets: object  # raw colocate:budgets (validated by budgets.from_stack)
+    samples: int | None
+    worker_placement: str | None
+
+
+def read_config(stack: str, stacks_dir: Path = stackfile.STACKS_DIR) -> StackConfig:
+    try:
+        raw, _ = stackfile.read_config(stack, stacks_dir)
+    except ConfigError as exc:
+        raise UsageError("--stack", stack, exc.problem, exc.fix) from None
+    probe = raw.get("probe") if isinstance(raw.get("probe"), dict) else {}
+    worker = raw.get("worker") if isinstance(raw.get("worker"), dict) else {}
+    samples = probe.get("samples")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+        raise UsageError("--stack", stack, f"colocate:probe.samples is {samples!r}, not a whole number above 0",
+                         "pulumi config set --path colocate:probe.samples 25")
+    return StackConfig(raw.get("region"), raw.get("budgets"), samples, worker.get("placement") or "targeted")

@@ -1,0 +1,239 @@
+"""The probe's result: segments, placement, floors, budgets, violations, and how to show them.
+
+``build`` turns a sampled run into a ``Result``; ``to_json`` is the machine form (the
+contract in docs/probe.md), ``table`` the human one. Failed samples (non-2xx, timeouts) are
+counted and left out of the percentiles; samples whose Server-Timing is missing or
+malformed are counted, and their good entries still used. A segment with no data has
+``None`` percentiles, shown as ``n/a``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .. import catalogue
+from ..settings import SEGMENTS
+from . import budgets as budgets_mod
+from . import placement as placement_mod
+from .sample import PROBE_METRICS, ROUTED_METRICS, Run, Sample
+from .stats import PERCENTILES, summary
+
+
+@dataclass
+class Result:
+    url: str
+    model: str
+    samples: int
+    values: dict[str, list[float]]  # raw ms per segment (for the plot)
+    segments: dict[str, dict]
+    fallback_rate: float | None
+    backends: dict[str, int]
+    placement: placement_mod.Placement
+    floors: dict[str, float | None]
+    budgets: list[budgets_mod.Budget]
+    findings: list[placement_mod.Finding]
+    violations: list[dict]
+    errors: dict[str, dict[str, int]]
+    server_timing: dict[str, dict[str, int]]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def verdict(self) -> str:
+        if self.violations:
+            more = len(self.violations) - 1
+            return self.violations[0]["message"] + (f" (+{more} more: see violations)" if more else "")
+        p = self.placement
+        pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else "pod location unknown"
+        e2e, rtt = self.segments["e2e"]["p50"], self.segments["state_rtt"]["p50"]
+        return (f"all checks hold: Worker in {p.ran.colo}, state object in {p.state.colo}, {pod}, "
+                f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms")
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    return "n/a" if v is None else f"{v:,.{digits}f}"
+
+
+def _number(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _errors(samples: Iterable[Sample]) -> dict[str, int]:
+    return dict(Counter(s.error for s in samples if s.error))
+
+
+def _timing_quality(samples: list[Sample]) -> dict[str, int]:
+    ok = [s for s in samples if s.ok]
+    missing = sum(1 for s in ok if s.timing.problems and s.timing.problems[0] == "no Server-Timing header")
+    malformed = sum(1 for s in ok if s.timing.problems) - missing
+    bad_body = sum(1 for s in ok if s.body_problem)
+    out = {"ok": len(ok) - missing - malformed, "missing": missing, "malformed": malformed}
+    if bad_body:
+        out["bad_body"] = bad_body
+    return out
+
+
+def collect(run: Run) -> dict[str, list[float]]:
+    """Raw values per segment from the successful samples."""
+    values: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+    for s in run.routed:
+        if not s.ok:
+            continue
+        if s.e2e_ms is not None:
+            values["e2e"].append(s.e2e_ms)
+        for name in ROUTED_METRICS:
+            if name in s.timing.durations:
+                values[name].append(s.timing.durations[name])
+    for s in run.probe:
+        if not s.ok:
+            continue
+        body = s.body or {}
+        for name in PROBE_METRICS:
+            v = _number(body.get(f"{name}_ms"))
+            if v is None:  # the JSON lacks it: the header may still carry it
+                v = s.timing.durations.get(name)
+            if v is not None:
+                values[name].append(v)
+    return values
+
+
+def build(run: Run, region: catalogue.Region | None, pod_location: str | None,
+          budget_list: list[budgets_mod.Budget], worker_placement: str | None = None) -> Result:
+    values = collect(run)
+    segments = {name: summary(values[name]) for name in SEGMENTS}
+    ok_routed = [s for s in run.routed if s.ok]
+    backends = dict(Counter(s.backend or "unknown" for s in ok_routed))
+    with_backend = sum(n for b, n in backends.items() if b != "unknown")
+    fallback_rate = round(backends.get("fallback", 0) / with_backend, 4) if with_backend else None
+
+    bodies = [s.body for s in [run.warmup, *run.probe] if s.ok and s.body]
+    if region is None:  # nothing said which region: believe the Worker's own CELL_REGION
+        named = next((b.get("region") for b in reversed(bodies) if b.get("region") in catalogue.REGIONS), None)
+        region = catalogue.REGIONS.get(named) if named else None
+    rays = [s.ray_colo for s in [*run.probe, *run.routed] if s.status is not None]
+    place = placement_mod.observe(bodies, rays, region, pod_location)
+    floors = place.floors()
+    p50 = {name: seg["p50"] for name, seg in segments.items()}
+    found = placement_mod.findings(place, p50, worker_placement)
+
+    violations = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
+    violations += budgets_mod.broken(budget_list, segments, floors)
+    errors = {"probe": _errors(run.probe), "routed": _errors(run.routed)}
+    for kind, counts in errors.items():
+        if counts:
+            total = len(run.probe if kind == "probe" else run.routed)
+            failed = sum(counts.values())
+            what = ", ".join(f"{e} ×{n}" for e, n in sorted(counts.items()))
+            violations.append({"kind": "errors", "part": kind, "count": failed,
+                               "message": f"{failed} of {total} {kind} requests failed ({what})"})
+
+    notes = []
+    told = {b.get("region") for b in bodies if b.get("region")}
+    if region is not None and told and told != {region.name}:
+        notes.append(f"the Worker reports CELL_REGION {', '.join(sorted(told))}, but {region.name} was expected: "
+                     "is this the right stack's URL?")
+    pod_fail = [b for b in (s.body for s in run.probe if s.ok and s.body) if b.get("pod_ok") is False]
+    if pod_fail:
+        statuses = ", ".join(sorted({str(b.get("pod_status")) for b in pod_fail}))
+        msg = f"pod health check failed in {len(pod_fail)} of {len(run.probe)} probes (pod_status {statuses})"
+        if len(pod_fail) == len(run.probe):
+            violations.append({"kind": "pod_health", "part": "pod",
+                               "message": msg + ": the pod is not serving — check scripts/pod.py status"})
+        else:
+            notes.append(msg)
+    quality = {"routed": _timing_quality(run.routed), "probe": _timing_quality(run.probe)}
+    for kind, q in quality.items():
+        bad = q["missing"] + q["malformed"]
+        if bad:
+            examples = sorted({p for s in (run.routed if kind == "routed" else run.probe) if s.ok
+                               for p in s.timing.problems})[:3]
+            notes.append(f"{bad} {kind} responses had a missing or malformed Server-Timing "
+                         f"({q['missing']} missing, {q['malformed']} malformed: {'; '.join(examples)})")
+        if q.get("bad_body"):
+            notes.append(f"{q['bad_body']} probe responses had no JSON object body")
+    return Result(run.url, run.model, len(run.routed), values, segments, fallback_rate, backends, place, floors,
+                  budget_list, found, violations, errors, quality, notes)
+
+
+def to_json(r: Result, warn_only: bool = False) -> dict:
+    """The machine-readable result (docs/probe.md, "JSON"). Never holds the token."""
+    return {
+        "ok": r.ok,
+        "verdict": r.verdict,
+        "url": r.url,
+        "model": r.model,
+        "samples": r.samples,
+        "connections": "reused",
+        "clock": "time.perf_counter",
+        "segments": r.segments,
+        "fallback_rate": r.fallback_rate,
+        "backends": r.backends,
+        "placement": r.placement.to_json(),
+        "floor_ms": r.floors,
+        "ratio_to_floor": {name: ratio(r.segments[name]["p50"], f) for name, f in r.floors.items()},
+        "budgets": [b.to_json() for b in r.budgets],
+        "violations": r.violations,
+        "findings": [{"part": f.part, "fails": f.fails, "message": f.message} for f in r.findings],
+        "errors": r.errors,
+        "server_timing": r.server_timing,
+        "notes": r.notes,
+        "warn_only": warn_only,
+    }
+
+
+def ratio(measured: float | None, floor: float | None) -> float | None:
+    """measured / floor, None when either is unknown or the floor is ~0 (same place)."""
+    if measured is None or floor is None or floor < placement_mod.NEAR_ZERO_MS:
+        return None
+    return round(measured / floor, 2)
+
+
+def table(r: Result) -> str:
+    """The human report: segments, placement, findings, verdict."""
+    budgets: dict[str, list[str]] = {}
+    broken = {(v["segment"], v["percentile"]) for v in r.violations if v["kind"] == "budget"}
+    for b in r.budgets:
+        mark = " BROKEN" if (b.segment, b.percentile) in broken else " ok"
+        budgets.setdefault(b.segment, []).append(f"{b.ms:g}@{b.percentile}{mark}")
+    lines = [f"colocate probe  {r.url}  model {r.model}",
+             f"{r.samples} routed + {r.samples} probe samples after a warm-up; one connection, reused; "
+             "e2e by the client (perf_counter)", ""]
+    head = f"{'segment':<10}" + "".join(f"{p:>9}" for p in PERCENTILES) + f"{'n':>5}{'floor':>9}{'p50/floor':>11}  budget"
+    lines += [head + "  (ms)", "-" * len(head)]
+    for name in SEGMENTS:
+        seg = r.segments[name]
+        row = f"{name:<10}" + "".join(f"{_num(seg[p], 1):>9}" for p in PERCENTILES) + f"{seg['n']:>5}"
+        floor = r.floors.get(name)
+        rat = ratio(seg["p50"], floor)
+        row += f"{_num(floor, 1) if name in r.floors else '':>9}"
+        row += f"{(f'{rat:.2f}x' if rat is not None else '-') if name in r.floors else '':>11}"
+        row += "  " + ", ".join(budgets.get(name, []))
+        lines.append(row.rstrip())
+    total = sum(r.backends.values())
+    rate = "n/a" if r.fallback_rate is None else f"{r.fallback_rate:.0%}"
+    lines += ["", f"fallback rate {rate} ({r.backends.get('fallback', 0)}/{total} answered by the fallback)", ""]
+    p = r.placement
+    expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
+    lines.append(f"placement (expected region {expected})")
+    rows = [("accepted", p.accepted.colo, p.accepted.status, "cf-ray"),
+            ("worker", p.ran.colo, p.ran.status, p.ran_source + (f", cf-placement {p.cf_placement}" if p.cf_placement else "")),
+            ("state", p.state.colo, p.state.status, f"generation {p.generation}" if p.generation else ""),
+            ("pod", p.pod.colo, p.pod.status, ", ".join(x for x in (p.pod_location and f"location {p.pod_location}",
+                                                                 p.pod_host and f"host {p.pod_host}") if x))]
+    for label, colo, status, where in rows:
+        shown = status.replace("_", " ").upper() if status != "in_region" else "in region"
+        lines.append(f"  {label:<9}{colo or 'unknown':<8}{shown:<15}{where}")
+    if p.draining_generation:
+        lines.append(f"  draining generation {p.draining_generation}")
+    info = [f.message for f in r.findings if not f.fails] + r.notes
+    if info:
+        lines += ["", "notes:"] + [f"  - {m}" for m in info]
+    if r.violations:
+        lines += ["", "violations:"] + [f"  - {v['message']}" for v in r.violations]
+    lines += ["", ("OK: " if r.ok else "FAIL: ") + r.verdict]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,181 @@
+"""Sending the probe's requests and recording what came back, untouched.
+
+One ``requests.Session`` carries every request, so after the warm-up the connection
+(and its TLS session) is reused: ``e2e`` is the steady-state round trip a client with a
+keep-alive connection sees, not a cold connect. ``e2e`` is measured with
+``time.perf_counter`` (monotonic) around the whole request, reading the body included.
+
+Order: one warm-up ``GET /_colocate/probe`` (it is also the first touch of a new
+generation, from where the Worker runs), the model from ``GET /v1/models`` unless given,
+then ``samples`` rounds of (probe, routed) requests, interleaved so that drift over the
+run affects both kinds alike. Everything is bounded: 2 + 2N requests, each with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import requests
+
+from . import timing
+from .errors import TargetError, Unauthorized, Unreachable
+
+PROBE_PATH = "/_colocate/probe"
+ROUTED_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+ROUTED_METRICS = ("state", "upstream", "fallback", "total")
+PROBE_METRICS = ("state_rtt", "pod_rtt")
+TOKEN_HELP = "pass --token or set COLOCATE_PROBE_TOKEN (the stack's probeToken output)"
+_RAY = re.compile(r"-([A-Za-z]{3})$")
+
+
+def ray_colo(cf_ray: str | None) -> str | None:
+    """The colo suffix of a ``cf-ray`` value (``8c1f...-NRT`` → ``NRT``), else None."""
+    m = _RAY.search((cf_ray or "").strip())
+    return m.group(1).upper() if m else None
+
+
+@dataclass
+class Sample:
+    """One request: ``error`` is None for a 2xx answer, else why it failed."""
+
+    kind: str  # "probe" | "routed"
+    e2e_ms: float | None
+    status: int | None
+    error: str | None
+    timing: timing.Timing
+    ray_colo: str | None = None
+    backend: str | None = None  # routed: x-colocate-backend
+    body: dict | None = None  # probe: the JSON document
+    body_problem: str | None = None  # probe: why the body is unusable
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Run:
+    url: str
+    model: str
+    warmup: Sample
+    probe: list[Sample] = field(default_factory=list)
+    routed: list[Sample] = field(default_factory=list)
+
+
+class Sampler:
+    """Sends the probe's requests over one session. Use as a context manager."""
+
+    def __init__(self, url: str, token: str, timeout_s: float):
+        self.url = url.rstrip("/")
+        self._token = token
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+
+    def __enter__(self) -> Sampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.close()
+
+    def _send(self, method: str, path: str, **kw) -> tuple[requests.Response, float]:
+        start = time.perf_counter()
+        response = self.session.request(method, self.url + path, timeout=self.timeout_s, **kw)
+        _ = response.content  # the body is part of the round trip
+        return response, (time.perf_counter() - start) * 1000
+
+    def probe(self) -> Sample:
+        headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
+        try:
+            r, ms = self._send("GET", PROBE_PATH, headers=headers)
+        except requests.Timeout:
+            return Sample("probe", None, None, "timeout", timing.Timing())
+        except requests.ConnectionError:
+            return Sample("probe", None, None, "connection failed", timing.Timing())
+        st = timing.parse(r.headers.get("Server-Timing"), PROBE_METRICS)
+        sample = Sample("probe", ms, r.status_code, None if r.ok else f"HTTP {r.status_code}", st,
+                        ray_colo(r.headers.get("cf-ray")))
+        if r.ok:
+            try:
+                body = r.json()
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                sample.body = body
+            else:
+                sample.body_problem = "body is not a JSON object"
+        return sample
+
+    def routed(self, model: str) -> Sample:
+        body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        try:
+            r, ms = self._send("POST", ROUTED_PATH, data=json.dumps(body),
+                               headers={"Content-Type": "application/json"})
+        except requests.Timeout:
+            return Sample("routed", None, None, "timeout", timing.Timing())
+        except requests.ConnectionError:
+            return Sample("routed", None, None, "connection failed", timing.Timing())
+        st = timing.parse(r.headers.get("Server-Timing"), ROUTED_METRICS)
+        backend = (r.headers.get("x-colocate-backend") or "").strip().lower() or None
+        return Sample("routed", ms, r.status_code, None if r.ok else f"HTTP {r.status_code}", st,
+                      ray_colo(r.headers.get("cf-ray")), backend)
+
+    def first_model(self) -> str:
+        where = self.url + MODELS_PATH
+        try:
+            r, _ = self._send("GET", MODELS_PATH, headers={"Accept": "application/json"})
+        except requests.RequestException as exc:
+            raise TargetError(f"GET {where} failed ({type(exc).__name__}): pass --model NAME") from None
+        try:
+            data = r.json().get("data") if r.ok else None
+            model = data[0]["id"] if data else None
+        except (ValueError, AttributeError, LookupError, TypeError):
+            model = None
+        if not isinstance(model, str) or not model:
+            raise TargetError(f"GET {where} answered HTTP {r.status_code} without a model in data[0].id: "
+                              "pass --model NAME")
+        return model
+
+    def warm_up(self, wait_s: float = 0.0) -> Sample:
+        """The first probe request: refused, timed out or 401 end the run here.
+
+        ``wait_s`` > 0 retries (once a second, bounded) while the target refuses, times out
+        or answers 404/5xx: right after a deploy, a new workers.dev route or custom domain
+        can take a few seconds to answer.
+        """
+        where = self.url + PROBE_PATH
+        deadline = time.monotonic() + wait_s
+        s = self.probe()
+        while time.monotonic() < deadline and (
+            s.error in ("connection failed", "timeout") or s.status == 404 or (s.status or 0) >= 500
+        ):
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            s = self.probe()
+        if s.error == "connection failed":
+            raise Unreachable(f"cannot reach {where}: connection refused or no route; is the URL right and the cell up?")
+        if s.error == "timeout":
+            raise Unreachable(f"{where} did not answer within {self.timeout_s:g} s (--timeout)")
+        if s.status == 401:
+            raise Unauthorized(f"{where} answered 401: the probe token is missing or wrong; {TOKEN_HELP}")
+        if s.status in (404, 405):
+            raise TargetError(f"{where} answered HTTP {s.status}: is {self.url} a colocate Worker?")
+        return s
+
+
+def run(url: str, token: str, samples: int, timeout_s: float, model: str | None = None,
+        progress: Callable[[str], None] | None = None, wait_s: float = 0.0) -> Run:
+    """Warm up, learn the model, then take ``samples`` (probe, routed) pairs."""
+    with Sampler(url, token, timeout_s) as sampler:
+        warm = sampler.warm_up(wait_s)
+        chosen = model or sampler.first_model()
+        result = Run(sampler.url, chosen, warm)
+        for i in range(samples):
+            result.probe.append(sampler.probe())
+            result.routed.append(sampler.routed(chosen))
+            if progress and (i + 1) % 10 == 0:
+                progress(f"{i + 1}/{samples} samples")
+        return result

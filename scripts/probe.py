@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Probe a deployed cell: measure every segment, check where each part ran, against budgets and floors.
+
+    probe.py URL [--token T | env COLOCATE_PROBE_TOKEN] [--samples 25] [--expect-region R]
+             [--budget NAME=MS[@pNN] ...] [--json PATH|-] [--plot PNG] [--stack S] [--warn-only]
+
+A warm-up request, then N samples of the Worker's probe endpoint (GET /_colocate/probe) and N
+of a routed request (POST /v1/chat/completions, max_tokens 1), all over one reused connection.
+Exit 0 when every check holds, 1 when a budget or placement check fails (0 with --warn-only,
+still reported), 2 on a usage error or an unreachable target. See docs/probe.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from colocate import catalogue, stackfile  # noqa: E402
+from colocate.errors import ConfigError  # noqa: E402
+from colocate.probe import budgets, outputs, report, sample  # noqa: E402
+from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
+
+TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
+DEFAULT_SAMPLES = 25
+MAX_SAMPLES = 1000
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("url", nargs="?", metavar="URL", help="the Worker's base URL (default: the stack's workerUrl output)")
+    p.add_argument("--token", help=f"probe token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
+    p.add_argument("--samples", type=int, help=f"samples per kind (default: the stack's colocate:probe.samples, else {DEFAULT_SAMPLES})")
+    p.add_argument("--expect-region", metavar="R", help="region the cell should run in (default: the stack's colocate:region, else the Worker's own)")
+    p.add_argument("--budget", action="append", default=[], metavar="NAME=MS[@pNN]",
+                   help="latency budget on a segment's p50 (or the given percentile); repeatable; replaces the stack's budgets")
+    p.add_argument("--json", metavar="PATH|-", help="write the JSON result to PATH; '-' prints it on stdout and the table on stderr")
+    p.add_argument("--plot", metavar="PNG", help="write a PNG of the per-segment distributions")
+    p.add_argument("--stack", metavar="S", help="read URL, token, pod location (outputs) and region, budgets, samples (config) from stack S")
+    p.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
+    p.add_argument("--pod-location", metavar="LOC", help="the pod's GPU location, e.g. AP-JP-1 or TW (default: the stack's podLocation output)")
+    p.add_argument("--model", help="model for the routed request (default: the first of GET /v1/models)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="keep retrying the warm-up for up to S seconds while the target is not answering yet (after a deploy)")
+    p.add_argument("--warn-only", action="store_true", help="report failed checks but exit 0")
+    return p
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UsageError("URL", url, "not an http(s) URL", "give the Worker's base URL, e.g. https://colocate-apac-jp.example.workers.dev")
+    return url.rstrip("/")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage error
+        return int(exc.code or 0)
+    try:
+        return _probe(args)
+    except (ProbeError, ConfigError) as exc:
+        print(f"probe: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --json or --plot path not writable
+        print(f"probe: cannot write {exc.filename or 'output'}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("probe: interrupted", file=sys.stderr)
+        return 130
+
+
+def _probe(args: argparse.Namespace) -> int:
+    budget_list = budgets.from_flags(args.budget)  # validate flags before any request
+    if args.samples is not None and not 1 <= args.samples <= MAX_SAMPLES:
+        raise UsageError("--samples", args.samples, f"must be between 1 and {MAX_SAMPLES}", "e.g. --samples 25")
+    if not args.timeout > 0:
+        raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
+    region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
+
+    url, token, pod_location = args.url, args.token or os.environ.get(TOKEN_ENV), args.pod_location
+    samples, worker_placement = args.samples, None
+    if args.stack:
+        cfg = outputs.read_config(args.stack, args.stacks_dir)
+        if region is None and cfg.region is not None:
+            region = catalogue.region(cfg.region, key=f"colocate:region of stack {args.stack}")
+        if not args.budget:
+            budget_list = budgets.from_stack(cfg.budgets)
+        samples = samples or cfg.samples
+        worker_placement = cfg.worker_placement
+        if not (url and token and pod_location):  # the post-deploy step passes all three: no CLI call
+            out = outputs.read_outputs(args.stack)
+            url, token, pod_location = url or out.worker_url, token or out.probe_token, pod_location or out.pod_location
+    if not url:
+        raise UsageError("URL", None, "no Worker URL", "give it as the first argument, or --stack S")
+    url = _check_url(url)
+    if not token:
+        raise UsageError("--token", None, "no probe token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
+    samples = samples or DEFAULT_SAMPLES
+
+    table_out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"probing {url}: warm-up, then {samples} probe + {samples} routed requests", file=sys.stderr)
+    if not 0 <= args.wait <= 900:
+        raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
+    run = sample.run(url, token, samples, args.timeout, args.model,
+                     progress=lambda msg: print(f"  {msg}", file=sys.stderr), wait_s=args.wait)
+    result = report.build(run, region, pod_location, budget_list, worker_placement)
+    print(report.table(result), file=table_out, end="")
+    doc = json.dumps(report.to_json(result, args.warn_only), indent=2)
+    if args.json == "-":
+        print(doc)
+    elif args.json:
+        Path(args.json).write_text(doc + "\n")
+    if args.plot:
+        from colocate.probe import plot  # matplotlib only when asked for
+
+        plot.write(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if result.ok:
+        return 0
+    if args.warn_only:
+        print("probe: checks failed (--warn-only: exit 0)", file=sys.stderr)
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
