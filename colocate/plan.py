@@ -97,6 +97,17 @@ class PodPlan:
     locations: tuple[str, ...]
     pod_hostname: str | None  # DNS-only hostname the Worker uses, when a zone is set
 
+    def worker_url(self, created: dict) -> str:
+        """The URL the Worker uses for the pod, from ``pod.py create``'s output.
+
+        With a zone: the DNS-only hostname on the pod's public port (providers map ports,
+        so it is only known once the pod exists; custom ports need allow_custom_ports,
+        the default from 2024-09-02). Without one: the address the provider reports.
+        """
+        if self.pod_hostname:
+            return f"http://{self.pod_hostname}:{created['port']}"
+        return created["url"]
+
     def spec(self) -> dict:
         """The JSON request ``scripts/pod.py create --spec`` receives. Holds no secret."""
         s = self.settings
@@ -175,7 +186,7 @@ def hint_of(gen: Generation) -> str:
     return "" if gen.region == UNKNOWN_REGION else lookup_region(gen.region).location_hint
 
 
-def worker_bindings(settings: Settings, state: StatePlan, pod_url: str | None) -> tuple[Binding, ...]:
+def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]:
     w = settings.worker
     plain = [
         ("CELL_REGION", settings.region.name),
@@ -195,10 +206,7 @@ def worker_bindings(settings: Settings, state: StatePlan, pod_url: str | None) -
         plain.append(("FALLBACK_MODEL", settings.fallback_model))
     bindings = [Binding("BREAKER", "durable_object_namespace", class_name=BREAKER_CLASS)]
     bindings += [Binding(name, "plain_text", text=value) for name, value in plain]
-    if pod_url:
-        bindings.append(Binding("POD_URL", "plain_text", text=pod_url))
-    else:
-        bindings.append(Binding("POD_URL", "plain_text", from_output=POD_URL_FROM_OUTPUT))
+    bindings.append(Binding("POD_URL", "plain_text", from_output=POD_URL_FROM_OUTPUT))
     bindings += [
         Binding("POD_TOKEN", "secret_text", secret="podToken"),
         Binding("FALLBACK_URL", "secret_text", secret="fallbackUrl"),
@@ -234,9 +242,6 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
         locations=reg.locations(settings.pod.provider),
         pod_hostname=pod_hostname,
     )
-    # With a zone the Worker reaches the pod by a DNS-only hostname on the pod's own
-    # port (allow_custom_ports); without one, at the address the provider reports.
-    pod_url = f"http://{pod_hostname}:{settings.pod.port}" if pod_hostname else None
     migrations, pending = migrations_after(settings.worker.migration_tag, settings.worker.allow_class_deletion)
     placement = {"mode": "smart"} if settings.worker.placement == "smart" else {"region": reg.placement_region}
     worker = WorkerPlan(
@@ -247,7 +252,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
         modules=worker_modules(worker_dir),
         compatibility_date=COMPATIBILITY_DATE,
         placement=placement,
-        bindings=worker_bindings(settings, state, pod_url),
+        bindings=worker_bindings(settings, state),
         migrations=migrations,
         pending_migrations=pending,
         hostname=settings.zone.worker_hostname if settings.zone else None,

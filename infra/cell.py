@@ -107,7 +107,7 @@ class Cell(pulumi.ComponentResource):
                 comment=f"colocate {plan.stack}: pod of generation {plan.pod.generation}",
                 opts=child,
             )
-        pod_url = plan.worker.binding("POD_URL").text or pod_info.apply(lambda p: p["url"])
+        pod_url = pod_info.apply(plan.pod.worker_url)
 
         w = plan.worker
         main = next(m for m in w.modules if m.name == w.main_module)

@@ -158,7 +158,8 @@ def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
     assert dns["proxied"] is False and dns["type"] == "A" and dns["content"] == "203.0.113.7"
     assert dns["name"] == "pod-apac-jp-g1.example.com"
     bindings, _ = bindings_of(run)
-    assert bindings["POD_URL"]["text"] == "http://pod-apac-jp-g1.example.com:8000"
+    # The pod's public port comes from the create output (providers map ports).
+    assert bindings["POD_URL"]["text"] == "http://pod-apac-jp-g1.example.com:41234"
     assert run.resolved[outputs.WORKER_URL] == "https://infer.example.com"
 
 

@@ -165,3 +165,19 @@ def test_readme_documents_every_key():
         assert f"colocate:{key.name}" in readme, key.name
     head = readme.split("## ")[0]
     assert "make demo" in head and "make test" in head
+
+
+def test_sweep_recognises_the_planned_pod_name_and_only_for_its_stack():
+    from colocate.pods.base import belongs_to_stack
+
+    name = cell(raw_for(), stack="prod").pod.name
+    assert belongs_to_stack(name, "prod")
+    assert not belongs_to_stack(name, "pro")
+    assert not belongs_to_stack(cell(raw_for(), stack="prod-b").pod.name, "prod")
+
+
+def test_worker_reaches_the_pod_by_dns_name_on_its_public_port_with_a_zone():
+    created = {"url": "http://203.0.113.7:41234", "port": 41234, "ip": "203.0.113.7"}
+    zoned = cell(raw_for(zone={"id": "a" * 32, "name": "example.com"}))
+    assert zoned.pod.worker_url(created) == "http://pod-apac-jp-g1.example.com:41234"
+    assert cell(raw_for()).pod.worker_url(created) == "http://203.0.113.7:41234"

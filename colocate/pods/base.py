@@ -1,0 +1,68 @@
+"""What every provider returns and offers: ``PodInfo`` and the ``Provider`` interface."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from .. import catalogue
+
+# Normalised states: the orchestration only needs these.
+STARTING, RUNNING, DEAD = "starting", "running", "dead"
+
+
+@dataclass
+class PodInfo:
+    id: str
+    name: str
+    state: str  # STARTING | RUNNING | DEAD (dead = will never serve: destroy it)
+    raw_state: str  # the provider's own word, for progress lines
+    location: str | None = None
+    ip: str | None = None
+    port: int | None = None
+    cost_per_hr: float | None = None
+    gpu: str | None = None
+
+    @property
+    def url(self) -> str | None:
+        return f"http://{self.ip}:{self.port}" if self.ip and self.port else None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "url": self.url}
+
+
+class Provider:
+    """A GPU provider. ``create`` raises CapacityError for one location; the lifecycle walks the locations."""
+
+    name = "?"
+
+    def candidates(self, spec) -> tuple[list, list[tuple[str, str, str]]]:
+        """(ordered create candidates, attempt rows for locations with nothing to try)."""
+        raise NotImplementedError
+
+    def location_of(self, candidate) -> str:
+        return str(candidate)
+
+    def create(self, spec, candidate, token: str) -> str:
+        raise NotImplementedError
+
+    def describe(self, pod_id: str) -> PodInfo:
+        raise NotImplementedError
+
+    def destroy(self, pod_id: str) -> bool:
+        """True if something was destroyed, False if it was already gone."""
+        raise NotImplementedError
+
+    def list_pods(self) -> list[PodInfo]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def belongs_to_stack(name: str | None, stack: str) -> bool:
+    """``colocate-<stack>-<region>-g<N>-<digest>`` exactly: stack ``a`` must not claim stack ``a-b``'s pods."""
+    if not name or not name.startswith(f"colocate-{stack}-"):
+        return False
+    rest = name[len(f"colocate-{stack}-"):]
+    return any(re.fullmatch(re.escape(r) + r"-g\d+(-[0-9a-f]{6})?", rest) for r in catalogue.REGIONS)

@@ -1,0 +1,64 @@
+"""Wait until a pod serves: provider state running, address known, then ``GET /health`` answers 200.
+
+The health check goes to the URL the Worker will use (the public ip and mapped port;
+a DNS-only hostname resolves to the same address). Progress lines go to stderr.
+Poll interval: ``COLOCATE_POD_POLL_S`` (default 5 s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+import requests
+
+from .base import DEAD, RUNNING, PodInfo
+from .errors import NotFoundError, NotReadyError, RetryableError
+
+
+def poll_interval() -> float:
+    try:
+        return max(0.01, float(os.environ.get("COLOCATE_POD_POLL_S") or 5))
+    except ValueError:
+        return 5.0
+
+
+def health(url: str, timeout: float) -> tuple[bool, str]:
+    try:
+        with requests.get(url + "/health", timeout=timeout, allow_redirects=False) as r:
+            return r.status_code == 200, f"health {r.status_code}"
+    except requests.RequestException as exc:
+        return False, f"health: {type(exc).__name__}"
+
+
+def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll_s: float | None = None) -> PodInfo:
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    poll_s = poll_interval() if poll_s is None else poll_s
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last = "no answer yet"
+    while True:
+        elapsed = time.monotonic() - start
+        try:
+            info = describe()
+        except RetryableError as exc:
+            info, last = None, f"provider busy ({exc})"
+        except NotFoundError:
+            raise NotReadyError("the pod disappeared while starting (deleted elsewhere, or reclaimed)") from None
+        if info is not None:
+            if info.state == DEAD:
+                raise NotReadyError(f"pod {info.id} is {info.raw_state}: it will never serve")
+            if info.state == RUNNING and info.url:
+                ok, last = health(info.url, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                log(f"[{elapsed:6.1f}s] {info.id}: {info.raw_state} at {info.url}, {last}")
+                if ok:
+                    return info
+            else:
+                last = f"{info.raw_state}, address {'known' if info.url else 'not yet known'}"
+                log(f"[{elapsed:6.1f}s] {info.id}: {last}")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise NotReadyError(f"not ready after {timeout_s:g}s (last: {last})")
+        time.sleep(min(poll_s, remaining))

@@ -1,0 +1,99 @@
+"""The create request: the JSON of ``colocate.plan.PodPlan.spec()``, checked again at the edge.
+
+The spec is re-checked against the catalogue so a hand-written or stale spec cannot
+place a pod outside the cell's region: its provider must serve the region, and its
+locations must be the catalogue's locations for that region (a subset, in catalogue order).
+Also here: the vLLM serve arguments for the real pod (one place, used by both clouds).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import catalogue
+from ..errors import ConfigError
+from .errors import PodConfigError
+
+REQUIRED = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
+            "gpu": str, "gpu_count": int, "image": str, "model": str, "port": int, "disk_gb": int,
+            "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
+            "ready_timeout_s": (int, float), "compute_ms": (int, float)}
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    name: str
+    stack: str
+    region: str
+    generation: str
+    provider: str
+    locations: tuple[str, ...]
+    gpu: str
+    gpu_count: int
+    image: str
+    model: str
+    port: int
+    disk_gb: int
+    max_price_per_hr: float
+    cloud: str
+    min_reliability: float
+    ready_timeout_s: float
+    compute_ms: float
+
+    @classmethod
+    def from_dict(cls, data: object) -> "PodSpec":
+        if not isinstance(data, dict):
+            raise PodConfigError(f"spec: expected a JSON object (PodPlan.spec()), got {type(data).__name__}")
+        for key, typ in REQUIRED.items():
+            if key not in data:
+                raise PodConfigError(f"spec.{key}: missing. Fix: pass the JSON of colocate.plan.PodPlan.spec()")
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, typ):
+                raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
+        spec = cls(**{k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED})
+        spec._check()
+        return spec
+
+    def _check(self) -> None:
+        if not self.name.startswith(f"colocate-{self.stack}-"):
+            raise PodConfigError(f"spec.name: {self.name!r} does not start with 'colocate-{self.stack}-'. "
+                                 "Fix: use the name the plan derives (sweep finds pods by it)")
+        try:
+            allowed = catalogue.region(self.region, key="spec.region").locations(self.provider)
+        except ConfigError as exc:
+            raise PodConfigError(str(exc)) from None
+        stray = [loc for loc in self.locations if loc not in allowed]
+        if not self.locations or stray:
+            raise PodConfigError(
+                f"spec.locations: {list(self.locations)!r} must be a non-empty subset of {self.region}'s "
+                f"{self.provider} locations {list(allowed)}. Fix: regenerate the spec; a pod never leaves its region")
+        if not 0 < self.port < 65536:
+            raise PodConfigError(f"spec.port: {self.port} is not a TCP port. Fix: colocate:pod.port 1-65535")
+        if self.ready_timeout_s <= 0:
+            raise PodConfigError(f"spec.ready_timeout_s: {self.ready_timeout_s} must be > 0")
+
+    def vllm_args(self) -> list[str]:
+        """Arguments for vLLM's OpenAI-compatible server (the image's entrypoint).
+
+        The token is not here: it travels as the env variable ``VLLM_API_KEY``, which vLLM
+        treats exactly like ``--api-key`` and which keeps it out of the container's argv.
+        """
+        return ["--model", self.model, "--quantization", "gptq_marlin", "--host", "0.0.0.0",
+                "--port", str(self.port), "--served-model-name", self.model,
+                "--max-model-len", "8192", "--gpu-memory-utilization", "0.90"]
+
+
+def load(source: str) -> PodSpec:
+    """Read a spec from a file path or ``-`` (stdin)."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    except OSError as exc:
+        raise PodConfigError(f"--spec {source}: cannot read ({exc.strerror}). Fix: give a readable file or - for stdin") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise PodConfigError(f"--spec {source}: not JSON ({exc}). Fix: pass the JSON of PodPlan.spec()") from None
+    return PodSpec.from_dict(data)

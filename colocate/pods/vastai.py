@@ -1,0 +1,150 @@
+"""Vast.ai (``console.vast.ai`` REST, ``/api/v0``).
+
+Offers are searched once for the whole region (``geolocation`` in the region's countries,
+the GPU, ``reliability``, ``direct_port_count`` >= 1, rentable, verified, ``dph_total`` <=
+the cap), re-checked here (the country is the last part of an offer's ``geolocation``, e.g.
+"Taipei, TW") and tried cheapest first. An offer taken in the meantime (404/410 no_such_ask)
+moves on to the next one. Instance state ``exited``, ``unknown`` or ``offline`` never
+becomes ``running``: such an instance is reported dead and destroyed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .base import DEAD, RUNNING, STARTING, PodInfo, Provider
+from .errors import CapacityError, FatalError, NotFoundError, PodConfigError
+from .http import Api
+
+DEFAULT_BASE = "https://console.vast.ai"
+MAX_OFFERS_TRIED = 5
+_DEAD = ("exited", "unknown", "offline")
+
+
+def country(geolocation: str | None) -> str:
+    return (geolocation or "").rsplit(",", 1)[-1].strip().upper()
+
+
+class VastAI(Provider):
+    name = "vastai"
+
+    def __init__(self, token: str = ""):
+        key = os.environ.get("VASTAI_API_KEY", "")
+        if not key:
+            raise PodConfigError("VASTAI_API_KEY is not set. Fix: export VASTAI_API_KEY=<key> "
+                                 "(from pulumi config colocate:vastaiApiKey); it is never read from argv")
+        self.api = Api("vastai", os.environ.get("VASTAI_API_BASE") or DEFAULT_BASE, key, secrets=(token,))
+        self.serve_port: int | None = None  # set by the lifecycle when the spec is known
+
+    def close(self) -> None:
+        self.api.close()
+
+    def candidates(self, spec):
+        query = {
+            "gpu_name": {"in": [spec.gpu]},
+            "num_gpus": {"in": [spec.gpu_count]},
+            "geolocation": {"in": list(spec.locations)},
+            "reliability": {"gte": spec.min_reliability},
+            "direct_port_count": {"gte": 1},
+            "rentable": {"eq": True},
+            "verified": {"eq": True},
+            "dph_total": {"lte": spec.max_price_per_hr},
+            "type": "ondemand",
+            "limit": 50,
+        }
+        offers = self.api.call("POST", "/api/v0/bundles/", json_body=query).body.get("offers") or []
+        # Trust but verify: the region guarantee must not rest on the provider's filter alone.
+        fit = [o for o in offers
+               if country(o.get("geolocation")) in spec.locations and o.get("gpu_name") == spec.gpu
+               and float(o.get("dph_total") or 1e9) <= spec.max_price_per_hr
+               and float(o.get("reliability") or 0) >= spec.min_reliability
+               and int(o.get("direct_port_count") or 0) >= 1]
+        fit.sort(key=lambda o: float(o["dph_total"]))
+        empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h, "
+                  "direct port, verified)") for loc in spec.locations
+                 if not any(country(o.get("geolocation")) == loc for o in fit)]
+        return fit[:MAX_OFFERS_TRIED], empty
+
+    def location_of(self, offer: dict) -> str:
+        return country(offer.get("geolocation"))
+
+    def create(self, spec, offer: dict, token: str) -> str:
+        body = {
+            "image": spec.image,
+            "label": spec.name,
+            "disk": spec.disk_gb,
+            # Docker-flag form (the spec's type): the token reaches vLLM as VLLM_API_KEY, and
+            # -p asks for the serve port as a direct port.
+            "env": f"-e VLLM_API_KEY={token} -p {spec.port}:{spec.port}",
+            "runtype": "args",
+            "args": spec.vllm_args(),
+            "target_state": "running",
+            "cancel_unavail": True,
+        }
+        loc = country(offer.get("geolocation"))
+        what = f"offer {offer['id']} (${float(offer['dph_total']):.3f}/h)"
+        try:
+            reply = self.api.call("PUT", f"/api/v0/asks/{offer['id']}/", json_body=body, create=True)
+        except (NotFoundError, FatalError) as exc:
+            if exc.status in (404, 410):
+                raise CapacityError(f"{what} is gone", [(loc, what, "taken before we could rent it")]) from None
+            raise
+        if not isinstance(reply.body, dict) or not reply.body.get("success") or "new_contract" not in reply.body:
+            raise CapacityError(f"{what} refused", [(loc, what, f"refused: {json.dumps(reply.body)[:200]}")])
+        return str(reply.body["new_contract"])
+
+    def describe(self, pod_id: str) -> PodInfo:
+        try:
+            body = self.api.call("GET", f"/api/v0/instances/{pod_id}/").body or {}
+        except FatalError as exc:
+            if "no_such_instance" in json.dumps(exc.body):
+                raise NotFoundError(f"vastai instance {pod_id} not found") from None
+            raise
+        inst = body.get("instances")
+        if not inst:
+            raise NotFoundError(f"vastai instance {pod_id} not found")
+        return self._info(inst)
+
+    def destroy(self, pod_id: str) -> bool:
+        try:
+            self.api.call("DELETE", f"/api/v0/instances/{pod_id}/")
+            return True
+        except NotFoundError:
+            return False
+        except FatalError as exc:
+            if "no_such_instance" in json.dumps(exc.body):
+                return False
+            raise
+
+    def list_pods(self) -> list[PodInfo]:
+        pods, token = [], None
+        for _ in range(40):  # 25 per page: 1,000 instances is far past any account this kit manages
+            params = {"limit": 25, **({"after_token": token} if token else {})}
+            body = self.api.call("GET", "/api/v1/instances/", params=params).body or {}
+            pods += [self._info(i) for i in body.get("instances") or []]
+            token = body.get("next_token")
+            if not token:
+                break
+        return pods
+
+    def _info(self, inst: dict) -> PodInfo:
+        status = inst.get("actual_status") or inst.get("cur_state") or "loading"
+        state = DEAD if status in _DEAD else RUNNING if status == "running" else STARTING
+        return PodInfo(id=str(inst["id"]), name=inst.get("label") or "", state=state, raw_state=status,
+                       location=country(inst.get("geolocation")) or None, ip=inst.get("public_ipaddr") or None,
+                       port=_host_port(inst.get("ports"), self.serve_port), cost_per_hr=inst.get("dph_total"),
+                       gpu=inst.get("gpu_name"))
+
+
+def _host_port(ports, serve_port: int | None) -> int | None:
+    """The public port mapped to the serve port: ``{"8000/tcp": [{"HostPort": "41234"}]}`` (the live API's form)."""
+    if not isinstance(ports, dict):
+        return None
+    for key, binds in ports.items():
+        if (key == f"{serve_port}/tcp" if serve_port else key.endswith("/tcp")) and binds:
+            try:
+                return int(binds[0]["HostPort"])
+            except (KeyError, TypeError, ValueError, IndexError):
+                continue
+    return None

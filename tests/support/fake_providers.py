@@ -1,0 +1,368 @@
+"""Fake RunPod v2 and Vast.ai APIs on loopback (port 0) that hold requests to the vendors' specs.
+
+Every request is validated with openapi-core against ../shared/specs/runpod-v2-openapi.json
+or vastai-openapi.yaml (path, method, query, auth and body), and every answer is validated
+against the same operation's response schema before it is sent. Anything that does not
+match is recorded in ``violations`` and answered 599; the ``fake_*`` fixtures fail the test
+if ``violations`` is not empty at the end, so a drifting client fails loudly.
+
+Spec errata (where the published spec disagrees with the live API, documented in FACTS.md):
+* Vast.ai paths are served with a trailing slash (``/api/v0/bundles/``); the spec lists
+  them without one. One trailing slash is removed before matching.
+* Vast.ai ``Instance.ports`` is an object ``{"8000/tcp": [{"HostPort": "41234"}]}`` in the
+  live API (the spec says an array of integers); the schema is widened to accept it.
+
+Each created pod is backed by a real stand-in server, so readiness is a real HTTP check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from openapi_core import Config, OpenAPI
+from openapi_core.testing import MockRequest, MockResponse
+from ruamel.yaml import YAML
+
+from colocate.pods import standin
+
+SPECS = Path(__file__).resolve().parents[2].parent / "shared" / "specs"
+API_KEY = "test-provider-key-0123456789"
+CAPACITY_DETAIL = ("There are no longer any instances available with the requested specifications. "
+                   "Please refresh and try again.")
+
+
+def _openapi(spec: dict) -> OpenAPI:
+    config = Config(spec_validator_cls=None,
+                    extra_media_type_deserializers={"application/problem+json": json.loads})
+    return OpenAPI.from_dict(spec, config=config)
+
+
+_SPEC_CACHE: dict[str, OpenAPI] = {}
+_SPEC_LOCK = threading.Lock()
+
+
+def runpod_openapi() -> OpenAPI:
+    with _SPEC_LOCK:
+        if "runpod" not in _SPEC_CACHE:
+            _SPEC_CACHE["runpod"] = _openapi(json.loads((SPECS / "runpod-v2-openapi.json").read_text()))
+        return _SPEC_CACHE["runpod"]
+
+
+def vastai_openapi() -> OpenAPI:
+    with _SPEC_LOCK:
+        if "vastai" not in _SPEC_CACHE:
+            spec = YAML(typ="safe").load((SPECS / "vastai-openapi.yaml").read_text())
+            spec["components"]["schemas"]["Instance"]["properties"]["ports"] = {"type": ["array", "object"]}  # erratum
+            _SPEC_CACHE["vastai"] = _openapi(spec)
+        return _SPEC_CACHE["vastai"]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class FakeApi(ThreadingHTTPServer):
+    """Base: spec validation, auth, scripted 429s, a log of requests; subclasses implement ``route``."""
+
+    daemon_threads = True
+    server_url = ""
+    strip_trailing_slash = False
+
+    def __init__(self, openapi: OpenAPI, pod_token: str = "pod-token"):
+        self.openapi = openapi
+        self.pod_token = pod_token
+        self.violations: list[str] = []
+        self.log: list[tuple[str, str, object]] = []
+        self.lock = threading.RLock()
+        self.rate_limits: list[tuple[str, str, int, str]] = []  # (method, path prefix, count, retry-after)
+        self.rate_limited_at: list[float] = []
+        self.backends = contextlib.ExitStack()
+        self.standins: dict[str, contextlib.ExitStack] = {}
+        super().__init__(("127.0.0.1", 0), _FakeHandler)
+        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def start(self) -> "FakeApi":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self.thread.join(timeout=10)
+        for stack in list(self.standins.values()):
+            stack.close()
+        self.standins.clear()
+
+    def rate_limit(self, method: str, prefix: str, count: int, retry_after: str = "1") -> None:
+        self.rate_limits.append((method, prefix, count, retry_after))
+
+    def calls(self, method: str, prefix: str) -> list:
+        return [b for m, p, b in self.log if m == method and p.startswith(prefix)]
+
+    # -- backends: one real stand-in per pod ---------------------------------
+    def start_backend(self, pod_id: str) -> standin.StandinServer:
+        stack = contextlib.ExitStack()
+        server = stack.enter_context(standin.serve(compute_ms=1, token=self.pod_token, name=pod_id))
+        self.standins[pod_id] = stack
+        return server
+
+    def stop_backend(self, pod_id: str) -> None:
+        stack = self.standins.pop(pod_id, None)
+        if stack:
+            stack.close()
+
+    # -- validation ----------------------------------------------------------
+    def handle_call(self, method: str, raw_path: str, headers: dict, body: bytes):
+        parts = urlsplit(raw_path)
+        path = parts.path
+        if self.strip_trailing_slash and path.endswith("/") and len(path) > 1:
+            path = path[:-1]
+        query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        req = MockRequest(self.server_url, method.lower(), path, args=query, headers=headers,
+                          data=body or None, content_type=headers.get("Content-Type", "application/json"))
+        try:
+            self.openapi.validate_request(req)
+        except Exception as exc:  # noqa: BLE001 - any mismatch is a test failure, recorded with its cause
+            cause = exc.__cause__ or exc
+            self.violations.append(f"REQUEST {method} {raw_path}: {type(exc).__name__}: {cause} body={body[:300]!r}")
+            return 599, {"violation": str(exc)}, {}, "application/json", None
+        if headers.get("Authorization") != f"Bearer {API_KEY}":
+            status, payload, extra, ctype = self.unauthorized()
+            return self._check(req, status, payload, extra, ctype)
+        parsed = json.loads(body) if body else None
+        with self.lock:
+            self.log.append((method, path, parsed))
+            for i, (m, prefix, count, after) in enumerate(self.rate_limits):
+                if m == method and path.startswith(prefix) and count > 0:
+                    self.rate_limits[i] = (m, prefix, count - 1, after)
+                    self.rate_limited_at.append(time.monotonic())
+                    status, payload, extra, ctype = self.too_many(after)
+                    return self._check(req, status, payload, extra, ctype)
+            status, payload, extra, ctype = self.route(method, path, query, parsed)
+        return self._check(req, status, payload, extra, ctype)
+
+    def _check(self, req, status, payload, extra, ctype):
+        data = b"" if payload is None else json.dumps(payload).encode()
+        try:
+            self.openapi.validate_response(req, MockResponse(data, status, headers=extra, content_type=ctype))
+        except Exception as exc:  # noqa: BLE001
+            cause = exc.__cause__ or exc
+            self.violations.append(f"RESPONSE {req.method} {req.path} {status}: {type(exc).__name__}: {cause}")
+        return status, payload, extra, ctype, data
+
+    def route(self, method, path, query, body):
+        raise NotImplementedError
+
+    def unauthorized(self):
+        raise NotImplementedError
+
+    def too_many(self, retry_after: str):
+        raise NotImplementedError
+
+
+class _FakeHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FakeApi
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+    def _any(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        status, payload, extra, ctype, data = self.server.handle_call(self.command, self.path, dict(self.headers), body)
+        if data is None:
+            data = json.dumps(payload).encode()
+        self.send_response(status)
+        for k, v in extra.items():
+            self.send_header(k, v)
+        if data:
+            self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _any  # noqa: N815
+
+
+# ---------------------------------------------------------------------------- RunPod
+class FakeRunPod(FakeApi):
+    server_url = "https://api.runpod.io"
+
+    def __init__(self, pod_token: str = "pod-token"):
+        super().__init__(runpod_openapi(), pod_token)
+        self.capacity: dict[str, bool] = {}  # data centre -> has capacity (default True)
+        self.ready_after = 1  # GETs of a pod before it is RUNNING
+        self.healthy = True  # whether the pod's server answers /health 200
+        self.pods: dict[str, dict] = {}
+        self.polls: dict[str, int] = {}
+        self.ids = (f"fakepod{n:04d}" for n in itertools.count(1))
+
+    def live(self) -> list[dict]:
+        with self.lock:
+            return [p for p in self.pods.values() if p["status"] != "TERMINATED"]
+
+    def _problem(self, status: int, title: str, detail: str, extra=None):
+        return status, {"title": title, "status": status, "detail": detail}, extra or {}, "application/problem+json"
+
+    def unauthorized(self):
+        return self._problem(401, "Unauthorized", "invalid bearer token")
+
+    def too_many(self, retry_after):
+        return self._problem(429, "Too Many Requests", "rate limit exceeded for the minute window",
+                             {"Retry-After": retry_after})
+
+    def route(self, method, path, query, body):
+        if path == "/v2/pods" and method == "GET":
+            return 200, {"pods": [self._view(p) for p in self.live()]}, {}, "application/json"
+        if path == "/v2/pods" and method == "POST":
+            dc = (body.get("dataCenterIds") or ["?"])[0]
+            if not self.capacity.get(dc, True):
+                return self._problem(400, "Bad Request", CAPACITY_DETAIL)
+            pod_id = next(self.ids)
+            self.pods[pod_id] = {
+                "id": pod_id, "name": body["name"], "status": "PROVISIONING", "actions": ["terminate"],
+                "image": body["image"], "args": body.get("args", ""), "disk": body.get("disk", 20),
+                "mounts": {}, "ports": body.get("ports", []), "env": body.get("env", {}), "registry": None,
+                "gpu": {"id": body["gpu"]["id"], "count": body["gpu"].get("count", 1)},
+                "cloud": body.get("cloud", "SECURE"), "dataCenterId": dc, "cudaVersion": "12.8",
+                "ssh": {"proxy": None, "direct": None}, "template": None, "cost": 0.69, "locked": False,
+                "globalNetworking": {"enabled": False}, "runtime": None, "createdAt": _now(), "startedAt": None,
+            }
+            self.polls[pod_id] = 0
+            return 201, self._view(self.pods[pod_id]), {}, "application/json"
+        if path.startswith("/v2/pods/"):
+            pod_id = path.split("/")[3]
+            pod = self.pods.get(pod_id)
+            if pod is None or pod["status"] == "TERMINATED":
+                return self._problem(404, "Not Found", "pod not found")
+            if method == "GET":
+                self.polls[pod_id] += 1
+                if pod["status"] == "PROVISIONING" and self.polls[pod_id] >= self.ready_after:
+                    server = self.start_backend(pod_id)
+                    if not self.healthy:
+                        server.set_fault("error")
+                    private = int(pod["ports"][0].split("/")[0]) if pod["ports"] else 8000
+                    pod.update(status="RUNNING", startedAt=_now(), actions=["stop", "restart", "terminate"],
+                               runtime={"uptime": 1, "ports": [
+                                   {"private": private, "public": server.port, "type": "tcp", "ip": "127.0.0.1"}]})
+                return 200, self._view(pod), {}, "application/json"
+            if method == "DELETE":
+                pod.update(status="TERMINATED", cost=0.0, runtime=None)
+                self.stop_backend(pod_id)
+                return 204, None, {}, "application/json"
+        return self._problem(404, "Not Found", f"no fake route {method} {path}")
+
+    @staticmethod
+    def _view(pod: dict) -> dict:
+        return json.loads(json.dumps(pod))
+
+
+# ---------------------------------------------------------------------------- Vast.ai
+def offer(offer_id: int, country: str, price: float, gpu: str = "RTX 4090", reliability: float = 0.995,
+          direct_ports: int = 10, city: str = "Taipei") -> dict:
+    return {"id": offer_id, "ask_contract_id": offer_id, "gpu_name": gpu, "num_gpus": 1, "geolocation": f"{city}, {country}",
+            "dph_total": price, "reliability": reliability, "direct_port_count": direct_ports, "rentable": True,
+            "verified": True, "verification": "verified", "public_ipaddr": "127.0.0.1", "machine_id": offer_id * 10}
+
+
+class FakeVast(FakeApi):
+    server_url = "https://console.vast.ai"
+    strip_trailing_slash = True
+
+    def __init__(self, pod_token: str = "pod-token"):
+        super().__init__(vastai_openapi(), pod_token)
+        self.offers: list[dict] = []
+        self.taken: set[int] = set()  # offers that vanish between search and rent (404 no_such_ask)
+        self.ready_after = 1
+        self.dies_after: int | None = None  # actual_status becomes "exited" after this many GETs
+        self.instances: dict[int, dict] = {}
+        self.polls: dict[int, int] = {}
+        self.ids = itertools.count(700001)
+
+    def live(self) -> list[dict]:
+        with self.lock:
+            return [i for i in self.instances.values() if not i.get("_destroyed")]
+
+    def unauthorized(self):
+        return 401, {"success": False, "error": "auth_error", "msg": "Invalid user key"}, {}, "application/json"
+
+    def too_many(self, retry_after):
+        return 429, {"detail": "API requests too frequent endpoint threshold=2.0"}, {"Retry-After": retry_after}, "application/json"
+
+    def route(self, method, path, query, body):
+        if path == "/api/v0/bundles" and method == "POST":
+            return 200, {"offers": [o for o in self.offers if _matches(o, body)]}, {}, "application/json"
+        if path.startswith("/api/v0/asks/") and method == "PUT":
+            ask = int(path.rsplit("/", 1)[1])
+            if ask in self.taken or not any(o["id"] == ask for o in self.offers):
+                return 404, {"success": False, "error": "invalid_args", "ask_id": ask,
+                             "msg": f"error 404/3603: no_such_ask Instance type by id {ask} is not available."}, {}, "application/json"
+            o = next(o for o in self.offers if o["id"] == ask)
+            iid = next(self.ids)
+            self.instances[iid] = {"id": iid, "label": body.get("label"), "actual_status": "loading",
+                                   "intended_status": "running", "cur_state": "running", "next_state": "running",
+                                   "gpu_name": o["gpu_name"], "num_gpus": 1, "geolocation": o["geolocation"],
+                                   "dph_total": o["dph_total"], "machine_id": o["machine_id"],
+                                   "public_ipaddr": "127.0.0.1", "ports": {}, "_env": body.get("env", "")}
+            self.polls[iid] = 0
+            self.taken.add(ask)
+            return 200, {"success": True, "new_contract": iid}, {}, "application/json"
+        if path.startswith("/api/v0/instances/"):
+            iid = int(path.rsplit("/", 1)[1])
+            inst = self.instances.get(iid)
+            if method == "DELETE":
+                if inst is None or inst.get("_destroyed"):
+                    return 404, {"success": False, "error": "not_found", "msg": "Instance not found"}, {}, "application/json"
+                inst["_destroyed"] = True
+                self.stop_backend(str(iid))
+                return 200, {"success": True}, {}, "application/json"
+            if method == "GET":
+                if inst is None or inst.get("_destroyed"):
+                    return 400, {"success": False, "error": "no_such_instance", "msg": "Instance not found"}, {}, "application/json"
+                self.polls[iid] += 1
+                n = self.polls[iid]
+                if self.dies_after is not None and n >= self.dies_after:
+                    inst["actual_status"] = "exited"
+                elif inst["actual_status"] == "loading" and n >= self.ready_after:
+                    server = self.start_backend(str(iid))
+                    inst.update(actual_status="running", ports={"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(server.port)}]})
+                return 200, {"instances": _public(inst)}, {}, "application/json"
+        if path == "/api/v1/instances" and method == "GET":
+            return 200, {"success": True, "instances_found": len(self.live()), "next_token": None,
+                         "instances": [{k: v for k, v in _public(i).items() if k in ("id", "label", "actual_status", "cur_state", "next_state", "intended_status")}
+                                       for i in self.live()]}, {}, "application/json"
+        return 404, {"success": False, "error": "not_found", "msg": f"no fake route {method} {path}"}, {}, "application/json"
+
+
+def _public(inst: dict) -> dict:
+    return {k: v for k, v in inst.items() if not k.startswith("_")}
+
+
+def _matches(o: dict, query: dict) -> bool:
+    for field, cond in query.items():
+        if not isinstance(cond, dict):
+            continue
+        value = o.get(field)
+        if field == "geolocation":
+            value = (value or "").rsplit(",", 1)[-1].strip()
+        for op, arg in cond.items():
+            ok = {"eq": lambda: value == arg, "neq": lambda: value != arg, "in": lambda: value in arg,
+                  "notin": lambda: value not in arg, "gte": lambda: value is not None and value >= arg,
+                  "lte": lambda: value is not None and value <= arg, "gt": lambda: value is not None and value > arg,
+                  "lt": lambda: value is not None and value < arg}[op]()
+            if not ok:
+                return False
+    return True

@@ -1,0 +1,343 @@
+"""scripts/pod.py against fake RunPod v2 / Vast.ai servers that validate every call against the vendors' specs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from colocate import catalogue
+from colocate.plan import PodPlan
+from colocate.settings import POD_DEFAULTS, PodSettings
+from tests.support.fake_providers import API_KEY, FakeRunPod, FakeVast, offer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import pod  # noqa: E402  (scripts/pod.py)
+
+TOKEN = "pod-token-s3cret"
+
+
+def make_spec(region: str, provider: str, stack: str = "t1", gen: int = 1, **over) -> dict:
+    d = {**POD_DEFAULTS, "provider": provider, "readyTimeoutS": 20, "computeMs": 1,
+         "gpu": "RTX 4090" if provider == "vastai" else POD_DEFAULTS["gpu"], **over}
+    settings = PodSettings(provider=d["provider"], gpu=d["gpu"], gpu_count=d["gpuCount"], image=d["image"],
+                           model=d["model"], port=d["port"], disk_gb=d["diskGb"], max_price_per_hr=d["maxPricePerHr"],
+                           cloud=d["cloud"], min_reliability=d["minReliability"], ready_timeout_s=d["readyTimeoutS"],
+                           compute_ms=d["computeMs"])
+    generation = f"{region}.g{gen}"
+    plan = PodPlan(name=f"colocate-{stack}-{generation}".replace(".", "-"), stack=stack, region=region,
+                   generation=generation, settings=settings,
+                   locations=catalogue.region(region).locations(provider), pod_hostname=None)
+    return plan.spec()
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("POD_TOKEN", TOKEN)
+    monkeypatch.setenv("COLOCATE_POD_POLL_S", "0.05")
+    monkeypatch.setenv("COLOCATE_POD_BACKOFF_S", "0.05")
+    monkeypatch.setenv("COLOCATE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("PULUMI_COMMAND_STDOUT", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def fake_runpod(env, monkeypatch):
+    fake = FakeRunPod(pod_token=TOKEN).start()
+    monkeypatch.setenv("RUNPOD_API_BASE", fake.url)
+    monkeypatch.setenv("RUNPOD_API_KEY", API_KEY)
+    yield fake
+    fake.stop()
+    assert fake.violations == [], "requests or answers outside the RunPod v2 spec:\n" + "\n".join(fake.violations)
+
+
+@pytest.fixture
+def fake_vast(env, monkeypatch):
+    fake = FakeVast(pod_token=TOKEN).start()
+    monkeypatch.setenv("VASTAI_API_BASE", fake.url)
+    monkeypatch.setenv("VASTAI_API_KEY", API_KEY)
+    yield fake
+    fake.stop()
+    assert fake.violations == [], "requests or answers outside the Vast.ai spec:\n" + "\n".join(fake.violations)
+
+
+def run(capsys, argv, stdin: str | None = None, monkeypatch=None):
+    if stdin is not None:
+        import io
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = pod.main(argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) <= 1, f"stdout must hold at most one JSON object: {out!r}"
+    return code, (json.loads(lines[0]) if lines else None), err
+
+
+def write_spec(tmp_path, spec) -> str:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+# ------------------------------------------------------------------ RunPod
+def test_runpod_happy_path_pins_the_data_centre_and_waits_for_health(fake_runpod, env, capsys):
+    fake_runpod.ready_after = 3
+    spec = make_spec("apac-jp", "runpod")
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 0, err
+    assert set(out) >= {"id", "provider", "location", "url", "cost_per_hr", "gpu", "name", "ip", "port"}
+    assert out["provider"] == "runpod" and out["location"] == "AP-JP-1" and out["name"] == "colocate-t1-apac-jp-g1"
+    assert requests.get(out["url"] + "/health", timeout=5).status_code == 200
+    sent = fake_runpod.calls("POST", "/v2/pods")
+    assert len(sent) == 1 and sent[0]["dataCenterIds"] == ["AP-JP-1"] and sent[0]["ports"] == ["8000/tcp"]
+    assert sent[0]["env"] == {"VLLM_API_KEY": TOKEN} and "--quantization gptq_marlin" in sent[0]["args"]
+    assert TOKEN not in err and API_KEY not in err and "elapsed" not in out
+    assert "PROVISIONING" in err and "health 200" in err  # progress lines on stderr
+
+
+def test_existing_pod_with_the_name_is_adopted_not_duplicated(fake_runpod, env, capsys):
+    spec_file = write_spec(env, make_spec("apac-jp", "runpod"))
+    code, first, _ = run(capsys, ["create", "--spec", spec_file])
+    code2, second, err = run(capsys, ["create", "--spec", spec_file])
+    assert (code, code2) == (0, 0)
+    assert second["id"] == first["id"] and second.get("adopted") is True and "adopting" in err
+    assert len(fake_runpod.live()) == 1 and len(fake_runpod.calls("POST", "/v2/pods")) == 1
+
+
+def test_capacity_only_in_the_second_location(fake_runpod, env, capsys):
+    fake_runpod.capacity["US-DE-1"] = False
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod"))])
+    assert code == 0, err
+    assert out["location"] == "US-NC-1"
+    assert [b["dataCenterIds"] for b in fake_runpod.calls("POST", "/v2/pods")] == [["US-DE-1"], ["US-NC-1"]]
+    assert "no capacity" in err and "US-DE-1" in err
+
+
+def test_no_capacity_anywhere_fails_with_a_table_and_leaves_nothing(fake_runpod, env, capsys):
+    locations = catalogue.region("us-east").locations("runpod")
+    fake_runpod.capacity.update({loc: False for loc in locations})
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod"))])
+    assert code == 1 and out is None
+    for loc in locations:
+        assert loc in err
+    assert "location" in err and "no longer any instances available" in err
+    assert [b["dataCenterIds"][0] for b in fake_runpod.calls("POST", "/v2/pods")] == list(locations)  # never elsewhere
+    assert fake_runpod.live() == []
+
+
+def test_rate_limited_then_success_honours_retry_after(fake_runpod, env, capsys):
+    fake_runpod.rate_limit("POST", "/v2/pods", count=1, retry_after="1")
+    t0 = time.monotonic()
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
+    assert code == 0, err
+    posts = fake_runpod.calls("POST", "/v2/pods")
+    assert len(posts) == 2  # the 429 and the retry
+    assert len(fake_runpod.live()) == 1
+    # the retry came no sooner than Retry-After (1 s), not after the 0.05 s backoff
+    assert time.monotonic() - fake_runpod.rate_limited_at[0] >= 0.95 and time.monotonic() - t0 >= 0.95
+
+
+def test_readiness_timeout_destroys_the_pod(fake_runpod, env, capsys):
+    fake_runpod.healthy = False  # RUNNING, address known, but /health answers 500
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", readyTimeoutS=1))])
+    assert code == 1 and out is None
+    assert "not ready after 1s" in err and "health 500" in err and "destroyed" in err
+    assert fake_runpod.live() == []
+
+
+def test_slow_readiness_reports_progress_and_succeeds(fake_runpod, env, capsys):
+    fake_runpod.ready_after = 12
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
+    assert code == 0, err
+    progress = [line for line in err.splitlines() if "PROVISIONING" in line]
+    assert len(progress) >= 10 and progress[0].lstrip().startswith("[")
+
+
+def test_delete_twice_and_from_pulumi_stdout(fake_runpod, env, capsys, monkeypatch):
+    code, created, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
+    assert code == 0
+    monkeypatch.setenv("PULUMI_COMMAND_STDOUT", json.dumps(created))
+    code, out, _ = run(capsys, ["delete"])
+    assert code == 0 and out == {"id": created["id"], "provider": "runpod", "deleted": True, "already_gone": False}
+    assert fake_runpod.live() == []
+    code, out, _ = run(capsys, ["delete", "--id", created["id"], "--provider", "runpod"])
+    assert code == 0 and out["already_gone"] is True
+
+
+def test_status_prints_state(fake_runpod, env, capsys):
+    code, created, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
+    code, out, _ = run(capsys, ["status", "--id", created["id"], "--provider", "runpod"])
+    assert code == 0 and out["state"] == "running" and out["raw_state"] == "RUNNING" and out["url"] == created["url"]
+    run(capsys, ["delete", "--id", created["id"], "--provider", "runpod"])
+    code, out, err = run(capsys, ["status", "--id", created["id"], "--provider", "runpod"])
+    assert code == 1 and "404" in err
+
+
+def test_runpod_cannot_serve_taiwan_exit_2_suggesting_vastai(env, capsys, monkeypatch):
+    spec = make_spec("apac-jp", "runpod")
+    spec["region"] = "apac-tw"  # a stale or hand-edited spec
+    monkeypatch.setenv("RUNPOD_API_KEY", "k")
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 2 and out is None and "vastai" in err and "Taiwan" in err
+
+
+def test_a_location_outside_the_region_is_refused(env, capsys, monkeypatch):
+    spec = make_spec("apac-jp", "runpod")
+    spec["locations"] = ["AP-JP-1", "US-DE-1"]
+    monkeypatch.setenv("RUNPOD_API_KEY", "k")
+    code, _, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 2 and "US-DE-1" in err and "spec.locations" in err
+
+
+def test_missing_key_and_token_are_config_errors(env, capsys, monkeypatch):
+    monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
+    spec_file = write_spec(env, make_spec("apac-jp", "runpod"))
+    code, _, err = run(capsys, ["create", "--spec", spec_file])
+    assert code == 2 and "RUNPOD_API_KEY" in err
+    monkeypatch.delenv("POD_TOKEN")
+    monkeypatch.setenv("RUNPOD_API_KEY", "k")
+    code, _, err = run(capsys, ["create", "--spec", spec_file])
+    assert code == 2 and "POD_TOKEN" in err
+    assert pod.main(["create"]) == 2 and pod.main(["nonsense"]) == 2
+
+
+def test_unauthorised_fails_at_once_and_redacts(fake_runpod, env, capsys, monkeypatch):
+    monkeypatch.setenv("RUNPOD_API_KEY", "wrong-key-value")
+    code, _, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
+    assert code == 1 and "401" in err and "wrong-key-value" not in err and TOKEN not in err
+    fake_runpod.violations.clear()  # the fake records nothing here, but be explicit: a 401 is an expected answer
+
+
+def test_crash_between_create_and_readiness_is_found_by_sweep(fake_runpod, env, capsys):
+    """A real process killed with SIGKILL mid-readiness (no cleanup possible); sweep finds and destroys the pod."""
+    fake_runpod.ready_after = 10_000  # never ready
+    spec_file = write_spec(env, make_spec("apac-jp", "runpod", readyTimeoutS=60))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "pod.py"), "create", "--spec", spec_file],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while not fake_runpod.live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fake_runpod.live(), "the subprocess never created a pod"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+    stray = fake_runpod.live()[0]["id"]
+    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "runpod"])
+    assert code == 0 and [s["id"] for s in out["strays"]] == [stray] and out["destroyed"] == []
+    assert len(fake_runpod.live()) == 1  # listing alone destroys nothing
+    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "runpod", "--destroy"])
+    assert code == 0 and out["destroyed"] == [stray] and fake_runpod.live() == []
+
+
+def test_sigterm_during_readiness_destroys_the_pod(fake_runpod, env):
+    fake_runpod.ready_after = 10_000
+    spec_file = write_spec(env, make_spec("apac-jp", "runpod", readyTimeoutS=60))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "pod.py"), "create", "--spec", spec_file],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy(), cwd=ROOT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not fake_runpod.live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode != 0 and out == "" and "destroyed" in err
+    assert fake_runpod.live() == []
+
+
+def test_sweep_keeps_the_current_pod_and_ignores_other_stacks(fake_runpod, env, capsys):
+    _, keep, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", gen=2))])
+    _, other, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", stack="t1-b"))])
+    _, old, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", gen=1))])
+    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "runpod", "--keep", keep["id"], "--destroy"])
+    assert code == 0 and out["destroyed"] == [old["id"]]
+    assert sorted(p["id"] for p in fake_runpod.live()) == sorted([keep["id"], other["id"]])
+
+
+# ------------------------------------------------------------------ Vast.ai
+def test_vastai_happy_path_cheapest_in_region_offer(fake_vast, env, capsys):
+    fake_vast.offers = [offer(11, "TW", 0.55), offer(12, "TW", 0.41), offer(13, "JP", 0.20, city="Tokyo"),
+                        offer(14, "TW", 0.30, reliability=0.90), offer(15, "TW", 0.95)]
+    fake_vast.ready_after = 3
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", maxPricePerHr=0.6))])
+    assert code == 0, err
+    assert out["provider"] == "vastai" and out["location"] == "TW" and out["cost_per_hr"] == 0.41
+    assert fake_vast.calls("PUT", "/api/v0/asks/")[0]["label"] == "colocate-t1-apac-tw-g1"
+    search = fake_vast.calls("POST", "/api/v0/bundles")[0]
+    assert search["geolocation"] == {"in": ["TW"]} and search["dph_total"] == {"lte": 0.6}
+    assert search["reliability"] == {"gte": 0.98} and search["direct_port_count"] == {"gte": 1}
+    assert requests.get(out["url"] + "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).ok
+    assert TOKEN not in err
+
+
+def test_vastai_taken_offer_moves_to_the_next(fake_vast, env, capsys):
+    fake_vast.offers = [offer(21, "TW", 0.30), offer(22, "TW", 0.40)]
+    fake_vast.taken.add(21)
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
+    assert code == 0, err
+    assert out["cost_per_hr"] == 0.40 and "taken" in err
+
+
+def test_vastai_no_offers_fails_with_a_table(fake_vast, env, capsys):
+    fake_vast.offers = [offer(31, "JP", 0.2, city="Tokyo"), offer(32, "TW", 2.0)]
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
+    assert code == 1 and out is None and "no offer" in err and "TW" in err
+    assert fake_vast.calls("PUT", "/api/v0/asks/") == [] and fake_vast.live() == []
+
+
+def test_vastai_exited_instance_is_destroyed(fake_vast, env, capsys):
+    fake_vast.offers = [offer(41, "TW", 0.3)]
+    fake_vast.ready_after = 100
+    fake_vast.dies_after = 3
+    code, _, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
+    assert code == 1 and "exited" in err and "never serve" in err
+    assert fake_vast.live() == []
+
+
+def test_vastai_429_then_success_and_delete_twice(fake_vast, env, capsys):
+    fake_vast.offers = [offer(51, "TW", 0.3)]
+    # (the spec declares 429 for renting and showing instances, not for the offer search)
+    fake_vast.rate_limit("PUT", "/api/v0/asks/", count=1, retry_after="0")
+    fake_vast.rate_limit("GET", "/api/v0/instances/", count=2, retry_after="0")
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
+    assert code == 0, err
+    assert len(fake_vast.calls("PUT", "/api/v0/asks/")) == 2 and len(fake_vast.live()) == 1
+    for expect_gone in (False, True):
+        code, res, _ = run(capsys, ["delete", "--id", out["id"], "--provider", "vastai"])
+        assert code == 0 and res["already_gone"] is expect_gone
+    assert fake_vast.live() == []
+
+
+def test_vastai_cannot_serve_us_east(env, capsys, monkeypatch):
+    spec = make_spec("apac-tw", "vastai")
+    spec["region"] = "us-east"
+    monkeypatch.setenv("VASTAI_API_KEY", "k")
+    code, _, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 2 and "runpod" in err
+
+
+def test_fake_rejects_a_request_outside_the_spec(fake_runpod):
+    """The fake itself must fail loudly: a v1-style path and an unknown body field are violations."""
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    r = requests.post(fake_runpod.url + "/v2/pods", json={"name": "x", "image": "i", "gpu": {"id": "g"}, "bogus": 1}, headers=h, timeout=5)
+    assert r.status_code == 599
+    r = requests.get(fake_runpod.url + "/v1/pods", headers=h, timeout=5)
+    assert r.status_code == 599
+    assert len(fake_runpod.violations) == 2 and "bogus" in fake_runpod.violations[0]
+    fake_runpod.violations.clear()

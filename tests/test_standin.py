@@ -1,0 +1,135 @@
+"""The local stand-in pod: OpenAI-compatible routes, auth like vLLM's --api-key, faults, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from colocate.pods import standin
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def pod():
+    with standin.serve(compute_ms=5, token="s3cret", model="m1") as server:
+        yield server
+
+
+def auth(token="s3cret"):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_health_is_open_and_models_need_the_token(pod):
+    assert requests.get(pod.url + "/health", timeout=5).json() == {"status": "ok"}
+    r = requests.get(pod.url + "/v1/models", timeout=5)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = requests.get(pod.url + "/v1/models", headers=auth("wrong"), timeout=5)
+    assert r.status_code == 401
+    r = requests.get(pod.url + "/v1/models", headers=auth(), timeout=5)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["m1"]
+
+
+def test_no_token_configured_means_open():
+    with standin.serve(compute_ms=0) as server:
+        r = requests.post(server.url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_chat_completion_takes_compute_time_and_counts(pod):
+    with standin.serve(compute_ms=120, model="m") as slow:
+        t0 = time.monotonic()
+        r = requests.post(slow.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}, timeout=5)
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 200 and elapsed >= 0.12
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+        assert slow.requests == 1
+    requests.get(pod.url + "/health", timeout=5)
+    assert pod.requests == 0  # health checks are not inference requests
+
+
+def test_streaming_sends_one_sse_chunk_per_token_then_done(pod):
+    body = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    with requests.post(pod.url + "/v1/chat/completions", json=body, headers=auth(), stream=True, timeout=5) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    assert len(chunks) > 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_bad_requests_get_json_errors(pod):
+    r = requests.post(pod.url + "/v1/chat/completions", data=b"{nope", headers=auth(), timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = requests.post(pod.url + "/v1/chat/completions", json={"model": "m1"}, headers=auth(), timeout=5)
+    assert r.status_code == 400
+    r = requests.get(pod.url + "/nowhere", timeout=5)
+    assert r.status_code == 404
+
+
+def test_fault_injection_error_slow_hang_and_back(pod):
+    msg = {"messages": [{"role": "user", "content": "x"}]}
+    r = requests.post(pod.url + "/_standin/fault", json={"mode": "error"}, timeout=5)
+    assert r.json()["fault"]["mode"] == "error"
+    assert requests.post(pod.url + "/v1/chat/completions", json=msg, headers=auth(), timeout=5).status_code == 500
+    assert requests.get(pod.url + "/health", timeout=5).status_code == 500
+    pod.set_fault("slow", delay_ms=150)
+    t0 = time.monotonic()
+    assert requests.get(pod.url + "/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 >= 0.15
+    pod.set_fault("hang")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.get(pod.url + "/health", timeout=0.3)
+    pod.set_fault("ok")
+    assert requests.get(pod.url + "/health", timeout=5).status_code == 200
+    r = requests.post(pod.url + "/_standin/fault", json={"mode": "explode"}, timeout=5)
+    assert r.status_code == 400 and "explode" in r.json()["error"]["message"]
+
+
+def test_a_hanging_request_does_not_block_shutdown():
+    with standin.serve(compute_ms=0) as server:
+        server.set_fault("hang")
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.1)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5
+    s.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+
+
+def test_cli_prints_url_writes_port_file_and_stops_on_sigterm(tmp_path):
+    port_file = tmp_path / "p.json"
+    env = {**os.environ, "POD_TOKEN": "tok", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port", "0", "--compute-ms", "1",
+                             "--model", "cli-model", "--port-file", str(port_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    try:
+        line = proc.stdout.readline()
+        info = json.loads(line)
+        assert info["url"] == f"http://127.0.0.1:{info['port']}"
+        assert json.loads(port_file.read_text())["pid"] == proc.pid
+        r = requests.get(info["url"] + "/v1/models", headers=auth("tok"), timeout=5)
+        assert r.json()["data"][0]["id"] == "cli-model"
+        assert requests.get(info["url"] + "/v1/models", timeout=5).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert not port_file.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
