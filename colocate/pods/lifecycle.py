@@ -71,8 +71,24 @@ def _create(spec: PodSpec, provider: Provider, token: str) -> dict:
         for extra in live[1:]:
             log(f"warning: {extra.id} also carries the name {spec.name}; `sweep --keep {pod.id} --destroy` removes it")
         return _ready_or_destroy(spec, provider, pod.id, adopted=True)
-    pod_id = _place(spec, provider, token)
+    try:
+        pod_id = _place(spec, provider, token)
+    except (KeyboardInterrupt, SystemExit):
+        # Interrupted while a create was in flight: it may have landed without us
+        # learning its id. Find it by its name and destroy it.
+        _destroy_named(spec, provider)
+        raise
     return _ready_or_destroy(spec, provider, pod_id, adopted=False)
+
+
+def _destroy_named(spec: PodSpec, provider: Provider) -> None:
+    try:
+        for pod in provider.list_pods():
+            if pod.name == spec.name and pod.state != DEAD:
+                provider.destroy(pod.id)
+                log(f"destroyed {pod.id} (created as the interrupt arrived)")
+    except Exception as cleanup:  # noqa: BLE001 - report; the interrupt is what matters
+        log(f"ERROR: could not look for {spec.name} ({cleanup}); run `scripts/pod.py sweep --stack {spec.stack} --destroy`")
 
 
 def _place(spec: PodSpec, provider: Provider, token: str) -> str:

@@ -105,6 +105,7 @@ class StandinServer(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
+    disable_nagle_algorithm = True  # headers and body go out in separate writes: avoid 40 ms delayed-ACK stalls
     protocol_version = "HTTP/1.1"
     server: StandinServer
     server_version = "colocate-standin/1"

@@ -1,0 +1,14 @@
+"""The sandbox: one cell realised on this machine (workerd, a local pod, an emulated geography).
+
+    errors.py      SandboxError and its subclasses
+    geography.py   sites, the round-trip model (floor x stretch, overrides, same-site floor)
+    pinning.py     where each generation was first touched, kept in <state_dir>/pins.json
+    proxies.py     the emulated network: front proxy, outbound proxy, pin control endpoint
+    js/wrapper.js  sandbox-only Worker entry: the product Worker, its BREAKER namespace wrapped
+    config.py      the workerd config composed from the cell plan
+    supervisor.py  up / down / status: processes, state directory, lock, cleanup
+    demo.py        the field story told with the running cell (``make demo``)
+
+The product Worker's bytes are the ones the cloud receives; every delay is added by
+the proxies and the wrapper, never inside the router.
+"""

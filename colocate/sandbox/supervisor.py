@@ -1,0 +1,695 @@
+"""Processes, state directory, lock and cleanup of one sandbox.
+
+``up`` validates the stack and builds the plan in the calling process (a bad stack fails
+before anything starts), then starts a detached **runner** (``python -m
+colocate.sandbox.supervisor run STATE_DIR``) in its own session and process group. The
+runner owns every part of the cell until ``down``:
+
+    pod        scripts/pod.py create --spec -  (provider local: a detached stand-in)
+    fallback   a stand-in "external API" (child process)
+    network    front proxy + outbound proxy + pin control (threads of the runner)
+    workerd    the product Worker behind the sandbox entry (child process)
+
+State directory (default ``<repo>/.colocate/sandbox/<stack>/``):
+
+    secrets.json   generated once, mode 0600 (pod, probe, fallback tokens)
+    pins.json      where each generation was first touched; survives down/up
+    objects/<SITE> each object host's SQLite storage; survives down/up
+    sandbox.lock   flock held by the runner for its whole life (a second ``up`` sees it)
+    run.json       runner pid/pgid;  launch.json  what ``up`` asked for
+    ready.json     what ``up`` prints (mode 0600: it holds the probe token)
+    workerd.capnp  the generated config (mode 0600: it holds secret bindings)
+    pods/          scripts/pod.py's local pod state;  pod.json  the create's output
+    logs/          runner.log, workerd.log, fallback.log, pod.log
+
+``down`` sends SIGTERM to the runner, which stops its children, deletes the pod through
+``scripts/pod.py delete`` and releases the lock; what lingers is killed by process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets as secrets_mod
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import settings as settings_mod
+from .. import stackfile
+from ..plan import POD_URL_FROM_OUTPUT, CellPlan, plan_cell
+from . import config as config_mod
+from .errors import AlreadyRunning, StartupFailed
+from .geography import FALLBACK_SITE, Geography, Sites, landing_site, site
+from .pinning import FILE_NAME as PINS_FILE, Pins
+from .proxies import Network, NetworkServers
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERD = ROOT / "node_modules" / ".bin" / "workerd"
+POD_SCRIPT = ROOT / "scripts" / "pod.py"
+SANDBOX_SECRETS = ("podToken", "probeToken", "fallbackApiKey")  # fallbackUrl is the fallback's URL, known at start
+PLACEHOLDER_ACCOUNT = "0" * 32  # the sandbox never calls Cloudflare
+FALLBACK_COMPUTE_MS = 95
+FALLBACK_MODEL = "sandbox/fallback"
+UP_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 20.0
+CHILD_TIMEOUT_S = 30.0
+POD_TIMEOUT_S = 60.0
+
+
+def default_state_dir(stack: str) -> Path:
+    return ROOT / ".colocate" / "sandbox" / stack
+
+
+def _log(msg: str) -> None:
+    print(f"[sandbox] {msg}", file=sys.stderr, flush=True)
+
+
+def _write_json(path: Path, data: dict, mode: int = 0o644) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(ChildProcessError):  # reap our own zombie, if it is one
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    return True
+
+
+# --- secrets and plan --------------------------------------------------------------------
+
+def load_secrets(state_dir: Path) -> dict[str, str]:
+    """The sandbox's secrets, generated once per state directory (mode 0600)."""
+    path = Path(state_dir) / "secrets.json"
+    data = _read_json(path) if path.exists() else None
+    if not data or any(not isinstance(data.get(k), str) or not data.get(k) for k in SANDBOX_SECRETS):
+        data = {k: secrets_mod.token_hex(24) for k in SANDBOX_SECRETS}
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        _write_json(path, data, 0o600)
+    return data
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What ``up`` was asked for; the runner re-derives the same plan from it."""
+
+    stack: str
+    stacks_dir: str
+    client_site: str | None
+    stretch: float | None
+    rtt: tuple[str, ...]
+    force_split: bool
+
+    def as_json(self) -> dict:
+        return {"stack": self.stack, "stacks_dir": self.stacks_dir, "client_site": self.client_site,
+                "stretch": self.stretch, "rtt": list(self.rtt), "force_split": self.force_split}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Launch:
+        return cls(d["stack"], d["stacks_dir"], d.get("client_site"), d.get("stretch"), tuple(d.get("rtt", ())),
+                   bool(d.get("force_split")))
+
+
+SPLIT_WARNING = (
+    "WARNING: --force-split: the plan's refusal to split state from compute is OVERRIDDEN. "
+    "This reproduces a hand-rolled move for the demo; the Pulumi program never allows it."
+)
+
+
+def build_plan(launch: Launch) -> tuple[CellPlan, list[str]]:
+    """Read and validate the stack, build the cell plan. Returns (plan, notes for stderr)."""
+    raw, secret_names = stackfile.read_config(launch.stack, Path(launch.stacks_dir))
+    notes = []
+    raw.setdefault("accountId", PLACEHOLDER_ACCOUNT)
+    pod = dict(raw.get("pod") or {})
+    if pod.get("provider", settings_mod.POD_DEFAULTS["provider"]) != "local":
+        notes.append(f"colocate:pod.provider is {pod.get('provider', settings_mod.POD_DEFAULTS['provider'])!r}: "
+                     "the sandbox never rents a GPU, it runs the local stand-in pod instead")
+        pod["provider"] = "local"
+        raw["pod"] = pod
+    names = frozenset(secret_names) | frozenset(settings_mod.ALWAYS_SECRET)
+    s = settings_mod.parse(raw, launch.stack, secrets=names, env={}, allow_split_state=launch.force_split)
+    if launch.force_split:
+        notes.append(SPLIT_WARNING)
+    return plan_cell(s), notes
+
+
+def sites_for(plan: CellPlan, launch: Launch, pod_location: str) -> Sites:
+    reg = plan.region
+    client = site(launch.client_site, "--client-site") if launch.client_site else reg.edge_site
+    # Targeted placement runs the Worker at the region's edge site; smart placement is
+    # emulated as "ran where accepted".
+    edge = reg.edge_site if "region" in plan.worker.placement else client
+    return Sites(client=client, edge=edge, pod=reg.site_of(pod_location) if pod_location != "local" else edge,
+                 fallback=FALLBACK_SITE)
+
+
+def object_sites(plan: CellPlan, edge: str, pins: Pins) -> list[str]:
+    """Every site an object of this cell may live at: the edge, where each of the ledger's
+    generations would land, and where objects already are."""
+    wanted = {edge, *pins.all().values()}
+    state = plan.state
+    for hint in (state.hint, state.draining_hint):
+        wanted.add(landing_site(edge, hint or ""))
+    return sorted(wanted)
+
+
+# --- the lock ----------------------------------------------------------------------------
+
+def _lock_path(state_dir: Path) -> Path:
+    return Path(state_dir) / "sandbox.lock"
+
+
+def try_lock(state_dir: Path) -> int | None:
+    """An fd holding the state directory's lock, or None when a sandbox runs there."""
+    fd = os.open(_lock_path(state_dir), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+def is_running(state_dir: Path) -> bool:
+    if not _lock_path(state_dir).exists():
+        return False
+    fd = try_lock(state_dir)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def _pids(state_dir: Path) -> dict:
+    ready = _read_json(Path(state_dir) / "ready.json") or {}
+    run = _read_json(Path(state_dir) / "run.json") or {}
+    return ready.get("pids") or {"runner": run.get("pid")}
+
+
+# --- up / down / status --------------------------------------------------------------------
+
+def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfile.STACKS_DIR,
+       client_site: str | None = None, stretch: float | None = None, rtt: tuple[str, ...] = (),
+       force_split: bool = False, timeout_s: float = UP_TIMEOUT_S) -> dict:
+    """Start the sandboxed cell; return what ``sandbox.py up`` prints."""
+    state_dir = Path(state_dir or default_state_dir(stack)).resolve()
+    launch = Launch(stack, str(Path(stacks_dir).resolve()), client_site, stretch, tuple(rtt), force_split)
+    Geography.from_args(stretch, rtt)  # a bad --stretch/--rtt fails here, before anything starts
+    if client_site:
+        site(client_site, "--client-site")
+    _, notes = build_plan(launch)  # a bad stack fails here too
+    for note in notes:
+        _log(note)
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    fd = try_lock(state_dir)
+    if fd is None:
+        pids = ", ".join(f"{k} {v}" for k, v in _pids(state_dir).items() if v)
+        raise AlreadyRunning(f"a sandbox is already running in {state_dir} (pids {pids or 'unknown'}); "
+                             f"run `scripts/sandbox.py down --state-dir {state_dir}` first")
+    try:
+        load_secrets(state_dir)
+        for stale in ("ready.json", "failed.json"):
+            (state_dir / stale).unlink(missing_ok=True)
+        _write_json(state_dir / "launch.json", launch.as_json())
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        # A short-lived launcher starts the runner in a new session and exits at once, so
+        # the runner is nobody's child: it outlives `up` and is never left a zombie.
+        with open(state_dir / "logs" / "runner.log", "ab") as log:
+            launched = subprocess.run(
+                [sys.executable, "-m", "colocate.sandbox.supervisor", "launch", str(state_dir), "--lock-fd", str(fd)],
+                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                pass_fds=(fd,), start_new_session=True, timeout=30, check=True,
+            )
+        runner = int(launched.stdout.strip())
+        with contextlib.suppress(ProcessLookupError):  # so that a Ctrl-C from here on finds it
+            _write_json(state_dir / "run.json", {"pid": runner, "pgid": os.getpgid(runner), "started_at": time.time()})
+        os.close(fd)  # the runner holds the lock from now on
+        fd = None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready = _read_json(state_dir / "ready.json")
+            if ready:
+                return ready
+            failed = _read_json(state_dir / "failed.json")
+            if failed or not alive(runner):
+                why = (failed or {}).get("error") or "the runner exited"
+                raise StartupFailed(f"sandbox did not come up: {why}. Logs: {state_dir / 'logs'}")
+            time.sleep(0.1)
+        raise StartupFailed(f"sandbox did not come up within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
+    except BaseException:
+        # Ctrl-C or a failure while starting: nothing may be left behind.
+        if fd is not None:
+            os.close(fd)
+        down(state_dir, quiet=True)  # idempotent; finds the runner through run.json
+        raise
+
+
+def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None = None,
+          force_split: bool = False, timeout_s: float = UP_TIMEOUT_S) -> dict:
+    """Deploy the stack file's current state to a running sandbox (its `pulumi up`)."""
+    state_dir = Path(state_dir or default_state_dir(stack)).resolve()
+    previous = _read_json(state_dir / "ready.json")
+    run = _read_json(state_dir / "run.json") or {}
+    if not previous or not is_running(state_dir) or not alive(run.get("pid")):
+        raise NotRunning(f"no sandbox runs in {state_dir}; start one with `scripts/sandbox.py up --stack {stack}`")
+    old = Launch.from_json(_read_json(state_dir / "launch.json") or {})
+    launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
+                    force_split)
+    _, notes = build_plan(launch)  # a bad stack fails here, and the running cell is untouched
+    for note in notes:
+        _log(note)
+    _write_json(state_dir / "launch.json", launch.as_json())
+    (state_dir / "apply-failed.json").unlink(missing_ok=True)
+    os.kill(run["pid"], signal.SIGHUP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready = _read_json(state_dir / "ready.json") or {}
+        if ready.get("revision", 0) > previous.get("revision", 0):
+            return ready
+        failed = _read_json(state_dir / "apply-failed.json")
+        if failed:
+            raise StartupFailed(f"apply failed: {failed.get('error')}; the previous version still serves. "
+                                f"Logs: {state_dir / 'logs'}")
+        if not alive(run["pid"]):
+            raise StartupFailed(f"the sandbox stopped during apply. Logs: {state_dir / 'logs'}")
+        time.sleep(0.1)
+    raise StartupFailed(f"apply did not finish within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    return _signal_group(pgid, 0)
+
+
+def down(state_dir: Path, quiet: bool = False) -> dict:
+    """Stop everything the sandbox started in ``state_dir``; idempotent."""
+    state_dir = Path(state_dir).resolve()
+    run = _read_json(state_dir / "run.json") or {}
+    pid, pgid = run.get("pid"), run.get("pgid")
+    stopped = []
+    if pid and alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped.append(pid)
+    if pgid and _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)  # whatever the runner could not stop
+        deadline = time.monotonic() + 5
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    pod_deleted = _delete_pod(state_dir)  # the runner normally did this; a crash may not have
+    for name in ("run.json", "ready.json"):
+        (state_dir / name).unlink(missing_ok=True)
+    if not quiet:
+        _log(f"stopped {state_dir}")
+    return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pod_deleted, "running": is_running(state_dir)}
+
+
+def _http_ok(url: str, headers: dict | None = None, timeout: float = 2.0) -> tuple[bool, int | None]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+            return 200 <= r.status < 300, r.status
+    except urllib.error.HTTPError as exc:
+        return False, exc.code
+    except (OSError, ValueError):
+        return False, None
+
+
+def status(state_dir: Path) -> dict:
+    state_dir = Path(state_dir).resolve()
+    ready = _read_json(state_dir / "ready.json")
+    running = is_running(state_dir)
+    out: dict = {"state_dir": str(state_dir), "running": running, "pins": Pins(state_dir / PINS_FILE).all()}
+    if not ready:
+        return out
+    pids = ready.get("pids", {})
+    health = {name: alive(pid) for name, pid in pids.items()}
+    worker_ok, worker_status = _http_ok(ready["worker_url"] + "/_colocate/probe",
+                                        {"authorization": f"Bearer {ready['token']}"}, timeout=10)
+    pod_ok, _ = _http_ok(ready["pod_url"] + "/health")
+    net_ok, _ = _http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
+    out.update({k: ready[k] for k in ("stack", "region", "worker_url", "pod_url", "sites", "generation", "draining") if k in ready})
+    out["pids"] = pids
+    out["health"] = {"processes": health, "worker_probe": worker_ok, "worker_status": worker_status, "pod": pod_ok,
+                     "network": net_ok}
+    out["healthy"] = running and all(health.values()) and worker_ok and pod_ok and net_ok
+    return out
+
+
+# --- the pod, through the same script the cloud uses ----------------------------------------
+
+def _pod_env(state_dir: Path, token: str) -> dict:
+    return {**os.environ, "POD_TOKEN": token, "COLOCATE_STATE_DIR": str(state_dir),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def _create_pod(state_dir: Path, plan: CellPlan, token: str) -> dict:
+    with open(state_dir / "logs" / "pod.log", "ab") as log:
+        proc = subprocess.run([sys.executable, str(POD_SCRIPT), "create", "--spec", "-"],
+                              input=json.dumps(plan.pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
+                              env=_pod_env(state_dir, token), cwd=ROOT, timeout=POD_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise StartupFailed(f"scripts/pod.py create exited {proc.returncode}; see {state_dir / 'logs' / 'pod.log'}")
+    created = json.loads(proc.stdout)
+    _write_json(state_dir / "pod.json", created)
+    return created
+
+
+def _delete_pod(state_dir: Path, created: dict | None = None) -> bool:
+    """Delete the cell's pod (``pod.json``), or the given one (a pod replaced by ``apply``)."""
+    current = created is None
+    created = created or _read_json(state_dir / "pod.json")
+    if not created:
+        return False
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    with open(state_dir / "logs" / "pod.log", "ab") as log:
+        proc = subprocess.run([sys.executable, str(POD_SCRIPT), "delete", "--id", created["id"]],
+                              stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                              env=_pod_env(state_dir, ""), cwd=ROOT, timeout=POD_TIMEOUT_S)
+    if proc.returncode == 0:
+        if current:
+            (state_dir / "pod.json").unlink(missing_ok=True)
+        return True
+    return False
+
+
+# --- the runner --------------------------------------------------------------------------
+
+class Runner:
+    """Owns every part of one running sandbox. Lives in its own process group."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = Path(state_dir)
+        self.logs = self.state_dir / "logs"
+        self.stop = threading.Event()
+        self.children: dict[str, subprocess.Popen] = {}
+        self.servers: NetworkServers | None = None
+        self.network: Network | None = None
+        self.reload = threading.Event()  # SIGHUP: `sandbox.py apply` asks for a deploy
+        self.revision = 0
+        self.fallback_url = ""
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=ROOT,
+                                pass_fds=pass_fds)
+        log.close()
+        self.children[name] = proc
+        return proc
+
+    def _start_fallback(self, api_key: str) -> str:
+        port_file = self.state_dir / "fallback.port"
+        port_file.unlink(missing_ok=True)
+        env = {**os.environ, "POD_TOKEN": api_key,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = self._spawn("fallback", [sys.executable, "-m", "colocate.pods.standin", "--host", "127.0.0.1", "--port", "0",
+                                        "--compute-ms", str(FALLBACK_COMPUTE_MS), "--model", FALLBACK_MODEL,
+                                        "--name", "fallback", "--port-file", str(port_file)], env=env)
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stop.is_set():
+            info = _read_json(port_file)
+            if info and info.get("url"):
+                return info["url"]
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise StartupFailed(f"the fallback stand-in did not start; see {self.logs / 'fallback.log'}")
+
+    def _start_workerd(self, config_path: Path) -> int:
+        if not WORKERD.exists():
+            raise StartupFailed(f"{WORKERD} is missing. Fix: run `make setup` (npm ci installs workerd)")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        try:
+            # workerd listens on the socket we bound (port 0, real port known up front).
+            self._spawn("workerd", [str(WORKERD), "serve", str(config_path), "-S",
+                                    f"{config_mod.SOCKET_NAME}={sock.fileno()}"], pass_fds=(sock.fileno(),))
+        finally:
+            sock.close()
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stop.is_set():
+            ok, code = _http_ok(f"http://127.0.0.1:{port}/_colocate/probe", timeout=5)
+            if code is not None:
+                return port
+            if self.children["workerd"].poll() is not None:
+                break
+            time.sleep(0.1)
+        raise StartupFailed(f"workerd did not answer; see {self.logs / 'workerd.log'}")
+
+    def start(self) -> dict:
+        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
+        plan, _ = build_plan(launch)
+        geography = Geography.from_args(launch.stretch, launch.rtt)
+        secrets = load_secrets(self.state_dir)
+        pins = Pins(self.state_dir / PINS_FILE)
+
+        created = _create_pod(self.state_dir, plan, secrets["podToken"])
+        pod_url = created["url"].rstrip("/")
+        sites = sites_for(plan, launch, created.get("location", "local"))
+        fallback_url = self._start_fallback(secrets["fallbackApiKey"])
+
+        def hostport(url: str) -> str:
+            return url.split("://", 1)[1].split("/", 1)[0]
+
+        network = Network(geography, sites, pins, targets={hostport(pod_url): sites.pod, hostport(fallback_url): sites.fallback})
+        self.network = network
+        self.fallback_url = fallback_url
+        self.servers = NetworkServers(network)
+        wport, state_sites = self._launch_workerd(plan, sites, pod_url)
+        network.resume(("127.0.0.1", wport))
+        return self._ready(plan, launch, created, sites, state_sites, wport)
+
+    def _launch_workerd(self, plan: CellPlan, sites: Sites, pod_url: str) -> tuple[int, list[str]]:
+        pins = Pins(self.state_dir / PINS_FILE)
+        state_sites = object_sites(plan, sites.edge, pins)
+        objects = self.state_dir / "objects"
+        values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url, POD_URL_FROM_OUTPUT: pod_url}
+        text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
+                                  outbound=("127.0.0.1", self.servers.outbound.port), objects_dir=objects)
+        config_path = config_mod.write(self.state_dir / "workerd.capnp", text, objects, state_sites)
+        return self._start_workerd(config_path), state_sites
+
+    def apply(self) -> dict:
+        """The sandbox's `pulumi up` on a running cell: re-plan from the stack file, create the
+        new pod before deleting the old one, and swap workerd with no request dropped (new
+        requests wait at the edge while in-flight ones finish)."""
+        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
+        plan, _ = build_plan(launch)
+        token = load_secrets(self.state_dir)["podToken"]
+        old_created = _read_json(self.state_dir / "pod.json") or {}
+        replaced = old_created.get("name") != plan.pod.name
+        created = _create_pod(self.state_dir, plan, token) if replaced else old_created
+        pod_url = created["url"].rstrip("/")
+        sites = sites_for(plan, launch, created.get("location", "local"))
+        target = pod_url.split("://", 1)[1].split("/", 1)[0]
+        net = self.network
+        net.targets[target] = sites.pod  # before the swap: the new version's first requests need it
+        if not net.pause():
+            _log("apply: in-flight requests did not finish in time; swapping anyway")
+        old = self.children.pop("workerd", None)
+        try:
+            if old is not None and old.poll() is None:
+                old.terminate()
+                try:
+                    old.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    old.kill()
+                    old.wait(timeout=5)
+            wport, state_sites = self._launch_workerd(plan, sites, pod_url)
+        except BaseException:
+            net.resume(net.workerd)  # never leave requests held
+            raise
+        net.resume(("127.0.0.1", wport), sites=sites)
+        if replaced and old_created:
+            _delete_pod(self.state_dir, old_created)
+        self._purge_retired(plan)
+        return self._ready(plan, launch, created, sites, state_sites, wport)
+
+    def _purge_retired(self, plan: CellPlan) -> None:
+        """What the cell's purge commands do after `finish`: once per retired generation,
+        through the Worker's own endpoint (as `migrate.py purge` does in the cloud)."""
+        record = self.state_dir / "purged.json"
+        done = set((_read_json(record) or {}).get("purged", []))
+        token = load_secrets(self.state_dir)["probeToken"]
+        for gen in plan.state.purge:
+            if gen in done:
+                continue
+            req = urllib.request.Request(f"http://127.0.0.1:{self.servers.front.port}/_colocate/purge",
+                                         data=json.dumps({"generation": gen}).encode(), method="POST",
+                                         headers={"authorization": f"Bearer {token}", "content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                _log(f"purged {gen}: {resp.read().decode()[:200]}")
+            done.add(gen)
+            _write_json(record, {"purged": sorted(done)})
+
+    def _ready(self, plan: CellPlan, launch: Launch, created: dict, sites: Sites, state_sites: list[str],
+               wport: int) -> dict:
+        self.revision += 1
+        secrets = load_secrets(self.state_dir)
+        pins = Pins(self.state_dir / PINS_FILE)
+        pod_url = created["url"].rstrip("/")
+        fallback_url = self.fallback_url
+        geography = self.network.geography
+        state = plan.state
+        return {
+            "stack": plan.stack,
+            "region": plan.region.name,
+            "worker_url": f"http://127.0.0.1:{self.servers.front.port}",
+            "pod_url": pod_url,
+            "pod_id": created.get("id"),
+            "pod_location": created.get("location"),
+            "fallback_url": fallback_url,
+            "token": secrets["probeToken"],
+            "state_dir": str(self.state_dir),
+            "generation": state.active.name,
+            "hint": state.hint,
+            "draining": state.draining.name if state.draining else None,
+            "force_split": launch.force_split,
+            "sites": {**sites.as_json(), "objects": state_sites, "placement": sites.placement},
+            "geography": geography.as_json(),
+            "pins": pins.all(),
+            "ports": {"front": self.servers.front.port, "outbound": self.servers.outbound.port, "workerd": wport},
+            "pids": {"runner": os.getpid(), "workerd": self.children["workerd"].pid,
+                     "fallback": self.children["fallback"].pid, "pod": _pod_pid(self.state_dir, created)},
+            "logs": str(self.logs),
+            "revision": self.revision,
+        }
+
+    def watch(self) -> str:
+        """Wait until told to stop or a child dies; apply deploys when asked; say why it ended."""
+        while not self.stop.wait(0.2):
+            if self.reload.is_set():
+                self.reload.clear()
+                (self.state_dir / "apply-failed.json").unlink(missing_ok=True)
+                try:
+                    ready = self.apply()
+                    _write_json(self.state_dir / "ready.json", ready, 0o600)
+                    _log(f"applied revision {ready['revision']}: generation {ready['generation']}, edge {ready['sites']['edge']}")
+                except Exception as exc:  # noqa: BLE001 - reported to `apply`; the old version keeps serving
+                    _log(f"apply failed: {type(exc).__name__}: {exc}")
+                    _write_json(self.state_dir / "apply-failed.json", {"error": str(exc)})
+            for name, proc in self.children.items():
+                if proc.poll() is not None:
+                    return f"{name} exited with {proc.returncode}"
+        return "stop requested"
+
+    def cleanup(self) -> None:
+        for name, proc in list(self.children.items())[::-1]:
+            if proc.poll() is None:
+                proc.terminate()
+        for name, proc in self.children.items():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if self.servers:
+            self.servers.close()
+        _delete_pod(self.state_dir)
+
+
+def _pod_pid(state_dir: Path, created: dict) -> int | None:
+    record = _read_json(state_dir / "pods" / f"{created.get('name', '')}.json")
+    return record.get("pid") if record else None
+
+
+def run(state_dir: Path) -> int:
+    """The runner's main: start everything, report readiness, wait, clean up."""
+    state_dir = Path(state_dir)
+    runner = Runner(state_dir)
+
+    def on_signal(signum, _frame):
+        runner.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: runner.reload.set())
+    _write_json(state_dir / "run.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
+    code = 0
+    try:
+        ready = runner.start()
+        if runner.stop.is_set():
+            return 0
+        _write_json(state_dir / "ready.json", ready, 0o600)
+        _log(f"up: {ready['worker_url']} (edge {ready['sites']['edge']}, objects at {ready['sites']['objects']})")
+        why = runner.watch()
+        _log(f"stopping: {why}")
+        code = 0 if why == "stop requested" else 1
+    except Exception as exc:  # noqa: BLE001 - reported to `up` through failed.json, then cleaned up
+        _log(f"failed: {type(exc).__name__}: {exc}")
+        _write_json(state_dir / "failed.json", {"error": str(exc)})
+        code = 1
+    finally:
+        runner.cleanup()
+        (state_dir / "ready.json").unlink(missing_ok=True)
+        _log("stopped")
+    return code
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m colocate.sandbox.supervisor")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the runner (started by sandbox.py up; not for direct use)")
+    r.add_argument("state_dir", type=Path)
+    r.add_argument("--lock-fd", type=int, help="inherited fd holding the state directory's lock")
+    la = sub.add_parser("launch", help="start the runner detached and print its pid (used by up)")
+    la.add_argument("state_dir", type=Path)
+    la.add_argument("--lock-fd", type=int, required=True)
+    a = p.parse_args()
+    if a.cmd == "launch":
+        child = subprocess.Popen([sys.executable, "-m", "colocate.sandbox.supervisor", "run", str(a.state_dir),
+                                  "--lock-fd", str(a.lock_fd)], stdin=subprocess.DEVNULL, stdout=sys.stderr,
+                                 stderr=sys.stderr, pass_fds=(a.lock_fd,))
+        print(child.pid, flush=True)
+        os._exit(0)  # leave the runner running; no destructor waits on it
+    sys.exit(run(a.state_dir))

@@ -1,0 +1,224 @@
+"""Fixtures for the Worker tests: a cell (stand-in pod + stand-in fallback + workerd)
+configured from the sandbox stack's plan, and a small HTTP client.
+
+The plan comes from ``stacks/Pulumi.sandbox.yaml`` through ``colocate.settings.parse``
+and ``colocate.plan.plan_cell``, as the Pulumi program builds it; only runtime numbers
+(``colocate:worker``) and the generation ledger are overridden in the raw config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlsplit
+
+from colocate import plan as plan_mod
+from colocate import settings as settings_mod
+from colocate import stackfile
+from colocate.pods import standin
+from colocate.workerd import Workerd, render_config
+
+# Distinct, greppable secret values: no log line or response may contain them.
+SECRETS = {
+    "POD_TOKEN": "pod-token-7f3a9c1e55d2",
+    "FALLBACK_API_KEY": "fallback-key-b81d4e0f9a63",
+    "PROBE_TOKEN": "probe-token-2c6e8d4b7a19",
+}
+SECRET_SETTINGS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey"})
+FALLBACK_MODEL_NAME = "fallback/model"
+
+
+def cell_plan(worker: dict | None = None, generations: list[dict] | None = None, stack: str = "sandbox",
+              **raw_overrides):
+    """The sandbox stack's cell plan with runtime numbers, the ledger, or other raw
+    ``colocate:*`` values (e.g. ``fallbackModel``) overridden before parsing."""
+    raw, secrets = stackfile.read_config(stack)
+    raw.update(raw_overrides)
+    if worker:
+        raw["worker"] = {**(raw.get("worker") or {}), **worker}
+    if generations is not None:
+        raw["generations"] = generations
+    settings = settings_mod.parse(raw, stack, secrets=set(secrets) | SECRET_SETTINGS)
+    return plan_mod.plan_cell(settings)
+
+
+def values_for(pod_url: str, fallback_url: str) -> dict[str, str]:
+    # FALLBACK_URL is a secret too: it is keyed by its settings name here, to exercise both lookups.
+    return {"POD_URL": pod_url, "fallbackUrl": fallback_url, **SECRETS}
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+    def timing(self) -> dict[str, float]:
+        out = {}
+        for part in self.headers.get("server-timing", "").split(","):
+            name, _, rest = part.strip().partition(";")
+            if name:
+                out[name] = float(rest.split("dur=", 1)[1]) if "dur=" in rest else 0.0
+        return out
+
+
+def request(url: str, method: str = "GET", path: str = "/", body: bytes | dict | None = None,
+            headers: dict | None = None, timeout: float = 30.0, chunked: bool = False) -> Response:
+    """One HTTP request on a fresh connection (bounded by ``timeout``)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        hdrs = dict(headers or {})
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        if isinstance(body, dict):
+            hdrs.setdefault("content-type", "application/json")
+        if chunked:
+            conn.putrequest(method, path)
+            for k, v in hdrs.items():
+                conn.putheader(k, v)
+            conn.putheader("transfer-encoding", "chunked")
+            conn.endheaders()
+            for i in range(0, len(data), 4096):
+                piece = data[i:i + 4096]
+                conn.send(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            conn.send(b"0\r\n\r\n")
+        else:
+            conn.request(method, path, body=data, headers=hdrs)
+        res = conn.getresponse()
+        return Response(res.status, {k.lower(): v for k, v in res.getheaders()}, res.read())
+    finally:
+        conn.close()
+
+
+def auth(token: str | None = None) -> dict:
+    return {"authorization": f"Bearer {token or SECRETS['PROBE_TOKEN']}"}
+
+
+def chat(stream: bool = False, model: str = "client/model") -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hello"}], "stream": stream}
+
+
+@dataclass
+class Cell:
+    worker: Workerd
+    pod: standin.StandinServer
+    fallback: standin.StandinServer
+    plan: object
+    responses: list[Response] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.worker.url
+
+    def call(self, method: str, path: str, **kw) -> Response:
+        res = request(self.url, method, path, **kw)
+        self.responses.append(res)
+        return res
+
+    def breaker(self) -> dict:
+        res = self.call("GET", "/_colocate/breaker", headers=auth())
+        assert res.status == 200, res.body
+        return res.json()["breaker"]
+
+    def wait_breaker(self, state: str, timeout_s: float = 15.0) -> dict:
+        """Poll the object (not the isolate's cache) until the breaker is in ``state``."""
+        deadline = time.monotonic() + timeout_s
+        snap = self.breaker()
+        while snap["state"] != state and time.monotonic() < deadline:
+            time.sleep(0.05)
+            snap = self.breaker()
+        return snap
+
+    def wait_for(self, predicate, timeout_s: float = 15.0) -> dict:
+        """Poll the object's snapshot until ``predicate(snapshot)`` holds (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        snap = self.breaker()
+        while not predicate(snap) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            snap = self.breaker()
+        return snap
+
+    def restart(self, plan) -> None:
+        """Stop workerd and start it again (same port, same storage) with another plan."""
+        self.worker.stop()
+        self.plan = plan
+        self.worker.start(render_config(plan.worker, values_for(self.pod.url, self.fallback.url), port=self.worker.port,
+                                        storage_dir=self._storage))
+
+    _storage: Path | None = None
+
+
+@contextlib.contextmanager
+def running_cell(worker: dict | None = None, generations: list[dict] | None = None, *, compute_ms: float = 5,
+                 storage_dir: Path | None = None, **raw_overrides) -> Iterator[Cell]:
+    """A stand-in pod and fallback (separate tokens) and workerd running the sandbox plan."""
+    plan = cell_plan(worker, generations, **raw_overrides)
+    with standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name="pod") as pod, \
+            standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME, name="fallback") as fb, \
+            Workerd() as w:
+        w.start(render_config(plan.worker, values_for(pod.url, fb.url), port=w.port, storage_dir=storage_dir))
+        cell = Cell(w, pod, fb, plan)
+        cell._storage = storage_dir
+        yield cell
+
+
+class Outbound(ThreadingHTTPServer):
+    """A stand-in for the whole outside world, used as workerd's global outbound: it
+    records each request (method, path, Host, every header) and answers
+    ``/cdn-cgi/trace`` with ``colo=<colo>`` and everything else with 200 {"status":"ok"}."""
+
+    daemon_threads = True
+
+    def __init__(self, colo: str = "TST"):
+        self.colo = colo
+        self.seen: list[dict] = []
+        self._lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _OutboundHandler)
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+
+class _OutboundHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        with self.server._lock:
+            self.server.seen.append({"method": "GET", "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}})
+        if self.path.startswith("/cdn-cgi/trace"):
+            body = f"fl=1\nh={self.headers.get('host')}\ncolo={self.server.colo}\n".encode()
+            ctype = "text/plain"
+        else:
+            body, ctype = b'{"status":"ok"}', "application/json"
+        self.send_response(200)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextlib.contextmanager
+def outbound(colo: str = "TST") -> Iterator[Outbound]:
+    server = Outbound(colo)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        t.join(timeout=10)

@@ -1,0 +1,201 @@
+"""The sandbox with real processes on loopback: workerd, the local pod, the emulated network."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from colocate import stackfile
+from colocate.sandbox import supervisor
+from colocate.sandbox.errors import AlreadyRunning
+from colocate.sandbox.geography import Geography
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+MODEL = Geography()
+
+
+@pytest.fixture
+def stacks(tmp_path):
+    """A copy of the sandbox stack with a short compute time, edited by each test."""
+    d = tmp_path / "stacks"
+    d.mkdir()
+    shutil.copyfile(stackfile.path_of("sandbox"), stackfile.path_of("sandbox", d))
+    stackfile.write_config("sandbox", {"pod": {"provider": "local", "computeMs": 5}}, d)
+    return d
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    d = tmp_path / "state"
+    yield d
+    supervisor.down(d, quiet=True)  # whatever a failed test left running
+
+
+def _get(url, token=None, timeout=30):
+    req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, dict(r.headers), json.loads(r.read())
+
+
+def _probe_bodies(cell, n):
+    return [_get(cell["worker_url"] + "/_colocate/probe", cell["token"])[2] for _ in range(n)]
+
+
+def _port_closed(port):
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _split(stacks):
+    # compute moved to Taipei by hand; the ledger still names the us-east generation
+    stackfile.write_config("sandbox", {"region": "apac-tw"}, stacks)
+
+
+def test_routed_request_probe_and_headers(stacks, state_dir):
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, client_site="NRT")
+    assert cell["sites"] == {**cell["sites"], "client": "NRT", "edge": "IAD", "pod": "IAD", "placement": "remote-IAD"}
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    req = urllib.request.Request(cell["worker_url"] + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+        assert r.headers["x-colocate-backend"] == "pod"
+        assert r.headers["cf-ray"].endswith("-NRT")
+        assert r.headers["cf-placement"] == "remote-IAD"
+        assert "upstream;dur=" in r.headers["server-timing"]
+        assert json.loads(r.read())["choices"]
+    status, headers, probe = _get(cell["worker_url"] + "/_colocate/probe", cell["token"])
+    assert status == 200
+    assert (probe["worker_colo"], probe["ray_colo"], probe["cf_placement"]) == ("IAD", "NRT", "remote-IAD")
+    assert probe["state_colo"] == "IAD" and probe["generation"] == "us-east.g1"
+    assert json.loads((state_dir / "pins.json").read_text())["us-east.g1"]["site"] == "IAD"
+    assert (state_dir / "secrets.json").stat().st_mode & 0o777 == 0o600
+    assert (state_dir / "workerd.capnp").stat().st_mode & 0o777 == 0o600
+    for name in ("workerd", "fallback", "runner", "pod"):
+        assert (state_dir / "logs" / f"{name}.log").exists()
+    # the config carries the product modules (rendered by colocate.workerd) and the sandbox entry
+    text = (state_dir / "workerd.capnp").read_text()
+    from colocate.plan import worker_modules
+    assert all(m.content().splitlines()[0] in text for m in worker_modules()) and "__sandbox_entry.js" in text
+
+
+def test_emulated_round_trips_match_the_model(stacks, state_dir):
+    """Worker in TPE, object first touched from IAD: state_rtt ~ rtt(TPE, IAD); pod next door ~ same-site."""
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    _probe_bodies(cell, 1)  # first touch from IAD pins us-east.g1 there
+    supervisor.down(state_dir, quiet=True)
+    _split(stacks)
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, force_split=True, client_site="TPE")
+    bodies = _probe_bodies(cell, 5)
+    assert {b["state_colo"] for b in bodies} == {"IAD"}
+    assert {b["worker_colo"] for b in bodies} == {"TPE"}
+    state_model = MODEL.rtt_ms("TPE", "IAD")
+    state_p50 = statistics.median(b["state_rtt_ms"] for b in bodies)
+    pod_p50 = statistics.median(b["pod_rtt_ms"] for b in bodies)
+    # the emulated delay is a floor; loopback, workerd and the RPC add a few ms on top
+    assert state_model - 1 <= state_p50 <= state_model + 10, (state_p50, state_model)
+    assert MODEL.rtt_ms("TPE", "TPE") - 1 <= pod_p50 <= MODEL.rtt_ms("TPE", "TPE") + 10, pod_p50
+
+
+def test_probe_cli_reports_state_left_behind(stacks, state_dir, tmp_path):
+    (state_dir).mkdir(parents=True)
+    # the object was first touched from IAD in an earlier life of this state directory
+    (state_dir / "pins.json").write_text(json.dumps({"us-east.g1": {"site": "IAD", "edge": "IAD", "hint": "enam"}}))
+    _split(stacks)
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, force_split=True)
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), cell["worker_url"], "--samples", "3",
+                           "--pod-location", "local", "--expect-region", "apac-tw", "--json", str(out)],
+                          env={**os.environ, "COLOCATE_PROBE_TOKEN": cell["token"]}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr  # a placement failure
+    result = json.loads(out.read_text())
+    assert result["placement"]["state"] == "IAD" and result["placement"]["ran"] == "TPE"
+    assert result["segments"]["state_rtt"]["p50"] >= MODEL.rtt_ms("TPE", "IAD") - 1
+
+
+def test_pin_survives_restart_and_down_leaves_nothing(stacks, state_dir):
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    _probe_bodies(cell, 1)
+    with pytest.raises(AlreadyRunning, match=r"already running .*pids .*sandbox.py down"):
+        supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    assert _get(cell["worker_url"] + "/_colocate/probe", cell["token"])[0] == 200  # not clobbered
+    pids, ports = cell["pids"], cell["ports"]
+    result = supervisor.down(state_dir)
+    assert result["running"] is False
+    for name, pid in pids.items():
+        assert pid and not supervisor.alive(pid), name
+    for name, port in ports.items():
+        assert _port_closed(port), name
+    assert _port_closed(int(cell["pod_url"].rsplit(":", 1)[1]))
+    assert not (state_dir / "pods").exists() or not list((state_dir / "pods").glob("*.json"))
+
+    _split(stacks)
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, force_split=True)
+    probe = _probe_bodies(cell, 1)[0]
+    assert (probe["worker_colo"], probe["state_colo"]) == ("TPE", "IAD")  # the object did not move
+
+
+def test_cli_up_second_up_and_down(stacks, state_dir):
+    base = [sys.executable, str(ROOT / "scripts" / "sandbox.py")]
+    where = ["--stack", "sandbox", "--state-dir", str(state_dir)]
+    up = subprocess.run(base + ["up", *where, "--stacks-dir", str(stacks)], capture_output=True, text=True, timeout=120)
+    assert up.returncode == 0, up.stderr
+    cell = json.loads(up.stdout)
+    assert {"worker_url", "pod_url", "token", "state_dir", "sites", "pids"} <= set(cell)
+    again = subprocess.run(base + ["up", *where, "--stacks-dir", str(stacks)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already running" in again.stderr and again.stdout == ""
+    status = subprocess.run(base + ["status", *where], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout
+    assert json.loads(status.stdout)["healthy"] is True
+    down = subprocess.run(base + ["down", *where], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0
+    assert not any(supervisor.alive(p) for p in cell["pids"].values())
+
+
+def test_bad_stack_fails_before_anything_starts(stacks, state_dir, capsys):
+    from scripts import sandbox as cli
+
+    _split(stacks)  # without --force-split the plan refuses
+    code = cli.main(["up", "--stack", "sandbox", "--state-dir", str(state_dir), "--stacks-dir", str(stacks)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "colocate:region" in err and "migrate.py start" in err
+    assert not (state_dir / "run.json").exists()
+    assert cli.main(["up", "--stack", "sandbox", "--state-dir", str(state_dir), "--stacks-dir", str(stacks),
+                     "--rtt", "TPE-IAD"]) == 2
+    assert "--rtt" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_up_leaves_nothing(stacks, state_dir):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "sandbox.py"), "up", "--stack", "sandbox",
+                             "--state-dir", str(state_dir), "--stacks-dir", str(stacks)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (state_dir / "run.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run = json.loads((state_dir / "run.json").read_text())
+    time.sleep(0.3)  # somewhere inside the start: pod, fallback or workerd
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 130), err  # 0 only if it was already up when the signal landed
+    if proc.returncode == 0:
+        supervisor.down(state_dir, quiet=True)
+    assert not supervisor.alive(run["pid"])
+    assert not supervisor.is_running(state_dir)
+    assert not (state_dir / "pod.json").exists()
+    assert not list((state_dir / "pods").glob("*.json")) if (state_dir / "pods").exists() else True

@@ -1,0 +1,53 @@
+// JSON errors for clients, and redaction for log lines.
+//
+// Every error a client sees is {"error": {"code": "<snake_case>", "message": "<text>"}}
+// with the right status. Nothing here ever includes a stack trace or a binding value.
+
+/** An error the router answers with a JSON body; `status` and `code` go to the client. */
+export class HttpError extends Error {
+  constructor(status, code, message, headers = {}) {
+    super(message);
+    this.name = "HttpError";
+    this.status = status;
+    this.code = code;
+    this.headers = headers;
+  }
+}
+
+/** Raised when a binding holds a value the Worker cannot use (names the binding). */
+export class ConfigurationError extends Error {
+  constructor(binding, problem) {
+    super(`binding ${binding}: ${problem}`);
+    this.name = "ConfigurationError";
+    this.binding = binding;
+  }
+}
+
+export function jsonResponse(status, body, headers = {}) {
+  return new Response(JSON.stringify(body), {
+    status,
+    headers: { "content-type": "application/json", ...headers },
+  });
+}
+
+export function errorResponse(status, code, message, headers = {}) {
+  return jsonResponse(status, { error: { code, message } }, headers);
+}
+
+// Bindings whose values must never reach a log line or a response.
+export const SECRET_BINDINGS = ["POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "PROBE_TOKEN"];
+
+/** `text` with every secret binding value replaced by [redacted]. */
+export function redact(text, env) {
+  let out = String(text);
+  for (const name of SECRET_BINDINGS) {
+    const value = env && env[name];
+    if (typeof value === "string" && value.length > 0) out = out.split(value).join("[redacted]");
+  }
+  return out;
+}
+
+/** One log line, redacted: the only way this Worker writes to the console. */
+export function log(env, event, fields = {}) {
+  console.log(redact(JSON.stringify({ event, ...fields }), env));
+}

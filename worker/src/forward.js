@@ -1,0 +1,70 @@
+// Forwarding to the pod and to the fallback API.
+
+import { HttpError } from "./errors.js";
+
+// Client headers that must not travel upstream: credentials (replaced), hop and
+// Cloudflare headers (re-made by fetch), and the length (the body is re-sent as bytes).
+const DROP = new Set(["authorization", "host", "content-length", "connection", "keep-alive",
+  "transfer-encoding", "upgrade", "te", "trailer", "proxy-authorization", "x-forwarded-for", "x-real-ip"]);
+
+export function upstreamHeaders(incoming, token) {
+  const h = new Headers();
+  for (const [k, v] of incoming) {
+    if (!DROP.has(k) && !k.startsWith("cf-")) h.set(k, v);
+  }
+  h.set("authorization", `Bearer ${token}`);
+  return h;
+}
+
+/** A pod answer the router treats as a failure (and serves from the fallback). */
+export function isPodFailure(status) {
+  return status >= 500 || status === 401 || status === 403 || status === 408 || status === 429;
+}
+
+function isStream(res) {
+  return (res.headers.get("content-type") || "").toLowerCase().startsWith("text/event-stream");
+}
+
+/**
+ * Try the pod within `deadlineMs`. A streamed (SSE) answer counts as served once its
+ * headers arrive and is then passed through chunk by chunk; any other answer must be
+ * complete within the deadline (so a pod that stalls mid-body still falls back).
+ * @returns {Promise<{ok: true, response: Response} | {ok: false, reason: string}>}
+ */
+export async function tryPod(fetchImpl, url, init, deadlineMs) {
+  const ac = new AbortController();
+  let expired = false;
+  const timer = setTimeout(() => {
+    expired = true;
+    ac.abort();
+  }, deadlineMs);
+  try {
+    const res = await fetchImpl(url, { ...init, signal: ac.signal });
+    if (isPodFailure(res.status)) {
+      await res.body?.cancel().catch(() => {});
+      return { ok: false, reason: `status_${res.status}` };
+    }
+    if (isStream(res)) return { ok: true, response: res };
+    const bytes = await res.arrayBuffer();
+    return { ok: true, response: new Response(bytes, res) };
+  } catch {
+    return { ok: false, reason: expired ? "deadline" : "unreachable" };
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** Send the request to the fallback API; a network failure becomes a 502 JSON error. */
+export async function callFallback(fetchImpl, url, init) {
+  try {
+    return await fetchImpl(url, init);
+  } catch {
+    throw new HttpError(502, "upstream_unavailable", "the pod and the fallback API are both unavailable");
+  }
+}
+
+/** The request body for the fallback: `model` replaced when FALLBACK_MODEL is set. */
+export function fallbackBody(bytes, json, fallbackModel) {
+  if (!json || !fallbackModel) return bytes;
+  return new TextEncoder().encode(JSON.stringify({ ...json, model: fallbackModel }));
+}

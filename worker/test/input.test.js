@@ -1,0 +1,75 @@
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { readBody, parseJsonObject } from "../src/body.js";
+import { readConfig } from "../src/config.js";
+import { HttpError, ConfigurationError, redact } from "../src/errors.js";
+import { tokenMatches } from "../src/admin.js";
+import { upstreamHeaders, fallbackBody, isPodFailure } from "../src/forward.js";
+
+function chunked(parts) {
+  // No Content-Length: the body arrives as a stream of chunks.
+  const stream = new ReadableStream({
+    start(c) {
+      for (const p of parts) c.enqueue(new TextEncoder().encode(p));
+      c.close();
+    },
+  });
+  return new Request("http://x/", { method: "POST", body: stream, duplex: "half" });
+}
+
+test("bodies over the limit are refused by Content-Length and by counting", async () => {
+  const declared = new Request("http://x/", { method: "POST", body: "x".repeat(11) });
+  await assert.rejects(readBody(declared, 10), (e) => e instanceof HttpError && e.status === 413);
+  await assert.rejects(readBody(chunked(["12345", "678901"]), 10), (e) => e.status === 413);
+  const ok = await readBody(chunked(["12345", "67890"]), 10);
+  assert.equal(new TextDecoder().decode(ok), "1234567890");
+});
+
+test("malformed JSON and non-objects are 400 invalid_json", () => {
+  const enc = (s) => new TextEncoder().encode(s);
+  for (const bad of ["{", "[]", "null", "42", ""]) {
+    assert.throws(() => parseJsonObject(enc(bad)), (e) => e.status === 400 && e.code === "invalid_json");
+  }
+  assert.deepEqual(parseJsonObject(enc('{"a":1}')), { a: 1 });
+});
+
+const env = {
+  BREAKER: {}, CELL_REGION: "us-east", ACTIVE_GENERATION: "us-east.g1", ACTIVE_HINT: "enam",
+  DEADLINE_MS: "300", MAX_BODY_BYTES: "100", FAILURE_THRESHOLD: "3", OPEN_MS: "1000", STATE_TTL_MS: "0",
+  POD_URL: "http://127.0.0.1:9/", POD_TOKEN: "pod-secret", FALLBACK_URL: "https://api.example.com/",
+  FALLBACK_API_KEY: "fb-secret", PROBE_TOKEN: "probe-secret",
+};
+
+test("config parses numbers and trims URLs; a bad binding is named without its secret", () => {
+  const cfg = readConfig({ ...env });
+  assert.equal(cfg.deadlineMs, 300);
+  assert.equal(cfg.podUrl, "http://127.0.0.1:9");
+  assert.equal(cfg.drainingGeneration, null);
+  assert.throws(() => readConfig({ ...env, DEADLINE_MS: "soon" }), (e) => e instanceof ConfigurationError && e.binding === "DEADLINE_MS");
+  assert.throws(() => readConfig({ ...env, FALLBACK_URL: "not a url fb-secret" }),
+    (e) => e.binding === "FALLBACK_URL" && !e.message.includes("fb-secret"));
+});
+
+test("redact removes every secret binding value", () => {
+  const line = redact("pod-secret at https://api.example.com/ with fb-secret and probe-secret", env);
+  for (const s of ["pod-secret", "fb-secret", "probe-secret", "https://api.example.com/"]) assert.ok(!line.includes(s), line);
+});
+
+test("token comparison", async () => {
+  assert.equal(await tokenMatches("probe-secret", "probe-secret"), true);
+  assert.equal(await tokenMatches("probe-secreT", "probe-secret"), false);
+  assert.equal(await tokenMatches("", "probe-secret"), false);
+});
+
+test("upstream headers replace the client's credentials; fallback model substitution", () => {
+  const h = upstreamHeaders(new Headers({ authorization: "Bearer client", "content-type": "application/json", "cf-ray": "x", host: "w" }), "tok");
+  assert.equal(h.get("authorization"), "Bearer tok");
+  assert.equal(h.get("content-type"), "application/json");
+  assert.equal(h.get("cf-ray"), null);
+  const body = new TextDecoder().decode(fallbackBody(new Uint8Array(), { model: "m", messages: [] }, "fb-model"));
+  assert.deepEqual(JSON.parse(body), { model: "fb-model", messages: [] });
+  const same = new Uint8Array([1]);
+  assert.equal(fallbackBody(same, { model: "m" }, null), same);
+  assert.equal(isPodFailure(500), true);
+  assert.equal(isPodFailure(400), false);
+});
