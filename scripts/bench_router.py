@@ -11,11 +11,9 @@ direct), and the Worker's own ``state`` Server-Timing p50 (0 ms on the hot path)
 The pod runs as its own process (``python -m colocate.pods.standin``) and workerd as
 another, so the load generator's threads do not share a GIL with the pod.
 
-HOOK (state object far away): ``--far-state-ms MS`` runs the Worker with the
-state object MS ms of round trip away, through the sandbox's delay
-(``colocate.sandbox.bench.router_with_state_delay(worker_plan, values, delay_ms)``,
-a context manager yielding the Worker's URL). Until the sandbox provides it, the
-option exits 2 saying so.
+State object far away: ``--far-state-ms MS`` runs the Worker with the state object
+MS ms of round trip away, through the sandbox's delay
+(``colocate.sandbox.bench.router_with_state_delay``; only that hop is delayed).
 
 Usage: python scripts/bench_router.py [--requests 2000] [--max-seconds 20]
        [--concurrency 1,32] [--compute-ms 1] [--json PATH|-] [--far-state-ms MS]
@@ -35,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Iterator
+
+import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -183,30 +183,40 @@ def bench_plan(deadline_ms: int):
 
 
 @contextlib.contextmanager
-def router(worker_plan, values: dict, far_state_ms: float | None) -> Iterator[str]:
+def router(plan, values: dict, far_state_ms: float | None) -> Iterator[str]:
     if far_state_ms is None:
-        with Workerd.serve(worker_plan, values) as w:
+        with Workerd.serve(plan.worker, values) as w:
             yield w.url
         return
-    # HOOK: the state object far away, provided by the sandbox (see the module docstring).
-    try:
-        from colocate.sandbox.bench import router_with_state_delay  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise UsageError("--far-state-ms needs colocate.sandbox.bench.router_with_state_delay, "
-                         "which the sandbox does not provide yet") from exc
-    with router_with_state_delay(worker_plan, values, far_state_ms) as url:
+    # The state object far away: the sandbox delays only the Worker -> object hop.
+    from colocate.sandbox.bench import router_with_state_delay
+
+    with router_with_state_delay(plan, values, far_state_ms) as url:
         yield url
+
+
+def _state_distance(worker_url: str, samples: int = 5) -> dict:
+    """Where the object is and what a forced round trip to it costs (the probe endpoint)."""
+    rtts, colo = [], None
+    with requests.Session() as s:
+        for _ in range(samples):
+            body = s.get(worker_url + "/_colocate/probe", timeout=30,
+                         headers={"Authorization": f"Bearer {SECRETS['PROBE_TOKEN']}"}).json()
+            rtts.append(body["state_rtt_ms"])
+            colo = body["state_colo"]
+    return {"state_colo": colo, "state_rtt_p50_ms": round(percentile(rtts, 50), 2)}
 
 
 def bench(args) -> dict:
     levels = []
     with standin_process(args.compute_ms) as pod_url, standin_process(0) as fallback_url:
-        worker_plan = bench_plan(args.deadline_ms).worker
+        cell_plan = bench_plan(args.deadline_ms)
         values = {"POD_URL": pod_url, "FALLBACK_URL": fallback_url, **SECRETS}
-        with router(worker_plan, values, args.far_state_ms) as worker_url:
+        with router(cell_plan, values, args.far_state_ms) as worker_url:
             # Warm both paths (isolate, connection pools, the object's first touch).
             run_load(pod_url, 2, 50, 10, POD_TOKEN)
             run_load(worker_url, 2, 50, 10, None)
+            far = _state_distance(worker_url) if args.far_state_ms is not None else None
             for c in args.concurrency:
                 direct = run_load(pod_url, c, args.requests, args.max_seconds, POD_TOKEN)
                 via = run_load(worker_url, c, args.requests, args.max_seconds, None)
@@ -222,13 +232,15 @@ def bench(args) -> dict:
                        "throughput_ok": (lv["throughput_ratio"] or 0) >= TARGETS["throughput_ratio"],
                        "state_ok": lv["worker"]["state_p50_ms"] == TARGETS["state_p50_ms"]})
     return {"compute_ms": args.compute_ms, "requests_per_run": args.requests, "max_seconds": args.max_seconds,
-            "far_state_ms": args.far_state_ms, "cpus": os.cpu_count(), "targets": TARGETS, "levels": levels,
+            "far_state_ms": args.far_state_ms, "far_state": far, "cpus": os.cpu_count(), "targets": TARGETS, "levels": levels,
             "checks": checks}
 
 
 def table(result: dict) -> str:
     rows = [f"router overhead on loopback (pod compute {result['compute_ms']} ms, {result['cpus']} CPUs, "
-            f"far state: {result['far_state_ms'] or 'no'})",
+            f"far state: {result['far_state_ms'] or 'no'})"
+            + (f"\nstate object at {result['far_state']['state_colo']}, forced round trip p50 "
+               f"{result['far_state']['state_rtt_p50_ms']} ms" if result.get("far_state") else ""),
             f"{'clients':>7} {'path':>7} {'n':>6} {'errors':>6} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'state p50':>9}"]
     for lv in result["levels"]:
         for name in ("direct", "worker"):
@@ -264,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-ms", type=float, default=1.0, help="stand-in pod compute per request (default 1)")
     p.add_argument("--deadline-ms", type=int, default=5000, help="DEADLINE_MS for the run (default 5000)")
     p.add_argument("--json", help="write the result as JSON to PATH, or - for stdout (table then on stderr)")
-    p.add_argument("--far-state-ms", type=float, default=None, help="HOOK: state object this far away (needs the sandbox)")
+    p.add_argument("--far-state-ms", type=float, default=None, help="the state object this many ms of round trip away (sandbox delay)")
     args = p.parse_args(argv)
     for name, value, low in (("--requests", args.requests, 1), ("--max-seconds", args.max_seconds, 0.1),
                              ("--compute-ms", args.compute_ms, 0), ("--deadline-ms", args.deadline_ms, 1)):

@@ -28,14 +28,15 @@ def test_small_run_reports_both_paths(tmp_path, capsys):
     assert "added p50" in capsys.readouterr().out
 
 
-def test_far_state_hook_is_a_clear_usage_error_until_the_sandbox_provides_it(capsys):
-    try:
-        import colocate.sandbox.bench  # noqa: F401
-        pytest.skip("the sandbox provides the hook now")
-    except ImportError:
-        pass
-    assert bench_router.main(["--requests", "1", "--concurrency", "1", "--far-state-ms", "170"]) == 2
-    assert "sandbox" in capsys.readouterr().err
+def test_far_state_leaves_the_hot_path_at_zero(capsys):
+    # The object 150 ms away (sandbox delay on that hop only): a forced round trip pays it,
+    # a routed request with fresh isolate state does not.
+    assert bench_router.main(["--requests", "20", "--concurrency", "1", "--compute-ms", "1", "--max-seconds", "30",
+                              "--far-state-ms", "150", "--json", "-"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["far_state"]["state_colo"] == "IAD"
+    assert 150 <= result["far_state"]["state_rtt_p50_ms"] < 250
+    assert result["levels"][0]["worker"]["state_p50_ms"] == 0
 
 
 def test_usage_error_exits_2_as_a_subprocess():
