@@ -148,9 +148,11 @@ def modules_capnp(worker: WorkerPlan, extra: Iterable[tuple[str, str]] = (), *, 
     return "[\n" + ",\n".join(f"    (name = {capnp_text(n)}, esModule = {capnp_text(s)})" for n, s in entries) + "\n  ]"
 
 
-def bindings_capnp(worker: WorkerPlan, values: Mapping[str, str], *, do_service: str | None = None) -> str:
+def bindings_capnp(worker: WorkerPlan, values: Mapping[str, str], *, do_service: str | None = None,
+                   extra: Iterable[str] = ()) -> str:
     """The binding list. ``do_service`` hosts the Durable Object class elsewhere (another
-    worker service in the same config); None = this worker's own namespace."""
+    worker service in the same config); None = this worker's own namespace. ``extra``
+    appends binding literals that are not the plan's (the sandbox's own ``__SANDBOX_*``)."""
     texts = resolve_bindings(worker, values)
     items = []
     for b in worker.bindings:
@@ -160,6 +162,7 @@ def bindings_capnp(worker: WorkerPlan, values: Mapping[str, str], *, do_service:
             items.append(f"(name = {capnp_text(b.name)}, durableObjectNamespace = {target})")
         else:
             items.append(f"(name = {capnp_text(b.name)}, text = {capnp_text(texts[b.name])})")
+    items.extend(extra)
     return "[\n" + ",\n".join("    " + i for i in items) + "\n  ]"
 
 
@@ -171,7 +174,8 @@ def unique_key(worker: WorkerPlan, class_name: str = BREAKER_CLASS) -> str:
 def worker_capnp(worker: WorkerPlan, values: Mapping[str, str], *, storage_service: str | None = None,
                  global_outbound: str | None = NETWORK_SERVICE, do_service: str | None = None,
                  host_objects: bool = True, extra_modules: Iterable[tuple[str, str]] = (),
-                 main_module: str | None = None, namespace_key: str | None = None) -> str:
+                 main_module: str | None = None, namespace_key: str | None = None,
+                 extra_bindings: Iterable[str] = ()) -> str:
     """One ``Workerd.Worker`` literal. ``host_objects`` declares the Breaker namespace here
     (with SQLite, in memory or on ``storage_service``'s disk); several services hosting
     the class in one config each need their own ``namespace_key`` (default
@@ -179,7 +183,7 @@ def worker_capnp(worker: WorkerPlan, values: Mapping[str, str], *, storage_servi
     fields = [
         f"modules = {modules_capnp(worker, extra_modules, first=main_module)}",
         f"compatibilityDate = {capnp_text(worker.compatibility_date)}",
-        f"bindings = {bindings_capnp(worker, values, do_service=do_service)}",
+        f"bindings = {bindings_capnp(worker, values, do_service=do_service, extra=extra_bindings)}",
     ]
     if host_objects:
         fields.append(

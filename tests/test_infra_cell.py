@@ -214,3 +214,29 @@ def test_nothing_is_declared_at_import_time():
     importlib.reload(infra.program)
     importlib.reload(infra.cell)
     assert isinstance(pulumi.runtime.get_config("colocate:region"), (str, type(None)))
+
+
+def test_the_program_at_each_step_of_a_migration(tmp_path):
+    import shutil
+
+    from scripts import migrate
+
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"):
+        shutil.copy(p, tmp_path / p.name)
+    steps = {}
+    for step, argv in [("start", ["start", "--stack", "us-east", "--to", "apac-jp"]),
+                       ("finish", ["finish", "--stack", "us-east"])]:
+        assert migrate.main([*argv, "--stacks-dir", str(tmp_path)]) == 0
+        config, keys = stack_config("us-east", stacks_dir=tmp_path)
+        steps[step] = run_program("us-east", config, keys)
+    start, finish = steps["start"], steps["finish"]
+    bindings, _ = bindings_of(start)
+    assert (bindings["ACTIVE_GENERATION"]["text"], bindings["DRAINING_GENERATION"]["text"]) == ("apac-jp.g2", "us-east.g1")
+    assert start.mocks.one(WORKER).inputs["placement"] == {"region": "aws:ap-northeast-1"}
+    assert json.loads(start.mocks.one(COMMAND, "-pod").inputs["stdin"])["locations"] == ["AP-JP-1"]
+    assert not [r for r in start.mocks.of_type(COMMAND) if "-purge-" in r.name]
+    bindings, _ = bindings_of(finish)
+    assert "DRAINING_GENERATION" not in bindings and bindings["ACTIVE_GENERATION"]["text"] == "apac-jp.g2"
+    assert finish.mocks.one(COMMAND, "-purge-us-east.g1")
+    # The pod is the same across finish: only the ledger's draining entry changed.
+    assert start.mocks.one(COMMAND, "-pod").inputs["stdin"] == finish.mocks.one(COMMAND, "-pod").inputs["stdin"]

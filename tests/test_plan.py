@@ -181,3 +181,13 @@ def test_worker_reaches_the_pod_by_dns_name_on_its_public_port_with_a_zone():
     zoned = cell(raw_for(zone={"id": "a" * 32, "name": "example.com"}))
     assert zoned.pod.worker_url(created) == "http://pod-apac-jp-g1.example.com:41234"
     assert cell(raw_for()).pod.worker_url(created) == "http://203.0.113.7:41234"
+
+
+def test_a_class_deletion_needs_the_explicit_opt_in(monkeypatch):
+    steps = plan.MIGRATIONS + (("v2", {"deleted_classes": ["Breaker"]}),)
+    monkeypatch.setattr(plan, "MIGRATIONS", steps)
+    applied = {"subdomain": "acme", "migrationTag": "v1"}
+    with pytest.raises(ConfigError, match="allowClassDeletion"):
+        cell(raw_for(worker=applied))
+    opted = cell(raw_for(worker={**applied, "allowClassDeletion": True}))
+    assert opted.worker.migrations == {"old_tag": "v1", "new_tag": "v2", "steps": [{"deleted_classes": ["Breaker"]}]}

@@ -32,16 +32,6 @@ SOCKET_NAME = "http"
 CONTROL_SERVICE = "sandbox-control"
 
 
-def _append_bindings(list_literal: str, items: list[str]) -> str:
-    # bindings_capnp renders "[\n    ...\n  ]"; the sandbox adds its own entries at the end.
-    body = list_literal.rstrip()
-    if not body.endswith("]"):
-        raise SandboxError("workerd config: unexpected binding list from colocate.workerd.bindings_capnp")
-    inner = body[:-1].rstrip()
-    sep = "" if inner.endswith("[") else ","
-    return inner + sep + "\n" + ",\n".join("    " + i for i in items) + "\n  ]"
-
-
 def compose(plan: CellPlan, *, values: dict[str, str], edge_site: str, state_sites: list[str],
             outbound: tuple[str, int], objects_dir: Path) -> str:
     """The whole config text. ``values`` fills secret and from-output bindings (by secret
@@ -51,37 +41,26 @@ def compose(plan: CellPlan, *, values: dict[str, str], edge_site: str, state_sit
     worker = plan.worker
     cls = wd.capnp_text(BREAKER_CLASS)
     host, port = outbound
-    try:
-        edge_bindings = wd.bindings_capnp(worker, values, do_service=f"state-{edge_site}")
-    except wd.BindingValueMissing as exc:
-        raise SandboxError(f"workerd config: {exc}") from None
+    entry = [(ENTRY_MODULE, WRAPPER.read_text())]
+
     def sandbox_bindings(site: str) -> list[str]:
         out = [f'(name = "__SANDBOX_EDGE_SITE", text = {wd.capnp_text(site)})',
                f'(name = "__SANDBOX_CONTROL", service = {wd.capnp_text(CONTROL_SERVICE)})']
         return out + [f"(name = {wd.capnp_text('__SANDBOX_NS_' + s)}, durableObjectNamespace = "
                       f"(className = {cls}, serviceName = {wd.capnp_text('state-' + s)}))" for s in state_sites]
 
-    extra = sandbox_bindings(edge_site)
-    edge = (
-        "(\n  "
-        + ",\n  ".join([
-            f"modules = {wd.modules_capnp(worker, [(ENTRY_MODULE, WRAPPER.read_text())], first=ENTRY_MODULE)}",
-            f"compatibilityDate = {wd.capnp_text(worker.compatibility_date)}",
-            f"bindings = {_append_bindings(edge_bindings, extra)}",
-            f"globalOutbound = {wd.capnp_text('out-' + edge_site)}",
-        ])
-        + "\n)"
-    )
+    try:
+        edge = wd.worker_capnp(worker, values, host_objects=False, do_service=f"state-{edge_site}",
+                               global_outbound=f"out-{edge_site}", extra_modules=entry, main_module=ENTRY_MODULE,
+                               extra_bindings=sandbox_bindings(edge_site))
+    except wd.BindingValueMissing as exc:
+        raise SandboxError(f"workerd config: {exc}") from None
     services = [wd.worker_service("edge", edge)]
-    own = wd.bindings_capnp(worker, values)
     for s in sorted(set(state_sites)):
         # Object hosts run the sandbox entry as well, so the Breaker they host sees the
         # wrapped BREAKER (read-through to a draining generation reaches where it is pinned).
         literal = wd.worker_capnp(worker, values, storage_service=f"disk-{s}", global_outbound=f"out-{s}",
-                                  extra_modules=[(ENTRY_MODULE, WRAPPER.read_text())], main_module=ENTRY_MODULE)
-        if f"bindings = {own}" not in literal:
-            raise SandboxError("workerd config: unexpected worker literal from colocate.workerd.worker_capnp")
-        literal = literal.replace(f"bindings = {own}", f"bindings = {_append_bindings(own, sandbox_bindings(s))}")
+                                  extra_modules=entry, main_module=ENTRY_MODULE, extra_bindings=sandbox_bindings(s))
         services.append(wd.worker_service(f"state-{s}", literal))
         services.append(wd.disk_service(f"disk-{s}", Path(objects_dir) / s))
     for s in sorted(set(state_sites) | {edge_site}):
