@@ -20,7 +20,10 @@ $(STAMP_NPM): package.json package-lock.json
 	node_modules/.bin/workerd --version
 	touch $@
 
-test: setup test-js test-py
+test: setup lint test-js test-py
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 test-py: setup
 	$(PY) -m pytest

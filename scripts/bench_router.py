@@ -261,7 +261,7 @@ def _levels(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--concurrency: {text!r} is not a comma-separated list of whole numbers")
+        raise argparse.ArgumentTypeError(f"--concurrency: {text!r} is not a comma-separated list of whole numbers") from None
     if not out or any(c < 1 or c > 256 for c in out):
         raise argparse.ArgumentTypeError(f"--concurrency: {text!r}: use whole numbers 1..256, e.g. 1,32")
     return out

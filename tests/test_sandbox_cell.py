@@ -199,3 +199,13 @@ def test_ctrl_c_during_up_leaves_nothing(stacks, state_dir):
     assert not supervisor.is_running(state_dir)
     assert not (state_dir / "pod.json").exists()
     assert not list((state_dir / "pods").glob("*.json")) if (state_dir / "pods").exists() else True
+
+
+def test_apply_without_a_running_sandbox_says_so(tmp_path, stacks, capsys):
+    from colocate.sandbox.errors import NotRunning
+
+    with pytest.raises(NotRunning, match="sandbox.py up"):
+        supervisor.apply("sandbox", state_dir=tmp_path / "nothing", stacks_dir=stacks)
+    code = subprocess.run([sys.executable, str(ROOT / "scripts" / "sandbox.py"), "apply", "--state-dir",
+                           str(tmp_path / "nothing")], capture_output=True, text=True, timeout=60)
+    assert code.returncode == 2 and "no sandbox runs" in code.stderr

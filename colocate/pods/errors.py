@@ -59,6 +59,6 @@ def format_attempts(attempts: list[tuple[str, str, str]]) -> str:
     """A plain-text table of what create tried, for stderr and the error message."""
     rows = [("location", "tried", "result")] + [tuple(map(str, a)) for a in attempts]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -28,7 +28,10 @@ def state_dir() -> Path:
     return (Path(base) if base else REPO / ".colocate") / "pods"
 
 
-def alive(pid: int) -> bool:
+def alive(pid: int | None) -> bool:
+    """Whether process ``pid`` runs (None: no process)."""
+    if not pid:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

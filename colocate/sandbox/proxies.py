@@ -125,6 +125,14 @@ class _Relay(BaseHTTPRequestHandler):
             raise ValueError("request body too large for the sandbox network")
         return self.rfile.read(length) if length else None
 
+    def _body_or_413(self) -> bytes | None | bool:
+        """The request body, or False after answering 413 for one too large to relay."""
+        try:
+            return self._read_body()
+        except ValueError as exc:
+            self._json(413, {"error": {"code": "payload_too_large", "message": str(exc)}})
+            return False
+
     def _json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
@@ -196,10 +204,8 @@ class _Relay(BaseHTTPRequestHandler):
 class _FrontHandler(_Relay):
     def _handle(self) -> None:
         net = self.network
-        try:
-            body = self._read_body()
-        except ValueError as exc:
-            self._json(413, {"error": {"code": "payload_too_large", "message": str(exc)}})
+        body = self._body_or_413()
+        if body is False:
             return
         target = net.enter()
         if target is None:
@@ -225,10 +231,8 @@ class _FrontHandler(_Relay):
 class _OutboundHandler(_Relay):
     def _handle(self) -> None:
         net = self.network
-        try:
-            body = self._read_body()
-        except ValueError as exc:
-            self._json(413, {"error": {"code": "payload_too_large", "message": str(exc)}})
+        body = self._body_or_413()
+        if body is False:
             return
         caller = (self.headers.get(SITE_HEADER) or "").upper()
         if not caller:  # the control service carries no site
@@ -257,7 +261,7 @@ class _OutboundHandler(_Relay):
 
     def _trace(self, caller: str) -> None:
         # The trace endpoint answers from the colo the caller runs in: no hop to pay for.
-        lines = [f"fl=sandbox", f"h=www.cloudflare.com", f"ip=127.0.0.1", f"ts={time.time():.3f}",
+        lines = ["fl=sandbox", "h=www.cloudflare.com", "ip=127.0.0.1", f"ts={time.time():.3f}",
                  "visit_scheme=https", "uag=colocate-sandbox", f"colo={caller}", "sliver=none", "http=http/1.1",
                  "loc=XX", "tls=TLSv1.3", "sni=plaintext", "warp=off", "gateway=off", "rbi=off", "kex=none"]
         data = ("\n".join(lines) + "\n").encode()

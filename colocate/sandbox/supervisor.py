@@ -49,8 +49,9 @@ from pathlib import Path
 from .. import settings as settings_mod
 from .. import stackfile
 from ..plan import POD_URL_FROM_OUTPUT, CellPlan, plan_cell
+from ..pods.local import alive
 from . import config as config_mod
-from .errors import AlreadyRunning, StartupFailed
+from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import FALLBACK_SITE, Geography, Sites, landing_site, site
 from .pinning import FILE_NAME as PINS_FILE, Pins
 from .proxies import Network, NetworkServers
@@ -93,21 +94,6 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(ChildProcessError):  # reap our own zombie, if it is one
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    return True
 
 
 # --- secrets and plan --------------------------------------------------------------------
@@ -622,10 +608,10 @@ class Runner:
         return "stop requested"
 
     def cleanup(self) -> None:
-        for name, proc in list(self.children.items())[::-1]:
+        for proc in list(self.children.values())[::-1]:
             if proc.poll() is None:
                 proc.terminate()
-        for name, proc in self.children.items():
+        for proc in self.children.values():
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -359,10 +359,13 @@ def _matches(o: dict, query: dict) -> bool:
         if field == "geolocation":
             value = (value or "").rsplit(",", 1)[-1].strip()
         for op, arg in cond.items():
-            ok = {"eq": lambda: value == arg, "neq": lambda: value != arg, "in": lambda: value in arg,
-                  "notin": lambda: value not in arg, "gte": lambda: value is not None and value >= arg,
-                  "lte": lambda: value is not None and value <= arg, "gt": lambda: value is not None and value > arg,
-                  "lt": lambda: value is not None and value < arg}[op]()
-            if not ok:
+            if not _OPS[op](value, arg):
                 return False
     return True
+
+
+_OPS = {
+    "eq": lambda v, a: v == a, "neq": lambda v, a: v != a, "in": lambda v, a: v in a, "notin": lambda v, a: v not in a,
+    "gte": lambda v, a: v is not None and v >= a, "lte": lambda v, a: v is not None and v <= a,
+    "gt": lambda v, a: v is not None and v > a, "lt": lambda v, a: v is not None and v < a,
+}

@@ -95,7 +95,7 @@ def run_program(stack: str, config: dict, secret_keys: list[str]) -> Run:
         outs = [pulumi.Output.from_input(run.exports[n]) for n in names]
 
         async def resolve():
-            for name, out in zip(names, outs):
+            for name, out in zip(names, outs, strict=True):
                 run.secret_flags[name] = await out.is_secret()
                 run.resolved[name] = await out.future()
 
