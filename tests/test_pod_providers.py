@@ -144,6 +144,16 @@ def test_rate_limited_then_success_honours_retry_after(fake_runpod, env, capsys)
     assert time.monotonic() - fake_runpod.rate_limited_at[0] >= 0.95 and time.monotonic() - t0 >= 0.95
 
 
+def test_a_create_whose_reply_is_lost_is_adopted_not_repeated(fake_runpod, env, capsys):
+    # The POST lands but its answer is a 503: posting again blindly would rent a second GPU.
+    fake_runpod.lost_create_replies = 1
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
+    assert code == 0, err
+    assert len(fake_runpod.calls("POST", "/v2/pods")) == 1, "no second create after the lost reply"
+    assert [p["id"] for p in fake_runpod.live()] == [out["id"]]
+    assert "looking for" in err
+
+
 def test_readiness_timeout_destroys_the_pod(fake_runpod, env, capsys):
     fake_runpod.healthy = False  # RUNNING, address known, but /health answers 500
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", readyTimeoutS=1))])

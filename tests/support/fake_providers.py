@@ -206,6 +206,7 @@ class FakeRunPod(FakeApi):
         self.capacity: dict[str, bool] = {}  # data centre -> has capacity (default True)
         self.ready_after = 1  # GETs of a pod before it is RUNNING
         self.healthy = True  # whether the pod's server answers /health 200
+        self.lost_create_replies = 0  # the next k creates land but answer 503 (a reply lost on the way)
         self.pods: dict[str, dict] = {}
         self.polls: dict[str, int] = {}
         self.ids = (f"fakepod{n:04d}" for n in itertools.count(1))
@@ -242,6 +243,9 @@ class FakeRunPod(FakeApi):
                 "globalNetworking": {"enabled": False}, "runtime": None, "createdAt": _now(), "startedAt": None,
             }
             self.polls[pod_id] = 0
+            if self.lost_create_replies > 0:
+                self.lost_create_replies -= 1
+                return self._problem(503, "Service Unavailable", "upstream timeout")
             return 201, self._view(self.pods[pod_id]), {}, "application/json"
         if path.startswith("/v2/pods/"):
             pod_id = path.split("/")[3]
