@@ -140,6 +140,9 @@ def _pod_identity(region: str, s: PodSettings, generation: str) -> list[str]:
     return [region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, generation]
 
 
+PROBE_WAIT_S = 120  # a new route or custom domain can take a while to answer after a deploy
+
+
 @dataclass(frozen=True)
 class ProbePlan:
     region: str
@@ -148,6 +151,17 @@ class ProbePlan:
     samples: int
     enforce: bool
     floor_ms: dict[str, float]  # expected floors for an in-region cell
+
+    def argv(self, url: str, pod_location: str) -> list[str]:
+        """The post-deploy probe's arguments (the token travels in COLOCATE_PROBE_TOKEN)."""
+        args = ["scripts/probe.py", url, "--expect-region", self.region, "--samples", str(self.samples),
+                "--pod-location", pod_location]
+        for name, ms in sorted(self.budgets.items()):
+            args += ["--budget", f"{name}={ms:g}"]
+        args += ["--wait", str(PROBE_WAIT_S), "--json", "-"]
+        if not self.enforce:
+            args.append("--warn-only")  # report, but let the deploy finish
+        return args
 
 
 @dataclass(frozen=True)

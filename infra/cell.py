@@ -52,19 +52,6 @@ def _migrations(plan: CellPlan) -> cloudflare.WorkersScriptMigrationsArgs:
     return cloudflare.WorkersScriptMigrationsArgs(old_tag=m["old_tag"], new_tag=m["new_tag"], steps=steps)
 
 
-def _probe_command(plan: CellPlan, pod_location: str) -> str:
-    p = plan.probe
-    parts = [PYTHON, "scripts/probe.py", plan.worker.url, "--expect-region", p.region, "--samples", str(p.samples),
-             "--pod-location", pod_location]
-    for name, ms in sorted(p.budgets.items()):
-        parts += ["--budget", f"{name}={ms:g}"]
-    # A new route can take a few seconds to answer; the token comes from the environment.
-    parts += ["--wait", "120", "--json", "-"]
-    if not p.enforce:
-        parts.append("--warn-only")
-    return " ".join(parts)
-
-
 class Cell(pulumi.ComponentResource):
     """A colocate cell: Worker placement, the active state generation and the GPU pod move as one."""
 
@@ -182,7 +169,7 @@ class Cell(pulumi.ComponentResource):
         # measured truth. Re-runs whenever the Worker or the pod changes.
         self.probe = local.Command(
             f"{name}-probe",
-            create=pod_info.apply(lambda pod: _probe_command(plan, pod["location"])),
+            create=pod_info.apply(lambda pod: " ".join([PYTHON, *plan.probe.argv(w.url, pod["location"])])),
             environment=probe_env,
             triggers=[w.content_hash(), json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True),
                       json.dumps(w.placement, sort_keys=True), self.pod_command.stdout],

@@ -8,7 +8,6 @@ still in force after it (read through from the draining generation).
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from colocate import stackfile
 from colocate.sandbox import supervisor
 from colocate.sandbox.pinning import FILE_NAME as PINS
 from scripts import migrate
+from tests.support.sandbox import sandbox_stacks
 
 pytestmark = pytest.mark.slow
 RATE_PER_S = 50
@@ -28,11 +27,7 @@ MAX_LOAD_S = 180  # the load stops by itself even if the test body fails to stop
 
 @pytest.fixture
 def stacks(tmp_path):
-    d = tmp_path / "stacks"
-    d.mkdir()
-    shutil.copyfile(stackfile.path_of("sandbox"), stackfile.path_of("sandbox", d))
-    stackfile.write_config("sandbox", {"pod": {"provider": "local", "computeMs": 20}}, d)
-    return d
+    return sandbox_stacks(tmp_path / "stacks", compute_ms=20)
 
 
 @pytest.fixture

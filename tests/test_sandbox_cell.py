@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -18,6 +17,7 @@ from colocate import stackfile
 from colocate.sandbox import supervisor
 from colocate.sandbox.errors import AlreadyRunning
 from colocate.sandbox.geography import Geography
+from tests.support.sandbox import sandbox_stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -27,11 +27,7 @@ MODEL = Geography()
 @pytest.fixture
 def stacks(tmp_path):
     """A copy of the sandbox stack with a short compute time, edited by each test."""
-    d = tmp_path / "stacks"
-    d.mkdir()
-    shutil.copyfile(stackfile.path_of("sandbox"), stackfile.path_of("sandbox", d))
-    stackfile.write_config("sandbox", {"pod": {"provider": "local", "computeMs": 5}}, d)
-    return d
+    return sandbox_stacks(tmp_path / "stacks", compute_ms=5)
 
 
 @pytest.fixture
