@@ -110,6 +110,7 @@ def test_migration_under_load_drops_nothing_and_keeps_breaker_state(cell, stacks
 
     results = load.results
     failures = [r for r in results if r[0] != 200]
+    print(f"load: {len(results)} requests in {elapsed:.1f} s ({len(results) / elapsed:.0f}/s), {len(failures)} failed")
     assert not failures, f"{len(failures)} of {len(results)} requests failed: {failures[:5]}"
     assert len(results) >= 0.6 * RATE_PER_S * elapsed, (len(results), elapsed)  # the load really ran at ~50/s
     assert {backend for _, backend, _ in results} == {"fallback"}, "the forced-open breaker held throughout"
