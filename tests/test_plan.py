@@ -191,3 +191,14 @@ def test_a_class_deletion_needs_the_explicit_opt_in(monkeypatch):
         cell(raw_for(worker=applied))
     opted = cell(raw_for(worker={**applied, "allowClassDeletion": True}))
     assert opted.worker.migrations == {"old_tag": "v1", "new_tag": "v2", "steps": [{"deleted_classes": ["Breaker"]}]}
+
+
+def test_pod_py_reads_exactly_the_spec_the_plan_writes():
+    # scripts/pod.py re-validates the JSON at its edge; the two field lists must not drift.
+    from dataclasses import fields
+
+    from colocate.pods.spec import REQUIRED, PodSpec
+
+    written = set(cell(raw_for()).pod.spec())
+    assert written == set(REQUIRED) == {f.name for f in fields(PodSpec)}
+    assert PodSpec.from_dict(cell(raw_for()).pod.spec()).locations == ("AP-JP-1",)

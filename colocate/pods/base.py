@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import re
 from dataclasses import asdict, dataclass
 
 from .. import catalogue
+from .errors import PodConfigError
 
 # Normalised states: the orchestration only needs these.
 STARTING, RUNNING, DEAD = "starting", "running", "dead"
@@ -66,3 +69,12 @@ def belongs_to_stack(name: str | None, stack: str) -> bool:
         return False
     rest = name[len(f"colocate-{stack}-"):]
     return any(re.fullmatch(re.escape(r) + r"-g\d+(-[0-9a-f]{6})?", rest) for r in catalogue.REGIONS)
+
+
+def api_key(env_var: str, config_key: str) -> str:
+    """A provider's API key, from the environment only (never argv, never a file)."""
+    key = os.environ.get(env_var, "")
+    if not key:
+        raise PodConfigError(f"{env_var} is not set. Fix: export {env_var}=<key> "
+                             f"(from pulumi config colocate:{config_key}); it is never read from argv")
+    return key

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from .base import DEAD, RUNNING, STARTING, PodInfo, Provider
-from .errors import CapacityError, FatalError, PodConfigError, ProviderError
+from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
+from .errors import CapacityError, FatalError, ProviderError
 from .http import Api
 
 DEFAULT_BASE = "https://api.runpod.io"
@@ -26,10 +26,7 @@ class RunPod(Provider):
     name = "runpod"
 
     def __init__(self, token: str = ""):
-        key = os.environ.get("RUNPOD_API_KEY", "")
-        if not key:
-            raise PodConfigError("RUNPOD_API_KEY is not set. Fix: export RUNPOD_API_KEY=<key> "
-                                 "(from pulumi config colocate:runpodApiKey); it is never read from argv")
+        key = api_key("RUNPOD_API_KEY", "runpodApiKey")
         self.api = Api("runpod", os.environ.get("RUNPOD_API_BASE") or DEFAULT_BASE, key, secrets=(token,))
 
     def close(self) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-from .base import DEAD, RUNNING, STARTING, PodInfo, Provider
-from .errors import CapacityError, FatalError, NotFoundError, PodConfigError
+from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
+from .errors import CapacityError, FatalError, NotFoundError
 from .http import Api
 
 DEFAULT_BASE = "https://console.vast.ai"
@@ -30,10 +30,7 @@ class VastAI(Provider):
     name = "vastai"
 
     def __init__(self, token: str = ""):
-        key = os.environ.get("VASTAI_API_KEY", "")
-        if not key:
-            raise PodConfigError("VASTAI_API_KEY is not set. Fix: export VASTAI_API_KEY=<key> "
-                                 "(from pulumi config colocate:vastaiApiKey); it is never read from argv")
+        key = api_key("VASTAI_API_KEY", "vastaiApiKey")
         self.api = Api("vastai", os.environ.get("VASTAI_API_BASE") or DEFAULT_BASE, key, secrets=(token,))
         self.serve_port: int | None = None  # set by the lifecycle when the spec is known
 
