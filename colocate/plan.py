@@ -8,6 +8,7 @@ If they ever needed different plans, this module would be wrong.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,12 @@ COMPATIBILITY_DATE = "2026-11-01"
 # provider keeps no record of them (write-only in its state), so the stack file does
 # (colocate:worker.migrationTag). Steps only ever add: nothing here deletes a class.
 MIGRATIONS: tuple[tuple[str, dict], ...] = (("v1", {"new_sqlite_classes": [BREAKER_CLASS]}),)
-POD_URL_FROM_OUTPUT = "pod.url"  # marks a binding whose value is the created pod's URL
+POD_URLS_FROM_OUTPUT = "pod.urls"  # marks a binding whose value is the created pods' URLs
+
+
+def pod_urls_text(urls: list[str]) -> str:
+    """The POD_URLS binding's value: a JSON array of the pods' base URLs, in pod index order."""
+    return json.dumps([u.rstrip("/") for u in urls])
 
 
 @dataclass(frozen=True)
@@ -220,7 +226,7 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
         plain.append(("FALLBACK_MODEL", settings.fallback_model))
     bindings = [Binding("BREAKER", "durable_object_namespace", class_name=BREAKER_CLASS)]
     bindings += [Binding(name, "plain_text", text=value) for name, value in plain]
-    bindings.append(Binding("POD_URL", "plain_text", from_output=POD_URL_FROM_OUTPUT))
+    bindings.append(Binding("POD_URLS", "plain_text", from_output=POD_URLS_FROM_OUTPUT))
     bindings += [
         Binding("POD_TOKEN", "secret_text", secret="podToken"),
         Binding("FALLBACK_URL", "secret_text", secret="fallbackUrl"),

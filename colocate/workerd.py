@@ -4,8 +4,8 @@ The cloud and this module consume the same plan: the modules are read from disk
 (the bytes the Pulumi program uploads), the compatibility date and the bindings are
 the plan's (``colocate.plan.worker_bindings``), never hand-copied. Values the plan
 cannot hold (secrets, the pod's URL known only once the pod exists) come in
-``values``, keyed by binding name (``POD_TOKEN``, ``POD_URL``), by settings key
-(``podToken``) or by output name (``pod.url``). Imports no Pulumi.
+``values``, keyed by binding name (``POD_TOKEN``, ``POD_URLS``), by settings key
+(``podToken``) or by output name (``pod.urls``). Imports no Pulumi.
 
 Building blocks, composable for bigger configs (the sandbox hosts the same
 ``Breaker`` class in several DO-hosting services, each with its own outbound)::

@@ -17,7 +17,7 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate.plan import POD_URL_FROM_OUTPUT, Binding, CellPlan
+from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, pod_urls_text
 
 PYTHON = ".venv/bin/python"
 POD_CREATE = f"{PYTHON} scripts/pod.py create --spec -"
@@ -42,7 +42,7 @@ def _binding_args(binding: Binding, secrets: Mapping[str, pulumi.Input[str]], po
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, class_name=binding.class_name)
     if binding.type == "secret_text":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=secrets[binding.secret])
-    text = pod_url if binding.from_output == POD_URL_FROM_OUTPUT else binding.text
+    text = pod_url.apply(lambda u: pod_urls_text([u])) if binding.from_output == POD_URLS_FROM_OUTPUT else binding.text
     return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=text)
 
 

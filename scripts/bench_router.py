@@ -211,7 +211,7 @@ def bench(args) -> dict:
     levels = []
     with standin_process(args.compute_ms) as pod_url, standin_process(0) as fallback_url:
         cell_plan = bench_plan(args.deadline_ms)
-        values = {"POD_URL": pod_url, "FALLBACK_URL": fallback_url, **SECRETS}
+        values = {"POD_URLS": plan_mod.pod_urls_text([pod_url]), "FALLBACK_URL": fallback_url, **SECRETS}
         with router(cell_plan, values, args.far_state_ms) as worker_url:
             # Warm both paths (isolate, connection pools, the object's first touch).
             run_load(pod_url, 2, 50, 10, POD_TOKEN)

@@ -55,7 +55,7 @@ def test_worker_declared_from_the_region(deployed):
     assert bindings["CELL_REGION"]["text"] == region.name
     assert "DRAINING_GENERATION" not in bindings
     # Without a zone the Worker reaches the pod at the address the pod command reported.
-    assert bindings["POD_URL"]["text"] == "http://203.0.113.7:41234"
+    assert bindings["POD_URLS"]["text"] == '["http://203.0.113.7:41234"]'
 
 
 def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
@@ -159,7 +159,7 @@ def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
     assert dns["name"] == "pod-apac-jp-g1.example.com"
     bindings, _ = bindings_of(run)
     # The pod's public port comes from the create output (providers map ports).
-    assert bindings["POD_URL"]["text"] == "http://pod-apac-jp-g1.example.com:41234"
+    assert bindings["POD_URLS"]["text"] == '["http://pod-apac-jp-g1.example.com:41234"]'
     assert run.resolved[outputs.WORKER_URL] == "https://infer.example.com"
 
 

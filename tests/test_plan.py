@@ -59,7 +59,7 @@ def test_bindings_are_generated_from_the_plan():
     assert names[0] == "BREAKER"
     assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "PROBE_TOKEN"} <= {
         b.name for b in p.worker.bindings if b.type == "secret_text"}
-    assert p.worker.binding("POD_URL").from_output == plan.POD_URL_FROM_OUTPUT
+    assert p.worker.binding("POD_URLS").from_output == plan.POD_URLS_FROM_OUTPUT
     assert p.worker.binding("DEADLINE_MS").text == "2000"
     assert not any(b.text and "s3cret" in b.text for b in p.worker.bindings)
 

@@ -28,7 +28,7 @@ def test_config_holds_the_plan_modules_bindings_and_namespace():
     assert f'(name = "POD_TOKEN", text = "{SECRETS["POD_TOKEN"]}")' in text
 
 
-@pytest.mark.parametrize("missing", ["POD_TOKEN", "POD_URL"])
+@pytest.mark.parametrize("missing", ["POD_TOKEN", "POD_URLS"])
 def test_missing_value_names_the_binding(missing):
     vals = {k: v for k, v in values().items() if k != missing}
     with pytest.raises(workerd.BindingValueMissing, match=missing) as exc:
@@ -39,9 +39,9 @@ def test_missing_value_names_the_binding(missing):
 
 def test_values_by_settings_key_and_output_name():
     plan = cell_plan()
-    by_source = {"pod.url": "http://127.0.0.1:9", "podToken": "a", "fallbackUrl": "https://x", "fallbackApiKey": "b",
+    by_source = {"pod.urls": '["http://127.0.0.1:9"]', "podToken": "a", "fallbackUrl": "https://x", "fallbackApiKey": "b",
                  "probeToken": "c"}
-    assert workerd.resolve_bindings(plan.worker, by_source)["POD_URL"] == "http://127.0.0.1:9"
+    assert workerd.resolve_bindings(plan.worker, by_source)["POD_URLS"] == '["http://127.0.0.1:9"]'
 
 
 def test_capnp_text_escapes():

@@ -9,6 +9,7 @@ benchmark sees beyond the plain router is the state hop alone.
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -36,7 +37,7 @@ def router_with_state_delay(plan: CellPlan, values: Mapping[str, str], delay_ms:
         pins = Pins(tmp_path / PINS_FILE)
         pins.touch(plan.state.active.name, FAR)  # as if first touched from over there
         sites = Sites(client=EDGE, edge=EDGE, pod=EDGE, fallback=EDGE)
-        targets = {_hostport(values["POD_URL"]): EDGE, _hostport(values["FALLBACK_URL"]): EDGE}
+        targets = {**{_hostport(u): EDGE for u in json.loads(values["POD_URLS"])}, _hostport(values["FALLBACK_URL"]): EDGE}
         with NetworkServers(Network(geography, sites, pins, targets)) as servers:
             objects = tmp_path / "objects"
             text = config_mod.compose(plan, values=dict(values), edge_site=EDGE, state_sites=[EDGE, FAR],

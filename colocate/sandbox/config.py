@@ -35,7 +35,7 @@ CONTROL_SERVICE = "sandbox-control"
 def compose(plan: CellPlan, *, values: dict[str, str], edge_site: str, state_sites: list[str],
             outbound: tuple[str, int], objects_dir: Path) -> str:
     """The whole config text. ``values`` fills secret and from-output bindings (by secret
-    key, binding name or ``pod.url``); ``outbound`` is the proxy's (host, port)."""
+    key, binding name or ``pod.urls``); ``outbound`` is the proxy's (host, port)."""
     if edge_site not in state_sites:
         raise SandboxError(f"workerd config: the edge site {edge_site} needs an object host")
     worker = plan.worker

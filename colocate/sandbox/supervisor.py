@@ -48,7 +48,7 @@ from pathlib import Path
 
 from .. import settings as settings_mod
 from .. import stackfile
-from ..plan import POD_URL_FROM_OUTPUT, CellPlan, plan_cell
+from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, plan_cell, pod_urls_text
 from ..pods.local import alive
 from . import config as config_mod
 from .errors import AlreadyRunning, NotRunning, StartupFailed
@@ -497,7 +497,7 @@ class Runner:
         pins = Pins(self.state_dir / PINS_FILE)
         state_sites = object_sites(plan, sites.edge, pins)
         objects = self.state_dir / "objects"
-        values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url, POD_URL_FROM_OUTPUT: pod_url}
+        values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url, POD_URLS_FROM_OUTPUT: pod_urls_text([pod_url])}
         text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
                                   outbound=("127.0.0.1", self.servers.outbound.port), objects_dir=objects)
         config_path = config_mod.write(self.state_dir / "workerd.capnp", text, objects, state_sites)

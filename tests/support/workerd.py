@@ -51,7 +51,7 @@ def cell_plan(worker: dict | None = None, generations: list[dict] | None = None,
 
 def values_for(pod_url: str, fallback_url: str) -> dict[str, str]:
     # FALLBACK_URL is a secret too: it is keyed by its settings name here, to exercise both lookups.
-    return {"POD_URL": pod_url, "fallbackUrl": fallback_url, **SECRETS}
+    return {"POD_URLS": plan_mod.pod_urls_text([pod_url]), "fallbackUrl": fallback_url, **SECRETS}
 
 
 @dataclass

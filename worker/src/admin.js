@@ -42,7 +42,7 @@ export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
 async function podHealth(cfg, fetchImpl) {
   const t = now();
   try {
-    const res = await fetchImpl(cfg.podUrl + "/health", { signal: AbortSignal.timeout(cfg.deadlineMs) });
+    const res = await fetchImpl(cfg.podUrls[0] + "/health", { signal: AbortSignal.timeout(cfg.deadlineMs) });
     await res.body?.cancel().catch(() => {});
     return { ms: now() - t, ok: res.status === 200, status: res.status };
   } catch {
@@ -76,7 +76,7 @@ async function probe(request, env, cfg, fetchImpl) {
     hint: cfg.activeHint,
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
-    pod_host: new URL(cfg.podUrl).host,
+    pod_host: new URL(cfg.podUrls[0]).host,
     breaker: snap,
   };
   const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pod.ms, total: now() - t0 }, PROBE_METRICS);

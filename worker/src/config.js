@@ -26,7 +26,10 @@ function text(env, name, { required = true, secret = false } = {}) {
 }
 
 function baseUrl(env, name, secret) {
-  const v = text(env, name, { secret });
+  return checkUrl(name, text(env, name, { secret }), secret);
+}
+
+function checkUrl(name, v, secret) {
   let u;
   try {
     u = new URL(v);
@@ -35,6 +38,21 @@ function baseUrl(env, name, secret) {
   }
   if (u.protocol !== "http:" && u.protocol !== "https:") throw new ConfigurationError(name, "must be http(s)");
   return v.replace(/\/+$/, "");
+}
+
+/** POD_URLS: a JSON array of the pods' base URLs, pod index = position. */
+function podUrls(env) {
+  const raw = text(env, "POD_URLS");
+  let list;
+  try {
+    list = JSON.parse(raw);
+  } catch {
+    list = null;
+  }
+  if (!Array.isArray(list) || list.length === 0 || !list.every((u) => typeof u === "string")) {
+    throw new ConfigurationError("POD_URLS", `must be a JSON array of pod URLs (got ${JSON.stringify(raw)})`);
+  }
+  return Object.freeze(list.map((u) => checkUrl("POD_URLS", u, false)));
 }
 
 /** @returns the checked configuration for this env (cached per env object). */
@@ -54,7 +72,7 @@ export function readConfig(env) {
     openMs: int(env, "OPEN_MS", { min: 1 }),
     stateTtlMs: int(env, "STATE_TTL_MS", { min: 0 }),
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
-    podUrl: baseUrl(env, "POD_URL", false),
+    podUrls: podUrls(env),
     fallbackUrl: baseUrl(env, "FALLBACK_URL", true),
     podToken: text(env, "POD_TOKEN", { secret: true }),
     fallbackApiKey: text(env, "FALLBACK_API_KEY", { secret: true }),

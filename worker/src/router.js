@@ -69,7 +69,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   if (decision === "pod") {
     const t = now();
     const deadline = Math.max(1, cfg.deadlineMs - (t - t0));
-    const res = await tryPod(fetchImpl, cfg.podUrl + path, {
+    const res = await tryPod(fetchImpl, cfg.podUrls[0] + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
       body: bytes,

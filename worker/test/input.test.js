@@ -36,14 +36,14 @@ test("malformed JSON and non-objects are 400 invalid_json", () => {
 const env = {
   BREAKER: {}, CELL_REGION: "us-east", ACTIVE_GENERATION: "us-east.g1", ACTIVE_HINT: "enam",
   DEADLINE_MS: "300", MAX_BODY_BYTES: "100", FAILURE_THRESHOLD: "3", OPEN_MS: "1000", STATE_TTL_MS: "0",
-  POD_URL: "http://127.0.0.1:9/", POD_TOKEN: "pod-secret", FALLBACK_URL: "https://api.example.com/",
+  POD_URLS: '["http://127.0.0.1:9/"]', POD_TOKEN: "pod-secret", FALLBACK_URL: "https://api.example.com/",
   FALLBACK_API_KEY: "fb-secret", PROBE_TOKEN: "probe-secret",
 };
 
 test("config parses numbers and trims URLs; a bad binding is named without its secret", () => {
   const cfg = readConfig({ ...env });
   assert.equal(cfg.deadlineMs, 300);
-  assert.equal(cfg.podUrl, "http://127.0.0.1:9");
+  assert.deepEqual(cfg.podUrls, ["http://127.0.0.1:9"]);
   assert.equal(cfg.drainingGeneration, null);
   assert.throws(() => readConfig({ ...env, DEADLINE_MS: "soon" }), (e) => e instanceof ConfigurationError && e.binding === "DEADLINE_MS");
   assert.throws(() => readConfig({ ...env, FALLBACK_URL: "not a url fb-secret" }),
