@@ -95,6 +95,10 @@ class StatePlan:
 
 @dataclass(frozen=True)
 class PodPlan:
+    """One pod of the cell. ``index`` is stable: pod i keeps its name, triggers and
+    binding position when the count changes, so only the pods concerned are touched."""
+
+    index: int
     name: str
     stack: str
     region: str
@@ -112,6 +116,9 @@ class PodPlan:
         """
         if self.pod_hostname:
             return f"http://{self.pod_hostname}:{created['port']}"
+        if self.settings.provider == "local":
+            # A hostname, as on Cloudflare (Workers cannot fetch IP literals).
+            return f"http://localhost:{created['port']}"
         return created["url"]
 
     def spec(self) -> dict:
@@ -135,11 +142,12 @@ class PodPlan:
             "min_reliability": s.min_reliability,
             "ready_timeout_s": s.ready_timeout_s,
             "compute_ms": s.compute_ms,
+            "index": self.index,
         }
 
     def triggers(self) -> list[str]:
         # Any change here replaces the pod (create the new one, then delete the old).
-        return _pod_identity(self.region, self.settings, self.generation)
+        return _pod_identity(self.region, self.settings, self.generation) + [f"pod-{self.index}"]
 
 
 def _pod_identity(region: str, s: PodSettings, generation: str) -> list[str]:
@@ -176,8 +184,13 @@ class CellPlan:
     region: Region
     worker: WorkerPlan
     state: StatePlan
-    pod: PodPlan
+    pods: tuple[PodPlan, ...]  # pod.count pods, index order
     probe: ProbePlan
+
+    @property
+    def pod(self) -> PodPlan:
+        """Pod 0 (every cell has at least one)."""
+        return self.pods[0]
 
 
 def worker_modules(directory: Path = WORKER_DIR) -> tuple[Module, ...]:
@@ -253,15 +266,22 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
     # in the same generation) gets a new name, so `create` never adopts the pod that the
     # replacement's `delete` is about to remove.
     identity = hashlib.sha256("\0".join(_pod_identity(reg.name, settings.pod, gen)).encode()).hexdigest()[:6]
-    pod = PodPlan(
-        name=f"colocate-{settings.stack}-{gen}-{identity}".replace(".", "-").replace("_", "-").lower(),
-        stack=settings.stack,
-        region=reg.name,
-        generation=gen,
-        settings=settings.pod,
-        locations=reg.locations(settings.pod.provider),
-        pod_hostname=pod_hostname,
+    locations = reg.locations(settings.pod.provider)
+    pods = tuple(
+        PodPlan(
+            index=i,
+            name=f"colocate-{settings.stack}-{gen}-p{i}-{identity}".replace(".", "-").replace("_", "-").lower(),
+            stack=settings.stack,
+            region=reg.name,
+            generation=gen,
+            settings=settings.pod,
+            # Pod i prefers the region's i-th location (spread), the others stay as capacity fallbacks.
+            locations=locations[i % len(locations):] + locations[:i % len(locations)],
+            pod_hostname=pod_hostname,
+        )
+        for i in range(settings.pod.count)
     )
+    pod = pods[0]
     migrations, pending = migrations_after(settings.worker.migration_tag, settings.worker.allow_class_deletion)
     placement = {"mode": "smart"} if settings.worker.placement == "smart" else {"region": reg.placement_region}
     worker = WorkerPlan(
@@ -288,4 +308,4 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
         enforce=settings.enforce,
         floor_ms={"state_rtt": 0.0, "pod_rtt": round(geo.floor_ms(reg.edge_site, pod_site), 2)},
     )
-    return CellPlan(settings.stack, reg, worker, state, pod, probe)
+    return CellPlan(settings.stack, reg, worker, state, pods, probe)

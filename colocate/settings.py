@@ -42,6 +42,7 @@ POD_DEFAULTS = {
     "minReliability": 0.98,
     "readyTimeoutS": 900,
     "computeMs": 95,
+    "count": 1,
 }
 WORKER_DEFAULTS = {
     "name": "",  # empty: colocate-<stack>
@@ -62,7 +63,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("region", "string", None, "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
     Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
-    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only)."),
+    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations)."),
     Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (recorded by the kit), allowClassDeletion."),
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
@@ -97,6 +98,10 @@ class PodSettings:
     min_reliability: float
     ready_timeout_s: int
     compute_ms: int
+    count: int = 1
+
+
+MAX_PODS = 8
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,16 @@ def parse_pod(raw: dict) -> PodSettings:
         min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False)),
         ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
         compute_ms=_number(k + "computeMs", p["computeMs"], integer=True, strict=False),
+        count=_pod_count(k + "count", p["count"]),
     )
+
+
+def _pod_count(key: str, value: object) -> int:
+    n = _number(key, value, integer=True)
+    if n > MAX_PODS:
+        raise ConfigError(key, value, f"a cell runs at most {MAX_PODS} pods",
+                          f"pulumi config set --path {key} <1..{MAX_PODS}>, or split the traffic over several cells")
+    return n
 
 
 def parse_worker(raw: dict, stack: str) -> WorkerSettings:

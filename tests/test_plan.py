@@ -70,7 +70,7 @@ def test_draining_generation_is_bound_with_its_own_hint():
     p = cell(raw_for(generations=gens))
     assert p.worker.binding("DRAINING_GENERATION").text == "us-east.g1"
     assert p.worker.binding("DRAINING_HINT").text == "enam"
-    assert re.fullmatch(r"colocate-t-apac-jp-g2-[0-9a-f]{6}", p.pod.name)
+    assert re.fullmatch(r"colocate-t-apac-jp-g2-p0-[0-9a-f]{6}", p.pod.name)
     assert "apac-jp.g2" in p.pod.triggers()
 
 

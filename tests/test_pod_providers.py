@@ -33,7 +33,7 @@ def make_spec(region: str, provider: str, stack: str = "t1", gen: int = 1, **ove
                            cloud=d["cloud"], min_reliability=d["minReliability"], ready_timeout_s=d["readyTimeoutS"],
                            compute_ms=d["computeMs"])
     generation = f"{region}.g{gen}"
-    plan = PodPlan(name=f"colocate-{stack}-{generation}".replace(".", "-"), stack=stack, region=region,
+    plan = PodPlan(index=0, name=f"colocate-{stack}-{generation}".replace(".", "-"), stack=stack, region=region,
                    generation=generation, settings=settings,
                    locations=catalogue.region(region).locations(provider), pod_hostname=None)
     return plan.spec()

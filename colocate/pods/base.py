@@ -64,11 +64,11 @@ class Provider:
 
 
 def belongs_to_stack(name: str | None, stack: str) -> bool:
-    """``colocate-<stack>-<region>-g<N>-<digest>`` exactly: stack ``a`` must not claim stack ``a-b``'s pods."""
+    """``colocate-<stack>-<region>-g<N>-p<i>-<digest>`` exactly: stack ``a`` must not claim stack ``a-b``'s pods."""
     if not name or not name.startswith(f"colocate-{stack}-"):
         return False
     rest = name[len(f"colocate-{stack}-"):]
-    return any(re.fullmatch(re.escape(r) + r"-g\d+(-[0-9a-f]{6})?", rest) for r in catalogue.REGIONS)
+    return any(re.fullmatch(re.escape(r) + r"-g\d+(-p\d+)?(-[0-9a-f]{6})?", rest) for r in catalogue.REGIONS)
 
 
 def api_key(env_var: str, config_key: str) -> str:

@@ -20,7 +20,7 @@ from .errors import PodConfigError
 REQUIRED = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
             "gpu": str, "gpu_count": int, "image": str, "model": str, "port": int, "disk_gb": int,
             "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
-            "ready_timeout_s": (int, float), "compute_ms": (int, float)}
+            "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int}
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class PodSpec:
     min_reliability: float
     ready_timeout_s: float
     compute_ms: float
+    index: int  # the pod's place in the cell (colocate:pod.count)
 
     @classmethod
     def from_dict(cls, data: object) -> "PodSpec":
