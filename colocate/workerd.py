@@ -18,6 +18,8 @@ Building blocks, composable for bigger configs (the sandbox hosts the same
     external_service(name, host, port, inject_headers=None)
     network_service(name)              loopback-and-public network (the default outbound here)
     disk_service(name, path)           writable directory for ``durableObjectStorage.localDisk``
+                                       (the generation object uses SQLite, which workerd offers
+                                       only on localDisk; ``inMemory`` has the KV API alone)
     config_capnp(services, sockets)    the whole file; services/sockets are (name, literal) pairs
     socket_capnp(name, port, service)
     render_config(worker, values, *, port, ...)   all of the above for one worker
@@ -325,7 +327,8 @@ class Workerd:
         """Render ``worker`` for a fresh port and start it: ``with Workerd.serve(plan.worker, values) as w``."""
         w = cls(directory)
         try:
-            w.start(render_config(worker, values, port=w.port, storage_dir=storage_dir,
+            # SQLite (the generation object's storage) needs localDisk storage in workerd.
+            w.start(render_config(worker, values, port=w.port, storage_dir=storage_dir or w.directory / "objects",
                                   global_outbound=global_outbound, inject_headers=inject_headers))
         except BaseException:
             w.close()
@@ -336,7 +339,9 @@ class Workerd:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, config: str) -> Workerd:
+    def start(self, config: str, extra_sockets: Mapping[str, socket.socket] | None = None) -> Workerd:
+        """Start workerd on ``config``. ``extra_sockets`` hands more bound sockets to it, by
+        the config's socket name (the caller keeps them open while workerd runs)."""
         binary = workerd_binary()
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -346,6 +351,9 @@ class Workerd:
         if self._sock is not None:
             args.append(f"--socket-fd={self.socket_name}={self._sock.fileno()}")
             pass_fds = (self._sock.fileno(),)
+        for name, s in (extra_sockets or {}).items():
+            args.append(f"--socket-fd={name}={s.fileno()}")
+            pass_fds += (s.fileno(),)
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -48,7 +48,7 @@ def test_body_over_the_limit_is_413(cell, chunked):
     error_of(cell.call("POST", "/v1/completions", body=big, chunked=chunked), 413, "payload_too_large")
     assert cell.pod.requests == before
     ok = cell.call("POST", "/v1/completions", body={"model": "m", "prompt": "x" * 100}, chunked=chunked)
-    assert ok.status == 200 and ok.headers["x-colocate-backend"] == "pod"
+    assert ok.status == 200 and ok.headers["x-colocate-backend"] == "pod-0"
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

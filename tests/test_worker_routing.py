@@ -21,10 +21,10 @@ def cell():
 
 def test_healthy_pod_serves_with_its_token_and_timing(cell):
     before = cell.pod.requests
-    # The client's own credentials must not reach the pod; the pod only accepts POD_TOKEN.
-    res = cell.call("POST", "/v1/chat/completions", body=chat(), headers={"authorization": "Bearer client-key"})
+    # The client's key must not reach the pod; the pod only accepts POD_TOKEN.
+    res = cell.call("POST", "/v1/chat/completions", body=chat())
     assert res.status == 200, res.body
-    assert res.headers["x-colocate-backend"] == "pod"
+    assert res.headers["x-colocate-backend"] == "pod-0"
     assert res.headers["x-standin"] == "pod"
     assert res.json()["object"] == "chat.completion"
     assert res.json()["model"] == "client/model"  # body passed unchanged
@@ -38,7 +38,7 @@ def test_healthy_pod_serves_with_its_token_and_timing(cell):
 
 def test_models_and_completions_paths_with_query(cell):
     res = cell.call("GET", "/v1/models?limit=1")
-    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod"
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0"
     assert res.json()["object"] == "list"
     res = cell.call("POST", "/v1/completions", body={"model": "m", "prompt": "hi", "max_tokens": 3})
     assert res.status == 200 and res.json()["object"] == "text_completion"
@@ -54,11 +54,11 @@ def test_sse_passes_through_chunk_by_chunk(cell):
     conn = http.client.HTTPConnection("127.0.0.1", cell.worker.port, timeout=30)
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps(chat(stream=True)),
-                      headers={"content-type": "application/json"})
+                      headers={"content-type": "application/json", "authorization": f"Bearer {cell.key}"})
         res = conn.getresponse()
         assert res.status == 200
         assert res.getheader("content-type").startswith("text/event-stream")
-        assert res.getheader("x-colocate-backend") == "pod"
+        assert res.getheader("x-colocate-backend") == "pod-0"
         arrivals, events, buf = [], [], b""
         while not events or events[-1] != b"[DONE]":
             piece = res.read1(65536)  # whatever has arrived, de-chunked
@@ -96,6 +96,8 @@ def test_probe_reports_the_cell(cell):
     assert body["worker_colo"] is None and body["state_colo"] is None  # offline: no trace
     assert body["pod_ok"] is True and body["pod_status"] == 200
     assert body["pod_host"] == f"127.0.0.1:{cell.pod.port}"
+    assert body["pods"] == [{"index": 0, "host": f"127.0.0.1:{cell.pod.port}", "rtt_ms": body["pod_rtt_ms"], "ok": True, "status": 200}]
+    assert "fallback" not in body  # checked only when asked (?fallback=1)
     assert body["breaker"]["state"] == "closed" and body["breaker"]["forced"] is None
     assert isinstance(body["state_rtt_ms"], (int, float)) and isinstance(body["pod_rtt_ms"], (int, float))
     assert [p.split(";")[0] for p in res.headers["server-timing"].split(", ")] == ["state_rtt", "pod_rtt", "total"]

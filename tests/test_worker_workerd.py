@@ -88,7 +88,7 @@ def test_global_outbound_shape(tmp_path):
     with outbound(colo="TST") as world, workerd.Workerd(tmp_path) as w:
         cfg = workerd.render_config(plan.worker, values_for("http://pod.example:8000", "https://api.example.com"),
                                     port=w.port, global_outbound=("127.0.0.1", world.port),
-                                    inject_headers={"x-sandbox-hop": "edge"})
+                                    inject_headers={"x-sandbox-hop": "edge"}, storage_dir=tmp_path / "do")
         w.start(cfg)
         res = request(w.url, "GET", "/_colocate/probe", headers=auth())
         assert res.status == 200, res.body

@@ -121,6 +121,14 @@ class Cell:
         return self.worker.url
 
     def call(self, method: str, path: str, **kw) -> Response:
+        """One request; routed paths (/v1/...) carry the cell's client key unless the caller
+        sends its own Authorization header (pass ``headers={"authorization": ""}`` for none)."""
+        if path.startswith("/v1/") and self.key:
+            headers = dict(kw.pop("headers", None) or {})
+            if not any(k.lower() == "authorization" for k in headers):
+                headers["authorization"] = f"Bearer {self.key}"
+            headers = {k: v for k, v in headers.items() if v != ""}
+            kw["headers"] = headers
         res = request(self.url, method, path, **kw)
         self.responses.append(res)
         return res
@@ -153,22 +161,35 @@ class Cell:
         self.worker.stop()
         self.plan = plan
         self.worker.start(render_config(plan.worker, values_for(self.pod.url, self.fallback.url), port=self.worker.port,
-                                        storage_dir=self._storage))
+                                        storage_dir=self._storage or self.worker.directory / "objects"))
+
+    def create_key(self, name: str = "test", **limits) -> dict:
+        """A new client key through the admin endpoint (the plaintext is in ``["key"]``)."""
+        res = self.call("POST", "/_colocate/keys", body={"name": name, **limits}, headers=auth())
+        assert res.status == 201, res.body
+        return res.json()
 
     _storage: Path | None = None
+    key: str | None = None
 
 
 @contextlib.contextmanager
 def running_cell(worker: dict | None = None, generations: list[dict] | None = None, *, compute_ms: float = 5,
-                 storage_dir: Path | None = None, **raw_overrides) -> Iterator[Cell]:
-    """A stand-in pod and fallback (separate tokens) and workerd running the sandbox plan."""
+                 storage_dir: Path | None = None, with_key: bool = True, **raw_overrides) -> Iterator[Cell]:
+    """A stand-in pod and fallback (separate tokens) and workerd running the sandbox plan,
+    with a client key (``cell.key``) that routed calls carry. Objects are stored on disk
+    (``storage_dir``, default inside workerd's directory): workerd offers SQLite to
+    Durable Objects only with localDisk storage."""
     plan = cell_plan(worker, generations, **raw_overrides)
     with standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name="pod") as pod, \
             standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME, name="fallback") as fb, \
             Workerd() as w:
-        w.start(render_config(plan.worker, values_for(pod.url, fb.url), port=w.port, storage_dir=storage_dir))
+        w.start(render_config(plan.worker, values_for(pod.url, fb.url), port=w.port,
+                              storage_dir=storage_dir or w.directory / "objects"))
         cell = Cell(w, pod, fb, plan)
         cell._storage = storage_dir
+        if with_key:
+            cell.key = cell.create_key("test")["key"]
         yield cell
 
 
@@ -222,3 +243,83 @@ def outbound(colo: str = "TST") -> Iterator[Outbound]:
         server.shutdown()
         server.server_close()
         t.join(timeout=10)
+
+
+# --- Counting object calls, and two isolates sharing one generation ------------------
+
+# A test-only entry module (never uploaded): it hands the product an env whose BREAKER
+# counts every call made on a stub, and answers GET /__test/object-calls with the count.
+# The product modules are the cloud's bytes; only the entry around them is the test's.
+COUNTING_ENTRY = "__test_counting.js"
+COUNTING_JS = """
+import product from "./index.js";
+export * from "./index.js";
+const counts = { calls: 0, by_method: {} };
+const wrapped = new WeakMap();
+function counted(ns) {
+  return {
+    idFromName: (n) => ns.idFromName(n),
+    get(id, options) {
+      const stub = ns.get(id, options);
+      return new Proxy({}, { get(_t, prop) {
+        if (prop === "then") return undefined;
+        return (...args) => { counts.calls++; counts.by_method[prop] = (counts.by_method[prop] || 0) + 1; return stub[prop](...args); };
+      } });
+    },
+  };
+}
+export default {
+  fetch(request, env, ctx) {
+    if (new URL(request.url).pathname === "/__test/object-calls") return Response.json(counts);
+    let e = wrapped.get(env);
+    if (!e) { e = { ...env, BREAKER: counted(env.BREAKER) }; wrapped.set(env, e); }
+    return product.fetch(request, e, ctx);
+  },
+};
+"""
+
+
+def object_calls(url: str) -> int:
+    """How many calls the isolate behind ``url`` has made on generation objects so far."""
+    return request(url, "GET", "/__test/object-calls").json()["calls"]
+
+
+@dataclass
+class TwinCell:
+    """Two isolates (two worker services in one workerd) routing for one generation: the
+    first hosts the objects, the second reaches them through the first's namespace, as two
+    Cloudflare isolates share one Durable Object."""
+
+    worker: Workerd
+    pod: standin.StandinServer
+    fallback: standin.StandinServer
+    plan: object
+    urls: tuple[str, str]
+    key: str | None = None
+
+
+@contextlib.contextmanager
+def twin_cell(worker: dict | None = None, *, compute_ms: float = 1, **raw_overrides) -> Iterator[TwinCell]:
+    from colocate import workerd as wd
+
+    plan = cell_plan(worker, **raw_overrides)
+    with standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name="pod") as pod, \
+            standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME, name="fallback") as fb, \
+            Workerd() as w:
+        second = wd.listening_socket()
+        try:
+            values = values_for(pod.url, fb.url)
+            extra = [(COUNTING_ENTRY, COUNTING_JS)]
+            a = wd.worker_capnp(plan.worker, values, storage_service="disk", extra_modules=extra, main_module=COUNTING_ENTRY)
+            b = wd.worker_capnp(plan.worker, values, host_objects=False, do_service="a", extra_modules=extra,
+                                main_module=COUNTING_ENTRY)
+            services = [wd.worker_service("a", a), wd.worker_service("b", b), wd.network_service(),
+                        wd.disk_service("disk", w.directory / "objects")]
+            sockets = [wd.socket_capnp("http", w.port, "a"), wd.socket_capnp("second", 0, "b")]
+            w.start(wd.config_capnp(services, sockets), extra_sockets={"second": second})
+            cell = TwinCell(w, pod, fb, plan, (w.url, f"http://127.0.0.1:{second.getsockname()[1]}"))
+            res = request(w.url, "POST", "/_colocate/keys", body={"name": "twin"}, headers=auth())
+            cell.key = res.json()["key"]
+            yield cell
+        finally:
+            second.close()

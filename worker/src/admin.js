@@ -1,13 +1,21 @@
-// The operator endpoints, all behind PROBE_TOKEN: probe, breaker override, purge.
+// The operator endpoints, all behind PROBE_TOKEN: probe, breaker override, purge, client
+// keys and usage. The probe token is never a client key and a client key never opens
+// these (tokenMatches compares against PROBE_TOKEN only).
 
 import { readBody, parseJsonObject } from "./body.js";
 import { HttpError, jsonResponse } from "./errors.js";
 import { FORCE_VALUES } from "./machine.js";
+import { displayPrefix, keyHash, newKey, newKeyId } from "./keys.js";
+import { dayOf, monthStartDay } from "./limits.js";
+import { podSnap } from "./pods.js";
 import { cache, activeStub, infoOf, stubFor } from "./state.js";
 import { fetchColo, rayColo } from "./trace.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
+const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$/;
+const DAY_RE = /^\d{4}-\d{2}-\d{2}$/;
+const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens"];
 
 async function digest(text) {
   return new Uint8Array(await crypto.subtle.digest("SHA-256", new TextEncoder().encode(text)));
@@ -32,36 +40,67 @@ async function jsonBody(request) {
   return parseJsonObject(await readBody(request, ADMIN_BODY_LIMIT));
 }
 
+const HANDLERS = {
+  probe: (request, env, cfg, url, r, fetchImpl) => probe(request, env, cfg, url, fetchImpl),
+  breaker: (request, env, cfg) => breaker(request, env, cfg),
+  purge: (request, env, cfg) => purge(request, env, cfg),
+  keys: (request, env, cfg) => (request.method === "POST" ? createKey(request, env, cfg) : listKeys(env, cfg)),
+  revoke: (request, env, cfg, url, r) => revokeKey(env, cfg, r.param),
+  usage: (request, env, cfg, url) => usage(env, cfg, url),
+};
+
 export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
   await authorise(request, cfg);
-  if (r.kind === "probe") return probe(request, env, cfg, fetchImpl);
-  if (r.kind === "breaker") return breaker(request, env, cfg);
-  return purge(request, env, cfg);
+  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl);
 }
 
-async function podHealth(cfg, fetchImpl) {
+const noStore = { "cache-control": "no-store" };
+
+async function health(fetchImpl, url, deadlineMs, headers) {
   const t = now();
   try {
-    const res = await fetchImpl(cfg.podUrls[0] + "/health", { signal: AbortSignal.timeout(cfg.deadlineMs) });
-    await res.body?.cancel().catch(() => {});
-    return { ms: now() - t, ok: res.status === 200, status: res.status };
+    const init = { signal: AbortSignal.timeout(deadlineMs) };
+    if (headers) init.headers = headers;
+    const res = await fetchImpl(url, init);
+    const body = res.ok && headers ? await res.json().catch(() => null) : (await res.body?.cancel().catch(() => {}), null);
+    return { ms: now() - t, ok: res.status === 200, status: res.status, body };
   } catch {
-    return { ms: now() - t, ok: false, status: null };
+    return { ms: now() - t, ok: false, status: null, body: null };
   }
 }
 
-async function probe(request, env, cfg, fetchImpl) {
+/** One authenticated GET of the fallback's model list: is the fallback usable as configured? */
+async function fallbackCheck(cfg, fetchImpl) {
+  const h = await health(fetchImpl, cfg.fallbackUrl + "/v1/models", cfg.deadlineMs, { authorization: `Bearer ${cfg.fallbackApiKey}` });
+  const ids = h.body && Array.isArray(h.body.data) ? h.body.data.map((m) => m && m.id) : null;
+  const listed = cfg.fallbackModel && ids ? ids.includes(cfg.fallbackModel) : null;
+  let error = null;
+  if (!h.ok) error = h.status === null ? "unreachable" : `status ${h.status}`;
+  else if (listed === false) error = `FALLBACK_MODEL is not among the fallback's models`;
+  return { ok: h.ok && listed !== false, status: h.status, rtt_ms: round(h.ms), model: cfg.fallbackModel, model_listed: listed, error };
+}
+
+/** The breaker as operators read it: pod 0's machine state and the override, plus every pod. */
+function breakerView(cfg, view) {
+  const pods = cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host, ...podSnap(view, u) }));
+  const { state, failures, opened_at, trial_at } = pods[0];
+  return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
+    imported: view.imported, pods };
+}
+
+async function probe(request, env, cfg, url, fetchImpl) {
   const t0 = now();
   // The first touch of a new generation: stubFor passes ACTIVE_HINT as locationHint.
   const stub = activeStub(env, cfg);
   const t = now();
-  const snap = await stub.snapshot(infoOf(cfg));
+  const view = await stub.sync(infoOf(cfg), null);
   const stateRtt = now() - t;
-  cache.put(cfg.activeGeneration, snap, Date.now());
-  const [workerColo, stateColo, pod] = await Promise.all([
+  cache.put(cfg.activeGeneration, view, Date.now());
+  const [workerColo, stateColo, pods, fallback] = await Promise.all([
     fetchColo(fetchImpl),
     stub.colo().catch(() => null),
-    podHealth(cfg, fetchImpl),
+    Promise.all(cfg.podUrls.map((u) => health(fetchImpl, u + "/health", cfg.deadlineMs, null))),
+    url.searchParams.get("fallback") === "1" ? fallbackCheck(cfg, fetchImpl) : null,
   ]);
   const body = {
     worker_colo: workerColo,
@@ -69,34 +108,36 @@ async function probe(request, env, cfg, fetchImpl) {
     ray_colo: rayColo(request.headers.get("cf-ray")),
     state_colo: stateColo,
     state_rtt_ms: round(stateRtt),
-    pod_rtt_ms: round(pod.ms),
-    pod_ok: pod.ok,
-    pod_status: pod.status,
+    pod_rtt_ms: round(pods[0].ms),
+    pod_ok: pods[0].ok,
+    pod_status: pods[0].status,
     generation: cfg.activeGeneration,
     hint: cfg.activeHint,
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
     pod_host: new URL(cfg.podUrls[0]).host,
-    breaker: snap,
+    pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
+    breaker: breakerView(cfg, view),
   };
-  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pod.ms, total: now() - t0 }, PROBE_METRICS);
-  return jsonResponse(200, body, { "server-timing": timing, "cache-control": "no-store" });
+  if (fallback) body.fallback = fallback;
+  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods[0].ms, total: now() - t0 }, PROBE_METRICS);
+  return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
 
 async function breaker(request, env, cfg) {
   const stub = activeStub(env, cfg);
-  let snap;
+  let view;
   if (request.method === "PUT") {
     const body = await jsonBody(request);
     if (!Object.prototype.hasOwnProperty.call(body, "force") || !FORCE_VALUES.includes(body.force)) {
       throw new HttpError(400, "invalid_field", `field "force" must be "open", "closed" or null (got ${JSON.stringify(body.force ?? "missing")})`);
     }
-    snap = await stub.setForce(body.force, infoOf(cfg));
+    view = await stub.setForce(body.force, infoOf(cfg));
   } else {
-    snap = await stub.snapshot(infoOf(cfg));
+    view = await stub.sync(infoOf(cfg), null);
   }
-  cache.put(cfg.activeGeneration, snap, Date.now());
-  return jsonResponse(200, { generation: cfg.activeGeneration, breaker: snap }, { "cache-control": "no-store" });
+  const entry = cache.put(cfg.activeGeneration, view, Date.now());
+  return jsonResponse(200, { generation: cfg.activeGeneration, breaker: breakerView(cfg, entry.view) }, noStore);
 }
 
 async function purge(request, env, cfg) {
@@ -108,9 +149,66 @@ async function purge(request, env, cfg) {
   if (gen === cfg.activeGeneration) {
     throw new HttpError(409, "active_generation", `refusing to purge ${gen}: it is the active generation`);
   }
-  const result = await stubFor(env, gen, gen === cfg.drainingGeneration ? cfg.drainingHint : "").purge();
+  const hint = gen === cfg.drainingGeneration ? cfg.drainingHint : "";
+  // Copy first: keys, limits and usage of the purged generation live on in the active one.
+  await activeStub(env, cfg).importFrom({ ...infoOf(cfg), draining: gen, drainingHint: hint });
+  const result = await stubFor(env, gen, hint).purge();
   cache.drop(gen);
-  return jsonResponse(200, { generation: gen, purged: true, ...result });
+  return jsonResponse(200, { generation: gen, purged: true, copied_to: cfg.activeGeneration, ...result });
+}
+
+function limitOf(body, field) {
+  const v = body[field] ?? 0;
+  if (!Number.isSafeInteger(v) || v < 0) {
+    throw new HttpError(400, "invalid_field", `field "${field}" must be a whole number >= 0, 0 meaning no limit (got ${JSON.stringify(v)})`);
+  }
+  return v;
+}
+
+async function createKey(request, env, cfg) {
+  const body = await jsonBody(request);
+  if (typeof body.name !== "string" || !NAME_RE.test(body.name)) {
+    throw new HttpError(400, "invalid_field",
+      `field "name" must be 1-64 characters: letters, digits, space, . _ @ - (got ${JSON.stringify(body.name ?? null)})`);
+  }
+  const unknown = Object.keys(body).filter((k) => !["name", "expires_in_s", ...LIMIT_FIELDS].includes(k));
+  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, rpm, tpm, monthly_tokens, expires_in_s`);
+  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f)]));
+  let expiresAt = null;
+  if (body.expires_in_s !== undefined && body.expires_in_s !== null) {
+    if (!Number.isSafeInteger(body.expires_in_s) || body.expires_in_s <= 0) {
+      throw new HttpError(400, "invalid_field", `field "expires_in_s" must be a whole number of seconds > 0 (got ${JSON.stringify(body.expires_in_s)})`);
+    }
+    expiresAt = Date.now() + body.expires_in_s * 1000;
+  }
+  const key = newKey();
+  const row = { id: newKeyId(), hash: await keyHash(key), prefix: displayPrefix(key), name: body.name, ...limits,
+    created_at: Date.now(), expires_at: expiresAt };
+  const stored = await activeStub(env, cfg).createKey(row, infoOf(cfg));
+  cache.drop(cfg.activeGeneration); // this isolate sees the new key on its next request
+  return jsonResponse(201, { ...stored, key }, noStore);
+}
+
+async function listKeys(env, cfg) {
+  return jsonResponse(200, { generation: cfg.activeGeneration, keys: await activeStub(env, cfg).listKeys(infoOf(cfg)) }, noStore);
+}
+
+async function revokeKey(env, cfg, id) {
+  const row = await activeStub(env, cfg).revokeKey(id, infoOf(cfg));
+  if (!row) throw new HttpError(404, "unknown_key", `no key with id ${id}: list them with scripts/keys.py list`);
+  cache.drop(cfg.activeGeneration); // takes effect here at once, elsewhere within STATE_TTL_MS
+  return jsonResponse(200, row, noStore);
+}
+
+async function usage(env, cfg, url) {
+  const q = url.searchParams;
+  const today = dayOf(Date.now());
+  const query = { from: q.get("from") || monthStartDay(Date.now()), to: q.get("to") || today, key: q.get("key") || null };
+  for (const f of ["from", "to"]) {
+    if (!DAY_RE.test(query[f])) throw new HttpError(400, "invalid_field", `query "${f}" must be a day YYYY-MM-DD (got ${JSON.stringify(query[f])})`);
+  }
+  const rows = await activeStub(env, cfg).usage(query, infoOf(cfg));
+  return jsonResponse(200, { generation: cfg.activeGeneration, from: query.from, to: query.to, usage: rows }, noStore);
 }
 
 function round(ms) {

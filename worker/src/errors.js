@@ -1,16 +1,27 @@
 // JSON errors for clients, and redaction for log lines.
 //
-// Every error a client sees is {"error": {"code": "<snake_case>", "message": "<text>"}}
-// with the right status. Nothing here ever includes a stack trace or a binding value.
+// Every error a client sees is OpenAI's shape, {"error": {"message", "type", "code"}},
+// with the right status, so OpenAI SDKs raise their matching exception
+// (AuthenticationError, RateLimitError, ...). Nothing here ever includes a stack trace
+// or a binding value.
 
-/** An error the router answers with a JSON body; `status` and `code` go to the client. */
+/** OpenAI's error `type` for a status (as api.openai.com answers; 429s name their own:
+ * requests, tokens, insufficient_quota). */
+export function errorType(status) {
+  if (status === 429) return "requests";
+  if (status >= 500) return "server_error";
+  return "invalid_request_error";
+}
+
+/** An error the router answers with a JSON body; `status`, `code` and `type` go to the client. */
 export class HttpError extends Error {
-  constructor(status, code, message, headers = {}) {
+  constructor(status, code, message, headers = {}, type = errorType(status)) {
     super(message);
     this.name = "HttpError";
     this.status = status;
     this.code = code;
     this.headers = headers;
+    this.type = type;
   }
 }
 
@@ -30,8 +41,8 @@ export function jsonResponse(status, body, headers = {}) {
   });
 }
 
-export function errorResponse(status, code, message, headers = {}) {
-  return jsonResponse(status, { error: { code, message } }, headers);
+export function errorResponse(status, code, message, headers = {}, type = errorType(status)) {
+  return jsonResponse(status, { error: { message, type, code } }, headers);
 }
 
 // Bindings whose values must never reach a log line or a response.

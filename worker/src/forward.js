@@ -21,7 +21,7 @@ export function isPodFailure(status) {
   return status >= 500 || status === 401 || status === 403 || status === 408 || status === 429;
 }
 
-function isStream(res) {
+export function isStream(res) {
   return (res.headers.get("content-type") || "").toLowerCase().startsWith("text/event-stream");
 }
 
@@ -29,7 +29,7 @@ function isStream(res) {
  * Try the pod within `deadlineMs`. A streamed (SSE) answer counts as served once its
  * headers arrive and is then passed through chunk by chunk; any other answer must be
  * complete within the deadline (so a pod that stalls mid-body still falls back).
- * @returns {Promise<{ok: true, response: Response} | {ok: false, reason: string}>}
+ * @returns {Promise<{ok: true, response: Response, stream: boolean, bytes?: ArrayBuffer} | {ok: false, reason: string}>}
  */
 export async function tryPod(fetchImpl, url, init, deadlineMs) {
   const ac = new AbortController();
@@ -44,9 +44,9 @@ export async function tryPod(fetchImpl, url, init, deadlineMs) {
       await res.body?.cancel().catch(() => {});
       return { ok: false, reason: `status_${res.status}` };
     }
-    if (isStream(res)) return { ok: true, response: res };
+    if (isStream(res)) return { ok: true, response: res, stream: true };
     const bytes = await res.arrayBuffer();
-    return { ok: true, response: new Response(bytes, res) };
+    return { ok: true, response: res, bytes, stream: false }; // headers from `response`, body in `bytes`
   } catch {
     return { ok: false, reason: expired ? "deadline" : "unreachable" };
   } finally {

@@ -5,7 +5,7 @@
 
 import { handle } from "./router.js";
 
-export { Breaker } from "./breaker.js";
+export { Breaker } from "./generation.js";
 
 export default {
   /** @param {Request} request @param {object} env @param {ExecutionContext} ctx */

@@ -11,8 +11,8 @@
 //
 // `forced` ("open" | "closed" | null) is the operator override: it wins over the
 // machine, which keeps counting underneath so that clearing it resumes where it was.
-// The Durable Object (breaker.js) owns the authoritative snapshot and applies these
-// functions; the router (router.js) only calls `route` on its cached copy.
+// Each pod has its own machine; the generation object (generation.js) owns the rows and
+// applies these functions; the router (pods.js) only calls `route` on its cached copy.
 
 export const CLOSED = "closed";
 export const OPEN = "open";
@@ -59,14 +59,4 @@ export function record(snap, ok, now, cfg) {
     return { ...snap, state: OPEN, failures, opened_at: now, trial_at: null, updated_at: now };
   }
   return { ...snap, failures, updated_at: now };
-}
-
-/** Whether an outcome is worth telling the object (keeps the healthy path write-free). */
-export function worthReporting(snap, ok) {
-  return !ok || snap.state !== CLOSED || snap.failures !== 0;
-}
-
-export function setForce(snap, force, now) {
-  if (!FORCE_VALUES.includes(force)) throw new TypeError("force must be \"open\", \"closed\" or null");
-  return { ...snap, forced: force, updated_at: now };
 }

@@ -1,13 +1,23 @@
 // The request entry: dispatch, bad-input handling, and routing inference requests.
+//
+// A routed request, in order (docs/worker.md): the client key's shape (no I/O), the
+// cached view of the generation (no wait while fresh), the key and its limits (from that
+// view), the body, then a pod chosen among the healthy ones, one retry on another pod if
+// the first fails before answering, and the fallback API last.
 
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, fallbackBody, tryPod, upstreamHeaders } from "./forward.js";
-import { route } from "./machine.js";
+import { callFallback, fallbackBody, isStream, tryPod, upstreamHeaders } from "./forward.js";
+import { bearer, keyHash, looksLikeKey, sameDigest } from "./keys.js";
+import { estimate, refusal } from "./limits.js";
+import { candidates, finished, leastBusy, started, worthReporting } from "./pods.js";
 import { lookup } from "./routes.js";
-import { currentState, report, requestTrial } from "./state.js";
+import {
+  admit, cache, currentView, findKey, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush, served,
+} from "./state.js";
 import { now, serverTiming } from "./timing.js";
+import { tapStream, usageOfJson } from "./usage.js";
 import { handleAdmin } from "./admin.js";
 
 /**
@@ -30,7 +40,7 @@ export async function handle(request, env, ctx, deps = {}) {
     if (r.kind === "routed") return await routed(request, env, ctx, cfg, url, r, fetchImpl);
     return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
   } catch (err) {
-    if (err instanceof HttpError) return errorResponse(err.status, err.code, err.message, err.headers);
+    if (err instanceof HttpError) return errorResponse(err.status, err.code, err.message, err.headers, err.type);
     if (err instanceof ConfigurationError) {
       log(env, "misconfigured", { binding: err.binding });
       return errorResponse(500, "misconfigured", redact(err.message, env));
@@ -40,44 +50,115 @@ export async function handle(request, env, ctx, deps = {}) {
   }
 }
 
+const BAD_KEY = "invalid API key: send Authorization: Bearer <client key> (clc_..., from scripts/keys.py create)";
+
+/** The client key of a request, checked against the cached view: the key's record. */
+async function authenticate(request, env, cfg, entry, timing) {
+  const presented = bearer(request);
+  if (!presented) throw new HttpError(401, "missing_api_key", "missing API key: send Authorization: Bearer <client key> (clc_...)");
+  if (!looksLikeKey(presented)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
+  if (entry.keys === null) {
+    // Never seen the key list and the object is unreachable: not the client's fault.
+    throw new HttpError(503, "state_unavailable", "the cell's state is unreachable; retry shortly", { "retry-after": "1" });
+  }
+  const digest = await keyHash(presented);
+  const key = await findKey(env, cfg, entry, digest, timing);
+  if (!key || !sameDigest(key.hash, digest)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
+  if (key.expires_at !== null && Date.now() >= key.expires_at) {
+    throw new HttpError(401, "expired_api_key", "this API key has expired: create a new one (scripts/keys.py create)");
+  }
+  return key;
+}
+
+/** Refuse a request over one of the key's limits (429 with Retry-After). */
+function enforceLimits(cfg, view, key) {
+  const t = Date.now();
+  const gen = cfg.activeGeneration;
+  const g = view.counts[key.id];
+  const est = estimate(g, pendingCounter(gen, key.id), t);
+  const month = (g ? g.month_tokens : 0) + pendingMonthTokens(gen, key.id, t);
+  const no = refusal(key, est, month, t);
+  if (no) throw new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
+  admit(cfg, key.id, t);
+}
+
 async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   const t0 = now();
+  const timing = { state: 0, upstream: 0, fallback: 0, total: 0 };
+  const gen = cfg.activeGeneration;
+  const first = await currentView(env, ctx, cfg);
+  timing.state = first.wait;
+  const key = await authenticate(request, env, cfg, first.entry, timing);
   let bytes = null;
   let json = null;
   if (r.json) {
     bytes = await readBody(request, cfg.maxBodyBytes);
     json = parseJsonObject(bytes);
   }
-  const timing = { state: 0, upstream: 0, fallback: 0, total: 0 };
-  const { snap, wait } = await currentState(env, ctx, cfg);
-  timing.state = wait;
-
-  let decision = route(snap, Date.now(), cfg);
-  let trial = false;
-  if (decision === "trial") {
-    const t = now();
+  enforceLimits(cfg, cache.entry(gen).view, key);
+  scheduleFlush(env, ctx, cfg);
+  const wantUsage = !!(json && json.stream === true && json.stream_options && json.stream_options.include_usage === true);
+  const meter = (backend) => (usage) => {
+    served(cfg, key.id, Date.now(), backend, usage);
     try {
-      trial = await requestTrial(env, cfg);
-    } catch (err) {
-      log(env, "trial_failed", { message: String(err && err.message) });
+      scheduleFlush(env, ctx, cfg);
+    } catch {
+      // the request's context has ended: the next sync of this isolate carries it
     }
-    timing.state += now() - t;
-    decision = trial ? "pod" : "fallback";
-  }
+  };
 
   const path = url.pathname + url.search;
-  if (decision === "pod") {
+  const urls = cfg.podUrls;
+  const tried = new Set();
+  // At most two pods: the chosen one, and another healthy one if the first failed
+  // before sending a byte and time is left.
+  for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {
+    const view = cache.entry(gen).view; // reports and trials may have refreshed it
+    const c = candidates(urls, view, Date.now(), cfg, tried);
+    let index = leastBusy(urls, c.pods);
+    let trial = false;
+    if (index < 0 && c.trials.length) {
+      const pick = c.trials[Math.floor(Math.random() * c.trials.length)];
+      const t = now();
+      try {
+        trial = await requestTrial(env, cfg, urls[pick]);
+      } catch (err) {
+        log(env, "trial_failed", { message: String(err && err.message) });
+      }
+      timing.state += now() - t;
+      if (trial) index = pick;
+    }
+    if (index < 0) break;
+    const deadline = cfg.deadlineMs - (now() - t0);
+    if (deadline <= 0) break;
+    tried.add(index);
+    const podUrl = urls[index];
     const t = now();
-    const deadline = Math.max(1, cfg.deadlineMs - (t - t0));
-    const res = await tryPod(fetchImpl, cfg.podUrls[0] + path, {
+    started(podUrl);
+    const res = await tryPod(fetchImpl, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
       body: bytes,
     }, deadline);
-    timing.upstream = now() - t;
-    report(env, ctx, cfg, snap, res.ok, trial);
-    if (res.ok) return finish(res.response, "pod", timing, t0);
-    log(env, "pod_failed", { reason: res.reason, generation: cfg.activeGeneration });
+    timing.upstream += now() - t;
+    if (trial || worthReporting(view, podUrl, res.ok)) report(env, ctx, cfg, podUrl, res.ok);
+    if (res.ok) {
+      const backend = `pod-${index}`;
+      if (!res.stream) {
+        finished(podUrl);
+        meter(backend)(usageOfJson(res.bytes));
+        return finish(res.bytes, res.response, backend, timing, t0);
+      }
+      const tap = tapStream(res.response.body, wantUsage, (usage) => {
+        finished(podUrl);
+        meter(backend)(usage);
+      });
+      ctx.waitUntil(tap.piped);
+      return finish(tap.body, res.response, backend, timing, t0);
+    }
+    finished(podUrl);
+    log(env, "pod_failed", { reason: res.reason, pod: index, generation: gen });
+    if (res.reason === "deadline") break; // no time is left for another pod
   }
 
   const t = now();
@@ -91,14 +172,25 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   } catch (err) {
     timing.fallback = now() - t;
     if (!(err instanceof HttpError)) throw err;
-    return finish(errorResponse(err.status, err.code, err.message), "fallback", timing, t0);
+    meter("fallback")(null);
+    const error = errorResponse(err.status, err.code, err.message, {}, err.type);
+    return finish(error.body, error, "fallback", timing, t0);
   }
+  if (isStream(res) && res.body) {
+    timing.fallback = now() - t;
+    const tap = tapStream(res.body, wantUsage, meter("fallback"));
+    ctx.waitUntil(tap.piped);
+    return finish(tap.body, res, "fallback", timing, t0);
+  }
+  const body = await res.arrayBuffer();
   timing.fallback = now() - t;
-  return finish(res, "fallback", timing, t0);
+  meter("fallback")(res.ok ? usageOfJson(body) : null);
+  return finish(body, res, "fallback", timing, t0);
 }
 
-function finish(upstream, backend, timing, t0) {
-  const res = new Response(upstream.body, upstream);
+/** The client's response: `body` with the status and headers of `from`, plus ours. */
+function finish(body, from, backend, timing, t0) {
+  const res = new Response(body, from);
   timing.total = now() - t0;
   res.headers.set("x-colocate-backend", backend);
   res.headers.set("server-timing", serverTiming(timing));

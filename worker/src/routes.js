@@ -1,4 +1,5 @@
 // The Worker's HTTP surface: which paths exist and which methods each accepts.
+// `routed` paths need a client key; every /_colocate path needs the probe token.
 
 export const ROUTES = {
   "/v1/chat/completions": { methods: ["POST"], kind: "routed", json: true },
@@ -7,9 +8,15 @@ export const ROUTES = {
   "/_colocate/probe": { methods: ["GET"], kind: "probe" },
   "/_colocate/breaker": { methods: ["GET", "PUT"], kind: "breaker" },
   "/_colocate/purge": { methods: ["POST"], kind: "purge" },
+  "/_colocate/keys": { methods: ["GET", "POST"], kind: "keys" },
+  "/_colocate/usage": { methods: ["GET"], kind: "usage" },
 };
 
-/** The route for a path, or null. */
+const REVOKE = /^\/_colocate\/keys\/([A-Za-z0-9_]{1,64})\/revoke$/;
+
+/** The route for a path, or null. A key's revoke path carries its id in `param`. */
 export function lookup(pathname) {
-  return Object.prototype.hasOwnProperty.call(ROUTES, pathname) ? ROUTES[pathname] : null;
+  if (Object.prototype.hasOwnProperty.call(ROUTES, pathname)) return ROUTES[pathname];
+  const m = REVOKE.exec(pathname);
+  return m ? { methods: ["POST"], kind: "revoke", param: m[1] } : null;
 }

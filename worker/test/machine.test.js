@@ -1,6 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { initial, route, record, grantTrial, setForce, worthReporting, trialLeaseMs, CLOSED, OPEN, HALF_OPEN } from "../src/machine.js";
+import { initial, route, record, grantTrial, trialLeaseMs, CLOSED, OPEN, HALF_OPEN } from "../src/machine.js";
 
 const cfg = { failureThreshold: 3, openMs: 1000, deadlineMs: 200 };
 
@@ -51,17 +51,10 @@ test("a successful trial closes; a failed one reopens with a new open period", (
 });
 
 test("force wins over the machine and clearing it resumes", () => {
-  let s = setForce(initial(), "open", 1);
+  let s = { ...initial(), forced: "open" };
   assert.equal(route(s, 2, cfg), "fallback");
-  s = setForce({ ...initial(), state: OPEN, opened_at: 0 }, "closed", 1);
+  s = { ...initial(), state: OPEN, opened_at: 0, forced: "closed" };
   assert.equal(route(s, 2, cfg), "pod");
-  s = setForce(s, null, 3);
+  s = { ...s, forced: null };
   assert.equal(route(s, 4, cfg), "fallback");
-  assert.throws(() => setForce(s, "half-open", 5), TypeError);
-});
-
-test("a healthy closed breaker needs no report; anything else does", () => {
-  assert.equal(worthReporting(initial(), true), false);
-  assert.equal(worthReporting(initial(), false), true);
-  assert.equal(worthReporting({ ...initial(), failures: 1 }, true), true);
 });

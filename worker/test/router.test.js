@@ -1,28 +1,57 @@
-// Routing decisions end to end in Node, with a fake namespace and a fake fetch. The
-// real runtime and object are covered by tests/test_worker_*.py (workerd).
+// Routing decisions end to end in Node, with an in-memory stand-in for the generation
+// object and a fake fetch. The real runtime and object (SQLite) are covered by
+// tests/test_worker_*.py in workerd.
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { handle } from "../src/router.js";
 import { initial, record, grantTrial } from "../src/machine.js";
+import { keyHash, newKey } from "../src/keys.js";
 import { parseServerTiming } from "../src/timing.js";
 
+/** The object's RPC surface over plain maps: views shaped like generation.js's. */
 function fakeNamespace() {
   const objects = new Map();
   const calls = [];
   const objectFor = (name) => {
-    if (!objects.has(name)) objects.set(name, { snap: initial() });
+    if (!objects.has(name)) objects.set(name, { pods: {}, keys: [], rev: 0, forced: null, synced: [] });
     const o = objects.get(name);
+    const view = (haveRev) => ({
+      rev: o.rev, keys: haveRev === o.rev ? null : o.keys.map((k) => ({ ...k })), pods: structuredClone(o.pods),
+      counts: {}, forced: o.forced, imported: [], at: Date.now(),
+    });
     return {
-      async snapshot() { calls.push(["snapshot", name]); return { ...o.snap }; },
-      async report(ok, info) { calls.push(["report", name, ok]); o.snap = record(o.snap, ok, Date.now(), info); return { ...o.snap }; },
-      async tryTrial(info) { const r = grantTrial(o.snap, Date.now(), info); o.snap = r.snap; return { granted: r.granted, snap: { ...o.snap } }; },
+      async sync(info, batch) { calls.push(["sync", name]); if (batch) o.synced.push(batch); return view(info.haveRev); },
+      async report(pod, ok, info) {
+        calls.push(["report", name, pod, ok]);
+        const before = o.pods[pod] || initial();
+        const next = record(before, ok, Date.now(), info);
+        if (next.state === "closed" && next.failures === 0) delete o.pods[pod];
+        else o.pods[pod] = next;
+        return { from: before.state, to: next.state, view: view(info.haveRev) };
+      },
+      async tryTrial(pod, info) {
+        calls.push(["tryTrial", name, pod]);
+        const r = grantTrial(o.pods[pod] || initial(), Date.now(), info);
+        if (r.granted) o.pods[pod] = r.snap;
+        return { granted: r.granted, view: view(info.haveRev) };
+      },
     };
   };
   return {
-    objects, calls,
+    objects, calls, objectFor,
     idFromName: (name) => ({ name }),
     get: (id, opts) => { calls.push(["get", id.name, opts?.locationHint]); return objectFor(id.name); },
   };
+}
+
+async function withKey(ns, gen, limits = {}) {
+  const key = newKey();
+  ns.objectFor(gen); // creates the object's maps
+  const o = ns.objects.get(gen);
+  o.keys.push({ id: `key_${o.keys.length}`, hash: await keyHash(key), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
+    expires_at: null, ...limits });
+  o.rev++;
+  return key;
 }
 
 function envFor(gen, over = {}) {
@@ -43,69 +72,138 @@ function fakeFetch(podBehaviour) {
   const seen = [];
   const f = async (url, init = {}) => {
     seen.push({ url, auth: new Headers(init.headers).get("authorization"), body: init.body });
-    if (url.startsWith("http://pod.test")) return podBehaviour(init);
+    if (url.startsWith("http://pod")) return podBehaviour(init, url);
     return new Response(JSON.stringify({ served: "fallback" }), { headers: { "content-type": "application/json" } });
   };
   return { f, seen };
 }
 
-const chat = () => new Request("https://w.test/v1/chat/completions?x=1", {
-  method: "POST", body: JSON.stringify({ model: "m", messages: [] }), headers: { authorization: "Bearer client" },
+const json = (body = "{}") => new Response(body, { headers: { "content-type": "application/json" } });
+const chat = (key) => new Request("https://w.test/v1/chat/completions?x=1", {
+  method: "POST", body: JSON.stringify({ model: "m", messages: [] }), headers: { authorization: `Bearer ${key}` },
 });
+const podCalls = (seen) => seen.filter((s) => s.url.startsWith("http://pod")).length;
 
 test("closed: the pod serves with its token; the second request waits on nothing", async () => {
   const env = envFor("router-a");
+  const key = await withKey(env.BREAKER, "router-a");
   const c = ctx();
-  const { f, seen } = fakeFetch(() => new Response("{}", { headers: { "content-type": "application/json" } }));
-  const r1 = await handle(chat(), env, c, { fetch: f });
-  assert.equal(r1.headers.get("x-colocate-backend"), "pod");
+  const { f, seen } = fakeFetch(() => json());
+  const r1 = await handle(chat(key), env, c, { fetch: f });
+  assert.equal(r1.status, 200);
+  assert.equal(r1.headers.get("x-colocate-backend"), "pod-0");
   assert.equal(seen[0].url, "http://pod.test/v1/chat/completions?x=1");
-  assert.equal(seen[0].auth, "Bearer pt");
+  assert.equal(seen[0].auth, "Bearer pt"); // the client's key never travels upstream
   assert.deepEqual(env.BREAKER.calls[0], ["get", "router-a", "enam"]);
   const before = env.BREAKER.calls.length;
-  const r2 = await handle(chat(), env, c, { fetch: f });
+  const r2 = await handle(chat(key), env, c, { fetch: f });
   assert.equal(parseServerTiming(r2.headers.get("server-timing")).state, 0);
-  assert.equal(env.BREAKER.calls.length, before); // fresh cache, healthy: no object call at all
-  assert.equal(c.pending.length, 0); // nothing to report
+  assert.equal(env.BREAKER.calls.length, before); // fresh cache, healthy pod: no object call at all
 });
 
-test("pod failures fall back, are reported in the background, and open the breaker", async () => {
+test("no key, a malformed key, an unknown key: 401 in OpenAI's shape, and the pod is never tried", async () => {
+  const env = envFor("router-auth");
+  await withKey(env.BREAKER, "router-auth");
+  const { f, seen } = fakeFetch(() => json());
+  for (const auth of [null, "Bearer prb", "Basic abc", `Bearer ${newKey()}`]) {
+    const req = new Request("https://w.test/v1/models", { headers: auth ? { authorization: auth } : {} });
+    const r = await handle(req, env, ctx(), { fetch: f });
+    assert.equal(r.status, 401, auth);
+    const err = (await r.json()).error;
+    assert.deepEqual(Object.keys(err).sort(), ["code", "message", "type"]);
+    assert.ok(["missing_api_key", "invalid_api_key"].includes(err.code));
+  }
+  assert.equal(podCalls(seen), 0);
+});
+
+test("pod failures fall back, are reported in the background, and open that pod's breaker", async () => {
   const env = envFor("router-b");
+  const key = await withKey(env.BREAKER, "router-b");
   const c = ctx();
   const { f, seen } = fakeFetch(() => new Response("boom", { status: 503 }));
   for (let i = 0; i < 2; i++) {
-    const r = await handle(chat(), env, c, { fetch: f });
+    const r = await handle(chat(key), env, c, { fetch: f });
     assert.equal(r.headers.get("x-colocate-backend"), "fallback");
     assert.equal(r.status, 200);
   }
-  assert.equal(c.pending.length, 2);
   await c.settle();
-  assert.equal(env.BREAKER.objects.get("router-b").snap.state, "open");
-  const podCalls = seen.filter((s) => s.url.startsWith("http://pod.test")).length;
-  const r = await handle(chat(), env, c, { fetch: f });
+  assert.equal(env.BREAKER.objects.get("router-b").pods["http://pod.test"].state, "open");
+  const before = podCalls(seen);
+  const r = await handle(chat(key), env, c, { fetch: f });
   assert.equal(r.headers.get("x-colocate-backend"), "fallback");
-  assert.equal(seen.filter((s) => s.url.startsWith("http://pod.test")).length, podCalls); // open: pod not tried
+  assert.equal(podCalls(seen), before); // open: pod not tried
   assert.equal(seen.at(-1).auth, "Bearer fk");
 });
 
-test("a pod that misses the deadline is a failure served by the fallback", async () => {
-  const env = envFor("router-c", { DEADLINE_MS: "50" });
+test("a failing pod is retried once on another healthy pod before the fallback", async () => {
+  const env = envFor("router-retry", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const key = await withKey(env.BREAKER, "router-retry");
   const c = ctx();
-  const hang = (init) => new Promise((_, reject) => init.signal.addEventListener("abort", () => reject(new Error("aborted"))));
-  const { f } = fakeFetch(hang);
-  const r = await handle(chat(), env, c, { fetch: f });
-  assert.equal(r.headers.get("x-colocate-backend"), "fallback");
-  assert.ok(parseServerTiming(r.headers.get("server-timing")).upstream >= 40);
+  const { f, seen } = fakeFetch((init, url) => (url.startsWith("http://pod-a") ? Promise.reject(new TypeError("refused")) : json()));
+  for (let i = 0; i < 6; i++) {
+    const r = await handle(chat(key), env, c, { fetch: f });
+    assert.equal(r.headers.get("x-colocate-backend"), "pod-1");
+  }
   await c.settle();
-  assert.equal(env.BREAKER.objects.get("router-c").snap.failures, 1);
+  assert.equal(env.BREAKER.objects.get("router-retry").pods["http://pod-a.test"].state, "open");
+  assert.equal(seen.filter((s) => s.url.startsWith("https://fb")).length, 0);
 });
 
-test("a broken namespace and no upstream: a JSON 502, no stack, no secret", async () => {
+test("requests spread over healthy pods by fewest in flight", async () => {
+  const env = envFor("router-spread", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const key = await withKey(env.BREAKER, "router-spread");
+  await handle(chat(key), env, ctx(), { fetch: fakeFetch(() => json()).f }); // warm the view
+  let release;
+  const gate = new Promise((r) => { release = r; });
+  const { f, seen } = fakeFetch(() => gate.then(() => json()));
+  const inflight = [0, 1, 2, 3].map(() => handle(chat(key), env, ctx(), { fetch: f }));
+  for (let i = 0; i < 500 && seen.length < 4; i++) await new Promise((r) => setTimeout(r, 5));
+  const a = seen.filter((s) => s.url.startsWith("http://pod-a")).length;
+  assert.equal(a, 2); // two each: the second request saw pod A busy
+  release();
+  const backends = (await Promise.all(inflight)).map((r) => r.headers.get("x-colocate-backend")).sort();
+  assert.deepEqual(backends, ["pod-0", "pod-0", "pod-1", "pod-1"]);
+});
+
+test("a pod that misses the deadline is a failure served by the fallback, with no second pod", async () => {
+  const env = envFor("router-c", { DEADLINE_MS: "50", POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const key = await withKey(env.BREAKER, "router-c");
+  const c = ctx();
+  const hang = (init) => new Promise((_, reject) => init.signal.addEventListener("abort", () => reject(new Error("aborted"))));
+  const { f, seen } = fakeFetch(hang);
+  const r = await handle(chat(key), env, c, { fetch: f });
+  assert.equal(r.headers.get("x-colocate-backend"), "fallback");
+  assert.ok(parseServerTiming(r.headers.get("server-timing")).upstream >= 40);
+  assert.equal(podCalls(seen), 1);
+  await c.settle();
+  const pods = env.BREAKER.objects.get("router-c").pods;
+  assert.equal(Object.values(pods).reduce((n, p) => n + p.failures, 0), 1);
+});
+
+test("usage is counted per key and reaches the object in batched syncs", async () => {
+  const env = envFor("router-usage");
+  const key = await withKey(env.BREAKER, "router-usage");
+  const c = ctx();
+  const body = JSON.stringify({ usage: { prompt_tokens: 7, completion_tokens: 5 } });
+  const { f } = fakeFetch(() => json(body));
+  for (let i = 0; i < 3; i++) await handle(chat(key), env, c, { fetch: f });
+  await c.settle(); // one planned flush carries all three
+  const batches = env.BREAKER.objects.get("router-usage").synced;
+  assert.equal(batches.length, 1);
+  const rows = batches[0].usage;
+  const total = rows.reduce((a, u) => [a[0] + u[2], a[1] + u[3], a[2] + u[4], a[3] + u[5], a[4] + u[6]], [0, 0, 0, 0, 0]);
+  assert.deepEqual(total, [3, 21, 15, 3, 0]); // requests, prompt, completion, pod-served, fallback-served
+  const win = batches[0].windows.reduce((a, w) => [a[0] + w[2], a[1] + w[3]], [0, 0]);
+  assert.deepEqual(win, [3, 36]); // the limit counters: 3 requests, 36 tokens
+});
+
+test("a broken namespace and no upstream: a JSON 503, no stack, no secret", async () => {
   const env = envFor("router-d");
   const boom = () => { throw new TypeError("secret pt leaked?"); };
-  const r = await handle(chat(), { ...env, BREAKER: { idFromName: boom, get: boom } }, ctx(), { fetch: boom });
+  const r = await handle(chat(newKey()), { ...env, BREAKER: { idFromName: boom, get: boom } }, ctx(), { fetch: boom });
   const body = await r.text();
-  assert.equal(r.status, 502);
-  assert.equal(JSON.parse(body).error.code, "upstream_unavailable");
+  assert.equal(r.status, 503);
+  assert.equal(r.headers.get("retry-after"), "1");
+  assert.equal(JSON.parse(body).error.code, "state_unavailable");
   assert.ok(!body.includes("    at ") && !body.includes("pt leaked"));
 });

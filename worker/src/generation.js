@@ -1,0 +1,256 @@
+// The generation's Durable Object: all of a cell's routed state, in SQLite (schema.js).
+//
+// One object per generation (idFromName(generation)); the class keeps its historical
+// name, Breaker, because a class name is part of the deployed migration history.
+// Writers: the router's reports (breaker outcomes), the isolates' batched syncs (usage
+// and limit counters), and the operator endpoints (override, keys). Every answer is a
+// `view` the isolate caches (state.js), so the hot path reads nothing from here.
+//
+// Migration: while a generation drains, the Worker passes its name in `info`. The first
+// call that names a draining generation this object has not imported yet copies that
+// generation's whole state (exportAll: override, keys, usage, counters) inside
+// blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once.
+// The router also calls `importFrom` before it purges a draining generation, so nothing
+// is lost even if no request touched the new generation in between.
+
+import { DurableObject } from "cloudflare:workers";
+import { FORCE_VALUES, grantTrial, initial, record } from "./machine.js";
+import { minuteOf, monthStartDay } from "./limits.js";
+import { KEY_COLUMNS, SCHEMA, SCHEMA_VERSION, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS } from "./schema.js";
+import { fetchColo } from "./trace.js";
+
+const LEGACY_KV_KEY = "breaker"; // schema 1 kept one KV entry: {snap, adopted_from}
+const POD_ROW_TTL_MS = 24 * 3600 * 1000; // health rows of pods gone for a day are dropped
+
+export class Breaker extends DurableObject {
+  constructor(ctx, env) {
+    super(ctx, env);
+    this.sql = ctx.storage.sql;
+    ctx.blockConcurrencyWhile(async () => this.load());
+  }
+
+  async load() {
+    for (const stmt of SCHEMA) this.sql.exec(stmt);
+    if (this.meta("schema") === SCHEMA_VERSION) return;
+    // Schema 1 (one KV entry): keep its override; per-pod health starts fresh.
+    const legacy = await this.ctx.storage.get(LEGACY_KV_KEY);
+    this.ctx.storage.transactionSync(() => {
+      if (legacy && legacy.snap && FORCE_VALUES.includes(legacy.snap.forced) && legacy.snap.forced !== null) {
+        this.setMeta("forced", legacy.snap.forced);
+      }
+      if (legacy && legacy.adopted_from) this.setMeta(`imported:${legacy.adopted_from}`, "legacy");
+      this.setMeta("schema", SCHEMA_VERSION);
+    });
+    if (legacy) await this.ctx.storage.delete(LEGACY_KV_KEY);
+  }
+
+  meta(k) {
+    const row = this.sql.exec("SELECT v FROM meta WHERE k = ?", k).toArray()[0];
+    return row ? row.v : null;
+  }
+
+  setMeta(k, v) {
+    if (v === null) this.sql.exec("DELETE FROM meta WHERE k = ?", k);
+    else this.sql.exec("INSERT INTO meta (k, v) VALUES (?, ?) ON CONFLICT (k) DO UPDATE SET v = excluded.v", k, String(v));
+  }
+
+  rev() {
+    return Number(this.meta("rev") || 0);
+  }
+
+  bumpRev() {
+    this.setMeta("rev", this.rev() + 1);
+  }
+
+  /** Copy a draining generation's state once (see the header). */
+  async readThrough(info) {
+    const from = info && info.draining;
+    if (!from || from === info.generation || this.meta(`imported:${from}`) !== null) return;
+    await this.ctx.blockConcurrencyWhile(async () => {
+      if (this.meta(`imported:${from}`) !== null) return;
+      const ns = this.env.BREAKER;
+      const id = ns.idFromName(from);
+      const other = info.drainingHint ? ns.get(id, { locationHint: info.drainingHint }) : ns.get(id);
+      this.importState(from, await other.exportAll());
+    });
+  }
+
+  importState(from, data) {
+    this.ctx.storage.transactionSync(() => {
+      if (data.forced && this.meta("forced") === null) this.setMeta("forced", data.forced);
+      for (const k of data.keys) {
+        this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+          k.id, k.hash, k.prefix, k.name, k.rpm, k.tpm, k.monthly_tokens, k.created_at, k.expires_at, k.revoked_at);
+      }
+      for (const u of data.usage) {
+        this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests, u.fallback_requests);
+      }
+      for (const w of data.windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
+      this.setMeta(`imported:${from}`, Date.now());
+      this.bumpRev();
+    });
+  }
+
+  /** Everything a successor generation takes over (pod health stays: the pods change). */
+  async exportAll() {
+    return {
+      forced: this.meta("forced"),
+      keys: this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys`).toArray(),
+      usage: this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray(),
+      windows: this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window").toArray(),
+    };
+  }
+
+  /** Import a named generation now (the router calls this before purging it). */
+  async importFrom(info) {
+    await this.readThrough(info);
+    return { imported: this.meta(`imported:${info.draining}`) !== null };
+  }
+
+  /**
+   * What isolates cache. `haveRev` is the keys revision the caller holds: the key list is
+   * sent only when it changed (null otherwise), so a sync stays small.
+   */
+  view(haveRev = -1) {
+    const now = Date.now();
+    const pods = {};
+    for (const r of this.sql.exec("SELECT pod, state, failures, opened_at, trial_at, updated_at FROM pod_health")) {
+      pods[r.pod] = { state: r.state, failures: r.failures, opened_at: r.opened_at, trial_at: r.trial_at, updated_at: r.updated_at };
+    }
+    const rev = this.rev();
+    const keys = rev === haveRev ? null : this.sql.exec(
+      "SELECT id, hash, name, rpm, tpm, monthly_tokens, expires_at FROM client_keys WHERE revoked_at IS NULL").toArray();
+    const m = minuteOf(now);
+    const counts = {};
+    const slot = (id) => (counts[id] ??= { minute: m, req: 0, tok: 0, prev_req: 0, prev_tok: 0, month_tokens: 0 });
+    for (const w of this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window WHERE minute >= ?", m - 1)) {
+      const c = slot(w.key_id);
+      if (w.minute === m) {
+        c.req += w.requests;
+        c.tok += w.tokens;
+      } else {
+        c.prev_req += w.requests;
+        c.prev_tok += w.tokens;
+      }
+    }
+    const month = this.sql.exec(
+      "SELECT key_id, SUM(prompt_tokens + completion_tokens) AS t FROM usage_daily WHERE day >= ? GROUP BY key_id", monthStartDay(now));
+    for (const r of month) if (r.t > 0) slot(r.key_id).month_tokens = r.t;
+    const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
+    return { rev, keys, pods, counts, forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
+      imported, at: now };
+  }
+
+  /** Apply an isolate's batched deltas and answer the current view. */
+  async sync(info, batch = null) {
+    await this.readThrough(info);
+    if (batch && (batch.usage.length || batch.windows.length)) {
+      const oldest = minuteOf(Date.now()) - 1;
+      this.ctx.storage.transactionSync(() => {
+        for (const u of batch.usage) this.sql.exec(UPSERT_USAGE, ...u);
+        for (const w of batch.windows) if (w[1] >= oldest) this.sql.exec(UPSERT_WINDOW, ...w);
+        this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
+      });
+    }
+    return this.view(info.haveRev ?? -1);
+  }
+
+  podRow(pod) {
+    const r = this.sql.exec("SELECT state, failures, opened_at, trial_at, updated_at FROM pod_health WHERE pod = ?", pod).toArray()[0];
+    return r ? { ...initial(), ...r } : initial();
+  }
+
+  savePod(pod, snap) {
+    const now = Date.now();
+    if (snap.state === "closed" && snap.failures === 0) this.sql.exec("DELETE FROM pod_health WHERE pod = ?", pod);
+    else this.sql.exec(UPSERT_POD, pod, snap.state, snap.failures, snap.opened_at, snap.trial_at, snap.updated_at ?? now);
+    this.sql.exec("DELETE FROM pod_health WHERE updated_at < ?", now - POD_ROW_TTL_MS);
+  }
+
+  /** One outcome of a request to `pod` (its URL). */
+  async report(pod, ok, info) {
+    await this.readThrough(info);
+    const before = this.podRow(pod);
+    const next = record(before, ok, Date.now(), info);
+    if (next !== before) this.savePod(pod, next);
+    return { from: before.state, to: next.state, view: this.view(info.haveRev ?? -1) };
+  }
+
+  /** The half-open trial slot of `pod`: at most one holder per lease. */
+  async tryTrial(pod, info) {
+    await this.readThrough(info);
+    const { granted, snap } = grantTrial(this.podRow(pod), Date.now(), info);
+    if (granted) this.savePod(pod, snap);
+    return { granted, view: this.view(info.haveRev ?? -1) };
+  }
+
+  async setForce(force, info) {
+    await this.readThrough(info);
+    if (!FORCE_VALUES.includes(force)) throw new TypeError('force must be "open", "closed" or null');
+    this.ctx.storage.transactionSync(() => {
+      this.setMeta("forced", force);
+      this.setMeta("forced_at", Date.now());
+    });
+    return this.view(info.haveRev ?? -1);
+  }
+
+  // --- keys and usage (operator endpoints; admin.js validates the input) ---
+
+  async createKey(row, info) {
+    await this.readThrough(info);
+    this.ctx.storage.transactionSync(() => {
+      this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+        row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.created_at, row.expires_at, null);
+      this.bumpRev();
+    });
+    return this.keyRow(row.id);
+  }
+
+  keyRow(id) {
+    return this.sql.exec("SELECT id, prefix, name, rpm, tpm, monthly_tokens, created_at, expires_at, revoked_at FROM client_keys WHERE id = ?", id)
+      .toArray()[0] ?? null;
+  }
+
+  async listKeys(info) {
+    await this.readThrough(info);
+    return this.sql.exec(
+      "SELECT id, prefix, name, rpm, tpm, monthly_tokens, created_at, expires_at, revoked_at FROM client_keys ORDER BY created_at, id").toArray();
+  }
+
+  async revokeKey(id, info) {
+    await this.readThrough(info);
+    if (!this.keyRow(id)) return null;
+    this.ctx.storage.transactionSync(() => {
+      this.sql.exec("UPDATE client_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", Date.now(), id);
+      this.bumpRev();
+    });
+    return this.keyRow(id);
+  }
+
+  async usage(query, info) {
+    await this.readThrough(info);
+    const args = [query.from, query.to];
+    let where = "u.day >= ? AND u.day <= ?";
+    if (query.key) {
+      where += " AND u.key_id = ?";
+      args.push(query.key);
+    }
+    return this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
+        u.fallback_requests FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where} ORDER BY u.day, u.key_id`,
+    ...args).toArray();
+  }
+
+  /** Where this object runs, measured from inside it. */
+  async colo() {
+    return fetchColo();
+  }
+
+  /** Delete every stored row of this generation (the router refuses the active one). */
+  async purge() {
+    const had = this.sql.exec("SELECT COUNT(*) AS n FROM meta WHERE k != 'schema'").one().n > 0
+      || this.sql.exec("SELECT COUNT(*) AS n FROM client_keys").one().n > 0;
+    await this.ctx.storage.deleteAll();
+    await this.load();
+    return { had_state: had };
+  }
+}

@@ -1,0 +1,81 @@
+// Client-key limits, pure: the clock and the counters are passed in.
+//
+// Requests and tokens per minute use a sliding-window estimate over fixed one-minute
+// buckets (previous bucket weighted by the part of it still inside the last 60 s, plus
+// the current bucket), the same approximation Cloudflare's rate limiting uses; the
+// monthly token budget counts UTC calendar months. The counters are the object's global
+// ones as of the isolate's last sync plus what this isolate admitted since (its pending
+// deltas), so an isolate never forgets its own traffic; what other isolates admitted
+// since their last sync is the overshoot bound documented in docs/worker.md.
+
+export const WINDOW_MS = 60_000;
+
+export function minuteOf(t) {
+  return Math.floor(t / WINDOW_MS);
+}
+
+/** "YYYY-MM-DD" (UTC). */
+export function dayOf(t) {
+  return new Date(t).toISOString().slice(0, 10);
+}
+
+/** The first day of t's UTC month, "YYYY-MM-01". */
+export function monthStartDay(t) {
+  return new Date(t).toISOString().slice(0, 8) + "01";
+}
+
+function msToNextMonth(t) {
+  const d = new Date(t);
+  return Date.UTC(d.getUTCFullYear(), d.getUTCMonth() + 1, 1) - t;
+}
+
+/**
+ * The global count of a key's bucket `m` as of the last sync: `g` is the object's
+ * {minute, req, tok, prev_req, prev_tok} for that key (or undefined).
+ */
+function globalAt(g, m) {
+  if (!g) return { req: 0, tok: 0 };
+  if (m === g.minute) return { req: g.req, tok: g.tok };
+  if (m === g.minute - 1) return { req: g.prev_req, tok: g.prev_tok };
+  return { req: 0, tok: 0 };
+}
+
+/**
+ * Estimated requests and tokens in the last minute at `t`.
+ * @param g        the object's counters for this key (may be undefined)
+ * @param pending  (minute) => {req, tok} this isolate's unsynced deltas for this key
+ */
+export function estimate(g, pending, t) {
+  const m = minuteOf(t);
+  const frac = (t - m * WINDOW_MS) / WINDOW_MS;
+  const cur = globalAt(g, m);
+  const prev = globalAt(g, m - 1);
+  const pc = pending(m);
+  const pp = pending(m - 1);
+  const w = 1 - frac;
+  return {
+    req: (prev.req + pp.req) * w + cur.req + pc.req,
+    tok: (prev.tok + pp.tok) * w + cur.tok + pc.tok,
+  };
+}
+
+/**
+ * Whether a key may send one more request now: null, or the refusal
+ * {type, code, message, retryAfterS} (HTTP 429).
+ */
+export function refusal(key, est, monthTokens, t) {
+  const toMinute = Math.max(1, Math.ceil((WINDOW_MS - (t % WINDOW_MS)) / 1000));
+  if (key.rpm > 0 && est.req >= key.rpm) {
+    return { type: "requests", code: "rate_limit_exceeded", retryAfterS: toMinute,
+      message: `rate limit reached: ${key.rpm} requests per minute for this key` };
+  }
+  if (key.tpm > 0 && est.tok >= key.tpm) {
+    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: toMinute,
+      message: `rate limit reached: ${key.tpm} tokens per minute for this key` };
+  }
+  if (key.monthly_tokens > 0 && monthTokens >= key.monthly_tokens) {
+    return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: Math.max(1, Math.ceil(msToNextMonth(t) / 1000)),
+      message: `monthly token budget used: ${key.monthly_tokens} tokens this month for this key` };
+  }
+  return null;
+}

@@ -1,0 +1,69 @@
+// Which pod serves a request: the breaker's verdict per pod, then the fewest requests in
+// flight in this isolate (ties broken at random). Pure but for the in-flight counters,
+// which are plain numbers in module scope.
+
+import { CLOSED, route } from "./machine.js";
+
+const inflight = new Map(); // pod URL -> requests this isolate has in flight there
+
+const CLOSED_POD = Object.freeze({ state: CLOSED, failures: 0, opened_at: null, trial_at: null });
+
+/** The breaker snapshot of one pod, with the cell-wide override (machine.js shape). */
+export function podSnap(view, url) {
+  return { ...(view.pods[url] || CLOSED_POD), forced: view.forced };
+}
+
+/** Whether the object needs to hear about this outcome (a clean closed pod writes nothing). */
+export function worthReporting(view, url, ok) {
+  return !ok || url in view.pods;
+}
+
+/**
+ * The pods a request may use, in the order to try them: {pods: [index...] routed to
+ * directly, trials: [index...] whose half-open slot may be asked for}. `exclude` is a
+ * set of indexes already tried.
+ */
+export function candidates(urls, view, now, cfg, exclude) {
+  const pods = [];
+  const trials = [];
+  for (let i = 0; i < urls.length; i++) {
+    if (exclude && exclude.has(i)) continue;
+    const r = route(podSnap(view, urls[i]), now, cfg);
+    if (r === "pod") pods.push(i);
+    else if (r === "trial") trials.push(i);
+  }
+  return { pods, trials };
+}
+
+/** The index with the fewest requests in flight here; ties broken at random. */
+export function leastBusy(urls, indexes) {
+  let best = -1;
+  let bestLoad = Infinity;
+  let ties = 0;
+  for (const i of indexes) {
+    const load = inflight.get(urls[i]) || 0;
+    if (load < bestLoad) {
+      best = i;
+      bestLoad = load;
+      ties = 1;
+    } else if (load === bestLoad && Math.random() * ++ties < 1) {
+      best = i; // reservoir choice: each tied pod equally likely
+    }
+  }
+  return best;
+}
+
+export function started(url) {
+  inflight.set(url, (inflight.get(url) || 0) + 1);
+}
+
+export function finished(url) {
+  const n = (inflight.get(url) || 1) - 1;
+  if (n <= 0) inflight.delete(url);
+  else inflight.set(url, n);
+}
+
+/** In-flight counts by URL (tests and the probe). */
+export function inflightOf(url) {
+  return inflight.get(url) || 0;
+}

@@ -1,0 +1,36 @@
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { tapStream, usageOfJson, usageOfSseTail } from "../src/usage.js";
+
+const enc = (s) => new TextEncoder().encode(s);
+
+test("usage of a complete JSON answer", () => {
+  assert.deepEqual(usageOfJson(enc('{"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}')), { prompt: 3, completion: 4 });
+  assert.equal(usageOfJson(enc('{"choices":[]}')), null);
+  assert.equal(usageOfJson(enc("not json")), null);
+  assert.equal(usageOfJson(enc('{"usage":{"prompt_tokens":-1,"completion_tokens":"x"}}')), null);
+});
+
+test("usage of a stream is its last data event with a usage object", () => {
+  const sse = 'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
+    + 'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}\n\ndata: [DONE]\n\n';
+  assert.deepEqual(usageOfSseTail(sse), { prompt: 9, completion: 2 });
+  assert.equal(usageOfSseTail('data: {"choices":[]}\n\ndata: [DONE]\n\n'), null);
+  assert.deepEqual(usageOfSseTail('ompt_tokens":1}}\n\ndata: {"usage":{"prompt_tokens":1,"completion_tokens":1}}\n'), { prompt: 1, completion: 1 });
+});
+
+test("the tap passes every byte through and reports the usage once at the end", async () => {
+  const filler = 'data: {"choices":[{"delta":{"content":"' + "x".repeat(1000) + '"}}]}\n\n';
+  const parts = [...Array(40).fill(filler), 'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":6}}\n\n', "data: [DONE]\n\n"];
+  const body = new ReadableStream({ start(c) { for (const p of parts) c.enqueue(enc(p)); c.close(); } });
+  const seen = [];
+  const tap = tapStream(body, true, (u) => seen.push(u));
+  const text = await new Response(tap.body).text();
+  await tap.piped;
+  assert.equal(text, parts.join(""));
+  assert.deepEqual(seen, [{ prompt: 5, completion: 6 }]);
+  const quiet = tapStream(new Response("data: [DONE]\n\n").body, false, (u) => seen.push(u));
+  await new Response(quiet.body).text();
+  await quiet.piped;
+  assert.deepEqual(seen.at(-1), null);
+});
