@@ -1,0 +1,138 @@
+"""A client for the Worker's operator endpoints (client keys, usage), and where to find them.
+
+``scripts/keys.py`` and the sandbox use it; the endpoints are documented in docs/worker.md.
+A target is a Worker URL and its probe token: from ``--url`` plus ``COLOCATE_PROBE_TOKEN``,
+from a running sandbox of the stack (its ``ready.json``), or from the deployed stack's
+outputs (``pulumi stack output --show-secrets``). The token never goes to argv or a log.
+
+    AdminError                   base; scripts exit 2 on it
+    ├── TargetError              no URL or token could be found for the request (names how to give one)
+    ├── Unreachable              the Worker did not answer (connection refused, timeout)
+    └── Refused                  the Worker answered with an error (status, code and its message)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from . import stackfile
+
+TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
+TIMEOUT_S = 30
+
+
+class AdminError(Exception):
+    pass
+
+
+class TargetError(AdminError):
+    pass
+
+
+class Unreachable(AdminError):
+    pass
+
+
+class Refused(AdminError):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"the Worker answered {status} {code}: {message}")
+        self.status, self.code = status, code
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    token: str
+    source: str  # "url", "sandbox" or "stack": where the two came from
+
+    def __repr__(self) -> str:  # never print the token
+        return f"Target(url={self.url!r}, source={self.source!r}, token=***)"
+
+
+def sandbox_state_dir(stack: str) -> Path:
+    return stackfile.ROOT / ".colocate" / "sandbox" / stack
+
+
+def _sandbox_target(state_dir: Path) -> Target | None:
+    try:
+        ready = json.loads((state_dir / "ready.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(ready, dict) or not ready.get("worker_url") or not ready.get("token"):
+        return None
+    return Target(ready["worker_url"], ready["token"], "sandbox")
+
+
+def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path | None = None,
+            env: dict | None = None) -> Target:
+    """Where the operator endpoints are: an explicit URL, else the stack's running sandbox,
+    else the stack's deployed outputs."""
+    env = os.environ if env is None else env
+    if url:
+        token = env.get(TOKEN_ENV)
+        if not token:
+            raise TargetError(f"--url {url}: no probe token; export {TOKEN_ENV}=<colocate:probeToken> "
+                              f"(`pulumi config get --show-secrets colocate:probeToken`), or use --stack S")
+        return Target(url.rstrip("/"), token, "url")
+    if state_dir is not None or stack is not None:
+        sandbox = _sandbox_target(Path(state_dir) if state_dir else sandbox_state_dir(stack))
+        if sandbox:
+            return sandbox
+        if state_dir is not None:
+            raise TargetError(f"--state-dir {state_dir}: no running sandbox there (no ready.json); "
+                              "start one with `.venv/bin/python scripts/sandbox.py up`")
+    if stack is None:
+        raise TargetError("no target: pass --stack S (a deployed stack or a running sandbox) or --url URL")
+    from .probe import outputs  # the Pulumi CLI, only for deployed stacks
+    from .probe.errors import OutputsError
+
+    try:
+        out = outputs.read_outputs(stack)
+    except OutputsError as exc:
+        raise TargetError(f"{exc} (no sandbox of stack {stack} is running either)") from None
+    if not out.worker_url or not out.probe_token:
+        raise TargetError(f"--stack {stack}: the stack has no workerUrl/probeToken outputs; run `pulumi up -s {stack}` first")
+    return Target(out.worker_url.rstrip("/"), out.probe_token, "stack")
+
+
+class AdminClient:
+    def __init__(self, target: Target, session: requests.Session | None = None):
+        self.target = target
+        self.session = session or requests.Session()
+
+    def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
+        try:
+            res = self.session.request(method, self.target.url + path, json=body, params=params, timeout=TIMEOUT_S,
+                                       headers={"authorization": f"Bearer {self.target.token}"})
+        except requests.RequestException as exc:
+            raise Unreachable(f"{self.target.url} did not answer ({type(exc).__name__}); is the cell up?") from None
+        try:
+            data = res.json()
+        except ValueError:
+            data = None
+        if res.status_code >= 400 or not isinstance(data, dict):
+            err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+            raise Refused(res.status_code, err.get("code", "http_error"), err.get("message", res.text[:200]))
+        return data
+
+    def create_key(self, name: str, *, rpm: int = 0, tpm: int = 0, monthly_tokens: int = 0,
+                   expires_in_s: int | None = None) -> dict:
+        body = {"name": name, "rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens}
+        if expires_in_s is not None:
+            body["expires_in_s"] = expires_in_s
+        return self._call("POST", "/_colocate/keys", body)
+
+    def list_keys(self) -> list[dict]:
+        return self._call("GET", "/_colocate/keys")["keys"]
+
+    def revoke_key(self, key_id: str) -> dict:
+        return self._call("POST", f"/_colocate/keys/{key_id}/revoke")
+
+    def usage(self, *, since: str | None = None, until: str | None = None, key_id: str | None = None) -> dict:
+        params = {k: v for k, v in (("from", since), ("to", until), ("key", key_id)) if v}
+        return self._call("GET", "/_colocate/usage", params=params)

@@ -1,0 +1,94 @@
+"""scripts/keys.py against a real router in workerd: create, list, revoke, usage, errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scripts import keys
+from tests.support.workerd import SECRETS, chat, running_cell
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cell():
+    with running_cell({"stateTtlMs": 60_000}, compute_ms=1) as c:
+        yield c
+
+
+@pytest.fixture
+def token(monkeypatch):
+    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", SECRETS["PROBE_TOKEN"])
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = keys.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_create_prints_the_key_once_and_it_works(cell, token, capsys):
+    code, out, err = run(capsys, "create", "--url", cell.url, "--name", "ci-bot", "--rpm", "100")
+    assert code == 0
+    key = out.strip()
+    assert key.startswith("clc_") and "shown only once" in err and key not in err
+    res = cell.call("GET", "/v1/models", headers={"authorization": f"Bearer {key}"})
+    assert res.status == 200
+    code, out, _ = run(capsys, "list", "--url", cell.url)
+    assert code == 0 and "ci-bot" in out and key not in out and key[:10] in out
+    row = next(line for line in out.splitlines() if "ci-bot" in line)
+    assert "100" in row and "active" in row
+
+
+def test_list_json_revoke_and_usage(cell, token, capsys):
+    code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "tmp", "--json")
+    made = json.loads(out)
+    for _ in range(2):
+        assert cell.call("POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {made['key']}"}).status == 200
+    code, out, _ = run(capsys, "revoke", "--url", cell.url, made["id"])
+    assert code == 0 and made["id"] in out
+    assert cell.call("GET", "/v1/models", headers={"authorization": f"Bearer {made['key']}"}).status == 401
+    code, out, _ = run(capsys, "list", "--url", cell.url, "--json")
+    listed = {k["id"]: k for k in json.loads(out)["keys"]}
+    assert listed[made["id"]]["revoked_at"] is not None and "key" not in listed[made["id"]]
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        code, out, _ = run(capsys, "usage", "--url", cell.url, "--key", made["id"], "--json")
+        rows = json.loads(out)["usage"]
+        if rows and rows[0]["pod_requests"] == 2:
+            break
+        time.sleep(0.1)
+    assert rows[0]["requests"] == 2 and rows[0]["name"] == "tmp"
+    code, out, _ = run(capsys, "usage", "--url", cell.url, "--key", made["id"])
+    assert code == 0 and "tmp" in out and out.splitlines()[-1].startswith("total")
+
+
+def test_errors_exit_codes_and_messages(cell, token, capsys, monkeypatch):
+    code, _, err = run(capsys, "revoke", "--url", cell.url, "key_000000000000")
+    assert code == 1 and "unknown_key" in err
+    code, _, err = run(capsys, "create", "--url", cell.url, "--name", "x", "--rpm", "-5")
+    assert code == 2 and '"rpm"' in err
+    code, _, err = run(capsys, "list", "--url", "http://127.0.0.1:9")
+    assert code == 2 and "did not answer" in err
+    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", "tok-3f9a1b")
+    code, _, err = run(capsys, "list", "--url", cell.url)
+    assert code == 2 and "401" in err and "tok-3f9a1b" not in err
+    monkeypatch.delenv("COLOCATE_PROBE_TOKEN")
+    code, _, err = run(capsys, "list", "--url", cell.url)
+    assert code == 2 and "COLOCATE_PROBE_TOKEN" in err
+
+
+def test_as_a_subprocess_with_a_sandbox_state_dir(cell, tmp_path):
+    (tmp_path / "ready.json").write_text(json.dumps({"worker_url": cell.url, "token": SECRETS["PROBE_TOKEN"]}))
+    env = {k: v for k, v in os.environ.items() if k != "COLOCATE_PROBE_TOKEN"}
+    proc = subprocess.run([sys.executable, "scripts/keys.py", "list", "--state-dir", str(tmp_path), "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "keys" in json.loads(proc.stdout)
+    assert SECRETS["PROBE_TOKEN"] not in proc.stdout + proc.stderr
