@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,8 +64,6 @@ def parser() -> argparse.ArgumentParser:
 def _when(ms: int | None) -> str:
     if not ms:
         return "-"
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ms / 1000))
 
 
@@ -73,7 +72,7 @@ def _table(headers: list[str], rows: list[list], right: set[int] = frozenset()) 
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for r in cells:
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
     return "\n".join(lines) + "\n"
 
 
