@@ -49,9 +49,10 @@ def cell_plan(worker: dict | None = None, generations: list[dict] | None = None,
     return plan_mod.plan_cell(settings)
 
 
-def values_for(pod_url: str, fallback_url: str) -> dict[str, str]:
+def values_for(pod_url: str | list[str], fallback_url: str) -> dict[str, str]:
     # FALLBACK_URL is a secret too: it is keyed by its settings name here, to exercise both lookups.
-    return {"POD_URLS": plan_mod.pod_urls_text([pod_url]), "fallbackUrl": fallback_url, **SECRETS}
+    urls = [pod_url] if isinstance(pod_url, str) else pod_url
+    return {"POD_URLS": plan_mod.pod_urls_text(urls), "fallbackUrl": fallback_url, **SECRETS}
 
 
 @dataclass
@@ -111,10 +112,14 @@ def chat(stream: bool = False, model: str = "client/model") -> dict:
 @dataclass
 class Cell:
     worker: Workerd
-    pod: standin.StandinServer
+    pods: list[standin.StandinServer]
     fallback: standin.StandinServer
     plan: object
     responses: list[Response] = field(default_factory=list)
+
+    @property
+    def pod(self) -> standin.StandinServer:
+        return self.pods[0]
 
     @property
     def url(self) -> str:
@@ -160,7 +165,7 @@ class Cell:
         """Stop workerd and start it again (same port, same storage) with another plan."""
         self.worker.stop()
         self.plan = plan
-        self.worker.start(render_config(plan.worker, values_for(self.pod.url, self.fallback.url), port=self.worker.port,
+        self.worker.start(render_config(plan.worker, values_for([p.url for p in self.pods], self.fallback.url), port=self.worker.port,
                                         storage_dir=self._storage or self.worker.directory / "objects"))
 
     def create_key(self, name: str = "test", **limits) -> dict:
@@ -175,18 +180,21 @@ class Cell:
 
 @contextlib.contextmanager
 def running_cell(worker: dict | None = None, generations: list[dict] | None = None, *, compute_ms: float = 5,
-                 storage_dir: Path | None = None, with_key: bool = True, **raw_overrides) -> Iterator[Cell]:
+                 storage_dir: Path | None = None, with_key: bool = True, pods: int = 1, **raw_overrides) -> Iterator[Cell]:
     """A stand-in pod and fallback (separate tokens) and workerd running the sandbox plan,
     with a client key (``cell.key``) that routed calls carry. Objects are stored on disk
     (``storage_dir``, default inside workerd's directory): workerd offers SQLite to
     Durable Objects only with localDisk storage."""
     plan = cell_plan(worker, generations, **raw_overrides)
-    with standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name="pod") as pod, \
-            standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME, name="fallback") as fb, \
-            Workerd() as w:
-        w.start(render_config(plan.worker, values_for(pod.url, fb.url), port=w.port,
+    with contextlib.ExitStack() as stack:
+        names = ["pod"] if pods == 1 else [f"pod-{i}" for i in range(pods)]
+        started = [stack.enter_context(standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name=n)) for n in names]
+        fb = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME,
+                                               name="fallback"))
+        w = stack.enter_context(Workerd())
+        w.start(render_config(plan.worker, values_for([p.url for p in started], fb.url), port=w.port,
                               storage_dir=storage_dir or w.directory / "objects"))
-        cell = Cell(w, pod, fb, plan)
+        cell = Cell(w, started, fb, plan)
         cell._storage = storage_dir
         if with_key:
             cell.key = cell.create_key("test")["key"]

@@ -207,3 +207,18 @@ test("a broken namespace and no upstream: a JSON 503, no stack, no secret", asyn
   assert.equal(JSON.parse(body).error.code, "state_unavailable");
   assert.ok(!body.includes("    at ") && !body.includes("pt leaked"));
 });
+
+test("once a stream has started, a pod failure is not retried elsewhere: the client sees the cut", async () => {
+  const env = envFor("router-stream", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const key = await withKey(env.BREAKER, "router-stream");
+  const enc = new TextEncoder();
+  const broken = () => new Response(new ReadableStream({
+    start(c) { c.enqueue(enc.encode('data: {"choices":[]}\n\n')); },
+    pull(c) { c.error(new Error("pod died mid-stream")); },
+  }), { headers: { "content-type": "text/event-stream" } });
+  const { f, seen } = fakeFetch(broken);
+  const r = await handle(chat(key), env, ctx(), { fetch: f });
+  assert.match(r.headers.get("x-colocate-backend"), /^pod-[01]$/);
+  await assert.rejects(r.text());
+  assert.equal(podCalls(seen), 1);
+});
