@@ -182,3 +182,67 @@ def test_a_burst_across_two_isolates_overshoots_at_most_one_isolate_s_share():
         time.sleep(0.5)
         after = [request(cell.urls[i % 2], "GET", "/v1/models", headers=bearer(made["key"])).status for i in range(6)]
         assert after == [429] * 6
+
+
+def test_keys_limits_and_usage_follow_the_generation_through_a_migration(tmp_path):
+    from tests.support.workerd import cell_plan
+
+    g1 = [{"name": "us-east.g1", "region": "us-east", "status": "active"}]
+    moved = [{"name": "us-east.g1", "region": "us-east", "status": "draining"},
+             {"name": "us-east.g2", "region": "us-east", "status": "active"}]
+    finished = [{"name": "us-east.g1", "region": "us-east", "status": "retired"},
+                {"name": "us-east.g2", "region": "us-east", "status": "active"}]
+    worker = {"stateTtlMs": 60_000}
+
+    def usage_of(cell, key_id, want):
+        deadline = time.monotonic() + 10
+        rows = []
+        while time.monotonic() < deadline:
+            rows = cell.call("GET", f"/_colocate/usage?key={key_id}", headers=auth()).json()["usage"]
+            if rows and rows[0]["requests"] >= want:
+                break
+            time.sleep(0.1)
+        return rows
+
+    with running_cell(worker, generations=g1, storage_dir=tmp_path / "do", with_key=False) as cell:
+        alice = cell.create_key("alice", rpm=1000)
+        limited = cell.create_key("limited", rpm=2)
+        gone = cell.create_key("gone")
+        cell.call("POST", f"/_colocate/keys/{gone['id']}/revoke", headers=auth())
+        for _ in range(3):
+            assert cell.call("GET", "/v1/models", headers=bearer(alice["key"])).status == 200
+        for _ in range(2):
+            assert cell.call("GET", "/v1/models", headers=bearer(limited["key"])).status == 200
+        assert usage_of(cell, alice["id"], 3)[0]["requests"] == 3
+        assert usage_of(cell, limited["id"], 2)[0]["requests"] == 2
+
+        # migrate start + up: g2 active, g1 draining. The first touch copies g1's state.
+        cell.restart(cell_plan(worker, generations=moved))
+        assert cell.call("GET", "/v1/models", headers=bearer(alice["key"])).status == 200
+        assert cell.call("GET", "/v1/models", headers=bearer(gone["key"])).status == 401  # still revoked
+        assert cell.call("GET", "/v1/models", headers=bearer(limited["key"])).status == 429  # its minute's count moved too
+        listed = {k["name"] for k in cell.call("GET", "/_colocate/keys", headers=auth()).json()["keys"]}
+        assert listed == {"alice", "limited", "gone"}
+        assert usage_of(cell, alice["id"], 4)[0]["requests"] == 4  # 3 in g1 + 1 in g2
+
+        # Purge g1 (what `up` after `migrate finish` does): copied first, so nothing is lost.
+        purged = cell.call("POST", "/_colocate/purge", body={"generation": "us-east.g1"}, headers=auth())
+        assert purged.status == 200 and purged.json()["copied_to"] == "us-east.g2"
+        cell.restart(cell_plan(worker, generations=finished))
+        assert cell.call("GET", "/v1/models", headers=bearer(alice["key"])).status == 200
+        rows = usage_of(cell, alice["id"], 5)
+        assert rows[0]["requests"] == 5 and rows[0]["name"] == "alice"
+
+
+def test_a_generation_never_touched_before_its_predecessor_is_purged_still_gets_its_state(tmp_path):
+    from tests.support.workerd import cell_plan
+
+    g1 = [{"name": "us-east.g1", "region": "us-east", "status": "active"}]
+    moved = [{"name": "us-east.g1", "region": "us-east", "status": "draining"},
+             {"name": "us-east.g2", "region": "us-east", "status": "active"}]
+    with running_cell({"stateTtlMs": 60_000}, generations=g1, storage_dir=tmp_path / "do", with_key=False) as cell:
+        key = cell.create_key("early")
+        cell.restart(cell_plan({"stateTtlMs": 60_000}, generations=moved))
+        # No request reached g2 before the operator purges g1: the purge copies first.
+        assert cell.call("POST", "/_colocate/purge", body={"generation": "us-east.g1"}, headers=auth()).status == 200
+        assert cell.call("GET", "/v1/models", headers=bearer(key["key"])).status == 200
