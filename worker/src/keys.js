@@ -15,9 +15,11 @@ function base64url(bytes) {
   return btoa(s).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
 }
 
+const HEX = Array.from({ length: 256 }, (_, i) => i.toString(16).padStart(2, "0"));
+
 function hex(bytes) {
   let s = "";
-  for (const b of bytes) s += b.toString(16).padStart(2, "0");
+  for (let i = 0; i < bytes.length; i++) s += HEX[bytes[i]];
   return s;
 }
 

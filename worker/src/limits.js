@@ -14,9 +14,14 @@ export function minuteOf(t) {
   return Math.floor(t / WINDOW_MS);
 }
 
+const DAY_MS = 86_400_000;
+let lastDay = { n: NaN, text: "" }; // one formatting per UTC day, not one per request
+
 /** "YYYY-MM-DD" (UTC). */
 export function dayOf(t) {
-  return new Date(t).toISOString().slice(0, 10);
+  const n = Math.floor(t / DAY_MS);
+  if (n !== lastDay.n) lastDay = { n, text: new Date(n * DAY_MS).toISOString().slice(0, 10) };
+  return lastDay.text;
 }
 
 /** The first day of t's UTC month, "YYYY-MM-01". */
