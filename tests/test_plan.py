@@ -307,3 +307,28 @@ def test_pod_py_reads_exactly_the_spec_the_plan_writes():
     written = set(cell(raw_for()).pod.spec())
     assert written == set(REQUIRED) == {f.name for f in fields(PodSpec)}
     assert PodSpec.from_dict(cell(raw_for()).pod.spec()).locations == ("AP-JP-1",)
+
+
+def test_migrate_plan_lists_every_pod_and_the_cost_cap():
+    from colocate import migration
+
+    raw = raw_for("us-east", pod={"provider": "runpod", "count": 2})
+    before = settings.parse(raw, "t", secrets=SECRETS)
+    grown = settings.parse(raw_for("us-east", pod={"provider": "runpod", "count": 3}), "t", secrets=SECRETS)
+    actions = [str(a) for a in migration.diff(*migration.plan_pair(before, grown))]
+    assert sum(a.lstrip().startswith("keep     pod") for a in actions) == 2
+    assert sum(a.lstrip().startswith("create   pod") for a in actions) == 1
+    assert any("3 pods: at most $2.40/hr" in a for a in actions)
+    new_image = settings.parse(raw_for("us-east", pod={"provider": "runpod", "count": 2, "image": "x:1"}), "t",
+                               secrets=SECRETS)
+    actions = [str(a) for a in migration.diff(*migration.plan_pair(before, new_image))]
+    assert sum(a.lstrip().startswith("delete   pod") for a in actions) == 2
+    assert any("during the update 4 pods run, up to $3.20/hr" in a for a in actions)
+
+
+def test_planning_does_not_need_the_fallback_model():
+    from colocate import migration
+
+    raw = raw_for()
+    del raw["fallbackModel"]
+    assert migration.planning_settings(raw, "t").fallback_model == ""
