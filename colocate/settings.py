@@ -212,7 +212,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         raise ConfigError(k + "allowClassDeletion", w["allowClassDeletion"], "must be true or false", "set true or false")
     tag = w["migrationTag"]
     if not isinstance(tag, str):
-        raise ConfigError(k + "migrationTag", tag, "must be text", "leave it to the kit: it records the applied tag")
+        raise ConfigError(k + "migrationTag", tag, "must be text", "remove it: the kit reads the applied tag from Cloudflare")
     subdomain = w["subdomain"]
     if not isinstance(subdomain, str) or (subdomain and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", subdomain)):
         raise ConfigError(k + "subdomain", subdomain, "must be the bare workers.dev subdomain",
