@@ -125,8 +125,11 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
 
 def test_worker_is_reachable_on_workers_dev_without_a_zone(deployed):
     stack, raw, run = deployed
-    if raw.get("zone"):
-        pytest.skip("this stack file sets a zone: the Worker has a custom domain")
+    if raw.get("zone"):  # a stack file with a zone: the Worker is on its custom domain instead
+        domain = run.mocks.one("cloudflare:index/workersCustomDomain:WorkersCustomDomain").inputs
+        assert domain["hostname"] == f"infer.{raw['zone']['name']}"
+        assert not run.mocks.of_type("cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain")
+        return
     subdomain = (raw.get("worker") or {}).get("subdomain", "acme")
     sub = run.mocks.one("cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain").inputs
     assert sub["enabled"] is True and sub["scriptName"] == f"colocate-{stack}"
