@@ -48,7 +48,7 @@ class Ledger:
         if not isinstance(raw, list) or not raw:
             raise LedgerError(
                 KEY, raw, "the ledger must be a non-empty list of {name, region, status}",
-                "run `python scripts/migrate.py init --stack <stack>` or add "
+                "run `.venv/bin/python scripts/migrate.py init --stack <stack>` or add "
                 "[{name: <region>.g1, region: <region>, status: active}]",
             )
         gens = []
@@ -84,7 +84,7 @@ class Ledger:
         draining = [g.name for g in self.generations if g.status == DRAINING]
         if len(draining) > 1:
             raise LedgerError(KEY, draining, "at most one generation may be draining",
-                              "run `python scripts/migrate.py finish --stack <stack>` before another move")
+                              "run `.venv/bin/python scripts/migrate.py finish --stack <stack>` before another move")
 
     @property
     def active(self) -> Generation:
@@ -105,7 +105,7 @@ class Ledger:
             raise LedgerError(
                 "colocate:region", cell_region,
                 f"the active generation {active.name} lives in {active.region}: state and compute would be split",
-                f"move state with compute: run `python scripts/migrate.py start --stack {stack} --to {cell_region}`, "
+                f"move state with compute: run `.venv/bin/python scripts/migrate.py start --stack {stack} --to {cell_region}`, "
                 "then `pulumi up`",
             )
 
@@ -119,7 +119,7 @@ class Ledger:
         if self.draining is not None:
             raise LedgerError(
                 KEY, self.draining.name, "a move is already under way (a generation is draining)",
-                f"run `python scripts/migrate.py finish --stack {stack}` and `pulumi up` first",
+                f"run `.venv/bin/python scripts/migrate.py finish --stack {stack}` and `pulumi up` first",
             )
         if self.active.region == to_region:
             raise LedgerError("--to", to_region, f"the active generation {self.active.name} already lives there",
@@ -132,7 +132,7 @@ class Ledger:
         """End a move: the draining generation is retired (purged and unbound by the next deploy)."""
         if self.draining is None:
             raise LedgerError(KEY, [g.name for g in self.generations], "no generation is draining: nothing to finish",
-                              f"run `python scripts/migrate.py start --stack {stack} --to <region>` to begin a move")
+                              f"run `.venv/bin/python scripts/migrate.py start --stack {stack} --to <region>` to begin a move")
         return Ledger(tuple(replace(g, status=RETIRED) if g.status == DRAINING else g for g in self.generations))
 
     def as_config(self) -> list[dict]:

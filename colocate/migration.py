@@ -14,14 +14,14 @@ from . import geo
 from .catalogue import region as lookup_region
 from .ledger import UNKNOWN_REGION, Ledger
 from .plan import CellPlan, plan_cell
-from .settings import ALWAYS_SECRET, PROVIDER_SECRET, Settings, parse
+from .settings import ALWAYS_SECRET, FALLBACK_PASSTHROUGH, PROVIDER_SECRET, Settings, parse
 
 PLANNING_ACCOUNT = "0" * 32  # planning never deploys; a stack may not have its account id yet
 
 
 @dataclass(frozen=True)
 class Action:
-    verb: str  # create | replace | update | bind | unbind | purge | probe | keep
+    verb: str  # create | delete | update | bind | unbind | purge | probe | keep | cost
     what: str
     detail: str
 
@@ -51,6 +51,8 @@ def planning_settings(raw: dict, stack: str) -> Settings:
     """Settings for planning only: secrets and the account id need not be set yet."""
     raw = dict(raw)
     raw.setdefault("accountId", PLANNING_ACCOUNT)
+    # Planning shows pods, placement and bindings; the fallback's model changes none of them.
+    raw.setdefault("fallbackModel", FALLBACK_PASSTHROUGH)
     worker = dict(raw.get("worker") or {})
     if not worker.get("subdomain") and not raw.get("zone"):
         worker["subdomain"] = "planning"
@@ -72,13 +74,28 @@ def state_site(settings: Settings, generation_name: str) -> str | None:
 def diff(before: CellPlan, after: CellPlan) -> list[Action]:
     """The actions that take the cell from ``before`` to ``after``."""
     actions: list[Action] = []
-    bp, ap = before.pod, after.pod
-    if bp.triggers() != ap.triggers():
-        actions.append(Action("create", f"pod {ap.name}", f"{ap.settings.provider} in {ap.region} "
-                              f"({', '.join(ap.locations)}), health-checked before anything is deleted"))
-        actions.append(Action("delete", f"pod {bp.name}", f"{bp.settings.provider} in {bp.region}, after the new pod is up"))
-    else:
-        actions.append(Action("keep", f"pod {ap.name}", "unchanged"))
+    created = 0
+    for i in range(max(len(before.pods), len(after.pods))):
+        bp = before.pods[i] if i < len(before.pods) else None
+        ap = after.pods[i] if i < len(after.pods) else None
+        if bp and ap and bp.triggers() == ap.triggers():
+            actions.append(Action("keep", f"pod {ap.name}", "unchanged"))
+            continue
+        if ap:
+            created += 1
+            actions.append(Action("create", f"pod {ap.name}", f"{ap.settings.provider} in {ap.region} "
+                                  f"({', '.join(ap.locations)}), reached by {ap.path}, "
+                                  "health-checked before anything is deleted"))
+        if bp:
+            actions.append(Action("delete", f"pod {bp.name}", f"{bp.settings.provider} in {bp.region}, "
+                                  "at the end of the update, after the Worker uses the new pods"))
+    cap = after.pod.settings.max_price_per_hr
+    n = len(after.pods)
+    # Replaced pods are deleted at the end of the update: old and new bill together until then.
+    peak = len(before.pods) + created
+    during = f"; during the update {peak} pods run, up to ${cap * peak:.2f}/hr" if peak > n else ""
+    actions.append(Action("cost", f"{n} pod{'s' if n > 1 else ''}",
+                          f"at most ${cap * n:.2f}/hr (cap ${cap:.2f}/hr each){during}"))
     if before.worker.placement != after.worker.placement:
         actions.append(Action("update", f"Worker {after.worker.script_name}",
                               f"placement {_placement(before)} -> {_placement(after)}"))

@@ -5,7 +5,11 @@ WORKER_NAME = "workerName"
 POD_ID = "podId"
 POD_LOCATION = "podLocation"
 POD_COST_PER_HR = "podCostPerHr"
-POD_URL = "podUrl"
+POD_URL = "podUrl"  # pod 0's address as the provider reports it (not what the Worker uses)
+POD_IDS = "podIds"  # every pod, index order (podId/podLocation/podCostPerHr describe pod 0)
+POD_LOCATIONS = "podLocations"
+PODS_COST_PER_HR = "podsCostPerHr"  # the cell's pods together, $/hr as the providers report
+POD_PATH = "podPath"  # how the Worker reaches the pods: zone-dns | provider-proxy | local-hostname
 ACTIVE_GENERATION = "activeGeneration"
 ACTIVE_HINT = "activeHint"
 DRAINING_GENERATION = "drainingGeneration"
@@ -13,5 +17,6 @@ PLACEMENT = "placement"
 PROBE_VERDICT = "probeVerdict"
 PROBE_TOKEN = "probeToken"  # secret output: probe.py --stack reads it
 
-ALL = (WORKER_URL, WORKER_NAME, POD_ID, POD_LOCATION, POD_COST_PER_HR, POD_URL, ACTIVE_GENERATION,
+ALL = (WORKER_URL, WORKER_NAME, POD_ID, POD_LOCATION, POD_COST_PER_HR, POD_URL, POD_IDS, POD_LOCATIONS,
+       PODS_COST_PER_HR, POD_PATH, ACTIVE_GENERATION,
        ACTIVE_HINT, DRAINING_GENERATION, PLACEMENT, PROBE_VERDICT, PROBE_TOKEN)

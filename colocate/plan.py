@@ -25,9 +25,10 @@ BREAKER_CLASS = "Breaker"
 # allow_custom_ports (the pod listens on :8000) is the default from 2024-09-02;
 # the date is also the newest the pinned workerd (1.20261117.1) accepts.
 COMPATIBILITY_DATE = "2026-11-01"
-# The kit's Durable Object migrations, in order. Tags are applied once each; the
-# provider keeps no record of them (write-only in its state), so the stack file does
-# (colocate:worker.migrationTag). Steps only ever add: nothing here deletes a class.
+# The kit's Durable Object migrations, in order. Tags are applied once each. Cloudflare
+# reports the tag a script last applied (the Workers scripts list, `migration_tag`): the
+# program reads it at plan time and sends only the steps after it (``migration_decision``).
+# Steps only ever add: nothing here deletes a class.
 MIGRATIONS: tuple[tuple[str, dict], ...] = (("v1", {"new_sqlite_classes": [BREAKER_CLASS]}),)
 POD_URLS_FROM_OUTPUT = "pod.urls"  # marks a binding whose value is the created pods' URLs
 
@@ -69,8 +70,9 @@ class WorkerPlan:
     compatibility_date: str
     placement: dict  # {"region": "gcp:asia-east1"} or {"mode": "smart"}
     bindings: tuple[Binding, ...]
-    migrations: dict  # {"old_tag", "new_tag", "steps"}
+    migrations: dict | None  # {"old_tag", "new_tag", "steps"}; None: nothing pending, send no block
     pending_migrations: tuple[str, ...]
+    migration_warning: str | None  # the stack file's tag disagrees with the live one
     hostname: str | None  # custom domain when a zone is set, else workers.dev
     url: str  # where clients (and the probe) reach the Worker
 
@@ -93,6 +95,43 @@ class StatePlan:
     purge: tuple[str, ...]  # retired generations whose storage the next deploy purges
 
 
+PATH_ZONE_DNS = "zone-dns"  # a DNS-only A record on colocate:zone, straight to the pod's public port
+PATH_PROVIDER_PROXY = "provider-proxy"  # RunPod's HTTPS proxy hostname (through Cloudflare and RunPod's balancer)
+PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that resolves to 127.0.0.1
+POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
+
+
+def runpod_proxy_url(pod_id: str, internal_port: int) -> str:
+    """RunPod's proxy address for a pod's HTTP port (docs.runpod.io, pods/configuration/expose-ports)."""
+    return f"https://{pod_id}-{internal_port}.proxy.runpod.net"
+
+
+def pod_path(provider: str, zoned: bool) -> str:
+    """Which path the Worker takes to a pod; refuses a provider with no hostname when no zone is set."""
+    if provider == "local":
+        return PATH_LOCAL_HOSTNAME
+    if zoned:
+        return PATH_ZONE_DNS
+    if provider == "runpod":
+        return PATH_PROVIDER_PROXY
+    raise ConfigError("colocate:zone", None,
+                      f"a {provider} pod has only an IP address and a deployed Worker cannot fetch an IP literal "
+                      "(Cloudflare error 1003), so the Worker needs a DNS-only hostname for it on one of your zones",
+                      "pulumi config set --path colocate:zone.id <zone id> and --path colocate:zone.name <example.com> "
+                      "(the kit creates pod-<generation>.<zone> as a DNS-only record), or use pod.provider runpod "
+                      "where the region has RunPod capacity")
+
+
+def pod_hostname_of(template: str, generation: str, index: int) -> str:
+    """Pod i's DNS-only hostname. Pod 0 keeps the template's name (so adding pods leaves
+    its record alone); pod i>0 gets ``-p<i>`` on the first label, or fills ``{index}``."""
+    host = template.format(generation=generation.replace(".", "-"), index=index)
+    if index == 0 or "{index}" in template:
+        return host
+    first, _, rest = host.partition(".")
+    return f"{first}-p{index}.{rest}"
+
+
 @dataclass(frozen=True)
 class PodPlan:
     """One pod of the cell. ``index`` is stable: pod i keeps its name, triggers and
@@ -105,21 +144,24 @@ class PodPlan:
     generation: str
     settings: PodSettings
     locations: tuple[str, ...]
-    pod_hostname: str | None  # DNS-only hostname the Worker uses, when a zone is set
+    pod_hostname: str | None  # DNS-only hostname the Worker uses (path zone-dns)
+    path: str = PATH_ZONE_DNS  # how the Worker reaches this pod: one of POD_PATHS
 
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
 
-        With a zone: the DNS-only hostname on the pod's public port (providers map ports,
-        so it is only known once the pod exists; custom ports need allow_custom_ports,
-        the default from 2024-09-02). Without one: the address the provider reports.
+        Always a hostname: a deployed Worker cannot fetch an IP literal (Cloudflare's
+        Workers known issues: error 1003). ``zone-dns``: the DNS-only record on the pod's
+        public port (providers map ports, so the port is only known once the pod exists;
+        custom ports need allow_custom_ports, the default from 2024-09-02).
+        ``provider-proxy``: RunPod's proxy hostname on the pod's own (internal) port.
+        ``local-hostname``: ``localhost`` on the stand-in's port.
         """
-        if self.pod_hostname:
+        if self.path == PATH_ZONE_DNS:
             return f"http://{self.pod_hostname}:{created['port']}"
-        if self.settings.provider == "local":
-            # A hostname, as on Cloudflare (Workers cannot fetch IP literals).
-            return f"http://localhost:{created['port']}"
-        return created["url"]
+        if self.path == PATH_PROVIDER_PROXY:
+            return runpod_proxy_url(created["id"], self.settings.port)
+        return f"http://localhost:{created['port']}"
 
     def spec(self) -> dict:
         """The JSON request ``scripts/pod.py create --spec`` receives. Holds no secret."""
@@ -166,10 +208,12 @@ class ProbePlan:
     enforce: bool
     floor_ms: dict[str, float]  # expected floors for an in-region cell
 
+    pod_path: str = PATH_ZONE_DNS  # reported by the probe next to the measured pod_rtt
+
     def argv(self, url: str, pod_location: str) -> list[str]:
         """The post-deploy probe's arguments (the token travels in COLOCATE_PROBE_TOKEN)."""
         args = ["scripts/probe.py", url, "--expect-region", self.region, "--samples", str(self.samples),
-                "--pod-location", pod_location]
+                "--pod-location", pod_location, "--pod-path", self.pod_path]
         for name, ms in sorted(self.budgets.items()):
             args += ["--budget", f"{name}={ms:g}"]
         args += ["--wait", str(PROBE_WAIT_S), "--json", "-"]
@@ -201,18 +245,56 @@ def worker_modules(directory: Path = WORKER_DIR) -> tuple[Module, ...]:
     return tuple(Module(p.name, p) for p in files)
 
 
-def migrations_after(applied: str, allow_class_deletion: bool = False) -> tuple[dict, tuple[str, ...]]:
+@dataclass(frozen=True)
+class MigrationDecision:
+    """What the next upload carries, from the live tag (Cloudflare) and the stack file's."""
+
+    migrations: dict | None  # None: nothing pending, the upload carries no migrations block
+    pending: tuple[str, ...]
+    applied: str  # the tag the decision starts from ("" = none applied yet)
+    source: str  # "cloudflare" or "stack-file" (offline fallback)
+    warning: str | None = None
+
+
+def migration_decision(live: str | None, file_tag: str = "", *, script: str = "",
+                       allow_class_deletion: bool = False) -> MigrationDecision:
+    """The pending Durable Object migration steps.
+
+    ``live`` is the tag Cloudflare reports for the script: "" when the script does not
+    exist yet or has applied none, None when it could not be read (offline), in which case
+    the stack file's ``colocate:worker.migrationTag`` is the fallback. When both are known
+    and differ, Cloudflare wins and the decision carries a warning.
+    """
     tags = [t for t, _ in MIGRATIONS]
-    if applied and applied not in tags:
-        raise ConfigError("colocate:worker.migrationTag", applied, "not a tag this kit ever applied",
-                          f"set it to the Worker's current tag, one of {', '.join(tags)}")
+    known = ", ".join(tags)
+    if file_tag and file_tag not in tags:
+        raise ConfigError("colocate:worker.migrationTag", file_tag, "not a tag this kit ever applied",
+                          f"remove it (the kit reads the applied tag from Cloudflare), or set one of {known}")
+    warning = None
+    if live is None:
+        applied, source = file_tag, "stack-file"
+    else:
+        applied, source = live, "cloudflare"
+        if applied not in ("", *tags):
+            raise ConfigError("colocate:worker.name", script or None,
+                              f"Cloudflare reports Durable Object migration tag {applied!r} on this script, "
+                              f"which this kit never applied (its tags: {known}); another tool or a newer kit "
+                              "deployed it, and uploading now would rewind its classes",
+                              "deploy with the kit version that wrote that tag, or pick another "
+                              "colocate:worker.name for this cell")
+        if file_tag and file_tag != live:
+            warning = (f"colocate:worker.migrationTag is {file_tag!r} in the stack file but Cloudflare reports "
+                       f"{live or 'no tag'!r} on {script or 'the script'}; using Cloudflare's. The stack-file value "
+                       "is only an offline fallback: remove it or update it.")
     start = tags.index(applied) + 1 if applied else 0
     steps = [dict(step) for _, step in MIGRATIONS[start:]]
     if any("deleted_classes" in step for step in steps) and not allow_class_deletion:
         raise ConfigError("colocate:worker.allowClassDeletion", False, "a pending migration deletes a class and all its objects",
                           "set colocate:worker.allowClassDeletion true only if that data may go")
-    migrations = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps}
-    return migrations, tuple(tags[start:])
+    # As wrangler does: nothing pending, no migrations block at all (an empty step list
+    # with old_tag == new_tag is not the same request).
+    migrations = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps} if steps else None
+    return MigrationDecision(migrations, tuple(tags[start:]), applied, source, warning)
 
 
 def hint_of(gen: Generation) -> str:
@@ -249,8 +331,13 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
     return tuple(bindings)
 
 
-def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
-    """Derive the whole cell from validated settings."""
+def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None) -> CellPlan:
+    """Derive the whole cell from validated settings.
+
+    ``live_migration_tag`` is the tag Cloudflare reports for the Worker ("" when it has
+    none or does not exist); None (the sandbox, or Cloudflare unreachable) falls back to
+    the stack file's colocate:worker.migrationTag.
+    """
     reg = settings.region
     ledger = settings.ledger
     state = StatePlan(
@@ -261,7 +348,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
         purge=tuple(g.name for g in ledger.retired),
     )
     gen = ledger.active.name
-    pod_hostname = settings.zone.pod_hostname.format(generation=gen.replace(".", "-")) if settings.zone else None
+    path = pod_path(settings.pod.provider, settings.zone is not None)
     # The name carries a digest of what identifies the pod: a replacement (say, a new image
     # in the same generation) gets a new name, so `create` never adopts the pod that the
     # replacement's `delete` is about to remove.
@@ -277,12 +364,14 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
             settings=settings.pod,
             # Pod i prefers the region's i-th location (spread), the others stay as capacity fallbacks.
             locations=locations[i % len(locations):] + locations[:i % len(locations)],
-            pod_hostname=pod_hostname,
+            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i) if path == PATH_ZONE_DNS else None,
+            path=path,
         )
         for i in range(settings.pod.count)
     )
     pod = pods[0]
-    migrations, pending = migrations_after(settings.worker.migration_tag, settings.worker.allow_class_deletion)
+    decision = migration_decision(live_migration_tag, settings.worker.migration_tag, script=settings.worker.name,
+                                  allow_class_deletion=settings.worker.allow_class_deletion)
     placement = {"mode": "smart"} if settings.worker.placement == "smart" else {"region": reg.placement_region}
     worker = WorkerPlan(
         account_id=settings.account_id,
@@ -293,8 +382,9 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
         compatibility_date=COMPATIBILITY_DATE,
         placement=placement,
         bindings=worker_bindings(settings, state),
-        migrations=migrations,
-        pending_migrations=pending,
+        migrations=decision.migrations,
+        pending_migrations=decision.pending,
+        migration_warning=decision.warning,
         hostname=settings.zone.worker_hostname if settings.zone else None,
         url=(f"https://{settings.zone.worker_hostname}" if settings.zone
              else f"https://{settings.worker.name}.{settings.worker.subdomain}.workers.dev"),
@@ -307,5 +397,6 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR) -> CellPlan:
         samples=settings.samples,
         enforce=settings.enforce,
         floor_ms={"state_rtt": 0.0, "pod_rtt": round(geo.floor_ms(reg.edge_site, pod_site), 2)},
+        pod_path=path,
     )
     return CellPlan(settings.stack, reg, worker, state, pods, probe)

@@ -1,8 +1,16 @@
 """The ``config:`` block of Pulumi.yaml, written from ``settings.SCHEMA``.
 
-Run ``python -m colocate.projectfile`` after changing SCHEMA; a test fails while the
-two differ. Pulumi's project schema types only string, integer, boolean and array,
-so object-valued keys carry a description and a default but no type.
+Run ``.venv/bin/python -m colocate.projectfile`` after changing SCHEMA; a test fails while
+the two differ.
+
+Object-valued keys (pod, worker, budgets, probe, zone) and the ledger carry a description
+and a default but no ``type``. The CLI validates Pulumi.yaml against pulumi/pulumi's
+``sdk/go/common/workspace/project.json``, whose ``simpleConfigType`` is the enum
+string | integer | boolean | array (read at commits 0498be1 and 5351d86); ``type: object``
+was proposed in pulumi/pulumi #20129 and documented for Pulumi YAML programs (pulumi/docs
+#17846, #18971), but a CLI whose schema lacks it refuses the whole project file on every
+command (pulumi/pulumi #11321), and ``type: array`` requires ``items``, which the ledger's
+objects cannot be typed by. An untyped key is accepted by every CLI; the program validates.
 """
 
 from __future__ import annotations
@@ -14,6 +22,10 @@ from ruamel.yaml import YAML
 
 from .settings import NS, SCHEMA
 
+# The types project.json's simpleConfigType accepts and the kit declares ("array" needs
+# `items`, which the ledger's objects cannot be described by, so it is left untyped too).
+DECLARED_TYPES = ("string", "integer", "boolean")
+
 PROJECT_FILE = Path(__file__).resolve().parent.parent / "Pulumi.yaml"
 
 
@@ -21,7 +33,7 @@ def declared() -> dict:
     out = {}
     for key in SCHEMA:
         entry: dict = {}
-        if key.type in ("string", "integer", "boolean"):
+        if key.type in DECLARED_TYPES:
             entry["type"] = key.type
         entry["description"] = key.description
         if key.secret:

@@ -64,11 +64,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations)."),
-    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (recorded by the kit), allowClassDeletion."),
+    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
-    Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches the pod at the provider's address."),
-    Key("fallbackModel", "string", "", "Model name sent to the fallback API (empty: the client's)."),
+    Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
+    Key("fallbackModel", "string", None, "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model unchanged (only when the fallback serves the pod's model)."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
     Key("probeToken", "string", None, "Token that guards the Worker's probe and admin endpoints.", secret=True),
     Key("fallbackUrl", "string", None, "Base URL of the external OpenAI-compatible fallback API.", secret=True),
@@ -81,6 +81,9 @@ SCHEMA: tuple[Key, ...] = (
 KEYS = {k.name: k for k in SCHEMA}
 ALWAYS_SECRET = ("podToken", "probeToken", "fallbackUrl", "fallbackApiKey")
 PROVIDER_SECRET = {"runpod": ("runpodApiKey", "RUNPOD_API_KEY"), "vastai": ("vastaiApiKey", "VASTAI_API_KEY")}
+# colocate:fallbackModel's explicit "send the client's model" value. Required rather than
+# an empty default: an empty value sent Qwen/... to api.openai.com, which rejects it.
+FALLBACK_PASSTHROUGH = "passthrough"
 _ACCOUNT = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -209,7 +212,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         raise ConfigError(k + "allowClassDeletion", w["allowClassDeletion"], "must be true or false", "set true or false")
     tag = w["migrationTag"]
     if not isinstance(tag, str):
-        raise ConfigError(k + "migrationTag", tag, "must be text", "leave it to the kit: it records the applied tag")
+        raise ConfigError(k + "migrationTag", tag, "must be text", "remove it: the kit reads the applied tag from Cloudflare")
     subdomain = w["subdomain"]
     if not isinstance(subdomain, str) or (subdomain and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", subdomain)):
         raise ConfigError(k + "subdomain", subdomain, "must be the bare workers.dev subdomain",
@@ -240,6 +243,19 @@ def parse_budgets(raw: object, key: str = f"{NS}:budgets") -> dict[str, float]:
             raise ConfigError(f"{key}.{name}", ms, "unknown segment", f"use one of {', '.join(SEGMENTS)}")
         out[name] = float(_number(f"{key}.{name}", ms))
     return out
+
+
+def parse_fallback_model(value: object) -> str:
+    """The model the Worker sends to the fallback; "" means the client's (``passthrough``)."""
+    key = f"{NS}:fallbackModel"
+    fix = (f"pulumi config set {key} <the fallback's model, e.g. gpt-4o-mini>, or {FALLBACK_PASSTHROUGH} "
+           "if the fallback serves the same model as the pod")
+    if value is None or value == "":
+        raise MissingSetting(key, value, "the fallback API needs a model name it serves (the client's model "
+                             "is the pod's, which another provider rejects)", fix)
+    if not isinstance(value, str) or value != value.strip():
+        raise ConfigError(key, value, "must be a model name without surrounding spaces", fix)
+    return "" if value == FALLBACK_PASSTHROUGH else value
 
 
 def parse_zone(raw: object) -> ZoneSettings | None:
@@ -312,9 +328,7 @@ def parse(
         raise MissingSetting(f"{NS}:worker.subdomain", None, "the Worker needs a public address: no zone and no workers.dev subdomain",
                              f"pulumi config set --path {NS}:worker.subdomain <your-account-subdomain> (the part before .workers.dev), "
                              f"or set {NS}:zone")
-    fallback_model = raw.get("fallbackModel") or ""
-    if not isinstance(fallback_model, str):
-        raise ConfigError(f"{NS}:fallbackModel", fallback_model, "must be text", "pulumi config set colocate:fallbackModel <model>")
+    fallback_model = parse_fallback_model(raw.get("fallbackModel"))
     return Settings(
         stack=stack,
         region=cell_region,

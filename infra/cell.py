@@ -1,4 +1,4 @@
-"""The ``Cell`` component: one Worker, one state generation, one GPU pod, one probe.
+"""The ``Cell`` component: one Worker, one state generation, N GPU pods, one probe.
 
 Everything here comes from the ``CellPlan``; the component only maps it onto
 ``pulumi_cloudflare`` and ``pulumi_command`` resources. Commands run from the project
@@ -37,64 +37,88 @@ class CellArgs(TypedDict):
     """Extra environment for scripts/pod.py: the provider's API key (RUNPOD_API_KEY, VASTAI_API_KEY)."""
 
 
-def _binding_args(binding: Binding, secrets: Mapping[str, pulumi.Input[str]], pod_url: pulumi.Input[str]):
+def _binding_args(binding: Binding, secrets: Mapping[str, pulumi.Input[str]], pod_urls: pulumi.Output[list]):
     if binding.type == "durable_object_namespace":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, class_name=binding.class_name)
     if binding.type == "secret_text":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=secrets[binding.secret])
-    text = pod_url.apply(lambda u: pod_urls_text([u])) if binding.from_output == POD_URLS_FROM_OUTPUT else binding.text
+    text = pod_urls.apply(pod_urls_text) if binding.from_output == POD_URLS_FROM_OUTPUT else binding.text
     return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=text)
 
 
-def _migrations(plan: CellPlan) -> cloudflare.WorkersScriptMigrationsArgs:
+def _migrations(plan: CellPlan) -> cloudflare.WorkersScriptMigrationsArgs | None:
+    """None when nothing is pending: the upload then carries no migrations block, as
+    wrangler's does (the plan read the applied tag from Cloudflare)."""
     m = plan.worker.migrations
+    if m is None:
+        return None
     steps = [cloudflare.WorkersScriptMigrationsStepArgs(**step) for step in m["steps"]]
     return cloudflare.WorkersScriptMigrationsArgs(old_tag=m["old_tag"], new_tag=m["new_tag"], steps=steps)
+
+
+def _named(name: str, index: int, before_pods: str) -> tuple[str, list]:
+    """Pod i's resource name, with an alias for pod 0 to the single-pod name it had
+    before the kit ran several pods (so existing stacks keep their pod, not replace it)."""
+    return f"{name}-{before_pods}-{index}", [pulumi.Alias(name=f"{name}-{before_pods}")] if index == 0 else []
 
 
 class Cell(pulumi.ComponentResource):
     """A colocate cell: Worker placement, the active state generation and the GPU pod move as one."""
 
     worker_url: pulumi.Output[str]
-    pod: pulumi.Output[dict]
+    pod: pulumi.Output[dict]  # pod 0's create output
+    pods: pulumi.Output[list]  # every pod's create output, index order
     probe_result: pulumi.Output[dict]
 
     def __init__(self, name: str, args: CellArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("colocate:index:Cell", name, None, opts)
         plan, secrets = args["plan"], args["secrets"]
-        child = pulumi.ResourceOptions(parent=self)
         account_id = plan.worker.account_id
 
-        # The pod: any change to what identifies it (triggers) replaces it, new before old.
-        self.pod_command = local.Command(
-            f"{name}-pod",
-            create=POD_CREATE,
-            delete=POD_DELETE,
-            stdin=json.dumps(plan.pod.spec(), sort_keys=True),
-            environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"]},
-            triggers=plan.pod.triggers(),
-            dir=".",
-            opts=pulumi.ResourceOptions(parent=self, delete_before_replace=False),
-        )
-        pod_info = self.pod_command.stdout.apply(json.loads)
-
-        # How the Worker reaches the pod: a DNS-only hostname on the pod's own port when
-        # a zone is configured (not proxied: a proxied record would be anycast), else the
-        # address the provider reports.
-        self.pod_dns = None
-        if plan.pod.pod_hostname:
-            self.pod_dns = cloudflare.DnsRecord(
-                f"{name}-pod-dns",
-                zone_id=plan.worker.zone_id,
-                name=plan.pod.pod_hostname,
-                type="A",
-                content=pod_info.apply(lambda p: p["ip"]),
-                proxied=False,
-                ttl=60,
-                comment=f"colocate {plan.stack}: pod of generation {plan.pod.generation}",
-                opts=child,
+        # The pods, one Command each, index in name and triggers: changing pod.count adds or
+        # removes only the pods concerned. A change of what identifies them (triggers)
+        # replaces them create-before-delete. Each pod depends on the one before it, so new
+        # pods come up one at a time; the engine deletes the replaced pods at the end of the
+        # update, after the Worker points at the new ones (docs/pods.md: what it costs).
+        self.pod_commands: list[local.Command] = []
+        self.pod_dns: list[cloudflare.DnsRecord] = []
+        pod_infos = []
+        worker_urls = []
+        for pod in plan.pods:
+            cmd_name, aliases = _named(name, pod.index, "pod")
+            command = local.Command(
+                cmd_name,
+                create=POD_CREATE,
+                delete=POD_DELETE,
+                stdin=json.dumps(pod.spec(), sort_keys=True),
+                environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"]},
+                triggers=pod.triggers(),
+                dir=".",
+                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=False, aliases=aliases,
+                                            depends_on=self.pod_commands[-1:]),
             )
-        pod_url = pod_info.apply(plan.pod.worker_url)
+            self.pod_commands.append(command)
+            info = command.stdout.apply(json.loads)
+            pod_infos.append(info)
+            # How the Worker reaches the pod (plan: pod.path). zone-dns: a DNS-only record on
+            # the pod's own port (not proxied: a proxied record would be anycast);
+            # provider-proxy and local-hostname need no resource.
+            if pod.pod_hostname:
+                dns_name, dns_aliases = _named(name, pod.index, "pod-dns")
+                self.pod_dns.append(cloudflare.DnsRecord(
+                    dns_name,
+                    zone_id=plan.worker.zone_id,
+                    name=pod.pod_hostname,
+                    type="A",
+                    content=info.apply(lambda p: p["ip"]),
+                    proxied=False,
+                    ttl=60,
+                    comment=f"colocate {plan.stack}: pod {pod.index} of generation {pod.generation}",
+                    opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases),
+                ))
+            worker_urls.append(info.apply(pod.worker_url))
+        self.pod_command = self.pod_commands[0]  # pod 0, for callers that knew one pod
+        pod_urls = pulumi.Output.all(*worker_urls)
 
         w = plan.worker
         main = next(m for m in w.modules if m.name == w.main_module)
@@ -114,10 +138,10 @@ class Cell(pulumi.ComponentResource):
             },
             compatibility_date=w.compatibility_date,
             placement=cloudflare.WorkersScriptPlacementArgs(**w.placement),
-            bindings=[_binding_args(b, secrets, pod_url) for b in w.bindings],
+            bindings=[_binding_args(b, secrets, pod_urls) for b in w.bindings],
             migrations=_migrations(plan),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[r for r in (self.pod_command, self.pod_dns) if r]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*self.pod_commands, *self.pod_dns]),
         )
 
         if w.hostname:
@@ -141,18 +165,6 @@ class Cell(pulumi.ComponentResource):
 
         after_worker = pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.route])
         probe_env = {"COLOCATE_PROBE_TOKEN": secrets["probeToken"]}
-        # The provider keeps no record of applied migration tags: the kit writes the new
-        # tag into the stack file once the Worker carrying it is deployed.
-        self.migration_record = None
-        if w.pending_migrations:
-            tag = w.migrations["new_tag"]
-            self.migration_record = local.Command(
-                f"{name}-migration-tag",
-                create=f"{PYTHON} scripts/migrate.py record-tag --stack {plan.stack} --tag {tag}",
-                triggers=[tag],
-                dir=".",
-                opts=after_worker,
-            )
         # Retired generations: purge their storage once (their binding is already gone).
         self.purges = [
             local.Command(
@@ -166,17 +178,19 @@ class Cell(pulumi.ComponentResource):
         ]
 
         # The post-deploy probe: first touch of a new generation (with its hint), then the
-        # measured truth. Re-runs whenever the Worker or the pod changes.
+        # measured truth. Re-runs whenever the Worker or any pod changes.
         self.probe = local.Command(
             f"{name}-probe",
-            create=pod_info.apply(lambda pod: " ".join([PYTHON, *plan.probe.argv(w.url, pod["location"])])),
+            create=pod_infos[0].apply(lambda pod: " ".join([PYTHON, *plan.probe.argv(w.url, pod["location"])])),
             environment=probe_env,
             triggers=[w.content_hash(), json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True),
-                      json.dumps(w.placement, sort_keys=True), self.pod_command.stdout],
+                      json.dumps(w.placement, sort_keys=True), *[c.stdout for c in self.pod_commands]],
             dir=".",
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.route, self.pod_command]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.route, *self.pod_commands]),
         )
         self.worker_url = pulumi.Output.from_input(w.url)
-        self.pod = pod_info
+        self.pod = pod_infos[0]
+        self.pods = pulumi.Output.all(*pod_infos)
         self.probe_result = self.probe.stdout.apply(lambda out: json.loads(out) if out else {})
-        self.register_outputs({"workerUrl": self.worker_url, "pod": self.pod, "probe": self.probe_result})
+        self.register_outputs({"workerUrl": self.worker_url, "pod": self.pod, "pods": self.pods,
+                               "probe": self.probe_result})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pulumi
+import pulumi_cloudflare as cloudflare
 
 from colocate import outputs
 from colocate.errors import ConfigError, MissingSetting
@@ -58,12 +59,46 @@ def load_settings() -> tuple[Settings, dict[str, pulumi.Output[str]]]:
     return settings, secrets
 
 
+def live_migration_tag(account_id: str, script: str) -> str:
+    """The Durable Object migration tag Cloudflare last applied to ``script``; "" when the
+    script does not exist yet (first deploy) or has applied none.
+
+    One invoke, cloudflare:index/getWorkersScripts (pulumi-cloudflare 6.23.1:
+    ``results[].id`` is the script name, ``results[].migration_tag`` the tag); it runs in
+    ``pulumi preview`` too. A failed read is not caught: the SDK records a failed invoke
+    and fails the update anyway, and stopping here, before any resource is declared, is
+    the only outcome that cannot upload with a guessed tag. The stack file's tag is the
+    fallback only where Cloudflare is not asked (the sandbox, ``migrate.py plan``).
+    """
+    found = cloudflare.get_workers_scripts(account_id=account_id)
+    for entry in found.results or []:
+        if _field(entry, "id") == script:
+            return _field(entry, "migration_tag") or ""
+    return ""
+
+
+def _field(entry, name: str):
+    # Typed results expose attributes; a plain mapping (as some engines return) uses camelCase.
+    camel = "".join(w.capitalize() if i else w for i, w in enumerate(name.split("_")))
+    if isinstance(entry, dict):
+        return entry.get(name, entry.get(camel))
+    return getattr(entry, name, None)
+
+
 def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     settings, secrets = load_settings()
     try:
-        return plan_cell(settings), secrets
+        cell_plan = plan_cell(settings, live_migration_tag=live_migration_tag(settings.account_id, settings.worker.name))
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
+    if cell_plan.worker.migration_warning:
+        pulumi.log.warn(cell_plan.worker.migration_warning)
+    return cell_plan, secrets
+
+
+def _total_cost(pods: list[dict]) -> float | None:
+    costs = [p.get("cost_per_hr") for p in pods]
+    return None if any(c is None for c in costs) else round(sum(costs), 4)
 
 
 def main() -> dict[str, pulumi.Input]:
@@ -84,6 +119,10 @@ def main() -> dict[str, pulumi.Input]:
         outputs.POD_LOCATION: cell.pod.apply(lambda p: p.get("location")),
         outputs.POD_COST_PER_HR: cell.pod.apply(lambda p: p.get("cost_per_hr")),
         outputs.POD_URL: cell.pod.apply(lambda p: p.get("url")),
+        outputs.POD_IDS: cell.pods.apply(lambda pods: [p.get("id") for p in pods]),
+        outputs.POD_LOCATIONS: cell.pods.apply(lambda pods: [p.get("location") for p in pods]),
+        outputs.PODS_COST_PER_HR: cell.pods.apply(_total_cost),
+        outputs.POD_PATH: cell_plan.pod.path,
         outputs.ACTIVE_GENERATION: cell_plan.state.active.name,
         outputs.ACTIVE_HINT: cell_plan.state.hint,
         outputs.DRAINING_GENERATION: cell_plan.state.draining.name if cell_plan.state.draining else None,

@@ -4,6 +4,5 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

@@ -1,12 +1,10 @@
 """The region catalogue and the physical floor: pure."""
 
-import json
 
 import pytest
 
 from colocate import catalogue, geo
 from colocate.errors import UnknownRegion, UnsupportedProvider
-from tests.conftest import SHARED
 
 REQUIRED = ("apac-tw", "apac-jp", "us-east", "us-west", "eu-west")
 
@@ -52,12 +50,6 @@ def test_unknown_region_lists_known():
         catalogue.region("ap-south")
     assert all(n in str(err.value) for n in REQUIRED)
 
-
-def test_project_copy_of_colo_data_matches_shared():
-    shared = SHARED / "data" / "cloudflare-colos.json"
-    if not shared.exists():
-        pytest.skip("../shared is not beside this checkout")
-    assert json.loads(geo.COLOS_FILE.read_text()) == json.loads(shared.read_text())
 
 
 @pytest.mark.parametrize("a, b, km, floor", [

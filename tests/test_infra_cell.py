@@ -10,7 +10,7 @@ import pytest
 
 from colocate import catalogue, outputs, stackfile
 from colocate.plan import COMPATIBILITY_DATE, worker_modules
-from tests.support.pulumi_mocks import SECRET_VALUES, plain, run_program, stack_config, unsecret
+from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, plain, run_program, stack_config, unsecret
 
 STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"))
 WORKER = "cloudflare:index/workersScript:WorkersScript"
@@ -47,6 +47,7 @@ def test_worker_declared_from_the_region(deployed):
     for name, f in w.get("files", {}).items():
         assert base64.b64decode(f["contentBase64"]) == (stackfile.ROOT / "worker/src" / name).read_bytes()
     assert w["compatibilityDate"] >= "2024-09-02" and w["compatibilityDate"] == COMPATIBILITY_DATE
+    # No script in the account yet (the mock's default): the first deploy's migration.
     assert w["migrations"] == {"newTag": "v1", "steps": [{"newSqliteClasses": ["Breaker"]}]}
     bindings, _ = bindings_of(run)
     assert bindings["BREAKER"] == {"name": "BREAKER", "type": "durable_object_namespace", "className": "Breaker"}
@@ -54,10 +55,13 @@ def test_worker_declared_from_the_region(deployed):
     assert bindings["ACTIVE_HINT"]["text"] == region.location_hint
     assert bindings["CELL_REGION"]["text"] == region.name
     assert "DRAINING_GENERATION" not in bindings
-    # Without a zone the Worker reaches the pod at the address the pod command reported
-    # (a local pod by the name localhost: Workers fetch hostnames, not IP literals).
-    host = "localhost" if raw["pod"]["provider"] == "local" else "203.0.113.7"
-    assert bindings["POD_URLS"]["text"] == f'["http://{host}:41234"]'
+    # Always a hostname (a deployed Worker cannot fetch an IP literal): the path the plan chose.
+    expected = {"local-hostname": "http://localhost:41234",
+                "provider-proxy": "https://pod-123-8000.proxy.runpod.net",
+                "zone-dns": f"http://pod-{active['name'].replace('.', '-')}.{(raw.get('zone') or {}).get('name')}:41234"}
+    path = run.resolved[outputs.POD_PATH]
+    assert bindings["POD_URLS"]["text"] == f'["{expected[path]}"]'
+    assert path == {"local": "local-hostname", "runpod": "provider-proxy", "vastai": "zone-dns"}[raw["pod"]["provider"]]
 
 
 def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
@@ -68,7 +72,7 @@ def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
                       ("FALLBACK_API_KEY", "fallbackApiKey"), ("PROBE_TOKEN", "probeToken")]:
         assert bindings[name]["type"] == "secret_text"
         assert bindings[name]["text"] == SECRET_VALUES[key]
-    pod = run.mocks.one(COMMAND, "-pod").inputs
+    pod = run.mocks.one(COMMAND, "-pod-0").inputs
     env_secret, env = unsecret(pod["environment"])
     assert env_secret and env["POD_TOKEN"] == SECRET_VALUES["podToken"]
     for field in ("create", "delete", "stdin"):
@@ -89,7 +93,7 @@ def test_pod_command_is_replaced_on_identity_change_and_deletes_from_stdout(depl
     stack, raw, run = deployed
     region = catalogue.region(raw["region"])
     active = next(g for g in raw["generations"] if g["status"] == "active")
-    pod = run.mocks.one(COMMAND, "-pod").inputs
+    pod = run.mocks.one(COMMAND, "-pod-0").inputs
     spec = json.loads(pod["stdin"])
     assert pod["create"] == ".venv/bin/python scripts/pod.py create --spec -"
     assert pod["delete"] == ".venv/bin/python scripts/pod.py delete"
@@ -121,6 +125,11 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
 
 def test_worker_is_reachable_on_workers_dev_without_a_zone(deployed):
     stack, raw, run = deployed
+    if raw.get("zone"):  # a stack file with a zone: the Worker is on its custom domain instead
+        domain = run.mocks.one("cloudflare:index/workersCustomDomain:WorkersCustomDomain").inputs
+        assert domain["hostname"] == f"infer.{raw['zone']['name']}"
+        assert not run.mocks.of_type("cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain")
+        return
     subdomain = (raw.get("worker") or {}).get("subdomain", "acme")
     sub = run.mocks.one("cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain").inputs
     assert sub["enabled"] is True and sub["scriptName"] == f"colocate-{stack}"
@@ -138,16 +147,67 @@ def test_outputs(deployed):
     assert r[outputs.PROBE_VERDICT] == "all checks hold"
 
 
-def test_first_deploy_records_its_migration_tag():
+FIRST = {"newTag": "v1", "steps": [{"newSqliteClasses": ["Breaker"]}]}
+
+
+def migrations_sent(run):
+    return run.mocks.one(WORKER).inputs.get("migrations")
+
+
+def test_first_deploy_when_cloudflare_has_no_such_script():
     config, keys = stack_config("apac-jp")
-    run = run_program("apac-jp", config, keys)
-    rec = run.mocks.one(COMMAND, "-migration-tag").inputs
-    assert rec["create"] == ".venv/bin/python scripts/migrate.py record-tag --stack apac-jp --tag v1"
-    # Once recorded, the deploy carries the tag as a precondition and adds no step.
+    run = run_program("apac-jp", config, keys, scripts={"someone-elses-worker": "v3"})
+    assert migrations_sent(run) == FIRST
+    call = next(c for c in run.mocks.calls if c.token == "cloudflare:index/getWorkersScripts:getWorkersScripts")
+    assert call.args["accountId"] == "0123456789abcdef0123456789abcdef"
+    # Nothing is written back: the tag is Cloudflare's to keep, not a file's.
+    assert not [r for r in run.mocks.of_type(COMMAND) if "record-tag" in str(r.inputs.get("create"))]
+
+
+def test_nothing_pending_sends_no_migrations_block():
+    config, keys = stack_config("apac-jp")
+    run = run_program("apac-jp", config, keys, scripts={"colocate-apac-jp": "v1"})
+    assert migrations_sent(run) is None
+
+
+def test_one_pending_step_after_the_live_tag(monkeypatch):
+    from colocate import plan
+
+    monkeypatch.setattr(plan, "MIGRATIONS", plan.MIGRATIONS + (("v2", {"new_sqlite_classes": ["Usage"]}),))
+    config, keys = stack_config("apac-jp")
+    run = run_program("apac-jp", config, keys, scripts={"colocate-apac-jp": "v1"})
+    assert migrations_sent(run) == {"oldTag": "v1", "newTag": "v2", "steps": [{"newSqliteClasses": ["Usage"]}]}
+
+
+def test_a_stack_file_behind_the_live_tag_warns_and_cloudflare_wins(monkeypatch):
+    warnings = []
+    monkeypatch.setattr(pulumi.log, "warn", lambda msg, *a, **k: warnings.append(msg))
+    # A clean checkout whose file says nothing was applied, or an old one that says v1 when the script has none.
+    for file_tag, live, sent in [("", "v1", None), ("v1", "", FIRST)]:
+        warnings.clear()
+        config, keys = stack_config("apac-jp", overrides={"worker": {"subdomain": "acme", "migrationTag": file_tag}})
+        run = run_program("apac-jp", config, keys, scripts={"colocate-apac-jp": live})
+        assert migrations_sent(run) == sent
+        assert bool(warnings) == bool(file_tag), warnings
+        if file_tag:
+            assert "colocate:worker.migrationTag" in warnings[0] and "colocate-apac-jp" in warnings[0]
+
+
+def test_a_failed_read_of_the_live_tag_stops_before_any_resource():
+    # No guessed tag: the program ends at the invoke, nothing is declared.
     config, keys = stack_config("apac-jp", overrides={"worker": {"subdomain": "acme", "migrationTag": "v1"}})
-    run = run_program("apac-jp", config, keys)
-    assert run.mocks.one(WORKER).inputs["migrations"] == {"oldTag": "v1", "newTag": "v1", "steps": []}
-    assert not [r for r in run.mocks.of_type(COMMAND) if r.name.endswith("-migration-tag")]
+    mocks = RecordingMocks()
+    with pytest.raises(Exception, match="Cloudflare API unreachable"):
+        run_program("apac-jp", config, keys, scripts_fail=True, mocks=mocks)
+    assert [c.token for c in mocks.calls] == ["cloudflare:index/getWorkersScripts:getWorkersScripts"]
+    assert mocks.resources == []
+
+
+def test_a_live_tag_unknown_to_the_kit_is_refused_before_any_resource():
+    config, keys = stack_config("apac-jp")
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys, scripts={"colocate-apac-jp": "v9-from-elsewhere"})
+    assert "v9-from-elsewhere" in str(err.value) and "colocate:worker.name" in str(err.value)
 
 
 def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
@@ -156,13 +216,17 @@ def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
     run = run_program("apac-jp", config, keys)
     domain = run.mocks.one("cloudflare:index/workersCustomDomain:WorkersCustomDomain").inputs
     assert domain["hostname"] == "infer.example.com" and domain["zoneId"] == "f" * 32
-    dns = run.mocks.one("cloudflare:index/dnsRecord:DnsRecord").inputs
+    dns_args = run.mocks.one("cloudflare:index/dnsRecord:DnsRecord")
+    assert dns_args.name == "apac-jp-pod-dns-0"
+    dns = dns_args.inputs
     assert dns["proxied"] is False and dns["type"] == "A" and dns["content"] == "203.0.113.7"
     assert dns["name"] == "pod-apac-jp-g1.example.com"
     bindings, _ = bindings_of(run)
     # The pod's public port comes from the create output (providers map ports).
     assert bindings["POD_URLS"]["text"] == '["http://pod-apac-jp-g1.example.com:41234"]'
     assert run.resolved[outputs.WORKER_URL] == "https://infer.example.com"
+    assert run.resolved[outputs.POD_PATH] == "zone-dns"
+    assert "--pod-path zone-dns" in run.mocks.one(COMMAND, "-probe").inputs["create"]
 
 
 def test_smart_placement_is_an_option():
@@ -183,7 +247,7 @@ def test_migration_in_progress_binds_both_generations_and_moves_pod_with_state()
     bindings, _ = bindings_of(run)
     assert bindings["ACTIVE_GENERATION"]["text"] == "apac-tw.g2" and bindings["ACTIVE_HINT"]["text"] == "apac"
     assert bindings["DRAINING_GENERATION"]["text"] == "apac-jp.g1"
-    spec = json.loads(run.mocks.one(COMMAND, "-pod").inputs["stdin"])
+    spec = json.loads(run.mocks.one(COMMAND, "-pod-0").inputs["stdin"])
     assert spec["region"] == "apac-tw" and spec["generation"] == "apac-tw.g2" and spec["locations"] == ["TW"]
     assert run.resolved[outputs.DRAINING_GENERATION] == "apac-jp.g1"
 
@@ -235,10 +299,10 @@ def test_the_program_at_each_step_of_a_migration(tmp_path):
     bindings, _ = bindings_of(start)
     assert (bindings["ACTIVE_GENERATION"]["text"], bindings["DRAINING_GENERATION"]["text"]) == ("apac-jp.g2", "us-east.g1")
     assert start.mocks.one(WORKER).inputs["placement"] == {"region": "aws:ap-northeast-1"}
-    assert json.loads(start.mocks.one(COMMAND, "-pod").inputs["stdin"])["locations"] == ["AP-JP-1"]
+    assert json.loads(start.mocks.one(COMMAND, "-pod-0").inputs["stdin"])["locations"] == ["AP-JP-1"]
     assert not [r for r in start.mocks.of_type(COMMAND) if "-purge-" in r.name]
     bindings, _ = bindings_of(finish)
     assert "DRAINING_GENERATION" not in bindings and bindings["ACTIVE_GENERATION"]["text"] == "apac-jp.g2"
     assert finish.mocks.one(COMMAND, "-purge-us-east.g1")
     # The pod is the same across finish: only the ledger's draining entry changed.
-    assert start.mocks.one(COMMAND, "-pod").inputs["stdin"] == finish.mocks.one(COMMAND, "-pod").inputs["stdin"]
+    assert start.mocks.one(COMMAND, "-pod-0").inputs["stdin"] == finish.mocks.one(COMMAND, "-pod-0").inputs["stdin"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pulumi
 import pytest
 
+from tests.test_ledger import assert_runnable_command
 from tests.support.pulumi_mocks import SECRET_VALUES, run_program, stack_config
 
 
@@ -86,7 +87,7 @@ def test_changing_only_the_region_is_refused_with_the_migrate_command():
     # The hand-rolled move: compute to Taiwan, ledger untouched.
     msg = refused("apac-jp", overrides={"region": "apac-tw", "pod": {"provider": "vastai"}})
     assert "apac-jp.g1 lives in apac-jp" in msg
-    assert "python scripts/migrate.py start --stack apac-jp --to apac-tw" in msg
+    assert_runnable_command(msg, "scripts/migrate.py start --stack apac-jp --to apac-tw")
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -66,7 +66,22 @@ def test_malformed_ledgers(raw, match):
 def test_region_check_names_the_migrate_command():
     with pytest.raises(LedgerError) as err:
         ONE.check_region("apac-tw", "prod")
-    assert "python scripts/migrate.py start --stack prod --to apac-tw" in str(err.value)
+    assert_runnable_command(str(err.value), "scripts/migrate.py start --stack prod --to apac-tw")
+
+
+def assert_runnable_command(message: str, tail: str) -> None:
+    """The printed command runs as printed from the project root: the project's venv
+    python (the system one lacks the kit's packages) and a script that exists."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    commands = re.findall(r"`([^`]+)`", message)
+    cmd = next(c for c in commands if tail in c)
+    argv = cmd.split()
+    assert argv[0] == ".venv/bin/python", cmd
+    assert (root / argv[1]).is_file(), cmd
+    assert cmd == f".venv/bin/python {tail}", cmd
 
 
 def test_adopted_generation_of_unknown_region_is_accepted_and_can_move():

@@ -22,9 +22,15 @@ def raw_for(region="apac-jp", provider="runpod", **extra):
         "accountId": "0123456789abcdef0123456789abcdef",
         "pod": {"provider": provider},
         "worker": {"subdomain": "acme"},
+        "fallbackModel": "gpt-4o-mini",
     }
+    if provider == "vastai":  # Vast.ai pods are reached through a DNS-only record on a zone
+        raw["zone"] = ZONE
     raw.update(extra)
     return raw
+
+
+ZONE = {"id": "a" * 32, "name": "example.com"}
 
 
 def cell(raw, stack="t"):
@@ -38,6 +44,10 @@ def test_pulumi_yaml_declares_every_key_as_settings_does():
     assert doc["config"] == declared()
     for key, entry in doc["config"].items():
         assert entry["description"], key
+        # Only types project.json's simpleConfigType accepts without `items` (see projectfile.py).
+        assert entry.get("type", "string") in ("string", "integer", "boolean"), key
+    untyped = {k for k, e in doc["config"].items() if "type" not in e}
+    assert untyped == {f"colocate:{k.name}" for k in settings.SCHEMA if k.type in ("object", "array")}
 
 
 @pytest.mark.parametrize("region, provider", [
@@ -84,14 +94,41 @@ def test_pod_name_is_deterministic_and_triggers_cover_identity():
     assert other.pod.name != a.pod.name and other.pod.name.startswith("colocate-t-apac-jp-g1-")
 
 
-def test_migrations_are_recorded_by_the_kit():
-    assert cell(raw_for()).worker.migrations == {"old_tag": None, "new_tag": "v1",
-                                                 "steps": [{"new_sqlite_classes": ["Breaker"]}]}
-    done = cell(raw_for(worker={"subdomain": "acme", "migrationTag": "v1"}))
-    assert done.worker.migrations == {"old_tag": "v1", "new_tag": "v1", "steps": []}
-    assert done.worker.pending_migrations == ()
+def test_migrations_come_from_the_live_tag_with_the_stack_file_as_offline_fallback():
+    first = {"old_tag": None, "new_tag": "v1", "steps": [{"new_sqlite_classes": ["Breaker"]}]}
+    # Offline (no live tag): the stack file decides.
+    assert cell(raw_for()).worker.migrations == first
+    offline_done = cell(raw_for(worker={"subdomain": "acme", "migrationTag": "v1"}))
+    assert offline_done.worker.migrations is None and offline_done.worker.pending_migrations == ()
+    # Live: "" (no script, or no tag applied) means first deploy; "v1" means nothing pending.
+    s = settings.parse(raw_for(), "t", secrets=SECRETS)
+    assert plan.plan_cell(s, live_migration_tag="").worker.migrations == first
+    done = plan.plan_cell(s, live_migration_tag="v1").worker
+    assert done.migrations is None and done.pending_migrations == () and done.migration_warning is None
     with pytest.raises(ConfigError, match="migrationTag"):
         cell(raw_for(worker={"subdomain": "acme", "migrationTag": "v7"}))
+
+
+def test_live_tag_wins_over_a_stack_file_that_disagrees_and_says_so():
+    behind = plan.migration_decision("v1", "", script="colocate-t")
+    assert behind.migrations is None and behind.warning is None  # an unset file is not a disagreement
+    stale = plan.migration_decision("", "v1", script="colocate-t")
+    assert stale.migrations["steps"] == [{"new_sqlite_classes": ["Breaker"]}] and stale.source == "cloudflare"
+    assert "colocate:worker.migrationTag" in stale.warning and "colocate-t" in stale.warning
+
+
+def test_one_pending_step_starts_from_the_live_tag(monkeypatch):
+    monkeypatch.setattr(plan, "MIGRATIONS", plan.MIGRATIONS + (("v2", {"new_sqlite_classes": ["Usage"]}),))
+    d = plan.migration_decision("v1", "v1")
+    assert d.migrations == {"old_tag": "v1", "new_tag": "v2", "steps": [{"new_sqlite_classes": ["Usage"]}]}
+    assert d.pending == ("v2",)
+
+
+def test_a_live_tag_the_kit_never_applied_is_refused():
+    with pytest.raises(ConfigError) as err:
+        plan.migration_decision("v9-other-tool", "", script="colocate-t")
+    msg = str(err.value)
+    assert "v9-other-tool" in msg and "colocate-t" in msg and "colocate:worker.name" in msg
 
 
 def test_no_pending_step_ever_deletes_a_class():
@@ -177,10 +214,78 @@ def test_sweep_recognises_the_planned_pod_name_and_only_for_its_stack():
 
 
 def test_worker_reaches_the_pod_by_dns_name_on_its_public_port_with_a_zone():
-    created = {"url": "http://203.0.113.7:41234", "port": 41234, "ip": "203.0.113.7"}
-    zoned = cell(raw_for(zone={"id": "a" * 32, "name": "example.com"}))
+    created = {"id": "abc123xyz", "url": "http://203.0.113.7:41234", "port": 41234, "ip": "203.0.113.7"}
+    zoned = cell(raw_for(zone=ZONE))
+    assert zoned.pod.path == "zone-dns" and zoned.probe.pod_path == "zone-dns"
     assert zoned.pod.worker_url(created) == "http://pod-apac-jp-g1.example.com:41234"
-    assert cell(raw_for()).pod.worker_url(created) == "http://203.0.113.7:41234"
+
+
+def test_without_a_zone_a_runpod_pod_is_reached_through_runpods_proxy_hostname():
+    created = {"id": "abc123xyz", "url": "http://203.0.113.7:41234", "port": 41234, "ip": "203.0.113.7"}
+    p = cell(raw_for())
+    assert p.pod.path == "provider-proxy" and p.pod.pod_hostname is None
+    # The proxy addresses the pod's own port (8000), not the mapped public one.
+    assert p.pod.worker_url(created) == "https://abc123xyz-8000.proxy.runpod.net"
+    assert "--pod-path provider-proxy" in " ".join(p.probe.argv("https://w", "AP-JP-1"))
+
+
+@pytest.mark.parametrize("zone", [None, ZONE])
+def test_local_pods_are_reached_by_the_name_localhost(zone):
+    p = cell(raw_for("us-east", "local", **({"zone": zone} if zone else {})))
+    assert p.pod.path == "local-hostname"
+    assert p.pod.worker_url({"id": "local-1", "port": 5123, "url": "http://127.0.0.1:5123"}) == "http://localhost:5123"
+
+
+def test_no_worker_url_is_ever_an_ip_literal():
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    created = {"id": "abc", "url": "http://203.0.113.7:41234", "port": 41234, "ip": "203.0.113.7"}
+    for region in catalogue.REGIONS.values():
+        for provider in region.providers:
+            for zone in (None, ZONE):
+                if provider == "vastai" and zone is None:
+                    continue
+                extra = {"zone": zone} if zone else {}
+                host = urlsplit(cell(raw_for(region.name, provider, **extra)).pod.worker_url(created)).hostname
+                with pytest.raises(ValueError):
+                    ipaddress.ip_address(host)
+
+
+def test_vastai_without_a_zone_is_refused_naming_the_key_and_why():
+    raw = raw_for("apac-tw", "vastai")
+    del raw["zone"]
+    with pytest.raises(ConfigError) as err:
+        cell(raw)
+    assert err.value.key == "colocate:zone"
+    assert "IP" in str(err.value) and "1003" in str(err.value)
+
+
+def test_each_pod_gets_its_own_dns_only_hostname_and_pod_0_keeps_the_plain_one():
+    pod = {"provider": "runpod", "count": 3}
+    p = cell(raw_for(zone=ZONE, pod=pod))
+    assert [x.pod_hostname for x in p.pods] == [
+        "pod-apac-jp-g1.example.com", "pod-apac-jp-g1-p1.example.com", "pod-apac-jp-g1-p2.example.com"]
+    custom = cell(raw_for(zone={**ZONE, "podHostname": "gpu{index}-{generation}.example.com"}, pod=pod))
+    assert [x.pod_hostname for x in custom.pods][1] == "gpu1-apac-jp-g1.example.com"
+    one = cell(raw_for(zone=ZONE))
+    assert one.pods[0].pod_hostname == p.pods[0].pod_hostname
+
+
+def test_fallback_model_is_required_with_an_explicit_passthrough():
+    raw = raw_for()
+    del raw["fallbackModel"]
+    with pytest.raises(MissingSetting) as err:
+        cell(raw)
+    assert err.value.key == "colocate:fallbackModel" and "passthrough" in str(err.value)
+    with pytest.raises(MissingSetting):
+        cell(raw_for(fallbackModel=""))
+    with pytest.raises(ConfigError, match="colocate:fallbackModel"):
+        cell(raw_for(fallbackModel=" gpt-4o-mini"))
+    named = cell(raw_for(fallbackModel="gpt-4o-mini")).worker.binding("FALLBACK_MODEL")
+    assert named.text == "gpt-4o-mini"
+    passthrough = cell(raw_for(fallbackModel="passthrough"))
+    assert "FALLBACK_MODEL" not in {b.name for b in passthrough.worker.bindings}
 
 
 def test_a_class_deletion_needs_the_explicit_opt_in(monkeypatch):
@@ -189,7 +294,7 @@ def test_a_class_deletion_needs_the_explicit_opt_in(monkeypatch):
     applied = {"subdomain": "acme", "migrationTag": "v1"}
     with pytest.raises(ConfigError, match="allowClassDeletion"):
         cell(raw_for(worker=applied))
-    opted = cell(raw_for(worker={**applied, "allowClassDeletion": True}))
+    opted = plan.plan_cell(settings.parse(raw_for(worker={**applied, "allowClassDeletion": True}), "t", secrets=SECRETS))
     assert opted.worker.migrations == {"old_tag": "v1", "new_tag": "v2", "steps": [{"deleted_classes": ["Breaker"]}]}
 
 
@@ -202,3 +307,28 @@ def test_pod_py_reads_exactly_the_spec_the_plan_writes():
     written = set(cell(raw_for()).pod.spec())
     assert written == set(REQUIRED) == {f.name for f in fields(PodSpec)}
     assert PodSpec.from_dict(cell(raw_for()).pod.spec()).locations == ("AP-JP-1",)
+
+
+def test_migrate_plan_lists_every_pod_and_the_cost_cap():
+    from colocate import migration
+
+    raw = raw_for("us-east", pod={"provider": "runpod", "count": 2})
+    before = settings.parse(raw, "t", secrets=SECRETS)
+    grown = settings.parse(raw_for("us-east", pod={"provider": "runpod", "count": 3}), "t", secrets=SECRETS)
+    actions = [str(a) for a in migration.diff(*migration.plan_pair(before, grown))]
+    assert sum(a.lstrip().startswith("keep     pod") for a in actions) == 2
+    assert sum(a.lstrip().startswith("create   pod") for a in actions) == 1
+    assert any("3 pods: at most $2.40/hr" in a for a in actions)
+    new_image = settings.parse(raw_for("us-east", pod={"provider": "runpod", "count": 2, "image": "x:1"}), "t",
+                               secrets=SECRETS)
+    actions = [str(a) for a in migration.diff(*migration.plan_pair(before, new_image))]
+    assert sum(a.lstrip().startswith("delete   pod") for a in actions) == 2
+    assert any("during the update 4 pods run, up to $3.20/hr" in a for a in actions)
+
+
+def test_planning_does_not_need_the_fallback_model():
+    from colocate import migration
+
+    raw = raw_for()
+    del raw["fallbackModel"]
+    assert migration.planning_settings(raw, "t").fallback_model == ""

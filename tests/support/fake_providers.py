@@ -1,6 +1,6 @@
 """Fake RunPod v2 and Vast.ai APIs on loopback (port 0) that hold requests to the vendors' specs.
 
-Every request is validated with openapi-core against ../shared/specs/runpod-v2-openapi.json
+Every request is validated with openapi-core against tests/fixtures/specs/runpod-v2-openapi.json
 or vastai-openapi.yaml (path, method, query, auth and body), and every answer is validated
 against the same operation's response schema before it is sent. Anything that does not
 match is recorded in ``violations`` and answered 599; the ``fake_*`` fixtures fail the test
@@ -33,7 +33,7 @@ from ruamel.yaml import YAML
 
 from colocate.pods import standin
 
-SPECS = Path(__file__).resolve().parents[2].parent / "shared" / "specs"
+SPECS = Path(__file__).resolve().parents[1] / "fixtures" / "specs"
 API_KEY = "test-provider-key-0123456789"
 CAPACITY_DETAIL = ("There are no longer any instances available with the requested specifications. "
                    "Please refresh and try again.")

@@ -23,9 +23,29 @@ POD_STDOUT = {"id": "pod-123", "provider": "runpod", "location": "AP-JP-1", "url
 PROBE_STDOUT = {"ok": True, "verdict": "all checks hold"}
 
 
+SCRIPTS_INVOKE = "cloudflare:index/getWorkersScripts:getWorkersScripts"
+
+
+def pod_stdout(spec: dict) -> dict:
+    """What `pod.py create` prints for a spec: pod 0 is POD_STDOUT, pod i gets its own id,
+    address and its preferred location (the first of the spec's list)."""
+    i = spec.get("index", 0)
+    if i == 0:
+        return dict(POD_STDOUT)
+    ip = f"203.0.113.{7 + i}"
+    return {**POD_STDOUT, "id": f"pod-123-{i}", "location": spec["locations"][0], "ip": ip,
+            "url": f"http://{ip}:{41234 + i}", "port": 41234 + i}
+
+
 class RecordingMocks(pulumi.runtime.Mocks):
-    def __init__(self) -> None:
+    """Records every declared resource and invoke. ``scripts`` is the account's Workers
+    scripts as Cloudflare lists them ({name: migration tag}); None makes the list fail."""
+
+    def __init__(self, scripts: dict[str, str] | None = None) -> None:
         self.resources: list[pulumi.runtime.MockResourceArgs] = []
+        self.calls: list[pulumi.runtime.MockCallArgs] = []
+        self.scripts = {} if scripts is None else scripts
+        self.scripts_fail = False
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         self.resources.append(args)
@@ -33,7 +53,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
         if args.typ == "command:local:Command":
             create = outs.get("create", "")
             if "pod.py create" in create:
-                outs["stdout"] = json.dumps(POD_STDOUT)
+                outs["stdout"] = json.dumps(pod_stdout(json.loads(outs["stdin"])))
             elif "probe.py" in create:
                 outs["stdout"] = json.dumps(PROBE_STDOUT)
             else:
@@ -41,6 +61,12 @@ class RecordingMocks(pulumi.runtime.Mocks):
         return [f"{args.name}-id", outs]
 
     def call(self, args: pulumi.runtime.MockCallArgs):
+        self.calls.append(args)
+        if args.token == SCRIPTS_INVOKE:
+            if self.scripts_fail:
+                raise RuntimeError("Cloudflare API unreachable")
+            return {"accountId": args.args.get("accountId"),
+                    "results": [{"id": name, "migrationTag": tag} for name, tag in self.scripts.items()]}
         return {}
 
     def of_type(self, typ: str) -> list[pulumi.runtime.MockResourceArgs]:
@@ -79,11 +105,14 @@ def stack_config(stack: str, *, overrides: dict | None = None, drop: tuple[str, 
     return config, [f"colocate:{k}" for k in secret_values] + ["cloudflare:apiToken"]
 
 
-def run_program(stack: str, config: dict, secret_keys: list[str]) -> Run:
-    """Run infra.program.main() for ``stack`` under mocks; raises what the program raises."""
+def run_program(stack: str, config: dict, secret_keys: list[str], *, scripts: dict[str, str] | None = None,
+                scripts_fail: bool = False, mocks: RecordingMocks | None = None) -> Run:
+    """Run infra.program.main() for ``stack`` under mocks; raises what the program raises.
+    ``scripts``: the Workers scripts Cloudflare reports ({name: migration tag}; default none)."""
     from infra.program import main
 
-    mocks = RecordingMocks()
+    mocks = mocks or RecordingMocks(scripts)
+    mocks.scripts_fail = mocks.scripts_fail or scripts_fail
     pulumi.runtime.set_all_config(config, secret_keys)
     pulumi.runtime.set_mocks(mocks, project="colocate", stack=stack, preview=False)
     run = Run(mocks)

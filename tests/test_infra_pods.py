@@ -1,0 +1,130 @@
+"""N pods under the mock engine: what a change of pod.count or of the pods' identity
+declares, so that the engine touches only the pods concerned, in a safe order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colocate import outputs
+from tests.support.pulumi_mocks import plain, run_program, stack_config
+
+COMMAND = "command:local:Command"
+WORKER = "cloudflare:index/workersScript:WorkersScript"
+
+
+def deploy(count: int, stack: str = "us-east", pod: dict | None = None, **kwargs):
+    pod = {"provider": "runpod", "count": count, **(pod or {})}
+    config, keys = stack_config(stack, overrides={"pod": pod, **kwargs})
+    return run_program(stack, config, keys)
+
+
+def pods_of(run) -> dict[str, dict]:
+    """Pod commands by resource name: what the engine diffs (stdin and triggers)."""
+    return {r.name: {"stdin": r.inputs["stdin"], "triggers": plain(r.inputs["triggers"]),
+                     "create": r.inputs["create"], "delete": r.inputs["delete"]}
+            for r in run.mocks.of_type(COMMAND) if "-pod-" in r.name}
+
+
+def test_growing_the_count_adds_only_the_new_pods_byte_identical_elsewhere():
+    one, two, three = deploy(1), deploy(2), deploy(3)
+    p1, p2, p3 = pods_of(one), pods_of(two), pods_of(three)
+    assert list(p1) == ["us-east-pod-0"]
+    assert list(p2) == ["us-east-pod-0", "us-east-pod-1"]
+    assert list(p3) == ["us-east-pod-0", "us-east-pod-1", "us-east-pod-2"]
+    # Same inputs for the pods that already exist: the engine sees no diff, no replace.
+    assert p2["us-east-pod-0"] == p1["us-east-pod-0"]
+    assert p3["us-east-pod-0"] == p1["us-east-pod-0"] and p3["us-east-pod-1"] == p2["us-east-pod-1"]
+    # Each pod has its index in its name, its triggers and its spec.
+    for name, pod in p3.items():
+        i = int(name.rsplit("-", 1)[1])
+        assert f"pod-{i}" in pod["triggers"] and json.loads(pod["stdin"])["index"] == i
+        assert json.loads(pod["stdin"])["name"].split("-p")[-1].startswith(f"{i}-")
+
+
+def test_shrinking_the_count_drops_only_the_last_pod():
+    three, two = pods_of(deploy(3)), pods_of(deploy(2))
+    assert set(three) - set(two) == {"us-east-pod-2"}
+    assert {k: three[k] for k in two} == two
+
+
+def test_the_worker_gets_every_pod_by_hostname_in_index_order():
+    run = deploy(3)
+    bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
+    assert json.loads(bindings["POD_URLS"]["text"]) == [
+        "https://pod-123-8000.proxy.runpod.net", "https://pod-123-1-8000.proxy.runpod.net",
+        "https://pod-123-2-8000.proxy.runpod.net"]
+    r = run.resolved
+    assert r[outputs.POD_IDS] == ["pod-123", "pod-123-1", "pod-123-2"]
+    assert r[outputs.POD_ID] == "pod-123"  # the single-pod outputs describe pod 0
+    assert len(r[outputs.POD_LOCATIONS]) == 3 and r[outputs.POD_LOCATION] == r[outputs.POD_LOCATIONS][0]
+    assert r[outputs.PODS_COST_PER_HR] == pytest.approx(3 * 0.69)
+    assert r[outputs.POD_PATH] == "provider-proxy"
+
+
+def test_pods_are_spread_over_the_regions_locations():
+    locations = [json.loads(p["stdin"])["locations"][0] for p in pods_of(deploy(2)).values()]
+    assert len(set(locations)) == 2  # us-east has several RunPod data centres
+
+
+def test_an_image_change_replaces_every_pod_and_each_gets_a_new_name():
+    old, new = pods_of(deploy(3)), pods_of(deploy(3, pod={"image": "vllm/vllm-openai:v0.12.0"}))
+    assert list(old) == list(new)
+    for name in old:
+        assert old[name]["triggers"] != new[name]["triggers"], name
+        assert json.loads(old[name]["stdin"])["name"] != json.loads(new[name]["stdin"])["name"], name
+
+
+def test_with_a_zone_each_pod_has_its_own_dns_only_record():
+    run = deploy(2, zone={"id": "f" * 32, "name": "example.com"})
+    records = {r.name: r.inputs for r in run.mocks.of_type("cloudflare:index/dnsRecord:DnsRecord")}
+    assert {n: (i["name"], i["content"], i["proxied"]) for n, i in records.items()} == {
+        "us-east-pod-dns-0": ("pod-us-east-g1.example.com", "203.0.113.7", False),
+        "us-east-pod-dns-1": ("pod-us-east-g1-p1.example.com", "203.0.113.8", False)}
+    bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
+    assert json.loads(bindings["POD_URLS"]["text"]) == ["http://pod-us-east-g1.example.com:41234",
+                                                        "http://pod-us-east-g1-p1.example.com:41235"]
+
+
+@pytest.fixture
+def declared_options(monkeypatch):
+    """Records the ResourceOptions each pod Command and the Worker are declared with."""
+    import infra.cell as cell_mod
+
+    seen: dict[str, object] = {}
+    real_command, real_script = cell_mod.local.Command, cell_mod.cloudflare.WorkersScript
+
+    def record(real):
+        def make(name, *args, opts=None, **kwargs):
+            seen[name] = opts
+            return real(name, *args, opts=opts, **kwargs)
+        return make
+
+    monkeypatch.setattr(cell_mod.local, "Command", record(real_command))
+    monkeypatch.setattr(cell_mod.cloudflare, "WorkersScript", record(real_script))
+    return seen
+
+
+def test_pods_are_chained_so_new_ones_come_up_one_at_a_time(declared_options):
+    deploy(3)
+    pods = sorted(n for n in declared_options if "-pod-" in n)
+    assert pods == ["us-east-pod-0", "us-east-pod-1", "us-east-pod-2"]
+
+    def deps(name):
+        return [d._name for d in declared_options[name].depends_on or []]
+
+    assert deps("us-east-pod-0") == []
+    assert deps("us-east-pod-1") == ["us-east-pod-0"] and deps("us-east-pod-2") == ["us-east-pod-1"]
+    for name in pods:
+        # Create-before-delete: capacity never drops while a pod is replaced.
+        assert declared_options[name].delete_before_replace is False
+    # The Worker moves to the new pods only once every one of them is up.
+    assert set(pods) <= set(deps("us-east-worker"))
+
+
+def test_pod_0_keeps_the_resource_it_had_as_the_only_pod(declared_options):
+    deploy(2)
+    aliases = [a.name for a in declared_options["us-east-pod-0"].aliases or []]
+    assert aliases == ["us-east-pod"]
+    assert not declared_options["us-east-pod-1"].aliases
