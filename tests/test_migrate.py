@@ -28,6 +28,9 @@ def run(stacks, *argv):
 
 def test_start_edits_ledger_and_region_keeping_comments_and_order(stacks, capsys):
     path = stacks / "Pulumi.apac-jp.yaml"
+    # Vast.ai pods need a zone (a Worker cannot fetch their IP address): the operator has one.
+    path.write_text(path.read_text().rstrip("\n") + "\n  colocate:zone:\n    id: 0123456789abcdef0123456789abcdef\n"
+                    "    name: example.com\n")
     before = path.read_text()
     assert run(stacks, "start", "--stack", "apac-jp", "--to", "apac-tw", "--provider", "vastai") == 0
     after = path.read_text()

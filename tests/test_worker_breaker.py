@@ -45,15 +45,16 @@ def test_pod_errors_open_the_breaker_too():
         assert cell.wait_breaker("open")["state"] == "open"
 
 
-@pytest.mark.parametrize("fallback_model", ["", FALLBACK_MODEL_NAME])
+@pytest.mark.parametrize("fallback_model", ["passthrough", FALLBACK_MODEL_NAME])
 def test_fallback_gets_its_key_and_model(fallback_model):
     with running_cell(runtime(), fallbackModel=fallback_model) as cell:
-        assert ("FALLBACK_MODEL" in {b.name for b in cell.plan.worker.bindings}) == bool(fallback_model)
+        named = fallback_model != "passthrough"
+        assert ("FALLBACK_MODEL" in {b.name for b in cell.plan.worker.bindings}) == named
         cell.pod.set_fault("error")
         res = cell.call("POST", "/v1/chat/completions", body=chat(model="client/model"))
         assert res.status == 200, res.body  # the fallback stand-in only accepts FALLBACK_API_KEY
         assert res.headers["x-colocate-backend"] == "fallback"
-        assert res.json()["model"] == (fallback_model or "client/model")
+        assert res.json()["model"] == (fallback_model if named else "client/model")
 
 
 def test_pod_slower_than_deadline_falls_back_and_counts():
