@@ -101,9 +101,12 @@ PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that re
 POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
 
 
-def runpod_proxy_url(pod_id: str, internal_port: int) -> str:
+RUNPOD_PROXY_TEMPLATE = "https://{pod_id}-{port}.proxy.runpod.net"
+
+
+def runpod_proxy_url(pod_id: str, internal_port: int, template: str = RUNPOD_PROXY_TEMPLATE) -> str:
     """RunPod's proxy address for a pod's HTTP port (docs.runpod.io, pods/configuration/expose-ports)."""
-    return f"https://{pod_id}-{internal_port}.proxy.runpod.net"
+    return template.format(pod_id=pod_id, port=internal_port)
 
 
 def pod_path(provider: str, zoned: bool) -> str:
@@ -185,6 +188,7 @@ class PodPlan:
             "ready_timeout_s": s.ready_timeout_s,
             "compute_ms": s.compute_ms,
             "index": self.index,
+            "path": self.path,
         }
 
     def triggers(self) -> list[str]:

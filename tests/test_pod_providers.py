@@ -351,3 +351,22 @@ def test_fake_rejects_a_request_outside_the_spec(fake_runpod):
     assert r.status_code == 599
     assert len(fake_runpod.violations) == 2 and "bogus" in fake_runpod.violations[0]
     fake_runpod.violations.clear()
+
+
+def test_runpod_without_a_zone_exposes_http_and_reports_the_proxy_address(fake_runpod, env, capsys, monkeypatch):
+    """The provider-proxy path: the Worker cannot fetch an IP address, so the pod's port is
+    exposed as RunPod HTTP (its proxy hostname) and readiness is checked through it."""
+    monkeypatch.setenv("RUNPOD_PROXY_TEMPLATE", fake_runpod.proxy_template)
+    spec = {**make_spec("apac-jp", "runpod"), "path": "provider-proxy"}
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 0, err
+    sent = fake_runpod.calls("POST", "/v2/pods")
+    assert sent[-1]["ports"] == ["8000/http"]
+    assert out["url"] == fake_runpod.proxy_template.format(pod_id=out["id"], port=8000)
+    assert requests.get(out["url"] + "/health", timeout=5).status_code == 200
+
+
+def test_the_real_proxy_address_form():
+    from colocate.plan import runpod_proxy_url
+
+    assert runpod_proxy_url("abc123", 8000) == "https://abc123-8000.proxy.runpod.net"

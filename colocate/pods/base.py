@@ -25,9 +25,12 @@ class PodInfo:
     port: int | None = None
     cost_per_hr: float | None = None
     gpu: str | None = None
+    proxy_url: str | None = None  # a provider's HTTPS proxy for the pod (RunPod), when that is the path
 
     @property
     def url(self) -> str | None:
+        if self.proxy_url:
+            return self.proxy_url
         return f"http://{self.ip}:{self.port}" if self.ip and self.port else None
 
     def as_dict(self) -> dict:

@@ -2,15 +2,20 @@
 
 One data centre at a time, in catalogue order: ``dataCenterIds`` holds exactly one id per
 create, so a capacity refusal in the first is retried in the second and never elsewhere.
-The pod exposes ``<port>/tcp``: a direct public ip + mapped port (``runtime.ports``), which
-skips RunPod's HTTP proxy (extra latency, a 100 s cut). The mapped port changes on reset;
-the create's output carries the current one.
+The pod exposes its port the way the Worker will reach it (the spec's ``path``):
+``<port>/tcp`` for a DNS-only record on the operator's zone (a direct public ip + mapped
+port from ``runtime.ports``, which skips RunPod's HTTP proxy: extra latency, a 100 s cut;
+the mapped port changes on reset, the create's output carries the current one), or
+``<port>/http`` for RunPod's proxy hostname ``https://<pod id>-<port>.proxy.runpod.net``
+when there is no zone (a Worker cannot fetch an IP address). ``RUNPOD_PROXY_TEMPLATE``
+overrides that address's form (tests point it at a local server).
 """
 
 from __future__ import annotations
 
 import os
 
+from ..plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
 from .errors import CapacityError, FatalError, ProviderError
 from .http import Api
@@ -42,7 +47,7 @@ class RunPod(Provider):
             "gpu": {"id": spec.gpu, "count": spec.gpu_count},
             "cloud": spec.cloud,
             "dataCenterIds": [location],
-            "ports": [f"{spec.port}/tcp"],
+            "ports": [f"{spec.port}/{'http' if spec.path == PATH_PROVIDER_PROXY else 'tcp'}"],
             "env": {"VLLM_API_KEY": token},
             "args": " ".join(spec.vllm_args()),
             "disk": spec.disk_gb,
@@ -76,22 +81,25 @@ class RunPod(Provider):
 
     def _info(self, pod: dict, port: int | None) -> PodInfo:
         status = pod.get("status", "?")
-        private = _private_port(pod)
-        ip = public = None
+        private, proto = _private_port(pod)
+        ip = public = proxy = None
         for p in ((pod.get("runtime") or {}).get("ports") or []):
             if p.get("private") == private and p.get("type") == "tcp" and p.get("ip") and p.get("public"):
                 ip, public = p["ip"], int(p["public"])
+        if proto == "http" and private is not None and status == "RUNNING":
+            proxy = runpod_proxy_url(str(pod["id"]), private, os.environ.get("RUNPOD_PROXY_TEMPLATE") or RUNPOD_PROXY_TEMPLATE)
         return PodInfo(id=str(pod["id"]), name=pod.get("name", ""), state=_STATES.get(status, STARTING),
                        raw_state=status, location=pod.get("dataCenterId"), ip=ip, port=public,
-                       cost_per_hr=pod.get("cost"), gpu=(pod.get("gpu") or {}).get("id"))
+                       cost_per_hr=pod.get("cost"), gpu=(pod.get("gpu") or {}).get("id"), proxy_url=proxy)
 
 
-def _private_port(pod: dict) -> int | None:
+def _private_port(pod: dict) -> tuple[int | None, str | None]:
+    """The inference port and how it is exposed ("tcp" or "http")."""
     for p in pod.get("ports") or []:
         num, _, proto = str(p).partition("/")
-        if proto == "tcp" and num.isdigit():
-            return int(num)
-    return None
+        if proto in ("tcp", "http") and num.isdigit():
+            return int(num), proto
+    return None, None
 
 
 def _detail(exc: ProviderError) -> str:

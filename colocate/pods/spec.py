@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import catalogue
+from ..plan import POD_PATHS
 from ..errors import ConfigError
 from .errors import PodConfigError
 
 REQUIRED = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
             "gpu": str, "gpu_count": int, "image": str, "model": str, "port": int, "disk_gb": int,
             "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
-            "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int}
+            "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str}
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class PodSpec:
     ready_timeout_s: float
     compute_ms: float
     index: int  # the pod's place in the cell (colocate:pod.count)
+    path: str  # how the Worker reaches it (plan.POD_PATHS): RunPod exposes an HTTP port for its proxy
 
     @classmethod
     def from_dict(cls, data: object) -> "PodSpec":
@@ -71,6 +73,8 @@ class PodSpec:
             raise PodConfigError(
                 f"spec.locations: {list(self.locations)!r} must be a non-empty subset of {self.region}'s "
                 f"{self.provider} locations {list(allowed)}. Fix: regenerate the spec; a pod never leaves its region")
+        if self.path not in POD_PATHS:
+            raise PodConfigError(f"spec.path: {self.path!r} is not one of {', '.join(POD_PATHS)}. Fix: regenerate the spec from the plan")
         if not 0 < self.port < 65536:
             raise PodConfigError(f"spec.port: {self.port} is not a TCP port. Fix: colocate:pod.port 1-65535")
         if self.ready_timeout_s <= 0:

@@ -18,6 +18,7 @@ Each created pod is backed by a real stand-in server, so readiness is a real HTT
 from __future__ import annotations
 
 import contextlib
+import http.client
 import itertools
 import json
 import threading
@@ -210,6 +211,33 @@ class FakeRunPod(FakeApi):
         self.pods: dict[str, dict] = {}
         self.polls: dict[str, int] = {}
         self.ids = (f"fakepod{n:04d}" for n in itertools.count(1))
+        self.proxy_ports: dict[str, int] = {}  # pod id -> its backend's port, for the proxy below
+
+    @property
+    def proxy_template(self) -> str:
+        """RUNPOD_PROXY_TEMPLATE for tests: this server plays RunPod's HTTP proxy at /proxy/<id>-<port>."""
+        return self.url + "/proxy/{pod_id}-{port}"
+
+    def handle_call(self, method: str, raw_path: str, headers: dict, body: bytes):
+        if raw_path.startswith("/proxy/"):
+            return self._proxy(method, raw_path, headers, body)
+        return super().handle_call(method, raw_path, headers, body)
+
+    def _proxy(self, method: str, raw_path: str, headers: dict, body: bytes):
+        target, _, rest = raw_path[len("/proxy/"):].partition("/")
+        pod_id = target.rsplit("-", 1)[0]
+        port = self.proxy_ports.get(pod_id)
+        pod = self.pods.get(pod_id)
+        if port is None or pod is None or pod["status"] != "RUNNING" or not pod["ports"][0].endswith("/http"):
+            return 502, {"error": "no such pod behind the proxy"}, {}, "application/json", None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            fwd = {k: v for k, v in headers.items() if k.lower() in ("authorization", "content-type")}
+            conn.request(method, "/" + rest, body=body or None, headers=fwd)
+            res = conn.getresponse()
+            return res.status, None, {}, res.getheader("content-type") or "application/json", res.read()
+        finally:
+            conn.close()
 
     def live(self) -> list[dict]:
         with self.lock:
@@ -259,8 +287,12 @@ class FakeRunPod(FakeApi):
                     if not self.healthy:
                         server.set_fault("error")
                     private = int(pod["ports"][0].split("/")[0]) if pod["ports"] else 8000
+                    http = bool(pod["ports"]) and pod["ports"][0].endswith("/http")
+                    # An HTTP port is served by RunPod's proxy (tests point RUNPOD_PROXY_TEMPLATE at
+                    # proxy_template below); a TCP port gets a public ip and mapped port.
+                    self.proxy_ports[pod_id] = server.port
                     pod.update(status="RUNNING", startedAt=_now(), actions=["stop", "restart", "terminate"],
-                               runtime={"uptime": 1, "ports": [
+                               runtime={"uptime": 1, "ports": [] if http else [
                                    {"private": private, "public": server.port, "type": "tcp", "ip": "127.0.0.1"}]})
                 return 200, self._view(pod), {}, "application/json"
             if method == "DELETE":
