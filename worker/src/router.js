@@ -149,6 +149,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
         meter(backend)(usageOfJson(res.bytes));
         return finish(res.bytes, res.response, backend, timing, t0);
       }
+      if (!wantUsage && urls.length === 1) {
+        // Nothing to learn from the stream's end (no usage asked, no other pod to balance
+        // against): pass the pod's body through untouched.
+        finished(podUrl);
+        meter(backend)(null);
+        return finish(res.response.body, res.response, backend, timing, t0);
+      }
       const tap = tapStream(res.response.body, wantUsage, (usage) => {
         finished(podUrl);
         meter(backend)(usage);
@@ -178,6 +185,10 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   }
   if (isStream(res) && res.body) {
     timing.fallback = now() - t;
+    if (!wantUsage) {
+      meter("fallback")(null);
+      return finish(res.body, res, "fallback", timing, t0);
+    }
     const tap = tapStream(res.body, wantUsage, meter("fallback"));
     ctx.waitUntil(tap.piped);
     return finish(tap.body, res, "fallback", timing, t0);
