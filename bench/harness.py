@@ -232,7 +232,7 @@ class Options:
     rounds: int = 5
     seconds: float = 3.0
     stream: bool = True
-    sse_requests: int = 1000
+    sse_requests: int = 3000
     pods: tuple[int, ...] = (1,)
     pod_delay_ms: float = 0.0
     deadline_ms: int = 5000

@@ -20,7 +20,7 @@ emulated geography with only the Worker->object hop delayed; its pod traffic the
 passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
 Usage: .venv/bin/python scripts/bench_router.py [--rounds 5] [--seconds 3]
-       [--clients 1,32] [--no-stream] [--sse-requests 1000] [--pods 1]
+       [--clients 1,32] [--no-stream] [--sse-requests 3000] [--pods 1]
        [--pod-delay-ms 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
 Exit: 0 done (goals reported, not enforced), 2 usage error or setup failure.
 Needs wrk (`make bench` installs it with apt-get when absent) and node.
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="length of each wrk/SSE run (default 3)")
     p.add_argument("--clients", type=_ints("--clients", 1, 256), default=(1, 32), help="client counts (default 1,32)")
     p.add_argument("--no-stream", action="store_true", help="skip the streaming (SSE) runs")
-    p.add_argument("--sse-requests", type=int, default=1000, help="requests per SSE run, at most (default 1000)")
+    p.add_argument("--sse-requests", type=int, default=3000, help="requests per SSE run, at most (default 3000)")
     p.add_argument("--pods", type=_ints("--pods", 1, 8), default=(1,), help="pod counts, one series each (default 1)")
     p.add_argument("--pod-delay-ms", type=float, default=0.0, help="the bench pods answer after this long (default 0)")
     p.add_argument("--deadline-ms", type=int, default=5000, help="the router's DEADLINE_MS (default 5000)")
