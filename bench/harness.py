@@ -96,9 +96,10 @@ def require_tools() -> None:
 
 
 @contextlib.contextmanager
-def pods(count: int, delay_ms: float, token: str | None) -> Iterator[list[str]]:
-    """``count`` bench pods (one Node process, one listener each); yields their URLs."""
-    args = ["node", str(HERE / "pod.mjs"), "--count", str(count), "--delay-ms", str(delay_ms)]
+def pods(count: int, delay_ms: float, token: str | None, slots: int = 0) -> Iterator[list[str]]:
+    """``count`` bench pods (one Node process, one listener each, at most ``slots``
+    requests in work per pod, 0 = unbounded); yields their URLs."""
+    args = ["node", str(HERE / "pod.mjs"), "--count", str(count), "--delay-ms", str(delay_ms), "--slots", str(slots)]
     if token:
         args += ["--token", token]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -219,6 +220,14 @@ def measured(pid: int | None, run) -> dict:
     return out
 
 
+def answered(pod_url: str) -> int:
+    """How many requests a bench pod process has answered (all its listeners)."""
+    import urllib.request
+
+    with urllib.request.urlopen(pod_url + "/__bench/count", timeout=10) as r:
+        return json.loads(r.read())["answered"]
+
+
 def median(values) -> float | None:
     vals = [v for v in values if v is not None]
     return round(statistics.median(vals), 3) if vals else None
@@ -235,6 +244,7 @@ class Options:
     sse_requests: int = 3000
     pods: tuple[int, ...] = (1,)
     pod_delay_ms: float = 0.0
+    pod_slots: int = 0
     deadline_ms: int = 5000
     far_state_ms: float | None = None
     worker_src: Path | None = None
@@ -280,6 +290,7 @@ def summarise(rounds: list[dict]) -> dict:
         rs = [r[t] for r in rounds]
         m = {k: median(x.get(k) for x in rs) for k in ("p50_ms", "p99_ms", "rps", "cpu_us_per_req")}
         m["errors"] = sum(x["errors"] for x in rs)
+        m["fallback_answers"] = sum(x.get("fallback_answers", 0) + x.get("sse", {}).get("fallback_answers", 0) for x in rs)
         if all("sse" in x for x in rs):
             m["sse"] = {k: median(x["sse"].get(k) for x in rs)
                         for k in ("ttfb_p50_ms", "ttfb_p99_ms", "ttlb_p50_ms", "ttlb_p99_ms", "rps", "cpu_us_per_req")}
@@ -334,7 +345,7 @@ def goals(series: list[dict]) -> list[dict]:
 def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda _msg: None) -> dict:
     hdr_pod = direct_headers(secrets.pod_token)
     hdr_router = router_headers(opts.client_key)
-    with pods(pod_count, opts.pod_delay_ms, secrets.pod_token) as pod_urls, pods(1, 0, None) as fallback:
+    with pods(pod_count, opts.pod_delay_ms, secrets.pod_token, opts.pod_slots) as pod_urls, pods(1, 0, None) as fallback:
         values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
         with bare_worker(plan.worker.compatibility_date, pod_urls) as bare, \
                 router_worker(plan, values, opts.far_state_ms) as router:
@@ -351,15 +362,19 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
                     order = TARGETS[r % 3:] + TARGETS[:r % 3]  # rotate: no target always runs first
                     rd: dict = {}
                     for t in order:
+                        before = answered(fallback[0])
                         rd[t] = measured(pids[t], lambda t=t, c=c: wrk_run(urls[t], c, opts.seconds, hdrs[t]))
+                        rd[t]["fallback_answers"] = answered(fallback[0]) - before
                     if opts.stream:
                         for t in order:
+                            before = answered(fallback[0])
                             rd[t]["sse"] = measured(pids[t], lambda t=t, c=c: sse_run(urls[t], c, opts.sse_requests,
                                                                                       opts.seconds, hdrs[t]))
+                            rd[t]["sse"]["fallback_answers"] = answered(fallback[0]) - before
                     levels[c].append(rd)
                     log(f"pods {pod_count} round {r + 1}/{opts.rounds} clients {c}: "
                         + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms" for t in TARGETS))
-    return {"pods": pod_count, "pod_delay_ms": opts.pod_delay_ms, "router_backend": backend, "far_state": far,
+    return {"pods": pod_count, "pod_delay_ms": opts.pod_delay_ms, "pod_slots": opts.pod_slots, "router_backend": backend, "far_state": far,
             "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()]}
 
 

@@ -11,8 +11,9 @@ request comes from its /proc/<pid>/stat. Reported as medians over rounds: the ro
 added p50/p99 and SSE TTFB/TTLB vs the bare Worker, throughput and CPU ratios, and the
 goals of issue 14 (met/missed; reported, not enforced).
 
-Several pods: ``--pods 1,2,4 --pod-delay-ms 95`` runs one series per pod count, each
-with that many bench pods in POD_URLS (the bare Worker takes them in turn).
+Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1`` runs one series per pod
+count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);
+``--pod-slots`` bounds each pod's concurrent work, so that more pods means more capacity.
 A candidate router: ``--worker-src DIR`` reads the plan's module names from DIR (e.g. a
 scratch copy of worker/src with a cut applied).
 State object far away: ``--far-state-ms MS`` runs the router behind the sandbox's
@@ -21,7 +22,7 @@ passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
 Usage: .venv/bin/python scripts/bench_router.py [--rounds 5] [--seconds 3]
        [--clients 1,32] [--no-stream] [--sse-requests 3000] [--pods 1]
-       [--pod-delay-ms 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
+       [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
 Exit: 0 done (goals reported, not enforced), 2 usage error or setup failure.
 Needs wrk (`make bench` installs it with apt-get when absent) and node.
 """
@@ -64,7 +65,7 @@ def table(result: dict) -> str:
     rows = [f"router vs bare pass-through Worker ({m['workerd']}, compat {result['compatibility_date']}, {m['cpus']} CPUs, "
             f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians)"]
     for s in result["series"]:
-        rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, router served by {s['router_backend']}"
+        rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), router served by {s['router_backend']}"
                     + (f"; state at {s['far_state']['state_colo']}, forced round trip p50 "
                        f"{s['far_state']['state_rtt_p50_ms']} ms" if s.get("far_state") else ""))
         rows.append(f"{'clients':>7} {'target':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu us/req':>10} {'errors':>6}"
@@ -76,6 +77,9 @@ def table(result: dict) -> str:
                 rows.append(f"{lv['clients']:>7} {t:>7} {_fmt(x['rps'], '.0f'):>9} {_fmt(x['p50_ms']):>8} {_fmt(x['p99_ms']):>8} "
                             f"{_fmt(x['cpu_us_per_req'], '.1f'):>10} {x['errors'] + (sse.get('errors') or 0):>6} "
                             f"{_fmt(sse.get('ttfb_p50_ms')):>9} {_fmt(sse.get('ttlb_p50_ms')):>9}")
+            fb = lv["median"]["router"]["fallback_answers"]
+            if fb:
+                rows.append(f"{'':>7} WARNING: the fallback answered {fb} of the router's requests: these numbers are not the pod path")
             rb = lv["router_vs_bare"]
             rows.append(f"{'':>7} router vs bare: p50 {_fmt(rb['added_p50_ms'], '+.3f')} ms, p99 {_fmt(rb['added_p99_ms'], '+.3f')} ms, "
                         f"throughput x{_fmt(rb['throughput_ratio'])}, CPU/req x{_fmt(rb.get('cpu_ratio'))}"
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sse-requests", type=int, default=3000, help="requests per SSE run, at most (default 3000)")
     p.add_argument("--pods", type=_ints("--pods", 1, 8), default=(1,), help="pod counts, one series each (default 1)")
     p.add_argument("--pod-delay-ms", type=float, default=0.0, help="the bench pods answer after this long (default 0)")
+    p.add_argument("--pod-slots", type=int, default=0, help="requests each pod works on at once, 0 = unbounded (default 0)")
     p.add_argument("--deadline-ms", type=int, default=5000, help="the router's DEADLINE_MS (default 5000)")
     p.add_argument("--worker-src", type=Path, help="read the router's modules from this directory (a candidate)")
     p.add_argument("--far-state-ms", type=float, help="the state object this many ms of round trip away (sandbox delay)")
@@ -105,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
     args = p.parse_args(argv)
     for name, value, low in (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1),
-                             ("--sse-requests", args.sse_requests, 1), ("--pod-delay-ms", args.pod_delay_ms, 0),
+                             ("--sse-requests", args.sse_requests, 1), ("--pod-delay-ms", args.pod_delay_ms, 0), ("--pod-slots", args.pod_slots, 0),
                              ("--deadline-ms", args.deadline_ms, 1)):
         if value < low:
             p.error(f"{name} must be at least {low} (got {value})")
     if args.worker_src is not None and not args.worker_src.is_dir():
         p.error(f"--worker-src {args.worker_src}: not a directory; pass a copy of worker/src")
     opts = harness.Options(clients=args.clients, rounds=args.rounds, seconds=args.seconds, stream=not args.no_stream,
-                           sse_requests=args.sse_requests, pods=args.pods, pod_delay_ms=args.pod_delay_ms,
+                           sse_requests=args.sse_requests, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
                            deadline_ms=args.deadline_ms, far_state_ms=args.far_state_ms, worker_src=args.worker_src)
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:

@@ -108,3 +108,40 @@ def test_usage_error_exits_2_as_a_subprocess():
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--clients", "x"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--clients" in res.stderr
+
+
+def _post(url: str, timeout: float = 10.0):
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn.request("POST", harness.PATH, body=harness.BODY, headers={"content-type": "application/json"})
+    return conn
+
+
+def test_bench_pods_count_answers_and_free_a_slot_when_a_queued_client_leaves():
+    with harness.pods(2, 200, None, slots=1) as urls:
+        assert len(set(urls)) == 2
+        busy = _post(urls[0])  # holds the only slot for 200 ms
+        gone = _post(urls[0])  # queued behind it, then leaves
+        gone.close()
+        assert busy.getresponse().status == 200
+        busy.close()
+        after = _post(urls[0])  # would hang forever if the leaver kept the slot
+        assert after.getresponse().status == 200
+        after.close()
+        assert harness.answered(urls[1]) == 2  # one process: the count covers every listener
+
+
+def test_a_router_not_served_by_a_pod_is_a_setup_error(monkeypatch, capsys):
+    # A pod that refuses the router's token: the router falls back, and the bench refuses
+    # to measure the fallback as if it were the pod path.
+    real = harness.pods
+
+    def wrong_token(count, delay_ms, token, slots=0):
+        return real(count, delay_ms, "not-the-router-token" if token else None, slots)
+
+    monkeypatch.setattr(harness, "pods", wrong_token)
+    assert bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "1", "--no-stream", "--quiet"]) == 2
+    assert "not from a pod" in capsys.readouterr().err
