@@ -145,3 +145,14 @@ def test_a_router_not_served_by_a_pod_is_a_setup_error(monkeypatch, capsys):
     monkeypatch.setattr(harness, "pods", wrong_token)
     assert bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "1", "--no-stream", "--quiet"]) == 2
     assert "not from a pod" in capsys.readouterr().err
+
+
+def test_profile_self_times_are_summed_per_function_and_divided_by_requests():
+    from bench.profile import self_times
+
+    frame = {"functionName": "readBody", "url": "file:///x/body.js", "lineNumber": 12}
+    prof = {"nodes": [{"id": 1, "callFrame": frame}, {"id": 2, "callFrame": {**frame, "functionName": ""}}],
+            "samples": [1, 2, 1, 1], "timeDeltas": [100, 50, 100, 0]}
+    rows = self_times(prof, requests=10)
+    assert rows[0] == (20.0, 0.8, "readBody body.js:13")
+    assert rows[1] == (5.0, 0.2, "(anonymous) body.js:13")
