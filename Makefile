@@ -34,7 +34,10 @@ test-js: setup
 demo: setup
 	$(PY) scripts/sandbox.py demo
 
+# wrk is the load generator (compiled, so it is not the bottleneck): installed from
+# Debian's packages only when absent.
 bench: setup
+	@command -v wrk >/dev/null || { echo "bench: installing wrk (apt-get install -y wrk)"; apt-get install -y wrk; }
 	$(PY) scripts/bench_router.py
 
 clean:

@@ -1,6 +1,8 @@
-"""scripts/bench_router.py: a tiny real run in-process, and its usage errors as a subprocess."""
+"""scripts/bench_router.py: a tiny real run (wrk, the bench pod, bare and router workerd),
+the summary arithmetic, and usage errors as a subprocess. Nothing here asserts a speed."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,36 +12,147 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_router  # noqa: E402
+from bench import harness  # noqa: E402
 
 pytestmark = pytest.mark.slow
+needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (make bench installs it)")
 
 
-def test_small_run_reports_both_paths(tmp_path, capsys):
+@needs_wrk
+def test_small_run_measures_all_three_targets(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = bench_router.main(["--requests", "30", "--max-seconds", "10", "--concurrency", "1,4", "--json", str(out)])
+    rc = bench_router.main(["--rounds", "2", "--seconds", "1", "--clients", "1,4", "--sse-requests", "20",
+                            "--quiet", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
-    for lv in result["levels"]:
-        assert lv["direct"]["n"] == 30 and lv["worker"]["n"] == 30
-        assert lv["worker"]["backends"] == {"pod": 30}  # the router really served from the pod
-        assert lv["direct"]["state_p50_ms"] is None and lv["worker"]["state_p50_ms"] is not None
-        assert lv["added_p50_ms"] == pytest.approx(lv["worker"]["p50_ms"] - lv["direct"]["p50_ms"], abs=0.01)
-    assert "added p50" in capsys.readouterr().out
+    (series,) = result["series"]
+    assert series["router_backend"].startswith("pod")  # the router really served from a pod
+    assert [lv["clients"] for lv in series["levels"]] == [1, 4]
+    for lv in series["levels"]:
+        assert len(lv["rounds"]) == 2
+        for r in lv["rounds"]:
+            for t in harness.TARGETS:
+                assert r[t]["n"] > 0 and r[t]["errors"] == 0
+                assert r[t]["sse"]["n"] == 20 and r[t]["sse"]["errors"] == 0
+            assert r["router"]["sse"]["backends"] == {"pod": 20}
+            # CPU is read for the two workerd processes, not for the pod.
+            assert r["direct"].get("cpu_us_per_req") is None
+            assert r["bare"]["cpu_us_per_req"] > 0 and r["router"]["cpu_us_per_req"] > 0
+        rb = lv["router_vs_bare"]
+        per_round = sorted(r["router"]["p50_ms"] - r["bare"]["p50_ms"] for r in lv["rounds"])
+        assert rb["added_p50_ms"] == pytest.approx(sum(per_round) / 2, abs=0.002)  # median of two rounds
+    assert {g["goal"] for g in result["goals"]} == {"added_p50_ms", "sse_added_ttfb_ms"}  # 32 clients not run
+    assert "router vs bare" in capsys.readouterr().out
 
 
+def _round(p50, rps, cpu, ttfb=None):
+    out = {"p50_ms": p50, "p99_ms": p50 * 2, "rps": rps, "cpu_us_per_req": cpu, "errors": 0}
+    if ttfb is not None:
+        out["sse"] = {"ttfb_p50_ms": ttfb, "ttfb_p99_ms": ttfb, "ttlb_p50_ms": ttfb + 1, "ttlb_p99_ms": ttfb + 1,
+                      "rps": rps, "cpu_us_per_req": cpu, "errors": 0}
+    return out
+
+
+def test_summary_takes_medians_of_per_round_comparisons():
+    rounds = [
+        {"direct": _round(0.1, 9000, None, 0.3), "bare": _round(0.5, 2000, 300, 1.0), "router": _round(0.6, 1800, 330, 1.1)},
+        {"direct": _round(0.1, 9000, None, 0.3), "bare": _round(0.9, 1000, 400, 1.0), "router": _round(1.0, 500, 800, 1.5)},
+        {"direct": _round(0.1, 9000, None, 0.3), "bare": _round(0.5, 2000, 300, 1.0), "router": _round(0.7, 1900, 315, 1.2)},
+    ]
+    s = harness.summarise(rounds)
+    rb = s["router_vs_bare"]
+    assert rb["added_p50_ms"] == pytest.approx(0.1)
+    assert rb["throughput_ratio"] == pytest.approx(0.9)
+    assert rb["cpu_ratio"] == pytest.approx(1.1)
+    assert rb["sse_added_ttfb_p50_ms"] == pytest.approx(0.2)
+    assert "cpu_ratio" not in s["bare_vs_direct"]
+    assert s["median"]["router"]["rps"] == 1800
+
+
+def test_goals_are_judged_at_their_client_counts():
+    series = [{"pods": 2, "levels": [
+        {"clients": 1, "router_vs_bare": {"added_p50_ms": 0.05, "sse_added_ttfb_p50_ms": 0.3}},
+        {"clients": 32, "router_vs_bare": {"cpu_ratio": 1.2, "throughput_ratio": 0.95}},
+    ]}]
+    got = {g["goal"]: g["met"] for g in harness.goals(series)}
+    assert got == {"added_p50_ms": True, "sse_added_ttfb_ms": False, "cpu_ratio": False, "throughput_ratio": True}
+
+
+def test_router_headers_carry_a_client_key_when_given():
+    assert "authorization" not in harness.router_headers()
+    assert harness.router_headers("clc_abc")["authorization"] == "Bearer clc_abc"
+
+
+def test_worker_src_must_hold_every_module(tmp_path):
+    with pytest.raises(harness.BenchError, match="module .* is missing"):
+        harness.bench_plan(5000, tmp_path)
+    for f in (ROOT / "worker" / "src").iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    plan = harness.bench_plan(5000, tmp_path)
+    assert all(m.path.parent == tmp_path for m in plan.worker.modules)
+
+
+@needs_wrk
 def test_far_state_leaves_the_hot_path_at_zero(capsys):
-    # The object 150 ms away (sandbox delay on that hop only): a forced round trip pays it,
-    # a routed request with fresh isolate state does not.
-    assert bench_router.main(["--requests", "20", "--concurrency", "1", "--compute-ms", "1", "--max-seconds", "30",
+    # The object 150 ms away (sandbox delay on that hop only): a forced round trip pays it;
+    # routed requests, served from the isolate's copy, do not (their p50 stays far below).
+    assert bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "1", "--no-stream", "--quiet",
                               "--far-state-ms", "150", "--json", "-"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["far_state"]["state_colo"] == "IAD"
-    assert 150 <= result["far_state"]["state_rtt_p50_ms"] < 250
-    assert result["levels"][0]["worker"]["state_p50_ms"] == 0
+    (series,) = json.loads(capsys.readouterr().out)["series"]
+    assert series["far_state"]["state_colo"] == "IAD"
+    assert 150 <= series["far_state"]["state_rtt_p50_ms"] < 250
+    assert series["levels"][0]["median"]["router"]["p50_ms"] < 150
 
 
 def test_usage_error_exits_2_as_a_subprocess():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--concurrency", "x"],
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--clients", "x"],
                          capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--concurrency" in res.stderr
+    assert res.returncode == 2 and "--clients" in res.stderr
+
+
+def _post(url: str, timeout: float = 10.0):
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn.request("POST", harness.PATH, body=harness.BODY, headers={"content-type": "application/json"})
+    return conn
+
+
+def test_bench_pods_count_answers_and_free_a_slot_when_a_queued_client_leaves():
+    with harness.pods(2, 200, None, slots=1) as urls:
+        assert len(set(urls)) == 2
+        busy = _post(urls[0])  # holds the only slot for 200 ms
+        gone = _post(urls[0])  # queued behind it, then leaves
+        gone.close()
+        assert busy.getresponse().status == 200
+        busy.close()
+        after = _post(urls[0])  # would hang forever if the leaver kept the slot
+        assert after.getresponse().status == 200
+        after.close()
+        assert harness.answered(urls[1]) == 2  # one process: the count covers every listener
+
+
+def test_a_router_not_served_by_a_pod_is_a_setup_error(monkeypatch, capsys):
+    # A pod that refuses the router's token: the router falls back, and the bench refuses
+    # to measure the fallback as if it were the pod path.
+    real = harness.pods
+
+    def wrong_token(count, delay_ms, token, slots=0):
+        return real(count, delay_ms, "not-the-router-token" if token else None, slots)
+
+    monkeypatch.setattr(harness, "pods", wrong_token)
+    assert bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "1", "--no-stream", "--quiet"]) == 2
+    assert "not from a pod" in capsys.readouterr().err
+
+
+def test_profile_self_times_are_summed_per_function_and_divided_by_requests():
+    from bench.profile import self_times
+
+    frame = {"functionName": "readBody", "url": "file:///x/body.js", "lineNumber": 12}
+    prof = {"nodes": [{"id": 1, "callFrame": frame}, {"id": 2, "callFrame": {**frame, "functionName": ""}}],
+            "samples": [1, 2, 1, 1], "timeDeltas": [100, 50, 100, 0]}
+    rows = self_times(prof, requests=10)
+    assert rows[0] == (20.0, 0.8, "readBody body.js:13")
+    assert rows[1] == (5.0, 0.2, "(anonymous) body.js:13")

@@ -29,8 +29,8 @@ def _hostport(url: str) -> str:
 
 
 @contextlib.contextmanager
-def router_with_state_delay(plan: CellPlan, values: Mapping[str, str], delay_ms: float) -> Iterator[str]:
-    """Yield the URL of workerd running ``plan``'s Worker with its state ``delay_ms`` away."""
+def router_with_state_delay(plan: CellPlan, values: Mapping[str, str], delay_ms: float) -> Iterator[Workerd]:
+    """Yield workerd (``.url``, ``.proc.pid``) running ``plan``'s Worker with its state ``delay_ms`` away."""
     geography = Geography.from_args(1.0, (f"{EDGE}:{FAR}={delay_ms:g}",), same_site_ms=0.0)
     with tempfile.TemporaryDirectory(prefix="colocate-far-state-") as tmp:
         tmp_path = Path(tmp)
@@ -46,4 +46,4 @@ def router_with_state_delay(plan: CellPlan, values: Mapping[str, str], delay_ms:
                 (objects / s).mkdir(parents=True, exist_ok=True)
             with Workerd(tmp_path / "workerd", socket_name=config_mod.SOCKET_NAME) as w:
                 w.start(text)
-                yield w.url
+                yield w

@@ -1,0 +1,403 @@
+"""The router benchmark's processes and measurements (scripts/bench_router.py is the CLI).
+
+Three targets, measured interleaved in each round so that whatever else the machine is
+doing lands on all of them alike:
+
+    direct   straight to the bench pod (bench/pod.mjs, Node, answers at once)
+    bare     bench/passthrough.js in workerd: fetch(pod) and return, the floor
+    router   the plan's Worker in workerd (colocate.workerd: the cloud's bytes)
+
+bare and router each run in their own workerd process, so the CPU each one spends is
+read from its own /proc/<pid>/stat (utime + stime) around each run. Non-streaming load
+comes from ``wrk`` (compiled; bench/post.lua), streaming from bench/sse.mjs (time to
+first and to last byte). Imports no Pulumi.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from colocate import plan as plan_mod
+from colocate import settings as settings_mod
+from colocate import stackfile
+from colocate.workerd import (MAIN_SERVICE, SOCKET_NAME, Workerd, capnp_text, config_capnp, network_service,
+                              socket_capnp, worker_service)
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PATH = "/v1/chat/completions"
+BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+STREAM_BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                          "stream": True})
+TARGETS = ("direct", "bare", "router")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# Issue 14 item 3: medians over rounds, same run.
+GOALS = {
+    "cpu_ratio_32": 1.10,         # router CPU/request <= 1.10 x bare, at 32 clients
+    "throughput_ratio_32": 0.90,  # router req/s >= 0.90 x bare, at 32 clients
+    "added_p50_ms_1": 0.1,        # router p50 - bare p50 <= 0.1 ms, at 1 client
+    "sse_added_ttfb_ms_1": 0.2,   # router SSE TTFB p50 - bare <= 0.2 ms, at 1 client
+}
+
+
+class BenchError(Exception):
+    """Setup failures the CLI reports with exit 2 (a tool missing, a process not starting)."""
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """Bench-only values, generated per run and never printed."""
+
+    pod_token: str
+    fallback_api_key: str
+    probe_token: str
+
+    @classmethod
+    def fresh(cls) -> Secrets:
+        return cls(os.urandom(12).hex(), os.urandom(12).hex(), os.urandom(12).hex())
+
+    def bindings(self) -> dict[str, str]:
+        return {"POD_TOKEN": self.pod_token, "FALLBACK_API_KEY": self.fallback_api_key,
+                "PROBE_TOKEN": self.probe_token}
+
+
+def router_headers(client_key: str | None = None) -> dict[str, str]:
+    """Every header a routed benchmark request carries, in one place: when routed paths
+    need a client key (issue 10), pass the minted ``clc_...`` key here."""
+    h = {"content-type": "application/json"}
+    if client_key:
+        h["authorization"] = f"Bearer {client_key}"
+    return h
+
+
+def direct_headers(pod_token: str) -> dict[str, str]:
+    # Straight to the pod, and through the bare Worker (which forwards as-is): the pod's token.
+    return {"content-type": "application/json", "authorization": f"Bearer {pod_token}"}
+
+
+# --- processes --------------------------------------------------------------------------
+
+def require_tools() -> None:
+    if shutil.which("wrk") is None:
+        raise BenchError("wrk is not installed: run `make bench` (it installs it with apt-get) or `apt-get install -y wrk`")
+    if shutil.which("node") is None:
+        raise BenchError("node is not installed (the bench pod and the SSE client are Node scripts)")
+
+
+@contextlib.contextmanager
+def pods(count: int, delay_ms: float, token: str | None, slots: int = 0) -> Iterator[list[str]]:
+    """``count`` bench pods (one Node process, one listener each, at most ``slots``
+    requests in work per pod, 0 = unbounded); yields their URLs."""
+    args = ["node", str(HERE / "pod.mjs"), "--count", str(count), "--delay-ms", str(delay_ms), "--slots", str(slots)]
+    if token:
+        args += ["--token", token]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise BenchError("the bench pod (bench/pod.mjs) did not start")
+        yield json.loads(line)["urls"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def bench_plan(deadline_ms: int, worker_src: Path | None = None):
+    """The sandbox stack's plan (the cloud's Worker), with the bench's deadline; with
+    ``worker_src`` the same module names read from another directory (a candidate cut)."""
+    raw, secrets = stackfile.read_config("sandbox")
+    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms}
+    s = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | set(settings_mod.ALWAYS_SECRET))
+    plan = plan_mod.plan_cell(s)
+    if worker_src is None:
+        return plan
+    modules = []
+    for m in plan.worker.modules:
+        p = Path(worker_src) / m.name
+        if not p.exists():
+            raise BenchError(f"--worker-src {worker_src}: module {m.name} is missing there")
+        modules.append(dataclasses.replace(m, path=p))
+    return dataclasses.replace(plan, worker=dataclasses.replace(plan.worker, modules=tuple(modules)))
+
+
+def bare_config(compatibility_date: str, pod_urls: list[str], port: int) -> str:
+    """workerd config for the floor: passthrough.js, the plan's compatibility date, the
+    same outbound network service as colocate.workerd.render_config."""
+    src = (HERE / "passthrough.js").read_text()
+    net = network_service()
+    lit = (f"(\n  modules = [(name = \"passthrough.js\", esModule = {capnp_text(src)})],\n"
+           f"  compatibilityDate = {capnp_text(compatibility_date)},\n"
+           f"  bindings = [(name = \"POD_URLS\", text = {capnp_text(plan_mod.pod_urls_text(pod_urls))})],\n"
+           f"  globalOutbound = {capnp_text(net[0])}\n)")
+    return config_capnp([worker_service(MAIN_SERVICE, lit), net], [socket_capnp(SOCKET_NAME, port, MAIN_SERVICE)])
+
+
+@contextlib.contextmanager
+def bare_worker(compatibility_date: str, pod_urls: list[str]) -> Iterator[Workerd]:
+    with Workerd() as w:
+        w.start(bare_config(compatibility_date, pod_urls, w.port))
+        yield w
+
+
+@contextlib.contextmanager
+def router_worker(plan, values: Mapping[str, str], far_state_ms: float | None) -> Iterator[Workerd]:
+    if far_state_ms is None:
+        with Workerd.serve(plan.worker, values) as w:
+            yield w
+        return
+    from colocate.sandbox.bench import router_with_state_delay
+
+    with router_with_state_delay(plan, values, far_state_ms) as w:
+        yield w
+
+
+# --- measurement ------------------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14, 15 of proc(5)
+
+
+def _lua(headers: Mapping[str, str], body: str) -> str:
+    template = (HERE / "post.lua").read_text()
+    lines = "\n".join(f'wrk.headers["{k}"] = [==[{v}]==]' for k, v in headers.items())
+    return template.replace("@BODY@", body).replace("@HEADERS@", lines)
+
+
+def wrk_run(url: str, clients: int, seconds: float, headers: Mapping[str, str], body: str = BODY) -> dict:
+    """Closed-loop load from ``clients`` keep-alive connections for ``seconds``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix="colocate-bench-") as script:
+        script.write(_lua(headers, body))
+        script.flush()
+        threads = 1 if clients == 1 else 2
+        args = ["wrk", "-t", str(threads), "-c", str(clients), "-d", f"{max(1, round(seconds))}s", "--timeout", "10s",
+                "--latency", "-s", script.name, url + PATH]
+        res = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("BENCH ")), None)
+    if res.returncode != 0 or line is None:
+        raise BenchError(f"wrk failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()[-300:]}")
+    s = json.loads(line[6:])
+    errors = s["connect"] + s["read"] + s["write"] + s["status"] + s["timeout"]
+    secs = s["us"] / 1e6
+    return {"n": s["n"], "errors": errors, "seconds": round(secs, 3), "rps": round(s["n"] / secs, 1) if secs else 0.0,
+            "p50_ms": round(s["p50_us"] / 1000, 3), "p99_ms": round(s["p99_us"] / 1000, 3)}
+
+
+def sse_run(url: str, clients: int, requests: int, seconds: float, headers: Mapping[str, str]) -> dict:
+    args = ["node", str(HERE / "sse.mjs"), url + PATH, str(clients), str(requests), str(seconds),
+            json.dumps(dict(headers)), STREAM_BODY]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
+    if res.returncode != 0 or not res.stdout.strip():
+        raise BenchError(f"bench/sse.mjs failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def measured(pid: int | None, run) -> dict:
+    """Run ``run()`` and add the workerd process's CPU µs per answered request."""
+    before = cpu_seconds(pid) if pid else None
+    out = run()
+    if pid:
+        spent = cpu_seconds(pid) - before
+        out["cpu_us_per_req"] = round(spent * 1e6 / out["n"], 1) if out["n"] else None
+    return out
+
+
+def answered(pod_url: str) -> int:
+    """How many requests a bench pod process has answered (all its listeners)."""
+    import urllib.request
+
+    with urllib.request.urlopen(pod_url + "/__bench/count", timeout=10) as r:
+        return json.loads(r.read())["answered"]
+
+
+def median(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 3) if vals else None
+
+
+# --- a whole run ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    clients: tuple[int, ...] = (1, 32)
+    rounds: int = 5
+    seconds: float = 3.0
+    stream: bool = True
+    sse_requests: int = 3000
+    pods: tuple[int, ...] = (1,)
+    pod_delay_ms: float = 0.0
+    pod_slots: int = 0
+    deadline_ms: int = 5000
+    far_state_ms: float | None = None
+    worker_src: Path | None = None
+    client_key: str | None = None  # for routed requests once they need one (router_headers)
+
+
+def check_router(url: str, headers: Mapping[str, str]) -> str:
+    """One routed request must be served by a pod, or the numbers would measure the fallback."""
+    import http.client
+
+    host, port = url.split("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", PATH, body=BODY, headers=dict(headers))
+        res = conn.getresponse()
+        res.read()
+        backend = res.getheader("x-colocate-backend") or ""
+    finally:
+        conn.close()
+    if res.status != 200 or not backend.startswith("pod"):
+        raise BenchError(f"the router answered {res.status} from {backend or 'nowhere'!r}, not from a pod: "
+                         "check the bench pod's token and the router's bindings")
+    return backend
+
+
+def state_distance(url: str, probe_token: str, samples: int = 5) -> dict:
+    """Where the object is and what a forced round trip to it costs (the probe endpoint)."""
+    import requests
+
+    rtts, colo = [], None
+    with requests.Session() as s:
+        for _ in range(samples):
+            body = s.get(url + "/_colocate/probe", timeout=30, headers={"Authorization": f"Bearer {probe_token}"}).json()
+            rtts.append(body["state_rtt_ms"])
+            colo = body["state_colo"]
+    return {"state_colo": colo, "state_rtt_p50_ms": median(rtts)}
+
+
+def summarise(rounds: list[dict]) -> dict:
+    """Medians over rounds: each target's own numbers, and router-vs-bare per round."""
+    out: dict = {"median": {}, "router_vs_bare": {}, "bare_vs_direct": {}}
+    for t in TARGETS:
+        rs = [r[t] for r in rounds]
+        m = {k: median(x.get(k) for x in rs) for k in ("p50_ms", "p99_ms", "rps", "cpu_us_per_req")}
+        m["errors"] = sum(x["errors"] for x in rs)
+        m["fallback_answers"] = sum(x.get("fallback_answers", 0) + x.get("sse", {}).get("fallback_answers", 0) for x in rs)
+        if all("sse" in x for x in rs):
+            m["sse"] = {k: median(x["sse"].get(k) for x in rs)
+                        for k in ("ttfb_p50_ms", "ttfb_p99_ms", "ttlb_p50_ms", "ttlb_p99_ms", "rps", "cpu_us_per_req")}
+            m["sse"]["errors"] = sum(x["sse"]["errors"] for x in rs)
+        out["median"][t] = m
+
+    def per_round(a: str, b: str) -> dict:
+        def diff(k, sub=None):
+            return median((r[a][sub][k] if sub else r[a][k]) - (r[b][sub][k] if sub else r[b][k]) for r in rounds
+                          if (r[a][sub][k] if sub else r[a][k]) is not None)
+
+        def ratio(k):
+            return median(r[a][k] / r[b][k] for r in rounds if r[a].get(k) and r[b].get(k))
+
+        d = {"added_p50_ms": diff("p50_ms"), "added_p99_ms": diff("p99_ms"), "throughput_ratio": ratio("rps")}
+        if a != "direct" and b != "direct":
+            d["cpu_ratio"] = ratio("cpu_us_per_req")
+        if all("sse" in r[a] and "sse" in r[b] for r in rounds):
+            d["sse_added_ttfb_p50_ms"] = diff("ttfb_p50_ms", "sse")
+            d["sse_added_ttlb_p50_ms"] = diff("ttlb_p50_ms", "sse")
+            if a != "direct" and b != "direct":
+                d["sse_cpu_ratio"] = median(r[a]["sse"]["cpu_us_per_req"] / r[b]["sse"]["cpu_us_per_req"] for r in rounds
+                                            if r[a]["sse"].get("cpu_us_per_req") and r[b]["sse"].get("cpu_us_per_req"))
+        return d
+
+    out["router_vs_bare"] = per_round("router", "bare")
+    out["bare_vs_direct"] = per_round("bare", "direct")
+    return out
+
+
+def goals(series: list[dict]) -> list[dict]:
+    """Issue 14 item 3, judged per pod count on the medians."""
+    checks = []
+
+    def check(name, pods, clients, value, limit, upper=True):
+        met = None if value is None else (value <= limit if upper else value >= limit)
+        checks.append({"goal": name, "pods": pods, "clients": clients, "value": value, "limit": limit, "met": met})
+
+    for s in series:
+        for lv in s["levels"]:
+            rb = lv["router_vs_bare"]
+            if lv["clients"] == 32:
+                check("cpu_ratio", s["pods"], 32, rb.get("cpu_ratio"), GOALS["cpu_ratio_32"])
+                check("throughput_ratio", s["pods"], 32, rb.get("throughput_ratio"), GOALS["throughput_ratio_32"], upper=False)
+            if lv["clients"] == 1:
+                check("added_p50_ms", s["pods"], 1, rb.get("added_p50_ms"), GOALS["added_p50_ms_1"])
+                if "sse_added_ttfb_p50_ms" in rb:
+                    check("sse_added_ttfb_ms", s["pods"], 1, rb["sse_added_ttfb_p50_ms"], GOALS["sse_added_ttfb_ms_1"])
+    return checks
+
+
+def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda _msg: None) -> dict:
+    hdr_pod = direct_headers(secrets.pod_token)
+    hdr_router = router_headers(opts.client_key)
+    with pods(pod_count, opts.pod_delay_ms, secrets.pod_token, opts.pod_slots) as pod_urls, pods(1, 0, None) as fallback:
+        values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
+        with bare_worker(plan.worker.compatibility_date, pod_urls) as bare, \
+                router_worker(plan, values, opts.far_state_ms) as router:
+            urls = {"direct": pod_urls[0], "bare": bare.url, "router": router.url}
+            pids = {"direct": None, "bare": bare.proc.pid, "router": router.proc.pid}
+            hdrs = {"direct": hdr_pod, "bare": hdr_pod, "router": hdr_router}
+            backend = check_router(router.url, hdr_router)
+            for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
+                wrk_run(urls[t], max(opts.clients), 1, hdrs[t])
+            far = state_distance(router.url, secrets.probe_token) if opts.far_state_ms is not None else None
+            levels = {c: [] for c in opts.clients}
+            for r in range(opts.rounds):
+                for c in opts.clients:
+                    order = TARGETS[r % 3:] + TARGETS[:r % 3]  # rotate: no target always runs first
+                    rd: dict = {}
+                    for t in order:
+                        before = answered(fallback[0])
+                        rd[t] = measured(pids[t], lambda t=t, c=c: wrk_run(urls[t], c, opts.seconds, hdrs[t]))
+                        rd[t]["fallback_answers"] = answered(fallback[0]) - before
+                    if opts.stream:
+                        for t in order:
+                            before = answered(fallback[0])
+                            rd[t]["sse"] = measured(pids[t], lambda t=t, c=c: sse_run(urls[t], c, opts.sse_requests,
+                                                                                      opts.seconds, hdrs[t]))
+                            rd[t]["sse"]["fallback_answers"] = answered(fallback[0]) - before
+                    levels[c].append(rd)
+                    log(f"pods {pod_count} round {r + 1}/{opts.rounds} clients {c}: "
+                        + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms" for t in TARGETS))
+    return {"pods": pod_count, "pod_delay_ms": opts.pod_delay_ms, "pod_slots": opts.pod_slots, "router_backend": backend, "far_state": far,
+            "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()]}
+
+
+def versions() -> dict:
+    def first_line(args):
+        try:
+            res = subprocess.run(args, capture_output=True, text=True, timeout=10)
+        except OSError:
+            return None
+        return (res.stdout or res.stderr).strip().splitlines()[0] if (res.stdout or res.stderr).strip() else None
+
+    from colocate.workerd import workerd_binary
+
+    return {"workerd": first_line([str(workerd_binary()), "--version"]), "wrk": first_line(["wrk", "--version"]),
+            "node": first_line(["node", "--version"]), "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
+
+
+def run(opts: Options, log=lambda _msg: None) -> dict:
+    require_tools()
+    plan = bench_plan(opts.deadline_ms, opts.worker_src)
+    secrets = Secrets.fresh()
+    machine = versions()
+    series = [run_series(opts, plan, secrets, n, log) for n in opts.pods]
+    return {"machine": machine, "options": {**dataclasses.asdict(opts), "client_key": bool(opts.client_key),
+                                            "worker_src": str(opts.worker_src) if opts.worker_src else None},
+            "compatibility_date": plan.worker.compatibility_date, "goals": goals(series), "series": series}

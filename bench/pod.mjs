@@ -1,0 +1,119 @@
+// A pod that answers at once (or after --delay-ms), for scripts/bench_router.py.
+//
+// Node's http server, Nagle off: the bench must measure the router, not a slow pod.
+// POST with `"stream": true` in the body answers Server-Sent Events (a first chunk at
+// once, the rest on later turns of the event loop, then [DONE]); anything else a small
+// chat.completion JSON. Bench-only; --token makes it answer 401 to a wrong bearer.
+//
+// --slots K bounds how many requests each pod works on at once (the rest queue, in
+// order), like a GPU pod's batch: with --delay-ms 95 --slots 1 a pod serves ~10 req/s,
+// so spreading over several pods shows as throughput. 0 (default) = no bound.
+//
+// GET /__bench/count answers {"answered": n}: the harness reads the fallback's count to
+// tell whether the router served everything from the pods.
+//
+// Usage: node bench/pod.mjs [--count N] [--delay-ms MS] [--slots K] [--chunks N] [--token T]
+// Prints one JSON line {"urls": [...]} once every listener is up; SIGTERM stops it.
+
+import http from "node:http";
+
+const args = Object.fromEntries(
+  process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
+);
+const count = Number(args.count ?? 1);
+const delayMs = Number(args["delay-ms"] ?? 0);
+const chunks = Number(args.chunks ?? 8);
+const token = args.token ?? null;
+const slots = Number(args.slots ?? 0);
+
+const JSON_BODY = JSON.stringify({
+  id: "chatcmpl-bench", object: "chat.completion", created: 0, model: "bench",
+  choices: [{ index: 0, message: { role: "assistant", content: "ok ok ok ok" }, finish_reason: "stop" }],
+  usage: { prompt_tokens: 4, completion_tokens: 4, total_tokens: 8 },
+});
+const CHUNK = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ` } }] })}\n\n`;
+
+let answered = 0; // all listeners together; GET /__bench/count reads it
+
+function answer(req, res, body) {
+  if (res.destroyed) return; // gone during the delay: nothing to answer, nothing counted
+  answered++;
+  if (token !== null && req.headers.authorization !== `Bearer ${token}`) {
+    res.writeHead(401, { "content-type": "application/json" });
+    res.end('{"error":{"message":"bad token","type":"auth","code":"unauthorized"}}');
+    return;
+  }
+  if (req.method === "POST" && /"stream"\s*:\s*true/.test(body)) {
+    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+    let i = 0;
+    const more = () => {
+      if (i < chunks) {
+        res.write(CHUNK(i++));
+        setImmediate(more);
+      } else {
+        res.end("data: [DONE]\n\n");
+      }
+    };
+    more();
+    return;
+  }
+  res.writeHead(200, { "content-type": "application/json", "content-length": Buffer.byteLength(JSON_BODY) });
+  res.end(JSON_BODY);
+}
+
+function handlerFor() {
+  let busy = 0;
+  const queue = [];
+  const next = () => {
+    while (queue.length && (slots === 0 || busy < slots)) {
+      const job = queue.shift();
+      if (job.closed) continue; // the client went away while it queued (e.g. the end of a wrk run)
+      busy++;
+      let freed = false;
+      const free = () => {
+        if (!freed) {
+          freed = true;
+          busy--;
+          next();
+        }
+      };
+      job.res.once("finish", free);
+      job.res.once("close", free);
+      if (delayMs > 0) setTimeout(() => answer(job.req, job.res, job.body), delayMs);
+      else answer(job.req, job.res, job.body);
+    }
+  };
+  return (req, res) => {
+    if (req.url === "/__bench/count") {
+      res.writeHead(200, { "content-type": "application/json" });
+      res.end(JSON.stringify({ answered }));
+      return;
+    }
+    const job = { req, res, body: "", closed: false };
+    res.once("close", () => {
+      job.closed = true;
+    });
+    const parts = [];
+    req.on("data", (c) => parts.push(c));
+    req.on("end", () => {
+      job.body = Buffer.concat(parts).toString();
+      queue.push(job);
+      next();
+    });
+  };
+}
+
+const servers = [];
+const urls = [];
+for (let i = 0; i < count; i++) {
+  const s = http.createServer({ noDelay: true, keepAliveTimeout: 60_000 }, handlerFor());
+  s.listen(0, "127.0.0.1", 511);
+  await new Promise((resolve) => s.once("listening", resolve));
+  servers.push(s);
+  urls.push(`http://127.0.0.1:${s.address().port}`);
+}
+process.stdout.write(JSON.stringify({ urls }) + "\n");
+process.on("SIGTERM", () => {
+  for (const s of servers) s.closeAllConnections?.();
+  process.exit(0);
+});

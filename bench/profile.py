@@ -1,0 +1,170 @@
+"""CPU profile of the router (or the bare Worker) in workerd under wrk load.
+
+workerd runs with ``--inspector-addr``; a minimal WebSocket client speaks the Chrome
+DevTools protocol to it (Profiler.start, load, Profiler.stop) and sums each function's
+self time per answered request. Sampling inflates everything: compare rows between
+runs (router against bare, a candidate against main), not the totals.
+
+Usage: .venv/bin/python -m bench.profile [--bare] [--worker-src DIR] [--seconds 4]
+       [--clients 32] [--top 30] [--out PATH.cpuprofile]
+The .cpuprofile file opens in Chrome DevTools (Performance tab) for a flame chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+from colocate import plan as plan_mod
+from colocate import workerd as wd
+
+from . import harness
+
+
+class _WebSocket:
+    """Just enough RFC 6455 for the inspector: text frames, client-masked sends."""
+
+    def __init__(self, host: str, port: int, path: str):
+        self.sock = socket.create_connection((host, port), timeout=60)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise harness.BenchError("the inspector closed the connection during the handshake")
+            buf += chunk
+        head, self.buf = buf.split(b"\r\n\r\n", 1)
+        if b" 101 " not in head.split(b"\r\n")[0]:
+            raise harness.BenchError(f"the inspector refused the WebSocket: {head[:200]!r}")
+        self.next_id = 0
+
+    def _need(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise harness.BenchError("the inspector closed the connection")
+            self.buf += chunk
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def _message(self) -> dict:
+        data = b""
+        while True:
+            b0, b1 = self._need(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", self._need(2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", self._need(8))[0]
+            data += self._need(n)
+            if b0 & 0x80:
+                return json.loads(data)
+
+    def call(self, method: str, params: dict | None = None) -> dict:
+        self.next_id += 1
+        data = json.dumps({"id": self.next_id, "method": method, "params": params or {}}).encode()
+        mask = os.urandom(4)
+        n = len(data)
+        head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack(">H", n)
+                                if n < 65536 else bytes([0x80 | 127]) + struct.pack(">Q", n))
+        self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
+        while True:
+            m = self._message()
+            if m.get("id") == self.next_id:
+                if "error" in m:
+                    raise harness.BenchError(f"inspector {method}: {m['error']}")
+                return m.get("result", {})
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _InspectedWorkerd(wd.Workerd):
+    """workerd with its inspector on ``inspector_port`` (one extra argument)."""
+
+    def __init__(self, inspector_port: int):
+        super().__init__()
+        self.inspector_port = inspector_port
+
+    def start(self, config: str):
+        real = subprocess.Popen
+
+        def popen(args, **kw):
+            return real([*args, f"--inspector-addr=127.0.0.1:{self.inspector_port}"], **kw)
+
+        wd.subprocess.Popen = popen  # Workerd.start builds its own argv; add one flag for this call only
+        try:
+            return super().start(config)
+        finally:
+            wd.subprocess.Popen = real
+
+
+def self_times(profile: dict, requests: int) -> list[tuple[float, float, str]]:
+    """(µs per request, share, "function file:line") by self time, largest first."""
+    nodes = {n["id"]: n["callFrame"] for n in profile["nodes"]}
+    acc: collections.Counter = collections.Counter()
+    for sample, dt in zip(profile["samples"], profile["timeDeltas"], strict=True):
+        cf = nodes[sample]
+        acc[f"{cf['functionName'] or '(anonymous)'} {cf['url'].rsplit('/', 1)[-1]}:{cf['lineNumber'] + 1}"] += dt
+    total = sum(acc.values()) or 1
+    return [(us / max(1, requests), us / total, name) for name, us in acc.most_common()]
+
+
+def profile(bare: bool, worker_src: Path | None, seconds: float, clients: int) -> tuple[dict, int]:
+    harness.require_tools()
+    plan = harness.bench_plan(5000, worker_src)
+    secrets = harness.Secrets.fresh()
+    port = wd.free_port()
+    headers = harness.direct_headers(secrets.pod_token) if bare else harness.router_headers()
+    with harness.pods(1, 0, secrets.pod_token) as pods, harness.pods(1, 0, None) as fallback:
+        values = {"POD_URLS": plan_mod.pod_urls_text(pods), "FALLBACK_URL": fallback[0], **secrets.bindings()}
+        with _InspectedWorkerd(port) as w:
+            w.start(harness.bare_config(plan.worker.compatibility_date, pods, w.port) if bare
+                    else wd.render_config(plan.worker, values, port=w.port))
+            harness.wrk_run(w.url, clients, 1, headers)  # warm
+            ws = _WebSocket("127.0.0.1", port, f"/{wd.MAIN_SERVICE}")
+            try:
+                ws.call("Profiler.enable")
+                ws.call("Profiler.setSamplingInterval", {"interval": 50})
+                ws.call("Profiler.start")
+                run = harness.wrk_run(w.url, clients, seconds, headers)
+                prof = ws.call("Profiler.stop")["profile"]
+            finally:
+                ws.close()
+    return prof, run["n"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bare", action="store_true", help="profile the bare pass-through Worker instead of the router")
+    p.add_argument("--worker-src", type=Path, help="the router's modules from this directory (a candidate)")
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--out", type=Path, help="also write the raw profile (.cpuprofile, for Chrome DevTools)")
+    args = p.parse_args(argv)
+    try:
+        prof, n = profile(args.bare, args.worker_src, args.seconds, args.clients)
+    except (harness.BenchError, wd.WorkerdError) as exc:
+        print(f"bench.profile: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        args.out.write_text(json.dumps(prof))
+    print(f"{'bare' if args.bare else 'router'}: {n} requests at {args.clients} clients; self time per request")
+    for us, share, name in self_times(prof, n)[:args.top]:
+        print(f"{us:9.2f} us  {share:6.1%}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

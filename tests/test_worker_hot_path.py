@@ -1,0 +1,135 @@
+"""Guard for the router's hot path (issue 14 item 4), not timed: counts, in real workerd,
+the subrequests and Durable Object calls a routed request makes.
+
+The router runs from the sandbox stack's plan (the cloud's bytes) behind a test-only
+entry (bench/count_calls.js) that counts every call on an object stub, whatever the
+method is named; the object itself is hosted in a second service, as in the sandbox.
+Every subrequest (the pod, the fallback, /cdn-cgi/trace, from the Worker or the object)
+goes to one global outbound server here that records it. Once the isolate has its
+breaker copy, a routed request must make exactly one subrequest (to the pod) and no
+object call: a change that adds a wait to the hot path fails here without timing anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from colocate import plan as plan_mod
+from colocate import workerd as wd
+from tests.support.workerd import SECRETS, cell_plan, request
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+POD_HOST, FALLBACK_HOST = "pod-0.hot-path.test", "fallback.hot-path.test"
+ENTRY = "count_calls.js"
+OBJECT_SERVICE = "objects"
+# A cold isolate reads the breaker once before it can route; nothing else may wait.
+COLD_OBJECT_CALLS = 1
+WARM_REQUESTS = 12
+# Routed requests carry these (and, once routed paths need one, the client key).
+ROUTED_HEADERS = {"content-type": "application/json"}
+
+
+class _Outbound(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        self.seen: list[tuple[str, str, str]] = []  # (method, Host, path)
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _answer(self) -> None:
+        n = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(n) if n else b""
+        with self.server.lock:
+            self.server.seen.append((self.command, self.headers.get("host", ""), self.path))
+        if b'"stream": true' in body or b'"stream":true' in body:
+            out, ctype = b'data: {"choices":[]}\n\ndata: [DONE]\n\n', "text/event-stream"
+        else:
+            out, ctype = b'{"object":"chat.completion","choices":[]}', "application/json"
+        self.send_response(200)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = _answer  # noqa: N815
+
+
+@contextlib.contextmanager
+def counted_router() -> Iterator[tuple[wd.Workerd, _Outbound]]:
+    # A long state TTL: no background refresh may fall inside the test, however slow the machine.
+    plan = cell_plan(worker={"stateTtlMs": 600_000, "deadlineMs": 10_000})
+    values = {"POD_URLS": plan_mod.pod_urls_text([f"http://{POD_HOST}"]), "FALLBACK_URL": f"http://{FALLBACK_HOST}",
+              **SECRETS}
+    out = _Outbound()
+    t = threading.Thread(target=out.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        entry = (ENTRY, (ROOT / "bench" / ENTRY).read_text())
+        edge = wd.worker_capnp(plan.worker, values, host_objects=False, do_service=OBJECT_SERVICE,
+                               global_outbound=wd.OUTBOUND_SERVICE, extra_modules=[entry], main_module=ENTRY)
+        objects = wd.worker_capnp(plan.worker, values, global_outbound=wd.OUTBOUND_SERVICE)
+        services = [wd.worker_service(wd.MAIN_SERVICE, edge), wd.worker_service(OBJECT_SERVICE, objects),
+                    wd.external_service(wd.OUTBOUND_SERVICE, "127.0.0.1", out.server_address[1])]
+        with wd.Workerd() as w:
+            w.start(wd.config_capnp(services, [wd.socket_capnp(wd.SOCKET_NAME, w.port, wd.MAIN_SERVICE)]))
+            yield w, out
+    finally:
+        out.shutdown()
+        out.server_close()
+        t.join(timeout=10)
+
+
+def _counts(w: wd.Workerd, out: _Outbound) -> tuple[int, dict, list]:
+    res = request(w.url, "GET", "/__count/calls")
+    assert res.status == 200, res.body
+    body = res.json()
+    with out.lock:
+        seen = list(out.seen)
+    return body["calls"], body["methods"], seen
+
+
+def _routed(w: wd.Workerd, method: str, path: str, body: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    res = request(w.url, method, path, body=data, headers=ROUTED_HEADERS if data else {})
+    assert res.status == 200, res.body
+    assert res.headers.get("x-colocate-backend", "").startswith("pod"), res.headers
+    return res
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_warm_routed_requests_make_one_pod_subrequest_and_no_object_call():
+    with counted_router() as (w, out):
+        _routed(w, "POST", "/v1/chat/completions", CHAT)  # the cold isolate reads the breaker once
+        cold_calls, cold_methods, cold_seen = _counts(w, out)
+        assert 1 <= cold_calls <= COLD_OBJECT_CALLS, cold_methods  # >= 1: the counter does see the object
+        assert [(m, h) for m, h, _ in cold_seen] == [("POST", POD_HOST)]
+
+        kinds = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"model": "m", "prompt": "hi"}),
+                 ("POST", "/v1/chat/completions", {**CHAT, "stream": True}), ("GET", "/v1/models", None)]
+        for i in range(WARM_REQUESTS):
+            _routed(w, *kinds[i % len(kinds)])
+        calls, methods, seen = _counts(w, out)
+        assert calls - cold_calls == 0, f"the warm hot path called the object: {methods}"
+        warm = seen[len(cold_seen):]
+        assert len(warm) == WARM_REQUESTS, warm
+        assert all(h == POD_HOST for _, h, _ in warm), warm  # no fallback, no trace, no second pod try
+        assert [(m, p) for m, _, p in warm] == [(k[0], k[1]) for k in (kinds * WARM_REQUESTS)[:WARM_REQUESTS]]
