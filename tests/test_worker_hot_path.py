@@ -1,5 +1,5 @@
 """Guard for the router's hot path (issue 14 item 4), not timed: counts, in real workerd,
-the subrequests and Durable Object calls a routed request makes.
+the subrequests and Durable Object calls a routed request makes, with a client key.
 
 The router runs from the sandbox stack's plan (the cloud's bytes) behind a test-only
 entry (bench/count_calls.js) that counts every call on an object stub, whatever the
@@ -7,7 +7,9 @@ method is named; the object itself is hosted in a second service, as in the sand
 Every subrequest (the pod, the fallback, /cdn-cgi/trace, from the Worker or the object)
 goes to one global outbound server here that records it. Once the isolate has its
 breaker copy, a routed request must make exactly one subrequest (to the pod) and no
-object call: a change that adds a wait to the hot path fails here without timing anything.
+object call before its response leaves (usage and limit counters go to the object in
+batched background syncs, at most one per isolate per second, counted separately): a
+change that adds a wait to the hot path fails here without timing anything.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 POD_HOST, FALLBACK_HOST = "pod-0.hot-path.test", "fallback.hot-path.test"
 ENTRY = "count_calls.js"
 OBJECT_SERVICE = "objects"
-# A cold isolate reads the breaker once before it can route; nothing else may wait.
+# A cold isolate syncs its view once before it can route; nothing else may wait.
 COLD_OBJECT_CALLS = 1
 WARM_REQUESTS = 12
-# Routed requests carry these (and, once routed paths need one, the client key).
+# Routed requests carry these and the client key minted for the test.
 ROUTED_HEADERS = {"content-type": "application/json"}
 
 
@@ -84,10 +86,11 @@ def counted_router() -> Iterator[tuple[wd.Workerd, _Outbound]]:
         entry = (ENTRY, (ROOT / "bench" / ENTRY).read_text())
         edge = wd.worker_capnp(plan.worker, values, host_objects=False, do_service=OBJECT_SERVICE,
                                global_outbound=wd.OUTBOUND_SERVICE, extra_modules=[entry], main_module=ENTRY)
-        objects = wd.worker_capnp(plan.worker, values, global_outbound=wd.OUTBOUND_SERVICE)
-        services = [wd.worker_service(wd.MAIN_SERVICE, edge), wd.worker_service(OBJECT_SERVICE, objects),
-                    wd.external_service(wd.OUTBOUND_SERVICE, "127.0.0.1", out.server_address[1])]
         with wd.Workerd() as w:
+            objects = wd.worker_capnp(plan.worker, values, global_outbound=wd.OUTBOUND_SERVICE, storage_service="disk")
+            services = [wd.worker_service(wd.MAIN_SERVICE, edge), wd.worker_service(OBJECT_SERVICE, objects),
+                        wd.external_service(wd.OUTBOUND_SERVICE, "127.0.0.1", out.server_address[1]),
+                        wd.disk_service("disk", w.directory / "objects")]
             w.start(wd.config_capnp(services, [wd.socket_capnp(wd.SOCKET_NAME, w.port, wd.MAIN_SERVICE)]))
             yield w, out
     finally:
@@ -97,17 +100,26 @@ def counted_router() -> Iterator[tuple[wd.Workerd, _Outbound]]:
 
 
 def _counts(w: wd.Workerd, out: _Outbound) -> tuple[int, dict, list]:
+    """Object calls made before a response left (hot), the whole count, and the subrequests."""
     res = request(w.url, "GET", "/__count/calls")
     assert res.status == 200, res.body
     body = res.json()
     with out.lock:
         seen = list(out.seen)
-    return body["calls"], body["methods"], seen
+    return body["hot"], body, seen
 
 
-def _routed(w: wd.Workerd, method: str, path: str, body: dict | None = None):
+def _mint_key(w: wd.Workerd) -> str:
+    res = request(w.url, "POST", "/_colocate/keys", body=json.dumps({"name": "guard"}).encode(),
+                  headers={"authorization": f"Bearer {SECRETS['PROBE_TOKEN']}", "content-type": "application/json"})
+    assert res.status == 201, res.body
+    return res.json()["key"]
+
+
+def _routed(w: wd.Workerd, method: str, path: str, body: dict | None = None, key: str = ""):
     data = json.dumps(body).encode() if body is not None else None
-    res = request(w.url, method, path, body=data, headers=ROUTED_HEADERS if data else {})
+    headers = {**(ROUTED_HEADERS if data else {}), "authorization": f"Bearer {key}"}
+    res = request(w.url, method, path, body=data, headers=headers)
     assert res.status == 200, res.body
     assert res.headers.get("x-colocate-backend", "").startswith("pod"), res.headers
     return res
@@ -118,17 +130,22 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 def test_warm_routed_requests_make_one_pod_subrequest_and_no_object_call():
     with counted_router() as (w, out):
-        _routed(w, "POST", "/v1/chat/completions", CHAT)  # the cold isolate reads the breaker once
-        cold_calls, cold_methods, cold_seen = _counts(w, out)
-        assert 1 <= cold_calls <= COLD_OBJECT_CALLS, cold_methods  # >= 1: the counter does see the object
+        key = _mint_key(w)  # an operator call; it also drops this isolate's view, as a new isolate has none
+        minted, _, _ = _counts(w, out)
+        _routed(w, "POST", "/v1/chat/completions", CHAT, key)  # the cold isolate syncs its view once
+        cold_calls, cold_body, cold_seen = _counts(w, out)
+        cold_calls -= minted
+        assert 1 <= cold_calls <= COLD_OBJECT_CALLS, cold_body  # >= 1: the counter does see the object
         assert [(m, h) for m, h, _ in cold_seen] == [("POST", POD_HOST)]
 
         kinds = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"model": "m", "prompt": "hi"}),
                  ("POST", "/v1/chat/completions", {**CHAT, "stream": True}), ("GET", "/v1/models", None)]
         for i in range(WARM_REQUESTS):
-            _routed(w, *kinds[i % len(kinds)])
-        calls, methods, seen = _counts(w, out)
-        assert calls - cold_calls == 0, f"the warm hot path called the object: {methods}"
+            _routed(w, *kinds[i % len(kinds)], key=key)
+        calls, body, seen = _counts(w, out)
+        assert calls - minted - cold_calls == 0, f"the warm hot path called the object: {body}"
+        # Usage reaches the object in the background, batched: never one call per request.
+        assert body["background"] <= 2, body
         warm = seen[len(cold_seen):]
         assert len(warm) == WARM_REQUESTS, warm
         assert all(h == POD_HOST for _, h, _ in warm), warm  # no fallback, no trace, no second pod try

@@ -32,6 +32,7 @@ SECRETS = {
     "PROBE_TOKEN": "probe-token-2c6e8d4b7a19",
 }
 SECRET_SETTINGS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey"})
+ROOT = Path(__file__).resolve().parent.parent.parent
 FALLBACK_MODEL_NAME = "fallback/model"
 
 
@@ -255,41 +256,16 @@ def outbound(colo: str = "TST") -> Iterator[Outbound]:
 
 # --- Counting object calls, and two isolates sharing one generation ------------------
 
-# A test-only entry module (never uploaded): it hands the product an env whose BREAKER
-# counts every call made on a stub, and answers GET /__test/object-calls with the count.
-# The product modules are the cloud's bytes; only the entry around them is the test's.
-COUNTING_ENTRY = "__test_counting.js"
-COUNTING_JS = """
-import product from "./index.js";
-export * from "./index.js";
-const counts = { calls: 0, by_method: {} };
-const wrapped = new WeakMap();
-function counted(ns) {
-  return {
-    idFromName: (n) => ns.idFromName(n),
-    get(id, options) {
-      const stub = ns.get(id, options);
-      return new Proxy({}, { get(_t, prop) {
-        if (prop === "then") return undefined;
-        return (...args) => { counts.calls++; counts.by_method[prop] = (counts.by_method[prop] || 0) + 1; return stub[prop](...args); };
-      } });
-    },
-  };
-}
-export default {
-  fetch(request, env, ctx) {
-    if (new URL(request.url).pathname === "/__test/object-calls") return Response.json(counts);
-    let e = wrapped.get(env);
-    if (!e) { e = { ...env, BREAKER: counted(env.BREAKER) }; wrapped.set(env, e); }
-    return product.fetch(request, e, ctx);
-  },
-};
-"""
+# The counting entry (never uploaded): bench/count_calls.js wraps the product's BREAKER
+# and answers GET /__count/calls.
+COUNTING_ENTRY = "count_calls.js"
+COUNTING_JS = (ROOT / "bench" / COUNTING_ENTRY).read_text()
 
 
-def object_calls(url: str) -> int:
-    """How many calls the isolate behind ``url`` has made on generation objects so far."""
-    return request(url, "GET", "/__test/object-calls").json()["calls"]
+def object_calls(url: str) -> dict:
+    """The calls the isolate behind ``url`` has made on generation objects so far:
+    {"calls", "hot" (before a response left), "background", "methods"}."""
+    return request(url, "GET", "/__count/calls").json()
 
 
 @dataclass
