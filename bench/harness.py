@@ -270,6 +270,13 @@ def check_router(url: str, headers: Mapping[str, str]) -> str:
     return backend
 
 
+def mint_key(url: str, probe_token: str) -> str:
+    """A client key for the bench's routed requests, through the router's admin endpoint."""
+    from colocate.admin import AdminClient, Target
+
+    return AdminClient(Target(url, probe_token, "url")).create_key("bench")["key"]
+
+
 def state_distance(url: str, probe_token: str, samples: int = 5) -> dict:
     """Where the object is and what a forced round trip to it costs (the probe endpoint)."""
     import requests
@@ -344,11 +351,13 @@ def goals(series: list[dict]) -> list[dict]:
 
 def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda _msg: None) -> dict:
     hdr_pod = direct_headers(secrets.pod_token)
-    hdr_router = router_headers(opts.client_key)
     with pods(pod_count, opts.pod_delay_ms, secrets.pod_token, opts.pod_slots) as pod_urls, pods(1, 0, None) as fallback:
         values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
         with bare_worker(plan.worker.compatibility_date, pod_urls) as bare, \
                 router_worker(plan, values, opts.far_state_ms) as router:
+            # Routed requests need a client key: the router checks it on every request (issue 10).
+            key = opts.client_key or mint_key(router.url, secrets.probe_token)
+            hdr_router = router_headers(key)
             urls = {"direct": pod_urls[0], "bare": bare.url, "router": router.url}
             pids = {"direct": None, "bare": bare.proc.pid, "router": router.proc.pid}
             hdrs = {"direct": hdr_pod, "bare": hdr_pod, "router": hdr_router}

@@ -34,7 +34,7 @@ def test_small_run_measures_all_three_targets(tmp_path, capsys):
             for t in harness.TARGETS:
                 assert r[t]["n"] > 0 and r[t]["errors"] == 0
                 assert r[t]["sse"]["n"] == 20 and r[t]["sse"]["errors"] == 0
-            assert r["router"]["sse"]["backends"] == {"pod": 20}
+            assert r["router"]["sse"]["backends"] == {"pod-0": 20}
             # CPU is read for the two workerd processes, not for the pod.
             assert r["direct"].get("cpu_us_per_req") is None
             assert r["bare"]["cpu_us_per_req"] > 0 and r["router"]["cpu_us_per_req"] > 0
