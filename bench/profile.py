@@ -130,7 +130,9 @@ def profile(bare: bool, worker_src: Path | None, seconds: float, clients: int) -
         values = {"POD_URLS": plan_mod.pod_urls_text(pods), "FALLBACK_URL": fallback[0], **secrets.bindings()}
         with _InspectedWorkerd(port) as w:
             w.start(harness.bare_config(plan.worker.compatibility_date, pods, w.port) if bare
-                    else wd.render_config(plan.worker, values, port=w.port))
+                    else wd.render_config(plan.worker, values, port=w.port, storage_dir=w.directory / "objects"))
+            if not bare:  # routed requests need a client key
+                headers = harness.router_headers(harness.mint_key(w.url, secrets.probe_token))
             harness.wrk_run(w.url, clients, 1, headers)  # warm
             ws = _WebSocket("127.0.0.1", port, f"/{wd.MAIN_SERVICE}")
             try:

@@ -2,6 +2,8 @@
 
 import { HttpError } from "./errors.js";
 
+const decoder = new TextDecoder(); // stateless between decode() calls: one per isolate
+
 function tooLarge(limit) {
   return new HttpError(413, "payload_too_large", `request body is larger than MAX_BODY_BYTES (${limit} bytes)`);
 }
@@ -46,7 +48,7 @@ export async function readBody(request, limit) {
 export function parseJsonObject(bytes) {
   let value;
   try {
-    value = JSON.parse(new TextDecoder().decode(bytes));
+    value = JSON.parse(decoder.decode(bytes));
   } catch {
     throw new HttpError(400, "invalid_json", "request body is not valid JSON");
   }

@@ -39,7 +39,8 @@ export async function tryPod(fetchImpl, url, init, deadlineMs) {
     ac.abort();
   }, deadlineMs);
   try {
-    const res = await fetchImpl(url, { ...init, signal: ac.signal });
+    init.signal = ac.signal; // init is this call's own object: no copy
+    const res = await fetchImpl(url, init);
     if (isPodFailure(res.status)) {
       await res.body?.cancel().catch(() => {});
       return { ok: false, reason: `status_${res.status}` };

@@ -40,6 +40,23 @@ export async function keyHash(key) {
   return hex(new Uint8Array(await crypto.subtle.digest("SHA-256", encoder.encode(key))));
 }
 
+// Digests of keys this isolate has already accepted, so a known key is not hashed again
+// on every request (SHA-256 was the largest part of the key check's CPU). Only accepted
+// keys are remembered, so junk cannot fill it; the digest is still compared in constant
+// time against the stored one, and a revoked key is refused by the key list, not here.
+const accepted = new Map();
+const ACCEPTED_MAX = 1024;
+
+/** The digest of a presented key: remembered if it was accepted before, else computed. */
+export async function digestOf(key) {
+  return accepted.get(key) ?? keyHash(key);
+}
+
+export function remember(key, digest) {
+  if (accepted.size >= ACCEPTED_MAX) accepted.clear();
+  accepted.set(key, digest);
+}
+
 /** Constant-time equality of two equal-length hex digests. */
 export function sameDigest(a, b) {
   if (typeof a !== "string" || typeof b !== "string" || a.length !== b.length) return false;

@@ -9,7 +9,7 @@ import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, fallbackBody, isStream, tryPod, upstreamHeaders } from "./forward.js";
-import { bearer, keyHash, looksLikeKey, sameDigest } from "./keys.js";
+import { bearer, digestOf, looksLikeKey, remember, sameDigest } from "./keys.js";
 import { estimate, refusal } from "./limits.js";
 import { candidates, finished, leastBusy, started, worthReporting } from "./pods.js";
 import { lookup } from "./routes.js";
@@ -61,9 +61,10 @@ async function authenticate(request, env, cfg, entry, timing) {
     // Never seen the key list and the object is unreachable: not the client's fault.
     throw new HttpError(503, "state_unavailable", "the cell's state is unreachable; retry shortly", { "retry-after": "1" });
   }
-  const digest = await keyHash(presented);
+  const digest = await digestOf(presented);
   const key = await findKey(env, cfg, entry, digest, timing);
   if (!key || !sameDigest(key.hash, digest)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
+  remember(presented, digest);
   if (key.expires_at !== null && Date.now() >= key.expires_at) {
     throw new HttpError(401, "expired_api_key", "this API key has expired: create a new one (scripts/keys.py create)");
   }

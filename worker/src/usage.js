@@ -16,13 +16,44 @@ function fromUsage(u) {
   return prompt + completion > 0 ? { prompt, completion } : null;
 }
 
-/** Usage of a complete JSON answer's bytes, or null. */
-export function usageOfJson(bytes) {
-  try {
-    return fromUsage(JSON.parse(decoder.decode(bytes)).usage);
-  } catch {
-    return null;
+const USAGE = new TextEncoder().encode('"usage"');
+const OPEN = 123; // {
+const CLOSE = 125; // }
+
+/** The last index of `needle` in `bytes`, or -1 (answers put `usage` near their end). */
+function lastIndexOf(bytes, needle) {
+  outer: for (let i = bytes.length - needle.length; i >= 0; i--) {
+    for (let j = 0; j < needle.length; j++) if (bytes[i + j] !== needle[j]) continue outer;
+    return i;
   }
+  return -1;
+}
+
+/**
+ * Usage of a complete JSON answer's bytes, or null. Only the `"usage": {...}` object is
+ * decoded and parsed, not the whole answer: the hot path stays free of a full parse.
+ */
+export function usageOfJson(buffer) {
+  const bytes = buffer instanceof Uint8Array ? buffer : new Uint8Array(buffer);
+  const at = lastIndexOf(bytes, USAGE);
+  if (at < 0) return null;
+  let start = -1;
+  let depth = 0;
+  for (let i = at + USAGE.length; i < bytes.length; i++) {
+    const b = bytes[i];
+    if (b === OPEN) {
+      if (depth++ === 0) start = i;
+    } else if (b === CLOSE && depth > 0 && --depth === 0) {
+      try {
+        return fromUsage(JSON.parse(decoder.decode(bytes.subarray(start, i + 1))));
+      } catch {
+        return null;
+      }
+    } else if (depth === 0 && b !== 32 && b !== 58 && b !== 10 && b !== 13 && b !== 9) {
+      return null; // "usage": null, or not an object
+    }
+  }
+  return null;
 }
 
 /** Usage in the last SSE data event that has one, or null. */

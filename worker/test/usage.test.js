@@ -34,3 +34,12 @@ test("the tap passes every byte through and reports the usage once at the end", 
   await quiet.piped;
   assert.deepEqual(seen.at(-1), null);
 });
+
+test("only the usage object is parsed, wherever it sits, and junk around it is harmless", () => {
+  const body = (u) => enc(`{"id":"x","choices":[{"message":{"content":"usage { } is here"}}],"usage":${u}}`);
+  assert.deepEqual(usageOfJson(body('{"prompt_tokens":2,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":0}}')),
+    { prompt: 2, completion: 3 });
+  assert.equal(usageOfJson(body("null")), null);
+  assert.equal(usageOfJson(body('"n/a"')), null);
+  assert.deepEqual(usageOfJson(enc('{"usage": {"completion_tokens": 4}, "id": "y"}').buffer), { prompt: 0, completion: 4 });
+});
