@@ -250,6 +250,7 @@ def to_json(r: Result, warn_only: bool = False) -> dict:
         "connections": "reused",
         "clock": "time.perf_counter",
         "segments": r.segments,
+        "values_ms": {name: list(v) for name, v in r.values.items()},  # every good sample, in order taken
         "fallback_rate": r.fallback_rate,
         "backends": r.backends,
         "placement": r.placement.to_json(),

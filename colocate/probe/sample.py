@@ -195,6 +195,6 @@ def run(url: str, token: str, samples: int, timeout_s: float, model: str | None 
         for i in range(samples):
             result.probe.append(sampler.probe())
             result.routed.append(sampler.routed(chosen))
-            if progress and (i + 1) % 10 == 0:
+            if progress and ((i + 1) % 5 == 0 or i + 1 == samples):
                 progress(f"{i + 1}/{samples} samples")
         return result
