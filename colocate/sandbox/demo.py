@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from .. import stackfile
+from .. import settings, stackfile
 from ..errors import ConfigError
 from . import supervisor
 from .errors import SandboxError
@@ -71,6 +72,19 @@ def say(text: str) -> None:
 def _py(argv: list[str], env: dict | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, cwd=supervisor.ROOT)
+
+
+def _stop_probe(proc: subprocess.Popen) -> None:
+    """Interrupted: let the probe revoke its key. A Ctrl-C at the terminal reached it too; a
+    SIGTERM to the demo alone did not, so it gets a SIGINT of its own. Every wait is bounded."""
+    for sig, wait_s in ((None, 2.0), (signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
+        if sig is not None:
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _pct(rate: float | None) -> str:
@@ -147,22 +161,22 @@ class Demo:
               flush=True)
         # The probe mints its own short-lived client key with the probe token and revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
-        proc = subprocess.Popen(
+        tail: list[str] = []
+        with subprocess.Popen(
             [sys.executable, str(PROBE), c["worker_url"], "--samples", str(self.samples), "--expect-region",
              c["region"], "--pod-location", "local", "--pod-path", "local-hostname", "--json", str(out)],
             env={**os.environ, "COLOCATE_PROBE_TOKEN": c["token"]}, cwd=supervisor.ROOT,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        tail: list[str] = []
-        try:
-            for line in proc.stderr:
-                tail.append(line.rstrip())
-                if line.startswith("  ") and ("samples" in line or "client key" in line):
-                    print(f"    |{line.rstrip()}", flush=True)
-            proc.wait(timeout=PROBE_TIMEOUT_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ) as proc:
+            try:
+                for line in proc.stderr:
+                    tail.append(line.rstrip())
+                    if line.startswith("  ") and ("samples" in line or "client key" in line):
+                        print(f"    |{line.rstrip()}", flush=True)
+                proc.wait(timeout=PROBE_TIMEOUT_S)
+            finally:
+                if proc.poll() is None:
+                    _stop_probe(proc)
         if proc.returncode == 2 or not out.exists():
             raise SandboxError(f"probe.py failed (exit {proc.returncode}): {' | '.join(tail[-6:])}")
         result = json.loads(out.read_text())
@@ -265,9 +279,10 @@ def run(state_dir: Path | None = None, samples: int = 15, client_site: str = CLI
         demo.up("migration finished")
         say("3a. After the migration, stateTtlMs 0 (every request still waits on the object, now next door).")
         demo.probe(PHASES[3])
-        say("3b. After the migration, colocate's router (stateTtlMs back to its default, 2000).")
-        demo.set_config(**{"worker.stateTtlMs": 2000})
-        demo.up("stateTtlMs 2000")
+        ttl = settings.WORKER_DEFAULTS["stateTtlMs"]
+        say(f"3b. After the migration, colocate's router (stateTtlMs back to its default, {ttl}).")
+        demo.set_config(**{"worker.stateTtlMs": ttl})
+        demo.up(f"stateTtlMs {ttl}")
         demo.probe(PHASES[4])
 
         after = demo.e2e_values(PHASES[3].label) + demo.e2e_values(PHASES[4].label)
