@@ -120,3 +120,9 @@ def test_the_whole_demo_tells_the_story_from_tokyo(tmp_path, capsys):
     assert "clc_" not in out
     ready = r["3-migrated"]["url"]
     assert not _listening(int(ready.rsplit(":", 1)[1]))
+
+
+def test_an_unknown_client_site_exits_2_before_anything_starts(tmp_path, capsys):
+    assert demo.run(state_dir=tmp_path / "demo", client_site="XYZ") == 2
+    assert "--client-site: unknown Cloudflare colo 'XYZ'" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

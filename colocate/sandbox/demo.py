@@ -37,6 +37,7 @@ from .. import settings, stackfile
 from ..errors import ConfigError
 from . import supervisor
 from .errors import SandboxError
+from .geography import site
 
 STACK = "sandbox"
 PROBE = supervisor.ROOT / "scripts" / "probe.py"
@@ -242,6 +243,11 @@ class Demo:
 
 
 def run(state_dir: Path | None = None, samples: int = 15, client_site: str = CLIENT_SITE) -> int:
+    try:
+        client_site = site(client_site, "--client-site")  # before anything starts
+    except (ConfigError, SandboxError) as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     demo = Demo(state_dir or supervisor.default_state_dir("demo"), samples, client_site)
     started = time.monotonic()
     try:
