@@ -222,8 +222,9 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         notes.append(why)
     elif fallback is not None and fallback["ok"] is not True:
         what = fallback.get("error") or f"status {fallback.get('status')}"
+        model = fallback.get("model") or "as each client names it"
         violations.append({"kind": "fallback", "part": "fallback",
-                           "message": f"fallback check failed: {what} (model {fallback.get('model') or 'the client’s'}) "
+                           "message": f"fallback check failed: {what} (model {model}) "
                                       "— check colocate:fallbackUrl, colocate:fallbackApiKey and colocate:fallbackModel"})
     quality = {"routed": _timing_quality(run.routed), "probe": _timing_quality(run.probe)}
     for kind, q in quality.items():
