@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -151,5 +152,11 @@ def _probe(args: argparse.Namespace) -> int:
     return 1
 
 
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    # SIGTERM (a supervisor stopping us) ends the run as Ctrl-C does: a minted key is revoked.
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())

@@ -69,17 +69,20 @@ def test_a_worker_without_key_endpoints_is_probed_without_a_key(probe, capsys):
     assert "no /_colocate/keys" in err and all(s.authorization is None for s in routed)
 
 
-def test_ctrl_c_mid_run_revokes_the_minted_key():
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_mid_run_revokes_the_minted_key(sig):
     with fake_cell.serve(routed_delay_ms=200) as cell:
         env = {k: v for k, v in os.environ.items() if k not in ("COLOCATE_CLIENT_KEY",)}
         env["COLOCATE_PROBE_TOKEN"] = TOKEN
+        # SIGINT as a terminal sends it, even when this test runs where SIGINT is ignored (a background job)
         proc = subprocess.Popen([sys.executable, str(SCRIPT), cell.url, "--samples", "50"], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
         try:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not any(s.path == "/v1/chat/completions" for s in list(cell.log)):
                 time.sleep(0.05)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             _, err = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:

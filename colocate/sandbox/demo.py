@@ -77,8 +77,9 @@ def _py(argv: list[str], env: dict | None = None, timeout: float = 120.0) -> sub
 
 def _stop_probe(proc: subprocess.Popen) -> None:
     """Interrupted: let the probe revoke its key. A Ctrl-C at the terminal reached it too; a
-    SIGTERM to the demo alone did not, so it gets a SIGINT of its own. Every wait is bounded."""
-    for sig, wait_s in ((None, 2.0), (signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
+    SIGTERM to the demo alone did not, so it gets a SIGTERM of its own (the probe treats it as
+    Ctrl-C). Every wait is bounded."""
+    for sig, wait_s in ((None, 2.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         if sig is not None:
             proc.send_signal(sig)
         try:
