@@ -179,6 +179,9 @@ class Demo:
             finally:
                 if proc.poll() is None:
                     _stop_probe(proc)
+                    for line in (proc.stderr.read() or "").splitlines():  # it has exited: say what it revoked
+                        if "client key" in line:
+                            print(f"    |{line}", flush=True)
         if proc.returncode == 2 or not out.exists():
             raise SandboxError(f"probe.py failed (exit {proc.returncode}): {' | '.join(tail[-6:])}")
         result = json.loads(out.read_text())
