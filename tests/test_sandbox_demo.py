@@ -126,3 +126,9 @@ def test_an_unknown_client_site_exits_2_before_anything_starts(tmp_path, capsys)
     assert demo.run(state_dir=tmp_path / "demo", client_site="XYZ") == 2
     assert "--client-site: unknown Cloudflare colo 'XYZ'" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
+
+
+def test_the_phase_1_sentence_stays_true_wherever_the_user_sits():
+    assert demo._phase1([279.0, 290.0], 200, "NRT").startswith("phase 1's fastest request took 279 ms")
+    assert "missed it for 50 %" in demo._phase1([150.0, 290.0], 200, "SJC")
+    assert "missed it for 0 %" in demo._phase1([120.0], 200, "IAD")
