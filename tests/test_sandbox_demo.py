@@ -4,7 +4,13 @@ and (slow) one whole run against the sandboxed cell."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +21,7 @@ from colocate.sandbox.geography import Geography
 from tests.test_plan import SECRETS, raw_for
 
 MODEL = Geography()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_deadline_is_the_next_round_number_above_the_slowest_request_after_the_move():
@@ -132,3 +139,48 @@ def test_the_phase_1_sentence_stays_true_wherever_the_user_sits():
     assert demo._phase1([279.0, 290.0], 200, "NRT").startswith("phase 1's fastest request took 279 ms")
     assert "missed it for 50 %" in demo._phase1([150.0, 290.0], 200, "SJC")
     assert "missed it for 0 %" in demo._phase1([120.0], 200, "IAD")
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                found.append(f"{proc.name}: {cmd}")
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_mid_probe_stops_everything_and_revokes_the_probe_key(tmp_path):
+    state_dir = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "sandbox.py"), "demo", "--state-dir",
+                             str(state_dir), "--samples", "40"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    guard = threading.Timer(120, proc.kill)  # the read below is bounded even if the demo hangs
+    guard.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "5/40 samples" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        supervisor.down(state_dir, quiet=True)
+    text = "".join(seen) + out
+    assert proc.returncode == 130, text[-2000:]
+    assert "revoked client key" in text and "clc_" not in text
+    assert supervisor.status(state_dir)["running"] is False
+    assert _processes_mentioning(str(state_dir)) == []
+    ready = json.loads((state_dir / "ready.json").read_text()) if (state_dir / "ready.json").exists() else {}
+    for port in (ready.get("ports") or {}).values():
+        assert not _listening(port)
