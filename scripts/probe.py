@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Probe a deployed cell: measure every segment, check where each part ran, against budgets and floors.
 
-    probe.py URL [--token T | env COLOCATE_PROBE_TOKEN] [--samples 25] [--expect-region R]
+    probe.py URL [--token T | env COLOCATE_PROBE_TOKEN] [--key K | env COLOCATE_CLIENT_KEY]
+             [--samples 25] [--expect-region R] [--pod-location LOC ...] [--pod-path P]
              [--budget NAME=MS[@pNN] ...] [--json PATH|-] [--plot PNG] [--stack S] [--warn-only]
 
-A warm-up request, then N samples of the Worker's probe endpoint (GET /_colocate/probe) and N
-of a routed request (POST /v1/chat/completions, max_tokens 1), all over one reused connection.
+A warm-up request, one check of the fallback (GET /_colocate/probe?fallback=1), then N samples
+of the Worker's probe endpoint (GET /_colocate/probe) and N of a routed request
+(POST /v1/chat/completions, max_tokens 1), all over one reused connection. Routed requests
+carry a client key: the one given, else a 15-minute key minted with the probe token and
+revoked at the end (Ctrl-C included).
 Exit 0 when every check holds, 1 when a budget or placement check fails (0 with --warn-only,
 still reported), 2 on a usage error or an unreachable target. See docs/probe.md.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -25,7 +30,8 @@ if str(ROOT) not in sys.path:
 
 from colocate import catalogue, stackfile  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
-from colocate.probe import budgets, outputs, report, sample  # noqa: E402
+from colocate.plan import POD_PATHS  # noqa: E402
+from colocate.probe import budgets, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
 
 TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
@@ -38,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url", nargs="?", metavar="URL", help="the Worker's base URL (default: the stack's workerUrl output)")
     p.add_argument("--token", help=f"probe token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
+    p.add_argument("--key", help=f"client key for the routed samples; prefer {keys.KEY_ENV}. Without one the probe "
+                                 "mints a 15-minute key with the probe token and revokes it at the end")
     p.add_argument("--samples", type=int, help=f"samples per kind (default: the stack's colocate:probe.samples, else {DEFAULT_SAMPLES})")
     p.add_argument("--expect-region", metavar="R", help="region the cell should run in (default: the stack's colocate:region, else the Worker's own)")
     p.add_argument("--budget", action="append", default=[], metavar="NAME=MS[@pNN]",
@@ -46,7 +54,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write a PNG of the per-segment distributions")
     p.add_argument("--stack", metavar="S", help="read URL, token, pod location (outputs) and region, budgets, samples (config) from stack S")
     p.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
-    p.add_argument("--pod-location", metavar="LOC", help="the pod's GPU location, e.g. AP-JP-1 or TW (default: the stack's podLocation output)")
+    p.add_argument("--pod-location", metavar="LOC", action="append", default=[],
+                   help="a pod's GPU location, e.g. AP-JP-1 or TW; repeat once per pod, in index order "
+                        "(default: the stack's podLocations output)")
+    p.add_argument("--pod-path", metavar="P", choices=POD_PATHS,
+                   help=f"how the Worker reaches the pods ({', '.join(POD_PATHS)}); reported with the measured "
+                        "pod_rtt (default: the stack's podPath output)")
     p.add_argument("--model", help="model for the routed request (default: the first of GET /v1/models)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
@@ -88,8 +101,8 @@ def _probe(args: argparse.Namespace) -> int:
         raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
 
-    url, token, pod_location = args.url, args.token or os.environ.get(TOKEN_ENV), args.pod_location
-    samples, worker_placement = args.samples, None
+    url, token, locations = args.url, args.token or os.environ.get(TOKEN_ENV), list(args.pod_location)
+    pod_path, samples, worker_placement = args.pod_path, args.samples, None
     if args.stack:
         cfg = outputs.read_config(args.stack, args.stacks_dir)
         if region is None and cfg.region is not None:
@@ -98,9 +111,11 @@ def _probe(args: argparse.Namespace) -> int:
             budget_list = budgets.from_stack(cfg.budgets)
         samples = samples or cfg.samples
         worker_placement = cfg.worker_placement
-        if not (url and token and pod_location):  # the post-deploy step passes all three: no CLI call
+        if not (url and token and locations and pod_path):  # the post-deploy step passes them all: no CLI call
             out = outputs.read_outputs(args.stack)
-            url, token, pod_location = url or out.worker_url, token or out.probe_token, pod_location or out.pod_location
+            url, token, pod_path = url or out.worker_url, token or out.probe_token, pod_path or out.pod_path
+            if not locations:
+                locations = list(out.pod_locations) or ([out.pod_location] if out.pod_location else [])
     if not url:
         raise UsageError("URL", None, "no Worker URL", "give it as the first argument, or --stack S")
     url = _check_url(url)
@@ -112,9 +127,12 @@ def _probe(args: argparse.Namespace) -> int:
     print(f"probing {url}: warm-up, then {samples} probe + {samples} routed requests", file=sys.stderr)
     if not 0 <= args.wait <= 900:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
-    run = sample.run(url, token, samples, args.timeout, args.model,
-                     progress=lambda msg: print(f"  {msg}", file=sys.stderr), wait_s=args.wait)
-    result = report.build(run, region, pod_location, budget_list, worker_placement)
+    say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
+    # The key lives only in this process: never in argv of a child, a log line or the JSON.
+    with keys.KeyLease(url, token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
+        run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
+                         key=lease.get)
+    result = report.build(run, region, locations, budget_list, worker_placement, pod_path)
     print(report.table(result), file=table_out, end="")
     doc = json.dumps(report.to_json(result, args.warn_only), indent=2)
     if args.json == "-":
@@ -134,5 +152,11 @@ def _probe(args: argparse.Namespace) -> int:
     return 1
 
 
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    # SIGTERM (a supervisor stopping us) ends the run as Ctrl-C does: a minted key is revoked.
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())

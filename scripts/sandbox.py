@@ -6,7 +6,7 @@
     sandbox.py apply  [--stack S | --state-dir DIR] [--stacks-dir DIR] [--force-split]
     sandbox.py down   [--stack S | --state-dir DIR]
     sandbox.py status [--stack S | --state-dir DIR]
-    sandbox.py demo   [--state-dir DIR] [--samples N]
+    sandbox.py demo   [--state-dir DIR] [--samples N] [--client-site COLO]
 
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
@@ -64,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="tell the field story with the running cell (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
     d.add_argument("--samples", type=int, default=15, help="probe samples per step (default 15)")
+    d.add_argument("--client-site", default="NRT", metavar="COLO",
+                   help="where the one user of the story sits, a colo code (default NRT, Tokyo)")
     return p
 
 
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             from colocate.sandbox import demo
 
-            return demo.run(state_dir=args.state_dir, samples=args.samples)
+            return demo.run(state_dir=args.state_dir, samples=args.samples, client_site=args.client_site)
     except (ConfigError, SandboxError) as exc:
         print(f"sandbox.py {args.cmd}: {exc}", file=sys.stderr)
         return 2

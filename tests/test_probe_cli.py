@@ -37,8 +37,9 @@ def run_json(probe, capsys, argv):
     return code, (json.loads(out) if out.strip() else None), err
 
 
-def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys):
+def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys, monkeypatch):
     truth_ms = 100.0
+    monkeypatch.setenv("COLOCATE_CLIENT_KEY", "clc_given")
     with fake_cell.serve(routed_delay_ms=truth_ms, state=[0, 10, 20, 30, 40], upstream=[60, 70],
                          total=[101.5], state_rtt_ms=[2.0, 4.0], pod_rtt_ms=[9.0]) as cell:
         code, doc, err = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "15",
@@ -52,17 +53,20 @@ def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys):
     assert (seg["state"]["p10"], seg["state"]["p50"], seg["state"]["p90"], seg["state"]["n"]) == (0.0, 20.0, 40.0, 15)
     assert seg["upstream"]["p50"] == 60.0  # 60 ×8, 70 ×7
     assert seg["total"]["p99"] == 101.5 and seg["fallback"]["p50"] == 0.0
-    # the warm-up took the first state_rtt (2.0): the samples are 4.0 ×8, 2.0 ×7
-    assert seg["state_rtt"]["p50"] == 4.0 and seg["state_rtt"]["n"] == 15 and seg["pod_rtt"]["p50"] == 9.0
+    # the warm-up took state_rtt 2.0 and the fallback check 4.0: the samples are 2.0 ×8, 4.0 ×7
+    assert seg["state_rtt"]["p50"] == 2.0 and seg["state_rtt"]["n"] == 15 and seg["pod_rtt"]["p50"] == 9.0
     assert doc["fallback_rate"] == 0.0 and doc["connections"] == "reused"
-    # one warm-up probe + models + 15 probes + 15 routed, all over one connection
-    assert len(log) == 32
+    # warm-up + fallback check + models + 15 probes + 15 routed, all over one connection; no key minted
+    assert len(log) == 33
     assert len({s.client_port for s in log}) == 1
-    probes = [s for s in log if s.path == "/_colocate/probe"]
-    routed = [s for s in log if s.path == "/v1/chat/completions"]
-    assert len(probes) == 16 and all(s.authorization == f"Bearer {TOKEN}" for s in probes)
-    assert len(routed) == 15 and all(s.authorization is None for s in routed)  # the token stays with the probe
-    assert json.loads(routed[0].body) == {"model": "fake-model", "messages": [{"role": "user", "content": "ping"}],
+    assert not cell.minted
+    probes = [s for s in log if s.path.startswith("/_colocate/probe")]
+    routed = [s for s in log if s.path.startswith("/v1/")]
+    assert [s.path for s in probes[:2]] == ["/_colocate/probe", "/_colocate/probe?fallback=1"]
+    assert len(probes) == 17 and all(s.authorization == f"Bearer {TOKEN}" for s in probes)
+    # the probe token stays with /_colocate, the client key with the routed paths
+    assert len(routed) == 16 and all(s.authorization == "Bearer clc_given" for s in routed)
+    assert json.loads(routed[1].body) == {"model": "fake-model", "messages": [{"role": "user", "content": "ping"}],
                                           "max_tokens": 1}
 
 
@@ -211,7 +215,8 @@ def test_no_model_advertised_needs_model_flag(probe, capsys):
         code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "1", "--model", "m1",
                                                "--pod-location", "AP-JP-1"])
         assert code == 0 and doc["model"] == "m1"
-        assert json.loads(cell.log[-1].body)["model"] == "m1"
+        routed = [s for s in cell.log if s.path == "/v1/chat/completions"]
+        assert json.loads(routed[-1].body)["model"] == "m1"
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -305,7 +310,8 @@ def test_stack_with_everything_given_does_not_call_pulumi(probe, capsys, monkeyp
     monkeypatch.setenv("COLOCATE_PROBE_TOKEN", TOKEN)
     with fake_cell.serve() as cell:
         code, doc, _ = run_json(probe, capsys, [cell.url, "--stack", "t", "--stacks-dir", str(tmp_path / "stacks"),
-                                               "--pod-location", "AP-JP-1", "--budget", "e2e=900"])
+                                               "--pod-location", "AP-JP-1", "--pod-path", "zone-dns",
+                                               "--budget", "e2e=900"])
     assert code == 0 and not calls.exists()
     assert doc["budgets"] == [{"segment": "e2e", "ms": 900.0, "percentile": "p50"}]  # flags replace the stack's
 

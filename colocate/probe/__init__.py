@@ -3,6 +3,7 @@
 Modules, in the order data flows through them:
 
     outputs    reads a stack's outputs (``pulumi stack output``) and config
+    keys       the client key of the routed samples: given, or minted with the probe token and revoked
     sample     sends the requests (one ``requests.Session``, monotonic clock) and records raw samples
     timing     parses ``Server-Timing`` headers
     stats      percentiles

@@ -26,9 +26,12 @@ class StackOutputs:
     worker_url: str | None
     probe_token: str | None
     pod_location: str | None
+    pod_locations: tuple[str, ...] = ()  # every pod, index order (podLocations)
+    pod_path: str | None = None  # podPath: how the Worker reaches the pods
 
     def __repr__(self) -> str:  # never print the token
-        return f"StackOutputs(worker_url={self.worker_url!r}, pod_location={self.pod_location!r}, probe_token=***)"
+        return (f"StackOutputs(worker_url={self.worker_url!r}, pod_location={self.pod_location!r}, "
+                f"pod_locations={self.pod_locations!r}, pod_path={self.pod_path!r}, probe_token=***)")
 
 
 def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi") -> StackOutputs:
@@ -56,7 +59,10 @@ def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi")
         v = data.get(key)
         return v if isinstance(v, str) and v else None
 
-    return StackOutputs(text(names.WORKER_URL), text(names.PROBE_TOKEN), text(names.POD_LOCATION))
+    locations = data.get(names.POD_LOCATIONS)
+    locations = tuple(x for x in locations if isinstance(x, str) and x) if isinstance(locations, list) else ()
+    return StackOutputs(text(names.WORKER_URL), text(names.PROBE_TOKEN), text(names.POD_LOCATION),
+                        locations, text(names.POD_PATH))
 
 
 @dataclass(frozen=True)

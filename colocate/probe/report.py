@@ -38,6 +38,9 @@ class Result:
     errors: dict[str, dict[str, int]]
     server_timing: dict[str, dict[str, int]]
     notes: list[str] = field(default_factory=list)
+    pods: list[dict] = field(default_factory=list)  # per pod: index, host, location, site, status, rtt, health
+    pod_path: str | None = None  # how the Worker reaches the pods (zone-dns | provider-proxy | local-hostname)
+    fallback_check: dict | None = None  # the Worker's one check of the fallback, as it reported it
 
     @property
     def ok(self) -> bool:
@@ -51,8 +54,9 @@ class Result:
         p = self.placement
         pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else "pod location unknown"
         e2e, rtt = self.segments["e2e"]["p50"], self.segments["state_rtt"]["p50"]
+        path = f", pod_rtt p50 {_num(self.segments['pod_rtt']['p50'])} ms over {self.pod_path}" if self.pod_path else ""
         return (f"all checks hold: Worker in {p.ran.colo}, state object in {p.state.colo}, {pod}, "
-                f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms")
+                f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms{path}")
 
 
 def _num(v: float | None, digits: int = 0) -> str:
@@ -102,8 +106,61 @@ def collect(run: Run) -> dict[str, list[float]]:
     return values
 
 
-def build(run: Run, region: catalogue.Region | None, pod_location: str | None,
-          budget_list: list[budgets_mod.Budget], worker_placement: str | None = None) -> Result:
+def pods_of(run: Run, region: catalogue.Region | None, locations: list[str]) -> list[dict]:
+    """Each pod as the probe bodies list it (``pods``), with its location (index order) and site.
+
+    A Worker from before several pods has no ``pods`` list: pod 0 is then read from the
+    body's ``pod_*`` fields."""
+    seen: dict[int, dict] = {}
+    for s in run.probe:
+        if not (s.ok and s.body):
+            continue
+        listed = s.body.get("pods")
+        if not isinstance(listed, list):
+            listed = [{"index": 0, "host": s.body.get("pod_host"), "rtt_ms": s.body.get("pod_rtt_ms"),
+                       "ok": s.body.get("pod_ok"), "status": s.body.get("pod_status")}]
+        for entry in listed:
+            if not isinstance(entry, dict) or not isinstance(entry.get("index"), int):
+                continue
+            pod = seen.setdefault(entry["index"], {"rtt": [], "ok": 0, "checks": 0, "host": None, "statuses": set()})
+            pod["host"] = entry.get("host") or pod["host"]
+            rtt = _number(entry.get("rtt_ms"))
+            if rtt is not None:
+                pod["rtt"].append(rtt)
+            pod["checks"] += 1
+            pod["ok"] += entry.get("ok") is True
+            pod["statuses"].add(str(entry.get("status")))
+    out = []
+    for index in sorted(seen):
+        pod = seen[index]
+        location = locations[index] if index < len(locations) else None
+        site = placement_mod.pod_site(location, region)
+        status = placement_mod.UNKNOWN if site is None or region is None else (
+            placement_mod.IN if region.is_in_region(site) else placement_mod.OUT)
+        out.append({"index": index, "host": pod["host"], "location": location, "site": site, "status": status,
+                    "pod_rtt": summary(pod["rtt"]), "healthy": pod["ok"], "checks": pod["checks"],
+                    "statuses": sorted(pod["statuses"])})
+    return out
+
+
+def fallback_of(run: Run) -> tuple[dict | None, str | None]:
+    """The Worker's fallback check and, when there is none to read, why."""
+    s = run.fallback_check
+    if s is None:
+        return None, None
+    if not s.ok:
+        return None, f"the fallback check request failed ({s.error})"
+    fb = (s.body or {}).get("fallback")
+    if not isinstance(fb, dict):
+        return None, "the Worker did not report a fallback check (a Worker from before ?fallback=1)"
+    return {k: fb.get(k) for k in ("ok", "status", "rtt_ms", "model", "model_listed", "error")}, None
+
+
+def build(run: Run, region: catalogue.Region | None, pod_location: str | list[str] | None,
+          budget_list: list[budgets_mod.Budget], worker_placement: str | None = None,
+          pod_path: str | None = None) -> Result:
+    locations = [pod_location] if isinstance(pod_location, str) else list(pod_location or [])
+    pod_location = locations[0] if locations else None
     values = collect(run)
     segments = {name: summary(values[name]) for name in SEGMENTS}
     ok_routed = [s for s in run.routed if s.ok]
@@ -146,6 +203,29 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | None,
                                "message": msg + ": the pod is not serving — check scripts/pod.py status"})
         else:
             notes.append(msg)
+    pods = pods_of(run, region, locations)
+    for pod in pods[1:]:  # pod 0 is the placement's own "pod" check above
+        if pod["status"] == placement_mod.OUT:
+            violations.append({"kind": "placement", "part": f"pod-{pod['index']}",
+                               "message": f"pod {pod['index']} in {pod['location']} ({pod['site']}): outside "
+                                          f"{region.name if region else 'the region'} — check colocate:pod and run pulumi up"})
+    for pod in pods:
+        if pod["index"] and pod["checks"] and not pod["healthy"]:
+            violations.append({"kind": "pod_health", "part": f"pod-{pod['index']}",
+                               "message": f"pod {pod['index']} ({pod['host']}) failed every health check "
+                                          f"(status {', '.join(pod['statuses'])}): it bills without serving — "
+                                          "check scripts/pod.py status"})
+    if len(locations) > 1 and len(locations) != len(pods):
+        notes.append(f"{len(locations)} pod locations given for {len(pods)} pods the Worker lists")
+    fallback, why = fallback_of(run)
+    if why:
+        notes.append(why)
+    elif fallback is not None and fallback["ok"] is not True:
+        what = fallback.get("error") or f"status {fallback.get('status')}"
+        model = fallback.get("model") or "as each client names it"
+        violations.append({"kind": "fallback", "part": "fallback",
+                           "message": f"fallback check failed: {what} (model {model}) "
+                                      "— check colocate:fallbackUrl, colocate:fallbackApiKey and colocate:fallbackModel"})
     quality = {"routed": _timing_quality(run.routed), "probe": _timing_quality(run.probe)}
     for kind, q in quality.items():
         bad = q["missing"] + q["malformed"]
@@ -157,7 +237,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | None,
         if q.get("bad_body"):
             notes.append(f"{q['bad_body']} probe responses had no JSON object body")
     return Result(run.url, run.model, len(run.routed), values, segments, fallback_rate, backends, place, floors,
-                  budget_list, found, violations, errors, quality, notes)
+                  budget_list, found, violations, errors, quality, notes, pods, pod_path, fallback)
 
 
 def to_json(r: Result, warn_only: bool = False) -> dict:
@@ -171,6 +251,7 @@ def to_json(r: Result, warn_only: bool = False) -> dict:
         "connections": "reused",
         "clock": "time.perf_counter",
         "segments": r.segments,
+        "values_ms": {name: list(v) for name, v in r.values.items()},  # every good sample, in order taken
         "fallback_rate": r.fallback_rate,
         "backends": r.backends,
         "placement": r.placement.to_json(),
@@ -183,6 +264,9 @@ def to_json(r: Result, warn_only: bool = False) -> dict:
         "server_timing": r.server_timing,
         "notes": r.notes,
         "warn_only": warn_only,
+        "pods": r.pods,
+        "pod_path": r.pod_path,
+        "fallback_check": r.fallback_check,
     }
 
 
@@ -230,6 +314,21 @@ def table(r: Result) -> str:
         lines.append(f"  {label:<9}{colo or 'unknown':<8}{shown:<15}{where}")
     if p.draining_generation:
         lines.append(f"  draining generation {p.draining_generation}")
+    if r.pods:
+        path = f"pod path {r.pod_path}" if r.pod_path else "pod path unknown (pass --pod-path or --stack)"
+        lines += ["", f"pods ({path}; pod_rtt = the Worker's GET /health of each pod)"]
+        for pod in r.pods:
+            rtt = pod["pod_rtt"]
+            where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location unknown"
+            shown = pod["status"].replace("_", " ").upper() if pod["status"] != "in_region" else "in region"
+            lines.append(f"  pod {pod['index']:<4}{where:<20}{shown:<15}pod_rtt p50 {_num(rtt['p50'], 1)} ms, "
+                         f"p90 {_num(rtt['p90'], 1)} ms  healthy {pod['healthy']}/{pod['checks']}  host {pod['host']}")
+    fb = r.fallback_check
+    if fb is not None:
+        listed = {True: "listed", False: "NOT LISTED", None: "not checked (the client's model)"}[fb.get("model_listed")]
+        state = "ok" if fb.get("ok") is True else f"FAILED ({fb.get('error')})"
+        lines += ["", f"fallback check: {state}: GET /v1/models answered {fb.get('status')} in "
+                      f"{_num(fb.get('rtt_ms'), 0)} ms; model {fb.get('model') or '-'} {listed}"]
     info = [f.message for f in r.findings if not f.fails] + r.notes
     if info:
         lines += ["", "notes:"] + [f"  - {m}" for m in info]

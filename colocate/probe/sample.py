@@ -6,9 +6,13 @@ keep-alive connection sees, not a cold connect. ``e2e`` is measured with
 ``time.perf_counter`` (monotonic) around the whole request, reading the body included.
 
 Order: one warm-up ``GET /_colocate/probe`` (it is also the first touch of a new
-generation, from where the Worker runs), the model from ``GET /v1/models`` unless given,
+generation, from where the Worker runs), the client key (given, or minted: see ``keys``),
+one fallback check (``GET /_colocate/probe?fallback=1``: one authenticated GET of the
+fallback's model list, made by the Worker), the model from ``GET /v1/models`` unless given,
 then ``samples`` rounds of (probe, routed) requests, interleaved so that drift over the
-run affects both kinds alike. Everything is bounded: 2 + 2N requests, each with a timeout.
+run affects both kinds alike. Everything is bounded: 3 + 2N requests (plus the key's
+mint and revoke), each with a timeout. The probe token goes only to ``/_colocate/*``, the
+client key only to the routed paths.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ MODELS_PATH = "/v1/models"
 ROUTED_METRICS = ("state", "upstream", "fallback", "total")
 PROBE_METRICS = ("state_rtt", "pod_rtt")
 TOKEN_HELP = "pass --token or set COLOCATE_PROBE_TOKEN (the stack's probeToken output)"
+KEY_HELP = ("pass a live key with --key or COLOCATE_CLIENT_KEY (`.venv/bin/python scripts/keys.py create`), "
+            "or give neither and the probe mints a short-lived one")
 _RAY = re.compile(r"-([A-Za-z]{3})$")
 
 
@@ -65,14 +71,16 @@ class Run:
     warmup: Sample
     probe: list[Sample] = field(default_factory=list)
     routed: list[Sample] = field(default_factory=list)
+    fallback_check: Sample | None = None  # the one ?fallback=1 probe (its body's "fallback")
 
 
 class Sampler:
     """Sends the probe's requests over one session. Use as a context manager."""
 
-    def __init__(self, url: str, token: str, timeout_s: float):
+    def __init__(self, url: str, token: str, timeout_s: float, key: Callable[[], str | None] | None = None):
         self.url = url.rstrip("/")
         self._token = token
+        self._key = key or (lambda: None)
         self.timeout_s = timeout_s
         self.session = requests.Session()
 
@@ -88,10 +96,14 @@ class Sampler:
         _ = response.content  # the body is part of the round trip
         return response, (time.perf_counter() - start) * 1000
 
-    def probe(self) -> Sample:
+    def _routed_headers(self, **extra: str) -> dict[str, str]:
+        key = self._key()
+        return {**extra, **({"Authorization": f"Bearer {key}"} if key else {})}
+
+    def probe(self, query: str = "") -> Sample:
         headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
         try:
-            r, ms = self._send("GET", PROBE_PATH, headers=headers)
+            r, ms = self._send("GET", PROBE_PATH + query, headers=headers)
         except requests.Timeout:
             return Sample("probe", None, None, "timeout", timing.Timing())
         except requests.ConnectionError:
@@ -114,7 +126,7 @@ class Sampler:
         body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
         try:
             r, ms = self._send("POST", ROUTED_PATH, data=json.dumps(body),
-                               headers={"Content-Type": "application/json"})
+                               headers=self._routed_headers(**{"Content-Type": "application/json"}))
         except requests.Timeout:
             return Sample("routed", None, None, "timeout", timing.Timing())
         except requests.ConnectionError:
@@ -127,9 +139,11 @@ class Sampler:
     def first_model(self) -> str:
         where = self.url + MODELS_PATH
         try:
-            r, _ = self._send("GET", MODELS_PATH, headers={"Accept": "application/json"})
+            r, _ = self._send("GET", MODELS_PATH, headers=self._routed_headers(Accept="application/json"))
         except requests.RequestException as exc:
             raise TargetError(f"GET {where} failed ({type(exc).__name__}): pass --model NAME") from None
+        if r.status_code == 401:
+            raise Unauthorized(f"GET {where} answered 401: the client key was refused; {KEY_HELP}")
         try:
             data = r.json().get("data") if r.ok else None
             model = data[0]["id"] if data else None
@@ -167,15 +181,20 @@ class Sampler:
 
 
 def run(url: str, token: str, samples: int, timeout_s: float, model: str | None = None,
-        progress: Callable[[str], None] | None = None, wait_s: float = 0.0) -> Run:
-    """Warm up, learn the model, then take ``samples`` (probe, routed) pairs."""
-    with Sampler(url, token, timeout_s) as sampler:
+        progress: Callable[[str], None] | None = None, wait_s: float = 0.0,
+        key: Callable[[], str | None] | None = None, check_fallback: bool = True) -> Run:
+    """Warm up, check the fallback once, learn the model, then take ``samples`` (probe, routed) pairs.
+
+    ``key`` is called after the warm-up (so a key is minted only once the cell answers)."""
+    with Sampler(url, token, timeout_s, key) as sampler:
         warm = sampler.warm_up(wait_s)
+        sampler._key()  # mint now, before any routed request is timed
+        fallback = sampler.probe("?fallback=1") if check_fallback else None
         chosen = model or sampler.first_model()
-        result = Run(sampler.url, chosen, warm)
+        result = Run(sampler.url, chosen, warm, fallback_check=fallback)
         for i in range(samples):
             result.probe.append(sampler.probe())
             result.routed.append(sampler.routed(chosen))
-            if progress and (i + 1) % 10 == 0:
+            if progress and ((i + 1) % 5 == 0 or i + 1 == samples):
                 progress(f"{i + 1}/{samples} samples")
         return result

@@ -1,7 +1,10 @@
 """A local HTTP server that plays a deployed colocate Worker, with known answers.
 
-It serves the contract's surface (``GET /_colocate/probe`` with a bearer token,
-``POST /v1/chat/completions``, ``GET /v1/models``) and injects what a test needs to know
+It serves the contract's surface (``GET /_colocate/probe`` with a bearer token, its ``pods``
+list and, with ``?fallback=1``, the fallback check; the client-key endpoints
+``POST /_colocate/keys``, ``GET /_colocate/keys``, ``POST /_colocate/keys/<id>/revoke`` behind the
+probe token; ``POST /v1/chat/completions`` and ``GET /v1/models`` behind a client key, with
+OpenAI-shaped 401s as the Worker answers) and injects what a test needs to know
 the truth of: a sleep per request (``routed_delay_ms``, ``probe_delay_ms``), the
 Server-Timing values of each response (cycled from lists), the colos each part reports,
 the backend header, and misbehaviour on demand (missing or malformed Server-Timing,
@@ -44,12 +47,21 @@ class Behaviour:
     upstream: list[float] = field(default_factory=lambda: [100.0])
     fallback: list[float] = field(default_factory=lambda: [0.0])
     total: list[float] = field(default_factory=lambda: [101.0])
-    backend: list[str] = field(default_factory=lambda: ["pod"])
+    backend: list[str] = field(default_factory=lambda: ["pod-0"])
     routed_timing: str = "ok"  # "ok" | "missing" | "malformed"
     fail_every: int = 0  # every k-th routed request answers fail_status (0: never)
     fail_status: int = 503
     models: list[str] | None = None  # None: [model]
     unready_probes: int = 0  # the first k probe requests answer 404, as a route still propagating
+    # client keys: routed paths need one of these (or one minted through /_colocate/keys) unless require_key is off
+    require_key: bool = True
+    client_keys: tuple[str, ...] = ("clc_given",)
+    keys_endpoint: bool = True  # False: an older Worker without /_colocate/keys (404)
+    # every pod after pod 0 reports pod_rtt + its offset; len() is the number of pods
+    pod_offsets_ms: list[float] = field(default_factory=lambda: [0.0])
+    pod_down: tuple[int, ...] = ()  # indexes of pods whose health check fails
+    fallback_check: dict | None = field(default_factory=lambda: {
+        "ok": True, "status": 200, "rtt_ms": 35.0, "model": "gpt-4o-mini", "model_listed": True, "error": None})
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,7 @@ class FakeCell(ThreadingHTTPServer):
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._count = {"probe": 0, "routed": 0}
+        self.minted: dict[str, dict] = {}  # key id -> the record (plaintext under "key")
 
     @property
     def port(self) -> int:
@@ -89,6 +102,24 @@ class FakeCell(ThreadingHTTPServer):
     def record(self, seen: Seen) -> None:
         with self._lock:
             self.log.append(seen)
+
+    def mint(self, name: str, expires_in_s: object) -> dict:
+        with self._lock:
+            n = len(self.minted) + 1
+            rec = {"id": f"key{n}", "key": f"clc_minted{n:04d}secret", "name": name, "prefix": f"clc_mint{n}",
+                   "rpm": 0, "tpm": 0, "monthly_tokens": 0, "created_at": 1, "expires_in_s": expires_in_s,
+                   "expires_at": None, "revoked_at": None}
+            self.minted[rec["id"]] = rec
+            return rec
+
+    def key_ok(self, authorization: str | None) -> bool:
+        b = self.behaviour
+        if not b.require_key:
+            return True
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        with self._lock:
+            live = {r["key"] for r in self.minted.values() if r["revoked_at"] is None}
+        return bool(key) and (key in b.client_keys or key in live)
 
     def handle_error(self, request, client_address) -> None:  # a client that gave up: not a test failure
         pass
@@ -131,12 +162,30 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.record(Seen(self.command, self.path, self.client_address[1],
                                 self.headers.get("Authorization"), body))
 
+    def _admin_ok(self) -> bool:
+        if self.headers.get("Authorization") != f"Bearer {self.server.behaviour.token}":
+            self._send(401, {"error": {"code": "unauthorized", "message": "missing or wrong probe token"}})
+            return False
+        return True
+
+    def _key_ok(self) -> bool:
+        if not self.server.key_ok(self.headers.get("Authorization")):
+            self._send(401, {"error": {"message": "a client key is required: Authorization: Bearer clc_...",
+                                       "type": "invalid_request_error", "code": "invalid_api_key"}})
+            return False
+        return True
+
     def do_GET(self) -> None:
         self._seen(b"")
         b = self.server.behaviour
-        if self.path == "/_colocate/probe":
-            if self.headers.get("Authorization") != f"Bearer {b.token}":
-                self._send(401, {"error": {"code": "unauthorized", "message": "missing or wrong probe token"}})
+        path, _, query = self.path.partition("?")
+        if path == "/_colocate/keys" and b.keys_endpoint:
+            if self._admin_ok():
+                with self.server._lock:
+                    keys = [{k: v for k, v in r.items() if k != "key"} for r in self.server.minted.values()]
+                self._send(200, {"keys": keys})
+        elif path == "/_colocate/probe":
+            if not self._admin_ok():
                 return
             i = self.server.next_index("probe")
             if i < b.unready_probes:
@@ -150,13 +199,20 @@ class _Handler(BaseHTTPRequestHandler):
                 "pod_ok": b.pod_ok, "pod_status": 200 if b.pod_ok else 503, "generation": b.generation,
                 "hint": "apac", "draining_generation": b.draining_generation, "region": b.region,
                 "pod_host": b.pod_host, "breaker": {"state": "closed", "forced": None},
+                "pods": [{"index": k, "host": b.pod_host if k == 0 else f"pod-{k}.example.com:8000",
+                          "rtt_ms": prtt + off, "ok": k not in b.pod_down, "status": 503 if k in b.pod_down else 200}
+                         for k, off in enumerate(b.pod_offsets_ms)],
             }
+            if "fallback=1" in query.split("&") and b.fallback_check is not None:
+                doc["fallback"] = dict(b.fallback_check)
             timing = f"state_rtt;dur={srtt}, pod_rtt;dur={prtt}, total;dur={srtt + prtt + 1}"
             self._send(200, doc, {"Server-Timing": timing})
-        elif self.path == "/v1/models":
+        elif path == "/v1/models":
+            if not self._key_ok():
+                return
             models = b.models if b.models is not None else [b.model]
             self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in models]},
-                       {"x-colocate-backend": "pod"})
+                       {"x-colocate-backend": "pod-0"})
         else:
             self._send(404, {"error": {"code": "not_found", "message": self.path}})
 
@@ -164,8 +220,24 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         self._seen(body)
         b = self.server.behaviour
+        if b.keys_endpoint and self.path == "/_colocate/keys":
+            if self._admin_ok():
+                req = json.loads(body or b"{}")
+                self._send(201, self.server.mint(req.get("name"), req.get("expires_in_s")))
+            return
+        if b.keys_endpoint and self.path.startswith("/_colocate/keys/") and self.path.endswith("/revoke"):
+            if self._admin_ok():
+                rec = self.server.minted.get(self.path.split("/")[3])
+                if rec is None:
+                    self._send(404, {"error": {"code": "not_found", "message": "no such key"}})
+                else:
+                    rec["revoked_at"] = 2
+                    self._send(200, {k: v for k, v in rec.items() if k != "key"})
+            return
         if self.path != "/v1/chat/completions":
             self._send(404, {"error": {"code": "not_found", "message": self.path}})
+            return
+        if not self._key_ok():
             return
         i = self.server.next_index("routed")
         self._sleep(b.routed_delay_ms)
