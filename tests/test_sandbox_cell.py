@@ -63,10 +63,10 @@ def test_routed_request_probe_and_headers(stacks, state_dir):
     assert cell["sites"] == {**cell["sites"], "client": "NRT", "edge": "IAD", "pod": "IAD", "placement": "remote-IAD"}
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     req = urllib.request.Request(cell["worker_url"] + "/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json", "authorization": f"Bearer {cell['key']}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200
-        assert r.headers["x-colocate-backend"] == "pod"
+        assert r.headers["x-colocate-backend"] == "pod-0"
         assert r.headers["cf-ray"].endswith("-NRT")
         assert r.headers["cf-placement"] == "remote-IAD"
         assert "upstream;dur=" in r.headers["server-timing"]
