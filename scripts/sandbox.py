@@ -35,7 +35,7 @@ try:  # a Ctrl-C while Python loads the kit: nothing has started yet, so say so 
     from colocate.sandbox import supervisor
     from colocate.sandbox.errors import SandboxError
 except KeyboardInterrupt:
-    print("sandbox.py: interrupted while loading; nothing was started", file=sys.stderr)
+    print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
     sys.exit(130)
 
 DEFAULT_STACK = "sandbox"

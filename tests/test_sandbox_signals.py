@@ -30,7 +30,9 @@ pytestmark = pytest.mark.slow
 # fallback, workerd, the demo key. The sweep covers that whole window, and a little after.
 UP_DELAYS = (0.0, 0.03, 0.08, 0.15, 0.25, 0.35, 0.5, 0.7, 0.9, 1.2)
 APPLY_DELAYS = (0.05, 0.3, 0.8)
-DEMO_DELAYS = (0.5, 3.0, 8.0)
+# The demo's first step (fresh state, up) takes a second or two; later steps are deploys
+# (apply) and probes, covered by the apply sweep.
+DEMO_DELAYS = (0.2, 0.6, 1.0, 1.4, 2.5)
 
 
 def _sandbox_processes(state_dir: Path) -> list[str]:
@@ -111,7 +113,7 @@ def test_ctrl_c_at_any_moment_of_up_leaves_nothing_running(stacks, tmp_path, del
             ports = _ports_of(cell)
             supervisor.down(state_dir, quiet=True)
         elif res.returncode == 130:
-            assert ("nothing it started is running" in res.stderr or "nothing was started" in res.stderr), res.stderr
+            assert ("nothing it started is running" in res.stderr or "before doing anything" in res.stderr), res.stderr
             assert res.stdout == ""  # no JSON for a cell that does not run
         else:
             # killed by the signal itself, before Python could install its handler: nothing loaded yet
@@ -139,7 +141,8 @@ def test_ctrl_c_during_apply_keeps_the_cell_consistent_and_down_stops_all(stacks
         assert "Traceback" not in res.stderr + res.stdout, res.stderr
         assert res.returncode in (0, 130), res.stderr
         if res.returncode == 130:
-            assert "still runs" in res.stderr and "status" in res.stderr, res.stderr
+            assert ("still runs" in res.stderr and "status" in res.stderr) or "before doing anything" in res.stderr, \
+                res.stderr
         # the runner finishes what it was doing; then exactly one cell serves
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -163,9 +166,9 @@ def test_ctrl_c_during_demo_leaves_nothing_running(tmp_path, delay):
     try:
         res = _interrupt(SANDBOX + ["demo", "--state-dir", str(state_dir), "--samples", "2"], delay, timeout=300)
         assert "Traceback" not in res.stderr + res.stdout, res.stderr
-        assert res.returncode in (0, 1, 130), res.stderr
+        assert res.returncode in (0, 1, 2, 130), res.stderr  # 1, 2: a step failed before the signal
         if res.returncode == 130:
-            assert "nothing it started is running" in res.stderr or "nothing was started" in res.stderr, res.stderr
+            assert "nothing it started is running" in res.stderr or "before doing anything" in res.stderr, res.stderr
         _assert_nothing_left(state_dir)
     finally:
         supervisor.stop_runner(state_dir, timeout_s=30)
