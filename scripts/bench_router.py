@@ -15,7 +15,7 @@ State object far away: ``--far-state-ms MS`` runs the Worker with the state obje
 MS ms of round trip away, through the sandbox's delay
 (``colocate.sandbox.bench.router_with_state_delay``; only that hop is delayed).
 
-Usage: python scripts/bench_router.py [--requests 2000] [--max-seconds 20]
+Usage: .venv/bin/python scripts/bench_router.py [--requests 2000] [--max-seconds 20]
        [--concurrency 1,32] [--compute-ms 1] [--json PATH|-] [--far-state-ms MS]
 Exit: 0 done (targets are reported, not enforced), 2 usage error or setup failure.
 """

@@ -454,7 +454,7 @@ def _create_pod(state_dir: Path, plan: CellPlan, token: str) -> dict:
                               input=json.dumps(plan.pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
                               env=_pod_env(state_dir, token), cwd=ROOT, timeout=POD_TIMEOUT_S)
     if proc.returncode != 0:
-        raise StartupFailed(f"scripts/pod.py create exited {proc.returncode}; see {state_dir / 'logs' / 'pod.log'}")
+        raise StartupFailed(f"the pod's create (scripts/pod.py create) exited {proc.returncode}; see {state_dir / 'logs' / 'pod.log'}")
     created = json.loads(proc.stdout)
     _write_json(state_dir / "pod.json", created)
     return created
