@@ -77,9 +77,10 @@ def default_state_dir(stack: str) -> Path:
     return SANDBOXES_DIR / stack
 
 
-def running_sandboxes(parent: Path = SANDBOXES_DIR) -> list[Path]:
-    """The state directories under ``parent`` (the default ones) where a sandbox runs."""
-    if not Path(parent).is_dir():
+def running_sandboxes(parent: Path | None = None) -> list[Path]:
+    """The state directories under ``parent`` (default: where ``up`` puts them) where a sandbox runs."""
+    parent = Path(parent or SANDBOXES_DIR)
+    if not parent.is_dir():
         return []
     return [d for d in sorted(Path(parent).iterdir()) if d.is_dir() and is_running(d)]
 
