@@ -15,15 +15,24 @@ State directory (default ``<repo>/.colocate/sandbox/<stack>/``):
     secrets.json   generated once, mode 0600 (pod, probe, fallback tokens)
     pins.json      where each generation was first touched; survives down/up
     objects/<SITE> each object host's SQLite storage; survives down/up
-    sandbox.lock   flock held by the runner for its whole life (a second ``up`` sees it)
-    run.json       runner pid/pgid;  launch.json  what ``up`` asked for
-    ready.json     what ``up`` prints (mode 0600: it holds the probe token)
+    sandbox.lock   flock taken by ``up`` and inherited by the runner for its whole life
+                   (a second ``up`` sees it; "held" = a runner or its launcher lives)
+    run.json       runner pid/pgid, written by the runner itself before it starts anything
+    launch.json    what ``up`` asked for
+    ready.json     what ``up`` prints (mode 0600: it holds the probe token and the demo key)
+    demo-key.json  the demo client key (mode 0600), reused by later ``up``s while the cell accepts it
     workerd.capnp  the generated config (mode 0600: it holds secret bindings)
     pods/          scripts/pod.py's local pod state;  pod.json  the create's output
     logs/          runner.log, workerd.log, fallback.log, pod.log
 
 ``down`` sends SIGTERM to the runner, which stops its children, deletes the pod through
-``scripts/pod.py delete`` and releases the lock; what lingers is killed by process group.
+``scripts/pod.py delete`` and releases the lock; what lingers is killed by process group, and
+every local pod recorded under ``pods/`` is deleted too.
+
+Ctrl-C during ``up``: the launcher may have started a runner that ``up`` never heard of, so the
+cleanup does not trust what it knows; it waits while the lock is held, stops the runner named by
+the runner's own run.json, and returns only when the lock is free (``stop_runner``). Cleanups
+run with SIGINT/SIGTERM deferred (``deferred_signals``), so a second Ctrl-C cannot cut them short.
 """
 
 from __future__ import annotations
