@@ -54,6 +54,26 @@ def _observed(path: str | None) -> str | None:
     return (data.get("placement") or {}).get("state")
 
 
+MIGRATE = ".venv/bin/python scripts/migrate.py"  # printed commands run as printed from the project root
+
+
+def _deploy_cmd(stack: str, stacks_dir: Path, raw: dict) -> str:
+    """The command that deploys this stack file: the sandbox's own apply for a cell that runs
+    (or can only run) in the sandbox, `pulumi up` for a cloud cell."""
+    from colocate.sandbox import supervisor
+    from colocate.settings import POD_DEFAULTS
+
+    wanted = Path(stacks_dir).resolve()
+    for state_dir in supervisor.running_sandboxes():
+        launch = supervisor._read_json(state_dir / "launch.json") or {}
+        if launch.get("stack") == stack and Path(launch.get("stacks_dir", "")).resolve() == wanted:
+            where = f"--stack {stack}" if state_dir == supervisor.default_state_dir(stack) else f"--state-dir {state_dir}"
+            return f"`{supervisor.SANDBOX_CMD} apply {where}` (the sandbox's `pulumi up`)"
+    if (raw.get("pod") or {}).get("provider", POD_DEFAULTS["provider"]) == "local":
+        return f"`{supervisor.SANDBOX_CMD} apply --stack {stack}` (a local pod runs only in the sandbox)"
+    return f"`pulumi up -s {stack}`"
+
+
 def _report(stack: str, raw_before: dict, raw_after: dict, observed: str | None, heading: str) -> None:
     before = migration.planning_settings(raw_before, stack)
     after = migration.planning_settings(raw_after, stack)
@@ -88,8 +108,8 @@ def cmd_plan(args) -> int:
         _report(args.stack, before, before, observed, "No move under way. Current cell:")
         if ledger.active.region == UNKNOWN_REGION and not observed:
             print(f"  generation {ledger.active.name} was adopted and its home is unknown: run "
-                  f"`python scripts/probe.py --stack {args.stack} --json probe.json`, then "
-                  f"`python scripts/migrate.py plan --stack {args.stack} --probe-json probe.json`")
+                  f"`.venv/bin/python scripts/probe.py --stack {args.stack} --json probe.json`, then "
+                  f"`{MIGRATE} plan --stack {args.stack} --probe-json probe.json`")
     return 0
 
 
@@ -105,8 +125,9 @@ def cmd_start(args) -> int:
     if args.provider:
         updates["pod.provider"] = args.provider
     stackfile.write_config(args.stack, updates, args.stacks_dir)
-    print(f"Wrote {stackfile.path_of(args.stack, args.stacks_dir)}. Next: `pulumi up -s {args.stack}`, "
-          f"then `python scripts/migrate.py finish --stack {args.stack}` and `pulumi up` again.")
+    deploy = _deploy_cmd(args.stack, args.stacks_dir, after)
+    print(f"Wrote {stackfile.path_of(args.stack, args.stacks_dir)}. Next: {deploy}, "
+          f"then `{MIGRATE} finish --stack {args.stack}` and the same deploy again.")
     return 0
 
 
@@ -116,7 +137,7 @@ def cmd_finish(args) -> int:
     after = migration.with_ledger(raw, new_ledger)
     _report(args.stack, raw, after, None, f"Finishing: {ledger.draining.name} retires.")
     stackfile.write_config(args.stack, {"generations": new_ledger.as_config()}, args.stacks_dir)
-    print(f"Wrote {stackfile.path_of(args.stack, args.stacks_dir)}. Next: `pulumi up -s {args.stack}` "
+    print(f"Wrote {stackfile.path_of(args.stack, args.stacks_dir)}. Next: {_deploy_cmd(args.stack, args.stacks_dir, raw)} "
           "(drops the draining binding and purges its storage).")
     return 0
 

@@ -5,7 +5,7 @@
                       [--stretch 1.55] [--rtt A:B=MS ...] [--force-split]
     sandbox.py apply  [--stack S | --state-dir DIR] [--stacks-dir DIR] [--force-split]
     sandbox.py down   [--stack S | --state-dir DIR]
-    sandbox.py status [--stack S | --state-dir DIR]
+    sandbox.py status [--stack S | --state-dir DIR]     (no --stack: every sandbox that runs)
     sandbox.py demo   [--state-dir DIR] [--samples N] [--client-site COLO]
 
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
@@ -18,20 +18,25 @@ or configuration error (including a second ``up``). See docs/sandbox.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import signal
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+try:  # a Ctrl-C while Python loads the kit: nothing has started yet, so say so (no traceback)
+    import argparse
+    import json
+    from pathlib import Path
 
-from colocate import stackfile  # noqa: E402
-from colocate.errors import ConfigError  # noqa: E402
-from colocate.sandbox import supervisor  # noqa: E402
-from colocate.sandbox.errors import SandboxError  # noqa: E402
+    ROOT = Path(__file__).resolve().parent.parent
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+    from colocate import stackfile
+    from colocate.errors import ConfigError
+    from colocate.sandbox import supervisor
+    from colocate.sandbox.errors import SandboxError
+except KeyboardInterrupt:
+    print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
+    sys.exit(130)
 
 DEFAULT_STACK = "sandbox"
 
@@ -59,8 +64,13 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (default: as at `up`)")
     a.add_argument("--force-split", action="store_true", help="as for up")
     a.add_argument("--timeout", type=float, default=supervisor.UP_TIMEOUT_S, help=argparse.SUPPRESS)
-    for name, text in (("down", "stop everything the sandbox started"), ("status", "print what runs, with health")):
-        where(sub.add_parser(name, help=text))
+    dn = sub.add_parser("down", help="stop everything the sandbox started")
+    where(dn)
+    dn.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
+    st = sub.add_parser("status", help="print what runs, with health (no --stack: every sandbox that runs)")
+    st.add_argument("--stack", help="stack name (default: list every sandbox under .colocate/sandbox/)")
+    st.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/<stack>/)")
+    st.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
     d = sub.add_parser("demo", help="tell the field story with the running cell (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
     d.add_argument("--samples", type=int, default=15, help="probe samples per step (default 15)")
@@ -69,45 +79,156 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+CMD = supervisor.SANDBOX_CMD
+
+
+class UnknownStack(SandboxError):
+    pass
+
+
+def _where_flags(args, state_dir: Path) -> str:
+    """The flags that name this sandbox again in a printed command."""
+    stack = getattr(args, "stack", None) or DEFAULT_STACK
+    if Path(state_dir).resolve() == supervisor.default_state_dir(stack).resolve():
+        return f"--stack {stack}"
+    return f"--state-dir {state_dir}"
+
+
+def _others(exclude: Path | None = None) -> str:
+    runs = [d for d in supervisor.running_sandboxes() if exclude is None or d.resolve() != Path(exclude).resolve()]
+    if not runs:
+        return "no sandbox runs under .colocate/sandbox/"
+    return "sandboxes that run: " + ", ".join(f"{d.name} (`{CMD} status --stack {d.name}`)" for d in runs)
+
+
 def _state_dir(args) -> Path:
-    return args.state_dir or supervisor.default_state_dir(args.stack)
+    """The state directory the command names. An unknown ``--stack`` (no stack file and no
+    sandbox state for it) is an error, so a typo never reports "stopped" for the wrong cell."""
+    if args.state_dir:
+        return args.state_dir
+    stack = args.stack or DEFAULT_STACK
+    state_dir = supervisor.default_state_dir(stack)
+    stacks_dir = getattr(args, "stacks_dir", None) or stackfile.STACKS_DIR
+    if not stackfile.path_of(stack, stacks_dir).exists() and not state_dir.exists():
+        known = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in Path(stacks_dir).glob("Pulumi.*.yaml"))
+        raise UnknownStack(f"--stack {stack!r}: unknown stack (no {stackfile.path_of(stack, stacks_dir)} and no "
+                           f"sandbox state in {state_dir}). Fix: one of {', '.join(known) or 'none'}; {_others()}")
+    return state_dir
+
+
+def _up_summary(out: dict, args) -> str:
+    where = _where_flags(args, Path(out["state_dir"]))
+    key = out.get("key")
+    use = (f"; client key {key}: OpenAI(base_url=\"{out['worker_url']}/v1\", api_key=\"{key}\")" if key else "")
+    return (f"sandbox.py up: stack {out['stack']} ({out['region']}) serves at {out['worker_url']}{use}. "
+            f"Next: `{CMD} status {where}`, then `{CMD} down {where}`")
+
+
+def _status_summary(out: dict, args) -> str:
+    where = _where_flags(args, Path(out["state_dir"]))
+    if not out["running"]:
+        return f"sandbox.py status: nothing runs in {out['state_dir']}; {_others(Path(out['state_dir']))}"
+    if out.get("healthy"):
+        return (f"sandbox.py status: stack {out.get('stack')} runs at {out.get('worker_url')}, healthy. "
+                f"Next: `{CMD} down {where}` when done")
+    health = out.get("health") or {}
+    bad = [k for k, ok in (health.get("processes") or {}).items() if not ok]
+    bad += [k for k in ("worker_probe", "pod", "network") if health.get(k) is False]
+    return (f"sandbox.py status: stack {out.get('stack')} runs but is UNHEALTHY ({', '.join(bad) or 'starting'}); "
+            f"logs in {Path(out['state_dir']) / 'logs'}. Next: `{CMD} down {where}`, then `{CMD} up {where}`")
+
+
+def _status_all() -> int:
+    found = [supervisor.status(d) for d in supervisor.running_sandboxes()]
+    print(json.dumps({"sandboxes": found}, indent=2, sort_keys=True))
+    if not found:
+        print("sandbox.py status: no sandbox runs under .colocate/sandbox/. "
+              f"Next: `{CMD} up --stack {DEFAULT_STACK}`", file=sys.stderr)
+        return 0
+    for out in found:
+        print(f"sandbox.py status: {Path(out['state_dir']).name}: {out.get('worker_url')}, "
+              f"{'healthy' if out.get('healthy') else 'UNHEALTHY'} (`{CMD} status --stack {Path(out['state_dir']).name}`)",
+              file=sys.stderr)
+    return 0 if all(o.get("healthy") for o in found) else 1
+
+
+def _interrupted(signum, _frame):
+    # The first Ctrl-C (or SIGTERM) interrupts; later ones are ignored so that the cleanup
+    # it starts is never cut short (every cleanup is bounded by timeouts).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _after_interrupt(cmd: str, state_dir: Path | None) -> str:
+    """What an interrupted command says, from what actually runs now (never from hope)."""
+    if state_dir is None or not supervisor.is_running(state_dir):
+        return "interrupted; nothing it started is running" if cmd != "apply" else \
+            "interrupted; no sandbox runs there"
+    if cmd == "apply":
+        return (f"interrupted; the sandbox in {state_dir} still runs (a deploy under way finishes or fails in the "
+                f"runner, the previous version serving). Check: `{CMD} status --state-dir {state_dir}`")
+    return f"interrupted, but a sandbox still runs in {state_dir}: stop it with `{CMD} down --state-dir {state_dir}`"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # SIGTERM behaves like Ctrl-C, so `up` and `demo` clean up on either.
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    handlers = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    state_dir: Path | None = None
     try:
         if args.cmd == "up":
-            out = supervisor.up(args.stack, state_dir=_state_dir(args), stacks_dir=args.stacks_dir,
-                                client_site=args.client_site, stretch=args.stretch, rtt=tuple(args.rtt),
-                                force_split=args.force_split, timeout_s=args.timeout)
-            print(json.dumps(out, indent=2, sort_keys=True))
+            state_dir = _state_dir(args)
+            try:
+                out = supervisor.up(args.stack, state_dir=state_dir, stacks_dir=args.stacks_dir,
+                                    client_site=args.client_site, stretch=args.stretch, rtt=tuple(args.rtt),
+                                    force_split=args.force_split, timeout_s=args.timeout)
+                print(json.dumps(out, indent=2, sort_keys=True), flush=True)
+            except KeyboardInterrupt:
+                # up cleans up after itself; an interrupt after it returned must stop the cell too
+                with supervisor.deferred_signals():
+                    supervisor.stop_runner(state_dir)
+                    supervisor.down(state_dir, quiet=True)
+                raise
+            print(_up_summary(out, args), file=sys.stderr)
             return 0
         if args.cmd == "apply":
-            out = supervisor.apply(args.stack, state_dir=_state_dir(args), stacks_dir=args.stacks_dir,
+            state_dir = _state_dir(args)
+            out = supervisor.apply(args.stack, state_dir=state_dir, stacks_dir=args.stacks_dir,
                                    force_split=args.force_split, timeout_s=args.timeout)
             print(json.dumps(out, indent=2, sort_keys=True))
             return 0
         if args.cmd == "down":
-            print(json.dumps(supervisor.down(_state_dir(args)), sort_keys=True))
+            state_dir = _state_dir(args)
+            out = supervisor.down(state_dir, quiet=True)
+            print(json.dumps(out, sort_keys=True))
+            if out["was_running"]:
+                print(f"sandbox.py down: stopped the sandbox in {out['state_dir']}", file=sys.stderr)
+            else:
+                print(f"sandbox.py down: nothing was running in {out['state_dir']}; {_others(state_dir)}",
+                      file=sys.stderr)
             return 0
         if args.cmd == "status":
-            out = supervisor.status(_state_dir(args))
+            if args.stack is None and args.state_dir is None:
+                return _status_all()
+            state_dir = _state_dir(args)
+            out = supervisor.status(state_dir)
             print(json.dumps(out, indent=2, sort_keys=True))
+            print(_status_summary(out, args), file=sys.stderr)
             return 0 if out.get("healthy") or not out["running"] else 1
         if args.cmd == "demo":
             from colocate.sandbox import demo
 
-            return demo.run(state_dir=args.state_dir, samples=args.samples, client_site=args.client_site)
+            state_dir = args.state_dir or supervisor.default_state_dir("demo")
+            return demo.run(state_dir=state_dir, samples=args.samples, client_site=args.client_site)
     except (ConfigError, SandboxError) as exc:
         print(f"sandbox.py {args.cmd}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"sandbox.py {args.cmd}: interrupted; everything it started was stopped", file=sys.stderr)
+        print(f"sandbox.py {args.cmd}: {_after_interrupt(args.cmd, state_dir)}", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return 2
 
 

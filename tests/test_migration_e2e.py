@@ -41,8 +41,9 @@ def cell(tmp_path, stacks):
 class Load:
     """A bounded open-loop load: one request every 1/RATE s until stopped or MAX_LOAD_S."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, key: str):
         self.url = url + "/v1/chat/completions"
+        self.key = key  # the sandbox's demo client key, created before the move
         self.results: list[tuple[int | None, str | None, str]] = []
         self.stop = threading.Event()
         self._lock = threading.Lock()
@@ -53,7 +54,7 @@ class Load:
         session_pool.s = s
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         try:
-            r = s.post(self.url, json=body, timeout=90)
+            r = s.post(self.url, json=body, timeout=90, headers={"authorization": f"Bearer {self.key}"})
             out = (r.status_code, r.headers.get("x-colocate-backend"), r.text[:200] if r.status_code != 200 else "")
         except requests.RequestException as exc:
             out = (None, None, type(exc).__name__)
@@ -93,7 +94,7 @@ def test_migration_under_load_drops_nothing_and_keeps_breaker_state(cell, stacks
     assert admin(cell, "PUT", "/_colocate/breaker", {"force": "open"})["breaker"]["forced"] == "open"
 
     started = time.monotonic()
-    with Load(cell["worker_url"]) as load:
+    with Load(cell["worker_url"], cell["key"]) as load:
         time.sleep(2)
         assert migrate.main(["start", "--stack", "sandbox", "--to", "apac-tw", "--stacks-dir", str(stacks)]) == 0
         during = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)

@@ -33,7 +33,8 @@ def test_left_behind_state_names_colos_distance_rtt_and_floor():
     fails = [x for x in f if x.fails]
     assert [x.part for x in fails] == ["state"]
     assert fails[0].message == ("state object runs in IAD, 10,845 km from the Worker in NRT: state left behind "
-                                "(state_rtt p50 171 ms, floor 108 ms; generation apac-jp.g2) — run scripts/migrate.py")
+                                "(state_rtt p50 171 ms, floor 108 ms; generation apac-jp.g2) — run "
+                                "`.venv/bin/python scripts/migrate.py plan --stack <stack>`")
     assert p.floors()["state_rtt"] == pytest.approx(108.45, abs=0.01)
 
 

@@ -63,10 +63,10 @@ def test_routed_request_probe_and_headers(stacks, state_dir):
     assert cell["sites"] == {**cell["sites"], "client": "NRT", "edge": "IAD", "pod": "IAD", "placement": "remote-IAD"}
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     req = urllib.request.Request(cell["worker_url"] + "/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json", "authorization": f"Bearer {cell['key']}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200
-        assert r.headers["x-colocate-backend"] == "pod"
+        assert r.headers["x-colocate-backend"] == "pod-0"
         assert r.headers["cf-ray"].endswith("-NRT")
         assert r.headers["cf-placement"] == "remote-IAD"
         assert "upstream;dur=" in r.headers["server-timing"]
@@ -113,8 +113,8 @@ def test_probe_cli_reports_state_left_behind(stacks, state_dir, tmp_path):
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), cell["worker_url"], "--samples", "3",
                            "--pod-location", "local", "--expect-region", "apac-tw", "--json", str(out)],
-                          env={**os.environ, "COLOCATE_PROBE_TOKEN": cell["token"]}, capture_output=True, text=True,
-                          timeout=120)
+                          env={**os.environ, "COLOCATE_PROBE_TOKEN": cell["token"], "COLOCATE_CLIENT_KEY": cell["key"]},
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr  # a placement failure
     result = json.loads(out.read_text())
     assert result["placement"]["state"] == "IAD" and result["placement"]["ran"] == "TPE"
@@ -148,15 +148,22 @@ def test_cli_up_second_up_and_down(stacks, state_dir):
     where = ["--stack", "sandbox", "--state-dir", str(state_dir)]
     up = subprocess.run(base + ["up", *where, "--stacks-dir", str(stacks)], capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, up.stderr
-    cell = json.loads(up.stdout)
-    assert {"worker_url", "pod_url", "token", "state_dir", "sites", "pids"} <= set(cell)
+    cell = json.loads(up.stdout)  # stdout is the JSON alone
+    assert {"worker_url", "pod_url", "token", "key", "state_dir", "sites", "pids"} <= set(cell)
+    # one human line on stderr: where it serves, the key and how to use it, the next step
+    summary = up.stderr.strip().splitlines()[-1]
+    assert summary.startswith("sandbox.py up: stack sandbox") and cell["worker_url"] in summary
+    assert f'OpenAI(base_url="{cell["worker_url"]}/v1", api_key="{cell["key"]}")' in summary
+    assert f"Next: `.venv/bin/python scripts/sandbox.py status --state-dir {state_dir}`" in summary
     again = subprocess.run(base + ["up", *where, "--stacks-dir", str(stacks)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already running" in again.stderr and again.stdout == ""
     status = subprocess.run(base + ["status", *where], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout
     assert json.loads(status.stdout)["healthy"] is True
+    assert f"runs at {cell['worker_url']}, healthy. Next: `.venv/bin/python scripts/sandbox.py down" in status.stderr
     down = subprocess.run(base + ["down", *where], capture_output=True, text=True, timeout=60)
     assert down.returncode == 0
+    assert json.loads(down.stdout)["was_running"] is True and "stopped the sandbox" in down.stderr
     assert not any(supervisor.alive(p) for p in cell["pids"].values())
 
 
@@ -205,3 +212,81 @@ def test_apply_without_a_running_sandbox_says_so(tmp_path, stacks, capsys):
     code = subprocess.run([sys.executable, str(ROOT / "scripts" / "sandbox.py"), "apply", "--state-dir",
                            str(tmp_path / "nothing")], capture_output=True, text=True, timeout=60)
     assert code.returncode == 2 and "no sandbox runs" in code.stderr
+
+
+def test_demo_key_is_created_kept_0600_reused_and_replaced_when_revoked(stacks, state_dir):
+    from colocate.admin import AdminClient, Target
+
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    key = cell["key"]
+    assert key.startswith("clc_") and cell["key_id"]
+    path = state_dir / supervisor.KEY_FILE
+    assert path.stat().st_mode & 0o777 == 0o600 and json.loads(path.read_text())["key"] == key
+    models = urllib.request.Request(cell["worker_url"] + "/v1/models", headers={"authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(models, timeout=30) as r:
+        assert r.status == 200
+    supervisor.down(state_dir, quiet=True)
+
+    again = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    assert again["key"] == key  # still accepted by the cell: reused, not piled up
+    admin = AdminClient(Target(again["worker_url"], again["token"], "sandbox"))
+    assert [k["name"] for k in admin.list_keys()] == [supervisor.DEMO_KEY_NAME]
+    admin.revoke_key(again["key_id"])
+    supervisor.down(state_dir, quiet=True)
+
+    third = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    assert third["key"] != key and third["key"].startswith("clc_")
+    models = urllib.request.Request(third["worker_url"] + "/v1/models", headers={"authorization": f"Bearer {third['key']}"})
+    with urllib.request.urlopen(models, timeout=30) as r:
+        assert r.status == 200
+
+
+def test_openai_client_uses_the_printed_key(stacks, state_dir):
+    openai = pytest.importorskip("openai")
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    client = openai.OpenAI(base_url=cell["worker_url"] + "/v1", api_key=cell["key"], max_retries=0)
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content
+
+
+def _cli(argv, capsys):
+    from scripts import sandbox as cli
+
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_down_and_status_tell_a_typo_and_an_empty_state_dir_from_a_sandbox(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(supervisor, "SANDBOXES_DIR", tmp_path / "sandboxes")
+    for cmd in ("down", "status"):
+        code, out, err = _cli([cmd, "--stack", "sandbx"], capsys)
+        assert code == 2 and out == "", err
+        assert "--stack 'sandbx': unknown stack" in err and "sandbox" in err
+    empty = tmp_path / "empty"
+    code, out, err = _cli(["down", "--state-dir", str(empty)], capsys)
+    assert code == 0 and json.loads(out)["was_running"] is False
+    assert f"nothing was running in {empty}" in err
+    code, out, err = _cli(["status", "--state-dir", str(empty)], capsys)
+    assert code == 0 and json.loads(out)["running"] is False and f"nothing runs in {empty}" in err
+    code, out, err = _cli(["status"], capsys)
+    assert code == 0 and json.loads(out) == {"sandboxes": []} and "no sandbox runs" in err
+
+
+def test_status_without_a_stack_lists_the_sandboxes_that_run(stacks, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(supervisor, "SANDBOXES_DIR", tmp_path / "sandboxes")
+    running = tmp_path / "sandboxes" / "mine"
+    try:
+        cell = supervisor.up("sandbox", state_dir=running, stacks_dir=stacks)
+        code, out, err = _cli(["status"], capsys)
+        assert code == 0, err
+        listed = json.loads(out)["sandboxes"]
+        assert [(s["state_dir"], s["worker_url"], s["healthy"]) for s in listed] == [(str(running), cell["worker_url"], True)]
+        assert "mine: " + cell["worker_url"] in err
+        # `down` of another (valid) stack stops nothing, says so, and names the one that runs
+        code, out, err = _cli(["down", "--stack", "sandbox"], capsys)
+        assert code == 0 and json.loads(out)["was_running"] is False
+        assert "nothing was running" in err and "mine" in err
+        assert supervisor.status(running)["healthy"] is True
+    finally:
+        supervisor.down(running, quiet=True)

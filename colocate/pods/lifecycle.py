@@ -88,7 +88,7 @@ def _destroy_named(spec: PodSpec, provider: Provider) -> None:
                 provider.destroy(pod.id)
                 log(f"destroyed {pod.id} (created as the interrupt arrived)")
     except Exception as cleanup:  # noqa: BLE001 - report; the interrupt is what matters
-        log(f"ERROR: could not look for {spec.name} ({cleanup}); run `scripts/pod.py sweep --stack {spec.stack} --destroy`")
+        log(f"ERROR: could not look for {spec.name} ({cleanup}); run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
 
 
 def _place(spec: PodSpec, provider: Provider, token: str) -> str:
@@ -128,7 +128,7 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
             provider.destroy(pod_id)
             log(f"destroyed {pod_id}")
         except Exception as cleanup:  # report both; the original failure is the one that matters
-            log(f"ERROR: could not destroy {pod_id} ({cleanup}); run `scripts/pod.py sweep --stack {spec.stack} --destroy`")
+            log(f"ERROR: could not destroy {pod_id} ({cleanup}); run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
         raise
 
 

@@ -23,7 +23,9 @@ class UsageError(ProbeError):
 
     def __init__(self, flag: str, value: object, problem: str, fix: str):
         self.flag, self.value, self.problem, self.fix = flag, value, problem, fix
-        super().__init__(f"{flag} {value!r}: {problem}. Fix: {fix}")
+        # No value given at all (e.g. no token anywhere) reads "--token: no probe token", not "--token None".
+        shown = f"{flag}: " if value is None else f"{flag} {value!r}: "
+        super().__init__(f"{shown}{problem}. Fix: {fix}")
 
 
 class OutputsError(ProbeError):

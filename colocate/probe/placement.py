@@ -222,7 +222,8 @@ def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: st
         else:
             lead = f"state object runs in {p.state.colo}, outside {where}"
         gen = f"; generation {p.generation}" if p.generation else ""
-        out.append(Finding("state", True, f"{lead}: state left behind ({rtt}{gen}) — run scripts/migrate.py"))
+        out.append(Finding("state", True, f"{lead}: state left behind ({rtt}{gen}) — run "
+                                          "`.venv/bin/python scripts/migrate.py plan --stack <stack>`"))
 
     if p.pod.status == UNKNOWN:
         what = f"pod location unknown (pod_host {p.pod_host})" if p.pod_host else "pod location unknown"

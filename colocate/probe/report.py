@@ -200,7 +200,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         msg = f"pod health check failed in {len(pod_fail)} of {len(run.probe)} probes (pod_status {statuses})"
         if len(pod_fail) == len(run.probe):
             violations.append({"kind": "pod_health", "part": "pod",
-                               "message": msg + ": the pod is not serving — check scripts/pod.py status"})
+                               "message": msg + ": the pod is not serving — check `.venv/bin/python scripts/pod.py status --id <pod id>`"})
         else:
             notes.append(msg)
     pods = pods_of(run, region, locations)

@@ -15,15 +15,24 @@ State directory (default ``<repo>/.colocate/sandbox/<stack>/``):
     secrets.json   generated once, mode 0600 (pod, probe, fallback tokens)
     pins.json      where each generation was first touched; survives down/up
     objects/<SITE> each object host's SQLite storage; survives down/up
-    sandbox.lock   flock held by the runner for its whole life (a second ``up`` sees it)
-    run.json       runner pid/pgid;  launch.json  what ``up`` asked for
-    ready.json     what ``up`` prints (mode 0600: it holds the probe token)
+    sandbox.lock   flock taken by ``up`` and inherited by the runner for its whole life
+                   (a second ``up`` sees it; "held" = a runner or its launcher lives)
+    run.json       runner pid/pgid, written by the runner itself before it starts anything
+    launch.json    what ``up`` asked for
+    ready.json     what ``up`` prints (mode 0600: it holds the probe token and the demo key)
+    demo-key.json  the demo client key (mode 0600), reused by later ``up``s while the cell accepts it
     workerd.capnp  the generated config (mode 0600: it holds secret bindings)
     pods/          scripts/pod.py's local pod state;  pod.json  the create's output
     logs/          runner.log, workerd.log, fallback.log, pod.log
 
 ``down`` sends SIGTERM to the runner, which stops its children, deletes the pod through
-``scripts/pod.py delete`` and releases the lock; what lingers is killed by process group.
+``scripts/pod.py delete`` and releases the lock; what lingers is killed by process group, and
+every local pod recorded under ``pods/`` is deleted too.
+
+Ctrl-C during ``up``: the launcher may have started a runner that ``up`` never heard of, so the
+cleanup does not trust what it knows; it waits while the lock is held, stops the runner named by
+the runner's own run.json, and returns only when the lock is free (``stop_runner``). Cleanups
+run with SIGINT/SIGTERM deferred (``deferred_signals``), so a second Ctrl-C cannot cut them short.
 """
 
 from __future__ import annotations
@@ -64,13 +73,25 @@ PLACEHOLDER_ACCOUNT = "0" * 32  # the sandbox never calls Cloudflare
 FALLBACK_COMPUTE_MS = 95
 FALLBACK_MODEL = "sandbox/fallback"
 UP_TIMEOUT_S = 90.0
+SANDBOX_CMD = ".venv/bin/python scripts/sandbox.py"  # every command we print runs as printed from the root
 STOP_TIMEOUT_S = 20.0
 CHILD_TIMEOUT_S = 30.0
 POD_TIMEOUT_S = 60.0
 
 
+SANDBOXES_DIR = ROOT / ".colocate" / "sandbox"
+
+
 def default_state_dir(stack: str) -> Path:
-    return ROOT / ".colocate" / "sandbox" / stack
+    return SANDBOXES_DIR / stack
+
+
+def running_sandboxes(parent: Path | None = None) -> list[Path]:
+    """The state directories under ``parent`` (default: where ``up`` puts them) where a sandbox runs."""
+    parent = Path(parent or SANDBOXES_DIR)
+    if not parent.is_dir():
+        return []
+    return [d for d in sorted(Path(parent).iterdir()) if d.is_dir() and is_running(d)]
 
 
 def _log(msg: str) -> None:
@@ -228,24 +249,27 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
     if fd is None:
         pids = ", ".join(f"{k} {v}" for k, v in _pids(state_dir).items() if v)
         raise AlreadyRunning(f"a sandbox is already running in {state_dir} (pids {pids or 'unknown'}); "
-                             f"run `scripts/sandbox.py down --state-dir {state_dir}` first")
+                             f"run `{SANDBOX_CMD} down --state-dir {state_dir}` first")
+    launched = False
     try:
         load_secrets(state_dir)
-        for stale in ("ready.json", "failed.json"):
+        # We hold the lock, so no runner lives here: whatever run.json says is stale. From now
+        # on run.json is written only by the runner itself, before it starts anything.
+        for stale in ("ready.json", "failed.json", "run.json"):
             (state_dir / stale).unlink(missing_ok=True)
         _write_json(state_dir / "launch.json", launch.as_json())
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         # A short-lived launcher starts the runner in a new session and exits at once, so
-        # the runner is nobody's child: it outlives `up` and is never left a zombie.
+        # the runner is nobody's child: it outlives `up` and is never left a zombie. The
+        # runner inherits the lock, so "the lock is held" = "a runner (or its launcher) lives".
+        launched = True
         with open(state_dir / "logs" / "runner.log", "ab") as log:
-            launched = subprocess.run(
+            started = subprocess.run(
                 [sys.executable, "-m", "colocate.sandbox.supervisor", "launch", str(state_dir), "--lock-fd", str(fd)],
                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                 pass_fds=(fd,), start_new_session=True, timeout=30, check=True,
             )
-        runner = int(launched.stdout.strip())
-        with contextlib.suppress(ProcessLookupError):  # so that a Ctrl-C from here on finds it
-            _write_json(state_dir / "run.json", {"pid": runner, "pgid": os.getpgid(runner), "started_at": time.time()})
+        runner = int(started.stdout.strip())
         os.close(fd)  # the runner holds the lock from now on
         fd = None
         deadline = time.monotonic() + timeout_s
@@ -260,11 +284,54 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
             time.sleep(0.1)
         raise StartupFailed(f"sandbox did not come up within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
     except BaseException:
-        # Ctrl-C or a failure while starting: nothing may be left behind.
-        if fd is not None:
-            os.close(fd)
-        down(state_dir, quiet=True)  # idempotent; finds the runner through run.json
+        # Ctrl-C or a failure while starting: nothing may be left behind, and a second
+        # Ctrl-C must not cut the cleanup short (it is deferred until the cleanup is done).
+        with deferred_signals():
+            if fd is not None:
+                os.close(fd)
+            if launched:
+                stop_runner(state_dir)
+            down(state_dir, quiet=True)
         raise
+
+
+def stop_runner(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S + CHILD_TIMEOUT_S) -> bool:
+    """Stop the runner ``up`` launched, even one that has not said who it is yet: while the
+    lock is held (by the launcher or the runner), wait for the runner's own run.json and stop
+    it. True once the lock is free, i.e. no runner lives."""
+    state_dir = Path(state_dir)
+    deadline = time.monotonic() + timeout_s
+    while is_running(state_dir):
+        run = _read_json(state_dir / "run.json") or {}
+        if alive(run.get("pid")):
+            down(state_dir, quiet=True)
+            continue
+        if time.monotonic() > deadline:
+            _log(f"WARNING: the state directory's lock is still held and no runner said who it is; "
+                 f"see {state_dir / 'logs' / 'runner.log'}")
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """Hold SIGINT and SIGTERM until the block ends, then raise KeyboardInterrupt if one came.
+    A cleanup interrupted half-way would leave processes running; only the main thread can
+    set handlers, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: got.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        raise KeyboardInterrupt
 
 
 def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None = None,
@@ -274,7 +341,7 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
     previous = _read_json(state_dir / "ready.json")
     run = _read_json(state_dir / "run.json") or {}
     if not previous or not is_running(state_dir) or not alive(run.get("pid")):
-        raise NotRunning(f"no sandbox runs in {state_dir}; start one with `scripts/sandbox.py up --stack {stack}`")
+        raise NotRunning(f"no sandbox runs in {state_dir}; start one with `{SANDBOX_CMD} up --stack {stack}`")
     old = Launch.from_json(_read_json(state_dir / "launch.json") or {})
     launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
                     force_split)
@@ -312,28 +379,45 @@ def _group_alive(pgid: int) -> bool:
 
 
 def down(state_dir: Path, quiet: bool = False) -> dict:
-    """Stop everything the sandbox started in ``state_dir``; idempotent."""
+    """Stop everything the sandbox started in ``state_dir``; idempotent. ``was_running`` says
+    whether there was anything to stop (a runner, a pod, a lock held)."""
     state_dir = Path(state_dir).resolve()
-    run = _read_json(state_dir / "run.json") or {}
-    pid, pgid = run.get("pid"), run.get("pgid")
-    stopped = []
-    if pid and alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        stopped.append(pid)
-    if pgid and _group_alive(pgid):
-        _signal_group(pgid, signal.SIGKILL)  # whatever the runner could not stop
-        deadline = time.monotonic() + 5
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    pod_deleted = _delete_pod(state_dir)  # the runner normally did this; a crash may not have
-    for name in ("run.json", "ready.json"):
-        (state_dir / name).unlink(missing_ok=True)
+    with deferred_signals():  # a Ctrl-C during down must not leave half of the cell running
+        held = is_running(state_dir)
+        run = _read_json(state_dir / "run.json") or {}
+        pid, pgid = run.get("pid"), run.get("pgid")
+        stopped = []
+        if pid and alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stopped.append(pid)
+        if pgid and _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)  # whatever the runner could not stop
+            deadline = time.monotonic() + 5
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        pod_deleted = _delete_pod(state_dir)  # the runner normally did this; a crash may not have
+        strays = _delete_local_pods(state_dir)  # a runner killed inside `pod.py create` leaves only these
+        for name in ("run.json", "ready.json"):
+            (state_dir / name).unlink(missing_ok=True)
     if not quiet:
         _log(f"stopped {state_dir}")
-    return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pod_deleted, "running": is_running(state_dir)}
+    return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pod_deleted or bool(strays),
+            "was_running": bool(held or stopped or pod_deleted or strays), "running": is_running(state_dir)}
+
+
+def _delete_local_pods(state_dir: Path) -> list[str]:
+    """Delete every local pod recorded in the sandbox's own pod state (``pods/``)."""
+    deleted = []
+    for record in sorted((Path(state_dir) / "pods").glob("*.json")) if (Path(state_dir) / "pods").is_dir() else []:
+        if record.name.endswith(".port.json"):
+            continue
+        pod_id = (_read_json(record) or {}).get("id")
+        if pod_id and _delete_pod(state_dir, {"id": pod_id}):
+            deleted.append(pod_id)
+    return deleted
 
 
 def _http_ok(url: str, headers: dict | None = None, timeout: float = 2.0) -> tuple[bool, int | None]:
@@ -380,7 +464,7 @@ def _create_pod(state_dir: Path, plan: CellPlan, token: str) -> dict:
                               input=json.dumps(plan.pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
                               env=_pod_env(state_dir, token), cwd=ROOT, timeout=POD_TIMEOUT_S)
     if proc.returncode != 0:
-        raise StartupFailed(f"scripts/pod.py create exited {proc.returncode}; see {state_dir / 'logs' / 'pod.log'}")
+        raise StartupFailed(f"the pod's create (scripts/pod.py create) exited {proc.returncode}; see {state_dir / 'logs' / 'pod.log'}")
     created = json.loads(proc.stdout)
     _write_json(state_dir / "pod.json", created)
     return created
@@ -404,6 +488,39 @@ def _delete_pod(state_dir: Path, created: dict | None = None) -> bool:
     return False
 
 
+# --- the demo client key -------------------------------------------------------------------
+
+KEY_FILE = "demo-key.json"
+DEMO_KEY_NAME = "sandbox-demo"
+
+
+def _key_works(worker_url: str, key: str) -> bool | None:
+    """True/False when the Worker accepts/refuses the key on a routed path; None if unsure."""
+    ok, code = _http_ok(worker_url + "/v1/models", {"authorization": f"Bearer {key}"}, timeout=30)
+    if ok:
+        return True
+    return False if code in (401, 403) else None
+
+
+def demo_key(state_dir: Path, worker_url: str, probe_token: str) -> dict:
+    """The sandbox's demo client key: the one in ``demo-key.json`` while the cell still accepts
+    it (keys live in the generation's objects, which survive down/up), else a new one created
+    through the Worker's admin endpoint. Stored with mode 0600: it is a credential."""
+    from ..admin import AdminClient, AdminError, Target
+
+    path = Path(state_dir) / KEY_FILE
+    stored = _read_json(path) or {}
+    if stored.get("key") and _key_works(worker_url, stored["key"]) is not False:
+        return stored
+    try:
+        created = AdminClient(Target(worker_url, probe_token, "sandbox")).create_key(DEMO_KEY_NAME)
+    except AdminError as exc:
+        raise StartupFailed(f"could not create the demo client key: {exc}; see {state_dir / 'logs' / 'workerd.log'}") from None
+    record = {k: created.get(k) for k in ("id", "key", "name", "prefix", "created_at")}
+    _write_json(path, record, 0o600)
+    return record
+
+
 # --- the runner --------------------------------------------------------------------------
 
 class Runner:
@@ -419,6 +536,7 @@ class Runner:
         self.reload = threading.Event()  # SIGHUP: `sandbox.py apply` asks for a deploy
         self.revision = 0
         self.fallback_url = ""
+        self.key: dict = {}
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
@@ -491,6 +609,7 @@ class Runner:
         self.servers = NetworkServers(network)
         wport, state_sites = self._launch_workerd(plan, sites, pod_url)
         network.resume(("127.0.0.1", wport))
+        self.key = demo_key(self.state_dir, f"http://127.0.0.1:{self.servers.front.port}", secrets["probeToken"])
         return self._ready(plan, launch, created, sites, state_sites, wport)
 
     def _launch_workerd(self, plan: CellPlan, sites: Sites, pod_url: str) -> tuple[int, list[str]]:
@@ -574,6 +693,8 @@ class Runner:
             "pod_location": created.get("location"),
             "fallback_url": fallback_url,
             "token": secrets["probeToken"],
+            "key": self.key.get("key"),
+            "key_id": self.key.get("id"),
             "state_dir": str(self.state_dir),
             "generation": state.active.name,
             "hint": state.hint,

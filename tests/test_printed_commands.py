@@ -1,0 +1,109 @@
+"""Every command the kit prints runs as printed from the project root (issue 13 item 4).
+
+The convention is `.venv/bin/python scripts/<x>.py ...`: the system `python` lacks the kit's
+dependencies (`ModuleNotFoundError: ruamel`), and a bare `scripts/x.py` depends on a shebang
+that finds the same system python.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colocate.probe.errors import UsageError
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "colocate").rglob("*.py"), *(ROOT / "infra").glob("*.py")])
+
+BARE_PYTHON = re.compile(r"(?<!\.venv/bin/)(?<![\w/}])python3? +scripts/")  # {PYTHON} scripts/... is the venv's
+BARE_SCRIPT = re.compile(r"(`|\b(?:run|check|then|Next:|Usage:) +)scripts/\w+\.py")  # no interpreter at all
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                ids.add(id(first.value))
+    return ids
+
+
+def _printed_text(path: Path) -> list[tuple[int, str]]:
+    """The string literals a user can see: messages (f-string parts included) and, for the
+    scripts, the module docstring (their --help)."""
+    tree = ast.parse(path.read_text())
+    skip = _docstrings(tree)
+    if path.parent.name == "scripts":
+        skip = {i for i in skip if not (isinstance(tree.body[0], ast.Expr) and i == id(tree.body[0].value))}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            out.append((node.lineno, node.value))
+    return out
+
+
+def _offenders(text: str) -> list[str]:
+    return [m.group(0) for rx in (BARE_PYTHON, BARE_SCRIPT) for m in rx.finditer(text)]
+
+
+def test_the_scan_finds_what_it_looks_for():
+    assert _offenders("run `python scripts/migrate.py start --stack s`")
+    assert _offenders("Next: scripts/sandbox.py down")
+    assert _offenders("run `scripts/pod.py sweep --stack s`")
+    assert not _offenders("run `.venv/bin/python scripts/migrate.py start --stack s`")
+    assert not _offenders("{PYTHON} scripts/pod.py create --spec -".replace("{PYTHON}", "/x/.venv/bin/python"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_printed_commands_name_the_venv_python(path):
+    bad = [(line, o) for line, text in _printed_text(path) for o in _offenders(text)]
+    assert bad == [], f"{path.relative_to(ROOT)}: print `.venv/bin/python scripts/...` instead: {bad}"
+
+
+def test_a_missing_token_does_not_print_none():
+    assert str(UsageError("--token", None, "no probe token", "set X")) == "--token: no probe token. Fix: set X"
+    assert "'abc'" in str(UsageError("--budget", "abc", "bad", "fix"))
+
+
+def test_probe_without_a_token_says_so_plainly():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), "http://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin"})  # no COLOCATE_PROBE_TOKEN
+    assert proc.returncode == 2
+    assert "--token: no probe token" in proc.stderr and "None" not in proc.stderr, proc.stderr
+
+
+@pytest.fixture
+def stacks(tmp_path):
+    import shutil
+
+    from colocate import stackfile
+
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"):
+        shutil.copy(p, tmp_path / p.name)
+    return tmp_path
+
+
+def test_a_sandbox_stack_is_deployed_by_the_sandboxs_own_apply(stacks, capsys):
+    from scripts import migrate
+
+    assert migrate.main(["start", "--stack", "sandbox", "--to", "apac-tw", "--stacks-dir", str(stacks)]) == 0
+    out = capsys.readouterr().out
+    assert "Next: `.venv/bin/python scripts/sandbox.py apply --stack sandbox`" in out, out
+    assert "pulumi up -s" not in out and "`.venv/bin/python scripts/migrate.py finish --stack sandbox`" in out
+    assert migrate.main(["finish", "--stack", "sandbox", "--stacks-dir", str(stacks)]) == 0
+    assert "Next: `.venv/bin/python scripts/sandbox.py apply --stack sandbox`" in capsys.readouterr().out
+
+
+def test_a_cloud_stack_is_deployed_by_pulumi_up(stacks, capsys):
+    from scripts import migrate
+
+    assert migrate.main(["start", "--stack", "us-east", "--to", "eu-west", "--stacks-dir", str(stacks)]) == 0
+    out = capsys.readouterr().out
+    assert "Next: `pulumi up -s us-east`" in out and "`.venv/bin/python scripts/migrate.py finish --stack us-east`" in out

@@ -1,0 +1,175 @@
+"""Ctrl-C at any moment of `sandbox.py up`, `apply` and `demo` (issue 13 item 1).
+
+Each test sends SIGINT to the command's process group (what a terminal does) after a delay
+from a bounded sweep, then checks what is true afterwards, not what the command said: no
+process of the sandbox runs (every one of them names the state directory on its command line:
+runner, launcher, workerd, fallback, pod), the state directory's lock is free, no pod is left
+recorded, and what the command printed agrees with that, without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colocate.sandbox import supervisor
+from tests.support.sandbox import sandbox_stacks
+
+ROOT = Path(__file__).resolve().parent.parent
+SANDBOX = [sys.executable, str(ROOT / "scripts" / "sandbox.py")]
+pytestmark = pytest.mark.slow
+
+# `up` takes about a second here: loading, the launcher, the runner's imports, the pod, the
+# fallback, workerd, the demo key. The sweep covers that whole window, and a little after.
+UP_DELAYS = (0.0, 0.03, 0.08, 0.15, 0.25, 0.35, 0.5, 0.7, 0.9, 1.2)
+APPLY_DELAYS = (0.05, 0.3, 0.8)
+# The demo's first step (fresh state, up) takes a second or two; later steps are deploys
+# (apply) and probes, covered by the apply sweep.
+DEMO_DELAYS = (0.2, 0.6, 1.0, 1.4, 2.5)
+
+
+def _sandbox_processes(state_dir: Path) -> list[str]:
+    """Every live process whose command line names the state directory (ours excluded)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(state_dir) in cmd and state != "Z":
+            found.append(f"{pid}: {cmd[:160]}")
+    return found
+
+
+def _listening(ports: set[int]) -> set[int]:
+    """The given ports that something listens on (from /proc/net/tcp{,6})."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) in ports:  # 0A = LISTEN
+                out.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return out
+
+
+def _interrupt(argv: list[str], delay: float, timeout: float = 180) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group: the "terminal" we press Ctrl-C in
+    time.sleep(delay)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass  # it had finished already
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _assert_nothing_left(state_dir: Path, ports: set[int] = frozenset()) -> None:
+    assert not supervisor.is_running(state_dir), "the state directory's lock is still held"
+    deadline = time.monotonic() + 10  # a process killed a moment ago may still be exiting
+    while _sandbox_processes(state_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sandbox_processes(state_dir) == []
+    assert not (state_dir / "pod.json").exists()
+    pods = state_dir / "pods"
+    assert not pods.exists() or not [p for p in pods.glob("*.json") if not p.name.endswith(".port.json")]
+    assert _listening(set(ports)) == set()
+
+
+def _ports_of(cell: dict) -> set[int]:
+    return {*cell["ports"].values(), int(cell["pod_url"].rsplit(":", 1)[1]),
+            int(cell["fallback_url"].rsplit(":", 1)[1])}
+
+
+@pytest.fixture
+def stacks(tmp_path):
+    return sandbox_stacks(tmp_path / "stacks", compute_ms=5)
+
+
+@pytest.mark.parametrize("delay", UP_DELAYS)
+def test_ctrl_c_at_any_moment_of_up_leaves_nothing_running(stacks, tmp_path, delay):
+    state_dir = tmp_path / "state"
+    try:
+        res = _interrupt(SANDBOX + ["up", "--state-dir", str(state_dir), "--stacks-dir", str(stacks)], delay)
+        assert "Traceback" not in res.stderr + res.stdout, res.stderr
+        ports: set[int] = set()
+        if res.returncode == 0:  # it was up before the signal landed: a normal, running cell
+            cell = json.loads(res.stdout)
+            assert supervisor.status(state_dir)["healthy"] is True
+            ports = _ports_of(cell)
+            supervisor.down(state_dir, quiet=True)
+        elif res.returncode == 130:
+            assert ("nothing it started is running" in res.stderr or "before doing anything" in res.stderr), res.stderr
+            assert res.stdout == ""  # no JSON for a cell that does not run
+        else:
+            # killed by the signal itself, before Python could install its handler: nothing loaded yet
+            assert res.returncode == -signal.SIGINT and res.stderr == "", (res.returncode, res.stderr)
+        _assert_nothing_left(state_dir, ports)
+    finally:
+        supervisor.stop_runner(state_dir, timeout_s=30)
+        supervisor.down(state_dir, quiet=True)
+
+
+@pytest.mark.parametrize("delay", APPLY_DELAYS)
+def test_ctrl_c_during_apply_keeps_the_cell_consistent_and_down_stops_all(stacks, tmp_path, delay):
+    """Interrupting a deploy is like interrupting `pulumi up`: the running cell is not torn
+    down, and the command says so truthfully; the deploy finishes or fails in the runner with
+    one pod serving, and `down` afterwards leaves nothing, including the replaced pod."""
+    from colocate import stackfile
+
+    state_dir = tmp_path / "state"
+    try:
+        cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+        before = _ports_of(cell)
+        stackfile.write_config("sandbox", {"region": "apac-tw"}, stacks)  # a new pod, in Taipei
+        res = _interrupt(SANDBOX + ["apply", "--state-dir", str(state_dir), "--stacks-dir", str(stacks),
+                                    "--force-split"], delay)
+        assert "Traceback" not in res.stderr + res.stdout, res.stderr
+        assert res.returncode in (0, 130), res.stderr
+        if res.returncode == 130:
+            assert ("still runs" in res.stderr and "status" in res.stderr) or "before doing anything" in res.stderr, \
+                res.stderr
+        # the runner finishes what it was doing; then exactly one cell serves
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = supervisor.status(state_dir)
+            if st.get("healthy") and not (state_dir / "apply-failed.json").exists():
+                ready = json.loads((state_dir / "ready.json").read_text())
+                if ready["revision"] == 2 or res.returncode == 130:
+                    break
+            time.sleep(0.2)
+        assert supervisor.status(state_dir)["healthy"] is True
+        ready = json.loads((state_dir / "ready.json").read_text())
+        supervisor.down(state_dir, quiet=True)
+        _assert_nothing_left(state_dir, before | _ports_of(ready))
+    finally:
+        supervisor.down(state_dir, quiet=True)
+
+
+@pytest.mark.parametrize("delay", DEMO_DELAYS)
+def test_ctrl_c_during_demo_leaves_nothing_running(tmp_path, delay):
+    state_dir = tmp_path / "demo"
+    try:
+        res = _interrupt(SANDBOX + ["demo", "--state-dir", str(state_dir), "--samples", "2"], delay, timeout=300)
+        assert "Traceback" not in res.stderr + res.stdout, res.stderr
+        assert res.returncode in (0, 1, 2, 130), res.stderr  # 1, 2: a step failed before the signal
+        if res.returncode == 130:
+            assert "nothing it started is running" in res.stderr or "before doing anything" in res.stderr, res.stderr
+        _assert_nothing_left(state_dir)
+    finally:
+        supervisor.stop_runner(state_dir, timeout_s=30)
+        supervisor.down(state_dir, quiet=True)
