@@ -214,10 +214,13 @@ class ProbePlan:
 
     pod_path: str = PATH_ZONE_DNS  # reported by the probe next to the measured pod_rtt
 
-    def argv(self, url: str, pod_location: str) -> list[str]:
-        """The post-deploy probe's arguments (the token travels in COLOCATE_PROBE_TOKEN)."""
-        args = ["scripts/probe.py", url, "--expect-region", self.region, "--samples", str(self.samples),
-                "--pod-location", pod_location, "--pod-path", self.pod_path]
+    def argv(self, url: str, pod_locations: list[str]) -> list[str]:
+        """The post-deploy probe's arguments (the token travels in COLOCATE_PROBE_TOKEN);
+        one --pod-location per pod, in index order."""
+        args = ["scripts/probe.py", url, "--expect-region", self.region, "--samples", str(self.samples)]
+        for location in pod_locations:
+            args += ["--pod-location", location]
+        args += ["--pod-path", self.pod_path]
         for name, ms in sorted(self.budgets.items()):
             args += ["--budget", f"{name}={ms:g}"]
         args += ["--wait", str(PROBE_WAIT_S), "--json", "-"]

@@ -181,7 +181,8 @@ class Cell(pulumi.ComponentResource):
         # measured truth. Re-runs whenever the Worker or any pod changes.
         self.probe = local.Command(
             f"{name}-probe",
-            create=pod_infos[0].apply(lambda pod: " ".join([PYTHON, *plan.probe.argv(w.url, pod["location"])])),
+            create=pulumi.Output.all(*pod_infos).apply(
+                lambda pods: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in pods])])),
             environment=probe_env,
             triggers=[w.content_hash(), json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True),
                       json.dumps(w.placement, sort_keys=True), *[c.stdout for c in self.pod_commands]],

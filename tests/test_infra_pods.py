@@ -128,3 +128,12 @@ def test_pod_0_keeps_the_resource_it_had_as_the_only_pod(declared_options):
     aliases = [a.name for a in declared_options["us-east-pod-0"].aliases or []]
     assert aliases == ["us-east-pod"]
     assert not declared_options["us-east-pod-1"].aliases
+
+
+def test_the_post_deploy_probe_gets_every_pods_location_in_index_order():
+    run = deploy(3)
+    probe = next(r for r in run.mocks.of_type(COMMAND) if r.name.endswith("-probe"))
+    create = plain(probe.inputs["create"])
+    locations = plain(run.resolved[outputs.POD_LOCATIONS])
+    assert create.count("--pod-location ") == 3
+    assert " ".join(f"--pod-location {loc}" for loc in locations) in create

@@ -226,7 +226,7 @@ def test_without_a_zone_a_runpod_pod_is_reached_through_runpods_proxy_hostname()
     assert p.pod.path == "provider-proxy" and p.pod.pod_hostname is None
     # The proxy addresses the pod's own port (8000), not the mapped public one.
     assert p.pod.worker_url(created) == "https://abc123xyz-8000.proxy.runpod.net"
-    assert "--pod-path provider-proxy" in " ".join(p.probe.argv("https://w", "AP-JP-1"))
+    assert "--pod-path provider-proxy" in " ".join(p.probe.argv("https://w", ["AP-JP-1"]))
 
 
 @pytest.mark.parametrize("zone", [None, ZONE])

@@ -214,7 +214,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
             violations.append({"kind": "pod_health", "part": f"pod-{pod['index']}",
                                "message": f"pod {pod['index']} ({pod['host']}) failed every health check "
                                           f"(status {', '.join(pod['statuses'])}): it bills without serving — "
-                                          "check scripts/pod.py status"})
+                                          "check it with .venv/bin/python scripts/pod.py status"})
     if len(locations) > 1 and len(locations) != len(pods):
         notes.append(f"{len(locations)} pod locations given for {len(pods)} pods the Worker lists")
     fallback, why = fallback_of(run)
