@@ -17,7 +17,7 @@ from colocate import stackfile
 from colocate.sandbox import supervisor
 from colocate.sandbox.errors import AlreadyRunning
 from colocate.sandbox.geography import Geography
-from tests.support.sandbox import sandbox_stacks
+from tests.support.sandbox import client_key, sandbox_stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -62,11 +62,12 @@ def test_routed_request_probe_and_headers(stacks, state_dir):
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, client_site="NRT")
     assert cell["sites"] == {**cell["sites"], "client": "NRT", "edge": "IAD", "pod": "IAD", "placement": "remote-IAD"}
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    key = client_key(cell)["key"]
     req = urllib.request.Request(cell["worker_url"] + "/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200
-        assert r.headers["x-colocate-backend"] == "pod"
+        assert r.headers["x-colocate-backend"] == "pod-0"
         assert r.headers["cf-ray"].endswith("-NRT")
         assert r.headers["cf-placement"] == "remote-IAD"
         assert "upstream;dur=" in r.headers["server-timing"]
