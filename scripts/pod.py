@@ -8,11 +8,15 @@ region), 1 when the provider fails (capacity, readiness, refusals).
   create --spec FILE|-      spec = JSON of colocate.plan.PodPlan.spec(); token from env POD_TOKEN
   delete [--id ID]          id (and provider) from --id or env PULUMI_COMMAND_STDOUT; already gone = success
   status --id ID            the pod's current state
-  sweep --stack S [--provider P] [--keep ID ...] [--destroy]
-                            pods named colocate-<S>-<region>-g<N> other than the kept ones
+  sweep --stack S [--provider P] [--keep ID ...] [--destroy] [--stacks-dir DIR]
+                            pods named colocate-<S>-<region>-g<N>[-p<i>]-<digest> other than the
+                            kept ones; the stack must exist (exit 2 otherwise)
 
-Keys only from the environment: RUNPOD_API_KEY, VASTAI_API_KEY; endpoints from
-RUNPOD_API_BASE, VASTAI_API_BASE. See docs/pods.md.
+create/delete/status read keys from the environment only: RUNPOD_API_KEY, VASTAI_API_KEY
+(pulumi up passes them). sweep finds the stack's provider key as `pulumi up` does: the
+stack's secret colocate:<provider>ApiKey through `pulumi config get --show-secrets` when
+the pulumi CLI is on PATH, else the environment; without one it exits 2 (it could not
+look). Endpoints from RUNPOD_API_BASE, VASTAI_API_BASE. See docs/pods.md.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate.pods import lifecycle, spec as podspec  # noqa: E402
+from colocate import stackfile  # noqa: E402
+from colocate.pods import lifecycle, spec as podspec, stackkeys  # noqa: E402
+from colocate.settings import PROVIDER_SECRET  # noqa: E402
 from colocate.pods.errors import PodConfigError, PodError  # noqa: E402
 
 PROVIDERS = ("runpod", "vastai", "local")
@@ -59,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("sweep", help="find (and with --destroy delete) a stack's stray pods")
     w.add_argument("--stack", required=True)
     w.add_argument("--provider", choices=PROVIDERS, action="append",
-                   help="repeatable; default: local plus every provider whose API key is set")
+                   help="repeatable; default: local, the stack's provider, and every provider whose API key is set")
+    w.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
     w.add_argument("--keep", action="append", default=[], help="pod id to keep (repeatable)")
     w.add_argument("--destroy", action="store_true")
     return p
@@ -85,10 +92,20 @@ def _target(args) -> tuple[str, str]:
     return provider, pod_id
 
 
-def _sweep_providers(args) -> list[str]:
-    if args.provider:
-        return args.provider
-    return ["local"] + [p for p, k in (("runpod", "RUNPOD_API_KEY"), ("vastai", "VASTAI_API_KEY")) if os.environ.get(k)]
+def _sweep_providers(args) -> tuple[list[str], dict[str, str]]:
+    """(providers to query, API keys to expose to them). The stack's own provider (or each
+    one named with --provider) must be queryable: no key is exit 2, never "no strays"."""
+    stack = stackkeys.stack_providers(args.stack, args.stacks_dir)
+    required = list(args.provider) if args.provider else ["local", stack.used]
+    optional = [] if args.provider else [p for p, (_, env) in PROVIDER_SECRET.items() if os.environ.get(env)]
+    providers = list(dict.fromkeys(required + optional))
+    keys = {}
+    for name in providers:
+        if name in PROVIDER_SECRET:
+            key, source = stackkeys.provider_key(name, stack)
+            keys[PROVIDER_SECRET[name][1]] = key
+            print(f"pod.py sweep: {name} key from {source}", file=sys.stderr)
+    return providers, keys
 
 
 def _on_sigterm(signum, frame):
@@ -113,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             out = lifecycle.status(*_target(args))
         else:
-            out = lifecycle.sweep(args.stack, _sweep_providers(args), args.keep, args.destroy)
+            providers, keys = _sweep_providers(args)
+            with stackkeys.keys_in_environment(keys):
+                out = lifecycle.sweep(args.stack, providers, args.keep, args.destroy)
     except PodError as exc:
         print(f"pod.py {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code

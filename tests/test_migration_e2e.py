@@ -1,16 +1,16 @@
 """The generation-rename migration end to end in the sandbox, under a steady load.
 
 start -> apply (the sandbox's `pulumi up`) -> finish -> apply, while about 50 requests per
-second run on loopback: every request succeeds, and a breaker state set before the move is
-still in force after it (read through from the draining generation).
+second run on loopback with a client key created before the move: every request succeeds
+(the key is read through from the draining generation, then copied), a breaker state set
+before the move is still in force after it, and the key's usage survives the purge of the
+old generation.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -18,11 +18,12 @@ import requests
 from colocate.sandbox import supervisor
 from colocate.sandbox.pinning import FILE_NAME as PINS
 from scripts import migrate
-from tests.support.sandbox import sandbox_stacks
+from tests.support.sandbox import Load, client_key, sandbox_stacks, usage_requests
 
 pytestmark = pytest.mark.slow
 RATE_PER_S = 50
 MAX_LOAD_S = 180  # the load stops by itself even if the test body fails to stop it
+USAGE_WAIT_S = 30  # usage is reconciled in the object after the response (waitUntil)
 
 
 @pytest.fixture
@@ -38,48 +39,6 @@ def cell(tmp_path, stacks):
     supervisor.down(state, quiet=True)
 
 
-class Load:
-    """A bounded open-loop load: one request every 1/RATE s until stopped or MAX_LOAD_S."""
-
-    def __init__(self, url: str, key: str):
-        self.url = url + "/v1/chat/completions"
-        self.key = key  # the sandbox's demo client key, created before the move
-        self.results: list[tuple[int | None, str | None, str]] = []
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _one(self, session_pool: threading.local) -> None:
-        s = getattr(session_pool, "s", None) or requests.Session()
-        session_pool.s = s
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        try:
-            r = s.post(self.url, json=body, timeout=90, headers={"authorization": f"Bearer {self.key}"})
-            out = (r.status_code, r.headers.get("x-colocate-backend"), r.text[:200] if r.status_code != 200 else "")
-        except requests.RequestException as exc:
-            out = (None, None, type(exc).__name__)
-        with self._lock:
-            self.results.append(out)
-
-    def _run(self) -> None:
-        local = threading.local()
-        deadline = time.monotonic() + MAX_LOAD_S
-        with ThreadPoolExecutor(max_workers=32) as pool:
-            next_at = time.monotonic()
-            while not self.stop.is_set() and time.monotonic() < deadline:
-                pool.submit(self._one, local)
-                next_at += 1 / RATE_PER_S
-                time.sleep(max(0.0, next_at - time.monotonic()))
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self._thread.join(timeout=120)
-
-
 def admin(cell, method, path, body=None):
     r = requests.request(method, cell["worker_url"] + path, json=body, timeout=60,
                          headers={"Authorization": f"Bearer {cell['token']}"})
@@ -87,14 +46,30 @@ def admin(cell, method, path, body=None):
     return r.json()
 
 
-def test_migration_under_load_drops_nothing_and_keeps_breaker_state(cell, stacks):
+def _usage_at_least(cell, key_id: str, n: int) -> int:
+    deadline = time.monotonic() + USAGE_WAIT_S
+    seen = usage_requests(cell, key_id)
+    while seen < n and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen = usage_requests(cell, key_id)
+    return seen
+
+
+def test_migration_under_load_drops_nothing_and_keeps_keys_usage_and_breaker_state(cell, stacks):
     state_dir = cell["state_dir"]
     assert admin(cell, "GET", "/_colocate/probe")["generation"] == "us-east.g1"  # first touch: pinned at IAD
+    key = client_key(cell, "before-the-move")
+    # Usage recorded in the old generation before anything moves.
+    with Load(cell["worker_url"], key["key"], RATE_PER_S, MAX_LOAD_S) as warm:
+        time.sleep(1)
+    assert not warm.failures(), warm.failures()[:5]
+    before = _usage_at_least(cell, key["id"], len(warm.results))
+    assert before >= len(warm.results) > 0
     # An operator forces the breaker open before the move: every request goes to the fallback.
     assert admin(cell, "PUT", "/_colocate/breaker", {"force": "open"})["breaker"]["forced"] == "open"
 
     started = time.monotonic()
-    with Load(cell["worker_url"], cell["key"]) as load:
+    with Load(cell["worker_url"], key["key"], RATE_PER_S, MAX_LOAD_S) as load:
         time.sleep(2)
         assert migrate.main(["start", "--stack", "sandbox", "--to", "apac-tw", "--stacks-dir", str(stacks)]) == 0
         during = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
@@ -110,7 +85,7 @@ def test_migration_under_load_drops_nothing_and_keeps_breaker_state(cell, stacks
     elapsed = time.monotonic() - started
 
     results = load.results
-    failures = [r for r in results if r[0] != 200]
+    failures = load.failures()
     print(f"load: {len(results)} requests in {elapsed:.1f} s ({len(results) / elapsed:.0f}/s), {len(failures)} failed")
     assert not failures, f"{len(failures)} of {len(results)} requests failed: {failures[:5]}"
     assert len(results) >= 0.6 * RATE_PER_S * elapsed, (len(results), elapsed)  # the load really ran at ~50/s
@@ -123,6 +98,14 @@ def test_migration_under_load_drops_nothing_and_keeps_breaker_state(cell, stacks
     # `finish` + apply purged the retired generation once; nothing is left to purge.
     again = admin(after, "POST", "/_colocate/purge", {"generation": "us-east.g1"})
     assert again["had_state"] is False
+    # The key still works on the new generation alone, and its usage came along before the purge.
+    r = requests.post(after["worker_url"] + "/v1/chat/completions", timeout=60,
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {key['key']}"})
+    assert r.status_code == 200, r.text
+    total = _usage_at_least(after, key["id"], before)
+    print(f"usage: {before} before the move, {total} after the purge, {len(results)} sent during it")
+    assert total >= before, "usage recorded before the move survived the purge"
     # The old pod was deleted after the new one served.
     pods = {p.name for p in (supervisor.Path(state_dir) / "pods").glob("*.json")}
     assert not any("us-east-g1" in name for name in pods), pods

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from colocate.pods import local
-from tests.test_pod_providers import TOKEN, make_spec, run, write_spec
+from tests.test_pod_providers import TOKEN, make_spec, run, sweep_argv, write_spec
 
 
 @pytest.fixture
@@ -64,9 +64,9 @@ def test_local_stray_is_found_and_destroyed_by_sweep(env, capsys):
     spec_file = write_spec(env, make_spec("us-east", "local", gen=1))
     _, old, _ = run(capsys, ["create", "--spec", spec_file])
     _, current, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "local", gen=2))])
-    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "local", "--keep", current["id"]])
+    code, out, _ = run(capsys, sweep_argv(env, "--provider", "local", "--keep", current["id"], provider="local"))
     assert code == 0 and [s["id"] for s in out["strays"]] == [old["id"]]
-    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "local", "--keep", current["id"], "--destroy"])
+    code, out, _ = run(capsys, sweep_argv(env, "--provider", "local", "--keep", current["id"], "--destroy", provider="local"))
     assert out["destroyed"] == [old["id"]] and port_closed(old["port"])
     assert [p.id for p in local.Local().list_pods()] == [current["id"]]
 

@@ -69,6 +69,20 @@ def fake_vast(env, monkeypatch):
     assert fake.violations == [], "requests or answers outside the Vast.ai spec:\n" + "\n".join(fake.violations)
 
 
+def stack_file(directory: Path, stack: str = "t1", provider: str = "runpod", secret_key: bool = False) -> str:
+    """A minimal stack file for sweep (which needs the stack to exist and reads its provider)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = ["config:", "  colocate:region: apac-jp", "  colocate:pod:", f"    provider: {provider}"]
+    if secret_key:
+        lines.append(f"  colocate:{provider}ApiKey:\n    secure: v1:AAAA")
+    (directory / f"Pulumi.{stack}.yaml").write_text("\n".join(lines) + "\n")
+    return str(directory)
+
+
+def sweep_argv(env: Path, *extra: str, stack: str = "t1", provider: str = "runpod") -> list[str]:
+    return ["sweep", "--stack", stack, "--stacks-dir", stack_file(env / "stacks", stack, provider), *extra]
+
+
 def run(capsys, argv, stdin: str | None = None, monkeypatch=None):
     if stdin is not None:
         import io
@@ -245,10 +259,10 @@ def test_crash_between_create_and_readiness_is_found_by_sweep(fake_runpod, env, 
         proc.stdout.close()
         proc.stderr.close()
     stray = fake_runpod.live()[0]["id"]
-    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "runpod"])
+    code, out, _ = run(capsys, sweep_argv(env, "--provider", "runpod"))
     assert code == 0 and [s["id"] for s in out["strays"]] == [stray] and out["destroyed"] == []
     assert len(fake_runpod.live()) == 1  # listing alone destroys nothing
-    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "runpod", "--destroy"])
+    code, out, _ = run(capsys, sweep_argv(env, "--provider", "runpod", "--destroy"))
     assert code == 0 and out["destroyed"] == [stray] and fake_runpod.live() == []
 
 
@@ -275,7 +289,7 @@ def test_sweep_keeps_the_current_pod_and_ignores_other_stacks(fake_runpod, env, 
     _, keep, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", gen=2))])
     _, other, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", stack="t1-b"))])
     _, old, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", gen=1))])
-    code, out, _ = run(capsys, ["sweep", "--stack", "t1", "--provider", "runpod", "--keep", keep["id"], "--destroy"])
+    code, out, _ = run(capsys, sweep_argv(env, "--provider", "runpod", "--keep", keep["id"], "--destroy"))
     assert code == 0 and out["destroyed"] == [old["id"]]
     assert sorted(p["id"] for p in fake_runpod.live()) == sorted([keep["id"], other["id"]])
 

@@ -69,6 +69,40 @@ def test_streaming_sends_one_sse_chunk_per_token_then_done(pod):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def _sse(pod, path, body):
+    with requests.post(pod.url + path, json=body, headers=auth(), stream=True, timeout=5) as r:
+        assert r.status_code == 200, r.text
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == b"data: [DONE]"
+    return [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                                        ("/v1/completions", {"prompt": "x"})])
+def test_include_usage_adds_a_final_usage_chunk_like_vllm(pod, path, extra):
+    chunks = _sse(pod, path, {"model": "m1", "stream": True, "stream_options": {"include_usage": True}, **extra})
+    *tokens, last = chunks
+    assert last["choices"] == [] and last["id"] == tokens[0]["id"]
+    usage = last["usage"]
+    assert usage["completion_tokens"] == len(tokens) and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert all(c["usage"] is None and c["choices"] for c in tokens), "the other chunks carry usage: null"
+    # Without the option (or with it false) nothing about usage is streamed.
+    for options in ({}, {"stream_options": {"include_usage": False}}):
+        plain = _sse(pod, path, {"model": "m1", "stream": True, **options, **extra})
+        assert all(c["choices"] and "usage" not in c for c in plain)
+
+
+def test_non_streamed_answers_carry_usage_and_stream_options_need_stream(pod):
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+    r = requests.post(pod.url + "/v1/chat/completions", json=body, headers=auth(), timeout=5)
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 3 and usage["total_tokens"] == usage["prompt_tokens"] + 3
+    r = requests.post(pod.url + "/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}},
+                      headers=auth(), timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_stream_options"
+
+
 def test_bad_requests_get_json_errors(pod):
     r = requests.post(pod.url + "/v1/chat/completions", data=b"{nope", headers=auth(), timeout=5)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"

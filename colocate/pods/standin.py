@@ -8,7 +8,11 @@ in FACTS.md) per request instead of running a model.
 Routes:
     GET  /health                 200 {"status":"ok"} (no auth)
     GET  /v1/models              the one model
-    POST /v1/chat/completions    JSON, or SSE with "stream": true (one chunk per token, then [DONE])
+    POST /v1/chat/completions    JSON, or SSE with "stream": true (one chunk per token, then [DONE]);
+                                 ``stream_options.include_usage``: every chunk carries ``"usage": null``
+                                 and a last chunk before [DONE] has ``"choices": []`` and the usage
+                                 (OpenAI's documented shape, which vLLM follows); JSON answers always
+                                 carry ``usage``
     POST /v1/completions         JSON, or SSE with "stream": true
     POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N} (loopback clients only)
     GET  /_standin/stats         {"requests": N, "fault": {...}} (loopback clients only)
@@ -236,21 +240,25 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, "'prompt' is required", "invalid_prompt")
         if not self._apply_fault():
             return
+        options = body.get("stream_options")
+        if options is not None and not body.get("stream"):
+            # vLLM's answer too: stream_options without streaming is a client error.
+            return self._error(400, "Stream options can only be defined when `stream=True`.", "invalid_stream_options")
+        if options is not None and not isinstance(options, dict):
+            return self._error(400, "'stream_options' must be an object", "invalid_stream_options")
         model = body.get("model") or self.server.model
         tokens = _reply_tokens(body, chat, int(body.get("max_tokens") or 8))
+        usage = _usage(body, tokens)
         if body.get("stream"):
-            return self._stream(chat, model, tokens)
+            return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None)
         self._compute()
         text = "".join(tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat
                   else {"index": 0, "text": text, "finish_reason": "stop"})
-        prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
         self._send_json(200, {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                      "total_tokens": prompt_tokens + len(tokens)},
+            "model": model, "choices": [choice], "usage": usage,
         })
 
     def _post_fault(self, raw: bytes) -> None:
@@ -263,7 +271,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, f"bad fault request: {exc}", "invalid_fault")
         self._send_json(200, {"fault": self.server.fault})
 
-    def _stream(self, chat: bool, model: str, tokens: list[str]) -> None:
+    def _stream(self, chat: bool, model: str, tokens: list[str], usage: dict | None = None) -> None:
+        """SSE; with ``usage`` (the client asked ``include_usage``) every chunk has
+        ``"usage": null`` and one more chunk, ``choices: []`` with the usage, precedes [DONE]."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -285,9 +295,15 @@ class _Handler(BaseHTTPRequestHandler):
                     choice = {"index": 0, "text": tok, "finish_reason": "stop" if last else None}
                     obj = "text_completion"
                 chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+                if usage is not None:
+                    chunk["usage"] = None
                 self._write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
                 if not last:
                     self._compute(0.5 / max(1, len(tokens) - 1))
+            if usage is not None:
+                final = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                         "created": created, "model": model, "choices": [], "usage": usage}
+                self._write_chunk(f"data: {json.dumps(final)}\n\n".encode())
             self._write_chunk(b"data: [DONE]\n\n")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
@@ -297,6 +313,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _write_chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
+
+
+def _usage(body: dict, tokens: list[str]) -> dict:
+    # About four characters a token: enough for limits and usage accounting to have numbers.
+    prompt_tokens = max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens), "total_tokens": prompt_tokens + len(tokens)}
 
 
 def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:

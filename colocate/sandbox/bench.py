@@ -19,7 +19,7 @@ from ..workerd import Workerd
 from . import config as config_mod
 from .geography import Geography, Sites
 from .pinning import FILE_NAME as PINS_FILE, Pins
-from .proxies import Network, NetworkServers
+from .proxies import Network, NetworkServers, local_url
 
 EDGE, FAR = "TPE", "IAD"
 
@@ -37,7 +37,15 @@ def router_with_state_delay(plan: CellPlan, values: Mapping[str, str], delay_ms:
         pins = Pins(tmp_path / PINS_FILE)
         pins.touch(plan.state.active.name, FAR)  # as if first touched from over there
         sites = Sites(client=EDGE, edge=EDGE, pod=EDGE, fallback=EDGE)
-        targets = {**{_hostport(u): EDGE for u in json.loads(values["POD_URLS"])}, _hostport(values["FALLBACK_URL"]): EDGE}
+        # The outbound proxy refuses IP literals as Cloudflare does: the Worker gets names.
+        values = dict(values)
+        pod_urls = [local_url(u) for u in json.loads(values["POD_URLS"])]
+        values["POD_URLS"] = json.dumps(pod_urls)
+        for k in ("FALLBACK_URL", "fallbackUrl"):
+            if k in values:
+                values[k] = local_url(values[k])
+        fallback = values.get("FALLBACK_URL") or values["fallbackUrl"]
+        targets = {**{_hostport(u): EDGE for u in pod_urls}, _hostport(fallback): EDGE}
         with NetworkServers(Network(geography, sites, pins, targets)) as servers:
             objects = tmp_path / "objects"
             text = config_mod.compose(plan, values=dict(values), edge_site=EDGE, state_sites=[EDGE, FAR],

@@ -8,7 +8,11 @@
                     points here with an injected ``x-sandbox-site`` header naming the caller's
                     site. ``/cdn-cgi/trace`` is answered with ``colo=<caller site>``; requests to
                     a known target (pod, fallback) wait RTT(caller, target) (half before, half
-                    after) and are forwarded; anything else is refused (502, JSON).
+                    after) and are forwarded; a URL whose host is an IP literal is refused the
+                    way Cloudflare refuses it (403, ``error code: 1003``, see ``ip_literal``);
+                    anything else is refused (502, JSON). Targets are named by hostname
+                    (``localhost:<port>``, what ``PodPlan.worker_url`` gives a local pod) and
+                    the proxy maps that name to 127.0.0.1.
                     Requests without the site header are the control endpoint:
                     ``GET /_sandbox/pin?name=&edge=&hint=`` pins a generation on first touch and
                     returns ``{"site", "rtt_ms"}``; ``GET /_sandbox/health`` reports the network.
@@ -19,6 +23,7 @@ Both stream: bodies are relayed chunk by chunk as they arrive (SSE passes unbuff
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import secrets
 import threading
@@ -36,6 +41,24 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 UPSTREAM_TIMEOUT_S = 120.0
 HOLD_S = 60.0  # how long a request may wait at the edge while a deploy swaps workerd
 MAX_REQUEST_BODY = 32 * 1024 * 1024
+# What a deployed Worker gets from fetch("http://<ip>:<port>/..."): Cloudflare's known-issues
+# page (cloudflare-docs PR #9802) says subrequests need a hostname; the answer users report
+# is the body "error code: 1003" (cloudflare/workers-docs #981), HTTP 403 (Cloudflare's 1xxx
+# errors page: 1003 "Direct IP access not allowed" is returned with 403).
+IP_LITERAL_STATUS = 403
+IP_LITERAL_BODY = b"error code: 1003"
+LOCAL_NAMES = {"localhost": "127.0.0.1"}  # names the sandbox resolves (everything runs on loopback)
+
+
+def ip_literal(host: str | None) -> bool:
+    """True when a URL's host is an IPv4/IPv6 address rather than a name."""
+    if not host:
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -86,6 +109,17 @@ class Network:
             self.workerd = workerd
             self._paused = False
             self._gate.notify_all()
+
+
+def local_url(url: str) -> str:
+    """A loopback URL by name (``localhost``), as the sandbox's Worker must fetch it: the
+    outbound proxy refuses IP literals the way Cloudflare does (error 1003)."""
+    scheme, rest = url.split("://", 1)
+    hostport, sep, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    if host in ("127.0.0.1", "[::1]"):
+        hostport = f"localhost:{port}"
+    return f"{scheme}://{hostport}{sep}{path}"
 
 
 def _sleep_ms(ms: float) -> None:
@@ -245,6 +279,9 @@ class _OutboundHandler(_Relay):
             self._trace(caller)
             return
         port = url.port or (443 if url.scheme == "https" else 80)
+        if ip_literal(url.hostname):
+            self._refuse_ip_literal()
+            return
         key = f"{url.hostname}:{port}"
         target = net.targets.get(key)
         if target is None:
@@ -257,7 +294,14 @@ class _OutboundHandler(_Relay):
         path = url.path + (f"?{url.query}" if url.query else "")
         headers = self._forward_headers({SITE_HEADER})
         headers["host"] = key
-        self._relay(url.hostname, port, path or "/", headers, body, half, half)
+        self._relay(LOCAL_NAMES.get(url.hostname, url.hostname), port, path or "/", headers, body, half, half)
+
+    def _refuse_ip_literal(self) -> None:
+        self.send_response(IP_LITERAL_STATUS)
+        self.send_header("content-type", "text/plain; charset=UTF-8")
+        self.send_header("content-length", str(len(IP_LITERAL_BODY)))
+        self.end_headers()
+        self.wfile.write(IP_LITERAL_BODY)
 
     def _trace(self, caller: str) -> None:
         # The trace endpoint answers from the colo the caller runs in: no hop to pay for.

@@ -63,7 +63,7 @@ from . import config as config_mod
 from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import FALLBACK_SITE, Geography, Sites, landing_site, site
 from .pinning import FILE_NAME as PINS_FILE, Pins
-from .proxies import Network, NetworkServers
+from .proxies import Network, NetworkServers, local_url
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERD = ROOT / "node_modules" / ".bin" / "workerd"
@@ -458,34 +458,88 @@ def _pod_env(state_dir: Path, token: str) -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def _create_pod(state_dir: Path, plan: CellPlan, token: str) -> dict:
+PODS_FILE = "pods.json"  # what each pod's create printed, in pod index order
+
+
+def _pods(state_dir: Path) -> list[dict]:
+    """The cell's pods as created (index order); ``pod.json`` is the one-pod layout of old."""
+    data = _read_json(Path(state_dir) / PODS_FILE)
+    if data is not None:
+        return [p for p in data.get("pods", []) if p]
+    legacy = _read_json(Path(state_dir) / "pod.json")
+    return [legacy] if legacy else []
+
+
+def _record_pods(state_dir: Path, pods: list[dict | None]) -> None:
+    _write_json(Path(state_dir) / PODS_FILE, {"pods": [p for p in pods if p]})
+    (Path(state_dir) / "pod.json").unlink(missing_ok=True)
+
+
+def _create_pod(state_dir: Path, plan: CellPlan, token: str, index: int = 0) -> dict:
+    """Pod ``index`` of the plan, through ``scripts/pod.py create`` (its own process: a failed
+    create cleans up only what it made itself)."""
+    pod = plan.pods[index]
     with open(state_dir / "logs" / "pod.log", "ab") as log:
         proc = subprocess.run([sys.executable, str(POD_SCRIPT), "create", "--spec", "-"],
-                              input=json.dumps(plan.pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
+                              input=json.dumps(pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
                               env=_pod_env(state_dir, token), cwd=ROOT, timeout=POD_TIMEOUT_S)
     if proc.returncode != 0:
-        raise StartupFailed(f"the pod's create (scripts/pod.py create) exited {proc.returncode}; see {state_dir / 'logs' / 'pod.log'}")
+        raise StartupFailed(f"the create of pod {index} ({pod.name}, scripts/pod.py create) exited {proc.returncode}; "
+                            f"see {state_dir / 'logs' / 'pod.log'}")
     created = json.loads(proc.stdout)
-    _write_json(state_dir / "pod.json", created)
+    created["index"] = index
+    created["worker_url"] = pod.worker_url(created)  # a hostname, as the Worker must use in the cloud
     return created
 
 
+def _create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
+    """Every pod of the plan, created side by side (each its own process). Each is recorded
+    as soon as it serves, so a failure of one leaves the others findable for cleanup."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    made: list[dict | None] = [None] * len(plan.pods)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            created = _create_pod(state_dir, plan, token, i)
+        except BaseException as exc:  # noqa: BLE001 - collected, raised below
+            errors.append(exc)
+            return
+        with lock:
+            made[i] = created
+            _record_pods(state_dir, made)
+
+    with ThreadPoolExecutor(max_workers=len(plan.pods)) as ex:
+        list(ex.map(one, range(len(plan.pods))))
+    if errors:
+        raise errors[0]
+    return [p for p in made if p]
+
+
 def _delete_pod(state_dir: Path, created: dict | None = None) -> bool:
-    """Delete the cell's pod (``pod.json``), or the given one (a pod replaced by ``apply``)."""
-    current = created is None
-    created = created or _read_json(state_dir / "pod.json")
-    if not created:
-        return False
+    """Delete every pod of the cell (``pods.json``), or the given one (a pod replaced by ``apply``)."""
+    if created is None:
+        pods = _pods(state_dir)
+        if not pods:
+            return False
+        left = [p for p in pods if not _delete_pod(state_dir, p)]
+        _record_pods(state_dir, left)
+        if not left:
+            (Path(state_dir) / PODS_FILE).unlink(missing_ok=True)
+        return not left
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     with open(state_dir / "logs" / "pod.log", "ab") as log:
-        proc = subprocess.run([sys.executable, str(POD_SCRIPT), "delete", "--id", created["id"]],
+        proc = subprocess.run([sys.executable, str(POD_SCRIPT), "delete", "--id", created["id"],
+                               "--provider", created.get("provider", "local")],
                               stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                               env=_pod_env(state_dir, ""), cwd=ROOT, timeout=POD_TIMEOUT_S)
-    if proc.returncode == 0:
-        if current:
-            (state_dir / "pod.json").unlink(missing_ok=True)
-        return True
-    return False
+    return proc.returncode == 0
+
+
+def _hostport(url: str) -> str:
+    return url.split("://", 1)[1].split("/", 1)[0]
 
 
 # --- the demo client key -------------------------------------------------------------------
@@ -595,48 +649,40 @@ class Runner:
         secrets = load_secrets(self.state_dir)
         pins = Pins(self.state_dir / PINS_FILE)
 
-        created = _create_pod(self.state_dir, plan, secrets["podToken"])
-        pod_url = created["url"].rstrip("/")
-        sites = sites_for(plan, launch, created.get("location", "local"))
-        fallback_url = self._start_fallback(secrets["fallbackApiKey"])
-
-        def hostport(url: str) -> str:
-            return url.split("://", 1)[1].split("/", 1)[0]
-
-        network = Network(geography, sites, pins, targets={hostport(pod_url): sites.pod, hostport(fallback_url): sites.fallback})
+        pods = _create_pods(self.state_dir, plan, secrets["podToken"])
+        sites = sites_for(plan, launch, pods[0].get("location", "local"))
+        fallback_url = local_url(self._start_fallback(secrets["fallbackApiKey"]))
+        network = Network(geography, sites, pins, targets={_hostport(fallback_url): sites.fallback})
+        network.targets.update(self._pod_targets(plan, launch, sites, pods))
         self.network = network
         self.fallback_url = fallback_url
         self.servers = NetworkServers(network)
-        wport, state_sites = self._launch_workerd(plan, sites, pod_url)
+        wport, state_sites = self._launch_workerd(plan, sites, pods)
         network.resume(("127.0.0.1", wport))
         self.key = demo_key(self.state_dir, f"http://127.0.0.1:{self.servers.front.port}", secrets["probeToken"])
-        return self._ready(plan, launch, created, sites, state_sites, wport)
+        return self._ready(plan, launch, pods, sites, state_sites, wport)
 
-    def _launch_workerd(self, plan: CellPlan, sites: Sites, pod_url: str) -> tuple[int, list[str]]:
+    @staticmethod
+    def _pod_targets(plan: CellPlan, launch: Launch, sites: Sites, pods: list[dict]) -> dict[str, str]:
+        """The outbound proxy's routes to the pods: by the hostname the Worker uses, each at its site."""
+        return {_hostport(p["worker_url"]): sites_for(plan, launch, p.get("location", "local")).pod for p in pods}
+
+    def _launch_workerd(self, plan: CellPlan, sites: Sites, pods: list[dict]) -> tuple[int, list[str]]:
         pins = Pins(self.state_dir / PINS_FILE)
         state_sites = object_sites(plan, sites.edge, pins)
         objects = self.state_dir / "objects"
-        values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url, POD_URLS_FROM_OUTPUT: pod_urls_text([pod_url])}
+        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])]
+        values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url,
+                  POD_URLS_FROM_OUTPUT: pod_urls_text(urls)}
         text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
                                   outbound=("127.0.0.1", self.servers.outbound.port), objects_dir=objects)
         config_path = config_mod.write(self.state_dir / "workerd.capnp", text, objects, state_sites)
         return self._start_workerd(config_path), state_sites
 
-    def apply(self) -> dict:
-        """The sandbox's `pulumi up` on a running cell: re-plan from the stack file, create the
-        new pod before deleting the old one, and swap workerd with no request dropped (new
-        requests wait at the edge while in-flight ones finish)."""
-        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
-        plan, _ = build_plan(launch)
-        token = load_secrets(self.state_dir)["podToken"]
-        old_created = _read_json(self.state_dir / "pod.json") or {}
-        replaced = old_created.get("name") != plan.pod.name
-        created = _create_pod(self.state_dir, plan, token) if replaced else old_created
-        pod_url = created["url"].rstrip("/")
-        sites = sites_for(plan, launch, created.get("location", "local"))
-        target = pod_url.split("://", 1)[1].split("/", 1)[0]
+    def _swap(self, plan: CellPlan, sites: Sites, pods: list[dict]) -> tuple[int, list[str]]:
+        """Deploy a new Worker version with these pods, dropping no request: new requests wait
+        at the edge while in-flight ones finish, then the new workerd takes them."""
         net = self.network
-        net.targets[target] = sites.pod  # before the swap: the new version's first requests need it
         if not net.pause():
             _log("apply: in-flight requests did not finish in time; swapping anyway")
         old = self.children.pop("workerd", None)
@@ -648,15 +694,60 @@ class Runner:
                 except subprocess.TimeoutExpired:
                     old.kill()
                     old.wait(timeout=5)
-            wport, state_sites = self._launch_workerd(plan, sites, pod_url)
+            wport, state_sites = self._launch_workerd(plan, sites, pods)
         except BaseException:
             net.resume(net.workerd)  # never leave requests held
             raise
         net.resume(("127.0.0.1", wport), sites=sites)
-        if replaced and old_created:
-            _delete_pod(self.state_dir, old_created)
+        return wport, state_sites
+
+    def apply(self) -> dict:
+        """The sandbox's `pulumi up` on a running cell: re-plan from the stack file and replace
+        the pods that changed **one at a time** (new pod i serves and the Worker uses it before
+        old pod i is deleted), adding or removing only the pods whose index came or went."""
+        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
+        plan, _ = build_plan(launch)
+        token = load_secrets(self.state_dir)["podToken"]
+        old = {p.get("index", 0): p for p in _pods(self.state_dir)}
+        current: list[dict | None] = [old.get(i) for i in range(len(plan.pods))]
+        deleted: set[str] = set()
+        net = self.network
+
+        def record() -> None:  # every pod that may bill is on file at every step
+            live = [p for p in current if p]
+            ids = {p["id"] for p in live} | deleted
+            _record_pods(self.state_dir, live + [p for p in old.values() if p["id"] not in ids])
+
+        def retire(pod: dict, why: str) -> None:
+            if _delete_pod(self.state_dir, pod):
+                deleted.add(pod["id"])
+            _log(f"apply: deleted pod {pod.get('index', 0)} ({pod.get('name')}): {why}")
+            record()
+
+        sites = sites_for(plan, launch, (current[0] or {}).get("location", "local"))
+        swapped = None
+        for i, pod in enumerate(plan.pods):
+            before = old.get(i)
+            if before and before.get("name") == pod.name:
+                continue
+            created = _create_pod(self.state_dir, plan, token, i)  # serves before anything else happens
+            current[i] = created
+            record()
+            sites = sites_for(plan, launch, current[0].get("location", "local"))
+            net.targets.update(self._pod_targets(plan, launch, sites, [created]))  # before the swap
+            swapped = self._swap(plan, sites, [p for p in current if p])
+            _log(f"apply: pod {i} is now {created['name']}")
+            if before:
+                retire(before, "replaced")
+        live = [p for p in current if p]
+        removed = [p for j, p in sorted(old.items()) if j >= len(plan.pods)]
+        if swapped is None or removed:
+            swapped = self._swap(plan, sites, live)  # the new Worker version, without removed pods
+        for extra in removed:
+            retire(extra, f"pod.count is {len(plan.pods)}")
         self._purge_retired(plan)
-        return self._ready(plan, launch, created, sites, state_sites, wport)
+        wport, state_sites = swapped
+        return self._ready(plan, launch, live, sites, state_sites, wport)
 
     def _purge_retired(self, plan: CellPlan) -> None:
         """What the cell's purge commands do after `finish`: once per retired generation,
@@ -675,22 +766,25 @@ class Runner:
             done.add(gen)
             _write_json(record, {"purged": sorted(done)})
 
-    def _ready(self, plan: CellPlan, launch: Launch, created: dict, sites: Sites, state_sites: list[str],
+    def _ready(self, plan: CellPlan, launch: Launch, pods: list[dict], sites: Sites, state_sites: list[str],
                wport: int) -> dict:
         self.revision += 1
         secrets = load_secrets(self.state_dir)
         pins = Pins(self.state_dir / PINS_FILE)
-        pod_url = created["url"].rstrip("/")
+        first = pods[0]
         fallback_url = self.fallback_url
         geography = self.network.geography
         state = plan.state
+        pod_pids = {("pod" if p["index"] == 0 else f"pod-{p['index']}"): _pod_pid(self.state_dir, p) for p in pods}
         return {
             "stack": plan.stack,
             "region": plan.region.name,
             "worker_url": f"http://127.0.0.1:{self.servers.front.port}",
-            "pod_url": pod_url,
-            "pod_id": created.get("id"),
-            "pod_location": created.get("location"),
+            "pod_url": first["worker_url"].rstrip("/"),
+            "pod_id": first.get("id"),
+            "pod_location": first.get("location"),
+            "pods": [{"index": p["index"], "id": p.get("id"), "name": p.get("name"), "url": p["worker_url"].rstrip("/"),
+                      "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)} for p in pods],
             "fallback_url": fallback_url,
             "token": secrets["probeToken"],
             "key": self.key.get("key"),
@@ -705,7 +799,7 @@ class Runner:
             "pins": pins.all(),
             "ports": {"front": self.servers.front.port, "outbound": self.servers.outbound.port, "workerd": wport},
             "pids": {"runner": os.getpid(), "workerd": self.children["workerd"].pid,
-                     "fallback": self.children["fallback"].pid, "pod": _pod_pid(self.state_dir, created)},
+                     "fallback": self.children["fallback"].pid, **pod_pids},
             "logs": str(self.logs),
             "revision": self.revision,
         }

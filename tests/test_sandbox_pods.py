@@ -1,0 +1,110 @@
+"""N stand-in pods in the sandbox (``colocate:pod.count``): each its own process, reached by
+name, replaced one at a time by ``apply`` while serving, and one of two killed under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from colocate import stackfile
+from colocate.pods.local import alive
+from colocate.sandbox import supervisor
+from tests.support.sandbox import Load, client_key, sandbox_stacks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def stacks(tmp_path):
+    d = sandbox_stacks(tmp_path / "stacks", compute_ms=20)
+    stackfile.write_config("sandbox", {"pod": {"provider": "local", "computeMs": 20, "count": 2}}, d)
+    return d
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    d = tmp_path / "state"
+    yield d
+    supervisor.down(d, quiet=True)
+
+
+def _pods_on_file(state_dir) -> list[dict]:
+    return json.loads((Path(state_dir) / supervisor.PODS_FILE).read_text())["pods"]
+
+
+def _backends(results) -> set:
+    return {b for s, b, _ in results if s == 200}
+
+
+def test_two_pods_each_its_own_process_reached_by_name(stacks, state_dir):
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    pods = cell["pods"]
+    assert [p["index"] for p in pods] == [0, 1]
+    assert all(p["url"].startswith("http://localhost:") for p in pods), pods  # a name, never an IP literal
+    assert len({p["pid"] for p in pods}) == 2 and all(alive(p["pid"]) for p in pods)
+    assert {p["name"].split("-p")[1][0] for p in pods} == {"0", "1"}
+    assert cell["pod_url"] == pods[0]["url"] and cell["pids"]["pod-1"] == pods[1]["pid"]
+    assert "localhost" in cell["fallback_url"]
+    key = client_key(cell)["key"]
+    with Load(cell["worker_url"], key, rate_per_s=40, max_s=30) as load:
+        time.sleep(3)
+    assert not load.failures(), load.failures()[:5]
+    assert _backends(load.results) == {"pod-0", "pod-1"}, "the router balances both pods"
+    supervisor.down(state_dir, quiet=True)
+    assert not any(alive(p["pid"]) for p in pods)
+    assert not (Path(state_dir) / supervisor.PODS_FILE).exists()
+
+
+def test_apply_replaces_pods_one_at_a_time_and_changes_the_count_with_no_failed_request(stacks, state_dir):
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    old = {p["index"]: p for p in cell["pods"]}
+    key = client_key(cell)["key"]
+    with Load(cell["worker_url"], key, rate_per_s=40) as load:
+        time.sleep(2)
+        # A new model replaces every pod: pod 0 first, then pod 1, each new one serving before the old goes.
+        pod = {"provider": "local", "computeMs": 20, "count": 2, "model": "Qwen/Qwen2.5-7B-Instruct-AWQ-v2"}
+        stackfile.write_config("sandbox", {"pod": pod}, stacks)
+        after = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
+        time.sleep(2)
+        # Count 2 -> 3 adds pod 2 only; 3 -> 1 removes pods 1 and 2 only.
+        stackfile.write_config("sandbox", {"pod": {**pod, "count": 3}}, stacks)
+        grown = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
+        time.sleep(1)
+        stackfile.write_config("sandbox", {"pod": {**pod, "count": 1}}, stacks)
+        shrunk = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
+        time.sleep(1)
+    assert not load.failures(), f"{len(load.failures())} of {len(load.results)} failed: {load.failures()[:5]}"
+    assert len(load.results) > 100
+    new = {p["index"]: p for p in after["pods"]}
+    assert set(new) == {0, 1} and all(new[i]["id"] != old[i]["id"] for i in (0, 1))
+    assert not any(alive(p["pid"]) for p in old.values()), "the replaced pods were deleted"
+    assert [p["index"] for p in grown["pods"]] == [0, 1, 2]
+    assert [p["id"] for p in grown["pods"][:2]] == [new[0]["id"], new[1]["id"]], "count up touched only pod 2"
+    assert [p["id"] for p in shrunk["pods"]] == [new[0]["id"]], "count down kept pod 0"
+    assert alive(new[0]["pid"]) and not alive(new[1]["pid"]) and not alive(grown["pods"][2]["pid"])
+    assert [p["id"] for p in _pods_on_file(state_dir)] == [new[0]["id"]]
+    # The order: the runner's log says new pod i came before old pod i was deleted, i = 0 then 1.
+    log = (Path(state_dir) / "logs" / "runner.log").read_text()
+    steps = [log.index(s) for s in (f"pod 0 is now {new[0]['name']}", f"deleted pod 0 ({old[0]['name']})",
+                                    f"pod 1 is now {new[1]['name']}", f"deleted pod 1 ({old[1]['name']})")]
+    assert steps == sorted(steps), log[-2000:]
+
+
+def test_one_pod_of_two_killed_mid_load_costs_no_request(stacks, state_dir):
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    key = client_key(cell)["key"]
+    victim = cell["pods"][1]
+    with Load(cell["worker_url"], key, rate_per_s=40) as load:
+        time.sleep(2)
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = len(load.results)
+        time.sleep(5)
+    assert not alive(victim["pid"])
+    assert not load.failures(), f"{len(load.failures())} of {len(load.results)} failed: {load.failures()[:5]}"
+    assert len(load.results) - killed_at > 100
+    assert "pod-0" in _backends(load.results[killed_at + 40:]), "pod 0 carried the load after the kill"
