@@ -17,7 +17,7 @@ from colocate import stackfile
 from colocate.sandbox import supervisor
 from colocate.sandbox.errors import AlreadyRunning
 from colocate.sandbox.geography import Geography
-from tests.support.sandbox import client_key, sandbox_stacks
+from tests.support.sandbox import sandbox_stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
