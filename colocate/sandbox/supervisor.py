@@ -458,6 +458,8 @@ def _pod_env(state_dir: Path, token: str) -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
+# Longer than the Worker's usage flush interval (worker/src/state.js FLUSH_MAX_MS = 1 s).
+WAIT_UNTIL_GRACE_S = 1.2
 PODS_FILE = "pods.json"  # what each pod's create printed, in pod index order
 
 
@@ -685,6 +687,10 @@ class Runner:
         net = self.network
         if not net.pause():
             _log("apply: in-flight requests did not finish in time; swapping anyway")
+        # On Cloudflare an old version's isolates finish their ctx.waitUntil work after the
+        # new version takes traffic; here both versions share the objects' disk, so the old
+        # one gets that time before it stops: its batched usage reaches the object.
+        time.sleep(WAIT_UNTIL_GRACE_S)
         old = self.children.pop("workerd", None)
         try:
             if old is not None and old.poll() is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from bench.load import Load  # noqa: F401  (the tests' load generator lives with the benchmarks)
 from colocate import stackfile
 
 
@@ -30,59 +31,3 @@ def usage_requests(ready: dict, key_id: str) -> int:
     rows = AdminClient(Target(ready["worker_url"], ready["token"], "sandbox")).usage(
         since="2000-01-01", until="2999-12-31", key_id=key_id)["usage"]
     return sum(r["requests"] for r in rows if r["key_id"] == key_id)
-
-
-class Load:
-    """A bounded open-loop load of routed chat requests carrying a client key: one request
-    every 1/rate s on a pool of 32 threads until stopped or ``max_s`` passed. Each result
-    is (status or None, x-colocate-backend, error text)."""
-
-    def __init__(self, url: str, key: str, rate_per_s: float = 50, max_s: float = 180):
-        import threading
-
-        self.url = url + "/v1/chat/completions"
-        self.key = key
-        self.rate, self.max_s = rate_per_s, max_s
-        self.results: list[tuple[int | None, str | None, str]] = []
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _one(self, pool_local) -> None:
-        import requests
-
-        s = getattr(pool_local, "s", None) or requests.Session()
-        pool_local.s = s
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        try:
-            r = s.post(self.url, json=body, timeout=90, headers={"Authorization": f"Bearer {self.key}"})
-            out = (r.status_code, r.headers.get("x-colocate-backend"), r.text[:200] if r.status_code != 200 else "")
-        except requests.RequestException as exc:
-            out = (None, None, type(exc).__name__)
-        with self._lock:
-            self.results.append(out)
-
-    def _run(self) -> None:
-        import threading
-        import time
-        from concurrent.futures import ThreadPoolExecutor
-
-        local = threading.local()
-        deadline = time.monotonic() + self.max_s
-        with ThreadPoolExecutor(max_workers=32) as pool:
-            next_at = time.monotonic()
-            while not self.stop.is_set() and time.monotonic() < deadline:
-                pool.submit(self._one, local)
-                next_at += 1 / self.rate
-                time.sleep(max(0.0, next_at - time.monotonic()))
-
-    def failures(self) -> list[tuple[int | None, str | None, str]]:
-        return [r for r in self.results if r[0] != 200]
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self._thread.join(timeout=120)

@@ -11,7 +11,9 @@
 // generation's whole state (exportAll: override, keys, usage, counters) inside
 // blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once.
 // The router also calls `importFrom` before it purges a draining generation, so nothing
-// is lost even if no request touched the new generation in between.
+// is lost even if no request touched the new generation in between. Once exported, a
+// generation forwards the usage batches that still reach it (isolates of the previous
+// Worker version finishing their work during a deploy) to its successor.
 
 import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, record } from "./machine.js";
@@ -71,7 +73,7 @@ export class Breaker extends DurableObject {
       const ns = this.env.BREAKER;
       const id = ns.idFromName(from);
       const other = info.drainingHint ? ns.get(id, { locationHint: info.drainingHint }) : ns.get(id);
-      this.importState(from, await other.exportAll());
+      this.importState(from, await other.exportAll(info.generation));
     });
   }
 
@@ -91,8 +93,12 @@ export class Breaker extends DurableObject {
     });
   }
 
-  /** Everything a successor generation takes over (pod health stays: the pods change). */
-  async exportAll() {
+  /**
+   * Everything a successor generation takes over (pod health stays: the pods change).
+   * From now on usage batches that reach this generation go on to `successor`.
+   */
+  async exportAll(successor = null) {
+    if (successor) this.setMeta("successor", successor);
     return {
       forced: this.meta("forced"),
       keys: this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys`).toArray(),
@@ -144,6 +150,17 @@ export class Breaker extends DurableObject {
   /** Apply an isolate's batched deltas and answer the current view. */
   async sync(info, batch = null) {
     await this.readThrough(info);
+    const successor = this.meta("successor");
+    if (batch && successor && successor !== info.generation) {
+      // Late usage from the previous version's isolates: counted where the state now lives.
+      try {
+        const next = this.env.BREAKER.get(this.env.BREAKER.idFromName(successor));
+        await next.sync({ ...info, generation: successor, draining: null, haveRev: -1 }, batch);
+        batch = null;
+      } catch {
+        // the successor is unreachable: keep the batch here rather than lose it
+      }
+    }
     if (batch && (batch.usage.length || batch.windows.length)) {
       const oldest = minuteOf(Date.now()) - 1;
       this.ctx.storage.transactionSync(() => {
