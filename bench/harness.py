@@ -270,6 +270,30 @@ def check_router(url: str, headers: Mapping[str, str]) -> str:
     return backend
 
 
+def state_waits(url: str, headers: Mapping[str, str], n: int = 300) -> dict:
+    """The router's own Server-Timing ``state`` (time waited on the state object before
+    forwarding) over ``n`` sequential requests on one connection: p50 and p99 in ms."""
+    import http.client
+
+    host, port = url.split("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    waits = []
+    try:
+        for _ in range(n):
+            conn.request("POST", PATH, body=BODY, headers=dict(headers))
+            res = conn.getresponse()
+            res.read()
+            for part in (res.getheader("server-timing") or "").split(","):
+                name, _, rest = part.strip().partition(";")
+                if name == "state" and "dur=" in rest:
+                    waits.append(float(rest.split("dur=", 1)[1]))
+    finally:
+        conn.close()
+    waits.sort()
+    pick = (lambda q: waits[min(len(waits) - 1, round(q / 100 * (len(waits) - 1)))]) if waits else (lambda q: None)
+    return {"n": len(waits), "p50_ms": pick(50), "p99_ms": pick(99)}
+
+
 def mint_key(url: str, probe_token: str) -> str:
     """A client key for the bench's routed requests, through the router's admin endpoint."""
     from colocate.admin import AdminClient, Target
@@ -383,7 +407,9 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
                     levels[c].append(rd)
                     log(f"pods {pod_count} round {r + 1}/{opts.rounds} clients {c}: "
                         + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms" for t in TARGETS))
+            state = state_waits(router.url, hdr_router)
     return {"pods": pod_count, "pod_delay_ms": opts.pod_delay_ms, "pod_slots": opts.pod_slots, "router_backend": backend, "far_state": far,
+            "router_state_ms": state,
             "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()]}
 
 

@@ -67,7 +67,10 @@ def table(result: dict) -> str:
     for s in result["series"]:
         rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), router served by {s['router_backend']}"
                     + (f"; state at {s['far_state']['state_colo']}, forced round trip p50 "
-                       f"{s['far_state']['state_rtt_p50_ms']} ms" if s.get("far_state") else ""))
+                       f"{s['far_state']['state_rtt_p50_ms']} ms" if s.get("far_state") else "")
+                    + (f"; router waited on state p50 {s['router_state_ms']['p50_ms']} ms, p99 "
+                       f"{s['router_state_ms']['p99_ms']} ms (Server-Timing, {s['router_state_ms']['n']} requests)"
+                       if s.get("router_state_ms") else ""))
         rows.append(f"{'clients':>7} {'target':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu us/req':>10} {'errors':>6}"
                     f" {'sse ttfb':>9} {'sse ttlb':>9}")
         for lv in s["levels"]:

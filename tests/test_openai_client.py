@@ -33,10 +33,11 @@ def test_streaming_with_usage_is_metered(cell):
                                             stream=True, stream_options={"include_usage": True}, max_tokens=5))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text
-    # If the stand-in reported usage in the final chunk, the router counted it against tpm=1.
-    if chunks[-1].usage is not None:
-        with pytest.raises(openai.RateLimitError):
-            c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}])
+    # The pod (as vLLM) reports usage in a final chunk; the router counted it against tpm=1.
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+    with pytest.raises(openai.RateLimitError) as exc:
+        c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.type == "tokens"
 
 
 def test_bad_key_is_an_authentication_error(cell):
