@@ -171,9 +171,15 @@ def _after_interrupt(cmd: str, state_dir: Path | None) -> str:
     return f"interrupted, but a sandbox still runs in {state_dir}: stop it with `{CMD} down --state-dir {state_dir}`"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
+    """``cli``: the process ends after this returns, so late signals are ignored rather than
+    turned into a traceback (the command's outcome is already printed)."""
     handlers = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        args = parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("sandbox.py: interrupted before doing anything", file=sys.stderr)
+        return 130
     state_dir: Path | None = None
     try:
         if args.cmd == "up":
@@ -228,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if cli else handler)
     return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(cli=True))

@@ -154,7 +154,8 @@ def test_ctrl_c_during_apply_keeps_the_cell_consistent_and_down_stops_all(stacks
                 if ready["revision"] == 2 or res.returncode == 130:
                     break
             time.sleep(0.2)
-        assert supervisor.status(state_dir)["healthy"] is True
+        st = supervisor.status(state_dir)
+        assert st["healthy"] is True, json.dumps({k: st.get(k) for k in ("health", "pids", "pod_url")})
         ready = json.loads((state_dir / "ready.json").read_text())
         supervisor.down(state_dir, quiet=True)
         _assert_nothing_left(state_dir, before | _ports_of(ready))

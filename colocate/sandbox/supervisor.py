@@ -441,7 +441,9 @@ def status(state_dir: Path) -> dict:
     health = {name: alive(pid) for name, pid in pids.items()}
     worker_ok, worker_status = _http_ok(ready["worker_url"] + "/_colocate/probe",
                                         {"authorization": f"Bearer {ready['token']}"}, timeout=10)
-    pod_ok, _ = _http_ok(ready["pod_url"] + "/health")
+    # Every pod, at the address its process listens on (the Worker's hostname is the proxy's to map).
+    pods = ready.get("pods") or [{"address": ready["pod_url"]}]
+    pod_ok = all(_http_ok((p.get("address") or p["url"]) + "/health", timeout=5)[0] for p in pods)
     net_ok, _ = _http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
     out.update({k: ready[k] for k in ("stack", "region", "worker_url", "pod_url", "sites", "generation", "draining") if k in ready})
     out["pids"] = pids
@@ -790,7 +792,8 @@ class Runner:
             "pod_id": first.get("id"),
             "pod_location": first.get("location"),
             "pods": [{"index": p["index"], "id": p.get("id"), "name": p.get("name"), "url": p["worker_url"].rstrip("/"),
-                      "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)} for p in pods],
+                      "address": p["url"].rstrip("/"), "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)}
+                     for p in pods],
             "fallback_url": fallback_url,
             "token": secrets["probeToken"],
             "key": self.key.get("key"),
