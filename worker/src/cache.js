@@ -53,7 +53,10 @@ export class ViewCache {
     } else if (!e || e.view.rev !== view.rev) {
       keys = null; // we asked with a revision we no longer hold: the next sync fetches the list
     }
-    const next = { view, keys, negative, at: now, refreshAt: null, missAt: e ? e.missAt : -Infinity };
+    // Without a key list the view cannot authenticate anyone: treat it as stale, so the next
+    // request syncs (asking for the list) instead of refusing clients.
+    const at = keys === null ? -Infinity : now;
+    const next = { view, keys, negative, at, refreshAt: null, missAt: e ? e.missAt : -Infinity };
     this.entries.set(gen, next);
     return next;
   }

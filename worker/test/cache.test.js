@@ -46,6 +46,10 @@ test("keys travel only when their revision changes; the revision held is what a 
   c.put("g", { ...view(3, 5), keys: null }, 2); // changed but not sent (we asked with an old rev): unknown
   assert.equal(c.entry("g").keys, null);
   assert.equal(c.rev("g"), -1);
+  assert.equal(c.status("g", 3, 1000), "stale"); // the next request syncs and asks for the list
+  c.drop("g");
+  c.put("g", { ...view(4, 5), keys: null }, 4); // an answer that raced a drop (a key created here)
+  assert.equal(c.status("g", 5, 1000), "stale");
 });
 
 test("unknown digests are remembered until the key list changes, and the memory is bounded", () => {
