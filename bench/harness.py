@@ -275,6 +275,8 @@ def state_waits(url: str, headers: Mapping[str, str], n: int = 300) -> dict:
     forwarding) over ``n`` sequential requests on one connection: p50 and p99 in ms."""
     import http.client
 
+    from colocate.probe import timing
+
     host, port = url.split("//", 1)[1].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     waits = []
@@ -283,10 +285,9 @@ def state_waits(url: str, headers: Mapping[str, str], n: int = 300) -> dict:
             conn.request("POST", PATH, body=BODY, headers=dict(headers))
             res = conn.getresponse()
             res.read()
-            for part in (res.getheader("server-timing") or "").split(","):
-                name, _, rest = part.strip().partition(";")
-                if name == "state" and "dur=" in rest:
-                    waits.append(float(rest.split("dur=", 1)[1]))
+            state = timing.parse(res.getheader("server-timing")).durations.get("state")
+            if state is not None:
+                waits.append(state)
     finally:
         conn.close()
     waits.sort()

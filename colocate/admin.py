@@ -20,7 +20,6 @@ from pathlib import Path
 
 import requests
 
-from . import stackfile
 
 TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
 TIMEOUT_S = 30
@@ -54,10 +53,6 @@ class Target:
         return f"Target(url={self.url!r}, source={self.source!r}, token=***)"
 
 
-def sandbox_state_dir(stack: str) -> Path:
-    return stackfile.ROOT / ".colocate" / "sandbox" / stack
-
-
 def _sandbox_target(state_dir: Path) -> Target | None:
     try:
         ready = json.loads((state_dir / "ready.json").read_text())
@@ -80,7 +75,9 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
                               f"(`pulumi config get --show-secrets colocate:probeToken`), or use --stack S")
         return Target(url.rstrip("/"), token, "url")
     if state_dir is not None or stack is not None:
-        sandbox = _sandbox_target(Path(state_dir) if state_dir else sandbox_state_dir(stack))
+        from .sandbox.supervisor import default_state_dir
+
+        sandbox = _sandbox_target(Path(state_dir) if state_dir else default_state_dir(stack))
         if sandbox:
             return sandbox
         if state_dir is not None:

@@ -5,7 +5,7 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { HttpError, jsonResponse } from "./errors.js";
 import { FORCE_VALUES } from "./machine.js";
-import { displayPrefix, keyHash, newKey, newKeyId } from "./keys.js";
+import { displayPrefix, keyHash, newKey, newKeyId, sameDigest } from "./keys.js";
 import { dayOf, monthStartDay } from "./limits.js";
 import { podSnap } from "./pods.js";
 import { cache, activeStub, infoOf, stubFor } from "./state.js";
@@ -17,16 +17,11 @@ const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$/;
 const DAY_RE = /^\d{4}-\d{2}-\d{2}$/;
 const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens"];
 
-async function digest(text) {
-  return new Uint8Array(await crypto.subtle.digest("SHA-256", new TextEncoder().encode(text)));
-}
-
-/** Constant-time comparison: both sides are hashed to equal length, then every byte is compared. */
+/** Constant-time comparison: both sides are hashed to equal length, then every character is compared. */
 export async function tokenMatches(given, expected) {
-  const [a, b] = await Promise.all([digest(given), digest(expected)]);
-  let diff = 0;
-  for (let i = 0; i < a.length; i++) diff |= a[i] ^ b[i];
-  return diff === 0 && typeof given === "string";
+  if (typeof given !== "string") return false;
+  const [a, b] = await Promise.all([keyHash(given), keyHash(expected)]);
+  return sameDigest(a, b);
 }
 
 async function authorise(request, cfg) {
