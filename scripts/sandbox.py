@@ -152,6 +152,19 @@ def _status_all() -> int:
     return 0 if all(o.get("healthy") for o in found) else 1
 
 
+_swallowed: list[BaseException] = []  # interrupts Python could only report as "Exception ignored"
+
+
+def _unraisable(info) -> None:
+    # A Ctrl-C that lands inside a finaliser or weakref callback (e.g. importlib's module
+    # lock clean-up) cannot propagate: Python would print "Exception ignored" with a
+    # traceback and carry on as if nothing happened. Keep it, and honour it below.
+    if isinstance(info.exc_value, KeyboardInterrupt):
+        _swallowed.append(info.exc_value)
+        return
+    sys.__unraisablehook__(info)
+
+
 def _interrupted(signum, _frame):
     # The first Ctrl-C (or SIGTERM) interrupts; later ones are ignored so that the cleanup
     # it starts is never cut short (every cleanup is bounded by timeouts).
@@ -175,6 +188,8 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
     """``cli``: the process ends after this returns, so late signals are ignored rather than
     turned into a traceback (the command's outcome is already printed)."""
     handlers = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if cli:
+        sys.unraisablehook = _unraisable
     try:
         args = parser().parse_args(argv)
     except KeyboardInterrupt:
@@ -188,6 +203,8 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
                 out = supervisor.up(args.stack, state_dir=state_dir, stacks_dir=args.stacks_dir,
                                     client_site=args.client_site, stretch=args.stretch, rtt=tuple(args.rtt),
                                     force_split=args.force_split, timeout_s=args.timeout)
+                if _swallowed:
+                    raise KeyboardInterrupt  # the user did press Ctrl-C during up
                 print(json.dumps(out, indent=2, sort_keys=True), flush=True)
             except KeyboardInterrupt:
                 # up cleans up after itself; an interrupt after it returned must stop the cell too
