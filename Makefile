@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk test test-py test-js demo bench bench-failover lint clean
+.PHONY: setup wrk test test-py test-js demo bench bench-ladder bench-failover lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -44,6 +44,9 @@ demo: setup
 
 bench: setup wrk
 	$(PY) scripts/bench_router.py
+
+bench-ladder: setup wrk
+	$(PY) -m bench.ladder
 
 bench-failover: setup
 	$(PY) scripts/bench_failover.py

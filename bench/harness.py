@@ -1,13 +1,16 @@
 """The router benchmark's processes and measurements (scripts/bench_router.py is the CLI).
 
-Three targets, measured interleaved in each round so that whatever else the machine is
+Four targets, measured interleaved in each round so that whatever else the machine is
 doing lands on all of them alike:
 
-    direct   straight to the bench pod (bench/pod.mjs, Node, answers at once)
-    bare     bench/passthrough.js in workerd: fetch(pod) and return, the floor
-    router   the plan's Worker in workerd (colocate.workerd: the cloud's bytes)
+    direct    straight to the bench pod (bench/pod.mjs, Node, answers at once)
+    bare      bench/passthrough.js in workerd: fetch(pod) and return, the floor
+    contract  bench/contract.js in workerd: only what colocate's contract requires of any
+              router (credential swap, body held for a retry, deadline, answer in hand,
+              the two contract headers), none of the router's own logic
+    router    the plan's Worker in workerd (colocate.workerd: the cloud's bytes)
 
-bare and router each run in their own workerd process, so the CPU each one spends is
+Each workerd target runs in its own process, so the CPU each one spends is
 read from its own /proc/<pid>/stat (utime + stime) around each run. Non-streaming load
 comes from ``wrk`` (compiled; bench/post.lua), streaming from bench/sse.mjs (time to
 first and to last byte). Imports no Pulumi.
@@ -39,7 +42,7 @@ PATH = "/v1/chat/completions"
 BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 STREAM_BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                           "stream": True})
-TARGETS = ("direct", "bare", "router")
+TARGETS = ("direct", "bare", "contract", "router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Issue 14 item 3: medians over rounds, same run.
@@ -49,6 +52,9 @@ GOALS = {
     "added_p50_ms_1": 0.1,        # router p50 - bare p50 <= 0.1 ms, at 1 client
     "sse_added_ttfb_ms_1": 0.2,   # router SSE TTFB p50 - bare <= 0.2 ms, at 1 client
 }
+# Ours, not issue 14's: the router's own logic (keys, limits, metering, pod choice) costs
+# at most 10 % CPU over the contract floor, the least any router keeping the contract does.
+OWN_GOALS = {"own_cpu_ratio_32": 1.10}  # router CPU/request <= 1.10 x contract floor, at 32 clients
 
 
 class BenchError(Exception):
@@ -136,22 +142,38 @@ def bench_plan(deadline_ms: int, worker_src: Path | None = None):
     return dataclasses.replace(plan, worker=dataclasses.replace(plan.worker, modules=tuple(modules)))
 
 
-def bare_config(compatibility_date: str, pod_urls: list[str], port: int) -> str:
-    """workerd config for the floor: passthrough.js, the plan's compatibility date, the
-    same outbound network service as colocate.workerd.render_config."""
-    src = (HERE / "passthrough.js").read_text()
+def floor_config(compatibility_date: str, main: str, bindings: Mapping[str, str], port: int,
+                 router_modules: tuple[str, ...] = ()) -> str:
+    """workerd config for a floor Worker: bench/``main`` first, then ``router_modules`` read
+    from worker/src (the router's own bytes), the plan's compatibility date, and the same
+    outbound network service as colocate.workerd.render_config."""
+    mods = [(main, (HERE / main).read_text())] + [(m, (ROOT / "worker" / "src" / m).read_text()) for m in router_modules]
     net = network_service()
-    lit = (f"(\n  modules = [(name = \"passthrough.js\", esModule = {capnp_text(src)})],\n"
+    mod_list = ", ".join(f"(name = {capnp_text(n)}, esModule = {capnp_text(src)})" for n, src in mods)
+    bind_list = ", ".join(f"(name = {capnp_text(k)}, text = {capnp_text(v)})" for k, v in bindings.items())
+    lit = (f"(\n  modules = [{mod_list}],\n"
            f"  compatibilityDate = {capnp_text(compatibility_date)},\n"
-           f"  bindings = [(name = \"POD_URLS\", text = {capnp_text(plan_mod.pod_urls_text(pod_urls))})],\n"
+           f"  bindings = [{bind_list}],\n"
            f"  globalOutbound = {capnp_text(net[0])}\n)")
     return config_capnp([worker_service(MAIN_SERVICE, lit), net], [socket_capnp(SOCKET_NAME, port, MAIN_SERVICE)])
 
 
+def bare_config(compatibility_date: str, pod_urls: list[str], port: int) -> str:
+    """The floor: passthrough.js, nothing but fetch(pod)."""
+    return floor_config(compatibility_date, "passthrough.js", {"POD_URLS": plan_mod.pod_urls_text(pod_urls)}, port)
+
+
+def contract_config(compatibility_date: str, pod_urls: list[str], pod_token: str, deadline_ms: int, port: int) -> str:
+    """The contract floor: contract.js with the router's forward.js and timing.js."""
+    bindings = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "POD_TOKEN": pod_token, "DEADLINE_MS": str(deadline_ms)}
+    return floor_config(compatibility_date, "contract.js", bindings, port, ("forward.js", "errors.js", "timing.js"))
+
+
 @contextlib.contextmanager
-def bare_worker(compatibility_date: str, pod_urls: list[str]) -> Iterator[Workerd]:
+def floor_worker(config_for) -> Iterator[Workerd]:
+    """A floor Worker in its own workerd: ``config_for(port)`` renders its config."""
     with Workerd() as w:
-        w.start(bare_config(compatibility_date, pod_urls, w.port))
+        w.start(config_for(w.port))
         yield w
 
 
@@ -316,9 +338,11 @@ def state_distance(url: str, probe_token: str, samples: int = 5) -> dict:
 
 
 def summarise(rounds: list[dict]) -> dict:
-    """Medians over rounds: each target's own numbers, and router-vs-bare per round."""
+    """Medians over rounds: each target's own numbers, and router-vs-bare per round (also
+    router-vs-contract and contract-vs-bare when the contract floor was run)."""
     out: dict = {"median": {}, "router_vs_bare": {}, "bare_vs_direct": {}}
-    for t in TARGETS:
+    present = [t for t in TARGETS if t in rounds[0]]
+    for t in present:
         rs = [r[t] for r in rounds]
         m = {k: median(x.get(k) for x in rs) for k in ("p50_ms", "p99_ms", "rps", "cpu_us_per_req")}
         m["errors"] = sum(x["errors"] for x in rs)
@@ -350,6 +374,9 @@ def summarise(rounds: list[dict]) -> dict:
 
     out["router_vs_bare"] = per_round("router", "bare")
     out["bare_vs_direct"] = per_round("bare", "direct")
+    if "contract" in present:
+        out["contract_vs_bare"] = per_round("contract", "bare")
+        out["router_vs_contract"] = per_round("router", "contract")
     return out
 
 
@@ -367,6 +394,8 @@ def goals(series: list[dict]) -> list[dict]:
             if lv["clients"] == 32:
                 check("cpu_ratio", s["pods"], 32, rb.get("cpu_ratio"), GOALS["cpu_ratio_32"])
                 check("throughput_ratio", s["pods"], 32, rb.get("throughput_ratio"), GOALS["throughput_ratio_32"], upper=False)
+                if lv.get("router_vs_contract"):
+                    check("own_cpu_ratio", s["pods"], 32, lv["router_vs_contract"].get("cpu_ratio"), OWN_GOALS["own_cpu_ratio_32"])
             if lv["clients"] == 1:
                 check("added_p50_ms", s["pods"], 1, rb.get("added_p50_ms"), GOALS["added_p50_ms_1"])
                 if "sse_added_ttfb_p50_ms" in rb:
@@ -378,14 +407,17 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
     hdr_pod = direct_headers(secrets.pod_token)
     with pods(pod_count, opts.pod_delay_ms, secrets.pod_token, opts.pod_slots) as pod_urls, pods(1, 0, None) as fallback:
         values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
-        with bare_worker(plan.worker.compatibility_date, pod_urls) as bare, \
+        compat = plan.worker.compatibility_date
+        with floor_worker(lambda port: bare_config(compat, pod_urls, port)) as bare, \
+                floor_worker(lambda port: contract_config(compat, pod_urls, secrets.pod_token, opts.deadline_ms, port)) as contract, \
                 router_worker(plan, values, opts.far_state_ms) as router:
             # Routed requests need a client key: the router checks it on every request (issue 10).
             key = opts.client_key or mint_key(router.url, secrets.probe_token)
             hdr_router = router_headers(key)
-            urls = {"direct": pod_urls[0], "bare": bare.url, "router": router.url}
-            pids = {"direct": None, "bare": bare.proc.pid, "router": router.proc.pid}
-            hdrs = {"direct": hdr_pod, "bare": hdr_pod, "router": hdr_router}
+            urls = {"direct": pod_urls[0], "bare": bare.url, "contract": contract.url, "router": router.url}
+            pids = {"direct": None, "bare": bare.proc.pid, "contract": contract.proc.pid, "router": router.proc.pid}
+            # The contract Worker gets the router's request bytes (it swaps the credential too).
+            hdrs = {"direct": hdr_pod, "bare": hdr_pod, "contract": hdr_router, "router": hdr_router}
             backend = check_router(router.url, hdr_router)
             for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
                 wrk_run(urls[t], max(opts.clients), 1, hdrs[t])
@@ -393,7 +425,8 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
             levels = {c: [] for c in opts.clients}
             for r in range(opts.rounds):
                 for c in opts.clients:
-                    order = TARGETS[r % 3:] + TARGETS[:r % 3]  # rotate: no target always runs first
+                    k = r % len(TARGETS)
+                    order = TARGETS[k:] + TARGETS[:k]  # rotate: no target always runs first
                     rd: dict = {}
                     for t in order:
                         before = answered(fallback[0])

@@ -5,7 +5,7 @@ DevTools protocol to it (Profiler.start, load, Profiler.stop) and sums each func
 self time per answered request. Sampling inflates everything: compare rows between
 runs (router against bare, a candidate against main), not the totals.
 
-Usage: .venv/bin/python -m bench.profile [--bare] [--worker-src DIR] [--seconds 4]
+Usage: .venv/bin/python -m bench.profile [--bare | --contract] [--worker-src DIR] [--seconds 4]
        [--clients 32] [--top 30] [--out PATH.cpuprofile]
 The .cpuprofile file opens in Chrome DevTools (Performance tab) for a flame chart.
 """
@@ -120,18 +120,24 @@ def self_times(profile: dict, requests: int) -> list[tuple[float, float, str]]:
     return [(us / max(1, requests), us / total, name) for name, us in acc.most_common()]
 
 
-def profile(bare: bool, worker_src: Path | None, seconds: float, clients: int) -> tuple[dict, int]:
+def profile(target: str, worker_src: Path | None, seconds: float, clients: int) -> tuple[dict, int]:
+    """Profile ``target``: "router", "bare" or "contract" (the bench's floors)."""
     harness.require_tools()
     plan = harness.bench_plan(5000, worker_src)
+    compat = plan.worker.compatibility_date
     secrets = harness.Secrets.fresh()
     port = wd.free_port()
-    headers = harness.direct_headers(secrets.pod_token) if bare else harness.router_headers()
+    headers = harness.direct_headers(secrets.pod_token) if target == "bare" else harness.router_headers()
     with harness.pods(1, 0, secrets.pod_token) as pods, harness.pods(1, 0, None) as fallback:
         values = {"POD_URLS": plan_mod.pod_urls_text(pods), "FALLBACK_URL": fallback[0], **secrets.bindings()}
         with _InspectedWorkerd(port) as w:
-            w.start(harness.bare_config(plan.worker.compatibility_date, pods, w.port) if bare
-                    else wd.render_config(plan.worker, values, port=w.port, storage_dir=w.directory / "objects"))
-            if not bare:  # routed requests need a client key
+            if target == "bare":
+                w.start(harness.bare_config(compat, pods, w.port))
+            elif target == "contract":
+                w.start(harness.contract_config(compat, pods, secrets.pod_token, 5000, w.port))
+            else:
+                w.start(wd.render_config(plan.worker, values, port=w.port, storage_dir=w.directory / "objects"))
+                # routed requests need a client key
                 headers = harness.router_headers(harness.mint_key(w.url, secrets.probe_token))
             harness.wrk_run(w.url, clients, 1, headers)  # warm
             ws = _WebSocket("127.0.0.1", port, f"/{wd.MAIN_SERVICE}")
@@ -148,7 +154,9 @@ def profile(bare: bool, worker_src: Path | None, seconds: float, clients: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--bare", action="store_true", help="profile the bare pass-through Worker instead of the router")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--bare", action="store_true", help="profile the bare pass-through Worker instead of the router")
+    which.add_argument("--contract", action="store_true", help="profile the contract floor (bench/contract.js) instead")
     p.add_argument("--worker-src", type=Path, help="the router's modules from this directory (a candidate)")
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--clients", type=int, default=32)
@@ -156,13 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the raw profile (.cpuprofile, for Chrome DevTools)")
     args = p.parse_args(argv)
     try:
-        prof, n = profile(args.bare, args.worker_src, args.seconds, args.clients)
+        target = "bare" if args.bare else "contract" if args.contract else "router"
+        prof, n = profile(target, args.worker_src, args.seconds, args.clients)
     except (harness.BenchError, wd.WorkerdError) as exc:
         print(f"bench.profile: {exc}", file=sys.stderr)
         return 2
     if args.out:
         args.out.write_text(json.dumps(prof))
-    print(f"{'bare' if args.bare else 'router'}: {n} requests at {args.clients} clients; self time per request")
+    print(f"{target}: {n} requests at {args.clients} clients; self time per request")
     for us, share, name in self_times(prof, n)[:args.top]:
         print(f"{us:9.2f} us  {share:6.1%}  {name}")
     return 0

@@ -4,12 +4,14 @@
 In one run, interleaved over ``--rounds`` rounds, for each client count (default 1 and
 32): ``wrk`` load for ``--seconds`` against the bench pod directly, against a bare
 Worker (bench/passthrough.js: fetch(pod) and return; same workerd, the plan's
-compatibility date) and against the router (the sandbox stack's plan, the cloud's
-bytes); then the same three streaming (SSE, bench/sse.mjs: time to first and last
-byte). bare and router run in separate workerd processes; the CPU each spends per
-request comes from its /proc/<pid>/stat. Reported as medians over rounds: the router's
-added p50/p99 and SSE TTFB/TTLB vs the bare Worker, throughput and CPU ratios, and the
-goals of issue 14 (met/missed; reported, not enforced).
+compatibility date), against the contract floor (bench/contract.js: only what
+colocate's contract requires of any router, none of its own logic) and against the
+router (the sandbox stack's plan, the cloud's bytes); then the same streaming (SSE,
+bench/sse.mjs: time to first and last byte). Each Worker runs in its own workerd
+process; the CPU each spends per request comes from its /proc/<pid>/stat. Reported as
+medians over rounds: the router's added p50/p99 and SSE TTFB/TTLB vs the bare Worker,
+throughput and CPU ratios (also router vs contract floor, and contract floor vs bare),
+and the goals of issue 14 (met/missed; reported, not enforced).
 
 Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1`` runs one series per pod
 count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);
@@ -62,7 +64,7 @@ def _fmt(v, spec: str = ".3f") -> str:
 def table(result: dict) -> str:
     m = result["machine"]
     o = result["options"]
-    rows = [f"router vs bare pass-through Worker ({m['workerd']}, compat {result['compatibility_date']}, {m['cpus']} CPUs, "
+    rows = [f"router vs bare pass-through Worker and contract floor ({m['workerd']}, compat {result['compatibility_date']}, {m['cpus']} CPUs, "
             f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians)"]
     for s in result["series"]:
         rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), router served by {s['router_backend']}"
@@ -74,7 +76,7 @@ def table(result: dict) -> str:
         rows.append(f"{'clients':>7} {'target':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu us/req':>10} {'errors':>6}"
                     f" {'sse ttfb':>9} {'sse ttlb':>9}")
         for lv in s["levels"]:
-            for t in harness.TARGETS:
+            for t in (t for t in harness.TARGETS if t in lv["median"]):
                 x = lv["median"][t]
                 sse = x.get("sse") or {}
                 rows.append(f"{lv['clients']:>7} {t:>7} {_fmt(x['rps'], '.0f'):>9} {_fmt(x['p50_ms']):>8} {_fmt(x['p99_ms']):>8} "
@@ -83,15 +85,19 @@ def table(result: dict) -> str:
             fb = lv["median"]["router"]["fallback_answers"]
             if fb:
                 rows.append(f"{'':>7} WARNING: the fallback answered {fb} of the router's requests: these numbers are not the pod path")
-            rb = lv["router_vs_bare"]
-            rows.append(f"{'':>7} router vs bare: p50 {_fmt(rb['added_p50_ms'], '+.3f')} ms, p99 {_fmt(rb['added_p99_ms'], '+.3f')} ms, "
-                        f"throughput x{_fmt(rb['throughput_ratio'])}, CPU/req x{_fmt(rb.get('cpu_ratio'))}"
-                        + (f", SSE ttfb {_fmt(rb.get('sse_added_ttfb_p50_ms'), '+.3f')} ms, ttlb "
-                           f"{_fmt(rb.get('sse_added_ttlb_p50_ms'), '+.3f')} ms" if "sse_added_ttfb_p50_ms" in rb else ""))
+            for name in ("router_vs_bare", "contract_vs_bare", "router_vs_contract"):
+                rb = lv.get(name)
+                if rb:
+                    rows.append(f"{'':>7} {name.replace('_vs_', ' vs ')}: p50 {_fmt(rb['added_p50_ms'], '+.3f')} ms, "
+                                f"p99 {_fmt(rb['added_p99_ms'], '+.3f')} ms, "
+                                f"throughput x{_fmt(rb['throughput_ratio'])}, CPU/req x{_fmt(rb.get('cpu_ratio'))}"
+                                + (f", SSE ttfb {_fmt(rb.get('sse_added_ttfb_p50_ms'), '+.3f')} ms, ttlb "
+                                   f"{_fmt(rb.get('sse_added_ttlb_p50_ms'), '+.3f')} ms" if "sse_added_ttfb_p50_ms" in rb else ""))
     for g in result["goals"]:
         verdict = "n/a" if g["met"] is None else ("met" if g["met"] else "MISSED")
         sign = "<=" if g["goal"] != "throughput_ratio" else ">="
-        rows.append(f"goal {g['goal']} @ {g['clients']} client(s), {g['pods']} pod(s): {_fmt(g['value'])} {sign} {g['limit']} {verdict}")
+        what = " (router vs contract floor)" if g["goal"] == "own_cpu_ratio" else ""
+        rows.append(f"goal {g['goal']}{what} @ {g['clients']} client(s), {g['pods']} pod(s): {_fmt(g['value'])} {sign} {g['limit']} {verdict}")
     return "\n".join(rows)
 
 

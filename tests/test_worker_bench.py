@@ -1,4 +1,4 @@
-"""scripts/bench_router.py: a tiny real run (wrk, the bench pod, bare and router workerd),
+"""scripts/bench_router.py: a tiny real run (wrk, the bench pod, the bare, contract and router workerd),
 the summary arithmetic, and usage errors as a subprocess. Nothing here asserts a speed."""
 
 import json
@@ -19,7 +19,7 @@ needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not i
 
 
 @needs_wrk
-def test_small_run_measures_all_three_targets(tmp_path, capsys):
+def test_small_run_measures_every_target(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = bench_router.main(["--rounds", "2", "--seconds", "1", "--clients", "1,4", "--sse-requests", "20",
                             "--quiet", "--json", str(out)])
@@ -35,14 +35,40 @@ def test_small_run_measures_all_three_targets(tmp_path, capsys):
                 assert r[t]["n"] > 0 and r[t]["errors"] == 0
                 assert r[t]["sse"]["n"] == 20 and r[t]["sse"]["errors"] == 0
             assert r["router"]["sse"]["backends"] == {"pod-0": 20}
-            # CPU is read for the two workerd processes, not for the pod.
+            # CPU is read for the workerd processes, not for the pod.
             assert r["direct"].get("cpu_us_per_req") is None
-            assert r["bare"]["cpu_us_per_req"] > 0 and r["router"]["cpu_us_per_req"] > 0
+            assert all(r[t]["cpu_us_per_req"] > 0 for t in ("bare", "contract", "router"))
         rb = lv["router_vs_bare"]
         per_round = sorted(r["router"]["p50_ms"] - r["bare"]["p50_ms"] for r in lv["rounds"])
         assert rb["added_p50_ms"] == pytest.approx(sum(per_round) / 2, abs=0.002)  # median of two rounds
+        assert lv["router_vs_contract"]["cpu_ratio"] > 0 and lv["contract_vs_bare"]["cpu_ratio"] > 0
     assert {g["goal"] for g in result["goals"]} == {"added_p50_ms", "sse_added_ttfb_ms"}  # 32 clients not run
-    assert "router vs bare" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "router vs bare" in out and "router vs contract" in out and "contract vs bare" in out
+
+
+@needs_wrk
+def test_ladder_runs_every_rung_through_the_pods_token_check(capsys):
+    from bench import ladder
+
+    # The bench pod answers 401 to a wrong credential and wrk counts that as an error, so
+    # zero errors means each rung really swapped in the pod's token and was served.
+    rc = ladder.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert list(rows) == list(ladder.RUNGS)
+    for rung, cols in rows.items():
+        assert float(cols[2]) > 0 and cols[-1] == "0", (rung, cols)
+    assert float(rows["bare"][3]) == 1.0  # each rung's CPU is given against bare's
+
+
+def test_ladder_refuses_a_bad_count():
+    from bench import ladder
+
+    with pytest.raises(SystemExit) as exc:
+        ladder.main(["--rounds", "0"])
+    assert exc.value.code == 2
 
 
 def _round(p50, rps, cpu, ttfb=None):
@@ -67,6 +93,24 @@ def test_summary_takes_medians_of_per_round_comparisons():
     assert rb["sse_added_ttfb_p50_ms"] == pytest.approx(0.2)
     assert "cpu_ratio" not in s["bare_vs_direct"]
     assert s["median"]["router"]["rps"] == 1800
+
+
+def test_contract_floor_is_compared_both_ways_when_it_ran():
+    rounds = [
+        {"bare": _round(0.5, 2000, 300), "contract": _round(0.6, 1600, 390), "router": _round(0.7, 1500, 420)},
+        {"bare": _round(0.5, 2000, 300), "contract": _round(0.8, 1000, 450), "router": _round(0.8, 1000, 450)},
+        {"bare": _round(0.5, 2000, 300), "contract": _round(0.6, 1600, 360), "router": _round(0.6, 1700, 378)},
+    ]
+    rounds = [{"direct": _round(0.1, 9000, None), **r} for r in rounds]
+    s = harness.summarise(rounds)
+    assert s["contract_vs_bare"]["cpu_ratio"] == pytest.approx(1.3)  # 1.3, 1.5, 1.2
+    assert s["router_vs_contract"]["cpu_ratio"] == pytest.approx(1.05)  # 1.0769, 1.0, 1.05
+    assert s["router_vs_contract"]["added_p50_ms"] == pytest.approx(0.0)  # 0.1, 0.0, 0.0
+    assert s["router_vs_bare"]["cpu_ratio"] == pytest.approx(1.4)
+    lv = {"clients": 32, **s}
+    got = {g["goal"]: (g["value"], g["met"]) for g in harness.goals([{"pods": 1, "levels": [lv]}])}
+    assert got["own_cpu_ratio"] == (pytest.approx(1.05), True)
+    assert got["cpu_ratio"] == (pytest.approx(1.4), False)
 
 
 def test_goals_are_judged_at_their_client_counts():

@@ -47,6 +47,11 @@ export async function keyHash(key) {
 const accepted = new Map();
 const ACCEPTED_MAX = 1024;
 
+/** The digest of a key this isolate accepted before, or undefined (no hashing). */
+export function rememberedDigest(key) {
+  return accepted.get(key);
+}
+
 /** The digest of a presented key: remembered if it was accepted before, else computed. */
 export async function digestOf(key) {
   return accepted.get(key) ?? keyHash(key);

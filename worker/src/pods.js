@@ -24,6 +24,8 @@ export function worthReporting(view, url, ok) {
  * set of indexes already tried.
  */
 export function candidates(urls, view, now, cfg, exclude) {
+  // The common case: no pod has a breaker row and no override, so every pod is routable.
+  if (view.forced === null && (!exclude || exclude.size === 0) && isEmpty(view.pods)) return { pods: allOf(urls), trials: NONE };
   const pods = [];
   const trials = [];
   for (let i = 0; i < urls.length; i++) {
@@ -33,6 +35,19 @@ export function candidates(urls, view, now, cfg, exclude) {
     else if (r === "trial") trials.push(i);
   }
   return { pods, trials };
+}
+
+const NONE = Object.freeze([]);
+let all = { urls: null, indexes: NONE }; // [0..n-1] for the one pod list an isolate routes to
+
+function allOf(urls) {
+  if (all.urls !== urls) all = { urls, indexes: Object.freeze(urls.map((_, i) => i)) };
+  return all.indexes;
+}
+
+function isEmpty(o) {
+  for (const _ in o) return false;
+  return true;
 }
 
 /** The index with the fewest requests in flight here; ties broken at random. */

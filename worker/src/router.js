@@ -9,12 +9,12 @@ import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, fallbackBody, isStream, tryPod, upstreamHeaders } from "./forward.js";
-import { bearer, digestOf, looksLikeKey, remember, sameDigest } from "./keys.js";
+import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, refusal } from "./limits.js";
 import { candidates, finished, leastBusy, started, worthReporting } from "./pods.js";
 import { lookup } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush, served,
+  admit, cache, currentView, findKey, freshEntry, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush, served,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
 import { tapStream, usageOfJson } from "./usage.js";
@@ -52,8 +52,13 @@ export async function handle(request, env, ctx, deps = {}) {
 
 const BAD_KEY = "invalid API key: send Authorization: Bearer <client key> (clc_..., from scripts/keys.py create)";
 
-/** The client key of a request, checked against the cached view: the key's record. */
-async function authenticate(request, env, cfg, entry, timing) {
+/**
+ * The client key of a request, checked against the cached view: the key's record.
+ * Synchronous when this isolate accepted the key before and the view lists it (the warm
+ * hot path); otherwise a promise (hashing, and perhaps a sync for a key created
+ * elsewhere moments ago).
+ */
+function authenticate(request, env, cfg, entry, timing) {
   const presented = bearer(request);
   if (!presented) throw new HttpError(401, "missing_api_key", "missing API key: send Authorization: Bearer <client key> (clc_...)");
   if (!looksLikeKey(presented)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
@@ -61,10 +66,21 @@ async function authenticate(request, env, cfg, entry, timing) {
     // Never seen the key list and the object is unreachable: not the client's fault.
     throw new HttpError(503, "state_unavailable", "the cell's state is unreachable; retry shortly", { "retry-after": "1" });
   }
+  const known = rememberedDigest(presented);
+  const rec = known === undefined ? undefined : entry.keys.get(known);
+  if (rec !== undefined && sameDigest(rec.hash, known)) return usable(rec);
+  return authenticateSlow(presented, env, cfg, entry, timing);
+}
+
+async function authenticateSlow(presented, env, cfg, entry, timing) {
   const digest = await digestOf(presented);
   const key = await findKey(env, cfg, entry, digest, timing);
   if (!key || !sameDigest(key.hash, digest)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
   remember(presented, digest);
+  return usable(key);
+}
+
+function usable(key) {
   if (key.expires_at !== null && Date.now() >= key.expires_at) {
     throw new HttpError(401, "expired_api_key", "this API key has expired: create a new one (scripts/keys.py create)");
   }
@@ -87,9 +103,15 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   const t0 = now();
   const timing = { state: 0, upstream: 0, fallback: 0, total: 0 };
   const gen = cfg.activeGeneration;
-  const first = await currentView(env, ctx, cfg);
-  timing.state = first.wait;
-  const key = await authenticate(request, env, cfg, first.entry, timing);
+  // The warm path awaits nothing until the body: a fresh view and a known key are sync.
+  let entry = freshEntry(env, ctx, cfg);
+  if (entry === null) {
+    const v = await currentView(env, ctx, cfg);
+    entry = v.entry;
+    timing.state = v.wait;
+  }
+  let key = authenticate(request, env, cfg, entry, timing);
+  if (key instanceof Promise) key = await key;
   let bytes = null;
   let json = null;
   if (r.json) {
@@ -99,14 +121,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   enforceLimits(cfg, cache.entry(gen).view, key);
   scheduleFlush(env, ctx, cfg);
   const wantUsage = !!(json && json.stream === true && json.stream_options && json.stream_options.include_usage === true);
-  const meter = (backend) => (usage) => {
-    served(cfg, key.id, Date.now(), backend, usage);
-    try {
-      scheduleFlush(env, ctx, cfg);
-    } catch {
-      // the request's context has ended: the next sync of this isolate carries it
-    }
-  };
+  const meter = (backend, usage) => meterServed(env, ctx, cfg, key.id, backend, usage);
 
   const path = url.pathname + url.search;
   const urls = cfg.podUrls;
@@ -147,19 +162,19 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
       const backend = `pod-${index}`;
       if (!res.stream) {
         finished(podUrl);
-        meter(backend)(usageOfJson(res.bytes));
+        meter(backend, usageOfJson(res.bytes));
         return finish(res.bytes, res.response, backend, timing, t0);
       }
       if (!wantUsage && urls.length === 1) {
         // Nothing to learn from the stream's end (no usage asked, no other pod to balance
         // against): pass the pod's body through untouched.
         finished(podUrl);
-        meter(backend)(null);
+        meter(backend, null);
         return finish(res.response.body, res.response, backend, timing, t0);
       }
       const tap = tapStream(res.response.body, wantUsage, (usage) => {
         finished(podUrl);
-        meter(backend)(usage);
+        meter(backend, usage);
       });
       ctx.waitUntil(tap.piped);
       return finish(tap.body, res.response, backend, timing, t0);
@@ -180,24 +195,34 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   } catch (err) {
     timing.fallback = now() - t;
     if (!(err instanceof HttpError)) throw err;
-    meter("fallback")(null);
+    meter("fallback", null);
     const error = errorResponse(err.status, err.code, err.message, {}, err.type);
     return finish(error.body, error, "fallback", timing, t0);
   }
   if (isStream(res) && res.body) {
     timing.fallback = now() - t;
     if (!wantUsage) {
-      meter("fallback")(null);
+      meter("fallback", null);
       return finish(res.body, res, "fallback", timing, t0);
     }
-    const tap = tapStream(res.body, wantUsage, meter("fallback"));
+    const tap = tapStream(res.body, wantUsage, (usage) => meter("fallback", usage));
     ctx.waitUntil(tap.piped);
     return finish(tap.body, res, "fallback", timing, t0);
   }
   const body = await res.arrayBuffer();
   timing.fallback = now() - t;
-  meter("fallback")(res.ok ? usageOfJson(body) : null);
+  meter("fallback", res.ok ? usageOfJson(body) : null);
   return finish(body, res, "fallback", timing, t0);
+}
+
+/** Count a served request against its key (usage, tokens) and plan the flush. */
+function meterServed(env, ctx, cfg, keyId, backend, usage) {
+  served(cfg, keyId, Date.now(), backend, usage);
+  try {
+    scheduleFlush(env, ctx, cfg);
+  } catch {
+    // the request's context has ended: the next sync of this isolate carries it
+  }
 }
 
 /** The client's response: `body` with the status and headers of `from`, plus ours. */

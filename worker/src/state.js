@@ -53,18 +53,29 @@ export function activeStub(env, cfg) {
 const EMPTY_VIEW = Object.freeze({ rev: -1, keys: null, pods: {}, counts: {}, forced: null, imported: [], at: 0 });
 
 /**
+ * The cache entry if it may be used without waiting, else null (stale: call
+ * currentView). Synchronous, so the warm hot path has no await for it.
+ */
+export function freshEntry(env, ctx, cfg) {
+  const gen = cfg.activeGeneration;
+  const t = Date.now();
+  const status = cache.status(gen, t, cfg.stateTtlMs);
+  if (status === "stale") return null;
+  if (status === "refresh") {
+    cache.markRefreshing(gen, t);
+    ctx.waitUntil(sync(env, cfg).catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
+  }
+  return cache.entry(gen);
+}
+
+/**
  * The cache entry a request routes on, and how long it waited for it (ms). Fresh:
  * no wait, no I/O. Half-way to stale: no wait, sync in the background.
  */
 export async function currentView(env, ctx, cfg) {
+  const entry = freshEntry(env, ctx, cfg);
+  if (entry !== null) return { entry, wait: 0 };
   const gen = cfg.activeGeneration;
-  const status = cache.status(gen, Date.now(), cfg.stateTtlMs);
-  if (status === "fresh") return { entry: cache.entry(gen), wait: 0 };
-  if (status === "refresh") {
-    cache.markRefreshing(gen, Date.now());
-    ctx.waitUntil(sync(env, cfg).catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
-    return { entry: cache.entry(gen), wait: 0 };
-  }
   const t = now();
   try {
     return { entry: await sync(env, cfg), wait: now() - t };

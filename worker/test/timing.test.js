@@ -15,3 +15,12 @@ test("colo from a trace body and from CF-Ray", () => {
   assert.equal(rayColo("8f1a2b3c4d5e6f70-TPE"), "TPE");
   assert.equal(rayColo(null), null);
 });
+
+test("durations print as String(Math.round(ms * 100) / 100) would, for any value", () => {
+  const reference = (ms) => String(Math.round((Number.isFinite(ms) && ms > 0 ? ms : 0) * 100) / 100);
+  const values = [0, -1, NaN, Infinity, -Infinity, 0.004, 0.005, 0.015, 0.1, 1.005, 2.675, 99.995, 1e-9, 123456.789];
+  for (let i = 0; i < 20000; i++) values.push(i / 1000, i / 7, Math.random() * 10 ** (i % 6));
+  for (const v of values) {
+    assert.equal(serverTiming({ total: v }, ["total"]), `total;dur=${reference(v)}`, `for ${v}`);
+  }
+});

@@ -1,0 +1,119 @@
+"""Where the contract's cost goes: bare, then one piece of colocate's contract at a time,
+then the contract floor and the router, all at one client count and interleaved.
+
+    bare        bench/passthrough.js: fetch(pod) and return
+    credential  + the pod's credential instead of the client's   (bench/ladder.js)
+    headers     + the two contract headers on a new Response     (bench/ladder.js)
+    deadline    + a deadline timer around the fetch              (bench/ladder.js)
+    contract    + the JS hop-header filter, both bodies held      (bench/contract.js)
+    router      the plan's Worker (keys, limits, metering, breaker, pod choice)
+
+Each rung is its own workerd process; CPU per request comes from its /proc/<pid>/stat
+around each wrk run. Reported per rung: req/s and CPU µs per request (medians over
+rounds), and CPU and throughput against bare (medians of per-round ratios, so a noisy
+round moves every rung alike). Imports no Pulumi.
+
+Usage: .venv/bin/python -m bench.ladder [--rounds 8] [--seconds 2] [--clients 32] [--json PATH]
+Exit: 0 done, 2 setup failure (wrk or node missing, a process not starting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from colocate import plan as plan_mod
+from colocate.workerd import WorkerdError
+
+from . import harness
+
+RUNGS = ("bare", "credential", "headers", "deadline", "contract", "router")
+
+
+def run(rounds: int, seconds: float, clients: int, log=lambda _m: None) -> dict:
+    harness.require_tools()
+    plan = harness.bench_plan(5000)
+    compat = plan.worker.compatibility_date
+    secrets = harness.Secrets.fresh()
+    with contextlib.ExitStack() as stack:
+        pod_urls = stack.enter_context(harness.pods(1, 0, secrets.pod_token))
+        fallback = stack.enter_context(harness.pods(1, 0, None))
+        pods_text = plan_mod.pod_urls_text(pod_urls)
+        workers, headers = {}, {}
+        workers["bare"] = stack.enter_context(harness.floor_worker(lambda port: harness.bare_config(compat, pod_urls, port)))
+        headers["bare"] = harness.direct_headers(secrets.pod_token)
+        for rung in ("credential", "headers", "deadline"):
+            bindings = {"POD_URLS": pods_text, "POD_TOKEN": secrets.pod_token, "RUNG": rung}
+            workers[rung] = stack.enter_context(harness.floor_worker(
+                lambda port, b=bindings: harness.floor_config(compat, "ladder.js", b, port)))
+        workers["contract"] = stack.enter_context(harness.floor_worker(
+            lambda port: harness.contract_config(compat, pod_urls, secrets.pod_token, 5000, port)))
+        values = {"POD_URLS": pods_text, "FALLBACK_URL": fallback[0], **secrets.bindings()}
+        workers["router"] = stack.enter_context(harness.router_worker(plan, values, None))
+        routed = harness.router_headers(harness.mint_key(workers["router"].url, secrets.probe_token))
+        for rung in RUNGS[1:]:
+            headers[rung] = routed  # the client's request, with its client key, as the router gets it
+        harness.check_router(workers["router"].url, routed)
+        for rung in RUNGS:  # warm, and every rung must answer 200 (wrk counts other statuses as errors)
+            warm = harness.wrk_run(workers[rung].url, clients, 1, headers[rung])
+            if warm["errors"]:
+                raise harness.BenchError(f"rung {rung}: {warm['errors']} errors in the warm-up run")
+        per = {r: [] for r in RUNGS}
+        for i in range(rounds):
+            k = i % len(RUNGS)
+            for rung in RUNGS[k:] + RUNGS[:k]:
+                w = workers[rung]
+                per[rung].append(harness.measured(w.proc.pid, lambda w=w, rung=rung: harness.wrk_run(w.url, clients, seconds, headers[rung])))
+            log(f"round {i + 1}/{rounds}: " + ", ".join(f"{r} {per[r][-1]['cpu_us_per_req']} us" for r in RUNGS))
+    out = {"clients": clients, "rounds": rounds, "seconds": seconds, "machine": harness.versions(), "rungs": []}
+    for rung in RUNGS:
+        rs = per[rung]
+        out["rungs"].append({
+            "rung": rung, "rps": harness.median(x["rps"] for x in rs),
+            "cpu_us_per_req": harness.median(x["cpu_us_per_req"] for x in rs),
+            "errors": sum(x["errors"] for x in rs),
+            "cpu_vs_bare": harness.median(x["cpu_us_per_req"] / b["cpu_us_per_req"] for x, b in zip(rs, per["bare"], strict=True)),
+            "throughput_vs_bare": harness.median(x["rps"] / b["rps"] for x, b in zip(rs, per["bare"], strict=True)),
+        })
+    return out
+
+
+def table(result: dict) -> str:
+    m = result["machine"]
+    rows = [f"cost ladder at {result['clients']} clients ({m['workerd']}, {m['cpus']} CPUs, load {m['loadavg_at_start'][0]:.1f} "
+            f"at start; {result['rounds']} rounds x {result['seconds']:g} s, medians)",
+            f"{'rung':>10} {'req/s':>8} {'cpu us/req':>10} {'cpu/bare':>9} {'req/s /bare':>11} {'errors':>6}"]
+    for r in result["rungs"]:
+        rows.append(f"{r['rung']:>10} {r['rps']:>8.0f} {r['cpu_us_per_req']:>10.1f} {r['cpu_vs_bare']:>9.3f} "
+                    f"{r['throughput_vs_bare']:>11.3f} {r['errors']:>6}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.ladder", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--json", type=Path, help="also write the result as JSON")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    for name, value in (("--rounds", args.rounds), ("--seconds", args.seconds), ("--clients", args.clients)):
+        if value < 1:
+            p.error(f"{name} must be at least 1 (got {value})")
+    try:
+        result = run(args.rounds, args.seconds, args.clients,
+                     (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+    except (harness.BenchError, WorkerdError) as exc:
+        print(f"bench.ladder: {exc}", file=sys.stderr)
+        return 2
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
