@@ -250,6 +250,12 @@ def answered(pod_url: str) -> int:
         return json.loads(r.read())["answered"]
 
 
+def rotated(items: tuple, r: int) -> tuple:
+    """``items`` started at position r (mod len): round r's order, so no target always runs first."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def median(values) -> float | None:
     vals = [v for v in values if v is not None]
     return round(statistics.median(vals), 3) if vals else None
@@ -425,8 +431,7 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
             levels = {c: [] for c in opts.clients}
             for r in range(opts.rounds):
                 for c in opts.clients:
-                    k = r % len(TARGETS)
-                    order = TARGETS[k:] + TARGETS[:k]  # rotate: no target always runs first
+                    order = rotated(TARGETS, r)
                     rd: dict = {}
                     for t in order:
                         before = answered(fallback[0])

@@ -63,8 +63,7 @@ def run(rounds: int, seconds: float, clients: int, log=lambda _m: None) -> dict:
                 raise harness.BenchError(f"rung {rung}: {warm['errors']} errors in the warm-up run")
         per = {r: [] for r in RUNGS}
         for i in range(rounds):
-            k = i % len(RUNGS)
-            for rung in RUNGS[k:] + RUNGS[:k]:
+            for rung in harness.rotated(RUNGS, i):
                 w = workers[rung]
                 per[rung].append(harness.measured(w.proc.pid, lambda w=w, rung=rung: harness.wrk_run(w.url, clients, seconds, headers[rung])))
             log(f"round {i + 1}/{rounds}: " + ", ".join(f"{r} {per[r][-1]['cpu_us_per_req']} us" for r in RUNGS))
