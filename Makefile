@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk test test-py test-js demo bench bench-ladder bench-failover lint clean
+.PHONY: setup wrk valgrind test test-py test-js demo bench bench-ladder bench-instructions bench-failover lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -28,7 +28,13 @@ wrk:
 	  { apt-get update -qq && apt-get install -y -qq wrk; } >/dev/null 2>&1 || \
 	  echo "wrk could not be installed: the benchmark tests will be skipped"; }
 
-test: setup wrk lint test-js test-py
+# valgrind counts the instructions of a request (bench/instructions.py); same rule as wrk.
+valgrind:
+	@command -v valgrind >/dev/null || { echo "installing valgrind (apt-get install -y valgrind)"; \
+	  { apt-get update -qq && apt-get install -y -qq valgrind; } >/dev/null 2>&1 || \
+	  echo "valgrind could not be installed: the instruction-count tests will be skipped"; }
+
+test: setup wrk valgrind lint test-js test-py
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -47,6 +53,9 @@ bench: setup wrk
 
 bench-ladder: setup wrk
 	$(PY) -m bench.ladder
+
+bench-instructions: setup valgrind
+	$(PY) -m bench.instructions --repeat 3
 
 bench-failover: setup
 	$(PY) scripts/bench_failover.py

@@ -26,7 +26,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,21 +170,25 @@ def contract_config(compatibility_date: str, pod_urls: list[str], pod_token: str
 
 
 @contextlib.contextmanager
-def floor_worker(config_for) -> Iterator[Workerd]:
-    """A floor Worker in its own workerd: ``config_for(port)`` renders its config."""
-    with Workerd() as w:
+def floor_worker(config_for, under: Mapping[str, Sequence[str]] | None = None) -> Iterator[Workerd]:
+    """A floor Worker in its own workerd: ``config_for(port)`` renders its config;
+    ``under``: Workerd's ``launcher`` and ``v8_flags`` (bench/instructions.py)."""
+    with Workerd(**(under or {})) as w:
         w.start(config_for(w.port))
         yield w
 
 
 @contextlib.contextmanager
-def router_worker(plan, values: Mapping[str, str], far_state_ms: float | None) -> Iterator[Workerd]:
+def router_worker(plan, values: Mapping[str, str], far_state_ms: float | None,
+                  under: Mapping[str, Sequence[str]] | None = None) -> Iterator[Workerd]:
     if far_state_ms is None:
-        with Workerd.serve(plan.worker, values) as w:
+        with Workerd.serve(plan.worker, values, **(under or {})) as w:
             yield w
         return
     from colocate.sandbox.bench import router_with_state_delay
 
+    if under:
+        raise BenchError("a far state object is not measured under valgrind")
     with router_with_state_delay(plan, values, far_state_ms) as w:
         yield w
 

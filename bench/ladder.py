@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from colocate import plan as plan_mod
@@ -33,9 +34,25 @@ from . import harness
 RUNGS = ("bare", "credential", "headers", "deadline", "contract", "router")
 
 
-def run(rounds: int, seconds: float, clients: int, log=lambda _m: None) -> dict:
-    harness.require_tools()
-    plan = harness.bench_plan(5000)
+def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, port: int) -> str:
+    if rung == "bare":
+        return harness.bare_config(compat, pod_urls, port)
+    if rung == "contract":
+        return harness.contract_config(compat, pod_urls, pod_token, 5000, port)
+    bindings = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "POD_TOKEN": pod_token, "RUNG": rung}
+    return harness.floor_config(compat, "ladder.js", bindings, port)
+
+
+@contextlib.contextmanager
+def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[str] = RUNGS,
+            worker_src: Path | None = None) -> Iterator[tuple[dict, dict]]:
+    """Each rung in ``rungs`` in its own workerd (``under``: Workerd's ``launcher`` and
+    ``v8_flags``, for bench/instructions.py), with its bench pod: yields ({rung: Workerd}, {rung: request headers}). ``worker_src``: the
+    router's modules from another directory (a candidate cut)."""
+    unknown = [r for r in rungs if r not in RUNGS]
+    if unknown:
+        raise harness.BenchError(f"unknown rung {unknown[0]!r}: use one of {', '.join(RUNGS)}")
+    plan = harness.bench_plan(5000, worker_src)
     compat = plan.worker.compatibility_date
     secrets = harness.Secrets.fresh()
     with contextlib.ExitStack() as stack:
@@ -43,20 +60,26 @@ def run(rounds: int, seconds: float, clients: int, log=lambda _m: None) -> dict:
         fallback = stack.enter_context(harness.pods(1, 0, None))
         pods_text = plan_mod.pod_urls_text(pod_urls)
         workers, headers = {}, {}
-        workers["bare"] = stack.enter_context(harness.floor_worker(lambda port: harness.bare_config(compat, pod_urls, port)))
-        headers["bare"] = harness.direct_headers(secrets.pod_token)
-        for rung in ("credential", "headers", "deadline"):
-            bindings = {"POD_URLS": pods_text, "POD_TOKEN": secrets.pod_token, "RUNG": rung}
-            workers[rung] = stack.enter_context(harness.floor_worker(
-                lambda port, b=bindings: harness.floor_config(compat, "ladder.js", b, port)))
-        workers["contract"] = stack.enter_context(harness.floor_worker(
-            lambda port: harness.contract_config(compat, pod_urls, secrets.pod_token, 5000, port)))
-        values = {"POD_URLS": pods_text, "FALLBACK_URL": fallback[0], **secrets.bindings()}
-        workers["router"] = stack.enter_context(harness.router_worker(plan, values, None))
-        routed = harness.router_headers(harness.mint_key(workers["router"].url, secrets.probe_token))
-        for rung in RUNGS[1:]:
-            headers[rung] = routed  # the client's request, with its client key, as the router gets it
-        harness.check_router(workers["router"].url, routed)
+        for rung in rungs:
+            if rung == "router":
+                values = {"POD_URLS": pods_text, "FALLBACK_URL": fallback[0], **secrets.bindings()}
+                workers[rung] = stack.enter_context(harness.router_worker(plan, values, None, under))
+            else:
+                workers[rung] = stack.enter_context(harness.floor_worker(
+                    lambda port, rung=rung: _floor_config(rung, compat, pod_urls, secrets.pod_token, port), under))
+        # Every rung but bare gets the client's request, with its client key, as the router gets it.
+        routed = harness.router_headers(harness.mint_key(workers["router"].url, secrets.probe_token)
+                                        if "router" in workers else "clc_" + "x" * 32)
+        for rung in rungs:
+            headers[rung] = harness.direct_headers(secrets.pod_token) if rung == "bare" else routed
+        if "router" in workers:
+            harness.check_router(workers["router"].url, routed)
+        yield workers, headers
+
+
+def run(rounds: int, seconds: float, clients: int, log=lambda _m: None) -> dict:
+    harness.require_tools()
+    with started() as (workers, headers):
         for rung in RUNGS:  # warm, and every rung must answer 200 (wrk counts other statuses as errors)
             warm = harness.wrk_run(workers[rung].url, clients, 1, headers[rung])
             if warm["errors"]:

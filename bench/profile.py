@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -89,26 +88,6 @@ class _WebSocket:
         self.sock.close()
 
 
-class _InspectedWorkerd(wd.Workerd):
-    """workerd with its inspector on ``inspector_port`` (one extra argument)."""
-
-    def __init__(self, inspector_port: int):
-        super().__init__()
-        self.inspector_port = inspector_port
-
-    def start(self, config: str):
-        real = subprocess.Popen
-
-        def popen(args, **kw):
-            return real([*args, f"--inspector-addr=127.0.0.1:{self.inspector_port}"], **kw)
-
-        wd.subprocess.Popen = popen  # Workerd.start builds its own argv; add one flag for this call only
-        try:
-            return super().start(config)
-        finally:
-            wd.subprocess.Popen = real
-
-
 def self_times(profile: dict, requests: int) -> list[tuple[float, float, str]]:
     """(µs per request, share, "function file:line") by self time, largest first."""
     nodes = {n["id"]: n["callFrame"] for n in profile["nodes"]}
@@ -130,7 +109,7 @@ def profile(target: str, worker_src: Path | None, seconds: float, clients: int) 
     headers = harness.direct_headers(secrets.pod_token) if target == "bare" else harness.router_headers()
     with harness.pods(1, 0, secrets.pod_token) as pods, harness.pods(1, 0, None) as fallback:
         values = {"POD_URLS": plan_mod.pod_urls_text(pods), "FALLBACK_URL": fallback[0], **secrets.bindings()}
-        with _InspectedWorkerd(port) as w:
+        with wd.Workerd(extra_args=[f"--inspector-addr=127.0.0.1:{port}"]) as w:
             if target == "bare":
                 w.start(harness.bare_config(compat, pods, w.port))
             elif target == "contract":

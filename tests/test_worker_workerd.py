@@ -138,3 +138,18 @@ def test_composed_config_with_a_wrapper_entry_and_a_separate_object_service(tmp_
         assert res.status == 200 and res.headers["x-wrapped"] == "1"
         assert res.json()["breaker"]["forced"] == "open"
     assert any(p.name.startswith("sandbox-far-Breaker") for p in (tmp_path / "do").iterdir())
+
+
+def test_v8_flags_go_into_the_config_workerd_runs(tmp_path):
+    plan = cell_plan()
+    with workerd.Workerd(tmp_path, v8_flags=["--no-concurrent-sparkplug"]) as w:
+        w.start(workerd.render_config(plan.worker, values(), port=w.port))
+        assert request(w.url, "GET", "/nope").status == 404
+        text = w.config_path.read_text()
+        assert text.count('v8Flags = ["--no-concurrent-sparkplug"],') == 1
+        assert text.index("v8Flags") < text.index("services = [")
+
+
+def test_v8_flags_refuse_a_config_they_cannot_place():
+    with pytest.raises(workerd.WorkerdError, match="v8 flags .* config_capnp"):
+        workerd.with_v8_flags("using Workerd = import \"/workerd/workerd.capnp\";\n", ["--x"])

@@ -1,0 +1,212 @@
+"""Instructions per request, counted by valgrind's callgrind: the cost ladder's rungs
+(bare ... router, bench/ladder.py) at one client, each in its own workerd.
+
+CPU time per request moves by 10 to 30 % from round to round on a shared 2-core machine,
+so a cut of a few per cent needs many interleaved rounds to show. An instruction count
+does not move with the machine's load. It counts every thread of the workerd process in
+user space, V8's compiler and GC threads too; what the kernel spends on sockets is not in
+it, so its ratios are larger than the CPU-time ratios of scripts/bench_router.py (the two
+measure different things; neither replaces the other).
+
+One thing makes a count move from run to run: when V8's background compiler finishes.
+valgrind runs one thread at a time, so a hot function may still run in the interpreter
+after a thousand requests in one run and be optimised in the next; the router's count
+then moved by up to 18 %. So by default workerd runs with V8's concurrent compilation off
+(``v8Flags``: the code is compiled on the request's own thread when it becomes hot, the
+same code as otherwise, just not late), and the router repeats to within about 1 %.
+``--concurrent-jit`` keeps V8's default, to see that spread; ``--repeat`` reports the
+median of several runs and their spread.
+
+Each rung: start under ``valgrind --tool=callgrind``, send ``--warm`` requests (the JIT
+settles), zero the counters (callgrind_control -z), send ``--requests`` requests one
+after another on one keep-alive connection, dump (callgrind_control -d), divide.
+
+Usage: .venv/bin/python -m bench.instructions [--requests 300] [--warm 1000] [--repeat 1]
+       [--rungs bare,contract,router] [--worker-src DIR] [--concurrent-jit] [--keep DIR]
+       [--json PATH]
+Exit: 0 done, 2 setup failure (valgrind or node missing, a process not starting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from colocate.workerd import Workerd, WorkerdError
+
+from . import harness, ladder
+
+OUT_NAME = "callgrind.out"
+
+
+def launcher(out_dir: Path) -> list[str]:
+    # --smc-check: V8 writes and patches machine code; callgrind must see it change.
+    # %p: each process's dumps carry its pid (callgrind.out.<pid>.1 for the first -d).
+    return ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", f"--callgrind-out-file={out_dir / OUT_NAME}.%p"]
+
+
+# V8 compiles hot functions on the thread that runs them (see above): same code, on time.
+SYNC_JIT_FLAGS = ("--no-concurrent-recompilation", "--no-concurrent-sparkplug")
+
+
+def require_valgrind() -> None:
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            raise harness.BenchError(f"{tool} is not installed: run `make bench-instructions` (it installs valgrind "
+                                     "with apt-get) or `apt-get install -y valgrind`")
+    if shutil.which("node") is None:
+        raise harness.BenchError("node is not installed (the bench pod is a Node script)")
+
+
+def total_instructions(text: str) -> int:
+    """The event total of a callgrind dump: its ``summary:`` line, else its ``totals:`` line."""
+    for field in ("summary", "totals"):
+        m = re.search(rf"^{field}:\s+(\d+)", text, re.M)
+        if m:
+            return int(m.group(1))
+    raise harness.BenchError("the callgrind dump has neither a summary: nor a totals: line")
+
+
+def drive(url: str, headers: Mapping[str, str], n: int) -> None:
+    """``n`` requests one after another on one keep-alive connection; each must answer 200."""
+    host, port = url.split("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        for _ in range(n):
+            conn.request("POST", harness.PATH, body=harness.BODY, headers=dict(headers))
+            res = conn.getresponse()
+            res.read()
+            if res.status != 200:
+                raise harness.BenchError(f"{url} answered {res.status}, not 200: the count would measure an error path")
+    finally:
+        conn.close()
+
+
+def _control(flag: str, pid: int) -> None:
+    res = subprocess.run(["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise harness.BenchError(f"callgrind_control {flag} {pid} failed: {(res.stderr or res.stdout).strip()[-300:]}")
+
+
+def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requests: int) -> Path:
+    """The callgrind dump of ``requests`` requests through ``w``, a workerd started under
+    ``launcher(out_dir)``, after ``warm`` requests not counted."""
+    drive(w.url, headers, warm)
+    _control("-z", w.proc.pid)
+    drive(w.url, headers, requests)
+    pattern = f"{OUT_NAME}.{w.proc.pid}.*"
+    before = set(out_dir.glob(pattern))
+    _control("-d", w.proc.pid)  # returns once the process has written the dump
+    deadline = time.monotonic() + 60
+    while not (dumps := sorted(set(out_dir.glob(pattern)) - before)):
+        if time.monotonic() > deadline:
+            raise harness.BenchError(f"callgrind wrote no dump {pattern} in {out_dir} within 60 s")
+        time.sleep(0.1)
+    return dumps[-1]
+
+
+def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_src: Path | None = None,
+        keep: Path | None = None, concurrent_jit: bool = False, log=lambda _m: None) -> dict:
+    require_valgrind()
+    per: dict[str, list[int]] = {r: [] for r in rungs}
+    with tempfile.TemporaryDirectory(prefix="colocate-callgrind-") as tmp:
+        out_dir = Path(tmp)
+        # One process at a time: under valgrind each is slow, and a count does not depend
+        # on what else runs, so there is nothing to interleave. Repeats go round the rungs
+        # so that a drift in the machine (a package upgrade mid-run) shows in every rung.
+        for i in range(repeat):
+            for rung in rungs:
+                under = {"launcher": launcher(out_dir), "v8_flags": () if concurrent_jit else SYNC_JIT_FLAGS}
+                with ladder.started(under, (rung,), worker_src) as (workers, headers):
+                    dump = count(workers[rung], out_dir, headers[rung], warm, requests)
+                    per[rung].append(total_instructions(dump.read_text(errors="replace")))
+                    if keep is not None:  # for callgrind_annotate
+                        keep.mkdir(parents=True, exist_ok=True)
+                        shutil.copy(dump, keep / f"callgrind.{rung}.{i + 1}.out")
+                log(f"{rung} ({i + 1}/{repeat}): {per[rung][-1] / requests:,.0f} instructions per request")
+    out = summarise(per, warm, requests, worker_src)
+    out["v8_flags"] = [] if concurrent_jit else list(SYNC_JIT_FLAGS)
+    return out
+
+
+def summarise(per: Mapping[str, Sequence[int]], warm: int, requests: int, worker_src: Path | None = None) -> dict:
+    """Per rung: the median count per request, its spread (max - min over the median) and
+    the median's ratio to the bare rung's; the router's to the contract floor's."""
+    med = {r: statistics.median(counts) / requests for r, counts in per.items()}
+    out = {"warm": warm, "requests": requests, "repeat": max(len(c) for c in per.values()),
+           "machine": harness.versions(), "valgrind": _first_line(["valgrind", "--version"]),
+           "worker_src": str(worker_src) if worker_src else None, "rungs": []}
+    base = med.get("bare")
+    for rung, counts in per.items():
+        out["rungs"].append({"rung": rung, "instructions_per_req": round(med[rung]),
+                             "runs": [round(c / requests) for c in counts],
+                             "spread": round((max(counts) - min(counts)) / statistics.median(counts), 3),
+                             "vs_bare": round(med[rung] / base, 3) if base else None})
+    if "router" in med and "contract" in med:
+        out["router_vs_contract"] = round(med["router"] / med["contract"], 3)
+    return out
+
+
+def _first_line(args: list[str]) -> str | None:
+    res = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    return (res.stdout or res.stderr).strip().splitlines()[0] if (res.stdout or res.stderr).strip() else None
+
+
+def table(result: dict) -> str:
+    m = result["machine"]
+    rows = [f"instructions per request at 1 client ({m['workerd']}, {result['valgrind']}; "
+            f"{result['requests']} requests counted after {result['warm']} not counted; "
+            f"median of {result['repeat']}; V8 flags: {' '.join(result.get('v8_flags') or ['(default)'])})",
+            f"{'rung':>10} {'instr/req':>11} {'spread':>7} {'vs bare':>8}"]
+    for r in result["rungs"]:
+        vs = f"{r['vs_bare']:.3f}" if r["vs_bare"] is not None else "-"
+        rows.append(f"{r['rung']:>10} {r['instructions_per_req']:>11,} {r['spread']:>7.1%} {vs:>8}")
+    if "router_vs_contract" in result:
+        rows.append(f"router / contract floor: {result['router_vs_contract']:.3f}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.instructions", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=300, help="requests counted per rung (default 300)")
+    p.add_argument("--warm", type=int, default=1000, help="requests sent first and not counted (default 1000)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per rung; the median is reported (default 1)")
+    p.add_argument("--rungs", default=",".join(ladder.RUNGS), help=f"comma-separated, of {','.join(ladder.RUNGS)}")
+    p.add_argument("--worker-src", type=Path, help="the router's modules from this directory (a candidate cut)")
+    p.add_argument("--concurrent-jit", action="store_true",
+                   help="keep V8's concurrent compilation (the router's count then moves by up to 18 %% between runs)")
+    p.add_argument("--keep", type=Path, help="copy each rung's callgrind dump here (for callgrind_annotate)")
+    p.add_argument("--json", type=Path, help="also write the result as JSON")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    for name, value, least in (("--requests", args.requests, 1), ("--warm", args.warm, 0), ("--repeat", args.repeat, 1)):
+        if value < least:
+            p.error(f"{name} must be at least {least} (got {value})")
+    rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
+    unknown = [r for r in rungs if r not in ladder.RUNGS]
+    if not rungs or unknown:
+        p.error(f"--rungs {args.rungs!r}: {unknown[0] if unknown else 'empty'} is not a rung; use some of {','.join(ladder.RUNGS)}")
+    try:
+        result = run(rungs, args.warm, args.requests, args.repeat, args.worker_src, args.keep, args.concurrent_jit,
+                     (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+    except (harness.BenchError, WorkerdError) as exc:
+        print(f"bench.instructions: {exc}", file=sys.stderr)
+        return 2
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
