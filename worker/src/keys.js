@@ -7,6 +7,7 @@
 
 export const KEY_PREFIX = "clc_";
 const KEY_RE = /^clc_[A-Za-z0-9_-]{32}$/;
+const KEY_LENGTH = KEY_PREFIX.length + 32;
 const encoder = new TextEncoder();
 
 function base64url(bytes) {
@@ -47,9 +48,10 @@ export async function keyHash(key) {
 const accepted = new Map();
 const ACCEPTED_MAX = 1024;
 
-/** The digest of a key this isolate accepted before, or undefined (no hashing). */
+/** The digest of a key this isolate accepted before, or undefined (no hashing; a string
+ * that is not a key's length is not even looked up, so junk of any size costs nothing). */
 export function rememberedDigest(key) {
-  return accepted.get(key);
+  return key.length === KEY_LENGTH ? accepted.get(key) : undefined;
 }
 
 /** The digest of a presented key: remembered if it was accepted before, else computed. */

@@ -16,44 +16,54 @@ function fromUsage(u) {
   return prompt + completion > 0 ? { prompt, completion } : null;
 }
 
-const USAGE = new TextEncoder().encode('"usage"');
-const OPEN = 123; // {
-const CLOSE = 125; // }
-
-/** The last index of `needle` in `bytes`, or -1 (answers put `usage` near their end). */
-function lastIndexOf(bytes, needle) {
-  outer: for (let i = bytes.length - needle.length; i >= 0; i--) {
-    for (let j = 0; j < needle.length; j++) if (bytes[i + j] !== needle[j]) continue outer;
-    return i;
-  }
-  return -1;
-}
+// After `"usage"`: blanks, the colon, and the object's opening brace (anything else, such
+// as null, is not a usage object).
+const USAGE_OPEN = /[ \t\r\n]*:[ \t\r\n]*\{/y;
 
 /**
  * Usage of a complete JSON answer's bytes, or null. Only the `"usage": {...}` object is
- * decoded and parsed, not the whole answer: the hot path stays free of a full parse.
+ * parsed, not the whole answer; the search is the runtime's own (decode, lastIndexOf,
+ * indexOf), not a loop over bytes in JavaScript, which costs more per request than the
+ * text it skips. Answers put `usage` near their end, so the last TAIL_BYTES are searched
+ * first and a long answer is decoded whole only when its usage is not among them.
  */
 export function usageOfJson(buffer) {
   const bytes = buffer instanceof Uint8Array ? buffer : new Uint8Array(buffer);
-  const at = lastIndexOf(bytes, USAGE);
-  if (at < 0) return null;
-  let start = -1;
+  if (bytes.length > TAIL_BYTES) {
+    // The last match in a suffix is the last match in the whole (a match that straddles
+    // the cut starts earlier), and a usage object closes before the end.
+    const found = usageOfText(decoder.decode(bytes.subarray(bytes.length - TAIL_BYTES)));
+    if (found !== undefined) return found;
+  }
+  return usageOfText(decoder.decode(bytes)) ?? null;
+}
+
+/** usageOfJson on text: undefined when the text has no `"usage"` at all. */
+function usageOfText(text) {
+  const at = text.lastIndexOf('"usage"');
+  if (at < 0) return undefined;
+  USAGE_OPEN.lastIndex = at + 7;
+  if (!USAGE_OPEN.test(text)) return null;
+  const start = USAGE_OPEN.lastIndex - 1;
+  // The matching brace: usage objects nest (prompt_tokens_details: {...}).
   let depth = 0;
-  for (let i = at + USAGE.length; i < bytes.length; i++) {
-    const b = bytes[i];
-    if (b === OPEN) {
-      if (depth++ === 0) start = i;
-    } else if (b === CLOSE && depth > 0 && --depth === 0) {
+  for (let i = start; ;) {
+    const open = text.indexOf("{", i);
+    const close = text.indexOf("}", i);
+    if (close < 0) return null;
+    if (open >= 0 && open < close) {
+      depth++;
+      i = open + 1;
+    } else if (--depth === 0) {
       try {
-        return fromUsage(JSON.parse(decoder.decode(bytes.subarray(start, i + 1))));
+        return fromUsage(JSON.parse(text.slice(start, close + 1)));
       } catch {
         return null;
       }
-    } else if (depth === 0 && b !== 32 && b !== 58 && b !== 10 && b !== 13 && b !== 9) {
-      return null; // "usage": null, or not an object
+    } else {
+      i = close + 1;
     }
   }
-  return null;
 }
 
 /** Usage in the last SSE data event that has one, or null. */

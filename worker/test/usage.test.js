@@ -43,3 +43,20 @@ test("only the usage object is parsed, wherever it sits, and junk around it is h
   assert.equal(usageOfJson(body('"n/a"')), null);
   assert.deepEqual(usageOfJson(enc('{"usage": {"completion_tokens": 4}, "id": "y"}').buffer), { prompt: 0, completion: 4 });
 });
+
+test("the usage object is found after blanks and non-ASCII text, and a cut-off one is not parsed", () => {
+  assert.deepEqual(usageOfJson(enc('{"content":"naïve ✓ 東京","usage" :\n\t{"prompt_tokens":1,"completion_tokens":2}}')),
+    { prompt: 1, completion: 2 });
+  assert.equal(usageOfJson(enc('{"usage":{"prompt_tokens":1,"completion_tokens":{"x":2}')), null);
+  assert.equal(usageOfJson(enc('{"usage":[{"prompt_tokens":1}]}')), null);
+  assert.equal(usageOfJson(new Uint8Array(0)), null);
+});
+
+test("a long answer's usage is found in its tail, or further up when it is not there", () => {
+  const content = "é".repeat(20000); // 40,000 bytes of two-byte characters: the tail cuts one in half
+  const usage = '"usage":{"prompt_tokens":7,"completion_tokens":8}';
+  assert.deepEqual(usageOfJson(enc(`{"choices":[{"message":{"content":"${content}"}}],${usage}}`)), { prompt: 7, completion: 8 });
+  assert.deepEqual(usageOfJson(enc(`{${usage},"choices":[{"message":{"content":"${content}"}}]}`)), { prompt: 7, completion: 8 });
+  assert.equal(usageOfJson(enc(`{"choices":[{"message":{"content":"${content}"}}],"usage":null}`)), null);
+  assert.equal(usageOfJson(enc(`{"choices":[{"message":{"content":"${content}"}}]}`)), null);
+});
