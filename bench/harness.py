@@ -25,6 +25,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +34,8 @@ from pathlib import Path
 from colocate import plan as plan_mod
 from colocate import settings as settings_mod
 from colocate import stackfile
-from colocate.workerd import (MAIN_SERVICE, SOCKET_NAME, Workerd, capnp_text, config_capnp, network_service,
-                              socket_capnp, worker_service)
+from colocate.workerd import (MAIN_SERVICE, SOCKET_NAME, Workerd, WorkerdError, capnp_text, config_capnp,
+                              network_service, socket_capnp, worker_service)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -479,3 +480,25 @@ def run(opts: Options, log=lambda _msg: None) -> dict:
     return {"machine": machine, "options": {**dataclasses.asdict(opts), "client_key": bool(opts.client_key),
                                             "worker_src": str(opts.worker_src) if opts.worker_src else None},
             "compatibility_date": plan.worker.compatibility_date, "goals": goals(series), "series": series}
+
+
+# --- command line -------------------------------------------------------------------------
+
+def progress(quiet: bool):
+    """The ``log`` of a bench's run(): progress lines on stderr, or nothing."""
+    return (lambda _m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+
+
+def report(prog: str, compute, render, json_path: Path | None) -> int:
+    """A bench command's ending: ``compute()``, print ``render(result)``, write the JSON;
+    a setup failure is one line on stderr and exit 2."""
+    try:
+        result = compute()
+    except (BenchError, WorkerdError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    print(render(result))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import re
 import shutil
 import statistics
@@ -42,7 +41,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from colocate.workerd import Workerd, WorkerdError
+from colocate.workerd import Workerd
 
 from . import harness, ladder
 
@@ -196,16 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in rungs if r not in ladder.RUNGS]
     if not rungs or unknown:
         p.error(f"--rungs {args.rungs!r}: {unknown[0] if unknown else 'empty'} is not a rung; use some of {','.join(ladder.RUNGS)}")
-    try:
-        result = run(rungs, args.warm, args.requests, args.repeat, args.worker_src, args.keep, args.concurrent_jit,
-                     (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
-    except (harness.BenchError, WorkerdError) as exc:
-        print(f"bench.instructions: {exc}", file=sys.stderr)
-        return 2
-    print(table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    log = harness.progress(args.quiet)
+    return harness.report("bench.instructions", lambda: run(rungs, args.warm, args.requests, args.repeat, args.worker_src,
+                                                            args.keep, args.concurrent_jit, log), table, args.json)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from colocate import plan as plan_mod
-from colocate.workerd import WorkerdError
 
 from . import harness
 
@@ -125,16 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (("--rounds", args.rounds), ("--seconds", args.seconds), ("--clients", args.clients)):
         if value < 1:
             p.error(f"{name} must be at least 1 (got {value})")
-    try:
-        result = run(args.rounds, args.seconds, args.clients,
-                     (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
-    except (harness.BenchError, WorkerdError) as exc:
-        print(f"bench.ladder: {exc}", file=sys.stderr)
-        return 2
-    print(table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    log = harness.progress(args.quiet)
+    return harness.report("bench.ladder", lambda: run(args.rounds, args.seconds, args.clients, log), table, args.json)
 
 
 if __name__ == "__main__":

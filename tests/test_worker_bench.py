@@ -251,3 +251,14 @@ def test_instructions_refuses_an_unknown_rung():
     with pytest.raises(SystemExit) as exc:
         instructions.main(["--rungs", "bare,turbo"])
     assert exc.value.code == 2
+
+
+def test_a_bench_command_reports_a_setup_failure_as_exit_2_and_writes_its_json(tmp_path, capsys):
+    def broken():
+        raise harness.BenchError("valgrind is not installed")
+
+    assert harness.report("bench.x", broken, str, tmp_path / "no.json") == 2
+    assert capsys.readouterr().err.strip() == "bench.x: valgrind is not installed"
+    assert not (tmp_path / "no.json").exists()
+    assert harness.report("bench.x", lambda: {"n": 1}, lambda r: f"n={r['n']}", tmp_path / "r.json") == 0
+    assert capsys.readouterr().out == "n=1\n" and json.loads((tmp_path / "r.json").read_text()) == {"n": 1}
