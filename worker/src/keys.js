@@ -2,8 +2,9 @@
 //
 // A key is "clc_" + 32 base64url characters (24 random bytes: 192 bits). The object
 // stores only its SHA-256 (hex); the plaintext is returned once, when it is created,
-// and never logged. The edge finds a key by its digest and then compares the digests
-// in constant time, so neither the lookup nor the comparison times the secret itself.
+// and never logged. The edge finds a key by its digest (a map keyed by digest), so the
+// lookup times the digest, never the secret; where a record comes back from a sync the
+// digests are also compared in constant time.
 
 export const KEY_PREFIX = "clc_";
 const KEY_RE = /^clc_[A-Za-z0-9_-]{32}$/;

@@ -70,7 +70,8 @@ function authenticate(request, env, cfg, entry, timing) {
     throw new HttpError(503, "state_unavailable", "the cell's state is unreachable; retry shortly", { "retry-after": "1" });
   }
   // The record was found under this very digest, so its hash is that digest: comparing
-  // them again would compare a string with itself (authenticateSlow still compares).
+  // them again would compare a string with itself (authenticateSlow still compares, as a
+  // check on findKey, off the warm path).
   const rec = known === undefined ? undefined : entry.keys.get(known);
   if (rec !== undefined) return usable(rec);
   return authenticateSlow(presented, env, cfg, entry, timing);
