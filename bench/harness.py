@@ -457,14 +457,16 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
             "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()]}
 
 
-def versions() -> dict:
-    def first_line(args):
-        try:
-            res = subprocess.run(args, capture_output=True, text=True, timeout=10)
-        except OSError:
-            return None
-        return (res.stdout or res.stderr).strip().splitlines()[0] if (res.stdout or res.stderr).strip() else None
+def first_line(args: list[str]) -> str | None:
+    """The first line a tool prints (its version), or None when it does not run."""
+    try:
+        res = subprocess.run(args, capture_output=True, text=True, timeout=10)
+    except OSError:
+        return None
+    return (res.stdout or res.stderr).strip().splitlines()[0] if (res.stdout or res.stderr).strip() else None
 
+
+def versions() -> dict:
     from colocate.workerd import workerd_binary
 
     return {"workerd": first_line([str(workerd_binary()), "--version"]), "wrk": first_line(["wrk", "--version"]),
@@ -501,4 +503,3 @@ def report(prog: str, compute, render, json_path: Path | None) -> int:
     if json_path:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
     return 0
-

@@ -143,7 +143,7 @@ def summarise(per: Mapping[str, Sequence[int]], warm: int, requests: int, worker
     the median's ratio to the bare rung's; the router's to the contract floor's."""
     med = {r: statistics.median(counts) / requests for r, counts in per.items()}
     out = {"warm": warm, "requests": requests, "repeat": max(len(c) for c in per.values()),
-           "machine": harness.versions(), "valgrind": _first_line(["valgrind", "--version"]),
+           "machine": harness.versions(), "valgrind": harness.first_line(["valgrind", "--version"]),
            "worker_src": str(worker_src) if worker_src else None, "rungs": []}
     base = med.get("bare")
     for rung, counts in per.items():
@@ -154,11 +154,6 @@ def summarise(per: Mapping[str, Sequence[int]], warm: int, requests: int, worker
     if "router" in med and "contract" in med:
         out["router_vs_contract"] = round(med["router"] / med["contract"], 3)
     return out
-
-
-def _first_line(args: list[str]) -> str | None:
-    res = subprocess.run(args, capture_output=True, text=True, timeout=30)
-    return (res.stdout or res.stderr).strip().splitlines()[0] if (res.stdout or res.stderr).strip() else None
 
 
 def table(result: dict) -> str:

@@ -44,9 +44,10 @@ def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, p
 @contextlib.contextmanager
 def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[str] = RUNGS,
             worker_src: Path | None = None) -> Iterator[tuple[dict, dict]]:
-    """Each rung in ``rungs`` in its own workerd (``under``: Workerd's ``launcher`` and
-    ``v8_flags``, for bench/instructions.py), with its bench pod: yields ({rung: Workerd}, {rung: request headers}). ``worker_src``: the
-    router's modules from another directory (a candidate cut)."""
+    """Each rung in ``rungs`` in its own workerd, with its bench pod: yields
+    ({rung: Workerd}, {rung: request headers}). ``under``: Workerd's ``launcher`` and
+    ``v8_flags`` (bench/instructions.py); ``worker_src``: the router's modules from
+    another directory (a candidate cut)."""
     unknown = [r for r in rungs if r not in RUNGS]
     if unknown:
         raise harness.BenchError(f"unknown rung {unknown[0]!r}: use one of {', '.join(RUNGS)}")
