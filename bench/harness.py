@@ -43,6 +43,10 @@ PATH = "/v1/chat/completions"
 BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 STREAM_BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                           "stream": True})
+# The same stream with its usage asked for (OpenAI's stream_options): the router then reads
+# the stream's last event for the token count, as it does for a real client that asks it.
+STREAM_USAGE_BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                "stream": True, "stream_options": {"include_usage": True}})
 TARGETS = ("direct", "bare", "contract", "router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -228,9 +232,10 @@ def wrk_run(url: str, clients: int, seconds: float, headers: Mapping[str, str], 
             "p50_ms": round(s["p50_us"] / 1000, 3), "p99_ms": round(s["p99_us"] / 1000, 3)}
 
 
-def sse_run(url: str, clients: int, requests: int, seconds: float, headers: Mapping[str, str]) -> dict:
+def sse_run(url: str, clients: int, requests: int, seconds: float, headers: Mapping[str, str],
+            usage: bool = False) -> dict:
     args = ["node", str(HERE / "sse.mjs"), url + PATH, str(clients), str(requests), str(seconds),
-            json.dumps(dict(headers)), STREAM_BODY]
+            json.dumps(dict(headers)), STREAM_USAGE_BODY if usage else STREAM_BODY]
     res = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
     if res.returncode != 0 or not res.stdout.strip():
         raise BenchError(f"bench/sse.mjs failed ({res.returncode}): {res.stderr.strip()[-300:]}")
@@ -274,6 +279,7 @@ class Options:
     rounds: int = 5
     seconds: float = 3.0
     stream: bool = True
+    sse_usage: bool = False  # the SSE runs ask for the stream's usage (include_usage)
     sse_requests: int = 3000
     pods: tuple[int, ...] = (1,)
     pod_delay_ms: float = 0.0
@@ -446,7 +452,7 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
                         for t in order:
                             before = answered(fallback[0])
                             rd[t]["sse"] = measured(pids[t], lambda t=t, c=c: sse_run(urls[t], c, opts.sse_requests,
-                                                                                      opts.seconds, hdrs[t]))
+                                                                                      opts.seconds, hdrs[t], opts.sse_usage))
                             rd[t]["sse"]["fallback_answers"] = answered(fallback[0]) - before
                     levels[c].append(rd)
                     log(f"pods {pod_count} round {r + 1}/{opts.rounds} clients {c}: "

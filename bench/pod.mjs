@@ -2,8 +2,9 @@
 //
 // Node's http server, Nagle off: the bench must measure the router, not a slow pod.
 // POST with `"stream": true` in the body answers Server-Sent Events (a first chunk at
-// once, the rest on later turns of the event loop, then [DONE]); anything else a small
-// chat.completion JSON. Bench-only; --token makes it answer 401 to a wrong bearer.
+// once, the rest on later turns of the event loop, a usage chunk when the body asks
+// `"include_usage": true`, then [DONE]); anything else a small chat.completion JSON.
+// Bench-only; --token makes it answer 401 to a wrong bearer.
 //
 // --slots K bounds how many requests each pod works on at once (the rest queue, in
 // order), like a GPU pod's batch: with --delay-ms 95 --slots 1 a pod serves ~10 req/s,
@@ -31,6 +32,7 @@ const JSON_BODY = JSON.stringify({
   choices: [{ index: 0, message: { role: "assistant", content: "ok ok ok ok" }, finish_reason: "stop" }],
   usage: { prompt_tokens: 4, completion_tokens: 4, total_tokens: 8 },
 });
+const USAGE_CHUNK = `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [], usage: { prompt_tokens: 4, completion_tokens: 8, total_tokens: 12 } })}\n\n`;
 const CHUNK = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ` } }] })}\n\n`;
 
 let answered = 0; // all listeners together; GET /__bench/count reads it
@@ -45,12 +47,14 @@ function answer(req, res, body) {
   }
   if (req.method === "POST" && /"stream"\s*:\s*true/.test(body)) {
     res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+    const usage = /"include_usage"\s*:\s*true/.test(body);
     let i = 0;
     const more = () => {
       if (i < chunks) {
         res.write(CHUNK(i++));
         setImmediate(more);
       } else {
+        if (usage) res.write(USAGE_CHUNK);
         res.end("data: [DONE]\n\n");
       }
     };

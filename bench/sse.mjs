@@ -3,7 +3,8 @@
 //
 // Usage: node bench/sse.mjs URL CLIENTS REQUESTS MAX_SECONDS HEADERS_JSON BODY
 // Prints one JSON line: {n, errors, seconds, rps, ttfb_p50_ms, ttfb_p99_ms, ttlb_p50_ms,
-// ttlb_p99_ms, backends}. Bounded by REQUESTS and MAX_SECONDS.
+// ttlb_p99_ms, backends, with_usage}: with_usage counts the answers that carried a usage
+// event (asked for with stream_options.include_usage). Bounded by REQUESTS and MAX_SECONDS.
 
 import http from "node:http";
 
@@ -20,16 +21,19 @@ const ttlb = [];
 const backends = {};
 let issued = 0;
 let errors = 0;
+let withUsage = 0;
 
 function once() {
   return new Promise((resolve) => {
     const t0 = performance.now();
     let first = null;
+    let last = "";
     const req = http.request(
       { host: target.hostname, port: target.port, path: target.pathname, method: "POST", headers, agent },
       (res) => {
-        res.on("data", () => {
+        res.on("data", (chunk) => {
           if (first === null) first = performance.now() - t0;
+          last = (last + chunk).slice(-512); // the usage event and [DONE] end the answer
         });
         res.on("end", () => {
           const ok = res.statusCode === 200 && first !== null;
@@ -38,6 +42,7 @@ function once() {
             ttlb.push(performance.now() - t0);
             const b = res.headers["x-colocate-backend"] || "direct";
             backends[b] = (backends[b] || 0) + 1;
+            if (last.includes('"usage":{')) withUsage++;
           } else errors++;
           resolve();
         });
@@ -79,5 +84,5 @@ process.stdout.write(JSON.stringify({
   n: ttfb.length, errors, seconds: Math.round(seconds * 1000) / 1000,
   rps: seconds > 0 ? Math.round((ttfb.length / seconds) * 10) / 10 : 0,
   ttfb_p50_ms: pct(ttfb, 50), ttfb_p99_ms: pct(ttfb, 99), ttlb_p50_ms: pct(ttlb, 50), ttlb_p99_ms: pct(ttlb, 99),
-  backends,
+  backends, with_usage: withUsage,
 }) + "\n");

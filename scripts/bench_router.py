@@ -16,6 +16,9 @@ and the goals of issue 14 (met/missed; reported, not enforced).
 Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1`` runs one series per pod
 count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);
 ``--pod-slots`` bounds each pod's concurrent work, so that more pods means more capacity.
+Streams that ask for their usage (``stream_options.include_usage``, which the router then
+reads from each stream's last event): ``--sse-usage``; with ``--pods 2`` this is the
+router's most expensive stream path.
 A candidate router: ``--worker-src DIR`` reads the plan's module names from DIR (e.g. a
 scratch copy of worker/src with a cut applied).
 State object far away: ``--far-state-ms MS`` runs the router behind the sandbox's
@@ -23,7 +26,7 @@ emulated geography with only the Worker->object hop delayed; its pod traffic the
 passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
 Usage: .venv/bin/python scripts/bench_router.py [--rounds 5] [--seconds 3]
-       [--clients 1,32] [--no-stream] [--sse-requests 3000] [--pods 1]
+       [--clients 1,32] [--no-stream] [--sse-usage] [--sse-requests 3000] [--pods 1]
        [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
 Exit: 0 done (goals reported, not enforced), 2 usage error or setup failure.
 Needs wrk (`make bench` installs it with apt-get when absent) and node.
@@ -65,7 +68,8 @@ def table(result: dict) -> str:
     m = result["machine"]
     o = result["options"]
     rows = [f"router vs bare pass-through Worker and contract floor ({m['workerd']}, compat {result['compatibility_date']}, {m['cpus']} CPUs, "
-            f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians)"]
+            f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians"
+            + ("; SSE requests ask include_usage" if o.get("sse_usage") else "") + ")"]
     for s in result["series"]:
         rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), router served by {s['router_backend']}"
                     + (f"; state at {s['far_state']['state_colo']}, forced round trip p50 "
@@ -74,14 +78,14 @@ def table(result: dict) -> str:
                        f"{s['router_state_ms']['p99_ms']} ms (Server-Timing, {s['router_state_ms']['n']} requests)"
                        if s.get("router_state_ms") else ""))
         rows.append(f"{'clients':>7} {'target':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu us/req':>10} {'errors':>6}"
-                    f" {'sse ttfb':>9} {'sse ttlb':>9}")
+                    f" {'sse ttfb':>9} {'sse ttlb':>9} {'sse us/req':>10}")
         for lv in s["levels"]:
             for t in (t for t in harness.TARGETS if t in lv["median"]):
                 x = lv["median"][t]
                 sse = x.get("sse") or {}
                 rows.append(f"{lv['clients']:>7} {t:>7} {_fmt(x['rps'], '.0f'):>9} {_fmt(x['p50_ms']):>8} {_fmt(x['p99_ms']):>8} "
                             f"{_fmt(x['cpu_us_per_req'], '.1f'):>10} {x['errors'] + (sse.get('errors') or 0):>6} "
-                            f"{_fmt(sse.get('ttfb_p50_ms')):>9} {_fmt(sse.get('ttlb_p50_ms')):>9}")
+                            f"{_fmt(sse.get('ttfb_p50_ms')):>9} {_fmt(sse.get('ttlb_p50_ms')):>9} {_fmt(sse.get('cpu_us_per_req'), '.1f'):>10}")
             fb = lv["median"]["router"]["fallback_answers"]
             if fb:
                 rows.append(f"{'':>7} WARNING: the fallback answered {fb} of the router's requests: these numbers are not the pod path")
@@ -92,7 +96,8 @@ def table(result: dict) -> str:
                                 f"p99 {_fmt(rb['added_p99_ms'], '+.3f')} ms, "
                                 f"throughput x{_fmt(rb['throughput_ratio'])}, CPU/req x{_fmt(rb.get('cpu_ratio'))}"
                                 + (f", SSE ttfb {_fmt(rb.get('sse_added_ttfb_p50_ms'), '+.3f')} ms, ttlb "
-                                   f"{_fmt(rb.get('sse_added_ttlb_p50_ms'), '+.3f')} ms" if "sse_added_ttfb_p50_ms" in rb else ""))
+                                   f"{_fmt(rb.get('sse_added_ttlb_p50_ms'), '+.3f')} ms, SSE CPU/req x{_fmt(rb.get('sse_cpu_ratio'))}"
+                                   if "sse_added_ttfb_p50_ms" in rb else ""))
     for g in result["goals"]:
         verdict = "n/a" if g["met"] is None else ("met" if g["met"] else "MISSED")
         sign = "<=" if g["goal"] != "throughput_ratio" else ">="
@@ -108,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="length of each wrk/SSE run (default 3)")
     p.add_argument("--clients", type=_ints("--clients", 1, 256), default=(1, 32), help="client counts (default 1,32)")
     p.add_argument("--no-stream", action="store_true", help="skip the streaming (SSE) runs")
+    p.add_argument("--sse-usage", action="store_true",
+                   help="the SSE requests ask for the stream's usage (stream_options.include_usage)")
     p.add_argument("--sse-requests", type=int, default=3000, help="requests per SSE run, at most (default 3000)")
     p.add_argument("--pods", type=_ints("--pods", 1, 8), default=(1,), help="pod counts, one series each (default 1)")
     p.add_argument("--pod-delay-ms", type=float, default=0.0, help="the bench pods answer after this long (default 0)")
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker_src is not None and not args.worker_src.is_dir():
         p.error(f"--worker-src {args.worker_src}: not a directory; pass a copy of worker/src")
     opts = harness.Options(clients=args.clients, rounds=args.rounds, seconds=args.seconds, stream=not args.no_stream,
-                           sse_requests=args.sse_requests, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
+                           sse_usage=args.sse_usage, sse_requests=args.sse_requests, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
                            deadline_ms=args.deadline_ms, far_state_ms=args.far_state_ms, worker_src=args.worker_src)
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:

@@ -45,6 +45,23 @@ def test_small_run_measures_every_target(tmp_path, capsys):
     assert {g["goal"] for g in result["goals"]} == {"added_p50_ms", "sse_added_ttfb_ms"}  # 32 clients not run
     out = capsys.readouterr().out
     assert "router vs bare" in out and "router vs contract" in out and "contract vs bare" in out
+    assert all(r[t]["sse"]["with_usage"] == 0 for lv in series["levels"] for r in lv["rounds"] for t in harness.TARGETS)
+
+
+@needs_wrk
+def test_streams_asking_for_usage_reach_several_pods_and_carry_it(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--sse-requests", "40", "--pods", "2",
+                            "--sse-usage", "--quiet", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["options"]["sse_usage"] is True
+    (series,) = result["series"]
+    (r,) = series["levels"][0]["rounds"]
+    for t in harness.TARGETS:
+        assert r[t]["sse"]["n"] == 40 and r[t]["sse"]["with_usage"] == 40, (t, r[t]["sse"])
+    assert set(r["router"]["sse"]["backends"]) == {"pod-0", "pod-1"}  # the router's tapped path, both pods
+    assert "SSE requests ask include_usage" in bench_router.table(result)
 
 
 @needs_wrk
