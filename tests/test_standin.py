@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from colocate.pods import standin
+from tests.support.streams import leave_after_first_event, poll
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,6 +68,19 @@ def test_streaming_sends_one_sse_chunk_per_token_then_done(pod):
     chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
     assert len(chunks) > 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streams_are_counted_completed_or_cut_by_their_client():
+    body = {"model": "m", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    with standin.serve(compute_ms=400, model="m") as slow:
+        with requests.post(slow.url + "/v1/chat/completions", json=body, stream=True, timeout=5) as r:
+            assert [line for line in r.iter_lines() if line][-1] == b"data: [DONE]"
+        assert poll(lambda: slow.streams, {"completed": 1, "cut": 0}) == {"completed": 1, "cut": 0}
+        # A client that leaves after the first event: the next writes fail and the stream is cut.
+        leave_after_first_event(slow.port, "/v1/chat/completions", body)
+        assert poll(lambda: slow.streams, {"completed": 1, "cut": 1}) == {"completed": 1, "cut": 1}
+        stats = requests.get(slow.url + "/_standin/stats", timeout=5).json()
+        assert stats["streams"] == {"completed": 1, "cut": 1} and stats["requests"] == 2
 
 
 def _sse(pod, path, body):

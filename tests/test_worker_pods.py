@@ -2,11 +2,18 @@
 another pod before the fallback, and the probe's per-pod round trips."""
 
 import concurrent.futures
+import contextlib
+import http.client
+import json
 import time
+from collections.abc import Iterator
 
 import pytest
 
+from tests.support.streams import leave_after_first_event, poll
 from tests.support.workerd import auth, chat, running_cell
+
+USAGE = {"stream_options": {"include_usage": True}}
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +84,51 @@ def test_probe_reports_every_pod():
             (0, f"127.0.0.1:{cell.pods[0].port}", True), (1, f"127.0.0.1:{cell.pods[1].port}", False)]
         assert all(isinstance(p["rtt_ms"], (int, float)) for p in body["pods"])
         assert [p["index"] for p in body["breaker"]["pods"]] == [0, 1]
+
+
+@contextlib.contextmanager
+def open_stream(cell, extra: dict) -> Iterator[http.client.HTTPResponse]:
+    """A routed stream whose headers have arrived and whose body is not read yet."""
+    conn = http.client.HTTPConnection("127.0.0.1", cell.worker.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**chat(stream=True), **extra}),
+                     headers={"authorization": f"Bearer {cell.key}", "content-type": "application/json"})
+        res = conn.getresponse()
+        assert res.status == 200 and res.getheader("content-type").startswith("text/event-stream")
+        yield res
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("extra", [{}, USAGE], ids=["plain", "include_usage"])
+def test_a_stream_holds_its_pod_until_its_last_byte_then_lets_it_go(extra):
+    # Each stream lasts 500 ms at the pod (half before the first token, half spread over
+    # the rest; its headers come at once); a request sent while it runs must go to the
+    # other pod, every time.
+    with running_cell(runtime(), pods=2, compute_ms=500) as cell:
+        for _ in range(5):
+            with open_stream(cell, extra) as stream:
+                busy = stream.getheader("x-colocate-backend")
+                other = cell.call("POST", "/v1/chat/completions", body=chat())
+                assert other.status == 200 and {busy, other.headers["x-colocate-backend"]} == {"pod-0", "pod-1"}
+                events = [e for e in stream.read().split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]" and len(events) > 2
+            if extra:
+                assert json.loads(events[-2][len(b"data: "):])["usage"]["total_tokens"] > 0
+        # Every stream ended, so both pods are free again: ties are broken at random, and
+        # 24 requests all landing on one pod (a pod still counted busy) has odds 2**-23.
+        landed = {cell.call("GET", "/v1/models").headers["x-colocate-backend"] for _ in range(24)}
+        assert landed == {"pod-0", "pod-1"}
+        assert poll(lambda: sum(p.streams["completed"] for p in cell.pods), 5) == 5
+
+
+@pytest.mark.parametrize(("pods", "extra"), [(1, {}), (2, {}), (1, USAGE)], ids=["passed-through", "piped", "tapped"])
+def test_a_client_that_leaves_mid_stream_stops_the_pod(pods, extra):
+    # One pod and no usage: the pod's body is returned as it is; several pods: the runtime
+    # pipes it (the end frees the pod); usage asked: the router reads each chunk. In every
+    # case the pod must see its stream cut, not keep generating for nobody.
+    with running_cell(runtime(), pods=pods, compute_ms=1000) as cell:
+        leave_after_first_event(cell.worker.port, "/v1/chat/completions", {**chat(stream=True), **extra},
+                                {"Authorization": f"Bearer {cell.key}"})
+        total = lambda: {k: sum(p.streams[k] for p in cell.pods) for k in ("completed", "cut")}  # noqa: E731
+        assert poll(total, {"completed": 0, "cut": 1}) == {"completed": 0, "cut": 1}

@@ -15,7 +15,8 @@ Routes:
                                  carry ``usage``
     POST /v1/completions         JSON, or SSE with "stream": true
     POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N} (loopback clients only)
-    GET  /_standin/stats         {"requests": N, "fault": {...}} (loopback clients only)
+    GET  /_standin/stats         {"requests": N, "streams": {"completed": N, "cut": N}, "fault": {...}}
+                                 (loopback clients only; a cut stream lost its client before [DONE])
 
 Faults apply to every route except ``/_standin/*``: ``error`` answers 500, ``hang``
 holds the request for ``delay_ms`` (or until shutdown when 0) then drops the connection,
@@ -68,6 +69,7 @@ class StandinServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._fault = {"mode": "ok", "delay_ms": 0}
         self._requests = 0
+        self._streams = {"completed": 0, "cut": 0}
         super().__init__((host, port), _Handler)
 
     @property
@@ -89,6 +91,17 @@ class StandinServer(ThreadingHTTPServer):
     def count_request(self) -> None:
         with self._lock:
             self._requests += 1
+
+    @property
+    def streams(self) -> dict:
+        """SSE answers sent to the end (``completed``) and those whose client went away
+        first (``cut``): a router that stops reading must not leave the pod generating."""
+        with self._lock:
+            return dict(self._streams)
+
+    def count_stream(self, outcome: str) -> None:
+        with self._lock:
+            self._streams[outcome] += 1
 
     @property
     def fault(self) -> dict:
@@ -195,7 +208,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/_standin/stats":
             if not self._loopback_client():
                 return self._error(403, "stand-in controls are local only", "forbidden")
-            return self._send_json(200, {"requests": self.server.requests, "fault": self.server.fault})
+            return self._send_json(200, {"requests": self.server.requests, "streams": self.server.streams,
+                                         "fault": self.server.fault})
         if path == "/health":
             if self._apply_fault():
                 self._send_json(200, {"status": "ok"})
@@ -309,6 +323,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+            self.server.count_stream("cut")
+            return
+        self.server.count_stream("completed")
 
     def _write_chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")

@@ -82,12 +82,17 @@ export function usageOfSseTail(text) {
   return null;
 }
 
+// workerd's byte stream (Cloudflare's IdentityTransformStream) moves a native body to the
+// client without a turn of JavaScript per chunk; Node (the unit tests) has only the standard one.
+const Identity = typeof IdentityTransformStream === "function" ? IdentityTransformStream : TransformStream;
+
 /**
  * Pass a stream through unchanged and call `done(usage | null)` once when it ends or is
- * cancelled. With `wantUsage` false no bytes are kept (nothing to parse).
+ * cancelled. Without `wantUsage` the bytes are not looked at: the runtime pipes them, and
+ * the end is all that is learnt. With it, each chunk is handed on as it arrives and the
+ * last TAIL_BYTES are kept to find the usage event.
  */
 export function tapStream(body, wantUsage, done) {
-  let tail = wantUsage ? new Uint8Array(0) : null;
   let called = false;
   const finish = (usage) => {
     if (!called) {
@@ -95,26 +100,46 @@ export function tapStream(body, wantUsage, done) {
       done(usage);
     }
   };
-  const ts = new TransformStream({
-    transform(chunk, controller) {
-      controller.enqueue(chunk);
-      if (tail) {
-        const keep = Math.min(TAIL_BYTES, tail.byteLength + chunk.byteLength);
-        const next = new Uint8Array(keep);
-        const fromChunk = Math.min(chunk.byteLength, keep);
-        const fromTail = keep - fromChunk;
-        next.set(tail.subarray(tail.byteLength - fromTail), 0);
-        next.set(chunk.subarray(chunk.byteLength - fromChunk), fromTail);
-        tail = next;
-      }
-    },
-    flush() {
-      finish(tail ? usageOfSseTail(decoder.decode(tail)) : null);
-    },
-    cancel() {
-      finish(null);
-    },
-  });
-  const piped = body.pipeTo(ts.writable).catch(() => finish(null));
-  return { body: ts.readable, piped };
+  const ts = new Identity();
+  if (!wantUsage) {
+    const end = () => finish(null);
+    return { body: ts.readable, piped: body.pipeTo(ts.writable).then(end, end) };
+  }
+  return { body: ts.readable, piped: pumpKeepingTail(body, ts.writable, finish) };
+}
+
+// Reads the pod's chunks in JavaScript and writes them to the runtime's stream: one JS
+// turn per chunk each way. A TransformStream with a transform() costs more (the client's
+// side is then a JavaScript stream too), and tee() cannot tell when the client has left.
+// The tail keeps references to the last chunks; they are joined once, at the end.
+async function pumpKeepingTail(body, writable, finish) {
+  const reader = body.getReader();
+  const writer = writable.getWriter();
+  const tail = []; // the last chunks, at least TAIL_BYTES of them when there are that many
+  let size = 0;
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      tail.push(value);
+      size += value.byteLength;
+      while (size - tail[0].byteLength >= TAIL_BYTES) size -= tail.shift().byteLength;
+      await writer.write(value); // settles once the client has taken it: backpressure
+    }
+    await writer.close();
+  } catch (err) {
+    // The client went away (the write failed) or the pod's stream broke: stop both sides,
+    // so that the pod is not left generating for nobody.
+    await reader.cancel(err).catch(() => {});
+    await writer.abort(err).catch(() => {});
+    finish(null);
+    return;
+  }
+  const bytes = new Uint8Array(size);
+  let at = 0;
+  for (const c of tail) {
+    bytes.set(c, at);
+    at += c.byteLength;
+  }
+  finish(usageOfSseTail(decoder.decode(bytes.subarray(Math.max(0, size - TAIL_BYTES)))));
 }

@@ -60,3 +60,54 @@ test("a long answer's usage is found in its tail, or further up when it is not t
   assert.equal(usageOfJson(enc(`{"choices":[{"message":{"content":"${content}"}}],"usage":null}`)), null);
   assert.equal(usageOfJson(enc(`{"choices":[{"message":{"content":"${content}"}}]}`)), null);
 });
+
+test("a usage event split over chunks, after more than the tail's worth of stream, is found", async () => {
+  const event = 'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":9}}\n\n';
+  const filler = "data: " + JSON.stringify({ choices: [{ delta: { content: "y".repeat(30000) } }] }) + "\n\n";
+  const parts = [filler, event.slice(0, 20), event.slice(20, 41), event.slice(41), "data: [DONE]\n\n"];
+  const body = new ReadableStream({ start(c) { for (const p of parts) c.enqueue(enc(p)); c.close(); } });
+  const seen = [];
+  const tap = tapStream(body, true, (u) => seen.push(u));
+  assert.equal(await new Response(tap.body).text(), parts.join(""));
+  await tap.piped;
+  assert.deepEqual(seen, [{ prompt: 3, completion: 9 }]);
+});
+
+for (const wantUsage of [false, true]) {
+  test(`a client that cancels stops the source and reports no usage, once (wantUsage ${wantUsage})`, async () => {
+    let cancelled = null;
+    let pulls = 0;
+    const body = new ReadableStream({
+      pull(c) {
+        pulls++;
+        c.enqueue(enc(`data: {"n":${pulls}}\n\n`));
+      },
+      cancel(reason) {
+        cancelled = reason ?? "cancelled";
+      },
+    });
+    const seen = [];
+    const tap = tapStream(body, wantUsage, (u) => seen.push(u));
+    const reader = tap.body.getReader();
+    assert.match(new TextDecoder().decode((await reader.read()).value), /^data: /);
+    await reader.cancel("client left");
+    await tap.piped;
+    assert.notEqual(cancelled, null);
+    assert.deepEqual(seen, [null]);
+  });
+
+  test(`a source that breaks errors the client's side and reports no usage (wantUsage ${wantUsage})`, async () => {
+    let n = 0;
+    const body = new ReadableStream({
+      pull(c) {
+        if (++n > 2) c.error(new Error("pod connection reset"));
+        else c.enqueue(enc("data: {}\n\n"));
+      },
+    });
+    const seen = [];
+    const tap = tapStream(body, wantUsage, (u) => seen.push(u));
+    await assert.rejects(new Response(tap.body).text());
+    await tap.piped;
+    assert.deepEqual(seen, [null]);
+  });
+}
