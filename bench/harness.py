@@ -40,13 +40,12 @@ from colocate.workerd import (MAIN_SERVICE, SOCKET_NAME, Workerd, WorkerdError, 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PATH = "/v1/chat/completions"
-BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-STREAM_BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                          "stream": True})
+_CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BODY = json.dumps(_CHAT)
+STREAM_BODY = json.dumps({**_CHAT, "stream": True})
 # The same stream with its usage asked for (OpenAI's stream_options): the router then reads
 # the stream's last event for the token count, as it does for a real client that asks it.
-STREAM_USAGE_BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                                "stream": True, "stream_options": {"include_usage": True}})
+STREAM_USAGE_BODY = json.dumps({**_CHAT, "stream": True, "stream_options": {"include_usage": True}})
 TARGETS = ("direct", "bare", "contract", "router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

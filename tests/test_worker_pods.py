@@ -130,5 +130,8 @@ def test_a_client_that_leaves_mid_stream_stops_the_pod(pods, extra):
     with running_cell(runtime(), pods=pods, compute_ms=1000) as cell:
         leave_after_first_event(cell.worker.port, "/v1/chat/completions", {**chat(stream=True), **extra},
                                 {"Authorization": f"Bearer {cell.key}"})
-        total = lambda: {k: sum(p.streams[k] for p in cell.pods) for k in ("completed", "cut")}  # noqa: E731
+
+        def total() -> dict:
+            return {k: sum(p.streams[k] for p in cell.pods) for k in ("completed", "cut")}
+
         assert poll(total, {"completed": 0, "cut": 1}) == {"completed": 0, "cut": 1}
