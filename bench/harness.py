@@ -106,10 +106,13 @@ def require_tools() -> None:
 
 
 @contextlib.contextmanager
-def pods(count: int, delay_ms: float, token: str | None, slots: int = 0) -> Iterator[list[str]]:
+def pods(count: int, delay_ms: float, token: str | None, slots: int = 0, chunks: int = 8,
+         chunk_ms: float = 0.0) -> Iterator[list[str]]:
     """``count`` bench pods (one Node process, one listener each, at most ``slots``
-    requests in work per pod, 0 = unbounded); yields their URLs."""
-    args = ["node", str(HERE / "pod.mjs"), "--count", str(count), "--delay-ms", str(delay_ms), "--slots", str(slots)]
+    requests in work per pod, 0 = unbounded; streams of ``chunks`` events, ``chunk_ms``
+    apart, 0 = on the next turn of the pod's event loop); yields their URLs."""
+    args = ["node", str(HERE / "pod.mjs"), "--count", str(count), "--delay-ms", str(delay_ms), "--slots", str(slots),
+            "--chunks", str(chunks), "--chunk-ms", str(chunk_ms)]
     if token:
         args += ["--token", token]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -280,6 +283,8 @@ class Options:
     stream: bool = True
     sse_usage: bool = False  # the SSE runs ask for the stream's usage (include_usage)
     sse_requests: int = 3000
+    sse_chunks: int = 8  # events per bench pod stream (a real pod sends one per token)
+    sse_chunk_ms: float = 0.0  # between them; 0 = as fast as the pod's event loop turns
     pods: tuple[int, ...] = (1,)
     pod_delay_ms: float = 0.0
     pod_slots: int = 0
@@ -421,7 +426,8 @@ def goals(series: list[dict]) -> list[dict]:
 
 def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda _msg: None) -> dict:
     hdr_pod = direct_headers(secrets.pod_token)
-    with pods(pod_count, opts.pod_delay_ms, secrets.pod_token, opts.pod_slots) as pod_urls, pods(1, 0, None) as fallback:
+    with pods(pod_count, opts.pod_delay_ms, secrets.pod_token, opts.pod_slots, opts.sse_chunks, opts.sse_chunk_ms) as pod_urls, \
+            pods(1, 0, None) as fallback:
         values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
         compat = plan.worker.compatibility_date
         with floor_worker(lambda port: bare_config(compat, pod_urls, port)) as bare, \

@@ -13,7 +13,10 @@
 // GET /__bench/count answers {"answered": n}: the harness reads the fallback's count to
 // tell whether the router served everything from the pods.
 //
-// Usage: node bench/pod.mjs [--count N] [--delay-ms MS] [--slots K] [--chunks N] [--token T]
+// --chunks N --chunk-ms MS: a stream has N events, MS apart (a real pod sends one per token);
+// --chunk-ms 0 (default) sends them on successive turns of the event loop.
+//
+// Usage: node bench/pod.mjs [--count N] [--delay-ms MS] [--slots K] [--chunks N] [--chunk-ms MS] [--token T]
 // Prints one JSON line {"urls": [...]} once every listener is up; SIGTERM stops it.
 
 import http from "node:http";
@@ -24,6 +27,7 @@ const args = Object.fromEntries(
 const count = Number(args.count ?? 1);
 const delayMs = Number(args["delay-ms"] ?? 0);
 const chunks = Number(args.chunks ?? 8);
+const chunkMs = Number(args["chunk-ms"] ?? 0);
 const token = args.token ?? null;
 const slots = Number(args.slots ?? 0);
 
@@ -52,7 +56,8 @@ function answer(req, res, body) {
     const more = () => {
       if (i < chunks) {
         res.write(CHUNK(i++));
-        setImmediate(more);
+        if (chunkMs > 0) setTimeout(more, chunkMs);
+        else setImmediate(more);
       } else {
         if (usage) res.write(USAGE_CHUNK);
         res.end("data: [DONE]\n\n");

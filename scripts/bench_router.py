@@ -17,8 +17,8 @@ Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1`` runs one series p
 count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);
 ``--pod-slots`` bounds each pod's concurrent work, so that more pods means more capacity.
 Streams that ask for their usage (``stream_options.include_usage``, which the router then
-reads from each stream's last event): ``--sse-usage``; with ``--pods 2`` this is the
-router's most expensive stream path.
+reads from each stream's last event): ``--sse-usage``. Streams like a real pod's, one
+event per token: ``--sse-chunks 100 --sse-chunk-ms 20`` (the default is 8 events at once).
 A candidate router: ``--worker-src DIR`` reads the plan's module names from DIR (e.g. a
 scratch copy of worker/src with a cut applied).
 State object far away: ``--far-state-ms MS`` runs the router behind the sandbox's
@@ -26,7 +26,8 @@ emulated geography with only the Worker->object hop delayed; its pod traffic the
 passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
 Usage: .venv/bin/python scripts/bench_router.py [--rounds 5] [--seconds 3]
-       [--clients 1,32] [--no-stream] [--sse-usage] [--sse-requests 3000] [--pods 1]
+       [--clients 1,32] [--no-stream] [--sse-usage] [--sse-requests 3000]
+       [--sse-chunks 8] [--sse-chunk-ms 0] [--pods 1]
        [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
 Exit: 0 done (goals reported, not enforced), 2 usage error or setup failure.
 Needs wrk (`make bench` installs it with apt-get when absent) and node.
@@ -69,7 +70,8 @@ def table(result: dict) -> str:
     o = result["options"]
     rows = [f"router vs bare pass-through Worker and contract floor ({m['workerd']}, compat {result['compatibility_date']}, {m['cpus']} CPUs, "
             f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians"
-            + ("; SSE requests ask include_usage" if o.get("sse_usage") else "") + ")"]
+            + ("; SSE requests ask include_usage" if o.get("sse_usage") else "")
+            + f"; streams of {o.get('sse_chunks', 8)} events {o.get('sse_chunk_ms', 0):g} ms apart)"]
     for s in result["series"]:
         rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), router served by {s['router_backend']}"
                     + (f"; state at {s['far_state']['state_colo']}, forced round trip p50 "
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sse-usage", action="store_true",
                    help="the SSE requests ask for the stream's usage (stream_options.include_usage)")
     p.add_argument("--sse-requests", type=int, default=3000, help="requests per SSE run, at most (default 3000)")
+    p.add_argument("--sse-chunks", type=int, default=8, help="events in each bench pod stream, before [DONE] (default 8)")
+    p.add_argument("--sse-chunk-ms", type=float, default=0.0,
+                   help="the bench pods send a stream's events this far apart, like tokens (default 0: at once)")
     p.add_argument("--pods", type=_ints("--pods", 1, 8), default=(1,), help="pod counts, one series each (default 1)")
     p.add_argument("--pod-delay-ms", type=float, default=0.0, help="the bench pods answer after this long (default 0)")
     p.add_argument("--pod-slots", type=int, default=0, help="requests each pod works on at once, 0 = unbounded (default 0)")
@@ -126,14 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
     args = p.parse_args(argv)
     for name, value, low in (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1),
-                             ("--sse-requests", args.sse_requests, 1), ("--pod-delay-ms", args.pod_delay_ms, 0), ("--pod-slots", args.pod_slots, 0),
+                             ("--sse-requests", args.sse_requests, 1), ("--sse-chunks", args.sse_chunks, 1),
+                             ("--sse-chunk-ms", args.sse_chunk_ms, 0), ("--pod-delay-ms", args.pod_delay_ms, 0), ("--pod-slots", args.pod_slots, 0),
                              ("--deadline-ms", args.deadline_ms, 1)):
         if value < low:
             p.error(f"{name} must be at least {low} (got {value})")
     if args.worker_src is not None and not args.worker_src.is_dir():
         p.error(f"--worker-src {args.worker_src}: not a directory; pass a copy of worker/src")
     opts = harness.Options(clients=args.clients, rounds=args.rounds, seconds=args.seconds, stream=not args.no_stream,
-                           sse_usage=args.sse_usage, sse_requests=args.sse_requests, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
+                           sse_usage=args.sse_usage, sse_requests=args.sse_requests, sse_chunks=args.sse_chunks,
+                           sse_chunk_ms=args.sse_chunk_ms, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
                            deadline_ms=args.deadline_ms, far_state_ms=args.far_state_ms, worker_src=args.worker_src)
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:

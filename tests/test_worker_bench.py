@@ -51,17 +51,22 @@ def test_small_run_measures_every_target(tmp_path, capsys):
 @needs_wrk
 def test_streams_asking_for_usage_reach_several_pods_and_carry_it(tmp_path):
     out = tmp_path / "bench.json"
-    rc = bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--sse-requests", "40", "--pods", "2",
-                            "--sse-usage", "--quiet", "--json", str(out)])
+    # Paced like tokens (12 events 5 ms apart): the router's counting branch then reads
+    # what arrived in between, and the usage event must still reach every client.
+    rc = bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--sse-requests", "16", "--pods", "2",
+                            "--sse-usage", "--sse-chunks", "12", "--sse-chunk-ms", "5", "--quiet", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["options"]["sse_usage"] is True
+    assert (result["options"]["sse_chunks"], result["options"]["sse_chunk_ms"]) == (12, 5)
     (series,) = result["series"]
     (r,) = series["levels"][0]["rounds"]
     for t in harness.TARGETS:
-        assert r[t]["sse"]["n"] == 40 and r[t]["sse"]["with_usage"] == 40, (t, r[t]["sse"])
+        assert r[t]["sse"]["n"] == 16 and r[t]["sse"]["with_usage"] == 16, (t, r[t]["sse"])
     assert set(r["router"]["sse"]["backends"]) == {"pod-0", "pod-1"}  # the router's tapped path, both pods
-    assert "SSE requests ask include_usage" in bench_router.table(result)
+    assert "SSE requests ask include_usage; streams of 12 events 5 ms apart" in bench_router.table(result)
+    # 12 events 5 ms apart take at least 55 ms, at the pod and so at every client
+    assert all(r[t]["sse"]["ttlb_p50_ms"] >= 55 for t in harness.TARGETS), r
 
 
 @needs_wrk
@@ -171,6 +176,15 @@ def test_usage_error_exits_2_as_a_subprocess():
     assert res.returncode == 2 and "--clients" in res.stderr
 
 
+@pytest.mark.parametrize(("flag", "value", "said"), [("--sse-chunks", "0", "must be at least 1 (got 0)"),
+                                                     ("--sse-chunk-ms", "-1", "must be at least 0 (got -1.0)")])
+def test_a_stream_shape_out_of_range_is_named(flag, value, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_router.main([flag, value])
+    assert exc.value.code == 2
+    assert f"{flag} {said}" in capsys.readouterr().err
+
+
 def _post(url: str, timeout: float = 10.0):
     import http.client
     from urllib.parse import urlsplit
@@ -200,8 +214,8 @@ def test_a_router_not_served_by_a_pod_is_a_setup_error(monkeypatch, capsys):
     # to measure the fallback as if it were the pod path.
     real = harness.pods
 
-    def wrong_token(count, delay_ms, token, slots=0):
-        return real(count, delay_ms, "not-the-router-token" if token else None, slots)
+    def wrong_token(count, delay_ms, token, *shape):
+        return real(count, delay_ms, "not-the-router-token" if token else None, *shape)
 
     monkeypatch.setattr(harness, "pods", wrong_token)
     assert bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "1", "--no-stream", "--quiet"]) == 2

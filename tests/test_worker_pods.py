@@ -122,11 +122,38 @@ def test_a_stream_holds_its_pod_until_its_last_byte_then_lets_it_go(extra):
         assert poll(lambda: sum(p.streams["completed"] for p in cell.pods), 5) == 5
 
 
+def test_a_usage_stream_reaches_its_client_as_it_comes_and_its_tokens_are_counted():
+    # Usage asked: the router reads its own copy of the stream in batches, pausing up to a
+    # second between them. The pod sends the first token after 1.5 s and the last 1.5 s
+    # later: the client must get them as they come, not when the router's copy is read,
+    # and the usage event at the end must still be counted (tpm=1: the next call is over).
+    with running_cell(runtime(), pods=1, compute_ms=3000) as cell:
+        key = cell.create_key("paced", tpm=1)["key"]
+        conn = http.client.HTTPConnection("127.0.0.1", cell.worker.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=json.dumps({**chat(stream=True), **USAGE}),
+                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+            res = conn.getresponse()
+            assert res.status == 200
+            arrivals, parts = [], []
+            while part := res.read1(65536):
+                arrivals.append(time.monotonic())
+                parts.append(part)
+        finally:
+            conn.close()
+        events = [e for e in b"".join(parts).split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and json.loads(events[-2][len(b"data: "):])["usage"]["total_tokens"] > 0
+        assert arrivals[-1] - arrivals[0] >= 1.0, arrivals  # 1.5 s at the pod; 0 if held to the end
+        over = cell.call("POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {key}"})
+        assert over.status == 429 and over.json()["error"]["type"] == "tokens", over.body
+
+
 @pytest.mark.parametrize(("pods", "extra"), [(1, {}), (2, {}), (1, USAGE)], ids=["passed-through", "piped", "tapped"])
 def test_a_client_that_leaves_mid_stream_stops_the_pod(pods, extra):
     # One pod and no usage: the pod's body is returned as it is; several pods: the runtime
-    # pipes it (the end frees the pod); usage asked: the router reads each chunk. In every
-    # case the pod must see its stream cut, not keep generating for nobody.
+    # pipes it (the end frees the pod); usage asked: the runtime pipes one branch of a tee
+    # and the router reads the other. In every case the pod must see its stream cut, not
+    # keep generating for nobody.
     with running_cell(runtime(), pods=pods, compute_ms=1000) as cell:
         leave_after_first_event(cell.worker.port, "/v1/chat/completions", {**chat(stream=True), **extra},
                                 {"Authorization": f"Bearer {cell.key}"})

@@ -86,11 +86,19 @@ export function usageOfSseTail(text) {
 // client without a turn of JavaScript per chunk; Node (the unit tests) has only the standard one.
 const Identity = typeof IdentityTransformStream === "function" ? IdentityTransformStream : TransformStream;
 
+// While the client's branch flows, the counting branch is read at most this often: the
+// tee holds what arrives in between, so one JavaScript turn takes up to a second of events
+// instead of one turn per token (a real pod sends a chunk per token). It holds about that
+// second of stream; the client's bytes never wait for it (docs/worker.md).
+const COUNT_EVERY_MS = 1000;
+// A read this long may have left more in the branch: the next one follows at once.
+const FULL_READ = 4096;
+
 /**
  * Pass a stream through unchanged and call `done(usage | null)` once when it ends or is
- * cancelled. Without `wantUsage` the bytes are not looked at: the runtime pipes them, and
- * the end is all that is learnt. With it, each chunk is handed on as it arrives and the
- * last TAIL_BYTES are kept to find the usage event.
+ * cancelled. The runtime pipes the bytes to the client. Without `wantUsage` they are not
+ * looked at, and the end is all that is learnt. With it, a tee's second branch is read in
+ * batches and its last TAIL_BYTES kept to find the usage event.
  */
 export function tapStream(body, wantUsage, done) {
   let called = false;
@@ -105,16 +113,31 @@ export function tapStream(body, wantUsage, done) {
     const end = () => finish(null);
     return { body: ts.readable, piped: body.pipeTo(ts.writable).then(end, end) };
   }
-  return { body: ts.readable, piped: pumpKeepingTail(body, ts.writable, finish) };
+  const [toClient, toCount] = body.tee();
+  const reader = toCount.getReader();
+  // preventCancel: a tee cancels its source only once both branches are cancelled, and a
+  // pipe that cancelled its own branch would wait for that before it settles.
+  const delivered = toClient.pipeTo(ts.writable, { preventCancel: true }).then(() => true, (err) => {
+    // The client went away or the pod's stream broke. Cancelling both branches cancels
+    // the pod's stream, so the pod is not left generating for nobody.
+    toClient.cancel(err).catch(() => {});
+    reader.cancel(err).catch(() => {});
+    return false;
+  });
+  const counted = readTail(reader, delivered);
+  return {
+    body: ts.readable,
+    piped: Promise.all([delivered, counted]).then(([whole, usage]) => finish(whole ? usage : null)),
+  };
 }
 
-// Reads the pod's chunks in JavaScript and writes them to the runtime's stream: one JS
-// turn per chunk each way. A TransformStream with a transform() costs more (the client's
-// side is then a JavaScript stream too), and tee() cannot tell when the client has left.
-// The tail keeps references to the last chunks; they are joined once, at the end.
-async function pumpKeepingTail(body, writable, finish) {
-  const reader = body.getReader();
-  const writer = writable.getWriter();
+// The usage in the last TAIL_BYTES of the branch, or null. The tail keeps references to
+// the last chunks; they are joined once, at the end.
+async function readTail(reader, delivered) {
+  let flowing = true;
+  delivered.then(() => {
+    flowing = false; // the client has everything (or has gone): read the rest without pausing
+  });
   const tail = []; // the last chunks, at least TAIL_BYTES of them when there are that many
   let size = 0;
   try {
@@ -124,16 +147,10 @@ async function pumpKeepingTail(body, writable, finish) {
       tail.push(value);
       size += value.byteLength;
       while (size - tail[0].byteLength >= TAIL_BYTES) size -= tail.shift().byteLength;
-      await writer.write(value); // settles once the client has taken it: backpressure
+      if (flowing && value.byteLength < FULL_READ) await firstOf(delivered, COUNT_EVERY_MS);
     }
-    await writer.close();
-  } catch (err) {
-    // The client went away (the write failed) or the pod's stream broke: stop both sides,
-    // so that the pod is not left generating for nobody.
-    await reader.cancel(err).catch(() => {});
-    await writer.abort(err).catch(() => {});
-    finish(null);
-    return;
+  } catch {
+    return null; // the branch broke: so did the client's, and `delivered` says so
   }
   const bytes = new Uint8Array(size);
   let at = 0;
@@ -141,5 +158,15 @@ async function pumpKeepingTail(body, writable, finish) {
     bytes.set(c, at);
     at += c.byteLength;
   }
-  finish(usageOfSseTail(decoder.decode(bytes.subarray(Math.max(0, size - TAIL_BYTES)))));
+  return usageOfSseTail(decoder.decode(bytes.subarray(Math.max(0, size - TAIL_BYTES))));
+}
+
+/** Settles when `promise` does or after `ms`, whichever comes first; the timer is cleared. */
+async function firstOf(promise, ms) {
+  let timer;
+  try {
+    await Promise.race([promise, new Promise((resolve) => { timer = setTimeout(resolve, ms); })]);
+  } finally {
+    clearTimeout(timer);
+  }
 }
