@@ -87,12 +87,13 @@ def test_probe_reports_every_pod():
 
 
 @contextlib.contextmanager
-def open_stream(cell, extra: dict) -> Iterator[http.client.HTTPResponse]:
-    """A routed stream whose headers have arrived and whose body is not read yet."""
+def open_stream(cell, extra: dict, key: str | None = None) -> Iterator[http.client.HTTPResponse]:
+    """A routed stream (with the cell's client key unless ``key`` is given) whose headers
+    have arrived and whose body is not read yet."""
     conn = http.client.HTTPConnection("127.0.0.1", cell.worker.port, timeout=30)
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps({**chat(stream=True), **extra}),
-                     headers={"authorization": f"Bearer {cell.key}", "content-type": "application/json"})
+                     headers={"authorization": f"Bearer {key or cell.key}", "content-type": "application/json"})
         res = conn.getresponse()
         assert res.status == 200 and res.getheader("content-type").startswith("text/event-stream")
         yield res
@@ -129,18 +130,11 @@ def test_a_usage_stream_reaches_its_client_as_it_comes_and_its_tokens_are_counte
     # and the usage event at the end must still be counted (tpm=1: the next call is over).
     with running_cell(runtime(), pods=1, compute_ms=3000) as cell:
         key = cell.create_key("paced", tpm=1)["key"]
-        conn = http.client.HTTPConnection("127.0.0.1", cell.worker.port, timeout=30)
-        try:
-            conn.request("POST", "/v1/chat/completions", body=json.dumps({**chat(stream=True), **USAGE}),
-                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
-            res = conn.getresponse()
-            assert res.status == 200
-            arrivals, parts = [], []
+        arrivals, parts = [], []
+        with open_stream(cell, USAGE, key) as res:
             while part := res.read1(65536):
                 arrivals.append(time.monotonic())
                 parts.append(part)
-        finally:
-            conn.close()
         events = [e for e in b"".join(parts).split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]" and json.loads(events[-2][len(b"data: "):])["usage"]["total_tokens"] > 0
         assert arrivals[-1] - arrivals[0] >= 1.0, arrivals  # 1.5 s at the pod; 0 if held to the end
