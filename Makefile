@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind test test-py test-js demo bench bench-ladder bench-instructions bench-failover lint clean
+.PHONY: setup wrk valgrind test test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -56,6 +56,9 @@ bench-ladder: setup wrk
 
 bench-instructions: setup valgrind
 	$(PY) -m bench.instructions --repeat 3
+
+bench-stall: setup
+	$(PY) -m bench.stall
 
 bench-failover: setup
 	$(PY) scripts/bench_failover.py

@@ -222,6 +222,29 @@ def test_a_router_not_served_by_a_pod_is_a_setup_error(monkeypatch, capsys):
     assert "not from a pod" in capsys.readouterr().err
 
 
+def test_stall_bench_measures_a_stalled_client_and_a_burst_through_the_router(tmp_path, capsys):
+    from bench import stall
+
+    out = tmp_path / "stall.json"
+    assert stall.main(["--chunks", "20000", "--stall-s", "0.3", "--burst-chunks", "400", "--quiet", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    s, b = result["stall"], result["burst"]
+    # ~125 bytes an event, and bench.stall refuses an answer without its usage event and [DONE]
+    assert s["answer_mb"] > 2.4 and 0.04 < b["answer_mb"] < 0.06
+    assert s["rss_start_mb"] > 0 and s["rest_read_s"] >= 0 and b["ttlb_ms"] >= b["max_gap_ms"] >= 0
+    if shutil.which("ss"):
+        assert 0 < s["left_the_pod_mb"] <= s["answer_mb"] + 0.1  # the pod's bytes, headers included
+    assert "a client that stalls" in capsys.readouterr().out
+
+
+def test_stall_bench_names_a_bad_value(capsys):
+    from bench import stall
+
+    with pytest.raises(SystemExit) as exc:
+        stall.main(["--stall-s", "-1"])
+    assert exc.value.code == 2 and "--stall-s must be at least 0 (got -1.0)" in capsys.readouterr().err
+
+
 def test_profile_self_times_are_summed_per_function_and_divided_by_requests():
     from bench.profile import self_times
 
