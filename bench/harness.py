@@ -497,6 +497,16 @@ def run(opts: Options, log=lambda _msg: None) -> dict:
 
 # --- command line -------------------------------------------------------------------------
 
+def check_args(parser, least: Sequence[tuple[str, float, float]], worker_src: Path | None = None) -> None:
+    """A bench command's argument checks: each (flag, value, lowest) and, when given,
+    ``--worker-src`` a directory; a bad one is the parser's error (exit 2) naming it."""
+    for name, value, low in least:
+        if value < low:
+            parser.error(f"{name} must be at least {low} (got {value})")
+    if worker_src is not None and not worker_src.is_dir():
+        parser.error(f"--worker-src {worker_src}: not a directory; pass a copy of worker/src")
+
+
 def progress(quiet: bool):
     """The ``log`` of a bench's run(): progress lines on stderr, or nothing."""
     return (lambda _m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))

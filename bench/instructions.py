@@ -183,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    for name, value, least in (("--requests", args.requests, 1), ("--warm", args.warm, 0), ("--repeat", args.repeat, 1)):
-        if value < least:
-            p.error(f"{name} must be at least {least} (got {value})")
+    harness.check_args(p, (("--requests", args.requests, 1), ("--warm", args.warm, 0), ("--repeat", args.repeat, 1)),
+                       args.worker_src)
     rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
     unknown = [r for r in rungs if r not in ladder.RUNGS]
     if not rungs or unknown:

@@ -121,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    for name, value in (("--rounds", args.rounds), ("--seconds", args.seconds), ("--clients", args.clients)):
-        if value < 1:
-            p.error(f"{name} must be at least 1 (got {value})")
+    harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1), ("--clients", args.clients, 1)))
     log = harness.progress(args.quiet)
     return harness.report("bench.ladder", lambda: run(args.rounds, args.seconds, args.clients, log), table, args.json)
 

@@ -155,11 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    for name, value, low in (("--chunks", args.chunks, 1), ("--stall-s", args.stall_s, 0), ("--burst-chunks", args.burst_chunks, 1)):
-        if value < low:
-            p.error(f"{name} must be at least {low} (got {value})")
-    if args.worker_src is not None and not args.worker_src.is_dir():
-        p.error(f"--worker-src {args.worker_src}: not a directory; pass a copy of worker/src")
+    harness.check_args(p, (("--chunks", args.chunks, 1), ("--stall-s", args.stall_s, 0),
+                           ("--burst-chunks", args.burst_chunks, 1)), args.worker_src)
     log = harness.progress(args.quiet)
     return harness.report("bench.stall", lambda: run(args.chunks, args.stall_s, args.burst_chunks, args.worker_src, log),
                           table, args.json)

@@ -130,14 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the result as JSON to PATH, or - for stdout (table then on stderr)")
     p.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
     args = p.parse_args(argv)
-    for name, value, low in (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1),
-                             ("--sse-requests", args.sse_requests, 1), ("--sse-chunks", args.sse_chunks, 1),
-                             ("--sse-chunk-ms", args.sse_chunk_ms, 0), ("--pod-delay-ms", args.pod_delay_ms, 0), ("--pod-slots", args.pod_slots, 0),
-                             ("--deadline-ms", args.deadline_ms, 1)):
-        if value < low:
-            p.error(f"{name} must be at least {low} (got {value})")
-    if args.worker_src is not None and not args.worker_src.is_dir():
-        p.error(f"--worker-src {args.worker_src}: not a directory; pass a copy of worker/src")
+    harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1),
+                           ("--sse-requests", args.sse_requests, 1), ("--sse-chunks", args.sse_chunks, 1),
+                           ("--sse-chunk-ms", args.sse_chunk_ms, 0), ("--pod-delay-ms", args.pod_delay_ms, 0),
+                           ("--pod-slots", args.pod_slots, 0), ("--deadline-ms", args.deadline_ms, 1)), args.worker_src)
     opts = harness.Options(clients=args.clients, rounds=args.rounds, seconds=args.seconds, stream=not args.no_stream,
                            sse_usage=args.sse_usage, sse_requests=args.sse_requests, sse_chunks=args.sse_chunks,
                            sse_chunk_ms=args.sse_chunk_ms, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
