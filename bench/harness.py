@@ -98,11 +98,15 @@ def direct_headers(pod_token: str) -> dict[str, str]:
 
 # --- processes --------------------------------------------------------------------------
 
+def require_node() -> None:
+    if shutil.which("node") is None:
+        raise BenchError("node is not installed (the bench pod and the SSE client are Node scripts)")
+
+
 def require_tools() -> None:
     if shutil.which("wrk") is None:
         raise BenchError("wrk is not installed: run `make bench` (it installs it with apt-get) or `apt-get install -y wrk`")
-    if shutil.which("node") is None:
-        raise BenchError("node is not installed (the bench pod and the SSE client are Node scripts)")
+    require_node()
 
 
 @contextlib.contextmanager

@@ -63,8 +63,7 @@ def require_valgrind() -> None:
         if shutil.which(tool) is None:
             raise harness.BenchError(f"{tool} is not installed: run `make bench-instructions` (it installs valgrind "
                                      "with apt-get) or `apt-get install -y valgrind`")
-    if shutil.which("node") is None:
-        raise harness.BenchError("node is not installed (the bench pod is a Node script)")
+    harness.require_node()
 
 
 def total_instructions(text: str) -> int:

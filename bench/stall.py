@@ -116,8 +116,7 @@ def burst(port: int, key: str) -> dict:
 
 
 def run(chunks: int, stall_s: float, burst_chunks: int, worker_src: Path | None, log=lambda _m: None) -> dict:
-    if not shutil.which("node"):
-        raise harness.BenchError("node is not on PATH (make setup installs the npm packages; node comes with it)")
+    harness.require_node()
     secrets = harness.Secrets.fresh()
     plan = harness.bench_plan(5000, worker_src)
     out = {"machine": harness.versions(), "chunks": chunks, "burst_chunks": burst_chunks}
