@@ -21,9 +21,14 @@ Each rung: start under ``valgrind --tool=callgrind``, send ``--warm`` requests (
 settles), zero the counters (callgrind_control -z), send ``--requests`` requests one
 after another on one keep-alive connection, dump (callgrind_control -d), divide.
 
+``--request`` picks what is sent: ``json`` (a chat completion, the default), ``stream``
+(the same with ``"stream": true``: ``--chunks`` SSE events and ``[DONE]``, read to the
+end) or ``usage`` (a stream that asks ``stream_options.include_usage``). ``--pods 2``
+puts two bench pods behind every rung, which is when the router watches a stream's end.
+
 Usage: .venv/bin/python -m bench.instructions [--requests 300] [--warm 1000] [--repeat 1]
-       [--rungs bare,contract,router] [--worker-src DIR] [--concurrent-jit] [--keep DIR]
-       [--json PATH]
+       [--rungs bare,contract,router] [--request json|stream|usage] [--pods 1] [--chunks 8]
+       [--worker-src DIR] [--concurrent-jit] [--keep DIR] [--json PATH]
 Exit: 0 done, 2 setup failure (valgrind or node missing, a process not starting).
 """
 
@@ -75,17 +80,25 @@ def total_instructions(text: str) -> int:
     raise harness.BenchError("the callgrind dump has neither a summary: nor a totals: line")
 
 
-def drive(url: str, headers: Mapping[str, str], n: int) -> None:
-    """``n`` requests one after another on one keep-alive connection; each must answer 200."""
+# What --request sends: each a POST of the bench's chat request.
+REQUESTS = {"json": harness.BODY, "stream": harness.STREAM_BODY, "usage": harness.STREAM_USAGE_BODY}
+
+
+def drive(url: str, headers: Mapping[str, str], n: int, body: str = harness.BODY) -> None:
+    """``n`` requests one after another on one keep-alive connection, each read to its
+    end; each must answer 200, and a stream must end with ``[DONE]``."""
     host, port = url.split("//", 1)[1].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    stream = body != harness.BODY
     try:
         for _ in range(n):
-            conn.request("POST", harness.PATH, body=harness.BODY, headers=dict(headers))
+            conn.request("POST", harness.PATH, body=body, headers=dict(headers))
             res = conn.getresponse()
-            res.read()
+            data = res.read()
             if res.status != 200:
                 raise harness.BenchError(f"{url} answered {res.status}, not 200: the count would measure an error path")
+            if stream and not data.rstrip().endswith(b"data: [DONE]"):
+                raise harness.BenchError(f"{url} answered a stream that does not end with [DONE]: {data[-120:]!r}")
     finally:
         conn.close()
 
@@ -96,12 +109,12 @@ def _control(flag: str, pid: int) -> None:
         raise harness.BenchError(f"callgrind_control {flag} {pid} failed: {(res.stderr or res.stdout).strip()[-300:]}")
 
 
-def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requests: int) -> Path:
+def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requests: int, body: str = harness.BODY) -> Path:
     """The callgrind dump of ``requests`` requests through ``w``, a workerd started under
     ``launcher(out_dir)``, after ``warm`` requests not counted."""
-    drive(w.url, headers, warm)
+    drive(w.url, headers, warm, body)
     _control("-z", w.proc.pid)
-    drive(w.url, headers, requests)
+    drive(w.url, headers, requests, body)
     pattern = f"{OUT_NAME}.{w.proc.pid}.*"
     before = set(out_dir.glob(pattern))
     _control("-d", w.proc.pid)  # returns once the process has written the dump
@@ -114,7 +127,8 @@ def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requ
 
 
 def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_src: Path | None = None,
-        keep: Path | None = None, concurrent_jit: bool = False, log=lambda _m: None) -> dict:
+        keep: Path | None = None, concurrent_jit: bool = False, log=lambda _m: None, request: str = "json",
+        pod_count: int = 1, chunks: int = 8) -> dict:
     require_valgrind()
     per: dict[str, list[int]] = {r: [] for r in rungs}
     with tempfile.TemporaryDirectory(prefix="colocate-callgrind-") as tmp:
@@ -125,8 +139,8 @@ def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_
         for i in range(repeat):
             for rung in rungs:
                 under = {"launcher": launcher(out_dir), "v8_flags": () if concurrent_jit else SYNC_JIT_FLAGS}
-                with ladder.started(under, (rung,), worker_src) as (workers, headers):
-                    dump = count(workers[rung], out_dir, headers[rung], warm, requests)
+                with ladder.started(under, (rung,), worker_src, pod_count, chunks) as (workers, headers):
+                    dump = count(workers[rung], out_dir, headers[rung], warm, requests, REQUESTS[request])
                     per[rung].append(total_instructions(dump.read_text(errors="replace")))
                     if keep is not None:  # for callgrind_annotate
                         keep.mkdir(parents=True, exist_ok=True)
@@ -134,6 +148,7 @@ def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_
                 log(f"{rung} ({i + 1}/{repeat}): {per[rung][-1] / requests:,.0f} instructions per request")
     out = summarise(per, warm, requests, worker_src)
     out["v8_flags"] = [] if concurrent_jit else list(SYNC_JIT_FLAGS)
+    out.update(request=request, pods=pod_count, chunks=chunks if request != "json" else None)
     return out
 
 
@@ -157,7 +172,10 @@ def summarise(per: Mapping[str, Sequence[int]], warm: int, requests: int, worker
 
 def table(result: dict) -> str:
     m = result["machine"]
-    rows = [f"instructions per request at 1 client ({m['workerd']}, {result['valgrind']}; "
+    what = {"json": "chat completions", "stream": "streams", "usage": "streams with usage"}[result.get("request", "json")]
+    if result.get("chunks") is not None:
+        what += f" of {result['chunks']} events"
+    rows = [f"instructions per request at 1 client, {what}, {result.get('pods', 1)} pod(s) ({m['workerd']}, {result['valgrind']}; "
             f"{result['requests']} requests counted after {result['warm']} not counted; "
             f"median of {result['repeat']}; V8 flags: {' '.join(result.get('v8_flags') or ['(default)'])})",
             f"{'rung':>10} {'instr/req':>11} {'spread':>7} {'vs bare':>8}"]
@@ -174,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300, help="requests counted per rung (default 300)")
     p.add_argument("--warm", type=int, default=1000, help="requests sent first and not counted (default 1000)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rung; the median is reported (default 1)")
-    p.add_argument("--rungs", default=",".join(ladder.RUNGS), help=f"comma-separated, of {','.join(ladder.RUNGS)}")
+    p.add_argument("--rungs", default=",".join(ladder.RUNGS),
+                   help=f"comma-separated, of {','.join(ladder.RUNGS + ladder.EXTRA)} (default: all but {','.join(ladder.EXTRA)})")
+    p.add_argument("--request", choices=tuple(REQUESTS), default="json",
+                   help="a chat completion (json, default), a stream, or a stream that asks for its usage")
+    p.add_argument("--pods", type=int, default=1, help="bench pods behind every rung (default 1)")
+    p.add_argument("--chunks", type=int, default=8, help="SSE events per stream (default 8)")
     p.add_argument("--worker-src", type=Path, help="the router's modules from this directory (a candidate cut)")
     p.add_argument("--concurrent-jit", action="store_true",
                    help="keep V8's concurrent compilation (the router's count then moves by up to 18 %% between runs)")
@@ -182,15 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    harness.check_args(p, (("--requests", args.requests, 1), ("--warm", args.warm, 0), ("--repeat", args.repeat, 1)),
-                       args.worker_src)
+    harness.check_args(p, (("--requests", args.requests, 1), ("--warm", args.warm, 0), ("--repeat", args.repeat, 1),
+                           ("--pods", args.pods, 1), ("--chunks", args.chunks, 1)), args.worker_src)
     rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
-    unknown = [r for r in rungs if r not in ladder.RUNGS]
+    unknown = [r for r in rungs if r not in ladder.RUNGS + ladder.EXTRA]
     if not rungs or unknown:
-        p.error(f"--rungs {args.rungs!r}: {unknown[0] if unknown else 'empty'} is not a rung; use some of {','.join(ladder.RUNGS)}")
+        p.error(f"--rungs {args.rungs!r}: {unknown[0] if unknown else 'empty'} is not a rung; "
+                f"use some of {','.join(ladder.RUNGS + ladder.EXTRA)}")
     log = harness.progress(args.quiet)
     return harness.report("bench.instructions", lambda: run(rungs, args.warm, args.requests, args.repeat, args.worker_src,
-                                                            args.keep, args.concurrent_jit, log), table, args.json)
+                                                            args.keep, args.concurrent_jit, log, args.request, args.pods,
+                                                            args.chunks), table, args.json)
 
 
 if __name__ == "__main__":

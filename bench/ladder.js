@@ -7,12 +7,13 @@
 // The next rung, bench/contract.js, adds the JS hop-header filter and holds both bodies.
 
 let pods = null;
+let next = 0;
 
 export default {
   async fetch(request, env) {
     pods ??= JSON.parse(env.POD_URLS);
     const url = new URL(request.url);
-    const req = new Request(pods[0] + url.pathname + url.search, request);
+    const req = new Request(pods[next++ % pods.length] + url.pathname + url.search, request);
     req.headers.set("authorization", `Bearer ${env.POD_TOKEN}`);
     if (env.RUNG === "credential") return fetch(req);
     let timer = null;

@@ -30,6 +30,9 @@ from colocate import plan as plan_mod
 from . import harness
 
 RUNGS = ("bare", "credential", "headers", "deadline", "contract", "router")
+# Not a step of the climb, measured beside it: bare plus the runtime's pipe that tells a
+# Worker when a stream has ended (bench/ends.js), the price of balancing several pods.
+EXTRA = ("ends",)
 
 
 def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, port: int) -> str:
@@ -37,25 +40,27 @@ def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, p
         return harness.bare_config(compat, pod_urls, port)
     if rung == "contract":
         return harness.contract_config(compat, pod_urls, pod_token, 5000, port)
+    if rung == "ends":
+        return harness.floor_config(compat, "ends.js", {"POD_URLS": plan_mod.pod_urls_text(pod_urls)}, port)
     bindings = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "POD_TOKEN": pod_token, "RUNG": rung}
     return harness.floor_config(compat, "ladder.js", bindings, port)
 
 
 @contextlib.contextmanager
 def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[str] = RUNGS,
-            worker_src: Path | None = None) -> Iterator[tuple[dict, dict]]:
-    """Each rung in ``rungs`` in its own workerd, with its bench pod: yields
-    ({rung: Workerd}, {rung: request headers}). ``under``: Workerd's ``launcher`` and
-    ``v8_flags`` (bench/instructions.py); ``worker_src``: the router's modules from
-    another directory (a candidate cut)."""
-    unknown = [r for r in rungs if r not in RUNGS]
+            worker_src: Path | None = None, pod_count: int = 1, chunks: int = 8) -> Iterator[tuple[dict, dict]]:
+    """Each rung in ``rungs`` in its own workerd, all behind the same ``pod_count`` bench
+    pods (streams of ``chunks`` events): yields ({rung: Workerd}, {rung: request headers}).
+    ``under``: Workerd's ``launcher`` and ``v8_flags`` (bench/instructions.py);
+    ``worker_src``: the router's modules from another directory (a candidate cut)."""
+    unknown = [r for r in rungs if r not in RUNGS + EXTRA]
     if unknown:
-        raise harness.BenchError(f"unknown rung {unknown[0]!r}: use one of {', '.join(RUNGS)}")
+        raise harness.BenchError(f"unknown rung {unknown[0]!r}: use one of {', '.join(RUNGS + EXTRA)}")
     plan = harness.bench_plan(5000, worker_src)
     compat = plan.worker.compatibility_date
     secrets = harness.Secrets.fresh()
     with contextlib.ExitStack() as stack:
-        pod_urls = stack.enter_context(harness.pods(1, 0, secrets.pod_token))
+        pod_urls = stack.enter_context(harness.pods(pod_count, 0, secrets.pod_token, chunks=chunks))
         fallback = stack.enter_context(harness.pods(1, 0, None))
         pods_text = plan_mod.pod_urls_text(pod_urls)
         workers, headers = {}, {}
@@ -69,8 +74,8 @@ def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[st
         # Every rung but bare gets the client's request, with its client key, as the router gets it.
         routed = harness.router_headers(harness.mint_key(workers["router"].url, secrets.probe_token)
                                         if "router" in workers else "clc_" + "x" * 32)
-        for rung in rungs:
-            headers[rung] = harness.direct_headers(secrets.pod_token) if rung == "bare" else routed
+        for rung in rungs:  # bare and ends forward the request as it comes: the pod's token
+            headers[rung] = harness.direct_headers(secrets.pod_token) if rung in ("bare", "ends") else routed
         if "router" in workers:
             harness.check_router(workers["router"].url, routed)
         yield workers, headers

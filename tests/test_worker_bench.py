@@ -299,12 +299,70 @@ def test_instructions_are_counted_per_rung_under_callgrind(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["callgrind.bare.1.out", "callgrind.router.1.out"]
 
 
+@needs_valgrind
+def test_instructions_count_streams_through_two_pods_with_the_stream_end_rung(tmp_path, capsys):
+    from bench import instructions
+
+    # Each counted request is a stream that asks for its usage, read to its [DONE] (drive
+    # checks that), through two pods. The ends rung does what bare does plus a pipe, so it
+    # counts more; the router, which also tees the stream to read its usage, more again.
+    out = tmp_path / "i.json"
+    rc = instructions.main(["--rungs", "bare,ends,router", "--request", "usage", "--pods", "2", "--chunks", "3",
+                            "--warm", "20", "--requests", "20", "--quiet", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert (result["request"], result["pods"], result["chunks"]) == ("usage", 2, 3)
+    per = {r["rung"]: r["instructions_per_req"] for r in result["rungs"]}
+    assert 0 < per["bare"] < per["ends"] < per["router"]
+
+
+def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for():
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    from bench import instructions
+
+    class JsonOnly(BaseHTTPRequestHandler):  # a Worker that answered JSON to a stream request
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            body = b'{"object":"chat.completion"}'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), JsonOnly)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        instructions.drive(url, {"content-type": "application/json"}, 2)  # JSON asked, JSON answered
+        with pytest.raises(harness.BenchError, match=r"does not end with \[DONE\]"):
+            instructions.drive(url, {"content-type": "application/json"}, 2, instructions.REQUESTS["stream"])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_instructions_refuses_an_unknown_rung():
     from bench import instructions
 
     with pytest.raises(SystemExit) as exc:
         instructions.main(["--rungs", "bare,turbo"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv, named", [(["--pods", "0"], "--pods must be at least 1"),
+                                         (["--chunks", "0"], "--chunks must be at least 1"),
+                                         (["--request", "ws"], "--request: invalid choice: 'ws'")])
+def test_instructions_names_a_bad_request_shape(argv, named, capsys):
+    from bench import instructions
+
+    with pytest.raises(SystemExit) as exc:
+        instructions.main(argv)
+    assert exc.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_a_bench_command_reports_a_setup_failure_as_exit_2_and_writes_its_json(tmp_path, capsys):

@@ -140,14 +140,17 @@ async function readTail(reader, delivered) {
   });
   const tail = []; // the last chunks, at least TAIL_BYTES of them when there are that many
   let size = 0;
+  let full = false; // the last read filled its buffer: more may be waiting
   try {
     for (;;) {
+      // Even the first read waits: a stream shorter than the pause is read once it has ended.
+      if (flowing && !full) await firstOf(delivered, COUNT_EVERY_MS);
       const { done, value } = await reader.read();
       if (done) break;
       tail.push(value);
       size += value.byteLength;
       while (size - tail[0].byteLength >= TAIL_BYTES) size -= tail.shift().byteLength;
-      if (flowing && value.byteLength < FULL_READ) await firstOf(delivered, COUNT_EVERY_MS);
+      full = value.byteLength >= FULL_READ;
     }
   } catch {
     return null; // the branch broke: so did the client's, and `delivered` says so
