@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import geo
-from .errors import UnknownRegion, UnsupportedProvider
+from .errors import ConfigError, UnknownRegion, UnsupportedProvider
 
 PROVIDERS = ("runpod", "vastai", "local")
 
@@ -150,6 +150,53 @@ def region_of_colo(colo_code: str | None) -> Region | None:
     return None
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU model and the name each provider's API takes for it."""
+
+    model: str
+    names: dict[str, str]  # provider -> name; the local stand-in pod has no GPU
+
+
+# RunPod takes the GPU type id (`id` of GET /v2/catalog/gpus, e.g. "NVIDIA GeForce RTX 4090");
+# Vast.ai filters offers on `gpu_name` ("RTX 4090"). A name meant for one provider matches
+# nothing at the other, which shows up only as "no capacity" once a pod is being created.
+# Listed only where both names are documented (tests/fixtures/specs); unknown names pass.
+GPUS: tuple[Gpu, ...] = (
+    Gpu("RTX 4090", {"runpod": "NVIDIA GeForce RTX 4090", "vastai": "RTX 4090"}),
+    Gpu("RTX 5090", {"runpod": "NVIDIA GeForce RTX 5090", "vastai": "RTX 5090"}),
+    Gpu("RTX 3090", {"runpod": "NVIDIA GeForce RTX 3090", "vastai": "RTX 3090"}),
+    Gpu("RTX A5000", {"runpod": "NVIDIA RTX A5000", "vastai": "RTX A5000"}),
+    Gpu("H100 SXM", {"runpod": "NVIDIA H100 80GB HBM3", "vastai": "H100 SXM"}),
+)
+
+
+def gpu(name: object) -> Gpu | None:
+    """The catalogue GPU that some provider calls ``name``, if any."""
+    return next((g for g in GPUS if name in g.names.values()), None)
+
+
+def gpu_name(name: object, provider: str) -> str | None:
+    """``provider``'s name for the GPU called ``name``; None when the catalogue cannot say."""
+    g = gpu(name)
+    return g.names.get(provider) if g else None
+
+
+def gpu_names(provider: str) -> tuple[str, ...]:
+    """The GPU names the catalogue knows for ``provider``."""
+    return tuple(g.names[provider] for g in GPUS if provider in g.names)
+
+
+def check_gpu(provider: str, name: str, key: str = "colocate:pod.gpu") -> None:
+    """Refuse a GPU under another provider's name for it; a name the catalogue lacks passes."""
+    right = gpu_name(name, provider)
+    if right is None or right == name:
+        return
+    owner = next(p for p, n in gpu(name).names.items() if n == name)
+    raise ConfigError(key, name, f"that is {owner}'s name for the {gpu(name).model}; {provider} knows it only as "
+                      f"{right!r} and would report no capacity", f"pulumi config set --path {key} '{right}'")
+
+
 def _check_catalogue() -> None:
     # Import-time self-check: a typo in a colo code or a non-hosting hint is a bug here.
     known = geo.colos()
@@ -158,6 +205,8 @@ def _check_catalogue() -> None:
         for code in (r.edge_site, *r.in_region_colos, *r.location_sites.values()):
             assert code in known, f"{r.name}: colo {code} not in the colo data"
         assert r.edge_site in r.in_region_colos, r.name
+    for g in GPUS:  # a name may stand for one GPU only, or a translation would be ambiguous
+        assert set(g.names) <= set(PROVIDERS) and all(gpu(n) is g for n in g.names.values()), g.model
 
 
 _check_catalogue()

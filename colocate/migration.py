@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import geo
-from .catalogue import region as lookup_region
+from .catalogue import gpu_name, gpu_names, region as lookup_region
+from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Ledger
 from .plan import CellPlan, plan_cell
-from .settings import ALWAYS_SECRET, FALLBACK_PASSTHROUGH, PROVIDER_SECRET, Settings, parse
+from .settings import ALWAYS_SECRET, FALLBACK_PASSTHROUGH, NS, POD_DEFAULTS, PROVIDER_SECRET, Settings, default_gpu, parse
 
 PLANNING_ACCOUNT = "0" * 32  # planning never deploys; a stack may not have its account id yet
 
@@ -144,6 +145,56 @@ def with_ledger(raw: dict, ledger: Ledger, region_name: str | None = None) -> di
     if region_name:
         out["region"] = region_name
     return out
+
+
+@dataclass(frozen=True)
+class PodChange:
+    """The pod settings a move changes: the raw config after it, the stack-file updates, and
+    a line per change for the printed plan."""
+
+    raw: dict
+    updates: dict[str, str]
+    notes: tuple[str, ...]
+
+
+def change_pod(raw: dict, provider: str | None = None, gpu: str | None = None) -> PodChange:
+    """Move the pod to ``provider`` and/or ``gpu``. A new provider gets the same GPU under its
+    own name (catalogue.GPUS): RunPod's "NVIDIA GeForce RTX 4090" is "RTX 4090" on Vast.ai,
+    and the old name would match no offer. A GPU the catalogue cannot translate is refused
+    (ConfigError naming colocate:pod.gpu) unless ``gpu`` names it; nothing is written here."""
+    pod = raw.get("pod") or {}
+    if not isinstance(pod, dict) or (provider is None and gpu is None):
+        return PodChange(raw, {}, ())  # nothing asked, or a malformed pod that parse() refuses by name
+    old_provider = pod.get("provider", POD_DEFAULTS["provider"])
+    old_gpu = pod["gpu"] if "gpu" in pod else default_gpu(old_provider)
+    new_provider = provider or old_provider
+    new_gpu, why = old_gpu, ""
+    if gpu is not None:
+        right = gpu_name(gpu, new_provider)
+        if right not in (None, gpu):
+            raise ConfigError("--gpu", gpu, f"that is another provider's name for this GPU; {new_provider} calls it {right!r}",
+                              f"--gpu '{right}'")
+        new_gpu, why = gpu, "--gpu"
+    elif new_provider != old_provider and new_provider != "local":  # the local stand-in ignores the GPU
+        new_gpu = gpu_name(old_gpu, new_provider)
+        if new_gpu is None:
+            known = gpu_names(new_provider)
+            raise ConfigError(
+                f"{NS}:pod.gpu", old_gpu,
+                f"the kit does not know {new_provider}'s name for this GPU, and {old_provider}'s name may match "
+                f"no {new_provider} GPU (pulumi up would then fail with no capacity after the move began)",
+                f"add --gpu '<{new_provider}'s name for it>' to the command"
+                + (f" (names the kit knows for {new_provider}: {', '.join(known)})" if known else ""))
+        why = f"{new_provider}'s name for the same GPU"
+    updates, notes = {}, []
+    if provider is not None and new_provider != old_provider:
+        updates["pod.provider"] = new_provider
+        notes.append(f"  pod.provider {old_provider} -> {new_provider}")
+    if new_gpu != old_gpu:
+        updates["pod.gpu"] = new_gpu
+        notes.append(f"  pod.gpu {old_gpu!r} -> {new_gpu!r} ({why})")
+    out = dict(raw, pod={**pod, **{k.partition(".")[2]: v for k, v in updates.items()}})
+    return PodChange(out, updates, tuple(notes))
 
 
 def adopt_observation(settings: Settings, generation: str, colo_code: str | None) -> Settings:

@@ -8,11 +8,12 @@ names the key, the value and the fix. Only ``colocate:region`` names a region.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .catalogue import PROVIDERS, Region, region as lookup_region
+from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .errors import ConfigError, MissingSetting
 from .ledger import Ledger
 
@@ -158,13 +159,25 @@ def _merged(raw: dict, name: str) -> dict:
     return {**KEYS[name].default, **value}
 
 
-def _number(key: str, value: object, *, integer: bool = False, minimum: float = 0, strict: bool = True) -> Any:
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or (value <= minimum if strict else value < minimum):
+# `pulumi config set --path K 0.6` stores the text "0.6": the CLI types only true/false and
+# integer text. So a number key also takes plain decimal text (no nan, inf, 1_000 or hex).
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+_DECIMAL_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _number(key: str, value: object, *, integer: bool = False, minimum: float = 0, strict: bool = True,
+            maximum: float | None = None) -> Any:
+    n = value
+    if isinstance(value, str) and (_INTEGER_TEXT if integer else _DECIMAL_TEXT).fullmatch(value.strip()):
+        n = int(value) if integer else float(value)
+    ok_type = isinstance(n, int) if integer else isinstance(n, (int, float))
+    if (isinstance(n, bool) or not ok_type or not math.isfinite(n) or (n <= minimum if strict else n < minimum)
+            or (maximum is not None and n > maximum)):
         kind = "a whole number" if integer else "a number"
-        bound = f"greater than {minimum}" if strict else f"at least {minimum}"
-        raise ConfigError(key, value, f"must be {kind} {bound}", f"pulumi config set --path {key} <{kind}>")
-    return value
+        bound = (f"greater than {minimum}" if strict else f"at least {minimum}") + (
+            f" and at most {maximum}" if maximum is not None else "")
+        raise ConfigError(key, value, f"must be {kind} {bound}", f"pulumi config set --path {key} <{kind} {bound}>")
+    return n
 
 
 def _string(key: str, value: object, allowed: tuple[str, ...] | None = None) -> str:
@@ -174,11 +187,19 @@ def _string(key: str, value: object, allowed: tuple[str, ...] | None = None) -> 
     return value
 
 
+def default_gpu(provider: str) -> str:
+    """The default GPU under ``provider``'s own name (POD_DEFAULTS holds RunPod's)."""
+    return gpu_name(POD_DEFAULTS["gpu"], provider) or POD_DEFAULTS["gpu"]
+
+
 def parse_pod(raw: dict) -> PodSettings:
     p = _merged(raw, "pod")
     k = f"{NS}:pod."
+    provider = _string(k + "provider", p["provider"], PROVIDERS)
+    if "gpu" not in (raw.get("pod") or {}):
+        p["gpu"] = default_gpu(provider)  # a Vast.ai pod without a gpu key rents Vast.ai's "RTX 4090"
     return PodSettings(
-        provider=_string(k + "provider", p["provider"], PROVIDERS),
+        provider=provider,
         gpu=_string(k + "gpu", p["gpu"]),
         gpu_count=_number(k + "gpuCount", p["gpuCount"], integer=True),
         image=_string(k + "image", p["image"]),
@@ -187,7 +208,7 @@ def parse_pod(raw: dict) -> PodSettings:
         disk_gb=_number(k + "diskGb", p["diskGb"], integer=True),
         max_price_per_hr=float(_number(k + "maxPricePerHr", p["maxPricePerHr"])),
         cloud=_string(k + "cloud", p["cloud"], ("SECURE", "COMMUNITY")),
-        min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False)),
+        min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False, maximum=1)),
         ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
         compute_ms=_number(k + "computeMs", p["computeMs"], integer=True, strict=False),
         count=_pod_count(k + "count", p["count"]),
@@ -303,6 +324,7 @@ def parse(
         ledger.check_region(cell_region.name, stack)
     pod = parse_pod(raw)
     cell_region.locations(pod.provider)  # refuses a provider that cannot serve the region
+    check_gpu(pod.provider, pod.gpu)  # refuses e.g. RunPod's GPU id on a Vast.ai pod
 
     account = raw.get("accountId")
     if not isinstance(account, str) or not _ACCOUNT.match(account):

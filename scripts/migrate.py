@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Move a cell's state with a generation-rename migration: plan | start | finish.
 
-    migrate.py plan   --stack S [--to REGION] [--probe-json FILE]
-    migrate.py start  --stack S --to REGION [--provider P]
+    migrate.py plan   --stack S [--to REGION [--provider P] [--gpu NAME]] [--probe-json FILE]
+    migrate.py start  --stack S --to REGION [--provider P] [--gpu NAME]
     migrate.py finish --stack S
 
 ``start`` makes a new generation in REGION active, the old one draining, and sets
-``colocate:region``; ``finish`` retires the draining generation. Both edit
+``colocate:region`` (with ``--provider``, also ``pod.provider`` and ``pod.gpu`` under the new
+provider's name for the same GPU); ``finish`` retires the draining generation. Both edit
 ``stacks/Pulumi.<stack>.yaml`` in place (comments and key order kept, atomic write) and
 print what the next ``pulumi up`` does. An illegal step changes nothing and exits 2.
 
@@ -74,7 +75,8 @@ def _deploy_cmd(stack: str, stacks_dir: Path, raw: dict) -> str:
     return f"`pulumi up -s {stack}`"
 
 
-def _report(stack: str, raw_before: dict, raw_after: dict, observed: str | None, heading: str) -> None:
+def _report(stack: str, raw_before: dict, raw_after: dict, observed: str | None, heading: str,
+            notes: tuple[str, ...] = ()) -> None:
     before = migration.planning_settings(raw_before, stack)
     after = migration.planning_settings(raw_after, stack)
     if observed:
@@ -84,6 +86,10 @@ def _report(stack: str, raw_before: dict, raw_after: dict, observed: str | None,
     print(heading)
     print(f"Stack {stack}: region {before.region.name} -> {after.region.name}; "
           f"active {after.ledger.active.name}" + (f", draining {after.ledger.draining.name}" if after.ledger.draining else ""))
+    if notes:
+        print("Pod settings the move changes:")
+        for note in notes:
+            print(note)
     print("The next `pulumi up` will:")
     for action in migration.diff(old, new):
         print(action)
@@ -97,10 +103,10 @@ def cmd_plan(args) -> int:
     observed = _observed(args.probe_json) or ledger.active.observed_colo
     before = _deployed(raw, ledger)
     if args.to:
-        after = migration.with_ledger(raw, ledger.start(args.to, args.stack), args.to)
-        if args.provider:
-            after["pod"] = dict(after.get("pod") or {}, provider=args.provider)
-        _report(args.stack, before, after, observed, f"Plan for `migrate.py start --to {args.to}` (nothing written):")
+        change = migration.change_pod(migration.with_ledger(raw, ledger.start(args.to, args.stack), args.to),
+                                      args.provider, args.gpu)
+        _report(args.stack, before, change.raw, observed, f"Plan for `migrate.py start --to {args.to}` (nothing written):",
+                change.notes)
     elif ledger.draining:
         after = migration.with_ledger(raw, ledger.finish(args.stack))
         _report(args.stack, before, after, observed, "Plan for `migrate.py finish` (nothing written):")
@@ -116,15 +122,14 @@ def cmd_plan(args) -> int:
 def cmd_start(args) -> int:
     raw, ledger = _load(args)
     new_ledger = ledger.start(args.to, args.stack)
-    after = migration.with_ledger(raw, new_ledger, args.to)
-    if args.provider:
-        after["pod"] = dict(after.get("pod") or {}, provider=args.provider)
-    # Validate the whole target cell (region, provider, ledger) before touching the file.
-    _report(args.stack, _deployed(raw, ledger), after, ledger.active.observed_colo, f"Started a move to {args.to}.")
-    updates = {"region": args.to, "generations": new_ledger.as_config()}
-    if args.provider:
-        updates["pod.provider"] = args.provider
-    stackfile.write_config(args.stack, updates, args.stacks_dir)
+    # A new provider takes the GPU under its own name, or the move is refused here.
+    change = migration.change_pod(migration.with_ledger(raw, new_ledger, args.to), args.provider, args.gpu)
+    after = change.raw
+    # Validate the whole target cell (region, provider, GPU, ledger) before touching the file.
+    _report(args.stack, _deployed(raw, ledger), after, ledger.active.observed_colo, f"Started a move to {args.to}.",
+            change.notes)
+    stackfile.write_config(args.stack, {"region": args.to, "generations": new_ledger.as_config(), **change.updates},
+                           args.stacks_dir)
     deploy = _deploy_cmd(args.stack, args.stacks_dir, after)
     print(f"Wrote {stackfile.path_of(args.stack, args.stacks_dir)}. Next: {deploy}, "
           f"then `{MIGRATE} finish --stack {args.stack}` and the same deploy again.")
@@ -170,6 +175,10 @@ def cmd_purge(args) -> int:
     return 0
 
 
+GPU_HELP = ("GPU under the target provider's name (default: the stack's GPU, translated to a new "
+            "--provider's name when the kit knows it)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="migrate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -182,12 +191,14 @@ def parser() -> argparse.ArgumentParser:
     stack_args(sp)
     sp.add_argument("--to", help="target region (preview a start)")
     sp.add_argument("--provider", choices=("runpod", "vastai", "local"), help="GPU provider in the target region")
+    sp.add_argument("--gpu", help=GPU_HELP)
     sp.add_argument("--probe-json", help="a probe.py --json result: where the active object really lives")
     sp.set_defaults(func=cmd_plan)
     sp = sub.add_parser("start", help="begin a move: new generation active in --to, the old one draining")
     stack_args(sp)
     sp.add_argument("--to", required=True, help="target region")
     sp.add_argument("--provider", choices=("runpod", "vastai", "local"), help="GPU provider in the target region")
+    sp.add_argument("--gpu", help=GPU_HELP)
     sp.set_defaults(func=cmd_start)
     sp = sub.add_parser("finish", help="end a move: the draining generation retires")
     stack_args(sp)

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from colocate import stackfile
+from colocate import migration, stackfile
 from colocate.ledger import Ledger
+from colocate.settings import POD_DEFAULTS
 from scripts import migrate
 
 ROOT = stackfile.ROOT
@@ -48,6 +49,73 @@ def test_start_edits_ledger_and_region_keeping_comments_and_order(stacks, capsys
     assert "placement aws:ap-northeast-1 -> gcp:asia-east1" in out
     assert "bind     binding DRAINING_GENERATION: apac-jp.g1" in out
     assert "Worker TPE -> state NRT: 2,181 km, floor 22 ms" in out
+
+
+ZONE_LINES = "\n  colocate:zone:\n    id: 0123456789abcdef0123456789abcdef\n    name: example.com\n"
+
+
+def with_zone_and_gpu(stacks, stack, gpu=None):
+    """The stack file with a zone (Vast.ai pods need one) and, if given, another pod.gpu."""
+    path = stacks / f"Pulumi.{stack}.yaml"
+    text = path.read_text().rstrip("\n") + ZONE_LINES
+    if gpu is not None:
+        text = text.replace("gpu: NVIDIA GeForce RTX 4090", f"gpu: {gpu}")
+    path.write_text(text)
+    return path
+
+
+def test_a_new_provider_gets_the_same_gpu_under_its_own_name(stacks, capsys):
+    # RunPod's GPU id matches no Vast.ai offer: pulumi up would fail with "no capacity".
+    with_zone_and_gpu(stacks, "apac-jp")
+    assert run(stacks, "start", "--stack", "apac-jp", "--to", "apac-tw", "--provider", "vastai") == 0
+    pod = stackfile.read_config("apac-jp", stacks)[0]["pod"]
+    assert pod == {"provider": "vastai", "gpu": "RTX 4090"}
+    assert "pod.gpu 'NVIDIA GeForce RTX 4090' -> 'RTX 4090' (vastai's name for the same GPU)" in capsys.readouterr().out
+
+
+def test_a_gpu_the_catalogue_cannot_translate_is_refused_before_the_file_changes(stacks, capsys):
+    path = with_zone_and_gpu(stacks, "apac-jp", gpu="NVIDIA L40S")
+    snapshot = path.read_bytes()
+    assert run(stacks, "start", "--stack", "apac-jp", "--to", "apac-tw", "--provider", "vastai") == 2
+    err = capsys.readouterr().err
+    assert "colocate:pod.gpu" in err and "'NVIDIA L40S'" in err and "--gpu" in err and "RTX 4090" in err
+    assert path.read_bytes() == snapshot
+    # The fix the message names works.
+    assert run(stacks, "start", "--stack", "apac-jp", "--to", "apac-tw", "--provider", "vastai", "--gpu", "L40S") == 0
+    assert stackfile.read_config("apac-jp", stacks)[0]["pod"] == {"provider": "vastai", "gpu": "L40S"}
+
+
+def test_a_gpu_flag_under_the_other_provider_s_name_is_refused_with_the_right_name(stacks, capsys):
+    path = with_zone_and_gpu(stacks, "apac-jp")
+    snapshot = path.read_bytes()
+    argv = ("start", "--stack", "apac-jp", "--to", "apac-tw", "--provider", "vastai", "--gpu", "NVIDIA GeForce RTX 4090")
+    assert run(stacks, *argv) == 2
+    assert "--gpu 'RTX 4090'" in capsys.readouterr().err
+    assert path.read_bytes() == snapshot
+
+
+def test_a_move_to_the_local_stand_in_keeps_any_gpu_name(stacks):
+    # The stand-in ignores the GPU: nothing to translate, nothing to refuse.
+    with_zone_and_gpu(stacks, "apac-jp", gpu="NVIDIA L40S")
+    assert run(stacks, "start", "--stack", "apac-jp", "--to", "us-east", "--provider", "local") == 0
+    assert stackfile.read_config("apac-jp", stacks)[0]["pod"] == {"provider": "local", "gpu": "NVIDIA L40S"}
+
+
+def test_a_hand_switched_provider_with_the_old_gpu_name_is_refused_naming_the_fix(stacks, capsys):
+    # `pulumi config set --path colocate:pod.provider vastai` alone keeps RunPod's GPU id.
+    path = stacks / "Pulumi.apac-tw.yaml"
+    path.write_text(path.read_text().replace("gpu: RTX 4090", "gpu: NVIDIA GeForce RTX 4090"))
+    assert run(stacks, "plan", "--stack", "apac-tw") == 2
+    err = capsys.readouterr().err
+    assert "colocate:pod.gpu" in err and "'NVIDIA GeForce RTX 4090'" in err
+    assert "pulumi config set --path colocate:pod.gpu 'RTX 4090'" in err
+
+
+def test_a_vastai_pod_without_a_gpu_key_rents_the_default_gpu_under_vastai_s_name():
+    raw = {"region": "apac-tw", "generations": [{"name": "apac-tw.g1", "region": "apac-tw", "status": "active"}],
+           "pod": {"provider": "vastai"}, "zone": {"id": "a" * 32, "name": "example.com"}}
+    assert migration.planning_settings(raw, "t").pod.gpu == "RTX 4090"
+    assert migration.planning_settings({**raw, "pod": {"provider": "local"}}, "t").pod.gpu == POD_DEFAULTS["gpu"]
 
 
 def test_finish_retires_and_plans_the_purge(stacks, capsys):
