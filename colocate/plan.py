@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import geo
@@ -135,6 +135,23 @@ def pod_hostname_of(template: str, generation: str, index: int) -> str:
     return f"{first}-p{index}.{rest}"
 
 
+TOKEN_FINGERPRINT_PREFIX = b"colocate:podToken fingerprint v1\0"
+
+
+def token_fingerprint(token: str) -> str:
+    """A short digest of ``colocate:podToken`` that tells a rotated token apart (the pod
+    must then be replaced) without declaring the token. The fixed prefix keeps it off
+    generic sha256 tables; like the pod's own 401, it can confirm a guess of a weak token,
+    so the token should be random (README: ``openssl rand -hex 24``)."""
+    return hashlib.sha256(TOKEN_FINGERPRINT_PREFIX + token.encode()).hexdigest()[:8]
+
+
+def pod_name(stack: str, generation: str, index: int, identity: list[str]) -> str:
+    """``colocate-<stack>-<generation>-p<i>-<digest of the identity>`` (sweep's pattern)."""
+    digest = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:6]
+    return f"colocate-{stack}-{generation}-p{index}-{digest}".replace(".", "-").replace("_", "-").lower()
+
+
 @dataclass(frozen=True)
 class PodPlan:
     """One pod of the cell. ``index`` is stable: pod i keeps its name, triggers and
@@ -149,6 +166,9 @@ class PodPlan:
     locations: tuple[str, ...]
     pod_hostname: str | None  # DNS-only hostname the Worker uses (path zone-dns)
     path: str = PATH_ZONE_DNS  # how the Worker reaches this pod: one of POD_PATHS
+    # token_fingerprint(colocate:podToken); "" where the plan is built without the token
+    # (the sandbox, `migrate.py plan`). infra/cell.py fills it from the secret.
+    token_fingerprint: str = ""
 
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
@@ -191,13 +211,37 @@ class PodPlan:
             "path": self.path,
         }
 
+    def identity(self) -> list[str]:
+        """What makes the pod the pod it is: everything its create request fixes for its
+        life (vLLM reads its port and key once, at start). The name's digest and the
+        triggers both come from this list, so they change together: a change replaces the
+        pod under a new name. A name kept across a change would be fatal: the new pod's
+        create adopts the live pod of that name, then the old one's delete destroys it.
+        Placement criteria (maxPricePerHr, minReliability, readyTimeoutS, locations) are
+        left out on purpose: they choose where the next pod goes, not what a running pod is.
+        """
+        s = self.settings
+        ident = [self.region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, self.generation,
+                 f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
+        if s.provider == "local":  # the stand-in's compute time; a GPU pod ignores it
+            ident.append(f"computeMs={s.compute_ms}")
+        if self.token_fingerprint:
+            ident.append(f"podToken=sha256:{self.token_fingerprint}")
+        return ident
+
     def triggers(self) -> list[str]:
         # Any change here replaces the pod (create the new one, then delete the old).
-        return _pod_identity(self.region, self.settings, self.generation) + [f"pod-{self.index}"]
+        return self.identity() + [f"pod-{self.index}"]
 
+    def with_token_fingerprint(self, fingerprint: str) -> PodPlan:
+        """This pod for a given pod token: the fingerprint joins the identity, so the name
+        and the triggers change when the token is rotated (the running pod keeps the key
+        it started with; adopting it would answer every forward with 401)."""
+        return replace(self, token_fingerprint=fingerprint).with_derived_name()
 
-def _pod_identity(region: str, s: PodSettings, generation: str) -> list[str]:
-    return [region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, generation]
+    def with_derived_name(self) -> PodPlan:
+        """This pod named after its identity (``pod_name``)."""
+        return replace(self, name=pod_name(self.stack, self.generation, self.index, self.identity()))
 
 
 PROBE_WAIT_S = 120  # a new route or custom domain can take a while to answer after a deploy
@@ -356,15 +400,14 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     )
     gen = ledger.active.name
     path = pod_path(settings.pod.provider, settings.zone is not None)
-    # The name carries a digest of what identifies the pod: a replacement (say, a new image
-    # in the same generation) gets a new name, so `create` never adopts the pod that the
-    # replacement's `delete` is about to remove.
-    identity = hashlib.sha256("\0".join(_pod_identity(reg.name, settings.pod, gen)).encode()).hexdigest()[:6]
     locations = reg.locations(settings.pod.provider)
+    # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
+    # (say, a new image in the same generation) gets a new name, so `create` never adopts
+    # the pod that the replacement's `delete` is about to remove.
     pods = tuple(
         PodPlan(
             index=i,
-            name=f"colocate-{settings.stack}-{gen}-p{i}-{identity}".replace(".", "-").replace("_", "-").lower(),
+            name="",
             stack=settings.stack,
             region=reg.name,
             generation=gen,
@@ -373,7 +416,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             locations=locations[i % len(locations):] + locations[:i % len(locations)],
             pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i) if path == PATH_ZONE_DNS else None,
             path=path,
-        )
+        ).with_derived_name()
         for i in range(settings.pod.count)
     )
     pod = pods[0]

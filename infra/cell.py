@@ -17,7 +17,7 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, pod_urls_text
+from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, pod_urls_text, token_fingerprint
 
 PYTHON = ".venv/bin/python"
 POD_CREATE = f"{PYTHON} scripts/pod.py create --spec -"
@@ -80,19 +80,25 @@ class Cell(pulumi.ComponentResource):
         # replaces them create-before-delete. Each pod depends on the one before it, so new
         # pods come up one at a time; the engine deletes the replaced pods at the end of the
         # update, after the Worker points at the new ones (docs/pods.md: what it costs).
+        # Any other input change re-runs create (no `update`), which adopts the live pod of
+        # the same name. A pod reads its token once, at start, so a rotated colocate:podToken
+        # must rename and replace it: the token's fingerprint joins the identity. Only that
+        # digest is declared, unsecret, so the spec and triggers stay readable in diffs.
         self.pod_commands: list[local.Command] = []
         self.pod_dns: list[cloudflare.DnsRecord] = []
         pod_infos = []
         worker_urls = []
+        fingerprint = pulumi.Output.unsecret(pulumi.Output.from_input(secrets["podToken"]).apply(token_fingerprint))
         for pod in plan.pods:
+            declared = fingerprint.apply(pod.with_token_fingerprint)
             cmd_name, aliases = _named(name, pod.index, "pod")
             command = local.Command(
                 cmd_name,
                 create=POD_CREATE,
                 delete=POD_DELETE,
-                stdin=json.dumps(pod.spec(), sort_keys=True),
+                stdin=declared.apply(lambda p: json.dumps(p.spec(), sort_keys=True)),
                 environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"]},
-                triggers=pod.triggers(),
+                triggers=declared.apply(lambda p: p.triggers()),
                 dir=".",
                 opts=pulumi.ResourceOptions(parent=self, delete_before_replace=False, aliases=aliases,
                                             depends_on=self.pod_commands[-1:]),

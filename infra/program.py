@@ -14,7 +14,7 @@ import pulumi_cloudflare as cloudflare
 from colocate import outputs
 from colocate.errors import ConfigError, MissingSetting
 from colocate.plan import CellPlan, plan_cell
-from colocate.settings import KEYS, NS, PROVIDER_SECRET, Settings, parse
+from colocate.settings import KEYS, NS, PROVIDER_SECRET, Settings, ZoneSettings, parse
 
 from .cell import Cell, CellArgs
 
@@ -77,6 +77,29 @@ def live_migration_tag(account_id: str, script: str) -> str:
     return ""
 
 
+def check_zone(zone: ZoneSettings) -> None:
+    """``colocate:zone`` must be a zone the API token can read, with the id and the name the
+    stack gives it. One invoke, cloudflare:index/getZones:getZones filtered by name
+    (pulumi-cloudflare 6.23.1: ``results[].id``/``.name``), in ``pulumi preview`` too. A
+    list, not a get by id: a missing zone is an empty list this program can explain, not a
+    failed invoke. Without it a placeholder or mistyped zone fails only at the pod's DNS
+    record, after the pods are rented and healthy."""
+    key = f"{NS}:zone"
+    found = cloudflare.get_zones(name=zone.name)
+    ids = [_field(r, "id") for r in found.results or [] if _field(r, "name") == zone.name]
+    if zone.id in ids:
+        return
+    if ids:
+        raise pulumi.RunError(
+            f"{key}.id: {zone.id!r} is not the id of zone {zone.name} (Cloudflare gives {ids[0]!r}). "
+            f"Fix: pulumi config set --path {key}.id {ids[0]}")
+    raise pulumi.RunError(
+        f"{key}.name: Cloudflare has no zone {zone.name!r} that cloudflare:apiToken can read (zone id {zone.id!r} "
+        f"in the stack). Fix: set both to a zone of your account, from its Overview page (pulumi config set --path "
+        f"{key}.name <domain>; pulumi config set --path {key}.id <Zone ID>), and give the token Zone Read and "
+        "DNS Edit on it")
+
+
 def _field(entry, name: str):
     # Typed results expose attributes; a plain mapping (as some engines return) uses camelCase.
     camel = "".join(w.capitalize() if i else w for i, w in enumerate(name.split("_")))
@@ -87,6 +110,8 @@ def _field(entry, name: str):
 
 def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     settings, secrets = load_settings()
+    if settings.zone is not None:
+        check_zone(settings.zone)
     try:
         cell_plan = plan_cell(settings, live_migration_tag=live_migration_tag(settings.account_id, settings.worker.name))
     except ConfigError as err:

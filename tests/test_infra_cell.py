@@ -229,6 +229,33 @@ def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
     assert "--pod-path zone-dns" in run.mocks.one(COMMAND, "-probe").inputs["create"]
 
 
+def test_a_zone_the_token_cannot_read_stops_before_any_pod_is_rented():
+    # stacks/Pulumi.apac-tw.yaml ships a placeholder zone: with an account that lacks it,
+    # the program must end at the zone lookup, not at the DNS record after the pods are up.
+    config, keys = stack_config("apac-tw")
+    mocks = RecordingMocks()
+    mocks.zones = {"a" * 32: "acme.dev"}
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-tw", config, keys, mocks=mocks)
+    msg = str(err.value)
+    assert "colocate:zone.name" in msg and "'example.com'" in msg and "0" * 32 in msg
+    assert "pulumi config set --path colocate:zone.id <Zone ID>" in msg
+    assert mocks.resources == []
+
+
+def test_a_zone_id_that_is_not_the_zones_stops_naming_the_right_one():
+    config, keys = stack_config("apac-jp", overrides={"zone": {"id": "e" * 32, "name": "example.com"}})
+    mocks = RecordingMocks()
+    mocks.zones = {"f" * 32: "example.com", "e" * 32: "example.org"}
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys, mocks=mocks)
+    msg = str(err.value)
+    assert "colocate:zone.id" in msg and "e" * 32 in msg
+    assert f"pulumi config set --path colocate:zone.id {'f' * 32}" in msg
+    assert mocks.resources == []
+    assert [c.args.get("name") for c in mocks.calls if c.token.endswith("getZones")] == ["example.com"]
+
+
 def test_smart_placement_is_an_option():
     config, keys = stack_config("apac-jp", overrides={"worker": {"subdomain": "acme", "placement": "smart"}})
     run = run_program("apac-jp", config, keys)

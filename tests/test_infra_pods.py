@@ -8,15 +8,15 @@ import json
 import pytest
 
 from colocate import outputs
-from tests.support.pulumi_mocks import plain, run_program, stack_config
+from tests.support.pulumi_mocks import SECRET_VALUES, plain, run_program, stack_config, unsecret
 
 COMMAND = "command:local:Command"
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 
 
-def deploy(count: int, stack: str = "us-east", pod: dict | None = None, **kwargs):
+def deploy(count: int, stack: str = "us-east", pod: dict | None = None, secrets: dict | None = None, **kwargs):
     pod = {"provider": "runpod", "count": count, **(pod or {})}
-    config, keys = stack_config(stack, overrides={"pod": pod, **kwargs})
+    config, keys = stack_config(stack, overrides={"pod": pod, **kwargs}, secrets=secrets)
     return run_program(stack, config, keys)
 
 
@@ -74,6 +74,57 @@ def test_an_image_change_replaces_every_pod_and_each_gets_a_new_name():
     for name in old:
         assert old[name]["triggers"] != new[name]["triggers"], name
         assert json.loads(old[name]["stdin"])["name"] != json.loads(new[name]["stdin"])["name"], name
+
+
+ROTATED = {**SECRET_VALUES, "podToken": "pod-token-r0tated"}
+# A running pod cannot take these (its create request fixes them); without a new name, the
+# re-run create would adopt the old pod unchanged.
+REPLACING = {
+    "port": {"pod": {"port": 8001}},
+    "diskGb": {"pod": {"diskGb": 80}},
+    "cloud": {"pod": {"cloud": "COMMUNITY"}},
+    "path": {"zone": {"id": "f" * 32, "name": "example.com"}},  # provider-proxy -> zone-dns
+    "podToken": {"secrets": ROTATED},
+}
+KEEPING = {"maxPricePerHr": {"pod": {"maxPricePerHr": 1.5}}, "minReliability": {"pod": {"minReliability": 0.5}}}
+
+
+def named(pods: dict[str, dict]) -> dict[str, tuple[str, list]]:
+    return {k: (json.loads(p["stdin"])["name"], p["triggers"]) for k, p in pods.items()}
+
+
+@pytest.mark.parametrize("key", REPLACING)
+def test_a_change_a_running_pod_cannot_take_gives_every_pod_new_triggers_and_a_new_name(key):
+    old, new = named(pods_of(deploy(2))), named(pods_of(deploy(2, **REPLACING[key])))
+    assert list(old) == list(new) == ["us-east-pod-0", "us-east-pod-1"]
+    for resource in old:
+        (old_name, old_triggers), (new_name, new_triggers) = old[resource], new[resource]
+        assert new_triggers != old_triggers and new_name != old_name, (key, resource)
+
+
+@pytest.mark.parametrize("key", KEEPING)
+def test_placement_criteria_reach_the_spec_but_keep_the_running_pod(key):
+    old, new = pods_of(deploy(2)), pods_of(deploy(2, **KEEPING[key]))
+    assert named(new) == named(old)
+    # Not a no-op: create re-runs with the new spec (and adopts the pod); the next placement uses it.
+    assert all(new[r]["stdin"] != old[r]["stdin"] for r in old)
+
+
+def test_the_pod_token_is_declared_only_as_the_pods_secret_environment():
+    for secrets in (SECRET_VALUES, ROTATED):
+        run = deploy(2, secrets=secrets)
+        token = secrets["podToken"]
+        for r in run.mocks.of_type(COMMAND):
+            if "-pod-" not in r.name:
+                continue
+            stdin_secret, stdin = unsecret(r.inputs["stdin"])
+            triggers_secret, triggers = unsecret(r.inputs["triggers"])
+            # Readable in a diff (not secret), and the token is in neither, nor in the name.
+            assert not stdin_secret and not triggers_secret, r.name
+            assert token not in stdin and token not in json.dumps(triggers), r.name
+            assert token not in json.loads(stdin)["name"], r.name
+            env_secret, env = unsecret(r.inputs["environment"])
+            assert env_secret and env["POD_TOKEN"] == token
 
 
 def test_with_a_zone_each_pod_has_its_own_dns_only_record():

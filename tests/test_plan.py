@@ -94,6 +94,77 @@ def test_pod_name_is_deterministic_and_triggers_cover_identity():
     assert other.pod.name != a.pod.name and other.pod.name.startswith("colocate-t-apac-jp-g1-")
 
 
+# What a running pod cannot change (its create request fixes it): each must rename and replace
+# the pod, since a re-run create with the same name adopts the old pod unchanged.
+IDENTITY_CHANGES = {
+    "port": raw_for(pod={"provider": "runpod", "port": 8001}),
+    "diskGb": raw_for(pod={"provider": "runpod", "diskGb": 80}),
+    "cloud": raw_for(pod={"provider": "runpod", "cloud": "COMMUNITY"}),
+    "path": raw_for(zone=ZONE),  # provider-proxy -> zone-dns: RunPod exposes the port differently
+}
+# Where the next pod may go, not what a running pod is (taken at the next placement), and a
+# setting a GPU pod ignores: the running pod stays.
+KEEPING_CHANGES = {
+    "maxPricePerHr": raw_for(pod={"provider": "runpod", "maxPricePerHr": 1.5}),
+    "minReliability": raw_for(pod={"provider": "runpod", "minReliability": 0.5}),
+    "readyTimeoutS": raw_for(pod={"provider": "runpod", "readyTimeoutS": 60}),
+    "computeMs": raw_for(pod={"provider": "runpod", "computeMs": 5}),  # the local stand-in's only
+}
+
+
+@pytest.mark.parametrize("key", IDENTITY_CHANGES)
+def test_a_change_a_running_pod_cannot_take_renames_and_replaces_every_pod(key):
+    base = cell(raw_for(pod={"provider": "runpod", "count": 2}))
+    raw = IDENTITY_CHANGES[key]
+    changed = cell({**raw, "pod": {**raw["pod"], "count": 2}})
+    assert changed.pod.spec() != base.pod.spec(), key  # the change reaches the create request
+    for old, new in zip(base.pods, changed.pods, strict=True):
+        assert new.name != old.name and new.triggers() != old.triggers(), (key, old.index)
+        assert new.name.startswith(f"colocate-t-apac-jp-g1-p{old.index}-")
+
+
+@pytest.mark.parametrize("key", KEEPING_CHANGES)
+def test_placement_criteria_and_settings_a_gpu_pod_ignores_keep_the_running_pod(key):
+    base, changed = cell(raw_for()), cell(KEEPING_CHANGES[key])
+    assert changed.pod.spec() != base.pod.spec(), key  # the next placement still gets it
+    assert changed.pod.name == base.pod.name and changed.pod.triggers() == base.pod.triggers(), key
+
+
+def test_a_local_stand_ins_compute_time_is_part_of_what_it_is():
+    base = cell(raw_for("us-east", "local"))
+    slower = cell(raw_for("us-east", "local", pod={"provider": "local", "computeMs": 500}))
+    assert slower.pod.name != base.pod.name and slower.pod.triggers() != base.pod.triggers()
+
+
+def test_a_rotated_pod_token_renames_and_replaces_the_pod_without_declaring_it():
+    token, rotated = "pod-token-0123456789abcdef", "pod-token-fedcba9876543210"
+    planned = cell(raw_for(pod={"provider": "runpod", "count": 2}))
+    for pod in planned.pods:
+        a = pod.with_token_fingerprint(plan.token_fingerprint(token))
+        again = pod.with_token_fingerprint(plan.token_fingerprint(token))
+        b = pod.with_token_fingerprint(plan.token_fingerprint(rotated))
+        assert (a.name, a.triggers()) == (again.name, again.triggers())  # deterministic: no spurious replace
+        assert b.name != a.name and b.triggers() != a.triggers()
+        assert a.name != pod.name and a.name.startswith(f"colocate-t-apac-jp-g1-p{pod.index}-")
+        assert a.spec()["name"] == a.name and a.spec()["index"] == pod.index
+        declared = " ".join([a.name, *a.triggers(), repr(a.spec())])
+        assert token not in declared and "0123456789abcdef" not in declared
+    fingerprint = plan.token_fingerprint(token)
+    assert re.fullmatch(r"[0-9a-f]{8}", fingerprint) and fingerprint not in token
+    assert fingerprint != plan.token_fingerprint(rotated)
+
+
+def test_the_name_changes_exactly_when_the_triggers_change():
+    # The same name with other triggers is the fatal case: the replacement's create adopts
+    # the pod that the old resource's delete then destroys.
+    raws = [raw_for(), *IDENTITY_CHANGES.values(), *KEEPING_CHANGES.values(),
+            raw_for(pod={"provider": "runpod", "image": "x:1"}), raw_for(pod={"provider": "runpod", "gpuCount": 2})]
+    pods = [cell(r).pod for r in raws]
+    pods += [p.with_token_fingerprint(plan.token_fingerprint(t)) for p in pods[:2] for t in ("a", "b")]
+    for a, b in itertools.combinations(pods, 2):
+        assert (a.name == b.name) == (a.triggers() == b.triggers()), (a.triggers(), b.triggers())
+
+
 def test_migrations_come_from_the_live_tag_with_the_stack_file_as_offline_fallback():
     first = {"old_tag": None, "new_tag": "v1", "steps": [{"new_sqlite_classes": ["Breaker"]}]}
     # Offline (no live tag): the stack file decides.

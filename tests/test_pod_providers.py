@@ -131,7 +131,7 @@ def test_capacity_only_in_the_second_location(fake_runpod, env, capsys):
     assert code == 0, err
     assert out["location"] == "US-NC-1"
     assert [b["dataCenterIds"] for b in fake_runpod.calls("POST", "/v2/pods")] == [["US-DE-1"], ["US-NC-1"]]
-    assert "no capacity" in err and "US-DE-1" in err
+    assert "not placed: US-DE-1 400" in err
 
 
 def test_no_capacity_anywhere_fails_with_a_table_and_leaves_nothing(fake_runpod, env, capsys):
@@ -144,6 +144,59 @@ def test_no_capacity_anywhere_fails_with_a_table_and_leaves_nothing(fake_runpod,
     assert "location" in err and "no longer any instances available" in err
     assert [b["dataCenterIds"][0] for b in fake_runpod.calls("POST", "/v2/pods")] == list(locations)  # never elsewhere
     assert fake_runpod.live() == []
+
+
+US_EAST = catalogue.region("us-east").locations("runpod")
+
+
+def test_runpod_any_400_moves_to_the_next_data_centre(fake_runpod, env, capsys):
+    # The spec: capacity has no code, only prose, so a wording the client has never seen must not
+    # abort a region whose next data centre has room.
+    fake_runpod.refusals[US_EAST[0]] = (400, "Pool drained for maintenance; come back in a few minutes.")
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod"))])
+    assert code == 0, err
+    assert out["location"] == US_EAST[1]
+    assert [b["dataCenterIds"] for b in fake_runpod.calls("POST", "/v2/pods")] == [[US_EAST[0]], [US_EAST[1]]]
+    assert "Pool drained for maintenance" in err and US_EAST[0] in err
+
+
+def test_runpod_400_everywhere_gives_the_last_detail_as_a_possible_request_problem(fake_runpod, env, capsys):
+    fake_runpod.refusals.update({loc: (400, f"rule {i} broken: disk too small for this image")
+                                 for i, loc in enumerate(US_EAST)})
+    fake_runpod.refusals[US_EAST[0]] = (400, f"env VLLM_API_KEY={TOKEN} is not allowed")  # a detail quoting the request
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod"))])
+    assert code == 1 and out is None
+    assert [b["dataCenterIds"][0] for b in fake_runpod.calls("POST", "/v2/pods")] == list(US_EAST)
+    last = f"rule {len(US_EAST) - 1} broken: disk too small for this image"
+    assert f"last detail ({US_EAST[-1]}): {last!r}" in err
+    assert "may be a problem with the request" in err and "no capacity for" not in err
+    assert all(loc in err for loc in US_EAST) and '"dataCenterIds"' in err  # the table and what was sent
+    assert TOKEN not in err and API_KEY not in err
+    assert fake_runpod.live() == []
+
+
+def test_runpod_403_is_a_permission_error_naming_the_key(fake_runpod, env, capsys):
+    fake_runpod.refusals.update({loc: (403, "access denied") for loc in US_EAST})
+    spec_file = write_spec(env, make_spec("us-east", "runpod"))
+    code, out, err = run(capsys, ["create", "--spec", spec_file])
+    assert code == 1 and out is None
+    assert "403 Forbidden in every data centre" in err and "'access denied'" in err
+    assert "RUNPOD_API_KEY" in err and "colocate:runpodApiKey" in err and "write access to pods" in err
+    assert "no capacity for" not in err and "may be a problem with the request" not in err
+    assert fake_runpod.live() == []
+    # The spec's createPod table: a 403 in one pool is "skip this candidate, keep going".
+    fake_runpod.refusals = {US_EAST[0]: (403, "access denied")}
+    code, out, err = run(capsys, ["create", "--spec", spec_file])
+    assert code == 0, err
+    assert out["location"] == US_EAST[1] and "403 forbidden: access denied" in err
+
+
+def test_runpod_422_stops_at_the_first_data_centre(fake_runpod, env, capsys):
+    # A contract violation is the same everywhere: "Fix the request. Never retry."
+    fake_runpod.refusals[US_EAST[0]] = (422, "Request validation failed.")
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod"))])
+    assert code == 1 and out is None and "422" in err and "Request validation failed." in err
+    assert len(fake_runpod.calls("POST", "/v2/pods")) == 1
 
 
 def test_rate_limited_then_success_honours_retry_after(fake_runpod, env, capsys):
@@ -316,6 +369,18 @@ def test_vastai_taken_offer_moves_to_the_next(fake_vast, env, capsys):
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
     assert code == 0, err
     assert out["cost_per_hr"] == 0.40 and "taken" in err
+
+
+def test_vastai_403_on_rent_is_a_permission_error_not_capacity(fake_vast, env, capsys):
+    fake_vast.offers = [offer(25, "TW", 0.30), offer(26, "TW", 0.40)]
+    fake_vast.rent_refusals[25] = (403, {"success": False, "error": "invalid_args", "ask_id": 25,
+                                         "msg": "error 403/3586: Offer 25 is not your own. Hosts can only rent their own machines."})
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
+    assert code == 1 and out is None
+    assert "with 403" in err and "Hosts can only rent their own machines" in err
+    assert "VASTAI_API_KEY" in err and "colocate:vastaiApiKey" in err and "no capacity" not in err
+    assert len(fake_vast.calls("PUT", "/api/v0/asks/")) == 1 and fake_vast.live() == []
+    assert TOKEN not in err and API_KEY not in err
 
 
 def test_vastai_no_offers_fails_with_a_table(fake_vast, env, capsys):

@@ -5,6 +5,13 @@ candidates (RunPod data centres in catalogue order, Vast.ai offers cheapest firs
 one accepts; then wait for readiness. Anything created by this call is destroyed again if
 any later step fails (or the process is interrupted): pulumi-command keeps the output of a
 create only when it exits 0, so a pod left behind here would bill with no record.
+
+Adopting is sound because the name carries a digest of everything that fixes what a pod is
+(``colocate.plan.PodPlan.identity``: image, GPU, port, disk, path, token, ...): a live pod of
+that name is this spec's pod, and only the placement criteria (price cap, reliability) may
+differ, which apply to the next placement only. One case it cannot tell apart, as the spec
+is identical too: `pulumi up --replace` of a pod keeps its name, so its create adopts the
+pod that the old resource's delete then destroys (docs/pods.md, "What replaces a pod").
 """
 
 from __future__ import annotations
@@ -67,7 +74,8 @@ def _create(spec: PodSpec, provider: Provider, token: str) -> dict:
     live = [p for p in provider.list_pods() if p.name == spec.name and p.state != DEAD]
     if live:
         pod = live[0]
-        log(f"adopting {spec.name}: {provider.name} pod {pod.id} already exists ({pod.raw_state}); not creating another")
+        log(f"adopting {spec.name}: {provider.name} pod {pod.id} already exists ({pod.raw_state}); not creating another "
+            "(maxPricePerHr and minReliability apply to the next placement only)")
         for extra in live[1:]:
             log(f"warning: {extra.id} also carries the name {spec.name}; `sweep --keep {pod.id} --destroy` removes it")
         return _ready_or_destroy(spec, provider, pod.id, adopted=True)
@@ -101,7 +109,7 @@ def _place(spec: PodSpec, provider: Provider, token: str) -> str:
                 return pod_id
             except CapacityError as exc:
                 attempts += exc.attempts
-                log(f"no capacity: {exc.attempts[-1][0]} {exc.attempts[-1][2]}; trying the next location of {spec.region}")
+                log(f"not placed: {exc.attempts[-1][0]} {exc.attempts[-1][2]}; trying the next location of {spec.region}")
                 break
             except RetryableError as exc:
                 # The create may have landed: look before posting again (never two GPUs).

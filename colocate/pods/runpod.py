@@ -1,7 +1,11 @@
 """RunPod, REST v2 only (``/v2/pods``; v1 was retired on 2026-11-15).
 
 One data centre at a time, in catalogue order: ``dataCenterIds`` holds exactly one id per
-create, so a capacity refusal in the first is retried in the second and never elsewhere.
+create, so a refusal in the first is retried in the second and never elsewhere. Refusals follow
+the createPod table of the v2 spec: 400 ("could not be placed", or a broken rule: capacity has no
+code of its own) and 403 (this key or account cannot use the pool) move on to the next data
+centre; when every data centre refused, the error gives the last ``detail`` and says it may be a
+problem with the request (400) or with the key's permissions (403). 401, 402 and 422 stop at once.
 The pod exposes its port the way the Worker will reach it (the spec's ``path``):
 ``<port>/tcp`` for a DNS-only record on the operator's zone (a direct public ip + mapped
 port from ``runtime.ports``, which skips RunPod's HTTP proxy: extra latency, a 100 s cut;
@@ -17,12 +21,15 @@ import os
 
 from ..plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
-from .errors import CapacityError, FatalError, ProviderError
-from .http import Api
+from .errors import CapacityError, FatalError, ProviderError, format_attempts
+from .http import Api, redact
 
 DEFAULT_BASE = "https://api.runpod.io"
-CAPACITY_WORDS = ("no longer any instances available", "not enough", "no instances", "capacity",
-                  "could not be placed", "unavailable")
+# createPod's "try your next candidate" answers. Capacity exhaustion is a 400 with prose only, so
+# the detail is never matched against words: any rewording would abort a region that has room.
+NEXT_CANDIDATE = (400, 403)
+KEY_FIX = ("Fix: use a RunPod API key with write access to pods: `pulumi config set --secret "
+           "colocate:runpodApiKey <key>` (or export RUNPOD_API_KEY=<key>)")
 _STATES = {"PROVISIONING": STARTING, "STARTING": STARTING, "RUNNING": RUNNING,
            "EXITED": DEAD, "ERROR": DEAD, "TERMINATED": DEAD}
 
@@ -33,6 +40,9 @@ class RunPod(Provider):
     def __init__(self, token: str = ""):
         key = api_key("RUNPOD_API_KEY", "runpodApiKey")
         self.api = Api("runpod", os.environ.get("RUNPOD_API_BASE") or DEFAULT_BASE, key, secrets=(token,))
+        # (pod name, data centre) -> (status, detail, full error) of each refused create, so the
+        # refusal of the last data centre can say what every one of them answered.
+        self._refused: dict[tuple[str, str], tuple[int, str, str]] = {}
 
     def close(self) -> None:
         self.api.close()
@@ -55,15 +65,40 @@ class RunPod(Provider):
         try:
             reply = self.api.call("POST", "/v2/pods", json_body=body, create=True, ok=(200, 201))
         except FatalError as exc:
-            detail = _detail(exc)
-            # 400 carries both rule violations and "no capacity" (no machine code for the latter);
-            # 403 means this pool is closed to the account: both move on to the next data centre.
-            if exc.status == 400 and any(w in detail.lower() for w in CAPACITY_WORDS):
-                raise CapacityError(f"{location}: {detail}", [(location, spec.gpu, detail)]) from None
-            if exc.status == 403:
-                raise CapacityError(f"{location}: forbidden: {detail}", [(location, spec.gpu, f"403 {detail}")]) from None
-            raise
+            if exc.status not in NEXT_CANDIDATE:
+                raise  # 401, 402, 422: the same answer in every data centre
+            detail = redact(_detail(exc), self.api.secrets)  # a detail may quote the request
+            self._refused[(spec.name, location)] = (exc.status, detail, str(exc))
+            if all((spec.name, loc) in self._refused for loc in spec.locations):
+                raise self._refused_everywhere(spec, location) from None
+            why = f"403 forbidden: {detail}" if exc.status == 403 else f"400 not placed: {detail}"
+            raise CapacityError(f"{location}: {why}", [(location, spec.gpu, why)]) from None
         return str(reply.body["id"])
+
+    def _refused_everywhere(self, spec, last: str) -> FatalError:
+        """Every data centre refused: a FatalError (not "no capacity") that reads the last detail as the spec says."""
+        answers = {loc: self._refused[(spec.name, loc)] for loc in spec.locations}
+        rows = [(loc, spec.gpu, f"{status} {said}") for loc, (status, said, _) in answers.items()]
+        statuses = {status for status, _, _ in answers.values()}
+        _, detail, full = answers[last]
+        what = f"{spec.gpu} x{spec.gpu_count} ({spec.cloud})"
+        where = f"{spec.region} ({', '.join(spec.locations)})"
+        if statuses == {403}:
+            head = (f"runpod refused to create {what} with 403 Forbidden in every data centre of {where}; last detail ({last}): "
+                    f"{detail!r}. The key in RUNPOD_API_KEY (pulumi config colocate:runpodApiKey) is valid but does not "
+                    f"grant this: it lacks write access to pods, or the account cannot use this GPU pool. {KEY_FIX}; "
+                    "if it already has that access, choose another colocate:pod.gpu or colocate:pod.cloud")
+        else:
+            # The spec: a broken rule fails identically on every candidate, so an all-400 walk is
+            # read as a problem with the request rather than as absent capacity.
+            head = (f"runpod could not place {what} in any data centre of {where}; last detail ({last}): {detail!r}. RunPod answers 400 "
+                    "both for \"could not be placed here\" and for a request that breaks a rule, which fails the same "
+                    "way everywhere: this may be a problem with the request (sent below), not capacity. Fix: if the "
+                    "detail names a field or rule, correct colocate:pod (gpu, gpuCount, cloud, diskGb, image); if it "
+                    "reads as capacity, retry later or choose another colocate:pod.gpu")
+            if 403 in statuses:
+                head += f". Some data centres answered 403 (this key or account cannot use that pool). {KEY_FIX}"
+        return FatalError(f"{head}. Nothing was created.\n{format_attempts(rows)}\nlast answer: {full}")
 
     def describe(self, pod_id: str) -> PodInfo:
         return self._info(self.api.call("GET", f"/v2/pods/{pod_id}").body, port=None)

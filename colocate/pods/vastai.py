@@ -4,7 +4,8 @@ Offers are searched once for the whole region (``geolocation`` in the region's c
 the GPU, ``reliability``, ``direct_port_count`` >= 1, rentable, verified, ``dph_total`` <=
 the cap), re-checked here (the country is the last part of an offer's ``geolocation``, e.g.
 "Taipei, TW") and tried cheapest first. An offer taken in the meantime (404/410 no_such_ask)
-moves on to the next one. Instance state ``exited``, ``unknown`` or ``offline`` never
+moves on to the next one; a 401/403 on the rent is the key or the account, never capacity, and
+stops at once naming the key. Instance state ``exited``, ``unknown`` or ``offline`` never
 becomes ``running``: such an instance is reported dead and destroyed.
 """
 
@@ -15,7 +16,7 @@ import os
 
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
 from .errors import CapacityError, FatalError, NotFoundError
-from .http import Api
+from .http import Api, redact
 
 DEFAULT_BASE = "https://console.vast.ai"
 MAX_OFFERS_TRIED = 5
@@ -86,6 +87,14 @@ class VastAI(Provider):
         except (NotFoundError, FatalError) as exc:
             if exc.status in (404, 410):
                 raise CapacityError(f"{what} is gone", [(loc, what, "taken before we could rent it")]) from None
+            if exc.status in (401, 403):
+                # The key or the account, not the offer: every other offer would be refused the same way.
+                said = redact((exc.body.get("msg") if isinstance(exc.body, dict) else None) or exc.body, self.api.secrets)
+                raise FatalError(
+                    f"vastai refused to rent {what} with {exc.status} ({said}): the key in VASTAI_API_KEY (pulumi "
+                    "config colocate:vastaiApiKey) may not create instances. Fix: use an API key of a Vast.ai renter "
+                    "account with permission to create instances: `pulumi config set --secret colocate:vastaiApiKey "
+                    f"<key>` (or export VASTAI_API_KEY=<key>). Nothing was rented.\n{exc}") from None
             raise
         if not isinstance(reply.body, dict) or not reply.body.get("success") or "new_contract" not in reply.body:
             raise CapacityError(f"{what} refused", [(loc, what, f"refused: {json.dumps(reply.body)[:200]}")])

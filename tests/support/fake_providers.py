@@ -205,6 +205,7 @@ class FakeRunPod(FakeApi):
     def __init__(self, pod_token: str = "pod-token"):
         super().__init__(runpod_openapi(), pod_token)
         self.capacity: dict[str, bool] = {}  # data centre -> has capacity (default True)
+        self.refusals: dict[str, tuple[int, str]] = {}  # data centre -> (status, detail) every create there answers
         self.ready_after = 1  # GETs of a pod before it is RUNNING
         self.healthy = True  # whether the pod's server answers /health 200
         self.lost_create_replies = 0  # the next k creates land but answer 503 (a reply lost on the way)
@@ -258,6 +259,9 @@ class FakeRunPod(FakeApi):
             return 200, {"pods": [self._view(p) for p in self.live()]}, {}, "application/json"
         if path == "/v2/pods" and method == "POST":
             dc = (body.get("dataCenterIds") or ["?"])[0]
+            if dc in self.refusals:
+                status, detail = self.refusals[dc]
+                return self._problem(status, {400: "Bad Request", 403: "Forbidden"}.get(status, "Error"), detail)
             if not self.capacity.get(dc, True):
                 return self._problem(400, "Bad Request", CAPACITY_DETAIL)
             pod_id = next(self.ids)
@@ -322,6 +326,7 @@ class FakeVast(FakeApi):
         super().__init__(vastai_openapi(), pod_token)
         self.offers: list[dict] = []
         self.taken: set[int] = set()  # offers that vanish between search and rent (404 no_such_ask)
+        self.rent_refusals: dict[int, tuple[int, dict]] = {}  # offer id -> (status, body) its rent answers
         self.ready_after = 1
         self.dies_after: int | None = None  # actual_status becomes "exited" after this many GETs
         self.instances: dict[int, dict] = {}
@@ -343,6 +348,9 @@ class FakeVast(FakeApi):
             return 200, {"offers": [o for o in self.offers if _matches(o, body)]}, {}, "application/json"
         if path.startswith("/api/v0/asks/") and method == "PUT":
             ask = int(path.rsplit("/", 1)[1])
+            if ask in self.rent_refusals:
+                status, payload = self.rent_refusals[ask]
+                return status, payload, {}, "application/json"
             if ask in self.taken or not any(o["id"] == ask for o in self.offers):
                 return 404, {"success": False, "error": "invalid_args", "ask_id": ask,
                              "msg": f"error 404/3603: no_such_ask Instance type by id {ask} is not available."}, {}, "application/json"

@@ -24,6 +24,9 @@ PROBE_STDOUT = {"ok": True, "verdict": "all checks hold"}
 
 
 SCRIPTS_INVOKE = "cloudflare:index/getWorkersScripts:getWorkersScripts"
+ZONES_INVOKE = "cloudflare:index/getZones:getZones"
+# The zones the mock account has: the id the tests use and stacks/Pulumi.apac-tw.yaml's placeholder.
+ZONES = {"f" * 32: "example.com", "0" * 32: "example.com"}
 
 
 def pod_stdout(spec: dict) -> dict:
@@ -46,6 +49,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
         self.calls: list[pulumi.runtime.MockCallArgs] = []
         self.scripts = {} if scripts is None else scripts
         self.scripts_fail = False
+        self.zones = dict(ZONES)  # {zone id: name}: what listing the account's zones finds
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         self.resources.append(args)
@@ -67,6 +71,9 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 raise RuntimeError("Cloudflare API unreachable")
             return {"accountId": args.args.get("accountId"),
                     "results": [{"id": name, "migrationTag": tag} for name, tag in self.scripts.items()]}
+        if args.token == ZONES_INVOKE:  # the name filter is an exact match by default
+            name = args.args.get("name")
+            return {"results": [{"id": zid, "name": n, "status": "active"} for zid, n in self.zones.items() if n == name]}
         return {}
 
     def of_type(self, typ: str) -> list[pulumi.runtime.MockResourceArgs]:
