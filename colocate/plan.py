@@ -199,6 +199,7 @@ class PodPlan:
             "gpu": s.gpu,
             "gpu_count": s.gpu_count,
             "image": s.image,
+            "min_cuda_version": s.min_cuda_version,
             "model": s.model,
             "port": s.port,
             "disk_gb": s.disk_gb,

@@ -35,6 +35,7 @@ POD_DEFAULTS = {
     "gpu": "NVIDIA GeForce RTX 4090",
     "gpuCount": 1,
     "image": "vllm/vllm-openai:v0.11.0",
+    "minCudaVersion": "12.8",  # the CUDA the default image is built for
     "model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
     "port": 8000,
     "diskGb": 40,
@@ -64,7 +65,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("region", "string", None, "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
     Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
-    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations)."),
+    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations)."),
     Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
@@ -103,6 +104,7 @@ class PodSettings:
     ready_timeout_s: int
     compute_ms: int
     count: int = 1
+    min_cuda_version: str = POD_DEFAULTS["minCudaVersion"]  # "" = no floor
 
 
 MAX_PODS = 8
@@ -212,7 +214,27 @@ def parse_pod(raw: dict) -> PodSettings:
         ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
         compute_ms=_number(k + "computeMs", p["computeMs"], integer=True, strict=False),
         count=_pod_count(k + "count", p["count"]),
+        min_cuda_version=_cuda_version(k + "minCudaVersion", p["minCudaVersion"]),
     )
+
+
+# RunPod's minCudaVersion pattern (^\d+\.\d+$, ASCII digits). Vast.ai's offers carry the same
+# version as a number, so the text must be one both can read.
+_CUDA_VERSION = re.compile(r"[0-9]+\.[0-9]+")
+
+
+def _cuda_version(key: str, value: object) -> str:
+    """The host's CUDA floor as ``major.minor`` text; "" sends none.
+
+    A hand-written stack file may hold the YAML number 12.8: it is read as the text "12.8"
+    (YAML has already turned 12.10 into 12.1 by then, hence the quotes in the fix).
+    """
+    text = repr(value) if isinstance(value, float) else value
+    if not isinstance(text, str) or not (text == "" or _CUDA_VERSION.fullmatch(text)):
+        raise ConfigError(key, value, 'must be a CUDA version as major.minor text, e.g. "12.8", or "" for no floor',
+                          f'pulumi config set --path {key} 12.8 (the CUDA version colocate:pod.image is built for; '
+                          f'{POD_DEFAULTS["image"]} needs 12.8), or write it quoted in the stack file: minCudaVersion: "12.8"')
+    return text
 
 
 def _pod_count(key: str, value: object) -> int:

@@ -107,6 +107,7 @@ IDENTITY_CHANGES = {
 KEEPING_CHANGES = {
     "maxPricePerHr": raw_for(pod={"provider": "runpod", "maxPricePerHr": 1.5}),
     "minReliability": raw_for(pod={"provider": "runpod", "minReliability": 0.5}),
+    "minCudaVersion": raw_for(pod={"provider": "runpod", "minCudaVersion": "12.4"}),  # which host, not what runs
     "readyTimeoutS": raw_for(pod={"provider": "runpod", "readyTimeoutS": 60}),
     "computeMs": raw_for(pod={"provider": "runpod", "computeMs": 5}),  # the local stand-in's only
 }

@@ -31,7 +31,7 @@ def make_spec(region: str, provider: str, stack: str = "t1", gen: int = 1, **ove
     settings = PodSettings(provider=d["provider"], gpu=d["gpu"], gpu_count=d["gpuCount"], image=d["image"],
                            model=d["model"], port=d["port"], disk_gb=d["diskGb"], max_price_per_hr=d["maxPricePerHr"],
                            cloud=d["cloud"], min_reliability=d["minReliability"], ready_timeout_s=d["readyTimeoutS"],
-                           compute_ms=d["computeMs"])
+                           compute_ms=d["computeMs"], min_cuda_version=d["minCudaVersion"])
     generation = f"{region}.g{gen}"
     plan = PodPlan(index=0, name=f"colocate-{stack}-{generation}".replace(".", "-"), stack=stack, region=region,
                    generation=generation, settings=settings,
@@ -49,24 +49,25 @@ def env(monkeypatch, tmp_path):
     return tmp_path
 
 
-@pytest.fixture
-def fake_runpod(env, monkeypatch):
-    fake = FakeRunPod(pod_token=TOKEN).start()
-    monkeypatch.setenv("RUNPOD_API_BASE", fake.url)
-    monkeypatch.setenv("RUNPOD_API_KEY", API_KEY)
+def serving(fake, monkeypatch, env_prefix: str, api: str):
+    """A fixture body: ``fake`` started as the API the client finds in ``<env_prefix>_API_BASE``;
+    the test fails on any request or answer outside ``api``'s spec."""
+    fake.start()
+    monkeypatch.setenv(f"{env_prefix}_API_BASE", fake.url)
+    monkeypatch.setenv(f"{env_prefix}_API_KEY", API_KEY)
     yield fake
     fake.stop()
-    assert fake.violations == [], "requests or answers outside the RunPod v2 spec:\n" + "\n".join(fake.violations)
+    assert fake.violations == [], f"requests or answers outside the {api} spec:\n" + "\n".join(fake.violations)
+
+
+@pytest.fixture
+def fake_runpod(env, monkeypatch):
+    yield from serving(FakeRunPod(pod_token=TOKEN), monkeypatch, "RUNPOD", "RunPod v2")
 
 
 @pytest.fixture
 def fake_vast(env, monkeypatch):
-    fake = FakeVast(pod_token=TOKEN).start()
-    monkeypatch.setenv("VASTAI_API_BASE", fake.url)
-    monkeypatch.setenv("VASTAI_API_KEY", API_KEY)
-    yield fake
-    fake.stop()
-    assert fake.violations == [], "requests or answers outside the Vast.ai spec:\n" + "\n".join(fake.violations)
+    yield from serving(FakeVast(pod_token=TOKEN), monkeypatch, "VASTAI", "Vast.ai")
 
 
 def stack_file(directory: Path, stack: str = "t1", provider: str = "runpod", secret_key: bool = False) -> str:
@@ -197,6 +198,32 @@ def test_runpod_422_stops_at_the_first_data_centre(fake_runpod, env, capsys):
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod"))])
     assert code == 1 and out is None and "422" in err and "Request validation failed." in err
     assert len(fake_runpod.calls("POST", "/v2/pods")) == 1
+
+
+def test_runpod_create_asks_for_a_host_with_the_images_cuda(fake_runpod, env, capsys):
+    # vllm/vllm-openai:v0.11.0 is built for CUDA 12.8: an older host never gets healthy, and
+    # create would burn readyTimeoutS on it.
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
+    assert code == 0, err
+    assert fake_runpod.calls("POST", "/v2/pods")[-1]["gpu"] == {
+        "id": POD_DEFAULTS["gpu"], "count": 1, "minCudaVersion": "12.8"}
+    run(capsys, ["delete", "--id", out["id"], "--provider", "runpod"])
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", minCudaVersion="12.11"))])
+    assert code == 0, err
+    assert fake_runpod.calls("POST", "/v2/pods")[-1]["gpu"]["minCudaVersion"] == "12.11"  # text, never 12.11 the number
+
+
+def test_runpod_without_a_cuda_floor_sends_none(fake_runpod, env, capsys):
+    code, _, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", minCudaVersion=""))])
+    assert code == 0, err
+    assert "minCudaVersion" not in fake_runpod.calls("POST", "/v2/pods")[-1]["gpu"]  # "" would break the spec's pattern
+
+
+def test_a_spec_whose_cuda_floor_is_not_major_minor_is_refused(fake_runpod, env, capsys):
+    spec = {**make_spec("apac-jp", "runpod"), "min_cuda_version": "12"}  # hand-edited
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 2 and out is None and "spec.min_cuda_version" in err and "'12'" in err and "colocate:pod.minCudaVersion" in err
+    assert fake_runpod.log == []  # refused at the edge, before any call
 
 
 def test_rate_limited_then_success_honours_retry_after(fake_runpod, env, capsys):
@@ -361,6 +388,48 @@ def test_vastai_happy_path_cheapest_in_region_offer(fake_vast, env, capsys):
     assert search["reliability"] == {"gte": 0.98} and search["direct_port_count"] == {"gte": 1}
     assert requests.get(out["url"] + "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).ok
     assert TOKEN not in err
+
+
+def test_vastai_search_asks_for_the_cuda_floor_the_disk_and_its_price(fake_vast, env, capsys):
+    fake_vast.offers = [offer(16, "TW", 0.3)]
+    code, _, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", diskGb=60))])
+    assert code == 0, err
+    search = fake_vast.calls("POST", "/api/v0/bundles")[0]
+    assert search["cuda_max_good"] == {"gte": 12.8}  # offers carry it as a number
+    assert search["disk_space"] == {"gte": 60} and search["allocated_storage"] == 60
+    assert fake_vast.calls("PUT", "/api/v0/asks/")[0]["disk"] == 60
+
+
+def test_vastai_without_a_cuda_floor_sends_none(fake_vast, env, capsys):
+    fake_vast.offers = [offer(17, "TW", 0.3, cuda=11.8)]
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", minCudaVersion=""))])
+    assert code == 0, err
+    assert "cuda_max_good" not in fake_vast.calls("POST", "/api/v0/bundles")[0]
+
+
+def test_vastai_an_offer_below_the_cuda_floor_or_short_on_disk_is_not_rented_even_if_returned(fake_vast, env, capsys):
+    # A server that drops these filters (or a stale index) must not get the pod onto such a host:
+    # vLLM would never start on the one, and the other refuses the rent.
+    fake_vast.ignored_filters = {"cuda_max_good", "disk_space"}
+    fake_vast.offers = [offer(61, "TW", 0.30, cuda=12.4), offer(62, "TW", 0.35, disk_space=20.0), offer(63, "TW", 0.50)]
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
+    assert code == 0, err
+    assert [path for _, path, _ in fake_vast.log if path.startswith("/api/v0/asks/")] == ["/api/v0/asks/63"]
+    assert out["cost_per_hr"] == 0.50
+    # With nothing else in the region, the table says what the offers lacked.
+    fake_vast.offers = [offer(64, "TW", 0.30, cuda=12.4)]
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", stack="t2"))])
+    assert code == 1 and out is None and "CUDA >= 12.8" in err and "40 GB disk" in err
+    assert fake_vast.calls("PUT", "/api/v0/asks/64") == []
+
+
+def test_vastai_price_cap_holds_for_the_disk_that_is_rented(fake_vast, env, capsys):
+    # dph_total includes storage for the searched disk size (8 GB unless allocated_storage says
+    # otherwise): offer 71 quotes $0.54/h at 8 GB but costs $0.70/h with the 40 GB create rents.
+    fake_vast.offers = [offer(71, "TW", 0.50, storage_cost=3.6), offer(72, "TW", 0.55)]
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", maxPricePerHr=0.6))])
+    assert code == 0, err
+    assert out["cost_per_hr"] == 0.55 and fake_vast.calls("PUT", "/api/v0/asks/71") == []
 
 
 def test_vastai_taken_offer_moves_to_the_next(fake_vast, env, capsys):

@@ -111,3 +111,44 @@ def test_the_printed_fix_stores_what_the_kit_accepts():
         parse(**{"pod.maxPricePerHr": "abc"})
     assert "<a number greater than 0>" in err.value.fix
     assert parse(**{"pod.maxPricePerHr": "0.7"}).pod.max_price_per_hr == 0.7
+
+
+# colocate:pod.minCudaVersion is text in RunPod's form (^\d+\.\d+$), not a number key: 12.11
+# is above 12.2 there. A YAML number in a hand-written stack file is read as its text.
+@pytest.mark.parametrize("value, want", [
+    ("12.8", "12.8"),
+    (12.8, "12.8"),  # minCudaVersion: 12.8 unquoted in the stack file
+    ("12.85", "12.85"),  # RunPod's pattern takes any major.minor
+    ("12.11", "12.11"),
+    ("13.0", "13.0"),
+    ("", ""),  # no floor: neither provider is sent one
+])
+def test_the_cuda_floor_takes_major_minor_text_or_a_yaml_number(value, want):
+    got = parse(**{"pod.minCudaVersion": value}).pod.min_cuda_version
+    assert got == want and type(got) is str
+
+
+def test_the_cuda_floor_defaults_to_the_default_images_cuda():
+    assert parse().pod.min_cuda_version == "12.8" == settings.POD_DEFAULTS["minCudaVersion"]
+
+
+@pytest.mark.parametrize("value", [
+    "12",  # no minor: RunPod's pattern refuses it
+    12,  # pulumi config set --path ... 12 stores an integer
+    "abc",
+    "12.8.1",
+    " 12.8",
+    "v12.8",
+    "12.",
+    "\uff11\uff12.\uff18",  # full-width digits: \d in Python, not in RunPod's pattern
+    True,
+    float("nan"),
+    1e20,  # a YAML number that is no version
+    None,
+])
+def test_a_cuda_floor_not_in_major_minor_form_is_refused_naming_key_value_and_fix(value):
+    with pytest.raises(ConfigError) as err:
+        parse(**{"pod.minCudaVersion": value})
+    msg = str(err.value)
+    assert err.value.key == "colocate:pod.minCudaVersion" and repr(value) in msg
+    assert "pulumi config set --path colocate:pod.minCudaVersion 12.8" in msg and "major.minor" in msg

@@ -12,6 +12,12 @@ that name is this spec's pod, and only the placement criteria (price cap, reliab
 differ, which apply to the next placement only. One case it cannot tell apart, as the spec
 is identical too: `pulumi up --replace` of a pod keeps its name, so its create adopts the
 pod that the old resource's delete then destroys (docs/pods.md, "What replaces a pod").
+
+The same name makes "one spec, one GPU" checkable: a create whose reply was lost (5xx, read
+timeout) may land after we looked for it and posted again, or moved on to the next location.
+So a successful create lists the pods once more, after readiness (which gives a late pod the
+most time to show up), and destroys every other live pod of the name; a failed one destroys
+every pod of the name whenever a create went unanswered.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ from __future__ import annotations
 import os
 import sys
 
-from .base import DEAD, PodInfo, Provider, belongs_to_stack
-from .errors import CapacityError, PodConfigError, RetryableError, format_attempts
+from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack
+from .errors import CapacityError, PodConfigError, ProviderError, RetryableError, format_attempts
 from .readiness import wait_ready
 from .spec import PodSpec
 
 CREATE_ROUNDS = 3  # a create answered by 5xx/timeout is looked up by name, then posted again at most this often
+# Why a pod of the spec's name that create did not return is destroyed (stderr).
+LATE = "a create whose reply was lost landed late"
+EARLIER = "another pod of this name, left by an earlier create"
 
 
 def log(line: str) -> None:
@@ -71,64 +80,101 @@ def create(spec: PodSpec) -> dict:
 
 
 def _create(spec: PodSpec, provider: Provider, token: str) -> dict:
-    live = [p for p in provider.list_pods() if p.name == spec.name and p.state != DEAD]
+    live = _named(spec, provider)
     if live:
-        pod = live[0]
+        # Several (left by an earlier create): keep one that already runs, destroy the rest once it is ready.
+        pod = next((p for p in live if p.state == RUNNING), live[0])
         log(f"adopting {spec.name}: {provider.name} pod {pod.id} already exists ({pod.raw_state}); not creating another "
-            "(maxPricePerHr and minReliability apply to the next placement only)")
-        for extra in live[1:]:
-            log(f"warning: {extra.id} also carries the name {spec.name}; `sweep --keep {pod.id} --destroy` removes it")
-        return _ready_or_destroy(spec, provider, pod.id, adopted=True)
+            "(maxPricePerHr, minReliability and minCudaVersion apply to the next placement only)")
+        if len(live) > 1:
+            log(f"warning: {len(live) - 1} more live pod(s) carry the name {spec.name}; destroying them once {pod.id} is ready")
+        return _ready_or_destroy(spec, provider, pod.id, adopted=True, unknown=len(live) > 1)
+    lost: list[str] = []  # creates that went unanswered: each may have landed, now or later, under spec.name
     try:
-        pod_id = _place(spec, provider, token)
-    except (KeyboardInterrupt, SystemExit):
-        # Interrupted while a create was in flight: it may have landed without us
-        # learning its id. Find it by its name and destroy it.
-        _destroy_named(spec, provider)
+        pod_id, attempts = _place(spec, provider, token, lost)
+    except BaseException as exc:  # includes KeyboardInterrupt / SystemExit from SIGTERM
+        # Interrupted while a create was in flight, or a create went unanswered: it may have
+        # landed without us learning its id. Find it by its name and destroy it.
+        if lost or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            why = "created as the interrupt arrived" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else LATE
+            _destroy_named(spec, provider, why)
         raise
-    return _ready_or_destroy(spec, provider, pod_id, adopted=False)
+    if pod_id is None:
+        # Nothing placed anywhere, but an unanswered create may have landed since it was last looked for.
+        left = "nothing was left running"
+        if lost and not _destroy_named(spec, provider, LATE):
+            left = (f"a pod named {spec.name} may be left running (see the ERROR above); "
+                    f"run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
+        table = format_attempts(attempts)
+        log(f"no capacity for {spec.gpu} in {spec.region} (never another region):\n{table}")
+        raise CapacityError(f"no capacity for {spec.gpu} x{spec.gpu_count} with {spec.provider} in region "
+                            f"{spec.region} (locations {', '.join(spec.locations)}); {left}", attempts)
+    return _ready_or_destroy(spec, provider, pod_id, adopted=False, unknown=bool(lost))
 
 
-def _destroy_named(spec: PodSpec, provider: Provider) -> None:
+def _named(spec: PodSpec, provider: Provider) -> list[PodInfo]:
+    return [p for p in provider.list_pods() if p.name == spec.name and p.state != DEAD]
+
+
+def _destroy_named(spec: PodSpec, provider: Provider, why: str, keep: str | None = None) -> bool:
+    """Destroy every live pod named ``spec.name`` but ``keep``; False (and an ERROR with the fix) if it could not look."""
     try:
-        for pod in provider.list_pods():
-            if pod.name == spec.name and pod.state != DEAD:
-                provider.destroy(pod.id)
-                log(f"destroyed {pod.id} (created as the interrupt arrived)")
-    except Exception as cleanup:  # noqa: BLE001 - report; the interrupt is what matters
-        log(f"ERROR: could not look for {spec.name} ({cleanup}); run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
+        for pod in _named(spec, provider):
+            if pod.id != keep:
+                log(f"destroying {'duplicate ' if keep else ''}{pod.id} ({why})")
+                log(f"destroyed {pod.id}" if provider.destroy(pod.id) else f"{pod.id}: already gone")
+    except Exception as cleanup:  # noqa: BLE001 - report; the failure that brought us here is what matters
+        kept = f" --keep {keep}" if keep else ""
+        log(f"ERROR: could not look for (or destroy) other {provider.name} pods named {spec.name} ({cleanup}); "
+            f"one may be billing with no record. Fix: run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack}"
+            f"{kept} --destroy` once {provider.name} answers")
+        return False
+    return True
 
 
-def _place(spec: PodSpec, provider: Provider, token: str) -> str:
+def _place(spec: PodSpec, provider: Provider, token: str, lost: list[str]) -> tuple[str | None, list]:
+    """(the id of the pod placed, or None when no location took it; the attempt table). Appends to
+    ``lost`` each create that went unanswered, so the caller can find it by name if it lands late."""
     candidates, attempts = provider.candidates(spec)
     for cand in candidates:
         for _ in range(CREATE_ROUNDS):
             try:
                 pod_id = provider.create(spec, cand, token)
                 log(f"created {provider.name} pod {pod_id} ({spec.name})")
-                return pod_id
+                return pod_id, attempts
             except CapacityError as exc:
                 attempts += exc.attempts
                 log(f"not placed: {exc.attempts[-1][0]} {exc.attempts[-1][2]}; trying the next location of {spec.region}")
                 break
             except RetryableError as exc:
+                lost.append(str(exc))
                 # The create may have landed: look before posting again (never two GPUs).
                 log(f"create unanswered ({exc}); looking for {spec.name} before retrying")
-                found = [p for p in provider.list_pods() if p.name == spec.name and p.state != DEAD]
+                try:
+                    found = _named(spec, provider)
+                except ProviderError as listing:
+                    # Posting again without knowing could rent a second GPU: stop here. The caller
+                    # looks once more by name and destroys what it finds.
+                    raise RetryableError(
+                        f"{provider.name}: a create of {spec.name} went unanswered ({exc}) and listing pods to look for it "
+                        f"failed too ({listing}); not posting again. Fix: retry once {provider.name} answers") from None
                 if found:
-                    return found[0].id
+                    return found[0].id, attempts
         else:
             attempts.append((provider.location_of(cand), spec.gpu, f"create unanswered {CREATE_ROUNDS} times"))
-    table = format_attempts(attempts)
-    log(f"no capacity for {spec.gpu} in {spec.region} (never another region):\n{table}")
-    raise CapacityError(f"no capacity for {spec.gpu} x{spec.gpu_count} with {spec.provider} in region "
-                        f"{spec.region} (locations {', '.join(spec.locations)}); nothing was left running", attempts)
+    return None, attempts
 
 
-def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: bool) -> dict:
+def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: bool, unknown: bool) -> dict:
+    """Wait for ``pod_id`` to serve, then make it the only live pod of the name. ``unknown``: other
+    pods of the name may exist (unanswered creates, or several found at adoption)."""
     try:
         info = wait_ready(lambda: provider.describe(pod_id), spec.ready_timeout_s, log=log)
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
+        # One list per create, even without a lost reply: a pod of this name that is not the one
+        # returned is on no record and would bill. If the list fails, the ready pod is still
+        # returned (failing would leave a possible duplicate and lose the recorded pod too).
+        _destroy_named(spec, provider, EARLIER if adopted else LATE, keep=pod_id)
         return result(spec, provider.name, info, adopted)
     except BaseException as exc:  # includes KeyboardInterrupt / SystemExit from SIGTERM
         log(f"{type(exc).__name__}: destroying {pod_id} so nothing is left billing")
@@ -137,6 +183,8 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
             log(f"destroyed {pod_id}")
         except Exception as cleanup:  # report both; the original failure is the one that matters
             log(f"ERROR: could not destroy {pod_id} ({cleanup}); run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
+        if unknown:
+            _destroy_named(spec, provider, EARLIER if adopted else LATE)
         raise
 
 

@@ -54,7 +54,10 @@ class RunPod(Provider):
         body = {
             "name": spec.name,
             "image": spec.image,
-            "gpu": {"id": spec.gpu, "count": spec.gpu_count},
+            # The host's CUDA floor: below the image's CUDA build vLLM never starts, and create
+            # would wait out ready_timeout_s on it. A floor, not allowedCudaVersions (exclusive).
+            "gpu": {"id": spec.gpu, "count": spec.gpu_count,
+                    **({"minCudaVersion": spec.min_cuda_version} if spec.min_cuda_version else {})},
             "cloud": spec.cloud,
             "dataCenterIds": [location],
             "ports": [f"{spec.port}/{'http' if spec.path == PATH_PROVIDER_PROXY else 'tcp'}"],
@@ -81,7 +84,8 @@ class RunPod(Provider):
         rows = [(loc, spec.gpu, f"{status} {said}") for loc, (status, said, _) in answers.items()]
         statuses = {status for status, _, _ in answers.values()}
         _, detail, full = answers[last]
-        what = f"{spec.gpu} x{spec.gpu_count} ({spec.cloud})"
+        floor = f", host CUDA >= {spec.min_cuda_version}" if spec.min_cuda_version else ""  # it narrows the pool
+        what = f"{spec.gpu} x{spec.gpu_count} ({spec.cloud}{floor})"
         where = f"{spec.region} ({', '.join(spec.locations)})"
         if statuses == {403}:
             head = (f"runpod refused to create {what} with 403 Forbidden in every data centre of {where}; last detail ({last}): "
@@ -94,7 +98,7 @@ class RunPod(Provider):
             head = (f"runpod could not place {what} in any data centre of {where}; last detail ({last}): {detail!r}. RunPod answers 400 "
                     "both for \"could not be placed here\" and for a request that breaks a rule, which fails the same "
                     "way everywhere: this may be a problem with the request (sent below), not capacity. Fix: if the "
-                    "detail names a field or rule, correct colocate:pod (gpu, gpuCount, cloud, diskGb, image); if it "
+                    "detail names a field or rule, correct colocate:pod (gpu, gpuCount, cloud, diskGb, image, minCudaVersion); if it "
                     "reads as capacity, retry later or choose another colocate:pod.gpu")
             if 403 in statuses:
                 head += f". Some data centres answered 403 (this key or account cannot use that pool). {KEY_FIX}"

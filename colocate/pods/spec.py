@@ -9,6 +9,7 @@ Also here: the vLLM serve arguments for the real pod (one place, used by both cl
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from ..errors import ConfigError
 from .errors import PodConfigError
 
 REQUIRED = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
-            "gpu": str, "gpu_count": int, "image": str, "model": str, "port": int, "disk_gb": int,
+            "gpu": str, "gpu_count": int, "image": str, "min_cuda_version": str, "model": str, "port": int, "disk_gb": int,
             "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
             "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str}
 
@@ -35,6 +36,7 @@ class PodSpec:
     gpu: str
     gpu_count: int
     image: str
+    min_cuda_version: str  # the host's lowest CUDA, "major.minor"; "" = no floor
     model: str
     port: int
     disk_gb: int
@@ -77,6 +79,9 @@ class PodSpec:
             raise PodConfigError(f"spec.path: {self.path!r} is not one of {', '.join(POD_PATHS)}. Fix: regenerate the spec from the plan")
         if not 0 < self.port < 65536:
             raise PodConfigError(f"spec.port: {self.port} is not a TCP port. Fix: colocate:pod.port 1-65535")
+        if self.min_cuda_version and not re.fullmatch(r"[0-9]+\.[0-9]+", self.min_cuda_version):
+            raise PodConfigError(f"spec.min_cuda_version: {self.min_cuda_version!r} is not major.minor (e.g. \"12.8\"). "
+                                 "Fix: colocate:pod.minCudaVersion, then regenerate the spec from the plan")
         if self.ready_timeout_s <= 0:
             raise PodConfigError(f"spec.ready_timeout_s: {self.ready_timeout_s} must be > 0")
 

@@ -1,8 +1,10 @@
 """Vast.ai (``console.vast.ai`` REST, ``/api/v0``).
 
 Offers are searched once for the whole region (``geolocation`` in the region's countries,
-the GPU, ``reliability``, ``direct_port_count`` >= 1, rentable, verified, ``dph_total`` <=
-the cap), re-checked here (the country is the last part of an offer's ``geolocation``, e.g.
+the GPU, ``reliability``, ``direct_port_count`` >= 1, ``disk_space`` >= the disk,
+``cuda_max_good`` >= the CUDA floor, rentable, verified, ``dph_total`` <= the cap with
+``allocated_storage`` = the disk, so the price held to the cap is the one rented),
+re-checked here (the country is the last part of an offer's ``geolocation``, e.g.
 "Taipei, TW") and tried cheapest first. An offer taken in the meantime (404/410 no_such_ask)
 moves on to the next one; a 401/403 on the rent is the key or the account, never capacity, and
 stops at once naming the key. Instance state ``exited``, ``unknown`` or ``offline`` never
@@ -39,14 +41,21 @@ class VastAI(Provider):
         self.api.close()
 
     def candidates(self, spec):
+        # Offers carry the host's CUDA as a number (12.8), compared as one, as Vast.ai's filter does.
+        cuda = float(spec.min_cuda_version) if spec.min_cuda_version else None
         query = {
             "gpu_name": {"in": [spec.gpu]},
             "num_gpus": {"in": [spec.gpu_count]},
             "geolocation": {"in": list(spec.locations)},
             "reliability": {"gte": spec.min_reliability},
             "direct_port_count": {"gte": 1},
+            "disk_space": {"gte": spec.disk_gb},  # a host short on disk refuses the rent
+            **({"cuda_max_good": {"gte": cuda}} if cuda is not None else {}),
             "rentable": {"eq": True},
             "verified": {"eq": True},
+            # dph_total includes the disk, priced at allocated_storage (8 GB unless sent): the cap
+            # must be held against the price of the disk create rents.
+            "allocated_storage": spec.disk_gb,
             "dph_total": {"lte": spec.max_price_per_hr},
             "type": "ondemand",
             "limit": 50,
@@ -57,11 +66,14 @@ class VastAI(Provider):
                if country(o.get("geolocation")) in spec.locations and o.get("gpu_name") == spec.gpu
                and float(o.get("dph_total") or 1e9) <= spec.max_price_per_hr
                and float(o.get("reliability") or 0) >= spec.min_reliability
-               and int(o.get("direct_port_count") or 0) >= 1]
+               and int(o.get("direct_port_count") or 0) >= 1
+               and float(o.get("disk_space") or 0) >= spec.disk_gb
+               and (cuda is None or float(o.get("cuda_max_good") or 0) >= cuda)]
         fit.sort(key=lambda o: float(o["dph_total"]))
-        empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h, "
-                  "direct port, verified)") for loc in spec.locations
-                 if not any(country(o.get("geolocation")) == loc for o in fit)]
+        floor = f"CUDA >= {spec.min_cuda_version}, " if cuda is not None else ""
+        empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
+                  f"with a {spec.disk_gb} GB disk, {floor}direct port, verified)")
+                 for loc in spec.locations if not any(country(o.get("geolocation")) == loc for o in fit)]
         return fit[:MAX_OFFERS_TRIED], empty
 
     def location_of(self, offer: dict) -> str:

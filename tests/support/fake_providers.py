@@ -311,11 +311,31 @@ class FakeRunPod(FakeApi):
 
 
 # ---------------------------------------------------------------------------- Vast.ai
+# The search schema's allocated_storage: "Default is 8GB". Vast.ai bills disk as storage_cost
+# ($/GB/month) over a 30-day month, which dph_total includes for the searched disk size.
+DEFAULT_ALLOCATED_GB = 8
+HOURS_PER_MONTH = 30 * 24
+
+
 def offer(offer_id: int, country: str, price: float, gpu: str = "RTX 4090", reliability: float = 0.995,
-          direct_ports: int = 10, city: str = "Taipei") -> dict:
+          direct_ports: int = 10, city: str = "Taipei", cuda: float = 12.8, disk_space: float = 500.0,
+          storage_cost: float = 0.0) -> dict:
+    """An offer; ``price`` is its $/h without disk (``dph_base``), so with the default storage_cost of 0
+    its dph_total is ``price`` at any disk size."""
     return {"id": offer_id, "ask_contract_id": offer_id, "gpu_name": gpu, "num_gpus": 1, "geolocation": f"{city}, {country}",
-            "dph_total": price, "reliability": reliability, "direct_port_count": direct_ports, "rentable": True,
-            "verified": True, "verification": "verified", "public_ipaddr": "127.0.0.1", "machine_id": offer_id * 10}
+            "dph_base": price, "storage_cost": storage_cost, "dph_total": _dph(price, storage_cost, DEFAULT_ALLOCATED_GB),
+            "reliability": reliability, "direct_port_count": direct_ports, "rentable": True, "verified": True,
+            "verification": "verified", "public_ipaddr": "127.0.0.1", "machine_id": offer_id * 10,
+            "cuda_max_good": cuda, "disk_space": disk_space}
+
+
+def _dph(base: float, storage_cost: float, disk_gb: float) -> float:
+    return base + round(storage_cost * disk_gb / HOURS_PER_MONTH, 6) if storage_cost else base
+
+
+def _priced(o: dict, disk_gb: float) -> dict:
+    """The offer as quoted for a disk of ``disk_gb``: dph_total includes that disk's storage."""
+    return {**o, "dph_total": _dph(o["dph_base"], o["storage_cost"], disk_gb)} if "dph_base" in o else o
 
 
 class FakeVast(FakeApi):
@@ -325,6 +345,9 @@ class FakeVast(FakeApi):
     def __init__(self, pod_token: str = "pod-token"):
         super().__init__(vastai_openapi(), pod_token)
         self.offers: list[dict] = []
+        # Search filters this fake leaves unapplied (it answers offers they would drop), so a
+        # test can show the client re-checks what the server sends.
+        self.ignored_filters: set[str] = set()
         self.taken: set[int] = set()  # offers that vanish between search and rent (404 no_such_ask)
         self.rent_refusals: dict[int, tuple[int, dict]] = {}  # offer id -> (status, body) its rent answers
         self.ready_after = 1
@@ -345,7 +368,10 @@ class FakeVast(FakeApi):
 
     def route(self, method, path, query, body):
         if path == "/api/v0/bundles" and method == "POST":
-            return 200, {"offers": [o for o in self.offers if _matches(o, body)]}, {}, "application/json"
+            disk = body.get("allocated_storage", DEFAULT_ALLOCATED_GB)
+            honoured = {k: v for k, v in body.items() if k not in self.ignored_filters}
+            priced = [_priced(o, disk) for o in self.offers]
+            return 200, {"offers": [o for o in priced if _matches(o, honoured)]}, {}, "application/json"
         if path.startswith("/api/v0/asks/") and method == "PUT":
             ask = int(path.rsplit("/", 1)[1])
             if ask in self.rent_refusals:
@@ -354,7 +380,7 @@ class FakeVast(FakeApi):
             if ask in self.taken or not any(o["id"] == ask for o in self.offers):
                 return 404, {"success": False, "error": "invalid_args", "ask_id": ask,
                              "msg": f"error 404/3603: no_such_ask Instance type by id {ask} is not available."}, {}, "application/json"
-            o = next(o for o in self.offers if o["id"] == ask)
+            o = _priced(next(o for o in self.offers if o["id"] == ask), body.get("disk", DEFAULT_ALLOCATED_GB))
             iid = next(self.ids)
             self.instances[iid] = {"id": iid, "label": body.get("label"), "actual_status": "loading",
                                    "intended_status": "running", "cur_state": "running", "next_state": "running",
