@@ -18,10 +18,17 @@ or configuration error (including a second ``up``). See docs/sandbox.md.
 
 from __future__ import annotations
 
-import signal
 import sys
 
-try:  # a Ctrl-C while Python loads the kit: nothing has started yet, so say so (no traceback)
+# A Ctrl-C while Python loads the kit is held until the imports are done, then ends the
+# command: nothing has started yet. Raised inside the import machinery it could land in a
+# callback whose exception Python only prints ("Exception ignored in ... _get_module_lock
+# ... KeyboardInterrupt"), and the command would go on as if no key had been pressed.
+_held: list[int] = []
+try:
+    import signal  # itself a few ms of imports (enum, functools, collections)
+
+    _loading = signal.signal(signal.SIGINT, lambda signum, _frame: _held.append(signum))
     import argparse
     import json
     from pathlib import Path
@@ -34,9 +41,12 @@ try:  # a Ctrl-C while Python loads the kit: nothing has started yet, so say so 
     from colocate.errors import ConfigError
     from colocate.sandbox import supervisor
     from colocate.sandbox.errors import SandboxError
-except KeyboardInterrupt:
+except KeyboardInterrupt:  # before the handler above was in place
+    _held.append(2)  # SIGINT
+if _held:
     print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
     sys.exit(130)
+signal.signal(signal.SIGINT, _loading)
 
 DEFAULT_STACK = "sandbox"
 
