@@ -2,8 +2,9 @@
 // pod's body piped by the runtime into an IdentityTransformStream, the pipe's promise kept
 // alive with waitUntil. The router pays this for every stream when it has several pods
 // (fewest-in-flight must know when a pod is free again; worker/src/usage.js tapStream).
-// Not a rung of the climb in bench/ladder.py: bench/instructions.py counts it with
-// `--rungs bare,ends,contract,router --request stream --pods 2`. Bench-only: never uploaded.
+// Not a rung of the climb: bench/ladder.py times it and bench/instructions.py counts it when
+// named, as in `--rungs bare,ends,contract,router --request stream --pods 2`. Bench-only:
+// never uploaded.
 
 let pods = null;
 let next = 0;

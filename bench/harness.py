@@ -56,9 +56,10 @@ GOALS = {
     "added_p50_ms_1": 0.1,        # router p50 - bare p50 <= 0.1 ms, at 1 client
     "sse_added_ttfb_ms_1": 0.2,   # router SSE TTFB p50 - bare <= 0.2 ms, at 1 client
 }
-# Ours, not issue 14's: the router's own logic (keys, limits, metering, pod choice) costs
-# at most 10 % CPU over the contract floor, the least any router keeping the contract does.
-OWN_GOALS = {"own_cpu_ratio_32": 1.10}  # router CPU/request <= 1.10 x contract floor, at 32 clients
+# Ours, not issue 14's: the same limits with the contract floor (the least any router
+# keeping colocate's contract does) in place of bare, so that they bound what the router's
+# own logic (keys, limits, metering, pod choice) costs. Judged when the floor ran; named
+# own_<goal> in the report.
 
 
 class BenchError(Exception):
@@ -406,7 +407,8 @@ def summarise(rounds: list[dict]) -> dict:
 
 
 def goals(series: list[dict]) -> list[dict]:
-    """Issue 14 item 3, judged per pod count on the medians."""
+    """Issue 14 item 3, judged per pod count on the medians against bare; and the same
+    limits against the contract floor (``own_`` goals) when it ran."""
     checks = []
 
     def check(name, pods, clients, value, limit, upper=True):
@@ -415,16 +417,18 @@ def goals(series: list[dict]) -> list[dict]:
 
     for s in series:
         for lv in s["levels"]:
-            rb = lv["router_vs_bare"]
-            if lv["clients"] == 32:
-                check("cpu_ratio", s["pods"], 32, rb.get("cpu_ratio"), GOALS["cpu_ratio_32"])
-                check("throughput_ratio", s["pods"], 32, rb.get("throughput_ratio"), GOALS["throughput_ratio_32"], upper=False)
-                if lv.get("router_vs_contract"):
-                    check("own_cpu_ratio", s["pods"], 32, lv["router_vs_contract"].get("cpu_ratio"), OWN_GOALS["own_cpu_ratio_32"])
-            if lv["clients"] == 1:
-                check("added_p50_ms", s["pods"], 1, rb.get("added_p50_ms"), GOALS["added_p50_ms_1"])
-                if "sse_added_ttfb_p50_ms" in rb:
-                    check("sse_added_ttfb_ms", s["pods"], 1, rb["sse_added_ttfb_p50_ms"], GOALS["sse_added_ttfb_ms_1"])
+            for prefix, floor in (("", "router_vs_bare"), ("own_", "router_vs_contract")):
+                rb = lv.get(floor)
+                if not rb:
+                    continue
+                if lv["clients"] == 32:
+                    check(prefix + "cpu_ratio", s["pods"], 32, rb.get("cpu_ratio"), GOALS["cpu_ratio_32"])
+                    check(prefix + "throughput_ratio", s["pods"], 32, rb.get("throughput_ratio"), GOALS["throughput_ratio_32"],
+                          upper=False)
+                if lv["clients"] == 1:
+                    check(prefix + "added_p50_ms", s["pods"], 1, rb.get("added_p50_ms"), GOALS["added_p50_ms_1"])
+                    if "sse_added_ttfb_p50_ms" in rb:
+                        check(prefix + "sse_added_ttfb_ms", s["pods"], 1, rb["sse_added_ttfb_p50_ms"], GOALS["sse_added_ttfb_ms_1"])
     return checks
 
 

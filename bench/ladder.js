@@ -5,6 +5,12 @@
 //   headers     + the two contract headers on a new Response (x-colocate-backend, Server-Timing)
 //   deadline    + a deadline timer (AbortController, setTimeout/clearTimeout) around the fetch
 // The next rung, bench/contract.js, adds the JS hop-header filter and holds both bodies.
+// Beside the climb (named in --rungs of bench/ladder.py or bench/instructions.py), credential
+// plus one held body, each read whole into JavaScript as the contract must
+// (docs/benchmarks.md "The floor, counted"):
+//   held-request  the request's body, sent on as bytes (what a retry or the fallback resends)
+//   held-answer   the pod's answer, returned from its bytes (what usage metering reads)
+//   held-both     both
 
 let pods = null;
 let next = 0;
@@ -16,6 +22,11 @@ export default {
     const req = new Request(pods[next++ % pods.length] + url.pathname + url.search, request);
     req.headers.set("authorization", `Bearer ${env.POD_TOKEN}`);
     if (env.RUNG === "credential") return fetch(req);
+    if (env.RUNG.startsWith("held-")) {
+      const res = env.RUNG === "held-answer" ? await fetch(req)
+        : await fetch(req.url, { method: req.method, headers: req.headers, body: await req.arrayBuffer() });
+      return env.RUNG === "held-request" ? res : new Response(await res.arrayBuffer(), res);
+    }
     let timer = null;
     let init;
     if (env.RUNG === "deadline") {

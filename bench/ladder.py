@@ -8,12 +8,24 @@ then the contract floor and the router, all at one client count and interleaved.
     contract    + the JS hop-header filter, both bodies held      (bench/contract.js)
     router      the plan's Worker (keys, limits, metering, breaker, pod choice)
 
+Beside the climb, run here and counted by bench/instructions.py when named in --rungs (EXTRA):
+
+    ends          bare + the runtime's pipe that tells a stream's end  (bench/ends.js)
+    held-request  credential + the request body read whole, sent as bytes (bench/ladder.js)
+    held-answer   credential + the answer read whole, returned as bytes   (bench/ladder.js)
+    held-both     credential + both                                       (bench/ladder.js)
+
 Each rung is its own workerd process; CPU per request comes from its /proc/<pid>/stat
-around each wrk run. Reported per rung: req/s and CPU µs per request (medians over
+around each load run. Reported per rung: req/s and CPU µs per request (medians over
 rounds), and CPU and throughput against bare (medians of per-round ratios, so a noisy
 round moves every rung alike). Imports no Pulumi.
 
 Usage: .venv/bin/python -m bench.ladder [--rounds 8] [--seconds 2] [--clients 32] [--json PATH]
+           [--rungs bare,...] [--pods 1] [--request json|stream|usage]
+
+--request stream|usage runs bench/sse.mjs instead of wrk and adds each rung's time to first
+byte, and its median per-round difference from bare's.
+
 Exit: 0 done, 2 setup failure (wrk or node missing, a process not starting).
 """
 
@@ -30,9 +42,10 @@ from colocate import plan as plan_mod
 from . import harness
 
 RUNGS = ("bare", "credential", "headers", "deadline", "contract", "router")
-# Not a step of the climb, measured beside it: bare plus the runtime's pipe that tells a
-# Worker when a stream has ended (bench/ends.js), the price of balancing several pods.
-EXTRA = ("ends",)
+# Not steps of the climb, measured beside it: bare plus the runtime's pipe that tells a
+# Worker when a stream has ended (bench/ends.js), the price of balancing several pods; and
+# credential plus one held body, or both (bench/ladder.js), the price of retries and metering.
+EXTRA = ("ends", "held-request", "held-answer", "held-both")
 
 
 def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, port: int) -> str:
@@ -81,40 +94,62 @@ def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[st
         yield workers, headers
 
 
-def run(rounds: int, seconds: float, clients: int, log=lambda _m: None) -> dict:
+REQUESTS = ("json", "stream", "usage")  # a chat completion, a stream, a stream that asks for its usage
+
+
+def load(url: str, clients: int, seconds: float, headers: Mapping[str, str], request: str) -> dict:
+    """One closed-loop run: wrk for chat completions, bench/sse.mjs (bounded by ``seconds``)
+    for streams, which also times each answer's first byte."""
+    if request == "json":
+        return harness.wrk_run(url, clients, seconds, headers)
+    return harness.sse_run(url, clients, 10**6, seconds, headers, usage=request == "usage")
+
+
+def run(rounds: int, seconds: float, clients: int, rungs: Sequence[str] = RUNGS, pod_count: int = 1,
+        request: str = "json", log=lambda _m: None) -> dict:
     harness.require_tools()
-    with started() as (workers, headers):
-        for rung in RUNGS:  # warm, and every rung must answer 200 (wrk counts other statuses as errors)
-            warm = harness.wrk_run(workers[rung].url, clients, 1, headers[rung])
-            if warm["errors"]:
-                raise harness.BenchError(f"rung {rung}: {warm['errors']} errors in the warm-up run")
-        per = {r: [] for r in RUNGS}
+    with started(rungs=rungs, pod_count=pod_count) as (workers, headers):
+        for rung in rungs:  # warm, and every rung must answer 200 (wrk counts other statuses as errors)
+            warm = load(workers[rung].url, clients, 1, headers[rung], request)
+            if warm["errors"] or not warm["n"]:
+                raise harness.BenchError(f"rung {rung}: {warm['errors']} errors in {warm['n']} answers of the warm-up run")
+        per = {r: [] for r in rungs}
         for i in range(rounds):
-            for rung in harness.rotated(RUNGS, i):
+            for rung in harness.rotated(tuple(rungs), i):
                 w = workers[rung]
-                per[rung].append(harness.measured(w.proc.pid, lambda w=w, rung=rung: harness.wrk_run(w.url, clients, seconds, headers[rung])))
-            log(f"round {i + 1}/{rounds}: " + ", ".join(f"{r} {per[r][-1]['cpu_us_per_req']} us" for r in RUNGS))
-    out = {"clients": clients, "rounds": rounds, "seconds": seconds, "machine": harness.versions(), "rungs": []}
-    for rung in RUNGS:
+                per[rung].append(harness.measured(w.proc.pid, lambda w=w, rung=rung: load(w.url, clients, seconds, headers[rung], request)))
+            log(f"round {i + 1}/{rounds}: " + ", ".join(f"{r} {per[r][-1]['cpu_us_per_req']} us" for r in rungs))
+    out = {"clients": clients, "rounds": rounds, "seconds": seconds, "pods": pod_count, "request": request,
+           "machine": harness.versions(), "rungs": []}
+    bare = per["bare"]
+    for rung in rungs:
         rs = per[rung]
-        out["rungs"].append({
+        row = {
             "rung": rung, "rps": harness.median(x["rps"] for x in rs),
             "cpu_us_per_req": harness.median(x["cpu_us_per_req"] for x in rs),
             "errors": sum(x["errors"] for x in rs),
-            "cpu_vs_bare": harness.median(x["cpu_us_per_req"] / b["cpu_us_per_req"] for x, b in zip(rs, per["bare"], strict=True)),
-            "throughput_vs_bare": harness.median(x["rps"] / b["rps"] for x, b in zip(rs, per["bare"], strict=True)),
-        })
+            "cpu_vs_bare": harness.median(x["cpu_us_per_req"] / b["cpu_us_per_req"] for x, b in zip(rs, bare, strict=True)),
+            "throughput_vs_bare": harness.median(x["rps"] / b["rps"] for x, b in zip(rs, bare, strict=True)),
+        }
+        if request != "json":
+            row["ttfb_p50_ms"] = harness.median(x["ttfb_p50_ms"] for x in rs)
+            row["ttfb_added_ms"] = harness.median(x["ttfb_p50_ms"] - b["ttfb_p50_ms"] for x, b in zip(rs, bare, strict=True))
+        out["rungs"].append(row)
     return out
 
 
 def table(result: dict) -> str:
     m = result["machine"]
-    rows = [f"cost ladder at {result['clients']} clients ({m['workerd']}, {m['cpus']} CPUs, load {m['loadavg_at_start'][0]:.1f} "
+    streams = result["request"] != "json"
+    rows = [f"cost ladder at {result['clients']} clients, {result['request']} requests, {result['pods']} pod(s) "
+            f"({m['workerd']}, {m['cpus']} CPUs, load {m['loadavg_at_start'][0]:.1f} "
             f"at start; {result['rounds']} rounds x {result['seconds']:g} s, medians)",
-            f"{'rung':>10} {'req/s':>8} {'cpu us/req':>10} {'cpu/bare':>9} {'req/s /bare':>11} {'errors':>6}"]
+            f"{'rung':>12} {'req/s':>8} {'cpu us/req':>10} {'cpu/bare':>9} {'req/s /bare':>11} {'errors':>6}"
+            + (f" {'ttfb ms':>8} {'ttfb +ms':>8}" if streams else "")]
     for r in result["rungs"]:
-        rows.append(f"{r['rung']:>10} {r['rps']:>8.0f} {r['cpu_us_per_req']:>10.1f} {r['cpu_vs_bare']:>9.3f} "
-                    f"{r['throughput_vs_bare']:>11.3f} {r['errors']:>6}")
+        rows.append(f"{r['rung']:>12} {r['rps']:>8.0f} {r['cpu_us_per_req']:>10.1f} {r['cpu_vs_bare']:>9.3f} "
+                    f"{r['throughput_vs_bare']:>11.3f} {r['errors']:>6}"
+                    + (f" {r['ttfb_p50_ms']:>8.3f} {r['ttfb_added_ms']:>+8.3f}" if streams else ""))
     return "\n".join(rows)
 
 
@@ -123,12 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--rungs", default=",".join(RUNGS),
+                   help=f"comma-separated, bare first, of {','.join(RUNGS + EXTRA)} (default: the climb, {','.join(RUNGS)})")
+    p.add_argument("--pods", type=int, default=1, help="bench pods behind every rung, taken in turn (default 1)")
+    p.add_argument("--request", choices=REQUESTS, default="json",
+                   help="chat completions under wrk (json, default), or streams under bench/sse.mjs, which also "
+                        "reports time to first byte: stream, or usage (a stream that asks for its usage)")
     p.add_argument("--json", type=Path, help="also write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1), ("--clients", args.clients, 1)))
+    harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1), ("--clients", args.clients, 1),
+                           ("--pods", args.pods, 1)))
+    rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
+    unknown = [r for r in rungs if r not in RUNGS + EXTRA]
+    if unknown or not rungs or rungs[0] != "bare" or len(set(rungs)) != len(rungs):
+        p.error(f"--rungs {args.rungs!r}: " + (f"unknown rung {unknown[0]!r}" if unknown else "bare must come first, each rung once")
+                + f"; use bare and any of {', '.join(r for r in RUNGS + EXTRA if r != 'bare')}, comma-separated")
     log = harness.progress(args.quiet)
-    return harness.report("bench.ladder", lambda: run(args.rounds, args.seconds, args.clients, log), table, args.json)
+    return harness.report("bench.ladder", lambda: run(args.rounds, args.seconds, args.clients, rungs, args.pods, args.request, log), table, args.json)
 
 
 if __name__ == "__main__":

@@ -161,7 +161,10 @@ class Gpu:
 # RunPod takes the GPU type id (`id` of GET /v2/catalog/gpus, e.g. "NVIDIA GeForce RTX 4090");
 # Vast.ai filters offers on `gpu_name` ("RTX 4090"). A name meant for one provider matches
 # nothing at the other, which shows up only as "no capacity" once a pod is being created.
-# Listed only where both names are documented (tests/fixtures/specs); unknown names pass.
+# Listed only where both names are documented; unknown names pass. Sources: the Vast.ai
+# spec (tests/fixtures/specs) for every Vast.ai name; the RunPod v2 spec for RunPod's 4090,
+# 5090 and H100 ids, and RunPod's GPU types table for the 3090's and the A5000's
+# (docs.runpod.io/references/gpu-types; runpod/docs, docs/references/gpu-types.md).
 GPUS: tuple[Gpu, ...] = (
     Gpu("RTX 4090", {"runpod": "NVIDIA GeForce RTX 4090", "vastai": "RTX 4090"}),
     Gpu("RTX 5090", {"runpod": "NVIDIA GeForce RTX 5090", "vastai": "RTX 5090"}),

@@ -102,8 +102,8 @@ def table(result: dict) -> str:
                                    if "sse_added_ttfb_p50_ms" in rb else ""))
     for g in result["goals"]:
         verdict = "n/a" if g["met"] is None else ("met" if g["met"] else "MISSED")
-        sign = "<=" if g["goal"] != "throughput_ratio" else ">="
-        what = " (router vs contract floor)" if g["goal"] == "own_cpu_ratio" else ""
+        sign = ">=" if g["goal"].endswith("throughput_ratio") else "<="
+        what = " (router vs contract floor)" if g["goal"].startswith("own_") else ""
         rows.append(f"goal {g['goal']}{what} @ {g['clients']} client(s), {g['pods']} pod(s): {_fmt(g['value'])} {sign} {g['limit']} {verdict}")
     return "\n".join(rows)
 

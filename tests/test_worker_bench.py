@@ -42,7 +42,8 @@ def test_small_run_measures_every_target(tmp_path, capsys):
         per_round = sorted(r["router"]["p50_ms"] - r["bare"]["p50_ms"] for r in lv["rounds"])
         assert rb["added_p50_ms"] == pytest.approx(sum(per_round) / 2, abs=0.002)  # median of two rounds
         assert lv["router_vs_contract"]["cpu_ratio"] > 0 and lv["contract_vs_bare"]["cpu_ratio"] > 0
-    assert {g["goal"] for g in result["goals"]} == {"added_p50_ms", "sse_added_ttfb_ms"}  # 32 clients not run
+    assert {g["goal"] for g in result["goals"]} == {"added_p50_ms", "sse_added_ttfb_ms",  # 32 clients not run
+                                                    "own_added_p50_ms", "own_sse_added_ttfb_ms"}
     out = capsys.readouterr().out
     assert "router vs bare" in out and "router vs contract" in out and "contract vs bare" in out
     assert all(r[t]["sse"]["with_usage"] == 0 for lv in series["levels"] for r in lv["rounds"] for t in harness.TARGETS)
@@ -85,12 +86,61 @@ def test_ladder_runs_every_rung_through_the_pods_token_check(capsys):
     assert float(rows["bare"][3]) == 1.0  # each rung's CPU is given against bare's
 
 
+def test_held_body_rungs_send_the_request_on_and_return_the_whole_answer():
+    import urllib.request
+
+    from bench import ladder
+
+    # A stream request: the bench pod streams only when the body it got says so, so an SSE
+    # answer through held-request and held-both shows the held body reached the pod. The
+    # answer rungs return the answer's bytes, so the whole stream arrives, [DONE] included.
+    rungs = ("held-request", "held-answer", "held-both")
+    with ladder.started(rungs=rungs) as (workers, headers):
+        for rung in rungs:
+            req = urllib.request.Request(workers[rung].url + harness.PATH, data=harness.STREAM_BODY.encode(),
+                                         headers=headers[rung], method="POST")
+            with urllib.request.urlopen(req, timeout=10) as res:
+                assert res.status == 200, rung
+                assert res.headers["content-type"].startswith("text/event-stream"), rung
+                assert res.read().decode().rstrip().endswith("data: [DONE]"), rung
+
+
 def test_ladder_refuses_a_bad_count():
     from bench import ladder
 
     with pytest.raises(SystemExit) as exc:
         ladder.main(["--rounds", "0"])
     assert exc.value.code == 2
+
+
+@needs_wrk
+def test_ladder_times_streams_through_two_pods_for_the_rungs_named(tmp_path):
+    from bench import ladder
+
+    # sse.mjs counts an answer that is not a 200 stream as an error, and the run refuses a
+    # warm-up with errors, so rows with answers and no errors were served as streams.
+    out = tmp_path / "ladder.json"
+    rc = ladder.main(["--rungs", "bare,ends,router", "--request", "usage", "--pods", "2", "--clients", "1",
+                      "--rounds", "1", "--seconds", "1", "--quiet", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert (result["request"], result["pods"]) == ("usage", 2)
+    rows = {r["rung"]: r for r in result["rungs"]}
+    assert list(rows) == ["bare", "ends", "router"]
+    for rung, r in rows.items():
+        assert r["rps"] > 0 and r["errors"] == 0 and r["ttfb_p50_ms"] > 0, rung
+    assert rows["bare"]["ttfb_added_ms"] == 0 and rows["bare"]["cpu_vs_bare"] == 1.0
+
+
+@pytest.mark.parametrize("rungs, said", [("router,bare", "bare must come first"), ("bare,nope", "unknown rung 'nope'"),
+                                         ("bare,router,router", "each rung once")])
+def test_ladder_names_a_bad_rung_list(rungs, said, capsys):
+    from bench import ladder
+
+    with pytest.raises(SystemExit) as exc:
+        ladder.main(["--rungs", rungs])
+    assert exc.value.code == 2
+    assert said in capsys.readouterr().err
 
 
 def _round(p50, rps, cpu, ttfb=None):
@@ -133,6 +183,9 @@ def test_contract_floor_is_compared_both_ways_when_it_ran():
     got = {g["goal"]: (g["value"], g["met"]) for g in harness.goals([{"pods": 1, "levels": [lv]}])}
     assert got["own_cpu_ratio"] == (pytest.approx(1.05), True)
     assert got["cpu_ratio"] == (pytest.approx(1.4), False)
+    # The same limits against the floor: throughput 1500/1600, 1000/1000, 1700/1600, median 1.0.
+    assert got["own_throughput_ratio"] == (pytest.approx(1.0), True)
+    assert got["throughput_ratio"] == (pytest.approx(0.75), False)  # 0.75, 0.5, 0.85
 
 
 def test_goals_are_judged_at_their_client_counts():
@@ -142,6 +195,12 @@ def test_goals_are_judged_at_their_client_counts():
     ]}]
     got = {g["goal"]: g["met"] for g in harness.goals(series)}
     assert got == {"added_p50_ms": True, "sse_added_ttfb_ms": False, "cpu_ratio": False, "throughput_ratio": True}
+    # With the contract floor run too, each limit is judged against it as well.
+    series[0]["levels"][0]["router_vs_contract"] = {"added_p50_ms": 0.2, "sse_added_ttfb_p50_ms": 0.1}
+    series[0]["levels"][1]["router_vs_contract"] = {"cpu_ratio": 1.05, "throughput_ratio": 0.85}
+    got = {g["goal"]: g["met"] for g in harness.goals(series)}
+    assert {k: v for k, v in got.items() if k.startswith("own_")} == {
+        "own_added_p50_ms": False, "own_sse_added_ttfb_ms": True, "own_cpu_ratio": True, "own_throughput_ratio": False}
 
 
 def test_router_headers_carry_a_client_key_when_given():
