@@ -41,11 +41,26 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PATH = "/v1/chat/completions"
 _CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-BODY = json.dumps(_CHAT)
-STREAM_BODY = json.dumps({**_CHAT, "stream": True})
-# The same stream with its usage asked for (OpenAI's stream_options): the router then reads
-# the stream's last event for the token count, as it does for a real client that asks it.
-STREAM_USAGE_BODY = json.dumps({**_CHAT, "stream": True, "stream_options": {"include_usage": True}})
+# What each request kind adds to the chat request. usage: the same stream with its usage
+# asked for (OpenAI's stream_options): the router then reads the stream's last event for
+# the token count, as it does for a real client that asks it.
+KINDS = {"json": {}, "stream": {"stream": True}, "usage": {"stream": True, "stream_options": {"include_usage": True}}}
+_FILLER = "The quick brown fox jumps over the lazy dog. "
+
+
+def chat_body(kind: str = "json", prompt_bytes: int = 0) -> str:
+    """The bench's chat request of ``kind`` (KINDS). ``prompt_bytes`` > 0 puts a system
+    message of that many ASCII bytes before the user's "hi": a real prompt's size."""
+    chat = dict(_CHAT)
+    if prompt_bytes:
+        system = (_FILLER * (prompt_bytes // len(_FILLER) + 1))[:prompt_bytes]
+        chat["messages"] = [{"role": "system", "content": system}, *_CHAT["messages"]]
+    return json.dumps({**chat, **KINDS[kind]})
+
+
+BODY = chat_body("json")
+STREAM_BODY = chat_body("stream")
+STREAM_USAGE_BODY = chat_body("usage")
 TARGETS = ("direct", "bare", "contract", "router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

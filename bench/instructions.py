@@ -25,9 +25,11 @@ after another on one keep-alive connection, dump (callgrind_control -d), divide.
 (the same with ``"stream": true``: ``--chunks`` SSE events and ``[DONE]``, read to the
 end) or ``usage`` (a stream that asks ``stream_options.include_usage``). ``--pods 2``
 puts two bench pods behind every rung, which is when the router watches a stream's end.
+``--prompt-bytes N`` adds a system message of N bytes, the size of a real prompt: the
+router decodes and parses every request's JSON, the contract floor does not.
 
 Usage: .venv/bin/python -m bench.instructions [--requests 300] [--warm 1000] [--repeat 1]
-       [--rungs bare,contract,router] [--request json|stream|usage] [--pods 1] [--chunks 8]
+       [--rungs bare,contract,router] [--request json|stream|usage] [--pods 1] [--chunks 8] [--prompt-bytes 0]
        [--worker-src DIR] [--concurrent-jit] [--keep DIR] [--json PATH]
 Exit: 0 done, 2 setup failure (valgrind or node missing, a process not starting).
 """
@@ -80,16 +82,15 @@ def total_instructions(text: str) -> int:
     raise harness.BenchError("the callgrind dump has neither a summary: nor a totals: line")
 
 
-# What --request sends: each a POST of the bench's chat request.
-REQUESTS = {"json": harness.BODY, "stream": harness.STREAM_BODY, "usage": harness.STREAM_USAGE_BODY}
+# What --request sends: a POST of the bench's chat request of that kind (harness.chat_body).
+REQUESTS = tuple(harness.KINDS)
 
 
-def drive(url: str, headers: Mapping[str, str], n: int, body: str = harness.BODY) -> None:
+def drive(url: str, headers: Mapping[str, str], n: int, body: str = harness.BODY, stream: bool = False) -> None:
     """``n`` requests one after another on one keep-alive connection, each read to its
-    end; each must answer 200, and a stream must end with ``[DONE]``."""
+    end; each must answer 200, and a ``stream`` must end with ``[DONE]``."""
     host, port = url.split("//", 1)[1].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    stream = body != harness.BODY
     try:
         for _ in range(n):
             conn.request("POST", harness.PATH, body=body, headers=dict(headers))
@@ -109,12 +110,13 @@ def _control(flag: str, pid: int) -> None:
         raise harness.BenchError(f"callgrind_control {flag} {pid} failed: {(res.stderr or res.stdout).strip()[-300:]}")
 
 
-def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requests: int, body: str = harness.BODY) -> Path:
+def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requests: int, body: str = harness.BODY,
+          stream: bool = False) -> Path:
     """The callgrind dump of ``requests`` requests through ``w``, a workerd started under
     ``launcher(out_dir)``, after ``warm`` requests not counted."""
-    drive(w.url, headers, warm, body)
+    drive(w.url, headers, warm, body, stream)
     _control("-z", w.proc.pid)
-    drive(w.url, headers, requests, body)
+    drive(w.url, headers, requests, body, stream)
     pattern = f"{OUT_NAME}.{w.proc.pid}.*"
     before = set(out_dir.glob(pattern))
     _control("-d", w.proc.pid)  # returns once the process has written the dump
@@ -128,9 +130,10 @@ def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requ
 
 def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_src: Path | None = None,
         keep: Path | None = None, concurrent_jit: bool = False, log=lambda _m: None, request: str = "json",
-        pod_count: int = 1, chunks: int = 8) -> dict:
+        pod_count: int = 1, chunks: int = 8, prompt_bytes: int = 0) -> dict:
     require_valgrind()
     per: dict[str, list[int]] = {r: [] for r in rungs}
+    body = harness.chat_body(request, prompt_bytes)
     with tempfile.TemporaryDirectory(prefix="colocate-callgrind-") as tmp:
         out_dir = Path(tmp)
         # One process at a time: under valgrind each is slow, and a count does not depend
@@ -140,7 +143,7 @@ def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_
             for rung in rungs:
                 under = {"launcher": launcher(out_dir), "v8_flags": () if concurrent_jit else SYNC_JIT_FLAGS}
                 with ladder.started(under, (rung,), worker_src, pod_count, chunks) as (workers, headers):
-                    dump = count(workers[rung], out_dir, headers[rung], warm, requests, REQUESTS[request])
+                    dump = count(workers[rung], out_dir, headers[rung], warm, requests, body, request != "json")
                     per[rung].append(total_instructions(dump.read_text(errors="replace")))
                     if keep is not None:  # for callgrind_annotate
                         keep.mkdir(parents=True, exist_ok=True)
@@ -148,7 +151,8 @@ def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_
                 log(f"{rung} ({i + 1}/{repeat}): {per[rung][-1] / requests:,.0f} instructions per request")
     out = summarise(per, warm, requests, worker_src)
     out["v8_flags"] = [] if concurrent_jit else list(SYNC_JIT_FLAGS)
-    out.update(request=request, pods=pod_count, chunks=chunks if request != "json" else None)
+    out.update(request=request, pods=pod_count, chunks=chunks if request != "json" else None, prompt_bytes=prompt_bytes,
+               body_bytes=len(body.encode()))
     return out
 
 
@@ -175,6 +179,8 @@ def table(result: dict) -> str:
     what = {"json": "chat completions", "stream": "streams", "usage": "streams with usage"}[result.get("request", "json")]
     if result.get("chunks") is not None:
         what += f" of {result['chunks']} events"
+    if result.get("prompt_bytes"):
+        what += f", a {result['prompt_bytes']:,}-byte prompt ({result['body_bytes']:,}-byte body)"
     rows = [f"instructions per request at 1 client, {what}, {result.get('pods', 1)} pod(s) ({m['workerd']}, {result['valgrind']}; "
             f"{result['requests']} requests counted after {result['warm']} not counted; "
             f"median of {result['repeat']}; V8 flags: {' '.join(result.get('v8_flags') or ['(default)'])})",
@@ -194,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per rung; the median is reported (default 1)")
     p.add_argument("--rungs", default=",".join(ladder.RUNGS),
                    help=f"comma-separated, of {','.join(ladder.RUNGS + ladder.EXTRA)} (default: all but {','.join(ladder.EXTRA)})")
-    p.add_argument("--request", choices=tuple(REQUESTS), default="json",
+    p.add_argument("--request", choices=REQUESTS, default="json",
                    help="a chat completion (json, default), a stream, or a stream that asks for its usage")
+    p.add_argument("--prompt-bytes", type=int, default=0,
+                   help="a system message of this many bytes in every request (default 0: the user's 'hi' only)")
     p.add_argument("--pods", type=int, default=1, help="bench pods behind every rung (default 1)")
     p.add_argument("--chunks", type=int, default=8, help="SSE events per stream (default 8)")
     p.add_argument("--worker-src", type=Path, help="the router's modules from this directory (a candidate cut)")
@@ -206,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     harness.check_args(p, (("--requests", args.requests, 1), ("--warm", args.warm, 0), ("--repeat", args.repeat, 1),
-                           ("--pods", args.pods, 1), ("--chunks", args.chunks, 1)), args.worker_src)
+                           ("--pods", args.pods, 1), ("--chunks", args.chunks, 1), ("--prompt-bytes", args.prompt_bytes, 0)),
+                       args.worker_src)
     rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
     unknown = [r for r in rungs if r not in ladder.RUNGS + ladder.EXTRA]
     if not rungs or unknown:
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     log = harness.progress(args.quiet)
     return harness.report("bench.instructions", lambda: run(rungs, args.warm, args.requests, args.repeat, args.worker_src,
                                                             args.keep, args.concurrent_jit, log, args.request, args.pods,
-                                                            args.chunks), table, args.json)
+                                                            args.chunks, args.prompt_bytes), table, args.json)
 
 
 if __name__ == "__main__":

@@ -375,6 +375,31 @@ def test_instructions_count_streams_through_two_pods_with_the_stream_end_rung(tm
     assert 0 < per["bare"] < per["ends"] < per["router"]
 
 
+@pytest.mark.parametrize("kind", ["json", "stream", "usage"])
+def test_a_prompt_of_n_bytes_is_a_system_message_before_the_users(kind):
+    body = json.loads(harness.chat_body(kind, 5000))
+    system, user = body["messages"]
+    assert system["role"] == "system" and len(system["content"].encode()) == 5000 and user == {"role": "user", "content": "hi"}
+    plain = json.loads(harness.chat_body(kind))
+    assert plain["messages"] == [user]  # the rest of the request is the same with or without a prompt
+    assert {k: v for k, v in body.items() if k != "messages"} == {k: v for k, v in plain.items() if k != "messages"}
+
+
+@needs_valgrind
+def test_instructions_count_requests_with_a_real_prompts_size(tmp_path, capsys):
+    from bench import instructions
+
+    # The driver refuses any answer but 200, so a count means the router took, parsed and
+    # forwarded every 16 KiB body (MAX_BODY_BYTES is larger).
+    out = tmp_path / "i.json"
+    rc = instructions.main(["--rungs", "router", "--prompt-bytes", "16384", "--warm", "5", "--requests", "5",
+                            "--quiet", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["prompt_bytes"] == 16384 and result["body_bytes"] > 16384
+    assert result["rungs"][0]["instructions_per_req"] > 0
+
+
 def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import threading
@@ -399,7 +424,7 @@ def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for()
     try:
         instructions.drive(url, {"content-type": "application/json"}, 2)  # JSON asked, JSON answered
         with pytest.raises(harness.BenchError, match=r"does not end with \[DONE\]"):
-            instructions.drive(url, {"content-type": "application/json"}, 2, instructions.REQUESTS["stream"])
+            instructions.drive(url, {"content-type": "application/json"}, 2, harness.STREAM_BODY, stream=True)
     finally:
         server.shutdown()
         server.server_close()
@@ -415,7 +440,8 @@ def test_instructions_refuses_an_unknown_rung():
 
 @pytest.mark.parametrize("argv, named", [(["--pods", "0"], "--pods must be at least 1"),
                                          (["--chunks", "0"], "--chunks must be at least 1"),
-                                         (["--request", "ws"], "--request: invalid choice: 'ws'")])
+                                         (["--request", "ws"], "--request: invalid choice: 'ws'"),
+                                         (["--prompt-bytes", "-1"], "--prompt-bytes must be at least 0")])
 def test_instructions_names_a_bad_request_shape(argv, named, capsys):
     from bench import instructions
 
