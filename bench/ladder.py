@@ -94,7 +94,7 @@ def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[st
         yield workers, headers
 
 
-REQUESTS = ("json", "stream", "usage")  # a chat completion, a stream, a stream that asks for its usage
+REQUESTS = tuple(harness.KINDS)  # json (a chat completion), stream, usage (a stream that asks for its usage)
 
 
 def load(url: str, clients: int, seconds: float, headers: Mapping[str, str], request: str) -> dict:
