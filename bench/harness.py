@@ -255,9 +255,9 @@ def wrk_run(url: str, clients: int, seconds: float, headers: Mapping[str, str], 
 
 
 def sse_run(url: str, clients: int, requests: int, seconds: float, headers: Mapping[str, str],
-            usage: bool = False) -> dict:
+            usage: bool = False, prompt_bytes: int = 0) -> dict:
     args = ["node", str(HERE / "sse.mjs"), url + PATH, str(clients), str(requests), str(seconds),
-            json.dumps(dict(headers)), STREAM_USAGE_BODY if usage else STREAM_BODY]
+            json.dumps(dict(headers)), chat_body("usage" if usage else "stream", prompt_bytes)]
     res = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
     if res.returncode != 0 or not res.stdout.strip():
         raise BenchError(f"bench/sse.mjs failed ({res.returncode}): {res.stderr.strip()[-300:]}")
@@ -312,6 +312,7 @@ class Options:
     far_state_ms: float | None = None
     worker_src: Path | None = None
     client_key: str | None = None  # for routed requests once they need one (router_headers)
+    prompt_bytes: int = 0  # a system message of this many bytes in every request (chat_body)
 
 
 def check_router(url: str, headers: Mapping[str, str]) -> str:
@@ -464,8 +465,9 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
             # The contract Worker gets the router's request bytes (it swaps the credential too).
             hdrs = {"direct": hdr_pod, "bare": hdr_pod, "contract": hdr_router, "router": hdr_router}
             backend = check_router(router.url, hdr_router)
+            body = chat_body("json", opts.prompt_bytes)
             for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
-                wrk_run(urls[t], max(opts.clients), 1, hdrs[t])
+                wrk_run(urls[t], max(opts.clients), 1, hdrs[t], body)
             far = state_distance(router.url, secrets.probe_token) if opts.far_state_ms is not None else None
             levels = {c: [] for c in opts.clients}
             for r in range(opts.rounds):
@@ -474,13 +476,14 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
                     rd: dict = {}
                     for t in order:
                         before = answered(fallback[0])
-                        rd[t] = measured(pids[t], lambda t=t, c=c: wrk_run(urls[t], c, opts.seconds, hdrs[t]))
+                        rd[t] = measured(pids[t], lambda t=t, c=c: wrk_run(urls[t], c, opts.seconds, hdrs[t], body))
                         rd[t]["fallback_answers"] = answered(fallback[0]) - before
                     if opts.stream:
                         for t in order:
                             before = answered(fallback[0])
                             rd[t]["sse"] = measured(pids[t], lambda t=t, c=c: sse_run(urls[t], c, opts.sse_requests,
-                                                                                      opts.seconds, hdrs[t], opts.sse_usage))
+                                                                                      opts.seconds, hdrs[t], opts.sse_usage,
+                                                                                      opts.prompt_bytes))
                             rd[t]["sse"]["fallback_answers"] = answered(fallback[0]) - before
                     levels[c].append(rd)
                     log(f"pods {pod_count} round {r + 1}/{opts.rounds} clients {c}: "

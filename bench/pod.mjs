@@ -10,8 +10,9 @@
 // order), like a GPU pod's batch: with --delay-ms 95 --slots 1 a pod serves ~10 req/s,
 // so spreading over several pods shows as throughput. 0 (default) = no bound.
 //
-// GET /__bench/count answers {"answered": n}: the harness reads the fallback's count to
-// tell whether the router served everything from the pods.
+// GET /__bench/count answers {"answered": n, "smallest_body": bytes}: the harness reads the
+// fallback's count to tell whether the router served everything from the pods; the
+// smallest POST body shows that a bench's prompt (--prompt-bytes) reached the pod whole.
 //
 // --chunks N --chunk-ms MS: a stream has N events, MS apart (a real pod sends one per token);
 // --chunk-ms 0 (default) sends them on successive turns of the event loop.
@@ -40,10 +41,13 @@ const USAGE_CHUNK = `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "cha
 const CHUNK = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ` } }] })}\n\n`;
 
 let answered = 0; // all listeners together; GET /__bench/count reads it
+let smallestBody = null; // bytes of the smallest request body answered (the bench's prompt size reached us)
 
 function answer(req, res, body) {
   if (res.destroyed) return; // gone during the delay: nothing to answer, nothing counted
   answered++;
+  const size = Buffer.byteLength(body);
+  if (req.method === "POST" && (smallestBody === null || size < smallestBody)) smallestBody = size;
   if (token !== null && req.headers.authorization !== `Bearer ${token}`) {
     res.writeHead(401, { "content-type": "application/json" });
     res.end('{"error":{"message":"bad token","type":"auth","code":"unauthorized"}}');
@@ -95,7 +99,7 @@ function handlerFor() {
   return (req, res) => {
     if (req.url === "/__bench/count") {
       res.writeHead(200, { "content-type": "application/json" });
-      res.end(JSON.stringify({ answered }));
+      res.end(JSON.stringify({ answered, smallest_body: smallestBody }));
       return;
     }
     const job = { req, res, body: "", closed: false };

@@ -19,14 +19,15 @@ count, each with that many bench pods in POD_URLS (the bare Worker takes them in
 Streams that ask for their usage (``stream_options.include_usage``, which the router then
 reads from each stream's last event): ``--sse-usage``. Streams like a real pod's, one
 event per token: ``--sse-chunks 100 --sse-chunk-ms 20`` (the default is 8 events at once).
-A candidate router: ``--worker-src DIR`` reads the plan's module names from DIR (e.g. a
+Requests of a real prompt's size (the router parses each request's JSON, the floors do
+not): ``--prompt-bytes 16384``. A candidate router: ``--worker-src DIR`` reads the plan's module names from DIR (e.g. a
 scratch copy of worker/src with a cut applied).
 State object far away: ``--far-state-ms MS`` runs the router behind the sandbox's
 emulated geography with only the Worker->object hop delayed; its pod traffic then also
 passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
 Usage: .venv/bin/python scripts/bench_router.py [--rounds 5] [--seconds 3]
-       [--clients 1,32] [--no-stream] [--sse-usage] [--sse-requests 3000]
+       [--clients 1,32] [--no-stream] [--sse-usage] [--prompt-bytes 0] [--sse-requests 3000]
        [--sse-chunks 8] [--sse-chunk-ms 0] [--pods 1]
        [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
 Exit: 0 done (goals reported, not enforced), 2 usage error or setup failure.
@@ -71,6 +72,7 @@ def table(result: dict) -> str:
     rows = [f"router vs bare pass-through Worker and contract floor ({m['workerd']}, compat {result['compatibility_date']}, {m['cpus']} CPUs, "
             f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians"
             + ("; SSE requests ask include_usage" if o.get("sse_usage") else "")
+            + (f"; every request carries a {o['prompt_bytes']:,}-byte prompt" if o.get("prompt_bytes") else "")
             + f"; streams of {o.get('sse_chunks', 8)} events {o.get('sse_chunk_ms', 0):g} ms apart)"]
     for s in result["series"]:
         rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), router served by {s['router_backend']}"
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-stream", action="store_true", help="skip the streaming (SSE) runs")
     p.add_argument("--sse-usage", action="store_true",
                    help="the SSE requests ask for the stream's usage (stream_options.include_usage)")
+    p.add_argument("--prompt-bytes", type=int, default=0,
+                   help="a system message of this many bytes in every request, streamed or not (default 0: the user's 'hi' only)")
     p.add_argument("--sse-requests", type=int, default=3000, help="requests per SSE run, at most (default 3000)")
     p.add_argument("--sse-chunks", type=int, default=8, help="events in each bench pod stream, before [DONE] (default 8)")
     p.add_argument("--sse-chunk-ms", type=float, default=0.0,
@@ -133,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1),
                            ("--sse-requests", args.sse_requests, 1), ("--sse-chunks", args.sse_chunks, 1),
                            ("--sse-chunk-ms", args.sse_chunk_ms, 0), ("--pod-delay-ms", args.pod_delay_ms, 0),
-                           ("--pod-slots", args.pod_slots, 0), ("--deadline-ms", args.deadline_ms, 1)), args.worker_src)
+                           ("--pod-slots", args.pod_slots, 0), ("--deadline-ms", args.deadline_ms, 1),
+                           ("--prompt-bytes", args.prompt_bytes, 0)), args.worker_src)
     opts = harness.Options(clients=args.clients, rounds=args.rounds, seconds=args.seconds, stream=not args.no_stream,
                            sse_usage=args.sse_usage, sse_requests=args.sse_requests, sse_chunks=args.sse_chunks,
                            sse_chunk_ms=args.sse_chunk_ms, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
-                           deadline_ms=args.deadline_ms, far_state_ms=args.far_state_ms, worker_src=args.worker_src)
+                           deadline_ms=args.deadline_ms, far_state_ms=args.far_state_ms, worker_src=args.worker_src,
+                           prompt_bytes=args.prompt_bytes)
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         result = harness.run(opts, log)

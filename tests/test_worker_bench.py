@@ -385,6 +385,22 @@ def test_a_prompt_of_n_bytes_is_a_system_message_before_the_users(kind):
     assert {k: v for k, v in body.items() if k != "messages"} == {k: v for k, v in plain.items() if k != "messages"}
 
 
+@needs_wrk
+def test_wrk_and_sse_runs_carry_the_prompt_to_the_pod():
+    import urllib.request
+
+    # wrk's Lua script and sse.mjs's argv both carry the body: each request the pod
+    # answered, streamed or not, held the whole 8 KiB prompt.
+    with harness.pods(1, 0, "tok") as (pod_url,):
+        plain = harness.wrk_run(pod_url, 1, 1, harness.direct_headers("tok"), harness.chat_body("json", 8192))
+        streamed = harness.sse_run(pod_url, 1, 20, 5, harness.direct_headers("tok"), usage=True, prompt_bytes=8192)
+        with urllib.request.urlopen(pod_url + "/__bench/count", timeout=10) as res:
+            seen = json.loads(res.read())
+    assert plain["n"] > 0 and plain["errors"] == 0 and streamed["n"] == 20 and streamed["with_usage"] == 20
+    # wrk may stop with a request answered but not counted
+    assert seen["answered"] >= plain["n"] + 20 and seen["smallest_body"] > 8192
+
+
 @needs_valgrind
 def test_instructions_count_requests_with_a_real_prompts_size(tmp_path, capsys):
     from bench import instructions
