@@ -82,10 +82,6 @@ def total_instructions(text: str) -> int:
     raise harness.BenchError("the callgrind dump has neither a summary: nor a totals: line")
 
 
-# What --request sends: a POST of the bench's chat request of that kind (harness.chat_body).
-REQUESTS = tuple(harness.KINDS)
-
-
 def drive(url: str, headers: Mapping[str, str], n: int, body: str = harness.BODY, stream: bool = False) -> None:
     """``n`` requests one after another on one keep-alive connection, each read to its
     end; each must answer 200, and a ``stream`` must end with ``[DONE]``."""
@@ -200,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per rung; the median is reported (default 1)")
     p.add_argument("--rungs", default=",".join(ladder.RUNGS),
                    help=f"comma-separated, of {','.join(ladder.RUNGS + ladder.EXTRA)} (default: all but {','.join(ladder.EXTRA)})")
-    p.add_argument("--request", choices=REQUESTS, default="json",
+    p.add_argument("--request", choices=ladder.REQUESTS, default="json",
                    help="a chat completion (json, default), a stream, or a stream that asks for its usage")
     p.add_argument("--prompt-bytes", type=int, default=0,
                    help="a system message of this many bytes in every request (default 0: the user's 'hi' only)")

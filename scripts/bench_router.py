@@ -20,8 +20,8 @@ Streams that ask for their usage (``stream_options.include_usage``, which the ro
 reads from each stream's last event): ``--sse-usage``. Streams like a real pod's, one
 event per token: ``--sse-chunks 100 --sse-chunk-ms 20`` (the default is 8 events at once).
 Requests of a real prompt's size (the router parses each request's JSON, the floors do
-not): ``--prompt-bytes 16384``. A candidate router: ``--worker-src DIR`` reads the plan's module names from DIR (e.g. a
-scratch copy of worker/src with a cut applied).
+not): ``--prompt-bytes 16384``. A candidate router: ``--worker-src DIR`` reads the plan's
+module names from DIR (e.g. a scratch copy of worker/src with a cut applied).
 State object far away: ``--far-state-ms MS`` runs the router behind the sandbox's
 emulated geography with only the Worker->object hop delayed; its pod traffic then also
 passes the sandbox's Python outbound proxy, so compare only its state numbers.
