@@ -220,12 +220,17 @@ class PodPlan:
         create adopts the live pod of that name, then the old one's delete destroys it.
         Placement criteria (maxPricePerHr, minReliability, readyTimeoutS, locations) are
         left out on purpose: they choose where the next pod goes, not what a running pod is.
+        ``pod.renewal`` is in it only to be changed: the owner's way to get new pods under
+        new names (a sick pod, a lower price cap now). At 0 it adds nothing, so the names of
+        pods placed before the key existed stay as they are.
         """
         s = self.settings
         ident = [self.region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, self.generation,
                  f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
         if s.provider == "local":  # the stand-in's compute time; a GPU pod ignores it
             ident.append(f"computeMs={s.compute_ms}")
+        if s.renewal:
+            ident.append(f"renewal={s.renewal}")
         if self.token_fingerprint:
             ident.append(f"podToken=sha256:{self.token_fingerprint}")
         return ident

@@ -45,6 +45,7 @@ POD_DEFAULTS = {
     "readyTimeoutS": 900,
     "computeMs": 95,
     "count": 1,
+    "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
 }
 WORKER_DEFAULTS = {
     "name": "",  # empty: colocate-<stack>
@@ -65,7 +66,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("region", "string", None, "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
     Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
-    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations)."),
+    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal (raise by one to replace every pod with a newly placed one)."),
     Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
@@ -105,6 +106,7 @@ class PodSettings:
     compute_ms: int
     count: int = 1
     min_cuda_version: str = POD_DEFAULTS["minCudaVersion"]  # "" = no floor
+    renewal: int = 0  # part of the pods' identity: a new value re-places them
 
 
 MAX_PODS = 8
@@ -215,6 +217,7 @@ def parse_pod(raw: dict) -> PodSettings:
         compute_ms=_number(k + "computeMs", p["computeMs"], integer=True, strict=False),
         count=_pod_count(k + "count", p["count"]),
         min_cuda_version=_cuda_version(k + "minCudaVersion", p["minCudaVersion"]),
+        renewal=_number(k + "renewal", p["renewal"], integer=True, strict=False),
     )
 
 

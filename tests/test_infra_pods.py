@@ -85,6 +85,7 @@ REPLACING = {
     "cloud": {"pod": {"cloud": "COMMUNITY"}},
     "path": {"zone": {"id": "f" * 32, "name": "example.com"}},  # provider-proxy -> zone-dns
     "podToken": {"secrets": ROTATED},
+    "renewal": {"pod": {"renewal": 1}},  # not a change a pod refuses: the owner asks for new pods
 }
 KEEPING = {"maxPricePerHr": {"pod": {"maxPricePerHr": 1.5}}, "minReliability": {"pod": {"minReliability": 0.5}}}
 

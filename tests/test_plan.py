@@ -101,6 +101,7 @@ IDENTITY_CHANGES = {
     "diskGb": raw_for(pod={"provider": "runpod", "diskGb": 80}),
     "cloud": raw_for(pod={"provider": "runpod", "cloud": "COMMUNITY"}),
     "path": raw_for(zone=ZONE),  # provider-proxy -> zone-dns: RunPod exposes the port differently
+    "renewal": raw_for(pod={"provider": "runpod", "renewal": 1}),  # the owner asks for new pods
 }
 # Where the next pod may go, not what a running pod is (taken at the next placement), and a
 # setting a GPU pod ignores: the running pod stays.
@@ -129,6 +130,21 @@ def test_placement_criteria_and_settings_a_gpu_pod_ignores_keep_the_running_pod(
     base, changed = cell(raw_for()), cell(KEEPING_CHANGES[key])
     assert changed.pod.spec() != base.pod.spec(), key  # the next placement still gets it
     assert changed.pod.name == base.pod.name and changed.pod.triggers() == base.pod.triggers(), key
+
+
+def test_pod_names_stay_as_they_were_placed_until_the_owner_renews_them():
+    # Names computed before pod.renewal existed (a stack upgraded to this kit keeps its
+    # pods): a key left at 0 must not join the identity. Each raise names the pods anew.
+    pods = cell(raw_for(pod={"provider": "runpod", "count": 2})).pods
+    assert [p.name for p in pods] == ["colocate-t-apac-jp-g1-p0-f0efa0", "colocate-t-apac-jp-g1-p1-f0efa0"]
+    token = plan.token_fingerprint("pod-token-0123456789abcdef")
+    assert [p.with_token_fingerprint(token).name for p in pods] == [
+        "colocate-t-apac-jp-g1-p0-2432ea", "colocate-t-apac-jp-g1-p1-2432ea"]
+    assert cell(raw_for("us-east", "local")).pod.name == "colocate-t-us-east-g1-p0-089e66"
+    assert cell(raw_for(pod={"provider": "runpod", "renewal": 0})).pod.name == pods[0].name
+    names = {cell(raw_for(pod={"provider": "runpod", "renewal": n})).pod.with_token_fingerprint(token).name
+             for n in range(4)}
+    assert len(names) == 4
 
 
 def test_a_local_stand_ins_compute_time_is_part_of_what_it_is():

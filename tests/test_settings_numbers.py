@@ -39,6 +39,7 @@ NUMBER_KEYS = {
     "pod.readyTimeoutS": (lambda s: s.pod.ready_timeout_s, "1200", 1200),
     "pod.computeMs": (lambda s: s.pod.compute_ms, "0", 0),
     "pod.count": (lambda s: s.pod.count, "3", 3),
+    "pod.renewal": (lambda s: s.pod.renewal, "0", 0),
     "worker.deadlineMs": (lambda s: s.worker.deadline_ms, "1500", 1500),
     "worker.maxBodyBytes": (lambda s: s.worker.max_body_bytes, "2048", 2048),
     "worker.failureThreshold": (lambda s: s.worker.failure_threshold, "5", 5),
@@ -93,6 +94,8 @@ def test_every_number_key_takes_numeric_text(key):
     ("pod.port", "1_000"),
     ("pod.port", True),
     ("pod.count", "9"),  # above MAX_PODS
+    ("pod.renewal", "-1"),
+    ("pod.renewal", "1.5"),
     ("budgets.e2e", "nan"),
     ("probe.samples", "inf"),
 ])
