@@ -72,6 +72,13 @@ def state_site(settings: Settings, generation_name: str) -> str | None:
     return lookup_region(gen.region).edge_site
 
 
+def shown(pod) -> str:
+    """A pod's name as a plan can know it: the digest ends in the pod token's fingerprint,
+    which the plan does not read (no secrets), so it is shown as ``*``, which matches the
+    live pod's name, rather than as a digest that matches no pod."""
+    return pod.name if pod.token_fingerprint else pod.name.rpartition("-")[0] + "-*"
+
+
 def diff(before: CellPlan, after: CellPlan) -> list[Action]:
     """The actions that take the cell from ``before`` to ``after``."""
     actions: list[Action] = []
@@ -80,15 +87,15 @@ def diff(before: CellPlan, after: CellPlan) -> list[Action]:
         bp = before.pods[i] if i < len(before.pods) else None
         ap = after.pods[i] if i < len(after.pods) else None
         if bp and ap and bp.triggers() == ap.triggers():
-            actions.append(Action("keep", f"pod {ap.name}", "unchanged"))
+            actions.append(Action("keep", f"pod {shown(ap)}", "unchanged"))
             continue
         if ap:
             created += 1
-            actions.append(Action("create", f"pod {ap.name}", f"{ap.settings.provider} in {ap.region} "
+            actions.append(Action("create", f"pod {shown(ap)}", f"{ap.settings.provider} in {ap.region} "
                                   f"({', '.join(ap.locations)}), reached by {ap.path}, "
                                   "health-checked before anything is deleted"))
         if bp:
-            actions.append(Action("delete", f"pod {bp.name}", f"{bp.settings.provider} in {bp.region}, "
+            actions.append(Action("delete", f"pod {shown(bp)}", f"{bp.settings.provider} in {bp.region}, "
                                   "at the end of the update, after the Worker uses the new pods"))
     cap = after.pod.settings.max_price_per_hr
     n = len(after.pods)
