@@ -373,6 +373,7 @@ def test_pod_failing_every_health_check_fails_the_run(probe, capsys):
                                                "--pod-location", "AP-JP-1"])
     assert code == 1
     assert doc["violations"][0]["kind"] == "pod_health"
+    assert "raise colocate:pod.renewal by one" in doc["violations"][0]["message"]
     assert doc["verdict"].startswith("pod health check failed in 2 of 2 probes (pod_status 503)")
 
 

@@ -118,6 +118,8 @@ def test_a_second_pod_outside_the_region_or_never_healthy_fails(probe, capsys):
     assert code == 1
     parts = {(v["kind"], v["part"]) for v in doc["violations"]}
     assert parts == {("placement", "pod-1"), ("pod_health", "pod-2")}
+    sick = next(v for v in doc["violations"] if v["kind"] == "pod_health")
+    assert "raise colocate:pod.renewal by one" in sick["message"]  # the safe way to a new pod
 
 
 def test_a_failed_fallback_check_is_a_violation(probe, capsys):

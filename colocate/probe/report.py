@@ -195,12 +195,14 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         notes.append(f"the Worker reports CELL_REGION {', '.join(sorted(told))}, but {region.name} was expected: "
                      "is this the right stack's URL?")
     pod_fail = [b for b in (s.body for s in run.probe if s.ok and s.body) if b.get("pod_ok") is False]
+    renew = "; to replace it, raise colocate:pod.renewal by one and run pulumi up (not pulumi up --replace)"
     if pod_fail:
         statuses = ", ".join(sorted({str(b.get("pod_status")) for b in pod_fail}))
         msg = f"pod health check failed in {len(pod_fail)} of {len(run.probe)} probes (pod_status {statuses})"
         if len(pod_fail) == len(run.probe):
             violations.append({"kind": "pod_health", "part": "pod",
-                               "message": msg + ": the pod is not serving — check `.venv/bin/python scripts/pod.py status --id <pod id>`"})
+                               "message": msg + ": the pod is not serving — check `.venv/bin/python scripts/pod.py status --id <pod id>`"
+                                          + renew})
         else:
             notes.append(msg)
     pods = pods_of(run, region, locations)
@@ -214,7 +216,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
             violations.append({"kind": "pod_health", "part": f"pod-{pod['index']}",
                                "message": f"pod {pod['index']} ({pod['host']}) failed every health check "
                                           f"(status {', '.join(pod['statuses'])}): it bills without serving — "
-                                          "check it with .venv/bin/python scripts/pod.py status"})
+                                          "check it with .venv/bin/python scripts/pod.py status" + renew})
     if len(locations) > 1 and len(locations) != len(pods):
         notes.append(f"{len(locations)} pod locations given for {len(pods)} pods the Worker lists")
     fallback, why = fallback_of(run)
