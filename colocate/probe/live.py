@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from .. import catalogue
 from . import budgets as budgets_mod
 from . import placement as placement_mod
+from .errors import TargetError
 from .stats import PERCENTILES
 
 ROUTED = ("state", "upstream", "fallback", "total")
@@ -47,7 +48,7 @@ DEFAULT_EDGES = tuple(HIGH_MS if k == STEPS else LOW_MS * math.exp(k * math.log(
                       for k in range(STEPS + 1))
 
 
-class LiveDataError(ValueError):
+class LiveDataError(TargetError):
     """The live endpoint's answer is not what the contract says (names the field and value)."""
 
 
@@ -466,3 +467,52 @@ def parse_since(text: str, now_ms: int | None = None) -> int:
     if not num.isdigit() or int(num) <= 0:
         raise ValueError(f"{text!r} is not a duration like 30m, 1h or 7d")
     return now_ms - int(num) * units[unit]
+
+
+def write_plot(r: LiveResult, path) -> None:
+    """A PNG of the window, minute by minute: total and sync p50 (lines) and p90 (dotted), the
+    minutes the state object or the Worker answered from outside the region shaded red, the
+    budgets as dashed lines (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+    from datetime import datetime, timezone
+
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+    try:
+        pts = [t for t in r.timeline if t["requests"] or t["sync_p50"] is not None]
+        xs = [datetime.fromtimestamp(t["start_ms"] / 1000, tz=timezone.utc) for t in pts]
+        for key, colour, label in (("total", "tab:blue", "total"), ("sync", "tab:orange", "sync (state_rtt)")):
+            p50 = [t[f"{key}_p50"] for t in pts]
+            p90 = [t[f"{key}_p90"] for t in pts]
+            ax.plot(xs, [float("nan") if v is None else v for v in p50], color=colour, marker=".", label=f"{label} p50")
+            ax.plot(xs, [float("nan") if v is None else v for v in p90], color=colour, linestyle="dotted",
+                    label=f"{label} p90")
+        region = catalogue.region(r.placement.expected_region) if r.placement.expected_region else None
+        shaded = False
+        for t, x in zip(pts, xs, strict=True):
+            bad = [c for c in (*t["state_colos"], *t["worker_colos"]) if _status(c, region) == placement_mod.OUT]
+            if bad:
+                ax.axvspan(x, datetime.fromtimestamp((t["start_ms"] + t["span_s"] * 1000) / 1000, tz=timezone.utc),
+                           color="tab:red", alpha=0.15, label=None if shaded else "out of region")
+                shaded = True
+        for b in r.budgets:
+            ax.axhline(b.ms, color="tab:red", linestyle="dashed", linewidth=1)
+            ax.annotate(f"{b.segment} {b.ms:g} ({b.percentile})", (xs[0] if xs else 0, b.ms), fontsize=7, color="tab:red")
+        if not pts:
+            ax.text(0.5, 0.5, "no traffic in the window", ha="center", va="center", transform=ax.transAxes)
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+        ax.set_xlabel("minute (UTC)")
+        ax.set_ylabel("milliseconds")
+        values = [v for t in pts for v in (t["total_p90"], t["sync_p90"]) if v]
+        if values and max(values) / max(min(values), 0.25) > 20:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.set_title(("OK: " if r.ok else "FAIL: ") + r.verdict, fontsize=7, wrap=True)
+        ax.legend(fontsize=7, loc="upper left")
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)

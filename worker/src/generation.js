@@ -20,9 +20,15 @@ import { FORCE_VALUES, grantTrial, initial, record } from "./machine.js";
 import { minuteOf, monthStartDay } from "./limits.js";
 import { KEY_COLUMNS, SCHEMA, SCHEMA_VERSION, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS } from "./schema.js";
 import { fetchColo } from "./trace.js";
+import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
 const LEGACY_KV_KEY = "breaker"; // schema 1 kept one KV entry: {snap, adopted_from}
 const POD_ROW_TTL_MS = 24 * 3600 * 1000; // health rows of pods gone for a day are dropped
+const MINUTE_MS = 60000;
+const HOUR_MS = 3600000;
+const SEG_MINUTES_KEEP = 7 * 24 * 60; // minutes kept as minutes; older ones roll up into hours
+const SEG_HOURS_KEEP = 35 * 24; // hours kept
+const SEG_NAMES = new Set([...ROUTED, SYNC]);
 
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
@@ -88,6 +94,8 @@ export class Breaker extends DurableObject {
         this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests, u.fallback_requests);
       }
       for (const w of data.windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
+      for (const r of data.seg_minute || []) this.addSeg("seg_minute", "minute", r); // a generation from before has none
+      for (const r of data.seg_hour || []) this.addSeg("seg_hour", "hour", r);
       this.setMeta(`imported:${from}`, Date.now());
       this.bumpRev();
     });
@@ -104,6 +112,10 @@ export class Breaker extends DurableObject {
       keys: this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys`).toArray(),
       usage: this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray(),
       windows: this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window").toArray(),
+      seg_minute: this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute").toArray()
+        .map((r) => [r.minute, r.colo, r.pod, r.segment, r.hist]),
+      seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
+        .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
     };
   }
 
@@ -161,6 +173,7 @@ export class Breaker extends DurableObject {
         // the successor is unreachable: keep the batch here rather than lose it
       }
     }
+    if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, Date.now());
     if (batch && (batch.usage.length || batch.windows.length)) {
       const oldest = minuteOf(Date.now()) - 1;
       this.ctx.storage.transactionSync(() => {
@@ -170,6 +183,47 @@ export class Breaker extends DurableObject {
       });
     }
     return this.view(info.haveRev ?? -1);
+  }
+
+  /**
+   * Add an isolate's live histograms (rows [minute, colo, pod, segment, "index:count,..."])
+   * into seg_minute; then, at most once a minute, roll at most an hour of minutes older than
+   * 7 days into seg_hour and drop hours older than 35 days (index ranges, bounded work).
+   */
+  addHist(rows, t) {
+    this.ctx.storage.transactionSync(() => {
+      for (const r of rows) {
+        if (!Array.isArray(r) || r.length !== 5 || !Number.isSafeInteger(r[0]) || !SEG_NAMES.has(r[3])) continue;
+        this.addSeg("seg_minute", "minute", r);
+      }
+      const m = Math.floor(t / MINUTE_MS);
+      if (this.rolledAt === m) return;
+      this.rolledAt = m;
+      const cutoff = m - SEG_MINUTES_KEEP;
+      const oldest = this.sql.exec("SELECT MIN(minute) AS m FROM seg_minute").one().m;
+      if (oldest !== null && oldest < cutoff) {
+        const upTo = Math.min(cutoff, oldest + 60);
+        for (const r of this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute WHERE minute < ?", upTo).toArray()) {
+          this.addSeg("seg_hour", "hour", [Math.floor(r.minute / 60), r.colo, r.pod, r.segment, r.hist]);
+        }
+        this.sql.exec("DELETE FROM seg_minute WHERE minute < ?", upTo);
+      }
+      this.sql.exec("DELETE FROM seg_hour WHERE hour < ?", Math.floor(t / HOUR_MS) - SEG_HOURS_KEEP);
+    });
+  }
+
+  addSeg(table, col, [at, colo, pod, segment, hist]) {
+    const key = [at, String(colo), String(pod), segment];
+    const prev = this.sql.exec(`SELECT hist FROM ${table} WHERE ${col} = ? AND colo = ? AND pod = ? AND segment = ?`, ...key)
+      .toArray()[0];
+    let merged;
+    try {
+      merged = prev ? mergeEncoded(prev.hist, hist) : mergeEncoded("", hist); // also checks the text
+    } catch {
+      return; // a malformed row from an isolate: dropped, never stored
+    }
+    this.sql.exec(`INSERT INTO ${table} (${col}, colo, pod, segment, hist) VALUES (?, ?, ?, ?, ?)
+      ON CONFLICT (${col}, colo, pod, segment) DO UPDATE SET hist = excluded.hist`, ...key, merged);
   }
 
   podRow(pod) {
@@ -255,6 +309,16 @@ export class Breaker extends DurableObject {
     return this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
         u.fallback_requests FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where} ORDER BY u.day, u.key_id`,
     ...args).toArray();
+  }
+
+  /** The live histograms from `since` (ms) on: minute rows, and hour rows older than those. */
+  async live(since, info) {
+    await this.readThrough(info);
+    const rows = (sql, ...args) => this.sql.exec(sql, ...args).toArray().map((r) => [r.t, r.colo, r.pod, r.segment, r.hist]);
+    return {
+      minutes: rows("SELECT minute AS t, colo, pod, segment, hist FROM seg_minute WHERE minute >= ?", Math.floor(since / MINUTE_MS)),
+      hours: rows("SELECT hour AS t, colo, pod, segment, hist FROM seg_hour WHERE hour >= ?", Math.floor(since / HOUR_MS)),
+    };
   }
 
   /** Where this object runs, measured from inside it. */

@@ -9,6 +9,8 @@
 // "index:count" for each non-empty bucket, comma-separated ("0:118,21:2,22:40"): a segment of
 // one minute is a few dozen bytes.
 
+import { fetchColo } from "./trace.js";
+
 export const LOW_MS = 0.25;
 export const HIGH_MS = 60000;
 const STEPS = 39;
@@ -170,10 +172,10 @@ export class Recorder {
     counts[3 * BUCKETS + bucketOf(timing.total)]++;
   }
 
-  /** One sync round trip of `ms`, answered by an object in `colo`, from a Worker in `from`. */
+  /** One sync round trip of `ms`, answered by an object in `colo`, from a Worker in `from` (null: here). */
   sync(t, colo, from, ms) {
     const sync = this.slot(t).sync;
-    const k = (colo || "unknown") + "|" + (from || "unknown");
+    const k = (colo || "unknown") + "|" + (from || ""); // "": this isolate's colo, filled in by take
     let counts = sync.get(k);
     if (counts === undefined) {
       counts = empty();
@@ -199,7 +201,7 @@ export class Recorder {
       }
       for (const [k, counts] of s.sync) {
         const bar = k.indexOf("|");
-        rows.push([minute, k.slice(0, bar), k.slice(bar + 1), SYNC, encode(counts)]);
+        rows.push([minute, k.slice(0, bar), k.slice(bar + 1) || where, SYNC, encode(counts)]);
       }
     }
     this.minutes = new Map();
@@ -230,4 +232,46 @@ export class Recorder {
     this.curMinute = -1; // slot() above moved it
     this.cur = null;
   }
+}
+
+// --- this isolate's recorder and colo (module scope: they live as long as the isolate) ---
+
+export const recorder = new Recorder();
+const here = { asked: false, settled: false, colo: null, cf: null };
+
+/**
+ * Learn once, in the background, which colo this isolate runs in: its own /cdn-cgi/trace
+ * (what the probe trusts; request.cf.colo may name the accepting colo under placement, and
+ * is used only when the trace cannot be fetched). Never awaited by a request.
+ */
+export function learnColo(ctx, request, fetchImpl) {
+  if (here.asked) return;
+  here.asked = true;
+  const cf = request && request.cf && typeof request.cf.colo === "string" ? request.cf.colo.toUpperCase() : null;
+  here.cf = cf;
+  ctx.waitUntil(fetchColo(fetchImpl).then((c) => {
+    here.colo = c;
+    here.settled = true;
+  }, () => {
+    here.settled = true;
+  }));
+}
+
+/** This isolate's colo once learnt ("unknown" when neither the trace nor cf said), else undefined. */
+export function isolateColo() {
+  return here.settled ? here.colo ?? here.cf ?? "unknown" : undefined;
+}
+
+/** batch.hist: everything recorded so far, or null (nothing, or the colo is still being learnt). */
+export function takeHist() {
+  if (recorder.size === 0) return null;
+  const colo = isolateColo();
+  if (colo === undefined) return null; // a moment later: every row of this isolate carries its colo
+  const rows = recorder.take(colo);
+  return rows.length ? rows : null;
+}
+
+/** A routed request's segments, served by `backend` ("pod-<i>" or "fallback"). */
+export function recordRequest(backend, timing) {
+  recorder.request(Date.now(), backend === "fallback" ? backend : backend.slice(4), timing);
 }

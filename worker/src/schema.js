@@ -11,6 +11,11 @@
 //   usage_daily  per key and UTC day: requests, tokens, which backend served them
 //   rate_window  per key and minute: requests and tokens, the input of the limits;
 //                rows older than the previous minute are deleted on every sync
+//   seg_minute   live segment histograms (histogram.js) per minute, colo, pod and segment:
+//                for the routed segments `colo` is where the Worker ran and `pod` the pod
+//                index or "fallback"; for `sync` `colo` is the state object's and `pod` the
+//                Worker's colo. Minutes older than 7 days roll up into
+//   seg_hour     the same per hour; hours older than 35 days are dropped
 //
 // The isolate caches a view of meta, pod_health, the active keys and the current
 // counters (state.js); nothing here is read on the hot path while that view is fresh.
@@ -34,6 +39,13 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS rate_window (
      key_id TEXT NOT NULL, minute INTEGER NOT NULL,
      requests INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, minute))`,
+  // The primary keys lead with the time, so the window reads and the roll-up deletes are index ranges.
+  `CREATE TABLE IF NOT EXISTS seg_minute (
+     minute INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
+     PRIMARY KEY (minute, colo, pod, segment))`,
+  `CREATE TABLE IF NOT EXISTS seg_hour (
+     hour INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
+     PRIMARY KEY (hour, colo, pod, segment))`,
 ];
 
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, created_at, expires_at, revoked_at";

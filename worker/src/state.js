@@ -14,6 +14,7 @@ import { log } from "./errors.js";
 import { ViewCache } from "./cache.js";
 import { dayOf, minuteOf } from "./limits.js";
 import { now } from "./timing.js";
+import { recorder, takeHist } from "./histogram.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -92,7 +93,9 @@ export async function sync(env, cfg) {
   const gen = cfg.activeGeneration;
   const batch = takePending(gen);
   try {
+    const t = now();
     const view = await activeStub(env, cfg).sync(infoOf(cfg), batch);
+    recorder.sync(Date.now(), view.colo, null, now() - t); // the live view's `sync`, keyed by where the object answered
     return cache.put(gen, view, Date.now());
   } catch (err) {
     restorePending(gen, batch);
@@ -145,6 +148,9 @@ function takePending(gen) {
   const p = pending.get(gen);
   if (!p || (p.usage.size === 0 && p.windows.size === 0)) return null;
   const batch = { usage: [...p.usage.values()], windows: [...p.windows.values()] };
+  // The histograms ride on batches that carry usage: every routed request makes one.
+  const hist = takeHist();
+  if (hist) batch.hist = hist;
   p.usage = new Map();
   p.windows = new Map();
   return batch;
@@ -152,6 +158,7 @@ function takePending(gen) {
 
 function restorePending(gen, batch) {
   if (!batch) return;
+  if (batch.hist) recorder.restore(batch.hist);
   const p = pendingOf(gen);
   for (const u of batch.usage) addUsage(p, u[0], u[1], u.slice(2));
   for (const w of batch.windows) addWindow(p, w[0], w[1], w[2], w[3]);
