@@ -176,8 +176,10 @@ def _status(colo: str | None, region: catalogue.Region | None) -> str:
 
 
 def _current_part(by_minute: Mapping[int, Counter], region: catalogue.Region | None) -> tuple[placement_mod.Part, int | None]:
-    """The Part as of the latest minute with data: its worst colo (out of region, then
-    unknown, then the most frequent), with every colo of the window in ``seen``."""
+    """The Part as of the latest minute with data: its worst known colo (out of region first,
+    then the most frequent; unknown only when nothing else was seen: an object or isolate
+    that has not learnt its colo yet must not hide one that has), with every colo of the
+    window in ``seen``."""
     seen: Counter = Counter()
     for c in by_minute.values():
         seen.update(c)
@@ -185,7 +187,7 @@ def _current_part(by_minute: Mapping[int, Counter], region: catalogue.Region | N
         return placement_mod.Part(None, placement_mod.UNKNOWN, {}), None
     last = max(by_minute)
     now = by_minute[last]
-    rank = {placement_mod.OUT: 0, placement_mod.UNKNOWN: 1, placement_mod.IN: 2}
+    rank = {placement_mod.OUT: 0, placement_mod.IN: 1, placement_mod.UNKNOWN: 2}
     colo = min(now, key=lambda c: (rank[_status(c, region)], -now[c], c))
     shown = None if colo == "UNKNOWN" else colo
     return placement_mod.Part(shown, _status(shown, region), dict(seen)), last

@@ -34,6 +34,7 @@ export class Breaker extends DurableObject {
   constructor(ctx, env) {
     super(ctx, env);
     this.sql = ctx.storage.sql;
+    this.coloOnce = null;
     ctx.blockConcurrencyWhile(async () => this.load());
   }
 
@@ -156,12 +157,13 @@ export class Breaker extends DurableObject {
     for (const r of month) if (r.t > 0) slot(r.key_id).month_tokens = r.t;
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
     return { rev, keys, pods, counts, forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
-      imported, at: now };
+      imported, at: now, colo: this.coloOnce };
   }
 
   /** Apply an isolate's batched deltas and answer the current view. */
   async sync(info, batch = null) {
     await this.readThrough(info);
+    this.learnColo();
     const successor = this.meta("successor");
     if (batch && successor && successor !== info.generation) {
       // Late usage from the previous version's isolates: counted where the state now lives.
@@ -224,6 +226,13 @@ export class Breaker extends DurableObject {
     }
     this.sql.exec(`INSERT INTO ${table} (${col}, colo, pod, segment, hist) VALUES (?, ?, ?, ?, ?)
       ON CONFLICT (${col}, colo, pod, segment) DO UPDATE SET hist = excluded.hist`, ...key, merged);
+  }
+
+  /** Where this object runs: fetched once per object lifetime, in the background. */
+  learnColo() {
+    if (this.coloOnce !== null || this.coloAsked) return;
+    this.coloAsked = true;
+    this.ctx.waitUntil(fetchColo().then((c) => { this.coloOnce = c ?? null; }, () => {}));
   }
 
   podRow(pod) {
