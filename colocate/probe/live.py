@@ -299,7 +299,8 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
     # The state check's numbers: the sync round trips of the latest minute's state colo.
     current_sync = None
     if state.colo and last_state_minute is not None:
-        current_sync = summary(sync_by_state.get(state.colo), edges)["p50"]
+        pair = sync_by_pair.get((ran.colo or "", state.colo))  # from where the Worker runs now, when seen
+        current_sync = summary(pair if pair else sync_by_state.get(state.colo), edges)["p50"]
     p50 = {"state_rtt": current_sync, "pod_rtt": None}
 
     notes: list[str] = []
