@@ -14,7 +14,7 @@ import pytest
 from colocate import stackfile
 from colocate.sandbox import supervisor
 from colocate.sandbox.geography import Geography
-from scripts import migrate, probe
+from scripts import cost, migrate, probe
 from tests.support.sandbox import Load, client_key, sandbox_stacks
 
 pytestmark = pytest.mark.slow
@@ -91,3 +91,10 @@ def test_a_split_is_flagged_within_a_minute_and_clears_after_the_migration(stack
         with capsys.disabled():
             print(f"cleared {time.monotonic() - fixed_at:.0f} s after the migration")
     assert not load.failures(), load.failures()[:5]
+
+    # The cost of this traffic, at the sandbox's stand-in price and the stack's fallbackPrice.
+    assert cost.main(["--stack", "sandbox", "--state-dir", str(state_dir), "--stacks-dir", str(stacks), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pods"]["requests"] >= len(load.results) * 0.9 and report["pods"]["tokens"] > 0
+    assert "maxPricePerHr" in report["cost_source"] and report["fallback_price_per_m"] == {"input": 0.15, "output": 0.6}
+    assert report["hours"] < 1 and report["break_even_tokens_per_day"] > 0
