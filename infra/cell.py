@@ -128,6 +128,13 @@ class Cell(pulumi.ComponentResource):
 
         w = plan.worker
         main = next(m for m in w.modules if m.name == w.main_module)
+        # Pod mode: placement.host is pod 0's DNS-only hostname and its public port, known
+        # once pod 0 exists (the plan's PlacementHost); otherwise the plan's block as it is.
+        self.placement_host: pulumi.Output[str] | None = None
+        placement = dict(w.placement)
+        if w.placement_host is not None:
+            self.placement_host = pod_infos[w.placement_host.pod_index].apply(w.placement_host.value)
+            placement = {"host": self.placement_host}
         self.worker = cloudflare.WorkersScript(
             f"{name}-worker",
             account_id=account_id,
@@ -143,7 +150,7 @@ class Cell(pulumi.ComponentResource):
                 if m.name != w.main_module
             },
             compatibility_date=w.compatibility_date,
-            placement=cloudflare.WorkersScriptPlacementArgs(**w.placement),
+            placement=cloudflare.WorkersScriptPlacementArgs(**placement),
             bindings=[_binding_args(b, secrets, pod_urls) for b in w.bindings],
             migrations=_migrations(plan),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
@@ -187,8 +194,8 @@ class Cell(pulumi.ComponentResource):
         # measured truth. Re-runs whenever the Worker or any pod changes.
         self.probe = local.Command(
             f"{name}-probe",
-            create=pulumi.Output.all(*pod_infos).apply(
-                lambda pods: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in pods])])),
+            create=pulumi.Output.all(pulumi.Output.from_input(self.placement_host), *pod_infos).apply(
+                lambda args: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in args[1:]], args[0])])),
             environment=probe_env,
             triggers=[w.content_hash(), json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True),
                       json.dumps(w.placement, sort_keys=True), *[c.stdout for c in self.pod_commands]],
@@ -200,4 +207,4 @@ class Cell(pulumi.ComponentResource):
         self.pods = pulumi.Output.all(*pod_infos)
         self.probe_result = self.probe.stdout.apply(lambda out: json.loads(out) if out else {})
         self.register_outputs({"workerUrl": self.worker_url, "pod": self.pod, "pods": self.pods,
-                               "probe": self.probe_result})
+                               "probe": self.probe_result, "placementHost": self.placement_host})
