@@ -29,6 +29,15 @@ def deployed(request):
     return stack, raw, run_program(stack, config, secret_keys)
 
 
+def expected_placement(raw: dict, region) -> dict:
+    """auto: pod 0's DNS-only name and the port from its create output (the mocks' 41234) on
+    zone-dns, the region's cloud hint elsewhere."""
+    if raw.get("zone"):
+        active = next(g for g in raw["generations"] if g["status"] == "active")
+        return {"host": f"pod-{active['name'].replace('.', '-')}.{raw['zone']['name']}:41234"}
+    return {"region": region.placement_region}
+
+
 def bindings_of(run) -> dict:
     is_secret, bindings = unsecret(run.mocks.one(WORKER).inputs["bindings"])
     return {b["name"]: b for b in bindings}, is_secret
@@ -39,7 +48,7 @@ def test_worker_declared_from_the_region(deployed):
     region = catalogue.region(raw["region"])
     active = next(g for g in raw["generations"] if g["status"] == "active")
     w = run.mocks.one(WORKER).inputs
-    assert w["placement"] == {"region": region.placement_region}
+    assert w["placement"] == expected_placement(raw, region)
     assert w["mainModule"] == "index.js"
     assert w["content"] == (stackfile.ROOT / "worker/src/index.js").read_text()
     others = {m.name for m in worker_modules()} - {"index.js"}
@@ -143,7 +152,9 @@ def test_outputs(deployed):
     assert r[outputs.POD_ID] == "pod-123" and r[outputs.POD_COST_PER_HR] == 0.69
     assert r[outputs.POD_LOCATION] == "AP-JP-1"
     assert r[outputs.ACTIVE_HINT] == region.location_hint
-    assert r[outputs.PLACEMENT] == {"region": region.placement_region}
+    assert r[outputs.PLACEMENT] == expected_placement(raw, region)
+    assert r[outputs.PLACEMENT_MODE] == ("pod" if raw.get("zone") else "targeted")
+    assert r[outputs.PLACEMENT_HOST] == expected_placement(raw, region).get("host")
     assert r[outputs.PROBE_VERDICT] == "all checks hold"
 
 
