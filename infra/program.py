@@ -143,7 +143,10 @@ def main() -> dict[str, pulumi.Input]:
         pod_env[env_name] = secrets[key_name]
     elif env_name and os.environ.get(env_name):
         pod_env[env_name] = pulumi.Output.secret(os.environ[env_name])
-    cell = Cell(cell_plan.stack, CellArgs(plan=cell_plan, secrets=secrets, pod_environment=pod_env))
+    cf_token = pulumi.Config("cloudflare").get_secret("apiToken") or pulumi.Output.secret(
+        os.environ.get("CLOUDFLARE_API_TOKEN", ""))  # load_settings refused a stack with neither
+    cell = Cell(cell_plan.stack, CellArgs(plan=cell_plan, secrets=secrets, pod_environment=pod_env,
+                                          cloudflare_token=cf_token))
 
     exports = {
         outputs.WORKER_URL: cell.worker_url,
