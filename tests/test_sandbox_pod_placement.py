@@ -4,6 +4,8 @@ even when the catalogue's cloud hint for the region is wrong."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,31 @@ def test_worker_site_per_mode():
     assert worker_site("pod", hint_site="IAD", client="LAX", pod="nrt") == "NRT"
     assert worker_site("targeted", hint_site="IAD", client="LAX", pod="NRT") == "IAD"
     assert worker_site("smart", hint_site="IAD", client="LAX", pod="NRT") == "LAX"
+
+
+@pytest.mark.slow
+def test_a_pod_mode_sandbox_runs_the_worker_at_the_stand_in_and_the_probe_agrees(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    stacks = sandbox_stacks(tmp_path / "stacks", compute_ms=5)
+    stackfile.write_config("sandbox", {"worker": {"subdomain": "sandbox", "placement": "pod"}}, stacks)
+    state_dir = tmp_path / "state"
+    try:
+        # A client in Tokyo: smart placement would run the Worker there; pod placement runs it
+        # beside the stand-in, at us-east's local site (IAD).
+        cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, client_site="NRT")
+        assert (cell["sites"]["edge"], cell["sites"]["pod"], cell["sites"]["client"]) == ("IAD", "IAD", "NRT")
+        out = tmp_path / "probe.json"
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "probe.py"),
+                               cell["worker_url"], "--samples", "3", "--pod-location", "local", "--expect-region",
+                               "us-east", "--placement-mode", "pod", "--json", str(out)],
+                              env={**os.environ, "COLOCATE_PROBE_TOKEN": cell["token"], "COLOCATE_CLIENT_KEY": cell["key"]},
+                              capture_output=True, text=True, timeout=120)
+        result = json.loads(out.read_text())
+        assert proc.returncode == 0, proc.stderr
+        place = result["placement"]
+        assert (place["mode"], place["ran"], place["pod_site"], place["at_pod"]) == ("pod", "IAD", "IAD", True)
+    finally:
+        supervisor.down(state_dir, quiet=True)
