@@ -34,7 +34,9 @@ class Region:
     in_region_colos: tuple[str, ...]
     # provider -> ordered locations: RunPod dataCenterIds, Vast.ai countries, "local"
     gpu_locations: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # location id -> the colo nearest it, for floors and the sandbox's geography
+    # location id -> the colo nearest it, for floors and the sandbox's geography; "local" is
+    # where the sandbox's stand-in pod stands (a site of its own, so a cell placed by the pod
+    # follows the stand-in, not the placement hint)
     location_sites: dict[str, str] = field(default_factory=dict)
     # provider -> why it cannot serve this region, with what to use instead
     refusals: dict[str, str] = field(default_factory=dict)
@@ -61,7 +63,7 @@ class Region:
         return locations
 
     def site_of(self, location: str) -> str:
-        """The colo that stands for a GPU location (the edge site for ``local``)."""
+        """The colo that stands for a GPU location (the edge site when the catalogue has none)."""
         return self.location_sites.get(location, self.edge_site)
 
     def is_in_region(self, colo_code: str | None) -> bool:
@@ -81,7 +83,7 @@ REGIONS: dict[str, Region] = {
             # an apac object for a Taiwan cell may land there and still be near.
             in_region_colos=("TPE", "KHH", "HKG"),
             gpu_locations={"vastai": ("TW",), "local": ("local",)},
-            location_sites={"TW": "TPE"},
+            location_sites={"TW": "TPE", "local": "TPE"},
             refusals={"runpod": "RunPod has no data centre in Taiwan (nearest: AP-JP-1); use vastai for apac-tw"},
         ),
         Region(
@@ -92,7 +94,7 @@ REGIONS: dict[str, Region] = {
             edge_site="NRT",
             in_region_colos=("NRT", "KIX", "FUK", "OKA"),
             gpu_locations={"runpod": ("AP-JP-1",), "vastai": ("JP",), "local": ("local",)},
-            location_sites={"AP-JP-1": "NRT", "JP": "NRT"},
+            location_sites={"AP-JP-1": "NRT", "JP": "NRT", "local": "NRT"},
         ),
         Region(
             name="us-east",
@@ -102,7 +104,7 @@ REGIONS: dict[str, Region] = {
             edge_site="IAD",
             in_region_colos=("IAD", "EWR", "PHL", "BOS", "ATL", "CLT", "RIC", "ORF", "PIT", "RDU"),
             gpu_locations={"runpod": ("US-DE-1", "US-NC-1", "US-GA-1", "US-GA-2"), "local": ("local",)},
-            location_sites={"US-DE-1": "PHL", "US-NC-1": "CLT", "US-GA-1": "ATL", "US-GA-2": "ATL"},
+            location_sites={"US-DE-1": "PHL", "US-NC-1": "CLT", "US-GA-1": "ATL", "US-GA-2": "ATL", "local": "IAD"},
             refusals={"vastai": "Vast.ai geolocation is a country: it cannot keep a pod on the US east coast"},
         ),
         Region(
@@ -113,7 +115,7 @@ REGIONS: dict[str, Region] = {
             edge_site="SJC",
             in_region_colos=("SJC", "SFO", "LAX", "SMF", "SEA", "PDX", "LAS", "SAN"),
             gpu_locations={"runpod": ("US-CA-2", "US-WA-1"), "local": ("local",)},
-            location_sites={"US-CA-2": "SJC", "US-WA-1": "SEA"},
+            location_sites={"US-CA-2": "SJC", "US-WA-1": "SEA", "local": "SJC"},
             refusals={"vastai": "Vast.ai geolocation is a country: it cannot keep a pod on the US west coast"},
         ),
         Region(
@@ -128,7 +130,8 @@ REGIONS: dict[str, Region] = {
                 "vastai": ("IE", "GB", "NL", "BE", "FR"),
                 "local": ("local",),
             },
-            location_sites={"EU-NL-1": "AMS", "EU-FR-1": "CDG", "IE": "DUB", "GB": "LHR", "NL": "AMS", "BE": "BRU", "FR": "CDG"},
+            location_sites={"EU-NL-1": "AMS", "EU-FR-1": "CDG", "IE": "DUB", "GB": "LHR", "NL": "AMS", "BE": "BRU", "FR": "CDG",
+                            "local": "DUB"},
         ),
     )
 }

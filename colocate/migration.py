@@ -104,7 +104,10 @@ def diff(before: CellPlan, after: CellPlan) -> list[Action]:
     during = f"; during the update {peak} pods run, up to ${cap * peak:.2f}/hr" if peak > n else ""
     actions.append(Action("cost", f"{n} pod{'s' if n > 1 else ''}",
                           f"at most ${cap * n:.2f}/hr (cap ${cap:.2f}/hr each){during}"))
-    if before.worker.placement != after.worker.placement:
+    host_move = _placement_host_change(before, after)
+    if host_move:
+        actions.append(Action("update", f"Worker {after.worker.script_name}", host_move))
+    elif before.worker.placement != after.worker.placement:
         actions.append(Action("update", f"Worker {after.worker.script_name}",
                               f"placement {_placement(before)} -> {_placement(after)}"))
     b_bind = {b.name: b for b in before.worker.bindings}
@@ -131,7 +134,28 @@ def diff(before: CellPlan, after: CellPlan) -> list[Action]:
 
 
 def _placement(p: CellPlan) -> str:
-    return p.worker.placement.get("region") or f"mode {p.worker.placement.get('mode')}"
+    w = p.worker
+    if w.placement_host is not None:
+        return f"pod host {w.placement_host.describe()}"
+    return w.placement.get("region") or f"mode {w.placement.get('mode')}"
+
+
+def _placement_host_change(before: CellPlan, after: CellPlan) -> str | None:
+    """Pod mode: pod 0's address (hostname and public port) after the update, when it changes.
+
+    A replaced pod 0 (renewal, a new image, a migration's new generation) gets a new port
+    from its provider, and a new generation a new DNS name: Cloudflare then probes the new
+    address. The port is known only once the new pod exists, so it is named, not shown."""
+    b, a = before.worker.placement_host, after.worker.placement_host
+    if a is None or b is None:
+        return None
+    replaced = before.pods[a.pod_index].triggers() != after.pods[a.pod_index].triggers()
+    if not replaced and a.hostname == b.hostname:
+        return None
+    new_port = f"<the new pod {a.pod_index}'s public port>" if replaced else f"<pod {a.pod_index}'s public port>"
+    why = f"pod {a.pod_index} is replaced" if replaced else "its DNS name changes"
+    return (f"placement host changes from {b.describe()} to {a.hostname}:{new_port} "
+            f"({why}; Cloudflare probes the new address)")
 
 
 def round_trips(before: Settings, after: Settings) -> list[RoundTrip]:

@@ -60,6 +60,53 @@ class Module:
         return self.path.read_text()
 
 
+PLACEMENT_POD, PLACEMENT_TARGETED, PLACEMENT_SMART = "pod", "targeted", "smart"
+POD_PORT_FROM_OUTPUT = "pod.port"  # marks a value taken from pod 0's create output (its public port)
+
+
+@dataclass(frozen=True)
+class PlacementHost:
+    """``placement.host`` in pod mode: pod 0's DNS-only hostname and its public port.
+
+    The hostname is the plan's (stable across pod replacements within a generation); the
+    port is the one the provider mapped, known only once the pod exists, so it is taken from
+    pod 0's create output (``from_output``), as the pod URLs are. Cloudflare probes it over
+    TCP (layer 4) and runs the Worker in the colo nearest it (docs/pods.md, "Placement")."""
+
+    hostname: str
+    pod_index: int = 0
+    from_output: str = POD_PORT_FROM_OUTPUT
+
+    def value(self, created: dict) -> str:
+        """``host:port`` for pod ``pod_index``'s ``pod.py create`` output."""
+        return f"{self.hostname}:{created['port']}"
+
+    def describe(self) -> str:
+        return f"{self.hostname}:<pod {self.pod_index}'s public port>"
+
+
+def placement_mode(setting: str, path: str) -> str:
+    """The placement mode a cell runs under, from ``colocate:worker.placement`` and the pod path.
+
+    ``auto`` is ``pod`` where the pod has a DNS-only record of its own (``zone-dns``) and
+    ``targeted`` elsewhere. ``pod`` needs a single-homed address: RunPod's proxy hostnames
+    are anycast and shared, which Cloudflare's placement probes cannot locate (changelog
+    2026-01-22, "not suitable for anycasted or multicasted resources"), so it is refused
+    there. ``local-hostname`` (the sandbox) takes it; the Pulumi program refuses it there.
+    """
+    if setting == "auto":
+        return PLACEMENT_POD if path == PATH_ZONE_DNS else PLACEMENT_TARGETED
+    if setting == PLACEMENT_POD and path == PATH_PROVIDER_PROXY:
+        raise ConfigError("colocate:worker.placement", setting,
+                          "the pod is reached through RunPod's proxy hostname, which is anycast and shared by "
+                          "many pods: Cloudflare's placement probes cannot locate it (they are for "
+                          "single-homed hosts)",
+                          "set colocate:zone (the kit then gives pod 0 a DNS-only record that placement can "
+                          "probe), or pulumi config set --path colocate:worker.placement targeted (the "
+                          "region's cloud hint)")
+    return setting
+
+
 @dataclass(frozen=True)
 class WorkerPlan:
     account_id: str
@@ -68,13 +115,25 @@ class WorkerPlan:
     main_module: str
     modules: tuple[Module, ...]
     compatibility_date: str
-    placement: dict  # {"region": "gcp:asia-east1"} or {"mode": "smart"}
+    # {"region": "gcp:asia-east1"}, {"mode": "smart"}, or in pod mode {"host": "<hostname>:<pod 0's
+    # port>"}, the port filled from pod 0's output (``placement_host``; ``placement_args``)
+    placement: dict
     bindings: tuple[Binding, ...]
     migrations: dict | None  # {"old_tag", "new_tag", "steps"}; None: nothing pending, send no block
     pending_migrations: tuple[str, ...]
     migration_warning: str | None  # the stack file's tag disagrees with the live one
     hostname: str | None  # custom domain when a zone is set, else workers.dev
     url: str  # where clients (and the probe) reach the Worker
+    placement_mode: str = PLACEMENT_TARGETED  # pod | targeted | smart (auto already resolved)
+    placement_host: PlacementHost | None = None  # pod mode only
+
+    def placement_args(self, pod0: dict | None = None) -> dict:
+        """The placement block as uploaded; pod mode needs pod 0's create output."""
+        if self.placement_host is None:
+            return dict(self.placement)
+        if pod0 is None:
+            raise ValueError("pod placement needs pod 0's create output (its public port)")
+        return {"host": self.placement_host.value(pod0)}
 
     def binding(self, name: str) -> Binding:
         return next(b for b in self.bindings if b.name == name)
@@ -263,14 +322,18 @@ class ProbePlan:
     floor_ms: dict[str, float]  # expected floors for an in-region cell
 
     pod_path: str = PATH_ZONE_DNS  # reported by the probe next to the measured pod_rtt
+    placement_mode: str = PLACEMENT_TARGETED  # reported by the probe; pod mode adds the pod check
 
-    def argv(self, url: str, pod_locations: list[str]) -> list[str]:
+    def argv(self, url: str, pod_locations: list[str], placement_host: str | None = None) -> list[str]:
         """The post-deploy probe's arguments (the token travels in COLOCATE_PROBE_TOKEN);
-        one --pod-location per pod, in index order."""
+        one --pod-location per pod, in index order; ``placement_host`` (pod mode) is the
+        ``host:port`` Cloudflare was given."""
         args = ["scripts/probe.py", url, "--expect-region", self.region, "--samples", str(self.samples)]
         for location in pod_locations:
             args += ["--pod-location", location]
-        args += ["--pod-path", self.pod_path]
+        args += ["--pod-path", self.pod_path, "--placement-mode", self.placement_mode]
+        if placement_host:
+            args += ["--placement-host", placement_host]
         for name, ms in sorted(self.budgets.items()):
             args += ["--budget", f"{name}={ms:g}"]
         args += ["--wait", str(PROBE_WAIT_S), "--json", "-"]
@@ -428,7 +491,15 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     pod = pods[0]
     decision = migration_decision(live_migration_tag, settings.worker.migration_tag, script=settings.worker.name,
                                   allow_class_deletion=settings.worker.allow_class_deletion)
-    placement = {"mode": "smart"} if settings.worker.placement == "smart" else {"region": reg.placement_region}
+    mode = placement_mode(settings.worker.placement, path)
+    placement_host = None
+    if mode == PLACEMENT_POD:
+        placement_host = PlacementHost(pod.pod_hostname or "localhost", pod.index)
+        placement = {"host": placement_host.describe()}
+    elif mode == PLACEMENT_SMART:
+        placement = {"mode": "smart"}
+    else:
+        placement = {"region": reg.placement_region}
     worker = WorkerPlan(
         account_id=settings.account_id,
         zone_id=settings.zone.id if settings.zone else None,
@@ -444,6 +515,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         hostname=settings.zone.worker_hostname if settings.zone else None,
         url=(f"https://{settings.zone.worker_hostname}" if settings.zone
              else f"https://{settings.worker.name}.{settings.worker.subdomain}.workers.dev"),
+        placement_mode=mode,
+        placement_host=placement_host,
     )
     pod_site = reg.site_of(pod.locations[0])
     probe = ProbePlan(
@@ -454,5 +527,6 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         enforce=settings.enforce,
         floor_ms={"state_rtt": 0.0, "pod_rtt": round(geo.floor_ms(reg.edge_site, pod_site), 2)},
         pod_path=path,
+        placement_mode=mode,
     )
     return CellPlan(settings.stack, reg, worker, state, pods, probe)

@@ -50,7 +50,7 @@ POD_DEFAULTS = {
 WORKER_DEFAULTS = {
     "name": "",  # empty: colocate-<stack>
     "subdomain": "",  # the account's workers.dev subdomain (needed without a zone)
-    "placement": "targeted",
+    "placement": "auto",  # pod on the zone-dns path, targeted elsewhere (docs/pods.md "Placement")
     "deadlineMs": 2000,
     "maxBodyBytes": 1_048_576,
     "failureThreshold": 3,
@@ -67,7 +67,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal (raise by one to replace every pod with a newly placed one)."),
-    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (targeted | smart), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
+    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
     Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
@@ -111,6 +111,10 @@ class PodSettings:
 
 
 MAX_PODS = 8
+# colocate:worker.placement. pod: placement.host = pod 0's DNS-only hostname and public port;
+# targeted: the region's cloud hint; smart: Smart Placement; auto: pod where the pod has a
+# DNS-only record (zone-dns), targeted elsewhere (colocate.plan.placement_mode).
+PLACEMENTS = ("auto", "pod", "targeted", "smart")
 
 
 @dataclass(frozen=True)
@@ -268,7 +272,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
     return WorkerSettings(
         name=name,
         subdomain=subdomain,
-        placement=_string(k + "placement", w["placement"], ("targeted", "smart")),
+        placement=_string(k + "placement", w["placement"], PLACEMENTS),
         deadline_ms=_number(k + "deadlineMs", w["deadlineMs"], integer=True),
         max_body_bytes=_number(k + "maxBodyBytes", w["maxBodyBytes"], integer=True),
         failure_threshold=_number(k + "failureThreshold", w["failureThreshold"], integer=True),

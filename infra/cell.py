@@ -23,6 +23,10 @@ PYTHON = ".venv/bin/python"
 POD_CREATE = f"{PYTHON} scripts/pod.py create --spec -"
 # The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON).
 POD_DELETE = f"{PYTHON} scripts/pod.py delete"
+# Placement goes through the script settings API, not WorkersScript(placement=...): the
+# wrapped Terraform provider treats placement.region/host/hostname as read-only
+# (terraform-provider-cloudflare #6785, #6936). See scripts/placement.py.
+PLACEMENT_APPLY = f"{PYTHON} scripts/placement.py apply"
 MODULE_CONTENT_TYPE = "application/javascript+module"
 
 
@@ -35,6 +39,8 @@ class CellArgs(TypedDict):
     """Secret values by settings key (podToken, probeToken, fallbackUrl, fallbackApiKey, ...)."""
     pod_environment: Mapping[str, pulumi.Input[str]]
     """Extra environment for scripts/pod.py: the provider's API key (RUNPOD_API_KEY, VASTAI_API_KEY)."""
+    cloudflare_token: pulumi.Input[str]
+    """The Cloudflare API token (secret), for scripts/placement.py."""
 
 
 def _binding_args(binding: Binding, secrets: Mapping[str, pulumi.Input[str]], pod_urls: pulumi.Output[list]):
@@ -128,6 +134,13 @@ class Cell(pulumi.ComponentResource):
 
         w = plan.worker
         main = next(m for m in w.modules if m.name == w.main_module)
+        # Pod mode: placement.host is pod 0's DNS-only hostname and its public port, known
+        # once pod 0 exists (the plan's PlacementHost); otherwise the plan's block as it is.
+        self.placement_host: pulumi.Output[str] | None = None
+        placement: pulumi.Output[dict] = pulumi.Output.from_input(dict(w.placement))
+        if w.placement_host is not None:
+            self.placement_host = pod_infos[w.placement_host.pod_index].apply(w.placement_host.value)
+            placement = self.placement_host.apply(lambda host: {"host": host})
         self.worker = cloudflare.WorkersScript(
             f"{name}-worker",
             account_id=account_id,
@@ -143,11 +156,25 @@ class Cell(pulumi.ComponentResource):
                 if m.name != w.main_module
             },
             compatibility_date=w.compatibility_date,
-            placement=cloudflare.WorkersScriptPlacementArgs(**w.placement),
             bindings=[_binding_args(b, secrets, pod_urls) for b in w.bindings],
             migrations=_migrations(plan),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[*self.pod_commands, *self.pod_dns]),
+        )
+
+        # The placement block, applied after every upload of the script: the upload itself
+        # carries none (see PLACEMENT_APPLY), and whether an upload keeps the block it last
+        # had is not documented, so the script's modified_on is among the triggers.
+        bindings_text = json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True)
+        self.placement = local.Command(
+            f"{name}-placement",
+            create=f"{PLACEMENT_APPLY} --account {account_id} --script {w.script_name}",
+            stdin=placement.apply(lambda block: json.dumps(block, sort_keys=True)),
+            environment={"CLOUDFLARE_API_TOKEN": args["cloudflare_token"]},
+            triggers=[placement.apply(lambda block: json.dumps(block, sort_keys=True)), w.content_hash(),
+                      bindings_text, *[c.stdout for c in self.pod_commands], self.worker.modified_on],
+            dir=".",
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
         )
 
         if w.hostname:
@@ -187,17 +214,18 @@ class Cell(pulumi.ComponentResource):
         # measured truth. Re-runs whenever the Worker or any pod changes.
         self.probe = local.Command(
             f"{name}-probe",
-            create=pulumi.Output.all(*pod_infos).apply(
-                lambda pods: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in pods])])),
+            create=pulumi.Output.all(pulumi.Output.from_input(self.placement_host), *pod_infos).apply(
+                lambda args: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in args[1:]], args[0])])),
             environment=probe_env,
             triggers=[w.content_hash(), json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True),
                       json.dumps(w.placement, sort_keys=True), *[c.stdout for c in self.pod_commands]],
             dir=".",
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.route, *self.pod_commands]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.placement, self.route,
+                                                                 *self.pod_commands]),
         )
         self.worker_url = pulumi.Output.from_input(w.url)
         self.pod = pod_infos[0]
         self.pods = pulumi.Output.all(*pod_infos)
         self.probe_result = self.probe.stdout.apply(lambda out: json.loads(out) if out else {})
         self.register_outputs({"workerUrl": self.worker_url, "pod": self.pod, "pods": self.pods,
-                               "probe": self.probe_result})
+                               "probe": self.probe_result, "placementHost": self.placement_host})

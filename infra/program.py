@@ -13,7 +13,7 @@ import pulumi_cloudflare as cloudflare
 
 from colocate import outputs
 from colocate.errors import ConfigError, MissingSetting
-from colocate.plan import CellPlan, plan_cell
+from colocate.plan import PATH_LOCAL_HOSTNAME, PLACEMENT_POD, CellPlan, plan_cell
 from colocate.settings import KEYS, NS, PROVIDER_SECRET, Settings, ZoneSettings, parse
 
 from .cell import Cell, CellArgs
@@ -116,6 +116,14 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
         cell_plan = plan_cell(settings, live_migration_tag=live_migration_tag(settings.account_id, settings.worker.name))
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
+    if cell_plan.worker.placement_mode == PLACEMENT_POD and cell_plan.pod.path == PATH_LOCAL_HOSTNAME:
+        # The plan lets the sandbox place by its stand-in (localhost); a deployed Worker
+        # would have Cloudflare probe "localhost", which is no place at all.
+        raise pulumi.RunError(
+            f"{NS}:worker.placement: 'pod' places the Worker by pod 0's address, and a local pod's address is "
+            f"localhost, which Cloudflare cannot probe (got 'pod' with colocate:pod.provider local). Fix: run this "
+            f"stack in the sandbox (.venv/bin/python scripts/sandbox.py up --stack {settings.stack}), or pulumi "
+            f"config set --path {NS}:worker.placement targeted")
     if cell_plan.worker.migration_warning:
         pulumi.log.warn(cell_plan.worker.migration_warning)
     return cell_plan, secrets
@@ -135,7 +143,10 @@ def main() -> dict[str, pulumi.Input]:
         pod_env[env_name] = secrets[key_name]
     elif env_name and os.environ.get(env_name):
         pod_env[env_name] = pulumi.Output.secret(os.environ[env_name])
-    cell = Cell(cell_plan.stack, CellArgs(plan=cell_plan, secrets=secrets, pod_environment=pod_env))
+    cf_token = pulumi.Config("cloudflare").get_secret("apiToken") or pulumi.Output.secret(
+        os.environ.get("CLOUDFLARE_API_TOKEN", ""))  # load_settings refused a stack with neither
+    cell = Cell(cell_plan.stack, CellArgs(plan=cell_plan, secrets=secrets, pod_environment=pod_env,
+                                          cloudflare_token=cf_token))
 
     exports = {
         outputs.WORKER_URL: cell.worker_url,
@@ -151,7 +162,10 @@ def main() -> dict[str, pulumi.Input]:
         outputs.ACTIVE_GENERATION: cell_plan.state.active.name,
         outputs.ACTIVE_HINT: cell_plan.state.hint,
         outputs.DRAINING_GENERATION: cell_plan.state.draining.name if cell_plan.state.draining else None,
-        outputs.PLACEMENT: cell_plan.worker.placement,
+        outputs.PLACEMENT: ({"host": cell.placement_host} if cell.placement_host is not None
+                            else cell_plan.worker.placement),
+        outputs.PLACEMENT_MODE: cell_plan.worker.placement_mode,
+        outputs.PLACEMENT_HOST: cell.placement_host,
         outputs.PROBE_VERDICT: cell.probe_result.apply(lambda r: r.get("verdict")),
         outputs.PROBE_TOKEN: pulumi.Output.secret(secrets["probeToken"]),
     }

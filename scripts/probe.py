@@ -3,6 +3,7 @@
 
     probe.py URL [--token T | env COLOCATE_PROBE_TOKEN] [--key K | env COLOCATE_CLIENT_KEY]
              [--samples 25] [--expect-region R] [--pod-location LOC ...] [--pod-path P]
+             [--placement-mode M] [--placement-host HOST:PORT]
              [--budget NAME=MS[@pNN] ...] [--json PATH|-] [--plot PNG] [--stack S] [--warn-only]
 
 A warm-up request, one check of the fallback (GET /_colocate/probe?fallback=1), then N samples
@@ -30,9 +31,10 @@ if str(ROOT) not in sys.path:
 
 from colocate import catalogue, stackfile  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
-from colocate.plan import POD_PATHS  # noqa: E402
+from colocate.plan import POD_PATHS, placement_mode  # noqa: E402
 from colocate.probe import budgets, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
+from colocate.probe.placement import PLACEMENT_MODES  # noqa: E402
 
 TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
 DEFAULT_SAMPLES = 25
@@ -60,6 +62,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pod-path", metavar="P", choices=POD_PATHS,
                    help=f"how the Worker reaches the pods ({', '.join(POD_PATHS)}); reported with the measured "
                         "pod_rtt (default: the stack's podPath output)")
+    p.add_argument("--placement-mode", metavar="M", choices=PLACEMENT_MODES,
+                   help=f"the Worker's placement mode ({', '.join(PLACEMENT_MODES)}); pod also checks that the Worker "
+                        "runs at pod 0 (default: the stack's placementMode output)")
+    p.add_argument("--placement-host", metavar="HOST:PORT",
+                   help="pod mode: the address Cloudflare places by (default: the stack's placementHost output)")
     p.add_argument("--model", help="model for the routed request (default: the first of GET /v1/models)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
@@ -109,7 +116,8 @@ def _probe(args: argparse.Namespace) -> int:
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
 
     url, token, locations = args.url, args.token or os.environ.get(TOKEN_ENV), list(args.pod_location)
-    pod_path, samples, worker_placement = args.pod_path, args.samples, None
+    pod_path, samples, worker_placement = args.pod_path, args.samples, args.placement_mode
+    placement_host = args.placement_host
     if args.stack:
         cfg = outputs.read_config(args.stack, args.stacks_dir)
         if region is None and cfg.region is not None:
@@ -117,12 +125,15 @@ def _probe(args: argparse.Namespace) -> int:
         if not args.budget:
             budget_list = budgets.from_stack(cfg.budgets)
         samples = samples or cfg.samples
-        worker_placement = cfg.worker_placement
         if not (url and token and locations and pod_path):  # the post-deploy step passes them all: no CLI call
             out = outputs.read_outputs(args.stack)
             url, token, pod_path = url or out.worker_url, token or out.probe_token, pod_path or out.pod_path
+            worker_placement = worker_placement or out.placement_mode
+            placement_host = placement_host or out.placement_host
             if not locations:
                 locations = list(out.pod_locations) or ([out.pod_location] if out.pod_location else [])
+        if not worker_placement and pod_path:  # not given, or a stack deployed before placementMode: its config says
+            worker_placement = placement_mode(cfg.worker_placement, pod_path)
     if not url:
         raise UsageError("URL", None, "no Worker URL", "give it as the first argument, or --stack S")
     url = _check_url(url)
@@ -139,7 +150,7 @@ def _probe(args: argparse.Namespace) -> int:
     with keys.KeyLease(url, token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
                          key=lease.get)
-    result = report.build(run, region, locations, budget_list, worker_placement, pod_path)
+    result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host)
     print(report.table(result), file=table_out, end="")
     doc = json.dumps(report.to_json(result, args.warn_only), indent=2)
     if args.json == "-":

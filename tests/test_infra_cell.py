@@ -29,6 +29,20 @@ def deployed(request):
     return stack, raw, run_program(stack, config, secret_keys)
 
 
+def placement_of(run) -> dict:
+    """The placement block scripts/placement.py is handed (its stdin)."""
+    return json.loads(run.mocks.one(COMMAND, "-placement").inputs["stdin"])
+
+
+def expected_placement(raw: dict, region) -> dict:
+    """auto: pod 0's DNS-only name and the port from its create output (the mocks' 41234) on
+    zone-dns, the region's cloud hint elsewhere."""
+    if raw.get("zone"):
+        active = next(g for g in raw["generations"] if g["status"] == "active")
+        return {"host": f"pod-{active['name'].replace('.', '-')}.{raw['zone']['name']}:41234"}
+    return {"region": region.placement_region}
+
+
 def bindings_of(run) -> dict:
     is_secret, bindings = unsecret(run.mocks.one(WORKER).inputs["bindings"])
     return {b["name"]: b for b in bindings}, is_secret
@@ -39,7 +53,8 @@ def test_worker_declared_from_the_region(deployed):
     region = catalogue.region(raw["region"])
     active = next(g for g in raw["generations"] if g["status"] == "active")
     w = run.mocks.one(WORKER).inputs
-    assert w["placement"] == {"region": region.placement_region}
+    # The upload carries no placement (read-only in the provider); the settings call sets it.
+    assert "placement" not in w and placement_of(run) == expected_placement(raw, region)
     assert w["mainModule"] == "index.js"
     assert w["content"] == (stackfile.ROOT / "worker/src/index.js").read_text()
     others = {m.name for m in worker_modules()} - {"index.js"}
@@ -143,7 +158,9 @@ def test_outputs(deployed):
     assert r[outputs.POD_ID] == "pod-123" and r[outputs.POD_COST_PER_HR] == 0.69
     assert r[outputs.POD_LOCATION] == "AP-JP-1"
     assert r[outputs.ACTIVE_HINT] == region.location_hint
-    assert r[outputs.PLACEMENT] == {"region": region.placement_region}
+    assert r[outputs.PLACEMENT] == expected_placement(raw, region)
+    assert r[outputs.PLACEMENT_MODE] == ("pod" if raw.get("zone") else "targeted")
+    assert r[outputs.PLACEMENT_HOST] == expected_placement(raw, region).get("host")
     assert r[outputs.PROBE_VERDICT] == "all checks hold"
 
 
@@ -259,7 +276,7 @@ def test_a_zone_id_that_is_not_the_zones_stops_naming_the_right_one():
 def test_smart_placement_is_an_option():
     config, keys = stack_config("apac-jp", overrides={"worker": {"subdomain": "acme", "placement": "smart"}})
     run = run_program("apac-jp", config, keys)
-    assert run.mocks.one(WORKER).inputs["placement"] == {"mode": "smart"}
+    assert placement_of(run) == {"mode": "smart"}
 
 
 MOVE = [
@@ -295,7 +312,7 @@ def test_a_failing_assertion_inside_the_mock_run_is_seen():
     config, keys = stack_config("apac-jp")
     run = run_program("apac-jp", config, keys)
     with pytest.raises(AssertionError):
-        assert run.mocks.one(WORKER).inputs["placement"] == {"region": "aws:us-east-1"}
+        assert placement_of(run) == {"region": "aws:us-east-1"}
 
 
 def test_nothing_is_declared_at_import_time():
@@ -325,7 +342,7 @@ def test_the_program_at_each_step_of_a_migration(tmp_path):
     start, finish = steps["start"], steps["finish"]
     bindings, _ = bindings_of(start)
     assert (bindings["ACTIVE_GENERATION"]["text"], bindings["DRAINING_GENERATION"]["text"]) == ("apac-jp.g2", "us-east.g1")
-    assert start.mocks.one(WORKER).inputs["placement"] == {"region": "aws:ap-northeast-1"}
+    assert placement_of(start) == {"region": "aws:ap-northeast-1"}
     assert json.loads(start.mocks.one(COMMAND, "-pod-0").inputs["stdin"])["locations"] == ["AP-JP-1"]
     assert not [r for r in start.mocks.of_type(COMMAND) if "-purge-" in r.name]
     bindings, _ = bindings_of(finish)

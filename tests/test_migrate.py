@@ -47,7 +47,9 @@ def test_start_edits_ledger_and_region_keeping_comments_and_order(stacks, capsys
     out = capsys.readouterr().out
     # The digest covers the pod token's fingerprint, which plan does not read: shown as *.
     assert "create   pod colocate-apac-jp-apac-tw-g2-p0-*:" in out and "delete   pod colocate-apac-jp-apac-jp-g1-p0-*:" in out
-    assert "placement aws:ap-northeast-1 -> gcp:asia-east1" in out
+    # With a zone the cell places by its pod (auto): the move shows pod 0's new address.
+    assert ("placement host changes from pod-apac-jp-g1.example.com:<pod 0's public port> to "
+            "pod-apac-tw-g2.example.com:<the new pod 0's public port>") in out
     assert "bind     binding DRAINING_GENERATION: apac-jp.g1" in out
     assert "Worker TPE -> state NRT: 2,181 km, floor 22 ms" in out
 

@@ -58,7 +58,11 @@ def test_pod_and_state_always_share_the_region(region, provider):
     r = catalogue.region(region)
     assert p.pod.region == region == p.state.active.region
     assert p.state.hint == r.location_hint
-    assert p.worker.placement == {"region": r.placement_region}
+    # auto: the pod itself where it has a DNS-only record, else the region's cloud hint.
+    if p.pod.path == plan.PATH_ZONE_DNS:
+        assert p.worker.placement_mode == "pod" and p.worker.placement_host.hostname == p.pod.pod_hostname
+    else:
+        assert p.worker.placement == {"region": r.placement_region} and p.worker.placement_mode == "targeted"
     assert p.pod.spec()["locations"] == list(r.locations(provider))
     assert p.probe.expected_colos == r.in_region_colos
 
@@ -279,7 +283,7 @@ def test_region_is_the_only_region_knob():
             continue
         sub = key.default if isinstance(key.default, dict) else {}
         for name in itertools.chain([key.name], sub):
-            if name == "placement":  # targeted | smart: a mode, not a place
+            if name == "placement":  # auto | pod | targeted | smart: a mode, not a place
                 continue
             assert not any(w in name.lower() for w in region_words), f"{key.name}.{name}"
 

@@ -390,7 +390,7 @@ def test_the_repo_stack_files_are_readable():
     from colocate.probe import outputs
 
     cfg = outputs.read_config("apac-jp")
-    assert cfg.region == "apac-jp" and cfg.samples == 25 and cfg.worker_placement == "targeted"
+    assert cfg.region == "apac-jp" and cfg.samples == 25 and cfg.worker_placement == "auto"
     assert cfg.budgets == {"state": 25, "state_rtt": 40, "upstream": 400, "e2e": 600}
 
 

@@ -28,10 +28,13 @@ class StackOutputs:
     pod_location: str | None
     pod_locations: tuple[str, ...] = ()  # every pod, index order (podLocations)
     pod_path: str | None = None  # podPath: how the Worker reaches the pods
+    placement_mode: str | None = None  # placementMode: pod | targeted | smart
+    placement_host: str | None = None  # placementHost: pod mode's host:port
 
     def __repr__(self) -> str:  # never print the token
         return (f"StackOutputs(worker_url={self.worker_url!r}, pod_location={self.pod_location!r}, "
-                f"pod_locations={self.pod_locations!r}, pod_path={self.pod_path!r}, probe_token=***)")
+                f"pod_locations={self.pod_locations!r}, pod_path={self.pod_path!r}, "
+                f"placement_mode={self.placement_mode!r}, placement_host={self.placement_host!r}, probe_token=***)")
 
 
 def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi") -> StackOutputs:
@@ -62,7 +65,7 @@ def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi")
     locations = data.get(names.POD_LOCATIONS)
     locations = tuple(x for x in locations if isinstance(x, str) and x) if isinstance(locations, list) else ()
     return StackOutputs(text(names.WORKER_URL), text(names.PROBE_TOKEN), text(names.POD_LOCATION),
-                        locations, text(names.POD_PATH))
+                        locations, text(names.POD_PATH), text(names.PLACEMENT_MODE), text(names.PLACEMENT_HOST))
 
 
 @dataclass(frozen=True)
@@ -84,4 +87,4 @@ def read_config(stack: str, stacks_dir: Path = stackfile.STACKS_DIR) -> StackCon
     if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
         raise UsageError("--stack", stack, f"colocate:probe.samples is {samples!r}, not a whole number above 0",
                          "pulumi config set --path colocate:probe.samples 25")
-    return StackConfig(raw.get("region"), raw.get("budgets"), samples, worker.get("placement") or "targeted")
+    return StackConfig(raw.get("region"), raw.get("budgets"), samples, worker.get("placement") or "auto")

@@ -12,6 +12,13 @@ as fine. The Worker and the state object must be known and in region for the pla
 to hold; an unknown pod location is reported but does not fail it (a stand-alone probe may
 not know it). Floors (``colocate.geo.floor_ms``) are per hop: ``state_rtt`` =
 Worker ↔ state object, ``pod_rtt`` and ``upstream`` = Worker ↔ pod site.
+
+The placement mode (``pod``, ``targeted``, ``smart``) is reported. In pod mode Cloudflare
+places the Worker by probing pod 0's address (``placement.host``), so the Worker must also
+run at the pod: its colo's floor to pod 0's site (the colo nearest the pod's location) must
+be within ``POD_TOLERANCE_MS``. When the address Cloudflare was given differs from the one
+the Worker forwards pod 0's requests to (a renewed or migrated pod 0), that is reported as
+"placement host changes from X to Y".
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ from .. import catalogue, geo
 
 IN, OUT, UNKNOWN = "in_region", "out_of_region", "unknown"
 NEAR_ZERO_MS = 1.0  # a floor below this is "the same place": ratio shown as "-"
+# Pod mode: how far (as a physical floor, ms) the Worker's colo may be from the colo nearest
+# pod 0 and still count as "at the pod". 10 ms is 1,000 km of fibre: a neighbouring colo of
+# the same metro area or country (Tokyo-Osaka 4 ms, Taipei-Kaohsiung 3 ms) passes, another
+# country's does not (Taipei-Hong Kong 8 ms passes, Tokyo-Taipei 22 ms does not).
+POD_TOLERANCE_MS = 10.0
+PLACEMENT_MODES = ("pod", "targeted", "smart")
 
 
 def common(values: Iterable[str | None]) -> tuple[str | None, dict[str, int]]:
@@ -95,10 +108,35 @@ class Placement:
     generation: str | None = None
     draining_generation: str | None = None
     breaker: dict | None = None
+    mode: str | None = None  # placement mode: pod | targeted | smart (None: not known)
+    host: str | None = None  # pod mode: the host:port Cloudflare probes (placementHost)
 
     @property
     def ok(self) -> bool:
-        return self.ran.status == IN and self.state.status == IN and self.pod.status != OUT
+        return (self.ran.status == IN and self.state.status == IN and self.pod.status != OUT
+                and self.at_pod is not False)
+
+    @property
+    def pod_floor_ms(self) -> float | None:
+        """Floor between the Worker's colo and pod 0's site."""
+        return floor_between(self.ran.colo, self.pod.colo)
+
+    @property
+    def at_pod(self) -> bool | None:
+        """Pod mode: does the Worker run within POD_TOLERANCE_MS of pod 0's site? None when
+        not in pod mode or either colo is unknown."""
+        floor = self.pod_floor_ms
+        if self.mode != "pod" or floor is None:
+            return None
+        return floor <= POD_TOLERANCE_MS
+
+    @property
+    def host_change(self) -> dict | None:
+        """{"from", "to"} when the address Cloudflare places by is not pod 0's address as the
+        Worker uses it (pod 0 was replaced since the placement was declared)."""
+        if self.mode != "pod" or not self.host or not self.pod_host or self.host.lower() == self.pod_host:
+            return None
+        return {"from": self.host.lower(), "to": self.pod_host}
 
     def floors(self) -> dict[str, float | None]:
         state = floor_between(self.ran.colo, self.state.colo)
@@ -114,6 +152,9 @@ class Placement:
             "checks": {name: getattr(self, name).to_json() for name in ("accepted", "ran", "state", "pod")},
             "generation": self.generation, "draining_generation": self.draining_generation,
             "breaker": self.breaker,
+            "mode": self.mode, "host": self.host, "at_pod": self.at_pod, "pod_floor_ms": self.pod_floor_ms,
+            "pod_tolerance_ms": POD_TOLERANCE_MS if self.mode == "pod" else None,
+            "host_change": self.host_change,
         }
 
 
@@ -124,7 +165,7 @@ def _status(colo: str | None, region: catalogue.Region | None) -> str:
 
 
 def observe(bodies: list[dict], ray_colos: Iterable[str | None], region: catalogue.Region | None,
-            pod_location: str | None = None) -> Placement:
+            pod_location: str | None = None, mode: str | None = None, host: str | None = None) -> Placement:
     """Fold the probe bodies and response colos of a run into one Placement."""
     ray_colos = list(ray_colos)
     accepted, accepted_seen = common(ray_colos)
@@ -155,6 +196,8 @@ def observe(bodies: list[dict], ray_colos: Iterable[str | None], region: catalog
         generation=last.get("generation"),
         draining_generation=last.get("draining_generation"),
         breaker=last.get("breaker") if isinstance(last.get("breaker"), dict) else None,
+        mode=mode,
+        host=host,
     )
 
 
@@ -196,7 +239,8 @@ def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: st
                                         f"it runs in {where} — check that the Worker can fetch /cdn-cgi/trace"))
     elif p.ran.status == OUT:
         how = {"smart": "smart placement needs traffic and ~15 min of analysis",
-               "targeted": f"targeted placement should pin {region.placement_region}"}
+               "targeted": f"targeted placement should pin {region.placement_region}",
+               "pod": f"pod placement should run it beside pod 0 ({p.host or 'placement.host'})"}
         hint = how.get(worker_placement or "", f"targeted pins {region.placement_region}; "
                                                "smart placement needs traffic and ~15 min of analysis")
         extra = f", cf-placement {p.cf_placement}" if p.cf_placement else ""
@@ -205,6 +249,22 @@ def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: st
     elif len(p.ran.seen) > 1:
         others = ", ".join(f"{c} ×{n}" for c, n in p.ran.seen.items())
         out.append(Finding("ran", False, f"Worker ran in several colos ({others})"))
+
+    if p.mode == "pod" and p.ran.status != UNKNOWN:
+        if p.at_pod is False:
+            out.append(Finding("ran", True, f"Worker runs in {p.ran.colo}, {_km(p.ran.colo, p.pod.colo)} from pod 0's "
+                                            f"site {p.pod.colo} (floor {_ms(p.pod_floor_ms)}, tolerance "
+                                            f"{POD_TOLERANCE_MS:g} ms): pod placement not applied — check that "
+                                            f"placement.host {p.host or '(unknown)'} answers TCP from the internet "
+                                            "and is DNS-only (not proxied), or set colocate:worker.placement targeted"))
+        elif p.at_pod is None:
+            out.append(Finding("ran", False, "pod placement: pod 0's site unknown, the Worker's distance to the pod "
+                                             "is not checked (pass --pod-location or --stack)"))
+    change = p.host_change
+    if change:
+        out.append(Finding("ran", False, f"placement host changes from {change['from']} to {change['to']}: "
+                                         "Cloudflare was given pod 0's previous address; the next pulumi up "
+                                         "gives it the new one (until then the Worker is placed by the old pod)"))
 
     kind, cf_colo = parse_cf_placement(p.cf_placement)
     if cf_colo and p.ran_source == "worker_colo" and p.ran.colo and cf_colo != p.ran.colo:

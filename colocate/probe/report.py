@@ -55,7 +55,8 @@ class Result:
         pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else "pod location unknown"
         e2e, rtt = self.segments["e2e"]["p50"], self.segments["state_rtt"]["p50"]
         path = f", pod_rtt p50 {_num(self.segments['pod_rtt']['p50'])} ms over {self.pod_path}" if self.pod_path else ""
-        return (f"all checks hold: Worker in {p.ran.colo}, state object in {p.state.colo}, {pod}, "
+        mode = f" ({p.mode} placement)" if p.mode else ""
+        return (f"all checks hold: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
                 f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms{path}")
 
 
@@ -158,7 +159,7 @@ def fallback_of(run: Run) -> tuple[dict | None, str | None]:
 
 def build(run: Run, region: catalogue.Region | None, pod_location: str | list[str] | None,
           budget_list: list[budgets_mod.Budget], worker_placement: str | None = None,
-          pod_path: str | None = None) -> Result:
+          pod_path: str | None = None, placement_host: str | None = None) -> Result:
     locations = [pod_location] if isinstance(pod_location, str) else list(pod_location or [])
     pod_location = locations[0] if locations else None
     values = collect(run)
@@ -173,7 +174,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         named = next((b.get("region") for b in reversed(bodies) if b.get("region") in catalogue.REGIONS), None)
         region = catalogue.REGIONS.get(named) if named else None
     rays = [s.ray_colo for s in [*run.probe, *run.routed] if s.status is not None]
-    place = placement_mod.observe(bodies, rays, region, pod_location)
+    place = placement_mod.observe(bodies, rays, region, pod_location, worker_placement, placement_host)
     floors = place.floors()
     p50 = {name: seg["p50"] for name, seg in segments.items()}
     found = placement_mod.findings(place, p50, worker_placement)
@@ -305,7 +306,8 @@ def table(r: Result) -> str:
     lines += ["", f"fallback rate {rate} ({r.backends.get('fallback', 0)}/{total} answered by the fallback)", ""]
     p = r.placement
     expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
-    lines.append(f"placement (expected region {expected})")
+    mode = f"; mode {p.mode}" + (f", host {p.host}" if p.host else "") if p.mode else ""
+    lines.append(f"placement (expected region {expected}{mode})")
     rows = [("accepted", p.accepted.colo, p.accepted.status, "cf-ray"),
             ("worker", p.ran.colo, p.ran.status, p.ran_source + (f", cf-placement {p.cf_placement}" if p.cf_placement else "")),
             ("state", p.state.colo, p.state.status, f"generation {p.generation}" if p.generation else ""),

@@ -82,6 +82,23 @@ def landing_site(edge: str, hint: str = "") -> str:
     return HINT_SITES[wanted]
 
 
+def worker_site(mode: str, *, hint_site: str, client: str, pod: str) -> str:
+    """Where the emulated platform runs a placed Worker.
+
+    ``pod`` (placement.host): Cloudflare probes the pod's address and runs the Worker in the
+    colo nearest it; the stand-in pod's site is already that colo (the catalogue's
+    ``location_sites``: each location's nearest colo), so the Worker runs there, whatever the
+    catalogue's cloud hint says. ``targeted``: the colo of the region's cloud hint
+    (``hint_site``, the catalogue's ``edge_site``). ``smart``: where the request was accepted
+    (smart placement only moves a Worker after it has seen traffic and analysed it).
+    """
+    if mode == "pod":
+        return site(pod, "pod site")
+    if mode == "smart":
+        return site(client, "client site")
+    return site(hint_site, "edge site")
+
+
 def parse_override(text: str) -> tuple[tuple[str, str], float]:
     """``"TPE:IAD=170"`` -> (("IAD", "TPE"), 170.0); the pair is stored sorted (symmetric)."""
     m = _OVERRIDE.match(text.strip()) if isinstance(text, str) else None

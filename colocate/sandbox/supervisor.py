@@ -61,7 +61,7 @@ from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, plan_cell, pod_urls_text
 from ..pods.local import alive
 from . import config as config_mod
 from .errors import AlreadyRunning, NotRunning, StartupFailed
-from .geography import FALLBACK_SITE, Geography, Sites, landing_site, site
+from .geography import FALLBACK_SITE, Geography, Sites, landing_site, site, worker_site
 from .pinning import FILE_NAME as PINS_FILE, Pins
 from .proxies import Network, NetworkServers, local_url
 
@@ -178,11 +178,9 @@ def build_plan(launch: Launch) -> tuple[CellPlan, list[str]]:
 def sites_for(plan: CellPlan, launch: Launch, pod_location: str) -> Sites:
     reg = plan.region
     client = site(launch.client_site, "--client-site") if launch.client_site else reg.edge_site
-    # Targeted placement runs the Worker at the region's edge site; smart placement is
-    # emulated as "ran where accepted".
-    edge = reg.edge_site if "region" in plan.worker.placement else client
-    return Sites(client=client, edge=edge, pod=reg.site_of(pod_location) if pod_location != "local" else edge,
-                 fallback=FALLBACK_SITE)
+    pod = reg.site_of(pod_location)  # the stand-in ("local") stands at the region's own pod site
+    edge = worker_site(plan.worker.placement_mode, hint_site=reg.edge_site, client=client, pod=pod)
+    return Sites(client=client, edge=edge, pod=pod, fallback=FALLBACK_SITE)
 
 
 def object_sites(plan: CellPlan, edge: str, pins: Pins) -> list[str]:
