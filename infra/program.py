@@ -154,6 +154,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.PLACEMENT: cell_plan.worker.placement,
         outputs.PROBE_VERDICT: cell.probe_result.apply(lambda r: r.get("verdict")),
         outputs.PROBE_TOKEN: pulumi.Output.secret(secrets["probeToken"]),
+        outputs.REGION: cell_plan.region.name,  # what a fleet stack reads
     }
     for key, value in exports.items():
         pulumi.export(key, value)
