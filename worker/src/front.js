@@ -18,18 +18,16 @@ import { readBody } from "./body.js";
 import { ConfigurationError, HttpError, errorResponse, log } from "./errors.js";
 import { CELL_HEADER, DEFER_HEADER, choose, isNoPod, readFleet, remember } from "./fleetfront.js";
 import { lookup } from "./routes.js";
-import { now } from "./timing.js";
+import { now, serverTiming } from "./timing.js";
 
-function fmt(ms) {
-  return ms > 0 ? String(Math.round(ms * 100) / 100) : "0";
-}
+const FRONT_METRICS = ["front"];
 
 /** `res` as the client sees it: which cell served, and the front door's own time first. */
 function finish(res, cell, frontMs) {
   const out = new Response(res.body, res);
   out.headers.set(CELL_HEADER, cell.name);
   const inner = res.headers.get("server-timing");
-  out.headers.set("server-timing", `front;dur=${fmt(frontMs)}` + (inner ? ", " + inner : ""));
+  out.headers.set("server-timing", serverTiming({ front: frontMs }, FRONT_METRICS) + (inner ? ", " + inner : ""));
   return out;
 }
 
