@@ -122,7 +122,7 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
                               f"{', '.join(f'{NS}:{k}' for k in FLEET_KEYS)}")
         if not _unset(name, raw[name]):
             raise ConfigError(f"{NS}:{name}", raw[name], "is a cell's key; a fleet stack has no region, pods or "
-                              f"state of its own (its cells do)", f"pulumi config rm {NS}:{name} -s {stack}")
+                              "state of its own (its cells do)", f"pulumi config rm {NS}:{name} -s {stack}")
     cell_secrets = sorted(set(secrets) & {*ALWAYS_SECRET, *(k for k, _ in PROVIDER_SECRET.values())})
     if cell_secrets:
         name = cell_secrets[0]
