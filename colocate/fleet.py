@@ -277,6 +277,14 @@ class FleetPlan:
                  "workerUrl": m.worker_url} for m in self.members]
 
 
+def address(settings: FleetSettings) -> tuple[str | None, str]:
+    """The front door's custom hostname (None on workers.dev) and its URL."""
+    zone = settings.zone
+    if zone:
+        return zone.worker_hostname, f"https://{zone.worker_hostname}"
+    return None, f"https://{settings.worker_name}.{settings.subdomain}.workers.dev"
+
+
 def json_text(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
@@ -297,6 +305,7 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         Binding("MAX_BODY_BYTES", "plain_text", text=str(settings.max_body_bytes)),
     )
     zone = settings.zone
+    hostname, url = address(settings)
     return FleetPlan(
         stack=settings.stack,
         account_id=settings.account_id,
@@ -309,6 +318,6 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         services=services,
         bindings=bindings,
         rank=table,
-        hostname=zone.worker_hostname if zone else None,
-        url=f"https://{zone.worker_hostname}" if zone else f"https://{settings.worker_name}.{settings.subdomain}.workers.dev",
+        hostname=hostname,
+        url=url,
     )
