@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from colocate import fleet, outputs
+from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 from colocate import workerd as wd
 from colocate.pods import standin
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Response, auth, cell_plan, request, values_for
 
-CF_BLOB_HEADER = "cf-blob"
 KEY_ENTRY = "fleet_key.js"
 KEY_JS = """
 import product from "./index.js";
@@ -96,27 +96,6 @@ class Fleet:
         return res
 
 
-def front_worker_capnp(plan: fleet.FleetPlan, service_names: list[str] | None = None) -> str:
-    """The front door as one ``Workerd.Worker`` literal: the plan's modules and bindings, its
-    service bindings pointing at workerd services named like the cells' Workers."""
-    services = service_names or [s.service for s in plan.services]
-    items = []
-    for b in plan.bindings:
-        kind = "json" if b.type == "json" else "text"
-        items.append(f"(name = {wd.capnp_text(b.name)}, {kind} = {wd.capnp_text(b.text)})")
-    for s, target in zip(plan.services, services, strict=True):
-        items.append(f"(name = {wd.capnp_text(s.name)}, service = {wd.capnp_text(target)})")
-    modules = ",\n    ".join(f"(name = {wd.capnp_text(m.name)}, esModule = {wd.capnp_text(m.content())})" for m in plan.modules)
-    return (f"(\n  modules = [\n    {modules}\n  ],\n  compatibilityDate = {wd.capnp_text(plan.compatibility_date)},\n"
-            f"  bindings = [\n    " + ",\n    ".join(items) + "\n  ]\n)")
-
-
-def front_socket(name: str, service: str) -> tuple[str, str]:
-    # Port 0 here: the listening socket is handed over (--socket-fd), as for the main one.
-    return name, (f"(name = {wd.capnp_text(name)}, address = \"127.0.0.1:0\", "
-                  f"http = (cfBlobHeader = {wd.capnp_text(CF_BLOB_HEADER)}), service = {wd.capnp_text(service)})")
-
-
 def generation(region: str) -> list[dict]:
     return [{"name": f"{region}.g1", "region": region, "status": "active"}]
 
@@ -130,7 +109,7 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
                                                name="fallback"))
         w = stack.enter_context(wd.Workerd(socket_name="front"))
         services: list[tuple[str, str]] = [wd.network_service()]
-        sockets: list[tuple[str, str]] = [front_socket("front", "front")]
+        sockets: list[tuple[str, str]] = [cf_socket("front", "front")]
         extra: dict[str, socket.socket] = {}
         cells: list[FleetCell] = []
         found = []
