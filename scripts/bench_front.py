@@ -8,10 +8,12 @@ request's colo from the ``cf-blob`` header. Requests say they arrived at IAD, so
 door picks the us-east cell first and sends it the request with the defer header: the
 healthy path, which is what nearly every request takes. Interleaved over ``--rounds``
 rounds, for each client count: ``wrk`` load for ``--seconds`` on the cell's own socket
-(direct) and on the front door's (front). CPU per request is the workerd process's
+(direct), on a bare Worker that only forwards through a service binding to that cell (hop:
+the floor of any front door) and on the front door's (front). CPU per request is the workerd process's
 (/proc/<pid>/stat) over each phase, so ``front`` counts the front door and the cell
 together: the ratio front/direct is the front door's cost relative to the cell's.
-Reported as medians over rounds: p50/p99 of each, the added p50, the CPU ratio, and the
+Reported as medians over rounds: p50/p99 of each, the added p50, the CPU ratios (front and
+hop over direct, front over hop), and the
 goals of issue 28 (added p50 <= 0.2 ms, CPU <= 1.15x; reported, not enforced).
 
 Usage: .venv/bin/python scripts/bench_front.py [--rounds 5] [--seconds 3] [--clients 1,32]
@@ -41,7 +43,17 @@ REGIONS = ("us-east", "eu-west")
 COLO = "IAD"  # nearest to us-east: the front door's first choice
 GOAL_ADDED_P50_MS = 0.2
 GOAL_CPU_RATIO = 1.15
-TARGETS = ("direct", "front")
+TARGETS = ("direct", "hop", "front")
+# The floor of any front door: a Worker that only forwards through the service binding.
+HOP_JS = """export default {
+  async fetch(request, env) {
+    const res = await env.CELL.fetch(request);
+    const out = new Response(res.body, res);
+    out.headers.set("x-colocate-cell", "hop");
+    return out;
+  },
+};
+"""
 
 
 def cell_plan(region: str, deadline_ms: int):
@@ -76,6 +88,14 @@ def fleet_worker(pod_url: str, fallback_url: str, secrets: harness.Secrets, dead
         fs = fleet.parse({"fleet": {"cells": list(REGIONS)}, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)
         services.insert(0, wd.worker_service("front", front_worker_capnp(front)))
+        hop = (f"(modules = [(name = \"hop.js\", esModule = {wd.capnp_text(HOP_JS)})], "
+               f"compatibilityDate = {wd.capnp_text(front.compatibility_date)}, "
+               f"bindings = [(name = \"CELL\", service = {wd.capnp_text(front.services[0].service)})])")
+        services.append(wd.worker_service("hop", hop))
+        s = stack.enter_context(contextlib.closing(wd.listening_socket()))
+        extra["hop"] = s
+        sockets.append(wd.socket_capnp("hop", 0, "hop"))
+        urls["hop"] = f"http://127.0.0.1:{s.getsockname()[1]}"
         w.start(wd.config_capnp(services, sockets), extra_sockets=extra)
         yield w, urls
 
@@ -88,7 +108,7 @@ def run(opts, log=lambda _m: None) -> dict:
             key = harness.mint_key(urls[REGIONS[0]], secrets.probe_token)
             hdr = harness.router_headers(key)
             hdr_front = {**hdr, CF_BLOB_HEADER: json.dumps({"colo": COLO})}
-            target = {"direct": (urls[REGIONS[0]], hdr), "front": (w.url, hdr_front)}
+            target = {"direct": (urls[REGIONS[0]], hdr), "hop": (urls["hop"], hdr), "front": (w.url, hdr_front)}
             served = check(w.url, hdr_front)
             body = harness.chat_body("json")
             for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
@@ -135,6 +155,12 @@ def summarise(rounds: list[dict]) -> dict:
              if r["front"].get("cpu_us_per_req") and r["direct"].get("cpu_us_per_req")]
     out["added_p50_ms"] = med(added)
     out["cpu_ratio"] = med(ratio)
+    # What a bare service-binding hop costs (the floor), and the front door over that floor.
+    out["hop_added_p50_ms"] = med(r["hop"]["p50_ms"] - r["direct"]["p50_ms"] for r in rounds)
+    out["hop_cpu_ratio"] = med(r["hop"]["cpu_us_per_req"] / r["direct"]["cpu_us_per_req"] for r in rounds
+                               if r["hop"].get("cpu_us_per_req") and r["direct"].get("cpu_us_per_req"))
+    out["front_over_hop_cpu_ratio"] = med(r["front"]["cpu_us_per_req"] / r["hop"]["cpu_us_per_req"] for r in rounds
+                                          if r["front"].get("cpu_us_per_req") and r["hop"].get("cpu_us_per_req"))
     out["goals"] = [
         {"goal": f"front door adds <= {GOAL_ADDED_P50_MS} ms p50", "value": out["added_p50_ms"],
          "met": out["added_p50_ms"] is not None and out["added_p50_ms"] <= GOAL_ADDED_P50_MS},
@@ -153,7 +179,9 @@ def render(result: dict) -> str:
             s = lv[t]
             lines.append(f"{lv['clients']:>7} {t:>7} {s['rps']:>9} {s['p50_ms']:>8} {s['p99_ms']:>8} "
                          f"{s['cpu_us_per_req']!s:>11} {s['errors']:>7}")
-        lines.append(f"{'':>7} added p50 {lv['added_p50_ms']} ms, CPU ratio {lv['cpu_ratio']}x; "
+        lines.append(f"{'':>7} bare hop: added p50 {lv['hop_added_p50_ms']} ms, CPU {lv['hop_cpu_ratio']}x; "
+                     f"front door over the bare hop: CPU {lv['front_over_hop_cpu_ratio']}x")
+        lines.append(f"{'':>7} front door: added p50 {lv['added_p50_ms']} ms, CPU ratio {lv['cpu_ratio']}x; "
                      + "; ".join(f"{g['goal']}: {'met' if g['met'] else 'missed'}" for g in lv["goals"]))
     return "\n".join(lines)
 
