@@ -344,6 +344,11 @@ def parse(
     if unknown:
         raise ConfigError(f"{NS}:{unknown[0]}", raw[unknown[0]], "unknown key",
                           "colocate:region is the only region setting; see the README's table of keys")
+    fleet = raw.get("fleet")
+    if isinstance(fleet, dict) and fleet:  # colocate/fleet.py parses a fleet stack
+        raise ConfigError(f"{NS}:fleet", fleet, f"stack {stack} is a fleet (a front door over cells), not a cell",
+                          f"use a member cell's stack ({', '.join(map(str, fleet.get('cells') or [])) or 'none listed'}); "
+                          "docs/fleet.md says what a fleet stack does")
     cell_region = lookup_region(raw.get("region"))
     ledger = Ledger.parse(raw.get("generations"))
     if not allow_split_state:

@@ -256,3 +256,13 @@ def test_front_modules_are_front_js_and_what_it_imports():
     for m in mods:  # closed under imports
         for dep in re.findall(r'from\s+"\./([^"]+)"', m.content()):
             assert dep in names, (m.name, dep)
+
+
+def test_a_cell_command_on_a_fleet_stack_says_so():
+    from colocate import stackfile
+
+    raw, secrets = stackfile.read_config("fleet")
+    with pytest.raises(ConfigError) as err:
+        settings.parse(raw, "fleet", secrets=secrets)
+    assert err.value.key == "colocate:fleet" and "is a fleet" in err.value.problem
+    assert "apac-jp, eu-west, us-east" in err.value.fix
