@@ -46,7 +46,6 @@ async function route(request, env, ctx) {
   const body = r.json ? await readBody(request, cfg.maxBodyBytes) : null;
   const colo = request.cf && request.cf.colo;
   const tries = choose(cfg, colo);
-  let cellMs = 0;
   for (let k = 0; k < tries.length; k++) {
     const cell = tries[k];
     const last = k === tries.length - 1;
@@ -73,8 +72,7 @@ async function route(request, env, ctx) {
       if (res.body) ctx.waitUntil(res.body.cancel().catch(() => {}));
       continue; // that cell's time stays in `front`: the client paid it on the way here
     }
-    cellMs += spent;
-    return finish(res, cell, now() - t0 - cellMs);
+    return finish(res, cell, now() - t0 - spent);
   }
   // Unreachable: the last try either returns or throws.
   throw new HttpError(502, "cell_unavailable", "no cell of the fleet could serve this request");
