@@ -177,3 +177,25 @@ def test_no_pod_is_remembered_then_forgotten():
                 break
             time.sleep(0.2)
         assert served == "apac-jp"
+
+
+def test_a_cell_losing_its_pod_under_load_fails_no_request():
+    """~30 requests/s from Tokyo; apac-jp's pod starts failing a third of the way in:
+    every request is answered 200, by apac-jp before and eu-west after, never the fallback."""
+    with running_fleet(("apac-jp", "eu-west"), remember_ms=5000) as f:
+        fb = fallback_requests(f)
+        served = []
+        for i in range(60):
+            if i == 20:
+                f.cell("apac-jp").pod.set_fault("error")
+            res = f.call("NRT")
+            assert res.status == 200, (i, res.body)
+            served.append((res.headers["x-colocate-cell"], res.headers["x-colocate-backend"]))
+            time.sleep(1 / 30)
+        assert served[:20] == [("apac-jp", "pod-0")] * 20
+        assert served[20:] == [("eu-west", "pod-0")] * 40
+        assert fallback_requests(f) == fb
+        # The breaker opened after a few failures; from then on apac-jp was passed over
+        # without being asked (its pod saw only those few).
+        extra = f.cell("apac-jp").pod.requests - 20
+        assert 1 <= extra <= 5, extra
