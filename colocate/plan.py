@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -357,12 +358,30 @@ class CellPlan:
         return self.pods[0]
 
 
+def module_closure(directory: Path, main: str) -> tuple[Module, ...]:
+    """``main`` and every module it imports, transitively: main first, then by name (the
+    upload order). Only what the entry reaches is uploaded, so the cell's router and the
+    fleet's front door, which share the folder, each carry their own modules only."""
+    found: list[str] = []
+    todo = [main]
+    while todo:
+        name = todo.pop(0)
+        if name in found:
+            continue
+        path = directory / name
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: the Worker sources are part of the kit")
+        found.append(name)
+        todo += _IMPORT_RE.findall(path.read_text())
+    return tuple(Module(n, directory / n) for n in [found[0], *sorted(found[1:])])
+
+
+_IMPORT_RE = re.compile(r'^\s*(?:import|export)\b[^;]*?from\s+"\./([A-Za-z0-9_.-]+\.js)"', re.M | re.S)
+
+
 def worker_modules(directory: Path = WORKER_DIR) -> tuple[Module, ...]:
-    """Every ES module of the router, main module first (the upload order)."""
-    files = sorted(directory.glob("*.js"), key=lambda p: (p.name != MAIN_MODULE, p.name))
-    if not files or files[0].name != MAIN_MODULE:
-        raise FileNotFoundError(f"{directory / MAIN_MODULE} is missing: the Worker sources are part of the kit")
-    return tuple(Module(p.name, p) for p in files)
+    """The router's ES modules: ``index.js`` and what it imports, main module first."""
+    return module_closure(directory, MAIN_MODULE)
 
 
 @dataclass(frozen=True)

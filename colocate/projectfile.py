@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
+from .fleet import FLEET_KEYS
 from .settings import NS, SCHEMA
 
 # The types project.json's simpleConfigType accepts and the kit declares ("array" needs
@@ -40,6 +41,15 @@ def declared() -> dict:
             entry["secret"] = True
         if key.default is not None:
             entry["default"] = key.default
+        elif key.name not in FLEET_KEYS:
+            # The CLI demands every project key without a default from every stack ("Stack
+            # 'fleet' is missing configuration values ...", pulumi/pulumi workspace mergeConfig),
+            # a fleet stack included. So a cell's required keys default to empty here and the
+            # program requires them (settings.parse). The CLI also refuses a `secret: true` key
+            # whose default is plain, so those lose the flag: the program refuses a plain-text
+            # value instead (infra/program.py).
+            entry["default"] = [] if key.type == "array" else ""
+            entry.pop("secret", None)
         out[f"{NS}:{key.name}"] = entry
     return out
 

@@ -68,6 +68,28 @@ def _named(name: str, index: int, before_pods: str) -> tuple[str, list]:
     return f"{name}-{before_pods}-{index}", [pulumi.Alias(name=f"{name}-{before_pods}")] if index == 0 else []
 
 
+def module_files(modules, main_module: str) -> dict:
+    """The upload's other modules (all but the main one), as WorkersScript ``files``."""
+    return {
+        m.name: cloudflare.WorkersScriptFilesArgs(
+            content_type=MODULE_CONTENT_TYPE,
+            content_base64=base64.b64encode(m.path.read_bytes()).decode(),
+        )
+        for m in modules
+        if m.name != main_module
+    }
+
+
+def public_route(name: str, account_id: str, script_name: str, hostname: str | None, zone_id: str | None,
+                 opts: pulumi.ResourceOptions):
+    """The Worker's public address: a custom domain on the zone, else its workers.dev subdomain."""
+    if hostname:
+        return cloudflare.WorkersCustomDomain(f"{name}-domain", account_id=account_id, hostname=hostname,
+                                              service=script_name, zone_id=zone_id, opts=opts)
+    return cloudflare.WorkersScriptSubdomain(f"{name}-workers-dev", account_id=account_id, script_name=script_name,
+                                             enabled=True, previews_enabled=False, opts=opts)
+
+
 class Cell(pulumi.ComponentResource):
     """A colocate cell: Worker placement, the active state generation and the GPU pod move as one."""
 
@@ -147,14 +169,7 @@ class Cell(pulumi.ComponentResource):
             script_name=w.script_name,
             main_module=w.main_module,
             content=main.content(),
-            files={
-                m.name: cloudflare.WorkersScriptFilesArgs(
-                    content_type=MODULE_CONTENT_TYPE,
-                    content_base64=base64.b64encode(m.path.read_bytes()).decode(),
-                )
-                for m in w.modules
-                if m.name != w.main_module
-            },
+            files=module_files(w.modules, w.main_module),
             compatibility_date=w.compatibility_date,
             bindings=[_binding_args(b, secrets, pod_urls) for b in w.bindings],
             migrations=_migrations(plan),
@@ -177,24 +192,8 @@ class Cell(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
         )
 
-        if w.hostname:
-            self.route = cloudflare.WorkersCustomDomain(
-                f"{name}-domain",
-                account_id=account_id,
-                hostname=w.hostname,
-                service=w.script_name,
-                zone_id=w.zone_id,
-                opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
-            )
-        else:
-            self.route = cloudflare.WorkersScriptSubdomain(
-                f"{name}-workers-dev",
-                account_id=account_id,
-                script_name=w.script_name,
-                enabled=True,
-                previews_enabled=False,
-                opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
-            )
+        self.route = public_route(name, account_id, w.script_name, w.hostname, w.zone_id,
+                                  pulumi.ResourceOptions(parent=self, depends_on=[self.worker]))
 
         after_worker = pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.route])
         probe_env = {"COLOCATE_PROBE_TOKEN": secrets["probeToken"]}

@@ -11,7 +11,7 @@ import os
 import pulumi
 import pulumi_cloudflare as cloudflare
 
-from colocate import outputs
+from colocate import fleet, outputs
 from colocate.errors import ConfigError, MissingSetting
 from colocate.plan import PATH_LOCAL_HOSTNAME, PLACEMENT_POD, CellPlan, plan_cell
 from colocate.settings import KEYS, NS, PROVIDER_SECRET, Settings, ZoneSettings, parse
@@ -39,6 +39,10 @@ def _raw_config() -> tuple[dict, dict[str, pulumi.Output[str]]]:
         if not present:
             continue
         if key.secret or name in {k for k, _ in PROVIDER_SECRET.values()}:
+            if key.secret and not pulumi.runtime.is_config_secret(f"{NS}:{name}"):
+                # Pulumi.yaml cannot mark it secret (projectfile.py says why): refused here.
+                raise pulumi.RunError(f"{NS}:{name}: is stored in plain text (got [not shown]). "
+                                      f"Fix: pulumi config set --secret {NS}:{name} <value>")
             secrets[name] = cfg.require_secret(name)
         elif name in OBJECT_KEYS:
             raw[name] = cfg.get_object(name)
@@ -134,8 +138,18 @@ def _total_cost(pods: list[dict]) -> float | None:
     return None if any(c is None for c in costs) else round(sum(costs), 4)
 
 
+def is_fleet_stack() -> bool:
+    """A stack whose colocate:fleet is set is a fleet stack (colocate/fleet.py)."""
+    return fleet.is_fleet({"fleet": pulumi.Config(NS).get_object("fleet")})
+
+
 def main() -> dict[str, pulumi.Input]:
-    """Declare the cell and export its outputs; returns the exports (tests read them)."""
+    """Declare the cell (or, on a fleet stack, the front door) and export its outputs;
+    returns the exports (tests read them)."""
+    if is_fleet_stack():
+        from .fleet import main as fleet_main
+
+        return fleet_main()
     cell_plan, secrets = plan()
     pod_env = {}
     key_name, env_name = PROVIDER_SECRET.get(cell_plan.pod.settings.provider, (None, None))
@@ -168,6 +182,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.PLACEMENT_HOST: cell.placement_host,
         outputs.PROBE_VERDICT: cell.probe_result.apply(lambda r: r.get("verdict")),
         outputs.PROBE_TOKEN: pulumi.Output.secret(secrets["probeToken"]),
+        outputs.REGION: cell_plan.region.name,  # what a fleet stack reads
     }
     for key, value in exports.items():
         pulumi.export(key, value)

@@ -8,7 +8,7 @@ import re
 import pytest
 from ruamel.yaml import YAML
 
-from colocate import catalogue, plan, settings, stackfile
+from colocate import catalogue, fleet, plan, settings, stackfile
 from colocate.errors import ConfigError, MissingSetting
 from colocate.projectfile import PROJECT_FILE, declared
 
@@ -228,10 +228,24 @@ def test_no_pending_step_ever_deletes_a_class():
         assert "deleted_classes" not in step
 
 
-def test_worker_modules_are_the_project_sources_main_first():
+def test_worker_modules_are_what_the_router_imports_main_first():
     mods = plan.worker_modules()
     assert mods[0].name == "index.js"
-    assert {m.name for m in mods} == {p.name for p in plan.WORKER_DIR.glob("*.js")}
+    names = {m.name for m in mods}
+    # Every source but the fleet's front door (its own Worker) is reached from index.js.
+    assert names == {p.name for p in plan.WORKER_DIR.glob("*.js")} - {"front.js", "fleetfront.js"}
+
+
+def test_module_closure_follows_imports_and_refuses_a_missing_one(tmp_path):
+    (tmp_path / "main.js").write_text('import { a } from "./a.js";\nexport { b } from "./b.js";\n')
+    (tmp_path / "a.js").write_text('import {\n  c,\n} from "./c.js";\n')
+    (tmp_path / "b.js").write_text("export const b = 1;\n")
+    (tmp_path / "c.js").write_text("export const c = 1;\n")
+    (tmp_path / "unused.js").write_text("export const u = 1;\n")
+    assert [m.name for m in plan.module_closure(tmp_path, "main.js")] == ["main.js", "a.js", "b.js", "c.js"]
+    (tmp_path / "c.js").unlink()
+    with pytest.raises(FileNotFoundError, match="c.js is missing"):
+        plan.module_closure(tmp_path, "main.js")
 
 
 @pytest.mark.parametrize("key, value, where", [
@@ -262,6 +276,8 @@ def test_every_stack_file_plans(tmp_path):
     for path in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"):
         stack = path.name[len("Pulumi."):-len(".yaml")]
         raw, _ = stackfile.read_config(stack)
+        if fleet.is_fleet(raw):
+            continue  # a front door, not a cell: tests/test_fleet_infra.py
         raw.setdefault("accountId", "0123456789abcdef0123456789abcdef")
         raw["worker"] = {"subdomain": "acme", **(raw.get("worker") or {})}
         p = cell(raw, stack)

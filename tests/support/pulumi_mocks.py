@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from dataclasses import dataclass, field
 
@@ -137,7 +138,14 @@ def run_program(stack: str, config: dict, secret_keys: list[str], *, scripts: di
 
         return asyncio.ensure_future(resolve())
 
-    go()
+    try:
+        go()
+    finally:
+        # A RunError raised inside an apply (the fleet's checks of its members' outputs)
+        # leaves futures whose exception nobody retrieved; asyncio logs them when they are
+        # collected. Collect them here: collected later, during a compile, they trip
+        # CPython 3.11's "AST constructor recursion depth mismatch" (an INTERNALERROR).
+        gc.collect()
     return run
 
 

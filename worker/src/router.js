@@ -194,6 +194,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     if (res.reason === "deadline") break; // no time is left for another pod
   }
 
+  if (request.headers.get("x-colocate-fallback") === "defer") {
+    // A fleet's front door asks for "no pod" rather than the paid fallback: it tries another cell (docs/fleet.md).
+    const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
+    return finish(none.body, none, "none", timing, t0);
+  }
   const t = now();
   let res;
   try {

@@ -1,0 +1,312 @@
+"""A fleet: several cells behind one front door. Settings, validation and the ranking; pure.
+
+A **fleet stack** is a stack of this project whose config has ``colocate:fleet`` (a
+non-empty mapping). It names its member cells (existing cell stacks) and deploys one
+Worker, the front door, with no placement, bound to each cell's Worker by service binding.
+What the fleet knows of a cell (its Worker's name, URL and region) comes from the cell
+stack's outputs (``pulumi.StackReference`` in ``infra/fleet.py``), never from a copy.
+
+Keys of a fleet stack (``FLEET_KEYS``)::
+
+    colocate:fleet      {cells: [stack, ...], rememberMs: 5000}
+    colocate:accountId  the Cloudflare account
+    colocate:worker     only name, subdomain and maxBodyBytes (the front door's)
+    colocate:zone       optional: {id, name, workerHostname} for a custom domain
+
+A cell's own keys (region, generations, pod, secrets, ...) are refused on a fleet stack
+when they hold anything but their project default: a fleet has no region of its own.
+
+The ranking: for every Cloudflare colo with coordinates, the member cells ordered by the
+physical floor (``geo.floor_ms``) from that colo to the cell's edge site (where a Worker
+placed in the cell's region runs, the site the probe's floors start from); ties keep the
+order of ``colocate:fleet.cells``, which is also the order for a colo the table lacks.
+It is emitted as the front door's ``CELL_RANK`` binding ({colo: [cell index, ...]}),
+beside ``CELLS`` ([{name, region}], index = position = service binding ``CELL_<i>``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import geo, outputs
+from .catalogue import Region, region as lookup_region
+from .errors import ConfigError, MissingSetting
+from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, module_closure
+from .settings import ALWAYS_SECRET, KEYS, NS, PROVIDER_SECRET, WORKER_DEFAULTS, ZoneSettings, parse_zone
+
+KEY = f"{NS}:fleet"
+FLEET_DEFAULTS = {"cells": [], "rememberMs": 5000}
+MAX_CELLS = 16
+MAX_REMEMBER_MS = 60_000
+FLEET_KEYS = ("fleet", "accountId", "worker", "zone")
+FRONT_WORKER_KEYS = ("name", "subdomain", "maxBodyBytes")
+FRONT_MAIN_MODULE = "front.js"
+# What the fleet reads from each member stack (names in colocate/outputs.py).
+MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION)
+# A stack name as `pulumi stack init` takes it, optionally qualified as org/project/stack.
+_STACK = re.compile(r"([A-Za-z0-9_.-]+/){0,2}[A-Za-z0-9_.-]+")
+_SCRIPT = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_ACCOUNT = re.compile(r"[0-9a-f]{32}")
+
+
+def is_fleet(raw: Mapping) -> bool:
+    """A stack whose ``colocate:fleet`` is a non-empty mapping is a fleet stack."""
+    value = raw.get("fleet")
+    return isinstance(value, Mapping) and bool(value)
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    stack: str
+    account_id: str
+    cells: tuple[str, ...]  # member stack names, as configured
+    remember_ms: int
+    worker_name: str
+    subdomain: str
+    max_body_bytes: int
+    zone: ZoneSettings | None
+
+
+def _unset(name: str, value: object) -> bool:
+    """The value a stack holds when the key was never set (its project default)."""
+    return value in (None, "", [], {}) or value == KEYS[name].default
+
+
+def _whole(key: str, value: object, minimum: int, maximum: int) -> int:
+    n = int(value) if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()) else value
+    if isinstance(n, bool) or not isinstance(n, int) or not minimum <= n <= maximum:
+        raise ConfigError(key, value, f"must be a whole number from {minimum} to {maximum}",
+                          f"pulumi config set --path {key} <{minimum}..{maximum}>")
+    return n
+
+
+def short_name(stack: str) -> str:
+    """The cell's name as the front door reports it (``x-colocate-cell``): the stack's own name."""
+    return stack.rsplit("/", 1)[-1]
+
+
+def _cells(value: object, stack: str) -> tuple[str, ...]:
+    key = f"{KEY}.cells"
+    fix = f"pulumi config set --path '{key}[0]' apac-jp (one entry per cell stack of this project)"
+    if not isinstance(value, list) or not value:
+        raise MissingSetting(key, value, "a fleet names at least one member cell stack", fix)
+    if len(value) > MAX_CELLS:
+        raise ConfigError(key, value, f"a fleet has at most {MAX_CELLS} cells", "remove cells from the list")
+    seen: dict[str, int] = {}
+    for i, name in enumerate(value):
+        if not isinstance(name, str) or not _STACK.fullmatch(name):
+            raise ConfigError(f"{key}[{i}]", name, "must be a stack name (letters, digits, '-', '_', '.'; "
+                              "optionally org/project/stack)", fix)
+        short = short_name(name)
+        if short == stack:
+            raise ConfigError(f"{key}[{i}]", name, "a fleet cannot be its own member",
+                              f"name the cell stacks, not {stack}")
+        if short in seen:
+            raise ConfigError(f"{key}[{i}]", name, f"names the same cell as {key}[{seen[short]}]",
+                              f"pulumi config rm --path '{key}[{i}]'")
+        seen[short] = i
+    return tuple(value)
+
+
+def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozenset()) -> FleetSettings:
+    """Validate a fleet stack's raw ``colocate:*`` values (keys without the namespace)."""
+    for name in sorted(raw):
+        if name in FLEET_KEYS:
+            continue
+        if name not in KEYS:
+            raise ConfigError(f"{NS}:{name}", raw[name], "unknown key", f"a fleet stack takes only "
+                              f"{', '.join(f'{NS}:{k}' for k in FLEET_KEYS)}")
+        if not _unset(name, raw[name]):
+            raise ConfigError(f"{NS}:{name}", raw[name], "is a cell's key; a fleet stack has no region, pods or "
+                              "state of its own (its cells do)", f"pulumi config rm {NS}:{name} -s {stack}")
+    cell_secrets = sorted(set(secrets) & {*ALWAYS_SECRET, *(k for k, _ in PROVIDER_SECRET.values())})
+    if cell_secrets:
+        name = cell_secrets[0]
+        raise ConfigError(f"{NS}:{name}", "[secret]", "is a cell's secret; the front door holds none (the cells "
+                          "check client keys)", f"pulumi config rm {NS}:{name} -s {stack}")
+    fleet = raw.get("fleet")
+    if not isinstance(fleet, Mapping):
+        raise ConfigError(KEY, fleet, "must be a mapping {cells: [...], rememberMs}", f"pulumi config set --path '{KEY}.cells[0]' apac-jp")
+    unknown = sorted(set(fleet) - set(FLEET_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{KEY}.{unknown[0]}", fleet[unknown[0]], "unknown key", f"use only {', '.join(FLEET_DEFAULTS)}")
+    merged = {**FLEET_DEFAULTS, **fleet}
+    cells = _cells(merged["cells"], stack)
+    remember = _whole(f"{KEY}.rememberMs", merged["rememberMs"], 0, MAX_REMEMBER_MS)
+
+    account = raw.get("accountId")
+    if not isinstance(account, str) or not _ACCOUNT.fullmatch(account):
+        problem = "is not set" if account in (None, "") else "must be 32 lower-case hex characters"
+        raise MissingSetting(f"{NS}:accountId", account, problem, f"pulumi config set {NS}:accountId <id from the Cloudflare dashboard>")
+
+    worker = raw.get("worker") or {}
+    wkey = f"{NS}:worker"
+    if not isinstance(worker, Mapping):
+        raise ConfigError(wkey, worker, "must be a mapping", f"pulumi config set --path {wkey}.subdomain <subdomain>")
+    for sub in sorted(worker):
+        if sub not in WORKER_DEFAULTS:
+            raise ConfigError(f"{wkey}.{sub}", worker[sub], "unknown key", f"a fleet uses only {', '.join(FRONT_WORKER_KEYS)}")
+        if sub not in FRONT_WORKER_KEYS and worker[sub] != WORKER_DEFAULTS[sub]:
+            raise ConfigError(f"{wkey}.{sub}", worker[sub], "is a cell's setting: the front door has no placement, "
+                              "pods or state", f"pulumi config rm --path {wkey}.{sub} -s {stack}")
+    name = worker.get("name") or f"colocate-{stack}"
+    if not isinstance(name, str) or not _SCRIPT.fullmatch(name):
+        raise ConfigError(f"{wkey}.name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-fleet")
+    subdomain = worker.get("subdomain", "")
+    if not isinstance(subdomain, str) or (subdomain and not _SCRIPT.fullmatch(subdomain)):
+        raise ConfigError(f"{wkey}.subdomain", subdomain, "must be the bare workers.dev subdomain",
+                          "write only the part before .workers.dev, for example acme")
+    max_body = _whole(f"{wkey}.maxBodyBytes", worker.get("maxBodyBytes", WORKER_DEFAULTS["maxBodyBytes"]), 1, 100 * 1024 * 1024)
+    zone = parse_zone(raw.get("zone"))
+    if zone is not None and not (raw.get("zone") or {}).get("workerHostname"):
+        zone = replace(zone, worker_hostname=f"{stack}.{zone.name}")  # not a cell's default infer.<zone>
+    if zone is None and not subdomain:
+        raise MissingSetting(f"{wkey}.subdomain", None, "the front door needs a public address: no zone and no workers.dev subdomain",
+                             f"pulumi config set --path {wkey}.subdomain <your-account-subdomain>, or set {NS}:zone")
+    return FleetSettings(stack, account, cells, remember, name, subdomain, max_body, zone)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member cell as its stack's outputs describe it."""
+
+    stack: str  # as configured (maybe org/project/stack)
+    name: str  # short name: what x-colocate-cell says
+    region: Region
+    worker_name: str
+    worker_url: str
+
+
+def member(index: int, stack: str, found: Mapping[str, object] | None) -> Member:
+    """A member from its stack's outputs; refuses a stack that lacks them."""
+    key = f"{KEY}.cells[{index}]"
+    found = found or {}
+    missing = [k for k in MEMBER_OUTPUTS if not isinstance(found.get(k), str) or not found.get(k)]
+    if missing:
+        problem = (f"stack {stack} has no outputs {', '.join(missing)}: it was never deployed, does not exist, or was "
+                   f"last deployed by a kit that did not export {outputs.REGION}")
+        raise ConfigError(key, stack, problem, f"pulumi up -s {short_name(stack)} (then pulumi up the fleet again), "
+                          f"or pulumi config rm --path '{key}'")
+    region = lookup_region(found[outputs.REGION], f"{key} (output {outputs.REGION} of stack {stack})")
+    return Member(stack, short_name(stack), region, str(found[outputs.WORKER_NAME]), str(found[outputs.WORKER_URL]))
+
+
+def check_members(members: Sequence[Member]) -> None:
+    """Two cells in one region are refused: the second could never be ranked nearest by
+    any colo (same edge site), so it would only ever serve as an expensive spare."""
+    by_region: dict[str, int] = {}
+    for i, m in enumerate(members):
+        if m.region.name in by_region:
+            j = by_region[m.region.name]
+            raise ConfigError(f"{KEY}.cells", [x.stack for x in members],
+                              f"{members[j].name} and {m.name} are both in region {m.region.name}: the front door "
+                              "ranks cells by where they run, so one of them would never be the nearest",
+                              f"keep one cell per region (more pods in one cell: colocate:pod.count); "
+                              f"pulumi config rm --path '{KEY}.cells[{i}]'")
+        by_region[m.region.name] = i
+    names = [m.worker_name for m in members]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{KEY}.cells", [x.stack for x in members], "two member stacks deploy the same Worker",
+                          "give each cell its own colocate:worker.name")
+
+
+def floor_to(colo_code: str, cell: Region) -> float:
+    return geo.floor_ms(colo_code, cell.edge_site)
+
+
+def rank(colo_code: str, regions: Sequence[Region]) -> list[int]:
+    """Cell indexes, nearest first by the physical floor from ``colo_code``; ties (and an
+    unknown colo) keep the configured order."""
+    if colo_code.upper() not in geo.colos():
+        return list(range(len(regions)))
+    return sorted(range(len(regions)), key=lambda i: (round(floor_to(colo_code, regions[i]), 3), i))
+
+
+def rank_table(regions: Sequence[Region]) -> dict[str, list[int]]:
+    """{colo: [cell index, ...]} for every colo with coordinates."""
+    return {code: rank(code, regions) for code in sorted(geo.colos())}
+
+
+def front_modules(directory: Path = WORKER_DIR, main: str = FRONT_MAIN_MODULE) -> tuple[Module, ...]:
+    """The front door's ES modules: ``front.js`` and what it imports, transitively (main first)."""
+    return module_closure(directory, main)
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """A service binding: ``env.<name>`` calls the Worker ``service`` (no public hop)."""
+
+    name: str
+    service: str
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    stack: str
+    account_id: str
+    zone_id: str | None
+    script_name: str
+    main_module: str
+    modules: tuple[Module, ...]
+    compatibility_date: str
+    members: tuple[Member, ...]
+    services: tuple[ServiceBinding, ...]
+    bindings: tuple[Binding, ...]  # plain_text and json
+    rank: dict[str, list[int]]
+    hostname: str | None
+    url: str
+
+    def cells_output(self) -> list[dict]:
+        """What the fleet stack exports as ``cells`` (and `pulumi preview` shows)."""
+        return [{"name": m.name, "stack": m.stack, "region": m.region.name, "workerName": m.worker_name,
+                 "workerUrl": m.worker_url} for m in self.members]
+
+
+def address(settings: FleetSettings) -> tuple[str | None, str]:
+    """The front door's custom hostname (None on workers.dev) and its URL."""
+    zone = settings.zone
+    if zone:
+        return zone.worker_hostname, f"https://{zone.worker_hostname}"
+    return None, f"https://{settings.worker_name}.{settings.subdomain}.workers.dev"
+
+
+def json_text(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | None],
+               worker_dir: Path = WORKER_DIR) -> FleetPlan:
+    """The front door from the settings and each member stack's outputs (index order)."""
+    if len(found) != len(settings.cells):
+        raise ValueError(f"{len(found)} member outputs for {len(settings.cells)} cells")
+    members = tuple(member(i, s, f) for i, (s, f) in enumerate(zip(settings.cells, found, strict=True)))
+    check_members(members)
+    table = rank_table([m.region for m in members])
+    services = tuple(ServiceBinding(f"CELL_{i}", m.worker_name) for i, m in enumerate(members))
+    bindings = (
+        Binding("CELLS", "json", text=json_text([{"name": m.name, "region": m.region.name} for m in members])),
+        Binding("CELL_RANK", "json", text=json_text(table)),
+        Binding("REMEMBER_MS", "plain_text", text=str(settings.remember_ms)),
+        Binding("MAX_BODY_BYTES", "plain_text", text=str(settings.max_body_bytes)),
+    )
+    zone = settings.zone
+    hostname, url = address(settings)
+    return FleetPlan(
+        stack=settings.stack,
+        account_id=settings.account_id,
+        zone_id=zone.id if zone else None,
+        script_name=settings.worker_name,
+        main_module=FRONT_MAIN_MODULE,
+        modules=front_modules(worker_dir),
+        compatibility_date=COMPATIBILITY_DATE,
+        members=members,
+        services=services,
+        bindings=bindings,
+        rank=table,
+        hostname=hostname,
+        url=url,
+    )

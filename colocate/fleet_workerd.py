@@ -1,0 +1,40 @@
+"""The front door in workerd: building blocks over ``colocate.workerd``, from a ``FleetPlan``.
+
+The plan's modules are read from disk (the bytes the fleet stack uploads) and its bindings
+are the plan's: ``CELLS`` and ``CELL_RANK`` as json bindings, ``CELL_<i>`` as service
+bindings to workerd services named like the cells' Workers (as in the cloud, where a
+service binding names the script). A socket may parse ``request.cf`` from a request header
+(workerd's ``HttpOptions.cfBlobHeader``): locally ``request.cf`` has no colo, so a test
+or a benchmark says which colo a request arrived at with ``cf-blob: {"colo": "NRT"}``.
+Imports no Pulumi.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .fleet import FleetPlan
+from .workerd import capnp_text
+
+CF_BLOB_HEADER = "cf-blob"
+
+
+def front_worker_capnp(plan: FleetPlan, service_names: Sequence[str] | None = None) -> str:
+    """The front door as one ``Workerd.Worker`` literal; ``service_names`` overrides the
+    workerd services its ``CELL_<i>`` bindings reach (default: the cells' Worker names)."""
+    services = list(service_names or [s.service for s in plan.services])
+    items = []
+    for b in plan.bindings:
+        kind = "json" if b.type == "json" else "text"
+        items.append(f"(name = {capnp_text(b.name)}, {kind} = {capnp_text(b.text)})")
+    for s, target in zip(plan.services, services, strict=True):
+        items.append(f"(name = {capnp_text(s.name)}, service = {capnp_text(target)})")
+    modules = ",\n    ".join(f"(name = {capnp_text(m.name)}, esModule = {capnp_text(m.content())})" for m in plan.modules)
+    return (f"(\n  modules = [\n    {modules}\n  ],\n  compatibilityDate = {capnp_text(plan.compatibility_date)},\n"
+            "  bindings = [\n    " + ",\n    ".join(items) + "\n  ]\n)")
+
+
+def cf_socket(name: str, service: str, port: int = 0, host: str = "127.0.0.1") -> tuple[str, str]:
+    """A socket whose requests carry ``request.cf`` from the ``cf-blob`` header (JSON)."""
+    return name, (f"(name = {capnp_text(name)}, address = {capnp_text(f'{host}:{port}')}, "
+                  f"http = (cfBlobHeader = {capnp_text(CF_BLOB_HEADER)}), service = {capnp_text(service)})")

@@ -1,0 +1,123 @@
+"""The ``Fleet`` component: one front door Worker over the member cells' Workers.
+
+A fleet stack (``colocate:fleet`` set; ``infra/program.py`` dispatches here) reads each
+member cell's outputs with ``pulumi.StackReference`` (its Worker's name, URL and region),
+plans the front door from them (``colocate.fleet.plan_fleet``: the refusals and the
+ranking are decided there) and declares one ``WorkersScript`` with **no placement**, a
+service binding to each cell's Worker by script name, and its public address as a cell
+has one (``infra.cell.public_route``). Nothing in a cell stack changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TypedDict
+
+import pulumi
+import pulumi_cloudflare as cloudflare
+
+from colocate import fleet, outputs
+from colocate.errors import ConfigError, MissingSetting
+
+from .cell import module_files, public_route
+
+
+class FleetArgs(TypedDict):
+    """Inputs of a Fleet."""
+
+    settings: fleet.FleetSettings
+    """The fleet stack's validated settings; the members come from their stacks' outputs."""
+
+
+def qualified(stack: str) -> str:
+    """``org/project/stack`` for a member named by its bare stack name (this project's)."""
+    if stack.count("/") == 2:
+        return stack
+    if "/" in stack:  # project/stack
+        return f"{pulumi.get_organization()}/{stack}"
+    return f"{pulumi.get_organization()}/{pulumi.get_project()}/{stack}"
+
+
+def _plan(settings: fleet.FleetSettings, found: Sequence[dict]) -> fleet.FleetPlan:
+    try:
+        return fleet.plan_fleet(settings, list(found))
+    except ConfigError as err:
+        raise pulumi.RunError(str(err)) from None
+
+
+def _binding_args(plan: fleet.FleetPlan) -> list:
+    out = [cloudflare.WorkersScriptBindingArgs(name=s.name, type="service", service=s.service) for s in plan.services]
+    for b in plan.bindings:
+        if b.type == "json":
+            out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type="json", json=b.text))
+        else:
+            out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, text=b.text))
+    return out
+
+
+class Fleet(pulumi.ComponentResource):
+    """A colocate fleet: the front door Worker and its service bindings to the cells."""
+
+    url: pulumi.Output[str]
+    cells: pulumi.Output[list]  # [{name, stack, region, workerName, workerUrl}]
+
+    def __init__(self, name: str, args: FleetArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("colocate:index:Fleet", name, None, opts)
+        s = args["settings"]
+        child = pulumi.ResourceOptions(parent=self)
+        self.references = [
+            pulumi.StackReference(f"{name}-cell-{fleet.short_name(cell)}", stack_name=qualified(cell), opts=child)
+            for cell in s.cells
+        ]
+        # Only the outputs the fleet needs, one by one: a cell's probeToken is a secret output
+        # and must not make the whole answer secret.
+        found = [pulumi.Output.all(**{k: ref.get_output(k) for k in fleet.MEMBER_OUTPUTS}) for ref in self.references]
+        plan = pulumi.Output.all(*found).apply(lambda f: _plan(s, f))
+
+        modules = fleet.front_modules()
+        main = modules[0]
+        hostname, url = fleet.address(s)
+        self.worker = cloudflare.WorkersScript(
+            f"{name}-worker",
+            account_id=s.account_id,
+            script_name=s.worker_name,
+            main_module=main.name,
+            content=main.content(),
+            files=module_files(modules, main.name),
+            compatibility_date=fleet.COMPATIBILITY_DATE,
+            # No placement: the front door runs in the colo that accepted the request.
+            bindings=plan.apply(_binding_args),
+            observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
+            opts=child,
+        )
+        self.route = public_route(name, s.account_id, s.worker_name, hostname, s.zone.id if s.zone else None,
+                                  pulumi.ResourceOptions(parent=self, depends_on=[self.worker]))
+        self.url = pulumi.Output.from_input(url)
+        self.cells = plan.apply(lambda p: p.cells_output())
+        self.register_outputs({"url": self.url, "cells": self.cells})
+
+
+def main() -> dict[str, pulumi.Input]:
+    """Declare the fleet stack and export its outputs; returns the exports (tests read them)."""
+    from .program import _raw_config, check_zone
+
+    raw, secrets = _raw_config()
+    try:
+        settings = fleet.parse(raw, pulumi.get_stack(), secrets=frozenset(secrets))
+        if not (pulumi.runtime.get_config("cloudflare:apiToken") or os.environ.get("CLOUDFLARE_API_TOKEN")):
+            raise MissingSetting("cloudflare:apiToken", None, "the Cloudflare API token is not set",
+                                 "pulumi config set --secret cloudflare:apiToken <token> (or export CLOUDFLARE_API_TOKEN)")
+    except ConfigError as err:
+        raise pulumi.RunError(str(err)) from None
+    if settings.zone is not None:
+        check_zone(settings.zone)
+    front = Fleet(settings.stack, FleetArgs(settings=settings))
+    exports = {
+        outputs.WORKER_URL: front.url,
+        outputs.WORKER_NAME: settings.worker_name,
+        outputs.CELLS: front.cells,
+    }
+    for key, value in exports.items():
+        pulumi.export(key, value)
+    return exports

@@ -1,0 +1,269 @@
+"""The fleet's pure layer: settings, member outputs, the refusals and the ranking."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from colocate import catalogue, fleet, geo, outputs, settings
+from colocate.errors import ConfigError, MissingSetting
+
+ACCOUNT = "0123456789abcdef0123456789abcdef"
+CELLS = ["apac-jp", "eu-west", "us-east"]
+
+
+def raw(**over) -> dict:
+    base = {"fleet": {"cells": list(CELLS)}, "accountId": ACCOUNT, "worker": {"subdomain": "acme"}}
+    base.update(over)
+    return base
+
+
+def outs(region: str, name: str | None = None) -> dict:
+    name = name or f"colocate-{region}"
+    return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
+            outputs.PROBE_TOKEN: "secret-not-read"}
+
+
+def three():
+    return fleet.plan_fleet(fleet.parse(raw(), "fleet"), [outs(c) for c in CELLS])
+
+
+def refused(exc=ConfigError, **over) -> ConfigError:
+    with pytest.raises(exc) as err:
+        fleet.parse(raw(**over), "fleet")
+    return err.value
+
+
+# --- settings -----------------------------------------------------------------------
+
+def test_is_fleet_only_with_a_non_empty_mapping():
+    assert fleet.is_fleet({"fleet": {"cells": ["a"]}})
+    for value in (None, {}, [], "x"):
+        assert not fleet.is_fleet({"fleet": value})
+    assert not fleet.is_fleet({"region": "apac-jp"})
+
+
+def test_parse_defaults():
+    s = fleet.parse(raw(), "fleet")
+    assert s.cells == tuple(CELLS) and s.remember_ms == 5000 and s.worker_name == "colocate-fleet"
+    assert s.max_body_bytes == settings.WORKER_DEFAULTS["maxBodyBytes"] and s.zone is None
+
+
+def test_project_defaults_of_cell_keys_are_accepted():
+    # The CLI hands every stack the project's defaults (pod, worker, budgets, probe, zone).
+    defaults = {k.name: k.default for k in settings.SCHEMA if k.default is not None and k.name not in ("fleet", "worker")}
+    s = fleet.parse(raw(**defaults, region="", generations=[]), "fleet")
+    assert s.cells == tuple(CELLS)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("region", "apac-jp"),
+    ("generations", [{"name": "apac-jp.g1", "region": "apac-jp", "status": "active"}]),
+    ("pod", {"provider": "local"}),
+    ("fallbackModel", "gpt-4o-mini"),
+    ("budgets", {"state": 10}),
+])
+def test_a_cells_key_on_a_fleet_is_refused(name, value):
+    err = refused(**{name: value})
+    assert err.key == f"colocate:{name}" and err.value == value
+    assert "a cell's key" in err.problem and f"pulumi config rm colocate:{name} -s fleet" in err.fix
+
+
+def test_unknown_key_is_refused():
+    err = refused(podRegion="x")
+    assert err.key == "colocate:podRegion" and "colocate:fleet" in err.fix
+
+
+@pytest.mark.parametrize("secret", ["podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"])
+def test_a_cells_secret_on_a_fleet_is_refused(secret):
+    with pytest.raises(ConfigError) as err:
+        fleet.parse(raw(), "fleet", secrets={secret})
+    assert err.value.key == f"colocate:{secret}" and "pulumi config rm" in err.value.fix
+    assert "[secret]" in str(err.value)
+
+
+@pytest.mark.parametrize("cells, key, words", [
+    ([], "colocate:fleet.cells", "at least one"),
+    ("apac-jp", "colocate:fleet.cells", "at least one"),
+    (["apac-jp", ""], "colocate:fleet.cells[1]", "stack name"),
+    (["apac-jp", "bad name"], "colocate:fleet.cells[1]", "stack name"),
+    (["apac-jp", 7], "colocate:fleet.cells[1]", "stack name"),
+    (["apac-jp", "apac-jp"], "colocate:fleet.cells[1]", "same cell as colocate:fleet.cells[0]"),
+    (["apac-jp", "acme/colocate/apac-jp"], "colocate:fleet.cells[1]", "same cell"),
+    (["apac-jp", "fleet"], "colocate:fleet.cells[1]", "its own member"),
+    ([f"c{i}" for i in range(fleet.MAX_CELLS + 1)], "colocate:fleet.cells", f"at most {fleet.MAX_CELLS}"),
+])
+def test_bad_cell_lists(cells, key, words):
+    err = refused(fleet={"cells": cells})
+    assert err.key == key and words in err.problem and err.fix
+
+
+def test_qualified_stack_names_are_accepted_and_shortened():
+    s = fleet.parse(raw(fleet={"cells": ["acme/colocate/apac-jp", "us-east"]}), "fleet")
+    assert s.cells == ("acme/colocate/apac-jp", "us-east")
+    assert [fleet.short_name(c) for c in s.cells] == ["apac-jp", "us-east"]
+
+
+@pytest.mark.parametrize("value", [-1, "soon", 60_001, True, 1.5])
+def test_bad_remember_ms(value):
+    err = refused(fleet={"cells": CELLS, "rememberMs": value})
+    assert err.key == "colocate:fleet.rememberMs" and "0..60000" in err.fix
+
+
+def test_remember_ms_as_cli_text():
+    assert fleet.parse(raw(fleet={"cells": CELLS, "rememberMs": "2500"}), "fleet").remember_ms == 2500
+
+
+def test_unknown_fleet_subkey():
+    err = refused(fleet={"cells": CELLS, "maxCells": 3})
+    assert err.key == "colocate:fleet.maxCells" and "cells, rememberMs" in err.fix
+
+
+def test_front_door_has_no_placement():
+    err = refused(worker={"subdomain": "acme", "placement": "smart"})
+    assert err.key == "colocate:worker.placement" and err.value == "smart" and "no placement" in err.problem
+    # The default value is what the CLI hands over when the stack says nothing: accepted.
+    default = settings.WORKER_DEFAULTS["placement"]
+    assert fleet.parse(raw(worker={"subdomain": "acme", "placement": default}), "fleet")
+
+
+def test_missing_account_and_address():
+    assert refused(MissingSetting, accountId="").key == "colocate:accountId"
+    err = refused(MissingSetting, worker={})
+    assert err.key == "colocate:worker.subdomain" and "colocate:zone" in err.fix
+
+
+def test_zone_gives_the_front_door_its_own_hostname():
+    zone = {"id": "f" * 32, "name": "example.com"}
+    p = fleet.plan_fleet(fleet.parse(raw(zone=zone, worker={}), "fleet"), [outs(c) for c in CELLS])
+    assert p.hostname == "fleet.example.com" and p.url == "https://fleet.example.com" and p.zone_id == "f" * 32
+    p = fleet.plan_fleet(fleet.parse(raw(zone={**zone, "workerHostname": "ai.example.com"}), "fleet"), [outs(c) for c in CELLS])
+    assert p.url == "https://ai.example.com"
+
+
+# --- members ------------------------------------------------------------------------
+
+def test_plan_from_member_outputs():
+    p = three()
+    assert [m.name for m in p.members] == CELLS
+    assert [(s.name, s.service) for s in p.services] == [("CELL_0", "colocate-apac-jp"), ("CELL_1", "colocate-eu-west"),
+                                                          ("CELL_2", "colocate-us-east")]
+    b = {x.name: x for x in p.bindings}
+    assert json.loads(b["CELLS"].text) == [{"name": c, "region": c} for c in CELLS]
+    assert b["CELLS"].type == b["CELL_RANK"].type == "json"
+    assert json.loads(b["CELL_RANK"].text) == p.rank
+    assert b["REMEMBER_MS"].text == "5000" and b["MAX_BODY_BYTES"].text == "1048576"
+    assert p.url == "https://colocate-fleet.acme.workers.dev" and p.hostname is None
+    assert p.cells_output()[0] == {"name": "apac-jp", "stack": "apac-jp", "region": "apac-jp",
+                                   "workerName": "colocate-apac-jp", "workerUrl": "https://colocate-apac-jp.acme.workers.dev"}
+
+
+@pytest.mark.parametrize("found, missing", [
+    (None, "workerName, workerUrl, region"),
+    ({}, "workerName, workerUrl, region"),
+    ({outputs.WORKER_NAME: "w", outputs.WORKER_URL: "https://w"}, "region"),
+    ({outputs.WORKER_NAME: "", outputs.WORKER_URL: "https://w", outputs.REGION: "eu-west"}, "workerName"),
+])
+def test_a_member_without_outputs_is_refused(found, missing):
+    s = fleet.parse(raw(), "fleet")
+    with pytest.raises(ConfigError) as err:
+        fleet.plan_fleet(s, [outs("apac-jp"), found, outs("us-east")])
+    e = err.value
+    assert e.key == "colocate:fleet.cells[1]" and e.value == "eu-west"
+    assert f"no outputs {missing}" in e.problem and "pulumi up -s eu-west" in e.fix
+
+
+def test_a_member_in_an_unknown_region_is_refused():
+    with pytest.raises(ConfigError) as err:
+        fleet.plan_fleet(fleet.parse(raw(), "fleet"), [outs("apac-jp"), outs("mars-1"), outs("us-east")])
+    assert "colocate:fleet.cells[1]" in err.value.key and err.value.value == "mars-1"
+
+
+def test_two_cells_in_one_region_are_refused():
+    s = fleet.parse(raw(fleet={"cells": ["apac-jp", "apac-jp-2", "us-east"]}), "fleet")
+    with pytest.raises(ConfigError) as err:
+        fleet.plan_fleet(s, [outs("apac-jp"), outs("apac-jp", "colocate-apac-jp-2"), outs("us-east")])
+    e = err.value
+    assert e.key == "colocate:fleet.cells" and e.value == ["apac-jp", "apac-jp-2", "us-east"]
+    assert "apac-jp and apac-jp-2 are both in region apac-jp" in e.problem
+    assert "pulumi config rm --path 'colocate:fleet.cells[1]'" in e.fix
+
+
+def test_two_members_with_one_worker_are_refused():
+    with pytest.raises(ConfigError, match="same Worker"):
+        fleet.plan_fleet(fleet.parse(raw(), "fleet"), [outs("apac-jp", "w"), outs("eu-west", "w"), outs("us-east")])
+
+
+# --- the ranking --------------------------------------------------------------------
+
+@pytest.mark.parametrize("colo, nearest", [("NRT", "apac-jp"), ("KIX", "apac-jp"), ("TPE", "apac-jp"),
+                                           ("FRA", "eu-west"), ("LHR", "eu-west"), ("CDG", "eu-west"),
+                                           ("IAD", "us-east"), ("EWR", "us-east"), ("ORD", "us-east"), ("GRU", "us-east")])
+def test_nearest_cell_by_colo(colo, nearest):
+    p = three()
+    assert CELLS[p.rank[colo][0]] == nearest
+
+
+def test_rank_orders_every_cell_by_floor():
+    p = three()
+    regions = [m.region for m in p.members]
+    assert set(p.rank) == set(geo.colos()) and len(p.rank) > 300
+    for colo, order in p.rank.items():
+        assert sorted(order) == [0, 1, 2], colo
+        floors = [geo.floor_ms(colo, regions[i].edge_site) for i in order]
+        assert floors == sorted(floors), colo
+
+
+def test_second_choice_from_tokyo_and_frankfurt():
+    p = three()
+    # Tokyo's next cell: us-east (IAD ~10,900 km) or eu-west (DUB ~9,600 km): Dublin is nearer.
+    assert [CELLS[i] for i in p.rank["NRT"]] == ["apac-jp", "eu-west", "us-east"]
+    assert [CELLS[i] for i in p.rank["FRA"]] == ["eu-west", "us-east", "apac-jp"]
+    assert [CELLS[i] for i in p.rank["IAD"]] == ["us-east", "eu-west", "apac-jp"]
+
+
+def test_rank_ties_and_unknown_colos_keep_the_configured_order():
+    jp = catalogue.region("apac-jp")
+    us = catalogue.region("us-east")
+    assert fleet.rank("XXX", [us, jp]) == [0, 1]
+    assert fleet.rank("NRT", [us, jp]) == [1, 0]
+    assert fleet.rank("nrt", [us, jp]) == [1, 0]
+    # Two identical regions tie everywhere: the configured order stands.
+    assert fleet.rank("FRA", [jp, jp]) == [0, 1]
+
+
+def test_rank_binding_is_compact():
+    p = three()
+    text = next(b.text for b in p.bindings if b.name == "CELL_RANK")
+    assert len(text.encode()) < 8_000 and " " not in text
+
+
+def test_member_outputs_wrong_length_is_a_bug():
+    with pytest.raises(ValueError):
+        fleet.plan_fleet(fleet.parse(raw(), "fleet"), [outs("apac-jp")])
+
+
+# --- the front door's modules ---------------------------------------------------------
+
+def test_front_modules_are_front_js_and_what_it_imports():
+    mods = fleet.front_modules()
+    names = [m.name for m in mods]
+    assert names[0] == "front.js"
+    assert {"errors.js", "timing.js", "body.js", "routes.js"} <= set(names)
+    # The cell's state, router and object are not part of the front door.
+    assert not {"router.js", "generation.js", "state.js", "index.js"} & set(names)
+    for m in mods:  # closed under imports
+        for dep in re.findall(r'from\s+"\./([^"]+)"', m.content()):
+            assert dep in names, (m.name, dep)
+
+
+def test_a_cell_command_on_a_fleet_stack_says_so():
+    from colocate import stackfile
+
+    raw, secrets = stackfile.read_config("fleet")
+    with pytest.raises(ConfigError) as err:
+        settings.parse(raw, "fleet", secrets=secrets)
+    assert err.value.key == "colocate:fleet" and "is a fleet" in err.value.problem
+    assert "apac-jp, eu-west, us-east" in err.value.fix

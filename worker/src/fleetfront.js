@@ -1,0 +1,98 @@
+// The front door's decisions, pure of I/O: reading its bindings, the order of cells for a
+// colo, the isolate's memory of cells that had no pod, and the cell's "no pod" answer.
+// front.js (the main module) does the I/O; see docs/fleet.md.
+
+import { ConfigurationError } from "./errors.js";
+
+export const DEFER_HEADER = "x-colocate-fallback";
+export const CELL_HEADER = "x-colocate-cell";
+export const MAX_TRIES = 2; // cells per request: the nearest able one, and one more
+
+const configs = new WeakMap();
+
+function json(env, name) {
+  const v = env[name];
+  if (typeof v !== "string") return v; // a json binding arrives parsed
+  try {
+    return JSON.parse(v);
+  } catch {
+    throw new ConfigurationError(name, "is not JSON");
+  }
+}
+
+function whole(env, name, min) {
+  const n = Number(env[name]);
+  if (env[name] === undefined || env[name] === "" || !Number.isInteger(n) || n < min) {
+    throw new ConfigurationError(name, `must be a whole number >= ${min} (got ${JSON.stringify(env[name] ?? null)})`);
+  }
+  return n;
+}
+
+/** The checked fleet configuration of this env (cached per env object). */
+export function readFleet(env) {
+  let cfg = configs.get(env);
+  if (cfg) return cfg;
+  const cells = json(env, "CELLS");
+  if (!Array.isArray(cells) || cells.length === 0 || !cells.every((c) => c && typeof c.name === "string" && c.name)) {
+    throw new ConfigurationError("CELLS", "must be a JSON array of {name, region}");
+  }
+  const services = cells.map((_, i) => {
+    const s = env[`CELL_${i}`];
+    if (!s || typeof s.fetch !== "function") throw new ConfigurationError(`CELL_${i}`, "the cell's service binding is missing");
+    return s;
+  });
+  const rank = json(env, "CELL_RANK");
+  if (rank === null || typeof rank !== "object" || Array.isArray(rank)) {
+    throw new ConfigurationError("CELL_RANK", "must be a JSON object {colo: [cell index, ...]}");
+  }
+  const n = cells.length;
+  for (const [colo, order] of Object.entries(rank)) {
+    const ok = Array.isArray(order) && order.length === n && new Set(order).size === n &&
+      order.every((i) => Number.isInteger(i) && i >= 0 && i < n);
+    if (!ok) throw new ConfigurationError("CELL_RANK", `the order for ${colo} is not a permutation of the ${n} cells`);
+  }
+  cfg = Object.freeze({
+    cells: cells.map((c, i) => Object.freeze({ index: i, name: c.name, region: c.region, service: services[i] })),
+    rank,
+    fallbackOrder: Object.freeze(cells.map((_, i) => i)),
+    rememberMs: whole(env, "REMEMBER_MS", 0),
+    maxBodyBytes: whole(env, "MAX_BODY_BYTES", 1),
+  });
+  configs.set(env, cfg);
+  return cfg;
+}
+
+// Cells that answered "no pod", by name -> time until which they are passed over. Module
+// scope: one isolate's memory, gone with it; a few cells at most.
+const noPodUntil = new Map();
+
+/** Forget every remembered cell (tests). */
+export function forget() {
+  noPodUntil.clear();
+}
+
+/**
+ * The cells to try for a request from `colo`, at most MAX_TRIES: the ranked order with the
+ * cells remembered as "no pod" moved to the end (never dropped: if all are remembered, the
+ * nearest is asked again rather than refusing).
+ */
+export function choose(cfg, colo, t = Date.now()) {
+  const order = (typeof colo === "string" && cfg.rank[colo.toUpperCase()]) || cfg.fallbackOrder;
+  const able = [];
+  const passed = [];
+  for (const i of order) {
+    const until = noPodUntil.get(cfg.cells[i].name);
+    if (until !== undefined && until > t) passed.push(i);
+    else able.push(i);
+  }
+  return able.concat(passed).slice(0, MAX_TRIES).map((i) => cfg.cells[i]);
+}
+
+export function remember(cfg, cell, t = Date.now()) {
+  if (cfg.rememberMs > 0) noPodUntil.set(cell.name, t + cfg.rememberMs);
+}
+
+/** The answer of a cell that asked to be passed over (the contract in router.js). */
+export function isNoPod(res) {
+  return res.status === 503 && res.headers.get("x-colocate-backend") === "none";
+}

@@ -1,0 +1,165 @@
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { MAX_TRIES, choose, forget, isNoPod, readFleet, remember } from "../src/fleetfront.js";
+import front from "../src/front.js";
+
+const cell = () => ({ fetch: async () => new Response("") });
+
+function env(over = {}) {
+  return {
+    CELLS: [{ name: "apac-jp", region: "apac-jp" }, { name: "eu-west", region: "eu-west" }, { name: "us-east", region: "us-east" }],
+    CELL_RANK: { NRT: [0, 1, 2], FRA: [1, 2, 0], IAD: [2, 1, 0] },
+    CELL_0: cell(),
+    CELL_1: cell(),
+    CELL_2: cell(),
+    REMEMBER_MS: "5000",
+    MAX_BODY_BYTES: "1048576",
+    ...over,
+  };
+}
+
+const names = (cells) => cells.map((c) => c.name);
+
+test("the ranked order for the request's colo, two cells at most", () => {
+  forget();
+  const cfg = readFleet(env());
+  assert.equal(MAX_TRIES, 2);
+  assert.deepEqual(names(choose(cfg, "NRT")), ["apac-jp", "eu-west"]);
+  assert.deepEqual(names(choose(cfg, "fra")), ["eu-west", "us-east"]);
+  assert.deepEqual(names(choose(cfg, "IAD")), ["us-east", "eu-west"]);
+});
+
+test("an unknown or missing colo uses the configured order", () => {
+  forget();
+  const cfg = readFleet(env());
+  assert.deepEqual(names(choose(cfg, "ZZZ")), ["apac-jp", "eu-west"]);
+  assert.deepEqual(names(choose(cfg, undefined)), ["apac-jp", "eu-west"]);
+});
+
+test("a remembered cell moves to the end until its time is up, never out", () => {
+  forget();
+  const cfg = readFleet(env());
+  remember(cfg, cfg.cells[0], 1000);
+  assert.deepEqual(names(choose(cfg, "NRT", 1000)), ["eu-west", "us-east"]);
+  assert.deepEqual(names(choose(cfg, "NRT", 5999)), ["eu-west", "us-east"]);
+  assert.deepEqual(names(choose(cfg, "NRT", 6000)), ["apac-jp", "eu-west"]);
+  for (const c of cfg.cells) remember(cfg, c, 0);
+  assert.deepEqual(names(choose(cfg, "FRA", 1)), ["eu-west", "us-east"]); // all remembered: ranked order
+  forget();
+});
+
+test("REMEMBER_MS 0 remembers nothing", () => {
+  forget();
+  const cfg = readFleet(env({ REMEMBER_MS: "0" }));
+  remember(cfg, cfg.cells[0], 1000);
+  assert.deepEqual(names(choose(cfg, "NRT", 1000)), ["apac-jp", "eu-west"]);
+});
+
+test("json bindings may arrive as text", () => {
+  const e = env();
+  const cfg = readFleet({ ...e, CELLS: JSON.stringify(e.CELLS), CELL_RANK: JSON.stringify(e.CELL_RANK) });
+  assert.equal(cfg.cells.length, 3);
+});
+
+test("bad bindings name the binding", () => {
+  const bad = [
+    [{ CELLS: [] }, /CELLS/],
+    [{ CELLS: "not json" }, /CELLS: is not JSON/],
+    [{ CELL_2: undefined }, /CELL_2/],
+    [{ CELL_RANK: { NRT: [0, 0, 1] } }, /CELL_RANK: the order for NRT/],
+    [{ CELL_RANK: { NRT: [0, 1] } }, /CELL_RANK/],
+    [{ CELL_RANK: [] }, /CELL_RANK/],
+    [{ REMEMBER_MS: "-1" }, /REMEMBER_MS/],
+    [{ MAX_BODY_BYTES: "0" }, /MAX_BODY_BYTES/],
+  ];
+  for (const [over, message] of bad) assert.throws(() => readFleet(env(over)), message, JSON.stringify(over));
+});
+
+test("no pod is a 503 with x-colocate-backend none, nothing else", () => {
+  const r = (status, backend) => new Response("", { status, headers: backend ? { "x-colocate-backend": backend } : {} });
+  assert.equal(isNoPod(r(503, "none")), true);
+  assert.equal(isNoPod(r(503, "fallback")), false);
+  assert.equal(isNoPod(r(503, null)), false);
+  assert.equal(isNoPod(r(502, "none")), false);
+});
+
+// --- front.js end to end, with cells that are plain functions -------------------------
+
+
+function fleetEnv(cells) {
+  const e = env({ REMEMBER_MS: "5000" });
+  cells.forEach((fn, i) => { e[`CELL_${i}`] = { fetch: fn }; });
+  return e;
+}
+
+const ctx = { waitUntil() {} };
+
+function ask(e, { body = '{"model":"m"}', auth = "Bearer clc_x", colo } = {}) {
+  const req = new Request("https://fleet.example/v1/chat/completions", {
+    method: "POST", body, headers: { authorization: auth, "content-type": "application/json", "x-colocate-fallback": "defer" },
+  });
+  if (colo) Object.defineProperty(req, "cf", { value: { colo } });
+  return front.fetch(req, e, ctx);
+}
+
+const served = () => async () => new Response('{"ok":true}', { headers: { "x-colocate-backend": "pod-0", "server-timing": "state;dur=0, upstream;dur=5, fallback;dur=0, total;dur=5" } });
+const noPod = (tried) => async () => new Response('{"error":{}}', { status: 503, headers: { "x-colocate-backend": "none", "x-colocate-pods-tried": String(tried) } });
+
+test("the first cell gets the defer header, the last none; body and Authorization pass unchanged", async () => {
+  forget();
+  const seen = [];
+  const record = (fn) => async (req) => {
+    seen.push({ defer: req.headers.get("x-colocate-fallback"), auth: req.headers.get("authorization"), body: await req.text() });
+    return fn(req);
+  };
+  const e = fleetEnv([record(noPod(1)), record(served("eu-west")), record(served("us-east"))]);
+  const res = await ask(e, { colo: "NRT", body: '{"model":"m","messages":[]}' });
+  assert.equal(res.status, 200);
+  assert.equal(res.headers.get("x-colocate-cell"), "eu-west");
+  assert.match(res.headers.get("server-timing"), /^front;dur=[0-9.]+, state;dur=0, upstream;dur=5/);
+  assert.deepEqual(seen, [
+    { defer: "defer", auth: "Bearer clc_x", body: '{"model":"m","messages":[]}' },
+    { defer: null, auth: "Bearer clc_x", body: '{"model":"m","messages":[]}' },
+  ]);
+  // tried a pod: not remembered, so apac-jp is asked first again
+  assert.deepEqual(names(choose(readFleet(e), "NRT")), ["apac-jp", "eu-west"]);
+});
+
+test("a cell with no pod to try is remembered; an unreachable cell too", async () => {
+  forget();
+  const e = fleetEnv([noPod(0), served("eu-west"), served("us-east")]);
+  assert.equal((await ask(e, { colo: "NRT" })).headers.get("x-colocate-cell"), "eu-west");
+  assert.deepEqual(names(choose(readFleet(e), "NRT")), ["eu-west", "us-east"]);
+  forget();
+  const down = fleetEnv([async () => { throw new Error("connection refused"); }, served("eu-west"), served("us-east")]);
+  assert.equal((await ask(down, { colo: "NRT" })).headers.get("x-colocate-cell"), "eu-west");
+  assert.deepEqual(names(choose(readFleet(down), "NRT")), ["eu-west", "us-east"]);
+  forget();
+});
+
+test("the last cell unreachable: 502 in OpenAI's shape", async () => {
+  forget();
+  const boom = async () => { throw new Error("down"); };
+  const res = await ask(fleetEnv([boom, boom, boom]), { colo: "FRA" });
+  assert.equal(res.status, 502);
+  assert.equal(res.headers.get("retry-after"), "1");
+  const body = await res.json();
+  assert.deepEqual(Object.keys(body.error).sort(), ["code", "message", "type"]);
+  assert.equal(body.error.code, "cell_unavailable");
+  forget();
+});
+
+test("a cell's own error passes through with the cell named", async () => {
+  forget();
+  const unauthorised = async () => new Response('{"error":{"code":"invalid_api_key"}}', { status: 401 });
+  const res = await ask(fleetEnv([unauthorised, served("x"), served("y")]), { colo: "NRT" });
+  assert.equal(res.status, 401);
+  assert.equal(res.headers.get("x-colocate-cell"), "apac-jp");
+  assert.match(res.headers.get("server-timing"), /^front;dur=[0-9.]+$/);
+});
+
+test("bad bindings answer 500 misconfigured naming the binding", async () => {
+  const res = await ask({ ...env(), CELL_RANK: "nope" });
+  assert.equal(res.status, 500);
+  assert.match((await res.json()).error.message, /CELL_RANK/);
+});
