@@ -16,37 +16,37 @@ success, 1 when ``status`` finds the sandbox unhealthy or ``demo`` fails a step,
 or configuration error (including a second ``up``). See docs/sandbox.md.
 """
 
-from __future__ import annotations
-
-import sys
-
 # A Ctrl-C while Python loads the kit is held until the imports are done, then ends the
 # command: nothing has started yet. Raised inside the import machinery it could land in a
 # callback whose exception Python only prints ("Exception ignored in ... _get_module_lock
 # ... KeyboardInterrupt"), and the command would go on as if no key had been pressed.
+# The handler is this file's first statement, through _signal (built in, it imports nothing):
+# the only window left is the interpreter's own start-up, before this file runs, where Python
+# itself reports the KeyboardInterrupt and exits 1 with nothing started.
+import _signal
+import sys
+
 _held: list[int] = []
-try:
-    import signal  # itself a few ms of imports (enum, functools, collections)
+_loading = _signal.signal(_signal.SIGINT, lambda signum, _frame: _held.append(signum))
 
-    _loading = signal.signal(signal.SIGINT, lambda signum, _frame: _held.append(signum))
-    import argparse
-    import json
-    from pathlib import Path
+import argparse
+import json
+import signal
+from pathlib import Path
 
-    ROOT = Path(__file__).resolve().parent.parent
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-    from colocate import stackfile
-    from colocate.errors import ConfigError
-    from colocate.sandbox import supervisor
-    from colocate.sandbox.errors import SandboxError
-except KeyboardInterrupt:  # before the handler above was in place
-    _held.append(2)  # SIGINT
+from colocate import stackfile
+from colocate.errors import ConfigError
+from colocate.sandbox import supervisor
+from colocate.sandbox.errors import SandboxError
+
 if _held:
     print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
     sys.exit(130)
-signal.signal(signal.SIGINT, _loading)
+_signal.signal(_signal.SIGINT, _loading)
 
 DEFAULT_STACK = "sandbox"
 
