@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
     d = sub.add_parser("demo", help="tell the field story with the running cell (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
-    d.add_argument("--samples", type=int, default=15, help="probe samples per step (default 15)")
+    d.add_argument("--samples", type=int, default=10, help="probe samples per step (default 10: enough for the p50/p90 table)")
     d.add_argument("--client-site", default="NRT", metavar="COLO",
                    help="where the one user of the story sits, a colo code (default NRT, Tokyo)")
     return p
