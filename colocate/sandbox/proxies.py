@@ -70,7 +70,7 @@ MAX_HEADER_BYTES = 16 * 1024
 # the server does not recognise).
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
 CLIENT_LEFT = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, TimeoutError)
-CLIENT_TIMEOUT_S = 120.0  # a client that stops sending mid-request is dropped, as the edge does
+CLIENT_TIMEOUT_S = 300.0  # a client silent this long (mid-request or idle between requests) is dropped
 LINGER_S = 1.0  # after an error answer, read what the client still sends (bounded) so a reset does not eat the answer
 LINGER_BYTES = 4 * 1024 * 1024
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")
