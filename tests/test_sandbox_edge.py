@@ -23,7 +23,7 @@ from colocate.sandbox.geography import Geography, Sites
 from colocate.sandbox.pinning import FILE_NAME as PINS_FILE, Pins
 from colocate.sandbox.proxies import Network, NetworkServers
 MAX_HEADER_BYTES, MAX_URL_BYTES = 16384, 16384
-from tests.support.workerd import running_cell
+from tests.support.workerd import SECRETS, running_cell
 
 EDGE = "IAD"
 
@@ -225,6 +225,10 @@ def test_two_authorization_headers_reach_the_worker_and_it_refuses(edge):
         assert a.status == 401, (a.status, a.body)
         assert a.json()["error"]["code"] == "invalid_api_key"
     assert exchange(port, request_bytes(headers=[("Authorization", f"Bearer {key}")])).status == 200
+    # The operator endpoints too: the probe token twice is no probe token.
+    token = [("Authorization", f"Bearer {SECRETS['PROBE_TOKEN']}")]
+    assert exchange(port, request_bytes(target="/_colocate/keys", headers=token * 2)).status == 401
+    assert exchange(port, request_bytes(target="/_colocate/keys", headers=token)).status == 200
 
 
 def test_an_unreachable_worker_is_a_502_that_names_nothing_internal(capsys):
@@ -268,5 +272,9 @@ def test_a_client_that_leaves_leaves_no_traceback(edge, capsys):
     time.sleep(0.5)  # the server threads notice
     # After all that the edge still serves, and said nothing.
     assert exchange(port, request_bytes(headers=[("Authorization", f"Bearer {key}")])).status == 200
+    # The operator endpoints too: the probe token twice is no probe token.
+    token = [("Authorization", f"Bearer {SECRETS['PROBE_TOKEN']}")]
+    assert exchange(port, request_bytes(target="/_colocate/keys", headers=token * 2)).status == 401
+    assert exchange(port, request_bytes(target="/_colocate/keys", headers=token)).status == 200
     err = capsys.readouterr().err
     assert "Traceback" not in err and "Error" not in err, err

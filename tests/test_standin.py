@@ -151,6 +151,8 @@ REFUSED = [
     ("/v1/chat/completions", {**CHAT, "stream": [True]}, "Bad Request", None, "stream"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": "yes"}, "Bad Request", None, "stream_options"),
     ("/v1/chat/completions", [CHAT], "Bad Request", None, "dictionary"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**12}, "BadRequestError", "max_tokens", "maximum context length is 8192"),
+    ("/v1/completions", {"prompt": "x" * 40_000}, "BadRequestError", "input_tokens", "maximum context length is 8192"),
 ]
 
 

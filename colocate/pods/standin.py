@@ -23,7 +23,8 @@ JSON or not an object, a missing or malformed ``messages``/``prompt``, a field o
 (``stream: "maybe"``, ``temperature: "hot"``) are 400 ``{"error": {"message", "type": "Bad
 Request", "param": null, "code": 400}}``; ``max_tokens`` < 1, ``n`` outside 1..16384,
 a negative ``temperature``, ``top_p`` outside (0, 1] are 400 ``BadRequestError`` naming the
-``param``; a body nested past Python's recursion limit is vLLM's bare 500. What pydantic's lax
+``param``, and so is a prompt plus ``max_tokens`` over the pods' 8192-token context (the prompt
+counted at four characters a token); a body nested past Python's recursion limit is vLLM's bare 500. What pydantic's lax
 mode takes is taken (``stream: "yes"``, ``temperature: "0.5"``), and a missing ``model`` means
 the served one, as in vLLM. Another model name is vLLM's 404 ``NotFoundError`` only with
 ``any_model=False`` (CLI ``--only-model``): by default any name is served, because the sandbox's
@@ -72,6 +73,7 @@ _HANG_CAP_S = 300.0  # a hang with no delay lasts until shutdown, but never long
 # the sampling parameters (400 "BadRequestError": SamplingParams._verify_args). Errors are
 # {"error": {"message", "type", "param", "code": <status>}} (vLLM >= 0.10's ErrorResponse).
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: a bigger n is refused
+MAX_MODEL_LEN = 8192  # the kit's pods run with --max-model-len 8192 (PodSpec.vllm_args)
 _TRUE = {"1", "on", "t", "true", "y", "yes"}  # pydantic's lax bool strings (stream: "yes" is True)
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
@@ -185,7 +187,22 @@ def validate(body, chat: bool, served: str | None) -> dict:
     top_p = out["top_p"]
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise Refused(f"top_p must be in (0, 1], got {top_p}.", "top_p", type_="BadRequestError")
+    # vLLM's context check (OpenAIServing._validate_input), on the stand-in's token estimate.
+    inputs = prompt_tokens(out)
+    if inputs >= MAX_MODEL_LEN:
+        raise Refused(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has "
+                      f"{inputs} input tokens. Please reduce the length of the input messages.", "input_tokens",
+                      type_="BadRequestError")
+    if max_tokens is not None and inputs + max_tokens > MAX_MODEL_LEN:
+        raise Refused(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                      f"context length is {MAX_MODEL_LEN} tokens and your request has {inputs} input tokens "
+                      f"({max_tokens} > {MAX_MODEL_LEN} - {inputs}).", "max_tokens", type_="BadRequestError")
     return out
+
+
+def prompt_tokens(body: dict) -> int:
+    """The stand-in's token count for the prompt: about four characters a token."""
+    return max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
 
 
 class StandinServer(ThreadingHTTPServer):
@@ -485,8 +502,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _usage(body: dict, tokens: list[str]) -> dict:
     # About four characters a token: enough for limits and usage accounting to have numbers.
-    prompt_tokens = max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens), "total_tokens": prompt_tokens + len(tokens)}
+    prompt = prompt_tokens(body)
+    return {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
 
 
 def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
