@@ -68,11 +68,13 @@ def exchange(port: int, data: bytes, timeout: float = 15.0) -> Answer:
         resp.begin()
         body = resp.read()
         headers = {k.lower(): v for k, v in resp.getheaders()}
-        sock.settimeout(3.0)
-        try:
-            closed = resp.fp.read(1) == b"" if resp.fp else sock.recv(1) == b""
-        except (TimeoutError, OSError):
-            closed = False
+        closed = False
+        if headers.get("connection", "").lower() == "close":  # then the socket must really end (EOF)
+            sock.settimeout(3.0)
+            try:
+                closed = resp.fp.read(1) == b"" if resp.fp else sock.recv(1) == b""
+            except (TimeoutError, OSError):
+                closed = False
         return Answer(resp.status, headers, body, closed)
     finally:
         sock.close()
