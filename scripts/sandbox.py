@@ -96,12 +96,14 @@ class UnknownStack(SandboxError):
     pass
 
 
-def _where_flags(args, state_dir: Path) -> str:
-    """The flags that name this sandbox again in a printed command."""
-    stack = getattr(args, "stack", None) or DEFAULT_STACK
+def _where_flags(args, state_dir: Path, stack: str | None = None) -> str:
+    """The flags that name this sandbox again in a printed command: always its stack (the one
+    that runs there, not the command's default), and the state directory when it is not that
+    stack's default, so a printed ``up`` never starts another stack in it."""
+    stack = stack or supervisor.owner(state_dir) or getattr(args, "stack", None) or DEFAULT_STACK
     if Path(state_dir).resolve() == supervisor.default_state_dir(stack).resolve():
         return f"--stack {stack}"
-    return f"--state-dir {state_dir}"
+    return f"--stack {stack} --state-dir {state_dir}"
 
 
 def _others(exclude: Path | None = None) -> str:
@@ -127,24 +129,37 @@ def _state_dir(args) -> Path:
 
 
 def _up_summary(out: dict, args) -> str:
-    where = _where_flags(args, Path(out["state_dir"]))
+    where = _where_flags(args, Path(out["state_dir"]), out.get("stack"))
     key = out.get("key")
     use = (f"; client key {key}: OpenAI(base_url=\"{out['worker_url']}/v1\", api_key=\"{key}\")" if key else "")
     return (f"sandbox.py up: stack {out['stack']} ({out['region']}) serves at {out['worker_url']}{use}. "
             f"Next: `{CMD} status {where}`, then `{CMD} down {where}`")
 
 
+def _unhealthy_parts(out: dict) -> list[str]:
+    """What is wrong, once per cause: a pod whose process is gone is not also "not answering"."""
+    health = out.get("health") or {}
+    pids = out.get("pids") or {}
+    dead = [k for k, ok in (health.get("processes") or {}).items() if not ok]
+    parts = [f"{k} (pid {pids.get(k)}) is not running" for k in dead]
+    if health.get("worker_probe") is False:
+        parts.append(f"the Worker's probe answered {health.get('worker_status') or 'nothing'}")
+    if health.get("pod") is False and not any(k == "pod" or k.startswith("pod-") for k in dead):
+        parts.append("a pod does not answer /health")
+    if health.get("network") is False:
+        parts.append("the network proxy does not answer")
+    return parts
+
+
 def _status_summary(out: dict, args) -> str:
-    where = _where_flags(args, Path(out["state_dir"]))
+    where = _where_flags(args, Path(out["state_dir"]), out.get("stack"))
     if not out["running"]:
         return f"sandbox.py status: nothing runs in {out['state_dir']}; {_others(Path(out['state_dir']))}"
     if out.get("healthy"):
         return (f"sandbox.py status: stack {out.get('stack')} runs at {out.get('worker_url')}, healthy. "
                 f"Next: `{CMD} down {where}` when done")
-    health = out.get("health") or {}
-    bad = [k for k, ok in (health.get("processes") or {}).items() if not ok]
-    bad += [k for k in ("worker_probe", "pod", "network") if health.get(k) is False]
-    return (f"sandbox.py status: stack {out.get('stack')} runs but is UNHEALTHY ({', '.join(bad) or 'starting'}); "
+    bad = _unhealthy_parts(out)
+    return (f"sandbox.py status: stack {out.get('stack')} runs but is UNHEALTHY: {'; '.join(bad) or 'still starting'}; "
             f"logs in {Path(out['state_dir']) / 'logs'}. Next: `{CMD} down {where}`, then `{CMD} up {where}`")
 
 
