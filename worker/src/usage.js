@@ -1,9 +1,11 @@
 // Token usage from upstream answers (OpenAI's `usage` object), for limits and usage rows.
 //
 // A complete JSON answer carries `usage` at its top level. A streamed (SSE) answer carries
-// it in its last data event when the client asked `stream_options.include_usage` (vLLM and
-// OpenAI both do so); other streams count as requests with unknown tokens
-// (docs/worker.md says what that means for token limits).
+// it in a last data event (`"choices": []`) when the request asked
+// `stream_options.include_usage` (vLLM and OpenAI both do so). The router asks for it on
+// every stream; when the client did not, `stripStream` takes that event out of the
+// client's stream. A stream that ends (or is cut) without one is estimated from its text:
+// `estimateUsage` (docs/worker.md, "Streams and tokens").
 
 const decoder = new TextDecoder();
 const TAIL_BYTES = 16384; // the last events of a stream; a usage event is a few hundred bytes
@@ -66,6 +68,33 @@ function usageOfText(text) {
   }
 }
 
+// A string value of a field that carries generated text, in an SSE event's JSON.
+const CONTENT = /"(?:content|text|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
+
+/** Characters of generated text (content, text, tool arguments) in SSE text; JSON escapes count as written. */
+export function contentChars(text) {
+  let n = 0;
+  CONTENT.lastIndex = 0;
+  for (let m = CONTENT.exec(text); m !== null; m = CONTENT.exec(text)) n += m[1].length;
+  return n;
+}
+
+/**
+ * The estimate for a stream whose upstream reported no usage (or that was cut before it
+ * did): about four characters a token, of the request's `messages` (or `prompt`) as JSON
+ * and of the streamed text. Marked `estimated` for the usage report.
+ */
+export function estimateUsage(json, streamedChars) {
+  let promptChars = 0;
+  try {
+    const p = json ? (json.messages ?? json.prompt) : undefined;
+    promptChars = p === undefined ? 0 : JSON.stringify(p).length;
+  } catch {
+    // cannot happen for a validated body; an estimate is never worth a failure
+  }
+  return { prompt: Math.ceil(promptChars / 4), completion: Math.ceil(streamedChars / 4), estimated: true };
+}
+
 /** Usage in the last SSE data event that has one, or null. */
 export function usageOfSseTail(text) {
   const lines = text.split("\n");
@@ -97,10 +126,13 @@ const FULL_READ = 4096;
 /**
  * Pass a stream through unchanged and call `done(usage | null)` once when it ends or is
  * cancelled. The runtime pipes the bytes to the client. Without `wantUsage` they are not
- * looked at, and the end is all that is learnt. With it, a tee's second branch is read in
- * batches and its last TAIL_BYTES kept to find the usage event.
+ * looked at, and the end is all that is learnt. With it (the client asked for usage, so
+ * its stream keeps the usage event), a tee's second branch is read in batches and its
+ * last TAIL_BYTES kept to find the usage event; a stream that has none (or is cut before
+ * it) is estimated by `estimate(chars)` from the content in that tail, scaled to the
+ * stream's whole length.
  */
-export function tapStream(body, wantUsage, done) {
+export function tapStream(body, wantUsage, done, estimate = null) {
   let called = false;
   const finish = (usage) => {
     if (!called) {
@@ -127,12 +159,18 @@ export function tapStream(body, wantUsage, done) {
   const counted = readTail(reader, delivered);
   return {
     body: ts.readable,
-    piped: Promise.all([delivered, counted]).then(([whole, usage]) => finish(whole ? usage : null)),
+    piped: Promise.all([delivered, counted]).then(([, tail]) => {
+      // A cut stream is counted too: what was streamed before the cut was generated.
+      const usage = tail.text !== null ? usageOfSseTail(tail.text) : null;
+      if (usage || !estimate) return finish(usage);
+      const seen = tail.text === null ? 0 : contentChars(tail.text) * (tail.total / Math.max(1, tail.text.length));
+      return finish(estimate(Math.round(seen)));
+    }),
   };
 }
 
-// The usage in the last TAIL_BYTES of the branch, or null. The tail keeps references to
-// the last chunks; they are joined once, at the end.
+// {text: the last TAIL_BYTES of the branch as text (null when none was read), total: the
+// bytes read}. The tail keeps references to the last chunks; they are joined once, at the end.
 async function readTail(reader, delivered) {
   let flowing = true;
   delivered.then(() => {
@@ -140,6 +178,7 @@ async function readTail(reader, delivered) {
   });
   const tail = []; // the last chunks, at least TAIL_BYTES of them when there are that many
   let size = 0;
+  let total = 0;
   let full = false; // the last read filled its buffer: more may be waiting
   try {
     for (;;) {
@@ -149,19 +188,104 @@ async function readTail(reader, delivered) {
       if (done) break;
       tail.push(value);
       size += value.byteLength;
+      total += value.byteLength;
       while (size - tail[0].byteLength >= TAIL_BYTES) size -= tail.shift().byteLength;
       full = value.byteLength >= FULL_READ;
     }
   } catch {
-    return null; // the branch broke: so did the client's, and `delivered` says so
+    // the branch broke: so did the client's, and `delivered` says so; count what was read
   }
+  if (size === 0) return { text: null, total };
   const bytes = new Uint8Array(size);
   let at = 0;
   for (const c of tail) {
     bytes.set(c, at);
     at += c.byteLength;
   }
-  return usageOfSseTail(decoder.decode(bytes.subarray(Math.max(0, size - TAIL_BYTES))));
+  const text = decoder.decode(bytes.subarray(Math.max(0, size - TAIL_BYTES)));
+  return { text, total: total * (text.length / Math.min(size, TAIL_BYTES)) }; // in characters, like `text`
+}
+
+// After `"usage"`: the object's opening brace (not `null`), as USAGE_OPEN.
+const USAGE_OBJECT = /"usage"[ \t\r\n]*:[ \t\r\n]*\{/;
+
+/** The end of the last complete SSE event in `text` (after its blank line), or 0. */
+function lastEventEnd(text) {
+  const a = text.lastIndexOf("\n\n");
+  const b = text.lastIndexOf("\n\r\n");
+  return Math.max(a < 0 ? 0 : a + 2, b < 0 ? 0 : b + 3);
+}
+
+/**
+ * The client's stream when the router, not the client, asked for usage: the upstream's
+ * events pass on as they arrive, except the usage event (`"choices": []` with a `usage`
+ * object), which is read and taken out, so the client sees what it asked for. Calls
+ * `done(usage)` once at the end or cut: the reported usage, else `estimate(chars)` from
+ * the content streamed so far.
+ *
+ * Cost: one JavaScript turn per chunk (a tee cannot drop an event). The common chunk holds
+ * whole events and no usage object: it is decoded, searched and passed on as the same
+ * bytes. Only a partial event waits for the rest of itself (an SSE client cannot use half
+ * an event either), and only a chunk with a usage object is cut and re-encoded. The
+ * other events' `"usage": null` (OpenAI and vLLM add it to every chunk once usage is
+ * asked) stays: for a client it is the same as no field, and removing it would re-encode
+ * every event.
+ */
+export function stripStream(body, done, estimate) {
+  let called = false;
+  let usage = null;
+  let chars = 0;
+  let carry = ""; // the start of an event whose end has not arrived yet
+  const dec = new TextDecoder();
+  const enc = new TextEncoder();
+  const finish = () => {
+    if (!called) {
+      called = true;
+      done(usage || estimate(chars));
+    }
+  };
+  // Whole events in `text`: forward them without the usage event.
+  const events = (text, c) => {
+    let kept = "";
+    for (const ev of text.split(/(?<=\n\r?\n)/)) {
+      if (USAGE_OBJECT.test(ev)) {
+        const line = ev.slice(ev.indexOf("data:") + 5);
+        let obj = null;
+        try {
+          obj = JSON.parse(line);
+        } catch {
+          // not one JSON event: pass it on as it came
+        }
+        const u = obj && fromUsage(obj.usage);
+        if (u) usage = u;
+        if (u && Array.isArray(obj.choices) && obj.choices.length === 0) continue;
+      }
+      chars += contentChars(ev);
+      kept += ev;
+    }
+    if (kept) c.enqueue(enc.encode(kept));
+  };
+  const ts = new TransformStream({
+    transform(chunk, c) {
+      const text = dec.decode(chunk, { stream: true });
+      if (carry === "" && lastEventEnd(text) === text.length && !USAGE_OBJECT.test(text)) {
+        chars += contentChars(text);
+        c.enqueue(chunk); // the common case: whole events, no usage: the same bytes
+        return;
+      }
+      const all = carry + text;
+      const end = lastEventEnd(all);
+      carry = all.slice(end);
+      if (end > 0) events(all.slice(0, end), c);
+    },
+    flush(c) {
+      const rest = carry + dec.decode();
+      carry = "";
+      if (rest) events(rest, c);
+    },
+  });
+  const piped = body.pipeTo(ts.writable).then(finish, finish);
+  return { body: ts.readable, piped };
 }
 
 /** Settles when `promise` does or after `ms`, whichever comes first; the timer is cleared. */

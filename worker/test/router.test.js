@@ -4,7 +4,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { handle } from "../src/router.js";
-import { initial, record, grantTrial } from "../src/machine.js";
+import { initial, record, grantTrial, needsWitness } from "../src/machine.js";
 import { keyHash, newKey } from "../src/keys.js";
 import { parseServerTiming } from "../src/timing.js";
 
@@ -21,13 +21,13 @@ function fakeNamespace() {
     });
     return {
       async sync(info, batch) { calls.push(["sync", name]); if (batch) o.synced.push(batch); return view(info.haveRev); },
-      async report(pod, ok, info) {
-        calls.push(["report", name, pod, ok]);
+      async report(pod, ok, info, from) {
+        calls.push(["report", name, pod, ok, from]);
         const before = o.pods[pod] || initial();
-        const next = record(before, ok, Date.now(), info);
+        const next = record(before, ok, Date.now(), info, from);
         if (next.state === "closed" && next.failures === 0) delete o.pods[pod];
         else o.pods[pod] = next;
-        return { from: before.state, to: next.state, view: view(info.haveRev) };
+        return { from: before.state, to: next.state, witness: needsWitness(next, info), view: view(info.haveRev) };
       },
       async tryTrial(pod, info) {
         calls.push(["tryTrial", name, pod]);
@@ -80,7 +80,7 @@ function fakeFetch(podBehaviour) {
 
 const json = (body = "{}") => new Response(body, { headers: { "content-type": "application/json" } });
 const chat = (key) => new Request("https://w.test/v1/chat/completions?x=1", {
-  method: "POST", body: JSON.stringify({ model: "m", messages: [] }), headers: { authorization: `Bearer ${key}` },
+  method: "POST", body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "hi" }] }), headers: { authorization: `Bearer ${key}` },
 });
 const podCalls = (seen) => seen.filter((s) => s.url.startsWith("http://pod")).length;
 
@@ -140,7 +140,7 @@ test("a failing pod is retried once on another healthy pod before the fallback",
   const key = await withKey(env.BREAKER, "router-retry");
   const c = ctx();
   const { f, seen } = fakeFetch((init, url) => (url.startsWith("http://pod-a") ? Promise.reject(new TypeError("refused")) : json()));
-  const triedA = () => seen.filter((s) => s.url.startsWith("http://pod-a")).length;
+  const triedA = () => seen.filter((s) => s.url.startsWith("http://pod-a") && !s.url.endsWith("/health")).length;
   // Ties are broken at random: go on until pod A was picked FAILURE_THRESHOLD (2) times (bounded).
   for (let i = 0; i < 200 && triedA() < 2; i++) {
     const r = await handle(chat(key), env, c, { fetch: f });
@@ -148,6 +148,8 @@ test("a failing pod is retried once on another healthy pod before the fallback",
     await c.settle(); // the report of a failure reaches the object before the next pick
   }
   assert.equal(triedA(), 2);
+  // One key's failures alone open nothing: the health check that agreed did.
+  assert.equal(seen.filter((s) => s.url === "http://pod-a.test/health").length, 1);
   assert.equal(env.BREAKER.objects.get("router-retry").pods["http://pod-a.test"].state, "open");
   assert.equal(seen.filter((s) => s.url.startsWith("https://fb")).length, 0);
 });
