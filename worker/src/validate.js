@@ -13,7 +13,7 @@
 
 import { HttpError } from "./errors.js";
 
-export const MAX_DEPTH = 64; // containers inside containers; tool schemas need a few dozen at most
+export const MAX_DEPTH = 64; // containers nested in one field (tool schemas need a few dozen at most)
 export const MAX_TOKENS = 131072; // a sane cap on max_tokens: beyond any context the pods serve
 export const MAX_N = 16; // choices per request: each is a full generation on the pod
 const MAX_MESSAGES = 4096;
@@ -161,7 +161,7 @@ function walk(root, param) {
       continue;
     }
     if (v === null || typeof v !== "object") continue;
-    if (depth >= MAX_DEPTH) throw bad(param, "too_deep", `${param} nests more than ${MAX_DEPTH} levels of arrays and objects: flatten it`);
+    if (depth > MAX_DEPTH) throw bad(param, "too_deep", `${param} nests more than ${MAX_DEPTH} levels of arrays and objects: flatten it`);
     if (Array.isArray(v)) for (let i = 0; i < v.length; i++) stack.push(v[i], depth + 1);
     else for (const k in v) stack.push(v[k], depth + 1);
   }
