@@ -221,38 +221,55 @@ function lastEventEnd(text) {
  * events pass on as they arrive, except the usage event (`"choices": []` with a `usage`
  * object), which is read and taken out, so the client sees what it asked for. Calls
  * `done(usage)` once at the end or cut: the reported usage, else `estimate(chars)` from
- * the content streamed so far.
+ * the content of the last TAIL_BYTES streamed, scaled to the whole stream (as tapStream).
  *
- * Cost: one JavaScript turn per chunk (a tee cannot drop an event). The common chunk holds
- * whole events and no usage object: it is decoded, searched and passed on as the same
- * bytes. Only a partial event waits for the rest of itself (an SSE client cannot use half
- * an event either), and only a chunk with a usage object is cut and re-encoded. The
- * other events' `"usage": null` (OpenAI and vLLM add it to every chunk once usage is
- * asked) stays: for a client it is the same as no field, and removing it would re-encode
- * every event.
+ * Cost: a tee cannot drop an event, so every chunk takes one JavaScript turn: read from
+ * the upstream, written to a runtime byte stream (the client's side stays native). The
+ * common chunk holds whole events and no usage object: it is decoded, searched once and
+ * written as the same bytes. Only a partial event waits for the rest of itself (an SSE
+ * client cannot use half an event either), and only a chunk with a usage object is cut
+ * and re-encoded. The other events' `"usage": null` (OpenAI and vLLM add it to every
+ * chunk once usage is asked) stays: for a client it is the same as no field, and taking it
+ * out would re-encode every event.
  */
 export function stripStream(body, done, estimate) {
-  let called = false;
-  let usage = null;
-  let chars = 0;
-  let carry = ""; // the start of an event whose end has not arrived yet
+  const ts = new Identity();
+  return { body: ts.readable, piped: pumpStripping(body, ts.writable, done, estimate) };
+}
+
+const LF = 10;
+const CR = 13;
+
+/** Whether bytes end an SSE event (a blank line: LF LF, or CR LF CR LF). */
+function endsEvent(b) {
+  const n = b.length;
+  return n >= 2 && b[n - 1] === LF && (b[n - 2] === LF || (n >= 4 && b[n - 2] === CR && b[n - 3] === LF));
+}
+
+async function pumpStripping(body, writable, done, estimate) {
+  const reader = body.getReader();
+  const writer = writable.getWriter();
   const dec = new TextDecoder();
   const enc = new TextEncoder();
-  const finish = () => {
-    if (!called) {
-      called = true;
-      done(usage || estimate(chars));
-    }
+  let usage = null;
+  let carry = ""; // the start of an event whose end has not arrived yet
+  const tail = []; // the last texts passed on, for an estimate
+  let tailChars = 0;
+  let total = 0; // characters passed on
+  const keep = (text) => {
+    tail.push(text);
+    tailChars += text.length;
+    total += text.length;
+    while (tailChars - tail[0].length >= TAIL_BYTES) tailChars -= tail.shift().length;
   };
-  // Whole events in `text`: forward them without the usage event.
-  const events = (text, c) => {
+  // Whole events in `text`, without the usage event.
+  const events = (text) => {
     let kept = "";
     for (const ev of text.split(/(?<=\n\r?\n)/)) {
       if (USAGE_OBJECT.test(ev)) {
-        const line = ev.slice(ev.indexOf("data:") + 5);
         let obj = null;
         try {
-          obj = JSON.parse(line);
+          obj = JSON.parse(ev.slice(ev.indexOf("data:") + 5));
         } catch {
           // not one JSON event: pass it on as it came
         }
@@ -260,32 +277,41 @@ export function stripStream(body, done, estimate) {
         if (u) usage = u;
         if (u && Array.isArray(obj.choices) && obj.choices.length === 0) continue;
       }
-      chars += contentChars(ev);
       kept += ev;
     }
-    if (kept) c.enqueue(enc.encode(kept));
+    if (kept) keep(kept);
+    return kept ? enc.encode(kept) : null;
   };
-  const ts = new TransformStream({
-    transform(chunk, c) {
-      const text = dec.decode(chunk, { stream: true });
-      if (carry === "" && lastEventEnd(text) === text.length && !USAGE_OBJECT.test(text)) {
-        chars += contentChars(text);
-        c.enqueue(chunk); // the common case: whole events, no usage: the same bytes
-        return;
+  try {
+    for (;;) {
+      const { done: end, value } = await reader.read();
+      if (end) break;
+      const text = dec.decode(value, { stream: true });
+      let out;
+      if (carry === "" && endsEvent(value) && !USAGE_OBJECT.test(text)) {
+        keep(text);
+        out = value; // the common chunk: whole events, no usage: the same bytes
+      } else {
+        const all = carry + text;
+        const at = lastEventEnd(all);
+        carry = all.slice(at);
+        out = at > 0 ? events(all.slice(0, at)) : null;
       }
-      const all = carry + text;
-      const end = lastEventEnd(all);
-      carry = all.slice(end);
-      if (end > 0) events(all.slice(0, end), c);
-    },
-    flush(c) {
-      const rest = carry + dec.decode();
-      carry = "";
-      if (rest) events(rest, c);
-    },
-  });
-  const piped = body.pipeTo(ts.writable).then(finish, finish);
-  return { body: ts.readable, piped };
+      if (out) await writer.write(out); // settles once the client has taken it: backpressure
+    }
+    const rest = carry + dec.decode();
+    const out = rest ? events(rest) : null;
+    if (out) await writer.write(out);
+    await writer.close();
+  } catch (err) {
+    // The client went away (the write failed) or the upstream's stream broke: stop both
+    // sides, so the upstream is not left generating for nobody; what was sent is counted.
+    await reader.cancel(err).catch(() => {});
+    await writer.abort(err).catch(() => {});
+  }
+  if (usage) return done(usage);
+  const text = tail.join("");
+  return done(estimate(Math.round(contentChars(text) * (total / Math.max(1, text.length)))));
 }
 
 /** Settles when `promise` does or after `ms`, whichever comes first; the timer is cleared. */

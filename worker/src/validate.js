@@ -93,6 +93,8 @@ const COMPLETIONS = {
  * request: throws HttpError 400 with `param`. `json` is a parsed JSON object.
  */
 export function validateBody(pathname, json) {
+  // Depth and finiteness first: the rules below may print a value, and must not walk a deep one.
+  for (const k in json) walk(json[k], k);
   const chat = pathname === "/v1/chat/completions";
   const rules = chat ? CHAT : COMPLETIONS;
   if (json.model === undefined || json.model === null) throw bad("model", "missing_field", 'model is required: send "model": "<name>" (GET /v1/models lists them)');
@@ -103,7 +105,8 @@ export function validateBody(pathname, json) {
     if (!rule[0](v)) throw bad(k, "invalid_value", `${k} must be ${rule[1]} (got ${shown(v)})`);
   }
   if (json.stream_options != null && json.stream !== true) {
-    throw bad("stream_options", "invalid_value", 'stream_options is only allowed with "stream": true: remove it, or stream');
+    throw bad("stream_options", "invalid_value",
+      `stream_options is only allowed with "stream": true (got "stream": ${shown(json.stream ?? null)}): remove it, or stream`);
   }
   const so = json.stream_options;
   if (so != null) {
@@ -113,13 +116,12 @@ export function validateBody(pathname, json) {
   }
   if (chat) checkMessages(json.messages);
   else checkPrompt(json.prompt);
-  for (const k in json) walk(json[k], k);
 }
 
 function checkMessages(m) {
   if (m === undefined || m === null) throw bad("messages", "missing_field", 'messages is required: send "messages": [{"role": "user", "content": "..."}]');
   if (!Array.isArray(m) || m.length === 0 || m.length > MAX_MESSAGES) {
-    throw bad("messages", "invalid_value", `messages must be an array of 1 to ${MAX_MESSAGES} messages (got ${shown(m)})`);
+    throw bad("messages", "invalid_value", `messages must be an array of 1 to ${MAX_MESSAGES} messages (got ${Array.isArray(m) ? `${m.length} messages` : shown(m)})`);
   }
   for (let i = 0; i < m.length; i++) {
     const msg = m[i];
