@@ -7,11 +7,13 @@ pod that really fails still does), and a real OpenAI client sees exactly what it
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -102,9 +104,6 @@ def test_streams_without_include_usage_stop_at_the_monthly_budget(cell, backend)
 def test_a_stream_cut_by_its_client_is_still_counted(cell):
     made = cell.create_key("leaver")
     # The client reads the first event and leaves before the usage event.
-    import http.client
-    from urllib.parse import urlsplit
-
     parts = urlsplit(cell.url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     try:
