@@ -110,8 +110,11 @@ def test_a_stream_cut_by_its_client_is_still_counted(cell):
         conn.request("POST", "/v1/chat/completions", body=json.dumps(chat_body(stream=True, max_tokens=8)),
                      headers={**bearer(made["key"]), "content-type": "application/json"})
         res = conn.getresponse()
-        assert res.status == 200
-        assert res.read1(64)
+        try:
+            assert res.status == 200
+            assert res.read1(64)
+        finally:
+            res.close()
     finally:
         conn.close()
     rows = usage_rows(cell, made["id"], lambda r: tokens(r) > 0)
@@ -276,8 +279,9 @@ def client(cell, key: str) -> openai.OpenAI:
 def test_openai_streams_get_a_usage_chunk_only_when_they_ask(cell, include_usage):
     made = cell.create_key(f"sdk-{include_usage}")
     extra = {"stream_options": {"include_usage": True}} if include_usage else {}
-    chunks = list(client(cell, made["key"]).chat.completions.create(
-        model="client/model", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=5, **extra))
+    with client(cell, made["key"]) as c:
+        chunks = list(c.chat.completions.create(
+            model="client/model", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=5, **extra))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     with_usage = [c for c in chunks if c.usage is not None]
     if include_usage:
@@ -289,9 +293,9 @@ def test_openai_streams_get_a_usage_chunk_only_when_they_ask(cell, include_usage
 
 
 def test_openai_bad_request_names_the_param(cell):
-    c = client(cell, cell.key)
-    with pytest.raises(openai.BadRequestError) as exc:
-        c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
+    with client(cell, cell.key) as c:
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
+        done = c.completions.create(model="client/model", prompt="hi", max_tokens=3)
     assert exc.value.status_code == 400 and exc.value.param == "max_tokens" and exc.value.code == "invalid_value"
-    done = c.completions.create(model="client/model", prompt="hi", max_tokens=3)
     assert done.choices[0].text and done.usage.total_tokens > 0

@@ -282,6 +282,15 @@ async function pumpStripping(body, writable, done, estimate) {
     if (kept) keep(kept);
     return kept ? enc.encode(kept) : null;
   };
+  // One write in flight while the next chunk is read: the client's side keeps moving
+  // without a turn of waiting per chunk, and a client that stops reading stops the pump
+  // one chunk later (backpressure).
+  let writing = null;
+  const send = async (out) => {
+    if (writing) await writing;
+    writing = writer.write(out);
+    writing.catch(() => {}); // a failed write is seen where it is awaited
+  };
   try {
     for (;;) {
       const { done: end, value } = await reader.read();
@@ -297,11 +306,12 @@ async function pumpStripping(body, writable, done, estimate) {
         carry = all.slice(at);
         out = at > 0 ? events(all.slice(0, at)) : null;
       }
-      if (out) await writer.write(out); // settles once the client has taken it: backpressure
+      if (out) await send(out);
     }
     const rest = carry + dec.decode();
     const out = rest ? events(rest) : null;
-    if (out) await writer.write(out);
+    if (out) await send(out);
+    if (writing) await writing;
     await writer.close();
   } catch (err) {
     // The client went away (the write failed) or the upstream's stream broke: stop both
