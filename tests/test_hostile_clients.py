@@ -7,8 +7,10 @@ pod that really fails still does), and a real OpenAI client sees exactly what it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
+import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,9 +20,10 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
+from colocate import plan as plan_mod
 from colocate.pods import standin
 from colocate.workerd import Workerd, render_config
-from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Cell, auth, cell_plan, running_cell, values_for
+from tests.support.workerd import FALLBACK_MODEL_NAME, ROOT, SECRETS, Cell, auth, cell_plan, running_cell, values_for
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 3
@@ -299,3 +302,24 @@ def test_openai_bad_request_names_the_param(cell):
         done = c.completions.create(model="client/model", prompt="hi", max_tokens=3)
     assert exc.value.status_code == 400 and exc.value.param == "max_tokens" and exc.value.code == "invalid_value"
     assert done.choices[0].text and done.usage.total_tokens > 0
+
+
+def test_a_pod_health_table_from_before_failure_keys_gains_the_column(tmp_path):
+    """A deployed object's pod_health has no failure_keys column: its first report adds it."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "worker" / "src", src)
+    schema = src / "schema.js"
+    text = schema.read_text()
+    assert ", failure_keys TEXT)" in text
+    schema.write_text(text.replace(", failure_keys TEXT)", ")"))
+    plan = cell_plan({"stateTtlMs": 0, "failureThreshold": THRESHOLD, "openMs": 60_000})
+    old = dataclasses.replace(plan.worker, modules=plan_mod.worker_modules(src))
+    with running_cell({"stateTtlMs": 0, "failureThreshold": THRESHOLD, "openMs": 60_000}, compute_ms=1,
+                      with_key=False) as cell:
+        cell.restart(dataclasses.replace(plan, worker=old))  # before anything touched the object
+        alice, bob = cell.create_key("alice"), cell.create_key("bob")
+        cell.pod.set_fault("error")
+        for i in range(THRESHOLD):
+            res = cell.call("POST", "/v1/chat/completions", body=chat_body(), headers=bearer((alice, bob)[i % 2]["key"]))
+            assert res.headers["x-colocate-backend"] == "fallback"
+        assert cell.wait_breaker("open")["state"] == "open"

@@ -173,8 +173,17 @@ export class Breaker extends DurableObject {
   }
 
   podRow(pod) {
-    const r = this.sql.exec("SELECT state, failures, opened_at, trial_at, updated_at, failure_keys FROM pod_health WHERE pod = ?", pod)
-      .toArray()[0];
+    const select = () => this.sql.exec(
+      "SELECT state, failures, opened_at, trial_at, updated_at, failure_keys FROM pod_health WHERE pod = ?", pod).toArray()[0];
+    let r;
+    try {
+      r = select();
+    } catch (err) {
+      // A table made before failure_keys (a deployed schema-2 object): add the column once.
+      if (!/failure_keys/.test(String(err && err.message))) throw err;
+      this.sql.exec("ALTER TABLE pod_health ADD COLUMN failure_keys TEXT");
+      r = select();
+    }
     if (!r) return initial();
     let keys = [];
     try {
