@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind test test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover lint clean
+.PHONY: setup wrk valgrind test test-fast test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -39,8 +39,16 @@ test: setup wrk valgrind lint test-js test-py
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Two workers, one test file each at a time (a file's module fixtures start once); the ten
+# slowest tests are printed so that a regression shows. See docs/testing.md.
+PYTEST_PAR := -n 2 --dist loadfile --durations=10
+
 test-py: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PAR)
+
+# The inner loop: pure, Pulumi-mock and fake-server tests (no sandbox cell; a few short workerd starts).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_PAR)
 
 test-js: setup
 	node --test worker/test/

@@ -7,7 +7,7 @@
 // The next rung, bench/contract.js, adds the JS hop-header filter and holds both bodies.
 // Beside the climb (named in --rungs of bench/ladder.py or bench/instructions.py), credential
 // plus one held body, each read whole into JavaScript as the contract must
-// (docs/benchmarks.md "The floor, counted"):
+// (docs/benchmarks.md "The floors"):
 //   held-request  the request's body, sent on as bytes (what a retry or the fallback resends)
 //   held-answer   the pod's answer, returned from its bytes (what usage metering reads)
 //   held-both     both

@@ -85,13 +85,24 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
                               "start one with `.venv/bin/python scripts/sandbox.py up`")
     if stack is None:
         raise TargetError("no target: pass --stack S (a deployed stack or a running sandbox) or --url URL")
+    import shutil
+
     from .probe import outputs  # the Pulumi CLI, only for deployed stacks
     from .probe.errors import OutputsError
+    from .sandbox.supervisor import SANDBOX_CMD, default_state_dir
 
+    def not_found(why: str) -> TargetError:
+        # keys.py's own options only (probe.py's messages name options this command lacks).
+        return TargetError(f"--stack {stack}: no sandbox of that stack runs (nothing in {default_state_dir(stack)}) "
+                           f"and {why}. Fix: `{SANDBOX_CMD} up --stack {stack}` for a sandbox, --state-dir DIR for a "
+                           f"sandbox in another state directory, or --url URL with {TOKEN_ENV} set for a deployed Worker")
+
+    if shutil.which("pulumi") is None:
+        raise not_found("the pulumi CLI, which reads a deployed stack's outputs, is not on PATH")
     try:
         out = outputs.read_outputs(stack)
     except OutputsError as exc:
-        raise TargetError(f"{exc} (no sandbox of stack {stack} is running either)") from None
+        raise not_found(f"its deployed outputs could not be read ({exc})") from None
     if not out.worker_url or not out.probe_token:
         raise TargetError(f"--stack {stack}: the stack has no workerUrl/probeToken outputs; run `pulumi up -s {stack}` first")
     return Target(out.worker_url.rstrip("/"), out.probe_token, "stack")

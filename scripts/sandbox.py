@@ -16,37 +16,37 @@ success, 1 when ``status`` finds the sandbox unhealthy or ``demo`` fails a step,
 or configuration error (including a second ``up``). See docs/sandbox.md.
 """
 
-from __future__ import annotations
-
-import sys
-
 # A Ctrl-C while Python loads the kit is held until the imports are done, then ends the
 # command: nothing has started yet. Raised inside the import machinery it could land in a
 # callback whose exception Python only prints ("Exception ignored in ... _get_module_lock
 # ... KeyboardInterrupt"), and the command would go on as if no key had been pressed.
+# The handler is this file's first statement, through _signal (built in, it imports nothing):
+# the only window left is the interpreter's own start-up, before this file runs, where Python
+# itself reports the KeyboardInterrupt and exits 1 with nothing started.
+import _signal
+import sys
+
 _held: list[int] = []
-try:
-    import signal  # itself a few ms of imports (enum, functools, collections)
+_loading = _signal.signal(_signal.SIGINT, lambda signum, _frame: _held.append(signum))
 
-    _loading = signal.signal(signal.SIGINT, lambda signum, _frame: _held.append(signum))
-    import argparse
-    import json
-    from pathlib import Path
+import argparse
+import json
+import signal
+from pathlib import Path
 
-    ROOT = Path(__file__).resolve().parent.parent
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-    from colocate import stackfile
-    from colocate.errors import ConfigError
-    from colocate.sandbox import supervisor
-    from colocate.sandbox.errors import SandboxError
-except KeyboardInterrupt:  # before the handler above was in place
-    _held.append(2)  # SIGINT
+from colocate import stackfile
+from colocate.errors import ConfigError
+from colocate.sandbox import supervisor
+from colocate.sandbox.errors import SandboxError
+
 if _held:
     print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
     sys.exit(130)
-signal.signal(signal.SIGINT, _loading)
+_signal.signal(_signal.SIGINT, _loading)
 
 DEFAULT_STACK = "sandbox"
 
@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
     d = sub.add_parser("demo", help="tell the field story with the running cell (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
-    d.add_argument("--samples", type=int, default=15, help="probe samples per step (default 15)")
+    d.add_argument("--samples", type=int, default=10, help="probe samples per step (default 10: enough for the p50/p90 table)")
     d.add_argument("--client-site", default="NRT", metavar="COLO",
                    help="where the one user of the story sits, a colo code (default NRT, Tokyo)")
     return p
@@ -96,12 +96,14 @@ class UnknownStack(SandboxError):
     pass
 
 
-def _where_flags(args, state_dir: Path) -> str:
-    """The flags that name this sandbox again in a printed command."""
-    stack = getattr(args, "stack", None) or DEFAULT_STACK
+def _where_flags(args, state_dir: Path, stack: str | None = None) -> str:
+    """The flags that name this sandbox again in a printed command: always its stack (the one
+    that runs there, not the command's default), and the state directory when it is not that
+    stack's default, so a printed ``up`` never starts another stack in it."""
+    stack = stack or supervisor.owner(state_dir) or getattr(args, "stack", None) or DEFAULT_STACK
     if Path(state_dir).resolve() == supervisor.default_state_dir(stack).resolve():
         return f"--stack {stack}"
-    return f"--state-dir {state_dir}"
+    return f"--stack {stack} --state-dir {state_dir}"
 
 
 def _others(exclude: Path | None = None) -> str:
@@ -127,24 +129,37 @@ def _state_dir(args) -> Path:
 
 
 def _up_summary(out: dict, args) -> str:
-    where = _where_flags(args, Path(out["state_dir"]))
+    where = _where_flags(args, Path(out["state_dir"]), out.get("stack"))
     key = out.get("key")
     use = (f"; client key {key}: OpenAI(base_url=\"{out['worker_url']}/v1\", api_key=\"{key}\")" if key else "")
     return (f"sandbox.py up: stack {out['stack']} ({out['region']}) serves at {out['worker_url']}{use}. "
             f"Next: `{CMD} status {where}`, then `{CMD} down {where}`")
 
 
+def _unhealthy_parts(out: dict) -> list[str]:
+    """What is wrong, once per cause: a pod whose process is gone is not also "not answering"."""
+    health = out.get("health") or {}
+    pids = out.get("pids") or {}
+    dead = [k for k, ok in (health.get("processes") or {}).items() if not ok]
+    parts = [f"{k} (pid {pids.get(k)}) is not running" for k in dead]
+    if health.get("worker_probe") is False:
+        parts.append(f"the Worker's probe answered {health.get('worker_status') or 'nothing'}")
+    if health.get("pod") is False and not any(k == "pod" or k.startswith("pod-") for k in dead):
+        parts.append("a pod does not answer /health")
+    if health.get("network") is False:
+        parts.append("the network proxy does not answer")
+    return parts
+
+
 def _status_summary(out: dict, args) -> str:
-    where = _where_flags(args, Path(out["state_dir"]))
+    where = _where_flags(args, Path(out["state_dir"]), out.get("stack"))
     if not out["running"]:
         return f"sandbox.py status: nothing runs in {out['state_dir']}; {_others(Path(out['state_dir']))}"
     if out.get("healthy"):
         return (f"sandbox.py status: stack {out.get('stack')} runs at {out.get('worker_url')}, healthy. "
                 f"Next: `{CMD} down {where}` when done")
-    health = out.get("health") or {}
-    bad = [k for k, ok in (health.get("processes") or {}).items() if not ok]
-    bad += [k for k in ("worker_probe", "pod", "network") if health.get(k) is False]
-    return (f"sandbox.py status: stack {out.get('stack')} runs but is UNHEALTHY ({', '.join(bad) or 'starting'}); "
+    bad = _unhealthy_parts(out)
+    return (f"sandbox.py status: stack {out.get('stack')} runs but is UNHEALTHY: {'; '.join(bad) or 'still starting'}; "
             f"logs in {Path(out['state_dir']) / 'logs'}. Next: `{CMD} down {where}`, then `{CMD} up {where}`")
 
 

@@ -11,6 +11,8 @@ from colocate.pods import standin
 from tests.support.fleet import Fleet, running_fleet
 from tests.support.workerd import request
 
+pytestmark = pytest.mark.slow  # real workerd with three cells
+
 
 @pytest.fixture(scope="module")
 def three() -> Fleet:

@@ -92,3 +92,25 @@ def test_as_a_subprocess_with_a_sandbox_state_dir(cell, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "keys" in json.loads(proc.stdout)
     assert SECRETS["PROBE_TOKEN"] not in proc.stdout + proc.stderr
+
+
+def test_a_stack_with_no_sandbox_and_no_deployment_names_this_commands_options(capsys, monkeypatch, tmp_path):
+    from colocate.sandbox import supervisor
+
+    monkeypatch.setattr(supervisor, "SANDBOXES_DIR", tmp_path / "sandboxes")
+    monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no pulumi CLI
+    code, out, err = run(capsys, "list", "--stack", "nosuch")
+    assert code == 2 and out == ""
+    assert "pulumi CLI" in err and str(tmp_path / "sandboxes" / "nosuch") in err
+    assert "sandbox.py up --stack nosuch" in err and "--state-dir DIR" in err and "--url URL" in err
+    assert "--pod-location" not in err  # probe.py's option, not keys.py's
+    # A pulumi that answers: the stack was never deployed. Its reason is passed on, with the same fixes.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pulumi").write_text("#!/bin/sh\necho \"error: no stack named 'nosuch' found\" >&2\nexit 255\n")
+    (bin_dir / "pulumi").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    code, out, err = run(capsys, "list", "--stack", "nosuch")
+    assert code == 2 and "no stack named 'nosuch' found" in err
+    assert "--state-dir DIR" in err and "--pod-location" not in err

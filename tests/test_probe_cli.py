@@ -48,7 +48,8 @@ def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys, monkeypat
     assert code == 0, err
     seg = doc["segments"]
     assert seg["e2e"]["n"] == 15
-    assert truth_ms <= seg["e2e"]["p50"] <= truth_ms + max(2.0, 0.05 * truth_ms)
+    # the delay counted once, not twice (a loaded machine adds its own few ms on top, so no tight bound)
+    assert truth_ms <= seg["e2e"]["p50"] < 2 * truth_ms
     # Server-Timing values are reported as sent: 0,10,20,30,40 three times each → p10 0, p50 20, p90 40
     assert (seg["state"]["p10"], seg["state"]["p50"], seg["state"]["p90"], seg["state"]["n"]) == (0.0, 20.0, 40.0, 15)
     assert seg["upstream"]["p50"] == 60.0  # 60 ×8, 70 ×7

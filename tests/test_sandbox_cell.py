@@ -15,7 +15,7 @@ import pytest
 
 from colocate import stackfile
 from colocate.sandbox import supervisor
-from colocate.sandbox.errors import AlreadyRunning
+from colocate.sandbox.errors import AlreadyRunning, OtherStack
 from colocate.sandbox.geography import Geography
 from tests.support.sandbox import sandbox_stacks
 
@@ -99,9 +99,10 @@ def test_emulated_round_trips_match_the_model(stacks, state_dir):
     state_model = MODEL.rtt_ms("TPE", "IAD")
     state_p50 = statistics.median(b["state_rtt_ms"] for b in bodies)
     pod_p50 = statistics.median(b["pod_rtt_ms"] for b in bodies)
-    # the emulated delay is a floor; loopback, workerd and the RPC add a few ms on top
-    assert state_model - 1 <= state_p50 <= state_model + 10, (state_p50, state_model)
-    assert MODEL.rtt_ms("TPE", "TPE") - 1 <= pod_p50 <= MODEL.rtt_ms("TPE", "TPE") + 10, pod_p50
+    # the emulated delay is a floor; loopback, workerd and the RPC add a few ms on top (more on a
+    # loaded machine): the state hop pays it once, not twice, and the pod stays next door
+    assert state_model - 1 <= state_p50 < 2 * state_model, (state_p50, state_model)
+    assert MODEL.rtt_ms("TPE", "TPE") - 1 <= pod_p50 < state_model / 2, pod_p50
 
 
 def test_probe_cli_reports_state_left_behind(stacks, state_dir, tmp_path):
@@ -154,7 +155,7 @@ def test_cli_up_second_up_and_down(stacks, state_dir):
     summary = up.stderr.strip().splitlines()[-1]
     assert summary.startswith("sandbox.py up: stack sandbox") and cell["worker_url"] in summary
     assert f'OpenAI(base_url="{cell["worker_url"]}/v1", api_key="{cell["key"]}")' in summary
-    assert f"Next: `.venv/bin/python scripts/sandbox.py status --state-dir {state_dir}`" in summary
+    assert f"Next: `.venv/bin/python scripts/sandbox.py status --stack sandbox --state-dir {state_dir}`" in summary
     again = subprocess.run(base + ["up", *where, "--stacks-dir", str(stacks)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already running" in again.stderr and again.stdout == ""
     status = subprocess.run(base + ["status", *where], capture_output=True, text=True, timeout=60)
@@ -290,3 +291,36 @@ def test_status_without_a_stack_lists_the_sandboxes_that_run(stacks, tmp_path, c
         assert supervisor.status(running)["healthy"] is True
     finally:
         supervisor.down(running, quiet=True)
+
+
+def test_an_unhealthy_cell_names_its_own_stack_and_up_refuses_another_stacks_state_dir(stacks, state_dir, capsys):
+    import shutil
+    import signal
+    import time
+
+    cmd = supervisor.SANDBOX_CMD
+    shutil.copyfile(stackfile.path_of("sandbox", stacks), stackfile.path_of("other", stacks))
+    cell = supervisor.up("other", state_dir=state_dir, stacks_dir=stacks)
+    pod = cell["pids"]["pod"]
+    os.kill(pod, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while supervisor.alive(pod) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code, out, err = _cli(["status", "--state-dir", str(state_dir)], capsys)  # no --stack: not the default's
+    assert code == 1 and json.loads(out)["healthy"] is False
+    where = f"--stack other --state-dir {state_dir}"
+    assert f"Next: `{cmd} down {where}`, then `{cmd} up {where}`" in err, err
+    assert f"pod (pid {pod}) is not running" in err and "/health" not in err and "pod, pod" not in err, err
+    # `up` of another stack in that state directory: refused before anything starts, naming the fix.
+    run_before = (state_dir / "run.json").read_text()
+    code, out, err = _cli(["up", "--stack", "sandbox", "--state-dir", str(state_dir), "--stacks-dir", str(stacks)], capsys)
+    assert code == 2 and out == ""
+    assert f"{state_dir} is the state directory of stack 'other'" in err
+    assert f"`{cmd} up --stack other --state-dir {state_dir}`" in err and "nothing was started" in err
+    assert (state_dir / "run.json").read_text() == run_before  # the running cell was not touched
+    with pytest.raises(OtherStack):
+        supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    supervisor.down(state_dir, quiet=True)
+    with pytest.raises(OtherStack):  # the directory stays the other stack's after down (pins, objects)
+        supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+    assert not (state_dir / "run.json").exists() and not supervisor.is_running(state_dir)

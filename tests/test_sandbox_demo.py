@@ -106,14 +106,14 @@ def test_the_whole_demo_tells_the_story_from_tokyo(tmp_path, capsys):
     tpe_iad, nrt_iad, nrt_tpe = MODEL.rtt_ms("TPE", "IAD"), MODEL.rtt_ms("NRT", "IAD"), MODEL.rtt_ms("NRT", "TPE")
     # every phase seen from NRT: the user-to-Worker network is e2e - total
     assert p50["1-us-east"]["e2e"] - p50["1-us-east"]["total"] >= nrt_iad - 5
-    assert p50["3-migrated"]["e2e"] - p50["3-migrated"]["total"] <= nrt_tpe + 15
+    assert p50["3-migrated"]["e2e"] - p50["3-migrated"]["total"] < (nrt_tpe + nrt_iad) / 2  # Taipei, not Ashburn
     # split: colocate's router does not wait, but state_rtt is the Taipei-Ashburn round trip
-    assert p50["2-split"]["state"] <= 2 and p50["2-split"]["state_rtt"] >= tpe_iad - 2
+    assert p50["2-split"]["state"] < tpe_iad / 2 and p50["2-split"]["state_rtt"] >= tpe_iad - 2  # no round trip
     # stateTtlMs 0: every request waits one such round trip
     assert p50["2-split-fresh"]["state"] >= tpe_iad - 2
     assert r["2-split"]["ok"] is False and r["2-split-fresh"]["ok"] is False
     assert r["1-us-east"]["ok"] and r["3-migrated"]["ok"] and r["3-migrated-fresh"]["ok"]
-    assert p50["3-migrated-fresh"]["state"] < 30  # still waits, on an object next door
+    assert p50["3-migrated-fresh"]["state"] < tpe_iad / 2  # still waits, on an object next door
     assert all(doc["pod_path"] == "local-hostname" and doc["fallback_check"]["ok"] for doc in r.values())
     # the deadline: phase 3 meets it, phase 1 misses it
     after = r["3-migrated"]["values_ms"]["e2e"] + r["3-migrated-fresh"]["values_ms"]["e2e"]

@@ -114,16 +114,95 @@ def test_non_streamed_answers_carry_usage_and_stream_options_need_stream(pod):
     assert usage["completion_tokens"] == 3 and usage["total_tokens"] == usage["prompt_tokens"] + 3
     r = requests.post(pod.url + "/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}},
                       headers=auth(), timeout=5)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_stream_options"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
 def test_bad_requests_get_json_errors(pod):
     r = requests.post(pod.url + "/v1/chat/completions", data=b"{nope", headers=auth(), timeout=5)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert r.status_code == 400 and r.json()["error"] == {**r.json()["error"], "type": "Bad Request", "code": 400}
     r = requests.post(pod.url + "/v1/chat/completions", json={"model": "m1"}, headers=auth(), timeout=5)
     assert r.status_code == 400
     r = requests.get(pod.url + "/nowhere", timeout=5)
     assert r.status_code == 404
+
+
+# What vLLM (v0.11, the default image) refuses, as it answers: pydantic's type errors are 400
+# "Bad Request"; SamplingParams' checks are 400 "BadRequestError" naming the parameter.
+CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+REFUSED = [
+    ("/v1/chat/completions", {"model": "m1"}, "Bad Request", None, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "Bad Request", None, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": ["hi"]}, "Bad Request", None, "messages"),
+    ("/v1/completions", {"model": "m1"}, "Bad Request", None, "prompt"),
+    ("/v1/completions", {"model": "m1", "prompt": {"a": 1}}, "Bad Request", None, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "model": 7}, "Bad Request", None, "model"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, "BadRequestError", "max_tokens", "at least 1, got -1"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "BadRequestError", "max_tokens", "at least 1, got 0"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -5}, "BadRequestError", "max_tokens", "got -5"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "BadRequestError", "max_tokens", "at least 1"),
+    ("/v1/chat/completions", json.dumps(CHAT)[:-1].encode() + b', "max_tokens": 1e309}', "Bad Request", None, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "lots"}, "Bad Request", None, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "n": 1000000}, "BadRequestError", "n", "at most 16384"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, "BadRequestError", "n", "at least 1"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "Bad Request", None, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, "BadRequestError", "temperature", "non-negative"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, "BadRequestError", "top_p", "(0, 1]"),
+    ("/v1/chat/completions", {**CHAT, "stream": "maybe"}, "Bad Request", None, "stream"),
+    ("/v1/chat/completions", {**CHAT, "stream": [True]}, "Bad Request", None, "stream"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": "yes"}, "Bad Request", None, "stream_options"),
+    ("/v1/chat/completions", [CHAT], "Bad Request", None, "dictionary"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**12}, "BadRequestError", "max_tokens", "maximum context length is 8192"),
+    ("/v1/completions", {"prompt": "x" * 40_000}, "BadRequestError", "input_tokens", "maximum context length is 8192"),
+]
+
+
+@pytest.mark.parametrize("path, body, type_, param, text", REFUSED)
+def test_refuses_what_vllm_refuses_with_its_error_shape(pod, path, body, type_, param, text):
+    before = pod.requests
+    sent = {"data": body} if isinstance(body, bytes) else {"json": body}  # 1e309 is not JSON Python writes
+    r = requests.post(pod.url + path, **sent, headers=auth(), timeout=5)
+    assert r.status_code == 400, (body, r.text)
+    err = r.json()["error"]
+    assert err == {"message": err["message"], "type": type_, "param": param, "code": 400}
+    assert text in err["message"]
+    assert pod.requests == before + 1  # counted like any inference request, but nothing was generated
+    assert pod.streams == {"completed": 0, "cut": 0}
+
+
+def test_a_model_it_does_not_serve_is_404_only_when_told_to_serve_one_name():
+    with standin.serve(compute_ms=0, model="served/one", any_model=False) as strict:
+        r = requests.post(strict.url + "/v1/chat/completions", json={**CHAT, "model": "other"}, timeout=5)
+        assert r.status_code == 404 and r.json()["error"] == {
+            "message": "The model `other` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+        for body in ({**CHAT, "model": "served/one"}, {"messages": CHAT["messages"]}):  # no model: the served one
+            r = requests.post(strict.url + "/v1/chat/completions", json=body, timeout=5)
+            assert r.status_code == 200 and r.json()["model"] == "served/one", r.text
+    with standin.serve(compute_ms=0, model="served/one") as lenient:  # the default (see the module docstring)
+        r = requests.post(lenient.url + "/v1/chat/completions", json={**CHAT, "model": "other"}, timeout=5)
+        assert r.status_code == 200 and r.json()["model"] == "other"
+
+
+def test_takes_what_vllm_takes(pod):
+    # pydantic's lax mode: "yes" is a bool, "0.5" a float, 3.0 an int; null is the default.
+    with requests.post(pod.url + "/v1/chat/completions", json={**CHAT, "stream": "yes"}, headers=auth(), stream=True,
+                       timeout=5) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert [line for line in r.iter_lines() if line][-1] == b"data: [DONE]"
+    for extra in ({"temperature": "0.5"}, {"max_tokens": 3.0}, {"n": None, "max_tokens": None}, {"stream": 0},
+                  {"max_completion_tokens": 2, "max_tokens": -1}):
+        r = requests.post(pod.url + "/v1/chat/completions", json={**CHAT, **extra}, headers=auth(), timeout=5)
+        assert r.status_code == 200, (extra, r.text)
+    r = requests.post(pod.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3.0}, headers=auth(), timeout=5)
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_body_nested_past_the_recursion_limit_is_vllms_bare_500(pod):
+    # The breaker attack of issue 26: vLLM parses with json.loads, which raises RecursionError
+    # outside its JSON error handler, so a real pod answers Starlette's plain 500.
+    deep = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    r = requests.post(pod.url + "/v1/chat/completions", data=deep, headers=auth(), timeout=5)
+    assert r.status_code == 500 and r.text == "Internal Server Error"
+    assert requests.get(pod.url + "/health", timeout=5).status_code == 200  # and it still serves
 
 
 def test_fault_injection_error_slow_hang_and_back(pod):

@@ -225,7 +225,7 @@ def test_far_state_leaves_the_hot_path_at_zero(capsys):
                               "--far-state-ms", "150", "--json", "-"]) == 0
     (series,) = json.loads(capsys.readouterr().out)["series"]
     assert series["far_state"]["state_colo"] == "IAD"
-    assert 150 <= series["far_state"]["state_rtt_p50_ms"] < 250
+    assert 150 <= series["far_state"]["state_rtt_p50_ms"] < 300  # paid once, not twice
     assert series["levels"][0]["median"]["router"]["p50_ms"] < 150
 
 

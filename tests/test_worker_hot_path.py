@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
@@ -143,15 +144,18 @@ def test_warm_routed_requests_make_one_pod_subrequest_and_no_object_call():
 
         kinds = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"model": "m", "prompt": "hi"}),
                  ("POST", "/v1/chat/completions", {**CHAT, "stream": True}), ("GET", "/v1/models", None)]
+        t0 = time.monotonic()
         for i in range(WARM_REQUESTS):
             _routed(w, *kinds[i % len(kinds)], key=key)
+        elapsed = time.monotonic() - t0
         calls, body, seen = _counts(w, out)
         traces = [s for s in seen if s[2].startswith("/cdn-cgi/trace")]
         assert len(traces) <= 2, traces  # once per isolate and once per object, never per request
         seen = [s for s in seen if not s[2].startswith("/cdn-cgi/trace")]
         assert calls - minted - cold_calls == 0, f"the warm hot path called the object: {body}"
-        # Usage reaches the object in the background, batched: never one call per request.
-        assert body["background"] <= 2, body
+        # Usage reaches the object in the background, batched: at most one flush a second of
+        # traffic (FLUSH_MAX_MS; a loaded machine stretches the loop), never one call per request.
+        assert body["background"] <= 2 + int(elapsed) and body["background"] < WARM_REQUESTS, (body, elapsed)
         warm = seen[len(cold_seen):]
         assert len(warm) == WARM_REQUESTS, warm
         assert all(h == POD_HOST for _, h, _ in warm), warm  # no fallback, no trace, no second pod try

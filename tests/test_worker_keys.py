@@ -152,7 +152,7 @@ def test_a_flood_of_bad_keys_makes_a_bounded_number_of_object_calls():
         assert statuses == [401] * 1000
         # At most one look-up per 250 ms per isolate, whatever the flood: the bound, not the count.
         assert calls <= 2 + elapsed / 0.25, (calls, elapsed)
-        assert calls < 100
+        assert calls < 1000 / 4  # far from one per bad key, even if a loaded machine stretches the flood
         assert request(url, "GET", "/v1/models", headers=bearer(cell.key)).status == 200
 
 

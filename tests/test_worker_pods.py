@@ -69,10 +69,11 @@ def test_a_deadline_miss_is_not_retried_on_another_pod():
         for p in cell.pods:
             p.set_fault("slow", delay_ms=1000)
         before = sum(p.requests for p in cell.pods)
-        t = time.monotonic()
         res = cell.call("POST", "/v1/chat/completions", body=chat())
         assert res.headers["x-colocate-backend"] == "fallback"
-        assert time.monotonic() - t < 1.0  # the deadline holds: no second 300 ms wait
+        # the Worker's own clock (not the test's, which a loaded machine stretches): it gave up at
+        # the deadline, before the pods answered (1 s)
+        assert res.timing()["upstream"] < 1000
         assert sum(p.requests for p in cell.pods) == before + 1
 
 

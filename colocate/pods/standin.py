@@ -18,6 +18,19 @@ Routes:
     GET  /_standin/stats         {"requests": N, "streams": {"completed": N, "cut": N}, "fault": {...}}
                                  (loopback clients only; a cut stream lost its client before [DONE])
 
+Inference routes refuse what vLLM refuses, as vLLM answers (``validate``): a body that is not
+JSON or not an object, a missing or malformed ``messages``/``prompt``, a field of the wrong type
+(``stream: "maybe"``, ``temperature: "hot"``) are 400 ``{"error": {"message", "type": "Bad
+Request", "param": null, "code": 400}}``; ``max_tokens`` < 1, ``n`` outside 1..16384,
+a negative ``temperature``, ``top_p`` outside (0, 1] are 400 ``BadRequestError`` naming the
+``param``, and so is a prompt plus ``max_tokens`` over the pods' 8192-token context (the prompt
+counted at four characters a token); a body nested past Python's recursion limit is vLLM's bare 500. What pydantic's lax
+mode takes is taken (``stream: "yes"``, ``temperature: "0.5"``), and a missing ``model`` means
+the served one, as in vLLM. Another model name is vLLM's 404 ``NotFoundError`` only with
+``any_model=False`` (CLI ``--only-model``): by default any name is served, because the sandbox's
+fallback serves whatever the client names (``fallbackModel: passthrough``) and tests and load
+generators name models freely.
+
 Faults apply to every route except ``/_standin/*``: ``error`` answers 500, ``hang``
 holds the request for ``delay_ms`` (or until shutdown when 0) then drops the connection,
 ``slow`` adds ``delay_ms`` before answering.
@@ -34,6 +47,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import math
 import os
 import signal
 import sys
@@ -51,6 +65,146 @@ MAX_BODY = 8 * 1024 * 1024
 _HANG_CAP_S = 300.0  # a hang with no delay lasts until shutdown, but never longer than this
 
 
+# ---- what vLLM refuses ------------------------------------------------------
+# vLLM's OpenAI server (v0.11, the kit's default image) parses a body with pydantic first: a
+# field of the wrong type, a missing required field or bad JSON is a 400 with type
+# "Bad Request" (its RequestValidationError handler). Then it checks the model (404
+# "NotFoundError" for a name it does not serve; a missing model means the served one), then
+# the sampling parameters (400 "BadRequestError": SamplingParams._verify_args). Errors are
+# {"error": {"message", "type", "param", "code": <status>}} (vLLM >= 0.10's ErrorResponse).
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: a bigger n is refused
+MAX_MODEL_LEN = 8192  # the kit's pods run with --max-model-len 8192 (PodSpec.vllm_args)
+_TRUE = {"1", "on", "t", "true", "y", "yes"}  # pydantic's lax bool strings (stream: "yes" is True)
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+
+
+class Refused(Exception):
+    """A request vLLM would refuse: ``status``, ``type`` and ``param`` as vLLM answers them."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, type_: str = "Bad Request"):
+        super().__init__(message)
+        self.status, self.type, self.param = status, type_, param
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
+
+
+def _invalid(field: str, what: str, value) -> Refused:
+    return Refused(f"1 validation error for request: {field}: {what} (got {json.dumps(value)[:80]})")
+
+
+def _as_int(body: dict, field: str) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value.strip())
+    raise _invalid(field, "Input should be a valid integer", value)
+
+
+def _as_float(body: dict, field: str) -> float | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise _invalid(field, "Input should be a valid number", value)
+
+
+def _as_bool(body: dict, field: str) -> bool | None:
+    value = body.get(field)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _invalid(field, "Input should be a valid boolean", value)
+
+
+def validate(body, chat: bool, served: str | None) -> dict:
+    """The request as vLLM would take it (``stream`` etc. coerced), or Refused.
+    ``served``: the one model name served, or None to serve any name."""
+    if not isinstance(body, dict):
+        raise Refused("1 validation error for request: Input should be a valid dictionary or object")
+    if chat:
+        messages = body.get("messages")
+        if messages is None:
+            raise Refused("1 validation error for request: messages: Field required")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     for m in messages):
+            raise _invalid("messages", "Input should be a list of messages, each an object with a role", messages)
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise Refused("Either prompt or prompt_embeds must be provided and non-empty.")
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+            or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)))
+        if not ok:
+            raise _invalid("prompt", "Input should be a string, a list of strings or a list of token ids", prompt)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _invalid("model", "Input should be a valid string", model)
+    out = dict(body)
+    for field in ("max_tokens", "max_completion_tokens", "n"):
+        out[field] = _as_int(body, field)
+    for field in ("temperature", "top_p"):
+        out[field] = _as_float(body, field)
+    out["stream"] = _as_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid("stream_options", "Input should be a valid dictionary or object", options)
+    if options and not out["stream"]:
+        raise Refused("Stream options can only be defined when `stream=True`.", "stream_options")
+    if options:
+        out["stream_options"] = {**options, "include_usage": _as_bool(options, "include_usage")}
+    if model and served is not None and model != served:
+        raise Refused(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+    max_tokens = (out["max_completion_tokens"] if chat else None) or out["max_tokens"]
+    if max_tokens is not None and max_tokens < 1:
+        raise Refused(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", type_="BadRequestError")
+    n = 1 if out["n"] is None else out["n"]
+    if n < 1:
+        raise Refused(f"n must be at least 1, got {n}.", "n", type_="BadRequestError")
+    if n > MAX_N:
+        raise Refused(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+                      "environment variable.", "n", type_="BadRequestError")
+    temperature = out["temperature"]
+    if temperature is not None and not temperature >= 0.0:  # NaN too
+        raise Refused(f"temperature must be non-negative, got {temperature}.", "temperature", type_="BadRequestError")
+    top_p = out["top_p"]
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise Refused(f"top_p must be in (0, 1], got {top_p}.", "top_p", type_="BadRequestError")
+    # vLLM's context check (OpenAIServing._validate_input), on the stand-in's token estimate.
+    inputs = prompt_tokens(out)
+    if inputs >= MAX_MODEL_LEN:
+        raise Refused(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has "
+                      f"{inputs} input tokens. Please reduce the length of the input messages.", "input_tokens",
+                      type_="BadRequestError")
+    if max_tokens is not None and inputs + max_tokens > MAX_MODEL_LEN:
+        raise Refused(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                      f"context length is {MAX_MODEL_LEN} tokens and your request has {inputs} input tokens "
+                      f"({max_tokens} > {MAX_MODEL_LEN} - {inputs}).", "max_tokens", type_="BadRequestError")
+    return out
+
+
+def prompt_tokens(body: dict) -> int:
+    """The stand-in's token count for the prompt: about four characters a token."""
+    return max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
+
+
 class StandinServer(ThreadingHTTPServer):
     """The HTTP server plus the stand-in's state (fault, request count)."""
 
@@ -60,10 +214,12 @@ class StandinServer(ThreadingHTTPServer):
     # and the dropped SYNs come back a second later (p99 ~1 s, resets).
     request_queue_size = 128
 
-    def __init__(self, host: str, port: int, *, compute_ms: float, token: str | None, model: str, name: str = "standin"):
+    def __init__(self, host: str, port: int, *, compute_ms: float, token: str | None, model: str, name: str = "standin",
+                 any_model: bool = True):
         self.compute_ms = float(compute_ms)
         self.token = token or None
         self.model = model
+        self.any_model = any_model  # False: another model name is vLLM's 404, as a real pod answers
         self.name = name
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -75,6 +231,12 @@ class StandinServer(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return self.server_address[1]
+
+    def handle_error(self, request, client_address) -> None:
+        # A client (the router) that leaves is not an error: no traceback in pod.log.
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:
@@ -145,6 +307,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
+
+    def _send_text(self, status: int, text: str) -> None:
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("x-standin", self.server.name)
+        self.end_headers()
+        self.wfile.write(data)
 
     def _error(self, status: int, message: str, code: str, type_: str = "invalid_request_error", headers=None) -> None:
         self._send_json(status, {"error": {"message": message, "type": type_, "code": code}}, headers)
@@ -241,27 +412,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.count_request()
         if not self._authorised():
             return self._error(401, "Unauthorized", "invalid_api_key")
-        try:
-            body = json.loads(raw or b"null")
-        except ValueError:
-            return self._error(400, "request body is not valid JSON", "invalid_json")
-        if not isinstance(body, dict):
-            return self._error(400, "request body must be a JSON object", "invalid_body")
         chat = path == "/v1/chat/completions"
-        if chat and not isinstance(body.get("messages"), list):
-            return self._error(400, "'messages' must be a list", "invalid_messages")
-        if not chat and "prompt" not in body:
-            return self._error(400, "'prompt' is required", "invalid_prompt")
+        try:
+            try:
+                parsed = json.loads(raw or b"null")
+            except ValueError:
+                raise Refused("JSON decode error: the request body is not valid JSON") from None
+            body = validate(parsed, chat, None if self.server.any_model else self.server.model)
+        except Refused as exc:
+            return self._send_json(exc.status, exc.body())
+        except RecursionError:
+            # vLLM's server parses with json.loads too; a body nested deeper than Python's
+            # recursion limit raises there, outside its JSON error handler: Starlette's bare 500.
+            return self._send_text(500, "Internal Server Error")
         if not self._apply_fault():
             return
         options = body.get("stream_options")
-        if options is not None and not body.get("stream"):
-            # vLLM's answer too: stream_options without streaming is a client error.
-            return self._error(400, "Stream options can only be defined when `stream=True`.", "invalid_stream_options")
-        if options is not None and not isinstance(options, dict):
-            return self._error(400, "'stream_options' must be an object", "invalid_stream_options")
         model = body.get("model") or self.server.model
-        tokens = _reply_tokens(body, chat, int(body.get("max_tokens") or 8))
+        tokens = _reply_tokens(body, chat, (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens") or 8)
         usage = _usage(body, tokens)
         if body.get("stream"):
             return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None)
@@ -334,8 +502,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _usage(body: dict, tokens: list[str]) -> dict:
     # About four characters a token: enough for limits and usage accounting to have numbers.
-    prompt_tokens = max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens), "total_tokens": prompt_tokens + len(tokens)}
+    prompt = prompt_tokens(body)
+    return {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
 
 
 def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
@@ -345,9 +513,9 @@ def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
 
 @contextlib.contextmanager
 def serve(compute_ms: float = DEFAULT_COMPUTE_MS, token: str | None = None, model: str = DEFAULT_MODEL,
-          host: str = "127.0.0.1", port: int = 0, name: str = "standin") -> Iterator[StandinServer]:
+          host: str = "127.0.0.1", port: int = 0, name: str = "standin", any_model: bool = True) -> Iterator[StandinServer]:
     """Run a stand-in in a background thread for the ``with`` block; the port is closed on exit."""
-    server = StandinServer(host, port, compute_ms=compute_ms, token=token, model=model, name=name)
+    server = StandinServer(host, port, compute_ms=compute_ms, token=token, model=model, name=name, any_model=any_model)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               name=f"standin-{server.port}", daemon=True)
     thread.start()
@@ -372,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS, help="time spent per request (default 95)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--name", default="standin", help="echoed in the x-standin response header")
+    p.add_argument("--only-model", action="store_true",
+                   help="answer another model name with vLLM's 404 (default: any name is served)")
     p.add_argument("--port-file", type=Path, help="also write {url, port, pid} here once listening")
     args = p.parse_args(argv)
     if args.compute_ms < 0:
@@ -379,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("POD_TOKEN") or None  # never from argv: argv is visible to every user
     try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
-                               model=args.model, name=args.name)
+                               model=args.model, name=args.name, any_model=not args.only_model)
     except OSError as exc:
         print(f"standin: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

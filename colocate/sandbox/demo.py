@@ -258,7 +258,7 @@ class Demo:
         return demo_plot.write(self.bars(), path, deadline, self.client_site)
 
 
-def run(state_dir: Path | None = None, samples: int = 15, client_site: str = CLIENT_SITE) -> int:
+def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLIENT_SITE) -> int:
     try:
         client_site = site(client_site, "--client-site")  # before anything starts
     except (ConfigError, SandboxError) as exc:

@@ -3,6 +3,7 @@
     SandboxError          anything the sandbox cannot do; scripts print it and exit 2
     ├── GeographyError    a bad site, stretch or --rtt override (names the value and the fix)
     ├── AlreadyRunning    ``up`` while a sandbox already runs in the same state directory
+    ├── OtherStack        ``up``/``apply`` of one stack in a state directory another stack set up
     ├── NotRunning        ``apply`` with no sandbox running in the state directory
     └── StartupFailed     a component (pod, fallback, workerd, network) did not come up; its log is named
 """
@@ -20,6 +21,10 @@ class GeographyError(SandboxError, ValueError):
 
 class AlreadyRunning(SandboxError):
     """Raised by ``up`` when the state directory's lock is held by a running sandbox."""
+
+
+class OtherStack(SandboxError):
+    """Raised by ``up`` or ``apply`` when the state directory belongs to another stack."""
 
 
 class NotRunning(SandboxError):

@@ -18,6 +18,15 @@
                     returns ``{"site", "rtt_ms"}``; ``GET /_sandbox/health`` reports the network.
 
 Both stream: bodies are relayed chunk by chunk as they arrive (SSE passes unbuffered).
+
+The front server answers malformed HTTP as Cloudflare's edge does, before the Worker sees it,
+with the status the edge uses and a JSON body in OpenAI's error shape (never HTML, an internal
+address or exception text): 400 for a bad request line, target, header or body framing, 413 for
+a body over ``MAX_REQUEST_BODY``, 414 for a URL over 16 KB, 431 for headers over 32 KB in all
+or 16 KB in one (Cloudflare's Workers request limits), 501 for a method it does not know.
+Repeated headers (two ``Authorization`` lines) reach the Worker as sent, and the runtime joins
+them with ", " as Cloudflare's does. A client that leaves (reset, broken pipe, timeout) is not
+an error: nothing is logged for it.
 """
 
 from __future__ import annotations
@@ -25,7 +34,10 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import json
+import re
 import secrets
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +60,47 @@ MAX_REQUEST_BODY = 32 * 1024 * 1024
 IP_LITERAL_STATUS = 403
 IP_LITERAL_BODY = b"error code: 1003"
 LOCAL_NAMES = {"localhost": "127.0.0.1"}  # names the sandbox resolves (everything runs on loopback)
+# Cloudflare's Workers request limits (developers.cloudflare.com/workers/platform/limits):
+# "URLs have a limit of 16 KB"; "request headers observe a total limit of 32 KB, but each
+# header is limited to 16 KB".
+MAX_URL_BYTES = 16 * 1024
+MAX_HEADERS_BYTES = 32 * 1024
+MAX_HEADER_BYTES = 16 * 1024
+# Methods the edge forwards; anything else is answered 501 (RFC 9110 section 9.1: a method
+# the server does not recognise).
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
+CLIENT_LEFT = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, TimeoutError)
+CLIENT_TIMEOUT_S = 300.0  # a client silent this long (mid-request or idle between requests) is dropped
+LINGER_S = 1.0  # after an error answer, read what the client still sends (bounded) so a reset does not eat the answer
+LINGER_BYTES = 4 * 1024 * 1024
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
+# Status -> (code, message) for errors the edge answers itself.
+EDGE_ERRORS = {
+    400: ("bad_request", "the edge could not parse this HTTP request"),
+    413: ("payload_too_large", f"request body is larger than the edge accepts ({MAX_REQUEST_BODY} bytes)"),
+    414: ("uri_too_long", f"the URL is longer than the edge accepts ({MAX_URL_BYTES} bytes)"),
+    431: ("request_header_fields_too_large",
+          f"request headers are larger than the edge accepts ({MAX_HEADERS_BYTES} bytes in all, {MAX_HEADER_BYTES} in one)"),
+    501: ("method_not_implemented", f"the edge forwards only {', '.join(METHODS)}"),
+    505: ("http_version_not_supported", "the edge speaks HTTP/1.0 and HTTP/1.1 here"),
+}
+
+
+class BadRequest(Exception):
+    """A request the edge refuses; ``status`` and the message go to the client."""
+
+    def __init__(self, status: int, message: str | None = None, code: str | None = None):
+        default_code, default_message = EDGE_ERRORS.get(status, ("bad_request", "bad request"))
+        super().__init__(message or default_message)
+        self.status = status
+        self.code = code or default_code
+
+
+def error_body(status: int, code: str, message: str) -> dict:
+    """OpenAI's error shape, as the Worker answers (worker/src/errors.js)."""
+    return {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                      "code": code}}
 
 
 def ip_literal(host: str | None) -> bool:
@@ -133,40 +186,80 @@ class _Relay(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "colocate-sandbox"
     disable_nagle_algorithm = True  # headers and body go out in separate writes: no 40 ms delayed-ACK stalls
+    timeout = CLIENT_TIMEOUT_S
     network: Network  # set on the server
+    upstream_name = "upstream"  # how an unreachable upstream is named to the client
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         pass  # no request log: URLs may carry generation names only, but keep the noise out
 
-    def _read_body(self) -> bytes | None:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            chunks = []
-            total = 0
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-                total += size
-                if total > MAX_REQUEST_BODY:
-                    raise ValueError("request body too large for the sandbox network")
-            return b"".join(chunks)
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_REQUEST_BODY:
-            raise ValueError("request body too large for the sandbox network")
-        return self.rfile.read(length) if length else None
+    # ---- reading the request ---------------------------------------------
+    def _content_length(self) -> int | None:
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            return None
+        parts = {p.strip() for v in values for p in v.split(",")}
+        if len(parts) != 1 or not _CONTENT_LENGTH.fullmatch(next(iter(parts))):
+            raise BadRequest(400, "Content-Length must be one whole number of bytes", "invalid_content_length")
+        return int(next(iter(parts)))
 
-    def _body_or_413(self) -> bytes | None | bool:
-        """The request body, or False after answering 413 for one too large to relay."""
+    def _read_body(self) -> bytes | None:
+        """The whole body (None when there is none); raises BadRequest for bad framing or size,
+        or a CLIENT_LEFT error when the client goes away mid-body."""
+        codings = [c.strip().lower() for v in self.headers.get_all("Transfer-Encoding") or [] for c in v.split(",")]
+        codings = [c for c in codings if c]
+        length = self._content_length()
+        if codings:
+            if codings != ["chunked"]:
+                raise BadRequest(501, "only Transfer-Encoding: chunked is supported", "unsupported_transfer_encoding")
+            if length is not None:  # both framings at once: the classic smuggling shape (RFC 9112 section 6.1)
+                raise BadRequest(400, "a request cannot carry both Content-Length and Transfer-Encoding",
+                                 "invalid_content_length")
+            return self._read_chunked()
+        if length is None or length == 0:
+            return None
+        if length > MAX_REQUEST_BODY:
+            raise BadRequest(413)
+        data = self.rfile.read(length)
+        if len(data) < length:
+            raise ConnectionAbortedError("client closed mid-body")
+        return data
+
+    def _read_chunked(self) -> bytes:
+        chunks = []
+        total = 0
+        while True:
+            line = self.rfile.readline(1024)
+            if not line:
+                raise ConnectionAbortedError("client closed mid-body")
+            size_text = line.split(b";", 1)[0].strip()
+            if not _CHUNK_SIZE.fullmatch(size_text):
+                raise BadRequest(400, "malformed chunk size in a chunked body", "invalid_chunked_body")
+            size = int(size_text, 16)
+            if size == 0:
+                for _ in range(100):  # trailers, bounded
+                    if self.rfile.readline(MAX_HEADER_BYTES) in (b"\r\n", b"\n", b""):
+                        break
+                return b"".join(chunks)
+            total += size
+            if total > MAX_REQUEST_BODY:
+                raise BadRequest(413)
+            data = self.rfile.read(size)
+            if len(data) < size:
+                raise ConnectionAbortedError("client closed mid-body")
+            chunks.append(data)
+            if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise BadRequest(400, "malformed chunk in a chunked body", "invalid_chunked_body")
+
+    def _body_or_error(self) -> bytes | None | bool:
+        """The request body, or False after answering an error for it."""
         try:
             return self._read_body()
-        except ValueError as exc:
-            self._json(413, {"error": {"code": "payload_too_large", "message": str(exc)}})
+        except BadRequest as exc:
+            self._refuse(exc)
             return False
 
+    # ---- answering -------------------------------------------------------
     def _json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
@@ -175,20 +268,62 @@ class _Relay(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
-    def _relay(self, host: str, port: int, path: str, headers: dict[str, str], body: bytes | None,
+    def _refuse(self, exc: BadRequest) -> None:
+        """Answer an error the request earned, then close the connection the way a server
+        that may not have read the whole request must: after a bounded read of what is left."""
+        if self.request_version in ("", "HTTP/0.9"):
+            self.request_version = "HTTP/1.1"  # never answer without a status line
+        self.close_connection = True
+        self._json(exc.status, error_body(exc.status, exc.code, str(exc)), {"connection": "close"})
+        self.wfile.flush()
+        self._linger()
+
+    def _linger(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            deadline, got = time.monotonic() + LINGER_S, 0
+            while time.monotonic() < deadline and got < LINGER_BYTES:
+                data = self.connection.recv(65536)
+                if not data:
+                    break
+                got += len(data)
+        except OSError:
+            pass
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib's errors (bad request line, header too long, unknown method), as JSON."""
+        self._refuse(BadRequest(int(code)))
+
+    def _relay(self, host: str, port: int, path: str, headers: list[tuple[str, str]], body: bytes | None,
                before_ms: float, after_ms: float, extra_response: dict[str, str] | None = None) -> None:
-        """Forward to host:port after ``before_ms``; start the response ``after_ms`` after it arrives."""
+        """Forward to host:port after ``before_ms``; start the response ``after_ms`` after it arrives.
+
+        The body is sent while the response is read: an upstream may answer before it has read
+        the whole body (the Worker's 413 for a body over its limit) and close; that answer is
+        relayed, not turned into a broken pipe."""
         _sleep_ms(before_ms)
-        conn = http.client.HTTPConnection(host, port, timeout=UPSTREAM_TIMEOUT_S)
+        sender = sock = resp = None
         try:
             try:
-                conn.request(self.command, path, body=body, headers=headers)
-                resp = conn.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
-                self._json(502, {"error": {"code": "sandbox_upstream_unreachable",
-                                           "message": f"sandbox network: {host}:{port} did not answer ({type(exc).__name__})"}})
+                sock = socket.create_connection((host, port), timeout=UPSTREAM_TIMEOUT_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                head = [f"{self.command} {path} HTTP/1.1"] + [f"{k}: {v}" for k, v in headers]
+                head += [f"content-length: {len(body)}"] if body is not None else []
+                head.append("connection: close")
+                raw_head = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+                if body is None or len(body) <= 65536:
+                    sock.sendall(raw_head + (body or b""))
+                else:
+                    sender = threading.Thread(target=_send_quietly, args=(sock, raw_head + body), daemon=True)
+                    sender.start()
+                resp = http.client.HTTPResponse(sock, method=self.command)
+                resp.begin()
+            except (OSError, http.client.HTTPException, UnicodeError) as exc:
+                self._upstream_failed(host, port, exc)
                 return
             _sleep_ms(after_ms)
             self.send_response_only(resp.status, resp.reason)  # upstream's own Date/Server are relayed
@@ -222,28 +357,89 @@ class _Relay(BaseHTTPRequestHandler):
             if chunked:
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except CLIENT_LEFT:
             self.close_connection = True
         finally:
-            conn.close()
+            if resp is not None:
+                resp.close()  # the socket's file: the socket closes only once it is closed too
+            if sock is not None:
+                sock.close()
+            if sender is not None:
+                sender.join(timeout=5)
 
-    def _forward_headers(self, drop: set[str]) -> dict[str, str]:
-        out = {}
+    def _upstream_failed(self, host: str, port: int, exc: BaseException) -> None:
+        # Who did not answer and why goes to the log (runner.log); the client gets no address
+        # and no exception text.
+        print(f"[sandbox] {self.upstream_name} at {host}:{port} did not answer ({type(exc).__name__})",
+              file=sys.stderr, flush=True)
+        self.close_connection = True
+        self._json(502, error_body(502, "upstream_unreachable", f"the {self.upstream_name} did not answer; retry shortly"),
+                   {"connection": "close"})
+
+    def _forward_headers(self, drop: set[str]) -> list[tuple[str, str]]:
+        """The request's headers as sent, repeated ones included (the runtime joins them)."""
+        out = []
         for k, v in self.headers.items():
             if k.lower() not in HOP_BY_HOP and k.lower() not in drop and k.lower() not in ("content-length", "host"):
-                out[k] = v
+                out.append((k, v))
         return out
 
 
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the upstream answered (and closed) before taking the whole body; its answer is relayed
+
+
+def _origin_form(target: str) -> str:
+    """The request target to forward, or BadRequest. Bytes the URL grammar does not allow
+    raw are refused when they are controls (NUL, CR, LF, ...) and percent-encoded when they
+    are above ASCII (the request line is read as Latin-1, one character per byte)."""
+    if len(target) > MAX_URL_BYTES:
+        raise BadRequest(414)
+    if target.startswith(("http://", "https://")):  # absolute-form (RFC 9112 section 3.2.2)
+        parts = urlsplit(target)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if not target.startswith("/"):
+        raise BadRequest(400, "the request target must be a path starting with /", "invalid_request_target")
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in target):
+        raise BadRequest(400, "the request target contains a control character or a space", "invalid_request_target")
+    if any(ord(c) > 0x7F for c in target):
+        target = "".join(c if ord(c) < 0x80 else f"%{ord(c):02X}" for c in target)
+    return target
+
+
 class _FrontHandler(_Relay):
+    upstream_name = "Worker"
+
+    def _check_request(self) -> str:
+        """The path to forward, after the checks Cloudflare's edge makes before a Worker runs."""
+        if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):
+            raise BadRequest(400, "the edge does not speak HTTP/0.9", "bad_request")
+        total = 0
+        for k, v in self.headers.items():
+            size = len(k) + len(v) + 4
+            if size > MAX_HEADER_BYTES:
+                raise BadRequest(431, f"the {k[:64]} header is larger than the edge accepts ({MAX_HEADER_BYTES} bytes)")
+            total += size
+        if total > MAX_HEADERS_BYTES:
+            raise BadRequest(431)
+        return _origin_form(self.path)
+
     def _handle(self) -> None:
         net = self.network
-        body = self._body_or_413()
+        try:
+            path = self._check_request()
+        except BadRequest as exc:
+            self._refuse(exc)
+            return
+        body = self._body_or_error()
         if body is False:
             return
         target = net.enter()
         if target is None:
-            self._json(503, {"error": {"code": "sandbox_starting", "message": "workerd is not up yet"}})
+            self._json(503, error_body(503, "sandbox_starting", "the Worker is not up yet; retry shortly"))
             return
         try:
             net.count()
@@ -252,10 +448,10 @@ class _FrontHandler(_Relay):
             ray = f"{secrets.token_hex(8)}-{sites.client}"
             placement = sites.placement
             headers = self._forward_headers({"cf-ray", "cf-placement", "cf-connecting-ip"})
-            headers.update({"cf-ray": ray, "cf-placement": placement, "cf-connecting-ip": self.client_address[0],
-                            "host": self.headers.get("host", "localhost")})
+            headers += [("cf-ray", ray), ("cf-placement", placement), ("cf-connecting-ip", self.client_address[0]),
+                        ("host", self.headers.get("host", "localhost"))]
             host, port = target
-            self._relay(host, port, self.path, headers, body, half, half, {"cf-ray": ray, "cf-placement": placement})
+            self._relay(host, port, path, headers, body, half, half, {"cf-ray": ray, "cf-placement": placement})
         finally:
             net.leave()
 
@@ -263,9 +459,18 @@ class _FrontHandler(_Relay):
 
 
 class _OutboundHandler(_Relay):
+    upstream_name = "target"
+
+    def _upstream_failed(self, host: str, port: int, exc: BaseException) -> None:
+        # The Worker (not a client) reads this: as a failed subrequest it names the target.
+        self.close_connection = True
+        self._json(502, error_body(502, "sandbox_upstream_unreachable",
+                                   f"sandbox network: {host}:{port} did not answer ({type(exc).__name__})"),
+                   {"connection": "close"})
+
     def _handle(self) -> None:
         net = self.network
-        body = self._body_or_413()
+        body = self._body_or_error()
         if body is False:
             return
         caller = (self.headers.get(SITE_HEADER) or "").upper()
@@ -285,15 +490,14 @@ class _OutboundHandler(_Relay):
         key = f"{url.hostname}:{port}"
         target = net.targets.get(key)
         if target is None:
-            self._json(502, {"error": {"code": "sandbox_no_route",
-                                       "message": f"sandbox network: no route to {key}; it reaches only "
-                                                  f"{', '.join(sorted(net.targets)) or 'nothing'} and /cdn-cgi/trace"}})
+            self._json(502, error_body(502, "sandbox_no_route",
+                                       f"sandbox network: no route to {key}; it reaches only "
+                                       f"{', '.join(sorted(net.targets)) or 'nothing'} and /cdn-cgi/trace"))
             return
         net.count()
         half = net.geography.rtt_ms(caller, target) / 2
         path = url.path + (f"?{url.query}" if url.query else "")
-        headers = self._forward_headers({SITE_HEADER})
-        headers["host"] = key
+        headers = self._forward_headers({SITE_HEADER}) + [("host", key)]
         self._relay(LOCAL_NAMES.get(url.hostname, url.hostname), port, path or "/", headers, body, half, half)
 
     def _refuse_ip_literal(self) -> None:
@@ -328,11 +532,11 @@ class _OutboundHandler(_Relay):
             try:
                 where, created = net.pins.touch(name, edge, hint)
             except Exception as exc:  # noqa: BLE001 - reported to the wrapper, which throws it
-                self._json(400, {"error": {"code": "sandbox_pin_failed", "message": str(exc)}})
+                self._json(400, error_body(400, "sandbox_pin_failed", str(exc)))
                 return
             self._json(200, {"name": name, "site": where, "created": created, "rtt_ms": net.geography.rtt_ms(edge, where)})
             return
-        self._json(404, {"error": {"code": "not_found", "message": f"no sandbox control route {url.path}"}})
+        self._json(404, error_body(404, "not_found", f"no sandbox control route {url.path}"))
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle  # noqa: N815
 
@@ -347,6 +551,13 @@ class _Server(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return self.server_address[1]
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that leaves (reset, broken pipe, timeout) is not an error: no traceback,
+        # no line. Anything else is a bug in the sandbox and keeps the stdlib's traceback.
+        if isinstance(sys.exc_info()[1], CLIENT_LEFT):
+            return
+        super().handle_error(request, client_address)
 
 
 def _server(handler: type[_Relay], network: Network, host: str, port: int) -> _Server:

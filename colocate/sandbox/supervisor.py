@@ -60,7 +60,7 @@ from .. import stackfile
 from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, plan_cell, pod_urls_text
 from ..pods.local import alive
 from . import config as config_mod
-from .errors import AlreadyRunning, NotRunning, StartupFailed
+from .errors import AlreadyRunning, NotRunning, OtherStack, StartupFailed
 from .geography import FALLBACK_SITE, Geography, Sites, landing_site, site, worker_site
 from .pinning import FILE_NAME as PINS_FILE, Pins
 from .proxies import Network, NetworkServers, local_url
@@ -240,6 +240,7 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
     if client_site:
         site(client_site, "--client-site")
     _, notes = build_plan(launch)  # a bad stack fails here too
+    check_owner(state_dir, stack)
     for note in notes:
         _log(note)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -293,6 +294,21 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         raise
 
 
+def owner(state_dir: Path) -> str | None:
+    """The stack whose sandbox the state directory holds (from the last ``up``), or None."""
+    return (_read_json(Path(state_dir) / "launch.json") or {}).get("stack")
+
+
+def check_owner(state_dir: Path, stack: str) -> None:
+    """Refuse to run ``stack`` where another stack's sandbox keeps its pins, objects and pods."""
+    other = owner(state_dir)
+    if other is not None and other != stack:
+        raise OtherStack(f"{state_dir} is the state directory of stack {other!r}, not {stack!r}: its pins, objects "
+                         f"and secrets belong to {other}. Fix: `{SANDBOX_CMD} up --stack {other} --state-dir {state_dir}` "
+                         f"for that sandbox, or `--stack {stack}` with its own state directory (default "
+                         f"{default_state_dir(stack)}); nothing was started")
+
+
 def stop_runner(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S + CHILD_TIMEOUT_S) -> bool:
     """Stop the runner ``up`` launched, even one that has not said who it is yet: while the
     lock is held (by the launcher or the runner), wait for the runner's own run.json and stop
@@ -340,6 +356,7 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
     run = _read_json(state_dir / "run.json") or {}
     if not previous or not is_running(state_dir) or not alive(run.get("pid")):
         raise NotRunning(f"no sandbox runs in {state_dir}; start one with `{SANDBOX_CMD} up --stack {stack}`")
+    check_owner(state_dir, stack)
     old = Launch.from_json(_read_json(state_dir / "launch.json") or {})
     launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
                     force_split)

@@ -15,8 +15,9 @@ export function errorType(status) {
 
 /** An error the router answers with a JSON body; `status`, `code` and `type` go to the client. */
 export class HttpError extends Error {
-  constructor(status, code, message, headers = {}, type = errorType(status)) {
+  constructor(status, code, message, headers = {}, type = errorType(status), param = undefined) {
     super(message);
+    this.param = param; // the request field at fault (validate.js); OpenAI's `param`
     this.name = "HttpError";
     this.status = status;
     this.code = code;
@@ -41,8 +42,9 @@ export function jsonResponse(status, body, headers = {}) {
   });
 }
 
-export function errorResponse(status, code, message, headers = {}, type = errorType(status)) {
-  return jsonResponse(status, { error: { message, type, code } }, headers);
+export function errorResponse(status, code, message, headers = {}, type = errorType(status), param = undefined) {
+  const error = param === undefined ? { message, type, code } : { message, type, param, code };
+  return jsonResponse(status, { error }, headers);
 }
 
 // Bindings whose values must never reach a log line or a response.

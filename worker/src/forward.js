@@ -55,6 +55,25 @@ export async function tryPod(fetchImpl, url, init, deadlineMs) {
   }
 }
 
+/**
+ * Whether `GET <pod>/health` answers within `ms` without a failure status: a witness with
+ * no key for the breaker. Any answer but a failure (even 404 from a pod without the route)
+ * says the pod is up.
+ */
+export async function healthOk(fetchImpl, podUrl, ms) {
+  const ac = new AbortController();
+  const timer = setTimeout(() => ac.abort(), ms);
+  try {
+    const res = await fetchImpl(podUrl + "/health", { signal: ac.signal });
+    await res.body?.cancel().catch(() => {});
+    return !isPodFailure(res.status);
+  } catch {
+    return false;
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 /** Send the request to the fallback API; a network failure becomes a 502 JSON error. */
 export async function callFallback(fetchImpl, url, init) {
   try {
@@ -66,6 +85,32 @@ export async function callFallback(fetchImpl, url, init) {
 
 /** The request body for the fallback: `model` replaced when FALLBACK_MODEL is set. */
 export function fallbackBody(bytes, json, fallbackModel) {
-  if (!json || !fallbackModel) return bytes;
-  return new TextEncoder().encode(JSON.stringify({ ...json, model: fallbackModel }));
+  return upstreamBody(bytes, json, fallbackModel, false);
+}
+
+const encoder = new TextEncoder();
+const ASK_USAGE = encoder.encode('"stream_options":{"include_usage":true},');
+
+/**
+ * The body sent upstream: the client's bytes, with `model` replaced (the fallback's
+ * FALLBACK_MODEL) and `stream_options.include_usage` set when the router asks for a
+ * stream's usage that the client did not ask for. Without `stream_options` in the body
+ * and without a model to replace, the option is spliced in after the opening brace (the
+ * body is a JSON object with `stream`, so never empty): the client's bytes are not
+ * re-encoded.
+ */
+export function upstreamBody(bytes, json, model, askUsage) {
+  if (!json || (!model && !askUsage)) return bytes;
+  if (!model && json.stream_options === undefined) {
+    const at = bytes.indexOf(0x7b) + 1; // after "{" (and any BOM or blanks before it)
+    const out = new Uint8Array(bytes.length + ASK_USAGE.length);
+    out.set(bytes.subarray(0, at));
+    out.set(ASK_USAGE, at);
+    out.set(bytes.subarray(at), at + ASK_USAGE.length);
+    return out;
+  }
+  const body = { ...json };
+  if (model) body.model = model;
+  if (askUsage) body.stream_options = { ...json.stream_options, include_usage: true };
+  return encoder.encode(JSON.stringify(body));
 }

@@ -16,7 +16,7 @@
 // Worker version finishing their work during a deploy) to its successor.
 
 import { DurableObject } from "cloudflare:workers";
-import { FORCE_VALUES, grantTrial, initial, record } from "./machine.js";
+import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
 import { minuteOf, monthStartDay } from "./limits.js";
 import { KEY_COLUMNS, SCHEMA, SCHEMA_VERSION, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS } from "./schema.js";
 import { fetchColo } from "./trace.js";
@@ -236,24 +236,47 @@ export class Breaker extends DurableObject {
   }
 
   podRow(pod) {
-    const r = this.sql.exec("SELECT state, failures, opened_at, trial_at, updated_at FROM pod_health WHERE pod = ?", pod).toArray()[0];
-    return r ? { ...initial(), ...r } : initial();
+    const select = () => this.sql.exec(
+      "SELECT state, failures, opened_at, trial_at, updated_at, failure_keys FROM pod_health WHERE pod = ?", pod).toArray()[0];
+    let r;
+    try {
+      r = select();
+    } catch (err) {
+      // A table made before failure_keys (a deployed schema-2 object): add the column once.
+      if (!/failure_keys/.test(String(err && err.message))) throw err;
+      this.sql.exec("ALTER TABLE pod_health ADD COLUMN failure_keys TEXT");
+      r = select();
+    }
+    if (!r) return initial();
+    let keys = [];
+    try {
+      keys = r.failure_keys ? JSON.parse(r.failure_keys) : [];
+    } catch {
+      // a row written by hand: the streak's sources start afresh
+    }
+    return { ...initial(), ...r, failure_keys: Array.isArray(keys) ? keys : [] };
   }
 
   savePod(pod, snap) {
     const now = Date.now();
     if (snap.state === "closed" && snap.failures === 0) this.sql.exec("DELETE FROM pod_health WHERE pod = ?", pod);
-    else this.sql.exec(UPSERT_POD, pod, snap.state, snap.failures, snap.opened_at, snap.trial_at, snap.updated_at ?? now);
+    else {
+      this.sql.exec(UPSERT_POD, pod, snap.state, snap.failures, snap.opened_at, snap.trial_at, snap.updated_at ?? now);
+      this.sql.exec("UPDATE pod_health SET failure_keys = ? WHERE pod = ?", JSON.stringify(snap.failure_keys || []), pod);
+    }
     this.sql.exec("DELETE FROM pod_health WHERE updated_at < ?", now - POD_ROW_TTL_MS);
   }
 
-  /** One outcome of a request to `pod` (its URL). */
-  async report(pod, ok, info) {
+  /**
+   * One outcome at `pod` (its URL): of a request of key `from.key`, or a failed health
+   * check (`from.health`). `witness`: the streak waits for a health check (machine.js).
+   */
+  async report(pod, ok, info, from = null) {
     await this.readThrough(info);
     const before = this.podRow(pod);
-    const next = record(before, ok, Date.now(), info);
+    const next = record(before, ok, Date.now(), info, from);
     if (next !== before) this.savePod(pod, next);
-    return { from: before.state, to: next.state, view: this.view(info.haveRev ?? -1) };
+    return { from: before.state, to: next.state, witness: needsWitness(next, info), view: this.view(info.haveRev ?? -1) };
   }
 
   /** The half-open trial slot of `pod`: at most one holder per lease. */

@@ -1,6 +1,7 @@
 // The circuit breaker's state machine, pure: no I/O, the clock passed in.
 //
-//            FAILURE_THRESHOLD consecutive failures (errors or deadline misses)
+//            FAILURE_THRESHOLD consecutive failures (errors or deadline misses),
+//            from two keys or with a failed health check
 //   closed ───────────────────────────────────────────────────────────────▶ open
 //     ▲                                                                      │
 //     │ trial succeeds                              OPEN_MS elapsed, the next │
@@ -8,6 +9,14 @@
 //   half-open ◀──────────────────────────────────── one trial (grantTrial)    │
 //     │ trial fails (or its lease runs out: another request may try)          │
 //     └──────────────────────────────────────────────────────────────────────▶ open
+//
+// Whose failure (docs/worker.md, "Whose failure"): a failure carries where it came from,
+// the key of the request or a health check (no key). The streak opens the breaker only
+// once its failures come from at least two distinct keys, or a health check failed too:
+// one key's requests alone never open it, whatever they do. `failure_keys` lists the
+// streak's sources (HEALTH for a health check, UNKNOWN for a report without a key, as an
+// isolate of an older version sends); `witness` says the streak has reached the threshold
+// from one key and waits for a health check.
 //
 // `forced` ("open" | "closed" | null) is the operator override: it wins over the
 // machine, which keeps counting underneath so that clearing it resumes where it was.
@@ -19,8 +28,28 @@ export const OPEN = "open";
 export const HALF_OPEN = "half-open";
 export const FORCE_VALUES = ["open", "closed", null];
 
+export const HEALTH = "~health";
+export const UNKNOWN = "~unknown";
+const MAX_SOURCES = 8; // two distinct ones decide; a few more make the row say who failed
+
 export function initial() {
-  return { state: CLOSED, failures: 0, opened_at: null, trial_at: null, forced: null, updated_at: null };
+  return { state: CLOSED, failures: 0, opened_at: null, trial_at: null, forced: null, updated_at: null, failure_keys: [] };
+}
+
+/** The source of an outcome: a key id, HEALTH, or UNKNOWN. */
+export function sourceOf(from) {
+  if (from && from.health) return HEALTH;
+  return (from && typeof from.key === "string" && from.key) || UNKNOWN;
+}
+
+/** Whether a streak's sources put the blame on the pod: two distinct ones, or a health check. */
+export function blamed(sources) {
+  return sources.length >= 2 || sources.includes(HEALTH);
+}
+
+/** A closed pod whose streak has reached the threshold from one key: a health check decides. */
+export function needsWitness(snap, cfg) {
+  return snap.state === CLOSED && snap.failures >= cfg.failureThreshold && !blamed(snap.failure_keys || []);
 }
 
 /** How long a granted trial may run before another request may take over. */
@@ -47,16 +76,25 @@ export function grantTrial(snap, now, cfg) {
   return { granted: true, snap: { ...snap, state: HALF_OPEN, trial_at: now, updated_at: now } };
 }
 
-/** Apply one outcome of a request to the pod. */
-export function record(snap, ok, now, cfg) {
+/**
+ * Apply one outcome to the pod: of a request (`from.key`), or a failed health check
+ * (`from.health`). A success closes and forgets the streak.
+ */
+export function record(snap, ok, now, cfg, from = null) {
   if (ok) {
     if (snap.state === CLOSED && snap.failures === 0) return snap;
-    return { ...snap, state: CLOSED, failures: 0, opened_at: null, trial_at: null, updated_at: now };
+    return { ...snap, state: CLOSED, failures: 0, opened_at: null, trial_at: null, updated_at: now, failure_keys: [] };
   }
   const failures = snap.failures + 1;
-  if (snap.state === HALF_OPEN || (snap.state === OPEN) || failures >= cfg.failureThreshold) {
+  const before = snap.failure_keys || [];
+  const source = sourceOf(from);
+  const sources = before.includes(source) || before.length >= MAX_SOURCES ? before : [...before, source];
+  if (snap.state === HALF_OPEN || (snap.state === OPEN)) {
     // A failed trial (or a late failure while open) restarts the open period.
-    return { ...snap, state: OPEN, failures, opened_at: now, trial_at: null, updated_at: now };
+    return { ...snap, state: OPEN, failures, opened_at: now, trial_at: null, updated_at: now, failure_keys: sources };
   }
-  return { ...snap, failures, updated_at: now };
+  if (failures >= cfg.failureThreshold && blamed(sources)) {
+    return { ...snap, state: OPEN, failures, opened_at: now, trial_at: null, updated_at: now, failure_keys: sources };
+  }
+  return { ...snap, failures, updated_at: now, failure_keys: sources };
 }

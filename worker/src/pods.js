@@ -82,3 +82,29 @@ export function finished(url) {
 export function inflightOf(url) {
   return inflight.get(url) || 0;
 }
+
+// --- whose failure (docs/worker.md, "Whose failure") ---
+
+/**
+ * Whose fault a request's pod failures were, once the fallback answered it with `status`
+ * (null: the fallback was unreachable): "pod" (report them, with the request's key) or
+ * "request" (report none). A request that failed on two pods, or that the fallback
+ * refused (4xx) or failed on (5xx) as well, carries its own fault. The fallback's own
+ * trouble (unreachable, 401, 403, 408, 429) says nothing about the request.
+ */
+export function blameOf(failedPods, status) {
+  if (failedPods >= 2) return "request";
+  if (status === null || status < 400 || status === 401 || status === 403 || status === 408 || status === 429) return "pod";
+  return "request";
+}
+
+const HEALTH_EVERY_MS = 1000; // at most one health check per pod per isolate this often
+const healthAt = new Map(); // pod URL -> when this isolate last checked it
+
+/** Whether a health check of `url` may run now (and, if so, that it is running). */
+export function healthDue(url, now) {
+  const last = healthAt.get(url);
+  if (last !== undefined && now - last < HEALTH_EVERY_MS) return false;
+  healthAt.set(url, now);
+  return true;
+}

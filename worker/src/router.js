@@ -8,16 +8,17 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, fallbackBody, isStream, tryPod, upstreamHeaders } from "./forward.js";
+import { callFallback, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, refusal } from "./limits.js";
-import { candidates, finished, leastBusy, started, worthReporting } from "./pods.js";
+import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { lookup } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush, served,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
-import { tapStream, usageOfJson } from "./usage.js";
+import { estimateUsage, stripStream, tapStream, usageOfJson } from "./usage.js";
+import { validateBody } from "./validate.js";
 import { handleAdmin } from "./admin.js";
 import { learnColo, recordRequest } from "./histogram.js";
 
@@ -45,7 +46,7 @@ export async function handle(request, env, ctx, deps = {}) {
     }
     return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
   } catch (err) {
-    if (err instanceof HttpError) return errorResponse(err.status, err.code, err.message, err.headers, err.type);
+    if (err instanceof HttpError) return errorResponse(err.status, err.code, err.message, err.headers, err.type, err.param);
     if (err instanceof ConfigurationError) {
       log(env, "misconfigured", { binding: err.binding });
       return errorResponse(500, "misconfigured", redact(err.message, env));
@@ -127,15 +128,32 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   if (r.json) {
     bytes = await readBody(request, cfg.maxBodyBytes);
     json = parseJsonObject(bytes);
+    validateBody(url.pathname, json);
   }
   enforceLimits(cfg, cache.entry(gen).view, key);
   scheduleFlush(env, ctx, cfg);
-  const wantUsage = !!(json && json.stream === true && json.stream_options && json.stream_options.include_usage === true);
   const meter = (backend, usage) => meterServed(env, ctx, cfg, key.id, backend, usage);
+  // Every stream is counted: the router asks for its usage event, and when the client did
+  // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
+  const streamed = !!(json && json.stream === true);
+  const wantUsage = streamed && !!json.stream_options && json.stream_options.include_usage === true;
+  const askUsage = streamed && !wantUsage;
+  const guess = (chars) => estimateUsage(json, chars);
+  const counted = (body, done) => (askUsage ? stripStream(body, done, guess) : tapStream(body, wantUsage, done, guess));
+  // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
+  // request's fate says whose it was, with the key it came from.
+  const from = { key: key.id };
+  const witness = (podUrl) => healthWitness(env, ctx, cfg, podUrl, fetchImpl);
+  const blame = (suspects, verdict) => {
+    if (verdict === "pod") for (const s of suspects) report(env, ctx, cfg, s, false, from, witness);
+    else for (const s of suspects) if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
+  };
 
   const path = url.pathname + url.search;
   const urls = cfg.podUrls;
   const tried = new Set();
+  const suspects = []; // pods that failed this request, not reported yet
+  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage);
   // At most two pods: the chosen one, and another healthy one if the first failed
   // before sending a byte and time is left.
   for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {
@@ -164,25 +182,20 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     const res = await tryPod(fetchImpl, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
-      body: bytes,
+      body: podBody,
     }, deadline);
     timing.upstream += now() - t;
-    if (trial || worthReporting(view, podUrl, res.ok)) report(env, ctx, cfg, podUrl, res.ok);
     if (res.ok) {
+      // Another pod served what the first failed: that failure was the first pod's.
+      blame(suspects, "pod");
+      if (trial || worthReporting(view, podUrl, true)) report(env, ctx, cfg, podUrl, true, from);
       const backend = `pod-${index}`;
       if (!res.stream) {
         finished(podUrl);
         meter(backend, usageOfJson(res.bytes));
         return finish(res.bytes, res.response, backend, timing, t0);
       }
-      if (!wantUsage && urls.length === 1) {
-        // Nothing to learn from the stream's end (no usage asked, no other pod to balance
-        // against): pass the pod's body through untouched.
-        finished(podUrl);
-        meter(backend, null);
-        return finish(res.response.body, res.response, backend, timing, t0);
-      }
-      const tap = tapStream(res.response.body, wantUsage, (usage) => {
+      const tap = counted(res.response.body, (usage) => {
         finished(podUrl);
         meter(backend, usage);
       });
@@ -190,6 +203,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
       return finish(tap.body, res.response, backend, timing, t0);
     }
     finished(podUrl);
+    suspects.push(podUrl);
     log(env, "pod_failed", { reason: res.reason, pod: index, generation: gen });
     if (res.reason === "deadline") break; // no time is left for another pod
   }
@@ -205,22 +219,20 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     res = await callFallback(fetchImpl, cfg.fallbackUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.fallbackApiKey),
-      body: bytes === null ? null : fallbackBody(bytes, json, cfg.fallbackModel),
+      body: bytes === null ? null : upstreamBody(bytes, json, cfg.fallbackModel, askUsage),
     });
   } catch (err) {
     timing.fallback = now() - t;
     if (!(err instanceof HttpError)) throw err;
+    blame(suspects, blameOf(suspects.length, null));
     meter("fallback", null);
     const error = errorResponse(err.status, err.code, err.message, {}, err.type);
     return finish(error.body, error, "fallback", timing, t0);
   }
+  blame(suspects, blameOf(suspects.length, res.status));
   if (isStream(res) && res.body) {
     timing.fallback = now() - t;
-    if (!wantUsage) {
-      meter("fallback", null);
-      return finish(res.body, res, "fallback", timing, t0);
-    }
-    const tap = tapStream(res.body, wantUsage, (usage) => meter("fallback", usage));
+    const tap = counted(res.body, (usage) => meter("fallback", usage));
     ctx.waitUntil(tap.piped);
     return finish(tap.body, res, "fallback", timing, t0);
   }
@@ -228,6 +240,16 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   timing.fallback = now() - t;
   meter("fallback", res.ok ? usageOfJson(body) : null);
   return finish(body, res, "fallback", timing, t0);
+}
+
+/**
+ * A keyless witness: GET <pod>/health, and a failed check reported as a failure of no key
+ * (at most one check per pod per isolate a second, pods.js `healthDue`).
+ */
+function healthWitness(env, ctx, cfg, podUrl, fetchImpl) {
+  return healthOk(fetchImpl, podUrl, cfg.deadlineMs).then((ok) => {
+    return ok ? null : report(env, ctx, cfg, podUrl, false, { key: null, health: true });
+  });
 }
 
 /** Count a served request against its key (usage, tokens) and plan the flush. */

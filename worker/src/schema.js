@@ -26,7 +26,7 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS pod_health (
      pod TEXT PRIMARY KEY, state TEXT NOT NULL, failures INTEGER NOT NULL,
-     opened_at INTEGER, trial_at INTEGER, updated_at INTEGER NOT NULL)`,
+     opened_at INTEGER, trial_at INTEGER, updated_at INTEGER NOT NULL, failure_keys TEXT)`,
   `CREATE TABLE IF NOT EXISTS client_keys (
      id TEXT PRIMARY KEY, hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, name TEXT NOT NULL,
      rpm INTEGER NOT NULL DEFAULT 0, tpm INTEGER NOT NULL DEFAULT 0, monthly_tokens INTEGER NOT NULL DEFAULT 0,

@@ -13,6 +13,7 @@
 import { log } from "./errors.js";
 import { ViewCache } from "./cache.js";
 import { dayOf, minuteOf } from "./limits.js";
+import { healthDue } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
 
@@ -247,16 +248,24 @@ export async function requestTrial(env, cfg, podUrl) {
   return res.granted;
 }
 
-/** Tell the object how a pod did, without delaying the response. */
-export function report(env, ctx, cfg, podUrl, ok) {
+/**
+ * Tell the object how a pod did, without delaying the response. `from`: whose request it
+ * was ({key} or, for a failed health check, {key: null, health: true}): the object opens a
+ * breaker only on failures from two keys or a health check (machine.js). When the object
+ * answers that the streak waits for a witness, `witness(podUrl)` (a health check) runs in
+ * the same background task. Returns that task's promise.
+ */
+export function report(env, ctx, cfg, podUrl, ok, from = null, witness = null) {
   const gen = cfg.activeGeneration;
-  ctx.waitUntil(
-    Promise.resolve()
-      .then(() => activeStub(env, cfg).report(podUrl, ok, infoOf(cfg)))
-      .then((res) => {
-        if (res.to !== res.from) log(env, "breaker", { generation: gen, pod: new URL(podUrl).host, from: res.from, to: res.to });
-        cache.put(gen, res.view, Date.now());
-      })
-      .catch((err) => log(env, "report_failed", { generation: gen, error: String(err && err.message) })),
-  );
+  const task = Promise.resolve()
+    .then(() => activeStub(env, cfg).report(podUrl, ok, infoOf(cfg), from))
+    .then((res) => {
+      if (res.to !== res.from) log(env, "breaker", { generation: gen, pod: new URL(podUrl).host, from: res.from, to: res.to });
+      cache.put(gen, res.view, Date.now());
+      if (res.witness && witness && healthDue(podUrl, Date.now())) return witness(podUrl);
+      return null;
+    })
+    .catch((err) => log(env, "report_failed", { generation: gen, error: String(err && err.message) }));
+  ctx.waitUntil(task);
+  return task;
 }

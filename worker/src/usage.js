@@ -1,9 +1,11 @@
 // Token usage from upstream answers (OpenAI's `usage` object), for limits and usage rows.
 //
 // A complete JSON answer carries `usage` at its top level. A streamed (SSE) answer carries
-// it in its last data event when the client asked `stream_options.include_usage` (vLLM and
-// OpenAI both do so); other streams count as requests with unknown tokens
-// (docs/worker.md says what that means for token limits).
+// it in a last data event (`"choices": []`) when the request asked
+// `stream_options.include_usage` (vLLM and OpenAI both do so). The router asks for it on
+// every stream; when the client did not, `stripStream` takes that event out of the
+// client's stream. A stream that ends (or is cut) without one is estimated from its text:
+// `estimateUsage` (docs/worker.md, "Streams and tokens").
 
 const decoder = new TextDecoder();
 const TAIL_BYTES = 16384; // the last events of a stream; a usage event is a few hundred bytes
@@ -66,6 +68,33 @@ function usageOfText(text) {
   }
 }
 
+// A string value of a field that carries generated text, in an SSE event's JSON.
+const CONTENT = /"(?:content|text|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
+
+/** Characters of generated text (content, text, tool arguments) in SSE text; JSON escapes count as written. */
+export function contentChars(text) {
+  let n = 0;
+  CONTENT.lastIndex = 0;
+  for (let m = CONTENT.exec(text); m !== null; m = CONTENT.exec(text)) n += m[1].length;
+  return n;
+}
+
+/**
+ * The estimate for a stream whose upstream reported no usage (or that was cut before it
+ * did): about four characters a token, of the request's `messages` (or `prompt`) as JSON
+ * and of the streamed text. Marked `estimated` for the usage report.
+ */
+export function estimateUsage(json, streamedChars) {
+  let promptChars = 0;
+  try {
+    const p = json ? (json.messages ?? json.prompt) : undefined;
+    promptChars = p === undefined ? 0 : JSON.stringify(p).length;
+  } catch {
+    // cannot happen for a validated body; an estimate is never worth a failure
+  }
+  return { prompt: Math.ceil(promptChars / 4), completion: Math.ceil(streamedChars / 4), estimated: true };
+}
+
 /** Usage in the last SSE data event that has one, or null. */
 export function usageOfSseTail(text) {
   const lines = text.split("\n");
@@ -97,10 +126,13 @@ const FULL_READ = 4096;
 /**
  * Pass a stream through unchanged and call `done(usage | null)` once when it ends or is
  * cancelled. The runtime pipes the bytes to the client. Without `wantUsage` they are not
- * looked at, and the end is all that is learnt. With it, a tee's second branch is read in
- * batches and its last TAIL_BYTES kept to find the usage event.
+ * looked at, and the end is all that is learnt. With it (the client asked for usage, so
+ * its stream keeps the usage event), a tee's second branch is read in batches and its
+ * last TAIL_BYTES kept to find the usage event; a stream that has none (or is cut before
+ * it) is estimated by `estimate(chars)` from the content in that tail, scaled to the
+ * stream's whole length.
  */
-export function tapStream(body, wantUsage, done) {
+export function tapStream(body, wantUsage, done, estimate = null) {
   let called = false;
   const finish = (usage) => {
     if (!called) {
@@ -127,12 +159,18 @@ export function tapStream(body, wantUsage, done) {
   const counted = readTail(reader, delivered);
   return {
     body: ts.readable,
-    piped: Promise.all([delivered, counted]).then(([whole, usage]) => finish(whole ? usage : null)),
+    piped: Promise.all([delivered, counted]).then(([, tail]) => {
+      // A cut stream is counted too: what was streamed before the cut was generated.
+      const usage = tail.text !== null ? usageOfSseTail(tail.text) : null;
+      if (usage || !estimate) return finish(usage);
+      const seen = tail.text === null ? 0 : contentChars(tail.text) * (tail.total / Math.max(1, tail.text.length));
+      return finish(estimate(Math.round(seen)));
+    }),
   };
 }
 
-// The usage in the last TAIL_BYTES of the branch, or null. The tail keeps references to
-// the last chunks; they are joined once, at the end.
+// {text: the last TAIL_BYTES of the branch as text (null when none was read), total: the
+// bytes read}. The tail keeps references to the last chunks; they are joined once, at the end.
 async function readTail(reader, delivered) {
   let flowing = true;
   delivered.then(() => {
@@ -140,6 +178,7 @@ async function readTail(reader, delivered) {
   });
   const tail = []; // the last chunks, at least TAIL_BYTES of them when there are that many
   let size = 0;
+  let total = 0;
   let full = false; // the last read filled its buffer: more may be waiting
   try {
     for (;;) {
@@ -149,19 +188,140 @@ async function readTail(reader, delivered) {
       if (done) break;
       tail.push(value);
       size += value.byteLength;
+      total += value.byteLength;
       while (size - tail[0].byteLength >= TAIL_BYTES) size -= tail.shift().byteLength;
       full = value.byteLength >= FULL_READ;
     }
   } catch {
-    return null; // the branch broke: so did the client's, and `delivered` says so
+    // the branch broke: so did the client's, and `delivered` says so; count what was read
   }
+  if (size === 0) return { text: null, total };
   const bytes = new Uint8Array(size);
   let at = 0;
   for (const c of tail) {
     bytes.set(c, at);
     at += c.byteLength;
   }
-  return usageOfSseTail(decoder.decode(bytes.subarray(Math.max(0, size - TAIL_BYTES))));
+  const text = decoder.decode(bytes.subarray(Math.max(0, size - TAIL_BYTES)));
+  return { text, total: total * (text.length / Math.min(size, TAIL_BYTES)) }; // in characters, like `text`
+}
+
+// After `"usage"`: the object's opening brace (not `null`), as USAGE_OPEN.
+const USAGE_OBJECT = /"usage"[ \t\r\n]*:[ \t\r\n]*\{/;
+
+/** The end of the last complete SSE event in `text` (after its blank line), or 0. */
+function lastEventEnd(text) {
+  const a = text.lastIndexOf("\n\n");
+  const b = text.lastIndexOf("\n\r\n");
+  return Math.max(a < 0 ? 0 : a + 2, b < 0 ? 0 : b + 3);
+}
+
+/**
+ * The client's stream when the router, not the client, asked for usage: the upstream's
+ * events pass on as they arrive, except the usage event (`"choices": []` with a `usage`
+ * object), which is read and taken out, so the client sees what it asked for. Calls
+ * `done(usage)` once at the end or cut: the reported usage, else `estimate(chars)` from
+ * the content of the last TAIL_BYTES streamed, scaled to the whole stream (as tapStream).
+ *
+ * Cost: a tee cannot drop an event, so every chunk takes one JavaScript turn: read from
+ * the upstream, written to a runtime byte stream (the client's side stays native). The
+ * common chunk holds whole events and no usage object: it is decoded, searched once and
+ * written as the same bytes. Only a partial event waits for the rest of itself (an SSE
+ * client cannot use half an event either), and only a chunk with a usage object is cut
+ * and re-encoded. The other events' `"usage": null` (OpenAI and vLLM add it to every
+ * chunk once usage is asked) stays: for a client it is the same as no field, and taking it
+ * out would re-encode every event.
+ */
+export function stripStream(body, done, estimate) {
+  const ts = new Identity();
+  return { body: ts.readable, piped: pumpStripping(body, ts.writable, done, estimate) };
+}
+
+const LF = 10;
+const CR = 13;
+
+/** Whether bytes end an SSE event (a blank line: LF LF, or CR LF CR LF). */
+function endsEvent(b) {
+  const n = b.length;
+  return n >= 2 && b[n - 1] === LF && (b[n - 2] === LF || (n >= 4 && b[n - 2] === CR && b[n - 3] === LF));
+}
+
+async function pumpStripping(body, writable, done, estimate) {
+  const reader = body.getReader();
+  const writer = writable.getWriter();
+  const dec = new TextDecoder();
+  const enc = new TextEncoder();
+  let usage = null;
+  let carry = ""; // the start of an event whose end has not arrived yet
+  const tail = []; // the last texts passed on, for an estimate
+  let tailChars = 0;
+  let total = 0; // characters passed on
+  const keep = (text) => {
+    tail.push(text);
+    tailChars += text.length;
+    total += text.length;
+    while (tailChars - tail[0].length >= TAIL_BYTES) tailChars -= tail.shift().length;
+  };
+  // Whole events in `text`, without the usage event.
+  const events = (text) => {
+    let kept = "";
+    for (const ev of text.split(/(?<=\n\r?\n)/)) {
+      if (USAGE_OBJECT.test(ev)) {
+        let obj = null;
+        try {
+          obj = JSON.parse(ev.slice(ev.indexOf("data:") + 5));
+        } catch {
+          // not one JSON event: pass it on as it came
+        }
+        const u = obj && fromUsage(obj.usage);
+        if (u) usage = u;
+        if (u && Array.isArray(obj.choices) && obj.choices.length === 0) continue;
+      }
+      kept += ev;
+    }
+    if (kept) keep(kept);
+    return kept ? enc.encode(kept) : null;
+  };
+  // One write in flight while the next chunk is read: the client's side keeps moving
+  // without a turn of waiting per chunk, and a client that stops reading stops the pump
+  // one chunk later (backpressure).
+  let writing = null;
+  const send = async (out) => {
+    if (writing) await writing;
+    writing = writer.write(out);
+    writing.catch(() => {}); // a failed write is seen where it is awaited
+  };
+  try {
+    for (;;) {
+      const { done: end, value } = await reader.read();
+      if (end) break;
+      const text = dec.decode(value, { stream: true });
+      let out;
+      if (carry === "" && endsEvent(value) && !USAGE_OBJECT.test(text)) {
+        keep(text);
+        out = value; // the common chunk: whole events, no usage: the same bytes
+      } else {
+        const all = carry + text;
+        const at = lastEventEnd(all);
+        carry = all.slice(at);
+        out = at > 0 ? events(all.slice(0, at)) : null;
+      }
+      if (out) await send(out);
+    }
+    const rest = carry + dec.decode();
+    const out = rest ? events(rest) : null;
+    if (out) await send(out);
+    if (writing) await writing;
+    await writer.close();
+  } catch (err) {
+    // The client went away (the write failed) or the upstream's stream broke: stop both
+    // sides, so the upstream is not left generating for nobody; what was sent is counted.
+    await reader.cancel(err).catch(() => {});
+    await writer.abort(err).catch(() => {});
+  }
+  if (usage) return done(usage);
+  const text = tail.join("");
+  return done(estimate(Math.round(contentChars(text) * (total / Math.max(1, text.length)))));
 }
 
 /** Settles when `promise` does or after `ms`, whichever comes first; the timer is cleared. */

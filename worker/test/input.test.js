@@ -4,7 +4,7 @@ import { readBody, parseJsonObject } from "../src/body.js";
 import { readConfig } from "../src/config.js";
 import { HttpError, ConfigurationError, redact } from "../src/errors.js";
 import { tokenMatches } from "../src/admin.js";
-import { upstreamHeaders, fallbackBody, isPodFailure } from "../src/forward.js";
+import { upstreamHeaders, fallbackBody, isPodFailure, upstreamBody } from "../src/forward.js";
 
 function chunked(parts) {
   // No Content-Length: the body arrives as a stream of chunks.
@@ -72,4 +72,15 @@ test("upstream headers replace the client's credentials; fallback model substitu
   assert.equal(fallbackBody(same, { model: "m" }, null), same);
   assert.equal(isPodFailure(500), true);
   assert.equal(isPodFailure(400), false);
+});
+
+test("the router asks upstream for a stream's usage: spliced into the client's bytes, or re-encoded", () => {
+  const dec = (b) => JSON.parse(new TextDecoder().decode(b));
+  const raw = new TextEncoder().encode(' {"model":"m","stream":true,"messages":[]}');
+  assert.deepEqual(dec(upstreamBody(raw, dec(raw), null, true)),
+    { stream_options: { include_usage: true }, model: "m", stream: true, messages: [] });
+  const theirs = { model: "m", stream: true, stream_options: { include_usage: false, continuous_usage_stats: false } };
+  assert.deepEqual(dec(upstreamBody(new Uint8Array(), theirs, null, true)).stream_options, { include_usage: true, continuous_usage_stats: false });
+  assert.deepEqual(dec(upstreamBody(raw, dec(raw), "fb", true)), { model: "fb", stream: true, messages: [], stream_options: { include_usage: true } });
+  assert.equal(upstreamBody(raw, dec(raw), null, false), raw);
 });

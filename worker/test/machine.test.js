@@ -1,17 +1,20 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { initial, route, record, grantTrial, trialLeaseMs, CLOSED, OPEN, HALF_OPEN } from "../src/machine.js";
+import { initial, route, record, grantTrial, trialLeaseMs, needsWitness, CLOSED, OPEN, HALF_OPEN, HEALTH } from "../src/machine.js";
 
 const cfg = { failureThreshold: 3, openMs: 1000, deadlineMs: 200 };
 
-test("closed routes to the pod and opens after FAILURE_THRESHOLD consecutive failures", () => {
+const A = { key: "key_a" };
+const B = { key: "key_b" };
+
+test("closed routes to the pod and opens after FAILURE_THRESHOLD consecutive failures from two keys", () => {
   let s = initial();
   assert.equal(route(s, 0, cfg), "pod");
-  s = record(s, false, 10, cfg);
-  s = record(s, false, 20, cfg);
+  s = record(s, false, 10, cfg, A);
+  s = record(s, false, 20, cfg, B);
   assert.equal(s.state, CLOSED);
   assert.equal(s.failures, 2);
-  s = record(s, false, 30, cfg);
+  s = record(s, false, 30, cfg, A);
   assert.equal(s.state, OPEN);
   assert.equal(s.opened_at, 30);
   assert.equal(route(s, 500, cfg), "fallback");
@@ -57,4 +60,42 @@ test("force wins over the machine and clearing it resumes", () => {
   assert.equal(route(s, 2, cfg), "pod");
   s = { ...s, forced: null };
   assert.equal(route(s, 4, cfg), "fallback");
+});
+
+test("one key's failures never open the breaker, however many; a second key or a failed health check does", () => {
+  let s = initial();
+  for (let i = 1; i <= 50; i++) s = record(s, false, i, cfg, A);
+  assert.equal(s.state, CLOSED);
+  assert.equal(s.failures, 50);
+  assert.deepEqual(s.failure_keys, ["key_a"]);
+  assert.equal(needsWitness(s, cfg), true); // the isolate runs a health check
+  assert.equal(record(s, false, 51, cfg, B).state, OPEN);
+  const checked = record(s, false, 51, cfg, { key: null, health: true });
+  assert.equal(checked.state, OPEN);
+  assert.deepEqual(checked.failure_keys, ["key_a", HEALTH]);
+  // below the threshold a second key is counted but does not open yet, and no check is asked
+  const two = record(record(initial(), false, 1, cfg, A), false, 2, cfg, B);
+  assert.equal(two.state, CLOSED);
+  assert.equal(needsWitness(two, cfg), false);
+  assert.equal(record(two, false, 3, cfg, B).state, OPEN);
+});
+
+test("a success forgets the streak and its keys; reports without a key are one source", () => {
+  let s = record(record(initial(), false, 1, cfg, A), false, 2, cfg, A);
+  s = record(s, true, 3, cfg, B);
+  assert.equal(s.failures, 0);
+  assert.deepEqual(s.failure_keys, []);
+  for (let i = 0; i < 5; i++) s = record(s, false, 10 + i, cfg);
+  assert.equal(s.state, CLOSED);
+  assert.equal(record(s, false, 20, cfg, A).state, OPEN); // an unknown source and a key: two
+});
+
+test("a failed trial reopens whoever sent it; health checks alone open a pod nobody can reach", () => {
+  const half = { ...initial(), state: HALF_OPEN, failures: 3, opened_at: 0, trial_at: 1000, failure_keys: ["key_a"] };
+  assert.equal(record(half, false, 1100, cfg, A).state, OPEN);
+  let s = initial();
+  const health = { key: null, health: true };
+  for (let i = 1; i < cfg.failureThreshold; i++) s = record(s, false, i, cfg, health);
+  assert.equal(s.state, CLOSED);
+  assert.equal(record(s, false, 9, cfg, health).state, OPEN);
 });

@@ -4,9 +4,10 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { handle } from "../src/router.js";
-import { initial, record, grantTrial } from "../src/machine.js";
+import { initial, record, grantTrial, needsWitness } from "../src/machine.js";
 import { keyHash, newKey } from "../src/keys.js";
 import { parseServerTiming } from "../src/timing.js";
+import { blameOf } from "../src/pods.js";
 
 /** The object's RPC surface over plain maps: views shaped like generation.js's. */
 function fakeNamespace() {
@@ -21,13 +22,13 @@ function fakeNamespace() {
     });
     return {
       async sync(info, batch) { calls.push(["sync", name]); if (batch) o.synced.push(batch); return view(info.haveRev); },
-      async report(pod, ok, info) {
-        calls.push(["report", name, pod, ok]);
+      async report(pod, ok, info, from) {
+        calls.push(["report", name, pod, ok, from]);
         const before = o.pods[pod] || initial();
-        const next = record(before, ok, Date.now(), info);
+        const next = record(before, ok, Date.now(), info, from);
         if (next.state === "closed" && next.failures === 0) delete o.pods[pod];
         else o.pods[pod] = next;
-        return { from: before.state, to: next.state, view: view(info.haveRev) };
+        return { from: before.state, to: next.state, witness: needsWitness(next, info), view: view(info.haveRev) };
       },
       async tryTrial(pod, info) {
         calls.push(["tryTrial", name, pod]);
@@ -80,7 +81,7 @@ function fakeFetch(podBehaviour) {
 
 const json = (body = "{}") => new Response(body, { headers: { "content-type": "application/json" } });
 const chat = (key) => new Request("https://w.test/v1/chat/completions?x=1", {
-  method: "POST", body: JSON.stringify({ model: "m", messages: [] }), headers: { authorization: `Bearer ${key}` },
+  method: "POST", body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "hi" }] }), headers: { authorization: `Bearer ${key}` },
 });
 const podCalls = (seen) => seen.filter((s) => s.url.startsWith("http://pod")).length;
 
@@ -140,7 +141,7 @@ test("a failing pod is retried once on another healthy pod before the fallback",
   const key = await withKey(env.BREAKER, "router-retry");
   const c = ctx();
   const { f, seen } = fakeFetch((init, url) => (url.startsWith("http://pod-a") ? Promise.reject(new TypeError("refused")) : json()));
-  const triedA = () => seen.filter((s) => s.url.startsWith("http://pod-a")).length;
+  const triedA = () => seen.filter((s) => s.url.startsWith("http://pod-a") && !s.url.endsWith("/health")).length;
   // Ties are broken at random: go on until pod A was picked FAILURE_THRESHOLD (2) times (bounded).
   for (let i = 0; i < 200 && triedA() < 2; i++) {
     const r = await handle(chat(key), env, c, { fetch: f });
@@ -148,6 +149,8 @@ test("a failing pod is retried once on another healthy pod before the fallback",
     await c.settle(); // the report of a failure reaches the object before the next pick
   }
   assert.equal(triedA(), 2);
+  // One key's failures alone open nothing: the health check that agreed did.
+  assert.equal(seen.filter((s) => s.url === "http://pod-a.test/health").length, 1);
   assert.equal(env.BREAKER.objects.get("router-retry").pods["http://pod-a.test"].state, "open");
   assert.equal(seen.filter((s) => s.url.startsWith("https://fb")).length, 0);
 });
@@ -224,4 +227,100 @@ test("once a stream has started, a pod failure is not retried elsewhere: the cli
   assert.match(r.headers.get("x-colocate-backend"), /^pod-[01]$/);
   await assert.rejects(r.text());
   assert.equal(podCalls(seen), 1);
+});
+
+// --- hostile clients: streams counted, bad bodies refused, breaker blame ---
+
+const post = (key, body, path = "/v1/chat/completions") => new Request(`https://w.test${path}`, {
+  method: "POST", body: typeof body === "string" ? body : JSON.stringify(body), headers: { authorization: `Bearer ${key}` },
+});
+const msg = [{ role: "user", content: "hi" }];
+const sseRes = (text) => new Response(text, { headers: { "content-type": "text/event-stream" } });
+const flushed = (env, gen) => env.BREAKER.objects.get(gen).synced.flatMap((b) => b.usage)
+  .reduce((a, u) => [a[0] + u[2], a[1] + u[3] + u[4]], [0, 0]);
+
+test("a stream without include_usage: the pod is asked for usage, the client does not see it, the tokens count", async () => {
+  const env = envFor("router-strip");
+  const key = await withKey(env.BREAKER, "router-strip");
+  const c = ctx();
+  const events = 'data: {"choices":[{"delta":{"content":"hi"}}],"usage":null}\n\n';
+  const usage = 'data: {"choices":[],"usage":{"prompt_tokens":6,"completion_tokens":1}}\n\n';
+  let sent;
+  const { f } = fakeFetch((init) => {
+    sent = JSON.parse(new TextDecoder().decode(init.body));
+    return sseRes(events + usage + "data: [DONE]\n\n");
+  });
+  const r = await handle(post(key, { model: "m", messages: msg, stream: true }), env, c, { fetch: f });
+  assert.equal(await r.text(), events + "data: [DONE]\n\n");
+  assert.deepEqual(sent.stream_options, { include_usage: true });
+  await c.settle();
+  assert.deepEqual(flushed(env, "router-strip"), [1, 7]);
+  // A client that asked gets the usage event, as sent
+  const asked = await handle(post(key, { model: "m", messages: msg, stream: true, stream_options: { include_usage: true } }), env, c, { fetch: f });
+  assert.equal(await asked.text(), events + usage + "data: [DONE]\n\n");
+});
+
+test("bad bodies get a 400 naming the field and never reach a pod or the fallback", async () => {
+  const env = envFor("router-bad", { MAX_BODY_BYTES: "100000" });
+  const key = await withKey(env.BREAKER, "router-bad");
+  const { f, seen } = fakeFetch(() => json());
+  const deep = `{"model":"m","messages":[{"role":"user","content":"hi"}],"x":${"[".repeat(10000)}${"]".repeat(10000)}}`;
+  for (const [body, param] of [[deep, "x"], ['{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1e309}', "max_tokens"],
+    [{ messages: msg }, "model"], [{ model: "m", prompt: "p", n: 1000000 }, "n"]]) {
+    const path = typeof body === "object" && body.prompt ? "/v1/completions" : "/v1/chat/completions";
+    const r = await handle(post(key, body, path), env, ctx(), { fetch: f });
+    assert.equal(r.status, 400);
+    const err = (await r.json()).error;
+    assert.deepEqual(Object.keys(err).sort(), ["code", "message", "param", "type"]);
+    assert.equal(err.param, param);
+    assert.equal(err.type, "invalid_request_error");
+  }
+  assert.equal(seen.length, 0);
+});
+
+test("one key whose requests fail on a pod that is healthy otherwise never opens its breaker", async () => {
+  const env = envFor("router-blame");
+  const bad = await withKey(env.BREAKER, "router-blame");
+  const good = await withKey(env.BREAKER, "router-blame");
+  const c = ctx();
+  // The pod fails this one body (a bug it has), answers health checks and everyone else.
+  const { f, seen } = fakeFetch((init, url) => (url.endsWith("/health") || !String(new TextDecoder().decode(init.body)).includes("poison")
+    ? json() : new Response("crash", { status: 500 })));
+  for (let i = 0; i < 6; i++) {
+    const r = await handle(post(bad, { model: "m", messages: [{ role: "user", content: "poison" }] }), env, c, { fetch: f });
+    assert.equal(r.headers.get("x-colocate-backend"), "fallback"); // the fallback served it: the pod's failure, one key's
+    await c.settle();
+  }
+  const row = env.BREAKER.objects.get("router-blame").pods["http://pod.test"];
+  assert.equal(row.state, "closed");
+  assert.equal(row.failures, 6);
+  assert.ok(seen.some((s) => s.url === "http://pod.test/health")); // the witness was asked
+  const fallbackBefore = seen.filter((s) => s.url.startsWith("https://fb")).length;
+  for (let i = 0; i < 5; i++) assert.equal((await handle(chat(good), env, c, { fetch: f })).headers.get("x-colocate-backend"), "pod-0");
+  assert.equal(seen.filter((s) => s.url.startsWith("https://fb")).length, fallbackBefore);
+});
+
+test("a request that fails on two pods, or that the fallback refuses too, is not held against a pod", async () => {
+  const env = envFor("router-two", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const key = await withKey(env.BREAKER, "router-two");
+  const key2 = await withKey(env.BREAKER, "router-two");
+  const c = ctx();
+  const f = async (url) => {
+    if (url.endsWith("/health")) return json();
+    if (url.startsWith("http://pod")) return new Response("crash", { status: 500 });
+    return new Response('{"error":{"message":"bad"}}', { status: 400, headers: { "content-type": "application/json" } });
+  };
+  for (const k of [key, key2, key, key2]) {
+    const r = await handle(chat(k), env, c, { fetch: f });
+    assert.equal(r.status, 400); // the fallback's refusal reaches the client
+    await c.settle();
+  }
+  const pods = env.BREAKER.objects.get("router-two").pods;
+  assert.deepEqual(pods, {}); // no failure counted on either pod
+  assert.equal(blameOf(2, 200), "request");
+  assert.equal(blameOf(1, 200), "pod");
+  assert.equal(blameOf(1, 422), "request");
+  assert.equal(blameOf(1, 503), "request");
+  assert.equal(blameOf(1, 429), "pod");
+  assert.equal(blameOf(1, null), "pod");
 });

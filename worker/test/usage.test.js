@@ -1,6 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { tapStream, usageOfJson, usageOfSseTail } from "../src/usage.js";
+import { contentChars, estimateUsage, stripStream, tapStream, usageOfJson, usageOfSseTail } from "../src/usage.js";
 
 const enc = (s) => new TextEncoder().encode(s);
 
@@ -111,3 +111,84 @@ for (const wantUsage of [false, true]) {
     assert.deepEqual(seen, [null]);
   });
 }
+
+const sse = (o) => `data: ${JSON.stringify(o)}\n\n`;
+const streamOf = (parts) => new ReadableStream({ start(c) { for (const p of parts) c.enqueue(enc(p)); c.close(); } });
+const guess = (chars) => ({ guessed: chars });
+
+test("strip: the client gets every event but the usage event, in any chunking; the usage is counted", async () => {
+  const content = [0, 1, 2].map((i) => sse({ choices: [{ index: 0, delta: { content: `tok${i}` } }], usage: null }));
+  const usage = sse({ choices: [], usage: { prompt_tokens: 4, completion_tokens: 3, total_tokens: 7 } });
+  const whole = content.join("") + usage + "data: [DONE]\n\n";
+  const expected = content.join("") + "data: [DONE]\n\n";
+  // one event per chunk; events cut anywhere; everything in one chunk; CRLF line ends
+  const chunkings = [
+    [...content, usage, "data: [DONE]\n\n"],
+    Array.from({ length: Math.ceil(whole.length / 7) }, (_, i) => whole.slice(i * 7, i * 7 + 7)),
+    [whole],
+  ];
+  for (const parts of chunkings) {
+    const seen = [];
+    const s = stripStream(streamOf(parts), (u) => seen.push(u), guess);
+    assert.equal(await new Response(s.body).text(), expected);
+    await s.piped;
+    assert.deepEqual(seen, [{ prompt: 4, completion: 3 }]);
+  }
+  const crlf = whole.replaceAll("\n", "\r\n");
+  const seen = [];
+  const s = stripStream(streamOf([crlf]), (u) => seen.push(u), guess);
+  assert.equal(await new Response(s.body).text(), expected.replaceAll("\n", "\r\n"));
+  await s.piped;
+  assert.deepEqual(seen, [{ prompt: 4, completion: 3 }]);
+});
+
+test("strip: a chunk of whole events without a usage object leaves as the very same bytes", async () => {
+  const chunk = enc(sse({ choices: [{ delta: { content: "a" } }], usage: null }));
+  const s = stripStream(new ReadableStream({ start(c) { c.enqueue(chunk); c.close(); } }), () => {}, guess);
+  const { value } = await s.body.getReader().read();
+  assert.equal(value, chunk);
+});
+
+test("strip: no usage event, or a client that leaves, is estimated from the content streamed", async () => {
+  const parts = ["a".repeat(40), "b".repeat(10)].map((t) => sse({ choices: [{ delta: { content: t } }] }));
+  const seen = [];
+  const s = stripStream(streamOf([...parts, "data: [DONE]\n\n"]), (u) => seen.push(u), guess);
+  assert.equal(await new Response(s.body).text(), parts.join("") + "data: [DONE]\n\n");
+  await s.piped;
+  assert.deepEqual(seen, [{ guessed: 50 }]);
+  let cancelled = false;
+  const endless = new ReadableStream({
+    pull(c) { c.enqueue(enc(sse({ choices: [{ delta: { content: "abcd" } }] }))); },
+    cancel() { cancelled = true; },
+  });
+  const cut = [];
+  const t = stripStream(endless, (u) => cut.push(u), guess);
+  const reader = t.body.getReader();
+  await reader.read();
+  await reader.read();
+  await reader.cancel("client left");
+  await t.piped;
+  assert.equal(cancelled, true); // the pod's stream is cut too
+  assert.equal(cut.length, 1);
+  assert.ok(cut[0].guessed >= 8, JSON.stringify(cut)); // what the client was sent is counted
+});
+
+test("tap: a stream without usage, or cut, is estimated from its tail scaled to its length", async () => {
+  const part = sse({ choices: [{ delta: { content: "x".repeat(100) } }] });
+  const parts = Array(400).fill(part); // about 28 KB, more than the 16 KiB tail
+  const seen = [];
+  const tap = tapStream(streamOf(parts), true, (u) => seen.push(u), guess);
+  await new Response(tap.body).text();
+  await tap.piped;
+  assert.ok(Math.abs(seen[0].guessed - 40000) <= 400, JSON.stringify(seen)); // 400 events of 100 characters
+});
+
+test("the estimate: four characters a token, of the prompt as JSON and of the streamed text", () => {
+  const json = { messages: [{ role: "user", content: "x".repeat(100) }] };
+  const u = estimateUsage(json, 41);
+  assert.equal(u.prompt, Math.ceil(JSON.stringify(json.messages).length / 4));
+  assert.equal(u.completion, 11);
+  assert.equal(u.estimated, true);
+  assert.equal(estimateUsage({ prompt: "abcd" }, 0).prompt, 2); // '"abcd"' is six characters
+  assert.equal(contentChars(sse({ choices: [{ delta: { content: "ab\"c", tool_calls: [{ function: { arguments: "{}" } }] } }] })), 7);
+});
