@@ -10,11 +10,12 @@ import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, fallbackBody, isStream, tryPod, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, refusal } from "./limits.js";
+import { C_INFLIGHT, C_MONTH, estimate, refusal } from "./limits.js";
 import { candidates, finished, leastBusy, started, worthReporting } from "./pods.js";
 import { lookup } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, freshEntry, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush, served,
+  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
+  served,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
 import { tapStream, usageOfJson } from "./usage.js";
@@ -40,6 +41,7 @@ export async function handle(request, env, ctx, deps = {}) {
     if (r.kind === "routed") return await routed(request, env, ctx, cfg, url, r, fetchImpl);
     return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
   } catch (err) {
+    releaseSlot(request); // a request that fails after admission gives its slot back
     if (err instanceof HttpError) return errorResponse(err.status, err.code, err.message, err.headers, err.type);
     if (err instanceof ConfigurationError) {
       log(env, "misconfigured", { binding: err.binding });
@@ -92,16 +94,27 @@ function usable(key) {
   return key;
 }
 
-/** Refuse a request over one of the key's limits (429 with Retry-After). */
-function enforceLimits(cfg, view, key) {
+// Requests holding a max_parallel slot: released when the answer has been sent (its last
+// byte, or the client left) or when the request fails after admission.
+const slots = new WeakMap();
+
+function releaseSlot(request) {
+  const release = slots.get(request);
+  if (release) release();
+}
+
+/** Refuse a request over one of the key's limits (429 with Retry-After), else admit it. */
+function enforceLimits(request, cfg, key) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
-  const g = view.counts[key.id];
+  const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
-  const month = (g ? g.month_tokens : 0) + pendingMonthTokens(gen, key.id, t);
-  const no = refusal(key, est, month, t);
+  const month = (g ? g[C_MONTH] : 0) + pendingMonthTokens(gen, key.id, t);
+  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[C_INFLIGHT] : 0) : 0;
+  const no = refusal(key, est, month, t, inflight);
   if (no) throw new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
-  admit(cfg, key.id, t);
+  const release = admit(cfg, key, t);
+  if (release) slots.set(request, release);
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
@@ -123,10 +136,14 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     bytes = await readBody(request, cfg.maxBodyBytes);
     json = parseJsonObject(bytes);
   }
-  enforceLimits(cfg, cache.entry(gen).view, key);
+  enforceLimits(request, cfg, key);
   scheduleFlush(env, ctx, cfg);
   const wantUsage = !!(json && json.stream === true && json.stream_options && json.stream_options.include_usage === true);
-  const meter = (backend, usage) => meterServed(env, ctx, cfg, key.id, backend, usage);
+  const meter = (backend, usage) => {
+    releaseSlot(request);
+    meterServed(env, ctx, cfg, key.id, backend, usage);
+  };
+  const holdsSlot = slots.has(request); // its stream is tapped, to learn when it ends
 
   const path = url.pathname + url.search;
   const urls = cfg.podUrls;
@@ -170,7 +187,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
         meter(backend, usageOfJson(res.bytes));
         return finish(res.bytes, res.response, backend, timing, t0);
       }
-      if (!wantUsage && urls.length === 1) {
+      if (!wantUsage && urls.length === 1 && !holdsSlot) {
         // Nothing to learn from the stream's end (no usage asked, no other pod to balance
         // against): pass the pod's body through untouched.
         finished(podUrl);
@@ -206,7 +223,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   }
   if (isStream(res) && res.body) {
     timing.fallback = now() - t;
-    if (!wantUsage) {
+    if (!wantUsage && !holdsSlot) {
       meter("fallback", null);
       return finish(res.body, res, "fallback", timing, t0);
     }
