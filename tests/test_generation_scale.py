@@ -8,12 +8,11 @@ import hashlib
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support.workerd import ROOT, auth, cell_plan, chat, driven_cell, request, twin_cell
+from tests.support.workerd import ROOT, auth, chat, driven_cell, request, twin_cell
 
 pytestmark = pytest.mark.slow
 TODAY = time.strftime("%Y-%m-%d", time.gmtime())
