@@ -220,7 +220,6 @@ export class Breaker extends DurableObject {
   /** Apply an isolate's batched deltas and answer the current view. */
   async sync(info, batch = null) {
     await this.readThrough(info);
-    this.learnColo();
     const successor = this.meta("successor");
     if (batch && successor && successor !== info.generation) {
       // Late usage from the previous version's isolates: counted where the state now lives.
@@ -234,7 +233,10 @@ export class Breaker extends DurableObject {
     }
     const now = Date.now();
     if (batch) this.apply(batch, info, now);
-    return this.view(info.haveRev ?? -1, info);
+    const view = this.view(info.haveRev ?? -1, info);
+    // A stale isolate's request with a key it does not hold: found in the same round trip.
+    if (Array.isArray(info.lookup) && info.lookup.length) view.found = this.byDigest(info.lookup, info);
+    return view;
   }
 
   /** One batch, one statement per table (schema.js BULK_*), one transaction. */
@@ -269,17 +271,14 @@ export class Breaker extends DurableObject {
    */
   async lookupKeys(digests, info) {
     await this.readThrough(info);
+    return { rev: this.rev(), ...this.byDigest(digests, info) };
+  }
+
+  byDigest(digests, info) {
     const list = JSON.stringify((Array.isArray(digests) ? digests : [digests]).slice(0, 1000).map(String));
     const keys = this.sql.exec(`SELECT ${KEY_VIEW_COLUMNS} FROM client_keys
       WHERE hash IN (SELECT value FROM json_each(?)) AND revoked_at IS NULL`, list).toArray().map(keyView);
-    return { rev: this.rev(), keys, counts: this.countsOf(keys.map((k) => k.id), info, Date.now()) };
-  }
-
-  /** Where this object runs: fetched once per object lifetime, in the background. */
-  learnColo() {
-    if (this.coloOnce !== null || this.coloAsked) return;
-    this.coloAsked = true;
-    this.ctx.waitUntil(fetchColo().then((c) => { this.coloOnce = c ?? null; }, () => {}));
+    return { keys, counts: this.countsOf(keys.map((k) => k.id), info, Date.now()) };
   }
 
   podRow(pod) {
@@ -369,9 +368,14 @@ export class Breaker extends DurableObject {
     ...args).toArray();
   }
 
-  /** Where this object runs, measured from inside it. */
+  /**
+   * Where this object runs, measured from inside it (the probe asks after every deploy);
+   * kept for the object's lifetime and carried in every view as `colo` (null until then:
+   * a sync itself makes no outside request).
+   */
   async colo() {
-    return fetchColo();
+    this.coloOnce ??= (await fetchColo()) ?? null;
+    return this.coloOnce;
   }
 
   /** Delete every stored row of this generation (the router refuses the active one). */

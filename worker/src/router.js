@@ -15,7 +15,7 @@ import { candidates, finished, leastBusy, started, worthReporting } from "./pods
 import { lookup } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
-  served,
+  served, wantedDigest,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
 import { tapStream, usageOfJson } from "./usage.js";
@@ -87,6 +87,14 @@ async function authenticateSlow(presented, env, cfg, entry, timing) {
   return usable(key);
 }
 
+/** A stale view's sync also looks up the presented key when this isolate does not hold it. */
+async function lookupWith(request, gen) {
+  const presented = bearer(request);
+  if (!presented || !looksLikeKey(presented)) return null;
+  const d = wantedDigest(gen, await digestOf(presented));
+  return d === null ? null : [d];
+}
+
 function usable(key) {
   if (key.expires_at !== null && Date.now() >= key.expires_at) {
     throw new HttpError(401, "expired_api_key", "this API key has expired: create a new one (scripts/keys.py create)");
@@ -124,7 +132,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   // The warm path awaits nothing until the body: a fresh view and a known key are sync.
   let entry = freshEntry(env, ctx, cfg);
   if (entry === null) {
-    const v = await currentView(env, ctx, cfg);
+    const v = await currentView(env, ctx, cfg, await lookupWith(request, gen));
     entry = v.entry;
     timing.state = v.wait;
   }

@@ -93,13 +93,13 @@ export function freshEntry(env, ctx, cfg) {
  * The cache entry a request routes on, and how long it waited for it (ms). Fresh:
  * no wait, no I/O. Half-way to stale: no wait, sync in the background.
  */
-export async function currentView(env, ctx, cfg) {
+export async function currentView(env, ctx, cfg, lookup = null) {
   const entry = freshEntry(env, ctx, cfg);
   if (entry !== null) return { entry, wait: 0 };
   const gen = cfg.activeGeneration;
   const t = now();
   try {
-    return { entry: await sync(env, cfg), wait: now() - t };
+    return { entry: await sync(env, cfg, lookup), wait: now() - t };
   } catch (err) {
     // The object is unreachable: route on what we last knew (or nothing: closed, no keys)
     // rather than fail every request.
@@ -119,17 +119,24 @@ function servedKeys(gen, t) {
   return [...p.served.keys()];
 }
 
-/** Send this isolate's pending deltas, take the current view (every page of key changes). */
-export async function sync(env, cfg) {
+/**
+ * Send this isolate's pending deltas, take the current view (every page of key changes).
+ * `lookup`: digests a waiting request presented that this isolate does not hold, looked
+ * up in the same round trip.
+ */
+export async function sync(env, cfg, lookup = null) {
   const gen = cfg.activeGeneration;
   const asked = servedKeys(gen, Date.now());
   let batch = takePending(gen);
   let entry;
   try {
     for (let page = 0; page < MORE_PAGES_MAX; page++) {
-      const view = await activeStub(env, cfg).sync(infoOf(cfg, asked), batch);
+      const info = infoOf(cfg, asked);
+      if (lookup && page === 0) info.lookup = lookup;
+      const view = await activeStub(env, cfg).sync(info, batch);
       batch = null;
       entry = cache.put(gen, view, Date.now(), asked);
+      if (view.found) cache.putLookup(gen, { rev: view.rev, ...view.found }, lookup, Date.now(), cfg.stateTtlMs);
       if (!view.more) break;
     }
   } catch (err) {
@@ -150,6 +157,13 @@ function lookupsOf(gen) {
     lookups.set(gen, l);
   }
   return l;
+}
+
+/** The digest of a presented key to look up with a stale view's sync, or null (held, known bad, or junk). */
+export function wantedDigest(gen, digest) {
+  const e = cache.entry(gen);
+  if (e && e.keys && e.keys.has(digest)) return null;
+  return cache.isKnownBad(gen, digest, Date.now()) ? null : digest;
 }
 
 /** ms until this isolate may make another look-up call (a burst of LOOKUP_BURST, then one per LOOKUP_EVERY_MS). */
