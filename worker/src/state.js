@@ -246,22 +246,26 @@ function lookupBusy() {
 
 // --- pending deltas ---
 //
-// A batch is an object of named parts; each part is an array of rows and has a take
-// (rows out, pending cleared) and a restore (rows merged back when the sync failed).
-// A new part (e.g. `hist`) is one entry in PARTS.
+// A batch is an object of named parts; each part is an array of rows and has `has` (is
+// anything pending), `take` (rows out, pending cleared) and `restore` (rows merged back
+// when the sync failed). A new part (e.g. `hist`) is one entry in PARTS and one in
+// pendingOf; the object applies it by name (generation.js `apply`).
 
 const PARTS = {
   usage: {
+    has: (p) => p.usage.size > 0,
     take: (p) => takeMap(p, "usage"),
     restore: (p, rows) => { for (const u of rows) addUsage(p, u[0], u[1], u.slice(2)); },
   },
   windows: {
+    has: (p) => p.windows.size > 0,
     take: (p) => takeMap(p, "windows"),
     restore: (p, rows) => { for (const w of rows) addWindow(p, w[0], w[1], w[2], w[3]); },
   },
   inflight: {
     // Every key with requests in flight here, and those that went to 0 since the last
     // sync: the object's row of a silent isolate expires (2 x TTL), so a live one renews it.
+    has: (p) => p.inflightChanged.size > 0,
     take: (p) => {
       const rows = [];
       for (const [id, n] of p.inflight) rows.push([id, n]);
@@ -309,7 +313,8 @@ function restorePending(gen, batch) {
 }
 
 function hasPending(p) {
-  return p.usage.size > 0 || p.windows.size > 0 || p.inflightChanged.size > 0;
+  for (const name in PARTS) if (PARTS[name].has(p)) return true;
+  return false;
 }
 
 // [day, key_id, requests, prompt, completion, pod_requests, fallback_requests, estimated_tokens]
