@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind test test-fast test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover lint clean
+.PHONY: setup wrk valgrind test test-fast test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -70,6 +70,15 @@ bench-stall: setup
 
 bench-failover: setup
 	$(PY) scripts/bench_failover.py
+
+bench-scale: setup
+	$(PY) -m bench.scale
+
+bench-fairness: setup
+	$(PY) -m bench.fairness
+
+bench-front: setup wrk
+	$(PY) scripts/bench_front.py
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

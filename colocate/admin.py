@@ -129,8 +129,11 @@ class AdminClient:
         return data
 
     def create_key(self, name: str, *, rpm: int = 0, tpm: int = 0, monthly_tokens: int = 0,
-                   expires_in_s: int | None = None) -> dict:
+                   max_parallel: int | None = None, expires_in_s: int | None = None) -> dict:
+        """``max_parallel`` None: the cell's default (colocate:keys.defaultMaxParallel)."""
         body = {"name": name, "rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens}
+        if max_parallel is not None:
+            body["max_parallel"] = max_parallel
         if expires_in_s is not None:
             body["expires_in_s"] = expires_in_s
         return self._call("POST", "/_colocate/keys", body)

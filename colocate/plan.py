@@ -455,6 +455,7 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),
+        ("DEFAULT_MAX_PARALLEL", str(settings.default_max_parallel)),
     ]
     if settings.fallback_model:
         plain.append(("FALLBACK_MODEL", settings.fallback_model))

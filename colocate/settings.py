@@ -61,6 +61,7 @@ WORKER_DEFAULTS = {
 }
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
+KEYS_DEFAULTS = {"defaultMaxParallel": 0}
 
 SCHEMA: tuple[Key, ...] = (
     Key("region", "string", None, "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
@@ -68,6 +69,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal (raise by one to replace every pod with a newly placed one)."),
     Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
+    Key("keys", "object", KEYS_DEFAULTS, "Client keys: defaultMaxParallel (requests in flight per key for keys created without --max-parallel; 0 = no limit)."),
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
     Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
@@ -155,6 +157,7 @@ class Settings:
     fallback_model: str
     secrets: frozenset[str] = field(default_factory=frozenset)
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
+    default_max_parallel: int = 0  # colocate:keys.defaultMaxParallel
 
 
 def _merged(raw: dict, name: str) -> dict:
@@ -401,6 +404,8 @@ def parse(
                              f"pulumi config set --path {NS}:worker.subdomain <your-account-subdomain> (the part before .workers.dev), "
                              f"or set {NS}:zone")
     fallback_model = parse_fallback_model(raw.get("fallbackModel"))
+    keys = _merged(raw, "keys")
+    default_max_parallel = _number(f"{NS}:keys.defaultMaxParallel", keys["defaultMaxParallel"], integer=True, strict=False)
     return Settings(
         stack=stack,
         region=cell_region,
@@ -415,4 +420,5 @@ def parse(
         fallback_model=fallback_model,
         secrets=frozenset(secrets),
         fallback_price=parse_fallback_price(raw.get("fallbackPrice")),
+        default_max_parallel=default_max_parallel,
     )

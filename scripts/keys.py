@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Client API keys of a cell: create, list, revoke, and usage per key and day.
 
-    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--expires-in SECONDS]
+    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--max-parallel N] [--expires-in SECONDS]
     keys.py list   --stack S
     keys.py revoke --stack S KEY_ID
     keys.py usage  --stack S [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--key KEY_ID]
@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
     c.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
     c.add_argument("--monthly-tokens", type=int, default=0, help="tokens per UTC calendar month (0: no limit)")
+    c.add_argument("--max-parallel", type=int, default=None,
+                   help="requests in flight at once (0: no limit; default: the cell's colocate:keys.defaultMaxParallel)")
     c.add_argument("--expires-in", type=int, metavar="SECONDS", help="the key stops working after this long")
     ls = sub.add_parser("list", help="every key, revoked ones too (never the key itself)")
     common(ls)
@@ -81,9 +83,10 @@ def keys_table(keys: list[dict]) -> str:
         return str(n) if n else "-"
 
     rows = [[k["id"], k["name"], k["prefix"] + "…", limit(k["rpm"]), limit(k["tpm"]), limit(k["monthly_tokens"]),
-             _when(k["created_at"]), _when(k["expires_at"]), "revoked " + _when(k["revoked_at"]) if k["revoked_at"] else "active"]
+             limit(k.get("max_parallel", 0)), _when(k["created_at"]), _when(k["expires_at"]), "revoked " + _when(k["revoked_at"]) if k["revoked_at"] else "active"]
             for k in keys]
-    return _table(["id", "name", "key", "rpm", "tpm", "monthly", "created (UTC)", "expires", "status"], rows, {3, 4, 5})
+    return _table(["id", "name", "key", "rpm", "tpm", "monthly", "parallel", "created (UTC)", "expires", "status"], rows,
+                  {3, 4, 5, 6})
 
 
 def usage_table(rows: list[dict]) -> str:
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     client = AdminClient(target)
     if args.cmd == "create":
         made = client.create_key(args.name, rpm=args.rpm, tpm=args.tpm, monthly_tokens=args.monthly_tokens,
-                                 expires_in_s=args.expires_in)
+                                 max_parallel=args.max_parallel, expires_in_s=args.expires_in)
         if args.json:
             print(json.dumps(made, indent=2))
         else:

@@ -44,6 +44,17 @@ def test_create_prints_the_key_once_and_it_works(cell, token, capsys):
     assert "100" in row and "active" in row
 
 
+def test_max_parallel_is_set_and_listed(cell, token, capsys):
+    code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "par-bot", "--max-parallel", "3", "--json")
+    assert code == 0 and json.loads(out)["max_parallel"] == 3
+    code, out, _ = run(capsys, "list", "--url", cell.url)
+    header = out.splitlines()[0].split()
+    row = next(line for line in out.splitlines() if "par-bot" in line).split()
+    assert "parallel" in header and row[header.index("parallel")] == "3"
+    code, out, err = run(capsys, "create", "--url", cell.url, "--name", "neg", "--max-parallel", "-1")
+    assert code != 0 and "max_parallel" in err and "-1" in err
+
+
 def test_list_json_revoke_and_usage(cell, token, capsys):
     code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "tmp", "--json")
     made = json.loads(out)

@@ -307,3 +307,65 @@ def twin_cell(worker: dict | None = None, *, compute_ms: float = 1, **raw_overri
             yield cell
         finally:
             second.close()
+
+
+# --- Driving the generation object directly (bench/gen_driver.js) ------------------------
+
+DRIVER_ENTRY = "gen_driver.js"
+DRIVER_JS = (ROOT / "bench" / DRIVER_ENTRY).read_text()
+
+
+@dataclass
+class DrivenCell:
+    """The router (first socket, hosting the objects) and a driver Worker (second socket)
+    bound to the same objects, whose POST /rpc calls the object's methods as isolates do."""
+
+    worker: Workerd
+    pod: standin.StandinServer
+    fallback: standin.StandinServer
+    plan: object
+    url: str
+    driver_url: str
+    key: str | None = None
+
+    @property
+    def generation(self) -> str:
+        return self.plan.state.active.name
+
+    def rpc(self, calls: list[list], gen: str | None = None, timeout: float = 60.0) -> dict:
+        """{"results": [...], "bytes": [...]} of ``calls`` ([method, *args]) run at once."""
+        res = request(self.driver_url, "POST", "/rpc", body={"gen": gen or self.generation, "calls": calls}, timeout=timeout)
+        assert res.status == 200, res.body[:500]
+        return res.json()
+
+    def one(self, method: str, *args, gen: str | None = None):
+        return self.rpc([[method, *args]], gen)["results"][0]
+
+
+@contextlib.contextmanager
+def driven_cell(worker: dict | None = None, *, plan=None, storage_dir: Path | None = None, compute_ms: float = 1,
+                with_key: bool = True, **raw_overrides) -> Iterator[DrivenCell]:
+    from colocate import workerd as wd
+
+    plan = plan or cell_plan(worker, **raw_overrides)
+    with standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name="pod") as pod, \
+            standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME, name="fallback") as fb, \
+            Workerd() as w:
+        second = wd.listening_socket()
+        try:
+            values = values_for(pod.url, fb.url)
+            a = wd.worker_capnp(plan.worker, values, storage_service="disk")
+            d = wd.worker_capnp(plan.worker, values, host_objects=False, do_service="a",
+                                extra_modules=[(DRIVER_ENTRY, DRIVER_JS)], main_module=DRIVER_ENTRY)
+            services = [wd.worker_service("a", a), wd.worker_service("d", d), wd.network_service(),
+                        wd.disk_service("disk", storage_dir or w.directory / "objects")]
+            sockets = [wd.socket_capnp("http", w.port, "a"), wd.socket_capnp("second", 0, "d")]
+            w.start(wd.config_capnp(services, sockets), extra_sockets={"second": second})
+            cell = DrivenCell(w, pod, fb, plan, w.url, f"http://127.0.0.1:{second.getsockname()[1]}")
+            if with_key:
+                res = request(w.url, "POST", "/_colocate/keys", body={"name": "driven"}, headers=auth())
+                assert res.status == 201, res.body
+                cell.key = res.json()["key"]
+            yield cell
+        finally:
+            second.close()

@@ -16,7 +16,7 @@ import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 const ADMIN_BODY_LIMIT = 4096;
 const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$/;
 const DAY_RE = /^\d{4}-\d{2}-\d{2}$/;
-const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens"];
+const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens", "max_parallel"];
 
 /** Constant-time comparison: both sides are hashed to equal length, then every character is compared. */
 export async function tokenMatches(given, expected) {
@@ -154,8 +154,8 @@ async function purge(request, env, cfg) {
   return jsonResponse(200, { generation: gen, purged: true, copied_to: cfg.activeGeneration, ...result });
 }
 
-function limitOf(body, field) {
-  const v = body[field] ?? 0;
+function limitOf(body, field, fallback = 0) {
+  const v = body[field] ?? fallback;
   if (!Number.isSafeInteger(v) || v < 0) {
     throw new HttpError(400, "invalid_field", `field "${field}" must be a whole number >= 0, 0 meaning no limit (got ${JSON.stringify(v)})`);
   }
@@ -169,8 +169,9 @@ async function createKey(request, env, cfg) {
       `field "name" must be 1-64 characters: letters, digits, space, . _ @ - (got ${JSON.stringify(body.name ?? null)})`);
   }
   const unknown = Object.keys(body).filter((k) => !["name", "expires_in_s", ...LIMIT_FIELDS].includes(k));
-  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, rpm, tpm, monthly_tokens, expires_in_s`);
-  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f)]));
+  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, rpm, tpm, monthly_tokens, max_parallel, expires_in_s`);
+  // max_parallel absent: the cell's default for new keys (colocate:keys.defaultMaxParallel).
+  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)]));
   let expiresAt = null;
   if (body.expires_in_s !== undefined && body.expires_in_s !== null) {
     if (!Number.isSafeInteger(body.expires_in_s) || body.expires_in_s <= 0) {
@@ -181,8 +182,8 @@ async function createKey(request, env, cfg) {
   const key = newKey();
   const row = { id: newKeyId(), hash: await keyHash(key), prefix: displayPrefix(key), name: body.name, ...limits,
     created_at: Date.now(), expires_at: expiresAt };
+  // Isolates (this one too) find the new key by looking it up on its first request.
   const stored = await activeStub(env, cfg).createKey(row, infoOf(cfg));
-  cache.drop(cfg.activeGeneration); // this isolate sees the new key on its next request
   return jsonResponse(201, { ...stored, key }, noStore);
 }
 
@@ -193,7 +194,7 @@ async function listKeys(env, cfg) {
 async function revokeKey(env, cfg, id) {
   const row = await activeStub(env, cfg).revokeKey(id, infoOf(cfg));
   if (!row) throw new HttpError(404, "unknown_key", `no key with id ${id}: list them with scripts/keys.py list`);
-  cache.drop(cfg.activeGeneration); // takes effect here at once, elsewhere within STATE_TTL_MS
+  cache.dropKey(cfg.activeGeneration, id); // takes effect here at once, elsewhere within STATE_TTL_MS
   return jsonResponse(200, row, noStore);
 }
 

@@ -6,12 +6,17 @@
 // goes stale and no request waits. Only a cold isolate, an idle one, or STATE_TTL_MS = 0
 // makes a request wait (that wait is Server-Timing `state`).
 //
-// A view holds the per-pod breaker rows, the operator override, the active client keys
-// (by SHA-256 digest) with their limits, and the global limit counters. Keys travel only
-// when their revision changed (`keys: null` otherwise). Promises, stubs and streams are
-// bound to the request that made them in workerd and never live here.
+// An entry holds the per-pod breaker rows and the operator override (the last view), the
+// keys revision this isolate is in step with, the client keys it has looked up (by
+// SHA-256 digest, bounded), their limit counters, and digests known not to be keys.
+// Keys arrive two ways: a look-up of one the isolate was shown (lookupKeys), and the
+// rows changed since the revision held, sent with every sync (a holder updates or drops
+// its row; a digest remembered as unknown becomes known). A cold isolate starts at the
+// current revision with no keys: it never downloads the list. Promises, stubs and
+// streams are bound to the request that made them in workerd and never live here.
 
-const NEGATIVE_MAX = 4096; // digests known not to be keys, per generation (bounded)
+export const NEGATIVE_MAX = 4096; // digests known not to be keys, per generation (bounded)
+export const KEYS_MAX = 50_000; // keys held per generation; the oldest looked-up goes first
 
 export class ViewCache {
   constructor() {
@@ -32,33 +37,81 @@ export class ViewCache {
     return "fresh";
   }
 
-  /** The keys revision this isolate holds (-1: none yet), sent with every sync. */
+  /** The keys revision this isolate is in step with (-1: none yet), sent with every sync. */
   rev(gen) {
     const e = this.entries.get(gen);
-    return e && e.keys ? e.view.rev : -1;
+    return e && e.keys ? e.rev : -1;
   }
 
-  /** Record a view the object returned; an older answer (raced by a newer one) only confirms freshness. */
-  put(gen, view, now) {
+  /**
+   * Record a view the object returned. `asked` lists the key ids whose counters the
+   * sync asked for: those absent from the answer are zero. An older answer (raced by a
+   * newer one) only confirms freshness: the newer one holds every change it had.
+   */
+  put(gen, view, now, asked = null) {
     const e = this.entries.get(gen);
     if (e && view.at < e.view.at) {
-      e.at = now;
+      if (e.keys !== null) e.at = now;
       return e;
     }
-    let keys = e ? e.keys : null;
-    let negative = e ? e.negative : new Map();
-    if (view.keys) {
-      keys = new Map(view.keys.map((k) => [k.hash, k]));
-      negative = new Map(); // a key created since may have been cached as unknown
-    } else if (!e || e.view.rev !== view.rev) {
-      keys = null; // we asked with a revision we no longer hold: the next sync fetches the list
+    const next = e ?? { view, rev: -1, keys: null, counts: new Map(), negative: new Map(), at: -Infinity, refreshAt: null };
+    next.view = view;
+    next.refreshAt = null;
+    if (Array.isArray(view.keys)) {
+      if (next.keys === null || view.reset) {
+        next.keys = new Map();
+        next.negative = new Map(); // keys may have been created since a digest was called unknown
+        next.rev = view.rev;
+      }
+      for (const row of view.keys) applyRow(next, row);
+      next.rev = Math.max(next.rev, view.rev);
     }
-    // Without a key list the view cannot authenticate anyone: treat it as stale, so the next
-    // request syncs (asking for the list) instead of refusing clients.
-    const at = keys === null ? -Infinity : now;
-    const next = { view, keys, negative, at, refreshAt: null, missAt: e ? e.missAt : -Infinity };
+    // Without keys (never synced, or we asked with a revision we no longer hold) the view
+    // cannot authenticate anyone: treat it as stale, so the next request syncs.
+    next.at = next.keys === null ? -Infinity : now;
+    if (asked) for (const id of asked) if (!view.counts || !view.counts[id]) next.counts.delete(id);
+    if (view.counts) for (const id in view.counts) next.counts.set(id, view.counts[id]);
     this.entries.set(gen, next);
     return next;
+  }
+
+  /**
+   * A look-up's answer ({rev, keys, counts}) for `digests`: found keys are held, the rest
+   * remembered as unknown. A row older than the revision held is used by the request
+   * that asked but not kept: a revocation between the two would not reach it.
+   * @returns Map digest -> row of the keys found
+   */
+  putLookup(gen, res, digests, now, ttlMs) {
+    const found = new Map(res.keys.map((k) => [k.hash, k]));
+    const e = this.entries.get(gen);
+    if (!e || e.keys === null) return found;
+    if (res.rev >= e.rev) for (const row of res.keys) holdKey(e, row);
+    for (const id in res.counts) e.counts.set(id, res.counts[id]);
+    // "Unknown" only from an answer as new as our revision: an older one may predate a key
+    // whose creation we already passed (and, not holding it, ignored).
+    if (res.rev >= e.rev) for (const d of digests) if (!found.has(d)) this.forget(gen, d, now, ttlMs);
+    return found;
+  }
+
+  /** The counters of a key as of the last answer that carried them, or undefined. */
+  count(gen, id) {
+    const e = this.entries.get(gen);
+    return e ? e.counts.get(id) : undefined;
+  }
+
+  /** Forget counters of keys this isolate no longer serves. */
+  dropCounts(gen, ids) {
+    const e = this.entries.get(gen);
+    if (e) for (const id of ids) e.counts.delete(id);
+  }
+
+  /** Drop a key at once (revoked through this isolate; elsewhere the next sync drops it). */
+  dropKey(gen, id) {
+    const e = this.entries.get(gen);
+    if (!e || !e.keys) return;
+    for (const [hash, row] of e.keys) {
+      if (row.id === id) e.keys.delete(hash);
+    }
   }
 
   markRefreshing(gen, now) {
@@ -66,7 +119,7 @@ export class ViewCache {
     if (e) e.refreshAt = now;
   }
 
-  /** Remember a digest that is not a key until the key list changes (bounded). */
+  /** Remember a digest that is not a key, for the TTL or until a delta adds it (bounded). */
   forget(gen, digest, now, ttlMs) {
     const e = this.entries.get(gen);
     if (!e) return;
@@ -83,4 +136,25 @@ export class ViewCache {
   drop(gen) {
     this.entries.delete(gen);
   }
+}
+
+/** One changed key row from a sync: holders update or drop it; an awaited digest is held. */
+function applyRow(e, row) {
+  const held = e.keys.get(row.hash);
+  if (row.revoked) {
+    if (held) e.keys.delete(row.hash);
+    return;
+  }
+  if (held) {
+    if (row.rev >= held.rev) e.keys.set(row.hash, row);
+  } else if (e.negative.delete(row.hash)) {
+    holdKey(e, row); // a client presented it before it existed here: it is wanted
+  }
+}
+
+function holdKey(e, row) {
+  const held = e.keys.get(row.hash);
+  if (held && held.rev > row.rev) return;
+  if (!held && e.keys.size >= KEYS_MAX) e.keys.delete(e.keys.keys().next().value);
+  e.keys.set(row.hash, row);
 }

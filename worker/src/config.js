@@ -17,6 +17,11 @@ function int(env, name, { min = 0 } = {}) {
   return n;
 }
 
+/** An optional whole number: `fallback` when the binding is absent. */
+function optionalInt(env, name, fallback, opts) {
+  return env[name] === undefined ? fallback : int(env, name, opts);
+}
+
 function text(env, name, { required = true, secret = false } = {}) {
   const v = env[name];
   if (required && (typeof v !== "string" || v === "")) {
@@ -71,6 +76,7 @@ export function readConfig(env) {
     failureThreshold: int(env, "FAILURE_THRESHOLD", { min: 1 }),
     openMs: int(env, "OPEN_MS", { min: 1 }),
     stateTtlMs: int(env, "STATE_TTL_MS", { min: 0 }),
+    defaultMaxParallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
     podUrls: podUrls(env),
     fallbackUrl: baseUrl(env, "FALLBACK_URL", true),

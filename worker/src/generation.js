@@ -17,8 +17,11 @@
 
 import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
-import { minuteOf, monthStartDay } from "./limits.js";
-import { KEY_COLUMNS, SCHEMA, SCHEMA_VERSION, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS } from "./schema.js";
+import { minuteOf } from "./limits.js";
+import {
+  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, SCHEMA, SCHEMA_VERSION,
+  UPSERT_MONTH, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
+} from "./schema.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -29,6 +32,11 @@ const HOUR_MS = 3600000;
 const SEG_MINUTES_KEEP = 7 * 24 * 60; // minutes kept as minutes; older ones roll up into hours
 const SEG_HOURS_KEEP = 35 * 24; // hours kept
 const SEG_NAMES = new Set([...ROUTED, SYNC]);
+export const DELTA_ROWS = 500; // key rows per answer; `more: true` asks the isolate to sync again
+// An isolate further behind than this many revisions drops its few looked-up keys and
+// starts from the current revision (cheaper than paging through every change since).
+export const DELTA_RESET = 5000;
+const INFLIGHT_KEEP_MS = 10 * 60_000; // in-flight rows of isolates silent this long are deleted
 
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
@@ -40,10 +48,25 @@ export class Breaker extends DurableObject {
 
   async load() {
     for (const stmt of SCHEMA) this.sql.exec(stmt);
-    if (this.meta("schema") === SCHEMA_VERSION) return;
-    // Schema 1 (one KV entry): keep its override; per-pod health starts fresh.
-    const legacy = await this.ctx.storage.get(LEGACY_KV_KEY);
+    const version = this.meta("schema");
+    if (version === SCHEMA_VERSION) {
+      for (const stmt of INDEXES) this.sql.exec(stmt);
+      return;
+    }
+    const legacy = version === null ? await this.ctx.storage.get(LEGACY_KV_KEY) : undefined;
     this.ctx.storage.transactionSync(() => {
+      // Schema 2 (and older): add the new columns in place; nothing is copied or lost.
+      for (const [table, column, decl] of ADDED_COLUMNS) {
+        if (!this.sql.exec(`SELECT * FROM ${table} LIMIT 0`).columnNames.includes(column)) {
+          this.sql.exec(`ALTER TABLE ${table} ADD COLUMN ${column} ${decl}`);
+        }
+      }
+      for (const stmt of INDEXES) this.sql.exec(stmt);
+      // The month totals, once, from the daily rows they replace as the budget's input.
+      this.sql.exec(`INSERT INTO key_month (key_id, month, tokens)
+        SELECT key_id, substr(day, 1, 7), SUM(prompt_tokens + completion_tokens) FROM usage_daily GROUP BY key_id, substr(day, 1, 7)
+        ON CONFLICT (key_id, month) DO UPDATE SET tokens = excluded.tokens`);
+      // Schema 1 (one KV entry): keep its override; per-pod health starts fresh.
       if (legacy && legacy.snap && FORCE_VALUES.includes(legacy.snap.forced) && legacy.snap.forced !== null) {
         this.setMeta("forced", legacy.snap.forced);
       }
@@ -67,8 +90,11 @@ export class Breaker extends DurableObject {
     return Number(this.meta("rev") || 0);
   }
 
-  bumpRev() {
-    this.setMeta("rev", this.rev() + 1);
+  /** The next keys revision (each changed row gets its own, so deltas page by rev exactly). */
+  bumpRev(n = 1) {
+    const next = this.rev() + n;
+    this.setMeta("rev", next);
+    return next;
   }
 
   /** Copy a draining generation's state once (see the header). */
@@ -87,18 +113,29 @@ export class Breaker extends DurableObject {
   importState(from, data) {
     this.ctx.storage.transactionSync(() => {
       if (data.forced && this.meta("forced") === null) this.setMeta("forced", data.forced);
+      let rev = this.rev();
       for (const k of data.keys) {
-        this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-          k.id, k.hash, k.prefix, k.name, k.rpm, k.tpm, k.monthly_tokens, k.created_at, k.expires_at, k.revoked_at);
+        const added = this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+          k.id, k.hash, k.prefix, k.name, k.rpm, k.tpm, k.monthly_tokens, k.max_parallel ?? 0, k.created_at, k.expires_at,
+          k.revoked_at, rev + 1).rowsWritten;
+        if (added) rev += 1;
       }
+      this.setMeta("rev", rev);
       for (const u of data.usage) {
-        this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests, u.fallback_requests);
+        this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
+          u.fallback_requests, u.estimated_tokens ?? 0);
       }
+      // A schema-2 exporter has no month totals: they follow from its daily rows.
+      const months = data.months ?? monthsOf(data.usage);
+      for (const m of months) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens);
       for (const w of data.windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
       for (const r of data.seg_minute || []) this.addSeg("seg_minute", "minute", r); // a generation from before has none
       for (const r of data.seg_hour || []) this.addSeg("seg_hour", "hour", r);
+      for (const f of data.inflight ?? []) {
+        this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
+          ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
+      }
       this.setMeta(`imported:${from}`, Date.now());
-      this.bumpRev();
     });
   }
 
@@ -112,11 +149,13 @@ export class Breaker extends DurableObject {
       forced: this.meta("forced"),
       keys: this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys`).toArray(),
       usage: this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray(),
+      months: this.sql.exec("SELECT key_id, month, tokens FROM key_month").toArray(),
       windows: this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window").toArray(),
       seg_minute: this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute").toArray()
         .map((r) => [r.minute, r.colo, r.pod, r.segment, r.hist]),
       seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
         .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
+      inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
     };
   }
 
@@ -127,64 +166,132 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * What isolates cache. `haveRev` is the keys revision the caller holds: the key list is
-   * sent only when it changed (null otherwise), so a sync stays small.
+   * Key rows changed since revision `haveRev` (revoked ones included, so holders drop
+   * them), at most DELTA_ROWS. A cold caller (-1) gets none, only the current revision.
    */
-  view(haveRev = -1) {
+  keyDelta(haveRev) {
+    const rev = this.rev();
+    if (haveRev === rev) return { rev, keys: null, more: false };
+    if (haveRev < 0 || haveRev > rev || rev - haveRev > DELTA_RESET) return { rev, keys: [], more: false, reset: haveRev >= 0 };
+    const rows = this.sql.exec(`SELECT ${KEY_VIEW_COLUMNS} FROM client_keys WHERE rev > ? ORDER BY rev LIMIT ?`,
+      haveRev, DELTA_ROWS + 1).toArray();
+    const more = rows.length > DELTA_ROWS;
+    if (more) rows.length = DELTA_ROWS;
+    return { rev: more ? rows[rows.length - 1].rev : rev, keys: rows.map(keyView), more };
+  }
+
+  /**
+   * {id: [minute, req, tok, prev_req, prev_tok, month_tokens, inflight_elsewhere]} for
+   * the ids asked (absent: all zero). Three indexed reads, whatever the number of keys.
+   */
+  countsOf(ids, info, now) {
+    const counts = {};
+    if (!ids || ids.length === 0) return counts;
+    const m = minuteOf(now);
+    const list = JSON.stringify(ids);
+    const slot = (id) => (counts[id] ??= [m, 0, 0, 0, 0, 0, 0]);
+    for (const w of this.sql.exec(
+      "SELECT key_id, minute, requests, tokens FROM rate_window WHERE key_id IN (SELECT value FROM json_each(?)) AND minute >= ?",
+      list, m - 1)) {
+      const c = slot(w.key_id);
+      const at = w.minute === m ? 1 : 3;
+      c[at] += w.requests;
+      c[at + 1] += w.tokens;
+    }
+    for (const r of this.sql.exec(
+      "SELECT key_id, tokens FROM key_month WHERE key_id IN (SELECT value FROM json_each(?)) AND month = ?",
+      list, new Date(now).toISOString().slice(0, 7))) {
+      if (r.tokens > 0) slot(r.key_id)[5] = r.tokens;
+    }
+    const fresh = now - 2 * Math.max(info.ttlMs ?? 0, 1000);
+    for (const r of this.sql.exec(`SELECT key_id, SUM(n) AS n FROM key_inflight
+        WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
+    list, info.isolate ?? "", fresh)) {
+      if (r.n > 0) slot(r.key_id)[6] = r.n;
+    }
+    return counts;
+  }
+
+  /**
+   * What isolates cache: pods, override, the key rows changed since `haveRev` and, when
+   * `info` names them, the counters of the keys the caller serves.
+   */
+  view(haveRev = -1, info = null) {
     const now = Date.now();
     const pods = {};
     for (const r of this.sql.exec("SELECT pod, state, failures, opened_at, trial_at, updated_at FROM pod_health")) {
       pods[r.pod] = { state: r.state, failures: r.failures, opened_at: r.opened_at, trial_at: r.trial_at, updated_at: r.updated_at };
     }
-    const rev = this.rev();
-    const keys = rev === haveRev ? null : this.sql.exec(
-      "SELECT id, hash, name, rpm, tpm, monthly_tokens, expires_at FROM client_keys WHERE revoked_at IS NULL").toArray();
-    const m = minuteOf(now);
-    const counts = {};
-    const slot = (id) => (counts[id] ??= { minute: m, req: 0, tok: 0, prev_req: 0, prev_tok: 0, month_tokens: 0 });
-    for (const w of this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window WHERE minute >= ?", m - 1)) {
-      const c = slot(w.key_id);
-      if (w.minute === m) {
-        c.req += w.requests;
-        c.tok += w.tokens;
-      } else {
-        c.prev_req += w.requests;
-        c.prev_tok += w.tokens;
-      }
-    }
-    const month = this.sql.exec(
-      "SELECT key_id, SUM(prompt_tokens + completion_tokens) AS t FROM usage_daily WHERE day >= ? GROUP BY key_id", monthStartDay(now));
-    for (const r of month) if (r.t > 0) slot(r.key_id).month_tokens = r.t;
+    const delta = this.keyDelta(haveRev);
+    const counts = info ? this.countsOf(info.keys, info, now) : {};
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
-    return { rev, keys, pods, counts, forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
+    return { ...delta, pods, counts, forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
       imported, at: now, colo: this.coloOnce };
   }
 
   /** Apply an isolate's batched deltas and answer the current view. */
   async sync(info, batch = null) {
     await this.readThrough(info);
-    this.learnColo();
     const successor = this.meta("successor");
     if (batch && successor && successor !== info.generation) {
       // Late usage from the previous version's isolates: counted where the state now lives.
       try {
         const next = this.env.BREAKER.get(this.env.BREAKER.idFromName(successor));
-        await next.sync({ ...info, generation: successor, draining: null, haveRev: -1 }, batch);
+        await next.sync({ ...info, generation: successor, draining: null, haveRev: -1, keys: [] }, batch);
         batch = null;
       } catch {
         // the successor is unreachable: keep the batch here rather than lose it
       }
     }
-    if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, Date.now());
-    if (batch && (batch.usage.length || batch.windows.length)) {
-      const oldest = minuteOf(Date.now()) - 1;
-      this.ctx.storage.transactionSync(() => {
-        for (const u of batch.usage) this.sql.exec(UPSERT_USAGE, ...u);
-        for (const w of batch.windows) if (w[1] >= oldest) this.sql.exec(UPSERT_WINDOW, ...w);
-        this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
-      });
-    }
-    return this.view(info.haveRev ?? -1);
+    const now = Date.now();
+    if (batch) this.apply(batch, info, now);
+    if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, now);
+    const view = this.view(info.haveRev ?? -1, info);
+    // A stale isolate's request with a key it does not hold: found in the same round trip.
+    if (Array.isArray(info.lookup) && info.lookup.length) view.found = this.byDigest(info.lookup, info);
+    return view;
+  }
+
+  /** One batch, one statement per table (schema.js BULK_*), one transaction. */
+  apply(batch, info, now) {
+    const oldest = minuteOf(now) - 1;
+    this.ctx.storage.transactionSync(() => {
+      if (batch.usage && batch.usage.length) {
+        const rows = JSON.stringify(batch.usage.map(usageRow));
+        this.sql.exec(BULK_USAGE, rows);
+        this.sql.exec(BULK_MONTH, rows);
+      }
+      if (batch.windows && batch.windows.length) this.sql.exec(BULK_WINDOW, JSON.stringify(batch.windows), oldest);
+      this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
+      if (batch.inflight && batch.inflight.length) {
+        const isolate = String(info.isolate ?? "");
+        for (const [keyId, n] of batch.inflight) {
+          if (n > 0) {
+            this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
+              ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, keyId, isolate, n, now);
+          } else {
+            this.sql.exec("DELETE FROM key_inflight WHERE key_id = ? AND isolate = ?", keyId, isolate);
+          }
+        }
+      }
+      this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
+    });
+  }
+
+  /**
+   * Keys by digest, for digests an isolate does not hold: {rev, keys: [rows], counts}.
+   * Revoked keys are not returned (the isolate remembers the digest as unknown).
+   */
+  async lookupKeys(digests, info) {
+    await this.readThrough(info);
+    return { rev: this.rev(), ...this.byDigest(digests, info) };
+  }
+
+  byDigest(digests, info) {
+    const list = JSON.stringify((Array.isArray(digests) ? digests : [digests]).slice(0, 1000).map(String));
+    const keys = this.sql.exec(`SELECT ${KEY_VIEW_COLUMNS} FROM client_keys
+      WHERE hash IN (SELECT value FROM json_each(?)) AND revoked_at IS NULL`, list).toArray().map(keyView);
+    return { keys, counts: this.countsOf(keys.map((k) => k.id), info, Date.now()) };
   }
 
   /**
@@ -228,25 +335,9 @@ export class Breaker extends DurableObject {
       ON CONFLICT (${col}, colo, pod, segment) DO UPDATE SET hist = excluded.hist`, ...key, merged);
   }
 
-  /** Where this object runs: fetched once per object lifetime, in the background. */
-  learnColo() {
-    if (this.coloOnce !== null || this.coloAsked) return;
-    this.coloAsked = true;
-    this.ctx.waitUntil(fetchColo().then((c) => { this.coloOnce = c ?? null; }, () => {}));
-  }
-
   podRow(pod) {
-    const select = () => this.sql.exec(
+    const r = this.sql.exec(
       "SELECT state, failures, opened_at, trial_at, updated_at, failure_keys FROM pod_health WHERE pod = ?", pod).toArray()[0];
-    let r;
-    try {
-      r = select();
-    } catch (err) {
-      // A table made before failure_keys (a deployed schema-2 object): add the column once.
-      if (!/failure_keys/.test(String(err && err.message))) throw err;
-      this.sql.exec("ALTER TABLE pod_health ADD COLUMN failure_keys TEXT");
-      r = select();
-    }
     if (!r) return initial();
     let keys = [];
     try {
@@ -261,8 +352,8 @@ export class Breaker extends DurableObject {
     const now = Date.now();
     if (snap.state === "closed" && snap.failures === 0) this.sql.exec("DELETE FROM pod_health WHERE pod = ?", pod);
     else {
-      this.sql.exec(UPSERT_POD, pod, snap.state, snap.failures, snap.opened_at, snap.trial_at, snap.updated_at ?? now);
-      this.sql.exec("UPDATE pod_health SET failure_keys = ? WHERE pod = ?", JSON.stringify(snap.failure_keys || []), pod);
+      this.sql.exec(UPSERT_POD, pod, snap.state, snap.failures, snap.opened_at, snap.trial_at, snap.updated_at ?? now,
+        JSON.stringify(snap.failure_keys || []));
     }
     this.sql.exec("DELETE FROM pod_health WHERE updated_at < ?", now - POD_ROW_TTL_MS);
   }
@@ -302,30 +393,31 @@ export class Breaker extends DurableObject {
   async createKey(row, info) {
     await this.readThrough(info);
     this.ctx.storage.transactionSync(() => {
-      this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-        row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.created_at, row.expires_at, null);
-      this.bumpRev();
+      this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+        row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
+        row.expires_at, null, this.bumpRev());
     });
     return this.keyRow(row.id);
   }
 
   keyRow(id) {
-    return this.sql.exec("SELECT id, prefix, name, rpm, tpm, monthly_tokens, created_at, expires_at, revoked_at FROM client_keys WHERE id = ?", id)
-      .toArray()[0] ?? null;
+    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at
+      FROM client_keys WHERE id = ?`, id).toArray()[0] ?? null;
   }
 
   async listKeys(info) {
     await this.readThrough(info);
-    return this.sql.exec(
-      "SELECT id, prefix, name, rpm, tpm, monthly_tokens, created_at, expires_at, revoked_at FROM client_keys ORDER BY created_at, id").toArray();
+    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at
+      FROM client_keys ORDER BY created_at, id`).toArray();
   }
 
   async revokeKey(id, info) {
     await this.readThrough(info);
     if (!this.keyRow(id)) return null;
     this.ctx.storage.transactionSync(() => {
-      this.sql.exec("UPDATE client_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", Date.now(), id);
-      this.bumpRev();
+      const changed = this.sql.exec("UPDATE client_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", Date.now(), id).rowsWritten;
+      // The row's new revision is what carries the revocation to the isolates holding it.
+      if (changed) this.sql.exec("UPDATE client_keys SET rev = ? WHERE id = ?", this.bumpRev(), id);
     });
     return this.keyRow(id);
   }
@@ -339,7 +431,8 @@ export class Breaker extends DurableObject {
       args.push(query.key);
     }
     return this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-        u.fallback_requests FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where} ORDER BY u.day, u.key_id`,
+        u.fallback_requests, u.estimated_tokens FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
+        ORDER BY u.day, u.key_id`,
     ...args).toArray();
   }
 
@@ -354,8 +447,14 @@ export class Breaker extends DurableObject {
   }
 
   /** Where this object runs, measured from inside it. */
+  /**
+   * Where this object runs, measured from inside it (the probe asks after every deploy);
+   * kept for the object's lifetime and carried in every view as `colo` (null until then:
+   * a sync itself makes no outside request).
+   */
   async colo() {
-    return fetchColo();
+    this.coloOnce ??= (await fetchColo()) ?? null;
+    return this.coloOnce;
   }
 
   /** Delete every stored row of this generation (the router refuses the active one). */
@@ -366,4 +465,27 @@ export class Breaker extends DurableObject {
     await this.load();
     return { had_state: had };
   }
+}
+
+/** A key row as isolates hold it: `revoked` tells a holder to drop it. */
+function keyView(r) {
+  return { id: r.id, hash: r.hash, name: r.name, rpm: r.rpm, tpm: r.tpm, monthly_tokens: r.monthly_tokens,
+    max_parallel: r.max_parallel, expires_at: r.expires_at, rev: r.rev, revoked: r.revoked_at !== null };
+}
+
+/** A batch usage row, schema-2 isolates' 7 columns included (estimated_tokens 0). */
+function usageRow(u) {
+  return u.length >= 8 ? u : [...u, 0];
+}
+
+/** Month totals from daily rows (an import from an exporter that had none). */
+function monthsOf(usage) {
+  const by = new Map();
+  for (const u of usage) {
+    const k = u.key_id + "|" + u.day.slice(0, 7);
+    const row = by.get(k) ?? { key_id: u.key_id, month: u.day.slice(0, 7), tokens: 0 };
+    row.tokens += u.prompt_tokens + u.completion_tokens;
+    by.set(k, row);
+  }
+  return [...by.values()];
 }

@@ -6,7 +6,9 @@
 // monthly token budget counts UTC calendar months. The counters are the object's global
 // ones as of the isolate's last sync plus what this isolate admitted since (its pending
 // deltas), so an isolate never forgets its own traffic; what other isolates admitted
-// since their last sync is the overshoot bound documented in docs/worker.md.
+// since their last sync is the overshoot bound documented in docs/worker.md. The same
+// holds for requests in flight (max_parallel): this isolate's own count is exact, the
+// other isolates' is as of their last sync.
 
 export const WINDOW_MS = 60_000;
 
@@ -34,14 +36,24 @@ function msToNextMonth(t) {
   return Date.UTC(d.getUTCFullYear(), d.getUTCMonth() + 1, 1) - t;
 }
 
+// The object's counters of one key, as a sync carries them (arrays keep a sync small).
+export const C_MINUTE = 0;
+export const C_REQ = 1;
+export const C_TOK = 2;
+export const C_PREV_REQ = 3;
+export const C_PREV_TOK = 4;
+export const C_MONTH = 5;
+export const C_INFLIGHT = 6; // requests in flight in the other isolates
+
 /**
  * The global count of a key's bucket `m` as of the last sync: `g` is the object's
- * {minute, req, tok, prev_req, prev_tok} for that key (or undefined).
+ * [minute, req, tok, prev_req, prev_tok, month_tokens, inflight_elsewhere] for that
+ * key (or undefined).
  */
 function globalAt(g, m) {
   if (!g) return { req: 0, tok: 0 };
-  if (m === g.minute) return { req: g.req, tok: g.tok };
-  if (m === g.minute - 1) return { req: g.prev_req, tok: g.prev_tok };
+  if (m === g[C_MINUTE]) return { req: g[C_REQ], tok: g[C_TOK] };
+  if (m === g[C_MINUTE] - 1) return { req: g[C_PREV_REQ], tok: g[C_PREV_TOK] };
   return { req: 0, tok: 0 };
 }
 
@@ -66,9 +78,10 @@ export function estimate(g, pending, t) {
 
 /**
  * Whether a key may send one more request now: null, or the refusal
- * {type, code, message, retryAfterS} (HTTP 429).
+ * {type, code, message, retryAfterS} (HTTP 429). `inflight`: its requests in flight in
+ * every isolate as far as this one knows.
  */
-export function refusal(key, est, monthTokens, t) {
+export function refusal(key, est, monthTokens, t, inflight = 0) {
   const toMinute = Math.max(1, Math.ceil((WINDOW_MS - (t % WINDOW_MS)) / 1000));
   if (key.rpm > 0 && est.req >= key.rpm) {
     return { type: "requests", code: "rate_limit_exceeded", retryAfterS: toMinute,
@@ -81,6 +94,10 @@ export function refusal(key, est, monthTokens, t) {
   if (key.monthly_tokens > 0 && monthTokens >= key.monthly_tokens) {
     return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: Math.max(1, Math.ceil(msToNextMonth(t) / 1000)),
       message: `monthly token budget used: ${key.monthly_tokens} tokens this month for this key` };
+  }
+  if (key.max_parallel > 0 && inflight >= key.max_parallel) {
+    return { type: "requests", code: "too_many_parallel_requests", retryAfterS: 1,
+      message: `too many requests in flight: ${key.max_parallel} at a time for this key` };
   }
   return null;
 }

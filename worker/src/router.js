@@ -10,11 +10,12 @@ import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, refusal } from "./limits.js";
+import { C_INFLIGHT, C_MONTH, estimate, refusal } from "./limits.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { lookup } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, freshEntry, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush, served,
+  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
+  served, wantedDigest,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
 import { estimateUsage, stripStream, tapStream, usageOfJson } from "./usage.js";
@@ -46,6 +47,7 @@ export async function handle(request, env, ctx, deps = {}) {
     }
     return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
   } catch (err) {
+    releaseSlot(request); // a request that fails after admission gives its slot back
     if (err instanceof HttpError) return errorResponse(err.status, err.code, err.message, err.headers, err.type, err.param);
     if (err instanceof ConfigurationError) {
       log(env, "misconfigured", { binding: err.binding });
@@ -91,6 +93,14 @@ async function authenticateSlow(presented, env, cfg, entry, timing) {
   return usable(key);
 }
 
+/** A stale view's sync also looks up the presented key when this isolate does not hold it. */
+async function lookupWith(request, gen) {
+  const presented = bearer(request);
+  if (!presented || !looksLikeKey(presented)) return null;
+  const d = wantedDigest(gen, await digestOf(presented));
+  return d === null ? null : [d];
+}
+
 function usable(key) {
   if (key.expires_at !== null && Date.now() >= key.expires_at) {
     throw new HttpError(401, "expired_api_key", "this API key has expired: create a new one (scripts/keys.py create)");
@@ -98,16 +108,27 @@ function usable(key) {
   return key;
 }
 
-/** Refuse a request over one of the key's limits (429 with Retry-After). */
-function enforceLimits(cfg, view, key) {
+// Requests holding a max_parallel slot: released when the answer has been sent (its last
+// byte, or the client left) or when the request fails after admission.
+const slots = new WeakMap();
+
+function releaseSlot(request) {
+  const release = slots.get(request);
+  if (release) release();
+}
+
+/** Refuse a request over one of the key's limits (429 with Retry-After), else admit it. */
+function enforceLimits(request, cfg, key) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
-  const g = view.counts[key.id];
+  const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
-  const month = (g ? g.month_tokens : 0) + pendingMonthTokens(gen, key.id, t);
-  const no = refusal(key, est, month, t);
+  const month = (g ? g[C_MONTH] : 0) + pendingMonthTokens(gen, key.id, t);
+  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[C_INFLIGHT] : 0) : 0;
+  const no = refusal(key, est, month, t, inflight);
   if (no) throw new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
-  admit(cfg, key.id, t);
+  const release = admit(cfg, key, t);
+  if (release) slots.set(request, release);
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
@@ -117,7 +138,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   // The warm path awaits nothing until the body: a fresh view and a known key are sync.
   let entry = freshEntry(env, ctx, cfg);
   if (entry === null) {
-    const v = await currentView(env, ctx, cfg);
+    const v = await currentView(env, ctx, cfg, await lookupWith(request, gen));
     entry = v.entry;
     timing.state = v.wait;
   }
@@ -130,9 +151,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json);
   }
-  enforceLimits(cfg, cache.entry(gen).view, key);
+  enforceLimits(request, cfg, key);
   scheduleFlush(env, ctx, cfg);
-  const meter = (backend, usage) => meterServed(env, ctx, cfg, key.id, backend, usage);
+  // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last byte).
+  const meter = (backend, usage) => {
+    releaseSlot(request);
+    meterServed(env, ctx, cfg, key.id, backend, usage);
+  };
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
   const streamed = !!(json && json.stream === true);
@@ -210,6 +235,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
 
   if (request.headers.get("x-colocate-fallback") === "defer") {
     // A fleet's front door asks for "no pod" rather than the paid fallback: it tries another cell (docs/fleet.md).
+    blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
+    releaseSlot(request);
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }

@@ -1,26 +1,33 @@
 // The generation object's SQLite schema: every piece of routed state a cell keeps.
 //
 // One object per generation holds it all, so the generation-rename migration moves all
-// of it at once (generation.js `exportAll` / `importFrom`):
+// of it at once (generation.js `exportAll` / `importState`):
 //
-//   meta         k/v: schema version, the operator override, the keys revision, which
-//                generations were imported (each once)
-//   pod_health   per-pod breaker rows, keyed by the pod's URL; a healthy closed pod has
-//                no row (absent = closed, failures 0), so the healthy path writes nothing
-//   client_keys  client API keys: only the SHA-256 of each key is stored, never the key
-//   usage_daily  per key and UTC day: requests, tokens, which backend served them
-//   rate_window  per key and minute: requests and tokens, the input of the limits;
-//                rows older than the previous minute are deleted on every sync
-//   seg_minute   live segment histograms (histogram.js) per minute, colo, pod and segment:
-//                for the routed segments `colo` is where the Worker ran and `pod` the pod
-//                index or "fallback"; for `sync` `colo` is the state object's and `pod` the
-//                Worker's colo. Minutes older than 7 days roll up into
-//   seg_hour     the same per hour; hours older than 35 days are dropped
+//   meta          k/v: schema version, the operator override, the keys revision, which
+//                 generations were imported (each once)
+//   pod_health    per-pod breaker rows, keyed by the pod's URL; a healthy closed pod has
+//                 no row (absent = closed, failures 0), so the healthy path writes nothing;
+//                 `failure_keys`: the failure streak's sources (keys, health checks)
+//   client_keys   client API keys: only the SHA-256 of each key is stored, never the key;
+//                 `rev` is the keys revision at which the row last changed (created,
+//                 revoked, imported), so a sync sends only rows changed since the caller's
+//   usage_daily   per key and UTC day: requests, tokens (and how many were estimated),
+//                 which backend served them
+//   key_month     per key and UTC month: tokens, kept as batches arrive (the budget's input)
+//   rate_window   per key and minute: requests and tokens, the input of rpm/tpm; rows
+//                 older than the previous minute are deleted on every sync (by index)
+//   key_inflight  per key and isolate: requests in flight as of that isolate's last sync
+//                 (the input of max_parallel); rows of silent isolates expire (by index)
+//   seg_minute    live segment histograms (histogram.js) per minute, colo, pod and segment:
+//                 for the routed segments `colo` is where the Worker ran and `pod` the pod
+//                 index or "fallback"; for `sync` `colo` is the state object's and `pod` the
+//                 Worker's colo. Minutes older than 7 days roll up into
+//   seg_hour      the same per hour; hours older than 35 days are dropped
 //
-// The isolate caches a view of meta, pod_health, the active keys and the current
-// counters (state.js); nothing here is read on the hot path while that view is fresh.
+// Every sync reads and writes by primary key or index: no scan grows with the number of
+// keys (docs/worker.md "State").
 
-export const SCHEMA_VERSION = "2";
+export const SCHEMA_VERSION = "3";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -30,15 +37,21 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS client_keys (
      id TEXT PRIMARY KEY, hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, name TEXT NOT NULL,
      rpm INTEGER NOT NULL DEFAULT 0, tpm INTEGER NOT NULL DEFAULT 0, monthly_tokens INTEGER NOT NULL DEFAULT 0,
-     created_at INTEGER NOT NULL, expires_at INTEGER, revoked_at INTEGER)`,
+     created_at INTEGER NOT NULL, expires_at INTEGER, revoked_at INTEGER,
+     max_parallel INTEGER NOT NULL DEFAULT 0, rev INTEGER NOT NULL DEFAULT 0)`,
   `CREATE TABLE IF NOT EXISTS usage_daily (
      day TEXT NOT NULL, key_id TEXT NOT NULL,
      requests INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
      completion_tokens INTEGER NOT NULL DEFAULT 0, pod_requests INTEGER NOT NULL DEFAULT 0,
-     fallback_requests INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key_id))`,
+     fallback_requests INTEGER NOT NULL DEFAULT 0, estimated_tokens INTEGER NOT NULL DEFAULT 0,
+     PRIMARY KEY (day, key_id))`,
+  `CREATE TABLE IF NOT EXISTS key_month (
+     key_id TEXT NOT NULL, month TEXT NOT NULL, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, month))`,
   `CREATE TABLE IF NOT EXISTS rate_window (
      key_id TEXT NOT NULL, minute INTEGER NOT NULL,
      requests INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, minute))`,
+  `CREATE TABLE IF NOT EXISTS key_inflight (
+     key_id TEXT NOT NULL, isolate TEXT NOT NULL, n INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
   // The primary keys lead with the time, so the window reads and the roll-up deletes are index ranges.
   `CREATE TABLE IF NOT EXISTS seg_minute (
      minute INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
@@ -48,18 +61,60 @@ export const SCHEMA = [
      PRIMARY KEY (hour, colo, pod, segment))`,
 ];
 
-export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, created_at, expires_at, revoked_at";
-export const USAGE_COLUMNS = "day, key_id, requests, prompt_tokens, completion_tokens, pod_requests, fallback_requests";
+// Columns added since a table was first created: [table, column, declaration]. An object
+// created by an older schema gets them by ALTER TABLE on load (generation.js `load`).
+export const ADDED_COLUMNS = [
+  ["pod_health", "failure_keys", "TEXT"],
+  ["client_keys", "max_parallel", "INTEGER NOT NULL DEFAULT 0"],
+  ["client_keys", "rev", "INTEGER NOT NULL DEFAULT 0"],
+  ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
+];
 
-export const UPSERT_USAGE = `INSERT INTO usage_daily (${USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)
+// Created after ADDED_COLUMNS (an index on a column an old table lacks would fail).
+export const INDEXES = [
+  `CREATE INDEX IF NOT EXISTS client_keys_rev ON client_keys (rev)`,
+  `CREATE INDEX IF NOT EXISTS rate_window_minute ON rate_window (minute)`,
+  `CREATE INDEX IF NOT EXISTS key_inflight_at ON key_inflight (at)`,
+];
+
+export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at";
+// What an isolate holds of a key (no prefix, no timestamps it does not use).
+export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at";
+export const USAGE_COLUMNS = "day, key_id, requests, prompt_tokens, completion_tokens, pod_requests, fallback_requests, estimated_tokens";
+
+export const UPSERT_USAGE = `INSERT INTO usage_daily (${USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
   ON CONFLICT (day, key_id) DO UPDATE SET
     requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens,
     completion_tokens = completion_tokens + excluded.completion_tokens,
-    pod_requests = pod_requests + excluded.pod_requests, fallback_requests = fallback_requests + excluded.fallback_requests`;
+    pod_requests = pod_requests + excluded.pod_requests, fallback_requests = fallback_requests + excluded.fallback_requests,
+    estimated_tokens = estimated_tokens + excluded.estimated_tokens`;
+
+export const UPSERT_MONTH = `INSERT INTO key_month (key_id, month, tokens) VALUES (?, ?, ?)
+  ON CONFLICT (key_id, month) DO UPDATE SET tokens = tokens + excluded.tokens`;
 
 export const UPSERT_WINDOW = `INSERT INTO rate_window (key_id, minute, requests, tokens) VALUES (?, ?, ?, ?)
   ON CONFLICT (key_id, minute) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens`;
 
-export const UPSERT_POD = `INSERT INTO pod_health (pod, state, failures, opened_at, trial_at, updated_at) VALUES (?, ?, ?, ?, ?, ?)
+// A whole batch part in one statement: `?` is the part's rows as a JSON array of arrays
+// (one statement per table per sync instead of one per row). `WHERE true` lets SQLite
+// parse ON CONFLICT after a SELECT.
+const col = (i) => `(value ->> ${i})`;
+export const BULK_USAGE = `INSERT INTO usage_daily (${USAGE_COLUMNS})
+  SELECT ${[0, 1, 2, 3, 4, 5, 6, 7].map(col).join(", ")} FROM json_each(?) WHERE true
+  ON CONFLICT (day, key_id) DO UPDATE SET
+    requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    completion_tokens = completion_tokens + excluded.completion_tokens,
+    pod_requests = pod_requests + excluded.pod_requests, fallback_requests = fallback_requests + excluded.fallback_requests,
+    estimated_tokens = estimated_tokens + excluded.estimated_tokens`;
+export const BULK_MONTH = `INSERT INTO key_month (key_id, month, tokens)
+  SELECT ${col(1)}, substr(${col(0)}, 1, 7), ${col(3)} + ${col(4)} FROM json_each(?) WHERE ${col(3)} + ${col(4)} > 0
+  ON CONFLICT (key_id, month) DO UPDATE SET tokens = tokens + excluded.tokens`;
+export const BULK_WINDOW = `INSERT INTO rate_window (key_id, minute, requests, tokens)
+  SELECT ${[0, 1, 2, 3].map(col).join(", ")} FROM json_each(?) WHERE ${col(1)} >= ?
+  ON CONFLICT (key_id, minute) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens`;
+
+export const UPSERT_POD = `INSERT INTO pod_health (pod, state, failures, opened_at, trial_at, updated_at, failure_keys)
+  VALUES (?, ?, ?, ?, ?, ?, ?)
   ON CONFLICT (pod) DO UPDATE SET state = excluded.state, failures = excluded.failures,
-    opened_at = excluded.opened_at, trial_at = excluded.trial_at, updated_at = excluded.updated_at`;
+    opened_at = excluded.opened_at, trial_at = excluded.trial_at, updated_at = excluded.updated_at,
+    failure_keys = excluded.failure_keys`;

@@ -1,16 +1,21 @@
 // The Worker's side of the generation object: which object, the cached view, the
-// batched deltas (usage and limit counters), and breaker reports.
+// batched deltas (usage, limit counters, requests in flight), key look-ups, and breaker
+// reports.
 //
 // One mechanism keeps the isolate and the object in step: `sync` sends this isolate's
 // pending deltas and receives the current view in the same round trip. It runs
 //   - in the background from half the TTL on (refresh-ahead, never a wait),
 //   - at most FLUSH_MAX_MS after a request recorded usage (ctx.waitUntil timer),
-//   - in the foreground only when the view is stale (cold/idle isolate, STATE_TTL_MS = 0)
-//     or, rate-limited per isolate, when an unknown key might be one created moments ago.
-// Every call passes `info` (generation names, the machine's numbers, the keys revision
-// held) so the object needs no bindings of its own beyond BREAKER (read-through).
+//   - in the foreground only when the view is stale (cold/idle isolate, STATE_TTL_MS = 0).
+// A sync carries what changed, never the whole state: the key rows changed since the
+// revision this isolate holds, and the counters of the keys it served in the last two
+// minutes (`info.keys`). A key this isolate does not hold is looked up alone
+// (`lookupKeys`): digests asked for at once share one call, at most one call per
+// LOOKUP_EVERY_MS per isolate, and digests still unknown are remembered (cache.js).
+// Every call passes `info` (generation names, the machine's numbers, the revision held,
+// this isolate's id) so the object needs no bindings of its own beyond BREAKER.
 
-import { log } from "./errors.js";
+import { HttpError, log } from "./errors.js";
 import { ViewCache } from "./cache.js";
 import { dayOf, minuteOf } from "./limits.js";
 import { healthDue } from "./pods.js";
@@ -19,10 +24,22 @@ import { recorder, takeHist } from "./histogram.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
-const pending = new Map(); // generation -> {usage: Map, windows: Map, plannedAt}
+const pending = new Map(); // generation -> pending deltas (see pendingOf)
 
 const FLUSH_MAX_MS = 1000; // usage reaches the object at most this long after a request
-const MISS_INTERVAL_MS = 250; // at most one foreground sync per isolate this often for unknown keys
+export const SERVED_KEEP_MS = 120_000; // a key's counters are asked for this long after it was served
+export const LOOKUP_EVERY_MS = 250; // key look-ups: at most one call per isolate this often (after a burst of 2)
+const LOOKUP_BURST = 2;
+const LOOKUP_BATCH = 100; // digests per look-up call
+const LOOKUP_WAITING_MAX = 2000; // digests waiting for a look-up; past it new ones are told to retry
+const LOOKUP_WAIT_MS = 5000; // how long a request waits for its digest's look-up
+const MORE_PAGES_MAX = 20; // a sync follows `more: true` at most this many times
+
+let isolateId = null; // random per isolate; made on first use (no randomness at module load in Workers)
+function isolate() {
+  isolateId ??= "iso_" + crypto.randomUUID();
+  return isolateId;
+}
 
 /** The stub of a generation's object, always reached with its location hint (the hint
  * only matters on the very first get() of a name, but passing it is never wrong). */
@@ -35,7 +52,8 @@ export function stubFor(env, generation, hint) {
   return hint ? env.BREAKER.get(id, { locationHint: hint }) : env.BREAKER.get(id);
 }
 
-export function infoOf(cfg) {
+/** What every object call carries; `keys`: the ids whose counters a sync asks for. */
+export function infoOf(cfg, keys = []) {
   return {
     generation: cfg.activeGeneration,
     draining: cfg.drainingGeneration,
@@ -44,6 +62,9 @@ export function infoOf(cfg) {
     openMs: cfg.openMs,
     deadlineMs: cfg.deadlineMs,
     haveRev: cache.rev(cfg.activeGeneration),
+    isolate: isolate(),
+    ttlMs: cfg.stateTtlMs,
+    keys,
   };
 }
 
@@ -74,13 +95,13 @@ export function freshEntry(env, ctx, cfg) {
  * The cache entry a request routes on, and how long it waited for it (ms). Fresh:
  * no wait, no I/O. Half-way to stale: no wait, sync in the background.
  */
-export async function currentView(env, ctx, cfg) {
+export async function currentView(env, ctx, cfg, lookup = null) {
   const entry = freshEntry(env, ctx, cfg);
   if (entry !== null) return { entry, wait: 0 };
   const gen = cfg.activeGeneration;
   const t = now();
   try {
-    return { entry: await sync(env, cfg), wait: now() - t };
+    return { entry: await sync(env, cfg, lookup), wait: now() - t };
   } catch (err) {
     // The object is unreachable: route on what we last knew (or nothing: closed, no keys)
     // rather than fail every request.
@@ -89,57 +110,196 @@ export async function currentView(env, ctx, cfg) {
   }
 }
 
-/** Send this isolate's pending deltas, take the current view. */
-export async function sync(env, cfg) {
+/** The ids served here in the last SERVED_KEEP_MS (older ones are forgotten, counters too). */
+function servedKeys(gen, t) {
+  const p = pending.get(gen);
+  if (!p) return [];
+  const gone = [];
+  for (const [id, at] of p.served) if (t - at >= SERVED_KEEP_MS) gone.push(id);
+  for (const id of gone) p.served.delete(id);
+  if (gone.length) cache.dropCounts(gen, gone);
+  return [...p.served.keys()];
+}
+
+/**
+ * Send this isolate's pending deltas, take the current view (every page of key changes).
+ * `lookup`: digests a waiting request presented that this isolate does not hold, looked
+ * up in the same round trip.
+ */
+export async function sync(env, cfg, lookup = null) {
   const gen = cfg.activeGeneration;
-  const batch = takePending(gen);
+  const asked = servedKeys(gen, Date.now());
+  let batch = takePending(gen);
+  let entry;
   try {
-    const t = now();
-    const view = await activeStub(env, cfg).sync(infoOf(cfg), batch);
-    recorder.sync(Date.now(), view.colo, null, now() - t); // the live view's `sync`, keyed by where the object answered
-    return cache.put(gen, view, Date.now());
+    for (let page = 0; page < MORE_PAGES_MAX; page++) {
+      const info = infoOf(cfg, asked);
+      if (lookup && page === 0) info.lookup = lookup;
+      const t = now();
+      const view = await activeStub(env, cfg).sync(info, batch);
+      recordSync(gen, view, now() - t);
+      batch = null;
+      entry = cache.put(gen, view, Date.now(), asked);
+      if (view.found) cache.putLookup(gen, { rev: view.rev, ...view.found }, lookup, Date.now(), cfg.stateTtlMs);
+      if (!view.more) break;
+    }
   } catch (err) {
     restorePending(gen, batch);
     throw err;
   }
+  return entry;
 }
 
+// --- key look-ups ---
+
+const lookups = new Map(); // generation -> {waiting: Set of digests, busy, calls: [times]}
+
+function lookupsOf(gen) {
+  let l = lookups.get(gen);
+  if (!l) {
+    l = { waiting: new Set(), busy: false, calls: [] };
+    lookups.set(gen, l);
+  }
+  return l;
+}
+
+/** The digest of a presented key to look up with a stale view's sync, or null (held, known bad, or junk). */
+export function wantedDigest(gen, digest) {
+  const e = cache.entry(gen);
+  if (e && e.keys && e.keys.has(digest)) return null;
+  return cache.isKnownBad(gen, digest, Date.now()) ? null : digest;
+}
+
+/** ms until this isolate may make another look-up call (a burst of LOOKUP_BURST, then one per LOOKUP_EVERY_MS). */
+function lookupDelay(l, t) {
+  while (l.calls.length && t - l.calls[0] >= LOOKUP_EVERY_MS * LOOKUP_BURST) l.calls.shift();
+  if (l.calls.length < LOOKUP_BURST) return 0;
+  return Math.max(0, l.calls[l.calls.length - 1] + LOOKUP_EVERY_MS - t);
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
 /**
- * The key record for a presented key's digest, or null. An unknown digest with a fresh
- * view costs no object call; once per MISS_INTERVAL_MS an isolate re-syncs to find a key
- * created elsewhere moments ago (that wait is counted in `state`), and remembers digests
- * that are still unknown, so a flood of bad keys makes at most a few calls a second.
+ * The key record for a presented key's digest, or null. A digest this isolate neither
+ * holds nor remembers as unknown is looked up: requests that arrive together share one
+ * call (each waits by polling plain data, never on another request's promise), so a
+ * flood of bad keys makes at most a few object calls a second. The wait is `state`.
  */
 export async function findKey(env, cfg, entry, digest, timing) {
   const gen = cfg.activeGeneration;
-  let e = entry;
-  let rec = e.keys ? e.keys.get(digest) : undefined;
+  let rec = entry.keys ? entry.keys.get(digest) : undefined;
   if (rec) return rec;
-  const t0 = Date.now();
-  if (cache.isKnownBad(gen, digest, t0) || (e.keys && t0 - e.missAt < MISS_INTERVAL_MS)) return null;
-  e.missAt = t0;
+  if (cache.isKnownBad(gen, digest, Date.now())) return null;
+  const l = lookupsOf(gen);
+  if (!l.waiting.has(digest) && l.waiting.size >= LOOKUP_WAITING_MAX) throw lookupBusy();
+  l.waiting.add(digest);
   const t = now();
   try {
-    e = await sync(env, cfg);
-  } catch (err) {
-    log(env, "state_unavailable", { generation: gen, error: String(err && err.message) });
-    return null;
+    for (;;) {
+      const e = cache.entry(gen);
+      rec = e && e.keys ? e.keys.get(digest) : undefined;
+      if (rec) return rec;
+      if (cache.isKnownBad(gen, digest, Date.now())) return null;
+      if (now() - t > LOOKUP_WAIT_MS) throw lookupBusy();
+      const delay = l.busy ? 5 : lookupDelay(l, Date.now());
+      if (delay > 0) {
+        await sleep(Math.min(delay, 50));
+        continue;
+      }
+      if (!l.waiting.has(digest)) {
+        // A call that took it has not answered into the cache (no entry, or raced a drop): ask again.
+        l.waiting.add(digest);
+      }
+      const found = await lookupCall(env, cfg, l, digest);
+      if (found !== undefined) return found;
+    }
   } finally {
+    l.waiting.delete(digest);
     timing.state += now() - t;
   }
-  e.missAt = t0;
-  rec = e.keys ? e.keys.get(digest) : undefined;
-  if (rec) return rec;
-  cache.forget(gen, digest, Date.now(), cfg.stateTtlMs);
-  return null;
+}
+
+/** One look-up call for the waiting digests (ours first). undefined: look again in the cache. */
+async function lookupCall(env, cfg, l, digest) {
+  const gen = cfg.activeGeneration;
+  l.waiting.delete(digest);
+  const digests = [digest];
+  for (const d of l.waiting) {
+    if (digests.length >= LOOKUP_BATCH) break;
+    digests.push(d);
+  }
+  for (const d of digests) l.waiting.delete(d);
+  l.busy = true;
+  l.calls.push(Date.now());
+  try {
+    const res = await activeStub(env, cfg).lookupKeys(digests, infoOf(cfg));
+    const found = cache.putLookup(gen, res, digests, Date.now(), cfg.stateTtlMs);
+    return found.get(digest) ?? null;
+  } catch (err) {
+    for (const d of digests.slice(1)) l.waiting.add(d); // the others retry on their own turn
+    log(env, "state_unavailable", { generation: gen, error: String(err && err.message) });
+    throw new HttpError(503, "state_unavailable", "the cell's state is unreachable; retry shortly", { "retry-after": "1" });
+  } finally {
+    l.busy = false;
+  }
+}
+
+function lookupBusy() {
+  return new HttpError(503, "key_lookup_busy", "this edge is checking many unknown API keys; retry shortly", { "retry-after": "1" });
 }
 
 // --- pending deltas ---
+//
+// A batch is an object of named parts; each part is an array of rows and has `has` (is
+// anything pending), `take` (rows out, pending cleared) and `restore` (rows merged back
+// when the sync failed). A new part (e.g. `hist`) is one entry in PARTS and one in
+// pendingOf; the object applies it by name (generation.js `apply`).
+
+const PARTS = {
+  // The live view's histograms (histogram.js): per isolate, whatever the generation.
+  hist: {
+    has: () => false, // it rides on the syncs usage and refreshes make anyway: never a sync of its own
+    take: () => takeHist(),
+    restore: (p, rows) => recorder.restore(rows),
+  },
+  usage: {
+    has: (p) => p.usage.size > 0,
+    take: (p) => takeMap(p, "usage"),
+    restore: (p, rows) => { for (const u of rows) addUsage(p, u[0], u[1], u.slice(2)); },
+  },
+  windows: {
+    has: (p) => p.windows.size > 0,
+    take: (p) => takeMap(p, "windows"),
+    restore: (p, rows) => { for (const w of rows) addWindow(p, w[0], w[1], w[2], w[3]); },
+  },
+  inflight: {
+    // Every key with requests in flight here, and those that went to 0 since the last
+    // sync: the object's row of a silent isolate expires (2 x TTL), so a live one renews it.
+    has: (p) => p.inflightChanged.size > 0,
+    take: (p) => {
+      const rows = [];
+      for (const [id, n] of p.inflight) rows.push([id, n]);
+      for (const id of p.inflightChanged) if (!p.inflight.has(id)) rows.push([id, 0]);
+      p.inflightChanged.clear();
+      return rows.length ? rows : null;
+    },
+    restore: (p, rows) => { for (const [id] of rows) p.inflightChanged.add(id); },
+  },
+};
+
+function takeMap(p, name) {
+  if (p[name].size === 0) return null;
+  const rows = [...p[name].values()];
+  p[name] = new Map();
+  if (name === "usage") p.month = new Map();
+  return rows;
+}
 
 function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
-    p = { usage: new Map(), windows: new Map(), plannedAt: -Infinity };
+    p = { usage: new Map(), windows: new Map(), month: new Map(), inflight: new Map(), inflightChanged: new Set(),
+      served: new Map(), plannedAt: -Infinity };
     pending.set(gen, p);
   }
   return p;
@@ -147,32 +307,40 @@ function pendingOf(gen) {
 
 function takePending(gen) {
   const p = pending.get(gen);
-  if (!p || (p.usage.size === 0 && p.windows.size === 0)) return null;
-  const batch = { usage: [...p.usage.values()], windows: [...p.windows.values()] };
-  // The histograms ride on batches that carry usage: every routed request makes one.
-  const hist = takeHist();
-  if (hist) batch.hist = hist;
-  p.usage = new Map();
-  p.windows = new Map();
+  if (!p) return null;
+  let batch = null;
+  for (const name in PARTS) {
+    const rows = PARTS[name].take(p);
+    if (rows) (batch ??= {})[name] = rows;
+  }
   return batch;
 }
 
 function restorePending(gen, batch) {
   if (!batch) return;
-  if (batch.hist) recorder.restore(batch.hist);
   const p = pendingOf(gen);
-  for (const u of batch.usage) addUsage(p, u[0], u[1], u.slice(2));
-  for (const w of batch.windows) addWindow(p, w[0], w[1], w[2], w[3]);
+  for (const name in batch) if (PARTS[name]) PARTS[name].restore(p, batch[name]);
 }
 
+function hasPending(p) {
+  for (const name in PARTS) if (PARTS[name].has(p)) return true;
+  return false;
+}
+
+// [day, key_id, requests, prompt, completion, pod_requests, fallback_requests, estimated_tokens]
 function addUsage(p, day, keyId, deltas) {
   const k = day + "|" + keyId;
   let row = p.usage.get(k);
   if (!row) {
-    row = [day, keyId, 0, 0, 0, 0, 0];
+    row = [day, keyId, 0, 0, 0, 0, 0, 0];
     p.usage.set(k, row);
   }
-  for (let i = 0; i < 5; i++) row[2 + i] += deltas[i];
+  for (let i = 0; i < 6; i++) row[2 + i] += deltas[i] ?? 0;
+  const tokens = (deltas[1] ?? 0) + (deltas[2] ?? 0);
+  if (tokens > 0) {
+    const m = day.slice(0, 7) + "|" + keyId;
+    p.month.set(m, (p.month.get(m) ?? 0) + tokens);
+  }
 }
 
 function addWindow(p, keyId, minute, req, tok) {
@@ -198,26 +366,49 @@ export function pendingCounter(gen, keyId) {
 /** Tokens this isolate has not synced yet for a key in the current month. */
 export function pendingMonthTokens(gen, keyId, t) {
   const p = pending.get(gen);
-  if (!p) return 0;
-  const month = dayOf(t).slice(0, 8);
-  let n = 0;
-  for (const row of p.usage.values()) if (row[1] === keyId && row[0].startsWith(month)) n += row[3] + row[4];
-  return n;
+  return p ? p.month.get(dayOf(t).slice(0, 7) + "|" + keyId) ?? 0 : 0;
 }
 
-/** A request was admitted for a key: it counts against the limits at once. */
-export function admit(cfg, keyId, t) {
+/** Requests of a key in flight in this isolate now. */
+export function inflightHere(gen, keyId) {
+  const p = pending.get(gen);
+  return p ? p.inflight.get(keyId) ?? 0 : 0;
+}
+
+/**
+ * A request was admitted for a key: it counts against the limits at once, and its
+ * counters are asked for from now on. A key with max_parallel holds a slot until
+ * `release` (returned; idempotent) is called; others get null.
+ */
+export function admit(cfg, key, t) {
   const p = pendingOf(cfg.activeGeneration);
-  addWindow(p, keyId, minuteOf(t), 1, 0);
-  addUsage(p, dayOf(t), keyId, [1, 0, 0, 0, 0]);
+  p.served.set(key.id, t);
+  addWindow(p, key.id, minuteOf(t), 1, 0);
+  addUsage(p, dayOf(t), key.id, [1, 0, 0, 0, 0, 0]);
+  if (!(key.max_parallel > 0)) return null;
+  p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
+  p.inflightChanged.add(key.id);
+  let held = true;
+  return () => {
+    if (!held) return;
+    held = false;
+    const n = (p.inflight.get(key.id) ?? 1) - 1;
+    if (n > 0) p.inflight.set(key.id, n);
+    else p.inflight.delete(key.id);
+    p.inflightChanged.add(key.id);
+  };
 }
 
-/** A request finished: who served it and the tokens its answer reported (0 if none). */
+/**
+ * A request finished: who served it and its usage ({prompt, completion, estimated?} or
+ * null); estimated usage (counted from streamed text) is also added to estimated_tokens.
+ */
 export function served(cfg, keyId, t, backend, usage) {
   const p = pendingOf(cfg.activeGeneration);
   const prompt = usage ? usage.prompt : 0;
   const completion = usage ? usage.completion : 0;
-  addUsage(p, dayOf(t), keyId, [0, prompt, completion, backend === "fallback" ? 0 : 1, backend === "fallback" ? 1 : 0]);
+  const estimated = usage && usage.estimated ? prompt + completion : 0;
+  addUsage(p, dayOf(t), keyId, [0, prompt, completion, backend === "fallback" ? 0 : 1, backend === "fallback" ? 1 : 0, estimated]);
   if (prompt + completion > 0) addWindow(p, keyId, minuteOf(t), 0, prompt + completion);
 }
 
@@ -233,10 +424,37 @@ export function scheduleFlush(env, ctx, cfg) {
   ctx.waitUntil(wait
     .then(() => {
       p.plannedAt = -Infinity;
-      if (p.usage.size || p.windows.size) return sync(env, cfg);
+      if (hasPending(p)) return sync(env, cfg).then(() => learnObjectColo(env, cfg));
       return null;
     })
     .catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
+}
+
+// --- where the object answers from (the live view's `sync` segment) ---
+
+const objectColos = new Map(); // generation -> {colo, askedAt}
+
+/** One sync round trip, keyed by the colo the object reported (or this isolate learnt). */
+function recordSync(gen, view, ms) {
+  const o = objectColos.get(gen);
+  if (view.colo) objectColos.set(gen, { colo: view.colo, askedAt: o ? o.askedAt : 0 });
+  recorder.sync(Date.now(), view.colo || (o && o.colo) || null, null, ms);
+}
+
+/**
+ * The object reports its colo only once something asked it (`colo()`: the probe after a
+ * deploy; a sync makes no outside request). An isolate whose views carry none asks once,
+ * in the background after a flush, so every later view of that object carries it.
+ */
+function learnObjectColo(env, cfg) {
+  const gen = cfg.activeGeneration;
+  const o = objectColos.get(gen);
+  const t = Date.now();
+  if ((o && o.colo) || (o && t - o.askedAt < 60_000)) return null;
+  objectColos.set(gen, { colo: null, askedAt: t });
+  return activeStub(env, cfg).colo().then((c) => {
+    if (c) objectColos.set(gen, { colo: c, askedAt: t });
+  });
 }
 
 // --- the breaker ---

@@ -7,7 +7,7 @@ const key = (over = {}) => ({ rpm: 0, tpm: 0, monthly_tokens: 0, ...over });
 
 test("the sliding estimate weighs the previous minute by what is left of it", () => {
   const m = 1000;
-  const g = { minute: m, req: 10, tok: 100, prev_req: 60, prev_tok: 600 };
+  const g = [m, 10, 100, 60, 600, 0, 0]; // [minute, req, tok, prev_req, prev_tok, month, inflight elsewhere]
   const t = m * WINDOW_MS + WINDOW_MS / 4; // a quarter into minute m
   assert.deepEqual(estimate(g, none, t), { req: 60 * 0.75 + 10, tok: 600 * 0.75 + 100 });
   // The object's counters are a minute old: its current minute is now the previous one.
@@ -33,6 +33,15 @@ test("each limit refuses with its own type and a Retry-After; 0 means no limit",
   const month = refusal(key({ monthly_tokens: 1000 }), { req: 0, tok: 0 }, 1000, Date.UTC(2026, 11, 31, 23, 59, 0));
   assert.equal(month.type, "insufficient_quota");
   assert.equal(month.retryAfterS, 60);
+});
+
+test("max_parallel refuses at the limit of requests in flight, with OpenAI's 429 shape; 0 means none", () => {
+  const t = 10 * WINDOW_MS;
+  assert.equal(refusal(key(), { req: 0, tok: 0 }, 0, t, 1e6), null);
+  assert.equal(refusal(key({ max_parallel: 4 }), { req: 0, tok: 0 }, 0, t, 3), null);
+  const no = refusal(key({ max_parallel: 4 }), { req: 0, tok: 0 }, 0, t, 4);
+  assert.deepEqual([no.type, no.code, no.retryAfterS], ["requests", "too_many_parallel_requests", 1]);
+  assert.match(no.message, /4 at a time/);
 });
 
 test("calendar helpers are UTC", () => {

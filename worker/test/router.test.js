@@ -16,12 +16,18 @@ function fakeNamespace() {
   const objectFor = (name) => {
     if (!objects.has(name)) objects.set(name, { pods: {}, keys: [], rev: 0, forced: null, synced: [] });
     const o = objects.get(name);
+    // Key rows changed since haveRev; a cold caller (-1) gets none (it looks keys up).
+    const delta = (haveRev) => (haveRev === o.rev ? null : haveRev < 0 ? [] : o.keys.filter((k) => k.rev > haveRev).map((k) => ({ ...k })));
     const view = (haveRev) => ({
-      rev: o.rev, keys: haveRev === o.rev ? null : o.keys.map((k) => ({ ...k })), pods: structuredClone(o.pods),
+      rev: o.rev, keys: delta(haveRev), pods: structuredClone(o.pods),
       counts: {}, forced: o.forced, imported: [], at: Date.now(),
     });
     return {
       async sync(info, batch) { calls.push(["sync", name]); if (batch) o.synced.push(batch); return view(info.haveRev); },
+      async lookupKeys(digests, info) {
+        calls.push(["lookupKeys", name, digests.length]);
+        return { rev: o.rev, keys: o.keys.filter((k) => digests.includes(k.hash) && !k.revoked).map((k) => ({ ...k })), counts: {} };
+      },
       async report(pod, ok, info, from) {
         calls.push(["report", name, pod, ok, from]);
         const before = o.pods[pod] || initial();
@@ -49,9 +55,9 @@ async function withKey(ns, gen, limits = {}) {
   const key = newKey();
   ns.objectFor(gen); // creates the object's maps
   const o = ns.objects.get(gen);
-  o.keys.push({ id: `key_${o.keys.length}`, hash: await keyHash(key), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
-    expires_at: null, ...limits });
   o.rev++;
+  o.keys.push({ id: `key_${o.keys.length}`, hash: await keyHash(key), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
+    max_parallel: 0, expires_at: null, rev: o.rev, ...limits });
   return key;
 }
 
@@ -323,4 +329,55 @@ test("a request that fails on two pods, or that the fallback refuses too, is not
   assert.equal(blameOf(1, 503), "request");
   assert.equal(blameOf(1, 429), "pod");
   assert.equal(blameOf(1, null), "pod");
+});
+
+test("max_parallel: a key's requests in flight here are capped with OpenAI's 429; a slot frees when its answer is done", async () => {
+  const env = envFor("router-parallel", { FAILURE_THRESHOLD: "100" });
+  const key = await withKey(env.BREAKER, "router-parallel", { max_parallel: 2 });
+  const gates = [];
+  const { f } = fakeFetch(() => new Promise((resolve) => gates.push(() => resolve(json()))));
+  const c = ctx();
+  const first = handle(chat(key), env, c, { fetch: f });
+  const second = handle(chat(key), env, c, { fetch: f });
+  while (gates.length < 2) await new Promise((r) => setTimeout(r, 1));
+  const third = await handle(chat(key), env, c, { fetch: f });
+  assert.equal(third.status, 429);
+  assert.equal(third.headers.get("retry-after"), "1");
+  assert.deepEqual((await third.json()).error, { message: "too many requests in flight: 2 at a time for this key",
+    type: "requests", code: "too_many_parallel_requests" });
+  gates.shift()();
+  assert.equal((await first).status, 200);
+  const fourth = handle(chat(key), env, c, { fetch: f });
+  while (gates.length < 2) await new Promise((r) => setTimeout(r, 1));
+  for (const g of gates.splice(0)) g();
+  assert.equal((await second).status, 200);
+  assert.equal((await fourth).status, 200);
+  // A failure after admission gives the slot back too (pod and fallback both unreachable).
+  const broken = () => Promise.reject(new Error("down"));
+  for (let i = 0; i < 3; i++) assert.ok((await handle(chat(key), env, c, { fetch: broken })).status >= 500);
+  const again = handle(chat(key), env, c, { fetch: f });
+  const again2 = handle(chat(key), env, c, { fetch: f });
+  while (gates.length < 2) await new Promise((r) => setTimeout(r, 1));
+  for (const g of gates.splice(0)) g();
+  assert.deepEqual([(await again).status, (await again2).status], [200, 200]);
+  await c.settle();
+});
+
+test("unknown keys arriving together share look-up calls (the cold isolate's syncs carry no key rows)", async () => {
+  const env = envFor("router-lookup");
+  const keys = [];
+  for (let i = 0; i < 30; i++) keys.push(await withKey(env.BREAKER, "router-lookup"));
+  const { f } = fakeFetch(() => json());
+  const c = ctx();
+  const junk = Array.from({ length: 30 }, () => newKey());
+  const all = await Promise.all([...keys, ...junk].map((k) => handle(chat(k), env, c, { fetch: f })));
+  assert.deepEqual(all.map((r) => r.status), [...keys.map(() => 200), ...junk.map(() => 401)]);
+  const lookups = env.BREAKER.calls.filter((x) => x[0] === "lookupKeys");
+  assert.ok(lookups.length <= 3, JSON.stringify(lookups)); // a burst of 2, then one per 250 ms
+  assert.equal(lookups.reduce((n, x) => n + x[2], 0), 60); // every digest asked once
+  const before = env.BREAKER.calls.length;
+  assert.equal((await handle(chat(keys[7]), env, c, { fetch: f })).status, 200); // held now: no call
+  assert.equal((await handle(chat(junk[7]), env, c, { fetch: f })).status, 401); // remembered: no call
+  assert.equal(env.BREAKER.calls.length, before);
+  await c.settle();
 });

@@ -1,0 +1,212 @@
+"""The generation object at scale, in real workerd: what a sync carries (key rows changed
+since the caller's revision, counters of the keys it asks about), key look-ups, requests in
+flight across isolates (max_parallel), the schema-2 upgrade in place, and a migration that
+keeps usage and month totals. The object is driven directly through bench/gen_driver.js,
+as isolates call it, and through the router where the client's view matters."""
+
+import hashlib
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.support.workerd import ROOT, auth, chat, driven_cell, request, twin_cell
+
+pytestmark = pytest.mark.slow
+TODAY = time.strftime("%Y-%m-%d", time.gmtime())
+
+
+@pytest.fixture(scope="module")
+def cell():
+    with driven_cell({"stateTtlMs": 60_000}) as c:
+        yield c
+
+
+def info(cell, isolate="iso_a", have_rev=-1, keys=(), **over) -> dict:
+    return {"generation": cell.generation, "draining": None, "haveRev": have_rev, "isolate": isolate, "ttlMs": 2000,
+            "keys": list(keys), "failureThreshold": 3, "openMs": 30000, "deadlineMs": 2000, **over}
+
+
+def make_key(cell, name, **limits) -> dict:
+    res = request(cell.url, "POST", "/_colocate/keys", body={"name": name, **limits}, headers=auth())
+    assert res.status == 201, res.body
+    return res.json()
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def test_a_cold_isolate_gets_the_revision_not_the_key_list(cell):
+    for i in range(3):
+        make_key(cell, f"cold{i}")
+    view = cell.one("sync", info(cell), None)
+    assert view["keys"] == [] and view["rev"] >= 3 and view["more"] is False
+
+
+def test_a_sync_carries_only_the_key_rows_changed_since_the_revision_held(cell):
+    rev = cell.one("sync", info(cell), None)["rev"]
+    assert cell.one("sync", info(cell, have_rev=rev), None)["keys"] is None  # nothing changed
+    made = make_key(cell, "delta", rpm=7, max_parallel=3)
+    rows = cell.one("sync", info(cell, have_rev=rev), None)["keys"]
+    assert [(r["id"], r["rpm"], r["max_parallel"], r["revoked"]) for r in rows] == [(made["id"], 7, 3, False)]
+    assert rows[0]["hash"] == digest(made["key"])
+    request(cell.url, "POST", f"/_colocate/keys/{made['id']}/revoke", headers=auth())
+    rows = cell.one("sync", info(cell, have_rev=rev + 1), None)["keys"]
+    assert [(r["id"], r["revoked"]) for r in rows] == [(made["id"], True)]
+
+
+def test_look_up_finds_a_key_by_digest_and_never_a_revoked_or_unknown_one(cell):
+    live = make_key(cell, "look")
+    gone = make_key(cell, "gone")
+    request(cell.url, "POST", f"/_colocate/keys/{gone['id']}/revoke", headers=auth())
+    res = cell.one("lookupKeys", [digest(live["key"]), digest(gone["key"]), "0" * 64], info(cell))
+    assert [k["id"] for k in res["keys"]] == [live["id"]]
+
+
+def test_counters_and_month_totals_only_for_the_keys_asked_about(cell):
+    a, b = make_key(cell, "ca"), make_key(cell, "cb")
+    minute = int(time.time() * 1000) // 60_000
+    batch = {"usage": [[TODAY, a["id"], 2, 10, 5, 2, 0, 0], [TODAY, b["id"], 1, 3, 4, 1, 0, 4]],
+             "windows": [[a["id"], minute, 2, 15], [b["id"], minute, 1, 7]]}
+    cell.one("sync", info(cell, "iso_1"), batch)
+    view = cell.one("sync", info(cell, "iso_2", keys=[a["id"]]), None)
+    assert set(view["counts"]) == {a["id"]}
+    m, req, tok, _, _, month, elsewhere = view["counts"][a["id"]]
+    assert (req, tok, month, elsewhere) == (2, 15, 15, 0) and m in (minute, minute + 1)
+    later = cell.one("sync", info(cell, "iso_2", keys=[a["id"], b["id"]]),
+                     {"usage": [[TODAY, b["id"], 0, 1, 1, 0, 0, 0]]})["counts"]
+    assert later[b["id"]][5] == 3 + 4 + 2  # the month total grows with each batch
+    usage = {r["key_id"]: r for r in request(cell.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]}
+    assert usage[b["id"]]["estimated_tokens"] == 4 and usage[a["id"]]["estimated_tokens"] == 0
+
+
+def test_requests_in_flight_elsewhere_are_summed_without_the_caller_s_own(cell):
+    k = make_key(cell, "par", max_parallel=4)
+    cell.rpc([["sync", info(cell, "iso_x"), {"inflight": [[k["id"], 3]]}],
+              ["sync", info(cell, "iso_y"), {"inflight": [[k["id"], 1]]}]])
+    assert cell.one("sync", info(cell, "iso_z", keys=[k["id"]]), None)["counts"][k["id"]][6] == 4
+    assert cell.one("sync", info(cell, "iso_x", keys=[k["id"]]), None)["counts"][k["id"]][6] == 1
+    cell.one("sync", info(cell, "iso_x"), {"inflight": [[k["id"], 0]]})
+    assert cell.one("sync", info(cell, "iso_z", keys=[k["id"]]), None)["counts"][k["id"]][6] == 1
+    # A silent isolate's rows stop counting after 2 x its TTL.
+    stale = cell.one("sync", info(cell, "iso_z", keys=[k["id"]], ttlMs=1), None)
+    time.sleep(2.1)
+    stale = cell.one("sync", info(cell, "iso_z", keys=[k["id"]], ttlMs=1000), None)
+    assert k["id"] not in stale["counts"]
+
+
+def test_a_new_key_works_on_its_first_request_and_its_revocation_reaches_another_isolate_within_the_ttl():
+    ttl = 1000
+    with twin_cell({"stateTtlMs": ttl}) as tc:
+        a, b = tc.urls
+        assert request(b, "GET", "/v1/models", headers={"authorization": f"Bearer {tc.key}"}).status == 200
+        made = request(a, "POST", "/_colocate/keys", body={"name": "new"}, headers=auth()).json()
+        hdr = {"authorization": f"Bearer {made['key']}"}
+        assert request(b, "GET", "/v1/models", headers=hdr).status == 200  # looked up on its first request
+        assert request(b, "GET", "/v1/models", headers=hdr).headers["server-timing"].startswith("state;dur=0")
+        assert request(a, "POST", f"/_colocate/keys/{made['id']}/revoke", headers=auth()).status == 200
+        t0 = time.monotonic()
+        while request(b, "GET", "/v1/models", headers=hdr).status == 200 and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert request(b, "GET", "/v1/models", headers=hdr).status == 401
+        assert took < 3 * ttl / 1000 + 1, took  # within the TTL, with room for a loaded machine
+
+
+def test_max_parallel_refuses_the_extra_request_and_an_openai_client_raises_rate_limit_error():
+    with driven_cell({"stateTtlMs": 60_000}, compute_ms=1500) as c:
+        made = make_key(c, "one-at-a-time", max_parallel=1)
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key=made["key"], max_retries=0, timeout=30)
+        first = {}
+        t = threading.Thread(target=lambda: first.setdefault("r", request(
+            c.url, "POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {made['key']}"})))
+        t.start()
+        deadline = time.monotonic() + 10
+        while c.pod.requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as exc:
+            client.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}])
+        assert exc.value.code == "too_many_parallel_requests" and exc.value.type == "requests"
+        assert exc.value.response.headers["retry-after"] == "1"
+        t.join(30)
+        assert first["r"].status == 200
+        done = client.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}])
+        assert done.choices[0].message.content
+
+
+def test_the_cell_default_applies_to_keys_created_without_max_parallel():
+    with driven_cell({"stateTtlMs": 60_000}, with_key=False, keys={"defaultMaxParallel": 5}) as c:
+        assert make_key(c, "default")["max_parallel"] == 5
+        assert make_key(c, "explicit", max_parallel=0)["max_parallel"] == 0
+
+
+SCHEMA2_COMMIT = "41a22df"  # the last commit with generation schema 2
+
+
+def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
+    old = tmp_path / "old"
+    try:
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", SCHEMA2_COMMIT, "worker"], check=True, capture_output=True).stdout
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        pytest.skip(f"needs the git history for the schema-2 Worker ({exc})")
+    old.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
+    from colocate import plan as plan_mod
+    from colocate import settings as settings_mod
+    from colocate import stackfile
+    from tests.support.workerd import SECRET_SETTINGS
+
+    raw, secrets = stackfile.read_config("sandbox")
+    raw["worker"] = {**(raw.get("worker") or {}), "stateTtlMs": 60_000}
+    settings = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | SECRET_SETTINGS)
+    old_plan = plan_mod.plan_cell(settings, worker_dir=old / "worker" / "src")
+    assert "SCHEMA_VERSION = \"2\"" in (old / "worker" / "src" / "schema.js").read_text()
+    store = tmp_path / "do"
+    with driven_cell(plan=old_plan, storage_dir=store) as c:
+        kept = make_key(c, "kept", rpm=9)
+        gone = make_key(c, "gone")
+        request(c.url, "POST", f"/_colocate/keys/{gone['id']}/revoke", headers=auth())
+        for _ in range(3):
+            assert request(c.url, "POST", "/v1/chat/completions", body=chat(),
+                           headers={"authorization": f"Bearer {kept['key']}"}).status == 200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            before = request(c.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]
+            if sum(r["requests"] for r in before if r["key_id"] == kept["id"]) == 3:
+                break
+            time.sleep(0.1)
+        keys_before = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
+    with driven_cell({"stateTtlMs": 60_000}, storage_dir=store, with_key=False) as c:
+        keys_after = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
+        assert [{**k, "max_parallel": None} for k in keys_after] == [{**k, "max_parallel": None} for k in keys_before]
+        assert all(k["max_parallel"] == 0 for k in keys_after)
+        after = request(c.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]
+        assert [{k: v for k, v in r.items() if k != "estimated_tokens"} for r in after] == before
+        mine = [r for r in after if r["key_id"] == kept["id"]]
+        tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in mine)
+        assert tokens > 0
+        view = c.one("sync", info(c, keys=[kept["id"]]), None)
+        assert view["counts"][kept["id"]][5] == tokens  # the month total, filled once from the daily rows
+        hdr = {"authorization": f"Bearer {kept['key']}"}
+        assert request(c.url, "GET", "/v1/models", headers=hdr).status == 200
+        assert request(c.url, "GET", "/v1/models", headers={"authorization": f"Bearer {gone['key']}"}).status == 401
+
+
+def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
+    with driven_cell({"stateTtlMs": 60_000}, with_key=False) as c:
+        g1, g2 = "us-east.m1", "us-east.m2"
+        row = {"id": "key_aaaaaaaaaaaa", "hash": "ab" * 32, "prefix": "clc_xxxxxx", "name": "moved", "rpm": 0, "tpm": 0,
+               "monthly_tokens": 100, "max_parallel": 2, "created_at": 1, "expires_at": None}
+        c.one("createKey", row, {"generation": g1}, gen=g1)
+        c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []},
+              {"usage": [[TODAY, row["id"], 4, 30, 20, 4, 0, 5]]}, gen=g1)
+        view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": [row["id"]]}, None, gen=g2)
+        assert view["imported"] == [g1]
+        assert view["counts"][row["id"]][5] == 50
+        found = c.one("lookupKeys", ["ab" * 32], {"generation": g2}, gen=g2)["keys"]
+        assert [(k["id"], k["max_parallel"], k["monthly_tokens"]) for k in found] == [(row["id"], 2, 100)]
+        usage = c.one("usage", {"from": TODAY, "to": TODAY, "key": row["id"]}, {"generation": g2}, gen=g2)
+        assert [(u["requests"], u["prompt_tokens"], u["completion_tokens"], u["estimated_tokens"]) for u in usage] == [(4, 30, 20, 5)]
