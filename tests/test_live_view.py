@@ -130,3 +130,42 @@ def test_histograms_move_with_the_generation(tmp_path):
         doc = live_doc(cell, since)  # the first touch of g2 imports g1, histograms included
         assert doc["generation"] == "us-east.g2"
         assert live.build(doc, None).requests == before
+
+
+# --- the object's tables, driven directly (bench/gen_driver.js) --------------------------
+
+def _info(gen: str) -> dict:
+    return {"generation": gen, "draining": None, "haveRev": -1, "isolate": "iso_live", "ttlMs": 2000, "keys": [],
+            "failureThreshold": 3, "openMs": 30000, "deadlineMs": 2000}
+
+
+def _hist_batch(rows) -> dict:
+    return {"hist": rows}
+
+
+def test_the_object_adds_rolls_up_and_drops_by_age():
+    from tests.support.workerd import driven_cell
+
+    now_min = int(time.time() // 60)
+    day = 24 * 60
+    with driven_cell({"stateTtlMs": 60_000}, with_key=False) as cell:
+        # the same minute from two isolates adds up; a malformed row is dropped, never stored
+        for _ in range(2):
+            cell.one("sync", _info("live-a"), _hist_batch([[now_min, "NRT", "0", "total", "20:3"],
+                                                           [now_min, "NRT", "0", "total", "99:1"],
+                                                           [now_min, "NRT", "0", "bogus", "1:1"]]), gen="live-a")
+        got = cell.one("live", (now_min - 5) * 60_000, _info("live-a"), gen="live-a")
+        assert got["minutes"] == [[now_min, "NRT", "0", "total", "20:6"]] and got["hours"] == []
+
+        # a minute 8 days old rolls up into its hour on the next sync (at most an hour of minutes a minute)
+        old = (now_min - 8 * day) // 60 * 60  # the first minute of an hour: both rows share it
+        cell.one("sync", _info("live-b"), _hist_batch([[old, "NRT", "0", "total", "20:2"], [old + 1, "NRT", "0", "total", "21:1"]]),
+                 gen="live-b")
+        got = cell.one("live", (now_min - 9 * day) * 60_000, _info("live-b"), gen="live-b")
+        assert got == {"minutes": [], "hours": [[old // 60, "NRT", "0", "total", "20:2,21:1"]]}
+
+        # hours older than 35 days are dropped
+        ancient = now_min - 36 * day
+        cell.one("sync", _info("live-c"), _hist_batch([[ancient, "NRT", "0", "total", "20:2"]]), gen="live-c")
+        got = cell.one("live", (now_min - 40 * day) * 60_000, _info("live-c"), gen="live-c")
+        assert got == {"minutes": [], "hours": []}
