@@ -48,6 +48,7 @@ export async function handle(request, env, ctx, deps = {}) {
     return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
   } catch (err) {
     releaseSlot(request); // a request that fails after admission gives its slot back
+    if (err instanceof HttpError && err.holdMs) await new Promise((resolve) => setTimeout(resolve, err.holdMs));
     if (err instanceof HttpError) return errorResponse(err.status, err.code, err.message, err.headers, err.type, err.param);
     if (err instanceof ConfigurationError) {
       log(env, "misconfigured", { binding: err.binding });
@@ -108,6 +109,20 @@ function usable(key) {
   return key;
 }
 
+// A key refused again within a second of its last refusal here has its 429 held back this
+// long: a client that re-sends at once instead of honouring Retry-After then costs the
+// isolate a few refusals a second per connection, not thousands, so it cannot take the
+// router's CPU from other keys (docs/worker.md, "Requests in flight"). A timer costs no CPU.
+const REFUSAL_HOLD_MS = 250;
+const refusedAt = new Map(); // key id -> when this isolate last refused it (bounded)
+
+function holdFor(keyId, t) {
+  const last = refusedAt.get(keyId);
+  if (refusedAt.size >= 4096) refusedAt.clear();
+  refusedAt.set(keyId, t);
+  return last !== undefined && t - last < 1000 ? REFUSAL_HOLD_MS : 0;
+}
+
 // Requests holding a max_parallel slot: released when the answer has been sent (its last
 // byte, or the client left) or when the request fails after admission.
 const slots = new WeakMap();
@@ -126,7 +141,11 @@ function enforceLimits(request, cfg, key) {
   const month = (g ? g[C_MONTH] : 0) + pendingMonthTokens(gen, key.id, t);
   const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[C_INFLIGHT] : 0) : 0;
   const no = refusal(key, est, month, t, inflight);
-  if (no) throw new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
+  if (no) {
+    const err = new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
+    err.holdMs = holdFor(key.id, t);
+    throw err;
+  }
   const release = admit(cfg, key, t);
   if (release) slots.set(request, release);
 }

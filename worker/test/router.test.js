@@ -381,3 +381,24 @@ test("unknown keys arriving together share look-up calls (the cold isolate's syn
   assert.equal(env.BREAKER.calls.length, before);
   await c.settle();
 });
+
+test("a key refused again within a second has its 429 held back, so re-sending at once cannot spin the isolate", async (t) => {
+  const env = envFor("router-hold");
+  const key = await withKey(env.BREAKER, "router-hold", { rpm: 1 });
+  const { f } = fakeFetch(() => json());
+  const c = ctx();
+  assert.equal((await handle(chat(key), env, c, { fetch: f })).status, 200);
+  // The first refusal is answered at once: a client that honours Retry-After waits no longer.
+  assert.equal((await handle(chat(key), env, c, { fetch: f })).status, 429);
+  t.mock.timers.enable({ apis: ["setTimeout"] });
+  let answered = null;
+  const held = handle(chat(key), env, c, { fetch: f }).then((r) => { answered = r; });
+  for (let i = 0; i < 20; i++) await new Promise((resolve) => setImmediate(resolve));
+  assert.equal(answered, null); // the second refusal within a second waits for its timer
+  t.mock.timers.tick(250);
+  await held;
+  assert.equal(answered.status, 429);
+  assert.equal(answered.headers.get("retry-after") !== null, true);
+  t.mock.timers.reset();
+  await c.settle();
+});
