@@ -75,6 +75,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
     Key("fleet", "object", {}, "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs}. Set, it makes the stack a front door over those cells instead of a cell."),
     Key("fallbackModel", "string", None, "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model unchanged (only when the fallback serves the pod's model)."),
+    Key("fallbackPrice", "object", {}, "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports the pods' cost alone."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
     Key("probeToken", "string", None, "Token that guards the Worker's probe and admin endpoints.", secret=True),
     Key("fallbackUrl", "string", None, "Base URL of the external OpenAI-compatible fallback API.", secret=True),
@@ -155,6 +156,7 @@ class Settings:
     zone: ZoneSettings | None
     fallback_model: str
     secrets: frozenset[str] = field(default_factory=frozenset)
+    fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
     default_max_parallel: int = 0  # colocate:keys.defaultMaxParallel
 
 
@@ -312,6 +314,19 @@ def parse_fallback_model(value: object) -> str:
     return "" if value == FALLBACK_PASSTHROUGH else value
 
 
+def parse_fallback_price(raw: object) -> tuple[float, float] | None:
+    """``colocate:fallbackPrice`` {input, output} in $ per 1M tokens; None when unset."""
+    key = f"{NS}:fallbackPrice"
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"input", "output"}:
+        raise ConfigError(key, raw, "must be a mapping {input, output} of $ per 1M tokens",
+                          f"pulumi config set --path {key}.input 0.15 and pulumi config set --path {key}.output 0.6 "
+                          "(the fallback's prices from its pricing page)")
+    return (float(_number(f"{key}.input", raw["input"], strict=False)),
+            float(_number(f"{key}.output", raw["output"], strict=False)))
+
+
 def parse_zone(raw: object) -> ZoneSettings | None:
     if not raw:
         return None
@@ -404,5 +419,6 @@ def parse(
         zone=zone,
         fallback_model=fallback_model,
         secrets=frozenset(secrets),
+        fallback_price=parse_fallback_price(raw.get("fallbackPrice")),
         default_max_parallel=default_max_parallel,
     )

@@ -72,6 +72,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="keep retrying the warm-up for up to S seconds while the target is not answering yet (after a deploy)")
     p.add_argument("--warn-only", action="store_true", help="report failed checks but exit 0")
+    p.add_argument("--live", action="store_true",
+                   help="read real traffic instead of sampling: per-segment percentiles, shares and colos recorded by the "
+                        "Worker (GET /_colocate/live), with the same verdicts and exit codes")
+    p.add_argument("--since", default="1h", metavar="1h", help="with --live: the window, e.g. 15m, 1h, 7d (default 1h; up to 35d)")
+    p.add_argument("--state-dir", type=Path, help="with --live: a running sandbox's state directory (its URL and token)")
     return p
 
 
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
+    if args.live or args.state_dir:
+        return _live(args)
     budget_list = budgets.from_flags(args.budget)  # validate flags before any request
     if args.samples is not None and not 1 <= args.samples <= MAX_SAMPLES:
         raise UsageError("--samples", args.samples, f"must be between 1 and {MAX_SAMPLES}", "e.g. --samples 25")
@@ -161,6 +168,100 @@ def _probe(args: argparse.Namespace) -> int:
         print("probe: checks failed (--warn-only: exit 0)", file=sys.stderr)
         return 0
     return 1
+
+
+def _live(args: argparse.Namespace) -> int:
+    """probe.py --live: judge the window of real traffic the Worker recorded (docs/probe.md, "Live view")."""
+
+    from colocate import admin
+    from colocate.probe import live
+
+    if not args.live:
+        raise UsageError("--state-dir", str(args.state_dir), "only reads a sandbox for --live", "add --live")
+    budget_list = budgets.from_flags(args.budget)
+    try:
+        since_ms = live.parse_since(args.since)
+    except ValueError as exc:
+        raise UsageError("--since", args.since, str(exc), "e.g. --since 15m, --since 1h or --since 7d") from None
+    if not args.timeout > 0:
+        raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
+    region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
+    url, token, locations, worker_placement = args.url, args.token or os.environ.get(TOKEN_ENV), list(args.pod_location), None
+    if args.stack:
+        cfg = outputs.read_config(args.stack, args.stacks_dir)
+        if region is None and cfg.region is not None:
+            region = catalogue.region(cfg.region, key=f"colocate:region of stack {args.stack}")
+        if not args.budget:
+            budget_list = budgets.from_stack(cfg.budgets)
+        worker_placement = cfg.worker_placement
+    if not (url and token) and (args.stack or args.state_dir):
+        sandbox = admin._sandbox_target(args.state_dir or _sandbox_dir(args.stack))
+        if sandbox is not None:  # a running sandbox of the stack: its ready.json
+            url, token = url or sandbox.url, token or sandbox.token
+            ready = json.loads(((args.state_dir or _sandbox_dir(args.stack)) / "ready.json").read_text())
+            locations = locations or [p.get("location") or "local" for p in ready.get("pods") or []]
+        elif args.state_dir:
+            raise UsageError("--state-dir", str(args.state_dir), "no running sandbox there (no ready.json)",
+                             "start one with `.venv/bin/python scripts/sandbox.py up`")
+        else:
+            out = outputs.read_outputs(args.stack)
+            url, token = url or out.worker_url, token or out.probe_token
+            locations = locations or list(out.pod_locations) or ([out.pod_location] if out.pod_location else [])
+    if not url:
+        raise UsageError("URL", None, "no Worker URL", "give it as the first argument, or --stack S")
+    url = _check_url(url)
+    if not token:
+        raise UsageError("--token", None, "no probe token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
+    doc = _fetch_live(url, token, since_ms, args.timeout)
+    result = live.build(doc, region, locations, budget_list, worker_placement, url)
+    table_out = sys.stderr if args.json == "-" else sys.stdout
+    print(live.table(result), file=table_out, end="")
+    text = json.dumps(live.to_json(result, args.warn_only), indent=2)
+    if args.json == "-":
+        print(text)
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.plot:
+        live.write_plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if result.ok:
+        return 0
+    if args.warn_only:
+        print("probe: checks failed (--warn-only: exit 0)", file=sys.stderr)
+        return 0
+    return 1
+
+
+def _sandbox_dir(stack: str | None) -> Path:
+    from colocate.sandbox.supervisor import default_state_dir
+
+    return Path(default_state_dir(stack))
+
+
+def _fetch_live(url: str, token: str, since_ms: int, timeout_s: float) -> dict:
+    import requests
+
+    from colocate.probe.errors import TargetError, Unauthorized, Unreachable
+
+    where = f"{url}/_colocate/live"
+    try:
+        r = requests.get(where, params={"since": since_ms}, timeout=timeout_s,
+                         headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
+    except requests.Timeout:
+        raise Unreachable(f"{where} did not answer within {timeout_s:g} s (--timeout)") from None
+    except requests.ConnectionError:
+        raise Unreachable(f"cannot reach {where}: connection refused or no route; is the URL right and the cell up?") from None
+    if r.status_code == 401:
+        raise Unauthorized(f"{where} answered 401: the probe token is missing or wrong; pass --token or set {TOKEN_ENV}")
+    if r.status_code == 404:
+        raise TargetError(f"{where} answered 404: this Worker records no live view yet; deploy the current Worker (pulumi up)")
+    try:
+        doc = r.json()
+    except ValueError:
+        doc = None
+    if r.status_code != 200 or not isinstance(doc, dict):
+        raise TargetError(f"{where} answered HTTP {r.status_code}: {r.text[:200]}")
+    return doc
 
 
 def _interrupt(_signum, _frame) -> None:

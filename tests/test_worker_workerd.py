@@ -96,7 +96,8 @@ def test_global_outbound_shape(tmp_path):
         assert body["worker_colo"] == "TST" and body["state_colo"] == "TST"
         assert body["pod_ok"] is True and body["pod_host"] == "pod.example:8000"
         traces = [s for s in world.seen if s["path"] == "/cdn-cgi/trace"]
-        assert len(traces) == 2  # one from the Worker, one from inside the object
+        # one from the Worker; from inside the object its colo() and the view's colo, learnt once
+        assert 2 <= len(traces) <= 3
         assert {t["headers"]["host"] for t in traces} == {"www.cloudflare.com"}
         assert all(t["headers"]["x-sandbox-hop"] == "edge" for t in traces)
         health = [s for s in world.seen if s["path"] == "/health"]

@@ -9,6 +9,7 @@ import { displayPrefix, keyHash, newKey, newKeyId, sameDigest } from "./keys.js"
 import { dayOf, monthStartDay } from "./limits.js";
 import { podSnap } from "./pods.js";
 import { cache, activeStub, infoOf, stubFor } from "./state.js";
+import { EDGES, mergeEncoded } from "./histogram.js";
 import { fetchColo, rayColo } from "./trace.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 
@@ -42,6 +43,7 @@ const HANDLERS = {
   keys: (request, env, cfg) => (request.method === "POST" ? createKey(request, env, cfg) : listKeys(env, cfg)),
   revoke: (request, env, cfg, url, r) => revokeKey(env, cfg, r.param),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
+  live: (request, env, cfg, url) => live(env, cfg, url),
 };
 
 export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
@@ -205,6 +207,38 @@ async function usage(env, cfg, url) {
   }
   const rows = await activeStub(env, cfg).usage(query, infoOf(cfg));
   return jsonResponse(200, { generation: cfg.activeGeneration, from: query.from, to: query.to, usage: rows }, noStore);
+}
+
+const LIVE_DEFAULT_MS = 3600 * 1000;
+const LIVE_MAX_MS = 35 * 24 * 3600 * 1000; // what the object keeps (seg_hour)
+const LIVE_HOURLY_AFTER_MS = 6 * 3600 * 1000; // longer windows answer per hour: a bounded answer
+
+/** The live segment histograms since `since` (ms epoch; default an hour ago), for probe.py --live. */
+async function live(env, cfg, url) {
+  const t = Date.now();
+  const raw = url.searchParams.get("since");
+  const since = raw === null ? t - LIVE_DEFAULT_MS : Number(raw);
+  if (raw === "" || !Number.isSafeInteger(since) || since < 0) {
+    throw new HttpError(400, "invalid_field", `query "since" must be a time in ms since the epoch, e.g. ${t - LIVE_DEFAULT_MS} for an hour ago (got ${JSON.stringify(raw)})`);
+  }
+  const from = Math.max(since, t - LIVE_MAX_MS);
+  let { minutes, hours } = await activeStub(env, cfg).live(from, infoOf(cfg));
+  if (t - from > LIVE_HOURLY_AFTER_MS) {
+    // Fold minutes into hours here, in the Worker, rather than in the single-threaded object.
+    const folded = new Map(hours.map((r) => [r.slice(0, 4).join("|"), r]));
+    for (const [minute, colo, pod, segment, hist] of minutes) {
+      const key = [Math.floor(minute / 60), colo, pod, segment].join("|");
+      const prev = folded.get(key);
+      folded.set(key, prev ? [prev[0], colo, pod, segment, mergeEncoded(prev[4], hist)] : [Math.floor(minute / 60), colo, pod, segment, hist]);
+    }
+    hours = [...folded.values()];
+    minutes = [];
+  }
+  return jsonResponse(200, {
+    generation: cfg.activeGeneration, draining_generation: cfg.drainingGeneration, region: cfg.region,
+    pods: cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host })),
+    since: from, now: t, edges: EDGES, minutes, hours,
+  }, noStore);
 }
 
 function round(ms) {

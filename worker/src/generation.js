@@ -23,9 +23,15 @@ import {
   UPSERT_MONTH, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { fetchColo } from "./trace.js";
+import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
 const LEGACY_KV_KEY = "breaker"; // schema 1 kept one KV entry: {snap, adopted_from}
 const POD_ROW_TTL_MS = 24 * 3600 * 1000; // health rows of pods gone for a day are dropped
+const MINUTE_MS = 60000;
+const HOUR_MS = 3600000;
+const SEG_MINUTES_KEEP = 7 * 24 * 60; // minutes kept as minutes; older ones roll up into hours
+const SEG_HOURS_KEEP = 35 * 24; // hours kept
+const SEG_NAMES = new Set([...ROUTED, SYNC]);
 export const DELTA_ROWS = 500; // key rows per answer; `more: true` asks the isolate to sync again
 // An isolate further behind than this many revisions drops its few looked-up keys and
 // starts from the current revision (cheaper than paging through every change since).
@@ -123,6 +129,8 @@ export class Breaker extends DurableObject {
       const months = data.months ?? monthsOf(data.usage);
       for (const m of months) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens);
       for (const w of data.windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
+      for (const r of data.seg_minute || []) this.addSeg("seg_minute", "minute", r); // a generation from before has none
+      for (const r of data.seg_hour || []) this.addSeg("seg_hour", "hour", r);
       for (const f of data.inflight ?? []) {
         this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
           ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
@@ -143,6 +151,10 @@ export class Breaker extends DurableObject {
       usage: this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray(),
       months: this.sql.exec("SELECT key_id, month, tokens FROM key_month").toArray(),
       windows: this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window").toArray(),
+      seg_minute: this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute").toArray()
+        .map((r) => [r.minute, r.colo, r.pod, r.segment, r.hist]),
+      seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
+        .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
       inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
     };
   }
@@ -233,6 +245,7 @@ export class Breaker extends DurableObject {
     }
     const now = Date.now();
     if (batch) this.apply(batch, info, now);
+    if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, now);
     const view = this.view(info.haveRev ?? -1, info);
     // A stale isolate's request with a key it does not hold: found in the same round trip.
     if (Array.isArray(info.lookup) && info.lookup.length) view.found = this.byDigest(info.lookup, info);
@@ -279,6 +292,47 @@ export class Breaker extends DurableObject {
     const keys = this.sql.exec(`SELECT ${KEY_VIEW_COLUMNS} FROM client_keys
       WHERE hash IN (SELECT value FROM json_each(?)) AND revoked_at IS NULL`, list).toArray().map(keyView);
     return { keys, counts: this.countsOf(keys.map((k) => k.id), info, Date.now()) };
+  }
+
+  /**
+   * Add an isolate's live histograms (rows [minute, colo, pod, segment, "index:count,..."])
+   * into seg_minute; then, at most once a minute, roll at most an hour of minutes older than
+   * 7 days into seg_hour and drop hours older than 35 days (index ranges, bounded work).
+   */
+  addHist(rows, t) {
+    this.ctx.storage.transactionSync(() => {
+      for (const r of rows) {
+        if (!Array.isArray(r) || r.length !== 5 || !Number.isSafeInteger(r[0]) || !SEG_NAMES.has(r[3])) continue;
+        this.addSeg("seg_minute", "minute", r);
+      }
+      const m = Math.floor(t / MINUTE_MS);
+      if (this.rolledAt === m) return;
+      this.rolledAt = m;
+      const cutoff = m - SEG_MINUTES_KEEP;
+      const oldest = this.sql.exec("SELECT MIN(minute) AS m FROM seg_minute").one().m;
+      if (oldest !== null && oldest < cutoff) {
+        const upTo = Math.min(cutoff, oldest + 60);
+        for (const r of this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute WHERE minute < ?", upTo).toArray()) {
+          this.addSeg("seg_hour", "hour", [Math.floor(r.minute / 60), r.colo, r.pod, r.segment, r.hist]);
+        }
+        this.sql.exec("DELETE FROM seg_minute WHERE minute < ?", upTo);
+      }
+      this.sql.exec("DELETE FROM seg_hour WHERE hour < ?", Math.floor(t / HOUR_MS) - SEG_HOURS_KEEP);
+    });
+  }
+
+  addSeg(table, col, [at, colo, pod, segment, hist]) {
+    const key = [at, String(colo), String(pod), segment];
+    const prev = this.sql.exec(`SELECT hist FROM ${table} WHERE ${col} = ? AND colo = ? AND pod = ? AND segment = ?`, ...key)
+      .toArray()[0];
+    let merged;
+    try {
+      merged = prev ? mergeEncoded(prev.hist, hist) : mergeEncoded("", hist); // also checks the text
+    } catch {
+      return; // a malformed row from an isolate: dropped, never stored
+    }
+    this.sql.exec(`INSERT INTO ${table} (${col}, colo, pod, segment, hist) VALUES (?, ?, ?, ?, ?)
+      ON CONFLICT (${col}, colo, pod, segment) DO UPDATE SET hist = excluded.hist`, ...key, merged);
   }
 
   podRow(pod) {
@@ -382,6 +436,17 @@ export class Breaker extends DurableObject {
     ...args).toArray();
   }
 
+  /** The live histograms from `since` (ms) on: minute rows, and hour rows older than those. */
+  async live(since, info) {
+    await this.readThrough(info);
+    const rows = (sql, ...args) => this.sql.exec(sql, ...args).toArray().map((r) => [r.t, r.colo, r.pod, r.segment, r.hist]);
+    return {
+      minutes: rows("SELECT minute AS t, colo, pod, segment, hist FROM seg_minute WHERE minute >= ?", Math.floor(since / MINUTE_MS)),
+      hours: rows("SELECT hour AS t, colo, pod, segment, hist FROM seg_hour WHERE hour >= ?", Math.floor(since / HOUR_MS)),
+    };
+  }
+
+  /** Where this object runs, measured from inside it. */
   /**
    * Where this object runs, measured from inside it (the probe asks after every deploy);
    * kept for the object's lifetime and carried in every view as `colo` (null until then:

@@ -21,6 +21,7 @@ import { now, serverTiming } from "./timing.js";
 import { estimateUsage, stripStream, tapStream, usageOfJson } from "./usage.js";
 import { validateBody } from "./validate.js";
 import { handleAdmin } from "./admin.js";
+import { learnColo, recordRequest } from "./histogram.js";
 
 /**
  * @param {Request} request
@@ -39,7 +40,11 @@ export async function handle(request, env, ctx, deps = {}) {
         { allow: r.methods.join(", ") });
     }
     const cfg = readConfig(env);
-    if (r.kind === "routed") return await routed(request, env, ctx, cfg, url, r, fetchImpl);
+    if (r.kind === "routed") {
+      const res = await routed(request, env, ctx, cfg, url, r, fetchImpl);
+      learnColo(ctx, request, fetchImpl); // once per isolate, in the background, after the first answer
+      return res;
+    }
     return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
   } catch (err) {
     releaseSlot(request); // a request that fails after admission gives its slot back
@@ -307,6 +312,7 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
 function finish(body, from, backend, timing, t0) {
   const res = new Response(body, from);
   timing.total = now() - t0;
+  recordRequest(backend, timing); // the live view's histograms: memory only, carried by the next sync
   res.headers.set("x-colocate-backend", backend);
   res.headers.set("server-timing", serverTiming(timing));
   return res;

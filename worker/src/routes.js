@@ -10,6 +10,7 @@ export const ROUTES = {
   "/_colocate/purge": { methods: ["POST"], kind: "purge" },
   "/_colocate/keys": { methods: ["GET", "POST"], kind: "keys" },
   "/_colocate/usage": { methods: ["GET"], kind: "usage" },
+  "/_colocate/live": { methods: ["GET"], kind: "live" },
 };
 
 const REVOKE = /^\/_colocate\/keys\/([A-Za-z0-9_]{1,64})\/revoke$/;

@@ -18,6 +18,11 @@
 //                 older than the previous minute are deleted on every sync (by index)
 //   key_inflight  per key and isolate: requests in flight as of that isolate's last sync
 //                 (the input of max_parallel); rows of silent isolates expire (by index)
+//   seg_minute    live segment histograms (histogram.js) per minute, colo, pod and segment:
+//                 for the routed segments `colo` is where the Worker ran and `pod` the pod
+//                 index or "fallback"; for `sync` `colo` is the state object's and `pod` the
+//                 Worker's colo. Minutes older than 7 days roll up into
+//   seg_hour      the same per hour; hours older than 35 days are dropped
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
@@ -47,6 +52,13 @@ export const SCHEMA = [
      requests INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, minute))`,
   `CREATE TABLE IF NOT EXISTS key_inflight (
      key_id TEXT NOT NULL, isolate TEXT NOT NULL, n INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
+  // The primary keys lead with the time, so the window reads and the roll-up deletes are index ranges.
+  `CREATE TABLE IF NOT EXISTS seg_minute (
+     minute INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
+     PRIMARY KEY (minute, colo, pod, segment))`,
+  `CREATE TABLE IF NOT EXISTS seg_hour (
+     hour INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
+     PRIMARY KEY (hour, colo, pod, segment))`,
 ];
 
 // Columns added since a table was first created: [table, column, declaration]. An object

@@ -20,6 +20,7 @@ import { ViewCache } from "./cache.js";
 import { dayOf, minuteOf } from "./limits.js";
 import { healthDue } from "./pods.js";
 import { now } from "./timing.js";
+import { recorder, takeHist } from "./histogram.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -134,7 +135,9 @@ export async function sync(env, cfg, lookup = null) {
     for (let page = 0; page < MORE_PAGES_MAX; page++) {
       const info = infoOf(cfg, asked);
       if (lookup && page === 0) info.lookup = lookup;
+      const t = now();
       const view = await activeStub(env, cfg).sync(info, batch);
+      recordSync(gen, view, now() - t);
       batch = null;
       entry = cache.put(gen, view, Date.now(), asked);
       if (view.found) cache.putLookup(gen, { rev: view.rev, ...view.found }, lookup, Date.now(), cfg.stateTtlMs);
@@ -253,6 +256,12 @@ function lookupBusy() {
 // pendingOf; the object applies it by name (generation.js `apply`).
 
 const PARTS = {
+  // The live view's histograms (histogram.js): per isolate, whatever the generation.
+  hist: {
+    has: () => false, // it rides on the syncs usage and refreshes make anyway: never a sync of its own
+    take: () => takeHist(),
+    restore: (p, rows) => recorder.restore(rows),
+  },
   usage: {
     has: (p) => p.usage.size > 0,
     take: (p) => takeMap(p, "usage"),
@@ -415,10 +424,37 @@ export function scheduleFlush(env, ctx, cfg) {
   ctx.waitUntil(wait
     .then(() => {
       p.plannedAt = -Infinity;
-      if (hasPending(p)) return sync(env, cfg);
+      if (hasPending(p)) return sync(env, cfg).then(() => learnObjectColo(env, cfg));
       return null;
     })
     .catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
+}
+
+// --- where the object answers from (the live view's `sync` segment) ---
+
+const objectColos = new Map(); // generation -> {colo, askedAt}
+
+/** One sync round trip, keyed by the colo the object reported (or this isolate learnt). */
+function recordSync(gen, view, ms) {
+  const o = objectColos.get(gen);
+  if (view.colo) objectColos.set(gen, { colo: view.colo, askedAt: o ? o.askedAt : 0 });
+  recorder.sync(Date.now(), view.colo || (o && o.colo) || null, null, ms);
+}
+
+/**
+ * The object reports its colo only once something asked it (`colo()`: the probe after a
+ * deploy; a sync makes no outside request). An isolate whose views carry none asks once,
+ * in the background after a flush, so every later view of that object carries it.
+ */
+function learnObjectColo(env, cfg) {
+  const gen = cfg.activeGeneration;
+  const o = objectColos.get(gen);
+  const t = Date.now();
+  if ((o && o.colo) || (o && t - o.askedAt < 60_000)) return null;
+  objectColos.set(gen, { colo: null, askedAt: t });
+  return activeStub(env, cfg).colo().then((c) => {
+    if (c) objectColos.set(gen, { colo: c, askedAt: t });
+  });
 }
 
 // --- the breaker ---

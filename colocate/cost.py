@@ -1,0 +1,276 @@
+"""What a cell costs against the fallback API, from what the providers reported and the keys' usage.
+
+Pure: no I/O, no Pulumi. ``scripts/cost.py`` gathers the inputs:
+
+    cost_per_hr      the cell's pods together, $/hr (the stack's ``podsCostPerHr`` output, what
+                     the providers reported when the pods were created)
+    hours            how long the pods ran within the window
+    usage rows       ``GET /_colocate/usage`` rows: per key and day, requests, prompt and
+                     completion tokens, and how many requests the pods and the fallback served
+    price            ``colocate:fallbackPrice``: $ per 1M input and output tokens at the fallback
+
+A usage row counts tokens per key and day, not per backend: its tokens are split between
+pods and fallback in proportion to the requests each served that day (exact when a key's
+requests of a day all went one way, the common case; an estimate otherwise, and said so).
+
+The answers: the pods' cost over the window; tokens and requests by pods and by fallback;
+the pods' cost per 1M tokens; what the pods' tokens would have cost at the fallback's
+price; the fallback's own spend; the break-even volume (tokens/day from which the cell is
+cheaper than sending everything to the API, at the window's input/output mix); and, given
+a capacity, the pods' utilisation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+HOURS_PER_MONTH = 730.0  # 365 x 24 / 12, the providers' own monthly figure
+DAYS_PER_MONTH = HOURS_PER_MONTH / 24
+MILLION = 1_000_000
+
+
+@dataclass(frozen=True)
+class Price:
+    """$ per 1M tokens at the fallback API."""
+
+    input: float
+    output: float
+
+    def of(self, prompt: float, completion: float) -> float:
+        return (prompt * self.input + completion * self.output) / MILLION
+
+    def blended(self, prompt: float, completion: float) -> float:
+        """$ per 1M tokens at this input/output mix (1:1 when there were no tokens)."""
+        if prompt + completion <= 0:
+            return (self.input + self.output) / 2
+        return self.of(prompt, completion) * MILLION / (prompt + completion)
+
+    def to_json(self) -> dict:
+        return {"input": self.input, "output": self.output}
+
+
+@dataclass(frozen=True)
+class Served:
+    requests: int = 0
+    prompt_tokens: float = 0.0
+    completion_tokens: float = 0.0
+
+    @property
+    def tokens(self) -> float:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_json(self) -> dict:
+        return {"requests": self.requests, "prompt_tokens": round(self.prompt_tokens),
+                "completion_tokens": round(self.completion_tokens), "tokens": round(self.tokens)}
+
+
+class UsageError(ValueError):
+    """A usage row lacks a field or holds a negative number (names the row and field)."""
+
+
+def split_usage(rows: Iterable[Mapping]) -> tuple[Served, Served, list[str], dict[str, float]]:
+    """(by pods, by fallback, notes, tokens per day) from usage rows."""
+    pod = [0, 0.0, 0.0]
+    fb = [0, 0.0, 0.0]
+    mixed = 0
+    per_day: dict[str, float] = {}
+    for i, r in enumerate(rows):
+        vals = {}
+        for f in ("requests", "prompt_tokens", "completion_tokens", "pod_requests", "fallback_requests"):
+            v = r.get(f, 0)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or not math.isfinite(v):
+                raise UsageError(f"usage row {i} ({r.get('day')}, {r.get('key_id')}): {f} is {v!r}, not a count")
+            vals[f] = v
+        served = vals["pod_requests"] + vals["fallback_requests"]
+        share = vals["pod_requests"] / served if served else 1.0  # tokens without a served request: none, in practice
+        if 0 < share < 1:
+            mixed += 1
+        for acc, s in ((pod, share), (fb, 1 - share)):
+            acc[1] += vals["prompt_tokens"] * s
+            acc[2] += vals["completion_tokens"] * s
+        pod[0] += vals["pod_requests"]
+        fb[0] += vals["fallback_requests"]
+        day = str(r.get("day"))
+        per_day[day] = per_day.get(day, 0.0) + vals["prompt_tokens"] + vals["completion_tokens"]
+    notes = []
+    if mixed:
+        notes.append(f"{mixed} key-days were served partly by the fallback: their tokens are split between pods "
+                     "and fallback by requests (usage rows count tokens per key and day, not per backend)")
+    return Served(pod[0], pod[1], pod[2]), Served(fb[0], fb[1], fb[2]), notes, per_day
+
+
+@dataclass
+class CostReport:
+    window_days: float
+    hours: float
+    cost_per_hr: float
+    cost_source: str
+    price: Price | None
+    pods: Served
+    fallback: Served
+    pods_cost: float
+    pods_cost_per_m: float | None
+    pods_tokens_at_fallback_price: float | None
+    fallback_spend: float | None
+    saving: float | None
+    tokens_per_day: float
+    today_tokens: float | None
+    break_even_tokens_per_day: float | None
+    monthly_cell_cost: float
+    monthly_api_cost_at_volume: float | None
+    blended_price_per_m: float | None
+    utilisation: float | None
+    capacity_rpm: float | None
+    pod_count: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def cheaper(self) -> str | None:
+        if self.break_even_tokens_per_day is None:
+            return None
+        return "cell" if self.tokens_per_day >= self.break_even_tokens_per_day else "api"
+
+    def verdict(self) -> str:
+        if self.price is None:
+            return (f"pods cost ${self.pods_cost:,.2f} over {self.hours:,.1f} h for {self.pods.tokens:,.0f} tokens; "
+                    "set colocate:fallbackPrice to compare with the API")
+        be = self.break_even_tokens_per_day
+        now = f"{self.tokens_per_day:,.0f} tokens/day"
+        if self.cheaper == "cell":
+            return f"the cell is cheaper than the API at {now} (break-even {be:,.0f} tokens/day)"
+        return (f"the API would be cheaper at {now}: the cell pays off from {be:,.0f} tokens/day "
+                f"({be / max(self.tokens_per_day, 1):,.1f}x today's volume)")
+
+
+def report(rows: Iterable[Mapping], *, cost_per_hr: float, hours: float, window_days: float,
+           price: Price | None, cost_source: str = "podsCostPerHr", pod_count: int = 1,
+           capacity_rpm: float | None = None, today: str | None = None) -> CostReport:
+    """The cost report of one window (see the module docstring)."""
+    if not (math.isfinite(cost_per_hr) and cost_per_hr >= 0):
+        raise ValueError(f"cost_per_hr {cost_per_hr!r}: must be a number of $/hr >= 0")
+    if not (math.isfinite(hours) and hours >= 0) or not window_days > 0:
+        raise ValueError(f"hours {hours!r} / window_days {window_days!r}: must be >= 0 / > 0")
+    pods, fb, notes, per_day = split_usage(list(rows))
+    pods_cost = cost_per_hr * hours
+    per_m = pods_cost / pods.tokens * MILLION if pods.tokens > 0 else None
+    at_price = price.of(pods.prompt_tokens, pods.completion_tokens) if price else None
+    fb_spend = price.of(fb.prompt_tokens, fb.completion_tokens) if price else None
+    all_prompt = pods.prompt_tokens + fb.prompt_tokens
+    all_completion = pods.completion_tokens + fb.completion_tokens
+    blended = price.blended(all_prompt, all_completion) if price else None
+    if price and all_prompt + all_completion <= 0:
+        notes.append("no tokens in the window: the break-even assumes as many input as output tokens")
+    per_day_cell = cost_per_hr * 24
+    break_even = per_day_cell / blended * MILLION if blended else None
+    tokens_per_day = (pods.tokens + fb.tokens) / window_days
+    monthly_api = tokens_per_day * DAYS_PER_MONTH * blended / MILLION if blended is not None else None
+    util = None
+    if capacity_rpm:
+        could = capacity_rpm * 60 * hours * max(pod_count, 1)
+        util = pods.requests / could if could > 0 else None
+    if price is None:
+        notes.append("colocate:fallbackPrice is not set: no comparison with the API "
+                     "(pulumi config set --path colocate:fallbackPrice.input 0.15, and .output)")
+    return CostReport(
+        window_days=window_days, hours=hours, cost_per_hr=cost_per_hr, cost_source=cost_source, price=price,
+        pods=pods, fallback=fb, pods_cost=pods_cost, pods_cost_per_m=per_m, pods_tokens_at_fallback_price=at_price,
+        fallback_spend=fb_spend, saving=None if at_price is None else at_price - pods_cost,
+        tokens_per_day=tokens_per_day, today_tokens=per_day.get(today) if today else None,
+        break_even_tokens_per_day=break_even, monthly_cell_cost=cost_per_hr * HOURS_PER_MONTH,
+        monthly_api_cost_at_volume=monthly_api, blended_price_per_m=blended, utilisation=util,
+        capacity_rpm=capacity_rpm, pod_count=pod_count, notes=notes,
+    )
+
+
+def to_json(r: CostReport) -> dict:
+    return {
+        "verdict": r.verdict(), "cheaper": r.cheaper,
+        "window_days": r.window_days, "hours": round(r.hours, 3),
+        "cost_per_hr": r.cost_per_hr, "cost_source": r.cost_source, "pod_count": r.pod_count,
+        "fallback_price_per_m": r.price.to_json() if r.price else None,
+        "pods": r.pods.to_json(), "fallback": r.fallback.to_json(),
+        "pods_cost": round(r.pods_cost, 4),
+        "pods_cost_per_m_tokens": _r(r.pods_cost_per_m),
+        "pods_tokens_at_fallback_price": _r(r.pods_tokens_at_fallback_price),
+        "fallback_spend": _r(r.fallback_spend), "saving": _r(r.saving),
+        "tokens_per_day": round(r.tokens_per_day), "today_tokens": r.today_tokens,
+        "break_even_tokens_per_day": None if r.break_even_tokens_per_day is None else round(r.break_even_tokens_per_day),
+        "monthly_cell_cost": round(r.monthly_cell_cost, 2),
+        "monthly_api_cost_at_volume": _r(r.monthly_api_cost_at_volume),
+        "blended_price_per_m": _r(r.blended_price_per_m),
+        "capacity_rpm": r.capacity_rpm, "utilisation": None if r.utilisation is None else round(r.utilisation, 6),
+        "notes": r.notes,
+    }
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
+def _money(v: float | None) -> str:
+    return "n/a" if v is None else f"${v:,.2f}"
+
+
+def table(r: CostReport) -> str:
+    price = (f"${r.price.input:g} in / ${r.price.output:g} out per 1M tokens" if r.price else "not set")
+    lines = [
+        f"cell cost over {r.window_days:g} days",
+        f"  pods              {_money(r.pods_cost)} = ${r.cost_per_hr:,.4g}/hr x {r.hours:,.1f} h ({r.cost_source})",
+        f"  served by pods    {r.pods.requests:>12,} requests {r.pods.tokens:>14,.0f} tokens",
+        f"  served by fallbk  {r.fallback.requests:>12,} requests {r.fallback.tokens:>14,.0f} tokens",
+        f"  pods' cost per 1M tokens      {_money(r.pods_cost_per_m)}",
+        f"  fallback price                {price}",
+        f"  pods' tokens at that price    {_money(r.pods_tokens_at_fallback_price)}"
+        + (f"  (the cell {'saved' if r.saving >= 0 else 'cost'} {_money(abs(r.saving))})" if r.saving is not None else ""),
+        f"  fallback's own spend          {_money(r.fallback_spend)}",
+        f"  volume                        {r.tokens_per_day:,.0f} tokens/day",
+        "  break-even                    " + ("n/a" if r.break_even_tokens_per_day is None
+                                               else f"{r.break_even_tokens_per_day:,.0f} tokens/day"),
+        f"  per month                     cell {_money(r.monthly_cell_cost)} flat; API at this volume "
+        f"{_money(r.monthly_api_cost_at_volume)}",
+        "  utilisation                   " + ("n/a (pass --capacity-rpm: requests/min one pod can serve)"
+                                              if r.utilisation is None
+                                              else f"{r.utilisation:.2%} of {r.capacity_rpm:g} req/min x {r.pod_count} pods"),
+    ]
+    if r.notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in r.notes]
+    lines += ["", r.verdict()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: CostReport, path) -> None:
+    """Monthly cost against daily volume: the cell flat, the API a line through zero, the
+    break-even and today's volume marked (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    be = r.break_even_tokens_per_day
+    top = max(r.tokens_per_day, be or 0, 1.0) * 2
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    try:
+        ax.hlines(r.monthly_cell_cost, 0, top, color="tab:blue", linewidth=2,
+                  label=f"cell: ${r.cost_per_hr:,.3g}/hr x {HOURS_PER_MONTH:g} h")
+        if r.blended_price_per_m is not None:
+            ax.plot([0, top], [0, top * DAYS_PER_MONTH * r.blended_price_per_m / MILLION], color="tab:orange",
+                    linewidth=2, label=f"API at ${r.blended_price_per_m:,.3g} per 1M tokens (this mix)")
+        if be is not None:
+            ax.axvline(be, color="gray", linestyle="dashed", linewidth=1)
+            ax.annotate(f"break-even {be:,.0f} tokens/day", (be, r.monthly_cell_cost), textcoords="offset points",
+                        xytext=(5, 10), fontsize=8)
+        ax.axvline(r.tokens_per_day, color="tab:green", linewidth=1.5,
+                   label=f"this window: {r.tokens_per_day:,.0f} tokens/day")
+        ax.set_xlim(0, top)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("tokens per day")
+        ax.set_ylabel("$ per month")
+        ax.set_title(r.verdict(), fontsize=8, wrap=True)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)

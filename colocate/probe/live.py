@@ -1,0 +1,521 @@
+"""The live view: per-segment latency and placement from real traffic (``probe.py --live``).
+
+The Worker records every routed request's ``state``, ``upstream``, ``fallback`` and
+``total`` (as in Server-Timing) and every isolate's background sync round trip (``sync``,
+the ``state_rtt`` real traffic pays in the background) as fixed-bucket histograms per
+(minute, colo, pod or fallback, segment) in the generation object; ``GET
+/_colocate/live?since=<ms>`` returns them (docs/probe.md, "Live view"). This module is pure:
+it merges the rows of a window and judges them with the post-deploy probe's own models:
+
+    percentiles  p10/p50/p90/p99 and n per segment, from the merged buckets (within one
+                 bucket's width, ~37 %, of the exact value)
+    shares       requests per pod and by the fallback
+    colos        the colos the Worker ran in and the state object answered from, each in or
+                 out of the cell's region (``placement``: the same Parts, floors and findings)
+    budgets      ``budgets.broken`` on the live segments; a ``state_rtt`` budget is checked
+                 against ``sync``; budgets on segments the live view does not record
+                 (``e2e``, ``pod_rtt``) are noted, not failed
+
+Placement is judged on the latest minute with data, so a split is flagged within a minute
+of starting and clears a minute after the fix; an earlier excursion in the window is a note.
+A window without traffic has nothing to judge: every budget is noted as unchecked, exit 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .. import catalogue
+from . import budgets as budgets_mod
+from . import placement as placement_mod
+from .errors import TargetError
+from .stats import PERCENTILES
+
+ROUTED = ("state", "upstream", "fallback", "total")
+SYNC = "sync"
+SEGMENTS = (*ROUTED, SYNC)
+# What each live segment stands for among the probe's segments (budgets, floors).
+BUDGET_ALIAS = {"state_rtt": SYNC}
+MINUTE_MS = 60_000
+HOUR_MS = 3_600_000
+# The Worker's buckets (worker/src/histogram.js): used when a response carries no edges.
+LOW_MS, HIGH_MS, STEPS = 0.25, 60_000.0, 39
+DEFAULT_EDGES = tuple(HIGH_MS if k == STEPS else LOW_MS * math.exp(k * math.log(HIGH_MS / LOW_MS) / STEPS)
+                      for k in range(STEPS + 1))
+
+
+class LiveDataError(TargetError):
+    """The live endpoint's answer is not what the contract says (names the field and value)."""
+
+
+# --- histograms ---
+
+def decode(text: str, buckets: int) -> list[int]:
+    """``"index:count,..."`` → counts (length ``buckets``); LiveDataError names a bad part."""
+    counts = [0] * buckets
+    if not isinstance(text, str):
+        raise LiveDataError(f"histogram {text!r}: expected text 'index:count,...'")
+    for part in filter(None, text.split(",")):
+        k, sep, c = part.partition(":")
+        if not (sep and k.isdigit() and c.isdigit() and int(k) < buckets):
+            raise LiveDataError(f"histogram part {part!r}: expected index:count with index 0..{buckets - 1}")
+        counts[int(k)] += int(c)
+    return counts
+
+
+def bounds(k: int, edges: Sequence[float]) -> tuple[float, float]:
+    if k <= 0:
+        return 0.0, edges[0]
+    if k >= len(edges):
+        return edges[-1], edges[-1]
+    return edges[k - 1], edges[k]
+
+
+def bucket_of(ms: float, edges: Sequence[float]) -> int:
+    if not ms >= edges[0]:
+        return 0
+    for k, hi in enumerate(edges):
+        if ms < hi:
+            return k
+    return len(edges)
+
+
+def _value_at(counts: Sequence[int], i: int, edges: Sequence[float]) -> float:
+    before = 0
+    for k, c in enumerate(counts):
+        if c and i < before + c:
+            if k == 0:
+                return 0.0
+            if k >= len(edges):
+                return float(edges[-1])
+            lo, hi = bounds(k, edges)
+            return lo + (hi - lo) * (i - before + 0.5) / c
+        before += c
+    return float(edges[-1])
+
+
+def percentile(counts: Sequence[int], q: float, edges: Sequence[float] = DEFAULT_EDGES) -> float | None:
+    """As worker/src/histogram.js ``percentile``: numpy-style ranks over bucket-placed values."""
+    n = sum(counts)
+    if n == 0:
+        return None
+    pos = min(100.0, max(0.0, q)) / 100 * (n - 1)
+    lo = math.floor(pos)
+    a = _value_at(counts, lo, edges)
+    return a if lo == pos else a + (_value_at(counts, lo + 1, edges) - a) * (pos - lo)
+
+
+def summary(counts: Sequence[int] | None, edges: Sequence[float] = DEFAULT_EDGES) -> dict:
+    """``{"p10", "p50", "p90", "p99", "n"}`` like ``stats.summary``; None percentiles without data."""
+    counts = counts or []
+    out: dict = {}
+    for name in PERCENTILES:
+        p = percentile(counts, float(name[1:]), edges) if counts else None
+        out[name] = None if p is None else round(p, 2)
+    out["n"] = int(sum(counts))
+    return out
+
+
+def _add(into: list[int] | None, counts: Sequence[int]) -> list[int]:
+    if into is None:
+        return list(counts)
+    for k, c in enumerate(counts):
+        into[k] += c
+    return into
+
+
+# --- the window ---
+
+@dataclass(frozen=True)
+class Row:
+    start_ms: int  # the minute's (or hour's) first ms
+    span_ms: int  # MINUTE_MS or HOUR_MS
+    colo: str
+    who: str  # the pod index or "fallback" (routed segments); the Worker's colo (sync)
+    segment: str
+    counts: tuple[int, ...]
+
+
+def rows_of(doc: Mapping) -> tuple[list[Row], tuple[float, ...]]:
+    """The rows and bucket edges of a ``GET /_colocate/live`` answer."""
+    edges = doc.get("edges") or DEFAULT_EDGES
+    if not isinstance(edges, list | tuple) or not all(isinstance(e, int | float) for e in edges) or len(edges) < 2:
+        raise LiveDataError(f"edges {edges!r}: expected the list of bucket edges in ms")
+    edges = tuple(float(e) for e in edges)
+    out = []
+    for field_name, span in (("minutes", MINUTE_MS), ("hours", HOUR_MS)):
+        listed = doc.get(field_name) or []
+        if not isinstance(listed, list):
+            raise LiveDataError(f"{field_name}: expected a list of [start, colo, who, segment, histogram] rows")
+        for r in listed:
+            if not (isinstance(r, list) and len(r) == 5 and isinstance(r[0], int) and r[3] in SEGMENTS):
+                raise LiveDataError(f"{field_name} row {r!r}: expected [index, colo, who, segment, histogram] "
+                                    f"with segment one of {', '.join(SEGMENTS)}")
+            out.append(Row(r[0] * span, span, str(r[1] or "unknown").upper(), str(r[2]), r[3],
+                           tuple(decode(r[4], len(edges) + 1))))
+    return out, edges
+
+
+def backend_of(who: str) -> str:
+    """``"0"`` → ``pod-0`` (x-colocate-backend's names); ``fallback`` stays."""
+    return "fallback" if who == "fallback" else f"pod-{who}"
+
+
+def _clock(ms: int) -> str:
+    return time.strftime("%H:%M", time.gmtime(ms / 1000)) + " UTC"
+
+
+def _status(colo: str | None, region: catalogue.Region | None) -> str:
+    if colo is None or colo == "UNKNOWN" or region is None:
+        return placement_mod.UNKNOWN
+    return placement_mod.IN if region.is_in_region(colo) else placement_mod.OUT
+
+
+def _current_part(by_minute: Mapping[int, Counter], region: catalogue.Region | None) -> tuple[placement_mod.Part, int | None]:
+    """The Part as of the latest minute with data: its worst known colo (out of region first,
+    then the most frequent; unknown only when nothing else was seen: an object or isolate
+    that has not learnt its colo yet must not hide one that has), with every colo of the
+    window in ``seen``."""
+    seen: Counter = Counter()
+    for c in by_minute.values():
+        seen.update(c)
+    if not by_minute:
+        return placement_mod.Part(None, placement_mod.UNKNOWN, {}), None
+    last = max(by_minute)
+    now = by_minute[last]
+    rank = {placement_mod.OUT: 0, placement_mod.IN: 1, placement_mod.UNKNOWN: 2}
+    colo = min(now, key=lambda c: (rank[_status(c, region)], -now[c], c))
+    shown = None if colo == "UNKNOWN" else colo
+    return placement_mod.Part(shown, _status(shown, region), dict(seen)), last
+
+
+@dataclass
+class LiveResult:
+    url: str | None
+    since_ms: int
+    until_ms: int
+    edges: tuple[float, ...]
+    segments: dict[str, dict]
+    requests: int
+    backends: dict[str, int]
+    pods: list[dict]
+    worker_colos: list[dict]
+    state_colos: list[dict]
+    placement: placement_mod.Placement
+    floors: dict[str, float | None]
+    budgets: list[budgets_mod.Budget]
+    findings: list[placement_mod.Finding]
+    violations: list[dict]
+    notes: list[str] = field(default_factory=list)
+    timeline: list[dict] = field(default_factory=list)
+    histograms: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def verdict(self) -> str:
+        if self.violations:
+            more = len(self.violations) - 1
+            return self.violations[0]["message"] + (f" (+{more} more: see violations)" if more else "")
+        if not self.requests:
+            return f"no routed traffic since {_clock(self.since_ms)}: nothing to judge"
+        p = self.placement
+        total, sync = self.segments["total"]["p50"], self.segments[SYNC]["p50"]
+        fb = self.backends.get("fallback", 0)
+        return (f"all checks hold: {self.requests} requests since {_clock(self.since_ms)}, Worker in {p.ran.colo}, "
+                f"state object in {p.state.colo}, region {p.expected_region}; total p50 {_num(total)} ms, "
+                f"sync p50 {_num(sync)} ms, fallback {fb / self.requests:.0%}")
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    return "n/a" if v is None else f"{v:,.{digits}f}"
+
+
+def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str] = (),
+          budget_list: Iterable[budgets_mod.Budget] = (), worker_placement: str | None = None,
+          url: str | None = None) -> LiveResult:
+    """Merge the window's rows and judge them (see the module docstring)."""
+    rows, edges = rows_of(doc)
+    since = int(doc.get("since") or 0)
+    until = int(doc.get("now") or (max((r.start_ms + r.span_ms for r in rows), default=since)))
+    if region is None and isinstance(doc.get("region"), str):
+        region = catalogue.region(doc["region"], key="the Worker's region")
+    merged: dict[str, list[int] | None] = {s: None for s in SEGMENTS}
+    per_pod: dict[str, dict[str, list[int] | None]] = defaultdict(lambda: {s: None for s in ROUTED})
+    worker_by_minute: dict[int, Counter] = defaultdict(Counter)
+    state_by_minute: dict[int, Counter] = defaultdict(Counter)
+    sync_by_state: dict[str, list[int] | None] = defaultdict(lambda: None)
+    sync_by_pair: dict[tuple[str, str], list[int] | None] = defaultdict(lambda: None)
+    span_of_state: dict[str, list[int]] = {}
+    timeline: dict[int, dict] = {}
+    for r in rows:
+        merged[r.segment] = _add(merged[r.segment], r.counts)
+        n = sum(r.counts)
+        minute = r.start_ms  # hours count as their first minute for "latest"
+        t = timeline.setdefault(r.start_ms, {"start_ms": r.start_ms, "span_s": r.span_ms // 1000, "requests": 0,
+                                             "worker": Counter(), "state": Counter(), "sync": None, "total": None})
+        if r.segment == SYNC:
+            sync_by_state[r.colo] = _add(sync_by_state[r.colo], r.counts)
+            sync_by_pair[(r.who.upper(), r.colo)] = _add(sync_by_pair[(r.who.upper(), r.colo)], r.counts)
+            state_by_minute[minute][r.colo] += n
+            first, last = span_of_state.get(r.colo, [r.start_ms, r.start_ms + r.span_ms])
+            span_of_state[r.colo] = [min(first, r.start_ms), max(last, r.start_ms + r.span_ms)]
+            t["state"][r.colo] += n
+            t["sync"] = _add(t["sync"], r.counts)
+        else:
+            per_pod[r.who][r.segment] = _add(per_pod[r.who][r.segment], r.counts)
+            if r.segment == "total":
+                worker_by_minute[minute][r.colo] += n
+                t["worker"][r.colo] += n
+                t["requests"] += n
+                t["total"] = _add(t["total"], r.counts)
+
+    segments = {s: summary(merged[s], edges) for s in SEGMENTS}
+    backends = {backend_of(who): sum(h["total"] or []) for who, h in sorted(per_pod.items(), key=lambda kv: _pod_order(kv[0]))}
+    requests = sum(backends.values())
+
+    ran, _ = _current_part(worker_by_minute, region)
+    state, last_state_minute = _current_part(state_by_minute, region)
+    site = placement_mod.pod_site(locations[0], region) if locations else None
+    place = placement_mod.Placement(
+        expected_region=region.name if region else None,
+        in_region_colos=region.in_region_colos if region else (),
+        accepted=placement_mod.Part(None, placement_mod.UNKNOWN, {}),
+        ran=ran, state=state,
+        pod=placement_mod.Part(site, _status(site, region), {site: 1} if site else {}),
+        ran_source="live", cf_placement=None,
+        pod_location=locations[0] if locations else None, pod_host=None,
+        generation=doc.get("generation") if isinstance(doc.get("generation"), str) else None,
+        draining_generation=doc.get("draining_generation") if isinstance(doc.get("draining_generation"), str) else None,
+    )
+    floors = place.floors()
+    live_floors = {SYNC: floors["state_rtt"], "upstream": floors["upstream"]}
+    # The state check's numbers: the sync round trips of the latest minute's state colo.
+    current_sync = None
+    if state.colo and last_state_minute is not None:
+        pair = sync_by_pair.get((ran.colo or "", state.colo))  # from where the Worker runs now, when seen
+        current_sync = summary(pair if pair else sync_by_state.get(state.colo), edges)["p50"]
+    p50 = {"state_rtt": current_sync, "pod_rtt": None}
+
+    notes: list[str] = []
+    found = [f for f in placement_mod.findings(place, p50, worker_placement) if f.part != "accepted"]
+    violations = []
+    if requests:
+        for f in found:
+            if not f.fails:
+                continue
+            where = {"ran": f"segment total, Worker colo {ran.colo}",
+                     "state": f"segment sync (state_rtt), state colo {state.colo}",
+                     "pod": f"segment upstream, pod site {place.pod.colo}"}.get(f.part, f.part)
+            violations.append({"kind": "placement", "part": f.part, "message": f"{f.message} [live: {where}]"})
+    pods_out = []
+    for who, h in sorted(per_pod.items(), key=lambda kv: _pod_order(kv[0])):
+        n = sum(h["total"] or [])
+        entry: dict = {"pod": who, "backend": backend_of(who), "requests": n,
+                       "share": round(n / requests, 4) if requests else None,
+                       "segments": {s: summary(h[s], edges) for s in ROUTED}}
+        if who.isdigit():
+            index = int(who)
+            loc = locations[index] if index < len(locations) else None
+            psite = placement_mod.pod_site(loc, region)
+            entry.update(index=index, location=loc, site=psite, status=_status(psite, region))
+            if entry["status"] == placement_mod.OUT and index > 0 and n:
+                violations.append({"kind": "placement", "part": "pod",
+                                   "message": f"pod {index} in {loc} ({psite}) served {n} requests from outside "
+                                              f"{region.name if region else '?'} — check colocate:pod and run pulumi up"})
+        pods_out.append(entry)
+    worker_colos = []
+    seen_worker: Counter = Counter()
+    for c in worker_by_minute.values():
+        seen_worker.update(c)
+    for colo, n in seen_worker.most_common():
+        worker_colos.append({"colo": colo, "requests": n, "share": round(n / requests, 4) if requests else None,
+                             "status": _status(colo, region),
+                             "floor_to_pod_ms": placement_mod.floor_between(colo, place.pod.colo),
+                             "latest": colo in worker_by_minute[max(worker_by_minute)]})
+    state_colos = []
+    for colo, h in sorted(sync_by_state.items(), key=lambda kv: -sum(kv[1] or [])):
+        first, last = span_of_state[colo]
+        pairs = {w: summary(v, edges) for (w, s), v in sync_by_pair.items() if s == colo}
+        state_colos.append({"colo": colo, "syncs": sum(h or []), "status": _status(colo, region),
+                            "sync": summary(h, edges), "from": pairs, "first_ms": first, "last_ms": last,
+                            "floor_ms": {w: placement_mod.floor_between(w, colo) for w in pairs},
+                            "latest": last_state_minute is not None and colo in state_by_minute[last_state_minute]})
+        if _status(colo, region) == placement_mod.OUT and not state_colos[-1]["latest"]:
+            notes.append(f"the state object answered from {colo} (out of region) from {_clock(first)} to "
+                         f"{_clock(last)} (sync p50 {_num(summary(h, edges)['p50'])} ms); since then from "
+                         f"{state.colo or 'unknown'}")
+    for w in worker_colos:
+        if w["status"] == placement_mod.OUT and not w["latest"]:
+            notes.append(f"the Worker ran in {w['colo']} (out of region) for {w['requests']} requests earlier in the "
+                         f"window; in the latest minute it ran in {ran.colo}")
+
+    budget_list = list(budget_list)
+    live_budgets = [b for b in budget_list if b.segment in ROUTED or b.segment in BUDGET_ALIAS]
+    for b in budget_list:
+        if b not in live_budgets:
+            notes.append(f"{b.segment} budget {b.ms:g} ms ({b.percentile}) is not checked live: real traffic does "
+                         "not record it (run probe.py without --live)")
+    if requests:
+        view = {**segments, **{alias: segments[s] for alias, s in BUDGET_ALIAS.items()}}
+        floors_for_budgets = {**live_floors, "state_rtt": floors["state_rtt"]}
+        violations += budgets_mod.broken(live_budgets, view, floors_for_budgets)
+    elif live_budgets:
+        notes.append(f"no routed traffic since {_clock(since)}: {len(live_budgets)} budgets not checked")
+    found_info = [f for f in found if not f.fails or not requests]
+    return LiveResult(
+        url=url, since_ms=since, until_ms=until, edges=edges, segments=segments, requests=requests,
+        backends=backends, pods=pods_out, worker_colos=worker_colos, state_colos=state_colos, placement=place,
+        floors=live_floors, budgets=live_budgets, findings=found_info, violations=violations, notes=notes,
+        timeline=[_timeline_entry(t, edges) for _, t in sorted(timeline.items())],
+        histograms={s: list(h) for s, h in merged.items() if h},
+    )
+
+
+def _pod_order(who: str) -> tuple[int, int | str]:
+    return (0, int(who)) if who.isdigit() else (1, who)
+
+
+def _timeline_entry(t: dict, edges: Sequence[float]) -> dict:
+    sync, total = summary(t["sync"], edges), summary(t["total"], edges)
+    return {"start_ms": t["start_ms"], "span_s": t["span_s"], "requests": t["requests"],
+            "worker_colos": dict(t["worker"]), "state_colos": dict(t["state"]),
+            "sync_p50": sync["p50"], "sync_p90": sync["p90"], "total_p50": total["p50"], "total_p90": total["p90"]}
+
+
+def to_json(r: LiveResult, warn_only: bool = False) -> dict:
+    """The machine form (docs/probe.md, "Live view"): ``segments.<name>.{p10,p50,p90,p99,n}``."""
+    return {
+        "ok": r.ok, "verdict": r.verdict, "live": True, "url": r.url,
+        "since_ms": r.since_ms, "until_ms": r.until_ms,
+        "segments": r.segments, "requests": r.requests, "backends": r.backends,
+        "fallback_rate": round(r.backends.get("fallback", 0) / r.requests, 4) if r.requests else None,
+        "pods": r.pods, "colos": {"worker": r.worker_colos, "state": r.state_colos},
+        "placement": r.placement.to_json(), "floor_ms": r.floors,
+        "budgets": [b.to_json() for b in r.budgets], "violations": r.violations,
+        "findings": [{"part": f.part, "fails": f.fails, "message": f.message} for f in r.findings],
+        "notes": r.notes, "timeline": r.timeline, "warn_only": warn_only,
+        "bucket_edges_ms": list(r.edges),
+    }
+
+
+def table(r: LiveResult) -> str:
+    """The human report, laid out as the probe's: segments, shares, colos, verdict."""
+    broken = {(v["segment"], v["percentile"]) for v in r.violations if v["kind"] == "budget"}
+    marks: dict[str, list[str]] = {}
+    for b in r.budgets:
+        seg = BUDGET_ALIAS.get(b.segment, b.segment)
+        mark = " BROKEN" if (b.segment, b.percentile) in broken else " ok"
+        marks.setdefault(seg, []).append(f"{b.segment} {b.ms:g}@{b.percentile}{mark}")
+    lines = [f"colocate live view  {r.url or ''}".rstrip(),
+             f"real traffic from {_clock(r.since_ms)} to {_clock(r.until_ms)}: {r.requests} routed requests; "
+             "percentiles from fixed buckets (within one bucket, ~37 %)", ""]
+    head = f"{'segment':<10}" + "".join(f"{p:>9}" for p in PERCENTILES) + f"{'n':>8}{'floor':>9}{'p50/floor':>11}  budget"
+    lines += [head + "  (ms)", "-" * len(head)]
+    for name in SEGMENTS:
+        seg = r.segments[name]
+        row = f"{name:<10}" + "".join(f"{_num(seg[p], 1):>9}" for p in PERCENTILES) + f"{seg['n']:>8}"
+        floor = r.floors.get(name)
+        ratio = None if seg["p50"] is None or floor is None or floor < placement_mod.NEAR_ZERO_MS else seg["p50"] / floor
+        row += f"{_num(floor, 1) if name in r.floors else '':>9}"
+        row += f"{(f'{ratio:.2f}x' if ratio is not None else '-') if name in r.floors else '':>11}"
+        row += "  " + ", ".join(marks.get(name, []))
+        lines.append(row.rstrip())
+    lines += ["", "sync = each isolate's background round trip to the state object (its state_rtt)", "",
+              "served by"]
+    for pod in r.pods:
+        share = "n/a" if pod["share"] is None else f"{pod['share']:.1%}"
+        up = pod["segments"]["upstream"]
+        where = ""
+        if "index" in pod:
+            loc = f"{pod['location']} ({pod['site']})" if pod.get("location") else "location unknown"
+            where = f"  {loc} {pod['status'].replace('_', ' ')}"
+        lines.append(f"  {pod['backend']:<10}{pod['requests']:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
+                     f"p90 {_num(up['p90'], 1)} ms{where}")
+    p = r.placement
+    expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
+    lines += ["", f"colos (expected region {expected}; judged on the latest minute)"]
+    for w in r.worker_colos:
+        shown = w["status"].replace("_", " ")
+        lines.append(f"  worker {w['colo']:<8}{shown:<15}{w['requests']:>8} requests"
+                     + ("" if w["latest"] else "  (earlier in the window)"))
+    for s in r.state_colos:
+        shown = s["status"].replace("_", " ")
+        floors = ", ".join(f"from {w} floor {_num(f, 1)} ms" for w, f in s["floor_ms"].items())
+        lines.append(f"  state  {s['colo']:<8}{shown:<15}{s['syncs']:>8} syncs, p50 {_num(s['sync']['p50'], 1)} ms"
+                     f" ({floors})" + ("" if s["latest"] else "  (earlier in the window)"))
+    if p.generation:
+        lines.append(f"  generation {p.generation}")
+    info = [f.message for f in r.findings] + r.notes
+    if info:
+        lines += ["", "notes:"] + [f"  - {m}" for m in info]
+    if r.violations:
+        lines += ["", "violations:"] + [f"  - {v['message']}" for v in r.violations]
+    lines += ["", ("OK: " if r.ok else "FAIL: ") + r.verdict]
+    return "\n".join(lines) + "\n"
+
+
+def parse_since(text: str, now_ms: int | None = None) -> int:
+    """``30m``, ``1h``, ``7d`` (or a whole number of seconds) before now → ms epoch."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    units = {"s": 1_000, "m": MINUTE_MS, "h": HOUR_MS, "d": 24 * HOUR_MS}
+    t = (text or "").strip().lower()
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "s")
+    if not num.isdigit() or int(num) <= 0:
+        raise ValueError(f"{text!r} is not a duration like 30m, 1h or 7d")
+    return now_ms - int(num) * units[unit]
+
+
+def write_plot(r: LiveResult, path) -> None:
+    """A PNG of the window, minute by minute: total and sync p50 (lines) and p90 (dotted), the
+    minutes the state object or the Worker answered from outside the region shaded red, the
+    budgets as dashed lines (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+    from datetime import datetime, timezone
+
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+    try:
+        pts = [t for t in r.timeline if t["requests"] or t["sync_p50"] is not None]
+        xs = [datetime.fromtimestamp(t["start_ms"] / 1000, tz=timezone.utc) for t in pts]
+        for key, colour, label in (("total", "tab:blue", "total"), ("sync", "tab:orange", "sync (state_rtt)")):
+            p50 = [t[f"{key}_p50"] for t in pts]
+            p90 = [t[f"{key}_p90"] for t in pts]
+            ax.plot(xs, [float("nan") if v is None else v for v in p50], color=colour, marker=".", label=f"{label} p50")
+            ax.plot(xs, [float("nan") if v is None else v for v in p90], color=colour, linestyle="dotted",
+                    label=f"{label} p90")
+        region = catalogue.region(r.placement.expected_region) if r.placement.expected_region else None
+        shaded = False
+        for t, x in zip(pts, xs, strict=True):
+            bad = [c for c in (*t["state_colos"], *t["worker_colos"]) if _status(c, region) == placement_mod.OUT]
+            if bad:
+                ax.axvspan(x, datetime.fromtimestamp((t["start_ms"] + t["span_s"] * 1000) / 1000, tz=timezone.utc),
+                           color="tab:red", alpha=0.15, label=None if shaded else "out of region")
+                shaded = True
+        for b in r.budgets:
+            ax.axhline(b.ms, color="tab:red", linestyle="dashed", linewidth=1)
+            ax.annotate(f"{b.segment} {b.ms:g} ({b.percentile})", (xs[0] if xs else 0, b.ms), fontsize=7, color="tab:red")
+        if not pts:
+            ax.text(0.5, 0.5, "no traffic in the window", ha="center", va="center", transform=ax.transAxes)
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+        ax.set_xlabel("minute (UTC)")
+        ax.set_ylabel("milliseconds")
+        values = [v for t in pts for v in (t["total_p90"], t["sync_p90"]) if v]
+        if values and max(values) / max(min(values), 0.25) > 20:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.set_title(("OK: " if r.ok else "FAIL: ") + r.verdict, fontsize=7, wrap=True)
+        ax.legend(fontsize=7, loc="upper left")
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)

@@ -1,0 +1,142 @@
+"""The cell's cost against the fallback API: colocate/cost.py (pure) and scripts/cost.py against a real router."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from colocate import cost, settings
+from colocate.errors import ConfigError
+from scripts import cost as cli
+from tests.support.workerd import SECRETS, chat, running_cell
+
+ROOT = cli.ROOT
+
+
+def row(day, key, prompt, completion, pod, fb):
+    return {"day": day, "key_id": key, "requests": pod + fb, "prompt_tokens": prompt, "completion_tokens": completion,
+            "pod_requests": pod, "fallback_requests": fb}
+
+
+PRICE = cost.Price(0.15, 0.60)
+
+
+def test_costs_and_break_even_from_usage_rows():
+    rows = [row("2026-12-01", "a", 6_000_000, 2_000_000, 1000, 0), row("2026-12-01", "b", 1_000_000, 1_000_000, 0, 100),
+            row("2026-12-02", "a", 3_000_000, 1_000_000, 400, 0)]
+    r = cost.report(rows, cost_per_hr=0.5, hours=48, window_days=2, price=PRICE)
+    assert r.pods.requests == 1400 and r.fallback.requests == 100
+    assert r.pods.tokens == 12_000_000 and r.fallback.tokens == 2_000_000
+    assert r.pods_cost == pytest.approx(24.0)
+    assert r.pods_cost_per_m == pytest.approx(2.0)
+    assert r.pods_tokens_at_fallback_price == pytest.approx(9 * 0.15 + 3 * 0.60)
+    assert r.fallback_spend == pytest.approx(0.15 + 0.60)
+    # the mix: 10M in, 4M out -> $ per 1M blended; the cell's $12/day buys 12 / blended million tokens
+    blended = (10 * 0.15 + 4 * 0.60) / 14
+    assert r.blended_price_per_m == pytest.approx(blended)
+    assert r.break_even_tokens_per_day == pytest.approx(12 / blended * 1e6)
+    assert r.tokens_per_day == pytest.approx(7_000_000)
+    assert r.cheaper == "api" and "pays off from" in r.verdict()
+    assert r.monthly_cell_cost == pytest.approx(0.5 * 730)
+    assert r.monthly_api_cost_at_volume == pytest.approx(7 * blended * 730 / 24)
+    doc = cost.to_json(r)
+    assert doc["break_even_tokens_per_day"] == round(12 / blended * 1e6) and doc["cheaper"] == "api"
+
+
+def test_a_busy_cell_is_cheaper_and_utilisation_needs_a_capacity():
+    rows = [row("2026-12-01", "a", 400_000_000, 100_000_000, 1_000_000, 0)]
+    r = cost.report(rows, cost_per_hr=0.5, hours=24, window_days=1, price=PRICE, pod_count=2, capacity_rpm=1000)
+    assert r.cheaper == "cell" and "cheaper than the API" in r.verdict()
+    assert r.utilisation == pytest.approx(1_000_000 / (1000 * 60 * 24 * 2))
+    assert cost.report(rows, cost_per_hr=0.5, hours=24, window_days=1, price=PRICE).utilisation is None
+    assert "pass --capacity-rpm" in cost.table(cost.report(rows, cost_per_hr=0.5, hours=24, window_days=1, price=PRICE))
+
+
+def test_mixed_days_split_tokens_by_requests_and_say_so():
+    r = cost.report([row("2026-12-01", "a", 300, 100, 3, 1)], cost_per_hr=1, hours=1, window_days=1, price=PRICE)
+    assert r.pods.prompt_tokens == pytest.approx(225) and r.fallback.completion_tokens == pytest.approx(25)
+    assert any("split between pods and fallback by requests" in n for n in r.notes)
+
+
+def test_without_a_price_only_the_pods_cost():
+    r = cost.report([row("2026-12-01", "a", 300, 100, 3, 0)], cost_per_hr=1, hours=2, window_days=1, price=None)
+    assert r.break_even_tokens_per_day is None and r.cheaper is None
+    assert "set colocate:fallbackPrice" in r.verdict()
+    with pytest.raises(cost.UsageError, match="prompt_tokens is -1"):
+        cost.report([row("d", "a", -1, 0, 1, 0)], cost_per_hr=1, hours=1, window_days=1, price=None)
+
+
+def test_the_setting_is_validated():
+    assert settings.parse_fallback_price(None) is None
+    assert settings.parse_fallback_price({"input": 0.15, "output": "0.6"}) == (0.15, 0.6)
+    with pytest.raises(ConfigError, match="fallbackPrice"):
+        settings.parse_fallback_price({"input": 0.15})
+    with pytest.raises(ConfigError, match="fallbackPrice.output"):
+        settings.parse_fallback_price({"input": 0.15, "output": -1})
+
+
+def test_plot_draws_a_png(tmp_path):
+    r = cost.report([row("2026-12-01", "a", 6_000_000, 2_000_000, 1000, 0)], cost_per_hr=0.5, hours=24,
+                    window_days=1, price=PRICE)
+    out = tmp_path / "cost.png"
+    cost.plot(r, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def cell():
+    with running_cell({"stateTtlMs": 200}, compute_ms=1) as c:
+        for _ in range(6):
+            assert c.call("POST", "/v1/chat/completions", body=chat()).status == 200
+        yield c
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.slow
+def test_cli_reads_the_routers_usage(cell, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", SECRETS["PROBE_TOKEN"])
+    import time
+
+    deadline = time.monotonic() + 15
+    while True:  # the isolate's usage reaches the object within a second of each request
+        code, out, err = _run(capsys, "--url", cell.url, "--cost-per-hr", "0.5", "--price", "0.15,0.6", "--since", "1d",
+                              "--json", "--plot", str(tmp_path / "c.png"))
+        assert code == 0, err
+        doc = json.loads(out)
+        if doc["pods"]["requests"] >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert doc["pods"]["requests"] == 6 and doc["pods"]["tokens"] > 0
+    assert doc["pods_cost"] == pytest.approx(12.0) and doc["fallback_price_per_m"] == {"input": 0.15, "output": 0.6}
+    assert doc["break_even_tokens_per_day"] == pytest.approx(12 / doc["blended_price_per_m"] * 1e6, rel=1e-3)
+    assert (tmp_path / "c.png").exists()
+    code, out, _ = _run(capsys, "--url", cell.url, "--cost-per-hr", "0.5", "--since", "1d")
+    assert code == 0 and "served by pods" in out and "set colocate:fallbackPrice" in out
+
+
+def test_cli_usage_errors_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
+    code, _, err = _run(capsys, "--since", "30x", "--url", "http://127.0.0.1:9")
+    assert code == 2 and "--since '30x'" in err
+    code, _, err = _run(capsys)
+    assert code == 2 and "no target" in err
+    code, _, err = _run(capsys, "--url", "http://127.0.0.1:9", "--price", "abc")
+    assert code == 2 and "--price 'abc'" in err
+    code, _, err = _run(capsys, "--url", "http://127.0.0.1:9", "--hours", "-1")
+    assert code == 2 and "--hours -1" in err
+    code, _, err = _run(capsys, "--url", "http://127.0.0.1:9")
+    assert code == 2 and "COLOCATE_PROBE_TOKEN" in err
+
+
+def test_cli_as_a_subprocess_prints_help():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "cost.py"), "--help"], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0 and "--since" in out.stdout and "--plot" in out.stdout
