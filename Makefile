@@ -39,9 +39,10 @@ test: setup wrk valgrind lint test-js test-py
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# Two workers, one test file each at a time (a file's module fixtures start once); the ten
+# Four workers on two cores (the real-process tests mostly wait on emulated delays), one test
+# file each at a time (a file's module fixtures start once); the ten
 # slowest tests are printed so that a regression shows. See docs/testing.md.
-PYTEST_PAR := -n 2 --dist loadfile --durations=10
+PYTEST_PAR := -n 4 --dist loadfile --durations=10
 
 test-py: setup
 	$(PY) -m pytest $(PYTEST_PAR)
