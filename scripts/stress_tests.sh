@@ -16,7 +16,8 @@ PY=.venv/bin/python
 
 # signals, sandbox, migration under load, keys across isolates
 TESTS=(tests/test_sandbox_signals.py tests/test_sandbox_cell.py tests/test_sandbox_pods.py
-       tests/test_migration_e2e.py tests/test_worker_keys.py)
+       tests/test_migration_e2e.py tests/test_worker_keys.py tests/test_generation_scale.py
+       tests/test_hostile_clients.py tests/test_live_drift.py tests/test_fleet_front.py)
 
 "$PY" -c "import time; end = time.monotonic() + float('${BUSY_MAX_S:-7200}')
 while time.monotonic() < end: pass" &
@@ -26,7 +27,7 @@ trap 'kill "$busy" 2>/dev/null || true' EXIT
 start=$(date +%s)
 for i in $(seq 1 "$runs"); do
   t0=$(date +%s)
-  if ! "$PY" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "${TESTS[@]}" "$@"; then
+  if ! "$PY" -m pytest -q -p no:cacheprovider -n 4 --dist loadfile "${TESTS[@]}" "$@"; then
     echo "stress: run $i of $runs FAILED (after $((i - 1)) passing runs)" >&2
     exit 1
   fi
