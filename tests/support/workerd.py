@@ -95,7 +95,12 @@ def request(url: str, method: str = "GET", path: str = "/", body: bytes | dict |
                 conn.send(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
             conn.send(b"0\r\n\r\n")
         else:
-            conn.request(method, path, body=data, headers=hdrs)
+            try:
+                conn.request(method, path, body=data, headers=hdrs)
+            except (BrokenPipeError, ConnectionResetError):
+                # The server answered early (a 413 by Content-Length) and closed before the
+                # whole body was sent: its answer is already on the socket, read it below.
+                pass
         res = conn.getresponse()
         return Response(res.status, {k.lower(): v for k, v in res.getheaders()}, res.read())
     finally:
