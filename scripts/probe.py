@@ -140,8 +140,6 @@ def _probe(args: argparse.Namespace) -> int:
     if not token:
         raise UsageError("--token", None, "no probe token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     samples = samples or DEFAULT_SAMPLES
-
-    table_out = sys.stderr if args.json == "-" else sys.stdout
     print(f"probing {url}: warm-up, then {samples} probe + {samples} routed requests", file=sys.stderr)
     if not 0 <= args.wait <= 900:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
@@ -151,18 +149,27 @@ def _probe(args: argparse.Namespace) -> int:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
                          key=lease.get)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host)
-    print(report.table(result), file=table_out, end="")
-    doc = json.dumps(report.to_json(result, args.warn_only), indent=2)
-    if args.json == "-":
-        print(doc)
-    elif args.json:
-        Path(args.json).write_text(doc + "\n")
-    if args.plot:
+
+    def plot(path):
         from colocate.probe import plot  # matplotlib only when asked for
 
-        plot.write(result, args.plot)
+        plot.write(result, path)
+
+    return _emit(args, report.table(result), report.to_json(result, args.warn_only), result.ok, plot)
+
+
+def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> int:
+    """The table (stderr when the JSON goes to stdout), the JSON, the plot, and the exit code."""
+    print(table, file=sys.stderr if args.json == "-" else sys.stdout, end="")
+    text = json.dumps(doc, indent=2)
+    if args.json == "-":
+        print(text)
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.plot:
+        plot(args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
-    if result.ok:
+    if ok:
         return 0
     if args.warn_only:
         print("probe: checks failed (--warn-only: exit 0)", file=sys.stderr)
@@ -214,22 +221,8 @@ def _live(args: argparse.Namespace) -> int:
         raise UsageError("--token", None, "no probe token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     doc = _fetch_live(url, token, since_ms, args.timeout)
     result = live.build(doc, region, locations, budget_list, worker_placement, url)
-    table_out = sys.stderr if args.json == "-" else sys.stdout
-    print(live.table(result), file=table_out, end="")
-    text = json.dumps(live.to_json(result, args.warn_only), indent=2)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text + "\n")
-    if args.plot:
-        live.write_plot(result, args.plot)
-        print(f"plot written to {args.plot}", file=sys.stderr)
-    if result.ok:
-        return 0
-    if args.warn_only:
-        print("probe: checks failed (--warn-only: exit 0)", file=sys.stderr)
-        return 0
-    return 1
+    return _emit(args, live.table(result), live.to_json(result, args.warn_only), result.ok,
+                 lambda path: live.write_plot(result, path))
 
 
 def _sandbox_dir(stack: str | None) -> Path:
