@@ -245,18 +245,23 @@ def plan_sync(digests: Mapping[str, list[dict]]) -> dict:
 
     - ``imports`` [(cell, row)]: a key active in some cell and revoked in none, missing here;
     - ``revokes`` [(cell, id)]: a key revoked in some cell, still active here (revocation wins);
-    - ``conflicts`` [id]: one id with different digests in different cells (nothing is done).
+    - ``conflicts`` [id]: one id with different digests in different cells, or one digest
+      under different ids, while active somewhere (nothing is done: the operator revokes).
     A key missing in a cell and revoked elsewhere needs nothing: that cell refuses it already.
     """
     by_id: dict[str, dict[str, dict]] = {}
+    ids_of: dict[str, set[str]] = {}
     for cell, rows in digests.items():
         for row in rows:
             by_id.setdefault(row["id"], {})[cell] = row
+            ids_of.setdefault(row["hash"], set()).add(row["id"])
     imports, revokes, conflicts = [], [], []
     for key_id in sorted(by_id):
         held = by_id[key_id]
-        if len({r["hash"] for r in held.values()}) > 1:
-            conflicts.append(key_id)
+        twins = set().union(*(ids_of[r["hash"]] for r in held.values()))
+        if len({r["hash"] for r in held.values()}) > 1 or len(twins) > 1:
+            if any(not by_id[t][c].get("revoked_at") for t in twins for c in by_id[t]):
+                conflicts.append(key_id)
             continue
         revoked = any(r.get("revoked_at") for r in held.values())
         for cell in digests:

@@ -215,7 +215,8 @@ def fleet_list(args, cells, targets) -> int:
     listed, failed = admin.fan_out(targets, lambda c: c.list_keys())
     rows = fleet_keys(cells, listed)
     print(json.dumps({"keys": rows, "failed": failed}, indent=2) if args.json else fleet_keys_table(rows), end="\n" if args.json else "")
-    uneven = [r["id"] for r in rows if len(set(r["cells"].values()) - {"unknown"}) > 1]
+    # Revoked in one cell and missing in another is refused in both: only "active" must be everywhere.
+    uneven = [r["id"] for r in rows if "active" in r["cells"].values() and set(r["cells"].values()) - {"active", "unknown"}]
     if uneven:
         print(f"keys.py list: the cells disagree on {', '.join(uneven)}; to finish: {finish_command(args, 'sync')}", file=sys.stderr)
     if failed:
