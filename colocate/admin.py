@@ -226,17 +226,17 @@ def fleet_targets(cells: tuple[str, ...], *, sandboxes_dir: Path | None = None,
     return found
 
 
-def fan_out(targets: Mapping[str, Target | AdminError], call) -> tuple[dict[str, object], dict[str, str]]:
+def fan_out(targets: Mapping[str, Target | AdminError], call) -> tuple[dict[str, object], dict[str, AdminError]]:
     """``call(client)`` in every cell: (answers by cell, errors by cell)."""
     done, failed = {}, {}
     for cell, target in targets.items():
         if isinstance(target, AdminError):
-            failed[cell] = str(target)
+            failed[cell] = target
             continue
         try:
             done[cell] = call(AdminClient(target))
         except AdminError as exc:
-            failed[cell] = str(exc)
+            failed[cell] = exc
     return done, failed
 
 

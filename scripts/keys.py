@@ -136,7 +136,7 @@ def finish_command(args: argparse.Namespace, *rest: str) -> str:
     return " ".join(parts)
 
 
-def report_failed(args: argparse.Namespace, failed: dict[str, str], done: list[str], what: str, finish: str | None) -> None:
+def report_failed(args: argparse.Namespace, failed: dict[str, AdminError], done: list[str], what: str, finish: str | None) -> None:
     for cell, why in failed.items():
         print(f"keys.py {args.cmd}: cell {cell}: {why}", file=sys.stderr)
     print(f"keys.py {args.cmd}: {what} in: {', '.join(done) or 'no cell'}; NOT in: {', '.join(failed)}", file=sys.stderr)
@@ -150,6 +150,10 @@ def fleet_create(args, cells, targets) -> int:
                         max_parallel=args.max_parallel, expires_in_s=args.expires_in)
     stored, failed = admin.fan_out(targets, lambda c: c.import_key(row))
     have = [c for c in cells if c in stored]
+    if failed and not have and all(isinstance(e, Refused) and e.status == 400 for e in failed.values()):
+        # Every cell refused the input itself (a bad name or limit): a usage error, nothing made.
+        print(f"keys.py create: {next(iter(failed.values()))}", file=sys.stderr)
+        return 2
     if not have:
         # Only the digest ever left this process: nobody can use a key no one was shown.
         report_failed(args, failed, have, f"key {row['id']}", None)
@@ -180,7 +184,8 @@ def fleet_revoke(args, cells, targets) -> int:
     revoked = [c for c in cells if rows.get(c)]
     absent = [c for c in cells if c in rows and rows[c] is None]
     if args.json:
-        print(json.dumps({"id": args.key_id, "revoked": revoked, "absent": absent, "failed": failed}, indent=2))
+        print(json.dumps({"id": args.key_id, "revoked": revoked, "absent": absent,
+                          "failed": {c: str(e) for c, e in failed.items()}}, indent=2))
     elif revoked:
         print(f"revoked {args.key_id} in {', '.join(revoked)}" + (f" (absent from {', '.join(absent)})" if absent else ""))
     if failed:
@@ -214,7 +219,7 @@ def fleet_keys_table(rows: list[dict]) -> str:
 def fleet_list(args, cells, targets) -> int:
     listed, failed = admin.fan_out(targets, lambda c: c.list_keys())
     rows = fleet_keys(cells, listed)
-    print(json.dumps({"keys": rows, "failed": failed}, indent=2) if args.json else fleet_keys_table(rows), end="\n" if args.json else "")
+    print(json.dumps({"keys": rows, "failed": {c: str(e) for c, e in failed.items()}}, indent=2) if args.json else fleet_keys_table(rows), end="\n" if args.json else "")
     # Revoked in one cell and missing in another is refused in both: only "active" must be everywhere.
     uneven = [r["id"] for r in rows if "active" in r["cells"].values() and set(r["cells"].values()) - {"active", "unknown"}]
     if uneven:
@@ -252,7 +257,7 @@ def fleet_usage(args, cells, targets) -> int:
     answers, failed = admin.fan_out(targets, lambda c: c.usage(since=args.since, until=args.until, key_id=args.key_id))
     rows = fleet_usage_rows(cells, answers)
     if args.json:
-        print(json.dumps({"usage": rows, "cells": answers, "failed": failed}, indent=2))
+        print(json.dumps({"usage": rows, "cells": answers, "failed": {c: str(e) for c, e in failed.items()}}, indent=2))
     else:
         print(_table(["key", "cell", "requests", "prompt tok", "completion tok", "pod", "fallback"],
                      [[r["name"] or r["key_id"], r["cell"], *(r[f] for f in USAGE_SUMS)] for r in rows], {2, 3, 4, 5, 6}), end="")
@@ -270,13 +275,13 @@ def fleet_sync(args, cells, targets) -> int:
             AdminClient(targets[cell]).import_key(row)
             print(f"copied {row['id']} ({row['name']}) to {cell}")
         except AdminError as exc:
-            failed[cell] = str(exc)
+            failed[cell] = exc
     for cell, key_id in plan["revokes"]:
         try:
             AdminClient(targets[cell]).revoke_key(key_id)
             print(f"revoked {key_id} in {cell}")
         except AdminError as exc:
-            failed[cell] = str(exc)
+            failed[cell] = exc
     for key_id in plan["conflicts"]:
         print(f"keys.py sync: {key_id} has different digests in different cells; left as it is: revoke it "
               f"({finish_command(args, 'revoke', key_id)}) and create a new key", file=sys.stderr)

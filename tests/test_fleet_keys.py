@@ -251,6 +251,14 @@ def test_usage_per_key_and_cell(fl, run):
 
 
 @pytest.mark.slow
+def test_bad_input_is_a_usage_error_naming_the_field_and_makes_nothing(fl, run):
+    code, out, err = run("create", "--name", "neg", "--max-parallel", "-1")
+    assert (code, out) == (2, "") and "max_parallel" in err and "-1" in err
+    code, out, _ = run("list", "--json")
+    assert "neg" not in [k["name"] for k in json.loads(out)["keys"]]
+
+
+@pytest.mark.slow
 def test_the_replica_endpoint_is_idempotent_refuses_a_conflict_and_names_bad_fields(fl):
     url = fl.cell("apac-jp").url
     row = admin.key_row(admin.new_key(), "direct")
