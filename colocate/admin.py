@@ -262,7 +262,7 @@ def plan_sync(digests: Mapping[str, list[dict]]) -> dict:
         if len({r["hash"] for r in held.values()}) > 1 or len(twins) > 1:
             if any(not by_id[t][c].get("revoked_at") for t in twins for c in by_id[t]):
                 conflicts.append(key_id)
-            continue
+            continue  # revoked everywhere: refused in every cell, nothing to mend
         revoked = any(r.get("revoked_at") for r in held.values())
         for cell in digests:
             row = held.get(cell)

@@ -223,7 +223,8 @@ def fleet_list(args, cells, targets) -> int:
     # Revoked in one cell and missing in another is refused in both: only "active" must be everywhere.
     uneven = [r["id"] for r in rows if "active" in r["cells"].values() and set(r["cells"].values()) - {"active", "unknown"}]
     if uneven:
-        print(f"keys.py list: the cells disagree on {', '.join(uneven)}; to finish: {finish_command(args, 'sync')}", file=sys.stderr)
+        print(f"keys.py list: the cells disagree on {', '.join(uneven)}; to finish: {finish_command(args, 'sync')} "
+              "(it says what it cannot mend)", file=sys.stderr)
     if failed:
         report_failed(args, failed, list(listed), "listed", None)
     return 1 if failed or uneven else 0
@@ -283,8 +284,9 @@ def fleet_sync(args, cells, targets) -> int:
         except AdminError as exc:
             failed[cell] = exc
     for key_id in plan["conflicts"]:
-        print(f"keys.py sync: {key_id} has different digests in different cells; left as it is: revoke it "
-              f"({finish_command(args, 'revoke', key_id)}) and create a new key", file=sys.stderr)
+        print(f"keys.py sync: {key_id} is not one key in every cell (different digests under this id, or its "
+              f"digest under another id); left as it is: revoke it ({finish_command(args, 'revoke', key_id)}) "
+              "and create a new key", file=sys.stderr)
     if failed:
         report_failed(args, failed, [c for c in cells if c not in failed], "in sync", finish_command(args, "sync"))
     if not (plan["imports"] or plan["revokes"] or failed or plan["conflicts"]):
