@@ -240,7 +240,7 @@ def fan_out(targets: Mapping[str, Target | AdminError], call) -> tuple[dict[str,
     return done, failed
 
 
-def plan_sync(digests: Mapping[str, list[dict]]) -> dict:
+def plan_sync(digests: Mapping[str, list[dict]], complete: bool = True) -> dict:
     """What makes the cells agree, from each cell's key rows with digests:
 
     - ``imports`` [(cell, row)]: a key active in some cell and revoked in none, missing here;
@@ -248,6 +248,8 @@ def plan_sync(digests: Mapping[str, list[dict]]) -> dict:
     - ``conflicts`` [id]: one id with different digests in different cells, or one digest
       under different ids, while active somewhere (nothing is done: the operator revokes).
     A key missing in a cell and revoked elsewhere needs nothing: that cell refuses it already.
+    Not ``complete`` (a cell did not answer): no imports, only revocations, since the silent
+    cell may hold the revocation that a copy would undo.
     """
     by_id: dict[str, dict[str, dict]] = {}
     ids_of: dict[str, set[str]] = {}
@@ -268,7 +270,7 @@ def plan_sync(digests: Mapping[str, list[dict]]) -> dict:
             row = held.get(cell)
             if revoked and row is not None and not row.get("revoked_at"):
                 revokes.append((cell, key_id))
-            elif not revoked and row is None:
+            elif not revoked and row is None and complete:
                 source = next(iter(held.values()))
                 imports.append((cell, {f: source.get(f) for f in IMPORT_FIELDS}))
     return {"imports": imports, "revokes": revokes, "conflicts": conflicts}

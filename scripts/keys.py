@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--stack", help="the stack (a running sandbox of it, else its deployed outputs)")
+        sp.add_argument("--stack", help="the stack (a running sandbox of it, else its deployed outputs); "
+                        "a fleet stack: each of its cells, found the same way")
         sp.add_argument("--state-dir", type=Path, help="a sandbox's state directory")
         sp.add_argument("--url", help="the Worker's URL (the probe token comes from COLOCATE_PROBE_TOKEN)")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -270,19 +271,33 @@ def fleet_usage(args, cells, targets) -> int:
 
 def fleet_sync(args, cells, targets) -> int:
     digests, failed = admin.fan_out(targets, lambda c: c.key_digests())
-    plan = admin.plan_sync(digests)
+    silent = bool(failed)
+    plan = admin.plan_sync(digests, complete=not silent)
+    done = {"copied": [], "revoked": []}
+
+    def say(line: str) -> None:
+        if not args.json:
+            print(line)
+
     for cell, row in plan["imports"]:
         try:
             AdminClient(targets[cell]).import_key(row)
-            print(f"copied {row['id']} ({row['name']}) to {cell}")
+            done["copied"].append({"id": row["id"], "cell": cell})
+            say(f"copied {row['id']} ({row['name']}) to {cell}")
         except AdminError as exc:
             failed[cell] = exc
     for cell, key_id in plan["revokes"]:
         try:
             AdminClient(targets[cell]).revoke_key(key_id)
-            print(f"revoked {key_id} in {cell}")
+            done["revoked"].append({"id": key_id, "cell": cell})
+            say(f"revoked {key_id} in {cell}")
         except AdminError as exc:
             failed[cell] = exc
+    if args.json:
+        print(json.dumps({**done, "conflicts": plan["conflicts"], "failed": {c: str(e) for c, e in failed.items()}}, indent=2))
+    if silent:
+        print("keys.py sync: keys are copied only when every cell answers (a silent cell may hold a revocation); "
+              "revocations were carried", file=sys.stderr)
     for key_id in plan["conflicts"]:
         print(f"keys.py sync: {key_id} is not one key in every cell (different digests under this id, or its "
               f"digest under another id); left as it is: revoke it ({finish_command(args, 'revoke', key_id)}) "

@@ -57,6 +57,9 @@ def test_plan_sync_copies_missing_keys_carries_revocations_and_leaves_conflicts(
     assert plan["imports"][0][1]["hash"] == a and "revoked_at" not in plan["imports"][0][1]
     assert sorted(plan["revokes"]) == [("x", "key_3"), ("y", "key_2")]  # revocation wins; z lacks both: nothing
     assert plan["conflicts"] == ["key_4"]
+    # A cell did not answer: it may hold a revocation, so nothing is copied; revocations still are.
+    partial = admin.plan_sync({"x": [_row("key_1", a), _row("key_2", b, 5)], "y": [_row("key_2", b)]}, complete=False)
+    assert partial == {"imports": [], "revokes": [("y", "key_2")], "conflicts": []}
     # One digest under two ids: a conflict while active anywhere, nothing once revoked everywhere.
     assert admin.plan_sync({"x": [_row("key_1", a)], "y": [_row("key_9", a)]})["conflicts"] == ["key_1", "key_9"]
     assert admin.plan_sync({"x": [_row("key_1", a, 1)], "y": [_row("key_9", a, 2)]}) == {"imports": [], "revokes": [], "conflicts": []}
