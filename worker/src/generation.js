@@ -392,12 +392,15 @@ export class Breaker extends DurableObject {
 
   async createKey(row, info) {
     await this.readThrough(info);
-    this.ctx.storage.transactionSync(() => {
-      this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-        row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
-        row.expires_at, null, this.bumpRev());
-    });
+    this.ctx.storage.transactionSync(() => this.insertKey(row));
     return this.keyRow(row.id);
+  }
+
+  /** A new key row at the next revision (inside the caller's transaction). */
+  insertKey(row) {
+    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+      row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
+      row.expires_at, null, this.bumpRev());
   }
 
   /**
@@ -414,9 +417,7 @@ export class Breaker extends DurableObject {
         outcome = held.some((h) => h.id === row.id && h.hash === row.hash) ? "exists" : "conflict";
         return;
       }
-      this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-        row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
-        row.expires_at, null, this.bumpRev());
+      this.insertKey(row);
     });
     return { outcome, row: outcome === "conflict" ? null : this.keyRow(row.id) };
   }
