@@ -1,6 +1,10 @@
 """A client for the Worker's operator endpoints (client keys, usage), and where to find them.
 
 ``scripts/keys.py`` and the sandbox use it; the endpoints are documented in docs/worker.md.
+For a fleet stack (``colocate.fleet.is_fleet``) it finds every member cell the same way and
+replicates keys to them: a key is made here once (the Worker's format) and only its
+SHA-256 is imported into each cell (``POST /_colocate/keys/replica``); ``plan_sync`` says
+what copies and revocations make the cells agree again.
 A target is a Worker URL and its probe token: from ``--url`` plus ``COLOCATE_PROBE_TOKEN``,
 from a running sandbox of the stack (its ``ready.json``), or from the deployed stack's
 outputs (``pulumi stack output --show-secrets``). The token never goes to argv or a log.
@@ -13,8 +17,13 @@ outputs (``pulumi stack output --show-secrets``). The token never goes to argv o
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
+import secrets
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,9 +73,9 @@ def _sandbox_target(state_dir: Path) -> Target | None:
 
 
 def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path | None = None,
-            env: dict | None = None) -> Target:
-    """Where the operator endpoints are: an explicit URL, else the stack's running sandbox,
-    else the stack's deployed outputs."""
+            env: dict | None = None, sandboxes_dir: Path | None = None) -> Target:
+    """Where the operator endpoints are: an explicit URL, else the stack's running sandbox
+    (in ``sandboxes_dir``/<stack> when given), else the stack's deployed outputs."""
     env = os.environ if env is None else env
     if url:
         token = env.get(TOKEN_ENV)
@@ -77,7 +86,8 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
     if state_dir is not None or stack is not None:
         from .sandbox.supervisor import default_state_dir
 
-        sandbox = _sandbox_target(Path(state_dir) if state_dir else default_state_dir(stack))
+        where = Path(state_dir) if state_dir else (Path(sandboxes_dir) / stack if sandboxes_dir else default_state_dir(stack))
+        sandbox = _sandbox_target(where)
         if sandbox:
             return sandbox
         if state_dir is not None:
@@ -141,9 +151,126 @@ class AdminClient:
     def list_keys(self) -> list[dict]:
         return self._call("GET", "/_colocate/keys")["keys"]
 
+    def import_key(self, row: dict) -> dict:
+        """Store a key row made elsewhere (id, hash, prefix, name, limits, times); a repeat is a no-op."""
+        return self._call("POST", "/_colocate/keys/replica", row)
+
+    def key_digests(self) -> list[dict]:
+        """Every key row with its digest (never the key)."""
+        return self._call("GET", "/_colocate/keys/replica")["keys"]
+
     def revoke_key(self, key_id: str) -> dict:
         return self._call("POST", f"/_colocate/keys/{key_id}/revoke")
 
     def usage(self, *, since: str | None = None, until: str | None = None, key_id: str | None = None) -> dict:
         params = {k: v for k, v in (("from", since), ("to", until), ("key", key_id)) if v}
         return self._call("GET", "/_colocate/usage", params=params)
+
+
+# --- one key for a whole fleet ---
+
+KEY_PREFIX = "clc_"
+
+
+def new_key() -> str:
+    """A client key as the Worker makes one: clc_ + 32 base64url characters (24 random bytes)."""
+    return KEY_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(24)).decode().rstrip("=")
+
+
+def new_key_id() -> str:
+    return "key_" + secrets.token_hex(6)
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_row(key: str, name: str, *, rpm: int = 0, tpm: int = 0, monthly_tokens: int = 0, max_parallel: int | None = None,
+            expires_in_s: int | None = None, now_ms: int | None = None) -> dict:
+    """The row every cell imports for ``key``: its digest and display prefix, never the key."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    row = {"id": new_key_id(), "hash": key_hash(key), "prefix": key[:len(KEY_PREFIX) + 6], "name": name, "rpm": rpm,
+           "tpm": tpm, "monthly_tokens": monthly_tokens, "created_at": now_ms,
+           "expires_at": now_ms + expires_in_s * 1000 if expires_in_s else None}
+    if max_parallel is not None:  # absent: each cell's colocate:keys.defaultMaxParallel
+        row["max_parallel"] = max_parallel
+    return row
+
+
+IMPORT_FIELDS = ("id", "hash", "prefix", "name", "rpm", "tpm", "monthly_tokens", "max_parallel", "created_at", "expires_at")
+
+
+def fleet_cells(stack: str, stacks_dir: Path | None = None) -> tuple[str, ...] | None:
+    """The member cell stacks of ``stack`` when its stack file makes it a fleet, else None."""
+    from . import fleet, stackfile
+    from .errors import ConfigError
+
+    try:
+        raw, _ = stackfile.read_config(stack, stacks_dir or stackfile.STACKS_DIR)
+    except ConfigError:
+        return None  # no stack file here: a cell known only to the Pulumi backend
+    if not fleet.is_fleet(raw):
+        return None
+    return fleet._cells(raw["fleet"].get("cells"), stack)
+
+
+def fleet_targets(cells: tuple[str, ...], *, sandboxes_dir: Path | None = None,
+                  env: dict | None = None) -> dict[str, Target | AdminError]:
+    """Each member's target, found as for one cell; a cell that cannot be found is its error."""
+    found: dict[str, Target | AdminError] = {}
+    for cell in cells:
+        try:
+            found[cell] = resolve(stack=cell, sandboxes_dir=sandboxes_dir, env=env)
+        except AdminError as exc:
+            found[cell] = exc
+    return found
+
+
+def fan_out(targets: Mapping[str, Target | AdminError], call) -> tuple[dict[str, object], dict[str, AdminError]]:
+    """``call(client)`` in every cell: (answers by cell, errors by cell)."""
+    done, failed = {}, {}
+    for cell, target in targets.items():
+        if isinstance(target, AdminError):
+            failed[cell] = target
+            continue
+        try:
+            done[cell] = call(AdminClient(target))
+        except AdminError as exc:
+            failed[cell] = exc
+    return done, failed
+
+
+def plan_sync(digests: Mapping[str, list[dict]], complete: bool = True) -> dict:
+    """What makes the cells agree, from each cell's key rows with digests:
+
+    - ``imports`` [(cell, row)]: a key active in some cell and revoked in none, missing here;
+    - ``revokes`` [(cell, id)]: a key revoked in some cell, still active here (revocation wins);
+    - ``conflicts`` [id]: one id with different digests in different cells, or one digest
+      under different ids, while active somewhere (nothing is done: the operator revokes).
+    A key missing in a cell and revoked elsewhere needs nothing: that cell refuses it already.
+    Not ``complete`` (a cell did not answer): no imports, only revocations, since the silent
+    cell may hold the revocation that a copy would undo.
+    """
+    by_id: dict[str, dict[str, dict]] = {}
+    ids_of: dict[str, set[str]] = {}
+    for cell, rows in digests.items():
+        for row in rows:
+            by_id.setdefault(row["id"], {})[cell] = row
+            ids_of.setdefault(row["hash"], set()).add(row["id"])
+    imports, revokes, conflicts = [], [], []
+    for key_id in sorted(by_id):
+        held = by_id[key_id]
+        twins = set().union(*(ids_of[r["hash"]] for r in held.values()))
+        if len({r["hash"] for r in held.values()}) > 1 or len(twins) > 1:
+            if any(not by_id[t][c].get("revoked_at") for t in twins for c in by_id[t]):
+                conflicts.append(key_id)
+            continue  # revoked everywhere: refused in every cell, nothing to mend
+        revoked = any(r.get("revoked_at") for r in held.values())
+        for cell in digests:
+            row = held.get(cell)
+            if revoked and row is not None and not row.get("revoked_at"):
+                revokes.append((cell, key_id))
+            elif not revoked and row is None and complete:
+                source = next(iter(held.values()))
+                imports.append((cell, {f: source.get(f) for f in IMPORT_FIELDS}))
+    return {"imports": imports, "revokes": revokes, "conflicts": conflicts}

@@ -42,6 +42,7 @@ const HANDLERS = {
   purge: (request, env, cfg) => purge(request, env, cfg),
   keys: (request, env, cfg) => (request.method === "POST" ? createKey(request, env, cfg) : listKeys(env, cfg)),
   revoke: (request, env, cfg, url, r) => revokeKey(env, cfg, r.param),
+  replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
   live: (request, env, cfg, url) => live(env, cfg, url),
 };
@@ -185,6 +186,57 @@ async function createKey(request, env, cfg) {
   // Isolates (this one too) find the new key by looking it up on its first request.
   const stored = await activeStub(env, cfg).createKey(row, infoOf(cfg));
   return jsonResponse(201, { ...stored, key }, noStore);
+}
+
+const ID_RE = /^key_[0-9a-f]{12}$/;
+const HASH_RE = /^[0-9a-f]{64}$/;
+const PREFIX_RE = /^clc_[A-Za-z0-9_-]{6}$/;
+const IMPORT_FIELDS = ["id", "hash", "prefix", "name", "created_at", "expires_at", ...LIMIT_FIELDS];
+
+function fieldMatching(body, field, re, what) {
+  const v = body[field];
+  if (typeof v !== "string" || !re.test(v)) throw new HttpError(400, "invalid_field", `field "${field}" must be ${what} (got ${JSON.stringify(v ?? null)})`);
+  return v;
+}
+
+function timeOf(body, field, nullable) {
+  const v = body[field] ?? null;
+  if (v === null && nullable) return null;
+  if (!Number.isSafeInteger(v) || v <= 0) {
+    throw new HttpError(400, "invalid_field", `field "${field}" must be a time in ms since the epoch${nullable ? " or null" : ""} (got ${JSON.stringify(v)})`);
+  }
+  return v;
+}
+
+/**
+ * A key row made elsewhere (scripts/keys.py, once for a whole fleet): only its digest
+ * travels. Same id and digest again: 200 with the row (a retry is harmless); an id or
+ * digest already held with the other half different: 409.
+ */
+async function importKey(request, env, cfg) {
+  const body = await jsonBody(request);
+  const unknown = Object.keys(body).filter((k) => !IMPORT_FIELDS.includes(k));
+  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use ${IMPORT_FIELDS.join(", ")}`);
+  const row = {
+    id: fieldMatching(body, "id", ID_RE, "a key id: key_ and 12 hex digits"),
+    hash: fieldMatching(body, "hash", HASH_RE, "the key's SHA-256 as 64 lower-case hex digits"),
+    prefix: fieldMatching(body, "prefix", PREFIX_RE, "the key's first 10 characters (clc_ and 6 more)"),
+    name: fieldMatching(body, "name", NAME_RE, "1-64 characters: letters, digits, space, . _ @ -"),
+    ...Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)])),
+    created_at: timeOf(body, "created_at", false),
+    expires_at: timeOf(body, "expires_at", true),
+  };
+  const { outcome, row: stored } = await activeStub(env, cfg).importKey(row, infoOf(cfg));
+  if (outcome === "conflict") {
+    throw new HttpError(409, "key_conflict", `this cell already holds key id ${row.id} or its digest with a different other half: `
+      + "the fleet's copies disagree; compare them with scripts/keys.py list --stack <fleet>");
+  }
+  return jsonResponse(outcome === "created" ? 201 : 200, stored, noStore);
+}
+
+/** Every key row with its digest, for scripts/keys.py sync (the digest of a 192-bit random key reveals nothing usable). */
+async function keyDigests(env, cfg) {
+  return jsonResponse(200, { generation: cfg.activeGeneration, keys: await activeStub(env, cfg).keyDigests(infoOf(cfg)) }, noStore);
 }
 
 async function listKeys(env, cfg) {

@@ -392,12 +392,40 @@ export class Breaker extends DurableObject {
 
   async createKey(row, info) {
     await this.readThrough(info);
-    this.ctx.storage.transactionSync(() => {
-      this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-        row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
-        row.expires_at, null, this.bumpRev());
-    });
+    this.ctx.storage.transactionSync(() => this.insertKey(row));
     return this.keyRow(row.id);
+  }
+
+  /** A new key row at the next revision (inside the caller's transaction). */
+  insertKey(row) {
+    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+      row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
+      row.expires_at, null, this.bumpRev());
+  }
+
+  /**
+   * Store a key row made elsewhere (a fleet's other cells share its id and digest), once:
+   * the same id and digest again answers the stored row; an id or digest already held
+   * with the other half different is a conflict. One transaction, so two imports race safely.
+   */
+  async importKey(row, info) {
+    await this.readThrough(info);
+    let outcome = "created";
+    this.ctx.storage.transactionSync(() => {
+      const held = this.sql.exec("SELECT id, hash FROM client_keys WHERE id = ? OR hash = ?", row.id, row.hash).toArray();
+      if (held.length) {
+        outcome = held.some((h) => h.id === row.id && h.hash === row.hash) ? "exists" : "conflict";
+        return;
+      }
+      this.insertKey(row);
+    });
+    return { outcome, row: outcome === "conflict" ? null : this.keyRow(row.id) };
+  }
+
+  /** Every key row with its digest (never the key): what a fleet's cells compare and copy. */
+  async keyDigests(info) {
+    await this.readThrough(info);
+    return this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys ORDER BY created_at, id`).toArray();
   }
 
   keyRow(id) {

@@ -9,6 +9,7 @@ export const ROUTES = {
   "/_colocate/breaker": { methods: ["GET", "PUT"], kind: "breaker" },
   "/_colocate/purge": { methods: ["POST"], kind: "purge" },
   "/_colocate/keys": { methods: ["GET", "POST"], kind: "keys" },
+  "/_colocate/keys/replica": { methods: ["GET", "POST"], kind: "replica" },
   "/_colocate/usage": { methods: ["GET"], kind: "usage" },
   "/_colocate/live": { methods: ["GET"], kind: "live" },
 };
