@@ -9,7 +9,8 @@ request arrived at: locally ``request.cf`` has no colo (FACTS.md).
 
 One client key works in every cell: it is made by cell 0's ``POST /_colocate/keys`` and
 copied into the others by a test-only entry module (``KEY_ENTRY``, never uploaded) that
-stores the same key row through the cell's own object; fleet-wide keys are not built yet.
+stores the same key row through the cell's own object (the kit's own replication,
+`keys.py --stack <fleet>`, is tested in tests/test_fleet_keys.py).
 """
 
 from __future__ import annotations
