@@ -25,6 +25,8 @@ from colocate.sandbox.proxies import Network, NetworkServers
 MAX_HEADER_BYTES, MAX_URL_BYTES = 16384, 16384
 from tests.support.workerd import SECRETS, running_cell
 
+pytestmark = pytest.mark.slow  # a real edge proxy in front of a real workerd
+
 EDGE = "IAD"
 
 

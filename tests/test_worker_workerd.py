@@ -9,6 +9,8 @@ from colocate import workerd
 from colocate.plan import worker_modules
 from tests.support.workerd import SECRETS, auth, cell_plan, outbound, request, values_for
 
+pytestmark = pytest.mark.slow  # real workerd processes
+
 
 def values():
     return values_for("http://127.0.0.1:9", "https://api.example.com")
