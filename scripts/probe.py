@@ -119,11 +119,7 @@ def _probe(args: argparse.Namespace) -> int:
     pod_path, samples, worker_placement = args.pod_path, args.samples, args.placement_mode
     placement_host = args.placement_host
     if args.stack:
-        cfg = outputs.read_config(args.stack, args.stacks_dir)
-        if region is None and cfg.region is not None:
-            region = catalogue.region(cfg.region, key=f"colocate:region of stack {args.stack}")
-        if not args.budget:
-            budget_list = budgets.from_stack(cfg.budgets)
+        cfg, region, budget_list = _from_stack(args, region, budget_list)
         samples = samples or cfg.samples
         if not (url and token and locations and pod_path):  # the post-deploy step passes them all: no CLI call
             out = outputs.read_outputs(args.stack)
@@ -177,6 +173,16 @@ def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> in
     return 1
 
 
+def _from_stack(args: argparse.Namespace, region, budget_list):
+    """The stack file's settings, and the region and budgets it gives where flags gave none."""
+    cfg = outputs.read_config(args.stack, args.stacks_dir)
+    if region is None and cfg.region is not None:
+        region = catalogue.region(cfg.region, key=f"colocate:region of stack {args.stack}")
+    if not args.budget:
+        budget_list = budgets.from_stack(cfg.budgets)
+    return cfg, region, budget_list
+
+
 def _live(args: argparse.Namespace) -> int:
     """probe.py --live: judge the window of real traffic the Worker recorded (docs/probe.md, "Live view")."""
 
@@ -195,11 +201,7 @@ def _live(args: argparse.Namespace) -> int:
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
     url, token, locations, worker_placement = args.url, args.token or os.environ.get(TOKEN_ENV), list(args.pod_location), None
     if args.stack:
-        cfg = outputs.read_config(args.stack, args.stacks_dir)
-        if region is None and cfg.region is not None:
-            region = catalogue.region(cfg.region, key=f"colocate:region of stack {args.stack}")
-        if not args.budget:
-            budget_list = budgets.from_stack(cfg.budgets)
+        cfg, region, budget_list = _from_stack(args, region, budget_list)
         worker_placement = cfg.worker_placement
     if not (url and token) and (args.stack or args.state_dir):
         sandbox = admin._sandbox_target(args.state_dir or _sandbox_dir(args.stack))

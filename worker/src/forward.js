@@ -83,11 +83,6 @@ export async function callFallback(fetchImpl, url, init) {
   }
 }
 
-/** The request body for the fallback: `model` replaced when FALLBACK_MODEL is set. */
-export function fallbackBody(bytes, json, fallbackModel) {
-  return upstreamBody(bytes, json, fallbackModel, false);
-}
-
 const encoder = new TextEncoder();
 const ASK_USAGE = encoder.encode('"stream_options":{"include_usage":true},');
 

@@ -4,7 +4,7 @@ import { readBody, parseJsonObject } from "../src/body.js";
 import { readConfig } from "../src/config.js";
 import { HttpError, ConfigurationError, redact } from "../src/errors.js";
 import { tokenMatches } from "../src/admin.js";
-import { upstreamHeaders, fallbackBody, isPodFailure, upstreamBody } from "../src/forward.js";
+import { upstreamHeaders, isPodFailure, upstreamBody } from "../src/forward.js";
 
 function chunked(parts) {
   // No Content-Length: the body arrives as a stream of chunks.
@@ -66,10 +66,10 @@ test("upstream headers replace the client's credentials; fallback model substitu
   assert.equal(h.get("authorization"), "Bearer tok");
   assert.equal(h.get("content-type"), "application/json");
   assert.equal(h.get("cf-ray"), null);
-  const body = new TextDecoder().decode(fallbackBody(new Uint8Array(), { model: "m", messages: [] }, "fb-model"));
+  const body = new TextDecoder().decode(upstreamBody(new Uint8Array(), { model: "m", messages: [] }, "fb-model", false));
   assert.deepEqual(JSON.parse(body), { model: "fb-model", messages: [] });
   const same = new Uint8Array([1]);
-  assert.equal(fallbackBody(same, { model: "m" }, null), same);
+  assert.equal(upstreamBody(same, { model: "m" }, null, false), same);
   assert.equal(isPodFailure(500), true);
   assert.equal(isPodFailure(400), false);
 });
