@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import geo, outputs
+from . import geo, outputs, stackfile
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError, MissingSetting
 from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, module_closure
@@ -310,3 +310,27 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         hostname=hostname,
         url=url,
     )
+
+
+def check_member_stacks(settings: FleetSettings, stacks_dir: Path) -> None:
+    """Each member named by its bare stack name must be a cell stack of this project: its
+    stack file in ``stacks_dir`` exists and is not a fleet's. The program checks this before
+    reading any StackReference, because a reference to a stack that does not exist fails the
+    whole deployment with the engine's own "unknown stack", which the program cannot catch
+    (pulumi/pulumi#3540). A member named ``project/stack`` or ``org/project/stack`` may
+    belong to another project: only its outputs are checked (``member``)."""
+    for i, stack in enumerate(settings.cells):
+        if "/" in stack:
+            continue
+        key = f"{KEY}.cells[{i}]"
+        path = stacks_dir / f"Pulumi.{stack}.yaml"
+        if not path.is_file():
+            known = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stacks_dir.glob("Pulumi.*.yaml"))
+            raise ConfigError(key, stack, f"no stack {stack} in this project ({stacks_dir.name}/{path.name} does not exist; "
+                              f"stacks here: {', '.join(known) or 'none'})",
+                              f"create and deploy the cell first (pulumi stack init {stack}; pulumi config set colocate:region "
+                              f"<region> -s {stack}; pulumi up -s {stack}), or pulumi config rm --path '{key}'")
+        raw, _ = stackfile.read_config(stack, stacks_dir)
+        if is_fleet(raw):
+            raise ConfigError(key, stack, f"{stack} is a fleet stack, not a cell: a fleet's members are cells",
+                              f"name its cells instead, or pulumi config rm --path '{key}'")

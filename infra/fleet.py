@@ -17,7 +17,7 @@ from typing import TypedDict
 import pulumi
 import pulumi_cloudflare as cloudflare
 
-from colocate import fleet, outputs
+from colocate import fleet, outputs, stackfile
 from colocate.errors import ConfigError, MissingSetting
 
 from .cell import module_files, public_route
@@ -105,6 +105,7 @@ def main() -> dict[str, pulumi.Input]:
     raw, secrets = _raw_config()
     try:
         settings = fleet.parse(raw, pulumi.get_stack(), secrets=frozenset(secrets))
+        fleet.check_member_stacks(settings, stackfile.STACKS_DIR)
         if not (pulumi.runtime.get_config("cloudflare:apiToken") or os.environ.get("CLOUDFLARE_API_TOKEN")):
             raise MissingSetting("cloudflare:apiToken", None, "the Cloudflare API token is not set",
                                  "pulumi config set --secret cloudflare:apiToken <token> (or export CLOUDFLARE_API_TOKEN)")

@@ -137,10 +137,47 @@ def test_a_member_deployed_before_the_region_output_is_refused():
     assert "colocate:fleet.cells[2]" in msg and "no outputs region" in msg
 
 
-def test_two_cells_in_one_region_are_refused():
+@pytest.fixture
+def stacks_dir(tmp_path, monkeypatch):
+    """A copy of stacks/ the program reads instead (a test adds cell stack files to it)."""
+    d = tmp_path / "stacks"
+    d.mkdir()
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"):
+        (d / p.name).write_text(p.read_text())
+    monkeypatch.setattr(stackfile, "STACKS_DIR", d)
+    return d
+
+
+def test_two_cells_in_one_region_are_refused(stacks_dir):
+    (stacks_dir / "Pulumi.apac-jp-2.yaml").write_text((stacks_dir / "Pulumi.apac-jp.yaml").read_text())
     stacks = {**STACKS, "apac-jp-2": {**cell_outputs("apac-jp"), outputs.WORKER_NAME: "colocate-apac-jp-2"}}
     msg = refused(stacks, {"fleet": {"cells": ["apac-jp", "apac-jp-2", "us-east"]}})
     assert "colocate:fleet.cells" in msg and "both in region apac-jp" in msg and "Fix:" in msg
+
+
+def test_a_member_stack_that_does_not_exist_is_refused_before_any_reference(stacks_dir):
+    mocks = FleetMocks(STACKS)
+    config, keys = fleet_config({"fleet": {"cells": ["apac-jp", "ap-south", "us-east"]}})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("fleet", config, keys, mocks=mocks)
+    msg = str(err.value)
+    assert "colocate:fleet.cells[1]" in msg and "'ap-south'" in msg and "no stack ap-south" in msg
+    assert "pulumi stack init ap-south" in msg and "apac-jp, apac-tw" in msg
+    # Refused by the program, not by the engine: no reference was read at all.
+    assert not [r for r in mocks.resources if r.typ == REF]
+
+
+def test_a_fleet_named_as_a_member_is_refused(stacks_dir):
+    (stacks_dir / "Pulumi.fleet2.yaml").write_text((stacks_dir / "Pulumi.fleet.yaml").read_text())
+    msg = refused(overrides={"fleet": {"cells": ["apac-jp", "fleet2"]}})
+    assert "colocate:fleet.cells[1]" in msg and "fleet2 is a fleet stack, not a cell" in msg
+
+
+def test_a_member_of_another_project_is_checked_by_its_outputs_only(stacks_dir):
+    stacks = {**STACKS, "tokyo": cell_outputs("apac-tw")}
+    run = deploy(stacks, {"fleet": {"cells": ["acme/other/tokyo", "eu-west"]}})
+    assert [(c["name"], c["stack"], c["region"]) for c in run.resolved[outputs.CELLS]] == [
+        ("tokyo", "acme/other/tokyo", "apac-tw"), ("eu-west", "eu-west", "eu-west")]
 
 
 @pytest.mark.parametrize("overrides, key", [
