@@ -87,7 +87,9 @@ def fleet_worker(pod_url: str, fallback_url: str, secrets: harness.Secrets, dead
             found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region})
         fs = fleet.parse({"fleet": {"cells": list(REGIONS)}, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)
-        services.insert(0, wd.worker_service("front", front_worker_capnp(front)))
+        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["PROBE_TOKEN"] for i in range(len(REGIONS))}
+        services += [wd.disk_service("disk-front", w.directory / "objects" / "front")]
+        services.insert(0, wd.worker_service("front", front_worker_capnp(front, storage_service="disk-front", tokens=tokens)))
         hop = (f"(modules = [(name = \"hop.js\", esModule = {wd.capnp_text(HOP_JS)})], "
                f"compatibilityDate = {wd.capnp_text(front.compatibility_date)}, "
                f"bindings = [(name = \"CELL\", service = {wd.capnp_text(front.services[0].service)})])")

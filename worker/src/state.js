@@ -400,6 +400,17 @@ export function admit(cfg, key, t) {
 }
 
 /**
+ * A request admitted at `t` was not served here: a fleet's front door asked for "no pod"
+ * and sends it to another cell, which counts it. Its request is taken back out of this
+ * cell's counters (the bucket and day it was added to), so the fleet counts it once.
+ */
+export function withdraw(cfg, keyId, t) {
+  const p = pendingOf(cfg.activeGeneration);
+  addWindow(p, keyId, minuteOf(t), -1, 0);
+  addUsage(p, dayOf(t), keyId, [-1, 0, 0, 0, 0, 0]);
+}
+
+/**
  * A request finished: who served it and its usage ({prompt, completion, estimated?} or
  * null); estimated usage (counted from streamed text) is also added to estimated_tokens.
  */
