@@ -137,8 +137,8 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     cell_secrets = sorted(set(secrets) & {*ALWAYS_SECRET, *(k for k, _ in PROVIDER_SECRET.values())})
     if cell_secrets:
         name = cell_secrets[0]
-        raise ConfigError(f"{NS}:{name}", "[secret]", "is a cell's secret; the front door holds none (the cells "
-                          "check client keys)", f"pulumi config rm {NS}:{name} -s {stack}")
+        raise ConfigError(f"{NS}:{name}", "[secret]", "is a cell's secret; the front door holds none of its own (the cells "
+                          "check client keys; their probe tokens are read from their stacks)", f"pulumi config rm {NS}:{name} -s {stack}")
     fleet = raw.get("fleet")
     if not isinstance(fleet, Mapping):
         raise ConfigError(KEY, fleet, "must be a mapping {cells: [...], rememberMs, exchangeMs}", f"pulumi config set --path '{KEY}.cells[0]' apac-jp")
