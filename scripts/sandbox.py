@@ -380,8 +380,9 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
         if args.cmd == "demo-fleet":
             from colocate.sandbox import fleet_demo
 
-            state_dir = args.state_dir or supervisor.default_state_dir("demo-fleet")
-            return fleet_demo.run(state_dir=state_dir, samples=args.samples)
+            demo_dir = args.state_dir or supervisor.default_state_dir("demo-fleet")
+            state_dir = Path(demo_dir) / fleet_demo.FLEET  # what an interrupt reports on
+            return fleet_demo.run(state_dir=demo_dir, samples=args.samples)
         if args.cmd == "demo":
             from colocate.sandbox import demo
 

@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -438,7 +439,12 @@ def down(state_dir: Path) -> dict:
         held = front_running(state_dir)
         # The entry first: no new request reaches a cell that is stopping.
         front_stopped = stop_front(state_dir) if held or _read_json(state_dir / RUN_FILE) else True
-        cells = [{"name": c["name"], **supervisor.down(Path(c["state_dir"]), quiet=True)} for c in launch.get("cells", [])]
+        members = launch.get("cells", [])
+        # Side by side (each cell's down waits on its own runner, ~4 s here): down touches only
+        # its own state directory, and the signals stay deferred in this, the main, thread.
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as ex:
+            downs = list(ex.map(lambda c: supervisor.down(Path(c["state_dir"]), quiet=True), members))
+        cells = [{"name": c["name"], **d} for c, d in zip(members, downs, strict=True)]
         for name in (RUN_FILE, READY_FILE, OUT_FILE):
             (state_dir / name).unlink(missing_ok=True)
     return {"fleet": launch.get("fleet"), "state_dir": str(state_dir), "front_stopped": front_stopped,
@@ -533,6 +539,23 @@ def apply(state_dir: Path, *, stacks_dir: Path | None = None, timeout_s: float =
                                 f"serves. Logs: {state_dir / 'logs'}")
         time.sleep(0.1)
     raise StartupFailed(f"the front door's apply did not finish within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
+
+
+def apply_cell(state_dir: Path, cell: str, timeout_s: float = supervisor.UP_TIMEOUT_S) -> dict:
+    """One member's ``apply`` (its ``pulumi up -s <cell>``), from its stack file as the fleet
+    runs it; the front door and the other cells are untouched."""
+    state_dir = Path(state_dir).resolve()
+    record = _read_json(state_dir / LAUNCH_FILE)
+    if not record:
+        raise NotRunning(f"no fleet runs in {state_dir}")
+    member = next((c for c in record["cells"] if c["name"] == cell), None)
+    if member is None:
+        raise ConfigError("cell", cell, f"is not a member of the fleet in {state_dir}",
+                          f"one of {', '.join(c['name'] for c in record['cells'])}")
+    launch = Launch.from_json(record)
+    cell_stacks = sandbox_stacks(launch, plan_of(launch), state_dir)
+    return supervisor.apply(fleet_mod.short_name(member["stack"]), state_dir=Path(member["state_dir"]),
+                            stacks_dir=cell_stacks, timeout_s=timeout_s)
 
 
 # --- the emulated network of the front door --------------------------------------------------
