@@ -318,6 +318,7 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
             _log(f"cell {m.name} ({m.region.name}): starting in {cell_dir}")
             ready_cells.append(supervisor.up(fleet_mod.short_name(m.stack), state_dir=cell_dir, stacks_dir=cell_stacks,
                                              stretch=stretch, rtt=tuple(rtt), timeout_s=timeout_s))
+        _log(f"front door: starting in {state_dir}")
         runner = _launch_front(state_dir, fd)
         fd, held = None, fd  # the runner holds the lock from now on
         os.close(held)
