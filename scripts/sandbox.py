@@ -225,7 +225,7 @@ def _fleet_of(args) -> str | None:
     if getattr(args, "fleet", None):
         return args.fleet
     stack = getattr(args, "stack", None)
-    if args.cmd == "up" or not stack:
+    if not stack:
         return None
     from colocate import fleet as fleet_cfg
 

@@ -138,6 +138,17 @@ def test_the_fleet_key_works_through_every_entry_with_the_openai_client(running)
             bad.models.list()
 
 
+def test_keys_py_sees_one_fleet_key_in_every_cell(running):
+    """The key was made the way `keys.py create --stack <fleet>` makes one; the demo key each
+    cell's own `up` made is revoked, so the cells agree."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "keys.py"), "list", "--stack", "fleet", "--stacks-dir",
+                          str(running["stacks"]), "--sandboxes-dir", str(running["sandboxes"]), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    active = [k for k in json.loads(res.stdout)["keys"] if set(k["cells"].values()) == {"active"}]
+    assert [k["id"] for k in active] == [running["out"]["key_id"]]
+
+
 def test_status_is_healthy(running):
     res = cli("status", *running["where"])
     assert res.returncode == 0, res.stderr
@@ -212,6 +223,15 @@ def test_a_fleet_with_a_missing_member_stack_is_refused_before_any_cell_starts(t
     res = cli("up", "--fleet", "fleet", "--stacks-dir", str(stacks), "--sandboxes-dir", str(tmp_path / "sb"))
     _refused(res, "colocate:fleet.cells[2]", "'us-east'", "Pulumi.us-east.yaml")
     assert not (tmp_path / "sb").exists() or not any((tmp_path / "sb").iterdir())
+    assert_nothing_runs(tmp_path)
+
+
+def test_two_members_in_one_region_are_refused(tmp_path):
+    stacks = fleet_stacks(tmp_path / "stacks", cells=("eu-west", "us-east"))
+    shutil.copyfile(stackfile.path_of("sandbox"), stackfile.path_of("sandbox", stacks))  # also us-east
+    stackfile.write_config("fleet", {"fleet.cells": ["eu-west", "us-east", "sandbox"]}, stacks)
+    res = cli("up", "--fleet", "fleet", "--stacks-dir", str(stacks), "--sandboxes-dir", str(tmp_path / "sb"))
+    _refused(res, "colocate:fleet.cells", "both in region us-east")
     assert_nothing_runs(tmp_path)
 
 

@@ -323,7 +323,9 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
         fd, held = None, fd  # the runner holds the lock from now on
         os.close(held)
         front = _wait_front(state_dir, runner, timeout_s)
-        key = fleet_key(state_dir, {fleet_mod.short_name(m.stack): c for (m, _), c in zip(cells, ready_cells, strict=True)})
+        by_name = {fleet_mod.short_name(m.stack): c for (m, _), c in zip(cells, ready_cells, strict=True)}
+        key = fleet_key(state_dir, by_name)
+        retire_cell_keys(by_name, key["id"])
         out = {
             "fleet": fleet_stack,
             "state_dir": str(state_dir),
@@ -392,6 +394,18 @@ def fleet_key(state_dir: Path, cells: dict[str, dict]) -> dict:
         raise StartupFailed(f"the fleet's client key could not be imported into cell {cell}: {why}")
     _write_json(path, {"key": key, "row": row}, 0o600)
     return {"key": key, "id": row["id"]}
+
+
+def retire_cell_keys(cells: dict[str, dict], fleet_key_id: str) -> None:
+    """Revoke the demo key each cell's own ``up`` made: it lives in that cell alone, so with it
+    the cells would disagree on an active key (``keys.py list --stack <fleet>`` exits 1 and
+    ``sync`` would spread it). The fleet's clients use the fleet's key."""
+    for name, c in cells.items():
+        if c.get("key_id") and c["key_id"] != fleet_key_id:
+            try:
+                admin.AdminClient(admin.Target(c["worker_url"], c["token"], "sandbox")).revoke_key(c["key_id"])
+            except admin.AdminError as exc:
+                raise StartupFailed(f"cell {name}'s own demo key {c['key_id']} could not be revoked: {exc}") from None
 
 
 def _signal_group(pgid: int | None, sig: int) -> bool:
