@@ -250,6 +250,9 @@ def _fleet_problems(out: dict) -> str:
 def _fleet_command(args, fleet: str, state_dir: Path) -> int:
     where = f"--fleet {fleet}" + (f" --state-dir {state_dir}" if Path(state_dir).resolve() !=
                                   supervisor.default_state_dir(fleet).resolve() else "")
+    if getattr(args, "force_split", False):
+        raise UnknownStack("--force-split: a fleet's cells run as their stack files say. Fix: leave it out, or "
+                           "force a split on one cell with `up --stack CELL --force-split`")
     if args.cmd == "up":
         try:
             out = sandbox_fleet.up(fleet, state_dir=state_dir, stacks_dir=args.stacks_dir,

@@ -183,6 +183,14 @@ def test_a_cell_without_pods_is_named_by_status_and_its_users_go_to_the_next_cel
     assert "cell apac-jp" not in res.stderr
 
 
+def test_a_second_up_is_refused_and_names_down(running):
+    res = cli("up", "--fleet", "fleet", "--stacks-dir", str(running["stacks"]), "--sandboxes-dir",
+              str(running["sandboxes"]))
+    assert res.returncode == 2 and "already runs" in res.stderr and "down --fleet fleet" in res.stderr, res.stderr
+    assert cli("status", *running["where"]).returncode == 1  # us-east still has no pod; nothing else changed
+    assert call(running["out"]["entries"]["NRT"], running["out"]["key"]).headers["x-colocate-cell"] == "apac-jp"
+
+
 def test_down_leaves_nothing_running(running):
     res = cli("down", *running["where"])
     assert res.returncode == 0, res.stderr

@@ -294,6 +294,9 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
     client_sites_of(launch, plan)
     state_dir = Path(state_dir or Path(launch.sandboxes_dir) / fleet_stack).resolve()
     cells = [(m, launch.cell_dir(m.stack).resolve()) for m in plan.members]
+    if is_fleet_dir(state_dir) and what_runs(state_dir):
+        raise AlreadyRunning(f"the fleet {fleet_stack} already runs in {state_dir} ({', '.join(what_runs(state_dir))}); "
+                             f"run `{supervisor.SANDBOX_CMD} down --fleet {fleet_stack} --state-dir {state_dir}` first")
     for m, cell_dir in cells:
         if cell_dir == state_dir:
             raise ConfigError("--state-dir", str(state_dir), f"is member {m.name}'s state directory",
