@@ -219,10 +219,7 @@ def plan_of(launch: Launch) -> fleet_mod.FleetPlan:
         raise ConfigError("--fleet", launch.fleet, f"is a cell stack: its config has no {fleet_mod.KEY}",
                           f"`{supervisor.SANDBOX_CMD} up --stack {launch.fleet}` runs a cell; --fleet takes a fleet stack "
                           "such as fleet")
-    # A fleet stack names its Cloudflare account and address; the sandbox calls neither.
-    raw.setdefault("accountId", PLACEHOLDER_ACCOUNT)
-    if not raw.get("zone"):
-        raw["worker"] = {"subdomain": PLACEHOLDER_SUBDOMAIN, **(raw.get("worker") or {})}
+    raw.update(_placeholders(raw))  # its Cloudflare account and address: the sandbox calls neither
     settings = fleet_mod.parse(raw, launch.fleet, secrets=secret_names)
     found = [_member_outputs(i, c, stacks_dir) for i, c in enumerate(settings.cells)]
     return fleet_mod.plan_fleet(settings, found)
