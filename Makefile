@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind test test-fast test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange lint clean
+.PHONY: setup wrk valgrind test test-fast test-py test-js demo demo-fleet bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -56,6 +56,10 @@ test-js: setup
 
 demo: setup
 	$(PY) scripts/sandbox.py demo
+
+# Three cells behind one front door; one loses its pods and gets them back (docs/fleet.md).
+demo-fleet: setup
+	$(PY) scripts/sandbox.py demo-fleet
 
 bench: setup wrk
 	$(PY) scripts/bench_router.py

@@ -21,17 +21,23 @@ from .workerd import BindingValueMissing, capnp_text
 CF_BLOB_HEADER = "cf-blob"
 
 
-def front_worker_capnp(plan: FleetPlan, service_names: Sequence[str] | None = None, *, storage_service: str,
-                       tokens: Mapping[str, str], namespace_key: str | None = None) -> str:
+def front_worker_capnp(plan: FleetPlan, service_names: Sequence[str] | None = None, *, storage_service: str | None,
+                       tokens: Mapping[str, str], namespace_key: str | None = None,
+                       ledger_service: str | None = None) -> str:
     """The front door as one ``Workerd.Worker`` literal; ``service_names`` overrides the
     workerd services its ``CELL_<i>`` bindings reach (default: the cells' Worker names).
     ``storage_service``: a disk service for the ledger's SQLite; ``tokens``: each
-    ``CELL_TOKEN_<i>``'s value, by binding name (or by its ``from_output``)."""
+    ``CELL_TOKEN_<i>``'s value, by binding name (or by its ``from_output``).
+    ``ledger_service``: another front-door service that owns the ledger's namespace (one
+    ledger per fleet, as in the cloud, when several front-door services emulate several
+    colos); this one then binds to it and declares no namespace or storage."""
     services = list(service_names or [s.service for s in plan.services])
     items = []
     for b in plan.bindings:
         if b.type == "durable_object_namespace":
-            items.append(f"(name = {capnp_text(b.name)}, durableObjectNamespace = {capnp_text(b.class_name)})")
+            target = capnp_text(b.class_name) if ledger_service is None else \
+                f"(className = {capnp_text(b.class_name)}, serviceName = {capnp_text(ledger_service)})"
+            items.append(f"(name = {capnp_text(b.name)}, durableObjectNamespace = {target})")
             continue
         if b.type == "secret_text":
             value = tokens.get(b.name, tokens.get(b.from_output or ""))
@@ -44,9 +50,14 @@ def front_worker_capnp(plan: FleetPlan, service_names: Sequence[str] | None = No
     for s, target in zip(plan.services, services, strict=True):
         items.append(f"(name = {capnp_text(s.name)}, service = {capnp_text(target)})")
     modules = ",\n    ".join(f"(name = {capnp_text(m.name)}, esModule = {capnp_text(m.content())})" for m in plan.modules)
+    head = (f"(\n  modules = [\n    {modules}\n  ],\n  compatibilityDate = {capnp_text(plan.compatibility_date)},\n"
+            "  bindings = [\n    " + ",\n    ".join(items) + "\n  ]")
+    if ledger_service is not None:
+        return head + "\n)"
+    if storage_service is None:
+        raise ValueError("front_worker_capnp: storage_service is required unless ledger_service is given")
     key = namespace_key or f"{plan.script_name}-{LEDGER_CLASS}"  # stable: it names the on-disk directory
-    return (f"(\n  modules = [\n    {modules}\n  ],\n  compatibilityDate = {capnp_text(plan.compatibility_date)},\n"
-            "  bindings = [\n    " + ",\n    ".join(items) + "\n  ],\n"
+    return (head + ",\n"
             f"  durableObjectNamespaces = [(className = {capnp_text(LEDGER_CLASS)}, uniqueKey = {capnp_text(key)}, "
             "enableSql = true)],\n"
             f"  durableObjectStorage = (localDisk = {capnp_text(storage_service)})\n)")

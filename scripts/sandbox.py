@@ -7,11 +7,17 @@
     sandbox.py down   [--stack S | --state-dir DIR]
     sandbox.py status [--stack S | --state-dir DIR]     (no --stack: every sandbox that runs)
     sandbox.py demo   [--state-dir DIR] [--samples N] [--client-site COLO]
+    sandbox.py up     --fleet F [--client-site COLO ...] [--sandboxes-dir DIR] [--stretch 1.55] [--rtt A:B=MS ...]
+    sandbox.py apply|down|status --fleet F       (or --stack F: a fleet stack acts on the whole fleet)
+    sandbox.py demo-fleet [--state-dir DIR] [--samples N]
 
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
 new pod before deleting the old one and swaps workerd without dropping a request;
-``status`` prints what runs and whether it is healthy; ``down`` stops everything. Exit 0 on
+``status`` prints what runs and whether it is healthy; ``down`` stops everything. With
+``--fleet F`` (a fleet stack, docs/fleet.md) each acts on every member cell and the front
+door: ``up --fleet`` prints one JSON object with an entry URL per client site, the cells and
+one client key that works fleet-wide. Exit 0 on
 success, 1 when ``status`` finds the sandbox unhealthy or ``demo`` fails a step, 2 on a usage
 or configuration error (including a second ``up``). See docs/sandbox.md.
 """
@@ -40,6 +46,8 @@ if str(ROOT) not in sys.path:
 
 from colocate import stackfile
 from colocate.errors import ConfigError
+from colocate.sandbox import errors as supervisor_errors
+from colocate.sandbox import fleet as sandbox_fleet
 from colocate.sandbox import supervisor
 from colocate.sandbox.errors import SandboxError
 
@@ -63,7 +71,12 @@ def parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="start the cell and print its JSON")
     where(u)
     u.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help="where Pulumi.<stack>.yaml lives")
-    u.add_argument("--client-site", metavar="COLO", help="the client's colo (default: the cell's edge site)")
+    u.add_argument("--client-site", metavar="COLO", action="append", default=[],
+                   help="the client's colo (default: the cell's edge site); with --fleet repeatable: one entry URL "
+                        "per site (default: each cell's edge site)")
+    u.add_argument("--fleet", metavar="F", help="run a fleet stack: every member cell and the front door")
+    u.add_argument("--sandboxes-dir", type=Path,
+                   help="with --fleet: where each cell's state directory goes, DIR/<cell> (default .colocate/sandbox)")
     u.add_argument("--stretch", type=float, help="path stretch over the physical floor (default 1.55)")
     u.add_argument("--rtt", action="append", default=[], metavar="A:B=MS", help="override one pair's round trip; repeatable")
     u.add_argument("--force-split", action="store_true",
@@ -74,18 +87,24 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (default: as at `up`)")
     a.add_argument("--force-split", action="store_true", help="as for up")
     a.add_argument("--timeout", type=float, default=supervisor.UP_TIMEOUT_S, help=argparse.SUPPRESS)
+    a.add_argument("--fleet", metavar="F", help="apply every member cell of a running fleet, then its front door")
     dn = sub.add_parser("down", help="stop everything the sandbox started")
     where(dn)
+    dn.add_argument("--fleet", metavar="F", help="stop a fleet: its front door and every member cell")
     dn.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
     st = sub.add_parser("status", help="print what runs, with health (no --stack: every sandbox that runs)")
     st.add_argument("--stack", help="stack name (default: list every sandbox under .colocate/sandbox/)")
     st.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/<stack>/)")
     st.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
+    st.add_argument("--fleet", metavar="F", help="a fleet: every member cell, then the front door (exit 1 if a part is unhealthy)")
     d = sub.add_parser("demo", help="tell the field story with the running cell (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
     d.add_argument("--samples", type=int, default=10, help="probe samples per step (default 10: enough for the p50/p90 table)")
     d.add_argument("--client-site", default="NRT", metavar="COLO",
                    help="where the one user of the story sits, a colo code (default NRT, Tokyo)")
+    df = sub.add_parser("demo-fleet", help="three cells behind one front door, one cell losing its pods (make demo-fleet)")
+    df.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo-fleet/)")
+    df.add_argument("--samples", type=int, default=12, help="requests per client site and phase (default 12)")
     return p
 
 
@@ -198,8 +217,99 @@ def _interrupted(signum, _frame):
     raise KeyboardInterrupt
 
 
+def _fleet_of(args) -> str | None:
+    """The fleet a command names: ``--fleet F``, or ``--stack F`` where F is a fleet stack
+    (its stack file has colocate:fleet) or a fleet's state directory."""
+    if args.cmd not in ("up", "down", "status", "apply"):
+        return None
+    if getattr(args, "fleet", None):
+        return args.fleet
+    stack = getattr(args, "stack", None)
+    if not stack:
+        return None
+    from colocate import fleet as fleet_cfg
+
+    stacks_dir = getattr(args, "stacks_dir", None) or stackfile.STACKS_DIR
+    if stackfile.path_of(stack, stacks_dir).exists():
+        raw, _ = stackfile.read_config(stack, stacks_dir)
+        return stack if fleet_cfg.is_fleet(raw) else None
+    return stack if sandbox_fleet.is_fleet_dir(args.state_dir or supervisor.default_state_dir(stack)) else None
+
+
+def _fleet_dir(args, fleet: str) -> Path:
+    if args.state_dir:
+        return args.state_dir
+    parent = getattr(args, "sandboxes_dir", None)
+    return (Path(parent) / fleet) if parent else supervisor.default_state_dir(fleet)
+
+
+def _fleet_problems(out: dict) -> str:
+    return "; ".join(out.get("problems") or []) or "still starting"
+
+
+def _fleet_command(args, fleet: str, state_dir: Path) -> int:
+    where = f"--fleet {fleet}" + (f" --state-dir {state_dir}" if Path(state_dir).resolve() !=
+                                  supervisor.default_state_dir(fleet).resolve() else "")
+    if getattr(args, "force_split", False):
+        raise UnknownStack("--force-split: a fleet's cells run as their stack files say. Fix: leave it out, or "
+                           "force a split on one cell with `up --stack CELL --force-split`")
+    if args.cmd == "up":
+        try:
+            out = sandbox_fleet.up(fleet, state_dir=state_dir, stacks_dir=args.stacks_dir,
+                                   sandboxes_dir=args.sandboxes_dir, client_sites=tuple(args.client_site),
+                                   stretch=args.stretch, rtt=tuple(args.rtt), timeout_s=args.timeout)
+            if _swallowed:
+                raise KeyboardInterrupt
+            print(json.dumps(out, indent=2, sort_keys=True), flush=True)
+        except KeyboardInterrupt:
+            with sandbox_fleet.deferred_signals():
+                sandbox_fleet.down(state_dir)
+            raise
+        entries = ", ".join(f"{k} {v}" for k, v in out["entries"].items())
+        print(f"sandbox.py up: fleet {fleet} ({', '.join(c['name'] for c in out['cells'])}) serves at {entries}; "
+              f"client key {out['key']} works at every entry. Next: `{CMD} status {where}`, then `{CMD} down {where}`",
+              file=sys.stderr)
+        return 0
+    if not sandbox_fleet.is_fleet_dir(state_dir):
+        if args.cmd == "down" or args.cmd == "status":
+            print(json.dumps({"fleet": fleet, "state_dir": str(state_dir), "running": False, "was_running": False}))
+            print(f"sandbox.py {args.cmd}: no fleet was started in {state_dir}; {_others()}", file=sys.stderr)
+            return 0
+        raise supervisor_errors.NotRunning(f"no fleet runs in {state_dir}; start one with `{CMD} up {where}`")
+    if args.cmd == "down":
+        out = sandbox_fleet.down(state_dir)
+        print(json.dumps(out, sort_keys=True))
+        said = "stopped" if out["was_running"] else "nothing was running in"
+        print(f"sandbox.py down: {said} the fleet {fleet} in {state_dir} (front door and "
+              f"{len(out['cells'])} cells)", file=sys.stderr)
+        return 0 if not out["running"] else 1
+    if args.cmd == "status":
+        out = sandbox_fleet.status(state_dir)
+        print(json.dumps(out, indent=2, sort_keys=True))
+        if out["healthy"]:
+            print(f"sandbox.py status: fleet {fleet} is healthy at {', '.join((out.get('entries') or {}).values())}. "
+                  f"Next: `{CMD} down {where}` when done", file=sys.stderr)
+            return 0
+        if not out["running"] and not any(c.get("running") for c in out["cells"]):
+            print(f"sandbox.py status: the fleet {fleet} does not run in {state_dir}. Next: `{CMD} up {where}`",
+                  file=sys.stderr)
+            return 0
+        print(f"sandbox.py status: fleet {fleet} runs but is UNHEALTHY: {_fleet_problems(out)}. Next: "
+              f"`{CMD} down {where}`, then `{CMD} up {where}`", file=sys.stderr)
+        return 1
+    out = sandbox_fleet.apply(state_dir, stacks_dir=args.stacks_dir, timeout_s=args.timeout)
+    print(json.dumps(out, indent=2, sort_keys=True))
+    return 0
+
+
 def _after_interrupt(cmd: str, state_dir: Path | None) -> str:
     """What an interrupted command says, from what actually runs now (never from hope)."""
+    if state_dir is not None and sandbox_fleet.is_fleet_dir(state_dir):
+        left = sandbox_fleet.what_runs(state_dir)
+        if not left:
+            return "interrupted; nothing it started is running"
+        return (f"interrupted, but part of the fleet still runs in {state_dir} ({', '.join(left)}): stop it with "
+                f"`{CMD} down --fleet {sandbox_fleet.fleet_name(state_dir)} --state-dir {state_dir}`")
     if state_dir is None or not supervisor.is_running(state_dir):
         return "interrupted; nothing it started is running" if cmd != "apply" else \
             "interrupted; no sandbox runs there"
@@ -222,11 +332,18 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
         return 130
     state_dir: Path | None = None
     try:
+        fleet = _fleet_of(args)
+        if fleet is not None:
+            state_dir = _fleet_dir(args, fleet)
+            return _fleet_command(args, fleet, state_dir)
         if args.cmd == "up":
+            if len(args.client_site) > 1:
+                raise UnknownStack(f"--client-site {' --client-site '.join(args.client_site)}: a cell has one client "
+                                   "site. Fix: give it once, or run a fleet (--fleet F) for one entry per site")
             state_dir = _state_dir(args)
             try:
                 out = supervisor.up(args.stack, state_dir=state_dir, stacks_dir=args.stacks_dir,
-                                    client_site=args.client_site, stretch=args.stretch, rtt=tuple(args.rtt),
+                                    client_site=(args.client_site or [None])[0], stretch=args.stretch, rtt=tuple(args.rtt),
                                     force_split=args.force_split, timeout_s=args.timeout)
                 if _swallowed:
                     raise KeyboardInterrupt  # the user did press Ctrl-C during up
@@ -263,6 +380,12 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             print(json.dumps(out, indent=2, sort_keys=True))
             print(_status_summary(out, args), file=sys.stderr)
             return 0 if out.get("healthy") or not out["running"] else 1
+        if args.cmd == "demo-fleet":
+            from colocate.sandbox import fleet_demo
+
+            demo_dir = args.state_dir or supervisor.default_state_dir("demo-fleet")
+            state_dir = Path(demo_dir) / fleet_demo.FLEET  # what an interrupt reports on
+            return fleet_demo.run(state_dir=demo_dir, samples=args.samples)
         if args.cmd == "demo":
             from colocate.sandbox import demo
 
