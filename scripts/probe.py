@@ -11,6 +11,8 @@ of the Worker's probe endpoint (GET /_colocate/probe) and N of a routed request
 (POST /v1/chat/completions, max_tokens 1), all over one reused connection. Routed requests
 carry a client key: the one given, else a 15-minute key minted with the probe token and
 revoked at the end (Ctrl-C included).
+With --stack naming a fleet stack: from each client site (--client-site NAME=URL, repeatable),
+which cell served, e2e and segments, and whether it was the site's nearest healthy cell.
 Exit 0 when every check holds, 1 when a budget or placement check fails (0 with --warn-only,
 still reported), 2 on a usage error or an unreachable target. See docs/probe.md.
 """
