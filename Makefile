@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind test test-fast test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front lint clean
+.PHONY: setup wrk valgrind test test-fast test-py test-js demo bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -80,6 +80,12 @@ bench-fairness: setup
 
 bench-front: setup wrk
 	$(PY) scripts/bench_front.py
+
+bench-fleet-failover: setup
+	$(PY) scripts/bench_fleet_failover.py
+
+bench-fleet-exchange: setup
+	$(PY) -m bench.fleet_exchange
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

@@ -11,14 +11,17 @@ class Load:
     is (status or None, x-colocate-backend, error text); ``latencies_ms`` holds each
     request's wall time in the same order as it finished."""
 
-    def __init__(self, url: str, key: str, rate_per_s: float = 50, max_s: float = 180):
+    def __init__(self, url: str, key: str, rate_per_s: float = 50, max_s: float = 180,
+                 headers: dict[str, str] | None = None):
         import threading
 
         self.url = url + "/v1/chat/completions"
         self.key = key
+        self.headers = {**(headers or {}), "Authorization": f"Bearer {key}"}
         self.rate, self.max_s = rate_per_s, max_s
         self.results: list[tuple[int | None, str | None, str]] = []
         self.latencies_ms: list[float] = []
+        self.started: list[float] = []  # each request's start (time.monotonic()), same order
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -33,13 +36,15 @@ class Load:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         t0 = time.monotonic()
         try:
-            r = s.post(self.url, json=body, timeout=90, headers={"Authorization": f"Bearer {self.key}"})
+            r = s.post(self.url, json=body, timeout=90, headers=self.headers)
             out = (r.status_code, r.headers.get("x-colocate-backend"), r.text[:200] if r.status_code != 200 else "")
         except requests.RequestException as exc:
             out = (None, None, type(exc).__name__)
+        t1 = time.monotonic()
         with self._lock:
             self.results.append(out)
-            self.latencies_ms.append((time.monotonic() - t0) * 1000)
+            self.latencies_ms.append((t1 - t0) * 1000)
+            self.started.append(t0)
 
     def _run(self) -> None:
         import threading

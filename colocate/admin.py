@@ -29,6 +29,8 @@ from pathlib import Path
 
 import requests
 
+from .sandbox.statedir import SANDBOX_CMD, default_state_dir  # not the supervisor, whose runner imports admin
+
 
 TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
 TIMEOUT_S = 30
@@ -84,8 +86,6 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
                               f"(`pulumi config get --show-secrets colocate:probeToken`), or use --stack S")
         return Target(url.rstrip("/"), token, "url")
     if state_dir is not None or stack is not None:
-        from .sandbox.supervisor import default_state_dir
-
         where = Path(state_dir) if state_dir else (Path(sandboxes_dir) / stack if sandboxes_dir else default_state_dir(stack))
         sandbox = _sandbox_target(where)
         if sandbox:
@@ -99,7 +99,6 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
 
     from .probe import outputs  # the Pulumi CLI, only for deployed stacks
     from .probe.errors import OutputsError
-    from .sandbox.supervisor import SANDBOX_CMD, default_state_dir
 
     def not_found(why: str) -> TargetError:
         # keys.py's own options only (probe.py's messages name options this command lacks).

@@ -8,7 +8,7 @@ stack's outputs (``pulumi.StackReference`` in ``infra/fleet.py``), never from a 
 
 Keys of a fleet stack (``FLEET_KEYS``)::
 
-    colocate:fleet      {cells: [stack, ...], rememberMs: 5000}
+    colocate:fleet      {cells: [stack, ...], rememberMs: 5000, exchangeMs: 1000}
     colocate:accountId  the Cloudflare account
     colocate:worker     only name, subdomain and maxBodyBytes (the front door's)
     colocate:zone       optional: {id, name, workerHostname} for a custom domain
@@ -22,6 +22,11 @@ placed in the cell's region runs, the site the probe's floors start from); ties 
 order of ``colocate:fleet.cells``, which is also the order for a colo the table lacks.
 It is emitted as the front door's ``CELL_RANK`` binding ({colo: [cell index, ...]}),
 beside ``CELLS`` ([{name, region}], index = position = service binding ``CELL_<i>``).
+
+Fleet-wide limits: the front door's Durable Object ``FleetLedger`` (binding ``LEDGER``,
+its own migration list ``LEDGER_MIGRATIONS``) exchanges the cells' limit counters every
+``exchangeMs`` through their operator endpoints, so the front door holds each cell's
+probe token (``CELL_TOKEN_<i>``, secret, from the cell stack's ``probeToken`` output).
 """
 
 from __future__ import annotations
@@ -32,19 +37,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import geo, outputs
+from . import geo, outputs, stackfile
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError, MissingSetting
-from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, module_closure
+from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, migration_decision, module_closure
 from .settings import ALWAYS_SECRET, KEYS, NS, PROVIDER_SECRET, WORKER_DEFAULTS, ZoneSettings, parse_zone
 
 KEY = f"{NS}:fleet"
-FLEET_DEFAULTS = {"cells": [], "rememberMs": 5000}
+FLEET_DEFAULTS = {"cells": [], "rememberMs": 5000, "exchangeMs": 1000}
 MAX_CELLS = 16
 MAX_REMEMBER_MS = 60_000
+MIN_EXCHANGE_MS, MAX_EXCHANGE_MS = 100, 60_000
+LEDGER_CLASS = "FleetLedger"
+LEDGER_BINDING = "LEDGER"
+# The front door's Durable Object migrations (its own script, its own tags), as plan.MIGRATIONS for a cell.
+LEDGER_MIGRATIONS: tuple[tuple[str, dict], ...] = (("v1", {"new_sqlite_classes": [LEDGER_CLASS]}),)
 FLEET_KEYS = ("fleet", "accountId", "worker", "zone")
 FRONT_WORKER_KEYS = ("name", "subdomain", "maxBodyBytes")
-FRONT_MAIN_MODULE = "front.js"
+FRONT_MAIN_MODULE = "frontindex.js"  # exports front.js's handler and the FleetLedger class
 # What the fleet reads from each member stack (names in colocate/outputs.py).
 MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION)
 # A stack name as `pulumi stack init` takes it, optionally qualified as org/project/stack.
@@ -65,6 +75,7 @@ class FleetSettings:
     account_id: str
     cells: tuple[str, ...]  # member stack names, as configured
     remember_ms: int
+    exchange_ms: int
     worker_name: str
     subdomain: str
     max_body_bytes: int
@@ -126,17 +137,18 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     cell_secrets = sorted(set(secrets) & {*ALWAYS_SECRET, *(k for k, _ in PROVIDER_SECRET.values())})
     if cell_secrets:
         name = cell_secrets[0]
-        raise ConfigError(f"{NS}:{name}", "[secret]", "is a cell's secret; the front door holds none (the cells "
-                          "check client keys)", f"pulumi config rm {NS}:{name} -s {stack}")
+        raise ConfigError(f"{NS}:{name}", "[secret]", "is a cell's secret; the front door holds none of its own (the cells "
+                          "check client keys; their probe tokens are read from their stacks)", f"pulumi config rm {NS}:{name} -s {stack}")
     fleet = raw.get("fleet")
     if not isinstance(fleet, Mapping):
-        raise ConfigError(KEY, fleet, "must be a mapping {cells: [...], rememberMs}", f"pulumi config set --path '{KEY}.cells[0]' apac-jp")
+        raise ConfigError(KEY, fleet, "must be a mapping {cells: [...], rememberMs, exchangeMs}", f"pulumi config set --path '{KEY}.cells[0]' apac-jp")
     unknown = sorted(set(fleet) - set(FLEET_DEFAULTS))
     if unknown:
         raise ConfigError(f"{KEY}.{unknown[0]}", fleet[unknown[0]], "unknown key", f"use only {', '.join(FLEET_DEFAULTS)}")
     merged = {**FLEET_DEFAULTS, **fleet}
     cells = _cells(merged["cells"], stack)
     remember = _whole(f"{KEY}.rememberMs", merged["rememberMs"], 0, MAX_REMEMBER_MS)
+    exchange = _whole(f"{KEY}.exchangeMs", merged["exchangeMs"], MIN_EXCHANGE_MS, MAX_EXCHANGE_MS)
 
     account = raw.get("accountId")
     if not isinstance(account, str) or not _ACCOUNT.fullmatch(account):
@@ -167,7 +179,7 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     if zone is None and not subdomain:
         raise MissingSetting(f"{wkey}.subdomain", None, "the front door needs a public address: no zone and no workers.dev subdomain",
                              f"pulumi config set --path {wkey}.subdomain <your-account-subdomain>, or set {NS}:zone")
-    return FleetSettings(stack, account, cells, remember, name, subdomain, max_body, zone)
+    return FleetSettings(stack, account, cells, remember, exchange, name, subdomain, max_body, zone)
 
 
 @dataclass(frozen=True)
@@ -255,10 +267,11 @@ class FleetPlan:
     compatibility_date: str
     members: tuple[Member, ...]
     services: tuple[ServiceBinding, ...]
-    bindings: tuple[Binding, ...]  # plain_text and json
+    bindings: tuple[Binding, ...]  # plain_text, json, the LEDGER namespace, CELL_TOKEN_<i> (secret, from_output)
     rank: dict[str, list[int]]
     hostname: str | None
     url: str
+    migrations: dict | None  # the FleetLedger class's pending steps ({old_tag, new_tag, steps}); None: none
 
     def cells_output(self) -> list[dict]:
         """What the fleet stack exports as ``cells`` (and `pulumi preview` shows)."""
@@ -278,9 +291,25 @@ def json_text(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+def token_output(index: int) -> str:
+    """What fills ``CELL_TOKEN_<index>``: member ``index``'s ``probeToken`` stack output."""
+    return f"cells[{index}].{outputs.PROBE_TOKEN}"
+
+
+def check_tokens(settings: FleetSettings, tokens: Sequence[object]) -> None:
+    """Every member stack exports its probe token (the ledger calls the cell with it)."""
+    for i, (stack, token) in enumerate(zip(settings.cells, tokens, strict=True)):
+        if not isinstance(token, str) or not token:
+            raise ConfigError(f"{KEY}.cells[{i}]", stack, f"stack {stack} has no output {outputs.PROBE_TOKEN}: the front door's "
+                              "limits exchange calls each cell with its probe token",
+                              f"pulumi up -s {short_name(stack)} (then pulumi up the fleet again)")
+
+
 def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | None],
-               worker_dir: Path = WORKER_DIR) -> FleetPlan:
-    """The front door from the settings and each member stack's outputs (index order)."""
+               worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None) -> FleetPlan:
+    """The front door from the settings and each member stack's outputs (index order).
+    ``live_migration_tag``: the tag Cloudflare reports for the front door's script ("" none,
+    None unknown: every step is sent, as for a first deploy)."""
     if len(found) != len(settings.cells):
         raise ValueError(f"{len(found)} member outputs for {len(settings.cells)} cells")
     members = tuple(member(i, s, f) for i, (s, f) in enumerate(zip(settings.cells, found, strict=True)))
@@ -292,7 +321,12 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         Binding("CELL_RANK", "json", text=json_text(table)),
         Binding("REMEMBER_MS", "plain_text", text=str(settings.remember_ms)),
         Binding("MAX_BODY_BYTES", "plain_text", text=str(settings.max_body_bytes)),
+        Binding("EXCHANGE_MS", "plain_text", text=str(settings.exchange_ms)),
+        Binding(LEDGER_BINDING, "durable_object_namespace", class_name=LEDGER_CLASS),
+        *(Binding(f"CELL_TOKEN_{i}", "secret_text", from_output=token_output(i)) for i in range(len(members))),
     )
+    decision = migration_decision(live_migration_tag if live_migration_tag is not None else "", script=settings.worker_name,
+                                  migrations=LEDGER_MIGRATIONS)
     zone = settings.zone
     hostname, url = address(settings)
     return FleetPlan(
@@ -309,4 +343,29 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         rank=table,
         hostname=hostname,
         url=url,
+        migrations=decision.migrations,
     )
+
+
+def check_member_stacks(settings: FleetSettings, stacks_dir: Path) -> None:
+    """Each member named by its bare stack name must be a cell stack of this project: its
+    stack file in ``stacks_dir`` exists and is not a fleet's. The program checks this before
+    reading any StackReference, because a reference to a stack that does not exist fails the
+    whole deployment with the engine's own "unknown stack", which the program cannot catch
+    (pulumi/pulumi#3540). A member named ``project/stack`` or ``org/project/stack`` may
+    belong to another project: only its outputs are checked (``member``)."""
+    for i, stack in enumerate(settings.cells):
+        if "/" in stack:
+            continue
+        key = f"{KEY}.cells[{i}]"
+        path = stacks_dir / f"Pulumi.{stack}.yaml"
+        if not path.is_file():
+            known = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stacks_dir.glob("Pulumi.*.yaml"))
+            raise ConfigError(key, stack, f"no stack {stack} in this project ({stacks_dir.name}/{path.name} does not exist; "
+                              f"stacks here: {', '.join(known) or 'none'})",
+                              f"create and deploy the cell first (pulumi stack init {stack}; pulumi config set colocate:region "
+                              f"<region> -s {stack}; pulumi up -s {stack}), or pulumi config rm --path '{key}'")
+        raw, _ = stackfile.read_config(stack, stacks_dir)
+        if is_fleet(raw):
+            raise ConfigError(key, stack, f"{stack} is a fleet stack, not a cell: a fleet's members are cells",
+                              f"name its cells instead, or pulumi config rm --path '{key}'")

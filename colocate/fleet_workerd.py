@@ -6,32 +6,50 @@ bindings to workerd services named like the cells' Workers (as in the cloud, whe
 service binding names the script). A socket may parse ``request.cf`` from a request header
 (workerd's ``HttpOptions.cfBlobHeader``): locally ``request.cf`` has no colo, so a test
 or a benchmark says which colo a request arrived at with ``cf-blob: {"colo": "NRT"}``.
-Imports no Pulumi.
+The front door hosts its own Durable Object namespace (``FleetLedger``, the limits
+exchange) with SQLite on ``storage_service``'s disk, as a cell hosts its Breaker; each
+``CELL_TOKEN_<i>`` gets its value from ``tokens`` (the cell's probe token). Imports no Pulumi.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from .fleet import FleetPlan
-from .workerd import capnp_text
+from .fleet import LEDGER_CLASS, FleetPlan
+from .workerd import BindingValueMissing, capnp_text
 
 CF_BLOB_HEADER = "cf-blob"
 
 
-def front_worker_capnp(plan: FleetPlan, service_names: Sequence[str] | None = None) -> str:
+def front_worker_capnp(plan: FleetPlan, service_names: Sequence[str] | None = None, *, storage_service: str,
+                       tokens: Mapping[str, str], namespace_key: str | None = None) -> str:
     """The front door as one ``Workerd.Worker`` literal; ``service_names`` overrides the
-    workerd services its ``CELL_<i>`` bindings reach (default: the cells' Worker names)."""
+    workerd services its ``CELL_<i>`` bindings reach (default: the cells' Worker names).
+    ``storage_service``: a disk service for the ledger's SQLite; ``tokens``: each
+    ``CELL_TOKEN_<i>``'s value, by binding name (or by its ``from_output``)."""
     services = list(service_names or [s.service for s in plan.services])
     items = []
     for b in plan.bindings:
+        if b.type == "durable_object_namespace":
+            items.append(f"(name = {capnp_text(b.name)}, durableObjectNamespace = {capnp_text(b.class_name)})")
+            continue
+        if b.type == "secret_text":
+            value = tokens.get(b.name, tokens.get(b.from_output or ""))
+            if value is None:
+                raise BindingValueMissing(b)
+            items.append(f"(name = {capnp_text(b.name)}, text = {capnp_text(value)})")
+            continue
         kind = "json" if b.type == "json" else "text"
         items.append(f"(name = {capnp_text(b.name)}, {kind} = {capnp_text(b.text)})")
     for s, target in zip(plan.services, services, strict=True):
         items.append(f"(name = {capnp_text(s.name)}, service = {capnp_text(target)})")
     modules = ",\n    ".join(f"(name = {capnp_text(m.name)}, esModule = {capnp_text(m.content())})" for m in plan.modules)
+    key = namespace_key or f"{plan.script_name}-{LEDGER_CLASS}"  # stable: it names the on-disk directory
     return (f"(\n  modules = [\n    {modules}\n  ],\n  compatibilityDate = {capnp_text(plan.compatibility_date)},\n"
-            "  bindings = [\n    " + ",\n    ".join(items) + "\n  ]\n)")
+            "  bindings = [\n    " + ",\n    ".join(items) + "\n  ],\n"
+            f"  durableObjectNamespaces = [(className = {capnp_text(LEDGER_CLASS)}, uniqueKey = {capnp_text(key)}, "
+            "enableSql = true)],\n"
+            f"  durableObjectStorage = (localDisk = {capnp_text(storage_service)})\n)")
 
 
 def cf_socket(name: str, service: str, port: int = 0, host: str = "127.0.0.1") -> tuple[str, str]:

@@ -396,15 +396,18 @@ class MigrationDecision:
 
 
 def migration_decision(live: str | None, file_tag: str = "", *, script: str = "",
-                       allow_class_deletion: bool = False) -> MigrationDecision:
+                       allow_class_deletion: bool = False,
+                       migrations: tuple[tuple[str, dict], ...] | None = None) -> MigrationDecision:
     """The pending Durable Object migration steps.
 
     ``live`` is the tag Cloudflare reports for the script: "" when the script does not
     exist yet or has applied none, None when it could not be read (offline), in which case
     the stack file's ``colocate:worker.migrationTag`` is the fallback. When both are known
-    and differ, Cloudflare wins and the decision carries a warning.
+    and differ, Cloudflare wins and the decision carries a warning. ``migrations``: another
+    script's list (a fleet's front door, ``colocate.fleet.LEDGER_MIGRATIONS``); default the cell's.
     """
-    tags = [t for t, _ in MIGRATIONS]
+    all_steps = MIGRATIONS if migrations is None else migrations
+    tags = [t for t, _ in all_steps]
     known = ", ".join(tags)
     if file_tag and file_tag not in tags:
         raise ConfigError("colocate:worker.migrationTag", file_tag, "not a tag this kit ever applied",
@@ -426,7 +429,7 @@ def migration_decision(live: str | None, file_tag: str = "", *, script: str = ""
                        f"{live or 'no tag'!r} on {script or 'the script'}; using Cloudflare's. The stack-file value "
                        "is only an offline fallback: remove it or update it.")
     start = tags.index(applied) + 1 if applied else 0
-    steps = [dict(step) for _, step in MIGRATIONS[start:]]
+    steps = [dict(step) for _, step in all_steps[start:]]
     if any("deleted_classes" in step for step in steps) and not allow_class_deletion:
         raise ConfigError("colocate:worker.allowClassDeletion", False, "a pending migration deletes a class and all its objects",
                           "set colocate:worker.allowClassDeletion true only if that data may go")

@@ -73,7 +73,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
     Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
-    Key("fleet", "object", {}, "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs}. Set, it makes the stack a front door over those cells instead of a cell."),
+    Key("fleet", "object", {}, "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs}. Set, it makes the stack a front door over those cells instead of a cell."),
     Key("fallbackModel", "string", None, "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model unchanged (only when the fallback serves the pod's model)."),
     Key("fallbackPrice", "object", {}, "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports the pods' cost alone."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),

@@ -6,6 +6,12 @@ plans the front door from them (``colocate.fleet.plan_fleet``: the refusals and 
 ranking are decided there) and declares one ``WorkersScript`` with **no placement**, a
 service binding to each cell's Worker by script name, and its public address as a cell
 has one (``infra.cell.public_route``). Nothing in a cell stack changes.
+
+The limits exchange (``FleetLedger``, a Durable Object of the front door) calls each cell's
+operator endpoints, so each cell's ``probeToken`` (a secret output) is read by its
+StackReference and bound as the secret ``CELL_TOKEN_<i>``; the class is created by the
+front door's own migration list (``colocate.fleet.LEDGER_MIGRATIONS``), from the tag
+Cloudflare reports for the script, as a cell's Breaker is.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import TypedDict
 import pulumi
 import pulumi_cloudflare as cloudflare
 
-from colocate import fleet, outputs
+from colocate import fleet, outputs, stackfile
 from colocate.errors import ConfigError, MissingSetting
 
 from .cell import module_files, public_route
@@ -28,6 +34,8 @@ class FleetArgs(TypedDict):
 
     settings: fleet.FleetSettings
     """The fleet stack's validated settings; the members come from their stacks' outputs."""
+    live_migration_tag: str | None
+    """The Durable Object migration tag Cloudflare reports for the front door's script ("" none)."""
 
 
 def qualified(stack: str) -> str:
@@ -39,21 +47,40 @@ def qualified(stack: str) -> str:
     return f"{pulumi.get_organization()}/{pulumi.get_project()}/{stack}"
 
 
-def _plan(settings: fleet.FleetSettings, found: Sequence[dict]) -> fleet.FleetPlan:
+def _plan(settings: fleet.FleetSettings, found: Sequence[dict], live_tag: str | None) -> fleet.FleetPlan:
     try:
-        return fleet.plan_fleet(settings, list(found))
+        return fleet.plan_fleet(settings, list(found), live_migration_tag=live_tag)
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
 
 
-def _binding_args(plan: fleet.FleetPlan) -> list:
+def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: Sequence[object]) -> list:
+    """The front door's bindings; ``tokens``: each member's probeToken output, index order."""
+    try:
+        fleet.check_tokens(settings, tokens)
+    except ConfigError as err:
+        raise pulumi.RunError(str(err)) from None
+    by_output = {fleet.token_output(i): t for i, t in enumerate(tokens)}
     out = [cloudflare.WorkersScriptBindingArgs(name=s.name, type="service", service=s.service) for s in plan.services]
     for b in plan.bindings:
         if b.type == "json":
             out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type="json", json=b.text))
+        elif b.type == "durable_object_namespace":
+            out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, class_name=b.class_name))
+        elif b.type == "secret_text":
+            out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, text=by_output[b.from_output]))
         else:
             out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, text=b.text))
     return out
+
+
+def _migrations(plan: fleet.FleetPlan):
+    """None when nothing is pending (the upload then carries no migrations block)."""
+    m = plan.migrations
+    if m is None:
+        return None
+    steps = [cloudflare.WorkersScriptMigrationsStepArgs(**step) for step in m["steps"]]
+    return cloudflare.WorkersScriptMigrationsArgs(old_tag=m["old_tag"], new_tag=m["new_tag"], steps=steps)
 
 
 class Fleet(pulumi.ComponentResource):
@@ -70,10 +97,14 @@ class Fleet(pulumi.ComponentResource):
             pulumi.StackReference(f"{name}-cell-{fleet.short_name(cell)}", stack_name=qualified(cell), opts=child)
             for cell in s.cells
         ]
-        # Only the outputs the fleet needs, one by one: a cell's probeToken is a secret output
-        # and must not make the whole answer secret.
+        # Only the outputs the plan needs, one by one: a cell's probeToken is a secret output
+        # and must not make the plan (and the exported cells) secret; it goes only into the
+        # bindings, which are secret for it.
         found = [pulumi.Output.all(**{k: ref.get_output(k) for k in fleet.MEMBER_OUTPUTS}) for ref in self.references]
-        plan = pulumi.Output.all(*found).apply(lambda f: _plan(s, f))
+        tokens = [ref.get_output(outputs.PROBE_TOKEN) for ref in self.references]
+        live_tag = args.get("live_migration_tag")
+        plan = pulumi.Output.all(*found).apply(lambda f: _plan(s, f, live_tag))
+        bindings = pulumi.Output.all(plan, *tokens).apply(lambda a: _binding_args(s, a[0], a[1:]))
 
         modules = fleet.front_modules()
         main = modules[0]
@@ -87,7 +118,8 @@ class Fleet(pulumi.ComponentResource):
             files=module_files(modules, main.name),
             compatibility_date=fleet.COMPATIBILITY_DATE,
             # No placement: the front door runs in the colo that accepted the request.
-            bindings=plan.apply(_binding_args),
+            bindings=bindings,
+            migrations=plan.apply(_migrations),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             opts=child,
         )
@@ -100,11 +132,12 @@ class Fleet(pulumi.ComponentResource):
 
 def main() -> dict[str, pulumi.Input]:
     """Declare the fleet stack and export its outputs; returns the exports (tests read them)."""
-    from .program import _raw_config, check_zone
+    from .program import _raw_config, check_zone, live_migration_tag
 
     raw, secrets = _raw_config()
     try:
         settings = fleet.parse(raw, pulumi.get_stack(), secrets=frozenset(secrets))
+        fleet.check_member_stacks(settings, stackfile.STACKS_DIR)
         if not (pulumi.runtime.get_config("cloudflare:apiToken") or os.environ.get("CLOUDFLARE_API_TOKEN")):
             raise MissingSetting("cloudflare:apiToken", None, "the Cloudflare API token is not set",
                                  "pulumi config set --secret cloudflare:apiToken <token> (or export CLOUDFLARE_API_TOKEN)")
@@ -112,7 +145,8 @@ def main() -> dict[str, pulumi.Input]:
         raise pulumi.RunError(str(err)) from None
     if settings.zone is not None:
         check_zone(settings.zone)
-    front = Fleet(settings.stack, FleetArgs(settings=settings))
+    tag = live_migration_tag(settings.account_id, settings.worker_name)
+    front = Fleet(settings.stack, FleetArgs(settings=settings, live_migration_tag=tag))
     exports = {
         outputs.WORKER_URL: front.url,
         outputs.WORKER_NAME: settings.worker_name,

@@ -65,18 +65,21 @@ def cell_plan(region: str, deadline_ms: int):
 
 
 @contextlib.contextmanager
-def fleet_worker(pod_url: str, fallback_url: str, secrets: harness.Secrets, deadline_ms: int):
-    """One workerd: the cells on their own sockets, the front door on the main one."""
+def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harness.Secrets, deadline_ms: int,
+                 regions: tuple[str, ...] = REGIONS, remember_ms: int | None = None):
+    """One workerd: the cells on their own sockets, the front door on the main one.
+    ``pod_url``: one pod for every cell, or {region: its pod's URL}."""
     with wd.Workerd(socket_name="front") as w, contextlib.ExitStack() as stack:
         services = [wd.network_service()]
         sockets = [cf_socket("front", "front")]
         extra: dict[str, socket.socket] = {}
         found = []
         urls = {}
-        for region in REGIONS:
+        for region in regions:
             plan = cell_plan(region, deadline_ms)
             name = plan.worker.script_name
-            values = {"POD_URLS": plan_mod.pod_urls_text([pod_url]), "FALLBACK_URL": fallback_url, **secrets.bindings()}
+            pod = pod_url[region] if isinstance(pod_url, dict) else pod_url
+            values = {"POD_URLS": plan_mod.pod_urls_text([pod]), "FALLBACK_URL": fallback_url, **secrets.bindings()}
             disk = f"disk-{region}"
             services += [wd.worker_service(name, wd.worker_capnp(plan.worker, values, storage_service=disk)),
                          wd.disk_service(disk, w.directory / "objects" / region)]
@@ -85,9 +88,12 @@ def fleet_worker(pod_url: str, fallback_url: str, secrets: harness.Secrets, dead
             sockets.append(wd.socket_capnp(region, 0, name))
             urls[region] = f"http://127.0.0.1:{s.getsockname()[1]}"
             found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region})
-        fs = fleet.parse({"fleet": {"cells": list(REGIONS)}, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
+        cfg = {"cells": list(regions)} | ({} if remember_ms is None else {"rememberMs": remember_ms})
+        fs = fleet.parse({"fleet": cfg, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)
-        services.insert(0, wd.worker_service("front", front_worker_capnp(front)))
+        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["PROBE_TOKEN"] for i in range(len(REGIONS))}
+        services += [wd.disk_service("disk-front", w.directory / "objects" / "front")]
+        services.insert(0, wd.worker_service("front", front_worker_capnp(front, storage_service="disk-front", tokens=tokens)))
         hop = (f"(modules = [(name = \"hop.js\", esModule = {wd.capnp_text(HOP_JS)})], "
                f"compatibilityDate = {wd.capnp_text(front.compatibility_date)}, "
                f"bindings = [(name = \"CELL\", service = {wd.capnp_text(front.services[0].service)})])")

@@ -21,14 +21,14 @@ ACCOUNT = "0123456789abcdef0123456789abcdef"
 def cell_outputs(region: str) -> dict:
     name = f"colocate-{region}"
     return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
-            outputs.PROBE_TOKEN: "probe-secret-of-the-cell"}
+            outputs.PROBE_TOKEN: f"probe-secret-of-{region}"}
 
 
 class FleetMocks(RecordingMocks):
     """Answers each StackReference with the outputs of the stack it names (by bare name)."""
 
-    def __init__(self, stacks: dict[str, dict]):
-        super().__init__()
+    def __init__(self, stacks: dict[str, dict], scripts: dict[str, str] | None = None):
+        super().__init__(scripts)
         self.stacks = stacks
 
     def new_resource(self, args):
@@ -61,9 +61,9 @@ def fleet_config(overrides: dict | None = None, *, cli_defaults: bool = True) ->
 STACKS = {r: cell_outputs(r) for r in ("apac-jp", "eu-west", "us-east")}
 
 
-def deploy(stacks: dict | None = None, overrides: dict | None = None, **kw):
+def deploy(stacks: dict | None = None, overrides: dict | None = None, scripts: dict | None = None, **kw):
     config, keys = fleet_config(overrides, **kw)
-    return run_program("fleet", config, keys, mocks=FleetMocks(STACKS if stacks is None else stacks))
+    return run_program("fleet", config, keys, mocks=FleetMocks(STACKS if stacks is None else stacks, scripts))
 
 
 def refused(stacks: dict | None = None, overrides: dict | None = None) -> str:
@@ -87,12 +87,13 @@ def test_one_front_door_with_service_bindings_and_no_placement():
     w = run.mocks.one(WORKER).inputs
     assert w["scriptName"] == "colocate-fleet" and w["accountId"] == ACCOUNT
     assert "placement" not in w, "the front door runs where the request arrives"
-    assert w["mainModule"] == "front.js" and w["content"] == (stackfile.ROOT / "worker/src/front.js").read_text()
-    assert set(w["files"]) == {m.name for m in fleet.front_modules()} - {"front.js"}
+    main = "frontindex.js"  # front.js's handler and the FleetLedger class
+    assert w["mainModule"] == main and w["content"] == (stackfile.ROOT / "worker/src" / main).read_text()
+    assert set(w["files"]) == {m.name for m in fleet.front_modules()} - {main}
     for name, f in w["files"].items():
         assert base64.b64decode(f["contentBase64"]) == (stackfile.ROOT / "worker/src" / name).read_bytes()
     is_secret, bindings = unsecret(w["bindings"])
-    assert not is_secret
+    assert is_secret, "the bindings hold the cells' probe tokens"
     b = {x["name"]: x for x in bindings}
     assert b["CELL_0"] == {"name": "CELL_0", "type": "service", "service": "colocate-apac-jp"}
     assert b["CELL_1"]["service"] == "colocate-eu-west" and b["CELL_2"]["service"] == "colocate-us-east"
@@ -101,10 +102,32 @@ def test_one_front_door_with_service_bindings_and_no_placement():
     rank = json.loads(b["CELL_RANK"]["json"])
     assert rank["NRT"][0] == 0 and rank["FRA"][0] == 1 and rank["IAD"][0] == 2
     assert b["REMEMBER_MS"] == {"name": "REMEMBER_MS", "type": "plain_text", "text": "5000"}
-    assert not any(s in json.dumps(bindings) for s in ("probe-secret-of-the-cell", *SECRET_VALUES.values()))
+    assert b["EXCHANGE_MS"] == {"name": "EXCHANGE_MS", "type": "plain_text", "text": "1000"}
+    # The limits exchange: its object, and each cell's probe token read from that cell's stack.
+    assert b["LEDGER"] == {"name": "LEDGER", "type": "durable_object_namespace", "className": "FleetLedger"}
+    for i, region in enumerate(("apac-jp", "eu-west", "us-east")):
+        assert b[f"CELL_TOKEN_{i}"] == {"name": f"CELL_TOKEN_{i}", "type": "secret_text", "text": f"probe-secret-of-{region}"}
+    others = [x for x in bindings if not x["name"].startswith("CELL_TOKEN_")]
+    assert not any(s in json.dumps(others) for s in ("probe-secret-of-", *SECRET_VALUES.values()))
+    assert w["migrations"] == {"newTag": "v1", "steps": [{"newSqliteClasses": ["FleetLedger"]}]}
     sub = run.mocks.one(SUBDOMAIN).inputs
     assert sub["scriptName"] == "colocate-fleet" and sub["enabled"] is True
     assert not run.mocks.of_type(DOMAIN) and not run.mocks.of_type("command:local:Command")
+
+
+def test_the_ledger_class_is_created_once():
+    # Cloudflare reports the tag applied: nothing pending, no migrations block.
+    assert deploy(scripts={"colocate-fleet": "v1"}).mocks.one(WORKER).inputs.get("migrations") is None
+    with pytest.raises(pulumi.RunError) as err:
+        deploy(scripts={"colocate-fleet": "v9"})
+    msg = str(err.value)
+    assert "colocate:worker.name" in msg and "'v9'" in msg
+
+
+def test_a_member_without_its_probe_token_is_refused():
+    old = {k: v for k, v in cell_outputs("eu-west").items() if k != outputs.PROBE_TOKEN}
+    msg = refused({**STACKS, "eu-west": old})
+    assert "colocate:fleet.cells[1]" in msg and "no output probeToken" in msg and "Fix: pulumi up -s eu-west" in msg
 
 
 def test_exports_list_the_cells_with_their_regions():
@@ -137,10 +160,47 @@ def test_a_member_deployed_before_the_region_output_is_refused():
     assert "colocate:fleet.cells[2]" in msg and "no outputs region" in msg
 
 
-def test_two_cells_in_one_region_are_refused():
+@pytest.fixture
+def stacks_dir(tmp_path, monkeypatch):
+    """A copy of stacks/ the program reads instead (a test adds cell stack files to it)."""
+    d = tmp_path / "stacks"
+    d.mkdir()
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml"):
+        (d / p.name).write_text(p.read_text())
+    monkeypatch.setattr(stackfile, "STACKS_DIR", d)
+    return d
+
+
+def test_two_cells_in_one_region_are_refused(stacks_dir):
+    (stacks_dir / "Pulumi.apac-jp-2.yaml").write_text((stacks_dir / "Pulumi.apac-jp.yaml").read_text())
     stacks = {**STACKS, "apac-jp-2": {**cell_outputs("apac-jp"), outputs.WORKER_NAME: "colocate-apac-jp-2"}}
     msg = refused(stacks, {"fleet": {"cells": ["apac-jp", "apac-jp-2", "us-east"]}})
     assert "colocate:fleet.cells" in msg and "both in region apac-jp" in msg and "Fix:" in msg
+
+
+def test_a_member_stack_that_does_not_exist_is_refused_before_any_reference(stacks_dir):
+    mocks = FleetMocks(STACKS)
+    config, keys = fleet_config({"fleet": {"cells": ["apac-jp", "ap-south", "us-east"]}})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("fleet", config, keys, mocks=mocks)
+    msg = str(err.value)
+    assert "colocate:fleet.cells[1]" in msg and "'ap-south'" in msg and "no stack ap-south" in msg
+    assert "pulumi stack init ap-south" in msg and "apac-jp, apac-tw" in msg
+    # Refused by the program, not by the engine: no reference was read at all.
+    assert not [r for r in mocks.resources if r.typ == REF]
+
+
+def test_a_fleet_named_as_a_member_is_refused(stacks_dir):
+    (stacks_dir / "Pulumi.fleet2.yaml").write_text((stacks_dir / "Pulumi.fleet.yaml").read_text())
+    msg = refused(overrides={"fleet": {"cells": ["apac-jp", "fleet2"]}})
+    assert "colocate:fleet.cells[1]" in msg and "fleet2 is a fleet stack, not a cell" in msg
+
+
+def test_a_member_of_another_project_is_checked_by_its_outputs_only(stacks_dir):
+    stacks = {**STACKS, "tokyo": cell_outputs("apac-tw")}
+    run = deploy(stacks, {"fleet": {"cells": ["acme/other/tokyo", "eu-west"]}})
+    assert [(c["name"], c["stack"], c["region"]) for c in run.resolved[outputs.CELLS]] == [
+        ("tokyo", "acme/other/tokyo", "apac-tw"), ("eu-west", "eu-west", "eu-west")]
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -112,13 +112,50 @@ def test_bad_remember_ms(value):
     assert err.key == "colocate:fleet.rememberMs" and "0..60000" in err.fix
 
 
+@pytest.mark.parametrize("value", [0, 99, 60_001, "soon", True])
+def test_bad_exchange_ms(value):
+    err = refused(fleet={"cells": CELLS, "exchangeMs": value})
+    assert err.key == "colocate:fleet.exchangeMs" and "100..60000" in err.fix and repr(value) in str(err)
+
+
+def test_exchange_ms_default_and_binding():
+    assert fleet.parse(raw(), "fleet").exchange_ms == 1000
+    s = fleet.parse(raw(fleet={"cells": CELLS, "exchangeMs": "250"}), "fleet")
+    assert s.exchange_ms == 250
+    p = fleet.plan_fleet(s, [outs(c) for c in CELLS])
+    b = {x.name: x for x in p.bindings}
+    assert b["EXCHANGE_MS"].text == "250"
+    assert b["LEDGER"].type == "durable_object_namespace" and b["LEDGER"].class_name == "FleetLedger"
+    # Each cell's probe token, as a secret filled from that member stack's output (never held in the plan).
+    assert [(b[f"CELL_TOKEN_{i}"].type, b[f"CELL_TOKEN_{i}"].from_output, b[f"CELL_TOKEN_{i}"].text) for i in range(3)] == [
+        ("secret_text", f"cells[{i}].probeToken", None) for i in range(3)]
+
+
+def test_the_ledger_class_is_created_once_by_its_own_migration():
+    s = fleet.parse(raw(), "fleet")
+    found = [outs(c) for c in CELLS]
+    first = fleet.plan_fleet(s, found, live_migration_tag="").migrations
+    assert first == {"old_tag": None, "new_tag": "v1", "steps": [{"new_sqlite_classes": ["FleetLedger"]}]}
+    assert fleet.plan_fleet(s, found, live_migration_tag="v1").migrations is None
+    with pytest.raises(ConfigError, match="migration tag 'v7'"):
+        fleet.plan_fleet(s, found, live_migration_tag="v7")
+
+
+def test_a_member_without_its_probe_token_is_refused():
+    s = fleet.parse(raw(), "fleet")
+    fleet.check_tokens(s, ["a", "b", "c"])
+    with pytest.raises(ConfigError) as err:
+        fleet.check_tokens(s, ["a", None, "c"])
+    assert err.value.key == "colocate:fleet.cells[1]" and "probeToken" in err.value.problem and "pulumi up -s eu-west" in err.value.fix
+
+
 def test_remember_ms_as_cli_text():
     assert fleet.parse(raw(fleet={"cells": CELLS, "rememberMs": "2500"}), "fleet").remember_ms == 2500
 
 
 def test_unknown_fleet_subkey():
     err = refused(fleet={"cells": CELLS, "maxCells": 3})
-    assert err.key == "colocate:fleet.maxCells" and "cells, rememberMs" in err.fix
+    assert err.key == "colocate:fleet.maxCells" and "cells, rememberMs, exchangeMs" in err.fix
 
 
 def test_front_door_has_no_placement():
@@ -250,8 +287,9 @@ def test_member_outputs_wrong_length_is_a_bug():
 def test_front_modules_are_front_js_and_what_it_imports():
     mods = fleet.front_modules()
     names = [m.name for m in mods]
-    assert names[0] == "front.js"
-    assert {"errors.js", "timing.js", "body.js", "routes.js"} <= set(names)
+    # The main module exports front.js's handler and the limits exchange's object.
+    assert names[0] == "frontindex.js" and "export class FleetLedger" in (fleet.WORKER_DIR / "fleetledger.js").read_text()
+    assert {"front.js", "fleetledger.js", "fleetexchange.js", "errors.js", "timing.js", "body.js", "routes.js"} <= set(names)
     # The cell's state, router and object are not part of the front door.
     assert not {"router.js", "generation.js", "state.js", "index.js"} & set(names)
     for m in mods:  # closed under imports

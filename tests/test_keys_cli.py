@@ -106,9 +106,9 @@ def test_as_a_subprocess_with_a_sandbox_state_dir(cell, tmp_path):
 
 
 def test_a_stack_with_no_sandbox_and_no_deployment_names_this_commands_options(capsys, monkeypatch, tmp_path):
-    from colocate.sandbox import supervisor
+    from colocate.sandbox import statedir
 
-    monkeypatch.setattr(supervisor, "SANDBOXES_DIR", tmp_path / "sandboxes")
+    monkeypatch.setattr(statedir, "SANDBOXES_DIR", tmp_path / "sandboxes")
     monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no pulumi CLI
     code, out, err = run(capsys, "list", "--stack", "nosuch")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from colocate import stackfile
-from colocate.sandbox import supervisor
+from colocate.sandbox import demokey, statedir, supervisor
 from colocate.sandbox.errors import AlreadyRunning, OtherStack
 from colocate.sandbox.geography import Geography
 from tests.support.sandbox import sandbox_stacks
@@ -221,7 +221,7 @@ def test_demo_key_is_created_kept_0600_reused_and_replaced_when_revoked(stacks, 
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     key = cell["key"]
     assert key.startswith("clc_") and cell["key_id"]
-    path = state_dir / supervisor.KEY_FILE
+    path = state_dir / demokey.KEY_FILE
     assert path.stat().st_mode & 0o777 == 0o600 and json.loads(path.read_text())["key"] == key
     models = urllib.request.Request(cell["worker_url"] + "/v1/models", headers={"authorization": f"Bearer {key}"})
     with urllib.request.urlopen(models, timeout=30) as r:
@@ -231,7 +231,7 @@ def test_demo_key_is_created_kept_0600_reused_and_replaced_when_revoked(stacks, 
     again = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     assert again["key"] == key  # still accepted by the cell: reused, not piled up
     admin = AdminClient(Target(again["worker_url"], again["token"], "sandbox"))
-    assert [k["name"] for k in admin.list_keys()] == [supervisor.DEMO_KEY_NAME]
+    assert [k["name"] for k in admin.list_keys()] == [demokey.DEMO_KEY_NAME]
     admin.revoke_key(again["key_id"])
     supervisor.down(state_dir, quiet=True)
 
@@ -259,7 +259,7 @@ def _cli(argv, capsys):
 
 
 def test_down_and_status_tell_a_typo_and_an_empty_state_dir_from_a_sandbox(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(supervisor, "SANDBOXES_DIR", tmp_path / "sandboxes")
+    monkeypatch.setattr(statedir, "SANDBOXES_DIR", tmp_path / "sandboxes")
     for cmd in ("down", "status"):
         code, out, err = _cli([cmd, "--stack", "sandbx"], capsys)
         assert code == 2 and out == "", err
@@ -275,7 +275,7 @@ def test_down_and_status_tell_a_typo_and_an_empty_state_dir_from_a_sandbox(tmp_p
 
 
 def test_status_without_a_stack_lists_the_sandboxes_that_run(stacks, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(supervisor, "SANDBOXES_DIR", tmp_path / "sandboxes")
+    monkeypatch.setattr(statedir, "SANDBOXES_DIR", tmp_path / "sandboxes")
     running = tmp_path / "sandboxes" / "mine"
     try:
         cell = supervisor.up("sandbox", state_dir=running, stacks_dir=stacks)

@@ -6,7 +6,13 @@
     proxies.py     the emulated network: front proxy, outbound proxy, pin control endpoint
     js/wrapper.js  sandbox-only Worker entry: the product Worker, its BREAKER namespace wrapped
     config.py      the workerd config composed from the cell plan
-    supervisor.py  up / down / status: processes, state directory, lock, cleanup
+    statedir.py    the state directory: its files, the lock, secrets, the owning stack
+    launch.py      what ``up`` was asked for (launch.json), the plan and sites derived from it
+    processes.py   process groups, signals deferred during cleanups, HTTP health checks
+    pods.py        the cell's pods through scripts/pod.py (pods.json)
+    demokey.py     the demo client key (demo-key.json)
+    runner.py      the runner: starts every part, rolling apply, cleanup
+    supervisor.py  up / apply / down / status, and the runner's entry (``-m ...supervisor run``)
     demo.py        the field story told with the running cell (``make demo``)
 
 The product Worker's bytes are the ones the cloud receives; every delay is added by

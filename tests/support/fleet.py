@@ -97,14 +97,24 @@ class Fleet:
         return res
 
 
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
 def generation(region: str) -> list[dict]:
     return [{"name": f"{region}.g1", "region": region, "status": "active"}]
 
 
 @contextlib.contextmanager
 def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), *, compute_ms: float = 2,
-                  remember_ms: int = 5000, worker: dict | None = None) -> Iterator[Fleet]:
-    """workerd with the front door on its main socket and each cell on its own socket."""
+                  remember_ms: int = 5000, worker: dict | None = None, exchange_ms: int = 1000,
+                  unreachable: tuple[str, ...] = ()) -> Iterator[Fleet]:
+    """workerd with the front door on its main socket and each cell on its own socket.
+    ``unreachable``: cells whose service binding leads to a closed port (a cell that is down)."""
     with contextlib.ExitStack() as stack:
         fb = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME,
                                                name="fallback"))
@@ -128,10 +138,20 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
             cells.append(FleetCell(region, region, plan, pod, f"http://127.0.0.1:{s.getsockname()[1]}"))
             found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.sandbox.workers.dev",
                           outputs.REGION: region})
-        settings = fleet.parse({"fleet": {"cells": list(regions), "rememberMs": remember_ms},
+        settings = fleet.parse({"fleet": {"cells": list(regions), "rememberMs": remember_ms, "exchangeMs": exchange_ms},
                                 "accountId": "0" * 32, "worker": {"subdomain": "sandbox"}}, "fleet")
         plan = fleet.plan_fleet(settings, found)
-        services.insert(0, wd.worker_service("front", front_worker_capnp(plan)))
+        targets = []
+        for region, s in zip(regions, plan.services, strict=True):
+            if region in unreachable:
+                dead = f"dead-{region}"
+                services.append(wd.external_service(dead, "127.0.0.1", closed_port()))
+                targets.append(dead)
+            else:
+                targets.append(s.service)
+        tokens = {f"CELL_TOKEN_{i}": SECRETS["PROBE_TOKEN"] for i in range(len(regions))}
+        services.append(wd.disk_service("disk-front", w.directory / "objects" / "front"))
+        services.insert(0, wd.worker_service("front", front_worker_capnp(plan, targets, storage_service="disk-front", tokens=tokens)))
         w.start(wd.config_capnp(services, sockets), extra_sockets=extra)
         f = Fleet(w, plan, cells, fb)
         made = request(cells[0].url, "POST", "/_colocate/keys", body={"name": "fleet"}, headers=auth())

@@ -11,6 +11,7 @@ import { podSnap } from "./pods.js";
 import { cache, activeStub, infoOf, stubFor } from "./state.js";
 import { EDGES, mergeEncoded } from "./histogram.js";
 import { fetchColo, rayColo } from "./trace.js";
+import { badRows } from "./fleetexchange.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
@@ -45,6 +46,8 @@ const HANDLERS = {
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
   live: (request, env, cfg, url) => live(env, cfg, url),
+  fleet_counters: (request, env, cfg, url) => fleetCounters(env, cfg, url),
+  fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
 
 export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
@@ -291,6 +294,37 @@ async function live(env, cfg, url) {
     pods: cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host })),
     since: from, now: t, edges: EDGES, minutes, hours,
   }, noStore);
+}
+
+// --- a fleet's limits exchange (worker/src/fleetledger.js calls these; docs/fleet.md) ---
+
+const PEERS_BODY_LIMIT = 512 * 1024; // MAX_ROWS rows of ~75 bytes
+
+/** This cell's own counters of the keys changed since `since` (the exchange's cursor). */
+async function fleetCounters(env, cfg, url) {
+  const raw = url.searchParams.get("since") ?? "0";
+  const since = Number(raw);
+  if (raw === "" || !Number.isSafeInteger(since) || since < 0) {
+    throw new HttpError(400, "invalid_field", `query "since" must be a whole number >= 0, the cursor of the last answer (got ${JSON.stringify(raw)})`);
+  }
+  return jsonResponse(200, await activeStub(env, cfg).changedCounters(since, infoOf(cfg)), noStore);
+}
+
+/** The other cells' counters, summed by the exchange: stored, and added to this cell's `counts`. */
+async function setPeers(request, env, cfg) {
+  const body = parseJsonObject(await readBody(request, PEERS_BODY_LIMIT));
+  const unknown = Object.keys(body).filter((k) => k !== "rows");
+  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use rows`);
+  const bad = badRows(body.rows);
+  if (bad) throw new HttpError(400, "invalid_field", bad);
+  return jsonResponse(200, await activeStub(env, cfg).setPeers(body.rows, infoOf(cfg)), noStore);
+}
+
+/** One key's counters here: own, the peers' as last pushed, and their sum as a sync answers it. */
+async function peersOf(env, cfg, url) {
+  const id = url.searchParams.get("key");
+  if (id === null || !ID_RE.test(id)) throw new HttpError(400, "invalid_field", `query "key" must be a key id: key_ and 12 hex digits (got ${JSON.stringify(id)})`);
+  return jsonResponse(200, await activeStub(env, cfg).peersOf(id, infoOf(cfg)), noStore);
 }
 
 function round(ms) {

@@ -50,10 +50,13 @@ export function errorResponse(status, code, message, headers = {}, type = errorT
 // Bindings whose values must never reach a log line or a response.
 export const SECRET_BINDINGS = ["POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "PROBE_TOKEN"];
 
+const CELL_TOKEN = /^CELL_TOKEN_\d+$/; // a fleet's front door holds each cell's probe token
+
 /** `text` with every secret binding value replaced by [redacted]. */
 export function redact(text, env) {
   let out = String(text);
-  for (const name of SECRET_BINDINGS) {
+  const names = env ? [...SECRET_BINDINGS, ...Object.keys(env).filter((k) => CELL_TOKEN.test(k))] : SECRET_BINDINGS;
+  for (const name of names) {
     const value = env && env[name];
     if (typeof value === "string" && value.length > 0) out = out.split(value).join("[redacted]");
   }

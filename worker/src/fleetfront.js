@@ -41,6 +41,15 @@ export function readFleet(env) {
     if (!s || typeof s.fetch !== "function") throw new ConfigurationError(`CELL_${i}`, "the cell's service binding is missing");
     return s;
   });
+  // Each cell's probe token: the ledger (fleetledger.js) reads and writes the cells' counters with it.
+  const tokens = cells.map((_, i) => {
+    const t = env[`CELL_TOKEN_${i}`];
+    if (typeof t !== "string" || t === "") throw new ConfigurationError(`CELL_TOKEN_${i}`, "the cell's probe token is missing");
+    return t;
+  });
+  if (!env.LEDGER || typeof env.LEDGER.idFromName !== "function") {
+    throw new ConfigurationError("LEDGER", "the FleetLedger Durable Object namespace binding is missing");
+  }
   const rank = json(env, "CELL_RANK");
   if (rank === null || typeof rank !== "object" || Array.isArray(rank)) {
     throw new ConfigurationError("CELL_RANK", "must be a JSON object {colo: [cell index, ...]}");
@@ -57,6 +66,8 @@ export function readFleet(env) {
     fallbackOrder: Object.freeze(cells.map((_, i) => i)),
     rememberMs: whole(env, "REMEMBER_MS", 0),
     maxBodyBytes: whole(env, "MAX_BODY_BYTES", 1),
+    exchangeMs: whole(env, "EXCHANGE_MS", 1),
+    tokens: Object.freeze(tokens),
   });
   configs.set(env, cfg);
   return cfg;

@@ -9,6 +9,9 @@
 //   CELL_RANK     json: {colo: [cell index, ...]} nearest first; a colo it lacks uses 0..n-1
 //   REMEMBER_MS   how long a cell that answered "no pod" is passed over (0: never)
 //   MAX_BODY_BYTES  the body is buffered once (so it can be sent twice), up to this
+//   CELL_TOKEN_<i>  secret: cell i's probe token (the ledger's calls to the cell)
+//   LEDGER        Durable Object namespace of FleetLedger (fleetledger.js): the limits exchange
+//   EXCHANGE_MS   the exchange period
 //
 // The contract with a cell (worker/src/router.js): a request carrying
 // `x-colocate-fallback: defer` that finds no pod able to serve it is answered at once with
@@ -17,6 +20,7 @@
 import { readBody } from "./body.js";
 import { ConfigurationError, HttpError, errorResponse, log } from "./errors.js";
 import { CELL_HEADER, DEFER_HEADER, choose, isNoPod, readFleet, remember } from "./fleetfront.js";
+import { pokeLedger } from "./fleetexchange.js";
 import { lookup } from "./routes.js";
 import { now, serverTiming } from "./timing.js";
 
@@ -45,6 +49,7 @@ async function route(request, env, ctx) {
       { allow: r.methods.join(", ") });
   }
   const cfg = readFleet(env);
+  pokeLedger(env, ctx, cfg); // the limits exchange runs while the fleet is used; never awaited here
   // Buffered once, bounded, so a second cell can be sent the same bytes.
   const body = r.json ? await readBody(request, cfg.maxBodyBytes) : null;
   const colo = request.cf && request.cf.colo;

@@ -19,9 +19,10 @@ import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
 import { minuteOf } from "./limits.js";
 import {
-  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, SCHEMA, SCHEMA_VERSION,
-  UPSERT_MONTH, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
+  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
+  SCHEMA_VERSION, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
+import { addPeer, monthOf } from "./fleetexchange.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -37,6 +38,7 @@ export const DELTA_ROWS = 500; // key rows per answer; `more: true` asks the iso
 // starts from the current revision (cheaper than paging through every change since).
 export const DELTA_RESET = 5000;
 const INFLIGHT_KEEP_MS = 10 * 60_000; // in-flight rows of isolates silent this long are deleted
+export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's exchange; `more: true` asks again
 
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
@@ -135,6 +137,9 @@ export class Breaker extends DurableObject {
         this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
           ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
       }
+      if (data.peers && data.peers.length) this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(data.peers));
+      // A fleet's exchange reads this generation from its own sequence: every imported counter is news.
+      this.markChanged([...new Set([...months.map((m) => m.key_id), ...data.windows.map((w) => w.key_id)])]);
       this.setMeta(`imported:${from}`, Date.now());
     });
   }
@@ -156,6 +161,8 @@ export class Breaker extends DurableObject {
       seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
         .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
       inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
+      peers: this.sql.exec("SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens FROM peer_counters").toArray()
+        .map((r) => [r.key_id, r.minute, r.req, r.tok, r.prev_req, r.prev_tok, r.month, r.month_tokens]),
     };
   }
 
@@ -181,10 +188,10 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * {id: [minute, req, tok, prev_req, prev_tok, month_tokens, inflight_elsewhere]} for
-   * the ids asked (absent: all zero). Three indexed reads, whatever the number of keys.
+   * This cell's own counters {id: [minute, req, tok, prev_req, prev_tok, month_tokens,
+   * 0]} for the ids asked (absent: all zero). Two indexed reads, whatever the number of keys.
    */
-  countsOf(ids, info, now) {
+  ownCounts(ids, now) {
     const counts = {};
     if (!ids || ids.length === 0) return counts;
     const m = minuteOf(now);
@@ -200,8 +207,27 @@ export class Breaker extends DurableObject {
     }
     for (const r of this.sql.exec(
       "SELECT key_id, tokens FROM key_month WHERE key_id IN (SELECT value FROM json_each(?)) AND month = ?",
-      list, new Date(now).toISOString().slice(0, 7))) {
+      list, monthOf(now))) {
       if (r.tokens > 0) slot(r.key_id)[5] = r.tokens;
+    }
+    return counts;
+  }
+
+  /**
+   * {id: [minute, req, tok, prev_req, prev_tok, month_tokens, inflight_elsewhere]} for
+   * the ids asked (absent: all zero): this cell's own counters, plus a fleet's other
+   * cells' as the exchange last pushed them (peer_counters), plus the other isolates'
+   * requests in flight. Four indexed reads, whatever the number of keys.
+   */
+  countsOf(ids, info, now) {
+    const counts = this.ownCounts(ids, now);
+    if (!ids || ids.length === 0) return counts;
+    const m = minuteOf(now);
+    const list = JSON.stringify(ids);
+    const slot = (id) => (counts[id] ??= [m, 0, 0, 0, 0, 0, 0]);
+    for (const r of this.sql.exec(`SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens FROM peer_counters
+        WHERE key_id IN (SELECT value FROM json_each(?))`, list)) {
+      addPeer(slot(r.key_id), [r.key_id, r.minute, r.req, r.tok, r.prev_req, r.prev_tok, r.month, r.month_tokens], now);
     }
     const fresh = now - 2 * Math.max(info.ttlMs ?? 0, 1000);
     for (const r of this.sql.exec(`SELECT key_id, SUM(n) AS n FROM key_inflight
@@ -210,6 +236,61 @@ export class Breaker extends DurableObject {
       if (r.n > 0) slot(r.key_id)[6] = r.n;
     }
     return counts;
+  }
+
+  // --- a fleet's exchange (fleetledger.js pulls and pushes through admin.js) ---
+
+  /** Give each key its own next sequence number (inside the caller's transaction). */
+  markChanged(ids) {
+    if (!ids.length) return;
+    const base = Number(this.meta("changed_seq") || 0);
+    this.sql.exec(MARK_CHANGED, JSON.stringify(ids.map((id, i) => [id, base + i + 1])));
+    this.setMeta("changed_seq", base + ids.length);
+  }
+
+  /**
+   * This cell's own counters of the keys changed since sequence `since`, at most
+   * CHANGED_ROWS, by the index on key_changed.seq: {cursor, more, rows: [[key_id, minute,
+   * req, tok, prev_req, prev_tok, month, month_tokens]]}. A cursor ahead of this
+   * generation (a new one after a migration) reads from the start.
+   */
+  async changedCounters(since, info) {
+    await this.readThrough(info);
+    const seq = Number(this.meta("changed_seq") || 0);
+    const from = since > seq ? 0 : since;
+    const marks = this.sql.exec("SELECT key_id, seq FROM key_changed WHERE seq > ? ORDER BY seq LIMIT ?", from, CHANGED_ROWS + 1)
+      .toArray();
+    const more = marks.length > CHANGED_ROWS;
+    if (more) marks.length = CHANGED_ROWS;
+    const now = Date.now();
+    const own = this.ownCounts(marks.map((r) => r.key_id), now);
+    const month = monthOf(now);
+    const rows = marks.map(({ key_id: id }) => {
+      const c = own[id] ?? [minuteOf(now), 0, 0, 0, 0, 0];
+      return [id, c[0], c[1], c[2], c[3], c[4], month, c[5]];
+    });
+    return { generation: info.generation, cursor: more ? marks[marks.length - 1].seq : seq, more, reset: from !== since, rows };
+  }
+
+  /** The other cells' counters, as the exchange summed them: one row per key, replaced; all-zero rows deleted. */
+  async setPeers(rows, info) {
+    await this.readThrough(info);
+    const keep = rows.filter((r) => r[2] || r[3] || r[4] || r[5] || r[7]);
+    const gone = rows.filter((r) => !(r[2] || r[3] || r[4] || r[5] || r[7])).map((r) => r[0]);
+    this.ctx.storage.transactionSync(() => {
+      if (keep.length) this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(keep));
+      if (gone.length) this.sql.exec("DELETE FROM peer_counters WHERE key_id IN (SELECT value FROM json_each(?))", JSON.stringify(gone));
+    });
+    return { stored: keep.length, deleted: gone.length };
+  }
+
+  /** One key's peer row and own counters (the operator's view of what the exchange brought). */
+  async peersOf(id, info) {
+    await this.readThrough(info);
+    const r = this.sql.exec(`SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens, at FROM peer_counters
+      WHERE key_id = ?`, id).toArray()[0] ?? null;
+    const now = Date.now();
+    return { key_id: id, peers: r, own: this.ownCounts([id], now)[id] ?? null, counts: this.countsOf([id], info, now)[id] ?? null };
   }
 
   /**
@@ -263,6 +344,11 @@ export class Breaker extends DurableObject {
       }
       if (batch.windows && batch.windows.length) this.sql.exec(BULK_WINDOW, JSON.stringify(batch.windows), oldest);
       this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
+      // What a fleet's exchange reads next: the keys whose own counters this batch moved.
+      const changed = new Set();
+      for (const w of batch.windows || []) changed.add(String(w[0]));
+      for (const u of batch.usage || []) if ((u[3] || 0) + (u[4] || 0) !== 0) changed.add(String(u[1]));
+      this.markChanged([...changed]);
       if (batch.inflight && batch.inflight.length) {
         const isolate = String(info.isolate ?? "");
         for (const [keyId, n] of batch.inflight) {

@@ -15,7 +15,7 @@ import { blameOf, candidates, finished, healthDue, leastBusy, started, worthRepo
 import { lookup } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
-  served, wantedDigest,
+  served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
 import { estimateUsage, stripStream, tapStream, usageOfJson } from "./usage.js";
@@ -132,7 +132,7 @@ function releaseSlot(request) {
   if (release) release();
 }
 
-/** Refuse a request over one of the key's limits (429 with Retry-After), else admit it. */
+/** Refuse a request over one of the key's limits (429 with Retry-After), else admit it (returns when). */
 function enforceLimits(request, cfg, key) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
@@ -148,6 +148,7 @@ function enforceLimits(request, cfg, key) {
   }
   const release = admit(cfg, key, t);
   if (release) slots.set(request, release);
+  return t;
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
@@ -170,7 +171,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json);
   }
-  enforceLimits(request, cfg, key);
+  const admittedAt = enforceLimits(request, cfg, key);
   scheduleFlush(env, ctx, cfg);
   // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last byte).
   const meter = (backend, usage) => {
@@ -256,6 +257,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     // A fleet's front door asks for "no pod" rather than the paid fallback: it tries another cell (docs/fleet.md).
     blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
     releaseSlot(request);
+    withdraw(cfg, key.id, admittedAt); // the next cell counts it: the fleet's limits count it once
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }

@@ -23,6 +23,11 @@
 //                 index or "fallback"; for `sync` `colo` is the state object's and `pod` the
 //                 Worker's colo. Minutes older than 7 days roll up into
 //   seg_hour      the same per hour; hours older than 35 days are dropped
+//   key_changed   per key: the sequence number of the last batch that changed its own
+//                 counters (rate_window, key_month); a fleet's exchange reads the keys
+//                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
+//   peer_counters per key: the other cells of a fleet together, as the exchange last
+//                 pushed them (minute buckets and month); added to `counts`, never to usage
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
@@ -56,6 +61,11 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS seg_minute (
      minute INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
      PRIMARY KEY (minute, colo, pod, segment))`,
+  `CREATE TABLE IF NOT EXISTS key_changed (key_id TEXT PRIMARY KEY, seq INTEGER NOT NULL)`,
+  `CREATE TABLE IF NOT EXISTS peer_counters (
+     key_id TEXT PRIMARY KEY, minute INTEGER NOT NULL, req INTEGER NOT NULL, tok INTEGER NOT NULL,
+     prev_req INTEGER NOT NULL, prev_tok INTEGER NOT NULL, month TEXT NOT NULL, month_tokens INTEGER NOT NULL,
+     at INTEGER NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS seg_hour (
      hour INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
      PRIMARY KEY (hour, colo, pod, segment))`,
@@ -75,6 +85,7 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS client_keys_rev ON client_keys (rev)`,
   `CREATE INDEX IF NOT EXISTS rate_window_minute ON rate_window (minute)`,
   `CREATE INDEX IF NOT EXISTS key_inflight_at ON key_inflight (at)`,
+  `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
 ];
 
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at";
@@ -112,6 +123,16 @@ export const BULK_MONTH = `INSERT INTO key_month (key_id, month, tokens)
 export const BULK_WINDOW = `INSERT INTO rate_window (key_id, minute, requests, tokens)
   SELECT ${[0, 1, 2, 3].map(col).join(", ")} FROM json_each(?) WHERE ${col(1)} >= ?
   ON CONFLICT (key_id, minute) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens`;
+
+// The exchange's rows, one per key: [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens].
+export const UPSERT_PEERS = `INSERT INTO peer_counters (key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens, at)
+  SELECT ${[0, 1, 2, 3, 4, 5, 6, 7].map(col).join(", ")}, ? FROM json_each(?) WHERE true
+  ON CONFLICT (key_id) DO UPDATE SET minute = excluded.minute, req = excluded.req, tok = excluded.tok,
+    prev_req = excluded.prev_req, prev_tok = excluded.prev_tok, month = excluded.month,
+    month_tokens = excluded.month_tokens, at = excluded.at`;
+// Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
+export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true
+  ON CONFLICT (key_id) DO UPDATE SET seq = excluded.seq`;
 
 export const UPSERT_POD = `INSERT INTO pod_health (pod, state, failures, opened_at, trial_at, updated_at, failure_keys)
   VALUES (?, ?, ?, ?, ?, ?, ?)

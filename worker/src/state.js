@@ -129,7 +129,12 @@ function servedKeys(gen, t) {
 export async function sync(env, cfg, lookup = null) {
   const gen = cfg.activeGeneration;
   const asked = servedKeys(gen, Date.now());
+  const before = pending.get(gen);
+  const flight = before ? { windows: before.windows, month: before.month } : null;
   let batch = takePending(gen);
+  // Until the answer (which counts this batch) is in the cache, the limits still see the
+  // batch's requests and tokens here: an isolate never forgets its own traffic.
+  const sending = batch && keepSending(before, flight);
   let entry;
   try {
     for (let page = 0; page < MORE_PAGES_MAX; page++) {
@@ -140,14 +145,24 @@ export async function sync(env, cfg, lookup = null) {
       recordSync(gen, view, now() - t);
       batch = null;
       entry = cache.put(gen, view, Date.now(), asked);
+      if (sending) before.sending.delete(sending);
       if (view.found) cache.putLookup(gen, { rev: view.rev, ...view.found }, lookup, Date.now(), cfg.stateTtlMs);
       if (!view.more) break;
     }
   } catch (err) {
+    if (sending) before.sending.delete(sending);
     restorePending(gen, batch);
     throw err;
   }
   return entry;
+}
+
+/** The counter maps a sync just took (those replaced by fresh ones), kept visible while it is in flight. */
+function keepSending(p, flight) {
+  const taken = { windows: p.windows !== flight.windows ? flight.windows : null, month: p.month !== flight.month ? flight.month : null };
+  if (!taken.windows && !taken.month) return null;
+  p.sending.add(taken);
+  return taken;
 }
 
 // --- key look-ups ---
@@ -299,7 +314,7 @@ function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
     p = { usage: new Map(), windows: new Map(), month: new Map(), inflight: new Map(), inflightChanged: new Set(),
-      served: new Map(), plannedAt: -Infinity };
+      served: new Map(), plannedAt: -Infinity, sending: new Set() };
     pending.set(gen, p);
   }
   return p;
@@ -354,19 +369,34 @@ function addWindow(p, keyId, minute, req, tok) {
   row[3] += tok;
 }
 
-/** (minute) => {req, tok} of this isolate's unsynced deltas for a key. */
+/** (minute) => {req, tok} of this isolate's deltas for a key not yet in its view (pending or being sent). */
 export function pendingCounter(gen, keyId) {
   const p = pending.get(gen);
   return (minute) => {
-    const row = p && p.windows.get(keyId + "|" + minute);
-    return row ? { req: row[2], tok: row[3] } : { req: 0, tok: 0 };
+    const k = keyId + "|" + minute;
+    const row = p && p.windows.get(k);
+    const out = row ? { req: row[2], tok: row[3] } : { req: 0, tok: 0 };
+    if (p && p.sending.size) {
+      for (const f of p.sending) {
+        const r = f.windows && f.windows.get(k);
+        if (r) {
+          out.req += r[2];
+          out.tok += r[3];
+        }
+      }
+    }
+    return out;
   };
 }
 
-/** Tokens this isolate has not synced yet for a key in the current month. */
+/** Tokens of a key this month not yet in this isolate's view (pending or being sent). */
 export function pendingMonthTokens(gen, keyId, t) {
   const p = pending.get(gen);
-  return p ? p.month.get(dayOf(t).slice(0, 7) + "|" + keyId) ?? 0 : 0;
+  if (!p) return 0;
+  const k = dayOf(t).slice(0, 7) + "|" + keyId;
+  let n = p.month.get(k) ?? 0;
+  for (const f of p.sending) if (f.month) n += f.month.get(k) ?? 0;
+  return n;
 }
 
 /** Requests of a key in flight in this isolate now. */
@@ -397,6 +427,17 @@ export function admit(cfg, key, t) {
     else p.inflight.delete(key.id);
     p.inflightChanged.add(key.id);
   };
+}
+
+/**
+ * A request admitted at `t` was not served here: a fleet's front door asked for "no pod"
+ * and sends it to another cell, which counts it. Its request is taken back out of this
+ * cell's counters (the bucket and day it was added to), so the fleet counts it once.
+ */
+export function withdraw(cfg, keyId, t) {
+  const p = pendingOf(cfg.activeGeneration);
+  addWindow(p, keyId, minuteOf(t), -1, 0);
+  addUsage(p, dayOf(t), keyId, [-1, 0, 0, 0, 0, 0]);
 }
 
 /**

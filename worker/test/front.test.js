@@ -2,8 +2,16 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { MAX_TRIES, choose, forget, isNoPod, readFleet, remember } from "../src/fleetfront.js";
 import front from "../src/front.js";
+import { forgetPoke } from "../src/fleetexchange.js";
 
 const cell = () => ({ fetch: async () => new Response("") });
+
+// A stand-in for the FleetLedger namespace: counts pokes; `hang` makes a poke never answer.
+function ledger({ hang = false } = {}) {
+  const ns = { pokes: 0, idFromName: (name) => ({ name }) };
+  ns.get = () => ({ poke: () => { ns.pokes += 1; return hang ? new Promise(() => {}) : Promise.resolve({}); } });
+  return ns;
+}
 
 function env(over = {}) {
   return {
@@ -14,6 +22,11 @@ function env(over = {}) {
     CELL_2: cell(),
     REMEMBER_MS: "5000",
     MAX_BODY_BYTES: "1048576",
+    CELL_TOKEN_0: "t0",
+    CELL_TOKEN_1: "t1",
+    CELL_TOKEN_2: "t2",
+    LEDGER: ledger(),
+    EXCHANGE_MS: "1000",
     ...over,
   };
 }
@@ -71,6 +84,9 @@ test("bad bindings name the binding", () => {
     [{ CELL_RANK: [] }, /CELL_RANK/],
     [{ REMEMBER_MS: "-1" }, /REMEMBER_MS/],
     [{ MAX_BODY_BYTES: "0" }, /MAX_BODY_BYTES/],
+    [{ CELL_TOKEN_1: "" }, /CELL_TOKEN_1: the cell's probe token is missing/],
+    [{ LEDGER: undefined }, /LEDGER/],
+    [{ EXCHANGE_MS: "0" }, /EXCHANGE_MS/],
   ];
   for (const [over, message] of bad) assert.throws(() => readFleet(env(over)), message, JSON.stringify(over));
 });
@@ -162,6 +178,23 @@ test("bad bindings answer 500 misconfigured naming the binding", async () => {
   const res = await ask({ ...env(), CELL_RANK: "nope" });
   assert.equal(res.status, 500);
   assert.match((await res.json()).error.message, /CELL_RANK/);
+});
+
+test("the front door pokes the ledger in the background, at most once per isolate per period", async () => {
+  forget();
+  forgetPoke();
+  const waited = [];
+  const c = { waitUntil: (p) => waited.push(p) };
+  const e = fleetEnv([served("apac-jp"), served("eu-west"), served("us-east")]);
+  e.LEDGER = ledger({ hang: true }); // a poke that never answers must not hold any response
+  for (let i = 0; i < 5; i++) {
+    const req = new Request("https://fleet.example/v1/models", { headers: { authorization: "Bearer clc_x" } });
+    assert.equal((await front.fetch(req, e, c)).status, 200);
+  }
+  await Promise.resolve(); // the poke is made in a microtask of its waitUntil promise
+  assert.equal(e.LEDGER.pokes, 1);
+  assert.equal(waited.length, 1);
+  forgetPoke();
 });
 
 test("Server-Timing names the front door's colo only when it is one", async () => {

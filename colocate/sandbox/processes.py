@@ -1,0 +1,54 @@
+"""Process groups, signals deferred during a cleanup, and whether a child answers over HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+
+CHILD_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """Hold SIGINT and SIGTERM until the block ends, then raise KeyboardInterrupt if one came.
+    A cleanup interrupted half-way would leave processes running; only the main thread can
+    set handlers, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: got.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        raise KeyboardInterrupt
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    return _signal_group(pgid, 0)
+
+
+def _http_ok(url: str, headers: dict | None = None, timeout: float = 2.0) -> tuple[bool, int | None]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+            return 200 <= r.status < 300, r.status
+    except urllib.error.HTTPError as exc:
+        return False, exc.code
+    except (OSError, ValueError):
+        return False, None

@@ -1,0 +1,344 @@
+"""The runner: the process ``up`` starts (``python -m colocate.sandbox.supervisor run STATE_DIR``),
+in its own session and process group. It owns every part of the cell until ``down``:
+
+    pod        scripts/pod.py create --spec -  (provider local: a detached stand-in)
+    fallback   a stand-in "external API" (child process)
+    network    front proxy + outbound proxy + pin control (threads of the runner)
+    workerd    the product Worker behind the sandbox entry (child process)
+
+SIGHUP (``sandbox.py apply``) makes it re-plan from the stack file and replace the pods that
+changed one at a time (``Runner.apply``); SIGTERM makes it stop its children and delete the pods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, pod_urls_text
+from . import config as config_mod
+from .demokey import demo_key
+from .errors import StartupFailed
+from .geography import Geography, Sites
+from .launch import Launch, build_plan, object_sites, sites_for
+from .pinning import FILE_NAME as PINS_FILE, Pins
+from .pods import _create_pod, _create_pods, _delete_pod, _pod_pid, _pods, _record_pods
+from .processes import CHILD_TIMEOUT_S, _http_ok
+from .proxies import Network, NetworkServers, local_url
+from .statedir import ROOT, _log, _read_json, _write_json, load_secrets
+
+WORKERD = ROOT / "node_modules" / ".bin" / "workerd"
+FALLBACK_COMPUTE_MS = 95
+FALLBACK_MODEL = "sandbox/fallback"
+# Longer than the Worker's usage flush interval (worker/src/state.js FLUSH_MAX_MS = 1 s).
+WAIT_UNTIL_GRACE_S = 1.2
+
+
+def _hostport(url: str) -> str:
+    return url.split("://", 1)[1].split("/", 1)[0]
+
+
+class Runner:
+    """Owns every part of one running sandbox. Lives in its own process group."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = Path(state_dir)
+        self.logs = self.state_dir / "logs"
+        self.stop = threading.Event()
+        self.children: dict[str, subprocess.Popen] = {}
+        self.servers: NetworkServers | None = None
+        self.network: Network | None = None
+        self.reload = threading.Event()  # SIGHUP: `sandbox.py apply` asks for a deploy
+        self.revision = 0
+        self.fallback_url = ""
+        self.key: dict = {}
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=ROOT,
+                                pass_fds=pass_fds)
+        log.close()
+        self.children[name] = proc
+        return proc
+
+    def _start_fallback(self, api_key: str) -> str:
+        port_file = self.state_dir / "fallback.port"
+        port_file.unlink(missing_ok=True)
+        env = {**os.environ, "POD_TOKEN": api_key,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = self._spawn("fallback", [sys.executable, "-m", "colocate.pods.standin", "--host", "127.0.0.1", "--port", "0",
+                                        "--compute-ms", str(FALLBACK_COMPUTE_MS), "--model", FALLBACK_MODEL,
+                                        "--name", "fallback", "--port-file", str(port_file)], env=env)
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stop.is_set():
+            info = _read_json(port_file)
+            if info and info.get("url"):
+                return info["url"]
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise StartupFailed(f"the fallback stand-in did not start; see {self.logs / 'fallback.log'}")
+
+    def _start_workerd(self, config_path: Path) -> int:
+        if not WORKERD.exists():
+            raise StartupFailed(f"{WORKERD} is missing. Fix: run `make setup` (npm ci installs workerd)")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        try:
+            # workerd listens on the socket we bound (port 0, real port known up front).
+            self._spawn("workerd", [str(WORKERD), "serve", str(config_path), "-S",
+                                    f"{config_mod.SOCKET_NAME}={sock.fileno()}"], pass_fds=(sock.fileno(),))
+        finally:
+            sock.close()
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stop.is_set():
+            ok, code = _http_ok(f"http://127.0.0.1:{port}/_colocate/probe", timeout=5)
+            if code is not None:
+                return port
+            if self.children["workerd"].poll() is not None:
+                break
+            time.sleep(0.1)
+        raise StartupFailed(f"workerd did not answer; see {self.logs / 'workerd.log'}")
+
+    def start(self) -> dict:
+        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
+        plan, _ = build_plan(launch)
+        geography = Geography.from_args(launch.stretch, launch.rtt)
+        secrets = load_secrets(self.state_dir)
+        pins = Pins(self.state_dir / PINS_FILE)
+
+        pods = _create_pods(self.state_dir, plan, secrets["podToken"])
+        sites = sites_for(plan, launch, pods[0].get("location", "local"))
+        fallback_url = local_url(self._start_fallback(secrets["fallbackApiKey"]))
+        network = Network(geography, sites, pins, targets={_hostport(fallback_url): sites.fallback})
+        network.targets.update(self._pod_targets(plan, launch, sites, pods))
+        self.network = network
+        self.fallback_url = fallback_url
+        self.servers = NetworkServers(network)
+        wport, state_sites = self._launch_workerd(plan, sites, pods)
+        network.resume(("127.0.0.1", wport))
+        self.key = demo_key(self.state_dir, f"http://127.0.0.1:{self.servers.front.port}", secrets["probeToken"])
+        return self._ready(plan, launch, pods, sites, state_sites, wport)
+
+    @staticmethod
+    def _pod_targets(plan: CellPlan, launch: Launch, sites: Sites, pods: list[dict]) -> dict[str, str]:
+        """The outbound proxy's routes to the pods: by the hostname the Worker uses, each at its site."""
+        return {_hostport(p["worker_url"]): sites_for(plan, launch, p.get("location", "local")).pod for p in pods}
+
+    def _launch_workerd(self, plan: CellPlan, sites: Sites, pods: list[dict]) -> tuple[int, list[str]]:
+        pins = Pins(self.state_dir / PINS_FILE)
+        state_sites = object_sites(plan, sites.edge, pins)
+        objects = self.state_dir / "objects"
+        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])]
+        values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url,
+                  POD_URLS_FROM_OUTPUT: pod_urls_text(urls)}
+        text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
+                                  outbound=("127.0.0.1", self.servers.outbound.port), objects_dir=objects)
+        config_path = config_mod.write(self.state_dir / "workerd.capnp", text, objects, state_sites)
+        return self._start_workerd(config_path), state_sites
+
+    def _swap(self, plan: CellPlan, sites: Sites, pods: list[dict]) -> tuple[int, list[str]]:
+        """Deploy a new Worker version with these pods, dropping no request: new requests wait
+        at the edge while in-flight ones finish, then the new workerd takes them."""
+        net = self.network
+        if not net.pause():
+            _log("apply: in-flight requests did not finish in time; swapping anyway")
+        # On Cloudflare an old version's isolates finish their ctx.waitUntil work after the
+        # new version takes traffic; here both versions share the objects' disk, so the old
+        # one gets that time before it stops: its batched usage reaches the object.
+        time.sleep(WAIT_UNTIL_GRACE_S)
+        old = self.children.pop("workerd", None)
+        try:
+            if old is not None and old.poll() is None:
+                old.terminate()
+                try:
+                    old.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    old.kill()
+                    old.wait(timeout=5)
+            wport, state_sites = self._launch_workerd(plan, sites, pods)
+        except BaseException:
+            net.resume(net.workerd)  # never leave requests held
+            raise
+        net.resume(("127.0.0.1", wport), sites=sites)
+        return wport, state_sites
+
+    def apply(self) -> dict:
+        """The sandbox's `pulumi up` on a running cell: re-plan from the stack file and replace
+        the pods that changed **one at a time** (new pod i serves and the Worker uses it before
+        old pod i is deleted), adding or removing only the pods whose index came or went."""
+        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
+        plan, _ = build_plan(launch)
+        token = load_secrets(self.state_dir)["podToken"]
+        old = {p.get("index", 0): p for p in _pods(self.state_dir)}
+        current: list[dict | None] = [old.get(i) for i in range(len(plan.pods))]
+        deleted: set[str] = set()
+        net = self.network
+
+        def record() -> None:  # every pod that may bill is on file at every step
+            live = [p for p in current if p]
+            ids = {p["id"] for p in live} | deleted
+            _record_pods(self.state_dir, live + [p for p in old.values() if p["id"] not in ids])
+
+        def retire(pod: dict, why: str) -> None:
+            if _delete_pod(self.state_dir, pod):
+                deleted.add(pod["id"])
+            _log(f"apply: deleted pod {pod.get('index', 0)} ({pod.get('name')}): {why}")
+            record()
+
+        sites = sites_for(plan, launch, (current[0] or {}).get("location", "local"))
+        swapped = None
+        for i, pod in enumerate(plan.pods):
+            before = old.get(i)
+            if before and before.get("name") == pod.name:
+                continue
+            created = _create_pod(self.state_dir, plan, token, i)  # serves before anything else happens
+            current[i] = created
+            record()
+            sites = sites_for(plan, launch, current[0].get("location", "local"))
+            net.targets.update(self._pod_targets(plan, launch, sites, [created]))  # before the swap
+            swapped = self._swap(plan, sites, [p for p in current if p])
+            _log(f"apply: pod {i} is now {created['name']}")
+            if before:
+                retire(before, "replaced")
+        live = [p for p in current if p]
+        removed = [p for j, p in sorted(old.items()) if j >= len(plan.pods)]
+        if swapped is None or removed:
+            swapped = self._swap(plan, sites, live)  # the new Worker version, without removed pods
+        for extra in removed:
+            retire(extra, f"pod.count is {len(plan.pods)}")
+        self._purge_retired(plan)
+        wport, state_sites = swapped
+        return self._ready(plan, launch, live, sites, state_sites, wport)
+
+    def _purge_retired(self, plan: CellPlan) -> None:
+        """What the cell's purge commands do after `finish`: once per retired generation,
+        through the Worker's own endpoint (as `migrate.py purge` does in the cloud)."""
+        record = self.state_dir / "purged.json"
+        done = set((_read_json(record) or {}).get("purged", []))
+        token = load_secrets(self.state_dir)["probeToken"]
+        for gen in plan.state.purge:
+            if gen in done:
+                continue
+            req = urllib.request.Request(f"http://127.0.0.1:{self.servers.front.port}/_colocate/purge",
+                                         data=json.dumps({"generation": gen}).encode(), method="POST",
+                                         headers={"authorization": f"Bearer {token}", "content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                _log(f"purged {gen}: {resp.read().decode()[:200]}")
+            done.add(gen)
+            _write_json(record, {"purged": sorted(done)})
+
+    def _ready(self, plan: CellPlan, launch: Launch, pods: list[dict], sites: Sites, state_sites: list[str],
+               wport: int) -> dict:
+        self.revision += 1
+        secrets = load_secrets(self.state_dir)
+        pins = Pins(self.state_dir / PINS_FILE)
+        first = pods[0]
+        fallback_url = self.fallback_url
+        geography = self.network.geography
+        state = plan.state
+        pod_pids = {("pod" if p["index"] == 0 else f"pod-{p['index']}"): _pod_pid(self.state_dir, p) for p in pods}
+        return {
+            "stack": plan.stack,
+            "region": plan.region.name,
+            "worker_url": f"http://127.0.0.1:{self.servers.front.port}",
+            "pod_url": first["worker_url"].rstrip("/"),
+            "pod_id": first.get("id"),
+            "pod_location": first.get("location"),
+            "pods": [{"index": p["index"], "id": p.get("id"), "name": p.get("name"), "url": p["worker_url"].rstrip("/"),
+                      "address": p["url"].rstrip("/"), "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)}
+                     for p in pods],
+            "fallback_url": fallback_url,
+            "token": secrets["probeToken"],
+            "key": self.key.get("key"),
+            "key_id": self.key.get("id"),
+            "state_dir": str(self.state_dir),
+            "generation": state.active.name,
+            "hint": state.hint,
+            "draining": state.draining.name if state.draining else None,
+            "force_split": launch.force_split,
+            "sites": {**sites.as_json(), "objects": state_sites, "placement": sites.placement},
+            "geography": geography.as_json(),
+            "pins": pins.all(),
+            "ports": {"front": self.servers.front.port, "outbound": self.servers.outbound.port, "workerd": wport},
+            "pids": {"runner": os.getpid(), "workerd": self.children["workerd"].pid,
+                     "fallback": self.children["fallback"].pid, **pod_pids},
+            "logs": str(self.logs),
+            "revision": self.revision,
+        }
+
+    def watch(self) -> str:
+        """Wait until told to stop or a child dies; apply deploys when asked; say why it ended."""
+        while not self.stop.wait(0.2):
+            if self.reload.is_set():
+                self.reload.clear()
+                (self.state_dir / "apply-failed.json").unlink(missing_ok=True)
+                try:
+                    ready = self.apply()
+                    _write_json(self.state_dir / "ready.json", ready, 0o600)
+                    _log(f"applied revision {ready['revision']}: generation {ready['generation']}, edge {ready['sites']['edge']}")
+                except Exception as exc:  # noqa: BLE001 - reported to `apply`; the old version keeps serving
+                    _log(f"apply failed: {type(exc).__name__}: {exc}")
+                    _write_json(self.state_dir / "apply-failed.json", {"error": str(exc)})
+            for name, proc in self.children.items():
+                if proc.poll() is not None:
+                    return f"{name} exited with {proc.returncode}"
+        return "stop requested"
+
+    def cleanup(self) -> None:
+        for proc in list(self.children.values())[::-1]:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.children.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if self.servers:
+            self.servers.close()
+        _delete_pod(self.state_dir)
+
+
+def run(state_dir: Path) -> int:
+    """The runner's main: start everything, report readiness, wait, clean up."""
+    state_dir = Path(state_dir)
+    runner = Runner(state_dir)
+
+    def on_signal(signum, _frame):
+        runner.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: runner.reload.set())
+    _write_json(state_dir / "run.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
+    code = 0
+    try:
+        ready = runner.start()
+        if runner.stop.is_set():
+            return 0
+        _write_json(state_dir / "ready.json", ready, 0o600)
+        _log(f"up: {ready['worker_url']} (edge {ready['sites']['edge']}, objects at {ready['sites']['objects']})")
+        why = runner.watch()
+        _log(f"stopping: {why}")
+        code = 0 if why == "stop requested" else 1
+    except Exception as exc:  # noqa: BLE001 - reported to `up` through failed.json, then cleaned up
+        _log(f"failed: {type(exc).__name__}: {exc}")
+        _write_json(state_dir / "failed.json", {"error": str(exc)})
+        code = 1
+    finally:
+        runner.cleanup()
+        (state_dir / "ready.json").unlink(missing_ok=True)
+        _log("stopped")
+    return code

@@ -1,0 +1,134 @@
+"""The state directory of one sandbox: its files, its lock, its secrets, and which stack owns it.
+
+State directory (default ``<repo>/.colocate/sandbox/<stack>/``):
+
+    secrets.json   generated once, mode 0600 (pod, probe, fallback tokens)
+    pins.json      where each generation was first touched; survives down/up
+    objects/<SITE> each object host's SQLite storage; survives down/up
+    sandbox.lock   flock taken by ``up`` and inherited by the runner for its whole life
+                   (a second ``up`` sees it; "held" = a runner or its launcher lives)
+    run.json       runner pid/pgid, written by the runner itself before it starts anything
+    launch.json    what ``up`` asked for
+    ready.json     what ``up`` prints (mode 0600: it holds the probe token and the demo key)
+    demo-key.json  the demo client key (mode 0600), reused by later ``up``s while the cell accepts it
+    workerd.capnp  the generated config (mode 0600: it holds secret bindings)
+    pods/          scripts/pod.py's local pod state;  pod.json  the create's output
+    logs/          runner.log, workerd.log, fallback.log, pod.log
+
+Imports nothing of the rest of the kit but the sandbox's errors, so ``colocate.admin`` can find
+a sandbox's state directory without importing the supervisor (which imports admin).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import secrets as secrets_mod
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import OtherStack
+
+ROOT = Path(__file__).resolve().parents[2]
+SANDBOX_SECRETS = ("podToken", "probeToken", "fallbackApiKey")  # fallbackUrl is the fallback's URL, known at start
+SANDBOX_CMD = ".venv/bin/python scripts/sandbox.py"  # every command we print runs as printed from the root
+SANDBOXES_DIR = ROOT / ".colocate" / "sandbox"
+
+
+def default_state_dir(stack: str) -> Path:
+    return SANDBOXES_DIR / stack
+
+
+def running_sandboxes(parent: Path | None = None) -> list[Path]:
+    """The state directories under ``parent`` (default: where ``up`` puts them) where a sandbox runs."""
+    parent = Path(parent or SANDBOXES_DIR)
+    if not parent.is_dir():
+        return []
+    return [d for d in sorted(Path(parent).iterdir()) if d.is_dir() and is_running(d)]
+
+
+def _log(msg: str) -> None:
+    print(f"[sandbox] {msg}", file=sys.stderr, flush=True)
+
+
+def _write_json(path: Path, data: dict, mode: int = 0o644) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def load_secrets(state_dir: Path) -> dict[str, str]:
+    """The sandbox's secrets, generated once per state directory (mode 0600)."""
+    path = Path(state_dir) / "secrets.json"
+    data = _read_json(path) if path.exists() else None
+    if not data or any(not isinstance(data.get(k), str) or not data.get(k) for k in SANDBOX_SECRETS):
+        data = {k: secrets_mod.token_hex(24) for k in SANDBOX_SECRETS}
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        _write_json(path, data, 0o600)
+    return data
+
+
+# --- the lock ----------------------------------------------------------------------------
+
+def _lock_path(state_dir: Path) -> Path:
+    return Path(state_dir) / "sandbox.lock"
+
+
+def try_lock(state_dir: Path) -> int | None:
+    """An fd holding the state directory's lock, or None when a sandbox runs there."""
+    fd = os.open(_lock_path(state_dir), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+def is_running(state_dir: Path) -> bool:
+    if not _lock_path(state_dir).exists():
+        return False
+    fd = try_lock(state_dir)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def _pids(state_dir: Path) -> dict:
+    ready = _read_json(Path(state_dir) / "ready.json") or {}
+    run = _read_json(Path(state_dir) / "run.json") or {}
+    return ready.get("pids") or {"runner": run.get("pid")}
+
+
+def owner(state_dir: Path) -> str | None:
+    """The stack whose sandbox the state directory holds (from the last ``up``), or None."""
+    return (_read_json(Path(state_dir) / "launch.json") or {}).get("stack")
+
+
+def check_owner(state_dir: Path, stack: str) -> None:
+    """Refuse to run ``stack`` where another stack's sandbox keeps its pins, objects and pods."""
+    other = owner(state_dir)
+    if other is not None and other != stack:
+        raise OtherStack(f"{state_dir} is the state directory of stack {other!r}, not {stack!r}: its pins, objects "
+                         f"and secrets belong to {other}. Fix: `{SANDBOX_CMD} up --stack {other} --state-dir {state_dir}` "
+                         f"for that sandbox, or `--stack {stack}` with its own state directory (default "
+                         f"{default_state_dir(stack)}); nothing was started")

@@ -1,0 +1,105 @@
+// A fleet's exchange of limit counters, the parts that are pure (plus the front door's
+// poke): the row format, aligning a row to the current minute, summing the other cells',
+// and checking rows that arrive. The object that runs the exchange is fleetledger.js;
+// each cell's generation stores what it is sent (generation.js setPeers) and adds it to
+// the `counts` its isolates read. See docs/fleet.md, "Limits across cells".
+//
+// A row: [key_id, minute, req, tok, prev_req, prev_tok, month "YYYY-MM", month_tokens]:
+// one cell's (or the sum of several cells') requests and tokens in the minute bucket
+// `minute` and the one before, and its tokens in `month`.
+
+import { minuteOf } from "./limits.js";
+import { log } from "./errors.js";
+
+export const ROW_LEN = 8;
+export const MAX_ROWS = 5000; // rows per push (a body of at most ~400 KB)
+const KEY_ID = /^key_[0-9a-f]{12}$/;
+const MONTH = /^\d{4}-\d{2}$/;
+
+/** "YYYY-MM" (UTC) of t. */
+export function monthOf(t) {
+  return new Date(t).toISOString().slice(0, 7);
+}
+
+/**
+ * A row's requests and tokens as seen at minute `m`: [req, tok, prev_req, prev_tok] of
+ * buckets m and m - 1 (a row from an older minute has moved into "previous", or out).
+ */
+export function aligned(row, m) {
+  if (row[1] === m) return [row[2], row[3], row[4], row[5]];
+  if (row[1] === m - 1) return [0, 0, row[2], row[3]];
+  return [0, 0, 0, 0];
+}
+
+/** Add a peer row into a sync's counters `c` ([minute, req, tok, prev_req, prev_tok, month_tokens, ...]) at `now`. */
+export function addPeer(c, row, now) {
+  const a = aligned(row, minuteOf(now));
+  c[1] += a[0];
+  c[2] += a[1];
+  c[3] += a[2];
+  c[4] += a[3];
+  if (row[6] === monthOf(now)) c[5] += row[7];
+  return c;
+}
+
+/**
+ * The sum of `rows` (one key, one row per cell) as a row at `now`: what the cells
+ * together counted in this minute, the previous one and this month.
+ */
+export function sumRows(id, rows, now) {
+  const m = minuteOf(now);
+  const month = monthOf(now);
+  const out = [id, m, 0, 0, 0, 0, month, 0];
+  for (const r of rows) {
+    const a = aligned(r, m);
+    out[2] += a[0];
+    out[3] += a[1];
+    out[4] += a[2];
+    out[5] += a[3];
+    if (r[6] === month) out[7] += r[7];
+  }
+  return out;
+}
+
+/** null when `rows` (a push's body field) is well formed, else the message naming the field. */
+export function badRows(rows) {
+  if (!Array.isArray(rows)) return `field "rows" must be an array of [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
+  if (rows.length > MAX_ROWS) return `field "rows" holds at most ${MAX_ROWS} rows (got ${rows.length}): send them in parts`;
+  for (let i = 0; i < rows.length; i++) {
+    const r = rows[i];
+    const at = `field "rows[${i}]"`;
+    if (!Array.isArray(r) || r.length !== ROW_LEN) return `${at} must be [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
+    if (typeof r[0] !== "string" || !KEY_ID.test(r[0])) return `${at}[0] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[0])})`;
+    for (const j of [1, 2, 3, 4, 5, 7]) {
+      if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
+    }
+    if (typeof r[6] !== "string" || !MONTH.test(r[6])) return `${at}[6] must be a month YYYY-MM (got ${JSON.stringify(r[6])})`;
+  }
+  return null;
+}
+
+// --- the front door's poke: the ledger's alarm runs only while the fleet is used ---
+
+export const LEDGER_NAME = "ledger";
+export const POKE_EVERY_MS = 10_000; // per isolate; the ledger keeps going QUIET_MS after the last poke
+let lastPoke = -Infinity; // module scope: one isolate
+let ledgerId = null; // a DurableObjectId is plain data, safe to keep
+
+/**
+ * Tell the ledger the fleet is in use, at most once per isolate per max(exchange period,
+ * POKE_EVERY_MS), in the background: never awaited by a request.
+ */
+export function pokeLedger(env, ctx, cfg, t = Date.now()) {
+  if (t - lastPoke < Math.max(cfg.exchangeMs, POKE_EVERY_MS)) return false;
+  lastPoke = t;
+  ledgerId ??= env.LEDGER.idFromName(LEDGER_NAME);
+  ctx.waitUntil(Promise.resolve()
+    .then(() => env.LEDGER.get(ledgerId).poke())
+    .catch((err) => log(env, "ledger_unreachable", { message: String(err && err.message) })));
+  return true;
+}
+
+/** Forget the last poke (tests). */
+export function forgetPoke() {
+  lastPoke = -Infinity;
+}
