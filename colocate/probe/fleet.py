@@ -319,12 +319,13 @@ def table(r: FleetResult) -> str:
     for c in r.cells:
         where = f"{c.region.name} ({c.region.edge_site})" if c.region else "region unknown"
         lines.append(f"  {c.name:<12}{where:<20}{'healthy' if c.healthy else 'NOT HEALTHY':<13}{c.why}")
-    head = (f"{'site':<8}{'colo':<6}{'served by':<16}{'expected':<12}{'floor':>7}"
+    width = max([16, *(len(_counts(s.served)) + 2 for s in r.sites)])
+    head = (f"{'site':<8}{'colo':<6}{'served by':<{width}}{'expected':<12}{'floor':>7}"
             + "".join(f"{n + ' p50/p90':>20}" for n in ("e2e", "front", "upstream")) + "  verdict")
     lines += ["", head + "   (ms)", "-" * len(head)]
     for s in r.sites:
         exp = next((x for x in s.ranked if x["cell"] == s.expected), None)
-        lines.append(f"{s.site.name:<8}{s.colo or '?':<6}{_counts(s.served):<16}{s.expected or '-':<12}"
+        lines.append(f"{s.site.name:<8}{s.colo or '?':<6}{_counts(s.served):<{width}}{s.expected or '-':<12}"
                      f"{_ms(exp['floor_ms'] if exp else None):>7}" + "".join(f"{_p50_p90(s, n):>20}" for n in ("e2e", "front", "upstream"))
                      + ("  ok" if s.ok else "  FAIL"))
     lines += ["", f"segments per site (p50/p90 ms): {', '.join(SEGMENTS)}"]
