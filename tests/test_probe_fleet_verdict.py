@@ -129,7 +129,10 @@ def test_a_site_served_by_another_cell_fails_with_both_floors():
 
 def test_a_cell_that_is_not_a_member_is_named():
     r = fp.judge_site(SITE, [sample(None)], cells())
-    assert not r.ok and "served by unknown in 1 of 1" in r.verdict and "(unknown is not a member cell)" in r.verdict
+    assert not r.ok and "served by unknown in 1 of 1" in r.verdict
+    assert "(answered without x-colocate-cell: is http://127.0.0.1:1 the fleet's front door?)" in r.verdict
+    r = fp.judge_site(SITE, [sample("ap-south")], cells())
+    assert not r.ok and "(ap-south is not a member cell)" in r.verdict
 
 
 def test_failed_requests_fail_the_site():

@@ -247,7 +247,8 @@ def judge_site(site: Site, samples: Sequence[Sample], before: Sequence[CellHealt
         f_exp, f_got = floor_ms(c, by_name.get(exp)), floor_ms(c, by_name.get(top))
         ok = False
         exp_why = f" ({by_name[exp].why})" if exp in by_name else ""
-        not_member = "" if top in by_name else f" ({top} is not a member cell)"
+        not_member = ("" if top in by_name else f" ({top} is not a member cell)" if top != "unknown"
+                      else f" (answered without x-colocate-cell: is {site.url} the fleet's front door?)")
         verdict = (f"site {site.name} (front door in {c or 'unknown colo'}) was served by {top} in {len(wrong)} of "
                    f"{len(samples)} samples, not by its nearest healthy cell {exp}{exp_why}: floor {c}→{exp} "
                    f"{_ms(f_exp)} ms, {c}→{top} {_ms(f_got)} ms{not_member} — the front door may still remember "
@@ -354,13 +355,8 @@ def read_health(name: str, region: Region | None, target, timeout_s: float) -> t
     if not answer.ok or answer.body is None:
         why = answer.error or answer.body_problem or "no answer"
         return health_of(name, region, None, f"unreachable at {target.url} ({why})"), region
-    if region is None and isinstance(answer.body.get("region"), str):
-        from ..catalogue import region as lookup
-
-        try:
-            region = lookup(answer.body["region"], key=f"region of cell {name}")
-        except Exception:  # noqa: BLE001 - an unknown region leaves the cell unranked, never ends the run
-            region = None
+    # No fleet.json or stack file said where the cell is: it says so itself (unknown: unranked).
+    region = region or _region(answer.body.get("region"), f"region of cell {name}")
     return health_of(name, region, answer.body), region
 
 
