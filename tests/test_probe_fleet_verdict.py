@@ -160,6 +160,8 @@ def test_a_front_door_that_does_not_name_its_colo_uses_the_configured_order():
     r = fp.judge_site(fp.Site("here", "http://x"), [sample("apac-jp", colo=None)], cells())
     assert r.ok and r.colo is None and r.ranked[0]["floor_ms"] is None
     assert any("did not say where it ran" in n for n in r.notes)
+    r = fp.judge_site(fp.Site("here", "http://x"), [sample("eu-west", colo=None)], cells())
+    assert not r.ok and "not by its nearest healthy cell apac-jp (ok): floors unknown: the front door did not name" in r.verdict
 
 
 def test_a_site_that_reaches_another_colo_is_noted_and_judged_from_where_the_front_door_ran():

@@ -242,16 +242,18 @@ def judge_site(site: Site, samples: Sequence[Sample], before: Sequence[CellHealt
                               f"{_counts(served)} — bring a cell's pods back")
     elif wrong:
         top = Counter(s.cell or "unknown" for s in wrong).most_common(1)[0][0]
-        c = front_colo(wrong[0]) or colo
+        c = front_colo(next(s for s in wrong if (s.cell or "unknown") == top)) or colo
         exp = expected(c, before) or expected(c, after)
         f_exp, f_got = floor_ms(c, by_name.get(exp)), floor_ms(c, by_name.get(top))
+        floors = (f"floor {c}→{exp} {_ms(f_exp)} ms, {c}→{top} {_ms(f_got)} ms" if c
+                  else "floors unknown: the front door did not name its colo")
         ok = False
         exp_why = f" ({by_name[exp].why})" if exp in by_name else ""
         not_member = ("" if top in by_name else f" ({top} is not a member cell)" if top != "unknown"
                       else f" (answered without x-colocate-cell: is {site.url} the fleet's front door?)")
         verdict = (f"site {site.name} (front door in {c or 'unknown colo'}) was served by {top} in {len(wrong)} of "
-                   f"{len(samples)} samples, not by its nearest healthy cell {exp}{exp_why}: floor {c}→{exp} "
-                   f"{_ms(f_exp)} ms, {c}→{top} {_ms(f_got)} ms{not_member} — the front door may still remember "
+                   f"{len(samples)} samples, not by its nearest healthy cell {exp}{exp_why}: {floors}{not_member}"
+                   f" — the front door may still remember "
                    f"{exp} as having no pod (colocate:fleet.rememberMs), or its ranking is stale: pulumi up the fleet stack")
     else:
         e2e = segments["e2e"]
