@@ -11,6 +11,8 @@ of the Worker's probe endpoint (GET /_colocate/probe) and N of a routed request
 (POST /v1/chat/completions, max_tokens 1), all over one reused connection. Routed requests
 carry a client key: the one given, else a 15-minute key minted with the probe token and
 revoked at the end (Ctrl-C included).
+With --stack naming a fleet stack: from each client site (--client-site NAME=URL, repeatable),
+which cell served, e2e and segments, and whether it was the site's nearest healthy cell.
 Exit 0 when every check holds, 1 when a budget or placement check fails (0 with --warn-only,
 still reported), 2 on a usage error or an unreachable target. See docs/probe.md.
 """
@@ -77,6 +79,12 @@ def parser() -> argparse.ArgumentParser:
                         "Worker (GET /_colocate/live), with the same verdicts and exit codes")
     p.add_argument("--since", default="1h", metavar="1h", help="with --live: the window, e.g. 15m, 1h, 7d (default 1h; up to 35d)")
     p.add_argument("--state-dir", type=Path, help="with --live: a running sandbox's state directory (its URL and token)")
+    p.add_argument("--client-site", action="append", default=[], metavar="NAME=URL",
+                   help="with --stack <fleet>: a client site and the URL that reaches the front door from there; "
+                        "repeatable (default: the running sandbox fleet's sites, else the fleet's workerUrl)")
+    p.add_argument("--sandboxes-dir", type=Path,
+                   help="with --stack <fleet>: where the cells' (and the fleet's) sandbox state directories are "
+                        "(default: where sandbox.py puts them)")
     return p
 
 
@@ -106,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
+    from colocate import admin
+
+    cells = admin.fleet_cells(args.stack, args.stacks_dir) if args.stack else None
+    if cells is not None:
+        return _fleet(args, cells)
+    if args.client_site:
+        raise UsageError("--client-site", args.client_site[0], "only a fleet is probed from client sites",
+                         "add --stack <fleet stack> (a stack with colocate:fleet)")
     if args.live or args.state_dir:
         return _live(args)
     budget_list = budgets.from_flags(args.budget)  # validate flags before any request
@@ -171,6 +187,43 @@ def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> in
         print("probe: checks failed (--warn-only: exit 0)", file=sys.stderr)
         return 0
     return 1
+
+
+# A fleet probe judges which cell served each client site; these flags judge one cell.
+CELL_ONLY = ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot",
+             "live", "state_dir", "token")
+
+
+def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
+    """probe.py --stack <fleet>: from each client site, which cell served and whether it was
+    the nearest healthy one (docs/probe.md, "Probing a fleet")."""
+    from colocate.probe import fleet as fleet_probe
+
+    for name in CELL_ONLY:
+        if getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(flag, getattr(args, name), f"probes one cell; --stack {args.stack} is a fleet",
+                             f"leave {flag} out, or probe a member cell with --stack <cell>")
+    if args.samples is not None and not 1 <= args.samples <= MAX_SAMPLES:
+        raise UsageError("--samples", args.samples, f"must be between 1 and {MAX_SAMPLES}", "e.g. --samples 25")
+    if not args.timeout > 0:
+        raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
+    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / fleet_probe.FLEET_FILE
+    sandbox = fleet_probe.read_sandbox_fleet(where)
+    sites = fleet_probe.sites_for(args.stack, args.client_site, args.url, sandbox, where,
+                                  lambda: outputs.read_outputs(args.stack).worker_url)
+    key = args.key or os.environ.get(keys.KEY_ENV) or (sandbox.key if sandbox else None)
+    if not key:
+        raise UsageError("--key", None, "no client key for the routed samples (a fleet's key must work in every cell)",
+                         f"set {keys.KEY_ENV} to one made by `.venv/bin/python scripts/keys.py create --stack "
+                         f"{args.stack} --name probe`")
+    samples = args.samples or DEFAULT_SAMPLES
+    say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
+    print(f"probing fleet {args.stack} ({', '.join(cells)}) from {len(sites)} client site(s): {samples} routed "
+          "requests each", file=sys.stderr)
+    result = fleet_probe.run(args.stack, cells, sites, key, samples, args.timeout, args.model, stacks_dir=args.stacks_dir,
+                             sandboxes_dir=args.sandboxes_dir, sandbox=sandbox, say=say)
+    return _emit(args, fleet_probe.table(result), fleet_probe.to_json(result, args.warn_only), result.ok, None)
 
 
 def _from_stack(args: argparse.Namespace, region, budget_list):

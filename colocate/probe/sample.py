@@ -56,6 +56,7 @@ class Sample:
     timing: timing.Timing
     ray_colo: str | None = None
     backend: str | None = None  # routed: x-colocate-backend
+    cell: str | None = None  # routed through a fleet's front door: x-colocate-cell
     body: dict | None = None  # probe: the JSON document
     body_problem: str | None = None  # probe: why the body is unusable
 
@@ -134,7 +135,7 @@ class Sampler:
         st = timing.parse(r.headers.get("Server-Timing"), ROUTED_METRICS)
         backend = (r.headers.get("x-colocate-backend") or "").strip().lower() or None
         return Sample("routed", ms, r.status_code, None if r.ok else f"HTTP {r.status_code}", st,
-                      ray_colo(r.headers.get("cf-ray")), backend)
+                      ray_colo(r.headers.get("cf-ray")), backend, cell=(r.headers.get("x-colocate-cell") or "").strip() or None)
 
     def first_model(self) -> str:
         where = self.url + MODELS_PATH

@@ -1,6 +1,7 @@
 """Parsing ``Server-Timing`` headers (W3C Server Timing).
 
-``state;dur=12.5, upstream;dur=65, fallback;dur=0, total;dur=80.1`` → ``{"state": 12.5, ...}``.
+``state;dur=12.5, upstream;dur=65, fallback;dur=0, total;dur=80.1`` → ``{"state": 12.5, ...}``;
+a metric's ``desc`` is kept too (``front;dur=1;desc="NRT"``: where a fleet's front door ran).
 Entries are comma-separated, parameters semicolon-separated; a metric may carry ``desc``
 and no ``dur``. An entry this kit expects to time (``wanted``) is *malformed* when its
 ``dur`` is missing, not a number, or negative; those problems are returned, not raised,
@@ -24,6 +25,7 @@ class Timing:
 
     durations: dict[str, float] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    descs: dict[str, str] = field(default_factory=dict)  # a metric's desc, e.g. the front door's colo
 
     @property
     def ok(self) -> bool:
@@ -36,6 +38,7 @@ def parse(header: str | None, wanted: Iterable[str] = ()) -> Timing:
     if header is None or not header.strip():
         return Timing({}, ("no Server-Timing header",) if wanted else ())
     durations: dict[str, float] = {}
+    descs: dict[str, str] = {}
     problems: list[str] = []
     for raw in _split(header, ","):
         entry = raw.strip()
@@ -47,6 +50,10 @@ def parse(header: str | None, wanted: Iterable[str] = ()) -> Timing:
             continue
         if name in durations:
             continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "desc" and name not in descs:
+                descs[name] = value.strip().strip('"')
         dur: float | None = None
         bad = None
         for param in params:
@@ -71,7 +78,7 @@ def parse(header: str | None, wanted: Iterable[str] = ()) -> Timing:
     for name in wanted:
         if name not in durations and not any(p.startswith(f"{name}:") for p in problems):
             problems.append(f"{name}: missing")
-    return Timing(durations, tuple(problems))
+    return Timing(durations, tuple(problems), descs)
 
 
 def _split(text: str, sep: str) -> list[str]:

@@ -68,9 +68,9 @@ class Response:
     def timing(self) -> dict[str, float]:
         out = {}
         for part in self.headers.get("server-timing", "").split(","):
-            name, _, rest = part.strip().partition(";")
-            if name:
-                out[name] = float(rest.split("dur=", 1)[1]) if "dur=" in rest else 0.0
+            name, *params = [p.strip() for p in part.strip().split(";")]
+            if name:  # params besides dur (the front door's desc="NRT") are not durations
+                out[name] = next((float(p[4:]) for p in params if p.startswith("dur=")), 0.0)
         return out
 
 

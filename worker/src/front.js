@@ -25,13 +25,16 @@ import { lookup } from "./routes.js";
 import { now, serverTiming } from "./timing.js";
 
 const FRONT_METRICS = ["front"];
+const COLO = /^[A-Za-z]{3}$/; // an IATA code; anything else (a forged cf-blob locally) is left out
 
-/** `res` as the client sees it: which cell served, and the front door's own time first. */
-function finish(res, cell, frontMs) {
+/** `res` as the client sees it: which cell served, and the front door's own time (and colo) first. */
+function finish(res, cell, frontMs, colo) {
   const out = new Response(res.body, res);
   out.headers.set(CELL_HEADER, cell.name);
   const inner = res.headers.get("server-timing");
-  out.headers.set("server-timing", serverTiming({ front: frontMs }, FRONT_METRICS) + (inner ? ", " + inner : ""));
+  // desc = where the front door ran, so a probe can rank the cells as it did (docs/probe.md).
+  const where = typeof colo === "string" && COLO.test(colo) ? `;desc="${colo.toUpperCase()}"` : "";
+  out.headers.set("server-timing", serverTiming({ front: frontMs }, FRONT_METRICS) + where + (inner ? ", " + inner : ""));
   return out;
 }
 
@@ -77,7 +80,7 @@ async function route(request, env, ctx) {
       if (res.body) ctx.waitUntil(res.body.cancel().catch(() => {}));
       continue; // that cell's time stays in `front`: the client paid it on the way here
     }
-    return finish(res, cell, now() - t0 - spent);
+    return finish(res, cell, now() - t0 - spent, colo);
   }
   // Unreachable: the last try either returns or throws.
   throw new HttpError(502, "cell_unavailable", "no cell of the fleet could serve this request");

@@ -132,7 +132,7 @@ test("the first cell gets the defer header, the last none; body and Authorizatio
   const res = await ask(e, { colo: "NRT", body: '{"model":"m","messages":[]}' });
   assert.equal(res.status, 200);
   assert.equal(res.headers.get("x-colocate-cell"), "eu-west");
-  assert.match(res.headers.get("server-timing"), /^front;dur=[0-9.]+, state;dur=0, upstream;dur=5/);
+  assert.match(res.headers.get("server-timing"), /^front;dur=[0-9.]+;desc="NRT", state;dur=0, upstream;dur=5/);
   assert.deepEqual(seen, [
     { defer: "defer", auth: "Bearer clc_x", body: '{"model":"m","messages":[]}' },
     { defer: null, auth: "Bearer clc_x", body: '{"model":"m","messages":[]}' },
@@ -171,7 +171,7 @@ test("a cell's own error passes through with the cell named", async () => {
   const res = await ask(fleetEnv([unauthorised, served("x"), served("y")]), { colo: "NRT" });
   assert.equal(res.status, 401);
   assert.equal(res.headers.get("x-colocate-cell"), "apac-jp");
-  assert.match(res.headers.get("server-timing"), /^front;dur=[0-9.]+$/);
+  assert.match(res.headers.get("server-timing"), /^front;dur=[0-9.]+;desc="NRT"$/);
 });
 
 test("bad bindings answer 500 misconfigured naming the binding", async () => {
@@ -195,4 +195,15 @@ test("the front door pokes the ledger in the background, at most once per isolat
   assert.equal(e.LEDGER.pokes, 1);
   assert.equal(waited.length, 1);
   forgetPoke();
+});
+
+test("Server-Timing names the front door's colo only when it is one", async () => {
+  const timingAt = async (colo) => {
+    forget();
+    return (await ask(fleetEnv([served("a"), served("b"), served("c")]), { colo })).headers.get("server-timing");
+  };
+  assert.match(await timingAt("fra"), /^front;dur=[0-9.]+;desc="FRA", state;dur=0/);
+  assert.match(await timingAt(undefined), /^front;dur=[0-9.]+, state;dur=0/);
+  assert.match(await timingAt('NRT", x;dur=1'), /^front;dur=[0-9.]+, state;dur=0/); // never quoted into the header
+  forget();
 });
