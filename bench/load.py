@@ -22,6 +22,7 @@ class Load:
         self.results: list[tuple[int | None, str | None, str]] = []
         self.latencies_ms: list[float] = []
         self.started: list[float] = []  # each request's start (time.monotonic()), same order
+        self.cells: list[str | None] = []  # the fleet cell that served it (x-colocate-cell), same order
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -38,11 +39,13 @@ class Load:
         try:
             r = s.post(self.url, json=body, timeout=90, headers=self.headers)
             out = (r.status_code, r.headers.get("x-colocate-backend"), r.text[:200] if r.status_code != 200 else "")
+            cell = r.headers.get("x-colocate-cell")
         except requests.RequestException as exc:
-            out = (None, None, type(exc).__name__)
+            out, cell = (None, None, type(exc).__name__), None
         t1 = time.monotonic()
         with self._lock:
             self.results.append(out)
+            self.cells.append(cell)
             self.latencies_ms.append((t1 - t0) * 1000)
             self.started.append(t0)
 

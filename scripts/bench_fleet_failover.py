@@ -68,28 +68,6 @@ def window(rows: list[tuple], lo: float, hi: float, done_by: float | None = None
             "p50_ms": pct([r[1] for r in rs], 50), "p99_ms": pct([r[1] for r in rs], 99), "served_by": cells}
 
 
-class CellLoad(Load):
-    """The open-loop load, also keeping the serving cell of each answer."""
-
-    def _one(self, pool_local) -> None:
-        import requests
-
-        s = getattr(pool_local, "s", None) or requests.Session()
-        pool_local.s = s
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        t0 = time.monotonic()
-        try:
-            r = s.post(self.url, json=body, timeout=90, headers=self.headers)
-            out = (r.status_code, r.headers.get("x-colocate-backend"), r.headers.get("x-colocate-cell"))
-        except requests.RequestException as exc:
-            out = (None, None, type(exc).__name__)
-        t1 = time.monotonic()
-        with self._lock:
-            self.results.append(out)
-            self.latencies_ms.append((t1 - t0) * 1000)
-            self.started.append(t0)
-
-
 def one_mode(mode: str, opts) -> dict:
     secrets = harness.Secrets.fresh()
     with contextlib.ExitStack() as stack:
@@ -106,7 +84,7 @@ def one_mode(mode: str, opts) -> dict:
                 AdminClient(Target(urls[r], secrets.probe_token, r)).import_key(row)
             keys.append(key)
         hdr = {CF_BLOB_HEADER: json.dumps({"colo": COLO})}
-        loads = [CellLoad(w.url, k, opts.rate / 2, opts.seconds + 60, headers=hdr) for k in keys]
+        loads = [Load(w.url, k, opts.rate / 2, opts.seconds + 60, headers=hdr) for k in keys]
         fallback_before = fb.requests
         with contextlib.ExitStack() as running:
             t_start = time.monotonic()
@@ -124,8 +102,8 @@ def one_mode(mode: str, opts) -> dict:
             time.sleep(max(0.0, opts.seconds - opts.fault_after))
         rows = []
         for ld in loads:
-            rows += [(t0 - t_start, ms, res[0], res[1], res[2])
-                     for t0, ms, res in zip(ld.started, ld.latencies_ms, ld.results, strict=True)]
+            rows += [(t0 - t_start, ms, res[0], res[1], cell)
+                     for t0, ms, res, cell in zip(ld.started, ld.latencies_ms, ld.results, ld.cells, strict=True)]
         fallback_answers = fb.requests - fallback_before
     f = t_fault - t_start
     # Before: answered before the fault. The switch: everything else that started by the

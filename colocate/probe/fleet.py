@@ -33,7 +33,7 @@ from .. import geo
 from ..catalogue import Region
 from .errors import TargetError, Unauthorized, Unreachable, UsageError
 from .placement import distance_km
-from .sample import KEY_HELP, MODELS_PATH, Sample, Sampler
+from .sample import MODELS_PATH, Sample, Sampler
 from .stats import summary
 
 SEGMENTS = ("e2e", "front", "state", "upstream", "fallback", "total")
@@ -370,21 +370,17 @@ def sample_site(site: Site, key: str, samples: int, timeout_s: float, model: str
     with Sampler(site.url, "", timeout_s, key=lambda: key) as s:
         where = site.url + MODELS_PATH
         try:
-            r, _ = s._send("GET", MODELS_PATH, headers=s._routed_headers(Accept="application/json"))
+            r = s.models()
         except requests.Timeout:
             raise Unreachable(f"client site {site.name}: {where} did not answer within {timeout_s:g} s (--timeout)") from None
         except requests.ConnectionError:
             raise Unreachable(f"client site {site.name}: cannot reach {where}: connection refused or no route; "
                               "is the front door up and the URL right?") from None
-        if r.status_code == 401:
-            raise Unauthorized(f"client site {site.name}: {where} answered 401: the client key was refused; {KEY_HELP}")
+        except Unauthorized as exc:
+            raise Unauthorized(f"client site {site.name}: {exc}") from None
         if model is None:
-            try:
-                data = r.json().get("data") if r.ok else None
-                model = data[0]["id"] if data else None
-            except (ValueError, AttributeError, LookupError, TypeError):
-                model = None
-            if not isinstance(model, str) or not model:
+            model = s.model_of(r)
+            if model is None:
                 raise TargetError(f"client site {site.name}: GET {where} answered HTTP {r.status_code} without a model "
                                   "in data[0].id: pass --model NAME")
         out = []

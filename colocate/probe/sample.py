@@ -137,20 +137,32 @@ class Sampler:
         return Sample("routed", ms, r.status_code, None if r.ok else f"HTTP {r.status_code}", st,
                       ray_colo(r.headers.get("cf-ray")), backend, cell=(r.headers.get("x-colocate-cell") or "").strip() or None)
 
-    def first_model(self) -> str:
-        where = self.url + MODELS_PATH
-        try:
-            r, _ = self._send("GET", MODELS_PATH, headers=self._routed_headers(Accept="application/json"))
-        except requests.RequestException as exc:
-            raise TargetError(f"GET {where} failed ({type(exc).__name__}): pass --model NAME") from None
+    def models(self) -> requests.Response:
+        """``GET /v1/models`` with the client key; a 401 is Unauthorized, a transport
+        failure the caller's to word (requests' own exception)."""
+        r, _ = self._send("GET", MODELS_PATH, headers=self._routed_headers(Accept="application/json"))
         if r.status_code == 401:
-            raise Unauthorized(f"GET {where} answered 401: the client key was refused; {KEY_HELP}")
+            raise Unauthorized(f"GET {self.url + MODELS_PATH} answered 401: the client key was refused; {KEY_HELP}")
+        return r
+
+    @staticmethod
+    def model_of(r: requests.Response) -> str | None:
+        """The first model a ``/v1/models`` answer lists (``data[0].id``), or None."""
         try:
             data = r.json().get("data") if r.ok else None
             model = data[0]["id"] if data else None
         except (ValueError, AttributeError, LookupError, TypeError):
-            model = None
-        if not isinstance(model, str) or not model:
+            return None
+        return model if isinstance(model, str) and model else None
+
+    def first_model(self) -> str:
+        where = self.url + MODELS_PATH
+        try:
+            r = self.models()
+        except requests.RequestException as exc:
+            raise TargetError(f"GET {where} failed ({type(exc).__name__}): pass --model NAME") from None
+        model = self.model_of(r)
+        if model is None:
             raise TargetError(f"GET {where} answered HTTP {r.status_code} without a model in data[0].id: "
                               "pass --model NAME")
         return model
