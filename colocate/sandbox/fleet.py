@@ -39,7 +39,7 @@ from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .fleet_front import FAILED_FILE, READY_FILE, RUN_FILE, _log
 from .fleet_launch import LAUNCH_FILE, Launch, client_sites_of, make_launch, plan_of, sandbox_stacks
 from .processes import CHILD_TIMEOUT_S, _http_ok, _signal_group as _signal_pgid, deferred_signals
-from .statedir import ROOT, _read_object as _read_json, _write_json, is_running, try_lock
+from .statedir import ROOT, _read_object, _write_json, is_running, try_lock
 
 KEY_FILE = "fleet-key.json"
 OUT_FILE = "fleet.json"
@@ -59,12 +59,12 @@ def is_fleet_dir(state_dir: Path) -> bool:
 
 
 def fleet_name(state_dir: Path) -> str | None:
-    return (_read_json(Path(state_dir) / LAUNCH_FILE) or {}).get("fleet")
+    return (_read_object(Path(state_dir) / LAUNCH_FILE) or {}).get("fleet")
 
 
 def what_runs(state_dir: Path) -> list[str]:
     """The parts of the fleet in ``state_dir`` that still run (a lock held), by name."""
-    launch = _read_json(Path(state_dir) / LAUNCH_FILE) or {}
+    launch = _read_object(Path(state_dir) / LAUNCH_FILE) or {}
     parts = ["front door"] if front_running(state_dir) else []
     return parts + [f"cell {c['name']}" for c in launch.get("cells", []) if supervisor.is_running(Path(c["state_dir"]))]
 
@@ -154,10 +154,10 @@ def _launch_front(state_dir: Path, fd: int) -> int:
 def _wait_front(state_dir: Path, runner: int, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = _read_json(state_dir / READY_FILE)
+        ready = _read_object(state_dir / READY_FILE)
         if ready:
             return ready
-        failed = _read_json(state_dir / FAILED_FILE)
+        failed = _read_object(state_dir / FAILED_FILE)
         if failed or not alive(runner):
             why = (failed or {}).get("error") or "the front runner exited"
             raise StartupFailed(f"the front door did not come up: {why}. Logs: {state_dir / 'logs'}")
@@ -171,7 +171,7 @@ def fleet_key(state_dir: Path, cells: dict[str, dict]) -> dict:
     process). Reused while every cell holds it unrevoked (the import is idempotent)."""
     targets = {name: admin.Target(c["worker_url"], c["token"], "sandbox") for name, c in cells.items()}
     path = Path(state_dir) / KEY_FILE
-    stored = _read_json(path) or {}
+    stored = _read_object(path) or {}
     if stored.get("key") and stored.get("row"):
         held, failed = admin.fan_out(targets, lambda c: c.import_key(stored["row"]))
         if not failed and not any(r.get("revoked_at") or r.get("revoked") for r in held.values()):
@@ -209,7 +209,7 @@ def stop_front(state_dir: Path, timeout_s: float = supervisor.STOP_TIMEOUT_S + C
     state_dir = Path(state_dir)
     deadline = time.monotonic() + timeout_s
     while True:
-        run = _read_json(state_dir / RUN_FILE) or {}
+        run = _read_object(state_dir / RUN_FILE) or {}
         pid, pgid = run.get("pid"), run.get("pgid")
         if alive(pid):
             os.kill(pid, signal.SIGTERM)
@@ -234,10 +234,10 @@ def down(state_dir: Path) -> dict:
     """Stop the front door, then every member cell; idempotent."""
     state_dir = Path(state_dir).resolve()
     with deferred_signals():
-        launch = _read_json(state_dir / LAUNCH_FILE) or {}
+        launch = _read_object(state_dir / LAUNCH_FILE) or {}
         held = front_running(state_dir)
         # The entry first: no new request reaches a cell that is stopping.
-        front_stopped = stop_front(state_dir) if held or _read_json(state_dir / RUN_FILE) else True
+        front_stopped = stop_front(state_dir) if held or _read_object(state_dir / RUN_FILE) else True
         members = launch.get("cells", [])
         # Side by side (each cell's down waits on its own runner, ~4 s here): down touches only
         # its own state directory, and the signals stay deferred in this, the main, thread.
@@ -256,7 +256,7 @@ def status(state_dir: Path) -> dict:
     """Every member cell's status, then the front door's: its processes, and one routed request
     (``GET /v1/models`` with the fleet's key) through each entry. ``problems`` names what is wrong."""
     state_dir = Path(state_dir).resolve()
-    launch = _read_json(state_dir / LAUNCH_FILE) or {}
+    launch = _read_object(state_dir / LAUNCH_FILE) or {}
     out: dict = {"fleet": launch.get("fleet"), "state_dir": str(state_dir), "running": front_running(state_dir)}
     cells, problems = [], []
     for c in launch.get("cells", []):
@@ -266,8 +266,8 @@ def status(state_dir: Path) -> dict:
             problems.append(f"cell {c['name']} is {'unhealthy' if st.get('running') else 'not running'} "
                             f"(`{supervisor.SANDBOX_CMD} status --state-dir {c['state_dir']}`)")
     out["cells"] = cells
-    ready = _read_json(state_dir / READY_FILE)
-    fleet_out = _read_json(state_dir / OUT_FILE) or {}
+    ready = _read_object(state_dir / READY_FILE)
+    fleet_out = _read_object(state_dir / OUT_FILE) or {}
     entries = {}
     if ready:
         for name, pid in ready.get("pids", {}).items():
@@ -293,9 +293,9 @@ def apply(state_dir: Path, *, stacks_dir: Path | None = None, timeout_s: float =
     from the fleet stack file (e.g. ``rememberMs``) and swapped with no request dropped. The
     sandbox does not add or remove cells on ``apply``: that is a ``down`` and an ``up``."""
     state_dir = Path(state_dir).resolve()
-    record = _read_json(state_dir / LAUNCH_FILE)
-    run = _read_json(state_dir / RUN_FILE) or {}
-    previous = _read_json(state_dir / READY_FILE)
+    record = _read_object(state_dir / LAUNCH_FILE)
+    run = _read_object(state_dir / RUN_FILE) or {}
+    previous = _read_object(state_dir / READY_FILE)
     if not record or not previous or not front_running(state_dir) or not alive(run.get("pid")):
         raise NotRunning(f"no fleet runs in {state_dir}; start one with `{supervisor.SANDBOX_CMD} up --fleet "
                          f"{(record or {}).get('fleet', 'F')}`")
@@ -319,11 +319,11 @@ def apply(state_dir: Path, *, stacks_dir: Path | None = None, timeout_s: float =
     os.kill(run["pid"], signal.SIGHUP)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = _read_json(state_dir / READY_FILE) or {}
+        ready = _read_object(state_dir / READY_FILE) or {}
         if ready.get("revision", 0) > previous.get("revision", 0):
             return {"fleet": launch.fleet, "state_dir": str(state_dir), "front": ready,
                     "cells": [{k: c.get(k) for k in ("name", "stack", "region", "worker_url", "revision")} for c in cells]}
-        failed = _read_json(state_dir / FAILED_FILE)
+        failed = _read_object(state_dir / FAILED_FILE)
         if failed:
             raise StartupFailed(f"the front door's apply failed: {failed.get('error')}; the previous version still "
                                 f"serves. Logs: {state_dir / 'logs'}")
@@ -335,7 +335,7 @@ def apply_cell(state_dir: Path, cell: str, timeout_s: float = supervisor.UP_TIME
     """One member's ``apply`` (its ``pulumi up -s <cell>``), from its stack file as the fleet
     runs it; the front door and the other cells are untouched."""
     state_dir = Path(state_dir).resolve()
-    record = _read_json(state_dir / LAUNCH_FILE)
+    record = _read_object(state_dir / LAUNCH_FILE)
     if not record:
         raise NotRunning(f"no fleet runs in {state_dir}")
     member = next((c for c in record["cells"] if c["name"] == cell), None)

@@ -39,9 +39,9 @@ from .errors import SandboxError, StartupFailed
 from .fleet_launch import LAUNCH_FILE, Launch, client_sites_of, plan_of
 from .geography import Geography, Sites, site
 from .pinning import Pins
-from .processes import CHILD_TIMEOUT_S, _http_ok
+from .processes import CHILD_TIMEOUT_S, _http_ok, launch_detached, stop_child
 from .runner import WORKERD
-from .statedir import _log as _statedir_log, _read_object as _read_json, _write_json
+from .statedir import _log as _statedir_log, _read_object, _write_json
 
 RUN_FILE = "front-run.json"
 READY_FILE = "front.json"
@@ -199,7 +199,7 @@ class FrontRunner:
     def _routes(self, launch: dict) -> list[CellRoute]:
         routes = []
         for c in launch["cells"]:
-            ready = _read_json(Path(c["state_dir"]) / "ready.json")
+            ready = _read_object(Path(c["state_dir"]) / "ready.json")
             if not ready:
                 raise StartupFailed(f"cell {c['name']} has no ready.json in {c['state_dir']}: it is not running")
             routes.append(CellRoute(c["name"], Path(c["state_dir"]), ready["sites"]["edge"], ready["ports"]["outbound"],
@@ -208,10 +208,10 @@ class FrontRunner:
 
     def _tokens(self, plan: fleet_mod.FleetPlan) -> list[str]:
         """Each member's probe token, in the plan's order, from its running sandbox."""
-        cells = {c["name"]: c for c in (_read_json(self.state_dir / LAUNCH_FILE) or {}).get("cells", [])}
+        cells = {c["name"]: c for c in (_read_object(self.state_dir / LAUNCH_FILE) or {}).get("cells", [])}
         out = []
         for m in plan.members:
-            ready = _read_json(Path(cells[m.name]["state_dir"]) / "ready.json") if m.name in cells else None
+            ready = _read_object(Path(cells[m.name]["state_dir"]) / "ready.json") if m.name in cells else None
             if not ready or not ready.get("token"):
                 raise StartupFailed(f"cell {m.name} has no probe token in its ready.json: it is not running")
             out.append(ready["token"])
@@ -247,7 +247,7 @@ class FrontRunner:
         raise StartupFailed(f"the front door's workerd did not answer; see {self.logs / 'workerd.log'}")
 
     def start(self) -> dict:
-        launch = _read_json(self.state_dir / LAUNCH_FILE) or {}
+        launch = _read_object(self.state_dir / LAUNCH_FILE) or {}
         fl = Launch.from_json(launch)
         plan = plan_of(fl)
         colos = client_sites_of(fl, plan)
@@ -280,20 +280,14 @@ class FrontRunner:
     def apply(self) -> dict:
         """A new front door version (the fleet stack re-read) with no request dropped: the
         entries hold new requests while in-flight ones finish, then the new workerd takes them."""
-        fl = Launch.from_json(_read_json(self.state_dir / LAUNCH_FILE) or {})
+        fl = Launch.from_json(_read_object(self.state_dir / LAUNCH_FILE) or {})
         plan = plan_of(fl)
         colos = list(self.entries)
         for net in self.entries.values():
             net.pause()
         try:
             old, self.workerd = self.workerd, None
-            if old is not None and old.poll() is None:
-                old.terminate()
-                try:
-                    old.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    old.kill()
-                    old.wait(timeout=5)
+            stop_child(old, 10)
             ports = self._start_workerd(plan, colos)
         finally:
             for colo, net in self.entries.items():
@@ -316,14 +310,7 @@ class FrontRunner:
         return "stop requested"
 
     def cleanup(self) -> None:
-        proc = self.workerd
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        stop_child(self.workerd, 5)
         for s in self.servers:
             s.shutdown()
             s.server_close()
@@ -369,9 +356,5 @@ if __name__ == "__main__":
         sp.add_argument("--lock-fd", type=int, required=name == "launch")
     a = p.parse_args()
     if a.cmd == "launch":
-        child = subprocess.Popen([sys.executable, "-m", "colocate.sandbox.fleet_front", "run", str(a.state_dir),
-                                  "--lock-fd", str(a.lock_fd)], stdin=subprocess.DEVNULL, stdout=sys.stderr,
-                                 stderr=sys.stderr, pass_fds=(a.lock_fd,))
-        print(child.pid, flush=True)
-        os._exit(0)  # leave the runner running; no destructor waits on it
+        launch_detached("colocate.sandbox.fleet_front", a.state_dir, a.lock_fd)
     sys.exit(run(a.state_dir))
