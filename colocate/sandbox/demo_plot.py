@@ -18,21 +18,29 @@ PARTS = (("network (client to Worker)", "tab:gray"), ("state wait", "tab:red"), 
          ("fallback", "tab:orange"), ("Worker, other", "tab:green"))
 
 
+def stack(ax, bars: list[dict], parts: tuple[tuple[str, str], ...], label: str) -> list[float]:
+    """Each bar's ``parts`` stacked (a part under 0.5 ms in every bar is left out), its ``e2e``
+    written above it with ``label``; the stacks' heights. Shared with ``fleet_demo``'s plot."""
+    xs = range(len(bars))
+    bottoms = [0.0] * len(bars)
+    for name, colour in parts:
+        heights = [b[name] for b in bars]
+        if not any(h > 0.5 for h in heights):
+            continue
+        ax.bar(xs, heights, 0.6, bottom=bottoms, label=name, color=colour)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, b in zip(xs, bars, strict=True):
+        ax.annotate(label.format(b["e2e"]), (x, max(b["e2e"], bottoms[x])), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 3), textcoords="offset points")
+    return bottoms
+
+
 def write(bars: list[dict], path: str | Path, deadline_ms: float, client_site: str) -> Path:
     path = Path(path)
     fig, ax = plt.subplots(figsize=(9.0, 5.2), dpi=110)
     try:
         xs = range(len(bars))
-        bottoms = [0.0] * len(bars)
-        for name, colour in PARTS:
-            heights = [b[name] for b in bars]
-            if not any(h > 0.5 for h in heights):
-                continue
-            ax.bar(xs, heights, 0.6, bottom=bottoms, label=name, color=colour)
-            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-        for x, b in zip(xs, bars, strict=True):
-            ax.annotate(f"e2e {b['e2e']:.0f} ms", (x, max(b["e2e"], bottoms[x])), ha="center", va="bottom",
-                        fontsize=8, xytext=(0, 3), textcoords="offset points")
+        bottoms = stack(ax, bars, PARTS, "e2e {:.0f} ms")
         if deadline_ms:
             ax.axhline(deadline_ms, color="black", linestyle="dashed", linewidth=1)
             ax.annotate(f"deadline {deadline_ms:.0f} ms", (len(bars) - 0.5, deadline_ms), ha="right", va="bottom",

@@ -33,6 +33,7 @@ import requests
 from .. import stackfile
 from ..errors import ConfigError
 from . import fleet, supervisor
+from .demo import say
 from .errors import SandboxError
 
 FLEET = "fleet"
@@ -43,10 +44,6 @@ LOST = "apac-jp"  # the cell whose pods die
 LOST_SITE = "NRT"
 RETURN_WAIT_S = 60.0  # bounded: how long phase 3 waits for Tokyo to be served at home again
 BODY = {"model": "Qwen/Qwen2.5-7B-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-
-
-def say(text: str) -> None:
-    print(f"\n==> {text}", flush=True)
 
 
 def _timing(header: str | None) -> dict[str, float]:
@@ -237,27 +234,16 @@ class Demo:
         return out
 
     def plot(self, path: Path, phases: list[str]) -> Path:
-        import matplotlib
+        from . import demo_plot  # matplotlib only here
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = demo_plot.plt
         parts = (("network (user to front door to cell)", "tab:gray"), ("front door", "tab:purple"),
                  ("pod (upstream)", "tab:blue"), ("fallback API", "tab:orange"), ("cell Worker, other", "tab:green"))
         bars = self.bars(phases)
         fig, ax = plt.subplots(figsize=(11.0, 5.4), dpi=110)
         try:
             xs = range(len(bars))
-            bottoms = [0.0] * len(bars)
-            for name, colour in parts:
-                heights = [b[name] for b in bars]
-                if not any(h > 0.5 for h in heights):
-                    continue
-                ax.bar(xs, heights, 0.6, bottom=bottoms, label=name, color=colour)
-                bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-            for x, b in zip(xs, bars, strict=True):
-                ax.annotate(f"{b['e2e']:.0f} ms", (x, max(b["e2e"], bottoms[x])), ha="center", va="bottom", fontsize=8,
-                            xytext=(0, 3), textcoords="offset points")
+            bottoms = demo_plot.stack(ax, bars, parts, "{:.0f} ms")
             ax.set_xticks(list(xs), [b["label"] for b in bars], fontsize=7)
             ax.set_ylabel("milliseconds (p50 of each part)")
             ax.set_title("Three cells behind one front door: who serves each user, before, during and after "

@@ -31,7 +31,7 @@ from .geography import Geography, Sites
 from .launch import Launch, build_plan, object_sites, sites_for
 from .pinning import FILE_NAME as PINS_FILE, Pins
 from .pods import _create_pod, _create_pods, _delete_pod, _pod_pid, _pods, _record_pods
-from .processes import CHILD_TIMEOUT_S, _http_ok
+from .processes import CHILD_TIMEOUT_S, _http_ok, stop_child
 from .proxies import Network, NetworkServers, local_url
 from .statedir import ROOT, _log, _read_json, _write_json, load_secrets
 
@@ -160,13 +160,7 @@ class Runner:
         time.sleep(WAIT_UNTIL_GRACE_S)
         old = self.children.pop("workerd", None)
         try:
-            if old is not None and old.poll() is None:
-                old.terminate()
-                try:
-                    old.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    old.kill()
-                    old.wait(timeout=5)
+            stop_child(old, 10)
             wport, state_sites = self._launch_workerd(plan, sites, pods)
         except BaseException:
             net.resume(net.workerd)  # never leave requests held

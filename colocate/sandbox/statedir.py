@@ -50,8 +50,8 @@ def running_sandboxes(parent: Path | None = None) -> list[Path]:
     return [d for d in sorted(Path(parent).iterdir()) if d.is_dir() and is_running(d)]
 
 
-def _log(msg: str) -> None:
-    print(f"[sandbox] {msg}", file=sys.stderr, flush=True)
+def _log(msg: str, who: str = "sandbox") -> None:
+    print(f"[{who}] {msg}", file=sys.stderr, flush=True)
 
 
 def _write_json(path: Path, data: dict, mode: int = 0o644) -> None:
@@ -73,6 +73,12 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+def _read_object(path: Path) -> dict | None:
+    """``_read_json``, where a file holding anything but a JSON object counts as missing too."""
+    data = _read_json(Path(path))
+    return data if isinstance(data, dict) else None
+
+
 def load_secrets(state_dir: Path) -> dict[str, str]:
     """The sandbox's secrets, generated once per state directory (mode 0600)."""
     path = Path(state_dir) / "secrets.json"
@@ -86,13 +92,17 @@ def load_secrets(state_dir: Path) -> dict[str, str]:
 
 # --- the lock ----------------------------------------------------------------------------
 
-def _lock_path(state_dir: Path) -> Path:
-    return Path(state_dir) / "sandbox.lock"
+LOCK_FILE = "sandbox.lock"
 
 
-def try_lock(state_dir: Path) -> int | None:
-    """An fd holding the state directory's lock, or None when a sandbox runs there."""
-    fd = os.open(_lock_path(state_dir), os.O_RDWR | os.O_CREAT, 0o644)
+def _lock_path(state_dir: Path, name: str = LOCK_FILE) -> Path:
+    return Path(state_dir) / name
+
+
+def try_lock(state_dir: Path, name: str = LOCK_FILE) -> int | None:
+    """An fd holding the state directory's lock (``name``: the fleet's is another file), or
+    None when a sandbox runs there."""
+    fd = os.open(_lock_path(state_dir, name), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -103,10 +113,11 @@ def try_lock(state_dir: Path) -> int | None:
     return fd
 
 
-def is_running(state_dir: Path) -> bool:
-    if not _lock_path(state_dir).exists():
+def is_running(state_dir: Path, name: str = LOCK_FILE) -> bool:
+    """True while the lock ``name`` in ``state_dir`` is held."""
+    if not _lock_path(state_dir, name).exists():
         return False
-    fd = try_lock(state_dir)
+    fd = try_lock(state_dir, name)
     if fd is None:
         return True
     os.close(fd)

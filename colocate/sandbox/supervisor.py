@@ -32,7 +32,7 @@ from .geography import Geography, site
 from .launch import Launch, build_plan, sites_for
 from .pinning import FILE_NAME as PINS_FILE, Pins
 from .pods import PODS_FILE, _delete_local_pods, _delete_pod
-from .processes import CHILD_TIMEOUT_S, _group_alive, _http_ok, _signal_group, deferred_signals
+from .processes import CHILD_TIMEOUT_S, _group_alive, _http_ok, _signal_group, deferred_signals, launch_detached
 from .statedir import (
     ROOT,
     SANDBOX_CMD,
@@ -242,11 +242,7 @@ if __name__ == "__main__":
     la.add_argument("--lock-fd", type=int, required=True)
     a = p.parse_args()
     if a.cmd == "launch":
-        child = subprocess.Popen([sys.executable, "-m", "colocate.sandbox.supervisor", "run", str(a.state_dir),
-                                  "--lock-fd", str(a.lock_fd)], stdin=subprocess.DEVNULL, stdout=sys.stderr,
-                                 stderr=sys.stderr, pass_fds=(a.lock_fd,))
-        print(child.pid, flush=True)
-        os._exit(0)  # leave the runner running; no destructor waits on it
+        launch_detached("colocate.sandbox.supervisor", a.state_dir, a.lock_fd)
     from .runner import run  # only the runner's process needs it (it imports admin, workerd's config, the proxies)
 
     sys.exit(run(a.state_dir))
