@@ -71,9 +71,9 @@ STREAM_USAGE_BODY = chat_body("usage")
 TARGETS = ("direct", "bare", "contract", "router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# Issue 14 item 3 (medians over rounds, same run), against bare. goals() also judges each
+# The router's goals (medians over rounds, same run), against bare. goals() also judges each
 # limit with the contract floor (the least any router keeping colocate's contract does) in
-# place of bare, as own_<goal>: ours, not issue 14's, they bound the router's own logic.
+# place of bare, as own_<goal>: they bound the router's own logic.
 GOALS = {
     "cpu_ratio_32": 1.10,         # router CPU/request <= 1.10 x bare, at 32 clients
     "throughput_ratio_32": 0.90,  # router req/s >= 0.90 x bare, at 32 clients
@@ -105,7 +105,7 @@ class Secrets:
 
 def router_headers(client_key: str | None = None) -> dict[str, str]:
     """Every header a routed benchmark request carries, in one place: when routed paths
-    need a client key (issue 10), pass the minted ``clc_...`` key here."""
+    need a client key, pass the minted ``clc_...`` key here."""
     h = {"content-type": "application/json"}
     if client_key:
         h["authorization"] = f"Bearer {client_key}"
@@ -428,7 +428,7 @@ def summarise(rounds: list[dict]) -> dict:
 
 
 def goals(series: list[dict]) -> list[dict]:
-    """Issue 14 item 3, judged per pod count on the medians against bare; and the same
+    """The router's goals, judged per pod count on the medians against bare; and the same
     limits against the contract floor (``own_`` goals) when it ran."""
     checks = []
 
@@ -466,7 +466,7 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
             floor_worker(lambda port: contract_config(compat, pod_urls, secrets.pod_token, opts.deadline_ms, port)) as contract,
             router_worker(plan, values, opts.far_state_ms) as router,
         ):
-            # Routed requests need a client key: the router checks it on every request (issue 10).
+            # Routed requests need a client key: the router checks it on every request.
             key = opts.client_key or mint_key(router.url, secrets.probe_token)
             hdr_router = router_headers(key)
             urls = {"direct": pod_urls[0], "bare": bare.url, "contract": contract.url, "router": router.url}

@@ -16,7 +16,7 @@ all, as if from Tokyo (``cf-blob: {"colo": "NRT"}``), so apac-jp serves first. A
 Reported: failed requests (anything but a 200), how many the fallback answered, and p50/p99
 of the requests answered before the fault, of the switch (the requests in flight at the
 fault and those started in the ``--window`` seconds after it), and after; the
-added p99 of the switch against the cell's deadline (issue 28's goal: 0 failed and added
+added p99 of the switch against the cell's deadline (the goal: 0 failed and added
 p99 <= one deadline; reported, not enforced).
 
 Usage: .venv/bin/python scripts/bench_fleet_failover.py [--mode error,down,hang] [--rate 30]

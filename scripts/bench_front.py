@@ -14,7 +14,7 @@ the floor of any front door) and on the front door's (front). CPU per request is
 together: the ratio front/direct is the front door's cost relative to the cell's.
 Reported as medians over rounds: p50/p99 of each, the added p50, the CPU ratios (front and
 hop over direct, front over hop), and the
-goals of issue 28 (added p50 <= 0.2 ms, CPU <= 1.15x; reported, not enforced).
+goals (added p50 <= 0.2 ms, CPU <= 1.15x; reported, not enforced).
 
 Usage: .venv/bin/python scripts/bench_front.py [--rounds 5] [--seconds 3] [--clients 1,32]
        [--pod-delay-ms 0] [--json PATH|-]

@@ -11,7 +11,7 @@ bench/sse.mjs: time to first and last byte). Each Worker runs in its own workerd
 process; the CPU each spends per request comes from its /proc/<pid>/stat. Reported as
 medians over rounds: the router's added p50/p99 and SSE TTFB/TTLB vs the bare Worker,
 throughput and CPU ratios (also router vs contract floor, and contract floor vs bare),
-and the goals of issue 14 (met/missed; reported, not enforced).
+and the goals (met/missed; reported, not enforced).
 
 Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1`` runs one series per pod
 count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Client API keys of a cell or a fleet: create, list, revoke, and usage per key and day.
 
-    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--max-parallel N] [--expires-in SECONDS]
+    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--max-parallel N]
+                   [--expires-in SECONDS] [--env]
     keys.py list   --stack S
     keys.py revoke --stack S KEY_ID
     keys.py usage  --stack S [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--key KEY_ID]
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -66,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-parallel", type=int, default=None,
                    help="requests in flight at once (0: no limit; default: the cell's colocate:keys.defaultMaxParallel)")
     c.add_argument("--expires-in", type=int, metavar="SECONDS", help="the key stops working after this long")
+    c.add_argument("--env", action="store_true",
+                   help="print `export OPENAI_BASE_URL=... OPENAI_API_KEY=...` for a shell's eval (OpenAI clients read both)")
     ls = sub.add_parser("list", help="every key, revoked ones too (never the key itself)")
     common(ls)
     r = sub.add_parser("revoke", help="revoke a key (takes effect within colocate:worker.stateTtlMs everywhere)")
@@ -346,6 +350,9 @@ def run(args: argparse.Namespace) -> int:
                                  max_parallel=args.max_parallel, expires_in_s=args.expires_in)
         if args.json:
             print(json.dumps(made, indent=2))
+        elif args.env:
+            print(f"export OPENAI_BASE_URL={shlex.quote(target.url.rstrip('/') + '/v1')}\n"
+                  f"export OPENAI_API_KEY={shlex.quote(made['key'])}")
         else:
             print(made["key"])
             print(f"created {made['id']} ({made['name']}) on {target.url}: the key above is shown only once; "

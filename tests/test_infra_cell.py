@@ -312,7 +312,7 @@ def test_after_finish_the_retired_generation_is_unbound_and_purged_once():
 
 
 def test_a_failing_assertion_inside_the_mock_run_is_seen():
-    # Guard against a harness that swallows failures (STYLE.md: check a wrong assertion fails once).
+    # Guard against a harness that swallows failures (a wrong assertion must fail once).
     config, keys = stack_config("apac-jp")
     run = run_program("apac-jp", config, keys)
     with pytest.raises(AssertionError):

@@ -1,4 +1,4 @@
-"""Ctrl-C at any moment of `sandbox.py up`, `apply` and `demo` (issue 13 item 1).
+"""Ctrl-C at any moment of `sandbox.py up`, `apply` and `demo`.
 
 Each test sends SIGINT to the command's process group (what a terminal does) after a delay
 from a bounded sweep, then checks what is true afterwards, not what the command said: no

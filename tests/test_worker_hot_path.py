@@ -1,4 +1,4 @@
-"""Guard for the router's hot path (issue 14 item 4), not timed: counts, in real workerd,
+"""Guard for the router's hot path, not timed: counts, in real workerd,
 the subrequests and Durable Object calls a routed request makes, with a client key.
 
 The router runs from the sandbox stack's plan (the cloud's bytes) behind a test-only

@@ -6,7 +6,7 @@ against the same operation's response schema before it is sent. Anything that do
 match is recorded in ``violations`` and answered 599; the ``fake_*`` fixtures fail the test
 if ``violations`` is not empty at the end, so a drifting client fails loudly.
 
-Spec errata (where the published spec disagrees with the live API, documented in FACTS.md):
+Spec errata (where the published spec disagrees with the live API, seen in its answers):
 * Vast.ai paths are served with a trailing slash (``/api/v0/bundles/``); the spec lists
   them without one. One trailing slash is removed before matching.
 * Vast.ai ``Instance.ports`` is an object ``{"8000/tcp": [{"HostPort": "41234"}]}`` in the

@@ -5,7 +5,7 @@ name overridden) with its own Breaker namespace and storage and its own stand-in
 one stand-in fallback serves them all. The front door is ``colocate.fleet.plan_fleet``'s
 plan, its modules read from disk. Its socket parses ``request.cf`` from the ``cf-blob``
 request header (workerd's ``cfBlobHeader``), which is how a test says which colo a
-request arrived at: locally ``request.cf`` has no colo (FACTS.md).
+request arrived at: locally ``request.cf`` has no colo.
 
 One client key works in every cell: it is made by cell 0's ``POST /_colocate/keys`` and
 copied into the others by a test-only entry module (``KEY_ENTRY``, never uploaded) that
