@@ -16,7 +16,6 @@ Cloudflare reports for the script, as a cell's Breaker is.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TypedDict
 
@@ -24,9 +23,10 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 
 from colocate import fleet, outputs, stackfile
-from colocate.errors import ConfigError, MissingSetting
+from colocate.errors import ConfigError
 
-from .cell import module_files, public_route
+from .cell import by_name, module_files, public_route
+from .stackconfig import check_zone, live_migration_tag, migrations_args, raw_config, require_api_token
 
 
 class FleetArgs(TypedDict):
@@ -71,16 +71,7 @@ def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: 
             out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, text=by_output[b.from_output]))
         else:
             out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, text=b.text))
-    return out
-
-
-def _migrations(plan: fleet.FleetPlan):
-    """None when nothing is pending (the upload then carries no migrations block)."""
-    m = plan.migrations
-    if m is None:
-        return None
-    steps = [cloudflare.WorkersScriptMigrationsStepArgs(**step) for step in m["steps"]]
-    return cloudflare.WorkersScriptMigrationsArgs(old_tag=m["old_tag"], new_tag=m["new_tag"], steps=steps)
+    return by_name(out)  # services and the rest together
 
 
 class Fleet(pulumi.ComponentResource):
@@ -119,8 +110,11 @@ class Fleet(pulumi.ComponentResource):
             compatibility_date=fleet.COMPATIBILITY_DATE,
             # No placement: the front door runs in the colo that accepted the request.
             bindings=bindings,
-            migrations=plan.apply(_migrations),
+            migrations=plan.apply(lambda p: migrations_args(p.migrations)),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
+            # The FleetLedger class: Cloudflare deletes its script (and the ledger's objects)
+            # only when forced (docs/fleet.md, "Destroy").
+            force=True,
             opts=child,
         )
         self.route = public_route(name, s.account_id, s.worker_name, hostname, s.zone.id if s.zone else None,
@@ -132,15 +126,11 @@ class Fleet(pulumi.ComponentResource):
 
 def main() -> dict[str, pulumi.Input]:
     """Declare the fleet stack and export its outputs; returns the exports (tests read them)."""
-    from .program import _raw_config, check_zone, live_migration_tag
-
-    raw, secrets = _raw_config()
+    raw, secrets = raw_config()
     try:
         settings = fleet.parse(raw, pulumi.get_stack(), secrets=frozenset(secrets))
         fleet.check_member_stacks(settings, stackfile.STACKS_DIR)
-        if not (pulumi.runtime.get_config("cloudflare:apiToken") or os.environ.get("CLOUDFLARE_API_TOKEN")):
-            raise MissingSetting("cloudflare:apiToken", None, "the Cloudflare API token is not set",
-                                 "pulumi config set --secret cloudflare:apiToken <token> (or export CLOUDFLARE_API_TOKEN)")
+        require_api_token()
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
     if settings.zone is not None:
