@@ -56,7 +56,7 @@ FLEET_KEYS = ("fleet", "accountId", "worker", "zone")
 FRONT_WORKER_KEYS = ("name", "subdomain", "maxBodyBytes")
 FRONT_MAIN_MODULE = "frontindex.js"  # exports front.js's handler and the FleetLedger class
 # What the fleet reads from each member stack (names in colocate/outputs.py).
-MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION)
+MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION, outputs.ACCOUNT_ID)
 # A stack name as `pulumi stack init` takes it, optionally qualified as org/project/stack.
 _STACK = re.compile(r"([A-Za-z0-9_.-]+/){0,2}[A-Za-z0-9_.-]+")
 _SCRIPT = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -191,6 +191,7 @@ class Member:
     region: Region
     worker_name: str
     worker_url: str
+    account_id: str
 
 
 def member(index: int, stack: str, found: Mapping[str, object] | None) -> Member:
@@ -200,11 +201,25 @@ def member(index: int, stack: str, found: Mapping[str, object] | None) -> Member
     missing = [k for k in MEMBER_OUTPUTS if not isinstance(found.get(k), str) or not found.get(k)]
     if missing:
         problem = (f"stack {stack} has no outputs {', '.join(missing)}: it was never deployed, does not exist, or was "
-                   f"last deployed by a kit that did not export {outputs.REGION}")
+                   f"last deployed by a kit that did not export them")
         raise ConfigError(key, stack, problem, f"pulumi up -s {short_name(stack)} (then pulumi up the fleet again), "
                           f"or pulumi config rm --path '{key}'")
     region = lookup_region(found[outputs.REGION], f"{key} (output {outputs.REGION} of stack {stack})")
-    return Member(stack, short_name(stack), region, str(found[outputs.WORKER_NAME]), str(found[outputs.WORKER_URL]))
+    return Member(stack, short_name(stack), region, str(found[outputs.WORKER_NAME]), str(found[outputs.WORKER_URL]),
+                  str(found[outputs.ACCOUNT_ID]))
+
+
+def check_accounts(settings: FleetSettings, members: Sequence[Member]) -> None:
+    """Service bindings reach Workers of the front door's own account only: a member in
+    another account would fail only at upload, after the plan looked fine."""
+    for i, m in enumerate(members):
+        if m.account_id != settings.account_id:
+            raise ConfigError(f"{KEY}.cells[{i}]", m.stack,
+                              f"stack {m.stack} deploys its Worker in account {m.account_id} (its output "
+                              f"{outputs.ACCOUNT_ID}), not this fleet's {settings.account_id}: a service binding "
+                              "reaches only Workers of the same account",
+                              f"pulumi config set {NS}:accountId {m.account_id} -s {settings.stack} (every cell in "
+                              f"that account), or deploy {m.name} in {settings.account_id}")
 
 
 def check_members(members: Sequence[Member]) -> None:
@@ -314,6 +329,7 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         raise ValueError(f"{len(found)} member outputs for {len(settings.cells)} cells")
     members = tuple(member(i, s, f) for i, (s, f) in enumerate(zip(settings.cells, found, strict=True)))
     check_members(members)
+    check_accounts(settings, members)
     table = rank_table([m.region for m in members])
     services = tuple(ServiceBinding(f"CELL_{i}", m.worker_name) for i, m in enumerate(members))
     bindings = (

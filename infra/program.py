@@ -99,6 +99,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.PROBE_VERDICT: cell.probe_result.apply(lambda r: r.get("verdict")),
         outputs.PROBE_TOKEN: pulumi.Output.secret(secrets["probeToken"]),
         outputs.REGION: cell_plan.region.name,  # what a fleet stack reads
+        outputs.ACCOUNT_ID: cell_plan.worker.account_id,
     }
     for key, value in exports.items():
         pulumi.export(key, value)

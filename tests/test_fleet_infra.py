@@ -21,7 +21,7 @@ ACCOUNT = "0123456789abcdef0123456789abcdef"
 def cell_outputs(region: str) -> dict:
     name = f"colocate-{region}"
     return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
-            outputs.PROBE_TOKEN: f"probe-secret-of-{region}"}
+            outputs.ACCOUNT_ID: ACCOUNT, outputs.PROBE_TOKEN: f"probe-secret-of-{region}"}
 
 
 class FleetMocks(RecordingMocks):
@@ -150,7 +150,7 @@ def test_a_zone_gives_a_custom_domain():
 
 def test_a_member_stack_without_outputs_is_refused():
     msg = refused({**STACKS, "eu-west": {}})
-    assert "colocate:fleet.cells[1]" in msg and "'eu-west'" in msg and "no outputs workerName, workerUrl, region" in msg
+    assert "colocate:fleet.cells[1]" in msg and "'eu-west'" in msg and "no outputs workerName, workerUrl, region, accountId" in msg
     assert "Fix: pulumi up -s eu-west" in msg
 
 
@@ -232,10 +232,17 @@ def test_a_cells_secret_in_plain_text_is_refused():
     assert SECRET_VALUES["podToken"] not in msg
 
 
-def test_a_cell_exports_its_region_for_fleets():
+def test_a_cell_exports_its_region_and_account_for_fleets():
     config, keys = stack_config("eu-west")
     run = run_program("eu-west", config, keys)
     assert run.resolved[outputs.REGION] == "eu-west"
+    assert run.resolved[outputs.ACCOUNT_ID] == config["colocate:accountId"] == ACCOUNT
+
+
+def test_a_member_in_another_account_is_refused_by_preview():
+    other = {**cell_outputs("eu-west"), outputs.ACCOUNT_ID: "f" * 32}
+    msg = refused({**STACKS, "eu-west": other})
+    assert "colocate:fleet.cells[1]" in msg and "f" * 32 in msg and ACCOUNT in msg and "same account" in msg
 
 
 def test_project_defaults_leave_a_cell_as_strict_as_before():

@@ -23,7 +23,7 @@ def raw(**over) -> dict:
 def outs(region: str, name: str | None = None) -> dict:
     name = name or f"colocate-{region}"
     return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
-            outputs.PROBE_TOKEN: "secret-not-read"}
+            outputs.ACCOUNT_ID: ACCOUNT, outputs.PROBE_TOKEN: "secret-not-read"}
 
 
 def three():
@@ -305,3 +305,19 @@ def test_a_cell_command_on_a_fleet_stack_says_so():
         settings.parse(raw, "fleet", secrets=secrets)
     assert err.value.key == "colocate:fleet" and "is a fleet" in err.value.problem
     assert "apac-jp, eu-west, us-east" in err.value.fix
+
+
+def test_a_cell_in_another_account_is_refused_before_any_upload():
+    # Service bindings reach Workers of the same account only; the cloud would refuse the upload.
+    other = "f" * 32
+    found = [outs(c) for c in CELLS]
+    found[1] = {**found[1], outputs.ACCOUNT_ID: other}
+    with pytest.raises(ConfigError) as err:
+        fleet.plan_fleet(fleet.parse(raw(), "fleet"), found)
+    msg = str(err.value)
+    assert err.value.key == "colocate:fleet.cells[1]" and other in msg and ACCOUNT in msg
+    assert "same account" in msg and f"pulumi config set colocate:accountId {other}" in msg
+    # A cell deployed before it exported its account: redeploy it, as for any missing output.
+    found[1] = {k: v for k, v in found[1].items() if k != outputs.ACCOUNT_ID}
+    with pytest.raises(ConfigError, match="accountId"):
+        fleet.plan_fleet(fleet.parse(raw(), "fleet"), found)
