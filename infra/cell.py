@@ -18,7 +18,9 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, pod_urls_text, token_fingerprint
+from colocate import cloudflare_limits
+from colocate.errors import ConfigError
+from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
 from .stackconfig import migrations_args
 
@@ -46,12 +48,24 @@ class CellArgs(TypedDict):
     """The Cloudflare API token (secret), for scripts/placement.py."""
 
 
-def _binding_args(binding: Binding, secrets: Mapping[str, pulumi.Input[str]], pod_urls: pulumi.Output[list]):
+def _binding_args(script: str, binding: Binding, secrets: Mapping[str, pulumi.Input[str]],
+                  pod_urls: pulumi.Output[list]):
     if binding.type == "durable_object_namespace":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, class_name=binding.class_name)
+
+    def within_limits(value: str) -> str:
+        # Known only now (a secret, the pods' URLs): the plan checked the rest.
+        try:
+            cloudflare_limits.check_binding_value(script, binding.name, value, binding_key(binding))
+        except ConfigError as err:
+            raise pulumi.RunError(str(err)) from None
+        return value
+
     if binding.type == "secret_text":
-        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=secrets[binding.secret])
-    text = pod_urls.apply(pod_urls_text) if binding.from_output == POD_URLS_FROM_OUTPUT else binding.text
+        text = pulumi.Output.from_input(secrets[binding.secret]).apply(within_limits)
+        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=text)
+    text = pod_urls.apply(lambda urls: within_limits(pod_urls_text(urls))) \
+        if binding.from_output == POD_URLS_FROM_OUTPUT else binding.text
     return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=text)
 
 
@@ -86,7 +100,7 @@ def module_files(modules, main_module: str) -> dict:
     return {
         m.name: cloudflare.WorkersScriptFilesArgs(
             content_type=MODULE_CONTENT_TYPE,
-            content_base64=base64.b64encode(m.path.read_bytes()).decode(),
+            content_base64=base64.b64encode(m.content().encode()).decode(),
         )
         for m in modules
         if m.name != main_module
@@ -184,7 +198,7 @@ class Cell(pulumi.ComponentResource):
             content=main.content(),
             files=module_files(w.modules, w.main_module),
             compatibility_date=w.compatibility_date,
-            bindings=[_binding_args(b, secrets, pod_urls) for b in by_name(w.bindings)],
+            bindings=[_binding_args(w.script_name, b, secrets, pod_urls) for b in by_name(w.bindings)],
             migrations=migrations_args(w.migrations),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             # Cloudflare refuses to delete a script that implements a Durable Object class

@@ -22,7 +22,7 @@ from typing import TypedDict
 import pulumi
 import pulumi_cloudflare as cloudflare
 
-from colocate import fleet, outputs, stackfile
+from colocate import cloudflare_limits, fleet, outputs, stackfile
 from colocate.errors import ConfigError
 
 from .cell import by_name, module_files, public_route
@@ -58,6 +58,9 @@ def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: 
     """The front door's bindings; ``tokens``: each member's probeToken output, index order."""
     try:
         fleet.check_tokens(settings, tokens)
+        for i, token in enumerate(tokens):
+            cloudflare_limits.check_binding_value(settings.worker_name, f"CELL_TOKEN_{i}", token,
+                                                  f"{fleet.KEY}.cells[{i}]")
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
     by_output = {fleet.token_output(i): t for i, t in enumerate(tokens)}
@@ -97,8 +100,7 @@ class Fleet(pulumi.ComponentResource):
         plan = pulumi.Output.all(*found).apply(lambda f: _plan(s, f, live_tag))
         bindings = pulumi.Output.all(plan, *tokens).apply(lambda a: _binding_args(s, a[0], a[1:]))
 
-        modules = fleet.front_modules()
-        main = modules[0]
+        main = fleet.front_modules()[0]  # frontindex.js; the ranking module comes with the plan
         hostname, url = fleet.address(s)
         self.worker = cloudflare.WorkersScript(
             f"{name}-worker",
@@ -106,7 +108,7 @@ class Fleet(pulumi.ComponentResource):
             script_name=s.worker_name,
             main_module=main.name,
             content=main.content(),
-            files=module_files(modules, main.name),
+            files=plan.apply(lambda p: module_files(p.modules, p.main_module)),
             compatibility_date=fleet.COMPATIBILITY_DATE,
             # No placement: the front door runs in the colo that accepted the request.
             bindings=bindings,

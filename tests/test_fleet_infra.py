@@ -91,7 +91,8 @@ def test_one_front_door_with_service_bindings_and_no_placement():
     assert w["mainModule"] == main and w["content"] == (stackfile.ROOT / "worker/src" / main).read_text()
     assert set(w["files"]) == {m.name for m in fleet.front_modules()} - {main}
     for name, f in w["files"].items():
-        assert base64.b64decode(f["contentBase64"]) == (stackfile.ROOT / "worker/src" / name).read_bytes()
+        if name != "cellrank.js":  # the plan's ranking, below
+            assert base64.b64decode(f["contentBase64"]) == (stackfile.ROOT / "worker/src" / name).read_bytes()
     is_secret, bindings = unsecret(w["bindings"])
     assert is_secret, "the bindings hold the cells' probe tokens"
     b = {x["name"]: x for x in bindings}
@@ -99,8 +100,9 @@ def test_one_front_door_with_service_bindings_and_no_placement():
     assert b["CELL_1"]["service"] == "colocate-eu-west" and b["CELL_2"]["service"] == "colocate-us-east"
     assert b["CELLS"]["type"] == "json"
     assert json.loads(b["CELLS"]["json"]) == [{"name": r, "region": r} for r in ("apac-jp", "eu-west", "us-east")]
-    rank = json.loads(b["CELL_RANK"]["json"])
-    assert rank["NRT"][0] == 0 and rank["FRA"][0] == 1 and rank["IAD"][0] == 2
+    rank_js = base64.b64decode(w["files"]["cellrank.js"]["contentBase64"]).decode()
+    rank = json.loads(rank_js.removeprefix("export default ").removesuffix(";\n"))
+    assert rank["NRT"][0] == 0 and rank["FRA"][0] == 1 and rank["IAD"][0] == 2 and "CELL_RANK" not in b
     assert b["REMEMBER_MS"] == {"name": "REMEMBER_MS", "type": "plain_text", "text": "5000"}
     assert b["EXCHANGE_MS"] == {"name": "EXCHANGE_MS", "type": "plain_text", "text": "1000"}
     # The limits exchange: its object, and each cell's probe token read from that cell's stack.

@@ -396,3 +396,19 @@ def test_bindings_are_declared_in_name_order(stack):
         run = run_program(stack, config, keys)
     names = [b["name"] for b in plain(run.mocks.one(WORKER).inputs["bindings"])]
     assert len(names) > 10 and names == sorted(names)
+
+
+def test_preview_refuses_a_binding_past_cloudflares_limit_naming_it():
+    # workerd takes any size; Cloudflare refuses an environment variable over 5 KB at upload.
+    config, keys = stack_config("apac-jp", overrides={"fallbackModel": "m" * 5200})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys)
+    msg = str(err.value)
+    assert msg.startswith("colocate:fallbackModel:") and "FALLBACK_MODEL" in msg and "5 KB" in msg
+    # A secret is checked as it resolves, and never shown.
+    long_url = "https://fallback.example.com/" + "x" * 5200
+    config, keys = stack_config("apac-jp", secrets={**SECRET_VALUES, "fallbackUrl": long_url})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys)
+    assert str(err.value).startswith("colocate:fallbackUrl:") and "5 KB" in str(err.value)
+    assert long_url not in str(err.value)
