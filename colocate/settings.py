@@ -70,27 +70,56 @@ SCALE_DEFAULTS = {"min": 1, "max": 2, "target": 60, "upAfterS": 120, "downAfterS
 SCALE_POLICIES = ("latency", "cost")
 
 SCHEMA: tuple[Key, ...] = (
-    Key("region", "string", None, "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
-    Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
+    Key("region", "string", None,
+        "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
+    Key("generations", "array", None,
+        "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with "
+        "scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
-    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal (raise by one to replace every pod with a newly placed one)."),
-    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
-    Key("keys", "object", KEYS_DEFAULTS, "Client keys: defaultMaxParallel (requests in flight per key for keys created without --max-parallel; 0 = no limit)."),
-    Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
+    Key("pod", "object", POD_DEFAULTS,
+        "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
+        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
+        "readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal "
+        "(raise by one to replace every pod with a newly placed one)."),
+    Key("worker", "object", WORKER_DEFAULTS,
+        "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
+        "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
+        "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
+        "from Cloudflare), allowClassDeletion."),
+    Key("keys", "object", KEYS_DEFAULTS,
+        "Client keys: defaultMaxParallel (requests in flight per key for keys created without --max-parallel; 0 = no "
+        "limit)."),
+    Key("budgets", "object", BUDGET_DEFAULTS,
+        "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
-    Key("scale", "object", {}, "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, target (requests per minute one pod serves within budget), upAfterS and downAfterS (how long demand must hold before pods are added or removed), policy (latency: enough pods for the traffic; cost: a pod only while it costs less than colocate:fallbackPrice for the same tokens); pods and draining are written by scripts/scale.py."),
-    Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
-    Key("fleet", "object", {}, "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs}. Set, it makes the stack a front door over those cells instead of a cell."),
-    Key("fallbackModel", "string", None, "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model unchanged (only when the fallback serves the pod's model)."),
-    Key("fallbackPrice", "object", {}, "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports the pods' cost alone."),
+    Key("scale", "object", {},
+        "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, "
+        "target (requests per minute one pod serves within budget), upAfterS and downAfterS (how long demand must hold "
+        "before pods are added or removed), policy (latency: enough pods for the traffic; cost: a pod only while it costs "
+        "less than colocate:fallbackPrice for the same tokens); pods and draining are written by scripts/scale.py."),
+    Key("zone", "object", {},
+        "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and "
+        "reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
+    Key("fleet", "object", {},
+        "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs}. Set, it makes the stack"
+        " a front door over those cells instead of a cell."),
+    Key("fallbackModel", "string", None,
+        "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model "
+        "unchanged (only when the fallback serves the pod's model)."),
+    Key("fallbackPrice", "object", {},
+        "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. "
+        "platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports "
+        "the pods' cost alone."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
     Key("probeToken", "string", None, "Token that guards the Worker's probe and admin endpoints.", secret=True),
     Key("fallbackUrl", "string", None, "Base URL of the external OpenAI-compatible fallback API.", secret=True),
     Key("fallbackApiKey", "string", None, "API key of the fallback API.", secret=True),
     # Optional (the environment may carry them instead), so they have a default and no
     # `secret: true` in Pulumi.yaml, which would make the CLI demand them on every stack.
-    Key("runpodApiKey", "string", "", "RunPod API key, set with --secret (or RUNPOD_API_KEY in the environment); runpod pods only."),
-    Key("vastaiApiKey", "string", "", "Vast.ai API key, set with --secret (or VASTAI_API_KEY in the environment); vastai pods only."),
+    Key("runpodApiKey", "string", "",
+        "RunPod API key, set with --secret (or RUNPOD_API_KEY in the environment); runpod pods only."),
+    Key("vastaiApiKey", "string", "",
+        "Vast.ai API key, set with --secret (or VASTAI_API_KEY in the environment); vastai pods only."),
 )
 KEYS = {k.name: k for k in SCHEMA}
 ALWAYS_SECRET = ("podToken", "probeToken", "fallbackUrl", "fallbackApiKey")
@@ -287,7 +316,9 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
     k = f"{NS}:worker."
     name = w["name"] or f"colocate-{stack}"
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
-        raise ConfigError(k + "name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-prod")
+        raise ConfigError(
+            k + "name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-prod"
+        )
     if not isinstance(w["allowClassDeletion"], bool):
         raise ConfigError(k + "allowClassDeletion", w["allowClassDeletion"], "must be true or false", "set true or false")
     tag = w["migrationTag"]
@@ -459,13 +490,22 @@ def parse(
     probe = _merged(raw, "probe")
     samples = _number(f"{NS}:probe.samples", probe["samples"], integer=True)
     if not isinstance(probe["enforce"], bool):
-        raise ConfigError(f"{NS}:probe.enforce", probe["enforce"], "must be true or false", "pulumi config set --path colocate:probe.enforce true")
+        raise ConfigError(
+            f"{NS}:probe.enforce",
+            probe["enforce"],
+            "must be true or false",
+            "pulumi config set --path colocate:probe.enforce true",
+        )
     worker = parse_worker(raw, stack)
     zone = parse_zone(raw.get("zone"))
     if zone is None and not worker.subdomain:
-        raise MissingSetting(f"{NS}:worker.subdomain", None, "the Worker needs a public address: no zone and no workers.dev subdomain",
-                             f"pulumi config set --path {NS}:worker.subdomain <your-account-subdomain> (the part before .workers.dev), "
-                             f"or set {NS}:zone")
+        raise MissingSetting(
+            f"{NS}:worker.subdomain",
+            None,
+            "the Worker needs a public address: no zone and no workers.dev subdomain",
+            f"pulumi config set --path {NS}:worker.subdomain <your-account-subdomain> (the part before .workers.dev), "
+            f"or set {NS}:zone",
+        )
     fallback_model = parse_fallback_model(raw.get("fallbackModel"))
     fallback_price = parse_fallback_price(raw.get("fallbackPrice"))
     scale = parse_scale(raw, fallback_price)
