@@ -9,7 +9,7 @@ import pulumi
 import pytest
 
 from colocate import fleet, outputs, projectfile, stackfile
-from tests.support.pulumi_mocks import RecordingMocks, SECRET_VALUES, run_program, stack_config, unsecret
+from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, run_program, stack_config, unsecret
 
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 SUBDOMAIN = "cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain"
@@ -152,7 +152,8 @@ def test_a_zone_gives_a_custom_domain():
 
 def test_a_member_stack_without_outputs_is_refused():
     msg = refused({**STACKS, "eu-west": {}})
-    assert "colocate:fleet.cells[1]" in msg and "'eu-west'" in msg and "no outputs workerName, workerUrl, region, accountId" in msg
+    assert "colocate:fleet.cells[1]" in msg and "'eu-west'" in msg
+    assert "no outputs workerName, workerUrl, region, accountId" in msg
     assert "Fix: pulumi up -s eu-west" in msg
 
 

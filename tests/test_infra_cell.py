@@ -12,8 +12,11 @@ from colocate import catalogue, fleet, outputs, stackfile
 from colocate.plan import COMPATIBILITY_DATE, worker_modules
 from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, plain, run_program, stack_config, unsecret
 
-STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
-                if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi."):-len(".yaml")])[0]))  # tests/test_fleet_infra.py
+STACKS = sorted(
+    p.name[len("Pulumi.") : -len(".yaml")]
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
+    if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi.") : -len(".yaml")])[0])
+)  # tests/test_fleet_infra.py
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 COMMAND = "command:local:Command"
 
@@ -309,7 +312,7 @@ def test_after_finish_the_retired_generation_is_unbound_and_purged_once():
 
 
 def test_a_failing_assertion_inside_the_mock_run_is_seen():
-    # Guard against a harness that swallows failures (STYLE.md: check a wrong assertion fails once).
+    # Guard against a harness that swallows failures (a wrong assertion must fail once).
     config, keys = stack_config("apac-jp")
     run = run_program("apac-jp", config, keys)
     with pytest.raises(AssertionError):
