@@ -194,3 +194,90 @@ def test_the_object_adds_rolls_up_and_drops_by_age_and_keeps_totals():
         assert totals == [["NRT", "0", "total", "~20*2"]]
         totals = cell.one("metrics", _info("live-b"), gen="live-b")["segments"]
         assert totals == [["NRT", "0", "total", "~20*2,1"]]
+
+
+SCHEMA3_COMMIT = "6583894"  # the last commit with generation schema 3: 41 fixed buckets, "index:count" text
+FIXED_EDGES = [60_000.0 if k == 39 else 0.25 * (60_000 / 0.25) ** (k / 39) for k in range(40)]
+
+
+def fixed_percentile(counts: list[int], q: float) -> float:
+    """The fixed buckets' percentile as the schema-3 probe read it (values spread evenly in a bucket)."""
+    def at(i: int) -> float:
+        before = 0
+        for k, c in enumerate(counts):
+            if c and i < before + c:
+                if k == 0:
+                    return 0.0
+                if k == 40:
+                    return 60_000.0
+                lo, hi = FIXED_EDGES[k - 1], FIXED_EDGES[k]
+                return lo + (hi - lo) * (i - before + 0.5) / c
+            before += c
+        return 60_000.0
+    pos = q / 100 * (sum(counts) - 1)
+    lo = int(pos)
+    return at(lo) if lo == pos else at(lo) + (at(lo + 1) - at(lo)) * (pos - lo)
+
+
+def test_a_schema_3_object_upgrades_in_place_its_minutes_read_as_before(tmp_path):
+    import subprocess
+
+    from colocate import plan as plan_mod
+    from colocate import settings as settings_mod
+    from colocate import stackfile
+    from tests.support.workerd import ROOT, SECRET_SETTINGS, driven_cell, request
+
+    old = tmp_path / "old"
+    try:
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", SCHEMA3_COMMIT, "worker"], check=True, capture_output=True).stdout
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        pytest.skip(f"needs the git history for the schema-3 Worker ({exc})")
+    old.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
+    assert 'SCHEMA_VERSION = "3"' in (old / "worker" / "src" / "schema.js").read_text()
+    raw, secrets = stackfile.read_config("sandbox")
+    raw["worker"] = {**(raw.get("worker") or {}), "stateTtlMs": 300}
+    settings = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | SECRET_SETTINGS)
+    old_plan = plan_mod.plan_cell(settings, worker_dir=old / "worker" / "src")
+    store = tmp_path / "do"
+    since = int(time.time() * 1000) - 1000
+    n = 30
+    with driven_cell(plan=old_plan, storage_dir=store, compute_ms=20) as c:
+        hdr = {"authorization": f"Bearer {c.key}"}
+        for _ in range(n):
+            assert request(c.url, "POST", "/v1/chat/completions", body=chat(), headers=hdr).status == 200
+        time.sleep(0.5)
+        assert request(c.url, "POST", "/v1/chat/completions", body=chat(), headers=hdr).status == 200
+        deadline = time.monotonic() + 15
+        while True:
+            doc = request(c.url, "GET", f"/_colocate/live?since={since}", headers=auth()).json()
+            rows = [r for r in doc["minutes"] if r[3] != "sync"]
+            if sum(int(p.split(":")[1]) for r in rows if r[3] == "total" for p in r[4].split(",")) >= n + 1 \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(":" in r[4] and not r[4].startswith("~") for r in rows)  # the fixed buckets' text
+        before = {}
+        for seg in ROUTED:
+            counts = [0] * 41
+            for r in rows:
+                if r[3] == seg:
+                    for p in r[4].split(","):
+                        k, cnt = p.split(":")
+                        counts[int(k)] += int(cnt)
+            before[seg] = {q: fixed_percentile(counts, q) for q in (10, 50, 90, 99)}
+        assert sum(counts) == n + 1
+    with driven_cell({"stateTtlMs": 300}, storage_dir=store, with_key=False) as c:
+        doc = request(c.url, "GET", f"/_colocate/live?since={since}", headers=auth()).json()
+        assert doc["minutes"] and all(r[4].startswith("~") for r in doc["minutes"])  # converted in place
+        result = live.build(doc, None)
+        assert result.requests == n + 1
+        for seg in ROUTED:
+            for q, was in before[seg].items():
+                assert abs(result.segments[seg][f"p{q}"] - was) <= was * 0.0109 + 0.01, (seg, q, result.segments[seg], was)
+        # the totals Prometheus reads were filled once from what was kept
+        text = request(c.url, "GET", "/_colocate/metrics", headers=auth()).body.decode()
+        counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith('colocate_segment_seconds_count{segment="total",')]
+        assert sum(counts) == n + 1
+        assert 'colocate_requests_total{backend="pods"} ' + str(n + 1) in text
