@@ -180,8 +180,8 @@ def test_the_object_adds_rolls_up_and_drops_by_age_and_keeps_totals():
 
         # a minute 8 days old rolls up into its hour on the next sync (at most an hour of minutes a minute)
         old = (now_min - 8 * day) // 60 * 60  # the first minute of an hour: both rows share it
-        cell.one("sync", _info("live-b"), _hist_batch([[old, "NRT", "0", "total", "~20*2"], [old + 1, "NRT", "0", "total", "~21"]]),
-                 gen="live-b")
+        rows = [[old, "NRT", "0", "total", "~20*2"], [old + 1, "NRT", "0", "total", "~21"]]
+        cell.one("sync", _info("live-b"), _hist_batch(rows), gen="live-b")
         got = cell.one("live", (now_min - 9 * day) * 60_000, _info("live-b"), gen="live-b")
         assert got == {"minutes": [], "hours": [[old // 60, "NRT", "0", "total", "~20*2,1"]]}
 
@@ -222,14 +222,13 @@ def fixed_percentile(counts: list[int], q: float) -> float:
 def test_a_schema_3_object_upgrades_in_place_its_minutes_read_as_before(tmp_path):
     import subprocess
 
-    from colocate import plan as plan_mod
-    from colocate import settings as settings_mod
-    from colocate import stackfile
+    from colocate import plan as plan_mod, settings as settings_mod, stackfile
     from tests.support.workerd import ROOT, SECRET_SETTINGS, driven_cell, request
 
     old = tmp_path / "old"
     try:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", SCHEMA3_COMMIT, "worker"], check=True, capture_output=True).stdout
+        git = ["git", "-C", str(ROOT), "archive", SCHEMA3_COMMIT, "worker"]
+        tar = subprocess.run(git, check=True, capture_output=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
         pytest.skip(f"needs the git history for the schema-3 Worker ({exc})")
     old.mkdir()
