@@ -12,9 +12,13 @@ export const ROUTES = {
   "/_colocate/keys/replica": { methods: ["GET", "POST"], kind: "replica" },
   "/_colocate/usage": { methods: ["GET"], kind: "usage" },
   "/_colocate/live": { methods: ["GET"], kind: "live" },
+  "/_colocate/metrics": { methods: ["GET"], kind: "metrics" },
   "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters" },
   "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers" },
 };
+
+/** Set by a fleet's front door on what it forwards: the colo it received the request in (routes.js: both Workers read it). */
+export const CLIENT_COLO_HEADER = "x-colocate-client-colo";
 
 const REVOKE = /^\/_colocate\/keys\/([A-Za-z0-9_]{1,64})\/revoke$/;
 
