@@ -53,7 +53,8 @@ def cell_plan(worker: dict | None = None, generations: list[dict] | None = None,
 def values_for(pod_url: str | list[str], fallback_url: str) -> dict[str, str]:
     # FALLBACK_URL is a secret too: it is keyed by its settings name here, to exercise both lookups.
     urls = [pod_url] if isinstance(pod_url, str) else pod_url
-    return {"POD_URLS": plan_mod.pod_urls_text(urls), "fallbackUrl": fallback_url, **SECRETS}
+    # The sandbox stack sets only the old probeToken: the plan binds it for every operator role.
+    return {"POD_URLS": plan_mod.pod_urls_text(urls), "fallbackUrl": fallback_url, "probeToken": SECRETS["PROBE_TOKEN"], **SECRETS}
 
 
 @dataclass
