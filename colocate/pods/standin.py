@@ -239,6 +239,7 @@ class StandinServer(ThreadingHTTPServer):
         self._fault = {"mode": "ok", "delay_ms": 0}
         self._redirected = 0
         self._requests = 0
+        self.seen_headers: list[dict[str, str]] = []  # the last 16 inference requests' headers (in-process tests)
         self._streams = {"completed": 0, "cut": 0}
         super().__init__((host, port), _Handler)
 
@@ -264,9 +265,11 @@ class StandinServer(ThreadingHTTPServer):
         with self._lock:
             return self._requests
 
-    def count_request(self) -> None:
+    def count_request(self, headers=None) -> None:
         with self._lock:
             self._requests += 1
+            if headers is not None:
+                self.seen_headers = [*self.seen_headers[-15:], {k.lower(): v for k, v in headers.items()}]
 
     @property
     def streams(self) -> dict:
@@ -438,7 +441,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path in ("/health", "/v1/models"):
                 return self._error(405, f"{path} takes GET", "method_not_allowed", headers={"Allow": "GET"})
             return self._error(404, f"no route {path}", "not_found")
-        self.server.count_request()
+        self.server.count_request(self.headers)
         if not self._authorised():
             return self._error(401, "Unauthorized", "invalid_api_key")
         chat = path == "/v1/chat/completions"
