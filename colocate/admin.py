@@ -33,7 +33,6 @@ import requests
 
 from .sandbox.statedir import SANDBOX_CMD, default_state_dir  # not the supervisor, whose runner imports admin
 
-
 # The credential each role takes from the environment; the old single token is read where
 # the role's own is unset, for one release (docs/worker.md, "Who holds what").
 TOKEN_ENVS = {"admin": "COLOCATE_ADMIN_TOKEN", "read": "COLOCATE_READ_TOKEN"}

@@ -9,8 +9,9 @@
 A warm-up request, one check of the fallback (GET /_colocate/probe?fallback=1), then N samples
 of the Worker's probe endpoint (GET /_colocate/probe) and N of a routed request
 (POST /v1/chat/completions, max_tokens 1), all over one reused connection. Routed requests
-carry a client key: the one given, else a 15-minute key minted with the probe token and
-revoked at the end (Ctrl-C included).
+carry a client key: the one given, else a 15-minute key minted with the admin token
+(COLOCATE_ADMIN_TOKEN, or the stack's adminToken output) and revoked at the end (Ctrl-C
+included). Everything else needs only the read token.
 With --stack naming a fleet stack: from each client site (--client-site NAME=URL, repeatable),
 which cell served, e2e and segments, and whether it was the site's nearest healthy cell.
 Exit 0 when every check holds, 1 when a budget or placement check fails (0 with --warn-only,
@@ -49,14 +50,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("url", nargs="?", metavar="URL", help="the Worker's base URL (default: the stack's workerUrl output)")
     p.add_argument("--token", help=f"the read token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
     p.add_argument("--key", help=f"client key for the routed samples; prefer {keys.KEY_ENV}. Without one the probe "
-                                 "mints a 15-minute key with the probe token and revokes it at the end")
-    p.add_argument("--samples", type=int, help=f"samples per kind (default: the stack's colocate:probe.samples, else {DEFAULT_SAMPLES})")
-    p.add_argument("--expect-region", metavar="R", help="region the cell should run in (default: the stack's colocate:region, else the Worker's own)")
+                                 "mints a 15-minute key with the admin token (COLOCATE_ADMIN_TOKEN) and revokes it at the end")
+    p.add_argument(
+        "--samples", type=int, help=f"samples per kind (default: the stack's colocate:probe.samples, else {DEFAULT_SAMPLES})"
+    )
+    p.add_argument(
+        "--expect-region",
+        metavar="R",
+        help="region the cell should run in (default: the stack's colocate:region, else the Worker's own)",
+    )
     p.add_argument("--budget", action="append", default=[], metavar="NAME=MS[@pNN]",
                    help="latency budget on a segment's p50 (or the given percentile); repeatable; replaces the stack's budgets")
-    p.add_argument("--json", metavar="PATH|-", help="write the JSON result to PATH; '-' prints it on stdout and the table on stderr")
+    p.add_argument(
+        "--json", metavar="PATH|-", help="write the JSON result to PATH; '-' prints it on stdout and the table on stderr"
+    )
     p.add_argument("--plot", metavar="PNG", help="write a PNG of the per-segment distributions")
-    p.add_argument("--stack", metavar="S", help="read URL, token, pod location (outputs) and region, budgets, samples (config) from stack S")
+    p.add_argument(
+        "--stack", metavar="S", help="read URL, token, pod location (outputs) and region, budgets, samples (config) from stack S"
+    )
     p.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
     p.add_argument("--pod-location", metavar="LOC", action="append", default=[],
                    help="a pod's GPU location, e.g. AP-JP-1 or TW; repeat once per pod, in index order "
@@ -77,7 +88,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--live", action="store_true",
                    help="read real traffic instead of sampling: per-segment percentiles, shares and colos recorded by the "
                         "Worker (GET /_colocate/live), with the same verdicts and exit codes")
-    p.add_argument("--since", default="1h", metavar="1h", help="with --live: the window, e.g. 15m, 1h, 7d (default 1h; up to 35d)")
+    p.add_argument(
+        "--since", default="1h", metavar="1h", help="with --live: the window, e.g. 15m, 1h, 7d (default 1h; up to 35d)"
+    )
     p.add_argument("--state-dir", type=Path, help="with --live: a running sandbox's state directory (its URL and token)")
     p.add_argument("--client-site", action="append", default=[], metavar="NAME=URL",
                    help="with --stack <fleet>: a client site and the URL that reaches the front door from there; "
@@ -132,6 +145,7 @@ def _probe(args: argparse.Namespace) -> int:
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
 
     url, token, locations = args.url, args.token or admin.token_from_env(os.environ, "read"), list(args.pod_location)
+    mint_token = os.environ.get(admin.TOKEN_ENVS["admin"])  # only to mint the routed samples' key
     pod_path, samples, worker_placement = args.pod_path, args.samples, args.placement_mode
     placement_host = args.placement_host
     if args.stack:
@@ -140,6 +154,7 @@ def _probe(args: argparse.Namespace) -> int:
         if not (url and token and locations and pod_path):  # the post-deploy step passes them all: no CLI call
             out = outputs.read_outputs(args.stack)
             url, token, pod_path = url or out.worker_url, token or out.read_token, pod_path or out.pod_path
+            mint_token = mint_token or out.admin_token
             worker_placement = worker_placement or out.placement_mode
             placement_host = placement_host or out.placement_host
             if not locations:
@@ -157,7 +172,9 @@ def _probe(args: argparse.Namespace) -> int:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
     # The key lives only in this process: never in argv of a child, a log line or the JSON.
-    with keys.KeyLease(url, token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
+    # A cell whose read token cannot mint (the admin token was not given) refuses with 403,
+    # and KeyLease names --key and COLOCATE_CLIENT_KEY as the way on.
+    with keys.KeyLease(url, mint_token or token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
                          key=lease.get)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host)
@@ -252,7 +269,8 @@ def _live(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
-    url, token, locations, worker_placement = args.url, args.token or admin.token_from_env(os.environ, "read"), list(args.pod_location), None
+    url, token = args.url, args.token or admin.token_from_env(os.environ, "read")
+    locations, worker_placement = list(args.pod_location), None
     if args.stack:
         cfg, region, budget_list = _from_stack(args, region, budget_list)
         worker_placement = cfg.worker_placement

@@ -12,8 +12,11 @@ from colocate import catalogue, fleet, outputs, stackfile
 from colocate.plan import COMPATIBILITY_DATE, worker_modules
 from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, plain, run_program, stack_config, unsecret
 
-STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
-                if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi."):-len(".yaml")])[0]))  # tests/test_fleet_infra.py
+STACKS = sorted(
+    p.name[len("Pulumi.") : -len(".yaml")]
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
+    if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi.") : -len(".yaml")])[0])
+)  # tests/test_fleet_infra.py
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 COMMAND = "command:local:Command"
 
@@ -137,7 +140,9 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
         {"id": "pod-123", "provider": "runpod", "location": "AP-JP-1", "url": "http://203.0.113.7:41234",
          "cost_per_hr": 0.69, "gpu": "NVIDIA GeForce RTX 4090", "name": "x", "ip": "203.0.113.7", "port": 41234})
     env_secret, env = unsecret(probe["environment"])
-    assert env_secret and env == {"COLOCATE_READ_TOKEN": SECRET_VALUES["readToken"]}  # the probe only reads
+    # The probe reads, and mints its routed samples' short-lived key: never the exchange token.
+    assert env_secret and env == {"COLOCATE_READ_TOKEN": SECRET_VALUES["readToken"],
+                                  "COLOCATE_ADMIN_TOKEN": SECRET_VALUES["adminToken"]}
     for budget, ms in (raw.get("budgets") or {}).items():
         assert f"--budget {budget}={ms:g}" in create
 
@@ -312,7 +317,7 @@ def test_after_finish_the_retired_generation_is_unbound_and_purged_once():
 
 
 def test_a_failing_assertion_inside_the_mock_run_is_seen():
-    # Guard against a harness that swallows failures (STYLE.md: check a wrong assertion fails once).
+    # Guard against a harness that swallows failures (a wrong assertion must fail once).
     config, keys = stack_config("apac-jp")
     run = run_program("apac-jp", config, keys)
     with pytest.raises(AssertionError):
@@ -354,3 +359,64 @@ def test_the_program_at_each_step_of_a_migration(tmp_path):
     assert finish.mocks.one(COMMAND, "-purge-us-east.g1")
     # The pod is the same across finish: only the ledger's draining entry changed.
     assert start.mocks.one(COMMAND, "-pod-0").inputs["stdin"] == finish.mocks.one(COMMAND, "-pod-0").inputs["stdin"]
+
+
+@pytest.mark.parametrize("stack", ["apac-jp", "fleet"])
+def test_destroy_is_possible_because_the_scripts_delete_forced(stack, monkeypatch):
+    # Each script implements a Durable Object class (and a cell's is bound by its front door):
+    # Cloudflare deletes it only when forced, and the mocks refuse a script it could not delete.
+    import infra.cell
+    import infra.fleet
+    from tests.support.pulumi_mocks import UndeletableScript
+    from tests.test_fleet_infra import deploy
+
+    def go():
+        if stack == "fleet":
+            return deploy()
+        config, keys = stack_config(stack)
+        return run_program(stack, config, keys)
+
+    assert plain(go().mocks.one(WORKER).inputs)["force"] is True
+    real = infra.cell.cloudflare.WorkersScript
+
+    def unforced(name, *args, **kwargs):
+        kwargs.pop("force", None)
+        return real(name, *args, **kwargs)
+
+    module = infra.fleet if stack == "fleet" else infra.cell
+    monkeypatch.setattr(module.cloudflare, "WorkersScript", unforced)
+    with pytest.raises(Exception) as err:
+        go()
+    assert isinstance(err.value, UndeletableScript), repr(err.value)
+    assert "implements the Durable Object class" in str(err.value)
+
+
+@pytest.mark.parametrize("stack", ["apac-jp", "fleet"])
+def test_bindings_are_declared_in_name_order(stack):
+    # The order Cloudflare's API returns them in: nothing can be matched by position to the
+    # wrong binding (terraform-provider-cloudflare #7350, #7370), and the order is stable.
+    from tests.test_fleet_infra import deploy
+
+    if stack == "fleet":
+        run = deploy()
+    else:
+        config, keys = stack_config(stack)
+        run = run_program(stack, config, keys)
+    names = [b["name"] for b in plain(run.mocks.one(WORKER).inputs["bindings"])]
+    assert len(names) > 10 and names == sorted(names)
+
+
+def test_preview_refuses_a_binding_past_cloudflares_limit_naming_it():
+    # workerd takes any size; Cloudflare refuses an environment variable over 5 KB at upload.
+    config, keys = stack_config("apac-jp", overrides={"fallbackModel": "m" * 5200})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys)
+    msg = str(err.value)
+    assert msg.startswith("colocate:fallbackModel:") and "FALLBACK_MODEL" in msg and "5 KB" in msg
+    # A secret is checked as it resolves, and never shown.
+    long_url = "https://fallback.example.com/" + "x" * 5200
+    config, keys = stack_config("apac-jp", secrets={**SECRET_VALUES, "fallbackUrl": long_url})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys)
+    assert str(err.value).startswith("colocate:fallbackUrl:") and "5 KB" in str(err.value)
+    assert long_url not in str(err.value)

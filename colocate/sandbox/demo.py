@@ -173,13 +173,15 @@ class Demo:
         out.unlink(missing_ok=True)
         print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples",
               flush=True)
-        # The probe mints its own short-lived client key with the probe token and revokes it.
+        # The probe reads with the read token and mints its own short-lived client key with the
+        # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
         tail: list[str] = []
         with subprocess.Popen(
             [sys.executable, str(PROBE), c["worker_url"], "--samples", str(self.samples), "--expect-region",
              c["region"], "--pod-location", "local", "--pod-path", "local-hostname", "--json", str(out)],
-            env={**os.environ, "COLOCATE_PROBE_TOKEN": c["token"]}, cwd=supervisor.ROOT,
+            env={**os.environ, "COLOCATE_READ_TOKEN": c.get("read_token") or c["token"], "COLOCATE_ADMIN_TOKEN": c["token"]},
+            cwd=supervisor.ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ) as proc:
             try:
@@ -329,8 +331,8 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
         png = demo.plot(demo.state_dir / "probes" / "demo.png", deadline)
         print(f"\n    plot (bars per phase, stacked by segment): {png}")
         ok = all((demo.results[p.label]["_exit"] == 0) == p.expect_ok for p in PHASES)
-        say((f"Done in {time.monotonic() - started:.0f} s." if ok else
-             "Done, but a probe verdict was not the one the story expects (see above)."))
+        say(f"Done in {time.monotonic() - started:.0f} s." if ok else
+             "Done, but a probe verdict was not the one the story expects (see above).")
         return 0 if ok else 1
     except (ConfigError, SandboxError) as exc:
         print(f"demo: {exc}", file=sys.stderr)

@@ -33,7 +33,8 @@ from pathlib import Path
 from .errors import OtherStack
 
 ROOT = Path(__file__).resolve().parents[2]
-SANDBOX_SECRETS = ("podToken", "readToken", "adminToken", "exchangeToken", "fallbackApiKey")  # fallbackUrl is the fallback's URL, known at start
+# fallbackUrl is the fallback's URL, known at start
+SANDBOX_SECRETS = ("podToken", "readToken", "adminToken", "exchangeToken", "fallbackApiKey")
 SANDBOX_CMD = ".venv/bin/python scripts/sandbox.py"  # every command we print runs as printed from the root
 SANDBOXES_DIR = ROOT / ".colocate" / "sandbox"
 

@@ -14,6 +14,7 @@ export const ROUTES = {
   "/_colocate/keys/replica": { methods: ["GET", "POST"], kind: "replica", roles: { GET: "admin", POST: "admin" } },
   "/_colocate/usage": { methods: ["GET"], kind: "usage", roles: { GET: "read" } },
   "/_colocate/live": { methods: ["GET"], kind: "live", roles: { GET: "read" } },
+  "/_colocate/metrics": { methods: ["GET"], kind: "metrics", roles: { GET: "read" } },
   "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters", roles: { GET: "exchange" } },
   "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers", roles: { GET: "exchange", POST: "exchange" } },
 };
