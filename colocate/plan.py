@@ -189,6 +189,18 @@ def pod_path(provider: str, zoned: bool) -> str:
                       "where the region has RunPod capacity")
 
 
+def check_pod_cloud(provider: str, path: str, cloud: str) -> None:
+    """A DNS-only record needs the pod's public ip, and a RunPod Community Cloud host may have
+    none: REST v1's create had ``supportPublicIp`` for that; v2 has no such field, so the pod
+    would run unreachable until readiness gave up. Refused before any pod is rented."""
+    if provider == "runpod" and path == PATH_ZONE_DNS and cloud == "COMMUNITY":
+        raise ConfigError("colocate:pod.cloud", cloud,
+                          "with colocate:zone set the Worker reaches the pod at its public ip, and a RunPod "
+                          "Community Cloud host may have none (RunPod's REST v2 cannot ask for one)",
+                          "pulumi config set --path colocate:pod.cloud SECURE, or remove colocate:zone (the "
+                          "Worker then uses RunPod's proxy hostname, which needs no public ip)")
+
+
 def pod_hostname_of(template: str, generation: str, index: int) -> str:
     """Pod i's DNS-only hostname. Pod 0 keeps the template's name (so adding pods leaves
     its record alone); pod i>0 gets ``-p<i>`` on the first label, or fills ``{index}``."""
@@ -527,6 +539,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     )
     gen = ledger.active.name
     path = pod_path(settings.pod.provider, settings.zone is not None)
+    check_pod_cloud(settings.pod.provider, path, settings.pod.cloud)
     locations = reg.locations(settings.pod.provider)
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts
