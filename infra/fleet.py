@@ -115,7 +115,7 @@ class Fleet(pulumi.ComponentResource):
             migrations=plan.apply(lambda p: migrations_args(p.migrations)),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             # The FleetLedger class: Cloudflare deletes its script (and the ledger's objects)
-            # only when forced (docs/fleet.md, "Destroy").
+            # only when forced (docs/worker.md, "Destroy").
             force=True,
             opts=child,
         )
