@@ -52,12 +52,21 @@ class Result:
             more = len(self.violations) - 1
             return self.violations[0]["message"] + (f" (+{more} more: see violations)" if more else "")
         p = self.placement
-        pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else "pod location unknown"
+        pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else f"pod location not checked ({UNKNOWN_WHY['pod']})"
         e2e, rtt = self.segments["e2e"]["p50"], self.segments["state_rtt"]["p50"]
         path = f", pod_rtt p50 {_num(self.segments['pod_rtt']['p50'])} ms over {self.pod_path}" if self.pod_path else ""
         mode = f" ({p.mode} placement)" if p.mode else ""
         return (f"all checks hold: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
                 f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms{path}")
+
+
+# Why a part's colo can be unknown, printed next to it.
+UNKNOWN_WHY = {
+    "accepted": "no cf-ray header in the answers",
+    "worker": "the Worker reported no worker_colo and no cf-placement",
+    "state": "the state object reported no state_colo",
+    "pod": "no pod location given: pass --pod-location LOC, or --stack S / --state-dir DIR to read it",
+}
 
 
 def _num(v: float | None, digits: int = 0) -> str:
@@ -315,6 +324,8 @@ def table(r: Result) -> str:
                                                                  p.pod_host and f"host {p.pod_host}") if x))]
     for label, colo, status, where in rows:
         shown = status.replace("_", " ").upper() if status != "in_region" else "in region"
+        if colo is None:  # say why, once, where the reader sees the gap
+            where = ", ".join(x for x in (where, UNKNOWN_WHY[label]) if x)
         lines.append(f"  {label:<9}{colo or 'unknown':<8}{shown:<15}{where}")
     if p.draining_generation:
         lines.append(f"  draining generation {p.draining_generation}")
@@ -323,7 +334,7 @@ def table(r: Result) -> str:
         lines += ["", f"pods ({path}; pod_rtt = the Worker's GET /health of each pod)"]
         for pod in r.pods:
             rtt = pod["pod_rtt"]
-            where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location unknown"
+            where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location not given"
             shown = pod["status"].replace("_", " ").upper() if pod["status"] != "in_region" else "in region"
             lines.append(f"  pod {pod['index']:<4}{where:<20}{shown:<15}pod_rtt p50 {_num(rtt['p50'], 1)} ms, "
                          f"p90 {_num(rtt['p90'], 1)} ms  healthy {pod['healthy']}/{pod['checks']}  host {pod['host']}")
