@@ -29,8 +29,12 @@ from pathlib import Path
 
 import requests
 
-from .sandbox.statedir import SANDBOX_CMD, default_state_dir, where_command, where_sandboxes_run  # not the supervisor, whose runner imports admin
-
+from .sandbox.statedir import (  # not the supervisor, whose runner imports admin
+    SANDBOX_CMD,
+    default_state_dir,
+    where_command,
+    where_sandboxes_run,
+)
 
 TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
 TIMEOUT_S = 30
@@ -91,8 +95,9 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
         if sandbox:
             return sandbox
         if state_dir is not None:
+            here = Path(state_dir)
             raise TargetError(f"--state-dir {state_dir}: no sandbox runs there (no ready.json). Fix: start it with "
-                              f"`{SANDBOX_CMD} up {where_command(Path(state_dir), stack)}`; {where_sandboxes_run(Path(state_dir))}")
+                              f"`{SANDBOX_CMD} up {where_command(here, stack)}`; {where_sandboxes_run(here)}")
     if stack is None:
         raise TargetError("no target: pass --stack S (a deployed stack or a running sandbox of it), --state-dir DIR "
                           f"(a sandbox started with that --state-dir) or --url URL; {where_sandboxes_run()}")

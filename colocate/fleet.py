@@ -137,11 +137,21 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     cell_secrets = sorted(set(secrets) & {*ALWAYS_SECRET, *(k for k, _ in PROVIDER_SECRET.values())})
     if cell_secrets:
         name = cell_secrets[0]
-        raise ConfigError(f"{NS}:{name}", "[secret]", "is a cell's secret; the front door holds none of its own (the cells "
-                          "check client keys; their probe tokens are read from their stacks)", f"pulumi config rm {NS}:{name} -s {stack}")
+        raise ConfigError(
+            f"{NS}:{name}",
+            "[secret]",
+            "is a cell's secret; the front door holds none of its own (the cells "
+            "check client keys; their probe tokens are read from their stacks)",
+            f"pulumi config rm {NS}:{name} -s {stack}",
+        )
     fleet = raw.get("fleet")
     if not isinstance(fleet, Mapping):
-        raise ConfigError(KEY, fleet, "must be a mapping {cells: [...], rememberMs, exchangeMs}", f"pulumi config set --path '{KEY}.cells[0]' apac-jp")
+        raise ConfigError(
+            KEY,
+            fleet,
+            "must be a mapping {cells: [...], rememberMs, exchangeMs}",
+            f"pulumi config set --path '{KEY}.cells[0]' apac-jp",
+        )
     unknown = sorted(set(fleet) - set(FLEET_DEFAULTS))
     if unknown:
         raise ConfigError(f"{KEY}.{unknown[0]}", fleet[unknown[0]], "unknown key", f"use only {', '.join(FLEET_DEFAULTS)}")
@@ -153,7 +163,9 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     account = raw.get("accountId")
     if not isinstance(account, str) or not _ACCOUNT.fullmatch(account):
         problem = "is not set" if account in (None, "") else "must be 32 lower-case hex characters"
-        raise MissingSetting(f"{NS}:accountId", account, problem, f"pulumi config set {NS}:accountId <id from the Cloudflare dashboard>")
+        raise MissingSetting(
+            f"{NS}:accountId", account, problem, f"pulumi config set {NS}:accountId <id from the Cloudflare dashboard>"
+        )
 
     worker = raw.get("worker") or {}
     wkey = f"{NS}:worker"
@@ -167,7 +179,9 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
                               "pods or state", f"pulumi config rm --path {wkey}.{sub} -s {stack}")
     name = worker.get("name") or f"colocate-{stack}"
     if not isinstance(name, str) or not _SCRIPT.fullmatch(name):
-        raise ConfigError(f"{wkey}.name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-fleet")
+        raise ConfigError(
+            f"{wkey}.name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-fleet"
+        )
     subdomain = worker.get("subdomain", "")
     if not isinstance(subdomain, str) or (subdomain and not _SCRIPT.fullmatch(subdomain)):
         raise ConfigError(f"{wkey}.subdomain", subdomain, "must be the bare workers.dev subdomain",
@@ -177,8 +191,12 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     if zone is not None and not (raw.get("zone") or {}).get("workerHostname"):
         zone = replace(zone, worker_hostname=f"{stack}.{zone.name}")  # not a cell's default infer.<zone>
     if zone is None and not subdomain:
-        raise MissingSetting(f"{wkey}.subdomain", None, "the front door needs a public address: no zone and no workers.dev subdomain",
-                             f"pulumi config set --path {wkey}.subdomain <your-account-subdomain>, or set {NS}:zone")
+        raise MissingSetting(
+            f"{wkey}.subdomain",
+            None,
+            "the front door needs a public address: no zone and no workers.dev subdomain",
+            f"pulumi config set --path {wkey}.subdomain <your-account-subdomain>, or set {NS}:zone",
+        )
     return FleetSettings(stack, account, cells, remember, exchange, name, subdomain, max_body, zone)
 
 

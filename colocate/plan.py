@@ -229,6 +229,9 @@ class PodPlan:
     # token_fingerprint(colocate:podToken); "" where the plan is built without the token
     # (the sandbox, `migrate.py plan`). infra/cell.py fills it from the secret.
     token_fingerprint: str = ""
+    # False while the pod drains before a scale-down (colocate:scale.draining): still
+    # declared and running, no longer in the Worker's POD_URLS. Not part of the identity.
+    in_rotation: bool = True
 
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
@@ -349,13 +352,20 @@ class CellPlan:
     region: Region
     worker: WorkerPlan
     state: StatePlan
-    pods: tuple[PodPlan, ...]  # pod.count pods, index order
+    pods: tuple[PodPlan, ...]  # pod.count pods (colocate:scale: pods + draining), index order
     probe: ProbePlan
+    pod_path: str = PATH_ZONE_DNS  # how the Worker reaches the pods (one of POD_PATHS), even with none
+    pod_settings: PodSettings | None = None  # what every pod is made of, even with none
 
     @property
     def pod(self) -> PodPlan:
-        """Pod 0 (every cell has at least one)."""
+        """Pod 0 (a cell with a fixed count has at least one; a scaled one may have none)."""
         return self.pods[0]
+
+    @property
+    def serving(self) -> tuple[PodPlan, ...]:
+        """The pods in the Worker's POD_URLS: all but those draining (colocate:scale.draining)."""
+        return tuple(p for p in self.pods if p.in_rotation)
 
 
 def module_closure(directory: Path, main: str) -> tuple[Module, ...]:
@@ -508,15 +518,23 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             locations=locations[i % len(locations):] + locations[:i % len(locations)],
             pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i) if path == PATH_ZONE_DNS else None,
             path=path,
+            in_rotation=settings.scale is None or i < settings.scale.pods,
         ).with_derived_name()
         for i in range(settings.pod.count)
     )
-    pod = pods[0]
     decision = migration_decision(live_migration_tag, settings.worker.migration_tag, script=settings.worker.name,
                                   allow_class_deletion=settings.worker.allow_class_deletion)
     mode = placement_mode(settings.worker.placement, path)
+    if mode == PLACEMENT_POD and settings.scale is not None and settings.scale.min == 0:
+        # Pod 0 comes and goes with demand: the Worker cannot follow an address that may not exist.
+        if settings.worker.placement == PLACEMENT_POD:
+            raise ConfigError("colocate:worker.placement", settings.worker.placement,
+                              "'pod' follows pod 0, and colocate:scale.min 0 lets the cell run without pod 0",
+                              "pulumi config set --path colocate:worker.placement targeted, or colocate:scale.min 1")
+        mode = PLACEMENT_TARGETED
     placement_host = None
     if mode == PLACEMENT_POD:
+        pod = pods[0]
         placement_host = PlacementHost(pod.pod_hostname or "localhost", pod.index)
         placement = {"host": placement_host.describe()}
     elif mode == PLACEMENT_SMART:
@@ -541,7 +559,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement_mode=mode,
         placement_host=placement_host,
     )
-    pod_site = reg.site_of(pod.locations[0])
+    pod_site = reg.site_of(locations[0])  # pod 0's preferred location, whether or not it runs now
     probe = ProbePlan(
         region=reg.name,
         expected_colos=reg.in_region_colos,
@@ -552,4 +570,4 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         pod_path=path,
         placement_mode=mode,
     )
-    return CellPlan(settings.stack, reg, worker, state, pods, probe)
+    return CellPlan(settings.stack, reg, worker, state, pods, probe, pod_path=path, pod_settings=settings.pod)

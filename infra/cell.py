@@ -150,8 +150,10 @@ class Cell(pulumi.ComponentResource):
                     comment=f"colocate {plan.stack}: pod {pod.index} of generation {pod.generation}",
                     opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases),
                 ))
-            worker_urls.append(info.apply(pod.worker_url))
-        self.pod_command = self.pod_commands[0]  # pod 0, for callers that knew one pod
+            if pod.in_rotation:  # a draining pod stays declared, out of POD_URLS (colocate:scale)
+                worker_urls.append(info.apply(pod.worker_url))
+        # pod 0, for callers that knew one pod (none in a cell scaled to zero)
+        self.pod_command = self.pod_commands[0] if self.pod_commands else None
         pod_urls = pulumi.Output.all(*worker_urls)
 
         w = plan.worker
@@ -223,7 +225,7 @@ class Cell(pulumi.ComponentResource):
                                                                  *self.pod_commands]),
         )
         self.worker_url = pulumi.Output.from_input(w.url)
-        self.pod = pod_infos[0]
+        self.pod = pod_infos[0] if pod_infos else pulumi.Output.from_input({})
         self.pods = pulumi.Output.all(*pod_infos)
         self.probe_result = self.probe.stdout.apply(lambda out: json.loads(out) if out else {})
         self.register_outputs({"workerUrl": self.worker_url, "pod": self.pod, "pods": self.pods,

@@ -120,7 +120,7 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
         cell_plan = plan_cell(settings, live_migration_tag=live_migration_tag(settings.account_id, settings.worker.name))
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
-    if cell_plan.worker.placement_mode == PLACEMENT_POD and cell_plan.pod.path == PATH_LOCAL_HOSTNAME:
+    if cell_plan.worker.placement_mode == PLACEMENT_POD and cell_plan.pod_path == PATH_LOCAL_HOSTNAME:
         # The plan lets the sandbox place by its stand-in (localhost); a deployed Worker
         # would have Cloudflare probe "localhost", which is no place at all.
         raise pulumi.RunError(
@@ -152,7 +152,7 @@ def main() -> dict[str, pulumi.Input]:
         return fleet_main()
     cell_plan, secrets = plan()
     pod_env = {}
-    key_name, env_name = PROVIDER_SECRET.get(cell_plan.pod.settings.provider, (None, None))
+    key_name, env_name = PROVIDER_SECRET.get(cell_plan.pod_settings.provider, (None, None))
     if key_name in secrets:
         pod_env[env_name] = secrets[key_name]
     elif env_name and os.environ.get(env_name):
@@ -172,7 +172,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.POD_IDS: cell.pods.apply(lambda pods: [p.get("id") for p in pods]),
         outputs.POD_LOCATIONS: cell.pods.apply(lambda pods: [p.get("location") for p in pods]),
         outputs.PODS_COST_PER_HR: cell.pods.apply(_total_cost),
-        outputs.POD_PATH: cell_plan.pod.path,
+        outputs.POD_PATH: cell_plan.pod_path,
         outputs.ACTIVE_GENERATION: cell_plan.state.active.name,
         outputs.ACTIVE_HINT: cell_plan.state.hint,
         outputs.DRAINING_GENERATION: cell_plan.state.draining.name if cell_plan.state.draining else None,

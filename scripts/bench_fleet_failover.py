@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--mode: {', '.join(bad) or opts.mode!r} is not one of {', '.join(MODES)}. Fix: e.g. --mode error,hang")
-    if not (0 < opts.rate <= 200 and 0 < opts.fault_after < opts.seconds <= 120 and 0 < opts.window):
+    if not (0 < opts.rate <= 200 and 0 < opts.fault_after < opts.seconds <= 120 and opts.window > 0):
         p.error("need 0 < --rate <= 200, 0 < --fault-after < --seconds <= 120 and --window > 0")
     harness.check_args(p, [("--compute-ms", opts.compute_ms, 0), ("--deadline-ms", opts.deadline_ms, 1)])
     log = harness.progress(opts.quiet)

@@ -35,8 +35,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import harness  # noqa: E402
-from colocate import fleet, outputs, plan as plan_mod, settings as settings_mod, stackfile  # noqa: E402
-from colocate import workerd as wd  # noqa: E402
+from colocate import (  # noqa: E402
+    fleet,
+    outputs,
+    plan as plan_mod,
+    settings as settings_mod,
+    stackfile,
+    workerd as wd,  # noqa: E402
+)
 from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp  # noqa: E402
 
 REGIONS = ("us-east", "eu-west")
@@ -109,29 +115,34 @@ def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harn
 def run(opts, log=lambda _m: None) -> dict:
     harness.require_tools()
     secrets = harness.Secrets.fresh()
-    with harness.pods(1, opts.pod_delay_ms, secrets.pod_token) as pod_urls, harness.pods(1, 0, None) as fallback:
-        with fleet_worker(pod_urls[0], fallback[0], secrets, opts.deadline_ms) as (w, urls):
-            key = harness.mint_key(urls[REGIONS[0]], secrets.probe_token)
-            hdr = harness.router_headers(key)
-            hdr_front = {**hdr, CF_BLOB_HEADER: json.dumps({"colo": COLO})}
-            target = {"direct": (urls[REGIONS[0]], hdr), "hop": (urls["hop"], hdr), "front": (w.url, hdr_front)}
-            served = check(w.url, hdr_front)
-            body = harness.chat_body("json")
-            for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
-                harness.wrk_run(target[t][0], max(opts.clients), 1, target[t][1], body)
-            levels = {c: [] for c in opts.clients}
-            for r in range(opts.rounds):
-                for c in opts.clients:
-                    rd = {}
-                    for t in harness.rotated(TARGETS, r):
-                        before = harness.answered(fallback[0])
-                        url, h = target[t]
-                        rd[t] = harness.measured(w.proc.pid, lambda url=url, h=h, c=c: harness.wrk_run(url, c, opts.seconds, h, body))
-                        rd[t]["fallback_answers"] = harness.answered(fallback[0]) - before
-                    levels[c].append(rd)
-                    log(f"round {r + 1}/{opts.rounds} clients {c}: "
-                        + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms "
-                                    f"cpu {rd[t].get('cpu_us_per_req')} us" for t in TARGETS))
+    with (
+        harness.pods(1, opts.pod_delay_ms, secrets.pod_token) as pod_urls,
+        harness.pods(1, 0, None) as fallback,
+        fleet_worker(pod_urls[0], fallback[0], secrets, opts.deadline_ms) as (w, urls),
+    ):
+        key = harness.mint_key(urls[REGIONS[0]], secrets.probe_token)
+        hdr = harness.router_headers(key)
+        hdr_front = {**hdr, CF_BLOB_HEADER: json.dumps({"colo": COLO})}
+        target = {"direct": (urls[REGIONS[0]], hdr), "hop": (urls["hop"], hdr), "front": (w.url, hdr_front)}
+        served = check(w.url, hdr_front)
+        body = harness.chat_body("json")
+        for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
+            harness.wrk_run(target[t][0], max(opts.clients), 1, target[t][1], body)
+        levels = {c: [] for c in opts.clients}
+        for r in range(opts.rounds):
+            for c in opts.clients:
+                rd = {}
+                for t in harness.rotated(TARGETS, r):
+                    before = harness.answered(fallback[0])
+                    url, h = target[t]
+                    rd[t] = harness.measured(
+                        w.proc.pid, lambda url=url, h=h, c=c: harness.wrk_run(url, c, opts.seconds, h, body)
+                    )
+                    rd[t]["fallback_answers"] = harness.answered(fallback[0]) - before
+                levels[c].append(rd)
+                log(f"round {r + 1}/{opts.rounds} clients {c}: "
+                    + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms "
+                                f"cpu {rd[t].get('cpu_us_per_req')} us" for t in TARGETS))
     return {"colo": COLO, "served_by": served, "rounds": opts.rounds, "seconds": opts.seconds,
             "pod_delay_ms": opts.pod_delay_ms, "versions": harness.versions(),
             "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()]}

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Client API keys of a cell or a fleet: create, list, revoke, and usage per key and day.
 
-    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--max-parallel N] [--expires-in SECONDS] [--env]
+    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--max-parallel N]
+                   [--expires-in SECONDS] [--env]
     keys.py list   --stack S
     keys.py revoke --stack S KEY_ID
     keys.py usage  --stack S [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--key KEY_ID]
@@ -95,7 +96,9 @@ def _table(headers: list[str], rows: list[list], right: set[int] = frozenset()) 
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for r in cells:
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        lines.append(
+            "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -103,9 +106,21 @@ def keys_table(keys: list[dict]) -> str:
     def limit(n: int) -> str:
         return str(n) if n else "-"
 
-    rows = [[k["id"], k["name"], k["prefix"] + "…", limit(k["rpm"]), limit(k["tpm"]), limit(k["monthly_tokens"]),
-             limit(k.get("max_parallel", 0)), _when(k["created_at"]), _when(k["expires_at"]), "revoked " + _when(k["revoked_at"]) if k["revoked_at"] else "active"]
-            for k in keys]
+    rows = [
+        [
+            k["id"],
+            k["name"],
+            k["prefix"] + "…",
+            limit(k["rpm"]),
+            limit(k["tpm"]),
+            limit(k["monthly_tokens"]),
+            limit(k.get("max_parallel", 0)),
+            _when(k["created_at"]),
+            _when(k["expires_at"]),
+            "revoked " + _when(k["revoked_at"]) if k["revoked_at"] else "active",
+        ]
+        for k in keys
+    ]
     return _table(["id", "name", "key", "rpm", "tpm", "monthly", "parallel", "created (UTC)", "expires", "status"], rows,
                   {3, 4, 5, 6})
 
@@ -140,7 +155,9 @@ def finish_command(args: argparse.Namespace, *rest: str) -> str:
     return " ".join(parts)
 
 
-def report_failed(args: argparse.Namespace, failed: dict[str, AdminError], done: list[str], what: str, finish: str | None) -> None:
+def report_failed(
+    args: argparse.Namespace, failed: dict[str, AdminError], done: list[str], what: str, finish: str | None
+) -> None:
     for cell, why in failed.items():
         print(f"keys.py {args.cmd}: cell {cell}: {why}", file=sys.stderr)
     print(f"keys.py {args.cmd}: {what} in: {', '.join(done) or 'no cell'}; NOT in: {', '.join(failed)}", file=sys.stderr)
@@ -223,7 +240,12 @@ def fleet_keys_table(rows: list[dict]) -> str:
 def fleet_list(args, cells, targets) -> int:
     listed, failed = admin.fan_out(targets, lambda c: c.list_keys())
     rows = fleet_keys(cells, listed)
-    print(json.dumps({"keys": rows, "failed": {c: str(e) for c, e in failed.items()}}, indent=2) if args.json else fleet_keys_table(rows), end="\n" if args.json else "")
+    print(
+        json.dumps({"keys": rows, "failed": {c: str(e) for c, e in failed.items()}}, indent=2)
+        if args.json
+        else fleet_keys_table(rows),
+        end="\n" if args.json else "",
+    )
     # Revoked in one cell and missing in another is refused in both: only "active" must be everywhere.
     uneven = [r["id"] for r in rows if "active" in r["cells"].values() and set(r["cells"].values()) - {"active", "unknown"}]
     if uneven:
@@ -329,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(made, indent=2))
         elif args.env:
-            print(f"export OPENAI_BASE_URL={shlex.quote(target.url.rstrip('/') + '/v1')}\nexport OPENAI_API_KEY={shlex.quote(made['key'])}")
+            print(f"export OPENAI_BASE_URL={shlex.quote(target.url.rstrip('/') + '/v1')}\n"
+                  f"export OPENAI_API_KEY={shlex.quote(made['key'])}")
         else:
             print(made["key"])
             print(f"created {made['id']} ({made['name']}) on {target.url}: the key above is shown only once; "
@@ -341,7 +364,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "revoke":
         row = client.revoke_key(args.key_id)
-        print(json.dumps(row, indent=2) if args.json else f"revoked {row['id']} ({row['name']}) at {_when(row['revoked_at'])} UTC")
+        print(
+            json.dumps(row, indent=2) if args.json else f"revoked {row['id']} ({row['name']}) at {_when(row['revoked_at'])} UTC"
+        )
         return 0
     data = client.usage(since=args.since, until=args.until, key_id=args.key_id)
     if args.json:

@@ -35,8 +35,8 @@ if str(ROOT) not in sys.path:
 
 from colocate import stackfile  # noqa: E402
 from colocate.pods import lifecycle, spec as podspec, stackkeys  # noqa: E402
-from colocate.settings import PROVIDER_SECRET  # noqa: E402
 from colocate.pods.errors import PodConfigError, PodError  # noqa: E402
+from colocate.settings import PROVIDER_SECRET  # noqa: E402
 
 PROVIDERS = ("runpod", "vastai", "local")
 

@@ -30,9 +30,9 @@ def tracked_text_files() -> list[Path]:
 
 def offence(pattern: re.Pattern[str], line: str, previous: str = "") -> re.Match[str] | None:
     match = pattern.search(line)
-    if match and pattern is ISSUE and match.group(0).startswith("#"):
-        if REPOSITORY.search(previous[-40:] + " " + line[: match.start()]):
-            return None
+    if (match and pattern is ISSUE and match.group(0).startswith("#")
+            and REPOSITORY.search(previous[-40:] + " " + line[: match.start()])):
+        return None
     return match
 
 

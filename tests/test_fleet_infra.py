@@ -9,7 +9,7 @@ import pulumi
 import pytest
 
 from colocate import fleet, outputs, projectfile, stackfile
-from tests.support.pulumi_mocks import RecordingMocks, SECRET_VALUES, run_program, stack_config, unsecret
+from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, run_program, stack_config, unsecret
 
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 SUBDOMAIN = "cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain"

@@ -146,7 +146,11 @@ def test_a_member_without_its_probe_token_is_refused():
     fleet.check_tokens(s, ["a", "b", "c"])
     with pytest.raises(ConfigError) as err:
         fleet.check_tokens(s, ["a", None, "c"])
-    assert err.value.key == "colocate:fleet.cells[1]" and "probeToken" in err.value.problem and "pulumi up -s eu-west" in err.value.fix
+    assert (
+        err.value.key == "colocate:fleet.cells[1]"
+        and "probeToken" in err.value.problem
+        and "pulumi up -s eu-west" in err.value.fix
+    )
 
 
 def test_remember_ms_as_cli_text():

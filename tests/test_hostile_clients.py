@@ -13,8 +13,8 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 from urllib.parse import urlsplit
 
 import openai

@@ -94,6 +94,7 @@ def test_admin_and_the_supervisor_import_alone_without_each_other():
     for first, absent in (("colocate.admin", "colocate.sandbox.supervisor"),
                           ("colocate.sandbox.supervisor", "colocate.admin"),
                           ("colocate.sandbox.runner", "colocate.sandbox.supervisor")):
-        code = f"import sys, {first}; assert {absent!r} not in sys.modules, sorted(m for m in sys.modules if m.startswith('colocate'))"
+        code = (f"import sys, {first}; "
+                f"assert {absent!r} not in sys.modules, sorted(m for m in sys.modules if m.startswith('colocate'))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, f"import {first}: {proc.stderr}"

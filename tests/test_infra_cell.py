@@ -12,8 +12,11 @@ from colocate import catalogue, fleet, outputs, stackfile
 from colocate.plan import COMPATIBILITY_DATE, worker_modules
 from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, plain, run_program, stack_config, unsecret
 
-STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
-                if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi."):-len(".yaml")])[0]))  # tests/test_fleet_infra.py
+STACKS = sorted(
+    p.name[len("Pulumi.") : -len(".yaml")]
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
+    if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi.") : -len(".yaml")])[0])
+)  # tests/test_fleet_infra.py
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 COMMAND = "command:local:Command"
 

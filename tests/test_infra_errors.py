@@ -5,8 +5,8 @@ from __future__ import annotations
 import pulumi
 import pytest
 
-from tests.test_ledger import assert_runnable_command
 from tests.support.pulumi_mocks import SECRET_VALUES, run_program, stack_config
+from tests.test_ledger import assert_runnable_command
 
 
 def refused(stack="apac-jp", **kwargs) -> str:

@@ -166,8 +166,12 @@ def test_the_object_adds_rolls_up_and_drops_by_age():
 
         # a minute 8 days old rolls up into its hour on the next sync (at most an hour of minutes a minute)
         old = (now_min - 8 * day) // 60 * 60  # the first minute of an hour: both rows share it
-        cell.one("sync", _info("live-b"), _hist_batch([[old, "NRT", "0", "total", "20:2"], [old + 1, "NRT", "0", "total", "21:1"]]),
-                 gen="live-b")
+        cell.one(
+            "sync",
+            _info("live-b"),
+            _hist_batch([[old, "NRT", "0", "total", "20:2"], [old + 1, "NRT", "0", "total", "21:1"]]),
+            gen="live-b",
+        )
         got = cell.one("live", (now_min - 9 * day) * 60_000, _info("live-b"), gen="live-b")
         assert got == {"minutes": [], "hours": [[old // 60, "NRT", "0", "total", "20:2,21:1"]]}
 

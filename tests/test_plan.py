@@ -233,7 +233,12 @@ def test_worker_modules_are_what_the_router_imports_main_first():
     assert mods[0].name == "index.js"
     names = {m.name for m in mods}
     # Every source but the fleet's front door (its own Worker) is reached from index.js.
-    assert names == {p.name for p in plan.WORKER_DIR.glob("*.js")} - {"front.js", "fleetfront.js", "frontindex.js", "fleetledger.js"}
+    assert names == {p.name for p in plan.WORKER_DIR.glob("*.js")} - {
+        "front.js",
+        "fleetfront.js",
+        "frontindex.js",
+        "fleetledger.js",
+    }
 
 
 def test_module_closure_follows_imports_and_refuses_a_missing_one(tmp_path):

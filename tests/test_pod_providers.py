@@ -442,8 +442,15 @@ def test_vastai_taken_offer_moves_to_the_next(fake_vast, env, capsys):
 
 def test_vastai_403_on_rent_is_a_permission_error_not_capacity(fake_vast, env, capsys):
     fake_vast.offers = [offer(25, "TW", 0.30), offer(26, "TW", 0.40)]
-    fake_vast.rent_refusals[25] = (403, {"success": False, "error": "invalid_args", "ask_id": 25,
-                                         "msg": "error 403/3586: Offer 25 is not your own. Hosts can only rent their own machines."})
+    fake_vast.rent_refusals[25] = (
+        403,
+        {
+            "success": False,
+            "error": "invalid_args",
+            "ask_id": 25,
+            "msg": "error 403/3586: Offer 25 is not your own. Hosts can only rent their own machines.",
+        },
+    )
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
     assert code == 1 and out is None
     assert "with 403" in err and "Hosts can only rent their own machines" in err
@@ -493,7 +500,9 @@ def test_vastai_cannot_serve_us_east(env, capsys, monkeypatch):
 def test_fake_rejects_a_request_outside_the_spec(fake_runpod):
     """The fake itself must fail loudly: a v1-style path and an unknown body field are violations."""
     h = {"Authorization": f"Bearer {API_KEY}"}
-    r = requests.post(fake_runpod.url + "/v2/pods", json={"name": "x", "image": "i", "gpu": {"id": "g"}, "bogus": 1}, headers=h, timeout=5)
+    r = requests.post(
+        fake_runpod.url + "/v2/pods", json={"name": "x", "image": "i", "gpu": {"id": "g"}, "bogus": 1}, headers=h, timeout=5
+    )
     assert r.status_code == 599
     r = requests.get(fake_runpod.url + "/v1/pods", headers=h, timeout=5)
     assert r.status_code == 599

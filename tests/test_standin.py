@@ -49,7 +49,9 @@ def test_no_token_configured_means_open():
 def test_chat_completion_takes_compute_time_and_counts(pod):
     with standin.serve(compute_ms=120, model="m") as slow:
         t0 = time.monotonic()
-        r = requests.post(slow.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}, timeout=5)
+        r = requests.post(
+            slow.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}, timeout=5
+        )
         elapsed = time.monotonic() - t0
         assert r.status_code == 200 and elapsed >= 0.12
         body = r.json()

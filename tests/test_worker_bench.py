@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_router  # noqa: E402
+
 from bench import harness  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -417,8 +418,8 @@ def test_instructions_count_requests_with_a_real_prompts_size(tmp_path, capsys):
 
 
 def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for():
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from bench import instructions
 

@@ -18,14 +18,13 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from colocate import plan as plan_mod
-from colocate import workerd as wd
+from colocate import plan as plan_mod, workerd as wd
 from tests.support.workerd import SECRETS, cell_plan, request
 
 pytestmark = pytest.mark.slow

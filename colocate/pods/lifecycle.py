@@ -182,7 +182,10 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
             provider.destroy(pod_id)
             log(f"destroyed {pod_id}")
         except Exception as cleanup:  # report both; the original failure is the one that matters
-            log(f"ERROR: could not destroy {pod_id} ({cleanup}); run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
+            log(
+                f"ERROR: could not destroy {pod_id} ({cleanup}); "
+                f"run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`"
+            )
         if unknown:
             _destroy_named(spec, provider, EARLIER if adopted else LATE)
         raise

@@ -95,11 +95,15 @@ class RunPod(Provider):
         else:
             # The spec: a broken rule fails identically on every candidate, so an all-400 walk is
             # read as a problem with the request rather than as absent capacity.
-            head = (f"runpod could not place {what} in any data centre of {where}; last detail ({last}): {detail!r}. RunPod answers 400 "
-                    "both for \"could not be placed here\" and for a request that breaks a rule, which fails the same "
-                    "way everywhere: this may be a problem with the request (sent below), not capacity. Fix: if the "
-                    "detail names a field or rule, correct colocate:pod (gpu, gpuCount, cloud, diskGb, image, minCudaVersion); if it "
-                    "reads as capacity, retry later or choose another colocate:pod.gpu")
+            head = (
+                f"runpod could not place {what} in any data centre of {where}; last detail ({last}): {detail!r}. "
+                "RunPod answers 400 "
+                'both for "could not be placed here" and for a request that breaks a rule, which fails the same '
+                "way everywhere: this may be a problem with the request (sent below), not capacity. Fix: if the "
+                "detail names a field or rule, correct colocate:pod (gpu, gpuCount, cloud, diskGb, image, minCudaVersion); "
+                "if it "
+                "reads as capacity, retry later or choose another colocate:pod.gpu"
+            )
             if 403 in statuses:
                 head += f". Some data centres answered 403 (this key or account cannot use that pool). {KEY_FIX}"
         return FatalError(f"{head}. Nothing was created.\n{format_attempts(rows)}\nlast answer: {full}")

@@ -28,10 +28,10 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC
 
 from .. import catalogue
-from . import budgets as budgets_mod
-from . import placement as placement_mod
+from . import budgets as budgets_mod, placement as placement_mod
 from .errors import TargetError
 from .stats import PERCENTILES
 
@@ -499,14 +499,15 @@ def write_plot(r: LiveResult, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    from datetime import datetime
+
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
-    from datetime import datetime, timezone
 
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
     try:
         pts = [t for t in r.timeline if t["requests"] or t["sync_p50"] is not None]
-        xs = [datetime.fromtimestamp(t["start_ms"] / 1000, tz=timezone.utc) for t in pts]
+        xs = [datetime.fromtimestamp(t["start_ms"] / 1000, tz=UTC) for t in pts]
         for key, colour, label in (("total", "tab:blue", "total"), ("sync", "tab:orange", "sync (state_rtt)")):
             p50 = [t[f"{key}_p50"] for t in pts]
             p90 = [t[f"{key}_p90"] for t in pts]
@@ -518,7 +519,7 @@ def write_plot(r: LiveResult, path) -> None:
         for t, x in zip(pts, xs, strict=True):
             bad = [c for c in (*t["state_colos"], *t["worker_colos"]) if _status(c, region) == placement_mod.OUT]
             if bad:
-                ax.axvspan(x, datetime.fromtimestamp((t["start_ms"] + t["span_s"] * 1000) / 1000, tz=timezone.utc),
+                ax.axvspan(x, datetime.fromtimestamp((t["start_ms"] + t["span_s"] * 1000) / 1000, tz=UTC),
                            color="tab:red", alpha=0.15, label=None if shaded else "out of region")
                 shaded = True
         for b in r.budgets:

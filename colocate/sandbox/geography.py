@@ -69,8 +69,8 @@ def hosting_area(hint: str) -> str:
 def landing_site(edge: str, hint: str = "") -> str:
     """Where an object first touched from ``edge`` with ``hint`` is created.
 
-    The real rule (cloudflare-docs ``durable-objects/reference/data-location``): near the Worker that first calls ``get()``; the hint is a
-    best-effort preference. Emulated: the edge's own site when there is no hint or the
+    The real rule (cloudflare-docs ``durable-objects/reference/data-location``): near the Worker
+    that first calls ``get()``; the hint is a best-effort preference. Emulated: the edge's own site when there is no hint or the
     edge lies in the hint's area, else the hint's hosting colo (``HINT_SITES``).
     """
     edge = site(edge, "edge")

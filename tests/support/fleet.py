@@ -21,9 +21,8 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from colocate import fleet, outputs
+from colocate import fleet, outputs, workerd as wd
 from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
-from colocate import workerd as wd
 from colocate.pods import standin
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Response, auth, cell_plan, request, values_for
 
@@ -151,7 +150,9 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
                 targets.append(s.service)
         tokens = {f"CELL_TOKEN_{i}": SECRETS["PROBE_TOKEN"] for i in range(len(regions))}
         services.append(wd.disk_service("disk-front", w.directory / "objects" / "front"))
-        services.insert(0, wd.worker_service("front", front_worker_capnp(plan, targets, storage_service="disk-front", tokens=tokens)))
+        services.insert(
+            0, wd.worker_service("front", front_worker_capnp(plan, targets, storage_service="disk-front", tokens=tokens))
+        )
         w.start(wd.config_capnp(services, sockets), extra_sockets=extra)
         f = Fleet(w, plan, cells, fb)
         made = request(cells[0].url, "POST", "/_colocate/keys", body={"name": "fleet"}, headers=auth())
