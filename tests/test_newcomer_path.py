@@ -87,9 +87,11 @@ def test_the_probe_probes_a_sandbox_by_its_directory(clone, cell):
     proc = _run(clone, "scripts/probe.py", "--state-dir", str(d), "--samples", "3", "--json", "-")
     doc = json.loads(proc.stdout)
     assert doc["ok"] is True and "unknown" not in proc.stderr.lower(), proc.stderr
-    assert doc["placement"]["pod"]["colo"] == up_site(cell) and doc["pod_path"] == "local-hostname"
-    live = _run(clone, "scripts/probe.py", "--state-dir", str(d), "--live", "--since", "15m")
-    assert "percentiles read from the Worker's fixed latency buckets" in live.stdout
+    assert doc["placement"]["pod"] == "local" and doc["placement"]["pod_site"] == up_site(cell)
+    assert doc["pod_path"] == "local-hostname" and doc["placement"]["expected_region"] == "us-east"
+    live = _run(clone, "scripts/probe.py", "--state-dir", str(d), "--live", "--since", "15m", check=False)
+    # exit 1 while no sync has been recorded yet (a verdict, not a usage error): the sandbox was found either way
+    assert live.returncode in (0, 1) and "percentiles read from the Worker's fixed latency buckets" in live.stdout
     # --stack sandbox with no sandbox in the stack's own directory (and no Pulumi CLI here): where one runs
     by_stack = _run(clone, "scripts/probe.py", "--stack", "sandbox", check=False, env={"PATH": "/usr/bin:/bin"})
     assert by_stack.returncode == 2 and f"--state-dir {d}" in by_stack.stderr, by_stack.stderr
@@ -112,7 +114,8 @@ def test_cost_reads_the_sandboxs_price_and_does_not_scale_minutes_to_a_day(clone
     proc = _run(clone, "scripts/cost.py", "--state-dir", str(d))
     assert "colocate:pod.maxPricePerHr x pod.count" in proc.stdout  # the price from the sandbox's own stack file
     assert re.search(r"cell cost over \d+ (s|min)", proc.stdout) and "days" not in proc.stdout.split("\n")[0]
-    assert "too short to scale to a day (at least 1 h)" in proc.stdout and "tokens/day\n" not in proc.stdout
+    volume = next(line for line in proc.stdout.splitlines() if line.strip().startswith("volume"))
+    assert "not scaled" in volume and "too short to scale to a day (at least 1 h)" in volume, volume
 
 
 def test_after_down_every_hint_carries_the_directory(clone, cell, tmp_path):
