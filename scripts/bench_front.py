@@ -93,7 +93,8 @@ def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harn
             extra[region] = s
             sockets.append(wd.socket_capnp(region, 0, name))
             urls[region] = f"http://127.0.0.1:{s.getsockname()[1]}"
-            found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region})
+            found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region,
+                          outputs.ACCOUNT_ID: plan.worker.account_id})
         cfg = {"cells": list(regions)} | ({} if remember_ms is None else {"rememberMs": remember_ms})
         fs = fleet.parse({"fleet": cfg, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)

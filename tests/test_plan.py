@@ -238,6 +238,7 @@ def test_worker_modules_are_what_the_router_imports_main_first():
         "fleetfront.js",
         "frontindex.js",
         "fleetledger.js",
+        "cellrank.js",
     }
 
 
