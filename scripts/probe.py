@@ -182,7 +182,8 @@ def _probe(args: argparse.Namespace) -> int:
     with keys.KeyLease(url, token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
                          key=lease.get)
-    result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host)
+    result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host,
+                          _migrate_flags(args, cell))
 
     def plot(path):
         from colocate.probe import plot  # matplotlib only when asked for
@@ -258,6 +259,15 @@ def _sandbox_cell(args: argparse.Namespace):
     if args.stack and not args.url:
         return sandbox.of_stack(args.stack, args.sandboxes_dir)
     return None
+
+
+def _migrate_flags(args: argparse.Namespace, cell) -> str | None:
+    """The flags that name the probed cell's stack to migrate.py, when the probe knows it."""
+    stack, stacks_dir = (cell.stack, cell.stacks_dir) if cell is not None else (args.stack, args.stacks_dir)
+    if not stack:
+        return None
+    default = stacks_dir is None or Path(stacks_dir).resolve() == Path(stackfile.STACKS_DIR).resolve()
+    return f"--stack {stack}" + ("" if default else f" --stacks-dir {stacks_dir}")
 
 
 def _deployed_outputs(stack: str):

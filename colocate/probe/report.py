@@ -167,7 +167,7 @@ def fallback_of(run: Run) -> tuple[dict | None, str | None]:
 
 def build(run: Run, region: catalogue.Region | None, pod_location: str | list[str] | None,
           budget_list: list[budgets_mod.Budget], worker_placement: str | None = None,
-          pod_path: str | None = None, placement_host: str | None = None) -> Result:
+          pod_path: str | None = None, placement_host: str | None = None, migrate_flags: str | None = None) -> Result:
     locations = [pod_location] if isinstance(pod_location, str) else list(pod_location or [])
     pod_location = locations[0] if locations else None
     values = collect(run)
@@ -185,7 +185,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
     place = placement_mod.observe(bodies, rays, region, pod_location, worker_placement, placement_host)
     floors = place.floors()
     p50 = {name: seg["p50"] for name, seg in segments.items()}
-    found = placement_mod.findings(place, p50, worker_placement)
+    found = placement_mod.findings(place, p50, worker_placement, migrate_flags)
 
     violations = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
     violations += budgets_mod.broken(budget_list, segments, floors)
