@@ -89,6 +89,15 @@ def test_the_bars_carry_state_rtt_and_the_probes_verdict(story):
     assert demo_plot._tick(split).splitlines()[:2] == ["2 split", "state_rtt 198 ms"]
 
 
+def test_the_readmes_copy_of_the_table_has_the_demos_rows_and_columns(story):
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("```\nsegment ") + 4:]
+    shown = shown[:shown.index("```")].splitlines()
+    printed = [line[4:] for line in story.table(200).splitlines()]
+    assert shown[0] == printed[0] and shown[1] == printed[1]  # the headings, as printed
+    assert [line[:14].strip() for line in shown[2:]] == [line[:14].strip() for line in printed[2:]]  # every row
+
+
 def test_plot_writes_one_png(story, tmp_path):
     path = story.plot(tmp_path / "demo.png", 200)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
