@@ -106,7 +106,7 @@ def test_the_probe_by_url_says_why_the_pod_is_unchecked(clone, cell):
     proc = _run(clone, "scripts/probe.py", up["worker_url"], "--samples", "2", env={"COLOCATE_PROBE_TOKEN": up["token"]})
     row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("pod ") and "UNKNOWN" in line)
     assert "no pod location given: pass --pod-location LOC" in row
-    assert "pod location not checked" in proc.stdout
+    assert "OK: every check made holds" in proc.stdout and "pod location not checked" in proc.stdout
 
 
 def test_cost_reads_the_sandboxs_price_and_does_not_scale_minutes_to_a_day(clone, cell):

@@ -55,7 +55,8 @@ class Result:
         e2e, rtt = self.segments["e2e"]["p50"], self.segments["state_rtt"]["p50"]
         path = f", pod_rtt p50 {_num(self.segments['pod_rtt']['p50'])} ms over {self.pod_path}" if self.pod_path else ""
         mode = f" ({p.mode} placement)" if p.mode else ""
-        return (f"all checks hold: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
+        held = "all checks hold" if p.pod.colo else "every check made holds"
+        return (f"{held}: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
                 f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms{path}")
 
 
