@@ -448,12 +448,13 @@ def table(r: LiveResult) -> str:
         up = pod["segments"]["upstream"]
         where = ""
         if "index" in pod:
-            loc = f"{pod['location']} ({pod['site']})" if pod.get("location") else "location unknown"
+            loc = f"{pod['location']} ({pod['site']})" if pod.get("location") else "location not given (--pod-location)"
             where = f"  {loc} {pod['status'].replace('_', ' ')}"
         lines.append(f"  {pod['backend']:<10}{pod['requests']:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
                      f"p90 {_num(up['p90'], 1)} ms{where}")
     p = r.placement
-    expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
+    expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
+                else "unknown: no --expect-region or --stack, and the Worker reported no region")
     lines += ["", f"colos (where the Worker ran and where the state object answered its syncs; expected region "
                   f"{expected}; judged on the latest minute)"]
     for w in r.worker_colos:

@@ -320,7 +320,8 @@ def table(r: Result) -> str:
     rate = "n/a" if r.fallback_rate is None else f"{r.fallback_rate:.0%}"
     lines += ["", f"fallback rate {rate} ({r.backends.get('fallback', 0)}/{total} answered by the fallback)", ""]
     p = r.placement
-    expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
+    expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
+                else "unknown: no --expect-region or --stack, and the Worker reported no region")
     mode = f"; mode {p.mode}" + (f", host {p.host}" if p.host else "") if p.mode else ""
     lines.append(f"placement (expected region {expected}{mode})")
     rows = [("accepted", p.accepted.colo, p.accepted.status, "cf-ray"),
