@@ -69,7 +69,7 @@ demo-fleet: setup
 	$(PY) scripts/sandbox.py demo-fleet
 
 bench: setup wrk
-	$(PY) scripts/bench_router.py
+	$(PY) -m bench.router
 
 bench-ladder: setup wrk
 	$(PY) -m bench.ladder
@@ -81,7 +81,7 @@ bench-stall: setup
 	$(PY) -m bench.stall
 
 bench-failover: setup
-	$(PY) scripts/bench_failover.py
+	$(PY) -m bench.failover
 
 bench-scale: setup
 	$(PY) -m bench.scale
@@ -90,10 +90,10 @@ bench-fairness: setup
 	$(PY) -m bench.fairness
 
 bench-front: setup wrk
-	$(PY) scripts/bench_front.py
+	$(PY) -m bench.front
 
 bench-fleet-failover: setup
-	$(PY) scripts/bench_fleet_failover.py
+	$(PY) -m bench.fleet_failover
 
 bench-fleet-exchange: setup
 	$(PY) -m bench.fleet_exchange

@@ -189,6 +189,18 @@ def pod_path(provider: str, zoned: bool) -> str:
                       "where the region has RunPod capacity")
 
 
+def check_pod_cloud(provider: str, path: str, cloud: str) -> None:
+    """A DNS-only record needs the pod's public ip, and a RunPod Community Cloud host may have
+    none: REST v1's create had ``supportPublicIp`` for that; v2 has no such field, so the pod
+    would run unreachable until readiness gave up. Refused before any pod is rented."""
+    if provider == "runpod" and path == PATH_ZONE_DNS and cloud == "COMMUNITY":
+        raise ConfigError("colocate:pod.cloud", cloud,
+                          "with colocate:zone set the Worker reaches the pod at its public ip, and a RunPod "
+                          "Community Cloud host may have none (RunPod's REST v2 cannot ask for one)",
+                          "pulumi config set --path colocate:pod.cloud SECURE, or remove colocate:zone (the "
+                          "Worker then uses RunPod's proxy hostname, which needs no public ip)")
+
+
 def pod_hostname_of(template: str, generation: str, index: int) -> str:
     """Pod i's DNS-only hostname. Pod 0 keeps the template's name (so adding pods leaves
     its record alone); pod i>0 gets ``-p<i>`` on the first label, or fills ``{index}``."""
@@ -318,6 +330,10 @@ class PodPlan:
 
 
 PROBE_WAIT_S = 120  # a new route or custom domain can take a while to answer after a deploy
+# The post-deploy probe follows a placement settings call (every upload re-applies it), and
+# Cloudflare applies a new placement some time later: wait this long for the Worker's colo
+# to settle before judging it; unsettled, a failed placement check is only provisional.
+PROBE_SETTLE_S = 300
 
 
 @dataclass(frozen=True)
@@ -344,7 +360,10 @@ class ProbePlan:
             args += ["--placement-host", placement_host]
         for name, ms in sorted(self.budgets.items()):
             args += ["--budget", f"{name}={ms:g}"]
-        args += ["--wait", str(PROBE_WAIT_S), "--json", "-"]
+        args += ["--wait", str(PROBE_WAIT_S)]
+        if self.placement_mode != PLACEMENT_SMART:  # smart placement learns from traffic: nothing to wait for
+            args += ["--settle", str(PROBE_SETTLE_S)]
+        args += ["--json", "-"]
         if not self.enforce:
             args.append("--warn-only")  # report, but let the deploy finish
         return args
@@ -523,6 +542,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     )
     gen = ledger.active.name
     path = pod_path(settings.pod.provider, settings.zone is not None)
+    check_pod_cloud(settings.pod.provider, path, settings.pod.cloud)
     locations = reg.locations(settings.pod.provider)
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts

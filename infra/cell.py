@@ -26,8 +26,10 @@ from .stackconfig import migrations_args
 
 PYTHON = ".venv/bin/python"
 POD_CREATE = f"{PYTHON} scripts/pod.py create --spec -"
-# The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON).
-POD_DELETE = f"{PYTHON} scripts/pod.py delete"
+# The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON). pulumi-command
+# runs it with the environment saved at create; --stack lets it use the stack's current
+# provider key first (a rotated key: docs/pods.md, "Rotating a provider key").
+POD_DELETE = f"{PYTHON} scripts/pod.py delete --stack {{stack}}"
 # Placement goes through the script settings API, not WorkersScript(placement=...): the
 # wrapped Terraform provider treats placement.region/host/hostname as read-only
 # (terraform-provider-cloudflare #6785, #6936). See scripts/placement.py.
@@ -150,7 +152,7 @@ class Cell(pulumi.ComponentResource):
             command = local.Command(
                 cmd_name,
                 create=POD_CREATE,
-                delete=POD_DELETE,
+                delete=POD_DELETE.format(stack=plan.stack),
                 stdin=declared.apply(lambda p: json.dumps(p.spec(), sort_keys=True)),
                 environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"]},
                 triggers=declared.apply(lambda p: p.triggers()),

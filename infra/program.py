@@ -71,8 +71,9 @@ def main() -> dict[str, pulumi.Input]:
     key_name, env_name = PROVIDER_SECRET.get(cell_plan.pod_settings.provider, (None, None))
     if key_name in secrets:
         pod_env[env_name] = secrets[key_name]
-    elif env_name and os.environ.get(env_name):
-        pod_env[env_name] = pulumi.Output.secret(os.environ[env_name])
+    # A key only in the environment is not declared: the commands inherit the environment of
+    # the `pulumi` that runs them, so a delete uses the key exported now, not one saved at
+    # create and maybe revoked since (docs/pods.md, "Rotating a provider key").
     cf_token = pulumi.Config("cloudflare").get_secret("apiToken") or pulumi.Output.secret(
         os.environ.get("CLOUDFLARE_API_TOKEN", ""))  # load_settings refused a stack with neither
     cell = Cell(cell_plan.stack, CellArgs(plan=cell_plan, secrets=secrets, pod_environment=pod_env,

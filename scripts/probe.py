@@ -83,6 +83,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="keep retrying the warm-up for up to S seconds while the target is not answering yet (after a deploy)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S",
+                   help="first wait up to S seconds for the Worker to run in the same in-region colo a few probes in a "
+                        "row (a placement just set or changed); a placement check that fails when it never settled is "
+                        "PROVISIONAL: exit 0, rerun later (the post-deploy probe passes --settle)")
     p.add_argument("--warn-only", action="store_true", help="report failed checks but exit 0")
     p.add_argument("--live", action="store_true",
                    help="read real traffic instead of sampling: per-segment percentiles, shares and colos recorded by the "
@@ -177,11 +181,15 @@ def _probe(args: argparse.Namespace) -> int:
     print(f"probing {url}: warm-up, then {samples} probe + {samples} routed requests", file=sys.stderr)
     if not 0 <= args.wait <= 900:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
+    if not 0 <= args.settle <= 900:
+        raise UsageError("--settle", args.settle, "must be between 0 and 900 seconds", "e.g. --settle 300")
+    # Smart placement moves the Worker only once it has traffic to learn from: nothing to wait for.
+    settle_s = args.settle if region is not None and worker_placement != "smart" else 0.0
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
     # The key lives only in this process: never in argv of a child, a log line or the JSON.
     with keys.KeyLease(url, token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
-                         key=lease.get)
+                         key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host,
                           _migrate_flags(args, cell))
 
@@ -190,7 +198,13 @@ def _probe(args: argparse.Namespace) -> int:
 
         plot.write(result, path)
 
-    return _emit(args, report.table(result), report.to_json(result, args.warn_only), result.ok, plot)
+    if not result.ok and result.provisional:
+        print("probe: placement not settled: the verdict is provisional (exit 0); Cloudflare may not have applied "
+              f"the new placement yet. Check again in a few minutes: .venv/bin/python scripts/probe.py "
+              f"{f'--stack {args.stack}' if args.stack else url}",
+              file=sys.stderr)
+    return _emit(args, report.table(result), report.to_json(result, args.warn_only),
+                 result.ok or result.provisional, plot)
 
 
 def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> int:
@@ -213,7 +227,7 @@ def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> in
 
 
 # A fleet probe judges which cell served each client site; these flags judge one cell.
-CELL_ONLY = ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot",
+CELL_ONLY = ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot", "settle",
              "live", "state_dir", "token")
 
 

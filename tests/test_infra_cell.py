@@ -115,7 +115,7 @@ def test_pod_command_is_replaced_on_identity_change_and_deletes_from_stdout(depl
     pod = run.mocks.one(COMMAND, "-pod-0").inputs
     spec = json.loads(pod["stdin"])
     assert pod["create"] == ".venv/bin/python scripts/pod.py create --spec -"
-    assert pod["delete"] == ".venv/bin/python scripts/pod.py delete"
+    assert pod["delete"] == f".venv/bin/python scripts/pod.py delete --stack {stack}"  # its current key first
     assert spec["region"] == region.name and spec["generation"] == active["name"]
     assert spec["locations"] == list(region.locations(spec["provider"]))
     assert spec["name"].startswith(f"colocate-{stack}-")
@@ -131,6 +131,7 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
     assert create.startswith(".venv/bin/python scripts/probe.py https://")
     assert f"--expect-region {raw['region']}" in create
     assert "--pod-location AP-JP-1" in create and "--wait 120" in create and "--json -" in create
+    assert "--settle 300" in create  # a new placement is waited for, never failed on before it applies
     assert ("--warn-only" in create) != bool((raw.get("probe") or {}).get("enforce", False))
     triggers = plain(probe["triggers"])
     assert json.dumps(json.loads(triggers[-1])) == json.dumps(
@@ -415,3 +416,13 @@ def test_preview_refuses_a_binding_past_cloudflares_limit_naming_it():
         run_program("apac-jp", config, keys)
     assert str(err.value).startswith("colocate:fallbackUrl:") and "5 KB" in str(err.value)
     assert long_url not in str(err.value)
+
+
+def test_preview_refuses_runpod_community_cloud_behind_a_zone():
+    config, keys = stack_config("apac-jp", overrides={"zone": {"id": "f" * 32, "name": "example.com"},
+                                                      "pod": {"provider": "runpod", "cloud": "COMMUNITY"}})
+    mocks = RecordingMocks()
+    with pytest.raises(pulumi.RunError, match=r"colocate:pod\.cloud: .*public ip.*Fix: pulumi config set --path "
+                                              r"colocate:pod\.cloud SECURE"):
+        run_program("apac-jp", config, keys, mocks=mocks)
+    assert mocks.of_type(COMMAND) == []  # no pod was declared
