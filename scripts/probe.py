@@ -236,6 +236,8 @@ def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     the nearest healthy one (docs/probe.md, "Probing a fleet")."""
     from colocate.probe import fleet as fleet_probe
 
+    if args.live:
+        return _fleet_live(args, cells)
     for name in CELL_ONLY:
         if getattr(args, name):
             flag = "--" + name.replace("_", "-")
@@ -293,6 +295,39 @@ def _deployed_outputs(stack: str):
         return outputs.read_outputs(stack)
     except OutputsError as exc:
         raise sandbox.no_cell_for_stack(stack, f"its deployed outputs could not be read ({exc})") from None
+
+
+def _fleet_live(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
+    """probe.py --stack <fleet> --live: every cell's live window merged, per colo which cells served
+    (docs/probe.md, "A fleet's live view")."""
+    from colocate.probe import fleet as fleet_probe, fleet_live, live
+
+    for name in ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot",
+                 "state_dir", "token", "client_site", "key", "samples"):
+        if getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(flag, getattr(args, name), f"is not used by a fleet's live view (--stack {args.stack} --live)",
+                             f"leave {flag} out, or read one cell with --stack <cell> --live")
+    try:
+        since_ms = live.parse_since(args.since)
+    except ValueError as exc:
+        raise UsageError("--since", args.since, str(exc), "e.g. --since 15m, --since 1h or --since 7d") from None
+    if not args.timeout > 0:
+        raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
+    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / fleet_probe.FLEET_FILE
+    members = fleet_probe.member_targets(cells, stacks_dir=args.stacks_dir, sandboxes_dir=args.sandboxes_dir,
+                                         sandbox=fleet_probe.read_sandbox_fleet(where))
+    windows = []
+    for name, region, target in members:
+        if not hasattr(target, "url"):
+            windows.append(fleet_live.CellWindow(name, region, error=f"not found ({target})"))
+            continue
+        try:
+            windows.append(fleet_live.CellWindow(name, region, _fetch_live(target.url, target.token, since_ms, args.timeout)))
+        except ProbeError as exc:
+            windows.append(fleet_live.CellWindow(name, region, error=str(exc)))
+    result = fleet_live.build(args.stack, windows, since_ms)
+    return _emit(args, fleet_live.table(result), fleet_live.to_json(result, args.warn_only), result.ok, None)
 
 
 def _from_stack(args: argparse.Namespace, region, budget_list, cell=None):
