@@ -4,8 +4,8 @@
     cost.py --stack S [--since 30d] [--json] [--plot PNG]
             [--url URL] [--state-dir DIR] [--cost-per-hr X] [--hours H] [--capacity-rpm N]
 
-The usage comes from the Worker (GET /_colocate/usage, probe token): a running sandbox of the
-stack, else the deployed stack (`pulumi stack output`), or --url with COLOCATE_PROBE_TOKEN.
+The usage comes from the Worker (GET /_colocate/usage, read token): a running sandbox of the
+stack, else the deployed stack (`pulumi stack output`), or --url with COLOCATE_READ_TOKEN.
 The pods' $/hr is the stack's podsCostPerHr output (what the providers reported); a sandbox's
 stand-in reports no price, so there it is colocate:pod.maxPricePerHr x pod.count, and said so.
 The hours are the window's, or since the sandbox's pods started; --hours overrides.
@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="PNG", help="monthly cost against daily volume: the cell flat, the API through zero")
-    p.add_argument("--url", help="the Worker's URL (the probe token from COLOCATE_PROBE_TOKEN)")
+    p.add_argument("--url", help="the Worker's URL (the read token from COLOCATE_READ_TOKEN)")
     p.add_argument("--state-dir", type=Path, help="a sandbox's state directory")
     p.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
     p.add_argument("--cost-per-hr", type=float, metavar="USD", help="the pods' $/hr together (default: podsCostPerHr)")
@@ -150,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
     if not (args.stack or args.url or args.state_dir):
         raise CostError("no target: pass --stack S (a running sandbox or a deployed stack), --state-dir DIR (a "
                         "sandbox started with that --state-dir), or --url URL")
-    target = admin.resolve(url=args.url, stack=args.stack, state_dir=args.state_dir)
+    target = admin.resolve(url=args.url, stack=args.stack, state_dir=args.state_dir, role="read")
     # A sandbox named by its directory alone: its own stack file (the one `up` was given) has the price.
     cell = probe_sandbox.read(args.state_dir) if args.state_dir and not args.stack else None
     stack, stacks_dir = (cell.stack, cell.stacks_dir or args.stacks_dir) if cell else (args.stack, args.stacks_dir)

@@ -103,7 +103,8 @@ def up_site(cell) -> str:
 
 def test_the_probe_by_url_says_why_the_pod_is_unchecked(clone, cell):
     _, up = cell
-    proc = _run(clone, "scripts/probe.py", up["worker_url"], "--samples", "2", env={"COLOCATE_PROBE_TOKEN": up["token"]})
+    tokens = {"COLOCATE_READ_TOKEN": up.get("read_token") or up["token"], "COLOCATE_ADMIN_TOKEN": up["token"]}
+    proc = _run(clone, "scripts/probe.py", up["worker_url"], "--samples", "2", env=tokens)
     row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("pod ") and "UNKNOWN" in line)
     assert "no pod location given: pass --pod-location LOC" in row
     assert "OK: every check made holds" in proc.stdout and "pod location not checked" in proc.stdout

@@ -22,7 +22,8 @@ class SandboxCell:
     stack: str
     stacks_dir: Path | None
     url: str
-    token: str
+    token: str  # the admin token (minting the probe's client key)
+    read_token: str  # what the probe reads with
     region: str | None
     pod_locations: tuple[str, ...]
     pod_path: str = PATH_LOCAL_HOSTNAME
@@ -44,12 +45,14 @@ def read(state_dir: Path) -> SandboxCell | None:
     ready = _read(Path(state_dir) / "ready.json")
     if not ready or not ready.get("worker_url") or not ready.get("token"):
         return None
+    # A sandbox started by the release before the split credentials has only "token".
+    read_token = ready.get("read_token") or ready["token"]
     launch = _read(Path(state_dir) / "launch.json") or {}
     pods = ready.get("pods") or [{"location": ready.get("pod_location")}]
     stacks_dir = launch.get("stacks_dir")
     return SandboxCell(Path(state_dir), str(ready.get("stack") or launch.get("stack") or "sandbox"),
                        Path(stacks_dir) if stacks_dir else None, ready["worker_url"].rstrip("/"), ready["token"],
-                       ready.get("region"), tuple(p.get("location") or "local" for p in pods))
+                       read_token, ready.get("region"), tuple(p.get("location") or "local" for p in pods))
 
 
 def from_state_dir(state_dir: Path) -> SandboxCell:

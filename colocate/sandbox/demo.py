@@ -45,6 +45,8 @@ PROBE = supervisor.ROOT / "scripts" / "probe.py"
 MIGRATE = supervisor.ROOT / "scripts" / "migrate.py"
 PROBE_TIMEOUT_S = 240.0
 CLIENT_SITE = "NRT"
+# The probe reads the sandbox's own credentials: none from the caller's environment may stand in.
+TOKEN_VARIABLES = ("COLOCATE_ADMIN_TOKEN", "COLOCATE_READ_TOKEN", "COLOCATE_PROBE_TOKEN")
 DEADLINE_STEP_MS = 50  # the deadline is a round number: the next multiple of this above phase 3's slowest e2e
 # The demo's table, top to bottom: what the user sees first, then where it goes.
 TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt")
@@ -193,7 +195,8 @@ class Demo:
         out.unlink(missing_ok=True)
         print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples",
               flush=True)
-        # The probe mints its own short-lived client key with the probe token and revokes it.
+        # The probe reads with the read token and mints its own short-lived client key with the
+        # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
         tail: list[str] = []
         # The probe reads the running sandbox itself (URL, token, pods, the stack copy's region and
@@ -201,7 +204,7 @@ class Demo:
         with subprocess.Popen(
             [sys.executable, str(PROBE), "--state-dir", str(self.state_dir), "--samples", str(self.samples),
              "--json", str(out)],
-            env={k: v for k, v in os.environ.items() if k != "COLOCATE_PROBE_TOKEN"}, cwd=supervisor.ROOT,
+            env={k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}, cwd=supervisor.ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ) as proc:
             try:
