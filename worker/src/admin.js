@@ -46,6 +46,8 @@ const HANDLERS = {
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
   live: (request, env, cfg, url) => live(env, cfg, url),
+  scale: (request, env, cfg) => (request.method === "POST" ? scaleRecord(request, env, cfg) : scaleState(env, cfg)),
+  scale_lock: (request, env, cfg) => scaleLock(request, env, cfg),
   fleet_counters: (request, env, cfg, url) => fleetCounters(env, cfg, url),
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
@@ -329,4 +331,48 @@ async function peersOf(env, cfg, url) {
 
 function round(ms) {
   return Math.round(ms * 100) / 100;
+}
+
+// --- scaling (colocate/scaler.py) ---
+
+const OWNER_RE = /^[A-Za-z0-9][A-Za-z0-9 ._:@-]{0,127}$/;
+const MAX_LOCK_MS = 3_600_000;
+
+/** The scaling signals, the lock and the last decision, with the pods this version routes to. */
+async function scaleState(env, cfg) {
+  const state = await activeStub(env, cfg).scaleState(infoOf(cfg));
+  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length }, noStore);
+}
+
+function ownerOf(body) {
+  if (typeof body.owner !== "string" || !OWNER_RE.test(body.owner)) {
+    throw new HttpError(400, "invalid_owner", "owner must be 1-128 letters, digits, spaces or ._:@- (the controller's name)");
+  }
+  return body.owner;
+}
+
+/** {owner, ttl_ms, release?}: take, renew or release the controllers' lock (409 when another holds it). */
+async function scaleLock(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const release = body.release === true;
+  const ttl = body.ttl_ms;
+  if (!release && !(Number.isInteger(ttl) && ttl > 0 && ttl <= MAX_LOCK_MS)) {
+    throw new HttpError(400, "invalid_ttl", `ttl_ms must be a whole number of ms from 1 to ${MAX_LOCK_MS}`);
+  }
+  const res = await activeStub(env, cfg).scaleLock(owner, release ? 0 : ttl, release, infoOf(cfg));
+  return jsonResponse(res.granted ? 200 : 409, res, noStore);
+}
+
+/** {owner, decision: {desired, running, reason, ...}}: recorded only for the lock's holder (409 otherwise). */
+async function scaleRecord(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const d = body.decision;
+  if (!d || typeof d !== "object" || !Number.isInteger(d.desired) || !Number.isInteger(d.running) || typeof d.reason !== "string"
+      || d.reason.length > 500) {
+    throw new HttpError(400, "invalid_decision", "decision must be {desired: int, running: int, reason: text up to 500 characters, ...}");
+  }
+  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg));
+  return jsonResponse(res.recorded ? 200 : 409, res, noStore);
 }

@@ -18,7 +18,7 @@
 import { HttpError, log } from "./errors.js";
 import { ViewCache } from "./cache.js";
 import { dayOf, minuteOf } from "./limits.js";
-import { healthDue } from "./pods.js";
+import { healthDue, inflightMoved, inflightOf, takeInflightMoved } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
 
@@ -287,6 +287,18 @@ const PARTS = {
     take: (p) => takeMap(p, "windows"),
     restore: (p, rows) => { for (const w of rows) addWindow(p, w[0], w[1], w[2], w[3]); },
   },
+  // The scaling controller's signals (colocate/scaler.py): requests and tokens by backend,
+  // and this isolate's requests in flight per pod index (every pod, whenever one changed).
+  backends: {
+    has: (p) => p.backends.size > 0,
+    take: (p) => takeMap(p, "backends"),
+    restore: (p, rows) => { for (const r of rows) addBackend(p, r[0], r[1], r[2], r[3]); },
+  },
+  pods: {
+    has: (p) => p.podUrls !== null && inflightMoved(),
+    take: (p) => (p.podUrls !== null && takeInflightMoved() ? p.podUrls.map((u, i) => [i, inflightOf(u)]) : null),
+    restore: () => takeInflightMoved(true),
+  },
   inflight: {
     // Every key with requests in flight here, and those that went to 0 since the last
     // sync: the object's row of a silent isolate expires (2 x TTL), so a live one renews it.
@@ -314,7 +326,7 @@ function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
     p = { usage: new Map(), windows: new Map(), month: new Map(), inflight: new Map(), inflightChanged: new Set(),
-      served: new Map(), plannedAt: -Infinity, sending: new Set() };
+      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null };
     pending.set(gen, p);
   }
   return p;
@@ -356,6 +368,18 @@ function addUsage(p, day, keyId, deltas) {
     const m = day.slice(0, 7) + "|" + keyId;
     p.month.set(m, (p.month.get(m) ?? 0) + tokens);
   }
+}
+
+// [backend, requests, prompt, completion]
+function addBackend(p, backend, req, prompt, completion) {
+  let row = p.backends.get(backend);
+  if (!row) {
+    row = [backend, 0, 0, 0];
+    p.backends.set(backend, row);
+  }
+  row[1] += req;
+  row[2] += prompt;
+  row[3] += completion;
 }
 
 function addWindow(p, keyId, minute, req, tok) {
@@ -412,6 +436,7 @@ export function inflightHere(gen, keyId) {
  */
 export function admit(cfg, key, t) {
   const p = pendingOf(cfg.activeGeneration);
+  p.podUrls = cfg.podUrls; // the indexes the `pods` part reports in-flight counts by
   p.served.set(key.id, t);
   addWindow(p, key.id, minuteOf(t), 1, 0);
   addUsage(p, dayOf(t), key.id, [1, 0, 0, 0, 0, 0]);
@@ -438,6 +463,7 @@ export function withdraw(cfg, keyId, t) {
   const p = pendingOf(cfg.activeGeneration);
   addWindow(p, keyId, minuteOf(t), -1, 0);
   addUsage(p, dayOf(t), keyId, [-1, 0, 0, 0, 0, 0]);
+  addBackend(p, "none", 1, 0, 0); // still demand on this cell: the scaling signal counts it
 }
 
 /**
@@ -450,6 +476,7 @@ export function served(cfg, keyId, t, backend, usage) {
   const completion = usage ? usage.completion : 0;
   const estimated = usage && usage.estimated ? prompt + completion : 0;
   addUsage(p, dayOf(t), keyId, [0, prompt, completion, backend === "fallback" ? 0 : 1, backend === "fallback" ? 1 : 0, estimated]);
+  addBackend(p, backend, 1, prompt, completion);
   if (prompt + completion > 0) addWindow(p, keyId, minuteOf(t), 0, prompt + completion);
 }
 
