@@ -86,7 +86,8 @@ async function fallbackCheck(cfg, fetchImpl) {
 /** The breaker as operators read it: pod 0's machine state and the override, plus every pod. */
 function breakerView(cfg, view) {
   const pods = cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host, ...podSnap(view, u) }));
-  const { state, failures, opened_at, trial_at } = pods[0];
+  // A cell scaled to zero routes to no pod: its machine reads closed, with the override as set.
+  const { state, failures, opened_at, trial_at } = pods[0] ?? { state: "closed", failures: 0, opened_at: null, trial_at: null };
   return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
     imported: view.imported, pods };
 }
@@ -111,19 +112,19 @@ async function probe(request, env, cfg, url, fetchImpl) {
     ray_colo: rayColo(request.headers.get("cf-ray")),
     state_colo: stateColo,
     state_rtt_ms: round(stateRtt),
-    pod_rtt_ms: round(pods[0].ms),
-    pod_ok: pods[0].ok,
-    pod_status: pods[0].status,
+    pod_rtt_ms: pods.length ? round(pods[0].ms) : null,
+    pod_ok: pods.length ? pods[0].ok : null,
+    pod_status: pods.length ? pods[0].status : null,
     generation: cfg.activeGeneration,
     hint: cfg.activeHint,
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
-    pod_host: new URL(cfg.podUrls[0]).host,
+    pod_host: pods.length ? new URL(cfg.podUrls[0]).host : null,
     pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
     breaker: breakerView(cfg, view),
   };
   if (fallback) body.fallback = fallback;
-  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods[0].ms, total: now() - t0 }, PROBE_METRICS);
+  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, PROBE_METRICS);
   return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
 
