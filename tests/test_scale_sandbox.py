@@ -146,6 +146,11 @@ def test_scale_to_zero_then_the_first_request_is_served_and_demand_brings_a_pod_
     assert (status, backend) == (200, "fallback")
     shown = supervisor.status(cell["state_dir"])["scale"]
     assert (shown["desired"], shown["running"]) == (0, 0) and "down from 1" in shown["reason"]
+    live = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), "--live", "--state-dir", str(cell["state_dir"]),
+                           "--json", "-", "--warn-only"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert live.returncode == 0, live.stderr
+    assert "scale: desired 0, running 0, routed 0" in live.stderr
+    assert (json.loads(live.stdout)["scale"]["desired"], json.loads(live.stdout)["scale"]["owner"]) == (0, "test-controller")
     ctl.observe()
     for _ in range(3):
         assert chat(cell)[0] == 200
