@@ -1,4 +1,4 @@
-"""The router benchmark's processes and measurements (scripts/bench_router.py is the CLI).
+"""The router benchmark's processes and measurements (bench/router.py is the CLI).
 
 Four targets, measured interleaved in each round so that whatever else the machine is
 doing lands on all of them alike:

@@ -5,7 +5,7 @@ CPU time per request moves by 10 to 30 % from round to round on a shared 2-core 
 so a cut of a few per cent needs many interleaved rounds to show. An instruction count
 does not move with the machine's load. It counts every thread of the workerd process in
 user space, V8's compiler and GC threads too; what the kernel spends on sockets is not in
-it, so its ratios are larger than the CPU-time ratios of scripts/bench_router.py (the two
+it, so its ratios are larger than the CPU-time ratios of bench/router.py (the two
 measure different things; neither replaces the other).
 
 One thing makes a count move from run to run: when V8's background compiler finishes.

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import geo
+from . import cloudflare_limits, geo
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Generation
@@ -54,11 +54,15 @@ class Binding:
 
 @dataclass(frozen=True)
 class Module:
+    """One ES module of an upload: read from ``path``, or ``text`` made by the plan (the
+    fleet's ranking, ``colocate.fleet.rank_module``)."""
+
     name: str
-    path: Path
+    path: Path | None
+    text: str | None = None
 
     def content(self) -> str:
-        return self.path.read_text()
+        return self.text if self.text is not None else self.path.read_text()
 
 
 PLACEMENT_POD, PLACEMENT_TARGETED, PLACEMENT_SMART = "pod", "targeted", "smart"
@@ -142,7 +146,7 @@ class WorkerPlan:
     def content_hash(self) -> str:
         h = hashlib.sha256()
         for m in self.modules:
-            h.update(m.name.encode() + b"\0" + m.path.read_bytes() + b"\0")
+            h.update(m.name.encode() + b"\0" + m.content().encode() + b"\0")
         return h.hexdigest()[:16]
 
 
@@ -183,6 +187,18 @@ def pod_path(provider: str, zoned: bool) -> str:
                       "pulumi config set --path colocate:zone.id <zone id> and --path colocate:zone.name <example.com> "
                       "(the kit creates pod-<generation>.<zone> as a DNS-only record), or use pod.provider runpod "
                       "where the region has RunPod capacity")
+
+
+def check_pod_cloud(provider: str, path: str, cloud: str) -> None:
+    """A DNS-only record needs the pod's public ip, and a RunPod Community Cloud host may have
+    none: REST v1's create had ``supportPublicIp`` for that; v2 has no such field, so the pod
+    would run unreachable until readiness gave up. Refused before any pod is rented."""
+    if provider == "runpod" and path == PATH_ZONE_DNS and cloud == "COMMUNITY":
+        raise ConfigError("colocate:pod.cloud", cloud,
+                          "with colocate:zone set the Worker reaches the pod at its public ip, and a RunPod "
+                          "Community Cloud host may have none (RunPod's REST v2 cannot ask for one)",
+                          "pulumi config set --path colocate:pod.cloud SECURE, or remove colocate:zone (the "
+                          "Worker then uses RunPod's proxy hostname, which needs no public ip)")
 
 
 def pod_hostname_of(template: str, generation: str, index: int) -> str:
@@ -484,6 +500,23 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
     return tuple(bindings)
 
 
+# The setting behind each binding whose value can grow (named when a limit refuses it).
+BINDING_KEYS = {"FALLBACK_MODEL": "colocate:fallbackModel", "POD_URLS": "colocate:pod.count"}
+
+
+def binding_key(binding: Binding) -> str:
+    return f"colocate:{binding.secret}" if binding.secret else BINDING_KEYS.get(binding.name, "colocate:worker")
+
+
+def check_worker_limits(worker: WorkerPlan) -> None:
+    """The cell's Worker against Cloudflare's upload limits; the values known only once
+    resources exist (secrets, the pods' URLs) are checked by the program as they resolve."""
+    cloudflare_limits.check_worker(
+        worker.script_name, [(m.name, m.content().encode()) for m in worker.modules],
+        [(b.name, b.type, b.text) for b in worker.bindings],
+        {b.name: binding_key(b) for b in worker.bindings}, "colocate:worker.name")
+
+
 def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None) -> CellPlan:
     """Derive the whole cell from validated settings.
 
@@ -502,6 +535,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     )
     gen = ledger.active.name
     path = pod_path(settings.pod.provider, settings.zone is not None)
+    check_pod_cloud(settings.pod.provider, path, settings.pod.cloud)
     locations = reg.locations(settings.pod.provider)
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts
@@ -559,6 +593,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement_mode=mode,
         placement_host=placement_host,
     )
+    check_worker_limits(worker)
     pod_site = reg.site_of(locations[0])  # pod 0's preferred location, whether or not it runs now
     probe = ProbePlan(
         region=reg.name,

@@ -145,7 +145,7 @@ def modules_capnp(worker: WorkerPlan, extra: Iterable[tuple[str, str]] = (), *, 
     adds (name, ES module source) pairs, e.g. a sandbox-only wrapper entry, placed first
     when ``first`` names it (workerd's main module is the first in the list)."""
     entries = [(name, src) for name, src in extra]
-    entries += [(m.name, m.path.read_bytes().decode("utf-8")) for m in worker.modules]
+    entries += [(m.name, m.content()) for m in worker.modules]
     if first:
         entries.sort(key=lambda e: e[0] != first)
     return "[\n" + ",\n".join(f"    (name = {capnp_text(n)}, esModule = {capnp_text(s)})" for n, s in entries) + "\n  ]"

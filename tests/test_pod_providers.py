@@ -527,3 +527,16 @@ def test_the_real_proxy_address_form():
     from colocate.plan import runpod_proxy_url
 
     assert runpod_proxy_url("abc123", 8000) == "https://abc123-8000.proxy.runpod.net"
+
+
+def test_a_running_pod_without_a_public_address_fails_fast_with_the_fix(fake_runpod, env, capsys, monkeypatch):
+    # A Community host may give the pod no public ip: fail soon after it runs, not at readyTimeoutS.
+    fake_runpod.public_ip = False
+    monkeypatch.setenv("COLOCATE_POD_NO_ADDRESS_S", "0.2")
+    spec = make_spec("apac-jp", "runpod", readyTimeoutS=600)
+    spec["path"] = "zone-dns"
+    t = time.monotonic()
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 1 and out is None and time.monotonic() - t < 120
+    assert "no public address" in err and "pulumi config set --path colocate:pod.cloud SECURE" in err
+    assert "destroyed" in err and fake_runpod.live() == []

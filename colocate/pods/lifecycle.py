@@ -169,7 +169,8 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
     """Wait for ``pod_id`` to serve, then make it the only live pod of the name. ``unknown``: other
     pods of the name may exist (unanswered creates, or several found at adoption)."""
     try:
-        info = wait_ready(lambda: provider.describe(pod_id), spec.ready_timeout_s, log=log)
+        info = wait_ready(lambda: provider.describe(pod_id), spec.ready_timeout_s, log=log,
+                          no_address_fix=provider.no_address_fix(spec))
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
         # One list per create, even without a lost reply: a pod of this name that is not the one
         # returned is on no record and would bill. If the list fails, the ready pod is still

@@ -108,6 +108,13 @@ class RunPod(Provider):
                 head += f". Some data centres answered 403 (this key or account cannot use that pool). {KEY_FIX}"
         return FatalError(f"{head}. Nothing was created.\n{format_attempts(rows)}\nlast answer: {full}")
 
+    def no_address_fix(self, spec) -> str | None:
+        if spec.path == PATH_PROVIDER_PROXY:
+            return None  # RunPod's proxy needs no public ip
+        return ("RunPod gave the pod no public ip and port for its TCP port: a Community Cloud host may have "
+                "none, and REST v2 cannot ask for one. Fix: pulumi config set --path colocate:pod.cloud SECURE, "
+                "or remove colocate:zone (RunPod's proxy hostname needs no public ip)")
+
     def describe(self, pod_id: str) -> PodInfo:
         return self._info(self.api.call("GET", f"/v2/pods/{pod_id}").body, port=None)
 

@@ -208,6 +208,7 @@ class FakeRunPod(FakeApi):
         self.refusals: dict[str, tuple[int, str]] = {}  # data centre -> (status, detail) every create there answers
         self.ready_after = 1  # GETs of a pod before it is RUNNING
         self.healthy = True  # whether the pod's server answers /health 200
+        self.public_ip = True  # False: a running pod gets no public ip and port (a Community host without one)
         self.lost_create_replies = 0  # the next k creates land but answer 503 (a reply lost on the way)
         self.pods: dict[str, dict] = {}
         self.polls: dict[str, int] = {}
@@ -296,7 +297,7 @@ class FakeRunPod(FakeApi):
                     # proxy_template below); a TCP port gets a public ip and mapped port.
                     self.proxy_ports[pod_id] = server.port
                     pod.update(status="RUNNING", startedAt=_now(), actions=["stop", "restart", "terminate"],
-                               runtime={"uptime": 1, "ports": [] if http else [
+                               runtime={"uptime": 1, "ports": [] if http or not self.public_ip else [
                                    {"private": private, "public": server.port, "type": "tcp", "ip": "127.0.0.1"}]})
                 return 200, self._view(pod), {}, "application/json"
             if method == "DELETE":

@@ -136,7 +136,7 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
             sockets.append(wd.socket_capnp(region, 0, name))
             cells.append(FleetCell(region, region, plan, pod, f"http://127.0.0.1:{s.getsockname()[1]}"))
             found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.sandbox.workers.dev",
-                          outputs.REGION: region})
+                          outputs.REGION: region, outputs.ACCOUNT_ID: plan.worker.account_id})
         settings = fleet.parse({"fleet": {"cells": list(regions), "rememberMs": remember_ms, "exchangeMs": exchange_ms},
                                 "accountId": "0" * 32, "worker": {"subdomain": "sandbox"}}, "fleet")
         plan = fleet.plan_fleet(settings, found)

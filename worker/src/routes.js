@@ -14,6 +14,7 @@ export const ROUTES = {
   "/_colocate/live": { methods: ["GET"], kind: "live" },
   "/_colocate/scale": { methods: ["GET", "POST"], kind: "scale" },
   "/_colocate/scale/lock": { methods: ["POST"], kind: "scale_lock" },
+  "/_colocate/metrics": { methods: ["GET"], kind: "metrics" },
   "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters" },
   "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers" },
 };

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark the fleet's front door against calling its cell directly, in one workerd.
 
 One workerd process runs two cells (the router, the sandbox stack's plan, the cloud's
@@ -16,7 +15,7 @@ Reported as medians over rounds: p50/p99 of each, the added p50, the CPU ratios 
 hop over direct, front over hop), and the
 goals (added p50 <= 0.2 ms, CPU <= 1.15x; reported, not enforced).
 
-Usage: .venv/bin/python scripts/bench_front.py [--rounds 5] [--seconds 3] [--clients 1,32]
+Usage: .venv/bin/python -m bench.front [--rounds 5] [--seconds 3] [--clients 1,32]
        [--pod-delay-ms 0] [--json PATH|-]
 Exit: 0 done, 2 usage error or setup failure. Needs wrk and node (`make bench` installs wrk).
 """
@@ -30,20 +29,16 @@ import socket
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import harness  # noqa: E402
-from colocate import (  # noqa: E402
+from bench import harness
+from colocate import (
     fleet,
     outputs,
     plan as plan_mod,
     settings as settings_mod,
     stackfile,
-    workerd as wd,  # noqa: E402
+    workerd as wd,
 )
-from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp  # noqa: E402
+from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 
 REGIONS = ("us-east", "eu-west")
 COLO = "IAD"  # nearest to us-east: the front door's first choice
@@ -93,11 +88,12 @@ def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harn
             extra[region] = s
             sockets.append(wd.socket_capnp(region, 0, name))
             urls[region] = f"http://127.0.0.1:{s.getsockname()[1]}"
-            found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region})
+            found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region,
+                          outputs.ACCOUNT_ID: plan.worker.account_id})
         cfg = {"cells": list(regions)} | ({} if remember_ms is None else {"rememberMs": remember_ms})
         fs = fleet.parse({"fleet": cfg, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)
-        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["PROBE_TOKEN"] for i in range(len(REGIONS))}
+        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["PROBE_TOKEN"] for i in range(len(regions))}
         services += [wd.disk_service("disk-front", w.directory / "objects" / "front")]
         services.insert(0, wd.worker_service("front", front_worker_capnp(front, storage_service="disk-front", tokens=tokens)))
         hop = (f"(modules = [(name = \"hop.js\", esModule = {wd.capnp_text(HOP_JS)})], "
@@ -204,7 +200,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_front.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.front", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=3.0)
@@ -223,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("--deadline-ms", opts.deadline_ms, 1)])
     json_path = None if opts.json in (None, "-") else Path(opts.json)
     if opts.json == "-":
-        return harness.report("bench_front.py", lambda: run(opts, harness.progress(opts.quiet)), json.dumps, None)
-    return harness.report("bench_front.py", lambda: run(opts, harness.progress(opts.quiet)), render, json_path)
+        return harness.report("bench.front", lambda: run(opts, harness.progress(opts.quiet)), json.dumps, None)
+    return harness.report("bench.front", lambda: run(opts, harness.progress(opts.quiet)), render, json_path)
 
 
 if __name__ == "__main__":

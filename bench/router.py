@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark the router against its floor: a bare pass-through Worker in the same workerd.
 
 In one run, interleaved over ``--rounds`` rounds, for each client count (default 1 and
@@ -26,7 +25,7 @@ State object far away: ``--far-state-ms MS`` runs the router behind the sandbox'
 emulated geography with only the Worker->object hop delayed; its pod traffic then also
 passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
-Usage: .venv/bin/python scripts/bench_router.py [--rounds 5] [--seconds 3]
+Usage: .venv/bin/python -m bench.router [--rounds 5] [--seconds 3]
        [--clients 1,32] [--no-stream] [--sse-usage] [--prompt-bytes 0] [--sse-requests 3000]
        [--sse-chunks 8] [--sse-chunk-ms 0] [--pods 1]
        [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
@@ -41,13 +40,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import harness  # noqa: E402
-from colocate.errors import ConfigError  # noqa: E402
-from colocate.workerd import WorkerdError  # noqa: E402
+from bench import harness
+from colocate.errors import ConfigError
+from colocate.workerd import WorkerdError
 
 
 def _ints(flag: str, low: int, high: int):
@@ -137,7 +132,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_router.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.router", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; results are medians over them (default 5)")
     p.add_argument("--seconds", type=float, default=3.0, help="length of each wrk/SSE run (default 3)")
@@ -186,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = harness.run(opts, log)
     except (harness.BenchError, ConfigError, WorkerdError) as exc:
-        print(f"bench_router: {exc}", file=sys.stderr)
+        print(f"router: {exc}", file=sys.stderr)
         return 2
     text = table(result)
     if args.json == "-":
