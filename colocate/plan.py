@@ -330,6 +330,10 @@ class PodPlan:
 
 
 PROBE_WAIT_S = 120  # a new route or custom domain can take a while to answer after a deploy
+# The post-deploy probe follows a placement settings call (every upload re-applies it), and
+# Cloudflare applies a new placement some time later: wait this long for the Worker's colo
+# to settle before judging it; unsettled, a failed placement check is only provisional.
+PROBE_SETTLE_S = 300
 
 
 @dataclass(frozen=True)
@@ -356,7 +360,10 @@ class ProbePlan:
             args += ["--placement-host", placement_host]
         for name, ms in sorted(self.budgets.items()):
             args += ["--budget", f"{name}={ms:g}"]
-        args += ["--wait", str(PROBE_WAIT_S), "--json", "-"]
+        args += ["--wait", str(PROBE_WAIT_S)]
+        if self.placement_mode != PLACEMENT_SMART:  # smart placement learns from traffic: nothing to wait for
+            args += ["--settle", str(PROBE_SETTLE_S)]
+        args += ["--json", "-"]
         if not self.enforce:
             args.append("--warn-only")  # report, but let the deploy finish
         return args

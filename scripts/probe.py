@@ -83,6 +83,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="keep retrying the warm-up for up to S seconds while the target is not answering yet (after a deploy)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S",
+                   help="first wait up to S seconds for the Worker to run in the same in-region colo a few probes in a "
+                        "row (a placement just set or changed); a placement check that fails when it never settled is "
+                        "PROVISIONAL: exit 0, rerun later (the post-deploy probe passes --settle)")
     p.add_argument("--warn-only", action="store_true", help="report failed checks but exit 0")
     p.add_argument("--live", action="store_true",
                    help="read real traffic instead of sampling: per-segment percentiles, shares and colos recorded by the "
@@ -167,11 +171,15 @@ def _probe(args: argparse.Namespace) -> int:
     print(f"probing {url}: warm-up, then {samples} probe + {samples} routed requests", file=sys.stderr)
     if not 0 <= args.wait <= 900:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
+    if not 0 <= args.settle <= 900:
+        raise UsageError("--settle", args.settle, "must be between 0 and 900 seconds", "e.g. --settle 300")
+    # Smart placement moves the Worker only once it has traffic to learn from: nothing to wait for.
+    settle_s = args.settle if region is not None and worker_placement != "smart" else 0.0
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
     # The key lives only in this process: never in argv of a child, a log line or the JSON.
     with keys.KeyLease(url, token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
-                         key=lease.get)
+                         key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host)
 
     def plot(path):
@@ -179,7 +187,13 @@ def _probe(args: argparse.Namespace) -> int:
 
         plot.write(result, path)
 
-    return _emit(args, report.table(result), report.to_json(result, args.warn_only), result.ok, plot)
+    if not result.ok and result.provisional:
+        print("probe: placement not settled: the verdict is provisional (exit 0); Cloudflare may not have applied "
+              f"the new placement yet. Check again in a few minutes: .venv/bin/python scripts/probe.py "
+              f"{f'--stack {args.stack}' if args.stack else url}",
+              file=sys.stderr)
+    return _emit(args, report.table(result), report.to_json(result, args.warn_only),
+                 result.ok or result.provisional, plot)
 
 
 def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> int:
@@ -202,7 +216,7 @@ def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> in
 
 
 # A fleet probe judges which cell served each client site; these flags judge one cell.
-CELL_ONLY = ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot",
+CELL_ONLY = ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot", "settle",
              "live", "state_dir", "token")
 
 
@@ -211,6 +225,8 @@ def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     the nearest healthy one (docs/probe.md, "Probing a fleet")."""
     from colocate.probe import fleet as fleet_probe
 
+    if args.live:
+        return _fleet_live(args, cells)
     for name in CELL_ONLY:
         if getattr(args, name):
             flag = "--" + name.replace("_", "-")
@@ -236,6 +252,39 @@ def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     result = fleet_probe.run(args.stack, cells, sites, key, samples, args.timeout, args.model, stacks_dir=args.stacks_dir,
                              sandboxes_dir=args.sandboxes_dir, sandbox=sandbox, say=say)
     return _emit(args, fleet_probe.table(result), fleet_probe.to_json(result, args.warn_only), result.ok, None)
+
+
+def _fleet_live(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
+    """probe.py --stack <fleet> --live: every cell's live window merged, per colo which cells served
+    (docs/probe.md, "A fleet's live view")."""
+    from colocate.probe import fleet as fleet_probe, fleet_live, live
+
+    for name in ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot",
+                 "state_dir", "token", "client_site", "key", "samples"):
+        if getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(flag, getattr(args, name), f"is not used by a fleet's live view (--stack {args.stack} --live)",
+                             f"leave {flag} out, or read one cell with --stack <cell> --live")
+    try:
+        since_ms = live.parse_since(args.since)
+    except ValueError as exc:
+        raise UsageError("--since", args.since, str(exc), "e.g. --since 15m, --since 1h or --since 7d") from None
+    if not args.timeout > 0:
+        raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
+    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / fleet_probe.FLEET_FILE
+    members = fleet_probe.member_targets(cells, stacks_dir=args.stacks_dir, sandboxes_dir=args.sandboxes_dir,
+                                         sandbox=fleet_probe.read_sandbox_fleet(where))
+    windows = []
+    for name, region, target in members:
+        if not hasattr(target, "url"):
+            windows.append(fleet_live.CellWindow(name, region, error=f"not found ({target})"))
+            continue
+        try:
+            windows.append(fleet_live.CellWindow(name, region, _fetch_live(target.url, target.token, since_ms, args.timeout)))
+        except ProbeError as exc:
+            windows.append(fleet_live.CellWindow(name, region, error=str(exc)))
+    result = fleet_live.build(args.stack, windows, since_ms)
+    return _emit(args, fleet_live.table(result), fleet_live.to_json(result, args.warn_only), result.ok, None)
 
 
 def _from_stack(args: argparse.Namespace, region, budget_list):

@@ -131,6 +131,7 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
     assert create.startswith(".venv/bin/python scripts/probe.py https://")
     assert f"--expect-region {raw['region']}" in create
     assert "--pod-location AP-JP-1" in create and "--wait 120" in create and "--json -" in create
+    assert "--settle 300" in create  # a new placement is waited for, never failed on before it applies
     assert ("--warn-only" in create) != bool((raw.get("probe") or {}).get("enforce", False))
     triggers = plain(probe["triggers"])
     assert json.dumps(json.loads(triggers[-1])) == json.dumps(

@@ -21,7 +21,7 @@ import { readBody } from "./body.js";
 import { ConfigurationError, HttpError, errorResponse, log } from "./errors.js";
 import { CELL_HEADER, DEFER_HEADER, choose, isNoPod, readFleet, remember } from "./fleetfront.js";
 import { pokeLedger } from "./fleetexchange.js";
-import { lookup } from "./routes.js";
+import { CLIENT_COLO_HEADER, lookup } from "./routes.js";
 import { now, serverTiming } from "./timing.js";
 
 const FRONT_METRICS = ["front"];
@@ -62,6 +62,9 @@ async function route(request, env, ctx) {
     if (last) headers.delete(DEFER_HEADER);
     else headers.set(DEFER_HEADER, "defer");
     headers.delete("content-length"); // the runtime sets it from the buffered body
+    // Where the client was, for the cell's live view (a client's own header is replaced or dropped).
+    if (typeof colo === "string" && COLO.test(colo)) headers.set(CLIENT_COLO_HEADER, colo.toUpperCase());
+    else headers.delete(CLIENT_COLO_HEADER);
     const t = now();
     let res;
     try {

@@ -45,6 +45,7 @@ export class Breaker extends DurableObject {
     super(ctx, env);
     this.sql = ctx.storage.sql;
     this.coloOnce = null;
+    this.purged = false; // set by purge(): no tables until the next use
     ctx.blockConcurrencyWhile(async () => this.load());
   }
 
@@ -116,8 +117,16 @@ export class Breaker extends DurableObject {
     return next;
   }
 
+  /** A purged instance holds no tables: its next use (a generation reused) makes them again. */
+  async unpurge() {
+    if (!this.purged) return;
+    this.purged = false;
+    await this.load();
+  }
+
   /** Copy a draining generation's state once (see the header). */
   async readThrough(info) {
+    await this.unpurge();
     const from = info && info.draining;
     if (!from || from === info.generation || this.meta(`imported:${from}`) !== null) return;
     await this.ctx.blockConcurrencyWhile(async () => {
@@ -171,6 +180,7 @@ export class Breaker extends DurableObject {
    * From now on usage batches that reach this generation go on to `successor`.
    */
   async exportAll(successor = null) {
+    await this.unpurge();
     if (successor) this.setMeta("successor", successor);
     return {
       forced: this.meta("forced"),
@@ -711,12 +721,16 @@ export class Breaker extends DurableObject {
     return this.coloOnce;
   }
 
-  /** Delete every stored row of this generation (the router refuses the active one). */
+  /**
+   * Delete everything this generation stored, its schema too: a purged generation holds
+   * nothing (the router refuses the active one). The tables come back only if it is used again.
+   */
   async purge() {
+    if (this.purged) return { had_state: false };
     const had = this.sql.exec("SELECT COUNT(*) AS n FROM meta WHERE k != 'schema'").one().n > 0
       || this.sql.exec("SELECT COUNT(*) AS n FROM client_keys").one().n > 0;
     await this.ctx.storage.deleteAll();
-    await this.load();
+    this.purged = true;
     return { had_state: had };
   }
 }

@@ -12,7 +12,7 @@ import { callFallback, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { C_INFLIGHT, C_MONTH, estimate, refusal } from "./limits.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
-import { lookup } from "./routes.js";
+import { CLIENT_COLO_HEADER, lookup } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
   served, wantedDigest, withdraw,
@@ -153,7 +153,8 @@ function enforceLimits(request, cfg, key) {
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   const t0 = now();
-  const timing = { state: 0, upstream: 0, fallback: 0, total: 0 };
+  // `client`: the colo a fleet's front door received the request in (the live view's client colo)
+  const timing = { state: 0, upstream: 0, fallback: 0, total: 0, client: request.headers.get(CLIENT_COLO_HEADER) };
   const gen = cfg.activeGeneration;
   // The warm path awaits nothing until the body: a fresh view and a known key are sync.
   let entry = freshEntry(env, ctx, cfg);

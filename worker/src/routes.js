@@ -19,6 +19,9 @@ export const ROUTES = {
   "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers" },
 };
 
+/** Set by a fleet's front door on what it forwards: the colo it received the request in (routes.js: both Workers read it). */
+export const CLIENT_COLO_HEADER = "x-colocate-client-colo";
+
 const REVOKE = /^\/_colocate\/keys\/([A-Za-z0-9_]{1,64})\/revoke$/;
 
 /** The route for a path, or null. A key's revoke path carries its id in `param`. */
