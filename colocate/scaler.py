@@ -52,7 +52,8 @@ class Deployer(Protocol):
 
 
 class CellClient:
-    """The Worker's scaling endpoints, with the probe token (never in argv or logs)."""
+    """The Worker's scaling endpoints, with the admin token (never in argv or logs): reading the
+    signals takes the read token, the lock and the records the admin one."""
 
     def __init__(self, url: str, token: str, timeout_s: float = 10.0):
         self.url = url.rstrip("/")

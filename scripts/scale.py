@@ -8,8 +8,8 @@
 ``run`` passes every ``--interval`` seconds: it reads the cell's signals
 (``/_colocate/scale``), decides (colocate/scale.py) and, holding the generation's lock, makes
 the stack declare the new count. The cloud needs the Pulumi CLI, logged in to the stack's
-backend, and reads the Worker's URL and probe token from the stack's outputs
-(``COLOCATE_PROBE_TOKEN`` in the environment overrides the token). Exit 2 on bad input, 1 when
+backend, and reads the Worker's URL and admin token from the stack's outputs
+(``COLOCATE_ADMIN_TOKEN`` in the environment overrides the token). Exit 2 on bad input, 1 when
 the cell cannot be reached at all.
 """
 
@@ -58,9 +58,10 @@ def cell_of(args, stacks_dir: Path):
     deployer = PulumiDeployer(args.stack, ROOT)
     outs = deployer.stack.outputs()
     url = outs.get("workerUrl")
-    token = os.environ.get("COLOCATE_PROBE_TOKEN") or (outs["probeToken"].value if "probeToken" in outs else None)
+    # the lock and the records take the admin token (the signals alone would need only the read one)
+    token = os.environ.get("COLOCATE_ADMIN_TOKEN") or (outs["adminToken"].value if "adminToken" in outs else None)
     if not url or not token:
-        raise ConfigError("--stack", args.stack, "the stack has no workerUrl/probeToken outputs: it is not deployed",
+        raise ConfigError("--stack", args.stack, "the stack has no workerUrl/adminToken outputs: it is not deployed",
                           "pulumi up once, then run the controller")
     cost = outs.get("podsCostPerHr")
     ids = outs.get("podIds")

@@ -108,10 +108,15 @@ def test_one_controller_holds_the_lock_and_only_it_records(cell):
     a.lock("a", 0, release=True)
     assert b.lock("b", 30)[0]
     b.lock("b", 0, release=True)
-    # without the probe token nothing answers
+    # a client key opens nothing here; the read token reads the signals but cannot take the lock
     r = request(cell["ready"]["worker_url"], "POST", "/_colocate/scale/lock", {"owner": "x", "ttl_ms": 1000},
                 {"authorization": f"Bearer {cell['key']}"})
     assert r.status == 401
+    reader = CellClient(cell["ready"]["worker_url"], cell["ready"]["read_token"])
+    assert "backends" in reader.state()
+    r = request(cell["ready"]["worker_url"], "POST", "/_colocate/scale/lock", {"owner": "x", "ttl_ms": 1000},
+                {"authorization": f"Bearer {cell['ready']['read_token']}"})
+    assert r.status == 403
 
 
 def test_scale_down_drains_streams_in_flight_and_cuts_none(cell):

@@ -1,7 +1,7 @@
 // The fleet's exchange of limit counters: one Durable Object of the front door's Worker
 // (idFromName("ledger")), driven by its alarm every EXCHANGE_MS while the fleet is used.
 //
-// A round: from every cell, over its service binding and with its probe token, the own
+// A round: from every cell, over its service binding and with its exchange token, the own
 // counters of the keys that changed since this ledger's cursor for that cell
 // (GET /_colocate/fleet/counters?since=<cursor>; the cell reads them by index, so a round
 // costs what changed, not how many keys exist); stored per (cell, key) with this ledger's
@@ -167,7 +167,7 @@ export class FleetLedger extends DurableObject {
   }
 }
 
-/** One call to a cell's operator endpoint over its service binding, with its probe token. */
+/** One call to a cell's operator endpoint over its service binding, with its exchange token. */
 function call(cfg, cell, path, body, timeoutMs) {
   const init = {
     method: body === null ? "GET" : "POST",
