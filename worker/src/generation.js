@@ -23,7 +23,7 @@ import {
   SCHEMA_VERSION, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { addPeer, counts as countsAnything, monthOf } from "./fleetexchange.js";
-import { COUNTER, EXCHANGE, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, EXCHANGE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -407,7 +407,77 @@ export class Breaker extends DurableObject {
         }
       }
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      for (const r of batch.backends || []) {
+        this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
+          ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
+          prompt_tokens = prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + excluded.completion_tokens`,
+        String(r[BACKEND.backend]), r[BACKEND.requests] | 0, r[BACKEND.prompt_tokens] | 0, r[BACKEND.completion_tokens] | 0);
+      }
+      if (batch.pods) {
+        // This isolate's counts replace its rows: a pod index it no longer has reads 0.
+        const isolate = String(info.isolate ?? "");
+        this.sql.exec("DELETE FROM pod_inflight WHERE isolate = ?", isolate);
+        for (const r of batch.pods) {
+          const n = r[POD_INFLIGHT.n] | 0;
+          if (n > 0) this.sql.exec("INSERT INTO pod_inflight (isolate, pod, n, at) VALUES (?, ?, ?, ?)", isolate, r[POD_INFLIGHT.pod] | 0, n, now);
+        }
+      }
+      this.sql.exec("DELETE FROM pod_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
     });
+  }
+
+  // --- scaling (colocate/scaler.py reads and records through admin.js /_colocate/scale) ---
+
+  /**
+   * The controller's signals and what controllers recorded: cumulative requests and
+   * tokens by backend, requests in flight per pod index (summed over isolates; an
+   * isolate's row lives until it syncs 0, or for INFLIGHT_KEEP_MS), the lock and the last
+   * decision.
+   */
+  async scaleState(info) {
+    await this.readThrough(info);
+    const backends = {};
+    for (const r of this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total")) {
+      backends[r.backend] = { requests: r.requests, prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens };
+    }
+    const inflight = {};
+    for (const r of this.sql.exec("SELECT pod, SUM(n) AS n FROM pod_inflight WHERE at >= ? GROUP BY pod",
+      Date.now() - INFLIGHT_KEEP_MS)) {
+      inflight[r.pod] = r.n;
+    }
+    return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")) };
+  }
+
+  scaleLockRow() {
+    const lock = parseJson(this.meta("scale_lock"));
+    return lock && lock.until > Date.now() ? lock : null;
+  }
+
+  /**
+   * The controllers' lock, a lease: granted to `owner` when free, expired or already its
+   * own (renewed for `ttlMs`); `release` frees it if `owner` holds it. One transaction, so
+   * two controllers asking at once cannot both get it.
+   */
+  async scaleLock(owner, ttlMs, release, info) {
+    await this.readThrough(info);
+    let granted = false;
+    this.ctx.storage.transactionSync(() => {
+      const held = this.scaleLockRow();
+      if (held && held.owner !== owner) return;
+      granted = true;
+      if (release) this.setMeta("scale_lock", null);
+      else this.setMeta("scale_lock", JSON.stringify({ owner, since: held ? held.since : Date.now(), until: Date.now() + ttlMs }));
+    });
+    return { granted, lock: this.scaleLockRow() };
+  }
+
+  /** Record a decision of the lock's holder (the last one is what status and the probe show). */
+  async scaleRecord(owner, decision, info) {
+    await this.readThrough(info);
+    const held = this.scaleLockRow();
+    if (!held || held.owner !== owner) return { recorded: false, lock: held };
+    this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
+    return { recorded: true, lock: held };
   }
 
   /**
@@ -675,6 +745,14 @@ export class Breaker extends DurableObject {
     await this.ctx.storage.deleteAll();
     this.purged = true;
     return { had_state: had };
+  }
+}
+
+function parseJson(text) {
+  try {
+    return text === null ? null : JSON.parse(text);
+  } catch {
+    return null;
   }
 }
 
