@@ -24,7 +24,6 @@ def test_pod_down_every_request_succeeds_via_fallback_and_breaker_opens():
         results = [cell.call("POST", "/v1/chat/completions", body=chat()) for _ in range(THRESHOLD + 3)]
         assert [r.status for r in results] == [200] * len(results)
         assert {r.headers["x-colocate-backend"] for r in results} == {"fallback"}
-        assert {r.headers["x-standin"] for r in results} == {"fallback"}
         assert cell.fallback.requests == before + len(results)
         snap = cell.wait_breaker("open")
         assert snap["state"] == "open" and snap["failures"] >= THRESHOLD
