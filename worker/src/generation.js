@@ -9,7 +9,7 @@
 //
 // Migration: while a generation drains, the Worker passes its name in `info`. The first
 // call that names a draining generation this object has not imported yet copies that
-// generation's whole state (exportAll: override, keys, usage, counters) inside
+// generation's whole state (exportAll, page by page: override, keys, usage, counters) inside
 // blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once.
 // The router also calls `importFrom` before it purges a draining generation, so nothing
 // is lost even if no request touched the new generation in between. Once exported, a
@@ -24,7 +24,7 @@ import {
   SCHEMA_VERSION, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { addPeer, counts as countsAnything, monthOf } from "./fleetexchange.js";
-import { COUNTER, EXCHANGE, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, EXCHANGE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -44,6 +44,39 @@ export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's ex
 
 // The counter columns a fleet's exchange carries: those both shapes name.
 const SHARED = COUNTER.names.filter((n) => /** @type {readonly string[]} */ (EXCHANGE.names).includes(n));
+
+export const EXPORT_ROWS = 5000; // rows of one table per exportAll page
+// What exportAll pages through, in order: [name in the import, query, row shape or null].
+const EXPORT_PARTS = [
+  ["keys", `SELECT ${KEY_COLUMNS} FROM client_keys`, null],
+  ["usage", `SELECT ${USAGE_COLUMNS} FROM usage_daily`, null],
+  ["months", "SELECT key_id, month, tokens FROM key_month", null],
+  ["windows", "SELECT key_id, minute, requests, tokens FROM rate_window", null],
+  ["seg_minute", "SELECT minute, colo, pod, segment, hist FROM seg_minute", (r) => [r.minute, r.colo, r.pod, r.segment, r.hist]],
+  ["seg_hour", "SELECT hour, colo, pod, segment, hist FROM seg_hour", (r) => [r.hour, r.colo, r.pod, r.segment, r.hist]],
+  ["seg_total", "SELECT colo, pod, segment, hist FROM seg_total", (r) => [r.colo, r.pod, r.segment, r.hist]],
+  ["served_total", "SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total",
+    (r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]],
+  ["inflight", "SELECT key_id, isolate, n, at FROM key_inflight", null],
+  ["peers", `SELECT ${EXCHANGE.columns} FROM peer_counters`, EXCHANGE.of],
+];
+
+/**
+ * A draining generation's whole state, read page by page (`exportAll`) and imported in one
+ * transaction by the caller: a read cut short imports nothing, so a retry counts nothing twice.
+ */
+export async function exportedState(other, successor) {
+  const data = {};
+  let cursor = null;
+  do {
+    const page = await other.exportAll(successor, cursor);
+    data.forced = page.forced;
+    for (const row of page.rows) (data[page.part] ??= []).push(row);
+    data[page.part] ??= [];
+    cursor = page.next;
+  } while (cursor);
+  return data;
+}
 
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
@@ -140,7 +173,7 @@ export class Breaker extends DurableObject {
       const ns = this.env.BREAKER;
       const id = ns.idFromName(from);
       const other = info.drainingHint ? ns.get(id, { locationHint: info.drainingHint }) : ns.get(id);
-      this.importState(from, await other.exportAll(info.generation));
+      this.importState(from, await exportedState(other, info.generation));
     });
   }
 
@@ -182,28 +215,23 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * Everything a successor generation takes over (pod health stays: the pods change).
-   * From now on usage batches that reach this generation go on to `successor`.
+   * Everything a successor generation takes over (pod health stays: the pods change), one
+   * page at a time: at most EXPORT_ROWS rows of one table per call (a generation's whole
+   * history in one answer could pass the size an RPC carries). `cursor` is the previous
+   * page's `next`; null starts over. From the first page on, usage batches that reach this
+   * generation go on to `successor`.
    */
-  async exportAll(successor = null) {
+  async exportAll(successor = null, cursor = null) {
     await this.unpurge();
     if (successor) this.setMeta("successor", successor);
-    return {
-      forced: this.meta("forced"),
-      keys: this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys`).toArray(),
-      usage: this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray(),
-      months: this.sql.exec("SELECT key_id, month, tokens FROM key_month").toArray(),
-      windows: this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window").toArray(),
-      seg_minute: this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute").toArray()
-        .map((r) => [r.minute, r.colo, r.pod, r.segment, r.hist]),
-      seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
-        .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
-      seg_total: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
-      served_total: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray()
-        .map((r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]),
-      inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
-      peers: this.sql.exec(`SELECT ${EXCHANGE.columns} FROM peer_counters`).toArray().map(EXCHANGE.of),
-    };
+    const at = cursor ?? { part: 0, offset: 0 };
+    const [name, query, shape] = EXPORT_PARTS[at.part];
+    const rows = this.sql.exec(`${query} ORDER BY rowid LIMIT ? OFFSET ?`, EXPORT_ROWS + 1, at.offset).toArray();
+    const more = rows.length > EXPORT_ROWS;
+    if (more) rows.length = EXPORT_ROWS;
+    const next = more ? { part: at.part, offset: at.offset + EXPORT_ROWS }
+      : at.part + 1 < EXPORT_PARTS.length ? { part: at.part + 1, offset: 0 } : null;
+    return { forced: this.meta("forced"), part: name, rows: shape ? rows.map(shape) : rows, next };
   }
 
   /** Import a named generation now (the router calls this before purging it). */
@@ -419,7 +447,77 @@ export class Breaker extends DurableObject {
         }
       }
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      for (const r of batch.backends || []) {
+        this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
+          ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
+          prompt_tokens = prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + excluded.completion_tokens`,
+        String(r[BACKEND.backend]), r[BACKEND.requests] | 0, r[BACKEND.prompt_tokens] | 0, r[BACKEND.completion_tokens] | 0);
+      }
+      if (batch.pods) {
+        // This isolate's counts replace its rows: a pod index it no longer has reads 0.
+        const isolate = String(info.isolate ?? "");
+        this.sql.exec("DELETE FROM pod_inflight WHERE isolate = ?", isolate);
+        for (const r of batch.pods) {
+          const n = r[POD_INFLIGHT.n] | 0;
+          if (n > 0) this.sql.exec("INSERT INTO pod_inflight (isolate, pod, n, at) VALUES (?, ?, ?, ?)", isolate, r[POD_INFLIGHT.pod] | 0, n, now);
+        }
+      }
+      this.sql.exec("DELETE FROM pod_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
     });
+  }
+
+  // --- scaling (colocate/scaler.py reads and records through admin.js /_colocate/scale) ---
+
+  /**
+   * The controller's signals and what controllers recorded: cumulative requests and
+   * tokens by backend, requests in flight per pod index (summed over isolates; an
+   * isolate's row lives until it syncs 0, or for INFLIGHT_KEEP_MS), the lock and the last
+   * decision.
+   */
+  async scaleState(info) {
+    await this.readThrough(info);
+    const backends = {};
+    for (const r of this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total")) {
+      backends[r.backend] = { requests: r.requests, prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens };
+    }
+    const inflight = {};
+    for (const r of this.sql.exec("SELECT pod, SUM(n) AS n FROM pod_inflight WHERE at >= ? GROUP BY pod",
+      Date.now() - INFLIGHT_KEEP_MS)) {
+      inflight[r.pod] = r.n;
+    }
+    return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")) };
+  }
+
+  scaleLockRow() {
+    const lock = parseJson(this.meta("scale_lock"));
+    return lock && lock.until > Date.now() ? lock : null;
+  }
+
+  /**
+   * The controllers' lock, a lease: granted to `owner` when free, expired or already its
+   * own (renewed for `ttlMs`); `release` frees it if `owner` holds it. One transaction, so
+   * two controllers asking at once cannot both get it.
+   */
+  async scaleLock(owner, ttlMs, release, info) {
+    await this.readThrough(info);
+    let granted = false;
+    this.ctx.storage.transactionSync(() => {
+      const held = this.scaleLockRow();
+      if (held && held.owner !== owner) return;
+      granted = true;
+      if (release) this.setMeta("scale_lock", null);
+      else this.setMeta("scale_lock", JSON.stringify({ owner, since: held ? held.since : Date.now(), until: Date.now() + ttlMs }));
+    });
+    return { granted, lock: this.scaleLockRow() };
+  }
+
+  /** Record a decision of the lock's holder (the last one is what status and the probe show). */
+  async scaleRecord(owner, decision, info) {
+    await this.readThrough(info);
+    const held = this.scaleLockRow();
+    if (!held || held.owner !== owner) return { recorded: false, lock: held };
+    this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
+    return { recorded: true, lock: held };
   }
 
   /**
@@ -689,6 +787,14 @@ export class Breaker extends DurableObject {
     await this.ctx.storage.deleteAll();
     this.purged = true;
     return { had_state: had };
+  }
+}
+
+function parseJson(text) {
+  try {
+    return text === null ? null : JSON.parse(text);
+  } catch {
+    return null;
   }
 }
 

@@ -47,6 +47,16 @@ export const SHAPES = /** @type {const} */ ({
   "inflight": [
     ["key_id", "the client key's id"],
     ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"]
+  ],
+  "backend": [
+    ["backend", "who answered: pod-<i>, fallback, or none (a fleet's front door took it elsewhere)"],
+    ["requests", "requests it answered since the last sync"],
+    ["prompt_tokens", "their prompt tokens"],
+    ["completion_tokens", "their completion tokens"]
+  ],
+  "pod_inflight": [
+    ["pod", "the pod's index in POD_URLS"],
+    ["n", "requests this isolate has in flight there now"]
   ]
 });
 
@@ -93,6 +103,10 @@ export const USAGE = shape(SHAPES.usage);
 export const WINDOW = shape(SHAPES.window);
 /** A sync batch's `inflight` row. */
 export const INFLIGHT = shape(SHAPES.inflight);
+/** A sync batch's `backends` row: the scaling controller's demand signal (backend_total). */
+export const BACKEND = shape(SHAPES.backend);
+/** A sync batch's `pods` row: every pod of this isolate's POD_URLS, whenever one's count moved (pod_inflight). */
+export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
 
 // --- the shapes of the objects that cross a boundary (JSDoc; tsc checks their use) ---
 

@@ -34,6 +34,11 @@
 //                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
 //   peer_counters per key: the other cells of a fleet together, as the exchange last
 //                 pushed them (minute buckets and month); added to `counts`, never to usage
+//   backend_total per backend (pod-<i>, fallback, none): requests and tokens since the
+//                 generation began; the scaling controller's demand signal (rates are
+//                 differences between its reads)
+//   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
+//                 last sync (a scale-down waits for its draining pods to read 0)
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
@@ -74,6 +79,10 @@ export const SCHEMA = [
      key_id TEXT PRIMARY KEY, minute INTEGER NOT NULL, req INTEGER NOT NULL, tok INTEGER NOT NULL,
      prev_req INTEGER NOT NULL, prev_tok INTEGER NOT NULL, month TEXT NOT NULL, month_tokens INTEGER NOT NULL,
      at INTEGER NOT NULL)`,
+  `CREATE TABLE IF NOT EXISTS backend_total (
+     backend TEXT PRIMARY KEY, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)`,
+  `CREATE TABLE IF NOT EXISTS pod_inflight (
+     isolate TEXT NOT NULL, pod INTEGER NOT NULL, n INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (isolate, pod))`,
   `CREATE TABLE IF NOT EXISTS seg_hour (
      hour INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
      PRIMARY KEY (hour, colo, pod, segment))`,
