@@ -3,7 +3,7 @@
 // `roles`; docs/worker.md, "Who holds what"). A client key never opens them.
 
 import { readBody, parseJsonObject } from "./body.js";
-import { HttpError, jsonResponse } from "./errors.js";
+import { HttpError, jsonResponse, log } from "./errors.js";
 import { FORCE_VALUES } from "./machine.js";
 import { displayPrefix, keyHash, newKey, newKeyId, sameDigest } from "./keys.js";
 import { dayOf, monthStartDay } from "./limits.js";
@@ -12,7 +12,7 @@ import { cache, activeStub, infoOf, stubFor } from "./state.js";
 import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { fetchColo, rayColo } from "./trace.js";
-import { badRows } from "./fleetexchange.js";
+import { badRows, goodRows } from "./fleetexchange.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
@@ -358,7 +358,10 @@ async function setPeers(request, env, cfg) {
   if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use rows`);
   const bad = badRows(body.rows);
   if (bad) throw new HttpError(400, "invalid_field", bad);
-  return jsonResponse(200, await activeStub(env, cfg).setPeers(body.rows, infoOf(cfg)), noStore);
+  const { good, dropped } = goodRows(body.rows);
+  if (dropped.length) log(env, "fleet_rows_dropped", { count: dropped.length, first: dropped[0] });
+  const stored = await activeStub(env, cfg).setPeers(good, infoOf(cfg));
+  return jsonResponse(200, { ...stored, dropped }, noStore);
 }
 
 /** One key's counters here: own, the peers' as last pushed, and their sum as a sync answers it. */

@@ -58,24 +58,44 @@ export function sumRows(id, rows, now) {
     out[5] += a[3];
     if (r[6] === month) out[7] += r[7];
   }
+  // A sum stays a safe integer, as every row a cell accepts must be.
+  for (const j of [2, 3, 4, 5, 7]) out[j] = Math.min(out[j], Number.MAX_SAFE_INTEGER);
   return out;
 }
 
-/** null when `rows` (a push's body field) is well formed, else the message naming the field. */
+/** null when `rows` (a push's body field) is an array of at most MAX_ROWS, else the message naming the field. */
 export function badRows(rows) {
   if (!Array.isArray(rows)) return `field "rows" must be an array of [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
   if (rows.length > MAX_ROWS) return `field "rows" holds at most ${MAX_ROWS} rows (got ${rows.length}): send them in parts`;
-  for (let i = 0; i < rows.length; i++) {
-    const r = rows[i];
-    const at = `field "rows[${i}]"`;
-    if (!Array.isArray(r) || r.length !== ROW_LEN) return `${at} must be [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
-    if (typeof r[0] !== "string" || !KEY_ID.test(r[0])) return `${at}[0] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[0])})`;
-    for (const j of [1, 2, 3, 4, 5, 7]) {
-      if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
-    }
-    if (typeof r[6] !== "string" || !MONTH.test(r[6])) return `${at}[6] must be a month YYYY-MM (got ${JSON.stringify(r[6])})`;
-  }
   return null;
+}
+
+/** null when row `i` is well formed, else the message naming its field. */
+export function rowProblem(r, i) {
+  const at = `field "rows[${i}]"`;
+  if (!Array.isArray(r) || r.length !== ROW_LEN) return `${at} must be [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
+  if (typeof r[0] !== "string" || !KEY_ID.test(r[0])) return `${at}[0] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[0])})`;
+  for (const j of [1, 2, 3, 4, 5, 7]) {
+    if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
+  }
+  if (typeof r[6] !== "string" || !MONTH.test(r[6])) return `${at}[6] must be a month YYYY-MM (got ${JSON.stringify(r[6])})`;
+  return null;
+}
+
+/**
+ * The well-formed rows, and the problems of the others: one bad row (a counter past 2^53,
+ * a broken cell) is dropped, never the batch, so one key cannot stop the fleet's limits
+ * for every other key.
+ */
+export function goodRows(rows) {
+  const good = [];
+  const dropped = [];
+  for (let i = 0; i < rows.length; i++) {
+    const problem = rowProblem(rows[i], i);
+    if (problem === null) good.push(rows[i]);
+    else dropped.push(problem);
+  }
+  return { good, dropped };
 }
 
 // --- the front door's poke: the ledger's alarm runs only while the fleet is used ---
