@@ -59,7 +59,8 @@ def require_https(url: str) -> str:
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme != "https":
         raise pulumi.RunError(f"{NS}:fallbackUrl: must be an https:// URL (got a secret value whose scheme is "
-                              f"{scheme or 'missing'!r}). Fix: pulumi config set --secret {NS}:fallbackUrl https://<the API's host>")
+                              f"{scheme or 'missing'!r}). "
+                              f"Fix: pulumi config set --secret {NS}:fallbackUrl https://<the API's host>")
     return url
 
 
