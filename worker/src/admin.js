@@ -206,8 +206,8 @@ async function createKey(request, env, cfg) {
   }
   const unknown = Object.keys(body).filter((k) => !["name", "expires_in_s", ...LIMIT_FIELDS].includes(k));
   if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, rpm, tpm, monthly_tokens, max_parallel, expires_in_s`);
-  // max_parallel absent: the cell's default for new keys (colocate:keys.defaultMaxParallel).
-  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)]));
+  // A limit absent: the cell's default for new keys (colocate:keys.defaults).
+  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, cfg.keyDefaults[f])]));
   let expiresAt = null;
   if (body.expires_in_s !== undefined && body.expires_in_s !== null) {
     if (!Number.isSafeInteger(body.expires_in_s) || body.expires_in_s <= 0) {
@@ -257,7 +257,7 @@ async function importKey(request, env, cfg) {
     hash: fieldMatching(body, "hash", HASH_RE, "the key's SHA-256 as 64 lower-case hex digits"),
     prefix: fieldMatching(body, "prefix", PREFIX_RE, "the key's first 10 characters (clc_ and 6 more)"),
     name: fieldMatching(body, "name", NAME_RE, "1-64 characters: letters, digits, space, . _ @ -"),
-    ...Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)])),
+    ...Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, cfg.keyDefaults[f])])),
     created_at: timeOf(body, "created_at", false),
     expires_at: timeOf(body, "expires_at", true),
   };
