@@ -343,8 +343,23 @@ def _live(args: argparse.Namespace) -> int:
         raise UsageError("--token", None, "no read token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     doc = _fetch_live(url, token, since_ms, args.timeout)
     result = live.build(doc, region, locations, budget_list, worker_placement, url)
-    return _emit(args, live.table(result), live.to_json(result, args.warn_only), result.ok,
-                 lambda path: live.write_plot(result, path))
+    scale_line, scale_doc = live.scale_summary(_fetch_scale(url, token, args.timeout))
+    body = live.to_json(result, args.warn_only)
+    if scale_doc is not None:
+        body["scale"] = scale_doc
+    return _emit(args, live.table(result) + scale_line, body, result.ok, lambda path: live.write_plot(result, path))
+
+
+def _fetch_scale(url: str, token: str, timeout_s: float) -> dict | None:
+    """The scaling controller's signals and last decision (None where the Worker has none to give)."""
+    import requests
+
+    try:
+        r = requests.get(f"{url}/_colocate/scale", timeout=timeout_s,
+                         headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
+        return r.json() if r.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
 
 
 def _sandbox_dir(stack: str | None) -> Path:

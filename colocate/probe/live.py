@@ -563,3 +563,19 @@ def write_plot(r: LiveResult, path) -> None:
         fig.savefig(path, format="png")
     finally:
         plt.close(fig)
+
+
+def scale_summary(state: Mapping | None) -> tuple[str, dict | None]:
+    """The scaling controller's last decision as ``GET /_colocate/scale`` holds it: one table
+    line and its JSON (desired and running pods, the last reason; docs/pods.md "Scaling with demand")."""
+    if state is None:
+        return "", None
+    d = state.get("decision") or {}
+    doc = {"desired": d.get("desired"), "running": d.get("running"), "draining": d.get("draining"), "reason": d.get("reason"),
+           "decided_at": d.get("at"), "owner": d.get("owner"), "routed_pods": state.get("routed_pods"),
+           "inflight": dict(state.get("inflight") or {}), "lock": (state.get("lock") or {}).get("owner")}
+    if not d:
+        return f"scale: no decision recorded; the Worker routes to {state.get('routed_pods')} pod(s)\n", doc
+    when = _clock(int(d["at"])) if isinstance(d.get("at"), int) else "?"
+    return (f"scale: desired {d.get('desired')}, running {d.get('running')}, routed {state.get('routed_pods')} "
+            f"(decided {when} by {d.get('owner')}): {d.get('reason')}\n"), doc

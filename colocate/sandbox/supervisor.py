@@ -18,11 +18,13 @@ run with SIGINT/SIGTERM deferred (``deferred_signals``), so a second Ctrl-C cann
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from .. import stackfile
@@ -218,7 +220,7 @@ def status(state_dir: Path) -> dict:
     worker_ok, worker_status = _http_ok(ready["worker_url"] + "/_colocate/probe",
                                         {"authorization": f"Bearer {ready['token']}"}, timeout=10)
     # Every pod, at the address its process listens on (the Worker's hostname is the proxy's to map).
-    pods = ready.get("pods") or [{"address": ready["pod_url"]}]
+    pods = ready.get("pods") if "pods" in ready else [{"address": ready["pod_url"]}]
     pod_ok = all(_http_ok((p.get("address") or p["url"]) + "/health", timeout=5)[0] for p in pods)
     net_ok, _ = _http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
     out.update(
@@ -228,7 +230,23 @@ def status(state_dir: Path) -> dict:
     out["health"] = {"processes": health, "worker_probe": worker_ok, "worker_status": worker_status, "pod": pod_ok,
                      "network": net_ok}
     out["healthy"] = running and all(health.values()) and worker_ok and pod_ok and net_ok
+    out["scale"] = scale_status(ready)
     return out
+
+
+def scale_status(ready: dict) -> dict | None:
+    """The scaling controller's last decision and lock as the generation holds them (docs/pods.md,
+    "Scaling with demand"); None when the Worker cannot be asked."""
+    req = urllib.request.Request(ready["worker_url"] + "/_colocate/scale", headers={"authorization": f"Bearer {ready['token']}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            state = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    d = state.get("decision") or {}
+    return {"desired": d.get("desired"), "running": d.get("running"), "draining": d.get("draining"), "reason": d.get("reason"),
+            "decided_at": d.get("at"), "lock": (state.get("lock") or {}).get("owner"), "routed_pods": state.get("routed_pods"),
+            "inflight": state.get("inflight")}
 
 
 if __name__ == "__main__":

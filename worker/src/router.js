@@ -10,7 +10,8 @@ import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, clientInit, fallbackBytes, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { C_INFLIGHT, C_MONTH, estimate, refusal } from "./limits.js";
+import { estimate, refusal } from "./limits.js";
+import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, lookup } from "./routes.js";
 import {
@@ -138,8 +139,8 @@ function enforceLimits(request, cfg, key) {
   const gen = cfg.activeGeneration;
   const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
-  const month = (g ? g[C_MONTH] : 0) + pendingMonthTokens(gen, key.id, t);
-  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[C_INFLIGHT] : 0) : 0;
+  const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
+  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
   const no = refusal(key, est, month, t, inflight);
   if (no) {
     const err = new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
