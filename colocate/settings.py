@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .errors import ConfigError, MissingSetting
@@ -464,7 +464,7 @@ def parse_key_defaults(raw: object) -> dict[str, int]:
     raw = dict(raw) if isinstance(raw, dict) else raw
     older = raw.pop("defaultMaxParallel", None) if isinstance(raw, dict) else None
     _merged({"keys": raw}, "keys")  # refuses a key other than defaults
-    given = (raw or {}).get("defaults") or {}
+    given = cast(dict, raw or {}).get("defaults") or {}  # _merged refused anything but a mapping
     if not isinstance(given, dict):
         raise ConfigError(f"{NS}:keys.defaults", given, "must be a mapping {rpm, tpm, monthlyTokens, maxParallel}",
                           f"pulumi config set --path {NS}:keys.defaults.maxParallel 8")
