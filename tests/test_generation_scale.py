@@ -166,7 +166,7 @@ def test_max_parallel_refuses_the_extra_request_and_an_openai_client_raises_rate
 
 
 def test_the_cell_default_applies_to_keys_created_without_max_parallel():
-    with driven_cell({"stateTtlMs": 60_000}, with_key=False, keys={"defaultMaxParallel": 5}) as c:
+    with driven_cell({"stateTtlMs": 60_000}, with_key=False, keys={"defaults": {"maxParallel": 5}}) as c:
         assert make_key(c, "default")["max_parallel"] == 5
         assert make_key(c, "explicit", max_parallel=0)["max_parallel"] == 0
 
