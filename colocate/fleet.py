@@ -281,8 +281,8 @@ def rank_table(regions: Sequence[Region]) -> dict[str, list[int]]:
 
 def front_modules(directory: Path = WORKER_DIR, main: str = FRONT_MAIN_MODULE,
                   rank: Mapping[str, list[int]] | None = None) -> tuple[Module, ...]:
-    """The front door's ES modules: ``front.js`` and what it imports, transitively (main
-    first); with ``rank``, ``cellrank.js`` is the plan's (``rank_module``)."""
+    """The front door's ES modules: its main module ``frontindex.js`` and what it imports,
+    transitively (main first); with ``rank``, ``cellrank.js`` is the plan's (``rank_module``)."""
     modules = module_closure(directory, main)
     if rank is None:
         return modules

@@ -22,7 +22,12 @@ from .settings import PodSettings, Settings
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_DIR = ROOT / "worker" / "src"
 MAIN_MODULE = "index.js"
+# The generation object's class keeps its first name: a Durable Object class name is pinned by
+# the deployed migrations (renaming it is a migration step that moves every object).
 BREAKER_CLASS = "Breaker"
+# Its namespace's binding is named after the class; the upgrade tests run earlier Workers,
+# which read env.BREAKER, on today's bindings, so the name stays.
+GENERATION_BINDING = "BREAKER"
 # allow_custom_ports (the pod listens on :8000) is the default from 2024-09-02;
 # the date is also the newest the pinned workerd (1.20261117.1) accepts.
 COMPATIBILITY_DATE = "2026-11-01"
@@ -505,7 +510,7 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
     ]
     if settings.fallback_model:
         plain.append(("FALLBACK_MODEL", settings.fallback_model))
-    bindings = [Binding("BREAKER", "durable_object_namespace", class_name=BREAKER_CLASS)]
+    bindings = [Binding(GENERATION_BINDING, "durable_object_namespace", class_name=BREAKER_CLASS)]
     bindings += [Binding(name, "plain_text", text=value) for name, value in plain]
     bindings.append(Binding("POD_URLS", "plain_text", from_output=POD_URLS_FROM_OUTPUT))
     bindings += [

@@ -1,7 +1,7 @@
 // @ts-check
 // The front door's decisions, pure of I/O: reading its bindings, the order of cells for a
 // colo, the isolate's memory of cells that had no pod, and the cell's "no pod" answer.
-// front.js (the main module) does the I/O; see docs/fleet.md.
+// front.js does the I/O (frontindex.js is the Worker's main module); see docs/fleet.md.
 
 import CELL_RANK from "./cellrank.js";
 import { ConfigurationError } from "./errors.js";

@@ -1,7 +1,7 @@
 // @ts-check
-// The fleet's front door: the main module of a Worker with no placement (it runs in the
-// colo that received the request, beside the user), bound to each member cell's Worker by
-// a service binding. It ranks the cells by the physical floor from its colo and sends the
+// The fleet's front door's request handling (the Worker's main module is frontindex.js).
+// The Worker has no placement (it runs in the colo that received the request, beside the
+// user) and is bound to each member cell's Worker by a service binding. It ranks the cells by the physical floor from its colo and sends the
 // request to the nearest one that can serve; see docs/fleet.md.
 //
 // The ranking is the module cellrank.js ({colo: [cell index, ...]} nearest first; a colo it

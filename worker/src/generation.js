@@ -78,6 +78,7 @@ export async function exportedState(other, successor) {
   return data;
 }
 
+// Breaker, not Generation: a Durable Object class name is pinned by the deployed migrations.
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
     super(ctx, env);
