@@ -14,7 +14,8 @@
 // (`lookupKeys`): digests asked for at once share one call, at most one call per
 // LOOKUP_EVERY_MS per isolate, and digests still unknown are remembered (cache.js).
 // Every call passes `info` (generation names, the machine's numbers, the revision held,
-// this isolate's id) so the object needs no bindings of its own beyond BREAKER (the generation objects' namespace, named after their class).
+// this isolate's id) so the object needs no bindings of its own beyond BREAKER (the
+// generation objects' namespace, named after their class).
 
 import { HttpError, log } from "./errors.js";
 import { ViewCache } from "./cache.js";
