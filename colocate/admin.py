@@ -239,7 +239,7 @@ def fleet_cells(stack: str, stacks_dir: Path | None = None) -> tuple[str, ...] |
         return None  # no stack file here: a cell known only to the Pulumi backend
     if not fleet.is_fleet(raw):
         return None
-    return fleet._cells(raw["fleet"].get("cells"), stack)
+    return fleet.parse_cells(raw["fleet"].get("cells"), stack)
 
 
 def fleet_targets(cells: tuple[str, ...], *, sandboxes_dir: Path | None = None,

@@ -103,7 +103,7 @@ def short_name(stack: str) -> str:
     return stack.rsplit("/", 1)[-1]
 
 
-def _cells(value: object, stack: str) -> tuple[str, ...]:
+def parse_cells(value: object, stack: str) -> tuple[str, ...]:
     key = f"{KEY}.cells"
     fix = f"pulumi config set --path '{key}[0]' apac-jp (one entry per cell stack of this project)"
     if not isinstance(value, list) or not value:
@@ -159,7 +159,7 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     if unknown:
         raise ConfigError(f"{KEY}.{unknown[0]}", fleet[unknown[0]], "unknown key", f"use only {', '.join(FLEET_DEFAULTS)}")
     merged = {**FLEET_DEFAULTS, **fleet}
-    cells = _cells(merged["cells"], stack)
+    cells = parse_cells(merged["cells"], stack)
     remember = _whole(f"{KEY}.rememberMs", merged["rememberMs"], 0, MAX_REMEMBER_MS)
     exchange = _whole(f"{KEY}.exchangeMs", merged["exchangeMs"], MIN_EXCHANGE_MS, MAX_EXCHANGE_MS)
 

@@ -61,12 +61,12 @@ MIGRATE = ".venv/bin/python scripts/migrate.py"  # printed commands run as print
 def _deploy_cmd(stack: str, stacks_dir: Path, raw: dict) -> str:
     """The command that deploys this stack file: the sandbox's own apply for a cell that runs
     (or can only run) in the sandbox, `pulumi up` for a cloud cell."""
-    from colocate.sandbox import supervisor
+    from colocate.sandbox import statedir, supervisor
     from colocate.settings import POD_DEFAULTS
 
     wanted = Path(stacks_dir).resolve()
     for state_dir in supervisor.running_sandboxes():
-        launch = supervisor._read_json(state_dir / "launch.json") or {}
+        launch = statedir.read_json(state_dir / "launch.json") or {}
         if launch.get("stack") == stack and Path(launch.get("stacks_dir", "")).resolve() == wanted:
             where = f"--stack {stack}" if state_dir == supervisor.default_state_dir(stack) else f"--state-dir {state_dir}"
             return f"`{supervisor.SANDBOX_CMD} apply {where}` (the sandbox's `pulumi up`)"

@@ -86,7 +86,7 @@ def test_the_bars_carry_state_rtt_and_the_probes_verdict(story):
     assert split["probe_ok"] is False and bars[4]["probe_ok"] is True
     assert split["probe_says"] == "probe FAILS:\nstate placement,\nstate_rtt over 40 ms\n(Worker TPE, state IAD)"
     assert bars[4]["probe_says"] == "probe: all checks hold"
-    assert demo_plot._tick(split).splitlines()[:2] == ["2 split", "state_rtt 198 ms"]
+    assert demo_plot.tick(split).splitlines()[:2] == ["2 split", "state_rtt 198 ms"]
 
 
 def test_the_readmes_copy_of_the_table_has_the_demos_rows_and_columns(story):
@@ -160,9 +160,9 @@ def test_an_unknown_client_site_exits_2_before_anything_starts(tmp_path, capsys)
 
 
 def test_the_phase_1_sentence_stays_true_wherever_the_user_sits():
-    assert demo._phase1([279.0, 290.0], 200, "NRT").startswith("phase 1's fastest request took 279 ms")
-    assert "missed it for 50 %" in demo._phase1([150.0, 290.0], 200, "SJC")
-    assert "missed it for 0 %" in demo._phase1([120.0], 200, "IAD")
+    assert demo.phase1([279.0, 290.0], 200, "NRT").startswith("phase 1's fastest request took 279 ms")
+    assert "missed it for 50 %" in demo.phase1([150.0, 290.0], 200, "SJC")
+    assert "missed it for 0 %" in demo.phase1([120.0], 200, "IAD")
 
 
 def _processes_mentioning(text: str) -> list[str]:

@@ -26,7 +26,7 @@ import requests
 from colocate import fleet as fleet_cfg, stackfile
 from colocate.catalogue import region
 from colocate.sandbox import fleet, supervisor
-from tests.test_sandbox_signals import _assert_no_traceback_of_ours, _interrupt, _python_was_starting, _sandbox_processes
+from tests.test_sandbox_signals import assert_no_traceback_of_ours, interrupt, python_was_starting, sandbox_processes
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +59,9 @@ def call(url: str, key: str, headers: dict | None = None) -> requests.Response:
 
 def assert_nothing_runs(root: Path) -> None:
     deadline = time.monotonic() + 10  # a process killed a moment ago may still be exiting
-    while _sandbox_processes(root) and time.monotonic() < deadline:
+    while sandbox_processes(root) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandbox_processes(root) == []
+    assert sandbox_processes(root) == []
     for d in (root.iterdir() if root.exists() else []):
         if d.is_dir():
             assert not supervisor.is_running(d), d
@@ -265,9 +265,9 @@ def test_ctrl_c_at_any_moment_of_up_fleet_leaves_nothing_running(tmp_path, delay
     stacks = fleet_stacks(tmp_path / "stacks")
     sandboxes = tmp_path / "sb"
     try:
-        res = _interrupt(SANDBOX + ["up", "--fleet", "fleet", "--stacks-dir", str(stacks), "--sandboxes-dir",
+        res = interrupt(SANDBOX + ["up", "--fleet", "fleet", "--stacks-dir", str(stacks), "--sandboxes-dir",
                                     str(sandboxes)], delay)
-        if _python_was_starting(res):
+        if python_was_starting(res):
             pass
         elif res.returncode == 0 or res.stdout.lstrip().startswith("{"):
             json.loads(res.stdout)  # it was up before the signal landed: a running fleet, stopped below
@@ -277,7 +277,7 @@ def test_ctrl_c_at_any_moment_of_up_fleet_leaves_nothing_running(tmp_path, delay
             assert res.stdout == ""
         else:
             pytest.fail(f"exit {res.returncode}, neither up nor a clean interruption: {res.stderr[-2000:]}")
-        _assert_no_traceback_of_ours(res)
+        assert_no_traceback_of_ours(res)
         assert_nothing_runs(tmp_path)
     finally:
         if (sandboxes / "fleet").exists():
@@ -311,12 +311,12 @@ def test_demo_fleet_tells_the_story_with_no_failed_request(tmp_path):
 def test_ctrl_c_during_the_demo_leaves_nothing_running(tmp_path, delay):
     """Up, the load of a phase, the cell's apply: the demo always brings the fleet down."""
     try:
-        res = _interrupt(SANDBOX + ["demo-fleet", "--state-dir", str(tmp_path / "demo"), "--samples", "3"], delay)
-        if not _python_was_starting(res):
+        res = interrupt(SANDBOX + ["demo-fleet", "--state-dir", str(tmp_path / "demo"), "--samples", "3"], delay)
+        if not python_was_starting(res):
             assert res.returncode in (0, 130), res.stderr[-2000:]
         if res.returncode == 130:
             assert "nothing it started is running" in res.stderr, res.stderr[-2000:]
-        _assert_no_traceback_of_ours(res)
+        assert_no_traceback_of_ours(res)
         assert_nothing_runs(tmp_path)
     finally:
         if (tmp_path / "demo" / "fleet").exists():

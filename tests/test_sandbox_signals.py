@@ -40,7 +40,7 @@ APPLY_DELAYS = (0.05, 0.3, 0.8)
 DEMO_DELAYS = (0.2, 0.6, 1.0, 1.4, 2.5)
 
 
-def _sandbox_processes(state_dir: Path) -> list[str]:
+def sandbox_processes(state_dir: Path) -> list[str]:
     """Every live process whose command line names the state directory (ours excluded)."""
     found = []
     for pid in os.listdir("/proc"):
@@ -71,7 +71,7 @@ def _listening(ports: set[int]) -> set[int]:
     return out
 
 
-def _interrupt(argv: list[str], delay: float, timeout: float = 180) -> subprocess.CompletedProcess:
+def interrupt(argv: list[str], delay: float, timeout: float = 180) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own group: the "terminal" we press Ctrl-C in
     time.sleep(delay)
@@ -95,7 +95,7 @@ def _only_python_start_up(stderr: str) -> bool:
     return ours == [] and "KeyboardInterrupt" in stderr
 
 
-def _python_was_starting(res: subprocess.CompletedProcess) -> bool:
+def python_was_starting(res: subprocess.CompletedProcess) -> bool:
     """The signal landed while the interpreter itself was starting, before sandbox.py's first
     line could install a handler: no script can act in that window. Python then dies of the
     signal (-2, silent) or prints its own "KeyboardInterrupt" report and exits 1 (or -2). This
@@ -108,7 +108,7 @@ def _python_was_starting(res: subprocess.CompletedProcess) -> bool:
             and _only_python_start_up(res.stderr))
 
 
-def _assert_no_traceback_of_ours(res: subprocess.CompletedProcess) -> None:
+def assert_no_traceback_of_ours(res: subprocess.CompletedProcess) -> None:
     """No traceback, except Python's own report of a signal during its start-up (which it may
     also print and then carry on, when the KeyboardInterrupt lands in an ignored callback)."""
     assert "Traceback" not in res.stdout, res.stdout
@@ -118,9 +118,9 @@ def _assert_no_traceback_of_ours(res: subprocess.CompletedProcess) -> None:
 def _assert_nothing_left(state_dir: Path, ports: set[int] = frozenset()) -> None:
     assert not supervisor.is_running(state_dir), "the state directory's lock is still held"
     deadline = time.monotonic() + 10  # a process killed a moment ago may still be exiting
-    while _sandbox_processes(state_dir) and time.monotonic() < deadline:
+    while sandbox_processes(state_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandbox_processes(state_dir) == []
+    assert sandbox_processes(state_dir) == []
     assert not (state_dir / "pod.json").exists()
     pods = state_dir / "pods"
     assert not pods.exists() or not [p for p in pods.glob("*.json") if not p.name.endswith(".port.json")]
@@ -141,9 +141,9 @@ def stacks(tmp_path):
 def test_ctrl_c_at_any_moment_of_up_leaves_nothing_running(stacks, tmp_path, delay):
     state_dir = tmp_path / "state"
     try:
-        res = _interrupt(SANDBOX + ["up", "--state-dir", str(state_dir), "--stacks-dir", str(stacks)], delay)
+        res = interrupt(SANDBOX + ["up", "--state-dir", str(state_dir), "--stacks-dir", str(stacks)], delay)
         ports: set[int] = set()
-        if _python_was_starting(res):
+        if python_was_starting(res):
             pass  # Python's own outcome, before our first line; nothing of ours ran (checked below)
         elif res.returncode == 0 or res.stdout.lstrip().startswith("{"):
             # it was up before the signal landed (the JSON is out; the signal may still end the
@@ -157,7 +157,7 @@ def test_ctrl_c_at_any_moment_of_up_leaves_nothing_running(stacks, tmp_path, del
             assert res.stdout == ""  # no JSON for a cell that does not run
         else:
             pytest.fail(f"exit {res.returncode}, neither up nor a clean interruption: {res.stderr[-2000:]}")
-        _assert_no_traceback_of_ours(res)
+        assert_no_traceback_of_ours(res)
         _assert_nothing_left(state_dir, ports)
     finally:
         supervisor.stop_runner(state_dir, timeout_s=30)
@@ -176,10 +176,10 @@ def test_ctrl_c_during_apply_keeps_the_cell_consistent_and_down_stops_all(stacks
         cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
         before = _ports_of(cell)
         stackfile.write_config("sandbox", {"region": "apac-tw"}, stacks)  # a new pod, in Taipei
-        res = _interrupt(SANDBOX + ["apply", "--state-dir", str(state_dir), "--stacks-dir", str(stacks),
+        res = interrupt(SANDBOX + ["apply", "--state-dir", str(state_dir), "--stacks-dir", str(stacks),
                                     "--force-split"], delay)
-        _assert_no_traceback_of_ours(res)
-        if not _python_was_starting(res):  # if it was, no request was sent: nothing changes
+        assert_no_traceback_of_ours(res)
+        if not python_was_starting(res):  # if it was, no request was sent: nothing changes
             assert res.returncode in (0, 130), res.stderr
         if res.returncode == 130:
             assert ("still runs" in res.stderr and "status" in res.stderr) or "before doing anything" in res.stderr, \
@@ -209,9 +209,9 @@ def test_ctrl_c_during_apply_keeps_the_cell_consistent_and_down_stops_all(stacks
 def test_ctrl_c_during_demo_leaves_nothing_running(tmp_path, delay):
     state_dir = tmp_path / "demo"
     try:
-        res = _interrupt(SANDBOX + ["demo", "--state-dir", str(state_dir), "--samples", "2"], delay, timeout=300)
-        _assert_no_traceback_of_ours(res)
-        if not _python_was_starting(res):
+        res = interrupt(SANDBOX + ["demo", "--state-dir", str(state_dir), "--samples", "2"], delay, timeout=300)
+        assert_no_traceback_of_ours(res)
+        if not python_was_starting(res):
             assert res.returncode in (0, 1, 2, 130), res.stderr  # 1, 2: a step failed before the signal
         if res.returncode == 130:
             assert "nothing it started is running" in res.stderr or "before doing anything" in res.stderr, res.stderr

@@ -100,7 +100,7 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
-def _phase1(before: list[float], deadline: float, client_site: str) -> str:
+def phase1(before: list[float], deadline: float, client_site: str) -> str:
     """What phase 1 did against the deadline, in words that stay true wherever the user sits."""
     rate = miss_rate(before, deadline)
     if not before or rate is None:
@@ -350,7 +350,7 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
     miss {deadline} ms  the share of requests slower than {deadline} ms end to end, the deadline a client
            (or a router in front of it) would fall back to a paid API at. {deadline} ms is the next multiple of
            {DEADLINE_STEP_MS} ms above the slowest request after the migration ({max(after):.0f} ms), so phase 3 meets it
-           by construction; {_phase1(before, deadline, client_site)}
+           by construction; {phase1(before, deadline, client_site)}
     router fallbk  the share the router itself sent to the fallback (x-colocate-backend: fallback),
            at colocate:worker.deadlineMs.""")
         png = demo.plot(demo.state_dir / "probes" / "demo.png", deadline)

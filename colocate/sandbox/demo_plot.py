@@ -38,7 +38,7 @@ def stack(ax, bars: list[dict], parts: tuple[tuple[str, str], ...], label: str) 
     return bottoms
 
 
-def _tick(bar: dict) -> str:
+def tick(bar: dict) -> str:
     rtt = bar.get("state_rtt")
     lines = [bar["phase"]] + ([f"state_rtt {rtt:.0f} ms"] if rtt is not None else [])
     return "\n".join([*lines, bar.get("probe_says", "")]).rstrip()
@@ -57,7 +57,7 @@ def write(bars: list[dict], path: str | Path, deadline_ms: float, client_site: s
             ax.axhline(deadline_ms, color="black", linestyle="dashed", linewidth=1)
             ax.annotate(f"deadline {deadline_ms:.0f} ms", (len(bars) - 0.5, deadline_ms), ha="right", va="bottom",
                         fontsize=8)
-        ax.set_xticks(list(xs), [_tick(b) for b in bars], fontsize=8)
+        ax.set_xticks(list(xs), [tick(b) for b in bars], fontsize=8)
         for label, b in zip(ax.get_xticklabels(), bars, strict=True):
             label.set_color("black" if b.get("probe_ok", True) else "red")
         ax.set_ylabel("milliseconds (p50 of each part)")

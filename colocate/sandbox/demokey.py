@@ -6,8 +6,8 @@ from pathlib import Path
 
 from ..admin import AdminClient, AdminError, Target
 from .errors import StartupFailed
-from .processes import _http_ok
-from .statedir import _read_json, _write_json
+from .processes import http_ok
+from .statedir import read_json, write_json
 
 KEY_FILE = "demo-key.json"
 DEMO_KEY_NAME = "sandbox-demo"
@@ -15,7 +15,7 @@ DEMO_KEY_NAME = "sandbox-demo"
 
 def _key_works(worker_url: str, key: str) -> bool | None:
     """True/False when the Worker accepts/refuses the key on a routed path; None if unsure."""
-    ok, code = _http_ok(worker_url + "/v1/models", {"authorization": f"Bearer {key}"}, timeout=30)
+    ok, code = http_ok(worker_url + "/v1/models", {"authorization": f"Bearer {key}"}, timeout=30)
     if ok:
         return True
     return False if code in (401, 403) else None
@@ -26,7 +26,7 @@ def demo_key(state_dir: Path, worker_url: str, probe_token: str) -> dict:
     it (keys live in the generation's objects, which survive down/up), else a new one created
     through the Worker's admin endpoint. Stored with mode 0600: it is a credential."""
     path = Path(state_dir) / KEY_FILE
-    stored = _read_json(path) or {}
+    stored = read_json(path) or {}
     if stored.get("key") and _key_works(worker_url, stored["key"]) is not False:
         return stored
     try:
@@ -34,5 +34,5 @@ def demo_key(state_dir: Path, worker_url: str, probe_token: str) -> dict:
     except AdminError as exc:
         raise StartupFailed(f"could not create the demo client key: {exc}; see {state_dir / 'logs' / 'workerd.log'}") from None
     record = {k: created.get(k) for k in ("id", "key", "name", "prefix", "created_at")}
-    _write_json(path, record, 0o600)
+    write_json(path, record, 0o600)
     return record

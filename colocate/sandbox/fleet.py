@@ -36,10 +36,10 @@ from ..errors import ConfigError
 from ..pods.local import alive
 from . import supervisor
 from .errors import AlreadyRunning, NotRunning, StartupFailed
-from .fleet_front import FAILED_FILE, READY_FILE, RUN_FILE, _log
+from .fleet_front import FAILED_FILE, READY_FILE, RUN_FILE, log_fleet
 from .fleet_launch import LAUNCH_FILE, Launch, client_sites_of, make_launch, plan_of, sandbox_stacks
-from .processes import CHILD_TIMEOUT_S, _http_ok, _signal_group as _signal_pgid, deferred_signals
-from .statedir import ROOT, _read_object, _write_json, is_running, try_lock
+from .processes import CHILD_TIMEOUT_S, deferred_signals, http_ok, signal_group as _signal_pgid
+from .statedir import ROOT, is_running, read_object, try_lock, write_json
 
 KEY_FILE = "fleet-key.json"
 OUT_FILE = "fleet.json"
@@ -59,12 +59,12 @@ def is_fleet_dir(state_dir: Path) -> bool:
 
 
 def fleet_name(state_dir: Path) -> str | None:
-    return (_read_object(Path(state_dir) / LAUNCH_FILE) or {}).get("fleet")
+    return (read_object(Path(state_dir) / LAUNCH_FILE) or {}).get("fleet")
 
 
 def what_runs(state_dir: Path) -> list[str]:
     """The parts of the fleet in ``state_dir`` that still run (a lock held), by name."""
-    launch = _read_object(Path(state_dir) / LAUNCH_FILE) or {}
+    launch = read_object(Path(state_dir) / LAUNCH_FILE) or {}
     parts = ["front door"] if front_running(state_dir) else []
     return parts + [f"cell {c['name']}" for c in launch.get("cells", []) if supervisor.is_running(Path(c["state_dir"]))]
 
@@ -101,14 +101,14 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
         for stale in (READY_FILE, FAILED_FILE, RUN_FILE, OUT_FILE):
             (state_dir / stale).unlink(missing_ok=True)
         record = {**launch.as_json(), "cells": [{"name": m.name, "stack": m.stack, "state_dir": str(d)} for m, d in cells]}
-        _write_json(state_dir / LAUNCH_FILE, record)  # before any cell starts: down finds them all
+        write_json(state_dir / LAUNCH_FILE, record)  # before any cell starts: down finds them all
         cell_stacks = sandbox_stacks(launch, plan, state_dir)
         ready_cells = []
         for m, cell_dir in cells:
-            _log(f"cell {m.name} ({m.region.name}): starting in {cell_dir}")
+            log_fleet(f"cell {m.name} ({m.region.name}): starting in {cell_dir}")
             ready_cells.append(supervisor.up(fleet_mod.short_name(m.stack), state_dir=cell_dir, stacks_dir=cell_stacks,
                                              stretch=stretch, rtt=tuple(rtt), timeout_s=timeout_s))
-        _log(f"front door: starting in {state_dir}")
+        log_fleet(f"front door: starting in {state_dir}")
         runner = _launch_front(state_dir, fd)
         fd, held = None, fd  # the runner holds the lock from now on
         os.close(held)
@@ -129,7 +129,7 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
                      **{f"{m.name}-{k}": v for (m, _), c in zip(cells, ready_cells, strict=True)
                         for k, v in (c.get("pids") or {}).items()}},
         }
-        _write_json(state_dir / OUT_FILE, out, 0o600)
+        write_json(state_dir / OUT_FILE, out, 0o600)
         return out
     except BaseException:
         with deferred_signals():
@@ -154,10 +154,10 @@ def _launch_front(state_dir: Path, fd: int) -> int:
 def _wait_front(state_dir: Path, runner: int, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = _read_object(state_dir / READY_FILE)
+        ready = read_object(state_dir / READY_FILE)
         if ready:
             return ready
-        failed = _read_object(state_dir / FAILED_FILE)
+        failed = read_object(state_dir / FAILED_FILE)
         if failed or not alive(runner):
             why = (failed or {}).get("error") or "the front runner exited"
             raise StartupFailed(f"the front door did not come up: {why}. Logs: {state_dir / 'logs'}")
@@ -171,7 +171,7 @@ def fleet_key(state_dir: Path, cells: dict[str, dict]) -> dict:
     process). Reused while every cell holds it unrevoked (the import is idempotent)."""
     targets = {name: admin.Target(c["worker_url"], c["token"], "sandbox") for name, c in cells.items()}
     path = Path(state_dir) / KEY_FILE
-    stored = _read_object(path) or {}
+    stored = read_object(path) or {}
     if stored.get("key") and stored.get("row"):
         held, failed = admin.fan_out(targets, lambda c: c.import_key(stored["row"]))
         if not failed and not any(r.get("revoked_at") or r.get("revoked") for r in held.values()):
@@ -182,7 +182,7 @@ def fleet_key(state_dir: Path, cells: dict[str, dict]) -> dict:
     if failed:
         cell, why = next(iter(failed.items()))
         raise StartupFailed(f"the fleet's client key could not be imported into cell {cell}: {why}")
-    _write_json(path, {"key": key, "row": row}, 0o600)
+    write_json(path, {"key": key, "row": row}, 0o600)
     return {"key": key, "id": row["id"]}
 
 
@@ -197,8 +197,8 @@ def retire_cell_keys(cells: dict[str, dict], fleet_key_id: str) -> None:
             except admin.AdminError as exc:
                 raise StartupFailed(f"cell {name}'s own demo key {c['key_id']} could not be revoked: {exc}") from None
 
-def _signal_group(pgid: int | None, sig: int) -> bool:
-    """``processes._signal_group``, False for no group yet (0 would signal our own group)."""
+def signal_group(pgid: int | None, sig: int) -> bool:
+    """``processes.signal_group``, False for no group yet (0 would signal our own group)."""
     return bool(pgid) and _signal_pgid(pgid, sig)
 
 
@@ -209,22 +209,22 @@ def stop_front(state_dir: Path, timeout_s: float = supervisor.STOP_TIMEOUT_S + C
     state_dir = Path(state_dir)
     deadline = time.monotonic() + timeout_s
     while True:
-        run = _read_object(state_dir / RUN_FILE) or {}
+        run = read_object(state_dir / RUN_FILE) or {}
         pid, pgid = run.get("pid"), run.get("pgid")
         if alive(pid):
             os.kill(pid, signal.SIGTERM)
             stop_by = time.monotonic() + supervisor.STOP_TIMEOUT_S
             while alive(pid) and time.monotonic() < stop_by:
                 time.sleep(0.05)
-        if _signal_group(pgid, 0):
-            _signal_group(pgid, signal.SIGKILL)  # what the runner could not stop (workerd is in its group)
+        if signal_group(pgid, 0):
+            signal_group(pgid, signal.SIGKILL)  # what the runner could not stop (workerd is in its group)
             kill_by = time.monotonic() + 5
-            while _signal_group(pgid, 0) and time.monotonic() < kill_by:
+            while signal_group(pgid, 0) and time.monotonic() < kill_by:
                 time.sleep(0.05)
         if not front_running(state_dir):
             return True
         if time.monotonic() > deadline:
-            _log(f"WARNING: the fleet's lock in {state_dir} is still held and no front runner said who it is; "
+            log_fleet(f"WARNING: the fleet's lock in {state_dir} is still held and no front runner said who it is; "
                  f"see {state_dir / 'logs' / 'front-runner.log'}")
             return False
         time.sleep(0.05)
@@ -234,10 +234,10 @@ def down(state_dir: Path) -> dict:
     """Stop the front door, then every member cell; idempotent."""
     state_dir = Path(state_dir).resolve()
     with deferred_signals():
-        launch = _read_object(state_dir / LAUNCH_FILE) or {}
+        launch = read_object(state_dir / LAUNCH_FILE) or {}
         held = front_running(state_dir)
         # The entry first: no new request reaches a cell that is stopping.
-        front_stopped = stop_front(state_dir) if held or _read_object(state_dir / RUN_FILE) else True
+        front_stopped = stop_front(state_dir) if held or read_object(state_dir / RUN_FILE) else True
         members = launch.get("cells", [])
         # Side by side (each cell's down waits on its own runner, ~4 s here): down touches only
         # its own state directory, and the signals stay deferred in this, the main, thread.
@@ -256,7 +256,7 @@ def status(state_dir: Path) -> dict:
     """Every member cell's status, then the front door's: its processes, and one routed request
     (``GET /v1/models`` with the fleet's key) through each entry. ``problems`` names what is wrong."""
     state_dir = Path(state_dir).resolve()
-    launch = _read_object(state_dir / LAUNCH_FILE) or {}
+    launch = read_object(state_dir / LAUNCH_FILE) or {}
     out: dict = {"fleet": launch.get("fleet"), "state_dir": str(state_dir), "running": front_running(state_dir)}
     cells, problems = [], []
     for c in launch.get("cells", []):
@@ -266,15 +266,15 @@ def status(state_dir: Path) -> dict:
             problems.append(f"cell {c['name']} is {'unhealthy' if st.get('running') else 'not running'} "
                             f"(`{supervisor.SANDBOX_CMD} status --state-dir {c['state_dir']}`)")
     out["cells"] = cells
-    ready = _read_object(state_dir / READY_FILE)
-    fleet_out = _read_object(state_dir / OUT_FILE) or {}
+    ready = read_object(state_dir / READY_FILE)
+    fleet_out = read_object(state_dir / OUT_FILE) or {}
     entries = {}
     if ready:
         for name, pid in ready.get("pids", {}).items():
             if not alive(pid):
                 problems.append(f"front door {name} (pid {pid}) is not running")
         for colo, url in ready.get("entries", {}).items():
-            code = _http_ok(url + "/v1/models", {"authorization": f"Bearer {fleet_out.get('key', '')}"}, timeout=10)[1]
+            code = http_ok(url + "/v1/models", {"authorization": f"Bearer {fleet_out.get('key', '')}"}, timeout=10)[1]
             entries[colo] = code
             if code != 200:
                 problems.append(f"entry {colo} ({url}) answered GET /v1/models with {code or 'nothing'}")
@@ -293,9 +293,9 @@ def apply(state_dir: Path, *, stacks_dir: Path | None = None, timeout_s: float =
     from the fleet stack file (e.g. ``rememberMs``) and swapped with no request dropped. The
     sandbox does not add or remove cells on ``apply``: that is a ``down`` and an ``up``."""
     state_dir = Path(state_dir).resolve()
-    record = _read_object(state_dir / LAUNCH_FILE)
-    run = _read_object(state_dir / RUN_FILE) or {}
-    previous = _read_object(state_dir / READY_FILE)
+    record = read_object(state_dir / LAUNCH_FILE)
+    run = read_object(state_dir / RUN_FILE) or {}
+    previous = read_object(state_dir / READY_FILE)
     if not record or not previous or not front_running(state_dir) or not alive(run.get("pid")):
         raise NotRunning(f"no fleet runs in {state_dir}; start one with `{supervisor.SANDBOX_CMD} up --fleet "
                          f"{(record or {}).get('fleet', 'F')}`")
@@ -314,16 +314,16 @@ def apply(state_dir: Path, *, stacks_dir: Path | None = None, timeout_s: float =
     cells = [{"name": c["name"], **supervisor.apply(fleet_mod.short_name(c["stack"]), state_dir=Path(c["state_dir"]),
                                                     stacks_dir=cell_stacks, timeout_s=timeout_s)}
              for c in record["cells"]]
-    _write_json(state_dir / LAUNCH_FILE, {**record, **launch.as_json()})
+    write_json(state_dir / LAUNCH_FILE, {**record, **launch.as_json()})
     (state_dir / FAILED_FILE).unlink(missing_ok=True)
     os.kill(run["pid"], signal.SIGHUP)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = _read_object(state_dir / READY_FILE) or {}
+        ready = read_object(state_dir / READY_FILE) or {}
         if ready.get("revision", 0) > previous.get("revision", 0):
             return {"fleet": launch.fleet, "state_dir": str(state_dir), "front": ready,
                     "cells": [{k: c.get(k) for k in ("name", "stack", "region", "worker_url", "revision")} for c in cells]}
-        failed = _read_object(state_dir / FAILED_FILE)
+        failed = read_object(state_dir / FAILED_FILE)
         if failed:
             raise StartupFailed(f"the front door's apply failed: {failed.get('error')}; the previous version still "
                                 f"serves. Logs: {state_dir / 'logs'}")
@@ -335,7 +335,7 @@ def apply_cell(state_dir: Path, cell: str, timeout_s: float = supervisor.UP_TIME
     """One member's ``apply`` (its ``pulumi up -s <cell>``), from its stack file as the fleet
     runs it; the front door and the other cells are untouched."""
     state_dir = Path(state_dir).resolve()
-    record = _read_object(state_dir / LAUNCH_FILE)
+    record = read_object(state_dir / LAUNCH_FILE)
     if not record:
         raise NotRunning(f"no fleet runs in {state_dir}")
     member = next((c for c in record["cells"] if c["name"] == cell), None)

@@ -39,9 +39,9 @@ from .errors import SandboxError, StartupFailed
 from .fleet_launch import LAUNCH_FILE, Launch, client_sites_of, plan_of
 from .geography import Geography, Sites, site
 from .pinning import Pins
-from .processes import CHILD_TIMEOUT_S, _http_ok, launch_detached, stop_child
+from .processes import CHILD_TIMEOUT_S, http_ok, launch_detached, stop_child
 from .runner import WORKERD
-from .statedir import _log as _statedir_log, _read_object, _write_json
+from .statedir import log_line, read_object, write_json
 
 RUN_FILE = "front-run.json"
 READY_FILE = "front.json"
@@ -50,11 +50,11 @@ CELL_INDEX_HEADER = "x-sandbox-cell"
 SWAP_WAIT_S = 30.0  # how long the binding proxy waits for a cell whose workerd is being swapped
 
 
-def _log(msg: str) -> None:
-    _statedir_log(msg, "sandbox fleet")
+def log_fleet(msg: str) -> None:
+    log_line(msg, "sandbox fleet")
 
 
-class _EntryHandler(proxies._FrontHandler):
+class _EntryHandler(proxies.FrontHandler):
     """A user at the entry's site reaching its nearest colo: the cell's front proxy, plus the
     colo in ``cf-blob`` (the header workerd parses into ``request.cf``). The client's own
     ``cf-blob`` is dropped: on Cloudflare only the edge decides ``request.cf``."""
@@ -94,7 +94,7 @@ def binding_rtt_ms(geography: Geography, colo: str, cell_site: str) -> float:
     return 0.0 if colo == cell_site else geography.rtt_ms(colo, cell_site)
 
 
-class _BindingHandler(proxies._Relay):
+class _BindingHandler(proxies.Relay):
     """``CELL_<i>`` of the front-door service of colo C: RTT(C, cell i's site)/2 each way, then
     cell i's workerd. A cell that cannot be reached closes the connection unanswered, so the
     front door's fetch throws, as a binding to an unreachable Worker does."""
@@ -140,7 +140,7 @@ class _BindingHandler(proxies._Relay):
         self._pending = (self.path, headers, body)
         self._pending_after = half
         if target is None:
-            proxies._sleep_ms(half)
+            proxies.sleep_ms(half)
             self._upstream_failed("127.0.0.1", 0, ConnectionRefusedError())
             return
         self._relay(target[0], target[1], self.path, headers, body, half, half)
@@ -148,7 +148,7 @@ class _BindingHandler(proxies._Relay):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle  # noqa: N815
 
 
-def _serve(server: proxies._Server) -> threading.Thread:
+def _serve(server: proxies.RelayServer) -> threading.Thread:
     t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     t.start()
     return t
@@ -193,15 +193,15 @@ class FrontRunner:
         self.stop = threading.Event()
         self.reload = threading.Event()
         self.workerd: subprocess.Popen | None = None
-        self.servers: list[proxies._Server] = []
+        self.servers: list[proxies.RelayServer] = []
         self.entries: dict[str, proxies.Network] = {}
-        self.binding: proxies._Server | None = None
+        self.binding: proxies.RelayServer | None = None
         self.revision = 0
 
     def _routes(self, launch: dict) -> list[CellRoute]:
         routes = []
         for c in launch["cells"]:
-            ready = _read_object(Path(c["state_dir"]) / "ready.json")
+            ready = read_object(Path(c["state_dir"]) / "ready.json")
             if not ready:
                 raise StartupFailed(f"cell {c['name']} has no ready.json in {c['state_dir']}: it is not running")
             routes.append(CellRoute(c["name"], Path(c["state_dir"]), ready["sites"]["edge"], ready["ports"]["outbound"],
@@ -210,10 +210,10 @@ class FrontRunner:
 
     def _tokens(self, plan: fleet_mod.FleetPlan) -> list[str]:
         """Each member's exchange token, in the plan's order, from its running sandbox."""
-        cells = {c["name"]: c for c in (_read_object(self.state_dir / LAUNCH_FILE) or {}).get("cells", [])}
+        cells = {c["name"]: c for c in (read_object(self.state_dir / LAUNCH_FILE) or {}).get("cells", [])}
         out = []
         for m in plan.members:
-            ready = _read_object(Path(cells[m.name]["state_dir"]) / "ready.json") if m.name in cells else None
+            ready = read_object(Path(cells[m.name]["state_dir"]) / "ready.json") if m.name in cells else None
             if not ready or not ready.get("exchange_token"):
                 raise StartupFailed(f"cell {m.name} has no exchange token in its ready.json: it is not running "
                                     f"(or was started by an older release: restart it)")
@@ -242,7 +242,7 @@ class FrontRunner:
         deadline = time.monotonic() + CHILD_TIMEOUT_S
         first = ports[colos[0]]
         while time.monotonic() < deadline and not self.stop.is_set():
-            if _http_ok(f"http://127.0.0.1:{first}/", timeout=5)[1] is not None:
+            if http_ok(f"http://127.0.0.1:{first}/", timeout=5)[1] is not None:
                 return ports
             if self.workerd.poll() is not None:
                 break
@@ -250,14 +250,14 @@ class FrontRunner:
         raise StartupFailed(f"the front door's workerd did not answer; see {self.logs / 'workerd.log'}")
 
     def start(self) -> dict:
-        launch = _read_object(self.state_dir / LAUNCH_FILE) or {}
+        launch = read_object(self.state_dir / LAUNCH_FILE) or {}
         fl = Launch.from_json(launch)
         plan = plan_of(fl)
         colos = client_sites_of(fl, plan)
         geography = Geography.from_args(fl.stretch, fl.rtt)
         handler = type("_Binding", (_BindingHandler,), {"routes": self._routes(launch), "geography": geography,
                                                         "network": None})
-        self.binding = proxies._Server(("127.0.0.1", 0), handler)
+        self.binding = proxies.RelayServer(("127.0.0.1", 0), handler)
         self.servers.append(self.binding)
         _serve(self.binding)
         ports = self._start_workerd(plan, colos)
@@ -265,7 +265,7 @@ class FrontRunner:
         entries = {}
         for colo in colos:
             net = proxies.Network(geography, Sites(client=colo, edge=colo, pod=colo), pins)
-            server = proxies._server(_EntryHandler, net, "127.0.0.1", 0)
+            server = proxies.make_server(_EntryHandler, net, "127.0.0.1", 0)
             self.servers.append(server)
             _serve(server)
             net.resume(("127.0.0.1", ports[colo]))
@@ -283,7 +283,7 @@ class FrontRunner:
     def apply(self) -> dict:
         """A new front door version (the fleet stack re-read) with no request dropped: the
         entries hold new requests while in-flight ones finish, then the new workerd takes them."""
-        fl = Launch.from_json(_read_object(self.state_dir / LAUNCH_FILE) or {})
+        fl = Launch.from_json(read_object(self.state_dir / LAUNCH_FILE) or {})
         plan = plan_of(fl)
         colos = list(self.entries)
         for net in self.entries.values():
@@ -303,11 +303,11 @@ class FrontRunner:
                 self.reload.clear()
                 try:
                     ready = self.apply()
-                    _write_json(self.state_dir / READY_FILE, ready)
-                    _log(f"applied revision {ready['revision']}")
+                    write_json(self.state_dir / READY_FILE, ready)
+                    log_fleet(f"applied revision {ready['revision']}")
                 except Exception as exc:  # noqa: BLE001 - reported to apply through front-failed.json
-                    _log(f"apply failed: {type(exc).__name__}: {exc}")
-                    _write_json(self.state_dir / FAILED_FILE, {"error": str(exc)})
+                    log_fleet(f"apply failed: {type(exc).__name__}: {exc}")
+                    write_json(self.state_dir / FAILED_FILE, {"error": str(exc)})
             if self.workerd is not None and self.workerd.poll() is not None:
                 return f"workerd exited with {self.workerd.returncode}"
         return "stop requested"
@@ -326,25 +326,25 @@ def run(state_dir: Path) -> int:
     signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
     signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
     signal.signal(signal.SIGHUP, lambda *_: runner.reload.set())
-    _write_json(state_dir / RUN_FILE, {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
+    write_json(state_dir / RUN_FILE, {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
     code = 0
     try:
         ready = runner.start()
         if runner.stop.is_set():
             return 0
-        _write_json(state_dir / READY_FILE, ready)
-        _log(f"up: entries {ready['entries']}")
+        write_json(state_dir / READY_FILE, ready)
+        log_fleet(f"up: entries {ready['entries']}")
         why = runner.watch()
-        _log(f"stopping: {why}")
+        log_fleet(f"stopping: {why}")
         code = 0 if why == "stop requested" else 1
     except Exception as exc:  # noqa: BLE001 - reported to up through front-failed.json
-        _log(f"failed: {type(exc).__name__}: {exc}")
-        _write_json(state_dir / FAILED_FILE, {"error": str(exc)})
+        log_fleet(f"failed: {type(exc).__name__}: {exc}")
+        write_json(state_dir / FAILED_FILE, {"error": str(exc)})
         code = 1
     finally:
         runner.cleanup()
         (state_dir / READY_FILE).unlink(missing_ok=True)
-        _log("stopped")
+        log_fleet("stopped")
     return code
 
 

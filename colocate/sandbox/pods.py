@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..plan import CellPlan
 from .errors import StartupFailed
-from .statedir import ROOT, _read_json, _write_json
+from .statedir import ROOT, read_json, write_json
 
 POD_SCRIPT = ROOT / "scripts" / "pod.py"
 POD_TIMEOUT_S = 60.0
@@ -24,21 +24,21 @@ def _pod_env(state_dir: Path, token: str) -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def _pods(state_dir: Path) -> list[dict]:
+def recorded_pods(state_dir: Path) -> list[dict]:
     """The cell's pods as created (index order); ``pod.json`` is the one-pod layout of old."""
-    data = _read_json(Path(state_dir) / PODS_FILE)
+    data = read_json(Path(state_dir) / PODS_FILE)
     if data is not None:
         return [p for p in data.get("pods", []) if p]
-    legacy = _read_json(Path(state_dir) / "pod.json")
+    legacy = read_json(Path(state_dir) / "pod.json")
     return [legacy] if legacy else []
 
 
-def _record_pods(state_dir: Path, pods: list[dict | None]) -> None:
-    _write_json(Path(state_dir) / PODS_FILE, {"pods": [p for p in pods if p]})
+def record_pods(state_dir: Path, pods: list[dict | None]) -> None:
+    write_json(Path(state_dir) / PODS_FILE, {"pods": [p for p in pods if p]})
     (Path(state_dir) / "pod.json").unlink(missing_ok=True)
 
 
-def _create_pod(state_dir: Path, plan: CellPlan, token: str, index: int = 0) -> dict:
+def create_pod(state_dir: Path, plan: CellPlan, token: str, index: int = 0) -> dict:
     """Pod ``index`` of the plan, through ``scripts/pod.py create`` (its own process: a failed
     create cleans up only what it made itself)."""
     pod = plan.pods[index]
@@ -55,7 +55,7 @@ def _create_pod(state_dir: Path, plan: CellPlan, token: str, index: int = 0) -> 
     return created
 
 
-def _create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
+def create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
     """Every pod of the plan, created side by side (each its own process). Each is recorded
     as soon as it serves, so a failure of one leaves the others findable for cleanup."""
     from concurrent.futures import ThreadPoolExecutor
@@ -66,16 +66,16 @@ def _create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
 
     def one(i: int) -> None:
         try:
-            created = _create_pod(state_dir, plan, token, i)
+            created = create_pod(state_dir, plan, token, i)
         except BaseException as exc:  # noqa: BLE001 - collected, raised below
             errors.append(exc)
             return
         with lock:
             made[i] = created
-            _record_pods(state_dir, made)
+            record_pods(state_dir, made)
 
     if not plan.pods:  # a cell scaled to zero
-        _record_pods(state_dir, [])
+        record_pods(state_dir, [])
         return []
     with ThreadPoolExecutor(max_workers=len(plan.pods)) as ex:
         list(ex.map(one, range(len(plan.pods))))
@@ -84,14 +84,14 @@ def _create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
     return [p for p in made if p]
 
 
-def _delete_pod(state_dir: Path, created: dict | None = None) -> bool:
+def delete_pod(state_dir: Path, created: dict | None = None) -> bool:
     """Delete every pod of the cell (``pods.json``), or the given one (a pod replaced by ``apply``)."""
     if created is None:
-        pods = _pods(state_dir)
+        pods = recorded_pods(state_dir)
         if not pods:
             return False
-        left = [p for p in pods if not _delete_pod(state_dir, p)]
-        _record_pods(state_dir, left)
+        left = [p for p in pods if not delete_pod(state_dir, p)]
+        record_pods(state_dir, left)
         if not left:
             (Path(state_dir) / PODS_FILE).unlink(missing_ok=True)
         return not left
@@ -104,18 +104,18 @@ def _delete_pod(state_dir: Path, created: dict | None = None) -> bool:
     return proc.returncode == 0
 
 
-def _delete_local_pods(state_dir: Path) -> list[str]:
+def delete_local_pods(state_dir: Path) -> list[str]:
     """Delete every local pod recorded in the sandbox's own pod state (``pods/``)."""
     deleted = []
     for record in sorted((Path(state_dir) / "pods").glob("*.json")) if (Path(state_dir) / "pods").is_dir() else []:
         if record.name.endswith(".port.json"):
             continue
-        pod_id = (_read_json(record) or {}).get("id")
-        if pod_id and _delete_pod(state_dir, {"id": pod_id}):
+        pod_id = (read_json(record) or {}).get("id")
+        if pod_id and delete_pod(state_dir, {"id": pod_id}):
             deleted.append(pod_id)
     return deleted
 
 
-def _pod_pid(state_dir: Path, created: dict) -> int | None:
-    record = _read_json(state_dir / "pods" / f"{created.get('name', '')}.json")
+def pod_pid(state_dir: Path, created: dict) -> int | None:
+    record = read_json(state_dir / "pods" / f"{created.get('name', '')}.json")
     return record.get("pid") if record else None

@@ -35,7 +35,7 @@ def deferred_signals():
         raise KeyboardInterrupt
 
 
-def _signal_group(pgid: int, sig: int) -> bool:
+def signal_group(pgid: int, sig: int) -> bool:
     try:
         os.killpg(pgid, sig)
         return True
@@ -43,8 +43,8 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def _group_alive(pgid: int) -> bool:
-    return _signal_group(pgid, 0)
+def group_alive(pgid: int) -> bool:
+    return signal_group(pgid, 0)
 
 
 def stop_child(proc: subprocess.Popen | None, grace_s: float) -> None:
@@ -69,7 +69,7 @@ def launch_detached(module: str, state_dir: str, lock_fd: int) -> None:
     os._exit(0)  # leave the runner running; no destructor waits on it
 
 
-def _http_ok(url: str, headers: dict | None = None, timeout: float = 2.0) -> tuple[bool, int | None]:
+def http_ok(url: str, headers: dict | None = None, timeout: float = 2.0) -> tuple[bool, int | None]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return 200 <= r.status < 300, r.status

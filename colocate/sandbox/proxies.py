@@ -176,12 +176,12 @@ def local_url(url: str) -> str:
     return f"{scheme}://{hostport}{sep}{path}"
 
 
-def _sleep_ms(ms: float) -> None:
+def sleep_ms(ms: float) -> None:
     if ms > 0:
         time.sleep(ms / 1000.0)
 
 
-class _Relay(BaseHTTPRequestHandler):
+class Relay(BaseHTTPRequestHandler):
     """Shared request reading and streaming response relay."""
 
     protocol_version = "HTTP/1.1"
@@ -306,7 +306,7 @@ class _Relay(BaseHTTPRequestHandler):
         The body is sent while the response is read: an upstream may answer before it has read
         the whole body (the Worker's 413 for a body over its limit) and close; that answer is
         relayed, not turned into a broken pipe."""
-        _sleep_ms(before_ms)
+        sleep_ms(before_ms)
         sender = sock = resp = None
         try:
             try:
@@ -326,7 +326,7 @@ class _Relay(BaseHTTPRequestHandler):
             except (OSError, http.client.HTTPException, UnicodeError) as exc:
                 self._upstream_failed(host, port, exc)
                 return
-            _sleep_ms(after_ms)
+            sleep_ms(after_ms)
             self.send_response_only(resp.status, resp.reason)  # upstream's own Date/Server are relayed
             length = resp.getheader("content-length")
             for k, v in resp.getheaders():
@@ -410,7 +410,7 @@ def _origin_form(target: str) -> str:
     return target
 
 
-class _FrontHandler(_Relay):
+class FrontHandler(Relay):
     upstream_name = "Worker"
 
     def _check_request(self) -> str:
@@ -458,7 +458,7 @@ class _FrontHandler(_Relay):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle  # noqa: N815
 
 
-class _OutboundHandler(_Relay):
+class _OutboundHandler(Relay):
     upstream_name = "target"
 
     def _upstream_failed(self, host: str, port: int, exc: BaseException) -> None:
@@ -541,7 +541,7 @@ class _OutboundHandler(_Relay):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle  # noqa: N815
 
 
-class _Server(ThreadingHTTPServer):
+class RelayServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     # socketserver's default listen backlog is 5: a burst of 32 connections overflows it
@@ -560,9 +560,9 @@ class _Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-def _server(handler: type[_Relay], network: Network, host: str, port: int) -> _Server:
+def make_server(handler: type[Relay], network: Network, host: str, port: int) -> RelayServer:
     cls = type(handler.__name__, (handler,), {"network": network})
-    return _Server((host, port), cls)
+    return RelayServer((host, port), cls)
 
 
 class NetworkServers:
@@ -570,8 +570,8 @@ class NetworkServers:
 
     def __init__(self, network: Network, host: str = "127.0.0.1", front_port: int = 0, outbound_port: int = 0):
         self.network = network
-        self.front = _server(_FrontHandler, network, host, front_port)
-        self.outbound = _server(_OutboundHandler, network, host, outbound_port)
+        self.front = make_server(FrontHandler, network, host, front_port)
+        self.outbound = make_server(_OutboundHandler, network, host, outbound_port)
         self._threads = [threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True,
                                           name=f"sandbox-{n}") for n, s in (("front", self.front), ("outbound", self.outbound))]
         for t in self._threads:

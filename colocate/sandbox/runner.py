@@ -30,10 +30,10 @@ from .errors import StartupFailed
 from .geography import Geography, Sites
 from .launch import Launch, build_plan, object_sites, sites_for
 from .pinning import FILE_NAME as PINS_FILE, Pins
-from .pods import _create_pod, _create_pods, _delete_pod, _pod_pid, _pods, _record_pods
-from .processes import CHILD_TIMEOUT_S, _http_ok, stop_child
+from .pods import create_pod, create_pods, delete_pod, pod_pid, record_pods, recorded_pods
+from .processes import CHILD_TIMEOUT_S, http_ok, stop_child
 from .proxies import Network, NetworkServers, local_url
-from .statedir import ROOT, _log, _read_json, _write_json, load_secrets
+from .statedir import ROOT, load_secrets, log_line, read_json, write_json
 
 WORKERD = ROOT / "node_modules" / ".bin" / "workerd"
 FALLBACK_COMPUTE_MS = 95
@@ -79,7 +79,7 @@ class Runner:
                                         "--name", "fallback", "--port-file", str(port_file)], env=env)
         deadline = time.monotonic() + CHILD_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
-            info = _read_json(port_file)
+            info = read_json(port_file)
             if info and info.get("url"):
                 return info["url"]
             if proc.poll() is not None:
@@ -103,7 +103,7 @@ class Runner:
             sock.close()
         deadline = time.monotonic() + CHILD_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
-            ok, code = _http_ok(f"http://127.0.0.1:{port}/_colocate/probe", timeout=5)
+            ok, code = http_ok(f"http://127.0.0.1:{port}/_colocate/probe", timeout=5)
             if code is not None:
                 return port
             if self.children["workerd"].poll() is not None:
@@ -112,13 +112,13 @@ class Runner:
         raise StartupFailed(f"workerd did not answer; see {self.logs / 'workerd.log'}")
 
     def start(self) -> dict:
-        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
+        launch = Launch.from_json(read_json(self.state_dir / "launch.json") or {})
         plan, _ = build_plan(launch)
         geography = Geography.from_args(launch.stretch, launch.rtt)
         secrets = load_secrets(self.state_dir)
         pins = Pins(self.state_dir / PINS_FILE)
 
-        pods = _create_pods(self.state_dir, plan, secrets["podToken"])
+        pods = create_pods(self.state_dir, plan, secrets["podToken"])
         sites = sites_for(plan, launch, pods[0].get("location", "local") if pods else "local")
         fallback_url = local_url(self._start_fallback(secrets["fallbackApiKey"]))
         network = Network(geography, sites, pins, targets={_hostport(fallback_url): sites.fallback})
@@ -155,7 +155,7 @@ class Runner:
         at the edge while in-flight ones finish, then the new workerd takes them."""
         net = self.network
         if not net.pause():
-            _log("apply: in-flight requests did not finish in time; swapping anyway")
+            log_line("apply: in-flight requests did not finish in time; swapping anyway")
         # On Cloudflare an old version's isolates finish their ctx.waitUntil work after the
         # new version takes traffic; here both versions share the objects' disk, so the old
         # one gets that time before it stops: its batched usage reaches the object.
@@ -174,10 +174,10 @@ class Runner:
         """The sandbox's `pulumi up` on a running cell: re-plan from the stack file and replace
         the pods that changed **one at a time** (new pod i serves and the Worker uses it before
         old pod i is deleted), adding or removing only the pods whose index came or went."""
-        launch = Launch.from_json(_read_json(self.state_dir / "launch.json") or {})
+        launch = Launch.from_json(read_json(self.state_dir / "launch.json") or {})
         plan, _ = build_plan(launch)
         token = load_secrets(self.state_dir)["podToken"]
-        old = {p.get("index", 0): p for p in _pods(self.state_dir)}
+        old = {p.get("index", 0): p for p in recorded_pods(self.state_dir)}
         current: list[dict | None] = [old.get(i) for i in range(len(plan.pods))]
         deleted: set[str] = set()
         net = self.network
@@ -185,12 +185,12 @@ class Runner:
         def record() -> None:  # every pod that may bill is on file at every step
             live = [p for p in current if p]
             ids = {p["id"] for p in live} | deleted
-            _record_pods(self.state_dir, live + [p for p in old.values() if p["id"] not in ids])
+            record_pods(self.state_dir, live + [p for p in old.values() if p["id"] not in ids])
 
         def retire(pod: dict, why: str) -> None:
-            if _delete_pod(self.state_dir, pod):
+            if delete_pod(self.state_dir, pod):
                 deleted.add(pod["id"])
-            _log(f"apply: deleted pod {pod.get('index', 0)} ({pod.get('name')}): {why}")
+            log_line(f"apply: deleted pod {pod.get('index', 0)} ({pod.get('name')}): {why}")
             record()
 
         sites = sites_for(plan, launch, (current[0] if current and current[0] else {}).get("location", "local"))
@@ -199,13 +199,13 @@ class Runner:
             before = old.get(i)
             if before and before.get("name") == pod.name:
                 continue
-            created = _create_pod(self.state_dir, plan, token, i)  # serves before anything else happens
+            created = create_pod(self.state_dir, plan, token, i)  # serves before anything else happens
             current[i] = created
             record()
             sites = sites_for(plan, launch, current[0].get("location", "local"))
             net.targets.update(self._pod_targets(plan, launch, sites, [created]))  # before the swap
             swapped = self._swap(plan, sites, [p for p in current if p])
-            _log(f"apply: pod {i} is now {created['name']}")
+            log_line(f"apply: pod {i} is now {created['name']}")
             if before:
                 retire(before, "replaced")
         live = [p for p in current if p]
@@ -222,7 +222,7 @@ class Runner:
         """What the cell's purge commands do after `finish`: once per retired generation,
         through the Worker's own endpoint (as `migrate.py purge` does in the cloud)."""
         record = self.state_dir / "purged.json"
-        done = set((_read_json(record) or {}).get("purged", []))
+        done = set((read_json(record) or {}).get("purged", []))
         token = load_secrets(self.state_dir)["adminToken"]
         for gen in plan.state.purge:
             if gen in done:
@@ -231,9 +231,9 @@ class Runner:
                                          data=json.dumps({"generation": gen}).encode(), method="POST",
                                          headers={"authorization": f"Bearer {token}", "content-type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as resp:
-                _log(f"purged {gen}: {resp.read().decode()[:200]}")
+                log_line(f"purged {gen}: {resp.read().decode()[:200]}")
             done.add(gen)
-            _write_json(record, {"purged": sorted(done)})
+            write_json(record, {"purged": sorted(done)})
 
     def _ready(self, plan: CellPlan, launch: Launch, pods: list[dict], sites: Sites, state_sites: list[str],
                wport: int) -> dict:
@@ -244,7 +244,7 @@ class Runner:
         fallback_url = self.fallback_url
         geography = self.network.geography
         state = plan.state
-        pod_pids = {("pod" if p["index"] == 0 else f"pod-{p['index']}"): _pod_pid(self.state_dir, p) for p in pods}
+        pod_pids = {("pod" if p["index"] == 0 else f"pod-{p['index']}"): pod_pid(self.state_dir, p) for p in pods}
         return {
             "stack": plan.stack,
             "region": plan.region.name,
@@ -253,7 +253,7 @@ class Runner:
             "pod_id": first.get("id"),
             "pod_location": first.get("location"),
             "pods": [{"index": p["index"], "id": p.get("id"), "name": p.get("name"), "url": p["worker_url"].rstrip("/"),
-                      "address": p["url"].rstrip("/"), "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)}
+                      "address": p["url"].rstrip("/"), "location": p.get("location"), "pid": pod_pid(self.state_dir, p)}
                      for p in pods],
             "fallback_url": fallback_url,
             "token": secrets["adminToken"],  # keys.py's; the probe and the live view take read_token
@@ -284,11 +284,12 @@ class Runner:
                 (self.state_dir / "apply-failed.json").unlink(missing_ok=True)
                 try:
                     ready = self.apply()
-                    _write_json(self.state_dir / "ready.json", ready, 0o600)
-                    _log(f"applied revision {ready['revision']}: generation {ready['generation']}, edge {ready['sites']['edge']}")
+                    write_json(self.state_dir / "ready.json", ready, 0o600)
+                    log_line(f"applied revision {ready['revision']}: generation {ready['generation']}, "
+                             f"edge {ready['sites']['edge']}")
                 except Exception as exc:  # noqa: BLE001 - reported to `apply`; the old version keeps serving
-                    _log(f"apply failed: {type(exc).__name__}: {exc}")
-                    _write_json(self.state_dir / "apply-failed.json", {"error": str(exc)})
+                    log_line(f"apply failed: {type(exc).__name__}: {exc}")
+                    write_json(self.state_dir / "apply-failed.json", {"error": str(exc)})
             for name, proc in self.children.items():
                 if proc.poll() is not None:
                     return f"{name} exited with {proc.returncode}"
@@ -306,7 +307,7 @@ class Runner:
                 proc.wait(timeout=5)
         if self.servers:
             self.servers.close()
-        _delete_pod(self.state_dir)
+        delete_pod(self.state_dir)
 
 
 def run(state_dir: Path) -> int:
@@ -320,23 +321,23 @@ def run(state_dir: Path) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, lambda *_: runner.reload.set())
-    _write_json(state_dir / "run.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
+    write_json(state_dir / "run.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
     code = 0
     try:
         ready = runner.start()
         if runner.stop.is_set():
             return 0
-        _write_json(state_dir / "ready.json", ready, 0o600)
-        _log(f"up: {ready['worker_url']} (edge {ready['sites']['edge']}, objects at {ready['sites']['objects']})")
+        write_json(state_dir / "ready.json", ready, 0o600)
+        log_line(f"up: {ready['worker_url']} (edge {ready['sites']['edge']}, objects at {ready['sites']['objects']})")
         why = runner.watch()
-        _log(f"stopping: {why}")
+        log_line(f"stopping: {why}")
         code = 0 if why == "stop requested" else 1
     except Exception as exc:  # noqa: BLE001 - reported to `up` through failed.json, then cleaned up
-        _log(f"failed: {type(exc).__name__}: {exc}")
-        _write_json(state_dir / "failed.json", {"error": str(exc)})
+        log_line(f"failed: {type(exc).__name__}: {exc}")
+        write_json(state_dir / "failed.json", {"error": str(exc)})
         code = 1
     finally:
         runner.cleanup()
         (state_dir / "ready.json").unlink(missing_ok=True)
-        _log("stopped")
+        log_line("stopped")
     return code

@@ -117,11 +117,11 @@ def where_sandboxes_run(exclude: Path | None = None) -> str:
     return "sandboxes that run: " + ", ".join(f"{d} (`{SANDBOX_CMD} status {where_command(d)}`)" for d in runs)
 
 
-def _log(msg: str, who: str = "sandbox") -> None:
+def log_line(msg: str, who: str = "sandbox") -> None:
     print(f"[{who}] {msg}", file=sys.stderr, flush=True)
 
 
-def _write_json(path: Path, data: dict, mode: int = 0o644) -> None:
+def write_json(path: Path, data: dict, mode: int = 0o644) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
@@ -133,27 +133,27 @@ def _write_json(path: Path, data: dict, mode: int = 0o644) -> None:
         raise
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
 
-def _read_object(path: Path) -> dict | None:
-    """``_read_json``, where a file holding anything but a JSON object counts as missing too."""
-    data = _read_json(Path(path))
+def read_object(path: Path) -> dict | None:
+    """``read_json``, where a file holding anything but a JSON object counts as missing too."""
+    data = read_json(Path(path))
     return data if isinstance(data, dict) else None
 
 
 def load_secrets(state_dir: Path) -> dict[str, str]:
     """The sandbox's secrets, generated once per state directory (mode 0600)."""
     path = Path(state_dir) / "secrets.json"
-    data = _read_json(path) if path.exists() else None
+    data = read_json(path) if path.exists() else None
     if not data or any(not isinstance(data.get(k), str) or not data.get(k) for k in SANDBOX_SECRETS):
         data = {k: secrets_mod.token_hex(24) for k in SANDBOX_SECRETS}
         Path(state_dir).mkdir(parents=True, exist_ok=True)
-        _write_json(path, data, 0o600)
+        write_json(path, data, 0o600)
     return data
 
 
@@ -191,15 +191,15 @@ def is_running(state_dir: Path, name: str = LOCK_FILE) -> bool:
     return False
 
 
-def _pids(state_dir: Path) -> dict:
-    ready = _read_json(Path(state_dir) / "ready.json") or {}
-    run = _read_json(Path(state_dir) / "run.json") or {}
+def recorded_pids(state_dir: Path) -> dict:
+    ready = read_json(Path(state_dir) / "ready.json") or {}
+    run = read_json(Path(state_dir) / "run.json") or {}
     return ready.get("pids") or {"runner": run.get("pid")}
 
 
 def owner(state_dir: Path) -> str | None:
     """The stack whose sandbox the state directory holds (from the last ``up``), or None."""
-    return (_read_json(Path(state_dir) / "launch.json") or {}).get("stack")
+    return (read_json(Path(state_dir) / "launch.json") or {}).get("stack")
 
 
 def check_owner(state_dir: Path, stack: str) -> None:

@@ -33,25 +33,25 @@ from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import Geography, site
 from .launch import Launch, build_plan, sites_for
 from .pinning import FILE_NAME as PINS_FILE, Pins
-from .pods import PODS_FILE, _delete_local_pods, _delete_pod
-from .processes import CHILD_TIMEOUT_S, _group_alive, _http_ok, _signal_group, deferred_signals, launch_detached
+from .pods import PODS_FILE, delete_local_pods, delete_pod
+from .processes import CHILD_TIMEOUT_S, deferred_signals, group_alive, http_ok, launch_detached, signal_group
 from .statedir import (
     ROOT,
     SANDBOX_CMD,
-    _log,
-    _pids,
-    _read_json,
-    _write_json,
     check_owner,
     default_state_dir,
     is_running,
     load_secrets,
+    log_line,
     owner,
+    read_json,
+    recorded_pids,
     remember,
     running_sandboxes,
     try_lock,
     where_command,
     where_sandboxes_run,
+    write_json,
 )
 
 # What scripts/ and tests/ import from here; the rest lives in the modules above.
@@ -78,11 +78,11 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
     _, notes = build_plan(launch)  # a bad stack fails here too
     check_owner(state_dir, stack)
     for note in notes:
-        _log(note)
+        log_line(note)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     fd = try_lock(state_dir)
     if fd is None:
-        pids = ", ".join(f"{k} {v}" for k, v in _pids(state_dir).items() if v)
+        pids = ", ".join(f"{k} {v}" for k, v in recorded_pids(state_dir).items() if v)
         raise AlreadyRunning(f"a sandbox is already running in {state_dir} (pids {pids or 'unknown'}); "
                              f"run `{SANDBOX_CMD} down --state-dir {state_dir}` first")
     launched = False
@@ -93,7 +93,7 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         # on run.json is written only by the runner itself, before it starts anything.
         for stale in ("ready.json", "failed.json", "run.json"):
             (state_dir / stale).unlink(missing_ok=True)
-        _write_json(state_dir / "launch.json", launch.as_json())
+        write_json(state_dir / "launch.json", launch.as_json())
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         # A short-lived launcher starts the runner in a new session and exits at once, so
         # the runner is nobody's child: it outlives `up` and is never left a zombie. The
@@ -110,10 +110,10 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         fd = None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ready = _read_json(state_dir / "ready.json")
+            ready = read_json(state_dir / "ready.json")
             if ready:
                 return ready
-            failed = _read_json(state_dir / "failed.json")
+            failed = read_json(state_dir / "failed.json")
             if failed or not alive(runner):
                 why = (failed or {}).get("error") or "the runner exited"
                 raise StartupFailed(f"sandbox did not come up: {why}. Logs: {state_dir / 'logs'}")
@@ -138,12 +138,12 @@ def stop_runner(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S + CHILD_TIMEO
     state_dir = Path(state_dir)
     deadline = time.monotonic() + timeout_s
     while is_running(state_dir):
-        run = _read_json(state_dir / "run.json") or {}
+        run = read_json(state_dir / "run.json") or {}
         if alive(run.get("pid")):
             down(state_dir, quiet=True)
             continue
         if time.monotonic() > deadline:
-            _log(f"WARNING: the state directory's lock is still held and no runner said who it is; "
+            log_line(f"WARNING: the state directory's lock is still held and no runner said who it is; "
                  f"see {state_dir / 'logs' / 'runner.log'}")
             return False
         time.sleep(0.05)
@@ -154,27 +154,27 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
           force_split: bool = False, timeout_s: float = UP_TIMEOUT_S) -> dict:
     """Deploy the stack file's current state to a running sandbox (its `pulumi up`)."""
     state_dir = Path(state_dir or default_state_dir(stack)).resolve()
-    previous = _read_json(state_dir / "ready.json")
-    run = _read_json(state_dir / "run.json") or {}
+    previous = read_json(state_dir / "ready.json")
+    run = read_json(state_dir / "run.json") or {}
     if not previous or not is_running(state_dir) or not alive(run.get("pid")):
         raise NotRunning(f"no sandbox runs in {state_dir}; start it with `{SANDBOX_CMD} up "
                          f"{where_command(state_dir, stack)}`; {where_sandboxes_run(state_dir)}")
     check_owner(state_dir, stack)
-    old = Launch.from_json(_read_json(state_dir / "launch.json") or {})
+    old = Launch.from_json(read_json(state_dir / "launch.json") or {})
     launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
                     force_split)
     _, notes = build_plan(launch)  # a bad stack fails here, and the running cell is untouched
     for note in notes:
-        _log(note)
-    _write_json(state_dir / "launch.json", launch.as_json())
+        log_line(note)
+    write_json(state_dir / "launch.json", launch.as_json())
     (state_dir / "apply-failed.json").unlink(missing_ok=True)
     os.kill(run["pid"], signal.SIGHUP)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = _read_json(state_dir / "ready.json") or {}
+        ready = read_json(state_dir / "ready.json") or {}
         if ready.get("revision", 0) > previous.get("revision", 0):
             return ready
-        failed = _read_json(state_dir / "apply-failed.json")
+        failed = read_json(state_dir / "apply-failed.json")
         if failed:
             raise StartupFailed(f"apply failed: {failed.get('error')}; the previous version still serves. "
                                 f"Logs: {state_dir / 'logs'}")
@@ -192,8 +192,8 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
         held = is_running(state_dir)
         # The runner deletes the pods it made when it stops: which pods ran is read first, so the
         # answer says whether they are gone, whoever deleted them.
-        pod_pids = [p.get("pid") for p in (_read_json(state_dir / "ready.json") or {}).get("pods") or [] if p.get("pid")]
-        run = _read_json(state_dir / "run.json") or {}
+        pod_pids = [p.get("pid") for p in (read_json(state_dir / "ready.json") or {}).get("pods") or [] if p.get("pid")]
+        run = read_json(state_dir / "run.json") or {}
         pid, pgid = run.get("pid"), run.get("pgid")
         stopped = []
         if pid and alive(pid):
@@ -202,17 +202,17 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
             while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             stopped.append(pid)
-        if pgid and _group_alive(pgid):
-            _signal_group(pgid, signal.SIGKILL)  # whatever the runner could not stop
+        if pgid and group_alive(pgid):
+            signal_group(pgid, signal.SIGKILL)  # whatever the runner could not stop
             deadline = time.monotonic() + 5
-            while _group_alive(pgid) and time.monotonic() < deadline:
+            while group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        pod_deleted = _delete_pod(state_dir)  # the runner normally did this; a crash may not have
-        strays = _delete_local_pods(state_dir)  # a runner killed inside `pod.py create` leaves only these
+        pod_deleted = delete_pod(state_dir)  # the runner normally did this; a crash may not have
+        strays = delete_local_pods(state_dir)  # a runner killed inside `pod.py create` leaves only these
         for name in ("run.json", "ready.json"):
             (state_dir / name).unlink(missing_ok=True)
     if not quiet:
-        _log(f"stopped {state_dir}")
+        log_line(f"stopped {state_dir}")
     pods_gone = bool(pod_pids) and not any(alive(pid) for pid in pod_pids)
     return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pods_gone or pod_deleted or bool(strays),
             "was_running": bool(held or stopped or pod_deleted or strays), "running": is_running(state_dir)}
@@ -220,19 +220,19 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
 
 def status(state_dir: Path) -> dict:
     state_dir = Path(state_dir).resolve()
-    ready = _read_json(state_dir / "ready.json")
+    ready = read_json(state_dir / "ready.json")
     running = is_running(state_dir)
     out: dict = {"state_dir": str(state_dir), "running": running, "pins": Pins(state_dir / PINS_FILE).all()}
     if not ready:
         return out
     pids = ready.get("pids", {})
     health = {name: alive(pid) for name, pid in pids.items()}
-    worker_ok, worker_status = _http_ok(ready["worker_url"] + "/_colocate/probe",
+    worker_ok, worker_status = http_ok(ready["worker_url"] + "/_colocate/probe",
                                         {"authorization": f"Bearer {ready['token']}"}, timeout=10)
     # Every pod, at the address its process listens on (the Worker's hostname is the proxy's to map).
     pods = ready["pods"] if "pods" in ready else [{"address": ready["pod_url"]}]
-    pod_ok = all(_http_ok((p.get("address") or p["url"]) + "/health", timeout=5)[0] for p in pods)
-    net_ok, _ = _http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
+    pod_ok = all(http_ok((p.get("address") or p["url"]) + "/health", timeout=5)[0] for p in pods)
+    net_ok, _ = http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
     out.update(
         {k: ready[k] for k in ("stack", "region", "worker_url", "pod_url", "sites", "generation", "draining") if k in ready}
     )
