@@ -84,17 +84,20 @@ def create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
     return [p for p in made if p]
 
 
-def delete_pod(state_dir: Path, created: dict | None = None) -> bool:
-    """Delete every pod of the cell (``pods.json``), or the given one (a pod replaced by ``apply``)."""
-    if created is None:
-        pods = recorded_pods(state_dir)
-        if not pods:
-            return False
-        left = [p for p in pods if not delete_pod(state_dir, p)]
-        record_pods(state_dir, left)
-        if not left:
-            (Path(state_dir) / PODS_FILE).unlink(missing_ok=True)
-        return not left
+def delete_recorded_pods(state_dir: Path) -> bool:
+    """Delete every pod of the cell (``pods.json``); those that would not go stay recorded."""
+    pods = recorded_pods(state_dir)
+    if not pods:
+        return False
+    left = [p for p in pods if not delete_pod(state_dir, p)]
+    record_pods(state_dir, left)
+    if not left:
+        (Path(state_dir) / PODS_FILE).unlink(missing_ok=True)
+    return not left
+
+
+def delete_pod(state_dir: Path, created: dict) -> bool:
+    """Delete one pod (``created``: its record, at least its ``id``), e.g. one ``apply`` replaced."""
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     with open(state_dir / "logs" / "pod.log", "ab") as log:
         proc = subprocess.run([sys.executable, str(POD_SCRIPT), "delete", "--id", created["id"],

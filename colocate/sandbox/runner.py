@@ -30,7 +30,7 @@ from .errors import StartupFailed
 from .geography import Geography, Sites
 from .launch import Launch, build_plan, object_sites, sites_for
 from .pinning import FILE_NAME as PINS_FILE, Pins
-from .pods import create_pod, create_pods, delete_pod, pod_pid, record_pods, recorded_pods
+from .pods import create_pod, create_pods, delete_pod, delete_recorded_pods, pod_pid, record_pods, recorded_pods
 from .processes import CHILD_TIMEOUT_S, http_ok, stop_child
 from .proxies import Network, NetworkServers, local_url
 from .statedir import ROOT, load_secrets, log_line, read_json, write_json
@@ -307,7 +307,7 @@ class Runner:
                 proc.wait(timeout=5)
         if self.servers:
             self.servers.close()
-        delete_pod(self.state_dir)
+        delete_recorded_pods(self.state_dir)
 
 
 def run(state_dir: Path) -> int:

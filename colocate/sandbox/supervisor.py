@@ -33,7 +33,7 @@ from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import Geography, site
 from .launch import Launch, build_plan, sites_for
 from .pinning import FILE_NAME as PINS_FILE, Pins
-from .pods import PODS_FILE, delete_local_pods, delete_pod
+from .pods import PODS_FILE, delete_local_pods, delete_recorded_pods
 from .processes import CHILD_TIMEOUT_S, deferred_signals, group_alive, http_ok, launch_detached, signal_group
 from .statedir import (
     ROOT,
@@ -207,7 +207,7 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
             deadline = time.monotonic() + 5
             while group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        pod_deleted = delete_pod(state_dir)  # the runner normally did this; a crash may not have
+        pod_deleted = delete_recorded_pods(state_dir)  # the runner normally did this; a crash may not have
         strays = delete_local_pods(state_dir)  # a runner killed inside `pod.py create` leaves only these
         for name in ("run.json", "ready.json"):
             (state_dir / name).unlink(missing_ok=True)
