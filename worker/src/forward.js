@@ -16,6 +16,23 @@ export function upstreamHeaders(incoming, token) {
   return h;
 }
 
+const hops = new WeakMap();
+
+/**
+ * How the Worker reaches its pods: through the POD_TLS binding when the plan binds it (its
+ * fetch presents the cell's client certificate: mutual TLS to the pod), else plain fetch
+ * (RunPod's proxy path, where no client certificate can reach the pod). One per env.
+ */
+export function podFetch(env) {
+  let f = hops.get(env);
+  if (f === undefined) {
+    const binding = env.POD_TLS;
+    f = binding ? (url, init) => binding.fetch(url, init) : fetch;
+    hops.set(env, f);
+  }
+  return f;
+}
+
 /** A pod answer the router treats as a failure (and serves from the fallback). */
 export function isPodFailure(status) {
   return status >= 500 || status === 401 || status === 403 || status === 408 || status === 429;
