@@ -234,8 +234,9 @@ class StandinServer(ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(self, host: str, port: int, *, compute_ms: float, token: str | None, model: str, name: str = "standin",
-                 any_model: bool = True, tls: ssl.SSLContext | None = None):
+                 any_model: bool = True, tls: ssl.SSLContext | None = None, log=None):
         self.tls = tls
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.control: _ControlServer | None = None
         self.compute_ms = float(compute_ms)
         self.token = token or None
@@ -263,9 +264,8 @@ class StandinServer(ThreadingHTTPServer):
                 request = self.tls.wrap_socket(request, server_side=True)
                 request.settimeout(None)
             except (ssl.SSLError, OSError) as exc:
-                reason = getattr(exc, "reason", None) or getattr(exc, "verify_message", None) or type(exc).__name__
-                print(f"standin: refused a TLS handshake from {client_address[0]}:{client_address[1]}: {reason}",
-                      file=sys.stderr, flush=True)
+                reason = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or type(exc).__name__
+                self.log(f"standin: refused a TLS handshake from {client_address[0]}:{client_address[1]}: {reason}")
                 with contextlib.suppress(OSError):
                     request.close()
                 return
@@ -614,11 +614,12 @@ def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
 @contextlib.contextmanager
 def serve(compute_ms: float = DEFAULT_COMPUTE_MS, token: str | None = None, model: str = DEFAULT_MODEL,
           host: str = "127.0.0.1", port: int = 0, name: str = "standin", any_model: bool = True,
-          tls: ssl.SSLContext | None = None) -> Iterator[StandinServer]:
+          tls: ssl.SSLContext | None = None, log=None) -> Iterator[StandinServer]:
     """Run a stand-in in a background thread for the ``with`` block; the port is closed on exit.
-    ``tls``: serve mutual TLS with this context (``podtls.server_context``)."""
+    ``tls``: serve mutual TLS with this context (``podtls.server_context``); ``log``: where its
+    lines go (default stderr)."""
     server = StandinServer(host, port, compute_ms=compute_ms, token=token, model=model, name=name, any_model=any_model,
-                           tls=tls)
+                           tls=tls, log=log)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               name=f"standin-{server.port}", daemon=True)
     thread.start()

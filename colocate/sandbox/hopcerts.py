@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ..workerd import HopClient
 DIR = "hop"
 POD_NAME = "localhost"  # what PodPlan.tls_name is for a local pod
 FILES = {"ca": "ca", "pod": "pod", "worker": "worker", "check": "check"}
+_LOCK = threading.Lock()  # the runner creates pods side by side: one of them makes the files
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,11 @@ def _write(path: Path, text: str) -> None:
 
 def load(state_dir: Path) -> HopCredentials:
     """The state directory's hop credentials, made on first use."""
-    d = Path(state_dir) / DIR
+    with _LOCK:
+        return _load(Path(state_dir) / DIR)
+
+
+def _load(d: Path) -> HopCredentials:
     names = [f"{n}.{ext}" for n in FILES.values() for ext in ("pem", "key")]
     if not all((d / n).is_file() for n in names):
         d.mkdir(parents=True, exist_ok=True)
