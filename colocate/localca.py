@@ -22,7 +22,7 @@ DAY = datetime.timedelta(days=1)
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _name(common_name: str) -> x509.Name:

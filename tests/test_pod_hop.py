@@ -26,7 +26,7 @@ from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Cell, cell_plan,
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-PAST = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
+PAST = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
     pods of the name may exist (unanswered creates, or several found at adoption)."""
     try:
         info = wait_ready(lambda: _scheme(spec, provider.describe(pod_id)), spec.ready_timeout_s, log=log,
-                          tls=getattr(provider, "checker", None))
+                          no_address_fix=provider.no_address_fix(spec), tls=getattr(provider, "checker", None))
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
         # One list per create, even without a lost reply: a pod of this name that is not the one
         # returned is on no record and would bill. If the list fails, the ready pod is still
@@ -198,7 +198,10 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
             provider.destroy(pod_id)
             log(f"destroyed {pod_id}")
         except Exception as cleanup:  # report both; the original failure is the one that matters
-            log(f"ERROR: could not destroy {pod_id} ({cleanup}); run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
+            log(
+                f"ERROR: could not destroy {pod_id} ({cleanup}); "
+                f"run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`"
+            )
         if unknown:
             _destroy_named(spec, provider, EARLIER if adopted else LATE)
         raise

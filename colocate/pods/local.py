@@ -71,7 +71,11 @@ class Local(Provider):
         self.dir.mkdir(parents=True, exist_ok=True)
         port_file = self.dir / f"{spec.name}.port.json"
         port_file.unlink(missing_ok=True)
-        env = {**os.environ, "POD_TOKEN": token, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "POD_TOKEN": token,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         for var in (podtls.BUNDLE_ENV, podtls.CHECK_ENV, podtls.ENV):
             env.pop(var, None)  # the stand-in gets exactly what a real pod gets, and no caller's key
         if spec.mtls:

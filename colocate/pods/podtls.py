@@ -22,8 +22,8 @@ import contextlib
 import os
 import ssl
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ENV = "COLOCATE_POD_TLS"  # in the pod's environment: "\n" + certificate + key + client CA (PEM)
 SOURCE = "/proc/self/environ"  # where vLLM (and the stand-in) read that variable back as PEM files
@@ -82,7 +82,8 @@ def checker_from_env(environ=os.environ) -> ssl.SSLContext:
     raw = environ.get(CHECK_ENV, "")
     try:
         data = json.loads(raw) if raw else None
-        ok = isinstance(data, dict) and all(isinstance(data.get(k), str) and "-----BEGIN" in data[k] for k in ("cert", "key", "ca"))
+        ok = isinstance(data, dict) and all(isinstance(data.get(k), str) and "-----BEGIN" in data[k]
+                                            for k in ("cert", "key", "ca"))
     except ValueError:
         ok = False
     if not ok:

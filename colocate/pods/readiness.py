@@ -4,7 +4,9 @@ The health check goes to the URL the Worker will use (the public ip and mapped p
 a DNS-only hostname resolves to the same address). On a mutual-TLS hop it presents the
 readiness certificate and checks that the pod's certificate is the cell's, for the name the
 Worker will use (``tls``: a client context and that name). Progress lines go to stderr.
-Poll interval: ``COLOCATE_POD_POLL_S`` (default 5 s).
+Poll interval: ``COLOCATE_POD_POLL_S`` (default 5 s). A pod that runs but has no address
+``COLOCATE_POD_NO_ADDRESS_S`` (default 60 s) after it first ran fails at once when the
+provider says it may never get one (``Provider.no_address_fix``), instead of at the timeout.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import socket
 import ssl
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import requests
@@ -45,25 +47,33 @@ def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str) -> tupl
     """``GET /health`` over mutual TLS to the URL's address, the certificate checked for ``name``."""
     parts = urlsplit(url)
     try:
-        with socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout) as raw:
-            with ctx.wrap_socket(raw, server_hostname=name) as conn:
-                conn.sendall(f"GET /health HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
-                resp = http.client.HTTPResponse(conn)
-                resp.begin()
-                return resp.status == 200, f"health {resp.status}"
+        with (socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout) as raw,
+              ctx.wrap_socket(raw, server_hostname=name) as conn):
+            conn.sendall(f"GET /health HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
+            resp = http.client.HTTPResponse(conn)
+            resp.begin()
+            return resp.status == 200, f"health {resp.status}"
     except ssl.SSLCertVerificationError as exc:
         return False, f"health: the pod's certificate is not the cell's for {name} ({exc.verify_message})"
     except (OSError, http.client.HTTPException) as exc:
         return False, f"health: {type(exc).__name__}"
 
 
+def no_address_grace() -> float:
+    try:
+        return max(0.0, float(os.environ.get("COLOCATE_POD_NO_ADDRESS_S") or 60))
+    except ValueError:
+        return 60.0
+
+
 def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll_s: float | None = None,
-               tls: tuple[ssl.SSLContext, str] | None = None) -> PodInfo:
+               no_address_fix: str | None = None, tls: tuple[ssl.SSLContext, str] | None = None) -> PodInfo:
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     poll_s = poll_interval() if poll_s is None else poll_s
     start = time.monotonic()
     deadline = start + timeout_s
     last = "no answer yet"
+    running_without_address: float | None = None  # when the pod was first seen running with no address
     while True:
         elapsed = time.monotonic() - start
         try:
@@ -83,6 +93,13 @@ def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll
             else:
                 last = f"{info.raw_state}, address {'known' if info.url else 'not yet known'}"
                 log(f"[{elapsed:6.1f}s] {info.id}: {last}")
+                if info.state == RUNNING and no_address_fix:
+                    now = time.monotonic()
+                    if running_without_address is None:
+                        running_without_address = now
+                    if now - running_without_address >= no_address_grace():
+                        raise NotReadyError(f"pod {info.id} is {info.raw_state} with no public address after "
+                                            f"{now - running_without_address:.0f}s: {no_address_fix}")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NotReadyError(f"not ready after {timeout_s:g}s (last: {last})")

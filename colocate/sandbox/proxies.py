@@ -392,10 +392,9 @@ class _Relay(BaseHTTPRequestHandler):
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:
-    try:
+    # the upstream answered (and closed) before taking the whole body; its answer is relayed
+    with contextlib.suppress(OSError):
         sock.sendall(data)
-    except OSError:
-        pass  # the upstream answered (and closed) before taking the whole body; its answer is relayed
 
 
 def _origin_form(target: str) -> str:

@@ -24,8 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, pod_urls_text
-from . import config as config_mod
-from . import hopcerts
+from . import config as config_mod, hopcerts
 from .demokey import demo_key
 from .errors import StartupFailed
 from .geography import Geography, Sites
