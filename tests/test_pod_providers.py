@@ -400,6 +400,15 @@ def test_vastai_search_asks_for_the_cuda_floor_the_disk_and_its_price(fake_vast,
     assert fake_vast.calls("PUT", "/api/v0/asks/")[0]["disk"] == 60
 
 
+@pytest.mark.parametrize("cloud,datacenter", [("SECURE", {"eq": True}), ("COMMUNITY", None)])
+def test_vastai_rents_datacenter_hosts_unless_the_owner_relaxes_it(fake_vast, env, capsys, cloud, datacenter):
+    fake_vast.offers = [offer(18, "TW", 0.2, datacenter=False), offer(19, "TW", 0.3)]  # the cheaper one is at home
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", cloud=cloud))])
+    assert code == 0, err
+    assert fake_vast.calls("POST", "/api/v0/bundles")[0].get("datacenter") == datacenter
+    assert out["cost_per_hr"] == (0.3 if cloud == "SECURE" else 0.2)
+
+
 def test_vastai_without_a_cuda_floor_sends_none(fake_vast, env, capsys):
     fake_vast.offers = [offer(17, "TW", 0.3, cuda=11.8)]
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", minCudaVersion=""))])
