@@ -15,7 +15,9 @@
                     the proxy maps that name to 127.0.0.1.
                     Requests without the site header are the control endpoint:
                     ``GET /_sandbox/pin?name=&edge=&hint=`` pins a generation on first touch and
-                    returns ``{"site", "rtt_ms"}``; ``GET /_sandbox/health`` reports the network.
+                    returns ``{"site", "rtt_ms"}``; ``GET /_sandbox/health`` reports the network;
+                    ``POST /_sandbox/pod-hop/cut`` closes every open connection of the pod hops,
+                    so the Worker's next request to a pod opens a new one (TCP + TLS).
 
     PodHop          Worker -> pod, per pod: a TCP relay that delays the (mutual-TLS) bytes by
                     RTT(edge, pod)/2 each way, plus the TCP handshake's round trip per new
@@ -130,6 +132,7 @@ class Network:
     targets: dict[str, str] = field(default_factory=dict)  # "127.0.0.1:8123" -> site
     workerd: tuple[str, int] | None = None  # the edge service's socket
     hops: int = 0
+    pod_hops: list = field(default_factory=list)  # the PodHop relays, each registered while open
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # A deploy (``apply``) swaps workerd the way the platform swaps versions: new requests
     # wait at the edge while the old version finishes its in-flight ones, none is dropped.
@@ -532,6 +535,9 @@ class _OutboundHandler(_Relay):
             self._json(200, {"ok": True, "sites": net.sites.as_json(), "pins": net.pins.all(), "hops": net.hops,
                              "workerd": f"{net.workerd[0]}:{net.workerd[1]}" if net.workerd else None})
             return
+        if url.path == "/_sandbox/pod-hop/cut" and self.command == "POST":
+            self._json(200, {"cut": sum(h.cut() for h in list(net.pod_hops))})
+            return
         if url.path == "/_sandbox/pin":
             name, edge, hint = q.get("name", ""), q.get("edge", net.sites.edge), q.get("hint", "")
             try:
@@ -620,6 +626,7 @@ class PodHop:
         self.connections = 0  # accepted so far: how many handshakes the pod has seen through here
         self._thread = threading.Thread(target=self._accept, name=f"pod-hop-{self.port}", daemon=True)
         self._thread.start()
+        network.pod_hops.append(self)
 
     def one_way_ms(self) -> float:
         return self.network.geography.rtt_ms(self.network.sites.edge, self.pod_site) / 2
@@ -708,6 +715,8 @@ class PodHop:
 
     def close(self) -> None:
         self._closed.set()
+        with contextlib.suppress(ValueError):
+            self.network.pod_hops.remove(self)
         with contextlib.suppress(OSError):
             self.listener.close()
         self.cut()
