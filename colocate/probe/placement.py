@@ -165,14 +165,16 @@ def _status(colo: str | None, region: catalogue.Region | None) -> str:
 
 
 def observe(bodies: list[dict], ray_colos: Iterable[str | None], region: catalogue.Region | None,
-            pod_location: str | None = None, mode: str | None = None, host: str | None = None) -> Placement:
-    """Fold the probe bodies and response colos of a run into one Placement."""
+            pod_location: str | None = None, mode: str | None = None, host: str | None = None,
+            cf_headers: Iterable[str | None] = ()) -> Placement:
+    """Fold the probe bodies and response colos of a run into one Placement; ``cf_headers``:
+    the responses' own ``cf-placement`` headers (Cloudflare sets it on the response)."""
     ray_colos = list(ray_colos)
     accepted, accepted_seen = common(ray_colos)
     if accepted is None:  # no cf-ray on the responses: what the Worker saw on the request
         accepted, accepted_seen = common(b.get("ray_colo") for b in bodies)
     ran, ran_seen = common(b.get("worker_colo") for b in bodies)
-    cf_values = [b.get("cf_placement") for b in bodies if b.get("cf_placement")]
+    cf_values = [v for v in [*(b.get("cf_placement") for b in bodies), *cf_headers] if v]
     cf_placement = Counter(cf_values).most_common(1)[0][0] if cf_values else None
     source = "worker_colo"
     if ran is None:
@@ -219,7 +221,10 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:,.0f} ms"
 
 
-def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: str | None = None) -> list[Finding]:
+def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: str | None = None,
+             migrate_flags: str | None = None) -> list[Finding]:
+    """``migrate_flags``: what names the cell's stack to scripts/migrate.py (``--stack S``, and
+    ``--stacks-dir DIR`` when not the default), so that a printed ``migrate.py plan`` runs as printed."""
     """What is wrong (or worth knowing) about the placement, most fundamental first.
 
     ``p50`` maps segment names to measured p50s (None when there was no data);
@@ -282,8 +287,10 @@ def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: st
         else:
             lead = f"state object runs in {p.state.colo}, outside {where}"
         gen = f"; generation {p.generation}" if p.generation else ""
-        out.append(Finding("state", True, f"{lead}: state left behind ({rtt}{gen}) — run "
-                                          "`.venv/bin/python scripts/migrate.py plan --stack <stack>`"))
+        to = f" --to {p.expected_region}" if p.expected_region else ""
+        out.append(Finding("state", True, f"{lead}: state left behind ({rtt}{gen}) — preview the move of state "
+                                          f"with compute: `.venv/bin/python scripts/migrate.py plan "
+                                          f"{migrate_flags or '--stack <the cell stack>'}{to}`"))
 
     if p.pod.status == UNKNOWN:
         what = f"pod location unknown (pod_host {p.pod_host})" if p.pod_host else "pod location unknown"

@@ -40,10 +40,18 @@ class Result:
     pods: list[dict] = field(default_factory=list)  # per pod: index, host, location, site, status, rtt, health
     pod_path: str | None = None  # how the Worker reaches the pods (zone-dns | provider-proxy | local-hostname)
     fallback_check: dict | None = None  # the Worker's one check of the fallback, as it reported it
+    settling: dict | None = None  # --settle: {settled, seconds, colos}
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    @property
+    def provisional(self) -> bool:
+        """A placement check failed while the placement had not settled (--settle ran out):
+        Cloudflare may not have applied it yet, so the verdict cannot stand."""
+        return bool(self.settling) and not self.settling["settled"] and any(
+            v["kind"] == "placement" for v in self.violations)
 
     @property
     def verdict(self) -> str:
@@ -51,12 +59,22 @@ class Result:
             more = len(self.violations) - 1
             return self.violations[0]["message"] + (f" (+{more} more: see violations)" if more else "")
         p = self.placement
-        pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else "pod location unknown"
+        pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else f"pod location not checked ({UNKNOWN_WHY['pod']})"
         e2e, rtt = self.segments["e2e"]["p50"], self.segments["state_rtt"]["p50"]
         path = f", pod_rtt p50 {_num(self.segments['pod_rtt']['p50'])} ms over {self.pod_path}" if self.pod_path else ""
         mode = f" ({p.mode} placement)" if p.mode else ""
-        return (f"all checks hold: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
+        held = "all checks hold" if p.pod.colo else "every check made holds"
+        return (f"{held}: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
                 f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms{path}")
+
+
+# Why a part's colo can be unknown, printed next to it.
+UNKNOWN_WHY = {
+    "accepted": "no cf-ray header in the answers",
+    "worker": "the Worker reported no worker_colo and no cf-placement",
+    "state": "the state object reported no state_colo",
+    "pod": "no pod location given: pass --pod-location LOC, or --stack S / --state-dir DIR to read it",
+}
 
 
 def _num(v: float | None, digits: int = 0) -> str:
@@ -158,7 +176,7 @@ def fallback_of(run: Run) -> tuple[dict | None, str | None]:
 
 def build(run: Run, region: catalogue.Region | None, pod_location: str | list[str] | None,
           budget_list: list[budgets_mod.Budget], worker_placement: str | None = None,
-          pod_path: str | None = None, placement_host: str | None = None) -> Result:
+          pod_path: str | None = None, placement_host: str | None = None, migrate_flags: str | None = None) -> Result:
     locations = [pod_location] if isinstance(pod_location, str) else list(pod_location or [])
     pod_location = locations[0] if locations else None
     values = collect(run)
@@ -173,10 +191,11 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         named = next((b.get("region") for b in reversed(bodies) if b.get("region") in catalogue.REGIONS), None)
         region = catalogue.REGIONS.get(named) if named else None
     rays = [s.ray_colo for s in [*run.probe, *run.routed] if s.status is not None]
-    place = placement_mod.observe(bodies, rays, region, pod_location, worker_placement, placement_host)
+    cf_headers = [s.cf_placement for s in [run.warmup, *run.probe, *run.routed]]
+    place = placement_mod.observe(bodies, rays, region, pod_location, worker_placement, placement_host, cf_headers)
     floors = place.floors()
     p50 = {name: seg["p50"] for name, seg in segments.items()}
-    found = placement_mod.findings(place, p50, worker_placement)
+    found = placement_mod.findings(place, p50, worker_placement, migrate_flags)
 
     violations = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
     violations += budgets_mod.broken(budget_list, segments, floors)
@@ -245,7 +264,10 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         if q.get("bad_body"):
             notes.append(f"{q['bad_body']} probe responses had no JSON object body")
     return Result(run.url, run.model, len(run.routed), values, segments, fallback_rate, backends, place, floors,
-                  budget_list, found, violations, errors, quality, notes, pods, pod_path, fallback)
+                  budget_list, found, violations, errors, quality, notes, pods, pod_path, fallback,
+                  settling=None if run.settling is None else {"settled": run.settling.settled,
+                                                              "seconds": run.settling.seconds,
+                                                              "colos": run.settling.colos})
 
 
 def to_json(r: Result, warn_only: bool = False) -> dict:
@@ -275,6 +297,8 @@ def to_json(r: Result, warn_only: bool = False) -> dict:
         "pods": r.pods,
         "pod_path": r.pod_path,
         "fallback_check": r.fallback_check,
+        "settling": r.settling,
+        "provisional": r.provisional,
     }
 
 
@@ -310,7 +334,8 @@ def table(r: Result) -> str:
     rate = "n/a" if r.fallback_rate is None else f"{r.fallback_rate:.0%}"
     lines += ["", f"fallback rate {rate} ({r.backends.get('fallback', 0)}/{total} answered by the fallback)", ""]
     p = r.placement
-    expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
+    expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
+                else "unknown: no --expect-region or --stack, and the Worker reported no region")
     mode = f"; mode {p.mode}" + (f", host {p.host}" if p.host else "") if p.mode else ""
     lines.append(f"placement (expected region {expected}{mode})")
     rows = [("accepted", p.accepted.colo, p.accepted.status, "cf-ray"),
@@ -320,6 +345,8 @@ def table(r: Result) -> str:
                                                                  p.pod_host and f"host {p.pod_host}") if x))]
     for label, colo, status, where in rows:
         shown = status.replace("_", " ").upper() if status != "in_region" else "in region"
+        if colo is None:  # say why, once, where the reader sees the gap
+            where = ", ".join(x for x in (where, UNKNOWN_WHY[label]) if x)
         lines.append(f"  {label:<9}{colo or 'unknown':<8}{shown:<15}{where}")
     if p.draining_generation:
         lines.append(f"  draining generation {p.draining_generation}")
@@ -328,7 +355,7 @@ def table(r: Result) -> str:
         lines += ["", f"pods ({path}; pod_rtt = the Worker's GET /health of each pod)"]
         for pod in r.pods:
             rtt = pod["pod_rtt"]
-            where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location unknown"
+            where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location not given"
             shown = pod["status"].replace("_", " ").upper() if pod["status"] != "in_region" else "in region"
             lines.append(f"  pod {pod['index']:<4}{where:<20}{shown:<15}pod_rtt p50 {_num(rtt['p50'], 1)} ms, "
                          f"p90 {_num(rtt['p90'], 1)} ms  healthy {pod['healthy']}/{pod['checks']}  host {pod['host']}")
@@ -343,5 +370,10 @@ def table(r: Result) -> str:
         lines += ["", "notes:"] + [f"  - {m}" for m in info]
     if r.violations:
         lines += ["", "violations:"] + [f"  - {v['message']}" for v in r.violations]
-    lines += ["", ("OK: " if r.ok else "FAIL: ") + r.verdict]
+    if r.settling:
+        s = r.settling
+        lines += ["", f"placement {'settled' if s['settled'] else 'NOT settled'} after {s['seconds']:g} s "
+                      f"(Worker colos: {', '.join(c or '?' for c in s['colos'][-6:])})"]
+    head = "OK: " if r.ok else ("PROVISIONAL: " if r.provisional else "FAIL: ")
+    lines += ["", head + r.verdict]
     return "\n".join(lines) + "\n"

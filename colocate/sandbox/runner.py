@@ -120,7 +120,7 @@ class Runner:
         pins = Pins(self.state_dir / PINS_FILE)
 
         pods = _create_pods(self.state_dir, plan, secrets["podToken"])
-        sites = sites_for(plan, launch, pods[0].get("location", "local"))
+        sites = sites_for(plan, launch, pods[0].get("location", "local") if pods else "local")
         fallback_url = local_url(self._start_fallback(secrets["fallbackApiKey"]))
         network = Network(geography, sites, pins, targets={_hostport(fallback_url): sites.fallback})
         self.network = network
@@ -131,7 +131,7 @@ class Runner:
         self.servers = NetworkServers(network)
         wport, state_sites = self._launch_workerd(plan, sites, pods)
         network.resume(("127.0.0.1", wport))
-        self.key = demo_key(self.state_dir, f"http://127.0.0.1:{self.servers.front.port}", secrets["probeToken"])
+        self.key = demo_key(self.state_dir, f"http://127.0.0.1:{self.servers.front.port}", secrets["adminToken"])
         return self._ready(plan, launch, pods, sites, state_sites, wport)
 
     @staticmethod
@@ -159,7 +159,9 @@ class Runner:
         pins = Pins(self.state_dir / PINS_FILE)
         state_sites = object_sites(plan, sites.edge, pins)
         objects = self.state_dir / "objects"
-        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])]
+        # A draining pod (colocate:scale.draining) still runs but has left the Worker's POD_URLS.
+        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])
+                if p["index"] < len(plan.pods) and plan.pods[p["index"]].in_rotation]
         values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url,
                   POD_URLS_FROM_OUTPUT: pod_urls_text(urls)}
         text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
@@ -215,7 +217,7 @@ class Runner:
             _log(f"apply: deleted pod {pod.get('index', 0)} ({pod.get('name')}): {why}")
             record()
 
-        sites = sites_for(plan, launch, (current[0] or {}).get("location", "local"))
+        sites = sites_for(plan, launch, (current[0] if current and current[0] else {}).get("location", "local"))
         swapped = None
         for i, pod in enumerate(plan.pods):
             before = old.get(i)
@@ -246,7 +248,7 @@ class Runner:
         through the Worker's own endpoint (as `migrate.py purge` does in the cloud)."""
         record = self.state_dir / "purged.json"
         done = set((_read_json(record) or {}).get("purged", []))
-        token = load_secrets(self.state_dir)["probeToken"]
+        token = load_secrets(self.state_dir)["adminToken"]
         for gen in plan.state.purge:
             if gen in done:
                 continue
@@ -263,7 +265,7 @@ class Runner:
         self.revision += 1
         secrets = load_secrets(self.state_dir)
         pins = Pins(self.state_dir / PINS_FILE)
-        first = pods[0]
+        first = pods[0] if pods else {"worker_url": "", "url": ""}  # a cell scaled to zero has none
         fallback_url = self.fallback_url
         geography = self.network.geography
         state = plan.state
@@ -272,7 +274,7 @@ class Runner:
             "stack": plan.stack,
             "region": plan.region.name,
             "worker_url": f"http://127.0.0.1:{self.servers.front.port}",
-            "pod_url": first["worker_url"].rstrip("/"),
+            "pod_url": first["worker_url"].rstrip("/") or None,
             "pod_id": first.get("id"),
             "pod_location": first.get("location"),
             "pods": [{"index": p["index"], "id": p.get("id"), "name": p.get("name"), "url": p["worker_url"].rstrip("/"),
@@ -280,7 +282,9 @@ class Runner:
                       "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)}
                      for p in pods],
             "fallback_url": fallback_url,
-            "token": secrets["probeToken"],
+            "token": secrets["adminToken"],  # keys.py's; the probe and the live view take read_token
+            "read_token": secrets["readToken"],
+            "exchange_token": secrets["exchangeToken"],  # a fleet's front door's
             "key": self.key.get("key"),
             "key_id": self.key.get("id"),
             "state_dir": str(self.state_dir),

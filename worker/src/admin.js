@@ -1,6 +1,6 @@
-// The operator endpoints, all behind PROBE_TOKEN: probe, breaker override, purge, client
-// keys and usage. The probe token is never a client key and a client key never opens
-// these (tokenMatches compares against PROBE_TOKEN only).
+// The operator endpoints: probe, live view, breaker, purge, client keys, usage and the
+// fleet's exchange, each behind the one operator credential its route names (routes.js
+// `roles`; docs/worker.md, "Who holds what"). A client key never opens them.
 
 import { readBody, parseJsonObject } from "./body.js";
 import { HttpError, jsonResponse } from "./errors.js";
@@ -27,11 +27,41 @@ export async function tokenMatches(given, expected) {
   return sameDigest(a, b);
 }
 
-async function authorise(request, cfg) {
+// Which credentials open a role: an admin may also read; the exchange's only exchanges.
+const OPENS = { read: ["read", "admin"], admin: ["admin"], exchange: ["exchange"] };
+const HOLDER = { read: "READ_TOKEN", admin: "ADMIN_TOKEN", exchange: "EXCHANGE_TOKEN" };
+
+/**
+ * Refuse a request whose bearer credential does not open `role` ("read", "admin" or
+ * "exchange"): 401 when it is no operator credential at all, 403 when it is one that
+ * holds less (a read-only token asking to mint a key). Every comparison is constant-time.
+ */
+export async function authorise(request, cfg, role) {
   const header = request.headers.get("authorization") || "";
   const m = /^Bearer\s+(.+)$/i.exec(header);
-  if (!m) throw new HttpError(401, "unauthorized", "send Authorization: Bearer <probe token>");
-  if (!(await tokenMatches(m[1].trim(), cfg.probeToken))) throw new HttpError(401, "unauthorized", "the probe token is wrong");
+  if (!m) throw new HttpError(401, "unauthorized", `send Authorization: Bearer <${HOLDER[role]}>`);
+  const given = await keyHash(m[1].trim());
+  const held = Object.keys(HOLDER).filter((r) => cfg.tokens[r] !== undefined);
+  const digests = await Promise.all(held.map((r) => digestOfToken(cfg.tokens[r])));
+  const matched = held.filter((r, i) => sameDigest(given, digests[i]));
+  if (matched.some((r) => OPENS[role].includes(r))) return;
+  if (matched.length) {
+    throw new HttpError(403, "forbidden", `this credential cannot ${request.method} ${new URL(request.url).pathname}: it needs ${HOLDER[role]}`);
+  }
+  throw new HttpError(401, "unauthorized", `the credential is wrong: this endpoint takes ${HOLDER[role]}`);
+}
+
+// The configured tokens' digests, once per token per isolate.
+const tokenDigests = new Map();
+
+async function digestOfToken(token) {
+  let d = tokenDigests.get(token);
+  if (d === undefined) {
+    d = await keyHash(token);
+    if (tokenDigests.size >= 16) tokenDigests.clear();
+    tokenDigests.set(token, d);
+  }
+  return d;
 }
 
 async function jsonBody(request) {
@@ -47,13 +77,15 @@ const HANDLERS = {
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
   live: (request, env, cfg, url) => live(env, cfg, url),
+  scale: (request, env, cfg) => (request.method === "POST" ? scaleRecord(request, env, cfg) : scaleState(env, cfg)),
+  scale_lock: (request, env, cfg) => scaleLock(request, env, cfg),
   metrics: (request, env, cfg) => metrics(env, cfg),
   fleet_counters: (request, env, cfg, url) => fleetCounters(env, cfg, url),
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
 
 export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop) {
-  await authorise(request, cfg);
+  await authorise(request, cfg, r.roles[request.method]);
   return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl, hop);
 }
 
@@ -86,7 +118,8 @@ async function fallbackCheck(cfg, fetchImpl) {
 /** The breaker as operators read it: pod 0's machine state and the override, plus every pod. */
 function breakerView(cfg, view) {
   const pods = cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host, ...podSnap(view, u) }));
-  const { state, failures, opened_at, trial_at } = pods[0];
+  // A cell scaled to zero routes to no pod: its machine reads closed, with the override as set.
+  const { state, failures, opened_at, trial_at } = pods[0] ?? { state: "closed", failures: 0, opened_at: null, trial_at: null };
   return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
     imported: view.imported, pods };
 }
@@ -111,19 +144,19 @@ async function probe(request, env, cfg, url, fetchImpl, hop) {
     ray_colo: rayColo(request.headers.get("cf-ray")),
     state_colo: stateColo,
     state_rtt_ms: round(stateRtt),
-    pod_rtt_ms: round(pods[0].ms),
-    pod_ok: pods[0].ok,
-    pod_status: pods[0].status,
+    pod_rtt_ms: pods.length ? round(pods[0].ms) : null,
+    pod_ok: pods.length ? pods[0].ok : null,
+    pod_status: pods.length ? pods[0].status : null,
     generation: cfg.activeGeneration,
     hint: cfg.activeHint,
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
-    pod_host: new URL(cfg.podUrls[0]).host,
+    pod_host: pods.length ? new URL(cfg.podUrls[0]).host : null,
     pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
     breaker: breakerView(cfg, view),
   };
   if (fallback) body.fallback = fallback;
-  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods[0].ms, total: now() - t0 }, PROBE_METRICS);
+  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, PROBE_METRICS);
   return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
 
@@ -340,4 +373,48 @@ async function peersOf(env, cfg, url) {
 
 function round(ms) {
   return Math.round(ms * 100) / 100;
+}
+
+// --- scaling (colocate/scaler.py) ---
+
+const OWNER_RE = /^[A-Za-z0-9][A-Za-z0-9 ._:@-]{0,127}$/;
+const MAX_LOCK_MS = 3_600_000;
+
+/** The scaling signals, the lock and the last decision, with the pods this version routes to. */
+async function scaleState(env, cfg) {
+  const state = await activeStub(env, cfg).scaleState(infoOf(cfg));
+  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length }, noStore);
+}
+
+function ownerOf(body) {
+  if (typeof body.owner !== "string" || !OWNER_RE.test(body.owner)) {
+    throw new HttpError(400, "invalid_owner", "owner must be 1-128 letters, digits, spaces or ._:@- (the controller's name)");
+  }
+  return body.owner;
+}
+
+/** {owner, ttl_ms, release?}: take, renew or release the controllers' lock (409 when another holds it). */
+async function scaleLock(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const release = body.release === true;
+  const ttl = body.ttl_ms;
+  if (!release && !(Number.isInteger(ttl) && ttl > 0 && ttl <= MAX_LOCK_MS)) {
+    throw new HttpError(400, "invalid_ttl", `ttl_ms must be a whole number of ms from 1 to ${MAX_LOCK_MS}`);
+  }
+  const res = await activeStub(env, cfg).scaleLock(owner, release ? 0 : ttl, release, infoOf(cfg));
+  return jsonResponse(res.granted ? 200 : 409, res, noStore);
+}
+
+/** {owner, decision: {desired, running, reason, ...}}: recorded only for the lock's holder (409 otherwise). */
+async function scaleRecord(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const d = body.decision;
+  if (!d || typeof d !== "object" || !Number.isInteger(d.desired) || !Number.isInteger(d.running) || typeof d.reason !== "string"
+      || d.reason.length > 500) {
+    throw new HttpError(400, "invalid_decision", "decision must be {desired: int, running: int, reason: text up to 500 characters, ...}");
+  }
+  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg));
+  return jsonResponse(res.recorded ? 200 : 409, res, noStore);
 }

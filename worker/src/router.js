@@ -8,19 +8,20 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
+import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { C_INFLIGHT, C_MONTH, estimate, refusal } from "./limits.js";
+import { estimate, rateHeaders, refusal } from "./limits.js";
+import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
-import { lookup } from "./routes.js";
+import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, lookup } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
   served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
-import { estimateUsage, stripStream, tapStream, usageOfJson } from "./usage.js";
+import { capUsage, estimateUsage, stripStream, tapStream, usageCeiling, usageOfAnswer } from "./usage.js";
 import { validateBody } from "./validate.js";
-import { handleAdmin } from "./admin.js";
+import { handleAdmin, tokenMatches } from "./admin.js";
 import { learnColo, recordRequest } from "./histogram.js";
 
 /**
@@ -133,28 +134,34 @@ function releaseSlot(request) {
   if (release) release();
 }
 
-/** Refuse a request over one of the key's limits (429 with Retry-After), else admit it (returns when). */
+/**
+ * Refuse a request over one of the key's limits (429 with Retry-After), else admit it: returns
+ * when, and the x-ratelimit headers of its answer.
+ */
 function enforceLimits(request, cfg, key) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
   const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
-  const month = (g ? g[C_MONTH] : 0) + pendingMonthTokens(gen, key.id, t);
-  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[C_INFLIGHT] : 0) : 0;
+  const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
+  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
   const no = refusal(key, est, month, t, inflight);
   if (no) {
-    const err = new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
+    const headers = Object.fromEntries(rateHeaders(key, est, t, false));
+    headers["retry-after"] = String(no.retryAfterS);
+    const err = new HttpError(429, no.code, no.message, headers, no.type);
     err.holdMs = holdFor(key.id, t);
     throw err;
   }
   const release = admit(cfg, key, t);
   if (release) slots.set(request, release);
-  return t;
+  return { at: t, headers: rateHeaders(key, est, t, true) };
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const t0 = now();
-  const timing = { state: 0, upstream: 0, fallback: 0, total: 0 };
+  // `client`: the colo a fleet's front door received the request in (the live view's client colo)
+  const timing = { state: 0, upstream: 0, fallback: 0, total: 0, client: request.headers.get(CLIENT_COLO_HEADER) };
   const gen = cfg.activeGeneration;
   // The warm path awaits nothing until the body: a fresh view and a known key are sync.
   let entry = freshEntry(env, ctx, cfg);
@@ -172,12 +179,16 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json);
   }
-  const admittedAt = enforceLimits(request, cfg, key);
+  // The pod's deadline starts now: a slow upload is the client's time, not the pod's.
+  const t1 = bytes === null ? t0 : now();
+  const admitted = enforceLimits(request, cfg, key);
+  const limits = admitted.headers;
   scheduleFlush(env, ctx, cfg);
-  // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last byte).
+  // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
+  // byte). What an upstream reports is believed only up to what the request allows.
   const meter = (backend, usage) => {
     releaseSlot(request);
-    meterServed(env, ctx, cfg, key.id, backend, usage);
+    meterServed(env, ctx, cfg, key.id, backend, json === null ? usage : ceiled(env, backend, usage, json, bytes.length));
   };
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
@@ -219,7 +230,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       if (trial) index = pick;
     }
     if (index < 0) break;
-    const deadline = cfg.deadlineMs - (now() - t0);
+    const deadline = cfg.deadlineMs - (now() - t1);
     if (deadline <= 0) break;
     tried.add(index);
     const podUrl = urls[index];
@@ -238,15 +249,15 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       const backend = `pod-${index}`;
       if (!res.stream) {
         finished(podUrl);
-        meter(backend, usageOfJson(res.bytes));
-        return finish(res.bytes, res.response, backend, timing, t0);
+        meter(backend, json !== null && res.response.ok ? usageOfAnswer(res.bytes, guess) : null);
+        return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
       const tap = counted(res.response.body, (usage) => {
         finished(podUrl);
         meter(backend, usage);
       });
       ctx.waitUntil(tap.piped);
-      return finish(tap.body, res.response, backend, timing, t0);
+      return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
     }
     finished(podUrl);
     suspects.push(podUrl);
@@ -254,11 +265,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     if (res.reason === "deadline") break; // no time is left for another pod
   }
 
-  if (request.headers.get("x-colocate-fallback") === "defer") {
-    // A fleet's front door asks for "no pod" rather than the paid fallback: it tries another cell (docs/fleet.md).
+  if (request.headers.get(DEFER_HEADER) === "defer" && (await fromFrontDoor(request, cfg))) {
+    // A fleet's front door asks for "no pod" rather than the paid fallback: it tries another
+    // cell (docs/fleet.md). From anyone else the header is ignored: a client that could
+    // defer would be served by no one yet have its request withdrawn from its limits.
     blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
     releaseSlot(request);
-    withdraw(cfg, key.id, admittedAt); // the next cell counts it: the fleet's limits count it once
+    withdraw(cfg, key.id, admitted.at); // the next cell counts it: the fleet's limits count it once
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }
@@ -276,19 +289,34 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     blame(suspects, blameOf(suspects.length, null));
     meter("fallback", null);
     const error = errorResponse(err.status, err.code, err.message, {}, err.type);
-    return finish(error.body, error, "fallback", timing, t0);
+    return finish(error.body, error, "fallback", timing, t0, limits);
   }
   blame(suspects, blameOf(suspects.length, res.status));
   if (isStream(res) && res.body) {
     timing.fallback = now() - t;
     const tap = counted(res.body, (usage) => meter("fallback", usage));
     ctx.waitUntil(tap.piped);
-    return finish(tap.body, res, "fallback", timing, t0);
+    return finish(tap.body, clientInit(res), "fallback", timing, t0, limits);
   }
-  const body = await res.arrayBuffer();
+  let body;
+  try {
+    body = await fallbackBytes(res);
+  } catch (err) {
+    if (!(err instanceof HttpError)) throw err;
+    timing.fallback = now() - t;
+    meter("fallback", null);
+    const error = errorResponse(err.status, err.code, err.message, {}, err.type);
+    return finish(error.body, error, "fallback", timing, t0, limits);
+  }
   timing.fallback = now() - t;
-  meter("fallback", res.ok ? usageOfJson(body) : null);
-  return finish(body, res, "fallback", timing, t0);
+  meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
+  return finish(body, clientInit(res), "fallback", timing, t0, limits);
+}
+
+/** Whether the request carries this cell's exchange token, as only its fleet's front door sends it. */
+function fromFrontDoor(request, cfg) {
+  const token = request.headers.get(FRONT_HEADER);
+  return token === null ? false : tokenMatches(token, cfg.tokens.exchange);
 }
 
 /**
@@ -301,6 +329,13 @@ function healthWitness(env, ctx, cfg, podUrl, fetchImpl) {
   });
 }
 
+/** `usage` within what the request allows; a cut is logged (a pod that over-reports is broken or hostile). */
+function ceiled(env, backend, usage, json, bodyBytes) {
+  const u = capUsage(usage, usageCeiling(json, bodyBytes));
+  if (u && u.capped) log(env, "usage_capped", { backend, prompt: u.prompt, completion: u.completion });
+  return u;
+}
+
 /** Count a served request against its key (usage, tokens) and plan the flush. */
 function meterServed(env, ctx, cfg, keyId, backend, usage) {
   served(cfg, keyId, Date.now(), backend, usage);
@@ -311,12 +346,14 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
   }
 }
 
-/** The client's response: `body` with the status and headers of `from`, plus ours. */
-function finish(body, from, backend, timing, t0) {
+/** The client's response: `body` with the status and headers of `from` (a Response of ours,
+ * or an upstream's `clientInit`), plus ours and the key's x-ratelimit `limits` headers. */
+function finish(body, from, backend, timing, t0, limits = []) {
   const res = new Response(body, from);
   timing.total = now() - t0;
   recordRequest(backend, timing); // the live view's histograms: memory only, carried by the next sync
   res.headers.set("x-colocate-backend", backend);
   res.headers.set("server-timing", serverTiming(timing));
+  for (const [name, value] of limits) res.headers.set(name, value);
   return res;
 }
