@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,21 +51,27 @@ def _write(path: Path, text: str) -> None:
 
 
 def load(state_dir: Path) -> HopCredentials:
-    """The state directory's hop credentials, made on first use."""
+    """The state directory's hop credentials, made on first use. They are written into a private
+    temporary directory and renamed into place whole, so a reader in another process (``status``)
+    never pairs a certificate with another run's key; the first rename wins."""
+    d = Path(state_dir) / DIR
     with _LOCK:
-        return _load(Path(state_dir) / DIR)
-
-
-def _load(d: Path) -> HopCredentials:
-    names = [f"{n}.{ext}" for n in FILES.values() for ext in ("pem", "key")]
-    if not all((d / n).is_file() for n in names):
-        d.mkdir(parents=True, exist_ok=True)
-        os.chmod(d, 0o700)
-        ca = LocalCA.create("colocate sandbox pod hop CA")
-        made = {"ca": Leaf(ca.cert_pem, ca.key_pem), "pod": ca.server(POD_NAME),
-                "worker": ca.client("colocate worker"), "check": ca.client("colocate pod readiness")}
-        for key, leaf in made.items():
-            _write(d / f"{FILES[key]}.pem", leaf.cert_pem)
-            _write(d / f"{FILES[key]}.key", leaf.key_pem)
-    read = {k: Leaf((d / f"{n}.pem").read_text(), (d / f"{n}.key").read_text()) for k, n in FILES.items()}
+        if not d.is_dir():
+            _make(d)
+        read = {k: Leaf((d / f"{n}.pem").read_text(), (d / f"{n}.key").read_text()) for k, n in FILES.items()}
     return HopCredentials(LocalCA(read["ca"].cert_pem, read["ca"].key_pem), read["pod"], read["worker"], read["check"])
+
+
+def _make(d: Path) -> None:
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".hop-", dir=d.parent))  # mode 0700
+    ca = LocalCA.create("colocate sandbox pod hop CA")
+    made = {"ca": Leaf(ca.cert_pem, ca.key_pem), "pod": ca.server(POD_NAME),
+            "worker": ca.client("colocate worker"), "check": ca.client("colocate pod readiness")}
+    for key, leaf in made.items():
+        _write(tmp / f"{FILES[key]}.pem", leaf.cert_pem)
+        _write(tmp / f"{FILES[key]}.key", leaf.key_pem)
+    try:
+        os.rename(tmp, d)
+    except OSError:  # another process made it first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
