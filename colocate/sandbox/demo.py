@@ -362,7 +362,8 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
            answer leaving it; e2e - total is the network between the user and the Worker.
     state  how long the Worker waited on the state object before forwarding (0: it used its copy);
     state_rtt  one round trip Worker <-> state object; upstream  the pod's answer as the Worker saw it;
-    pod_rtt  one GET /health Worker <-> pod.
+    pod_rtt  one GET /health Worker <-> pod, on the Worker's pooled mutual-TLS connection;
+    pod_rtt_new  the same on a new connection: TCP, the TLS handshake, then the request.
     miss {deadline} ms  the share of requests slower than {deadline} ms end to end, the deadline a client
            (or a router in front of it) would fall back to a paid API at. {deadline} ms is the next multiple of
            {DEADLINE_STEP_MS} ms above the slowest request after the migration ({max(after):.0f} ms), so phase 3 meets it
