@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from colocate import admin
+from colocate.payloads import COUNTER, EXCHANGE
 from tests.support.fleet import Fleet, running_fleet
 from tests.support.workerd import SECRETS, auth, request
 
@@ -71,10 +72,9 @@ def until(fn, ok, within_s: float = CONVERGE_S):
         time.sleep(0.1)
 
 
-def peer(field: int):
-    """A view's peers row field: 2 req, 7 month tokens (the row as pushed)."""
-    names = {2: "req", 7: "month_tokens"}
-    return lambda v: (v["peers"] or {}).get(names[field], 0)
+def peer(column: str):
+    """A view's peers row column (payloads.js EXCHANGE, the row as pushed)."""
+    return lambda v: (v["peers"] or {}).get(column, 0)
 
 
 def fresh_minute(need_s: float) -> None:
@@ -96,8 +96,8 @@ def test_rpm_used_in_one_cell_is_counted_in_the_other(fl):
     fresh_minute(40)
     key, kid = make_key(fl, rpm=limit)
     assert [r.status for r in send(fl, A, key, limit // 2)] == [200] * (limit // 2)
-    got = until(lambda: view(fl, B, kid), lambda v: peer(2)(v) >= limit // 2)
-    assert peer(2)(got) == limit // 2 and got["counts"][1] == limit // 2, got
+    got = until(lambda: view(fl, B, kid), lambda v: peer("req")(v) >= limit // 2)
+    assert peer("req")(got) == limit // 2 and got["counts"][COUNTER["req"]] == limit // 2, got
     # B admits what is left of the fleet's limit, then refuses in OpenAI's shape. Its
     # isolate never served the key, so its look-up carries the peers: no per-cell slack.
     statuses = [r.status for r in send(fl, B, key, limit)]
@@ -110,7 +110,7 @@ def test_rpm_used_in_one_cell_is_counted_in_the_other(fl):
     assert refused.headers["x-colocate-cell"] == B and int(refused.headers["retry-after"]) >= 1
     # And back: A learns of B's half and refuses too (its own isolate holds the key: the
     # peers reach it with its next background sync, within the state TTL).
-    until(lambda: view(fl, A, kid), lambda v: peer(2)(v) >= limit - limit // 2)
+    until(lambda: view(fl, A, kid), lambda v: peer("req")(v) >= limit - limit // 2)
     assert until(lambda: call(fl, A, key).status, lambda s: s == 429, 5 * STATE_TTL_MS / 1000) == 429
 
 
@@ -121,10 +121,11 @@ def test_a_monthly_budget_used_up_in_one_cell_is_refused_in_the_other(fl):
     key, kid = make_key(fl, monthly_tokens=budget)
     statuses = [call(fl, A, key).status for _ in range(12)]
     assert 429 in statuses and statuses.index(429) > 0, statuses  # served until the budget was used
-    used = until(lambda: view(fl, A, kid)["own"] or [0] * 6, lambda o: o[5] >= budget)[5]
+    month = COUNTER["month_tokens"]
+    used = until(lambda: view(fl, A, kid)["own"] or [0] * len(COUNTER), lambda o: o[month] >= budget)[month]
     assert used >= budget
-    got = until(lambda: view(fl, B, kid), lambda v: peer(7)(v) >= budget)
-    assert peer(7)(got) == used, got
+    got = until(lambda: view(fl, B, kid), lambda v: peer("month_tokens")(v) >= budget)
+    assert peer("month_tokens")(got) == used, got
     res = call(fl, B, key)
     assert res.status == 429 and res.json()["error"]["code"] == "insufficient_quota", res.body
 
@@ -157,8 +158,8 @@ def test_both_cells_at_once_overshoot_at_most_the_documented_bound(fl):
     assert total <= limit + unseen, (total, unseen, {c: len(v) for c, v in admitted.items()})
     assert total <= 2 * limit  # N cells x L at worst
     # Once the exchange has carried both sides, neither cell admits more this minute.
-    until(lambda: view(fl, A, kid), lambda v: peer(2)(v) >= len(admitted[B]))
-    until(lambda: view(fl, B, kid), lambda v: peer(2)(v) >= len(admitted[A]))
+    until(lambda: view(fl, A, kid), lambda v: peer("req")(v) >= len(admitted[B]))
+    until(lambda: view(fl, B, kid), lambda v: peer("req")(v) >= len(admitted[A]))
     for cell in (A, B):
         assert until(lambda c=cell: call(fl, c, key).status, lambda s: s == 429, 5 * STATE_TTL_MS / 1000) == 429
 
@@ -178,7 +179,7 @@ def test_a_known_key_waits_0_ms_on_state_in_each_cell_while_exchanges_run(fl):
     assert waits == {A: [0] * 25, B: [0] * 25}, waits
     # ... and the exchange did run meanwhile: each cell sees the other's requests.
     for cell in (A, B):
-        assert peer(2)(until(lambda c=cell: view(fl, c, kid), lambda v: peer(2)(v) >= 28)) >= 28, cell
+        assert peer("req")(until(lambda c=cell: view(fl, c, kid), lambda v: peer("req")(v) >= 28)) >= 28, cell
 
 
 # --- a deferred request counts once -------------------------------------------------------
@@ -191,17 +192,17 @@ def test_a_request_a_cell_deferred_is_counted_only_where_it_was_served(fl):
     finally:
         fl.cell(A).breaker(None)
     assert [(r.status, r.headers["x-colocate-cell"]) for r in res] == [(200, B)] * 4
-    got = until(lambda: view(fl, B, kid), lambda v: (v["own"] or [0, 0])[1] >= 4)
-    assert got["own"][1] == 4
+    got = until(lambda: view(fl, B, kid), lambda v: (v["own"] or [0, 0])[COUNTER["req"]] >= 4)
+    assert got["own"][COUNTER["req"]] == 4
     # A admitted each before answering "no pod" and took it back in the same batch: the key
     # is among A's changed counters (what the ledger reads) with 0 requests.
     def in_a():
         rows = request(fl.cell(A).url, "GET", "/_colocate/fleet/counters?since=0", headers=auth()).json()["rows"]
-        return next((r for r in rows if r[0] == kid), None)
+        return next((r for r in rows if r[EXCHANGE["key_id"]] == kid), None)
 
     row = until(in_a, lambda r: r is not None)
-    assert row is not None and row[2] == 0 and row[4] == 0, row
-    assert peer(2)(until(lambda: view(fl, A, kid), lambda v: peer(2)(v) >= 4)) == 4
+    assert row is not None and row[EXCHANGE["req"]] == 0 and row[EXCHANGE["prev_req"]] == 0, row
+    assert peer("req")(until(lambda: view(fl, A, kid), lambda v: peer("req")(v) >= 4)) == 4
 
 
 # --- (f) the endpoints --------------------------------------------------------------------
@@ -256,8 +257,8 @@ def test_a_cell_that_does_not_answer_is_skipped_and_the_others_keep_exchanging()
         for cell in (A, B):
             send(f, cell, key, 1)  # held by each cell's isolate from now on
         waits = [call(f, A, key).timing()["state"] for _ in range(4)]
-        got = until(lambda: view(f, B, kid), lambda v: peer(2)(v) >= 5)
-        assert peer(2)(got) == 5, got
+        got = until(lambda: view(f, B, kid), lambda v: peer("req")(v) >= 5)
+        assert peer("req")(got) == 5, got
         waits += [call(f, B, key).timing()["state"] for _ in range(4)]
         assert waits == [0] * 8, waits  # the hot path does not notice the dead cell
         until(lambda: f.worker.log_text(), lambda t: "us-east (" in t)

@@ -27,6 +27,7 @@ def probe():
 
 @pytest.fixture(autouse=True)
 def no_token_in_env(monkeypatch):
+    monkeypatch.delenv("COLOCATE_READ_TOKEN", raising=False)
     monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
 
 
@@ -146,7 +147,7 @@ def test_wrong_token_is_401_with_the_fix_and_no_secret(probe, capsys):
         code = probe.main([cell.url, "--token", "not-the-token", "--samples", "2"])
     out, err = capsys.readouterr()
     assert code == 2
-    assert "answered 401" in err and "pass --token or set COLOCATE_PROBE_TOKEN" in err
+    assert "answered 401" in err and "pass --token or set COLOCATE_READ_TOKEN" in err
     assert "not-the-token" not in out + err
 
 
@@ -154,11 +155,11 @@ def test_missing_token_exits_2_before_any_request(probe, capsys):
     with fake_cell.serve() as cell:
         code = probe.main([cell.url, "--samples", "2"])
         assert cell.log == []
-    assert code == 2 and "COLOCATE_PROBE_TOKEN" in capsys.readouterr().err
+    assert code == 2 and "COLOCATE_READ_TOKEN" in capsys.readouterr().err
 
 
 def test_token_from_the_environment_never_printed(probe, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", TOKEN)
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", TOKEN)
     with fake_cell.serve(state_colo="IAD") as cell:
         code = probe.main([cell.url, "--samples", "2", "--json", str(tmp_path / "r.json")])
     out, err = capsys.readouterr()
@@ -308,7 +309,7 @@ def test_stack_with_everything_given_does_not_call_pulumi(probe, capsys, monkeyp
     stack_file(tmp_path / "stacks")
     calls = fake_pulumi(tmp_path / "bin", None, exit_code=3)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", TOKEN)
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", TOKEN)
     with fake_cell.serve() as cell:
         code, doc, _ = run_json(probe, capsys, [cell.url, "--stack", "t", "--stacks-dir", str(tmp_path / "stacks"),
                                                "--pod-location", "AP-JP-1", "--pod-path", "zone-dns",
@@ -350,7 +351,7 @@ def test_missing_stack_file_exits_2(probe, capsys, tmp_path):
 
 def test_as_a_subprocess(tmp_path):
     with fake_cell.serve(state_colo="IAD") as cell:
-        env = {**os.environ, "COLOCATE_PROBE_TOKEN": TOKEN}
+        env = {**os.environ, "COLOCATE_READ_TOKEN": TOKEN}
         proc = subprocess.run([sys.executable, str(SCRIPT), cell.url, "--samples", "3", "--json", "-"],
                               capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr

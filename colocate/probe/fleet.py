@@ -452,7 +452,7 @@ def member_targets(cells: Sequence[str], *, stacks_dir: Path, sandboxes_dir: Pat
         name = fleet_mod.short_name(stack_name)
         rec = described.get(name, {})
         region = _region(rec.get("region"), f"region of cell {name} in fleet.json") or _cell_region(stack_name, stacks_dir)
-        target = admin._sandbox_target(Path(rec["state_dir"])) if rec.get("state_dir") else None
+        target = admin.sandbox_target(Path(rec["state_dir"]), "read") if rec.get("state_dir") else None
         if target is None:
             try:
                 target = admin.resolve(stack=stack_name, sandboxes_dir=sandboxes_dir)

@@ -33,7 +33,7 @@ ROUTED_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 ROUTED_METRICS = ("state", "upstream", "fallback", "total")
 PROBE_METRICS = ("state_rtt", "pod_rtt")
-TOKEN_HELP = "pass --token or set COLOCATE_PROBE_TOKEN (the stack's probeToken output)"
+TOKEN_HELP = "pass --token or set COLOCATE_READ_TOKEN (the stack's readToken output)"
 KEY_HELP = ("pass a live key with --key or COLOCATE_CLIENT_KEY (`.venv/bin/python scripts/keys.py create`), "
             "or give neither and the probe mints a short-lived one")
 _RAY = re.compile(r"-([A-Za-z]{3})$")

@@ -4,14 +4,14 @@
 // each cell's generation stores what it is sent (generation.js setPeers) and adds it to
 // the `counts` its isolates read. See docs/fleet.md, "Limits across cells".
 //
-// A row: [key_id, minute, req, tok, prev_req, prev_tok, month "YYYY-MM", month_tokens]:
-// one cell's (or the sum of several cells') requests and tokens in the minute bucket
-// `minute` and the one before, and its tokens in `month`.
+// A row is payloads.js EXCHANGE: one cell's (or the sum of several cells') requests and
+// tokens in the minute bucket `minute` and the one before, and its tokens in `month`.
 
 import { minuteOf } from "./limits.js";
 import { log } from "./errors.js";
+import { COUNTER, EXCHANGE } from "./payloads.js";
 
-export const ROW_LEN = 8;
+const SHAPE_TEXT = `[${EXCHANGE.columns}]`;
 export const MAX_ROWS = 5000; // rows per push (a body of at most ~400 KB)
 const KEY_ID = /^key_[0-9a-f]{12}$/;
 const MONTH = /^\d{4}-\d{2}$/;
@@ -26,19 +26,20 @@ export function monthOf(t) {
  * buckets m and m - 1 (a row from an older minute has moved into "previous", or out).
  */
 export function aligned(row, m) {
-  if (row[1] === m) return [row[2], row[3], row[4], row[5]];
-  if (row[1] === m - 1) return [0, 0, row[2], row[3]];
+  const E = EXCHANGE;
+  if (row[E.minute] === m) return [row[E.req], row[E.tok], row[E.prev_req], row[E.prev_tok]];
+  if (row[E.minute] === m - 1) return [0, 0, row[E.req], row[E.tok]];
   return [0, 0, 0, 0];
 }
 
-/** Add a peer row into a sync's counters `c` ([minute, req, tok, prev_req, prev_tok, month_tokens, ...]) at `now`. */
+/** Add a peer row into a sync's counters `c` (payloads.js COUNTER) at `now`. */
 export function addPeer(c, row, now) {
   const a = aligned(row, minuteOf(now));
-  c[1] += a[0];
-  c[2] += a[1];
-  c[3] += a[2];
-  c[4] += a[3];
-  if (row[6] === monthOf(now)) c[5] += row[7];
+  c[COUNTER.req] += a[0];
+  c[COUNTER.tok] += a[1];
+  c[COUNTER.prev_req] += a[2];
+  c[COUNTER.prev_tok] += a[3];
+  if (row[EXCHANGE.month] === monthOf(now)) c[COUNTER.month_tokens] += row[EXCHANGE.month_tokens];
   return c;
 }
 
@@ -47,33 +48,44 @@ export function addPeer(c, row, now) {
  * together counted in this minute, the previous one and this month.
  */
 export function sumRows(id, rows, now) {
-  const m = minuteOf(now);
   const month = monthOf(now);
-  const out = [id, m, 0, 0, 0, 0, month, 0];
+  const out = EXCHANGE.zero(id, minuteOf(now));
+  out[EXCHANGE.month] = month;
   for (const r of rows) {
-    const a = aligned(r, m);
-    out[2] += a[0];
-    out[3] += a[1];
-    out[4] += a[2];
-    out[5] += a[3];
-    if (r[6] === month) out[7] += r[7];
+    const a = aligned(r, out[EXCHANGE.minute]);
+    out[EXCHANGE.req] += a[0];
+    out[EXCHANGE.tok] += a[1];
+    out[EXCHANGE.prev_req] += a[2];
+    out[EXCHANGE.prev_tok] += a[3];
+    if (r[EXCHANGE.month] === month) out[EXCHANGE.month_tokens] += r[EXCHANGE.month_tokens];
   }
   return out;
 }
 
+/** Whether a row counts anything (an all-zero peer row is deleted, not stored). */
+export function counts(row) {
+  const E = EXCHANGE;
+  return Boolean(row[E.req] || row[E.tok] || row[E.prev_req] || row[E.prev_tok] || row[E.month_tokens]);
+}
+
 /** null when `rows` (a push's body field) is well formed, else the message naming the field. */
 export function badRows(rows) {
-  if (!Array.isArray(rows)) return `field "rows" must be an array of [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
+  if (!Array.isArray(rows)) return `field "rows" must be an array of ${SHAPE_TEXT}`;
   if (rows.length > MAX_ROWS) return `field "rows" holds at most ${MAX_ROWS} rows (got ${rows.length}): send them in parts`;
   for (let i = 0; i < rows.length; i++) {
     const r = rows[i];
     const at = `field "rows[${i}]"`;
-    if (!Array.isArray(r) || r.length !== ROW_LEN) return `${at} must be [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
-    if (typeof r[0] !== "string" || !KEY_ID.test(r[0])) return `${at}[0] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[0])})`;
-    for (const j of [1, 2, 3, 4, 5, 7]) {
+    if (!Array.isArray(r) || r.length !== EXCHANGE.length) return `${at} must be ${SHAPE_TEXT}`;
+    if (typeof r[EXCHANGE.key_id] !== "string" || !KEY_ID.test(r[EXCHANGE.key_id])) {
+      return `${at}[${EXCHANGE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[EXCHANGE.key_id])})`;
+    }
+    for (let j = 0; j < EXCHANGE.length; j++) {
+      if (j === EXCHANGE.key_id || j === EXCHANGE.month) continue;
       if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
     }
-    if (typeof r[6] !== "string" || !MONTH.test(r[6])) return `${at}[6] must be a month YYYY-MM (got ${JSON.stringify(r[6])})`;
+    if (typeof r[EXCHANGE.month] !== "string" || !MONTH.test(r[EXCHANGE.month])) {
+      return `${at}[${EXCHANGE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[EXCHANGE.month])})`;
+    }
   }
   return null;
 }

@@ -1,7 +1,7 @@
 // The fleet's exchange of limit counters: one Durable Object of the front door's Worker
 // (idFromName("ledger")), driven by its alarm every EXCHANGE_MS while the fleet is used.
 //
-// A round: from every cell, over its service binding and with its probe token, the own
+// A round: from every cell, over its service binding and with its exchange token, the own
 // counters of the keys that changed since this ledger's cursor for that cell
 // (GET /_colocate/fleet/counters?since=<cursor>; the cell reads them by index, so a round
 // costs what changed, not how many keys exist); stored per (cell, key) with this ledger's
@@ -19,6 +19,7 @@ import { DurableObject } from "cloudflare:workers";
 import { log } from "./errors.js";
 import { readFleet } from "./fleetfront.js";
 import { MAX_ROWS, sumRows } from "./fleetexchange.js";
+import { EXCHANGE } from "./payloads.js";
 import { now } from "./timing.js";
 
 export const QUIET_MS = 30_000; // rounds go on this long after the last poke (and while they move counters)
@@ -36,6 +37,11 @@ const SCHEMA = [
   `CREATE INDEX IF NOT EXISTS counters_seq ON counters (seq)`,
   `CREATE INDEX IF NOT EXISTS counters_key ON counters (key_id)`,
 ];
+
+// A cell's row as pulled (payloads.js EXCHANGE, the counters table's columns by name).
+const UPSERT_COUNTERS = `INSERT INTO counters (cell, ${EXCHANGE.columns}, seq)
+  VALUES (?, ${EXCHANGE.names.map(() => "?").join(", ")}, ?) ON CONFLICT (cell, key_id) DO UPDATE SET
+  ${[...EXCHANGE.names.filter((n) => n !== "key_id"), "seq"].map((n) => `${n} = excluded.${n}`).join(", ")}`;
 
 export class FleetLedger extends DurableObject {
   constructor(ctx, env) {
@@ -117,10 +123,7 @@ export class FleetLedger extends DurableObject {
         }
         for (const r of body.rows) {
           seq += 1;
-          this.sql.exec(`INSERT INTO counters (cell, key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens, seq)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (cell, key_id) DO UPDATE SET minute = excluded.minute,
-            req = excluded.req, tok = excluded.tok, prev_req = excluded.prev_req, prev_tok = excluded.prev_tok,
-            month = excluded.month, month_tokens = excluded.month_tokens, seq = excluded.seq`, cell.name, ...r, seq);
+          this.sql.exec(UPSERT_COUNTERS, cell.name, ...r, seq);
         }
         this.setMeta("seq", seq);
         this.sql.exec("UPDATE cells SET generation = ?, cursor = ? WHERE cell = ?", body.generation, body.cursor, cell.name);
@@ -139,10 +142,10 @@ export class FleetLedger extends DurableObject {
     if (changed.length > MAX_ROWS) changed.length = MAX_ROWS;
     if (changed.length) {
       const others = new Map();
-      for (const r of this.sql.exec(`SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens FROM counters
+      for (const r of this.sql.exec(`SELECT ${EXCHANGE.columns} FROM counters
           WHERE key_id IN (SELECT value FROM json_each(?)) AND cell != ?`, JSON.stringify(changed.map((c) => c.key_id)), cell.name)) {
         const list = others.get(r.key_id) ?? [];
-        list.push([r.key_id, r.minute, r.req, r.tok, r.prev_req, r.prev_tok, r.month, r.month_tokens]);
+        list.push(EXCHANGE.of(r));
         others.set(r.key_id, list);
       }
       const t = Date.now();
@@ -167,7 +170,7 @@ export class FleetLedger extends DurableObject {
   }
 }
 
-/** One call to a cell's operator endpoint over its service binding, with its probe token. */
+/** One call to a cell's operator endpoint over its service binding, with its exchange token. */
 function call(cfg, cell, path, body, timeoutMs) {
   const init = {
     method: body === null ? "GET" : "POST",

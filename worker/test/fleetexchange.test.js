@@ -1,7 +1,8 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { addPeer, aligned, badRows, monthOf, sumRows } from "../src/fleetexchange.js";
-import { C_MONTH, C_PREV_REQ, C_REQ, WINDOW_MS, estimate, minuteOf, refusal } from "../src/limits.js";
+import { WINDOW_MS, estimate, minuteOf, refusal } from "../src/limits.js";
+import { COUNTER } from "../src/payloads.js";
 
 const T = Date.UTC(2026, 11, 4, 12, 0, 30); // 30 s into a minute
 const M = minuteOf(T);
@@ -26,16 +27,16 @@ test("own + peers is what the limits see: a key used up elsewhere is refused her
   const key = { rpm: 10, tpm: 0, monthly_tokens: 100, max_parallel: 0 };
   const own = [M, 4, 0, 0, 0, 60, 0];
   const none = () => ({ req: 0, tok: 0 });
-  assert.equal(refusal(key, estimate(own, none, T), own[C_MONTH], T), null);
+  assert.equal(refusal(key, estimate(own, none, T), own[COUNTER.month_tokens], T), null);
   // The other cells admitted 6 this minute and 40 tokens this month: together 10 and 100.
   const c = addPeer([...own], row("x", M, 6, 0, 0, 0, "2026-12", 40), T);
-  assert.equal(c[C_REQ], 10);
-  assert.equal(refusal(key, estimate(c, none, T), c[C_MONTH], T).code, "rate_limit_exceeded");
+  assert.equal(c[COUNTER.req], 10);
+  assert.equal(refusal(key, estimate(c, none, T), c[COUNTER.month_tokens], T).code, "rate_limit_exceeded");
   const tokensOnly = addPeer([M, 0, 0, 0, 0, 60, 0], row("x", M - 5, 0, 0, 0, 0, "2026-12", 40), T);
-  assert.equal(refusal(key, estimate(tokensOnly, none, T), tokensOnly[C_MONTH], T).code, "insufficient_quota");
+  assert.equal(refusal(key, estimate(tokensOnly, none, T), tokensOnly[COUNTER.month_tokens], T).code, "insufficient_quota");
   // A minute later the peers' requests weigh as the previous bucket does.
   const later = addPeer([M + 1, 0, 0, 0, 0, 0, 0], row("x", M, 6, 0), T + WINDOW_MS);
-  assert.equal(later[C_PREV_REQ], 6);
+  assert.equal(later[COUNTER.prev_req], 6);
 });
 
 test("pushed rows are checked field by field", () => {
