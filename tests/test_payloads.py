@@ -13,7 +13,8 @@ from colocate import payloads
 from colocate.payloads import COUNTER, EXCHANGE, SHAPES, USAGE
 from tests.support.workerd import ROOT
 
-SHAPE_NAMES = {"COUNTER": "counter", "EXCHANGE": "exchange", "USAGE": "usage", "WINDOW": "window", "INFLIGHT": "inflight"}
+SHAPE_NAMES = {"COUNTER": "counter", "EXCHANGE": "exchange", "USAGE": "usage", "WINDOW": "window", "INFLIGHT": "inflight",
+               "HIST": "hist"}
 SHAPE_PROPERTIES = {"names", "columns", "length", "zero", "of"}
 
 

@@ -23,7 +23,7 @@ import {
   SCHEMA_VERSION, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { addPeer, counts as countsAnything, monthOf } from "./fleetexchange.js";
-import { COUNTER, EXCHANGE, USAGE, WINDOW } from "./payloads.js";
+import { COUNTER, EXCHANGE, HIST, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -427,15 +427,14 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * Add an isolate's live histograms (rows [minute, colo, pod, segment, "index:count,..."])
-   * into seg_minute; then, at most once a minute, roll at most an hour of minutes older than
+   * Add an isolate's live histograms (HIST rows) into seg_minute and seg_total; then, at most once a minute, roll at most an hour of minutes older than
    * 7 days into seg_hour and drop hours older than 35 days (index ranges, bounded work).
    */
   addHist(rows, t) {
     this.ctx.storage.transactionSync(() => {
       for (const r of rows) {
-        if (!Array.isArray(r) || r.length !== 5 || !Number.isSafeInteger(r[0]) || !SEG_NAMES.has(r[3])) continue;
-        if (this.addSeg("seg_minute", "minute", r)) this.addTotal(r[1], r[2], r[3], r[4]);
+        if (!Array.isArray(r) || r.length !== HIST.length || !Number.isSafeInteger(r[HIST.at]) || !SEG_NAMES.has(r[HIST.segment])) continue;
+        if (this.addSeg("seg_minute", "minute", r)) this.addTotal(r[HIST.colo], r[HIST.who], r[HIST.segment], r[HIST.hist]);
       }
       const m = Math.floor(t / MINUTE_MS);
       if (this.rolledAt === m) return;

@@ -46,6 +46,13 @@ export const SHAPES = {
   "inflight": [
     ["key_id", "the client key's id"],
     ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"]
+  ],
+  "hist": [
+    ["at", "the minute (ms / 60000), or the hour (ms / 3600000) in seg_hour"],
+    ["colo", "routed segments: where the Worker ran; sync: where the state object answered"],
+    ["who", "routed segments: the pod index or fallback, @<client colo> behind a front door; sync: the Worker's colo"],
+    ["segment", "state, upstream, fallback, total or sync"],
+    ["hist", "the histogram's text, ~gap*count,... (histogram.js)"]
   ]
 };
 
@@ -89,3 +96,5 @@ export const USAGE = shape(SHAPES.usage);
 export const WINDOW = shape(SHAPES.window);
 /** A sync batch's `inflight` row. */
 export const INFLIGHT = shape(SHAPES.inflight);
+/** A sync batch's `hist` row (seg_minute's), and GET /_colocate/live's `minutes` and `hours`. */
+export const HIST = shape(SHAPES.hist);
