@@ -31,7 +31,12 @@ from pathlib import Path
 
 import requests
 
-from .sandbox.statedir import SANDBOX_CMD, default_state_dir  # not the supervisor, whose runner imports admin
+from .sandbox.statedir import (  # not the supervisor, whose runner imports admin
+    SANDBOX_CMD,
+    default_state_dir,
+    where_command,
+    where_sandboxes_run,
+)
 
 # The credential each role takes from the environment; the old single token is read where
 # the role's own is unset, for one release (docs/worker.md, "Who holds what").
@@ -113,10 +118,12 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
         if sandbox:
             return sandbox
         if state_dir is not None:
-            raise TargetError(f"--state-dir {state_dir}: no running sandbox there (no ready.json); "
-                              "start one with `.venv/bin/python scripts/sandbox.py up`")
+            here = Path(state_dir)
+            raise TargetError(f"--state-dir {state_dir}: no sandbox runs there (no ready.json). Fix: start it with "
+                              f"`{SANDBOX_CMD} up {where_command(here, stack)}`; {where_sandboxes_run(here)}")
     if stack is None:
-        raise TargetError("no target: pass --stack S (a deployed stack or a running sandbox) or --url URL")
+        raise TargetError("no target: pass --stack S (a deployed stack or a running sandbox of it), --state-dir DIR "
+                          f"(a sandbox started with that --state-dir) or --url URL; {where_sandboxes_run()}")
     import shutil
 
     from .probe import outputs  # the Pulumi CLI, only for deployed stacks
@@ -124,9 +131,10 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
 
     def not_found(why: str) -> TargetError:
         # keys.py's own options only (probe.py's messages name options this command lacks).
-        return TargetError(f"--stack {stack}: no sandbox of that stack runs (nothing in {default_state_dir(stack)}) "
+        return TargetError(f"--stack {stack}: no sandbox of that stack runs in {default_state_dir(stack)} "
                            f"and {why}. Fix: `{SANDBOX_CMD} up --stack {stack}` for a sandbox, --state-dir DIR for a "
-                           f"sandbox in another state directory, or --url URL with {token_env} set for a deployed Worker")
+                           f"sandbox in another state directory, or --url URL with {token_env} set for a deployed Worker; "
+                           f"{where_sandboxes_run()}")
 
     if shutil.which("pulumi") is None:
         raise not_found("the pulumi CLI, which reads a deployed stack's outputs, is not on PATH")

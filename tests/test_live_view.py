@@ -275,4 +275,3 @@ def test_a_schema_3_object_upgrades_in_place_its_minutes_read_as_before(tmp_path
         counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith('colocate_segment_seconds_count{segment="total",')]
         assert sum(counts) == n + 1
-        assert 'colocate_requests_total{backend="pods"} ' + str(n + 1) in text

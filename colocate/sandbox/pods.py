@@ -74,6 +74,9 @@ def _create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
             made[i] = created
             _record_pods(state_dir, made)
 
+    if not plan.pods:  # a cell scaled to zero
+        _record_pods(state_dir, [])
+        return []
     with ThreadPoolExecutor(max_workers=len(plan.pods)) as ex:
         list(ex.map(one, range(len(plan.pods))))
     if errors:

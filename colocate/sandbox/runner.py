@@ -119,7 +119,7 @@ class Runner:
         pins = Pins(self.state_dir / PINS_FILE)
 
         pods = _create_pods(self.state_dir, plan, secrets["podToken"])
-        sites = sites_for(plan, launch, pods[0].get("location", "local"))
+        sites = sites_for(plan, launch, pods[0].get("location", "local") if pods else "local")
         fallback_url = local_url(self._start_fallback(secrets["fallbackApiKey"]))
         network = Network(geography, sites, pins, targets={_hostport(fallback_url): sites.fallback})
         network.targets.update(self._pod_targets(plan, launch, sites, pods))
@@ -140,7 +140,9 @@ class Runner:
         pins = Pins(self.state_dir / PINS_FILE)
         state_sites = object_sites(plan, sites.edge, pins)
         objects = self.state_dir / "objects"
-        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])]
+        # A draining pod (colocate:scale.draining) still runs but has left the Worker's POD_URLS.
+        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])
+                if p["index"] < len(plan.pods) and plan.pods[p["index"]].in_rotation]
         values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url,
                   POD_URLS_FROM_OUTPUT: pod_urls_text(urls)}
         text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
@@ -191,7 +193,7 @@ class Runner:
             _log(f"apply: deleted pod {pod.get('index', 0)} ({pod.get('name')}): {why}")
             record()
 
-        sites = sites_for(plan, launch, (current[0] or {}).get("location", "local"))
+        sites = sites_for(plan, launch, (current[0] if current and current[0] else {}).get("location", "local"))
         swapped = None
         for i, pod in enumerate(plan.pods):
             before = old.get(i)
@@ -238,7 +240,7 @@ class Runner:
         self.revision += 1
         secrets = load_secrets(self.state_dir)
         pins = Pins(self.state_dir / PINS_FILE)
-        first = pods[0]
+        first = pods[0] if pods else {"worker_url": "", "url": ""}  # a cell scaled to zero has none
         fallback_url = self.fallback_url
         geography = self.network.geography
         state = plan.state
@@ -247,7 +249,7 @@ class Runner:
             "stack": plan.stack,
             "region": plan.region.name,
             "worker_url": f"http://127.0.0.1:{self.servers.front.port}",
-            "pod_url": first["worker_url"].rstrip("/"),
+            "pod_url": first["worker_url"].rstrip("/") or None,
             "pod_id": first.get("id"),
             "pod_location": first.get("location"),
             "pods": [{"index": p["index"], "id": p.get("id"), "name": p.get("name"), "url": p["worker_url"].rstrip("/"),

@@ -77,6 +77,8 @@ const HANDLERS = {
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
   live: (request, env, cfg, url) => live(env, cfg, url),
+  scale: (request, env, cfg) => (request.method === "POST" ? scaleRecord(request, env, cfg) : scaleState(env, cfg)),
+  scale_lock: (request, env, cfg) => scaleLock(request, env, cfg),
   metrics: (request, env, cfg) => metrics(env, cfg),
   fleet_counters: (request, env, cfg, url) => fleetCounters(env, cfg, url),
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
@@ -116,7 +118,8 @@ async function fallbackCheck(cfg, fetchImpl) {
 /** The breaker as operators read it: pod 0's machine state and the override, plus every pod. */
 function breakerView(cfg, view) {
   const pods = cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host, ...podSnap(view, u) }));
-  const { state, failures, opened_at, trial_at } = pods[0];
+  // A cell scaled to zero routes to no pod: its machine reads closed, with the override as set.
+  const { state, failures, opened_at, trial_at } = pods[0] ?? { state: "closed", failures: 0, opened_at: null, trial_at: null };
   return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
     imported: view.imported, pods };
 }
@@ -141,19 +144,19 @@ async function probe(request, env, cfg, url, fetchImpl) {
     ray_colo: rayColo(request.headers.get("cf-ray")),
     state_colo: stateColo,
     state_rtt_ms: round(stateRtt),
-    pod_rtt_ms: round(pods[0].ms),
-    pod_ok: pods[0].ok,
-    pod_status: pods[0].status,
+    pod_rtt_ms: pods.length ? round(pods[0].ms) : null,
+    pod_ok: pods.length ? pods[0].ok : null,
+    pod_status: pods.length ? pods[0].status : null,
     generation: cfg.activeGeneration,
     hint: cfg.activeHint,
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
-    pod_host: new URL(cfg.podUrls[0]).host,
+    pod_host: pods.length ? new URL(cfg.podUrls[0]).host : null,
     pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
     breaker: breakerView(cfg, view),
   };
   if (fallback) body.fallback = fallback;
-  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods[0].ms, total: now() - t0 }, PROBE_METRICS);
+  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, PROBE_METRICS);
   return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
 
@@ -370,4 +373,48 @@ async function peersOf(env, cfg, url) {
 
 function round(ms) {
   return Math.round(ms * 100) / 100;
+}
+
+// --- scaling (colocate/scaler.py) ---
+
+const OWNER_RE = /^[A-Za-z0-9][A-Za-z0-9 ._:@-]{0,127}$/;
+const MAX_LOCK_MS = 3_600_000;
+
+/** The scaling signals, the lock and the last decision, with the pods this version routes to. */
+async function scaleState(env, cfg) {
+  const state = await activeStub(env, cfg).scaleState(infoOf(cfg));
+  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length }, noStore);
+}
+
+function ownerOf(body) {
+  if (typeof body.owner !== "string" || !OWNER_RE.test(body.owner)) {
+    throw new HttpError(400, "invalid_owner", "owner must be 1-128 letters, digits, spaces or ._:@- (the controller's name)");
+  }
+  return body.owner;
+}
+
+/** {owner, ttl_ms, release?}: take, renew or release the controllers' lock (409 when another holds it). */
+async function scaleLock(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const release = body.release === true;
+  const ttl = body.ttl_ms;
+  if (!release && !(Number.isInteger(ttl) && ttl > 0 && ttl <= MAX_LOCK_MS)) {
+    throw new HttpError(400, "invalid_ttl", `ttl_ms must be a whole number of ms from 1 to ${MAX_LOCK_MS}`);
+  }
+  const res = await activeStub(env, cfg).scaleLock(owner, release ? 0 : ttl, release, infoOf(cfg));
+  return jsonResponse(res.granted ? 200 : 409, res, noStore);
+}
+
+/** {owner, decision: {desired, running, reason, ...}}: recorded only for the lock's holder (409 otherwise). */
+async function scaleRecord(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const d = body.decision;
+  if (!d || typeof d !== "object" || !Number.isInteger(d.desired) || !Number.isInteger(d.running) || typeof d.reason !== "string"
+      || d.reason.length > 500) {
+    throw new HttpError(400, "invalid_decision", "decision must be {desired: int, running: int, reason: text up to 500 characters, ...}");
+  }
+  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg));
+  return jsonResponse(res.recorded ? 200 : 409, res, noStore);
 }

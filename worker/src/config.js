@@ -45,7 +45,7 @@ function checkUrl(name, v, secret) {
   return v.replace(/\/+$/, "");
 }
 
-/** POD_URLS: a JSON array of the pods' base URLs, pod index = position. */
+/** POD_URLS: a JSON array of the pods' base URLs, pod index = position; empty in a cell scaled to zero. */
 function podUrls(env) {
   const raw = text(env, "POD_URLS");
   let list;
@@ -54,7 +54,7 @@ function podUrls(env) {
   } catch {
     list = null;
   }
-  if (!Array.isArray(list) || list.length === 0 || !list.every((u) => typeof u === "string")) {
+  if (!Array.isArray(list) || !list.every((u) => typeof u === "string")) {
     throw new ConfigurationError("POD_URLS", `must be a JSON array of pod URLs (got ${JSON.stringify(raw)})`);
   }
   return Object.freeze(list.map((u) => checkUrl("POD_URLS", u, false)));

@@ -19,11 +19,11 @@ import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
 import { minuteOf } from "./limits.js";
 import {
-  ADDED_COLUMNS, ADD_SERVED, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
+  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { addPeer, counts as countsAnything, monthOf } from "./fleetexchange.js";
-import { COUNTER, EXCHANGE, HIST, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, EXCHANGE, HIST, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -74,8 +74,8 @@ export class Breaker extends DurableObject {
         SELECT key_id, substr(day, 1, 7), SUM(prompt_tokens + completion_tokens) FROM usage_daily GROUP BY key_id, substr(day, 1, 7)
         ON CONFLICT (key_id, month) DO UPDATE SET tokens = excluded.tokens`);
       // Schema 3 (and older): stored histograms into the current buckets (histogram.js reads
-      // the fixed ones too; converted once, every reader sees one form), and the totals the
-      // Prometheus exposition counts from, once, from what is kept.
+      // the fixed ones too; converted once, every reader sees one form), and the histograms'
+      // totals the Prometheus exposition counts from, once, from what is kept.
       for (const [table, col] of [["seg_minute", "minute"], ["seg_hour", "hour"]]) {
         for (const r of this.sql.exec(`SELECT ${col} AS t, colo, pod, segment, hist FROM ${table} WHERE hist NOT LIKE '~%'`).toArray()) {
           this.sql.exec(`DELETE FROM ${table} WHERE ${col} = ? AND colo = ? AND pod = ? AND segment = ?`, r.t, r.colo, r.pod, r.segment);
@@ -86,9 +86,6 @@ export class Breaker extends DurableObject {
         for (const table of ["seg_minute", "seg_hour"]) {
           for (const r of this.sql.exec(`SELECT colo, pod, segment, hist FROM ${table}`).toArray()) this.addTotal(r.colo, r.pod, r.segment, r.hist);
         }
-      }
-      if (this.sql.exec("SELECT COUNT(*) AS n FROM served_total").one().n === 0) {
-        this.addServed(this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray().map(usageArray));
       }
       // Schema 1 (one KV entry): keep its override; per-pod health starts fresh.
       if (legacy && legacy.snap && FORCE_VALUES.includes(legacy.snap.forced) && legacy.snap.forced !== null) {
@@ -166,8 +163,6 @@ export class Breaker extends DurableObject {
       // An exporter of schema 3 has no totals: they follow from what it kept.
       const totals = data.seg_total ?? [...data.seg_minute || [], ...data.seg_hour || []].map((r) => r.slice(1));
       for (const [colo, pod, segment, hist] of totals) this.addTotal(colo, pod, segment, hist);
-      if (data.served_total) this.sql.exec(ADD_SERVED, JSON.stringify(data.served_total));
-      else this.addServed(data.usage.map(usageArray));
       for (const f of data.inflight ?? []) {
         this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
           ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
@@ -197,8 +192,6 @@ export class Breaker extends DurableObject {
       seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
         .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
       seg_total: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
-      served_total: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray()
-        .map((r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]),
       inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
       peers: this.sql.exec(`SELECT ${EXCHANGE.columns} FROM peer_counters`).toArray().map(EXCHANGE.of),
     };
@@ -384,7 +377,6 @@ export class Breaker extends DurableObject {
         const rows = JSON.stringify(batch.usage.map(usageRow));
         this.sql.exec(BULK_USAGE, rows);
         this.sql.exec(BULK_MONTH, rows);
-        this.addServed(batch.usage);
       }
       if (batch.windows && batch.windows.length) this.sql.exec(BULK_WINDOW, JSON.stringify(batch.windows), oldest);
       this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
@@ -407,7 +399,77 @@ export class Breaker extends DurableObject {
         }
       }
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      for (const r of batch.backends || []) {
+        this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
+          ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
+          prompt_tokens = prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + excluded.completion_tokens`,
+        String(r[BACKEND.backend]), r[BACKEND.requests] | 0, r[BACKEND.prompt_tokens] | 0, r[BACKEND.completion_tokens] | 0);
+      }
+      if (batch.pods) {
+        // This isolate's counts replace its rows: a pod index it no longer has reads 0.
+        const isolate = String(info.isolate ?? "");
+        this.sql.exec("DELETE FROM pod_inflight WHERE isolate = ?", isolate);
+        for (const r of batch.pods) {
+          const n = r[POD_INFLIGHT.n] | 0;
+          if (n > 0) this.sql.exec("INSERT INTO pod_inflight (isolate, pod, n, at) VALUES (?, ?, ?, ?)", isolate, r[POD_INFLIGHT.pod] | 0, n, now);
+        }
+      }
+      this.sql.exec("DELETE FROM pod_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
     });
+  }
+
+  // --- scaling (colocate/scaler.py reads and records through admin.js /_colocate/scale) ---
+
+  /**
+   * The controller's signals and what controllers recorded: cumulative requests and
+   * tokens by backend, requests in flight per pod index (summed over isolates; an
+   * isolate's row lives until it syncs 0, or for INFLIGHT_KEEP_MS), the lock and the last
+   * decision.
+   */
+  async scaleState(info) {
+    await this.readThrough(info);
+    const backends = {};
+    for (const r of this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total")) {
+      backends[r.backend] = { requests: r.requests, prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens };
+    }
+    const inflight = {};
+    for (const r of this.sql.exec("SELECT pod, SUM(n) AS n FROM pod_inflight WHERE at >= ? GROUP BY pod",
+      Date.now() - INFLIGHT_KEEP_MS)) {
+      inflight[r.pod] = r.n;
+    }
+    return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")) };
+  }
+
+  scaleLockRow() {
+    const lock = parseJson(this.meta("scale_lock"));
+    return lock && lock.until > Date.now() ? lock : null;
+  }
+
+  /**
+   * The controllers' lock, a lease: granted to `owner` when free, expired or already its
+   * own (renewed for `ttlMs`); `release` frees it if `owner` holds it. One transaction, so
+   * two controllers asking at once cannot both get it.
+   */
+  async scaleLock(owner, ttlMs, release, info) {
+    await this.readThrough(info);
+    let granted = false;
+    this.ctx.storage.transactionSync(() => {
+      const held = this.scaleLockRow();
+      if (held && held.owner !== owner) return;
+      granted = true;
+      if (release) this.setMeta("scale_lock", null);
+      else this.setMeta("scale_lock", JSON.stringify({ owner, since: held ? held.since : Date.now(), until: Date.now() + ttlMs }));
+    });
+    return { granted, lock: this.scaleLockRow() };
+  }
+
+  /** Record a decision of the lock's holder (the last one is what status and the probe show). */
+  async scaleRecord(owner, decision, info) {
+    await this.readThrough(info);
+    const held = this.scaleLockRow();
+    if (!held || held.owner !== owner) return { recorded: false, lock: held };
+    this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
+    return { recorded: true, lock: held };
   }
 
   /**
@@ -475,26 +537,6 @@ export class Breaker extends DurableObject {
     }
   }
 
-  /** Usage rows (batch form) into served_total: each row's tokens split by the requests each backend served. */
-  addServed(usage) {
-    const sums = { pods: [0, 0, 0], fallback: [0, 0, 0] };
-    for (const u of usage) {
-      const pods = u[USAGE.pod_requests] || 0;
-      const fallback = u[USAGE.fallback_requests] || 0;
-      const prompt = u[USAGE.prompt_tokens] || 0;
-      const completion = u[USAGE.completion_tokens] || 0;
-      const share = pods + fallback > 0 ? pods / (pods + fallback) : 1;
-      sums.pods[0] += pods;
-      sums.fallback[0] += fallback;
-      sums.pods[1] += prompt * share;
-      sums.pods[2] += completion * share;
-      sums.fallback[1] += prompt * (1 - share);
-      sums.fallback[2] += completion * (1 - share);
-    }
-    const rows = Object.entries(sums).filter(([, v]) => v[0] || v[1] || v[2]).map(([b, v]) => [b, ...v]);
-    if (rows.length) this.sql.exec(ADD_SERVED, JSON.stringify(rows));
-  }
-
   /**
    * What GET /_colocate/metrics exposes (never a key or its digest): the cumulative
    * histograms, requests and tokens per backend, key counts, the breaker rows and override.
@@ -504,7 +546,7 @@ export class Breaker extends DurableObject {
     const now = Date.now();
     return {
       segments: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
-      served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray(),
+      served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total").toArray(),
       keys: this.sql.exec(`SELECT COUNT(*) AS total,
           COALESCE(SUM(revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)), 0) AS active,
           COALESCE(SUM(revoked_at IS NOT NULL), 0) AS revoked FROM client_keys`, now).one(),
@@ -677,6 +719,14 @@ export class Breaker extends DurableObject {
   }
 }
 
+function parseJson(text) {
+  try {
+    return text === null ? null : JSON.parse(text);
+  } catch {
+    return null;
+  }
+}
+
 /** A key row as isolates hold it: `revoked` tells a holder to drop it. */
 function keyView(r) {
   return { id: r.id, hash: r.hash, name: r.name, rpm: r.rpm, tpm: r.tpm, monthly_tokens: r.monthly_tokens,
@@ -690,11 +740,6 @@ function mergedText(prev, hist) {
   } catch {
     return null;
   }
-}
-
-/** A usage_daily row in the batch's array form (a column an older exporter lacks: 0). */
-function usageArray(u) {
-  return USAGE.names.map((n) => u[n] ?? 0);
 }
 
 /** A batch usage row; a row of a Worker from before a column was added gets 0 for it. */

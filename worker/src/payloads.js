@@ -53,6 +53,16 @@ export const SHAPES = {
     ["who", "routed segments: the pod index or fallback, @<client colo> behind a front door; sync: the Worker's colo"],
     ["segment", "state, upstream, fallback, total or sync"],
     ["hist", "the histogram's text, ~gap*count,... (histogram.js)"]
+  ],
+  "backend": [
+    ["backend", "who answered: pod-<i>, fallback, or none (a fleet's front door took it elsewhere)"],
+    ["requests", "requests it answered since the last sync"],
+    ["prompt_tokens", "their prompt tokens"],
+    ["completion_tokens", "their completion tokens"]
+  ],
+  "pod_inflight": [
+    ["pod", "the pod's index in POD_URLS"],
+    ["n", "requests this isolate has in flight there now"]
   ]
 };
 
@@ -98,3 +108,7 @@ export const WINDOW = shape(SHAPES.window);
 export const INFLIGHT = shape(SHAPES.inflight);
 /** A sync batch's `hist` row (seg_minute's), and GET /_colocate/live's `minutes` and `hours`. */
 export const HIST = shape(SHAPES.hist);
+/** A sync batch's `backends` row: the scaling controller's demand signal (backend_total). */
+export const BACKEND = shape(SHAPES.backend);
+/** A sync batch's `pods` row: every pod of this isolate's POD_URLS, whenever one's count moved (pod_inflight). */
+export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
