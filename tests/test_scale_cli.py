@@ -38,3 +38,12 @@ def test_no_running_sandbox_and_a_bad_interval_are_refused(tmp_path):
     assert r.returncode == 2 and "no sandbox runs there" in r.stderr and "sandbox.py up --stack sandbox" in r.stderr
     r = scale("run", "--stack", "sandbox", "--sandbox", "--stacks-dir", str(stacks), "--interval", "0")
     assert r.returncode == 2 and "--interval" in r.stderr and "must be positive" in r.stderr
+
+
+def test_the_cloud_needs_the_pulumi_cli(tmp_path):
+    stacks = sandbox_stacks(tmp_path / "stacks", compute_ms=5)
+    stackfile.write_config("sandbox", {"scale": {"min": 0, "max": 2}}, stacks)
+    env_path = str(Path(sys.executable).parent)  # python, and no pulumi
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale.py"), "run", "--stack", "sandbox", "--stacks-dir",
+                        str(stacks)], capture_output=True, text=True, cwd=ROOT, timeout=60, env={"PATH": env_path})
+    assert r.returncode == 2 and "the Pulumi CLI is not on PATH" in r.stderr and "--sandbox" in r.stderr
