@@ -495,7 +495,10 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),
-        ("DEFAULT_MAX_PARALLEL", str(settings.default_max_parallel)),
+        ("DEFAULT_RPM", str(settings.key_defaults["rpm"])),
+        ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),
+        ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
+        ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
     ]
     if settings.fallback_model:
         plain.append(("FALLBACK_MODEL", settings.fallback_model))

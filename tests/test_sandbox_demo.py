@@ -16,7 +16,7 @@ import pytest
 
 from colocate import plan, settings
 from colocate.errors import ConfigError
-from colocate.sandbox import demo, supervisor
+from colocate.sandbox import demo, demo_plot, supervisor
 from colocate.sandbox.geography import Geography
 from tests.test_plan import SECRETS, raw_for
 
@@ -51,6 +51,10 @@ def story(tmp_path):
                ((146, 146), 109, 0, 108, 13, 13)]
     for phase, n in zip(demo.PHASES, numbers, strict=True):
         d.results[phase.label] = _result(*n, fallback_rate=0.25 if phase.label == "1-us-east" else 0.0)
+        if not phase.expect_ok:  # the split: the probe finds the state object far from the Worker
+            d.results[phase.label].update(_exit=1, placement={"ran": "TPE", "state": "IAD"}, violations=[
+                {"kind": "placement", "part": "state", "message": "state object runs in IAD ..."},
+                {"kind": "budget", "segment": "state_rtt", "budget_ms": 40.0, "message": "..."}])
     return d
 
 
@@ -68,10 +72,30 @@ def test_table_has_every_phase_p50_p90_and_rates_in_percent(story):
 
 def test_bars_stack_to_the_e2e_p50(story):
     for bar in story.bars():
-        parts = sum(v for k, v in bar.items() if k not in ("phase", "e2e"))
+        parts = sum(bar[name] for name, _ in demo_plot.PARTS)
         assert parts == pytest.approx(bar["e2e"])
     split_fresh = story.bars()[2]
     assert split_fresh["state wait"] == 198 and split_fresh["network (client to Worker)"] == 343 - 306
+
+
+def test_the_bars_carry_state_rtt_and_the_probes_verdict(story):
+    bars = story.bars()
+    split = bars[1]  # e2e like phase 3's: only state_rtt and the probe tell the split apart
+    assert split["e2e"] == pytest.approx(bars[4]["e2e"], abs=1)
+    assert (split["state_rtt"], bars[4]["state_rtt"]) == (198, 13)
+    assert split["probe_ok"] is False and bars[4]["probe_ok"] is True
+    assert split["probe_says"] == "probe FAILS:\nstate placement,\nstate_rtt over 40 ms\n(Worker TPE, state IAD)"
+    assert bars[4]["probe_says"] == "probe: all checks hold"
+    assert demo_plot._tick(split).splitlines()[:2] == ["2 split", "state_rtt 198 ms"]
+
+
+def test_the_readmes_copy_of_the_table_has_the_demos_rows_and_columns(story):
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("```\nsegment ") + 4:]
+    shown = shown[:shown.index("```")].splitlines()
+    printed = [line[4:] for line in story.table(200).splitlines()]
+    assert shown[0] == printed[0] and shown[1] == printed[1]  # the headings, as printed
+    assert [line[:14].strip() for line in shown[2:]] == [line[:14].strip() for line in printed[2:]]  # every row
 
 
 def test_plot_writes_one_png(story, tmp_path):

@@ -47,15 +47,19 @@ from .statedir import (
     is_running,
     load_secrets,
     owner,
+    remember,
     running_sandboxes,
     try_lock,
+    where_command,
+    where_sandboxes_run,
 )
 
 # What scripts/ and tests/ import from here; the rest lives in the modules above.
 __all__ = [
     "PODS_FILE", "ROOT", "SANDBOX_CMD", "STOP_TIMEOUT_S", "UP_TIMEOUT_S", "Launch", "alive", "apply",
     "build_plan", "check_owner", "default_state_dir", "deferred_signals", "down", "is_running",
-    "load_secrets", "owner", "running_sandboxes", "sites_for", "status", "stop_runner", "up",
+    "load_secrets", "owner", "remember", "running_sandboxes", "sites_for", "status", "stop_runner", "up",
+    "where_command", "where_sandboxes_run",
 ]
 
 UP_TIMEOUT_S = 90.0
@@ -83,6 +87,7 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
                              f"run `{SANDBOX_CMD} down --state-dir {state_dir}` first")
     launched = False
     try:
+        remember(state_dir)
         load_secrets(state_dir)
         # We hold the lock, so no runner lives here: whatever run.json says is stale. From now
         # on run.json is written only by the runner itself, before it starts anything.
@@ -152,7 +157,8 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
     previous = _read_json(state_dir / "ready.json")
     run = _read_json(state_dir / "run.json") or {}
     if not previous or not is_running(state_dir) or not alive(run.get("pid")):
-        raise NotRunning(f"no sandbox runs in {state_dir}; start one with `{SANDBOX_CMD} up --stack {stack}`")
+        raise NotRunning(f"no sandbox runs in {state_dir}; start it with `{SANDBOX_CMD} up "
+                         f"{where_command(state_dir, stack)}`; {where_sandboxes_run(state_dir)}")
     check_owner(state_dir, stack)
     old = Launch.from_json(_read_json(state_dir / "launch.json") or {})
     launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
@@ -184,6 +190,9 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
     state_dir = Path(state_dir).resolve()
     with deferred_signals():  # a Ctrl-C during down must not leave half of the cell running
         held = is_running(state_dir)
+        # The runner deletes the pods it made when it stops: which pods ran is read first, so the
+        # answer says whether they are gone, whoever deleted them.
+        pod_pids = [p.get("pid") for p in (_read_json(state_dir / "ready.json") or {}).get("pods") or [] if p.get("pid")]
         run = _read_json(state_dir / "run.json") or {}
         pid, pgid = run.get("pid"), run.get("pgid")
         stopped = []
@@ -204,7 +213,8 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
             (state_dir / name).unlink(missing_ok=True)
     if not quiet:
         _log(f"stopped {state_dir}")
-    return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pod_deleted or bool(strays),
+    pods_gone = bool(pod_pids) and not any(alive(pid) for pid in pod_pids)
+    return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pods_gone or pod_deleted or bool(strays),
             "was_running": bool(held or stopped or pod_deleted or strays), "running": is_running(state_dir)}
 
 

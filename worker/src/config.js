@@ -92,7 +92,13 @@ export function readConfig(env) {
     failureThreshold: int(env, "FAILURE_THRESHOLD", { min: 1 }),
     openMs: int(env, "OPEN_MS", { min: 1 }),
     stateTtlMs: int(env, "STATE_TTL_MS", { min: 0 }),
-    defaultMaxParallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
+    // The limits of a key created without them (colocate:keys.defaults); absent: none.
+    keyDefaults: Object.freeze({
+      rpm: optionalInt(env, "DEFAULT_RPM", 0, { min: 0 }),
+      tpm: optionalInt(env, "DEFAULT_TPM", 0, { min: 0 }),
+      monthly_tokens: optionalInt(env, "DEFAULT_MONTHLY_TOKENS", 0, { min: 0 }),
+      max_parallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
+    }),
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
     podUrls: podUrls(env),
     fallbackUrl: baseUrl(env, "FALLBACK_URL", true),

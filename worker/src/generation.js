@@ -8,7 +8,7 @@
 //
 // Migration: while a generation drains, the Worker passes its name in `info`. The first
 // call that names a draining generation this object has not imported yet copies that
-// generation's whole state (exportAll: override, keys, usage, counters) inside
+// generation's whole state (exportAll, page by page: override, keys, usage, counters) inside
 // blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once.
 // The router also calls `importFrom` before it purges a draining generation, so nothing
 // is lost even if no request touched the new generation in between. Once exported, a
@@ -43,6 +43,39 @@ export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's ex
 
 // The counter columns a fleet's exchange carries: those both shapes name.
 const SHARED = COUNTER.names.filter((n) => EXCHANGE.names.includes(n));
+
+export const EXPORT_ROWS = 5000; // rows of one table per exportAll page
+// What exportAll pages through, in order: [name in the import, query, row shape or null].
+const EXPORT_PARTS = [
+  ["keys", `SELECT ${KEY_COLUMNS} FROM client_keys`, null],
+  ["usage", `SELECT ${USAGE_COLUMNS} FROM usage_daily`, null],
+  ["months", "SELECT key_id, month, tokens FROM key_month", null],
+  ["windows", "SELECT key_id, minute, requests, tokens FROM rate_window", null],
+  ["seg_minute", "SELECT minute, colo, pod, segment, hist FROM seg_minute", (r) => [r.minute, r.colo, r.pod, r.segment, r.hist]],
+  ["seg_hour", "SELECT hour, colo, pod, segment, hist FROM seg_hour", (r) => [r.hour, r.colo, r.pod, r.segment, r.hist]],
+  ["seg_total", "SELECT colo, pod, segment, hist FROM seg_total", (r) => [r.colo, r.pod, r.segment, r.hist]],
+  ["served_total", "SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total",
+    (r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]],
+  ["inflight", "SELECT key_id, isolate, n, at FROM key_inflight", null],
+  ["peers", `SELECT ${EXCHANGE.columns} FROM peer_counters`, EXCHANGE.of],
+];
+
+/**
+ * A draining generation's whole state, read page by page (`exportAll`) and imported in one
+ * transaction by the caller: a read cut short imports nothing, so a retry counts nothing twice.
+ */
+export async function exportedState(other, successor) {
+  const data = {};
+  let cursor = null;
+  do {
+    const page = await other.exportAll(successor, cursor);
+    data.forced = page.forced;
+    for (const row of page.rows) (data[page.part] ??= []).push(row);
+    data[page.part] ??= [];
+    cursor = page.next;
+  } while (cursor);
+  return data;
+}
 
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
@@ -138,7 +171,7 @@ export class Breaker extends DurableObject {
       const ns = this.env.BREAKER;
       const id = ns.idFromName(from);
       const other = info.drainingHint ? ns.get(id, { locationHint: info.drainingHint }) : ns.get(id);
-      this.importState(from, await other.exportAll(info.generation));
+      this.importState(from, await exportedState(other, info.generation));
     });
   }
 
@@ -180,28 +213,23 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * Everything a successor generation takes over (pod health stays: the pods change).
-   * From now on usage batches that reach this generation go on to `successor`.
+   * Everything a successor generation takes over (pod health stays: the pods change), one
+   * page at a time: at most EXPORT_ROWS rows of one table per call (a generation's whole
+   * history in one answer could pass the size an RPC carries). `cursor` is the previous
+   * page's `next`; null starts over. From the first page on, usage batches that reach this
+   * generation go on to `successor`.
    */
-  async exportAll(successor = null) {
+  async exportAll(successor = null, cursor = null) {
     await this.unpurge();
     if (successor) this.setMeta("successor", successor);
-    return {
-      forced: this.meta("forced"),
-      keys: this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys`).toArray(),
-      usage: this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray(),
-      months: this.sql.exec("SELECT key_id, month, tokens FROM key_month").toArray(),
-      windows: this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window").toArray(),
-      seg_minute: this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute").toArray()
-        .map((r) => [r.minute, r.colo, r.pod, r.segment, r.hist]),
-      seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
-        .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
-      seg_total: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
-      served_total: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray()
-        .map((r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]),
-      inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
-      peers: this.sql.exec(`SELECT ${EXCHANGE.columns} FROM peer_counters`).toArray().map(EXCHANGE.of),
-    };
+    const at = cursor ?? { part: 0, offset: 0 };
+    const [name, query, shape] = EXPORT_PARTS[at.part];
+    const rows = this.sql.exec(`${query} ORDER BY rowid LIMIT ? OFFSET ?`, EXPORT_ROWS + 1, at.offset).toArray();
+    const more = rows.length > EXPORT_ROWS;
+    if (more) rows.length = EXPORT_ROWS;
+    const next = more ? { part: at.part, offset: at.offset + EXPORT_ROWS }
+      : at.part + 1 < EXPORT_PARTS.length ? { part: at.part + 1, offset: 0 } : null;
+    return { forced: this.meta("forced"), part: name, rows: shape ? rows.map(shape) : rows, next };
   }
 
   /** Import a named generation now (the router calls this before purging it). */

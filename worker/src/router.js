@@ -10,7 +10,7 @@ import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, clientInit, fallbackBytes, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, refusal } from "./limits.js";
+import { estimate, rateHeaders, refusal } from "./limits.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, lookup } from "./routes.js";
@@ -133,7 +133,10 @@ function releaseSlot(request) {
   if (release) release();
 }
 
-/** Refuse a request over one of the key's limits (429 with Retry-After), else admit it (returns when). */
+/**
+ * Refuse a request over one of the key's limits (429 with Retry-After), else admit it: returns
+ * when, and the x-ratelimit headers of its answer.
+ */
 function enforceLimits(request, cfg, key) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
@@ -143,13 +146,15 @@ function enforceLimits(request, cfg, key) {
   const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
   const no = refusal(key, est, month, t, inflight);
   if (no) {
-    const err = new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
+    const headers = Object.fromEntries(rateHeaders(key, est, t, false));
+    headers["retry-after"] = String(no.retryAfterS);
+    const err = new HttpError(429, no.code, no.message, headers, no.type);
     err.holdMs = holdFor(key.id, t);
     throw err;
   }
   const release = admit(cfg, key, t);
   if (release) slots.set(request, release);
-  return t;
+  return { at: t, headers: rateHeaders(key, est, t, true) };
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
@@ -175,7 +180,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   }
   // The pod's deadline starts now: a slow upload is the client's time, not the pod's.
   const t1 = bytes === null ? t0 : now();
-  const admittedAt = enforceLimits(request, cfg, key);
+  const admitted = enforceLimits(request, cfg, key);
+  const limits = admitted.headers;
   scheduleFlush(env, ctx, cfg);
   // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
   // byte). What an upstream reports is believed only up to what the request allows.
@@ -243,14 +249,14 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
       if (!res.stream) {
         finished(podUrl);
         meter(backend, json !== null && res.response.ok ? usageOfAnswer(res.bytes, guess) : null);
-        return finish(res.bytes, clientInit(res.response), backend, timing, t0);
+        return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
       const tap = counted(res.response.body, (usage) => {
         finished(podUrl);
         meter(backend, usage);
       });
       ctx.waitUntil(tap.piped);
-      return finish(tap.body, clientInit(res.response), backend, timing, t0);
+      return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
     }
     finished(podUrl);
     suspects.push(podUrl);
@@ -264,7 +270,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     // defer would be served by no one yet have its request withdrawn from its limits.
     blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
     releaseSlot(request);
-    withdraw(cfg, key.id, admittedAt); // the next cell counts it: the fleet's limits count it once
+    withdraw(cfg, key.id, admitted.at); // the next cell counts it: the fleet's limits count it once
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }
@@ -282,14 +288,14 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     blame(suspects, blameOf(suspects.length, null));
     meter("fallback", null);
     const error = errorResponse(err.status, err.code, err.message, {}, err.type);
-    return finish(error.body, error, "fallback", timing, t0);
+    return finish(error.body, error, "fallback", timing, t0, limits);
   }
   blame(suspects, blameOf(suspects.length, res.status));
   if (isStream(res) && res.body) {
     timing.fallback = now() - t;
     const tap = counted(res.body, (usage) => meter("fallback", usage));
     ctx.waitUntil(tap.piped);
-    return finish(tap.body, clientInit(res), "fallback", timing, t0);
+    return finish(tap.body, clientInit(res), "fallback", timing, t0, limits);
   }
   let body;
   try {
@@ -299,11 +305,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     timing.fallback = now() - t;
     meter("fallback", null);
     const error = errorResponse(err.status, err.code, err.message, {}, err.type);
-    return finish(error.body, error, "fallback", timing, t0);
+    return finish(error.body, error, "fallback", timing, t0, limits);
   }
   timing.fallback = now() - t;
   meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
-  return finish(body, clientInit(res), "fallback", timing, t0);
+  return finish(body, clientInit(res), "fallback", timing, t0, limits);
 }
 
 /** Whether the request carries this cell's exchange token, as only its fleet's front door sends it. */
@@ -340,12 +346,13 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
 }
 
 /** The client's response: `body` with the status and headers of `from` (a Response of ours,
- * or an upstream's `clientInit`), plus ours. */
-function finish(body, from, backend, timing, t0) {
+ * or an upstream's `clientInit`), plus ours and the key's x-ratelimit `limits` headers. */
+function finish(body, from, backend, timing, t0, limits = []) {
   const res = new Response(body, from);
   timing.total = now() - t0;
   recordRequest(backend, timing); // the live view's histograms: memory only, carried by the next sync
   res.headers.set("x-colocate-backend", backend);
   res.headers.set("server-timing", serverTiming(timing));
+  for (const [name, value] of limits) res.headers.set(name, value);
   return res;
 }
