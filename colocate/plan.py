@@ -62,7 +62,10 @@ class Module:
     text: str | None = None
 
     def content(self) -> str:
-        return self.text if self.text is not None else self.path.read_text()
+        if self.text is not None:
+            return self.text
+        assert self.path is not None, f"module {self.name} has neither a path nor a text"
+        return self.path.read_text()
 
 
 PLACEMENT_POD, PLACEMENT_TARGETED, PLACEMENT_SMART = "pod", "targeted", "smart"
@@ -468,8 +471,8 @@ def migration_decision(live: str | None, file_tag: str = "", *, script: str = ""
                           "set colocate:worker.allowClassDeletion true only if that data may go")
     # As wrangler does: nothing pending, no migrations block at all (an empty step list
     # with old_tag == new_tag is not the same request).
-    migrations = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps} if steps else None
-    return MigrationDecision(migrations, tuple(tags[start:]), applied, source, warning)
+    block = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps} if steps else None
+    return MigrationDecision(block, tuple(tags[start:]), applied, source, warning)
 
 
 def hint_of(gen: Generation) -> str:
@@ -564,7 +567,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             settings=settings.pod,
             # Pod i prefers the region's i-th location (spread), the others stay as capacity fallbacks.
             locations=locations[i % len(locations):] + locations[:i % len(locations)],
-            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i) if path == PATH_ZONE_DNS else None,
+            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i)
+            if path == PATH_ZONE_DNS and settings.zone is not None else None,
             path=path,
             in_rotation=settings.scale is None or i < settings.scale.pods,
         ).with_derived_name()

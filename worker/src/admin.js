@@ -1,3 +1,4 @@
+// @ts-check
 // The operator endpoints: probe, live view, breaker, purge, client keys, usage and the
 // fleet's exchange, each behind the one operator credential its route names (routes.js
 // `roles`; docs/worker.md, "Who holds what"). A client key never opens them.

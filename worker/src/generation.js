@@ -1,3 +1,4 @@
+// @ts-check
 // The generation's Durable Object: all of a cell's routed state, in SQLite (schema.js).
 //
 // One object per generation (idFromName(generation)); the class keeps its historical
@@ -42,7 +43,7 @@ const INFLIGHT_KEEP_MS = 10 * 60_000; // in-flight rows of isolates silent this 
 export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's exchange; `more: true` asks again
 
 // The counter columns a fleet's exchange carries: those both shapes name.
-const SHARED = COUNTER.names.filter((n) => EXCHANGE.names.includes(n));
+const SHARED = COUNTER.names.filter((n) => /** @type {readonly string[]} */ (EXCHANGE.names).includes(n));
 
 export const EXPORT_ROWS = 5000; // rows of one table per exportAll page
 // What exportAll pages through, in order: [name in the import, query, row shape or null].
@@ -93,6 +94,7 @@ export class Breaker extends DurableObject {
       for (const stmt of INDEXES) this.sql.exec(stmt);
       return;
     }
+    /** @type {{snap?: {forced?: string | null}, adopted_from?: string} | undefined} */
     const legacy = version === null ? await this.ctx.storage.get(LEGACY_KV_KEY) : undefined;
     this.ctx.storage.transactionSync(() => {
       // Schema 2 (and older): add the new columns in place; nothing is copied or lost.
@@ -322,6 +324,7 @@ export class Breaker extends DurableObject {
    * CHANGED_ROWS, by the index on key_changed.seq: {generation, cursor, more, reset,
    * rows: [EXCHANGE row]}. A cursor ahead of this generation (a new one after a
    * migration) reads from the start.
+   * @returns {Promise<import("./payloads.js").CountersAnswer>}
    */
   async changedCounters(since, info) {
     await this.readThrough(info);
@@ -356,7 +359,10 @@ export class Breaker extends DurableObject {
     return { stored: keep.length, deleted: gone.length };
   }
 
-  /** One key's peer row and own counters (the operator's view of what the exchange brought). */
+  /**
+   * One key's peer row and own counters (the operator's view of what the exchange brought).
+   * @returns {Promise<import("./payloads.js").PeersAnswer>}
+   */
   async peersOf(id, info) {
     await this.readThrough(info);
     const r = this.sql.exec(`SELECT ${EXCHANGE.columns}, at FROM peer_counters WHERE key_id = ?`, id).toArray()[0] ?? null;
@@ -381,7 +387,12 @@ export class Breaker extends DurableObject {
       imported, at: now, colo: this.coloOnce };
   }
 
-  /** Apply an isolate's batched deltas and answer the current view. */
+  /**
+   * Apply an isolate's batched deltas and answer the current view.
+   * @param {import("./payloads.js").SyncInfo} info
+   * @param {import("./payloads.js").SyncBatch | null} batch
+   * @returns {Promise<import("./payloads.js").SyncAnswer>}
+   */
   async sync(info, batch = null) {
     await this.readThrough(info);
     const successor = this.meta("successor");
@@ -398,6 +409,7 @@ export class Breaker extends DurableObject {
     const now = Date.now();
     if (batch) this.apply(batch, info, now);
     if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, now);
+    /** @type {import("./payloads.js").SyncAnswer} */
     const view = this.view(info.haveRev ?? -1, info);
     // A stale isolate's request with a key it does not hold: found in the same round trip.
     if (Array.isArray(info.lookup) && info.lookup.length) view.found = this.byDigest(info.lookup, info);
@@ -533,7 +545,9 @@ export class Breaker extends DurableObject {
     this.ctx.storage.transactionSync(() => {
       for (const r of rows) {
         if (!Array.isArray(r) || r.length !== 5 || !Number.isSafeInteger(r[0]) || !SEG_NAMES.has(r[3])) continue;
-        if (this.addSeg("seg_minute", "minute", r)) this.addTotal(r[1], r[2], r[3], r[4]);
+        if (this.addSeg("seg_minute", "minute", /** @type {[number, string, string, string, string]} */ (r))) {
+          this.addTotal(r[1], r[2], r[3], r[4]);
+        }
       }
       const m = Math.floor(t / MINUTE_MS);
       if (this.rolledAt === m) return;

@@ -1,3 +1,4 @@
+// @ts-check
 // Live segment histograms: relative-error log buckets (DDSketch's idea on OpenTelemetry's
 // exponential grid at scale 5), counted in memory on the hot path and carried to the
 // generation object by the isolate's sync (`batch.hist`), no I/O of their own.

@@ -1,3 +1,4 @@
+// @ts-check
 // GET /_colocate/metrics: the cell in Prometheus' text exposition format (version 0.0.4).
 // Pure: the generation object's `metrics` answer and the cell's config in, text out.
 //

@@ -1,3 +1,4 @@
+// @ts-check
 // The generation object's SQLite schema: every piece of routed state a cell keeps.
 //
 // One object per generation holds it all, so the generation-rename migration moves all
