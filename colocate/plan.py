@@ -62,7 +62,10 @@ class Module:
     text: str | None = None
 
     def content(self) -> str:
-        return self.text if self.text is not None else self.path.read_text()
+        if self.text is not None:
+            return self.text
+        assert self.path is not None, f"module {self.name} has neither a path nor a text"
+        return self.path.read_text()
 
 
 PLACEMENT_POD, PLACEMENT_TARGETED, PLACEMENT_SMART = "pod", "targeted", "smart"
@@ -490,8 +493,8 @@ def migration_decision(live: str | None, file_tag: str = "", *, script: str = ""
                           "set colocate:worker.allowClassDeletion true only if that data may go")
     # As wrangler does: nothing pending, no migrations block at all (an empty step list
     # with old_tag == new_tag is not the same request).
-    migrations = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps} if steps else None
-    return MigrationDecision(migrations, tuple(tags[start:]), applied, source, warning)
+    block = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps} if steps else None
+    return MigrationDecision(block, tuple(tags[start:]), applied, source, warning)
 
 
 def hint_of(gen: Generation) -> str:
@@ -517,7 +520,10 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),
-        ("DEFAULT_MAX_PARALLEL", str(settings.default_max_parallel)),
+        ("DEFAULT_RPM", str(settings.key_defaults["rpm"])),
+        ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),
+        ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
+        ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
     ]
     if settings.fallback_model:
         plain.append(("FALLBACK_MODEL", settings.fallback_model))
@@ -585,7 +591,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             settings=settings.pod,
             # Pod i prefers the region's i-th location (spread), the others stay as capacity fallbacks.
             locations=locations[i % len(locations):] + locations[:i % len(locations)],
-            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i) if path == PATH_ZONE_DNS else None,
+            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i)
+            if path == PATH_ZONE_DNS and settings.zone is not None else None,
             path=path,
             in_rotation=settings.scale is None or i < settings.scale.pods,
         ).with_derived_name()

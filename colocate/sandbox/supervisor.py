@@ -242,7 +242,7 @@ def status(state_dir: Path) -> dict:
     worker_ok, worker_status = _http_ok(ready["worker_url"] + "/_colocate/probe",
                                         {"authorization": f"Bearer {ready['token']}"}, timeout=10)
     # Every pod, at the address its process listens on (the Worker's hostname is the proxy's to map).
-    pods = ready.get("pods") if "pods" in ready else [{"address": ready["pod_url"]}]
+    pods = ready["pods"] if "pods" in ready else [{"address": ready["pod_url"]}]
     pod_ok = all(_pod_ok(state_dir, p.get("address") or p["url"]) for p in pods)
     net_ok, _ = _http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
     out.update(

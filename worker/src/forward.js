@@ -1,3 +1,4 @@
+// @ts-check
 // Forwarding to the pod and to the fallback API.
 
 import { HttpError } from "./errors.js";

@@ -1,3 +1,4 @@
+// @ts-check
 // The request entry: dispatch, bad-input handling, and routing inference requests.
 //
 // A routed request, in order (docs/worker.md): the client key's shape (no I/O), the
@@ -26,7 +27,7 @@ import { learnColo, recordRequest } from "./histogram.js";
 
 /**
  * @param {Request} request
- * @param {object} env  the bindings (see docs/worker.md)
+ * @param {import("./payloads.js").Env} env  the bindings (see docs/worker.md)
  * @param {{waitUntil(p: Promise<unknown>): void}} ctx
  * @param {{fetch?: typeof fetch}} [deps]  tests may pass their own fetch (for the pods too)
  */
@@ -261,8 +262,9 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     }
     finished(podUrl);
     suspects.push(podUrl);
-    log(env, "pod_failed", { reason: res.reason, pod: index, generation: gen });
-    if (res.reason === "deadline") break; // no time is left for another pod
+    const { reason } = /** @type {{reason: string}} */ (res);
+    log(env, "pod_failed", { reason, pod: index, generation: gen });
+    if (reason === "deadline") break; // no time is left for another pod
   }
 
   if (request.headers.get(DEFER_HEADER) === "defer" && (await fromFrontDoor(request, cfg))) {
