@@ -168,12 +168,11 @@ class AdminClient:
             raise Refused(res.status_code, err.get("code", "http_error"), err.get("message", res.text[:200]))
         return data
 
-    def create_key(self, name: str, *, rpm: int = 0, tpm: int = 0, monthly_tokens: int = 0,
+    def create_key(self, name: str, *, rpm: int | None = None, tpm: int | None = None, monthly_tokens: int | None = None,
                    max_parallel: int | None = None, expires_in_s: int | None = None) -> dict:
-        """``max_parallel`` None: the cell's default (colocate:keys.defaultMaxParallel)."""
-        body = {"name": name, "rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens}
-        if max_parallel is not None:
-            body["max_parallel"] = max_parallel
+        """A limit None: the cell's default (colocate:keys.defaults); 0: no limit."""
+        limits = {"rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens, "max_parallel": max_parallel}
+        body = {"name": name, **{k: v for k, v in limits.items() if v is not None}}
         if expires_in_s is not None:
             body["expires_in_s"] = expires_in_s
         return self._call("POST", "/_colocate/keys", body)
@@ -215,16 +214,15 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def key_row(key: str, name: str, *, rpm: int = 0, tpm: int = 0, monthly_tokens: int = 0, max_parallel: int | None = None,
-            expires_in_s: int | None = None, now_ms: int | None = None) -> dict:
-    """The row every cell imports for ``key``: its digest and display prefix, never the key."""
+def key_row(key: str, name: str, *, rpm: int | None = None, tpm: int | None = None, monthly_tokens: int | None = None,
+            max_parallel: int | None = None, expires_in_s: int | None = None, now_ms: int | None = None) -> dict:
+    """The row every cell imports for ``key``: its digest and display prefix, never the key. A
+    limit None is left out: each cell gives it its colocate:keys.defaults."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    row = {"id": new_key_id(), "hash": key_hash(key), "prefix": key[:len(KEY_PREFIX) + 6], "name": name, "rpm": rpm,
-           "tpm": tpm, "monthly_tokens": monthly_tokens, "created_at": now_ms,
-           "expires_at": now_ms + expires_in_s * 1000 if expires_in_s else None}
-    if max_parallel is not None:  # absent: each cell's colocate:keys.defaultMaxParallel
-        row["max_parallel"] = max_parallel
-    return row
+    row = {"id": new_key_id(), "hash": key_hash(key), "prefix": key[:len(KEY_PREFIX) + 6], "name": name,
+           "created_at": now_ms, "expires_at": now_ms + expires_in_s * 1000 if expires_in_s else None}
+    limits = {"rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens, "max_parallel": max_parallel}
+    return {**row, **{k: v for k, v in limits.items() if v is not None}}
 
 
 IMPORT_FIELDS = ("id", "hash", "prefix", "name", "rpm", "tpm", "monthly_tokens", "max_parallel", "created_at", "expires_at")

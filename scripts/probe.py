@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Probe a deployed cell: measure every segment, check where each part ran, against budgets and floors.
 
-    probe.py URL [--token T | env COLOCATE_PROBE_TOKEN] [--key K | env COLOCATE_CLIENT_KEY]
+    probe.py URL [--token T | env COLOCATE_READ_TOKEN] [--key K | env COLOCATE_CLIENT_KEY]
              [--samples 25] [--expect-region R] [--pod-location LOC ...] [--pod-path P]
              [--placement-mode M] [--placement-host HOST:PORT]
              [--budget NAME=MS[@pNN] ...] [--json PATH|-] [--plot PNG] [--stack S] [--warn-only]

@@ -1,9 +1,10 @@
+// @ts-check
 // The operator endpoints: probe, live view, breaker, purge, client keys, usage and the
 // fleet's exchange, each behind the one operator credential its route names (routes.js
 // `roles`; docs/worker.md, "Who holds what"). A client key never opens them.
 
 import { readBody, parseJsonObject } from "./body.js";
-import { HttpError, jsonResponse } from "./errors.js";
+import { HttpError, jsonResponse, log } from "./errors.js";
 import { FORCE_VALUES } from "./machine.js";
 import { displayPrefix, keyHash, newKey, newKeyId, sameDigest } from "./keys.js";
 import { dayOf, monthStartDay } from "./limits.js";
@@ -12,7 +13,7 @@ import { cache, activeStub, infoOf, stubFor } from "./state.js";
 import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { fetchColo, rayColo } from "./trace.js";
-import { badRows } from "./fleetexchange.js";
+import { badRows, goodRows } from "./fleetexchange.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
@@ -69,7 +70,7 @@ async function jsonBody(request) {
 }
 
 const HANDLERS = {
-  probe: (request, env, cfg, url, r, fetchImpl) => probe(request, env, cfg, url, fetchImpl),
+  probe: (request, env, cfg, url, r, fetchImpl, hop) => probe(request, env, cfg, url, fetchImpl, hop),
   breaker: (request, env, cfg) => breaker(request, env, cfg),
   purge: (request, env, cfg) => purge(request, env, cfg),
   keys: (request, env, cfg) => (request.method === "POST" ? createKey(request, env, cfg) : listKeys(env, cfg)),
@@ -84,9 +85,9 @@ const HANDLERS = {
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
 
-export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
+export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   await authorise(request, cfg, r.roles[request.method]);
-  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl);
+  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl, hop);
 }
 
 const noStore = { "cache-control": "no-store" };
@@ -124,7 +125,7 @@ function breakerView(cfg, view) {
     imported: view.imported, pods };
 }
 
-async function probe(request, env, cfg, url, fetchImpl) {
+async function probe(request, env, cfg, url, fetchImpl, hop) {
   const t0 = now();
   // The first touch of a new generation: stubFor passes ACTIVE_HINT as locationHint.
   const stub = activeStub(env, cfg);
@@ -135,7 +136,7 @@ async function probe(request, env, cfg, url, fetchImpl) {
   const [workerColo, stateColo, pods, fallback] = await Promise.all([
     fetchColo(fetchImpl),
     stub.colo().catch(() => null),
-    Promise.all(cfg.podUrls.map((u) => health(fetchImpl, u + "/health", cfg.deadlineMs, null))),
+    Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null))),
     url.searchParams.get("fallback") === "1" ? fallbackCheck(cfg, fetchImpl) : null,
   ]);
   const body = {
@@ -209,8 +210,8 @@ async function createKey(request, env, cfg) {
   }
   const unknown = Object.keys(body).filter((k) => !["name", "expires_in_s", ...LIMIT_FIELDS].includes(k));
   if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, rpm, tpm, monthly_tokens, max_parallel, expires_in_s`);
-  // max_parallel absent: the cell's default for new keys (colocate:keys.defaultMaxParallel).
-  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)]));
+  // A limit absent: the cell's default for new keys (colocate:keys.defaults).
+  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, cfg.keyDefaults[f])]));
   let expiresAt = null;
   if (body.expires_in_s !== undefined && body.expires_in_s !== null) {
     if (!Number.isSafeInteger(body.expires_in_s) || body.expires_in_s <= 0) {
@@ -260,7 +261,7 @@ async function importKey(request, env, cfg) {
     hash: fieldMatching(body, "hash", HASH_RE, "the key's SHA-256 as 64 lower-case hex digits"),
     prefix: fieldMatching(body, "prefix", PREFIX_RE, "the key's first 10 characters (clc_ and 6 more)"),
     name: fieldMatching(body, "name", NAME_RE, "1-64 characters: letters, digits, space, . _ @ -"),
-    ...Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)])),
+    ...Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, cfg.keyDefaults[f])])),
     created_at: timeOf(body, "created_at", false),
     expires_at: timeOf(body, "expires_at", true),
   };
@@ -361,7 +362,10 @@ async function setPeers(request, env, cfg) {
   if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use rows`);
   const bad = badRows(body.rows);
   if (bad) throw new HttpError(400, "invalid_field", bad);
-  return jsonResponse(200, await activeStub(env, cfg).setPeers(body.rows, infoOf(cfg)), noStore);
+  const { good, dropped } = goodRows(body.rows);
+  if (dropped.length) log(env, "fleet_rows_dropped", { count: dropped.length, first: dropped[0] });
+  const stored = await activeStub(env, cfg).setPeers(good, infoOf(cfg));
+  return jsonResponse(200, { ...stored, dropped }, noStore);
 }
 
 /** One key's counters here: own, the peers' as last pushed, and their sum as a sync answers it. */
