@@ -179,6 +179,16 @@ def test_client_account_headers_do_not_reach_the_fallback(cell, key):
     assert usage_row(cell, key, 1)["fallback_requests"] == 1
 
 
+def test_each_key_gets_its_own_prefix_cache_salt_and_cannot_choose_another(cell, key):
+    other = cell.create_key("sec-other")
+    for k in (key, other):
+        assert call(cell, k, body(cache_salt="victim-salt")).status == 200
+        assert call(cell, k, body(stream=True)).status == 200
+    salts = [b.get("cache_salt") for b in cell.pod.seen_bodies[-4:]]
+    assert salts == [key["id"], key["id"], other["id"], other["id"]]
+    assert usage_row(cell, key, 2)["pod_requests"] == 2
+
+
 # --- least privilege for operators -------------------------------------------------------
 
 @pytest.mark.parametrize(("method", "path", "allowed"), [
