@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .errors import ConfigError, MissingSetting
@@ -34,8 +34,8 @@ POD_DEFAULTS = {
     "provider": "runpod",
     "gpu": "NVIDIA GeForce RTX 4090",
     "gpuCount": 1,
-    "image": "vllm/vllm-openai:v0.11.0",
-    "minCudaVersion": "12.8",  # the CUDA the default image is built for
+    "image": "vllm/vllm-openai:v0.33.0-cu129",  # outside vLLM's advisories: docs/pods.md, "The real pod"
+    "minCudaVersion": "12.9",  # the CUDA the default image is built for (-cu129)
     "model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
     "port": 8000,
     "diskGb": 40,
@@ -160,7 +160,7 @@ class PodSettings:
     ready_timeout_s: int
     compute_ms: int
     count: int = 1
-    min_cuda_version: str = POD_DEFAULTS["minCudaVersion"]  # "" = no floor
+    min_cuda_version: str = str(POD_DEFAULTS["minCudaVersion"])  # "" = no floor
     renewal: int = 0  # part of the pods' identity: a new value re-places them
 
 
@@ -253,7 +253,7 @@ _DECIMAL_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 def _number(key: str, value: object, *, integer: bool = False, minimum: float = 0, strict: bool = True,
             maximum: float | None = None) -> Any:
-    n = value
+    n: Any = value
     if isinstance(value, str) and (_INTEGER_TEXT if integer else _DECIMAL_TEXT).fullmatch(value.strip()):
         n = int(value) if integer else float(value)
     ok_type = isinstance(n, int) if integer else isinstance(n, (int, float))
@@ -275,7 +275,7 @@ def _string(key: str, value: object, allowed: tuple[str, ...] | None = None) -> 
 
 def default_gpu(provider: str) -> str:
     """The default GPU under ``provider``'s own name (POD_DEFAULTS holds RunPod's)."""
-    return gpu_name(POD_DEFAULTS["gpu"], provider) or POD_DEFAULTS["gpu"]
+    return gpu_name(str(POD_DEFAULTS["gpu"]), provider) or str(POD_DEFAULTS["gpu"])
 
 
 def parse_pod(raw: dict) -> PodSettings:
@@ -317,13 +317,13 @@ def _cuda_version(key: str, value: object) -> str:
     text = repr(value) if isinstance(value, float) else value
     if not isinstance(text, str) or not (text == "" or _CUDA_VERSION.fullmatch(text)):
         raise ConfigError(key, value, 'must be a CUDA version as major.minor text, e.g. "12.8", or "" for no floor',
-                          f'pulumi config set --path {key} 12.8 (the CUDA version colocate:pod.image is built for; '
-                          f'{POD_DEFAULTS["image"]} needs 12.8), or write it quoted in the stack file: minCudaVersion: "12.8"')
+                          f'pulumi config set --path {key} 12.9 (the CUDA version colocate:pod.image is built for; '
+                          f'{POD_DEFAULTS["image"]} needs 12.9), or write it quoted in the stack file: minCudaVersion: "12.9"')
     return text
 
 
 def _pod_count(key: str, value: object) -> int:
-    n = _number(key, value, integer=True)
+    n: int = _number(key, value, integer=True)
     if n > MAX_PODS:
         raise ConfigError(key, value, f"a cell runs at most {MAX_PODS} pods",
                           f"pulumi config set --path {key} <1..{MAX_PODS}>, or split the traffic over several cells")
@@ -464,7 +464,7 @@ def parse_key_defaults(raw: object) -> dict[str, int]:
     raw = dict(raw) if isinstance(raw, dict) else raw
     older = raw.pop("defaultMaxParallel", None) if isinstance(raw, dict) else None
     _merged({"keys": raw}, "keys")  # refuses a key other than defaults
-    given = (raw or {}).get("defaults") or {}
+    given = cast(dict, raw or {}).get("defaults") or {}  # _merged refused anything but a mapping
     if not isinstance(given, dict):
         raise ConfigError(f"{NS}:keys.defaults", given, "must be a mapping {rpm, tpm, monthlyTokens, maxParallel}",
                           f"pulumi config set --path {NS}:keys.defaults.maxParallel 8")

@@ -1,3 +1,4 @@
+// @ts-check
 // A fleet's exchange of limit counters, the parts that are pure (plus the front door's
 // poke): the row format, aligning a row to the current minute, summing the other cells',
 // and checking rows that arrive. The object that runs the exchange is fleetledger.js;

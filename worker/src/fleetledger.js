@@ -1,3 +1,4 @@
+// @ts-check
 // The fleet's exchange of limit counters: one Durable Object of the front door's Worker
 // (idFromName("ledger")), driven by its alarm every EXCHANGE_MS while the fleet is used.
 //

@@ -1,3 +1,4 @@
+// @ts-check
 // Client-key limits, pure: the clock and the counters are passed in.
 //
 // Requests and tokens per minute use a sliding-window estimate over fixed one-minute

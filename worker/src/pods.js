@@ -1,3 +1,4 @@
+// @ts-check
 // Which pod serves a request: the breaker's verdict per pod, then the fewest requests in
 // flight in this isolate (ties broken at random). Pure but for the in-flight counters,
 // which are plain numbers in module scope.

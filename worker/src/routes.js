@@ -1,3 +1,4 @@
+// @ts-check
 // The Worker's HTTP surface: which paths exist and which methods each accepts.
 // `routed` paths need a client key; every /_colocate path an operator credential.
 

@@ -1,3 +1,4 @@
+// @ts-check
 // The Worker's side of the generation object: which object, the cached view, the
 // batched deltas (usage, limit counters, requests in flight), key look-ups, and breaker
 // reports.
@@ -53,7 +54,10 @@ export function stubFor(env, generation, hint) {
   return hint ? env.BREAKER.get(id, { locationHint: hint }) : env.BREAKER.get(id);
 }
 
-/** What every object call carries; `keys`: the ids whose counters a sync asks for. */
+/**
+ * What every object call carries; `keys`: the ids whose counters a sync asks for.
+ * @returns {import("./payloads.js").SyncInfo}
+ */
 export function infoOf(cfg, keys = []) {
   return {
     generation: cfg.activeGeneration,
