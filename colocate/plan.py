@@ -17,7 +17,7 @@ from . import cloudflare_limits, geo
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Generation
-from .settings import PodSettings, Settings
+from .settings import LEGACY_TOKEN, PodSettings, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_DIR = ROOT / "worker" / "src"
@@ -50,7 +50,7 @@ class Binding:
     ``from_output`` names a value only known once a resource exists."""
 
     name: str
-    type: str  # plain_text | secret_text | durable_object_namespace
+    type: str  # plain_text | secret_text | durable_object_namespace | mtls_certificate
     text: str | None = None
     secret: str | None = None
     class_name: str | None = None
@@ -171,6 +171,14 @@ PATH_ZONE_DNS = "zone-dns"  # a DNS-only A record on colocate:zone, straight to 
 PATH_PROVIDER_PROXY = "provider-proxy"  # RunPod's HTTPS proxy hostname (through Cloudflare and RunPod's balancer)
 PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that resolves to 127.0.0.1
 POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
+# Paths on which the Worker reaches the pod itself, so the hop is mutual TLS end to end
+# (docs/pods.md, "Who can reach the pod"): the pod serves TLS and admits only a client
+# certificate of the cell's CA; the Worker presents one through its POD_TLS binding.
+# RunPod's proxy terminates TLS itself and speaks HTTP to the pod: no client certificate
+# can reach the pod that way.
+MTLS_PATHS = (PATH_LOCAL_HOSTNAME,)
+POD_TLS_BINDING = "POD_TLS"
+POD_TLS_FROM_OUTPUT = "pod.tls"  # marks the binding whose value is the Worker's client certificate
 
 
 RUNPOD_PROXY_TEMPLATE = "https://{pod_id}-{port}.proxy.runpod.net"
@@ -267,11 +275,22 @@ class PodPlan:
         ``provider-proxy``: RunPod's proxy hostname on the pod's own (internal) port.
         ``local-hostname``: ``localhost`` on the stand-in's port.
         """
+        scheme = "https" if self.mtls else "http"
         if self.path == PATH_ZONE_DNS:
-            return f"http://{self.pod_hostname}:{created['port']}"
+            return f"{scheme}://{self.pod_hostname}:{created['port']}"
         if self.path == PATH_PROVIDER_PROXY:
             return runpod_proxy_url(created["id"], self.settings.port)
-        return f"http://localhost:{created['port']}"
+        return f"{scheme}://localhost:{created['port']}"
+
+    @property
+    def mtls(self) -> bool:
+        """Whether the hop to this pod is mutual TLS (``MTLS_PATHS``)."""
+        return self.path in MTLS_PATHS
+
+    @property
+    def tls_name(self) -> str:
+        """The name the pod's certificate carries: the one the Worker fetches it by."""
+        return (self.pod_hostname or "localhost") if self.mtls else ""
 
     def spec(self) -> dict:
         """The JSON request ``scripts/pod.py create --spec`` receives. Holds no secret."""
@@ -297,6 +316,7 @@ class PodPlan:
             "compute_ms": s.compute_ms,
             "index": self.index,
             "path": self.path,
+            "tls_name": self.tls_name,
         }
 
     def identity(self) -> list[str]:
@@ -316,6 +336,8 @@ class PodPlan:
                  f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
         if s.provider == "local":  # the stand-in's compute time; a GPU pod ignores it
             ident.append(f"computeMs={s.compute_ms}")
+        if self.mtls:  # the pod's start command and certificate
+            ident.append("hop=mtls")
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
         if self.token_fingerprint:
@@ -488,7 +510,7 @@ def hint_of(gen: Generation) -> str:
 OPERATOR_BINDINGS = {"read": "READ_TOKEN", "admin": "ADMIN_TOKEN", "exchange": "EXCHANGE_TOKEN"}
 
 
-def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]:
+def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_DNS) -> tuple[Binding, ...]:
     w = settings.worker
     plain = [
         ("CELL_REGION", settings.region.name),
@@ -519,6 +541,11 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
         Binding("FALLBACK_API_KEY", "secret_text", secret="fallbackApiKey"),
         *(Binding(name, "secret_text", secret=settings.operator_secrets[role]) for role, name in OPERATOR_BINDINGS.items()),
     ]
+    if LEGACY_TOKEN in settings.operator_secrets.values():
+        # A stack still on the one old token: the Worker of the release before reads only this.
+        bindings.append(Binding("PROBE_TOKEN", "secret_text", secret=LEGACY_TOKEN))
+    if path in MTLS_PATHS:
+        bindings.append(Binding(POD_TLS_BINDING, "mtls_certificate", from_output=POD_TLS_FROM_OUTPUT))
     return tuple(bindings)
 
 
@@ -606,7 +633,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         modules=worker_modules(worker_dir),
         compatibility_date=COMPATIBILITY_DATE,
         placement=placement,
-        bindings=worker_bindings(settings, state),
+        bindings=worker_bindings(settings, state, path),
         migrations=decision.migrations,
         pending_migrations=decision.pending,
         migration_warning=decision.warning,

@@ -122,6 +122,7 @@ class Controller:
     say: Callable[[str], None] = print
     samples: list[Sample] = field(default_factory=list)
     last: dict | None = None  # the last decision recorded
+    unsettled: bool = False  # an update failed: the stack's config may be ahead of what exists
 
     # --- the lock ---
 
@@ -187,6 +188,10 @@ class Controller:
             return None
         state = self.observe()
         pods, draining = self.deployer.declared()
+        if self.unsettled:  # the last update failed: run it again before deciding anything new
+            with self._renewing():
+                self.deployer.deploy(pods, draining)
+            self.unsettled = False
         if draining:  # a scale-down that a previous controller did not finish
             self.finish_drain(pods, draining, state)
         decision = decide(self.samples, self.policy, pods, self.clock())
@@ -239,7 +244,11 @@ class Controller:
         n = 0
         try:
             while steps is None or n < steps:
-                self.step()
+                try:
+                    self.step()
+                except Exception as err:  # noqa: BLE001 - an update failed; the cell serves as it was, the next pass retries
+                    self.unsettled = True
+                    self.say(f"scale: the update failed ({type(err).__name__}: {err}); retrying on the next pass")
                 n += 1
                 if stop.wait(interval_s):
                     break

@@ -34,8 +34,8 @@ POD_DEFAULTS = {
     "provider": "runpod",
     "gpu": "NVIDIA GeForce RTX 4090",
     "gpuCount": 1,
-    "image": "vllm/vllm-openai:v0.11.0",
-    "minCudaVersion": "12.8",  # the CUDA the default image is built for
+    "image": "vllm/vllm-openai:v0.33.0-cu129",  # outside vLLM's advisories: docs/pods.md, "The real pod"
+    "minCudaVersion": "12.9",  # the CUDA the default image is built for (-cu129)
     "model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
     "port": 8000,
     "diskGb": 40,
@@ -317,8 +317,8 @@ def _cuda_version(key: str, value: object) -> str:
     text = repr(value) if isinstance(value, float) else value
     if not isinstance(text, str) or not (text == "" or _CUDA_VERSION.fullmatch(text)):
         raise ConfigError(key, value, 'must be a CUDA version as major.minor text, e.g. "12.8", or "" for no floor',
-                          f'pulumi config set --path {key} 12.8 (the CUDA version colocate:pod.image is built for; '
-                          f'{POD_DEFAULTS["image"]} needs 12.8), or write it quoted in the stack file: minCudaVersion: "12.8"')
+                          f'pulumi config set --path {key} 12.9 (the CUDA version colocate:pod.image is built for; '
+                          f'{POD_DEFAULTS["image"]} needs 12.9), or write it quoted in the stack file: minCudaVersion: "12.9"')
     return text
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def cell_of(args, stacks_dir: Path):
                               f".venv/bin/python scripts/sandbox.py up --stack {args.stack} --state-dir {state_dir}")
         ready = json.loads(ready_path.read_text())
         return CellClient(ready["worker_url"], ready["token"]), SandboxDeployer(args.stack, state_dir), None
+    if shutil.which("pulumi") is None:
+        raise ConfigError("--stack", args.stack, "the Pulumi CLI is not on PATH: the controller runs `pulumi up` through it",
+                          "install it (README, Running against the real clouds, step 1), or act on a sandbox with --sandbox")
     deployer = PulumiDeployer(args.stack, ROOT)
     outs = deployer.stack.outputs()
     url = outs.get("workerUrl")

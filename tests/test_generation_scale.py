@@ -184,13 +184,9 @@ def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
         pytest.skip(f"needs the git history for the schema-2 Worker ({exc})")
     old.mkdir()
     subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
-    from colocate import plan as plan_mod, settings as settings_mod, stackfile
-    from tests.support.workerd import SECRET_SETTINGS
+    from tests.support.workerd import legacy_plan
 
-    raw, secrets = stackfile.read_config("sandbox")
-    raw["worker"] = {**(raw.get("worker") or {}), "stateTtlMs": 60_000}
-    settings = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | SECRET_SETTINGS)
-    old_plan = plan_mod.plan_cell(settings, worker_dir=old / "worker" / "src")
+    old_plan = legacy_plan(old / "worker" / "src", {"stateTtlMs": 60_000})
     assert "SCHEMA_VERSION = \"2\"" in (old / "worker" / "src" / "schema.js").read_text()
     store = tmp_path / "do"
     with driven_cell(plan=old_plan, storage_dir=store) as c:

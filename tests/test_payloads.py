@@ -14,7 +14,7 @@ from colocate.payloads import COUNTER, EXCHANGE, SHAPES, USAGE
 from tests.support.workerd import ROOT
 
 SHAPE_NAMES = {"COUNTER": "counter", "EXCHANGE": "exchange", "USAGE": "usage", "WINDOW": "window", "INFLIGHT": "inflight",
-               "BACKEND": "backend", "POD_INFLIGHT": "pod_inflight"}
+               "BACKEND": "backend", "POD_INFLIGHT": "pod_inflight", "HIST": "hist"}
 SHAPE_PROPERTIES = {"names", "columns", "length", "zero", "of"}
 
 

@@ -71,7 +71,8 @@ def test_bindings_are_generated_from_the_plan():
     p = cell(raw_for())
     names = [b.name for b in p.worker.bindings]
     assert names[0] == "BREAKER"
-    assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "READ_TOKEN", "ADMIN_TOKEN", "EXCHANGE_TOKEN"} == {
+    # SECRETS holds only the old probeToken: it fills every role, and PROBE_TOKEN for an older Worker.
+    assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "READ_TOKEN", "ADMIN_TOKEN", "EXCHANGE_TOKEN", "PROBE_TOKEN"} == {
         b.name for b in p.worker.bindings if b.type == "secret_text"}
     assert p.worker.binding("POD_URLS").from_output == plan.POD_URLS_FROM_OUTPUT
     assert p.worker.binding("DEADLINE_MS").text == "2000"
@@ -84,7 +85,7 @@ def test_each_operator_role_binds_its_own_secret():
     p = plan.plan_cell(s)
     assert {b.name: b.secret for b in p.worker.bindings if b.name.endswith("_TOKEN") and b.name != "POD_TOKEN"} == {
         "READ_TOKEN": "readToken", "ADMIN_TOKEN": "adminToken", "EXCHANGE_TOKEN": "exchangeToken"}
-    assert s.credential_warning is None
+    assert s.credential_warning is None and "PROBE_TOKEN" not in {b.name for b in p.worker.bindings}
 
 
 def test_a_stack_with_only_the_old_probe_token_keeps_working_with_a_warning_naming_the_new_keys():
@@ -177,13 +178,17 @@ def test_placement_criteria_and_settings_a_gpu_pod_ignores_keep_the_running_pod(
 def test_pod_names_stay_as_they_were_placed_until_the_owner_renews_them():
     # Names computed before pod.renewal existed (a stack upgraded to this kit keeps its
     # pods): a key left at 0 must not join the identity. Each raise names the pods anew.
-    pods = cell(raw_for(pod={"provider": "runpod", "count": 2})).pods
+    # The image those pods were placed with (the default then), so the names are the ones they got.
+    old = "vllm/vllm-openai:v0.11.0"
+    pods = cell(raw_for(pod={"provider": "runpod", "count": 2, "image": old})).pods
     assert [p.name for p in pods] == ["colocate-t-apac-jp-g1-p0-f0efa0", "colocate-t-apac-jp-g1-p1-f0efa0"]
     token = plan.token_fingerprint("pod-token-0123456789abcdef")
     assert [p.with_token_fingerprint(token).name for p in pods] == [
         "colocate-t-apac-jp-g1-p0-2432ea", "colocate-t-apac-jp-g1-p1-2432ea"]
-    assert cell(raw_for("us-east", "local")).pod.name == "colocate-t-us-east-g1-p0-089e66"
-    assert cell(raw_for(pod={"provider": "runpod", "renewal": 0})).pod.name == pods[0].name
+    # A local pod is reached over mutual TLS: "hop=mtls" is in its identity.
+    local = cell(raw_for("us-east", "local", pod={"provider": "local", "image": old})).pod
+    assert local.name == "colocate-t-us-east-g1-p0-79556c"
+    assert cell(raw_for(pod={"provider": "runpod", "renewal": 0, "image": old})).pod.name == pods[0].name
     names = {cell(raw_for(pod={"provider": "runpod", "renewal": n})).pod.with_token_fingerprint(token).name
              for n in range(4)}
     assert len(names) == 4
@@ -385,7 +390,7 @@ def test_without_a_zone_a_runpod_pod_is_reached_through_runpods_proxy_hostname()
 def test_local_pods_are_reached_by_the_name_localhost(zone):
     p = cell(raw_for("us-east", "local", **({"zone": zone} if zone else {})))
     assert p.pod.path == "local-hostname"
-    assert p.pod.worker_url({"id": "local-1", "port": 5123, "url": "http://127.0.0.1:5123"}) == "http://localhost:5123"
+    assert p.pod.worker_url({"id": "local-1", "port": 5123, "url": "https://127.0.0.1:5123"}) == "https://localhost:5123"
 
 
 def test_no_worker_url_is_ever_an_ip_literal():

@@ -35,11 +35,12 @@ def test_miss_rate_counts_requests_slower_than_the_deadline():
     assert demo.miss_rate([], 200) is None
 
 
-def _result(e2e, total, state, upstream, state_rtt, pod_rtt, fallback_rate=0.0):
+def _result(e2e, total, state, upstream, state_rtt, pod_rtt, fallback_rate=0.0, pod_rtt_new=None):
     seg = lambda p50, p90=None: {"p10": p50, "p50": p50, "p90": p90 if p90 is not None else p50, "p99": p50,  # noqa: E731
                                  "n": 3}
     return {"segments": {"e2e": seg(*e2e), "total": seg(total), "state": seg(state), "upstream": seg(upstream),
-                         "state_rtt": seg(state_rtt), "pod_rtt": seg(pod_rtt), "fallback": seg(0.0)},
+                         "state_rtt": seg(state_rtt), "pod_rtt": seg(pod_rtt), "fallback": seg(0.0),
+                         "pod_rtt_new": seg(pod_rtt_new if pod_rtt_new is not None else 3 * pod_rtt)},
             "values_ms": {"e2e": [e2e[0], e2e[0], e2e[1]]}, "fallback_rate": fallback_rate, "_exit": 0}
 
 
@@ -68,6 +69,8 @@ def test_table_has_every_phase_p50_p90_and_rates_in_percent(story):
     assert miss.split()[3:8] == ["100", "%", "0", "%", "100"]  # phase 1 misses, phase 2 with the router meets
     routed = next(line for line in lines if line.strip().startswith("router fallbk"))
     assert "25 %" in routed and "(% of requests)" in routed  # one unit for every rate
+    new = next(line for line in lines if line.split()[0] == "pod_rtt_new").split()
+    assert new[1:] == ["36/36", "36/36", "36/36", "39/39", "39/39"]  # a new connection's round trips, beside pod_rtt
 
 
 def test_bars_stack_to_the_e2e_p50(story):
@@ -139,6 +142,11 @@ def test_the_whole_demo_tells_the_story_from_tokyo(tmp_path, capsys):
     assert r["1-us-east"]["ok"] and r["3-migrated"]["ok"] and r["3-migrated-fresh"]["ok"]
     assert p50["3-migrated-fresh"]["state"] < tpe_iad / 2  # still waits, on an object next door
     assert all(doc["pod_path"] == "local-hostname" and doc["fallback_check"]["ok"] for doc in r.values())
+    # the pod hop: a pooled connection costs the request's round trip; a new one TCP's and TLS's before it
+    hop = MODEL.rtt_ms("TPE", "TPE")
+    assert p50["3-migrated"]["pod_rtt"] >= hop - 1
+    table = out[out.index("pod_rtt_new"):].splitlines()[0].split()
+    assert all(float(cell.split("/")[0]) >= 3 * hop - 1 for cell in table[1:6]), table
     # the deadline: phase 3 meets it, phase 1 misses it
     after = r["3-migrated"]["values_ms"]["e2e"] + r["3-migrated-fresh"]["values_ms"]["e2e"]
     deadline = demo.deadline_ms(after)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC
 
 from .. import catalogue
+from ..payloads import HIST
 from . import budgets as budgets_mod, placement as placement_mod
 from .errors import TargetError
 from .histogram import Buckets, Histogram, HistogramError, merged
@@ -73,15 +74,18 @@ def rows_of(doc: Mapping) -> tuple[list[Row], Buckets]:
         if not isinstance(listed, list):
             raise LiveDataError(f"{field_name}: expected a list of [start, colo, who, segment, histogram] rows")
         for r in listed:
-            if not (isinstance(r, list) and len(r) == 5 and isinstance(r[0], int) and r[3] in SEGMENTS):
-                raise LiveDataError(f"{field_name} row {r!r}: expected [index, colo, who, segment, histogram] "
+            if not (isinstance(r, list) and len(r) == len(HIST) and isinstance(r[HIST["at"]], int)
+                    and r[HIST["segment"]] in SEGMENTS):
+                raise LiveDataError(f"{field_name} row {r!r}: expected [{', '.join(HIST.names)}] "
                                     f"with segment one of {', '.join(SEGMENTS)}")
+            row = HIST.record(r)
             try:
-                hist = Histogram.decode(r[4], buckets)
+                hist = Histogram.decode(row["hist"], buckets)
             except HistogramError as exc:
                 raise LiveDataError(f"{field_name} row {r[:4]!r}: {exc}") from None
-            who, _, client = str(r[2]).partition("@") if r[3] != SYNC else (str(r[2]), "", "")
-            out.append(Row(r[0] * span, span, str(r[1] or "unknown").upper(), who, r[3], hist, client or None))
+            segment = row["segment"]
+            who, _, client = str(row["who"]).partition("@") if segment != SYNC else (str(row["who"]), "", "")
+            out.append(Row(row["at"] * span, span, str(row["colo"] or "unknown").upper(), who, segment, hist, client or None))
     return out, buckets
 
 

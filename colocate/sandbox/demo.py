@@ -36,6 +36,7 @@ import requests
 
 from .. import settings, stackfile
 from ..errors import ConfigError
+from ..probe.stats import summary
 from . import supervisor
 from .errors import SandboxError
 from .geography import site
@@ -49,7 +50,9 @@ CLIENT_SITE = "NRT"
 TOKEN_VARIABLES = ("COLOCATE_ADMIN_TOKEN", "COLOCATE_READ_TOKEN", "COLOCATE_PROBE_TOKEN")
 DEADLINE_STEP_MS = 50  # the deadline is a round number: the next multiple of this above phase 3's slowest e2e
 # The demo's table, top to bottom: what the user sees first, then where it goes.
-TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt")
+TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt", "pod_rtt_new")
+# pod_rtt is the probe's (the Worker's pooled connection to the pod, as requests find it);
+# pod_rtt_new the same GET /health on a new connection: TCP, the mutual-TLS handshake, then the request.
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,7 @@ class Demo:
             raise SandboxError(f"probe.py failed (exit {proc.returncode}): {' | '.join(tail[-6:])}")
         result = json.loads(out.read_text())
         result["_exit"] = proc.returncode
+        result["segments"]["pod_rtt_new"] = self.new_connection_rtt()
         self.results[phase.label] = result
         seg = result["segments"]
         place = result.get("placement", {})
@@ -232,6 +236,18 @@ class Demo:
               f"{_ms(seg['state']['p50'])} ms; state_rtt p50 {_ms(seg['state_rtt']['p50'])} ms; "
               f"Worker at {place.get('ran')}, state object at {place.get('state')}")
         return result
+
+    def new_connection_rtt(self) -> dict:
+        """pod_rtt on a new connection each time: the sandbox closes the pod hops' connections
+        (``/_sandbox/pod-hop/cut``), then the probe endpoint's GET /health opens one."""
+        c = self.cell
+        values = []
+        for _ in range(self.samples):
+            requests.post(f"http://127.0.0.1:{c['ports']['outbound']}/_sandbox/pod-hop/cut", timeout=10).raise_for_status()
+            r = requests.get(c["worker_url"] + "/_colocate/probe", timeout=30, headers={"Authorization": f"Bearer {c['token']}"})
+            if r.ok and r.json().get("pod_ok"):
+                values.append(float(r.json()["pod_rtt_ms"]))
+        return summary(values)  # the probe's own percentiles
 
     def migrate(self, *args: str) -> None:
         proc = _py([str(MIGRATE), *args, "--stack", STACK, "--stacks-dir", str(self.stacks_dir)])
@@ -346,7 +362,8 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
            answer leaving it; e2e - total is the network between the user and the Worker.
     state  how long the Worker waited on the state object before forwarding (0: it used its copy);
     state_rtt  one round trip Worker <-> state object; upstream  the pod's answer as the Worker saw it;
-    pod_rtt  one GET /health Worker <-> pod.
+    pod_rtt  one GET /health Worker <-> pod, on the Worker's pooled mutual-TLS connection;
+    pod_rtt_new  the same on a new connection: TCP, the TLS handshake, then the request.
     miss {deadline} ms  the share of requests slower than {deadline} ms end to end, the deadline a client
            (or a router in front of it) would fall back to a paid API at. {deadline} ms is the next multiple of
            {DEADLINE_STEP_MS} ms above the slowest request after the migration ({max(after):.0f} ms), so phase 3 meets it

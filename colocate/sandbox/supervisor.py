@@ -28,7 +28,10 @@ import urllib.request
 from pathlib import Path
 
 from .. import stackfile
+from ..pods import podtls
 from ..pods.local import alive
+from ..pods.readiness import tls_health
+from . import hopcerts
 from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import Geography, site
 from .launch import Launch, build_plan, sites_for
@@ -218,6 +221,15 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
             "was_running": bool(held or stopped or pod_deleted or strays), "running": is_running(state_dir)}
 
 
+def _pod_ok(state_dir: Path, address: str) -> bool:
+    """A pod's ``/health`` at its own address; over mutual TLS with the readiness certificate, as pod.py checks it."""
+    if not address.startswith("https://"):
+        return http_ok(address + "/health", timeout=5)[0]
+    check = hopcerts.load(state_dir).check
+    ctx = podtls.client_context(check.cert_pem, check.key_pem, hopcerts.load(state_dir).ca.cert_pem)
+    return tls_health(address, 5, ctx, hopcerts.POD_NAME)[0]
+
+
 def status(state_dir: Path) -> dict:
     state_dir = Path(state_dir).resolve()
     ready = read_json(state_dir / "ready.json")
@@ -231,7 +243,7 @@ def status(state_dir: Path) -> dict:
                                         {"authorization": f"Bearer {ready['token']}"}, timeout=10)
     # Every pod, at the address its process listens on (the Worker's hostname is the proxy's to map).
     pods = ready["pods"] if "pods" in ready else [{"address": ready["pod_url"]}]
-    pod_ok = all(http_ok((p.get("address") or p["url"]) + "/health", timeout=5)[0] for p in pods)
+    pod_ok = all(_pod_ok(state_dir, p.get("address") or p["url"]) for p in pods)
     net_ok, _ = http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
     out.update(
         {k: ready[k] for k in ("stack", "region", "worker_url", "pod_url", "sites", "generation", "draining") if k in ready}

@@ -70,7 +70,7 @@ async function jsonBody(request) {
 }
 
 const HANDLERS = {
-  probe: (request, env, cfg, url, r, fetchImpl) => probe(request, env, cfg, url, fetchImpl),
+  probe: (request, env, cfg, url, r, fetchImpl, hop) => probe(request, env, cfg, url, fetchImpl, hop),
   breaker: (request, env, cfg) => breaker(request, env, cfg),
   purge: (request, env, cfg) => purge(request, env, cfg),
   keys: (request, env, cfg) => (request.method === "POST" ? createKey(request, env, cfg) : listKeys(env, cfg)),
@@ -85,9 +85,9 @@ const HANDLERS = {
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
 
-export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
+export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   await authorise(request, cfg, r.roles[request.method]);
-  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl);
+  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl, hop);
 }
 
 const noStore = { "cache-control": "no-store" };
@@ -125,7 +125,7 @@ function breakerView(cfg, view) {
     imported: view.imported, pods };
 }
 
-async function probe(request, env, cfg, url, fetchImpl) {
+async function probe(request, env, cfg, url, fetchImpl, hop) {
   const t0 = now();
   // The first touch of a new generation: stubFor passes ACTIVE_HINT as locationHint.
   const stub = activeStub(env, cfg);
@@ -136,7 +136,7 @@ async function probe(request, env, cfg, url, fetchImpl) {
   const [workerColo, stateColo, pods, fallback] = await Promise.all([
     fetchColo(fetchImpl),
     stub.colo().catch(() => null),
-    Promise.all(cfg.podUrls.map((u) => health(fetchImpl, u + "/health", cfg.deadlineMs, null))),
+    Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null))),
     url.searchParams.get("fallback") === "1" ? fallbackCheck(cfg, fetchImpl) : null,
   ]);
   const body = {

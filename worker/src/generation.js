@@ -20,11 +20,11 @@ import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
 import { minuteOf } from "./limits.js";
 import {
-  ADDED_COLUMNS, ADD_SERVED, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
+  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { addPeer, counts as countsAnything, monthOf } from "./fleetexchange.js";
-import { BACKEND, COUNTER, EXCHANGE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, EXCHANGE, HIST, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -55,8 +55,6 @@ const EXPORT_PARTS = [
   ["seg_minute", "SELECT minute, colo, pod, segment, hist FROM seg_minute", (r) => [r.minute, r.colo, r.pod, r.segment, r.hist]],
   ["seg_hour", "SELECT hour, colo, pod, segment, hist FROM seg_hour", (r) => [r.hour, r.colo, r.pod, r.segment, r.hist]],
   ["seg_total", "SELECT colo, pod, segment, hist FROM seg_total", (r) => [r.colo, r.pod, r.segment, r.hist]],
-  ["served_total", "SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total",
-    (r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]],
   ["inflight", "SELECT key_id, isolate, n, at FROM key_inflight", null],
   ["peers", `SELECT ${EXCHANGE.columns} FROM peer_counters`, EXCHANGE.of],
 ];
@@ -110,8 +108,8 @@ export class Breaker extends DurableObject {
         SELECT key_id, substr(day, 1, 7), SUM(prompt_tokens + completion_tokens) FROM usage_daily GROUP BY key_id, substr(day, 1, 7)
         ON CONFLICT (key_id, month) DO UPDATE SET tokens = excluded.tokens`);
       // Schema 3 (and older): stored histograms into the current buckets (histogram.js reads
-      // the fixed ones too; converted once, every reader sees one form), and the totals the
-      // Prometheus exposition counts from, once, from what is kept.
+      // the fixed ones too; converted once, every reader sees one form), and the histograms'
+      // totals the Prometheus exposition counts from, once, from what is kept.
       for (const [table, col] of [["seg_minute", "minute"], ["seg_hour", "hour"]]) {
         for (const r of this.sql.exec(`SELECT ${col} AS t, colo, pod, segment, hist FROM ${table} WHERE hist NOT LIKE '~%'`).toArray()) {
           this.sql.exec(`DELETE FROM ${table} WHERE ${col} = ? AND colo = ? AND pod = ? AND segment = ?`, r.t, r.colo, r.pod, r.segment);
@@ -122,9 +120,6 @@ export class Breaker extends DurableObject {
         for (const table of ["seg_minute", "seg_hour"]) {
           for (const r of this.sql.exec(`SELECT colo, pod, segment, hist FROM ${table}`).toArray()) this.addTotal(r.colo, r.pod, r.segment, r.hist);
         }
-      }
-      if (this.sql.exec("SELECT COUNT(*) AS n FROM served_total").one().n === 0) {
-        this.addServed(this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray().map(usageArray));
       }
       // Schema 1 (one KV entry): keep its override; per-pod health starts fresh.
       if (legacy && legacy.snap && FORCE_VALUES.includes(legacy.snap.forced) && legacy.snap.forced !== null) {
@@ -202,8 +197,6 @@ export class Breaker extends DurableObject {
       // An exporter of schema 3 has no totals: they follow from what it kept.
       const totals = data.seg_total ?? [...data.seg_minute || [], ...data.seg_hour || []].map((r) => r.slice(1));
       for (const [colo, pod, segment, hist] of totals) this.addTotal(colo, pod, segment, hist);
-      if (data.served_total) this.sql.exec(ADD_SERVED, JSON.stringify(data.served_total));
-      else this.addServed(data.usage.map(usageArray));
       for (const f of data.inflight ?? []) {
         this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
           ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
@@ -425,7 +418,6 @@ export class Breaker extends DurableObject {
         const rows = JSON.stringify(batch.usage.map(usageRow));
         this.sql.exec(BULK_USAGE, rows);
         this.sql.exec(BULK_MONTH, rows);
-        this.addServed(batch.usage);
       }
       if (batch.windows && batch.windows.length) this.sql.exec(BULK_WINDOW, JSON.stringify(batch.windows), oldest);
       this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
@@ -538,16 +530,16 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * Add an isolate's live histograms (rows [minute, colo, pod, segment, "index:count,..."])
-   * into seg_minute; then, at most once a minute, roll at most an hour of minutes older than
+   * Add an isolate's live histograms (HIST rows) into seg_minute and seg_total; then, at
+   * most once a minute, roll at most an hour of minutes older than
    * 7 days into seg_hour and drop hours older than 35 days (index ranges, bounded work).
    */
   addHist(rows, t) {
     this.ctx.storage.transactionSync(() => {
       for (const r of rows) {
-        if (!Array.isArray(r) || r.length !== 5 || !Number.isSafeInteger(r[0]) || !SEG_NAMES.has(r[3])) continue;
+        if (!Array.isArray(r) || r.length !== HIST.length || !Number.isSafeInteger(r[HIST.at]) || !SEG_NAMES.has(r[HIST.segment])) continue;
         if (this.addSeg("seg_minute", "minute", /** @type {[number, string, string, string, string]} */ (r))) {
-          this.addTotal(r[1], r[2], r[3], r[4]);
+          this.addTotal(r[HIST.colo], r[HIST.who], r[HIST.segment], r[HIST.hist]);
         }
       }
       const m = Math.floor(t / MINUTE_MS);
@@ -589,26 +581,6 @@ export class Breaker extends DurableObject {
     }
   }
 
-  /** Usage rows (batch form) into served_total: each row's tokens split by the requests each backend served. */
-  addServed(usage) {
-    const sums = { pods: [0, 0, 0], fallback: [0, 0, 0] };
-    for (const u of usage) {
-      const pods = u[USAGE.pod_requests] || 0;
-      const fallback = u[USAGE.fallback_requests] || 0;
-      const prompt = u[USAGE.prompt_tokens] || 0;
-      const completion = u[USAGE.completion_tokens] || 0;
-      const share = pods + fallback > 0 ? pods / (pods + fallback) : 1;
-      sums.pods[0] += pods;
-      sums.fallback[0] += fallback;
-      sums.pods[1] += prompt * share;
-      sums.pods[2] += completion * share;
-      sums.fallback[1] += prompt * (1 - share);
-      sums.fallback[2] += completion * (1 - share);
-    }
-    const rows = Object.entries(sums).filter(([, v]) => v[0] || v[1] || v[2]).map(([b, v]) => [b, ...v]);
-    if (rows.length) this.sql.exec(ADD_SERVED, JSON.stringify(rows));
-  }
-
   /**
    * What GET /_colocate/metrics exposes (never a key or its digest): the cumulative
    * histograms, requests and tokens per backend, key counts, the breaker rows and override.
@@ -618,7 +590,7 @@ export class Breaker extends DurableObject {
     const now = Date.now();
     return {
       segments: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
-      served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray(),
+      served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total").toArray(),
       keys: this.sql.exec(`SELECT COUNT(*) AS total,
           COALESCE(SUM(revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)), 0) AS active,
           COALESCE(SUM(revoked_at IS NOT NULL), 0) AS revoked FROM client_keys`, now).one(),
@@ -812,11 +784,6 @@ function mergedText(prev, hist) {
   } catch {
     return null;
   }
-}
-
-/** A usage_daily row in the batch's array form (a column an older exporter lacks: 0). */
-function usageArray(u) {
-  return USAGE.names.map((n) => u[n] ?? 0);
 }
 
 /** A batch usage row; a row of a Worker from before a column was added gets 0 for it. */

@@ -48,6 +48,13 @@ export const SHAPES = /** @type {const} */ ({
     ["key_id", "the client key's id"],
     ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"]
   ],
+  "hist": [
+    ["at", "the minute (ms / 60000), or the hour (ms / 3600000) in seg_hour"],
+    ["colo", "routed segments: where the Worker ran; sync: where the state object answered"],
+    ["who", "routed segments: the pod index or fallback, @<client colo> behind a front door; sync: the Worker's colo"],
+    ["segment", "state, upstream, fallback, total or sync"],
+    ["hist", "the histogram's text, ~gap*count,... (histogram.js)"]
+  ],
   "backend": [
     ["backend", "who answered: pod-<i>, fallback, or none (a fleet's front door took it elsewhere)"],
     ["requests", "requests it answered since the last sync"],
@@ -103,6 +110,8 @@ export const USAGE = shape(SHAPES.usage);
 export const WINDOW = shape(SHAPES.window);
 /** A sync batch's `inflight` row. */
 export const INFLIGHT = shape(SHAPES.inflight);
+/** A sync batch's `hist` row (seg_minute's), and GET /_colocate/live's `minutes` and `hours`. */
+export const HIST = shape(SHAPES.hist);
 /** A sync batch's `backends` row: the scaling controller's demand signal (backend_total). */
 export const BACKEND = shape(SHAPES.backend);
 /** A sync batch's `pods` row: every pod of this isolate's POD_URLS, whenever one's count moved (pod_inflight). */

@@ -9,7 +9,7 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, clientInit, fallbackBytes, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
+import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, rateHeaders, refusal } from "./limits.js";
 import { COUNTER } from "./payloads.js";
@@ -29,10 +29,11 @@ import { learnColo, recordRequest } from "./histogram.js";
  * @param {Request} request
  * @param {import("./payloads.js").Env} env  the bindings (see docs/worker.md)
  * @param {{waitUntil(p: Promise<unknown>): void}} ctx
- * @param {{fetch?: typeof fetch}} [deps]  tests may pass their own fetch
+ * @param {{fetch?: typeof fetch}} [deps]  tests may pass their own fetch (for the pods too)
  */
 export async function handle(request, env, ctx, deps = {}) {
   const fetchImpl = deps.fetch || fetch;
+  const hop = deps.fetch || podFetch(env);
   try {
     const url = new URL(request.url);
     const r = lookup(url.pathname);
@@ -43,11 +44,11 @@ export async function handle(request, env, ctx, deps = {}) {
     }
     const cfg = readConfig(env);
     if (r.kind === "routed") {
-      const res = await routed(request, env, ctx, cfg, url, r, fetchImpl);
+      const res = await routed(request, env, ctx, cfg, url, r, fetchImpl, hop);
       learnColo(ctx, request, fetchImpl); // once per isolate, in the background, after the first answer
       return res;
     }
-    return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
+    return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop);
   } catch (err) {
     releaseSlot(request); // a request that fails after admission gives its slot back
     if (err instanceof HttpError && err.holdMs) await new Promise((resolve) => setTimeout(resolve, err.holdMs));
@@ -158,7 +159,7 @@ function enforceLimits(request, cfg, key) {
   return { at: t, headers: rateHeaders(key, est, t, true) };
 }
 
-async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
+async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const t0 = now();
   // `client`: the colo a fleet's front door received the request in (the live view's client colo)
   const timing = { state: 0, upstream: 0, fallback: 0, total: 0, client: request.headers.get(CLIENT_COLO_HEADER) };
@@ -200,7 +201,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
   // request's fate says whose it was, with the key it came from.
   const from = { key: key.id };
-  const witness = (podUrl) => healthWitness(env, ctx, cfg, podUrl, fetchImpl);
+  const witness = (podUrl) => healthWitness(env, ctx, cfg, podUrl, hop);
   const blame = (suspects, verdict) => {
     if (verdict === "pod") for (const s of suspects) report(env, ctx, cfg, s, false, from, witness);
     else for (const s of suspects) if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
@@ -210,7 +211,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   const urls = cfg.podUrls;
   const tried = new Set();
   const suspects = []; // pods that failed this request, not reported yet
-  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage);
+  // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
+  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id);
   // At most two pods: the chosen one, and another healthy one if the first failed
   // before sending a byte and time is left.
   for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {
@@ -236,7 +238,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     const podUrl = urls[index];
     const t = now();
     started(podUrl);
-    const res = await tryPod(fetchImpl, podUrl + path, {
+    const res = await tryPod(hop, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
       body: podBody,
