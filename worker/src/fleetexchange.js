@@ -1,8 +1,9 @@
-// A fleet's exchange of limit counters, the parts that are pure (plus the front door's
-// poke): the row format, aligning a row to the current minute, summing the other cells',
-// and checking rows that arrive. The object that runs the exchange is fleetledger.js;
-// each cell's generation stores what it is sent (generation.js setPeers) and adds it to
-// the `counts` its isolates read. See docs/fleet.md, "Limits across cells".
+// A fleet's exchange of limit counters and leases, the parts that are pure (plus the
+// front door's poke): the row format, aligning a row to the current minute, summing the
+// other cells', apportioning a key's limits to the cells as leases, and checking what
+// arrives. The object that runs the exchange is fleetledger.js; each cell's generation
+// stores what it is sent (generation.js setPeers) and hands its isolates the leases with
+// their `counts`. See docs/fleet.md, "Limits across cells".
 //
 // A row: [key_id, minute, req, tok, prev_req, prev_tok, month "YYYY-MM", month_tokens]:
 // one cell's (or the sum of several cells') requests and tokens in the minute bucket
@@ -29,17 +30,6 @@ export function aligned(row, m) {
   if (row[1] === m) return [row[2], row[3], row[4], row[5]];
   if (row[1] === m - 1) return [0, 0, row[2], row[3]];
   return [0, 0, 0, 0];
-}
-
-/** Add a peer row into a sync's counters `c` ([minute, req, tok, prev_req, prev_tok, month_tokens, ...]) at `now`. */
-export function addPeer(c, row, now) {
-  const a = aligned(row, minuteOf(now));
-  c[1] += a[0];
-  c[2] += a[1];
-  c[3] += a[2];
-  c[4] += a[3];
-  if (row[6] === monthOf(now)) c[5] += row[7];
-  return c;
 }
 
 /**
@@ -74,6 +64,116 @@ export function badRows(rows) {
       if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
     }
     if (typeof r[6] !== "string" || !MONTH.test(r[6])) return `${at}[6] must be a month YYYY-MM (got ${JSON.stringify(r[6])})`;
+  }
+  return null;
+}
+
+// --- leases: each cell's share of a key's limit ---
+//
+// A lease caps what one cell admits of a key: its own sliding-window estimate of requests
+// (or tokens) for rpm (tpm), its own tokens this month for monthly_tokens. The ledger keeps
+// the leases of a key, together with what each cell has already used, within the key's
+// cap = limit + slack (10 %, at least 1), so the fleet never passes the cap, while a cell
+// a key uses alone gets nearly all of it.
+
+/** What a key's leases may add up to beyond its limit: 10 % of it, at least 1. */
+export function slackOf(limit) {
+  return Math.max(1, Math.floor(limit / 10));
+}
+
+/** A cell's lease of a key the ledger has not apportioned yet: the cap split evenly. */
+export function defaultShare(limit, n) {
+  return Math.floor((limit + slackOf(limit)) / n);
+}
+
+/**
+ * The leases one limit should have (integers), given what each cell has used (its own
+ * estimate now): the unused part of the cap split over the cells by `weight` (the ledger
+ * weighs a cell the key used lately as four idle ones: an idle cell's share is what lets a
+ * key move there at once, an active one's what it grows into before the next round), no
+ * cell above the limit itself (its excess goes to the others), and the units lost to
+ * rounding down given first to cells with none (so a key alone in one of three cells with rpm 10 settles at 9 there, 1 in each
+ * other). What the cells may admit, the larger of used and lease each, sums to at most the cap.
+ */
+export function fairShares(limit, used, weight = used.map(() => 1)) {
+  const n = used.length;
+  const cap = limit + slackOf(limit);
+  const free = Math.max(0, cap - used.reduce((a, b) => a + b, 0));
+  const total = weight.reduce((a, b) => a + b, 0);
+  const t = used.map((u, j) => Math.min(u, limit) + (free * weight[j]) / total);
+  // Water-fill: what a cell cannot take above the limit goes to those below it, by weight.
+  for (let pass = 0; pass < n; pass++) {
+    let over = 0;
+    const below = [];
+    for (let j = 0; j < n; j++) {
+      if (t[j] > limit) {
+        over += t[j] - limit;
+        t[j] = limit;
+      } else if (t[j] < limit) below.push(j);
+    }
+    if (over <= 1e-9 || below.length === 0) break;
+    const wb = below.reduce((a, j) => a + weight[j], 0);
+    for (const j of below) t[j] += (over * weight[j]) / wb;
+  }
+  const out = t.map((x) => Math.floor(x + 1e-9));
+  let left = cap - out.reduce((a, x, j) => a + Math.max(used[j], x), 0);
+  // Cells with none first, then the largest part lost to rounding.
+  const order = [...out.keys()].sort((a, b) => (out[b] === 0) - (out[a] === 0) || (t[b] - out[b]) - (t[a] - out[a]) || a - b);
+  for (const j of order) {
+    const more = out[j] + 1 - Math.max(used[j], out[j]); // what one unit more adds to what the cells may admit
+    if (out[j] + 1 <= limit && more <= left + 1e-9 && (out[j] === 0 || t[j] - out[j] > 1e-9)) {
+      out[j] += 1;
+      left -= Math.max(0, more);
+    }
+  }
+  return out;
+}
+
+/**
+ * The leases the ledger may send now, toward `targets`: decreases at once; increases only
+ * within cap - what the other cells may still admit, where a cell may admit up to the
+ * larger of what it has used and the largest lease it may still be using (`held`: an
+ * older, larger lease stays held until the cell has certainly stopped using it). So the
+ * sum over cells of max(used, held) never passes the cap. Returns {lease, held} per cell.
+ */
+export function grant(limit, used, held, current, targets) {
+  const cap = limit + slackOf(limit);
+  const n = used.length;
+  const lease = [...current];
+  const hold = [...held];
+  for (let j = 0; j < n; j++) if (targets[j] < current[j]) lease[j] = targets[j];
+  for (let j = 0; j < n; j++) {
+    if (targets[j] <= current[j]) continue;
+    let others = 0;
+    for (let k = 0; k < n; k++) if (k !== j) others += Math.max(used[k], hold[k]);
+    const room = Math.floor(cap - others + 1e-9);
+    lease[j] = Math.max(current[j], Math.min(targets[j], room));
+    hold[j] = Math.max(hold[j], lease[j]);
+  }
+  return { lease, held: hold };
+}
+
+// A lease row, pushed to a cell with the peers: [key_id, req, tok, month "YYYY-MM",
+// month_tokens]; null where the key has no such limit.
+export const LEASE_LEN = 5;
+export const MAX_CELLS = 64; // a push's "cells" (the fleet's size) is checked against it
+
+/** null when `leases` (a push's body field) is well formed, else the message naming the field. */
+export function badLeases(leases) {
+  const shape = `[key_id, req, tok, month, month_tokens]`;
+  if (!Array.isArray(leases)) return `field "leases" must be an array of ${shape}`;
+  if (leases.length > MAX_ROWS) return `field "leases" holds at most ${MAX_ROWS} rows (got ${leases.length}): send them in parts`;
+  for (let i = 0; i < leases.length; i++) {
+    const r = leases[i];
+    const at = `field "leases[${i}]"`;
+    if (!Array.isArray(r) || r.length !== LEASE_LEN) return `${at} must be ${shape}`;
+    if (typeof r[0] !== "string" || !KEY_ID.test(r[0])) return `${at}[0] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[0])})`;
+    for (const j of [1, 2, 4]) {
+      if (r[j] !== null && (!Number.isSafeInteger(r[j]) || r[j] < 0)) {
+        return `${at}[${j}] must be a whole number >= 0 or null (got ${JSON.stringify(r[j])})`;
+      }
+    }
+    if (typeof r[3] !== "string" || !MONTH.test(r[3])) return `${at}[3] must be a month YYYY-MM (got ${JSON.stringify(r[3])})`;
   }
   return null;
 }

@@ -101,3 +101,28 @@ export function refusal(key, est, monthTokens, t, inflight = 0) {
   }
   return null;
 }
+
+/**
+ * In a fleet, whether this cell's lease of the key ({req, tok, month_tokens}: its share of
+ * the key's limits, docs/fleet.md "Limits across cells") leaves room for one more request:
+ * null, or the refusal. `est` and `monthTokens` are this cell's own. A request must fit
+ * whole in the request lease (so the cells' estimates never sum past the leases); tokens,
+ * unknown until served, are checked as a lone cell checks them.
+ */
+export function leaseRefusal(key, lease, est, monthTokens) {
+  // The lease may grow within an exchange or two when the key is under its limit elsewhere.
+  const soon = 1;
+  if (lease.req !== null && est.req + 1 > lease.req) {
+    return { type: "requests", code: "rate_limit_exceeded", retryAfterS: soon,
+      message: `rate limit reached: this cell's share of ${key.rpm} requests per minute for this key is in use` };
+  }
+  if (lease.tok !== null && est.tok >= lease.tok) {
+    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: soon,
+      message: `rate limit reached: this cell's share of ${key.tpm} tokens per minute for this key is in use` };
+  }
+  if (lease.month_tokens !== null && monthTokens >= lease.month_tokens) {
+    return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: soon,
+      message: `monthly token budget: this cell's share of ${key.monthly_tokens} tokens this month for this key is in use` };
+  }
+  return null;
+}

@@ -10,7 +10,7 @@ import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { C_INFLIGHT, C_MONTH, estimate, refusal } from "./limits.js";
+import { C_INFLIGHT, C_MONTH, estimate, leaseRefusal, refusal } from "./limits.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { lookup } from "./routes.js";
 import {
@@ -140,7 +140,9 @@ function enforceLimits(request, cfg, key) {
   const est = estimate(g, pendingCounter(gen, key.id), t);
   const month = (g ? g[C_MONTH] : 0) + pendingMonthTokens(gen, key.id, t);
   const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[C_INFLIGHT] : 0) : 0;
-  const no = refusal(key, est, month, t, inflight);
+  // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none).
+  const lease = cache.lease(gen, key.id);
+  const no = refusal(key, est, month, t, inflight) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month));
   if (no) {
     const err = new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
     err.holdMs = holdFor(key.id, t);

@@ -27,7 +27,9 @@
 //                 counters (rate_window, key_month); a fleet's exchange reads the keys
 //                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
 //   peer_counters per key: the other cells of a fleet together, as the exchange last
-//                 pushed them (minute buckets and month); added to `counts`, never to usage
+//                 pushed them (minute buckets and month): the operator's view, never usage
+//   key_lease     per key: this cell's lease in a fleet (its share of rpm, tpm and the
+//                 month's tokens), as the exchange last pushed it; with meta `fleet_cells`
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
@@ -66,6 +68,8 @@ export const SCHEMA = [
      key_id TEXT PRIMARY KEY, minute INTEGER NOT NULL, req INTEGER NOT NULL, tok INTEGER NOT NULL,
      prev_req INTEGER NOT NULL, prev_tok INTEGER NOT NULL, month TEXT NOT NULL, month_tokens INTEGER NOT NULL,
      at INTEGER NOT NULL)`,
+  `CREATE TABLE IF NOT EXISTS key_lease (
+     key_id TEXT PRIMARY KEY, req INTEGER, tok INTEGER, month TEXT NOT NULL, month_tokens INTEGER, at INTEGER NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS seg_hour (
      hour INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
      PRIMARY KEY (hour, colo, pod, segment))`,
@@ -129,6 +133,11 @@ export const UPSERT_PEERS = `INSERT INTO peer_counters (key_id, minute, req, tok
   SELECT ${[0, 1, 2, 3, 4, 5, 6, 7].map(col).join(", ")}, ? FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET minute = excluded.minute, req = excluded.req, tok = excluded.tok,
     prev_req = excluded.prev_req, prev_tok = excluded.prev_tok, month = excluded.month,
+    month_tokens = excluded.month_tokens, at = excluded.at`;
+// A fleet's leases, one per key: [key_id, req, tok, month, month_tokens] (null: no such limit).
+export const UPSERT_LEASES = `INSERT INTO key_lease (key_id, req, tok, month, month_tokens, at)
+  SELECT ${[0, 1, 2, 3, 4].map(col).join(", ")}, ? FROM json_each(?) WHERE true
+  ON CONFLICT (key_id) DO UPDATE SET req = excluded.req, tok = excluded.tok, month = excluded.month,
     month_tokens = excluded.month_tokens, at = excluded.at`;
 // Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
 export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true
