@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind test test-fast test-py test-js demo demo-fleet bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -34,7 +34,14 @@ valgrind:
 	  { apt-get update -qq && apt-get install -y -qq valgrind; } >/dev/null 2>&1 || \
 	  echo "valgrind could not be installed: the instruction-count tests will be skipped"; }
 
-test: setup wrk valgrind lint test-js test-py
+# prometheus scrapes a sandbox cell in tests/test_metrics_prometheus.py (a real server, not
+# a parser of ours); same rule as wrk. The package's service is not started.
+prometheus:
+	@command -v prometheus >/dev/null || { echo "installing prometheus (apt-get install -y prometheus)"; \
+	  { apt-get update -qq && apt-get install -y -qq prometheus; } >/dev/null 2>&1 || \
+	  echo "prometheus could not be installed: the Prometheus test will be skipped"; }
+
+test: setup wrk valgrind prometheus lint test-js test-py
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -62,7 +69,7 @@ demo-fleet: setup
 	$(PY) scripts/sandbox.py demo-fleet
 
 bench: setup wrk
-	$(PY) scripts/bench_router.py
+	$(PY) -m bench.router
 
 bench-ladder: setup wrk
 	$(PY) -m bench.ladder
@@ -74,7 +81,7 @@ bench-stall: setup
 	$(PY) -m bench.stall
 
 bench-failover: setup
-	$(PY) scripts/bench_failover.py
+	$(PY) -m bench.failover
 
 bench-scale: setup
 	$(PY) -m bench.scale
@@ -83,10 +90,10 @@ bench-fairness: setup
 	$(PY) -m bench.fairness
 
 bench-front: setup wrk
-	$(PY) scripts/bench_front.py
+	$(PY) -m bench.front
 
 bench-fleet-failover: setup
-	$(PY) scripts/bench_fleet_failover.py
+	$(PY) -m bench.fleet_failover
 
 bench-fleet-exchange: setup
 	$(PY) -m bench.fleet_exchange

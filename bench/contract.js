@@ -1,4 +1,4 @@
-// The contract floor for scripts/bench_router.py: the least a Worker must do to keep
+// The contract floor for bench/router.py: the least a Worker must do to keep
 // colocate's contract, with none of the router's own logic (no keys, limits, metering,
 // breaker or pod choice). Bench-only: never uploaded. Compared with bench/passthrough.js,
 // it pays for exactly what the contract requires of any router in front of the pod:

@@ -83,7 +83,9 @@ def flood_process(port: int, connections: int, seconds: float, backoff: bool) ->
     until = time.monotonic() + seconds
     counts: dict = {}
     lock = threading.Lock()
-    threads = [threading.Thread(target=flood, args=(port, key, until, counts, lock, backoff), daemon=True) for _ in range(connections)]
+    threads = [
+        threading.Thread(target=flood, args=(port, key, until, counts, lock, backoff), daemon=True) for _ in range(connections)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -103,8 +105,26 @@ def phase(port: int, b_key: str, flood_key: str | None, connections: int, second
                 break
             # niced: on this machine the flood's own client CPU would otherwise starve the cell it
             # attacks, which a remote attacker's CPU does not.
-            proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "bench.fairness", "--flood-port", str(port), "--connections", str(n),
-                                     "--seconds", str(seconds)] + (["--flood-backoff"] if backoff else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                [
+                    "nice",
+                    "-n",
+                    "19",
+                    sys.executable,
+                    "-m",
+                    "bench.fairness",
+                    "--flood-port",
+                    str(port),
+                    "--connections",
+                    str(n),
+                    "--seconds",
+                    str(seconds),
+                ]
+                + (["--flood-backoff"] if backoff else []),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             proc.stdin.write(flood_key + "\n")
             proc.stdin.close()
             procs.append(proc)
@@ -116,8 +136,16 @@ def phase(port: int, b_key: str, flood_key: str | None, connections: int, second
         for k, v in json.loads(out or "{}").items():
             counts[int(k)] = counts.get(int(k), 0) + v
     s = sorted(lat)
-    p = (lambda q: round(s[min(len(s) - 1, int(q * len(s)))], 1) if s else None)
-    return {"b_requests": len(s), "b_p50_ms": p(0.5), "b_p99_ms": p(0.99), "flood": {str(k): v for k, v in sorted(counts.items())}}
+
+    def p(q: float) -> float | None:
+        return round(s[min(len(s) - 1, int(q * len(s)))], 1) if s else None
+
+    return {
+        "b_requests": len(s),
+        "b_p50_ms": p(0.5),
+        "b_p99_ms": p(0.99),
+        "flood": {str(k): v for k, v in sorted(counts.items())},
+    }
 
 
 def mint(port: int, probe: str, body: dict) -> str:
@@ -171,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.flood_port:
         flood_process(opts.flood_port, opts.connections, opts.seconds, opts.flood_backoff)
         return 0
-    if not (1 <= opts.connections <= 1000 and 1 <= opts.max_parallel and 1 <= opts.slots and 1 <= opts.seconds <= 120):
+    if not (1 <= opts.connections <= 1000 and opts.max_parallel >= 1 and opts.slots >= 1 and 1 <= opts.seconds <= 120):
         p.error("--connections 1..1000, --max-parallel >= 1, --slots >= 1, --seconds 1..120")
     result = run(opts, log=lambda m: print(m, file=sys.stderr))
     print(json.dumps(result, indent=2))

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.fleet_exchange [--keys 1000] [--seconds 10]
 
-Two real cells and the front door in one workerd (tests/support/fleet.py, the fleet the
-tests run), ``--keys`` keys replicated into both cells, each used once in each cell
+Two real cells and the front door in one workerd (``bench.front.fleet_worker``, the front
+door benchmark's fleet), ``--keys`` keys replicated into both cells, each used once in each cell
 through the front door (so each cell has that many changed keys), then steady traffic on
 random keys at both cells. Prints one JSON object:
 
@@ -27,12 +27,25 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import requests
+
+from bench import harness
+from bench.front import fleet_worker
 from colocate import admin
-from tests.support.fleet import running_fleet
-from tests.support.workerd import auth, request
+from colocate.fleet_workerd import CF_BLOB_HEADER
 
 CELLS = ("apac-jp", "eu-west")
 COLO = {"apac-jp": "NRT", "eu-west": "FRA"}
+DEADLINE_MS = 10_000
+
+
+def server_timing(res: requests.Response) -> dict[str, float]:
+    out = {}
+    for part in res.headers.get("server-timing", "").split(","):
+        name, *params = [p.strip() for p in part.strip().split(";")]
+        if name:
+            out[name] = next((float(p[4:]) for p in params if p.startswith("dur=")), 0.0)
+    return out
 
 
 def rounds_of(log: str) -> list[dict]:
@@ -54,32 +67,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=10.0)
     args = ap.parse_args(argv)
-    with running_fleet(CELLS, remember_ms=0, compute_ms=0) as f:
+    secrets = harness.Secrets.fresh()
+    auth = {"authorization": f"Bearer {secrets.probe_token}"}
+    http = requests.Session()
+    with (
+        harness.pods(1, 0, secrets.pod_token) as pod_urls,
+        harness.pods(1, 0, None) as fallback,
+        fleet_worker(pod_urls[0], fallback[0], secrets, DEADLINE_MS, regions=CELLS, remember_ms=0) as (w, urls),
+    ):
         keys = []
         for i in range(args.keys):
             key = admin.new_key()
             row = admin.key_row(key, f"bench-{i}", rpm=1_000_000)
-            for c in f.cells:
-                assert request(c.url, "POST", "/_colocate/keys/replica", body=row, headers=auth()).status == 201
+            for cell in CELLS:
+                res = http.post(urls[cell] + "/_colocate/keys/replica", json=row, headers=auth, timeout=30)
+                assert res.status_code == 201, res.text
             keys.append((key, row["id"]))
+
+        def front(cell: str, key: str) -> requests.Response:
+            return http.get(w.url + "/v1/models", timeout=30, headers={
+                "authorization": f"Bearer {key}", CF_BLOB_HEADER: json.dumps({"colo": COLO[cell]})})
+
         states: Counter = Counter()
 
         def use(cell: str, key: str) -> None:
-            res = f.call(COLO[cell], "GET", "/v1/models", headers={"authorization": f"Bearer {key}"})
-            assert res.status == 200, res.body
+            res = requests.get(w.url + "/v1/models", timeout=30, headers={
+                "authorization": f"Bearer {key}", CF_BLOB_HEADER: json.dumps({"colo": COLO[cell]})})
+            assert res.status_code == 200, res.text
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda kc: use(kc[1], kc[0][0]), [(k, c) for k in keys for c in CELLS]))
         # The first round after that carries every key; wait for it (bounded).
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and sum(r["pulled"] for r in rounds_of(f.worker.log_text())) < len(CELLS) * args.keys:
+        while time.monotonic() < deadline and sum(r["pulled"] for r in rounds_of(w.log_text())) < len(CELLS) * args.keys:
             time.sleep(0.2)
-        first_rounds = len(rounds_of(f.worker.log_text()))
-        url = f.cell("apac-jp").url
-        counters = timed(lambda: len(request(url, "GET", "/_colocate/fleet/counters?since=0", headers=auth()).body))
-        sample = request(url, "GET", "/_colocate/fleet/counters?since=0", headers=auth()).json()["rows"]
+        first_rounds = len(rounds_of(w.log_text()))
+        url = urls["apac-jp"]
+        counters = timed(lambda: len(http.get(url + "/_colocate/fleet/counters?since=0", headers=auth, timeout=30).content))
+        sample = http.get(url + "/_colocate/fleet/counters?since=0", headers=auth, timeout=30).json()["rows"]
         body = {"rows": sample}
-        peers = timed(lambda: (request(url, "POST", "/_colocate/fleet/peers", body=body, headers=auth()),
+        peers = timed(lambda: (http.post(url + "/_colocate/fleet/peers", json=body, headers=auth, timeout=30),
                                len(json.dumps(body, separators=(",", ":"))))[1])
         # Steady traffic: random known keys at both cells, the router's state wait recorded.
         end = time.monotonic() + args.seconds
@@ -87,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() < end:
             key = random.choice(keys)[0]
             for cell in CELLS:
-                res = f.call(COLO[cell], "GET", "/v1/models", headers={"authorization": f"Bearer {key}"})
-                states[res.timing()["state"]] += 1
+                states[server_timing(front(cell, key))["state"]] += 1
                 sent += 1
         time.sleep(2.5)  # let the last round land before reading the log (not an assertion)
-        rounds = rounds_of(f.worker.log_text())
+        rounds = rounds_of(w.log_text())
         steady = rounds[first_rounds:]
         out = {
             "keys": args.keys, "cells": len(CELLS),

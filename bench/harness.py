@@ -1,4 +1,4 @@
-"""The router benchmark's processes and measurements (scripts/bench_router.py is the CLI).
+"""The router benchmark's processes and measurements (bench/router.py is the CLI).
 
 Four targets, measured interleaved in each round so that whatever else the machine is
 doing lands on all of them alike:
@@ -31,11 +31,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from colocate import plan as plan_mod
-from colocate import settings as settings_mod
-from colocate import stackfile
-from colocate.workerd import (MAIN_SERVICE, SOCKET_NAME, Workerd, WorkerdError, capnp_text, config_capnp,
-                              network_service, socket_capnp, worker_service)
+from colocate import plan as plan_mod, settings as settings_mod, stackfile
+from colocate.workerd import (
+    MAIN_SERVICE,
+    SOCKET_NAME,
+    Workerd,
+    WorkerdError,
+    capnp_text,
+    config_capnp,
+    network_service,
+    socket_capnp,
+    worker_service,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -64,9 +71,9 @@ STREAM_USAGE_BODY = chat_body("usage")
 TARGETS = ("direct", "bare", "contract", "router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# Issue 14 item 3 (medians over rounds, same run), against bare. goals() also judges each
+# The router's goals (medians over rounds, same run), against bare. goals() also judges each
 # limit with the contract floor (the least any router keeping colocate's contract does) in
-# place of bare, as own_<goal>: ours, not issue 14's, they bound the router's own logic.
+# place of bare, as own_<goal>: they bound the router's own logic.
 GOALS = {
     "cpu_ratio_32": 1.10,         # router CPU/request <= 1.10 x bare, at 32 clients
     "throughput_ratio_32": 0.90,  # router req/s >= 0.90 x bare, at 32 clients
@@ -98,7 +105,7 @@ class Secrets:
 
 def router_headers(client_key: str | None = None) -> dict[str, str]:
     """Every header a routed benchmark request carries, in one place: when routed paths
-    need a client key (issue 10), pass the minted ``clc_...`` key here."""
+    need a client key, pass the minted ``clc_...`` key here."""
     h = {"content-type": "application/json"}
     if client_key:
         h["authorization"] = f"Bearer {client_key}"
@@ -421,7 +428,7 @@ def summarise(rounds: list[dict]) -> dict:
 
 
 def goals(series: list[dict]) -> list[dict]:
-    """Issue 14 item 3, judged per pod count on the medians against bare; and the same
+    """The router's goals, judged per pod count on the medians against bare; and the same
     limits against the contract floor (``own_`` goals) when it ran."""
     checks = []
 
@@ -442,7 +449,9 @@ def goals(series: list[dict]) -> list[dict]:
                 if lv["clients"] == 1:
                     check(prefix + "added_p50_ms", s["pods"], 1, rb.get("added_p50_ms"), GOALS["added_p50_ms_1"])
                     if "sse_added_ttfb_p50_ms" in rb:
-                        check(prefix + "sse_added_ttfb_ms", s["pods"], 1, rb["sse_added_ttfb_p50_ms"], GOALS["sse_added_ttfb_ms_1"])
+                        check(
+                            prefix + "sse_added_ttfb_ms", s["pods"], 1, rb["sse_added_ttfb_p50_ms"], GOALS["sse_added_ttfb_ms_1"]
+                        )
     return checks
 
 
@@ -452,10 +461,12 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
             pods(1, 0, None) as fallback:
         values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
         compat = plan.worker.compatibility_date
-        with floor_worker(lambda port: bare_config(compat, pod_urls, port)) as bare, \
-                floor_worker(lambda port: contract_config(compat, pod_urls, secrets.pod_token, opts.deadline_ms, port)) as contract, \
-                router_worker(plan, values, opts.far_state_ms) as router:
-            # Routed requests need a client key: the router checks it on every request (issue 10).
+        with (
+            floor_worker(lambda port: bare_config(compat, pod_urls, port)) as bare,
+            floor_worker(lambda port: contract_config(compat, pod_urls, secrets.pod_token, opts.deadline_ms, port)) as contract,
+            router_worker(plan, values, opts.far_state_ms) as router,
+        ):
+            # Routed requests need a client key: the router checks it on every request.
             key = opts.client_key or mint_key(router.url, secrets.probe_token)
             hdr_router = router_headers(key)
             urls = {"direct": pod_urls[0], "bare": bare.url, "contract": contract.url, "router": router.url}
@@ -487,9 +498,15 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
                     log(f"pods {pod_count} round {r + 1}/{opts.rounds} clients {c}: "
                         + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms" for t in TARGETS))
             state = state_waits(router.url, hdr_router)
-    return {"pods": pod_count, "pod_delay_ms": opts.pod_delay_ms, "pod_slots": opts.pod_slots, "router_backend": backend, "far_state": far,
-            "router_state_ms": state,
-            "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()]}
+    return {
+        "pods": pod_count,
+        "pod_delay_ms": opts.pod_delay_ms,
+        "pod_slots": opts.pod_slots,
+        "router_backend": backend,
+        "far_state": far,
+        "router_state_ms": state,
+        "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()],
+    }
 
 
 def first_line(args: list[str]) -> str | None:

@@ -5,7 +5,7 @@ CPU time per request moves by 10 to 30 % from round to round on a shared 2-core 
 so a cut of a few per cent needs many interleaved rounds to show. An instruction count
 does not move with the machine's load. It counts every thread of the workerd process in
 user space, V8's compiler and GC threads too; what the kernel spends on sockets is not in
-it, so its ratios are larger than the CPU-time ratios of scripts/bench_router.py (the two
+it, so its ratios are larger than the CPU-time ratios of bench/router.py (the two
 measure different things; neither replaces the other).
 
 One thing makes a count move from run to run: when V8's background compiler finishes.
@@ -177,10 +177,12 @@ def table(result: dict) -> str:
         what += f" of {result['chunks']} events"
     if result.get("prompt_bytes"):
         what += f", a {result['prompt_bytes']:,}-byte prompt ({result['body_bytes']:,}-byte body)"
-    rows = [f"instructions per request at 1 client, {what}, {result.get('pods', 1)} pod(s) ({m['workerd']}, {result['valgrind']}; "
-            f"{result['requests']} requests counted after {result['warm']} not counted; "
-            f"median of {result['repeat']}; V8 flags: {' '.join(result.get('v8_flags') or ['(default)'])})",
-            f"{'rung':>10} {'instr/req':>11} {'spread':>7} {'vs bare':>8}"]
+    rows = [
+        f"instructions per request at 1 client, {what}, {result.get('pods', 1)} pod(s) ({m['workerd']}, {result['valgrind']}; "
+        f"{result['requests']} requests counted after {result['warm']} not counted; "
+        f"median of {result['repeat']}; V8 flags: {' '.join(result.get('v8_flags') or ['(default)'])})",
+        f"{'rung':>10} {'instr/req':>11} {'spread':>7} {'vs bare':>8}",
+    ]
     for r in result["rungs"]:
         vs = f"{r['vs_bare']:.3f}" if r["vs_bare"] is not None else "-"
         rows.append(f"{r['rung']:>10} {r['instructions_per_req']:>11,} {r['spread']:>7.1%} {vs:>8}")
@@ -194,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300, help="requests counted per rung (default 300)")
     p.add_argument("--warm", type=int, default=1000, help="requests sent first and not counted (default 1000)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rung; the median is reported (default 1)")
-    p.add_argument("--rungs", default=",".join(ladder.RUNGS),
-                   help=f"comma-separated, of {','.join(ladder.RUNGS + ladder.EXTRA)} (default: all but {','.join(ladder.EXTRA)})")
+    p.add_argument(
+        "--rungs",
+        default=",".join(ladder.RUNGS),
+        help=f"comma-separated, of {','.join(ladder.RUNGS + ladder.EXTRA)} (default: all but {','.join(ladder.EXTRA)})",
+    )
     p.add_argument("--request", choices=ladder.REQUESTS, default="json",
                    help="a chat completion (json, default), a stream, or a stream that asks for its usage")
     p.add_argument("--prompt-bytes", type=int, default=0,

@@ -117,7 +117,9 @@ def run(rounds: int, seconds: float, clients: int, rungs: Sequence[str] = RUNGS,
         for i in range(rounds):
             for rung in harness.rotated(tuple(rungs), i):
                 w = workers[rung]
-                per[rung].append(harness.measured(w.proc.pid, lambda w=w, rung=rung: load(w.url, clients, seconds, headers[rung], request)))
+                per[rung].append(
+                    harness.measured(w.proc.pid, lambda w=w, rung=rung: load(w.url, clients, seconds, headers[rung], request))
+                )
             log(f"round {i + 1}/{rounds}: " + ", ".join(f"{r} {per[r][-1]['cpu_us_per_req']} us" for r in rungs))
     out = {"clients": clients, "rounds": rounds, "seconds": seconds, "pods": pod_count, "request": request,
            "machine": harness.versions(), "rungs": []}
@@ -172,10 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
     unknown = [r for r in rungs if r not in RUNGS + EXTRA]
     if unknown or not rungs or rungs[0] != "bare" or len(set(rungs)) != len(rungs):
-        p.error(f"--rungs {args.rungs!r}: " + (f"unknown rung {unknown[0]!r}" if unknown else "bare must come first, each rung once")
-                + f"; use bare and any of {', '.join(r for r in RUNGS + EXTRA if r != 'bare')}, comma-separated")
+        p.error(
+            f"--rungs {args.rungs!r}: "
+            + (f"unknown rung {unknown[0]!r}" if unknown else "bare must come first, each rung once")
+            + f"; use bare and any of {', '.join(r for r in RUNGS + EXTRA if r != 'bare')}, comma-separated"
+        )
     log = harness.progress(args.quiet)
-    return harness.report("bench.ladder", lambda: run(args.rounds, args.seconds, args.clients, rungs, args.pods, args.request, log), table, args.json)
+    return harness.report(
+        "bench.ladder",
+        lambda: run(args.rounds, args.seconds, args.clients, rungs, args.pods, args.request, log),
+        table,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

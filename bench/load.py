@@ -1,6 +1,6 @@
 """An open-loop load of routed chat requests with a client key: the failover benchmark's
 and the sandbox tests' load generator (Python threads: fine at tens of requests a second,
-not a throughput tool; scripts/bench_router.py uses wrk for that)."""
+not a throughput tool; bench/router.py uses wrk for that)."""
 
 from __future__ import annotations
 

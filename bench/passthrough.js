@@ -1,4 +1,4 @@
-// The floor for scripts/bench_router.py: a Worker that does nothing but fetch(pod) and
+// The floor for bench/router.py: a Worker that does nothing but fetch(pod) and
 // return the answer. Same workerd, same compatibility date as the router (the bench
 // renders both from the plan). Bench-only: never uploaded.
 //

@@ -22,8 +22,7 @@ import struct
 import sys
 from pathlib import Path
 
-from colocate import plan as plan_mod
-from colocate import workerd as wd
+from colocate import plan as plan_mod, workerd as wd
 
 from . import harness
 

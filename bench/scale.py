@@ -31,12 +31,11 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from bench.harness import Secrets, bench_plan, cpu_seconds
-from colocate import plan as plan_mod
-from colocate import workerd as wd
+from colocate import plan as plan_mod, workerd as wd
 from colocate.pods import standin
 
 HERE = Path(__file__).resolve().parent
@@ -52,7 +51,9 @@ class Conn:
     def __init__(self, port: int):
         self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
 
-    def post(self, path: str, body: dict | None = None, headers: dict | None = None, method: str = "POST") -> tuple[int, dict, bytes]:
+    def post(
+        self, path: str, body: dict | None = None, headers: dict | None = None, method: str = "POST"
+    ) -> tuple[int, dict, bytes]:
         data = json.dumps(body).encode() if body is not None else None
         h = {"content-type": "application/json", **(headers or {})}
         self.c.request(method, path, body=data, headers=h)
@@ -198,7 +199,9 @@ def run(opts: argparse.Namespace, log=print) -> dict:
         admin = Conn(port)
         client_headers = []
         for i in range(5):
-            status, _, body = admin.post("/_colocate/keys", {"name": f"router{i}"}, {"authorization": f"Bearer {secrets.probe_token}"})
+            status, _, body = admin.post(
+                "/_colocate/keys", {"name": f"router{i}"}, {"authorization": f"Bearer {secrets.probe_token}"}
+            )
             if status != 201:
                 raise RuntimeError(f"minting a router key failed: {status} {body[:200]!r}")
             client_headers.append({"authorization": f"Bearer {json.loads(body)['key']}"})

@@ -31,7 +31,6 @@ import requests
 
 from .sandbox.statedir import SANDBOX_CMD, default_state_dir  # not the supervisor, whose runner imports admin
 
-
 TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
 TIMEOUT_S = 30
 

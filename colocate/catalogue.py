@@ -2,7 +2,8 @@
 
 Each region names where the Worker is placed, the Durable Object location hint,
 the Cloudflare colos that count as in-region, and the GPU locations per provider.
-Sources: placement targets and DO hints from cloudflare-docs (FACTS.md); RunPod
+Sources: placement targets and DO hints from cloudflare-docs (``workers/configuration/placement``,
+``durable-objects/reference/data-location``); RunPod
 data-centre ids from RunPod's public data-centre list (check with
 ``GET /v2/catalog/datacenters``); Vast.ai ``geolocation`` is a country code.
 """
@@ -17,7 +18,8 @@ from .errors import ConfigError, UnknownRegion, UnsupportedProvider
 PROVIDERS = ("runpod", "vastai", "local")
 
 # Location hints that host Durable Objects. `sam`, `afr` and `me` are valid hint
-# names but host nothing today: objects hinted there land elsewhere (FACTS.md).
+# names but host nothing today: objects hinted there land elsewhere
+# (cloudflare-docs ``durable-objects/reference/data-location``).
 HOSTING_HINTS = ("wnam", "enam", "weur", "eeur", "apac", "oc")
 NON_HOSTING_HINTS = ("sam", "afr", "me")
 

@@ -20,8 +20,10 @@ The ranking: for every Cloudflare colo with coordinates, the member cells ordere
 physical floor (``geo.floor_ms``) from that colo to the cell's edge site (where a Worker
 placed in the cell's region runs, the site the probe's floors start from); ties keep the
 order of ``colocate:fleet.cells``, which is also the order for a colo the table lacks.
-It is emitted as the front door's ``CELL_RANK`` binding ({colo: [cell index, ...]}),
-beside ``CELLS`` ([{name, region}], index = position = service binding ``CELL_<i>``).
+It is uploaded as the front door's module ``cellrank.js`` ({colo: [cell index, ...]}, made
+by the plan in place of the kit's empty one), beside the ``CELLS`` binding ([{name,
+region}], index = position = service binding ``CELL_<i>``). A module, not a binding: the
+table grows with every cell past Cloudflare's 5 KB per environment variable.
 
 Fleet-wide limits: the front door's Durable Object ``FleetLedger`` (binding ``LEDGER``,
 its own migration list ``LEDGER_MIGRATIONS``) exchanges the cells' limit counters every
@@ -37,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import geo, outputs, stackfile
+from . import cloudflare_limits, geo, outputs, stackfile
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError, MissingSetting
 from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, migration_decision, module_closure
@@ -55,8 +57,9 @@ LEDGER_MIGRATIONS: tuple[tuple[str, dict], ...] = (("v1", {"new_sqlite_classes":
 FLEET_KEYS = ("fleet", "accountId", "worker", "zone")
 FRONT_WORKER_KEYS = ("name", "subdomain", "maxBodyBytes")
 FRONT_MAIN_MODULE = "frontindex.js"  # exports front.js's handler and the FleetLedger class
+RANK_MODULE = "cellrank.js"  # the ranking; the plan's replaces the kit's empty one
 # What the fleet reads from each member stack (names in colocate/outputs.py).
-MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION)
+MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION, outputs.ACCOUNT_ID)
 # A stack name as `pulumi stack init` takes it, optionally qualified as org/project/stack.
 _STACK = re.compile(r"([A-Za-z0-9_.-]+/){0,2}[A-Za-z0-9_.-]+")
 _SCRIPT = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -137,11 +140,21 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     cell_secrets = sorted(set(secrets) & {*ALWAYS_SECRET, *(k for k, _ in PROVIDER_SECRET.values())})
     if cell_secrets:
         name = cell_secrets[0]
-        raise ConfigError(f"{NS}:{name}", "[secret]", "is a cell's secret; the front door holds none of its own (the cells "
-                          "check client keys; their probe tokens are read from their stacks)", f"pulumi config rm {NS}:{name} -s {stack}")
+        raise ConfigError(
+            f"{NS}:{name}",
+            "[secret]",
+            "is a cell's secret; the front door holds none of its own (the cells "
+            "check client keys; their probe tokens are read from their stacks)",
+            f"pulumi config rm {NS}:{name} -s {stack}",
+        )
     fleet = raw.get("fleet")
     if not isinstance(fleet, Mapping):
-        raise ConfigError(KEY, fleet, "must be a mapping {cells: [...], rememberMs, exchangeMs}", f"pulumi config set --path '{KEY}.cells[0]' apac-jp")
+        raise ConfigError(
+            KEY,
+            fleet,
+            "must be a mapping {cells: [...], rememberMs, exchangeMs}",
+            f"pulumi config set --path '{KEY}.cells[0]' apac-jp",
+        )
     unknown = sorted(set(fleet) - set(FLEET_DEFAULTS))
     if unknown:
         raise ConfigError(f"{KEY}.{unknown[0]}", fleet[unknown[0]], "unknown key", f"use only {', '.join(FLEET_DEFAULTS)}")
@@ -153,7 +166,9 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     account = raw.get("accountId")
     if not isinstance(account, str) or not _ACCOUNT.fullmatch(account):
         problem = "is not set" if account in (None, "") else "must be 32 lower-case hex characters"
-        raise MissingSetting(f"{NS}:accountId", account, problem, f"pulumi config set {NS}:accountId <id from the Cloudflare dashboard>")
+        raise MissingSetting(
+            f"{NS}:accountId", account, problem, f"pulumi config set {NS}:accountId <id from the Cloudflare dashboard>"
+        )
 
     worker = raw.get("worker") or {}
     wkey = f"{NS}:worker"
@@ -167,7 +182,9 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
                               "pods or state", f"pulumi config rm --path {wkey}.{sub} -s {stack}")
     name = worker.get("name") or f"colocate-{stack}"
     if not isinstance(name, str) or not _SCRIPT.fullmatch(name):
-        raise ConfigError(f"{wkey}.name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-fleet")
+        raise ConfigError(
+            f"{wkey}.name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-fleet"
+        )
     subdomain = worker.get("subdomain", "")
     if not isinstance(subdomain, str) or (subdomain and not _SCRIPT.fullmatch(subdomain)):
         raise ConfigError(f"{wkey}.subdomain", subdomain, "must be the bare workers.dev subdomain",
@@ -177,8 +194,12 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     if zone is not None and not (raw.get("zone") or {}).get("workerHostname"):
         zone = replace(zone, worker_hostname=f"{stack}.{zone.name}")  # not a cell's default infer.<zone>
     if zone is None and not subdomain:
-        raise MissingSetting(f"{wkey}.subdomain", None, "the front door needs a public address: no zone and no workers.dev subdomain",
-                             f"pulumi config set --path {wkey}.subdomain <your-account-subdomain>, or set {NS}:zone")
+        raise MissingSetting(
+            f"{wkey}.subdomain",
+            None,
+            "the front door needs a public address: no zone and no workers.dev subdomain",
+            f"pulumi config set --path {wkey}.subdomain <your-account-subdomain>, or set {NS}:zone",
+        )
     return FleetSettings(stack, account, cells, remember, exchange, name, subdomain, max_body, zone)
 
 
@@ -191,6 +212,7 @@ class Member:
     region: Region
     worker_name: str
     worker_url: str
+    account_id: str
 
 
 def member(index: int, stack: str, found: Mapping[str, object] | None) -> Member:
@@ -200,11 +222,25 @@ def member(index: int, stack: str, found: Mapping[str, object] | None) -> Member
     missing = [k for k in MEMBER_OUTPUTS if not isinstance(found.get(k), str) or not found.get(k)]
     if missing:
         problem = (f"stack {stack} has no outputs {', '.join(missing)}: it was never deployed, does not exist, or was "
-                   f"last deployed by a kit that did not export {outputs.REGION}")
+                   f"last deployed by a kit that did not export them")
         raise ConfigError(key, stack, problem, f"pulumi up -s {short_name(stack)} (then pulumi up the fleet again), "
                           f"or pulumi config rm --path '{key}'")
     region = lookup_region(found[outputs.REGION], f"{key} (output {outputs.REGION} of stack {stack})")
-    return Member(stack, short_name(stack), region, str(found[outputs.WORKER_NAME]), str(found[outputs.WORKER_URL]))
+    return Member(stack, short_name(stack), region, str(found[outputs.WORKER_NAME]), str(found[outputs.WORKER_URL]),
+                  str(found[outputs.ACCOUNT_ID]))
+
+
+def check_accounts(settings: FleetSettings, members: Sequence[Member]) -> None:
+    """Service bindings reach Workers of the front door's own account only: a member in
+    another account would fail only at upload, after the plan looked fine."""
+    for i, m in enumerate(members):
+        if m.account_id != settings.account_id:
+            raise ConfigError(f"{KEY}.cells[{i}]", m.stack,
+                              f"stack {m.stack} deploys its Worker in account {m.account_id} (its output "
+                              f"{outputs.ACCOUNT_ID}), not this fleet's {settings.account_id}: a service binding "
+                              "reaches only Workers of the same account",
+                              f"pulumi config set {NS}:accountId {m.account_id} -s {settings.stack} (every cell in "
+                              f"that account), or deploy {m.name} in {settings.account_id}")
 
 
 def check_members(members: Sequence[Member]) -> None:
@@ -243,9 +279,19 @@ def rank_table(regions: Sequence[Region]) -> dict[str, list[int]]:
     return {code: rank(code, regions) for code in sorted(geo.colos())}
 
 
-def front_modules(directory: Path = WORKER_DIR, main: str = FRONT_MAIN_MODULE) -> tuple[Module, ...]:
-    """The front door's ES modules: ``front.js`` and what it imports, transitively (main first)."""
-    return module_closure(directory, main)
+def front_modules(directory: Path = WORKER_DIR, main: str = FRONT_MAIN_MODULE,
+                  rank: Mapping[str, list[int]] | None = None) -> tuple[Module, ...]:
+    """The front door's ES modules: ``front.js`` and what it imports, transitively (main
+    first); with ``rank``, ``cellrank.js`` is the plan's (``rank_module``)."""
+    modules = module_closure(directory, main)
+    if rank is None:
+        return modules
+    return tuple(rank_module(rank) if m.name == RANK_MODULE else m for m in modules)
+
+
+def rank_module(rank: Mapping[str, list[int]]) -> Module:
+    """``cellrank.js`` holding ``rank`` as its default export."""
+    return Module(RANK_MODULE, None, text=f"export default {json_text(rank)};\n")
 
 
 @dataclass(frozen=True)
@@ -268,7 +314,7 @@ class FleetPlan:
     members: tuple[Member, ...]
     services: tuple[ServiceBinding, ...]
     bindings: tuple[Binding, ...]  # plain_text, json, the LEDGER namespace, CELL_TOKEN_<i> (secret, from_output)
-    rank: dict[str, list[int]]
+    rank: dict[str, list[int]]  # as uploaded in the module cellrank.js
     hostname: str | None
     url: str
     migrations: dict | None  # the FleetLedger class's pending steps ({old_tag, new_tag, steps}); None: none
@@ -314,11 +360,11 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         raise ValueError(f"{len(found)} member outputs for {len(settings.cells)} cells")
     members = tuple(member(i, s, f) for i, (s, f) in enumerate(zip(settings.cells, found, strict=True)))
     check_members(members)
+    check_accounts(settings, members)
     table = rank_table([m.region for m in members])
     services = tuple(ServiceBinding(f"CELL_{i}", m.worker_name) for i, m in enumerate(members))
     bindings = (
         Binding("CELLS", "json", text=json_text([{"name": m.name, "region": m.region.name} for m in members])),
-        Binding("CELL_RANK", "json", text=json_text(table)),
         Binding("REMEMBER_MS", "plain_text", text=str(settings.remember_ms)),
         Binding("MAX_BODY_BYTES", "plain_text", text=str(settings.max_body_bytes)),
         Binding("EXCHANGE_MS", "plain_text", text=str(settings.exchange_ms)),
@@ -329,13 +375,16 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
                                   migrations=LEDGER_MIGRATIONS)
     zone = settings.zone
     hostname, url = address(settings)
+    modules = front_modules(worker_dir, rank=table)
+    cloudflare_limits.check_worker(settings.worker_name, [(m.name, m.content().encode()) for m in modules],
+                                   [(b.name, b.type, b.text) for b in bindings], {"CELLS": f"{KEY}.cells"}, f"{KEY}.cells")
     return FleetPlan(
         stack=settings.stack,
         account_id=settings.account_id,
         zone_id=zone.id if zone else None,
         script_name=settings.worker_name,
         main_module=FRONT_MAIN_MODULE,
-        modules=front_modules(worker_dir),
+        modules=modules,
         compatibility_date=COMPATIBILITY_DATE,
         members=members,
         services=services,

@@ -1,8 +1,8 @@
 """Colo coordinates, great-circle distances and the physical round-trip floor.
 
 Light in fibre covers about 200 km per millisecond, so a round trip between two
-sites costs at least ``2 * km / 200`` ms. Field paths run about 1.5-1.65x that
-(FACTS.md), hence the default stretch the sandbox uses.
+sites costs at least ``2 * km / 200`` ms. Measured paths run about 1.5-1.65x that
+(Tokyo-Ashburn 165 ms against a 109 ms floor, Tokyo-Taipei 36 ms against 22 ms), hence the default stretch the sandbox uses.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import geo
+from . import cloudflare_limits, geo
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Generation
@@ -54,11 +54,15 @@ class Binding:
 
 @dataclass(frozen=True)
 class Module:
+    """One ES module of an upload: read from ``path``, or ``text`` made by the plan (the
+    fleet's ranking, ``colocate.fleet.rank_module``)."""
+
     name: str
-    path: Path
+    path: Path | None
+    text: str | None = None
 
     def content(self) -> str:
-        return self.path.read_text()
+        return self.text if self.text is not None else self.path.read_text()
 
 
 PLACEMENT_POD, PLACEMENT_TARGETED, PLACEMENT_SMART = "pod", "targeted", "smart"
@@ -142,7 +146,7 @@ class WorkerPlan:
     def content_hash(self) -> str:
         h = hashlib.sha256()
         for m in self.modules:
-            h.update(m.name.encode() + b"\0" + m.path.read_bytes() + b"\0")
+            h.update(m.name.encode() + b"\0" + m.content().encode() + b"\0")
         return h.hexdigest()[:16]
 
 
@@ -183,6 +187,18 @@ def pod_path(provider: str, zoned: bool) -> str:
                       "pulumi config set --path colocate:zone.id <zone id> and --path colocate:zone.name <example.com> "
                       "(the kit creates pod-<generation>.<zone> as a DNS-only record), or use pod.provider runpod "
                       "where the region has RunPod capacity")
+
+
+def check_pod_cloud(provider: str, path: str, cloud: str) -> None:
+    """A DNS-only record needs the pod's public ip, and a RunPod Community Cloud host may have
+    none: REST v1's create had ``supportPublicIp`` for that; v2 has no such field, so the pod
+    would run unreachable until readiness gave up. Refused before any pod is rented."""
+    if provider == "runpod" and path == PATH_ZONE_DNS and cloud == "COMMUNITY":
+        raise ConfigError("colocate:pod.cloud", cloud,
+                          "with colocate:zone set the Worker reaches the pod at its public ip, and a RunPod "
+                          "Community Cloud host may have none (RunPod's REST v2 cannot ask for one)",
+                          "pulumi config set --path colocate:pod.cloud SECURE, or remove colocate:zone (the "
+                          "Worker then uses RunPod's proxy hostname, which needs no public ip)")
 
 
 def pod_hostname_of(template: str, generation: str, index: int) -> str:
@@ -229,6 +245,9 @@ class PodPlan:
     # token_fingerprint(colocate:podToken); "" where the plan is built without the token
     # (the sandbox, `migrate.py plan`). infra/cell.py fills it from the secret.
     token_fingerprint: str = ""
+    # False while the pod drains before a scale-down (colocate:scale.draining): still
+    # declared and running, no longer in the Worker's POD_URLS. Not part of the identity.
+    in_rotation: bool = True
 
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
@@ -349,13 +368,20 @@ class CellPlan:
     region: Region
     worker: WorkerPlan
     state: StatePlan
-    pods: tuple[PodPlan, ...]  # pod.count pods, index order
+    pods: tuple[PodPlan, ...]  # pod.count pods (colocate:scale: pods + draining), index order
     probe: ProbePlan
+    pod_path: str = PATH_ZONE_DNS  # how the Worker reaches the pods (one of POD_PATHS), even with none
+    pod_settings: PodSettings | None = None  # what every pod is made of, even with none
 
     @property
     def pod(self) -> PodPlan:
-        """Pod 0 (every cell has at least one)."""
+        """Pod 0 (a cell with a fixed count has at least one; a scaled one may have none)."""
         return self.pods[0]
+
+    @property
+    def serving(self) -> tuple[PodPlan, ...]:
+        """The pods in the Worker's POD_URLS: all but those draining (colocate:scale.draining)."""
+        return tuple(p for p in self.pods if p.in_rotation)
 
 
 def module_closure(directory: Path, main: str) -> tuple[Module, ...]:
@@ -474,6 +500,23 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
     return tuple(bindings)
 
 
+# The setting behind each binding whose value can grow (named when a limit refuses it).
+BINDING_KEYS = {"FALLBACK_MODEL": "colocate:fallbackModel", "POD_URLS": "colocate:pod.count"}
+
+
+def binding_key(binding: Binding) -> str:
+    return f"colocate:{binding.secret}" if binding.secret else BINDING_KEYS.get(binding.name, "colocate:worker")
+
+
+def check_worker_limits(worker: WorkerPlan) -> None:
+    """The cell's Worker against Cloudflare's upload limits; the values known only once
+    resources exist (secrets, the pods' URLs) are checked by the program as they resolve."""
+    cloudflare_limits.check_worker(
+        worker.script_name, [(m.name, m.content().encode()) for m in worker.modules],
+        [(b.name, b.type, b.text) for b in worker.bindings],
+        {b.name: binding_key(b) for b in worker.bindings}, "colocate:worker.name")
+
+
 def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None) -> CellPlan:
     """Derive the whole cell from validated settings.
 
@@ -492,6 +535,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     )
     gen = ledger.active.name
     path = pod_path(settings.pod.provider, settings.zone is not None)
+    check_pod_cloud(settings.pod.provider, path, settings.pod.cloud)
     locations = reg.locations(settings.pod.provider)
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts
@@ -508,15 +552,23 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             locations=locations[i % len(locations):] + locations[:i % len(locations)],
             pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i) if path == PATH_ZONE_DNS else None,
             path=path,
+            in_rotation=settings.scale is None or i < settings.scale.pods,
         ).with_derived_name()
         for i in range(settings.pod.count)
     )
-    pod = pods[0]
     decision = migration_decision(live_migration_tag, settings.worker.migration_tag, script=settings.worker.name,
                                   allow_class_deletion=settings.worker.allow_class_deletion)
     mode = placement_mode(settings.worker.placement, path)
+    if mode == PLACEMENT_POD and settings.scale is not None and settings.scale.min == 0:
+        # Pod 0 comes and goes with demand: the Worker cannot follow an address that may not exist.
+        if settings.worker.placement == PLACEMENT_POD:
+            raise ConfigError("colocate:worker.placement", settings.worker.placement,
+                              "'pod' follows pod 0, and colocate:scale.min 0 lets the cell run without pod 0",
+                              "pulumi config set --path colocate:worker.placement targeted, or colocate:scale.min 1")
+        mode = PLACEMENT_TARGETED
     placement_host = None
     if mode == PLACEMENT_POD:
+        pod = pods[0]
         placement_host = PlacementHost(pod.pod_hostname or "localhost", pod.index)
         placement = {"host": placement_host.describe()}
     elif mode == PLACEMENT_SMART:
@@ -541,7 +593,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement_mode=mode,
         placement_host=placement_host,
     )
-    pod_site = reg.site_of(pod.locations[0])
+    check_worker_limits(worker)
+    pod_site = reg.site_of(locations[0])  # pod 0's preferred location, whether or not it runs now
     probe = ProbePlan(
         region=reg.name,
         expected_colos=reg.in_region_colos,
@@ -552,4 +605,4 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         pod_path=path,
         placement_mode=mode,
     )
-    return CellPlan(settings.stack, reg, worker, state, pods, probe)
+    return CellPlan(settings.stack, reg, worker, state, pods, probe, pod_path=path, pod_settings=settings.pod)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
@@ -62,28 +62,64 @@ WORKER_DEFAULTS = {
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
 KEYS_DEFAULTS = {"defaultMaxParallel": 0}
+# colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
+# pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
+# (declared, out of rotation until their requests finish); the owner writes the rest.
+SCALE_DEFAULTS = {"min": 1, "max": 2, "target": 60, "upAfterS": 120, "downAfterS": 900, "policy": "latency",
+                  "pods": None, "draining": 0}
+SCALE_POLICIES = ("latency", "cost")
 
 SCHEMA: tuple[Key, ...] = (
-    Key("region", "string", None, "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
-    Key("generations", "array", None, "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with scripts/migrate.py."),
+    Key("region", "string", None,
+        "The cell's region (apac-tw, apac-jp, us-east, us-west, eu-west). The only key that names a region."),
+    Key("generations", "array", None,
+        "The generation ledger: [{name, region, status}], exactly one active in colocate:region. Edit with "
+        "scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
-    Key("pod", "object", POD_DEFAULTS, "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal (raise by one to replace every pod with a newly placed one)."),
-    Key("worker", "object", WORKER_DEFAULTS, "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement (auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag from Cloudflare), allowClassDeletion."),
-    Key("keys", "object", KEYS_DEFAULTS, "Client keys: defaultMaxParallel (requests in flight per key for keys created without --max-parallel; 0 = no limit)."),
-    Key("budgets", "object", BUDGET_DEFAULTS, "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
+    Key("pod", "object", POD_DEFAULTS,
+        "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
+        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
+        "readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal "
+        "(raise by one to replace every pod with a newly placed one)."),
+    Key("worker", "object", WORKER_DEFAULTS,
+        "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
+        "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
+        "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
+        "from Cloudflare), allowClassDeletion."),
+    Key("keys", "object", KEYS_DEFAULTS,
+        "Client keys: defaultMaxParallel (requests in flight per key for keys created without --max-parallel; 0 = no "
+        "limit)."),
+    Key("budgets", "object", BUDGET_DEFAULTS,
+        "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
-    Key("zone", "object", {}, "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
-    Key("fleet", "object", {}, "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs}. Set, it makes the stack a front door over those cells instead of a cell."),
-    Key("fallbackModel", "string", None, "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model unchanged (only when the fallback serves the pod's model)."),
-    Key("fallbackPrice", "object", {}, "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports the pods' cost alone."),
+    Key("scale", "object", {},
+        "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, "
+        "target (requests per minute one pod serves within budget), upAfterS and downAfterS (how long demand must hold "
+        "before pods are added or removed), policy (latency: enough pods for the traffic; cost: a pod only while it costs "
+        "less than colocate:fallbackPrice for the same tokens); pods and draining are written by scripts/scale.py."),
+    Key("zone", "object", {},
+        "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and "
+        "reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
+    Key("fleet", "object", {},
+        "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs}. Set, it makes the stack"
+        " a front door over those cells instead of a cell."),
+    Key("fallbackModel", "string", None,
+        "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model "
+        "unchanged (only when the fallback serves the pod's model)."),
+    Key("fallbackPrice", "object", {},
+        "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. "
+        "platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports "
+        "the pods' cost alone."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
     Key("probeToken", "string", None, "Token that guards the Worker's probe and admin endpoints.", secret=True),
     Key("fallbackUrl", "string", None, "Base URL of the external OpenAI-compatible fallback API.", secret=True),
     Key("fallbackApiKey", "string", None, "API key of the fallback API.", secret=True),
     # Optional (the environment may carry them instead), so they have a default and no
     # `secret: true` in Pulumi.yaml, which would make the CLI demand them on every stack.
-    Key("runpodApiKey", "string", "", "RunPod API key, set with --secret (or RUNPOD_API_KEY in the environment); runpod pods only."),
-    Key("vastaiApiKey", "string", "", "Vast.ai API key, set with --secret (or VASTAI_API_KEY in the environment); vastai pods only."),
+    Key("runpodApiKey", "string", "",
+        "RunPod API key, set with --secret (or RUNPOD_API_KEY in the environment); runpod pods only."),
+    Key("vastaiApiKey", "string", "",
+        "Vast.ai API key, set with --secret (or VASTAI_API_KEY in the environment); vastai pods only."),
 )
 KEYS = {k.name: k for k in SCHEMA}
 ALWAYS_SECRET = ("podToken", "probeToken", "fallbackUrl", "fallbackApiKey")
@@ -143,6 +179,22 @@ class ZoneSettings:
 
 
 @dataclass(frozen=True)
+class ScaleSettings:
+    min: int
+    max: int
+    target: float  # requests per minute one pod serves within the cell's budget
+    up_after_s: int
+    down_after_s: int
+    policy: str  # one of SCALE_POLICIES
+    pods: int  # in rotation now (written by scripts/scale.py)
+    draining: int = 0  # declared after `pods`, out of rotation, deleted once their requests finish
+
+    @property
+    def declared(self) -> int:
+        return self.pods + self.draining
+
+
+@dataclass(frozen=True)
 class Settings:
     stack: str
     region: Region
@@ -158,6 +210,7 @@ class Settings:
     secrets: frozenset[str] = field(default_factory=frozenset)
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
     default_max_parallel: int = 0  # colocate:keys.defaultMaxParallel
+    scale: ScaleSettings | None = None  # colocate:scale; None: a fixed colocate:pod.count
 
 
 def _merged(raw: dict, name: str) -> dict:
@@ -263,7 +316,9 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
     k = f"{NS}:worker."
     name = w["name"] or f"colocate-{stack}"
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
-        raise ConfigError(k + "name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-prod")
+        raise ConfigError(
+            k + "name", name, "a Worker name is lower-case letters, digits and '-'", "pick a name like colocate-prod"
+        )
     if not isinstance(w["allowClassDeletion"], bool):
         raise ConfigError(k + "allowClassDeletion", w["allowClassDeletion"], "must be true or false", "set true or false")
     tag = w["migrationTag"]
@@ -325,6 +380,45 @@ def parse_fallback_price(raw: object) -> tuple[float, float] | None:
                           "(the fallback's prices from its pricing page)")
     return (float(_number(f"{key}.input", raw["input"], strict=False)),
             float(_number(f"{key}.output", raw["output"], strict=False)))
+
+
+def parse_scale(raw: dict, fallback_price: tuple[float, float] | None) -> ScaleSettings | None:
+    """``colocate:scale``; None when unset (the cell runs ``colocate:pod.count`` pods)."""
+    key = f"{NS}:scale"
+    value = raw.get("scale")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(key, value, "must be a mapping {min, max, target, upAfterS, downAfterS, policy}",
+                          f"pulumi config set --path {key}.max 2 (and the other keys; docs/pods.md)")
+    unknown = sorted(set(value) - set(SCALE_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", value[unknown[0]], "unknown key", f"use only {', '.join(SCALE_DEFAULTS)}")
+    if isinstance(raw.get("pod"), dict) and "count" in raw["pod"]:
+        raise ConfigError(f"{NS}:pod.count", raw["pod"]["count"], f"the pod count is {key}'s to decide while {key} is set",
+                          f"pulumi config rm --path {NS}:pod.count (keep {key}), or pulumi config rm {key} (a fixed count)")
+    v = {**SCALE_DEFAULTS, **value}
+    k = f"{key}."
+    low = _number(k + "min", v["min"], integer=True, strict=False, maximum=MAX_PODS)
+    high = _number(k + "max", v["max"], integer=True, maximum=MAX_PODS)
+    if high < low:
+        raise ConfigError(k + "max", high, f"must be at least {k}min ({low})", f"pulumi config set --path {k}max {max(low, 1)}")
+    policy = _string(k + "policy", v["policy"], SCALE_POLICIES)
+    if policy == "cost" and fallback_price is None:
+        raise ConfigError(k + "policy", policy, f"the cost policy weighs a pod against {NS}:fallbackPrice, which is not set",
+                          f"pulumi config set --path {NS}:fallbackPrice.input <$ per 1M> and .output <$ per 1M>, "
+                          f"or pulumi config set --path {k}policy latency")
+    pods = low if v["pods"] is None else _number(k + "pods", v["pods"], integer=True, strict=False, maximum=MAX_PODS)
+    if not low <= pods <= high:
+        raise ConfigError(k + "pods", pods, f"must be within {k}min..{k}max ({low}..{high})",
+                          f"pulumi config set --path {k}pods {min(max(pods, low), high)} (scripts/scale.py writes it)")
+    draining = _number(k + "draining", v["draining"], integer=True, strict=False, maximum=MAX_PODS - pods)
+    return ScaleSettings(
+        min=low, max=high, target=float(_number(k + "target", v["target"])),
+        up_after_s=_number(k + "upAfterS", v["upAfterS"], integer=True, strict=False),
+        down_after_s=_number(k + "downAfterS", v["downAfterS"], integer=True, strict=False),
+        policy=policy, pods=pods, draining=draining,
+    )
 
 
 def parse_zone(raw: object) -> ZoneSettings | None:
@@ -396,14 +490,27 @@ def parse(
     probe = _merged(raw, "probe")
     samples = _number(f"{NS}:probe.samples", probe["samples"], integer=True)
     if not isinstance(probe["enforce"], bool):
-        raise ConfigError(f"{NS}:probe.enforce", probe["enforce"], "must be true or false", "pulumi config set --path colocate:probe.enforce true")
+        raise ConfigError(
+            f"{NS}:probe.enforce",
+            probe["enforce"],
+            "must be true or false",
+            "pulumi config set --path colocate:probe.enforce true",
+        )
     worker = parse_worker(raw, stack)
     zone = parse_zone(raw.get("zone"))
     if zone is None and not worker.subdomain:
-        raise MissingSetting(f"{NS}:worker.subdomain", None, "the Worker needs a public address: no zone and no workers.dev subdomain",
-                             f"pulumi config set --path {NS}:worker.subdomain <your-account-subdomain> (the part before .workers.dev), "
-                             f"or set {NS}:zone")
+        raise MissingSetting(
+            f"{NS}:worker.subdomain",
+            None,
+            "the Worker needs a public address: no zone and no workers.dev subdomain",
+            f"pulumi config set --path {NS}:worker.subdomain <your-account-subdomain> (the part before .workers.dev), "
+            f"or set {NS}:zone",
+        )
     fallback_model = parse_fallback_model(raw.get("fallbackModel"))
+    fallback_price = parse_fallback_price(raw.get("fallbackPrice"))
+    scale = parse_scale(raw, fallback_price)
+    if scale is not None:
+        pod = replace(pod, count=scale.declared)
     keys = _merged(raw, "keys")
     default_max_parallel = _number(f"{NS}:keys.defaultMaxParallel", keys["defaultMaxParallel"], integer=True, strict=False)
     return Settings(
@@ -419,6 +526,7 @@ def parse(
         zone=zone,
         fallback_model=fallback_model,
         secrets=frozenset(secrets),
-        fallback_price=parse_fallback_price(raw.get("fallbackPrice")),
+        fallback_price=fallback_price,
         default_max_parallel=default_max_parallel,
+        scale=scale,
     )

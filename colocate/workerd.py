@@ -51,14 +51,15 @@ redacts them, see worker/src/errors.js).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from .plan import BREAKER_CLASS, Binding, WorkerPlan
 
@@ -144,7 +145,7 @@ def modules_capnp(worker: WorkerPlan, extra: Iterable[tuple[str, str]] = (), *, 
     adds (name, ES module source) pairs, e.g. a sandbox-only wrapper entry, placed first
     when ``first`` names it (workerd's main module is the first in the list)."""
     entries = [(name, src) for name, src in extra]
-    entries += [(m.name, m.path.read_bytes().decode("utf-8")) for m in worker.modules]
+    entries += [(m.name, m.content()) for m in worker.modules]
     if first:
         entries.sort(key=lambda e: e[0] != first)
     return "[\n" + ",\n".join(f"    (name = {capnp_text(n)}, esModule = {capnp_text(s)})" for n, s in entries) + "\n  ]"
@@ -208,7 +209,11 @@ def _headers(headers: Mapping[str, str] | None) -> str:
 
 def external_service(name: str, host: str, port: int, inject_headers: Mapping[str, str] | None = None) -> tuple[str, str]:
     """A plain-HTTP server every fetch through this service reaches (host-style requests)."""
-    return name, f"(name = {capnp_text(name)}, external = (address = {capnp_text(f'{host}:{port}')}, http = ({_headers(inject_headers)})))"
+    return (
+        name,
+        f"(name = {capnp_text(name)}, external = (address = {capnp_text(f'{host}:{port}')}, "
+        f"http = ({_headers(inject_headers)})))",
+    )
 
 
 def network_service(name: str = NETWORK_SERVICE) -> tuple[str, str]:
@@ -226,7 +231,10 @@ def worker_service(name: str, worker_literal: str) -> tuple[str, str]:
 
 
 def socket_capnp(name: str, port: int, service: str, host: str = "127.0.0.1") -> tuple[str, str]:
-    return name, f"(name = {capnp_text(name)}, address = {capnp_text(f'{host}:{port}')}, http = (), service = {capnp_text(service)})"
+    return (
+        name,
+        f"(name = {capnp_text(name)}, address = {capnp_text(f'{host}:{port}')}, http = (), service = {capnp_text(service)})",
+    )
 
 
 CONFIG_OPEN = "const config :Workerd.Config = (\n"
@@ -375,12 +383,9 @@ class Workerd:
         for name, s in (extra_sockets or {}).items():
             args.append(f"--socket-fd={name}={s.fileno()}")
             pass_fds += (s.fileno(),)
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          pass_fds=pass_fds, start_new_session=True, cwd=self.directory)
-        finally:
-            log.close()
         try:
             self._wait_ready()
         except BaseException:
@@ -396,7 +401,9 @@ class Workerd:
             if self._answers():
                 return
             time.sleep(0.05)
-        raise WorkerdStartFailed(f"workerd did not answer on {self.url} within {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise WorkerdStartFailed(
+            f"workerd did not answer on {self.url} within {self.startup_timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def _answers(self) -> bool:
         # With a handed-over socket, connect() succeeds before workerd runs; a real
@@ -421,17 +428,13 @@ class Workerd:
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait(timeout=timeout_s)
         elif proc is not None:
             proc.wait()

@@ -9,6 +9,7 @@ command strings are the same on every machine and never cause a spurious replace
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Mapping
 from typing import TypedDict
@@ -17,12 +18,18 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, pod_urls_text, token_fingerprint
+from colocate import cloudflare_limits
+from colocate.errors import ConfigError
+from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
+
+from .stackconfig import migrations_args
 
 PYTHON = ".venv/bin/python"
 POD_CREATE = f"{PYTHON} scripts/pod.py create --spec -"
-# The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON).
-POD_DELETE = f"{PYTHON} scripts/pod.py delete"
+# The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON). pulumi-command
+# runs it with the environment saved at create; --stack lets it use the stack's current
+# provider key first (a rotated key: docs/pods.md, "Rotating a provider key").
+POD_DELETE = f"{PYTHON} scripts/pod.py delete --stack {{stack}}"
 # Placement goes through the script settings API, not WorkersScript(placement=...): the
 # wrapped Terraform provider treats placement.region/host/hostname as read-only
 # (terraform-provider-cloudflare #6785, #6936). See scripts/placement.py.
@@ -43,23 +50,45 @@ class CellArgs(TypedDict):
     """The Cloudflare API token (secret), for scripts/placement.py."""
 
 
-def _binding_args(binding: Binding, secrets: Mapping[str, pulumi.Input[str]], pod_urls: pulumi.Output[list]):
+def _binding_args(script: str, binding: Binding, secrets: Mapping[str, pulumi.Input[str]],
+                  pod_urls: pulumi.Output[list]):
     if binding.type == "durable_object_namespace":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, class_name=binding.class_name)
+
+    def within_limits(value: str) -> str:
+        # Known only now (a secret, the pods' URLs): the plan checked the rest.
+        try:
+            cloudflare_limits.check_binding_value(script, binding.name, value, binding_key(binding))
+        except ConfigError as err:
+            raise pulumi.RunError(str(err)) from None
+        return value
+
     if binding.type == "secret_text":
-        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=secrets[binding.secret])
-    text = pod_urls.apply(pod_urls_text) if binding.from_output == POD_URLS_FROM_OUTPUT else binding.text
+        text = pulumi.Output.from_input(secrets[binding.secret]).apply(within_limits)
+        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=text)
+    text = pod_urls.apply(lambda urls: within_limits(pod_urls_text(urls))) \
+        if binding.from_output == POD_URLS_FROM_OUTPUT else binding.text
     return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, text=text)
 
 
-def _migrations(plan: CellPlan) -> cloudflare.WorkersScriptMigrationsArgs | None:
-    """None when nothing is pending: the upload then carries no migrations block, as
-    wrangler's does (the plan read the applied tag from Cloudflare)."""
-    m = plan.worker.migrations
-    if m is None:
-        return None
-    steps = [cloudflare.WorkersScriptMigrationsStepArgs(**step) for step in m["steps"]]
-    return cloudflare.WorkersScriptMigrationsArgs(old_tag=m["old_tag"], new_tag=m["new_tag"], steps=steps)
+def by_name(bindings):
+    """Bindings in name order, the order Cloudflare's API returns them in: the provider keeps
+    the declared order in state, and a declaration in the API's order cannot be matched by
+    position to the wrong binding (terraform-provider-cloudflare #7350, #7370)."""
+    return sorted(bindings, key=lambda b: b.name)
+
+
+UPLOAD_DIGEST_PREFIX = b"colocate upload digest v1\0"
+
+
+def upload_digest(worker, bindings_text: str, secret_values: list[str]) -> str:
+    """A digest of what the script's upload carries but its plan does not show: the modules,
+    the bindings, their secret values (only digested, never declared) and the migrations."""
+    h = hashlib.sha256(UPLOAD_DIGEST_PREFIX)
+    for part in (worker.content_hash(), worker.compatibility_date, bindings_text,
+                 json.dumps(worker.migrations, sort_keys=True), *secret_values):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _named(name: str, index: int, before_pods: str) -> tuple[str, list]:
@@ -73,7 +102,7 @@ def module_files(modules, main_module: str) -> dict:
     return {
         m.name: cloudflare.WorkersScriptFilesArgs(
             content_type=MODULE_CONTENT_TYPE,
-            content_base64=base64.b64encode(m.path.read_bytes()).decode(),
+            content_base64=base64.b64encode(m.content().encode()).decode(),
         )
         for m in modules
         if m.name != main_module
@@ -123,7 +152,7 @@ class Cell(pulumi.ComponentResource):
             command = local.Command(
                 cmd_name,
                 create=POD_CREATE,
-                delete=POD_DELETE,
+                delete=POD_DELETE.format(stack=plan.stack),
                 stdin=declared.apply(lambda p: json.dumps(p.spec(), sort_keys=True)),
                 environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"]},
                 triggers=declared.apply(lambda p: p.triggers()),
@@ -150,8 +179,10 @@ class Cell(pulumi.ComponentResource):
                     comment=f"colocate {plan.stack}: pod {pod.index} of generation {pod.generation}",
                     opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases),
                 ))
-            worker_urls.append(info.apply(pod.worker_url))
-        self.pod_command = self.pod_commands[0]  # pod 0, for callers that knew one pod
+            if pod.in_rotation:  # a draining pod stays declared, out of POD_URLS (colocate:scale)
+                worker_urls.append(info.apply(pod.worker_url))
+        # pod 0, for callers that knew one pod (none in a cell scaled to zero)
+        self.pod_command = self.pod_commands[0] if self.pod_commands else None
         pod_urls = pulumi.Output.all(*worker_urls)
 
         w = plan.worker
@@ -171,23 +202,31 @@ class Cell(pulumi.ComponentResource):
             content=main.content(),
             files=module_files(w.modules, w.main_module),
             compatibility_date=w.compatibility_date,
-            bindings=[_binding_args(b, secrets, pod_urls) for b in w.bindings],
-            migrations=_migrations(plan),
+            bindings=[_binding_args(w.script_name, b, secrets, pod_urls) for b in by_name(w.bindings)],
+            migrations=migrations_args(w.migrations),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
+            # Cloudflare refuses to delete a script that implements a Durable Object class
+            # (Breaker) or that another Worker binds (a fleet's front door) unless forced;
+            # destroy deletes the class's objects with it (docs/worker.md, "Destroy").
+            force=True,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[*self.pod_commands, *self.pod_dns]),
         )
 
         # The placement block, applied after every upload of the script: the upload itself
         # carries none (see PLACEMENT_APPLY), and whether an upload keeps the block it last
-        # had is not documented, so the script's modified_on is among the triggers.
+        # had is not documented, so whatever makes the script upload again (its modules,
+        # bindings and their secret values, migrations, the pods' URLs) re-applies it.
         bindings_text = json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True)
+        secret_values = [secrets[b.secret] for b in w.bindings if b.secret]
+        upload = pulumi.Output.unsecret(pulumi.Output.all(*secret_values).apply(
+            lambda values: upload_digest(w, bindings_text, values)))
         self.placement = local.Command(
             f"{name}-placement",
             create=f"{PLACEMENT_APPLY} --account {account_id} --script {w.script_name}",
             stdin=placement.apply(lambda block: json.dumps(block, sort_keys=True)),
             environment={"CLOUDFLARE_API_TOKEN": args["cloudflare_token"]},
-            triggers=[placement.apply(lambda block: json.dumps(block, sort_keys=True)), w.content_hash(),
-                      bindings_text, *[c.stdout for c in self.pod_commands], self.worker.modified_on],
+            triggers=[placement.apply(lambda block: json.dumps(block, sort_keys=True)), upload,
+                      *[c.stdout for c in self.pod_commands]],
             dir=".",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
         )
@@ -216,14 +255,14 @@ class Cell(pulumi.ComponentResource):
             create=pulumi.Output.all(pulumi.Output.from_input(self.placement_host), *pod_infos).apply(
                 lambda args: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in args[1:]], args[0])])),
             environment=probe_env,
-            triggers=[w.content_hash(), json.dumps([b.__dict__ for b in w.bindings], default=str, sort_keys=True),
-                      json.dumps(w.placement, sort_keys=True), *[c.stdout for c in self.pod_commands]],
+            triggers=[w.content_hash(), bindings_text, json.dumps(w.placement, sort_keys=True),
+                      *[c.stdout for c in self.pod_commands]],
             dir=".",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.placement, self.route,
                                                                  *self.pod_commands]),
         )
         self.worker_url = pulumi.Output.from_input(w.url)
-        self.pod = pod_infos[0]
+        self.pod = pod_infos[0] if pod_infos else pulumi.Output.from_input({})
         self.pods = pulumi.Output.all(*pod_infos)
         self.probe_result = self.probe.stdout.apply(lambda out: json.loads(out) if out else {})
         self.register_outputs({"workerUrl": self.worker_url, "pod": self.pod, "pods": self.pods,

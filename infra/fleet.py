@@ -16,17 +16,17 @@ Cloudflare reports for the script, as a cell's Breaker is.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TypedDict
 
 import pulumi
 import pulumi_cloudflare as cloudflare
 
-from colocate import fleet, outputs, stackfile
-from colocate.errors import ConfigError, MissingSetting
+from colocate import cloudflare_limits, fleet, outputs, stackfile
+from colocate.errors import ConfigError
 
-from .cell import module_files, public_route
+from .cell import by_name, module_files, public_route
+from .stackconfig import check_zone, live_migration_tag, migrations_args, raw_config, require_api_token
 
 
 class FleetArgs(TypedDict):
@@ -58,6 +58,9 @@ def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: 
     """The front door's bindings; ``tokens``: each member's probeToken output, index order."""
     try:
         fleet.check_tokens(settings, tokens)
+        for i, token in enumerate(tokens):
+            cloudflare_limits.check_binding_value(settings.worker_name, f"CELL_TOKEN_{i}", token,
+                                                  f"{fleet.KEY}.cells[{i}]")
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
     by_output = {fleet.token_output(i): t for i, t in enumerate(tokens)}
@@ -71,16 +74,7 @@ def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: 
             out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, text=by_output[b.from_output]))
         else:
             out.append(cloudflare.WorkersScriptBindingArgs(name=b.name, type=b.type, text=b.text))
-    return out
-
-
-def _migrations(plan: fleet.FleetPlan):
-    """None when nothing is pending (the upload then carries no migrations block)."""
-    m = plan.migrations
-    if m is None:
-        return None
-    steps = [cloudflare.WorkersScriptMigrationsStepArgs(**step) for step in m["steps"]]
-    return cloudflare.WorkersScriptMigrationsArgs(old_tag=m["old_tag"], new_tag=m["new_tag"], steps=steps)
+    return by_name(out)  # services and the rest together
 
 
 class Fleet(pulumi.ComponentResource):
@@ -106,8 +100,7 @@ class Fleet(pulumi.ComponentResource):
         plan = pulumi.Output.all(*found).apply(lambda f: _plan(s, f, live_tag))
         bindings = pulumi.Output.all(plan, *tokens).apply(lambda a: _binding_args(s, a[0], a[1:]))
 
-        modules = fleet.front_modules()
-        main = modules[0]
+        main = fleet.front_modules()[0]  # frontindex.js; the ranking module comes with the plan
         hostname, url = fleet.address(s)
         self.worker = cloudflare.WorkersScript(
             f"{name}-worker",
@@ -115,12 +108,15 @@ class Fleet(pulumi.ComponentResource):
             script_name=s.worker_name,
             main_module=main.name,
             content=main.content(),
-            files=module_files(modules, main.name),
+            files=plan.apply(lambda p: module_files(p.modules, p.main_module)),
             compatibility_date=fleet.COMPATIBILITY_DATE,
             # No placement: the front door runs in the colo that accepted the request.
             bindings=bindings,
-            migrations=plan.apply(_migrations),
+            migrations=plan.apply(lambda p: migrations_args(p.migrations)),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
+            # The FleetLedger class: Cloudflare deletes its script (and the ledger's objects)
+            # only when forced (docs/fleet.md, "Destroy").
+            force=True,
             opts=child,
         )
         self.route = public_route(name, s.account_id, s.worker_name, hostname, s.zone.id if s.zone else None,
@@ -132,15 +128,11 @@ class Fleet(pulumi.ComponentResource):
 
 def main() -> dict[str, pulumi.Input]:
     """Declare the fleet stack and export its outputs; returns the exports (tests read them)."""
-    from .program import _raw_config, check_zone, live_migration_tag
-
-    raw, secrets = _raw_config()
+    raw, secrets = raw_config()
     try:
         settings = fleet.parse(raw, pulumi.get_stack(), secrets=frozenset(secrets))
         fleet.check_member_stacks(settings, stackfile.STACKS_DIR)
-        if not (pulumi.runtime.get_config("cloudflare:apiToken") or os.environ.get("CLOUDFLARE_API_TOKEN")):
-            raise MissingSetting("cloudflare:apiToken", None, "the Cloudflare API token is not set",
-                                 "pulumi config set --secret cloudflare:apiToken <token> (or export CLOUDFLARE_API_TOKEN)")
+        require_api_token()
     except ConfigError as err:
         raise pulumi.RunError(str(err)) from None
     if settings.zone is not None:

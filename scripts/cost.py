@@ -27,8 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import admin, cost, settings, stackfile  # noqa: E402
-from colocate import outputs as names  # noqa: E402
+from colocate import (  # noqa: E402
+    admin,
+    cost,
+    outputs as names,  # noqa: E402
+    settings,
+    stackfile,
+)
 from colocate.errors import ConfigError  # noqa: E402
 
 DAY_S = 86_400
@@ -43,7 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cost.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stack", metavar="S", help="the stack: its config (fallbackPrice, pod) and its cell (sandbox or deployed)")
-    p.add_argument("--since", default="30d", metavar="30d", help="the window: whole days back from today, e.g. 7d, 30d (default 30d)")
+    p.add_argument(
+        "--since", default="30d", metavar="30d", help="the window: whole days back from today, e.g. 7d, 30d (default 30d)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="PNG", help="monthly cost against daily volume: the cell flat, the API through zero")
     p.add_argument("--url", help="the Worker's URL (the probe token from COLOCATE_PROBE_TOKEN)")
@@ -53,7 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hours", type=float, metavar="H", help="hours the pods ran in the window (default: the window's)")
     p.add_argument("--capacity-rpm", type=float, metavar="N",
                    help="requests per minute one pod can serve (measure it, e.g. make bench); gives the utilisation")
-    p.add_argument("--price", metavar="IN,OUT", help="the fallback's $ per 1M input,output tokens (default: colocate:fallbackPrice)")
+    p.add_argument(
+        "--price", metavar="IN,OUT", help="the fallback's $ per 1M input,output tokens (default: colocate:fallbackPrice)"
+    )
     return p
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Client API keys of a cell or a fleet: create, list, revoke, and usage per key and day.
 
-    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--max-parallel N] [--expires-in SECONDS]
+    keys.py create --stack S --name NAME [--rpm N] [--tpm N] [--monthly-tokens N] [--max-parallel N]
+                   [--expires-in SECONDS] [--env]
     keys.py list   --stack S
     keys.py revoke --stack S KEY_ID
     keys.py usage  --stack S [--from YYYY-MM-DD] [--to YYYY-MM-DD] [--key KEY_ID]
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -66,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-parallel", type=int, default=None,
                    help="requests in flight at once (0: no limit; default: the cell's colocate:keys.defaultMaxParallel)")
     c.add_argument("--expires-in", type=int, metavar="SECONDS", help="the key stops working after this long")
+    c.add_argument("--env", action="store_true",
+                   help="print `export OPENAI_BASE_URL=... OPENAI_API_KEY=...` for a shell's eval (OpenAI clients read both)")
     ls = sub.add_parser("list", help="every key, revoked ones too (never the key itself)")
     common(ls)
     r = sub.add_parser("revoke", help="revoke a key (takes effect within colocate:worker.stateTtlMs everywhere)")
@@ -92,7 +96,9 @@ def _table(headers: list[str], rows: list[list], right: set[int] = frozenset()) 
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for r in cells:
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        lines.append(
+            "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -100,9 +106,21 @@ def keys_table(keys: list[dict]) -> str:
     def limit(n: int) -> str:
         return str(n) if n else "-"
 
-    rows = [[k["id"], k["name"], k["prefix"] + "…", limit(k["rpm"]), limit(k["tpm"]), limit(k["monthly_tokens"]),
-             limit(k.get("max_parallel", 0)), _when(k["created_at"]), _when(k["expires_at"]), "revoked " + _when(k["revoked_at"]) if k["revoked_at"] else "active"]
-            for k in keys]
+    rows = [
+        [
+            k["id"],
+            k["name"],
+            k["prefix"] + "…",
+            limit(k["rpm"]),
+            limit(k["tpm"]),
+            limit(k["monthly_tokens"]),
+            limit(k.get("max_parallel", 0)),
+            _when(k["created_at"]),
+            _when(k["expires_at"]),
+            "revoked " + _when(k["revoked_at"]) if k["revoked_at"] else "active",
+        ]
+        for k in keys
+    ]
     return _table(["id", "name", "key", "rpm", "tpm", "monthly", "parallel", "created (UTC)", "expires", "status"], rows,
                   {3, 4, 5, 6})
 
@@ -137,7 +155,9 @@ def finish_command(args: argparse.Namespace, *rest: str) -> str:
     return " ".join(parts)
 
 
-def report_failed(args: argparse.Namespace, failed: dict[str, AdminError], done: list[str], what: str, finish: str | None) -> None:
+def report_failed(
+    args: argparse.Namespace, failed: dict[str, AdminError], done: list[str], what: str, finish: str | None
+) -> None:
     for cell, why in failed.items():
         print(f"keys.py {args.cmd}: cell {cell}: {why}", file=sys.stderr)
     print(f"keys.py {args.cmd}: {what} in: {', '.join(done) or 'no cell'}; NOT in: {', '.join(failed)}", file=sys.stderr)
@@ -220,7 +240,12 @@ def fleet_keys_table(rows: list[dict]) -> str:
 def fleet_list(args, cells, targets) -> int:
     listed, failed = admin.fan_out(targets, lambda c: c.list_keys())
     rows = fleet_keys(cells, listed)
-    print(json.dumps({"keys": rows, "failed": {c: str(e) for c, e in failed.items()}}, indent=2) if args.json else fleet_keys_table(rows), end="\n" if args.json else "")
+    print(
+        json.dumps({"keys": rows, "failed": {c: str(e) for c, e in failed.items()}}, indent=2)
+        if args.json
+        else fleet_keys_table(rows),
+        end="\n" if args.json else "",
+    )
     # Revoked in one cell and missing in another is refused in both: only "active" must be everywhere.
     uneven = [r["id"] for r in rows if "active" in r["cells"].values() and set(r["cells"].values()) - {"active", "unknown"}]
     if uneven:
@@ -325,6 +350,9 @@ def run(args: argparse.Namespace) -> int:
                                  max_parallel=args.max_parallel, expires_in_s=args.expires_in)
         if args.json:
             print(json.dumps(made, indent=2))
+        elif args.env:
+            print(f"export OPENAI_BASE_URL={shlex.quote(target.url.rstrip('/') + '/v1')}\n"
+                  f"export OPENAI_API_KEY={shlex.quote(made['key'])}")
         else:
             print(made["key"])
             print(f"created {made['id']} ({made['name']}) on {target.url}: the key above is shown only once; "
@@ -336,7 +364,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "revoke":
         row = client.revoke_key(args.key_id)
-        print(json.dumps(row, indent=2) if args.json else f"revoked {row['id']} ({row['name']}) at {_when(row['revoked_at'])} UTC")
+        print(
+            json.dumps(row, indent=2) if args.json else f"revoked {row['id']} ({row['name']}) at {_when(row['revoked_at'])} UTC"
+        )
         return 0
     data = client.usage(since=args.since, until=args.until, key_id=args.key_id)
     if args.json:

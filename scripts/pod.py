@@ -6,7 +6,10 @@ usage or configuration error (bad spec, missing key, a provider that cannot serv
 region), 1 when the provider fails (capacity, readiness, refusals).
 
   create --spec FILE|-      spec = JSON of colocate.plan.PodPlan.spec(); token from env POD_TOKEN
-  delete [--id ID]          id (and provider) from --id or env PULUMI_COMMAND_STDOUT; already gone = success
+  delete [--id ID] [--stack S]
+                            id (and provider) from --id or env PULUMI_COMMAND_STDOUT; already gone = success;
+                            with --stack, the stack's current provider key is tried first (as sweep finds
+                            it), then the environment's (the key saved at create, maybe since revoked)
   status --id ID            the pod's current state
   sweep --stack S [--provider P] [--keep ID ...] [--destroy] [--stacks-dir DIR]
                             pods named colocate-<S>-<region>-g<N>[-p<i>]-<digest> other than the
@@ -35,10 +38,11 @@ if str(ROOT) not in sys.path:
 
 from colocate import stackfile  # noqa: E402
 from colocate.pods import lifecycle, spec as podspec, stackkeys  # noqa: E402
+from colocate.pods.errors import FatalError, PodConfigError, PodError  # noqa: E402
 from colocate.settings import PROVIDER_SECRET  # noqa: E402
-from colocate.pods.errors import PodConfigError, PodError  # noqa: E402
 
 PROVIDERS = ("runpod", "vastai", "local")
+REFUSED_KEY = (401, 403)  # the provider's answer to a revoked or wrong key
 
 
 class _Usage(Exception):
@@ -59,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("delete", help="delete a pod; already gone is success")
     d.add_argument("--id", help="pod id (default: from PULUMI_COMMAND_STDOUT)")
     d.add_argument("--provider", choices=PROVIDERS, help="needed with --id unless the id is local-...")
+    d.add_argument("--stack", help="the stack the pod belongs to: its current provider key is tried first")
+    d.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
     s = sub.add_parser("status", help="print a pod's current state")
     s.add_argument("--id", required=True)
     s.add_argument("--provider", choices=PROVIDERS)
@@ -108,6 +114,41 @@ def _sweep_providers(args) -> tuple[list[str], dict[str, str]]:
     return providers, keys
 
 
+def _delete(args) -> dict:
+    """Delete with the current key first (``stackkeys.delete_keys``); a key the provider
+    refuses (401, 403) passes to the next one."""
+    provider, pod_id = _target(args)
+    keys = stackkeys.delete_keys(provider, args.stack, args.stacks_dir) if provider in PROVIDER_SECRET else []
+    if not keys:
+        return lifecycle.delete(provider, pod_id)  # local, or no key: the provider names what is missing
+    key_name, env_name = PROVIDER_SECRET[provider]
+
+    def attempt(key: str, source: str) -> dict:
+        with stackkeys.keys_in_environment({env_name: key}):
+            out = lifecycle.delete(provider, pod_id)
+        print(f"pod.py delete: {provider} key from {source}", file=sys.stderr)
+        return out
+
+    *earlier, (last_key, last_source) = keys
+    for (key, source), (_, next_source) in zip(earlier, keys[1:], strict=True):
+        try:
+            return attempt(key, source)
+        except FatalError as exc:
+            if getattr(exc, "status", None) not in REFUSED_KEY:
+                raise
+            print(f"pod.py delete: {provider} refused the key from {source} ({exc.status}); trying the key from "
+                  f"{next_source}", file=sys.stderr)
+    try:
+        return attempt(last_key, last_source)
+    except FatalError as exc:
+        if getattr(exc, "status", None) not in REFUSED_KEY:
+            raise
+        tried = ", ".join(s for _, s in keys)
+        raise FatalError(f"{exc}\n{provider} refused every key tried ({tried}): a key rotated and the old one revoked? "
+                         f"Fix: pulumi config set --secret colocate:{key_name} <current key> (or export {env_name}="
+                         f"<current key>), then retry; pod {pod_id} may still be billing") from None
+
+
 def _on_sigterm(signum, frame):
     # Turn SIGTERM into an exception so create's cleanup (destroy what it made) runs.
     raise KeyboardInterrupt(f"signal {signum}")
@@ -126,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "create":
             out = lifecycle.create(podspec.load(args.spec))
         elif args.command == "delete":
-            out = lifecycle.delete(*_target(args))
+            out = _delete(args)
         elif args.command == "status":
             out = lifecycle.status(*_target(args))
         else:

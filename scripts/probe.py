@@ -50,13 +50,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help=f"probe token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
     p.add_argument("--key", help=f"client key for the routed samples; prefer {keys.KEY_ENV}. Without one the probe "
                                  "mints a 15-minute key with the probe token and revokes it at the end")
-    p.add_argument("--samples", type=int, help=f"samples per kind (default: the stack's colocate:probe.samples, else {DEFAULT_SAMPLES})")
-    p.add_argument("--expect-region", metavar="R", help="region the cell should run in (default: the stack's colocate:region, else the Worker's own)")
+    p.add_argument(
+        "--samples", type=int, help=f"samples per kind (default: the stack's colocate:probe.samples, else {DEFAULT_SAMPLES})"
+    )
+    p.add_argument(
+        "--expect-region",
+        metavar="R",
+        help="region the cell should run in (default: the stack's colocate:region, else the Worker's own)",
+    )
     p.add_argument("--budget", action="append", default=[], metavar="NAME=MS[@pNN]",
                    help="latency budget on a segment's p50 (or the given percentile); repeatable; replaces the stack's budgets")
-    p.add_argument("--json", metavar="PATH|-", help="write the JSON result to PATH; '-' prints it on stdout and the table on stderr")
+    p.add_argument(
+        "--json", metavar="PATH|-", help="write the JSON result to PATH; '-' prints it on stdout and the table on stderr"
+    )
     p.add_argument("--plot", metavar="PNG", help="write a PNG of the per-segment distributions")
-    p.add_argument("--stack", metavar="S", help="read URL, token, pod location (outputs) and region, budgets, samples (config) from stack S")
+    p.add_argument(
+        "--stack", metavar="S", help="read URL, token, pod location (outputs) and region, budgets, samples (config) from stack S"
+    )
     p.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
     p.add_argument("--pod-location", metavar="LOC", action="append", default=[],
                    help="a pod's GPU location, e.g. AP-JP-1 or TW; repeat once per pod, in index order "
@@ -77,7 +87,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--live", action="store_true",
                    help="read real traffic instead of sampling: per-segment percentiles, shares and colos recorded by the "
                         "Worker (GET /_colocate/live), with the same verdicts and exit codes")
-    p.add_argument("--since", default="1h", metavar="1h", help="with --live: the window, e.g. 15m, 1h, 7d (default 1h; up to 35d)")
+    p.add_argument(
+        "--since", default="1h", metavar="1h", help="with --live: the window, e.g. 15m, 1h, 7d (default 1h; up to 35d)"
+    )
     p.add_argument("--state-dir", type=Path, help="with --live: a running sandbox's state directory (its URL and token)")
     p.add_argument("--client-site", action="append", default=[], metavar="NAME=URL",
                    help="with --stack <fleet>: a client site and the URL that reaches the front door from there; "

@@ -46,9 +46,7 @@ if str(ROOT) not in sys.path:
 
 from colocate import stackfile
 from colocate.errors import ConfigError
-from colocate.sandbox import errors as supervisor_errors
-from colocate.sandbox import fleet as sandbox_fleet
-from colocate.sandbox import supervisor
+from colocate.sandbox import errors as supervisor_errors, fleet as sandbox_fleet, supervisor
 from colocate.sandbox.errors import SandboxError
 
 if _held:
@@ -96,7 +94,9 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--stack", help="stack name (default: list every sandbox under .colocate/sandbox/)")
     st.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/<stack>/)")
     st.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
-    st.add_argument("--fleet", metavar="F", help="a fleet: every member cell, then the front door (exit 1 if a part is unhealthy)")
+    st.add_argument(
+        "--fleet", metavar="F", help="a fleet: every member cell, then the front door (exit 1 if a part is unhealthy)"
+    )
     d = sub.add_parser("demo", help="tell the field story with the running cell (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
     d.add_argument("--samples", type=int, default=10, help="probe samples per step (default 10: enough for the p50/p90 table)")

@@ -1,4 +1,4 @@
-"""scripts/bench_fleet_failover.py: a cell losing its pod under load, through the front door."""
+"""bench/fleet_failover.py (make bench-fleet-failover): a cell losing its pod under load, through the front door."""
 
 import subprocess
 import sys
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import fleet_failover as bench
 
-from scripts import bench_fleet_failover as bench  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,6 @@ def test_a_pod_that_errors_under_load_moves_tokyo_to_the_next_cell_with_nothing_
 
 
 def test_a_bad_mode_is_named_and_exits_2():
-    r = subprocess.run([sys.executable, "scripts/bench_fleet_failover.py", "--mode", "melt"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "bench.fleet_failover", "--mode", "melt"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "melt" in r.stderr and "error, down, hang" in r.stderr

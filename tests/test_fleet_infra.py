@@ -9,7 +9,7 @@ import pulumi
 import pytest
 
 from colocate import fleet, outputs, projectfile, stackfile
-from tests.support.pulumi_mocks import RecordingMocks, SECRET_VALUES, run_program, stack_config, unsecret
+from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, run_program, stack_config, unsecret
 
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 SUBDOMAIN = "cloudflare:index/workersScriptSubdomain:WorkersScriptSubdomain"
@@ -21,7 +21,7 @@ ACCOUNT = "0123456789abcdef0123456789abcdef"
 def cell_outputs(region: str) -> dict:
     name = f"colocate-{region}"
     return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
-            outputs.PROBE_TOKEN: f"probe-secret-of-{region}"}
+            outputs.ACCOUNT_ID: ACCOUNT, outputs.PROBE_TOKEN: f"probe-secret-of-{region}"}
 
 
 class FleetMocks(RecordingMocks):
@@ -91,7 +91,8 @@ def test_one_front_door_with_service_bindings_and_no_placement():
     assert w["mainModule"] == main and w["content"] == (stackfile.ROOT / "worker/src" / main).read_text()
     assert set(w["files"]) == {m.name for m in fleet.front_modules()} - {main}
     for name, f in w["files"].items():
-        assert base64.b64decode(f["contentBase64"]) == (stackfile.ROOT / "worker/src" / name).read_bytes()
+        if name != "cellrank.js":  # the plan's ranking, below
+            assert base64.b64decode(f["contentBase64"]) == (stackfile.ROOT / "worker/src" / name).read_bytes()
     is_secret, bindings = unsecret(w["bindings"])
     assert is_secret, "the bindings hold the cells' probe tokens"
     b = {x["name"]: x for x in bindings}
@@ -99,8 +100,9 @@ def test_one_front_door_with_service_bindings_and_no_placement():
     assert b["CELL_1"]["service"] == "colocate-eu-west" and b["CELL_2"]["service"] == "colocate-us-east"
     assert b["CELLS"]["type"] == "json"
     assert json.loads(b["CELLS"]["json"]) == [{"name": r, "region": r} for r in ("apac-jp", "eu-west", "us-east")]
-    rank = json.loads(b["CELL_RANK"]["json"])
-    assert rank["NRT"][0] == 0 and rank["FRA"][0] == 1 and rank["IAD"][0] == 2
+    rank_js = base64.b64decode(w["files"]["cellrank.js"]["contentBase64"]).decode()
+    rank = json.loads(rank_js.removeprefix("export default ").removesuffix(";\n"))
+    assert rank["NRT"][0] == 0 and rank["FRA"][0] == 1 and rank["IAD"][0] == 2 and "CELL_RANK" not in b
     assert b["REMEMBER_MS"] == {"name": "REMEMBER_MS", "type": "plain_text", "text": "5000"}
     assert b["EXCHANGE_MS"] == {"name": "EXCHANGE_MS", "type": "plain_text", "text": "1000"}
     # The limits exchange: its object, and each cell's probe token read from that cell's stack.
@@ -150,7 +152,8 @@ def test_a_zone_gives_a_custom_domain():
 
 def test_a_member_stack_without_outputs_is_refused():
     msg = refused({**STACKS, "eu-west": {}})
-    assert "colocate:fleet.cells[1]" in msg and "'eu-west'" in msg and "no outputs workerName, workerUrl, region" in msg
+    assert "colocate:fleet.cells[1]" in msg and "'eu-west'" in msg
+    assert "no outputs workerName, workerUrl, region, accountId" in msg
     assert "Fix: pulumi up -s eu-west" in msg
 
 
@@ -232,10 +235,17 @@ def test_a_cells_secret_in_plain_text_is_refused():
     assert SECRET_VALUES["podToken"] not in msg
 
 
-def test_a_cell_exports_its_region_for_fleets():
+def test_a_cell_exports_its_region_and_account_for_fleets():
     config, keys = stack_config("eu-west")
     run = run_program("eu-west", config, keys)
     assert run.resolved[outputs.REGION] == "eu-west"
+    assert run.resolved[outputs.ACCOUNT_ID] == config["colocate:accountId"] == ACCOUNT
+
+
+def test_a_member_in_another_account_is_refused_by_preview():
+    other = {**cell_outputs("eu-west"), outputs.ACCOUNT_ID: "f" * 32}
+    msg = refused({**STACKS, "eu-west": other})
+    assert "colocate:fleet.cells[1]" in msg and "f" * 32 in msg and ACCOUNT in msg and "same account" in msg
 
 
 def test_project_defaults_leave_a_cell_as_strict_as_before():

@@ -62,7 +62,11 @@ def test_plan_sync_copies_missing_keys_carries_revocations_and_leaves_conflicts(
     assert partial == {"imports": [], "revokes": [("y", "key_2")], "conflicts": []}
     # One digest under two ids: a conflict while active anywhere, nothing once revoked everywhere.
     assert admin.plan_sync({"x": [_row("key_1", a)], "y": [_row("key_9", a)]})["conflicts"] == ["key_1", "key_9"]
-    assert admin.plan_sync({"x": [_row("key_1", a, 1)], "y": [_row("key_9", a, 2)]}) == {"imports": [], "revokes": [], "conflicts": []}
+    assert admin.plan_sync({"x": [_row("key_1", a, 1)], "y": [_row("key_9", a, 2)]}) == {
+        "imports": [],
+        "revokes": [],
+        "conflicts": [],
+    }
     assert admin.plan_sync({"x": [_row("key_1", a)], "y": [_row("key_1", a)]}) == {"imports": [], "revokes": [], "conflicts": []}
 
 
@@ -189,7 +193,10 @@ def test_a_key_made_once_works_at_every_cell_and_a_revocation_reaches_every_cell
     # Each cell refuses it within its state TTL (slack for a loaded machine; the loop is bounded).
     assert until(lambda: statuses(fl, key), {"apac-jp": 401, "eu-west": 401}, 5 * STATE_TTL_S) == {"apac-jp": 401, "eu-west": 401}
     code, out, _ = run("list", "--json")
-    assert next(r for r in json.loads(out)["keys"] if r["id"] == row["id"])["cells"] == {"apac-jp": "revoked", "eu-west": "revoked"}
+    assert next(r for r in json.loads(out)["keys"] if r["id"] == row["id"])["cells"] == {
+        "apac-jp": "revoked",
+        "eu-west": "revoked",
+    }
 
 
 @pytest.mark.slow

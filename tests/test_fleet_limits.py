@@ -269,8 +269,11 @@ def error_of(res) -> dict:
 def test_the_exchange_endpoints_need_the_probe_token_and_name_bad_fields(fl):
     url = fl.cell(A).url
     bad_auth = {"authorization": "Bearer not-the-probe-token"}
-    for method, path, body in (("GET", "/_colocate/fleet/counters?since=0", None), ("POST", "/_colocate/fleet/peers", {"rows": []}),
-                               ("GET", "/_colocate/fleet/peers?key=key_000000000000", None)):
+    for method, path, body in (
+        ("GET", "/_colocate/fleet/counters?since=0", None),
+        ("POST", "/_colocate/fleet/peers", {"rows": []}),
+        ("GET", "/_colocate/fleet/peers?key=key_000000000000", None),
+    ):
         for headers in ({}, bad_auth):
             res = request(url, method, path, body=body, headers=headers)
             assert res.status == 401 and error_of(res)["code"] == "unauthorized", (path, headers, res.body)

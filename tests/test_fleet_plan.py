@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
 
-from colocate import catalogue, fleet, geo, outputs, settings
+from colocate import catalogue, cloudflare_limits, fleet, geo, outputs, settings
 from colocate.errors import ConfigError, MissingSetting
 
 ACCOUNT = "0123456789abcdef0123456789abcdef"
@@ -23,7 +24,7 @@ def raw(**over) -> dict:
 def outs(region: str, name: str | None = None) -> dict:
     name = name or f"colocate-{region}"
     return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
-            outputs.PROBE_TOKEN: "secret-not-read"}
+            outputs.ACCOUNT_ID: ACCOUNT, outputs.PROBE_TOKEN: "secret-not-read"}
 
 
 def three():
@@ -146,7 +147,11 @@ def test_a_member_without_its_probe_token_is_refused():
     fleet.check_tokens(s, ["a", "b", "c"])
     with pytest.raises(ConfigError) as err:
         fleet.check_tokens(s, ["a", None, "c"])
-    assert err.value.key == "colocate:fleet.cells[1]" and "probeToken" in err.value.problem and "pulumi up -s eu-west" in err.value.fix
+    assert (
+        err.value.key == "colocate:fleet.cells[1]"
+        and "probeToken" in err.value.problem
+        and "pulumi up -s eu-west" in err.value.fix
+    )
 
 
 def test_remember_ms_as_cli_text():
@@ -189,8 +194,10 @@ def test_plan_from_member_outputs():
                                                           ("CELL_2", "colocate-us-east")]
     b = {x.name: x for x in p.bindings}
     assert json.loads(b["CELLS"].text) == [{"name": c, "region": c} for c in CELLS]
-    assert b["CELLS"].type == b["CELL_RANK"].type == "json"
-    assert json.loads(b["CELL_RANK"].text) == p.rank
+    assert b["CELLS"].type == "json" and "CELL_RANK" not in b
+    # The ranking is the module cellrank.js, made by the plan in place of the kit's empty one.
+    rank = next(m for m in p.modules if m.name == "cellrank.js")
+    assert rank.path is None and rank.content() == f"export default {fleet.json_text(p.rank)};\n"
     assert b["REMEMBER_MS"].text == "5000" and b["MAX_BODY_BYTES"].text == "1048576"
     assert p.url == "https://colocate-fleet.acme.workers.dev" and p.hostname is None
     assert p.cells_output()[0] == {"name": "apac-jp", "stack": "apac-jp", "region": "apac-jp",
@@ -271,10 +278,31 @@ def test_rank_ties_and_unknown_colos_keep_the_configured_order():
     assert fleet.rank("FRA", [jp, jp]) == [0, 1]
 
 
-def test_rank_binding_is_compact():
-    p = three()
-    text = next(b.text for b in p.bindings if b.name == "CELL_RANK")
-    assert len(text.encode()) < 8_000 and " " not in text
+def test_every_region_in_one_fleet_fits_cloudflares_limits():
+    # As a json binding the ranking of five cells would pass Cloudflare's 5 KB per
+    # environment variable (and workerd would not notice): as a module it has no such limit.
+    regions = list(catalogue.REGIONS)
+    settings = fleet.parse({**raw(), "fleet": {"cells": regions}}, "fleet")
+    p = fleet.plan_fleet(settings, [outs(r) for r in regions])
+    assert len(fleet.json_text(p.rank).encode()) > cloudflare_limits.ENV_VAR_BYTES
+    assert all(len((b.text or "").encode()) <= cloudflare_limits.ENV_VAR_BYTES for b in p.bindings)
+    assert fleet.json_text(p.rank) in next(m for m in p.modules if m.name == "cellrank.js").content()
+
+
+def test_a_binding_past_cloudflares_limit_is_refused_naming_the_limit_and_the_key():
+    with pytest.raises(ConfigError) as err:
+        cloudflare_limits.check_worker("w", [("a.js", b"x")], [("CELLS", "json", "x" * 5121)],
+                                       {"CELLS": "colocate:fleet.cells"}, "colocate:worker.name")
+    assert err.value.key == "colocate:fleet.cells" and "5120 bytes (5 KB" in str(err.value)
+    assert "CELLS" in str(err.value) and "limits" in str(err.value)
+    cloudflare_limits.check_worker("w", [("a.js", b"x")], [("CELLS", "json", "x" * 5120)], {}, "k")  # at the limit
+    many = [(f"V{i}", "plain_text", "1") for i in range(65)]
+    with pytest.raises(ConfigError, match="65 environment variables.*64 on Workers Free"):
+        cloudflare_limits.check_worker("w", [], many, {}, "colocate:worker.name")
+    cloudflare_limits.check_worker("w", [], many[:64] + [("S", "service", None)], {}, "k")  # services are not variables
+    big = [("big.js", random.Random(1).randbytes(cloudflare_limits.SCRIPT_GZIP_BYTES + 1))]
+    with pytest.raises(ConfigError, match="after compression.*3 MB"):
+        cloudflare_limits.check_worker("w", big, [], {}, "colocate:worker.name")
 
 
 def test_member_outputs_wrong_length_is_a_bug():
@@ -305,3 +333,19 @@ def test_a_cell_command_on_a_fleet_stack_says_so():
         settings.parse(raw, "fleet", secrets=secrets)
     assert err.value.key == "colocate:fleet" and "is a fleet" in err.value.problem
     assert "apac-jp, eu-west, us-east" in err.value.fix
+
+
+def test_a_cell_in_another_account_is_refused_before_any_upload():
+    # Service bindings reach Workers of the same account only; the cloud would refuse the upload.
+    other = "f" * 32
+    found = [outs(c) for c in CELLS]
+    found[1] = {**found[1], outputs.ACCOUNT_ID: other}
+    with pytest.raises(ConfigError) as err:
+        fleet.plan_fleet(fleet.parse(raw(), "fleet"), found)
+    msg = str(err.value)
+    assert err.value.key == "colocate:fleet.cells[1]" and other in msg and ACCOUNT in msg
+    assert "same account" in msg and f"pulumi config set colocate:accountId {other}" in msg
+    # A cell deployed before it exported its account: redeploy it, as for any missing output.
+    found[1] = {k: v for k, v in found[1].items() if k != outputs.ACCOUNT_ID}
+    with pytest.raises(ConfigError, match="accountId"):
+        fleet.plan_fleet(fleet.parse(raw(), "fleet"), found)

@@ -149,14 +149,14 @@ SCHEMA2_COMMIT = "41a22df"  # the last commit with generation schema 2
 def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
     old = tmp_path / "old"
     try:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", SCHEMA2_COMMIT, "worker"], check=True, capture_output=True).stdout
+        tar = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", SCHEMA2_COMMIT, "worker"], check=True, capture_output=True
+        ).stdout
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
         pytest.skip(f"needs the git history for the schema-2 Worker ({exc})")
     old.mkdir()
     subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
-    from colocate import plan as plan_mod
-    from colocate import settings as settings_mod
-    from colocate import stackfile
+    from colocate import plan as plan_mod, settings as settings_mod, stackfile
     from tests.support.workerd import SECRET_SETTINGS
 
     raw, secrets = stackfile.read_config("sandbox")
@@ -209,4 +209,6 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
         found = c.one("lookupKeys", ["ab" * 32], {"generation": g2}, gen=g2)["keys"]
         assert [(k["id"], k["max_parallel"], k["monthly_tokens"]) for k in found] == [(row["id"], 2, 100)]
         usage = c.one("usage", {"from": TODAY, "to": TODAY, "key": row["id"]}, {"generation": g2}, gen=g2)
-        assert [(u["requests"], u["prompt_tokens"], u["completion_tokens"], u["estimated_tokens"]) for u in usage] == [(4, 30, 20, 5)]
+        assert [(u["requests"], u["prompt_tokens"], u["completion_tokens"], u["estimated_tokens"]) for u in usage] == [
+            (4, 30, 20, 5)
+        ]

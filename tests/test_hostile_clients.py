@@ -1,5 +1,5 @@
 """Key holders who want to spend the owner's money or hurt other clients, against the
-router in real workerd (issue 26): streams that do not ask for usage are still counted
+router in real workerd: streams that do not ask for usage are still counted
 (pod and fallback), bodies a pod would refuse or choke on stop at the edge with a 400
 naming the field, one key's failing requests never open a breaker for everyone (while a
 pod that really fails still does), and a real OpenAI client sees exactly what it asked for."""
@@ -13,8 +13,8 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 from urllib.parse import urlsplit
 
 import openai

@@ -1,5 +1,6 @@
-"""No import cycle inside the colocate package, counting imports made inside functions too
-(a lazy import is still a cycle: it only moves the failure to the first call that takes it)."""
+"""No import cycle anywhere in the project (colocate, infra, bench, scripts, tests), counting
+imports made inside functions too (a lazy import is still a cycle: it only moves the failure
+to the first call that takes it). Benchmarks do not depend on tests."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "colocate"
+PACKAGES = ("colocate", "infra", "bench", "scripts", "tests")
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -17,9 +19,9 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph(package: Path) -> dict[str, set[str]]:
-    """Each module of ``package`` -> the modules of ``package`` it imports, anywhere in its body."""
-    files = {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+def import_graph(*packages: Path) -> dict[str, set[str]]:
+    """Each module of ``packages`` -> the modules of ``packages`` it imports, anywhere in its body."""
+    files = {_module_name(p, package): p for package in packages for p in sorted(package.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         is_pkg = path.name == "__init__.py"
@@ -88,12 +90,23 @@ def test_colocate_has_no_import_cycle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+def test_the_project_has_no_import_cycle_and_benches_do_not_import_tests():
+    graph = import_graph(*(ROOT / p for p in PACKAGES))
+    assert "infra.stackconfig" in graph["infra.fleet"] and "infra.fleet" in graph["infra.program"]
+    assert "bench.harness" in graph["bench.fleet_exchange"]  # the graph sees infra/ and bench/
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    for name, targets in graph.items():
+        if name.startswith(("bench.", "colocate.", "infra.", "scripts.")):
+            assert not [t for t in targets if t.startswith("tests")], f"{name} imports tests: {sorted(targets)}"
+
+
 def test_admin_and_the_supervisor_import_alone_without_each_other():
     # Each in a fresh interpreter: neither pulls the other in. The runner runs as the supervisor's
     # __main__, so its importing colocate.sandbox.supervisor would load a second copy of it.
     for first, absent in (("colocate.admin", "colocate.sandbox.supervisor"),
                           ("colocate.sandbox.supervisor", "colocate.admin"),
                           ("colocate.sandbox.runner", "colocate.sandbox.supervisor")):
-        code = f"import sys, {first}; assert {absent!r} not in sys.modules, sorted(m for m in sys.modules if m.startswith('colocate'))"
+        code = (f"import sys, {first}; "
+                f"assert {absent!r} not in sys.modules, sorted(m for m in sys.modules if m.startswith('colocate'))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, f"import {first}: {proc.stderr}"

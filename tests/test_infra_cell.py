@@ -12,8 +12,11 @@ from colocate import catalogue, fleet, outputs, stackfile
 from colocate.plan import COMPATIBILITY_DATE, worker_modules
 from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, plain, run_program, stack_config, unsecret
 
-STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
-                if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi."):-len(".yaml")])[0]))  # tests/test_fleet_infra.py
+STACKS = sorted(
+    p.name[len("Pulumi.") : -len(".yaml")]
+    for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
+    if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi.") : -len(".yaml")])[0])
+)  # tests/test_fleet_infra.py
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 COMMAND = "command:local:Command"
 
@@ -112,7 +115,7 @@ def test_pod_command_is_replaced_on_identity_change_and_deletes_from_stdout(depl
     pod = run.mocks.one(COMMAND, "-pod-0").inputs
     spec = json.loads(pod["stdin"])
     assert pod["create"] == ".venv/bin/python scripts/pod.py create --spec -"
-    assert pod["delete"] == ".venv/bin/python scripts/pod.py delete"
+    assert pod["delete"] == f".venv/bin/python scripts/pod.py delete --stack {stack}"  # its current key first
     assert spec["region"] == region.name and spec["generation"] == active["name"]
     assert spec["locations"] == list(region.locations(spec["provider"]))
     assert spec["name"].startswith(f"colocate-{stack}-")
@@ -309,7 +312,7 @@ def test_after_finish_the_retired_generation_is_unbound_and_purged_once():
 
 
 def test_a_failing_assertion_inside_the_mock_run_is_seen():
-    # Guard against a harness that swallows failures (STYLE.md: check a wrong assertion fails once).
+    # Guard against a harness that swallows failures (a wrong assertion must fail once).
     config, keys = stack_config("apac-jp")
     run = run_program("apac-jp", config, keys)
     with pytest.raises(AssertionError):
@@ -351,3 +354,74 @@ def test_the_program_at_each_step_of_a_migration(tmp_path):
     assert finish.mocks.one(COMMAND, "-purge-us-east.g1")
     # The pod is the same across finish: only the ledger's draining entry changed.
     assert start.mocks.one(COMMAND, "-pod-0").inputs["stdin"] == finish.mocks.one(COMMAND, "-pod-0").inputs["stdin"]
+
+
+@pytest.mark.parametrize("stack", ["apac-jp", "fleet"])
+def test_destroy_is_possible_because_the_scripts_delete_forced(stack, monkeypatch):
+    # Each script implements a Durable Object class (and a cell's is bound by its front door):
+    # Cloudflare deletes it only when forced, and the mocks refuse a script it could not delete.
+    import infra.cell
+    import infra.fleet
+    from tests.support.pulumi_mocks import UndeletableScript
+    from tests.test_fleet_infra import deploy
+
+    def go():
+        if stack == "fleet":
+            return deploy()
+        config, keys = stack_config(stack)
+        return run_program(stack, config, keys)
+
+    assert plain(go().mocks.one(WORKER).inputs)["force"] is True
+    real = infra.cell.cloudflare.WorkersScript
+
+    def unforced(name, *args, **kwargs):
+        kwargs.pop("force", None)
+        return real(name, *args, **kwargs)
+
+    module = infra.fleet if stack == "fleet" else infra.cell
+    monkeypatch.setattr(module.cloudflare, "WorkersScript", unforced)
+    with pytest.raises(Exception) as err:
+        go()
+    assert isinstance(err.value, UndeletableScript), repr(err.value)
+    assert "implements the Durable Object class" in str(err.value)
+
+
+@pytest.mark.parametrize("stack", ["apac-jp", "fleet"])
+def test_bindings_are_declared_in_name_order(stack):
+    # The order Cloudflare's API returns them in: nothing can be matched by position to the
+    # wrong binding (terraform-provider-cloudflare #7350, #7370), and the order is stable.
+    from tests.test_fleet_infra import deploy
+
+    if stack == "fleet":
+        run = deploy()
+    else:
+        config, keys = stack_config(stack)
+        run = run_program(stack, config, keys)
+    names = [b["name"] for b in plain(run.mocks.one(WORKER).inputs["bindings"])]
+    assert len(names) > 10 and names == sorted(names)
+
+
+def test_preview_refuses_a_binding_past_cloudflares_limit_naming_it():
+    # workerd takes any size; Cloudflare refuses an environment variable over 5 KB at upload.
+    config, keys = stack_config("apac-jp", overrides={"fallbackModel": "m" * 5200})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys)
+    msg = str(err.value)
+    assert msg.startswith("colocate:fallbackModel:") and "FALLBACK_MODEL" in msg and "5 KB" in msg
+    # A secret is checked as it resolves, and never shown.
+    long_url = "https://fallback.example.com/" + "x" * 5200
+    config, keys = stack_config("apac-jp", secrets={**SECRET_VALUES, "fallbackUrl": long_url})
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys)
+    assert str(err.value).startswith("colocate:fallbackUrl:") and "5 KB" in str(err.value)
+    assert long_url not in str(err.value)
+
+
+def test_preview_refuses_runpod_community_cloud_behind_a_zone():
+    config, keys = stack_config("apac-jp", overrides={"zone": {"id": "f" * 32, "name": "example.com"},
+                                                      "pod": {"provider": "runpod", "cloud": "COMMUNITY"}})
+    mocks = RecordingMocks()
+    with pytest.raises(pulumi.RunError, match=r"colocate:pod\.cloud: .*public ip.*Fix: pulumi config set --path "
+                                              r"colocate:pod\.cloud SECURE"):
+        run_program("apac-jp", config, keys, mocks=mocks)
+    assert mocks.of_type(COMMAND) == []  # no pod was declared

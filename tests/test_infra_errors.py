@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pulumi
 import pytest
 
-from tests.test_ledger import assert_runnable_command
 from tests.support.pulumi_mocks import SECRET_VALUES, run_program, stack_config
+from tests.test_ledger import assert_runnable_command
 
 
 def refused(stack="apac-jp", **kwargs) -> str:
@@ -52,6 +54,11 @@ def test_provider_key_may_come_from_the_environment(monkeypatch):
     config, keys = stack_config("apac-jp", secrets=secrets)
     run = run_program("apac-jp", config, keys)
     assert run.resolved["activeGeneration"] == "apac-jp.g1"
+    # Not declared (nor saved in state): the pod commands inherit the environment of the
+    # `pulumi` that runs them, so a delete after a rotation uses the key exported then.
+    pod = next(r for r in run.mocks.resources if r.name.endswith("-pod-0"))
+    assert "RUNPOD_API_KEY" not in json.dumps(pod.inputs.get("environment"))
+    assert not any("from-env" in json.dumps(r.inputs, default=str) for r in run.mocks.resources)
 
 
 def test_missing_cloudflare_token(monkeypatch):

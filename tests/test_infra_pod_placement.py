@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pulumi
 import pytest
 
@@ -63,5 +65,23 @@ def test_placement_is_applied_by_the_settings_call_after_each_upload():
     assert is_secret and env == {"CLOUDFLARE_API_TOKEN": "cf-token-s3cret"}
     assert "cf-token-s3cret" not in cmd["create"] + cmd["stdin"]
     host = "pod-apac-jp-g1.example.com:41234"
-    # Re-applied when the block, the code, the bindings, a pod or the uploaded script changes.
-    assert cmd["triggers"][0] == f'{{"host": "{host}"}}' and len(cmd["triggers"]) == 5
+    # Re-applied when the block, what the upload carries, or a pod changes; never on the
+    # script's modified_on, which the settings call itself may bump.
+    assert cmd["triggers"][0] == f'{{"host": "{host}"}}' and len(cmd["triggers"]) == 3
+    assert json.loads(cmd["triggers"][2])["id"] == POD_STDOUT["id"]
+
+
+def test_placement_is_reapplied_whenever_the_script_uploads_again():
+    from tests.support.pulumi_mocks import SECRET_VALUES
+
+    def upload_trigger(secrets=None, overrides=None) -> str:
+        config, keys = stack_config("apac-jp", overrides={"zone": ZONE, **(overrides or {})}, secrets=secrets)
+        triggers = run_program("apac-jp", config, keys).mocks.one(COMMAND, "-placement").inputs["triggers"]
+        assert not any(v in json.dumps(triggers) for v in SECRET_VALUES.values())  # digested, never declared
+        return triggers[1]
+
+    first = upload_trigger()
+    assert upload_trigger() == first
+    # A rotated secret re-uploads the script (its secret_text binding), so placement is applied again.
+    assert upload_trigger(secrets={**SECRET_VALUES, "probeToken": "rotated-probe-token"}) != first
+    assert upload_trigger(overrides={"worker": {"subdomain": "acme", "deadlineMs": 1234}}) != first

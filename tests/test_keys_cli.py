@@ -59,7 +59,10 @@ def test_list_json_revoke_and_usage(cell, token, capsys):
     code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "tmp", "--json")
     made = json.loads(out)
     for _ in range(2):
-        assert cell.call("POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {made['key']}"}).status == 200
+        assert (
+            cell.call("POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {made['key']}"}).status
+            == 200
+        )
     code, out, _ = run(capsys, "revoke", "--url", cell.url, made["id"])
     assert code == 0 and made["id"] in out
     assert cell.call("GET", "/v1/models", headers={"authorization": f"Bearer {made['key']}"}).status == 401

@@ -233,7 +233,13 @@ def test_worker_modules_are_what_the_router_imports_main_first():
     assert mods[0].name == "index.js"
     names = {m.name for m in mods}
     # Every source but the fleet's front door (its own Worker) is reached from index.js.
-    assert names == {p.name for p in plan.WORKER_DIR.glob("*.js")} - {"front.js", "fleetfront.js", "frontindex.js", "fleetledger.js"}
+    assert names == {p.name for p in plan.WORKER_DIR.glob("*.js")} - {
+        "front.js",
+        "fleetfront.js",
+        "frontindex.js",
+        "fleetledger.js",
+        "cellrank.js",
+    }
 
 
 def test_module_closure_follows_imports_and_refuses_a_missing_one(tmp_path):
@@ -440,3 +446,14 @@ def test_planning_does_not_need_the_fallback_model():
     raw = raw_for()
     del raw["fallbackModel"]
     assert migration.planning_settings(raw, "t").fallback_model == ""
+
+
+def test_runpod_community_cloud_with_a_zone_is_refused_before_any_pod():
+    raw = raw_for(zone=ZONE, pod={"provider": "runpod", "cloud": "COMMUNITY"})
+    with pytest.raises(ConfigError) as err:
+        cell(raw)
+    assert err.value.key == "colocate:pod.cloud" and "public ip" in str(err.value)
+    assert "colocate:pod.cloud SECURE" in str(err.value)
+    # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there.
+    raw.pop("zone")
+    assert cell(raw).pod.path == "provider-proxy"

@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from tests.support.fake_providers import API_KEY, FakeRunPod
-from tests.test_pod_providers import US_EAST, TOKEN, env, make_spec, run, serving, sweep_argv, write_spec  # noqa: F401
+from tests.test_pod_providers import TOKEN, US_EAST, env, make_spec, run, serving, sweep_argv, write_spec  # noqa: F401
 
 LATE = "a create whose reply was lost landed late"
 

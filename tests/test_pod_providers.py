@@ -442,8 +442,15 @@ def test_vastai_taken_offer_moves_to_the_next(fake_vast, env, capsys):
 
 def test_vastai_403_on_rent_is_a_permission_error_not_capacity(fake_vast, env, capsys):
     fake_vast.offers = [offer(25, "TW", 0.30), offer(26, "TW", 0.40)]
-    fake_vast.rent_refusals[25] = (403, {"success": False, "error": "invalid_args", "ask_id": 25,
-                                         "msg": "error 403/3586: Offer 25 is not your own. Hosts can only rent their own machines."})
+    fake_vast.rent_refusals[25] = (
+        403,
+        {
+            "success": False,
+            "error": "invalid_args",
+            "ask_id": 25,
+            "msg": "error 403/3586: Offer 25 is not your own. Hosts can only rent their own machines.",
+        },
+    )
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
     assert code == 1 and out is None
     assert "with 403" in err and "Hosts can only rent their own machines" in err
@@ -493,7 +500,9 @@ def test_vastai_cannot_serve_us_east(env, capsys, monkeypatch):
 def test_fake_rejects_a_request_outside_the_spec(fake_runpod):
     """The fake itself must fail loudly: a v1-style path and an unknown body field are violations."""
     h = {"Authorization": f"Bearer {API_KEY}"}
-    r = requests.post(fake_runpod.url + "/v2/pods", json={"name": "x", "image": "i", "gpu": {"id": "g"}, "bogus": 1}, headers=h, timeout=5)
+    r = requests.post(
+        fake_runpod.url + "/v2/pods", json={"name": "x", "image": "i", "gpu": {"id": "g"}, "bogus": 1}, headers=h, timeout=5
+    )
     assert r.status_code == 599
     r = requests.get(fake_runpod.url + "/v1/pods", headers=h, timeout=5)
     assert r.status_code == 599
@@ -518,3 +527,16 @@ def test_the_real_proxy_address_form():
     from colocate.plan import runpod_proxy_url
 
     assert runpod_proxy_url("abc123", 8000) == "https://abc123-8000.proxy.runpod.net"
+
+
+def test_a_running_pod_without_a_public_address_fails_fast_with_the_fix(fake_runpod, env, capsys, monkeypatch):
+    # A Community host may give the pod no public ip: fail soon after it runs, not at readyTimeoutS.
+    fake_runpod.public_ip = False
+    monkeypatch.setenv("COLOCATE_POD_NO_ADDRESS_S", "0.2")
+    spec = make_spec("apac-jp", "runpod", readyTimeoutS=600)
+    spec["path"] = "zone-dns"
+    t = time.monotonic()
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 1 and out is None and time.monotonic() - t < 120
+    assert "no public address" in err and "pulumi config set --path colocate:pod.cloud SECURE" in err
+    assert "destroyed" in err and fake_runpod.live() == []

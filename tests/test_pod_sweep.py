@@ -105,3 +105,43 @@ def test_one_of_n_creates_failing_cleans_up_only_itself(fake_runpod, env, capsys
     assert all("-p1-" not in p["name"] for p in live)
     code, out, _ = run(capsys, sweep_argv(env, *sum((["--keep", o["id"]] for o in ok), [])))
     assert code == 0 and out["strays"] == [], json.dumps(out)
+
+
+def test_delete_after_a_key_rotation_uses_the_stacks_current_key(fake_runpod, env, capsys, monkeypatch, tmp_path):  # noqa: F811
+    # pulumi-command runs a delete with the environment saved at create: after a rotation it
+    # holds the revoked key. With --stack the stack's current key (pulumi config) goes first.
+    code, created, _ = run(capsys, ["create", "--spec", write_spec(env, pod_spec(0))])
+    assert code == 0
+    stacks = stack_file(env / "stacks", secret_key=True)
+    monkeypatch.setenv("RUNPOD_API_KEY", "revoked-key")  # what the saved environment holds
+    monkeypatch.setenv("PULUMI_COMMAND_STDOUT", json.dumps(created))
+    calls = fake_pulumi(tmp_path / "bin", API_KEY)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    code, out, err = run(capsys, ["delete", "--stack", "t1", "--stacks-dir", stacks])
+    assert code == 0, err
+    assert out["id"] == created["id"] and out["already_gone"] is False and fake_runpod.live() == []
+    assert "runpod key from pulumi config" in err and API_KEY not in err and "revoked-key" not in err
+    assert calls.read_text().split() == ["config", "get", "--show-secrets", "colocate:runpodApiKey", "--stack", "t1"]
+
+
+def test_delete_falls_back_to_the_saved_key_and_names_the_fix_when_every_key_is_refused(fake_runpod, env, capsys, monkeypatch, tmp_path):  # noqa: E501, F811
+    code, created, _ = run(capsys, ["create", "--spec", write_spec(env, pod_spec(0))])
+    assert code == 0
+    stacks = stack_file(env / "stacks", secret_key=True)
+    monkeypatch.setenv("PULUMI_COMMAND_STDOUT", json.dumps(created))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    # The config's key is the one refused (set but not yet valid): the saved one still works.
+    fake_pulumi(tmp_path / "bin", "not-yet-valid-key")
+    code, out, err = run(capsys, ["delete", "--stack", "t1", "--stacks-dir", stacks])
+    assert code == 0, err
+    assert "refused the key from pulumi config (401); trying the key from environment RUNPOD_API_KEY" in err
+    assert fake_runpod.live() == []
+    # Both keys refused: exit 1 with the fix, never "deleted".
+    code, created, _ = run(capsys, ["create", "--spec", write_spec(env, pod_spec(1))])
+    monkeypatch.setenv("PULUMI_COMMAND_STDOUT", json.dumps(created))
+    monkeypatch.setenv("RUNPOD_API_KEY", "revoked-key")
+    code, out, err = run(capsys, ["delete", "--stack", "t1", "--stacks-dir", stacks])
+    assert code == 1 and out is None
+    assert "refused every key tried (pulumi config, environment RUNPOD_API_KEY)" in err
+    assert "pulumi config set --secret colocate:runpodApiKey <current key>" in err and "may still be billing" in err
+    assert [p["id"] for p in fake_runpod.live()] == [created["id"]]

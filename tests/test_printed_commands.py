@@ -1,4 +1,4 @@
-"""Every command the kit prints runs as printed from the project root (issue 13 item 4).
+"""Every command the kit prints runs as printed from the project root.
 
 The convention is `.venv/bin/python scripts/<x>.py ...`: the system `python` lacks the kit's
 dependencies (`ModuleNotFoundError: ruamel`), and a bare `scripts/x.py` depends on a shebang

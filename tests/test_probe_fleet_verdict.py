@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from colocate import catalogue, fleet
-from colocate.probe import fleet as fp
-from colocate.probe import timing
+from colocate.probe import fleet as fp, timing
 from colocate.probe.errors import UsageError
 from colocate.probe.sample import ROUTED_METRICS, Sample
 

@@ -9,22 +9,14 @@ import pytest
 from colocate import catalogue
 from colocate.probe import live
 from colocate.probe.budgets import Budget
+from colocate.probe.histogram import DEFAULT_BUCKETS, Buckets, Histogram, HistogramError
 from colocate.probe.stats import percentile as exact
 
-EDGES = live.DEFAULT_EDGES
 M = 29_000_000  # a minute index (ms / 60000)
 
 
 def enc(values) -> str:
-    counts = [0] * (len(EDGES) + 1)
-    for v in values:
-        counts[live.bucket_of(v, EDGES)] += 1
-    return ",".join(f"{k}:{c}" for k, c in enumerate(counts) if c)
-
-
-def width_at(ms: float) -> float:
-    lo, hi = live.bounds(live.bucket_of(ms, EDGES), EDGES)
-    return hi - lo
+    return Histogram.of(values).encode()
 
 
 def requests(minute, colo, pod, n, upstream=(60, 80), total_extra=2, state=0.0):
@@ -39,28 +31,37 @@ def sync(minute, state_colo, worker_colo, values):
 
 
 def doc(minutes, **kw):
-    return {"since": (M - 5) * 60000, "now": (M + 5) * 60000, "edges": list(EDGES), "minutes": minutes,
+    return {"since": (M - 5) * 60000, "now": (M + 5) * 60000, "minutes": minutes,
             "hours": kw.pop("hours", []), "region": "apac-jp", "generation": "apac-jp.g1", **kw}
 
 
 JP = catalogue.region("apac-jp")
 
 
-def test_percentiles_match_exact_ones_within_a_bucket():
+def test_percentiles_are_within_the_relative_error_of_exact_ones_bimodal_included():
     rng = random.Random(1)
-    for values in ([rng.uniform(60, 100) for _ in range(400)], [rng.expovariate(1 / 40) for _ in range(250)], [12.5, 13, 250]):
-        counts = live.decode(enc(values), len(EDGES) + 1)
-        for q in (10, 50, 90, 99):
+    sets = ([rng.uniform(60, 100) for _ in range(400)], [rng.expovariate(1 / 40) for _ in range(250)], [12.5, 13, 250],
+            [rng.uniform(40, 50) for _ in range(80)] + [rng.uniform(900, 1300) for _ in range(20)], [0.0] * 50 + [0.1, 13.0])
+    err = DEFAULT_BUCKETS.relative_error
+    assert 0.0108 < err < 0.0109
+    for values in sets:
+        h = Histogram.decode(enc(values))
+        assert h.n == len(values)
+        for q in (0, 10, 50, 90, 99, 100):
             want = exact(values, q)
-            data = sorted(values)
-            pos = (len(data) - 1) * q / 100
-            tol = max(width_at(data[int(pos)]), width_at(data[min(len(data) - 1, int(pos) + 1)]))
-            assert abs(live.percentile(counts, q, EDGES) - want) <= tol
+            assert abs(h.percentile(q) - want) <= max(want * err * (1 + 1e-9), 0.25 if want < 0.25 else 0), (q, want)
 
 
-def test_matches_the_worker_edges_formula():
-    assert len(EDGES) == 40 and EDGES[0] == 0.25 and EDGES[-1] == 60000
-    assert all(1.37 < b / a < 1.38 for a, b in zip(EDGES, EDGES[1:], strict=False))
+def test_the_same_buckets_and_text_as_the_worker():
+    b = DEFAULT_BUCKETS
+    assert b.edge(0) == 0.25 and b.edge(32) == 0.5 and b.edge(b.top - 1) < 60_000 <= b.edge(b.top) and b.count == 574
+    assert [b.bucket_of(v) for v in (0, 0.25, 0.2500001, 0.5, 0.5000001, 1e9)] == [0, 0, 1, 32, 33, b.top + 1]
+    # worker/test/histogram.test.js writes "~200*4,*5,1,3*2" for these counts
+    h = Histogram({200: 4, 201: 5, 202: 1, 205: 2})
+    assert h.encode() == "~200*4,*5,1,3*2" and Histogram.decode("~200*4,*5,1,3*2") == h
+    assert Buckets.from_doc({"low_ms": 0.25, "per_octave": 32, "top": 572, "count": 574}) == b
+    with pytest.raises(HistogramError, match="buckets"):
+        Buckets.from_doc({"low_ms": 0, "per_octave": 32, "top": 572})
 
 
 def test_a_healthy_window_holds_every_check_with_shares_per_pod():
@@ -71,7 +72,7 @@ def test_a_healthy_window_holds_every_check_with_shares_per_pod():
     assert r.ok, r.violations
     assert r.requests == 460
     assert r.backends == {"pod-0": 350, "pod-1": 100, "fallback": 10}
-    assert [p["share"] for p in r.pods] == [round(350 / 460, 4), round(100 / 460, 4), round(10 / 460, 4)]
+    assert [p.share for p in r.pods] == [round(350 / 460, 4), round(100 / 460, 4), round(10 / 460, 4)]
     assert r.segments["state"]["p50"] == 0 and r.segments["state"]["n"] == 450
     assert 55 <= r.segments["upstream"]["p50"] <= 85
     assert 2.5 <= r.segments["sync"]["p50"] <= 6
@@ -92,8 +93,8 @@ def test_a_split_is_flagged_on_the_latest_minute_with_segment_and_colo():
     msg = state[0]["message"]
     assert "state object runs in IAD" in msg and "segment sync (state_rtt), state colo IAD" in msg
     assert r.placement.state.seen == {"NRT": 30, "IAD": 30}
-    iad = next(s for s in r.state_colos if s["colo"] == "IAD")
-    assert iad["latest"] and iad["status"] == "out_of_region" and iad["floor_ms"]["NRT"] > 100
+    iad = next(s for s in r.state_colos if s.colo == "IAD")
+    assert iad.latest and iad.status == "out_of_region" and iad.floor_ms["NRT"] > 100
     # the whole window's sync p50 sits between the two; the budget is judged on it
     assert "FAIL:" in live.table(r)
 
@@ -134,8 +135,12 @@ def test_hours_and_minutes_merge():
 def test_bad_rows_name_the_field():
     with pytest.raises(live.LiveDataError, match="minutes row"):
         live.build(doc([[M, "NRT", "0", "bogus", ""]]), JP)
-    with pytest.raises(live.LiveDataError, match="histogram part '99:1'"):
-        live.build(doc([[M, "NRT", "0", "total", "99:1"]]), JP)
+    with pytest.raises(live.LiveDataError, match="histogram part '999'"):
+        live.build(doc([[M, "NRT", "0", "total", "~3,999"]]), JP)
+    with pytest.raises(live.LiveDataError, match="a Worker older than this probe"):
+        live.build(doc([[M, "NRT", "0", "total", "9:1"]]), JP)
+    with pytest.raises(live.LiveDataError, match="buckets"):
+        live.build(doc([], buckets={"low_ms": "x"}), JP)
 
 
 def test_parse_since():

@@ -75,8 +75,24 @@ def test_cli_reports_mode_and_host_from_the_stack_outputs(probe, capsys, monkeyp
 
 def test_cli_fails_a_pod_mode_worker_away_from_the_pod(probe, capsys):  # noqa: F811
     with fake_cell.serve(worker_colo="IAD", cf_placement="local-IAD") as cell:
-        code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--expect-region", "apac-jp", "--pod-location", "AP-JP-1",
-                                                "--placement-mode", "pod", "--placement-host", "pod-abc.example.com:8000",
-                                                "--samples", "2"])
+        code, doc, _ = run_json(
+            probe,
+            capsys,
+            [
+                cell.url,
+                "--token",
+                TOKEN,
+                "--expect-region",
+                "apac-jp",
+                "--pod-location",
+                "AP-JP-1",
+                "--placement-mode",
+                "pod",
+                "--placement-host",
+                "pod-abc.example.com:8000",
+                "--samples",
+                "2",
+            ],
+        )
     assert code == 1 and doc["placement"]["at_pod"] is False
     assert any("pod placement" in v["message"] for v in doc["violations"])

@@ -22,8 +22,9 @@ import pytest
 from colocate.sandbox.geography import Geography, Sites
 from colocate.sandbox.pinning import FILE_NAME as PINS_FILE, Pins
 from colocate.sandbox.proxies import Network, NetworkServers
-MAX_HEADER_BYTES, MAX_URL_BYTES = 16384, 16384
 from tests.support.workerd import SECRETS, running_cell
+
+MAX_HEADER_BYTES, MAX_URL_BYTES = 16384, 16384
 
 pytestmark = pytest.mark.slow  # a real edge proxy in front of a real workerd
 

@@ -1,5 +1,5 @@
-"""`sandbox.py up --fleet`: every member cell and the front door on this machine (issue 28 part 5),
-and `make demo-fleet` (part 6).
+"""`sandbox.py up --fleet`: every member cell and the front door on this machine,
+and `make demo-fleet`.
 
 One fleet (apac-jp, eu-west, us-east from copies of the committed stack files, pods at 5 ms) is
 started once for the module through the CLI; its tests read what a user at each client site

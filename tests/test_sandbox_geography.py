@@ -4,8 +4,7 @@ import pytest
 
 from colocate import catalogue, geo
 from colocate.sandbox.errors import GeographyError
-from colocate.sandbox.geography import (HINT_SITES, SAME_SITE_MS, Geography, Sites, area_of, landing_site,
-                                        parse_override)
+from colocate.sandbox.geography import HINT_SITES, SAME_SITE_MS, Geography, Sites, area_of, landing_site, parse_override
 
 
 def test_rtt_is_floor_times_stretch():

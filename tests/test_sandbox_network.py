@@ -13,8 +13,15 @@ from colocate.pods import standin
 from colocate.sandbox import config as config_mod
 from colocate.sandbox.geography import Geography, Sites
 from colocate.sandbox.pinning import FILE_NAME as PINS_FILE, Pins
-from colocate.sandbox.proxies import (IP_LITERAL_BODY, IP_LITERAL_STATUS, SITE_HEADER, Network, NetworkServers,
-                                      ip_literal, local_url)
+from colocate.sandbox.proxies import (
+    IP_LITERAL_BODY,
+    IP_LITERAL_STATUS,
+    SITE_HEADER,
+    Network,
+    NetworkServers,
+    ip_literal,
+    local_url,
+)
 from colocate.workerd import Workerd
 from tests.support.workerd import SECRETS, cell_plan, request, values_for
 

@@ -1,4 +1,4 @@
-"""Ctrl-C at any moment of `sandbox.py up`, `apply` and `demo` (issue 13 item 1).
+"""Ctrl-C at any moment of `sandbox.py up`, `apply` and `demo`.
 
 Each test sends SIGINT to the command's process group (what a terminal does) after a delay
 from a bounded sweep, then checks what is true afterwards, not what the command said: no
@@ -9,6 +9,7 @@ recorded, and what the command printed agrees with that, without a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -74,10 +75,8 @@ def _interrupt(argv: list[str], delay: float, timeout: float = 180) -> subproces
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own group: the "terminal" we press Ctrl-C in
     time.sleep(delay)
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it had finished already
         os.killpg(proc.pid, signal.SIGINT)
-    except ProcessLookupError:
-        pass  # it had finished already
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 

@@ -49,7 +49,9 @@ def test_no_token_configured_means_open():
 def test_chat_completion_takes_compute_time_and_counts(pod):
     with standin.serve(compute_ms=120, model="m") as slow:
         t0 = time.monotonic()
-        r = requests.post(slow.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}, timeout=5)
+        r = requests.post(
+            slow.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}, timeout=5
+        )
         elapsed = time.monotonic() - t0
         assert r.status_code == 200 and elapsed >= 0.12
         body = r.json()
@@ -197,7 +199,7 @@ def test_takes_what_vllm_takes(pod):
 
 
 def test_a_body_nested_past_the_recursion_limit_is_vllms_bare_500(pod):
-    # The breaker attack of issue 26: vLLM parses with json.loads, which raises RecursionError
+    # The breaker attack (one key, bodies that crash the pod): vLLM parses with json.loads, which raises RecursionError
     # outside its JSON error handler, so a real pod answers Starlette's plain 500.
     deep = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     r = requests.post(pod.url + "/v1/chat/completions", data=deep, headers=auth(), timeout=5)

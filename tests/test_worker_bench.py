@@ -1,4 +1,4 @@
-"""scripts/bench_router.py: a tiny real run (wrk, the bench pod, the bare, contract and router workerd),
+"""bench/router.py (make bench): a tiny real run (wrk, the bench pod, the bare, contract and router workerd),
 the summary arithmetic, and usage errors as a subprocess. Nothing here asserts a speed."""
 
 import json
@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import harness, router as bench_router
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_router  # noqa: E402
-from bench import harness  # noqa: E402
 
 pytestmark = pytest.mark.slow
 needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (make bench installs it)")
@@ -230,7 +229,7 @@ def test_far_state_leaves_the_hot_path_at_zero(capsys):
 
 
 def test_usage_error_exits_2_as_a_subprocess():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--clients", "x"],
+    res = subprocess.run([sys.executable, "-m", "bench.router", "--clients", "x"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--clients" in res.stderr
 
@@ -417,8 +416,8 @@ def test_instructions_count_requests_with_a_real_prompts_size(tmp_path, capsys):
 
 
 def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for():
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from bench import instructions
 

@@ -1,4 +1,4 @@
-"""Guard for the router's hot path (issue 14 item 4), not timed: counts, in real workerd,
+"""Guard for the router's hot path, not timed: counts, in real workerd,
 the subrequests and Durable Object calls a routed request makes, with a client key.
 
 The router runs from the sandbox stack's plan (the cloud's bytes) behind a test-only
@@ -18,14 +18,13 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from colocate import plan as plan_mod
-from colocate import workerd as wd
+from colocate import plan as plan_mod, workerd as wd
 from tests.support.workerd import SECRETS, cell_plan, request
 
 pytestmark = pytest.mark.slow

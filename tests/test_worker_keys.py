@@ -108,7 +108,9 @@ def test_tokens_per_minute_and_the_monthly_budget_count_the_answers_usage(cell):
     res = cell.call("POST", "/v1/chat/completions", body=chat(), headers=bearer(made["key"]))
     assert res.status == 429 and openai_error(res)["type"] == "tokens"
     budget = cell.create_key("month", monthly_tokens=10)
-    assert cell.call("POST", "/v1/chat/completions", body={**chat(), "max_tokens": 30}, headers=bearer(budget["key"])).status == 200
+    assert (
+        cell.call("POST", "/v1/chat/completions", body={**chat(), "max_tokens": 30}, headers=bearer(budget["key"])).status == 200
+    )
     res = cell.call("POST", "/v1/chat/completions", body=chat(), headers=bearer(budget["key"]))
     err = openai_error(res)
     assert res.status == 429 and err["type"] == "insufficient_quota" and int(res.headers["retry-after"]) >= 1
@@ -149,7 +151,9 @@ def test_a_flood_of_bad_keys_makes_a_bounded_number_of_object_calls():
         before = object_calls(url)["methods"].get("lookupKeys", 0)
         t0 = time.monotonic()
         with ThreadPoolExecutor(20) as pool:
-            statuses = list(pool.map(lambda _: request(url, "GET", "/v1/models", headers=bearer(random_key())).status, range(1000)))
+            statuses = list(
+                pool.map(lambda _: request(url, "GET", "/v1/models", headers=bearer(random_key())).status, range(1000))
+            )
         elapsed = time.monotonic() - t0
         calls = object_calls(url)["methods"].get("lookupKeys", 0) - before
         assert statuses == [401] * 1000

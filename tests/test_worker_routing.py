@@ -96,7 +96,9 @@ def test_probe_reports_the_cell(cell):
     assert body["worker_colo"] is None and body["state_colo"] is None  # offline: no trace
     assert body["pod_ok"] is True and body["pod_status"] == 200
     assert body["pod_host"] == f"127.0.0.1:{cell.pod.port}"
-    assert body["pods"] == [{"index": 0, "host": f"127.0.0.1:{cell.pod.port}", "rtt_ms": body["pod_rtt_ms"], "ok": True, "status": 200}]
+    assert body["pods"] == [
+        {"index": 0, "host": f"127.0.0.1:{cell.pod.port}", "rtt_ms": body["pod_rtt_ms"], "ok": True, "status": 200}
+    ]
     assert "fallback" not in body  # checked only when asked (?fallback=1)
     assert body["breaker"]["state"] == "closed" and body["breaker"]["forced"] is None
     assert isinstance(body["state_rtt_ms"], (int, float)) and isinstance(body["pod_rtt_ms"], (int, float))

@@ -108,11 +108,10 @@ def test_global_outbound_shape(tmp_path):
 
 def test_serve_shortcut_and_cleanup_on_exception():
     plan = cell_plan()
-    with pytest.raises(RuntimeError, match="boom"):
-        with workerd.Workerd.serve(plan.worker, values()) as w:
-            pid, port = w.proc.pid, w.port
-            assert request(w.url, "GET", "/v1/nope").status == 404
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), workerd.Workerd.serve(plan.worker, values()) as w:
+        pid, port = w.proc.pid, w.port
+        assert request(w.url, "GET", "/v1/nope").status == 404
+        raise RuntimeError("boom")
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(OSError):

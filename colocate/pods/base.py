@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 import re
 from dataclasses import asdict, dataclass
 
@@ -61,6 +60,11 @@ class Provider:
 
     def list_pods(self) -> list[PodInfo]:
         raise NotImplementedError
+
+    def no_address_fix(self, spec) -> str | None:
+        """Why a RUNNING pod of ``spec`` may never get a public address, and the fix; None
+        when it always gets one (readiness then waits its whole timeout for it)."""
+        return None
 
     def close(self) -> None:
         pass

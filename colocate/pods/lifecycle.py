@@ -169,7 +169,8 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
     """Wait for ``pod_id`` to serve, then make it the only live pod of the name. ``unknown``: other
     pods of the name may exist (unanswered creates, or several found at adoption)."""
     try:
-        info = wait_ready(lambda: provider.describe(pod_id), spec.ready_timeout_s, log=log)
+        info = wait_ready(lambda: provider.describe(pod_id), spec.ready_timeout_s, log=log,
+                          no_address_fix=provider.no_address_fix(spec))
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
         # One list per create, even without a lost reply: a pod of this name that is not the one
         # returned is on no record and would bill. If the list fails, the ready pod is still
@@ -182,7 +183,10 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
             provider.destroy(pod_id)
             log(f"destroyed {pod_id}")
         except Exception as cleanup:  # report both; the original failure is the one that matters
-            log(f"ERROR: could not destroy {pod_id} ({cleanup}); run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`")
+            log(
+                f"ERROR: could not destroy {pod_id} ({cleanup}); "
+                f"run `.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`"
+            )
         if unknown:
             _destroy_named(spec, provider, EARLIER if adopted else LATE)
         raise

@@ -70,7 +70,11 @@ class Local(Provider):
         self.dir.mkdir(parents=True, exist_ok=True)
         port_file = self.dir / f"{spec.name}.port.json"
         port_file.unlink(missing_ok=True)
-        env = {**os.environ, "POD_TOKEN": token, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "POD_TOKEN": token,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         argv = [sys.executable, "-m", "colocate.pods.standin", "--host", "127.0.0.1", "--port", "0",
                 "--compute-ms", str(spec.compute_ms), "--model", spec.model, "--name", spec.name,
                 "--port-file", str(port_file)]

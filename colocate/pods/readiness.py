@@ -2,7 +2,9 @@
 
 The health check goes to the URL the Worker will use (the public ip and mapped port;
 a DNS-only hostname resolves to the same address). Progress lines go to stderr.
-Poll interval: ``COLOCATE_POD_POLL_S`` (default 5 s).
+Poll interval: ``COLOCATE_POD_POLL_S`` (default 5 s). A pod that runs but has no address
+``COLOCATE_POD_NO_ADDRESS_S`` (default 60 s) after it first ran fails at once when the
+provider says it may never get one (``Provider.no_address_fix``), instead of at the timeout.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import requests
 
@@ -33,12 +35,21 @@ def health(url: str, timeout: float) -> tuple[bool, str]:
         return False, f"health: {type(exc).__name__}"
 
 
-def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll_s: float | None = None) -> PodInfo:
+def no_address_grace() -> float:
+    try:
+        return max(0.0, float(os.environ.get("COLOCATE_POD_NO_ADDRESS_S") or 60))
+    except ValueError:
+        return 60.0
+
+
+def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll_s: float | None = None,
+               no_address_fix: str | None = None) -> PodInfo:
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     poll_s = poll_interval() if poll_s is None else poll_s
     start = time.monotonic()
     deadline = start + timeout_s
     last = "no answer yet"
+    running_without_address: float | None = None  # when the pod was first seen running with no address
     while True:
         elapsed = time.monotonic() - start
         try:
@@ -58,6 +69,13 @@ def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll
             else:
                 last = f"{info.raw_state}, address {'known' if info.url else 'not yet known'}"
                 log(f"[{elapsed:6.1f}s] {info.id}: {last}")
+                if info.state == RUNNING and no_address_fix:
+                    now = time.monotonic()
+                    if running_without_address is None:
+                        running_without_address = now
+                    if now - running_without_address >= no_address_grace():
+                        raise NotReadyError(f"pod {info.id} is {info.raw_state} with no public address after "
+                                            f"{now - running_without_address:.0f}s: {no_address_fix}")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NotReadyError(f"not ready after {timeout_s:g}s (last: {last})")

@@ -95,14 +95,25 @@ class RunPod(Provider):
         else:
             # The spec: a broken rule fails identically on every candidate, so an all-400 walk is
             # read as a problem with the request rather than as absent capacity.
-            head = (f"runpod could not place {what} in any data centre of {where}; last detail ({last}): {detail!r}. RunPod answers 400 "
-                    "both for \"could not be placed here\" and for a request that breaks a rule, which fails the same "
-                    "way everywhere: this may be a problem with the request (sent below), not capacity. Fix: if the "
-                    "detail names a field or rule, correct colocate:pod (gpu, gpuCount, cloud, diskGb, image, minCudaVersion); if it "
-                    "reads as capacity, retry later or choose another colocate:pod.gpu")
+            head = (
+                f"runpod could not place {what} in any data centre of {where}; last detail ({last}): {detail!r}. "
+                "RunPod answers 400 "
+                'both for "could not be placed here" and for a request that breaks a rule, which fails the same '
+                "way everywhere: this may be a problem with the request (sent below), not capacity. Fix: if the "
+                "detail names a field or rule, correct colocate:pod (gpu, gpuCount, cloud, diskGb, image, minCudaVersion); "
+                "if it "
+                "reads as capacity, retry later or choose another colocate:pod.gpu"
+            )
             if 403 in statuses:
                 head += f". Some data centres answered 403 (this key or account cannot use that pool). {KEY_FIX}"
         return FatalError(f"{head}. Nothing was created.\n{format_attempts(rows)}\nlast answer: {full}")
+
+    def no_address_fix(self, spec) -> str | None:
+        if spec.path == PATH_PROVIDER_PROXY:
+            return None  # RunPod's proxy needs no public ip
+        return ("RunPod gave the pod no public ip and port for its TCP port: a Community Cloud host may have "
+                "none, and REST v2 cannot ask for one. Fix: pulumi config set --path colocate:pod.cloud SECURE, "
+                "or remove colocate:zone (RunPod's proxy hostname needs no public ip)")
 
     def describe(self, pod_id: str) -> PodInfo:
         return self._info(self.api.call("GET", f"/v2/pods/{pod_id}").body, port=None)

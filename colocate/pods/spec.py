@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import catalogue
-from ..plan import POD_PATHS
 from ..errors import ConfigError
+from ..plan import POD_PATHS
 from .errors import PodConfigError
 
 REQUIRED = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
@@ -49,7 +49,7 @@ class PodSpec:
     path: str  # how the Worker reaches it (plan.POD_PATHS): RunPod exposes an HTTP port for its proxy
 
     @classmethod
-    def from_dict(cls, data: object) -> "PodSpec":
+    def from_dict(cls, data: object) -> PodSpec:
         if not isinstance(data, dict):
             raise PodConfigError(f"spec: expected a JSON object (PodPlan.spec()), got {type(data).__name__}")
         for key, typ in REQUIRED.items():
@@ -76,7 +76,9 @@ class PodSpec:
                 f"spec.locations: {list(self.locations)!r} must be a non-empty subset of {self.region}'s "
                 f"{self.provider} locations {list(allowed)}. Fix: regenerate the spec; a pod never leaves its region")
         if self.path not in POD_PATHS:
-            raise PodConfigError(f"spec.path: {self.path!r} is not one of {', '.join(POD_PATHS)}. Fix: regenerate the spec from the plan")
+            raise PodConfigError(
+                f"spec.path: {self.path!r} is not one of {', '.join(POD_PATHS)}. Fix: regenerate the spec from the plan"
+            )
         if not 0 < self.port < 65536:
             raise PodConfigError(f"spec.port: {self.port} is not a TCP port. Fix: colocate:pod.port 1-65535")
         if self.min_cuda_version and not re.fullmatch(r"[0-9]+\.[0-9]+", self.min_cuda_version):

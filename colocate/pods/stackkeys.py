@@ -87,6 +87,32 @@ def provider_key(provider: str, stack: StackProviders, env: Mapping[str, str] | 
         "Nothing was swept: strays cannot be ruled out")
 
 
+def delete_keys(provider: str, stack: str | None, stacks_dir: Path = stackfile.STACKS_DIR,
+                env: Mapping[str, str] | None = None, *, pulumi: str = "pulumi",
+                cwd: Path = stackfile.ROOT) -> list[tuple[str, str]]:
+    """The keys a delete tries, current first: the stack's secret as ``pulumi config`` holds
+    it now (when ``stack`` is given and its file stores one), then the environment's.
+
+    pulumi-command runs a delete with the environment saved at create, so after a key is
+    rotated and the old one revoked the environment holds the revoked key; the stack's
+    config holds the current one. Nothing is found: [] (the provider says what is missing)."""
+    env = os.environ if env is None else env
+    key_name, env_name = PROVIDER_SECRET[provider]
+    found: list[tuple[str, str]] = []
+    if stack:
+        try:
+            secret_keys = stack_providers(stack, stacks_dir).secret_keys
+        except PodConfigError:
+            secret_keys = frozenset()  # a stack file gone since create: the saved key is all there is
+        if key_name in secret_keys:
+            value, source = _from_pulumi(stack, key_name, pulumi, cwd)
+            if value:
+                found.append((value, source))
+    if env.get(env_name) and env[env_name] not in {k for k, _ in found}:
+        found.append((env[env_name], f"environment {env_name}"))
+    return found
+
+
 @contextlib.contextmanager
 def keys_in_environment(keys: Mapping[str, str]) -> Iterator[None]:
     """Expose found keys to the providers (which read the environment) for one call, then restore."""

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import fleet as fleet_mod
-from .. import geo
+from .. import fleet as fleet_mod, geo
 from ..catalogue import Region
 from .errors import TargetError, Unauthorized, Unreachable, UsageError
 from .placement import distance_km
@@ -328,9 +327,12 @@ def table(r: FleetResult) -> str:
     lines += ["", head + "   (ms)", "-" * len(head)]
     for s in r.sites:
         exp = next((x for x in s.ranked if x["cell"] == s.expected), None)
-        lines.append(f"{s.site.name:<8}{s.colo or '?':<6}{_counts(s.served):<{width}}{s.expected or '-':<12}"
-                     f"{_ms(exp['floor_ms'] if exp else None):>7}" + "".join(f"{_p50_p90(s, n):>20}" for n in ("e2e", "front", "upstream"))
-                     + ("  ok" if s.ok else "  FAIL"))
+        lines.append(
+            f"{s.site.name:<8}{s.colo or '?':<6}{_counts(s.served):<{width}}{s.expected or '-':<12}"
+            f"{_ms(exp['floor_ms'] if exp else None):>7}"
+            + "".join(f"{_p50_p90(s, n):>20}" for n in ("e2e", "front", "upstream"))
+            + ("  ok" if s.ok else "  FAIL")
+        )
     lines += ["", f"segments per site (p50/p90 ms): {', '.join(SEGMENTS)}"]
     for s in r.sites:
         lines.append(f"  {s.site.name:<8}" + "  ".join(

@@ -2,13 +2,13 @@
 
 The Worker records every routed request's ``state``, ``upstream``, ``fallback`` and
 ``total`` (as in Server-Timing) and every isolate's background sync round trip (``sync``,
-the ``state_rtt`` real traffic pays in the background) as fixed-bucket histograms per
+the ``state_rtt`` real traffic pays in the background) as relative-error histograms per
 (minute, colo, pod or fallback, segment) in the generation object; ``GET
 /_colocate/live?since=<ms>`` returns them (docs/probe.md, "Live view"). This module is pure:
 it merges the rows of a window and judges them with the post-deploy probe's own models:
 
-    percentiles  p10/p50/p90/p99 and n per segment, from the merged buckets (within one
-                 bucket's width, ~37 %, of the exact value)
+    percentiles  p10/p50/p90/p99 and n per segment, from the merged buckets (within 1.08 %
+                 of the exact value, 0.25 ms below 0.25 ms: histogram.py)
     shares       requests per pod and by the fallback
     colos        the colos the Worker ran in and the state object answered from, each in or
                  out of the cell's region (``placement``: the same Parts, floors and findings)
@@ -23,16 +23,16 @@ A window without traffic has nothing to judge: every budget is noted as unchecke
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC
 
 from .. import catalogue
-from . import budgets as budgets_mod
-from . import placement as placement_mod
+from . import budgets as budgets_mod, placement as placement_mod
 from .errors import TargetError
+from .histogram import Buckets, Histogram, HistogramError, merged
 from .stats import PERCENTILES
 
 ROUTED = ("state", "upstream", "fallback", "total")
@@ -42,110 +42,30 @@ SEGMENTS = (*ROUTED, SYNC)
 BUDGET_ALIAS = {"state_rtt": SYNC}
 MINUTE_MS = 60_000
 HOUR_MS = 3_600_000
-# The Worker's buckets (worker/src/histogram.js): used when a response carries no edges.
-LOW_MS, HIGH_MS, STEPS = 0.25, 60_000.0, 39
-DEFAULT_EDGES = tuple(HIGH_MS if k == STEPS else LOW_MS * math.exp(k * math.log(HIGH_MS / LOW_MS) / STEPS)
-                      for k in range(STEPS + 1))
 
 
 class LiveDataError(TargetError):
     """The live endpoint's answer is not what the contract says (names the field and value)."""
 
 
-# --- histograms ---
-
-def decode(text: str, buckets: int) -> list[int]:
-    """``"index:count,..."`` → counts (length ``buckets``); LiveDataError names a bad part."""
-    counts = [0] * buckets
-    if not isinstance(text, str):
-        raise LiveDataError(f"histogram {text!r}: expected text 'index:count,...'")
-    for part in filter(None, text.split(",")):
-        k, sep, c = part.partition(":")
-        if not (sep and k.isdigit() and c.isdigit() and int(k) < buckets):
-            raise LiveDataError(f"histogram part {part!r}: expected index:count with index 0..{buckets - 1}")
-        counts[int(k)] += int(c)
-    return counts
-
-
-def bounds(k: int, edges: Sequence[float]) -> tuple[float, float]:
-    if k <= 0:
-        return 0.0, edges[0]
-    if k >= len(edges):
-        return edges[-1], edges[-1]
-    return edges[k - 1], edges[k]
-
-
-def bucket_of(ms: float, edges: Sequence[float]) -> int:
-    if not ms >= edges[0]:
-        return 0
-    for k, hi in enumerate(edges):
-        if ms < hi:
-            return k
-    return len(edges)
-
-
-def _value_at(counts: Sequence[int], i: int, edges: Sequence[float]) -> float:
-    before = 0
-    for k, c in enumerate(counts):
-        if c and i < before + c:
-            if k == 0:
-                return 0.0
-            if k >= len(edges):
-                return float(edges[-1])
-            lo, hi = bounds(k, edges)
-            return lo + (hi - lo) * (i - before + 0.5) / c
-        before += c
-    return float(edges[-1])
-
-
-def percentile(counts: Sequence[int], q: float, edges: Sequence[float] = DEFAULT_EDGES) -> float | None:
-    """As worker/src/histogram.js ``percentile``: numpy-style ranks over bucket-placed values."""
-    n = sum(counts)
-    if n == 0:
-        return None
-    pos = min(100.0, max(0.0, q)) / 100 * (n - 1)
-    lo = math.floor(pos)
-    a = _value_at(counts, lo, edges)
-    return a if lo == pos else a + (_value_at(counts, lo + 1, edges) - a) * (pos - lo)
-
-
-def summary(counts: Sequence[int] | None, edges: Sequence[float] = DEFAULT_EDGES) -> dict:
-    """``{"p10", "p50", "p90", "p99", "n"}`` like ``stats.summary``; None percentiles without data."""
-    counts = counts or []
-    out: dict = {}
-    for name in PERCENTILES:
-        p = percentile(counts, float(name[1:]), edges) if counts else None
-        out[name] = None if p is None else round(p, 2)
-    out["n"] = int(sum(counts))
-    return out
-
-
-def _add(into: list[int] | None, counts: Sequence[int]) -> list[int]:
-    if into is None:
-        return list(counts)
-    for k, c in enumerate(counts):
-        into[k] += c
-    return into
-
-
-# --- the window ---
+# --- the window's rows ---
 
 @dataclass(frozen=True)
 class Row:
     start_ms: int  # the minute's (or hour's) first ms
     span_ms: int  # MINUTE_MS or HOUR_MS
-    colo: str
+    colo: str  # where the Worker ran (routed segments); where the state object answered (sync)
     who: str  # the pod index or "fallback" (routed segments); the Worker's colo (sync)
     segment: str
-    counts: tuple[int, ...]
+    hist: Histogram
 
 
-def rows_of(doc: Mapping) -> tuple[list[Row], tuple[float, ...]]:
-    """The rows and bucket edges of a ``GET /_colocate/live`` answer."""
-    edges = doc.get("edges") or DEFAULT_EDGES
-    if not isinstance(edges, list | tuple) or not all(isinstance(e, int | float) for e in edges) or len(edges) < 2:
-        raise LiveDataError(f"edges {edges!r}: expected the list of bucket edges in ms")
-    edges = tuple(float(e) for e in edges)
+def rows_of(doc: Mapping) -> tuple[list[Row], Buckets]:
+    """The rows and bucket layout of a ``GET /_colocate/live`` answer."""
+    try:
+        buckets = Buckets.from_doc(doc.get("buckets"))
+    except HistogramError as exc:
+        raise LiveDataError(str(exc)) from None
     out = []
     for field_name, span in (("minutes", MINUTE_MS), ("hours", HOUR_MS)):
         listed = doc.get(field_name) or []
@@ -155,9 +75,12 @@ def rows_of(doc: Mapping) -> tuple[list[Row], tuple[float, ...]]:
             if not (isinstance(r, list) and len(r) == 5 and isinstance(r[0], int) and r[3] in SEGMENTS):
                 raise LiveDataError(f"{field_name} row {r!r}: expected [index, colo, who, segment, histogram] "
                                     f"with segment one of {', '.join(SEGMENTS)}")
-            out.append(Row(r[0] * span, span, str(r[1] or "unknown").upper(), str(r[2]), r[3],
-                           tuple(decode(r[4], len(edges) + 1))))
-    return out, edges
+            try:
+                hist = Histogram.decode(r[4], buckets)
+            except HistogramError as exc:
+                raise LiveDataError(f"{field_name} row {r[:4]!r}: {exc}") from None
+            out.append(Row(r[0] * span, span, str(r[1] or "unknown").upper(), str(r[2]), r[3], hist))
+    return out, buckets
 
 
 def backend_of(who: str) -> str:
@@ -193,26 +116,157 @@ def _current_part(by_minute: Mapping[int, Counter], region: catalogue.Region | N
     return placement_mod.Part(shown, _status(shown, region), dict(seen)), last
 
 
+# --- the window merged: one pass over the rows ---
+
+@dataclass
+class Minute:
+    """One minute (or hour) of the window: requests, colos, and the total and sync histograms."""
+
+    start_ms: int
+    span_ms: int
+    requests: int = 0
+    worker: Counter = field(default_factory=Counter)
+    state: Counter = field(default_factory=Counter)
+    total: Histogram = field(default_factory=Histogram)
+    sync: Histogram = field(default_factory=Histogram)
+
+
+@dataclass
+class Merged:
+    """The window's rows added up by what the verdicts read."""
+
+    segments: dict[str, Histogram] = field(default_factory=lambda: {s: Histogram() for s in SEGMENTS})
+    per_pod: dict[str, dict[str, Histogram]] = field(
+        default_factory=lambda: defaultdict(lambda: {s: Histogram() for s in ROUTED}))
+    # the state object's colo -> (the Worker's colo -> its syncs there)
+    sync_pairs: dict[str, dict[str, Histogram]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(Histogram)))
+    state_span: dict[str, tuple[int, int]] = field(default_factory=dict)
+    minutes: dict[int, Minute] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, rows: Iterable[Row]) -> Merged:
+        m = cls()
+        for r in rows:
+            m.segments[r.segment].add(r.hist)
+            t = m.minutes.setdefault(r.start_ms, Minute(r.start_ms, r.span_ms))  # hours count as their first minute
+            n = r.hist.n
+            if r.segment == SYNC:
+                m.sync_pairs[r.colo][r.who.upper()].add(r.hist)
+                first, last = m.state_span.get(r.colo, (r.start_ms, r.start_ms + r.span_ms))
+                m.state_span[r.colo] = (min(first, r.start_ms), max(last, r.start_ms + r.span_ms))
+                t.state[r.colo] += n
+                t.sync.add(r.hist)
+            else:
+                m.per_pod[r.who][r.segment].add(r.hist)
+                if r.segment == "total":
+                    t.worker[r.colo] += n
+                    t.requests += n
+                    t.total.add(r.hist)
+        return m
+
+    def by_minute(self, part: str) -> dict[int, Counter]:
+        return {s: getattr(t, part) for s, t in self.minutes.items() if getattr(t, part)}
+
+    def sync_of(self, state_colo: str) -> Histogram:
+        return merged(self.sync_pairs.get(state_colo, {}).values())
+
+
+# --- the typed results ---
+
+@dataclass(frozen=True)
+class PodServed:
+    """One pod (or the fallback) in the window: its requests and segments; for a pod its site."""
+
+    who: str
+    requests: int
+    share: float | None
+    segments: dict[str, dict]
+    index: int | None = None
+    location: str | None = None
+    site: str | None = None
+    status: str | None = None
+
+    @property
+    def backend(self) -> str:
+        return backend_of(self.who)
+
+    def to_json(self) -> dict:
+        out = {"pod": self.who, "backend": self.backend, "requests": self.requests, "share": self.share,
+               "segments": self.segments}
+        if self.index is not None:
+            out.update(index=self.index, location=self.location, site=self.site, status=self.status)
+        return out
+
+
+@dataclass(frozen=True)
+class WorkerColo:
+    colo: str
+    requests: int
+    share: float | None
+    status: str
+    floor_to_pod_ms: float | None
+    latest: bool
+
+    def to_json(self) -> dict:
+        return {"colo": self.colo, "requests": self.requests, "share": self.share, "status": self.status,
+                "floor_to_pod_ms": self.floor_to_pod_ms, "latest": self.latest}
+
+
+@dataclass(frozen=True)
+class StateColo:
+    colo: str
+    syncs: int
+    status: str
+    sync: dict
+    by_worker: dict[str, dict]  # the Worker's colo -> its syncs' summary
+    floor_ms: dict[str, float | None]
+    first_ms: int
+    last_ms: int
+    latest: bool
+
+    def to_json(self) -> dict:
+        return {"colo": self.colo, "syncs": self.syncs, "status": self.status, "sync": self.sync, "from": self.by_worker,
+                "first_ms": self.first_ms, "last_ms": self.last_ms, "floor_ms": self.floor_ms, "latest": self.latest}
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    start_ms: int
+    span_s: int
+    requests: int
+    worker_colos: dict[str, int]
+    state_colos: dict[str, int]
+    sync_p50: float | None
+    sync_p90: float | None
+    total_p50: float | None
+    total_p90: float | None
+
+    def to_json(self) -> dict:
+        return {"start_ms": self.start_ms, "span_s": self.span_s, "requests": self.requests,
+                "worker_colos": self.worker_colos, "state_colos": self.state_colos, "sync_p50": self.sync_p50,
+                "sync_p90": self.sync_p90, "total_p50": self.total_p50, "total_p90": self.total_p90}
+
+
 @dataclass
 class LiveResult:
     url: str | None
     since_ms: int
     until_ms: int
-    edges: tuple[float, ...]
+    buckets: Buckets
     segments: dict[str, dict]
     requests: int
     backends: dict[str, int]
-    pods: list[dict]
-    worker_colos: list[dict]
-    state_colos: list[dict]
+    pods: list[PodServed]
+    worker_colos: list[WorkerColo]
+    state_colos: list[StateColo]
     placement: placement_mod.Placement
     floors: dict[str, float | None]
     budgets: list[budgets_mod.Budget]
     findings: list[placement_mod.Finding]
     violations: list[dict]
     notes: list[str] = field(default_factory=list)
-    timeline: list[dict] = field(default_factory=list)
-    histograms: dict[str, list[int]] = field(default_factory=dict)
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -237,51 +291,14 @@ def _num(v: float | None, digits: int = 0) -> str:
     return "n/a" if v is None else f"{v:,.{digits}f}"
 
 
-def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str] = (),
-          budget_list: Iterable[budgets_mod.Budget] = (), worker_placement: str | None = None,
-          url: str | None = None) -> LiveResult:
-    """Merge the window's rows and judge them (see the module docstring)."""
-    rows, edges = rows_of(doc)
-    since = int(doc.get("since") or 0)
-    until = int(doc.get("now") or (max((r.start_ms + r.span_ms for r in rows), default=since)))
-    if region is None and isinstance(doc.get("region"), str):
-        region = catalogue.region(doc["region"], key="the Worker's region")
-    merged: dict[str, list[int] | None] = {s: None for s in SEGMENTS}
-    per_pod: dict[str, dict[str, list[int] | None]] = defaultdict(lambda: {s: None for s in ROUTED})
-    worker_by_minute: dict[int, Counter] = defaultdict(Counter)
-    state_by_minute: dict[int, Counter] = defaultdict(Counter)
-    sync_by_state: dict[str, list[int] | None] = defaultdict(lambda: None)
-    sync_by_pair: dict[tuple[str, str], list[int] | None] = defaultdict(lambda: None)
-    span_of_state: dict[str, list[int]] = {}
-    timeline: dict[int, dict] = {}
-    for r in rows:
-        merged[r.segment] = _add(merged[r.segment], r.counts)
-        n = sum(r.counts)
-        minute = r.start_ms  # hours count as their first minute for "latest"
-        t = timeline.setdefault(r.start_ms, {"start_ms": r.start_ms, "span_s": r.span_ms // 1000, "requests": 0,
-                                             "worker": Counter(), "state": Counter(), "sync": None, "total": None})
-        if r.segment == SYNC:
-            sync_by_state[r.colo] = _add(sync_by_state[r.colo], r.counts)
-            sync_by_pair[(r.who.upper(), r.colo)] = _add(sync_by_pair[(r.who.upper(), r.colo)], r.counts)
-            state_by_minute[minute][r.colo] += n
-            first, last = span_of_state.get(r.colo, [r.start_ms, r.start_ms + r.span_ms])
-            span_of_state[r.colo] = [min(first, r.start_ms), max(last, r.start_ms + r.span_ms)]
-            t["state"][r.colo] += n
-            t["sync"] = _add(t["sync"], r.counts)
-        else:
-            per_pod[r.who][r.segment] = _add(per_pod[r.who][r.segment], r.counts)
-            if r.segment == "total":
-                worker_by_minute[minute][r.colo] += n
-                t["worker"][r.colo] += n
-                t["requests"] += n
-                t["total"] = _add(t["total"], r.counts)
+def _pod_order(who: str) -> tuple[int, int | str]:
+    return (0, int(who)) if who.isdigit() else (1, who)
 
-    segments = {s: summary(merged[s], edges) for s in SEGMENTS}
-    backends = {backend_of(who): sum(h["total"] or []) for who, h in sorted(per_pod.items(), key=lambda kv: _pod_order(kv[0]))}
-    requests = sum(backends.values())
 
-    ran, _ = _current_part(worker_by_minute, region)
-    state, last_state_minute = _current_part(state_by_minute, region)
+def _placement(doc: Mapping, m: Merged, region: catalogue.Region | None,
+               locations: Sequence[str]) -> tuple[placement_mod.Placement, int | None]:
+    ran, _ = _current_part(m.by_minute("worker"), region)
+    state, last_state_minute = _current_part(m.by_minute("state"), region)
     site = placement_mod.pod_site(locations[0], region) if locations else None
     place = placement_mod.Placement(
         expected_region=region.name if region else None,
@@ -294,13 +311,55 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
         generation=doc.get("generation") if isinstance(doc.get("generation"), str) else None,
         draining_generation=doc.get("draining_generation") if isinstance(doc.get("draining_generation"), str) else None,
     )
+    return place, last_state_minute
+
+
+def _pods(m: Merged, requests: int, region: catalogue.Region | None, locations: Sequence[str],
+          buckets: Buckets) -> tuple[list[PodServed], list[dict]]:
+    """Each pod and the fallback, and a violation per pod out of region that served requests."""
+    out, violations = [], []
+    for who, h in sorted(m.per_pod.items(), key=lambda kv: _pod_order(kv[0])):
+        n = h["total"].n
+        share = round(n / requests, 4) if requests else None
+        segments = {s: h[s].summary(buckets).to_json() for s in ROUTED}
+        if not who.isdigit():
+            out.append(PodServed(who, n, share, segments))
+            continue
+        index = int(who)
+        loc = locations[index] if index < len(locations) else None
+        psite = placement_mod.pod_site(loc, region)
+        pod = PodServed(who, n, share, segments, index, loc, psite, _status(psite, region))
+        if pod.status == placement_mod.OUT and index > 0 and n:
+            violations.append({"kind": "placement", "part": "pod",
+                               "message": f"pod {index} in {loc} ({psite}) served {n} requests from outside "
+                                          f"{region.name if region else '?'} — check colocate:pod and run pulumi up"})
+        out.append(pod)
+    return out, violations
+
+
+def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str] = (),
+          budget_list: Iterable[budgets_mod.Budget] = (), worker_placement: str | None = None,
+          url: str | None = None) -> LiveResult:
+    """Merge the window's rows and judge them (see the module docstring)."""
+    rows, buckets = rows_of(doc)
+    since = int(doc.get("since") or 0)
+    until = int(doc.get("now") or (max((r.start_ms + r.span_ms for r in rows), default=since)))
+    if region is None and isinstance(doc.get("region"), str):
+        region = catalogue.region(doc["region"], key="the Worker's region")
+    m = Merged.of(rows)
+    segments = {s: m.segments[s].summary(buckets).to_json() for s in SEGMENTS}
+    backends = {backend_of(who): h["total"].n for who, h in sorted(m.per_pod.items(), key=lambda kv: _pod_order(kv[0]))}
+    requests = sum(backends.values())
+
+    place, last_state_minute = _placement(doc, m, region, locations)
+    ran, state = place.ran, place.state
     floors = place.floors()
     live_floors = {SYNC: floors["state_rtt"], "upstream": floors["upstream"]}
     # The state check's numbers: the sync round trips of the latest minute's state colo.
     current_sync = None
     if state.colo and last_state_minute is not None:
-        pair = sync_by_pair.get((ran.colo or "", state.colo))  # from where the Worker runs now, when seen
-        current_sync = summary(pair if pair else sync_by_state.get(state.colo), edges)["p50"]
+        pair = m.sync_pairs.get(state.colo, {}).get(ran.colo or "")  # from where the Worker runs now, when seen
+        current_sync = (pair if pair and pair.n else m.sync_of(state.colo)).summary(buckets).p50
     p50 = {"state_rtt": current_sync, "pod_rtt": None}
 
     notes: list[str] = []
@@ -314,46 +373,33 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
                      "state": f"segment sync (state_rtt), state colo {state.colo}",
                      "pod": f"segment upstream, pod site {place.pod.colo}"}.get(f.part, f.part)
             violations.append({"kind": "placement", "part": f.part, "message": f"{f.message} [live: {where}]"})
-    pods_out = []
-    for who, h in sorted(per_pod.items(), key=lambda kv: _pod_order(kv[0])):
-        n = sum(h["total"] or [])
-        entry: dict = {"pod": who, "backend": backend_of(who), "requests": n,
-                       "share": round(n / requests, 4) if requests else None,
-                       "segments": {s: summary(h[s], edges) for s in ROUTED}}
-        if who.isdigit():
-            index = int(who)
-            loc = locations[index] if index < len(locations) else None
-            psite = placement_mod.pod_site(loc, region)
-            entry.update(index=index, location=loc, site=psite, status=_status(psite, region))
-            if entry["status"] == placement_mod.OUT and index > 0 and n:
-                violations.append({"kind": "placement", "part": "pod",
-                                   "message": f"pod {index} in {loc} ({psite}) served {n} requests from outside "
-                                              f"{region.name if region else '?'} — check colocate:pod and run pulumi up"})
-        pods_out.append(entry)
-    worker_colos = []
+    pods, pod_violations = _pods(m, requests, region, locations, buckets)
+    violations += pod_violations
+
+    by_worker = m.by_minute("worker")
     seen_worker: Counter = Counter()
-    for c in worker_by_minute.values():
+    for c in by_worker.values():
         seen_worker.update(c)
-    for colo, n in seen_worker.most_common():
-        worker_colos.append({"colo": colo, "requests": n, "share": round(n / requests, 4) if requests else None,
-                             "status": _status(colo, region),
-                             "floor_to_pod_ms": placement_mod.floor_between(colo, place.pod.colo),
-                             "latest": colo in worker_by_minute[max(worker_by_minute)]})
+    worker_colos = [WorkerColo(colo, n, round(n / requests, 4) if requests else None, _status(colo, region),
+                               placement_mod.floor_between(colo, place.pod.colo), colo in by_worker[max(by_worker)])
+                    for colo, n in seen_worker.most_common()]
+    by_state = m.by_minute("state")
     state_colos = []
-    for colo, h in sorted(sync_by_state.items(), key=lambda kv: -sum(kv[1] or [])):
-        first, last = span_of_state[colo]
-        pairs = {w: summary(v, edges) for (w, s), v in sync_by_pair.items() if s == colo}
-        state_colos.append({"colo": colo, "syncs": sum(h or []), "status": _status(colo, region),
-                            "sync": summary(h, edges), "from": pairs, "first_ms": first, "last_ms": last,
-                            "floor_ms": {w: placement_mod.floor_between(w, colo) for w in pairs},
-                            "latest": last_state_minute is not None and colo in state_by_minute[last_state_minute]})
-        if _status(colo, region) == placement_mod.OUT and not state_colos[-1]["latest"]:
+    for colo in sorted(m.sync_pairs, key=lambda c: -m.sync_of(c).n):
+        h = m.sync_of(colo)
+        first, last = m.state_span[colo]
+        pairs = {w: v.summary(buckets).to_json() for w, v in m.sync_pairs[colo].items()}
+        s = StateColo(colo, h.n, _status(colo, region), h.summary(buckets).to_json(), pairs,
+                      {w: placement_mod.floor_between(w, colo) for w in pairs}, first, last,
+                      last_state_minute is not None and colo in by_state.get(last_state_minute, {}))
+        state_colos.append(s)
+        if s.status == placement_mod.OUT and not s.latest:
             notes.append(f"the state object answered from {colo} (out of region) from {_clock(first)} to "
-                         f"{_clock(last)} (sync p50 {_num(summary(h, edges)['p50'])} ms); since then from "
+                         f"{_clock(last)} (sync p50 {_num(s.sync['p50'])} ms); since then from "
                          f"{state.colo or 'unknown'}")
     for w in worker_colos:
-        if w["status"] == placement_mod.OUT and not w["latest"]:
-            notes.append(f"the Worker ran in {w['colo']} (out of region) for {w['requests']} requests earlier in the "
+        if w.status == placement_mod.OUT and not w.latest:
+            notes.append(f"the Worker ran in {w.colo} (out of region) for {w.requests} requests earlier in the "
                          f"window; in the latest minute it ran in {ran.colo}")
 
     budget_list = list(budget_list)
@@ -364,29 +410,23 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
                          "not record it (run probe.py without --live)")
     if requests:
         view = {**segments, **{alias: segments[s] for alias, s in BUDGET_ALIAS.items()}}
-        floors_for_budgets = {**live_floors, "state_rtt": floors["state_rtt"]}
-        violations += budgets_mod.broken(live_budgets, view, floors_for_budgets)
+        violations += budgets_mod.broken(live_budgets, view, {**live_floors, "state_rtt": floors["state_rtt"]})
     elif live_budgets:
         notes.append(f"no routed traffic since {_clock(since)}: {len(live_budgets)} budgets not checked")
     found_info = [f for f in found if not f.fails or not requests]
     return LiveResult(
-        url=url, since_ms=since, until_ms=until, edges=edges, segments=segments, requests=requests,
-        backends=backends, pods=pods_out, worker_colos=worker_colos, state_colos=state_colos, placement=place,
+        url=url, since_ms=since, until_ms=until, buckets=buckets, segments=segments, requests=requests,
+        backends=backends, pods=pods, worker_colos=worker_colos, state_colos=state_colos, placement=place,
         floors=live_floors, budgets=live_budgets, findings=found_info, violations=violations, notes=notes,
-        timeline=[_timeline_entry(t, edges) for _, t in sorted(timeline.items())],
-        histograms={s: list(h) for s, h in merged.items() if h},
+        timeline=[_timeline_point(t, buckets) for _, t in sorted(m.minutes.items())],
+        histograms={s: h for s, h in m.segments.items() if h.n},
     )
 
 
-def _pod_order(who: str) -> tuple[int, int | str]:
-    return (0, int(who)) if who.isdigit() else (1, who)
-
-
-def _timeline_entry(t: dict, edges: Sequence[float]) -> dict:
-    sync, total = summary(t["sync"], edges), summary(t["total"], edges)
-    return {"start_ms": t["start_ms"], "span_s": t["span_s"], "requests": t["requests"],
-            "worker_colos": dict(t["worker"]), "state_colos": dict(t["state"]),
-            "sync_p50": sync["p50"], "sync_p90": sync["p90"], "total_p50": total["p50"], "total_p90": total["p90"]}
+def _timeline_point(t: Minute, buckets: Buckets) -> TimelinePoint:
+    sync, total = t.sync.summary(buckets), t.total.summary(buckets)
+    return TimelinePoint(t.start_ms, t.span_ms // 1000, t.requests, dict(t.worker), dict(t.state),
+                         sync.p50, sync.p90, total.p50, total.p90)
 
 
 def to_json(r: LiveResult, warn_only: bool = False) -> dict:
@@ -396,12 +436,13 @@ def to_json(r: LiveResult, warn_only: bool = False) -> dict:
         "since_ms": r.since_ms, "until_ms": r.until_ms,
         "segments": r.segments, "requests": r.requests, "backends": r.backends,
         "fallback_rate": round(r.backends.get("fallback", 0) / r.requests, 4) if r.requests else None,
-        "pods": r.pods, "colos": {"worker": r.worker_colos, "state": r.state_colos},
+        "pods": [p.to_json() for p in r.pods],
+        "colos": {"worker": [w.to_json() for w in r.worker_colos], "state": [s.to_json() for s in r.state_colos]},
         "placement": r.placement.to_json(), "floor_ms": r.floors,
         "budgets": [b.to_json() for b in r.budgets], "violations": r.violations,
         "findings": [{"part": f.part, "fails": f.fails, "message": f.message} for f in r.findings],
-        "notes": r.notes, "timeline": r.timeline, "warn_only": warn_only,
-        "bucket_edges_ms": list(r.edges),
+        "notes": r.notes, "timeline": [t.to_json() for t in r.timeline], "warn_only": warn_only,
+        "relative_error": round(r.buckets.relative_error, 5),
     }
 
 
@@ -415,7 +456,7 @@ def table(r: LiveResult) -> str:
         marks.setdefault(seg, []).append(f"{b.segment} {b.ms:g}@{b.percentile}{mark}")
     lines = [f"colocate live view  {r.url or ''}".rstrip(),
              f"real traffic from {_clock(r.since_ms)} to {_clock(r.until_ms)}: {r.requests} routed requests; "
-             "percentiles from fixed buckets (within one bucket, ~37 %)", ""]
+             f"percentiles within {r.buckets.relative_error:.1%} of exact", ""]
     head = f"{'segment':<10}" + "".join(f"{p:>9}" for p in PERCENTILES) + f"{'n':>8}{'floor':>9}{'p50/floor':>11}  budget"
     lines += [head + "  (ms)", "-" * len(head)]
     for name in SEGMENTS:
@@ -430,26 +471,26 @@ def table(r: LiveResult) -> str:
     lines += ["", "sync = each isolate's background round trip to the state object (its state_rtt)", "",
               "served by"]
     for pod in r.pods:
-        share = "n/a" if pod["share"] is None else f"{pod['share']:.1%}"
-        up = pod["segments"]["upstream"]
+        share = "n/a" if pod.share is None else f"{pod.share:.1%}"
+        up = pod.segments["upstream"]
         where = ""
-        if "index" in pod:
-            loc = f"{pod['location']} ({pod['site']})" if pod.get("location") else "location unknown"
-            where = f"  {loc} {pod['status'].replace('_', ' ')}"
-        lines.append(f"  {pod['backend']:<10}{pod['requests']:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
+        if pod.index is not None:
+            loc = f"{pod.location} ({pod.site})" if pod.location else "location unknown"
+            where = f"  {loc} {(pod.status or '').replace('_', ' ')}"
+        lines.append(f"  {pod.backend:<10}{pod.requests:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
                      f"p90 {_num(up['p90'], 1)} ms{where}")
     p = r.placement
     expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
     lines += ["", f"colos (expected region {expected}; judged on the latest minute)"]
     for w in r.worker_colos:
-        shown = w["status"].replace("_", " ")
-        lines.append(f"  worker {w['colo']:<8}{shown:<15}{w['requests']:>8} requests"
-                     + ("" if w["latest"] else "  (earlier in the window)"))
+        shown = w.status.replace("_", " ")
+        lines.append(f"  worker {w.colo:<8}{shown:<15}{w.requests:>8} requests"
+                     + ("" if w.latest else "  (earlier in the window)"))
     for s in r.state_colos:
-        shown = s["status"].replace("_", " ")
-        floors = ", ".join(f"from {w} floor {_num(f, 1)} ms" for w, f in s["floor_ms"].items())
-        lines.append(f"  state  {s['colo']:<8}{shown:<15}{s['syncs']:>8} syncs, p50 {_num(s['sync']['p50'], 1)} ms"
-                     f" ({floors})" + ("" if s["latest"] else "  (earlier in the window)"))
+        shown = s.status.replace("_", " ")
+        floors = ", ".join(f"from {w} floor {_num(f, 1)} ms" for w, f in s.floor_ms.items())
+        lines.append(f"  state  {s.colo:<8}{shown:<15}{s.syncs:>8} syncs, p50 {_num(s.sync['p50'], 1)} ms"
+                     f" ({floors})" + ("" if s.latest else "  (earlier in the window)"))
     if p.generation:
         lines.append(f"  generation {p.generation}")
     info = [f.message for f in r.findings] + r.notes
@@ -479,14 +520,15 @@ def write_plot(r: LiveResult, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    from datetime import datetime
+
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
-    from datetime import datetime, timezone
 
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
     try:
-        pts = [t for t in r.timeline if t["requests"] or t["sync_p50"] is not None]
-        xs = [datetime.fromtimestamp(t["start_ms"] / 1000, tz=timezone.utc) for t in pts]
+        pts = [t.to_json() for t in r.timeline if t.requests or t.sync_p50 is not None]
+        xs = [datetime.fromtimestamp(t["start_ms"] / 1000, tz=UTC) for t in pts]
         for key, colour, label in (("total", "tab:blue", "total"), ("sync", "tab:orange", "sync (state_rtt)")):
             p50 = [t[f"{key}_p50"] for t in pts]
             p90 = [t[f"{key}_p90"] for t in pts]
@@ -498,7 +540,7 @@ def write_plot(r: LiveResult, path) -> None:
         for t, x in zip(pts, xs, strict=True):
             bad = [c for c in (*t["state_colos"], *t["worker_colos"]) if _status(c, region) == placement_mod.OUT]
             if bad:
-                ax.axvspan(x, datetime.fromtimestamp((t["start_ms"] + t["span_s"] * 1000) / 1000, tz=timezone.utc),
+                ax.axvspan(x, datetime.fromtimestamp((t["start_ms"] + t["span_s"] * 1000) / 1000, tz=UTC),
                            color="tab:red", alpha=0.15, label=None if shaded else "out of region")
                 shaded = True
         for b in r.budgets:

@@ -13,8 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import outputs as names
-from .. import stackfile
+from .. import outputs as names, stackfile
 from ..errors import ConfigError
 from .errors import OutputsError, UsageError
 

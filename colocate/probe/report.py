@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import catalogue
 from ..settings import SEGMENTS
-from . import budgets as budgets_mod
-from . import placement as placement_mod
+from . import budgets as budgets_mod, placement as placement_mod
 from .sample import PROBE_METRICS, ROUTED_METRICS, Run, Sample
 from .stats import PERCENTILES, summary
 
@@ -201,9 +200,15 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         statuses = ", ".join(sorted({str(b.get("pod_status")) for b in pod_fail}))
         msg = f"pod health check failed in {len(pod_fail)} of {len(run.probe)} probes (pod_status {statuses})"
         if len(pod_fail) == len(run.probe):
-            violations.append({"kind": "pod_health", "part": "pod",
-                               "message": msg + ": the pod is not serving — check `.venv/bin/python scripts/pod.py status --id <pod id>`"
-                                          + renew})
+            violations.append(
+                {
+                    "kind": "pod_health",
+                    "part": "pod",
+                    "message": msg
+                    + ": the pod is not serving — check `.venv/bin/python scripts/pod.py status --id <pod id>`"
+                    + renew,
+                }
+            )
         else:
             notes.append(msg)
     pods = pods_of(run, region, locations)

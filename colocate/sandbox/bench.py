@@ -1,4 +1,4 @@
-"""A router whose state object is far away, for ``scripts/bench_router.py --far-state-ms``.
+"""A router whose state object is far away, for ``bench/router.py --far-state-ms``.
 
 The Worker runs behind the sandbox entry with its active generation pinned at a far site
 (IAD, the Worker at TPE) and only that hop delayed, by exactly ``delay_ms`` of round

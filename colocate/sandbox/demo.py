@@ -329,8 +329,8 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
         png = demo.plot(demo.state_dir / "probes" / "demo.png", deadline)
         print(f"\n    plot (bars per phase, stacked by segment): {png}")
         ok = all((demo.results[p.label]["_exit"] == 0) == p.expect_ok for p in PHASES)
-        say((f"Done in {time.monotonic() - started:.0f} s." if ok else
-             "Done, but a probe verdict was not the one the story expects (see above)."))
+        say(f"Done in {time.monotonic() - started:.0f} s." if ok else
+             "Done, but a probe verdict was not the one the story expects (see above).")
         return 0 if ok else 1
     except (ConfigError, SandboxError) as exc:
         print(f"demo: {exc}", file=sys.stderr)

@@ -134,7 +134,9 @@ class _BindingHandler(proxies._Relay):
         self._retrying = False
         target = route.workerd or route.current()
         half = binding_rtt_ms(self.geography, colo, route.site) / 2
-        headers = self._forward_headers({proxies.SITE_HEADER, CELL_INDEX_HEADER}) + [("host", self.headers.get("host", "localhost"))]
+        headers = self._forward_headers({proxies.SITE_HEADER, CELL_INDEX_HEADER}) + [
+            ("host", self.headers.get("host", "localhost"))
+        ]
         self._pending = (self.path, headers, body)
         self._pending_after = half
         if target is None:

@@ -27,7 +27,8 @@ SAME_SITE_MS = 10.0
 FALLBACK_SITE = "SJC"
 
 # Where an object lands when its location hint names an area other than the edge's.
-# One hosting colo per hint; `sam`, `afr` and `me` host no objects (FACTS.md) and fall
+# One hosting colo per hint; `sam`, `afr` and `me` host no objects (cloudflare-docs
+# ``durable-objects/reference/data-location``) and fall
 # back to the nearest hosting area.
 HINT_SITES = {"wnam": "SJC", "enam": "IAD", "weur": "AMS", "eeur": "WAW", "apac": "NRT", "oc": "SYD"}
 NON_HOSTING = {"sam": "enam", "afr": "weur", "me": "eeur"}
@@ -68,8 +69,8 @@ def hosting_area(hint: str) -> str:
 def landing_site(edge: str, hint: str = "") -> str:
     """Where an object first touched from ``edge`` with ``hint`` is created.
 
-    The real rule (FACTS.md): near the Worker that first calls ``get()``; the hint is a
-    best-effort preference. Emulated: the edge's own site when there is no hint or the
+    The real rule (cloudflare-docs ``durable-objects/reference/data-location``): near the Worker
+    that first calls ``get()``; the hint is a best-effort preference. Emulated: the edge's own site when there is no hint or the
     edge lies in the hint's area, else the hint's hosting colo (``HINT_SITES``).
     """
     edge = site(edge, "edge")

@@ -31,6 +31,7 @@ an error: nothing is logged for it.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import json
@@ -386,10 +387,9 @@ class _Relay(BaseHTTPRequestHandler):
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:
-    try:
+    # the upstream answered (and closed) before taking the whole body; its answer is relayed
+    with contextlib.suppress(OSError):
         sock.sendall(data)
-    except OSError:
-        pass  # the upstream answered (and closed) before taking the whole body; its answer is relayed
 
 
 def _origin_form(target: str) -> str:

@@ -221,7 +221,9 @@ def status(state_dir: Path) -> dict:
     pods = ready.get("pods") or [{"address": ready["pod_url"]}]
     pod_ok = all(_http_ok((p.get("address") or p["url"]) + "/health", timeout=5)[0] for p in pods)
     net_ok, _ = _http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
-    out.update({k: ready[k] for k in ("stack", "region", "worker_url", "pod_url", "sites", "generation", "draining") if k in ready})
+    out.update(
+        {k: ready[k] for k in ("stack", "region", "worker_url", "pod_url", "sites", "generation", "draining") if k in ready}
+    )
     out["pids"] = pids
     out["health"] = {"processes": health, "worker_probe": worker_ok, "worker_status": worker_status, "pod": pod_ok,
                      "network": net_ok}

@@ -6,7 +6,7 @@ against the same operation's response schema before it is sent. Anything that do
 match is recorded in ``violations`` and answered 599; the ``fake_*`` fixtures fail the test
 if ``violations`` is not empty at the end, so a drifting client fails loudly.
 
-Spec errata (where the published spec disagrees with the live API, documented in FACTS.md):
+Spec errata (where the published spec disagrees with the live API, seen in its answers):
 * Vast.ai paths are served with a trailing slash (``/api/v0/bundles/``); the spec lists
   them without one. One trailing slash is removed before matching.
 * Vast.ai ``Instance.ports`` is an object ``{"8000/tcp": [{"HostPort": "41234"}]}`` in the
@@ -23,7 +23,7 @@ import itertools
 import json
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -67,7 +67,7 @@ def vastai_openapi() -> OpenAPI:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class FakeApi(ThreadingHTTPServer):
@@ -94,7 +94,7 @@ class FakeApi(ThreadingHTTPServer):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def start(self) -> "FakeApi":
+    def start(self) -> FakeApi:
         self.thread.start()
         return self
 
@@ -208,6 +208,7 @@ class FakeRunPod(FakeApi):
         self.refusals: dict[str, tuple[int, str]] = {}  # data centre -> (status, detail) every create there answers
         self.ready_after = 1  # GETs of a pod before it is RUNNING
         self.healthy = True  # whether the pod's server answers /health 200
+        self.public_ip = True  # False: a running pod gets no public ip and port (a Community host without one)
         self.lost_create_replies = 0  # the next k creates land but answer 503 (a reply lost on the way)
         self.pods: dict[str, dict] = {}
         self.polls: dict[str, int] = {}
@@ -296,7 +297,7 @@ class FakeRunPod(FakeApi):
                     # proxy_template below); a TCP port gets a public ip and mapped port.
                     self.proxy_ports[pod_id] = server.port
                     pod.update(status="RUNNING", startedAt=_now(), actions=["stop", "restart", "terminate"],
-                               runtime={"uptime": 1, "ports": [] if http else [
+                               runtime={"uptime": 1, "ports": [] if http or not self.public_ip else [
                                    {"private": private, "public": server.port, "type": "tcp", "ip": "127.0.0.1"}]})
                 return 200, self._view(pod), {}, "application/json"
             if method == "DELETE":
@@ -364,7 +365,12 @@ class FakeVast(FakeApi):
         return 401, {"success": False, "error": "auth_error", "msg": "Invalid user key"}, {}, "application/json"
 
     def too_many(self, retry_after):
-        return 429, {"detail": "API requests too frequent endpoint threshold=2.0"}, {"Retry-After": retry_after}, "application/json"
+        return (
+            429,
+            {"detail": "API requests too frequent endpoint threshold=2.0"},
+            {"Retry-After": retry_after},
+            "application/json",
+        )
 
     def route(self, method, path, query, body):
         if path == "/api/v0/bundles" and method == "POST":
@@ -378,8 +384,17 @@ class FakeVast(FakeApi):
                 status, payload = self.rent_refusals[ask]
                 return status, payload, {}, "application/json"
             if ask in self.taken or not any(o["id"] == ask for o in self.offers):
-                return 404, {"success": False, "error": "invalid_args", "ask_id": ask,
-                             "msg": f"error 404/3603: no_such_ask Instance type by id {ask} is not available."}, {}, "application/json"
+                return (
+                    404,
+                    {
+                        "success": False,
+                        "error": "invalid_args",
+                        "ask_id": ask,
+                        "msg": f"error 404/3603: no_such_ask Instance type by id {ask} is not available.",
+                    },
+                    {},
+                    "application/json",
+                )
             o = _priced(next(o for o in self.offers if o["id"] == ask), body.get("disk", DEFAULT_ALLOCATED_GB))
             iid = next(self.ids)
             self.instances[iid] = {"id": iid, "label": body.get("label"), "actual_status": "loading",
@@ -401,19 +416,41 @@ class FakeVast(FakeApi):
                 return 200, {"success": True}, {}, "application/json"
             if method == "GET":
                 if inst is None or inst.get("_destroyed"):
-                    return 400, {"success": False, "error": "no_such_instance", "msg": "Instance not found"}, {}, "application/json"
+                    return (
+                        400,
+                        {"success": False, "error": "no_such_instance", "msg": "Instance not found"},
+                        {},
+                        "application/json",
+                    )
                 self.polls[iid] += 1
                 n = self.polls[iid]
                 if self.dies_after is not None and n >= self.dies_after:
                     inst["actual_status"] = "exited"
                 elif inst["actual_status"] == "loading" and n >= self.ready_after:
                     server = self.start_backend(str(iid))
-                    inst.update(actual_status="running", ports={"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(server.port)}]})
+                    inst.update(
+                        actual_status="running", ports={"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(server.port)}]}
+                    )
                 return 200, {"instances": _public(inst)}, {}, "application/json"
         if path == "/api/v1/instances" and method == "GET":
-            return 200, {"success": True, "instances_found": len(self.live()), "next_token": None,
-                         "instances": [{k: v for k, v in _public(i).items() if k in ("id", "label", "actual_status", "cur_state", "next_state", "intended_status")}
-                                       for i in self.live()]}, {}, "application/json"
+            return (
+                200,
+                {
+                    "success": True,
+                    "instances_found": len(self.live()),
+                    "next_token": None,
+                    "instances": [
+                        {
+                            k: v
+                            for k, v in _public(i).items()
+                            if k in ("id", "label", "actual_status", "cur_state", "next_state", "intended_status")
+                        }
+                        for i in self.live()
+                    ],
+                },
+                {},
+                "application/json",
+            )
         return 404, {"success": False, "error": "not_found", "msg": f"no fake route {method} {path}"}, {}, "application/json"
 
 

@@ -5,7 +5,7 @@ name overridden) with its own Breaker namespace and storage and its own stand-in
 one stand-in fallback serves them all. The front door is ``colocate.fleet.plan_fleet``'s
 plan, its modules read from disk. Its socket parses ``request.cf`` from the ``cf-blob``
 request header (workerd's ``cfBlobHeader``), which is how a test says which colo a
-request arrived at: locally ``request.cf`` has no colo (FACTS.md).
+request arrived at: locally ``request.cf`` has no colo.
 
 One client key works in every cell: it is made by cell 0's ``POST /_colocate/keys`` and
 copied into the others by a test-only entry module (``KEY_ENTRY``, never uploaded) that
@@ -21,9 +21,8 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from colocate import fleet, outputs
+from colocate import fleet, outputs, workerd as wd
 from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
-from colocate import workerd as wd
 from colocate.pods import standin
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Response, auth, cell_plan, request, values_for
 
@@ -137,7 +136,7 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
             sockets.append(wd.socket_capnp(region, 0, name))
             cells.append(FleetCell(region, region, plan, pod, f"http://127.0.0.1:{s.getsockname()[1]}"))
             found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.sandbox.workers.dev",
-                          outputs.REGION: region})
+                          outputs.REGION: region, outputs.ACCOUNT_ID: plan.worker.account_id})
         settings = fleet.parse({"fleet": {"cells": list(regions), "rememberMs": remember_ms, "exchangeMs": exchange_ms},
                                 "accountId": "0" * 32, "worker": {"subdomain": "sandbox"}}, "fleet")
         plan = fleet.plan_fleet(settings, found)
@@ -151,7 +150,9 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
                 targets.append(s.service)
         tokens = {f"CELL_TOKEN_{i}": SECRETS["PROBE_TOKEN"] for i in range(len(regions))}
         services.append(wd.disk_service("disk-front", w.directory / "objects" / "front"))
-        services.insert(0, wd.worker_service("front", front_worker_capnp(plan, targets, storage_service="disk-front", tokens=tokens)))
+        services.insert(
+            0, wd.worker_service("front", front_worker_capnp(plan, targets, storage_service="disk-front", tokens=tokens))
+        )
         w.start(wd.config_capnp(services, sockets), extra_sockets=extra)
         f = Fleet(w, plan, cells, fb)
         made = request(cells[0].url, "POST", "/_colocate/keys", body={"name": "fleet"}, headers=auth())

@@ -41,6 +41,30 @@ def pod_stdout(spec: dict) -> dict:
             "url": f"http://{ip}:{41234 + i}", "port": 41234 + i}
 
 
+WORKERS_SCRIPT = "cloudflare:index/workersScript:WorkersScript"
+
+
+class UndeletableScript(Exception):
+    """A script `pulumi destroy` could not delete: what Cloudflare answers such a delete."""
+
+
+def refuse_undeletable(name: str, inputs: dict) -> None:
+    """Cloudflare deletes a script that implements a Durable Object class, or that another
+    Worker binds, only when the delete is forced (cloudflare-go ``ScriptDeleteParams.Force``;
+    pulumi-cloudflare 6.23.1 ``WorkersScriptArgs.force``). The mocks cannot run a destroy, so
+    they refuse the declaration whose destroy Cloudflare would refuse. Every script of this
+    kit implements a class (the cell's Breaker, the front door's FleetLedger) and a cell's
+    is bound by its fleet's front door."""
+    bindings = inputs.get("bindings") or []
+    if isinstance(bindings, dict):  # a secret list arrives wrapped
+        bindings = bindings.get("value") or []
+    own = [b.get("className") for b in bindings
+           if b.get("type") == "durable_object_namespace" and not b.get("scriptName")]
+    if own and inputs.get("force") is not True:
+        raise UndeletableScript(f"{name}: Cloudflare would refuse to delete this script: it implements the Durable "
+                                f"Object class {own[0]} and the delete is not forced (force=True)")
+
+
 class RecordingMocks(pulumi.runtime.Mocks):
     """Records every declared resource and invoke. ``scripts`` is the account's Workers
     scripts as Cloudflare lists them ({name: migration tag}); None makes the list fail."""
@@ -54,6 +78,8 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         self.resources.append(args)
+        if args.typ == WORKERS_SCRIPT:
+            refuse_undeletable(args.name, args.inputs)
         outs = dict(args.inputs)
         if args.typ == "command:local:Command":
             create = outs.get("create", "")

@@ -13,15 +13,13 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlsplit
 
-from colocate import plan as plan_mod
-from colocate import settings as settings_mod
-from colocate import stackfile
+from colocate import plan as plan_mod, settings as settings_mod, stackfile
 from colocate.pods import standin
 from colocate.workerd import Workerd, render_config
 
@@ -95,12 +93,10 @@ def request(url: str, method: str = "GET", path: str = "/", body: bytes | dict |
                 conn.send(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
             conn.send(b"0\r\n\r\n")
         else:
-            try:
+            # The server answered early (a 413 by Content-Length) and closed before the
+            # whole body was sent: its answer is already on the socket, read it below.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 conn.request(method, path, body=data, headers=hdrs)
-            except (BrokenPipeError, ConnectionResetError):
-                # The server answered early (a 413 by Content-Length) and closed before the
-                # whole body was sent: its answer is already on the socket, read it below.
-                pass
         res = conn.getresponse()
         return Response(res.status, {k.lower(): v for k, v in res.getheaders()}, res.read())
     finally:
@@ -171,8 +167,14 @@ class Cell:
         """Stop workerd and start it again (same port, same storage) with another plan."""
         self.worker.stop()
         self.plan = plan
-        self.worker.start(render_config(plan.worker, values_for([p.url for p in self.pods], self.fallback.url), port=self.worker.port,
-                                        storage_dir=self._storage or self.worker.directory / "objects"))
+        self.worker.start(
+            render_config(
+                plan.worker,
+                values_for([p.url for p in self.pods], self.fallback.url),
+                port=self.worker.port,
+                storage_dir=self._storage or self.worker.directory / "objects",
+            )
+        )
 
     def create_key(self, name: str = "test", **limits) -> dict:
         """A new client key through the admin endpoint (the plaintext is in ``["key"]``)."""
@@ -233,7 +235,9 @@ class _OutboundHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         with self.server._lock:
-            self.server.seen.append({"method": "GET", "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}})
+            self.server.seen.append(
+                {"method": "GET", "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}
+            )
         if self.path.startswith("/cdn-cgi/trace"):
             body = f"fl=1\nh={self.headers.get('host')}\ncolo={self.server.colo}\n".encode()
             ctype = "text/plain"

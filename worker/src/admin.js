@@ -9,7 +9,8 @@ import { displayPrefix, keyHash, newKey, newKeyId, sameDigest } from "./keys.js"
 import { dayOf, monthStartDay } from "./limits.js";
 import { podSnap } from "./pods.js";
 import { cache, activeStub, infoOf, stubFor } from "./state.js";
-import { EDGES, mergeEncoded } from "./histogram.js";
+import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
+import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { fetchColo, rayColo } from "./trace.js";
 import { MAX_CELLS, badLeases, badRows } from "./fleetexchange.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
@@ -46,6 +47,7 @@ const HANDLERS = {
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
   live: (request, env, cfg, url) => live(env, cfg, url),
+  metrics: (request, env, cfg) => metrics(env, cfg),
   fleet_counters: (request, env, cfg, url) => fleetCounters(env, cfg, url),
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
@@ -292,8 +294,17 @@ async function live(env, cfg, url) {
   return jsonResponse(200, {
     generation: cfg.activeGeneration, draining_generation: cfg.drainingGeneration, region: cfg.region,
     pods: cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host })),
-    since: from, now: t, edges: EDGES, minutes, hours,
+    since: from, now: t, buckets: LIVE_BUCKETS, minutes, hours,
   }, noStore);
+}
+
+// How the probe rebuilds the buckets (histogram.js): edges low_ms x 2^(k / per_octave), k = 0..top.
+const LIVE_BUCKETS = Object.freeze({ low_ms: LOW_MS, per_octave: PER_OCTAVE, top: TOP, count: BUCKETS });
+
+/** The cell for Prometheus (metrics.js): cumulative histograms, counters, breaker, key counts. */
+async function metrics(env, cfg) {
+  const m = await activeStub(env, cfg).metrics(infoOf(cfg));
+  return new Response(exposition(m, cfg), { status: 200, headers: { "content-type": CONTENT_TYPE, ...noStore } });
 }
 
 // --- a fleet's limits exchange (worker/src/fleetledger.js calls these; docs/fleet.md) ---

@@ -2,6 +2,7 @@
 // colo, the isolate's memory of cells that had no pod, and the cell's "no pod" answer.
 // front.js (the main module) does the I/O; see docs/fleet.md.
 
+import CELL_RANK from "./cellrank.js";
 import { ConfigurationError } from "./errors.js";
 
 export const DEFER_HEADER = "x-colocate-fallback";
@@ -28,8 +29,11 @@ function whole(env, name, min) {
   return n;
 }
 
-/** The checked fleet configuration of this env (cached per env object). */
-export function readFleet(env) {
+/**
+ * The checked fleet configuration of this env (cached per env object); `rank` is the
+ * ranking ({colo: [cell index, ...]}): the module cellrank.js, one per script.
+ */
+export function readFleet(env, rank = CELL_RANK) {
   let cfg = configs.get(env);
   if (cfg) return cfg;
   const cells = json(env, "CELLS");
@@ -50,15 +54,14 @@ export function readFleet(env) {
   if (!env.LEDGER || typeof env.LEDGER.idFromName !== "function") {
     throw new ConfigurationError("LEDGER", "the FleetLedger Durable Object namespace binding is missing");
   }
-  const rank = json(env, "CELL_RANK");
   if (rank === null || typeof rank !== "object" || Array.isArray(rank)) {
-    throw new ConfigurationError("CELL_RANK", "must be a JSON object {colo: [cell index, ...]}");
+    throw new ConfigurationError("cellrank.js", "must export an object {colo: [cell index, ...]}");
   }
   const n = cells.length;
   for (const [colo, order] of Object.entries(rank)) {
     const ok = Array.isArray(order) && order.length === n && new Set(order).size === n &&
       order.every((i) => Number.isInteger(i) && i >= 0 && i < n);
-    if (!ok) throw new ConfigurationError("CELL_RANK", `the order for ${colo} is not a permutation of the ${n} cells`);
+    if (!ok) throw new ConfigurationError("cellrank.js", `the order for ${colo} is not a permutation of the ${n} cells`);
   }
   cfg = Object.freeze({
     cells: cells.map((c, i) => Object.freeze({ index: i, name: c.name, region: c.region, service: services[i] })),

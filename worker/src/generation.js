@@ -19,7 +19,7 @@ import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
 import { minuteOf } from "./limits.js";
 import {
-  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
+  ADDED_COLUMNS, ADD_SERVED, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { defaultShare, monthOf } from "./fleetexchange.js";
@@ -68,6 +68,23 @@ export class Breaker extends DurableObject {
       this.sql.exec(`INSERT INTO key_month (key_id, month, tokens)
         SELECT key_id, substr(day, 1, 7), SUM(prompt_tokens + completion_tokens) FROM usage_daily GROUP BY key_id, substr(day, 1, 7)
         ON CONFLICT (key_id, month) DO UPDATE SET tokens = excluded.tokens`);
+      // Schema 3 (and older): stored histograms into the current buckets (histogram.js reads
+      // the fixed ones too; converted once, every reader sees one form), and the totals the
+      // Prometheus exposition counts from, once, from what is kept.
+      for (const [table, col] of [["seg_minute", "minute"], ["seg_hour", "hour"]]) {
+        for (const r of this.sql.exec(`SELECT ${col} AS t, colo, pod, segment, hist FROM ${table} WHERE hist NOT LIKE '~%'`).toArray()) {
+          this.sql.exec(`DELETE FROM ${table} WHERE ${col} = ? AND colo = ? AND pod = ? AND segment = ?`, r.t, r.colo, r.pod, r.segment);
+          this.addSeg(table, col, [r.t, r.colo, r.pod, r.segment, r.hist]);
+        }
+      }
+      if (this.sql.exec("SELECT COUNT(*) AS n FROM seg_total").one().n === 0) {
+        for (const table of ["seg_minute", "seg_hour"]) {
+          for (const r of this.sql.exec(`SELECT colo, pod, segment, hist FROM ${table}`).toArray()) this.addTotal(r.colo, r.pod, r.segment, r.hist);
+        }
+      }
+      if (this.sql.exec("SELECT COUNT(*) AS n FROM served_total").one().n === 0) {
+        this.addServed(this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray().map(usageArray));
+      }
       // Schema 1 (one KV entry): keep its override; per-pod health starts fresh.
       if (legacy && legacy.snap && FORCE_VALUES.includes(legacy.snap.forced) && legacy.snap.forced !== null) {
         this.setMeta("forced", legacy.snap.forced);
@@ -133,6 +150,11 @@ export class Breaker extends DurableObject {
       for (const w of data.windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
       for (const r of data.seg_minute || []) this.addSeg("seg_minute", "minute", r); // a generation from before has none
       for (const r of data.seg_hour || []) this.addSeg("seg_hour", "hour", r);
+      // An exporter of schema 3 has no totals: they follow from what it kept.
+      const totals = data.seg_total ?? [...data.seg_minute || [], ...data.seg_hour || []].map((r) => r.slice(1));
+      for (const [colo, pod, segment, hist] of totals) this.addTotal(colo, pod, segment, hist);
+      if (data.served_total) this.sql.exec(ADD_SERVED, JSON.stringify(data.served_total));
+      else this.addServed(data.usage.map(usageArray));
       for (const f of data.inflight ?? []) {
         this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
           ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
@@ -163,6 +185,9 @@ export class Breaker extends DurableObject {
         .map((r) => [r.minute, r.colo, r.pod, r.segment, r.hist]),
       seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
         .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
+      seg_total: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
+      served_total: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray()
+        .map((r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]),
       inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
       peers: this.sql.exec("SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens FROM peer_counters").toArray()
         .map((r) => [r.key_id, r.minute, r.req, r.tok, r.prev_req, r.prev_tok, r.month, r.month_tokens]),
@@ -384,6 +409,7 @@ export class Breaker extends DurableObject {
         const rows = JSON.stringify(batch.usage.map(usageRow));
         this.sql.exec(BULK_USAGE, rows);
         this.sql.exec(BULK_MONTH, rows);
+        this.addServed(batch.usage);
       }
       if (batch.windows && batch.windows.length) this.sql.exec(BULK_WINDOW, JSON.stringify(batch.windows), oldest);
       this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
@@ -435,7 +461,7 @@ export class Breaker extends DurableObject {
     this.ctx.storage.transactionSync(() => {
       for (const r of rows) {
         if (!Array.isArray(r) || r.length !== 5 || !Number.isSafeInteger(r[0]) || !SEG_NAMES.has(r[3])) continue;
-        this.addSeg("seg_minute", "minute", r);
+        if (this.addSeg("seg_minute", "minute", r)) this.addTotal(r[1], r[2], r[3], r[4]);
       }
       const m = Math.floor(t / MINUTE_MS);
       if (this.rolledAt === m) return;
@@ -453,18 +479,63 @@ export class Breaker extends DurableObject {
     });
   }
 
+  /** Add one histogram row to seg_minute or seg_hour; false when its text is malformed (dropped, never stored). */
   addSeg(table, col, [at, colo, pod, segment, hist]) {
     const key = [at, String(colo), String(pod), segment];
     const prev = this.sql.exec(`SELECT hist FROM ${table} WHERE ${col} = ? AND colo = ? AND pod = ? AND segment = ?`, ...key)
       .toArray()[0];
-    let merged;
-    try {
-      merged = prev ? mergeEncoded(prev.hist, hist) : mergeEncoded("", hist); // also checks the text
-    } catch {
-      return; // a malformed row from an isolate: dropped, never stored
-    }
+    const merged = mergedText(prev, hist);
+    if (!merged) return merged !== null;
     this.sql.exec(`INSERT INTO ${table} (${col}, colo, pod, segment, hist) VALUES (?, ?, ?, ?, ?)
       ON CONFLICT (${col}, colo, pod, segment) DO UPDATE SET hist = excluded.hist`, ...key, merged);
+    return true;
+  }
+
+  /** Add a histogram to seg_total (the cumulative counts since the generation began). */
+  addTotal(colo, pod, segment, hist) {
+    const key = [String(colo), String(pod), segment];
+    const prev = this.sql.exec("SELECT hist FROM seg_total WHERE colo = ? AND pod = ? AND segment = ?", ...key).toArray()[0];
+    const merged = mergedText(prev, hist);
+    if (merged) {
+      this.sql.exec(`INSERT INTO seg_total (colo, pod, segment, hist) VALUES (?, ?, ?, ?)
+        ON CONFLICT (colo, pod, segment) DO UPDATE SET hist = excluded.hist`, ...key, merged);
+    }
+  }
+
+  /** Usage rows (batch form) into served_total: each row's tokens split by the requests each backend served. */
+  addServed(usage) {
+    const sums = { pods: [0, 0, 0], fallback: [0, 0, 0] };
+    for (const u of usage) {
+      const pods = u[5] || 0;
+      const fallback = u[6] || 0;
+      const share = pods + fallback > 0 ? pods / (pods + fallback) : 1;
+      sums.pods[0] += pods;
+      sums.fallback[0] += fallback;
+      sums.pods[1] += (u[3] || 0) * share;
+      sums.pods[2] += (u[4] || 0) * share;
+      sums.fallback[1] += (u[3] || 0) * (1 - share);
+      sums.fallback[2] += (u[4] || 0) * (1 - share);
+    }
+    const rows = Object.entries(sums).filter(([, v]) => v[0] || v[1] || v[2]).map(([b, v]) => [b, ...v]);
+    if (rows.length) this.sql.exec(ADD_SERVED, JSON.stringify(rows));
+  }
+
+  /**
+   * What GET /_colocate/metrics exposes (never a key or its digest): the cumulative
+   * histograms, requests and tokens per backend, key counts, the breaker rows and override.
+   */
+  async metrics(info) {
+    await this.readThrough(info);
+    const now = Date.now();
+    return {
+      segments: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
+      served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray(),
+      keys: this.sql.exec(`SELECT COUNT(*) AS total,
+          COALESCE(SUM(revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)), 0) AS active,
+          COALESCE(SUM(revoked_at IS NOT NULL), 0) AS revoked FROM client_keys`, now).one(),
+      pods: this.sql.exec("SELECT pod, state, failures FROM pod_health").toArray(),
+      forced: this.meta("forced"),
+    };
   }
 
   podRow(pod) {
@@ -631,6 +702,20 @@ export class Breaker extends DurableObject {
 function keyView(r) {
   return { id: r.id, hash: r.hash, name: r.name, rpm: r.rpm, tpm: r.tpm, monthly_tokens: r.monthly_tokens,
     max_parallel: r.max_parallel, expires_at: r.expires_at, rev: r.rev, revoked: r.revoked_at !== null };
+}
+
+/** Two histogram texts summed; "" when both are empty, null when `hist` is malformed. */
+function mergedText(prev, hist) {
+  try {
+    return mergeEncoded(prev ? prev.hist : "", hist); // also checks the text
+  } catch {
+    return null;
+  }
+}
+
+/** A usage_daily row in the batch's array form. */
+function usageArray(u) {
+  return [u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests, u.fallback_requests, u.estimated_tokens ?? 0];
 }
 
 /** A batch usage row, schema-2 isolates' 7 columns included (estimated_tokens 0). */

@@ -1,23 +1,42 @@
-// Live segment histograms: fixed log-spaced buckets, counted in memory on the hot path and
-// carried to the generation object by the isolate's sync (`batch.hist`), no I/O of their own.
+// Live segment histograms: relative-error log buckets (DDSketch's idea on OpenTelemetry's
+// exponential grid at scale 5), counted in memory on the hot path and carried to the
+// generation object by the isolate's sync (`batch.hist`), no I/O of their own.
 //
-// Buckets (the same in every isolate, the object and colocate/probe/live.py, which reads the
-// edges from GET /_colocate/live): bucket 0 holds [0, 0.25 ms) (a request that waited on
-// nothing measures exactly 0 in workerd), buckets 1..39 are log-spaced from 0.25 ms to 60 s
-// (each edge 1.374x the previous, so a percentile is known to within ~37 %, one bucket),
-// bucket 40 holds everything from 60 s on. A histogram travels and is stored as text,
-// "index:count" for each non-empty bucket, comma-separated ("0:118,21:2,22:40"): a segment of
-// one minute is a few dozen bytes.
+// Buckets (the same in every isolate, the object, colocate/probe/live.py and the Prometheus
+// exposition): bucket 0 holds [0, 0.25 ms] (a request that waited on nothing measures exactly
+// 0 in workerd); bucket k = 1..TOP holds (EDGES[k-1], EDGES[k]] with EDGES[k] = 0.25 ms x
+// 2^(k/32), up to TOP, the first edge past 60 s; bucket TOP + 1 holds everything above it.
+// Upper edges are inclusive, as Prometheus' `le`. A bucket stands for 2 lo hi / (lo + hi),
+// which is within (2^(1/32) - 1) / (2^(1/32) + 1) = 1.08 % of every value in it, so every
+// quantile between 0.25 ms and 60 s is within 1.08 % (below 0.25 ms: within 0.25 ms).
+// Counts add bucket by bucket, so isolates, minutes, hours and cells merge exactly.
+//
+// A histogram travels and is stored as text: "~" and then, for each non-empty bucket in
+// order, its index's gap from the previous one (the first: the index itself) and "*count"
+// when the count is not 1, the gap left out when it is 1 and the count is not ("~0*118,200,
+// 3*40,*7": 118 in bucket 0, 1 in 200, 40 in 203, 7 in 204). Text
+// without the "~" is the earlier fixed-bucket form ("index:count,..." over 41 buckets, each
+// edge 1.374x the last), still read: decode spreads each old bucket evenly over the new
+// buckets it covers, as the old percentile did.
 
 import { fetchColo } from "./trace.js";
 
 export const LOW_MS = 0.25;
 export const HIGH_MS = 60000;
-const STEPS = 39;
-const LOG_RATIO = Math.log(HIGH_MS / LOW_MS) / STEPS;
-/** EDGES[k] is the upper edge of bucket k (k = 0..39); bucket 40 has no upper edge. */
-export const EDGES = Object.freeze(Array.from({ length: STEPS + 1 }, (_, k) => (k === STEPS ? HIGH_MS : LOW_MS * Math.exp(k * LOG_RATIO))));
-export const BUCKETS = EDGES.length + 1;
+export const PER_OCTAVE = 32; // OpenTelemetry scale 5
+/** The last bounded bucket: its upper edge is the first at or past HIGH_MS (60.03 s). */
+export const TOP = Math.ceil(Math.log2(HIGH_MS / LOW_MS) * PER_OCTAVE);
+export const BUCKETS = TOP + 2;
+/** EDGES[k] is the (inclusive) upper edge of bucket k, k = 0..TOP; bucket TOP + 1 has none. */
+export const EDGES = Float64Array.from({ length: TOP + 1 }, (_, k) => LOW_MS * 2 ** (k / PER_OCTAVE));
+/** REPS[k]: the value bucket k stands for (2 lo hi / (lo + hi); 0 for bucket 0, EDGES[TOP] above). */
+export const REPS = Float64Array.from({ length: BUCKETS }, (_, k) => {
+  if (k === 0) return 0;
+  if (k > TOP) return EDGES[TOP];
+  return (2 * EDGES[k - 1] * EDGES[k]) / (EDGES[k - 1] + EDGES[k]);
+});
+/** The worst relative error of a value in a bounded bucket: 1.08 %. */
+export const RELATIVE_ERROR = (2 ** (1 / PER_OCTAVE) - 1) / (2 ** (1 / PER_OCTAVE) + 1);
 
 /** The routed segments, in Server-Timing order; `sync` is the isolate's own round trip. */
 export const ROUTED = Object.freeze(["state", "upstream", "fallback", "total"]);
@@ -27,19 +46,19 @@ const MAX_MINUTES = 180; // unsynced minutes an isolate keeps (the object unreac
 
 /** The bucket of a duration in ms (NaN and negatives count as 0). */
 export function bucketOf(ms) {
-  if (!(ms >= LOW_MS)) return 0;
-  if (ms >= HIGH_MS) return BUCKETS - 1;
-  let k = Math.floor(Math.log(ms / LOW_MS) / LOG_RATIO) + 1;
+  if (!(ms > LOW_MS)) return 0;
+  if (ms > EDGES[TOP]) return TOP + 1;
+  let k = Math.ceil(Math.log2(ms / LOW_MS) * PER_OCTAVE);
   // the logarithm may land one off at an edge: settle it against the edges themselves
-  if (k > 1 && ms < EDGES[k - 1]) k--;
-  else if (k < BUCKETS - 1 && ms >= EDGES[k]) k++;
+  if (ms > EDGES[k]) k++;
+  else if (ms <= EDGES[k - 1]) k--;
   return k;
 }
 
-/** [low, high) of bucket k in ms; the last bucket is [60 s, 60 s]. */
+/** (low, high] of bucket k in ms; bucket 0 is [0, 0.25], the last (60.03 s, Infinity). */
 export function bounds(k) {
   if (k <= 0) return [0, EDGES[0]];
-  if (k >= BUCKETS - 1) return [HIGH_MS, HIGH_MS];
+  if (k > TOP) return [EDGES[TOP], Infinity];
   return [EDGES[k - 1], EDGES[k]];
 }
 
@@ -67,9 +86,8 @@ export function total(counts) {
 /**
  * The q-th percentile (0..100) of a histogram, or null when it is empty. Ranks as numpy's
  * default (position q/100 x (n - 1), interpolated between the two neighbouring ranks, like
- * the probe's exact percentiles); the j-th of a bucket's c values is placed at (j + 0.5)/c
- * of the way between its edges, so the answer is within one bucket's width of the exact
- * one. Bucket 0 holds 0s, the overflow bucket 60 s.
+ * the probe's exact percentiles), each rank's value its bucket's REPS: within 1.08 % of the
+ * exact percentile of the same values (0.25 ms below 0.25 ms).
  */
 export function percentile(counts, q) {
   const n = total(counts);
@@ -84,46 +102,90 @@ export function percentile(counts, q) {
 function valueAt(counts, i) {
   let before = 0;
   for (let k = 0; k < BUCKETS; k++) {
-    const c = counts[k];
-    if (c === 0) continue;
-    if (i < before + c) {
-      if (k === 0) return 0;
-      if (k === BUCKETS - 1) return HIGH_MS;
-      const [lo, hi] = bounds(k);
-      return lo + ((hi - lo) * (i - before + 0.5)) / c;
-    }
-    before += c;
+    before += counts[k];
+    if (i < before) return REPS[k];
   }
-  return HIGH_MS;
+  return REPS[BUCKETS - 1];
 }
 
-/** "index:count,..." of the non-empty buckets of counts[offset .. offset + BUCKETS). */
+/** The text of the non-empty buckets of counts[offset .. offset + BUCKETS) ("" when none). */
 export function encode(counts, offset = 0) {
   let s = "";
+  let prev = 0;
   for (let k = 0; k < BUCKETS; k++) {
     const c = counts[offset + k];
-    if (c) s += (s ? "," : "") + k + ":" + c;
+    if (c === 0) continue;
+    const gap = s && k - prev === 1 && c > 1 ? "" : k - prev; // a run of buckets: "*c" each
+    s += (s ? "," : "~") + gap + (c === 1 ? "" : "*" + c);
+    prev = k;
   }
   return s;
 }
 
-/** The histogram of an encoded text; a malformed part throws a TypeError naming it. */
+/** The histogram of a text (either form); a malformed part throws a TypeError naming it. */
 export function decode(text, into = empty()) {
-  if (typeof text !== "string") throw new TypeError(`histogram must be text "index:count,...", got ${typeof text}`);
+  if (typeof text !== "string") throw new TypeError(`histogram must be text "~gap*count,...", got ${typeof text}`);
   if (text === "") return into;
-  for (const part of text.split(",")) {
-    const i = part.indexOf(":");
-    const k = Number(part.slice(0, i));
-    const c = Number(part.slice(i + 1));
-    if (i < 1 || !Number.isInteger(k) || k < 0 || k >= BUCKETS || !Number.isSafeInteger(c) || c < 0) {
-      throw new TypeError(`bad histogram part ${JSON.stringify(part)}: expected index:count with index 0..${BUCKETS - 1}`);
+  if (text[0] !== "~") return decodeFixed(text, into);
+  let k = 0;
+  let first = true;
+  for (const part of text.slice(1).split(",")) {
+    const star = part.indexOf("*");
+    const gap = star < 0 ? part : part.slice(0, star);
+    const c = star < 0 ? 1 : Number(part.slice(star + 1));
+    if (gap === "" && star === 0 && !first) k++;
+    else k += /^\d{1,4}$/.test(gap) ? Number(gap) : NaN;
+    first = false;
+    if (!(k < BUCKETS) || !Number.isSafeInteger(c) || c < 1) {
+      throw new TypeError(`bad histogram part ${JSON.stringify(part)}: expected gap[*count] with buckets 0..${BUCKETS - 1}`);
     }
     into[k] += c;
   }
   return into;
 }
 
-/** Sum two encoded histograms. */
+// --- the earlier fixed buckets, read only (stored minutes and isolates of the previous version) ---
+
+const FIXED_STEPS = 39;
+const FIXED_RATIO = Math.log(HIGH_MS / LOW_MS) / FIXED_STEPS;
+/** The earlier scheme's upper edges: 0.25 ms x 1.374^k, k = 0..39 (the last is 60 s). */
+export const FIXED_EDGES = Object.freeze(Array.from({ length: FIXED_STEPS + 1 },
+  (_, k) => (k === FIXED_STEPS ? HIGH_MS : LOW_MS * Math.exp(k * FIXED_RATIO))));
+
+/**
+ * "index:count,..." over the 41 fixed buckets into the new ones: bucket 0 stays 0, the
+ * overflow goes above 60 s, and bucket k's count is spread evenly over [EDGES[k-1], EDGES[k]),
+ * the j-th of c values at (j + 0.5)/c of the way (where the old percentile put it), counted
+ * per new bucket without visiting each value.
+ */
+function decodeFixed(text, into) {
+  for (const part of text.split(",")) {
+    const i = part.indexOf(":");
+    const k = Number(part.slice(0, i));
+    const c = Number(part.slice(i + 1));
+    if (i < 1 || !Number.isInteger(k) || k < 0 || k > FIXED_STEPS + 1 || !Number.isSafeInteger(c) || c < 0) {
+      throw new TypeError(`bad histogram part ${JSON.stringify(part)}: expected index:count with index 0..${FIXED_STEPS + 1}`);
+    }
+    if (c === 0) continue;
+    if (k === 0) into[0] += c;
+    else if (k > FIXED_STEPS) into[TOP + 1] += c;
+    else {
+      const lo = FIXED_EDGES[k - 1];
+      const width = FIXED_EDGES[k] - lo;
+      // values j with lo + width (j + 0.5)/c <= e, i.e. j <= c (e - lo)/width - 0.5
+      const upTo = (e) => Math.min(c, Math.max(0, Math.floor((c * (e - lo)) / width - 0.5) + 1));
+      let done = 0;
+      for (let b = bucketOf(lo + width / (2 * c)); done < c; b++) {
+        const n = b > TOP ? c : upTo(EDGES[b]);
+        into[b] += n - done;
+        done = n;
+      }
+    }
+  }
+  return into;
+}
+
+/** Sum two texts (either form) into one in the current form. */
 export function mergeEncoded(a, b) {
   return encode(decode(b, decode(a)));
 }
@@ -134,7 +196,7 @@ export function mergeEncoded(a, b) {
  *             isolate's own (one isolate runs in one colo), filled in when they are taken,
  *             so a request never waits for the isolate to learn where it runs.
  *   syncs     per (the object's colo, the Worker's colo): the isolate's sync round trips.
- * `take` turns them into `batch.hist` rows [minute, colo, who, segment, "index:count,..."]
+ * `take` turns them into `batch.hist` rows [minute, colo, who, segment, "~gap*count,..."]
  * where `who` is the pod for the routed segments and the Worker's colo for `sync`.
  */
 export class Recorder {

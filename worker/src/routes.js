@@ -12,6 +12,7 @@ export const ROUTES = {
   "/_colocate/keys/replica": { methods: ["GET", "POST"], kind: "replica" },
   "/_colocate/usage": { methods: ["GET"], kind: "usage" },
   "/_colocate/live": { methods: ["GET"], kind: "live" },
+  "/_colocate/metrics": { methods: ["GET"], kind: "metrics" },
   "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters" },
   "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers" },
 };

@@ -23,6 +23,11 @@
 //                 index or "fallback"; for `sync` `colo` is the state object's and `pod` the
 //                 Worker's colo. Minutes older than 7 days roll up into
 //   seg_hour      the same per hour; hours older than 35 days are dropped
+//   seg_total     the same since the generation began, never dropped: the Prometheus
+//                 histograms' cumulative counts (GET /_colocate/metrics)
+//   served_total  per backend ("pods", "fallback"): requests and tokens since the generation
+//                 began, the Prometheus counters (a usage row's tokens split between the
+//                 two by its requests, exact when a row's requests all went one way)
 //   key_changed   per key: the sequence number of the last batch that changed its own
 //                 counters (rate_window, key_month); a fleet's exchange reads the keys
 //                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
@@ -34,7 +39,7 @@
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
 
-export const SCHEMA_VERSION = "3";
+export const SCHEMA_VERSION = "4";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -73,6 +78,10 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS seg_hour (
      hour INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
      PRIMARY KEY (hour, colo, pod, segment))`,
+  `CREATE TABLE IF NOT EXISTS seg_total (
+     colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL, PRIMARY KEY (colo, pod, segment))`,
+  `CREATE TABLE IF NOT EXISTS served_total (
+     backend TEXT PRIMARY KEY, requests INTEGER NOT NULL, prompt_tokens REAL NOT NULL, completion_tokens REAL NOT NULL)`,
 ];
 
 // Columns added since a table was first created: [table, column, declaration]. An object
@@ -148,3 +157,9 @@ export const UPSERT_POD = `INSERT INTO pod_health (pod, state, failures, opened_
   ON CONFLICT (pod) DO UPDATE SET state = excluded.state, failures = excluded.failures,
     opened_at = excluded.opened_at, trial_at = excluded.trial_at, updated_at = excluded.updated_at,
     failure_keys = excluded.failure_keys`;
+
+// Requests and tokens into served_total, per backend: `?` is [[backend, requests, prompt, completion], ...].
+export const ADD_SERVED = `INSERT INTO served_total (backend, requests, prompt_tokens, completion_tokens)
+  SELECT ${[0, 1, 2, 3].map(col).join(", ")} FROM json_each(?) WHERE true
+  ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + excluded.completion_tokens`;

@@ -16,7 +16,6 @@ function ledger({ hang = false } = {}) {
 function env(over = {}) {
   return {
     CELLS: [{ name: "apac-jp", region: "apac-jp" }, { name: "eu-west", region: "eu-west" }, { name: "us-east", region: "us-east" }],
-    CELL_RANK: { NRT: [0, 1, 2], FRA: [1, 2, 0], IAD: [2, 1, 0] },
     CELL_0: cell(),
     CELL_1: cell(),
     CELL_2: cell(),
@@ -31,11 +30,12 @@ function env(over = {}) {
   };
 }
 
+const RANK = { NRT: [0, 1, 2], FRA: [1, 2, 0], IAD: [2, 1, 0] };
 const names = (cells) => cells.map((c) => c.name);
 
 test("the ranked order for the request's colo, two cells at most", () => {
   forget();
-  const cfg = readFleet(env());
+  const cfg = readFleet(env(), RANK);
   assert.equal(MAX_TRIES, 2);
   assert.deepEqual(names(choose(cfg, "NRT")), ["apac-jp", "eu-west"]);
   assert.deepEqual(names(choose(cfg, "fra")), ["eu-west", "us-east"]);
@@ -44,14 +44,14 @@ test("the ranked order for the request's colo, two cells at most", () => {
 
 test("an unknown or missing colo uses the configured order", () => {
   forget();
-  const cfg = readFleet(env());
+  const cfg = readFleet(env(), RANK);
   assert.deepEqual(names(choose(cfg, "ZZZ")), ["apac-jp", "eu-west"]);
   assert.deepEqual(names(choose(cfg, undefined)), ["apac-jp", "eu-west"]);
 });
 
 test("a remembered cell moves to the end until its time is up, never out", () => {
   forget();
-  const cfg = readFleet(env());
+  const cfg = readFleet(env(), RANK);
   remember(cfg, cfg.cells[0], 1000);
   assert.deepEqual(names(choose(cfg, "NRT", 1000)), ["eu-west", "us-east"]);
   assert.deepEqual(names(choose(cfg, "NRT", 5999)), ["eu-west", "us-east"]);
@@ -63,15 +63,28 @@ test("a remembered cell moves to the end until its time is up, never out", () =>
 
 test("REMEMBER_MS 0 remembers nothing", () => {
   forget();
-  const cfg = readFleet(env({ REMEMBER_MS: "0" }));
+  const cfg = readFleet(env({ REMEMBER_MS: "0" }), RANK);
   remember(cfg, cfg.cells[0], 1000);
   assert.deepEqual(names(choose(cfg, "NRT", 1000)), ["apac-jp", "eu-west"]);
 });
 
 test("json bindings may arrive as text", () => {
   const e = env();
-  const cfg = readFleet({ ...e, CELLS: JSON.stringify(e.CELLS), CELL_RANK: JSON.stringify(e.CELL_RANK) });
+  const cfg = readFleet({ ...e, CELLS: JSON.stringify(e.CELLS) }, RANK);
   assert.equal(cfg.cells.length, 3);
+});
+
+test("a bad ranking names its module", () => {
+  for (const rank of [{ NRT: [0, 0, 1] }, { NRT: [0, 1] }, [], null]) {
+    assert.throws(() => readFleet(env(), rank), /cellrank\.js/, JSON.stringify(rank));
+  }
+  assert.throws(() => readFleet(env(), { NRT: [0, 0, 1] }), /cellrank\.js: the order for NRT/);
+});
+
+test("the kit's own cellrank.js ranks no colo: every colo takes the configured order", () => {
+  forget();
+  const cfg = readFleet(env());
+  assert.deepEqual(names(choose(cfg, "IAD")), ["apac-jp", "eu-west"]);
 });
 
 test("bad bindings name the binding", () => {
@@ -79,16 +92,13 @@ test("bad bindings name the binding", () => {
     [{ CELLS: [] }, /CELLS/],
     [{ CELLS: "not json" }, /CELLS: is not JSON/],
     [{ CELL_2: undefined }, /CELL_2/],
-    [{ CELL_RANK: { NRT: [0, 0, 1] } }, /CELL_RANK: the order for NRT/],
-    [{ CELL_RANK: { NRT: [0, 1] } }, /CELL_RANK/],
-    [{ CELL_RANK: [] }, /CELL_RANK/],
     [{ REMEMBER_MS: "-1" }, /REMEMBER_MS/],
     [{ MAX_BODY_BYTES: "0" }, /MAX_BODY_BYTES/],
     [{ CELL_TOKEN_1: "" }, /CELL_TOKEN_1: the cell's probe token is missing/],
     [{ LEDGER: undefined }, /LEDGER/],
     [{ EXCHANGE_MS: "0" }, /EXCHANGE_MS/],
   ];
-  for (const [over, message] of bad) assert.throws(() => readFleet(env(over)), message, JSON.stringify(over));
+  for (const [over, message] of bad) assert.throws(() => readFleet(env(over), RANK), message, JSON.stringify(over));
 });
 
 test("no pod is a 503 with x-colocate-backend none, nothing else", () => {
@@ -175,9 +185,9 @@ test("a cell's own error passes through with the cell named", async () => {
 });
 
 test("bad bindings answer 500 misconfigured naming the binding", async () => {
-  const res = await ask({ ...env(), CELL_RANK: "nope" });
+  const res = await ask({ ...env(), CELLS: "nope" });
   assert.equal(res.status, 500);
-  assert.match((await res.json()).error.message, /CELL_RANK/);
+  assert.match((await res.json()).error.message, /CELLS/);
 });
 
 test("the front door pokes the ledger in the background, at most once per isolate per period", async () => {

@@ -1,7 +1,8 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
-  BUCKETS, EDGES, HIGH_MS, LOW_MS, Recorder, bounds, bucketOf, decode, empty, encode, merge, mergeEncoded, percentile, total,
+  BUCKETS, EDGES, FIXED_EDGES, HIGH_MS, LOW_MS, RELATIVE_ERROR, REPS, Recorder, TOP, add, bounds, bucketOf, decode, empty, encode,
+  merge, mergeEncoded, percentile, total,
 } from "../src/histogram.js";
 
 /** numpy's default percentile of exact values (the probe's, colocate/probe/stats.py). */
@@ -13,73 +14,154 @@ function exact(values, q) {
   return d[lo] + (d[hi] - d[lo]) * (pos - lo);
 }
 
-function widthAt(ms) {
-  const [lo, hi] = bounds(bucketOf(ms));
-  return hi - lo;
+/** The bound the scheme promises: 1.08 % of the exact value, or 0.25 ms below 0.25 ms. */
+function allowed(want) {
+  return Math.max(want * RELATIVE_ERROR * (1 + 1e-9), want < LOW_MS ? LOW_MS : 0);
 }
 
-/** The width that bounds the error: the wider bucket of the two exact values the rank sits between. */
-function tolerance(values, q) {
-  const d = [...values].sort((a, b) => a - b);
-  const pos = ((d.length - 1) * q) / 100;
-  return Math.max(widthAt(d[Math.floor(pos)]), widthAt(d[Math.ceil(pos)]));
-}
+let seed = 7;
+const rand = () => ((seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648);
 
-test("the buckets: 0 below 0.25 ms, log-spaced to 60 s, one overflow; every value in its own bucket's bounds", () => {
-  assert.equal(BUCKETS, 41);
+test("the buckets: 0 up to 0.25 ms, 32 a doubling to past 60 s, one overflow; upper edges inclusive as Prometheus' le", () => {
+  assert.equal(TOP, 572);
+  assert.equal(BUCKETS, 574);
   assert.equal(EDGES[0], LOW_MS);
-  assert.equal(EDGES[EDGES.length - 1], HIGH_MS);
-  for (let k = 1; k < EDGES.length; k++) assert.ok(Math.abs(EDGES[k] / EDGES[k - 1] - 1.3741) < 0.001, `ratio at ${k}`);
-  assert.equal(bucketOf(0), 0);
-  assert.equal(bucketOf(-3), 0);
-  assert.equal(bucketOf(NaN), 0);
-  assert.equal(bucketOf(0.2499), 0);
-  assert.equal(bucketOf(0.25), 1);
-  assert.equal(bucketOf(60000), 40);
-  assert.equal(bucketOf(1e9), 40);
-  for (const v of [0.25, 0.3, 1, 12, 12.000001, 99.99, 175, 977, 5000, 59999.9, ...EDGES]) {
+  assert.ok(EDGES[TOP] >= HIGH_MS && EDGES[TOP - 1] < HIGH_MS);
+  for (let k = 1; k <= TOP; k++) assert.ok(Math.abs(EDGES[k] / EDGES[k - 1] - 2 ** (1 / 32)) < 1e-12, `ratio at ${k}`);
+  assert.equal(EDGES[32], 0.5); // OpenTelemetry's scale-5 grid: powers of two are edges
+  assert.ok(Math.abs(RELATIVE_ERROR - 0.01083) < 0.00001);
+  for (const v of [0, -3, NaN, 0.25]) assert.equal(bucketOf(v), 0, `${v}`);
+  assert.equal(bucketOf(0.2500001), 1);
+  assert.equal(bucketOf(0.5), 32);
+  assert.equal(bucketOf(0.5000001), 33);
+  assert.equal(bucketOf(EDGES[TOP]), TOP);
+  assert.equal(bucketOf(EDGES[TOP] + 0.001), TOP + 1);
+  assert.equal(bucketOf(1e9), TOP + 1);
+  for (const v of [0.26, 0.3, 1, 12, 12.000001, 99.99, 100, 175, 977, 5000, 59999.9, ...EDGES]) {
     const [lo, hi] = bounds(bucketOf(v));
-    assert.ok(v >= lo && (v < hi || (v >= HIGH_MS && hi === HIGH_MS)), `${v} in [${lo}, ${hi})`);
+    assert.ok(v > lo && v <= hi, `${v} in (${lo}, ${hi}]`);
   }
 });
 
-test("encode/decode round-trip; merging sums counts; bad text names the part", () => {
+test("every value from 0.25 ms to 60 s is within 1.08 % of the value its bucket stands for", () => {
+  for (let k = 1; k <= TOP; k++) {
+    const [lo, hi] = bounds(k);
+    for (const v of [lo * (1 + 1e-12), (lo + hi) / 2, hi]) assert.ok(Math.abs(REPS[k] - v) <= allowed(v), `bucket ${k} value ${v}`);
+  }
+  assert.equal(REPS[0], 0);
+  assert.equal(REPS[TOP + 1], EDGES[TOP]);
+});
+
+test("text round-trips, runs shorten, merging sums counts, bad text names the part", () => {
   const h = empty();
-  for (const v of [0, 0, 0, 12, 13, 175, 175, 176]) h[bucketOf(v)]++;
+  for (const v of [0, 0, 0, 12, 13, 175, 175, 176]) add(h, v);
   const text = encode(h);
-  assert.match(text, /^0:3,/);
+  assert.match(text, /^~0\*3,/);
   assert.deepEqual(decode(text), h);
   assert.deepEqual(decode(""), empty());
+  const run = empty();
+  run[200] = 4;
+  run[201] = 5;
+  run[202] = 1;
+  run[205] = 2;
+  assert.equal(encode(run), "~200*4,*5,1,3*2");
+  assert.deepEqual(decode(encode(run)), run);
   const twice = merge(decode(text), h);
   assert.equal(total(twice), 16);
   assert.equal(mergeEncoded(text, text), encode(twice));
+  assert.equal(encode(empty()), "");
+  assert.throws(() => decode("~3,600*2"), /bad histogram part "600\*2"/);
+  assert.throws(() => decode("~*3"), /bad histogram part "\*3"/);
+  assert.throws(() => decode("~3,x"), /bad histogram part "x"/);
+  assert.throws(() => decode("~3,2*0"), /bad histogram part "2\*0"/);
   assert.throws(() => decode("3:1,99:2"), /bad histogram part "99:2"/);
   assert.throws(() => decode("x"), /bad histogram part "x"/);
   assert.throws(() => decode(5), /must be text/);
 });
 
-test("percentiles agree with the exact ones within one bucket's width", () => {
-  let seed = 7;
-  const rand = () => ((seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648);
+test("percentiles are within 1.08 % (0.25 ms below 0.25 ms) of the exact ones, bimodal mixes included", () => {
   const sets = {
     pod: Array.from({ length: 500 }, () => 60 + 40 * rand()), // 60..100 ms
-    wide: Array.from({ length: 300 }, () => Math.exp(rand() * 8)), // 1 ms .. 3 s
+    wide: Array.from({ length: 300 }, () => Math.exp(rand() * 11) / 4), // 0.25 ms .. 15 s
     few: [12.5, 13, 250],
     zeros: Array.from({ length: 100 }, () => 0),
+    bimodal: [...Array.from({ length: 80 }, () => 40 + 10 * rand()), ...Array.from({ length: 20 }, () => 900 + 400 * rand())],
+    stateMostlyZero: [...Array.from({ length: 95 }, () => 0), ...Array.from({ length: 5 }, () => 12 + rand())],
+    integers: Array.from({ length: 200 }, (_, i) => [1, 2, 4, 64, 108][i % 5]), // on and off the edges
   };
   for (const [name, values] of Object.entries(sets)) {
     const h = empty();
-    for (const v of values) h[bucketOf(v)]++;
-    for (const q of [10, 50, 90, 99]) {
+    for (const v of values) add(h, v);
+    for (const q of [0, 10, 25, 50, 75, 90, 95, 99, 99.9, 100]) {
       const want = exact(values, q);
       const got = percentile(h, q);
-      assert.ok(Math.abs(got - want) <= tolerance(values, q), `${name} p${q}: ${got} vs ${want}`);
+      assert.ok(Math.abs(got - want) <= allowed(want), `${name} p${q}: ${got} vs ${want}`);
     }
   }
   assert.equal(percentile(empty(), 50), null);
   const zeros = empty();
   zeros[0] = 5;
   assert.equal(percentile(zeros, 99), 0);
+});
+
+test("histograms merge exactly: isolates, minutes and cells summed read as all their values together", () => {
+  const parts = [[], [], []];
+  const all = [];
+  for (let i = 0; i < 900; i++) {
+    const v = i % 3 === 2 ? 300 + 300 * rand() : 30 + 50 * rand();
+    parts[i % 3].push(v);
+    all.push(v);
+  }
+  const texts = parts.map((vs) => {
+    const h = empty();
+    for (const v of vs) add(h, v);
+    return encode(h);
+  });
+  const merged = decode(mergeEncoded(mergeEncoded(texts[0], texts[1]), texts[2]));
+  const whole = empty();
+  for (const v of all) add(whole, v);
+  assert.deepEqual(merged, whole);
+  for (const q of [50, 90, 99]) assert.ok(Math.abs(percentile(merged, q) - exact(all, q)) <= allowed(exact(all, q)));
+});
+
+/** The earlier fixed buckets' percentile (its j-th of c values at (j + 0.5)/c of the way through the bucket). */
+function fixedPercentile(text, q) {
+  const counts = new Array(FIXED_EDGES.length + 1).fill(0);
+  for (const part of text.split(",")) {
+    const [k, c] = part.split(":").map(Number);
+    counts[k] += c;
+  }
+  const n = counts.reduce((a, b) => a + b, 0);
+  const at = (i) => {
+    let before = 0;
+    for (let k = 0; k < counts.length; k++) {
+      const c = counts[k];
+      if (c && i < before + c) {
+        if (k === 0) return 0;
+        if (k === counts.length - 1) return HIGH_MS;
+        const lo = FIXED_EDGES[k - 1];
+        return lo + ((FIXED_EDGES[k] - lo) * (i - before + 0.5)) / c;
+      }
+      before += c;
+    }
+    return HIGH_MS;
+  };
+  const pos = (q / 100) * (n - 1);
+  const lo = Math.floor(pos);
+  return lo === pos ? at(lo) : at(lo) + (at(lo + 1) - at(lo)) * (pos - lo);
+}
+
+test("text of the earlier fixed buckets still reads, each percentile within 1.08 % of what it read before", () => {
+  for (const text of ["0:118,21:2,22:40", "0:3,21:2,22:40,40:1", "5:1", "22:1000,23:7", "0:5", "1:3,39:2"]) {
+    const h = decode(text);
+    assert.equal(total(h), text.split(",").reduce((n, p) => n + Number(p.split(":")[1]), 0), text);
+    for (const q of [0, 10, 50, 90, 99, 100]) {
+      const before = fixedPercentile(text, q);
+      assert.ok(Math.abs(percentile(h, q) - before) <= allowed(before), `${text} p${q}: ${percentile(h, q)} vs ${before}`);
+    }
+    assert.deepEqual(decode(mergeEncoded("", text)), h, "stored once in the current form");
+  }
+  assert.equal(FIXED_EDGES.length, 40);
 });
 
 test("the recorder keeps requests per minute and pod, syncs per object colo, and takes them as batch.hist rows", () => {
@@ -108,17 +190,47 @@ test("the recorder keeps requests per minute and pod, syncs per object colo, and
   assert.equal(again.filter((x) => x[3] === "sync").length, 1);
 });
 
-test("a busy minute stays a few hundred bytes: 2 pods and the fallback, 4 segments, syncs", () => {
+/** batch.hist's bytes for `syncs` takes of `perSync` requests each, now and in the fixed buckets' text. */
+function syncBytes(perSync, syncs) {
   const r = new Recorder();
   const t = 29_000_000 * 60000;
-  let seed = 3;
-  const rand = () => ((seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648);
-  for (let i = 0; i < 6000; i++) {
-    const pod = i % 50 === 0 ? "fallback" : String(i % 2);
-    const up = 60 + 60 * rand();
-    r.request(t + i * 10, pod, { state: i % 300 === 0 ? 13 : 0, upstream: up, fallback: pod === "fallback" ? 300 * (1 + rand()) : 0, total: up + 2 });
+  let s = 3;
+  const rnd = () => ((s = (s * 1103515245 + 12345) % 2147483648) / 2147483648);
+  const fixedOf = (v) => (v < LOW_MS ? 0 : v >= HIGH_MS ? 40 : FIXED_EDGES.findIndex((e) => v < e));
+  let now = 0;
+  let before = 0;
+  let i = 0;
+  for (let n = 0; n < syncs; n++) {
+    const old = new Map(); // "who|segment" -> Map(bucket -> count): the same rows in the earlier text
+    const count = (key, v) => {
+      const m = old.get(key) ?? new Map();
+      m.set(fixedOf(v), (m.get(fixedOf(v)) ?? 0) + 1);
+      old.set(key, m);
+    };
+    for (let j = 0; j < perSync; j++, i++) {
+      const pod = i % 50 === 0 ? "fallback" : String(i % 2);
+      const up = 60 + 60 * rnd();
+      const timing = { state: i % 300 === 0 ? 13 : 0, upstream: up, fallback: pod === "fallback" ? 300 * (1 + rnd()) : 0, total: up + 2 };
+      r.request(t + i * 10, pod, timing);
+      for (const seg of ["state", "upstream", "fallback", "total"]) count(pod + "|" + seg, timing[seg]);
+    }
+    const ms = 10 + 5 * rnd();
+    r.sync(t + i * 10, "NRT", "NRT", ms);
+    count("NRT|sync", ms);
+    now += JSON.stringify(r.take("NRT")).length;
+    const rows = [...old].map(([k, m]) => [Math.floor((t + i * 10) / 60000), "NRT", ...k.split("|"),
+      [...m].sort((a, b) => a[0] - b[0]).map(([b, c]) => b + ":" + c).join(",")]);
+    before += JSON.stringify(rows).length;
   }
-  for (let i = 0; i < 60; i++) r.sync(t + i * 1000, "NRT", "NRT", 10 + 5 * rand());
-  const bytes = JSON.stringify(r.take("NRT")).length;
-  assert.ok(bytes < 1000, `one minute took ${bytes} bytes`);
+  return { now, before };
+}
+
+test("batch.hist at the Worker's sync cadence (at most 1 s) stays within 2x the fixed buckets' bytes for the same traffic", () => {
+  for (const [perSync, syncs] of [[1, 60], [10, 60], [100, 60]]) {
+    const { now, before } = syncBytes(perSync, syncs);
+    assert.ok(now <= 2 * before, `${perSync} requests a sync: ${now} bytes, ${before} in the fixed buckets`);
+  }
+  // a whole busy minute in one take (an isolate that could not sync for a minute): one run of buckets per segment
+  const { now } = syncBytes(6000, 1);
+  assert.ok(now < 2000, `one minute of 6000 requests took ${now} bytes`);
 });

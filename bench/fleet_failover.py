@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark a cell losing all its pods under load, through the fleet's front door.
 
 One workerd runs two cells (apac-jp, eu-west: the router, the cloud's bytes) and the front
@@ -16,10 +15,10 @@ all, as if from Tokyo (``cf-blob: {"colo": "NRT"}``), so apac-jp serves first. A
 Reported: failed requests (anything but a 200), how many the fallback answered, and p50/p99
 of the requests answered before the fault, of the switch (the requests in flight at the
 fault and those started in the ``--window`` seconds after it), and after; the
-added p99 of the switch against the cell's deadline (issue 28's goal: 0 failed and added
+added p99 of the switch against the cell's deadline (the goal: 0 failed and added
 p99 <= one deadline; reported, not enforced).
 
-Usage: .venv/bin/python scripts/bench_fleet_failover.py [--mode error,down,hang] [--rate 30]
+Usage: .venv/bin/python -m bench.fleet_failover [--mode error,down,hang] [--rate 30]
        [--seconds 10] [--fault-after 3] [--window 3] [--compute-ms 20] [--deadline-ms 2000] [--json PATH|-]
 Exit: 0 done, 2 usage error or setup failure.
 """
@@ -33,16 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import harness  # noqa: E402
-from bench.load import Load  # noqa: E402
-from colocate.admin import AdminClient, Target, key_row, new_key  # noqa: E402
-from colocate.fleet_workerd import CF_BLOB_HEADER  # noqa: E402
-from colocate.pods import standin  # noqa: E402
-from scripts.bench_front import fleet_worker  # noqa: E402
+from bench import harness
+from bench.front import fleet_worker
+from bench.load import Load
+from colocate.admin import AdminClient, Target, key_row, new_key
+from colocate.fleet_workerd import CF_BLOB_HEADER
+from colocate.pods import standin
 
 REGIONS = ("apac-jp", "eu-west")
 COLO = "NRT"
@@ -136,7 +131,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_fleet_failover.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.fleet_failover", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     p.add_argument("--rate", type=float, default=30, help="requests per second in all (open loop)")
@@ -152,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--mode: {', '.join(bad) or opts.mode!r} is not one of {', '.join(MODES)}. Fix: e.g. --mode error,hang")
-    if not (0 < opts.rate <= 200 and 0 < opts.fault_after < opts.seconds <= 120 and 0 < opts.window):
+    if not (0 < opts.rate <= 200 and 0 < opts.fault_after < opts.seconds <= 120 and opts.window > 0):
         p.error("need 0 < --rate <= 200, 0 < --fault-after < --seconds <= 120 and --window > 0")
     harness.check_args(p, [("--compute-ms", opts.compute_ms, 0), ("--deadline-ms", opts.deadline_ms, 1)])
     log = harness.progress(opts.quiet)
@@ -167,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 "versions": harness.versions(), "modes": out}
 
     if opts.json == "-":
-        return harness.report("bench_fleet_failover.py", compute, json.dumps, None)
-    return harness.report("bench_fleet_failover.py", compute, render, None if opts.json is None else Path(opts.json))
+        return harness.report("bench.fleet_failover", compute, json.dumps, None)
+    return harness.report("bench.fleet_failover", compute, render, None if opts.json is None else Path(opts.json))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark the fleet's front door against calling its cell directly, in one workerd.
 
 One workerd process runs two cells (the router, the sandbox stack's plan, the cloud's
@@ -14,9 +13,9 @@ the floor of any front door) and on the front door's (front). CPU per request is
 together: the ratio front/direct is the front door's cost relative to the cell's.
 Reported as medians over rounds: p50/p99 of each, the added p50, the CPU ratios (front and
 hop over direct, front over hop), and the
-goals of issue 28 (added p50 <= 0.2 ms, CPU <= 1.15x; reported, not enforced).
+goals (added p50 <= 0.2 ms, CPU <= 1.15x; reported, not enforced).
 
-Usage: .venv/bin/python scripts/bench_front.py [--rounds 5] [--seconds 3] [--clients 1,32]
+Usage: .venv/bin/python -m bench.front [--rounds 5] [--seconds 3] [--clients 1,32]
        [--pod-delay-ms 0] [--json PATH|-]
 Exit: 0 done, 2 usage error or setup failure. Needs wrk and node (`make bench` installs wrk).
 """
@@ -30,14 +29,16 @@ import socket
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import harness  # noqa: E402
-from colocate import fleet, outputs, plan as plan_mod, settings as settings_mod, stackfile  # noqa: E402
-from colocate import workerd as wd  # noqa: E402
-from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp  # noqa: E402
+from bench import harness
+from colocate import (
+    fleet,
+    outputs,
+    plan as plan_mod,
+    settings as settings_mod,
+    stackfile,
+    workerd as wd,
+)
+from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 
 REGIONS = ("us-east", "eu-west")
 COLO = "IAD"  # nearest to us-east: the front door's first choice
@@ -87,11 +88,12 @@ def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harn
             extra[region] = s
             sockets.append(wd.socket_capnp(region, 0, name))
             urls[region] = f"http://127.0.0.1:{s.getsockname()[1]}"
-            found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region})
+            found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region,
+                          outputs.ACCOUNT_ID: plan.worker.account_id})
         cfg = {"cells": list(regions)} | ({} if remember_ms is None else {"rememberMs": remember_ms})
         fs = fleet.parse({"fleet": cfg, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)
-        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["PROBE_TOKEN"] for i in range(len(REGIONS))}
+        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["PROBE_TOKEN"] for i in range(len(regions))}
         services += [wd.disk_service("disk-front", w.directory / "objects" / "front")]
         services.insert(0, wd.worker_service("front", front_worker_capnp(front, storage_service="disk-front", tokens=tokens)))
         hop = (f"(modules = [(name = \"hop.js\", esModule = {wd.capnp_text(HOP_JS)})], "
@@ -109,29 +111,34 @@ def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harn
 def run(opts, log=lambda _m: None) -> dict:
     harness.require_tools()
     secrets = harness.Secrets.fresh()
-    with harness.pods(1, opts.pod_delay_ms, secrets.pod_token) as pod_urls, harness.pods(1, 0, None) as fallback:
-        with fleet_worker(pod_urls[0], fallback[0], secrets, opts.deadline_ms) as (w, urls):
-            key = harness.mint_key(urls[REGIONS[0]], secrets.probe_token)
-            hdr = harness.router_headers(key)
-            hdr_front = {**hdr, CF_BLOB_HEADER: json.dumps({"colo": COLO})}
-            target = {"direct": (urls[REGIONS[0]], hdr), "hop": (urls["hop"], hdr), "front": (w.url, hdr_front)}
-            served = check(w.url, hdr_front)
-            body = harness.chat_body("json")
-            for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
-                harness.wrk_run(target[t][0], max(opts.clients), 1, target[t][1], body)
-            levels = {c: [] for c in opts.clients}
-            for r in range(opts.rounds):
-                for c in opts.clients:
-                    rd = {}
-                    for t in harness.rotated(TARGETS, r):
-                        before = harness.answered(fallback[0])
-                        url, h = target[t]
-                        rd[t] = harness.measured(w.proc.pid, lambda url=url, h=h, c=c: harness.wrk_run(url, c, opts.seconds, h, body))
-                        rd[t]["fallback_answers"] = harness.answered(fallback[0]) - before
-                    levels[c].append(rd)
-                    log(f"round {r + 1}/{opts.rounds} clients {c}: "
-                        + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms "
-                                    f"cpu {rd[t].get('cpu_us_per_req')} us" for t in TARGETS))
+    with (
+        harness.pods(1, opts.pod_delay_ms, secrets.pod_token) as pod_urls,
+        harness.pods(1, 0, None) as fallback,
+        fleet_worker(pod_urls[0], fallback[0], secrets, opts.deadline_ms) as (w, urls),
+    ):
+        key = harness.mint_key(urls[REGIONS[0]], secrets.probe_token)
+        hdr = harness.router_headers(key)
+        hdr_front = {**hdr, CF_BLOB_HEADER: json.dumps({"colo": COLO})}
+        target = {"direct": (urls[REGIONS[0]], hdr), "hop": (urls["hop"], hdr), "front": (w.url, hdr_front)}
+        served = check(w.url, hdr_front)
+        body = harness.chat_body("json")
+        for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
+            harness.wrk_run(target[t][0], max(opts.clients), 1, target[t][1], body)
+        levels = {c: [] for c in opts.clients}
+        for r in range(opts.rounds):
+            for c in opts.clients:
+                rd = {}
+                for t in harness.rotated(TARGETS, r):
+                    before = harness.answered(fallback[0])
+                    url, h = target[t]
+                    rd[t] = harness.measured(
+                        w.proc.pid, lambda url=url, h=h, c=c: harness.wrk_run(url, c, opts.seconds, h, body)
+                    )
+                    rd[t]["fallback_answers"] = harness.answered(fallback[0]) - before
+                levels[c].append(rd)
+                log(f"round {r + 1}/{opts.rounds} clients {c}: "
+                    + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms "
+                                f"cpu {rd[t].get('cpu_us_per_req')} us" for t in TARGETS))
     return {"colo": COLO, "served_by": served, "rounds": opts.rounds, "seconds": opts.seconds,
             "pod_delay_ms": opts.pod_delay_ms, "versions": harness.versions(),
             "levels": [{"clients": c, "rounds": rs, **summarise(rs)} for c, rs in levels.items()]}
@@ -193,7 +200,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_front.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.front", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=3.0)
@@ -212,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("--deadline-ms", opts.deadline_ms, 1)])
     json_path = None if opts.json in (None, "-") else Path(opts.json)
     if opts.json == "-":
-        return harness.report("bench_front.py", lambda: run(opts, harness.progress(opts.quiet)), json.dumps, None)
-    return harness.report("bench_front.py", lambda: run(opts, harness.progress(opts.quiet)), render, json_path)
+        return harness.report("bench.front", lambda: run(opts, harness.progress(opts.quiet)), json.dumps, None)
+    return harness.report("bench.front", lambda: run(opts, harness.progress(opts.quiet)), render, json_path)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark the router against its floor: a bare pass-through Worker in the same workerd.
 
 In one run, interleaved over ``--rounds`` rounds, for each client count (default 1 and
@@ -11,7 +10,7 @@ bench/sse.mjs: time to first and last byte). Each Worker runs in its own workerd
 process; the CPU each spends per request comes from its /proc/<pid>/stat. Reported as
 medians over rounds: the router's added p50/p99 and SSE TTFB/TTLB vs the bare Worker,
 throughput and CPU ratios (also router vs contract floor, and contract floor vs bare),
-and the goals of issue 14 (met/missed; reported, not enforced).
+and the goals (met/missed; reported, not enforced).
 
 Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1`` runs one series per pod
 count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);
@@ -26,7 +25,7 @@ State object far away: ``--far-state-ms MS`` runs the router behind the sandbox'
 emulated geography with only the Worker->object hop delayed; its pod traffic then also
 passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
-Usage: .venv/bin/python scripts/bench_router.py [--rounds 5] [--seconds 3]
+Usage: .venv/bin/python -m bench.router [--rounds 5] [--seconds 3]
        [--clients 1,32] [--no-stream] [--sse-usage] [--prompt-bytes 0] [--sse-requests 3000]
        [--sse-chunks 8] [--sse-chunk-ms 0] [--pods 1]
        [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
@@ -41,13 +40,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import harness  # noqa: E402
-from colocate.errors import ConfigError  # noqa: E402
-from colocate.workerd import WorkerdError  # noqa: E402
+from bench import harness
+from colocate.errors import ConfigError
+from colocate.workerd import WorkerdError
 
 
 def _ints(flag: str, low: int, high: int):
@@ -69,49 +64,75 @@ def _fmt(v, spec: str = ".3f") -> str:
 def table(result: dict) -> str:
     m = result["machine"]
     o = result["options"]
-    rows = [f"router vs bare pass-through Worker and contract floor ({m['workerd']}, compat {result['compatibility_date']}, {m['cpus']} CPUs, "
-            f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians"
-            + ("; SSE requests ask include_usage" if o.get("sse_usage") else "")
-            + (f"; every request carries a {o['prompt_bytes']:,}-byte prompt" if o.get("prompt_bytes") else "")
-            + f"; streams of {o.get('sse_chunks', 8)} events {o.get('sse_chunk_ms', 0):g} ms apart)"]
+    rows = [
+        f"router vs bare pass-through Worker and contract floor ({m['workerd']}, compat {result['compatibility_date']}, "
+        f"{m['cpus']} CPUs, "
+        f"load {m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians"
+        + ("; SSE requests ask include_usage" if o.get("sse_usage") else "")
+        + (f"; every request carries a {o['prompt_bytes']:,}-byte prompt" if o.get("prompt_bytes") else "")
+        + f"; streams of {o.get('sse_chunks', 8)} events {o.get('sse_chunk_ms', 0):g} ms apart)"
+    ]
     for s in result["series"]:
-        rows.append(f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), router served by {s['router_backend']}"
-                    + (f"; state at {s['far_state']['state_colo']}, forced round trip p50 "
-                       f"{s['far_state']['state_rtt_p50_ms']} ms" if s.get("far_state") else "")
-                    + (f"; router waited on state p50 {s['router_state_ms']['p50_ms']} ms, p99 "
-                       f"{s['router_state_ms']['p99_ms']} ms (Server-Timing, {s['router_state_ms']['n']} requests)"
-                       if s.get("router_state_ms") else ""))
+        rows.append(
+            f"-- {s['pods']} pod(s), pod delay {s['pod_delay_ms']:g} ms, {s['pod_slots'] or 'unbounded'} slot(s), "
+            f"router served by {s['router_backend']}"
+            + (
+                f"; state at {s['far_state']['state_colo']}, forced round trip p50 "
+                f"{s['far_state']['state_rtt_p50_ms']} ms"
+                if s.get("far_state")
+                else ""
+            )
+            + (
+                f"; router waited on state p50 {s['router_state_ms']['p50_ms']} ms, p99 "
+                f"{s['router_state_ms']['p99_ms']} ms (Server-Timing, {s['router_state_ms']['n']} requests)"
+                if s.get("router_state_ms")
+                else ""
+            )
+        )
         rows.append(f"{'clients':>7} {'target':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu us/req':>10} {'errors':>6}"
                     f" {'sse ttfb':>9} {'sse ttlb':>9} {'sse us/req':>10}")
         for lv in s["levels"]:
             for t in (t for t in harness.TARGETS if t in lv["median"]):
                 x = lv["median"][t]
                 sse = x.get("sse") or {}
-                rows.append(f"{lv['clients']:>7} {t:>7} {_fmt(x['rps'], '.0f'):>9} {_fmt(x['p50_ms']):>8} {_fmt(x['p99_ms']):>8} "
-                            f"{_fmt(x['cpu_us_per_req'], '.1f'):>10} {x['errors'] + (sse.get('errors') or 0):>6} "
-                            f"{_fmt(sse.get('ttfb_p50_ms')):>9} {_fmt(sse.get('ttlb_p50_ms')):>9} {_fmt(sse.get('cpu_us_per_req'), '.1f'):>10}")
+                rows.append(
+                    f"{lv['clients']:>7} {t:>7} {_fmt(x['rps'], '.0f'):>9} {_fmt(x['p50_ms']):>8} {_fmt(x['p99_ms']):>8} "
+                    f"{_fmt(x['cpu_us_per_req'], '.1f'):>10} {x['errors'] + (sse.get('errors') or 0):>6} "
+                    f"{_fmt(sse.get('ttfb_p50_ms')):>9} {_fmt(sse.get('ttlb_p50_ms')):>9} "
+                    f"{_fmt(sse.get('cpu_us_per_req'), '.1f'):>10}"
+                )
             fb = lv["median"]["router"]["fallback_answers"]
             if fb:
-                rows.append(f"{'':>7} WARNING: the fallback answered {fb} of the router's requests: these numbers are not the pod path")
+                rows.append(
+                    f"{'':>7} WARNING: the fallback answered {fb} of the router's requests: these numbers are not the pod path"
+                )
             for name in ("router_vs_bare", "contract_vs_bare", "router_vs_contract"):
                 rb = lv.get(name)
                 if rb:
-                    rows.append(f"{'':>7} {name.replace('_vs_', ' vs ')}: p50 {_fmt(rb['added_p50_ms'], '+.3f')} ms, "
-                                f"p99 {_fmt(rb['added_p99_ms'], '+.3f')} ms, "
-                                f"throughput x{_fmt(rb['throughput_ratio'])}, CPU/req x{_fmt(rb.get('cpu_ratio'))}"
-                                + (f", SSE ttfb {_fmt(rb.get('sse_added_ttfb_p50_ms'), '+.3f')} ms, ttlb "
-                                   f"{_fmt(rb.get('sse_added_ttlb_p50_ms'), '+.3f')} ms, SSE CPU/req x{_fmt(rb.get('sse_cpu_ratio'))}"
-                                   if "sse_added_ttfb_p50_ms" in rb else ""))
+                    rows.append(
+                        f"{'':>7} {name.replace('_vs_', ' vs ')}: p50 {_fmt(rb['added_p50_ms'], '+.3f')} ms, "
+                        f"p99 {_fmt(rb['added_p99_ms'], '+.3f')} ms, "
+                        f"throughput x{_fmt(rb['throughput_ratio'])}, CPU/req x{_fmt(rb.get('cpu_ratio'))}"
+                        + (
+                            f", SSE ttfb {_fmt(rb.get('sse_added_ttfb_p50_ms'), '+.3f')} ms, ttlb "
+                            f"{_fmt(rb.get('sse_added_ttlb_p50_ms'), '+.3f')} ms, SSE CPU/req x{_fmt(rb.get('sse_cpu_ratio'))}"
+                            if "sse_added_ttfb_p50_ms" in rb
+                            else ""
+                        )
+                    )
     for g in result["goals"]:
         verdict = "n/a" if g["met"] is None else ("met" if g["met"] else "MISSED")
         sign = ">=" if g["goal"].endswith("throughput_ratio") else "<="
         what = " (router vs contract floor)" if g["goal"].startswith("own_") else ""
-        rows.append(f"goal {g['goal']}{what} @ {g['clients']} client(s), {g['pods']} pod(s): {_fmt(g['value'])} {sign} {g['limit']} {verdict}")
+        rows.append(
+            f"goal {g['goal']}{what} @ {g['clients']} client(s), {g['pods']} pod(s): "
+            f"{_fmt(g['value'])} {sign} {g['limit']} {verdict}"
+        )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_router.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.router", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; results are medians over them (default 5)")
     p.add_argument("--seconds", type=float, default=3.0, help="length of each wrk/SSE run (default 3)")
@@ -139,16 +160,28 @@ def main(argv: list[str] | None = None) -> int:
                            ("--sse-chunk-ms", args.sse_chunk_ms, 0), ("--pod-delay-ms", args.pod_delay_ms, 0),
                            ("--pod-slots", args.pod_slots, 0), ("--deadline-ms", args.deadline_ms, 1),
                            ("--prompt-bytes", args.prompt_bytes, 0)), args.worker_src)
-    opts = harness.Options(clients=args.clients, rounds=args.rounds, seconds=args.seconds, stream=not args.no_stream,
-                           sse_usage=args.sse_usage, sse_requests=args.sse_requests, sse_chunks=args.sse_chunks,
-                           sse_chunk_ms=args.sse_chunk_ms, pods=args.pods, pod_delay_ms=args.pod_delay_ms, pod_slots=args.pod_slots,
-                           deadline_ms=args.deadline_ms, far_state_ms=args.far_state_ms, worker_src=args.worker_src,
-                           prompt_bytes=args.prompt_bytes)
+    opts = harness.Options(
+        clients=args.clients,
+        rounds=args.rounds,
+        seconds=args.seconds,
+        stream=not args.no_stream,
+        sse_usage=args.sse_usage,
+        sse_requests=args.sse_requests,
+        sse_chunks=args.sse_chunks,
+        sse_chunk_ms=args.sse_chunk_ms,
+        pods=args.pods,
+        pod_delay_ms=args.pod_delay_ms,
+        pod_slots=args.pod_slots,
+        deadline_ms=args.deadline_ms,
+        far_state_ms=args.far_state_ms,
+        worker_src=args.worker_src,
+        prompt_bytes=args.prompt_bytes,
+    )
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         result = harness.run(opts, log)
     except (harness.BenchError, ConfigError, WorkerdError) as exc:
-        print(f"bench_router: {exc}", file=sys.stderr)
+        print(f"router: {exc}", file=sys.stderr)
         return 2
     text = table(result)
     if args.json == "-":

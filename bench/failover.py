@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark a pod's death under load: the sandbox with two pods, one killed with SIGKILL.
 
 Runs the sandbox stack (a private copy of stacks/Pulumi.sandbox.yaml with pod.count 2 and
@@ -9,7 +8,7 @@ failed, the fallback's share, and p50/p99 before and after the kill (the first s
 after it is the failover window: requests in flight to the dead pod are retried on the
 other, or served by the fallback once the breaker opens).
 
-Usage: .venv/bin/python scripts/bench_failover.py [--rate 40] [--seconds 12] [--kill-after 4]
+Usage: .venv/bin/python -m bench.failover [--rate 40] [--seconds 12] [--kill-after 4]
        [--compute-ms 95] [--json PATH|-]
 Exit: 0 done (no goal is enforced), 2 usage error or setup failure.
 """
@@ -26,16 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.load import Load  # noqa: E402
-from colocate import stackfile  # noqa: E402
-from colocate.admin import AdminClient, Target  # noqa: E402
-from colocate.errors import ConfigError  # noqa: E402
-from colocate.sandbox import supervisor  # noqa: E402
-from colocate.sandbox.errors import SandboxError  # noqa: E402
+from bench.load import Load
+from colocate import stackfile
+from colocate.admin import AdminClient, Target
+from colocate.errors import ConfigError
+from colocate.sandbox import supervisor
+from colocate.sandbox.errors import SandboxError
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -85,7 +80,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_failover.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=float, default=40, help="requests per second (open loop)")
     p.add_argument("--seconds", type=float, default=12, help="how long the load runs in all")
     p.add_argument("--kill-after", type=float, default=4, help="seconds of load before pod 1 is killed")
@@ -93,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH|-", help="write the result as JSON")
     args = p.parse_args(argv)
     if not (0 < args.rate <= 200 and 0 < args.kill_after < args.seconds <= 120):
-        print("bench_failover.py: need 0 < --rate <= 200 and 0 < --kill-after < --seconds <= 120", file=sys.stderr)
+        print("failover: need 0 < --rate <= 200 and 0 < --kill-after < --seconds <= 120", file=sys.stderr)
         return 2
     try:
         out = run(args)
     except (ConfigError, SandboxError) as exc:
-        print(f"bench_failover.py: {exc}", file=sys.stderr)
+        print(f"failover: {exc}", file=sys.stderr)
         return 2
     for name in ("before", "failover_first_second", "after", "total"):
         w = out[name]

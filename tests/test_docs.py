@@ -1,0 +1,91 @@
+"""The project's text refers only to what a user of the project has: no file outside the
+repository (a notes file, a sibling directory), no issue number of the project's tracker, and
+every relative Markdown link resolves to a file in the repository. Pure: reads the tracked files."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT_SUFFIXES = {".md", ".py", ".js", ".mjs", ".yaml", ".yml", ".toml", ".ini", ".sh", ".txt", ".json"}
+
+# Files that live outside the repository: notes next to it, or the machine's directories.
+OUTSIDE = re.compile(r"FACTS\.md|DESIGN\.md|STYLE\.md|\.\./shared|/work/")
+# "issue 14", "issues 26 and 28", "(#12)": the project's own tracker. A public repository's
+# thread ("pulumi/pulumi #9979", "cloudflare-docs PR #9802") names its repository, which a reader can open.
+ISSUE = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w/.-])#\d{1,6}\b")
+# Before a "#N" on its line: a repository ("owner/name", "pulumi-cloudflare") or "PR".
+REPOSITORY = re.compile(r"[\w.-]+/[\w.-]+|\w+-[\w-]+|\bPR\b")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def tracked_text_files() -> list[Path]:
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / n for n in names if Path(n).suffix in TEXT_SUFFIXES and not n.startswith("tests/fixtures/")]
+
+
+def offence(pattern: re.Pattern[str], line: str, previous: str = "") -> re.Match[str] | None:
+    match = pattern.search(line)
+    if (match and pattern is ISSUE and match.group(0).startswith("#")
+            and REPOSITORY.search(previous[-40:] + " " + line[: match.start()])):
+        return None
+    return match
+
+
+def offences(pattern: re.Pattern[str], paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        if path == Path(__file__).resolve():
+            continue  # this file names the patterns it forbids
+        previous = ""
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            match = offence(pattern, line, previous)
+            previous = line
+            if match:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r} in {line.strip()[:100]!r}")
+    return found
+
+
+def test_no_reference_to_a_file_outside_the_project():
+    found = offences(OUTSIDE, tracked_text_files())
+    assert not found, "references to files outside the project:\n" + "\n".join(found)
+
+
+def test_no_issue_number():
+    found = offences(ISSUE, tracked_text_files())
+    assert not found, "references to the project's issue numbers:\n" + "\n".join(found)
+
+
+def test_relative_links_resolve_inside_the_project():
+    broken = []
+    for path in [p for p in tracked_text_files() if p.suffix == ".md"]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for target in LINK.findall(line):
+                if re.match(r"[a-z]+:", target):
+                    continue  # https:, mailto:
+                resolved = (path.parent / target).resolve()
+                if not resolved.is_relative_to(ROOT) or not resolved.exists():
+                    broken.append(f"{path.relative_to(ROOT)}:{number}: {target}")
+    assert not broken, "links to files that are not in the project:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize(
+    "line, pattern, hit",
+    [
+        ("see FACTS.md for the source", OUTSIDE, True),
+        ("copied from ../shared/specs", OUTSIDE, True),
+        ("as issue 14 asked", ISSUE, True),
+        ("Issues 26 and 28", ISSUE, True),
+        ("fixed in (#12)", ISSUE, True),
+        ("pulumi/pulumi #9979", ISSUE, False),
+        ("cloudflare-docs PR #9802", ISSUE, False),
+        ("terraform-provider-cloudflare #6785", ISSUE, False),
+        ("colour #fff and docs/probe.md#cost", ISSUE, False),
+    ],
+)
+def test_the_patterns_catch_what_they_should(line, pattern, hit):
+    assert bool(offence(pattern, line)) is hit

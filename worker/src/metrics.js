@@ -1,0 +1,105 @@
+// GET /_colocate/metrics: the cell in Prometheus' text exposition format (version 0.0.4).
+// Pure: the generation object's `metrics` answer and the cell's config in, text out.
+//
+// Histograms are classic ones (`_bucket{le}`, `_sum`, `_count`) on every second edge of
+// histogram.js's buckets (OpenTelemetry's scale 4: each 4.4 % wide), so `histogram_quantile`
+// interpolates within one such bucket: within 4.4 % of the truth. Every series has the same
+// `le` from its first non-empty bucket up to 60 s (below it every count is 0, which a sum
+// by `le` does not miss), so series of backends, colos and cells add up exactly. The counts
+// are cumulative since the generation began (seg_total). `_sum` is estimated from the
+// buckets (within 1.08 %): the Worker keeps no exact sum. Labels name pods by index and
+// colos by IATA code; never a key, a digest or a URL.
+
+import { BUCKETS, EDGES, REPS, TOP, decode } from "./histogram.js";
+import { CLOSED, HALF_OPEN, OPEN } from "./machine.js";
+
+export const CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8";
+const STATES = [CLOSED, OPEN, HALF_OPEN];
+const STEP = 2; // fine buckets per exposed bucket (TOP is a multiple of it)
+
+/** A label value, escaped as the format says (backslash, double quote, newline). */
+function esc(v) {
+  return String(v).replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n");
+}
+
+function labels(o) {
+  return "{" + Object.entries(o).map(([k, v]) => `${k}="${esc(v)}"`).join(",") + "}";
+}
+
+/** An edge in seconds, as Prometheus wants durations, in 6 digits: the same text on every scrape and cell. */
+const LE = Array.from(EDGES, (ms) => String(Number((ms / 1000).toPrecision(6))));
+
+function histogramLines(out, name, base, counts) {
+  let first = 0;
+  while (first < BUCKETS - 1 && counts[first] === 0) first++;
+  // from the exposed edge just below the first value (count 0: the interpolation's lower bound)
+  let cum = 0;
+  let i = 0;
+  for (let k = first === 0 ? 0 : (Math.ceil(first / STEP) - 1) * STEP; k <= TOP; k += STEP) {
+    for (; i <= k; i++) cum += counts[i];
+    out.push(`${name}_bucket${labels({ ...base, le: LE[k] })} ${cum}`);
+  }
+  for (; i < BUCKETS; i++) cum += counts[i];
+  let sum = 0;
+  for (let k = 0; k < BUCKETS; k++) sum += counts[k] * REPS[k];
+  out.push(`${name}_bucket${labels({ ...base, le: "+Inf" })} ${cum}`);
+  out.push(`${name}_sum${labels(base)} ${sum / 1000}`);
+  out.push(`${name}_count${labels(base)} ${cum}`);
+}
+
+function family(out, name, type, help) {
+  out.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`);
+}
+
+/**
+ * The exposition of one cell. `m` is the object's answer ({segments: [[colo, who, segment,
+ * text]], served, keys, pods, forced}); `cfg` names the pods and the generation.
+ */
+export function exposition(m, cfg) {
+  const out = [];
+  family(out, "colocate_segment_seconds", "histogram",
+    "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo).");
+  const rows = [...m.segments].sort((a, b) => (a[2] + a[0] + a[1] < b[2] + b[0] + b[1] ? -1 : 1));
+  for (const [colo, who, segment, text] of rows) {
+    let counts;
+    try {
+      counts = decode(text);
+    } catch {
+      continue; // the object stores only checked text; a hand-edited row is left out
+    }
+    const base = segment === "sync"
+      ? { segment, backend: "state", colo: who, state_colo: colo }
+      : { segment, backend: who === "fallback" ? who : `pod-${who}`, colo };
+    histogramLines(out, "colocate_segment_seconds", base, counts);
+  }
+  family(out, "colocate_requests_total", "counter", "Requests served, by backend (pods or the fallback API).");
+  const served = new Map(m.served.map((r) => [r.backend, r]));
+  for (const b of ["pods", "fallback"]) out.push(`colocate_requests_total${labels({ backend: b })} ${served.get(b)?.requests ?? 0}`);
+  family(out, "colocate_tokens_total", "counter",
+    "Tokens by backend and kind (a usage row's tokens split by the requests each backend served); the fallback's are its spend at colocate:fallbackPrice.");
+  for (const b of ["pods", "fallback"]) {
+    out.push(`colocate_tokens_total${labels({ backend: b, kind: "prompt" })} ${served.get(b)?.prompt_tokens ?? 0}`);
+    out.push(`colocate_tokens_total${labels({ backend: b, kind: "completion" })} ${served.get(b)?.completion_tokens ?? 0}`);
+  }
+  family(out, "colocate_breaker_state", "gauge", "Each pod's circuit breaker: 1 for its current state, 0 for the others.");
+  const byUrl = new Map(m.pods.map((r) => [r.pod, r]));
+  const failures = [];
+  cfg.podUrls.forEach((url, i) => {
+    const row = byUrl.get(url);
+    const state = row ? row.state : CLOSED;
+    for (const s of STATES) out.push(`colocate_breaker_state${labels({ pod: i, state: s })} ${s === state ? 1 : 0}`);
+    failures.push(`colocate_breaker_failures${labels({ pod: i })} ${row ? row.failures : 0}`);
+  });
+  family(out, "colocate_breaker_failures", "gauge", "Each pod's current failure streak.");
+  out.push(...failures);
+  family(out, "colocate_breaker_forced", "gauge", "The operator's override of every pod's breaker: 1 for the one set (none: no override).");
+  for (const s of ["open", "closed"]) out.push(`colocate_breaker_forced${labels({ state: s })} ${m.forced === s ? 1 : 0}`);
+  family(out, "colocate_keys", "gauge", "Client API keys by state (counts only).");
+  const k = m.keys;
+  out.push(`colocate_keys${labels({ state: "active" })} ${k.active}`);
+  out.push(`colocate_keys${labels({ state: "revoked" })} ${k.revoked}`);
+  out.push(`colocate_keys${labels({ state: "expired" })} ${k.total - k.active - k.revoked}`);
+  family(out, "colocate_generation_info", "gauge", "The active generation (and the draining one, if any) of this cell.");
+  out.push(`colocate_generation_info${labels({ generation: cfg.activeGeneration, draining: cfg.drainingGeneration ?? "", region: cfg.region ?? "" })} 1`);
+  return out.join("\n") + "\n";
+}
