@@ -26,7 +26,7 @@
 import { DurableObject } from "cloudflare:workers";
 import { log } from "./errors.js";
 import { readFleet } from "./fleetfront.js";
-import { MAX_ROWS, aligned, defaultShare, fairShares, grant, monthOf, sumRows } from "./fleetexchange.js";
+import { MAX_ROWS, aligned, defaultShare, fairShares, grant, monthOf, sumRows, weights } from "./fleetexchange.js";
 import { WINDOW_MS, minuteOf } from "./limits.js";
 import { now } from "./timing.js";
 
@@ -35,12 +35,8 @@ const PULL_PAGES = 5; // pages of changed keys per cell per round; the rest come
 // After a push lands, a cell's isolates may use the lease it replaced for their view's TTL,
 // plus this for a sync that read the object just before the push and answers after it.
 export const GRACE_MARGIN_MS = 1000;
-// A cell that sent a key's counters this recently is using the key: in the key's shares it
-// weighs as four idle ones, so an idle cell's share (held until a decrease lands) is small
-// when a key moves away from it, yet large enough to start a move there (increases land in
-// about a round and a sync).
+// A cell that sent a key's counters this recently is using the key (fleetexchange.js weights).
 export const ACTIVE_MS = 2000;
-const ACTIVE_WEIGHT = 4;
 const UNKNOWN_TTL_MS = 60_000; // a cell whose TTL the ledger has not learnt yet (never pulled)
 // The three limits a lease shares: [limit's column in key_limits, the lease's columns].
 const RESOURCES = [["rpm", "req", "held_req"], ["tpm", "tok", "held_tok"], ["monthly_tokens", "month_tokens", "held_month_tokens"]];
@@ -73,7 +69,7 @@ export class FleetLedger extends DurableObject {
   constructor(ctx, env) {
     super(ctx, env);
     this.sql = ctx.storage.sql;
-    this.active = new Map(); // key id -> Map(cell -> when its counters last moved); memory only
+    this.active = new Map(); // key id -> Map(cell -> {at, n}: when its counters last moved, by how many requests); memory only
     ctx.blockConcurrencyWhile(async () => {
       for (const stmt of SCHEMA) this.sql.exec(stmt);
       // Columns added since `cells` was first created (a ledger deployed before leases).
@@ -164,15 +160,20 @@ export class FleetLedger extends DurableObject {
             DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, monthly_tokens = excluded.monthly_tokens`, id, l[0], l[1], l[2]);
         }
         if (Number.isSafeInteger(body.ttl_ms)) this.sql.exec("UPDATE cells SET ttl_ms = ? WHERE cell = ?", body.ttl_ms, cell.name);
+        const m = minuteOf(Date.now());
         for (const r of body.rows) {
           seq += 1;
+          const old = this.sql.exec("SELECT minute, req, prev_req FROM counters WHERE cell = ? AND key_id = ?", cell.name, r[0]).toArray()[0];
+          const a = aligned(r, m);
+          const b = old ? aligned([r[0], old.minute, old.req, 0, old.prev_req, 0], m) : [0, 0, 0, 0];
           this.sql.exec(`INSERT INTO counters (cell, key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens, seq)
             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (cell, key_id) DO UPDATE SET minute = excluded.minute,
             req = excluded.req, tok = excluded.tok, prev_req = excluded.prev_req, prev_tok = excluded.prev_tok,
             month = excluded.month, month_tokens = excluded.month_tokens, seq = excluded.seq`, cell.name, ...r, seq);
           touched.add(r[0]);
+          // How many requests this cell admitted since the last pull: its weight in the key's shares.
           const seen = this.active.get(r[0]) ?? new Map();
-          seen.set(cell.name, Date.now());
+          seen.set(cell.name, { at: Date.now(), n: Math.max(0, a[0] + a[2] - b[0] - b[2]) });
           this.active.set(r[0], seen);
         }
         this.setMeta("seq", seq);
@@ -246,7 +247,7 @@ export class FleetLedger extends DurableObject {
     } else if (!settled && this.meta("settled") !== "0") this.setMeta("settled", 0);
     const activeMs = Math.max(ACTIVE_MS, 2 * cfg.exchangeMs);
     for (const [id, seen] of this.active) {
-      for (const [c, at] of seen) if (t - at > activeMs) seen.delete(c);
+      for (const [c, x] of seen) if (t - x.at > activeMs) seen.delete(c);
       if (seen.size === 0) this.active.delete(id);
     }
     if (keys.size === 0) return 0;
@@ -263,7 +264,7 @@ export class FleetLedger extends DurableObject {
         const held = new Map(this.sql.exec("SELECT * FROM leases WHERE key_id = ?", id).toArray().map((r) => [r.cell, r]));
         const next = cfg.cells.map(() => ({ same: true }));
         const seen = this.active.get(id);
-        const weight = cfg.cells.map((c) => (seen && seen.has(c.name) ? ACTIVE_WEIGHT : 1));
+        const weight = weights(cfg.cells.map((c) => (seen ? seen.get(c.name) : undefined)));
         for (const [limitCol, col, heldCol] of RESOURCES) {
           const limit = limits[limitCol];
           if (!(limit > 0)) {

@@ -1,6 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { aligned, badLeases, badRows, defaultShare, fairShares, grant, monthOf, slackOf, sumRows } from "../src/fleetexchange.js";
+import { aligned, badLeases, badRows, defaultShare, fairShares, grant, monthOf, slackOf, sumRows, weights } from "../src/fleetexchange.js";
 import { estimate, leaseRefusal, minuteOf } from "../src/limits.js";
 
 const T = Date.UTC(2026, 11, 4, 12, 0, 30); // 30 s into a minute
@@ -37,6 +37,10 @@ test("a cell's lease bounds what it admits of a key: whole requests, then tokens
   assert.equal(sliding.req, 4);
   assert.equal(leaseRefusal(key, { ...lease, req: 4.5 }, sliding, 0).type, "requests");
   assert.equal(leaseRefusal(key, lease, own(0, 300), 0).type, "tokens");
+  // Two requests cost 140 tokens each here: a third would not fit in 300.
+  assert.equal(leaseRefusal(key, lease, own(2, 280), 0).type, "tokens");
+  assert.equal(leaseRefusal(key, lease, own(2, 150), 0), null);
+  assert.equal(leaseRefusal(key, lease, own(2, 150), 1950).code, "insufficient_quota");
   assert.equal(leaseRefusal(key, lease, own(0), 2000).code, "insufficient_quota");
   assert.equal(leaseRefusal(key, { req: null, tok: null, month_tokens: null }, own(100, 1e6), 1e9), null);
 });
@@ -79,6 +83,14 @@ test("fair shares: a key alone in one cell settles at >= 90 % of its limit there
       assert.ok(shares.slice(1).every((x) => x >= 1), `${n} cells, ${limit}: ${shares}`);
     }
   }
+});
+
+test("weights: an active cell by its part of the key's requests, an idle one 1", () => {
+  assert.deepEqual(weights([undefined, undefined]), [1, 1]);
+  assert.deepEqual(weights([{ n: 5 }, undefined]), [9, 1]);
+  assert.deepEqual(weights([{ n: 5 }, { n: 5 }]), [5, 5]);
+  assert.deepEqual(weights([{ n: 7 }, { n: 3 }]).map((x) => Math.round(x * 10) / 10), [6.6, 3.4]);
+  assert.deepEqual(weights([{ n: 0 }, undefined, undefined]), [5, 1, 1]);
 });
 
 test("grant: a decrease at once; an increase only within what the other cells may still admit", () => {
