@@ -145,8 +145,7 @@ def minute(fl) -> dict:
         paced(fl, B, mover, 2, 30, logs["move"], stop=lambda: admitted() >= 30 and logs["move"][-1][2] == 429)
 
     with ThreadPoolExecutor(3) as pool:
-        jobs = [pool.submit(paced, fl, A, hostile, 5, 40, logs["hostile"]), pool.submit(paced, fl, B, hostile, 5, 40, logs["hostile"]),
-                pool.submit(move)]
+        jobs = [pool.submit(paced, fl, cell, hostile, 5, 40, logs["hostile"]) for cell in (A, B)] + [pool.submit(move)]
         for j in jobs:
             j.result()
     # Every request inside one minute bucket (fresh_minute left room for all 40 s, and the
@@ -287,7 +286,10 @@ def test_the_exchange_endpoints_need_the_probe_token_and_name_bad_fields(fl):
                         ({"rows": [good[:2] + [-1] + good[3:]]}, '"rows[0]"[2]'),
                         ({"rows": [["nope"] + good[1:]]}, '"rows[0]"[0]'),
                         ({"rows": [good[:6] + ["Dec"] + good[7:]]}, '"rows[0]"[6]'),
-                        ({"rows": [], "extra": 1}, '"extra"')):
+                        ({"rows": [], "extra": 1}, '"extra"'),
+                        ({"rows": [], "leases": [["key_0123456789ab", -1, None, "2026-12", None]]}, '"leases[0]"[1]'),
+                        ({"rows": [], "leases": "x"}, '"leases"'),
+                        ({"rows": [], "cells": 0}, '"cells"'), ({"rows": [], "cells": "2"}, '"cells"')):
         res = request(url, "POST", "/_colocate/fleet/peers", body=body, headers=auth())
         assert res.status == 400 and field in error_of(res)["message"], (body, res.body)
     res = request(url, "GET", "/_colocate/fleet/peers?key=nope", headers=auth())
