@@ -94,7 +94,7 @@ def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harn
                | ({} if exchange_ms is None else {"exchangeMs": exchange_ms}))
         fs = fleet.parse({"fleet": cfg, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)
-        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["PROBE_TOKEN"] for i in range(len(regions))}
+        tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["EXCHANGE_TOKEN"] for i in range(len(regions))}
         services += [wd.disk_service("disk-front", w.directory / "objects" / "front")]
         services.insert(0, wd.worker_service("front", front_worker_capnp(front, storage_service="disk-front", tokens=tokens)))
         hop = (f"(modules = [(name = \"hop.js\", esModule = {wd.capnp_text(HOP_JS)})], "

@@ -99,8 +99,9 @@ class Secrets:
         return cls(os.urandom(12).hex(), os.urandom(12).hex(), os.urandom(12).hex())
 
     def bindings(self) -> dict[str, str]:
+        # One operator credential serves every role here: the bench mints its key and probes.
         return {"POD_TOKEN": self.pod_token, "FALLBACK_API_KEY": self.fallback_api_key,
-                "PROBE_TOKEN": self.probe_token}
+                "READ_TOKEN": self.probe_token, "ADMIN_TOKEN": self.probe_token, "EXCHANGE_TOKEN": self.probe_token}
 
 
 def router_headers(client_key: str | None = None) -> dict[str, str]:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from bench.harness import Secrets, bench_plan, cpu_seconds
 from colocate import plan as plan_mod, workerd as wd
+from colocate.payloads import INFLIGHT, USAGE, WINDOW
 from colocate.pods import standin
 
 HERE = Path(__file__).resolve().parent
@@ -128,9 +129,10 @@ def isolate_loop(port: int, gen: str, n: int, keys: list[str], until: float, out
         minute = int(now * 1000) // 60_000
         served = rng.sample(keys, max(1, len(keys) // 2)) if keys else []
         batch = {
-            "usage": [[day, k, 3, 40, 25, 3, 0, 0] for k in served],
-            "windows": [[k, minute, 3, 65] for k in served],
-            "inflight": [[k, rng.randint(0, 2)] for k in served[:10]],
+            "usage": [USAGE.row(day=day, key_id=k, requests=3, prompt_tokens=40, completion_tokens=25, pod_requests=3)
+                      for k in served],
+            "windows": [WINDOW.row(key_id=k, minute=minute, requests=3, tokens=65) for k in served],
+            "inflight": [INFLIGHT.row(key_id=k, n=rng.randint(0, 2)) for k in served[:10]],
         }
         info = {"generation": gen, "draining": None, "haveRev": have, "isolate": iso, "ttlMs": ttl_ms, "keys": keys,
                 "failureThreshold": 3, "openMs": 30000, "deadlineMs": 2000}

@@ -5,7 +5,8 @@ For a fleet stack (``colocate.fleet.is_fleet``) it finds every member cell the s
 replicates keys to them: a key is made here once (the Worker's format) and only its
 SHA-256 is imported into each cell (``POST /_colocate/keys/replica``); ``plan_sync`` says
 what copies and revocations make the cells agree again.
-A target is a Worker URL and its probe token: from ``--url`` plus ``COLOCATE_PROBE_TOKEN``,
+A target is a Worker URL and one operator credential (admin for keys, read for usage):
+from ``--url`` plus ``COLOCATE_ADMIN_TOKEN`` (or ``COLOCATE_READ_TOKEN``),
 from a running sandbox of the stack (its ``ready.json``), or from the deployed stack's
 outputs (``pulumi stack output --show-secrets``). The token never goes to argv or a log.
 
@@ -22,6 +23,7 @@ import hashlib
 import json
 import os
 import secrets
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +33,11 @@ import requests
 
 from .sandbox.statedir import SANDBOX_CMD, default_state_dir  # not the supervisor, whose runner imports admin
 
-TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
+# The credential each role takes from the environment; the old single token is read where
+# the role's own is unset, for one release (docs/worker.md, "Who holds what").
+TOKEN_ENVS = {"admin": "COLOCATE_ADMIN_TOKEN", "read": "COLOCATE_READ_TOKEN"}
+LEGACY_TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
+TOKEN_ENV = TOKEN_ENVS["admin"]
 TIMEOUT_S = 30
 
 
@@ -63,30 +69,47 @@ class Target:
         return f"Target(url={self.url!r}, source={self.source!r}, token=***)"
 
 
-def _sandbox_target(state_dir: Path) -> Target | None:
+def token_from_env(env, role: str) -> str | None:
+    """The ``role``'s credential from the environment, or the old single token (with a warning on stderr)."""
+    token = env.get(TOKEN_ENVS[role])
+    if token:
+        return token
+    legacy = env.get(LEGACY_TOKEN_ENV)
+    if legacy:
+        print(f"warning: {LEGACY_TOKEN_ENV} is deprecated (this release is the last to read it): "
+              f"export {TOKEN_ENVS[role]} instead", file=sys.stderr)
+    return legacy or None
+
+
+def sandbox_target(state_dir: Path, role: str = "admin") -> Target | None:
+    """The running sandbox's Worker and its ``role`` credential (ready.json), or None."""
     try:
         ready = json.loads((state_dir / "ready.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(ready, dict) or not ready.get("worker_url") or not ready.get("token"):
+    field = "token" if role == "admin" else "read_token"
+    if not isinstance(ready, dict) or not ready.get("worker_url") or not (ready.get(field) or ready.get("token")):
         return None
-    return Target(ready["worker_url"], ready["token"], "sandbox")
+    # A sandbox started by the release before the split credentials wrote only "token".
+    return Target(ready["worker_url"], ready.get(field) or ready["token"], "sandbox")
 
 
 def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path | None = None,
-            env: dict | None = None, sandboxes_dir: Path | None = None) -> Target:
-    """Where the operator endpoints are: an explicit URL, else the stack's running sandbox
-    (in ``sandboxes_dir``/<stack> when given), else the stack's deployed outputs."""
+            env: dict | None = None, sandboxes_dir: Path | None = None, role: str = "admin") -> Target:
+    """Where the operator endpoints are, with the ``role``'s credential ("admin" or "read"):
+    an explicit URL, else the stack's running sandbox (in ``sandboxes_dir``/<stack> when
+    given), else the stack's deployed outputs."""
     env = os.environ if env is None else env
+    token_env = TOKEN_ENVS[role]
     if url:
-        token = env.get(TOKEN_ENV)
+        token = token_from_env(env, role)
         if not token:
-            raise TargetError(f"--url {url}: no probe token; export {TOKEN_ENV}=<colocate:probeToken> "
-                              f"(`pulumi config get --show-secrets colocate:probeToken`), or use --stack S")
+            raise TargetError(f"--url {url}: no {role} token; export {token_env}=<colocate:{role}Token> "
+                              f"(`pulumi config get --show-secrets colocate:{role}Token`), or use --stack S")
         return Target(url.rstrip("/"), token, "url")
     if state_dir is not None or stack is not None:
         where = Path(state_dir) if state_dir else (Path(sandboxes_dir) / stack if sandboxes_dir else default_state_dir(stack))
-        sandbox = _sandbox_target(where)
+        sandbox = sandbox_target(where, role)
         if sandbox:
             return sandbox
         if state_dir is not None:
@@ -103,7 +126,7 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
         # keys.py's own options only (probe.py's messages name options this command lacks).
         return TargetError(f"--stack {stack}: no sandbox of that stack runs (nothing in {default_state_dir(stack)}) "
                            f"and {why}. Fix: `{SANDBOX_CMD} up --stack {stack}` for a sandbox, --state-dir DIR for a "
-                           f"sandbox in another state directory, or --url URL with {TOKEN_ENV} set for a deployed Worker")
+                           f"sandbox in another state directory, or --url URL with {token_env} set for a deployed Worker")
 
     if shutil.which("pulumi") is None:
         raise not_found("the pulumi CLI, which reads a deployed stack's outputs, is not on PATH")
@@ -111,9 +134,10 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
         out = outputs.read_outputs(stack)
     except OutputsError as exc:
         raise not_found(f"its deployed outputs could not be read ({exc})") from None
-    if not out.worker_url or not out.probe_token:
-        raise TargetError(f"--stack {stack}: the stack has no workerUrl/probeToken outputs; run `pulumi up -s {stack}` first")
-    return Target(out.worker_url.rstrip("/"), out.probe_token, "stack")
+    token = out.admin_token if role == "admin" else out.read_token
+    if not out.worker_url or not token:
+        raise TargetError(f"--stack {stack}: the stack has no workerUrl/{role}Token outputs; run `pulumi up -s {stack}` first")
+    return Target(out.worker_url.rstrip("/"), token, "stack")
 
 
 class AdminClient:

@@ -28,7 +28,7 @@ table grows with every cell past Cloudflare's 5 KB per environment variable.
 Fleet-wide limits: the front door's Durable Object ``FleetLedger`` (binding ``LEDGER``,
 its own migration list ``LEDGER_MIGRATIONS``) exchanges the cells' limit counters every
 ``exchangeMs`` through their operator endpoints, so the front door holds each cell's
-probe token (``CELL_TOKEN_<i>``, secret, from the cell stack's ``probeToken`` output).
+exchange token (``CELL_TOKEN_<i>``, secret, from the cell stack's ``exchangeToken`` output).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from . import cloudflare_limits, geo, outputs, stackfile
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError, MissingSetting
 from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, migration_decision, module_closure
-from .settings import ALWAYS_SECRET, KEYS, NS, PROVIDER_SECRET, WORKER_DEFAULTS, ZoneSettings, parse_zone
+from .settings import CELL_SECRETS, KEYS, NS, PROVIDER_SECRET, WORKER_DEFAULTS, ZoneSettings, parse_zone
 
 KEY = f"{NS}:fleet"
 FLEET_DEFAULTS = {"cells": [], "rememberMs": 5000, "exchangeMs": 1000}
@@ -137,14 +137,14 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
         if not _unset(name, raw[name]):
             raise ConfigError(f"{NS}:{name}", raw[name], "is a cell's key; a fleet stack has no region, pods or "
                               "state of its own (its cells do)", f"pulumi config rm {NS}:{name} -s {stack}")
-    cell_secrets = sorted(set(secrets) & {*ALWAYS_SECRET, *(k for k, _ in PROVIDER_SECRET.values())})
+    cell_secrets = sorted(set(secrets) & {*CELL_SECRETS, *(k for k, _ in PROVIDER_SECRET.values())})
     if cell_secrets:
         name = cell_secrets[0]
         raise ConfigError(
             f"{NS}:{name}",
             "[secret]",
             "is a cell's secret; the front door holds none of its own (the cells "
-            "check client keys; their probe tokens are read from their stacks)",
+            "check client keys; their exchange tokens are read from their stacks)",
             f"pulumi config rm {NS}:{name} -s {stack}",
         )
     fleet = raw.get("fleet")
@@ -338,16 +338,17 @@ def json_text(value: object) -> str:
 
 
 def token_output(index: int) -> str:
-    """What fills ``CELL_TOKEN_<index>``: member ``index``'s ``probeToken`` stack output."""
-    return f"cells[{index}].{outputs.PROBE_TOKEN}"
+    """What fills ``CELL_TOKEN_<index>``: member ``index``'s ``exchangeToken`` stack output."""
+    return f"cells[{index}].{outputs.EXCHANGE_TOKEN}"
 
 
 def check_tokens(settings: FleetSettings, tokens: Sequence[object]) -> None:
-    """Every member stack exports its probe token (the ledger calls the cell with it)."""
+    """Every member stack exports its exchange token (the ledger calls the cell with it)."""
     for i, (stack, token) in enumerate(zip(settings.cells, tokens, strict=True)):
         if not isinstance(token, str) or not token:
-            raise ConfigError(f"{KEY}.cells[{i}]", stack, f"stack {stack} has no output {outputs.PROBE_TOKEN}: the front door's "
-                              "limits exchange calls each cell with its probe token",
+            raise ConfigError(f"{KEY}.cells[{i}]", stack,
+                              f"stack {stack} has no output {outputs.EXCHANGE_TOKEN}: the front door's "
+                              "limits exchange calls each cell with its exchange token",
                               f"pulumi up -s {short_name(stack)} (then pulumi up the fleet again)")
 
 

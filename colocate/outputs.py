@@ -17,13 +17,18 @@ PLACEMENT = "placement"
 PLACEMENT_MODE = "placementMode"  # pod | targeted | smart: what colocate:worker.placement resolved to
 PLACEMENT_HOST = "placementHost"  # pod mode: the host:port Cloudflare probes (pod 0); else null
 PROBE_VERDICT = "probeVerdict"
-PROBE_TOKEN = "probeToken"  # secret output: probe.py --stack reads it
+READ_TOKEN = "readToken"  # secret outputs: probe.py --stack reads this one,
+ADMIN_TOKEN = "adminToken"  # keys.py and migrate.py this one,
+EXCHANGE_TOKEN = "exchangeToken"  # and a fleet's front door this one
+PROBE_TOKEN = "probeToken"  # an older release's single token: read where the new ones are missing
+OPERATOR_TOKENS = {"READ_TOKEN": READ_TOKEN, "ADMIN_TOKEN": ADMIN_TOKEN, "EXCHANGE_TOKEN": EXCHANGE_TOKEN}  # by Worker binding
 REGION = "region"  # the cell's region: a fleet stack reads it (with workerName, workerUrl, accountId)
 ACCOUNT_ID = "accountId"  # the cell's Cloudflare account: a fleet binds only Workers of its own account
 CELLS = "cells"  # a fleet stack's members: [{name, stack, region, workerName, workerUrl}]
 
 ALL = (WORKER_URL, WORKER_NAME, POD_ID, POD_LOCATION, POD_COST_PER_HR, POD_URL, POD_IDS, POD_LOCATIONS,
        PODS_COST_PER_HR, POD_PATH, ACTIVE_GENERATION,
-       ACTIVE_HINT, DRAINING_GENERATION, PLACEMENT, PLACEMENT_MODE, PLACEMENT_HOST, PROBE_VERDICT, PROBE_TOKEN,
+       ACTIVE_HINT, DRAINING_GENERATION, PLACEMENT, PLACEMENT_MODE, PLACEMENT_HOST, PROBE_VERDICT, READ_TOKEN,
+       ADMIN_TOKEN, EXCHANGE_TOKEN,
        REGION, ACCOUNT_ID)
 FLEET_ALL = (WORKER_URL, WORKER_NAME, CELLS)

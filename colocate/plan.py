@@ -330,6 +330,10 @@ class PodPlan:
 
 
 PROBE_WAIT_S = 120  # a new route or custom domain can take a while to answer after a deploy
+# The post-deploy probe follows a placement settings call (every upload re-applies it), and
+# Cloudflare applies a new placement some time later: wait this long for the Worker's colo
+# to settle before judging it; unsettled, a failed placement check is only provisional.
+PROBE_SETTLE_S = 300
 
 
 @dataclass(frozen=True)
@@ -345,7 +349,7 @@ class ProbePlan:
     placement_mode: str = PLACEMENT_TARGETED  # reported by the probe; pod mode adds the pod check
 
     def argv(self, url: str, pod_locations: list[str], placement_host: str | None = None) -> list[str]:
-        """The post-deploy probe's arguments (the token travels in COLOCATE_PROBE_TOKEN);
+        """The post-deploy probe's arguments (the read token travels in COLOCATE_READ_TOKEN);
         one --pod-location per pod, in index order; ``placement_host`` (pod mode) is the
         ``host:port`` Cloudflare was given."""
         args = ["scripts/probe.py", url, "--expect-region", self.region, "--samples", str(self.samples)]
@@ -356,7 +360,10 @@ class ProbePlan:
             args += ["--placement-host", placement_host]
         for name, ms in sorted(self.budgets.items()):
             args += ["--budget", f"{name}={ms:g}"]
-        args += ["--wait", str(PROBE_WAIT_S), "--json", "-"]
+        args += ["--wait", str(PROBE_WAIT_S)]
+        if self.placement_mode != PLACEMENT_SMART:  # smart placement learns from traffic: nothing to wait for
+            args += ["--settle", str(PROBE_SETTLE_S)]
+        args += ["--json", "-"]
         if not self.enforce:
             args.append("--warn-only")  # report, but let the deploy finish
         return args
@@ -469,6 +476,10 @@ def hint_of(gen: Generation) -> str:
     return "" if gen.region == UNKNOWN_REGION else lookup_region(gen.region).location_hint
 
 
+# The Worker's operator credentials by role (worker/src/config.js, admin.js).
+OPERATOR_BINDINGS = {"read": "READ_TOKEN", "admin": "ADMIN_TOKEN", "exchange": "EXCHANGE_TOKEN"}
+
+
 def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]:
     w = settings.worker
     plain = [
@@ -495,7 +506,7 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
         Binding("POD_TOKEN", "secret_text", secret="podToken"),
         Binding("FALLBACK_URL", "secret_text", secret="fallbackUrl"),
         Binding("FALLBACK_API_KEY", "secret_text", secret="fallbackApiKey"),
-        Binding("PROBE_TOKEN", "secret_text", secret="probeToken"),
+        *(Binding(name, "secret_text", secret=settings.operator_secrets[role]) for role, name in OPERATOR_BINDINGS.items()),
     ]
     return tuple(bindings)
 

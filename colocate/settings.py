@@ -111,7 +111,15 @@ SCHEMA: tuple[Key, ...] = (
         "platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports "
         "the pods' cost alone."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
-    Key("probeToken", "string", None, "Token that guards the Worker's probe and admin endpoints.", secret=True),
+    Key("readToken", "string", None,
+        "Operator credential that reads: the probe, the live view, the breaker, the key list, usage.", secret=True),
+    Key("adminToken", "string", None,
+        "Operator credential that administers: mints and revokes keys, purges, forces the breaker (and reads).", secret=True),
+    Key("exchangeToken", "string", None,
+        "Credential of a fleet's front door: the limits exchange and its defer header, nothing else.", secret=True),
+    Key("probeToken", "string", None,
+        "Deprecated: the one token of earlier releases; stands in for readToken, adminToken and exchangeToken "
+        "when they are unset (with a warning).", secret=True),
     Key("fallbackUrl", "string", None, "Base URL of the external OpenAI-compatible fallback API.", secret=True),
     Key("fallbackApiKey", "string", None, "API key of the fallback API.", secret=True),
     # Optional (the environment may carry them instead), so they have a default and no
@@ -122,7 +130,10 @@ SCHEMA: tuple[Key, ...] = (
         "Vast.ai API key, set with --secret (or VASTAI_API_KEY in the environment); vastai pods only."),
 )
 KEYS = {k.name: k for k in SCHEMA}
-ALWAYS_SECRET = ("podToken", "probeToken", "fallbackUrl", "fallbackApiKey")
+OPERATOR_TOKENS = {"read": "readToken", "admin": "adminToken", "exchange": "exchangeToken"}  # role -> settings key
+LEGACY_TOKEN = "probeToken"  # one release: fills the operator tokens a stack has not set yet
+ALWAYS_SECRET = ("podToken", "fallbackUrl", "fallbackApiKey", *OPERATOR_TOKENS.values())
+CELL_SECRETS = (*ALWAYS_SECRET, LEGACY_TOKEN)
 PROVIDER_SECRET = {"runpod": ("runpodApiKey", "RUNPOD_API_KEY"), "vastai": ("vastaiApiKey", "VASTAI_API_KEY")}
 # colocate:fallbackModel's explicit "send the client's model" value. Required rather than
 # an empty default: an empty value sent Qwen/... to api.openai.com, which rejects it.
@@ -210,6 +221,9 @@ class Settings:
     secrets: frozenset[str] = field(default_factory=frozenset)
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
     default_max_parallel: int = 0  # colocate:keys.defaultMaxParallel
+    # role -> the settings key whose secret the Worker binds for it (probeToken on an old stack)
+    operator_secrets: dict[str, str] = field(default_factory=lambda: dict(OPERATOR_TOKENS))
+    credential_warning: str | None = None
     scale: ScaleSettings | None = None  # colocate:scale; None: a fixed colocate:pod.count
 
 
@@ -439,6 +453,23 @@ def parse_zone(raw: object) -> ZoneSettings | None:
     )
 
 
+def parse_operator_tokens(secrets: frozenset[str] | set[str]) -> tuple[dict[str, str], str | None]:
+    """Which secret serves each operator role, and the warning for a stack that still
+    leans on the old single ``probeToken`` (it keeps working for this release)."""
+    missing = [key for key in OPERATOR_TOKENS.values() if key not in secrets]
+    if missing and LEGACY_TOKEN not in secrets:
+        raise MissingSetting(f"{NS}:{missing[0]}", None, "secret is not set",
+                             f"pulumi config set --secret {NS}:{missing[0]} \"$(openssl rand -hex 24)\" "
+                             f"(one distinct value each for {', '.join(f'{NS}:{k}' for k in OPERATOR_TOKENS.values())})")
+    operator = {role: key if key in secrets else LEGACY_TOKEN for role, key in OPERATOR_TOKENS.items()}
+    if not missing:
+        return operator, None
+    return operator, (f"{NS}:{LEGACY_TOKEN} opens every operator endpoint and is deprecated (this release is the last "
+                      f"to take it): set {', '.join(f'{NS}:{k}' for k in missing)} (one distinct value each, "
+                      f"`pulumi config set --secret {NS}:<key> \"$(openssl rand -hex 24)\"`), hand the read token to "
+                      f"monitoring and keep the admin token for scripts/keys.py, then `pulumi config rm {NS}:{LEGACY_TOKEN}`")
+
+
 def parse(
     raw: dict,
     stack: str,
@@ -478,7 +509,8 @@ def parse(
         problem = "is not set" if account is None else "must be 32 lower-case hex characters"
         raise MissingSetting(f"{NS}:accountId", account, problem,
                              f"pulumi config set {NS}:accountId <id from the Cloudflare dashboard>")
-    required = [(name, "") for name in ALWAYS_SECRET]
+    operator, credential_warning = parse_operator_tokens(secrets)
+    required = [(name, "") for name in ALWAYS_SECRET if name not in OPERATOR_TOKENS.values()]
     if pod.provider in PROVIDER_SECRET:
         required.append(PROVIDER_SECRET[pod.provider])
     for name, env_name in required:
@@ -528,5 +560,7 @@ def parse(
         secrets=frozenset(secrets),
         fallback_price=fallback_price,
         default_max_parallel=default_max_parallel,
+        operator_secrets=operator,
+        credential_warning=credential_warning,
         scale=scale,
     )

@@ -43,7 +43,7 @@ class CellArgs(TypedDict):
     plan: CellPlan
     """The cell plan; nothing else decides what is declared."""
     secrets: Mapping[str, pulumi.Input[str]]
-    """Secret values by settings key (podToken, probeToken, fallbackUrl, fallbackApiKey, ...)."""
+    """Secret values by settings key (podToken, readToken, adminToken, exchangeToken, fallbackUrl, ...)."""
     pod_environment: Mapping[str, pulumi.Input[str]]
     """Extra environment for scripts/pod.py: the provider's API key (RUNPOD_API_KEY, VASTAI_API_KEY)."""
     cloudflare_token: pulumi.Input[str]
@@ -235,13 +235,17 @@ class Cell(pulumi.ComponentResource):
                                   pulumi.ResourceOptions(parent=self, depends_on=[self.worker]))
 
         after_worker = pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.route])
-        probe_env = {"COLOCATE_PROBE_TOKEN": secrets["probeToken"]}
+        # Each command holds only the credentials it needs: purging administers; the probe reads,
+        # and mints (then revokes) the short-lived client key of its routed samples.
+        secret_of = {b.name: b.secret for b in w.bindings}
+        admin_env = {"COLOCATE_ADMIN_TOKEN": secrets[secret_of["ADMIN_TOKEN"]]}
+        probe_env = {"COLOCATE_READ_TOKEN": secrets[secret_of["READ_TOKEN"]], **admin_env}
         # Retired generations: purge their storage once (their binding is already gone).
         self.purges = [
             local.Command(
                 f"{name}-purge-{gen}",
                 create=f"{PYTHON} scripts/migrate.py purge --url {w.url} --generation {gen}",
-                environment=probe_env,
+                environment=admin_env,
                 dir=".",
                 opts=after_worker,
             )

@@ -8,7 +8,7 @@ service binding to each cell's Worker by script name, and its public address as 
 has one (``infra.cell.public_route``). Nothing in a cell stack changes.
 
 The limits exchange (``FleetLedger``, a Durable Object of the front door) calls each cell's
-operator endpoints, so each cell's ``probeToken`` (a secret output) is read by its
+operator endpoints, so each cell's ``exchangeToken`` (a secret output) is read by its
 StackReference and bound as the secret ``CELL_TOKEN_<i>``; the class is created by the
 front door's own migration list (``colocate.fleet.LEDGER_MIGRATIONS``), from the tag
 Cloudflare reports for the script, as a cell's Breaker is.
@@ -55,7 +55,7 @@ def _plan(settings: fleet.FleetSettings, found: Sequence[dict], live_tag: str | 
 
 
 def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: Sequence[object]) -> list:
-    """The front door's bindings; ``tokens``: each member's probeToken output, index order."""
+    """The front door's bindings; ``tokens``: each member's exchangeToken output, index order."""
     try:
         fleet.check_tokens(settings, tokens)
         for i, token in enumerate(tokens):
@@ -91,11 +91,11 @@ class Fleet(pulumi.ComponentResource):
             pulumi.StackReference(f"{name}-cell-{fleet.short_name(cell)}", stack_name=qualified(cell), opts=child)
             for cell in s.cells
         ]
-        # Only the outputs the plan needs, one by one: a cell's probeToken is a secret output
+        # Only the outputs the plan needs, one by one: a cell's exchangeToken is a secret output
         # and must not make the plan (and the exported cells) secret; it goes only into the
         # bindings, which are secret for it.
         found = [pulumi.Output.all(**{k: ref.get_output(k) for k in fleet.MEMBER_OUTPUTS}) for ref in self.references]
-        tokens = [ref.get_output(outputs.PROBE_TOKEN) for ref in self.references]
+        tokens = [ref.get_output(outputs.EXCHANGE_TOKEN) for ref in self.references]
         live_tag = args.get("live_migration_tag")
         plan = pulumi.Output.all(*found).apply(lambda f: _plan(s, f, live_tag))
         bindings = pulumi.Output.all(plan, *tokens).apply(lambda a: _binding_args(s, a[0], a[1:]))
@@ -115,7 +115,7 @@ class Fleet(pulumi.ComponentResource):
             migrations=plan.apply(lambda p: migrations_args(p.migrations)),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             # The FleetLedger class: Cloudflare deletes its script (and the ledger's objects)
-            # only when forced (docs/fleet.md, "Destroy").
+            # only when forced (docs/worker.md, "Destroy").
             force=True,
             opts=child,
         )

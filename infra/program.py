@@ -48,6 +48,8 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
             f"config set --path {NS}:worker.placement targeted")
     if cell_plan.worker.migration_warning:
         pulumi.log.warn(cell_plan.worker.migration_warning)
+    if settings.credential_warning:
+        pulumi.log.warn(settings.credential_warning)
     return cell_plan, secrets
 
 
@@ -98,7 +100,8 @@ def main() -> dict[str, pulumi.Input]:
         outputs.PLACEMENT_MODE: cell_plan.worker.placement_mode,
         outputs.PLACEMENT_HOST: cell.placement_host,
         outputs.PROBE_VERDICT: cell.probe_result.apply(lambda r: r.get("verdict")),
-        outputs.PROBE_TOKEN: pulumi.Output.secret(secrets["probeToken"]),
+        **{outputs.OPERATOR_TOKENS[b.name]: pulumi.Output.secret(secrets[b.secret])
+           for b in cell_plan.worker.bindings if b.name in outputs.OPERATOR_TOKENS},
         outputs.REGION: cell_plan.region.name,  # what a fleet stack reads
         outputs.ACCOUNT_ID: cell_plan.worker.account_id,
     }

@@ -4,8 +4,8 @@
     cost.py --stack S [--since 30d] [--json] [--plot PNG]
             [--url URL] [--state-dir DIR] [--cost-per-hr X] [--hours H] [--capacity-rpm N]
 
-The usage comes from the Worker (GET /_colocate/usage, probe token): a running sandbox of the
-stack, else the deployed stack (`pulumi stack output`), or --url with COLOCATE_PROBE_TOKEN.
+The usage comes from the Worker (GET /_colocate/usage, read token): a running sandbox of the
+stack, else the deployed stack (`pulumi stack output`), or --url with COLOCATE_READ_TOKEN.
 The pods' $/hr is the stack's podsCostPerHr output (what the providers reported); a sandbox's
 stand-in reports no price, so there it is colocate:pod.maxPricePerHr x pod.count, and said so.
 The hours are the window's, or since the sandbox's pods started; --hours overrides.
@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="PNG", help="monthly cost against daily volume: the cell flat, the API through zero")
-    p.add_argument("--url", help="the Worker's URL (the probe token from COLOCATE_PROBE_TOKEN)")
+    p.add_argument("--url", help="the Worker's URL (the read token from COLOCATE_READ_TOKEN)")
     p.add_argument("--state-dir", type=Path, help="a sandbox's state directory")
     p.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
     p.add_argument("--cost-per-hr", type=float, metavar="USD", help="the pods' $/hr together (default: podsCostPerHr)")
@@ -154,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
             raise CostError(f"--stack {args.stack}: {exc}") from None
     price = _price(args, raw)
     pod = settings.parse_pod(raw) if raw else None
-    target = admin.resolve(url=args.url, stack=args.stack, state_dir=args.state_dir)
+    target = admin.resolve(url=args.url, stack=args.stack, state_dir=args.state_dir, role="read")
     now = time.time()
     since_day = time.strftime("%Y-%m-%d", time.gmtime(now - (days - 1) * DAY_S))
     today = time.strftime("%Y-%m-%d", time.gmtime(now))

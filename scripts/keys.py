@@ -19,7 +19,7 @@ every cell.
 Every command also takes --json (one JSON object on stdout instead of a table), and a
 target: --stack S (a running sandbox of S, else the deployed stack's outputs through
 `pulumi stack output --show-secrets`), --state-dir DIR (a sandbox), or --url URL with the
-probe token in COLOCATE_PROBE_TOKEN. Keys live in the cell's active generation and move
+admin token in COLOCATE_ADMIN_TOKEN. Keys live in the cell's active generation and move
 with it (scripts/migrate.py). `create` prints the key once: store it, it is never shown
 again (the cell keeps only its SHA-256). Limits of 0 mean no limit.
 Exit: 0 done, 1 the Worker refused (e.g. an unknown key id) or a fleet's cells are left
@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--stack", help="the stack (a running sandbox of it, else its deployed outputs); "
                         "a fleet stack: each of its cells, found the same way")
         sp.add_argument("--state-dir", type=Path, help="a sandbox's state directory")
-        sp.add_argument("--url", help="the Worker's URL (the probe token comes from COLOCATE_PROBE_TOKEN)")
+        sp.add_argument("--url", help="the Worker's URL (the admin token comes from COLOCATE_ADMIN_TOKEN)")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
         sp.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml files are (default: stacks/)")
         sp.add_argument("--sandboxes-dir", type=Path,

@@ -13,7 +13,7 @@ print what the next ``pulumi up`` does. An illegal step changes nothing and exit
 
 The cell's own Pulumi steps also call:
     migrate.py record-tag --stack S --tag TAG    record an applied Durable Object migration tag
-    migrate.py purge --url URL --generation G    purge a retired generation (token: COLOCATE_PROBE_TOKEN)
+    migrate.py purge --url URL --generation G    purge a retired generation (token: COLOCATE_ADMIN_TOKEN)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import requests  # noqa: E402
 
-from colocate import migration, stackfile  # noqa: E402
+from colocate import admin, migration, stackfile  # noqa: E402
 from colocate.errors import ConfigError, UnsupportedProvider  # noqa: E402
 from colocate.ledger import UNKNOWN_REGION, Ledger  # noqa: E402
 from colocate.plan import MIGRATIONS  # noqa: E402
@@ -157,10 +157,10 @@ def cmd_record_tag(args) -> int:
 
 
 def cmd_purge(args) -> int:
-    token = os.environ.get("COLOCATE_PROBE_TOKEN")
+    token = admin.token_from_env(os.environ, "admin")
     if not token:
-        raise ConfigError("COLOCATE_PROBE_TOKEN", None, "the probe token is not in the environment",
-                          "export COLOCATE_PROBE_TOKEN=<the stack's probeToken>")
+        raise ConfigError(admin.TOKEN_ENVS["admin"], None, "the admin token is not in the environment",
+                          f"export {admin.TOKEN_ENVS['admin']}=<the stack's adminToken output>")
     url = args.url.rstrip("/") + "/_colocate/purge"
     try:
         resp = requests.post(url, json={"generation": args.generation},

@@ -9,8 +9,9 @@
 A warm-up request, one check of the fallback (GET /_colocate/probe?fallback=1), then N samples
 of the Worker's probe endpoint (GET /_colocate/probe) and N of a routed request
 (POST /v1/chat/completions, max_tokens 1), all over one reused connection. Routed requests
-carry a client key: the one given, else a 15-minute key minted with the probe token and
-revoked at the end (Ctrl-C included).
+carry a client key: the one given, else a 15-minute key minted with the admin token
+(COLOCATE_ADMIN_TOKEN, or the stack's adminToken output) and revoked at the end (Ctrl-C
+included). Everything else needs only the read token.
 With --stack naming a fleet stack: from each client site (--client-site NAME=URL, repeatable),
 which cell served, e2e and segments, and whether it was the site's nearest healthy cell.
 Exit 0 when every check holds, 1 when a budget or placement check fails (0 with --warn-only,
@@ -38,7 +39,7 @@ from colocate.probe import budgets, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
 from colocate.probe.placement import PLACEMENT_MODES  # noqa: E402
 
-TOKEN_ENV = "COLOCATE_PROBE_TOKEN"
+TOKEN_ENV = "COLOCATE_READ_TOKEN"  # colocate.admin.TOKEN_ENVS["read"]; the old COLOCATE_PROBE_TOKEN is read for one release
 DEFAULT_SAMPLES = 25
 MAX_SAMPLES = 1000
 
@@ -47,9 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url", nargs="?", metavar="URL", help="the Worker's base URL (default: the stack's workerUrl output)")
-    p.add_argument("--token", help=f"probe token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
+    p.add_argument("--token", help=f"the read token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
     p.add_argument("--key", help=f"client key for the routed samples; prefer {keys.KEY_ENV}. Without one the probe "
-                                 "mints a 15-minute key with the probe token and revokes it at the end")
+                                 "mints a 15-minute key with the admin token (COLOCATE_ADMIN_TOKEN) and revokes it at the end")
     p.add_argument(
         "--samples", type=int, help=f"samples per kind (default: the stack's colocate:probe.samples, else {DEFAULT_SAMPLES})"
     )
@@ -83,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="keep retrying the warm-up for up to S seconds while the target is not answering yet (after a deploy)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S",
+                   help="first wait up to S seconds for the Worker to run in the same in-region colo a few probes in a "
+                        "row (a placement just set or changed); a placement check that fails when it never settled is "
+                        "PROVISIONAL: exit 0, rerun later (the post-deploy probe passes --settle)")
     p.add_argument("--warn-only", action="store_true", help="report failed checks but exit 0")
     p.add_argument("--live", action="store_true",
                    help="read real traffic instead of sampling: per-segment percentiles, shares and colos recorded by the "
@@ -143,7 +148,8 @@ def _probe(args: argparse.Namespace) -> int:
         raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
 
-    url, token, locations = args.url, args.token or os.environ.get(TOKEN_ENV), list(args.pod_location)
+    url, token, locations = args.url, args.token or admin.token_from_env(os.environ, "read"), list(args.pod_location)
+    mint_token = os.environ.get(admin.TOKEN_ENVS["admin"])  # only to mint the routed samples' key
     pod_path, samples, worker_placement = args.pod_path, args.samples, args.placement_mode
     placement_host = args.placement_host
     if args.stack:
@@ -151,7 +157,8 @@ def _probe(args: argparse.Namespace) -> int:
         samples = samples or cfg.samples
         if not (url and token and locations and pod_path):  # the post-deploy step passes them all: no CLI call
             out = outputs.read_outputs(args.stack)
-            url, token, pod_path = url or out.worker_url, token or out.probe_token, pod_path or out.pod_path
+            url, token, pod_path = url or out.worker_url, token or out.read_token, pod_path or out.pod_path
+            mint_token = mint_token or out.admin_token
             worker_placement = worker_placement or out.placement_mode
             placement_host = placement_host or out.placement_host
             if not locations:
@@ -162,16 +169,22 @@ def _probe(args: argparse.Namespace) -> int:
         raise UsageError("URL", None, "no Worker URL", "give it as the first argument, or --stack S")
     url = _check_url(url)
     if not token:
-        raise UsageError("--token", None, "no probe token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
+        raise UsageError("--token", None, "no read token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     samples = samples or DEFAULT_SAMPLES
     print(f"probing {url}: warm-up, then {samples} probe + {samples} routed requests", file=sys.stderr)
     if not 0 <= args.wait <= 900:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
+    if not 0 <= args.settle <= 900:
+        raise UsageError("--settle", args.settle, "must be between 0 and 900 seconds", "e.g. --settle 300")
+    # Smart placement moves the Worker only once it has traffic to learn from: nothing to wait for.
+    settle_s = args.settle if region is not None and worker_placement != "smart" else 0.0
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
     # The key lives only in this process: never in argv of a child, a log line or the JSON.
-    with keys.KeyLease(url, token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
+    # A cell whose read token cannot mint (the admin token was not given) refuses with 403,
+    # and KeyLease names --key and COLOCATE_CLIENT_KEY as the way on.
+    with keys.KeyLease(url, mint_token or token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
-                         key=lease.get)
+                         key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host)
 
     def plot(path):
@@ -179,7 +192,13 @@ def _probe(args: argparse.Namespace) -> int:
 
         plot.write(result, path)
 
-    return _emit(args, report.table(result), report.to_json(result, args.warn_only), result.ok, plot)
+    if not result.ok and result.provisional:
+        print("probe: placement not settled: the verdict is provisional (exit 0); Cloudflare may not have applied "
+              f"the new placement yet. Check again in a few minutes: .venv/bin/python scripts/probe.py "
+              f"{f'--stack {args.stack}' if args.stack else url}",
+              file=sys.stderr)
+    return _emit(args, report.table(result), report.to_json(result, args.warn_only),
+                 result.ok or result.provisional, plot)
 
 
 def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> int:
@@ -202,7 +221,7 @@ def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> in
 
 
 # A fleet probe judges which cell served each client site; these flags judge one cell.
-CELL_ONLY = ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot",
+CELL_ONLY = ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot", "settle",
              "live", "state_dir", "token")
 
 
@@ -211,6 +230,8 @@ def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     the nearest healthy one (docs/probe.md, "Probing a fleet")."""
     from colocate.probe import fleet as fleet_probe
 
+    if args.live:
+        return _fleet_live(args, cells)
     for name in CELL_ONLY:
         if getattr(args, name):
             flag = "--" + name.replace("_", "-")
@@ -236,6 +257,39 @@ def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     result = fleet_probe.run(args.stack, cells, sites, key, samples, args.timeout, args.model, stacks_dir=args.stacks_dir,
                              sandboxes_dir=args.sandboxes_dir, sandbox=sandbox, say=say)
     return _emit(args, fleet_probe.table(result), fleet_probe.to_json(result, args.warn_only), result.ok, None)
+
+
+def _fleet_live(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
+    """probe.py --stack <fleet> --live: every cell's live window merged, per colo which cells served
+    (docs/probe.md, "A fleet's live view")."""
+    from colocate.probe import fleet as fleet_probe, fleet_live, live
+
+    for name in ("expect_region", "pod_location", "pod_path", "placement_mode", "placement_host", "budget", "plot",
+                 "state_dir", "token", "client_site", "key", "samples"):
+        if getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(flag, getattr(args, name), f"is not used by a fleet's live view (--stack {args.stack} --live)",
+                             f"leave {flag} out, or read one cell with --stack <cell> --live")
+    try:
+        since_ms = live.parse_since(args.since)
+    except ValueError as exc:
+        raise UsageError("--since", args.since, str(exc), "e.g. --since 15m, --since 1h or --since 7d") from None
+    if not args.timeout > 0:
+        raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
+    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / fleet_probe.FLEET_FILE
+    members = fleet_probe.member_targets(cells, stacks_dir=args.stacks_dir, sandboxes_dir=args.sandboxes_dir,
+                                         sandbox=fleet_probe.read_sandbox_fleet(where))
+    windows = []
+    for name, region, target in members:
+        if not hasattr(target, "url"):
+            windows.append(fleet_live.CellWindow(name, region, error=f"not found ({target})"))
+            continue
+        try:
+            windows.append(fleet_live.CellWindow(name, region, _fetch_live(target.url, target.token, since_ms, args.timeout)))
+        except ProbeError as exc:
+            windows.append(fleet_live.CellWindow(name, region, error=str(exc)))
+    result = fleet_live.build(args.stack, windows, since_ms)
+    return _emit(args, fleet_live.table(result), fleet_live.to_json(result, args.warn_only), result.ok, None)
 
 
 def _from_stack(args: argparse.Namespace, region, budget_list):
@@ -264,12 +318,13 @@ def _live(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
-    url, token, locations, worker_placement = args.url, args.token or os.environ.get(TOKEN_ENV), list(args.pod_location), None
+    url, token = args.url, args.token or admin.token_from_env(os.environ, "read")
+    locations, worker_placement = list(args.pod_location), None
     if args.stack:
         cfg, region, budget_list = _from_stack(args, region, budget_list)
         worker_placement = cfg.worker_placement
     if not (url and token) and (args.stack or args.state_dir):
-        sandbox = admin._sandbox_target(args.state_dir or _sandbox_dir(args.stack))
+        sandbox = admin.sandbox_target(args.state_dir or _sandbox_dir(args.stack), "read")
         if sandbox is not None:  # a running sandbox of the stack: its ready.json
             url, token = url or sandbox.url, token or sandbox.token
             ready = json.loads(((args.state_dir or _sandbox_dir(args.stack)) / "ready.json").read_text())
@@ -279,13 +334,13 @@ def _live(args: argparse.Namespace) -> int:
                              "start one with `.venv/bin/python scripts/sandbox.py up`")
         else:
             out = outputs.read_outputs(args.stack)
-            url, token = url or out.worker_url, token or out.probe_token
+            url, token = url or out.worker_url, token or out.read_token
             locations = locations or list(out.pod_locations) or ([out.pod_location] if out.pod_location else [])
     if not url:
         raise UsageError("URL", None, "no Worker URL", "give it as the first argument, or --stack S")
     url = _check_url(url)
     if not token:
-        raise UsageError("--token", None, "no probe token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
+        raise UsageError("--token", None, "no read token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     doc = _fetch_live(url, token, since_ms, args.timeout)
     result = live.build(doc, region, locations, budget_list, worker_placement, url)
     return _emit(args, live.table(result), live.to_json(result, args.warn_only), result.ok,
@@ -312,7 +367,7 @@ def _fetch_live(url: str, token: str, since_ms: int, timeout_s: float) -> dict:
     except requests.ConnectionError:
         raise Unreachable(f"cannot reach {where}: connection refused or no route; is the URL right and the cell up?") from None
     if r.status_code == 401:
-        raise Unauthorized(f"{where} answered 401: the probe token is missing or wrong; pass --token or set {TOKEN_ENV}")
+        raise Unauthorized(f"{where} answered 401: the read token is missing or wrong; pass --token or set {TOKEN_ENV}")
     if r.status_code == 404:
         raise TargetError(f"{where} answered 404: this Worker records no live view yet; deploy the current Worker (pulumi up)")
     try:

@@ -102,7 +102,7 @@ def _run(capsys, *argv):
 
 @pytest.mark.slow
 def test_cli_reads_the_routers_usage(cell, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", SECRETS["PROBE_TOKEN"])
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", SECRETS["PROBE_TOKEN"])
     import time
 
     deadline = time.monotonic() + 15
@@ -123,6 +123,7 @@ def test_cli_reads_the_routers_usage(cell, capsys, monkeypatch, tmp_path):
 
 
 def test_cli_usage_errors_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("COLOCATE_READ_TOKEN", raising=False)
     monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
     code, _, err = _run(capsys, "--since", "30x", "--url", "http://127.0.0.1:9")
     assert code == 2 and "--since '30x'" in err
@@ -133,7 +134,7 @@ def test_cli_usage_errors_exit_2(capsys, monkeypatch):
     code, _, err = _run(capsys, "--url", "http://127.0.0.1:9", "--hours", "-1")
     assert code == 2 and "--hours -1" in err
     code, _, err = _run(capsys, "--url", "http://127.0.0.1:9")
-    assert code == 2 and "COLOCATE_PROBE_TOKEN" in err
+    assert code == 2 and "COLOCATE_READ_TOKEN" in err
 
 
 def test_cli_as_a_subprocess_prints_help():

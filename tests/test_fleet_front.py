@@ -9,7 +9,7 @@ import pytest
 
 from colocate.pods import standin
 from tests.support.fleet import Fleet, running_fleet
-from tests.support.workerd import request
+from tests.support.workerd import SECRETS, request
 
 pytestmark = pytest.mark.slow  # real workerd with three cells
 
@@ -109,12 +109,13 @@ def test_the_defer_header_of_a_client_is_not_obeyed_on_the_last_cell(three):
     assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
 
 
-def test_a_cell_directly_asked_to_defer_answers_no_pod(three):
+def test_a_cell_asked_to_defer_with_its_exchange_token_answers_no_pod(three):
     c = three.cell("us-east")
     c.breaker("open")
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     res = request(c.url, "POST", "/v1/chat/completions", body=body,
-                  headers={"authorization": f"Bearer {three.key}", "x-colocate-fallback": "defer"})
+                  headers={"authorization": f"Bearer {three.key}", "x-colocate-fallback": "defer",
+                           "x-colocate-front": SECRETS["PROBE_TOKEN"]})  # the fleet's cells hold only the old token
     assert res.status == 503 and res.headers["x-colocate-backend"] == "none"
     assert res.headers["x-colocate-pods-tried"] == "0"
     assert res.json()["error"]["code"] == "no_pod" and res.json()["error"]["type"] == "server_error"

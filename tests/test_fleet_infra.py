@@ -21,7 +21,7 @@ ACCOUNT = "0123456789abcdef0123456789abcdef"
 def cell_outputs(region: str) -> dict:
     name = f"colocate-{region}"
     return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
-            outputs.ACCOUNT_ID: ACCOUNT, outputs.PROBE_TOKEN: f"probe-secret-of-{region}"}
+            outputs.ACCOUNT_ID: ACCOUNT, outputs.EXCHANGE_TOKEN: f"exchange-secret-of-{region}"}
 
 
 class FleetMocks(RecordingMocks):
@@ -36,7 +36,7 @@ class FleetMocks(RecordingMocks):
             self.resources.append(args)
             found = self.stacks.get(args.inputs["name"].rsplit("/", 1)[-1], {})
             return [args.inputs["name"], {"name": args.inputs["name"], "outputs": found,
-                                          "secretOutputNames": [outputs.PROBE_TOKEN]}]
+                                          "secretOutputNames": [outputs.EXCHANGE_TOKEN]}]
         return super().new_resource(args)
 
 
@@ -108,9 +108,9 @@ def test_one_front_door_with_service_bindings_and_no_placement():
     # The limits exchange: its object, and each cell's probe token read from that cell's stack.
     assert b["LEDGER"] == {"name": "LEDGER", "type": "durable_object_namespace", "className": "FleetLedger"}
     for i, region in enumerate(("apac-jp", "eu-west", "us-east")):
-        assert b[f"CELL_TOKEN_{i}"] == {"name": f"CELL_TOKEN_{i}", "type": "secret_text", "text": f"probe-secret-of-{region}"}
+        assert b[f"CELL_TOKEN_{i}"] == {"name": f"CELL_TOKEN_{i}", "type": "secret_text", "text": f"exchange-secret-of-{region}"}
     others = [x for x in bindings if not x["name"].startswith("CELL_TOKEN_")]
-    assert not any(s in json.dumps(others) for s in ("probe-secret-of-", *SECRET_VALUES.values()))
+    assert not any(s in json.dumps(others) for s in ("exchange-secret-of-", *SECRET_VALUES.values()))
     assert w["migrations"] == {"newTag": "v1", "steps": [{"newSqliteClasses": ["FleetLedger"]}]}
     sub = run.mocks.one(SUBDOMAIN).inputs
     assert sub["scriptName"] == "colocate-fleet" and sub["enabled"] is True
@@ -126,10 +126,10 @@ def test_the_ledger_class_is_created_once():
     assert "colocate:worker.name" in msg and "'v9'" in msg
 
 
-def test_a_member_without_its_probe_token_is_refused():
-    old = {k: v for k, v in cell_outputs("eu-west").items() if k != outputs.PROBE_TOKEN}
+def test_a_member_without_its_exchange_token_is_refused():
+    old = {k: v for k, v in cell_outputs("eu-west").items() if k != outputs.EXCHANGE_TOKEN}
     msg = refused({**STACKS, "eu-west": old})
-    assert "colocate:fleet.cells[1]" in msg and "no output probeToken" in msg and "Fix: pulumi up -s eu-west" in msg
+    assert "colocate:fleet.cells[1]" in msg and "no output exchangeToken" in msg and "Fix: pulumi up -s eu-west" in msg
 
 
 def test_exports_list_the_cells_with_their_regions():
@@ -254,9 +254,9 @@ def test_project_defaults_leave_a_cell_as_strict_as_before():
     config.setdefault("colocate:region", "")
     with pytest.raises(pulumi.RunError, match="colocate:region"):
         run_program("apac-jp", config, keys)
-    config, keys = stack_config("apac-jp", secrets={k: v for k, v in SECRET_VALUES.items() if k != "probeToken"})
-    config["colocate:probeToken"] = ""
-    with pytest.raises(pulumi.RunError, match="colocate:probeToken.*pulumi config set --secret"):
+    config, keys = stack_config("apac-jp", secrets={k: v for k, v in SECRET_VALUES.items() if k != "readToken"})
+    config["colocate:readToken"] = ""
+    with pytest.raises(pulumi.RunError, match="colocate:readToken.*pulumi config set --secret"):
         run_program("apac-jp", config, keys)
 
 

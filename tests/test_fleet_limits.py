@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from colocate import admin
+from colocate.payloads import COUNTER, EXCHANGE
 from tests.support.fleet import Fleet, running_fleet
 from tests.support.workerd import SECRETS, auth, request
 
@@ -88,10 +89,9 @@ def until(fn, ok, within_s: float = CONVERGE_S):
         time.sleep(0.1)
 
 
-def peer(field: int):
-    """A view's peers row field: 2 req, 7 month tokens (the row as pushed)."""
-    names = {2: "req", 7: "month_tokens"}
-    return lambda v: (v["peers"] or {}).get(names[field], 0)
+def peer(column: str):
+    """A view's peers row column (payloads.js EXCHANGE, the row as pushed)."""
+    return lambda v: (v["peers"] or {}).get(column, 0)
 
 
 def lease(field: str):
@@ -192,12 +192,13 @@ def test_a_monthly_budget_used_up_in_one_cell_is_refused_in_the_other(fl):
             break
         time.sleep(0.2)
     assert statuses[0] == 200 and statuses[-1] == 429, statuses
-    used = until(lambda: view(fl, A, kid)["own"] or [0] * 6, lambda o: o[5] >= budget)[5]
+    month = COUNTER["month_tokens"]
+    used = until(lambda: view(fl, A, kid)["own"] or [0] * len(COUNTER), lambda o: o[month] >= budget)[month]
     # apac-jp crossed the budget with its last request (tokens are known once served).
     assert budget <= used < budget + 16, used
     # eu-west's lease falls to 0 once the ledger has seen it; then it refuses.
     got = until(lambda: view(fl, B, kid), lambda v: lease("month_tokens")(v) == 0)
-    assert lease("month_tokens")(got) == 0 and peer(7)(got) == used, got
+    assert lease("month_tokens")(got) == 0 and peer("month_tokens")(got) == used, got
     res = call(fl, B, key)
     assert res.status == 429 and res.json()["error"]["code"] == "insufficient_quota", res.body
 
@@ -231,7 +232,7 @@ def test_a_known_key_waits_0_ms_on_state_in_each_cell_while_exchanges_run(fl):
     assert waits == {A: [0] * 25, B: [0] * 25}, waits
     # ... and the exchange did run meanwhile: each cell sees the other's requests.
     for cell in (A, B):
-        assert peer(2)(until(lambda c=cell: view(fl, c, kid), lambda v: peer(2)(v) >= 28)) >= 28, cell
+        assert peer("req")(until(lambda c=cell: view(fl, c, kid), lambda v: peer("req")(v) >= 28)) >= 28, cell
 
 
 # --- a deferred request counts once -------------------------------------------------------
@@ -244,17 +245,17 @@ def test_a_request_a_cell_deferred_is_counted_only_where_it_was_served(fl):
     finally:
         fl.cell(A).breaker(None)
     assert [(r.status, r.headers["x-colocate-cell"]) for r in res] == [(200, B)] * 4
-    got = until(lambda: view(fl, B, kid), lambda v: (v["own"] or [0, 0])[1] >= 4)
-    assert got["own"][1] == 4
+    got = until(lambda: view(fl, B, kid), lambda v: (v["own"] or [0, 0])[COUNTER["req"]] >= 4)
+    assert got["own"][COUNTER["req"]] == 4
     # A admitted each before answering "no pod" and took it back in the same batch: the key
     # is among A's changed counters (what the ledger reads) with 0 requests.
     def in_a():
         rows = request(fl.cell(A).url, "GET", "/_colocate/fleet/counters?since=0", headers=auth()).json()["rows"]
-        return next((r for r in rows if r[0] == kid), None)
+        return next((r for r in rows if r[EXCHANGE["key_id"]] == kid), None)
 
     row = until(in_a, lambda r: r is not None)
-    assert row is not None and row[2] == 0 and row[4] == 0, row
-    assert peer(2)(until(lambda: view(fl, A, kid), lambda v: peer(2)(v) >= 4)) == 4
+    assert row is not None and row[EXCHANGE["req"]] == 0 and row[EXCHANGE["prev_req"]] == 0, row
+    assert peer("req")(until(lambda: view(fl, A, kid), lambda v: peer("req")(v) >= 4)) == 4
 
 
 # --- (f) the endpoints --------------------------------------------------------------------
@@ -310,8 +311,8 @@ def test_a_cell_that_does_not_answer_is_skipped_and_the_others_keep_exchanging()
         for cell in (A, B):
             send(f, cell, key, 1)  # held by each cell's isolate from now on
         waits = [call(f, A, key).timing()["state"] for _ in range(4)]
-        got = until(lambda: view(f, B, kid), lambda v: peer(2)(v) >= 5)
-        assert peer(2)(got) == 5, got
+        got = until(lambda: view(f, B, kid), lambda v: peer("req")(v) >= 5)
+        assert peer("req")(got) == 5, got
         waits += [call(f, B, key).timing()["state"] for _ in range(4)]
         assert waits == [0] * 8, waits  # the hot path does not notice the dead cell
         until(lambda: f.worker.log_text(), lambda t: "us-east (" in t)

@@ -24,7 +24,7 @@ def raw(**over) -> dict:
 def outs(region: str, name: str | None = None) -> dict:
     name = name or f"colocate-{region}"
     return {outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.acme.workers.dev", outputs.REGION: region,
-            outputs.ACCOUNT_ID: ACCOUNT, outputs.PROBE_TOKEN: "secret-not-read"}
+            outputs.ACCOUNT_ID: ACCOUNT, outputs.EXCHANGE_TOKEN: "secret-not-read"}
 
 
 def three():
@@ -77,7 +77,8 @@ def test_unknown_key_is_refused():
     assert err.key == "colocate:podRegion" and "colocate:fleet" in err.fix
 
 
-@pytest.mark.parametrize("secret", ["podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"])
+@pytest.mark.parametrize("secret", ["podToken", "probeToken", "readToken", "adminToken", "exchangeToken", "fallbackUrl",
+                                    "fallbackApiKey", "runpodApiKey"])
 def test_a_cells_secret_on_a_fleet_is_refused(secret):
     with pytest.raises(ConfigError) as err:
         fleet.parse(raw(), "fleet", secrets={secret})
@@ -129,7 +130,7 @@ def test_exchange_ms_default_and_binding():
     assert b["LEDGER"].type == "durable_object_namespace" and b["LEDGER"].class_name == "FleetLedger"
     # Each cell's probe token, as a secret filled from that member stack's output (never held in the plan).
     assert [(b[f"CELL_TOKEN_{i}"].type, b[f"CELL_TOKEN_{i}"].from_output, b[f"CELL_TOKEN_{i}"].text) for i in range(3)] == [
-        ("secret_text", f"cells[{i}].probeToken", None) for i in range(3)]
+        ("secret_text", f"cells[{i}].exchangeToken", None) for i in range(3)]
 
 
 def test_the_ledger_class_is_created_once_by_its_own_migration():
@@ -149,7 +150,7 @@ def test_a_member_without_its_probe_token_is_refused():
         fleet.check_tokens(s, ["a", None, "c"])
     assert (
         err.value.key == "colocate:fleet.cells[1]"
-        and "probeToken" in err.value.problem
+        and "exchangeToken" in err.value.problem
         and "pulumi up -s eu-west" in err.value.fix
     )
 

@@ -12,6 +12,7 @@ import time
 import openai
 import pytest
 
+from colocate.payloads import COUNTER, EXCHANGE
 from tests.support.workerd import ROOT, auth, chat, driven_cell, request, twin_cell
 
 pytestmark = pytest.mark.slow
@@ -74,23 +75,50 @@ def test_counters_and_month_totals_only_for_the_keys_asked_about(cell):
     cell.one("sync", info(cell, "iso_1"), batch)
     view = cell.one("sync", info(cell, "iso_2", keys=[a["id"]]), None)
     assert set(view["counts"]) == {a["id"]}
-    m, req, tok, _, _, month, elsewhere = view["counts"][a["id"]]
+    c = COUNTER.record(view["counts"][a["id"]])
+    m, req, tok, month, elsewhere = c["minute"], c["req"], c["tok"], c["month_tokens"], c["inflight"]
     assert (req, tok, month, elsewhere) == (2, 15, 15, 0) and m in (minute, minute + 1)
     later = cell.one("sync", info(cell, "iso_2", keys=[a["id"], b["id"]]),
                      {"usage": [[TODAY, b["id"], 0, 1, 1, 0, 0, 0]]})["counts"]
-    assert later[b["id"]][5] == 3 + 4 + 2  # the month total grows with each batch
+    assert later[b["id"]][COUNTER["month_tokens"]] == 3 + 4 + 2  # the month total grows with each batch
     usage = {r["key_id"]: r for r in request(cell.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]}
     assert usage[b["id"]]["estimated_tokens"] == 4 and usage[a["id"]]["estimated_tokens"] == 0
+
+
+def test_the_counters_a_routed_request_leaves_are_read_back_by_name(cell):
+    """The writers (the router's isolate, the object) and the readers (a sync's counts, the
+    exchange's rows, Python) agree on every column: one misplaced column fails here."""
+    made = make_key(cell, "shape")
+    tokens = 0
+    for _ in range(3):
+        res = request(cell.url, "POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {made['key']}"})
+        assert res.status == 200, res.body
+        tokens += res.json()["usage"]["total_tokens"]
+    minute = int(time.time() * 1000) // 60_000
+    deadline = time.monotonic() + 30  # the isolate flushes within a second of each request
+    while True:
+        counts = cell.one("sync", info(cell, "iso_reader", keys=[made["id"]]), None)["counts"].get(made["id"])
+        if (counts and counts[COUNTER["req"]] + counts[COUNTER["prev_req"]] == 3) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    c = COUNTER.record(counts)
+    assert c["minute"] - minute in (0, 1) and c["req"] + c["prev_req"] == 3 and c["tok"] + c["prev_tok"] == tokens, c
+    assert c["month_tokens"] == tokens and c["inflight"] == 0, c
+    rows = request(cell.url, "GET", "/_colocate/fleet/counters?since=0", headers=auth()).json()["rows"]
+    row = EXCHANGE.record(next(r for r in rows if r[EXCHANGE["key_id"]] == made["id"]))
+    assert row["req"] + row["prev_req"] == 3 and row["month_tokens"] == tokens and row["month"] == TODAY[:7], row
+    usage = [u for u in request(cell.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"] if u["key_id"] == made["id"]]
+    assert [(u["requests"], u["prompt_tokens"] + u["completion_tokens"], u["pod_requests"]) for u in usage] == [(3, tokens, 3)]
 
 
 def test_requests_in_flight_elsewhere_are_summed_without_the_caller_s_own(cell):
     k = make_key(cell, "par", max_parallel=4)
     cell.rpc([["sync", info(cell, "iso_x"), {"inflight": [[k["id"], 3]]}],
               ["sync", info(cell, "iso_y"), {"inflight": [[k["id"], 1]]}]])
-    assert cell.one("sync", info(cell, "iso_z", keys=[k["id"]]), None)["counts"][k["id"]][6] == 4
-    assert cell.one("sync", info(cell, "iso_x", keys=[k["id"]]), None)["counts"][k["id"]][6] == 1
+    assert cell.one("sync", info(cell, "iso_z", keys=[k["id"]]), None)["counts"][k["id"]][COUNTER["inflight"]] == 4
+    assert cell.one("sync", info(cell, "iso_x", keys=[k["id"]]), None)["counts"][k["id"]][COUNTER["inflight"]] == 1
     cell.one("sync", info(cell, "iso_x"), {"inflight": [[k["id"], 0]]})
-    assert cell.one("sync", info(cell, "iso_z", keys=[k["id"]]), None)["counts"][k["id"]][6] == 1
+    assert cell.one("sync", info(cell, "iso_z", keys=[k["id"]]), None)["counts"][k["id"]][COUNTER["inflight"]] == 1
     # A silent isolate's rows stop counting after 2 x its TTL.
     stale = cell.one("sync", info(cell, "iso_z", keys=[k["id"]], ttlMs=1), None)
     time.sleep(2.1)
@@ -189,7 +217,7 @@ def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
         tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in mine)
         assert tokens > 0
         view = c.one("sync", info(c, keys=[kept["id"]]), None)
-        assert view["counts"][kept["id"]][5] == tokens  # the month total, filled once from the daily rows
+        assert view["counts"][kept["id"]][COUNTER["month_tokens"]] == tokens  # the month total, filled once from the daily rows
         hdr = {"authorization": f"Bearer {kept['key']}"}
         assert request(c.url, "GET", "/v1/models", headers=hdr).status == 200
         assert request(c.url, "GET", "/v1/models", headers={"authorization": f"Bearer {gone['key']}"}).status == 401
@@ -205,7 +233,7 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
               {"usage": [[TODAY, row["id"], 4, 30, 20, 4, 0, 5]]}, gen=g1)
         view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": [row["id"]]}, None, gen=g2)
         assert view["imported"] == [g1]
-        assert view["counts"][row["id"]][5] == 50
+        assert view["counts"][row["id"]][COUNTER["month_tokens"]] == 50
         found = c.one("lookupKeys", ["ab" * 32], {"generation": g2}, gen=g2)["keys"]
         assert [(k["id"], k["max_parallel"], k["monthly_tokens"]) for k in found] == [(row["id"], 2, 100)]
         usage = c.one("usage", {"from": TODAY, "to": TODAY, "key": row["id"]}, {"generation": g2}, gen=g2)

@@ -88,7 +88,8 @@ def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
     bindings, is_secret = bindings_of(run)
     assert is_secret, "bindings carrying secrets must be stored as a secret"
     for name, key in [("POD_TOKEN", "podToken"), ("FALLBACK_URL", "fallbackUrl"),
-                      ("FALLBACK_API_KEY", "fallbackApiKey"), ("PROBE_TOKEN", "probeToken")]:
+                      ("FALLBACK_API_KEY", "fallbackApiKey"), ("READ_TOKEN", "readToken"),
+                      ("ADMIN_TOKEN", "adminToken"), ("EXCHANGE_TOKEN", "exchangeToken")]:
         assert bindings[name]["type"] == "secret_text"
         assert bindings[name]["text"] == SECRET_VALUES[key]
     pod = run.mocks.one(COMMAND, "-pod-0").inputs
@@ -101,10 +102,12 @@ def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
 def test_secrets_stay_secret_in_outputs(deployed):
     _, _, run = deployed
     assert set(run.resolved) == set(outputs.ALL)
-    assert run.secret_flags[outputs.PROBE_TOKEN] is True
+    tokens = {outputs.READ_TOKEN: "readToken", outputs.ADMIN_TOKEN: "adminToken", outputs.EXCHANGE_TOKEN: "exchangeToken"}
+    for name, key in tokens.items():
+        assert run.secret_flags[name] is True and run.resolved[name] == SECRET_VALUES[key]
     for name, value in run.resolved.items():
-        if name != outputs.PROBE_TOKEN:
-            assert run.secret_flags[name] is False or name == outputs.PROBE_TOKEN
+        if name not in tokens:
+            assert run.secret_flags[name] is False
             assert not any(s in json.dumps(value) for s in SECRET_VALUES.values()), name
 
 
@@ -131,13 +134,16 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
     assert create.startswith(".venv/bin/python scripts/probe.py https://")
     assert f"--expect-region {raw['region']}" in create
     assert "--pod-location AP-JP-1" in create and "--wait 120" in create and "--json -" in create
+    assert "--settle 300" in create  # a new placement is waited for, never failed on before it applies
     assert ("--warn-only" in create) != bool((raw.get("probe") or {}).get("enforce", False))
     triggers = plain(probe["triggers"])
     assert json.dumps(json.loads(triggers[-1])) == json.dumps(
         {"id": "pod-123", "provider": "runpod", "location": "AP-JP-1", "url": "http://203.0.113.7:41234",
          "cost_per_hr": 0.69, "gpu": "NVIDIA GeForce RTX 4090", "name": "x", "ip": "203.0.113.7", "port": 41234})
     env_secret, env = unsecret(probe["environment"])
-    assert env_secret and env["COLOCATE_PROBE_TOKEN"] == SECRET_VALUES["probeToken"]
+    # The probe reads, and mints its routed samples' short-lived key: never the exchange token.
+    assert env_secret and env == {"COLOCATE_READ_TOKEN": SECRET_VALUES["readToken"],
+                                  "COLOCATE_ADMIN_TOKEN": SECRET_VALUES["adminToken"]}
     for budget, ms in (raw.get("budgets") or {}).items():
         assert f"--budget {budget}={ms:g}" in create
 

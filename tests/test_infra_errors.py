@@ -40,7 +40,8 @@ def test_missing_account_id():
     assert "colocate:accountId" in msg and "pulumi config set colocate:accountId" in msg
 
 
-@pytest.mark.parametrize("secret", ["podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"])
+@pytest.mark.parametrize("secret", ["podToken", "readToken", "adminToken", "exchangeToken", "fallbackUrl", "fallbackApiKey",
+                                    "runpodApiKey"])
 def test_missing_secrets(secret, monkeypatch):
     monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
     secrets = {k: v for k, v in SECRET_VALUES.items() if k != secret}

@@ -83,5 +83,5 @@ def test_placement_is_reapplied_whenever_the_script_uploads_again():
     first = upload_trigger()
     assert upload_trigger() == first
     # A rotated secret re-uploads the script (its secret_text binding), so placement is applied again.
-    assert upload_trigger(secrets={**SECRET_VALUES, "probeToken": "rotated-probe-token"}) != first
+    assert upload_trigger(secrets={**SECRET_VALUES, "adminToken": "rotated-admin-token"}) != first
     assert upload_trigger(overrides={"worker": {"subdomain": "acme", "deadlineMs": 1234}}) != first

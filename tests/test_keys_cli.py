@@ -22,7 +22,8 @@ def cell():
 
 @pytest.fixture
 def token(monkeypatch):
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", SECRETS["PROBE_TOKEN"])
+    monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
+    monkeypatch.setenv("COLOCATE_ADMIN_TOKEN", SECRETS["PROBE_TOKEN"])
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -90,17 +91,21 @@ def test_errors_exit_codes_and_messages(cell, token, capsys, monkeypatch):
     assert code == 2 and '"rpm"' in err
     code, _, err = run(capsys, "list", "--url", "http://127.0.0.1:9")
     assert code == 2 and "did not answer" in err
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", "tok-3f9a1b")
+    monkeypatch.setenv("COLOCATE_ADMIN_TOKEN", "tok-3f9a1b")
     code, _, err = run(capsys, "list", "--url", cell.url)
     assert code == 2 and "401" in err and "tok-3f9a1b" not in err
-    monkeypatch.delenv("COLOCATE_PROBE_TOKEN")
+    monkeypatch.delenv("COLOCATE_ADMIN_TOKEN")
     code, _, err = run(capsys, "list", "--url", cell.url)
-    assert code == 2 and "COLOCATE_PROBE_TOKEN" in err
+    assert code == 2 and "COLOCATE_ADMIN_TOKEN" in err
+    # The old single token still works for this release, with a warning naming the new variable.
+    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", SECRETS["PROBE_TOKEN"])
+    code, _, err = run(capsys, "list", "--url", cell.url)
+    assert code == 0 and "COLOCATE_PROBE_TOKEN is deprecated" in err and "export COLOCATE_ADMIN_TOKEN" in err
 
 
 def test_as_a_subprocess_with_a_sandbox_state_dir(cell, tmp_path):
     (tmp_path / "ready.json").write_text(json.dumps({"worker_url": cell.url, "token": SECRETS["PROBE_TOKEN"]}))
-    env = {k: v for k, v in os.environ.items() if k != "COLOCATE_PROBE_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k not in ("COLOCATE_PROBE_TOKEN", "COLOCATE_ADMIN_TOKEN")}
     proc = subprocess.run([sys.executable, "scripts/keys.py", "list", "--state-dir", str(tmp_path), "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -113,6 +118,7 @@ def test_a_stack_with_no_sandbox_and_no_deployment_names_this_commands_options(c
 
     monkeypatch.setattr(statedir, "SANDBOXES_DIR", tmp_path / "sandboxes")
     monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
+    monkeypatch.delenv("COLOCATE_ADMIN_TOKEN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no pulumi CLI
     code, out, err = run(capsys, "list", "--stack", "nosuch")
     assert code == 2 and out == ""

@@ -103,7 +103,7 @@ def test_the_endpoint_needs_the_probe_token_and_a_time(cell):
 def test_probe_live_prints_the_table_and_json_and_fails_on_an_unknown_worker_colo(cell, capsys, monkeypatch, tmp_path):
     # Offline workerd has no /cdn-cgi/trace: the Worker's colo is unknown, which the live view,
     # like the probe, never calls fine (exit 1). The sandbox tests the colos themselves.
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", SECRETS["PROBE_TOKEN"])
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", SECRETS["PROBE_TOKEN"])
     for _ in range(3):
         assert cell.call("POST", "/v1/chat/completions", body=chat()).status == 200
     time.sleep(0.5)

@@ -185,9 +185,10 @@ def test_record_tag_sets_the_nested_key_only(stacks):
 
 
 def test_purge_needs_the_token(monkeypatch, capsys):
+    monkeypatch.delenv("COLOCATE_ADMIN_TOKEN", raising=False)
     monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
     assert migrate.main(["purge", "--url", "http://127.0.0.1:9", "--generation", "g"]) == 2
-    assert "COLOCATE_PROBE_TOKEN" in capsys.readouterr().err
+    assert "COLOCATE_ADMIN_TOKEN" in capsys.readouterr().err
 
 
 def test_cli_runs_as_a_subprocess(stacks):

@@ -71,11 +71,34 @@ def test_bindings_are_generated_from_the_plan():
     p = cell(raw_for())
     names = [b.name for b in p.worker.bindings]
     assert names[0] == "BREAKER"
-    assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "PROBE_TOKEN"} <= {
+    assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "READ_TOKEN", "ADMIN_TOKEN", "EXCHANGE_TOKEN"} == {
         b.name for b in p.worker.bindings if b.type == "secret_text"}
     assert p.worker.binding("POD_URLS").from_output == plan.POD_URLS_FROM_OUTPUT
     assert p.worker.binding("DEADLINE_MS").text == "2000"
     assert not any(b.text and "s3cret" in b.text for b in p.worker.bindings)
+
+
+def test_each_operator_role_binds_its_own_secret():
+    own = SECRETS - {"probeToken"} | set(settings.OPERATOR_TOKENS.values())
+    s = settings.parse(raw_for(), "t", secrets=own, env={})
+    p = plan.plan_cell(s)
+    assert {b.name: b.secret for b in p.worker.bindings if b.name.endswith("_TOKEN") and b.name != "POD_TOKEN"} == {
+        "READ_TOKEN": "readToken", "ADMIN_TOKEN": "adminToken", "EXCHANGE_TOKEN": "exchangeToken"}
+    assert s.credential_warning is None
+
+
+def test_a_stack_with_only_the_old_probe_token_keeps_working_with_a_warning_naming_the_new_keys():
+    s = settings.parse(raw_for(), "t", secrets=SECRETS, env={})
+    p = plan.plan_cell(s)
+    assert {p.worker.binding(n).secret for n in ("READ_TOKEN", "ADMIN_TOKEN", "EXCHANGE_TOKEN")} == {"probeToken"}
+    for key in ("colocate:readToken", "colocate:adminToken", "colocate:exchangeToken", "pulumi config rm colocate:probeToken"):
+        assert key in s.credential_warning
+
+
+def test_a_stack_with_no_operator_token_is_refused_naming_the_first_missing():
+    with pytest.raises(ConfigError) as err:
+        settings.parse(raw_for(), "t", secrets=SECRETS - {"probeToken"}, env={})
+    assert err.value.key == "colocate:readToken" and "pulumi config set --secret colocate:readToken" in err.value.fix
 
 
 def test_draining_generation_is_bound_with_its_own_hint():

@@ -74,7 +74,7 @@ def test_a_missing_token_does_not_print_none():
 def test_probe_without_a_token_says_so_plainly():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), "http://127.0.0.1:9"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env={"PATH": "/usr/bin:/bin"})  # no COLOCATE_PROBE_TOKEN
+                          env={"PATH": "/usr/bin:/bin"})  # no operator token
     assert proc.returncode == 2
     assert "--token: no probe token" in proc.stderr and "None" not in proc.stderr, proc.stderr
 

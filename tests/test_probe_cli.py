@@ -27,6 +27,7 @@ def probe():
 
 @pytest.fixture(autouse=True)
 def no_token_in_env(monkeypatch):
+    monkeypatch.delenv("COLOCATE_READ_TOKEN", raising=False)
     monkeypatch.delenv("COLOCATE_PROBE_TOKEN", raising=False)
 
 
@@ -146,7 +147,7 @@ def test_wrong_token_is_401_with_the_fix_and_no_secret(probe, capsys):
         code = probe.main([cell.url, "--token", "not-the-token", "--samples", "2"])
     out, err = capsys.readouterr()
     assert code == 2
-    assert "answered 401" in err and "pass --token or set COLOCATE_PROBE_TOKEN" in err
+    assert "answered 401" in err and "pass --token or set COLOCATE_READ_TOKEN" in err
     assert "not-the-token" not in out + err
 
 
@@ -154,11 +155,11 @@ def test_missing_token_exits_2_before_any_request(probe, capsys):
     with fake_cell.serve() as cell:
         code = probe.main([cell.url, "--samples", "2"])
         assert cell.log == []
-    assert code == 2 and "COLOCATE_PROBE_TOKEN" in capsys.readouterr().err
+    assert code == 2 and "COLOCATE_READ_TOKEN" in capsys.readouterr().err
 
 
 def test_token_from_the_environment_never_printed(probe, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", TOKEN)
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", TOKEN)
     with fake_cell.serve(state_colo="IAD") as cell:
         code = probe.main([cell.url, "--samples", "2", "--json", str(tmp_path / "r.json")])
     out, err = capsys.readouterr()
@@ -308,7 +309,7 @@ def test_stack_with_everything_given_does_not_call_pulumi(probe, capsys, monkeyp
     stack_file(tmp_path / "stacks")
     calls = fake_pulumi(tmp_path / "bin", None, exit_code=3)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("COLOCATE_PROBE_TOKEN", TOKEN)
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", TOKEN)
     with fake_cell.serve() as cell:
         code, doc, _ = run_json(probe, capsys, [cell.url, "--stack", "t", "--stacks-dir", str(tmp_path / "stacks"),
                                                "--pod-location", "AP-JP-1", "--pod-path", "zone-dns",
@@ -350,7 +351,7 @@ def test_missing_stack_file_exits_2(probe, capsys, tmp_path):
 
 def test_as_a_subprocess(tmp_path):
     with fake_cell.serve(state_colo="IAD") as cell:
-        env = {**os.environ, "COLOCATE_PROBE_TOKEN": TOKEN}
+        env = {**os.environ, "COLOCATE_READ_TOKEN": TOKEN}
         proc = subprocess.run([sys.executable, str(SCRIPT), cell.url, "--samples", "3", "--json", "-"],
                               capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
@@ -408,3 +409,48 @@ def test_wait_is_bounded_on_a_closed_port(probe, capsys):
     url = f"http://127.0.0.1:{fake_cell.closed_port()}"
     assert probe.main([url, "--token", TOKEN, "--samples", "2", "--wait", "1.5"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_settle_waits_for_a_new_placement_before_judging_it(probe, capsys, monkeypatch):
+    # The placement was just set: the Worker still runs in IAD for a few probes, then in NRT.
+    from colocate.probe import sample
+
+    monkeypatch.setattr(sample, "SETTLE_INTERVAL_S", 0.01)
+    with fake_cell.serve(worker_colo="IAD", placed_after=(4, "NRT")) as cell:
+        code, doc, err = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "2",
+                                                  "--expect-region", "apac-jp", "--settle", "30"])
+    assert code == 0 and doc["ok"] is True and doc["provisional"] is False, err
+    s = doc["settling"]
+    assert s["settled"] is True and s["colos"][0] == "IAD" and s["colos"][-3:] == ["NRT"] * 3
+    assert doc["placement"]["ran"] == "NRT"
+
+
+def test_a_placement_that_never_settles_is_provisional_not_a_failure(probe, capsys, monkeypatch):
+    from colocate.probe import sample
+
+    monkeypatch.setattr(sample, "SETTLE_INTERVAL_S", 0.01)
+    with fake_cell.serve(worker_colo="IAD") as cell:  # never applied within the window
+        code, doc, err = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "2",
+                                                  "--expect-region", "apac-jp", "--settle", "0.3"])
+        assert code == 0 and doc["ok"] is False and doc["provisional"] is True
+        assert doc["settling"]["settled"] is False and set(doc["settling"]["colos"]) == {"IAD"}
+        assert "verdict is provisional" in err and "PROVISIONAL: Worker runs in IAD" in err
+        # Without --settle (a later check by hand) the same placement fails.
+        code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "2",
+                                                "--expect-region", "apac-jp"])
+        assert code == 1 and doc["provisional"] is False and doc["settling"] is None
+    # A budget broken while placement settled is no placement question: it still fails.
+    with fake_cell.serve(state=[30.0]) as cell:
+        code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "2", "--expect-region",
+                                                "apac-jp", "--budget", "state=5", "--settle", "5"])
+    assert code == 1 and doc["settling"]["settled"] is True and doc["provisional"] is False
+
+
+def test_cf_placement_is_read_from_the_response_headers(probe, capsys):
+    # The Worker's trace and body say nothing; Cloudflare's response header says where it ran.
+    with fake_cell.serve(worker_colo=None, cf_placement=None, cf_placement_header="remote-NRT") as cell:
+        code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "2",
+                                                "--expect-region", "apac-jp"])
+    assert code == 0, doc["verdict"]
+    assert doc["placement"]["ran"] == "NRT" and doc["placement"]["ran_source"] == "cf-placement"
+    assert doc["placement"]["cf_placement"] == "remote-NRT"

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,34 @@ def test_a_site_not_served_by_its_nearest_healthy_cell_fails_with_the_floors(tmp
         assert "not by its nearest healthy cell apac-jp" in text
         assert floor("NRT", "apac-jp") in text and floor("NRT", "eu-west") in text
     assert err.rstrip().splitlines()[-1].startswith("FAIL: site NRT")
+
+
+def test_live_merges_every_cells_histograms_per_client_colo(three, capsys, monkeypatch):
+    f, (stacks, boxes) = three
+    sent = {"NRT": 6, "FRA": 4, "IAD": 3}
+    for colo, n in sent.items():
+        for _ in range(n):
+            # a client's own client-colo header is replaced by the front door's
+            assert f.call(colo, headers={"x-colocate-client-colo": "XXX"}).status == 200
+    argv = ["--stack", "fl", "--stacks-dir", str(stacks), "--sandboxes-dir", str(boxes), "--live", "--since", "15m",
+            "--json", "-"]
+    deadline = time.monotonic() + 20
+    while True:  # each cell's isolate syncs its histograms within about a second
+        code = probe.main(argv)
+        doc = json.loads(capsys.readouterr().out)
+        colos = {c["colo"]: c for c in doc["colos"]}
+        served = {colo: next((s["requests"] for s in colos.get(colo, {}).get("served", []) if s["cell"] == HOME[colo]), 0)
+                  for colo in sent}
+        if all(served[c] >= n for c, n in sent.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert code == 0, doc["violations"]
+    assert all(served[c] >= n for c, n in sent.items()), served
+    assert "XXX" not in colos
+    for colo in sent:
+        assert colos[colo]["nearest"] == HOME[colo]
+        assert colos[colo]["segments"]["total"]["n"] == colos[colo]["requests"]
+    assert doc["segments"]["total"]["n"] == doc["requests"] == sum(c["requests"] for c in doc["cells"])
+    assert [c["name"] for c in doc["cells"]] == ["apac-jp", "eu-west", "us-east"]
+    assert probe.main(["--stack", "fl", "--stacks-dir", str(stacks), "--live", "--samples", "3"]) == 2
+    assert "--samples" in capsys.readouterr().err

@@ -73,7 +73,7 @@ def test_a_worker_without_key_endpoints_is_probed_without_a_key(probe, capsys):
 def test_an_interrupt_mid_run_revokes_the_minted_key(sig):
     with fake_cell.serve(routed_delay_ms=200) as cell:
         env = {k: v for k, v in os.environ.items() if k not in ("COLOCATE_CLIENT_KEY",)}
-        env["COLOCATE_PROBE_TOKEN"] = TOKEN
+        env["COLOCATE_READ_TOKEN"] = TOKEN
         # SIGINT as a terminal sends it, even when this test runs where SIGINT is ignored (a background job)
         proc = subprocess.Popen([sys.executable, str(SCRIPT), cell.url, "--samples", "50"], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -150,3 +150,29 @@ def test_parse_since():
     for bad in ("", "1x", "-1h", "0m", "h"):
         with pytest.raises(ValueError):
             live.parse_since(bad, 0)
+
+
+def test_a_fleets_windows_merge_exactly_per_client_colo_and_an_unreadable_cell_fails():
+    from colocate.probe import fleet_live
+
+    rng = random.Random(5)
+    jp_vals = [rng.uniform(20, 30) for _ in range(40)]
+    us_vals = [rng.uniform(150, 190) for _ in range(10)]
+    jp = doc([[M, "NRT", "0@NRT", "total", enc(jp_vals)], [M, "IAD", "NRT", "sync", enc([4] * 5)]], region="apac-jp")
+    us = doc([[M, "IAD", "0@NRT", "total", enc(us_vals)], [M, "IAD", "0@IAD", "total", enc([9] * 7)]], region="us-east")
+    windows = [fleet_live.CellWindow("apac-jp", None, jp), fleet_live.CellWindow("us-east", None, us),
+               fleet_live.CellWindow("eu-west", catalogue.region("eu-west"), error="unreachable")]
+    r = fleet_live.build("fl", windows, (M - 5) * 60000)
+    assert not r.ok and r.violations[0]["message"] == "cell eu-west: unreachable"
+    nrt = next(c for c in r.colos if c.colo == "NRT")
+    assert nrt.nearest == "apac-jp" and [(s.cell, s.requests) for s in nrt.served] == [("apac-jp", 40), ("us-east", 10)]
+    both = jp_vals + us_vals
+    for q in (50, 90, 99):
+        want = exact(both, q)
+        assert abs(nrt.segments["total"][f"p{q}"] - want) <= want * DEFAULT_BUCKETS.relative_error + 0.01
+    assert any("not the nearest cell apac-jp" in n for n in r.notes)
+    assert r.requests == 57 and r.segments["total"]["n"] == 57 and r.segments["sync"]["n"] == 5
+    assert "by client colo" in fleet_live.table(r) and fleet_live.to_json(r)["colos"][0]["colo"] == "NRT"
+    # a cell's own live view keeps the pods apart from the client colos
+    one = live.build(us, catalogue.region("us-east"))
+    assert one.backends == {"pod-0": 17}

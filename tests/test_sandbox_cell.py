@@ -114,7 +114,7 @@ def test_probe_cli_reports_state_left_behind(stacks, state_dir, tmp_path):
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), cell["worker_url"], "--samples", "3",
                            "--pod-location", "local", "--expect-region", "apac-tw", "--json", str(out)],
-                          env={**os.environ, "COLOCATE_PROBE_TOKEN": cell["token"], "COLOCATE_CLIENT_KEY": cell["key"]},
+                          env={**os.environ, "COLOCATE_READ_TOKEN": cell["read_token"], "COLOCATE_CLIENT_KEY": cell["key"]},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr  # a placement failure
     result = json.loads(out.read_text())

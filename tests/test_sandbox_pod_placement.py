@@ -89,7 +89,7 @@ def test_a_pod_mode_sandbox_runs_the_worker_at_the_stand_in_and_the_probe_agrees
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "probe.py"),
                                cell["worker_url"], "--samples", "3", "--pod-location", "local", "--expect-region",
                                "us-east", "--placement-mode", "pod", "--json", str(out)],
-                              env={**os.environ, "COLOCATE_PROBE_TOKEN": cell["token"], "COLOCATE_CLIENT_KEY": cell["key"]},
+                              env={**os.environ, "COLOCATE_READ_TOKEN": cell["read_token"], "COLOCATE_CLIENT_KEY": cell["key"]},
                               capture_output=True, text=True, timeout=120)
         result = json.loads(out.read_text())
         assert proc.returncode == 0, proc.stderr

@@ -14,9 +14,11 @@ Routes:
                                  (OpenAI's documented shape, which vLLM follows); JSON answers always
                                  carry ``usage``
     POST /v1/completions         JSON, or SSE with "stream": true
-    POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N} (loopback clients only)
-    GET  /_standin/stats         {"requests": N, "streams": {"completed": N, "cut": N}, "fault": {...}}
-                                 (loopback clients only; a cut stream lost its client before [DONE])
+    POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N}, or
+                                 {"mode": "hostile", "attack": A} (loopback clients only; below)
+    GET  /_standin/stats         {"requests": N, "streams": {"completed": N, "cut": N}, "redirected": N,
+                                 "fault": {...}} (loopback clients only; a cut stream lost its client
+                                 before [DONE]; ``redirected``: requests that followed the redirect attack)
 
 Inference routes refuse what vLLM refuses, as vLLM answers (``validate``): a body that is not
 JSON or not an object, a missing or malformed ``messages``/``prompt``, a field of the wrong type
@@ -34,6 +36,14 @@ generators name models freely.
 Faults apply to every route except ``/_standin/*``: ``error`` answers 500, ``hang``
 holds the request for ``delay_ms`` (or until shutdown when 0) then drops the connection,
 ``slow`` adds ``delay_ms`` before answering.
+
+``hostile`` is a pod that lies to the router, on the inference routes, with one ``attack``:
+``usage_inflated`` reports 10^300 prompt and completion tokens; ``usage_hidden`` answers a
+non-streamed request with vLLM's ``prompt_logprobs`` after ``usage``, a prompt token decoding
+to ``"usage"`` last; ``headers`` adds ``Set-Cookie`` and ``Access-Control-Allow-Origin: *``;
+``redirect`` answers 307 to ``/_standin/redirected`` (which counts who follows it);
+``oversized`` sends a JSON answer of OVERSIZED_BYTES (64 MiB, chunked, stopping when the client
+leaves). ``{"mode": "ok"}`` ends it.
 
 CLI: ``python -m colocate.pods.standin --host 127.0.0.1 --port 0 --compute-ms 95 --model NAME
 [--port-file PATH]`` prints one JSON line ``{"url": ..., "port": ...}`` once listening and
@@ -60,7 +70,10 @@ from pathlib import Path
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
-FAULT_MODES = ("ok", "error", "hang", "slow")
+FAULT_MODES = ("ok", "error", "hang", "slow", "hostile")
+ATTACKS = ("usage_inflated", "usage_hidden", "headers", "redirect", "oversized")
+OVERSIZED_BYTES = 64 * 1024 * 1024  # four times the router's cap on an answer (forward.js MAX_ANSWER_BYTES)
+INFLATED = 10**300
 MAX_BODY = 8 * 1024 * 1024
 _HANG_CAP_S = 300.0  # a hang with no delay lasts until shutdown, but never longer than this
 
@@ -224,7 +237,9 @@ class StandinServer(ThreadingHTTPServer):
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._fault = {"mode": "ok", "delay_ms": 0}
+        self._redirected = 0
         self._requests = 0
+        self.seen_headers: list[dict[str, str]] = []  # the last 16 inference requests' headers (in-process tests)
         self._streams = {"completed": 0, "cut": 0}
         super().__init__((host, port), _Handler)
 
@@ -250,9 +265,11 @@ class StandinServer(ThreadingHTTPServer):
         with self._lock:
             return self._requests
 
-    def count_request(self) -> None:
+    def count_request(self, headers=None) -> None:
         with self._lock:
             self._requests += 1
+            if headers is not None:
+                self.seen_headers = [*self.seen_headers[-15:], {k.lower(): v for k, v in headers.items()}]
 
     @property
     def streams(self) -> dict:
@@ -260,6 +277,16 @@ class StandinServer(ThreadingHTTPServer):
         first (``cut``): a router that stops reading must not leave the pod generating."""
         with self._lock:
             return dict(self._streams)
+
+    @property
+    def redirected(self) -> int:
+        """Requests that arrived at the redirect attack's target: a router must send none."""
+        with self._lock:
+            return self._redirected
+
+    def count_redirected(self) -> None:
+        with self._lock:
+            self._redirected += 1
 
     def count_stream(self, outcome: str) -> None:
         with self._lock:
@@ -270,14 +297,16 @@ class StandinServer(ThreadingHTTPServer):
         with self._lock:
             return dict(self._fault)
 
-    def set_fault(self, mode: str, delay_ms: float = 0) -> None:
+    def set_fault(self, mode: str, delay_ms: float = 0, attack: str | None = None) -> None:
         if mode not in FAULT_MODES:
             raise ValueError(f"fault mode {mode!r} is not one of {', '.join(FAULT_MODES)}")
         delay = float(delay_ms)
         if delay < 0:
             raise ValueError(f"delay_ms must be >= 0 (got {delay_ms!r})")
+        if (mode == "hostile") != (attack is not None) or (attack is not None and attack not in ATTACKS):
+            raise ValueError(f"attack {attack!r}: mode hostile takes one of {', '.join(ATTACKS)}, other modes none")
         with self._lock:
-            self._fault = {"mode": mode, "delay_ms": delay}
+            self._fault = {"mode": mode, "delay_ms": delay, **({"attack": attack} if attack else {})}
 
     def stop(self) -> None:
         """Wake any hanging request, stop serving and close the socket."""
@@ -380,7 +409,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not self._loopback_client():
                 return self._error(403, "stand-in controls are local only", "forbidden")
             return self._send_json(200, {"requests": self.server.requests, "streams": self.server.streams,
-                                         "fault": self.server.fault})
+                                         "redirected": self.server.redirected, "fault": self.server.fault})
         if path == "/health":
             if self._apply_fault():
                 self._send_json(200, {"status": "ok"})
@@ -405,11 +434,14 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(413, f"body larger than {MAX_BODY} bytes", "body_too_large")
         if path == "/_standin/fault":
             return self._post_fault(raw)
+        if path == "/_standin/redirected":
+            self.server.count_redirected()
+            return self._send_json(200, {"followed": True})
         if path not in ("/v1/chat/completions", "/v1/completions"):
             if path in ("/health", "/v1/models"):
                 return self._error(405, f"{path} takes GET", "method_not_allowed", headers={"Allow": "GET"})
             return self._error(404, f"no route {path}", "not_found")
-        self.server.count_request()
+        self.server.count_request(self.headers)
         if not self._authorised():
             return self._error(401, "Unauthorized", "invalid_api_key")
         chat = path == "/v1/chat/completions"
@@ -427,33 +459,62 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_text(500, "Internal Server Error")
         if not self._apply_fault():
             return
+        attack = self.server.fault.get("attack")
+        if attack == "redirect":
+            return self._send_json(307, {"redirect": True}, {"Location": "/_standin/redirected"})
+        if attack == "oversized":
+            return self._oversized()
         options = body.get("stream_options")
         model = body.get("model") or self.server.model
         tokens = _reply_tokens(body, chat, (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens") or 8)
         usage = _usage(body, tokens)
+        if attack == "usage_inflated":
+            usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
+        extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
         if body.get("stream"):
-            return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None)
+            return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None, extra)
         self._compute()
         text = "".join(tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat
                   else {"index": 0, "text": text, "finish_reason": "stop"})
-        self._send_json(200, {
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage,
-        })
+        answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                  "model": model, "choices": [choice], "usage": usage}
+        if attack == "usage_hidden":
+            # vLLM's order: prompt_logprobs after usage; the last prompt token decodes to "usage".
+            answer["prompt_logprobs"] = [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "hi"}},
+                                         {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "usage"}}]
+        self._send_json(200, answer, extra)
+
+    def _oversized(self) -> None:
+        """A JSON answer of OVERSIZED_BYTES, chunked (no length to refuse it by), until the client leaves."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("x-standin", self.server.name)
+        self.end_headers()
+        piece = b'{"pad":"' + b"x" * (1024 * 1024 - 10) + b'",'
+        try:
+            for _ in range(OVERSIZED_BYTES // len(piece)):
+                self._write_chunk(piece)
+            self._write_chunk(b'"end":1}')
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        self.close_connection = True
 
     def _post_fault(self, raw: bytes) -> None:
         if not self._loopback_client():
             return self._error(403, "stand-in controls are local only", "forbidden")
         try:
             body = json.loads(raw or b"{}")
-            self.server.set_fault(body.get("mode", "ok"), body.get("delay_ms", 0) or 0)
+            self.server.set_fault(body.get("mode", "ok"), body.get("delay_ms", 0) or 0, body.get("attack"))
         except (ValueError, TypeError, AttributeError) as exc:
             return self._error(400, f"bad fault request: {exc}", "invalid_fault")
         self._send_json(200, {"fault": self.server.fault})
 
-    def _stream(self, chat: bool, model: str, tokens: list[str], usage: dict | None = None) -> None:
+    def _stream(self, chat: bool, model: str, tokens: list[str], usage: dict | None = None, extra: dict | None = None) -> None:
         """SSE; with ``usage`` (the client asked ``include_usage``) every chunk has
         ``"usage": null`` and one more chunk, ``choices: []`` with the usage, precedes [DONE]."""
         self.send_response(200)
@@ -461,6 +522,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.send_header("x-standin", self.server.name)
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
         self.end_headers()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         created = int(time.time())

@@ -441,25 +441,32 @@ def sites_for(stack: str, flags: Sequence[str], url: str | None, sandbox: Sandbo
                      f"--fleet {stack}`, or deploy it (pulumi up -s {stack})")
 
 
-def run(stack: str, cells: Sequence[str], sites: Sequence[Site], key: str, samples: int, timeout_s: float,
-        model: str | None, *, stacks_dir: Path, sandboxes_dir: Path | None = None,
-        sandbox: SandboxFleet | None = None, say: Callable[[str], None] = lambda _m: None) -> FleetResult:
-    """Health of every cell, N samples from every site, health again; judged per site."""
+def member_targets(cells: Sequence[str], *, stacks_dir: Path, sandboxes_dir: Path | None = None,
+                   sandbox: SandboxFleet | None = None) -> list[tuple[str, Region | None, object]]:
+    """Each member cell: (name, region if known, its ``admin.Target`` or the error that says why none)."""
     from .. import admin
 
     described = {fleet_mod.short_name(str(c.get("stack") or c["name"])): c for c in (sandbox.cells if sandbox else [])}
-    members = []
+    out = []
     for stack_name in cells:
         name = fleet_mod.short_name(stack_name)
         rec = described.get(name, {})
         region = _region(rec.get("region"), f"region of cell {name} in fleet.json") or _cell_region(stack_name, stacks_dir)
-        target = admin._sandbox_target(Path(rec["state_dir"])) if rec.get("state_dir") else None
+        target = admin.sandbox_target(Path(rec["state_dir"]), "read") if rec.get("state_dir") else None
         if target is None:
             try:
                 target = admin.resolve(stack=stack_name, sandboxes_dir=sandboxes_dir)
             except admin.AdminError as exc:
                 target = exc
-        members.append([name, region, target])
+        out.append((name, region, target))
+    return out
+
+
+def run(stack: str, cells: Sequence[str], sites: Sequence[Site], key: str, samples: int, timeout_s: float,
+        model: str | None, *, stacks_dir: Path, sandboxes_dir: Path | None = None,
+        sandbox: SandboxFleet | None = None, say: Callable[[str], None] = lambda _m: None) -> FleetResult:
+    """Health of every cell, N samples from every site, health again; judged per site."""
+    members = [list(m) for m in member_targets(cells, stacks_dir=stacks_dir, sandboxes_dir=sandboxes_dir, sandbox=sandbox)]
 
     def health() -> list[CellHealth]:
         out = []

@@ -2,7 +2,7 @@
 
 The Worker answers routed paths (``/v1/models``, ``/v1/chat/completions``) only with a client
 key. Given one (``--key`` or ``COLOCATE_CLIENT_KEY``), the probe uses it; otherwise it mints a
-short-lived key through the Worker's admin endpoint with the probe token
+short-lived key through the Worker's admin endpoint with the admin token
 (``POST /_colocate/keys``, ``{"name": "probe-<utc time>", "expires_in_s": 900}``) right after
 the warm-up, and revokes it when the run ends, Ctrl-C included (``close`` runs from a
 ``finally``). Should the revoke fail, the key still expires by itself after 15 minutes.
@@ -56,7 +56,7 @@ class KeyLease:
                 self._say("the Worker has no /_colocate/keys: routed samples go without a client key")
                 return
             raise TargetError(f"could not mint a client key for the routed samples ({exc}); "
-                              f"pass one with --key or {KEY_ENV}") from None
+                              f"pass one with --key or {KEY_ENV}, or set {admin.TOKEN_ENVS['admin']} to mint one") from None
         except admin.AdminError as exc:
             raise TargetError(f"could not mint a client key for the routed samples: {exc}") from None
         key, self.minted_id = rec.get("key"), rec.get("id")

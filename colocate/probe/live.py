@@ -58,6 +58,7 @@ class Row:
     who: str  # the pod index or "fallback" (routed segments); the Worker's colo (sync)
     segment: str
     hist: Histogram
+    client: str | None = None  # behind a fleet's front door: the colo it received the request in
 
 
 def rows_of(doc: Mapping) -> tuple[list[Row], Buckets]:
@@ -79,7 +80,8 @@ def rows_of(doc: Mapping) -> tuple[list[Row], Buckets]:
                 hist = Histogram.decode(r[4], buckets)
             except HistogramError as exc:
                 raise LiveDataError(f"{field_name} row {r[:4]!r}: {exc}") from None
-            out.append(Row(r[0] * span, span, str(r[1] or "unknown").upper(), str(r[2]), r[3], hist))
+            who, _, client = str(r[2]).partition("@") if r[3] != SYNC else (str(r[2]), "", "")
+            out.append(Row(r[0] * span, span, str(r[1] or "unknown").upper(), who, r[3], hist, client or None))
     return out, buckets
 
 

@@ -23,17 +23,18 @@ PULUMI_TIMEOUT_S = 120
 @dataclass(frozen=True)
 class StackOutputs:
     worker_url: str | None
-    probe_token: str | None
+    read_token: str | None  # readToken (an older stack's probeToken)
     pod_location: str | None
     pod_locations: tuple[str, ...] = ()  # every pod, index order (podLocations)
     pod_path: str | None = None  # podPath: how the Worker reaches the pods
     placement_mode: str | None = None  # placementMode: pod | targeted | smart
     placement_host: str | None = None  # placementHost: pod mode's host:port
+    admin_token: str | None = None  # adminToken (an older stack's probeToken)
 
     def __repr__(self) -> str:  # never print the token
         return (f"StackOutputs(worker_url={self.worker_url!r}, pod_location={self.pod_location!r}, "
                 f"pod_locations={self.pod_locations!r}, pod_path={self.pod_path!r}, "
-                f"placement_mode={self.placement_mode!r}, placement_host={self.placement_host!r}, probe_token=***)")
+                f"placement_mode={self.placement_mode!r}, placement_host={self.placement_host!r}, tokens=***)")
 
 
 def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi") -> StackOutputs:
@@ -43,7 +44,7 @@ def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi")
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=PULUMI_TIMEOUT_S, check=False)
     except FileNotFoundError:
         raise OutputsError(f"--stack {stack}: the pulumi CLI is not on PATH; install it, or pass the URL, "
-                           "--pod-location and the token (COLOCATE_PROBE_TOKEN) yourself") from None
+                           "--pod-location and the token (COLOCATE_READ_TOKEN) yourself") from None
     except subprocess.TimeoutExpired:
         raise OutputsError(f"--stack {stack}: `pulumi stack output` did not finish in {PULUMI_TIMEOUT_S} s") from None
     if proc.returncode != 0:
@@ -63,8 +64,10 @@ def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi")
 
     locations = data.get(names.POD_LOCATIONS)
     locations = tuple(x for x in locations if isinstance(x, str) and x) if isinstance(locations, list) else ()
-    return StackOutputs(text(names.WORKER_URL), text(names.PROBE_TOKEN), text(names.POD_LOCATION),
-                        locations, text(names.POD_PATH), text(names.PLACEMENT_MODE), text(names.PLACEMENT_HOST))
+    legacy = text(names.PROBE_TOKEN)  # a stack deployed by the release before the split credentials
+    return StackOutputs(text(names.WORKER_URL), text(names.READ_TOKEN) or legacy, text(names.POD_LOCATION),
+                        locations, text(names.POD_PATH), text(names.PLACEMENT_MODE), text(names.PLACEMENT_HOST),
+                        text(names.ADMIN_TOKEN) or legacy)
 
 
 @dataclass(frozen=True)

@@ -165,14 +165,16 @@ def _status(colo: str | None, region: catalogue.Region | None) -> str:
 
 
 def observe(bodies: list[dict], ray_colos: Iterable[str | None], region: catalogue.Region | None,
-            pod_location: str | None = None, mode: str | None = None, host: str | None = None) -> Placement:
-    """Fold the probe bodies and response colos of a run into one Placement."""
+            pod_location: str | None = None, mode: str | None = None, host: str | None = None,
+            cf_headers: Iterable[str | None] = ()) -> Placement:
+    """Fold the probe bodies and response colos of a run into one Placement; ``cf_headers``:
+    the responses' own ``cf-placement`` headers (Cloudflare sets it on the response)."""
     ray_colos = list(ray_colos)
     accepted, accepted_seen = common(ray_colos)
     if accepted is None:  # no cf-ray on the responses: what the Worker saw on the request
         accepted, accepted_seen = common(b.get("ray_colo") for b in bodies)
     ran, ran_seen = common(b.get("worker_colo") for b in bodies)
-    cf_values = [b.get("cf_placement") for b in bodies if b.get("cf_placement")]
+    cf_values = [v for v in [*(b.get("cf_placement") for b in bodies), *cf_headers] if v]
     cf_placement = Counter(cf_values).most_common(1)[0][0] if cf_values else None
     source = "worker_colo"
     if ran is None:

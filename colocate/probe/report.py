@@ -40,10 +40,18 @@ class Result:
     pods: list[dict] = field(default_factory=list)  # per pod: index, host, location, site, status, rtt, health
     pod_path: str | None = None  # how the Worker reaches the pods (zone-dns | provider-proxy | local-hostname)
     fallback_check: dict | None = None  # the Worker's one check of the fallback, as it reported it
+    settling: dict | None = None  # --settle: {settled, seconds, colos}
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    @property
+    def provisional(self) -> bool:
+        """A placement check failed while the placement had not settled (--settle ran out):
+        Cloudflare may not have applied it yet, so the verdict cannot stand."""
+        return bool(self.settling) and not self.settling["settled"] and any(
+            v["kind"] == "placement" for v in self.violations)
 
     @property
     def verdict(self) -> str:
@@ -173,7 +181,8 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         named = next((b.get("region") for b in reversed(bodies) if b.get("region") in catalogue.REGIONS), None)
         region = catalogue.REGIONS.get(named) if named else None
     rays = [s.ray_colo for s in [*run.probe, *run.routed] if s.status is not None]
-    place = placement_mod.observe(bodies, rays, region, pod_location, worker_placement, placement_host)
+    cf_headers = [s.cf_placement for s in [run.warmup, *run.probe, *run.routed]]
+    place = placement_mod.observe(bodies, rays, region, pod_location, worker_placement, placement_host, cf_headers)
     floors = place.floors()
     p50 = {name: seg["p50"] for name, seg in segments.items()}
     found = placement_mod.findings(place, p50, worker_placement)
@@ -245,7 +254,10 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         if q.get("bad_body"):
             notes.append(f"{q['bad_body']} probe responses had no JSON object body")
     return Result(run.url, run.model, len(run.routed), values, segments, fallback_rate, backends, place, floors,
-                  budget_list, found, violations, errors, quality, notes, pods, pod_path, fallback)
+                  budget_list, found, violations, errors, quality, notes, pods, pod_path, fallback,
+                  settling=None if run.settling is None else {"settled": run.settling.settled,
+                                                              "seconds": run.settling.seconds,
+                                                              "colos": run.settling.colos})
 
 
 def to_json(r: Result, warn_only: bool = False) -> dict:
@@ -275,6 +287,8 @@ def to_json(r: Result, warn_only: bool = False) -> dict:
         "pods": r.pods,
         "pod_path": r.pod_path,
         "fallback_check": r.fallback_check,
+        "settling": r.settling,
+        "provisional": r.provisional,
     }
 
 
@@ -343,5 +357,10 @@ def table(r: Result) -> str:
         lines += ["", "notes:"] + [f"  - {m}" for m in info]
     if r.violations:
         lines += ["", "violations:"] + [f"  - {v['message']}" for v in r.violations]
-    lines += ["", ("OK: " if r.ok else "FAIL: ") + r.verdict]
+    if r.settling:
+        s = r.settling
+        lines += ["", f"placement {'settled' if s['settled'] else 'NOT settled'} after {s['seconds']:g} s "
+                      f"(Worker colos: {', '.join(c or '?' for c in s['colos'][-6:])})"]
+    head = "OK: " if r.ok else ("PROVISIONAL: " if r.provisional else "FAIL: ")
+    lines += ["", head + r.verdict]
     return "\n".join(lines) + "\n"

@@ -33,7 +33,7 @@ ROUTED_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 ROUTED_METRICS = ("state", "upstream", "fallback", "total")
 PROBE_METRICS = ("state_rtt", "pod_rtt")
-TOKEN_HELP = "pass --token or set COLOCATE_PROBE_TOKEN (the stack's probeToken output)"
+TOKEN_HELP = "pass --token or set COLOCATE_READ_TOKEN (the stack's readToken output)"
 KEY_HELP = ("pass a live key with --key or COLOCATE_CLIENT_KEY (`.venv/bin/python scripts/keys.py create`), "
             "or give neither and the probe mints a short-lived one")
 _RAY = re.compile(r"-([A-Za-z]{3})$")
@@ -59,10 +59,36 @@ class Sample:
     cell: str | None = None  # routed through a fleet's front door: x-colocate-cell
     body: dict | None = None  # probe: the JSON document
     body_problem: str | None = None  # probe: why the body is unusable
+    cf_placement: str | None = None  # the response's cf-placement header (remote-XXX / local-XXX), if any
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+SETTLE_STREAK = 3  # the same in-region colo this many probes in a row: the placement has settled
+SETTLE_INTERVAL_S = 2.0
+
+
+@dataclass
+class Settling:
+    """Waiting for a new placement to be applied: the Worker's colo, probe after probe."""
+
+    settled: bool
+    seconds: float
+    colos: list[str | None]  # the Worker's colo at each probe, in order (None: not reported)
+
+
+def ran_colo(s: Sample) -> str | None:
+    """Where the Worker ran: its own trace (``worker_colo``), else ``cf-placement`` (header or body)."""
+    body = s.body or {}
+    if isinstance(body.get("worker_colo"), str) and body["worker_colo"]:
+        return body["worker_colo"].upper()
+    for value in (s.cf_placement, body.get("cf_placement")):
+        kind, _, code = (value or "").strip().partition("-")
+        if kind.lower() in ("remote", "local") and len(code) == 3 and code.isalpha():
+            return code.upper()
+    return None
 
 
 @dataclass
@@ -73,6 +99,7 @@ class Run:
     probe: list[Sample] = field(default_factory=list)
     routed: list[Sample] = field(default_factory=list)
     fallback_check: Sample | None = None  # the one ?fallback=1 probe (its body's "fallback")
+    settling: Settling | None = None  # --settle: how the placement was waited for
 
 
 class Sampler:
@@ -111,7 +138,7 @@ class Sampler:
             return Sample("probe", None, None, "connection failed", timing.Timing())
         st = timing.parse(r.headers.get("Server-Timing"), PROBE_METRICS)
         sample = Sample("probe", ms, r.status_code, None if r.ok else f"HTTP {r.status_code}", st,
-                        ray_colo(r.headers.get("cf-ray")))
+                        ray_colo(r.headers.get("cf-ray")), cf_placement=r.headers.get("cf-placement"))
         if r.ok:
             try:
                 body = r.json()
@@ -135,7 +162,8 @@ class Sampler:
         st = timing.parse(r.headers.get("Server-Timing"), ROUTED_METRICS)
         backend = (r.headers.get("x-colocate-backend") or "").strip().lower() or None
         return Sample("routed", ms, r.status_code, None if r.ok else f"HTTP {r.status_code}", st,
-                      ray_colo(r.headers.get("cf-ray")), backend, cell=(r.headers.get("x-colocate-cell") or "").strip() or None)
+                      ray_colo(r.headers.get("cf-ray")), backend, cell=(r.headers.get("x-colocate-cell") or "").strip() or None,
+                      cf_placement=r.headers.get("cf-placement"))
 
     def models(self) -> requests.Response:
         """``GET /v1/models`` with the client key; a 401 is Unauthorized, a transport
@@ -193,18 +221,43 @@ class Sampler:
         return s
 
 
+def settle(sampler: Sampler, in_region: Callable[[str], bool], settle_s: float,
+           progress: Callable[[str], None] | None = None, interval_s: float = SETTLE_INTERVAL_S) -> Settling:
+    """Probe until the Worker has run in the same in-region colo ``SETTLE_STREAK`` times in a
+    row, or ``settle_s`` passes. Cloudflare applies a new placement some time after the
+    settings call (host placement probes its target at intervals), so the deploy that sets
+    or changes it must not be judged on the colo the Worker ran in before."""
+    start = time.monotonic()
+    colos: list[str | None] = []
+    while True:
+        colo = ran_colo(sampler.probe())
+        colos.append(colo)
+        tail = colos[-SETTLE_STREAK:]
+        if len(tail) == SETTLE_STREAK and tail[0] and len(set(tail)) == 1 and in_region(tail[0]):
+            return Settling(True, round(time.monotonic() - start, 1), colos)
+        elapsed = time.monotonic() - start
+        if elapsed >= settle_s:
+            return Settling(False, round(elapsed, 1), colos)
+        if progress and len(colos) % 10 == 0:
+            progress(f"placement not settled after {elapsed:.0f}s (Worker in {colo or 'an unknown colo'})")
+        time.sleep(min(interval_s, max(0.0, settle_s - elapsed)))
+
+
 def run(url: str, token: str, samples: int, timeout_s: float, model: str | None = None,
         progress: Callable[[str], None] | None = None, wait_s: float = 0.0,
-        key: Callable[[], str | None] | None = None, check_fallback: bool = True) -> Run:
+        key: Callable[[], str | None] | None = None, check_fallback: bool = True,
+        settle_s: float = 0.0, in_region: Callable[[str], bool] | None = None) -> Run:
     """Warm up, check the fallback once, learn the model, then take ``samples`` (probe, routed) pairs.
+    ``settle_s`` > 0 (with ``in_region``): first wait for the placement to settle (``settle``).
 
     ``key`` is called after the warm-up (so a key is minted only once the cell answers)."""
     with Sampler(url, token, timeout_s, key) as sampler:
         warm = sampler.warm_up(wait_s)
+        settling = settle(sampler, in_region, settle_s, progress) if settle_s > 0 and in_region else None
         sampler._key()  # mint now, before any routed request is timed
         fallback = sampler.probe("?fallback=1") if check_fallback else None
         chosen = model or sampler.first_model()
-        result = Run(sampler.url, chosen, warm, fallback_check=fallback)
+        result = Run(sampler.url, chosen, warm, fallback_check=fallback, settling=settling)
         for i in range(samples):
             result.probe.append(sampler.probe())
             result.routed.append(sampler.routed(chosen))

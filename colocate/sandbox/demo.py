@@ -173,13 +173,15 @@ class Demo:
         out.unlink(missing_ok=True)
         print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples",
               flush=True)
-        # The probe mints its own short-lived client key with the probe token and revokes it.
+        # The probe reads with the read token and mints its own short-lived client key with the
+        # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
         tail: list[str] = []
         with subprocess.Popen(
             [sys.executable, str(PROBE), c["worker_url"], "--samples", str(self.samples), "--expect-region",
              c["region"], "--pod-location", "local", "--pod-path", "local-hostname", "--json", str(out)],
-            env={**os.environ, "COLOCATE_PROBE_TOKEN": c["token"]}, cwd=supervisor.ROOT,
+            env={**os.environ, "COLOCATE_READ_TOKEN": c.get("read_token") or c["token"], "COLOCATE_ADMIN_TOKEN": c["token"]},
+            cwd=supervisor.ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ) as proc:
             try:

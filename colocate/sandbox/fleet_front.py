@@ -166,7 +166,7 @@ def front_config(plan: fleet_mod.FleetPlan, colos: list[str], binding_port: int,
                  storage_dir: Path) -> str:
     """One front-door service per colo (the same modules and plan bindings), each on its own
     socket that parses ``cf-blob``; its ``CELL_<i>`` reach the binding proxy, which learns the
-    colo and the cell from injected headers. ``tokens``: each cell's probe token (the
+    colo and the cell from injected headers. ``tokens``: each cell's exchange token (the
     ``CELL_TOKEN_<i>`` a deployed fleet reads from the cells' outputs). The first colo's
     service owns the limits ledger's namespace, stored in ``storage_dir``; the others bind
     to it, so the fleet has one ledger, as in the cloud."""
@@ -209,14 +209,15 @@ class FrontRunner:
         return routes
 
     def _tokens(self, plan: fleet_mod.FleetPlan) -> list[str]:
-        """Each member's probe token, in the plan's order, from its running sandbox."""
+        """Each member's exchange token, in the plan's order, from its running sandbox."""
         cells = {c["name"]: c for c in (_read_object(self.state_dir / LAUNCH_FILE) or {}).get("cells", [])}
         out = []
         for m in plan.members:
             ready = _read_object(Path(cells[m.name]["state_dir"]) / "ready.json") if m.name in cells else None
-            if not ready or not ready.get("token"):
-                raise StartupFailed(f"cell {m.name} has no probe token in its ready.json: it is not running")
-            out.append(ready["token"])
+            if not ready or not ready.get("exchange_token"):
+                raise StartupFailed(f"cell {m.name} has no exchange token in its ready.json: it is not running "
+                                    f"(or was started by an older release: restart it)")
+            out.append(ready["exchange_token"])
         return out
 
     def _start_workerd(self, plan: fleet_mod.FleetPlan, colos: list[str]) -> dict[str, int]:

@@ -128,7 +128,7 @@ class Runner:
         self.servers = NetworkServers(network)
         wport, state_sites = self._launch_workerd(plan, sites, pods)
         network.resume(("127.0.0.1", wport))
-        self.key = demo_key(self.state_dir, f"http://127.0.0.1:{self.servers.front.port}", secrets["probeToken"])
+        self.key = demo_key(self.state_dir, f"http://127.0.0.1:{self.servers.front.port}", secrets["adminToken"])
         return self._ready(plan, launch, pods, sites, state_sites, wport)
 
     @staticmethod
@@ -221,7 +221,7 @@ class Runner:
         through the Worker's own endpoint (as `migrate.py purge` does in the cloud)."""
         record = self.state_dir / "purged.json"
         done = set((_read_json(record) or {}).get("purged", []))
-        token = load_secrets(self.state_dir)["probeToken"]
+        token = load_secrets(self.state_dir)["adminToken"]
         for gen in plan.state.purge:
             if gen in done:
                 continue
@@ -254,7 +254,9 @@ class Runner:
                       "address": p["url"].rstrip("/"), "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)}
                      for p in pods],
             "fallback_url": fallback_url,
-            "token": secrets["probeToken"],
+            "token": secrets["adminToken"],  # keys.py's; the probe and the live view take read_token
+            "read_token": secrets["readToken"],
+            "exchange_token": secrets["exchangeToken"],  # a fleet's front door's
             "key": self.key.get("key"),
             "key_id": self.key.get("id"),
             "state_dir": str(self.state_dir),

@@ -2,7 +2,7 @@
 
 State directory (default ``<repo>/.colocate/sandbox/<stack>/``):
 
-    secrets.json   generated once, mode 0600 (pod, probe, fallback tokens)
+    secrets.json   generated once, mode 0600 (pod, read, admin, exchange, fallback tokens)
     pins.json      where each generation was first touched; survives down/up
     objects/<SITE> each object host's SQLite storage; survives down/up
     sandbox.lock   flock taken by ``up`` and inherited by the runner for its whole life
@@ -33,7 +33,8 @@ from pathlib import Path
 from .errors import OtherStack
 
 ROOT = Path(__file__).resolve().parents[2]
-SANDBOX_SECRETS = ("podToken", "probeToken", "fallbackApiKey")  # fallbackUrl is the fallback's URL, known at start
+# fallbackUrl is the fallback's URL, known at start
+SANDBOX_SECRETS = ("podToken", "readToken", "adminToken", "exchangeToken", "fallbackApiKey")
 SANDBOX_CMD = ".venv/bin/python scripts/sandbox.py"  # every command we print runs as printed from the root
 SANDBOXES_DIR = ROOT / ".colocate" / "sandbox"
 

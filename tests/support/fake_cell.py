@@ -34,6 +34,8 @@ class Behaviour:
     state_colo: str | None = "NRT"
     ray_colo: str | None = "NRT"  # suffix of the cf-ray response header; None: no header
     cf_placement: str | None = "remote-NRT"
+    cf_placement_header: str | None = None  # the response's cf-placement header, as Cloudflare sets it
+    placed_after: tuple[int, str] | None = None  # (k, colo): from the k-th probe request on, the Worker runs in colo
     pod_host: str = "pod-abc.example.com:8000"
     generation: str = "apac-jp.g1"
     draining_generation: str | None = None
@@ -149,6 +151,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         if b.ray_colo:
             self.send_header("cf-ray", f"8c1f2e3d4a5b6c7d-{b.ray_colo}")
+        if b.cf_placement_header:
+            self.send_header("cf-placement", b.cf_placement_header)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
@@ -193,8 +197,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self._sleep(b.probe_delay_ms)
             srtt, prtt = _pick(b.state_rtt_ms, i), _pick(b.pod_rtt_ms, i)
+            ran = b.placed_after[1] if b.placed_after and i >= b.placed_after[0] else b.worker_colo
             doc = {
-                "worker_colo": b.worker_colo, "cf_placement": b.cf_placement, "ray_colo": b.ray_colo,
+                "worker_colo": ran, "cf_placement": b.cf_placement, "ray_colo": b.ray_colo,
                 "state_colo": b.state_colo, "state_rtt_ms": srtt, "pod_rtt_ms": prtt,
                 "pod_ok": b.pod_ok, "pod_status": 200 if b.pod_ok else 503, "generation": b.generation,
                 "hint": "apac", "draining_generation": b.draining_generation, "region": b.region,

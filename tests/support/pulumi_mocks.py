@@ -13,7 +13,9 @@ from colocate import stackfile
 
 SECRET_VALUES = {
     "podToken": "pod-token-s3cret",
-    "probeToken": "probe-token-s3cret",
+    "readToken": "read-token-s3cret",
+    "adminToken": "admin-token-s3cret",
+    "exchangeToken": "exchange-token-s3cret",
     "fallbackUrl": "https://fallback.example.com",
     "fallbackApiKey": "fallback-key-s3cret",
     "runpodApiKey": "runpod-key-s3cret",

@@ -30,12 +30,15 @@ SECRETS = {
     "PROBE_TOKEN": "probe-token-2c6e8d4b7a19",
 }
 SECRET_SETTINGS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey"})
+# A cell with one credential per operator role (running_cell(split_tokens=True)), by settings key.
+OPERATOR_TOKENS = {"readToken": "read-token-5b1e93c07d24", "adminToken": "admin-token-e4a8260f1c37",
+                   "exchangeToken": "exchange-token-91d3c5a7e802"}
 ROOT = Path(__file__).resolve().parent.parent.parent
 FALLBACK_MODEL_NAME = "fallback/model"
 
 
 def cell_plan(worker: dict | None = None, generations: list[dict] | None = None, stack: str = "sandbox",
-              **raw_overrides):
+              split_tokens: bool = False, **raw_overrides):
     """The sandbox stack's cell plan with runtime numbers, the ledger, or other raw
     ``colocate:*`` values (e.g. ``fallbackModel``) overridden before parsing."""
     raw, secrets = stackfile.read_config(stack)
@@ -44,14 +47,19 @@ def cell_plan(worker: dict | None = None, generations: list[dict] | None = None,
         raw["worker"] = {**(raw.get("worker") or {}), **worker}
     if generations is not None:
         raw["generations"] = generations
-    settings = settings_mod.parse(raw, stack, secrets=set(secrets) | SECRET_SETTINGS)
+    names = set(secrets) | SECRET_SETTINGS
+    if split_tokens:  # the three operator credentials, and no old single token
+        names = (names | set(OPERATOR_TOKENS)) - {"probeToken"}
+    settings = settings_mod.parse(raw, stack, secrets=names)
     return plan_mod.plan_cell(settings)
 
 
 def values_for(pod_url: str | list[str], fallback_url: str) -> dict[str, str]:
     # FALLBACK_URL is a secret too: it is keyed by its settings name here, to exercise both lookups.
     urls = [pod_url] if isinstance(pod_url, str) else pod_url
-    return {"POD_URLS": plan_mod.pod_urls_text(urls), "fallbackUrl": fallback_url, **SECRETS}
+    # The sandbox stack sets only the old probeToken: the plan binds it for every operator role.
+    return {"POD_URLS": plan_mod.pod_urls_text(urls), "fallbackUrl": fallback_url, "probeToken": SECRETS["PROBE_TOKEN"],
+            **OPERATOR_TOKENS, **SECRETS}
 
 
 @dataclass
@@ -178,22 +186,24 @@ class Cell:
 
     def create_key(self, name: str = "test", **limits) -> dict:
         """A new client key through the admin endpoint (the plaintext is in ``["key"]``)."""
-        res = self.call("POST", "/_colocate/keys", body={"name": name, **limits}, headers=auth())
+        res = self.call("POST", "/_colocate/keys", body={"name": name, **limits}, headers=auth(self.admin_token))
         assert res.status == 201, res.body
         return res.json()
 
     _storage: Path | None = None
     key: str | None = None
+    admin_token: str = SECRETS["PROBE_TOKEN"]
 
 
 @contextlib.contextmanager
 def running_cell(worker: dict | None = None, generations: list[dict] | None = None, *, compute_ms: float = 5,
-                 storage_dir: Path | None = None, with_key: bool = True, pods: int = 1, **raw_overrides) -> Iterator[Cell]:
+                 storage_dir: Path | None = None, with_key: bool = True, pods: int = 1, split_tokens: bool = False,
+                 **raw_overrides) -> Iterator[Cell]:
     """A stand-in pod and fallback (separate tokens) and workerd running the sandbox plan,
     with a client key (``cell.key``) that routed calls carry. Objects are stored on disk
     (``storage_dir``, default inside workerd's directory): workerd offers SQLite to
     Durable Objects only with localDisk storage."""
-    plan = cell_plan(worker, generations, **raw_overrides)
+    plan = cell_plan(worker, generations, split_tokens=split_tokens, **raw_overrides)
     with contextlib.ExitStack() as stack:
         names = ["pod"] if pods == 1 else [f"pod-{i}" for i in range(pods)]
         started = [stack.enter_context(standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name=n)) for n in names]
@@ -204,6 +214,8 @@ def running_cell(worker: dict | None = None, generations: list[dict] | None = No
                               storage_dir=storage_dir or w.directory / "objects"))
         cell = Cell(w, started, fb, plan)
         cell._storage = storage_dir
+        if split_tokens:
+            cell.admin_token = OPERATOR_TOKENS["adminToken"]
         if with_key:
             cell.key = cell.create_key("test")["key"]
         yield cell

@@ -1,6 +1,6 @@
-// The operator endpoints, all behind PROBE_TOKEN: probe, breaker override, purge, client
-// keys and usage. The probe token is never a client key and a client key never opens
-// these (tokenMatches compares against PROBE_TOKEN only).
+// The operator endpoints: probe, live view, breaker, purge, client keys, usage and the
+// fleet's exchange, each behind the one operator credential its route names (routes.js
+// `roles`; docs/worker.md, "Who holds what"). A client key never opens them.
 
 import { readBody, parseJsonObject } from "./body.js";
 import { HttpError, jsonResponse } from "./errors.js";
@@ -27,11 +27,41 @@ export async function tokenMatches(given, expected) {
   return sameDigest(a, b);
 }
 
-async function authorise(request, cfg) {
+// Which credentials open a role: an admin may also read; the exchange's only exchanges.
+const OPENS = { read: ["read", "admin"], admin: ["admin"], exchange: ["exchange"] };
+const HOLDER = { read: "READ_TOKEN", admin: "ADMIN_TOKEN", exchange: "EXCHANGE_TOKEN" };
+
+/**
+ * Refuse a request whose bearer credential does not open `role` ("read", "admin" or
+ * "exchange"): 401 when it is no operator credential at all, 403 when it is one that
+ * holds less (a read-only token asking to mint a key). Every comparison is constant-time.
+ */
+export async function authorise(request, cfg, role) {
   const header = request.headers.get("authorization") || "";
   const m = /^Bearer\s+(.+)$/i.exec(header);
-  if (!m) throw new HttpError(401, "unauthorized", "send Authorization: Bearer <probe token>");
-  if (!(await tokenMatches(m[1].trim(), cfg.probeToken))) throw new HttpError(401, "unauthorized", "the probe token is wrong");
+  if (!m) throw new HttpError(401, "unauthorized", `send Authorization: Bearer <${HOLDER[role]}>`);
+  const given = await keyHash(m[1].trim());
+  const held = Object.keys(HOLDER).filter((r) => cfg.tokens[r] !== undefined);
+  const digests = await Promise.all(held.map((r) => digestOfToken(cfg.tokens[r])));
+  const matched = held.filter((r, i) => sameDigest(given, digests[i]));
+  if (matched.some((r) => OPENS[role].includes(r))) return;
+  if (matched.length) {
+    throw new HttpError(403, "forbidden", `this credential cannot ${request.method} ${new URL(request.url).pathname}: it needs ${HOLDER[role]}`);
+  }
+  throw new HttpError(401, "unauthorized", `the credential is wrong: this endpoint takes ${HOLDER[role]}`);
+}
+
+// The configured tokens' digests, once per token per isolate.
+const tokenDigests = new Map();
+
+async function digestOfToken(token) {
+  let d = tokenDigests.get(token);
+  if (d === undefined) {
+    d = await keyHash(token);
+    if (tokenDigests.size >= 16) tokenDigests.clear();
+    tokenDigests.set(token, d);
+  }
+  return d;
 }
 
 async function jsonBody(request) {
@@ -53,7 +83,7 @@ const HANDLERS = {
 };
 
 export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
-  await authorise(request, cfg);
+  await authorise(request, cfg, r.roles[request.method]);
   return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl);
 }
 

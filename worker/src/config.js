@@ -60,6 +60,22 @@ function podUrls(env) {
   return Object.freeze(list.map((u) => checkUrl("POD_URLS", u, false)));
 }
 
+/**
+ * The operator credentials: READ_TOKEN (probe, live view, breaker and key listing, usage),
+ * ADMIN_TOKEN (keys, purge, forcing a breaker; reads too) and EXCHANGE_TOKEN (the fleet's
+ * limits exchange and the front door's `defer`). A stack that still binds only the old
+ * PROBE_TOKEN uses it for all three for one release (colocate/plan.py warns on deploy).
+ */
+function credentials(env) {
+  const legacy = text(env, "PROBE_TOKEN", { required: false });
+  const one = (name) => {
+    const v = text(env, name, { required: false }) || legacy;
+    if (!v) throw new ConfigurationError(name, "secret is not set");
+    return v;
+  };
+  return Object.freeze({ read: one("READ_TOKEN"), admin: one("ADMIN_TOKEN"), exchange: one("EXCHANGE_TOKEN") });
+}
+
 /** @returns the checked configuration for this env (cached per env object). */
 export function readConfig(env) {
   let cfg = cache.get(env);
@@ -82,7 +98,7 @@ export function readConfig(env) {
     fallbackUrl: baseUrl(env, "FALLBACK_URL", true),
     podToken: text(env, "POD_TOKEN", { secret: true }),
     fallbackApiKey: text(env, "FALLBACK_API_KEY", { secret: true }),
-    probeToken: text(env, "PROBE_TOKEN", { secret: true }),
+    tokens: credentials(env),
   });
   cache.set(env, cfg);
   return cfg;

@@ -48,9 +48,10 @@ export function errorResponse(status, code, message, headers = {}, type = errorT
 }
 
 // Bindings whose values must never reach a log line or a response.
-export const SECRET_BINDINGS = ["POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "PROBE_TOKEN"];
+export const SECRET_BINDINGS = ["POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "PROBE_TOKEN", "READ_TOKEN", "ADMIN_TOKEN",
+  "EXCHANGE_TOKEN"];
 
-const CELL_TOKEN = /^CELL_TOKEN_\d+$/; // a fleet's front door holds each cell's probe token
+const CELL_TOKEN = /^CELL_TOKEN_\d+$/; // a fleet's front door holds each cell's exchange token
 
 /** `text` with every secret binding value replaced by [redacted]. */
 export function redact(text, env) {

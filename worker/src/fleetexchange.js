@@ -5,14 +5,14 @@
 // stores what it is sent (generation.js setPeers) and hands its isolates the leases with
 // their `counts`. See docs/fleet.md, "Limits across cells".
 //
-// A row: [key_id, minute, req, tok, prev_req, prev_tok, month "YYYY-MM", month_tokens]:
-// one cell's (or the sum of several cells') requests and tokens in the minute bucket
-// `minute` and the one before, and its tokens in `month`.
+// A row is payloads.js EXCHANGE: one cell's (or the sum of several cells') requests and
+// tokens in the minute bucket `minute` and the one before, and its tokens in `month`.
 
 import { minuteOf } from "./limits.js";
 import { log } from "./errors.js";
+import { EXCHANGE, LEASE } from "./payloads.js";
 
-export const ROW_LEN = 8;
+const SHAPE_TEXT = `[${EXCHANGE.columns}]`;
 export const MAX_ROWS = 5000; // rows per push (a body of at most ~400 KB)
 const KEY_ID = /^key_[0-9a-f]{12}$/;
 const MONTH = /^\d{4}-\d{2}$/;
@@ -27,8 +27,9 @@ export function monthOf(t) {
  * buckets m and m - 1 (a row from an older minute has moved into "previous", or out).
  */
 export function aligned(row, m) {
-  if (row[1] === m) return [row[2], row[3], row[4], row[5]];
-  if (row[1] === m - 1) return [0, 0, row[2], row[3]];
+  const E = EXCHANGE;
+  if (row[E.minute] === m) return [row[E.req], row[E.tok], row[E.prev_req], row[E.prev_tok]];
+  if (row[E.minute] === m - 1) return [0, 0, row[E.req], row[E.tok]];
   return [0, 0, 0, 0];
 }
 
@@ -37,33 +38,44 @@ export function aligned(row, m) {
  * together counted in this minute, the previous one and this month.
  */
 export function sumRows(id, rows, now) {
-  const m = minuteOf(now);
   const month = monthOf(now);
-  const out = [id, m, 0, 0, 0, 0, month, 0];
+  const out = EXCHANGE.zero(id, minuteOf(now));
+  out[EXCHANGE.month] = month;
   for (const r of rows) {
-    const a = aligned(r, m);
-    out[2] += a[0];
-    out[3] += a[1];
-    out[4] += a[2];
-    out[5] += a[3];
-    if (r[6] === month) out[7] += r[7];
+    const a = aligned(r, out[EXCHANGE.minute]);
+    out[EXCHANGE.req] += a[0];
+    out[EXCHANGE.tok] += a[1];
+    out[EXCHANGE.prev_req] += a[2];
+    out[EXCHANGE.prev_tok] += a[3];
+    if (r[EXCHANGE.month] === month) out[EXCHANGE.month_tokens] += r[EXCHANGE.month_tokens];
   }
   return out;
 }
 
+/** Whether a row counts anything (an all-zero peer row is deleted, not stored). */
+export function counts(row) {
+  const E = EXCHANGE;
+  return Boolean(row[E.req] || row[E.tok] || row[E.prev_req] || row[E.prev_tok] || row[E.month_tokens]);
+}
+
 /** null when `rows` (a push's body field) is well formed, else the message naming the field. */
 export function badRows(rows) {
-  if (!Array.isArray(rows)) return `field "rows" must be an array of [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
+  if (!Array.isArray(rows)) return `field "rows" must be an array of ${SHAPE_TEXT}`;
   if (rows.length > MAX_ROWS) return `field "rows" holds at most ${MAX_ROWS} rows (got ${rows.length}): send them in parts`;
   for (let i = 0; i < rows.length; i++) {
     const r = rows[i];
     const at = `field "rows[${i}]"`;
-    if (!Array.isArray(r) || r.length !== ROW_LEN) return `${at} must be [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens]`;
-    if (typeof r[0] !== "string" || !KEY_ID.test(r[0])) return `${at}[0] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[0])})`;
-    for (const j of [1, 2, 3, 4, 5, 7]) {
+    if (!Array.isArray(r) || r.length !== EXCHANGE.length) return `${at} must be ${SHAPE_TEXT}`;
+    if (typeof r[EXCHANGE.key_id] !== "string" || !KEY_ID.test(r[EXCHANGE.key_id])) {
+      return `${at}[${EXCHANGE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[EXCHANGE.key_id])})`;
+    }
+    for (let j = 0; j < EXCHANGE.length; j++) {
+      if (j === EXCHANGE.key_id || j === EXCHANGE.month) continue;
       if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
     }
-    if (typeof r[6] !== "string" || !MONTH.test(r[6])) return `${at}[6] must be a month YYYY-MM (got ${JSON.stringify(r[6])})`;
+    if (typeof r[EXCHANGE.month] !== "string" || !MONTH.test(r[EXCHANGE.month])) {
+      return `${at}[${EXCHANGE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[EXCHANGE.month])})`;
+    }
   }
   return null;
 }
@@ -168,27 +180,28 @@ export function grant(limit, used, held, current, targets) {
   return { lease, held: hold };
 }
 
-// A lease row, pushed to a cell with the peers: [key_id, req, tok, month "YYYY-MM",
-// month_tokens]; null where the key has no such limit.
-export const LEASE_LEN = 5;
 export const MAX_CELLS = 64; // a push's "cells" (the fleet's size) is checked against it
+const LEASE_TEXT = `[${LEASE.columns}]`;
 
-/** null when `leases` (a push's body field) is well formed, else the message naming the field. */
+/** null when `leases` (a push's body field, rows of payloads.js LEASE) is well formed, else the message naming the field. */
 export function badLeases(leases) {
-  const shape = `[key_id, req, tok, month, month_tokens]`;
-  if (!Array.isArray(leases)) return `field "leases" must be an array of ${shape}`;
+  if (!Array.isArray(leases)) return `field "leases" must be an array of ${LEASE_TEXT}`;
   if (leases.length > MAX_ROWS) return `field "leases" holds at most ${MAX_ROWS} rows (got ${leases.length}): send them in parts`;
   for (let i = 0; i < leases.length; i++) {
     const r = leases[i];
     const at = `field "leases[${i}]"`;
-    if (!Array.isArray(r) || r.length !== LEASE_LEN) return `${at} must be ${shape}`;
-    if (typeof r[0] !== "string" || !KEY_ID.test(r[0])) return `${at}[0] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[0])})`;
-    for (const j of [1, 2, 4]) {
+    if (!Array.isArray(r) || r.length !== LEASE.length) return `${at} must be ${LEASE_TEXT}`;
+    if (typeof r[LEASE.key_id] !== "string" || !KEY_ID.test(r[LEASE.key_id])) {
+      return `${at}[${LEASE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[LEASE.key_id])})`;
+    }
+    for (const j of [LEASE.req, LEASE.tok, LEASE.month_tokens]) {
       if (r[j] !== null && (!Number.isSafeInteger(r[j]) || r[j] < 0)) {
         return `${at}[${j}] must be a whole number >= 0 or null (got ${JSON.stringify(r[j])})`;
       }
     }
-    if (typeof r[3] !== "string" || !MONTH.test(r[3])) return `${at}[3] must be a month YYYY-MM (got ${JSON.stringify(r[3])})`;
+    if (typeof r[LEASE.month] !== "string" || !MONTH.test(r[LEASE.month])) {
+      return `${at}[${LEASE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[LEASE.month])})`;
+    }
   }
   return null;
 }

@@ -5,7 +5,9 @@
 import CELL_RANK from "./cellrank.js";
 import { ConfigurationError } from "./errors.js";
 
-export const DEFER_HEADER = "x-colocate-fallback";
+import { DEFER_HEADER, FRONT_HEADER } from "./routes.js";
+
+export { DEFER_HEADER, FRONT_HEADER };
 export const CELL_HEADER = "x-colocate-cell";
 export const MAX_TRIES = 2; // cells per request: the nearest able one, and one more
 
@@ -45,10 +47,11 @@ export function readFleet(env, rank = CELL_RANK) {
     if (!s || typeof s.fetch !== "function") throw new ConfigurationError(`CELL_${i}`, "the cell's service binding is missing");
     return s;
   });
-  // Each cell's probe token: the ledger (fleetledger.js) reads and writes the cells' counters with it.
+  // Each cell's exchange token: the ledger (fleetledger.js) reads and writes the cells' counters with
+  // it, and a request sent with `defer` carries it to show it comes from the front door.
   const tokens = cells.map((_, i) => {
     const t = env[`CELL_TOKEN_${i}`];
-    if (typeof t !== "string" || t === "") throw new ConfigurationError(`CELL_TOKEN_${i}`, "the cell's probe token is missing");
+    if (typeof t !== "string" || t === "") throw new ConfigurationError(`CELL_TOKEN_${i}`, "the cell's exchange token is missing");
     return t;
   });
   if (!env.LEDGER || typeof env.LEDGER.idFromName !== "function") {

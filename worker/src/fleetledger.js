@@ -1,7 +1,7 @@
 // The fleet's exchange of limit counters: one Durable Object of the front door's Worker
 // (idFromName("ledger")), driven by its alarm every EXCHANGE_MS while the fleet is used.
 //
-// A round: from every cell, over its service binding and with its probe token, the own
+// A round: from every cell, over its service binding and with its exchange token, the own
 // counters of the keys that changed since this ledger's cursor for that cell
 // (GET /_colocate/fleet/counters?since=<cursor>; the cell reads them by index, so a round
 // costs what changed, not how many keys exist); stored per (cell, key) with this ledger's
@@ -28,6 +28,7 @@ import { log } from "./errors.js";
 import { readFleet } from "./fleetfront.js";
 import { MAX_ROWS, aligned, defaultShare, fairShares, grant, monthOf, sumRows, weights } from "./fleetexchange.js";
 import { WINDOW_MS, minuteOf } from "./limits.js";
+import { EXCHANGE, LEASE } from "./payloads.js";
 import { now } from "./timing.js";
 
 export const QUIET_MS = 30_000; // rounds go on this long after the last poke (and while they move counters)
@@ -64,6 +65,11 @@ const SCHEMA = [
   `CREATE INDEX IF NOT EXISTS counters_seq ON counters (seq)`,
   `CREATE INDEX IF NOT EXISTS counters_key ON counters (key_id)`,
 ];
+
+// A cell's row as pulled (payloads.js EXCHANGE, the counters table's columns by name).
+const UPSERT_COUNTERS = `INSERT INTO counters (cell, ${EXCHANGE.columns}, seq)
+  VALUES (?, ${EXCHANGE.names.map(() => "?").join(", ")}, ?) ON CONFLICT (cell, key_id) DO UPDATE SET
+  ${[...EXCHANGE.names.filter((n) => n !== "key_id"), "seq"].map((n) => `${n} = excluded.${n}`).join(", ")}`;
 
 export class FleetLedger extends DurableObject {
   constructor(ctx, env) {
@@ -157,24 +163,24 @@ export class FleetLedger extends DurableObject {
         }
         for (const [id, l] of Object.entries(body.limits ?? {})) {
           this.sql.exec(`INSERT INTO key_limits (key_id, rpm, tpm, monthly_tokens) VALUES (?, ?, ?, ?) ON CONFLICT (key_id)
-            DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, monthly_tokens = excluded.monthly_tokens`, id, l[0], l[1], l[2]);
+            DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, monthly_tokens = excluded.monthly_tokens`, id, l.rpm, l.tpm,
+            l.monthly_tokens);
         }
         if (Number.isSafeInteger(body.ttl_ms)) this.sql.exec("UPDATE cells SET ttl_ms = ? WHERE cell = ?", body.ttl_ms, cell.name);
         const m = minuteOf(Date.now());
         for (const r of body.rows) {
           seq += 1;
-          const old = this.sql.exec("SELECT minute, req, prev_req FROM counters WHERE cell = ? AND key_id = ?", cell.name, r[0]).toArray()[0];
+          const old = this.sql.exec(`SELECT ${EXCHANGE.columns} FROM counters WHERE cell = ? AND key_id = ?`, cell.name,
+            r[EXCHANGE.key_id]).toArray()[0];
           const a = aligned(r, m);
-          const b = old ? aligned([r[0], old.minute, old.req, 0, old.prev_req, 0], m) : [0, 0, 0, 0];
-          this.sql.exec(`INSERT INTO counters (cell, key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens, seq)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (cell, key_id) DO UPDATE SET minute = excluded.minute,
-            req = excluded.req, tok = excluded.tok, prev_req = excluded.prev_req, prev_tok = excluded.prev_tok,
-            month = excluded.month, month_tokens = excluded.month_tokens, seq = excluded.seq`, cell.name, ...r, seq);
-          touched.add(r[0]);
+          const b = old ? aligned(EXCHANGE.of(old), m) : [0, 0, 0, 0];
+          this.sql.exec(UPSERT_COUNTERS, cell.name, ...r, seq);
+          const id = r[EXCHANGE.key_id];
+          touched.add(id);
           // How many requests this cell admitted since the last pull: its weight in the key's shares.
-          const seen = this.active.get(r[0]) ?? new Map();
+          const seen = this.active.get(id) ?? new Map();
           seen.set(cell.name, { at: Date.now(), n: Math.max(0, a[0] + a[2] - b[0] - b[2]) });
-          this.active.set(r[0], seen);
+          this.active.set(id, seen);
         }
         this.setMeta("seq", seq);
         this.sql.exec("UPDATE cells SET generation = ?, cursor = ? WHERE cell = ?", body.generation, body.cursor, cell.name);
@@ -187,8 +193,8 @@ export class FleetLedger extends DurableObject {
   /** To `cell`: for the keys other cells changed since it was last sent, their sum; its leases owed; the fleet's size. */
   async push(cfg, cell, timeoutMs, stats) {
     const { pushed, ttl_ms: ttl, told_n: told } = this.sql.exec("SELECT pushed, ttl_ms, told_n FROM cells WHERE cell = ?", cell.name).one();
-    const owed = this.sql.exec(`SELECT key_id, req, tok, month, month_tokens FROM leases WHERE cell = ? AND sent = 0 LIMIT ?`,
-      cell.name, MAX_ROWS).toArray().map((r) => [r.key_id, r.req, r.tok, r.month, r.month_tokens]);
+    const owed = this.sql.exec(`SELECT ${LEASE.columns} FROM leases WHERE cell = ? AND sent = 0 LIMIT ?`, cell.name, MAX_ROWS)
+      .toArray().map(LEASE.of);
     const n = cfg.cells.length;
     const changed = this.sql.exec(`SELECT key_id, MAX(seq) AS seq FROM counters WHERE seq > ? AND cell != ?
       GROUP BY key_id ORDER BY MAX(seq) LIMIT ?`, pushed, cell.name, MAX_ROWS + 1).toArray();
@@ -197,10 +203,10 @@ export class FleetLedger extends DurableObject {
     let rows = [];
     if (changed.length) {
       const others = new Map();
-      for (const r of this.sql.exec(`SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens FROM counters
+      for (const r of this.sql.exec(`SELECT ${EXCHANGE.columns} FROM counters
           WHERE key_id IN (SELECT value FROM json_each(?)) AND cell != ?`, JSON.stringify(changed.map((c) => c.key_id)), cell.name)) {
         const list = others.get(r.key_id) ?? [];
-        list.push([r.key_id, r.minute, r.req, r.tok, r.prev_req, r.prev_tok, r.month, r.month_tokens]);
+        list.push(EXCHANGE.of(r));
         others.set(r.key_id, list);
       }
       const t = Date.now();
@@ -217,7 +223,7 @@ export class FleetLedger extends DurableObject {
       const until = Date.now() + (ttl ?? UNKNOWN_TTL_MS) + GRACE_MARGIN_MS;
       if (owed.length) {
         this.sql.exec(`UPDATE leases SET sent = 1, until = ? WHERE cell = ? AND sent = 0 AND key_id IN (SELECT value FROM json_each(?))`,
-          until, cell.name, JSON.stringify(owed.map((r) => r[0])));
+          until, cell.name, JSON.stringify(owed.map((r) => r[LEASE.key_id])));
       }
       if (told !== n) this.sql.exec("UPDATE cells SET told_n = ?, told_until = ? WHERE cell = ?", n, until, cell.name);
     }
@@ -259,8 +265,8 @@ export class FleetLedger extends DurableObject {
       for (const id of keys) {
         const limits = this.sql.exec("SELECT rpm, tpm, monthly_tokens FROM key_limits WHERE key_id = ?", id).toArray()[0];
         if (!limits || !(limits.rpm > 0 || limits.tpm > 0 || limits.monthly_tokens > 0)) continue;
-        const own = new Map(this.sql.exec(`SELECT cell, minute, req, tok, prev_req, prev_tok, month, month_tokens FROM counters
-          WHERE key_id = ?`, id).toArray().map((r) => [r.cell, r]));
+        const own = new Map(this.sql.exec(`SELECT cell, ${EXCHANGE.columns} FROM counters WHERE key_id = ?`, id).toArray()
+          .map((r) => [r.cell, r]));
         const held = new Map(this.sql.exec("SELECT * FROM leases WHERE key_id = ?", id).toArray().map((r) => [r.cell, r]));
         const next = cfg.cells.map(() => ({ same: true }));
         const seen = this.active.get(id);
@@ -279,7 +285,7 @@ export class FleetLedger extends DurableObject {
             const c = own.get(cell.name);
             if (col === "month_tokens") used.push(c && c.month === month ? c.month_tokens : 0);
             else {
-              const a = c ? aligned([id, c.minute, c.req, c.tok, c.prev_req, c.prev_tok], m) : [0, 0, 0, 0];
+              const a = c ? aligned(EXCHANGE.of(c), m) : [0, 0, 0, 0];
               used.push(col === "req" ? a[0] + a[2] * w : a[1] + a[3] * w);
             }
             const r = held.get(cell.name);
@@ -329,7 +335,7 @@ export class FleetLedger extends DurableObject {
   }
 }
 
-/** One call to a cell's operator endpoint over its service binding, with its probe token. */
+/** One call to a cell's operator endpoint over its service binding, with its exchange token. */
 function call(cfg, cell, path, body, timeoutMs) {
   const init = {
     method: body === null ? "GET" : "POST",

@@ -2,23 +2,84 @@
 
 import { HttpError } from "./errors.js";
 
-// Client headers that must not travel upstream: credentials (replaced), hop and
-// Cloudflare headers (re-made by fetch), and the length (the body is re-sent as bytes).
-const DROP = new Set(["authorization", "host", "content-length", "connection", "keep-alive",
-  "transfer-encoding", "upgrade", "te", "trailer", "proxy-authorization", "x-forwarded-for", "x-real-ip"]);
+// Client headers that travel upstream (to the pod and to the fallback API, which is called
+// with the owner's key): what an OpenAI-compatible server reads from a request, nothing that
+// names the client's account (OpenAI-Organization, OpenAI-Project), its cookies, the front
+// door's credential or Cloudflare's headers. The credential is the router's own.
+const UPSTREAM_ALLOWED = ["content-type", "accept", "accept-encoding", "user-agent", "x-request-id"];
 
 export function upstreamHeaders(incoming, token) {
   const h = new Headers();
-  for (const [k, v] of incoming) {
-    if (!DROP.has(k) && !k.startsWith("cf-")) h.set(k, v);
+  for (const k of UPSTREAM_ALLOWED) {
+    const v = incoming.get(k);
+    if (v !== null) h.set(k, v);
   }
   h.set("authorization", `Bearer ${token}`);
   return h;
 }
 
-/** A pod answer the router treats as a failure (and serves from the fallback). */
+// Upstream response headers that reach the client: the body's type and caching, the
+// upstream's request id and Retry-After. Nothing else an upstream (a hostile pod, or the
+// fallback's account-wide rate limits) says reaches the client: no Set-Cookie, no CORS.
+const CLIENT_ALLOWED = ["content-type", "cache-control", "retry-after", "x-request-id"];
+
+/** The upstream answer's status and allowed headers, as a client's Response init. */
+export function clientInit(res) {
+  const headers = new Headers();
+  for (const k of CLIENT_ALLOWED) {
+    const v = res.headers.get(k);
+    if (v !== null) headers.set(k, v);
+  }
+  return { status: res.status, statusText: res.statusText, headers };
+}
+
+// The largest non-streamed answer the router takes from an upstream. A real one is far
+// smaller: 131,072 tokens (validate.js's max_tokens) of text is about 0.5 MB, and n = 16
+// of them with logprobs stays within it. Over it, the answer is a pod failure (pod) or a
+// 502 (fallback), and the bytes past the cap are never read.
+export const MAX_ANSWER_BYTES = 16 * 1024 * 1024;
+
+/** A pod answer the router treats as a failure (and serves from the fallback). A redirect
+ * is one: it is never followed (the prompt would go to an address the pod names). */
 export function isPodFailure(status) {
-  return status >= 500 || status === 401 || status === 403 || status === 408 || status === 429;
+  return status >= 500 || (status >= 300 && status < 400) || status === 401 || status === 403 || status === 408 || status === 429;
+}
+
+class Oversized extends Error {}
+
+/**
+ * The whole body of an upstream answer, or Oversized past `cap` bytes. A declared length
+ * is checked before reading (the runtime then reads natively); without one, the body is
+ * counted while read and cancelled at the cap.
+ */
+async function readCapped(res, cap) {
+  const declared = res.headers.get("content-length");
+  if (declared !== null && Number(declared) <= cap) return res.arrayBuffer();
+  if (declared !== null || !res.body) {
+    await res.body?.cancel().catch(() => {});
+    if (!res.body) return new ArrayBuffer(0);
+    throw new Oversized();
+  }
+  const reader = res.body.getReader();
+  const chunks = [];
+  let size = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    size += value.byteLength;
+    if (size > cap) {
+      await reader.cancel().catch(() => {});
+      throw new Oversized();
+    }
+    chunks.push(value);
+  }
+  const out = new Uint8Array(size);
+  let at = 0;
+  for (const c of chunks) {
+    out.set(c, at);
+    at += c.byteLength;
+  }
+  return out.buffer;
 }
 
 export function isStream(res) {
@@ -40,15 +101,17 @@ export async function tryPod(fetchImpl, url, init, deadlineMs) {
   }, deadlineMs);
   try {
     init.signal = ac.signal; // init is this call's own object: no copy
+    init.redirect = "manual";
     const res = await fetchImpl(url, init);
     if (isPodFailure(res.status)) {
       await res.body?.cancel().catch(() => {});
       return { ok: false, reason: `status_${res.status}` };
     }
     if (isStream(res)) return { ok: true, response: res, stream: true };
-    const bytes = await res.arrayBuffer();
+    const bytes = await readCapped(res, MAX_ANSWER_BYTES);
     return { ok: true, response: res, bytes, stream: false }; // headers from `response`, body in `bytes`
-  } catch {
+  } catch (err) {
+    if (err instanceof Oversized) return { ok: false, reason: "oversized" };
     return { ok: false, reason: expired ? "deadline" : "unreachable" };
   } finally {
     clearTimeout(timer);
@@ -64,7 +127,7 @@ export async function healthOk(fetchImpl, podUrl, ms) {
   const ac = new AbortController();
   const timer = setTimeout(() => ac.abort(), ms);
   try {
-    const res = await fetchImpl(podUrl + "/health", { signal: ac.signal });
+    const res = await fetchImpl(podUrl + "/health", { signal: ac.signal, redirect: "manual" });
     await res.body?.cancel().catch(() => {});
     return !isPodFailure(res.status);
   } catch {
@@ -74,12 +137,32 @@ export async function healthOk(fetchImpl, podUrl, ms) {
   }
 }
 
-/** Send the request to the fallback API; a network failure becomes a 502 JSON error. */
+/**
+ * Send the request to the fallback API; a network failure becomes a 502 JSON error, and so
+ * does a redirect (never followed: it would carry the prompt and the owner's key elsewhere).
+ */
 export async function callFallback(fetchImpl, url, init) {
+  let res;
   try {
-    return await fetchImpl(url, init);
+    init.redirect = "manual";
+    res = await fetchImpl(url, init);
   } catch {
     throw new HttpError(502, "upstream_unavailable", "the pod and the fallback API are both unavailable");
+  }
+  if (res.status >= 300 && res.status < 400) {
+    await res.body?.cancel().catch(() => {});
+    throw new HttpError(502, "upstream_redirect", `the fallback API answered ${res.status} (a redirect), which the router does not follow`);
+  }
+  return res;
+}
+
+/** A non-streamed fallback answer's bytes, or a 502 past MAX_ANSWER_BYTES. */
+export async function fallbackBytes(res) {
+  try {
+    return await readCapped(res, MAX_ANSWER_BYTES);
+  } catch (err) {
+    if (err instanceof Oversized) throw new HttpError(502, "upstream_oversized", `the fallback API's answer is larger than ${MAX_ANSWER_BYTES} bytes`);
+    throw err;
   }
 }
 

@@ -9,19 +9,19 @@
 //   CELL_<i>      service: cell i's router Worker
 //   REMEMBER_MS   how long a cell that answered "no pod" is passed over (0: never)
 //   MAX_BODY_BYTES  the body is buffered once (so it can be sent twice), up to this
-//   CELL_TOKEN_<i>  secret: cell i's probe token (the ledger's calls to the cell)
+//   CELL_TOKEN_<i>  secret: cell i's exchange token (the ledger's calls to the cell, and `defer`)
 //   LEDGER        Durable Object namespace of FleetLedger (fleetledger.js): the limits exchange
 //   EXCHANGE_MS   the exchange period
 //
 // The contract with a cell (worker/src/router.js): a request carrying
-// `x-colocate-fallback: defer` that finds no pod able to serve it is answered at once with
+// `x-colocate-fallback: defer` and the cell's exchange token in `x-colocate-front` that finds no pod able to serve it is answered at once with
 // 503 `no_pod` and `x-colocate-backend: none` instead of spending the paid fallback.
 
 import { readBody } from "./body.js";
 import { ConfigurationError, HttpError, errorResponse, log } from "./errors.js";
-import { CELL_HEADER, DEFER_HEADER, choose, isNoPod, readFleet, remember } from "./fleetfront.js";
+import { CELL_HEADER, DEFER_HEADER, FRONT_HEADER, choose, isNoPod, readFleet, remember } from "./fleetfront.js";
 import { pokeLedger } from "./fleetexchange.js";
-import { lookup } from "./routes.js";
+import { CLIENT_COLO_HEADER, lookup } from "./routes.js";
 import { now, serverTiming } from "./timing.js";
 
 const FRONT_METRICS = ["front"];
@@ -42,7 +42,7 @@ async function route(request, env, ctx) {
   const t0 = now();
   const url = new URL(request.url);
   const r = lookup(url.pathname);
-  // Only the routed paths: /_colocate/* stays on each cell's own address (its probe token).
+  // Only the routed paths: /_colocate/* stays on each cell's own address.
   if (!r || r.kind !== "routed") throw new HttpError(404, "not_found", `no route for ${url.pathname}`);
   if (!r.methods.includes(request.method)) {
     throw new HttpError(405, "method_not_allowed", `${request.method} is not allowed on ${url.pathname}; use ${r.methods.join(", ")}`,
@@ -58,10 +58,18 @@ async function route(request, env, ctx) {
     const cell = tries[k];
     const last = k === tries.length - 1;
     const headers = new Headers(request.headers);
-    // Only the last cell tried may spend the fallback; a client's own header never decides it.
+    // Only the last cell tried may spend the fallback; a client's own header never decides
+    // it, and only the front door, with the cell's exchange token, may ask for `defer`.
+    headers.delete(FRONT_HEADER);
     if (last) headers.delete(DEFER_HEADER);
-    else headers.set(DEFER_HEADER, "defer");
+    else {
+      headers.set(DEFER_HEADER, "defer");
+      headers.set(FRONT_HEADER, cfg.tokens[cell.index]);
+    }
     headers.delete("content-length"); // the runtime sets it from the buffered body
+    // Where the client was, for the cell's live view (a client's own header is replaced or dropped).
+    if (typeof colo === "string" && COLO.test(colo)) headers.set(CLIENT_COLO_HEADER, colo.toUpperCase());
+    else headers.delete(CLIENT_COLO_HEADER);
     const t = now();
     let res;
     try {

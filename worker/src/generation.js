@@ -22,7 +22,8 @@ import {
   ADDED_COLUMNS, ADD_SERVED, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
-import { defaultShare, monthOf } from "./fleetexchange.js";
+import { counts as countsAnything, defaultShare, monthOf } from "./fleetexchange.js";
+import { COUNTER, EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -40,11 +41,15 @@ export const DELTA_RESET = 5000;
 const INFLIGHT_KEEP_MS = 10 * 60_000; // in-flight rows of isolates silent this long are deleted
 export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's exchange; `more: true` asks again
 
+// The counter columns a fleet's exchange carries: those both shapes name.
+const SHARED = COUNTER.names.filter((n) => EXCHANGE.names.includes(n));
+
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
     super(ctx, env);
     this.sql = ctx.storage.sql;
     this.coloOnce = null;
+    this.purged = false; // set by purge(): no tables until the next use
     ctx.blockConcurrencyWhile(async () => this.load());
   }
 
@@ -116,8 +121,16 @@ export class Breaker extends DurableObject {
     return next;
   }
 
+  /** A purged instance holds no tables: its next use (a generation reused) makes them again. */
+  async unpurge() {
+    if (!this.purged) return;
+    this.purged = false;
+    await this.load();
+  }
+
   /** Copy a draining generation's state once (see the header). */
   async readThrough(info) {
+    await this.unpurge();
     const from = info && info.draining;
     if (!from || from === info.generation || this.meta(`imported:${from}`) !== null) return;
     await this.ctx.blockConcurrencyWhile(async () => {
@@ -174,6 +187,7 @@ export class Breaker extends DurableObject {
    * From now on usage batches that reach this generation go on to `successor`.
    */
   async exportAll(successor = null) {
+    await this.unpurge();
     if (successor) this.setMeta("successor", successor);
     return {
       forced: this.meta("forced"),
@@ -189,10 +203,8 @@ export class Breaker extends DurableObject {
       served_total: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray()
         .map((r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]),
       inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
-      peers: this.sql.exec("SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens FROM peer_counters").toArray()
-        .map((r) => [r.key_id, r.minute, r.req, r.tok, r.prev_req, r.prev_tok, r.month, r.month_tokens]),
-      leases: this.sql.exec("SELECT key_id, req, tok, month, month_tokens FROM key_lease").toArray()
-        .map((r) => [r.key_id, r.req, r.tok, r.month, r.month_tokens]),
+      peers: this.sql.exec(`SELECT ${EXCHANGE.columns} FROM peer_counters`).toArray().map(EXCHANGE.of),
+      leases: this.sql.exec(`SELECT ${LEASE.columns} FROM key_lease`).toArray().map(LEASE.of),
       fleet_cells: Number(this.meta("fleet_cells") || 0) || null,
     };
   }
@@ -219,47 +231,51 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * This cell's own counters {id: [minute, req, tok, prev_req, prev_tok, month_tokens,
-   * 0]} for the ids asked (absent: all zero). Two indexed reads, whatever the number of keys.
+   * This cell's own counters {id: COUNTER row} for the ids asked (absent: all zero;
+   * `inflight` 0). Two indexed reads, whatever the number of keys.
    */
   ownCounts(ids, now) {
     const counts = {};
     if (!ids || ids.length === 0) return counts;
     const m = minuteOf(now);
     const list = JSON.stringify(ids);
-    const slot = (id) => (counts[id] ??= [m, 0, 0, 0, 0, 0, 0]);
+    const slot = (id) => (counts[id] ??= COUNTER.zero(m));
     for (const w of this.sql.exec(
       "SELECT key_id, minute, requests, tokens FROM rate_window WHERE key_id IN (SELECT value FROM json_each(?)) AND minute >= ?",
       list, m - 1)) {
       const c = slot(w.key_id);
-      const at = w.minute === m ? 1 : 3;
-      c[at] += w.requests;
-      c[at + 1] += w.tokens;
+      if (w.minute === m) {
+        c[COUNTER.req] += w.requests;
+        c[COUNTER.tok] += w.tokens;
+      } else {
+        c[COUNTER.prev_req] += w.requests;
+        c[COUNTER.prev_tok] += w.tokens;
+      }
     }
     for (const r of this.sql.exec(
       "SELECT key_id, tokens FROM key_month WHERE key_id IN (SELECT value FROM json_each(?)) AND month = ?",
       list, monthOf(now))) {
-      if (r.tokens > 0) slot(r.key_id)[5] = r.tokens;
+      if (r.tokens > 0) slot(r.key_id)[COUNTER.month_tokens] = r.tokens;
     }
     return counts;
   }
 
   /**
-   * {id: [minute, req, tok, prev_req, prev_tok, month_tokens, inflight_elsewhere]} for
-   * the ids asked (absent: all zero): this cell's own counters, plus the other isolates'
-   * requests in flight. Three indexed reads, whatever the number of keys. In a fleet the
-   * other cells' counters are not added: each cell's share is its lease (leasesOf).
+   * {id: COUNTER row} for the ids asked (absent: all zero): this cell's own counters,
+   * plus the other isolates' requests in flight. Three indexed reads, whatever the number
+   * of keys. In a fleet the other cells' counters are not added: each cell's share is its
+   * lease (leasesOf).
    */
   countsOf(ids, info, now) {
     const counts = this.ownCounts(ids, now);
     if (!ids || ids.length === 0) return counts;
     const m = minuteOf(now);
-    const slot = (id) => (counts[id] ??= [m, 0, 0, 0, 0, 0, 0]);
+    const slot = (id) => (counts[id] ??= COUNTER.zero(m));
     const fresh = now - 2 * Math.max(info.ttlMs ?? 0, 1000);
     for (const r of this.sql.exec(`SELECT key_id, SUM(n) AS n FROM key_inflight
         WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
     JSON.stringify(ids), info.isolate ?? "", fresh)) {
-      if (r.n > 0) slot(r.key_id)[6] = r.n;
+      if (r.n > 0) slot(r.key_id)[COUNTER.inflight] = r.n;
     }
     return counts;
   }
@@ -303,9 +319,9 @@ export class Breaker extends DurableObject {
 
   /**
    * This cell's own counters of the keys changed since sequence `since`, at most
-   * CHANGED_ROWS, by the index on key_changed.seq: {cursor, more, rows: [[key_id, minute,
-   * req, tok, prev_req, prev_tok, month, month_tokens]]}. A cursor ahead of this
-   * generation (a new one after a migration) reads from the start.
+   * CHANGED_ROWS, by the index on key_changed.seq: {generation, cursor, more, reset,
+   * rows: [EXCHANGE row]}. A cursor ahead of this generation (a new one after a
+   * migration) reads from the start.
    */
   async changedCounters(since, info) {
     await this.readThrough(info);
@@ -319,14 +335,17 @@ export class Breaker extends DurableObject {
     const own = this.ownCounts(marks.map((r) => r.key_id), now);
     const month = monthOf(now);
     const rows = marks.map(({ key_id: id }) => {
-      const c = own[id] ?? [minuteOf(now), 0, 0, 0, 0, 0];
-      return [id, c[0], c[1], c[2], c[3], c[4], month, c[5]];
+      const c = own[id] ?? COUNTER.zero(minuteOf(now));
+      const row = EXCHANGE.zero(id);
+      for (const name of SHARED) row[EXCHANGE[name]] = c[COUNTER[name]];
+      row[EXCHANGE.month] = month;
+      return row;
     });
     // The ledger apportions each key's limits: it learns them here, with how long this
     // cell's isolates may go on using a lease after it is replaced (their view's TTL).
     const limits = {};
     for (const k of this.sql.exec("SELECT id, rpm, tpm, monthly_tokens FROM client_keys WHERE id IN (SELECT value FROM json_each(?))",
-      JSON.stringify(marks.map((r) => r.key_id)))) limits[k.id] = [k.rpm, k.tpm, k.monthly_tokens];
+      JSON.stringify(marks.map((r) => r.key_id)))) limits[k.id] = { rpm: k.rpm, tpm: k.tpm, monthly_tokens: k.monthly_tokens };
     return { generation: info.generation, cursor: more ? marks[marks.length - 1].seq : seq, more, reset: from !== since, rows,
       limits, ttl_ms: info.ttlMs ?? null };
   }
@@ -338,8 +357,8 @@ export class Breaker extends DurableObject {
    */
   async setPeers(rows, info, leases = [], cells = null) {
     await this.readThrough(info);
-    const keep = rows.filter((r) => r[2] || r[3] || r[4] || r[5] || r[7]);
-    const gone = rows.filter((r) => !(r[2] || r[3] || r[4] || r[5] || r[7])).map((r) => r[0]);
+    const keep = rows.filter(countsAnything);
+    const gone = rows.filter((r) => !countsAnything(r)).map((r) => r[EXCHANGE.key_id]);
     this.ctx.storage.transactionSync(() => {
       if (keep.length) this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(keep));
       if (gone.length) this.sql.exec("DELETE FROM peer_counters WHERE key_id IN (SELECT value FROM json_each(?))", JSON.stringify(gone));
@@ -352,8 +371,7 @@ export class Breaker extends DurableObject {
   /** One key's peer row and own counters (the operator's view of what the exchange brought). */
   async peersOf(id, info) {
     await this.readThrough(info);
-    const r = this.sql.exec(`SELECT key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens, at FROM peer_counters
-      WHERE key_id = ?`, id).toArray()[0] ?? null;
+    const r = this.sql.exec(`SELECT ${EXCHANGE.columns}, at FROM peer_counters WHERE key_id = ?`, id).toArray()[0] ?? null;
     const now = Date.now();
     const leases = this.leasesOf([id], now);
     return { key_id: id, peers: r, own: this.ownCounts([id], now)[id] ?? null, lease: leases ? leases[id] ?? null : null,
@@ -415,8 +433,10 @@ export class Breaker extends DurableObject {
       this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
       // What a fleet's exchange reads next: the keys whose own counters this batch moved.
       const changed = new Set();
-      for (const w of batch.windows || []) changed.add(String(w[0]));
-      for (const u of batch.usage || []) if ((u[3] || 0) + (u[4] || 0) !== 0) changed.add(String(u[1]));
+      for (const w of batch.windows || []) changed.add(String(w[WINDOW.key_id]));
+      for (const u of batch.usage || []) {
+        if ((u[USAGE.prompt_tokens] || 0) + (u[USAGE.completion_tokens] || 0) !== 0) changed.add(String(u[USAGE.key_id]));
+      }
       this.markChanged([...changed]);
       if (batch.inflight && batch.inflight.length) {
         const isolate = String(info.isolate ?? "");
@@ -506,15 +526,17 @@ export class Breaker extends DurableObject {
   addServed(usage) {
     const sums = { pods: [0, 0, 0], fallback: [0, 0, 0] };
     for (const u of usage) {
-      const pods = u[5] || 0;
-      const fallback = u[6] || 0;
+      const pods = u[USAGE.pod_requests] || 0;
+      const fallback = u[USAGE.fallback_requests] || 0;
+      const prompt = u[USAGE.prompt_tokens] || 0;
+      const completion = u[USAGE.completion_tokens] || 0;
       const share = pods + fallback > 0 ? pods / (pods + fallback) : 1;
       sums.pods[0] += pods;
       sums.fallback[0] += fallback;
-      sums.pods[1] += (u[3] || 0) * share;
-      sums.pods[2] += (u[4] || 0) * share;
-      sums.fallback[1] += (u[3] || 0) * (1 - share);
-      sums.fallback[2] += (u[4] || 0) * (1 - share);
+      sums.pods[1] += prompt * share;
+      sums.pods[2] += completion * share;
+      sums.fallback[1] += prompt * (1 - share);
+      sums.fallback[2] += completion * (1 - share);
     }
     const rows = Object.entries(sums).filter(([, v]) => v[0] || v[1] || v[2]).map(([b, v]) => [b, ...v]);
     if (rows.length) this.sql.exec(ADD_SERVED, JSON.stringify(rows));
@@ -688,12 +710,16 @@ export class Breaker extends DurableObject {
     return this.coloOnce;
   }
 
-  /** Delete every stored row of this generation (the router refuses the active one). */
+  /**
+   * Delete everything this generation stored, its schema too: a purged generation holds
+   * nothing (the router refuses the active one). The tables come back only if it is used again.
+   */
   async purge() {
+    if (this.purged) return { had_state: false };
     const had = this.sql.exec("SELECT COUNT(*) AS n FROM meta WHERE k != 'schema'").one().n > 0
       || this.sql.exec("SELECT COUNT(*) AS n FROM client_keys").one().n > 0;
     await this.ctx.storage.deleteAll();
-    await this.load();
+    this.purged = true;
     return { had_state: had };
   }
 }
@@ -713,14 +739,14 @@ function mergedText(prev, hist) {
   }
 }
 
-/** A usage_daily row in the batch's array form. */
+/** A usage_daily row in the batch's array form (a column an older exporter lacks: 0). */
 function usageArray(u) {
-  return [u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests, u.fallback_requests, u.estimated_tokens ?? 0];
+  return USAGE.names.map((n) => u[n] ?? 0);
 }
 
-/** A batch usage row, schema-2 isolates' 7 columns included (estimated_tokens 0). */
+/** A batch usage row; a row of a Worker from before a column was added gets 0 for it. */
 function usageRow(u) {
-  return u.length >= 8 ? u : [...u, 0];
+  return u.length >= USAGE.length ? u : [...u, ...new Array(USAGE.length - u.length).fill(0)];
 }
 
 /** Month totals from daily rows (an import from an exporter that had none). */

@@ -192,9 +192,10 @@ export function mergeEncoded(a, b) {
 
 /**
  * One isolate's unsynced histograms, per minute:
- *   requests  per pod ("0", "1", ..., "fallback"): the four routed segments. The colo is the
- *             isolate's own (one isolate runs in one colo), filled in when they are taken,
- *             so a request never waits for the isolate to learn where it runs.
+ *   requests  per pod ("0", "1", ..., "fallback", each "@<client colo>" behind a fleet's front
+ *             door): the four routed segments. The colo is the isolate's own (one isolate
+ *             runs in one colo), filled in when they are taken, so a request never waits for
+ *             the isolate to learn where it runs.
  *   syncs     per (the object's colo, the Worker's colo): the isolate's sync round trips.
  * `take` turns them into `batch.hist` rows [minute, colo, who, segment, "~gap*count,..."]
  * where `who` is the pod for the routed segments and the Worker's colo for `sync`.
@@ -333,7 +334,16 @@ export function takeHist() {
   return rows.length ? rows : null;
 }
 
-/** A routed request's segments, served by `backend` ("pod-<i>" or "fallback"). */
+const CLIENT_COLO = /^[A-Z]{3}$/;
+
+/**
+ * A routed request's segments, served by `backend` ("pod-<i>" or "fallback"; "none", a front
+ * door's deferral that another cell serves and records, is left out). With `timing.client`
+ * (a fleet's front door said where the client was) the row's `who` is "<pod>@<colo>".
+ */
 export function recordRequest(backend, timing) {
-  recorder.request(Date.now(), backend === "fallback" ? backend : backend.slice(4), timing);
+  if (backend === "none") return;
+  const pod = backend === "fallback" ? backend : backend.slice(4);
+  const c = timing.client;
+  recorder.request(Date.now(), c && CLIENT_COLO.test(c) ? pod + "@" + c : pod, timing);
 }

@@ -10,6 +10,8 @@
 // holds for requests in flight (max_parallel): this isolate's own count is exact, the
 // other isolates' is as of their last sync.
 
+import { COUNTER } from "./payloads.js";
+
 export const WINDOW_MS = 60_000;
 
 export function minuteOf(t) {
@@ -36,24 +38,14 @@ function msToNextMonth(t) {
   return Date.UTC(d.getUTCFullYear(), d.getUTCMonth() + 1, 1) - t;
 }
 
-// The object's counters of one key, as a sync carries them (arrays keep a sync small).
-export const C_MINUTE = 0;
-export const C_REQ = 1;
-export const C_TOK = 2;
-export const C_PREV_REQ = 3;
-export const C_PREV_TOK = 4;
-export const C_MONTH = 5;
-export const C_INFLIGHT = 6; // requests in flight in the other isolates
-
 /**
  * The global count of a key's bucket `m` as of the last sync: `g` is the object's
- * [minute, req, tok, prev_req, prev_tok, month_tokens, inflight_elsewhere] for that
- * key (or undefined).
+ * counter row (payloads.js COUNTER) for that key, or undefined.
  */
 function globalAt(g, m) {
   if (!g) return { req: 0, tok: 0 };
-  if (m === g[C_MINUTE]) return { req: g[C_REQ], tok: g[C_TOK] };
-  if (m === g[C_MINUTE] - 1) return { req: g[C_PREV_REQ], tok: g[C_PREV_TOK] };
+  if (m === g[COUNTER.minute]) return { req: g[COUNTER.req], tok: g[COUNTER.tok] };
+  if (m === g[COUNTER.minute] - 1) return { req: g[COUNTER.prev_req], tok: g[COUNTER.prev_tok] };
   return { req: 0, tok: 0 };
 }
 

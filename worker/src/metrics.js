@@ -59,19 +59,22 @@ export function exposition(m, cfg) {
   const out = [];
   family(out, "colocate_segment_seconds", "histogram",
     "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo).");
-  const rows = [...m.segments].sort((a, b) => (a[2] + a[0] + a[1] < b[2] + b[0] + b[1] ? -1 : 1));
-  for (const [colo, who, segment, text] of rows) {
-    let counts;
-    try {
-      counts = decode(text);
-    } catch {
-      continue; // the object stores only checked text; a hand-edited row is left out
-    }
+  // One series per (segment, backend, colo): a fleet's client colos ("0@NRT") are added
+  // together here, so the series stay as few as the cell's pods and colos.
+  const series = new Map();
+  for (const [colo, who, segment, text] of m.segments) {
+    const pod = segment === "sync" ? who : who.split("@")[0];
     const base = segment === "sync"
-      ? { segment, backend: "state", colo: who, state_colo: colo }
-      : { segment, backend: who === "fallback" ? who : `pod-${who}`, colo };
-    histogramLines(out, "colocate_segment_seconds", base, counts);
+      ? { segment, backend: "state", colo: pod, state_colo: colo }
+      : { segment, backend: pod === "fallback" ? pod : `pod-${pod}`, colo };
+    const key = JSON.stringify(base);
+    try {
+      series.set(key, decode(text, series.get(key)));
+    } catch {
+      // the object stores only checked text; a hand-edited row is left out
+    }
   }
+  for (const key of [...series.keys()].sort()) histogramLines(out, "colocate_segment_seconds", JSON.parse(key), series.get(key));
   family(out, "colocate_requests_total", "counter", "Requests served, by backend (pods or the fallback API).");
   const served = new Map(m.served.map((r) => [r.backend, r]));
   for (const b of ["pods", "fallback"]) out.push(`colocate_requests_total${labels({ backend: b })} ${served.get(b)?.requests ?? 0}`);

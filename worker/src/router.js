@@ -8,19 +8,20 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
+import { callFallback, clientInit, fallbackBytes, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { C_INFLIGHT, C_MONTH, estimate, leaseRefusal, refusal } from "./limits.js";
+import { estimate, leaseRefusal, refusal } from "./limits.js";
+import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
-import { lookup } from "./routes.js";
+import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, lookup } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
   served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
-import { estimateUsage, stripStream, tapStream, usageOfJson } from "./usage.js";
+import { capUsage, estimateUsage, stripStream, tapStream, usageCeiling, usageOfAnswer } from "./usage.js";
 import { validateBody } from "./validate.js";
-import { handleAdmin } from "./admin.js";
+import { handleAdmin, tokenMatches } from "./admin.js";
 import { learnColo, recordRequest } from "./histogram.js";
 
 /**
@@ -138,8 +139,8 @@ function enforceLimits(request, cfg, key) {
   const gen = cfg.activeGeneration;
   const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
-  const month = (g ? g[C_MONTH] : 0) + pendingMonthTokens(gen, key.id, t);
-  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[C_INFLIGHT] : 0) : 0;
+  const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
+  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
   // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none).
   const lease = cache.lease(gen, key.id);
   const no = refusal(key, est, month, t, inflight) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month));
@@ -155,7 +156,8 @@ function enforceLimits(request, cfg, key) {
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   const t0 = now();
-  const timing = { state: 0, upstream: 0, fallback: 0, total: 0 };
+  // `client`: the colo a fleet's front door received the request in (the live view's client colo)
+  const timing = { state: 0, upstream: 0, fallback: 0, total: 0, client: request.headers.get(CLIENT_COLO_HEADER) };
   const gen = cfg.activeGeneration;
   // The warm path awaits nothing until the body: a fresh view and a known key are sync.
   let entry = freshEntry(env, ctx, cfg);
@@ -173,12 +175,15 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json);
   }
+  // The pod's deadline starts now: a slow upload is the client's time, not the pod's.
+  const t1 = bytes === null ? t0 : now();
   const admittedAt = enforceLimits(request, cfg, key);
   scheduleFlush(env, ctx, cfg);
-  // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last byte).
+  // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
+  // byte). What an upstream reports is believed only up to what the request allows.
   const meter = (backend, usage) => {
     releaseSlot(request);
-    meterServed(env, ctx, cfg, key.id, backend, usage);
+    meterServed(env, ctx, cfg, key.id, backend, json === null ? usage : ceiled(env, backend, usage, json, bytes.length));
   };
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
@@ -220,7 +225,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
       if (trial) index = pick;
     }
     if (index < 0) break;
-    const deadline = cfg.deadlineMs - (now() - t0);
+    const deadline = cfg.deadlineMs - (now() - t1);
     if (deadline <= 0) break;
     tried.add(index);
     const podUrl = urls[index];
@@ -239,15 +244,15 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
       const backend = `pod-${index}`;
       if (!res.stream) {
         finished(podUrl);
-        meter(backend, usageOfJson(res.bytes));
-        return finish(res.bytes, res.response, backend, timing, t0);
+        meter(backend, json !== null && res.response.ok ? usageOfAnswer(res.bytes, guess) : null);
+        return finish(res.bytes, clientInit(res.response), backend, timing, t0);
       }
       const tap = counted(res.response.body, (usage) => {
         finished(podUrl);
         meter(backend, usage);
       });
       ctx.waitUntil(tap.piped);
-      return finish(tap.body, res.response, backend, timing, t0);
+      return finish(tap.body, clientInit(res.response), backend, timing, t0);
     }
     finished(podUrl);
     suspects.push(podUrl);
@@ -255,8 +260,10 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     if (res.reason === "deadline") break; // no time is left for another pod
   }
 
-  if (request.headers.get("x-colocate-fallback") === "defer") {
-    // A fleet's front door asks for "no pod" rather than the paid fallback: it tries another cell (docs/fleet.md).
+  if (request.headers.get(DEFER_HEADER) === "defer" && (await fromFrontDoor(request, cfg))) {
+    // A fleet's front door asks for "no pod" rather than the paid fallback: it tries another
+    // cell (docs/fleet.md). From anyone else the header is ignored: a client that could
+    // defer would be served by no one yet have its request withdrawn from its limits.
     blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
     releaseSlot(request);
     withdraw(cfg, key.id, admittedAt); // the next cell counts it: the fleet's limits count it once
@@ -284,12 +291,27 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     timing.fallback = now() - t;
     const tap = counted(res.body, (usage) => meter("fallback", usage));
     ctx.waitUntil(tap.piped);
-    return finish(tap.body, res, "fallback", timing, t0);
+    return finish(tap.body, clientInit(res), "fallback", timing, t0);
   }
-  const body = await res.arrayBuffer();
+  let body;
+  try {
+    body = await fallbackBytes(res);
+  } catch (err) {
+    if (!(err instanceof HttpError)) throw err;
+    timing.fallback = now() - t;
+    meter("fallback", null);
+    const error = errorResponse(err.status, err.code, err.message, {}, err.type);
+    return finish(error.body, error, "fallback", timing, t0);
+  }
   timing.fallback = now() - t;
-  meter("fallback", res.ok ? usageOfJson(body) : null);
-  return finish(body, res, "fallback", timing, t0);
+  meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
+  return finish(body, clientInit(res), "fallback", timing, t0);
+}
+
+/** Whether the request carries this cell's exchange token, as only its fleet's front door sends it. */
+function fromFrontDoor(request, cfg) {
+  const token = request.headers.get(FRONT_HEADER);
+  return token === null ? false : tokenMatches(token, cfg.tokens.exchange);
 }
 
 /**
@@ -302,6 +324,13 @@ function healthWitness(env, ctx, cfg, podUrl, fetchImpl) {
   });
 }
 
+/** `usage` within what the request allows; a cut is logged (a pod that over-reports is broken or hostile). */
+function ceiled(env, backend, usage, json, bodyBytes) {
+  const u = capUsage(usage, usageCeiling(json, bodyBytes));
+  if (u && u.capped) log(env, "usage_capped", { backend, prompt: u.prompt, completion: u.completion });
+  return u;
+}
+
 /** Count a served request against its key (usage, tokens) and plan the flush. */
 function meterServed(env, ctx, cfg, keyId, backend, usage) {
   served(cfg, keyId, Date.now(), backend, usage);
@@ -312,7 +341,8 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
   }
 }
 
-/** The client's response: `body` with the status and headers of `from`, plus ours. */
+/** The client's response: `body` with the status and headers of `from` (a Response of ours,
+ * or an upstream's `clientInit`), plus ours. */
 function finish(body, from, backend, timing, t0) {
   const res = new Response(body, from);
   timing.total = now() - t0;

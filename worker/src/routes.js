@@ -1,21 +1,32 @@
 // The Worker's HTTP surface: which paths exist and which methods each accepts.
-// `routed` paths need a client key; every /_colocate path needs the probe token.
+// `routed` paths need a client key; every /_colocate path an operator credential.
 
+// `roles`: the operator credential each method of a /_colocate path needs (admin.js
+// `authorise`): "read" (READ_TOKEN or ADMIN_TOKEN), "admin" or "exchange".
 export const ROUTES = {
   "/v1/chat/completions": { methods: ["POST"], kind: "routed", json: true },
   "/v1/completions": { methods: ["POST"], kind: "routed", json: true },
   "/v1/models": { methods: ["GET"], kind: "routed", json: false },
-  "/_colocate/probe": { methods: ["GET"], kind: "probe" },
-  "/_colocate/breaker": { methods: ["GET", "PUT"], kind: "breaker" },
-  "/_colocate/purge": { methods: ["POST"], kind: "purge" },
-  "/_colocate/keys": { methods: ["GET", "POST"], kind: "keys" },
-  "/_colocate/keys/replica": { methods: ["GET", "POST"], kind: "replica" },
-  "/_colocate/usage": { methods: ["GET"], kind: "usage" },
-  "/_colocate/live": { methods: ["GET"], kind: "live" },
-  "/_colocate/metrics": { methods: ["GET"], kind: "metrics" },
-  "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters" },
-  "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers" },
+  "/_colocate/probe": { methods: ["GET"], kind: "probe", roles: { GET: "read" } },
+  "/_colocate/breaker": { methods: ["GET", "PUT"], kind: "breaker", roles: { GET: "read", PUT: "admin" } },
+  "/_colocate/purge": { methods: ["POST"], kind: "purge", roles: { POST: "admin" } },
+  "/_colocate/keys": { methods: ["GET", "POST"], kind: "keys", roles: { GET: "read", POST: "admin" } },
+  "/_colocate/keys/replica": { methods: ["GET", "POST"], kind: "replica", roles: { GET: "admin", POST: "admin" } },
+  "/_colocate/usage": { methods: ["GET"], kind: "usage", roles: { GET: "read" } },
+  "/_colocate/live": { methods: ["GET"], kind: "live", roles: { GET: "read" } },
+  "/_colocate/metrics": { methods: ["GET"], kind: "metrics", roles: { GET: "read" } },
+  "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters", roles: { GET: "exchange" } },
+  "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers", roles: { GET: "exchange", POST: "exchange" } },
 };
+
+// A fleet's front door asks a cell for "no pod" rather than its paid fallback with
+// DEFER_HEADER: defer, and shows it is the front door with the cell's exchange token in
+// FRONT_HEADER; a cell honours the first only with the second (router.js).
+export const DEFER_HEADER = "x-colocate-fallback";
+export const FRONT_HEADER = "x-colocate-front";
+
+/** Set by a fleet's front door on what it forwards: the colo it received the request in (routes.js: both Workers read it). */
+export const CLIENT_COLO_HEADER = "x-colocate-client-colo";
 
 const REVOKE = /^\/_colocate\/keys\/([A-Za-z0-9_]{1,64})\/revoke$/;
 
@@ -23,5 +34,5 @@ const REVOKE = /^\/_colocate\/keys\/([A-Za-z0-9_]{1,64})\/revoke$/;
 export function lookup(pathname) {
   if (Object.prototype.hasOwnProperty.call(ROUTES, pathname)) return ROUTES[pathname];
   const m = REVOKE.exec(pathname);
-  return m ? { methods: ["POST"], kind: "revoke", param: m[1] } : null;
+  return m ? { methods: ["POST"], kind: "revoke", param: m[1], roles: { POST: "admin" } } : null;
 }

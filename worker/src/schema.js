@@ -39,6 +39,8 @@
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
 
+import { EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
+
 export const SCHEMA_VERSION = "4";
 
 export const SCHEMA = [
@@ -104,14 +106,13 @@ export const INDEXES = [
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at";
 // What an isolate holds of a key (no prefix, no timestamps it does not use).
 export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at";
-export const USAGE_COLUMNS = "day, key_id, requests, prompt_tokens, completion_tokens, pod_requests, fallback_requests, estimated_tokens";
+// A sync's usage rows carry usage_daily's columns, in payloads.js USAGE's order.
+export const USAGE_COLUMNS = USAGE.columns;
 
-export const UPSERT_USAGE = `INSERT INTO usage_daily (${USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
-  ON CONFLICT (day, key_id) DO UPDATE SET
-    requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens,
-    completion_tokens = completion_tokens + excluded.completion_tokens,
-    pod_requests = pod_requests + excluded.pod_requests, fallback_requests = fallback_requests + excluded.fallback_requests,
-    estimated_tokens = estimated_tokens + excluded.estimated_tokens`;
+// Every usage column but the row's key (day, key_id) adds up.
+const ADD_USAGE = USAGE.names.slice(USAGE.requests).map((n) => `${n} = ${n} + excluded.${n}`).join(", ");
+export const UPSERT_USAGE = `INSERT INTO usage_daily (${USAGE_COLUMNS}) VALUES (${USAGE.names.map(() => "?").join(", ")})
+  ON CONFLICT (day, key_id) DO UPDATE SET ${ADD_USAGE}`;
 
 export const UPSERT_MONTH = `INSERT INTO key_month (key_id, month, tokens) VALUES (?, ?, ?)
   ON CONFLICT (key_id, month) DO UPDATE SET tokens = tokens + excluded.tokens`;
@@ -120,34 +121,32 @@ export const UPSERT_WINDOW = `INSERT INTO rate_window (key_id, minute, requests,
   ON CONFLICT (key_id, minute) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens`;
 
 // A whole batch part in one statement: `?` is the part's rows as a JSON array of arrays
-// (one statement per table per sync instead of one per row). `WHERE true` lets SQLite
-// parse ON CONFLICT after a SELECT.
+// (one statement per table per sync instead of one per row), each column read by its
+// name in payloads.js. `WHERE true` lets SQLite parse ON CONFLICT after a SELECT.
 const col = (i) => `(value ->> ${i})`;
+/** @param {{names: readonly string[]}} shape */
+const all = (shape) => shape.names.map((_, i) => col(i)).join(", ");
 export const BULK_USAGE = `INSERT INTO usage_daily (${USAGE_COLUMNS})
-  SELECT ${[0, 1, 2, 3, 4, 5, 6, 7].map(col).join(", ")} FROM json_each(?) WHERE true
-  ON CONFLICT (day, key_id) DO UPDATE SET
-    requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens,
-    completion_tokens = completion_tokens + excluded.completion_tokens,
-    pod_requests = pod_requests + excluded.pod_requests, fallback_requests = fallback_requests + excluded.fallback_requests,
-    estimated_tokens = estimated_tokens + excluded.estimated_tokens`;
+  SELECT ${all(USAGE)} FROM json_each(?) WHERE true
+  ON CONFLICT (day, key_id) DO UPDATE SET ${ADD_USAGE}`;
+const monthTokens = `${col(USAGE.prompt_tokens)} + ${col(USAGE.completion_tokens)}`;
 export const BULK_MONTH = `INSERT INTO key_month (key_id, month, tokens)
-  SELECT ${col(1)}, substr(${col(0)}, 1, 7), ${col(3)} + ${col(4)} FROM json_each(?) WHERE ${col(3)} + ${col(4)} > 0
+  SELECT ${col(USAGE.key_id)}, substr(${col(USAGE.day)}, 1, 7), ${monthTokens} FROM json_each(?) WHERE ${monthTokens} > 0
   ON CONFLICT (key_id, month) DO UPDATE SET tokens = tokens + excluded.tokens`;
-export const BULK_WINDOW = `INSERT INTO rate_window (key_id, minute, requests, tokens)
-  SELECT ${[0, 1, 2, 3].map(col).join(", ")} FROM json_each(?) WHERE ${col(1)} >= ?
+export const BULK_WINDOW = `INSERT INTO rate_window (${WINDOW.columns})
+  SELECT ${all(WINDOW)} FROM json_each(?) WHERE ${col(WINDOW.minute)} >= ?
   ON CONFLICT (key_id, minute) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens`;
 
-// The exchange's rows, one per key: [key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens].
-export const UPSERT_PEERS = `INSERT INTO peer_counters (key_id, minute, req, tok, prev_req, prev_tok, month, month_tokens, at)
-  SELECT ${[0, 1, 2, 3, 4, 5, 6, 7].map(col).join(", ")}, ? FROM json_each(?) WHERE true
-  ON CONFLICT (key_id) DO UPDATE SET minute = excluded.minute, req = excluded.req, tok = excluded.tok,
-    prev_req = excluded.prev_req, prev_tok = excluded.prev_tok, month = excluded.month,
-    month_tokens = excluded.month_tokens, at = excluded.at`;
-// A fleet's leases, one per key: [key_id, req, tok, month, month_tokens] (null: no such limit).
-export const UPSERT_LEASES = `INSERT INTO key_lease (key_id, req, tok, month, month_tokens, at)
-  SELECT ${[0, 1, 2, 3, 4].map(col).join(", ")}, ? FROM json_each(?) WHERE true
-  ON CONFLICT (key_id) DO UPDATE SET req = excluded.req, tok = excluded.tok, month = excluded.month,
-    month_tokens = excluded.month_tokens, at = excluded.at`;
+// The exchange's rows (payloads.js EXCHANGE), one per key; peer_counters' columns carry its names.
+export const UPSERT_PEERS = `INSERT INTO peer_counters (${EXCHANGE.columns}, at)
+  SELECT ${all(EXCHANGE)}, ? FROM json_each(?) WHERE true
+  ON CONFLICT (key_id) DO UPDATE SET ${[...EXCHANGE.names.filter((n) => n !== "key_id"), "at"].map((n) => `${n} = excluded.${n}`)
+    .join(", ")}`;
+// A fleet's leases (payloads.js LEASE), one per key; key_lease's columns carry its names (null: no such limit).
+export const UPSERT_LEASES = `INSERT INTO key_lease (${LEASE.columns}, at)
+  SELECT ${all(LEASE)}, ? FROM json_each(?) WHERE true
+  ON CONFLICT (key_id) DO UPDATE SET ${[...LEASE.names.filter((n) => n !== "key_id"), "at"].map((n) => `${n} = excluded.${n}`)
+    .join(", ")}`;
 // Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
 export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET seq = excluded.seq`;

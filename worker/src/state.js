@@ -21,6 +21,7 @@ import { dayOf, minuteOf } from "./limits.js";
 import { healthDue } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
+import { INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -280,12 +281,20 @@ const PARTS = {
   usage: {
     has: (p) => p.usage.size > 0,
     take: (p) => takeMap(p, "usage"),
-    restore: (p, rows) => { for (const u of rows) addUsage(p, u[0], u[1], u.slice(2)); },
+    restore: (p, rows) => {
+      for (const u of rows) {
+        const deltas = {};
+        for (let i = USAGE.requests; i < USAGE.length; i++) deltas[USAGE.names[i]] = u[i];
+        addUsage(p, u[USAGE.day], u[USAGE.key_id], deltas);
+      }
+    },
   },
   windows: {
     has: (p) => p.windows.size > 0,
     take: (p) => takeMap(p, "windows"),
-    restore: (p, rows) => { for (const w of rows) addWindow(p, w[0], w[1], w[2], w[3]); },
+    restore: (p, rows) => {
+      for (const w of rows) addWindow(p, w[WINDOW.key_id], w[WINDOW.minute], w[WINDOW.requests], w[WINDOW.tokens]);
+    },
   },
   inflight: {
     // Every key with requests in flight here, and those that went to 0 since the last
@@ -293,14 +302,20 @@ const PARTS = {
     has: (p) => p.inflightChanged.size > 0,
     take: (p) => {
       const rows = [];
-      for (const [id, n] of p.inflight) rows.push([id, n]);
-      for (const id of p.inflightChanged) if (!p.inflight.has(id)) rows.push([id, 0]);
+      for (const [id, n] of p.inflight) rows.push(inflightRow(id, n));
+      for (const id of p.inflightChanged) if (!p.inflight.has(id)) rows.push(inflightRow(id, 0));
       p.inflightChanged.clear();
       return rows.length ? rows : null;
     },
-    restore: (p, rows) => { for (const [id] of rows) p.inflightChanged.add(id); },
+    restore: (p, rows) => { for (const r of rows) p.inflightChanged.add(r[INFLIGHT.key_id]); },
   },
 };
+
+function inflightRow(id, n) {
+  const row = INFLIGHT.zero(id);
+  row[INFLIGHT.n] = n;
+  return row;
+}
 
 function takeMap(p, name) {
   if (p[name].size === 0) return null;
@@ -342,16 +357,16 @@ function hasPending(p) {
   return false;
 }
 
-// [day, key_id, requests, prompt, completion, pod_requests, fallback_requests, estimated_tokens]
+/** `deltas`: {column: n} of USAGE's counted columns (requests on). */
 function addUsage(p, day, keyId, deltas) {
   const k = day + "|" + keyId;
   let row = p.usage.get(k);
   if (!row) {
-    row = [day, keyId, 0, 0, 0, 0, 0, 0];
+    row = USAGE.zero(day, keyId);
     p.usage.set(k, row);
   }
-  for (let i = 0; i < 6; i++) row[2 + i] += deltas[i] ?? 0;
-  const tokens = (deltas[1] ?? 0) + (deltas[2] ?? 0);
+  for (const name in deltas) row[USAGE[name]] += deltas[name];
+  const tokens = (deltas.prompt_tokens ?? 0) + (deltas.completion_tokens ?? 0);
   if (tokens > 0) {
     const m = day.slice(0, 7) + "|" + keyId;
     p.month.set(m, (p.month.get(m) ?? 0) + tokens);
@@ -362,11 +377,11 @@ function addWindow(p, keyId, minute, req, tok) {
   const k = keyId + "|" + minute;
   let row = p.windows.get(k);
   if (!row) {
-    row = [keyId, minute, 0, 0];
+    row = WINDOW.zero(keyId, minute);
     p.windows.set(k, row);
   }
-  row[2] += req;
-  row[3] += tok;
+  row[WINDOW.requests] += req;
+  row[WINDOW.tokens] += tok;
 }
 
 /** (minute) => {req, tok} of this isolate's deltas for a key not yet in its view (pending or being sent). */
@@ -375,13 +390,13 @@ export function pendingCounter(gen, keyId) {
   return (minute) => {
     const k = keyId + "|" + minute;
     const row = p && p.windows.get(k);
-    const out = row ? { req: row[2], tok: row[3] } : { req: 0, tok: 0 };
+    const out = row ? { req: row[WINDOW.requests], tok: row[WINDOW.tokens] } : { req: 0, tok: 0 };
     if (p && p.sending.size) {
       for (const f of p.sending) {
         const r = f.windows && f.windows.get(k);
         if (r) {
-          out.req += r[2];
-          out.tok += r[3];
+          out.req += r[WINDOW.requests];
+          out.tok += r[WINDOW.tokens];
         }
       }
     }
@@ -414,7 +429,7 @@ export function admit(cfg, key, t) {
   const p = pendingOf(cfg.activeGeneration);
   p.served.set(key.id, t);
   addWindow(p, key.id, minuteOf(t), 1, 0);
-  addUsage(p, dayOf(t), key.id, [1, 0, 0, 0, 0, 0]);
+  addUsage(p, dayOf(t), key.id, { requests: 1 });
   if (!(key.max_parallel > 0)) return null;
   p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
   p.inflightChanged.add(key.id);
@@ -437,7 +452,7 @@ export function admit(cfg, key, t) {
 export function withdraw(cfg, keyId, t) {
   const p = pendingOf(cfg.activeGeneration);
   addWindow(p, keyId, minuteOf(t), -1, 0);
-  addUsage(p, dayOf(t), keyId, [-1, 0, 0, 0, 0, 0]);
+  addUsage(p, dayOf(t), keyId, { requests: -1 });
 }
 
 /**
@@ -449,7 +464,9 @@ export function served(cfg, keyId, t, backend, usage) {
   const prompt = usage ? usage.prompt : 0;
   const completion = usage ? usage.completion : 0;
   const estimated = usage && usage.estimated ? prompt + completion : 0;
-  addUsage(p, dayOf(t), keyId, [0, prompt, completion, backend === "fallback" ? 0 : 1, backend === "fallback" ? 1 : 0, estimated]);
+  const fallback = backend === "fallback" ? 1 : 0;
+  addUsage(p, dayOf(t), keyId, { prompt_tokens: prompt, completion_tokens: completion, pod_requests: 1 - fallback,
+    fallback_requests: fallback, estimated_tokens: estimated });
   if (prompt + completion > 0) addWindow(p, keyId, minuteOf(t), 0, prompt + completion);
 }
 

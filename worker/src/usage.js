@@ -1,6 +1,7 @@
 // Token usage from upstream answers (OpenAI's `usage` object), for limits and usage rows.
 //
-// A complete JSON answer carries `usage` at its top level. A streamed (SSE) answer carries
+// A complete JSON answer carries `usage` at its top level (read from the parsed answer;
+// estimated from its text when missing). A streamed (SSE) answer carries
 // it in a last data event (`"choices": []`) when the request asked
 // `stream_options.include_usage` (vLLM and OpenAI both do so). The router asks for it on
 // every stream; when the client did not, `stripStream` takes that event out of the
@@ -10,62 +11,86 @@
 const decoder = new TextDecoder();
 const TAIL_BYTES = 16384; // the last events of a stream; a usage event is a few hundred bytes
 
+// Counts past this are not believed as they are; the request's ceiling caps them anyway.
+const MAX_COUNT = Number.MAX_SAFE_INTEGER;
+
+/** A reported count as a whole number >= 0 (a huge or infinite one is clamped, never kept). */
+function count(v) {
+  return typeof v === "number" && v > 0 ? Math.min(Math.floor(v), MAX_COUNT) : 0;
+}
+
 /** {prompt, completion} from a usage object, or null. */
 function fromUsage(u) {
   if (!u || typeof u !== "object") return null;
-  const prompt = Number.isInteger(u.prompt_tokens) && u.prompt_tokens > 0 ? u.prompt_tokens : 0;
-  const completion = Number.isInteger(u.completion_tokens) && u.completion_tokens > 0 ? u.completion_tokens : 0;
+  const prompt = count(u.prompt_tokens);
+  const completion = count(u.completion_tokens);
   return prompt + completion > 0 ? { prompt, completion } : null;
 }
 
-// After `"usage"`: blanks, the colon, and the object's opening brace (anything else, such
-// as null, is not a usage object).
-const USAGE_OPEN = /[ \t\r\n]*:[ \t\r\n]*\{/y;
-
 /**
- * Usage of a complete JSON answer's bytes, or null. Only the `"usage": {...}` object is
- * parsed, not the whole answer; the search is the runtime's own (decode, lastIndexOf,
- * indexOf), not a loop over bytes in JavaScript, which costs more per request than the
- * text it skips. Answers put `usage` near their end, so the last TAIL_BYTES are searched
- * first and a long answer is decoded whole only when its usage is not among them.
+ * Usage of a complete JSON answer's bytes, or null: the top-level `usage` of the parsed
+ * answer, so no value inside the answer (a `"usage"` string in generated text or in
+ * vLLM's `prompt_logprobs`, which it writes after `usage`) can stand in for it.
  */
 export function usageOfJson(buffer) {
-  const bytes = buffer instanceof Uint8Array ? buffer : new Uint8Array(buffer);
-  if (bytes.length > TAIL_BYTES) {
-    // The last match in a suffix is the last match in the whole (a match that straddles
-    // the cut starts earlier), and a usage object closes before the end.
-    const found = usageOfText(decoder.decode(bytes.subarray(bytes.length - TAIL_BYTES)));
-    if (found !== undefined) return found;
-  }
-  return usageOfText(decoder.decode(bytes)) ?? null;
+  const doc = parseAnswer(buffer);
+  return doc === null ? null : fromUsage(doc.usage);
 }
 
-/** usageOfJson on text: undefined when the text has no `"usage"` at all. */
-function usageOfText(text) {
-  const at = text.lastIndexOf('"usage"');
-  if (at < 0) return undefined;
-  USAGE_OPEN.lastIndex = at + 7;
-  if (!USAGE_OPEN.test(text)) return null;
-  const start = USAGE_OPEN.lastIndex - 1;
-  // The matching brace: usage objects nest (prompt_tokens_details: {...}).
-  let depth = 0;
-  for (let i = start; ;) {
-    const open = text.indexOf("{", i);
-    const close = text.indexOf("}", i);
-    if (close < 0) return null;
-    if (open >= 0 && open < close) {
-      depth++;
-      i = open + 1;
-    } else if (--depth === 0) {
-      try {
-        return fromUsage(JSON.parse(text.slice(start, close + 1)));
-      } catch {
-        return null;
-      }
-    } else {
-      i = close + 1;
-    }
+/** The answer as a JSON object, or null. */
+function parseAnswer(buffer) {
+  const bytes = buffer instanceof Uint8Array ? buffer : new Uint8Array(buffer);
+  try {
+    const doc = JSON.parse(decoder.decode(bytes));
+    return doc !== null && typeof doc === "object" && !Array.isArray(doc) ? doc : null;
+  } catch {
+    return null;
   }
+}
+
+/**
+ * The usage of a complete JSON answer: its reported `usage`, else (none, or not a usage
+ * object) `estimate(chars)` from the characters of its generated text, as a stream
+ * without a usage event is estimated.
+ */
+export function usageOfAnswer(buffer, estimate) {
+  const doc = parseAnswer(buffer);
+  const found = doc === null ? null : fromUsage(doc.usage);
+  if (found) return found;
+  let chars = 0;
+  const choices = doc !== null && Array.isArray(doc.choices) ? doc.choices : [];
+  for (const c of choices) {
+    if (!c || typeof c !== "object") continue;
+    const m = c.message && typeof c.message === "object" ? c.message : null;
+    for (const v of [c.text, m && m.content, m && m.reasoning_content]) if (typeof v === "string") chars += v.length;
+    const calls = m && Array.isArray(m.tool_calls) ? m.tool_calls : [];
+    for (const t of calls) if (t && t.function && typeof t.function.arguments === "string") chars += t.function.arguments.length;
+  }
+  return estimate(chars);
+}
+
+// validate.js's largest max_tokens: a request without one may be answered up to this.
+const MAX_COMPLETION_TOKENS = 131_072;
+
+/**
+ * The most usage a request can truly have: no more prompt tokens than its body has bytes
+ * (every token of a prompt, a chat template's included, is written with at least one
+ * byte of the JSON body, whose quoting and keys add more than a template does), and no
+ * more completion tokens than `max_tokens` (or `max_completion_tokens`) × `n` (or
+ * `best_of`, when larger).
+ */
+export function usageCeiling(json, bodyBytes) {
+  const max = json ? (json.max_completion_tokens ?? json.max_tokens) : undefined;
+  const per = Number.isInteger(max) && max > 0 ? max : MAX_COMPLETION_TOKENS;
+  const n = Math.max(json && Number.isInteger(json.n) && json.n > 0 ? json.n : 1,
+    json && Number.isInteger(json.best_of) && json.best_of > 0 ? json.best_of : 1);
+  return { prompt: bodyBytes, completion: per * n };
+}
+
+/** `usage` within `ceiling` (unchanged when it already is; null stays null); `capped` marks a cut. */
+export function capUsage(usage, ceiling) {
+  if (!usage || (usage.prompt <= ceiling.prompt && usage.completion <= ceiling.completion)) return usage;
+  return { ...usage, prompt: Math.min(usage.prompt, ceiling.prompt), completion: Math.min(usage.completion, ceiling.completion), capped: true };
 }
 
 // A string value of a field that carries generated text, in an SSE event's JSON.
@@ -206,7 +231,7 @@ async function readTail(reader, delivered) {
   return { text, total: total * (text.length / Math.min(size, TAIL_BYTES)) }; // in characters, like `text`
 }
 
-// After `"usage"`: the object's opening brace (not `null`), as USAGE_OPEN.
+// After `"usage"`: the object's opening brace (not `null`).
 const USAGE_OBJECT = /"usage"[ \t\r\n]*:[ \t\r\n]*\{/;
 
 /** The end of the last complete SSE event in `text` (after its blank line), or 0. */

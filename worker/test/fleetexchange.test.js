@@ -2,6 +2,7 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { aligned, badLeases, badRows, defaultShare, fairShares, grant, monthOf, slackOf, sumRows, weights } from "../src/fleetexchange.js";
 import { estimate, leaseRefusal, minuteOf } from "../src/limits.js";
+import { COUNTER } from "../src/payloads.js";
 
 const T = Date.UTC(2026, 11, 4, 12, 0, 30); // 30 s into a minute
 const M = minuteOf(T);
@@ -26,14 +27,21 @@ test("a cell's lease bounds what it admits of a key: whole requests, then tokens
   const key = { rpm: 30, tpm: 1000, monthly_tokens: 5000, max_parallel: 0 };
   const none = () => ({ req: 0, tok: 0 });
   const lease = { req: 4, tok: 300, month_tokens: 2000 };
-  const own = (req, tok = 0) => estimate([M, req, tok, 0, 0, 0, 0], none, T);
+  const row = (req, tok, prevReq = 0) => {
+    const c = COUNTER.zero(M);
+    c[COUNTER.req] = req;
+    c[COUNTER.tok] = tok;
+    c[COUNTER.prev_req] = prevReq;
+    return c;
+  };
+  const own = (req, tok = 0) => estimate(row(req, tok), none, T);
   assert.equal(leaseRefusal(key, lease, own(3), 0), null);
   const r = leaseRefusal(key, lease, own(4), 0);
   assert.equal(r.code, "rate_limit_exceeded");
   assert.equal(r.retryAfterS, 1);
   assert.match(r.message, /share of 30 requests per minute/);
   // A fractional estimate (the previous minute's weight) must leave room for a whole request.
-  const sliding = estimate([M, 3, 0, 2, 0, 0, 0], none, T); // 3 + 2 x 0.5 = 4
+  const sliding = estimate(row(3, 0, 2), none, T); // 3 + 2 x 0.5 = 4
   assert.equal(sliding.req, 4);
   assert.equal(leaseRefusal(key, { ...lease, req: 4.5 }, sliding, 0).type, "requests");
   assert.equal(leaseRefusal(key, lease, own(0, 300), 0).type, "tokens");

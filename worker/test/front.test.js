@@ -94,7 +94,7 @@ test("bad bindings name the binding", () => {
     [{ CELL_2: undefined }, /CELL_2/],
     [{ REMEMBER_MS: "-1" }, /REMEMBER_MS/],
     [{ MAX_BODY_BYTES: "0" }, /MAX_BODY_BYTES/],
-    [{ CELL_TOKEN_1: "" }, /CELL_TOKEN_1: the cell's probe token is missing/],
+    [{ CELL_TOKEN_1: "" }, /CELL_TOKEN_1: the cell's exchange token is missing/],
     [{ LEDGER: undefined }, /LEDGER/],
     [{ EXCHANGE_MS: "0" }, /EXCHANGE_MS/],
   ];

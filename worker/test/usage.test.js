@@ -1,6 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { contentChars, estimateUsage, stripStream, tapStream, usageOfJson, usageOfSseTail } from "../src/usage.js";
+import { capUsage, contentChars, estimateUsage, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfJson, usageOfSseTail } from "../src/usage.js";
 
 const enc = (s) => new TextEncoder().encode(s);
 
@@ -191,4 +191,35 @@ test("the estimate: four characters a token, of the prompt as JSON and of the st
   assert.equal(u.estimated, true);
   assert.equal(estimateUsage({ prompt: "abcd" }, 0).prompt, 2); // '"abcd"' is six characters
   assert.equal(contentChars(sse({ choices: [{ delta: { content: "ab\"c", tool_calls: [{ function: { arguments: "{}" } }] } }] })), 7);
+});
+
+test("a usage string inside the answer cannot hide or replace the top-level usage", () => {
+  // vLLM writes prompt_logprobs after usage; a prompt token that decodes to "usage" put the
+  // last "usage" of the text inside them.
+  const hidden = '{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":5},'
+    + '"prompt_logprobs":[null,{"42":{"logprob":-0.1,"rank":1,"decoded_token":"usage"}},{"7":{"decoded_token":"\\"usage\\":{\\"prompt_tokens\\":0}"}}]}';
+  assert.deepEqual(usageOfJson(enc(hidden)), { prompt: 12, completion: 5 });
+  const nested = '{"choices":[{"message":{"content":"x"},"usage":{"prompt_tokens":1,"completion_tokens":1}}]}';
+  assert.equal(usageOfJson(enc(nested)), null);
+});
+
+test("an answer without usage is estimated from its generated text", () => {
+  const guess = (chars) => ({ prompt: 1, completion: Math.ceil(chars / 4), estimated: true });
+  const answer = '{"choices":[{"message":{"content":"abcdefgh","tool_calls":[{"function":{"arguments":"1234"}}]}},{"text":"abcd"}]}';
+  assert.deepEqual(usageOfAnswer(enc(answer), guess), { prompt: 1, completion: 4, estimated: true });
+  assert.deepEqual(usageOfAnswer(enc("not json"), guess), { prompt: 1, completion: 0, estimated: true });
+  assert.deepEqual(usageOfAnswer(enc('{"usage":{"prompt_tokens":2,"completion_tokens":3}}'), guess), { prompt: 2, completion: 3 });
+});
+
+test("usage is capped by what the request allows, and huge counts stay safe integers", () => {
+  const inflated = usageOfJson(enc('{"usage":{"prompt_tokens":1e300,"completion_tokens":1e309}}'));
+  assert.deepEqual(inflated, { prompt: Number.MAX_SAFE_INTEGER, completion: Number.MAX_SAFE_INTEGER });
+  const ceiling = usageCeiling({ max_tokens: 8, n: 2 }, 300);
+  assert.deepEqual(ceiling, { prompt: 300, completion: 16 });
+  assert.deepEqual(capUsage(inflated, ceiling), { prompt: 300, completion: 16, capped: true });
+  const fair = { prompt: 20, completion: 16 };
+  assert.equal(capUsage(fair, ceiling), fair);
+  assert.equal(capUsage(null, ceiling), null);
+  assert.deepEqual(usageCeiling({ max_completion_tokens: 4, best_of: 3, n: 1 }, 10), { prompt: 10, completion: 12 });
+  assert.deepEqual(usageCeiling({}, 10), { prompt: 10, completion: 131072 });
 });

@@ -1,0 +1,214 @@
+"""Zero trust in the router, through the real Worker in workerd: a hostile pod, hidden usage,
+a slow upload, a client's ``defer``, operator credentials of the wrong role, a client's
+account headers. Each attack gets its exact answer, and every served request is counted
+once, with the tokens the request allows (docs/worker.md, "Who holds what" and "What the
+router believes").
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests.support.workerd import OPERATOR_TOKENS, SECRETS, auth, request, running_cell
+
+pytestmark = pytest.mark.slow
+
+READ, ADMIN, EXCHANGE = (OPERATOR_TOKENS[k] for k in ("readToken", "adminToken", "exchangeToken"))
+DEADLINE_MS = 1500
+
+
+@pytest.fixture(scope="module")
+def cell():
+    with running_cell({"deadlineMs": DEADLINE_MS, "stateTtlMs": 60_000}, compute_ms=5, split_tokens=True) as c:
+        yield c
+
+
+@pytest.fixture
+def key(cell):
+    """A fresh key per test, so its usage row holds that test's requests only."""
+    made = cell.create_key("sec")
+    yield made
+    for s in (*cell.pods, cell.fallback):
+        s.set_fault("ok")
+
+
+def body(max_tokens: int = 4, stream: bool = False, **extra) -> bytes:
+    doc = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens, **extra}
+    if stream:
+        doc["stream"] = True
+    return json.dumps(doc).encode()
+
+
+def call(cell, key, data: bytes, headers: dict | None = None, **kw):
+    return request(cell.url, "POST", "/v1/chat/completions", body=data,
+                   headers={"authorization": f"Bearer {key['key']}", "content-type": "application/json", **(headers or {})},
+                   **kw)
+
+
+def usage_row(cell, key, requests: int, timeout_s: float = 15.0) -> dict:
+    """The key's usage row once it holds `requests` requests (isolates flush within a second);
+    then a little longer, so a request counted twice would show."""
+    deadline = time.monotonic() + timeout_s
+    row: dict = {}
+    while time.monotonic() < deadline:
+        res = request(cell.url, "GET", f"/_colocate/usage?key={key['id']}", headers=auth(READ))
+        assert res.status == 200, res.body
+        rows = res.json()["usage"]
+        row = {k: sum(r[k] for r in rows) for k in ("requests", "prompt_tokens", "completion_tokens", "pod_requests",
+                                                     "fallback_requests", "estimated_tokens")} if rows else {}
+        if row.get("requests", 0) >= requests:
+            time.sleep(1.2)
+            again = request(cell.url, "GET", f"/_colocate/usage?key={key['id']}", headers=auth(READ)).json()["usage"]
+            assert sum(r["requests"] for r in again) == requests
+            return row
+        time.sleep(0.1)
+    raise AssertionError(f"usage of {key['id']} did not reach {requests} requests: {row}")
+
+
+def standin_prompt_tokens(data: bytes) -> int:
+    return max(1, len(json.dumps(json.loads(data)["messages"])) // 4)  # colocate.pods.standin.prompt_tokens
+
+
+# --- the router believes its pod no more than it must ------------------------------------
+
+def test_inflated_usage_is_capped_by_what_the_request_allows(cell, key):
+    cell.pod.set_fault("hostile", attack="usage_inflated")
+    data = body(max_tokens=4)
+    res = call(cell, key, data)
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0"
+    streamed = call(cell, key, body(max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert streamed.status == 200 and b"[DONE]" in streamed.body
+    row = usage_row(cell, key, 2)
+    # prompt: no more tokens than the body has bytes; completion: max_tokens x n.
+    assert row["prompt_tokens"] == len(data) + len(body(max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert row["completion_tokens"] == 4 + 3 and row["pod_requests"] == 2
+    # The key can go on: its month is not burnt, and the counters stay whole numbers.
+    cell.pod.set_fault("ok")
+    assert call(cell, key, data).status == 200
+
+
+def test_hidden_usage_is_read_from_the_top_level(cell, key):
+    cell.pod.set_fault("hostile", attack="usage_hidden")
+    data = body(max_tokens=4)
+    res = call(cell, key, data)
+    assert res.status == 200 and res.json()["prompt_logprobs"][-1]["2"]["decoded_token"] == "usage"
+    row = usage_row(cell, key, 1)
+    assert (row["prompt_tokens"], row["completion_tokens"], row["estimated_tokens"]) == (standin_prompt_tokens(data), 4, 0)
+
+
+def test_response_headers_are_an_allowlist(cell, key):
+    cell.pod.set_fault("hostile", attack="headers")
+    for data in (body(), body(stream=True)):
+        res = call(cell, key, data)
+        assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0"
+        assert "set-cookie" not in res.headers and "access-control-allow-origin" not in res.headers
+        assert "x-standin" not in res.headers and res.headers["content-type"].split(";")[0] in (
+            "application/json", "text/event-stream")
+    assert usage_row(cell, key, 2)["pod_requests"] == 2
+
+
+def test_a_redirect_is_not_followed_and_the_fallback_serves(cell, key):
+    cell.pod.set_fault("hostile", attack="redirect")
+    before = cell.fallback.requests
+    res = call(cell, key, body())
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
+    assert res.json()["object"] == "chat.completion"
+    assert cell.pod.redirected == 0 and cell.fallback.redirected == 0
+    assert cell.fallback.requests == before + 1
+    row = usage_row(cell, key, 1)
+    assert (row["pod_requests"], row["fallback_requests"]) == (0, 1)
+
+
+def test_an_oversized_answer_is_cut_and_the_fallback_serves(cell, key):
+    cell.pod.set_fault("hostile", attack="oversized")
+    res = call(cell, key, body(), timeout=60)
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
+    assert len(res.body) < 4096 and res.json()["object"] == "chat.completion"
+    row = usage_row(cell, key, 1)
+    assert (row["pod_requests"], row["fallback_requests"]) == (0, 1)
+
+
+# --- denial of wallet -------------------------------------------------------------------
+
+def test_a_slow_upload_is_not_charged_to_the_pods_deadline(cell, key):
+    """The body arrives over more than the deadline; the pod still serves (not the fallback)."""
+    data = body()
+    host, port = cell.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key['key']}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode())
+        half = len(data) // 2
+        s.sendall(data[:half])
+        time.sleep(DEADLINE_MS / 1000 + 0.5)
+        s.sendall(data[half:])
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head = raw.split(b"\r\n\r\n", 1)[0].decode().lower()
+    assert head.startswith("http/1.1 200") and "x-colocate-backend: pod-0" in head
+    row = usage_row(cell, key, 1)
+    assert (row["pod_requests"], row["fallback_requests"]) == (1, 0)
+
+
+def test_a_clients_defer_header_is_ignored(cell, key):
+    """Only the front door, with the cell's exchange token, may ask for "no pod"."""
+    cell.pod.set_fault("error")
+    for headers in ({"x-colocate-fallback": "defer"}, {"x-colocate-fallback": "defer", "x-colocate-front": READ}):
+        res = call(cell, key, body(), headers)
+        assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
+    # The front door's own request (the exchange token) is deferred: 503 no_pod, not counted here.
+    res = call(cell, key, body(), {"x-colocate-fallback": "defer", "x-colocate-front": EXCHANGE})
+    assert res.status == 503 and res.json()["error"]["code"] == "no_pod"
+    row = usage_row(cell, key, 2)
+    assert row["fallback_requests"] == 2
+    assert all("x-colocate-front" not in h and "x-colocate-fallback" not in h for h in cell.fallback.seen_headers)
+
+
+def test_client_account_headers_do_not_reach_the_fallback(cell, key):
+    cell.pod.set_fault("error")
+    sent = {"OpenAI-Organization": "org-victim", "OpenAI-Project": "proj_x", "Cookie": "a=b", "X-Forwarded-For": "6.6.6.6"}
+    res = call(cell, key, body(), sent)
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
+    seen = cell.fallback.seen_headers[-1]
+    assert not {"openai-organization", "openai-project", "cookie", "x-forwarded-for"} & set(seen)
+    assert seen["authorization"] == f"Bearer {SECRETS['FALLBACK_API_KEY']}"
+    assert usage_row(cell, key, 1)["fallback_requests"] == 1
+
+
+# --- least privilege for operators -------------------------------------------------------
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("POST", "/_colocate/keys", {ADMIN}),
+    ("GET", "/_colocate/keys", {READ, ADMIN}),
+    ("GET", "/_colocate/probe", {READ, ADMIN}),
+    ("GET", "/_colocate/usage", {READ, ADMIN}),
+    ("PUT", "/_colocate/breaker", {ADMIN}),
+    ("GET", "/_colocate/keys/replica", {ADMIN}),
+    ("GET", "/_colocate/fleet/counters", {EXCHANGE}),
+])
+def test_each_operator_credential_opens_only_its_role(cell, method, path, allowed):
+    data = {"name": "minted"} if path == "/_colocate/keys" and method == "POST" else (
+        {"force": None} if path == "/_colocate/breaker" else None)
+    for token in (READ, ADMIN, EXCHANGE, SECRETS["PROBE_TOKEN"]):
+        res = request(cell.url, method, path, body=data, headers=auth(token))
+        if token in allowed:
+            assert res.status in (200, 201), (token, res.body)
+        elif token == SECRETS["PROBE_TOKEN"]:  # not bound on this cell: no credential at all
+            assert res.status == 401 and res.json()["error"]["code"] == "unauthorized"
+        else:
+            assert res.status == 403, (token, res.body)
+            error = res.json()["error"]
+            assert error["code"] == "forbidden" and path in error["message"]
+
+
+def test_a_read_token_cannot_mint_a_key(cell):
+    res = request(cell.url, "POST", "/_colocate/keys", body={"name": "stolen"}, headers=auth(READ))
+    assert res.status == 403
+    assert res.json()["error"] == {"message": "this credential cannot POST /_colocate/keys: it needs ADMIN_TOKEN",
+                                   "type": "invalid_request_error", "code": "forbidden"}
+    names = [k["name"] for k in request(cell.url, "GET", "/_colocate/keys", headers=auth(READ)).json()["keys"]]
+    assert "stolen" not in names

@@ -1,0 +1,39 @@
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { EDGES, add, empty, encode } from "../src/histogram.js";
+import { exposition } from "../src/metrics.js";
+
+const cfg = { podUrls: ["https://pod-a.example:8443", "https://pod-b.example"], activeGeneration: "us-east.g1", drainingGeneration: null,
+  region: "us-east" };
+
+function text(values) {
+  const h = empty();
+  for (const v of values) add(h, v);
+  return encode(h);
+}
+
+function answer(segments) {
+  return { segments, served: [{ backend: "pods", requests: 5, prompt_tokens: 50, completion_tokens: 20.5 }],
+    keys: { total: 3, active: 1, revoked: 1 }, pods: [{ pod: cfg.podUrls[1], state: "open", failures: 4 }], forced: null };
+}
+
+test("a fleet's client colos add into one series per backend; buckets cumulative, every second edge, to 60 s", () => {
+  const out = exposition(answer([["IAD", "0@NRT", "total", text([40, 41, 90])], ["IAD", "0@FRA", "total", text([42])],
+    ["IAD", "IAD", "sync", text([3])]]), cfg);
+  const buckets = out.split("\n").filter((l) => l.startsWith('colocate_segment_seconds_bucket{segment="total"'));
+  assert.ok(buckets.every((l) => l.includes('backend="pod-0",colo="IAD"')), "one series");
+  const counts = buckets.map((l) => Number(l.split(" ")[1]));
+  assert.deepEqual([...counts].sort((a, b) => a - b), counts, "cumulative");
+  assert.equal(counts.at(-1), 4);
+  assert.equal(counts[0], 0, "starts at the edge below the first value");
+  const les = buckets.slice(0, -1).map((l) => Number(/le="([^"]+)"/.exec(l)[1]));
+  for (let i = 1; i < les.length; i++) assert.ok(Math.abs(les[i] / les[i - 1] - 2 ** (1 / 16)) < 1e-4, `edge ${i}`);
+  assert.equal(les.at(-1), Number((EDGES.at(-1) / 1000).toPrecision(6)));
+  assert.match(out, /colocate_segment_seconds_count\{segment="total",backend="pod-0",colo="IAD"\} 4/);
+  assert.match(out, /colocate_segment_seconds_count\{segment="sync",backend="state",colo="IAD",state_colo="IAD"\} 1/);
+  assert.match(out, /colocate_breaker_state\{pod="1",state="open"\} 1/);
+  assert.match(out, /colocate_breaker_state\{pod="0",state="closed"\} 1/);
+  assert.match(out, /colocate_keys\{state="expired"\} 1/);
+  assert.match(out, /colocate_tokens_total\{backend="pods",kind="completion"\} 20.5/);
+  assert.ok(!out.includes("pod-a.example") && !out.includes("pod-b.example"), "never a URL");
+});
