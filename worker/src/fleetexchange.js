@@ -145,15 +145,14 @@ export const ACTIVE_WEIGHT = 4;
 
 /**
  * Each cell's weight in a key's shares, from what the ledger saw of it lately (`seen[j]`:
- * {n: requests the cell moved since its previous pull} while recent, else undefined): 1,
- * plus, for an active cell, ACTIVE_WEIGHT x (number of cells) x its part of the requests
- * moved (one of two evenly active cells weighs 5, an idle one 1). An idle cell's share is
- * then small when a key leaves it (its surplus is held until a decrease lands), yet enough
- * to start a move there: increases land within about a round and a sync.
+ * set while the cell moved the key's counters in the last few seconds, else undefined):
+ * ACTIVE_WEIGHT for an active cell, 1 for an idle one. An idle cell's share is then small
+ * when a key leaves it (its surplus is held until a decrease lands), yet enough to start a
+ * move there: increases land within about a round and a sync. (Weighing active cells by
+ * their rate instead starved a move's first seconds and admitted no more in the bench.)
  */
 export function weights(seen) {
-  const total = seen.reduce((a, x) => a + (x ? x.n : 0), 0);
-  return seen.map((x) => (!x ? 1 : 1 + ACTIVE_WEIGHT * (total > 0 ? (seen.length * x.n) / total : 1)));
+  return seen.map((x) => (x ? ACTIVE_WEIGHT : 1));
 }
 
 /**

@@ -75,7 +75,7 @@ export class FleetLedger extends DurableObject {
   constructor(ctx, env) {
     super(ctx, env);
     this.sql = ctx.storage.sql;
-    this.active = new Map(); // key id -> Map(cell -> {at, n}: when its counters last moved, by how many requests); memory only
+    this.active = new Map(); // key id -> Map(cell -> {at}: when its counters last moved); memory only
     ctx.blockConcurrencyWhile(async () => {
       for (const stmt of SCHEMA) this.sql.exec(stmt);
       // Columns added since `cells` was first created (a ledger deployed before leases).
@@ -167,19 +167,14 @@ export class FleetLedger extends DurableObject {
             l.monthly_tokens);
         }
         if (Number.isSafeInteger(body.ttl_ms)) this.sql.exec("UPDATE cells SET ttl_ms = ? WHERE cell = ?", body.ttl_ms, cell.name);
-        const m = minuteOf(Date.now());
         for (const r of body.rows) {
           seq += 1;
-          const old = this.sql.exec(`SELECT ${EXCHANGE.columns} FROM counters WHERE cell = ? AND key_id = ?`, cell.name,
-            r[EXCHANGE.key_id]).toArray()[0];
-          const a = aligned(r, m);
-          const b = old ? aligned(EXCHANGE.of(old), m) : [0, 0, 0, 0];
           this.sql.exec(UPSERT_COUNTERS, cell.name, ...r, seq);
           const id = r[EXCHANGE.key_id];
           touched.add(id);
-          // How many requests this cell admitted since the last pull: its weight in the key's shares.
+          // This cell is using the key: its weight in the key's shares (fleetexchange.js weights).
           const seen = this.active.get(id) ?? new Map();
-          seen.set(cell.name, { at: Date.now(), n: Math.max(0, a[0] + a[2] - b[0] - b[2]) });
+          seen.set(cell.name, { at: Date.now() });
           this.active.set(id, seen);
         }
         this.setMeta("seq", seq);

@@ -93,12 +93,10 @@ test("fair shares: a key alone in one cell settles at >= 90 % of its limit there
   }
 });
 
-test("weights: an active cell by its part of the key's requests, an idle one 1", () => {
+test("weights: a cell that used the key lately weighs as four idle ones", () => {
   assert.deepEqual(weights([undefined, undefined]), [1, 1]);
-  assert.deepEqual(weights([{ n: 5 }, undefined]), [9, 1]);
-  assert.deepEqual(weights([{ n: 5 }, { n: 5 }]), [5, 5]);
-  assert.deepEqual(weights([{ n: 7 }, { n: 3 }]).map((x) => Math.round(x * 10) / 10), [6.6, 3.4]);
-  assert.deepEqual(weights([{ n: 0 }, undefined, undefined]), [5, 1, 1]);
+  assert.deepEqual(weights([{ at: 1 }, undefined, undefined]), [4, 1, 1]);
+  assert.deepEqual(weights([{ at: 1 }, { at: 2 }]), [4, 4]);
 });
 
 test("grant: a decrease at once; an increase only within what the other cells may still admit", () => {
