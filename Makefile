@@ -43,8 +43,12 @@ prometheus:
 
 test: setup wrk valgrind prometheus lint test-js test-py
 
+# ruff (ruff.toml), the Worker's JSDoc types against workers-types (worker/tsconfig.json),
+# and mypy over the kit's Python (mypy.ini).
 lint: setup
 	$(VENV)/bin/ruff check .
+	node_modules/.bin/tsc -p worker/tsconfig.json
+	$(VENV)/bin/mypy
 
 # Four workers on two cores (the real-process tests mostly wait on emulated delays), one test
 # file each at a time (a file's module fixtures start once); the ten

@@ -148,6 +148,10 @@ def phase(port: int, b_key: str, flood_key: str | None, connections: int, second
     }
 
 
+# Keys with no limit but the one measured (colocate:keys.defaults would otherwise apply).
+NO_LIMITS = {"rpm": 0, "tpm": 0, "monthly_tokens": 0, "max_parallel": 0}
+
+
 def mint(port: int, probe: str, body: dict) -> str:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     c.request("POST", "/_colocate/keys", body=json.dumps(body), headers={"authorization": f"Bearer {probe}",
@@ -165,9 +169,9 @@ def run(opts: argparse.Namespace, log=print) -> dict:
     with pods(1, opts.delay_ms, secrets.pod_token, slots=opts.slots) as urls, \
             Workerd.serve(plan.worker, {"POD_URLS": plan_mod.pod_urls_text(urls), "fallbackUrl": urls[0],
                                         **secrets.bindings()}) as w:
-        b = mint(w.port, secrets.probe_token, {"name": "measured"})
-        a = mint(w.port, secrets.probe_token, {"name": "flood-unlimited"})
-        c = mint(w.port, secrets.probe_token, {"name": "flood-limited", "max_parallel": opts.max_parallel})
+        b = mint(w.port, secrets.probe_token, {"name": "measured", **NO_LIMITS})
+        a = mint(w.port, secrets.probe_token, {"name": "flood-unlimited", **NO_LIMITS})
+        c = mint(w.port, secrets.probe_token, {"name": "flood-limited", **NO_LIMITS, "max_parallel": opts.max_parallel})
         out = {"connections": opts.connections, "max_parallel": opts.max_parallel, "pod_delay_ms": opts.delay_ms,
                "pod_slots": opts.slots, "seconds": opts.seconds}
         log("idle ...")

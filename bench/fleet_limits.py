@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import requests
 
@@ -144,7 +145,7 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
         log(f"waiting {left:.0f} s for the minute after the next to start")
         time.sleep(left + 0.3)
         minute = int(time.time() // 60)
-        results = {c.name: {"ok": 0, "tokens": 0, "sent": 0, "state": [], "codes": {}} for c in CASES}
+        results: dict[str, dict[str, Any]] = {c.name: {"ok": 0, "tokens": 0, "sent": 0, "state": [], "codes": {}} for c in CASES}
         lock = threading.Lock()
         start = time.monotonic()
 

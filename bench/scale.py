@@ -202,7 +202,8 @@ def run(opts: argparse.Namespace, log=print) -> dict:
         client_headers = []
         for i in range(5):
             status, _, body = admin.post(
-                "/_colocate/keys", {"name": f"router{i}"}, {"authorization": f"Bearer {secrets.probe_token}"}
+                "/_colocate/keys", {"name": f"router{i}", "rpm": 0, "tpm": 0,
+                                  "monthly_tokens": 0, "max_parallel": 0}, {"authorization": f"Bearer {secrets.probe_token}"}
             )
             if status != 201:
                 raise RuntimeError(f"minting a router key failed: {status} {body[:200]!r}")

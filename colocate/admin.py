@@ -31,7 +31,12 @@ from pathlib import Path
 
 import requests
 
-from .sandbox.statedir import SANDBOX_CMD, default_state_dir  # not the supervisor, whose runner imports admin
+from .sandbox.statedir import (  # not the supervisor, whose runner imports admin
+    SANDBOX_CMD,
+    default_state_dir,
+    where_command,
+    where_sandboxes_run,
+)
 
 # The credential each role takes from the environment; the old single token is read where
 # the role's own is unset, for one release (docs/worker.md, "Who holds what").
@@ -113,10 +118,12 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
         if sandbox:
             return sandbox
         if state_dir is not None:
-            raise TargetError(f"--state-dir {state_dir}: no running sandbox there (no ready.json); "
-                              "start one with `.venv/bin/python scripts/sandbox.py up`")
+            here = Path(state_dir)
+            raise TargetError(f"--state-dir {state_dir}: no sandbox runs there (no ready.json). Fix: start it with "
+                              f"`{SANDBOX_CMD} up {where_command(here, stack)}`; {where_sandboxes_run(here)}")
     if stack is None:
-        raise TargetError("no target: pass --stack S (a deployed stack or a running sandbox) or --url URL")
+        raise TargetError("no target: pass --stack S (a deployed stack or a running sandbox of it), --state-dir DIR "
+                          f"(a sandbox started with that --state-dir) or --url URL; {where_sandboxes_run()}")
     import shutil
 
     from .probe import outputs  # the Pulumi CLI, only for deployed stacks
@@ -124,9 +131,10 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
 
     def not_found(why: str) -> TargetError:
         # keys.py's own options only (probe.py's messages name options this command lacks).
-        return TargetError(f"--stack {stack}: no sandbox of that stack runs (nothing in {default_state_dir(stack)}) "
+        return TargetError(f"--stack {stack}: no sandbox of that stack runs in {default_state_dir(stack)} "
                            f"and {why}. Fix: `{SANDBOX_CMD} up --stack {stack}` for a sandbox, --state-dir DIR for a "
-                           f"sandbox in another state directory, or --url URL with {token_env} set for a deployed Worker")
+                           f"sandbox in another state directory, or --url URL with {token_env} set for a deployed Worker; "
+                           f"{where_sandboxes_run()}")
 
     if shutil.which("pulumi") is None:
         raise not_found("the pulumi CLI, which reads a deployed stack's outputs, is not on PATH")
@@ -160,12 +168,11 @@ class AdminClient:
             raise Refused(res.status_code, err.get("code", "http_error"), err.get("message", res.text[:200]))
         return data
 
-    def create_key(self, name: str, *, rpm: int = 0, tpm: int = 0, monthly_tokens: int = 0,
+    def create_key(self, name: str, *, rpm: int | None = None, tpm: int | None = None, monthly_tokens: int | None = None,
                    max_parallel: int | None = None, expires_in_s: int | None = None) -> dict:
-        """``max_parallel`` None: the cell's default (colocate:keys.defaultMaxParallel)."""
-        body = {"name": name, "rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens}
-        if max_parallel is not None:
-            body["max_parallel"] = max_parallel
+        """A limit None: the cell's default (colocate:keys.defaults); 0: no limit."""
+        limits = {"rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens, "max_parallel": max_parallel}
+        body = {"name": name, **{k: v for k, v in limits.items() if v is not None}}
         if expires_in_s is not None:
             body["expires_in_s"] = expires_in_s
         return self._call("POST", "/_colocate/keys", body)
@@ -207,16 +214,15 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def key_row(key: str, name: str, *, rpm: int = 0, tpm: int = 0, monthly_tokens: int = 0, max_parallel: int | None = None,
-            expires_in_s: int | None = None, now_ms: int | None = None) -> dict:
-    """The row every cell imports for ``key``: its digest and display prefix, never the key."""
+def key_row(key: str, name: str, *, rpm: int | None = None, tpm: int | None = None, monthly_tokens: int | None = None,
+            max_parallel: int | None = None, expires_in_s: int | None = None, now_ms: int | None = None) -> dict:
+    """The row every cell imports for ``key``: its digest and display prefix, never the key. A
+    limit None is left out: each cell gives it its colocate:keys.defaults."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    row = {"id": new_key_id(), "hash": key_hash(key), "prefix": key[:len(KEY_PREFIX) + 6], "name": name, "rpm": rpm,
-           "tpm": tpm, "monthly_tokens": monthly_tokens, "created_at": now_ms,
-           "expires_at": now_ms + expires_in_s * 1000 if expires_in_s else None}
-    if max_parallel is not None:  # absent: each cell's colocate:keys.defaultMaxParallel
-        row["max_parallel"] = max_parallel
-    return row
+    row = {"id": new_key_id(), "hash": key_hash(key), "prefix": key[:len(KEY_PREFIX) + 6], "name": name,
+           "created_at": now_ms, "expires_at": now_ms + expires_in_s * 1000 if expires_in_s else None}
+    limits = {"rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens, "max_parallel": max_parallel}
+    return {**row, **{k: v for k, v in limits.items() if v is not None}}
 
 
 IMPORT_FIELDS = ("id", "hash", "prefix", "name", "rpm", "tpm", "monthly_tokens", "max_parallel", "created_at", "expires_at")

@@ -69,7 +69,7 @@ class Region:
         return self.location_sites.get(location, self.edge_site)
 
     def is_in_region(self, colo_code: str | None) -> bool:
-        return bool(colo_code) and colo_code.upper() in self.in_region_colos
+        return bool(colo_code and colo_code.upper() in self.in_region_colos)
 
 
 REGIONS: dict[str, Region] = {
@@ -198,10 +198,11 @@ def gpu_names(provider: str) -> tuple[str, ...]:
 def check_gpu(provider: str, name: str, key: str = "colocate:pod.gpu") -> None:
     """Refuse a GPU under another provider's name for it; a name the catalogue lacks passes."""
     right = gpu_name(name, provider)
-    if right is None or right == name:
+    known = gpu(name)
+    if right is None or right == name or known is None:
         return
-    owner = next(p for p, n in gpu(name).names.items() if n == name)
-    raise ConfigError(key, name, f"that is {owner}'s name for the {gpu(name).model}; {provider} knows it only as "
+    owner = next(p for p, n in known.names.items() if n == name)
+    raise ConfigError(key, name, f"that is {owner}'s name for the {known.model}; {provider} knows it only as "
                       f"{right!r} and would report no capacity", f"pulumi config set --path {key} '{right}'")
 
 

@@ -27,6 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 HOURS_PER_MONTH = 730.0  # 365 x 24 / 12, the providers' own monthly figure
+# The shortest window scaled to tokens per day: a day is 24 hours of traffic, and less than an
+# hour of it (a sandbox up for minutes, a burst of tests) says nothing about the rest of the day.
+MIN_SCALE_HOURS = 1.0
 DAYS_PER_MONTH = HOURS_PER_MONTH / 24
 MILLION = 1_000_000
 
@@ -64,6 +67,20 @@ class Served:
     def to_json(self) -> dict:
         return {"requests": self.requests, "prompt_tokens": round(self.prompt_tokens),
                 "completion_tokens": round(self.completion_tokens), "tokens": round(self.tokens)}
+
+
+def duration(hours: float) -> str:
+    """``52 s``, ``3 min 12 s``, ``2 h 5 min``, ``3.5 days``: a duration as a person reads it."""
+    seconds = max(0.0, hours * 3600)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        m, s = divmod(round(seconds), 60)
+        return f"{m} min {s} s" if s else f"{m} min"
+    if seconds < 2 * 86_400:
+        h, m = divmod(round(seconds / 60), 60)
+        return f"{h} h {m} min" if m else f"{h} h"
+    return f"{seconds / 86_400:,.3g} days"
 
 
 class UsageError(ValueError):
@@ -115,7 +132,7 @@ class CostReport:
     pods_tokens_at_fallback_price: float | None
     fallback_spend: float | None
     saving: float | None
-    tokens_per_day: float
+    tokens_per_day: float | None  # None: the window is shorter than MIN_SCALE_HOURS
     today_tokens: float | None
     break_even_tokens_per_day: float | None
     monthly_cell_cost: float
@@ -128,15 +145,23 @@ class CostReport:
 
     @property
     def cheaper(self) -> str | None:
-        if self.break_even_tokens_per_day is None:
+        if self.break_even_tokens_per_day is None or self.tokens_per_day is None:
             return None
         return "cell" if self.tokens_per_day >= self.break_even_tokens_per_day else "api"
 
+    @property
+    def too_short(self) -> str:
+        return (f"{duration(self.hours)} of traffic is too short to scale to a day (at least "
+                f"{duration(MIN_SCALE_HOURS)}): run it again after {duration(MIN_SCALE_HOURS)} of traffic, or pass "
+                "--hours if the pods ran longer")
+
     def verdict(self) -> str:
         if self.price is None:
-            return (f"pods cost ${self.pods_cost:,.2f} over {self.hours:,.1f} h for {self.pods.tokens:,.0f} tokens; "
+            return (f"pods cost ${self.pods_cost:,.2f} over {duration(self.hours)} for {self.pods.tokens:,.0f} tokens; "
                     "set colocate:fallbackPrice to compare with the API")
         be = self.break_even_tokens_per_day
+        if self.tokens_per_day is None:
+            return f"the cell pays off from {be:,.0f} tokens/day; which is cheaper now is not known: {self.too_short}"
         now = f"{self.tokens_per_day:,.0f} tokens/day"
         if self.cheaper == "cell":
             return f"the cell is cheaper than the API at {now} (break-even {be:,.0f} tokens/day)"
@@ -164,8 +189,9 @@ def report(rows: Iterable[Mapping], *, cost_per_hr: float, hours: float, window_
         notes.append("no tokens in the window: the break-even assumes as many input as output tokens")
     per_day_cell = cost_per_hr * 24
     break_even = per_day_cell / blended * MILLION if blended else None
-    tokens_per_day = (pods.tokens + fb.tokens) / window_days
-    monthly_api = tokens_per_day * DAYS_PER_MONTH * blended / MILLION if blended is not None else None
+    scalable = hours >= MIN_SCALE_HOURS
+    tokens_per_day = (pods.tokens + fb.tokens) / window_days if scalable else None
+    monthly_api = tokens_per_day * DAYS_PER_MONTH * blended / MILLION if blended is not None and scalable else None
     util = None
     if capacity_rpm:
         could = capacity_rpm * 60 * hours * max(pod_count, 1)
@@ -195,7 +221,8 @@ def to_json(r: CostReport) -> dict:
         "pods_cost_per_m_tokens": _r(r.pods_cost_per_m),
         "pods_tokens_at_fallback_price": _r(r.pods_tokens_at_fallback_price),
         "fallback_spend": _r(r.fallback_spend), "saving": _r(r.saving),
-        "tokens_per_day": round(r.tokens_per_day), "today_tokens": r.today_tokens,
+        "tokens_per_day": None if r.tokens_per_day is None else round(r.tokens_per_day), "today_tokens": r.today_tokens,
+        "min_scale_hours": MIN_SCALE_HOURS,
         "break_even_tokens_per_day": None if r.break_even_tokens_per_day is None else round(r.break_even_tokens_per_day),
         "monthly_cell_cost": round(r.monthly_cell_cost, 2),
         "monthly_api_cost_at_volume": _r(r.monthly_api_cost_at_volume),
@@ -216,8 +243,8 @@ def _money(v: float | None) -> str:
 def table(r: CostReport) -> str:
     price = (f"${r.price.input:g} in / ${r.price.output:g} out per 1M tokens" if r.price else "not set")
     lines = [
-        f"cell cost over {r.window_days:g} days",
-        f"  pods              {_money(r.pods_cost)} = ${r.cost_per_hr:,.4g}/hr x {r.hours:,.1f} h ({r.cost_source})",
+        f"cell cost over {duration(r.window_days * 24)}",
+        f"  pods              {_money(r.pods_cost)} = ${r.cost_per_hr:,.4g}/hr x {duration(r.hours)} ({r.cost_source})",
         f"  served by pods    {r.pods.requests:>12,} requests {r.pods.tokens:>14,.0f} tokens",
         f"  served by fallbk  {r.fallback.requests:>12,} requests {r.fallback.tokens:>14,.0f} tokens",
         f"  pods' cost per 1M tokens      {_money(r.pods_cost_per_m)}",
@@ -225,7 +252,8 @@ def table(r: CostReport) -> str:
         f"  pods' tokens at that price    {_money(r.pods_tokens_at_fallback_price)}"
         + (f"  (the cell {'saved' if r.saving >= 0 else 'cost'} {_money(abs(r.saving))})" if r.saving is not None else ""),
         f"  fallback's own spend          {_money(r.fallback_spend)}",
-        f"  volume                        {r.tokens_per_day:,.0f} tokens/day",
+        "  volume                        " + (f"{r.tokens_per_day:,.0f} tokens/day" if r.tokens_per_day is not None
+                                               else f"not scaled: {r.too_short}"),
         "  break-even                    " + ("n/a" if r.break_even_tokens_per_day is None
                                                else f"{r.break_even_tokens_per_day:,.0f} tokens/day"),
         f"  per month                     cell {_money(r.monthly_cell_cost)} flat; API at this volume "
@@ -241,35 +269,46 @@ def table(r: CostReport) -> str:
 
 
 def plot(r: CostReport, path) -> None:
-    """Monthly cost against daily volume: the cell flat, the API a line through zero, the
-    break-even and today's volume marked (matplotlib, Agg)."""
+    """Monthly cost against daily volume, both axes logarithmic so that a small volume and the
+    break-even both show: the cell flat, the API a straight line, the break-even and this
+    window's volume marked (matplotlib, Agg)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     be = r.break_even_tokens_per_day
-    top = max(r.tokens_per_day, be or 0, 1.0) * 2
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    now = r.tokens_per_day if r.tokens_per_day else None
+    marks = [v for v in (be, now) if v]
+    low = 10 ** math.floor(math.log10(min(marks) / 10)) if marks else 1e3
+    high = 10 ** math.ceil(math.log10(max(marks) * 10)) if marks else 1e9
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     try:
-        ax.hlines(r.monthly_cell_cost, 0, top, color="tab:blue", linewidth=2,
-                  label=f"cell: ${r.cost_per_hr:,.3g}/hr x {HOURS_PER_MONTH:g} h")
+        xs = [low, high]
+        ax.plot(xs, [r.monthly_cell_cost] * 2, color="tab:blue", linewidth=2,
+                label=f"cell: ${r.cost_per_hr:,.3g}/hr x {HOURS_PER_MONTH:g} h = ${r.monthly_cell_cost:,.0f}/month")
         if r.blended_price_per_m is not None:
-            ax.plot([0, top], [0, top * DAYS_PER_MONTH * r.blended_price_per_m / MILLION], color="tab:orange",
+            ax.plot(xs, [x * DAYS_PER_MONTH * r.blended_price_per_m / MILLION for x in xs], color="tab:orange",
                     linewidth=2, label=f"API at ${r.blended_price_per_m:,.3g} per 1M tokens (this mix)")
         if be is not None:
-            ax.axvline(be, color="gray", linestyle="dashed", linewidth=1)
-            ax.annotate(f"break-even {be:,.0f} tokens/day", (be, r.monthly_cell_cost), textcoords="offset points",
-                        xytext=(5, 10), fontsize=8)
-        ax.axvline(r.tokens_per_day, color="tab:green", linewidth=1.5,
-                   label=f"this window: {r.tokens_per_day:,.0f} tokens/day")
-        ax.set_xlim(0, top)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("tokens per day")
-        ax.set_ylabel("$ per month")
-        ax.set_title(r.verdict(), fontsize=8, wrap=True)
-        ax.legend(fontsize=7, loc="upper left")
-        ax.grid(alpha=0.3)
+            ax.axvline(be, color="gray", linestyle="dashed", linewidth=1, label=f"break-even: {be:,.0f} tokens/day")
+        if now is not None:
+            ax.axvline(now, color="tab:green", linewidth=2,
+                       label=f"this window ({duration(r.hours)}): {now:,.0f} tokens/day")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(low, high)
+        ax.set_xlabel("tokens per day (log)")
+        ax.set_ylabel("$ per month (log)")
+        title = r.verdict() if now is not None else r.verdict().split(":")[0] + ": " + \
+            f"{duration(r.hours)} of traffic is too short to place on this chart (at least {duration(MIN_SCALE_HOURS)})"
+        ax.set_title("\n".join(textwrap.wrap(title.replace("$", r"\$"), 90)), fontsize=9)
+        for line in ax.get_lines():  # "$" starts matplotlib's mathtext: show the dollars as written
+            line.set_label(line.get_label().replace("$", r"\$"))
+        ax.legend(fontsize=8, loc="upper left")
+        ax.grid(alpha=0.3, which="both")
         fig.tight_layout()
         fig.savefig(path, format="png")
     finally:

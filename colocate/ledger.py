@@ -65,7 +65,7 @@ class Ledger:
             if status not in STATUSES:
                 raise LedgerError(f"{where}.status", status, "unknown status", f"use one of {', '.join(STATUSES)}")
             observed = entry.get("observedColo")
-            gens.append(Generation(name, reg, status, observed.upper() if isinstance(observed, str) else None))
+            gens.append(Generation(name, str(reg), status, observed.upper() if isinstance(observed, str) else None))
         ledger = cls(tuple(gens))
         ledger._check_shape()
         return ledger

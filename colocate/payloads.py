@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent.parent / "worker" / "src" / "payloads.js"
-_SHAPES_RE = re.compile(r"^export const SHAPES = (\{.*?^\});$", re.M | re.S)
+_SHAPES_RE = re.compile(r"^export const SHAPES = /\*\* @type \{const\} \*/ \((\{.*?^\})\);$", re.M | re.S)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def load(source: Path = SOURCE) -> dict[str, Shape]:
     """Every shape declared in ``source`` (its ``SHAPES`` object is JSON)."""
     match = _SHAPES_RE.search(source.read_text())
     if match is None:
-        raise ValueError(f"{source}: no `export const SHAPES = {{...}};` block (it must stay JSON)")
+        raise ValueError(f"{source}: no `export const SHAPES = /** @type {{const}} */ ({{...}});` block (it must stay JSON)")
     raw = json.loads(match.group(1))
     return {name: Shape(name, tuple((c, meaning) for c, meaning in cols)) for name, cols in raw.items()}
 
@@ -73,3 +73,4 @@ EXCHANGE = SHAPES["exchange"]
 USAGE = SHAPES["usage"]
 WINDOW = SHAPES["window"]
 INFLIGHT = SHAPES["inflight"]
+HIST = SHAPES["hist"]

@@ -45,7 +45,7 @@ class Binding:
     ``from_output`` names a value only known once a resource exists."""
 
     name: str
-    type: str  # plain_text | secret_text | durable_object_namespace
+    type: str  # plain_text | secret_text | durable_object_namespace | mtls_certificate
     text: str | None = None
     secret: str | None = None
     class_name: str | None = None
@@ -62,7 +62,10 @@ class Module:
     text: str | None = None
 
     def content(self) -> str:
-        return self.text if self.text is not None else self.path.read_text()
+        if self.text is not None:
+            return self.text
+        assert self.path is not None, f"module {self.name} has neither a path nor a text"
+        return self.path.read_text()
 
 
 PLACEMENT_POD, PLACEMENT_TARGETED, PLACEMENT_SMART = "pod", "targeted", "smart"
@@ -163,6 +166,14 @@ PATH_ZONE_DNS = "zone-dns"  # a DNS-only A record on colocate:zone, straight to 
 PATH_PROVIDER_PROXY = "provider-proxy"  # RunPod's HTTPS proxy hostname (through Cloudflare and RunPod's balancer)
 PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that resolves to 127.0.0.1
 POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
+# Paths on which the Worker reaches the pod itself, so the hop is mutual TLS end to end
+# (docs/pods.md, "Who can reach the pod"): the pod serves TLS and admits only a client
+# certificate of the cell's CA; the Worker presents one through its POD_TLS binding.
+# RunPod's proxy terminates TLS itself and speaks HTTP to the pod: no client certificate
+# can reach the pod that way.
+MTLS_PATHS = (PATH_LOCAL_HOSTNAME,)
+POD_TLS_BINDING = "POD_TLS"
+POD_TLS_FROM_OUTPUT = "pod.tls"  # marks the binding whose value is the Worker's client certificate
 
 
 RUNPOD_PROXY_TEMPLATE = "https://{pod_id}-{port}.proxy.runpod.net"
@@ -259,11 +270,22 @@ class PodPlan:
         ``provider-proxy``: RunPod's proxy hostname on the pod's own (internal) port.
         ``local-hostname``: ``localhost`` on the stand-in's port.
         """
+        scheme = "https" if self.mtls else "http"
         if self.path == PATH_ZONE_DNS:
-            return f"http://{self.pod_hostname}:{created['port']}"
+            return f"{scheme}://{self.pod_hostname}:{created['port']}"
         if self.path == PATH_PROVIDER_PROXY:
             return runpod_proxy_url(created["id"], self.settings.port)
-        return f"http://localhost:{created['port']}"
+        return f"{scheme}://localhost:{created['port']}"
+
+    @property
+    def mtls(self) -> bool:
+        """Whether the hop to this pod is mutual TLS (``MTLS_PATHS``)."""
+        return self.path in MTLS_PATHS
+
+    @property
+    def tls_name(self) -> str:
+        """The name the pod's certificate carries: the one the Worker fetches it by."""
+        return (self.pod_hostname or "localhost") if self.mtls else ""
 
     def spec(self) -> dict:
         """The JSON request ``scripts/pod.py create --spec`` receives. Holds no secret."""
@@ -289,6 +311,7 @@ class PodPlan:
             "compute_ms": s.compute_ms,
             "index": self.index,
             "path": self.path,
+            "tls_name": self.tls_name,
         }
 
     def identity(self) -> list[str]:
@@ -308,6 +331,8 @@ class PodPlan:
                  f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
         if s.provider == "local":  # the stand-in's compute time; a GPU pod ignores it
             ident.append(f"computeMs={s.compute_ms}")
+        if self.mtls:  # the pod's start command and certificate
+            ident.append("hop=mtls")
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
         if self.token_fingerprint:
@@ -468,8 +493,8 @@ def migration_decision(live: str | None, file_tag: str = "", *, script: str = ""
                           "set colocate:worker.allowClassDeletion true only if that data may go")
     # As wrangler does: nothing pending, no migrations block at all (an empty step list
     # with old_tag == new_tag is not the same request).
-    migrations = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps} if steps else None
-    return MigrationDecision(migrations, tuple(tags[start:]), applied, source, warning)
+    block = {"old_tag": applied or None, "new_tag": tags[-1], "steps": steps} if steps else None
+    return MigrationDecision(block, tuple(tags[start:]), applied, source, warning)
 
 
 def hint_of(gen: Generation) -> str:
@@ -480,7 +505,7 @@ def hint_of(gen: Generation) -> str:
 OPERATOR_BINDINGS = {"read": "READ_TOKEN", "admin": "ADMIN_TOKEN", "exchange": "EXCHANGE_TOKEN"}
 
 
-def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]:
+def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_DNS) -> tuple[Binding, ...]:
     w = settings.worker
     plain = [
         ("CELL_REGION", settings.region.name),
@@ -495,7 +520,10 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),
-        ("DEFAULT_MAX_PARALLEL", str(settings.default_max_parallel)),
+        ("DEFAULT_RPM", str(settings.key_defaults["rpm"])),
+        ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),
+        ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
+        ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
     ]
     if settings.fallback_model:
         plain.append(("FALLBACK_MODEL", settings.fallback_model))
@@ -508,6 +536,8 @@ def worker_bindings(settings: Settings, state: StatePlan) -> tuple[Binding, ...]
         Binding("FALLBACK_API_KEY", "secret_text", secret="fallbackApiKey"),
         *(Binding(name, "secret_text", secret=settings.operator_secrets[role]) for role, name in OPERATOR_BINDINGS.items()),
     ]
+    if path in MTLS_PATHS:
+        bindings.append(Binding(POD_TLS_BINDING, "mtls_certificate", from_output=POD_TLS_FROM_OUTPUT))
     return tuple(bindings)
 
 
@@ -561,7 +591,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             settings=settings.pod,
             # Pod i prefers the region's i-th location (spread), the others stay as capacity fallbacks.
             locations=locations[i % len(locations):] + locations[:i % len(locations)],
-            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i) if path == PATH_ZONE_DNS else None,
+            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i)
+            if path == PATH_ZONE_DNS and settings.zone is not None else None,
             path=path,
             in_rotation=settings.scale is None or i < settings.scale.pods,
         ).with_derived_name()
@@ -594,7 +625,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         modules=worker_modules(worker_dir),
         compatibility_date=COMPATIBILITY_DATE,
         placement=placement,
-        bindings=worker_bindings(settings, state),
+        bindings=worker_bindings(settings, state, path),
         migrations=decision.migrations,
         pending_migrations=decision.pending,
         migration_warning=decision.warning,

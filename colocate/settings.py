@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .errors import ConfigError, MissingSetting
@@ -34,8 +34,8 @@ POD_DEFAULTS = {
     "provider": "runpod",
     "gpu": "NVIDIA GeForce RTX 4090",
     "gpuCount": 1,
-    "image": "vllm/vllm-openai:v0.11.0",
-    "minCudaVersion": "12.8",  # the CUDA the default image is built for
+    "image": "vllm/vllm-openai:v0.33.0-cu129",  # outside vLLM's advisories: docs/pods.md, "The real pod"
+    "minCudaVersion": "12.9",  # the CUDA the default image is built for (-cu129)
     "model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
     "port": 8000,
     "diskGb": 40,
@@ -61,7 +61,11 @@ WORKER_DEFAULTS = {
 }
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
-KEYS_DEFAULTS = {"defaultMaxParallel": 0}
+# A new key's limits when its creator names none: finite, so no key is unbounded by
+# accident (docs/worker.md, "Limits"). 0 for one of them means no limit.
+KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8}
+KEYS_DEFAULTS = {"defaults": KEY_LIMIT_DEFAULTS}
+KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens", "maxParallel": "max_parallel"}
 # colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
 # pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
 # (declared, out of rotation until their requests finish); the owner writes the rest.
@@ -87,8 +91,8 @@ SCHEMA: tuple[Key, ...] = (
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion."),
     Key("keys", "object", KEYS_DEFAULTS,
-        "Client keys: defaultMaxParallel (requests in flight per key for keys created without --max-parallel; 0 = no "
-        "limit)."),
+        "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
+        "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
         "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
@@ -156,7 +160,7 @@ class PodSettings:
     ready_timeout_s: int
     compute_ms: int
     count: int = 1
-    min_cuda_version: str = POD_DEFAULTS["minCudaVersion"]  # "" = no floor
+    min_cuda_version: str = str(POD_DEFAULTS["minCudaVersion"])  # "" = no floor
     renewal: int = 0  # part of the pods' identity: a new value re-places them
 
 
@@ -220,7 +224,8 @@ class Settings:
     fallback_model: str
     secrets: frozenset[str] = field(default_factory=frozenset)
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
-    default_max_parallel: int = 0  # colocate:keys.defaultMaxParallel
+    # colocate:keys.defaults, by the Worker's field name (rpm, tpm, monthly_tokens, max_parallel)
+    key_defaults: dict[str, int] = field(default_factory=lambda: {KEY_LIMIT_FIELDS[k]: v for k, v in KEY_LIMIT_DEFAULTS.items()})
     # role -> the settings key whose secret the Worker binds for it (probeToken on an old stack)
     operator_secrets: dict[str, str] = field(default_factory=lambda: dict(OPERATOR_TOKENS))
     credential_warning: str | None = None
@@ -248,7 +253,7 @@ _DECIMAL_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 def _number(key: str, value: object, *, integer: bool = False, minimum: float = 0, strict: bool = True,
             maximum: float | None = None) -> Any:
-    n = value
+    n: Any = value
     if isinstance(value, str) and (_INTEGER_TEXT if integer else _DECIMAL_TEXT).fullmatch(value.strip()):
         n = int(value) if integer else float(value)
     ok_type = isinstance(n, int) if integer else isinstance(n, (int, float))
@@ -270,7 +275,7 @@ def _string(key: str, value: object, allowed: tuple[str, ...] | None = None) -> 
 
 def default_gpu(provider: str) -> str:
     """The default GPU under ``provider``'s own name (POD_DEFAULTS holds RunPod's)."""
-    return gpu_name(POD_DEFAULTS["gpu"], provider) or POD_DEFAULTS["gpu"]
+    return gpu_name(str(POD_DEFAULTS["gpu"]), provider) or str(POD_DEFAULTS["gpu"])
 
 
 def parse_pod(raw: dict) -> PodSettings:
@@ -312,13 +317,13 @@ def _cuda_version(key: str, value: object) -> str:
     text = repr(value) if isinstance(value, float) else value
     if not isinstance(text, str) or not (text == "" or _CUDA_VERSION.fullmatch(text)):
         raise ConfigError(key, value, 'must be a CUDA version as major.minor text, e.g. "12.8", or "" for no floor',
-                          f'pulumi config set --path {key} 12.8 (the CUDA version colocate:pod.image is built for; '
-                          f'{POD_DEFAULTS["image"]} needs 12.8), or write it quoted in the stack file: minCudaVersion: "12.8"')
+                          f'pulumi config set --path {key} 12.9 (the CUDA version colocate:pod.image is built for; '
+                          f'{POD_DEFAULTS["image"]} needs 12.9), or write it quoted in the stack file: minCudaVersion: "12.9"')
     return text
 
 
 def _pod_count(key: str, value: object) -> int:
-    n = _number(key, value, integer=True)
+    n: int = _number(key, value, integer=True)
     if n > MAX_PODS:
         raise ConfigError(key, value, f"a cell runs at most {MAX_PODS} pods",
                           f"pulumi config set --path {key} <1..{MAX_PODS}>, or split the traffic over several cells")
@@ -453,6 +458,24 @@ def parse_zone(raw: object) -> ZoneSettings | None:
     )
 
 
+def parse_key_defaults(raw: object) -> dict[str, int]:
+    """``colocate:keys.defaults`` by the Worker's field name; ``defaultMaxParallel`` is the older name of
+    ``defaults.maxParallel``."""
+    raw = dict(raw) if isinstance(raw, dict) else raw
+    older = raw.pop("defaultMaxParallel", None) if isinstance(raw, dict) else None
+    _merged({"keys": raw}, "keys")  # refuses a key other than defaults
+    given = cast(dict, raw or {}).get("defaults") or {}  # _merged refused anything but a mapping
+    if not isinstance(given, dict):
+        raise ConfigError(f"{NS}:keys.defaults", given, "must be a mapping {rpm, tpm, monthlyTokens, maxParallel}",
+                          f"pulumi config set --path {NS}:keys.defaults.maxParallel 8")
+    unknown = sorted(set(given) - set(KEY_LIMIT_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{NS}:keys.defaults.{unknown[0]}", given[unknown[0]], "unknown key",
+                          f"use only {', '.join(KEY_LIMIT_DEFAULTS)}")
+    merged = {**KEY_LIMIT_DEFAULTS, **({"maxParallel": older} if older is not None else {}), **given}
+    return {KEY_LIMIT_FIELDS[k]: _number(f"{NS}:keys.defaults.{k}", v, integer=True, strict=False) for k, v in merged.items()}
+
+
 def parse_operator_tokens(secrets: frozenset[str] | set[str]) -> tuple[dict[str, str], str | None]:
     """Which secret serves each operator role, and the warning for a stack that still
     leans on the old single ``probeToken`` (it keeps working for this release)."""
@@ -543,8 +566,7 @@ def parse(
     scale = parse_scale(raw, fallback_price)
     if scale is not None:
         pod = replace(pod, count=scale.declared)
-    keys = _merged(raw, "keys")
-    default_max_parallel = _number(f"{NS}:keys.defaultMaxParallel", keys["defaultMaxParallel"], integer=True, strict=False)
+    key_defaults = parse_key_defaults(raw.get("keys"))
     return Settings(
         stack=stack,
         region=cell_region,
@@ -559,7 +581,7 @@ def parse(
         fallback_model=fallback_model,
         secrets=frozenset(secrets),
         fallback_price=fallback_price,
-        default_max_parallel=default_max_parallel,
+        key_defaults=key_defaults,
         operator_secrets=operator,
         credential_warning=credential_warning,
         scale=scale,

@@ -17,6 +17,9 @@ Building blocks, composable for bigger configs (the sandbox hosts the same
     worker_capnp(worker, values, ...)  one ``Workerd.Worker`` literal
     external_service(name, host, port, inject_headers=None)
     network_service(name)              loopback-and-public network (the default outbound here)
+    pod_tls_service(name, client)      the same network, its https presenting the Worker's client
+                                       certificate and trusting only the cell's CA: what the
+                                       plan's ``mtls_certificate`` binding (POD_TLS) is here
     disk_service(name, path)           writable directory for ``durableObjectStorage.localDisk``
                                        (the generation object uses SQLite, which workerd offers
                                        only on localDisk; ``inMemory`` has the KV API alone)
@@ -44,6 +47,14 @@ Ports. ``Workerd`` binds 127.0.0.1:0 itself and hands the listening socket to wo
 take the port. ``free_port()`` (bind 0, read, close) is there for configs whose port
 must be known before starting; it has the usual small race.
 
+The pod hop. The plan's ``mtls_certificate`` binding (``POD_TLS``) is, in the cloud, an
+uploaded client certificate whose ``fetch`` presents it. Here it is a service binding to
+``pod_tls_service``: a network service whose ``tlsOptions`` carry the client keypair and the
+cell's CA as the only trusted root (checked in workerd 1.20261117.1: the keypair is presented
+to a server that asks for a client certificate, and a server certificate of another CA or for
+another name fails the fetch). Given no ``HopClient``, the binding goes to the worker's own
+outbound, so harnesses whose stand-ins serve plain HTTP keep working; the sandbox always gives one.
+
 The rendered config holds secret values: it is written with mode 0600, and is never
 printed; workerd's own log never sees the values unless the Worker logs them (it
 redacts them, see worker/src/errors.js).
@@ -59,6 +70,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .plan import BREAKER_CLASS, Binding, WorkerPlan
@@ -88,6 +100,18 @@ class BindingValueMissing(WorkerdError):
         keys = " or ".join(repr(k) for k in (binding.name, binding.secret or binding.from_output))
         super().__init__(f"binding {binding.name} ({source}) has no value: pass values[{keys}]")
         self.binding = binding.name
+
+
+@dataclass(frozen=True)
+class HopClient:
+    """The Worker's side of the pod hop: its client certificate and key, and the CA it trusts (PEM)."""
+
+    cert_pem: str
+    key_pem: str
+    ca_pem: str
+
+
+POD_TLS_SERVICE = "colocate-pod-tls"
 
 
 class WorkerdNotInstalled(WorkerdError):
@@ -126,7 +150,7 @@ def resolve_bindings(worker: WorkerPlan, values: Mapping[str, str]) -> dict[str,
     """Every text binding's value: plain ones from the plan, the rest from ``values``."""
     out = {}
     for b in worker.bindings:
-        if b.type == "durable_object_namespace":
+        if b.type in ("durable_object_namespace", "mtls_certificate"):
             continue
         if b.text is not None:
             out[b.name] = b.text
@@ -152,14 +176,19 @@ def modules_capnp(worker: WorkerPlan, extra: Iterable[tuple[str, str]] = (), *, 
 
 
 def bindings_capnp(worker: WorkerPlan, values: Mapping[str, str], *, do_service: str | None = None,
-                   extra: Iterable[str] = ()) -> str:
+                   extra: Iterable[str] = (), pod_tls_service: str | None = None) -> str:
     """The binding list. ``do_service`` hosts the Durable Object class elsewhere (another
     worker service in the same config); None = this worker's own namespace. ``extra``
-    appends binding literals that are not the plan's (the sandbox's own ``__SANDBOX_*``)."""
+    appends binding literals that are not the plan's (the sandbox's own ``__SANDBOX_*``).
+    ``pod_tls_service`` is the service an ``mtls_certificate`` binding fetches through."""
     texts = resolve_bindings(worker, values)
     items = []
     for b in worker.bindings:
-        if b.type == "durable_object_namespace":
+        if b.type == "mtls_certificate":
+            if not pod_tls_service:
+                raise WorkerdError(f"binding {b.name} (mtls_certificate) needs a service: pass pod_tls_service")
+            items.append(f"(name = {capnp_text(b.name)}, service = {capnp_text(pod_tls_service)})")
+        elif b.type == "durable_object_namespace":
             cls = capnp_text(b.class_name or BREAKER_CLASS)
             target = f"(className = {cls}, serviceName = {capnp_text(do_service)})" if do_service else cls
             items.append(f"(name = {capnp_text(b.name)}, durableObjectNamespace = {target})")
@@ -178,15 +207,18 @@ def worker_capnp(worker: WorkerPlan, values: Mapping[str, str], *, storage_servi
                  global_outbound: str | None = NETWORK_SERVICE, do_service: str | None = None,
                  host_objects: bool = True, extra_modules: Iterable[tuple[str, str]] = (),
                  main_module: str | None = None, namespace_key: str | None = None,
-                 extra_bindings: Iterable[str] = ()) -> str:
+                 extra_bindings: Iterable[str] = (), pod_tls_service: str | None = None) -> str:
     """One ``Workerd.Worker`` literal. ``host_objects`` declares the Breaker namespace here
     (with SQLite, in memory or on ``storage_service``'s disk); several services hosting
     the class in one config each need their own ``namespace_key`` (default
-    ``unique_key(worker)``; keep it stable, it names the on-disk directory)."""
+    ``unique_key(worker)``; keep it stable, it names the on-disk directory). The plan's
+    POD_TLS binding fetches through ``pod_tls_service`` (default: the global outbound)."""
+    bindings = bindings_capnp(worker, values, do_service=do_service, extra=extra_bindings,
+                              pod_tls_service=pod_tls_service or global_outbound)
     fields = [
         f"modules = {modules_capnp(worker, extra_modules, first=main_module)}",
         f"compatibilityDate = {capnp_text(worker.compatibility_date)}",
-        f"bindings = {bindings_capnp(worker, values, do_service=do_service, extra=extra_bindings)}",
+        f"bindings = {bindings}",
     ]
     if host_objects:
         fields.append(
@@ -218,6 +250,13 @@ def external_service(name: str, host: str, port: int, inject_headers: Mapping[st
 
 def network_service(name: str = NETWORK_SERVICE) -> tuple[str, str]:
     return name, f'(name = {capnp_text(name)}, network = (allow = ["public", "private", "local"]))'
+
+
+def pod_tls_service(name: str, client: HopClient) -> tuple[str, str]:
+    """A network service whose https presents ``client``'s certificate and trusts only its CA."""
+    keypair = f"keypair = (privateKey = {capnp_text(client.key_pem)}, certificateChain = {capnp_text(client.cert_pem)})"
+    tls = f"tlsOptions = ({keypair}, trustBrowserCas = false, trustedCertificates = [{capnp_text(client.ca_pem)}])"
+    return name, f'(name = {capnp_text(name)}, network = (allow = ["public", "private", "local"], {tls}))'
 
 
 def disk_service(name: str, path: Path | str) -> tuple[str, str]:
@@ -259,9 +298,12 @@ def with_v8_flags(config: str, flags: Sequence[str]) -> str:
 
 
 def render_config(worker: WorkerPlan, values: Mapping[str, str], *, port: int, storage_dir: Path | str | None = None,
-                  global_outbound: tuple[str, int] | None = None, inject_headers: Mapping[str, str] | None = None) -> str:
-    """A complete workerd config running ``worker`` on 127.0.0.1:``port``."""
+                  global_outbound: tuple[str, int] | None = None, inject_headers: Mapping[str, str] | None = None,
+                  pod_tls: HopClient | None = None) -> str:
+    """A complete workerd config running ``worker`` on 127.0.0.1:``port``; ``pod_tls`` makes the pod hop mutual TLS."""
     services = []
+    if pod_tls is not None:
+        services.append(pod_tls_service(POD_TLS_SERVICE, pod_tls))
     if global_outbound:
         services.append(external_service(OUTBOUND_SERVICE, global_outbound[0], global_outbound[1], inject_headers))
         outbound = OUTBOUND_SERVICE
@@ -274,7 +316,8 @@ def render_config(worker: WorkerPlan, values: Mapping[str, str], *, port: int, s
     if storage_dir is not None:
         services.append(disk_service(STORAGE_SERVICE, storage_dir))
         storage = STORAGE_SERVICE
-    lit = worker_capnp(worker, values, storage_service=storage, global_outbound=outbound)
+    lit = worker_capnp(worker, values, storage_service=storage, global_outbound=outbound,
+                       pod_tls_service=POD_TLS_SERVICE if pod_tls is not None else None)
     services.insert(0, worker_service(MAIN_SERVICE, lit))
     return config_capnp(services, [socket_capnp(SOCKET_NAME, port, MAIN_SERVICE)])
 
@@ -350,13 +393,13 @@ class Workerd:
     def serve(cls, worker: WorkerPlan, values: Mapping[str, str], *, directory: Path | str | None = None,
               storage_dir: Path | str | None = None, global_outbound: tuple[str, int] | None = None,
               inject_headers: Mapping[str, str] | None = None, launcher: Sequence[str] = (),
-              v8_flags: Sequence[str] = ()) -> Workerd:
+              v8_flags: Sequence[str] = (), pod_tls: HopClient | None = None) -> Workerd:
         """Render ``worker`` for a fresh port and start it: ``with Workerd.serve(plan.worker, values) as w``."""
         w = cls(directory, launcher=launcher, v8_flags=v8_flags)
         try:
             # SQLite (the generation object's storage) needs localDisk storage in workerd.
             w.start(render_config(worker, values, port=w.port, storage_dir=storage_dir or w.directory / "objects",
-                                  global_outbound=global_outbound, inject_headers=inject_headers))
+                                  global_outbound=global_outbound, inject_headers=inject_headers, pod_tls=pod_tls))
         except BaseException:
             w.close()
             raise

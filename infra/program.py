@@ -53,6 +53,17 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     return cell_plan, secrets
 
 
+def require_https(url: str) -> str:
+    """The fallback API is called with the owner's key and the clients' prompts: never in
+    plain text. (The sandbox's local fallback is http; the sandbox never runs this program.)"""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme != "https":
+        raise pulumi.RunError(f"{NS}:fallbackUrl: must be an https:// URL (got a secret value whose scheme is "
+                              f"{scheme or 'missing'!r}). "
+                              f"Fix: pulumi config set --secret {NS}:fallbackUrl https://<the API's host>")
+    return url
+
+
 def _total_cost(pods: list[dict]) -> float | None:
     costs = [p.get("cost_per_hr") for p in pods]
     return None if any(c is None for c in costs) else round(sum(costs), 4)
@@ -69,6 +80,7 @@ def main() -> dict[str, pulumi.Input]:
     if is_fleet_stack():
         return fleet_program.main()
     cell_plan, secrets = plan()
+    secrets = {**secrets, "fallbackUrl": secrets["fallbackUrl"].apply(require_https)}
     pod_env = {}
     key_name, env_name = PROVIDER_SECRET.get(cell_plan.pod_settings.provider, (None, None))
     if key_name in secrets:

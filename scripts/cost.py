@@ -35,6 +35,7 @@ from colocate import (  # noqa: E402
     stackfile,
 )
 from colocate.errors import ConfigError  # noqa: E402
+from colocate.probe import sandbox as probe_sandbox  # noqa: E402
 
 DAY_S = 86_400
 PULUMI_TIMEOUT_S = 120
@@ -144,17 +145,23 @@ def _run(args: argparse.Namespace) -> int:
     for flag, v in (("--cost-per-hr", args.cost_per_hr), ("--hours", args.hours)):
         _positive(flag, v)
     _positive("--capacity-rpm", args.capacity_rpm, allow_zero=False)
+    if args.price:
+        _price(args, {})  # a bad --price is refused before any request
     if not (args.stack or args.url or args.state_dir):
-        raise CostError("no target: pass --stack S (a running sandbox or a deployed stack), or --url URL")
+        raise CostError("no target: pass --stack S (a running sandbox or a deployed stack), --state-dir DIR (a "
+                        "sandbox started with that --state-dir), or --url URL")
+    target = admin.resolve(url=args.url, stack=args.stack, state_dir=args.state_dir, role="read")
+    # A sandbox named by its directory alone: its own stack file (the one `up` was given) has the price.
+    cell = probe_sandbox.read(args.state_dir) if args.state_dir and not args.stack else None
+    stack, stacks_dir = (cell.stack, cell.stacks_dir or args.stacks_dir) if cell else (args.stack, args.stacks_dir)
     raw: dict = {}
-    if args.stack:
+    if stack:
         try:
-            raw, _ = stackfile.read_config(args.stack, args.stacks_dir)
+            raw, _ = stackfile.read_config(stack, stacks_dir)
         except ConfigError as exc:
-            raise CostError(f"--stack {args.stack}: {exc}") from None
+            raise CostError(f"--stack {stack}: {exc}") from None
     price = _price(args, raw)
     pod = settings.parse_pod(raw) if raw else None
-    target = admin.resolve(url=args.url, stack=args.stack, state_dir=args.state_dir, role="read")
     now = time.time()
     since_day = time.strftime("%Y-%m-%d", time.gmtime(now - (days - 1) * DAY_S))
     today = time.strftime("%Y-%m-%d", time.gmtime(now))
@@ -170,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         started = _sandbox_started(Path(args.state_dir) if args.state_dir else _default_state_dir(args.stack))
         if hours is None and started is not None:
             hours = min(window_h, max(0.0, (now - started) / 3600))
-            notes.append(f"the sandbox's pods started {hours * 60:,.1f} min ago: the window is that long")
+            notes.append(f"the sandbox's pods started {cost.duration(hours)} ago: the window is that long")
     if hours is None:
         hours = window_h
         notes.append(f"assumes the pods ran the whole {days}-day window; pass --hours if they did not")
@@ -183,8 +190,8 @@ def _run(args: argparse.Namespace) -> int:
         elif target.source == "stack" and args.stack:
             cost_per_hr, source = _deployed_cost_per_hr(args.stack), "podsCostPerHr output"
         else:
-            raise CostError("--cost-per-hr: no price for the pods from --url alone; pass --cost-per-hr USD "
-                            f"(the stack's {names.PODS_COST_PER_HR} output) or --stack S")
+            raise CostError("--cost-per-hr: no price for the pods: --url gives the usage, not what the pods cost; "
+                            f"pass --cost-per-hr USD (the stack's {names.PODS_COST_PER_HR} output) or --stack S")
     # A window shorter than the days asked (a sandbox up for minutes): volumes per day of what ran.
     span_days = min(days, hours / 24) if hours > 0 else days
     r = cost.report(rows, cost_per_hr=cost_per_hr, hours=hours, window_days=span_days or days, price=price,

@@ -62,11 +62,13 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("create", help="create a key and print it once")
     common(c)
     c.add_argument("--name", required=True, help="who or what the key is for (1-64 characters)")
-    c.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
-    c.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
-    c.add_argument("--monthly-tokens", type=int, default=0, help="tokens per UTC calendar month (0: no limit)")
+    # Each limit left out takes the cell's colocate:keys.defaults (printed after the key).
+    c.add_argument("--rpm", type=int, default=None, help="requests per minute (0: no limit; default: colocate:keys.defaults)")
+    c.add_argument("--tpm", type=int, default=None, help="tokens per minute (0: no limit; default: colocate:keys.defaults)")
+    c.add_argument("--monthly-tokens", type=int, default=None,
+                   help="tokens per UTC calendar month (0: no limit; default: colocate:keys.defaults)")
     c.add_argument("--max-parallel", type=int, default=None,
-                   help="requests in flight at once (0: no limit; default: the cell's colocate:keys.defaultMaxParallel)")
+                   help="requests in flight at once (0: no limit; default: colocate:keys.defaults)")
     c.add_argument("--expires-in", type=int, metavar="SECONDS", help="the key stops working after this long")
     c.add_argument("--env", action="store_true",
                    help="print `export OPENAI_BASE_URL=... OPENAI_API_KEY=...` for a shell's eval (OpenAI clients read both)")
@@ -165,6 +167,13 @@ def report_failed(
         print(f"keys.py {args.cmd}: to finish, once those cells answer: {finish}", file=sys.stderr)
 
 
+def limits_line(row: dict, args: argparse.Namespace) -> str:
+    """The key's limits, and which came from the cell's colocate:keys.defaults."""
+    given = {"rpm": args.rpm, "tpm": args.tpm, "monthly_tokens": args.monthly_tokens, "max_parallel": args.max_parallel}
+    parts = [f"{name} {row.get(name) or 'no limit'}{'' if given[name] is not None else ' (default)'}" for name in given]
+    return "limits: " + ", ".join(parts) + "; (default) = the cell's colocate:keys.defaults, 0 = no limit"
+
+
 def fleet_create(args, cells, targets) -> int:
     key = admin.new_key()
     row = admin.key_row(key, args.name, rpm=args.rpm, tpm=args.tpm, monthly_tokens=args.monthly_tokens,
@@ -184,6 +193,7 @@ def fleet_create(args, cells, targets) -> int:
         print(json.dumps({**stored[have[0]], "key": key, "cells": have, "missing": list(failed)}, indent=2))
     else:
         print(key)
+        print(limits_line(stored[have[0]], args), file=sys.stderr)
     print(f"created {row['id']} ({args.name}) in {len(have)} of {len(cells)} cells of {args.stack}: the key above is "
           "shown only once; store it now (OpenAI clients take it as api_key)", file=sys.stderr)
     if failed:
@@ -357,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
             print(made["key"])
             print(f"created {made['id']} ({made['name']}) on {target.url}: the key above is shown only once; "
                   "store it now (OpenAI clients take it as api_key)", file=sys.stderr)
+            print(limits_line(made, args), file=sys.stderr)
         return 0
     if args.cmd == "list":
         keys = client.list_keys()

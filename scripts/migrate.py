@@ -84,7 +84,9 @@ def _report(stack: str, raw_before: dict, raw_after: dict, observed: str | None,
         after = migration.adopt_observation(after, before.ledger.active.name, observed)
     old, new = migration.plan_pair(before, after)
     print(heading)
-    print(f"Stack {stack}: region {before.region.name} -> {after.region.name}; "
+    region = (f"{before.region.name} -> {after.region.name}" if before.region.name != after.region.name
+              else f"{after.region.name} (unchanged)")
+    print(f"Stack {stack}: region {region}; "
           f"active {after.ledger.active.name}" + (f", draining {after.ledger.draining.name}" if after.ledger.draining else ""))
     if notes:
         print("Pod settings the move changes:")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Probe a deployed cell: measure every segment, check where each part ran, against budgets and floors.
 
-    probe.py URL [--token T | env COLOCATE_PROBE_TOKEN] [--key K | env COLOCATE_CLIENT_KEY]
+    probe.py URL [--token T | env COLOCATE_READ_TOKEN] [--key K | env COLOCATE_CLIENT_KEY]
              [--samples 25] [--expect-region R] [--pod-location LOC ...] [--pod-path P]
              [--placement-mode M] [--placement-host HOST:PORT]
              [--budget NAME=MS[@pNN] ...] [--json PATH|-] [--plot PNG] [--stack S] [--warn-only]
@@ -95,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--since", default="1h", metavar="1h", help="with --live: the window, e.g. 15m, 1h, 7d (default 1h; up to 35d)"
     )
-    p.add_argument("--state-dir", type=Path, help="with --live: a running sandbox's state directory (its URL and token)")
+    p.add_argument("--state-dir", type=Path, help="a running sandbox's state directory: its URL, token, pod locations "
+                   "and path, and its stack file's region, budgets and samples (as --stack S reads a sandbox of S)")
     p.add_argument("--client-site", action="append", default=[], metavar="NAME=URL",
                    help="with --stack <fleet>: a client site and the URL that reaches the front door from there; "
                         "repeatable (default: the running sandbox fleet's sites, else the fleet's workerUrl)")
@@ -139,7 +140,7 @@ def _probe(args: argparse.Namespace) -> int:
     if args.client_site:
         raise UsageError("--client-site", args.client_site[0], "only a fleet is probed from client sites",
                          "add --stack <fleet stack> (a stack with colocate:fleet)")
-    if args.live or args.state_dir:
+    if args.live:
         return _live(args)
     budget_list = budgets.from_flags(args.budget)  # validate flags before any request
     if args.samples is not None and not 1 <= args.samples <= MAX_SAMPLES:
@@ -152,11 +153,21 @@ def _probe(args: argparse.Namespace) -> int:
     mint_token = os.environ.get(admin.TOKEN_ENVS["admin"])  # only to mint the routed samples' key
     pod_path, samples, worker_placement = args.pod_path, args.samples, args.placement_mode
     placement_host = args.placement_host
-    if args.stack:
+    cell = _sandbox_cell(args)
+    if cell is not None:  # a running sandbox: its files say what a deployed stack's outputs say
+        cfg, region, budget_list = _from_stack(args, region, budget_list, cell)
+        samples = samples or cfg.samples
+        url, token, pod_path = url or cell.url, token or cell.read_token, pod_path or cell.pod_path
+        mint_token = mint_token or cell.token  # the sandbox's admin token, to mint the samples' key
+        locations = locations or list(cell.pod_locations)
+        worker_placement = worker_placement or placement_mode(cfg.worker_placement, pod_path)
+        if region is None and cell.region:
+            region = catalogue.region(cell.region, key=f"the region of the sandbox in {cell.state_dir}")
+    elif args.stack:
         cfg, region, budget_list = _from_stack(args, region, budget_list)
         samples = samples or cfg.samples
         if not (url and token and locations and pod_path):  # the post-deploy step passes them all: no CLI call
-            out = outputs.read_outputs(args.stack)
+            out = _deployed_outputs(args.stack)
             url, token, pod_path = url or out.worker_url, token or out.read_token, pod_path or out.pod_path
             mint_token = mint_token or out.admin_token
             worker_placement = worker_placement or out.placement_mode
@@ -185,7 +196,8 @@ def _probe(args: argparse.Namespace) -> int:
     with keys.KeyLease(url, mint_token or token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
                          key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None)
-    result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host)
+    result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host,
+                          _migrate_flags(args, cell))
 
     def plot(path):
         from colocate.probe import plot  # matplotlib only when asked for
@@ -259,6 +271,38 @@ def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     return _emit(args, fleet_probe.table(result), fleet_probe.to_json(result, args.warn_only), result.ok, None)
 
 
+def _sandbox_cell(args: argparse.Namespace):
+    """The running sandbox the flags name: --state-dir DIR (an error when none runs there), or
+    --stack S when S's sandbox runs in its default state directory and no URL was given."""
+    from colocate.probe import sandbox
+
+    if args.state_dir:
+        return sandbox.from_state_dir(args.state_dir)
+    if args.stack and not args.url:
+        return sandbox.of_stack(args.stack, args.sandboxes_dir)
+    return None
+
+
+def _migrate_flags(args: argparse.Namespace, cell) -> str | None:
+    """The flags that name the probed cell's stack to migrate.py, when the probe knows it."""
+    stack, stacks_dir = (cell.stack, cell.stacks_dir) if cell is not None else (args.stack, args.stacks_dir)
+    if not stack:
+        return None
+    default = stacks_dir is None or Path(stacks_dir).resolve() == Path(stackfile.STACKS_DIR).resolve()
+    return f"--stack {stack}" + ("" if default else f" --stacks-dir {stacks_dir}")
+
+
+def _deployed_outputs(stack: str):
+    """A deployed stack's outputs; when they cannot be read, the error also says how to reach a sandbox."""
+    from colocate.probe import sandbox
+    from colocate.probe.errors import OutputsError
+
+    try:
+        return outputs.read_outputs(stack)
+    except OutputsError as exc:
+        raise sandbox.no_cell_for_stack(stack, f"its deployed outputs could not be read ({exc})") from None
+
+
 def _fleet_live(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     """probe.py --stack <fleet> --live: every cell's live window merged, per colo which cells served
     (docs/probe.md, "A fleet's live view")."""
@@ -292,11 +336,13 @@ def _fleet_live(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
     return _emit(args, fleet_live.table(result), fleet_live.to_json(result, args.warn_only), result.ok, None)
 
 
-def _from_stack(args: argparse.Namespace, region, budget_list):
-    """The stack file's settings, and the region and budgets it gives where flags gave none."""
-    cfg = outputs.read_config(args.stack, args.stacks_dir)
+def _from_stack(args: argparse.Namespace, region, budget_list, cell=None):
+    """The stack file's settings (a sandbox's: the stack and stack directory it was started
+    from), and the region and budgets it gives where flags gave none."""
+    stack, stacks_dir = (cell.stack, cell.stacks_dir or args.stacks_dir) if cell is not None else (args.stack, args.stacks_dir)
+    cfg = outputs.read_config(stack, stacks_dir)
     if region is None and cfg.region is not None:
-        region = catalogue.region(cfg.region, key=f"colocate:region of stack {args.stack}")
+        region = catalogue.region(cfg.region, key=f"colocate:region of stack {stack}")
     if not args.budget:
         budget_list = budgets.from_stack(cfg.budgets)
     return cfg, region, budget_list
@@ -308,8 +354,6 @@ def _live(args: argparse.Namespace) -> int:
     from colocate import admin
     from colocate.probe import live
 
-    if not args.live:
-        raise UsageError("--state-dir", str(args.state_dir), "only reads a sandbox for --live", "add --live")
     budget_list = budgets.from_flags(args.budget)
     try:
         since_ms = live.parse_since(args.since)
@@ -320,20 +364,19 @@ def _live(args: argparse.Namespace) -> int:
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
     url, token = args.url, args.token or admin.token_from_env(os.environ, "read")
     locations, worker_placement = list(args.pod_location), None
-    if args.stack:
+    cell = _sandbox_cell(args)
+    if cell is not None:
+        cfg, region, budget_list = _from_stack(args, region, budget_list, cell)
+        worker_placement = cfg.worker_placement
+        url, token = url or cell.url, token or cell.read_token
+        locations = locations or list(cell.pod_locations)
+        if region is None and cell.region:
+            region = catalogue.region(cell.region, key=f"the region of the sandbox in {cell.state_dir}")
+    elif args.stack:
         cfg, region, budget_list = _from_stack(args, region, budget_list)
         worker_placement = cfg.worker_placement
-    if not (url and token) and (args.stack or args.state_dir):
-        sandbox = admin.sandbox_target(args.state_dir or _sandbox_dir(args.stack), "read")
-        if sandbox is not None:  # a running sandbox of the stack: its ready.json
-            url, token = url or sandbox.url, token or sandbox.token
-            ready = json.loads(((args.state_dir or _sandbox_dir(args.stack)) / "ready.json").read_text())
-            locations = locations or [p.get("location") or "local" for p in ready.get("pods") or []]
-        elif args.state_dir:
-            raise UsageError("--state-dir", str(args.state_dir), "no running sandbox there (no ready.json)",
-                             "start one with `.venv/bin/python scripts/sandbox.py up`")
-        else:
-            out = outputs.read_outputs(args.stack)
+        if not (url and token):
+            out = _deployed_outputs(args.stack)
             url, token = url or out.worker_url, token or out.read_token
             locations = locations or list(out.pod_locations) or ([out.pod_location] if out.pod_location else [])
     if not url:
@@ -343,8 +386,23 @@ def _live(args: argparse.Namespace) -> int:
         raise UsageError("--token", None, "no read token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     doc = _fetch_live(url, token, since_ms, args.timeout)
     result = live.build(doc, region, locations, budget_list, worker_placement, url)
-    return _emit(args, live.table(result), live.to_json(result, args.warn_only), result.ok,
-                 lambda path: live.write_plot(result, path))
+    scale_line, scale_doc = live.scale_summary(_fetch_scale(url, token, args.timeout))
+    body = live.to_json(result, args.warn_only)
+    if scale_doc is not None:
+        body["scale"] = scale_doc
+    return _emit(args, live.table(result) + scale_line, body, result.ok, lambda path: live.write_plot(result, path))
+
+
+def _fetch_scale(url: str, token: str, timeout_s: float) -> dict | None:
+    """The scaling controller's signals and last decision (None where the Worker has none to give)."""
+    import requests
+
+    try:
+        r = requests.get(f"{url}/_colocate/scale", timeout=timeout_s,
+                         headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
+        return r.json() if r.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
 
 
 def _sandbox_dir(stack: str | None) -> Path:

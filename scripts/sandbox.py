@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Run one colocate cell on this machine: workerd, a local pod, an emulated geography.
 
-    sandbox.py up     --stack S [--state-dir DIR] [--stacks-dir DIR] [--client-site COLO]
+    sandbox.py up     [--stack S] [--state-dir DIR] [--stacks-dir DIR] [--client-site COLO]
                       [--stretch 1.55] [--rtt A:B=MS ...] [--force-split]
-    sandbox.py apply  [--stack S | --state-dir DIR] [--stacks-dir DIR] [--force-split]
-    sandbox.py down   [--stack S | --state-dir DIR]
-    sandbox.py status [--stack S | --state-dir DIR]     (no --stack: every sandbox that runs)
+    sandbox.py apply  [--stack S] [--state-dir DIR] [--stacks-dir DIR] [--force-split]
+    sandbox.py down   [--stack S] [--state-dir DIR]
+    sandbox.py status [--stack S] [--state-dir DIR]     (neither: every sandbox that runs)
+
+--stack defaults to ``sandbox`` (stacks/Pulumi.sandbox.yaml) and --state-dir to
+.colocate/sandbox/<stack>/; a sandbox started with --state-dir DIR is named by the same
+--state-dir DIR in every later command, and every command it prints carries it.
     sandbox.py demo   [--state-dir DIR] [--samples N] [--client-site COLO]
     sandbox.py up     --fleet F [--client-site COLO ...] [--sandboxes-dir DIR] [--stretch 1.55] [--rtt A:B=MS ...]
     sandbox.py apply|down|status --fleet F       (or --stack F: a fleet stack acts on the whole fleet)
@@ -14,11 +18,14 @@
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
 new pod before deleting the old one and swaps workerd without dropping a request;
-``status`` prints what runs and whether it is healthy; ``down`` stops everything. With
+``status`` prints what runs and whether it is healthy; ``down`` stops everything. A
+``down``, ``status`` or ``apply`` that finds no sandbox where it looked exits 1 (``apply``: 2)
+and names the sandboxes that do run. With
 ``--fleet F`` (a fleet stack, docs/fleet.md) each acts on every member cell and the front
 door: ``up --fleet`` prints one JSON object with an entry URL per client site, the cells and
 one client key that works fleet-wide. Exit 0 on
-success, 1 when ``status`` finds the sandbox unhealthy or ``demo`` fails a step, 2 on a usage
+success, 1 when ``status`` finds the sandbox unhealthy or nothing running, ``down`` finds nothing
+to stop or ``demo`` fails a step, 2 on a usage
 or configuration error (including a second ``up``). See docs/sandbox.md.
 """
 
@@ -36,6 +43,7 @@ _held: list[int] = []
 _loading = _signal.signal(_signal.SIGINT, lambda signum, _frame: _held.append(signum))
 
 import argparse
+import difflib
 import json
 import signal
 from pathlib import Path
@@ -97,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--fleet", metavar="F", help="a fleet: every member cell, then the front door (exit 1 if a part is unhealthy)"
     )
-    d = sub.add_parser("demo", help="tell the field story with the running cell (make demo)")
+    d = sub.add_parser("demo", help="a cell moved the hand-rolled way, then by migration, seen from Tokyo (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
     d.add_argument("--samples", type=int, default=10, help="probe samples per step (default 10: enough for the p50/p90 table)")
     d.add_argument("--client-site", default="NRT", metavar="COLO",
@@ -119,17 +127,11 @@ def _where_flags(args, state_dir: Path, stack: str | None = None) -> str:
     """The flags that name this sandbox again in a printed command: always its stack (the one
     that runs there, not the command's default), and the state directory when it is not that
     stack's default, so a printed ``up`` never starts another stack in it."""
-    stack = stack or supervisor.owner(state_dir) or getattr(args, "stack", None) or DEFAULT_STACK
-    if Path(state_dir).resolve() == supervisor.default_state_dir(stack).resolve():
-        return f"--stack {stack}"
-    return f"--stack {stack} --state-dir {state_dir}"
+    return supervisor.where_command(state_dir, stack or getattr(args, "stack", None) or DEFAULT_STACK)
 
 
 def _others(exclude: Path | None = None) -> str:
-    runs = [d for d in supervisor.running_sandboxes() if exclude is None or d.resolve() != Path(exclude).resolve()]
-    if not runs:
-        return "no sandbox runs under .colocate/sandbox/"
-    return "sandboxes that run: " + ", ".join(f"{d.name} (`{CMD} status --stack {d.name}`)" for d in runs)
+    return supervisor.where_sandboxes_run(exclude)
 
 
 def _state_dir(args) -> Path:
@@ -142,8 +144,10 @@ def _state_dir(args) -> Path:
     stacks_dir = getattr(args, "stacks_dir", None) or stackfile.STACKS_DIR
     if not stackfile.path_of(stack, stacks_dir).exists() and not state_dir.exists():
         known = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in Path(stacks_dir).glob("Pulumi.*.yaml"))
+        close = difflib.get_close_matches(stack, known, n=1)
+        fix = f"did you mean `--stack {close[0]}`? Known stacks" if close else "one of"
         raise UnknownStack(f"--stack {stack!r}: unknown stack (no {stackfile.path_of(stack, stacks_dir)} and no "
-                           f"sandbox state in {state_dir}). Fix: one of {', '.join(known) or 'none'}; {_others()}")
+                           f"sandbox state in {state_dir}). Fix: {fix} {', '.join(known) or 'none'}; {_others()}")
     return state_dir
 
 
@@ -173,7 +177,8 @@ def _unhealthy_parts(out: dict) -> list[str]:
 def _status_summary(out: dict, args) -> str:
     where = _where_flags(args, Path(out["state_dir"]), out.get("stack"))
     if not out["running"]:
-        return f"sandbox.py status: nothing runs in {out['state_dir']}; {_others(Path(out['state_dir']))}"
+        return (f"sandbox.py status: nothing runs in {out['state_dir']} (start it: `{CMD} up {where}`); "
+                f"{_others(Path(out['state_dir']))}")
     if out.get("healthy"):
         return (f"sandbox.py status: stack {out.get('stack')} runs at {out.get('worker_url')}, healthy. "
                 f"Next: `{CMD} down {where}` when done")
@@ -186,12 +191,14 @@ def _status_all() -> int:
     found = [supervisor.status(d) for d in supervisor.running_sandboxes()]
     print(json.dumps({"sandboxes": found}, indent=2, sort_keys=True))
     if not found:
-        print("sandbox.py status: no sandbox runs under .colocate/sandbox/. "
-              f"Next: `{CMD} up --stack {DEFAULT_STACK}`", file=sys.stderr)
+        print("sandbox.py status: no sandbox runs (looked under .colocate/sandbox/ and in every --state-dir `up` was "
+              f"given). Next: `{CMD} up --stack {DEFAULT_STACK}`, or `{CMD} up --state-dir DIR` for one in DIR",
+              file=sys.stderr)
         return 0
     for out in found:
-        print(f"sandbox.py status: {Path(out['state_dir']).name}: {out.get('worker_url')}, "
-              f"{'healthy' if out.get('healthy') else 'UNHEALTHY'} (`{CMD} status --stack {Path(out['state_dir']).name}`)",
+        d = Path(out["state_dir"])
+        print(f"sandbox.py status: {d}: {out.get('worker_url')}, "
+              f"{'healthy' if out.get('healthy') else 'UNHEALTHY'} (`{CMD} status {supervisor.where_command(d)}`)",
               file=sys.stderr)
     return 0 if all(o.get("healthy") for o in found) else 1
 
@@ -274,7 +281,7 @@ def _fleet_command(args, fleet: str, state_dir: Path) -> int:
         if args.cmd == "down" or args.cmd == "status":
             print(json.dumps({"fleet": fleet, "state_dir": str(state_dir), "running": False, "was_running": False}))
             print(f"sandbox.py {args.cmd}: no fleet was started in {state_dir}; {_others()}", file=sys.stderr)
-            return 0
+            return 1
         raise supervisor_errors.NotRunning(f"no fleet runs in {state_dir}; start one with `{CMD} up {where}`")
     if args.cmd == "down":
         out = sandbox_fleet.down(state_dir)
@@ -368,10 +375,10 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             print(json.dumps(out, sort_keys=True))
             if out["was_running"]:
                 print(f"sandbox.py down: stopped the sandbox in {out['state_dir']}", file=sys.stderr)
-            else:
-                print(f"sandbox.py down: nothing was running in {out['state_dir']}; {_others(state_dir)}",
-                      file=sys.stderr)
-            return 0
+                return 0
+            print(f"sandbox.py down: nothing was running in {out['state_dir']}: nothing stopped; {_others(state_dir)}",
+                  file=sys.stderr)
+            return 1
         if args.cmd == "status":
             if args.stack is None and args.state_dir is None:
                 return _status_all()
@@ -379,7 +386,7 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             out = supervisor.status(state_dir)
             print(json.dumps(out, indent=2, sort_keys=True))
             print(_status_summary(out, args), file=sys.stderr)
-            return 0 if out.get("healthy") or not out["running"] else 1
+            return 0 if out.get("healthy") else 1
         if args.cmd == "demo-fleet":
             from colocate.sandbox import fleet_demo
 

@@ -78,6 +78,25 @@ def test_the_setting_is_validated():
         settings.parse_fallback_price({"input": 0.15, "output": -1})
 
 
+def test_durations_read_as_durations():
+    assert [cost.duration(h) for h in (52 / 3600, 192 / 3600, 0.5, 2 + 5 / 60, 30, 24 * 30)] == [
+        "52 s", "3 min 12 s", "30 min", "2 h 5 min", "30 h", "30 days"]
+
+
+def test_a_window_shorter_than_the_minimum_is_not_scaled_to_a_day():
+    rows = [row("2026-12-05", "a", 300, 100, 6, 0)]
+    short = cost.report(rows, cost_per_hr=0.8, hours=52 / 3600, window_days=52 / 86_400, price=PRICE)
+    assert short.tokens_per_day is None and short.cheaper is None and short.monthly_api_cost_at_volume is None
+    assert short.break_even_tokens_per_day == pytest.approx(0.8 * 24 / PRICE.blended(300, 100) * 1e6)
+    text = cost.table(short)
+    assert "cell cost over 52 s" in text and "x 52 s" in text
+    assert "52 s of traffic is too short to scale to a day (at least 1 h)" in text
+    assert "which is cheaper now is not known" in short.verdict()
+    assert cost.to_json(short)["tokens_per_day"] is None and cost.to_json(short)["cheaper"] is None
+    hour = cost.report(rows, cost_per_hr=0.8, hours=cost.MIN_SCALE_HOURS, window_days=cost.MIN_SCALE_HOURS / 24, price=PRICE)
+    assert hour.tokens_per_day == pytest.approx(400 * 24) and hour.cheaper == "api"
+
+
 def test_plot_draws_a_png(tmp_path):
     r = cost.report([row("2026-12-01", "a", 6_000_000, 2_000_000, 1000, 0)], cost_per_hr=0.5, hours=24,
                     window_days=1, price=PRICE)

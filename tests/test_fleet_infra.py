@@ -37,6 +37,13 @@ class FleetMocks(RecordingMocks):
             found = self.stacks.get(args.inputs["name"].rsplit("/", 1)[-1], {})
             return [args.inputs["name"], {"name": args.inputs["name"], "outputs": found,
                                           "secretOutputNames": [outputs.EXCHANGE_TOKEN]}]
+        if args.typ == WORKER:  # a service binding reaches only a Worker of the same account
+            accounts = {o.get(outputs.WORKER_NAME): o.get(outputs.ACCOUNT_ID) for o in self.stacks.values()}
+            bindings = args.inputs.get("bindings") or []
+            for b in bindings.get("value", []) if isinstance(bindings, dict) else bindings:
+                if b.get("type") == "service" and accounts.get(b["service"]) != args.inputs["accountId"]:
+                    raise RuntimeError(f"Cloudflare: service binding {b['name']}: no Worker {b['service']} in "
+                                       f"account {args.inputs['accountId']}")
         return super().new_resource(args)
 
 
@@ -265,3 +272,17 @@ def test_fleet_mocks_fail_when_they_should():
     # refusal above is the program's, not the mock's.
     assert "no outputs" in refused({k: v for k, v in STACKS.items() if k != "apac-jp"})
     assert isinstance(RecordingMocks(), pulumi.runtime.Mocks)
+
+
+def test_the_mocks_refuse_what_the_cloud_would_when_the_program_does_not(monkeypatch):
+    # The program refuses a member in another account, and a binding past 5 KB, at preview; the
+    # mocks refuse the upload Cloudflare would, so a program that stopped checking is caught.
+    monkeypatch.setattr(fleet, "check_accounts", lambda settings, members: None)
+    with pytest.raises(Exception, match="no Worker colocate-eu-west in account"):
+        deploy({**STACKS, "eu-west": {**cell_outputs("eu-west"), outputs.ACCOUNT_ID: "f" * 32}})
+    from colocate import cloudflare_limits
+
+    monkeypatch.setattr(cloudflare_limits, "check_worker", lambda *a, **k: None)
+    monkeypatch.setattr(fleet, "json_text", lambda value: json.dumps(value) + " " * 6000)  # CELLS past 5 KB
+    with pytest.raises(Exception, match="binding CELLS is .* bytes; Cloudflare refuses an environment variable over 5120"):
+        deploy()

@@ -179,7 +179,7 @@ def test_a_key_that_moves_cell_mid_minute_is_neither_over_admitted_nor_refused_u
     # before the fleet had admitted L ends within a lease's lag (a flush, a round, a
     # replaced lease's grace, a sync: D_S), however loaded the machine (twice that).
     total, since = len(before), None
-    for t, c, s in [(t, c, s) for t, c, s in log if t >= minute["moved_at"]]:
+    for t, _, s in [(t, c, s) for t, c, s in log if t >= minute["moved_at"]]:
         if s == 200:
             total += 1
             since = None
@@ -279,7 +279,7 @@ def error_of(res) -> dict:
     return body["error"]
 
 
-def test_the_exchange_endpoints_need_the_probe_token_and_name_bad_fields(fl):
+def test_the_exchange_endpoints_need_the_exchange_token_and_name_bad_fields(fl):
     url = fl.cell(A).url
     bad_auth = {"authorization": "Bearer not-the-probe-token"}
     for method, path, body in (
@@ -296,16 +296,19 @@ def test_the_exchange_endpoints_need_the_probe_token_and_name_bad_fields(fl):
         res = request(url, "GET", f"/_colocate/fleet/counters?since={since}", headers=auth())
         assert res.status == 400 and 'query "since"' in error_of(res)["message"], (since, res.body)
     good = ["key_0123456789ab", 1, 0, 0, 0, 0, "2026-12", 0]
-    for body, field in (({"rows": "x"}, '"rows"'), ({"rows": [good, [1]]}, '"rows[1]"'),
-                        ({"rows": [good[:2] + [-1] + good[3:]]}, '"rows[0]"[2]'),
-                        ({"rows": [["nope"] + good[1:]]}, '"rows[0]"[0]'),
-                        ({"rows": [good[:6] + ["Dec"] + good[7:]]}, '"rows[0]"[6]'),
-                        ({"rows": [], "extra": 1}, '"extra"'),
+    for body, field in (({"rows": "x"}, '"rows"'), ({"rows": [], "extra": 1}, '"extra"'),
                         ({"rows": [], "leases": [["key_0123456789ab", -1, None, "2026-12", None]]}, '"leases[0]"[1]'),
                         ({"rows": [], "leases": "x"}, '"leases"'),
                         ({"rows": [], "cells": 0}, '"cells"'), ({"rows": [], "cells": "2"}, '"cells"')):
         res = request(url, "POST", "/_colocate/fleet/peers", body=body, headers=auth())
         assert res.status == 400 and field in error_of(res)["message"], (body, res.body)
+    # A bad row is dropped and named; the good rows of the same batch are stored.
+    for bad, field in (([1], '"rows[1]"'), (good[:2] + [-1] + good[3:], '"rows[1]"[2]'),
+                       (["nope"] + good[1:], '"rows[1]"[0]'), (good[:6] + ["Dec"] + good[7:], '"rows[1]"[6]'),
+                       (good[:7] + [2**53], '"rows[1]"[7]')):
+        res = request(url, "POST", "/_colocate/fleet/peers", body={"rows": [good, bad]}, headers=auth())
+        assert res.status == 200 and res.json()["stored"] + res.json()["deleted"] == 1, res.body
+        assert len(res.json()["dropped"]) == 1 and field in res.json()["dropped"][0], (bad, res.body)
     res = request(url, "GET", "/_colocate/fleet/peers?key=nope", headers=auth())
     assert res.status == 400 and 'query "key"' in error_of(res)["message"]
     # What the ledger reads: this cell's own rows changed since a cursor, paged by it.

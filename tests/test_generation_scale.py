@@ -166,7 +166,7 @@ def test_max_parallel_refuses_the_extra_request_and_an_openai_client_raises_rate
 
 
 def test_the_cell_default_applies_to_keys_created_without_max_parallel():
-    with driven_cell({"stateTtlMs": 60_000}, with_key=False, keys={"defaultMaxParallel": 5}) as c:
+    with driven_cell({"stateTtlMs": 60_000}, with_key=False, keys={"defaults": {"maxParallel": 5}}) as c:
         assert make_key(c, "default")["max_parallel"] == 5
         assert make_key(c, "explicit", max_parallel=0)["max_parallel"] == 0
 
@@ -184,13 +184,9 @@ def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
         pytest.skip(f"needs the git history for the schema-2 Worker ({exc})")
     old.mkdir()
     subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
-    from colocate import plan as plan_mod, settings as settings_mod, stackfile
-    from tests.support.workerd import SECRET_SETTINGS
+    from tests.support.workerd import legacy_plan
 
-    raw, secrets = stackfile.read_config("sandbox")
-    raw["worker"] = {**(raw.get("worker") or {}), "stateTtlMs": 60_000}
-    settings = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | SECRET_SETTINGS)
-    old_plan = plan_mod.plan_cell(settings, worker_dir=old / "worker" / "src")
+    old_plan = legacy_plan(old / "worker" / "src", {"stateTtlMs": 60_000})
     assert "SCHEMA_VERSION = \"2\"" in (old / "worker" / "src" / "schema.js").read_text()
     store = tmp_path / "do"
     with driven_cell(plan=old_plan, storage_dir=store) as c:
@@ -240,3 +236,27 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
         assert [(u["requests"], u["prompt_tokens"], u["completion_tokens"], u["estimated_tokens"]) for u in usage] == [
             (4, 30, 20, 5)
         ]
+
+
+def test_a_migration_pages_the_export_and_imports_every_row(tmp_path):
+    # A generation's history is read a page at a time (EXPORT_ROWS rows of one table per call),
+    # never in one answer that could pass what an RPC carries; the successor imports it all.
+    rows = 5000 + 1234  # more than one page (generation.js EXPORT_ROWS)
+    with driven_cell({"stateTtlMs": 60_000}, with_key=False) as c:
+        g1, g2 = "us-east.p1", "us-east.p2"
+        usage = [[TODAY, f"key_{i:012d}", 1, 2, 3, 1, 0, 0] for i in range(rows)]
+        c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []}, {"usage": usage}, gen=g1)
+        first = c.one("exportAll", None, None, gen=g1)
+        assert first["part"] == "keys" and first["rows"] == [] and first["next"] == {"part": 1, "offset": 0}
+        page = c.one("exportAll", None, first["next"], gen=g1)
+        assert page["part"] == "usage" and len(page["rows"]) == 5000 and page["next"] == {"part": 1, "offset": 5000}
+        rest = c.one("exportAll", None, page["next"], gen=g1)
+        assert rest["part"] == "usage" and len(rest["rows"]) == rows - 5000 and rest["next"]["part"] == 2
+        assert {r["key_id"] for r in page["rows"] + rest["rows"]} == {u[1] for u in usage}
+        # The successor's read-through takes every page, in one import.
+        view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g2)
+        assert view["imported"] == [g1]
+        moved = c.one("usage", {"from": TODAY, "to": TODAY, "key": f"key_{rows - 1:012d}"}, {"generation": g2}, gen=g2)
+        assert [(u["requests"], u["prompt_tokens"]) for u in moved] == [(1, 2)]
+        everything = c.one("usage", {"from": TODAY, "to": TODAY}, {"generation": g2}, gen=g2)
+        assert len(everything) == rows and sum(u["requests"] for u in everything) == rows

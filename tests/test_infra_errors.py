@@ -49,6 +49,12 @@ def test_missing_secrets(secret, monkeypatch):
     assert f"colocate:{secret}" in msg and "pulumi config set --secret" in msg
 
 
+def test_a_plain_http_fallback_is_refused_without_showing_it():
+    msg = refused(secrets={**SECRET_VALUES, "fallbackUrl": "http://fallback.example.com"})
+    assert "colocate:fallbackUrl" in msg and "https://" in msg and "'http'" in msg
+    assert "fallback.example.com" not in msg and "pulumi config set --secret colocate:fallbackUrl" in msg
+
+
 def test_provider_key_may_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("RUNPOD_API_KEY", "from-env")
     secrets = {k: v for k, v in SECRET_VALUES.items() if k != "runpodApiKey"}

@@ -3,6 +3,7 @@ declares, so that the engine touches only the pods concerned, in a safe order.""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -20,6 +21,13 @@ def deploy(count: int, stack: str = "us-east", pod: dict | None = None, secrets:
     return run_program(stack, config, keys)
 
 
+@functools.cache
+def baseline(count: int):
+    """``deploy(count)`` once per test session: many tests compare against the same plain
+    cell, and each mock run of the program costs seconds. Read it, never change it."""
+    return deploy(count)
+
+
 def pods_of(run) -> dict[str, dict]:
     """Pod commands by resource name: what the engine diffs (stdin and triggers)."""
     return {r.name: {"stdin": r.inputs["stdin"], "triggers": plain(r.inputs["triggers"]),
@@ -28,7 +36,7 @@ def pods_of(run) -> dict[str, dict]:
 
 
 def test_growing_the_count_adds_only_the_new_pods_byte_identical_elsewhere():
-    one, two, three = deploy(1), deploy(2), deploy(3)
+    one, two, three = baseline(1), baseline(2), baseline(3)
     p1, p2, p3 = pods_of(one), pods_of(two), pods_of(three)
     assert list(p1) == ["us-east-pod-0"]
     assert list(p2) == ["us-east-pod-0", "us-east-pod-1"]
@@ -44,13 +52,13 @@ def test_growing_the_count_adds_only_the_new_pods_byte_identical_elsewhere():
 
 
 def test_shrinking_the_count_drops_only_the_last_pod():
-    three, two = pods_of(deploy(3)), pods_of(deploy(2))
+    three, two = pods_of(baseline(3)), pods_of(baseline(2))
     assert set(three) - set(two) == {"us-east-pod-2"}
     assert {k: three[k] for k in two} == two
 
 
 def test_the_worker_gets_every_pod_by_hostname_in_index_order():
-    run = deploy(3)
+    run = baseline(3)
     bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
     assert json.loads(bindings["POD_URLS"]["text"]) == [
         "https://pod-123-8000.proxy.runpod.net", "https://pod-123-1-8000.proxy.runpod.net",
@@ -64,12 +72,12 @@ def test_the_worker_gets_every_pod_by_hostname_in_index_order():
 
 
 def test_pods_are_spread_over_the_regions_locations():
-    locations = [json.loads(p["stdin"])["locations"][0] for p in pods_of(deploy(2)).values()]
+    locations = [json.loads(p["stdin"])["locations"][0] for p in pods_of(baseline(2)).values()]
     assert len(set(locations)) == 2  # us-east has several RunPod data centres
 
 
 def test_an_image_change_replaces_every_pod_and_each_gets_a_new_name():
-    old, new = pods_of(deploy(3)), pods_of(deploy(3, pod={"image": "vllm/vllm-openai:v0.12.0"}))
+    old, new = pods_of(baseline(3)), pods_of(deploy(3, pod={"image": "vllm/vllm-openai:v0.12.0"}))
     assert list(old) == list(new)
     for name in old:
         assert old[name]["triggers"] != new[name]["triggers"], name
@@ -96,7 +104,7 @@ def named(pods: dict[str, dict]) -> dict[str, tuple[str, list]]:
 
 @pytest.mark.parametrize("key", REPLACING)
 def test_a_change_a_running_pod_cannot_take_gives_every_pod_new_triggers_and_a_new_name(key):
-    old, new = named(pods_of(deploy(2))), named(pods_of(deploy(2, **REPLACING[key])))
+    old, new = named(pods_of(baseline(2))), named(pods_of(deploy(2, **REPLACING[key])))
     assert list(old) == list(new) == ["us-east-pod-0", "us-east-pod-1"]
     for resource in old:
         (old_name, old_triggers), (new_name, new_triggers) = old[resource], new[resource]
@@ -105,7 +113,7 @@ def test_a_change_a_running_pod_cannot_take_gives_every_pod_new_triggers_and_a_n
 
 @pytest.mark.parametrize("key", KEEPING)
 def test_placement_criteria_reach_the_spec_but_keep_the_running_pod(key):
-    old, new = pods_of(deploy(2)), pods_of(deploy(2, **KEEPING[key]))
+    old, new = pods_of(baseline(2)), pods_of(deploy(2, **KEEPING[key]))
     assert named(new) == named(old)
     # Not a no-op: create re-runs with the new spec (and adopts the pod); the next placement uses it.
     assert all(new[r]["stdin"] != old[r]["stdin"] for r in old)
@@ -183,7 +191,7 @@ def test_pod_0_keeps_the_resource_it_had_as_the_only_pod(declared_options):
 
 
 def test_the_post_deploy_probe_gets_every_pods_location_in_index_order():
-    run = deploy(3)
+    run = baseline(3)
     probe = next(r for r in run.mocks.of_type(COMMAND) if r.name.endswith("-probe"))
     create = plain(probe.inputs["create"])
     locations = plain(run.resolved[outputs.POD_LOCATIONS])

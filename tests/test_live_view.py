@@ -222,8 +222,7 @@ def fixed_percentile(counts: list[int], q: float) -> float:
 def test_a_schema_3_object_upgrades_in_place_its_minutes_read_as_before(tmp_path):
     import subprocess
 
-    from colocate import plan as plan_mod, settings as settings_mod, stackfile
-    from tests.support.workerd import ROOT, SECRET_SETTINGS, driven_cell, request
+    from tests.support.workerd import ROOT, driven_cell, legacy_plan, request
 
     old = tmp_path / "old"
     try:
@@ -234,10 +233,7 @@ def test_a_schema_3_object_upgrades_in_place_its_minutes_read_as_before(tmp_path
     old.mkdir()
     subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
     assert 'SCHEMA_VERSION = "3"' in (old / "worker" / "src" / "schema.js").read_text()
-    raw, secrets = stackfile.read_config("sandbox")
-    raw["worker"] = {**(raw.get("worker") or {}), "stateTtlMs": 300}
-    settings = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | SECRET_SETTINGS)
-    old_plan = plan_mod.plan_cell(settings, worker_dir=old / "worker" / "src")
+    old_plan = legacy_plan(old / "worker" / "src", {"stateTtlMs": 300})
     store = tmp_path / "do"
     since = int(time.time() * 1000) - 1000
     n = 30
@@ -279,4 +275,3 @@ def test_a_schema_3_object_upgrades_in_place_its_minutes_read_as_before(tmp_path
         counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith('colocate_segment_seconds_count{segment="total",')]
         assert sum(counts) == n + 1
-        assert 'colocate_requests_total{backend="pods"} ' + str(n + 1) in text

@@ -57,3 +57,30 @@ def test_over_the_limit_is_a_rate_limit_error(cell):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert exc.value.status_code == 429 and exc.value.type == "requests"
     assert int(exc.value.response.headers["retry-after"]) >= 1
+
+
+def test_routed_answers_carry_openais_rate_limit_headers(cell):
+    made = cell.create_key("paced", rpm=3, tpm=1_000_000)
+    c = client(cell, made["key"])
+    seen = []
+    for _ in range(3):
+        raw = c.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                           max_tokens=5)
+        assert raw.parse().choices[0].message.content
+        seen.append(raw.headers)
+    assert [h["x-ratelimit-limit-requests"] for h in seen] == ["3"] * 3
+    assert [h["x-ratelimit-remaining-requests"] for h in seen] == ["2", "1", "0"]  # this request counted
+    assert all(h["x-ratelimit-limit-tokens"] == "1000000" for h in seen)
+    assert int(seen[0]["x-ratelimit-remaining-tokens"]) > int(seen[2]["x-ratelimit-remaining-tokens"])  # tokens spent
+    for h in seen:  # OpenAI's duration form: the window is empty again within two minutes
+        reset = h["x-ratelimit-reset-requests"]
+        minutes, _, seconds = reset.rstrip("s").rpartition("m")
+        assert reset.endswith("s") and 0 < int(minutes or 0) * 60 + int(seconds) <= 120, reset
+    with pytest.raises(openai.RateLimitError) as exc:
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    refused = exc.value.response.headers
+    assert refused["x-ratelimit-remaining-requests"] == "0" and 1 <= int(refused["retry-after"]) <= 61
+    # a key without limits gets none of them (no limit to pace against)
+    free = c.with_options(api_key=cell.key).chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": "hi"}])
+    assert not any(name.startswith("x-ratelimit-") for name in free.headers)

@@ -13,7 +13,8 @@ from colocate import payloads
 from colocate.payloads import COUNTER, EXCHANGE, SHAPES, USAGE
 from tests.support.workerd import ROOT
 
-SHAPE_NAMES = {"COUNTER": "counter", "EXCHANGE": "exchange", "USAGE": "usage", "WINDOW": "window", "INFLIGHT": "inflight"}
+SHAPE_NAMES = {"COUNTER": "counter", "EXCHANGE": "exchange", "USAGE": "usage", "WINDOW": "window", "INFLIGHT": "inflight",
+               "BACKEND": "backend", "POD_INFLIGHT": "pod_inflight", "HIST": "hist"}
 SHAPE_PROPERTIES = {"names", "columns", "length", "zero", "of"}
 
 
@@ -59,7 +60,7 @@ def test_a_row_of_another_shape_is_refused_naming_the_columns():
 
 def test_a_declaration_that_is_not_json_is_refused_naming_the_file(tmp_path):
     source = tmp_path / "payloads.js"
-    source.write_text("export const SHAPES = {\n  counter: [],\n};\n")
+    source.write_text("export const SHAPES = /** @type {const} */ ({\n  counter: [],\n});\n")
     with pytest.raises(json.JSONDecodeError):
         payloads.load(source)
     source.write_text("export const SHAPES = makeShapes();\n")

@@ -101,6 +101,21 @@ def test_a_stack_with_no_operator_token_is_refused_naming_the_first_missing():
     assert err.value.key == "colocate:readToken" and "pulumi config set --secret colocate:readToken" in err.value.fix
 
 
+def test_new_keys_get_finite_default_limits_and_the_older_name_still_counts():
+    p = cell(raw_for())
+    names = ("DEFAULT_RPM", "DEFAULT_TPM", "DEFAULT_MONTHLY_TOKENS", "DEFAULT_MAX_PARALLEL")
+    assert [p.worker.binding(n).text for n in names] == ["3000", "3000000", "1000000000", "8"]
+    s = settings.parse(raw_for(keys={"defaults": {"rpm": 0, "maxParallel": 2}}), "t", secrets=SECRETS, env={})
+    assert s.key_defaults == {"rpm": 0, "tpm": 3_000_000, "monthly_tokens": 1_000_000_000, "max_parallel": 2}
+    assert settings.parse(raw_for(keys={"defaultMaxParallel": 5}), "t", secrets=SECRETS, env={}).key_defaults["max_parallel"] == 5
+    with pytest.raises(ConfigError) as err:
+        settings.parse(raw_for(keys={"defaults": {"rpm": -1}}), "t", secrets=SECRETS, env={})
+    assert err.value.key == "colocate:keys.defaults.rpm"
+    with pytest.raises(ConfigError) as err:
+        settings.parse(raw_for(keys={"defaults": {"rps": 1}}), "t", secrets=SECRETS, env={})
+    assert err.value.key == "colocate:keys.defaults.rps"
+
+
 def test_draining_generation_is_bound_with_its_own_hint():
     gens = [{"name": "us-east.g1", "region": "us-east", "status": "draining"},
             {"name": "apac-jp.g2", "region": "apac-jp", "status": "active"}]
@@ -162,13 +177,17 @@ def test_placement_criteria_and_settings_a_gpu_pod_ignores_keep_the_running_pod(
 def test_pod_names_stay_as_they_were_placed_until_the_owner_renews_them():
     # Names computed before pod.renewal existed (a stack upgraded to this kit keeps its
     # pods): a key left at 0 must not join the identity. Each raise names the pods anew.
-    pods = cell(raw_for(pod={"provider": "runpod", "count": 2})).pods
+    # The image those pods were placed with (the default then), so the names are the ones they got.
+    old = "vllm/vllm-openai:v0.11.0"
+    pods = cell(raw_for(pod={"provider": "runpod", "count": 2, "image": old})).pods
     assert [p.name for p in pods] == ["colocate-t-apac-jp-g1-p0-f0efa0", "colocate-t-apac-jp-g1-p1-f0efa0"]
     token = plan.token_fingerprint("pod-token-0123456789abcdef")
     assert [p.with_token_fingerprint(token).name for p in pods] == [
         "colocate-t-apac-jp-g1-p0-2432ea", "colocate-t-apac-jp-g1-p1-2432ea"]
-    assert cell(raw_for("us-east", "local")).pod.name == "colocate-t-us-east-g1-p0-089e66"
-    assert cell(raw_for(pod={"provider": "runpod", "renewal": 0})).pod.name == pods[0].name
+    # A local pod is reached over mutual TLS: "hop=mtls" is in its identity.
+    local = cell(raw_for("us-east", "local", pod={"provider": "local", "image": old})).pod
+    assert local.name == "colocate-t-us-east-g1-p0-79556c"
+    assert cell(raw_for(pod={"provider": "runpod", "renewal": 0, "image": old})).pod.name == pods[0].name
     names = {cell(raw_for(pod={"provider": "runpod", "renewal": n})).pod.with_token_fingerprint(token).name
              for n in range(4)}
     assert len(names) == 4
@@ -370,7 +389,7 @@ def test_without_a_zone_a_runpod_pod_is_reached_through_runpods_proxy_hostname()
 def test_local_pods_are_reached_by_the_name_localhost(zone):
     p = cell(raw_for("us-east", "local", **({"zone": zone} if zone else {})))
     assert p.pod.path == "local-hostname"
-    assert p.pod.worker_url({"id": "local-1", "port": 5123, "url": "http://127.0.0.1:5123"}) == "http://localhost:5123"
+    assert p.pod.worker_url({"id": "local-1", "port": 5123, "url": "https://127.0.0.1:5123"}) == "https://localhost:5123"
 
 
 def test_no_worker_url_is_ever_an_ip_literal():

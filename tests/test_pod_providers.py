@@ -201,12 +201,12 @@ def test_runpod_422_stops_at_the_first_data_centre(fake_runpod, env, capsys):
 
 
 def test_runpod_create_asks_for_a_host_with_the_images_cuda(fake_runpod, env, capsys):
-    # vllm/vllm-openai:v0.11.0 is built for CUDA 12.8: an older host never gets healthy, and
+    # vllm/vllm-openai:v0.33.0-cu129 is built for CUDA 12.9: an older host never gets healthy, and
     # create would burn readyTimeoutS on it.
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod"))])
     assert code == 0, err
     assert fake_runpod.calls("POST", "/v2/pods")[-1]["gpu"] == {
-        "id": POD_DEFAULTS["gpu"], "count": 1, "minCudaVersion": "12.8"}
+        "id": POD_DEFAULTS["gpu"], "count": 1, "minCudaVersion": "12.9"}
     run(capsys, ["delete", "--id", out["id"], "--provider", "runpod"])
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", minCudaVersion="12.11"))])
     assert code == 0, err
@@ -395,9 +395,18 @@ def test_vastai_search_asks_for_the_cuda_floor_the_disk_and_its_price(fake_vast,
     code, _, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", diskGb=60))])
     assert code == 0, err
     search = fake_vast.calls("POST", "/api/v0/bundles")[0]
-    assert search["cuda_max_good"] == {"gte": 12.8}  # offers carry it as a number
+    assert search["cuda_max_good"] == {"gte": 12.9}  # offers carry it as a number
     assert search["disk_space"] == {"gte": 60} and search["allocated_storage"] == 60
     assert fake_vast.calls("PUT", "/api/v0/asks/")[0]["disk"] == 60
+
+
+@pytest.mark.parametrize("cloud,datacenter", [("SECURE", {"eq": True}), ("COMMUNITY", None)])
+def test_vastai_rents_datacenter_hosts_unless_the_owner_relaxes_it(fake_vast, env, capsys, cloud, datacenter):
+    fake_vast.offers = [offer(18, "TW", 0.2, datacenter=False), offer(19, "TW", 0.3)]  # the cheaper one is at home
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", cloud=cloud))])
+    assert code == 0, err
+    assert fake_vast.calls("POST", "/api/v0/bundles")[0].get("datacenter") == datacenter
+    assert out["cost_per_hr"] == (0.3 if cloud == "SECURE" else 0.2)
 
 
 def test_vastai_without_a_cuda_floor_sends_none(fake_vast, env, capsys):
@@ -419,7 +428,7 @@ def test_vastai_an_offer_below_the_cuda_floor_or_short_on_disk_is_not_rented_eve
     # With nothing else in the region, the table says what the offers lacked.
     fake_vast.offers = [offer(64, "TW", 0.30, cuda=12.4)]
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", stack="t2"))])
-    assert code == 1 and out is None and "CUDA >= 12.8" in err and "40 GB disk" in err
+    assert code == 1 and out is None and "CUDA >= 12.9" in err and "40 GB disk" in err
     assert fake_vast.calls("PUT", "/api/v0/asks/64") == []
 
 

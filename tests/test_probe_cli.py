@@ -97,7 +97,7 @@ def test_left_behind_state_is_reported_with_colos_and_distance(probe, capsys):
     assert doc["placement"]["checks"]["state"]["status"] == "out_of_region"
     assert doc["verdict"].startswith("state object runs in IAD, 10,845 km from the Worker in NRT: state left behind "
                                      "(state_rtt p50 171 ms, floor 108 ms")
-    assert doc["verdict"].endswith("run `.venv/bin/python scripts/migrate.py plan --stack <stack>`")
+    assert doc["verdict"].endswith("`.venv/bin/python scripts/migrate.py plan --stack <the cell stack> --to apac-jp`")
     assert doc["floor_ms"]["state_rtt"] == pytest.approx(108.45, abs=0.01)
     assert doc["ratio_to_floor"]["state_rtt"] == pytest.approx(171.0 / 108.45, abs=0.01)
     assert [v["kind"] for v in doc["violations"]] == ["placement"]

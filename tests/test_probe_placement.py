@@ -33,8 +33,11 @@ def test_left_behind_state_names_colos_distance_rtt_and_floor():
     fails = [x for x in f if x.fails]
     assert [x.part for x in fails] == ["state"]
     assert fails[0].message == ("state object runs in IAD, 10,845 km from the Worker in NRT: state left behind "
-                                "(state_rtt p50 171 ms, floor 108 ms; generation apac-jp.g2) — run "
-                                "`.venv/bin/python scripts/migrate.py plan --stack <stack>`")
+                                "(state_rtt p50 171 ms, floor 108 ms; generation apac-jp.g2) — preview the move of "
+                                "state with compute: `.venv/bin/python scripts/migrate.py plan --stack <the cell stack> "
+                                "--to apac-jp`")
+    named = pl.findings(p, {"state_rtt": 171.2, "pod_rtt": 12.0}, migrate_flags="--stack apac-jp")
+    assert named[[x.part for x in named].index("state")].message.endswith("migrate.py plan --stack apac-jp --to apac-jp`")
     assert p.floors()["state_rtt"] == pytest.approx(108.45, abs=0.01)
 
 

@@ -266,10 +266,11 @@ def test_down_and_status_tell_a_typo_and_an_empty_state_dir_from_a_sandbox(tmp_p
         assert "--stack 'sandbx': unknown stack" in err and "sandbox" in err
     empty = tmp_path / "empty"
     code, out, err = _cli(["down", "--state-dir", str(empty)], capsys)
-    assert code == 0 and json.loads(out)["was_running"] is False
+    assert code == 1 and json.loads(out)["was_running"] is False
     assert f"nothing was running in {empty}" in err
     code, out, err = _cli(["status", "--state-dir", str(empty)], capsys)
-    assert code == 0 and json.loads(out)["running"] is False and f"nothing runs in {empty}" in err
+    assert code == 1 and json.loads(out)["running"] is False and f"nothing runs in {empty}" in err
+    assert f"up --stack sandbox --state-dir {empty}" in err  # how to start it there, not somewhere else
     code, out, err = _cli(["status"], capsys)
     assert code == 0 and json.loads(out) == {"sandboxes": []} and "no sandbox runs" in err
 
@@ -286,7 +287,7 @@ def test_status_without_a_stack_lists_the_sandboxes_that_run(stacks, tmp_path, c
         assert "mine: " + cell["worker_url"] in err
         # `down` of another (valid) stack stops nothing, says so, and names the one that runs
         code, out, err = _cli(["down", "--stack", "sandbox"], capsys)
-        assert code == 0 and json.loads(out)["was_running"] is False
+        assert code == 1 and json.loads(out)["was_running"] is False
         assert "nothing was running" in err and "mine" in err
         assert supervisor.status(running)["healthy"] is True
     finally:

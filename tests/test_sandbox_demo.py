@@ -16,7 +16,7 @@ import pytest
 
 from colocate import plan, settings
 from colocate.errors import ConfigError
-from colocate.sandbox import demo, supervisor
+from colocate.sandbox import demo, demo_plot, supervisor
 from colocate.sandbox.geography import Geography
 from tests.test_plan import SECRETS, raw_for
 
@@ -35,11 +35,12 @@ def test_miss_rate_counts_requests_slower_than_the_deadline():
     assert demo.miss_rate([], 200) is None
 
 
-def _result(e2e, total, state, upstream, state_rtt, pod_rtt, fallback_rate=0.0):
+def _result(e2e, total, state, upstream, state_rtt, pod_rtt, fallback_rate=0.0, pod_rtt_new=None):
     seg = lambda p50, p90=None: {"p10": p50, "p50": p50, "p90": p90 if p90 is not None else p50, "p99": p50,  # noqa: E731
                                  "n": 3}
     return {"segments": {"e2e": seg(*e2e), "total": seg(total), "state": seg(state), "upstream": seg(upstream),
-                         "state_rtt": seg(state_rtt), "pod_rtt": seg(pod_rtt), "fallback": seg(0.0)},
+                         "state_rtt": seg(state_rtt), "pod_rtt": seg(pod_rtt), "fallback": seg(0.0),
+                         "pod_rtt_new": seg(pod_rtt_new if pod_rtt_new is not None else 3 * pod_rtt)},
             "values_ms": {"e2e": [e2e[0], e2e[0], e2e[1]]}, "fallback_rate": fallback_rate, "_exit": 0}
 
 
@@ -51,6 +52,10 @@ def story(tmp_path):
                ((146, 146), 109, 0, 108, 13, 13)]
     for phase, n in zip(demo.PHASES, numbers, strict=True):
         d.results[phase.label] = _result(*n, fallback_rate=0.25 if phase.label == "1-us-east" else 0.0)
+        if not phase.expect_ok:  # the split: the probe finds the state object far from the Worker
+            d.results[phase.label].update(_exit=1, placement={"ran": "TPE", "state": "IAD"}, violations=[
+                {"kind": "placement", "part": "state", "message": "state object runs in IAD ..."},
+                {"kind": "budget", "segment": "state_rtt", "budget_ms": 40.0, "message": "..."}])
     return d
 
 
@@ -64,14 +69,36 @@ def test_table_has_every_phase_p50_p90_and_rates_in_percent(story):
     assert miss.split()[3:8] == ["100", "%", "0", "%", "100"]  # phase 1 misses, phase 2 with the router meets
     routed = next(line for line in lines if line.strip().startswith("router fallbk"))
     assert "25 %" in routed and "(% of requests)" in routed  # one unit for every rate
+    new = next(line for line in lines if line.split()[0] == "pod_rtt_new").split()
+    assert new[1:] == ["36/36", "36/36", "36/36", "39/39", "39/39"]  # a new connection's round trips, beside pod_rtt
 
 
 def test_bars_stack_to_the_e2e_p50(story):
     for bar in story.bars():
-        parts = sum(v for k, v in bar.items() if k not in ("phase", "e2e"))
+        parts = sum(bar[name] for name, _ in demo_plot.PARTS)
         assert parts == pytest.approx(bar["e2e"])
     split_fresh = story.bars()[2]
     assert split_fresh["state wait"] == 198 and split_fresh["network (client to Worker)"] == 343 - 306
+
+
+def test_the_bars_carry_state_rtt_and_the_probes_verdict(story):
+    bars = story.bars()
+    split = bars[1]  # e2e like phase 3's: only state_rtt and the probe tell the split apart
+    assert split["e2e"] == pytest.approx(bars[4]["e2e"], abs=1)
+    assert (split["state_rtt"], bars[4]["state_rtt"]) == (198, 13)
+    assert split["probe_ok"] is False and bars[4]["probe_ok"] is True
+    assert split["probe_says"] == "probe FAILS:\nstate placement,\nstate_rtt over 40 ms\n(Worker TPE, state IAD)"
+    assert bars[4]["probe_says"] == "probe: all checks hold"
+    assert demo_plot._tick(split).splitlines()[:2] == ["2 split", "state_rtt 198 ms"]
+
+
+def test_the_readmes_copy_of_the_table_has_the_demos_rows_and_columns(story):
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("```\nsegment ") + 4:]
+    shown = shown[:shown.index("```")].splitlines()
+    printed = [line[4:] for line in story.table(200).splitlines()]
+    assert shown[0] == printed[0] and shown[1] == printed[1]  # the headings, as printed
+    assert [line[:14].strip() for line in shown[2:]] == [line[:14].strip() for line in printed[2:]]  # every row
 
 
 def test_plot_writes_one_png(story, tmp_path):
@@ -115,6 +142,11 @@ def test_the_whole_demo_tells_the_story_from_tokyo(tmp_path, capsys):
     assert r["1-us-east"]["ok"] and r["3-migrated"]["ok"] and r["3-migrated-fresh"]["ok"]
     assert p50["3-migrated-fresh"]["state"] < tpe_iad / 2  # still waits, on an object next door
     assert all(doc["pod_path"] == "local-hostname" and doc["fallback_check"]["ok"] for doc in r.values())
+    # the pod hop: a pooled connection costs the request's round trip; a new one TCP's and TLS's before it
+    hop = MODEL.rtt_ms("TPE", "TPE")
+    assert p50["3-migrated"]["pod_rtt"] >= hop - 1
+    table = out[out.index("pod_rtt_new"):].splitlines()[0].split()
+    assert all(float(cell.split("/")[0]) >= 3 * hop - 1 for cell in table[1:6]), table
     # the deadline: phase 3 meets it, phase 1 misses it
     after = r["3-migrated"]["values_ms"]["e2e"] + r["3-migrated-fresh"]["values_ms"]["e2e"]
     deadline = demo.deadline_ms(after)

@@ -191,6 +191,27 @@ def test_a_second_up_is_refused_and_names_down(running):
     assert call(running["out"]["entries"]["NRT"], running["out"]["key"]).headers["x-colocate-cell"] == "apac-jp"
 
 
+def test_a_cell_scaled_to_zero_sends_its_users_to_the_next_cell_and_a_pod_brings_them_home(running):
+    """colocate:scale on us-east (docs/pods.md "Scaling with demand"): the controller's deployer
+    takes the cell to zero pods, then back to one; state never moves, only pods."""
+    from colocate.sandbox.scaling import SandboxDeployer
+
+    out = running["out"]
+    deployer = SandboxDeployer("us-east", Path(out["cells"][2]["state_dir"]))
+    stackfile.write_config("us-east", {"scale": {"min": 0, "max": 1}}, deployer.stacks_dir)  # the cell's own stack file
+    deployer.deploy(0, 0)
+    served = [call(out["entries"]["IAD"], out["key"]) for _ in range(4)]
+    assert [r.status_code for r in served] == [200] * 4
+    assert {r.headers["x-colocate-cell"] for r in served} == {"eu-west"}  # IAD's next nearest with pods
+    assert {r.headers["x-colocate-backend"] for r in served} == {"pod-0"}  # a pod, not the fallback
+    deployer.deploy(1, 0)
+    home = call(out["entries"]["IAD"], out["key"])
+    assert home.status_code == 200 and home.headers["x-colocate-backend"] == "pod-0"
+    assert home.headers["x-colocate-cell"] in ("us-east", "eu-west")  # the front door remembers "no pod" for rememberMs
+    ready = json.loads((Path(out["cells"][2]["state_dir"]) / "ready.json").read_text())
+    assert ready["generation"] == "us-east.g1" and len(ready["pods"]) == 1
+
+
 def test_down_leaves_nothing_running(running):
     res = cli("down", *running["where"])
     assert res.returncode == 0, res.stderr

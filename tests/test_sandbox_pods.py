@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,23 @@ def _pods_on_file(state_dir) -> list[dict]:
     return json.loads((Path(state_dir) / supervisor.PODS_FILE).read_text())["pods"]
 
 
+def _plain_get(url: str, path: str) -> bytes:
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {os.urandom(4).hex()}\r\n"
+                  "Connection: close\r\n\r\n".encode())
+        s.settimeout(5)
+        try:
+            return s.recv(4096)
+        except OSError:
+            return b""
+
+
+def _control(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=5) as r:
+        return json.loads(r.read())
+
+
 def _backends(results) -> set:
     return {b for s, b, _ in results if s == 200}
 
@@ -45,7 +64,7 @@ def test_two_pods_each_its_own_process_reached_by_name(stacks, state_dir):
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     pods = cell["pods"]
     assert [p["index"] for p in pods] == [0, 1]
-    assert all(p["url"].startswith("http://localhost:") for p in pods), pods  # a name, never an IP literal
+    assert all(p["url"].startswith("https://localhost:") for p in pods), pods  # a name, never an IP literal; mutual TLS
     assert len({p["pid"] for p in pods}) == 2 and all(alive(p["pid"]) for p in pods)
     assert {p["name"].split("-p")[1][0] for p in pods} == {"0", "1"}
     assert cell["pod_url"] == pods[0]["url"] and cell["pids"]["pod-1"] == pods[1]["pid"]
@@ -55,6 +74,12 @@ def test_two_pods_each_its_own_process_reached_by_name(stacks, state_dir):
         time.sleep(3)
     assert not load.failures(), load.failures()[:5]
     assert _backends(load.results) == {"pod-0", "pod-1"}, "the router balances both pods"
+    for p in pods:
+        # A stranger on the address the Worker uses (the hop) or on the pod's own, with the pod token, gets no HTTP answer ...
+        for url in (p["url"], p["address"]):
+            assert not _plain_get(url, "/v1/models").startswith(b"HTTP/"), url
+        # ... while the stand-in's fault control stays on loopback, beside the TLS port.
+        assert _control(p["control"], "/_standin/stats")["requests"] >= 1
     supervisor.down(state_dir, quiet=True)
     assert not any(alive(p["pid"]) for p in pods)
     assert not (Path(state_dir) / supervisor.PODS_FILE).exists()

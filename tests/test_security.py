@@ -186,6 +186,8 @@ def test_client_account_headers_do_not_reach_the_fallback(cell, key):
     ("GET", "/_colocate/keys", {READ, ADMIN}),
     ("GET", "/_colocate/probe", {READ, ADMIN}),
     ("GET", "/_colocate/usage", {READ, ADMIN}),
+    ("GET", "/_colocate/live", {READ, ADMIN}),
+    ("GET", "/_colocate/metrics", {READ, ADMIN}),
     ("PUT", "/_colocate/breaker", {ADMIN}),
     ("GET", "/_colocate/keys/replica", {ADMIN}),
     ("GET", "/_colocate/fleet/counters", {EXCHANGE}),

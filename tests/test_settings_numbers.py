@@ -132,7 +132,7 @@ def test_the_cuda_floor_takes_major_minor_text_or_a_yaml_number(value, want):
 
 
 def test_the_cuda_floor_defaults_to_the_default_images_cuda():
-    assert parse().pod.min_cuda_version == "12.8" == settings.POD_DEFAULTS["minCudaVersion"]
+    assert parse().pod.min_cuda_version == "12.9" == settings.POD_DEFAULTS["minCudaVersion"]
 
 
 @pytest.mark.parametrize("value", [
@@ -154,4 +154,4 @@ def test_a_cuda_floor_not_in_major_minor_form_is_refused_naming_key_value_and_fi
         parse(**{"pod.minCudaVersion": value})
     msg = str(err.value)
     assert err.value.key == "colocate:pod.minCudaVersion" and repr(value) in msg
-    assert "pulumi config set --path colocate:pod.minCudaVersion 12.8" in msg and "major.minor" in msg
+    assert "pulumi config set --path colocate:pod.minCudaVersion 12.9" in msg and "major.minor" in msg

@@ -25,12 +25,13 @@ class PodInfo:
     cost_per_hr: float | None = None
     gpu: str | None = None
     proxy_url: str | None = None  # a provider's HTTPS proxy for the pod (RunPod), when that is the path
+    scheme: str = "http"  # "https" when the pod serves mutual TLS (the spec's tls_name)
 
     @property
     def url(self) -> str | None:
         if self.proxy_url:
             return self.proxy_url
-        return f"http://{self.ip}:{self.port}" if self.ip and self.port else None
+        return f"{self.scheme}://{self.ip}:{self.port}" if self.ip and self.port else None
 
     def as_dict(self) -> dict:
         return {**asdict(self), "url": self.url}
@@ -40,6 +41,10 @@ class Provider:
     """A GPU provider. ``create`` raises CapacityError for one location; the lifecycle walks the locations."""
 
     name = "?"
+    # Set by the lifecycle on a mutual-TLS hop: the pod's COLOCATE_POD_TLS value (podtls.bundle),
+    # and readiness's (client context, name on the pod's certificate).
+    pod_tls: str = ""
+    checker = None
 
     def candidates(self, spec) -> tuple[list, list[tuple[str, str, str]]]:
         """(ordered create candidates, attempt rows for locations with nothing to try)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
+from . import podtls
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack
 from .errors import CapacityError, PodConfigError, ProviderError, RetryableError, format_attempts
 from .readiness import wait_ready
@@ -70,9 +71,17 @@ def result(spec: PodSpec, provider: str, info: PodInfo, adopted: bool) -> dict:
 
 def create(spec: PodSpec) -> dict:
     token = pod_token(spec.provider)
+    if spec.mtls:  # both checked before anything is rented
+        try:
+            provider_tls, checker = podtls.bundle_from_env(), podtls.checker_from_env()
+        except podtls.PodTlsError as exc:
+            raise PodConfigError(str(exc)) from None
     provider = provider_for(spec.provider, token)
     if hasattr(provider, "serve_port"):
         provider.serve_port = spec.port
+    if spec.mtls:
+        provider.pod_tls = provider_tls
+        provider.checker = (checker, spec.tls_name)
     try:
         return _create(spec, provider, token)
     finally:
@@ -110,6 +119,12 @@ def _create(spec: PodSpec, provider: Provider, token: str) -> dict:
         raise CapacityError(f"no capacity for {spec.gpu} x{spec.gpu_count} with {spec.provider} in region "
                             f"{spec.region} (locations {', '.join(spec.locations)}); {left}", attempts)
     return _ready_or_destroy(spec, provider, pod_id, adopted=False, unknown=bool(lost))
+
+
+def _scheme(spec: PodSpec, info: PodInfo) -> PodInfo:
+    if spec.mtls:
+        info.scheme = "https"
+    return info
 
 
 def _named(spec: PodSpec, provider: Provider) -> list[PodInfo]:
@@ -169,8 +184,8 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
     """Wait for ``pod_id`` to serve, then make it the only live pod of the name. ``unknown``: other
     pods of the name may exist (unanswered creates, or several found at adoption)."""
     try:
-        info = wait_ready(lambda: provider.describe(pod_id), spec.ready_timeout_s, log=log,
-                          no_address_fix=provider.no_address_fix(spec))
+        info = wait_ready(lambda: _scheme(spec, provider.describe(pod_id)), spec.ready_timeout_s, log=log,
+                          no_address_fix=provider.no_address_fix(spec), tls=getattr(provider, "checker", None))
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
         # One list per create, even without a lost reply: a pod of this name that is not the one
         # returned is on no record and would bill. If the list fails, the ready pod is still

@@ -1,7 +1,7 @@
 """The ``local`` provider: the stand-in server as a detached process on this machine.
 
 State lives in ``$COLOCATE_STATE_DIR/pods/`` (default ``<repo>/.colocate/pods/``):
-``<name>.json`` holds ``{id, name, pid, port, url, ...}``, ``<name>.log`` the process's
+``<name>.json`` holds ``{id, name, pid, port, url, control_url, ...}``, ``<name>.log`` the process's
 output. The pod id is ``local-<name>``. Delete sends SIGTERM to the process group (then
 SIGKILL if it lingers) and removes the file; deleting a gone pod is a success.
 """
@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import podtls
 from .base import DEAD, RUNNING, PodInfo, Provider
 from .errors import NotFoundError, ProviderError
 
@@ -75,6 +76,10 @@ class Local(Provider):
             "POD_TOKEN": token,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
+        for var in (podtls.BUNDLE_ENV, podtls.CHECK_ENV, podtls.ENV):
+            env.pop(var, None)  # the stand-in gets exactly what a real pod gets, and no caller's key
+        if spec.mtls:
+            env[podtls.ENV] = self.pod_tls  # as the clouds' create requests carry it
         argv = [sys.executable, "-m", "colocate.pods.standin", "--host", "127.0.0.1", "--port", "0",
                 "--compute-ms", str(spec.compute_ms), "--model", spec.model, "--name", spec.name,
                 "--port-file", str(port_file)]
@@ -93,7 +98,7 @@ class Local(Provider):
         while time.monotonic() < deadline:
             if port_file.exists():
                 info = json.loads(port_file.read_text())
-                record.update(port=info["port"], url=info["url"])
+                record.update(port=info["port"], url=info["url"], control_url=info.get("control_url"))
                 self._write(spec.name, record)
                 return pod_id
             if not alive(pid):

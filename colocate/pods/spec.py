@@ -17,12 +17,13 @@ from pathlib import Path
 from .. import catalogue
 from ..errors import ConfigError
 from ..plan import POD_PATHS
+from . import podtls
 from .errors import PodConfigError
 
 REQUIRED = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
             "gpu": str, "gpu_count": int, "image": str, "min_cuda_version": str, "model": str, "port": int, "disk_gb": int,
             "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
-            "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str}
+            "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class PodSpec:
     compute_ms: float
     index: int  # the pod's place in the cell (colocate:pod.count)
     path: str  # how the Worker reaches it (plan.POD_PATHS): RunPod exposes an HTTP port for its proxy
+    tls_name: str  # the name on the pod's certificate when the hop is mutual TLS; "" = plain HTTP
+
+    @property
+    def mtls(self) -> bool:
+        return bool(self.tls_name)
 
     @classmethod
     def from_dict(cls, data: object) -> PodSpec:
@@ -92,10 +98,15 @@ class PodSpec:
 
         The token is not here: it travels as the env variable ``VLLM_API_KEY``, which vLLM
         treats exactly like ``--api-key`` and which keeps it out of the container's argv.
+        On a mutual-TLS hop vLLM serves TLS from ``COLOCATE_POD_TLS`` and refuses a caller
+        without a client certificate of the cell's CA (``podtls``), and its API docs are off.
         """
-        return ["--model", self.model, "--quantization", "gptq_marlin", "--host", "0.0.0.0",
+        args = ["--model", self.model, "--quantization", "gptq_marlin", "--host", "0.0.0.0",
                 "--port", str(self.port), "--served-model-name", self.model,
                 "--max-model-len", "8192", "--gpu-memory-utilization", "0.90"]
+        if self.mtls:
+            args += [*podtls.vllm_args(), "--disable-fastapi-docs"]
+        return args
 
 
 def load(source: str) -> PodSpec:

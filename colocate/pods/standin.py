@@ -33,6 +33,16 @@ the served one, as in vLLM. Another model name is vLLM's 404 ``NotFoundError`` o
 fallback serves whatever the client names (``fallbackModel: passthrough``) and tests and load
 generators name models freely.
 
+Routes vLLM answers without its key, mirrored so that tests can show who reaches them:
+``POST /invocations`` (a completion, like SageMaker's route in vLLM), ``POST /tokenize``,
+``/detokenize``, ``/pooling``, ``/classify``, ``/score``, ``/rerank``, ``GET /metrics``, ``/docs``.
+
+Mutual TLS (``COLOCATE_POD_TLS`` in the environment, as on a real pod; ``colocate.pods.podtls``):
+the port serves TLS and refuses a caller without a client certificate of the cell's CA, with one
+line on stderr per refused handshake (``standin: refused a TLS handshake from ...: <reason>``).
+``/_standin/*`` then moves to a second, plain port on loopback (``control_url``), so the sandbox
+and the tests can still inject faults: the pod's own port answers those routes only through TLS.
+
 Faults apply to every route except ``/_standin/*``: ``error`` answers 500, ``hang``
 holds the request for ``delay_ms`` (or until shutdown when 0) then drops the connection,
 ``slow`` adds ``delay_ms`` before answering.
@@ -60,6 +70,7 @@ import json
 import math
 import os
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -67,6 +78,8 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from . import podtls
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
@@ -218,6 +231,12 @@ def prompt_tokens(body: dict) -> int:
     return max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
 
 
+# Routes vLLM serves without checking --api-key (its security guide), each with what it answers.
+OPEN_ROUTES = {"/invocations": "POST", "/tokenize": "POST", "/detokenize": "POST", "/pooling": "POST",
+               "/classify": "POST", "/score": "POST", "/rerank": "POST", "/metrics": "GET", "/docs": "GET"}
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
 class StandinServer(ThreadingHTTPServer):
     """The HTTP server plus the stand-in's state (fault, request count)."""
 
@@ -228,7 +247,10 @@ class StandinServer(ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(self, host: str, port: int, *, compute_ms: float, token: str | None, model: str, name: str = "standin",
-                 any_model: bool = True):
+                 any_model: bool = True, tls: ssl.SSLContext | None = None, log=None):
+        self.tls = tls
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.control: _ControlServer | None = None
         self.compute_ms = float(compute_ms)
         self.token = token or None
         self.model = model
@@ -242,10 +264,27 @@ class StandinServer(ThreadingHTTPServer):
         self.seen_headers: list[dict[str, str]] = []  # the last 16 inference requests' headers (in-process tests)
         self._streams = {"completed": 0, "cut": 0}
         super().__init__((host, port), _Handler)
+        if tls is not None:
+            self.control = _ControlServer(self)
 
     @property
     def port(self) -> int:
         return self.server_address[1]
+
+    def process_request_thread(self, request, client_address) -> None:
+        # The handshake runs on the connection's own thread: a stranger who stalls it holds no one else up.
+        if self.tls is not None:
+            try:
+                request.settimeout(HANDSHAKE_TIMEOUT_S)
+                request = self.tls.wrap_socket(request, server_side=True)
+                request.settimeout(None)
+            except (ssl.SSLError, OSError) as exc:
+                reason = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or type(exc).__name__
+                self.log(f"standin: refused a TLS handshake from {client_address[0]}:{client_address[1]}: {reason}")
+                with contextlib.suppress(OSError):
+                    request.close()
+                return
+        super().process_request_thread(request, client_address)
 
     def handle_error(self, request, client_address) -> None:
         # A client (the router) that leaves is not an error: no traceback in pod.log.
@@ -257,7 +296,12 @@ class StandinServer(ThreadingHTTPServer):
     def url(self) -> str:
         host = self.server_address[0]
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    @property
+    def control_url(self) -> str:
+        """Where ``/_standin/*`` answers: a plain loopback port under TLS, else the pod's own."""
+        return self.control.url if self.control else self.url
 
     @property
     def requests(self) -> int:
@@ -308,11 +352,41 @@ class StandinServer(ThreadingHTTPServer):
         with self._lock:
             self._fault = {"mode": mode, "delay_ms": delay, **({"attack": attack} if attack else {})}
 
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        if self.control is not None:
+            threading.Thread(target=self.control.serve_forever, kwargs={"poll_interval": poll_interval},
+                             name=f"standin-control-{self.control.port}", daemon=True).start()
+        super().serve_forever(poll_interval)
+
     def stop(self) -> None:
         """Wake any hanging request, stop serving and close the socket."""
         self.stopping.set()
         self.shutdown()
         self.server_close()
+        if self.control is not None:
+            self.control.shutdown()
+            self.control.server_close()
+
+
+class _ControlServer(ThreadingHTTPServer):
+    """``/_standin/*`` on plain loopback HTTP, beside a TLS pod port; the pod's state is shared."""
+
+    daemon_threads = True
+
+    def __init__(self, pod: StandinServer):
+        self.pod = pod
+        super().__init__(("127.0.0.1", 0), _ControlHandler)
+
+    def __getattr__(self, name: str):
+        return getattr(self.pod, name)  # fault, stats, counters: the pod's own
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -422,9 +496,19 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, {"object": "list", "data": [
                     {"id": self.server.model, "object": "model", "created": int(time.time()), "owned_by": "colocate"}]})
             return
+        if OPEN_ROUTES.get(path) == "GET":
+            return self._open_route(path, b"")
         if path in ("/v1/chat/completions", "/v1/completions", "/_standin/fault"):
             return self._error(405, f"{path} takes POST", "method_not_allowed", headers={"Allow": "POST"})
         self._error(404, f"no route {path}", "not_found")
+
+    def _open_route(self, path: str, raw: bytes) -> None:
+        """What vLLM's unguarded routes give anyone who reaches the port: here, a model answer on each."""
+        if not self._apply_fault():
+            return
+        self._compute()
+        self._send_json(200, {"route": path, "model": self.server.model, "text": "".join(_reply_tokens({}, False, 8)),
+                              "note": "vLLM answers this route without --api-key"})
 
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
@@ -434,6 +518,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(413, f"body larger than {MAX_BODY} bytes", "body_too_large")
         if path == "/_standin/fault":
             return self._post_fault(raw)
+        if OPEN_ROUTES.get(path) == "POST":
+            return self._open_route(path, raw)
         if path == "/_standin/redirected":
             self.server.count_redirected()
             return self._send_json(200, {"followed": True})
@@ -563,6 +649,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class _ControlHandler(_Handler):
+    """The control port: ``/_standin/*`` only."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        if not self.path.startswith("/_standin/"):
+            return self._error(404, "the control port serves /_standin/* only", "not_found")
+        super().do_GET()
+
+    def do_POST(self) -> None:  # noqa: N802
+        if not self.path.startswith("/_standin/"):
+            return self._error(404, "the control port serves /_standin/* only", "not_found")
+        super().do_POST()
+
+
 def _usage(body: dict, tokens: list[str]) -> dict:
     # About four characters a token: enough for limits and usage accounting to have numbers.
     prompt = prompt_tokens(body)
@@ -576,9 +676,13 @@ def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
 
 @contextlib.contextmanager
 def serve(compute_ms: float = DEFAULT_COMPUTE_MS, token: str | None = None, model: str = DEFAULT_MODEL,
-          host: str = "127.0.0.1", port: int = 0, name: str = "standin", any_model: bool = True) -> Iterator[StandinServer]:
-    """Run a stand-in in a background thread for the ``with`` block; the port is closed on exit."""
-    server = StandinServer(host, port, compute_ms=compute_ms, token=token, model=model, name=name, any_model=any_model)
+          host: str = "127.0.0.1", port: int = 0, name: str = "standin", any_model: bool = True,
+          tls: ssl.SSLContext | None = None, log=None) -> Iterator[StandinServer]:
+    """Run a stand-in in a background thread for the ``with`` block; the port is closed on exit.
+    ``tls``: serve mutual TLS with this context (``podtls.server_context``); ``log``: where its
+    lines go (default stderr)."""
+    server = StandinServer(host, port, compute_ms=compute_ms, token=token, model=model, name=name, any_model=any_model,
+                           tls=tls, log=log)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               name=f"standin-{server.port}", daemon=True)
     thread.start()
@@ -611,8 +715,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--compute-ms must be >= 0 (got {args.compute_ms})")
     token = os.environ.get("POD_TOKEN") or None  # never from argv: argv is visible to every user
     try:
+        # As vLLM does with its --ssl-* flags: the material comes from the environment (podtls).
+        tls = podtls.server_context() if os.environ.get(podtls.ENV) else None
+    except podtls.PodTlsError as exc:
+        print(f"standin: {exc}", file=sys.stderr)
+        return 2
+    try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
-                               model=args.model, name=args.name, any_model=not args.only_model)
+                               model=args.model, name=args.name, any_model=not args.only_model, tls=tls)
     except OSError as exc:
         print(f"standin: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
@@ -625,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
-    info = {"url": server.url, "port": server.port}
+    info = {"url": server.url, "port": server.port, "control_url": server.control_url}
     if args.port_file:
         _write_port_file(args.port_file, {**info, "pid": os.getpid()})
     print(json.dumps(info), flush=True)

@@ -3,7 +3,9 @@
 Offers are searched once for the whole region (``geolocation`` in the region's countries,
 the GPU, ``reliability``, ``direct_port_count`` >= 1, ``disk_space`` >= the disk,
 ``cuda_max_good`` >= the CUDA floor, rentable, verified, ``dph_total`` <= the cap with
-``allocated_storage`` = the disk, so the price held to the cap is the one rented),
+``allocated_storage`` = the disk, so the price held to the cap is the one rented; with
+``cloud`` SECURE, the default, only datacenter hosts: ``datacenter`` = true, Vast.ai's Secure
+Cloud, hosts in certified data centres rather than a stranger's machine at home),
 re-checked here (the country is the last part of an offer's ``geolocation``, e.g.
 "Taipei, TW") and tried cheapest first. An offer taken in the meantime (404/410 no_such_ask)
 moves on to the next one; a 401/403 on the rent is the key or the account, never capacity, and
@@ -53,6 +55,9 @@ class VastAI(Provider):
             **({"cuda_max_good": {"gte": cuda}} if cuda is not None else {}),
             "rentable": {"eq": True},
             "verified": {"eq": True},
+            # The pod holds the cell's TLS key and every prompt: on SECURE (the default) only hosts in
+            # certified data centres; COMMUNITY relaxes it, knowingly (colocate:pod.cloud).
+            **({"datacenter": {"eq": True}} if spec.cloud == "SECURE" else {}),
             # dph_total includes the disk, priced at allocated_storage (8 GB unless sent): the cap
             # must be held against the price of the disk create rents.
             "allocated_storage": spec.disk_gb,
@@ -71,8 +76,12 @@ class VastAI(Provider):
                and (cuda is None or float(o.get("cuda_max_good") or 0) >= cuda)]
         fit.sort(key=lambda o: float(o["dph_total"]))
         floor = f"CUDA >= {spec.min_cuda_version}, " if cuda is not None else ""
+        hosts = "verified datacenter hosts" if spec.cloud == "SECURE" else "verified hosts"
         empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
-                  f"with a {spec.disk_gb} GB disk, {floor}direct port, verified)")
+                  f"with a {spec.disk_gb} GB disk, {floor}direct port, {hosts}; colocate:pod.cloud COMMUNITY "
+                  "admits other hosts)" if spec.cloud == "SECURE" else
+                  f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
+                  f"with a {spec.disk_gb} GB disk, {floor}direct port, {hosts})")
                  for loc in spec.locations if not any(country(o.get("geolocation")) == loc for o in fit)]
         return fit[:MAX_OFFERS_TRIED], empty
 

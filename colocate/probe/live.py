@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC
 
 from .. import catalogue
+from ..payloads import HIST
 from . import budgets as budgets_mod, placement as placement_mod
 from .errors import TargetError
 from .histogram import Buckets, Histogram, HistogramError, merged
@@ -73,15 +74,18 @@ def rows_of(doc: Mapping) -> tuple[list[Row], Buckets]:
         if not isinstance(listed, list):
             raise LiveDataError(f"{field_name}: expected a list of [start, colo, who, segment, histogram] rows")
         for r in listed:
-            if not (isinstance(r, list) and len(r) == 5 and isinstance(r[0], int) and r[3] in SEGMENTS):
-                raise LiveDataError(f"{field_name} row {r!r}: expected [index, colo, who, segment, histogram] "
+            if not (isinstance(r, list) and len(r) == len(HIST) and isinstance(r[HIST["at"]], int)
+                    and r[HIST["segment"]] in SEGMENTS):
+                raise LiveDataError(f"{field_name} row {r!r}: expected [{', '.join(HIST.names)}] "
                                     f"with segment one of {', '.join(SEGMENTS)}")
+            row = HIST.record(r)
             try:
-                hist = Histogram.decode(r[4], buckets)
+                hist = Histogram.decode(row["hist"], buckets)
             except HistogramError as exc:
                 raise LiveDataError(f"{field_name} row {r[:4]!r}: {exc}") from None
-            who, _, client = str(r[2]).partition("@") if r[3] != SYNC else (str(r[2]), "", "")
-            out.append(Row(r[0] * span, span, str(r[1] or "unknown").upper(), who, r[3], hist, client or None))
+            segment = row["segment"]
+            who, _, client = str(row["who"]).partition("@") if segment != SYNC else (str(row["who"]), "", "")
+            out.append(Row(row["at"] * span, span, str(row["colo"] or "unknown").upper(), who, segment, hist, client or None))
     return out, buckets
 
 
@@ -448,6 +452,20 @@ def to_json(r: LiveResult, warn_only: bool = False) -> dict:
     }
 
 
+# One line per segment of the table, and why a colo can be unknown.
+SEGMENT_LEGEND = (
+    "state     the Worker waiting on the state object before forwarding (0: it used its cached copy)",
+    "upstream  the pods' answer as the Worker saw it, every pod tried",
+    "fallback  the fallback API's answer (0 when it was not used)",
+    "total     the Worker's own time for the request, from its arrival to the answer leaving it",
+    "sync      each isolate's background round trip to the state object (its state_rtt)",
+)
+UNKNOWN_COLO_WHY = {
+    "worker": "the Worker's /cdn-cgi/trace did not answer, so where it ran is not known",
+    "state": "the state object's /cdn-cgi/trace did not answer, so where it lives is not known",
+}
+
+
 def table(r: LiveResult) -> str:
     """The human report, laid out as the probe's: segments, shares, colos, verdict."""
     broken = {(v["segment"], v["percentile"]) for v in r.violations if v["kind"] == "budget"}
@@ -458,7 +476,8 @@ def table(r: LiveResult) -> str:
         marks.setdefault(seg, []).append(f"{b.segment} {b.ms:g}@{b.percentile}{mark}")
     lines = [f"colocate live view  {r.url or ''}".rstrip(),
              f"real traffic from {_clock(r.since_ms)} to {_clock(r.until_ms)}: {r.requests} routed requests; "
-             f"percentiles within {r.buckets.relative_error:.1%} of exact", ""]
+             f"percentiles read from the Worker's fixed latency buckets: within {r.buckets.relative_error:.1%} "
+             "of exact", ""]
     head = f"{'segment':<10}" + "".join(f"{p:>9}" for p in PERCENTILES) + f"{'n':>8}{'floor':>9}{'p50/floor':>11}  budget"
     lines += [head + "  (ms)", "-" * len(head)]
     for name in SEGMENTS:
@@ -470,26 +489,32 @@ def table(r: LiveResult) -> str:
         row += f"{(f'{ratio:.2f}x' if ratio is not None else '-') if name in r.floors else '':>11}"
         row += "  " + ", ".join(marks.get(name, []))
         lines.append(row.rstrip())
-    lines += ["", "sync = each isolate's background round trip to the state object (its state_rtt)", "",
-              "served by"]
+    lines += ["", *SEGMENT_LEGEND, "", "served by (who answered the routed requests; a pod's location and region check)"]
     for pod in r.pods:
         share = "n/a" if pod.share is None else f"{pod.share:.1%}"
         up = pod.segments["upstream"]
         where = ""
         if pod.index is not None:
-            loc = f"{pod.location} ({pod.site})" if pod.location else "location unknown"
+            loc = f"{pod.location} ({pod.site})" if pod.location else "location not given (--pod-location)"
             where = f"  {loc} {(pod.status or '').replace('_', ' ')}"
         lines.append(f"  {pod.backend:<10}{pod.requests:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
                      f"p90 {_num(up['p90'], 1)} ms{where}")
     p = r.placement
-    expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
-    lines += ["", f"colos (expected region {expected}; judged on the latest minute)"]
+    expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
+                else "unknown: no --expect-region or --stack, and the Worker reported no region")
+    lines += ["", f"colos (where the Worker ran and where the state object answered its syncs; expected region "
+                  f"{expected}; judged on the latest minute)"]
     for w in r.worker_colos:
         shown = w.status.replace("_", " ")
         lines.append(f"  worker {w.colo:<8}{shown:<15}{w.requests:>8} requests"
-                     + ("" if w.latest else "  (earlier in the window)"))
+                     + ("" if w.latest else "  (earlier in the window)")
+                     + (f"  ({UNKNOWN_COLO_WHY['worker']})" if w.colo == "UNKNOWN" else ""))
     for s in r.state_colos:
         shown = s.status.replace("_", " ")
+        if s.colo == "UNKNOWN":
+            lines.append(f"  state  unknown {s.syncs:>23} syncs, p50 {_num(s.sync['p50'], 1)} ms  "
+                         f"({UNKNOWN_COLO_WHY['state']})")
+            continue
         floors = ", ".join(f"from {w} floor {_num(f, 1)} ms" for w, f in s.floor_ms.items())
         lines.append(f"  state  {s.colo:<8}{shown:<15}{s.syncs:>8} syncs, p50 {_num(s.sync['p50'], 1)} ms"
                      f" ({floors})" + ("" if s.latest else "  (earlier in the window)"))
@@ -563,3 +588,19 @@ def write_plot(r: LiveResult, path) -> None:
         fig.savefig(path, format="png")
     finally:
         plt.close(fig)
+
+
+def scale_summary(state: Mapping | None) -> tuple[str, dict | None]:
+    """The scaling controller's last decision as ``GET /_colocate/scale`` holds it: one table
+    line and its JSON (desired and running pods, the last reason; docs/pods.md "Scaling with demand")."""
+    if state is None:
+        return "", None
+    d = state.get("decision") or {}
+    doc = {"desired": d.get("desired"), "running": d.get("running"), "draining": d.get("draining"), "reason": d.get("reason"),
+           "decided_at": d.get("at"), "owner": d.get("owner"), "routed_pods": state.get("routed_pods"),
+           "inflight": dict(state.get("inflight") or {}), "lock": (state.get("lock") or {}).get("owner")}
+    if not d:
+        return f"scale: no decision recorded; the Worker routes to {state.get('routed_pods')} pod(s)\n", doc
+    when = _clock(int(d["at"])) if isinstance(d.get("at"), int) else "?"
+    return (f"scale: desired {d.get('desired')}, running {d.get('running')}, routed {state.get('routed_pods')} "
+            f"(decided {when} by {d.get('owner')}): {d.get('reason')}\n"), doc

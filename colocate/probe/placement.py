@@ -221,7 +221,10 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:,.0f} ms"
 
 
-def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: str | None = None) -> list[Finding]:
+def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: str | None = None,
+             migrate_flags: str | None = None) -> list[Finding]:
+    """``migrate_flags``: what names the cell's stack to scripts/migrate.py (``--stack S``, and
+    ``--stacks-dir DIR`` when not the default), so that a printed ``migrate.py plan`` runs as printed."""
     """What is wrong (or worth knowing) about the placement, most fundamental first.
 
     ``p50`` maps segment names to measured p50s (None when there was no data);
@@ -284,8 +287,10 @@ def findings(p: Placement, p50: Mapping[str, float | None], worker_placement: st
         else:
             lead = f"state object runs in {p.state.colo}, outside {where}"
         gen = f"; generation {p.generation}" if p.generation else ""
-        out.append(Finding("state", True, f"{lead}: state left behind ({rtt}{gen}) — run "
-                                          "`.venv/bin/python scripts/migrate.py plan --stack <stack>`"))
+        to = f" --to {p.expected_region}" if p.expected_region else ""
+        out.append(Finding("state", True, f"{lead}: state left behind ({rtt}{gen}) — preview the move of state "
+                                          f"with compute: `.venv/bin/python scripts/migrate.py plan "
+                                          f"{migrate_flags or '--stack <the cell stack>'}{to}`"))
 
     if p.pod.status == UNKNOWN:
         what = f"pod location unknown (pod_host {p.pod_host})" if p.pod_host else "pod location unknown"

@@ -59,12 +59,22 @@ class Result:
             more = len(self.violations) - 1
             return self.violations[0]["message"] + (f" (+{more} more: see violations)" if more else "")
         p = self.placement
-        pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else "pod location unknown"
+        pod = f"pod {p.pod_location} ({p.pod.colo})" if p.pod.colo else f"pod location not checked ({UNKNOWN_WHY['pod']})"
         e2e, rtt = self.segments["e2e"]["p50"], self.segments["state_rtt"]["p50"]
         path = f", pod_rtt p50 {_num(self.segments['pod_rtt']['p50'])} ms over {self.pod_path}" if self.pod_path else ""
         mode = f" ({p.mode} placement)" if p.mode else ""
-        return (f"all checks hold: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
+        held = "all checks hold" if p.pod.colo else "every check made holds"
+        return (f"{held}: Worker in {p.ran.colo}{mode}, state object in {p.state.colo}, {pod}, "
                 f"region {p.expected_region}; e2e p50 {_num(e2e)} ms, state_rtt p50 {_num(rtt)} ms{path}")
+
+
+# Why a part's colo can be unknown, printed next to it.
+UNKNOWN_WHY = {
+    "accepted": "no cf-ray header in the answers",
+    "worker": "the Worker reported no worker_colo and no cf-placement",
+    "state": "the state object reported no state_colo",
+    "pod": "no pod location given: pass --pod-location LOC, or --stack S / --state-dir DIR to read it",
+}
 
 
 def _num(v: float | None, digits: int = 0) -> str:
@@ -166,7 +176,7 @@ def fallback_of(run: Run) -> tuple[dict | None, str | None]:
 
 def build(run: Run, region: catalogue.Region | None, pod_location: str | list[str] | None,
           budget_list: list[budgets_mod.Budget], worker_placement: str | None = None,
-          pod_path: str | None = None, placement_host: str | None = None) -> Result:
+          pod_path: str | None = None, placement_host: str | None = None, migrate_flags: str | None = None) -> Result:
     locations = [pod_location] if isinstance(pod_location, str) else list(pod_location or [])
     pod_location = locations[0] if locations else None
     values = collect(run)
@@ -185,7 +195,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
     place = placement_mod.observe(bodies, rays, region, pod_location, worker_placement, placement_host, cf_headers)
     floors = place.floors()
     p50 = {name: seg["p50"] for name, seg in segments.items()}
-    found = placement_mod.findings(place, p50, worker_placement)
+    found = placement_mod.findings(place, p50, worker_placement, migrate_flags)
 
     violations = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
     violations += budgets_mod.broken(budget_list, segments, floors)
@@ -324,7 +334,8 @@ def table(r: Result) -> str:
     rate = "n/a" if r.fallback_rate is None else f"{r.fallback_rate:.0%}"
     lines += ["", f"fallback rate {rate} ({r.backends.get('fallback', 0)}/{total} answered by the fallback)", ""]
     p = r.placement
-    expected = f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region else "unknown"
+    expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
+                else "unknown: no --expect-region or --stack, and the Worker reported no region")
     mode = f"; mode {p.mode}" + (f", host {p.host}" if p.host else "") if p.mode else ""
     lines.append(f"placement (expected region {expected}{mode})")
     rows = [("accepted", p.accepted.colo, p.accepted.status, "cf-ray"),
@@ -334,6 +345,8 @@ def table(r: Result) -> str:
                                                                  p.pod_host and f"host {p.pod_host}") if x))]
     for label, colo, status, where in rows:
         shown = status.replace("_", " ").upper() if status != "in_region" else "in region"
+        if colo is None:  # say why, once, where the reader sees the gap
+            where = ", ".join(x for x in (where, UNKNOWN_WHY[label]) if x)
         lines.append(f"  {label:<9}{colo or 'unknown':<8}{shown:<15}{where}")
     if p.draining_generation:
         lines.append(f"  draining generation {p.draining_generation}")
@@ -342,7 +355,7 @@ def table(r: Result) -> str:
         lines += ["", f"pods ({path}; pod_rtt = the Worker's GET /health of each pod)"]
         for pod in r.pods:
             rtt = pod["pod_rtt"]
-            where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location unknown"
+            where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location not given"
             shown = pod["status"].replace("_", " ").upper() if pod["status"] != "in_region" else "in region"
             lines.append(f"  pod {pod['index']:<4}{where:<20}{shown:<15}pod_rtt p50 {_num(rtt['p50'], 1)} ms, "
                          f"p90 {_num(rtt['p90'], 1)} ms  healthy {pod['healthy']}/{pod['checks']}  host {pod['host']}")

@@ -10,6 +10,8 @@ Services:
                     hand it the wrapped BREAKER), SQLite storage on disk under
                     <state_dir>/objects/<SITE>/, globalOutbound tagged with <SITE>
     out-<SITE>      the outbound proxy as an external HTTP service injecting ``x-sandbox-site: <SITE>``
+    colocate-pod-tls  the plan's POD_TLS binding: https presenting the Worker's client certificate,
+                    trusting only the sandbox's CA (the pods' delays are the PodHop relays')
     sandbox-control the pin control endpoint (the same proxy, no site header)
 
 Bindings come from ``plan.worker.bindings`` through ``colocate.workerd`` (never
@@ -33,9 +35,10 @@ CONTROL_SERVICE = "sandbox-control"
 
 
 def compose(plan: CellPlan, *, values: dict[str, str], edge_site: str, state_sites: list[str],
-            outbound: tuple[str, int], objects_dir: Path) -> str:
+            outbound: tuple[str, int], objects_dir: Path, pod_tls: wd.HopClient | None = None) -> str:
     """The whole config text. ``values`` fills secret and from-output bindings (by secret
-    key, binding name or ``pod.urls``); ``outbound`` is the proxy's (host, port)."""
+    key, binding name or ``pod.urls``); ``outbound`` is the proxy's (host, port); ``pod_tls``
+    the Worker's side of the mutual-TLS pod hop."""
     if edge_site not in state_sites:
         raise SandboxError(f"workerd config: the edge site {edge_site} needs an object host")
     worker = plan.worker
@@ -49,10 +52,11 @@ def compose(plan: CellPlan, *, values: dict[str, str], edge_site: str, state_sit
         return out + [f"(name = {wd.capnp_text('__SANDBOX_NS_' + s)}, durableObjectNamespace = "
                       f"(className = {cls}, serviceName = {wd.capnp_text('state-' + s)}))" for s in state_sites]
 
+    hop = wd.POD_TLS_SERVICE if pod_tls is not None else None
     try:
         edge = wd.worker_capnp(worker, values, host_objects=False, do_service=f"state-{edge_site}",
                                global_outbound=f"out-{edge_site}", extra_modules=entry, main_module=ENTRY_MODULE,
-                               extra_bindings=sandbox_bindings(edge_site))
+                               extra_bindings=sandbox_bindings(edge_site), pod_tls_service=hop)
     except wd.BindingValueMissing as exc:
         raise SandboxError(f"workerd config: {exc}") from None
     services = [wd.worker_service("edge", edge)]
@@ -60,12 +64,15 @@ def compose(plan: CellPlan, *, values: dict[str, str], edge_site: str, state_sit
         # Object hosts run the sandbox entry as well, so the Breaker they host sees the
         # wrapped BREAKER (read-through to a draining generation reaches where it is pinned).
         literal = wd.worker_capnp(worker, values, storage_service=f"disk-{s}", global_outbound=f"out-{s}",
-                                  extra_modules=entry, main_module=ENTRY_MODULE, extra_bindings=sandbox_bindings(s))
+                                  extra_modules=entry, main_module=ENTRY_MODULE, extra_bindings=sandbox_bindings(s),
+                                  pod_tls_service=hop)
         services.append(wd.worker_service(f"state-{s}", literal))
         services.append(wd.disk_service(f"disk-{s}", Path(objects_dir) / s))
     for s in sorted(set(state_sites) | {edge_site}):
         services.append(wd.external_service(f"out-{s}", host, port, {SITE_HEADER: s}))
     services.append(wd.external_service(CONTROL_SERVICE, host, port))
+    if pod_tls is not None:
+        services.append(wd.pod_tls_service(wd.POD_TLS_SERVICE, pod_tls))
     # Port 0 here; the runner hands workerd a socket it bound itself (-S http=<fd>).
     return wd.config_capnp(services, [wd.socket_capnp(SOCKET_NAME, 0, "edge")])
 

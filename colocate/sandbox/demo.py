@@ -1,4 +1,5 @@
-"""``make demo``: the field story as one user lived it, with real measurements from a running sandboxed cell.
+"""``make demo``: a cell moved the hand-rolled way, then by migration, as one user sees it, with real
+measurements from a running sandboxed cell.
 
 One client stays put (Tokyo, ``NRT``, unless ``--client-site``) while the cell moves:
 
@@ -35,6 +36,7 @@ import requests
 
 from .. import settings, stackfile
 from ..errors import ConfigError
+from ..probe.stats import summary
 from . import supervisor
 from .errors import SandboxError
 from .geography import site
@@ -44,9 +46,13 @@ PROBE = supervisor.ROOT / "scripts" / "probe.py"
 MIGRATE = supervisor.ROOT / "scripts" / "migrate.py"
 PROBE_TIMEOUT_S = 240.0
 CLIENT_SITE = "NRT"
+# The probe reads the sandbox's own credentials: none from the caller's environment may stand in.
+TOKEN_VARIABLES = ("COLOCATE_ADMIN_TOKEN", "COLOCATE_READ_TOKEN", "COLOCATE_PROBE_TOKEN")
 DEADLINE_STEP_MS = 50  # the deadline is a round number: the next multiple of this above phase 3's slowest e2e
 # The demo's table, top to bottom: what the user sees first, then where it goes.
-TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt")
+TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt", "pod_rtt_new")
+# pod_rtt is the probe's (the Worker's pooled connection to the pod, as requests find it);
+# pod_rtt_new the same GET /health on a new connection: TCP, the mutual-TLS handshake, then the request.
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,25 @@ def _phase1(before: list[float], deadline: float, client_site: str) -> str:
                 "alone does not fit.")
     return (f"phase 1 missed it for {rate * 100:.0f} % of requests (fastest {min(before):.0f} ms); "
             f"from {client_site} the us-east cell is close enough for the rest.")
+
+
+def _probe_says(result: dict) -> str:
+    """The probe's verdict in a few words, for the picture: what failed, or that all held."""
+    said: list[str] = []
+    for v in result.get("violations") or []:
+        if v.get("kind") == "placement":
+            what = f"{v.get('part')} placement"
+        elif v.get("kind") == "budget":
+            what = f"{v.get('segment')} over {v.get('budget_ms'):g} ms"
+        else:
+            what = str(v.get("kind"))
+        if what not in said:
+            said.append(what)
+    if not said:
+        return "probe: all checks hold"
+    place = result.get("placement") or {}
+    apart = place.get("state") and place.get("ran") and place["state"] != place["ran"]
+    return "probe FAILS:\n" + ",\n".join(said) + (f"\n(Worker {place['ran']}, state {place['state']})" if apart else "")
 
 
 def deadline_ms(e2e_after: list[float]) -> int:
@@ -177,11 +202,12 @@ class Demo:
         # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
         tail: list[str] = []
+        # The probe reads the running sandbox itself (URL, token, pods, the stack copy's region and
+        # budgets), so the commands it prints name this sandbox's stack and its stack directory.
         with subprocess.Popen(
-            [sys.executable, str(PROBE), c["worker_url"], "--samples", str(self.samples), "--expect-region",
-             c["region"], "--pod-location", "local", "--pod-path", "local-hostname", "--json", str(out)],
-            env={**os.environ, "COLOCATE_READ_TOKEN": c.get("read_token") or c["token"], "COLOCATE_ADMIN_TOKEN": c["token"]},
-            cwd=supervisor.ROOT,
+            [sys.executable, str(PROBE), "--state-dir", str(self.state_dir), "--samples", str(self.samples),
+             "--json", str(out)],
+            env={k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}, cwd=supervisor.ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ) as proc:
             try:
@@ -200,6 +226,7 @@ class Demo:
             raise SandboxError(f"probe.py failed (exit {proc.returncode}): {' | '.join(tail[-6:])}")
         result = json.loads(out.read_text())
         result["_exit"] = proc.returncode
+        result["segments"]["pod_rtt_new"] = self.new_connection_rtt()
         self.results[phase.label] = result
         seg = result["segments"]
         place = result.get("placement", {})
@@ -209,6 +236,18 @@ class Demo:
               f"{_ms(seg['state']['p50'])} ms; state_rtt p50 {_ms(seg['state_rtt']['p50'])} ms; "
               f"Worker at {place.get('ran')}, state object at {place.get('state')}")
         return result
+
+    def new_connection_rtt(self) -> dict:
+        """pod_rtt on a new connection each time: the sandbox closes the pod hops' connections
+        (``/_sandbox/pod-hop/cut``), then the probe endpoint's GET /health opens one."""
+        c = self.cell
+        values = []
+        for _ in range(self.samples):
+            requests.post(f"http://127.0.0.1:{c['ports']['outbound']}/_sandbox/pod-hop/cut", timeout=10).raise_for_status()
+            r = requests.get(c["worker_url"] + "/_colocate/probe", timeout=30, headers={"Authorization": f"Bearer {c['token']}"})
+            if r.ok and r.json().get("pod_ok"):
+                values.append(float(r.json()["pod_rtt_ms"]))
+        return summary(values)  # the probe's own percentiles
 
     def migrate(self, *args: str) -> None:
         proc = _py([str(MIGRATE), *args, "--stack", STACK, "--stacks-dir", str(self.stacks_dir)])
@@ -246,7 +285,9 @@ class Demo:
             seg = self.results[p.label]["segments"]
             e2e, total = seg["e2e"]["p50"] or 0.0, seg["total"]["p50"] or 0.0
             state, upstream, fallback = (seg[n]["p50"] or 0.0 for n in ("state", "upstream", "fallback"))
-            out.append({"phase": p.title, "e2e": e2e,
+            result = self.results[p.label]
+            out.append({"phase": p.title, "e2e": e2e, "state_rtt": seg["state_rtt"]["p50"],
+                        "probe_ok": result.get("_exit") == 0, "probe_says": _probe_says(result),
                         "network (client to Worker)": max(0.0, e2e - total),
                         "state wait": state,
                         "pod (upstream)": upstream,
@@ -290,7 +331,7 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
         demo.up("region apac-tw, state left in IAD (--force-split)", force_split=True)
         demo.probe(PHASES[1])
         say("2b. The same split with colocate:worker.stateTtlMs: 0 (always read fresh state: consistency over "
-            "latency), as the field's router did: every request waits on the object before it forwards.")
+            "latency), as a router that reads state before every forward does: every request waits on the object.")
         demo.set_config(**{"worker.stateTtlMs": 0})
         demo.up("stateTtlMs 0", force_split=True)
         demo.probe(PHASES[2])
@@ -321,7 +362,8 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
            answer leaving it; e2e - total is the network between the user and the Worker.
     state  how long the Worker waited on the state object before forwarding (0: it used its copy);
     state_rtt  one round trip Worker <-> state object; upstream  the pod's answer as the Worker saw it;
-    pod_rtt  one GET /health Worker <-> pod.
+    pod_rtt  one GET /health Worker <-> pod, on the Worker's pooled mutual-TLS connection;
+    pod_rtt_new  the same on a new connection: TCP, the TLS handshake, then the request.
     miss {deadline} ms  the share of requests slower than {deadline} ms end to end, the deadline a client
            (or a router in front of it) would fall back to a paid API at. {deadline} ms is the next multiple of
            {DEADLINE_STEP_MS} ms above the slowest request after the migration ({max(after):.0f} ms), so phase 3 meets it

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from ..plan import CellPlan
+from . import hopcerts
 from .errors import StartupFailed
 from .statedir import ROOT, _read_json, _write_json
 
@@ -45,7 +46,8 @@ def _create_pod(state_dir: Path, plan: CellPlan, token: str, index: int = 0) -> 
     with open(state_dir / "logs" / "pod.log", "ab") as log:
         proc = subprocess.run([sys.executable, str(POD_SCRIPT), "create", "--spec", "-"],
                               input=json.dumps(pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
-                              env=_pod_env(state_dir, token), cwd=ROOT, timeout=POD_TIMEOUT_S)
+                              env={**_pod_env(state_dir, token), **(hopcerts.load(state_dir).pod_env() if pod.mtls else {})},
+                              cwd=ROOT, timeout=POD_TIMEOUT_S)
     if proc.returncode != 0:
         raise StartupFailed(f"the create of pod {index} ({pod.name}, scripts/pod.py create) exited {proc.returncode}; "
                             f"see {state_dir / 'logs' / 'pod.log'}")
@@ -74,6 +76,9 @@ def _create_pods(state_dir: Path, plan: CellPlan, token: str) -> list[dict]:
             made[i] = created
             _record_pods(state_dir, made)
 
+    if not plan.pods:  # a cell scaled to zero
+        _record_pods(state_dir, [])
+        return []
     with ThreadPoolExecutor(max_workers=len(plan.pods)) as ex:
         list(ex.map(one, range(len(plan.pods))))
     if errors:
@@ -116,3 +121,9 @@ def _delete_local_pods(state_dir: Path) -> list[str]:
 def _pod_pid(state_dir: Path, created: dict) -> int | None:
     record = _read_json(state_dir / "pods" / f"{created.get('name', '')}.json")
     return record.get("pid") if record else None
+
+
+def _pod_control(state_dir: Path, created: dict) -> str | None:
+    """Where the stand-in's ``/_standin/*`` answers (a plain loopback port beside its TLS one)."""
+    record = _read_json(state_dir / "pods" / f"{created.get('name', '')}.json")
+    return record.get("control_url") if record else None

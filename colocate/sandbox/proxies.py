@@ -15,7 +15,14 @@
                     the proxy maps that name to 127.0.0.1.
                     Requests without the site header are the control endpoint:
                     ``GET /_sandbox/pin?name=&edge=&hint=`` pins a generation on first touch and
-                    returns ``{"site", "rtt_ms"}``; ``GET /_sandbox/health`` reports the network.
+                    returns ``{"site", "rtt_ms"}``; ``GET /_sandbox/health`` reports the network;
+                    ``POST /_sandbox/pod-hop/cut`` closes every open connection of the pod hops,
+                    so the Worker's next request to a pod opens a new one (TCP + TLS).
+
+    PodHop          Worker -> pod, per pod: a TCP relay that delays the (mutual-TLS) bytes by
+                    RTT(edge, pod)/2 each way, plus the TCP handshake's round trip per new
+                    connection. The Worker reaches the pod through its POD_TLS binding (a
+                    workerd network service), not through the outbound proxy.
 
 Both stream: bodies are relayed chunk by chunk as they arrive (SSE passes unbuffered).
 
@@ -125,6 +132,7 @@ class Network:
     targets: dict[str, str] = field(default_factory=dict)  # "127.0.0.1:8123" -> site
     workerd: tuple[str, int] | None = None  # the edge service's socket
     hops: int = 0
+    pod_hops: list = field(default_factory=list)  # the PodHop relays, each registered while open
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # A deploy (``apply``) swaps workerd the way the platform swaps versions: new requests
     # wait at the edge while the old version finishes its in-flight ones, none is dropped.
@@ -527,6 +535,9 @@ class _OutboundHandler(_Relay):
             self._json(200, {"ok": True, "sites": net.sites.as_json(), "pins": net.pins.all(), "hops": net.hops,
                              "workerd": f"{net.workerd[0]}:{net.workerd[1]}" if net.workerd else None})
             return
+        if url.path == "/_sandbox/pod-hop/cut" and self.command == "POST":
+            self._json(200, {"cut": sum(h.cut() for h in list(net.pod_hops))})
+            return
         if url.path == "/_sandbox/pin":
             name, edge, hint = q.get("name", ""), q.get("edge", net.sites.edge), q.get("hint", "")
             try:
@@ -589,3 +600,124 @@ class NetworkServers:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PodHop:
+    """The Worker -> pod hop at the byte level: a TCP relay in front of one pod, on loopback.
+
+    The pod hop is mutual TLS between workerd and the pod, so the sandbox cannot read it and
+    does not need to: it delays the bytes. Each direction's bytes arrive RTT(edge, pod)/2 after
+    they were sent (a reader stamps them, a writer sends them when due, so a stream keeps its
+    pace), and a new connection's first bytes wait one more RTT, the TCP handshake's. A fresh
+    connection therefore costs what it costs on the internet: TCP, then TLS (one more round trip
+    in TLS 1.3), then the request; a pooled one only the request. ``cut()`` closes every open
+    connection, so the next request pays for a new one (the demo's first-request figures).
+    """
+
+    def __init__(self, network: Network, pod_site: str, target: tuple[str, int], host: str = "127.0.0.1"):
+        self.network = network
+        self.pod_site = pod_site
+        self.target = target
+        self.listener = socket.create_server((host, 0), backlog=128)
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._closed = threading.Event()
+        self.connections = 0  # accepted so far: how many handshakes the pod has seen through here
+        self._thread = threading.Thread(target=self._accept, name=f"pod-hop-{self.port}", daemon=True)
+        self._thread.start()
+        network.pod_hops.append(self)
+
+    def one_way_ms(self) -> float:
+        return self.network.geography.rtt_ms(self.network.sites.edge, self.pod_site) / 2
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
+
+    def _connect(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.target, timeout=UPSTREAM_TIMEOUT_S)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        for s in (client, upstream):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            if self._closed.is_set():
+                client.close()
+                upstream.close()
+                return
+            self._open.update((client, upstream))
+        one_way = self.one_way_ms() / 1000.0
+        handshake = 2 * one_way  # SYN, SYN-ACK: paid once per connection, before its first byte
+        pumps = [threading.Thread(target=self._pump, args=(client, upstream, one_way, handshake), daemon=True),
+                 threading.Thread(target=self._pump, args=(upstream, client, one_way, 0.0), daemon=True)]
+        for t in pumps:
+            t.start()
+        for t in pumps:
+            t.join()
+        with self._lock:
+            self._open.difference_update((client, upstream))
+        client.close()
+        upstream.close()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay_s: float, first_extra_s: float) -> None:
+        import queue
+
+        q: queue.Queue = queue.Queue()
+
+        def write() -> None:
+            extra = first_extra_s
+            while True:
+                due, data = q.get()
+                wait = due + extra - time.monotonic()
+                extra = 0.0
+                if wait > 0:
+                    time.sleep(wait)
+                try:
+                    if data is None:
+                        dst.shutdown(socket.SHUT_WR)
+                        return
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            q.put((time.monotonic() + delay_s, data or None))
+            if not data:
+                break
+        writer.join()
+
+    def cut(self) -> int:
+        """Close every open connection through the hop; returns how many there were."""
+        with self._lock:
+            open_now = list(self._open)
+            self._open.clear()
+        for s in open_now:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        return len(open_now) // 2
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(ValueError):
+            self.network.pod_hops.remove(self)
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        self.cut()
+        self._thread.join(timeout=5)

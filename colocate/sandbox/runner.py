@@ -24,15 +24,15 @@ import urllib.request
 from pathlib import Path
 
 from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, pod_urls_text
-from . import config as config_mod
+from . import config as config_mod, hopcerts
 from .demokey import demo_key
 from .errors import StartupFailed
 from .geography import Geography, Sites
 from .launch import Launch, build_plan, object_sites, sites_for
 from .pinning import FILE_NAME as PINS_FILE, Pins
-from .pods import _create_pod, _create_pods, _delete_pod, _pod_pid, _pods, _record_pods
+from .pods import _create_pod, _create_pods, _delete_pod, _pod_control, _pod_pid, _pods, _record_pods
 from .processes import CHILD_TIMEOUT_S, _http_ok, stop_child
-from .proxies import Network, NetworkServers, local_url
+from .proxies import Network, NetworkServers, PodHop, local_url
 from .statedir import ROOT, _log, _read_json, _write_json, load_secrets
 
 WORKERD = ROOT / "node_modules" / ".bin" / "workerd"
@@ -60,6 +60,7 @@ class Runner:
         self.revision = 0
         self.fallback_url = ""
         self.key: dict = {}
+        self.hops: dict[str, PodHop] = {}  # pod id -> the relay the Worker reaches it through
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
@@ -119,11 +120,13 @@ class Runner:
         pins = Pins(self.state_dir / PINS_FILE)
 
         pods = _create_pods(self.state_dir, plan, secrets["podToken"])
-        sites = sites_for(plan, launch, pods[0].get("location", "local"))
+        sites = sites_for(plan, launch, pods[0].get("location", "local") if pods else "local")
         fallback_url = local_url(self._start_fallback(secrets["fallbackApiKey"]))
         network = Network(geography, sites, pins, targets={_hostport(fallback_url): sites.fallback})
-        network.targets.update(self._pod_targets(plan, launch, sites, pods))
         self.network = network
+        for p in pods:
+            self._hop(plan, launch, p)
+        network.targets.update(self._pod_targets(plan, launch, sites, pods))
         self.fallback_url = fallback_url
         self.servers = NetworkServers(network)
         wport, state_sites = self._launch_workerd(plan, sites, pods)
@@ -133,18 +136,37 @@ class Runner:
 
     @staticmethod
     def _pod_targets(plan: CellPlan, launch: Launch, sites: Sites, pods: list[dict]) -> dict[str, str]:
-        """The outbound proxy's routes to the pods: by the hostname the Worker uses, each at its site."""
-        return {_hostport(p["worker_url"]): sites_for(plan, launch, p.get("location", "local")).pod for p in pods}
+        """The outbound proxy's routes to the pods reached over plain HTTP: by the hostname the
+        Worker uses, each at its site (a mutual-TLS pod is reached through its PodHop instead)."""
+        return {_hostport(p["worker_url"]): sites_for(plan, launch, p.get("location", "local")).pod for p in pods
+                if not p["worker_url"].startswith("https://")}
+
+    def _hop(self, plan: CellPlan, launch: Launch, pod: dict) -> None:
+        """Put a mutual-TLS pod behind its PodHop: the Worker's URL for it becomes the relay's."""
+        if not pod["worker_url"].startswith("https://"):
+            return
+        site = sites_for(plan, launch, pod.get("location", "local")).pod
+        hop = PodHop(self.network, site, ("127.0.0.1", int(pod["port"])))
+        self.hops[pod["id"]] = hop
+        pod["worker_url"] = f"https://localhost:{hop.port}"
+
+    def _unhop(self, pod: dict) -> None:
+        hop = self.hops.pop(pod.get("id"), None)
+        if hop is not None:
+            hop.close()
 
     def _launch_workerd(self, plan: CellPlan, sites: Sites, pods: list[dict]) -> tuple[int, list[str]]:
         pins = Pins(self.state_dir / PINS_FILE)
         state_sites = object_sites(plan, sites.edge, pins)
         objects = self.state_dir / "objects"
-        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])]
+        # A draining pod (colocate:scale.draining) still runs but has left the Worker's POD_URLS.
+        urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])
+                if p["index"] < len(plan.pods) and plan.pods[p["index"]].in_rotation]
         values = {**load_secrets(self.state_dir), "fallbackUrl": self.fallback_url,
                   POD_URLS_FROM_OUTPUT: pod_urls_text(urls)}
         text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
-                                  outbound=("127.0.0.1", self.servers.outbound.port), objects_dir=objects)
+                                  outbound=("127.0.0.1", self.servers.outbound.port), objects_dir=objects,
+                                  pod_tls=hopcerts.load(self.state_dir).worker_client())
         config_path = config_mod.write(self.state_dir / "workerd.capnp", text, objects, state_sites)
         return self._start_workerd(config_path), state_sites
 
@@ -176,6 +198,9 @@ class Runner:
         plan, _ = build_plan(launch)
         token = load_secrets(self.state_dir)["podToken"]
         old = {p.get("index", 0): p for p in _pods(self.state_dir)}
+        for p in old.values():  # pods.json holds the pods' own addresses; the Worker uses their hops
+            if p.get("id") in self.hops:
+                p["worker_url"] = f"https://localhost:{self.hops[p['id']].port}"
         current: list[dict | None] = [old.get(i) for i in range(len(plan.pods))]
         deleted: set[str] = set()
         net = self.network
@@ -186,18 +211,20 @@ class Runner:
             _record_pods(self.state_dir, live + [p for p in old.values() if p["id"] not in ids])
 
         def retire(pod: dict, why: str) -> None:
+            self._unhop(pod)
             if _delete_pod(self.state_dir, pod):
                 deleted.add(pod["id"])
             _log(f"apply: deleted pod {pod.get('index', 0)} ({pod.get('name')}): {why}")
             record()
 
-        sites = sites_for(plan, launch, (current[0] or {}).get("location", "local"))
+        sites = sites_for(plan, launch, (current[0] if current and current[0] else {}).get("location", "local"))
         swapped = None
         for i, pod in enumerate(plan.pods):
             before = old.get(i)
             if before and before.get("name") == pod.name:
                 continue
             created = _create_pod(self.state_dir, plan, token, i)  # serves before anything else happens
+            self._hop(plan, launch, created)
             current[i] = created
             record()
             sites = sites_for(plan, launch, current[0].get("location", "local"))
@@ -238,7 +265,7 @@ class Runner:
         self.revision += 1
         secrets = load_secrets(self.state_dir)
         pins = Pins(self.state_dir / PINS_FILE)
-        first = pods[0]
+        first = pods[0] if pods else {"worker_url": "", "url": ""}  # a cell scaled to zero has none
         fallback_url = self.fallback_url
         geography = self.network.geography
         state = plan.state
@@ -247,11 +274,12 @@ class Runner:
             "stack": plan.stack,
             "region": plan.region.name,
             "worker_url": f"http://127.0.0.1:{self.servers.front.port}",
-            "pod_url": first["worker_url"].rstrip("/"),
+            "pod_url": first["worker_url"].rstrip("/") or None,
             "pod_id": first.get("id"),
             "pod_location": first.get("location"),
             "pods": [{"index": p["index"], "id": p.get("id"), "name": p.get("name"), "url": p["worker_url"].rstrip("/"),
-                      "address": p["url"].rstrip("/"), "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)}
+                      "address": p["url"].rstrip("/"), "control": _pod_control(self.state_dir, p),
+                      "location": p.get("location"), "pid": _pod_pid(self.state_dir, p)}
                      for p in pods],
             "fallback_url": fallback_url,
             "token": secrets["adminToken"],  # keys.py's; the probe and the live view take read_token
@@ -304,6 +332,8 @@ class Runner:
                 proc.wait(timeout=5)
         if self.servers:
             self.servers.close()
+        for hop in self.hops.values():
+            hop.close()
         _delete_pod(self.state_dir)
 
 

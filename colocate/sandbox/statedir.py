@@ -15,6 +15,9 @@ State directory (default ``<repo>/.colocate/sandbox/<stack>/``):
     pods/          scripts/pod.py's local pod state;  pod.json  the create's output
     logs/          runner.log, workerd.log, fallback.log, pod.log
 
+A state directory outside ``.colocate/sandbox/`` is remembered by a link in
+``.colocate/sandbox/.started/`` (``remember``), so ``status`` and every hint find it.
+
 Imports nothing of the rest of the kit but the sandbox's errors, so ``colocate.admin`` can find
 a sandbox's state directory without importing the supervisor (which imports admin).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import secrets as secrets_mod
@@ -43,12 +47,74 @@ def default_state_dir(stack: str) -> Path:
     return SANDBOXES_DIR / stack
 
 
-def running_sandboxes(parent: Path | None = None) -> list[Path]:
-    """The state directories under ``parent`` (default: where ``up`` puts them) where a sandbox runs."""
-    parent = Path(parent or SANDBOXES_DIR)
-    if not parent.is_dir():
+STARTED_DIR = ".started"  # under SANDBOXES_DIR: a link to each state directory elsewhere that `up` was given
+
+
+def _started_links() -> Path:
+    return Path(SANDBOXES_DIR) / STARTED_DIR
+
+
+def remember(state_dir: Path) -> None:
+    """Keep a link to a state directory outside SANDBOXES_DIR, so that listings and hints
+    find a sandbox started with ``--state-dir`` too (one link per directory, replaced atomically)."""
+    state_dir = Path(state_dir).resolve()
+    if state_dir.parent == Path(SANDBOXES_DIR).resolve():
+        return
+    links = _started_links()
+    links.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(str(state_dir).encode()).hexdigest()[:16]
+    tmp = links / f".{name}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(state_dir)
+    os.replace(tmp, links / name)
+
+
+def _remembered() -> list[Path]:
+    links = _started_links()
+    if not links.is_dir():
         return []
-    return [d for d in sorted(Path(parent).iterdir()) if d.is_dir() and is_running(d)]
+    found = []
+    for link in sorted(links.iterdir()):
+        target = Path(os.readlink(link)) if link.is_symlink() else None
+        if target is None or not target.is_dir():
+            link.unlink(missing_ok=True)  # its directory was deleted: forget it
+            continue
+        found.append(target)
+    return found
+
+
+def running_sandboxes(parent: Path | None = None) -> list[Path]:
+    """The state directories where a sandbox runs: under ``parent``, or by default under
+    SANDBOXES_DIR and every directory elsewhere that ``up`` was given (``remember``)."""
+    dirs = []
+    base = Path(parent or SANDBOXES_DIR)
+    if base.is_dir():
+        dirs = [d for d in sorted(base.iterdir()) if d.is_dir() and d.name != STARTED_DIR]
+    if parent is None:
+        dirs += _remembered()
+    seen, out = set(), []
+    for d in dirs:
+        if d.resolve() not in seen and is_running(d):
+            seen.add(d.resolve())
+            out.append(d)
+    return out
+
+
+def where_command(state_dir: Path, stack: str | None = None) -> str:
+    """The flags that name this sandbox in a printed command: its stack (the one that ran there
+    last, else ``stack``, else ``sandbox``) and the directory when it is not that stack's default."""
+    stack = owner(state_dir) or stack or "sandbox"
+    if Path(state_dir).resolve() == default_state_dir(stack).resolve():
+        return f"--stack {stack}"
+    return f"--stack {stack} --state-dir {state_dir}"
+
+
+def where_sandboxes_run(exclude: Path | None = None) -> str:
+    """One sentence for a command that found no sandbox where it looked: where sandboxes do run."""
+    runs = [d for d in running_sandboxes() if exclude is None or d.resolve() != Path(exclude).resolve()]
+    if not runs:
+        return "no sandbox runs under .colocate/sandbox/ or in a --state-dir `up` was given"
+    return "sandboxes that run: " + ", ".join(f"{d} (`{SANDBOX_CMD} status {where_command(d)}`)" for d in runs)
 
 
 def _log(msg: str, who: str = "sandbox") -> None:

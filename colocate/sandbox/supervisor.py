@@ -18,15 +18,20 @@ run with SIGINT/SIGTERM deferred (``deferred_signals``), so a second Ctrl-C cann
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from .. import stackfile
+from ..pods import podtls
 from ..pods.local import alive
+from ..pods.readiness import tls_health
+from . import hopcerts
 from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import Geography, site
 from .launch import Launch, build_plan, sites_for
@@ -45,15 +50,19 @@ from .statedir import (
     is_running,
     load_secrets,
     owner,
+    remember,
     running_sandboxes,
     try_lock,
+    where_command,
+    where_sandboxes_run,
 )
 
 # What scripts/ and tests/ import from here; the rest lives in the modules above.
 __all__ = [
     "PODS_FILE", "ROOT", "SANDBOX_CMD", "STOP_TIMEOUT_S", "UP_TIMEOUT_S", "Launch", "alive", "apply",
     "build_plan", "check_owner", "default_state_dir", "deferred_signals", "down", "is_running",
-    "load_secrets", "owner", "running_sandboxes", "sites_for", "status", "stop_runner", "up",
+    "load_secrets", "owner", "remember", "running_sandboxes", "sites_for", "status", "stop_runner", "up",
+    "where_command", "where_sandboxes_run",
 ]
 
 UP_TIMEOUT_S = 90.0
@@ -81,6 +90,7 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
                              f"run `{SANDBOX_CMD} down --state-dir {state_dir}` first")
     launched = False
     try:
+        remember(state_dir)
         load_secrets(state_dir)
         # We hold the lock, so no runner lives here: whatever run.json says is stale. From now
         # on run.json is written only by the runner itself, before it starts anything.
@@ -150,7 +160,8 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
     previous = _read_json(state_dir / "ready.json")
     run = _read_json(state_dir / "run.json") or {}
     if not previous or not is_running(state_dir) or not alive(run.get("pid")):
-        raise NotRunning(f"no sandbox runs in {state_dir}; start one with `{SANDBOX_CMD} up --stack {stack}`")
+        raise NotRunning(f"no sandbox runs in {state_dir}; start it with `{SANDBOX_CMD} up "
+                         f"{where_command(state_dir, stack)}`; {where_sandboxes_run(state_dir)}")
     check_owner(state_dir, stack)
     old = Launch.from_json(_read_json(state_dir / "launch.json") or {})
     launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
@@ -182,6 +193,9 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
     state_dir = Path(state_dir).resolve()
     with deferred_signals():  # a Ctrl-C during down must not leave half of the cell running
         held = is_running(state_dir)
+        # The runner deletes the pods it made when it stops: which pods ran is read first, so the
+        # answer says whether they are gone, whoever deleted them.
+        pod_pids = [p.get("pid") for p in (_read_json(state_dir / "ready.json") or {}).get("pods") or [] if p.get("pid")]
         run = _read_json(state_dir / "run.json") or {}
         pid, pgid = run.get("pid"), run.get("pgid")
         stopped = []
@@ -202,8 +216,18 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
             (state_dir / name).unlink(missing_ok=True)
     if not quiet:
         _log(f"stopped {state_dir}")
-    return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pod_deleted or bool(strays),
+    pods_gone = bool(pod_pids) and not any(alive(pid) for pid in pod_pids)
+    return {"state_dir": str(state_dir), "stopped": stopped, "pod_deleted": pods_gone or pod_deleted or bool(strays),
             "was_running": bool(held or stopped or pod_deleted or strays), "running": is_running(state_dir)}
+
+
+def _pod_ok(state_dir: Path, address: str) -> bool:
+    """A pod's ``/health`` at its own address; over mutual TLS with the readiness certificate, as pod.py checks it."""
+    if not address.startswith("https://"):
+        return _http_ok(address + "/health", timeout=5)[0]
+    check = hopcerts.load(state_dir).check
+    ctx = podtls.client_context(check.cert_pem, check.key_pem, hopcerts.load(state_dir).ca.cert_pem)
+    return tls_health(address, 5, ctx, hopcerts.POD_NAME)[0]
 
 
 def status(state_dir: Path) -> dict:
@@ -218,8 +242,8 @@ def status(state_dir: Path) -> dict:
     worker_ok, worker_status = _http_ok(ready["worker_url"] + "/_colocate/probe",
                                         {"authorization": f"Bearer {ready['token']}"}, timeout=10)
     # Every pod, at the address its process listens on (the Worker's hostname is the proxy's to map).
-    pods = ready.get("pods") or [{"address": ready["pod_url"]}]
-    pod_ok = all(_http_ok((p.get("address") or p["url"]) + "/health", timeout=5)[0] for p in pods)
+    pods = ready["pods"] if "pods" in ready else [{"address": ready["pod_url"]}]
+    pod_ok = all(_pod_ok(state_dir, p.get("address") or p["url"]) for p in pods)
     net_ok, _ = _http_ok(f"http://127.0.0.1:{ready['ports']['outbound']}/_sandbox/health")
     out.update(
         {k: ready[k] for k in ("stack", "region", "worker_url", "pod_url", "sites", "generation", "draining") if k in ready}
@@ -228,7 +252,23 @@ def status(state_dir: Path) -> dict:
     out["health"] = {"processes": health, "worker_probe": worker_ok, "worker_status": worker_status, "pod": pod_ok,
                      "network": net_ok}
     out["healthy"] = running and all(health.values()) and worker_ok and pod_ok and net_ok
+    out["scale"] = scale_status(ready)
     return out
+
+
+def scale_status(ready: dict) -> dict | None:
+    """The scaling controller's last decision and lock as the generation holds them (docs/pods.md,
+    "Scaling with demand"); None when the Worker cannot be asked."""
+    req = urllib.request.Request(ready["worker_url"] + "/_colocate/scale", headers={"authorization": f"Bearer {ready['token']}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            state = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    d = state.get("decision") or {}
+    return {"desired": d.get("desired"), "running": d.get("running"), "draining": d.get("draining"), "reason": d.get("reason"),
+            "decided_at": d.get("at"), "lock": (state.get("lock") or {}).get("owner"), "routed_pods": state.get("routed_pods"),
+            "inflight": state.get("inflight")}
 
 
 if __name__ == "__main__":

@@ -67,6 +67,29 @@ def refuse_undeletable(name: str, inputs: dict) -> None:
                                 f"Object class {own[0]} and the delete is not forced (force=True)")
 
 
+class OverLimit(Exception):
+    """An upload Cloudflare refuses for its size: what the upload API answers."""
+
+
+def refuse_over_limits(name: str, inputs: dict) -> None:
+    """Cloudflare's published limits on an upload (developers.cloudflare.com/workers/platform/limits,
+    the numbers colocate/cloudflare_limits.py holds): an environment variable (plain text,
+    json, secret) over 5 KB, or more than 64 of them (Workers Free)."""
+    from colocate import cloudflare_limits
+
+    bindings = inputs.get("bindings") or []
+    if isinstance(bindings, dict):
+        bindings = bindings.get("value") or []
+    variables = [b for b in bindings if b.get("type") in cloudflare_limits.ENV_VAR_TYPES]
+    for b in variables:
+        value = b.get("text") if b.get("text") is not None else b.get("json")
+        if isinstance(value, str) and len(value.encode()) > cloudflare_limits.ENV_VAR_BYTES:
+            raise OverLimit(f"{name}: binding {b['name']} is {len(value.encode())} bytes; Cloudflare refuses an "
+                            f"environment variable over {cloudflare_limits.ENV_VAR_BYTES} bytes")
+    if len(variables) > cloudflare_limits.ENV_VARS:
+        raise OverLimit(f"{name}: {len(variables)} environment variables; Cloudflare allows {cloudflare_limits.ENV_VARS}")
+
+
 class RecordingMocks(pulumi.runtime.Mocks):
     """Records every declared resource and invoke. ``scripts`` is the account's Workers
     scripts as Cloudflare lists them ({name: migration tag}); None makes the list fail."""
@@ -82,6 +105,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
         self.resources.append(args)
         if args.typ == WORKERS_SCRIPT:
             refuse_undeletable(args.name, args.inputs)
+            refuse_over_limits(args.name, args.inputs)
         outs = dict(args.inputs)
         if args.typ == "command:local:Command":
             create = outs.get("create", "")

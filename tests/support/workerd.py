@@ -54,6 +54,19 @@ def cell_plan(worker: dict | None = None, generations: list[dict] | None = None,
     return plan_mod.plan_cell(settings)
 
 
+def legacy_plan(worker_dir: Path, worker: dict | None = None):
+    """The sandbox plan run on an earlier Worker's modules (``worker_dir``, from git), with the
+    single operator credential those read (PROBE_TOKEN) bound beside the per-role ones."""
+    import dataclasses
+
+    raw, secrets = stackfile.read_config("sandbox")
+    raw["worker"] = {**(raw.get("worker") or {}), **(worker or {})}
+    settings = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | SECRET_SETTINGS)
+    plan = plan_mod.plan_cell(settings, worker_dir=worker_dir)
+    bindings = (*plan.worker.bindings, plan_mod.Binding("PROBE_TOKEN", "secret_text", secret="probeToken"))
+    return dataclasses.replace(plan, worker=dataclasses.replace(plan.worker, bindings=bindings))
+
+
 def values_for(pod_url: str | list[str], fallback_url: str) -> dict[str, str]:
     # FALLBACK_URL is a secret too: it is keyed by its settings name here, to exercise both lookups.
     urls = [pod_url] if isinstance(pod_url, str) else pod_url

@@ -1,9 +1,10 @@
+// @ts-check
 // The operator endpoints: probe, live view, breaker, purge, client keys, usage and the
 // fleet's exchange, each behind the one operator credential its route names (routes.js
 // `roles`; docs/worker.md, "Who holds what"). A client key never opens them.
 
 import { readBody, parseJsonObject } from "./body.js";
-import { HttpError, jsonResponse } from "./errors.js";
+import { HttpError, jsonResponse, log } from "./errors.js";
 import { FORCE_VALUES } from "./machine.js";
 import { displayPrefix, keyHash, newKey, newKeyId, sameDigest } from "./keys.js";
 import { dayOf, monthStartDay } from "./limits.js";
@@ -12,7 +13,7 @@ import { cache, activeStub, infoOf, stubFor } from "./state.js";
 import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { fetchColo, rayColo } from "./trace.js";
-import { MAX_CELLS, badLeases, badRows } from "./fleetexchange.js";
+import { MAX_CELLS, badLeases, badRows, goodRows } from "./fleetexchange.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
@@ -69,7 +70,7 @@ async function jsonBody(request) {
 }
 
 const HANDLERS = {
-  probe: (request, env, cfg, url, r, fetchImpl) => probe(request, env, cfg, url, fetchImpl),
+  probe: (request, env, cfg, url, r, fetchImpl, hop) => probe(request, env, cfg, url, fetchImpl, hop),
   breaker: (request, env, cfg) => breaker(request, env, cfg),
   purge: (request, env, cfg) => purge(request, env, cfg),
   keys: (request, env, cfg) => (request.method === "POST" ? createKey(request, env, cfg) : listKeys(env, cfg)),
@@ -77,14 +78,16 @@ const HANDLERS = {
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
   live: (request, env, cfg, url) => live(env, cfg, url),
+  scale: (request, env, cfg) => (request.method === "POST" ? scaleRecord(request, env, cfg) : scaleState(env, cfg)),
+  scale_lock: (request, env, cfg) => scaleLock(request, env, cfg),
   metrics: (request, env, cfg) => metrics(env, cfg),
   fleet_counters: (request, env, cfg, url) => fleetCounters(env, cfg, url),
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
 
-export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl) {
+export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   await authorise(request, cfg, r.roles[request.method]);
-  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl);
+  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl, hop);
 }
 
 const noStore = { "cache-control": "no-store" };
@@ -116,12 +119,13 @@ async function fallbackCheck(cfg, fetchImpl) {
 /** The breaker as operators read it: pod 0's machine state and the override, plus every pod. */
 function breakerView(cfg, view) {
   const pods = cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host, ...podSnap(view, u) }));
-  const { state, failures, opened_at, trial_at } = pods[0];
+  // A cell scaled to zero routes to no pod: its machine reads closed, with the override as set.
+  const { state, failures, opened_at, trial_at } = pods[0] ?? { state: "closed", failures: 0, opened_at: null, trial_at: null };
   return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
     imported: view.imported, pods };
 }
 
-async function probe(request, env, cfg, url, fetchImpl) {
+async function probe(request, env, cfg, url, fetchImpl, hop) {
   const t0 = now();
   // The first touch of a new generation: stubFor passes ACTIVE_HINT as locationHint.
   const stub = activeStub(env, cfg);
@@ -132,7 +136,7 @@ async function probe(request, env, cfg, url, fetchImpl) {
   const [workerColo, stateColo, pods, fallback] = await Promise.all([
     fetchColo(fetchImpl),
     stub.colo().catch(() => null),
-    Promise.all(cfg.podUrls.map((u) => health(fetchImpl, u + "/health", cfg.deadlineMs, null))),
+    Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null))),
     url.searchParams.get("fallback") === "1" ? fallbackCheck(cfg, fetchImpl) : null,
   ]);
   const body = {
@@ -141,19 +145,19 @@ async function probe(request, env, cfg, url, fetchImpl) {
     ray_colo: rayColo(request.headers.get("cf-ray")),
     state_colo: stateColo,
     state_rtt_ms: round(stateRtt),
-    pod_rtt_ms: round(pods[0].ms),
-    pod_ok: pods[0].ok,
-    pod_status: pods[0].status,
+    pod_rtt_ms: pods.length ? round(pods[0].ms) : null,
+    pod_ok: pods.length ? pods[0].ok : null,
+    pod_status: pods.length ? pods[0].status : null,
     generation: cfg.activeGeneration,
     hint: cfg.activeHint,
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
-    pod_host: new URL(cfg.podUrls[0]).host,
+    pod_host: pods.length ? new URL(cfg.podUrls[0]).host : null,
     pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
     breaker: breakerView(cfg, view),
   };
   if (fallback) body.fallback = fallback;
-  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods[0].ms, total: now() - t0 }, PROBE_METRICS);
+  const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, PROBE_METRICS);
   return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
 
@@ -206,8 +210,8 @@ async function createKey(request, env, cfg) {
   }
   const unknown = Object.keys(body).filter((k) => !["name", "expires_in_s", ...LIMIT_FIELDS].includes(k));
   if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, rpm, tpm, monthly_tokens, max_parallel, expires_in_s`);
-  // max_parallel absent: the cell's default for new keys (colocate:keys.defaultMaxParallel).
-  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)]));
+  // A limit absent: the cell's default for new keys (colocate:keys.defaults).
+  const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, cfg.keyDefaults[f])]));
   let expiresAt = null;
   if (body.expires_in_s !== undefined && body.expires_in_s !== null) {
     if (!Number.isSafeInteger(body.expires_in_s) || body.expires_in_s <= 0) {
@@ -257,7 +261,7 @@ async function importKey(request, env, cfg) {
     hash: fieldMatching(body, "hash", HASH_RE, "the key's SHA-256 as 64 lower-case hex digits"),
     prefix: fieldMatching(body, "prefix", PREFIX_RE, "the key's first 10 characters (clc_ and 6 more)"),
     name: fieldMatching(body, "name", NAME_RE, "1-64 characters: letters, digits, space, . _ @ -"),
-    ...Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, f === "max_parallel" ? cfg.defaultMaxParallel : 0)])),
+    ...Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, cfg.keyDefaults[f])])),
     created_at: timeOf(body, "created_at", false),
     expires_at: timeOf(body, "expires_at", true),
   };
@@ -362,7 +366,10 @@ async function setPeers(request, env, cfg) {
   if (cells !== null && (!Number.isSafeInteger(cells) || cells < 1 || cells > MAX_CELLS)) {
     throw new HttpError(400, "invalid_field", `field "cells" must be the fleet's number of cells, 1..${MAX_CELLS} (got ${JSON.stringify(cells)})`);
   }
-  return jsonResponse(200, await activeStub(env, cfg).setPeers(body.rows, infoOf(cfg), body.leases ?? [], cells), noStore);
+  const { good, dropped } = goodRows(body.rows);
+  if (dropped.length) log(env, "fleet_rows_dropped", { count: dropped.length, first: dropped[0] });
+  const stored = await activeStub(env, cfg).setPeers(good, infoOf(cfg), body.leases ?? [], cells);
+  return jsonResponse(200, { ...stored, dropped }, noStore);
 }
 
 /** One key here: own counters, the peers' as last pushed, this cell's lease and the fleet's size. */
@@ -374,4 +381,48 @@ async function peersOf(env, cfg, url) {
 
 function round(ms) {
   return Math.round(ms * 100) / 100;
+}
+
+// --- scaling (colocate/scaler.py) ---
+
+const OWNER_RE = /^[A-Za-z0-9][A-Za-z0-9 ._:@-]{0,127}$/;
+const MAX_LOCK_MS = 3_600_000;
+
+/** The scaling signals, the lock and the last decision, with the pods this version routes to. */
+async function scaleState(env, cfg) {
+  const state = await activeStub(env, cfg).scaleState(infoOf(cfg));
+  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length }, noStore);
+}
+
+function ownerOf(body) {
+  if (typeof body.owner !== "string" || !OWNER_RE.test(body.owner)) {
+    throw new HttpError(400, "invalid_owner", "owner must be 1-128 letters, digits, spaces or ._:@- (the controller's name)");
+  }
+  return body.owner;
+}
+
+/** {owner, ttl_ms, release?}: take, renew or release the controllers' lock (409 when another holds it). */
+async function scaleLock(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const release = body.release === true;
+  const ttl = body.ttl_ms;
+  if (!release && !(Number.isInteger(ttl) && ttl > 0 && ttl <= MAX_LOCK_MS)) {
+    throw new HttpError(400, "invalid_ttl", `ttl_ms must be a whole number of ms from 1 to ${MAX_LOCK_MS}`);
+  }
+  const res = await activeStub(env, cfg).scaleLock(owner, release ? 0 : ttl, release, infoOf(cfg));
+  return jsonResponse(res.granted ? 200 : 409, res, noStore);
+}
+
+/** {owner, decision: {desired, running, reason, ...}}: recorded only for the lock's holder (409 otherwise). */
+async function scaleRecord(request, env, cfg) {
+  const body = await jsonBody(request);
+  const owner = ownerOf(body);
+  const d = body.decision;
+  if (!d || typeof d !== "object" || !Number.isInteger(d.desired) || !Number.isInteger(d.running) || typeof d.reason !== "string"
+      || d.reason.length > 500) {
+    throw new HttpError(400, "invalid_decision", "decision must be {desired: int, running: int, reason: text up to 500 characters, ...}");
+  }
+  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg));
+  return jsonResponse(res.recorded ? 200 : 409, res, noStore);
 }

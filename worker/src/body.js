@@ -1,3 +1,4 @@
+// @ts-check
 // Request bodies: bounded reading and JSON parsing.
 
 import { HttpError } from "./errors.js";

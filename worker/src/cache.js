@@ -1,3 +1,4 @@
+// @ts-check
 // The isolate's copy of each generation's view (module scope, plain data only).
 //
 // The hot path reads this copy and never waits on the Durable Object while it is fresh

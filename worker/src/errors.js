@@ -1,3 +1,4 @@
+// @ts-check
 // JSON errors for clients, and redaction for log lines.
 //
 // Every error a client sees is OpenAI's shape, {"error": {"message", "type", "code"}},
@@ -23,6 +24,8 @@ export class HttpError extends Error {
     this.code = code;
     this.headers = headers;
     this.type = type;
+    /** @type {number | undefined} ms the router holds a repeated refusal before answering */
+    this.holdMs = undefined;
   }
 }
 

@@ -1,3 +1,4 @@
+// @ts-check
 // A fleet's exchange of limit counters and leases, the parts that are pure (plus the
 // front door's poke): the row format, aligning a row to the current minute, summing the
 // other cells', apportioning a key's limits to the cells as leases, and checking what
@@ -49,6 +50,10 @@ export function sumRows(id, rows, now) {
     out[EXCHANGE.prev_tok] += a[3];
     if (r[EXCHANGE.month] === month) out[EXCHANGE.month_tokens] += r[EXCHANGE.month_tokens];
   }
+  // A sum stays a safe integer, as every row a cell accepts must be.
+  for (const j of [EXCHANGE.req, EXCHANGE.tok, EXCHANGE.prev_req, EXCHANGE.prev_tok, EXCHANGE.month_tokens]) {
+    out[j] = Math.min(out[j], Number.MAX_SAFE_INTEGER);
+  }
   return out;
 }
 
@@ -58,24 +63,26 @@ export function counts(row) {
   return Boolean(row[E.req] || row[E.tok] || row[E.prev_req] || row[E.prev_tok] || row[E.month_tokens]);
 }
 
-/** null when `rows` (a push's body field) is well formed, else the message naming the field. */
+/** null when `rows` (a push's body field) is an array of at most MAX_ROWS, else the message naming the field. */
 export function badRows(rows) {
   if (!Array.isArray(rows)) return `field "rows" must be an array of ${SHAPE_TEXT}`;
   if (rows.length > MAX_ROWS) return `field "rows" holds at most ${MAX_ROWS} rows (got ${rows.length}): send them in parts`;
-  for (let i = 0; i < rows.length; i++) {
-    const r = rows[i];
-    const at = `field "rows[${i}]"`;
-    if (!Array.isArray(r) || r.length !== EXCHANGE.length) return `${at} must be ${SHAPE_TEXT}`;
-    if (typeof r[EXCHANGE.key_id] !== "string" || !KEY_ID.test(r[EXCHANGE.key_id])) {
-      return `${at}[${EXCHANGE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[EXCHANGE.key_id])})`;
-    }
-    for (let j = 0; j < EXCHANGE.length; j++) {
-      if (j === EXCHANGE.key_id || j === EXCHANGE.month) continue;
-      if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
-    }
-    if (typeof r[EXCHANGE.month] !== "string" || !MONTH.test(r[EXCHANGE.month])) {
-      return `${at}[${EXCHANGE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[EXCHANGE.month])})`;
-    }
+  return null;
+}
+
+/** null when row `i` is well formed, else the message naming its field. */
+export function rowProblem(r, i) {
+  const at = `field "rows[${i}]"`;
+  if (!Array.isArray(r) || r.length !== EXCHANGE.length) return `${at} must be ${SHAPE_TEXT}`;
+  if (typeof r[EXCHANGE.key_id] !== "string" || !KEY_ID.test(r[EXCHANGE.key_id])) {
+    return `${at}[${EXCHANGE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[EXCHANGE.key_id])})`;
+  }
+  for (let j = 0; j < EXCHANGE.length; j++) {
+    if (j === EXCHANGE.key_id || j === EXCHANGE.month) continue;
+    if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
+  }
+  if (typeof r[EXCHANGE.month] !== "string" || !MONTH.test(r[EXCHANGE.month])) {
+    return `${at}[${EXCHANGE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[EXCHANGE.month])})`;
   }
   return null;
 }
@@ -203,6 +210,22 @@ export function badLeases(leases) {
     }
   }
   return null;
+}
+
+/**
+ * The well-formed rows, and the problems of the others: one bad row (a counter past 2^53,
+ * a broken cell) is dropped, never the batch, so one key cannot stop the fleet's limits
+ * for every other key.
+ */
+export function goodRows(rows) {
+  const good = [];
+  const dropped = [];
+  for (let i = 0; i < rows.length; i++) {
+    const problem = rowProblem(rows[i], i);
+    if (problem === null) good.push(rows[i]);
+    else dropped.push(problem);
+  }
+  return { good, dropped };
 }
 
 // --- the front door's poke: the ledger's alarm runs only while the fleet is used ---

@@ -1,3 +1,4 @@
+// @ts-check
 // The front door's decisions, pure of I/O: reading its bindings, the order of cells for a
 // colo, the isolate's memory of cells that had no pod, and the cell's "no pod" answer.
 // front.js (the main module) does the I/O; see docs/fleet.md.

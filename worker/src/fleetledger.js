@@ -1,3 +1,4 @@
+// @ts-check
 // The fleet's exchange of limit counters: one Durable Object of the front door's Worker
 // (idFromName("ledger")), driven by its alarm every EXCHANGE_MS while the fleet is used.
 //
@@ -26,7 +27,7 @@
 import { DurableObject } from "cloudflare:workers";
 import { log } from "./errors.js";
 import { readFleet } from "./fleetfront.js";
-import { MAX_ROWS, aligned, defaultShare, fairShares, grant, monthOf, sumRows, weights } from "./fleetexchange.js";
+import { MAX_ROWS, aligned, defaultShare, fairShares, grant, monthOf, rowProblem, sumRows, weights } from "./fleetexchange.js";
 import { WINDOW_MS, minuteOf } from "./limits.js";
 import { EXCHANGE, LEASE } from "./payloads.js";
 import { now } from "./timing.js";
@@ -121,7 +122,7 @@ export class FleetLedger extends DurableObject {
   /** One exchange round over every cell (also callable directly, e.g. by a test or a bench). */
   async round(cfg = readFleet(this.env)) {
     const t0 = now();
-    const stats = { pulled: 0, pushed: 0, bytes_in: 0, bytes_out: 0, skipped: [] };
+    const stats = { pulled: 0, pushed: 0, bytes_in: 0, bytes_out: 0, skipped: [], dropped: 0 };
     const names = cfg.cells.map((c) => c.name);
     this.sql.exec("DELETE FROM counters WHERE cell NOT IN (SELECT value FROM json_each(?))", JSON.stringify(names));
     this.sql.exec("DELETE FROM cells WHERE cell NOT IN (SELECT value FROM json_each(?))", JSON.stringify(names));
@@ -139,7 +140,7 @@ export class FleetLedger extends DurableObject {
       if (p.status === "rejected" && pulls[i].status !== "rejected") stats.skipped.push(`${names[i]} (${String(p.reason && p.reason.message)})`);
     });
     stats.ms = Math.round((now() - t0) * 100) / 100;
-    if (stats.pulled || stats.pushed || stats.skipped.length) log(this.env, "fleet_exchange", stats);
+    if (stats.pulled || stats.pushed || stats.skipped.length || stats.dropped) log(this.env, "fleet_exchange", stats);
     return stats;
   }
 
@@ -167,7 +168,12 @@ export class FleetLedger extends DurableObject {
             l.monthly_tokens);
         }
         if (Number.isSafeInteger(body.ttl_ms)) this.sql.exec("UPDATE cells SET ttl_ms = ? WHERE cell = ?", body.ttl_ms, cell.name);
-        for (const r of body.rows) {
+        for (let i = 0; i < body.rows.length; i++) {
+          const r = body.rows[i];
+          if (rowProblem(r, i) !== null) {
+            stats.dropped += 1; // a broken row is left out, never the cell's whole page
+            continue;
+          }
           seq += 1;
           this.sql.exec(UPSERT_COUNTERS, cell.name, ...r, seq);
           const id = r[EXCHANGE.key_id];

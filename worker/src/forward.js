@@ -1,3 +1,4 @@
+// @ts-check
 // Forwarding to the pod and to the fallback API.
 
 import { HttpError } from "./errors.js";
@@ -16,6 +17,23 @@ export function upstreamHeaders(incoming, token) {
   }
   h.set("authorization", `Bearer ${token}`);
   return h;
+}
+
+const hops = new WeakMap();
+
+/**
+ * How the Worker reaches its pods: through the POD_TLS binding when the plan binds it (its
+ * fetch presents the cell's client certificate: mutual TLS to the pod), else plain fetch
+ * (RunPod's proxy path, where no client certificate can reach the pod). One per env.
+ */
+export function podFetch(env) {
+  let f = hops.get(env);
+  if (f === undefined) {
+    const binding = env.POD_TLS;
+    f = binding ? (url, init) => binding.fetch(url, init) : fetch;
+    hops.set(env, f);
+  }
+  return f;
 }
 
 // Upstream response headers that reach the client: the body's type and caching, the

@@ -1,3 +1,4 @@
+// @ts-check
 // The fleet's front door: the main module of a Worker with no placement (it runs in the
 // colo that received the request, beside the user), bound to each member cell's Worker by
 // a service binding. It ranks the cells by the physical floor from its colo and sends the
@@ -95,7 +96,7 @@ async function route(request, env, ctx) {
 }
 
 export default {
-  /** @param {Request} request @param {object} env @param {ExecutionContext} ctx */
+  /** @param {Request} request @param {import("./payloads.js").FrontEnv} env @param {ExecutionContext} ctx */
   async fetch(request, env, ctx) {
     try {
       return await route(request, env, ctx);

@@ -1,3 +1,4 @@
+// @ts-check
 // The generation's Durable Object: all of a cell's routed state, in SQLite (schema.js).
 //
 // One object per generation (idFromName(generation)); the class keeps its historical
@@ -8,7 +9,7 @@
 //
 // Migration: while a generation drains, the Worker passes its name in `info`. The first
 // call that names a draining generation this object has not imported yet copies that
-// generation's whole state (exportAll: override, keys, usage, counters) inside
+// generation's whole state (exportAll, page by page: override, keys, usage, counters) inside
 // blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once.
 // The router also calls `importFrom` before it purges a draining generation, so nothing
 // is lost even if no request touched the new generation in between. Once exported, a
@@ -19,11 +20,11 @@ import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
 import { minuteOf } from "./limits.js";
 import {
-  ADDED_COLUMNS, ADD_SERVED, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
+  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { counts as countsAnything, defaultShare, monthOf } from "./fleetexchange.js";
-import { COUNTER, EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -42,7 +43,40 @@ const INFLIGHT_KEEP_MS = 10 * 60_000; // in-flight rows of isolates silent this 
 export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's exchange; `more: true` asks again
 
 // The counter columns a fleet's exchange carries: those both shapes name.
-const SHARED = COUNTER.names.filter((n) => EXCHANGE.names.includes(n));
+const SHARED = COUNTER.names.filter((n) => /** @type {readonly string[]} */ (EXCHANGE.names).includes(n));
+
+export const EXPORT_ROWS = 5000; // rows of one table per exportAll page
+// What exportAll pages through, in order: [name in the import, query, row shape or null].
+const EXPORT_PARTS = [
+  ["keys", `SELECT ${KEY_COLUMNS} FROM client_keys`, null],
+  ["usage", `SELECT ${USAGE_COLUMNS} FROM usage_daily`, null],
+  ["months", "SELECT key_id, month, tokens FROM key_month", null],
+  ["windows", "SELECT key_id, minute, requests, tokens FROM rate_window", null],
+  ["seg_minute", "SELECT minute, colo, pod, segment, hist FROM seg_minute", (r) => [r.minute, r.colo, r.pod, r.segment, r.hist]],
+  ["seg_hour", "SELECT hour, colo, pod, segment, hist FROM seg_hour", (r) => [r.hour, r.colo, r.pod, r.segment, r.hist]],
+  ["seg_total", "SELECT colo, pod, segment, hist FROM seg_total", (r) => [r.colo, r.pod, r.segment, r.hist]],
+  ["inflight", "SELECT key_id, isolate, n, at FROM key_inflight", null],
+  ["peers", `SELECT ${EXCHANGE.columns} FROM peer_counters`, EXCHANGE.of],
+  ["leases", `SELECT ${LEASE.columns} FROM key_lease`, LEASE.of],
+  ["fleet_cells", "SELECT v FROM meta WHERE k = 'fleet_cells'", (r) => Number(r.v)],
+];
+
+/**
+ * A draining generation's whole state, read page by page (`exportAll`) and imported in one
+ * transaction by the caller: a read cut short imports nothing, so a retry counts nothing twice.
+ */
+export async function exportedState(other, successor) {
+  const data = {};
+  let cursor = null;
+  do {
+    const page = await other.exportAll(successor, cursor);
+    data.forced = page.forced;
+    for (const row of page.rows) (data[page.part] ??= []).push(row);
+    data[page.part] ??= [];
+    cursor = page.next;
+  } while (cursor);
+  return data;
+}
 
 export class Breaker extends DurableObject {
   constructor(ctx, env) {
@@ -60,6 +94,7 @@ export class Breaker extends DurableObject {
       for (const stmt of INDEXES) this.sql.exec(stmt);
       return;
     }
+    /** @type {{snap?: {forced?: string | null}, adopted_from?: string} | undefined} */
     const legacy = version === null ? await this.ctx.storage.get(LEGACY_KV_KEY) : undefined;
     this.ctx.storage.transactionSync(() => {
       // Schema 2 (and older): add the new columns in place; nothing is copied or lost.
@@ -74,8 +109,8 @@ export class Breaker extends DurableObject {
         SELECT key_id, substr(day, 1, 7), SUM(prompt_tokens + completion_tokens) FROM usage_daily GROUP BY key_id, substr(day, 1, 7)
         ON CONFLICT (key_id, month) DO UPDATE SET tokens = excluded.tokens`);
       // Schema 3 (and older): stored histograms into the current buckets (histogram.js reads
-      // the fixed ones too; converted once, every reader sees one form), and the totals the
-      // Prometheus exposition counts from, once, from what is kept.
+      // the fixed ones too; converted once, every reader sees one form), and the histograms'
+      // totals the Prometheus exposition counts from, once, from what is kept.
       for (const [table, col] of [["seg_minute", "minute"], ["seg_hour", "hour"]]) {
         for (const r of this.sql.exec(`SELECT ${col} AS t, colo, pod, segment, hist FROM ${table} WHERE hist NOT LIKE '~%'`).toArray()) {
           this.sql.exec(`DELETE FROM ${table} WHERE ${col} = ? AND colo = ? AND pod = ? AND segment = ?`, r.t, r.colo, r.pod, r.segment);
@@ -86,9 +121,6 @@ export class Breaker extends DurableObject {
         for (const table of ["seg_minute", "seg_hour"]) {
           for (const r of this.sql.exec(`SELECT colo, pod, segment, hist FROM ${table}`).toArray()) this.addTotal(r.colo, r.pod, r.segment, r.hist);
         }
-      }
-      if (this.sql.exec("SELECT COUNT(*) AS n FROM served_total").one().n === 0) {
-        this.addServed(this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray().map(usageArray));
       }
       // Schema 1 (one KV entry): keep its override; per-pod health starts fresh.
       if (legacy && legacy.snap && FORCE_VALUES.includes(legacy.snap.forced) && legacy.snap.forced !== null) {
@@ -138,7 +170,7 @@ export class Breaker extends DurableObject {
       const ns = this.env.BREAKER;
       const id = ns.idFromName(from);
       const other = info.drainingHint ? ns.get(id, { locationHint: info.drainingHint }) : ns.get(id);
-      this.importState(from, await other.exportAll(info.generation));
+      this.importState(from, await exportedState(other, info.generation));
     });
   }
 
@@ -166,8 +198,6 @@ export class Breaker extends DurableObject {
       // An exporter of schema 3 has no totals: they follow from what it kept.
       const totals = data.seg_total ?? [...data.seg_minute || [], ...data.seg_hour || []].map((r) => r.slice(1));
       for (const [colo, pod, segment, hist] of totals) this.addTotal(colo, pod, segment, hist);
-      if (data.served_total) this.sql.exec(ADD_SERVED, JSON.stringify(data.served_total));
-      else this.addServed(data.usage.map(usageArray));
       for (const f of data.inflight ?? []) {
         this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
           ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
@@ -175,7 +205,8 @@ export class Breaker extends DurableObject {
       if (data.peers && data.peers.length) this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(data.peers));
       // A fleet's leases go on holding in the successor until the ledger reaches it.
       if (data.leases && data.leases.length) this.sql.exec(UPSERT_LEASES, Date.now(), JSON.stringify(data.leases));
-      if (data.fleet_cells && this.meta("fleet_cells") === null) this.setMeta("fleet_cells", data.fleet_cells);
+      const cells = (data.fleet_cells ?? [])[0];
+      if (cells && this.meta("fleet_cells") === null) this.setMeta("fleet_cells", cells);
       // A fleet's exchange reads this generation from its own sequence: every imported counter is news.
       this.markChanged([...new Set([...months.map((m) => m.key_id), ...data.windows.map((w) => w.key_id)])]);
       this.setMeta(`imported:${from}`, Date.now());
@@ -183,30 +214,23 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * Everything a successor generation takes over (pod health stays: the pods change).
-   * From now on usage batches that reach this generation go on to `successor`.
+   * Everything a successor generation takes over (pod health stays: the pods change), one
+   * page at a time: at most EXPORT_ROWS rows of one table per call (a generation's whole
+   * history in one answer could pass the size an RPC carries). `cursor` is the previous
+   * page's `next`; null starts over. From the first page on, usage batches that reach this
+   * generation go on to `successor`.
    */
-  async exportAll(successor = null) {
+  async exportAll(successor = null, cursor = null) {
     await this.unpurge();
     if (successor) this.setMeta("successor", successor);
-    return {
-      forced: this.meta("forced"),
-      keys: this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys`).toArray(),
-      usage: this.sql.exec(`SELECT ${USAGE_COLUMNS} FROM usage_daily`).toArray(),
-      months: this.sql.exec("SELECT key_id, month, tokens FROM key_month").toArray(),
-      windows: this.sql.exec("SELECT key_id, minute, requests, tokens FROM rate_window").toArray(),
-      seg_minute: this.sql.exec("SELECT minute, colo, pod, segment, hist FROM seg_minute").toArray()
-        .map((r) => [r.minute, r.colo, r.pod, r.segment, r.hist]),
-      seg_hour: this.sql.exec("SELECT hour, colo, pod, segment, hist FROM seg_hour").toArray()
-        .map((r) => [r.hour, r.colo, r.pod, r.segment, r.hist]),
-      seg_total: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
-      served_total: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray()
-        .map((r) => [r.backend, r.requests, r.prompt_tokens, r.completion_tokens]),
-      inflight: this.sql.exec("SELECT key_id, isolate, n, at FROM key_inflight").toArray(),
-      peers: this.sql.exec(`SELECT ${EXCHANGE.columns} FROM peer_counters`).toArray().map(EXCHANGE.of),
-      leases: this.sql.exec(`SELECT ${LEASE.columns} FROM key_lease`).toArray().map(LEASE.of),
-      fleet_cells: Number(this.meta("fleet_cells") || 0) || null,
-    };
+    const at = cursor ?? { part: 0, offset: 0 };
+    const [name, query, shape] = EXPORT_PARTS[at.part];
+    const rows = this.sql.exec(`${query} ORDER BY rowid LIMIT ? OFFSET ?`, EXPORT_ROWS + 1, at.offset).toArray();
+    const more = rows.length > EXPORT_ROWS;
+    if (more) rows.length = EXPORT_ROWS;
+    const next = more ? { part: at.part, offset: at.offset + EXPORT_ROWS }
+      : at.part + 1 < EXPORT_PARTS.length ? { part: at.part + 1, offset: 0 } : null;
+    return { forced: this.meta("forced"), part: name, rows: shape ? rows.map(shape) : rows, next };
   }
 
   /** Import a named generation now (the router calls this before purging it). */
@@ -322,6 +346,7 @@ export class Breaker extends DurableObject {
    * CHANGED_ROWS, by the index on key_changed.seq: {generation, cursor, more, reset,
    * rows: [EXCHANGE row]}. A cursor ahead of this generation (a new one after a
    * migration) reads from the start.
+   * @returns {Promise<import("./payloads.js").CountersAnswer>}
    */
   async changedCounters(since, info) {
     await this.readThrough(info);
@@ -368,7 +393,10 @@ export class Breaker extends DurableObject {
     return { stored: keep.length, deleted: gone.length, leases: leases.length };
   }
 
-  /** One key's peer row and own counters (the operator's view of what the exchange brought). */
+  /**
+   * One key's peer row and own counters (the operator's view of what the exchange brought).
+   * @returns {Promise<import("./payloads.js").PeersAnswer>}
+   */
   async peersOf(id, info) {
     await this.readThrough(info);
     const r = this.sql.exec(`SELECT ${EXCHANGE.columns}, at FROM peer_counters WHERE key_id = ?`, id).toArray()[0] ?? null;
@@ -396,7 +424,12 @@ export class Breaker extends DurableObject {
       imported, at: now, colo: this.coloOnce };
   }
 
-  /** Apply an isolate's batched deltas and answer the current view. */
+  /**
+   * Apply an isolate's batched deltas and answer the current view.
+   * @param {import("./payloads.js").SyncInfo} info
+   * @param {import("./payloads.js").SyncBatch | null} batch
+   * @returns {Promise<import("./payloads.js").SyncAnswer>}
+   */
   async sync(info, batch = null) {
     await this.readThrough(info);
     const successor = this.meta("successor");
@@ -413,6 +446,7 @@ export class Breaker extends DurableObject {
     const now = Date.now();
     if (batch) this.apply(batch, info, now);
     if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, now);
+    /** @type {import("./payloads.js").SyncAnswer} */
     const view = this.view(info.haveRev ?? -1, info);
     // A stale isolate's request with a key it does not hold: found in the same round trip.
     if (Array.isArray(info.lookup) && info.lookup.length) view.found = this.byDigest(info.lookup, info);
@@ -427,7 +461,6 @@ export class Breaker extends DurableObject {
         const rows = JSON.stringify(batch.usage.map(usageRow));
         this.sql.exec(BULK_USAGE, rows);
         this.sql.exec(BULK_MONTH, rows);
-        this.addServed(batch.usage);
       }
       if (batch.windows && batch.windows.length) this.sql.exec(BULK_WINDOW, JSON.stringify(batch.windows), oldest);
       this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
@@ -450,7 +483,77 @@ export class Breaker extends DurableObject {
         }
       }
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      for (const r of batch.backends || []) {
+        this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
+          ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
+          prompt_tokens = prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + excluded.completion_tokens`,
+        String(r[BACKEND.backend]), r[BACKEND.requests] | 0, r[BACKEND.prompt_tokens] | 0, r[BACKEND.completion_tokens] | 0);
+      }
+      if (batch.pods) {
+        // This isolate's counts replace its rows: a pod index it no longer has reads 0.
+        const isolate = String(info.isolate ?? "");
+        this.sql.exec("DELETE FROM pod_inflight WHERE isolate = ?", isolate);
+        for (const r of batch.pods) {
+          const n = r[POD_INFLIGHT.n] | 0;
+          if (n > 0) this.sql.exec("INSERT INTO pod_inflight (isolate, pod, n, at) VALUES (?, ?, ?, ?)", isolate, r[POD_INFLIGHT.pod] | 0, n, now);
+        }
+      }
+      this.sql.exec("DELETE FROM pod_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
     });
+  }
+
+  // --- scaling (colocate/scaler.py reads and records through admin.js /_colocate/scale) ---
+
+  /**
+   * The controller's signals and what controllers recorded: cumulative requests and
+   * tokens by backend, requests in flight per pod index (summed over isolates; an
+   * isolate's row lives until it syncs 0, or for INFLIGHT_KEEP_MS), the lock and the last
+   * decision.
+   */
+  async scaleState(info) {
+    await this.readThrough(info);
+    const backends = {};
+    for (const r of this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total")) {
+      backends[r.backend] = { requests: r.requests, prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens };
+    }
+    const inflight = {};
+    for (const r of this.sql.exec("SELECT pod, SUM(n) AS n FROM pod_inflight WHERE at >= ? GROUP BY pod",
+      Date.now() - INFLIGHT_KEEP_MS)) {
+      inflight[r.pod] = r.n;
+    }
+    return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")) };
+  }
+
+  scaleLockRow() {
+    const lock = parseJson(this.meta("scale_lock"));
+    return lock && lock.until > Date.now() ? lock : null;
+  }
+
+  /**
+   * The controllers' lock, a lease: granted to `owner` when free, expired or already its
+   * own (renewed for `ttlMs`); `release` frees it if `owner` holds it. One transaction, so
+   * two controllers asking at once cannot both get it.
+   */
+  async scaleLock(owner, ttlMs, release, info) {
+    await this.readThrough(info);
+    let granted = false;
+    this.ctx.storage.transactionSync(() => {
+      const held = this.scaleLockRow();
+      if (held && held.owner !== owner) return;
+      granted = true;
+      if (release) this.setMeta("scale_lock", null);
+      else this.setMeta("scale_lock", JSON.stringify({ owner, since: held ? held.since : Date.now(), until: Date.now() + ttlMs }));
+    });
+    return { granted, lock: this.scaleLockRow() };
+  }
+
+  /** Record a decision of the lock's holder (the last one is what status and the probe show). */
+  async scaleRecord(owner, decision, info) {
+    await this.readThrough(info);
+    const held = this.scaleLockRow();
+    if (!held || held.owner !== owner) return { recorded: false, lock: held };
+    this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
+    return { recorded: true, lock: held };
   }
 
   /**
@@ -473,15 +576,17 @@ export class Breaker extends DurableObject {
   }
 
   /**
-   * Add an isolate's live histograms (rows [minute, colo, pod, segment, "index:count,..."])
-   * into seg_minute; then, at most once a minute, roll at most an hour of minutes older than
+   * Add an isolate's live histograms (HIST rows) into seg_minute and seg_total; then, at
+   * most once a minute, roll at most an hour of minutes older than
    * 7 days into seg_hour and drop hours older than 35 days (index ranges, bounded work).
    */
   addHist(rows, t) {
     this.ctx.storage.transactionSync(() => {
       for (const r of rows) {
-        if (!Array.isArray(r) || r.length !== 5 || !Number.isSafeInteger(r[0]) || !SEG_NAMES.has(r[3])) continue;
-        if (this.addSeg("seg_minute", "minute", r)) this.addTotal(r[1], r[2], r[3], r[4]);
+        if (!Array.isArray(r) || r.length !== HIST.length || !Number.isSafeInteger(r[HIST.at]) || !SEG_NAMES.has(r[HIST.segment])) continue;
+        if (this.addSeg("seg_minute", "minute", /** @type {[number, string, string, string, string]} */ (r))) {
+          this.addTotal(r[HIST.colo], r[HIST.who], r[HIST.segment], r[HIST.hist]);
+        }
       }
       const m = Math.floor(t / MINUTE_MS);
       if (this.rolledAt === m) return;
@@ -522,26 +627,6 @@ export class Breaker extends DurableObject {
     }
   }
 
-  /** Usage rows (batch form) into served_total: each row's tokens split by the requests each backend served. */
-  addServed(usage) {
-    const sums = { pods: [0, 0, 0], fallback: [0, 0, 0] };
-    for (const u of usage) {
-      const pods = u[USAGE.pod_requests] || 0;
-      const fallback = u[USAGE.fallback_requests] || 0;
-      const prompt = u[USAGE.prompt_tokens] || 0;
-      const completion = u[USAGE.completion_tokens] || 0;
-      const share = pods + fallback > 0 ? pods / (pods + fallback) : 1;
-      sums.pods[0] += pods;
-      sums.fallback[0] += fallback;
-      sums.pods[1] += prompt * share;
-      sums.pods[2] += completion * share;
-      sums.fallback[1] += prompt * (1 - share);
-      sums.fallback[2] += completion * (1 - share);
-    }
-    const rows = Object.entries(sums).filter(([, v]) => v[0] || v[1] || v[2]).map(([b, v]) => [b, ...v]);
-    if (rows.length) this.sql.exec(ADD_SERVED, JSON.stringify(rows));
-  }
-
   /**
    * What GET /_colocate/metrics exposes (never a key or its digest): the cumulative
    * histograms, requests and tokens per backend, key counts, the breaker rows and override.
@@ -551,7 +636,7 @@ export class Breaker extends DurableObject {
     const now = Date.now();
     return {
       segments: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
-      served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM served_total").toArray(),
+      served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total").toArray(),
       keys: this.sql.exec(`SELECT COUNT(*) AS total,
           COALESCE(SUM(revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)), 0) AS active,
           COALESCE(SUM(revoked_at IS NOT NULL), 0) AS revoked FROM client_keys`, now).one(),
@@ -724,6 +809,14 @@ export class Breaker extends DurableObject {
   }
 }
 
+function parseJson(text) {
+  try {
+    return text === null ? null : JSON.parse(text);
+  } catch {
+    return null;
+  }
+}
+
 /** A key row as isolates hold it: `revoked` tells a holder to drop it. */
 function keyView(r) {
   return { id: r.id, hash: r.hash, name: r.name, rpm: r.rpm, tpm: r.tpm, monthly_tokens: r.monthly_tokens,
@@ -737,11 +830,6 @@ function mergedText(prev, hist) {
   } catch {
     return null;
   }
-}
-
-/** A usage_daily row in the batch's array form (a column an older exporter lacks: 0). */
-function usageArray(u) {
-  return USAGE.names.map((n) => u[n] ?? 0);
 }
 
 /** A batch usage row; a row of a Worker from before a column was added gets 0 for it. */

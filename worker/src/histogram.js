@@ -1,3 +1,4 @@
+// @ts-check
 // Live segment histograms: relative-error log buckets (DDSketch's idea on OpenTelemetry's
 // exponential grid at scale 5), counted in memory on the hot path and carried to the
 // generation object by the isolate's sync (`batch.hist`), no I/O of their own.
@@ -19,6 +20,7 @@
 // edge 1.374x the last), still read: decode spreads each old bucket evenly over the new
 // buckets it covers, as the old percentile did.
 
+import { HIST } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 
 export const LOW_MS = 0.25;
@@ -197,7 +199,7 @@ export function mergeEncoded(a, b) {
  *             runs in one colo), filled in when they are taken, so a request never waits for
  *             the isolate to learn where it runs.
  *   syncs     per (the object's colo, the Worker's colo): the isolate's sync round trips.
- * `take` turns them into `batch.hist` rows [minute, colo, who, segment, "~gap*count,..."]
+ * `take` turns them into `batch.hist` rows (payloads.js HIST: at, colo, who, segment, hist)
  * where `who` is the pod for the routed segments and the Worker's colo for `sync`.
  */
 export class Recorder {
@@ -259,12 +261,12 @@ export class Recorder {
       for (const [pod, counts] of s.req) {
         for (let i = 0; i < ROUTED.length; i++) {
           const enc = encode(counts, i * BUCKETS);
-          if (enc) rows.push([minute, where, pod, ROUTED[i], enc]);
+          if (enc) rows.push(HIST.of({ at: minute, colo: where, who: pod, segment: ROUTED[i], hist: enc }));
         }
       }
       for (const [k, counts] of s.sync) {
         const bar = k.indexOf("|");
-        rows.push([minute, k.slice(0, bar), k.slice(bar + 1) || where, SYNC, encode(counts)]);
+        rows.push(HIST.of({ at: minute, colo: k.slice(0, bar), who: k.slice(bar + 1) || where, segment: SYNC, hist: encode(counts) }));
       }
     }
     this.minutes = new Map();
@@ -275,7 +277,8 @@ export class Recorder {
 
   /** Put back rows a failed sync did not deliver (they are added to what came since). */
   restore(rows) {
-    for (const [minute, colo, who, segment, enc] of rows || []) {
+    for (const r of rows || []) {
+      const [minute, colo, who, segment, enc] = [r[HIST.at], r[HIST.colo], r[HIST.who], r[HIST.segment], r[HIST.hist]];
       const s = this.slot(minute * MINUTE_MS);
       if (segment === SYNC) {
         const k = colo + "|" + who;

@@ -1,3 +1,4 @@
+// @ts-check
 // colocate's router Worker: the main module. The same bytes run on Cloudflare and in
 // workerd (colocate/workerd.py); see docs/worker.md.
 //
@@ -8,7 +9,7 @@ import { handle } from "./router.js";
 export { Breaker } from "./generation.js";
 
 export default {
-  /** @param {Request} request @param {object} env @param {ExecutionContext} ctx */
+  /** @param {Request} request @param {import("./payloads.js").Env} env @param {ExecutionContext} ctx */
   fetch(request, env, ctx) {
     return handle(request, env, ctx);
   },

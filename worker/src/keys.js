@@ -1,3 +1,4 @@
+// @ts-check
 // Client API keys: their format, their hash, and reading one from a request.
 //
 // A key is "clc_" + 32 base64url characters (24 random bytes: 192 bits). The object

@@ -1,3 +1,4 @@
+// @ts-check
 // Client-key limits, pure: the clock and the counters are passed in.
 //
 // Requests and tokens per minute use a sliding-window estimate over fixed one-minute
@@ -62,10 +63,58 @@ export function estimate(g, pending, t) {
   const pc = pending(m);
   const pp = pending(m - 1);
   const w = 1 - frac;
-  return {
-    req: (prev.req + pp.req) * w + cur.req + pc.req,
-    tok: (prev.tok + pp.tok) * w + cur.tok + pc.tok,
-  };
+  const prevReq = prev.req + pp.req;
+  const curReq = cur.req + pc.req;
+  const prevTok = prev.tok + pp.tok;
+  const curTok = cur.tok + pc.tok;
+  // the parts too: when the estimate falls below a limit depends on each (msUntilBelow)
+  return { req: prevReq * w + curReq, tok: prevTok * w + curTok, prevReq, curReq, prevTok, curTok };
+}
+
+/**
+ * Milliseconds from `t` until a sliding-window count made of `prev` (the minute before t's)
+ * and `cur` (t's minute) is below `limit`, if nothing more is admitted: the previous
+ * minute's weight falls to 0 over t's minute, and t's minute's count weighs in until the
+ * end of the next one. 0 when it is below already.
+ */
+export function msUntilBelow(prev, cur, limit, t) {
+  const into = t % WINDOW_MS;
+  if (prev * (1 - into / WINDOW_MS) + cur < limit) return 0;
+  if (cur < limit) return Math.ceil((1 - (limit - cur) / prev) * WINDOW_MS - into) + 1;
+  return WINDOW_MS - into + Math.ceil((1 - limit / cur) * WINDOW_MS) + 1;
+}
+
+/** Milliseconds from `t` until the window holds none of the counted requests (or tokens). */
+function msUntilEmpty(prev, cur, t) {
+  const rest = WINDOW_MS - (t % WINDOW_MS);
+  return cur > 0 ? rest + WINDOW_MS : prev > 0 ? rest : 0;
+}
+
+/** OpenAI's duration form for x-ratelimit-reset-*: "0s", "12s", "1m30s". */
+function resetText(ms) {
+  const s = Math.ceil(ms / 1000);
+  return s < 60 ? `${s}s` : `${Math.floor(s / 60)}m${s % 60}s`;
+}
+
+/**
+ * OpenAI's rate-limit headers for a key's requests and tokens per minute, as [name, value]
+ * pairs (only for the limits the key has), with this request counted when `admitted`.
+ * Clients and SDKs read them to pace themselves (docs/worker.md, "Using it").
+ */
+export function rateHeaders(key, est, t, admitted) {
+  const out = [];
+  if (key.rpm > 0) {
+    const used = est.req + (admitted ? 1 : 0);
+    out.push(["x-ratelimit-limit-requests", String(key.rpm)],
+      ["x-ratelimit-remaining-requests", String(Math.max(0, Math.floor(key.rpm - used)))],
+      ["x-ratelimit-reset-requests", resetText(msUntilEmpty(est.prevReq, est.curReq + (admitted ? 1 : 0), t))]);
+  }
+  if (key.tpm > 0) {
+    out.push(["x-ratelimit-limit-tokens", String(key.tpm)],
+      ["x-ratelimit-remaining-tokens", String(Math.max(0, Math.floor(key.tpm - est.tok)))],
+      ["x-ratelimit-reset-tokens", resetText(msUntilEmpty(est.prevTok, est.curTok, t))]);
+  }
+  return out;
 }
 
 /**
@@ -74,13 +123,14 @@ export function estimate(g, pending, t) {
  * every isolate as far as this one knows.
  */
 export function refusal(key, est, monthTokens, t, inflight = 0) {
-  const toMinute = Math.max(1, Math.ceil((WINDOW_MS - (t % WINDOW_MS)) / 1000));
+  // Retry-After: when the window will admit the next request (not the end of the minute).
+  const wait = (prev, cur, limit) => Math.max(1, Math.ceil(msUntilBelow(prev, cur, limit, t) / 1000));
   if (key.rpm > 0 && est.req >= key.rpm) {
-    return { type: "requests", code: "rate_limit_exceeded", retryAfterS: toMinute,
+    return { type: "requests", code: "rate_limit_exceeded", retryAfterS: wait(est.prevReq, est.curReq, key.rpm),
       message: `rate limit reached: ${key.rpm} requests per minute for this key` };
   }
   if (key.tpm > 0 && est.tok >= key.tpm) {
-    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: toMinute,
+    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: wait(est.prevTok, est.curTok, key.tpm),
       message: `rate limit reached: ${key.tpm} tokens per minute for this key` };
   }
   if (key.monthly_tokens > 0 && monthTokens >= key.monthly_tokens) {

@@ -1,3 +1,4 @@
+// @ts-check
 // The circuit breaker's state machine, pure: no I/O, the clock passed in.
 //
 //            FAILURE_THRESHOLD consecutive failures (errors or deadline misses),

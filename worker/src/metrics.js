@@ -1,3 +1,4 @@
+// @ts-check
 // GET /_colocate/metrics: the cell in Prometheus' text exposition format (version 0.0.4).
 // Pure: the generation object's `metrics` answer and the cell's config in, text out.
 //
@@ -75,14 +76,15 @@ export function exposition(m, cfg) {
     }
   }
   for (const key of [...series.keys()].sort()) histogramLines(out, "colocate_segment_seconds", JSON.parse(key), series.get(key));
-  family(out, "colocate_requests_total", "counter", "Requests served, by backend (pods or the fallback API).");
-  const served = new Map(m.served.map((r) => [r.backend, r]));
-  for (const b of ["pods", "fallback"]) out.push(`colocate_requests_total${labels({ backend: b })} ${served.get(b)?.requests ?? 0}`);
-  family(out, "colocate_tokens_total", "counter",
-    "Tokens by backend and kind (a usage row's tokens split by the requests each backend served); the fallback's are its spend at colocate:fallbackPrice.");
-  for (const b of ["pods", "fallback"]) {
-    out.push(`colocate_tokens_total${labels({ backend: b, kind: "prompt" })} ${served.get(b)?.prompt_tokens ?? 0}`);
-    out.push(`colocate_tokens_total${labels({ backend: b, kind: "completion" })} ${served.get(b)?.completion_tokens ?? 0}`);
+  // backend_total: pod-<i>, fallback, and none (a front door's deferral, served by another cell)
+  const served = [...m.served].sort((a, b) => (a.backend < b.backend ? -1 : 1));
+  if (!served.some((r) => r.backend === "fallback")) served.push({ backend: "fallback", requests: 0, prompt_tokens: 0, completion_tokens: 0 });
+  family(out, "colocate_requests_total", "counter", "Requests answered, by backend (pod-<i>, fallback, none: deferred to another cell).");
+  for (const r of served) out.push(`colocate_requests_total${labels({ backend: r.backend })} ${r.requests}`);
+  family(out, "colocate_tokens_total", "counter", "Tokens by backend and kind; the fallback's are its spend at colocate:fallbackPrice.");
+  for (const r of served) {
+    out.push(`colocate_tokens_total${labels({ backend: r.backend, kind: "prompt" })} ${r.prompt_tokens}`);
+    out.push(`colocate_tokens_total${labels({ backend: r.backend, kind: "completion" })} ${r.completion_tokens}`);
   }
   family(out, "colocate_breaker_state", "gauge", "Each pod's circuit breaker: 1 for its current state, 0 for the others.");
   const byUrl = new Map(m.pods.map((r) => [r.pod, r]));

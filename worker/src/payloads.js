@@ -1,13 +1,14 @@
+// @ts-check
 // Every row that crosses a boundary, declared once: between an isolate and its generation's
 // object (a sync's batch and answer), between a cell and a fleet's exchange, and what the
 // operator endpoints answer. Rows are arrays (a sync stays small); their columns are named
 // here and every reader and writer goes through these names, in JavaScript and in Python
 // (colocate/payloads.py reads SHAPES from this file). docs/worker.md "Adding a counter".
 //
-// SHAPES is JSON as well as JavaScript (double quotes, no trailing commas, no comments
-// inside it): each shape is its columns in order, [name, meaning].
+// SHAPES is JSON as well as JavaScript inside its parentheses (double quotes, no trailing
+// commas, no comments): each shape is its columns in order, [name, meaning].
 
-export const SHAPES = {
+export const SHAPES = /** @type {const} */ ({
   "counter": [
     ["minute", "the minute bucket (ms / 60000) that req and tok count"],
     ["req", "requests in bucket minute"],
@@ -53,16 +54,36 @@ export const SHAPES = {
   "inflight": [
     ["key_id", "the client key's id"],
     ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"]
+  ],
+  "hist": [
+    ["at", "the minute (ms / 60000), or the hour (ms / 3600000) in seg_hour"],
+    ["colo", "routed segments: where the Worker ran; sync: where the state object answered"],
+    ["who", "routed segments: the pod index or fallback, @<client colo> behind a front door; sync: the Worker's colo"],
+    ["segment", "state, upstream, fallback, total or sync"],
+    ["hist", "the histogram's text, ~gap*count,... (histogram.js)"]
+  ],
+  "backend": [
+    ["backend", "who answered: pod-<i>, fallback, or none (a fleet's front door took it elsewhere)"],
+    ["requests", "requests it answered since the last sync"],
+    ["prompt_tokens", "their prompt tokens"],
+    ["completion_tokens", "their completion tokens"]
+  ],
+  "pod_inflight": [
+    ["pod", "the pod's index in POD_URLS"],
+    ["n", "requests this isolate has in flight there now"]
   ]
-};
+});
 
 /**
  * A shape's column indexes by name (`COUNTER.req` is 1), plus `names`, `columns` (the
  * names as a SQL column list), `length`, `zero`
  * (a row of zeros after the `first` columns given) and `of` (a row from a SQL record
- * whose columns carry the same names). worker/test/payloads.test.js checks that every
+ * whose columns carry the same names). tsc and tests/test_payloads.py check that every
  * `SHAPE.name` in the sources names a declared column.
- * @param {[string, string][]} columns
+ * @template {string} N
+ * @param {ReadonlyArray<readonly [N, string]>} columns
+ * @returns {Readonly<Record<N, number> & {names: readonly N[], columns: string, length: number,
+ *   zero: (...first: (string | number)[]) => any[], of: (record: Record<string, any>) => any[]}>}
  */
 function shape(columns) {
   const names = columns.map(([n]) => n);
@@ -72,7 +93,7 @@ function shape(columns) {
     if (n in RESERVED) throw new Error(`column name ${n} is reserved`);
     index[n] = i;
   });
-  return Object.freeze({
+  return /** @type {any} */ (Object.freeze({
     ...index,
     names: Object.freeze(names),
     columns: names.join(", "),
@@ -81,7 +102,7 @@ function shape(columns) {
     zero: (...first) => [...first, ...new Array(names.length - first.length).fill(0)],
     /** @param {Record<string, any>} record */
     of: (record) => names.map((n) => record[n]),
-  });
+  }));
 }
 
 const RESERVED = { names: 1, columns: 1, length: 1, zero: 1, of: 1 };
@@ -98,3 +119,105 @@ export const USAGE = shape(SHAPES.usage);
 export const WINDOW = shape(SHAPES.window);
 /** A sync batch's `inflight` row. */
 export const INFLIGHT = shape(SHAPES.inflight);
+/** A sync batch's `hist` row (seg_minute's), and GET /_colocate/live's `minutes` and `hours`. */
+export const HIST = shape(SHAPES.hist);
+/** A sync batch's `backends` row: the scaling controller's demand signal (backend_total). */
+export const BACKEND = shape(SHAPES.backend);
+/** A sync batch's `pods` row: every pod of this isolate's POD_URLS, whenever one's count moved (pod_inflight). */
+export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
+
+// --- the shapes of the objects that cross a boundary (JSDoc; tsc checks their use) ---
+
+/**
+ * The cell Worker's bindings (colocate/plan.py `worker_bindings` generates them; config.js
+ * reads and checks them). Numbers arrive as text.
+ * @typedef {object} Env
+ * @property {DurableObjectNamespace<import("./generation.js").Breaker>} BREAKER  the generation objects (class Breaker)
+ * @property {string} ACTIVE_GENERATION
+ * @property {string} [ACTIVE_HINT]
+ * @property {string} [DRAINING_GENERATION]
+ * @property {string} [DRAINING_HINT]
+ * @property {string} [CELL_REGION]
+ * @property {string} POD_URLS  a JSON array of the pods' base URLs
+ * @property {string} POD_TOKEN
+ * @property {string} PROBE_TOKEN
+ * @property {string} FALLBACK_URL
+ * @property {string} FALLBACK_API_KEY
+ * @property {string} FALLBACK_MODEL
+ * @property {string} [DEADLINE_MS]
+ * @property {string} [MAX_BODY_BYTES]
+ * @property {string} [FAILURE_THRESHOLD]
+ * @property {string} [OPEN_MS]
+ * @property {string} [STATE_TTL_MS]
+ * @property {string} [DEFAULT_MAX_PARALLEL]
+ */
+
+/**
+ * The fleet front door's bindings (colocate/fleet.py generates them; fleetfront.js reads them).
+ * @typedef {object} FrontEnv
+ * @property {DurableObjectNamespace<import("./fleetledger.js").FleetLedger>} LEDGER  the limits exchange
+ * @property {string} CELLS  the member cells, JSON
+ * @property {string} [EXCHANGE_MS]
+ * @property {string} [REMEMBER_MS]
+ * @property {string} [MAX_BODY_BYTES]
+ */
+
+/**
+ * What every call from an isolate to its generation's object carries (state.js `infoOf`).
+ * @typedef {object} SyncInfo
+ * @property {string} generation
+ * @property {string | null} draining
+ * @property {string | null} [drainingHint]
+ * @property {number} failureThreshold
+ * @property {number} openMs
+ * @property {number} deadlineMs
+ * @property {number} haveRev  the keys revision the isolate holds (-1: none)
+ * @property {string} isolate
+ * @property {number} ttlMs
+ * @property {string[]} keys  the ids whose counters a sync asks for
+ * @property {string[]} [lookup]  digests to look up in the same round trip
+ */
+
+/**
+ * A sync's batch: each part's rows in the shape named above (hist: histogram.js rows).
+ * @typedef {object} SyncBatch
+ * @property {any[][]} [usage]  USAGE rows
+ * @property {any[][]} [windows]  WINDOW rows
+ * @property {any[][]} [inflight]  INFLIGHT rows
+ * @property {any[][]} [hist]  [minute, colo, pod, segment, "index:count,..."]
+ */
+
+/**
+ * A sync's answer (generation.js `view`): what the isolate caches.
+ * @typedef {object} SyncAnswer
+ * @property {number} rev
+ * @property {object[] | null} keys  the key rows changed since `haveRev` (null: none changed)
+ * @property {boolean} more
+ * @property {boolean} [reset]
+ * @property {Record<string, object>} pods  per-pod breaker rows by URL
+ * @property {Record<string, number[]>} counts  COUNTER rows of the keys asked for
+ * @property {string | null} forced
+ * @property {string[]} imported
+ * @property {number} at
+ * @property {string | null} [colo]
+ * @property {{keys: object[], counts: Record<string, number[]>}} [found]  the look-up's answer
+ */
+
+/**
+ * A cell's answer to the exchange's pull (GET /_colocate/fleet/counters).
+ * @typedef {object} CountersAnswer
+ * @property {string} generation
+ * @property {number} cursor
+ * @property {boolean} more
+ * @property {boolean} reset
+ * @property {any[][]} rows  EXCHANGE rows
+ */
+
+/**
+ * One key's counters in a cell (GET /_colocate/fleet/peers?key=): the operator's view.
+ * @typedef {object} PeersAnswer
+ * @property {string} key_id
+ * @property {object | null} peers  the peer_counters record (EXCHANGE's names, plus `at`)
+ * @property {number[] | null} own  COUNTER row of this cell's own traffic
+ * @property {number[] | null} counts  COUNTER row as a sync answers it
+ */

@@ -1,3 +1,4 @@
+// @ts-check
 // Which pod serves a request: the breaker's verdict per pod, then the fewest requests in
 // flight in this isolate (ties broken at random). Pure but for the in-flight counters,
 // which are plain numbers in module scope.
@@ -5,6 +6,7 @@
 import { CLOSED, route } from "./machine.js";
 
 const inflight = new Map(); // pod URL -> requests this isolate has in flight there
+let podsMoved = false; // a count changed since the sync last took them (state.js `pods` part)
 
 const CLOSED_POD = Object.freeze({ state: CLOSED, failures: 0, opened_at: null, trial_at: null });
 
@@ -70,12 +72,26 @@ export function leastBusy(urls, indexes) {
 
 export function started(url) {
   inflight.set(url, (inflight.get(url) || 0) + 1);
+  podsMoved = true;
 }
 
 export function finished(url) {
   const n = (inflight.get(url) || 1) - 1;
   if (n <= 0) inflight.delete(url);
   else inflight.set(url, n);
+  podsMoved = true;
+}
+
+/** Whether an in-flight count changed since the sync last took them. */
+export function inflightMoved() {
+  return podsMoved;
+}
+
+/** The same, and the sync takes them now (`undo`: a failed sync gives them back). */
+export function takeInflightMoved(undo = false) {
+  const moved = podsMoved;
+  podsMoved = undo;
+  return moved;
 }
 
 /** In-flight counts by URL (tests and the probe). */

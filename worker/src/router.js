@@ -1,3 +1,4 @@
+// @ts-check
 // The request entry: dispatch, bad-input handling, and routing inference requests.
 //
 // A routed request, in order (docs/worker.md): the client key's shape (no I/O), the
@@ -8,9 +9,9 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, clientInit, fallbackBytes, healthOk, isStream, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
+import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, leaseRefusal, refusal } from "./limits.js";
+import { estimate, leaseRefusal, rateHeaders, refusal } from "./limits.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, lookup } from "./routes.js";
@@ -26,12 +27,13 @@ import { learnColo, recordRequest } from "./histogram.js";
 
 /**
  * @param {Request} request
- * @param {object} env  the bindings (see docs/worker.md)
+ * @param {import("./payloads.js").Env} env  the bindings (see docs/worker.md)
  * @param {{waitUntil(p: Promise<unknown>): void}} ctx
- * @param {{fetch?: typeof fetch}} [deps]  tests may pass their own fetch
+ * @param {{fetch?: typeof fetch}} [deps]  tests may pass their own fetch (for the pods too)
  */
 export async function handle(request, env, ctx, deps = {}) {
   const fetchImpl = deps.fetch || fetch;
+  const hop = deps.fetch || podFetch(env);
   try {
     const url = new URL(request.url);
     const r = lookup(url.pathname);
@@ -42,11 +44,11 @@ export async function handle(request, env, ctx, deps = {}) {
     }
     const cfg = readConfig(env);
     if (r.kind === "routed") {
-      const res = await routed(request, env, ctx, cfg, url, r, fetchImpl);
+      const res = await routed(request, env, ctx, cfg, url, r, fetchImpl, hop);
       learnColo(ctx, request, fetchImpl); // once per isolate, in the background, after the first answer
       return res;
     }
-    return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl);
+    return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop);
   } catch (err) {
     releaseSlot(request); // a request that fails after admission gives its slot back
     if (err instanceof HttpError && err.holdMs) await new Promise((resolve) => setTimeout(resolve, err.holdMs));
@@ -133,7 +135,10 @@ function releaseSlot(request) {
   if (release) release();
 }
 
-/** Refuse a request over one of the key's limits (429 with Retry-After), else admit it (returns when). */
+/**
+ * Refuse a request over one of the key's limits (429 with Retry-After), else admit it: returns
+ * when, and the x-ratelimit headers of its answer.
+ */
 function enforceLimits(request, cfg, key) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
@@ -145,16 +150,18 @@ function enforceLimits(request, cfg, key) {
   const lease = cache.lease(gen, key.id);
   const no = refusal(key, est, month, t, inflight) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month));
   if (no) {
-    const err = new HttpError(429, no.code, no.message, { "retry-after": String(no.retryAfterS) }, no.type);
+    const headers = Object.fromEntries(rateHeaders(key, est, t, false));
+    headers["retry-after"] = String(no.retryAfterS);
+    const err = new HttpError(429, no.code, no.message, headers, no.type);
     err.holdMs = holdFor(key.id, t);
     throw err;
   }
   const release = admit(cfg, key, t);
   if (release) slots.set(request, release);
-  return t;
+  return { at: t, headers: rateHeaders(key, est, t, true) };
 }
 
-async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
+async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const t0 = now();
   // `client`: the colo a fleet's front door received the request in (the live view's client colo)
   const timing = { state: 0, upstream: 0, fallback: 0, total: 0, client: request.headers.get(CLIENT_COLO_HEADER) };
@@ -177,7 +184,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   }
   // The pod's deadline starts now: a slow upload is the client's time, not the pod's.
   const t1 = bytes === null ? t0 : now();
-  const admittedAt = enforceLimits(request, cfg, key);
+  const admitted = enforceLimits(request, cfg, key);
+  const limits = admitted.headers;
   scheduleFlush(env, ctx, cfg);
   // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
   // byte). What an upstream reports is believed only up to what the request allows.
@@ -195,7 +203,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
   // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
   // request's fate says whose it was, with the key it came from.
   const from = { key: key.id };
-  const witness = (podUrl) => healthWitness(env, ctx, cfg, podUrl, fetchImpl);
+  const witness = (podUrl) => healthWitness(env, ctx, cfg, podUrl, hop);
   const blame = (suspects, verdict) => {
     if (verdict === "pod") for (const s of suspects) report(env, ctx, cfg, s, false, from, witness);
     else for (const s of suspects) if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
@@ -231,7 +239,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     const podUrl = urls[index];
     const t = now();
     started(podUrl);
-    const res = await tryPod(fetchImpl, podUrl + path, {
+    const res = await tryPod(hop, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
       body: podBody,
@@ -245,19 +253,20 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
       if (!res.stream) {
         finished(podUrl);
         meter(backend, json !== null && res.response.ok ? usageOfAnswer(res.bytes, guess) : null);
-        return finish(res.bytes, clientInit(res.response), backend, timing, t0);
+        return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
       const tap = counted(res.response.body, (usage) => {
         finished(podUrl);
         meter(backend, usage);
       });
       ctx.waitUntil(tap.piped);
-      return finish(tap.body, clientInit(res.response), backend, timing, t0);
+      return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
     }
     finished(podUrl);
     suspects.push(podUrl);
-    log(env, "pod_failed", { reason: res.reason, pod: index, generation: gen });
-    if (res.reason === "deadline") break; // no time is left for another pod
+    const { reason } = /** @type {{reason: string}} */ (res);
+    log(env, "pod_failed", { reason, pod: index, generation: gen });
+    if (reason === "deadline") break; // no time is left for another pod
   }
 
   if (request.headers.get(DEFER_HEADER) === "defer" && (await fromFrontDoor(request, cfg))) {
@@ -266,7 +275,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     // defer would be served by no one yet have its request withdrawn from its limits.
     blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
     releaseSlot(request);
-    withdraw(cfg, key.id, admittedAt); // the next cell counts it: the fleet's limits count it once
+    withdraw(cfg, key.id, admitted.at); // the next cell counts it: the fleet's limits count it once
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }
@@ -284,14 +293,14 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     blame(suspects, blameOf(suspects.length, null));
     meter("fallback", null);
     const error = errorResponse(err.status, err.code, err.message, {}, err.type);
-    return finish(error.body, error, "fallback", timing, t0);
+    return finish(error.body, error, "fallback", timing, t0, limits);
   }
   blame(suspects, blameOf(suspects.length, res.status));
   if (isStream(res) && res.body) {
     timing.fallback = now() - t;
     const tap = counted(res.body, (usage) => meter("fallback", usage));
     ctx.waitUntil(tap.piped);
-    return finish(tap.body, clientInit(res), "fallback", timing, t0);
+    return finish(tap.body, clientInit(res), "fallback", timing, t0, limits);
   }
   let body;
   try {
@@ -301,11 +310,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl) {
     timing.fallback = now() - t;
     meter("fallback", null);
     const error = errorResponse(err.status, err.code, err.message, {}, err.type);
-    return finish(error.body, error, "fallback", timing, t0);
+    return finish(error.body, error, "fallback", timing, t0, limits);
   }
   timing.fallback = now() - t;
   meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
-  return finish(body, clientInit(res), "fallback", timing, t0);
+  return finish(body, clientInit(res), "fallback", timing, t0, limits);
 }
 
 /** Whether the request carries this cell's exchange token, as only its fleet's front door sends it. */
@@ -342,12 +351,13 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
 }
 
 /** The client's response: `body` with the status and headers of `from` (a Response of ours,
- * or an upstream's `clientInit`), plus ours. */
-function finish(body, from, backend, timing, t0) {
+ * or an upstream's `clientInit`), plus ours and the key's x-ratelimit `limits` headers. */
+function finish(body, from, backend, timing, t0, limits = []) {
   const res = new Response(body, from);
   timing.total = now() - t0;
   recordRequest(backend, timing); // the live view's histograms: memory only, carried by the next sync
   res.headers.set("x-colocate-backend", backend);
   res.headers.set("server-timing", serverTiming(timing));
+  for (const [name, value] of limits) res.headers.set(name, value);
   return res;
 }

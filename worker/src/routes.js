@@ -1,3 +1,4 @@
+// @ts-check
 // The Worker's HTTP surface: which paths exist and which methods each accepts.
 // `routed` paths need a client key; every /_colocate path an operator credential.
 
@@ -15,6 +16,9 @@ export const ROUTES = {
   "/_colocate/usage": { methods: ["GET"], kind: "usage", roles: { GET: "read" } },
   "/_colocate/live": { methods: ["GET"], kind: "live", roles: { GET: "read" } },
   "/_colocate/metrics": { methods: ["GET"], kind: "metrics", roles: { GET: "read" } },
+  // The scaling controller (colocate/scaler.py) reads with the read token, takes the lock and records with the admin one.
+  "/_colocate/scale": { methods: ["GET", "POST"], kind: "scale", roles: { GET: "read", POST: "admin" } },
+  "/_colocate/scale/lock": { methods: ["POST"], kind: "scale_lock", roles: { POST: "admin" } },
   "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters", roles: { GET: "exchange" } },
   "/_colocate/fleet/peers": { methods: ["GET", "POST"], kind: "fleet_peers", roles: { GET: "exchange", POST: "exchange" } },
 };

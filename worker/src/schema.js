@@ -1,3 +1,4 @@
+// @ts-check
 // The generation object's SQLite schema: every piece of routed state a cell keeps.
 //
 // One object per generation holds it all, so the generation-rename migration moves all
@@ -25,9 +26,6 @@
 //   seg_hour      the same per hour; hours older than 35 days are dropped
 //   seg_total     the same since the generation began, never dropped: the Prometheus
 //                 histograms' cumulative counts (GET /_colocate/metrics)
-//   served_total  per backend ("pods", "fallback"): requests and tokens since the generation
-//                 began, the Prometheus counters (a usage row's tokens split between the
-//                 two by its requests, exact when a row's requests all went one way)
 //   key_changed   per key: the sequence number of the last batch that changed its own
 //                 counters (rate_window, key_month); a fleet's exchange reads the keys
 //                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
@@ -35,6 +33,11 @@
 //                 pushed them (minute buckets and month): the operator's view, never usage
 //   key_lease     per key: this cell's lease in a fleet (its share of rpm, tpm and the
 //                 month's tokens), as the exchange last pushed it; with meta `fleet_cells`
+//   backend_total per backend (pod-<i>, fallback, none): requests and tokens since the
+//                 generation began; the scaling controller's demand signal (rates are
+//                 differences between its reads)
+//   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
+//                 last sync (a scale-down waits for its draining pods to read 0)
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
@@ -77,13 +80,15 @@ export const SCHEMA = [
      at INTEGER NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS key_lease (
      key_id TEXT PRIMARY KEY, req INTEGER, tok INTEGER, month TEXT NOT NULL, month_tokens INTEGER, at INTEGER NOT NULL)`,
+  `CREATE TABLE IF NOT EXISTS backend_total (
+     backend TEXT PRIMARY KEY, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)`,
+  `CREATE TABLE IF NOT EXISTS pod_inflight (
+     isolate TEXT NOT NULL, pod INTEGER NOT NULL, n INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (isolate, pod))`,
   `CREATE TABLE IF NOT EXISTS seg_hour (
      hour INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
      PRIMARY KEY (hour, colo, pod, segment))`,
   `CREATE TABLE IF NOT EXISTS seg_total (
      colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL, PRIMARY KEY (colo, pod, segment))`,
-  `CREATE TABLE IF NOT EXISTS served_total (
-     backend TEXT PRIMARY KEY, requests INTEGER NOT NULL, prompt_tokens REAL NOT NULL, completion_tokens REAL NOT NULL)`,
 ];
 
 // Columns added since a table was first created: [table, column, declaration]. An object
@@ -156,9 +161,3 @@ export const UPSERT_POD = `INSERT INTO pod_health (pod, state, failures, opened_
   ON CONFLICT (pod) DO UPDATE SET state = excluded.state, failures = excluded.failures,
     opened_at = excluded.opened_at, trial_at = excluded.trial_at, updated_at = excluded.updated_at,
     failure_keys = excluded.failure_keys`;
-
-// Requests and tokens into served_total, per backend: `?` is [[backend, requests, prompt, completion], ...].
-export const ADD_SERVED = `INSERT INTO served_total (backend, requests, prompt_tokens, completion_tokens)
-  SELECT ${[0, 1, 2, 3].map(col).join(", ")} FROM json_each(?) WHERE true
-  ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
-    prompt_tokens = prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + excluded.completion_tokens`;

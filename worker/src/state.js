@@ -1,3 +1,4 @@
+// @ts-check
 // The Worker's side of the generation object: which object, the cached view, the
 // batched deltas (usage, limit counters, requests in flight), key look-ups, and breaker
 // reports.
@@ -18,10 +19,10 @@
 import { HttpError, log } from "./errors.js";
 import { ViewCache } from "./cache.js";
 import { dayOf, minuteOf } from "./limits.js";
-import { healthDue } from "./pods.js";
+import { healthDue, inflightMoved, inflightOf, takeInflightMoved } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
-import { INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -53,7 +54,10 @@ export function stubFor(env, generation, hint) {
   return hint ? env.BREAKER.get(id, { locationHint: hint }) : env.BREAKER.get(id);
 }
 
-/** What every object call carries; `keys`: the ids whose counters a sync asks for. */
+/**
+ * What every object call carries; `keys`: the ids whose counters a sync asks for.
+ * @returns {import("./payloads.js").SyncInfo}
+ */
 export function infoOf(cfg, keys = []) {
   return {
     generation: cfg.activeGeneration,
@@ -296,6 +300,20 @@ const PARTS = {
       for (const w of rows) addWindow(p, w[WINDOW.key_id], w[WINDOW.minute], w[WINDOW.requests], w[WINDOW.tokens]);
     },
   },
+  // The scaling controller's signals (colocate/scaler.py): requests and tokens by backend,
+  // and this isolate's requests in flight per pod index (every pod, whenever one changed).
+  backends: {
+    has: (p) => p.backends.size > 0,
+    take: (p) => takeMap(p, "backends"),
+    restore: (p, rows) => {
+      for (const r of rows) addBackend(p, r[BACKEND.backend], r[BACKEND.requests], r[BACKEND.prompt_tokens], r[BACKEND.completion_tokens]);
+    },
+  },
+  pods: {
+    has: (p) => p.podUrls !== null && inflightMoved(),
+    take: (p) => (p.podUrls !== null && takeInflightMoved() ? p.podUrls.map((u, i) => [i, inflightOf(u)]) : null), // POD_INFLIGHT rows
+    restore: () => takeInflightMoved(true),
+  },
   inflight: {
     // Every key with requests in flight here, and those that went to 0 since the last
     // sync: the object's row of a silent isolate expires (2 x TTL), so a live one renews it.
@@ -329,7 +347,7 @@ function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
     p = { usage: new Map(), windows: new Map(), month: new Map(), inflight: new Map(), inflightChanged: new Set(),
-      served: new Map(), plannedAt: -Infinity, sending: new Set() };
+      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null };
     pending.set(gen, p);
   }
   return p;
@@ -371,6 +389,17 @@ function addUsage(p, day, keyId, deltas) {
     const m = day.slice(0, 7) + "|" + keyId;
     p.month.set(m, (p.month.get(m) ?? 0) + tokens);
   }
+}
+
+function addBackend(p, backend, req, prompt, completion) {
+  let row = p.backends.get(backend);
+  if (!row) {
+    row = BACKEND.zero(backend);
+    p.backends.set(backend, row);
+  }
+  row[BACKEND.requests] += req;
+  row[BACKEND.prompt_tokens] += prompt;
+  row[BACKEND.completion_tokens] += completion;
 }
 
 function addWindow(p, keyId, minute, req, tok) {
@@ -427,6 +456,7 @@ export function inflightHere(gen, keyId) {
  */
 export function admit(cfg, key, t) {
   const p = pendingOf(cfg.activeGeneration);
+  p.podUrls = cfg.podUrls; // the indexes the `pods` part reports in-flight counts by
   p.served.set(key.id, t);
   addWindow(p, key.id, minuteOf(t), 1, 0);
   addUsage(p, dayOf(t), key.id, { requests: 1 });
@@ -453,6 +483,7 @@ export function withdraw(cfg, keyId, t) {
   const p = pendingOf(cfg.activeGeneration);
   addWindow(p, keyId, minuteOf(t), -1, 0);
   addUsage(p, dayOf(t), keyId, { requests: -1 });
+  addBackend(p, "none", 1, 0, 0); // still demand on this cell: the scaling signal counts it
 }
 
 /**
@@ -467,6 +498,7 @@ export function served(cfg, keyId, t, backend, usage) {
   const fallback = backend === "fallback" ? 1 : 0;
   addUsage(p, dayOf(t), keyId, { prompt_tokens: prompt, completion_tokens: completion, pod_requests: 1 - fallback,
     fallback_requests: fallback, estimated_tokens: estimated });
+  addBackend(p, backend, 1, prompt, completion);
   if (prompt + completion > 0) addWindow(p, keyId, minuteOf(t), 0, prompt + completion);
 }
 

@@ -1,3 +1,4 @@
+// @ts-check
 // Server-Timing: the contract names and their formatting.
 
 export const ROUTED_METRICS = ["state", "upstream", "fallback", "total"];

@@ -1,3 +1,4 @@
+// @ts-check
 // Where code runs: Cloudflare has no runtime API for a colo, so the Worker and the
 // Durable Object each fetch /cdn-cgi/trace and read its `colo=` line.
 

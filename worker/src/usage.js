@@ -1,3 +1,4 @@
+// @ts-check
 // Token usage from upstream answers (OpenAI's `usage` object), for limits and usage rows.
 //
 // A complete JSON answer carries `usage` at its top level (read from the parsed answer;

@@ -1,3 +1,4 @@
+// @ts-check
 // Routed request bodies checked against the OpenAI request shapes the pods (vLLM) serve:
 // what a pod would refuse, or could not survive, is answered here with a 400 naming the
 // field (`param`), the value and the fix, and never reaches a pod.

@@ -1,7 +1,9 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { aligned, badLeases, badRows, defaultShare, fairShares, grant, monthOf, slackOf, sumRows, weights } from "../src/fleetexchange.js";
-import { estimate, leaseRefusal, minuteOf } from "../src/limits.js";
+import {
+  aligned, badLeases, badRows, defaultShare, fairShares, goodRows, grant, monthOf, rowProblem, slackOf, sumRows, weights,
+} from "../src/fleetexchange.js";
+import { WINDOW_MS, estimate, leaseRefusal, minuteOf, refusal } from "../src/limits.js";
 import { COUNTER } from "../src/payloads.js";
 
 const T = Date.UTC(2026, 11, 4, 12, 0, 30); // 30 s into a minute
@@ -117,10 +119,18 @@ test("grant: a decrease at once; an increase only within what the other cells ma
 test("pushed rows are checked field by field", () => {
   assert.equal(badRows([row("a", M, 1, 2, 3, 4, "2026-12", 5)]), null);
   assert.match(badRows({}), /field "rows" must be an array/);
-  assert.match(badRows([[1]]), /field "rows\[0\]" must be \[key_id/);
-  assert.match(badRows([row("a", M, 1, 2), ["key_x", M, 0, 0, 0, 0, "2026-12", 0]]), /field "rows\[1\]"\[0\] must be a key id/);
-  assert.match(badRows([row("a", M, -1, 2)]), /field "rows\[0\]"\[2\] must be a whole number >= 0 \(got -1\)/);
-  assert.match(badRows([row("a", M, 1, 2, 0, 0, "Dec")]), /\[6\] must be a month YYYY-MM/);
+  assert.match(rowProblem([1], 0), /field "rows\[0\]" must be \[key_id/);
+  assert.match(rowProblem(["key_x", M, 0, 0, 0, 0, "2026-12", 0], 1), /field "rows\[1\]"\[0\] must be a key id/);
+  assert.match(rowProblem(row("a", M, -1, 2), 0), /field "rows\[0\]"\[2\] must be a whole number >= 0 \(got -1\)/);
+  assert.match(rowProblem(row("a", M, 1, 2, 0, 0, "Dec"), 0), /\[6\] must be a month YYYY-MM/);
+  // One row past 2^53 is dropped, not the batch.
+  const { good, dropped } = goodRows([row("a", M, 1, 2), row("b", M, 0, 0, 0, 0, "2026-12", 2 ** 53), [1]]);
+  assert.deepEqual(good, [row("a", M, 1, 2)]);
+  assert.equal(dropped.length, 2);
+  assert.match(dropped[0], /field "rows\[1\]"\[7\] must be a whole number/);
+  const sum = sumRows(row("a", M)[0], [row("a", M, 0, 0, 0, 0, monthOf(M * 60000), Number.MAX_SAFE_INTEGER),
+    row("a", M, 0, 0, 0, 0, monthOf(M * 60000), 5)], M * 60000);
+  assert.equal(sum[7], Number.MAX_SAFE_INTEGER);
   assert.match(badRows(Array.from({ length: 5001 }, () => row("a", M, 0, 0))), /at most 5000 rows/);
 });
 

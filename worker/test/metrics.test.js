@@ -13,7 +13,7 @@ function text(values) {
 }
 
 function answer(segments) {
-  return { segments, served: [{ backend: "pods", requests: 5, prompt_tokens: 50, completion_tokens: 20.5 }],
+  return { segments, served: [{ backend: "pod-0", requests: 5, prompt_tokens: 50, completion_tokens: 20 }],
     keys: { total: 3, active: 1, revoked: 1 }, pods: [{ pod: cfg.podUrls[1], state: "open", failures: 4 }], forced: null };
 }
 
@@ -34,6 +34,7 @@ test("a fleet's client colos add into one series per backend; buckets cumulative
   assert.match(out, /colocate_breaker_state\{pod="1",state="open"\} 1/);
   assert.match(out, /colocate_breaker_state\{pod="0",state="closed"\} 1/);
   assert.match(out, /colocate_keys\{state="expired"\} 1/);
-  assert.match(out, /colocate_tokens_total\{backend="pods",kind="completion"\} 20.5/);
+  assert.match(out, /colocate_tokens_total\{backend="pod-0",kind="completion"\} 20/);
+  assert.match(out, /colocate_requests_total\{backend="fallback"\} 0/); // always there: the dashboard's share divides by it
   assert.ok(!out.includes("pod-a.example") && !out.includes("pod-b.example"), "never a URL");
 });

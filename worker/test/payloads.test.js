@@ -1,7 +1,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { COUNTER, EXCHANGE, INFLIGHT, LEASE, SHAPES, USAGE, WINDOW } from "../src/payloads.js";
-import { badLeases, badRows, sumRows } from "../src/fleetexchange.js";
+import { badLeases, rowProblem, sumRows } from "../src/fleetexchange.js";
 import { minuteOf } from "../src/limits.js";
 import { BULK_USAGE, UPSERT_PEERS, USAGE_COLUMNS } from "../src/schema.js";
 
@@ -29,7 +29,7 @@ test("the exchange's writer and reader agree: a summed row is read back by name 
   cell[EXCHANGE.month] = "2026-12";
   cell[EXCHANGE.month_tokens] = 40;
   const sum = sumRows("key_0123456789ab", [cell, cell], T);
-  assert.equal(badRows([sum]), null);
+  assert.equal(rowProblem(sum, 0), null);
   assert.deepEqual([sum[EXCHANGE.req], sum[EXCHANGE.tok], sum[EXCHANGE.month_tokens]], [6, 60, 80]);
   // A lease row built by name passes the cell's check; one of another length is refused naming the columns.
   const lease = LEASE.of({ key_id: "key_0123456789ab", req: 3, tok: null, month: "2026-12", month_tokens: 100 });
@@ -39,8 +39,8 @@ test("the exchange's writer and reader agree: a summed row is read back by name 
 
 test("a row written to another shape than the reader's is refused, naming the columns", () => {
   const row = sumRows("key_0123456789ab", [], T);
-  assert.match(badRows([row.slice(0, -1)]), new RegExp(`must be \\[${EXCHANGE.names.join(", ")}\\]`));
-  assert.match(badRows([[...row, 0]]), /field "rows\[0\]" must be \[key_id, minute/);
+  assert.match(rowProblem(row.slice(0, -1), 0), new RegExp(`must be \\[${EXCHANGE.names.join(", ")}\\]`));
+  assert.match(rowProblem([...row, 0], 0), /field "rows\[0\]" must be \[key_id, minute/);
 });
 
 test("the SQL takes its column lists from the shapes", () => {

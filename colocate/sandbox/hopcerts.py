@@ -1,0 +1,77 @@
+"""The sandbox's credentials for the pod hop: a local CA and the certificates the stack declares in the cloud.
+
+Generated once per state directory under ``hop/`` (directory 0700, files 0600), like
+``secrets.json``: the CA, the pods' server certificate (for ``localhost``, the name the Worker
+fetches them by), the Worker's client certificate (its POD_TLS binding) and the readiness
+check's client certificate (``scripts/pod.py``). The CA's key stays in the directory; nothing
+is printed or put in argv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..localca import Leaf, LocalCA
+from ..pods import podtls
+from ..workerd import HopClient
+
+DIR = "hop"
+POD_NAME = "localhost"  # what PodPlan.tls_name is for a local pod
+FILES = {"ca": "ca", "pod": "pod", "worker": "worker", "check": "check"}
+_LOCK = threading.Lock()  # the runner creates pods side by side: one of them makes the files
+
+
+@dataclass(frozen=True)
+class HopCredentials:
+    ca: LocalCA
+    pod: Leaf
+    worker: Leaf
+    check: Leaf
+
+    def worker_client(self) -> HopClient:
+        return HopClient(self.worker.cert_pem, self.worker.key_pem, self.ca.cert_pem)
+
+    def pod_env(self) -> dict[str, str]:
+        """What ``scripts/pod.py create`` takes for a mutual-TLS pod (as infra/ passes it in the cloud)."""
+        return {podtls.BUNDLE_ENV: podtls.bundle(self.pod.cert_pem, self.pod.key_pem, self.ca.cert_pem),
+                podtls.CHECK_ENV: json.dumps({"cert": self.check.cert_pem, "key": self.check.key_pem,
+                                              "ca": self.ca.cert_pem})}
+
+
+def _write(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def load(state_dir: Path) -> HopCredentials:
+    """The state directory's hop credentials, made on first use. They are written into a private
+    temporary directory and renamed into place whole, so a reader in another process (``status``)
+    never pairs a certificate with another run's key; the first rename wins."""
+    d = Path(state_dir) / DIR
+    with _LOCK:
+        if not d.is_dir():
+            _make(d)
+        read = {k: Leaf((d / f"{n}.pem").read_text(), (d / f"{n}.key").read_text()) for k, n in FILES.items()}
+    return HopCredentials(LocalCA(read["ca"].cert_pem, read["ca"].key_pem), read["pod"], read["worker"], read["check"])
+
+
+def _make(d: Path) -> None:
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".hop-", dir=d.parent))  # mode 0700
+    ca = LocalCA.create("colocate sandbox pod hop CA")
+    made = {"ca": Leaf(ca.cert_pem, ca.key_pem), "pod": ca.server(POD_NAME),
+            "worker": ca.client("colocate worker"), "check": ca.client("colocate pod readiness")}
+    for key, leaf in made.items():
+        _write(tmp / f"{FILES[key]}.pem", leaf.cert_pem)
+        _write(tmp / f"{FILES[key]}.key", leaf.key_pem)
+    try:
+        os.rename(tmp, d)
+    except OSError:  # another process made it first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)

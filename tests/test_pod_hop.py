@@ -1,0 +1,218 @@
+"""The pod hop is mutual TLS: the Worker (real workerd) reaches the pod only with its client
+certificate and only a pod with the cell's certificate; a stranger on the pod's port gets no
+model answer on any route; a wrong or expired certificate on either side fails closed with a
+log line, and the fallback serves."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import http.client
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colocate.localca import LocalCA
+from colocate.pods import podtls, standin
+from colocate.workerd import HopClient, Workerd, render_config
+from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Cell, cell_plan, chat, request, values_for
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+PAST = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+
+
+@pytest.fixture(scope="module")
+def ca() -> LocalCA:
+    return LocalCA.create("test hop CA")
+
+
+@pytest.fixture(scope="module")
+def worker_leaf(ca):
+    return ca.client("colocate worker")
+
+
+@pytest.fixture(scope="module")
+def worker_client(ca, worker_leaf) -> HopClient:
+    return HopClient(worker_leaf.cert_pem, worker_leaf.key_pem, ca.cert_pem)
+
+
+def _server_context(tmp: Path, ca: LocalCA, leaf) -> ssl.SSLContext:
+    """The stand-in's context from a bundle, read the way a pod reads COLOCATE_POD_TLS (a file here:
+    /proc/self/environ is this process's own, fixed at its start)."""
+    path = tmp / f"bundle-{os.urandom(4).hex()}"
+    path.write_text(podtls.bundle(leaf.cert_pem, leaf.key_pem, ca.cert_pem))
+    path.chmod(0o600)
+    return podtls.server_context(str(path))
+
+
+@contextlib.contextmanager
+def _cell(pod_ctx: ssl.SSLContext, client: HopClient):
+    """A stand-in pod serving mutual TLS, a plain fallback, and workerd with the sandbox plan whose
+    POD_TLS binding presents ``client``; the pod's log lines (its refused handshakes) in ``cell.pod_log``."""
+    plan = cell_plan()
+    lines: list[str] = []
+    with contextlib.ExitStack() as stack:
+        pod = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["POD_TOKEN"], name="pod", tls=pod_ctx,
+                                                log=lines.append))
+        fb = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME,
+                                               name="fallback"))
+        w = stack.enter_context(Workerd())
+        url = f"https://localhost:{pod.port}"
+        w.start(render_config(plan.worker, values_for(url, fb.url), port=w.port, storage_dir=w.directory / "objects",
+                              pod_tls=client))
+        cell = Cell(w, [pod], fb, plan)
+        cell.pod_log = lines
+        cell.key = cell.create_key("hop")["key"]
+        yield cell
+
+
+@pytest.fixture(scope="module")
+def good(ca, worker_client, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hop-good")
+    with _cell(_server_context(tmp, ca, ca.server("localhost")), worker_client) as cell:
+        yield cell
+
+
+def _tls(ca_pem: str | None = None, leaf=None) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca_pem:
+        ctx.load_verify_locations(cadata=ca_pem)
+    else:
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    if leaf is not None:
+        with podtls.client_files(leaf.cert_pem, leaf.key_pem, ca_pem or leaf.cert_pem) as (pair, _):
+            ctx.load_cert_chain(*pair)
+    return ctx
+
+
+def _https(port: int, method: str, path: str, ctx: ssl.SSLContext, body: dict | None = None) -> tuple[int, bytes]:
+    """One request over TLS (raises on a refused handshake)."""
+    conn = http.client.HTTPSConnection("localhost", port, context=ctx, timeout=10)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers={"authorization": f"Bearer {SECRETS['POD_TOKEN']}",
+                                                       "content-type": "application/json"})
+        res = conn.getresponse()
+        return res.status, res.read()
+    finally:
+        conn.close()
+
+
+def _plain(port: int, method: str, path: str) -> bytes:
+    """What a plain-HTTP caller with the pod token gets back from the port (raw bytes, bounded)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        body = json.dumps(chat()).encode() if method == "POST" else b""
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {SECRETS['POD_TOKEN']}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        got = b""
+        with contextlib.suppress(OSError):
+            while len(got) < 65536:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        return got
+
+
+def _wait_log(lines: list[str], needle: str, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while needle not in "\n".join(lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "\n".join(lines)
+
+
+def test_the_worker_reaches_its_pod_over_mutual_tls(good):
+    res = good.call("POST", "/v1/chat/completions", body=chat())
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0", res.body
+    probe = good.call("GET", "/_colocate/probe", headers={"authorization": f"Bearer {SECRETS['PROBE_TOKEN']}"})
+    assert probe.json()["pod_ok"] is True and probe.json()["pod_status"] == 200
+    assert good.pod.requests >= 1
+
+
+ROUTES = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/health")] + \
+    [(method, path) for path, method in standin.OPEN_ROUTES.items()]
+
+
+@pytest.mark.parametrize("method,path", ROUTES)
+def test_a_stranger_gets_no_answer_on_any_route(good, ca, worker_leaf, method, path):
+    port = good.pod.port
+    body = chat() if method == "POST" else None
+    # The Worker's credential opens every route the pod has (so the refusals below are the hop's doing) ...
+    status, _ = _https(port, method, path, _tls(ca.cert_pem, worker_leaf), body)
+    assert status == 200, (method, path)
+    # ... plain HTTP with the pod token gets no HTTP answer at all ...
+    assert not _plain(port, method, path).startswith(b"HTTP/"), (method, path)
+    # ... and neither does TLS without a client certificate, nor with one of another CA.
+    for leaf in (None, LocalCA.create("stranger CA").client("stranger")):
+        with pytest.raises((ssl.SSLError, ConnectionError, http.client.RemoteDisconnected, OSError)):
+            _https(port, method, path, _tls(ca.cert_pem, leaf), body)
+
+
+def test_the_pod_logs_each_refused_handshake(good):
+    before = len(good.pod_log)
+    _plain(good.pod.port, "GET", "/health")
+    deadline = time.monotonic() + 10
+    while len(good.pod_log) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any(line.startswith("standin: refused a TLS handshake from 127.0.0.1") for line in good.pod_log[before:])
+
+
+def test_an_expired_worker_certificate_fails_closed_and_the_fallback_serves(ca, tmp_path):
+    old = ca.client("colocate worker", not_before=PAST, not_after=PAST + datetime.timedelta(days=1))
+    with _cell(_server_context(tmp_path, ca, ca.server("localhost")), HopClient(old.cert_pem, old.key_pem, ca.cert_pem)) as cell:
+        res = cell.call("POST", "/v1/chat/completions", body=chat())
+        assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback", res.headers
+        assert cell.pod.requests == 0
+        assert "certificate has expired" in _wait_log(cell.pod_log, "certificate has expired")
+
+
+@pytest.mark.parametrize("which", ["expired", "other CA", "other name"])
+def test_a_pod_without_the_cells_certificate_is_refused_and_the_fallback_serves(ca, worker_client, tmp_path, which):
+    if which == "expired":
+        leaf, issuer = ca.server("localhost", not_before=PAST, not_after=PAST + datetime.timedelta(days=1)), ca
+    elif which == "other CA":
+        issuer = LocalCA.create("impostor CA")  # a pod (or the next renter of its address) with its own CA
+        leaf = issuer.server("localhost")
+    else:
+        leaf, issuer = ca.server("pod-elsewhere.example"), ca
+    with _cell(_server_context(tmp_path, issuer, leaf), worker_client) as cell:
+        res = cell.call("POST", "/v1/chat/completions", body=chat())
+        assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback", res.headers
+        assert cell.pod.requests == 0  # not one byte of the request reached it
+        log = cell.worker.log_text()
+        assert "certificate" in log.lower(), log[-2000:]
+
+
+def test_a_pod_process_serves_tls_from_its_environment_as_vllm_does(ca, tmp_path):
+    """The real mechanism: COLOCATE_POD_TLS in the process's environment, read back through /proc/self/environ."""
+    leaf, caller = ca.server("localhost"), ca.client("colocate worker")
+    port_file = tmp_path / "port.json"
+    env = {**os.environ, podtls.ENV: podtls.bundle(leaf.cert_pem, leaf.key_pem, ca.cert_pem), "POD_TOKEN": SECRETS["POD_TOKEN"],
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port-file", str(port_file), "--compute-ms", "1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 20
+        while not port_file.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        info = json.loads(port_file.read_text())
+        assert info["url"].startswith("https://")
+        assert _https(info["port"], "GET", "/health", _tls(ca.cert_pem, caller))[0] == 200
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            _https(info["port"], "GET", "/health", _tls(ca.cert_pem))
+        # The fault endpoint stays on loopback, on the plain control port beside the TLS one.
+        res = request(info["control_url"], "POST", "/_standin/fault", body={"mode": "error"})
+        assert res.status == 200 and res.json()["fault"]["mode"] == "error"
+        assert _https(info["port"], "GET", "/health", _tls(ca.cert_pem, caller))[0] == 500
+        assert request(info["control_url"], "GET", "/health").status == 404  # the control port is not a back door
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
