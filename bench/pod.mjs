@@ -1,4 +1,4 @@
-// A pod that answers at once (or after --delay-ms), for scripts/bench_router.py.
+// A pod that answers at once (or after --delay-ms), for bench/router.py.
 //
 // Node's http server, Nagle off: the bench must measure the router, not a slow pod.
 // POST with `"stream": true` in the body answers Server-Sent Events (a first chunk at

@@ -1,4 +1,4 @@
--- wrk script template for scripts/bench_router.py (bench/harness.py fills the
+-- wrk script template for bench/router.py (bench/harness.py fills the
 -- placeholders): one POST with fixed headers and body, and a one-line JSON summary
 -- (latency percentiles in microseconds) that the harness parses.
 wrk.method = "POST"

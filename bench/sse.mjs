@@ -1,4 +1,4 @@
-// Streaming (SSE) client for scripts/bench_router.py: time to first byte and to last
+// Streaming (SSE) client for bench/router.py: time to first byte and to last
 // byte of each answer, from N concurrent clients on keep-alive connections.
 //
 // Usage: node bench/sse.mjs URL CLIENTS REQUESTS MAX_SECONDS HEADERS_JSON BODY

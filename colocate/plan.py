@@ -17,7 +17,7 @@ from . import cloudflare_limits, geo
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Generation
-from .settings import PodSettings, Settings
+from .settings import LEGACY_TOKEN, PodSettings, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_DIR = ROOT / "worker" / "src"
@@ -536,6 +536,9 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         Binding("FALLBACK_API_KEY", "secret_text", secret="fallbackApiKey"),
         *(Binding(name, "secret_text", secret=settings.operator_secrets[role]) for role, name in OPERATOR_BINDINGS.items()),
     ]
+    if LEGACY_TOKEN in settings.operator_secrets.values():
+        # A stack still on the one old token: the Worker of the release before reads only this.
+        bindings.append(Binding("PROBE_TOKEN", "secret_text", secret=LEGACY_TOKEN))
     if path in MTLS_PATHS:
         bindings.append(Binding(POD_TLS_BINDING, "mtls_certificate", from_output=POD_TLS_FROM_OUTPUT))
     return tuple(bindings)

@@ -81,6 +81,7 @@ def test_routed_answers_carry_openais_rate_limit_headers(cell):
     refused = exc.value.response.headers
     assert refused["x-ratelimit-remaining-requests"] == "0" and 1 <= int(refused["retry-after"]) <= 61
     # a key without limits gets none of them (no limit to pace against)
-    free = c.with_options(api_key=cell.key).chat.completions.with_raw_response.create(
+    unlimited = cell.create_key("unlimited", rpm=0, tpm=0)["key"]
+    free = c.with_options(api_key=unlimited).chat.completions.with_raw_response.create(
         model="m", messages=[{"role": "user", "content": "hi"}])
     assert not any(name.startswith("x-ratelimit-") for name in free.headers)

@@ -71,7 +71,8 @@ def test_bindings_are_generated_from_the_plan():
     p = cell(raw_for())
     names = [b.name for b in p.worker.bindings]
     assert names[0] == "BREAKER"
-    assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "READ_TOKEN", "ADMIN_TOKEN", "EXCHANGE_TOKEN"} == {
+    # SECRETS holds only the old probeToken: it fills every role, and PROBE_TOKEN for an older Worker.
+    assert {"POD_TOKEN", "FALLBACK_URL", "FALLBACK_API_KEY", "READ_TOKEN", "ADMIN_TOKEN", "EXCHANGE_TOKEN", "PROBE_TOKEN"} == {
         b.name for b in p.worker.bindings if b.type == "secret_text"}
     assert p.worker.binding("POD_URLS").from_output == plan.POD_URLS_FROM_OUTPUT
     assert p.worker.binding("DEADLINE_MS").text == "2000"
@@ -84,7 +85,7 @@ def test_each_operator_role_binds_its_own_secret():
     p = plan.plan_cell(s)
     assert {b.name: b.secret for b in p.worker.bindings if b.name.endswith("_TOKEN") and b.name != "POD_TOKEN"} == {
         "READ_TOKEN": "readToken", "ADMIN_TOKEN": "adminToken", "EXCHANGE_TOKEN": "exchangeToken"}
-    assert s.credential_warning is None
+    assert s.credential_warning is None and "PROBE_TOKEN" not in {b.name for b in p.worker.bindings}
 
 
 def test_a_stack_with_only_the_old_probe_token_keeps_working_with_a_warning_naming_the_new_keys():

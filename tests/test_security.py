@@ -179,6 +179,22 @@ def test_client_account_headers_do_not_reach_the_fallback(cell, key):
     assert usage_row(cell, key, 1)["fallback_requests"] == 1
 
 
+def test_each_key_gets_its_own_prefix_cache_salt_and_cannot_choose_another(cell, key):
+    other = cell.create_key("sec-other")
+    # The pod serves these whatever earlier tests' pod failures did to its breaker.
+    assert request(cell.url, "PUT", "/_colocate/breaker", body={"force": "closed"}, headers=auth(ADMIN)).status == 200
+    try:
+        for k in (key, other):
+            for data in (body(cache_salt="victim-salt"), body(stream=True)):
+                res = call(cell, k, data)
+                assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0"
+    finally:
+        request(cell.url, "PUT", "/_colocate/breaker", body={"force": None}, headers=auth(ADMIN))
+    salts = [b.get("cache_salt") for b in cell.pod.seen_bodies[-4:]]
+    assert salts == [key["id"], key["id"], other["id"], other["id"]]
+    assert usage_row(cell, key, 2)["pod_requests"] == 2
+
+
 # --- least privilege for operators -------------------------------------------------------
 
 @pytest.mark.parametrize(("method", "path", "allowed"), [

@@ -78,7 +78,7 @@ def counted_router() -> Iterator[tuple[wd.Workerd, _Outbound]]:
     # A long state TTL: no background refresh may fall inside the test, however slow the machine.
     plan = cell_plan(worker={"stateTtlMs": 600_000, "deadlineMs": 10_000})
     values = {"POD_URLS": plan_mod.pod_urls_text([f"http://{POD_HOST}"]), "FALLBACK_URL": f"http://{FALLBACK_HOST}",
-              **SECRETS}
+              "probeToken": SECRETS["PROBE_TOKEN"], **SECRETS}
     out = _Outbound()
     t = threading.Thread(target=out.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()

@@ -262,6 +262,7 @@ class StandinServer(ThreadingHTTPServer):
         self._redirected = 0
         self._requests = 0
         self.seen_headers: list[dict[str, str]] = []  # the last 16 inference requests' headers (in-process tests)
+        self.seen_bodies: list[dict] = []  # and the last 16 bodies that parsed
         self._streams = {"completed": 0, "cut": 0}
         super().__init__((host, port), _Handler)
         if tls is not None:
@@ -537,6 +538,7 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError:
                 raise Refused("JSON decode error: the request body is not valid JSON") from None
             body = validate(parsed, chat, None if self.server.any_model else self.server.model)
+            self.server.seen_bodies = [*self.server.seen_bodies[-15:], parsed]
         except Refused as exc:
             return self._send_json(exc.status, exc.body())
         except RecursionError:

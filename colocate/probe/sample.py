@@ -222,11 +222,12 @@ class Sampler:
 
 
 def settle(sampler: Sampler, in_region: Callable[[str], bool], settle_s: float,
-           progress: Callable[[str], None] | None = None, interval_s: float = SETTLE_INTERVAL_S) -> Settling:
+           progress: Callable[[str], None] | None = None, interval_s: float | None = None) -> Settling:
     """Probe until the Worker has run in the same in-region colo ``SETTLE_STREAK`` times in a
     row, or ``settle_s`` passes. Cloudflare applies a new placement some time after the
     settings call (host placement probes its target at intervals), so the deploy that sets
     or changes it must not be judged on the colo the Worker ran in before."""
+    interval_s = SETTLE_INTERVAL_S if interval_s is None else interval_s
     start = time.monotonic()
     colos: list[str | None] = []
     while True:

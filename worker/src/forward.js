@@ -189,24 +189,37 @@ const ASK_USAGE = encoder.encode('"stream_options":{"include_usage":true},');
 
 /**
  * The body sent upstream: the client's bytes, with `model` replaced (the fallback's
- * FALLBACK_MODEL) and `stream_options.include_usage` set when the router asks for a
- * stream's usage that the client did not ask for. Without `stream_options` in the body
- * and without a model to replace, the option is spliced in after the opening brace (the
- * body is a JSON object with `stream`, so never empty): the client's bytes are not
- * re-encoded.
+ * FALLBACK_MODEL), `stream_options.include_usage` set when the router asks for a
+ * stream's usage that the client did not ask for, and, to a pod, the key's `cache_salt`
+ * (vLLM keeps prefix-cache entries of different salts apart, so one key cannot time
+ * another's prompts; a client's own `cache_salt` is replaced). Without a model to replace
+ * and without the client's `cache_salt` (or its `stream_options`, when usage is asked),
+ * the fields are spliced in after the opening brace (the body is a JSON object, so never
+ * empty): the client's bytes are not re-encoded.
  */
-export function upstreamBody(bytes, json, model, askUsage) {
-  if (!json || (!model && !askUsage)) return bytes;
-  if (!model && json.stream_options === undefined) {
+export function upstreamBody(bytes, json, model, askUsage, salt = null) {
+  if (!json || (!model && !askUsage && salt === null)) return bytes;
+  if (!model && (salt === null || json.cache_salt === undefined) && (!askUsage || json.stream_options === undefined)) {
+    const saltBytes = salt === null ? null : encoder.encode(`"cache_salt":${JSON.stringify(salt)},`);
+    const add = (saltBytes ? saltBytes.length : 0) + (askUsage ? ASK_USAGE.length : 0);
     const at = bytes.indexOf(0x7b) + 1; // after "{" (and any BOM or blanks before it)
-    const out = new Uint8Array(bytes.length + ASK_USAGE.length);
+    const out = new Uint8Array(bytes.length + add);
     out.set(bytes.subarray(0, at));
-    out.set(ASK_USAGE, at);
-    out.set(bytes.subarray(at), at + ASK_USAGE.length);
+    let to = at;
+    if (saltBytes) {
+      out.set(saltBytes, to);
+      to += saltBytes.length;
+    }
+    if (askUsage) {
+      out.set(ASK_USAGE, to);
+      to += ASK_USAGE.length;
+    }
+    out.set(bytes.subarray(at), to);
     return out;
   }
   const body = { ...json };
   if (model) body.model = model;
   if (askUsage) body.stream_options = { ...json.stream_options, include_usage: true };
+  if (salt !== null) body.cache_salt = salt;
   return encoder.encode(JSON.stringify(body));
 }

@@ -213,7 +213,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const urls = cfg.podUrls;
   const tried = new Set();
   const suspects = []; // pods that failed this request, not reported yet
-  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage);
+  // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
+  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id);
   // At most two pods: the chosen one, and another healthy one if the first failed
   // before sending a byte and time is left.
   for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {

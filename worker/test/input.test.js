@@ -84,3 +84,18 @@ test("the router asks upstream for a stream's usage: spliced into the client's b
   assert.deepEqual(dec(upstreamBody(raw, dec(raw), "fb", true)), { model: "fb", stream: true, messages: [], stream_options: { include_usage: true } });
   assert.equal(upstreamBody(raw, dec(raw), null, false), raw);
 });
+
+test("a pod's body carries the key's cache_salt, which the client cannot choose", () => {
+  const dec = (b) => JSON.parse(new TextDecoder().decode(b));
+  const enc = (o) => new TextEncoder().encode(JSON.stringify(o));
+  const plain = { model: "m", messages: [] };
+  assert.deepEqual(dec(upstreamBody(enc(plain), plain, null, false, "key_0123456789ab")), { cache_salt: "key_0123456789ab", ...plain });
+  const theirs = { model: "m", messages: [], cache_salt: "victim" };
+  assert.equal(dec(upstreamBody(enc(theirs), theirs, null, false, "key_0123456789ab")).cache_salt, "key_0123456789ab");
+  const stream = { model: "m", messages: [], stream: true };
+  assert.deepEqual(dec(upstreamBody(enc(stream), stream, null, true, "key_a")),
+    { cache_salt: "key_a", stream_options: { include_usage: true }, ...stream });
+  const both = { ...theirs, stream: true, stream_options: { include_usage: false } };
+  assert.deepEqual(dec(upstreamBody(enc(both), both, null, true, "key_a")),
+    { ...both, cache_salt: "key_a", stream_options: { include_usage: true } });
+});
