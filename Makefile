@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -101,6 +101,10 @@ bench-fleet-failover: setup
 
 bench-fleet-exchange: setup
 	$(PY) -m bench.fleet_exchange
+
+# A key's limit across three cells, by lease: admitted / limit per case, and the state wait (docs/fleet.md).
+bench-fleet-limits: setup
+	$(PY) -m bench.fleet_limits
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

@@ -67,7 +67,7 @@ def cell_plan(region: str, deadline_ms: int):
 
 @contextlib.contextmanager
 def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harness.Secrets, deadline_ms: int,
-                 regions: tuple[str, ...] = REGIONS, remember_ms: int | None = None):
+                 regions: tuple[str, ...] = REGIONS, remember_ms: int | None = None, exchange_ms: int | None = None):
     """One workerd: the cells on their own sockets, the front door on the main one.
     ``pod_url``: one pod for every cell, or {region: its pod's URL}."""
     with wd.Workerd(socket_name="front") as w, contextlib.ExitStack() as stack:
@@ -90,7 +90,8 @@ def fleet_worker(pod_url: str | dict[str, str], fallback_url: str, secrets: harn
             urls[region] = f"http://127.0.0.1:{s.getsockname()[1]}"
             found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: urls[region], outputs.REGION: region,
                           outputs.ACCOUNT_ID: plan.worker.account_id})
-        cfg = {"cells": list(regions)} | ({} if remember_ms is None else {"rememberMs": remember_ms})
+        cfg = ({"cells": list(regions)} | ({} if remember_ms is None else {"rememberMs": remember_ms})
+               | ({} if exchange_ms is None else {"exchangeMs": exchange_ms}))
         fs = fleet.parse({"fleet": cfg, "accountId": "0" * 32, "worker": {"subdomain": "bench"}}, "fleet")
         front = fleet.plan_fleet(fs, found)
         tokens = {f"CELL_TOKEN_{i}": secrets.bindings()["EXCHANGE_TOKEN"] for i in range(len(regions))}

@@ -13,7 +13,7 @@ import { cache, activeStub, infoOf, stubFor } from "./state.js";
 import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { fetchColo, rayColo } from "./trace.js";
-import { badRows, goodRows } from "./fleetexchange.js";
+import { MAX_CELLS, badLeases, badRows, goodRows } from "./fleetexchange.js";
 import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
@@ -343,7 +343,7 @@ async function metrics(env, cfg) {
 
 // --- a fleet's limits exchange (worker/src/fleetledger.js calls these; docs/fleet.md) ---
 
-const PEERS_BODY_LIMIT = 512 * 1024; // MAX_ROWS rows of ~75 bytes
+const PEERS_BODY_LIMIT = 1024 * 1024; // MAX_ROWS peer rows of ~75 bytes and as many lease rows of ~50
 
 /** This cell's own counters of the keys changed since `since` (the exchange's cursor). */
 async function fleetCounters(env, cfg, url) {
@@ -355,20 +355,24 @@ async function fleetCounters(env, cfg, url) {
   return jsonResponse(200, await activeStub(env, cfg).changedCounters(since, infoOf(cfg)), noStore);
 }
 
-/** The other cells' counters, summed by the exchange: stored, and added to this cell's `counts`. */
+/** What the exchange sends: the other cells' counters, this cell's leases and the fleet's size. */
 async function setPeers(request, env, cfg) {
   const body = parseJsonObject(await readBody(request, PEERS_BODY_LIMIT));
-  const unknown = Object.keys(body).filter((k) => k !== "rows");
-  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use rows`);
-  const bad = badRows(body.rows);
+  const unknown = Object.keys(body).filter((k) => !["rows", "leases", "cells"].includes(k));
+  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use rows, leases, cells`);
+  const bad = badRows(body.rows) ?? (body.leases === undefined ? null : badLeases(body.leases));
   if (bad) throw new HttpError(400, "invalid_field", bad);
+  const cells = body.cells ?? null;
+  if (cells !== null && (!Number.isSafeInteger(cells) || cells < 1 || cells > MAX_CELLS)) {
+    throw new HttpError(400, "invalid_field", `field "cells" must be the fleet's number of cells, 1..${MAX_CELLS} (got ${JSON.stringify(cells)})`);
+  }
   const { good, dropped } = goodRows(body.rows);
   if (dropped.length) log(env, "fleet_rows_dropped", { count: dropped.length, first: dropped[0] });
-  const stored = await activeStub(env, cfg).setPeers(good, infoOf(cfg));
+  const stored = await activeStub(env, cfg).setPeers(good, infoOf(cfg), body.leases ?? [], cells);
   return jsonResponse(200, { ...stored, dropped }, noStore);
 }
 
-/** One key's counters here: own, the peers' as last pushed, and their sum as a sync answers it. */
+/** One key here: own counters, the peers' as last pushed, this cell's lease and the fleet's size. */
 async function peersOf(env, cfg, url) {
   const id = url.searchParams.get("key");
   if (id === null || !ID_RE.test(id)) throw new HttpError(400, "invalid_field", `query "key" must be a key id: key_ and 12 hex digits (got ${JSON.stringify(id)})`);

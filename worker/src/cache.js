@@ -55,7 +55,8 @@ export class ViewCache {
       if (e.keys !== null) e.at = now;
       return e;
     }
-    const next = e ?? { view, rev: -1, keys: null, counts: new Map(), negative: new Map(), at: -Infinity, refreshAt: null };
+    const next = e ?? { view, rev: -1, keys: null, counts: new Map(), leases: new Map(), negative: new Map(), at: -Infinity,
+      refreshAt: null };
     next.view = view;
     next.refreshAt = null;
     if (Array.isArray(view.keys)) {
@@ -72,6 +73,8 @@ export class ViewCache {
     next.at = next.keys === null ? -Infinity : now;
     if (asked) for (const id of asked) if (!view.counts || !view.counts[id]) next.counts.delete(id);
     if (view.counts) for (const id in view.counts) next.counts.set(id, view.counts[id]);
+    if (asked) for (const id of asked) if (!view.leases || !view.leases[id]) next.leases.delete(id);
+    if (view.leases) for (const id in view.leases) next.leases.set(id, view.leases[id]);
     this.entries.set(gen, next);
     return next;
   }
@@ -88,6 +91,7 @@ export class ViewCache {
     if (!e || e.keys === null) return found;
     if (res.rev >= e.rev) for (const row of res.keys) holdKey(e, row);
     for (const id in res.counts) e.counts.set(id, res.counts[id]);
+    if (res.leases) for (const id in res.leases) e.leases.set(id, res.leases[id]);
     // "Unknown" only from an answer as new as our revision: an older one may predate a key
     // whose creation we already passed (and, not holding it, ignored).
     if (res.rev >= e.rev) for (const d of digests) if (!found.has(d)) this.forget(gen, d, now, ttlMs);
@@ -100,10 +104,21 @@ export class ViewCache {
     return e ? e.counts.get(id) : undefined;
   }
 
-  /** Forget counters of keys this isolate no longer serves. */
+  /** This cell's lease of a key in a fleet ({req, tok, month_tokens}), or undefined (a lone cell). */
+  lease(gen, id) {
+    const e = this.entries.get(gen);
+    return e ? e.leases.get(id) : undefined;
+  }
+
+  /** Forget counters (and leases) of keys this isolate no longer serves. */
   dropCounts(gen, ids) {
     const e = this.entries.get(gen);
-    if (e) for (const id of ids) e.counts.delete(id);
+    if (e) {
+      for (const id of ids) {
+        e.counts.delete(id);
+        e.leases.delete(id);
+      }
+    }
   }
 
   /** Drop a key at once (revoked through this isolate; elsewhere the next sync drops it). */

@@ -1,16 +1,17 @@
 // @ts-check
-// A fleet's exchange of limit counters, the parts that are pure (plus the front door's
-// poke): the row format, aligning a row to the current minute, summing the other cells',
-// and checking rows that arrive. The object that runs the exchange is fleetledger.js;
-// each cell's generation stores what it is sent (generation.js setPeers) and adds it to
-// the `counts` its isolates read. See docs/fleet.md, "Limits across cells".
+// A fleet's exchange of limit counters and leases, the parts that are pure (plus the
+// front door's poke): the row format, aligning a row to the current minute, summing the
+// other cells', apportioning a key's limits to the cells as leases, and checking what
+// arrives. The object that runs the exchange is fleetledger.js; each cell's generation
+// stores what it is sent (generation.js setPeers) and hands its isolates the leases with
+// their `counts`. See docs/fleet.md, "Limits across cells".
 //
 // A row is payloads.js EXCHANGE: one cell's (or the sum of several cells') requests and
 // tokens in the minute bucket `minute` and the one before, and its tokens in `month`.
 
 import { minuteOf } from "./limits.js";
 import { log } from "./errors.js";
-import { COUNTER, EXCHANGE } from "./payloads.js";
+import { EXCHANGE, LEASE } from "./payloads.js";
 
 const SHAPE_TEXT = `[${EXCHANGE.columns}]`;
 export const MAX_ROWS = 5000; // rows per push (a body of at most ~400 KB)
@@ -31,17 +32,6 @@ export function aligned(row, m) {
   if (row[E.minute] === m) return [row[E.req], row[E.tok], row[E.prev_req], row[E.prev_tok]];
   if (row[E.minute] === m - 1) return [0, 0, row[E.req], row[E.tok]];
   return [0, 0, 0, 0];
-}
-
-/** Add a peer row into a sync's counters `c` (payloads.js COUNTER) at `now`. */
-export function addPeer(c, row, now) {
-  const a = aligned(row, minuteOf(now));
-  c[COUNTER.req] += a[0];
-  c[COUNTER.tok] += a[1];
-  c[COUNTER.prev_req] += a[2];
-  c[COUNTER.prev_tok] += a[3];
-  if (row[EXCHANGE.month] === monthOf(now)) c[COUNTER.month_tokens] += row[EXCHANGE.month_tokens];
-  return c;
 }
 
 /**
@@ -93,6 +83,131 @@ export function rowProblem(r, i) {
   }
   if (typeof r[EXCHANGE.month] !== "string" || !MONTH.test(r[EXCHANGE.month])) {
     return `${at}[${EXCHANGE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[EXCHANGE.month])})`;
+  }
+  return null;
+}
+
+// --- leases: each cell's share of a key's limit ---
+//
+// A lease caps what one cell admits of a key: its own sliding-window estimate of requests
+// (or tokens) for rpm (tpm), its own tokens this month for monthly_tokens. The ledger keeps
+// the leases of a key, together with what each cell has already used, within the key's
+// cap = limit + slack (10 %, at least 1), so the fleet never passes the cap, while a cell
+// a key uses alone gets nearly all of it.
+
+/** What a key's leases may add up to beyond its limit: 10 % of it, at least 1. */
+export function slackOf(limit) {
+  return Math.max(1, Math.floor(limit / 10));
+}
+
+/** A cell's lease of a key the ledger has not apportioned yet: the cap split evenly. */
+export function defaultShare(limit, n) {
+  return Math.floor((limit + slackOf(limit)) / n);
+}
+
+/**
+ * The leases one limit should have (integers), given what each cell has used (its own
+ * estimate now): the unused part of the cap split over the cells by `weight` (the ledger
+ * weighs a cell the key used lately as four idle ones: an idle cell's share is what lets a
+ * key move there at once, an active one's what it grows into before the next round), no
+ * cell above the limit itself (its excess goes to the others), and the units lost to
+ * rounding down given first to cells with none (so a key alone in one of three cells with rpm 10 settles at 9 there, 1 in each
+ * other). What the cells may admit, the larger of used and lease each, sums to at most the cap.
+ */
+export function fairShares(limit, used, weight = used.map(() => 1)) {
+  const n = used.length;
+  const cap = limit + slackOf(limit);
+  const free = Math.max(0, cap - used.reduce((a, b) => a + b, 0));
+  const total = weight.reduce((a, b) => a + b, 0);
+  const t = used.map((u, j) => Math.min(u, limit) + (free * weight[j]) / total);
+  // Water-fill: what a cell cannot take above the limit goes to those below it, by weight.
+  for (let pass = 0; pass < n; pass++) {
+    let over = 0;
+    const below = [];
+    for (let j = 0; j < n; j++) {
+      if (t[j] > limit) {
+        over += t[j] - limit;
+        t[j] = limit;
+      } else if (t[j] < limit) below.push(j);
+    }
+    if (over <= 1e-9 || below.length === 0) break;
+    const wb = below.reduce((a, j) => a + weight[j], 0);
+    for (const j of below) t[j] += (over * weight[j]) / wb;
+  }
+  const out = t.map((x) => Math.floor(x + 1e-9));
+  let left = cap - out.reduce((a, x, j) => a + Math.max(used[j], x), 0);
+  // Cells with none first, then the largest part lost to rounding.
+  const order = [...out.keys()].sort((a, b) => (out[b] === 0) - (out[a] === 0) || (t[b] - out[b]) - (t[a] - out[a]) || a - b);
+  for (const j of order) {
+    const more = out[j] + 1 - Math.max(used[j], out[j]); // what one unit more adds to what the cells may admit
+    if (out[j] + 1 <= limit && more <= left + 1e-9 && (out[j] === 0 || t[j] - out[j] > 1e-9)) {
+      out[j] += 1;
+      left -= Math.max(0, more);
+    }
+  }
+  return out;
+}
+
+export const ACTIVE_WEIGHT = 4;
+
+/**
+ * Each cell's weight in a key's shares, from what the ledger saw of it lately (`seen[j]`:
+ * set while the cell moved the key's counters in the last few seconds, else undefined):
+ * ACTIVE_WEIGHT for an active cell, 1 for an idle one. An idle cell's share is then small
+ * when a key leaves it (its surplus is held until a decrease lands), yet enough to start a
+ * move there: increases land within about a round and a sync. (Weighing active cells by
+ * their rate instead starved a move's first seconds and admitted no more in the bench.)
+ */
+export function weights(seen) {
+  return seen.map((x) => (x ? ACTIVE_WEIGHT : 1));
+}
+
+/**
+ * The leases the ledger may send now, toward `targets`: decreases at once; increases only
+ * within cap - what the other cells may still admit, where a cell may admit up to the
+ * larger of what it has used and the largest lease it may still be using (`held`: an
+ * older, larger lease stays held until the cell has certainly stopped using it). So the
+ * sum over cells of max(used, held) never passes the cap. Returns {lease, held} per cell.
+ */
+export function grant(limit, used, held, current, targets) {
+  const cap = limit + slackOf(limit);
+  const n = used.length;
+  const lease = [...current];
+  const hold = [...held];
+  for (let j = 0; j < n; j++) if (targets[j] < current[j]) lease[j] = targets[j];
+  for (let j = 0; j < n; j++) {
+    if (targets[j] <= current[j]) continue;
+    let others = 0;
+    for (let k = 0; k < n; k++) if (k !== j) others += Math.max(used[k], hold[k]);
+    const room = Math.floor(cap - others + 1e-9);
+    lease[j] = Math.max(current[j], Math.min(targets[j], room));
+    hold[j] = Math.max(hold[j], lease[j]);
+  }
+  return { lease, held: hold };
+}
+
+export const MAX_CELLS = 64; // a push's "cells" (the fleet's size) is checked against it
+const LEASE_TEXT = `[${LEASE.columns}]`;
+
+/** null when `leases` (a push's body field, rows of payloads.js LEASE) is well formed, else the message naming the field. */
+export function badLeases(leases) {
+  if (!Array.isArray(leases)) return `field "leases" must be an array of ${LEASE_TEXT}`;
+  if (leases.length > MAX_ROWS) return `field "leases" holds at most ${MAX_ROWS} rows (got ${leases.length}): send them in parts`;
+  for (let i = 0; i < leases.length; i++) {
+    const r = leases[i];
+    const at = `field "leases[${i}]"`;
+    if (!Array.isArray(r) || r.length !== LEASE.length) return `${at} must be ${LEASE_TEXT}`;
+    if (typeof r[LEASE.key_id] !== "string" || !KEY_ID.test(r[LEASE.key_id])) {
+      return `${at}[${LEASE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[LEASE.key_id])})`;
+    }
+    for (const j of [LEASE.req, LEASE.tok, LEASE.month_tokens]) {
+      if (r[j] !== null && (!Number.isSafeInteger(r[j]) || r[j] < 0)) {
+        return `${at}[${j}] must be a whole number >= 0 or null (got ${JSON.stringify(r[j])})`;
+      }
+    }
+    if (typeof r[LEASE.month] !== "string" || !MONTH.test(r[LEASE.month])) {
+      return `${at}[${LEASE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[LEASE.month])})`;
+    }
   }
   return null;
 }

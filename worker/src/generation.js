@@ -21,10 +21,10 @@ import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machi
 import { minuteOf } from "./limits.js";
 import {
   ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
-  SCHEMA_VERSION, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
+  SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
-import { addPeer, counts as countsAnything, monthOf } from "./fleetexchange.js";
-import { BACKEND, COUNTER, EXCHANGE, HIST, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { counts as countsAnything, defaultShare, monthOf } from "./fleetexchange.js";
+import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
 
@@ -57,6 +57,8 @@ const EXPORT_PARTS = [
   ["seg_total", "SELECT colo, pod, segment, hist FROM seg_total", (r) => [r.colo, r.pod, r.segment, r.hist]],
   ["inflight", "SELECT key_id, isolate, n, at FROM key_inflight", null],
   ["peers", `SELECT ${EXCHANGE.columns} FROM peer_counters`, EXCHANGE.of],
+  ["leases", `SELECT ${LEASE.columns} FROM key_lease`, LEASE.of],
+  ["fleet_cells", "SELECT v FROM meta WHERE k = 'fleet_cells'", (r) => Number(r.v)],
 ];
 
 /**
@@ -202,6 +204,10 @@ export class Breaker extends DurableObject {
           ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
       }
       if (data.peers && data.peers.length) this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(data.peers));
+      // A fleet's leases go on holding in the successor until the ledger reaches it.
+      if (data.leases && data.leases.length) this.sql.exec(UPSERT_LEASES, Date.now(), JSON.stringify(data.leases));
+      const cells = (data.fleet_cells ?? [])[0];
+      if (cells && this.meta("fleet_cells") === null) this.setMeta("fleet_cells", cells);
       // A fleet's exchange reads this generation from its own sequence: every imported counter is news.
       this.markChanged([...new Set([...months.map((m) => m.key_id), ...data.windows.map((w) => w.key_id)])]);
       this.setMeta(`imported:${from}`, Date.now());
@@ -281,26 +287,49 @@ export class Breaker extends DurableObject {
 
   /**
    * {id: COUNTER row} for the ids asked (absent: all zero): this cell's own counters,
-   * plus a fleet's other cells' as the exchange last pushed them (peer_counters), plus
-   * the other isolates' requests in flight. Four indexed reads, whatever the number of keys.
+   * plus the other isolates' requests in flight. Three indexed reads, whatever the number
+   * of keys. In a fleet the other cells' counters are not added: each cell's share is its
+   * lease (leasesOf).
    */
   countsOf(ids, info, now) {
     const counts = this.ownCounts(ids, now);
     if (!ids || ids.length === 0) return counts;
     const m = minuteOf(now);
-    const list = JSON.stringify(ids);
     const slot = (id) => (counts[id] ??= COUNTER.zero(m));
-    for (const r of this.sql.exec(`SELECT ${EXCHANGE.columns} FROM peer_counters WHERE key_id IN (SELECT value FROM json_each(?))`,
-      list)) {
-      addPeer(slot(r.key_id), EXCHANGE.of(r), now);
-    }
     const fresh = now - 2 * Math.max(info.ttlMs ?? 0, 1000);
     for (const r of this.sql.exec(`SELECT key_id, SUM(n) AS n FROM key_inflight
         WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
-    list, info.isolate ?? "", fresh)) {
+    JSON.stringify(ids), info.isolate ?? "", fresh)) {
       if (r.n > 0) slot(r.key_id)[COUNTER.inflight] = r.n;
     }
     return counts;
+  }
+
+  /**
+   * In a fleet (once its ledger has told this cell the fleet's size), each asked key's
+   * lease {req, tok, month_tokens}: what this cell may admit of its rpm, tpm and monthly
+   * tokens (null: no such limit); a key the ledger has not apportioned yet (or not this
+   * month, for monthly tokens) gets the default share. null for a lone cell.
+   */
+  leasesOf(ids, now) {
+    const n = Number(this.meta("fleet_cells") || 0);
+    if (!n) return null;
+    const leases = {};
+    if (!ids || ids.length === 0) return leases;
+    const month = monthOf(now);
+    for (const r of this.sql.exec(`SELECT k.id, k.rpm, k.tpm, k.monthly_tokens, l.req, l.tok, l.month, l.month_tokens
+        FROM client_keys k LEFT JOIN key_lease l ON l.key_id = k.id WHERE k.id IN (SELECT value FROM json_each(?))`,
+    JSON.stringify(ids))) {
+      if (!(r.rpm > 0 || r.tpm > 0 || r.monthly_tokens > 0)) continue;
+      const held = r.month !== null; // a row: the ledger apportioned this key here
+      leases[r.id] = {
+        req: r.rpm > 0 ? (held && r.req !== null ? r.req : defaultShare(r.rpm, n)) : null,
+        tok: r.tpm > 0 ? (held && r.tok !== null ? r.tok : defaultShare(r.tpm, n)) : null,
+        month_tokens: r.monthly_tokens > 0
+          ? (r.month === month && r.month_tokens !== null ? r.month_tokens : defaultShare(r.monthly_tokens, n)) : null,
+      };
+    }
+    return leases;
   }
 
   // --- a fleet's exchange (fleetledger.js pulls and pushes through admin.js) ---
@@ -338,19 +367,31 @@ export class Breaker extends DurableObject {
       row[EXCHANGE.month] = month;
       return row;
     });
-    return { generation: info.generation, cursor: more ? marks[marks.length - 1].seq : seq, more, reset: from !== since, rows };
+    // The ledger apportions each key's limits: it learns them here, with how long this
+    // cell's isolates may go on using a lease after it is replaced (their view's TTL).
+    const limits = {};
+    for (const k of this.sql.exec("SELECT id, rpm, tpm, monthly_tokens FROM client_keys WHERE id IN (SELECT value FROM json_each(?))",
+      JSON.stringify(marks.map((r) => r.key_id)))) limits[k.id] = { rpm: k.rpm, tpm: k.tpm, monthly_tokens: k.monthly_tokens };
+    return { generation: info.generation, cursor: more ? marks[marks.length - 1].seq : seq, more, reset: from !== since, rows,
+      limits, ttl_ms: info.ttlMs ?? null };
   }
 
-  /** The other cells' counters, as the exchange summed them: one row per key, replaced; all-zero rows deleted. */
-  async setPeers(rows, info) {
+  /**
+   * What the ledger sends: the other cells' counters as it summed them (one row per key,
+   * replaced; all-zero rows deleted), this cell's leases (one row per key, replaced) and
+   * the fleet's size `cells` (from then on every key with a limit has a lease here).
+   */
+  async setPeers(rows, info, leases = [], cells = null) {
     await this.readThrough(info);
     const keep = rows.filter(countsAnything);
     const gone = rows.filter((r) => !countsAnything(r)).map((r) => r[EXCHANGE.key_id]);
     this.ctx.storage.transactionSync(() => {
       if (keep.length) this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(keep));
       if (gone.length) this.sql.exec("DELETE FROM peer_counters WHERE key_id IN (SELECT value FROM json_each(?))", JSON.stringify(gone));
+      if (leases.length) this.sql.exec(UPSERT_LEASES, Date.now(), JSON.stringify(leases));
+      if (cells !== null) this.setMeta("fleet_cells", cells);
     });
-    return { stored: keep.length, deleted: gone.length };
+    return { stored: keep.length, deleted: gone.length, leases: leases.length };
   }
 
   /**
@@ -361,7 +402,9 @@ export class Breaker extends DurableObject {
     await this.readThrough(info);
     const r = this.sql.exec(`SELECT ${EXCHANGE.columns}, at FROM peer_counters WHERE key_id = ?`, id).toArray()[0] ?? null;
     const now = Date.now();
-    return { key_id: id, peers: r, own: this.ownCounts([id], now)[id] ?? null, counts: this.countsOf([id], info, now)[id] ?? null };
+    const leases = this.leasesOf([id], now);
+    return { key_id: id, peers: r, own: this.ownCounts([id], now)[id] ?? null, lease: leases ? leases[id] ?? null : null,
+      fleet_cells: Number(this.meta("fleet_cells") || 0) || null };
   }
 
   /**
@@ -376,8 +419,9 @@ export class Breaker extends DurableObject {
     }
     const delta = this.keyDelta(haveRev);
     const counts = info ? this.countsOf(info.keys, info, now) : {};
+    const leases = info ? this.leasesOf(info.keys, now) : null;
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
-    return { ...delta, pods, counts, forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
+    return { ...delta, pods, counts, ...(leases ? { leases } : {}), forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
       imported, at: now, colo: this.coloOnce };
   }
 
@@ -526,7 +570,10 @@ export class Breaker extends DurableObject {
     const list = JSON.stringify((Array.isArray(digests) ? digests : [digests]).slice(0, 1000).map(String));
     const keys = this.sql.exec(`SELECT ${KEY_VIEW_COLUMNS} FROM client_keys
       WHERE hash IN (SELECT value FROM json_each(?)) AND revoked_at IS NULL`, list).toArray().map(keyView);
-    return { keys, counts: this.countsOf(keys.map((k) => k.id), info, Date.now()) };
+    const ids = keys.map((k) => k.id);
+    const now = Date.now();
+    const leases = this.leasesOf(ids, now);
+    return { keys, counts: this.countsOf(ids, info, now), ...(leases ? { leases } : {}) };
   }
 
   /**

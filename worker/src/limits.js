@@ -143,3 +143,28 @@ export function refusal(key, est, monthTokens, t, inflight = 0) {
   }
   return null;
 }
+
+/**
+ * In a fleet, whether this cell's lease of the key ({req, tok, month_tokens}: its share of
+ * the key's limits, docs/fleet.md "Limits across cells") leaves room for one more request:
+ * null, or the refusal. `est` and `monthTokens` are this cell's own. A request must fit
+ * whole in each lease, so the cells' counts never sum past the leases: for tokens, unknown
+ * until served, a request is taken to cost what this cell's requests of the key cost on
+ * average this minute. Retry-After is 1 s: the lease may grow within a round or two.
+ */
+export function leaseRefusal(key, lease, est, monthTokens) {
+  if (lease.req !== null && est.req + 1 > lease.req) {
+    return { type: "requests", code: "rate_limit_exceeded", retryAfterS: 1,
+      message: `rate limit reached: this cell's share of ${key.rpm} requests per minute for this key is in use` };
+  }
+  const perRequest = est.req > 0 ? est.tok / est.req : 0;
+  if (lease.tok !== null && (est.tok >= lease.tok || est.tok + perRequest > lease.tok)) {
+    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: 1,
+      message: `rate limit reached: this cell's share of ${key.tpm} tokens per minute for this key is in use` };
+  }
+  if (lease.month_tokens !== null && (monthTokens >= lease.month_tokens || monthTokens + perRequest > lease.month_tokens)) {
+    return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: 1,
+      message: `monthly token budget: this cell's share of ${key.monthly_tokens} tokens this month for this key is in use` };
+  }
+  return null;
+}

@@ -28,6 +28,13 @@ export const SHAPES = /** @type {const} */ ({
     ["month", "the UTC month of month_tokens, YYYY-MM"],
     ["month_tokens", "tokens in month"]
   ],
+  "lease": [
+    ["key_id", "the client key's id"],
+    ["req", "this cell's share of the key's rpm (null: no rpm limit)"],
+    ["tok", "this cell's share of the key's tpm (null: no tpm limit)"],
+    ["month", "the UTC month of month_tokens, YYYY-MM"],
+    ["month_tokens", "this cell's share of the key's monthly tokens in month (null: no monthly limit)"]
+  ],
   "usage": [
     ["day", "the UTC day, YYYY-MM-DD"],
     ["key_id", "the client key's id"],
@@ -104,6 +111,8 @@ const RESERVED = { names: 1, columns: 1, length: 1, zero: 1, of: 1 };
 export const COUNTER = shape(SHAPES.counter);
 /** One key's counters as a fleet's exchange carries them (one cell's, or the other cells' sum); peer_counters' columns. */
 export const EXCHANGE = shape(SHAPES.exchange);
+/** A cell's lease of one key as a fleet's exchange pushes it (key_lease's columns). */
+export const LEASE = shape(SHAPES.lease);
 /** A sync batch's `usage` row: one key's usage on one day (usage_daily's columns, same names). */
 export const USAGE = shape(SHAPES.usage);
 /** A sync batch's `windows` row: one key's requests and tokens in one minute (rate_window). */

@@ -11,7 +11,7 @@ import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, rateHeaders, refusal } from "./limits.js";
+import { estimate, leaseRefusal, rateHeaders, refusal } from "./limits.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, lookup } from "./routes.js";
@@ -146,7 +146,9 @@ function enforceLimits(request, cfg, key) {
   const est = estimate(g, pendingCounter(gen, key.id), t);
   const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
   const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
-  const no = refusal(key, est, month, t, inflight);
+  // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none).
+  const lease = cache.lease(gen, key.id);
+  const no = refusal(key, est, month, t, inflight) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month));
   if (no) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false));
     headers["retry-after"] = String(no.retryAfterS);

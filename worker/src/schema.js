@@ -30,7 +30,9 @@
 //                 counters (rate_window, key_month); a fleet's exchange reads the keys
 //                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
 //   peer_counters per key: the other cells of a fleet together, as the exchange last
-//                 pushed them (minute buckets and month); added to `counts`, never to usage
+//                 pushed them (minute buckets and month): the operator's view, never usage
+//   key_lease     per key: this cell's lease in a fleet (its share of rpm, tpm and the
+//                 month's tokens), as the exchange last pushed it; with meta `fleet_cells`
 //   backend_total per backend (pod-<i>, fallback, none): requests and tokens since the
 //                 generation began; the scaling controller's demand signal (rates are
 //                 differences between its reads)
@@ -40,7 +42,7 @@
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
 
-import { EXCHANGE, USAGE, WINDOW } from "./payloads.js";
+import { EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
 
 export const SCHEMA_VERSION = "4";
 
@@ -76,6 +78,8 @@ export const SCHEMA = [
      key_id TEXT PRIMARY KEY, minute INTEGER NOT NULL, req INTEGER NOT NULL, tok INTEGER NOT NULL,
      prev_req INTEGER NOT NULL, prev_tok INTEGER NOT NULL, month TEXT NOT NULL, month_tokens INTEGER NOT NULL,
      at INTEGER NOT NULL)`,
+  `CREATE TABLE IF NOT EXISTS key_lease (
+     key_id TEXT PRIMARY KEY, req INTEGER, tok INTEGER, month TEXT NOT NULL, month_tokens INTEGER, at INTEGER NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS backend_total (
      backend TEXT PRIMARY KEY, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS pod_inflight (
@@ -142,6 +146,11 @@ export const BULK_WINDOW = `INSERT INTO rate_window (${WINDOW.columns})
 export const UPSERT_PEERS = `INSERT INTO peer_counters (${EXCHANGE.columns}, at)
   SELECT ${all(EXCHANGE)}, ? FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET ${[...EXCHANGE.names.filter((n) => n !== "key_id"), "at"].map((n) => `${n} = excluded.${n}`)
+    .join(", ")}`;
+// A fleet's leases (payloads.js LEASE), one per key; key_lease's columns carry its names (null: no such limit).
+export const UPSERT_LEASES = `INSERT INTO key_lease (${LEASE.columns}, at)
+  SELECT ${all(LEASE)}, ? FROM json_each(?) WHERE true
+  ON CONFLICT (key_id) DO UPDATE SET ${[...LEASE.names.filter((n) => n !== "key_id"), "at"].map((n) => `${n} = excluded.${n}`)
     .join(", ")}`;
 // Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
 export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true

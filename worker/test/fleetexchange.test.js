@@ -1,7 +1,9 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { addPeer, aligned, badRows, goodRows, monthOf, rowProblem, sumRows } from "../src/fleetexchange.js";
-import { WINDOW_MS, estimate, minuteOf, refusal } from "../src/limits.js";
+import {
+  aligned, badLeases, badRows, defaultShare, fairShares, goodRows, grant, monthOf, rowProblem, slackOf, sumRows, weights,
+} from "../src/fleetexchange.js";
+import { WINDOW_MS, estimate, leaseRefusal, minuteOf, refusal } from "../src/limits.js";
 import { COUNTER } from "../src/payloads.js";
 
 const T = Date.UTC(2026, 11, 4, 12, 0, 30); // 30 s into a minute
@@ -23,20 +25,95 @@ test("the others' sum aligns each cell's row to now and keeps only this month's 
   assert.equal(monthOf(T), "2026-12");
 });
 
-test("own + peers is what the limits see: a key used up elsewhere is refused here", () => {
-  const key = { rpm: 10, tpm: 0, monthly_tokens: 100, max_parallel: 0 };
-  const own = [M, 4, 0, 0, 0, 60, 0];
+test("a cell's lease bounds what it admits of a key: whole requests, then tokens and the month", () => {
+  const key = { rpm: 30, tpm: 1000, monthly_tokens: 5000, max_parallel: 0 };
   const none = () => ({ req: 0, tok: 0 });
-  assert.equal(refusal(key, estimate(own, none, T), own[COUNTER.month_tokens], T), null);
-  // The other cells admitted 6 this minute and 40 tokens this month: together 10 and 100.
-  const c = addPeer([...own], row("x", M, 6, 0, 0, 0, "2026-12", 40), T);
-  assert.equal(c[COUNTER.req], 10);
-  assert.equal(refusal(key, estimate(c, none, T), c[COUNTER.month_tokens], T).code, "rate_limit_exceeded");
-  const tokensOnly = addPeer([M, 0, 0, 0, 0, 60, 0], row("x", M - 5, 0, 0, 0, 0, "2026-12", 40), T);
-  assert.equal(refusal(key, estimate(tokensOnly, none, T), tokensOnly[COUNTER.month_tokens], T).code, "insufficient_quota");
-  // A minute later the peers' requests weigh as the previous bucket does.
-  const later = addPeer([M + 1, 0, 0, 0, 0, 0, 0], row("x", M, 6, 0), T + WINDOW_MS);
-  assert.equal(later[COUNTER.prev_req], 6);
+  const lease = { req: 4, tok: 300, month_tokens: 2000 };
+  const row = (req, tok, prevReq = 0) => {
+    const c = COUNTER.zero(M);
+    c[COUNTER.req] = req;
+    c[COUNTER.tok] = tok;
+    c[COUNTER.prev_req] = prevReq;
+    return c;
+  };
+  const own = (req, tok = 0) => estimate(row(req, tok), none, T);
+  assert.equal(leaseRefusal(key, lease, own(3), 0), null);
+  const r = leaseRefusal(key, lease, own(4), 0);
+  assert.equal(r.code, "rate_limit_exceeded");
+  assert.equal(r.retryAfterS, 1);
+  assert.match(r.message, /share of 30 requests per minute/);
+  // A fractional estimate (the previous minute's weight) must leave room for a whole request.
+  const sliding = estimate(row(3, 0, 2), none, T); // 3 + 2 x 0.5 = 4
+  assert.equal(sliding.req, 4);
+  assert.equal(leaseRefusal(key, { ...lease, req: 4.5 }, sliding, 0).type, "requests");
+  assert.equal(leaseRefusal(key, lease, own(0, 300), 0).type, "tokens");
+  // Two requests cost 140 tokens each here: a third would not fit in 300.
+  assert.equal(leaseRefusal(key, lease, own(2, 280), 0).type, "tokens");
+  assert.equal(leaseRefusal(key, lease, own(2, 150), 0), null);
+  assert.equal(leaseRefusal(key, lease, own(2, 150), 1950).code, "insufficient_quota");
+  assert.equal(leaseRefusal(key, lease, own(0), 2000).code, "insufficient_quota");
+  assert.equal(leaseRefusal(key, { req: null, tok: null, month_tokens: null }, own(100, 1e6), 1e9), null);
+});
+
+test("the default share splits the cap (limit + max(10 %, 1)) evenly", () => {
+  assert.equal(slackOf(10), 1);
+  assert.equal(slackOf(5), 1);
+  assert.equal(slackOf(600), 60);
+  assert.equal(defaultShare(30, 2), 16);
+  assert.equal(defaultShare(10, 3), 3);
+  assert.equal(defaultShare(600, 3), 220);
+});
+
+const sum = (a) => a.reduce((x, y) => x + y, 0);
+
+test("fair shares: what the cells may admit never passes the cap; idle cells keep a share", () => {
+  assert.deepEqual(fairShares(30, [30, 0]), [30, 3]);
+  assert.deepEqual(fairShares(10, [9, 0, 0]), [9, 1, 1]);
+  assert.deepEqual(fairShares(10, [10, 0, 0]), [10, 1, 0]);
+  assert.deepEqual(fairShares(600, [600, 0, 0]), [600, 30, 30]);
+  // The unused part of the cap is split evenly: an idle cell holds a share a key can move to.
+  assert.deepEqual(fairShares(30, [12, 0]), [23, 10]);
+  assert.deepEqual(fairShares(30, [16, 16]), [17, 16]);
+  for (const limit of [1, 2, 5, 10, 30, 600, 100_000]) {
+    for (const used of [[0, 0], [0, 0, 0], [limit, 0, 0], [limit / 2, limit / 3, 0], [0.7 * limit, 0.3 * limit], [limit, limit, 0]]) {
+      const shares = fairShares(limit, used);
+      const may = sum(shares.map((x, j) => Math.max(x, used[j])));
+      assert.ok(may <= Math.max(limit + slackOf(limit), sum(used)) + 1e-9, `${limit} ${used} -> ${shares}`);
+      assert.ok(shares.every((x) => Number.isInteger(x) && x >= 0 && x <= limit), `${limit} ${used} -> ${shares}`);
+    }
+  }
+});
+
+test("fair shares: a key alone in one cell settles at >= 90 % of its limit there", () => {
+  for (const n of [2, 3]) {
+    for (const limit of [10, 30, 600, 1000, 5000]) {
+      let shares = Array(n).fill(defaultShare(limit, n));
+      for (let round = 0; round < 50; round++) shares = fairShares(limit, [shares[0], ...Array(n - 1).fill(0)]);
+      assert.ok(shares[0] >= 0.9 * limit, `${n} cells, ${limit}: ${shares}`);
+      assert.ok(shares.slice(1).every((x) => x >= 1), `${n} cells, ${limit}: ${shares}`);
+    }
+  }
+});
+
+test("weights: a cell that used the key lately weighs as four idle ones", () => {
+  assert.deepEqual(weights([undefined, undefined]), [1, 1]);
+  assert.deepEqual(weights([{ at: 1 }, undefined, undefined]), [4, 1, 1]);
+  assert.deepEqual(weights([{ at: 1 }, { at: 2 }]), [4, 4]);
+});
+
+test("grant: a decrease at once; an increase only within what the other cells may still admit", () => {
+  // B's lease falls from 16 to 11 but B may still use 16 until the ledger is sure it stopped.
+  const g = grant(30, [10, 0], [16, 16], [16, 16], [22, 11]);
+  assert.deepEqual(g.lease, [17, 11]);
+  assert.deepEqual(g.held, [17, 16]);
+  assert.ok(Math.max(10, g.held[0]) + Math.max(0, g.held[1]) <= 33);
+  // Once B's 16 is no longer held, A gets its target.
+  assert.deepEqual(grant(30, [10, 0], [17, 11], [17, 11], [22, 11]).lease, [22, 11]);
+  // Used counts too: a cell over its lease (it refuses) still holds what it used.
+  assert.deepEqual(grant(30, [20, 12], [20, 12], [20, 12], [25, 8]).lease, [21, 8]);
+  // Nothing is granted past the cap even when targets ask for it; nothing is taken below current but by a decrease.
+  const tight = grant(10, [0, 0, 0], [10, 10, 10], [3, 3, 3], [9, 1, 1]);
+  assert.deepEqual(tight.lease, [3, 1, 1]);
 });
 
 test("pushed rows are checked field by field", () => {
@@ -55,4 +132,15 @@ test("pushed rows are checked field by field", () => {
     row("a", M, 0, 0, 0, 0, monthOf(M * 60000), 5)], M * 60000);
   assert.equal(sum[7], Number.MAX_SAFE_INTEGER);
   assert.match(badRows(Array.from({ length: 5001 }, () => row("a", M, 0, 0))), /at most 5000 rows/);
+});
+
+test("pushed leases are checked field by field", () => {
+  const lease = ["key_0123456789ab", 3, null, "2026-12", 100];
+  assert.equal(badLeases([lease]), null);
+  assert.match(badLeases("x"), /field "leases" must be an array/);
+  assert.match(badLeases([lease, [1]]), /field "leases\[1\]" must be \[key_id/);
+  assert.match(badLeases([["nope", 1, 1, "2026-12", 1]]), /"leases\[0\]"\[0\] must be a key id/);
+  assert.match(badLeases([["key_0123456789ab", -1, 1, "2026-12", 1]]), /"leases\[0\]"\[1\] must be a whole number >= 0 or null \(got -1\)/);
+  assert.match(badLeases([["key_0123456789ab", 1, 1.5, "2026-12", 1]]), /\[2\] must be a whole number/);
+  assert.match(badLeases([["key_0123456789ab", 1, 1, "Dec", 1]]), /\[3\] must be a month YYYY-MM/);
 });

@@ -1,7 +1,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { COUNTER, EXCHANGE, INFLIGHT, SHAPES, USAGE, WINDOW } from "../src/payloads.js";
-import { addPeer, rowProblem, sumRows } from "../src/fleetexchange.js";
+import { COUNTER, EXCHANGE, INFLIGHT, LEASE, SHAPES, USAGE, WINDOW } from "../src/payloads.js";
+import { badLeases, rowProblem, sumRows } from "../src/fleetexchange.js";
 import { minuteOf } from "../src/limits.js";
 import { BULK_USAGE, UPSERT_PEERS, USAGE_COLUMNS } from "../src/schema.js";
 
@@ -14,7 +14,7 @@ test("every shape names each column once, with its meaning, and indexes it by na
     assert.equal(new Set(names).size, names.length, `${name}: a column named twice`);
     for (const [n, meaning] of columns) assert.ok(typeof meaning === "string" && meaning.length > 5, `${name}.${n}: no meaning`);
   }
-  for (const shape of [COUNTER, EXCHANGE, USAGE, WINDOW, INFLIGHT]) {
+  for (const shape of [COUNTER, EXCHANGE, LEASE, USAGE, WINDOW, INFLIGHT]) {
     shape.names.forEach((n, i) => assert.equal(shape[n], i));
     assert.equal(shape.zero().length, shape.length);
   }
@@ -30,9 +30,11 @@ test("the exchange's writer and reader agree: a summed row is read back by name 
   cell[EXCHANGE.month_tokens] = 40;
   const sum = sumRows("key_0123456789ab", [cell, cell], T);
   assert.equal(rowProblem(sum, 0), null);
-  const counter = addPeer(COUNTER.zero(M), sum, T);
-  assert.equal(counter.length, COUNTER.length);
-  assert.deepEqual([counter[COUNTER.req], counter[COUNTER.tok], counter[COUNTER.month_tokens]], [6, 60, 80]);
+  assert.deepEqual([sum[EXCHANGE.req], sum[EXCHANGE.tok], sum[EXCHANGE.month_tokens]], [6, 60, 80]);
+  // A lease row built by name passes the cell's check; one of another length is refused naming the columns.
+  const lease = LEASE.of({ key_id: "key_0123456789ab", req: 3, tok: null, month: "2026-12", month_tokens: 100 });
+  assert.equal(badLeases([lease]), null);
+  assert.match(badLeases([lease.slice(0, -1)]), new RegExp(`must be \\[${LEASE.names.join(", ")}\\]`));
 });
 
 test("a row written to another shape than the reader's is refused, naming the columns", () => {

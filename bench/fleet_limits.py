@@ -1,0 +1,244 @@
+"""How close a key's limit holds across the fleet's cells, by lease (docs/fleet.md, "Limits across cells").
+
+    .venv/bin/python -m bench.fleet_limits [--seconds 50] [--json PATH|-]
+
+Three real cells (apac-jp, eu-west, us-east) and the front door in one workerd
+(bench/front.py's fleet, the kit's default exchange period and state TTL), users at NRT,
+FRA and IAD (each served by its own cell). Every case is one key with one limit, sent
+through the front door at a fixed rate split over two or three cells, in fixed proportions
+or shifting (all of the key's traffic moves to the next cell every ``--seconds``/4 s). The
+cases run side by side inside one UTC minute, so no rpm or tpm window slides during a
+case. Each key is used once in each of its cells two minutes before (so each cell's
+isolate holds it: a known key's requests are what ``state`` measures), and a key with no
+limit keeps every isolate warm until the end.
+
+Prints, per case: the limit, the cells and pattern, the rate asked (x the limit), what was
+admitted (requests, or tokens for tpm and monthly tokens), admitted / limit, and the
+routers' Server-Timing ``state`` p99 over the case's requests. Exit 0; 2 on a setup failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from bench import harness
+from bench.front import fleet_worker
+from colocate import admin
+from colocate.fleet_workerd import CF_BLOB_HEADER
+
+CELLS = ("apac-jp", "eu-west", "us-east")
+COLO = {"apac-jp": "NRT", "eu-west": "FRA", "us-east": "IAD"}
+DEADLINE_MS = 10_000
+TOKENS = 8  # what bench/pod.mjs answers per chat completion
+
+
+@dataclass
+class Case:
+    name: str
+    limit: str  # rpm | tpm | monthly_tokens
+    value: int
+    per_min: float  # requests a minute the key sends, over all its cells
+    cells: tuple[str, ...]
+    split: tuple[float, ...] | None  # fixed proportions; None: shifting (all to one cell, moving)
+
+    @property
+    def asked(self) -> float:
+        """The rate asked, as a multiple of the limit (tokens for tpm and monthly tokens)."""
+        per = TOKENS if self.limit != "rpm" else 1
+        return self.per_min * per / self.value
+
+
+CASES = [
+    Case("rpm 10, 2 cells 50/50, 20x", "rpm", 10, 200, CELLS[:2], (0.5, 0.5)),
+    Case("rpm 10, 3 cells shifting, 0.6x", "rpm", 10, 6, CELLS, None),
+    Case("rpm 30, 2 cells 50/50, 20x", "rpm", 30, 600, CELLS[:2], (0.5, 0.5)),
+    Case("rpm 30, 3 cells 60/30/10, 4x", "rpm", 30, 120, CELLS, (0.6, 0.3, 0.1)),
+    Case("rpm 30, 3 cells shifting, 2x", "rpm", 30, 60, CELLS, None),
+    Case("rpm 600, 2 cells 70/30, 1.5x", "rpm", 600, 900, CELLS[:2], (0.7, 0.3)),
+    Case("rpm 600, 3 cells shifting, 2x", "rpm", 600, 1200, CELLS, None),
+    Case("rpm 600, 3 cells even, 0.5x", "rpm", 600, 300, CELLS, (1 / 3, 1 / 3, 1 / 3)),
+    Case("tpm 400, 2 cells 50/50, 4x", "tpm", 400, 200, CELLS[:2], (0.5, 0.5)),
+    Case("monthly 800 tokens, 3 cells even, used up", "monthly_tokens", 800, 180, CELLS, (1 / 3, 1 / 3, 1 / 3)),
+]
+
+
+def state_ms(res: requests.Response) -> float:
+    for part in res.headers.get("server-timing", "").split(","):
+        name, *params = [p.strip() for p in part.strip().split(";")]
+        if name == "state":
+            return next((float(p[4:]) for p in params if p.startswith("dur=")), 0.0)
+    return 0.0
+
+
+def p99(xs: list[float]) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def keys_for(urls: dict, auth: dict, name: str, limits: dict) -> tuple[str, str]:
+    """A key made here and imported into every cell (as keys.py does): (key, id)."""
+    key = admin.new_key()
+    row = admin.key_row(key, name, **limits)
+    for cell in CELLS:
+        res = requests.post(urls[cell] + "/_colocate/keys/replica", json=row, headers=auth, timeout=30)
+        if res.status_code != 201:
+            raise harness.BenchError(f"{cell} refused the key: {res.status_code} {res.text}")
+    return key, row["id"]
+
+
+def run(seconds: float, log=lambda _m: None) -> list[dict]:
+    secrets = harness.Secrets.fresh()
+    auth = {"authorization": f"Bearer {secrets.probe_token}"}
+    with (
+        harness.pods(1, 0, secrets.pod_token) as pod_urls,
+        harness.pods(1, 0, None) as fallback,
+        fleet_worker(pod_urls[0], fallback[0], secrets, DEADLINE_MS, regions=CELLS, remember_ms=0) as (w, urls),
+    ):
+        def call(key: str, cell: str, limit: str) -> requests.Response:
+            headers = {"authorization": f"Bearer {key}", CF_BLOB_HEADER: json.dumps({"colo": COLO[cell]})}
+            if limit == "rpm":
+                return requests.get(w.url + "/v1/models", headers=headers, timeout=30)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            return requests.post(w.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+        keys = [keys_for(urls, auth, f"bench-limits-{i}", {case.limit: case.value}) for i, case in enumerate(CASES)]
+        # Each cell's isolate learns each key (a look-up), and the ledger tells every cell the fleet's size.
+        for (key, _), case in zip(keys, CASES, strict=True):
+            for cell in case.cells:
+                call(key, cell, "rpm")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            told = [requests.get(urls[c] + f"/_colocate/fleet/peers?key={keys[0][1]}", headers=auth, timeout=30).json()
+                    .get("fleet_cells") for c in CELLS]
+            if told == [len(CELLS)] * len(CELLS):
+                break
+            time.sleep(0.2)
+        else:
+            raise harness.BenchError("the ledger did not reach every cell within 30 s")
+        # One more key with no limit, used at every cell twice a second from now to the end:
+        # the isolates stay warm while the run waits for the minute (an idle isolate's first
+        # request waits on a sync, which is not what `state` measures here).
+        warm, _ = keys_for(urls, auth, "bench-limits-warm", {})
+        done = threading.Event()
+
+        def keep_warm() -> None:
+            while not done.is_set():
+                for cell in CELLS:
+                    call(warm, cell, "rpm")
+                done.wait(0.5)
+
+        keeper = threading.Thread(target=keep_warm, daemon=True)
+        keeper.start()
+        # The look-ups above counted against the keys' limits: start in the minute after the
+        # next, so they are out of every case's sliding window too.
+        left = 120 - time.time() % 60
+        log(f"waiting {left:.0f} s for the minute after the next to start")
+        time.sleep(left + 0.3)
+        minute = int(time.time() // 60)
+        results: dict[str, dict[str, Any]] = {c.name: {"ok": 0, "tokens": 0, "sent": 0, "state": [], "codes": {}} for c in CASES}
+        lock = threading.Lock()
+        start = time.monotonic()
+
+        def sender(case: Case, key: str, cell: str, share: float | None) -> None:
+            r = results[case.name]
+            if share is not None:
+                per_s = case.per_min * share / 60
+                slots = None
+            else:  # shifting: all of the traffic, in this cell's quarter of the run
+                per_s = case.per_min / 60
+                mine = case.cells.index(cell)
+                slots = [(q * seconds / 4, (q + 1) * seconds / 4) for q in range(4) if q % len(case.cells) == mine]
+            i = 0
+            while True:
+                t = time.monotonic() - start
+                if t >= seconds:
+                    return
+                if slots is not None and not any(a <= t < b for a, b in slots):
+                    nxt = [a for a, _ in slots if a > t]
+                    if not nxt:
+                        return
+                    time.sleep(nxt[0] - t)
+                    continue
+                due = i / per_s if slots is None else None
+                if due is not None and due > t:
+                    time.sleep(due - t)
+                res = call(key, cell, case.limit)
+                i += 1
+                with lock:
+                    r["sent"] += 1
+                    r["codes"][res.status_code] = r["codes"].get(res.status_code, 0) + 1
+                    r["state"].append(state_ms(res))
+                    if res.status_code == 200:
+                        r["ok"] += 1
+                        if case.limit != "rpm":
+                            r["tokens"] += res.json()["usage"]["total_tokens"]
+                if slots is not None:
+                    time.sleep(max(0.0, 1 / per_s - (time.monotonic() - start - t)))
+
+        threads = []
+        for case, (key, _) in zip(CASES, keys, strict=True):
+            for j, cell in enumerate(case.cells):
+                share = case.split[j] if case.split else None
+                threads.append(threading.Thread(target=sender, args=(case, key, cell, share), daemon=True))
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        done.set()
+        keeper.join()
+        if int(time.time() // 60) != minute:
+            raise harness.BenchError("the run crossed a minute boundary (a loaded machine): rerun with a smaller --seconds")
+        out = []
+        for case in CASES:
+            r = results[case.name]
+            admitted = r["ok"] if case.limit == "rpm" else r["tokens"]
+            out.append({"case": case.name, "limit": case.limit, "value": case.value, "asked_x": round(case.asked, 2),
+                        "sent": r["sent"], "admitted": admitted, "admitted_over_limit": round(admitted / case.value, 3),
+                        "state_p99_ms": p99(r["state"]), "codes": r["codes"]})
+        return out
+
+
+def render(rows: list[dict]) -> str:
+    lines = [f"{'case':44} {'sent':>5} {'admitted':>9} {'admitted/L':>10} {'state p99':>9}"]
+    for r in rows:
+        lines.append(f"{r['case']:44} {r['sent']:>5} {r['admitted']:>9} {r['admitted_over_limit']:>10.3f}"
+                     f" {r['state_p99_ms']:>6.0f} ms")
+    worst = max(r["admitted_over_limit"] for r in rows)
+    lines.append(f"worst admitted/L {worst:.3f} (bound 1.10); state p99 {max(r['state_p99_ms'] for r in rows):.0f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=50.0, help="how long every case sends (inside one minute, at most 55)")
+    ap.add_argument("--json", help="also write the rows as JSON to PATH (- for stdout)")
+    args = ap.parse_args(argv)
+    if not 4 <= args.seconds <= 55:
+        print(f"--seconds must be 4..55 so the run fits in one minute (got {args.seconds})", file=sys.stderr)
+        return 2
+    try:
+        rows = run(args.seconds, log=lambda m: print(m, file=sys.stderr))
+    except harness.BenchError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    print(render(rows))
+    if args.json == "-":
+        print(json.dumps(rows, indent=1))
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
