@@ -137,7 +137,7 @@ export function fairShares(limit, used, weight = used.map(() => 1)) {
   const out = t.map((x) => Math.floor(x + 1e-9));
   let left = cap - out.reduce((a, x, j) => a + Math.max(used[j], x), 0);
   // Cells with none first, then the largest part lost to rounding.
-  const order = [...out.keys()].sort((a, b) => (out[b] === 0) - (out[a] === 0) || (t[b] - out[b]) - (t[a] - out[a]) || a - b);
+  const order = [...out.keys()].sort((a, b) => Number(out[b] === 0) - Number(out[a] === 0) || (t[b] - out[b]) - (t[a] - out[a]) || a - b);
   for (const j of order) {
     const more = out[j] + 1 - Math.max(used[j], out[j]); // what one unit more adds to what the cells may admit
     if (out[j] + 1 <= limit && more <= left + 1e-9 && (out[j] === 0 || t[j] - out[j] > 1e-9)) {

@@ -211,6 +211,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {boolean} more
  * @property {boolean} reset
  * @property {any[][]} rows  EXCHANGE rows
+ * @property {Record<string, {rpm: number, tpm: number, monthly_tokens: number}>} [limits]  each key's limits, for the ledger
+ * @property {number | null} [ttl_ms]  how long this cell's isolates may go on using a lease after it is replaced
  */
 
 /**
@@ -219,5 +221,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string} key_id
  * @property {object | null} peers  the peer_counters record (EXCHANGE's names, plus `at`)
  * @property {number[] | null} own  COUNTER row of this cell's own traffic
- * @property {number[] | null} counts  COUNTER row as a sync answers it
+ * @property {number[] | null} [counts]  COUNTER row as a sync answers it
+ * @property {object | null} [lease]  the key's lease from the ledger
+ * @property {number | null} [fleet_cells]  the cells of the fleet, as the ledger last said
  */
