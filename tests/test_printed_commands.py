@@ -67,7 +67,7 @@ def test_printed_commands_name_the_venv_python(path):
 
 
 def test_a_missing_token_does_not_print_none():
-    assert str(UsageError("--token", None, "no probe token", "set X")) == "--token: no probe token. Fix: set X"
+    assert str(UsageError("--token", None, "no read token", "set X")) == "--token: no probe token. Fix: set X"
     assert "'abc'" in str(UsageError("--budget", "abc", "bad", "fix"))
 
 
@@ -76,7 +76,7 @@ def test_probe_without_a_token_says_so_plainly():
                           capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={"PATH": "/usr/bin:/bin"})  # no operator token
     assert proc.returncode == 2
-    assert "--token: no probe token" in proc.stderr and "None" not in proc.stderr, proc.stderr
+    assert "--token: no read token" in proc.stderr and "None" not in proc.stderr, proc.stderr
 
 
 @pytest.fixture
