@@ -75,7 +75,7 @@ def test_worker_declared_from_the_region(deployed):
     assert bindings["CELL_REGION"]["text"] == region.name
     assert "DRAINING_GENERATION" not in bindings
     # Always a hostname (a deployed Worker cannot fetch an IP literal): the path the plan chose.
-    expected = {"local-hostname": "http://localhost:41234",
+    expected = {"local-hostname": "https://localhost:41234",
                 "provider-proxy": "https://pod-123-8000.proxy.runpod.net",
                 "zone-dns": f"http://pod-{active['name'].replace('.', '-')}.{(raw.get('zone') or {}).get('name')}:41234"}
     path = run.resolved[outputs.POD_PATH]
