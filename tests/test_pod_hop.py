@@ -195,8 +195,8 @@ def test_a_pod_process_serves_tls_from_its_environment_as_vllm_does(ca, tmp_path
     """The real mechanism: COLOCATE_POD_TLS in the process's environment, read back through /proc/self/environ."""
     leaf, caller = ca.server("localhost"), ca.client("colocate worker")
     port_file = tmp_path / "port.json"
-    env = {**os.environ, podtls.ENV: podtls.bundle(leaf.cert_pem, leaf.key_pem, ca.cert_pem), "POD_TOKEN": SECRETS["POD_TOKEN"],
-           "PYTHONPATH": str(ROOT)}
+    env = podtls.environment(podtls.bundle(leaf.cert_pem, leaf.key_pem, ca.cert_pem),
+                             {**os.environ, "POD_TOKEN": SECRETS["POD_TOKEN"], "PYTHONPATH": str(ROOT)})
     proc = subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port-file", str(port_file), "--compute-ms", "1"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     try:
@@ -216,3 +216,21 @@ def test_a_pod_process_serves_tls_from_its_environment_as_vllm_does(ca, tmp_path
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+_LOAD = "import ssl; c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); c.load_cert_chain('/proc/self/environ', '/proc/self/environ')"
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_the_bundle_must_come_first_or_a_variable_before_it_can_hide_it_from_openssl(ca, first):
+    """OpenSSL reads the text before the first PEM block in 254-byte pieces and stops at one that starts
+    with the NUL between two variables: a 254-byte variable ahead of the bundle hides it."""
+    leaf = ca.server("localhost")
+    value = podtls.bundle(leaf.cert_pem, leaf.key_pem, ca.cert_pem)
+    ahead = {"A": "x" * 252, "B": "y"}  # "A=" + 252 bytes fills the first piece; the second starts at its NUL
+    env = podtls.environment(value, ahead) if first else {**ahead, podtls.ENV: value}
+    res = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=30)
+    if first:
+        assert res.returncode == 0, res.stderr
+    else:
+        assert res.returncode != 0 and "PEM" in res.stderr, res.stderr

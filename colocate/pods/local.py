@@ -79,7 +79,7 @@ class Local(Provider):
         for var in (podtls.BUNDLE_ENV, podtls.CHECK_ENV, podtls.ENV):
             env.pop(var, None)  # the stand-in gets exactly what a real pod gets, and no caller's key
         if spec.mtls:
-            env[podtls.ENV] = self.pod_tls  # as the clouds' create requests carry it
+            env = podtls.environment(self.pod_tls, env)  # first, as the clouds' create requests carry it
         argv = [sys.executable, "-m", "colocate.pods.standin", "--host", "127.0.0.1", "--port", "0",
                 "--compute-ms", str(spec.compute_ms), "--model", spec.model, "--name", spec.name,
                 "--port-file", str(port_file)]

@@ -12,6 +12,12 @@ PEM, so the certificate file yields the pod's certificate (first), the key file 
 CA file the certificates it trusts. The leading newline puts the first ``-----BEGIN`` at the start
 of a line, as the PEM reader needs. No other variable of the pod may hold PEM.
 
+The variable must come first in the process's environment (``environment`` below puts it there).
+OpenSSL reads the non-PEM text before the first ``-----BEGIN`` in pieces of at most 254 bytes
+(``BIO_gets`` with a 255-byte line buffer) and takes a piece that begins with the NUL between two
+variables for the end of the file: whatever variables come before ours can hide it. This is not
+theoretical: a clean CI machine's environment hid the bundle from the stand-in, with "PEM lib".
+
 The stand-in (``colocate.pods.standin``) serves its TLS through ``server_context`` below, the
 same calls uvicorn makes for vLLM's flags, reading the same variable the same way.
 """
@@ -41,6 +47,12 @@ def bundle(cert_pem: str, key_pem: str, client_ca_pem: str) -> str:
         if "-----BEGIN" not in (pem or ""):
             raise PodTlsError(f"pod TLS: the {what} is not PEM. Fix: pass the PEM text the stack declared")
     return "\n" + "".join(p if p.endswith("\n") else p + "\n" for p in parts.values())
+
+
+def environment(bundle_value: str, others: dict[str, str]) -> dict[str, str]:
+    """A pod's environment with ``COLOCATE_POD_TLS`` first, so no other variable can hide it from OpenSSL."""
+    rest = {k: v for k, v in others.items() if k != ENV}
+    return {ENV: bundle_value, **rest}
 
 
 def vllm_args() -> list[str]:
