@@ -22,6 +22,7 @@ from colocate import cloudflare_limits
 from colocate.errors import ConfigError
 from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
+from .errors import ProgramError
 from .stackconfig import migrations_args
 
 PYTHON = ".venv/bin/python"
@@ -60,7 +61,7 @@ def _binding_args(script: str, binding: Binding, secrets: Mapping[str, pulumi.In
         try:
             cloudflare_limits.check_binding_value(script, binding.name, value, binding_key(binding))
         except ConfigError as err:
-            raise pulumi.RunError(str(err)) from None
+            raise ProgramError(str(err)) from None
         return value
 
     if binding.type == "secret_text":
