@@ -22,6 +22,7 @@ from colocate import cloudflare_limits
 from colocate.errors import ConfigError
 from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
+from .errors import ProgramError
 from .hop import HopCredentials
 from .stackconfig import migrations_args
 
@@ -52,22 +53,18 @@ class CellArgs(TypedDict):
 
 
 def _binding_args(script: str, binding: Binding, secrets: Mapping[str, pulumi.Input[str]],
-                  pod_urls: pulumi.Output[list], hop: HopCredentials | None):
+                  pod_urls: pulumi.Output[list], certificate_id: pulumi.Output[str] | None):
     if binding.type == "durable_object_namespace":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, class_name=binding.class_name)
     if binding.type == "mtls_certificate":  # the Worker's client certificate for the pod hop (POD_TLS)
-        if hop is None:
-            raise pulumi.RunError(f"binding {binding.name}: the plan binds the hop's client certificate, but the "
-                                  "cell declares no hop credentials")
-        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type,
-                                                   certificate_id=hop.mtls_certificate.id)
+        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, certificate_id=certificate_id)
 
     def within_limits(value: str) -> str:
         # Known only now (a secret, the pods' URLs): the plan checked the rest.
         try:
             cloudflare_limits.check_binding_value(script, binding.name, value, binding_key(binding))
         except ConfigError as err:
-            raise pulumi.RunError(str(err)) from None
+            raise ProgramError(str(err)) from None
         return value
 
     if binding.type == "secret_text":
@@ -217,7 +214,8 @@ class Cell(pulumi.ComponentResource):
             files=module_files(w.modules, w.main_module),
             compatibility_date=w.compatibility_date,
             compatibility_flags=list(w.compatibility_flags) or None,
-            bindings=[_binding_args(w.script_name, b, secrets, pod_urls, self.hop) for b in by_name(w.bindings)],
+            bindings=[_binding_args(w.script_name, b, secrets, pod_urls,
+                                    self.hop.mtls_certificate.id if self.hop is not None else None) for b in by_name(w.bindings)],
             migrations=migrations_args(w.migrations),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             # Cloudflare refuses to delete a script that implements a Durable Object class
