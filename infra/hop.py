@@ -35,6 +35,11 @@ EARLY_RENEWAL_HOURS = 30 * 24
 ORGANIZATION = "colocate"
 
 
+def _secret(value: pulumi.Input[str]) -> pulumi.Output[str]:
+    """``value`` as a secret (typed: the SDK's ``Output.secret`` leaves its type unsolved for mypy)."""
+    return pulumi.Output.from_input(value).apply(pulumi.Output.secret)
+
+
 def resource_suffix(renewal: int) -> str:
     """``-r<N>`` after the names of the hop's resources; nothing at renewal 0."""
     return f"-r{renewal}" if renewal else ""
@@ -50,7 +55,7 @@ class HopCredentials:
         self.ca_key = self._key(f"{name}-hop-ca-key")
         self.ca = tls.SelfSignedCert(
             f"{name}-hop-ca{self.suffix}",
-            private_key_pem=pulumi.Output.secret(self.ca_key.private_key_pem),
+            private_key_pem=_secret(self.ca_key.private_key_pem),
             is_ca_certificate=True,
             max_path_length=0,
             allowed_uses=["cert_signing", "crl_signing"],
@@ -67,7 +72,7 @@ class HopCredentials:
             account_id=plan.worker.account_id,
             ca=False,
             certificates=self.worker_cert.cert_pem,
-            private_key=pulumi.Output.secret(self.worker_key.private_key_pem_pkcs8),
+            private_key=_secret(self.worker_key.private_key_pem_pkcs8),
             name=f"colocate-{plan.stack}-worker{self.suffix}",
             opts=self.opts,
         )
@@ -76,7 +81,7 @@ class HopCredentials:
             self.trust_store = cloudflare.CustomOriginTrustStore(
                 f"{name}-hop-trust{self.suffix}", zone_id=plan.worker.zone_id, certificate=self.ca.cert_pem,
                 opts=self.opts)
-        self.check_env = pulumi.Output.secret(pulumi.Output.all(
+        self.check_env = _secret(pulumi.Output.all(
             self.check_cert.cert_pem, self.check_key.private_key_pem_pkcs8, self.ca.cert_pem,
         ).apply(lambda a: json.dumps({"cert": a[0], "key": a[1], "ca": a[2]})))
 
@@ -87,7 +92,7 @@ class HopCredentials:
         key = self._key(f"{self.name}-hop-{role}-key")
         request = tls.CertRequest(
             f"{self.name}-hop-{role}-csr{self.suffix}",
-            private_key_pem=pulumi.Output.secret(key.private_key_pem),
+            private_key_pem=_secret(key.private_key_pem),
             dns_names=dns_names or None,
             subject=tls.CertRequestSubjectArgs(common_name=common_name, organization=ORGANIZATION),
             opts=self.opts,
@@ -96,7 +101,7 @@ class HopCredentials:
             f"{self.name}-hop-{role}{self.suffix}",
             cert_request_pem=request.cert_request_pem,
             ca_cert_pem=self.ca.cert_pem,
-            ca_private_key_pem=pulumi.Output.secret(self.ca_key.private_key_pem),
+            ca_private_key_pem=_secret(self.ca_key.private_key_pem),
             allowed_uses=["digital_signature", usage],
             validity_period_hours=LEAF_HOURS,
             early_renewal_hours=EARLY_RENEWAL_HOURS,
@@ -107,7 +112,7 @@ class HopCredentials:
     def pod(self, pod: PodPlan) -> tuple[dict[str, pulumi.Output[str]], pulumi.Output[str]]:
         """Pod ``pod``'s certificate: (scripts/pod.py's environment for it, the certificate's fingerprint)."""
         key, cert = self._leaf(f"pod-{pod.index}", pod.tls_name, "server_auth", [pod.tls_name])
-        bundle = pulumi.Output.secret(pulumi.Output.all(cert.cert_pem, key.private_key_pem_pkcs8, self.ca.cert_pem)
+        bundle = _secret(pulumi.Output.all(cert.cert_pem, key.private_key_pem_pkcs8, self.ca.cert_pem)
                                       .apply(lambda a: podtls.bundle(*a)))
         env = {podtls.BUNDLE_ENV: bundle, podtls.CHECK_ENV: self.check_env}
         return env, pulumi.Output.unsecret(cert.cert_pem.apply(cert_fingerprint))
