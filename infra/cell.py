@@ -18,11 +18,12 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate import cloudflare_limits
+from colocate import cloudflare_limits, rollout
 from colocate.errors import ConfigError
 from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
 from .errors import ProgramError
+from .hop import HopCredentials
 from .stackconfig import migrations_args
 
 PYTHON = ".venv/bin/python"
@@ -52,9 +53,11 @@ class CellArgs(TypedDict):
 
 
 def _binding_args(script: str, binding: Binding, secrets: Mapping[str, pulumi.Input[str]],
-                  pod_urls: pulumi.Output[list]):
+                  pod_urls: pulumi.Output[list], certificate_id: pulumi.Output[str] | None):
     if binding.type == "durable_object_namespace":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, class_name=binding.class_name)
+    if binding.type == "mtls_certificate":  # the Worker's client certificate for the pod hop (POD_TLS)
+        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, certificate_id=certificate_id)
 
     def within_limits(value: str) -> str:
         # Known only now (a secret, the pods' URLs): the plan checked the rest.
@@ -135,9 +138,10 @@ class Cell(pulumi.ComponentResource):
 
         # The pods, one Command each, index in name and triggers: changing pod.count adds or
         # removes only the pods concerned. A change of what identifies them (triggers)
-        # replaces them create-before-delete. Each pod depends on the one before it, so new
-        # pods come up one at a time; the engine deletes the replaced pods at the end of the
-        # update, after the Worker points at the new ones (docs/pods.md: what it costs).
+        # replaces them as colocate.rollout says (the sandbox's apply does the same):
+        # create-before-delete, and each pod depends on the one before it, so new pods come up
+        # one at a time; the engine deletes the replaced pods at the end of the update, after
+        # the Worker points at the new ones (docs/pods.md: what it costs).
         # Any other input change re-runs create (no `update`), which adopts the live pod of
         # the same name. A pod reads its token once, at start, so a rotated colocate:podToken
         # must rename and replace it: the token's fingerprint joins the identity. Only that
@@ -147,19 +151,27 @@ class Cell(pulumi.ComponentResource):
         pod_infos = []
         worker_urls = []
         fingerprint = pulumi.Output.unsecret(pulumi.Output.from_input(secrets["podToken"]).apply(token_fingerprint))
+        # The hop's certificates (infra/hop.py) when it is mutual TLS: each pod gets its own, by
+        # environment; its fingerprint joins the pod's identity (a re-issued one replaces the pod).
+        self.hop = HopCredentials(name, plan, self) if plan.mtls else None
         for pod in plan.pods:
+            hop_env: dict[str, pulumi.Output[str]] = {}
             declared = fingerprint.apply(pod.with_token_fingerprint)
+            if self.hop is not None:
+                hop_env, cert_fp = self.hop.pod(pod)
+                declared = pulumi.Output.all(declared, cert_fp).apply(lambda a: a[0].with_tls_fingerprint(a[1]))
             cmd_name, aliases = _named(name, pod.index, "pod")
+            after = [j for j in (rollout.created_after(pod.index),) if j is not None]
             command = local.Command(
                 cmd_name,
                 create=POD_CREATE,
                 delete=POD_DELETE.format(stack=plan.stack),
                 stdin=declared.apply(lambda p: json.dumps(p.spec(), sort_keys=True)),
-                environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"]},
+                environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"], **hop_env},
                 triggers=declared.apply(lambda p: p.triggers()),
                 dir=".",
-                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=False, aliases=aliases,
-                                            depends_on=self.pod_commands[-1:]),
+                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=not rollout.CREATE_BEFORE_DELETE,
+                                            aliases=aliases, depends_on=[self.pod_commands[j] for j in after]),
             )
             self.pod_commands.append(command)
             info = command.stdout.apply(json.loads)
@@ -203,14 +215,18 @@ class Cell(pulumi.ComponentResource):
             content=main.content(),
             files=module_files(w.modules, w.main_module),
             compatibility_date=w.compatibility_date,
-            bindings=[_binding_args(w.script_name, b, secrets, pod_urls) for b in by_name(w.bindings)],
+            compatibility_flags=list(w.compatibility_flags) or None,
+            bindings=[_binding_args(w.script_name, b, secrets, pod_urls,
+                                    self.hop.mtls_certificate.id if self.hop is not None else None) for b in by_name(w.bindings)],
             migrations=migrations_args(w.migrations),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             # Cloudflare refuses to delete a script that implements a Durable Object class
             # (Breaker) or that another Worker binds (a fleet's front door) unless forced;
             # destroy deletes the class's objects with it (docs/worker.md, "Destroy").
             force=True,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*self.pod_commands, *self.pod_dns]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[
+                *self.pod_commands, *self.pod_dns,
+                *([self.hop.trust_store] if self.hop is not None and self.hop.trust_store is not None else [])]),
         )
 
         # The placement block, applied after every upload of the script: the upload itself
@@ -227,7 +243,8 @@ class Cell(pulumi.ComponentResource):
             stdin=placement.apply(lambda block: json.dumps(block, sort_keys=True)),
             environment={"CLOUDFLARE_API_TOKEN": args["cloudflare_token"]},
             triggers=[placement.apply(lambda block: json.dumps(block, sort_keys=True)), upload,
-                      *[c.stdout for c in self.pod_commands]],
+                      *[c.stdout for c in self.pod_commands],
+                      *([self.hop.mtls_certificate.id] if self.hop is not None else [])],  # a new one re-uploads
             dir=".",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
         )

@@ -719,6 +719,8 @@ class PodHop:
         with contextlib.suppress(ValueError):
             self.network.pod_hops.remove(self)
         with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone does not
+        with contextlib.suppress(OSError):
             self.listener.close()
         self.cut()
         self._thread.join(timeout=5)
