@@ -36,6 +36,7 @@ from colocate import (  # noqa: E402
 )
 from colocate.errors import ColocateError, ConfigError, ScriptError  # noqa: E402
 from colocate.probe import sandbox as probe_sandbox  # noqa: E402
+from colocate.sandbox.statedir import local_pod_records  # noqa: E402
 
 DAY_S = 86_400
 PULUMI_TIMEOUT_S = 120
@@ -132,7 +133,7 @@ def _deployed_cost_per_hr(stack: str) -> float:
 def _sandbox_started(state_dir: Path) -> float | None:
     """When the sandbox's pods were created (the earliest local pod record), epoch seconds."""
     created = []
-    for record in (state_dir / "pods").glob("*.json") if (state_dir / "pods").is_dir() else []:
+    for record in local_pod_records(state_dir):
         try:
             data = json.loads(record.read_text())
         except (OSError, ValueError):
