@@ -187,8 +187,8 @@ class Served:
 def pod_hours(steps: Sequence[tuple[float, int]], end_h: float = HOURS) -> float:
     """Hours billed by a step function of (UTC hour, pods existing from then), up to ``end_h``."""
     total = 0.0
-    ordered = sorted(steps)
-    for (t, n), nxt in zip(ordered, [*ordered[1:], (end_h, 0)], strict=True):
+    ordered = sorted(steps, key=lambda step: step[0])  # stable: of two changes at one time, the later holds
+    for (t, n), nxt in zip(ordered, [*ordered[1:], (end_h, 0)][: len(ordered)], strict=True):
         total += n * max(0.0, min(nxt[0], end_h) - min(t, end_h))
     return total
 
