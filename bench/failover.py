@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         out = run(args)
     except (ConfigError, SandboxError) as exc:
         print(f"failover: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     for name in ("before", "failover_first_second", "after", "total"):
         w = out[name]
         share = "-" if w["fallback_share"] is None else f"{100 * w['fallback_share']:.1f} %"

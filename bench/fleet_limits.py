@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(args.seconds, log=lambda m: print(m, file=sys.stderr))
     except harness.BenchError as err:
         print(str(err), file=sys.stderr)
-        return 2
+        return err.exit_code
     print(render(rows))
     if args.json == "-":
         print(json.dumps(rows, indent=1))

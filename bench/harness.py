@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from colocate import plan as plan_mod, settings as settings_mod, stackfile
+from colocate.errors import ScriptError
 from colocate.workerd import (
     MAIN_SERVICE,
     SOCKET_NAME,
@@ -82,8 +83,10 @@ GOALS = {
 }
 
 
-class BenchError(Exception):
+class BenchError(ScriptError):
     """Setup failures the CLI reports with exit 2 (a tool missing, a process not starting)."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -562,7 +565,7 @@ def report(prog: str, compute, render, json_path: Path | None) -> int:
         result = compute()
     except (BenchError, WorkerdError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     print(render(result))
     if json_path:
         json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -4,10 +4,12 @@ not a throughput tool; bench/router.py uses wrk for that)."""
 
 from __future__ import annotations
 
+MAX_IN_FLIGHT = 32  # the pool's threads: at most this many requests of one Load are in flight
+
 
 class Load:
     """A bounded open-loop load of routed chat requests carrying a client key: one request
-    every 1/rate s on a pool of 32 threads until stopped or ``max_s`` passed. Each result
+    every 1/rate s on a pool of MAX_IN_FLIGHT threads until stopped or ``max_s`` passed. Each result
     is (status or None, x-colocate-backend, error text); ``latencies_ms`` holds each
     request's wall time in the same order as it finished."""
 
@@ -56,7 +58,7 @@ class Load:
 
         local = threading.local()
         deadline = time.monotonic() + self.max_s
-        with ThreadPoolExecutor(max_workers=32) as pool:
+        with ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT) as pool:
             next_at = time.monotonic()
             while not self.stop.is_set() and time.monotonic() < deadline:
                 pool.submit(self._one, local)

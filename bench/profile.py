@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         prof, n = profile(target, args.worker_src, args.seconds, args.clients)
     except (harness.BenchError, wd.WorkerdError) as exc:
         print(f"bench.profile: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     if args.out:
         args.out.write_text(json.dumps(prof))
     print(f"{target}: {n} requests at {args.clients} clients; self time per request")

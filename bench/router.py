@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         result = harness.run(opts, log)
     except (harness.BenchError, ConfigError, WorkerdError) as exc:
         print(f"router: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     text = table(result)
     if args.json == "-":
         print(text, file=sys.stderr)

@@ -10,10 +10,11 @@ from ``--url`` plus ``COLOCATE_ADMIN_TOKEN`` (or ``COLOCATE_READ_TOKEN``),
 from a running sandbox of the stack (its ``ready.json``), or from the deployed stack's
 outputs (``pulumi stack output --show-secrets``). The token never goes to argv or a log.
 
-    AdminError                   base; scripts exit 2 on it
+    AdminError                   base (a ScriptError); exit 2
     ├── TargetError              no URL or token could be found for the request (names how to give one)
     ├── Unreachable              the Worker did not answer (connection refused, timeout)
-    └── Refused                  the Worker answered with an error (status, code and its message)
+    └── Refused                  the Worker answered with an error (status, code and its message); exit 1
+                                 for a refusal of what was asked (404, 409), 2 for bad input, a bad token or a 5xx
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import requests
 
+from .errors import ScriptError
 from .sandbox.statedir import (  # not the supervisor, whose runner imports admin
     SANDBOX_CMD,
     default_state_dir,
@@ -46,22 +48,32 @@ TOKEN_ENV = TOKEN_ENVS["admin"]
 TIMEOUT_S = 30
 
 
-class AdminError(Exception):
-    pass
+class AdminError(ScriptError):
+    """The operator endpoints could not be used."""
+
+    exit_code = 2
 
 
 class TargetError(AdminError):
-    pass
+    """No URL or token could be found for the request."""
 
 
 class Unreachable(AdminError):
-    pass
+    """The Worker did not answer."""
 
 
 class Refused(AdminError):
+    """The Worker answered with an error."""
+
     def __init__(self, status: int, code: str, message: str):
         super().__init__(f"the Worker answered {status} {code}: {message}")
         self.status, self.code = status, code
+
+    @property  # type: ignore[override]  # the class's constant becomes the answer's
+    def exit_code(self) -> int:
+        """1 when the Worker refused what was asked (no such key, a conflict): the input was
+        well formed; 2 for bad input, a bad token, or a Worker that failed (5xx)."""
+        return 1 if self.status < 500 and self.status not in (400, 401) else 2
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .errors import ScriptError
+
 HOURS_PER_MONTH = 730.0  # 365 x 24 / 12, the providers' own monthly figure
 # The shortest window scaled to tokens per day: a day is 24 hours of traffic, and less than an
 # hour of it (a sandbox up for minutes, a burst of tests) says nothing about the rest of the day.
@@ -83,8 +85,10 @@ def duration(hours: float) -> str:
     return f"{seconds / 86_400:,.3g} days"
 
 
-class UsageError(ValueError):
-    """A usage row lacks a field or holds a negative number (names the row and field)."""
+class UsageError(ScriptError, ValueError):
+    """A usage row lacks a field or holds a negative number (names the row and field); exit 2."""
+
+    exit_code = 2
 
 
 def split_usage(rows: Iterable[Mapping]) -> tuple[Served, Served, list[str], dict[str, float]]:

@@ -139,6 +139,7 @@ class WorkerPlan:
     url: str  # where clients (and the probe) reach the Worker
     placement_mode: str = PLACEMENT_TARGETED  # pod | targeted | smart (auto already resolved)
     placement_host: PlacementHost | None = None  # pod mode only
+    compatibility_flags: tuple[str, ...] = ()  # POD_TLS_COMPATIBILITY_FLAGS on a mutual-TLS zone-dns hop
 
     def placement_args(self, pod0: dict | None = None) -> dict:
         """The placement block as uploaded; pod mode needs pod 0's create output."""
@@ -171,14 +172,44 @@ PATH_ZONE_DNS = "zone-dns"  # a DNS-only A record on colocate:zone, straight to 
 PATH_PROVIDER_PROXY = "provider-proxy"  # RunPod's HTTPS proxy hostname (through Cloudflare and RunPod's balancer)
 PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that resolves to 127.0.0.1
 POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
-# Paths on which the Worker reaches the pod itself, so the hop is mutual TLS end to end
+# Paths on which the Worker reaches the pod itself, so the hop can be mutual TLS end to end
 # (docs/pods.md, "Who can reach the pod"): the pod serves TLS and admits only a client
 # certificate of the cell's CA; the Worker presents one through its POD_TLS binding.
 # RunPod's proxy terminates TLS itself and speaks HTTP to the pod: no client certificate
 # can reach the pod that way.
-MTLS_PATHS = (PATH_LOCAL_HOSTNAME,)
+MTLS_PATHS = (PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS)
+# Providers whose create request can carry the pod's TLS bundle (multi-line PEM) in the pod's
+# environment. Vast.ai's `env` is one string of Docker flags (`-e K=V -p ...`) and its args
+# launch mode runs no start command that could decode another form (docs/pods.md).
+MTLS_PROVIDERS = ("local", "runpod")
 POD_TLS_BINDING = "POD_TLS"
 POD_TLS_FROM_OUTPUT = "pod.tls"  # marks the binding whose value is the Worker's client certificate
+# On zone-dns the Worker's fetch to the pod is an external (grey-cloud) subrequest, whose origin
+# certificate Cloudflare checks against the public CAs unless this flag lets the zone's Custom
+# Origin Trust Store (the cell's CA, declared by the stack) apply.
+POD_TLS_COMPATIBILITY_FLAGS = ("cots_on_external_fetch",)
+
+
+def hop_is_mtls(provider: str, path: str, setting: str) -> bool:
+    """Whether the hop to the pods is mutual TLS (``colocate:pod.hop``): ``auto`` wherever the
+    path and the provider can carry it, ``token`` never; ``mtls`` where they cannot is refused."""
+    possible = path in MTLS_PATHS and provider in MTLS_PROVIDERS
+    if setting != "mtls":
+        return setting == "auto" and possible
+    if path == PATH_PROVIDER_PROXY:
+        raise ConfigError("colocate:pod.hop", setting,
+                          "without colocate:zone the Worker reaches the pod through RunPod's proxy, which ends the "
+                          "TLS itself and speaks HTTP to the pod: no client certificate can reach it",
+                          "set colocate:zone (the Worker then reaches the pod by a DNS-only record, over mutual TLS), "
+                          "or pulumi config set --path colocate:pod.hop auto")
+    if not possible:
+        raise ConfigError("colocate:pod.hop", setting,
+                          f"a {provider} pod cannot be given its TLS certificate and key: Vast.ai's create request "
+                          "takes environment variables as one string of Docker flags, which cannot hold multi-line PEM, "
+                          "and its args launch mode runs no command that could unpack another form",
+                          "use pod.provider runpod where the region has RunPod capacity, or, knowingly, pulumi config "
+                          "set --path colocate:pod.hop token (plain HTTP to the pod behind colocate:podToken alone)")
+    return True
 
 
 RUNPOD_PROXY_TEMPLATE = "https://{pod_id}-{port}.proxy.runpod.net"
@@ -230,6 +261,11 @@ def pod_hostname_of(template: str, generation: str, index: int) -> str:
 TOKEN_FINGERPRINT_PREFIX = b"colocate:podToken fingerprint v1\0"
 
 
+def cert_fingerprint(cert_pem: str) -> str:
+    """The first 8 hex digits of the sha256 of a certificate's PEM: public, as the certificate is."""
+    return hashlib.sha256(cert_pem.encode()).hexdigest()[:8]
+
+
 def token_fingerprint(token: str) -> str:
     """A short digest of ``colocate:podToken`` that tells a rotated token apart (the pod
     must then be replaced) without declaring the token. The fixed prefix keeps it off
@@ -261,6 +297,9 @@ class PodPlan:
     # token_fingerprint(colocate:podToken); "" where the plan is built without the token
     # (the sandbox, `migrate.py plan`). infra/cell.py fills it from the secret.
     token_fingerprint: str = ""
+    # cert_fingerprint(the pod's certificate) on a mutual-TLS hop, filled by infra/hop.py: the pod
+    # reads its certificate once, at start, so a re-issued one must replace the pod. "" elsewhere.
+    tls_fingerprint: str = ""
     # False while the pod drains before a scale-down (colocate:scale.draining): still
     # declared and running, no longer in the Worker's POD_URLS. Not part of the identity.
     in_rotation: bool = True
@@ -284,8 +323,8 @@ class PodPlan:
 
     @property
     def mtls(self) -> bool:
-        """Whether the hop to this pod is mutual TLS (``MTLS_PATHS``)."""
-        return self.path in MTLS_PATHS
+        """Whether the hop to this pod is mutual TLS (``hop_is_mtls``)."""
+        return hop_is_mtls(self.settings.provider, self.path, self.settings.hop)
 
     @property
     def tls_name(self) -> str:
@@ -342,11 +381,18 @@ class PodPlan:
             ident.append(f"renewal={s.renewal}")
         if self.token_fingerprint:
             ident.append(f"podToken=sha256:{self.token_fingerprint}")
+        if self.tls_fingerprint:
+            ident.append(f"cert=sha256:{self.tls_fingerprint}")
         return ident
 
     def triggers(self) -> list[str]:
         # Any change here replaces the pod (create the new one, then delete the old).
         return self.identity() + [f"pod-{self.index}"]
+
+    def with_tls_fingerprint(self, fingerprint: str) -> PodPlan:
+        """This pod for a given certificate of its own (``cert_fingerprint``): a re-issued
+        certificate renames and replaces the pod, which cannot load a new one while it runs."""
+        return replace(self, tls_fingerprint=fingerprint).with_derived_name()
 
     def with_token_fingerprint(self, fingerprint: str) -> PodPlan:
         """This pod for a given pod token: the fingerprint joins the identity, so the name
@@ -409,6 +455,12 @@ class CellPlan:
     probe: ProbePlan
     pod_path: str = PATH_ZONE_DNS  # how the Worker reaches the pods (one of POD_PATHS), even with none
     pod_settings: PodSettings | None = None  # what every pod is made of, even with none
+
+    @property
+    def mtls(self) -> bool:
+        """Whether the hop to the pods is mutual TLS (the stack then declares its certificates)."""
+        s = self.pod_settings
+        return s is not None and hop_is_mtls(s.provider, self.pod_path, s.hop)
 
     @property
     def pod(self) -> PodPlan:
@@ -544,7 +596,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
     if LEGACY_TOKEN in settings.operator_secrets.values():
         # A stack still on the one old token: the Worker of the release before reads only this.
         bindings.append(Binding("PROBE_TOKEN", "secret_text", secret=LEGACY_TOKEN))
-    if path in MTLS_PATHS:
+    if hop_is_mtls(settings.pod.provider, path, settings.pod.hop):
         bindings.append(Binding(POD_TLS_BINDING, "mtls_certificate", from_output=POD_TLS_FROM_OUTPUT))
     return tuple(bindings)
 
@@ -585,6 +637,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     gen = ledger.active.name
     path = pod_path(settings.pod.provider, settings.zone is not None)
     check_pod_cloud(settings.pod.provider, path, settings.pod.cloud)
+    mtls = hop_is_mtls(settings.pod.provider, path, settings.pod.hop)
     locations = reg.locations(settings.pod.provider)
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts
@@ -632,6 +685,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         main_module=MAIN_MODULE,
         modules=worker_modules(worker_dir),
         compatibility_date=COMPATIBILITY_DATE,
+        compatibility_flags=POD_TLS_COMPATIBILITY_FLAGS if mtls and path == PATH_ZONE_DNS else (),
         placement=placement,
         bindings=worker_bindings(settings, state, path),
         migrations=decision.migrations,

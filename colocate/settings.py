@@ -46,7 +46,12 @@ POD_DEFAULTS = {
     "computeMs": 95,
     "count": 1,
     "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
+    "hop": "auto",  # how the Worker reaches the pod: mutual TLS where it can (docs/pods.md "Who can reach the pod")
 }
+# colocate:pod.hop. mtls: the pod admits only the Worker's client certificate; token: plain HTTP
+# (HTTPS to RunPod's proxy) behind POD_TOKEN alone; auto: mtls wherever the provider and path can
+# carry it (colocate.plan.hop_is_mtls).
+HOPS = ("auto", "mtls", "token")
 WORKER_DEFAULTS = {
     "name": "",  # empty: colocate-<stack>
     "subdomain": "",  # the account's workers.dev subdomain (needed without a zone)
@@ -84,7 +89,8 @@ SCHEMA: tuple[Key, ...] = (
         "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
         "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
         "readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal "
-        "(raise by one to replace every pod with a newly placed one)."),
+        "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
+        "mutual TLS between the Worker and the pod, or the pod token alone)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
@@ -162,6 +168,7 @@ class PodSettings:
     count: int = 1
     min_cuda_version: str = str(POD_DEFAULTS["minCudaVersion"])  # "" = no floor
     renewal: int = 0  # part of the pods' identity: a new value re-places them
+    hop: str = "auto"  # colocate:pod.hop (HOPS)
 
 
 MAX_PODS = 8
@@ -300,6 +307,7 @@ def parse_pod(raw: dict) -> PodSettings:
         count=_pod_count(k + "count", p["count"]),
         min_cuda_version=_cuda_version(k + "minCudaVersion", p["minCudaVersion"]),
         renewal=_number(k + "renewal", p["renewal"], integer=True, strict=False),
+        hop=_string(k + "hop", p["hop"], HOPS),
     )
 
 

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .plan import BREAKER_CLASS, Binding, WorkerPlan
+from .sandbox.errors import SandboxError
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERD_BIN = ROOT / "node_modules" / ".bin" / "workerd"
@@ -84,14 +85,8 @@ OUTBOUND_SERVICE = "colocate-outbound"
 STORAGE_SERVICE = "colocate-do-storage"
 
 
-class WorkerdError(RuntimeError):
-    """Errors of this module.
-
-        WorkerdError
-        ├── BindingValueMissing  a secret or from_output binding has no value in ``values``
-        ├── WorkerdNotInstalled  node_modules/.bin/workerd is missing (run ``make setup``)
-        └── WorkerdStartFailed   workerd exited or never listened; the log tail is attached
-    """
+class WorkerdError(SandboxError):
+    """Errors of this module (drawn in colocate/sandbox/errors.py's tree)."""
 
 
 class BindingValueMissing(WorkerdError):

@@ -22,6 +22,8 @@ from colocate import cloudflare_limits
 from colocate.errors import ConfigError
 from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
+from .errors import ProgramError
+from .hop import HopCredentials
 from .stackconfig import migrations_args
 
 PYTHON = ".venv/bin/python"
@@ -51,16 +53,18 @@ class CellArgs(TypedDict):
 
 
 def _binding_args(script: str, binding: Binding, secrets: Mapping[str, pulumi.Input[str]],
-                  pod_urls: pulumi.Output[list]):
+                  pod_urls: pulumi.Output[list], certificate_id: pulumi.Output[str] | None):
     if binding.type == "durable_object_namespace":
         return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, class_name=binding.class_name)
+    if binding.type == "mtls_certificate":  # the Worker's client certificate for the pod hop (POD_TLS)
+        return cloudflare.WorkersScriptBindingArgs(name=binding.name, type=binding.type, certificate_id=certificate_id)
 
     def within_limits(value: str) -> str:
         # Known only now (a secret, the pods' URLs): the plan checked the rest.
         try:
             cloudflare_limits.check_binding_value(script, binding.name, value, binding_key(binding))
         except ConfigError as err:
-            raise pulumi.RunError(str(err)) from None
+            raise ProgramError(str(err)) from None
         return value
 
     if binding.type == "secret_text":
@@ -146,15 +150,22 @@ class Cell(pulumi.ComponentResource):
         pod_infos = []
         worker_urls = []
         fingerprint = pulumi.Output.unsecret(pulumi.Output.from_input(secrets["podToken"]).apply(token_fingerprint))
+        # The hop's certificates (infra/hop.py) when it is mutual TLS: each pod gets its own, by
+        # environment; its fingerprint joins the pod's identity (a re-issued one replaces the pod).
+        self.hop = HopCredentials(name, plan, self) if plan.mtls else None
         for pod in plan.pods:
+            hop_env: dict[str, pulumi.Output[str]] = {}
             declared = fingerprint.apply(pod.with_token_fingerprint)
+            if self.hop is not None:
+                hop_env, cert_fp = self.hop.pod(pod)
+                declared = pulumi.Output.all(declared, cert_fp).apply(lambda a: a[0].with_tls_fingerprint(a[1]))
             cmd_name, aliases = _named(name, pod.index, "pod")
             command = local.Command(
                 cmd_name,
                 create=POD_CREATE,
                 delete=POD_DELETE.format(stack=plan.stack),
                 stdin=declared.apply(lambda p: json.dumps(p.spec(), sort_keys=True)),
-                environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"]},
+                environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"], **hop_env},
                 triggers=declared.apply(lambda p: p.triggers()),
                 dir=".",
                 opts=pulumi.ResourceOptions(parent=self, delete_before_replace=False, aliases=aliases,
@@ -202,14 +213,18 @@ class Cell(pulumi.ComponentResource):
             content=main.content(),
             files=module_files(w.modules, w.main_module),
             compatibility_date=w.compatibility_date,
-            bindings=[_binding_args(w.script_name, b, secrets, pod_urls) for b in by_name(w.bindings)],
+            compatibility_flags=list(w.compatibility_flags) or None,
+            bindings=[_binding_args(w.script_name, b, secrets, pod_urls,
+                                    self.hop.mtls_certificate.id if self.hop is not None else None) for b in by_name(w.bindings)],
             migrations=migrations_args(w.migrations),
             observability=cloudflare.WorkersScriptObservabilityArgs(enabled=True),
             # Cloudflare refuses to delete a script that implements a Durable Object class
             # (Breaker) or that another Worker binds (a fleet's front door) unless forced;
             # destroy deletes the class's objects with it (docs/worker.md, "Destroy").
             force=True,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*self.pod_commands, *self.pod_dns]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[
+                *self.pod_commands, *self.pod_dns,
+                *([self.hop.trust_store] if self.hop is not None and self.hop.trust_store is not None else [])]),
         )
 
         # The placement block, applied after every upload of the script: the upload itself
@@ -226,7 +241,8 @@ class Cell(pulumi.ComponentResource):
             stdin=placement.apply(lambda block: json.dumps(block, sort_keys=True)),
             environment={"CLOUDFLARE_API_TOKEN": args["cloudflare_token"]},
             triggers=[placement.apply(lambda block: json.dumps(block, sort_keys=True)), upload,
-                      *[c.stdout for c in self.pod_commands]],
+                      *[c.stdout for c in self.pod_commands],
+                      *([self.hop.mtls_certificate.id] if self.hop is not None else [])],  # a new one re-uploads
             dir=".",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
         )

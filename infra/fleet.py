@@ -26,6 +26,7 @@ from colocate import cloudflare_limits, fleet, outputs, stackfile
 from colocate.errors import ConfigError
 
 from .cell import by_name, module_files, public_route
+from .errors import ProgramError
 from .stackconfig import check_zone, live_migration_tag, migrations_args, raw_config, require_api_token
 
 
@@ -51,7 +52,7 @@ def _plan(settings: fleet.FleetSettings, found: Sequence[dict], live_tag: str | 
     try:
         return fleet.plan_fleet(settings, list(found), live_migration_tag=live_tag)
     except ConfigError as err:
-        raise pulumi.RunError(str(err)) from None
+        raise ProgramError(str(err)) from None
 
 
 def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: Sequence[object]) -> list:
@@ -62,7 +63,7 @@ def _binding_args(settings: fleet.FleetSettings, plan: fleet.FleetPlan, tokens: 
             cloudflare_limits.check_binding_value(settings.worker_name, f"CELL_TOKEN_{i}", token,
                                                   f"{fleet.KEY}.cells[{i}]")
     except ConfigError as err:
-        raise pulumi.RunError(str(err)) from None
+        raise ProgramError(str(err)) from None
     by_output = {fleet.token_output(i): t for i, t in enumerate(tokens)}
     out = [cloudflare.WorkersScriptBindingArgs(name=s.name, type="service", service=s.service) for s in plan.services]
     for b in plan.bindings:
@@ -134,7 +135,7 @@ def main() -> dict[str, pulumi.Input]:
         fleet.check_member_stacks(settings, stackfile.STACKS_DIR)
         require_api_token()
     except ConfigError as err:
-        raise pulumi.RunError(str(err)) from None
+        raise ProgramError(str(err)) from None
     if settings.zone is not None:
         check_zone(settings.zone)
     tag = live_migration_tag(settings.account_id, settings.worker_name)

@@ -1,6 +1,6 @@
 """The Pulumi program: read settings once, plan the cell, declare it, export outputs.
 
-Every configuration error surfaces as ``pulumi.RunError`` (a clean message, no trace)
+Every configuration error surfaces as ``ProgramError`` (a ``pulumi.RunError``: a clean message, no trace)
 before any resource is declared.
 """
 
@@ -17,6 +17,7 @@ from colocate.settings import NS, PROVIDER_SECRET, Settings, parse
 
 from . import fleet as fleet_program
 from .cell import Cell, CellArgs
+from .errors import ProgramError
 from .stackconfig import check_zone, live_migration_tag, raw_config, require_api_token
 
 
@@ -26,7 +27,7 @@ def load_settings() -> tuple[Settings, dict[str, pulumi.Output[str]]]:
         settings = parse(raw, pulumi.get_stack(), secrets=frozenset(secrets), env=dict(os.environ))
         require_api_token()
     except ConfigError as err:
-        raise pulumi.RunError(str(err)) from None
+        raise ProgramError(str(err)) from None
     return settings, secrets
 
 
@@ -37,11 +38,11 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     try:
         cell_plan = plan_cell(settings, live_migration_tag=live_migration_tag(settings.account_id, settings.worker.name))
     except ConfigError as err:
-        raise pulumi.RunError(str(err)) from None
+        raise ProgramError(str(err)) from None
     if cell_plan.worker.placement_mode == PLACEMENT_POD and cell_plan.pod_path == PATH_LOCAL_HOSTNAME:
         # The plan lets the sandbox place by its stand-in (localhost); a deployed Worker
         # would have Cloudflare probe "localhost", which is no place at all.
-        raise pulumi.RunError(
+        raise ProgramError(
             f"{NS}:worker.placement: 'pod' places the Worker by pod 0's address, and a local pod's address is "
             f"localhost, which Cloudflare cannot probe (got 'pod' with colocate:pod.provider local). Fix: run this "
             f"stack in the sandbox (.venv/bin/python scripts/sandbox.py up --stack {settings.stack}), or pulumi "
@@ -58,7 +59,7 @@ def require_https(url: str) -> str:
     plain text. (The sandbox's local fallback is http; the sandbox never runs this program.)"""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme != "https":
-        raise pulumi.RunError(f"{NS}:fallbackUrl: must be an https:// URL (got a secret value whose scheme is "
+        raise ProgramError(f"{NS}:fallbackUrl: must be an https:// URL (got a secret value whose scheme is "
                               f"{scheme or 'missing'!r}). "
                               f"Fix: pulumi config set --secret {NS}:fallbackUrl https://<the API's host>")
     return url

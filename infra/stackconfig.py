@@ -2,7 +2,7 @@
 declaring anything: the stack's raw config, the API token's presence, the zone, the live
 Durable Object migration tag, and the migrations block of an upload.
 
-Every problem surfaces as ``pulumi.RunError`` (a clean message, no trace) before any
+Every problem surfaces as ``ProgramError`` (a ``pulumi.RunError``: a clean message, no trace) before any
 resource is declared.
 """
 
@@ -15,6 +15,8 @@ import pulumi_cloudflare as cloudflare
 
 from colocate.errors import MissingSetting
 from colocate.settings import KEYS, NS, PROVIDER_SECRET, ZoneSettings
+
+from .errors import ProgramError
 
 OBJECT_KEYS = {name for name, key in KEYS.items() if key.type in ("object", "array")}
 TOKEN_KEY = "cloudflare:apiToken"
@@ -40,7 +42,7 @@ def raw_config() -> tuple[dict, dict[str, pulumi.Output[str]]]:
         if key.secret or name in {k for k, _ in PROVIDER_SECRET.values()}:
             if key.secret and not pulumi.runtime.is_config_secret(f"{NS}:{name}"):
                 # Pulumi.yaml cannot mark it secret (projectfile.py says why): refused here.
-                raise pulumi.RunError(f"{NS}:{name}: is stored in plain text (got [not shown]). "
+                raise ProgramError(f"{NS}:{name}: is stored in plain text (got [not shown]). "
                                       f"Fix: pulumi config set --secret {NS}:{name} <value>")
             secrets[name] = cfg.require_secret(name)
         elif name in OBJECT_KEYS:
@@ -89,10 +91,10 @@ def check_zone(zone: ZoneSettings) -> None:
     if zone.id in ids:
         return
     if ids:
-        raise pulumi.RunError(
+        raise ProgramError(
             f"{key}.id: {zone.id!r} is not the id of zone {zone.name} (Cloudflare gives {ids[0]!r}). "
             f"Fix: pulumi config set --path {key}.id {ids[0]}")
-    raise pulumi.RunError(
+    raise ProgramError(
         f"{key}.name: Cloudflare has no zone {zone.name!r} that cloudflare:apiToken can read (zone id {zone.id!r} "
         f"in the stack). Fix: set both to a zone of your account, from its Overview page (pulumi config set --path "
         f"{key}.name <domain>; pulumi config set --path {key}.id <Zone ID>), and give the token Zone Read and "

@@ -34,15 +34,17 @@ from colocate import (  # noqa: E402
     settings,
     stackfile,
 )
-from colocate.errors import ConfigError  # noqa: E402
+from colocate.errors import ColocateError, ConfigError, ScriptError  # noqa: E402
 from colocate.probe import sandbox as probe_sandbox  # noqa: E402
 
 DAY_S = 86_400
 PULUMI_TIMEOUT_S = 120
 
 
-class CostError(Exception):
+class CostError(ScriptError):
     """The report cannot be made; the message names the flag or source and the fix (exit 2)."""
+
+    exit_code = 2
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return _run(args)
-    except (CostError, ConfigError, admin.AdminError, cost.UsageError) as exc:
+    except ColocateError as exc:
         print(f"cost: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except OSError as exc:
         print(f"cost: cannot write {exc.filename or 'output'}: {exc.strerror or exc}", file=sys.stderr)
         return 2

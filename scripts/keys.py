@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 from colocate import admin  # noqa: E402
 from colocate.admin import AdminClient, AdminError, Refused, resolve  # noqa: E402
-from colocate.errors import ConfigError  # noqa: E402
+from colocate.errors import ColocateError, ScriptError  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -143,8 +143,10 @@ def usage_table(rows: list[dict]) -> str:
                   body, {2, 3, 4, 5, 6, 7})
 
 
-class UsageError(Exception):
-    pass
+class UsageError(ScriptError):
+    """A command keys.py cannot do for this stack (exit 2)."""
+
+    exit_code = 2
 
 
 def finish_command(args: argparse.Namespace, *rest: str) -> str:
@@ -392,12 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return run(args)
-    except Refused as exc:
+    except ColocateError as exc:
         print(f"keys.py {args.cmd}: {exc}", file=sys.stderr)
-        return 1 if exc.status < 500 and exc.status not in (400, 401) else 2
-    except (AdminError, ConfigError, UsageError) as exc:
-        print(f"keys.py {args.cmd}: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -225,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             err = UnsupportedProvider(err.key, err.value, err.problem,
                                       f"add --provider {err.fix.split()[-1]} to move the pod to a provider that serves {args.to}")
         print(f"migrate.py: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     except ConfigError as err:
         print(f"migrate.py: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -26,8 +26,15 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from colocate.errors import ScriptError  # noqa: E402
 
 API_BASE = "https://api.cloudflare.com/client/v4"
 TOKEN_ENV = "CLOUDFLARE_API_TOKEN"
@@ -36,19 +43,21 @@ TIMEOUT_S = 30
 KINDS = ("mode", "region", "host", "hostname")
 
 
-class Failed(Exception):
-    """The request failed; ``code`` is the exit code."""
+class Failed(ScriptError):
+    """The placement request failed (exit 1)."""
 
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
+
+class BadInput(Failed):
+    """The input (stdin, the token's variable) is wrong; the message names it and the fix (exit 2)."""
+
+    exit_code = 2
 
 
 def check_placement(block: object) -> dict:
     """One of {"mode": "smart"}, {"region": "<cloud>:<region>"}, {"host": "h:port"}, {"hostname": "h"}."""
     if not isinstance(block, dict) or len(block) != 1 or next(iter(block)) not in KINDS:
-        raise Failed(f"stdin: placement must be one of {{mode: smart}}, {{region}}, {{host}}, {{hostname}} (got {block!r}). "
-                     "Fix: pass the plan's placement block", 2)
+        raise BadInput(f"stdin: placement must be one of {{mode: smart}}, {{region}}, {{host}}, {{hostname}} (got {block!r}). "
+                       "Fix: pass the plan's placement block")
     kind, value = next(iter(block.items()))
     ok = isinstance(value, str) and {
         "mode": lambda v: v == "smart",
@@ -57,10 +66,10 @@ def check_placement(block: object) -> dict:
         "hostname": lambda v: re.fullmatch(r"[A-Za-z0-9.-]+", v),
     }[kind](value)
     if not ok:
-        raise Failed(f"stdin: placement.{kind} {value!r} is not valid. Fix: "
-                     + {"mode": "only mode smart is set this way", "region": "write it like aws:ap-northeast-1",
-                        "host": "write it like pod-x.example.com:41234 (host and port)",
-                        "hostname": "write a bare hostname"}[kind], 2)
+        raise BadInput(f"stdin: placement.{kind} {value!r} is not valid. Fix: "
+                       + {"mode": "only mode smart is set this way", "region": "write it like aws:ap-northeast-1",
+                          "host": "write it like pod-x.example.com:41234 (host and port)",
+                          "hostname": "write a bare hostname"}[kind])
     return {kind: value}
 
 
@@ -123,17 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = os.environ.get(TOKEN_ENV)
         if not token:
-            raise Failed(f"{TOKEN_ENV} is not set. Fix: pulumi config set --secret cloudflare:apiToken <token> "
-                         f"(pulumi up passes it), or export {TOKEN_ENV}", 2)
+            raise BadInput(f"{TOKEN_ENV} is not set. Fix: pulumi config set --secret cloudflare:apiToken <token> "
+                           f"(pulumi up passes it), or export {TOKEN_ENV}")
         try:
             block = json.loads(sys.stdin.read())
         except ValueError:
-            raise Failed("stdin: not JSON. Fix: pass the placement block, e.g. {\"host\": \"h:8000\"}", 2) from None
+            raise BadInput("stdin: not JSON. Fix: pass the placement block, e.g. {\"host\": \"h:8000\"}") from None
         out = apply(args.account, args.script, check_placement(block), token,
                     os.environ.get("CLOUDFLARE_API_BASE") or API_BASE)
     except Failed as exc:
         print(f"placement: {exc}", file=sys.stderr)
-        return exc.code
+        return exc.exit_code
     print(json.dumps(out, sort_keys=True))
     return 0
 

@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from colocate import stackfile  # noqa: E402
+from colocate.errors import ScriptError  # noqa: E402
 from colocate.pods import lifecycle, spec as podspec, stackkeys  # noqa: E402
 from colocate.pods.errors import FatalError, PodConfigError, PodError  # noqa: E402
 from colocate.settings import PROVIDER_SECRET  # noqa: E402
@@ -45,13 +46,15 @@ PROVIDERS = ("runpod", "vastai", "local")
 REFUSED_KEY = (401, 403)  # the provider's answer to a revoked or wrong key
 
 
-class _Usage(Exception):
-    pass
+class UsageError(ScriptError):
+    """A flag argparse refuses (exit 2)."""
+
+    exit_code = 2
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # exit code 2 through main's return, not sys.exit
-        raise _Usage(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,9 +160,9 @@ def _on_sigterm(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-    except _Usage as exc:
+    except UsageError as exc:
         print(str(exc), file=sys.stderr)
-        return 2
+        return exc.exit_code
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return _probe(args)
     except (ProbeError, ConfigError) as exc:
         print(f"probe: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except OSError as exc:  # --json or --plot path not writable
         print(f"probe: cannot write {exc.filename or 'output'}: {exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             return demo.run(state_dir=state_dir, samples=args.samples, client_site=args.client_site)
     except (ConfigError, SandboxError) as exc:
         print(f"sandbox.py {args.cmd}: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"sandbox.py {args.cmd}: {_after_interrupt(args.cmd, state_dir)}", file=sys.stderr)
         return 130

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         client, deployer, per_pod = cell_of(args, args.stacks_dir)
     except ConfigError as err:
         print(f"scale.py: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     if args.cmd == "status":
         try:
             state = client.state()

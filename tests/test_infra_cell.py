@@ -250,7 +250,7 @@ def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
     assert dns["name"] == "pod-apac-jp-g1.example.com"
     bindings, _ = bindings_of(run)
     # The pod's public port comes from the create output (providers map ports).
-    assert bindings["POD_URLS"]["text"] == '["http://pod-apac-jp-g1.example.com:41234"]'
+    assert bindings["POD_URLS"]["text"] == '["https://pod-apac-jp-g1.example.com:41234"]'
     assert run.resolved[outputs.WORKER_URL] == "https://infer.example.com"
     assert run.resolved[outputs.POD_PATH] == "zone-dns"
     assert "--pod-path zone-dns" in run.mocks.one(COMMAND, "-probe").inputs["create"]

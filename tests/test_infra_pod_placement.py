@@ -65,10 +65,11 @@ def test_placement_is_applied_by_the_settings_call_after_each_upload():
     assert is_secret and env == {"CLOUDFLARE_API_TOKEN": "cf-token-s3cret"}
     assert "cf-token-s3cret" not in cmd["create"] + cmd["stdin"]
     host = "pod-apac-jp-g1.example.com:41234"
-    # Re-applied when the block, what the upload carries, or a pod changes; never on the
-    # script's modified_on, which the settings call itself may bump.
-    assert cmd["triggers"][0] == f'{{"host": "{host}"}}' and len(cmd["triggers"]) == 3
+    # Re-applied when the block, what the upload carries, a pod or the Worker's hop certificate
+    # changes; never on the script's modified_on, which the settings call itself may bump.
+    assert cmd["triggers"][0] == f'{{"host": "{host}"}}' and len(cmd["triggers"]) == 4
     assert json.loads(cmd["triggers"][2])["id"] == POD_STDOUT["id"]
+    assert cmd["triggers"][3] == run.mocks.one("cloudflare:index/mtlsCertificate:MtlsCertificate").name + "-id"
 
 
 def test_placement_is_reapplied_whenever_the_script_uploads_again():

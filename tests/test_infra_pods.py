@@ -143,8 +143,8 @@ def test_with_a_zone_each_pod_has_its_own_dns_only_record():
         "us-east-pod-dns-0": ("pod-us-east-g1.example.com", "203.0.113.7", False),
         "us-east-pod-dns-1": ("pod-us-east-g1-p1.example.com", "203.0.113.8", False)}
     bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
-    assert json.loads(bindings["POD_URLS"]["text"]) == ["http://pod-us-east-g1.example.com:41234",
-                                                        "http://pod-us-east-g1-p1.example.com:41235"]
+    assert json.loads(bindings["POD_URLS"]["text"]) == ["https://pod-us-east-g1.example.com:41234",
+                                                        "https://pod-us-east-g1-p1.example.com:41235"]
 
 
 @pytest.fixture

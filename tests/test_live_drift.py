@@ -16,7 +16,7 @@ from colocate.probe.histogram import DEFAULT_BUCKETS
 from colocate.sandbox import supervisor
 from colocate.sandbox.geography import Geography
 from scripts import cost, migrate, probe
-from tests.support.sandbox import Load, client_key, sandbox_stacks
+from tests.support.sandbox import Load, load_key, sandbox_stacks
 
 pytestmark = pytest.mark.slow
 RATE_PER_S = 15
@@ -54,7 +54,7 @@ def poll(state_dir, out, capsys, until, within_s):
 
 def test_a_split_is_flagged_within_a_minute_and_clears_after_the_migration(stacks, state_dir, tmp_path, capsys):
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
-    key = client_key(cell, "traffic")
+    key = load_key(cell, "traffic")
     out = tmp_path / "live.json"
     with Load(cell["worker_url"], key["key"], RATE_PER_S, MAX_LOAD_S) as load:
         # the isolates learn the object's colo in the background after their first flush

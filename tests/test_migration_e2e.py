@@ -18,7 +18,7 @@ import requests
 from colocate.sandbox import supervisor
 from colocate.sandbox.pinning import FILE_NAME as PINS
 from scripts import migrate
-from tests.support.sandbox import Load, client_key, sandbox_stacks, usage_requests
+from tests.support.sandbox import Load, load_key, sandbox_stacks, usage_requests
 
 pytestmark = pytest.mark.slow
 RATE_PER_S = 50
@@ -58,7 +58,7 @@ def _usage_at_least(cell, key_id: str, n: int) -> int:
 def test_migration_under_load_drops_nothing_and_keeps_keys_usage_and_breaker_state(cell, stacks):
     state_dir = cell["state_dir"]
     assert admin(cell, "GET", "/_colocate/probe")["generation"] == "us-east.g1"  # first touch: pinned at IAD
-    key = client_key(cell, "before-the-move")
+    key = load_key(cell, "before-the-move")
     # Usage recorded in the old generation before anything moves.
     with Load(cell["worker_url"], key["key"], RATE_PER_S, MAX_LOAD_S) as warm:
         time.sleep(1)

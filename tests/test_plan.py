@@ -374,7 +374,48 @@ def test_worker_reaches_the_pod_by_dns_name_on_its_public_port_with_a_zone():
     created = {"id": "abc123xyz", "url": "http://203.0.113.7:41234", "port": 41234, "ip": "203.0.113.7"}
     zoned = cell(raw_for(zone=ZONE))
     assert zoned.pod.path == "zone-dns" and zoned.probe.pod_path == "zone-dns"
-    assert zoned.pod.worker_url(created) == "http://pod-apac-jp-g1.example.com:41234"
+    # A RunPod pod on a zone serves mutual TLS (colocate:pod.hop auto): the Worker fetches https.
+    assert zoned.pod.worker_url(created) == "https://pod-apac-jp-g1.example.com:41234"
+
+
+def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
+    runpod_zoned = cell(raw_for(zone=ZONE))
+    assert runpod_zoned.mtls and runpod_zoned.pod.tls_name == "pod-apac-jp-g1.example.com"
+    assert runpod_zoned.worker.binding("POD_TLS").type == "mtls_certificate"
+    # The Worker's external fetch trusts the cell's CA only through the zone's origin trust store.
+    assert runpod_zoned.worker.compatibility_flags == ("cots_on_external_fetch",)
+    assert "hop=mtls" in runpod_zoned.pod.identity()
+    # RunPod's proxy ends TLS itself; Vast.ai cannot carry the bundle: auto falls back to the token.
+    for p in (cell(raw_for()), cell(raw_for("apac-tw", "vastai"))):
+        assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ()
+        assert "POD_TLS" not in {b.name for b in p.worker.bindings}
+    local = cell(raw_for("us-east", "local"))
+    assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts the CA itself
+
+
+def test_hop_token_turns_mutual_tls_off_knowingly_and_renames_the_pods():
+    mtls = cell(raw_for(zone=ZONE))
+    token = cell(raw_for(zone=ZONE, pod={"provider": "runpod", "hop": "token"}))
+    assert not token.mtls and token.pod.worker_url({"port": 41234}) == "http://pod-apac-jp-g1.example.com:41234"
+    assert token.pod.name != mtls.pod.name  # a pod cannot change how it serves while it runs
+
+
+@pytest.mark.parametrize("raw, why", [
+    (raw_for("apac-tw", "vastai", pod={"provider": "vastai", "hop": "mtls"}), "Docker flags"),
+    (raw_for(pod={"provider": "runpod", "hop": "mtls"}), "RunPod's proxy"),
+])
+def test_hop_mtls_where_it_cannot_be_carried_is_refused_naming_the_key_and_the_fix(raw, why):
+    with pytest.raises(ConfigError) as err:
+        cell(raw)
+    msg = str(err.value)
+    assert "colocate:pod.hop" in msg and "'mtls'" in msg and why in msg and "Fix" in msg
+
+
+def test_a_reissued_pod_certificate_renames_the_pod():
+    pod = cell(raw_for(zone=ZONE)).pod
+    a, b = pod.with_tls_fingerprint(plan.cert_fingerprint("A")), pod.with_tls_fingerprint(plan.cert_fingerprint("B"))
+    assert a.name != b.name and a.triggers() != b.triggers()
+    assert f"cert=sha256:{plan.cert_fingerprint('A')}" in a.identity()
 
 
 def test_without_a_zone_a_runpod_pod_is_reached_through_runpods_proxy_hostname():

@@ -22,7 +22,9 @@ import pytest
 from colocate.localca import LocalCA
 from colocate.pods import podtls, standin
 from colocate.workerd import HopClient, Workerd, render_config
+from tests.support.fake_providers import FakeRunPod, FakeVast
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Cell, cell_plan, chat, request, values_for
+from tests.test_pod_providers import TOKEN, make_spec, run, serving, write_spec
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,3 +236,77 @@ def test_the_bundle_must_come_first_or_a_variable_before_it_can_hide_it_from_ope
         assert res.returncode == 0, res.stderr
     else:
         assert res.returncode != 0 and "PEM" in res.stderr, res.stderr
+
+
+# ------------------------------------------------- the cloud's create request (RunPod v2, by its spec)
+@pytest.fixture
+def cloud_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("POD_TOKEN", TOKEN)
+    monkeypatch.setenv("COLOCATE_POD_POLL_S", "0.05")
+    monkeypatch.setenv("COLOCATE_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path
+
+
+@pytest.fixture
+def runpod_api(cloud_env, monkeypatch):
+    yield from serving(FakeRunPod(pod_token=TOKEN), monkeypatch, "RUNPOD", "RunPod v2")
+
+
+@pytest.fixture
+def vast_api(cloud_env, monkeypatch):
+    yield from serving(FakeVast(pod_token=TOKEN), monkeypatch, "VASTAI", "Vast.ai")
+
+
+@pytest.fixture
+def hop_env(ca, monkeypatch):
+    """What infra/ hands scripts/pod.py on a mutual-TLS hop: the pod's bundle and readiness's credential."""
+    pod_leaf, check = ca.server("localhost"), ca.client("colocate pod readiness")
+    bundle = podtls.bundle(pod_leaf.cert_pem, pod_leaf.key_pem, ca.cert_pem)
+    monkeypatch.setenv(podtls.BUNDLE_ENV, bundle)
+    monkeypatch.setenv(podtls.CHECK_ENV, json.dumps({"cert": check.cert_pem, "key": check.key_pem, "ca": ca.cert_pem}))
+    return pod_leaf
+
+
+def test_runpod_create_carries_the_bundle_first_and_vllms_tls_flags_and_readiness_checks_over_mtls(
+        runpod_api, cloud_env, hop_env, ca, capsys):
+    spec = make_spec("apac-jp", "runpod", hop="auto")
+    assert spec["tls_name"] == "localhost"  # make_spec has no zone: the name the stand-in's certificate carries
+    code, out, err = run(capsys, ["create", "--spec", write_spec(cloud_env, spec)])
+    assert code == 0, err
+    assert out["url"].startswith("https://") and runpod_api.pod_errors == []
+    sent = runpod_api.calls("POST", "/v2/pods")[0]
+    assert list(sent["env"]) == [podtls.ENV, "VLLM_API_KEY"]  # the bundle first, in the JSON object's order
+    assert sent["env"][podtls.ENV] == os.environ[podtls.BUNDLE_ENV] and sent["env"]["VLLM_API_KEY"] == TOKEN
+    assert " ".join([*podtls.vllm_args(), "--disable-fastapi-docs"]) in sent["args"]
+    assert hop_env.key_pem not in err and "PRIVATE KEY" not in err
+    # The pod it brought up admits the cell's callers only: a caller without a certificate is refused.
+    port = out["port"]
+    assert _https(port, "GET", "/health", _tls(ca.cert_pem, ca.client("colocate worker")))[0] == 200
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        _https(port, "GET", "/health", _tls(ca.cert_pem))
+
+
+def test_a_pod_whose_environment_hides_the_bundle_fails_readiness_and_is_deleted(runpod_api, cloud_env, hop_env, capsys):
+    """RunPod's order of a pod's environment is not documented: if the platform put a long variable
+    ahead of the bundle, vLLM could not load it. The user sees readiness fail; nothing is left running."""
+    runpod_api.platform_env = {"RUNPOD_A": "x" * 245, "RUNPOD_B": "y"}  # "RUNPOD_A=..." fills OpenSSL's first 254-byte piece
+    code, out, err = run(capsys, ["create", "--spec", write_spec(cloud_env, make_spec("apac-jp", "runpod", hop="auto",
+                                                                                readyTimeoutS=2))])
+    assert code == 1 and out is None
+    assert "not ready after 2s" in err and "destroyed" in err
+    assert runpod_api.live() == [] and any("PEM" in e for e in runpod_api.pod_errors)
+
+
+def test_a_spec_on_a_mutual_tls_hop_is_refused_before_anything_is_rented_without_its_credentials(
+        runpod_api, cloud_env, capsys, monkeypatch):
+    monkeypatch.delenv(podtls.BUNDLE_ENV, raising=False)
+    code, out, err = run(capsys, ["create", "--spec", write_spec(cloud_env, make_spec("apac-jp", "runpod", hop="auto"))])
+    assert code == 2 and "POD_TLS is not set" in err and "Fix:" in err
+    assert runpod_api.calls("POST", "/v2/pods") == []
+
+
+def test_vastai_refuses_a_mutual_tls_spec_before_renting(vast_api, cloud_env, hop_env, capsys):
+    spec = {**make_spec("apac-tw", "vastai"), "tls_name": "pod-apac-tw-g1.example.com"}  # hand-written: the plan refuses it
+    code, out, err = run(capsys, ["create", "--spec", write_spec(cloud_env, spec)])
+    assert code == 2 and "colocate:pod.hop token" in err and "multi-line PEM" in err
+    assert vast_api.calls("PUT", "/api/v0/asks/") == [] and vast_api.live() == []

@@ -31,7 +31,9 @@ def make_spec(region: str, provider: str, stack: str = "t1", gen: int = 1, **ove
     settings = PodSettings(provider=d["provider"], gpu=d["gpu"], gpu_count=d["gpuCount"], image=d["image"],
                            model=d["model"], port=d["port"], disk_gb=d["diskGb"], max_price_per_hr=d["maxPricePerHr"],
                            cloud=d["cloud"], min_reliability=d["minReliability"], ready_timeout_s=d["readyTimeoutS"],
-                           compute_ms=d["computeMs"], min_cuda_version=d["minCudaVersion"])
+                           compute_ms=d["computeMs"], min_cuda_version=d["minCudaVersion"],
+                           # The providers' placement, not the hop: tests/test_pod_hop.py covers mutual TLS.
+                           hop=over.get("hop", "token"))
     generation = f"{region}.g{gen}"
     plan = PodPlan(index=0, name=f"colocate-{stack}-{generation}".replace(".", "-"), stack=stack, region=region,
                    generation=generation, settings=settings,

@@ -67,7 +67,7 @@ def test_printed_commands_name_the_venv_python(path):
 
 
 def test_a_missing_token_does_not_print_none():
-    assert str(UsageError("--token", None, "no read token", "set X")) == "--token: no probe token. Fix: set X"
+    assert str(UsageError("--token", None, "no read token", "set X")) == "--token: no read token. Fix: set X"
     assert "'abc'" in str(UsageError("--budget", "abc", "bad", "fix"))
 
 

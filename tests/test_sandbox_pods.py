@@ -16,7 +16,7 @@ import pytest
 from colocate import stackfile
 from colocate.pods.local import alive
 from colocate.sandbox import supervisor
-from tests.support.sandbox import Load, client_key, sandbox_stacks
+from tests.support.sandbox import Load, load_key, sandbox_stacks
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def test_two_pods_each_its_own_process_reached_by_name(stacks, state_dir):
     assert {p["name"].split("-p")[1][0] for p in pods} == {"0", "1"}
     assert cell["pod_url"] == pods[0]["url"] and cell["pids"]["pod-1"] == pods[1]["pid"]
     assert "localhost" in cell["fallback_url"]
-    key = client_key(cell)["key"]
+    key = load_key(cell)["key"]
     with Load(cell["worker_url"], key, rate_per_s=40, max_s=30) as load:
         time.sleep(3)
     assert not load.failures(), load.failures()[:5]
@@ -88,7 +88,7 @@ def test_two_pods_each_its_own_process_reached_by_name(stacks, state_dir):
 def test_apply_replaces_pods_one_at_a_time_and_changes_the_count_with_no_failed_request(stacks, state_dir):
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     old = {p["index"]: p for p in cell["pods"]}
-    key = client_key(cell)["key"]
+    key = load_key(cell)["key"]
     with Load(cell["worker_url"], key, rate_per_s=40) as load:
         time.sleep(2)
         # A new model replaces every pod: pod 0 first, then pod 1, each new one serving before the old goes.
@@ -122,7 +122,7 @@ def test_apply_replaces_pods_one_at_a_time_and_changes_the_count_with_no_failed_
 
 def test_one_pod_of_two_killed_mid_load_costs_no_request(stacks, state_dir):
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
-    key = client_key(cell)["key"]
+    key = load_key(cell)["key"]
     victim = cell["pods"][1]
     with Load(cell["worker_url"], key, rate_per_s=40) as load:
         time.sleep(2)

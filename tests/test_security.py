@@ -230,3 +230,37 @@ def test_a_read_token_cannot_mint_a_key(cell):
                                    "type": "invalid_request_error", "code": "forbidden"}
     names = [k["name"] for k in request(cell.url, "GET", "/_colocate/keys", headers=auth(READ)).json()["keys"]]
     assert "stolen" not in names
+
+
+# --- strangers ------------------------------------------------------------------------------
+
+def test_a_flood_of_guessed_keys_from_one_address_is_refused_and_real_keys_still_pass(cell, key):
+    """Each address has 100 look-ups of unknown keys at once and 10 a second more (strangers.js):
+    past that, 429 before any hashing or look-up. Keys from other addresses, and keys this
+    isolate already accepted, are not held up."""
+    import secrets
+    from concurrent.futures import ThreadPoolExecutor
+
+    flood_from, other = "203.0.113.9", "198.51.100.7"
+    warm = call(cell, key, body(), {"cf-connecting-ip": flood_from})
+    assert warm.status == 200
+    fresh = cell.create_key("sec-fresh")  # never presented yet: its first request is a look-up
+    guesses = ["clc_" + secrets.token_urlsafe(24)[:32] for _ in range(300)]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda g: call(cell, {"key": g}, body(), {"cf-connecting-ip": flood_from}), guesses))
+        elapsed = time.monotonic() - t0
+        real = call(cell, fresh, body(), {"cf-connecting-ip": other})
+        again = call(cell, key, body(), {"cf-connecting-ip": flood_from})
+    codes = [a.json()["error"]["code"] for a in answers]
+    assert set(codes) <= {"invalid_api_key", "too_many_unknown_keys"}
+    looked_up = codes.count("invalid_api_key")
+    assert looked_up <= 100 + 10 * elapsed + 1, (looked_up, elapsed)
+    refused = [a for a in answers if a.status == 429]
+    assert len(refused) == len(answers) - looked_up
+    for a in refused:
+        assert a.headers["retry-after"] == "1"
+        assert a.json()["error"]["message"].startswith("too many unknown API keys from this address: at most 100 at once")
+    assert (real.status, real.headers["x-colocate-backend"]) == (200, "pod-0")
+    assert again.status == 200
+    assert usage_row(cell, key, 2)["requests"] == 2

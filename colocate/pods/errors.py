@@ -1,7 +1,10 @@
-"""Errors of the pod layer (providers, readiness, scripts/pod.py).
+"""Errors of the pod layer (providers, readiness, scripts/pod.py); the tree's place in the kit's
+is drawn in colocate/errors.py.
 
-    PodError                  anything that stops a pod operation
+    PodError                  anything that stops a pod operation (a ScriptError)
     ├── PodConfigError        bad spec, missing key or token, a provider that cannot serve the region (exit 2)
+    │   └── PodTlsError       podtls.py: the pod hop's certificates are missing or do not load
+    ├── Refused               standin.py: the stand-in answers a request vLLM would refuse (an HTTP answer, not an exit)
     └── ProviderError         the provider said no, or never answered (exit 1)
         ├── RetryableError    429, 5xx or a timeout that outlived the bounded retries
         ├── CapacityError     no capacity in any of the region's locations; ``.attempts`` is the table
@@ -14,8 +17,10 @@
 
 from __future__ import annotations
 
+from ..errors import ScriptError
 
-class PodError(Exception):
+
+class PodError(ScriptError):
     """Base class. ``str()`` is the whole message for a person; it never holds a secret."""
 
     exit_code = 1

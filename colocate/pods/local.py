@@ -44,7 +44,16 @@ def alive(pid: int | None) -> bool:
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done == pid:
             return False
-    return True
+    # Anyone else's zombie has exited too: a container's init may take a second to reap it.
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # gone meanwhile, or no procfs: kill(0) answered for it
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"  # the state follows the parenthesised name
 
 
 def _is_standin(pid: int) -> bool:

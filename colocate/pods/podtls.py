@@ -31,12 +31,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from .errors import PodConfigError
+
 ENV = "COLOCATE_POD_TLS"  # in the pod's environment: "\n" + certificate + key + client CA (PEM)
 SOURCE = "/proc/self/environ"  # where vLLM (and the stand-in) read that variable back as PEM files
 CERT_REQUIRED = 2  # ssl.CERT_REQUIRED, as vLLM's --ssl-cert-reqs takes it
 
 
-class PodTlsError(ValueError):
+class PodTlsError(PodConfigError, ValueError):
     """Missing or malformed TLS material for the pod hop; the message names the variable and the fix."""
 
 

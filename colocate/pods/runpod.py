@@ -13,6 +13,8 @@ the mapped port changes on reset, the create's output carries the current one), 
 ``<port>/http`` for RunPod's proxy hostname ``https://<pod id>-<port>.proxy.runpod.net``
 when there is no zone (a Worker cannot fetch an IP address). ``RUNPOD_PROXY_TEMPLATE``
 overrides that address's form (tests point it at a local server).
+On a mutual-TLS hop the request carries the pod's TLS bundle as the first variable of ``env``
+(a JSON object keeps its order on the wire) and vLLM's TLS flags in ``args`` (``podtls``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 
 from ..plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
+from . import podtls
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
 from .errors import CapacityError, FatalError, ProviderError, format_attempts
 from .http import Api, redact
@@ -61,7 +64,9 @@ class RunPod(Provider):
             "cloud": spec.cloud,
             "dataCenterIds": [location],
             "ports": [f"{spec.port}/{'http' if spec.path == PATH_PROVIDER_PROXY else 'tcp'}"],
-            "env": {"VLLM_API_KEY": token},
+            # On a mutual-TLS hop COLOCATE_POD_TLS goes first: OpenSSL reads it back from
+            # /proc/self/environ, and a variable before it can hide it (podtls.environment).
+            "env": podtls.environment(self.pod_tls, {"VLLM_API_KEY": token}) if spec.mtls else {"VLLM_API_KEY": token},
             "args": " ".join(spec.vllm_args()),
             "disk": spec.disk_gb,
         }

@@ -80,6 +80,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from . import podtls
+from .errors import PodError
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
@@ -104,7 +105,7 @@ _TRUE = {"1", "on", "t", "true", "y", "yes"}  # pydantic's lax bool strings (str
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
 
-class Refused(Exception):
+class Refused(PodError):
     """A request vLLM would refuse: ``status``, ``type`` and ``param`` as vLLM answers them."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, type_: str = "Bad Request"):
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         tls = podtls.server_context() if os.environ.get(podtls.ENV) else None
     except podtls.PodTlsError as exc:
         print(f"standin: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
                                model=args.model, name=args.name, any_model=not args.only_model, tls=tls)

@@ -19,7 +19,7 @@ import json
 import os
 
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
-from .errors import CapacityError, FatalError, NotFoundError
+from .errors import CapacityError, FatalError, NotFoundError, PodConfigError
 from .http import Api, redact
 
 DEFAULT_BASE = "https://console.vast.ai"
@@ -43,6 +43,11 @@ class VastAI(Provider):
         self.api.close()
 
     def candidates(self, spec):
+        if spec.mtls:  # the plan refuses it (colocate:pod.hop); a hand-written spec must not rent a pod that never serves
+            raise PodConfigError(
+                "spec.tls_name: a Vast.ai pod cannot be given its TLS certificate and key (its create request takes "
+                "environment variables as one string of Docker flags, which cannot hold multi-line PEM). Fix: "
+                "regenerate the spec from the plan with colocate:pod.hop token, or use pod.provider runpod")
         # Offers carry the host's CUDA as a number (12.8), compared as one, as Vast.ai's filter does.
         cuda = float(spec.min_cuda_version) if spec.min_cuda_version else None
         query = {

@@ -1,11 +1,14 @@
-"""Errors of the probe. Every one of them ends the probe with exit code 2.
+"""Errors of the probe. Every one of them ends the probe with exit code 2; the tree's place in
+the kit's is drawn in colocate/errors.py.
 
-    ProbeError            the probe could not run; ``str()`` is the whole message for a person
+    ProbeError            the probe could not run (a ScriptError); ``str()`` is the whole message for a person
     ├── UsageError        a flag or its value is wrong (names the flag, the value and the fix)
     ├── OutputsError      a stack's outputs cannot be read (no pulumi CLI, no stack, bad JSON)
     ├── Unreachable       the target refused the connection or timed out on the warm-up
     ├── Unauthorized      the probe endpoint answered 401: missing or wrong probe token
-    └── TargetError       the target answered, but not as the contract says (e.g. no model to ask for)
+    ├── TargetError       the target answered, but not as the contract says (e.g. no model to ask for)
+    │   └── LiveDataError live.py: the live view's rows are not what this probe reads
+    └── HistogramError    histogram.py: a histogram or its buckets are not in the Worker's format
 
 A failed *check* (a budget, a placement) is not an error: it is a result, exit 1.
 Messages never carry the token.
@@ -13,9 +16,13 @@ Messages never carry the token.
 
 from __future__ import annotations
 
+from ..errors import ScriptError
 
-class ProbeError(Exception):
+
+class ProbeError(ScriptError):
     """The probe could not run."""
+
+    exit_code = 2
 
 
 class UsageError(ProbeError):

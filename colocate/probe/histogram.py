@@ -15,10 +15,11 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .errors import ProbeError
 from .stats import PERCENTILES
 
 
-class HistogramError(ValueError):
+class HistogramError(ProbeError, ValueError):
     """A histogram text or bucket description that is not what the Worker writes (names the part)."""
 
 

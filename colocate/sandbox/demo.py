@@ -306,7 +306,7 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
         client_site = site(client_site, "--client-site")  # before anything starts
     except (ConfigError, SandboxError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     demo = Demo(state_dir or supervisor.default_state_dir("demo"), samples, client_site)
     started = time.monotonic()
     try:
@@ -378,7 +378,7 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
         return 0 if ok else 1
     except (ConfigError, SandboxError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     finally:
         supervisor.down(demo.state_dir, quiet=True)
         print(f"\n    sandbox stopped; state kept in {demo.state_dir} (pins.json, probes/)", flush=True)

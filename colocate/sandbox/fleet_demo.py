@@ -325,7 +325,7 @@ def run(state_dir: Path | None = None, samples: int = 12) -> int:
         return 0 if not failed else 1
     except (ConfigError, SandboxError) as exc:
         print(f"demo-fleet: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     finally:
         with fleet.deferred_signals():
             fleet.down(demo.fleet_dir)

@@ -11,6 +11,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 CHILD_TIMEOUT_S = 30.0
 
@@ -44,7 +45,21 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 
 def group_alive(pgid: int) -> bool:
-    return signal_group(pgid, 0)
+    """Whether a process of group ``pgid`` still runs; zombies do not count (a container's init
+    may take a second to reap them, and they hold nothing)."""
+    if not signal_group(pgid, 0):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[-1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def stop_child(proc: subprocess.Popen | None, grace_s: float) -> None:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from .errors import SandboxError
 from .geography import Geography, Sites
 from .pinning import Pins
 
@@ -95,7 +96,7 @@ EDGE_ERRORS = {
 }
 
 
-class BadRequest(Exception):
+class BadRequest(SandboxError):
     """A request the edge refuses; ``status`` and the message go to the client."""
 
     def __init__(self, status: int, message: str | None = None, code: str | None = None):
@@ -717,6 +718,8 @@ class PodHop:
         self._closed.set()
         with contextlib.suppress(ValueError):
             self.network.pod_hops.remove(self)
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone does not
         with contextlib.suppress(OSError):
             self.listener.close()
         self.cut()

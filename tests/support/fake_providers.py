@@ -21,6 +21,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import tempfile
 import threading
 import time
 from datetime import UTC, datetime
@@ -32,7 +33,7 @@ from openapi_core import Config, OpenAPI
 from openapi_core.testing import MockRequest, MockResponse
 from ruamel.yaml import YAML
 
-from colocate.pods import standin
+from colocate.pods import podtls, standin
 
 SPECS = Path(__file__).resolve().parents[1] / "fixtures" / "specs"
 API_KEY = "test-provider-key-0123456789"
@@ -70,6 +71,9 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_UNSERVABLE = object()
+
+
 class FakeApi(ThreadingHTTPServer):
     """Base: spec validation, auth, scripted 429s, a log of requests; subclasses implement ``route``."""
 
@@ -87,6 +91,10 @@ class FakeApi(ThreadingHTTPServer):
         self.rate_limited_at: list[float] = []
         self.backends = contextlib.ExitStack()
         self.standins: dict[str, contextlib.ExitStack] = {}
+        self.pod_errors: list[str] = []  # pods whose TLS material did not load (the pod's own log)
+        # Variables the platform puts in a pod's environment ahead of the request's (RunPod's own
+        # order is not documented): a test sets them to show what a hidden bundle does.
+        self.platform_env: dict[str, str] = {}
         super().__init__(("127.0.0.1", 0), _FakeHandler)
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
@@ -113,9 +121,27 @@ class FakeApi(ThreadingHTTPServer):
         return [b for m, p, b in self.log if m == method and p.startswith(prefix)]
 
     # -- backends: one real stand-in per pod ---------------------------------
-    def start_backend(self, pod_id: str) -> standin.StandinServer:
+    def start_backend(self, pod_id: str, env: dict | None = None, args: str = "") -> standin.StandinServer:
+        """The pod's stand-in. With ``env`` (the create request's environment, in its order) it
+        serves mutual TLS as vLLM would: from COLOCATE_POD_TLS read back through a copy of the
+        environment laid out as /proc/self/environ is (NUL-separated ``K=V``, in order), so a
+        request whose variables hide the bundle from OpenSSL brings up a pod that never serves. Without
+        vLLM's TLS flags in ``args`` the pod serves plain HTTP, as vLLM would."""
         stack = contextlib.ExitStack()
-        server = stack.enter_context(standin.serve(compute_ms=1, token=self.pod_token, name=pod_id))
+        tls = None
+        if env and podtls.ENV in env and " ".join(podtls.vllm_args()) in args:
+            d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fake-pod-")))
+            environ = d / "environ"
+            environ.write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+            try:
+                tls = podtls.server_context(str(environ))
+            except podtls.PodTlsError as exc:
+                self.pod_errors.append(f"{pod_id}: {exc}")
+                tls = _UNSERVABLE  # vLLM exits at start; the port never answers
+        server = stack.enter_context(standin.serve(compute_ms=1, token=self.pod_token, name=pod_id,
+                                                   tls=None if tls is _UNSERVABLE else tls))
+        if tls is _UNSERVABLE:
+            server.set_fault("error")
         self.standins[pod_id] = stack
         return server
 
@@ -288,7 +314,8 @@ class FakeRunPod(FakeApi):
             if method == "GET":
                 self.polls[pod_id] += 1
                 if pod["status"] == "PROVISIONING" and self.polls[pod_id] >= self.ready_after:
-                    server = self.start_backend(pod_id)
+                    env = {**self.platform_env, **pod["env"]} if isinstance(pod["env"], dict) else None
+                    server = self.start_backend(pod_id, env, pod["args"])
                     if not self.healthy:
                         server.set_fault("error")
                     private = int(pod["ports"][0].split("/")[0]) if pod["ports"] else 8000

@@ -46,6 +46,23 @@ def pod_stdout(spec: dict) -> dict:
 WORKERS_SCRIPT = "cloudflare:index/workersScript:WorkersScript"
 
 
+def mock_pem(kind: str, name: str) -> str:
+    """A PEM-shaped stand-in naming the resource it came from (the mocks sign nothing)."""
+    return f"-----BEGIN {kind}-----\n{name}\n-----END {kind}-----\n"
+
+
+def tls_outputs(typ: str, name: str) -> dict:
+    """What pulumi-tls's resources compute: keys, a request, certificates, each naming its resource."""
+    if typ == "tls:index/privateKey:PrivateKey":
+        return {"privateKeyPem": mock_pem("EC PRIVATE KEY", name), "privateKeyPemPkcs8": mock_pem("PRIVATE KEY", name),
+                "publicKeyPem": mock_pem("PUBLIC KEY", name)}
+    if typ == "tls:index/certRequest:CertRequest":
+        return {"certRequestPem": mock_pem("CERTIFICATE REQUEST", name)}
+    if typ in ("tls:index/selfSignedCert:SelfSignedCert", "tls:index/locallySignedCert:LocallySignedCert"):
+        return {"certPem": mock_pem("CERTIFICATE", name)}
+    return {}
+
+
 class UndeletableScript(Exception):
     """A script `pulumi destroy` could not delete: what Cloudflare answers such a delete."""
 
@@ -107,6 +124,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
             refuse_undeletable(args.name, args.inputs)
             refuse_over_limits(args.name, args.inputs)
         outs = dict(args.inputs)
+        outs.update(tls_outputs(args.typ, args.name))
         if args.typ == "command:local:Command":
             create = outs.get("create", "")
             if "pod.py create" in create:

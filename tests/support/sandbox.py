@@ -24,6 +24,15 @@ def client_key(ready: dict, name: str = "test", **limits) -> dict:
     return AdminClient(Target(ready["worker_url"], ready["token"], "sandbox")).create_key(name, **limits)
 
 
+def load_key(ready: dict, name: str = "load") -> dict:
+    """A client key whose limits admit everything bench.load's open-loop generator sends: the cell's
+    default key allows 8 in flight, and a load test that slows the cell (a split, a migration, a pod
+    killed) keeps more than that in flight without any of them being a failure of the cell."""
+    from bench.load import MAX_IN_FLIGHT
+
+    return client_key(ready, name, max_parallel=MAX_IN_FLIGHT, rpm=0, tpm=0)
+
+
 def usage_requests(ready: dict, key_id: str) -> int:
     """All requests the cell has recorded for one key (every day, every backend)."""
     from colocate.admin import AdminClient, Target

@@ -23,6 +23,7 @@ import { now, serverTiming } from "./timing.js";
 import { capUsage, estimateUsage, stripStream, tapStream, usageCeiling, usageOfAnswer } from "./usage.js";
 import { validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
+import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
 import { learnColo, recordRequest } from "./histogram.js";
 
 /**
@@ -86,13 +87,18 @@ function authenticate(request, env, cfg, entry, timing) {
   // check on findKey, off the warm path).
   const rec = known === undefined ? undefined : entry.keys.get(known);
   if (rec !== undefined) return usable(rec);
-  return authenticateSlow(presented, env, cfg, entry, timing);
+  return authenticateSlow(request, presented, env, cfg, entry, timing);
 }
 
-async function authenticateSlow(presented, env, cfg, entry, timing) {
+async function authenticateSlow(request, presented, env, cfg, entry, timing) {
+  // A key this isolate has not accepted yet costs a hash and maybe a look-up: the caller's
+  // address pays for it from its budget (strangers.js), and gets it back if the key is real.
+  const address = clientAddress(request);
+  takeLookup(address, Date.now());
   const digest = await digestOf(presented);
   const key = await findKey(env, cfg, entry, digest, timing);
   if (!key || !sameDigest(key.hash, digest)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
+  returnLookup(address);
   remember(presented, digest);
   return usable(key);
 }

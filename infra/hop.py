@@ -1,0 +1,118 @@
+"""The pod hop's credentials, declared by the stack with pulumi-tls (docs/pods.md, "Who can reach the pod").
+
+A CA of the cell (ECDSA P-256, self-signed, signing leaves only), and three kinds of leaf it
+signs: each pod's server certificate for the name the Worker fetches it by, the Worker's client
+certificate (uploaded as a ``cloudflare.MtlsCertificate`` and bound as ``POD_TLS``), and the
+client certificate of ``scripts/pod.py``'s readiness check. On ``zone-dns`` the CA also goes into
+the zone's Custom Origin Trust Store: the Worker's fetch to a DNS-only origin checks the origin's
+certificate against public CAs unless that store (with the plan's compatibility flag) applies.
+
+Keys are pulumi-tls outputs the provider marks secret; they are wrapped as secrets again where
+they leave a resource, so they reach state only encrypted, the pod command only through its
+secret environment (``POD_TLS``, ``POD_CHECK_TLS``: never argv) and Cloudflare only in the
+MtlsCertificate's secret input. ``colocate:pod.renewal`` rotates everything: the resources carry
+it in their names, so a new value creates a new CA and new keys (and the pods, whose identity
+holds it, are replaced with them) and deletes the old ones at the end of the update.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pulumi
+import pulumi_cloudflare as cloudflare
+import pulumi_tls as tls
+
+from colocate.plan import PATH_ZONE_DNS, CellPlan, PodPlan, cert_fingerprint
+from colocate.pods import podtls
+
+ALGORITHM, CURVE = "ECDSA", "P256"
+CA_HOURS = 5 * 365 * 24  # the CA outlives its leaves; the trust store holds it
+LEAF_HOURS = 90 * 24
+# A `pulumi up` within the last 30 days of a leaf re-issues it; a pod whose certificate is
+# re-issued is replaced (its identity holds the certificate's fingerprint).
+EARLY_RENEWAL_HOURS = 30 * 24
+ORGANIZATION = "colocate"
+
+
+def _secret(value: pulumi.Input[str]) -> pulumi.Output[str]:
+    """``value`` as a secret (typed: the SDK's ``Output.secret`` leaves its type unsolved for mypy)."""
+    return pulumi.Output.from_input(value).apply(pulumi.Output.secret)
+
+
+def resource_suffix(renewal: int) -> str:
+    """``-r<N>`` after the names of the hop's resources; nothing at renewal 0."""
+    return f"-r{renewal}" if renewal else ""
+
+
+class HopCredentials:
+    """The hop's resources for one cell, parented to its component."""
+
+    def __init__(self, name: str, plan: CellPlan, parent: pulumi.Resource):
+        self.name, self.plan = name, plan
+        self.suffix = resource_suffix(plan.pod_settings.renewal if plan.pod_settings else 0)
+        self.opts = pulumi.ResourceOptions(parent=parent)
+        self.ca_key = self._key(f"{name}-hop-ca-key")
+        self.ca = tls.SelfSignedCert(
+            f"{name}-hop-ca{self.suffix}",
+            private_key_pem=_secret(self.ca_key.private_key_pem),
+            is_ca_certificate=True,
+            max_path_length=0,
+            allowed_uses=["cert_signing", "crl_signing"],
+            validity_period_hours=CA_HOURS,
+            set_subject_key_id=True,
+            subject=tls.SelfSignedCertSubjectArgs(common_name=f"colocate {plan.stack} pod hop CA",
+                                                  organization=ORGANIZATION),
+            opts=self.opts,
+        )
+        self.worker_key, self.worker_cert = self._leaf("worker", "colocate worker", "client_auth", [])
+        self.check_key, self.check_cert = self._leaf("check", "colocate pod readiness", "client_auth", [])
+        self.mtls_certificate = cloudflare.MtlsCertificate(
+            f"{name}-hop-worker-mtls{self.suffix}",
+            account_id=plan.worker.account_id,
+            ca=False,
+            certificates=self.worker_cert.cert_pem,
+            private_key=_secret(self.worker_key.private_key_pem_pkcs8),
+            name=f"colocate-{plan.stack}-worker{self.suffix}",
+            opts=self.opts,
+        )
+        self.trust_store = None
+        if plan.pod_path == PATH_ZONE_DNS:
+            self.trust_store = cloudflare.CustomOriginTrustStore(
+                f"{name}-hop-trust{self.suffix}", zone_id=plan.worker.zone_id, certificate=self.ca.cert_pem,
+                opts=self.opts)
+        self.check_env = _secret(pulumi.Output.all(
+            self.check_cert.cert_pem, self.check_key.private_key_pem_pkcs8, self.ca.cert_pem,
+        ).apply(lambda a: json.dumps({"cert": a[0], "key": a[1], "ca": a[2]})))
+
+    def _key(self, name: str) -> tls.PrivateKey:
+        return tls.PrivateKey(f"{name}{self.suffix}", algorithm=ALGORITHM, ecdsa_curve=CURVE, opts=self.opts)
+
+    def _leaf(self, role: str, common_name: str, usage: str, dns_names: list[str]):
+        key = self._key(f"{self.name}-hop-{role}-key")
+        request = tls.CertRequest(
+            f"{self.name}-hop-{role}-csr{self.suffix}",
+            private_key_pem=_secret(key.private_key_pem),
+            dns_names=dns_names or None,
+            subject=tls.CertRequestSubjectArgs(common_name=common_name, organization=ORGANIZATION),
+            opts=self.opts,
+        )
+        cert = tls.LocallySignedCert(
+            f"{self.name}-hop-{role}{self.suffix}",
+            cert_request_pem=request.cert_request_pem,
+            ca_cert_pem=self.ca.cert_pem,
+            ca_private_key_pem=_secret(self.ca_key.private_key_pem),
+            allowed_uses=["digital_signature", usage],
+            validity_period_hours=LEAF_HOURS,
+            early_renewal_hours=EARLY_RENEWAL_HOURS,
+            opts=self.opts,
+        )
+        return key, cert
+
+    def pod(self, pod: PodPlan) -> tuple[dict[str, pulumi.Output[str]], pulumi.Output[str]]:
+        """Pod ``pod``'s certificate: (scripts/pod.py's environment for it, the certificate's fingerprint)."""
+        key, cert = self._leaf(f"pod-{pod.index}", pod.tls_name, "server_auth", [pod.tls_name])
+        bundle = _secret(pulumi.Output.all(cert.cert_pem, key.private_key_pem_pkcs8, self.ca.cert_pem)
+                                      .apply(lambda a: podtls.bundle(*a)))
+        env = {podtls.BUNDLE_ENV: bundle, podtls.CHECK_ENV: self.check_env}
+        return env, pulumi.Output.unsecret(cert.cert_pem.apply(cert_fingerprint))

@@ -1,0 +1,151 @@
+"""The pod hop's credentials as the stack declares them, under the Pulumi mocks: for every stack in
+stacks/ (and a RunPod cell on a zone, the cloud's mutual-TLS path), the CA and certificates
+(pulumi-tls), the Worker's MtlsCertificate and its POD_TLS binding, each pod's bundle by
+environment, and no private key anywhere but in a secret."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colocate import fleet, stackfile
+from colocate.pods import podtls
+from tests.support.pulumi_mocks import mock_pem, plain, run_program, stack_config, unsecret
+
+WORKER = "cloudflare:index/workersScript:WorkersScript"
+COMMAND = "command:local:Command"
+MTLS = "cloudflare:index/mtlsCertificate:MtlsCertificate"
+TRUST = "cloudflare:index/customOriginTrustStore:CustomOriginTrustStore"
+KEY = "tls:index/privateKey:PrivateKey"
+CA = "tls:index/selfSignedCert:SelfSignedCert"
+LEAF = "tls:index/locallySignedCert:LocallySignedCert"
+CSR = "tls:index/certRequest:CertRequest"
+ZONE = {"id": "f" * 32, "name": "example.com"}
+CELL_STACKS = sorted(
+    p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")
+    if not fleet.is_fleet(stackfile.read_config(p.name[len("Pulumi."):-len(".yaml")])[0]))
+# (stack, overrides): every stack as shipped, plus the cloud's mutual-TLS path (RunPod on a zone).
+CASES = [(s, {}) for s in CELL_STACKS] + [
+    ("apac-jp", {"zone": ZONE}), ("us-east", {"zone": ZONE, "pod": {"provider": "runpod", "count": 2}})]
+
+
+def _mtls_expected(stack: str, overrides: dict) -> bool:
+    """The rule, from the stack file: the sandbox's local pods, and RunPod on a zone (Vast.ai cannot
+    carry the bundle; RunPod's proxy ends TLS before the pod)."""
+    raw = {**stackfile.read_config(stack)[0], **overrides}
+    provider = (raw.get("pod") or {}).get("provider", "runpod")
+    return provider == "local" or (provider == "runpod" and bool(raw.get("zone")))
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{s}{'+zone' if o else ''}{'x2' if 'pod' in o else ''}" for s, o in CASES])
+def deployed(request):
+    stack, overrides = request.param
+    config, keys = stack_config(stack, overrides=overrides)
+    return stack, overrides, run_program(stack, config, keys)
+
+
+def _bindings(run) -> dict:
+    return {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
+
+
+def _pod_commands(run) -> list:
+    return [r for r in run.mocks.of_type(COMMAND) if "pod.py create" in r.inputs.get("create", "")]
+
+
+def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual_tls(deployed):
+    stack, overrides, run = deployed
+    m = run.mocks
+    pods = _pod_commands(run)
+    if not _mtls_expected(stack, overrides):
+        assert not any(m.of_type(t) for t in (KEY, CA, LEAF, CSR, MTLS, TRUST))
+        assert "POD_TLS" not in _bindings(run)
+        for cmd in pods:
+            _, env = unsecret(cmd.inputs["environment"])
+            assert podtls.BUNDLE_ENV not in env and podtls.CHECK_ENV not in env
+        return
+    ca = m.one(CA).inputs
+    assert ca["isCaCertificate"] is True and ca["allowedUses"] == ["cert_signing", "crl_signing"]
+    assert ca["maxPathLength"] == 0
+    leaves = {r.name: r.inputs for r in m.of_type(LEAF)}
+    # One leaf for the Worker, one for readiness, one per pod; every one signed by the CA's key.
+    assert set(leaves) == {f"{stack}-hop-worker", f"{stack}-hop-check", *(f"{stack}-hop-pod-{i}" for i in range(len(pods)))}
+    ca_key = mock_pem("EC PRIVATE KEY", f"{stack}-hop-ca-key")
+    for name, leaf in leaves.items():
+        assert leaf["caCertPem"] == mock_pem("CERTIFICATE", f"{stack}-hop-ca")
+        assert unsecret(leaf["caPrivateKeyPem"]) == (True, ca_key)
+        assert leaf["allowedUses"] == ["digital_signature", "server_auth" if "-pod-" in name else "client_auth"]
+    # The Worker presents its own certificate through the binding the router fetches by.
+    mtls = m.one(MTLS)
+    assert mtls.inputs["ca"] is False and mtls.inputs["certificates"] == mock_pem("CERTIFICATE", f"{stack}-hop-worker")
+    assert unsecret(mtls.inputs["privateKey"]) == (True, mock_pem("PRIVATE KEY", f"{stack}-hop-worker-key"))
+    assert _bindings(run)["POD_TLS"] == {"name": "POD_TLS", "type": "mtls_certificate", "certificateId": f"{mtls.name}-id"}
+    # Each pod gets its own certificate, for the name the Worker fetches it by, and readiness's credential.
+    for cmd in pods:
+        spec = json.loads(cmd.inputs["stdin"])
+        i = spec["index"]
+        csr = m.one(CSR, f"-hop-pod-{i}-csr").inputs
+        assert csr["dnsNames"] == [spec["tls_name"]] and spec["tls_name"]
+        is_secret, env = unsecret(cmd.inputs["environment"])
+        assert is_secret
+        assert env[podtls.BUNDLE_ENV] == podtls.bundle(mock_pem("CERTIFICATE", f"{stack}-hop-pod-{i}"),
+                                                       mock_pem("PRIVATE KEY", f"{stack}-hop-pod-{i}-key"),
+                                                       mock_pem("CERTIFICATE", f"{stack}-hop-ca"))
+        check = json.loads(env[podtls.CHECK_ENV])
+        assert check == {"cert": mock_pem("CERTIFICATE", f"{stack}-hop-check"),
+                         "key": mock_pem("PRIVATE KEY", f"{stack}-hop-check-key"),
+                         "ca": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
+        assert "cert=sha256:" in " ".join(plain(cmd.inputs["triggers"]))  # a re-issued certificate replaces the pod
+    w = m.one(WORKER).inputs
+    if overrides.get("zone"):  # the cloud's path: the Worker trusts the cell's CA through the zone's store
+        trust = m.one(TRUST).inputs
+        assert trust == {"zoneId": ZONE["id"], "certificate": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
+        assert w["compatibilityFlags"] == ["cots_on_external_fetch"]
+        assert all(u.startswith("https://") for u in json.loads(_bindings(run)["POD_URLS"]["text"]))
+    else:
+        assert m.of_type(TRUST) == [] and "compatibilityFlags" not in w
+
+
+def _leaks(value, path: str, inside_secret: bool = False):
+    """Where a private key appears outside a secret in a declared value."""
+    is_secret, value = unsecret(value)
+    inside_secret = inside_secret or is_secret
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaks(v, f"{path}.{k}", inside_secret)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaks(v, f"{path}[{i}]", inside_secret)
+    elif isinstance(value, str) and "PRIVATE KEY" in value and not inside_secret:
+        yield path
+
+
+def test_no_private_key_is_declared_outside_a_secret_nor_exported_nor_in_argv(deployed):
+    _, _, run = deployed
+    leaks = [p for r in run.mocks.resources for p in _leaks(r.inputs, r.name)]
+    assert leaks == []
+    for r in run.mocks.of_type(COMMAND):
+        assert "PRIVATE KEY" not in plain(r.inputs.get("create", "")) + plain(r.inputs.get("stdin", "") or "")
+    for name, value in run.resolved.items():
+        assert "PRIVATE KEY" not in json.dumps(value, default=str) or run.secret_flags[name], name
+
+
+def test_renewal_rotates_the_ca_and_every_key_with_the_pods():
+    config, keys = stack_config("apac-jp", overrides={"zone": ZONE})
+    before = run_program("apac-jp", config, keys)
+    config, keys = stack_config("apac-jp", overrides={"zone": ZONE, "pod": {"provider": "runpod", "renewal": 1}})
+    after = run_program("apac-jp", config, keys)
+    hop_types = (KEY, CA, LEAF, CSR, MTLS, TRUST)
+    old = {r.name for r in before.mocks.resources if r.typ in hop_types}
+    new = {r.name for r in after.mocks.resources if r.typ in hop_types}
+    assert old and not old & new and all(n.endswith("-r1") for n in new)
+    spec = [json.loads(c.inputs["stdin"]) for c in _pod_commands(before) + _pod_commands(after)]
+    assert spec[0]["name"] != spec[1]["name"]
+
+
+def test_hop_token_declares_no_certificates_and_binds_none():
+    config, keys = stack_config("apac-jp", overrides={"zone": ZONE, "pod": {"provider": "runpod", "hop": "token"}})
+    run = run_program("apac-jp", config, keys)
+    assert not any(run.mocks.of_type(t) for t in (KEY, CA, LEAF, MTLS, TRUST))
+    assert "POD_TLS" not in _bindings(run)
+    assert json.loads(_bindings(run)["POD_URLS"]["text"]) == ["http://pod-apac-jp-g1.example.com:41234"]
