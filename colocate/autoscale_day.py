@@ -22,7 +22,7 @@ import csv
 import io
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -203,7 +203,7 @@ def money(x: float) -> float:
 
 
 def report(shape: dict[str, tuple[float, ...]], offsets: dict[str, int], served: Iterable[Served],
-           pods: dict[str, Sequence[tuple[float, int]]], prices: Prices, per: int, max_pods: int,
+           pods: Mapping[str, Sequence[tuple[float, int]]], prices: Prices, per: int, max_pods: int,
            budgets: dict[str, float]) -> dict:
     """The demo's JSON: requests, failed, cost three ways and who served, in total and per cell."""
     served = list(served)

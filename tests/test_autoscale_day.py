@@ -97,7 +97,13 @@ def test_the_shapes_pod_count_is_the_cost_policys_own(rpm):
     policy = scale.Policy(min=0, max=2, target_rpm=300, up_after_s=0, down_after_s=0, policy=scale.COST,
                           pod_price_per_hr=0.6, api_price=(0.3, 0.3))
     iv = scale.Interval(0, 60, rpm, tokens, 0)
-    assert day.pods_needed(rpm, 300, prices, tokens, 2) == scale.need(iv, policy)
+    n = day.pods_needed(rpm, 300, prices, tokens, 2)
+    assert n == scale.need(iv, policy)
+    # the demo's controller sees one request in 953, with target and pod price divided alike: same count
+    per = 953
+    scaled = scale.Policy(min=0, max=2, target_rpm=300 / per, up_after_s=0, down_after_s=0, policy=scale.COST,
+                          pod_price_per_hr=0.6 / per, api_price=(0.3, 0.3))
+    assert scale.need(scale.Interval(0, 60, rpm / per, tokens, 0), scaled) == n
 
 
 def served(at_h, home, by, tokens=100, e2e=120.0):

@@ -4,7 +4,7 @@ cumulative cost three ways (fixed pods, API only, autoscaled). Agg backend: no d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import autoscale_day as day
@@ -38,7 +38,7 @@ def _steps(points: Sequence[tuple[float, int, int]]) -> tuple[list[float], list[
     return ts, running, booting
 
 
-def _cumulative(served: Sequence[day.Served], existing: dict[str, Sequence[tuple[float, int]]], prices: day.Prices,
+def _cumulative(served: Sequence[day.Served], existing: Mapping[str, Sequence[tuple[float, int]]], prices: day.Prices,
                 per: int, cells: int, max_pods: int) -> tuple[list[float], dict[str, list[float]]]:
     hours = [i * 0.1 for i in range(int(day.HOURS * 10) + 1)]
     fixed = [cells * max_pods * prices.pod_per_hr * h for h in hours]
@@ -52,7 +52,7 @@ def _cumulative(served: Sequence[day.Served], existing: dict[str, Sequence[tuple
 
 
 def draw(path: Path, shape: dict[str, tuple[float, ...]], offsets: dict[str, int], served: Sequence[day.Served],
-         shown: dict[str, Sequence[tuple[float, int, int]]], existing: dict[str, Sequence[tuple[float, int]]],
+         shown: Mapping[str, Sequence[tuple[float, int, int]]], existing: Mapping[str, Sequence[tuple[float, int]]],
          prices: day.Prices, per: int, max_pods: int, out: dict) -> Path:
     cells = list(shape)
     fig, axes = plt.subplots(len(cells) + 1, 1, figsize=(11.0, 2.4 * (len(cells) + 1)), dpi=100, sharex=True)
