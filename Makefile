@@ -62,8 +62,10 @@ test-py: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_PAR)
 
+# The test files only: worker/test/support/ holds what they share (the generation object's
+# in-memory storage).
 test-js: setup
-	node --test worker/test/
+	node --test worker/test/*.test.js
 
 demo: setup
 	$(PY) scripts/sandbox.py demo

@@ -34,6 +34,7 @@ import requests
 
 from .errors import ScriptError
 from .sandbox.statedir import (  # not the supervisor, whose runner imports admin
+    READY_FILE,
     SANDBOX_CMD,
     default_state_dir,
     where_command,
@@ -101,7 +102,7 @@ def token_from_env(env, role: str) -> str | None:
 def sandbox_target(state_dir: Path, role: str = "admin") -> Target | None:
     """The running sandbox's Worker and its ``role`` credential (ready.json), or None."""
     try:
-        ready = json.loads((state_dir / "ready.json").read_text())
+        ready = json.loads((state_dir / READY_FILE).read_text())
     except (OSError, ValueError):
         return None
     field = "token" if role == "admin" else "read_token"

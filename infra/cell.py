@@ -18,7 +18,7 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate import cloudflare_limits
+from colocate import cloudflare_limits, rollout
 from colocate.errors import ConfigError
 from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
@@ -138,9 +138,10 @@ class Cell(pulumi.ComponentResource):
 
         # The pods, one Command each, index in name and triggers: changing pod.count adds or
         # removes only the pods concerned. A change of what identifies them (triggers)
-        # replaces them create-before-delete. Each pod depends on the one before it, so new
-        # pods come up one at a time; the engine deletes the replaced pods at the end of the
-        # update, after the Worker points at the new ones (docs/pods.md: what it costs).
+        # replaces them as colocate.rollout says (the sandbox's apply does the same):
+        # create-before-delete, and each pod depends on the one before it, so new pods come up
+        # one at a time; the engine deletes the replaced pods at the end of the update, after
+        # the Worker points at the new ones (docs/pods.md: what it costs).
         # Any other input change re-runs create (no `update`), which adopts the live pod of
         # the same name. A pod reads its token once, at start, so a rotated colocate:podToken
         # must rename and replace it: the token's fingerprint joins the identity. Only that
@@ -160,6 +161,7 @@ class Cell(pulumi.ComponentResource):
                 hop_env, cert_fp = self.hop.pod(pod)
                 declared = pulumi.Output.all(declared, cert_fp).apply(lambda a: a[0].with_tls_fingerprint(a[1]))
             cmd_name, aliases = _named(name, pod.index, "pod")
+            after = [j for j in (rollout.created_after(pod.index),) if j is not None]
             command = local.Command(
                 cmd_name,
                 create=POD_CREATE,
@@ -168,8 +170,8 @@ class Cell(pulumi.ComponentResource):
                 environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"], **hop_env},
                 triggers=declared.apply(lambda p: p.triggers()),
                 dir=".",
-                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=False, aliases=aliases,
-                                            depends_on=self.pod_commands[-1:]),
+                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=not rollout.CREATE_BEFORE_DELETE,
+                                            aliases=aliases, depends_on=[self.pod_commands[j] for j in after]),
             )
             self.pod_commands.append(command)
             info = command.stdout.apply(json.loads)

@@ -36,6 +36,7 @@ from colocate import (  # noqa: E402
 )
 from colocate.errors import ColocateError, ConfigError, ScriptError  # noqa: E402
 from colocate.probe import sandbox as probe_sandbox  # noqa: E402
+from colocate.sandbox.statedir import local_pod_records  # noqa: E402
 
 DAY_S = 86_400
 PULUMI_TIMEOUT_S = 120
@@ -132,7 +133,7 @@ def _deployed_cost_per_hr(stack: str) -> float:
 def _sandbox_started(state_dir: Path) -> float | None:
     """When the sandbox's pods were created (the earliest local pod record), epoch seconds."""
     created = []
-    for record in (state_dir / "pods").glob("*.json") if (state_dir / "pods").is_dir() else []:
+    for record in local_pod_records(state_dir):
         try:
             data = json.loads(record.read_text())
         except (OSError, ValueError):
@@ -163,6 +164,10 @@ def _run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise CostError(f"--stack {stack}: {exc}") from None
     price = _price(args, raw)
+    try:
+        caps = settings.parse_fallback_cap(raw.get("fallbackCap"), (price.input, price.output) if price else None)
+    except ConfigError as exc:
+        raise CostError(f"--stack {stack}: {exc}") from None
     pod = settings.parse_pod(raw) if raw else None
     now = time.time()
     since_day = time.strftime("%Y-%m-%d", time.gmtime(now - (days - 1) * DAY_S))
@@ -197,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     # A window shorter than the days asked (a sandbox up for minutes): volumes per day of what ran.
     span_days = min(days, hours / 24) if hours > 0 else days
     r = cost.report(rows, cost_per_hr=cost_per_hr, hours=hours, window_days=span_days or days, price=price,
-                    cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=args.capacity_rpm, today=today)
+                    cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=args.capacity_rpm, today=today,
+                    caps=caps)
     r.notes[:0] = notes
     if args.json:
         print(json.dumps({**cost.to_json(r), "since_day": since_day, "until_day": today, "url": target.url}, indent=2))

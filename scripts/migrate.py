@@ -33,6 +33,7 @@ from colocate import admin, migration, stackfile  # noqa: E402
 from colocate.errors import ConfigError, UnsupportedProvider  # noqa: E402
 from colocate.ledger import UNKNOWN_REGION, Ledger  # noqa: E402
 from colocate.plan import MIGRATIONS  # noqa: E402
+from colocate.sandbox.statedir import LAUNCH_FILE  # noqa: E402
 
 
 def _load(args) -> tuple[dict, Ledger]:
@@ -66,7 +67,7 @@ def _deploy_cmd(stack: str, stacks_dir: Path, raw: dict) -> str:
 
     wanted = Path(stacks_dir).resolve()
     for state_dir in supervisor.running_sandboxes():
-        launch = statedir.read_json(state_dir / "launch.json") or {}
+        launch = statedir.read_json(state_dir / LAUNCH_FILE) or {}
         if launch.get("stack") == stack and Path(launch.get("stacks_dir", "")).resolve() == wanted:
             where = f"--stack {stack}" if state_dir == supervisor.default_state_dir(stack) else f"--state-dir {state_dir}"
             return f"`{supervisor.SANDBOX_CMD} apply {where}` (the sandbox's `pulumi up`)"

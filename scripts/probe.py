@@ -38,6 +38,7 @@ from colocate.plan import POD_PATHS, placement_mode  # noqa: E402
 from colocate.probe import budgets, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
 from colocate.probe.placement import PLACEMENT_MODES  # noqa: E402
+from colocate.sandbox.statedir import FLEET_OUT_FILE  # noqa: E402
 
 TOKEN_ENV = "COLOCATE_READ_TOKEN"  # colocate.admin.TOKEN_ENVS["read"]; the old COLOCATE_PROBE_TOKEN is read for one release
 DEFAULT_SAMPLES = 25
@@ -253,7 +254,7 @@ def _fleet(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
         raise UsageError("--samples", args.samples, f"must be between 1 and {MAX_SAMPLES}", "e.g. --samples 25")
     if not args.timeout > 0:
         raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
-    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / fleet_probe.FLEET_FILE
+    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / FLEET_OUT_FILE
     sandbox = fleet_probe.read_sandbox_fleet(where)
     sites = fleet_probe.sites_for(args.stack, args.client_site, args.url, sandbox, where,
                                   lambda: outputs.read_outputs(args.stack).worker_url)
@@ -320,7 +321,7 @@ def _fleet_live(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
         raise UsageError("--since", args.since, str(exc), "e.g. --since 15m, --since 1h or --since 7d") from None
     if not args.timeout > 0:
         raise UsageError("--timeout", args.timeout, "must be a positive number of seconds", "e.g. --timeout 10")
-    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / fleet_probe.FLEET_FILE
+    where = (args.sandboxes_dir / args.stack if args.sandboxes_dir else _sandbox_dir(args.stack)) / FLEET_OUT_FILE
     members = fleet_probe.member_targets(cells, stacks_dir=args.stacks_dir, sandboxes_dir=args.sandboxes_dir,
                                          sandbox=fleet_probe.read_sandbox_fleet(where))
     windows = []

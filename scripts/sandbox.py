@@ -57,6 +57,7 @@ from colocate import stackfile
 from colocate.errors import ConfigError
 from colocate.sandbox import errors as supervisor_errors, fleet as sandbox_fleet, supervisor
 from colocate.sandbox.errors import SandboxError
+from colocate.sandbox.statedir import LOGS_DIR  # noqa: E402
 
 if _held:
     print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
@@ -195,7 +196,7 @@ def _status_summary(out: dict, args) -> str:
                 f"Next: `{CMD} down {where}` when done")
     bad = _unhealthy_parts(out)
     return (f"sandbox.py status: stack {out.get('stack')} runs but is UNHEALTHY: {'; '.join(bad) or 'still starting'}; "
-            f"logs in {Path(out['state_dir']) / 'logs'}. Next: `{CMD} down {where}`, then `{CMD} up {where}`")
+            f"logs in {Path(out['state_dir']) / LOGS_DIR}. Next: `{CMD} down {where}`, then `{CMD} up {where}`")
 
 
 def _status_all() -> int:

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 from colocate import settings as settings_mod, stackfile  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
+from colocate.sandbox.statedir import READY_FILE  # noqa: E402
 from colocate.scaler import CellClient, Controller, PulumiDeployer, lease_ttl, policy_of  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def cell_of(args, stacks_dir: Path):
         from colocate.sandbox.statedir import default_state_dir
 
         state_dir = Path(args.state_dir or default_state_dir(args.stack)).resolve()
-        ready_path = state_dir / "ready.json"
+        ready_path = state_dir / READY_FILE
         if not ready_path.exists():
             raise ConfigError("--state-dir", str(state_dir), "no sandbox runs there",
                               f".venv/bin/python scripts/sandbox.py up --stack {args.stack} --state-dir {state_dir}")

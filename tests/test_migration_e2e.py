@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from colocate.sandbox import supervisor
-from colocate.sandbox.pinning import FILE_NAME as PINS
+from colocate.sandbox.statedir import PINS_FILE as PINS
 from scripts import migrate
 from tests.support.sandbox import Load, load_key, sandbox_stacks, usage_requests
 

@@ -221,7 +221,7 @@ def test_demo_key_is_created_kept_0600_reused_and_replaced_when_revoked(stacks, 
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     key = cell["key"]
     assert key.startswith("clc_") and cell["key_id"]
-    path = state_dir / demokey.KEY_FILE
+    path = state_dir / statedir.DEMO_KEY_FILE
     assert path.stat().st_mode & 0o777 == 0o600 and json.loads(path.read_text())["key"] == key
     models = urllib.request.Request(cell["worker_url"] + "/v1/models", headers={"authorization": f"Bearer {key}"})
     with urllib.request.urlopen(models, timeout=30) as r:

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from colocate.sandbox.geography import Geography, Sites
-from colocate.sandbox.pinning import FILE_NAME as PINS_FILE, Pins
+from colocate.sandbox.pinning import Pins
 from colocate.sandbox.proxies import Network, NetworkServers
+from colocate.sandbox.statedir import PINS_FILE
 from tests.support.workerd import SECRETS, running_cell
 
 MAX_HEADER_BYTES, MAX_URL_BYTES = 16384, 16384

@@ -12,7 +12,7 @@ import pytest
 from colocate.pods import standin
 from colocate.sandbox import config as config_mod
 from colocate.sandbox.geography import Geography, Sites
-from colocate.sandbox.pinning import FILE_NAME as PINS_FILE, Pins
+from colocate.sandbox.pinning import Pins
 from colocate.sandbox.proxies import (
     IP_LITERAL_BODY,
     IP_LITERAL_STATUS,
@@ -22,6 +22,7 @@ from colocate.sandbox.proxies import (
     ip_literal,
     local_url,
 )
+from colocate.sandbox.statedir import PINS_FILE
 from colocate.workerd import Workerd
 from tests.support.workerd import SECRETS, cell_plan, request, values_for
 

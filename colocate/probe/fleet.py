@@ -36,7 +36,6 @@ from .sample import MODELS_PATH, Sample, Sampler
 from .stats import summary
 
 SEGMENTS = ("e2e", "front", "state", "upstream", "fallback", "total")
-FLEET_FILE = "fleet.json"  # what `sandbox.py up --fleet F` writes in its state directory
 
 
 # --- input ---

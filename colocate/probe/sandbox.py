@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..plan import PATH_LOCAL_HOSTNAME
-from ..sandbox.statedir import SANDBOX_CMD, default_state_dir, where_command, where_sandboxes_run
+from ..sandbox.statedir import LAUNCH_FILE, READY_FILE, SANDBOX_CMD, default_state_dir, where_command, where_sandboxes_run
 from .errors import UsageError
 
 
@@ -42,12 +42,12 @@ def _read(path: Path) -> dict | None:
 
 def read(state_dir: Path) -> SandboxCell | None:
     """The sandbox that runs in ``state_dir``, or None when none has said it is ready there."""
-    ready = _read(Path(state_dir) / "ready.json")
+    ready = _read(Path(state_dir) / READY_FILE)
     if not ready or not ready.get("worker_url") or not ready.get("token"):
         return None
     # A sandbox started by the release before the split credentials has only "token".
     read_token = ready.get("read_token") or ready["token"]
-    launch = _read(Path(state_dir) / "launch.json") or {}
+    launch = _read(Path(state_dir) / LAUNCH_FILE) or {}
     pods = ready.get("pods") or [{"location": ready.get("pod_location")}]
     stacks_dir = launch.get("stacks_dir")
     return SandboxCell(Path(state_dir), str(ready.get("stack") or launch.get("stack") or "sandbox"),

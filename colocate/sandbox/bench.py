@@ -18,8 +18,9 @@ from ..plan import CellPlan
 from ..workerd import Workerd
 from . import config as config_mod
 from .geography import Geography, Sites
-from .pinning import FILE_NAME as PINS_FILE, Pins
+from .pinning import Pins
 from .proxies import Network, NetworkServers, local_url
+from .statedir import OBJECTS_DIR, PINS_FILE
 
 EDGE, FAR = "TPE", "IAD"
 
@@ -47,7 +48,7 @@ def router_with_state_delay(plan: CellPlan, values: Mapping[str, str], delay_ms:
         fallback = values.get("FALLBACK_URL") or values["fallbackUrl"]
         targets = {**{_hostport(u): EDGE for u in pod_urls}, _hostport(fallback): EDGE}
         with NetworkServers(Network(geography, sites, pins, targets)) as servers:
-            objects = tmp_path / "objects"
+            objects = tmp_path / OBJECTS_DIR
             text = config_mod.compose(plan, values=dict(values), edge_site=EDGE, state_sites=[EDGE, FAR],
                                       outbound=("127.0.0.1", servers.outbound.port), objects_dir=objects)
             for s in (EDGE, FAR):

@@ -40,6 +40,7 @@ from ..probe.stats import summary
 from . import supervisor
 from .errors import SandboxError
 from .geography import site
+from .statedir import DEMO_PLOT_FILE, OBJECTS_DIR, PINS_FILE, PROBES_DIR, STACKS_DIR
 
 STACK = "sandbox"
 PROBE = supervisor.ROOT / "scripts" / "probe.py"
@@ -146,7 +147,7 @@ def miss_rate(e2e: list[float], deadline: float) -> float | None:
 class Demo:
     def __init__(self, state_dir: Path, samples: int, client_site: str = CLIENT_SITE):
         self.state_dir = Path(state_dir).resolve()
-        self.stacks_dir = self.state_dir / "stacks"
+        self.stacks_dir = self.state_dir / STACKS_DIR
         self.samples = samples
         self.client_site = client_site
         self.cell: dict | None = None
@@ -156,11 +157,11 @@ class Demo:
         """Stop a previous demo and start the story from nothing (its own copy of the stack)."""
         if self.state_dir.exists():
             supervisor.down(self.state_dir, quiet=True)
-            for name in ("pins.json", "objects", "stacks", "probes"):
+            for name in (PINS_FILE, OBJECTS_DIR, STACKS_DIR, PROBES_DIR):
                 target = self.state_dir / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
         self.stacks_dir.mkdir(parents=True, exist_ok=True)
-        (self.state_dir / "probes").mkdir(exist_ok=True)
+        (self.state_dir / PROBES_DIR).mkdir(exist_ok=True)
         shutil.copyfile(stackfile.path_of(STACK), stackfile.path_of(STACK, self.stacks_dir))
 
     def set_config(self, **updates: object) -> None:
@@ -194,7 +195,7 @@ class Demo:
 
     def probe(self, phase: Phase) -> dict:
         c = self.cell
-        out = self.state_dir / "probes" / f"{phase.label}.json"
+        out = self.state_dir / PROBES_DIR / f"{phase.label}.json"
         out.unlink(missing_ok=True)
         print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples",
               flush=True)
@@ -370,7 +371,7 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
            by construction; {phase1(before, deadline, client_site)}
     router fallbk  the share the router itself sent to the fallback (x-colocate-backend: fallback),
            at colocate:worker.deadlineMs.""")
-        png = demo.plot(demo.state_dir / "probes" / "demo.png", deadline)
+        png = demo.plot(demo.state_dir / PROBES_DIR / DEMO_PLOT_FILE, deadline)
         print(f"\n    plot (bars per phase, stacked by segment): {png}")
         ok = all((demo.results[p.label]["_exit"] == 0) == p.expect_ok for p in PHASES)
         say(f"Done in {time.monotonic() - started:.0f} s." if ok else

@@ -7,9 +7,8 @@ from pathlib import Path
 from ..admin import AdminClient, AdminError, Target
 from .errors import StartupFailed
 from .processes import http_ok
-from .statedir import read_json, write_json
+from .statedir import DEMO_KEY_FILE, log_path, read_json, write_json
 
-KEY_FILE = "demo-key.json"
 DEMO_KEY_NAME = "sandbox-demo"
 
 
@@ -25,14 +24,14 @@ def demo_key(state_dir: Path, worker_url: str, probe_token: str) -> dict:
     """The sandbox's demo client key: the one in ``demo-key.json`` while the cell still accepts
     it (keys live in the generation's objects, which survive down/up), else a new one created
     through the Worker's admin endpoint. Stored with mode 0600: it is a credential."""
-    path = Path(state_dir) / KEY_FILE
+    path = Path(state_dir) / DEMO_KEY_FILE
     stored = read_json(path) or {}
     if stored.get("key") and _key_works(worker_url, stored["key"]) is not False:
         return stored
     try:
         created = AdminClient(Target(worker_url, probe_token, "sandbox")).create_key(DEMO_KEY_NAME)
     except AdminError as exc:
-        raise StartupFailed(f"could not create the demo client key: {exc}; see {state_dir / 'logs' / 'workerd.log'}") from None
+        raise StartupFailed(f"could not create the demo client key: {exc}; see {log_path(state_dir, 'workerd')}") from None
     record = {k: created.get(k) for k in ("id", "key", "name", "prefix", "created_at")}
     write_json(path, record, 0o600)
     return record

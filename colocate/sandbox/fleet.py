@@ -36,14 +36,26 @@ from ..errors import ConfigError
 from ..pods.local import alive
 from . import supervisor
 from .errors import AlreadyRunning, NotRunning, StartupFailed
-from .fleet_front import FAILED_FILE, READY_FILE, RUN_FILE, log_fleet
-from .fleet_launch import LAUNCH_FILE, Launch, client_sites_of, make_launch, plan_of, sandbox_stacks
+from .fleet_front import log_fleet
+from .fleet_launch import Launch, client_sites_of, make_launch, plan_of, sandbox_stacks
 from .processes import CHILD_TIMEOUT_S, deferred_signals, http_ok, signal_group as _signal_pgid
-from .statedir import ROOT, is_running, read_object, try_lock, write_json
+from .statedir import (
+    FLEET_KEY_FILE,
+    FLEET_LAUNCH_FILE,
+    FLEET_LOCK_FILE,
+    FLEET_OUT_FILE,
+    FRONT_FAILED_FILE,
+    FRONT_READY_FILE,
+    FRONT_RUN_FILE,
+    LOGS_DIR,
+    ROOT,
+    is_running,
+    log_path,
+    read_object,
+    try_lock,
+    write_json,
+)
 
-KEY_FILE = "fleet-key.json"
-OUT_FILE = "fleet.json"
-LOCK_FILE = "fleet.lock"
 KEY_NAME = "sandbox-fleet"
 
 
@@ -51,20 +63,20 @@ KEY_NAME = "sandbox-fleet"
 
 def front_running(state_dir: Path) -> bool:
     """True while up or the front runner holds the fleet's lock."""
-    return is_running(state_dir, LOCK_FILE)
+    return is_running(state_dir, FLEET_LOCK_FILE)
 
 
 def is_fleet_dir(state_dir: Path) -> bool:
-    return (Path(state_dir) / LAUNCH_FILE).exists()
+    return (Path(state_dir) / FLEET_LAUNCH_FILE).exists()
 
 
 def fleet_name(state_dir: Path) -> str | None:
-    return (read_object(Path(state_dir) / LAUNCH_FILE) or {}).get("fleet")
+    return (read_object(Path(state_dir) / FLEET_LAUNCH_FILE) or {}).get("fleet")
 
 
 def what_runs(state_dir: Path) -> list[str]:
     """The parts of the fleet in ``state_dir`` that still run (a lock held), by name."""
-    launch = read_object(Path(state_dir) / LAUNCH_FILE) or {}
+    launch = read_object(Path(state_dir) / FLEET_LAUNCH_FILE) or {}
     parts = ["front door"] if front_running(state_dir) else []
     return parts + [f"cell {c['name']}" for c in launch.get("cells", []) if supervisor.is_running(Path(c["state_dir"]))]
 
@@ -92,16 +104,16 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
             raise AlreadyRunning(f"cell {m.name} of fleet {fleet_stack} already runs in {cell_dir}; stop it first with "
                                  f"`{supervisor.SANDBOX_CMD} down --state-dir {cell_dir}`; nothing was started")
         supervisor.check_owner(cell_dir, fleet_mod.short_name(m.stack))
-    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
-    fd = try_lock(state_dir, LOCK_FILE)
+    (state_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    fd = try_lock(state_dir, FLEET_LOCK_FILE)
     if fd is None:
         raise AlreadyRunning(f"the fleet {fleet_stack} already runs in {state_dir}; run "
                              f"`{supervisor.SANDBOX_CMD} down --fleet {fleet_stack}` first")
     try:
-        for stale in (READY_FILE, FAILED_FILE, RUN_FILE, OUT_FILE):
+        for stale in (FRONT_READY_FILE, FRONT_FAILED_FILE, FRONT_RUN_FILE, FLEET_OUT_FILE):
             (state_dir / stale).unlink(missing_ok=True)
         record = {**launch.as_json(), "cells": [{"name": m.name, "stack": m.stack, "state_dir": str(d)} for m, d in cells]}
-        write_json(state_dir / LAUNCH_FILE, record)  # before any cell starts: down finds them all
+        write_json(state_dir / FLEET_LAUNCH_FILE, record)  # before any cell starts: down finds them all
         cell_stacks = sandbox_stacks(launch, plan, state_dir)
         ready_cells = []
         for m, cell_dir in cells:
@@ -129,7 +141,7 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
                      **{f"{m.name}-{k}": v for (m, _), c in zip(cells, ready_cells, strict=True)
                         for k, v in (c.get("pids") or {}).items()}},
         }
-        write_json(state_dir / OUT_FILE, out, 0o600)
+        write_json(state_dir / FLEET_OUT_FILE, out, 0o600)
         return out
     except BaseException:
         with deferred_signals():
@@ -143,7 +155,7 @@ def _launch_front(state_dir: Path, fd: int) -> int:
     """Start the front runner detached (in its own session, nobody's child); its pid. It
     inherits the lock: "the lock is held" = "up, the launcher or the runner lives"."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(state_dir / "logs" / "front-runner.log", "ab") as log:
+    with open(log_path(state_dir, "front-runner"), "ab") as log:
         started = subprocess.run([sys.executable, "-m", "colocate.sandbox.fleet_front", "launch", str(state_dir),
                                   "--lock-fd", str(fd)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=log, pass_fds=(fd,), start_new_session=True,
@@ -154,15 +166,15 @@ def _launch_front(state_dir: Path, fd: int) -> int:
 def _wait_front(state_dir: Path, runner: int, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = read_object(state_dir / READY_FILE)
+        ready = read_object(state_dir / FRONT_READY_FILE)
         if ready:
             return ready
-        failed = read_object(state_dir / FAILED_FILE)
+        failed = read_object(state_dir / FRONT_FAILED_FILE)
         if failed or not alive(runner):
             why = (failed or {}).get("error") or "the front runner exited"
-            raise StartupFailed(f"the front door did not come up: {why}. Logs: {state_dir / 'logs'}")
+            raise StartupFailed(f"the front door did not come up: {why}. Logs: {state_dir / LOGS_DIR}")
         time.sleep(0.1)
-    raise StartupFailed(f"the front door did not come up within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
+    raise StartupFailed(f"the front door did not come up within {timeout_s:.0f} s. Logs: {state_dir / LOGS_DIR}")
 
 
 def fleet_key(state_dir: Path, cells: dict[str, dict]) -> dict:
@@ -170,7 +182,7 @@ def fleet_key(state_dir: Path, cells: dict[str, dict]) -> dict:
     ``keys.py create --stack <fleet>`` does (``colocate.admin``: only its digest leaves this
     process). Reused while every cell holds it unrevoked (the import is idempotent)."""
     targets = {name: admin.Target(c["worker_url"], c["token"], "sandbox") for name, c in cells.items()}
-    path = Path(state_dir) / KEY_FILE
+    path = Path(state_dir) / FLEET_KEY_FILE
     stored = read_object(path) or {}
     if stored.get("key") and stored.get("row"):
         held, failed = admin.fan_out(targets, lambda c: c.import_key(stored["row"]))
@@ -209,7 +221,7 @@ def stop_front(state_dir: Path, timeout_s: float = supervisor.STOP_TIMEOUT_S + C
     state_dir = Path(state_dir)
     deadline = time.monotonic() + timeout_s
     while True:
-        run = read_object(state_dir / RUN_FILE) or {}
+        run = read_object(state_dir / FRONT_RUN_FILE) or {}
         pid, pgid = run.get("pid"), run.get("pgid")
         if alive(pid):
             os.kill(pid, signal.SIGTERM)
@@ -225,7 +237,7 @@ def stop_front(state_dir: Path, timeout_s: float = supervisor.STOP_TIMEOUT_S + C
             return True
         if time.monotonic() > deadline:
             log_fleet(f"WARNING: the fleet's lock in {state_dir} is still held and no front runner said who it is; "
-                 f"see {state_dir / 'logs' / 'front-runner.log'}")
+                 f"see {log_path(state_dir, 'front-runner')}")
             return False
         time.sleep(0.05)
 
@@ -234,17 +246,17 @@ def down(state_dir: Path) -> dict:
     """Stop the front door, then every member cell; idempotent."""
     state_dir = Path(state_dir).resolve()
     with deferred_signals():
-        launch = read_object(state_dir / LAUNCH_FILE) or {}
+        launch = read_object(state_dir / FLEET_LAUNCH_FILE) or {}
         held = front_running(state_dir)
         # The entry first: no new request reaches a cell that is stopping.
-        front_stopped = stop_front(state_dir) if held or read_object(state_dir / RUN_FILE) else True
+        front_stopped = stop_front(state_dir) if held or read_object(state_dir / FRONT_RUN_FILE) else True
         members = launch.get("cells", [])
         # Side by side (each cell's down waits on its own runner, ~4 s here): down touches only
         # its own state directory, and the signals stay deferred in this, the main, thread.
         with ThreadPoolExecutor(max_workers=max(1, len(members))) as ex:
             downs = list(ex.map(lambda c: supervisor.down(Path(c["state_dir"]), quiet=True), members))
         cells = [{"name": c["name"], **d} for c, d in zip(members, downs, strict=True)]
-        for name in (RUN_FILE, READY_FILE, OUT_FILE):
+        for name in (FRONT_RUN_FILE, FRONT_READY_FILE, FLEET_OUT_FILE):
             (state_dir / name).unlink(missing_ok=True)
     return {"fleet": launch.get("fleet"), "state_dir": str(state_dir), "front_stopped": front_stopped,
             "was_running": bool(held or any(c["was_running"] for c in cells)), "cells": cells,
@@ -256,7 +268,7 @@ def status(state_dir: Path) -> dict:
     """Every member cell's status, then the front door's: its processes, and one routed request
     (``GET /v1/models`` with the fleet's key) through each entry. ``problems`` names what is wrong."""
     state_dir = Path(state_dir).resolve()
-    launch = read_object(state_dir / LAUNCH_FILE) or {}
+    launch = read_object(state_dir / FLEET_LAUNCH_FILE) or {}
     out: dict = {"fleet": launch.get("fleet"), "state_dir": str(state_dir), "running": front_running(state_dir)}
     cells, problems = [], []
     for c in launch.get("cells", []):
@@ -266,8 +278,8 @@ def status(state_dir: Path) -> dict:
             problems.append(f"cell {c['name']} is {'unhealthy' if st.get('running') else 'not running'} "
                             f"(`{supervisor.SANDBOX_CMD} status --state-dir {c['state_dir']}`)")
     out["cells"] = cells
-    ready = read_object(state_dir / READY_FILE)
-    fleet_out = read_object(state_dir / OUT_FILE) or {}
+    ready = read_object(state_dir / FRONT_READY_FILE)
+    fleet_out = read_object(state_dir / FLEET_OUT_FILE) or {}
     entries = {}
     if ready:
         for name, pid in ready.get("pids", {}).items():
@@ -293,9 +305,9 @@ def apply(state_dir: Path, *, stacks_dir: Path | None = None, timeout_s: float =
     from the fleet stack file (e.g. ``rememberMs``) and swapped with no request dropped. The
     sandbox does not add or remove cells on ``apply``: that is a ``down`` and an ``up``."""
     state_dir = Path(state_dir).resolve()
-    record = read_object(state_dir / LAUNCH_FILE)
-    run = read_object(state_dir / RUN_FILE) or {}
-    previous = read_object(state_dir / READY_FILE)
+    record = read_object(state_dir / FLEET_LAUNCH_FILE)
+    run = read_object(state_dir / FRONT_RUN_FILE) or {}
+    previous = read_object(state_dir / FRONT_READY_FILE)
     if not record or not previous or not front_running(state_dir) or not alive(run.get("pid")):
         raise NotRunning(f"no fleet runs in {state_dir}; start one with `{supervisor.SANDBOX_CMD} up --fleet "
                          f"{(record or {}).get('fleet', 'F')}`")
@@ -314,28 +326,28 @@ def apply(state_dir: Path, *, stacks_dir: Path | None = None, timeout_s: float =
     cells = [{"name": c["name"], **supervisor.apply(fleet_mod.short_name(c["stack"]), state_dir=Path(c["state_dir"]),
                                                     stacks_dir=cell_stacks, timeout_s=timeout_s)}
              for c in record["cells"]]
-    write_json(state_dir / LAUNCH_FILE, {**record, **launch.as_json()})
-    (state_dir / FAILED_FILE).unlink(missing_ok=True)
+    write_json(state_dir / FLEET_LAUNCH_FILE, {**record, **launch.as_json()})
+    (state_dir / FRONT_FAILED_FILE).unlink(missing_ok=True)
     os.kill(run["pid"], signal.SIGHUP)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = read_object(state_dir / READY_FILE) or {}
+        ready = read_object(state_dir / FRONT_READY_FILE) or {}
         if ready.get("revision", 0) > previous.get("revision", 0):
             return {"fleet": launch.fleet, "state_dir": str(state_dir), "front": ready,
                     "cells": [{k: c.get(k) for k in ("name", "stack", "region", "worker_url", "revision")} for c in cells]}
-        failed = read_object(state_dir / FAILED_FILE)
+        failed = read_object(state_dir / FRONT_FAILED_FILE)
         if failed:
             raise StartupFailed(f"the front door's apply failed: {failed.get('error')}; the previous version still "
-                                f"serves. Logs: {state_dir / 'logs'}")
+                                f"serves. Logs: {state_dir / LOGS_DIR}")
         time.sleep(0.1)
-    raise StartupFailed(f"the front door's apply did not finish within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
+    raise StartupFailed(f"the front door's apply did not finish within {timeout_s:.0f} s. Logs: {state_dir / LOGS_DIR}")
 
 
 def apply_cell(state_dir: Path, cell: str, timeout_s: float = supervisor.UP_TIMEOUT_S) -> dict:
     """One member's ``apply`` (its ``pulumi up -s <cell>``), from its stack file as the fleet
     runs it; the front door and the other cells are untouched."""
     state_dir = Path(state_dir).resolve()
-    record = read_object(state_dir / LAUNCH_FILE)
+    record = read_object(state_dir / FLEET_LAUNCH_FILE)
     if not record:
         raise NotRunning(f"no fleet runs in {state_dir}")
     member = next((c for c in record["cells"] if c["name"] == cell), None)

@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from . import fleet, supervisor
 from .demo import say
 from .errors import SandboxError
+from .statedir import FLEET_DEMO_PLOT_FILE, READY_FILE, STACKS_DIR
 
 FLEET = "fleet"
 CELLS = ("apac-jp", "eu-west", "us-east")
@@ -110,7 +111,7 @@ def p(values: list[float], q: float) -> float | None:
 class Demo:
     def __init__(self, state_dir: Path, samples: int):
         self.state_dir = Path(state_dir).resolve()
-        self.stacks_dir = self.state_dir / "stacks"
+        self.stacks_dir = self.state_dir / STACKS_DIR
         self.fleet_dir = self.state_dir / FLEET
         self.samples = samples
         self.tally = Tally()
@@ -155,7 +156,7 @@ class Demo:
 
     def kill_pods(self, name: str) -> list[int]:
         """SIGKILL every pod process the cell recorded (its ready.json): a host lost at once."""
-        ready = json.loads((Path(self.cell(name)["state_dir"]) / "ready.json").read_text())
+        ready = json.loads((Path(self.cell(name)["state_dir"]) / READY_FILE).read_text())
         pids = [p["pid"] for p in ready.get("pods", []) if p.get("pid")]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -308,7 +309,7 @@ def run(state_dir: Path | None = None, samples: int = 12) -> int:
         say("Every request of the demo, by phase and client site (e2e on the client's clock, p50/p90).")
         print(demo.table())
         total, failed = len(demo.tally.all()), demo.tally.failed()
-        png = demo.plot(demo.state_dir / "demo-fleet.png", [P1, P2, P3])
+        png = demo.plot(demo.state_dir / FLEET_DEMO_PLOT_FILE, [P1, P2, P3])
         p2 = [s for s in demo.tally.rows.get((P2, LOST_SITE), []) if s.ok]
         alone = [s for s in demo.tally.rows.get((P2, f"{LOST_SITE} without fleet"), []) if s.ok]
         if p2 and alone:

@@ -36,16 +36,26 @@ from ..fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 from ..workerd import config_capnp, disk_service as wd_disk_service, external_service, worker_service
 from . import proxies
 from .errors import SandboxError, StartupFailed
-from .fleet_launch import LAUNCH_FILE, Launch, client_sites_of, plan_of
+from .fleet_launch import Launch, client_sites_of, plan_of
 from .geography import Geography, Sites, site
 from .pinning import Pins
 from .processes import CHILD_TIMEOUT_S, http_ok, launch_detached, stop_child
 from .runner import WORKERD
-from .statedir import log_line, read_object, write_json
+from .statedir import (
+    ENTRY_PINS_FILE,
+    FLEET_LAUNCH_FILE,
+    FRONT_CONFIG_FILE,
+    FRONT_FAILED_FILE,
+    FRONT_READY_FILE,
+    FRONT_RUN_FILE,
+    LOGS_DIR,
+    READY_FILE,
+    log_line,
+    log_path,
+    read_object,
+    write_json,
+)
 
-RUN_FILE = "front-run.json"
-READY_FILE = "front.json"
-FAILED_FILE = "front-failed.json"
 CELL_INDEX_HEADER = "x-sandbox-cell"
 SWAP_WAIT_S = 30.0  # how long the binding proxy waits for a cell whose workerd is being swapped
 
@@ -189,7 +199,7 @@ class FrontRunner:
 
     def __init__(self, state_dir: Path):
         self.state_dir = Path(state_dir)
-        self.logs = self.state_dir / "logs"
+        self.logs = self.state_dir / LOGS_DIR
         self.stop = threading.Event()
         self.reload = threading.Event()
         self.workerd: subprocess.Popen | None = None
@@ -201,7 +211,7 @@ class FrontRunner:
     def _routes(self, launch: dict) -> list[CellRoute]:
         routes = []
         for c in launch["cells"]:
-            ready = read_object(Path(c["state_dir"]) / "ready.json")
+            ready = read_object(Path(c["state_dir"]) / READY_FILE)
             if not ready:
                 raise StartupFailed(f"cell {c['name']} has no ready.json in {c['state_dir']}: it is not running")
             routes.append(CellRoute(c["name"], Path(c["state_dir"]), ready["sites"]["edge"], ready["ports"]["outbound"],
@@ -210,10 +220,10 @@ class FrontRunner:
 
     def _tokens(self, plan: fleet_mod.FleetPlan) -> list[str]:
         """Each member's exchange token, in the plan's order, from its running sandbox."""
-        cells = {c["name"]: c for c in (read_object(self.state_dir / LAUNCH_FILE) or {}).get("cells", [])}
+        cells = {c["name"]: c for c in (read_object(self.state_dir / FLEET_LAUNCH_FILE) or {}).get("cells", [])}
         out = []
         for m in plan.members:
-            ready = read_object(Path(cells[m.name]["state_dir"]) / "ready.json") if m.name in cells else None
+            ready = read_object(Path(cells[m.name]["state_dir"]) / READY_FILE) if m.name in cells else None
             if not ready or not ready.get("exchange_token"):
                 raise StartupFailed(f"cell {m.name} has no exchange token in its ready.json: it is not running "
                                     f"(or was started by an older release: restart it)")
@@ -223,14 +233,14 @@ class FrontRunner:
     def _start_workerd(self, plan: fleet_mod.FleetPlan, colos: list[str]) -> dict[str, int]:
         if not WORKERD.exists():
             raise StartupFailed(f"{WORKERD} is missing. Fix: run `make setup` (npm ci installs workerd)")
-        config = self.state_dir / "front.capnp"
+        config = self.state_dir / FRONT_CONFIG_FILE
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(front_config(plan, colos, self.binding.port, self._tokens(plan), self.state_dir / "ledger"))
         socks = {colo: _listening() for colo in colos}
         try:
             args = [str(WORKERD), "serve", str(config)] + [f"--socket-fd=front-{c}={s.fileno()}" for c, s in socks.items()]
-            log = open(self.logs / "workerd.log", "ab")  # noqa: SIM115 - handed to the child
+            log = open(log_path(self.state_dir, "workerd"), "ab")  # noqa: SIM115 - handed to the child
             # In the runner's process group: down's SIGKILL to the group reaches it too.
             self.workerd = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=self.state_dir,
                                             pass_fds=tuple(s.fileno() for s in socks.values()))
@@ -247,10 +257,10 @@ class FrontRunner:
             if self.workerd.poll() is not None:
                 break
             time.sleep(0.1)
-        raise StartupFailed(f"the front door's workerd did not answer; see {self.logs / 'workerd.log'}")
+        raise StartupFailed(f"the front door's workerd did not answer; see {log_path(self.state_dir, 'workerd')}")
 
     def start(self) -> dict:
-        launch = read_object(self.state_dir / LAUNCH_FILE) or {}
+        launch = read_object(self.state_dir / FLEET_LAUNCH_FILE) or {}
         fl = Launch.from_json(launch)
         plan = plan_of(fl)
         colos = client_sites_of(fl, plan)
@@ -261,7 +271,7 @@ class FrontRunner:
         self.servers.append(self.binding)
         _serve(self.binding)
         ports = self._start_workerd(plan, colos)
-        pins = Pins(self.state_dir / "entry-pins.json")  # never written: the entries touch no object
+        pins = Pins(self.state_dir / ENTRY_PINS_FILE)  # never written: the entries touch no object
         entries = {}
         for colo in colos:
             net = proxies.Network(geography, Sites(client=colo, edge=colo, pod=colo), pins)
@@ -283,7 +293,7 @@ class FrontRunner:
     def apply(self) -> dict:
         """A new front door version (the fleet stack re-read) with no request dropped: the
         entries hold new requests while in-flight ones finish, then the new workerd takes them."""
-        fl = Launch.from_json(read_object(self.state_dir / LAUNCH_FILE) or {})
+        fl = Launch.from_json(read_object(self.state_dir / FLEET_LAUNCH_FILE) or {})
         plan = plan_of(fl)
         colos = list(self.entries)
         for net in self.entries.values():
@@ -303,11 +313,11 @@ class FrontRunner:
                 self.reload.clear()
                 try:
                     ready = self.apply()
-                    write_json(self.state_dir / READY_FILE, ready)
+                    write_json(self.state_dir / FRONT_READY_FILE, ready)
                     log_fleet(f"applied revision {ready['revision']}")
                 except Exception as exc:  # noqa: BLE001 - reported to apply through front-failed.json
                     log_fleet(f"apply failed: {type(exc).__name__}: {exc}")
-                    write_json(self.state_dir / FAILED_FILE, {"error": str(exc)})
+                    write_json(self.state_dir / FRONT_FAILED_FILE, {"error": str(exc)})
             if self.workerd is not None and self.workerd.poll() is not None:
                 return f"workerd exited with {self.workerd.returncode}"
         return "stop requested"
@@ -326,24 +336,24 @@ def run(state_dir: Path) -> int:
     signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
     signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
     signal.signal(signal.SIGHUP, lambda *_: runner.reload.set())
-    write_json(state_dir / RUN_FILE, {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
+    write_json(state_dir / FRONT_RUN_FILE, {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
     code = 0
     try:
         ready = runner.start()
         if runner.stop.is_set():
             return 0
-        write_json(state_dir / READY_FILE, ready)
+        write_json(state_dir / FRONT_READY_FILE, ready)
         log_fleet(f"up: entries {ready['entries']}")
         why = runner.watch()
         log_fleet(f"stopping: {why}")
         code = 0 if why == "stop requested" else 1
     except Exception as exc:  # noqa: BLE001 - reported to up through front-failed.json
         log_fleet(f"failed: {type(exc).__name__}: {exc}")
-        write_json(state_dir / FAILED_FILE, {"error": str(exc)})
+        write_json(state_dir / FRONT_FAILED_FILE, {"error": str(exc)})
         code = 1
     finally:
         runner.cleanup()
-        (state_dir / READY_FILE).unlink(missing_ok=True)
+        (state_dir / FRONT_READY_FILE).unlink(missing_ok=True)
         log_fleet("stopped")
     return code
 

@@ -15,11 +15,10 @@ from .. import fleet as fleet_mod, outputs, settings as settings_mod, stackfile
 from ..errors import ConfigError
 from ..plan import plan_cell
 from .geography import Geography, site
-from .statedir import SANDBOX_CMD, default_state_dir
+from .statedir import SANDBOX_CMD, STACKS_DIR, default_state_dir
 
 PLACEHOLDER_ACCOUNT = "0" * 32  # the sandbox never calls Cloudflare
 PLACEHOLDER_SUBDOMAIN = "sandbox"
-LAUNCH_FILE = "fleet-launch.json"
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def sandbox_stacks(launch: Launch, plan: fleet_mod.FleetPlan, state_dir: Path) -
     """Copies of the members' stack files in ``<state_dir>/stacks`` with the placeholders
     (``_placeholders``) written in: the cells' own ``up``/``apply`` read these, and the
     committed stack files stay untouched. Made again from the originals at every up/apply."""
-    target = Path(state_dir) / "stacks"
+    target = Path(state_dir) / STACKS_DIR
     target.mkdir(parents=True, exist_ok=True)
     for m in plan.members:
         name = fleet_mod.short_name(m.stack)

@@ -18,8 +18,6 @@ from pathlib import Path
 from .errors import SandboxError
 from .geography import landing_site, site
 
-FILE_NAME = "pins.json"
-
 
 class Pins:
     """The pin table of one state directory. Thread-safe; every new pin is written at once."""

@@ -13,11 +13,20 @@ from pathlib import Path
 from ..plan import CellPlan
 from . import hopcerts
 from .errors import StartupFailed
-from .statedir import ROOT, read_json, write_json
+from .statedir import (
+    LEGACY_POD_FILE,
+    LOGS_DIR,
+    PODS_FILE,
+    ROOT,
+    local_pod_record,
+    local_pod_records,
+    log_path,
+    read_json,
+    write_json,
+)
 
 POD_SCRIPT = ROOT / "scripts" / "pod.py"
 POD_TIMEOUT_S = 60.0
-PODS_FILE = "pods.json"  # what each pod's create printed, in pod index order
 
 
 def _pod_env(state_dir: Path, token: str) -> dict:
@@ -30,27 +39,27 @@ def recorded_pods(state_dir: Path) -> list[dict]:
     data = read_json(Path(state_dir) / PODS_FILE)
     if data is not None:
         return [p for p in data.get("pods", []) if p]
-    legacy = read_json(Path(state_dir) / "pod.json")
+    legacy = read_json(Path(state_dir) / LEGACY_POD_FILE)
     return [legacy] if legacy else []
 
 
 def record_pods(state_dir: Path, pods: list[dict | None]) -> None:
     write_json(Path(state_dir) / PODS_FILE, {"pods": [p for p in pods if p]})
-    (Path(state_dir) / "pod.json").unlink(missing_ok=True)
+    (Path(state_dir) / LEGACY_POD_FILE).unlink(missing_ok=True)
 
 
 def create_pod(state_dir: Path, plan: CellPlan, token: str, index: int = 0) -> dict:
     """Pod ``index`` of the plan, through ``scripts/pod.py create`` (its own process: a failed
     create cleans up only what it made itself)."""
     pod = plan.pods[index]
-    with open(state_dir / "logs" / "pod.log", "ab") as log:
+    with open(log_path(state_dir, "pod"), "ab") as log:
         proc = subprocess.run([sys.executable, str(POD_SCRIPT), "create", "--spec", "-"],
                               input=json.dumps(pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
                               env={**_pod_env(state_dir, token), **(hopcerts.load(state_dir).pod_env() if pod.mtls else {})},
                               cwd=ROOT, timeout=POD_TIMEOUT_S)
     if proc.returncode != 0:
         raise StartupFailed(f"the create of pod {index} ({pod.name}, scripts/pod.py create) exited {proc.returncode}; "
-                            f"see {state_dir / 'logs' / 'pod.log'}")
+                            f"see {log_path(state_dir, 'pod')}")
     created = json.loads(proc.stdout)
     created["index"] = index
     created["worker_url"] = pod.worker_url(created)  # a hostname, as the Worker must use in the cloud
@@ -100,8 +109,8 @@ def delete_recorded_pods(state_dir: Path) -> bool:
 
 def delete_pod(state_dir: Path, created: dict) -> bool:
     """Delete one pod (``created``: its record, at least its ``id``), e.g. one ``apply`` replaced."""
-    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
-    with open(state_dir / "logs" / "pod.log", "ab") as log:
+    (state_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    with open(log_path(state_dir, "pod"), "ab") as log:
         proc = subprocess.run([sys.executable, str(POD_SCRIPT), "delete", "--id", created["id"],
                                "--provider", created.get("provider", "local")],
                               stdout=log, stderr=log, stdin=subprocess.DEVNULL,
@@ -112,9 +121,7 @@ def delete_pod(state_dir: Path, created: dict) -> bool:
 def delete_local_pods(state_dir: Path) -> list[str]:
     """Delete every local pod recorded in the sandbox's own pod state (``pods/``)."""
     deleted = []
-    for record in sorted((Path(state_dir) / "pods").glob("*.json")) if (Path(state_dir) / "pods").is_dir() else []:
-        if record.name.endswith(".port.json"):
-            continue
+    for record in local_pod_records(state_dir):
         pod_id = (read_json(record) or {}).get("id")
         if pod_id and delete_pod(state_dir, {"id": pod_id}):
             deleted.append(pod_id)
@@ -122,11 +129,11 @@ def delete_local_pods(state_dir: Path) -> list[str]:
 
 
 def pod_pid(state_dir: Path, created: dict) -> int | None:
-    record = read_json(state_dir / "pods" / f"{created.get('name', '')}.json")
+    record = read_json(local_pod_record(state_dir, created.get("name", "")))
     return record.get("pid") if record else None
 
 
 def pod_control(state_dir: Path, created: dict) -> str | None:
     """Where the stand-in's ``/_standin/*`` answers (a plain loopback port beside its TLS one)."""
-    record = read_json(state_dir / "pods" / f"{created.get('name', '')}.json")
+    record = read_json(local_pod_record(state_dir, created.get("name", "")))
     return record.get("control_url") if record else None

@@ -24,16 +24,34 @@ import urllib.request
 from pathlib import Path
 
 from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, pod_urls_text
+from ..rollout import ADD, REMOVE, REPLACE, rollout
 from . import config as config_mod, hopcerts
 from .demokey import demo_key
 from .errors import StartupFailed
 from .geography import Geography, Sites
 from .launch import Launch, build_plan, object_sites, sites_for
-from .pinning import FILE_NAME as PINS_FILE, Pins
+from .pinning import Pins
 from .pods import create_pod, create_pods, delete_pod, delete_recorded_pods, pod_control, pod_pid, record_pods, recorded_pods
 from .processes import CHILD_TIMEOUT_S, http_ok, stop_child
 from .proxies import Network, NetworkServers, PodHop, local_url
-from .statedir import ROOT, load_secrets, log_line, read_json, write_json
+from .statedir import (
+    APPLY_FAILED_FILE,
+    FAILED_FILE,
+    LAUNCH_FILE,
+    LOGS_DIR,
+    OBJECTS_DIR,
+    PINS_FILE,
+    PURGED_FILE,
+    READY_FILE,
+    ROOT,
+    RUN_FILE,
+    WORKERD_CONFIG_FILE,
+    load_secrets,
+    log_line,
+    log_path,
+    read_json,
+    write_json,
+)
 
 WORKERD = ROOT / "node_modules" / ".bin" / "workerd"
 FALLBACK_COMPUTE_MS = 95
@@ -51,7 +69,7 @@ class Runner:
 
     def __init__(self, state_dir: Path):
         self.state_dir = Path(state_dir)
-        self.logs = self.state_dir / "logs"
+        self.logs = self.state_dir / LOGS_DIR
         self.stop = threading.Event()
         self.children: dict[str, subprocess.Popen] = {}
         self.servers: NetworkServers | None = None
@@ -63,7 +81,7 @@ class Runner:
         self.hops: dict[str, PodHop] = {}  # pod id -> the relay the Worker reaches it through
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+        log = open(log_path(self.state_dir, name), "ab")  # noqa: SIM115 - lives as long as the child
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=ROOT,
                                 pass_fds=pass_fds)
         log.close()
@@ -86,7 +104,7 @@ class Runner:
             if proc.poll() is not None:
                 break
             time.sleep(0.05)
-        raise StartupFailed(f"the fallback stand-in did not start; see {self.logs / 'fallback.log'}")
+        raise StartupFailed(f"the fallback stand-in did not start; see {log_path(self.state_dir, 'fallback')}")
 
     def _start_workerd(self, config_path: Path) -> int:
         if not WORKERD.exists():
@@ -110,10 +128,10 @@ class Runner:
             if self.children["workerd"].poll() is not None:
                 break
             time.sleep(0.1)
-        raise StartupFailed(f"workerd did not answer; see {self.logs / 'workerd.log'}")
+        raise StartupFailed(f"workerd did not answer; see {log_path(self.state_dir, 'workerd')}")
 
     def start(self) -> dict:
-        launch = Launch.from_json(read_json(self.state_dir / "launch.json") or {})
+        launch = Launch.from_json(read_json(self.state_dir / LAUNCH_FILE) or {})
         plan, _ = build_plan(launch)
         geography = Geography.from_args(launch.stretch, launch.rtt)
         secrets = load_secrets(self.state_dir)
@@ -158,7 +176,7 @@ class Runner:
     def _launch_workerd(self, plan: CellPlan, sites: Sites, pods: list[dict]) -> tuple[int, list[str]]:
         pins = Pins(self.state_dir / PINS_FILE)
         state_sites = object_sites(plan, sites.edge, pins)
-        objects = self.state_dir / "objects"
+        objects = self.state_dir / OBJECTS_DIR
         # A draining pod (colocate:scale.draining) still runs but has left the Worker's POD_URLS.
         urls = [p["worker_url"].rstrip("/") for p in sorted(pods, key=lambda p: p["index"])
                 if p["index"] < len(plan.pods) and plan.pods[p["index"]].in_rotation]
@@ -167,7 +185,7 @@ class Runner:
         text = config_mod.compose(plan, values=values, edge_site=sites.edge, state_sites=state_sites,
                                   outbound=("127.0.0.1", self.servers.outbound.port), objects_dir=objects,
                                   pod_tls=hopcerts.load(self.state_dir).worker_client())
-        config_path = config_mod.write(self.state_dir / "workerd.capnp", text, objects, state_sites)
+        config_path = config_mod.write(self.state_dir / WORKERD_CONFIG_FILE, text, objects, state_sites)
         return self._start_workerd(config_path), state_sites
 
     def _swap(self, plan: CellPlan, sites: Sites, pods: list[dict]) -> tuple[int, list[str]]:
@@ -191,10 +209,10 @@ class Runner:
         return wport, state_sites
 
     def apply(self) -> dict:
-        """The sandbox's `pulumi up` on a running cell: re-plan from the stack file and replace
-        the pods that changed **one at a time** (new pod i serves and the Worker uses it before
-        old pod i is deleted), adding or removing only the pods whose index came or went."""
-        launch = Launch.from_json(read_json(self.state_dir / "launch.json") or {})
+        """The sandbox's `pulumi up` on a running cell: re-plan from the stack file and change
+        the pods as ``colocate.rollout`` says, the policy Pulumi carries out for ``Cell``: one
+        at a time, new pod i serving and used by the Worker before old pod i is deleted."""
+        launch = Launch.from_json(read_json(self.state_dir / LAUNCH_FILE) or {})
         plan, _ = build_plan(launch)
         token = load_secrets(self.state_dir)["podToken"]
         old = {p.get("index", 0): p for p in recorded_pods(self.state_dir)}
@@ -219,9 +237,10 @@ class Runner:
 
         sites = sites_for(plan, launch, (current[0] if current and current[0] else {}).get("location", "local"))
         swapped = None
-        for i, pod in enumerate(plan.pods):
-            before = old.get(i)
-            if before and before.get("name") == pod.name:
+        steps = rollout({i: p.get("name", "") for i, p in old.items()}, [pod.name for pod in plan.pods])
+        for step in steps:
+            i, before = step.index, old.get(step.index)
+            if step.action not in (ADD, REPLACE):
                 continue
             created = create_pod(self.state_dir, plan, token, i)  # serves before anything else happens
             self._hop(plan, launch, created)
@@ -234,7 +253,7 @@ class Runner:
             if before:
                 retire(before, "replaced")
         live = [p for p in current if p]
-        removed = [p for j, p in sorted(old.items()) if j >= len(plan.pods)]
+        removed = [old[s.index] for s in steps if s.action == REMOVE]
         if swapped is None or removed:
             swapped = self._swap(plan, sites, live)  # the new Worker version, without removed pods
         for extra in removed:
@@ -246,7 +265,7 @@ class Runner:
     def _purge_retired(self, plan: CellPlan) -> None:
         """What the cell's purge commands do after `finish`: once per retired generation,
         through the Worker's own endpoint (as `migrate.py purge` does in the cloud)."""
-        record = self.state_dir / "purged.json"
+        record = self.state_dir / PURGED_FILE
         done = set((read_json(record) or {}).get("purged", []))
         token = load_secrets(self.state_dir)["adminToken"]
         for gen in plan.state.purge:
@@ -307,15 +326,15 @@ class Runner:
         while not self.stop.wait(0.2):
             if self.reload.is_set():
                 self.reload.clear()
-                (self.state_dir / "apply-failed.json").unlink(missing_ok=True)
+                (self.state_dir / APPLY_FAILED_FILE).unlink(missing_ok=True)
                 try:
                     ready = self.apply()
-                    write_json(self.state_dir / "ready.json", ready, 0o600)
+                    write_json(self.state_dir / READY_FILE, ready, 0o600)
                     log_line(f"applied revision {ready['revision']}: generation {ready['generation']}, "
                              f"edge {ready['sites']['edge']}")
                 except Exception as exc:  # noqa: BLE001 - reported to `apply`; the old version keeps serving
                     log_line(f"apply failed: {type(exc).__name__}: {exc}")
-                    write_json(self.state_dir / "apply-failed.json", {"error": str(exc)})
+                    write_json(self.state_dir / APPLY_FAILED_FILE, {"error": str(exc)})
             for name, proc in self.children.items():
                 if proc.poll() is not None:
                     return f"{name} exited with {proc.returncode}"
@@ -349,23 +368,23 @@ def run(state_dir: Path) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, lambda *_: runner.reload.set())
-    write_json(state_dir / "run.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
+    write_json(state_dir / RUN_FILE, {"pid": os.getpid(), "pgid": os.getpgid(0), "started_at": time.time()})
     code = 0
     try:
         ready = runner.start()
         if runner.stop.is_set():
             return 0
-        write_json(state_dir / "ready.json", ready, 0o600)
+        write_json(state_dir / READY_FILE, ready, 0o600)
         log_line(f"up: {ready['worker_url']} (edge {ready['sites']['edge']}, objects at {ready['sites']['objects']})")
         why = runner.watch()
         log_line(f"stopping: {why}")
         code = 0 if why == "stop requested" else 1
     except Exception as exc:  # noqa: BLE001 - reported to `up` through failed.json, then cleaned up
         log_line(f"failed: {type(exc).__name__}: {exc}")
-        write_json(state_dir / "failed.json", {"error": str(exc)})
+        write_json(state_dir / FAILED_FILE, {"error": str(exc)})
         code = 1
     finally:
         runner.cleanup()
-        (state_dir / "ready.json").unlink(missing_ok=True)
+        (state_dir / READY_FILE).unlink(missing_ok=True)
         log_line("stopped")
     return code

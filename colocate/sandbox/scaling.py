@@ -16,13 +16,14 @@ from .. import stackfile
 from ..scaler import scale_values
 from . import supervisor
 from .launch import Launch
+from .statedir import LAUNCH_FILE
 
 
 class SandboxDeployer:
     def __init__(self, stack: str, state_dir: Path):
         self.stack = stack
         self.state_dir = Path(state_dir)
-        launch = Launch.from_json(json.loads((self.state_dir / "launch.json").read_text()))
+        launch = Launch.from_json(json.loads((self.state_dir / LAUNCH_FILE).read_text()))
         self.stacks_dir = Path(launch.stacks_dir)
 
     def declared(self) -> tuple[int, int]:

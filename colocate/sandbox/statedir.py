@@ -1,25 +1,37 @@
-"""The state directory of one sandbox: its files, its lock, its secrets, and which stack owns it.
+"""The state directory of one sandbox: the name of every file in it, its lock, its secrets,
+and which stack owns it. No other module spells one of these names; tests/test_statedir_names.py
+greps colocate/ and scripts/ for them.
 
-State directory (default ``<repo>/.colocate/sandbox/<stack>/``):
+A cell's state directory (default ``<repo>/.colocate/sandbox/<stack>/``):
 
-    secrets.json   generated once, mode 0600 (pod, read, admin, exchange, fallback tokens)
-    pins.json      where each generation was first touched; survives down/up
-    objects/<SITE> each object host's SQLite storage; survives down/up
-    sandbox.lock   flock taken by ``up`` and inherited by the runner for its whole life
-                   (a second ``up`` sees it; "held" = a runner or its launcher lives)
-    run.json       runner pid/pgid, written by the runner itself before it starts anything
-    launch.json    what ``up`` asked for
-    ready.json     what ``up`` prints (mode 0600: it holds the probe token and the demo key)
-    demo-key.json  the demo client key (mode 0600), reused by later ``up``s while the cell accepts it
-    workerd.capnp  the generated config (mode 0600: it holds secret bindings)
-    pods/          scripts/pod.py's local pod state;  pod.json  the create's output
-    logs/          runner.log, workerd.log, fallback.log, pod.log
+    secrets.json       generated once, mode 0600 (pod, read, admin, exchange, fallback tokens)
+    pins.json          where each generation was first touched; survives down/up
+    objects/<SITE>     each object host's SQLite storage; survives down/up
+    sandbox.lock       flock taken by ``up`` and inherited by the runner for its whole life
+                       (a second ``up`` sees it; "held" = a runner or its launcher lives)
+    run.json           runner pid/pgid, written by the runner itself before it starts anything
+    launch.json        what ``up`` (or ``apply``) asked for
+    ready.json         what ``up`` prints (mode 0600: it holds the probe token and the demo key)
+    failed.json        why the runner could not start (``up`` reads it and stops waiting)
+    apply-failed.json  why the last ``apply`` could not be rolled out (the cell runs as before)
+    purged.json        the retired generations whose storage the runner purged
+    demo-key.json      the demo client key (mode 0600), reused by later ``up``s while the cell accepts it
+    workerd.capnp      the generated config (mode 0600: it holds secret bindings)
+    pods.json          what each pod's create printed, in pod index order (``pod.json``: the
+                       one-pod layout of an older release, read once and removed)
+    pods/              scripts/pod.py's local pod state, one record per pod
+    logs/              runner.log, workerd.log, fallback.log, pod.log, front-runner.log
+    stacks/, probes/   the demos' stack copies and probe results (demo.png, demo-fleet.png)
+
+A fleet's state directory adds the front door's files: fleet-launch.json, fleet.lock,
+fleet.json (what ``up --fleet`` prints), fleet-key.json, front-run.json, front.json,
+front-failed.json, front.capnp and entry-pins.json.
 
 A state directory outside ``.colocate/sandbox/`` is remembered by a link in
 ``.colocate/sandbox/.started/`` (``remember``), so ``status`` and every hint find it.
 
-Imports nothing of the rest of the kit but the sandbox's errors, so ``colocate.admin`` can find
-a sandbox's state directory without importing the supervisor (which imports admin).
+Imports nothing of the rest of the kit but the sandbox's errors: ``colocate.admin`` and the probe
+find a sandbox's files through it, and the runner imports admin (for the demo key).
 """
 
 from __future__ import annotations
@@ -41,6 +53,57 @@ ROOT = Path(__file__).resolve().parents[2]
 SANDBOX_SECRETS = ("podToken", "readToken", "adminToken", "exchangeToken", "fallbackApiKey")
 SANDBOX_CMD = ".venv/bin/python scripts/sandbox.py"  # every command we print runs as printed from the root
 SANDBOXES_DIR = ROOT / ".colocate" / "sandbox"
+
+
+# --- the names of the files (a cell's, then a fleet's) ----------------------------------------
+
+SECRETS_FILE = "secrets.json"
+PINS_FILE = "pins.json"
+OBJECTS_DIR = "objects"
+LOCK_FILE = "sandbox.lock"
+RUN_FILE = "run.json"
+LAUNCH_FILE = "launch.json"
+READY_FILE = "ready.json"
+FAILED_FILE = "failed.json"
+APPLY_FAILED_FILE = "apply-failed.json"
+PURGED_FILE = "purged.json"
+DEMO_KEY_FILE = "demo-key.json"
+WORKERD_CONFIG_FILE = "workerd.capnp"
+PODS_FILE = "pods.json"
+LEGACY_POD_FILE = "pod.json"
+LOCAL_PODS_DIR = "pods"
+LOGS_DIR = "logs"
+STACKS_DIR = "stacks"
+PROBES_DIR = "probes"
+DEMO_PLOT_FILE = "demo.png"
+FLEET_DEMO_PLOT_FILE = "demo-fleet.png"
+
+FLEET_LAUNCH_FILE = "fleet-launch.json"
+FLEET_LOCK_FILE = "fleet.lock"
+FLEET_OUT_FILE = "fleet.json"
+FLEET_KEY_FILE = "fleet-key.json"
+FRONT_RUN_FILE = "front-run.json"
+FRONT_READY_FILE = "front.json"
+FRONT_FAILED_FILE = "front-failed.json"
+FRONT_CONFIG_FILE = "front.capnp"
+ENTRY_PINS_FILE = "entry-pins.json"
+
+
+def log_path(state_dir: Path, component: str) -> Path:
+    """The log of one component (runner, workerd, fallback, pod, front-runner) in ``logs/``."""
+    return Path(state_dir) / LOGS_DIR / f"{component}.log"
+
+
+def local_pod_records(state_dir: Path) -> list[Path]:
+    """scripts/pod.py's records of the local pods (``pods/<name>.json``, not the provider's
+    ``<name>.port.json`` beside them), by name."""
+    pods = Path(state_dir) / LOCAL_PODS_DIR
+    return [p for p in sorted(pods.glob("*.json")) if not p.name.endswith(".port.json")] if pods.is_dir() else []
+
+
+def local_pod_record(state_dir: Path, name: str) -> Path:
+    """scripts/pod.py's record of the local pod ``name``."""
+    return Path(state_dir) / LOCAL_PODS_DIR / f"{name}.json"
 
 
 def default_state_dir(stack: str) -> Path:
@@ -148,7 +211,7 @@ def read_object(path: Path) -> dict | None:
 
 def load_secrets(state_dir: Path) -> dict[str, str]:
     """The sandbox's secrets, generated once per state directory (mode 0600)."""
-    path = Path(state_dir) / "secrets.json"
+    path = Path(state_dir) / SECRETS_FILE
     data = read_json(path) if path.exists() else None
     if not data or any(not isinstance(data.get(k), str) or not data.get(k) for k in SANDBOX_SECRETS):
         data = {k: secrets_mod.token_hex(24) for k in SANDBOX_SECRETS}
@@ -158,8 +221,6 @@ def load_secrets(state_dir: Path) -> dict[str, str]:
 
 
 # --- the lock ----------------------------------------------------------------------------
-
-LOCK_FILE = "sandbox.lock"
 
 
 def _lock_path(state_dir: Path, name: str = LOCK_FILE) -> Path:
@@ -192,14 +253,14 @@ def is_running(state_dir: Path, name: str = LOCK_FILE) -> bool:
 
 
 def recorded_pids(state_dir: Path) -> dict:
-    ready = read_json(Path(state_dir) / "ready.json") or {}
-    run = read_json(Path(state_dir) / "run.json") or {}
+    ready = read_json(Path(state_dir) / READY_FILE) or {}
+    run = read_json(Path(state_dir) / RUN_FILE) or {}
     return ready.get("pids") or {"runner": run.get("pid")}
 
 
 def owner(state_dir: Path) -> str | None:
     """The stack whose sandbox the state directory holds (from the last ``up``), or None."""
-    return (read_json(Path(state_dir) / "launch.json") or {}).get("stack")
+    return (read_json(Path(state_dir) / LAUNCH_FILE) or {}).get("stack")
 
 
 def check_owner(state_dir: Path, stack: str) -> None:

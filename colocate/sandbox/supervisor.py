@@ -35,17 +35,26 @@ from . import hopcerts
 from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import Geography, site
 from .launch import Launch, build_plan, sites_for
-from .pinning import FILE_NAME as PINS_FILE, Pins
-from .pods import PODS_FILE, delete_local_pods, delete_recorded_pods
+from .pinning import Pins
+from .pods import delete_local_pods, delete_recorded_pods
 from .processes import CHILD_TIMEOUT_S, deferred_signals, group_alive, http_ok, launch_detached, signal_group
 from .statedir import (
+    APPLY_FAILED_FILE,
+    FAILED_FILE,
+    LAUNCH_FILE,
+    LOGS_DIR,
+    PINS_FILE,
+    PODS_FILE,
+    READY_FILE,
     ROOT,
+    RUN_FILE,
     SANDBOX_CMD,
     check_owner,
     default_state_dir,
     is_running,
     load_secrets,
     log_line,
+    log_path,
     owner,
     read_json,
     recorded_pids,
@@ -82,7 +91,7 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
     check_owner(state_dir, stack)
     for note in notes:
         log_line(note)
-    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (state_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     fd = try_lock(state_dir)
     if fd is None:
         pids = ", ".join(f"{k} {v}" for k, v in recorded_pids(state_dir).items() if v)
@@ -94,15 +103,15 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         load_secrets(state_dir)
         # We hold the lock, so no runner lives here: whatever run.json says is stale. From now
         # on run.json is written only by the runner itself, before it starts anything.
-        for stale in ("ready.json", "failed.json", "run.json"):
+        for stale in (READY_FILE, FAILED_FILE, RUN_FILE):
             (state_dir / stale).unlink(missing_ok=True)
-        write_json(state_dir / "launch.json", launch.as_json())
+        write_json(state_dir / LAUNCH_FILE, launch.as_json())
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         # A short-lived launcher starts the runner in a new session and exits at once, so
         # the runner is nobody's child: it outlives `up` and is never left a zombie. The
         # runner inherits the lock, so "the lock is held" = "a runner (or its launcher) lives".
         launched = True
-        with open(state_dir / "logs" / "runner.log", "ab") as log:
+        with open(log_path(state_dir, "runner"), "ab") as log:
             started = subprocess.run(
                 [sys.executable, "-m", "colocate.sandbox.supervisor", "launch", str(state_dir), "--lock-fd", str(fd)],
                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
@@ -113,15 +122,15 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         fd = None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ready = read_json(state_dir / "ready.json")
+            ready = read_json(state_dir / READY_FILE)
             if ready:
                 return ready
-            failed = read_json(state_dir / "failed.json")
+            failed = read_json(state_dir / FAILED_FILE)
             if failed or not alive(runner):
                 why = (failed or {}).get("error") or "the runner exited"
-                raise StartupFailed(f"sandbox did not come up: {why}. Logs: {state_dir / 'logs'}")
+                raise StartupFailed(f"sandbox did not come up: {why}. Logs: {state_dir / LOGS_DIR}")
             time.sleep(0.1)
-        raise StartupFailed(f"sandbox did not come up within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
+        raise StartupFailed(f"sandbox did not come up within {timeout_s:.0f} s. Logs: {state_dir / LOGS_DIR}")
     except BaseException:
         # Ctrl-C or a failure while starting: nothing may be left behind, and a second
         # Ctrl-C must not cut the cleanup short (it is deferred until the cleanup is done).
@@ -141,13 +150,13 @@ def stop_runner(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S + CHILD_TIMEO
     state_dir = Path(state_dir)
     deadline = time.monotonic() + timeout_s
     while is_running(state_dir):
-        run = read_json(state_dir / "run.json") or {}
+        run = read_json(state_dir / RUN_FILE) or {}
         if alive(run.get("pid")):
             down(state_dir, quiet=True)
             continue
         if time.monotonic() > deadline:
             log_line(f"WARNING: the state directory's lock is still held and no runner said who it is; "
-                 f"see {state_dir / 'logs' / 'runner.log'}")
+                 f"see {log_path(state_dir, 'runner')}")
             return False
         time.sleep(0.05)
     return True
@@ -157,34 +166,34 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
           force_split: bool = False, timeout_s: float = UP_TIMEOUT_S) -> dict:
     """Deploy the stack file's current state to a running sandbox (its `pulumi up`)."""
     state_dir = Path(state_dir or default_state_dir(stack)).resolve()
-    previous = read_json(state_dir / "ready.json")
-    run = read_json(state_dir / "run.json") or {}
+    previous = read_json(state_dir / READY_FILE)
+    run = read_json(state_dir / RUN_FILE) or {}
     if not previous or not is_running(state_dir) or not alive(run.get("pid")):
         raise NotRunning(f"no sandbox runs in {state_dir}; start it with `{SANDBOX_CMD} up "
                          f"{where_command(state_dir, stack)}`; {where_sandboxes_run(state_dir)}")
     check_owner(state_dir, stack)
-    old = Launch.from_json(read_json(state_dir / "launch.json") or {})
+    old = Launch.from_json(read_json(state_dir / LAUNCH_FILE) or {})
     launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
                     force_split)
     _, notes = build_plan(launch)  # a bad stack fails here, and the running cell is untouched
     for note in notes:
         log_line(note)
-    write_json(state_dir / "launch.json", launch.as_json())
-    (state_dir / "apply-failed.json").unlink(missing_ok=True)
+    write_json(state_dir / LAUNCH_FILE, launch.as_json())
+    (state_dir / APPLY_FAILED_FILE).unlink(missing_ok=True)
     os.kill(run["pid"], signal.SIGHUP)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready = read_json(state_dir / "ready.json") or {}
+        ready = read_json(state_dir / READY_FILE) or {}
         if ready.get("revision", 0) > previous.get("revision", 0):
             return ready
-        failed = read_json(state_dir / "apply-failed.json")
+        failed = read_json(state_dir / APPLY_FAILED_FILE)
         if failed:
             raise StartupFailed(f"apply failed: {failed.get('error')}; the previous version still serves. "
-                                f"Logs: {state_dir / 'logs'}")
+                                f"Logs: {state_dir / LOGS_DIR}")
         if not alive(run["pid"]):
-            raise StartupFailed(f"the sandbox stopped during apply. Logs: {state_dir / 'logs'}")
+            raise StartupFailed(f"the sandbox stopped during apply. Logs: {state_dir / LOGS_DIR}")
         time.sleep(0.1)
-    raise StartupFailed(f"apply did not finish within {timeout_s:.0f} s. Logs: {state_dir / 'logs'}")
+    raise StartupFailed(f"apply did not finish within {timeout_s:.0f} s. Logs: {state_dir / LOGS_DIR}")
 
 
 def down(state_dir: Path, quiet: bool = False) -> dict:
@@ -195,8 +204,8 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
         held = is_running(state_dir)
         # The runner deletes the pods it made when it stops: which pods ran is read first, so the
         # answer says whether they are gone, whoever deleted them.
-        pod_pids = [p.get("pid") for p in (read_json(state_dir / "ready.json") or {}).get("pods") or [] if p.get("pid")]
-        run = read_json(state_dir / "run.json") or {}
+        pod_pids = [p.get("pid") for p in (read_json(state_dir / READY_FILE) or {}).get("pods") or [] if p.get("pid")]
+        run = read_json(state_dir / RUN_FILE) or {}
         pid, pgid = run.get("pid"), run.get("pgid")
         stopped = []
         if pid and alive(pid):
@@ -212,7 +221,7 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
                 time.sleep(0.05)
         pod_deleted = delete_recorded_pods(state_dir)  # the runner normally did this; a crash may not have
         strays = delete_local_pods(state_dir)  # a runner killed inside `pod.py create` leaves only these
-        for name in ("run.json", "ready.json"):
+        for name in (RUN_FILE, READY_FILE):
             (state_dir / name).unlink(missing_ok=True)
     if not quiet:
         log_line(f"stopped {state_dir}")
@@ -232,7 +241,7 @@ def _pod_ok(state_dir: Path, address: str) -> bool:
 
 def status(state_dir: Path) -> dict:
     state_dir = Path(state_dir).resolve()
-    ready = read_json(state_dir / "ready.json")
+    ready = read_json(state_dir / READY_FILE)
     running = is_running(state_dir)
     out: dict = {"state_dir": str(state_dir), "running": running, "pins": Pins(state_dir / PINS_FILE).all()}
     if not ready:

@@ -1,73 +1,48 @@
-// Routing decisions end to end in Node, with an in-memory stand-in for the generation
-// object and a fake fetch. The real runtime and object (SQLite) are covered by
-// tests/test_worker_*.py in workerd.
+// Routing decisions end to end in Node, against the real generation object (generation.js,
+// its SQL on SQLite in memory: test/support/objects.js) and a fake fetch. The real runtime
+// is covered by tests/test_worker_*.py in workerd.
 import { test } from "node:test";
 import assert from "node:assert/strict";
+import { objectNamespace } from "./support/objects.js";
 import { handle } from "../src/router.js";
-import { initial, record, grantTrial, needsWitness } from "../src/machine.js";
 import { keyHash, newKey } from "../src/keys.js";
 import { parseServerTiming } from "../src/timing.js";
 import { blameOf } from "../src/pods.js";
 
-/** The object's RPC surface over plain maps: views shaped like generation.js's. */
-function fakeNamespace() {
-  const objects = new Map();
-  const calls = [];
-  const objectFor = (name) => {
-    if (!objects.has(name)) objects.set(name, { pods: {}, keys: [], rev: 0, forced: null, synced: [] });
-    const o = objects.get(name);
-    // Key rows changed since haveRev; a cold caller (-1) gets none (it looks keys up).
-    const delta = (haveRev) => (haveRev === o.rev ? null : haveRev < 0 ? [] : o.keys.filter((k) => k.rev > haveRev).map((k) => ({ ...k })));
-    const view = (haveRev) => ({
-      rev: o.rev, keys: delta(haveRev), pods: structuredClone(o.pods),
-      counts: {}, forced: o.forced, imported: [], at: Date.now(),
-    });
-    return {
-      async sync(info, batch) { calls.push(["sync", name]); if (batch) o.synced.push(batch); return view(info.haveRev); },
-      async lookupKeys(digests, info) {
-        calls.push(["lookupKeys", name, digests.length]);
-        return { rev: o.rev, keys: o.keys.filter((k) => digests.includes(k.hash) && !k.revoked).map((k) => ({ ...k })), counts: {} };
-      },
-      async report(pod, ok, info, from) {
-        calls.push(["report", name, pod, ok, from]);
-        const before = o.pods[pod] || initial();
-        const next = record(before, ok, Date.now(), info, from);
-        if (next.state === "closed" && next.failures === 0) delete o.pods[pod];
-        else o.pods[pod] = next;
-        return { from: before.state, to: next.state, witness: needsWitness(next, info), view: view(info.haveRev) };
-      },
-      async tryTrial(pod, info) {
-        calls.push(["tryTrial", name, pod]);
-        const r = grantTrial(o.pods[pod] || initial(), Date.now(), info);
-        if (r.granted) o.pods[pod] = r.snap;
-        return { granted: r.granted, view: view(info.haveRev) };
-      },
-    };
-  };
-  return {
-    objects, calls, objectFor,
-    idFromName: (name) => ({ name }),
-    get: (id, opts) => { calls.push(["get", id.name, opts?.locationHint]); return objectFor(id.name); },
-  };
-}
+const { Breaker } = await import("../src/generation.js"); // after objects.js registered "cloudflare:workers"
 
+/** A key of generation `gen`, made by the object itself (its createKey, as admin.js calls it). */
 async function withKey(ns, gen, limits = {}) {
   const key = newKey();
-  ns.objectFor(gen); // creates the object's maps
-  const o = ns.objects.get(gen);
-  o.rev++;
-  o.keys.push({ id: `key_${o.keys.length}`, hash: await keyHash(key), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
-    max_parallel: 0, expires_at: null, rev: o.rev, ...limits });
+  const object = await ns.instance(gen);
+  const id = `key_${(await object.listKeys({ generation: gen })).length}`;
+  await object.createKey({ id, hash: await keyHash(key), prefix: key.slice(0, 12), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
+    max_parallel: 0, created_at: Date.now(), expires_at: null, ...limits }, { generation: gen });
   return key;
 }
 
+/** Pod `url`'s breaker row in the object's storage (absent: closed, no failures). */
+async function podRow(env, gen, url) {
+  return (await env.BREAKER.instance(gen)).podRow(url);
+}
+
+/** Every pod row the object holds, by URL. */
+async function podRows(env, gen) {
+  return (await env.BREAKER.instance(gen)).view().pods;
+}
+
+/** The batches the isolate's syncs carried to the object. */
+const synced = (env) => env.BREAKER.calls.filter((c) => c[0] === "sync" && c[3]).map((c) => c[3]);
+
 function envFor(gen, over = {}) {
-  return {
-    BREAKER: fakeNamespace(), CELL_REGION: "us-east", ACTIVE_GENERATION: gen, ACTIVE_HINT: "enam",
+  const env = {
+    BREAKER: objectNamespace(Breaker), CELL_REGION: "us-east", ACTIVE_GENERATION: gen, ACTIVE_HINT: "enam",
     DEADLINE_MS: "200", MAX_BODY_BYTES: "1000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000", STATE_TTL_MS: "60000",
     POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb",
     ...over,
   };
+  env.BREAKER.env = env; // the objects see the Worker's bindings, as in workerd
+  return env;
 }
 
 function ctx() {
@@ -134,7 +109,7 @@ test("pod failures fall back, are reported in the background, and open that pod'
     assert.equal(r.status, 200);
   }
   await c.settle();
-  assert.equal(env.BREAKER.objects.get("router-b").pods["http://pod.test"].state, "open");
+  assert.equal((await podRow(env, "router-b", "http://pod.test")).state, "open");
   const before = podCalls(seen);
   const r = await handle(chat(key), env, c, { fetch: f });
   assert.equal(r.headers.get("x-colocate-backend"), "fallback");
@@ -157,7 +132,7 @@ test("a failing pod is retried once on another healthy pod before the fallback",
   assert.equal(triedA(), 2);
   // One key's failures alone open nothing: the health check that agreed did.
   assert.equal(seen.filter((s) => s.url === "http://pod-a.test/health").length, 1);
-  assert.equal(env.BREAKER.objects.get("router-retry").pods["http://pod-a.test"].state, "open");
+  assert.equal((await podRow(env, "router-retry", "http://pod-a.test")).state, "open");
   assert.equal(seen.filter((s) => s.url.startsWith("https://fb")).length, 0);
 });
 
@@ -188,7 +163,7 @@ test("a pod that misses the deadline is a failure served by the fallback, with n
   assert.ok(parseServerTiming(r.headers.get("server-timing")).upstream >= 40);
   assert.equal(podCalls(seen), 1);
   await c.settle();
-  const pods = env.BREAKER.objects.get("router-c").pods;
+  const pods = await podRows(env, "router-c");
   assert.equal(Object.values(pods).reduce((n, p) => n + p.failures, 0), 1);
 });
 
@@ -200,7 +175,7 @@ test("usage is counted per key and reaches the object in batched syncs", async (
   const { f } = fakeFetch(() => json(body));
   for (let i = 0; i < 3; i++) await handle(chat(key), env, c, { fetch: f });
   await c.settle(); // one planned flush carries all three
-  const batches = env.BREAKER.objects.get("router-usage").synced;
+  const batches = synced(env);
   assert.equal(batches.length, 1);
   const rows = batches[0].usage;
   const total = rows.reduce((a, u) => [a[0] + u[2], a[1] + u[3], a[2] + u[4], a[3] + u[5], a[4] + u[6]], [0, 0, 0, 0, 0]);
@@ -242,7 +217,7 @@ const post = (key, body, path = "/v1/chat/completions") => new Request(`https://
 });
 const msg = [{ role: "user", content: "hi" }];
 const sseRes = (text) => new Response(text, { headers: { "content-type": "text/event-stream" } });
-const flushed = (env, gen) => env.BREAKER.objects.get(gen).synced.flatMap((b) => b.usage)
+const flushed = (env) => synced(env).flatMap((b) => b.usage)
   .reduce((a, u) => [a[0] + u[2], a[1] + u[3] + u[4]], [0, 0]);
 
 test("a stream without include_usage: the pod is asked for usage, the client does not see it, the tokens count", async () => {
@@ -260,7 +235,7 @@ test("a stream without include_usage: the pod is asked for usage, the client doe
   assert.equal(await r.text(), events + "data: [DONE]\n\n");
   assert.deepEqual(sent.stream_options, { include_usage: true });
   await c.settle();
-  assert.deepEqual(flushed(env, "router-strip"), [1, 7]);
+  assert.deepEqual(flushed(env), [1, 7]);
   // A client that asked gets the usage event, as sent
   const asked = await handle(post(key, { model: "m", messages: msg, stream: true, stream_options: { include_usage: true } }), env, c, { fetch: f });
   assert.equal(await asked.text(), events + usage + "data: [DONE]\n\n");
@@ -297,7 +272,7 @@ test("one key whose requests fail on a pod that is healthy otherwise never opens
     assert.equal(r.headers.get("x-colocate-backend"), "fallback"); // the fallback served it: the pod's failure, one key's
     await c.settle();
   }
-  const row = env.BREAKER.objects.get("router-blame").pods["http://pod.test"];
+  const row = await podRow(env, "router-blame", "http://pod.test");
   assert.equal(row.state, "closed");
   assert.equal(row.failures, 6);
   assert.ok(seen.some((s) => s.url === "http://pod.test/health")); // the witness was asked
@@ -321,7 +296,7 @@ test("a request that fails on two pods, or that the fallback refuses too, is not
     assert.equal(r.status, 400); // the fallback's refusal reaches the client
     await c.settle();
   }
-  const pods = env.BREAKER.objects.get("router-two").pods;
+  const pods = await podRows(env, "router-two");
   assert.deepEqual(pods, {}); // no failure counted on either pod
   assert.equal(blameOf(2, 200), "request");
   assert.equal(blameOf(1, 200), "pod");
@@ -374,7 +349,10 @@ test("unknown keys arriving together share look-up calls (the cold isolate's syn
   assert.deepEqual(all.map((r) => r.status), [...keys.map(() => 200), ...junk.map(() => 401)]);
   const lookups = env.BREAKER.calls.filter((x) => x[0] === "lookupKeys");
   assert.ok(lookups.length <= 3, JSON.stringify(lookups)); // a burst of 2, then one per 250 ms
-  assert.equal(lookups.reduce((n, x) => n + x[2], 0), 60); // every digest asked once
+  // Every digest asked once: by a look-up, or riding on a sync (the object answers it as `found`).
+  const riding = env.BREAKER.calls.filter((x) => x[0] === "sync").flatMap((x) => x[2].lookup || []);
+  assert.equal(lookups.reduce((n, x) => n + x[2].length, 0) + riding.length, 60);
+  assert.equal(new Set([...lookups.flatMap((x) => x[2]), ...riding]).size, 60);
   const before = env.BREAKER.calls.length;
   assert.equal((await handle(chat(keys[7]), env, c, { fetch: f })).status, 200); // held now: no call
   assert.equal((await handle(chat(junk[7]), env, c, { fetch: f })).status, 401); // remembered: no call
