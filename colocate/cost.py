@@ -8,6 +8,7 @@ Pure: no I/O, no Pulumi. ``scripts/cost.py`` gathers the inputs:
     usage rows       ``GET /_colocate/usage`` rows: per key and day, requests, prompt and
                      completion tokens, and how many requests the pods and the fallback served
     price            ``colocate:fallbackPrice``: $ per 1M input and output tokens at the fallback
+    caps             ``colocate:fallbackCap``: the fallback's daily spend caps (cell, each key), $
 
 A usage row counts tokens per key and day, not per backend: its tokens are split between
 pods and fallback in proportion to the requests each served that day (exact when a key's
@@ -15,9 +16,9 @@ requests of a day all went one way, the common case; an estimate otherwise, and 
 
 The answers: the pods' cost over the window; tokens and requests by pods and by fallback;
 the pods' cost per 1M tokens; what the pods' tokens would have cost at the fallback's
-price; the fallback's own spend; the break-even volume (tokens/day from which the cell is
-cheaper than sending everything to the API, at the window's input/output mix); and, given
-a capacity, the pods' utilisation.
+price; the fallback's own spend, and today's as the Worker counted it against the caps; the
+break-even volume (tokens/day from which the cell is cheaper than sending everything to the
+API, at the window's input/output mix); and, given a capacity, the pods' utilisation.
 """
 
 from __future__ import annotations
@@ -146,6 +147,11 @@ class CostReport:
     capacity_rpm: float | None
     pod_count: int
     notes: list[str] = field(default_factory=list)
+    # Today's fallback spend as the Worker counted it (usage rows' fallback_microusd), the
+    # cell's and its highest key's, and the caps it is held to (0: none); None: not counted.
+    today_fallback_spend: float | None = None
+    today_top_key_spend: float | None = None
+    caps: tuple[float, float] = (0.0, 0.0)
 
     @property
     def cheaper(self) -> str | None:
@@ -175,13 +181,16 @@ class CostReport:
 
 def report(rows: Iterable[Mapping], *, cost_per_hr: float, hours: float, window_days: float,
            price: Price | None, cost_source: str = "podsCostPerHr", pod_count: int = 1,
-           capacity_rpm: float | None = None, today: str | None = None) -> CostReport:
+           capacity_rpm: float | None = None, today: str | None = None,
+           caps: tuple[float, float] = (0.0, 0.0)) -> CostReport:
     """The cost report of one window (see the module docstring)."""
     if not (math.isfinite(cost_per_hr) and cost_per_hr >= 0):
         raise ValueError(f"cost_per_hr {cost_per_hr!r}: must be a number of $/hr >= 0")
     if not (math.isfinite(hours) and hours >= 0) or not window_days > 0:
         raise ValueError(f"hours {hours!r} / window_days {window_days!r}: must be >= 0 / > 0")
-    pods, fb, notes, per_day = split_usage(list(rows))
+    rows = list(rows)
+    pods, fb, notes, per_day = split_usage(rows)
+    spent_today, top_key = today_spend(rows, today)
     pods_cost = cost_per_hr * hours
     per_m = pods_cost / pods.tokens * MILLION if pods.tokens > 0 else None
     at_price = price.of(pods.prompt_tokens, pods.completion_tokens) if price else None
@@ -211,7 +220,18 @@ def report(rows: Iterable[Mapping], *, cost_per_hr: float, hours: float, window_
         break_even_tokens_per_day=break_even, monthly_cell_cost=cost_per_hr * HOURS_PER_MONTH,
         monthly_api_cost_at_volume=monthly_api, blended_price_per_m=blended, utilisation=util,
         capacity_rpm=capacity_rpm, pod_count=pod_count, notes=notes,
+        today_fallback_spend=spent_today, today_top_key_spend=top_key, caps=caps,
     )
+
+
+def today_spend(rows: list[Mapping], today: str | None) -> tuple[float | None, float | None]:
+    """(the cell's, its highest key's) fallback spend on ``today`` in $, from the rows'
+    ``fallback_microusd``; (None, None) when no row of today carries it (a Worker that does not count it)."""
+    spent = [r.get("fallback_microusd") for r in rows if today is not None and r.get("day") == today]
+    counted = [v for v in spent if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if not counted:
+        return None, None
+    return sum(counted) / MILLION, max(counted) / MILLION
 
 
 def to_json(r: CostReport) -> dict:
@@ -232,6 +252,8 @@ def to_json(r: CostReport) -> dict:
         "monthly_api_cost_at_volume": _r(r.monthly_api_cost_at_volume),
         "blended_price_per_m": _r(r.blended_price_per_m),
         "capacity_rpm": r.capacity_rpm, "utilisation": None if r.utilisation is None else round(r.utilisation, 6),
+        "fallback_spend_today": _r(r.today_fallback_spend), "fallback_top_key_spend_today": _r(r.today_top_key_spend),
+        "fallback_cap_cell_per_day": r.caps[0] or None, "fallback_cap_key_per_day": r.caps[1] or None,
         "notes": r.notes,
     }
 
@@ -242,6 +264,10 @@ def _r(v: float | None) -> float | None:
 
 def _money(v: float | None) -> str:
     return "n/a" if v is None else f"${v:,.2f}"
+
+
+def _cap(usd: float) -> str:
+    return f"${usd:,.2f} a day" if usd > 0 else "no cap"
 
 
 def table(r: CostReport) -> str:
@@ -256,6 +282,8 @@ def table(r: CostReport) -> str:
         f"  pods' tokens at that price    {_money(r.pods_tokens_at_fallback_price)}"
         + (f"  (the cell {'saved' if r.saving >= 0 else 'cost'} {_money(abs(r.saving))})" if r.saving is not None else ""),
         f"  fallback's own spend          {_money(r.fallback_spend)}",
+        f"  fallback today (UTC)          {_money(r.today_fallback_spend)} of {_cap(r.caps[0])} (cell); "
+        f"highest key {_money(r.today_top_key_spend)} of {_cap(r.caps[1])}",
         "  volume                        " + (f"{r.tokens_per_day:,.0f} tokens/day" if r.tokens_per_day is not None
                                                else f"not scaled: {r.too_short}"),
         "  break-even                    " + ("n/a" if r.break_even_tokens_per_day is None

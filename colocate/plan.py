@@ -584,6 +584,11 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
     ]
     if settings.fallback_model:
         plain.append(("FALLBACK_MODEL", settings.fallback_model))
+    if settings.fallback_price is not None:
+        # The fallback's spend is counted at this price, and capped per day (colocate:fallbackCap).
+        plain.append(("FALLBACK_PRICE", json.dumps({"input": settings.fallback_price[0], "output": settings.fallback_price[1]})))
+        cell_cap, key_cap = settings.fallback_cap
+        plain += [("FALLBACK_CELL_CAP_USD", repr(cell_cap)), ("FALLBACK_KEY_CAP_USD", repr(key_cap))]
     bindings = [Binding(GENERATION_BINDING, "durable_object_namespace", class_name=BREAKER_CLASS)]
     bindings += [Binding(name, "plain_text", text=value) for name, value in plain]
     bindings.append(Binding("POD_URLS", "plain_text", from_output=POD_URLS_FROM_OUTPUT))

@@ -120,6 +120,10 @@ SCHEMA: tuple[Key, ...] = (
         "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. "
         "platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports "
         "the pods' cost alone."),
+    Key("fallbackCap", "object", {},
+        "Optional. The most the fallback API may cost per UTC day at colocate:fallbackPrice (which it needs), in $: "
+        "{cellUsdPerDay, keyUsdPerDay}, for the whole cell and for each client key (0 or unset = no cap). Past one, the "
+        "fallback is not called: 429 insufficient_quota naming the cap, Retry-After to the day's end."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
     Key("readToken", "string", None,
         "Operator credential that reads: the probe, the live view, the breaker, the key list, usage.", secret=True),
@@ -231,6 +235,7 @@ class Settings:
     fallback_model: str
     secrets: frozenset[str] = field(default_factory=frozenset)
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
+    fallback_cap: tuple[float, float] = (0.0, 0.0)  # $ per UTC day of the fallback, (cell, each key); 0: no cap
     # colocate:keys.defaults, by the Worker's field name (rpm, tpm, monthly_tokens, max_parallel)
     key_defaults: dict[str, int] = field(default_factory=lambda: {KEY_LIMIT_FIELDS[k]: v for k, v in KEY_LIMIT_DEFAULTS.items()})
     # role -> the settings key whose secret the Worker binds for it (probeToken on an old stack)
@@ -409,6 +414,30 @@ def parse_fallback_price(raw: object) -> tuple[float, float] | None:
             float(_number(f"{key}.output", raw["output"], strict=False)))
 
 
+FALLBACK_CAP_FIELDS = ("cellUsdPerDay", "keyUsdPerDay")
+
+
+def parse_fallback_cap(raw: object, fallback_price: tuple[float, float] | None) -> tuple[float, float]:
+    """``colocate:fallbackCap`` as (cell, key) $ per UTC day, 0 meaning no cap; a cap needs a price to count spend."""
+    key = f"{NS}:fallbackCap"
+    if raw is None or raw == {}:
+        return (0.0, 0.0)
+    if not isinstance(raw, dict):
+        raise ConfigError(key, raw, "must be a mapping {cellUsdPerDay, keyUsdPerDay} of $ per UTC day",
+                          f"pulumi config set --path {key}.cellUsdPerDay 50")
+    unknown = sorted(set(raw) - set(FALLBACK_CAP_FIELDS))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", raw[unknown[0]], "unknown key", f"use only {', '.join(FALLBACK_CAP_FIELDS)}")
+    cell, per_key = (float(_number(f"{key}.{f}", raw.get(f, 0), strict=False)) for f in FALLBACK_CAP_FIELDS)
+    if (cell > 0 or per_key > 0) and fallback_price is None:
+        named = f"{key}.{FALLBACK_CAP_FIELDS[0] if cell > 0 else FALLBACK_CAP_FIELDS[1]}"
+        raise ConfigError(named, cell if cell > 0 else per_key,
+                          f"a spend cap counts the fallback's tokens at {NS}:fallbackPrice, which is not set",
+                          f"pulumi config set --path {NS}:fallbackPrice.input <$ per 1M> and .output <$ per 1M>, "
+                          f"or pulumi config rm {key}")
+    return (cell, per_key)
+
+
 def parse_scale(raw: dict, fallback_price: tuple[float, float] | None) -> ScaleSettings | None:
     """``colocate:scale``; None when unset (the cell runs ``colocate:pod.count`` pods)."""
     key = f"{NS}:scale"
@@ -571,6 +600,7 @@ def parse(
         )
     fallback_model = parse_fallback_model(raw.get("fallbackModel"))
     fallback_price = parse_fallback_price(raw.get("fallbackPrice"))
+    fallback_cap = parse_fallback_cap(raw.get("fallbackCap"), fallback_price)
     scale = parse_scale(raw, fallback_price)
     if scale is not None:
         pod = replace(pod, count=scale.declared)
@@ -589,6 +619,7 @@ def parse(
         fallback_model=fallback_model,
         secrets=frozenset(secrets),
         fallback_price=fallback_price,
+        fallback_cap=fallback_cap,
         key_defaults=key_defaults,
         operator_secrets=operator,
         credential_warning=credential_warning,

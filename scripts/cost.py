@@ -164,6 +164,10 @@ def _run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise CostError(f"--stack {stack}: {exc}") from None
     price = _price(args, raw)
+    try:
+        caps = settings.parse_fallback_cap(raw.get("fallbackCap"), (price.input, price.output) if price else None)
+    except ConfigError as exc:
+        raise CostError(f"--stack {stack}: {exc}") from None
     pod = settings.parse_pod(raw) if raw else None
     now = time.time()
     since_day = time.strftime("%Y-%m-%d", time.gmtime(now - (days - 1) * DAY_S))
@@ -198,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     # A window shorter than the days asked (a sandbox up for minutes): volumes per day of what ran.
     span_days = min(days, hours / 24) if hours > 0 else days
     r = cost.report(rows, cost_per_hr=cost_per_hr, hours=hours, window_days=span_days or days, price=price,
-                    cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=args.capacity_rpm, today=today)
+                    cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=args.capacity_rpm, today=today,
+                    caps=caps)
     r.notes[:0] = notes
     if args.json:
         print(json.dumps({**cost.to_json(r), "since_day": since_day, "until_day": today, "url": target.url}, indent=2))

@@ -210,12 +210,14 @@ def run_program(stack: str, config: dict, secret_keys: list[str], *, scripts: di
 
     try:
         go()
-    finally:
+    except BaseException:
         # A RunError raised inside an apply (the fleet's checks of its members' outputs)
         # leaves futures whose exception nobody retrieved; asyncio logs them when they are
         # collected. Collect them here: collected later, during a compile, they trip
         # CPython 3.11's "AST constructor recursion depth mismatch" (an INTERNALERROR).
+        # Only then: a full collection costs more than the program's whole run.
         gc.collect()
+        raise
     return run
 
 

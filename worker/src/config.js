@@ -77,6 +77,39 @@ function credentials(env) {
   return Object.freeze({ read: one("READ_TOKEN"), admin: one("ADMIN_TOKEN"), exchange: one("EXCHANGE_TOKEN") });
 }
 
+/** A number >= 0 from its text binding; `fallback` when absent. */
+function optionalNumber(env, name, fallback) {
+  const raw = env[name];
+  if (raw === undefined) return fallback;
+  const n = Number(raw);
+  if (raw === "" || !Number.isFinite(n) || n < 0) throw new ConfigurationError(name, `must be a number >= 0 (got ${JSON.stringify(raw)})`);
+  return n;
+}
+
+/**
+ * What the fallback costs and may cost (colocate:fallbackPrice, colocate:fallbackCap):
+ * `price` {input, output} in $ per 1M tokens, which is also millionths of a dollar per
+ * token (null: not set, spend not counted); the daily caps in millionths of a dollar (0: none).
+ */
+function fallbackSpend(env) {
+  let price = null;
+  if (env.FALLBACK_PRICE !== undefined) {
+    try {
+      price = JSON.parse(env.FALLBACK_PRICE);
+    } catch {
+      price = null;
+    }
+    const ok = price && typeof price === "object" && [price.input, price.output].every((v) => Number.isFinite(v) && v >= 0);
+    if (!ok) throw new ConfigurationError("FALLBACK_PRICE", `must be {"input": n, "output": n} in $ per 1M tokens (got ${JSON.stringify(env.FALLBACK_PRICE)})`);
+  }
+  const cell = Math.round(optionalNumber(env, "FALLBACK_CELL_CAP_USD", 0) * 1e6);
+  const key = Math.round(optionalNumber(env, "FALLBACK_KEY_CAP_USD", 0) * 1e6);
+  if ((cell > 0 || key > 0) && price === null) {
+    throw new ConfigurationError(cell > 0 ? "FALLBACK_CELL_CAP_USD" : "FALLBACK_KEY_CAP_USD", "a spend cap needs FALLBACK_PRICE to count spend");
+  }
+  return Object.freeze({ price, cellMicroUsd: cell, keyMicroUsd: key });
+}
+
 /** @returns the checked configuration for this env (cached per env object). */
 export function readConfig(env) {
   let cfg = cache.get(env);
@@ -101,6 +134,7 @@ export function readConfig(env) {
       max_parallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
     }),
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
+    fallbackSpend: fallbackSpend(env),
     podUrls: podUrls(env),
     fallbackUrl: baseUrl(env, "FALLBACK_URL", true),
     podToken: text(env, "POD_TOKEN", { secret: true }),

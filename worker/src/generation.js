@@ -18,7 +18,7 @@
 
 import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
-import { minuteOf } from "./limits.js";
+import { dayOf, minuteOf } from "./limits.js";
 import {
   ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
@@ -188,8 +188,12 @@ export class Breaker extends DurableObject {
       this.setMeta("rev", rev);
       for (const u of data.usage) {
         this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-          u.fallback_requests, u.estimated_tokens ?? 0);
+          u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0);
       }
+      // The cell's daily fallback spend follows from the daily rows, the imported ones included.
+      this.sql.exec("DELETE FROM fallback_spend");
+      this.sql.exec(`INSERT INTO fallback_spend (day, microusd) SELECT day, SUM(fallback_microusd) FROM usage_daily
+        GROUP BY day HAVING SUM(fallback_microusd) > 0`);
       // A schema-2 exporter has no month totals: they follow from its daily rows.
       const months = data.months ?? monthsOf(data.usage);
       for (const m of months) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens);
@@ -301,6 +305,12 @@ export class Breaker extends DurableObject {
         WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
     JSON.stringify(ids), info.isolate ?? "", fresh)) {
       if (r.n > 0) slot(r.key_id)[COUNTER.inflight] = r.n;
+    }
+    if (info.capKeys) {
+      for (const r of this.sql.exec(`SELECT key_id, fallback_microusd FROM usage_daily
+          WHERE day = ? AND key_id IN (SELECT value FROM json_each(?)) AND fallback_microusd > 0`, dayOf(now), JSON.stringify(ids))) {
+        slot(r.key_id)[COUNTER.day_fallback_microusd] = r.fallback_microusd;
+      }
     }
     return counts;
   }
@@ -421,8 +431,15 @@ export class Breaker extends DurableObject {
     const counts = info ? this.countsOf(info.keys, info, now) : {};
     const leases = info ? this.leasesOf(info.keys, now) : null;
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
-    return { ...delta, pods, counts, ...(leases ? { leases } : {}), forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
+    const spent = info && info.capCell ? this.spentOn(dayOf(now)) : null;
+    return { ...delta, pods, counts, ...(leases ? { leases } : {}), ...(spent ? { spent } : {}), forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
       imported, at: now, colo: this.coloOnce };
+  }
+
+  /** What the fallback's answers cost the cell on `day` (one row by primary key). */
+  spentOn(day) {
+    const row = this.sql.exec("SELECT microusd FROM fallback_spend WHERE day = ?", day).toArray()[0];
+    return { day, microusd: row ? row.microusd : 0 };
   }
 
   /**
@@ -462,6 +479,15 @@ export class Breaker extends DurableObject {
         const rows = JSON.stringify(batch.usage.map(usageRow));
         this.sql.exec(BULK_USAGE, rows);
         this.sql.exec(BULK_MONTH, rows);
+        const spent = new Map();
+        for (const u of batch.usage) {
+          const c = Number(u[USAGE.fallback_microusd]) || 0;
+          if (c > 0) spent.set(u[USAGE.day], (spent.get(u[USAGE.day]) ?? 0) + c);
+        }
+        for (const [day, c] of spent) {
+          this.sql.exec(`INSERT INTO fallback_spend (day, microusd) VALUES (?, ?)
+            ON CONFLICT (day) DO UPDATE SET microusd = microusd + excluded.microusd`, String(day), c);
+        }
       }
       if (batch.windows && batch.windows.length) this.sql.exec(BULK_WINDOW, JSON.stringify(batch.windows), oldest);
       this.sql.exec("DELETE FROM rate_window WHERE minute < ?", oldest);
@@ -770,7 +796,7 @@ export class Breaker extends DurableObject {
       args.push(query.key);
     }
     return this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-        u.fallback_requests, u.estimated_tokens FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
+        u.fallback_requests, u.estimated_tokens, u.fallback_microusd FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
         ORDER BY u.day, u.key_id`,
     ...args).toArray();
   }

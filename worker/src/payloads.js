@@ -16,7 +16,8 @@ export const SHAPES = /** @type {const} */ ({
     ["prev_req", "requests in bucket minute - 1"],
     ["prev_tok", "tokens in bucket minute - 1"],
     ["month_tokens", "tokens this UTC month"],
-    ["inflight", "requests in flight in the other isolates (as of their last sync)"]
+    ["inflight", "requests in flight in the other isolates (as of their last sync)"],
+    ["day_fallback_microusd", "the fallback's cost of this key's requests on the UTC day of minute, in millionths of a dollar"]
   ],
   "exchange": [
     ["key_id", "the client key's id"],
@@ -43,7 +44,8 @@ export const SHAPES = /** @type {const} */ ({
     ["completion_tokens", "completion tokens"],
     ["pod_requests", "requests a pod answered"],
     ["fallback_requests", "requests the fallback answered"],
-    ["estimated_tokens", "tokens counted from streamed text (no usage in the answer)"]
+    ["estimated_tokens", "tokens counted from streamed text (no usage in the answer)"],
+    ["fallback_microusd", "what the fallback's answers cost at FALLBACK_PRICE, in millionths of a dollar"]
   ],
   "window": [
     ["key_id", "the client key's id"],
@@ -176,6 +178,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {number} ttlMs
  * @property {string[]} keys  the ids whose counters a sync asks for
  * @property {string[]} [lookup]  digests to look up in the same round trip
+ * @property {boolean} [capCell]  the cell's fallback spend is capped: the answer carries `spent`
+ * @property {boolean} [capKeys]  each key's fallback spend is capped: its counters carry day_fallback_microusd
  */
 
 /**
@@ -200,6 +204,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string[]} imported
  * @property {number} at
  * @property {string | null} [colo]
+ * @property {{day: string, microusd: number}} [spent]  the fallback's cost to the cell today (with `capCell`)
  * @property {{keys: object[], counts: Record<string, number[]>}} [found]  the look-up's answer
  */
 

@@ -24,6 +24,7 @@ import { capUsage, estimateUsage, stripStream, tapStream, usageCeiling, usageOfA
 import { validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
+import { fallbackCapRefusal } from "./spendcap.js";
 import { learnColo, recordRequest } from "./histogram.js";
 
 /**
@@ -285,6 +286,14 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     withdraw(cfg, key.id, admitted.at); // the next cell counts it: the fleet's limits count it once
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
+  }
+  const capped = fallbackCapRefusal(cfg, key.id, Date.now());
+  if (capped) {
+    // Past the day's cap the fallback is not called: the request is refused, not bought.
+    blame(suspects, blameOf(suspects.length, null));
+    releaseSlot(request);
+    const no = errorResponse(429, "fallback_spend_cap", capped.message, { "retry-after": String(capped.retryAfterS) }, "insufficient_quota");
+    return finish(no.body, no, "none", timing, t0, limits);
   }
   const t = now();
   let res;

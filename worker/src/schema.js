@@ -36,6 +36,9 @@
 //   backend_total per backend (pod-<i>, fallback, none): requests and tokens since the
 //                 generation began; the scaling controller's demand signal (rates are
 //                 differences between its reads)
+//   fallback_spend per UTC day: what the fallback's answers cost the whole cell (the sum of
+//                 usage_daily.fallback_microusd, kept as one row so the cell's daily cap
+//                 reads one row; rebuilt from usage_daily when a generation is imported)
 //   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
 //                 last sync (a scale-down waits for its draining pods to read 0)
 //
@@ -44,7 +47,7 @@
 
 import { EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
 
-export const SCHEMA_VERSION = "4";
+export const SCHEMA_VERSION = "5";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -61,7 +64,8 @@ export const SCHEMA = [
      requests INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
      completion_tokens INTEGER NOT NULL DEFAULT 0, pod_requests INTEGER NOT NULL DEFAULT 0,
      fallback_requests INTEGER NOT NULL DEFAULT 0, estimated_tokens INTEGER NOT NULL DEFAULT 0,
-     PRIMARY KEY (day, key_id))`,
+     fallback_microusd INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key_id))`,
+  `CREATE TABLE IF NOT EXISTS fallback_spend (day TEXT PRIMARY KEY, microusd INTEGER NOT NULL DEFAULT 0)`,
   `CREATE TABLE IF NOT EXISTS key_month (
      key_id TEXT NOT NULL, month TEXT NOT NULL, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, month))`,
   `CREATE TABLE IF NOT EXISTS rate_window (
@@ -98,6 +102,7 @@ export const ADDED_COLUMNS = [
   ["client_keys", "max_parallel", "INTEGER NOT NULL DEFAULT 0"],
   ["client_keys", "rev", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
+  ["usage_daily", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
 ];
 
 // Created after ADDED_COLUMNS (an index on a column an old table lacks would fail).

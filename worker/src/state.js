@@ -23,7 +23,7 @@ import { dayOf, minuteOf } from "./limits.js";
 import { healthDue, inflightMoved, inflightOf, takeInflightMoved } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
-import { BACKEND, INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -71,6 +71,8 @@ export function infoOf(cfg, keys = []) {
     isolate: isolate(),
     ttlMs: cfg.stateTtlMs,
     keys,
+    capCell: cfg.fallbackSpend.cellMicroUsd > 0,
+    capKeys: cfg.fallbackSpend.keyMicroUsd > 0,
   };
 }
 
@@ -136,7 +138,7 @@ export async function sync(env, cfg, lookup = null) {
   const gen = cfg.activeGeneration;
   const asked = servedKeys(gen, Date.now());
   const before = pending.get(gen);
-  const flight = before ? { windows: before.windows, month: before.month } : null;
+  const flight = before ? { windows: before.windows, month: before.month, spend: before.spend } : null;
   let batch = takePending(gen);
   // Until the answer (which counts this batch) is in the cache, the limits still see the
   // batch's requests and tokens here: an isolate never forgets its own traffic.
@@ -151,6 +153,7 @@ export async function sync(env, cfg, lookup = null) {
       recordSync(gen, view, now() - t);
       batch = null;
       entry = cache.put(gen, view, Date.now(), asked);
+      if (view.spent) spentByGen.set(gen, view.spent);
       if (sending) before.sending.delete(sending);
       if (view.found) cache.putLookup(gen, { rev: view.rev, ...view.found }, lookup, Date.now(), cfg.stateTtlMs);
       if (!view.more) break;
@@ -165,8 +168,9 @@ export async function sync(env, cfg, lookup = null) {
 
 /** The counter maps a sync just took (those replaced by fresh ones), kept visible while it is in flight. */
 function keepSending(p, flight) {
-  const taken = { windows: p.windows !== flight.windows ? flight.windows : null, month: p.month !== flight.month ? flight.month : null };
-  if (!taken.windows && !taken.month) return null;
+  const taken = { windows: p.windows !== flight.windows ? flight.windows : null, month: p.month !== flight.month ? flight.month : null,
+    spend: p.spend !== flight.spend ? flight.spend : null };
+  if (!taken.windows && !taken.month && !taken.spend) return null;
   p.sending.add(taken);
   return taken;
 }
@@ -340,14 +344,17 @@ function takeMap(p, name) {
   if (p[name].size === 0) return null;
   const rows = [...p[name].values()];
   p[name] = new Map();
-  if (name === "usage") p.month = new Map();
+  if (name === "usage") {
+    p.month = new Map();
+    p.spend = new Map();
+  }
   return rows;
 }
 
 function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
-    p = { usage: new Map(), windows: new Map(), month: new Map(), inflight: new Map(), inflightChanged: new Set(),
+    p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(),
       served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null };
     pending.set(gen, p);
   }
@@ -385,6 +392,11 @@ function addUsage(p, day, keyId, deltas) {
     p.usage.set(k, row);
   }
   for (const name in deltas) row[USAGE[name]] += deltas[name];
+  const cost = deltas.fallback_microusd ?? 0;
+  if (cost > 0) {
+    // this key's and the cell's ("|" alone) spend today, until a sync's answer holds it
+    for (const s of [k, day + "|"]) p.spend.set(s, (p.spend.get(s) ?? 0) + cost);
+  }
   const tokens = (deltas.prompt_tokens ?? 0) + (deltas.completion_tokens ?? 0);
   if (tokens > 0) {
     const m = day.slice(0, 7) + "|" + keyId;
@@ -444,6 +456,31 @@ export function pendingMonthTokens(gen, keyId, t) {
   return n;
 }
 
+const spentByGen = new Map(); // generation -> {day, microusd}: the cell's fallback spend as of the last sync
+
+/**
+ * What the fallback cost today (UTC day of `t`), in millionths of a dollar, as far as this
+ * isolate knows: the key's (`keyId`) or, with null, the whole cell's, as of the last sync
+ * plus this isolate's own since (pending or being sent).
+ */
+export function spentToday(gen, keyId, t) {
+  const day = dayOf(t);
+  let n = 0;
+  if (keyId === null) {
+    const s = spentByGen.get(gen);
+    if (s && s.day === day) n += s.microusd;
+  } else {
+    const g = cache.count(gen, keyId);
+    if (g && dayOf(g[COUNTER.minute] * 60_000) === day) n += g[COUNTER.day_fallback_microusd] ?? 0;
+  }
+  const p = pending.get(gen);
+  if (!p) return n;
+  const k = day + "|" + (keyId ?? "");
+  n += p.spend.get(k) ?? 0;
+  for (const f of p.sending) if (f.spend) n += f.spend.get(k) ?? 0;
+  return n;
+}
+
 /** Requests of a key in flight in this isolate now. */
 export function inflightHere(gen, keyId) {
   const p = pending.get(gen);
@@ -497,8 +534,11 @@ export function served(cfg, keyId, t, backend, usage) {
   const completion = usage ? usage.completion : 0;
   const estimated = usage && usage.estimated ? prompt + completion : 0;
   const fallback = backend === "fallback" ? 1 : 0;
+  const price = cfg.fallbackSpend.price;
+  // $ per 1M tokens is millionths of a dollar per token
+  const cost = fallback && price ? Math.ceil(prompt * price.input + completion * price.output) : 0;
   addUsage(p, dayOf(t), keyId, { prompt_tokens: prompt, completion_tokens: completion, pod_requests: 1 - fallback,
-    fallback_requests: fallback, estimated_tokens: estimated });
+    fallback_requests: fallback, estimated_tokens: estimated, fallback_microusd: cost });
   addBackend(p, backend, 1, prompt, completion);
   if (prompt + completion > 0) addWindow(p, keyId, minuteOf(t), 0, prompt + completion);
 }

@@ -1,0 +1,124 @@
+"""The fallback's daily spend caps (colocate:fallbackCap): per cell and per key, counted from
+the fallback's answered usage at colocate:fallbackPrice, through the real Worker in workerd.
+Past a cap the fallback is not called: 429 naming the cap, Retry-After to the day's end;
+pods go on serving (docs/worker.md, "Routing")."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from colocate import settings
+from colocate.errors import ConfigError
+from colocate.pods import standin
+from tests.support.workerd import OPERATOR_TOKENS, auth, request, running_cell
+
+PRICE = 100_000.0  # $ per 1M tokens, in and out: $0.10 a token, so a few requests reach a cap
+MESSAGES = [{"role": "user", "content": "hello there"}]
+MAX_TOKENS = 4
+# One fallback answer's cost: the stand-in fallback reports these tokens (colocate.pods.standin).
+COST = (standin.prompt_tokens({"messages": MESSAGES}) + MAX_TOKENS) * PRICE / 1e6
+KEY_CAP, CELL_CAP = round(1.5 * COST, 2), round(3.5 * COST, 2)
+DAY_S = 86_400
+
+
+@pytest.fixture(scope="module")
+def cell():
+    with running_cell({"stateTtlMs": 60_000}, split_tokens=True, fallbackPrice={"input": PRICE, "output": PRICE},
+                      fallbackCap={"cellUsdPerDay": CELL_CAP, "keyUsdPerDay": KEY_CAP}) as c:
+        yield c
+
+
+def chat(cell, key):
+    data = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": MAX_TOKENS}).encode()
+    return request(cell.url, "POST", "/v1/chat/completions", body=data,
+                   headers={"authorization": f"Bearer {key['key']}", "content-type": "application/json"})
+
+
+def seconds_to_day_end() -> int:
+    return math.ceil(DAY_S - time.time() % DAY_S)
+
+
+def refused_by(res, who: str, cap: float, field: str, before: int, after: int) -> None:
+    assert res.status == 429 and res.headers["x-colocate-backend"] == "none"
+    assert res.json()["error"] == {
+        "message": f"no pod could serve this request, and the fallback API's spend cap for today is reached: ${cap:.2f} a day "
+                   f"for {who} (colocate:fallbackCap.{field}); retry when a pod is back, or after 00:00 UTC",
+        "type": "insufficient_quota", "code": "fallback_spend_cap"}
+    assert after - 1 <= int(res.headers["retry-after"]) <= before + 1
+
+
+def usage(cell, key) -> dict:
+    read = auth(OPERATOR_TOKENS["readToken"])
+    rows = request(cell.url, "GET", f"/_colocate/usage?key={key['id']}", headers=read).json()["usage"]
+    return {k: sum(r[k] for r in rows) for k in ("requests", "pod_requests", "fallback_requests", "fallback_microusd")}
+
+
+@pytest.mark.slow
+def test_the_fallback_stops_at_each_keys_cap_then_at_the_cells_and_pods_still_serve(cell):
+    a, b, c = (cell.create_key(n) for n in ("cap-a", "cap-b", "cap-c"))
+    fallback_calls = cell.fallback.requests
+    cell.pod.set_fault("error")
+    try:
+        # Key a: two answers bought (the second starts under its cap), the third refused.
+        assert [chat(cell, a).headers["x-colocate-backend"] for _ in range(2)] == ["fallback", "fallback"]
+        before = seconds_to_day_end()
+        res = chat(cell, a)
+        refused_by(res, "this key", KEY_CAP, "keyUsdPerDay", before, seconds_to_day_end())
+        # Key b: two answers bring the cell to 4 answers, past its cap; key c, new, is refused by the cell's.
+        assert [chat(cell, b).status for _ in range(2)] == [200, 200]
+        before = seconds_to_day_end()
+        refused_by(chat(cell, c), "this cell", CELL_CAP, "cellUsdPerDay", before, seconds_to_day_end())
+        assert cell.fallback.requests == fallback_calls + 4  # a refusal never reaches the fallback
+    finally:
+        cell.pod.set_fault("ok")
+    # The caps are the fallback's: the pod serves every key (its breaker, opened by the
+    # errors above, forced closed for these three).
+    admin = auth(OPERATOR_TOKENS["adminToken"])
+    assert request(cell.url, "PUT", "/_colocate/breaker", body={"force": "closed"}, headers=admin).status == 200
+    try:
+        assert [chat(cell, k).headers["x-colocate-backend"] for k in (a, b, c)] == ["pod-0"] * 3
+    finally:
+        request(cell.url, "PUT", "/_colocate/breaker", body={"force": None}, headers=admin)
+    deadline = time.monotonic() + 15
+    while usage(cell, a)["requests"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    each = round(COST * 1e6)
+    assert usage(cell, a) == {"requests": 4, "pod_requests": 1, "fallback_requests": 2, "fallback_microusd": 2 * each}
+    assert usage(cell, b) == {"requests": 3, "pod_requests": 1, "fallback_requests": 2, "fallback_microusd": 2 * each}
+    assert usage(cell, c) == {"requests": 2, "pod_requests": 1, "fallback_requests": 0, "fallback_microusd": 0}
+
+
+def test_a_cap_needs_the_fallbacks_price_and_names_each_bad_field():
+    price = (0.15, 0.6)
+    assert settings.parse_fallback_cap(None, None) == (0.0, 0.0)
+    assert settings.parse_fallback_cap({"cellUsdPerDay": 50, "keyUsdPerDay": "2.5"}, price) == (50.0, 2.5)
+    with pytest.raises(ConfigError, match=r"colocate:fallbackCap.keyUsdPerDay.*colocate:fallbackPrice, which is not set"):
+        settings.parse_fallback_cap({"keyUsdPerDay": 2}, None)
+    with pytest.raises(ConfigError, match=r"colocate:fallbackCap.cellUsdPerDay.*at least 0"):
+        settings.parse_fallback_cap({"cellUsdPerDay": -1}, price)
+    with pytest.raises(ConfigError, match=r"colocate:fallbackCap.dailyUsd.*unknown key.*cellUsdPerDay, keyUsdPerDay"):
+        settings.parse_fallback_cap({"dailyUsd": 5}, price)
+    with pytest.raises(ConfigError, match=r"colocate:fallbackCap.*must be a mapping"):
+        settings.parse_fallback_cap(5, price)
+
+
+def test_cost_shows_todays_fallback_spend_against_the_caps():
+    from colocate import cost
+
+    rows = [{"day": "2026-12-05", "key_id": k, "requests": 2, "prompt_tokens": 20, "completion_tokens": 8, "pod_requests": 0,
+             "fallback_requests": 2, "estimated_tokens": 0, "fallback_microusd": spent} for k, spent in
+            (("key_a", 3_000_000), ("key_b", 1_250_000))]
+    rows.append({**rows[0], "day": "2026-12-04", "fallback_microusd": 9_000_000})  # yesterday: not today's spend
+    r = cost.report(rows, cost_per_hr=0.5, hours=24, window_days=2, price=cost.Price(0.15, 0.6), today="2026-12-05",
+                    caps=(5.0, 3.0))
+    doc = cost.to_json(r)
+    assert (doc["fallback_spend_today"], doc["fallback_top_key_spend_today"]) == (4.25, 3.0)
+    assert (doc["fallback_cap_cell_per_day"], doc["fallback_cap_key_per_day"]) == (5.0, 3.0)
+    assert "fallback today (UTC)          $4.25 of $5.00 a day (cell); highest key $3.00 of $3.00 a day" in cost.table(r)
+    uncapped = cost.report([{k: v for k, v in rows[0].items() if k != "fallback_microusd"}], cost_per_hr=0.5, hours=24,
+                           window_days=1, price=None, today="2026-12-05")
+    assert "fallback today (UTC)          n/a of no cap (cell); highest key n/a of no cap" in cost.table(uncapped)
