@@ -37,7 +37,7 @@ or configuration error (including a second ``up``). See docs/sandbox.md.
 # The handler is this file's first statement, through _signal (built in, it imports nothing):
 # the only window left is the interpreter's own start-up, before this file runs, where Python
 # itself reports the KeyboardInterrupt and exits 1 with nothing started.
-import _signal
+import _signal  # type: ignore[import-not-found]  # built in, and typeshed has no stub for it
 import sys
 
 _held: list[int] = []
