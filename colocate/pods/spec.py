@@ -21,10 +21,11 @@ from ..plan import POD_PATHS
 from . import podtls
 from .errors import PodConfigError
 
-REQUIRED: dict[str, type | tuple[type, ...]] = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
-            "gpu": str, "gpu_count": int, "image": str, "min_cuda_version": str, "model": str, "port": int, "disk_gb": int,
-            "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
-            "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str}
+REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
+    "gpu": str, "gpu_count": int, "image": str, "min_cuda_version": str, "model": str, "port": int, "disk_gb": int,
+    "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
+    "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str}
 
 
 @dataclass(frozen=True)
