@@ -35,6 +35,7 @@ from . import fleet, supervisor
 from .demo import say
 from .errors import SandboxError
 from .scaling import SandboxDeployer
+from .statedir import READY_FILE, STACKS_DIR
 
 FLEET = "fleet"
 CELLS = ("apac-jp", "eu-west", "us-east")
@@ -138,7 +139,7 @@ def _one(session: requests.Session, url: str, key: str, at_h: float, home: str, 
 class Demo:
     def __init__(self, state_dir: Path, shape: dict[str, tuple[float, ...]], prices: day.Prices, day_s: float, sent: int):
         self.state_dir = Path(state_dir).resolve()
-        self.stacks_dir = self.state_dir / "stacks"
+        self.stacks_dir = self.state_dir / STACKS_DIR
         self.fleet_dir = self.state_dir / FLEET
         self.shape, self.prices, self.day_s = shape, prices, day_s
         self.per = day.per_request(shape, sent)
@@ -201,7 +202,7 @@ class Demo:
 
     def ready(self, cell: str) -> dict:
         state_dir = next(c["state_dir"] for c in self.out["cells"] if c["name"] == cell)
-        return json.loads((Path(state_dir) / "ready.json").read_text())
+        return json.loads((Path(state_dir) / READY_FILE).read_text())
 
     def warm_up(self) -> None:
         session = requests.Session()
