@@ -374,9 +374,14 @@ def _run(demo: Demo) -> tuple[int, dict | None]:
         print(demo.table(out))
         cost = out["cost"]
         best = "fixed pods" if cost["fixed"] <= cost["api"] else "the API alone"
-        print(f"\n    Neither fixed pods (${cost['fixed']:.2f}) nor the API alone (${cost['api']:.2f}) is optimal over the "
-              f"day: the cheaper of them, {best}, costs {min(cost['fixed'], cost['api']) / cost['autoscaled']:.2f} x the "
-              f"autoscaled kit (${cost['autoscaled']:.2f}).", flush=True)
+        cheaper = min(cost["fixed"], cost["api"])
+        if cost["autoscaled"] < cheaper:
+            print(f"\n    Neither fixed pods (${cost['fixed']:.2f}) nor the API alone (${cost['api']:.2f}) is optimal over "
+                  f"the day: the cheaper of them, {best}, costs {cheaper / cost['autoscaled']:.2f} x the autoscaled kit "
+                  f"(${cost['autoscaled']:.2f}).", flush=True)
+        else:
+            print(f"\n    Over this day {best} (${cheaper:.2f}) costs no more than the autoscaled kit "
+                  f"(${cost['autoscaled']:.2f}): the shape or the prices leave scaling nothing to win.", flush=True)
         verdicts = day.verdicts(out)
         for ok, text in verdicts:
             print(f"    {'PASS' if ok else 'FAIL'}  {text}")
