@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -73,6 +73,10 @@ demo: setup
 # Three cells behind one front door; one loses its pods and gets them back (docs/fleet.md).
 demo-fleet: setup
 	$(PY) scripts/sandbox.py demo-fleet
+
+# A compressed day of three cells whose pods follow demand, priced three ways (docs/pods.md).
+demo-autoscale: setup
+	$(PY) scripts/sandbox.py demo-autoscale
 
 bench: setup wrk
 	$(PY) -m bench.router

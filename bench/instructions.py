@@ -47,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from colocate.workerd import Workerd
 
@@ -111,11 +112,11 @@ def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requ
     """The callgrind dump of ``requests`` requests through ``w``, a workerd started under
     ``launcher(out_dir)``, after ``warm`` requests not counted."""
     drive(w.url, headers, warm, body, stream)
-    _control("-z", w.proc.pid)
+    _control("-z", w.process.pid)
     drive(w.url, headers, requests, body, stream)
-    pattern = f"{OUT_NAME}.{w.proc.pid}.*"
+    pattern = f"{OUT_NAME}.{w.process.pid}.*"
     before = set(out_dir.glob(pattern))
-    _control("-d", w.proc.pid)  # returns once the process has written the dump
+    _control("-d", w.process.pid)  # returns once the process has written the dump
     deadline = time.monotonic() + 60
     while not (dumps := sorted(set(out_dir.glob(pattern)) - before)):
         if time.monotonic() > deadline:
@@ -156,7 +157,7 @@ def summarise(per: Mapping[str, Sequence[int]], warm: int, requests: int, worker
     """Per rung: the median count per request, its spread (max - min over the median) and
     the median's ratio to the bare rung's; the router's to the contract floor's."""
     med = {r: statistics.median(counts) / requests for r, counts in per.items()}
-    out = {"warm": warm, "requests": requests, "repeat": max(len(c) for c in per.values()),
+    out: dict[str, Any] = {"warm": warm, "requests": requests, "repeat": max(len(c) for c in per.values()),
            "machine": harness.versions(), "valgrind": harness.first_line(["valgrind", "--version"]),
            "worker_src": str(worker_src) if worker_src else None, "rungs": []}
     base = med.get("bare")

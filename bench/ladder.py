@@ -36,6 +36,7 @@ import contextlib
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from colocate import plan as plan_mod
 
@@ -113,7 +114,7 @@ def run(rounds: int, seconds: float, clients: int, rungs: Sequence[str] = RUNGS,
             warm = load(workers[rung].url, clients, 1, headers[rung], request)
             if warm["errors"] or not warm["n"]:
                 raise harness.BenchError(f"rung {rung}: {warm['errors']} errors in {warm['n']} answers of the warm-up run")
-        per = {r: [] for r in rungs}
+        per: dict[str, list[dict]] = {r: [] for r in rungs}
         for i in range(rounds):
             for rung in harness.rotated(tuple(rungs), i):
                 w = workers[rung]
@@ -121,7 +122,7 @@ def run(rounds: int, seconds: float, clients: int, rungs: Sequence[str] = RUNGS,
                     harness.measured(w.proc.pid, lambda w=w, rung=rung: load(w.url, clients, seconds, headers[rung], request))
                 )
             log(f"round {i + 1}/{rounds}: " + ", ".join(f"{r} {per[r][-1]['cpu_us_per_req']} us" for r in rungs))
-    out = {"clients": clients, "rounds": rounds, "seconds": seconds, "pods": pod_count, "request": request,
+    out: dict[str, Any] = {"clients": clients, "rounds": rounds, "seconds": seconds, "pods": pod_count, "request": request,
            "machine": harness.versions(), "rungs": []}
     bare = per["bare"]
     for rung in rungs:

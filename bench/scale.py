@@ -224,15 +224,15 @@ def run(opts: argparse.Namespace, log=print) -> dict:
                    for n in range(opts.isolates)]
         threads.append(threading.Thread(target=router_loop, args=(port, client_headers, until, opts.router_rate, router_out),
                                         daemon=True))
-        created = {}
+        created: dict[str, int] = {}
         threads.append(threading.Thread(target=lambda: created.setdefault("n", churn_loop(driver_port, gen, opts.keys, until)),
                                         daemon=True))
-        cpu0, t0 = cpu_seconds(w.proc.pid), time.monotonic()
+        cpu0, t0 = cpu_seconds(w.process.pid), time.monotonic()
         for t in threads:
             t.start()
         for t in threads:
             t.join(opts.seconds + 120)
-        cpu = (cpu_seconds(w.proc.pid) - cpu0) / (time.monotonic() - t0)
+        cpu = (cpu_seconds(w.process.pid) - cpu0) / (time.monotonic() - t0)
     lat, sizes, waits = iso_out.get("lat", []), iso_out.get("bytes", []), router_out.get("waits", [])
     result = {
         "keys": opts.keys, "active": len(active), "isolates": opts.isolates, "keys_per_isolate": share,

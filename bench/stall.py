@@ -126,8 +126,8 @@ def run(chunks: int, stall_s: float, burst_chunks: int, worker_src: Path | None,
             values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
             with harness.router_worker(plan, values, None) as router:
                 key = harness.mint_key(router.url, secrets.probe_token)
-                port = urlsplit(router.url).port
-                out[name] = (stall(port, router.proc.pid, pod_urls[0], key, stall_s) if name == "stall"
+                port = router.port
+                out[name] = (stall(port, router.process.pid, pod_urls[0], key, stall_s) if name == "stall"
                              else burst(port, key))
                 log(f"{name}: {out[name]}")
     return out

@@ -69,12 +69,9 @@ class Refused(AdminError):
     def __init__(self, status: int, code: str, message: str):
         super().__init__(f"the Worker answered {status} {code}: {message}")
         self.status, self.code = status, code
-
-    @property  # type: ignore[override]  # the class's constant becomes the answer's
-    def exit_code(self) -> int:
-        """1 when the Worker refused what was asked (no such key, a conflict): the input was
-        well formed; 2 for bad input, a bad token, or a Worker that failed (5xx)."""
-        return 1 if self.status < 500 and self.status not in (400, 401) else 2
+        # 1 when the Worker refused what was asked (no such key, a conflict): the input was
+        # well formed; 2 for bad input, a bad token, or a Worker that failed (5xx).
+        self.exit_code = 1 if status < 500 and status not in (400, 401) else 2
 
 
 @dataclass(frozen=True)

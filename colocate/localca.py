@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -64,7 +65,8 @@ class LocalCA:
         return cls(cert.public_bytes(serialization.Encoding.PEM).decode(), _key_pem(key))
 
     def _issue(self, common_name: str, usage, names: tuple[str, ...], not_before, not_after) -> Leaf:
-        ca_key = serialization.load_pem_private_key(self.key_pem.encode(), None)
+        # The CA's key is the EC key create() made; the loader's type covers every kind of key.
+        ca_key = cast(ec.EllipticCurvePrivateKey, serialization.load_pem_private_key(self.key_pem.encode(), None))
         ca_cert = x509.load_pem_x509_certificate(self.cert_pem.encode())
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()

@@ -44,8 +44,9 @@ class RoundTrip:
         if self.state_site is None:
             return f"  {self.label:<34} Worker {self.worker_site}, state object: unknown (run the probe)"
         km = geo.distance_km(self.worker_site, self.state_site)
+        floor = geo.floor_ms(self.worker_site, self.state_site)
         return (f"  {self.label:<34} Worker {self.worker_site} -> state {self.state_site}: {km:,.0f} km, "
-                f"floor {self.floor_ms:.0f} ms (~{self.floor_ms * geo.DEFAULT_STRETCH:.0f} ms at {geo.DEFAULT_STRETCH}x)")
+                f"floor {floor:.0f} ms (~{floor * geo.DEFAULT_STRETCH:.0f} ms at {geo.DEFAULT_STRETCH}x)")
 
 
 def planning_settings(raw: dict, stack: str) -> Settings:

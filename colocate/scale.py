@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 LATENCY, COST = "latency", "cost"
+DEFERRED = "none"  # the backend of a request a fleet's front door took to another cell: no tokens here
 # A pod is kept on the way down while demand fills this share of it (latency) or its
 # tokens would cost this share of its price at the API (cost): the band between the two
 # thresholds is what keeps a count from flapping when demand sits at a boundary.
@@ -43,6 +44,10 @@ class Sample:
 
     def total_tokens(self) -> tuple[int, int]:
         return (sum(t[0] for t in self.tokens.values()), sum(t[1] for t in self.tokens.values()))
+
+    def served_requests(self) -> int:
+        """Requests this cell served (its pods or its fallback): the ones whose tokens it counted."""
+        return sum(n for b, n in self.requests.items() if b != DEFERRED)
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,12 @@ class Decision:
 
 def intervals(samples: list[Sample], stale_after_s: float) -> list[Interval]:
     """Demand between consecutive samples (time order). A gap longer than ``stale_after_s``
-    or counters that went backwards (a new generation) yields no interval there."""
+    or counters that went backwards (a new generation) yields no interval there.
+
+    Tokens per request are those of the requests the cell served in the interval; a request
+    deferred to another cell has no tokens here, so an interval of deferrals alone (a cell at
+    zero in a fleet) takes the cell's average since the generation began: its users' requests
+    are priced as they were when it served them."""
     out = []
     ordered = sorted(samples, key=lambda s: s.at)
     for a, b in zip(ordered, ordered[1:], strict=False):
@@ -93,7 +103,11 @@ def intervals(samples: list[Sample], stale_after_s: float) -> list[Interval]:
         (pa, ca), (pb, cb) = a.total_tokens(), b.total_tokens()
         if dt <= 0 or dt > stale_after_s or dr < 0 or pb < pa or cb < ca:
             continue
-        out.append(Interval(a.at, b.at, dr * 60.0 / dt, (pb - pa) / dr if dr else 0.0, (cb - ca) / dr if dr else 0.0))
+        served = b.served_requests() - a.served_requests()
+        if served <= 0:  # priced at the cell's history (0 when it never served one)
+            served, pa, ca = b.served_requests(), 0, 0
+        out.append(Interval(a.at, b.at, dr * 60.0 / dt, (pb - pa) / served if served else 0.0,
+                            (cb - ca) / served if served else 0.0))
     return out
 
 

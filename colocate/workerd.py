@@ -365,7 +365,7 @@ class Workerd:
             sock = listening_socket(host)
         self._sock = sock
         self.host = host
-        self.port = sock.getsockname()[1] if sock is not None else int(port)
+        self.port: int = sock.getsockname()[1] if sock is not None else int(port or 0)  # one of them is set
         self.socket_name = socket_name
         self.startup_timeout_s = startup_timeout_s
         self._tmp = None
@@ -431,11 +431,18 @@ class Workerd:
             raise
         return self
 
+    @property
+    def process(self) -> subprocess.Popen:
+        """The running workerd process (WorkerdError before ``start`` or after ``stop``)."""
+        if self.proc is None:
+            raise WorkerdError("workerd is not running: start() it first")
+        return self.proc
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise WorkerdStartFailed(f"workerd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.process.poll() is not None:
+                raise WorkerdStartFailed(f"workerd exited with {self.process.returncode}:\n{self.log_tail()}")
             if self._answers():
                 return
             time.sleep(0.05)

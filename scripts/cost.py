@@ -215,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_state_dir(stack: str | None) -> Path:
+def _default_state_dir(stack: str) -> Path:
     from colocate.sandbox.supervisor import default_state_dir
 
     return default_state_dir(stack)

@@ -142,6 +142,7 @@ def cmd_start(args) -> int:
 def cmd_finish(args) -> int:
     raw, ledger = _load(args)
     new_ledger = ledger.finish(args.stack)
+    assert ledger.draining is not None  # finish() refuses a ledger with no draining generation
     after = migration.with_ledger(raw, new_ledger)
     _report(args.stack, raw, after, None, f"Finishing: {ledger.draining.name} retires.")
     stackfile.write_config(args.stack, {"generations": new_ledger.as_config()}, args.stacks_dir)

@@ -137,9 +137,10 @@ def _delete(args) -> dict:
         try:
             return attempt(key, source)
         except FatalError as exc:
-            if getattr(exc, "status", None) not in REFUSED_KEY:
+            status = getattr(exc, "status", None)
+            if status not in REFUSED_KEY:
                 raise
-            print(f"pod.py delete: {provider} refused the key from {source} ({exc.status}); trying the key from "
+            print(f"pod.py delete: {provider} refused the key from {source} ({status}); trying the key from "
                   f"{next_source}", file=sys.stderr)
     try:
         return attempt(last_key, last_source)

@@ -326,7 +326,7 @@ def _fleet_live(args: argparse.Namespace, cells: tuple[str, ...]) -> int:
                                          sandbox=fleet_probe.read_sandbox_fleet(where))
     windows = []
     for name, region, target in members:
-        if not hasattr(target, "url"):
+        if isinstance(target, Exception):
             windows.append(fleet_live.CellWindow(name, region, error=f"not found ({target})"))
             continue
         try:
@@ -406,7 +406,7 @@ def _fetch_scale(url: str, token: str, timeout_s: float) -> dict | None:
         return None
 
 
-def _sandbox_dir(stack: str | None) -> Path:
+def _sandbox_dir(stack: str) -> Path:
     from colocate.sandbox.supervisor import default_state_dir
 
     return Path(default_state_dir(stack))

@@ -14,6 +14,7 @@
     sandbox.py up     --fleet F [--client-site COLO ...] [--sandboxes-dir DIR] [--stretch 1.55] [--rtt A:B=MS ...]
     sandbox.py apply|down|status --fleet F       (or --stack F: a fleet stack acts on the whole fleet)
     sandbox.py demo-fleet [--state-dir DIR] [--samples N]
+    sandbox.py demo-autoscale [--state-dir DIR] [--json] [--shape FILE] [--prices POD_PER_HR,API_PER_1M]
 
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
@@ -36,7 +37,7 @@ or configuration error (including a second ``up``). See docs/sandbox.md.
 # The handler is this file's first statement, through _signal (built in, it imports nothing):
 # the only window left is the interpreter's own start-up, before this file runs, where Python
 # itself reports the KeyboardInterrupt and exits 1 with nothing started.
-import _signal
+import _signal  # type: ignore[import-not-found]  # built in, and typeshed has no stub for it
 import sys
 
 _held: list[int] = []
@@ -114,6 +115,16 @@ def parser() -> argparse.ArgumentParser:
     df = sub.add_parser("demo-fleet", help="three cells behind one front door, one cell losing its pods (make demo-fleet)")
     df.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo-fleet/)")
     df.add_argument("--samples", type=int, default=12, help="requests per client site and phase (default 12)")
+    da = sub.add_parser("demo-autoscale", help="a compressed day of three cells whose pods follow demand, priced three "
+                                               "ways (make demo-autoscale)")
+    da.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo-autoscale/)")
+    da.add_argument("--json", action="store_true", help="print the day's figures as one JSON object (the story to stderr)")
+    da.add_argument("--shape", type=Path, metavar="FILE",
+                    help="the day: a CSV of cell,hour,requests_per_minute (hours 0-23 in the cell's local time)")
+    da.add_argument("--prices", metavar="POD_PER_HR,API_PER_1M",
+                    help="a pod's $ per hour and the API's $ per 1M tokens (default 0.6,0.3)")
+    da.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
+    da.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
     return p
 
 
@@ -394,6 +405,13 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             demo_dir = args.state_dir or supervisor.default_state_dir("demo-fleet")
             state_dir = Path(demo_dir) / fleet_demo.FLEET  # what an interrupt reports on
             return fleet_demo.run(state_dir=demo_dir, samples=args.samples)
+        if args.cmd == "demo-autoscale":
+            from colocate.sandbox import autoscale_demo
+
+            demo_dir = args.state_dir or supervisor.default_state_dir("demo-autoscale")
+            state_dir = Path(demo_dir) / autoscale_demo.FLEET  # what an interrupt reports on
+            return autoscale_demo.run(demo_dir, shape_file=args.shape, prices=args.prices, as_json=args.json,
+                                      day_s=args.day_seconds, sent=args.requests)
         if args.cmd == "demo":
             from colocate.sandbox import demo
 

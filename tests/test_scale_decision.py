@@ -210,3 +210,26 @@ def test_the_cost_policy_keeps_a_pod_in_the_band_and_drops_it_below():
     assert run(lambda t: breakeven * 0.9, COST, until=900, current=1) == []  # within DOWN_BAND of paying
     (_, n, _), = run(lambda t: breakeven * 0.5, COST, until=900, current=1)
     assert n == 0
+
+
+def test_the_cost_policy_prices_deferred_requests_at_the_cells_history():
+    # A cell at zero in a fleet: the front door takes its users to another cell, so its counters
+    # grow under backend "none" with no tokens. They are its users' requests all the same, priced
+    # at what its served requests carried (500 + 200 tokens), so demand above break-even brings
+    # a pod back; without that history the cell cannot price them and holds.
+    history = [scale.Sample(at=0, requests={"fallback": 10}, tokens={"fallback": (5000, 2000)})]
+    for i in range(1, 61):
+        history.append(scale.Sample(at=10.0 * i, requests={"fallback": 10, "none": 20 * i},
+                                    tokens={"fallback": (5000, 2000)}))  # 120 req/min, all deferred
+    d = scale.decide(history, COST, 0, history[-1].at)
+    assert d.desired == 2 and "up from 0" in d.reason
+    never_served = [scale.Sample(at=s.at, requests={"none": s.requests["none"]} if "none" in s.requests else {})
+                    for s in history]
+    assert scale.decide(never_served, COST, 0, history[-1].at).desired == 0
+    # served requests in the interval set the price: the deferred ones there count as demand only
+    iv = scale.intervals([scale.Sample(0, {"pod-0": 0}, {"pod-0": (0, 0)}),
+                          scale.Sample(60, {"pod-0": 10, "none": 30}, {"pod-0": (1000, 500)})], 30)
+    assert iv == []  # a gap longer than stale_after_s
+    iv = scale.intervals([scale.Sample(0, {"pod-0": 0}, {"pod-0": (0, 0)}),
+                          scale.Sample(20, {"pod-0": 10, "none": 30}, {"pod-0": (1000, 500)})], 30)
+    assert (iv[0].rpm, iv[0].prompt_per_req, iv[0].completion_per_req) == (120.0, 100.0, 50.0)

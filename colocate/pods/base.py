@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 from dataclasses import asdict, dataclass
 
 from .. import catalogue
@@ -44,7 +45,7 @@ class Provider:
     # Set by the lifecycle on a mutual-TLS hop: the pod's COLOCATE_POD_TLS value (podtls.bundle),
     # and readiness's (client context, name on the pod's certificate).
     pod_tls: str = ""
-    checker = None
+    checker: tuple[ssl.SSLContext, str] | None = None
 
     def candidates(self, spec) -> tuple[list, list[tuple[str, str, str]]]:
         """(ordered create candidates, attempt rows for locations with nothing to try)."""

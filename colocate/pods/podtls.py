@@ -100,7 +100,7 @@ def checker_from_env(environ=os.environ) -> ssl.SSLContext:
                                             for k in ("cert", "key", "ca"))
     except ValueError:
         ok = False
-    if not ok:
+    if not ok or not isinstance(data, dict):
         raise PodTlsError(f"{CHECK_ENV} is {'not set' if not raw else 'not a JSON object of PEM cert, key and ca'}: "
                           "the pod admits only callers with a certificate of the cell's CA, readiness included. "
                           f"Fix: export {CHECK_ENV}='{{\"cert\": ..., \"key\": ..., \"ca\": ...}}' "

@@ -13,6 +13,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import catalogue
 from ..errors import ConfigError
@@ -20,10 +21,11 @@ from ..plan import POD_PATHS
 from . import podtls
 from .errors import PodConfigError
 
-REQUIRED = {"name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
-            "gpu": str, "gpu_count": int, "image": str, "min_cuda_version": str, "model": str, "port": int, "disk_gb": int,
-            "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
-            "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str}
+REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
+    "gpu": str, "gpu_count": int, "image": str, "min_cuda_version": str, "model": str, "port": int, "disk_gb": int,
+    "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
+    "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str}
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ class PodSpec:
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
-        spec = cls(**{k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED})
+        fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
+        spec = cls(**fields)
         spec._check()
         return spec
 

@@ -297,7 +297,7 @@ class StandinServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host = self.server_address[0]
+        host = str(self.server_address[0])
         host = f"[{host}]" if ":" in host else host
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
@@ -658,7 +658,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if not last:
                     self._compute(0.5 / max(1, len(tokens) - 1))
             if usage is not None:
-                final = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                final: dict[str, object] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": created, "model": model, "choices": [], "usage": usage}
                 self._write_chunk(f"data: {json.dumps(final)}\n\n".encode())
             self._write_chunk(b"data: [DONE]\n\n")

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from .. import fleet as fleet_mod, geo
@@ -34,6 +35,9 @@ from .errors import TargetError, Unauthorized, Unreachable, UsageError
 from .placement import distance_km
 from .sample import MODELS_PATH, Sample, Sampler
 from .stats import summary
+
+if TYPE_CHECKING:
+    from .. import admin
 
 SEGMENTS = ("e2e", "front", "state", "upstream", "fallback", "total")
 
@@ -441,7 +445,7 @@ def sites_for(stack: str, flags: Sequence[str], url: str | None, sandbox: Sandbo
 
 
 def member_targets(cells: Sequence[str], *, stacks_dir: Path, sandboxes_dir: Path | None = None,
-                   sandbox: SandboxFleet | None = None) -> list[tuple[str, Region | None, object]]:
+                   sandbox: SandboxFleet | None = None) -> list[tuple[str, Region | None, admin.Target | admin.AdminError]]:
     """Each member cell: (name, region if known, its ``admin.Target`` or the error that says why none)."""
     from .. import admin
 

@@ -38,7 +38,7 @@ class Buckets:
         ok = (isinstance(raw, Mapping) and isinstance(raw.get("low_ms"), int | float) and raw["low_ms"] > 0
               and isinstance(raw.get("per_octave"), int) and raw["per_octave"] > 0
               and isinstance(raw.get("top"), int) and 0 < raw["top"] < 10_000)
-        if not ok:
+        if not ok or not isinstance(raw, Mapping):
             raise HistogramError(f"buckets {raw!r}: expected {{low_ms, per_octave, top}} as the Worker sends them")
         return cls(float(raw["low_ms"]), raw["per_octave"], raw["top"])
 
@@ -133,7 +133,8 @@ class Histogram:
         return h
 
     def encode(self) -> str:
-        parts, prev = [], 0
+        parts: list[str] = []
+        prev = 0
         for k in sorted(c for c in self.counts if self.counts[c]):
             c = self.counts[k]
             gap = "" if parts and k - prev == 1 and c > 1 else str(k - prev)

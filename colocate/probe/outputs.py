@@ -83,8 +83,9 @@ def read_config(stack: str, stacks_dir: Path = stackfile.STACKS_DIR) -> StackCon
         raw, _ = stackfile.read_config(stack, stacks_dir)
     except ConfigError as exc:
         raise UsageError("--stack", stack, exc.problem, exc.fix) from None
-    probe = raw.get("probe") if isinstance(raw.get("probe"), dict) else {}
-    worker = raw.get("worker") if isinstance(raw.get("worker"), dict) else {}
+    probe = raw.get("probe") or {}
+    worker = raw.get("worker") or {}
+    probe, worker = (probe if isinstance(probe, dict) else {}), (worker if isinstance(worker, dict) else {})
     samples = probe.get("samples")
     if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
         raise UsageError("--stack", stack, f"colocate:probe.samples is {samples!r}, not a whole number above 0",

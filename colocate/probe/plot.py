@@ -42,12 +42,12 @@ def write(result: Result, path: str | Path) -> Path:
                 floor = result.floors.get(n)
                 if floor:
                     ax.hlines(floor, i - 0.35, i + 0.35, colors="dimgray", linestyles="dotted", linewidth=2,
-                              label=None if "floor" in labelled else "physical floor", zorder=4)
+                              label="_nolegend_" if "floor" in labelled else "physical floor", zorder=4)
                     labelled.add("floor")
                 for b in result.budgets:
                     if b.segment == n:
                         ax.hlines(b.ms, i - 0.35, i + 0.35, colors="tab:red", linestyles="dashed", linewidth=2,
-                                  label=None if "budget" in labelled else "budget", zorder=4)
+                                  label="_nolegend_" if "budget" in labelled else "budget", zorder=4)
                         ax.annotate(f"{b.ms:g} ({b.percentile})", (i + 0.37, b.ms), fontsize=7, color="tab:red",
                                     va="center")
                         labelled.add("budget")

@@ -50,8 +50,8 @@ class Result:
     def provisional(self) -> bool:
         """A placement check failed while the placement had not settled (--settle ran out):
         Cloudflare may not have applied it yet, so the verdict cannot stand."""
-        return bool(self.settling) and not self.settling["settled"] and any(
-            v["kind"] == "placement" for v in self.violations)
+        return bool(self.settling and not self.settling["settled"] and any(
+            v["kind"] == "placement" for v in self.violations))
 
     @property
     def verdict(self) -> str:
@@ -197,7 +197,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
     p50 = {name: seg["p50"] for name, seg in segments.items()}
     found = placement_mod.findings(place, p50, worker_placement, migrate_flags)
 
-    violations = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
+    violations: list[dict] = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
     violations += budgets_mod.broken(budget_list, segments, floors)
     errors = {"probe": _errors(run.probe), "routed": _errors(run.routed)}
     for kind, counts in errors.items():
@@ -209,7 +209,7 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
                                "message": f"{failed} of {total} {kind} requests failed ({what})"})
 
     notes = []
-    told = {b.get("region") for b in bodies if b.get("region")}
+    told = {str(b["region"]) for b in bodies if b.get("region")}
     if region is not None and told and told != {region.name}:
         notes.append(f"the Worker reports CELL_REGION {', '.join(sorted(told))}, but {region.name} was expected: "
                      "is this the right stack's URL?")

@@ -83,7 +83,9 @@ def parse(header: str | None, wanted: Iterable[str] = ()) -> Timing:
 
 def _split(text: str, sep: str) -> list[str]:
     # Split on `sep` outside double quotes (desc="a, b" is one parameter).
-    parts, buf, quoted = [], [], False
+    parts: list[str] = []
+    buf: list[str] = []
+    quoted = False
     for ch in text:
         if ch == '"':
             quoted = not quoted

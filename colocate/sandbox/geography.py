@@ -106,7 +106,8 @@ def parse_override(text: str) -> tuple[tuple[str, str], float]:
     if not m:
         raise GeographyError(f"--rtt: {text!r} is not SITE:SITE=MS. Fix: write it like --rtt TPE:IAD=170")
     a, b = site(m.group(1), "--rtt"), site(m.group(2), "--rtt")
-    return tuple(sorted((a, b))), float(m.group(3))
+    low, high = sorted((a, b))
+    return (low, high), float(m.group(3))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..plan import CellPlan
@@ -43,7 +44,7 @@ def recorded_pods(state_dir: Path) -> list[dict]:
     return [legacy] if legacy else []
 
 
-def record_pods(state_dir: Path, pods: list[dict | None]) -> None:
+def record_pods(state_dir: Path, pods: Sequence[dict | None]) -> None:
     write_json(Path(state_dir) / PODS_FILE, {"pods": [p for p in pods if p]})
     (Path(state_dir) / LEGACY_POD_FILE).unlink(missing_ok=True)
 
