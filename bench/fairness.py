@@ -10,6 +10,8 @@ requests at once, --delay-ms each (a GPU pod's batch). Three phases, each --seco
     limited    key C floods the same way with max_parallel = --max-parallel, B as before
 
     limited_backoff   the same flood honouring Retry-After: 1, as OpenAI's SDKs do
+    defaults   key D floods as in `limited`, made with no limits named: the cell's
+               colocate:keys.defaults (out of the box: max_parallel 8, rpm 3000, ...)
 
 In `limited` the flood does not honour Retry-After (a hostile client re-sends at once), so
 the router answers thousands of 429s a second on one workerd thread. Reported: B's p50/p99
@@ -172,6 +174,7 @@ def run(opts: argparse.Namespace, log=print) -> dict:
         b = mint(w.port, secrets.probe_token, {"name": "measured", **NO_LIMITS})
         a = mint(w.port, secrets.probe_token, {"name": "flood-unlimited", **NO_LIMITS})
         c = mint(w.port, secrets.probe_token, {"name": "flood-limited", **NO_LIMITS, "max_parallel": opts.max_parallel})
+        d = mint(w.port, secrets.probe_token, {"name": "flood-defaults"})  # colocate:keys.defaults
         out = {"connections": opts.connections, "max_parallel": opts.max_parallel, "pod_delay_ms": opts.delay_ms,
                "pod_slots": opts.slots, "seconds": opts.seconds}
         log("idle ...")
@@ -182,8 +185,11 @@ def run(opts: argparse.Namespace, log=print) -> dict:
         out["limited"] = phase(w.port, b, c, opts.connections, opts.seconds)
         log(f"flood, max_parallel {opts.max_parallel}, the flood honouring Retry-After ...")
         out["limited_backoff"] = phase(w.port, b, c, opts.connections, opts.seconds, backoff=True)
+        log("flood, a key with the cell's default limits ...")
+        out["defaults"] = phase(w.port, b, d, opts.connections, opts.seconds)
+    out["key_defaults"] = {b.name: b.text for b in plan.worker.bindings if b.name.startswith("DEFAULT_")}
     idle = out["idle"]["b_p50_ms"]
-    for name in ("unlimited", "limited", "limited_backoff"):
+    for name in ("unlimited", "limited", "limited_backoff", "defaults"):
         p50 = out[name]["b_p50_ms"]
         out[name]["ratio_to_idle"] = round(p50 / idle, 2) if p50 and idle else None
     out["goal_met"] = out["limited"]["ratio_to_idle"] is not None and out["limited"]["ratio_to_idle"] <= 1.5
