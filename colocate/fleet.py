@@ -20,6 +20,8 @@ The ranking: for every Cloudflare colo with coordinates, the member cells ordere
 physical floor (``geo.floor_ms``) from that colo to the cell's edge site (where a Worker
 placed in the cell's region runs, the site the probe's floors start from); ties keep the
 order of ``colocate:fleet.cells``, which is also the order for a colo the table lacks.
+A colo's list is cut to the cells within its nearest cell's e2e budget (``within_budget``, from
+each member's ``budgetE2eMs`` output), so a user is never sent farther than its own cell allows.
 It is uploaded as the front door's module ``cellrank.js`` ({colo: [cell index, ...]}, made
 by the plan in place of the kit's empty one), beside the ``CELLS`` binding ([{name,
 region}], index = position = service binding ``CELL_<i>``). A module, not a binding: the
@@ -60,6 +62,8 @@ FRONT_MAIN_MODULE = "frontindex.js"  # exports front.js's handler and the FleetL
 RANK_MODULE = "cellrank.js"  # the ranking; the plan's replaces the kit's empty one
 # What the fleet reads from each member stack (names in colocate/outputs.py).
 MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION, outputs.ACCOUNT_ID)
+# Read when present: a cell deployed by an older kit lacks it (then no cell is cut for its users).
+OPTIONAL_MEMBER_OUTPUTS = (outputs.BUDGET_E2E_MS,)
 # A stack name as `pulumi stack init` takes it, optionally qualified as org/project/stack.
 _STACK = re.compile(r"([A-Za-z0-9_.-]+/){0,2}[A-Za-z0-9_.-]+")
 _SCRIPT = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -213,6 +217,7 @@ class Member:
     worker_name: str
     worker_url: str
     account_id: str
+    budget_e2e_ms: float | None = None  # the cell's colocate:budgets.e2e: its users are sent no farther
 
 
 def member(index: int, stack: str, found: Mapping[str, object] | None) -> Member:
@@ -226,8 +231,10 @@ def member(index: int, stack: str, found: Mapping[str, object] | None) -> Member
         raise ConfigError(key, stack, problem, f"pulumi up -s {short_name(stack)} (then pulumi up the fleet again), "
                           f"or pulumi config rm --path '{key}'")
     region = lookup_region(found[outputs.REGION], f"{key} (output {outputs.REGION} of stack {stack})")
+    budget = found.get(outputs.BUDGET_E2E_MS)
+    budget_ms = float(budget) if isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0 else None
     return Member(stack, short_name(stack), region, str(found[outputs.WORKER_NAME]), str(found[outputs.WORKER_URL]),
-                  str(found[outputs.ACCOUNT_ID]))
+                  str(found[outputs.ACCOUNT_ID]), budget_ms)
 
 
 def check_accounts(settings: FleetSettings, members: Sequence[Member]) -> None:
@@ -274,9 +281,24 @@ def rank(colo_code: str, regions: Sequence[Region]) -> list[int]:
     return sorted(range(len(regions)), key=lambda i: (round(floor_to(colo_code, regions[i]), 3), i))
 
 
-def rank_table(regions: Sequence[Region]) -> dict[str, list[int]]:
-    """{colo: [cell index, ...]} for every colo with coordinates."""
-    return {code: rank(code, regions) for code in sorted(geo.colos())}
+def within_budget(colo_code: str, regions: Sequence[Region], budgets: Sequence[float | None]) -> list[int]:
+    """``rank`` cut to the cells a user at ``colo_code`` may be sent to: the nearest cell (the
+    user's own) always; another only while the round trip to it alone, the physical floor
+    stretched as real paths are (``geo.DEFAULT_STRETCH``), fits the nearest cell's e2e budget.
+    A cell beyond it could not answer in time even with an idle pod, so when the user's own
+    cell has no pod its fallback serves instead."""
+    order = rank(colo_code, regions)
+    budget = budgets[order[0]] if order else None
+    if budget is None or colo_code.upper() not in geo.colos():
+        return order
+    return [i for k, i in enumerate(order) if k == 0 or floor_to(colo_code, regions[i]) * geo.DEFAULT_STRETCH <= budget]
+
+
+def rank_table(regions: Sequence[Region], budgets: Sequence[float | None] | None = None) -> dict[str, list[int]]:
+    """{colo: [cell index, ...]} for every colo with coordinates: nearest first, cut to the
+    nearest cell's e2e budget (``within_budget``) when ``budgets`` gives one per cell."""
+    budgets = budgets if budgets is not None else [None] * len(regions)
+    return {code: within_budget(code, regions, budgets) for code in sorted(geo.colos())}
 
 
 def front_modules(directory: Path = WORKER_DIR, main: str = FRONT_MAIN_MODULE,
@@ -362,7 +384,7 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
     members = tuple(member(i, s, f) for i, (s, f) in enumerate(zip(settings.cells, found, strict=True)))
     check_members(members)
     check_accounts(settings, members)
-    table = rank_table([m.region for m in members])
+    table = rank_table([m.region for m in members], [m.budget_e2e_ms for m in members])
     services = tuple(ServiceBinding(f"CELL_{i}", m.worker_name) for i, m in enumerate(members))
     bindings = (
         Binding("CELLS", "json", text=json_text([{"name": m.name, "region": m.region.name} for m in members])),

@@ -95,7 +95,8 @@ class Fleet(pulumi.ComponentResource):
         # Only the outputs the plan needs, one by one: a cell's exchangeToken is a secret output
         # and must not make the plan (and the exported cells) secret; it goes only into the
         # bindings, which are secret for it.
-        found = [pulumi.Output.all(**{k: ref.get_output(k) for k in fleet.MEMBER_OUTPUTS}) for ref in self.references]
+        found = [pulumi.Output.all(**{k: ref.get_output(k) for k in (*fleet.MEMBER_OUTPUTS, *fleet.OPTIONAL_MEMBER_OUTPUTS)})
+                 for ref in self.references]
         tokens = [ref.get_output(outputs.EXCHANGE_TOKEN) for ref in self.references]
         live_tag = args.get("live_migration_tag")
         plan = pulumi.Output.all(*found).apply(lambda f: _plan(s, f, live_tag))

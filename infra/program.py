@@ -117,6 +117,7 @@ def main() -> dict[str, pulumi.Input]:
            for b in cell_plan.worker.bindings if b.name in outputs.OPERATOR_TOKENS},
         outputs.REGION: cell_plan.region.name,  # what a fleet stack reads
         outputs.ACCOUNT_ID: cell_plan.worker.account_id,
+        outputs.BUDGET_E2E_MS: cell_plan.probe.budgets.get("e2e"),
     }
     for key, value in exports.items():
         pulumi.export(key, value)

@@ -139,10 +139,16 @@ def test_the_bill_three_ways_per_cell_and_in_total():
 
 def test_the_verdicts_pass_a_day_that_meets_them():
     out = {"requests": 10, "failed": 0, "cost": {"fixed": 40.0, "api": 30.0, "autoscaled": 22.5}, "served": {},
-           "cells": {"a": {"peak_pod_share": 0.95, "peak_p50_ms": 600.0, "budget_e2e_ms": 600.0}}}
+           "cells": {"a": {"peak_pod_share": 0.95, "peak_p50_ms": 600.0, "budget_e2e_ms": 600.0},
+                     "b": {"peak_pod_share": None, "peak_p50_ms": None, "budget_e2e_ms": 600.0}}}  # b: no users
     assert all(ok for ok, _ in day.verdicts(out))
+    assert "b n/a" in day.verdicts(out)[2][1]
     out["cost"]["autoscaled"] = 22.51
     assert not day.verdicts(out)[0][0]
+    out["cells"]["a"]["peak_p50_ms"] = 601.0
+    assert not day.verdicts(out)[3][0]
+    out["cells"]["a"]["peak_pod_share"] = None
+    assert not day.verdicts(out)[2][0]  # no cell to judge at all: not a pass
 
 
 def test_a_bad_shape_file_exits_2_before_anything_starts(tmp_path):

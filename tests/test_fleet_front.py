@@ -182,6 +182,28 @@ def test_no_pod_is_remembered_then_forgotten():
         assert served == "apac-jp"
 
 
+def test_a_cell_without_pods_sends_its_users_only_as_far_as_its_e2e_budget():
+    # apac-jp's budget (120 ms) is under the round trip to any other cell from Tokyo; eu-west's
+    # (600 ms) reaches both others.
+    with running_fleet(remember_ms=0, budgets={"apac-jp": 120, "eu-west": 600}) as f:
+        jp, eu = f.cell("apac-jp"), f.cell("eu-west")
+        assert [c["name"] for c in f.plan.cells_output()] == ["apac-jp", "eu-west", "us-east"]
+        assert f.plan.rank["NRT"] == [0] and f.plan.rank["FRA"] == [1, 2, 0]
+        jp.breaker("open")
+        eu.breaker("open")
+        before = pod_requests(f)
+        fb = fallback_requests(f)
+        res = f.call("NRT")  # no pod at home, none within the budget: its own fallback
+        assert res.status == 200, res.body
+        assert (res.headers["x-colocate-cell"], res.headers["x-colocate-backend"]) == ("apac-jp", "fallback")
+        res = f.call("FRA")  # no pod at home: the nearest cell with pods within the budget
+        assert res.status == 200, res.body
+        assert (res.headers["x-colocate-cell"], res.headers["x-colocate-backend"]) == ("us-east", "pod-0")
+        assert fallback_requests(f) == fb + 1
+        after = pod_requests(f)
+        assert {k: after[k] - before[k] for k in after} == {"apac-jp": 0, "eu-west": 0, "us-east": 1}
+
+
 def test_a_cell_losing_its_pod_under_load_fails_no_request():
     """~30 requests/s from Tokyo; apac-jp's pod starts failing a third of the way in:
     every request is answered 200, by apac-jp before and eu-west after, never the fallback."""

@@ -269,6 +269,26 @@ def test_second_choice_from_tokyo_and_frankfurt():
     assert [CELLS[i] for i in p.rank["IAD"]] == ["us-east", "eu-west", "apac-jp"]
 
 
+def test_a_colos_cells_are_cut_to_its_nearest_cells_e2e_budget():
+    def plan(budgets):
+        found = [{**outs(c), **({outputs.BUDGET_E2E_MS: budgets[c]} if c in budgets else {})} for c in CELLS]
+        return fleet.plan_fleet(fleet.parse(raw(), "fleet"), found)
+
+    # Tokyo's round trips, floor x 1.55: eu-west (Dublin) ~149 ms, us-east (Ashburn) ~168 ms
+    assert [CELLS[i] for i in plan({"apac-jp": 120}).rank["NRT"]] == ["apac-jp"]
+    assert [CELLS[i] for i in plan({"apac-jp": 160}).rank["NRT"]] == ["apac-jp", "eu-west"]
+    assert [CELLS[i] for i in plan({"apac-jp": 600}).rank["NRT"]] == ["apac-jp", "eu-west", "us-east"]
+    # the nearest cell's budget decides, for every colo; a cell without one (an older kit) cuts nothing
+    p = plan({"apac-jp": 120, "eu-west": 120, "us-east": 120})
+    regions = [m.region for m in p.members]
+    for colo, order in p.rank.items():
+        assert order[0] == fleet.rank(colo, regions)[0], colo
+        assert all(geo.floor_ms(colo, regions[i].edge_site) * geo.DEFAULT_STRETCH <= 120 for i in order[1:]), colo
+    assert [CELLS[i] for i in p.rank["FRA"]] == ["eu-west", "us-east"]  # Ashburn ~102 ms; Tokyo ~145 ms
+    assert plan({"eu-west": 120, "us-east": 120}).rank["NRT"] == [0, 1, 2]
+    assert plan({"apac-jp": True}).members[0].budget_e2e_ms is None  # not a number of ms: no cut
+
+
 def test_rank_ties_and_unknown_colos_keep_the_configured_order():
     jp = catalogue.region("apac-jp")
     us = catalogue.region("us-east")

@@ -314,10 +314,6 @@ def test_profile_self_times_are_summed_per_function_and_divided_by_requests():
     assert rows[1] == (5.0, 0.2, "(anonymous) body.js:13")
 
 
-needs_valgrind = pytest.mark.skipif(shutil.which("callgrind_control") is None,
-                                    reason="valgrind is not installed (make bench-instructions installs it)")
-
-
 def test_instruction_total_comes_from_the_summary_or_totals_line():
     from bench.instructions import total_instructions
 
@@ -337,41 +333,6 @@ def test_instruction_summary_takes_the_median_and_its_spread():
     assert rows["bare"]["spread"] == pytest.approx(0.03)
     assert rows["router"]["vs_bare"] == pytest.approx(2.0) and rows["router"]["spread"] == pytest.approx(0.2)
     assert s["router_vs_contract"] == pytest.approx(1.333, abs=0.001) and s["repeat"] == 3
-
-
-@needs_valgrind
-def test_instructions_are_counted_per_rung_under_callgrind(tmp_path, capsys):
-    from bench import instructions
-
-    # Few requests, so the JIT has not settled and the numbers mean little; what is asserted
-    # is that each rung was really served (every request 200) and counted, and that the
-    # router, which does everything bare does and more, counts more.
-    out = tmp_path / "i.json"
-    rc = instructions.main(["--rungs", "bare,router", "--warm", "20", "--requests", "20", "--quiet",
-                            "--keep", str(tmp_path / "dumps"), "--json", str(out)])
-    assert rc == 0, capsys.readouterr().err
-    result = json.loads(out.read_text())
-    rows = {r["rung"]: r for r in result["rungs"]}
-    assert 0 < rows["bare"]["instructions_per_req"] < rows["router"]["instructions_per_req"]
-    assert result["v8_flags"] == list(instructions.SYNC_JIT_FLAGS)
-    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["callgrind.bare.1.out", "callgrind.router.1.out"]
-
-
-@needs_valgrind
-def test_instructions_count_streams_through_two_pods_with_the_stream_end_rung(tmp_path, capsys):
-    from bench import instructions
-
-    # Each counted request is a stream that asks for its usage, read to its [DONE] (drive
-    # checks that), through two pods. The ends rung does what bare does plus a pipe, so it
-    # counts more; the router, which also tees the stream to read its usage, more again.
-    out = tmp_path / "i.json"
-    rc = instructions.main(["--rungs", "bare,ends,router", "--request", "usage", "--pods", "2", "--chunks", "3",
-                            "--warm", "20", "--requests", "20", "--quiet", "--json", str(out)])
-    assert rc == 0, capsys.readouterr().err
-    result = json.loads(out.read_text())
-    assert (result["request"], result["pods"], result["chunks"]) == ("usage", 2, 3)
-    per = {r["rung"]: r["instructions_per_req"] for r in result["rungs"]}
-    assert 0 < per["bare"] < per["ends"] < per["router"]
 
 
 @pytest.mark.parametrize("kind", ["json", "stream", "usage"])
@@ -398,21 +359,6 @@ def test_wrk_and_sse_runs_carry_the_prompt_to_the_pod():
     assert plain["n"] > 0 and plain["errors"] == 0 and streamed["n"] == 20 and streamed["with_usage"] == 20
     # wrk may stop with a request answered but not counted
     assert seen["answered"] >= plain["n"] + 20 and seen["smallest_body"] > 8192
-
-
-@needs_valgrind
-def test_instructions_count_requests_with_a_real_prompts_size(tmp_path, capsys):
-    from bench import instructions
-
-    # The driver refuses any answer but 200, so a count means the router took, parsed and
-    # forwarded every 16 KiB body (MAX_BODY_BYTES is larger).
-    out = tmp_path / "i.json"
-    rc = instructions.main(["--rungs", "router", "--prompt-bytes", "16384", "--warm", "5", "--requests", "5",
-                            "--quiet", "--json", str(out)])
-    assert rc == 0, capsys.readouterr().err
-    result = json.loads(out.read_text())
-    assert result["prompt_bytes"] == 16384 and result["body_bytes"] > 16384
-    assert result["rungs"][0]["instructions_per_req"] > 0
 
 
 def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for():

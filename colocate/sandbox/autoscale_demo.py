@@ -141,7 +141,9 @@ class Demo:
         self.state_dir = Path(state_dir).resolve()
         self.stacks_dir = self.state_dir / STACKS_DIR
         self.fleet_dir = self.state_dir / FLEET
-        self.shape, self.prices, self.day_s = shape, prices, day_s
+        # every cell of the fleet runs and may bill pods for others' users; one the shape leaves out has none of its own
+        self.shape = {c: shape.get(c, (0.0,) * day.HOURS) for c in CELLS}
+        self.prices, self.day_s = prices, day_s
         self.per = day.per_request(shape, sent)
         self.clock = DayClock(day_s)
         self.logs = {c: PodLog() for c in CELLS}
@@ -153,7 +155,7 @@ class Demo:
 
     def initial_pods(self, cell: str) -> int:
         """What the cost policy runs at the cell's first hour: the day starts from yesterday's evening."""
-        rpm = self.shape.get(cell, (0.0,) * day.HOURS)[day.local_hour(0, UTC_OFFSET[cell])]
+        rpm = self.shape[cell][day.local_hour(0, UTC_OFFSET[cell])]
         return day.pods_needed(rpm, TARGET_RPM, self.prices, self.tokens_per_request(), MAX_PODS)
 
     @staticmethod
@@ -297,7 +299,7 @@ class Demo:
             peaks = sorted(day.peak_hours(self.shape[cell]))
             share = "n/a" if v["peak_pod_share"] is None else f"{100 * v['peak_pod_share']:.1f} %"
             p50 = ("n/a" if v["peak_p50_ms"] is None else f"{v['peak_p50_ms']:.0f}") + f"/{v['budget_e2e_ms']:g} ms"
-            peak = f"{peaks[0]:02d}-{peaks[-1] + 1:02d} h"
+            peak = f"{peaks[0]:02d}-{peaks[-1] + 1:02d} h" if peaks else "no users"
             lines.append(f"    {cell:<10}{peak:>13}{v['cost']['fixed']:>10.2f}"
                          f"{v['cost']['api']:>10.2f}{v['cost']['autoscaled']:>12.2f}"
                          f"{day.pod_hours(self.logs[cell].existing):>7.1f}{'/'.join(map(str, by)):>22}{share:>13}"
@@ -374,9 +376,14 @@ def _run(demo: Demo) -> tuple[int, dict | None]:
         print(demo.table(out))
         cost = out["cost"]
         best = "fixed pods" if cost["fixed"] <= cost["api"] else "the API alone"
-        print(f"\n    Neither fixed pods (${cost['fixed']:.2f}) nor the API alone (${cost['api']:.2f}) is optimal over the "
-              f"day: the cheaper of them, {best}, costs {min(cost['fixed'], cost['api']) / cost['autoscaled']:.2f} x the "
-              f"autoscaled kit (${cost['autoscaled']:.2f}).", flush=True)
+        cheaper = min(cost["fixed"], cost["api"])
+        if cost["autoscaled"] < cheaper:
+            print(f"\n    Neither fixed pods (${cost['fixed']:.2f}) nor the API alone (${cost['api']:.2f}) is optimal over "
+                  f"the day: the cheaper of them, {best}, costs {cheaper / cost['autoscaled']:.2f} x the autoscaled kit "
+                  f"(${cost['autoscaled']:.2f}).", flush=True)
+        else:
+            print(f"\n    Over this day {best} (${cheaper:.2f}) costs no more than the autoscaled kit "
+                  f"(${cost['autoscaled']:.2f}): the shape or the prices leave scaling nothing to win.", flush=True)
         verdicts = day.verdicts(out)
         for ok, text in verdicts:
             print(f"    {'PASS' if ok else 'FAIL'}  {text}")

@@ -70,7 +70,8 @@ def _member_outputs(index: int, stack: str, stacks_dir: Path) -> dict:
     names = frozenset(secret_names) | frozenset(settings_mod.ALWAYS_SECRET)
     plan = plan_cell(settings_mod.parse(raw, stack, secrets=names, env={}))
     return {outputs.WORKER_NAME: plan.worker.script_name, outputs.WORKER_URL: f"http://sandbox.invalid/{stack}",
-            outputs.REGION: plan.region.name, outputs.ACCOUNT_ID: plan.worker.account_id}
+            outputs.REGION: plan.region.name, outputs.ACCOUNT_ID: plan.worker.account_id,
+            outputs.BUDGET_E2E_MS: plan.probe.budgets.get("e2e")}
 
 
 def _placeholders(raw: dict) -> dict:

@@ -111,9 +111,10 @@ def generation(region: str) -> list[dict]:
 @contextlib.contextmanager
 def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), *, compute_ms: float = 2,
                   remember_ms: int = 5000, worker: dict | None = None, exchange_ms: int = 1000,
-                  unreachable: tuple[str, ...] = ()) -> Iterator[Fleet]:
+                  unreachable: tuple[str, ...] = (), budgets: dict[str, float] | None = None) -> Iterator[Fleet]:
     """workerd with the front door on its main socket and each cell on its own socket.
-    ``unreachable``: cells whose service binding leads to a closed port (a cell that is down)."""
+    ``unreachable``: cells whose service binding leads to a closed port (a cell that is down).
+    ``budgets``: cells' e2e budgets in ms, as their stacks export them (the ranking's cut)."""
     with contextlib.ExitStack() as stack:
         fb = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME,
                                                name="fallback"))
@@ -136,7 +137,8 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
             sockets.append(wd.socket_capnp(region, 0, name))
             cells.append(FleetCell(region, region, plan, pod, f"http://127.0.0.1:{s.getsockname()[1]}"))
             found.append({outputs.WORKER_NAME: name, outputs.WORKER_URL: f"https://{name}.sandbox.workers.dev",
-                          outputs.REGION: region, outputs.ACCOUNT_ID: plan.worker.account_id})
+                          outputs.REGION: region, outputs.ACCOUNT_ID: plan.worker.account_id,
+                          **({outputs.BUDGET_E2E_MS: budgets[region]} if region in (budgets or {}) else {})})
         settings = fleet.parse({"fleet": {"cells": list(regions), "rememberMs": remember_ms, "exchangeMs": exchange_ms},
                                 "accountId": "0" * 32, "worker": {"subdomain": "sandbox"}}, "fleet")
         plan = fleet.plan_fleet(settings, found)

@@ -74,8 +74,18 @@ test("json bindings may arrive as text", () => {
   assert.equal(cfg.cells.length, 3);
 });
 
+test("a colo cut to its own cell by the budget tries that cell alone, which may fall back", () => {
+  forget();
+  const cfg = readFleet(env(), { NRT: [0], FRA: [1, 2], IAD: [2, 1, 0] });
+  assert.deepEqual(names(choose(cfg, "NRT")), ["apac-jp"]);
+  remember(cfg, cfg.cells[0], 1000); // no pod at home: still the only cell within the budget
+  assert.deepEqual(names(choose(cfg, "NRT", 1001)), ["apac-jp"]);
+  assert.deepEqual(names(choose(cfg, "FRA")), ["eu-west", "us-east"]);
+  forget();
+});
+
 test("a bad ranking names its module", () => {
-  for (const rank of [{ NRT: [0, 0, 1] }, { NRT: [0, 1] }, [], null]) {
+  for (const rank of [{ NRT: [0, 0, 1] }, { NRT: [] }, { NRT: [0, 1, 3] }, { NRT: [0, 1, 2, 0] }, { NRT: [0.5] }, [], null]) {
     assert.throws(() => readFleet(env(), rank), /cellrank\.js/, JSON.stringify(rank));
   }
   assert.throws(() => readFleet(env(), { NRT: [0, 0, 1] }), /cellrank\.js: the order for NRT/);
