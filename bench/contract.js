@@ -22,7 +22,8 @@ export default {
     const i = next++ % pods.length;
     const body = request.body ? await request.arrayBuffer() : null;
     const res = await tryPod(fetch, pods[i] + url.pathname + url.search,
-      { method: request.method, headers: upstreamHeaders(request.headers, env.POD_TOKEN), body }, Number(env.DEADLINE_MS));
+      { method: request.method, headers: upstreamHeaders(request.headers, env.POD_TOKEN), body }, Number(env.DEADLINE_MS),
+      true); // no body is parsed here: an event stream passes as a stream
     if (!res.ok) return new Response(`pod failed: ${res.reason}`, { status: 502 });
     const out = new Response(res.stream ? res.response.body : res.bytes, res.response);
     out.headers.set("x-colocate-backend", `pod-${i}`);

@@ -53,7 +53,8 @@ non-streamed request with vLLM's ``prompt_logprobs`` after ``usage``, a prompt t
 to ``"usage"`` last; ``headers`` adds ``Set-Cookie`` and ``Access-Control-Allow-Origin: *``;
 ``redirect`` answers 307 to ``/_standin/redirected`` (which counts who follows it);
 ``oversized`` sends a JSON answer of OVERSIZED_BYTES (64 MiB, chunked, stopping when the client
-leaves). ``{"mode": "ok"}`` ends it.
+leaves), or to a streamed request an event stream of that size at about 3 MB/s (a pod that streams
+on and on: 64 KiB every 20 ms; a stream the client leaves counts as ``cut``). ``{"mode": "ok"}`` ends it.
 
 CLI: ``python -m colocate.pods.standin --host 127.0.0.1 --port 0 --compute-ms 95 --model NAME
 [--port-file PATH]`` prints one JSON line ``{"url": ..., "port": ...}`` once listening and
@@ -552,7 +553,7 @@ class _Handler(BaseHTTPRequestHandler):
         if attack == "redirect":
             return self._send_json(307, {"redirect": True}, {"Location": "/_standin/redirected"})
         if attack == "oversized":
-            return self._oversized()
+            return self._oversized_stream(chat) if body.get("stream") else self._oversized()
         options = body.get("stream_options")
         model = body.get("model") or self.server.model
         tokens = _reply_tokens(body, chat, (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens") or 8)
@@ -591,6 +592,28 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             pass
+        self.close_connection = True
+
+    def _oversized_stream(self, chat: bool) -> None:
+        """Content events of about 1 KiB, 64 KiB of them every 20 ms up to OVERSIZED_BYTES, until the client leaves."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        choice = {"index": 0, "delta": {"content": "x" * 1000}} if chat else {"index": 0, "text": "x" * 1000}
+        event = f"data: {json.dumps({'object': 'chat.completion.chunk' if chat else 'text_completion', 'choices': [choice]})}\n\n"
+        piece = event.encode() * 64
+        try:
+            for _ in range(OVERSIZED_BYTES // len(piece)):
+                self._write_chunk(piece)
+                time.sleep(0.02)
+            self._write_chunk(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self.server.count_stream("cut")
+        else:
+            self.server.count_stream("completed")
         self.close_connection = True
 
     def _post_fault(self, raw: bytes) -> None:

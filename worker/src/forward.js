@@ -105,12 +105,14 @@ export function isStream(res) {
 }
 
 /**
- * Try the pod within `deadlineMs`. A streamed (SSE) answer counts as served once its
- * headers arrive and is then passed through chunk by chunk; any other answer must be
- * complete within the deadline (so a pod that stalls mid-body still falls back).
+ * Try the pod within `deadlineMs`. A streamed (SSE) answer to a request that asked for a
+ * stream (`streamed`) counts as served once its headers arrive and is then passed through
+ * chunk by chunk; any other answer must be complete within the deadline (so a pod that
+ * stalls mid-body still falls back), and within MAX_ANSWER_BYTES, an event stream the
+ * request did not ask for included.
  * @returns {Promise<{ok: true, response: Response, stream: boolean, bytes?: ArrayBuffer} | {ok: false, reason: string}>}
  */
-export async function tryPod(fetchImpl, url, init, deadlineMs) {
+export async function tryPod(fetchImpl, url, init, deadlineMs, streamed = false) {
   const ac = new AbortController();
   let expired = false;
   const timer = setTimeout(() => {
@@ -125,7 +127,7 @@ export async function tryPod(fetchImpl, url, init, deadlineMs) {
       await res.body?.cancel().catch(() => {});
       return { ok: false, reason: `status_${res.status}` };
     }
-    if (isStream(res)) return { ok: true, response: res, stream: true };
+    if (streamed && isStream(res)) return { ok: true, response: res, stream: true };
     const bytes = await readCapped(res, MAX_ANSWER_BYTES);
     return { ok: true, response: res, bytes, stream: false }; // headers from `response`, body in `bytes`
   } catch (err) {

@@ -20,7 +20,7 @@ import {
   served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
-import { capUsage, estimateUsage, stripStream, tapStream, usageCeiling, usageOfAnswer } from "./usage.js";
+import { capUsage, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer } from "./usage.js";
 import { validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
@@ -206,7 +206,9 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const wantUsage = streamed && !!json.stream_options && json.stream_options.include_usage === true;
   const askUsage = streamed && !wantUsage;
   const guess = (chars) => estimateUsage(json, chars);
-  const counted = (body, done) => (askUsage ? stripStream(body, done, guess) : tapStream(body, wantUsage, done, guess));
+  // A stream past what the request can produce is cut there (usage.js streamCap).
+  const cap = streamed ? streamCap(json, bytes.length) : Infinity;
+  const counted = (body, done) => (askUsage ? stripStream(body, done, guess, cap) : tapStream(body, wantUsage, done, guess, cap));
   // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
   // request's fate says whose it was, with the key it came from.
   const from = { key: key.id };
@@ -251,7 +253,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
       body: podBody,
-    }, deadline);
+    }, deadline, streamed);
     timing.upstream += now() - t;
     if (res.ok) {
       // Another pod served what the first failed: that failure was the first pod's.
@@ -312,7 +314,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     return finish(error.body, error, "fallback", timing, t0, limits);
   }
   blame(suspects, blameOf(suspects.length, res.status));
-  if (isStream(res) && res.body) {
+  if (streamed && isStream(res) && res.body) {
     timing.fallback = now() - t;
     const tap = counted(res.body, (usage) => meter("fallback", usage));
     ctx.waitUntil(tap.piped);

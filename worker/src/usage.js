@@ -88,6 +88,29 @@ export function usageCeiling(json, bodyBytes) {
   return { prompt: bodyBytes, completion: per * n };
 }
 
+// A streamed answer's largest size: room for every token the request allows at 4 KiB an
+// event (vLLM's event with 20 top logprobs is about 3 KiB), plus 64 KiB, and never past
+// MAX_STREAM_BYTES. Past it the stream is cut, the pod's stream cancelled, and what was
+// streamed counted: the router's own pump (stripStream) cuts at the cap and ends with an
+// error event (`streamCut`); the native pipe (tapStream) is read every second, so it is cut
+// within a second of passing the cap, its connection simply ending.
+const STREAM_EVENT_BYTES = 4096;
+export const MAX_STREAM_BYTES = 256 * 1024 * 1024;
+
+/** The most bytes a streamed answer to this request may have (see above). */
+export function streamCap(json, bodyBytes) {
+  return Math.min(MAX_STREAM_BYTES, 65_536 + usageCeiling(json, bodyBytes).completion * STREAM_EVENT_BYTES);
+}
+
+const encoder = new TextEncoder();
+
+/** The event that ends a stream cut at `cap` bytes: an OpenAI-shaped error, which OpenAI's SDKs raise. */
+export function streamCut(cap) {
+  const error = { message: `the upstream's stream passed ${cap} bytes, more than this request can produce: cut here`,
+    type: "server_error", code: "stream_too_large" };
+  return encoder.encode(`data: ${JSON.stringify({ error })}\n\n`);
+}
+
 /** `usage` within `ceiling` (unchanged when it already is; null stays null); `capped` marks a cut. */
 export function capUsage(usage, ceiling) {
   if (!usage || (usage.prompt <= ceiling.prompt && usage.completion <= ceiling.completion)) return usage;
@@ -158,7 +181,7 @@ const FULL_READ = 4096;
  * it) is estimated by `estimate(chars)` from the content in that tail, scaled to the
  * stream's whole length.
  */
-export function tapStream(body, wantUsage, done, estimate = null) {
+export function tapStream(body, wantUsage, done, estimate = null, cap = Infinity) {
   let called = false;
   const finish = (usage) => {
     if (!called) {
@@ -173,16 +196,19 @@ export function tapStream(body, wantUsage, done, estimate = null) {
   }
   const [toClient, toCount] = body.tee();
   const reader = toCount.getReader();
+  // The counting branch passed `cap`: the client's stream is cut (aborted: a native pipe
+  // leaves its destination errored, so no error event can follow), the pod's cancelled.
+  const cut = new AbortController();
   // preventCancel: a tee cancels its source only once both branches are cancelled, and a
   // pipe that cancelled its own branch would wait for that before it settles.
-  const delivered = toClient.pipeTo(ts.writable, { preventCancel: true }).then(() => true, (err) => {
-    // The client went away or the pod's stream broke. Cancelling both branches cancels
-    // the pod's stream, so the pod is not left generating for nobody.
+  const delivered = toClient.pipeTo(ts.writable, { preventCancel: true, signal: cut.signal }).then(() => true, (err) => {
+    // The client went away, the pod's stream broke, or it was cut. Cancelling both
+    // branches cancels the pod's stream, so the pod is not left generating for nobody.
     toClient.cancel(err).catch(() => {});
     reader.cancel(err).catch(() => {});
     return false;
   });
-  const counted = readTail(reader, delivered);
+  const counted = readTail(reader, delivered, cap, () => cut.abort());
   return {
     body: ts.readable,
     piped: Promise.all([delivered, counted]).then(([, tail]) => {
@@ -197,7 +223,7 @@ export function tapStream(body, wantUsage, done, estimate = null) {
 
 // {text: the last TAIL_BYTES of the branch as text (null when none was read), total: the
 // bytes read}. The tail keeps references to the last chunks; they are joined once, at the end.
-async function readTail(reader, delivered) {
+async function readTail(reader, delivered, cap = Infinity, onCap = () => {}) {
   let flowing = true;
   delivered.then(() => {
     flowing = false; // the client has everything (or has gone): read the rest without pausing
@@ -217,6 +243,10 @@ async function readTail(reader, delivered) {
       total += value.byteLength;
       while (size - tail[0].byteLength >= TAIL_BYTES) size -= tail.shift().byteLength;
       full = value.byteLength >= FULL_READ;
+      if (total > cap) {
+        onCap();
+        break;
+      }
     }
   } catch {
     // the branch broke: so did the client's, and `delivered` says so; count what was read
@@ -258,9 +288,9 @@ function lastEventEnd(text) {
  * chunk once usage is asked) stays: for a client it is the same as no field, and taking it
  * out would re-encode every event.
  */
-export function stripStream(body, done, estimate) {
+export function stripStream(body, done, estimate, cap = Infinity) {
   const ts = new Identity();
-  return { body: ts.readable, piped: pumpStripping(body, ts.writable, done, estimate) };
+  return { body: ts.readable, piped: pumpStripping(body, ts.writable, done, estimate, cap) };
 }
 
 const LF = 10;
@@ -272,7 +302,7 @@ function endsEvent(b) {
   return n >= 2 && b[n - 1] === LF && (b[n - 2] === LF || (n >= 4 && b[n - 2] === CR && b[n - 3] === LF));
 }
 
-async function pumpStripping(body, writable, done, estimate) {
+async function pumpStripping(body, writable, done, estimate, cap) {
   const reader = body.getReader();
   const writer = writable.getWriter();
   const dec = new TextDecoder();
@@ -282,6 +312,7 @@ async function pumpStripping(body, writable, done, estimate) {
   const tail = []; // the last texts passed on, for an estimate
   let tailChars = 0;
   let total = 0; // characters passed on
+  let read = 0; // bytes read from the upstream
   const keep = (text) => {
     tail.push(text);
     tailChars += text.length;
@@ -321,6 +352,14 @@ async function pumpStripping(body, writable, done, estimate) {
     for (;;) {
       const { done: end, value } = await reader.read();
       if (end) break;
+      read += value.byteLength;
+      if (read > cap) {
+        // Past what the request can produce: the rest is never read, the client is told.
+        await reader.cancel(new Error("stream_too_large")).catch(() => {});
+        carry = "";
+        await send(streamCut(cap));
+        break;
+      }
       const text = dec.decode(value, { stream: true });
       let out;
       if (carry === "" && endsEvent(value) && !USAGE_OBJECT.test(text)) {

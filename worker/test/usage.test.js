@@ -1,6 +1,8 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { capUsage, contentChars, estimateUsage, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfJson, usageOfSseTail } from "../src/usage.js";
+import {
+  capUsage, contentChars, estimateUsage, streamCap, streamCut, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfJson, usageOfSseTail,
+} from "../src/usage.js";
 
 const enc = (s) => new TextEncoder().encode(s);
 
@@ -222,4 +224,40 @@ test("usage is capped by what the request allows, and huge counts stay safe inte
   assert.equal(capUsage(null, ceiling), null);
   assert.deepEqual(usageCeiling({ max_completion_tokens: 4, best_of: 3, n: 1 }, 10), { prompt: 10, completion: 12 });
   assert.deepEqual(usageCeiling({}, 10), { prompt: 10, completion: 131072 });
+});
+
+test("a stream past its cap is cut: the router's pump ends it with an error event at the cap, the tap cancels it", async () => {
+  assert.equal(streamCap({ max_tokens: 4, n: 2 }, 100), 65_536 + 8 * 4096);
+  assert.equal(streamCap({}, 100), 256 * 1024 * 1024); // 131,072 tokens at 4 KiB is past the ceiling
+  const event = enc(sse({ choices: [{ delta: { content: "x".repeat(1000) } }] }));
+  const endless = () => {
+    const src = { cancelled: false };
+    // a pod that streams on and on, an event a millisecond
+    src.stream = new ReadableStream({
+      async pull(c) {
+        await new Promise((resolve) => setTimeout(resolve, 1));
+        c.enqueue(event);
+      },
+      cancel() { src.cancelled = true; },
+    });
+    return src;
+  };
+  const a = endless();
+  const seen = [];
+  const s = stripStream(a.stream, (u) => seen.push(u), guess, 10_000);
+  const out = new Uint8Array(await new Response(s.body).arrayBuffer());
+  await s.piped;
+  const cutEvent = streamCut(10_000);
+  assert.ok(out.length <= 10_000 + cutEvent.length, String(out.length));
+  assert.deepEqual(out.subarray(out.length - cutEvent.length), cutEvent);
+  assert.deepEqual(JSON.parse(new TextDecoder().decode(cutEvent).slice(6)).error.code, "stream_too_large");
+  assert.equal(a.cancelled, true);
+  assert.equal(seen.length, 1);
+  const b = endless();
+  const tapped = [];
+  const tap = tapStream(b.stream, true, (u) => tapped.push(u), guess, 10_000);
+  await new Response(tap.body).arrayBuffer().catch(() => null); // cut: the client's stream errors
+  await tap.piped;
+  assert.equal(b.cancelled, true);
+  assert.equal(tapped.length, 1);
 });
