@@ -28,6 +28,7 @@ import json
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from bench import harness
 from colocate import (
@@ -125,7 +126,7 @@ def run(opts, log=lambda _m: None) -> dict:
         body = harness.chat_body("json")
         for t in TARGETS:  # warm: isolates, connection pools, the object's first touch
             harness.wrk_run(target[t][0], max(opts.clients), 1, target[t][1], body)
-        levels = {c: [] for c in opts.clients}
+        levels: dict[int, list[dict]] = {c: [] for c in opts.clients}
         for r in range(opts.rounds):
             for c in opts.clients:
                 rd = {}
@@ -159,7 +160,7 @@ def check(url: str, headers: dict) -> dict:
 
 def summarise(rounds: list[dict]) -> dict:
     med = harness.median
-    out = {}
+    out: dict[str, Any] = {}
     for t in TARGETS:
         out[t] = {k: med(r[t].get(k) for r in rounds) for k in ("rps", "p50_ms", "p99_ms", "cpu_us_per_req")}
         out[t]["errors"] = sum(r[t]["errors"] for r in rounds)

@@ -184,8 +184,9 @@ def fleet_create(args, cells, targets) -> int:
     have = [c for c in cells if c in stored]
     if failed and not have and all(isinstance(e, Refused) and e.status == 400 for e in failed.values()):
         # Every cell refused the input itself (a bad name or limit): a usage error, nothing made.
-        print(f"keys.py create: {next(iter(failed.values()))}", file=sys.stderr)
-        return 2
+        refusal = next(iter(failed.values()))
+        print(f"keys.py create: {refusal}", file=sys.stderr)
+        return refusal.exit_code
     if not have:
         # Only the digest ever left this process: nobody can use a key no one was shown.
         report_failed(args, failed, have, f"key {row['id']}", None)
