@@ -14,7 +14,7 @@ import pytest
 from colocate import settings
 from colocate.errors import ConfigError
 from colocate.pods import standin
-from tests.support.workerd import OPERATOR_TOKENS, auth, request, running_cell
+from tests.support.workerd import OPERATOR_TOKENS, auth, cell_plan, request, running_cell
 
 PRICE = 100_000.0  # $ per 1M tokens, in and out: $0.10 a token, so a few requests reach a cap
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -90,6 +90,31 @@ def test_the_fallback_stops_at_each_keys_cap_then_at_the_cells_and_pods_still_se
     assert usage(cell, a) == {"requests": 4, "pod_requests": 1, "fallback_requests": 2, "fallback_microusd": 2 * each}
     assert usage(cell, b) == {"requests": 3, "pod_requests": 1, "fallback_requests": 2, "fallback_microusd": 2 * each}
     assert usage(cell, c) == {"requests": 2, "pod_requests": 1, "fallback_requests": 0, "fallback_microusd": 0}
+
+
+@pytest.mark.slow
+def test_the_days_spend_moves_with_the_generation(tmp_path):
+    """Spent in us-east.g1, then a migration to g2: the key's spend and the cell's (rebuilt from
+    the imported daily rows) hold the caps there."""
+    g1 = [{"name": "us-east.g1", "region": "us-east", "status": "active"}]
+    moved = [{"name": "us-east.g1", "region": "us-east", "status": "draining"},
+             {"name": "us-east.g2", "region": "us-east", "status": "active"}]
+    key_cap, cell_cap = round(1.5 * COST, 2), round(1.9 * COST, 2)  # two answers pass both
+    raw = {"fallbackPrice": {"input": PRICE, "output": PRICE},
+           "fallbackCap": {"cellUsdPerDay": cell_cap, "keyUsdPerDay": key_cap}}
+    with running_cell({"stateTtlMs": 300}, generations=g1, storage_dir=tmp_path / "do", split_tokens=True, **raw) as cell:
+        a, b = cell.create_key("moved-a"), cell.create_key("moved-b")
+        cell.pod.set_fault("error")
+        assert [chat(cell, a).headers["x-colocate-backend"] for _ in range(2)] == ["fallback", "fallback"]
+        deadline = time.monotonic() + 15
+        while usage(cell, a)["fallback_microusd"] < 2 * round(COST * 1e6) and time.monotonic() < deadline:
+            time.sleep(0.1)  # flushed to g1 before it stops
+        cell.restart(cell_plan({"stateTtlMs": 300}, generations=moved, split_tokens=True, **raw))
+        before = seconds_to_day_end()
+        refused_by(chat(cell, a), "this key", key_cap, "keyUsdPerDay", before, seconds_to_day_end())
+        before = seconds_to_day_end()
+        refused_by(chat(cell, b), "this cell", cell_cap, "cellUsdPerDay", before, seconds_to_day_end())
+        assert usage(cell, a)["fallback_microusd"] == 2 * round(COST * 1e6)
 
 
 def test_a_cap_needs_the_fallbacks_price_and_names_each_bad_field():
