@@ -14,6 +14,7 @@ import pytest
 from colocate import settings
 from colocate.errors import ConfigError
 from colocate.pods import standin
+from colocate.probe import live
 from tests.support.workerd import OPERATOR_TOKENS, auth, cell_plan, request, running_cell
 
 PRICE = 100_000.0  # $ per 1M tokens, in and out: $0.10 a token, so a few requests reach a cap
@@ -73,6 +74,17 @@ def test_the_fallback_stops_at_each_keys_cap_then_at_the_cells_and_pods_still_se
         before = seconds_to_day_end()
         refused_by(chat(cell, c), "this cell", CELL_CAP, "cellUsdPerDay", before, seconds_to_day_end())
         assert cell.fallback.requests == fallback_calls + 4  # a refusal never reaches the fallback
+        # The live view shows the day's spend against the caps.
+        deadline = time.monotonic() + 15
+        while True:  # the isolate's counts reach the object within its flush (a second here)
+            doc = request(cell.url, "GET", "/_colocate/live", headers=auth(OPERATOR_TOKENS["readToken"])).json()
+            spent = doc["fallback_spend"]
+            if spent["usd"] >= 4 * COST - 1e-6 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert (spent["usd"], spent["cell_cap_usd"], spent["key_cap_usd"]) == (pytest.approx(4 * COST), CELL_CAP, KEY_CAP)
+        assert (f"fallback spend {spent['day']} (UTC): ${4 * COST:,.2f} of ${CELL_CAP:,.2f} a day for the cell; "
+                f"each key ${KEY_CAP:,.2f} a day") in live.table(live.build(doc, None))
     finally:
         cell.pod.set_fault("ok")
     # The caps are the fallback's: the pod serves every key (its breaker, opened by the
@@ -147,3 +159,12 @@ def test_cost_shows_todays_fallback_spend_against_the_caps():
     uncapped = cost.report([{k: v for k, v in rows[0].items() if k != "fallback_microusd"}], cost_per_hr=0.5, hours=24,
                            window_days=1, price=None, today="2026-12-05")
     assert "fallback today (UTC)          n/a of no cap (cell); highest key n/a of no cap" in cost.table(uncapped)
+
+
+def test_the_live_views_spend_is_checked():
+    assert live.spend_of({}) is None
+    assert live.spend_line(live.spend_of({"fallback_spend": {"day": "2026-12-05", "usd": None, "cell_cap_usd": None,
+                                                             "key_cap_usd": None}})) == (
+        "fallback spend 2026-12-05 (UTC): not counted (set colocate:fallbackPrice)")
+    with pytest.raises(live.LiveDataError, match="fallback_spend is .*each amount a number >= 0 or null"):
+        live.spend_of({"fallback_spend": {"day": "2026-12-05", "usd": -1}})

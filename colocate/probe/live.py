@@ -273,6 +273,9 @@ class LiveResult:
     notes: list[str] = field(default_factory=list)
     timeline: list[TimelinePoint] = field(default_factory=list)
     histograms: dict[str, Histogram] = field(default_factory=dict)
+    # The fallback's spend today (UTC) against its caps, $ ({day, usd, cell_cap_usd, key_cap_usd});
+    # None from a Worker that does not report it.
+    fallback_spend: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -426,7 +429,36 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
         floors=live_floors, budgets=live_budgets, findings=found_info, violations=violations, notes=notes,
         timeline=[_timeline_point(t, buckets) for _, t in sorted(m.minutes.items())],
         histograms={s: h for s, h in m.segments.items() if h.n},
+        fallback_spend=spend_of(doc),
     )
+
+
+def spend_of(doc: Mapping) -> dict | None:
+    """The answer's ``fallback_spend``, checked: {day, usd, cell_cap_usd, key_cap_usd}, numbers >= 0 or null."""
+    spend = doc.get("fallback_spend")
+    if spend is None:
+        return None
+    fields = ("usd", "cell_cap_usd", "key_cap_usd")
+    if not isinstance(spend, Mapping) or not isinstance(spend.get("day"), str) or not all(
+            spend.get(f) is None or (isinstance(spend.get(f), int | float) and not isinstance(spend.get(f), bool)
+                                     and spend.get(f) >= 0) for f in fields):
+        raise LiveDataError(f"fallback_spend is {spend!r}: expected {{day, usd, cell_cap_usd, key_cap_usd}}, "
+                            "each amount a number >= 0 or null")
+    return {"day": spend["day"], **{f: spend.get(f) for f in fields}}
+
+
+def spend_line(spend: dict | None) -> str | None:
+    """The table's line for the fallback's spend today, or None when the Worker did not report it."""
+    if spend is None:
+        return None
+    if spend["usd"] is None:
+        return f"fallback spend {spend['day']} (UTC): not counted (set colocate:fallbackPrice)"
+    return (f"fallback spend {spend['day']} (UTC): ${spend['usd']:,.2f} of {_cap(spend['cell_cap_usd'])} for the cell; "
+            f"each key {_cap(spend['key_cap_usd'])}")
+
+
+def _cap(usd: float | None) -> str:
+    return "no cap" if usd is None else f"${usd:,.2f} a day"
 
 
 def _timeline_point(t: Minute, buckets: Buckets) -> TimelinePoint:
@@ -449,6 +481,7 @@ def to_json(r: LiveResult, warn_only: bool = False) -> dict:
         "findings": [{"part": f.part, "fails": f.fails, "message": f.message} for f in r.findings],
         "notes": r.notes, "timeline": [t.to_json() for t in r.timeline], "warn_only": warn_only,
         "relative_error": round(r.buckets.relative_error, 5),
+        "fallback_spend": r.fallback_spend,
     }
 
 
@@ -520,6 +553,9 @@ def table(r: LiveResult) -> str:
                      f" ({floors})" + ("" if s.latest else "  (earlier in the window)"))
     if p.generation:
         lines.append(f"  generation {p.generation}")
+    spend = spend_line(r.fallback_spend)
+    if spend:
+        lines += ["", spend]
     info = [f.message for f in r.findings] + r.notes
     if info:
         lines += ["", "notes:"] + [f"  - {m}" for m in info]

@@ -305,6 +305,13 @@ const LIVE_MAX_MS = 35 * 24 * 3600 * 1000; // what the object keeps (seg_hour)
 const LIVE_HOURLY_AFTER_MS = 6 * 3600 * 1000; // longer windows answer per hour: a bounded answer
 
 /** The live segment histograms since `since` (ms epoch; default an hour ago), for probe.py --live. */
+/** The fallback's spend today against its caps, in $ (null: no price, so not counted; a cap null: none). */
+function spendView(cfg, spent) {
+  const s = cfg.fallbackSpend;
+  const usd = (microusd) => (microusd > 0 ? microusd / 1e6 : null);
+  return { day: spent.day, usd: s.price ? spent.microusd / 1e6 : null, cell_cap_usd: usd(s.cellMicroUsd), key_cap_usd: usd(s.keyMicroUsd) };
+}
+
 async function live(env, cfg, url) {
   const t = Date.now();
   const raw = url.searchParams.get("since");
@@ -313,7 +320,7 @@ async function live(env, cfg, url) {
     throw new HttpError(400, "invalid_field", `query "since" must be a time in ms since the epoch, e.g. ${t - LIVE_DEFAULT_MS} for an hour ago (got ${JSON.stringify(raw)})`);
   }
   const from = Math.max(since, t - LIVE_MAX_MS);
-  let { minutes, hours } = await activeStub(env, cfg).live(from, infoOf(cfg));
+  let { minutes, hours, spent } = await activeStub(env, cfg).live(from, infoOf(cfg));
   if (t - from > LIVE_HOURLY_AFTER_MS) {
     // Fold minutes into hours here, in the Worker, rather than in the single-threaded object.
     const folded = new Map(hours.map((r) => [r.slice(0, 4).join("|"), r]));
@@ -328,7 +335,7 @@ async function live(env, cfg, url) {
   return jsonResponse(200, {
     generation: cfg.activeGeneration, draining_generation: cfg.drainingGeneration, region: cfg.region,
     pods: cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host })),
-    since: from, now: t, buckets: LIVE_BUCKETS, minutes, hours,
+    since: from, now: t, buckets: LIVE_BUCKETS, minutes, hours, fallback_spend: spendView(cfg, spent),
   }, noStore);
 }
 

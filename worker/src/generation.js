@@ -808,6 +808,7 @@ export class Breaker extends DurableObject {
     return {
       minutes: rows("SELECT minute AS t, colo, pod, segment, hist FROM seg_minute WHERE minute >= ?", Math.floor(since / MINUTE_MS)),
       hours: rows("SELECT hour AS t, colo, pod, segment, hist FROM seg_hour WHERE hour >= ?", Math.floor(since / HOUR_MS)),
+      spent: this.spentOn(dayOf(Date.now())),
     };
   }
 
