@@ -196,6 +196,7 @@ test("a broken namespace and no upstream: a JSON 503, no stack, no secret", asyn
 });
 
 test("once a stream has started, a pod failure is not retried elsewhere: the client sees the cut", async () => {
+  // (an event stream answering a request that asked for none is read whole, as any answer: forward.js tryPod)
   const env = envFor("router-stream", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
   const key = await withKey(env.BREAKER, "router-stream");
   const enc = new TextEncoder();
@@ -204,10 +205,25 @@ test("once a stream has started, a pod failure is not retried elsewhere: the cli
     pull(c) { c.error(new Error("pod died mid-stream")); },
   }), { headers: { "content-type": "text/event-stream" } });
   const { f, seen } = fakeFetch(broken);
-  const r = await handle(chat(key), env, ctx(), { fetch: f });
+  const r = await handle(post(key, { model: "m", messages: [{ role: "user", content: "hi" }], stream: true }), env, ctx(), { fetch: f });
   assert.match(r.headers.get("x-colocate-backend"), /^pod-[01]$/);
   await assert.rejects(r.text());
   assert.equal(podCalls(seen), 1);
+});
+
+test("an event stream answering a request that asked for none is read whole: a broken one is a pod failure, retried", async () => {
+  const env = envFor("router-unasked", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const key = await withKey(env.BREAKER, "router-unasked");
+  const enc = new TextEncoder();
+  const broken = () => new Response(new ReadableStream({
+    start(c) { c.enqueue(enc.encode('data: {"choices":[]}\n\n')); },
+    pull(c) { c.error(new Error("pod died mid-stream")); },
+  }), { headers: { "content-type": "text/event-stream" } });
+  const { f, seen } = fakeFetch(broken);
+  const r = await handle(chat(key), env, ctx(), { fetch: f });
+  assert.equal(r.headers.get("x-colocate-backend"), "fallback");
+  assert.deepEqual(await r.json(), { served: "fallback" });
+  assert.equal(seen.filter((x) => x.url.startsWith("http://pod") && x.url.includes("/v1/")).length, 2); // both pods tried
 });
 
 // --- hostile clients: streams counted, bad bodies refused, breaker blame ---
