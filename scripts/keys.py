@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
@@ -69,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens per UTC calendar month (0: no limit; default: colocate:keys.defaults)")
     c.add_argument("--max-parallel", type=int, default=None,
                    help="requests in flight at once (0: no limit; default: colocate:keys.defaults)")
+    c.add_argument("--fallback-usd-per-day", type=float, default=None, metavar="USD",
+                   help="the key's own cap on the fallback's spend per UTC day (default: colocate:fallbackCap.keyUsdPerDay)")
     c.add_argument("--expires-in", type=int, metavar="SECONDS", help="the key stops working after this long")
     c.add_argument("--env", action="store_true",
                    help="print `export OPENAI_BASE_URL=... OPENAI_API_KEY=...` for a shell's eval (OpenAI clients read both)")
@@ -176,10 +179,21 @@ def limits_line(row: dict, args: argparse.Namespace) -> str:
     return "limits: " + ", ".join(parts) + "; (default) = the cell's colocate:keys.defaults, 0 = no limit"
 
 
+def fallback_cap(args: argparse.Namespace) -> int | None:
+    """--fallback-usd-per-day as the Worker's fallback_microusd_day (millionths of a dollar)."""
+    usd = args.fallback_usd_per_day
+    if usd is None:
+        return None
+    if not math.isfinite(usd) or usd < 0:
+        raise UsageError(f"--fallback-usd-per-day {usd!r}: must be a number of $ >= 0 (0: the cell's per-key cap)")
+    return round(usd * 1_000_000)
+
+
 def fleet_create(args, cells, targets) -> int:
     key = admin.new_key()
     row = admin.key_row(key, args.name, rpm=args.rpm, tpm=args.tpm, monthly_tokens=args.monthly_tokens,
-                        max_parallel=args.max_parallel, expires_in_s=args.expires_in)
+                        max_parallel=args.max_parallel, expires_in_s=args.expires_in,
+                        fallback_microusd_day=fallback_cap(args))
     stored, failed = admin.fan_out(targets, lambda c: c.import_key(row))
     have = [c for c in cells if c in stored]
     if failed and not have and all(isinstance(e, Refused) and e.status == 400 for e in failed.values()):
@@ -360,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
     client = AdminClient(target)
     if args.cmd == "create":
         made = client.create_key(args.name, rpm=args.rpm, tpm=args.tpm, monthly_tokens=args.monthly_tokens,
-                                 max_parallel=args.max_parallel, expires_in_s=args.expires_in)
+                                 max_parallel=args.max_parallel, expires_in_s=args.expires_in,
+                                 fallback_microusd_day=fallback_cap(args))
         if args.json:
             print(json.dumps(made, indent=2))
         elif args.env:

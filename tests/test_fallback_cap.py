@@ -129,6 +129,32 @@ def test_the_days_spend_moves_with_the_generation(tmp_path):
         assert usage(cell, a)["fallback_microusd"] == 2 * round(COST * 1e6)
 
 
+@pytest.mark.slow
+def test_a_key_may_hold_a_cap_of_its_own(monkeypatch, capsys):
+    """keys.py create --fallback-usd-per-day: the key's own cap, in place of the cell's per-key one."""
+    from scripts import keys
+
+    raw = {"fallbackPrice": {"input": PRICE, "output": PRICE}, "fallbackCap": {"keyUsdPerDay": round(10 * COST, 2)}}
+    own = round(0.5 * COST, 2)
+    with running_cell({"stateTtlMs": 60_000}, split_tokens=True, **raw) as cell:
+        monkeypatch.setenv("COLOCATE_ADMIN_TOKEN", OPERATOR_TOKENS["adminToken"])
+        assert keys.main(["create", "--url", cell.url, "--name", "own-cap", "--fallback-usd-per-day", str(own), "--json"]) == 0
+        made = json.loads(capsys.readouterr().out)
+        assert made["fallback_microusd_day"] == round(own * 1e6)
+        assert keys.main(["create", "--url", cell.url, "--name", "bad", "--fallback-usd-per-day", "-1"]) == 2
+        assert "--fallback-usd-per-day -1.0: must be a number of $ >= 0" in capsys.readouterr().err
+        cell.pod.set_fault("error")
+        assert chat(cell, made).headers["x-colocate-backend"] == "fallback"  # under its cap when it starts
+        before = seconds_to_day_end()
+        res = chat(cell, made)
+        assert res.status == 429 and res.json()["error"]["message"] == (
+            f"no pod could serve this request, and the fallback API's spend cap for today is reached: ${own:.2f} a day "
+            "for this key (the key's fallback_microusd_day); retry when a pod is back, or after 00:00 UTC")
+        assert seconds_to_day_end() - 1 <= int(res.headers["retry-after"]) <= before + 1
+        other = cell.create_key("cell-cap")  # no cap of its own: the cell's per-key one, not reached
+        assert [chat(cell, other).headers["x-colocate-backend"] for _ in range(2)] == ["fallback", "fallback"]
+
+
 def test_a_cap_needs_the_fallbacks_price_and_names_each_bad_field():
     price = (0.15, 0.6)
     assert settings.parse_fallback_cap(None, None) == (0.0, 0.0)

@@ -205,8 +205,9 @@ def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
         keys_before = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
     with driven_cell({"stateTtlMs": 60_000}, storage_dir=store, with_key=False) as c:
         keys_after = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
-        assert [{**k, "max_parallel": None} for k in keys_after] == [{**k, "max_parallel": None} for k in keys_before]
-        assert all(k["max_parallel"] == 0 for k in keys_after)
+        added = {"max_parallel": None, "fallback_microusd_day": None}  # columns added since schema 2, 0 for old rows
+        assert [{**k, **added} for k in keys_after] == [{**k, **added} for k in keys_before]
+        assert all(k["max_parallel"] == 0 and k["fallback_microusd_day"] == 0 for k in keys_after)
         after = request(c.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]
         added = ("estimated_tokens", "fallback_microusd")  # columns added since schema 2, 0 for old rows
         assert [{k: v for k, v in r.items() if k not in added} for r in after] == before

@@ -19,7 +19,9 @@ import { now, serverTiming, PROBE_METRICS } from "./timing.js";
 const ADMIN_BODY_LIMIT = 4096;
 const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$/;
 const DAY_RE = /^\d{4}-\d{2}-\d{2}$/;
-const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens", "max_parallel"];
+// fallback_microusd_day: the key's own cap on the fallback's spend per UTC day, in millionths
+// of a dollar (0: colocate:fallbackCap.keyUsdPerDay, the cell's cap for every key).
+const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens", "max_parallel", "fallback_microusd_day"];
 
 /** Constant-time comparison: both sides are hashed to equal length, then every character is compared. */
 export async function tokenMatches(given, expected) {
@@ -209,7 +211,7 @@ async function createKey(request, env, cfg) {
       `field "name" must be 1-64 characters: letters, digits, space, . _ @ - (got ${JSON.stringify(body.name ?? null)})`);
   }
   const unknown = Object.keys(body).filter((k) => !["name", "expires_in_s", ...LIMIT_FIELDS].includes(k));
-  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, rpm, tpm, monthly_tokens, max_parallel, expires_in_s`);
+  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use name, ${LIMIT_FIELDS.join(", ")}, expires_in_s`);
   // A limit absent: the cell's default for new keys (colocate:keys.defaults).
   const limits = Object.fromEntries(LIMIT_FIELDS.map((f) => [f, limitOf(body, f, cfg.keyDefaults[f])]));
   let expiresAt = null;

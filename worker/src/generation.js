@@ -180,9 +180,9 @@ export class Breaker extends DurableObject {
       if (data.forced && this.meta("forced") === null) this.setMeta("forced", data.forced);
       let rev = this.rev();
       for (const k of data.keys) {
-        const added = this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+        const added = this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
           k.id, k.hash, k.prefix, k.name, k.rpm, k.tpm, k.monthly_tokens, k.max_parallel ?? 0, k.created_at, k.expires_at,
-          k.revoked_at, rev + 1).rowsWritten;
+          k.revoked_at, k.fallback_microusd_day ?? 0, rev + 1).rowsWritten;
         if (added) rev += 1;
       }
       this.setMeta("rev", rev);
@@ -735,9 +735,9 @@ export class Breaker extends DurableObject {
 
   /** A new key row at the next revision (inside the caller's transaction). */
   insertKey(row) {
-    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
       row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
-      row.expires_at, null, this.bumpRev());
+      row.expires_at, null, row.fallback_microusd_day ?? 0, this.bumpRev());
   }
 
   /**
@@ -766,13 +766,13 @@ export class Breaker extends DurableObject {
   }
 
   keyRow(id) {
-    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at
+    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, fallback_microusd_day, created_at, expires_at, revoked_at
       FROM client_keys WHERE id = ?`, id).toArray()[0] ?? null;
   }
 
   async listKeys(info) {
     await this.readThrough(info);
-    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at
+    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, fallback_microusd_day, created_at, expires_at, revoked_at
       FROM client_keys ORDER BY created_at, id`).toArray();
   }
 
@@ -848,7 +848,8 @@ function parseJson(text) {
 /** A key row as isolates hold it: `revoked` tells a holder to drop it. */
 function keyView(r) {
   return { id: r.id, hash: r.hash, name: r.name, rpm: r.rpm, tpm: r.tpm, monthly_tokens: r.monthly_tokens,
-    max_parallel: r.max_parallel, expires_at: r.expires_at, rev: r.rev, revoked: r.revoked_at !== null };
+    max_parallel: r.max_parallel, fallback_microusd_day: r.fallback_microusd_day, expires_at: r.expires_at, rev: r.rev,
+    revoked: r.revoked_at !== null };
 }
 
 /** Two histogram texts summed; "" when both are empty, null when `hist` is malformed. */

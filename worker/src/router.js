@@ -289,7 +289,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }
-  const capped = fallbackCapRefusal(cfg, key.id, Date.now());
+  const capped = fallbackCapRefusal(cfg, key, Date.now());
   if (capped) {
     // Past the day's cap the fallback is not called: the request is refused, not bought.
     blame(suspects, blameOf(suspects.length, null));

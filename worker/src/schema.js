@@ -47,7 +47,7 @@
 
 import { EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
 
-export const SCHEMA_VERSION = "5";
+export const SCHEMA_VERSION = "6";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -58,7 +58,8 @@ export const SCHEMA = [
      id TEXT PRIMARY KEY, hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL, name TEXT NOT NULL,
      rpm INTEGER NOT NULL DEFAULT 0, tpm INTEGER NOT NULL DEFAULT 0, monthly_tokens INTEGER NOT NULL DEFAULT 0,
      created_at INTEGER NOT NULL, expires_at INTEGER, revoked_at INTEGER,
-     max_parallel INTEGER NOT NULL DEFAULT 0, rev INTEGER NOT NULL DEFAULT 0)`,
+     max_parallel INTEGER NOT NULL DEFAULT 0, rev INTEGER NOT NULL DEFAULT 0,
+     fallback_microusd_day INTEGER NOT NULL DEFAULT 0)`,
   `CREATE TABLE IF NOT EXISTS usage_daily (
      day TEXT NOT NULL, key_id TEXT NOT NULL,
      requests INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
@@ -100,6 +101,7 @@ export const SCHEMA = [
 export const ADDED_COLUMNS = [
   ["pod_health", "failure_keys", "TEXT"],
   ["client_keys", "max_parallel", "INTEGER NOT NULL DEFAULT 0"],
+  ["client_keys", "fallback_microusd_day", "INTEGER NOT NULL DEFAULT 0"],
   ["client_keys", "rev", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
@@ -113,9 +115,10 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
 ];
 
-export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at";
+export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at, "
+  + "fallback_microusd_day";
 // What an isolate holds of a key (no prefix, no timestamps it does not use).
-export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at";
+export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at, fallback_microusd_day";
 // A sync's usage rows carry usage_daily's columns, in payloads.js USAGE's order.
 export const USAGE_COLUMNS = USAGE.columns;
 

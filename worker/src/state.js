@@ -72,7 +72,7 @@ export function infoOf(cfg, keys = []) {
     ttlMs: cfg.stateTtlMs,
     keys,
     capCell: cfg.fallbackSpend.cellMicroUsd > 0,
-    capKeys: cfg.fallbackSpend.keyMicroUsd > 0,
+    capKeys: cfg.fallbackSpend.price !== null, // a key may hold a cap of its own
   };
 }
 
