@@ -24,6 +24,7 @@ Exit: 0 done, 2 setup failure (node missing, a process not starting, a stream cu
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import socket
@@ -58,8 +59,10 @@ def left_the_pod_mb(pod_url: str) -> float | None:
     return round(sum(int(n) for n in re.findall(r"bytes_acked:(\d+)", out)) / 1e6, 2)
 
 
-def _request(port: int, key: str, rcvbuf: int | None) -> socket.socket:
-    body = harness.STREAM_USAGE_BODY.encode()
+def _request(port: int, key: str, rcvbuf: int | None, tokens: int) -> socket.socket:
+    # The request allows as many tokens as the pod streams events: the router cuts a stream
+    # past what its request can produce (docs/worker.md), and this one is not an attack.
+    body = json.dumps({**json.loads(harness.STREAM_USAGE_BODY), "max_tokens": tokens}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -85,9 +88,9 @@ def _whole(data: bytes, what: str) -> None:
         raise harness.BenchError(f"{what}: the stream did not end with its usage event and [DONE]")
 
 
-def stall(port: int, pid: int, pod_url: str, key: str, stall_s: float) -> dict:
+def stall(port: int, pid: int, pod_url: str, key: str, stall_s: float, tokens: int) -> dict:
     start = rss_mb(pid)
-    sock = _request(port, key, rcvbuf=65536)
+    sock = _request(port, key, rcvbuf=65536, tokens=tokens)
     try:
         seen = sock.recv(4096)  # the headers, perhaps the first events
         time.sleep(stall_s)
@@ -102,9 +105,9 @@ def stall(port: int, pid: int, pod_url: str, key: str, stall_s: float) -> dict:
             "left_the_pod_mb": left, "answer_mb": round(len(data) / 1e6, 2), "rest_read_s": round(rest_s, 2)}
 
 
-def burst(port: int, key: str) -> dict:
+def burst(port: int, key: str, tokens: int) -> dict:
     t0 = time.monotonic()
-    sock = _request(port, key, rcvbuf=None)
+    sock = _request(port, key, rcvbuf=None, tokens=tokens)
     try:
         data, times = _read_all(sock)
     finally:
@@ -127,8 +130,8 @@ def run(chunks: int, stall_s: float, burst_chunks: int, worker_src: Path | None,
             with harness.router_worker(plan, values, None) as router:
                 key = harness.mint_key(router.url, secrets.probe_token)
                 port = router.port
-                out[name] = (stall(port, router.process.pid, pod_urls[0], key, stall_s) if name == "stall"
-                             else burst(port, key))
+                out[name] = (stall(port, router.process.pid, pod_urls[0], key, stall_s, n) if name == "stall"
+                             else burst(port, key, n))
                 log(f"{name}: {out[name]}")
     return out
 
