@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import shutil
 import sys
 import threading
 import time
@@ -166,16 +165,7 @@ class Demo:
 
     def fresh(self) -> None:
         """Stop a previous run's fleet; copies of the committed stacks with the demo's policy."""
-        if fleet.is_fleet_dir(self.fleet_dir):
-            fleet.down(self.fleet_dir)
-        for cell in CELLS:
-            if (self.state_dir / cell).exists():
-                supervisor.down(self.state_dir / cell, quiet=True)
-        if self.state_dir.exists():
-            shutil.rmtree(self.state_dir)
-        self.stacks_dir.mkdir(parents=True)
-        for stack in (FLEET, *CELLS):
-            shutil.copyfile(stackfile.path_of(stack), stackfile.path_of(stack, self.stacks_dir))
+        fleet.start_afresh(self.fleet_dir, self.state_dir, self.stacks_dir, FLEET, CELLS)
         stackfile.write_config(FLEET, {"fleet.rememberMs": REMEMBER_MS}, self.stacks_dir)
         for cell in CELLS:
             # The policy in the units the controller sees: one request sent stands for `per` of the

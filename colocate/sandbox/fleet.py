@@ -358,3 +358,20 @@ def apply_cell(state_dir: Path, cell: str, timeout_s: float = supervisor.UP_TIME
     cell_stacks = sandbox_stacks(launch, plan_of(launch), state_dir)
     return supervisor.apply(fleet_mod.short_name(member["stack"]), state_dir=Path(member["state_dir"]),
                             stacks_dir=cell_stacks, timeout_s=timeout_s)
+
+
+def start_afresh(fleet_dir: Path, state_dir: Path, stacks_dir: Path, fleet_stack: str, cells: tuple[str, ...]) -> None:
+    """A demo's clean start: stop a previous run's fleet and cells (a run killed before it wrote
+    its fleet record leaves only cells), then copies of the committed stacks in ``stacks_dir``."""
+    import shutil
+
+    if is_fleet_dir(fleet_dir):
+        down(fleet_dir)
+    for cell in cells:
+        if (state_dir / cell).exists():
+            supervisor.down(state_dir / cell, quiet=True)
+    if state_dir.exists():
+        shutil.rmtree(state_dir)
+    stacks_dir.mkdir(parents=True)
+    for stack in (fleet_stack, *cells):
+        shutil.copyfile(stackfile.path_of(stack), stackfile.path_of(stack, stacks_dir))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -120,16 +119,7 @@ class Demo:
 
     def fresh(self) -> None:
         """Stop a previous demo's fleet and start from nothing (copies of the committed stacks)."""
-        if fleet.is_fleet_dir(self.fleet_dir):
-            fleet.down(self.fleet_dir)
-        for cell in CELLS:  # a demo killed before it wrote its fleet record
-            if (self.state_dir / cell).exists():
-                supervisor.down(self.state_dir / cell, quiet=True)
-        if self.state_dir.exists():
-            shutil.rmtree(self.state_dir)
-        self.stacks_dir.mkdir(parents=True)
-        for stack in (FLEET, *CELLS):
-            shutil.copyfile(stackfile.path_of(stack), stackfile.path_of(stack, self.stacks_dir))
+        fleet.start_afresh(self.fleet_dir, self.state_dir, self.stacks_dir, FLEET, CELLS)
 
     def up(self) -> None:
         t0 = time.monotonic()
