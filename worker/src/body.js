@@ -23,16 +23,29 @@ export async function readBody(request, limit) {
     return new Uint8Array(await request.arrayBuffer());
   }
   if (!request.body) return new Uint8Array(0);
-  const reader = request.body.getReader();
+  const body = await readUpTo(request.body, limit);
+  if (body === null) throw tooLarge(limit);
+  return body;
+}
+
+/**
+ * A stream's bytes in one array, counted while read: null (and the stream cancelled) once
+ * they pass `cap`. For bodies whose length is not declared, where only counting bounds them.
+ * @param {ReadableStream<Uint8Array>} stream
+ * @param {number} cap
+ * @returns {Promise<Uint8Array | null>}
+ */
+export async function readUpTo(stream, cap) {
+  const reader = stream.getReader();
   const chunks = [];
   let size = 0;
   for (;;) {
     const { done, value } = await reader.read();
     if (done) break;
     size += value.byteLength;
-    if (size > limit) {
+    if (size > cap) {
       await reader.cancel().catch(() => {});
-      throw tooLarge(limit);
+      return null;
     }
     chunks.push(value);
   }

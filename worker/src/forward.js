@@ -1,6 +1,7 @@
 // @ts-check
 // Forwarding to the pod and to the fallback API.
 
+import { readUpTo } from "./body.js";
 import { HttpError } from "./errors.js";
 
 // Client headers that travel upstream (to the pod and to the fallback API, which is called
@@ -78,26 +79,9 @@ async function readCapped(res, cap) {
     if (!res.body) return new ArrayBuffer(0);
     throw new Oversized();
   }
-  const reader = res.body.getReader();
-  const chunks = [];
-  let size = 0;
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    size += value.byteLength;
-    if (size > cap) {
-      await reader.cancel().catch(() => {});
-      throw new Oversized();
-    }
-    chunks.push(value);
-  }
-  const out = new Uint8Array(size);
-  let at = 0;
-  for (const c of chunks) {
-    out.set(c, at);
-    at += c.byteLength;
-  }
-  return out.buffer;
+  const bytes = await readUpTo(res.body, cap);
+  if (bytes === null) throw new Oversized();
+  return bytes.buffer;
 }
 
 export function isStream(res) {
