@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -180,10 +181,10 @@ def bench_plan(deadline_ms: int, worker_src: Path | None = None):
 
 def floor_config(compatibility_date: str, main: str, bindings: Mapping[str, str], port: int,
                  router_modules: tuple[str, ...] = ()) -> str:
-    """workerd config for a floor Worker: bench/``main`` first, then ``router_modules`` read
-    from worker/src (the router's own bytes), the plan's compatibility date, and the same
-    outbound network service as colocate.workerd.render_config."""
-    mods = [(main, (HERE / main).read_text())] + [(m, (ROOT / "worker" / "src" / m).read_text()) for m in router_modules]
+    """workerd config for a floor Worker: bench/``main`` first, then ``router_modules`` and
+    every module they import, read from worker/src (the router's own bytes), the plan's
+    compatibility date, and the same outbound network service as colocate.workerd.render_config."""
+    mods = [(main, (HERE / main).read_text())] + list(with_imports(router_modules).items())
     net = network_service()
     mod_list = ", ".join(f"(name = {capnp_text(n)}, esModule = {capnp_text(src)})" for n, src in mods)
     bind_list = ", ".join(f"(name = {capnp_text(k)}, text = {capnp_text(v)})" for k, v in bindings.items())
@@ -194,6 +195,23 @@ def floor_config(compatibility_date: str, main: str, bindings: Mapping[str, str]
     return config_capnp([worker_service(MAIN_SERVICE, lit), net], [socket_capnp(SOCKET_NAME, port, MAIN_SERVICE)])
 
 
+_IMPORT = re.compile(r'from\s+"\./([\w.-]+\.js)"')
+
+
+def with_imports(names: Sequence[str]) -> dict[str, str]:
+    """worker/src modules ``names`` and those they import, transitively: name -> source.
+    Following the imports keeps a floor Worker loadable when a router module gains one."""
+    out: dict[str, str] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        out[name] = (ROOT / "worker" / "src" / name).read_text()
+        todo.extend(_IMPORT.findall(out[name]))
+    return out
+
+
 def bare_config(compatibility_date: str, pod_urls: list[str], port: int) -> str:
     """The floor: passthrough.js, nothing but fetch(pod)."""
     return floor_config(compatibility_date, "passthrough.js", {"POD_URLS": plan_mod.pod_urls_text(pod_urls)}, port)
@@ -202,7 +220,7 @@ def bare_config(compatibility_date: str, pod_urls: list[str], port: int) -> str:
 def contract_config(compatibility_date: str, pod_urls: list[str], pod_token: str, deadline_ms: int, port: int) -> str:
     """The contract floor: contract.js with the router's forward.js and timing.js."""
     bindings = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "POD_TOKEN": pod_token, "DEADLINE_MS": str(deadline_ms)}
-    return floor_config(compatibility_date, "contract.js", bindings, port, ("forward.js", "errors.js", "timing.js"))
+    return floor_config(compatibility_date, "contract.js", bindings, port, ("forward.js", "timing.js"))
 
 
 @contextlib.contextmanager

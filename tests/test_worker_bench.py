@@ -420,3 +420,12 @@ def test_a_bench_command_reports_a_setup_failure_as_exit_2_and_writes_its_json(t
     assert not (tmp_path / "no.json").exists()
     assert harness.report("bench.x", lambda: {"n": 1}, lambda r: f"n={r['n']}", tmp_path / "r.json") == 0
     assert capsys.readouterr().out == "n=1\n" and json.loads((tmp_path / "r.json").read_text()) == {"n": 1}
+
+
+def test_a_floor_worker_carries_every_module_its_router_modules_import():
+    # forward.js imports body.js and errors.js; a floor that named only forward.js failed to load.
+    mods = harness.with_imports(["forward.js"])
+    assert {"forward.js", "body.js", "errors.js"} <= set(mods)
+    for src in mods.values():
+        for dep in harness._IMPORT.findall(src):
+            assert dep in mods
