@@ -195,7 +195,7 @@ def floor_config(compatibility_date: str, main: str, bindings: Mapping[str, str]
     return config_capnp([worker_service(MAIN_SERVICE, lit), net], [socket_capnp(SOCKET_NAME, port, MAIN_SERVICE)])
 
 
-_IMPORT = re.compile(r'from\s+"\./([\w.-]+\.js)"')
+MODULE_IMPORT = re.compile(r'from\s+"\./([\w.-]+\.js)"')
 
 
 def with_imports(names: Sequence[str]) -> dict[str, str]:
@@ -208,7 +208,7 @@ def with_imports(names: Sequence[str]) -> dict[str, str]:
         if name in out:
             continue
         out[name] = (ROOT / "worker" / "src" / name).read_text()
-        todo.extend(_IMPORT.findall(out[name]))
+        todo.extend(MODULE_IMPORT.findall(out[name]))
     return out
 
 

@@ -48,6 +48,7 @@ import difflib
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -341,12 +342,21 @@ def _after_interrupt(cmd: str, state_dir: Path | None) -> str:
 def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
     """``cli``: the process ends after this returns, so late signals are ignored rather than
     turned into a traceback (the command's outcome is already printed)."""
-    handlers = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
-    if cli:
-        sys.unraisablehook = _unraisable
+    handlers: dict[int, Any] = {}
+
+    def restore() -> None:
+        for sig, handler in handlers.items():
+            signal.signal(sig, signal.SIG_IGN if cli else handler)
+
     try:
+        # Inside the try: a signal may land between the two installs, once the first is ours.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, _interrupted)
+        if cli:
+            sys.unraisablehook = _unraisable
         args = parser().parse_args(argv)
     except KeyboardInterrupt:
+        restore()
         print("sandbox.py: interrupted before doing anything", file=sys.stderr)
         return 130
     state_dir: Path | None = None
@@ -424,8 +434,7 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
         print(f"sandbox.py {args.cmd}: {_after_interrupt(args.cmd, state_dir)}", file=sys.stderr)
         return 130
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, signal.SIG_IGN if cli else handler)
+        restore()
     return 2
 
 

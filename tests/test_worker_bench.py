@@ -427,5 +427,5 @@ def test_a_floor_worker_carries_every_module_its_router_modules_import():
     mods = harness.with_imports(["forward.js"])
     assert {"forward.js", "body.js", "errors.js"} <= set(mods)
     for src in mods.values():
-        for dep in harness._IMPORT.findall(src):
+        for dep in harness.MODULE_IMPORT.findall(src):
             assert dep in mods
