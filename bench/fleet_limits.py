@@ -13,8 +13,10 @@ isolate holds it: a known key's requests are what ``state`` measures), and a key
 limit keeps every isolate warm until the end.
 
 Prints, per case: the limit, the cells and pattern, the rate asked (x the limit), what was
-admitted (requests, or tokens for tpm and monthly tokens), admitted / limit, and the
-routers' Server-Timing ``state`` p99 over the case's requests. Exit 0; 2 on a setup failure.
+admitted (requests, or tokens for tpm and monthly tokens), admitted / limit, the refusals
+while the key was under its limit (a 429 answered while what the fleet had admitted of the
+key, plus that request, was still within L), and the routers' Server-Timing ``state`` p99
+over the case's requests. Exit 0; 2 on a setup failure.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
         log(f"waiting {left:.0f} s for the minute after the next to start")
         time.sleep(left + 0.3)
         minute = int(time.time() // 60)
-        results: dict[str, dict[str, Any]] = {c.name: {"ok": 0, "tokens": 0, "sent": 0, "state": [], "codes": {}} for c in CASES}
+        results: dict[str, dict[str, Any]] = {c.name: {"ok": 0, "tokens": 0, "sent": 0, "under": 0, "state": [],
+                                              "codes": {}} for c in CASES}
         lock = threading.Lock()
         start = time.monotonic()
 
@@ -182,6 +185,9 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
                         r["ok"] += 1
                         if case.limit != "rpm":
                             r["tokens"] += res.json()["usage"]["total_tokens"]
+                    elif res.status_code == 429:
+                        so_far, cost = (r["ok"], 1) if case.limit == "rpm" else (r["tokens"], TOKENS)
+                        r["under"] += so_far + cost <= case.value
                 if slots is not None:
                     time.sleep(max(0.0, 1 / per_s - (time.monotonic() - start - t)))
 
@@ -204,15 +210,15 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
             admitted = r["ok"] if case.limit == "rpm" else r["tokens"]
             out.append({"case": case.name, "limit": case.limit, "value": case.value, "asked_x": round(case.asked, 2),
                         "sent": r["sent"], "admitted": admitted, "admitted_over_limit": round(admitted / case.value, 3),
-                        "state_p99_ms": p99(r["state"]), "codes": r["codes"]})
+                        "refused_under_limit": r["under"], "state_p99_ms": p99(r["state"]), "codes": r["codes"]})
         return out
 
 
 def render(rows: list[dict]) -> str:
-    lines = [f"{'case':44} {'sent':>5} {'admitted':>9} {'admitted/L':>10} {'state p99':>9}"]
+    lines = [f"{'case':44} {'sent':>5} {'admitted':>9} {'admitted/L':>10} {'refused<L':>9} {'state p99':>9}"]
     for r in rows:
         lines.append(f"{r['case']:44} {r['sent']:>5} {r['admitted']:>9} {r['admitted_over_limit']:>10.3f}"
-                     f" {r['state_p99_ms']:>6.0f} ms")
+                     f" {r['refused_under_limit']:>9} {r['state_p99_ms']:>6.0f} ms")
     worst = max(r["admitted_over_limit"] for r in rows)
     lines.append(f"worst admitted/L {worst:.3f} (bound 1.10); state p99 {max(r['state_p99_ms'] for r in rows):.0f} ms")
     return "\n".join(lines)

@@ -26,6 +26,8 @@ export class HttpError extends Error {
     this.type = type;
     /** @type {number | undefined} ms the router holds a repeated refusal before answering */
     this.holdMs = undefined;
+    /** @type {{keyId: string, t: number} | undefined} a refusal by a fleet cell's lease alone (router.js) */
+    this.elsewhere = undefined;
   }
 }
 

@@ -6,9 +6,9 @@
 import CELL_RANK from "./cellrank.js";
 import { ConfigurationError } from "./errors.js";
 
-import { DEFER_HEADER, FRONT_HEADER } from "./routes.js";
+import { DEFER_HEADER, FRONT_HEADER, LEASE_HEADER } from "./routes.js";
 
-export { DEFER_HEADER, FRONT_HEADER };
+export { DEFER_HEADER, FRONT_HEADER, LEASE_HEADER };
 export const CELL_HEADER = "x-colocate-cell";
 export const MAX_TRIES = 2; // cells per request: the nearest able one, and one more
 
@@ -107,6 +107,22 @@ export function choose(cfg, colo, t = Date.now()) {
   return able.concat(passed).slice(0, MAX_TRIES).map((i) => cfg.cells[i]);
 }
 
+/**
+ * The cells not in `tried` that a request refused by a cell's lease may go to next: every
+ * other cell of the fleet, the colo's ranked ones first (nearest first), then the rest in
+ * the configured order. A slower answer beats a refusal, so the ranking's cut to the e2e
+ * budget does not apply here.
+ */
+export function others(cfg, colo, tried) {
+  const ranked = (typeof colo === "string" && cfg.rank[colo.toUpperCase()]) || [];
+  const out = [];
+  for (const i of [...ranked, ...cfg.fallbackOrder]) {
+    const cell = cfg.cells[i];
+    if (!tried.includes(cell) && !out.includes(cell)) out.push(cell);
+  }
+  return out;
+}
+
 export function remember(cfg, cell, t = Date.now()) {
   if (cfg.rememberMs > 0) noPodUntil.set(cell.name, t + cfg.rememberMs);
 }
@@ -114,4 +130,9 @@ export function remember(cfg, cell, t = Date.now()) {
 /** The answer of a cell that asked to be passed over (the contract in router.js). */
 export function isNoPod(res) {
   return res.status === 503 && res.headers.get("x-colocate-backend") === "none";
+}
+
+/** A cell's refusal by its lease alone, of a key under its fleet-wide limit (router.js): another cell may admit it. */
+export function isLeaseElsewhere(res) {
+  return res.status === 429 && res.headers.get(LEASE_HEADER) === "elsewhere";
 }

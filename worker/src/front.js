@@ -16,11 +16,16 @@
 //
 // The contract with a cell (worker/src/router.js): a request carrying
 // `x-colocate-fallback: defer` and the cell's exchange token in `x-colocate-front` that finds no pod able to serve it is answered at once with
-// 503 `no_pod` and `x-colocate-backend: none` instead of spending the paid fallback.
+// 503 `no_pod` and `x-colocate-backend: none` instead of spending the paid fallback; a
+// request carrying the token that the cell's lease of its key refuses while the key is under
+// its fleet-wide limit is answered at once with 429 and `x-colocate-lease: elsewhere`, and
+// the front door tries the other cells (docs/fleet.md, "A key that moves").
 
 import { readBody } from "./body.js";
 import { ConfigurationError, HttpError, errorResponse, log } from "./errors.js";
-import { CELL_HEADER, DEFER_HEADER, FRONT_HEADER, choose, isNoPod, readFleet, remember } from "./fleetfront.js";
+import {
+  CELL_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, choose, isLeaseElsewhere, isNoPod, others, readFleet, remember,
+} from "./fleetfront.js";
 import { pokeLedger } from "./fleetexchange.js";
 import { CLIENT_COLO_HEADER, lookup } from "./routes.js";
 import { now, serverTiming } from "./timing.js";
@@ -32,6 +37,7 @@ const COLO = /^[A-Za-z]{3}$/; // an IATA code; anything else (a forged cf-blob l
 function finish(res, cell, frontMs, colo) {
   const out = new Response(res.body, res);
   out.headers.set(CELL_HEADER, cell.name);
+  out.headers.delete(LEASE_HEADER); // between the front door and its cells only
   const inner = res.headers.get("server-timing");
   // desc = where the front door ran, so a probe can rank the cells as it did (docs/probe.md).
   const where = typeof colo === "string" && COLO.test(colo) ? `;desc="${colo.toUpperCase()}"` : "";
@@ -55,18 +61,22 @@ async function route(request, env, ctx) {
   const body = r.json ? await readBody(request, cfg.maxBodyBytes) : null;
   const colo = request.cf && request.cf.colo;
   const tries = choose(cfg, colo);
+  const deferring = tries.length - 1; // the ranked cells but the last may answer "no pod"
+  let refused = null; // the latest refusal by a cell's lease: the answer if no later cell gives one
   for (let k = 0; k < tries.length; k++) {
     const cell = tries[k];
-    const last = k === tries.length - 1;
+    const defer = k < deferring;
+    // Whether another cell is left to try if this one's lease refuses the key.
+    const more = k < tries.length - 1 || tries.length < cfg.cells.length;
     const headers = new Headers(request.headers);
-    // Only the last cell tried may spend the fallback; a client's own header never decides
-    // it, and only the front door, with the cell's exchange token, may ask for `defer`.
+    // Only the last ranked cell may spend the fallback; a client's own header never decides
+    // it. Only the front door, with the cell's exchange token, may ask for `defer` or have a
+    // refusal by lease marked: the last cell left to try refuses as it would anyone.
     headers.delete(FRONT_HEADER);
-    if (last) headers.delete(DEFER_HEADER);
-    else {
-      headers.set(DEFER_HEADER, "defer");
-      headers.set(FRONT_HEADER, cfg.tokens[cell.index]);
-    }
+    headers.delete(LEASE_HEADER);
+    if (defer) headers.set(DEFER_HEADER, "defer");
+    else headers.delete(DEFER_HEADER);
+    if (defer || more) headers.set(FRONT_HEADER, cfg.tokens[cell.index]);
     headers.delete("content-length"); // the runtime sets it from the buffered body
     // Where the client was, for the cell's live view (a client's own header is replaced or dropped).
     if (typeof colo === "string" && COLO.test(colo)) headers.set(CLIENT_COLO_HEADER, colo.toUpperCase());
@@ -78,17 +88,28 @@ async function route(request, env, ctx) {
     } catch (err) {
       log(env, "cell_unreachable", { cell: cell.name, message: String(err && err.message) });
       remember(cfg, cell);
-      if (last) throw new HttpError(502, "cell_unavailable", "no cell of the fleet could be reached; retry shortly", { "retry-after": "1" });
-      continue;
+      if (refused && k === tries.length - 1) tries.push(...others(cfg, colo, tries)); // a share may be left elsewhere
+      if (k < tries.length - 1) continue;
+      if (refused) return finish(refused.res, refused.cell, now() - t0 - refused.spent, colo);
+      throw new HttpError(502, "cell_unavailable", "no cell of the fleet could be reached; retry shortly", { "retry-after": "1" });
     }
     const spent = now() - t;
-    if (!last && isNoPod(res)) {
+    if (defer && isNoPod(res)) {
       // Passed over for REMEMBER_MS only when the cell had no pod to try at all (breakers
       // open): one failed attempt is its breaker's business, not a verdict on the cell.
       if (res.headers.get("x-colocate-pods-tried") === "0") remember(cfg, cell);
       if (res.body) ctx.waitUntil(res.body.cancel().catch(() => {}));
       continue; // that cell's time stays in `front`: the client paid it on the way here
     }
+    if (more && isLeaseElsewhere(res)) {
+      // The key is under its limit and this cell's share is in use: every other cell, each
+      // within its own share (so the fleet stays within the cap), at most once each.
+      if (k === tries.length - 1) tries.push(...others(cfg, colo, tries));
+      if (refused && refused.res.body) ctx.waitUntil(refused.res.body.cancel().catch(() => {}));
+      refused = { res, cell, spent };
+      continue;
+    }
+    if (refused && refused.res.body) ctx.waitUntil(refused.res.body.cancel().catch(() => {}));
     return finish(res, cell, now() - t0 - spent, colo);
   }
   // Unreachable: the last try either returns or throws.

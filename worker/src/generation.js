@@ -317,9 +317,12 @@ export class Breaker extends DurableObject {
 
   /**
    * In a fleet (once its ledger has told this cell the fleet's size), each asked key's
-   * lease {req, tok, month_tokens}: what this cell may admit of its rpm, tpm and monthly
-   * tokens (null: no such limit); a key the ledger has not apportioned yet (or not this
-   * month, for monthly tokens) gets the default share. null for a lone cell.
+   * lease {req, tok, month_tokens, peers}: what this cell may admit of its rpm, tpm and
+   * monthly tokens (null: no such limit); a key the ledger has not apportioned yet (or not
+   * this month, for monthly tokens) gets the default share. `peers`: the other cells'
+   * counters as the exchange last brought them (a COUNTER row; null: none counted), so a
+   * refusal by lease can tell the front door the key is under its limit and may be served
+   * elsewhere (router.js). null for a lone cell.
    */
   leasesOf(ids, now) {
     const n = Number(this.meta("fleet_cells") || 0);
@@ -327,16 +330,29 @@ export class Breaker extends DurableObject {
     const leases = {};
     if (!ids || ids.length === 0) return leases;
     const month = monthOf(now);
-    for (const r of this.sql.exec(`SELECT k.id, k.rpm, k.tpm, k.monthly_tokens, l.req, l.tok, l.month, l.month_tokens
-        FROM client_keys k LEFT JOIN key_lease l ON l.key_id = k.id WHERE k.id IN (SELECT value FROM json_each(?))`,
+    for (const r of this.sql.exec(`SELECT k.id, k.rpm, k.tpm, k.monthly_tokens, l.req, l.tok, l.month, l.month_tokens,
+        p.minute AS p_minute, p.req AS p_req, p.tok AS p_tok, p.prev_req AS p_prev_req, p.prev_tok AS p_prev_tok,
+        p.month AS p_month, p.month_tokens AS p_month_tokens
+        FROM client_keys k LEFT JOIN key_lease l ON l.key_id = k.id LEFT JOIN peer_counters p ON p.key_id = k.id
+        WHERE k.id IN (SELECT value FROM json_each(?))`,
     JSON.stringify(ids))) {
       if (!(r.rpm > 0 || r.tpm > 0 || r.monthly_tokens > 0)) continue;
       const held = r.month !== null; // a row: the ledger apportioned this key here
+      let peers = null;
+      if (r.p_minute !== null) {
+        peers = COUNTER.zero(r.p_minute);
+        peers[COUNTER.req] = r.p_req;
+        peers[COUNTER.tok] = r.p_tok;
+        peers[COUNTER.prev_req] = r.p_prev_req;
+        peers[COUNTER.prev_tok] = r.p_prev_tok;
+        if (r.p_month === month) peers[COUNTER.month_tokens] = r.p_month_tokens;
+      }
       leases[r.id] = {
         req: r.rpm > 0 ? (held && r.req !== null ? r.req : defaultShare(r.rpm, n)) : null,
         tok: r.tpm > 0 ? (held && r.tok !== null ? r.tok : defaultShare(r.tpm, n)) : null,
         month_tokens: r.monthly_tokens > 0
           ? (r.month === month && r.month_tokens !== null ? r.month_tokens : defaultShare(r.monthly_tokens, n)) : null,
+        peers,
       };
     }
     return leases;

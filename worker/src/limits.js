@@ -154,17 +154,37 @@ export function refusal(key, est, monthTokens, t, inflight = 0) {
  */
 export function leaseRefusal(key, lease, est, monthTokens) {
   if (lease.req !== null && est.req + 1 > lease.req) {
-    return { type: "requests", code: "rate_limit_exceeded", retryAfterS: 1,
+    return { type: "requests", code: "rate_limit_exceeded", retryAfterS: 1, byLease: true,
       message: `rate limit reached: this cell's share of ${key.rpm} requests per minute for this key is in use` };
   }
   const perRequest = est.req > 0 ? est.tok / est.req : 0;
   if (lease.tok !== null && (est.tok >= lease.tok || est.tok + perRequest > lease.tok)) {
-    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: 1,
+    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: 1, byLease: true,
       message: `rate limit reached: this cell's share of ${key.tpm} tokens per minute for this key is in use` };
   }
   if (lease.month_tokens !== null && (monthTokens >= lease.month_tokens || monthTokens + perRequest > lease.month_tokens)) {
-    return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: 1,
+    return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: 1, byLease: true,
       message: `monthly token budget: this cell's share of ${key.monthly_tokens} tokens this month for this key is in use` };
   }
   return null;
+}
+
+const NOTHING_PENDING = () => ({ req: 0, tok: 0 });
+
+/**
+ * Whether a key this cell refused by its lease is under its own limits over the fleet as
+ * this cell knows them: its own counts (`est`, `monthTokens`) plus the other cells' as the
+ * exchange last brought them (`lease.peers`, a COUNTER row or null). Then another cell's
+ * lease may admit it, and the front door may try one (docs/fleet.md, "A key that moves").
+ * The peers' counts lag by a round: a key just over its limit may be called under it,
+ * which costs the fleet's other cells one refusal each, never an admission past a lease.
+ */
+export function underFleetLimit(key, lease, est, monthTokens, t) {
+  const p = lease.peers ? estimate(lease.peers, NOTHING_PENDING, t) : null;
+  const sum = p === null ? est : {
+    req: est.req + p.req, tok: est.tok + p.tok, prevReq: est.prevReq + p.prevReq, curReq: est.curReq + p.curReq,
+    prevTok: est.prevTok + p.prevTok, curTok: est.curTok + p.curTok,
+  };
+  const month = monthTokens + (lease.peers ? lease.peers[COUNTER.month_tokens] : 0);
+  return refusal(key, sum, month, t, 0) === null;
 }

@@ -11,10 +11,10 @@ import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
 import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, leaseRefusal, rateHeaders, refusal } from "./limits.js";
+import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from "./limits.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
-import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, lookup } from "./routes.js";
+import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
   served, wantedDigest, withdraw,
@@ -160,7 +160,10 @@ function enforceLimits(request, cfg, key) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false));
     headers["retry-after"] = String(no.retryAfterS);
     const err = new HttpError(429, no.code, no.message, headers, no.type);
-    err.holdMs = holdFor(key.id, t);
+    // Refused by this cell's share alone while the key is under its limit: another cell's
+    // share may admit it. Only the front door can ask another cell (routed checks its token).
+    if (no.byLease && request.headers.has(FRONT_HEADER) && underFleetLimit(key, lease, est, month, t)) err.elsewhere = { keyId: key.id, t };
+    else err.holdMs = holdFor(key.id, t);
     throw err;
   }
   const release = admit(cfg, key, t);
@@ -191,7 +194,12 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   }
   // The pod's deadline starts now: a slow upload is the client's time, not the pod's.
   const t1 = bytes === null ? t0 : now();
-  const admitted = enforceLimits(request, cfg, key);
+  let admitted;
+  try {
+    admitted = enforceLimits(request, cfg, key);
+  } catch (err) {
+    throw err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+  }
   const limits = admitted.headers;
   scheduleFlush(env, ctx, cfg);
   // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
@@ -333,6 +341,17 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   timing.fallback = now() - t;
   meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
   return finish(body, clientInit(res), "fallback", timing, t0, limits);
+}
+
+/**
+ * A refusal by this cell's lease alone: to the front door, marked `elsewhere` (it tries the
+ * other cells, docs/fleet.md) and answered at once, since the client has not been refused yet;
+ * to anyone else, what any refusal is (held when repeated), and the header is ignored.
+ */
+async function leaseElsewhere(request, cfg, err) {
+  if (await fromFrontDoor(request, cfg)) err.headers[LEASE_HEADER] = "elsewhere";
+  else err.holdMs = holdFor(err.elsewhere.keyId, err.elsewhere.t);
+  return err;
 }
 
 /** Whether the request carries this cell's exchange token, as only its fleet's front door sends it. */

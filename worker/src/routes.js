@@ -28,6 +28,9 @@ export const ROUTES = {
 // FRONT_HEADER; a cell honours the first only with the second (router.js).
 export const DEFER_HEADER = "x-colocate-fallback";
 export const FRONT_HEADER = "x-colocate-front";
+// A cell's 429 to the front door (FRONT_HEADER shown) marked `elsewhere`: refused by this
+// cell's lease alone, the key under its fleet-wide limit, so another cell may admit it.
+export const LEASE_HEADER = "x-colocate-lease";
 
 /** Set by a fleet's front door on what it forwards: the colo it received the request in (routes.js: both Workers read it). */
 export const CLIENT_COLO_HEADER = "x-colocate-client-colo";

@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import {
   aligned, badLeases, badRows, defaultShare, fairShares, goodRows, grant, monthOf, rowProblem, slackOf, sumRows, weights,
 } from "../src/fleetexchange.js";
-import { WINDOW_MS, estimate, leaseRefusal, minuteOf, refusal } from "../src/limits.js";
+import { WINDOW_MS, estimate, leaseRefusal, minuteOf, refusal, underFleetLimit } from "../src/limits.js";
 import { COUNTER } from "../src/payloads.js";
 
 const T = Date.UTC(2026, 11, 4, 12, 0, 30); // 30 s into a minute
@@ -53,6 +53,29 @@ test("a cell's lease bounds what it admits of a key: whole requests, then tokens
   assert.equal(leaseRefusal(key, lease, own(2, 150), 1950).code, "insufficient_quota");
   assert.equal(leaseRefusal(key, lease, own(0), 2000).code, "insufficient_quota");
   assert.equal(leaseRefusal(key, { req: null, tok: null, month_tokens: null }, own(100, 1e6), 1e9), null);
+});
+
+test("a refusal by lease tells whether the key is under its limit with the peers' counts added", () => {
+  const key = { rpm: 30, tpm: 1000, monthly_tokens: 5000, max_parallel: 1 };
+  const none = () => ({ req: 0, tok: 0 });
+  const own = (req, tok = 0) => estimate([M, req, tok, 0, 0, 0, 0, 0], none, T);
+  const peers = (req, tok = 0, prevReq = 0, month = 0, minute = M) => [minute, req, tok, prevReq, 0, month, 0, 0];
+  const lease = (p) => ({ req: 10, tok: 300, month_tokens: 2000, peers: p });
+  assert.equal(leaseRefusal(key, lease(null), own(10), 0).byLease, true);
+  assert.equal(refusal(key, own(10), 0, T), null); // the key's own limit alone would admit it
+  // No peer row: the other cells counted nothing.
+  assert.equal(underFleetLimit(key, lease(null), own(10), 0, T), true);
+  assert.equal(underFleetLimit(key, lease(peers(19)), own(10), 0, T), true); // 29 of 30
+  assert.equal(underFleetLimit(key, lease(peers(20)), own(10), 0, T), false); // 30 of 30
+  // The peers' previous minute weighs as the sliding window says (half of it, 30 s in) ...
+  assert.equal(underFleetLimit(key, lease(peers(0, 0, 39)), own(10), 0, T), true); // 10 + 19.5
+  assert.equal(underFleetLimit(key, lease(peers(0, 0, 40)), own(10), 0, T), false); // 10 + 20
+  // ... and a row two minutes old counts nothing.
+  assert.equal(underFleetLimit(key, lease(peers(50, 0, 50, 0, M - 2)), own(10), 0, T), true);
+  // Tokens and the month add up the same way; max_parallel is each cell's own, not summed.
+  assert.equal(underFleetLimit(key, lease(peers(0, 700)), own(1, 300), 0, T), false);
+  assert.equal(underFleetLimit(key, lease(peers(0, 0, 0, 4000)), own(1), 1000, T), false);
+  assert.equal(underFleetLimit(key, lease(peers(0, 0, 0, 3999)), own(1), 1000, T), true);
 });
 
 test("the default share splits the cap (limit + max(10 %, 1)) evenly", () => {

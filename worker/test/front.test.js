@@ -227,3 +227,111 @@ test("Server-Timing names the front door's colo only when it is one", async () =
   assert.match(await timingAt('NRT", x;dur=1'), /^front;dur=[0-9.]+, state;dur=0/); // never quoted into the header
   forget();
 });
+
+// --- a key refused by a cell's lease alone: the other cells are tried -------------------
+
+// A cell as router.js answers a key its lease refuses while under its fleet-wide limit: 429
+// marked `elsewhere` only to the front door (its token); to anyone else a plain 429.
+function leaseFull(token, calls) {
+  return async (req) => {
+    calls.push({ front: req.headers.get("x-colocate-front"), defer: req.headers.get("x-colocate-fallback"),
+      lease: req.headers.get("x-colocate-lease") });
+    const marked = req.headers.get("x-colocate-front") === token;
+    return new Response('{"error":{"code":"rate_limit_exceeded"}}', {
+      status: 429, headers: { "retry-after": "1", ...(marked ? { "x-colocate-lease": "elsewhere" } : {}) },
+    });
+  };
+}
+
+function recorded(fn, calls) {
+  return async (req) => {
+    calls.push({ front: req.headers.get("x-colocate-front"), defer: req.headers.get("x-colocate-fallback"),
+      lease: req.headers.get("x-colocate-lease") });
+    return fn(req);
+  };
+}
+
+test("a refusal by a cell's lease is retried on every other cell, nearest first, past the ranking's cut", async () => {
+  forget();
+  const calls = [[], [], []];
+  // NRT's ranking is cut to apac-jp alone (its budget): the others are still tried, in the configured order.
+  const e = fleetEnv([leaseFull("t0", calls[0]), leaseFull("t1", calls[1]), recorded(served(), calls[2])]);
+  const cfg = readFleet(e, { NRT: [0] });
+  assert.deepEqual(names(choose(cfg, "NRT")), ["apac-jp"]);
+  const res = await ask(e, { colo: "NRT" });
+  assert.equal(res.status, 200);
+  assert.equal(res.headers.get("x-colocate-cell"), "us-east");
+  assert.equal(res.headers.get("x-colocate-lease"), null);
+  // Each cell once; the token to every cell but the last one left, which refuses as it would anyone.
+  assert.deepEqual(calls, [
+    [{ front: "t0", defer: null, lease: null }],
+    [{ front: "t1", defer: null, lease: null }],
+    [{ front: null, defer: null, lease: null }],
+  ]);
+  forget();
+});
+
+test("every cell's lease refusing: the client gets the last cell's plain 429, each cell asked once", async () => {
+  forget();
+  const calls = [[], [], []];
+  const e = fleetEnv([leaseFull("t0", calls[0]), leaseFull("t1", calls[1]), leaseFull("t2", calls[2])]);
+  readFleet(e, RANK);
+  const res = await ask(e, { colo: "FRA" });
+  assert.equal(res.status, 429);
+  assert.equal(res.headers.get("retry-after"), "1");
+  assert.equal(res.headers.get("x-colocate-lease"), null);
+  assert.equal(res.headers.get("x-colocate-cell"), "apac-jp"); // FRA: eu-west, us-east, then apac-jp
+  assert.deepEqual(calls.map((c) => c.map((x) => x.front)), [[null], ["t1"], ["t2"]]);
+  assert.equal((await res.json()).error.code, "rate_limit_exceeded");
+  forget();
+});
+
+test("a key over its fleet-wide limit (a plain 429) is not retried: refused traffic is not amplified", async () => {
+  forget();
+  const calls = [[], [], []];
+  const over = async () => new Response('{"error":{"code":"rate_limit_exceeded"}}', { status: 429, headers: { "retry-after": "7" } });
+  const e = fleetEnv([recorded(over, calls[0]), recorded(served(), calls[1]), recorded(served(), calls[2])]);
+  readFleet(e, RANK);
+  const res = await ask(e, { colo: "NRT" });
+  assert.equal(res.status, 429);
+  assert.equal(res.headers.get("retry-after"), "7");
+  assert.deepEqual(calls.map((c) => c.length), [1, 0, 0]);
+  forget();
+});
+
+test("a client's own lease and front headers are dropped: they reach no cell and cause no retry", async () => {
+  forget();
+  const calls = [[], [], []];
+  // The last cell left is sent no token: even a cell that marks its refusal then is not retried.
+  const marks = async () => new Response("{}", { status: 429, headers: { "x-colocate-lease": "elsewhere" } });
+  const e = fleetEnv([leaseFull("t0", calls[0]), leaseFull("t1", calls[1]), recorded(marks, calls[2])]);
+  readFleet(e, RANK);
+  const req = new Request("https://fleet.example/v1/models", {
+    headers: { authorization: "Bearer clc_x", "x-colocate-lease": "elsewhere", "x-colocate-front": "t2" },
+  });
+  Object.defineProperty(req, "cf", { value: { colo: "NRT" } });
+  const res = await front.fetch(req, e, ctx);
+  assert.equal(res.status, 429);
+  assert.equal(res.headers.get("x-colocate-lease"), null);
+  assert.equal(res.headers.get("x-colocate-cell"), "us-east");
+  assert.deepEqual(calls, [
+    [{ front: "t0", defer: "defer", lease: null }], // the front door's own token, never the client's
+    [{ front: "t1", defer: null, lease: null }],
+    [{ front: null, defer: null, lease: null }],
+  ]);
+  forget();
+});
+
+test("a lease refusal and the other cells unreachable: the client gets the refusal, not a 502", async () => {
+  forget();
+  const calls = [[]];
+  const boom = async () => { throw new Error("down"); };
+  const e = fleetEnv([leaseFull("t0", calls[0]), boom, boom]);
+  readFleet(e, RANK);
+  const res = await ask(e, { colo: "NRT" });
+  assert.equal(res.status, 429);
+  assert.equal(res.headers.get("x-colocate-lease"), null);
+  assert.equal(res.headers.get("x-colocate-cell"), "apac-jp");
+  assert.equal(calls[0].length, 1);
+  forget();
+});
