@@ -41,7 +41,7 @@ def cap(limit: int) -> int:
     return limit + max(1, limit // 10)
 
 
-def default_share(limit: int, cells: int = 2) -> int:  # noqa: N802 (fleetexchange.js's name)
+def default_share(limit: int, cells: int = 2) -> int:
     """A cell's lease of a key before the ledger has apportioned it: the cap split evenly."""
     return cap(limit) // cells
 
