@@ -197,8 +197,8 @@ class Demo:
         c = self.cell
         out = self.state_dir / PROBES_DIR / f"{phase.label}.json"
         out.unlink(missing_ok=True)
-        print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples",
-              flush=True)
+        print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples "
+              f"+ {self.samples} on new pod connections", flush=True)
         # The probe reads with the read token and mints its own short-lived client key with the
         # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
