@@ -53,7 +53,7 @@ lint: setup
 # Four workers on two cores (the real-process tests mostly wait on emulated delays), one test
 # file each at a time (a file's module fixtures start once); the ten
 # slowest tests are printed so that a regression shows. See docs/testing.md.
-PYTEST_PAR := -n 4 --dist loadfile --durations=10
+PYTEST_PAR := -n 4 --dist loadfile --no-loadscope-reorder --durations=10
 
 test-py: setup
 	$(PY) -m pytest $(PYTEST_PAR)

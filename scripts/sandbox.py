@@ -322,7 +322,7 @@ def _fleet_command(args, fleet: str, state_dir: Path) -> int:
     return 0
 
 
-def _after_interrupt(cmd: str, state_dir: Path | None) -> str:
+def _after_interrupt(cmd: str, state_dir: Path | None, handed: bool = False) -> str:
     """What an interrupted command says, from what actually runs now (never from hope)."""
     if state_dir is not None and sandbox_fleet.is_fleet_dir(state_dir):
         left = sandbox_fleet.what_runs(state_dir)
@@ -333,9 +333,12 @@ def _after_interrupt(cmd: str, state_dir: Path | None) -> str:
     if state_dir is None or not supervisor.is_running(state_dir):
         return "interrupted; nothing it started is running" if cmd != "apply" else \
             "interrupted; no sandbox runs there"
+    if cmd == "apply" and handed:
+        return (f"interrupted; the sandbox in {state_dir} still runs and the deploy was handed to its runner: it "
+                f"finishes or fails there, the previous version serving. Check: `{CMD} status --state-dir {state_dir}`")
     if cmd == "apply":
-        return (f"interrupted; the sandbox in {state_dir} still runs (a deploy under way finishes or fails in the "
-                f"runner, the previous version serving). Check: `{CMD} status --state-dir {state_dir}`")
+        return (f"interrupted before the deploy was handed to the runner; the sandbox in {state_dir} still runs, "
+                f"unchanged. Check: `{CMD} status --state-dir {state_dir}`")
     return f"interrupted, but a sandbox still runs in {state_dir}: stop it with `{CMD} down --state-dir {state_dir}`"
 
 
@@ -430,8 +433,9 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
     except (ConfigError, SandboxError) as exc:
         print(f"sandbox.py {args.cmd}: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"sandbox.py {args.cmd}: {_after_interrupt(args.cmd, state_dir)}", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        handed = isinstance(exc, supervisor.ApplyInterrupted) and exc.handed
+        print(f"sandbox.py {args.cmd}: {_after_interrupt(args.cmd, state_dir, handed)}", file=sys.stderr)
         return 130
     finally:
         restore()

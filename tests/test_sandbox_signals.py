@@ -184,14 +184,19 @@ def test_ctrl_c_during_apply_keeps_the_cell_consistent_and_down_stops_all(stacks
         if res.returncode == 130:
             assert ("still runs" in res.stderr and "status" in res.stderr) or "before doing anything" in res.stderr, \
                 res.stderr
-        # The runner finishes the deploy it was asked for (revision 2, or a recorded failure with
-        # the previous version serving); if the signal came before the request, nothing changes.
-        settle = time.monotonic() + (60 if res.returncode == 0 or "still runs" in res.stderr else 10)
-        while time.monotonic() < settle:
-            ready = json.loads((state_dir / "ready.json").read_text())
-            if ready["revision"] == 2 or (state_dir / "apply-failed.json").exists():
-                break
-            time.sleep(0.2)
+        # The runner finishes the deploy it was handed (revision 2, or a recorded failure with
+        # the previous version serving); if the signal came before the hand-over, nothing changes.
+        handed = res.returncode == 0 or "handed to its runner" in res.stderr
+        if handed:
+            settle = time.monotonic() + 60
+            while time.monotonic() < settle:
+                ready = json.loads((state_dir / "ready.json").read_text())
+                if ready["revision"] == 2 or (state_dir / "apply-failed.json").exists():
+                    break
+                time.sleep(0.2)
+        else:
+            time.sleep(1)  # a deploy wrongly started would be under way by now
+            assert json.loads((state_dir / "ready.json").read_text())["revision"] == 1, res.stderr
         # then exactly one cell serves
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not supervisor.status(state_dir).get("healthy"):

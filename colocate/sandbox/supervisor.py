@@ -178,22 +178,37 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
     _, notes = build_plan(launch)  # a bad stack fails here, and the running cell is untouched
     for note in notes:
         log_line(note)
-    write_json(state_dir / LAUNCH_FILE, launch.as_json())
-    (state_dir / APPLY_FAILED_FILE).unlink(missing_ok=True)
-    os.kill(run["pid"], signal.SIGHUP)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready = read_json(state_dir / READY_FILE) or {}
-        if ready.get("revision", 0) > previous.get("revision", 0):
-            return ready
-        failed = read_json(state_dir / APPLY_FAILED_FILE)
-        if failed:
-            raise StartupFailed(f"apply failed: {failed.get('error')}; the previous version still serves. "
-                                f"Logs: {state_dir / LOGS_DIR}")
-        if not alive(run["pid"]):
-            raise StartupFailed(f"the sandbox stopped during apply. Logs: {state_dir / LOGS_DIR}")
-        time.sleep(0.1)
+    handed = False
+    try:
+        with deferred_signals():  # the hand-over is whole: the launch file and the signal, or neither
+            write_json(state_dir / LAUNCH_FILE, launch.as_json())
+            (state_dir / APPLY_FAILED_FILE).unlink(missing_ok=True)
+            os.kill(run["pid"], signal.SIGHUP)
+            handed = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready = read_json(state_dir / READY_FILE) or {}
+            if ready.get("revision", 0) > previous.get("revision", 0):
+                return ready
+            failed = read_json(state_dir / APPLY_FAILED_FILE)
+            if failed:
+                raise StartupFailed(f"apply failed: {failed.get('error')}; the previous version still serves. "
+                                    f"Logs: {state_dir / LOGS_DIR}")
+            if not alive(run["pid"]):
+                raise StartupFailed(f"the sandbox stopped during apply. Logs: {state_dir / LOGS_DIR}")
+            time.sleep(0.1)
+    except KeyboardInterrupt as exc:
+        raise ApplyInterrupted(handed) from exc
     raise StartupFailed(f"apply did not finish within {timeout_s:.0f} s. Logs: {state_dir / LOGS_DIR}")
+
+
+class ApplyInterrupted(KeyboardInterrupt):
+    """An interrupted ``apply``: ``handed`` says whether the runner was given the deploy (it
+    then finishes or fails there) or not (the sandbox runs unchanged)."""
+
+    def __init__(self, handed: bool) -> None:
+        super().__init__(handed)
+        self.handed = handed
 
 
 def down(state_dir: Path, quiet: bool = False) -> dict:
