@@ -18,7 +18,8 @@ from .errors import ConfigError, MissingSetting
 from .ledger import Ledger
 
 NS = "colocate"
-SEGMENTS = ("e2e", "state", "state_rtt", "upstream", "pod_rtt", "fallback", "total")
+# pod_rtt: the pod hop on the Worker's pooled connection; pod_rtt_new: on a new one (colocate/probe/connections.py).
+SEGMENTS = ("e2e", "state", "state_rtt", "upstream", "pod_rtt", "pod_rtt_new", "fallback", "total")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ of the Worker's probe endpoint (GET /_colocate/probe) and N of a routed request
 (POST /v1/chat/completions, max_tokens 1), all over one reused connection. Routed requests
 carry a client key: the one given, else a 15-minute key minted with the admin token
 (COLOCATE_ADMIN_TOKEN, or the stack's adminToken output) and revoked at the end (Ctrl-C
-included). Everything else needs only the read token.
+included). Everything else needs only the read token. A running sandbox (--state-dir, or --stack S
+of a running sandbox) adds N probes on new pod connections (pod_rtt_new): the sandbox closes its
+pod hops' connections before each and counts the new ones.
 With --stack naming a fleet stack: from each client site (--client-site NAME=URL, repeatable),
 which cell served, e2e and segments, and whether it was the site's nearest healthy cell.
 Exit 0 when every check holds, 1 when a budget or placement check fails (0 with --warn-only,
@@ -35,7 +37,7 @@ if str(ROOT) not in sys.path:
 from colocate import catalogue, stackfile  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
 from colocate.plan import POD_PATHS, placement_mode  # noqa: E402
-from colocate.probe import budgets, keys, outputs, report, sample  # noqa: E402
+from colocate.probe import budgets, connections, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
 from colocate.probe.placement import PLACEMENT_MODES  # noqa: E402
 from colocate.sandbox.statedir import FLEET_OUT_FILE  # noqa: E402
@@ -183,7 +185,10 @@ def _probe(args: argparse.Namespace) -> int:
     if not token:
         raise UsageError("--token", None, "no read token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     samples = samples or DEFAULT_SAMPLES
-    print(f"probing {url}: warm-up, then {samples} probe + {samples} routed requests", file=sys.stderr)
+    # A sandbox can close its pod hops' connections and count new ones: pod_rtt_new (colocate/probe/connections.py).
+    hops = connections.HopControl(cell.control_url, args.timeout) if cell is not None and cell.control_url else None
+    fresh = f" + {samples} on new pod connections" if hops else ""
+    print(f"probing {url}: warm-up, then {samples} probe{fresh} + {samples} routed requests", file=sys.stderr)
     if not 0 <= args.wait <= 900:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
     if not 0 <= args.settle <= 900:
@@ -196,7 +201,8 @@ def _probe(args: argparse.Namespace) -> int:
     # and KeyLease names --key and COLOCATE_CLIENT_KEY as the way on.
     with keys.KeyLease(url, mint_token or token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
-                         key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None)
+                         key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None,
+                         hops=hops)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host,
                           _migrate_flags(args, cell))
 

@@ -82,7 +82,7 @@ def test_healthy_cell_exits_0_with_table_on_stderr(probe, capsys):
     p = doc["placement"]
     assert (p["accepted"], p["ran"], p["state"], p["pod"], p["expected_region"], p["ok"]) == \
         ("NRT", "NRT", "NRT", "AP-JP-1", "apac-jp", True)
-    assert doc["floor_ms"] == {"state_rtt": 0.0, "pod_rtt": 0.0, "upstream": 0.0}
+    assert doc["floor_ms"] == {"state_rtt": 0.0, "pod_rtt": 0.0, "pod_rtt_new": 0.0, "upstream": 0.0}
     assert doc["budgets"] == [{"segment": "state_rtt", "ms": 40.0, "percentile": "p50"}]
     assert "segment" in err and "OK: all checks hold" in err  # the table went to stderr
 

@@ -62,7 +62,7 @@ def test_unknown_colos_are_unknown_not_ok():
     assert parts["state"].fails and "state object colo unknown" in parts["state"].message
     assert not parts["pod"].fails and "pod location unknown (pod_host pod-x.example.com:8000)" in parts["pod"].message
     assert parts["accepted"].message == "accepted colo unknown (no cf-ray header)"
-    assert p.floors() == {"state_rtt": None, "pod_rtt": None, "upstream": None}
+    assert p.floors() == {"state_rtt": None, "pod_rtt": None, "pod_rtt_new": None, "upstream": None}
 
 
 def test_cf_placement_used_when_the_trace_is_missing_and_cross_checked_otherwise():

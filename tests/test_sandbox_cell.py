@@ -105,21 +105,51 @@ def test_emulated_round_trips_match_the_model(stacks, state_dir):
     assert MODEL.rtt_ms("TPE", "TPE") - 1 <= pod_p50 < state_model / 2, pod_p50
 
 
-def test_probe_cli_reports_state_left_behind(stacks, state_dir, tmp_path):
+def _hop_connections(cell):
+    """How many connections each pod hop has accepted so far: the pod's TLS handshakes, by hop port."""
+    return _get(f"http://127.0.0.1:{cell['ports']['outbound']}/_sandbox/pod-hop/connections")[2]["connections"]
+
+
+def test_probe_cli_reports_state_left_behind_and_the_pod_hop_on_new_connections(stacks, state_dir, tmp_path):
     (state_dir).mkdir(parents=True)
     # the object was first touched from IAD in an earlier life of this state directory
     (state_dir / "pins.json").write_text(json.dumps({"us-east.g1": {"site": "IAD", "edge": "IAD", "hint": "enam"}}))
     _split(stacks)
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, force_split=True)
-    out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), cell["worker_url"], "--samples", "3",
-                           "--pod-location", "local", "--expect-region", "apac-tw", "--json", str(out)],
-                          env={**os.environ, "COLOCATE_READ_TOKEN": cell["read_token"], "COLOCATE_CLIENT_KEY": cell["key"]},
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr  # a placement failure
-    result = json.loads(out.read_text())
+    (port,) = _hop_connections(cell)  # one pod, one hop
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
+
+    def probe(*how, **credentials):
+        before = _hop_connections(cell)[port]
+        out = tmp_path / "probe.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe.py"), *how, "--samples", "4",
+                               "--json", str(out)], env={**env, **credentials}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 1, proc.stderr  # a placement failure
+        return json.loads(out.read_text()), _hop_connections(cell)[port] - before, proc.stdout
+
+    result, opened, _ = probe(cell["worker_url"], "--pod-location", "local", "--expect-region", "apac-tw",
+                              COLOCATE_READ_TOKEN=cell["read_token"], COLOCATE_CLIENT_KEY=cell["key"])
     assert result["placement"]["state"] == "IAD" and result["placement"]["ran"] == "TPE"
     assert result["segments"]["state_rtt"]["p50"] >= MODEL.rtt_ms("TPE", "IAD") - 1
+    # by URL alone nothing can close the Worker's pod connections or count them: no number is called new;
+    # every probe and routed request rode the pooled connection (at most the first opened it)
+    assert opened <= 1 and result["segments"]["pod_rtt"]["n"] == 4, (opened, result["values_ms"]["pod_rtt"])
+    assert result["segments"]["pod_rtt_new"]["n"] == 0 and result["new_connections"]["measured"] is False
+    assert "Cloudflare reuses a connection" in result["new_connections"]["why"]
+    # the sandbox: before each of 4 more probes it closes the hop's connections; each new one is a handshake
+    # the pod saw through its hop
+    doc, opened, table = probe("--state-dir", str(state_dir))
+    assert doc["placement"]["state"] == "IAD" and doc["placement"]["ran"] == "TPE"
+    new, warm = doc["values_ms"]["pod_rtt_new"], doc["values_ms"]["pod_rtt"]
+    assert doc["new_connections"]["measured"] is True and doc["new_connections"]["probes"] == 4
+    assert 1 <= len(new) == doc["new_connections"]["shown_new"] <= opened, (doc["new_connections"], opened)
+    assert len(warm) == 4 and doc["pods"][0]["pod_rtt_new"]["n"] == len(new)
+    # TCP's round trip, TLS 1.3's, then the request's: a new connection cannot be faster than three
+    hop = MODEL.rtt_ms("TPE", "TPE")
+    assert min(new) >= 3 * hop - 1 and min(warm) >= hop - 1, (new, warm)
+    pod_line = next(line for line in table.splitlines() if line.strip().startswith("pod 0"))
+    assert f"new p50 {doc['pods'][0]['pod_rtt_new']['p50']:.1f} ms" in pod_line
 
 
 def test_pin_survives_restart_and_down_leaves_nothing(stacks, state_dir):

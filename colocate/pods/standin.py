@@ -6,7 +6,7 @@ It answers what the router forwards to a real vLLM pod, with the same auth rule
 model took per request on an RTX 4090) per request instead of running a model.
 
 Routes:
-    GET  /health                 200 {"status":"ok"} (no auth)
+    GET  /health                 200, no body, as vLLM answers (no auth)
     GET  /v1/models              the one model
     POST /v1/chat/completions    JSON, or SSE with "stream": true (one chunk per token, then [DONE]);
                                  ``stream_options.include_usage``: every chunk carries ``"usage": null``
@@ -489,7 +489,7 @@ class _Handler(BaseHTTPRequestHandler):
                                          "redirected": self.server.redirected, "fault": self.server.fault})
         if path == "/health":
             if self._apply_fault():
-                self._send_json(200, {"status": "ok"})
+                self._send_text(200, "")  # vLLM's: 200, no body
             return
         if path == "/v1/models":
             self.server.count_request()

@@ -141,7 +141,8 @@ class Placement:
     def floors(self) -> dict[str, float | None]:
         state = floor_between(self.ran.colo, self.state.colo)
         pod = floor_between(self.ran.colo, self.pod.colo)
-        return {"state_rtt": state, "pod_rtt": pod, "upstream": pod}
+        # A new connection pays three round trips: TCP's handshake, TLS 1.3's, then the request's.
+        return {"state_rtt": state, "pod_rtt": pod, "pod_rtt_new": None if pod is None else 3 * pod, "upstream": pod}
 
     def to_json(self) -> dict:
         return {

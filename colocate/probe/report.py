@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .. import catalogue
 from ..settings import SEGMENTS
 from . import budgets as budgets_mod, placement as placement_mod
+from .connections import NOT_MEASURED, port_of
 from .sample import PROBE_METRICS, ROUTED_METRICS, Run, Sample
 from .stats import PERCENTILES, summary
 
@@ -41,6 +42,7 @@ class Result:
     pod_path: str | None = None  # how the Worker reaches the pods (zone-dns | provider-proxy | local-hostname)
     fallback_check: dict | None = None  # the Worker's one check of the fallback, as it reported it
     settling: dict | None = None  # --settle: {settled, seconds, colos}
+    new_connections: dict = field(default_factory=dict)  # how pod_rtt_new was measured, or why not
 
     @property
     def ok(self) -> bool:
@@ -121,33 +123,57 @@ def collect(run: Run) -> dict[str, list[float]]:
                 v = s.timing.durations.get(name)
             if v is not None:
                 values[name].append(v)
+    for s in run.probe_new or []:
+        first = next((e for e in _pod_entries(s) if e.get("index") == 0), None)
+        v = _new_rtt(s, first) if first else None
+        if v is not None:
+            values["pod_rtt_new"].append(v)
     return values
 
 
-def pods_of(run: Run, region: catalogue.Region | None, locations: list[str]) -> list[dict]:
-    """Each pod as the probe bodies list it (``pods``), with its location (index order) and site.
+def _pod_entries(s: Sample) -> list[dict]:
+    """The pods a successful probe body lists; a Worker from before several pods lists pod 0
+    in the body's ``pod_*`` fields."""
+    if not (s.ok and s.body):
+        return []
+    listed = s.body.get("pods")
+    if not isinstance(listed, list):
+        listed = [{"index": 0, "host": s.body.get("pod_host"), "rtt_ms": s.body.get("pod_rtt_ms"),
+                   "ok": s.body.get("pod_ok"), "status": s.body.get("pod_status")}]
+    return [e for e in listed if isinstance(e, dict) and isinstance(e.get("index"), int)]
 
-    A Worker from before several pods has no ``pods`` list: pod 0 is then read from the
-    body's ``pod_*`` fields."""
+
+def _new_rtt(s: Sample, entry: dict) -> float | None:
+    """A pod's health check on a new connection: answered, and its hop accepted a connection meanwhile."""
+    if entry.get("ok") is not True or port_of(entry.get("host")) not in s.new_ports:
+        return None
+    return _number(entry.get("rtt_ms"))
+
+
+def pods_of(run: Run, region: catalogue.Region | None, locations: list[str]) -> list[dict]:
+    """Each pod as the probe bodies list it (``pods``), with its location (index order) and site,
+    its pod_rtt (pooled connection) and pod_rtt_new (a new one, where measured)."""
     seen: dict[int, dict] = {}
+
+    def held(entry: dict) -> dict:
+        return seen.setdefault(entry["index"], {"rtt": [], "rtt_new": [], "ok": 0, "checks": 0, "host": None,
+                                                "statuses": set()})
+
     for s in run.probe:
-        if not (s.ok and s.body):
-            continue
-        listed = s.body.get("pods")
-        if not isinstance(listed, list):
-            listed = [{"index": 0, "host": s.body.get("pod_host"), "rtt_ms": s.body.get("pod_rtt_ms"),
-                       "ok": s.body.get("pod_ok"), "status": s.body.get("pod_status")}]
-        for entry in listed:
-            if not isinstance(entry, dict) or not isinstance(entry.get("index"), int):
-                continue
-            pod = seen.setdefault(entry["index"], {"rtt": [], "ok": 0, "checks": 0, "host": None, "statuses": set()})
-            pod["host"] = entry.get("host") or pod["host"]
+        for entry in _pod_entries(s):
+            p = held(entry)
+            p["host"] = entry.get("host") or p["host"]
             rtt = _number(entry.get("rtt_ms"))
             if rtt is not None:
-                pod["rtt"].append(rtt)
-            pod["checks"] += 1
-            pod["ok"] += entry.get("ok") is True
-            pod["statuses"].add(str(entry.get("status")))
+                p["rtt"].append(rtt)
+            p["checks"] += 1
+            p["ok"] += entry.get("ok") is True
+            p["statuses"].add(str(entry.get("status")))
+    for s in run.probe_new or []:
+        for entry in _pod_entries(s):
+            rtt = _new_rtt(s, entry)
+            if rtt is not None:
+                held(entry)["rtt_new"].append(rtt)
     out = []
     for index in sorted(seen):
         pod = seen[index]
@@ -156,9 +182,24 @@ def pods_of(run: Run, region: catalogue.Region | None, locations: list[str]) -> 
         status = placement_mod.UNKNOWN if site is None or region is None else (
             placement_mod.IN if region.is_in_region(site) else placement_mod.OUT)
         out.append({"index": index, "host": pod["host"], "location": location, "site": site, "status": status,
-                    "pod_rtt": summary(pod["rtt"]), "healthy": pod["ok"], "checks": pod["checks"],
-                    "statuses": sorted(pod["statuses"])})
+                    "pod_rtt": summary(pod["rtt"]), "pod_rtt_new": summary(pod["rtt_new"]), "healthy": pod["ok"],
+                    "checks": pod["checks"], "statuses": sorted(pod["statuses"])})
     return out
+
+
+def new_connections_of(run: Run, values: list[float]) -> tuple[dict, str | None]:
+    """How pod_rtt_new was measured (or why not) and, when some probes could not be shown to
+    have opened a new connection to pod 0, a note saying so."""
+    if run.probe_new is None:
+        return {"measured": False, "why": NOT_MEASURED}, None
+    taken, shown = len(run.probe_new), len(values)
+    out = {"measured": True, "probes": taken, "shown_new": shown,
+           "how": "the sandbox closed the pod hops' connections before each of these probes and counted the "
+                  "connections each hop accepted during it; a pod's check counts only if its hop accepted one"}
+    note = None if shown == taken else (
+        f"{taken - shown} of {taken} new-connection probes were not shown to open a new connection to pod 0 "
+        "(or its check failed): left out of pod_rtt_new")
+    return out, note
 
 
 def fallback_of(run: Run) -> tuple[dict | None, str | None]:
@@ -231,6 +272,9 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         else:
             notes.append(msg)
     pods = pods_of(run, region, locations)
+    new_connections, new_note = new_connections_of(run, values["pod_rtt_new"])
+    if new_note:
+        notes.append(new_note)
     for pod in pods[1:]:  # pod 0 is the placement's own "pod" check above
         if pod["status"] == placement_mod.OUT:
             violations.append({"kind": "placement", "part": f"pod-{pod['index']}",
@@ -267,7 +311,8 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
                   budget_list, found, violations, errors, quality, notes, pods, pod_path, fallback,
                   settling=None if run.settling is None else {"settled": run.settling.settled,
                                                               "seconds": run.settling.seconds,
-                                                              "colos": run.settling.colos})
+                                                              "colos": run.settling.colos},
+                  new_connections=new_connections)
 
 
 def to_json(r: Result, warn_only: bool = False) -> dict:
@@ -299,6 +344,7 @@ def to_json(r: Result, warn_only: bool = False) -> dict:
         "fallback_check": r.fallback_check,
         "settling": r.settling,
         "provisional": r.provisional,
+        "new_connections": r.new_connections,
     }
 
 
@@ -316,14 +362,16 @@ def table(r: Result) -> str:
     for b in r.budgets:
         mark = " BROKEN" if (b.segment, b.percentile) in broken else " ok"
         budgets.setdefault(b.segment, []).append(f"{b.ms:g}@{b.percentile}{mark}")
+    fresh = (f" + {r.new_connections['probes']} probes on new pod connections (the sandbox closed them first)"
+             if r.new_connections.get("measured") else "")
     lines = [f"colocate probe  {r.url}  model {r.model}",
-             f"{r.samples} routed + {r.samples} probe samples after a warm-up; one connection, reused; "
+             f"{r.samples} routed + {r.samples} probe samples{fresh} after a warm-up; one connection, reused; "
              "e2e by the client (perf_counter)", ""]
-    head = f"{'segment':<10}" + "".join(f"{p:>9}" for p in PERCENTILES) + f"{'n':>5}{'floor':>9}{'p50/floor':>11}  budget"
+    head = f"{'segment':<12}" + "".join(f"{p:>9}" for p in PERCENTILES) + f"{'n':>5}{'floor':>9}{'p50/floor':>11}  budget"
     lines += [head + "  (ms)", "-" * len(head)]
     for name in SEGMENTS:
         seg = r.segments[name]
-        row = f"{name:<10}" + "".join(f"{_num(seg[p], 1):>9}" for p in PERCENTILES) + f"{seg['n']:>5}"
+        row = f"{name:<12}" + "".join(f"{_num(seg[p], 1):>9}" for p in PERCENTILES) + f"{seg['n']:>5}"
         floor = r.floors.get(name)
         rat = ratio(seg["p50"], floor)
         row += f"{_num(floor, 1) if name in r.floors else '':>9}"
@@ -352,13 +400,17 @@ def table(r: Result) -> str:
         lines.append(f"  draining generation {p.draining_generation}")
     if r.pods:
         path = f"pod path {r.pod_path}" if r.pod_path else "pod path unknown (pass --pod-path or --stack)"
-        lines += ["", f"pods ({path}; pod_rtt = the Worker's GET /health of each pod)"]
+        lines += ["", f"pods ({path}; pod_rtt = the Worker's GET /health of each pod on its pooled connection, "
+                      "new = on a new one: TCP, the TLS handshake, the request)"]
         for pod in r.pods:
-            rtt = pod["pod_rtt"]
+            rtt, new = pod["pod_rtt"], pod.get("pod_rtt_new") or {"p50": None, "p90": None}
             where = f"{pod['location']} ({pod['site']})" if pod["location"] else "location not given"
             shown = pod["status"].replace("_", " ").upper() if pod["status"] != "in_region" else "in region"
             lines.append(f"  pod {pod['index']:<4}{where:<20}{shown:<15}pod_rtt p50 {_num(rtt['p50'], 1)} ms, "
-                         f"p90 {_num(rtt['p90'], 1)} ms  healthy {pod['healthy']}/{pod['checks']}  host {pod['host']}")
+                         f"p90 {_num(rtt['p90'], 1)} ms  new p50 {_num(new['p50'], 1)} ms, p90 {_num(new['p90'], 1)} ms"
+                         f"  healthy {pod['healthy']}/{pod['checks']}  host {pod['host']}")
+        if not r.new_connections.get("measured", True):
+            lines.append(f"  new: not measured: {r.new_connections['why']}")
     fb = r.fallback_check
     if fb is not None:
         listed = {True: "listed", False: "NOT LISTED", None: "not checked (the client's model)"}[fb.get("model_listed")]

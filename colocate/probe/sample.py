@@ -10,9 +10,12 @@ generation, from where the Worker runs), the client key (given, or minted: see `
 one fallback check (``GET /_colocate/probe?fallback=1``: one authenticated GET of the
 fallback's model list, made by the Worker), the model from ``GET /v1/models`` unless given,
 then ``samples`` rounds of (probe, routed) requests, interleaved so that drift over the
-run affects both kinds alike. Everything is bounded: 3 + 2N requests (plus the key's
-mint and revoke), each with a timeout. The probe token goes only to ``/_colocate/*``, the
-client key only to the routed paths.
+run affects both kinds alike. Given a sandbox's pod hops (``connections.HopControl``), each
+round starts with one more probe request on new pod connections: the hops' connections
+closed first, and counted after (``pod_rtt_new``). Everything is bounded: 3 + 2N requests
+(3 + 3N with the hops, plus two calls to the sandbox's control endpoint a round; plus the
+key's mint and revoke), each with a timeout. The probe token goes only to ``/_colocate/*``,
+the client key only to the routed paths.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import requests
 
 from . import timing
+from .connections import HopControl, opened
 from .errors import TargetError, Unauthorized, Unreachable
 
 PROBE_PATH = "/_colocate/probe"
@@ -60,6 +64,7 @@ class Sample:
     body: dict | None = None  # probe: the JSON document
     body_problem: str | None = None  # probe: why the body is unusable
     cf_placement: str | None = None  # the response's cf-placement header (remote-XXX / local-XXX), if any
+    new_ports: frozenset[str] = frozenset()  # probe on new connections: the pod hops that accepted one meanwhile
 
     @property
     def ok(self) -> bool:
@@ -100,6 +105,7 @@ class Run:
     routed: list[Sample] = field(default_factory=list)
     fallback_check: Sample | None = None  # the one ?fallback=1 probe (its body's "fallback")
     settling: Settling | None = None  # --settle: how the placement was waited for
+    probe_new: list[Sample] | None = None  # probes after the pod hops' connections were closed; None: not measured
 
 
 class Sampler:
@@ -247,9 +253,11 @@ def settle(sampler: Sampler, in_region: Callable[[str], bool], settle_s: float,
 def run(url: str, token: str, samples: int, timeout_s: float, model: str | None = None,
         progress: Callable[[str], None] | None = None, wait_s: float = 0.0,
         key: Callable[[], str | None] | None = None, check_fallback: bool = True,
-        settle_s: float = 0.0, in_region: Callable[[str], bool] | None = None) -> Run:
+        settle_s: float = 0.0, in_region: Callable[[str], bool] | None = None,
+        hops: HopControl | None = None) -> Run:
     """Warm up, check the fallback once, learn the model, then take ``samples`` (probe, routed) pairs.
     ``settle_s`` > 0 (with ``in_region``): first wait for the placement to settle (``settle``).
+    ``hops`` (a sandbox's): each round first takes one probe on new pod connections.
 
     ``key`` is called after the warm-up (so a key is minted only once the cell answers)."""
     with Sampler(url, token, timeout_s, key) as sampler:
@@ -258,8 +266,15 @@ def run(url: str, token: str, samples: int, timeout_s: float, model: str | None 
         sampler._key()  # mint now, before any routed request is timed
         fallback = sampler.probe("?fallback=1") if check_fallback else None
         chosen = model or sampler.first_model()
-        result = Run(sampler.url, chosen, warm, fallback_check=fallback, settling=settling)
+        fresh: list[Sample] = []
+        result = Run(sampler.url, chosen, warm, fallback_check=fallback, settling=settling,
+                     probe_new=fresh if hops else None)
         for i in range(samples):
+            if hops:  # before the warm probe, so the round's routed request finds the connection warm again
+                before = hops.cut()
+                s = sampler.probe()
+                s.new_ports = opened(before, hops.counts())
+                fresh.append(s)
             result.probe.append(sampler.probe())
             result.routed.append(sampler.routed(chosen))
             if progress and ((i + 1) % 5 == 0 or i + 1 == samples):

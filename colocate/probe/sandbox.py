@@ -27,6 +27,7 @@ class SandboxCell:
     region: str | None
     pod_locations: tuple[str, ...]
     pod_path: str = PATH_LOCAL_HOSTNAME
+    control_url: str | None = None  # the sandbox network's control endpoint (its outbound proxy), if it said
 
     def __repr__(self) -> str:  # never print the token
         return f"SandboxCell(state_dir={str(self.state_dir)!r}, stack={self.stack!r}, url={self.url!r})"
@@ -50,9 +51,11 @@ def read(state_dir: Path) -> SandboxCell | None:
     launch = _read(Path(state_dir) / LAUNCH_FILE) or {}
     pods = ready.get("pods") or [{"location": ready.get("pod_location")}]
     stacks_dir = launch.get("stacks_dir")
+    outbound = (ready.get("ports") or {}).get("outbound")
     return SandboxCell(Path(state_dir), str(ready.get("stack") or launch.get("stack") or "sandbox"),
                        Path(stacks_dir) if stacks_dir else None, ready["worker_url"].rstrip("/"), ready["token"],
-                       read_token, ready.get("region"), tuple(p.get("location") or "local" for p in pods))
+                       read_token, ready.get("region"), tuple(p.get("location") or "local" for p in pods),
+                       control_url=f"http://127.0.0.1:{outbound}" if isinstance(outbound, int) else None)
 
 
 def from_state_dir(state_dir: Path) -> SandboxCell:

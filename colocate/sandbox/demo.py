@@ -36,7 +36,6 @@ import requests
 
 from .. import settings, stackfile
 from ..errors import ConfigError
-from ..probe.stats import summary
 from . import supervisor
 from .errors import SandboxError
 from .geography import site
@@ -52,8 +51,9 @@ TOKEN_VARIABLES = ("COLOCATE_ADMIN_TOKEN", "COLOCATE_READ_TOKEN", "COLOCATE_PROB
 DEADLINE_STEP_MS = 50  # the deadline is a round number: the next multiple of this above phase 3's slowest e2e
 # The demo's table, top to bottom: what the user sees first, then where it goes.
 TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt", "pod_rtt_new")
-# pod_rtt is the probe's (the Worker's pooled connection to the pod, as requests find it);
-# pod_rtt_new the same GET /health on a new connection: TCP, the mutual-TLS handshake, then the request.
+# Both the probe's: pod_rtt the Worker's GET /health of pod 0 on its pooled connection, as requests
+# find it; pod_rtt_new the same on a new connection (TCP, the mutual-TLS handshake, then the request),
+# made by the sandbox closing the pod hop's connections first (colocate/probe/connections.py).
 
 
 @dataclass(frozen=True)
@@ -197,8 +197,8 @@ class Demo:
         c = self.cell
         out = self.state_dir / PROBES_DIR / f"{phase.label}.json"
         out.unlink(missing_ok=True)
-        print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples",
-              flush=True)
+        print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples "
+              f"+ {self.samples} on new pod connections", flush=True)
         # The probe reads with the read token and mints its own short-lived client key with the
         # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
@@ -227,7 +227,6 @@ class Demo:
             raise SandboxError(f"probe.py failed (exit {proc.returncode}): {' | '.join(tail[-6:])}")
         result = json.loads(out.read_text())
         result["_exit"] = proc.returncode
-        result["segments"]["pod_rtt_new"] = self.new_connection_rtt()
         self.results[phase.label] = result
         seg = result["segments"]
         place = result.get("placement", {})
@@ -237,18 +236,6 @@ class Demo:
               f"{_ms(seg['state']['p50'])} ms; state_rtt p50 {_ms(seg['state_rtt']['p50'])} ms; "
               f"Worker at {place.get('ran')}, state object at {place.get('state')}")
         return result
-
-    def new_connection_rtt(self) -> dict:
-        """pod_rtt on a new connection each time: the sandbox closes the pod hops' connections
-        (``/_sandbox/pod-hop/cut``), then the probe endpoint's GET /health opens one."""
-        c = self.cell
-        values = []
-        for _ in range(self.samples):
-            requests.post(f"http://127.0.0.1:{c['ports']['outbound']}/_sandbox/pod-hop/cut", timeout=10).raise_for_status()
-            r = requests.get(c["worker_url"] + "/_colocate/probe", timeout=30, headers={"Authorization": f"Bearer {c['token']}"})
-            if r.ok and r.json().get("pod_ok"):
-                values.append(float(r.json()["pod_rtt_ms"]))
-        return summary(values)  # the probe's own percentiles
 
     def migrate(self, *args: str) -> None:
         proc = _py([str(MIGRATE), *args, "--stack", STACK, "--stacks-dir", str(self.stacks_dir)])

@@ -17,7 +17,9 @@
                     ``GET /_sandbox/pin?name=&edge=&hint=`` pins a generation on first touch and
                     returns ``{"site", "rtt_ms"}``; ``GET /_sandbox/health`` reports the network;
                     ``POST /_sandbox/pod-hop/cut`` closes every open connection of the pod hops,
-                    so the Worker's next request to a pod opens a new one (TCP + TLS).
+                    so the Worker's next request to a pod opens a new one (TCP + TLS);
+                    ``GET /_sandbox/pod-hop/connections`` (and the cut's answer) give each hop's
+                    connections accepted so far, by the hop's port: ``{"connections": {"<port>": n}}``.
 
     PodHop          Worker -> pod, per pod: a TCP relay that delays the (mutual-TLS) bytes by
                     RTT(edge, pod)/2 each way, plus the TCP handshake's round trip per new
@@ -537,7 +539,11 @@ class _OutboundHandler(Relay):
                              "workerd": f"{net.workerd[0]}:{net.workerd[1]}" if net.workerd else None})
             return
         if url.path == "/_sandbox/pod-hop/cut" and self.command == "POST":
-            self._json(200, {"cut": sum(h.cut() for h in list(net.pod_hops))})
+            hops = list(net.pod_hops)
+            self._json(200, {"cut": sum(h.cut() for h in hops), "connections": {str(h.port): h.connections for h in hops}})
+            return
+        if url.path == "/_sandbox/pod-hop/connections":
+            self._json(200, {"connections": {str(h.port): h.connections for h in list(net.pod_hops)}})
             return
         if url.path == "/_sandbox/pin":
             name, edge, hint = q.get("name", ""), q.get("edge", net.sites.edge), q.get("hint", "")
