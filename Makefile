@@ -5,6 +5,12 @@ PY := $(VENV)/bin/python
 STAMP_PY := $(VENV)/.installed
 STAMP_NPM := node_modules/.installed
 
+# Python caches compiled bytecode under .venv/pycache (git-ignored, gone with `make clean`)
+# even where the environment says not to (PYTHONDONTWRITEBYTECODE): the tests, the demo and
+# the scripts they start would otherwise compile the kit again in every process.
+unexport PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
+
 .PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)

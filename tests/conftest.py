@@ -34,3 +34,12 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported now: freeze what lives (modules, classes, fixtures' code)
+    so that the collector's full passes during the run scan only what the tests make."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

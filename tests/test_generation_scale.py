@@ -9,7 +9,6 @@ import subprocess
 import threading
 import time
 
-import openai
 import pytest
 
 from colocate.payloads import COUNTER, EXCHANGE
@@ -145,6 +144,8 @@ def test_a_new_key_works_on_its_first_request_and_its_revocation_reaches_another
 
 
 def test_max_parallel_refuses_the_extra_request_and_an_openai_client_raises_rate_limit_error():
+    import openai  # here, not at collection: every pytest worker collects every file
+
     with driven_cell({"stateTtlMs": 60_000}, compute_ms=1500) as c:
         made = make_key(c, "one-at-a-time", max_parallel=1)
         client = openai.OpenAI(base_url=c.url + "/v1", api_key=made["key"], max_retries=0, timeout=30)

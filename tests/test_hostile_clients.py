@@ -15,15 +15,18 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import openai
 import pytest
 
 from colocate import plan as plan_mod
 from colocate.pods import standin
 from colocate.workerd import Workerd, render_config
 from tests.support.workerd import FALLBACK_MODEL_NAME, ROOT, SECRETS, Cell, auth, cell_plan, running_cell, values_for
+
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 3
@@ -275,6 +278,8 @@ def test_a_pod_that_really_fails_still_opens_its_breaker():
 # --- a real OpenAI client sees what it asked for ----------------------------------------
 
 def client(cell, key: str) -> openai.OpenAI:
+    import openai  # here, not at collection: every pytest worker collects every file
+
     return openai.OpenAI(base_url=cell.url + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
@@ -296,6 +301,8 @@ def test_openai_streams_get_a_usage_chunk_only_when_they_ask(cell, include_usage
 
 
 def test_openai_bad_request_names_the_param(cell):
+    import openai
+
     with client(cell, cell.key) as c:
         with pytest.raises(openai.BadRequestError) as exc:
             c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}], max_tokens=-1)

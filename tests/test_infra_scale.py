@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-from infra.cell import POD_DELETE
 from tests.support.pulumi_mocks import plain, run_program, stack_config
 
 COMMAND = "command:local:Command"
@@ -27,6 +26,8 @@ def deploy(pods: int, draining: int = 0):
 def test_every_pod_a_controller_adds_is_declared_with_its_delete_and_leaves_rotation_before_it_goes():
     # what a controller writes over a day: up 0 -> 1 -> 3, drain 3 -> 1, down, drain to 0, zero
     steps = [(0, 0), (1, 0), (3, 0), (1, 2), (1, 0), (0, 1), (0, 0)]
+    from infra.cell import POD_DELETE  # here, not at collection: it imports pulumi_cloudflare
+
     ever: dict[str, dict] = {}
     for pods, draining in steps:
         commands, urls, run = deploy(pods, draining)

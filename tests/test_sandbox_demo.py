@@ -16,7 +16,7 @@ import pytest
 
 from colocate import plan, settings
 from colocate.errors import ConfigError
-from colocate.sandbox import demo, demo_plot, supervisor
+from colocate.sandbox import demo, supervisor
 from colocate.sandbox.geography import Geography
 from tests.test_plan import SECRETS, raw_for
 
@@ -74,6 +74,8 @@ def test_table_has_every_phase_p50_p90_and_rates_in_percent(story):
 
 
 def test_bars_stack_to_the_e2e_p50(story):
+    from colocate.sandbox import demo_plot  # matplotlib: imported where used, not at collection
+
     for bar in story.bars():
         parts = sum(bar[name] for name, _ in demo_plot.PARTS)
         assert parts == pytest.approx(bar["e2e"])
@@ -82,6 +84,8 @@ def test_bars_stack_to_the_e2e_p50(story):
 
 
 def test_the_bars_carry_state_rtt_and_the_probes_verdict(story):
+    from colocate.sandbox import demo_plot
+
     bars = story.bars()
     split = bars[1]  # e2e like phase 3's: only state_rtt and the probe tell the split apart
     assert split["e2e"] == pytest.approx(bars[4]["e2e"], abs=1)

@@ -183,12 +183,27 @@ def stack_config(stack: str, *, overrides: dict | None = None, drop: tuple[str, 
     return config, [f"colocate:{k}" for k in secret_values] + ["cloudflare:apiToken"]
 
 
+_frozen = False
+
+
+def _freeze_imports() -> None:
+    """Move what is alive now (pulumi_cloudflare's thousands of classes, once imported) out of
+    the collector's sight: the full collection after a refused program then scans only what
+    the runs made, a few ms instead of about 150."""
+    global _frozen
+    if not _frozen:
+        gc.collect()
+        gc.freeze()
+        _frozen = True
+
+
 def run_program(stack: str, config: dict, secret_keys: list[str], *, scripts: dict[str, str] | None = None,
                 scripts_fail: bool = False, mocks: RecordingMocks | None = None) -> Run:
     """Run infra.program.main() for ``stack`` under mocks; raises what the program raises.
     ``scripts``: the Workers scripts Cloudflare reports ({name: migration tag}; default none)."""
     from infra.program import main
 
+    _freeze_imports()
     mocks = mocks or RecordingMocks(scripts)
     mocks.scripts_fail = mocks.scripts_fail or scripts_fail
     pulumi.runtime.set_all_config(config, secret_keys)
