@@ -174,6 +174,7 @@ class Served:
     backend: str | None = None  # pod-<i> or fallback (x-colocate-backend)
     tokens: int = 0  # prompt + completion, from the answer's usage
     e2e_ms: float = 0.0
+    why: str | None = None  # a failure's reason: the status and the error's message, or the exception
 
     def by(self) -> str | None:
         """pod (the home cell's), cell (another cell's pod), fallback; None for a failure."""

@@ -27,7 +27,7 @@ trap 'kill "$busy" 2>/dev/null || true' EXIT
 start=$(date +%s)
 for i in $(seq 1 "$runs"); do
   t0=$(date +%s)
-  if ! "$PY" -m pytest -q -p no:cacheprovider -n 4 --dist loadfile "${TESTS[@]}" "$@"; then
+  if ! "$PY" -m pytest -q -p no:cacheprovider -n 6 --dist loadfile "${TESTS[@]}" "$@"; then
     echo "stress: run $i of $runs FAILED (after $((i - 1)) passing runs)" >&2
     exit 1
   fi

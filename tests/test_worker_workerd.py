@@ -106,6 +106,28 @@ def test_global_outbound_shape(tmp_path):
         assert health and health[0]["headers"]["host"] == "pod.example:8000"
 
 
+def test_the_pods_only_probe_checks_the_pods_and_leaves_state_alone(tmp_path):
+    """``?only=pods`` (the probe's new-connection samples): the pods' health checks and
+    nothing of state, so a split cell's samples do not wait on its far object."""
+    plan = cell_plan()
+    with outbound(colo="TST") as world, workerd.Workerd(tmp_path) as w:
+        w.start(workerd.render_config(plan.worker, values_for("http://pod.example:8000", "https://api.example.com"),
+                                      port=w.port, global_outbound=("127.0.0.1", world.port),
+                                      storage_dir=tmp_path / "do"))
+        res = request(w.url, "GET", "/_colocate/probe?only=pods", headers=auth())
+        assert res.status == 200, res.body
+        body = res.json()
+        assert [(p["index"], p["host"], p["ok"]) for p in body["pods"]] == [(0, "pod.example:8000", True)]
+        assert "state_rtt_ms" not in body and "breaker" not in body
+        timing = res.headers["server-timing"]
+        assert "pod_rtt" in timing and "state_rtt" not in timing
+        assert [s["path"] for s in world.seen] == ["/health"]  # no trace from the object: it was not asked
+        assert request(w.url, "GET", "/_colocate/probe?only=pods", headers={}).status == 401
+        bad = request(w.url, "GET", "/_colocate/probe?only=state", headers=auth())
+        assert bad.status == 400
+        assert bad.json()["error"]["message"] == 'query "only" must be "pods" (got "state")'
+
+
 def test_serve_shortcut_and_cleanup_on_exception():
     plan = cell_plan()
     with pytest.raises(RuntimeError, match="boom"), workerd.Workerd.serve(plan.worker, values()) as w:

@@ -33,6 +33,7 @@ from .connections import HopControl, opened
 from .errors import TargetError, Unauthorized, Unreachable
 
 PROBE_PATH = "/_colocate/probe"
+POD_ONLY = "?only=pods"  # the pods' health checks alone: what a new-connection sample times
 ROUTED_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 ROUTED_METRICS = ("state", "upstream", "fallback", "total")
@@ -272,7 +273,7 @@ def run(url: str, token: str, samples: int, timeout_s: float, model: str | None 
         for i in range(samples):
             if hops:  # before the warm probe, so the round's routed request finds the connection warm again
                 before = hops.cut()
-                s = sampler.probe()
+                s = sampler.probe(POD_ONLY)
                 s.new_ports = opened(before, hops.counts())
                 fresh.append(s)
             result.probe.append(sampler.probe())

@@ -127,12 +127,21 @@ def _one(session: requests.Session, url: str, key: str, at_h: float, home: str, 
         e2e = (time.monotonic() - t) * 1000
         if r.status_code != 200:
             return day.Served(at_h, home, False, r.headers.get("x-colocate-cell"), r.headers.get("x-colocate-backend"),
-                              e2e_ms=e2e), t - t0
+                              e2e_ms=e2e, why=f"HTTP {r.status_code}: {_error_message(r)}"), t - t0
         usage = r.json().get("usage") or {}
         return day.Served(at_h, home, True, r.headers.get("x-colocate-cell"), r.headers.get("x-colocate-backend"),
                           int(usage.get("total_tokens", 0)), e2e), t - t0
     except (requests.RequestException, ValueError) as exc:
-        return day.Served(at_h, home, False, backend=type(exc).__name__, e2e_ms=(time.monotonic() - t) * 1000), t - t0
+        return day.Served(at_h, home, False, backend=type(exc).__name__, e2e_ms=(time.monotonic() - t) * 1000,
+                          why=f"{type(exc).__name__}: {str(exc)[:200]}"), t - t0
+
+
+def _error_message(r: requests.Response) -> str:
+    """OpenAI's error shape where the answer has it, else the start of the body."""
+    try:
+        return str(r.json()["error"]["message"])[:200]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]
 
 
 class Demo:
@@ -380,6 +389,9 @@ def _run(demo: Demo) -> tuple[int, dict | None]:
         png = demo.plot(demo.state_dir / "demo-autoscale.png", out)
         print(f"\n    plot: {png}")
         print(f"\n    {out['requests']} requests, {out['failed']} failed")
+        for s in [s for s in demo.served if not s.ok][:10]:  # what a failure was, not only that it was
+            print(f"      failed: {s.at_h:.1f} h from {s.home}, cell {s.cell or '-'}, backend {s.backend or '-'}, "
+                  f"{s.e2e_ms:.0f} ms: {s.why}")
         say(f"Done in {time.monotonic() - started:.0f} s.")
         return (0 if out["failed"] == 0 else 1), out
     except (ConfigError, SandboxError) as exc:

@@ -14,7 +14,7 @@ import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { fetchColo, rayColo } from "./trace.js";
 import { MAX_CELLS, badLeases, badRows, goodRows } from "./fleetexchange.js";
-import { now, serverTiming, PROBE_METRICS } from "./timing.js";
+import { now, serverTiming, POD_PROBE_METRICS, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
 const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$/;
@@ -127,17 +127,37 @@ function breakerView(cfg, view) {
     imported: view.imported, pods };
 }
 
+/** The pods' health checks alone (`?only=pods`): the probe's new-connection samples time the
+ * pod hop, and a split cell's state round trip would only make them slower to take. */
+async function probePods(cfg, hop, t0) {
+  const pods = await Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null)));
+  const body = {
+    generation: cfg.activeGeneration,
+    region: cfg.region,
+    pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
+  };
+  const timing = serverTiming({ pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, POD_PROBE_METRICS);
+  return jsonResponse(200, body, { "server-timing": timing, ...noStore });
+}
+
 async function probe(request, env, cfg, url, fetchImpl, hop) {
   const t0 = now();
+  const only = url.searchParams.get("only");
+  if (only === "pods") return probePods(cfg, hop, t0);
+  if (only !== null) throw new HttpError(400, "invalid_field", `query "only" must be "pods" (got ${JSON.stringify(only)})`);
   // The first touch of a new generation: stubFor passes ACTIVE_HINT as locationHint.
   const stub = activeStub(env, cfg);
+  // Asked together with the sync, not after it: a split cell's probe waits one round trip to
+  // its state object, not two. A new object busy with its first sync (a migration's import)
+  // may hold the answer past its trace timeout: then it is asked again, after the sync.
+  const asked = stub.colo().catch(() => null);
   const t = now();
   const view = await stub.sync(infoOf(cfg), null);
   const stateRtt = now() - t;
   cache.put(cfg.activeGeneration, view, Date.now());
   const [workerColo, stateColo, pods, fallback] = await Promise.all([
     fetchColo(fetchImpl),
-    stub.colo().catch(() => null),
+    asked.then((colo) => colo ?? stub.colo().catch(() => null)),
     Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null))),
     url.searchParams.get("fallback") === "1" ? fallbackCheck(cfg, fetchImpl) : null,
   ]);

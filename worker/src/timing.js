@@ -3,6 +3,7 @@
 
 export const ROUTED_METRICS = ["state", "upstream", "fallback", "total"];
 export const PROBE_METRICS = ["state_rtt", "pod_rtt", "total"];
+export const POD_PROBE_METRICS = ["pod_rtt", "total"]; // ?only=pods: no state was asked
 
 /** Milliseconds since an arbitrary origin. Inside workerd the clock only moves across
  * I/O, so a span with no I/O in it measures exactly 0: the cached hot path. */

@@ -118,7 +118,7 @@ test("pod failures fall back, are reported in the background, and open that pod'
 });
 
 test("a failing pod is retried once on another healthy pod before the fallback", async () => {
-  const env = envFor("router-retry", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const env = envFor("router-retry", { STATE_TTL_MS: "100", POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
   const key = await withKey(env.BREAKER, "router-retry");
   const c = ctx();
   const { f, seen } = fakeFetch((init, url) => (url.startsWith("http://pod-a") ? Promise.reject(new TypeError("refused")) : json()));
@@ -276,7 +276,7 @@ test("bad bodies get a 400 naming the field and never reach a pod or the fallbac
 });
 
 test("one key whose requests fail on a pod that is healthy otherwise never opens its breaker", async () => {
-  const env = envFor("router-blame");
+  const env = envFor("router-blame", { STATE_TTL_MS: "100" });
   const bad = await withKey(env.BREAKER, "router-blame");
   const good = await withKey(env.BREAKER, "router-blame");
   const c = ctx();
@@ -298,7 +298,7 @@ test("one key whose requests fail on a pod that is healthy otherwise never opens
 });
 
 test("a request that fails on two pods, or that the fallback refuses too, is not held against a pod", async () => {
-  const env = envFor("router-two", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const env = envFor("router-two", { STATE_TTL_MS: "100", POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
   const key = await withKey(env.BREAKER, "router-two");
   const key2 = await withKey(env.BREAKER, "router-two");
   const c = ctx();

@@ -229,7 +229,9 @@ test("usage is capped by what the request allows, and huge counts stay safe inte
 test("a stream past its cap is cut: the router's pump ends it with an error event at the cap, the tap cancels it", async () => {
   assert.equal(streamCap({ max_tokens: 4, n: 2 }, 100), 65_536 + 8 * 4096);
   assert.equal(streamCap({}, 100), 256 * 1024 * 1024); // 131,072 tokens at 4 KiB is past the ceiling
-  const event = enc(sse({ choices: [{ delta: { content: "x".repeat(1000) } }] }));
+  // Events past FULL_READ (4 KiB): the counting branch reads on at once instead of once a
+  // second, so the cap is reached in a few reads, not seconds (the test's time, not its outcome).
+  const event = enc(sse({ choices: [{ delta: { content: "x".repeat(5000) } }] }));
   const endless = () => {
     const src = { cancelled: false };
     // a pod that streams on and on, an event a millisecond
