@@ -243,20 +243,30 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
 
 
 def test_a_migration_pages_the_export_and_imports_every_row(tmp_path):
-    # A generation's history is read a page at a time (EXPORT_ROWS rows of one table per call),
-    # never in one answer that could pass what an RPC carries; the successor imports it all.
+    # A generation's history is read a page at a time (at most EXPORT_ROWS rows a call, from
+    # as many tables as fit), never in one answer that could pass what an RPC carries, nor in
+    # a call per table; the successor imports it all.
     rows = 5000 + 1234  # more than one page (generation.js EXPORT_ROWS)
     with driven_cell({"stateTtlMs": 60_000}, with_key=False) as c:
-        g1, g2 = "us-east.p1", "us-east.p2"
+        g0, g1, g2 = "us-east.p0", "us-east.p1", "us-east.p2"
+        c.one("sync", {"generation": g0, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g0)
+        empty = c.one("exportAll", None, None, gen=g0)  # a small generation: one call, every table
+        assert empty["next"] is None and [rows for _, rows in empty["parts"]] == [[]] * 11
+        assert [name for name, _ in empty["parts"]][:2] == ["keys", "usage"]
         usage = [[TODAY, f"key_{i:012d}", 1, 2, 3, 1, 0, 0] for i in range(rows)]
         c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []}, {"usage": usage}, gen=g1)
-        first = c.one("exportAll", None, None, gen=g1)
-        assert first["part"] == "keys" and first["rows"] == [] and first["next"] == {"part": 1, "offset": 0}
-        page = c.one("exportAll", None, first["next"], gen=g1)
-        assert page["part"] == "usage" and len(page["rows"]) == 5000 and page["next"] == {"part": 1, "offset": 5000}
-        rest = c.one("exportAll", None, page["next"], gen=g1)
-        assert rest["part"] == "usage" and len(rest["rows"]) == rows - 5000 and rest["next"]["part"] == 2
-        assert {r["key_id"] for r in page["rows"] + rest["rows"]} == {u[1] for u in usage}
+        page = c.one("exportAll", None, None, gen=g1)
+        assert [(name, len(r)) for name, r in page["parts"]] == [("keys", 0), ("usage", 5000)]
+        assert page["next"] == {"part": 1, "offset": 5000}
+        pages = [page]
+        while pages[-1]["next"] and len(pages) < 20:
+            pages.append(c.one("exportAll", None, pages[-1]["next"], gen=g1))
+        assert pages[-1]["next"] is None
+        sizes = [sum(len(r) for _, r in p["parts"]) for p in pages]
+        assert all(n == 5000 for n in sizes[:-1]) and 0 < sizes[-1] <= 5000  # every page full but the last
+        assert pages[1]["parts"][0][0] == "usage" and len(pages[1]["parts"][0][1]) == rows - 5000  # the cut table goes on
+        got = [r["key_id"] for p in pages for name, rs in p["parts"] if name == "usage" for r in rs]
+        assert sorted(got) == sorted(u[1] for u in usage)
         # The successor's read-through takes every page, in one import.
         view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g2)
         assert view["imported"] == [g1]

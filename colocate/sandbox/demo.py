@@ -187,11 +187,14 @@ class Demo:
     def touch(self) -> None:
         """One probe request: the first touch of a new generation, from where the Worker runs."""
         c = self.cell
+        t0 = time.monotonic()
         r = requests.get(c["worker_url"] + "/_colocate/probe", timeout=30,
                          headers={"Authorization": f"Bearer {c['token']}"})
+        ms = (time.monotonic() - t0) * 1000
         body = r.json() if r.ok else {}
+        # Its time includes the import of the draining generation across the ocean.
         print(f"    first touch: generation {body.get('generation')} created at {body.get('state_colo')} "
-              f"(Worker at {body.get('worker_colo')})")
+              f"(Worker at {body.get('worker_colo')}), {ms:.0f} ms with the import from the draining generation")
 
     def probe(self, phase: Phase) -> dict:
         c = self.cell

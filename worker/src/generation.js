@@ -45,8 +45,9 @@ export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's ex
 // The counter columns a fleet's exchange carries: those both shapes name.
 const SHARED = COUNTER.names.filter((n) => /** @type {readonly string[]} */ (EXCHANGE.names).includes(n));
 
-export const EXPORT_ROWS = 5000; // rows of one table per exportAll page
+export const EXPORT_ROWS = 5000; // rows of one exportAll page, from as many tables as fit
 // What exportAll pages through, in order: [name in the import, query, row shape or null].
+/** @type {Array<[string, string, ((r: any) => unknown) | null]>} */
 const EXPORT_PARTS = [
   ["keys", `SELECT ${KEY_COLUMNS} FROM client_keys`, null],
   ["usage", `SELECT ${USAGE_COLUMNS} FROM usage_daily`, null],
@@ -71,8 +72,11 @@ export async function exportedState(other, successor) {
   do {
     const page = await other.exportAll(successor, cursor);
     data.forced = page.forced;
-    for (const row of page.rows) (data[page.part] ??= []).push(row);
-    data[page.part] ??= [];
+    // A page of one table ({part, rows}): an object still running the version before.
+    for (const [name, rows] of page.parts ?? [[page.part, page.rows]]) {
+      const into = (data[name] ??= []);
+      for (const row of rows) into.push(row);
+    }
     cursor = page.next;
   } while (cursor);
   return data;
@@ -220,22 +224,33 @@ export class Breaker extends DurableObject {
 
   /**
    * Everything a successor generation takes over (pod health stays: the pods change), one
-   * page at a time: at most EXPORT_ROWS rows of one table per call (a generation's whole
-   * history in one answer could pass the size an RPC carries). `cursor` is the previous
-   * page's `next`; null starts over. From the first page on, usage batches that reach this
-   * generation go on to `successor`.
+   * page at a time: at most EXPORT_ROWS rows a call, from as many tables as fit (a
+   * generation's whole history in one answer could pass the size an RPC carries; a call per
+   * table would cost a small generation one round trip per table, an ocean each for a
+   * migration's first request). `parts` is [[name, rows], ...] in EXPORT_PARTS order, a
+   * table cut short continues on the next page; `cursor` is the previous page's `next`;
+   * null starts over. From the first page on, usage batches that reach this generation go
+   * on to `successor`.
    */
   async exportAll(successor = null, cursor = null) {
     await this.unpurge();
     if (successor) this.setMeta("successor", successor);
-    const at = cursor ?? { part: 0, offset: 0 };
-    const [name, query, shape] = EXPORT_PARTS[at.part];
-    const rows = this.sql.exec(`${query} ORDER BY rowid LIMIT ? OFFSET ?`, EXPORT_ROWS + 1, at.offset).toArray();
-    const more = rows.length > EXPORT_ROWS;
-    if (more) rows.length = EXPORT_ROWS;
-    const next = more ? { part: at.part, offset: at.offset + EXPORT_ROWS }
-      : at.part + 1 < EXPORT_PARTS.length ? { part: at.part + 1, offset: 0 } : null;
-    return { forced: this.meta("forced"), part: name, rows: shape ? rows.map(shape) : rows, next };
+    /** @type {{part: number, offset: number} | null} */
+    let at = cursor ?? { part: 0, offset: 0 };
+    let room = EXPORT_ROWS;
+    /** @type {Array<[string, unknown[]]>} */
+    const parts = [];
+    while (at && room > 0) {
+      const [name, query, shape] = EXPORT_PARTS[at.part];
+      const rows = this.sql.exec(`${query} ORDER BY rowid LIMIT ? OFFSET ?`, room + 1, at.offset).toArray();
+      const more = rows.length > room;
+      if (more) rows.length = room;
+      parts.push([name, shape ? rows.map(shape) : rows]);
+      room -= rows.length;
+      at = more ? { part: at.part, offset: at.offset + rows.length }
+        : at.part + 1 < EXPORT_PARTS.length ? { part: at.part + 1, offset: 0 } : null;
+    }
+    return { forced: this.meta("forced"), parts, next: at };
   }
 
   /** Import a named generation now (the router calls this before purging it). */
