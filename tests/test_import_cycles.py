@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import pysource
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("colocate", "infra", "bench", "scripts", "tests")
 
@@ -25,7 +27,7 @@ def import_graph(*packages: Path) -> dict[str, set[str]]:
     for name, path in files.items():
         is_pkg = path.name == "__init__.py"
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(pysource.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from colocate.probe.errors import UsageError
+from tests.support import pysource
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "colocate").rglob("*.py"), *(ROOT / "infra").glob("*.py")])
@@ -37,7 +38,7 @@ def _docstrings(tree: ast.AST) -> set[int]:
 def _printed_text(path: Path) -> list[tuple[int, str]]:
     """The string literals a user can see: messages (f-string parts included) and, for the
     scripts, the module docstring (their --help)."""
-    tree = ast.parse(path.read_text())
+    tree = pysource.parse(path.read_text(), str(path))
     skip = _docstrings(tree)
     if path.parent.name == "scripts":
         skip = {i for i in skip if not (isinstance(tree.body[0], ast.Expr) and i == id(tree.body[0].value))}

@@ -5,6 +5,8 @@ Checked with ast over the package, the scripts, infra, bench and the tests: a
 import ast
 from pathlib import Path
 
+from tests.support import pysource
+
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("colocate", "infra", "bench", "scripts", "tests")
 
@@ -23,7 +25,7 @@ def private(name: str) -> bool:
 
 
 def crossings(path: Path, source: str) -> list[str]:
-    tree = ast.parse(source)
+    tree = pysource.parse(source)
     found, ours = [], set()  # names bound to the kit's own modules in this file
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and module_of(path, node).startswith(OURS):

@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 from colocate.sandbox import statedir
+from tests.support import pysource
 
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("colocate", "scripts")
@@ -23,7 +24,7 @@ def spelled_names(path: Path, source: str) -> list[str]:
     directory name as the right side of ``/``."""
     strict = path.is_relative_to(ROOT / "colocate" / "sandbox") or path.is_relative_to(ROOT / "scripts")
     found, seen = [], set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(pysource.parse(source, str(path))):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant):
             seen.add(id(node.right))
             if node.right.value in NAMES:
