@@ -179,9 +179,10 @@ POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
 # can reach the pod that way.
 MTLS_PATHS = (PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS)
 # Providers whose create request can carry the pod's TLS bundle (multi-line PEM) in the pod's
-# environment. Vast.ai's `env` is one string of Docker flags (`-e K=V -p ...`) and its args
-# launch mode runs no start command that could decode another form (docs/pods.md).
-MTLS_PROVIDERS = ("local", "runpod")
+# environment: RunPod's `env` is a JSON object, and so is Vast.ai's as its API takes it (its
+# OpenAPI spec says a string of Docker flags; docs/pods.md). A new provider joins this list
+# only once it can; until then a mutual-TLS hop to it is refused by name.
+MTLS_PROVIDERS = ("local", "runpod", "vastai")
 POD_TLS_BINDING = "POD_TLS"
 POD_TLS_FROM_OUTPUT = "pod.tls"  # marks the binding whose value is the Worker's client certificate
 # On zone-dns the Worker's fetch to the pod is an external (grey-cloud) subrequest, whose origin
@@ -204,10 +205,8 @@ def hop_is_mtls(provider: str, path: str, setting: str) -> bool:
                           "or pulumi config set --path colocate:pod.hop auto")
     if not possible:
         raise ConfigError("colocate:pod.hop", setting,
-                          f"a {provider} pod cannot be given its TLS certificate and key: Vast.ai's create request "
-                          "takes environment variables as one string of Docker flags, which cannot hold multi-line PEM, "
-                          "and its args launch mode runs no command that could unpack another form",
-                          "use pod.provider runpod where the region has RunPod capacity, or, knowingly, pulumi config "
+                          f"a {provider} pod cannot be given its TLS certificate and key",
+                          f"use a pod.provider among {', '.join(MTLS_PROVIDERS)}, or, knowingly, pulumi config "
                           "set --path colocate:pod.hop token (plain HTTP to the pod behind colocate:podToken alone)")
     return True
 

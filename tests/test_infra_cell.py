@@ -77,7 +77,8 @@ def test_worker_declared_from_the_region(deployed):
     # Always a hostname (a deployed Worker cannot fetch an IP literal): the path the plan chose.
     expected = {"local-hostname": "https://localhost:41234",
                 "provider-proxy": "https://pod-123-8000.proxy.runpod.net",
-                "zone-dns": f"http://pod-{active['name'].replace('.', '-')}.{(raw.get('zone') or {}).get('name')}:41234"}
+                # a zone's pod (Vast.ai here) is reached over mutual TLS
+                "zone-dns": f"https://pod-{active['name'].replace('.', '-')}.{(raw.get('zone') or {}).get('name')}:41234"}
     path = run.resolved[outputs.POD_PATH]
     assert bindings["POD_URLS"]["text"] == f'["{expected[path]}"]'
     assert path == {"local": "local-hostname", "runpod": "provider-proxy", "vastai": "zone-dns"}[raw["pod"]["provider"]]

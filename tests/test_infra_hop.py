@@ -31,11 +31,11 @@ CASES = [(s, {}) for s in CELL_STACKS] + [
 
 
 def _mtls_expected(stack: str, overrides: dict) -> bool:
-    """The rule, from the stack file: the sandbox's local pods, and RunPod on a zone (Vast.ai cannot
-    carry the bundle; RunPod's proxy ends TLS before the pod)."""
+    """The rule, from the stack file: the sandbox's local pods, and RunPod or Vast.ai on a zone
+    (RunPod's proxy ends TLS before the pod)."""
     raw = {**stackfile.read_config(stack)[0], **overrides}
     provider = (raw.get("pod") or {}).get("provider", "runpod")
-    return provider == "local" or (provider == "runpod" and bool(raw.get("zone")))
+    return provider == "local" or (provider in ("runpod", "vastai") and bool(raw.get("zone")))
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{s}{'+zone' if o else ''}{'x2' if 'pod' in o else ''}" for s, o in CASES])
@@ -97,9 +97,10 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
                          "ca": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
         assert "cert=sha256:" in " ".join(plain(cmd.inputs["triggers"]))  # a re-issued certificate replaces the pod
     w = m.one(WORKER).inputs
-    if overrides.get("zone"):  # the cloud's path: the Worker trusts the cell's CA through the zone's store
+    zone = {**stackfile.read_config(stack)[0], **overrides}.get("zone")
+    if zone:  # the cloud's path: the Worker trusts the cell's CA through the zone's store
         trust = m.one(TRUST).inputs
-        assert trust == {"zoneId": ZONE["id"], "certificate": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
+        assert trust == {"zoneId": zone["id"], "certificate": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
         assert w["compatibilityFlags"] == ["cots_on_external_fetch"]
         assert all(u.startswith("https://") for u in json.loads(_bindings(run)["POD_URLS"]["text"]))
     else:

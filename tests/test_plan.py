@@ -385,10 +385,14 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     # The Worker's external fetch trusts the cell's CA only through the zone's origin trust store.
     assert runpod_zoned.worker.compatibility_flags == ("cots_on_external_fetch",)
     assert "hop=mtls" in runpod_zoned.pod.identity()
-    # RunPod's proxy ends TLS itself; Vast.ai cannot carry the bundle: auto falls back to the token.
-    for p in (cell(raw_for()), cell(raw_for("apac-tw", "vastai"))):
-        assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ()
-        assert "POD_TLS" not in {b.name for b in p.worker.bindings}
+    # Vast.ai (always on a zone) carries the bundle in its env object as RunPod does.
+    vast = cell(raw_for("apac-tw", "vastai"))
+    assert vast.mtls and vast.pod.tls_name == "pod-apac-tw-g1.example.com" and "hop=mtls" in vast.pod.identity()
+    assert vast.worker.binding("POD_TLS").type == "mtls_certificate"
+    # RunPod's proxy ends TLS itself: auto falls back to the token.
+    p = cell(raw_for())
+    assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ()
+    assert "POD_TLS" not in {b.name for b in p.worker.bindings}
     local = cell(raw_for("us-east", "local"))
     assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts the CA itself
 
@@ -400,15 +404,11 @@ def test_hop_token_turns_mutual_tls_off_knowingly_and_renames_the_pods():
     assert token.pod.name != mtls.pod.name  # a pod cannot change how it serves while it runs
 
 
-@pytest.mark.parametrize("raw, why", [
-    (raw_for("apac-tw", "vastai", pod={"provider": "vastai", "hop": "mtls"}), "Docker flags"),
-    (raw_for(pod={"provider": "runpod", "hop": "mtls"}), "RunPod's proxy"),
-])
-def test_hop_mtls_where_it_cannot_be_carried_is_refused_naming_the_key_and_the_fix(raw, why):
+def test_hop_mtls_where_it_cannot_be_carried_is_refused_naming_the_key_and_the_fix():
     with pytest.raises(ConfigError) as err:
-        cell(raw)
+        cell(raw_for(pod={"provider": "runpod", "hop": "mtls"}))
     msg = str(err.value)
-    assert "colocate:pod.hop" in msg and "'mtls'" in msg and why in msg and "Fix" in msg
+    assert "colocate:pod.hop" in msg and "'mtls'" in msg and "RunPod's proxy" in msg and "Fix" in msg
 
 
 def test_a_reissued_pod_certificate_renames_the_pod():

@@ -24,7 +24,7 @@ from colocate.pods import podtls, standin
 from colocate.workerd import HopClient, Workerd, render_config
 from tests.support.fake_providers import FakeRunPod, FakeVast
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Cell, cell_plan, chat, request, values_for
-from tests.test_pod_providers import TOKEN, make_spec, run, serving, write_spec
+from tests.test_pod_providers import TOKEN, make_spec, offer, run, serving, write_spec
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,8 +305,22 @@ def test_a_spec_on_a_mutual_tls_hop_is_refused_before_anything_is_rented_without
     assert runpod_api.calls("POST", "/v2/pods") == []
 
 
-def test_vastai_refuses_a_mutual_tls_spec_before_renting(vast_api, cloud_env, hop_env, capsys):
-    spec = {**make_spec("apac-tw", "vastai"), "tls_name": "pod-apac-tw-g1.example.com"}  # hand-written: the plan refuses it
+def test_vastai_create_carries_the_bundle_first_in_its_env_object_and_serves_mutual_tls_only(
+        vast_api, cloud_env, hop_env, ca, capsys):
+    """Vast.ai takes ``env`` as a JSON object (its CLI sends one; its spec's string of Docker flags
+    could not hold a PEM): the bundle first, the token, the direct port; vLLM's TLS flags in args."""
+    vast_api.offers = [offer(16, "TW", 0.3)]
+    spec = make_spec("apac-tw", "vastai", hop="auto")
+    assert spec["tls_name"] == "localhost"
     code, out, err = run(capsys, ["create", "--spec", write_spec(cloud_env, spec)])
-    assert code == 2 and "colocate:pod.hop token" in err and "multi-line PEM" in err
-    assert vast_api.calls("PUT", "/api/v0/asks/") == [] and vast_api.live() == []
+    assert code == 0, err
+    assert out["url"].startswith("https://") and vast_api.pod_errors == []
+    sent = vast_api.calls("PUT", "/api/v0/asks/")[0]
+    assert list(sent["env"]) == [podtls.ENV, "VLLM_API_KEY", f"-p {spec['port']}:{spec['port']}"]
+    assert sent["env"][podtls.ENV] == os.environ[podtls.BUNDLE_ENV] and sent["env"]["VLLM_API_KEY"] == TOKEN
+    assert sent["runtype"] == "args" and " ".join([*podtls.vllm_args(), "--disable-fastapi-docs"]) in " ".join(sent["args"])
+    assert hop_env.key_pem not in err and "PRIVATE KEY" not in err
+    port = out["port"]
+    assert _https(port, "GET", "/health", _tls(ca.cert_pem, ca.client("colocate worker")))[0] == 200
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):  # no client certificate: refused in the handshake
+        _https(port, "GET", "/health", _tls(ca.cert_pem))

@@ -10,7 +10,9 @@ re-checked here (the country is the last part of an offer's ``geolocation``, e.g
 "Taipei, TW") and tried cheapest first. An offer taken in the meantime (404/410 no_such_ask)
 moves on to the next one; a 401/403 on the rent is the key or the account, never capacity, and
 stops at once naming the key. Instance state ``exited``, ``unknown`` or ``offline`` never
-becomes ``running``: such an instance is reported dead and destroyed.
+becomes ``running``: such an instance is reported dead and destroyed. On a mutual-TLS hop the
+create request carries the pod's TLS bundle as the first variable of ``env`` (a JSON object)
+and vLLM's TLS flags in ``args`` (``podtls``), as RunPod's does.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 
+from . import podtls
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
-from .errors import CapacityError, FatalError, NotFoundError, PodConfigError
+from .errors import CapacityError, FatalError, NotFoundError
 from .http import Api, redact
 
 DEFAULT_BASE = "https://console.vast.ai"
@@ -43,11 +46,6 @@ class VastAI(Provider):
         self.api.close()
 
     def candidates(self, spec):
-        if spec.mtls:  # the plan refuses it (colocate:pod.hop); a hand-written spec must not rent a pod that never serves
-            raise PodConfigError(
-                "spec.tls_name: a Vast.ai pod cannot be given its TLS certificate and key (its create request takes "
-                "environment variables as one string of Docker flags, which cannot hold multi-line PEM). Fix: "
-                "regenerate the spec from the plan with colocate:pod.hop token, or use pod.provider runpod")
         # Offers carry the host's CUDA as a number (12.8), compared as one, as Vast.ai's filter does.
         cuda = float(spec.min_cuda_version) if spec.min_cuda_version else None
         query = {
@@ -90,6 +88,10 @@ class VastAI(Provider):
                  for loc in spec.locations if not any(country(o.get("geolocation")) == loc for o in fit)]
         return fit[:MAX_OFFERS_TRIED], empty
 
+    def _environment(self, spec, token: str) -> dict[str, str]:
+        env = {"VLLM_API_KEY": token, f"-p {spec.port}:{spec.port}": "1"}
+        return podtls.environment(self.pod_tls, env) if spec.mtls else env
+
     def location_of(self, offer: dict) -> str:
         return country(offer.get("geolocation"))
 
@@ -98,9 +100,11 @@ class VastAI(Provider):
             "image": spec.image,
             "label": spec.name,
             "disk": spec.disk_gb,
-            # Docker-flag form (the spec's type): the token reaches vLLM as VLLM_API_KEY, and
-            # -p asks for the serve port as a direct port.
-            "env": f"-e VLLM_API_KEY={token} -p {spec.port}:{spec.port}",
+            # A JSON object, as Vast.ai's CLI sends it (its OpenAPI spec says a string of Docker
+            # flags, which cannot hold a PEM): the token reaches vLLM as VLLM_API_KEY, "-p" asks
+            # for the serve port as a direct port, and on a mutual-TLS hop the pod's TLS bundle
+            # comes first (podtls.environment: Docker puts the request's variables first, in order).
+            "env": self._environment(spec, token),
             "runtype": "args",
             "args": spec.vllm_args(),
             "target_state": "running",

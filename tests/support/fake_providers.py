@@ -11,6 +11,10 @@ Spec errata (where the published spec disagrees with the live API, seen in its a
   them without one. One trailing slash is removed before matching.
 * Vast.ai ``Instance.ports`` is an object ``{"8000/tcp": [{"HostPort": "41234"}]}`` in the
   live API (the spec says an array of integers); the schema is widened to accept it.
+* Vast.ai's create request (``PUT /api/v0/asks/{id}/``) takes ``env`` as a JSON object
+  ``{"VAR": "val", "-p 8000:8000": "1"}`` (docs.vast.ai, "Creating instances with the API";
+  the ``vastai`` CLI sends ``parse_env``'s dict); the spec says a string of Docker flags. The
+  schema is widened to accept both.
 
 Each created pod is backed by a real stand-in server, so readiness is a real HTTP check.
 """
@@ -66,6 +70,8 @@ def vastai_openapi() -> OpenAPI:
             loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
             spec = yaml.load((SPECS / "vastai-openapi.yaml").read_text(), Loader=loader)
             spec["components"]["schemas"]["Instance"]["properties"]["ports"] = {"type": ["array", "object"]}  # erratum
+            create = spec["paths"]["/api/v0/asks/{id}"]["put"]["requestBody"]["content"]["application/json"]["schema"]
+            create["properties"]["env"] = {"type": ["string", "object"], "additionalProperties": {"type": "string"}}  # erratum
             _SPEC_CACHE["vastai"] = _openapi(spec)
         return _SPEC_CACHE["vastai"]
 
@@ -431,7 +437,8 @@ class FakeVast(FakeApi):
                                    "intended_status": "running", "cur_state": "running", "next_state": "running",
                                    "gpu_name": o["gpu_name"], "num_gpus": 1, "geolocation": o["geolocation"],
                                    "dph_total": o["dph_total"], "machine_id": o["machine_id"],
-                                   "public_ipaddr": "127.0.0.1", "ports": {}, "_env": body.get("env", "")}
+                                   "public_ipaddr": "127.0.0.1", "ports": {}, "_env": body.get("env", ""),
+                                   "_args": body.get("args") or []}
             self.polls[iid] = 0
             self.taken.add(ask)
             return 200, {"success": True, "new_contract": iid}, {}, "application/json"
@@ -457,7 +464,10 @@ class FakeVast(FakeApi):
                 if self.dies_after is not None and n >= self.dies_after:
                     inst["actual_status"] = "exited"
                 elif inst["actual_status"] == "loading" and n >= self.ready_after:
-                    server = self.start_backend(str(iid))
+                    # Docker puts the request's variables first, in their order (the image's after them).
+                    env = {**self.platform_env, **inst["_env"]} if isinstance(inst["_env"], dict) else None
+                    args = inst["_args"]
+                    server = self.start_backend(str(iid), env, " ".join(args) if isinstance(args, list) else str(args))
                     inst.update(
                         actual_status="running", ports={"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(server.port)}]}
                     )
