@@ -110,6 +110,12 @@ export class ViewCache {
     return e ? e.leases.get(id) : undefined;
   }
 
+  /** The fleet's size as the last view said it (0: a lone cell, or not yet told). */
+  fleetCells(gen) {
+    const e = this.entries.get(gen);
+    return (e && e.view.fleet_cells) || 0;
+  }
+
   /** Forget counters (and leases) of keys this isolate no longer serves. */
   dropCounts(gen, ids) {
     const e = this.entries.get(gen);

@@ -106,6 +106,21 @@ export function defaultShare(limit, n) {
 }
 
 /**
+ * A cell's lease of a key as an isolate takes it before its sync has brought the real one:
+ * the default share of each limit the key has (what the ledger counts for a cell without a
+ * lease row), no peers known. undefined for a lone cell (`cells` 0) or a key without limits.
+ */
+export function provisionalLease(key, cells) {
+  if (!cells || !(key.rpm > 0 || key.tpm > 0 || key.monthly_tokens > 0)) return undefined;
+  return {
+    req: key.rpm > 0 ? defaultShare(key.rpm, cells) : null,
+    tok: key.tpm > 0 ? defaultShare(key.tpm, cells) : null,
+    month_tokens: key.monthly_tokens > 0 ? defaultShare(key.monthly_tokens, cells) : null,
+    peers: null,
+  };
+}
+
+/**
  * The leases one limit should have (integers), given what each cell has used (its own
  * estimate now): the unused part of the cap split over the cells by `weight` (the ledger
  * weighs a cell the key used lately as four idle ones: an idle cell's share is what lets a

@@ -463,7 +463,10 @@ export class Breaker extends DurableObject {
     const leases = info ? this.leasesOf(info.keys, now) : null;
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
     const spent = info && info.capCell ? this.spentOn(dayOf(now)) : null;
-    return { ...delta, pods, counts, ...(leases ? { leases } : {}), ...(spent ? { spent } : {}), forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
+    // In a fleet, its size too: a key whose lease an isolate has not asked for yet gets the
+    // default share from it (router.js), as the ledger counts it, not the whole limit.
+    const fleet = leases ? { leases, fleet_cells: Number(this.meta("fleet_cells")) } : {};
+    return { ...delta, pods, counts, ...fleet, ...(spent ? { spent } : {}), forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
       imported, at: now, colo: this.coloOnce };
   }
 

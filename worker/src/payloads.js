@@ -204,6 +204,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string[]} imported
  * @property {number} at
  * @property {string | null} [colo]
+ * @property {Record<string, object>} [leases]  in a fleet: this cell's leases of the keys asked for
+ * @property {number} [fleet_cells]  in a fleet: its size, for the default share of a key not asked for yet
  * @property {{day: string, microusd: number}} [spent]  the fallback's cost to the cell today (with `capCell`)
  * @property {{keys: object[], counts: Record<string, number[]>}} [found]  the look-up's answer
  */

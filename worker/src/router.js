@@ -12,6 +12,7 @@ import { ConfigurationError, HttpError, errorResponse, log, redact } from "./err
 import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from "./limits.js";
+import { provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup } from "./routes.js";
@@ -153,8 +154,11 @@ function enforceLimits(request, cfg, key) {
   const est = estimate(g, pendingCounter(gen, key.id), t);
   const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
   const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
-  // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none).
-  const lease = cache.lease(gen, key.id);
+  // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none). A
+  // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets the
+  // default share until its next sync brings the lease back: the share the ledger counts for
+  // a cell without a lease row, never the key's whole limit.
+  const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen));
   const no = refusal(key, est, month, t, inflight) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month));
   if (no) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false));

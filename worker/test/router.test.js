@@ -396,3 +396,27 @@ test("a key refused again within a second has its 429 held back, so re-sending a
   t.mock.timers.reset();
   await c.settle();
 });
+
+test("in a fleet, a held key whose lease this isolate dropped gets the default share until its sync brings the lease back", async () => {
+  const gen = "router-fleet-idle-key";
+  const env = envFor(gen);
+  const object = await env.BREAKER.instance(gen);
+  await object.setPeers([], { generation: gen, haveRev: -1, isolate: "ledger", keys: [] }, [], 2); // a fleet of two cells
+  const key = await withKey(env.BREAKER, gen, { rpm: 10 });
+  const id = (await object.listKeys({ generation: gen })).find((k) => k.rpm === 10).id;
+  const c = ctx();
+  const { f } = fakeFetch(() => json());
+  assert.equal((await handle(chat(key), env, c, { fetch: f })).status, 200); // found by a look-up, which carries its lease
+  await c.settle();
+  // Idle for SERVED_KEEP_MS (2 min), the isolate forgets the key's counters and lease and keeps
+  // its row (state.js servedKeys): the next request finds the key held and no lease.
+  const { cache } = await import("../src/state.js");
+  cache.dropCounts(gen, [id]);
+  assert.equal(cache.lease(gen, id), undefined);
+  const statuses = [];
+  for (let i = 0; i < 8; i++) statuses.push((await handle(chat(key), env, c, { fetch: f })).status);
+  // rpm 10 over two cells: the cap is 11, the default share floor(11 / 2) = 5 (fleetexchange.js
+  // defaultShare), what the ledger counts for this cell; not the key's whole limit.
+  assert.deepEqual(statuses, [200, 200, 200, 200, 200, 429, 429, 429]);
+  await c.settle();
+});
