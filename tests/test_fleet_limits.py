@@ -19,6 +19,7 @@ import pytest
 from colocate import admin
 from colocate.payloads import COUNTER, EXCHANGE
 from tests.support.fleet import Fleet, running_fleet
+from tests.support.minutes import fresh_minute
 from tests.support.workerd import SECRETS, auth, request
 
 CHAT = {"model": "client/model", "messages": [{"role": "user", "content": "hi"}]}
@@ -104,14 +105,6 @@ def peer(column: str):
 
 def lease(field: str):
     return lambda v: (v["lease"] or {}).get(field)
-
-
-def fresh_minute(need_s: float) -> None:
-    """Start a phase with at least ``need_s`` left in this UTC minute, so rpm windows do
-    not slide under the assertions (a bounded wait of at most ``need_s``)."""
-    left = 60 - time.time() % 60
-    if left < need_s:
-        time.sleep(left + 0.2)
 
 
 def send(f: Fleet, cell: str, key: str, n: int) -> list:

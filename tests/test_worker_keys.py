@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.support.minutes import fresh_minute
 from tests.support.workerd import SECRETS, auth, chat, object_calls, request, running_cell, twin_cell
 
 pytestmark = pytest.mark.slow
@@ -218,6 +219,8 @@ def test_keys_limits_and_usage_follow_the_generation_through_a_migration(tmp_pat
             time.sleep(0.1)
         return rows
 
+    # The limited key's 2 requests and the check after the migration count in one minute.
+    fresh_minute(40)
     with running_cell(worker, generations=g1, storage_dir=tmp_path / "do", with_key=False) as cell:
         alice = cell.create_key("alice", rpm=1000)
         limited = cell.create_key("limited", rpm=2)
