@@ -323,6 +323,12 @@ def test_demo_fleet_tells_the_story_with_no_failed_request(tmp_path):
     assert row("2 pods lost", "NRT")[:2] == ["eu-west", "pod-0"]  # the next nearest cell's pod, not the fallback
     alone = next(r for r in rows if r[:5] == ["2", "pods", "lost", "NRT", "without"])
     assert alone[7] == "fallback"
+    # What the pod hop costs, per cell: a measured p50 on the pooled connection and on a new one.
+    # A new one pays at least TLS 1.3's handshake round trip and the check's own, each at least
+    # the emulated 10 ms same-site round trip (a lower bound that holds under load).
+    for cell in CELLS:
+        pooled, new, n = next(r[1:] for r in rows if len(r) == 4 and r[0] == cell)
+        assert n == "5" and float(pooled) > 0 and float(new) >= 20, (cell, pooled, new)
     assert any(line.strip().endswith(", 0 failed") for line in res.stdout.splitlines()), res.stdout[-2000:]
     assert (tmp_path / "demo" / "demo-fleet.png").stat().st_size > 10_000
     assert_nothing_runs(tmp_path)

@@ -16,6 +16,7 @@ stack files in its own state directory and always brings the fleet down at the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,6 +44,7 @@ HOME = {"NRT": "apac-jp", "FRA": "eu-west", "IAD": "us-east"}
 LOST = "apac-jp"  # the cell whose pods die
 LOST_SITE = "NRT"
 RETURN_WAIT_S = 60.0  # bounded: how long phase 3 waits for Tokyo to be served at home again
+HOP_SAMPLES = 5  # per cell: the pod hop's pooled and new-connection checks after the story
 BODY = {"model": "Qwen/Qwen2.5-7B-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
@@ -203,6 +205,37 @@ class Demo:
             lines.append(f"    {ph:<22}{row:<20}{served or '-':<22}{back or '-':<18}{e:>15}{len(v):>5}{len(v) - len(ok):>8}")
         return "\n".join(lines)
 
+    def hop_costs(self, n: int = HOP_SAMPLES) -> str:
+        """Each cell's Worker to its pod 0, GET /health over the mutual-TLS hop: on the pooled
+        connection and on a new one (the cell's network closes the hop's connections first and
+        counts the one each check opens), as the probe's pod_rtt and pod_rtt_new measure it."""
+        from ..probe import connections, sample, sandbox as probe_sandbox
+        from ..probe.errors import ProbeError
+
+        lines = [f"    {'cell':<10}{'pooled p50 ms':>15}{'new connection p50 ms':>24}{'n':>4}"]
+        for c in self.out["cells"]:
+            cell = probe_sandbox.read(Path(c["state_dir"]))
+            if cell is None or not cell.control_url:
+                lines.append(f"    {c['name']:<10}{'n/a':>15}{'n/a':>24}")
+                continue
+            hops = connections.HopControl(cell.control_url, 10.0)
+            pooled: list[float] = []
+            new: list[float] = []
+            with sample.Sampler(cell.url, cell.read_token, 10.0) as s, contextlib.suppress(ProbeError):
+                for _ in range(n):  # a network control that stops answering leaves what was measured
+                    before = hops.cut()
+                    fresh = s.probe(sample.POD_ONLY)
+                    first = next((e for e in (fresh.body or {}).get("pods", []) if e.get("index") == 0), None)
+                    if first and first.get("ok") and connections.port_of(first.get("host")) in connections.opened(
+                            before, hops.counts()):
+                        new.append(float(first["rtt_ms"]))
+                    warm = next((e for e in (s.probe(sample.POD_ONLY).body or {}).get("pods", []) if e.get("index") == 0), None)
+                    if warm and warm.get("ok"):
+                        pooled.append(float(warm["rtt_ms"]))
+            a, b = (("n/a" if v is None else f"{v:.0f}") for v in (p(pooled, 50), p(new, 50)))
+            lines.append(f"    {c['name']:<10}{a:>15}{b:>24}{n:>4}")
+        return "\n".join(lines)
+
     def bars(self, phases: list[str]) -> list[dict]:
         out = []
         for ph, row, v in self.rows():
@@ -298,6 +331,8 @@ def run(state_dir: Path | None = None, samples: int = 12) -> int:
 
         say("Every request of the demo, by phase and client site (e2e on the client's clock, p50/p90).")
         print(demo.table())
+        say(f"What the pod hop costs: each cell's Worker to its pod over mutual TLS ({HOP_SAMPLES} checks each).")
+        print(demo.hop_costs(), flush=True)
         total, failed = len(demo.tally.all()), demo.tally.failed()
         png = demo.plot(demo.state_dir / FLEET_DEMO_PLOT_FILE, [P1, P2, P3])
         p2 = [s for s in demo.tally.rows.get((P2, LOST_SITE), []) if s.ok]
