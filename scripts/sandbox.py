@@ -330,7 +330,9 @@ def _after_interrupt(cmd: str, state_dir: Path | None, handed: bool = False) -> 
             return "interrupted; nothing it started is running"
         return (f"interrupted, but part of the fleet still runs in {state_dir} ({', '.join(left)}): stop it with "
                 f"`{CMD} down --fleet {sandbox_fleet.fleet_name(state_dir)} --state-dir {state_dir}`")
-    if state_dir is None or not supervisor.is_running(state_dir):
+    if state_dir is None:  # interrupted while it was still finding its sandbox: it had not acted
+        return "interrupted before doing anything"
+    if not supervisor.is_running(state_dir):
         return "interrupted; nothing it started is running" if cmd != "apply" else \
             "interrupted; no sandbox runs there"
     if cmd == "apply" and handed:

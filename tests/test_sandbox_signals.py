@@ -56,9 +56,10 @@ def sandbox_processes(state_dir: Path) -> list[str]:
     return found
 
 
-def _listening(ports: set[int]) -> set[int]:
-    """The given ports that something listens on (from /proc/net/tcp{,6})."""
-    out = set()
+def _listeners(ports: set[int]) -> dict[int, set[str]]:
+    """The given ports that something listens on (from /proc/net/tcp{,6}), each with the
+    socket inodes listening there."""
+    out: dict[int, set[str]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -66,9 +67,58 @@ def _listening(ports: set[int]) -> set[int]:
             continue
         for line in lines:
             fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) in ports:  # 0A = LISTEN
-                out.add(int(fields[1].rsplit(":", 1)[1], 16))
+            port = int(fields[1].rsplit(":", 1)[1], 16)
+            if fields[3] == "0A" and port in ports:  # 0A = LISTEN
+                out.setdefault(port, set()).add(fields[9])
     return out
+
+
+def _owners(inodes: set[str]) -> list[str]:
+    """The pids whose open files include one of these sockets."""
+    links = {f"socket:[{i}]" for i in inodes}
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in links:
+                    found.append(pid)
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def _names(pid: str, state_dir: Path) -> bool:
+    """Whether the process's command line or environment names the state directory (a local
+    pod has it in COLOCATE_STATE_DIR)."""
+    try:
+        text = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return str(state_dir).encode() in text
+
+
+def _listening(ports: set[int], state_dir: Path) -> set[int]:
+    """The given ports still listened on by a process of this sandbox. The suite's other
+    workers bind port 0 all the time, so a port the sandbox released may already be another
+    test's: a listener whose every owner names another directory is not ours. One whose owner
+    cannot be found yet (exiting) counts until the bounded wait ends."""
+    deadline = time.monotonic() + 5
+    while True:
+        ours = set()
+        for port, inodes in _listeners(ports).items():
+            owners = _owners(inodes)
+            if not owners or any(_names(pid, state_dir) for pid in owners):
+                ours.add(port)
+        if not ours or time.monotonic() > deadline:
+            return ours
+        time.sleep(0.2)
 
 
 def interrupt(argv: list[str], delay: float, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -124,7 +174,7 @@ def _assert_nothing_left(state_dir: Path, ports: set[int] = frozenset()) -> None
     assert not (state_dir / "pod.json").exists()
     pods = state_dir / "pods"
     assert not pods.exists() or not [p for p in pods.glob("*.json") if not p.name.endswith(".port.json")]
-    assert _listening(set(ports)) == set()
+    assert _listening(set(ports), state_dir) == set()
 
 
 def _ports_of(cell: dict) -> set[int]:
