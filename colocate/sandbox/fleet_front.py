@@ -58,6 +58,7 @@ from .statedir import (
 
 CELL_INDEX_HEADER = "x-sandbox-cell"
 SWAP_WAIT_S = 30.0  # how long the binding proxy waits for a cell whose workerd is being swapped
+CUT_WAIT_S = 5.0  # ... and for a swap after a request was cut off unanswered (a swap takes 1-2 s)
 
 
 def log_fleet(msg: str) -> None:
@@ -116,10 +117,14 @@ class _BindingHandler(proxies.Relay):
 
     def _upstream_failed(self, host: str, port: int, exc: BaseException) -> None:
         route = getattr(self, "_route", None)
-        if isinstance(exc, ConnectionRefusedError) and route is not None and not self._retrying:
+        if route is not None and not self._retrying:
             # The cell is swapping its workerd (its `apply`): wait for the new one, as its own
-            # front proxy holds requests during the swap.
-            deadline = time.monotonic() + SWAP_WAIT_S
+            # front proxy holds requests during the swap. Refused: the old one is gone. Cut off
+            # before an answer: the old one was stopped under this request, which the platform
+            # would have let finish (its own front proxy drains in-flight requests first; the
+            # bindings reach workerd directly): sent again to the new one if a swap follows soon.
+            refused = isinstance(exc, ConnectionRefusedError)
+            deadline = time.monotonic() + (SWAP_WAIT_S if refused else CUT_WAIT_S)
             while time.monotonic() < deadline:
                 now = route.current()
                 if now and now != (host, port):
