@@ -124,14 +124,14 @@ def collect(run: Run) -> dict[str, list[float]]:
             if v is not None:
                 values[name].append(v)
     for s in run.probe_new or []:
-        first = next((e for e in _pod_entries(s) if e.get("index") == 0), None)
-        v = _new_rtt(s, first) if first else None
+        first = next((e for e in pod_entries(s) if e.get("index") == 0), None)
+        v = new_rtt(s, first) if first else None
         if v is not None:
             values["pod_rtt_new"].append(v)
     return values
 
 
-def _pod_entries(s: Sample) -> list[dict]:
+def pod_entries(s: Sample) -> list[dict]:
     """The pods a successful probe body lists; a Worker from before several pods lists pod 0
     in the body's ``pod_*`` fields."""
     if not (s.ok and s.body):
@@ -143,7 +143,7 @@ def _pod_entries(s: Sample) -> list[dict]:
     return [e for e in listed if isinstance(e, dict) and isinstance(e.get("index"), int)]
 
 
-def _new_rtt(s: Sample, entry: dict) -> float | None:
+def new_rtt(s: Sample, entry: dict) -> float | None:
     """A pod's health check on a new connection: answered, and its hop accepted a connection meanwhile."""
     if entry.get("ok") is not True or port_of(entry.get("host")) not in s.new_ports:
         return None
@@ -160,7 +160,7 @@ def pods_of(run: Run, region: catalogue.Region | None, locations: list[str]) -> 
                                                 "statuses": set()})
 
     for s in run.probe:
-        for entry in _pod_entries(s):
+        for entry in pod_entries(s):
             p = held(entry)
             p["host"] = entry.get("host") or p["host"]
             rtt = _number(entry.get("rtt_ms"))
@@ -170,8 +170,8 @@ def pods_of(run: Run, region: catalogue.Region | None, locations: list[str]) -> 
             p["ok"] += entry.get("ok") is True
             p["statuses"].add(str(entry.get("status")))
     for s in run.probe_new or []:
-        for entry in _pod_entries(s):
-            rtt = _new_rtt(s, entry)
+        for entry in pod_entries(s):
+            rtt = new_rtt(s, entry)
             if rtt is not None:
                 held(entry)["rtt_new"].append(rtt)
     out = []

@@ -228,6 +228,15 @@ class Sampler:
         return s
 
 
+def new_connection_probe(sampler: Sampler, hops: HopControl) -> Sample:
+    """The pods' checks on new connections: the sandbox closes its pod hops' connections, the
+    Worker checks its pods, and ``new_ports`` says which hops accepted a connection meanwhile."""
+    before = hops.cut()
+    s = sampler.probe(POD_ONLY)
+    s.new_ports = opened(before, hops.counts())
+    return s
+
+
 def settle(sampler: Sampler, in_region: Callable[[str], bool], settle_s: float,
            progress: Callable[[str], None] | None = None, interval_s: float | None = None) -> Settling:
     """Probe until the Worker has run in the same in-region colo ``SETTLE_STREAK`` times in a
@@ -272,10 +281,7 @@ def run(url: str, token: str, samples: int, timeout_s: float, model: str | None 
                      probe_new=fresh if hops else None)
         for i in range(samples):
             if hops:  # before the warm probe, so the round's routed request finds the connection warm again
-                before = hops.cut()
-                s = sampler.probe(POD_ONLY)
-                s.new_ports = opened(before, hops.counts())
-                fresh.append(s)
+                fresh.append(new_connection_probe(sampler, hops))
             result.probe.append(sampler.probe())
             result.routed.append(sampler.routed(chosen))
             if progress and ((i + 1) % 5 == 0 or i + 1 == samples):

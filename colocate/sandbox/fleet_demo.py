@@ -209,8 +209,11 @@ class Demo:
         """Each cell's Worker to its pod 0, GET /health over the mutual-TLS hop: on the pooled
         connection and on a new one (the cell's network closes the hop's connections first and
         counts the one each check opens), as the probe's pod_rtt and pod_rtt_new measure it."""
-        from ..probe import connections, sample, sandbox as probe_sandbox
+        from ..probe import connections, report, sample, sandbox as probe_sandbox
         from ..probe.errors import ProbeError
+
+        def pod0(s: sample.Sample) -> dict | None:
+            return next((e for e in report.pod_entries(s) if e.get("index") == 0), None)
 
         lines = [f"    {'cell':<10}{'pooled p50 ms':>15}{'new connection p50 ms':>24}{'n':>4}"]
         for c in self.out["cells"]:
@@ -223,13 +226,12 @@ class Demo:
             new: list[float] = []
             with sample.Sampler(cell.url, cell.read_token, 10.0) as s, contextlib.suppress(ProbeError):
                 for _ in range(n):  # a network control that stops answering leaves what was measured
-                    before = hops.cut()
-                    fresh = s.probe(sample.POD_ONLY)
-                    first = next((e for e in (fresh.body or {}).get("pods", []) if e.get("index") == 0), None)
-                    if first and first.get("ok") and connections.port_of(first.get("host")) in connections.opened(
-                            before, hops.counts()):
-                        new.append(float(first["rtt_ms"]))
-                    warm = next((e for e in (s.probe(sample.POD_ONLY).body or {}).get("pods", []) if e.get("index") == 0), None)
+                    fresh = sample.new_connection_probe(s, hops)
+                    first = pod0(fresh)
+                    rtt = report.new_rtt(fresh, first) if first else None
+                    if rtt is not None:
+                        new.append(rtt)
+                    warm = pod0(s.probe(sample.POD_ONLY))
                     if warm and warm.get("ok"):
                         pooled.append(float(warm["rtt_ms"]))
             a, b = (("n/a" if v is None else f"{v:.0f}") for v in (p(pooled, 50), p(new, 50)))

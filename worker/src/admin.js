@@ -127,15 +127,21 @@ function breakerView(cfg, view) {
     imported: view.imported, pods };
 }
 
+/** Every pod's GET /health over the pod hop, in POD_URLS order. */
+function checkPods(cfg, hop) {
+  return Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null)));
+}
+
+/** The probe's `pods` list from those checks. */
+function podEntries(cfg, pods) {
+  return pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status }));
+}
+
 /** The pods' health checks alone (`?only=pods`): the probe's new-connection samples time the
  * pod hop, and a split cell's state round trip would only make them slower to take. */
 async function probePods(cfg, hop, t0) {
-  const pods = await Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null)));
-  const body = {
-    generation: cfg.activeGeneration,
-    region: cfg.region,
-    pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
-  };
+  const pods = await checkPods(cfg, hop);
+  const body = { generation: cfg.activeGeneration, region: cfg.region, pods: podEntries(cfg, pods) };
   const timing = serverTiming({ pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, POD_PROBE_METRICS);
   return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
@@ -158,7 +164,7 @@ async function probe(request, env, cfg, url, fetchImpl, hop) {
   const [workerColo, stateColo, pods, fallback] = await Promise.all([
     fetchColo(fetchImpl),
     asked.then((colo) => colo ?? stub.colo().catch(() => null)),
-    Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null))),
+    checkPods(cfg, hop),
     url.searchParams.get("fallback") === "1" ? fallbackCheck(cfg, fetchImpl) : null,
   ]);
   const body = {
@@ -175,7 +181,7 @@ async function probe(request, env, cfg, url, fetchImpl, hop) {
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
     pod_host: pods.length ? new URL(cfg.podUrls[0]).host : null,
-    pods: pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status })),
+    pods: podEntries(cfg, pods),
     breaker: breakerView(cfg, view),
   };
   if (fallback) body.fallback = fallback;

@@ -106,9 +106,10 @@ export function defaultShare(limit, n) {
 }
 
 /**
- * A cell's lease of a key as an isolate takes it before its sync has brought the real one:
- * the default share of each limit the key has (what the ledger counts for a cell without a
- * lease row), no peers known. undefined for a lone cell (`cells` 0) or a key without limits.
+ * A cell's lease of a key the ledger has not apportioned there: the default share of each
+ * limit the key has, no peers known (the object's leasesOf, and an isolate holding a key
+ * whose lease it has not been brought yet). undefined for a lone cell (`cells` 0) or a key
+ * without limits.
  */
 export function provisionalLease(key, cells) {
   if (!cells || !(key.rpm > 0 || key.tpm > 0 || key.monthly_tokens > 0)) return undefined;

@@ -23,7 +23,7 @@ import {
   ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
-import { counts as countsAnything, defaultShare, monthOf } from "./fleetexchange.js";
+import { counts as countsAnything, monthOf, provisionalLease } from "./fleetexchange.js";
 import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
@@ -351,7 +351,8 @@ export class Breaker extends DurableObject {
         FROM client_keys k LEFT JOIN key_lease l ON l.key_id = k.id LEFT JOIN peer_counters p ON p.key_id = k.id
         WHERE k.id IN (SELECT value FROM json_each(?))`,
     JSON.stringify(ids))) {
-      if (!(r.rpm > 0 || r.tpm > 0 || r.monthly_tokens > 0)) continue;
+      const fallback = provisionalLease(r, n); // the default shares of the key's limits
+      if (fallback === undefined) continue; // no limit to apportion
       const held = r.month !== null; // a row: the ledger apportioned this key here
       let peers = null;
       if (r.p_minute !== null) {
@@ -363,10 +364,9 @@ export class Breaker extends DurableObject {
         if (r.p_month === month) peers[COUNTER.month_tokens] = r.p_month_tokens;
       }
       leases[r.id] = {
-        req: r.rpm > 0 ? (held && r.req !== null ? r.req : defaultShare(r.rpm, n)) : null,
-        tok: r.tpm > 0 ? (held && r.tok !== null ? r.tok : defaultShare(r.tpm, n)) : null,
-        month_tokens: r.monthly_tokens > 0
-          ? (r.month === month && r.month_tokens !== null ? r.month_tokens : defaultShare(r.monthly_tokens, n)) : null,
+        req: r.rpm > 0 && held && r.req !== null ? r.req : fallback.req,
+        tok: r.tpm > 0 && held && r.tok !== null ? r.tok : fallback.tok,
+        month_tokens: r.monthly_tokens > 0 && r.month === month && r.month_tokens !== null ? r.month_tokens : fallback.month_tokens,
         peers,
       };
     }
