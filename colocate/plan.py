@@ -195,6 +195,16 @@ def hop_is_mtls(provider: str, path: str, setting: str) -> bool:
     """Whether the hop to the pods is mutual TLS (``colocate:pod.hop``): ``auto`` wherever the
     path and the provider can carry it, ``token`` never; ``mtls`` where they cannot is refused."""
     possible = path in MTLS_PATHS and provider in MTLS_PROVIDERS
+    if setting == "auto" and path == PATH_PROVIDER_PROXY:
+        # RunPod's proxy ends TLS and speaks HTTP to the pod, whose vLLM routes outside /v1
+        # (/invocations, /tokenize, /metrics, ...) answer without the token: the pod would be
+        # on the internet. Only an operator who says so (`token`) gets that hop.
+        raise ConfigError("colocate:pod.hop", setting,
+                          "without colocate:zone the Worker reaches a RunPod pod through RunPod's public proxy, "
+                          "which cannot carry mutual TLS: the pod's routes that vLLM's --api-key leaves open "
+                          "(/invocations, /tokenize, /metrics, ...) would answer anyone on the internet",
+                          "set colocate:zone (id and name: the pods are then reached by a DNS-only record over "
+                          "mutual TLS), or, knowingly, pulumi config set --path colocate:pod.hop token")
     if setting != "mtls":
         return setting == "auto" and possible
     if path == PATH_PROVIDER_PROXY:

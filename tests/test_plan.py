@@ -27,6 +27,9 @@ def raw_for(region="apac-jp", provider="runpod", **extra):
     if provider == "vastai":  # Vast.ai pods are reached through a DNS-only record on a zone
         raw["zone"] = ZONE
     raw.update(extra)
+    if isinstance(raw["pod"], dict) and raw["pod"].get("provider") == "runpod" and "zone" not in raw:
+        # RunPod without a zone is refused under hop `auto`: these plans say `token` knowingly.
+        raw["pod"] = {"hop": "token", **raw["pod"]}
     return raw
 
 
@@ -389,12 +392,36 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     vast = cell(raw_for("apac-tw", "vastai"))
     assert vast.mtls and vast.pod.tls_name == "pod-apac-tw-g1.example.com" and "hop=mtls" in vast.pod.identity()
     assert vast.worker.binding("POD_TLS").type == "mtls_certificate"
-    # RunPod's proxy ends TLS itself: auto falls back to the token.
+    # RunPod's proxy ends TLS itself: only `token`, said knowingly, gets that hop (next test).
     p = cell(raw_for())
     assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ()
     assert "POD_TLS" not in {b.name for b in p.worker.bindings}
     local = cell(raw_for("us-east", "local"))
     assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts the CA itself
+
+
+def test_runpod_without_a_zone_is_refused_under_hop_auto_naming_the_key_and_both_fixes():
+    raw = raw_for(pod={"provider": "runpod"})
+    del raw["pod"]["hop"]  # raw_for says `token` for zoneless RunPod; the default is `auto`
+    for hop in ({}, {"hop": "auto"}):
+        raw["pod"] = {"provider": "runpod", **hop}
+        with pytest.raises(ConfigError) as err:
+            cell(raw)
+        assert err.value.key == "colocate:pod.hop" and err.value.value == "auto"
+        assert "/invocations" in err.value.problem and "internet" in err.value.problem
+        assert "colocate:zone" in err.value.fix and "colocate:pod.hop token" in err.value.fix
+    raw["pod"]["hop"] = "token"
+    assert cell(raw).pod.path == "provider-proxy" and not cell(raw).mtls  # said knowingly: planned
+
+
+def test_the_api_docs_are_off_on_every_hop():
+    from colocate.pods.spec import PodSpec
+    for raw in (raw_for(), raw_for(zone=ZONE), raw_for(zone=ZONE, pod={"provider": "runpod", "hop": "token"}),
+                raw_for("apac-tw", "vastai")):
+        pod = cell(raw).pod
+        args = PodSpec.from_dict(pod.spec()).vllm_args()
+        assert "--disable-fastapi-docs" in args, (pod.path, pod.mtls)
+        assert ("--ssl-cert-reqs" in args) == pod.mtls
 
 
 def test_hop_token_turns_mutual_tls_off_knowingly_and_renames_the_pods():
@@ -538,6 +565,7 @@ def test_runpod_community_cloud_with_a_zone_is_refused_before_any_pod():
         cell(raw)
     assert err.value.key == "colocate:pod.cloud" and "public ip" in str(err.value)
     assert "colocate:pod.cloud SECURE" in str(err.value)
-    # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there.
+    # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there (hop `token`, knowingly).
     raw.pop("zone")
+    raw["pod"]["hop"] = "token"
     assert cell(raw).pod.path == "provider-proxy"

@@ -19,7 +19,7 @@ def raw(**over) -> dict:
         "region": "apac-jp",
         "generations": [{"name": "apac-jp.g1", "region": "apac-jp", "status": "active"}],
         "accountId": "0123456789abcdef0123456789abcdef",
-        "pod": {"provider": "runpod"},
+        "pod": {"provider": "runpod", "hop": "token"},  # no zone: the open hop, knowingly
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
         "fallbackPrice": {"input": 0.15, "output": 0.6},

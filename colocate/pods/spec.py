@@ -102,13 +102,15 @@ class PodSpec:
         The token is not here: it travels as the env variable ``VLLM_API_KEY``, which vLLM
         treats exactly like ``--api-key`` and which keeps it out of the container's argv.
         On a mutual-TLS hop vLLM serves TLS from ``COLOCATE_POD_TLS`` and refuses a caller
-        without a client certificate of the cell's CA (``podtls``), and its API docs are off.
+        without a client certificate of the cell's CA (``podtls``). Its API docs are off on every hop.
         """
         args = ["--model", self.model, "--quantization", "gptq_marlin", "--host", "0.0.0.0",
                 "--port", str(self.port), "--served-model-name", self.model,
                 "--max-model-len", "8192", "--gpu-memory-utilization", "0.90"]
+        # The API docs (/docs, /redoc, /openapi.json) are nobody's job on any hop.
+        args.append("--disable-fastapi-docs")
         if self.mtls:
-            args += [*podtls.vllm_args(), "--disable-fastapi-docs"]
+            args += podtls.vllm_args()
         return args
 
 
