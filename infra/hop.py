@@ -1,11 +1,12 @@
 """The pod hop's credentials, declared by the stack with pulumi-tls (docs/pods.md, "Who can reach the pod").
 
-A CA of the cell (ECDSA P-256, self-signed, signing leaves only), and three kinds of leaf it
-signs: each pod's server certificate for the name the Worker fetches it by, the Worker's client
-certificate (uploaded as a ``cloudflare.MtlsCertificate`` and bound as ``POD_TLS``), and the
-client certificate of ``scripts/pod.py``'s readiness check. On ``zone-dns`` the CA also goes into
-the zone's Custom Origin Trust Store: the Worker's fetch to a DNS-only origin checks the origin's
-certificate against public CAs unless that store (with the plan's compatibility flag) applies.
+A CA of the cell (ECDSA P-256, self-signed, signing leaves only), and two kinds of leaf it
+signs: each pod's server certificate for the name the Worker fetches it by, and the Worker's client
+certificate (uploaded as a ``cloudflare.MtlsCertificate`` and bound as ``POD_TLS``). The client
+certificate of ``scripts/pod.py``'s readiness check has a CA of its own, which the pods do not
+trust. On ``zone-dns`` the cell's CA also goes into the zone's Custom Origin Trust Store: the
+Worker's fetch to a DNS-only origin checks the origin's certificate against public CAs unless
+that store (with the plan's compatibility flag) applies.
 
 Keys are pulumi-tls outputs the provider marks secret; they are wrapped as secrets again where
 they leave a resource, so they reach state only encrypted, the pod command only through its
@@ -66,7 +67,24 @@ class HopCredentials:
             opts=self.opts,
         )
         self.worker_key, self.worker_cert = self._leaf("worker", "colocate worker", "client_auth", [])
-        self.check_key, self.check_cert = self._leaf("check", "colocate pod readiness", "client_auth", [])
+        # Readiness's certificate comes from a CA of its own, which no cloud pod trusts: vLLM cannot
+        # limit a caller to /health, so this key (in every pod command's environment) opens nothing
+        # there; the pod's refusal in the handshake is what readiness reads as serving (podtls).
+        self.check_ca_key = self._key(f"{name}-hop-check-ca-key")
+        self.check_ca = tls.SelfSignedCert(
+            f"{name}-hop-check-ca{self.suffix}",
+            private_key_pem=_secret(self.check_ca_key.private_key_pem),
+            is_ca_certificate=True,
+            max_path_length=0,
+            allowed_uses=["cert_signing", "crl_signing"],
+            validity_period_hours=CA_HOURS,
+            set_subject_key_id=True,
+            subject=tls.SelfSignedCertSubjectArgs(common_name=f"colocate {plan.stack} {podtls.READINESS_CA}",
+                                                  organization=ORGANIZATION),
+            opts=self.opts,
+        )
+        self.check_key, self.check_cert = self._leaf("check", "colocate pod readiness", "client_auth", [],
+                                                     ca=(self.check_ca, self.check_ca_key))
         self.mtls_certificate = cloudflare.MtlsCertificate(
             f"{name}-hop-worker-mtls{self.suffix}",
             account_id=plan.worker.account_id,
@@ -88,7 +106,8 @@ class HopCredentials:
     def _key(self, name: str) -> tls.PrivateKey:
         return tls.PrivateKey(f"{name}{self.suffix}", algorithm=ALGORITHM, ecdsa_curve=CURVE, opts=self.opts)
 
-    def _leaf(self, role: str, common_name: str, usage: str, dns_names: list[str]):
+    def _leaf(self, role: str, common_name: str, usage: str, dns_names: list[str], ca=None):
+        ca_cert, ca_key = ca or (self.ca, self.ca_key)
         key = self._key(f"{self.name}-hop-{role}-key")
         request = tls.CertRequest(
             f"{self.name}-hop-{role}-csr{self.suffix}",
@@ -100,8 +119,8 @@ class HopCredentials:
         cert = tls.LocallySignedCert(
             f"{self.name}-hop-{role}{self.suffix}",
             cert_request_pem=request.cert_request_pem,
-            ca_cert_pem=self.ca.cert_pem,
-            ca_private_key_pem=_secret(self.ca_key.private_key_pem),
+            ca_cert_pem=ca_cert.cert_pem,
+            ca_private_key_pem=_secret(ca_key.private_key_pem),
             allowed_uses=["digital_signature", usage],
             validity_period_hours=LEAF_HOURS,
             early_renewal_hours=EARLY_RENEWAL_HOURS,

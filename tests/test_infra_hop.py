@@ -64,16 +64,20 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
             _, env = unsecret(cmd.inputs["environment"])
             assert podtls.BUNDLE_ENV not in env and podtls.CHECK_ENV not in env
         return
-    ca = m.one(CA).inputs
-    assert ca["isCaCertificate"] is True and ca["allowedUses"] == ["cert_signing", "crl_signing"]
-    assert ca["maxPathLength"] == 0
+    cas = {r.name: r.inputs for r in m.of_type(CA)}
+    assert set(cas) == {f"{stack}-hop-ca", f"{stack}-hop-check-ca"}
+    for ca in cas.values():
+        assert ca["isCaCertificate"] is True and ca["allowedUses"] == ["cert_signing", "crl_signing"]
+        assert ca["maxPathLength"] == 0
+    assert cas[f"{stack}-hop-check-ca"]["subject"]["commonName"].endswith(podtls.READINESS_CA)
+    assert not cas[f"{stack}-hop-ca"]["subject"]["commonName"].endswith(podtls.READINESS_CA)
     leaves = {r.name: r.inputs for r in m.of_type(LEAF)}
-    # One leaf for the Worker, one for readiness, one per pod; every one signed by the CA's key.
+    # One leaf for the Worker, one per pod, signed by the cell's CA; readiness's by a CA of its own.
     assert set(leaves) == {f"{stack}-hop-worker", f"{stack}-hop-check", *(f"{stack}-hop-pod-{i}" for i in range(len(pods)))}
-    ca_key = mock_pem("EC PRIVATE KEY", f"{stack}-hop-ca-key")
     for name, leaf in leaves.items():
-        assert leaf["caCertPem"] == mock_pem("CERTIFICATE", f"{stack}-hop-ca")
-        assert unsecret(leaf["caPrivateKeyPem"]) == (True, ca_key)
+        ca = f"{stack}-hop-check-ca" if name.endswith("-hop-check") else f"{stack}-hop-ca"
+        assert leaf["caCertPem"] == mock_pem("CERTIFICATE", ca)
+        assert unsecret(leaf["caPrivateKeyPem"]) == (True, mock_pem("EC PRIVATE KEY", f"{ca}-key"))
         assert leaf["allowedUses"] == ["digital_signature", "server_auth" if "-pod-" in name else "client_auth"]
     # The Worker presents its own certificate through the binding the router fetches by.
     mtls = m.one(MTLS)
@@ -88,9 +92,11 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
         assert csr["dnsNames"] == [spec["tls_name"]] and spec["tls_name"]
         is_secret, env = unsecret(cmd.inputs["environment"])
         assert is_secret
+        # The pod trusts the cell's CA only: vLLM cannot hold readiness to /health, so it never admits it.
         assert env[podtls.BUNDLE_ENV] == podtls.bundle(mock_pem("CERTIFICATE", f"{stack}-hop-pod-{i}"),
                                                        mock_pem("PRIVATE KEY", f"{stack}-hop-pod-{i}-key"),
                                                        mock_pem("CERTIFICATE", f"{stack}-hop-ca"))
+        assert mock_pem("CERTIFICATE", f"{stack}-hop-check-ca") not in env[podtls.BUNDLE_ENV]
         check = json.loads(env[podtls.CHECK_ENV])
         assert check == {"cert": mock_pem("CERTIFICATE", f"{stack}-hop-check"),
                          "key": mock_pem("PRIVATE KEY", f"{stack}-hop-check-key"),

@@ -42,13 +42,40 @@ class PodTlsError(PodConfigError, ValueError):
     """Missing or malformed TLS material for the pod hop; the message names the variable and the fix."""
 
 
-def bundle(cert_pem: str, key_pem: str, client_ca_pem: str) -> str:
-    """The value of ``COLOCATE_POD_TLS``: the pod's certificate first (its chain may follow), its key, the callers' CA."""
+def bundle(cert_pem: str, key_pem: str, client_ca_pem: str, readiness_ca_pem: str = "") -> str:
+    """The value of ``COLOCATE_POD_TLS``: the pod's certificate first (its chain may follow), its key, the
+    callers' CA, and (only for a pod that enforces ``allows``: the stand-in) the readiness CA."""
     parts = {"certificate": cert_pem, "private key": key_pem, "client CA": client_ca_pem}
+    if readiness_ca_pem:
+        parts["readiness CA"] = readiness_ca_pem
     for what, pem in parts.items():
         if "-----BEGIN" not in (pem or ""):
             raise PodTlsError(f"pod TLS: the {what} is not PEM. Fix: pass the PEM text the stack declared")
     return "\n" + "".join(p if p.endswith("\n") else p + "\n" for p in parts.values())
+
+
+# Readiness has a CA of its own (common name ending in READINESS_CA), never the cell's: its
+# certificate sits in every pod command's environment and must not run inference. A pod that
+# trusts that CA admits its certificates to READINESS_ROUTES only (``allows``). vLLM cannot tell
+# callers apart by path, so a cloud pod's bundle does not carry the readiness CA at all: vLLM
+# refuses the readiness certificate in the handshake, which readiness takes as "serving"
+# (colocate.pods.readiness). The stand-in trusts it and enforces the rule, so tests can show it.
+READINESS_CA = "pod readiness CA"
+READINESS_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
+
+
+def caller_role(peercert: dict | None) -> str:
+    """``readiness`` for a certificate the readiness CA signed, else ``worker`` (the handshake
+    already verified it against a CA the pod trusts; the issuer's name says which)."""
+    issuer = dict(pair for rdn in (peercert or {}).get("issuer", ()) for pair in rdn)
+    return "readiness" if str(issuer.get("commonName", "")).endswith(READINESS_CA) else "worker"
+
+
+def allows(peercert: dict | None, method: str, path: str) -> bool:
+    """Whether a caller with ``peercert`` (``SSLSocket.getpeercert()``) may ``method path``."""
+    if caller_role(peercert) == "readiness":
+        return (method, path.split("?", 1)[0]) in READINESS_ROUTES
+    return True
 
 
 def environment(bundle_value: str, others: dict[str, str]) -> dict[str, str]:

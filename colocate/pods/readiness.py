@@ -44,11 +44,18 @@ def health(url: str, timeout: float, tls: tuple[ssl.SSLContext, str] | None = No
 
 
 def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str) -> tuple[bool, str]:
-    """``GET /health`` over mutual TLS to the URL's address, the certificate checked for ``name``."""
+    """``GET /health`` over mutual TLS to the URL's address, the certificate checked for ``name``.
+
+    A pod that proves the cell's certificate for ``name`` and then refuses ours (an alert, or a
+    close: the alert can be lost to the reset when the request was already sent) is serving:
+    vLLM trusts only the Worker's CA, never readiness's (podtls.READINESS_CA), and its TLS runs
+    only once its engine is up. A pod that admits ours (the stand-in) must answer 200."""
     parts = urlsplit(url)
+    shook = False
     try:
         with (socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout) as raw,
               ctx.wrap_socket(raw, server_hostname=name) as conn):
+            shook = True
             conn.sendall(f"GET /health HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
             resp = http.client.HTTPResponse(conn)
             resp.begin()
@@ -56,7 +63,10 @@ def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str) -> tupl
     except ssl.SSLCertVerificationError as exc:
         return False, f"health: the pod's certificate is not the cell's for {name} ({exc.verify_message})"
     except (OSError, http.client.HTTPException) as exc:
-        return False, f"health: {type(exc).__name__}"
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        if shook and not isinstance(exc, TimeoutError | http.client.HTTPException):
+            return True, f"serving (it refused the readiness certificate: {reason})"
+        return False, f"health: {reason}"
 
 
 def no_address_grace() -> float:

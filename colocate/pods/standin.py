@@ -401,6 +401,18 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         pass  # quiet: tests and the sandbox read stdout/stderr for their own lines
 
+    def parse_request(self) -> bool:
+        # Under TLS each caller gets what its certificate's CA opens (podtls.allows: readiness's, /health only).
+        if not super().parse_request():
+            return False
+        if isinstance(self.connection, ssl.SSLSocket) and not podtls.allows(
+                self.connection.getpeercert(), self.command, self.path):
+            self.close_connection = True  # the refused request's body is never read
+            self._error(403, f"this client certificate does not open {self.path.split('?', 1)[0]}: "
+                        "the readiness certificate gets GET /health only", "forbidden")
+            return False
+        return True
+
     # ---- plumbing -------------------------------------------------------
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()

@@ -3,12 +3,14 @@
 Generated once per state directory under ``hop/`` (directory 0700, files 0600), like
 ``secrets.json``: the CA, the pods' server certificate (for ``localhost``, the name the Worker
 fetches them by), the Worker's client certificate (its POD_TLS binding) and the readiness
-check's client certificate (``scripts/pod.py``). The CA's key stays in the directory; nothing
+check's client certificate (``scripts/pod.py``), signed by a readiness CA of its own: the
+stand-in admits it to ``GET /health`` only (``podtls.allows``). The CA's key stays in the directory; nothing
 is printed or put in argv.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +25,7 @@ from ..workerd import HopClient
 
 DIR = "hop"
 POD_NAME = "localhost"  # what PodPlan.tls_name is for a local pod
-FILES = {"ca": "ca", "pod": "pod", "worker": "worker", "check": "check"}
+FILES = {"ca": "ca", "pod": "pod", "worker": "worker", "check": "check", "check_ca": "check-ca"}
 _LOCK = threading.Lock()  # the runner creates pods side by side: one of them makes the files
 
 
@@ -33,13 +35,15 @@ class HopCredentials:
     pod: Leaf
     worker: Leaf
     check: Leaf
+    check_ca: LocalCA  # signs only the readiness certificate
 
     def worker_client(self) -> HopClient:
         return HopClient(self.worker.cert_pem, self.worker.key_pem, self.ca.cert_pem)
 
     def pod_env(self) -> dict[str, str]:
         """What ``scripts/pod.py create`` takes for a mutual-TLS pod (as infra/ passes it in the cloud)."""
-        return {podtls.BUNDLE_ENV: podtls.bundle(self.pod.cert_pem, self.pod.key_pem, self.ca.cert_pem),
+        return {podtls.BUNDLE_ENV: podtls.bundle(self.pod.cert_pem, self.pod.key_pem, self.ca.cert_pem,
+                                                 self.check_ca.cert_pem),
                 podtls.CHECK_ENV: json.dumps({"cert": self.check.cert_pem, "key": self.check.key_pem,
                                               "ca": self.ca.cert_pem})}
 
@@ -56,18 +60,26 @@ def load(state_dir: Path) -> HopCredentials:
     never pairs a certificate with another run's key; the first rename wins."""
     d = Path(state_dir) / DIR
     with _LOCK:
-        if not d.is_dir():
+        if not (d / f"{FILES['check_ca']}.pem").is_file():  # none yet, or made before readiness had its own CA
+            if d.is_dir():
+                old = d.with_name(f".{DIR}-old-{os.getpid()}-{threading.get_ident()}")
+                with contextlib.suppress(OSError):  # another process may have moved it first
+                    os.rename(d, old)
+                shutil.rmtree(old, ignore_errors=True)
             _make(d)
         read = {k: Leaf((d / f"{n}.pem").read_text(), (d / f"{n}.key").read_text()) for k, n in FILES.items()}
-    return HopCredentials(LocalCA(read["ca"].cert_pem, read["ca"].key_pem), read["pod"], read["worker"], read["check"])
+    return HopCredentials(LocalCA(read["ca"].cert_pem, read["ca"].key_pem), read["pod"], read["worker"], read["check"],
+                          LocalCA(read["check_ca"].cert_pem, read["check_ca"].key_pem))
 
 
 def _make(d: Path) -> None:
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".hop-", dir=d.parent))  # mode 0700
     ca = LocalCA.create("colocate sandbox pod hop CA")
+    check_ca = LocalCA.create(f"colocate sandbox {podtls.READINESS_CA}")
     made = {"ca": Leaf(ca.cert_pem, ca.key_pem), "pod": ca.server(POD_NAME),
-            "worker": ca.client("colocate worker"), "check": ca.client("colocate pod readiness")}
+            "worker": ca.client("colocate worker"), "check": check_ca.client("colocate pod readiness"),
+            "check_ca": Leaf(check_ca.cert_pem, check_ca.key_pem)}
     for key, leaf in made.items():
         _write(tmp / f"{FILES[key]}.pem", leaf.cert_pem)
         _write(tmp / f"{FILES[key]}.key", leaf.key_pem)

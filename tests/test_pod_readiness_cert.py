@@ -1,0 +1,113 @@
+"""Readiness's certificate opens GET /health and nothing else (issue 47.7).
+
+Real stand-in pods serving mutual TLS: one that trusts the readiness CA (the sandbox's, which
+enforces ``podtls.allows``) and one whose bundle carries only the cell's CA (the cloud's form:
+vLLM cannot tell callers apart by path, so it is never given the readiness CA). Readiness
+reaches "serving" on both; inference and /metrics answer only the Worker's certificate."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import ssl
+from pathlib import Path
+
+import pytest
+
+from colocate.localca import LocalCA
+from colocate.pods import podtls, readiness, standin
+from colocate.sandbox import hopcerts
+
+pytestmark = pytest.mark.slow
+TOKEN = "pod-token-for-the-readiness-test"
+
+
+def _ctx(tmp: Path, text: str) -> ssl.SSLContext:
+    path = tmp / f"bundle-{len(list(tmp.iterdir()))}"
+    path.write_text(text)
+    path.chmod(0o600)
+    return podtls.server_context(str(path))
+
+
+def _call(port: int, leaf, ca_pem: str, method: str, path: str, token: str | None = None) -> int:
+    ctx = podtls.client_context(leaf.cert_pem, leaf.key_pem, ca_pem)
+    conn = http.client.HTTPSConnection("localhost", port, context=ctx, timeout=10)
+    try:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}) if method == "POST" else None
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        conn.request(method, path, body=body, headers=headers)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def creds(tmp_path_factory) -> hopcerts.HopCredentials:
+    return hopcerts.load(tmp_path_factory.mktemp("state"))
+
+
+def test_the_sandbox_readiness_certificate_is_signed_by_a_ca_of_its_own(creds):
+    assert creds.check_ca.cert_pem != creds.ca.cert_pem
+    bundle = creds.pod_env()[podtls.BUNDLE_ENV]
+    assert creds.check_ca.cert_pem.strip() in bundle  # the stand-in trusts it, and holds it to /health
+
+
+def test_readiness_gets_get_health_only_and_the_worker_gets_the_rest(creds, tmp_path):
+    ctx = _ctx(tmp_path, creds.pod_env()[podtls.BUNDLE_ENV])
+    with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=ctx, log=lambda _l: None) as pod:
+        check, worker, ca = creds.check, creds.worker, creds.ca.cert_pem
+        assert _call(pod.port, check, ca, "GET", "/health") == 200
+        # The attack of issue 47.7: the readiness certificate, with and without the token.
+        for token in (None, TOKEN):
+            assert _call(pod.port, check, ca, "POST", "/invocations", token) == 403
+            assert _call(pod.port, check, ca, "GET", "/metrics", token) == 403
+            assert _call(pod.port, check, ca, "POST", "/v1/completions", token) == 403
+            assert _call(pod.port, check, ca, "GET", "/v1/models", token) == 403
+        # The Worker's certificate opens what it did before (its routes need the token as ever).
+        assert _call(pod.port, worker, ca, "GET", "/health") == 200
+        assert _call(pod.port, worker, ca, "GET", "/metrics") == 200
+        assert _call(pod.port, worker, ca, "POST", "/v1/completions", TOKEN) == 200
+        assert _call(pod.port, worker, ca, "POST", "/v1/completions") == 401
+        assert pod.requests == 2  # the Worker's two /v1/completions; none of readiness's reached a route
+
+
+def test_a_pod_that_does_not_trust_readiness_refuses_it_in_the_handshake_and_readiness_reads_that_as_serving(
+        creds, tmp_path):
+    cloud_bundle = podtls.bundle(creds.pod.cert_pem, creds.pod.key_pem, creds.ca.cert_pem)  # infra/hop.py's form
+    assert creds.check_ca.cert_pem.strip() not in cloud_bundle
+    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.ca.cert_pem)
+    lines: list[str] = []
+    with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=_ctx(tmp_path, cloud_bundle), log=lines.append) as pod:
+        ok, said = readiness.health(f"https://127.0.0.1:{pod.port}", timeout=5, tls=(checker, hopcerts.POD_NAME))
+        assert ok and said.startswith("serving (it refused the readiness certificate"), said
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            _call(pod.port, creds.check, creds.ca.cert_pem, "POST", "/invocations", TOKEN)
+        assert pod.requests == 0
+    assert any("refused a TLS handshake" in line for line in lines)
+
+
+def test_readiness_is_not_fooled_by_a_pod_of_another_ca_or_a_port_that_never_serves(creds, tmp_path):
+    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.ca.cert_pem)
+    other = LocalCA.create("someone else's CA")
+    leaf = other.server(hopcerts.POD_NAME)
+    foreign = _ctx(tmp_path, podtls.bundle(leaf.cert_pem, leaf.key_pem, other.cert_pem))
+    with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=foreign, log=lambda _l: None) as pod:
+        ok, said = readiness.health(f"https://127.0.0.1:{pod.port}", timeout=5, tls=(checker, hopcerts.POD_NAME))
+        assert not ok and "not the cell's" in said
+    # vLLM binds its port before its engine is up; a connection then waits in the backlog, unanswered.
+    with contextlib.closing(socket.create_server(("127.0.0.1", 0))) as silent:
+        port = silent.getsockname()[1]
+        ok, said = readiness.health(f"https://127.0.0.1:{port}", timeout=0.5, tls=(checker, hopcerts.POD_NAME))
+        assert not ok and said.startswith("health:"), said
+
+
+def test_the_policy_reads_the_issuer_the_handshake_verified():
+    issuer = lambda cn: {"issuer": ((("organizationName", "colocate"),), (("commonName", cn),))}  # noqa: E731
+    readiness_cert, worker_cert = issuer(f"colocate apac-jp {podtls.READINESS_CA}"), issuer("colocate apac-jp pod hop CA")
+    assert podtls.allows(readiness_cert, "GET", "/health") and podtls.allows(readiness_cert, "GET", "/health?x=1")
+    for method, path in (("POST", "/health"), ("GET", "/metrics"), ("POST", "/invocations"), ("GET", "/docs"),
+                         ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+        assert not podtls.allows(readiness_cert, method, path)
+        assert podtls.allows(worker_cert, method, path)
