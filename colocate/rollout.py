@@ -6,7 +6,9 @@
   index keeps the pod; another name replaces it.
 - Create before delete: the new pod serves, and the Worker uses it, before the pod it replaces
   is deleted, so a replacement never leaves an index without a pod.
-- One at a time, in index order: pod i+1 is created only once pod i is done.
+- All at once: every new pod is rented and waited for side by side (a real pod takes 15 to 20
+  minutes to a first token, FACTS; one after another, N pods took N boots). The Worker switches
+  once every new pod serves: one WorkersScript carries POD_URLS, and an update changes it once.
 - Indices beyond ``pod.count`` are removed last, after the Worker no longer names them.
 
 Pure: no Pulumi import, no I/O.
@@ -18,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 CREATE_BEFORE_DELETE = True
-ONE_AT_A_TIME = True
+ONE_AT_A_TIME = False
 
 KEEP, ADD, REPLACE, REMOVE = "keep", "add", "replace", "remove"
 

@@ -27,7 +27,14 @@ from .hop import HopCredentials
 from .stackconfig import migrations_args
 
 PYTHON = ".venv/bin/python"
-POD_CREATE = f"{PYTHON} scripts/pod.py create --spec -"
+# A pod is two commands: `rent` (adopt or place it, then exit: its id is in the stack's state
+# before anything waits on it) and `wait` (until it serves). pulumi-command kills a cancelled
+# create with SIGKILL, so only what a command printed before the wait is ever recorded.
+POD_RENT = f"{PYTHON} scripts/pod.py rent --spec -"
+POD_WAIT = f"{PYTHON} scripts/pod.py wait --spec -"
+# After every change of the pods, delete the stack's pods that no declared pod holds (a rent
+# killed mid-request whose spec has since changed, so no later rent adopts it by name).
+POD_SWEEP = f"{PYTHON} scripts/pod.py sweep --stack {{stack}} --destroy"
 # The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON). pulumi-command
 # runs it with the environment saved at create; --stack lets it use the stack's current
 # provider key first (a rotated key: docs/pods.md, "Rotating a provider key").
@@ -136,17 +143,18 @@ class Cell(pulumi.ComponentResource):
         plan, secrets = args["plan"], args["secrets"]
         account_id = plan.worker.account_id
 
-        # The pods, one Command each, index in name and triggers: changing pod.count adds or
-        # removes only the pods concerned. A change of what identifies them (triggers)
-        # replaces them as colocate.rollout says (the sandbox's apply does the same):
-        # create-before-delete, and each pod depends on the one before it, so new pods come up
-        # one at a time; the engine deletes the replaced pods at the end of the update, after
-        # the Worker points at the new ones (docs/pods.md: what it costs).
-        # Any other input change re-runs create (no `update`), which adopts the live pod of
+        # The pods, two Commands each (rent, then wait: POD_RENT), index in name and triggers:
+        # changing pod.count adds or removes only the pods concerned. A change of what identifies
+        # them (triggers) replaces them as colocate.rollout says (the sandbox's apply does the
+        # same): create-before-delete, every pod at once (each waits only for itself), and the
+        # engine deletes the replaced pods at the end of the update, after the Worker points at
+        # the new ones (docs/pods.md: what it costs).
+        # Any other input change re-runs the rent (no `update`), which adopts the live pod of
         # the same name. A pod reads its token once, at start, so a rotated colocate:podToken
         # must rename and replace it: the token's fingerprint joins the identity. Only that
         # digest is declared, unsecret, so the spec and triggers stay readable in diffs.
-        self.pod_commands: list[local.Command] = []
+        self.pod_commands: list[local.Command] = []  # the rents: each holds its pod's delete
+        self.pod_waits: list[local.Command] = []
         self.pod_dns: list[cloudflare.DnsRecord] = []
         pod_infos = []
         worker_urls = []
@@ -162,19 +170,33 @@ class Cell(pulumi.ComponentResource):
                 declared = pulumi.Output.all(declared, cert_fp).apply(lambda a: a[0].with_tls_fingerprint(a[1]))
             cmd_name, aliases = _named(name, pod.index, "pod")
             after = [j for j in (rollout.created_after(pod.index),) if j is not None]
+            environment = {"POD_TOKEN": secrets["podToken"], **args["pod_environment"], **hop_env}
+            replace_opts = dict(parent=self, delete_before_replace=not rollout.CREATE_BEFORE_DELETE)
             command = local.Command(
                 cmd_name,
-                create=POD_CREATE,
+                create=POD_RENT,
                 delete=POD_DELETE.format(stack=plan.stack),
                 stdin=declared.apply(lambda p: json.dumps(p.spec(), sort_keys=True)),
-                environment={"POD_TOKEN": secrets["podToken"], **args["pod_environment"], **hop_env},
+                environment=environment,
                 triggers=declared.apply(lambda p: p.triggers()),
                 dir=".",
-                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=not rollout.CREATE_BEFORE_DELETE,
-                                            aliases=aliases, depends_on=[self.pod_commands[j] for j in after]),
+                opts=pulumi.ResourceOptions(**replace_opts, aliases=aliases,
+                                            depends_on=[self.pod_waits[j] for j in after]),
             )
             self.pod_commands.append(command)
-            info = command.stdout.apply(json.loads)
+            # No delete: the rent's deletes the pod. A new rent (a new pod) replaces the wait too.
+            waited = local.Command(
+                f"{cmd_name}-ready",
+                create=POD_WAIT,
+                stdin=pulumi.Output.all(declared, command.stdout).apply(
+                    lambda a: json.dumps({**a[0].spec(), "rented": json.loads(a[1])}, sort_keys=True)),
+                environment=environment,
+                triggers=[command.stdout],
+                dir=".",
+                opts=pulumi.ResourceOptions(**replace_opts, depends_on=[command]),
+            )
+            self.pod_waits.append(waited)
+            info = waited.stdout.apply(json.loads)
             pod_infos.append(info)
             # How the Worker reaches the pod (plan: pod.path). zone-dns: a DNS-only record on
             # the pod's own port (not proxied: a proxied record would be anycast);
@@ -225,7 +247,7 @@ class Cell(pulumi.ComponentResource):
             # destroy deletes the class's objects with it (docs/worker.md, "Destroy").
             force=True,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[
-                *self.pod_commands, *self.pod_dns,
+                *self.pod_waits, *self.pod_dns,
                 *([self.hop.trust_store] if self.hop is not None and self.hop.trust_store is not None else [])]),
         )
 
@@ -243,7 +265,7 @@ class Cell(pulumi.ComponentResource):
             stdin=placement.apply(lambda block: json.dumps(block, sort_keys=True)),
             environment={"CLOUDFLARE_API_TOKEN": args["cloudflare_token"]},
             triggers=[placement.apply(lambda block: json.dumps(block, sort_keys=True)), upload,
-                      *[c.stdout for c in self.pod_commands],
+                      *[c.stdout for c in self.pod_waits],
                       *([self.hop.mtls_certificate.id] if self.hop is not None else [])],  # a new one re-uploads
             dir=".",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker]),
@@ -278,11 +300,27 @@ class Cell(pulumi.ComponentResource):
                 lambda args: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in args[1:]], args[0])])),
             environment=probe_env,
             triggers=[w.content_hash(), bindings_text, json.dumps(w.placement, sort_keys=True),
-                      *[c.stdout for c in self.pod_commands]],
+                      *[c.stdout for c in self.pod_waits]],
             dir=".",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, self.placement, self.route,
-                                                                 *self.pod_commands]),
+                                                                 *self.pod_waits]),
         )
+        # The stack's pods that no declared pod holds are deleted once the Worker no longer names
+        # them: re-run whenever a pod changes (its ids in the command). Not with a local provider
+        # outside the sandbox, whose pods are this machine's processes.
+        self.sweep = None
+        if plan.pods and plan.pod_settings is not None and plan.pod_settings.provider != "local":
+            keep = pulumi.Output.all(*[c.stdout for c in self.pod_commands], *[c.stdout for c in self.pod_waits]).apply(
+                lambda outs: sorted({json.loads(o)["id"] for o in outs}))
+            self.sweep = local.Command(
+                f"{name}-pod-sweep",
+                create=keep.apply(lambda ids: " ".join([POD_SWEEP.format(stack=plan.stack),
+                                                        "--provider", plan.pod_settings.provider,
+                                                        *[f"--keep {i}" for i in ids]])),
+                environment=dict(args["pod_environment"]),
+                dir=".",
+                opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, *self.pod_waits]),
+            )
         self.worker_url = pulumi.Output.from_input(w.url)
         self.pod = pod_infos[0] if pod_infos else pulumi.Output.from_input({})
         self.pods = pulumi.Output.all(*pod_infos)

@@ -6,6 +6,10 @@ usage or configuration error (bad spec, missing key, a provider that cannot serv
 region), 1 when the provider fails (capacity, readiness, refusals).
 
   create --spec FILE|-      spec = JSON of colocate.plan.PodPlan.spec(); token from env POD_TOKEN
+                            (rent + wait in one process)
+  rent --spec FILE|-        adopt or place the spec's pod, without waiting: {"id","provider","name"}
+  wait --spec FILE|-        the spec with "rented" = rent's output: wait until that pod serves
+                            (a gone or dead one is replaced under the same name); prints create's JSON
   delete [--id ID] [--stack S]
                             id (and provider) from --id or env PULUMI_COMMAND_STDOUT; already gone = success;
                             with --stack, the stack's current provider key is tried first (as sweep finds
@@ -63,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     c = sub.add_parser("create", help="create (or adopt) the cell's pod and wait until it serves")
     c.add_argument("--spec", required=True, help="spec JSON file, or - for stdin")
+    r = sub.add_parser("rent", help="adopt or place the spec's pod; do not wait for it (pulumi records it first)")
+    r.add_argument("--spec", required=True, help="spec JSON file, or - for stdin")
+    a = sub.add_parser("wait", help="wait for the pod rent recorded to serve (spec JSON with \"rented\")")
+    a.add_argument("--spec", required=True, help="spec JSON file (with \"rented\": rent's output), or - for stdin")
     d = sub.add_parser("delete", help="delete a pod; already gone is success")
     d.add_argument("--id", help="pod id (default: from PULUMI_COMMAND_STDOUT)")
     d.add_argument("--provider", choices=PROVIDERS, help="needed with --id unless the id is local-...")
@@ -82,7 +90,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _target(args) -> tuple[str, str]:
-    pod_id, provider = args.id, args.provider
+    provider, pod_id, _ = _recorded(args)
+    return provider, pod_id
+
+
+def _recorded(args) -> tuple[str, str, str | None]:
+    """(provider, pod id, the recorded name: from a create's or rent's JSON only)."""
+    pod_id, provider, name = args.id, args.provider, None
     if not pod_id:
         raw = os.environ.get("PULUMI_COMMAND_STDOUT", "").strip()
         if not raw:
@@ -90,7 +104,8 @@ def _target(args) -> tuple[str, str]:
         try:
             prev = json.loads(raw)
             pod_id, provider = str(prev["id"]), provider or prev["provider"]
-        except (ValueError, KeyError, TypeError):
+            name = prev.get("name") if isinstance(prev.get("name"), str) and prev["name"].startswith("colocate-") else None
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise PodConfigError("PULUMI_COMMAND_STDOUT is not the JSON of a create (needs id and provider). "
                                  "Fix: pass --id ID --provider P") from None
     if not provider:
@@ -98,7 +113,7 @@ def _target(args) -> tuple[str, str]:
             provider = "local"
         else:
             raise PodConfigError(f"--provider is required for pod id {pod_id!r}. Fix: add --provider runpod|vastai")
-    return provider, pod_id
+    return provider, pod_id, name
 
 
 def _sweep_providers(args) -> tuple[list[str], dict[str, str]]:
@@ -120,15 +135,15 @@ def _sweep_providers(args) -> tuple[list[str], dict[str, str]]:
 def _delete(args) -> dict:
     """Delete with the current key first (``stackkeys.delete_keys``); a key the provider
     refuses (401, 403) passes to the next one."""
-    provider, pod_id = _target(args)
+    provider, pod_id, name = _recorded(args)
     keys = stackkeys.delete_keys(provider, args.stack, args.stacks_dir) if provider in PROVIDER_SECRET else []
     if not keys:
-        return lifecycle.delete(provider, pod_id)  # local, or no key: the provider names what is missing
+        return lifecycle.delete(provider, pod_id, name)  # local, or no key: the provider names what is missing
     key_name, env_name = PROVIDER_SECRET[provider]
 
     def attempt(key: str, source: str) -> dict:
         with stackkeys.keys_in_environment({env_name: key}):
-            out = lifecycle.delete(provider, pod_id)
+            out = lifecycle.delete(provider, pod_id, name)
         print(f"pod.py delete: {provider} key from {source}", file=sys.stderr)
         return out
 
@@ -170,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "create":
             out = lifecycle.create(podspec.load(args.spec))
+        elif args.command == "rent":
+            out = lifecycle.rent(podspec.load(args.spec))
+        elif args.command == "wait":
+            spec, rented = podspec.load_with(args.spec, "rented")
+            out = lifecycle.wait(spec, rented)
         elif args.command == "delete":
             out = _delete(args)
         elif args.command == "status":

@@ -118,7 +118,7 @@ def test_pod_command_is_replaced_on_identity_change_and_deletes_from_stdout(depl
     active = next(g for g in raw["generations"] if g["status"] == "active")
     pod = run.mocks.one(COMMAND, "-pod-0").inputs
     spec = json.loads(pod["stdin"])
-    assert pod["create"] == ".venv/bin/python scripts/pod.py create --spec -"
+    assert pod["create"] == ".venv/bin/python scripts/pod.py rent --spec -"
     assert pod["delete"] == f".venv/bin/python scripts/pod.py delete --stack {stack}"  # its current key first
     assert spec["region"] == region.name and spec["generation"] == active["name"]
     assert spec["locations"] == list(region.locations(spec["provider"]))

@@ -50,7 +50,7 @@ def _bindings(run) -> dict:
 
 
 def _pod_commands(run) -> list:
-    return [r for r in run.mocks.of_type(COMMAND) if "pod.py create" in r.inputs.get("create", "")]
+    return [r for r in run.mocks.of_type(COMMAND) if "pod.py rent" in r.inputs.get("create", "")]
 
 
 def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual_tls(deployed):

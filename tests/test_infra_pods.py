@@ -32,7 +32,7 @@ def pods_of(run) -> dict[str, dict]:
     """Pod commands by resource name: what the engine diffs (stdin and triggers)."""
     return {r.name: {"stdin": r.inputs["stdin"], "triggers": plain(r.inputs["triggers"]),
                      "create": r.inputs["create"], "delete": r.inputs["delete"]}
-            for r in run.mocks.of_type(COMMAND) if "-pod-" in r.name}
+            for r in run.mocks.of_type(COMMAND) if "-pod-" in r.name and "pod.py rent" in r.inputs["create"]}
 
 
 def test_growing_the_count_adds_only_the_new_pods_byte_identical_elsewhere():
@@ -124,6 +124,9 @@ def test_the_pod_token_is_declared_only_as_the_pods_secret_environment():
         run = deploy(2, secrets=secrets)
         token = secrets["podToken"]
         for r in run.mocks.of_type(COMMAND):
+            if r.name.endswith("-pod-sweep"):  # lists and deletes by the provider's key alone
+                assert "POD_TOKEN" not in unsecret(r.inputs["environment"])[1]
+                continue
             if "-pod-" not in r.name:
                 continue
             stdin_secret, stdin = unsecret(r.inputs["stdin"])
@@ -166,21 +169,40 @@ def declared_options(monkeypatch):
     return seen
 
 
-def test_pods_are_chained_so_new_ones_come_up_one_at_a_time(declared_options):
+def test_pods_are_rented_side_by_side_and_each_waits_only_for_its_own(declared_options):
     deploy(3)
-    pods = sorted(n for n in declared_options if "-pod-" in n)
+    pods = sorted(n for n in declared_options if "-pod-" in n and not n.endswith(("-ready", "-sweep")))
     assert pods == ["us-east-pod-0", "us-east-pod-1", "us-east-pod-2"]
 
     def deps(name):
         return [d._name for d in declared_options[name].depends_on or []]
 
-    assert deps("us-east-pod-0") == []
-    assert deps("us-east-pod-1") == ["us-east-pod-0"] and deps("us-east-pod-2") == ["us-east-pod-1"]
     for name in pods:
+        assert deps(name) == []  # no pod's rent waits for another pod
+        assert deps(f"{name}-ready") == [name]  # its wait, for its own rent only
         # Create-before-delete: capacity never drops while a pod is replaced.
         assert declared_options[name].delete_before_replace is False
-    # The Worker moves to the new pods only once every one of them is up.
-    assert set(pods) <= set(deps("us-east-worker"))
+        assert declared_options[f"{name}-ready"].delete_before_replace is False
+    # The Worker moves to the new pods only once every one of them serves.
+    assert {f"{p}-ready" for p in pods} <= set(deps("us-east-worker"))
+
+
+def test_a_pod_is_in_state_before_anything_waits_on_it():
+    run = baseline(2)
+    by_name = {r.name: r.inputs for r in run.mocks.of_type(COMMAND)}
+    for i in range(2):
+        rent, wait = by_name[f"us-east-pod-{i}"], by_name[f"us-east-pod-{i}-ready"]
+        assert "pod.py rent" in rent["create"] and "pod.py delete --stack us-east" in rent["delete"]
+        assert "pod.py wait" in wait["create"] and "delete" not in wait  # the rent's delete owns the pod
+        rented = json.loads(wait["stdin"])["rented"]
+        assert rented == {"id": "pod-123" if i == 0 else f"pod-123-{i}", "provider": "runpod",
+                          "name": json.loads(rent["stdin"])["name"]}
+        assert {**json.loads(wait["stdin"]), "rented": None} == {**json.loads(rent["stdin"]), "rented": None}
+        assert [json.loads(t) for t in plain(wait["triggers"])] == [rented]  # a new rent is a new wait
+    # After the update, the stack's pods that no declared pod holds are deleted.
+    sweep = by_name["us-east-pod-sweep"]["create"]
+    assert sweep == ".venv/bin/python scripts/pod.py sweep --stack us-east --destroy --provider runpod " \
+                    "--keep pod-123 --keep pod-123-1"
 
 
 def test_pod_0_keeps_the_resource_it_had_as_the_only_pod(declared_options):

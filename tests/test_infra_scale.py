@@ -18,7 +18,7 @@ def deploy(pods: int, draining: int = 0):
     pod = {"provider": "runpod"}
     config, keys = stack_config("us-east", overrides={"pod": pod, "scale": {**SCALE, "pods": pods, "draining": draining}})
     run = run_program("us-east", config, keys)
-    commands = {r.name: r.inputs for r in run.mocks.of_type(COMMAND) if "-pod-" in r.name}
+    commands = {r.name: r.inputs for r in run.mocks.of_type(COMMAND) if "pod.py rent" in r.inputs["create"]}
     bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
     return commands, json.loads(bindings["POD_URLS"]["text"]), run
 
@@ -34,7 +34,7 @@ def test_every_pod_a_controller_adds_is_declared_with_its_delete_and_leaves_rota
         assert sorted(commands) == [f"us-east-pod-{i}" for i in range(pods + draining)], (pods, draining)
         assert len(urls) == pods  # draining pods run but the Worker no longer routes to them
         for name, inputs in commands.items():
-            assert inputs["delete"] == POD_DELETE.format(stack="us-east") and "pod.py create" in inputs["create"]
+            assert inputs["delete"] == POD_DELETE.format(stack="us-east") and "pod.py rent" in inputs["create"]
             if name in ever:  # the same pod on every step: no diff, no replace, whether or not it drains
                 assert (inputs["stdin"], plain(inputs["triggers"])) == (ever[name]["stdin"], plain(ever[name]["triggers"]))
             ever[name] = inputs

@@ -23,8 +23,8 @@ def test_an_empty_cell_adds_every_pod_and_no_plan_removes_every_pod():
     assert [s.index for s in steps_of({1: "b", 0: "a"}, [])] == [0, 1]
 
 
-def test_one_at_a_time_each_pod_waits_for_the_one_before():
-    assert [rollout.created_after(i) for i in range(3)] == [None, 0, 1]
+def test_all_at_once_no_pod_waits_for_another():
+    assert [rollout.created_after(i) for i in range(3)] == [None, None, None]
 
 
 def test_the_cell_declares_the_policy_the_runner_follows(declared_options):  # noqa: F811 - the fixture
@@ -32,5 +32,5 @@ def test_the_cell_declares_the_policy_the_runner_follows(declared_options):  # n
     for i in range(3):
         opts = declared_options[f"us-east-pod-{i}"]
         waits = [d._name for d in opts.depends_on or []]
-        assert waits == [f"us-east-pod-{j}" for j in (rollout.created_after(i),) if j is not None]
+        assert waits == [f"us-east-pod-{j}-ready" for j in (rollout.created_after(i),) if j is not None]
         assert opts.delete_before_replace is (not rollout.CREATE_BEFORE_DELETE)

@@ -27,7 +27,7 @@ import sys
 
 from . import podtls
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack
-from .errors import CapacityError, PodConfigError, ProviderError, RetryableError, format_attempts
+from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
 from .readiness import wait_ready
 from .spec import PodSpec
 
@@ -69,9 +69,11 @@ def result(spec: PodSpec, provider: str, info: PodInfo, adopted: bool) -> dict:
     return out
 
 
-def create(spec: PodSpec) -> dict:
+def _provider(spec: PodSpec) -> tuple[Provider, str]:
+    """The spec's provider, set up for its hop: (provider, pod token). Everything a create
+    needs is checked here, before anything is rented."""
     token = pod_token(spec.provider)
-    if spec.mtls:  # both checked before anything is rented
+    if spec.mtls:
         try:
             provider_tls, checker = podtls.bundle_from_env(), podtls.checker_from_env()
         except podtls.PodTlsError as exc:
@@ -82,13 +84,64 @@ def create(spec: PodSpec) -> dict:
     if spec.mtls:
         provider.pod_tls = provider_tls
         provider.checker = (checker, spec.tls_name)
+    return provider, token
+
+
+def create(spec: PodSpec) -> dict:
+    """Rent (or adopt) and wait, in one process: ``rent`` then ``wait`` without a record between them."""
+    provider, token = _provider(spec)
     try:
-        return _create(spec, provider, token)
+        pod_id, adopted, unknown = _acquire(spec, provider, token)
+        return _ready_or_destroy(spec, provider, pod_id, adopted=adopted, unknown=unknown)
     finally:
         provider.close()
 
 
-def _create(spec: PodSpec, provider: Provider, token: str) -> dict:
+def rent(spec: PodSpec) -> dict:
+    """Adopt the live pod of the spec's name, or place one; never wait for it. Its output (the
+    pod's id and name) is what the stack records before the long readiness wait: a `pulumi up`
+    cancelled during that wait (pulumi-command kills the command with SIGKILL, so no handler runs)
+    leaves a pod the stack's state holds, and `pulumi destroy` deletes it."""
+    provider, token = _provider(spec)
+    try:
+        pod_id, adopted, unknown = _acquire(spec, provider, token)
+    finally:
+        provider.close()
+    out = {"id": pod_id, "provider": spec.provider, "name": spec.name}
+    if adopted:
+        out["adopted"] = True
+    if unknown:
+        out["unknown"] = True  # other pods of the name may exist: wait destroys them
+    return out
+
+
+def wait(spec: PodSpec, rented: dict) -> dict:
+    """Wait for the pod ``rent`` recorded (``rented``: its output) to serve; the output is ``create``'s.
+    A recorded pod that is gone or dead (deleted by hand, reclaimed, or destroyed by a failed wait)
+    is replaced under the same name: adopt one of the name, else place one (``pod.py delete`` of the
+    rent deletes every live pod of the recorded name). A pod that never serves is destroyed, as
+    ``create`` does: the next ``pulumi up`` places a new one here."""
+    if not isinstance(rented, dict) or rented.get("name") != spec.name or rented.get("provider") != spec.provider:
+        raise PodConfigError(f"wait: the rented pod {rented!r} is not this spec's ({spec.provider} {spec.name}). "
+                             "Fix: pass the spec with `rented` set to the JSON `pod.py rent` printed for it")
+    provider, token = _provider(spec)
+    try:
+        pod_id, adopted, unknown = str(rented.get("id") or ""), bool(rented.get("adopted")), bool(rented.get("unknown"))
+        try:
+            gone = provider.describe(pod_id).state == DEAD if pod_id else True
+        except NotFoundError:
+            gone = True
+        if gone:
+            log(f"{provider.name} pod {pod_id or '?'} ({spec.name}) is gone or will never serve; placing its replacement")
+            pod_id, adopted, more = _acquire(spec, provider, token)
+            unknown = unknown or more
+        return _ready_or_destroy(spec, provider, pod_id, adopted=adopted, unknown=unknown)
+    finally:
+        provider.close()
+
+
+def _acquire(spec: PodSpec, provider: Provider, token: str) -> tuple[str, bool, bool]:
+    """(pod id, adopted, other pods of the name may exist): adopt the live pod of the spec's name, else place one."""
     live = _named(spec, provider)
     if live:
         # Several (left by an earlier create): keep one that already runs, destroy the rest once it is ready.
@@ -97,7 +150,7 @@ def _create(spec: PodSpec, provider: Provider, token: str) -> dict:
             "(maxPricePerHr, minReliability and minCudaVersion apply to the next placement only)")
         if len(live) > 1:
             log(f"warning: {len(live) - 1} more live pod(s) carry the name {spec.name}; destroying them once {pod.id} is ready")
-        return _ready_or_destroy(spec, provider, pod.id, adopted=True, unknown=len(live) > 1)
+        return pod.id, True, len(live) > 1
     lost: list[str] = []  # creates that went unanswered: each may have landed, now or later, under spec.name
     try:
         pod_id, attempts = _place(spec, provider, token, lost)
@@ -118,7 +171,7 @@ def _create(spec: PodSpec, provider: Provider, token: str) -> dict:
         log(f"no capacity for {spec.gpu} in {spec.region} (never another region):\n{table}")
         raise CapacityError(f"no capacity for {spec.gpu} x{spec.gpu_count} with {spec.provider} in region "
                             f"{spec.region} (locations {', '.join(spec.locations)}); {left}", attempts)
-    return _ready_or_destroy(spec, provider, pod_id, adopted=False, unknown=bool(lost))
+    return pod_id, False, bool(lost)
 
 
 def _scheme(spec: PodSpec, info: PodInfo) -> PodInfo:
@@ -207,14 +260,26 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
         raise
 
 
-def delete(provider_name: str, pod_id: str) -> dict:
+def delete(provider_name: str, pod_id: str, name: str | None = None) -> dict:
+    """Delete ``pod_id``; with ``name`` (a rent's record), every other live pod of that name too: the
+    name is the pod's identity, and a wait may have replaced a gone pod under it."""
     provider = provider_for(provider_name)
+    also = []
     try:
         gone_before = not provider.destroy(pod_id)
+        if name:
+            for pod in provider.list_pods():
+                if pod.name == name and pod.id != pod_id:
+                    log(f"destroying {pod.id}: it carries the recorded name {name}")
+                    provider.destroy(pod.id)
+                    also.append(pod.id)
     finally:
         provider.close()
     log(f"{pod_id}: {'already gone' if gone_before else 'deleted'}")
-    return {"id": pod_id, "provider": provider_name, "deleted": True, "already_gone": gone_before}
+    out = {"id": pod_id, "provider": provider_name, "deleted": True, "already_gone": gone_before}
+    if also:
+        out["also_deleted"] = also
+    return out
 
 
 def status(provider_name: str, pod_id: str) -> dict:

@@ -116,6 +116,11 @@ class PodSpec:
 
 def load(source: str) -> PodSpec:
     """Read a spec from a file path or ``-`` (stdin)."""
+    return load_with(source)[0]
+
+
+def load_with(source: str, extra: str | None = None) -> tuple[PodSpec, object]:
+    """A spec, and the value of its key ``extra`` (``wait``'s ``rented``: the rent's output), from a file or ``-``."""
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text()
     except OSError as exc:
@@ -124,4 +129,9 @@ def load(source: str) -> PodSpec:
         data = json.loads(text)
     except ValueError as exc:
         raise PodConfigError(f"--spec {source}: not JSON ({exc}). Fix: pass the JSON of PodPlan.spec()") from None
-    return PodSpec.from_dict(data)
+    if extra is None:
+        return PodSpec.from_dict(data), None
+    if not isinstance(data, dict) or not isinstance(data.get(extra), dict):
+        raise PodConfigError(f"--spec {source}: spec.{extra} is missing or not a JSON object. "
+                             f"Fix: pass the spec with \"{extra}\" set to the JSON `pod.py rent` printed")
+    return PodSpec.from_dict(data), data[extra]

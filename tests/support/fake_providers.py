@@ -245,6 +245,7 @@ class FakeRunPod(FakeApi):
         self.healthy = True  # whether the pod's server answers /health 200
         self.public_ip = True  # False: a running pod gets no public ip and port (a Community host without one)
         self.lost_create_replies = 0  # the next k creates land but answer 503 (a reply lost on the way)
+        self.on_create = None  # called with the pod's id once a create has landed, before it is answered
         self.pods: dict[str, dict] = {}
         self.polls: dict[str, int] = {}
         self.ids = (f"fakepod{n:04d}" for n in itertools.count(1))
@@ -311,6 +312,8 @@ class FakeRunPod(FakeApi):
                 "globalNetworking": {"enabled": False}, "runtime": None, "createdAt": _now(), "startedAt": None,
             }
             self.polls[pod_id] = 0
+            if self.on_create is not None:
+                self.on_create(pod_id)
             if self.lost_create_replies > 0:
                 self.lost_create_replies -= 1
                 return self._problem(503, "Service Unavailable", "upstream timeout")

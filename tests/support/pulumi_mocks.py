@@ -127,8 +127,12 @@ class RecordingMocks(pulumi.runtime.Mocks):
         outs.update(tls_outputs(args.typ, args.name))
         if args.typ == "command:local:Command":
             create = outs.get("create", "")
-            if "pod.py create" in create:
+            if "pod.py create" in create or "pod.py wait" in create:
                 outs["stdout"] = json.dumps(pod_stdout(json.loads(outs["stdin"])))
+            elif "pod.py rent" in create:  # the pod's id and name, before anything waits on it
+                spec = json.loads(outs["stdin"])
+                made = pod_stdout(spec)
+                outs["stdout"] = json.dumps({"id": made["id"], "provider": made["provider"], "name": spec["name"]})
             elif "probe.py" in create:
                 outs["stdout"] = json.dumps(PROBE_STDOUT)
             else:
