@@ -9,6 +9,7 @@ is drawn in colocate/errors.py.
         ├── RetryableError    429, 5xx or a timeout that outlived the bounded retries
         ├── CapacityError     no capacity in any of the region's locations; ``.attempts`` is the table
         ├── FatalError        401, 400, 402, 403, 422: retrying cannot help; says what was sent (redacted)
+        ├── OverPriceError    the pod would cost (or, once created, costs) more than maxPricePerHr
         ├── NotFoundError     the pod does not exist (delete treats it as success)
         └── NotReadyError     the pod never became healthy (timeout, or a state it cannot leave)
 
@@ -50,6 +51,10 @@ class CapacityError(ProviderError):
 
 class FatalError(ProviderError):
     """Raised for a request the provider refuses (401, 400, 402, 403, 422): stop, do not retry."""
+
+
+class OverPriceError(ProviderError):
+    """Raised when the provider's price for the pod is above the spec's ``max_price_per_hr``; nothing is left rented."""
 
 
 class NotFoundError(ProviderError):

@@ -15,17 +15,26 @@ when there is no zone (a Worker cannot fetch an IP address). ``RUNPOD_PROXY_TEMP
 overrides that address's form (tests point it at a local server).
 On a mutual-TLS hop the request carries the pod's TLS bundle as the first variable of ``env``
 (a JSON object keeps its order on the wire) and vLLM's TLS flags in ``args`` (``podtls``).
+
+The price: v2's create request has no price field, so ``maxPricePerHr`` is held twice. Before
+anything is rented, the catalogue's list price (``GET /v2/catalog/gpus/{id}``: per GPU and
+cloud, times ``gpu.count``) must be within it; and the create's answer carries the pod's billed
+``cost``, so a pod above the cap is deleted at once and the create fails naming the key.
 """
 
 from __future__ import annotations
 
 import os
+from urllib.parse import quote
 
 from ..plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
 from . import podtls
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
-from .errors import CapacityError, FatalError, ProviderError, format_attempts
+from .errors import CapacityError, FatalError, NotFoundError, OverPriceError, ProviderError, format_attempts
 from .http import Api, redact
+
+PRICE_FIX = ("Fix: raise the cap (pulumi config set --path colocate:pod.maxPricePerHr <$/h>), or choose a cheaper "
+             "colocate:pod.gpu, colocate:pod.cloud COMMUNITY (without colocate:zone) or a smaller colocate:pod.gpuCount")
 
 DEFAULT_BASE = "https://api.runpod.io"
 # createPod's "try your next candidate" answers. Capacity exhaustion is a 400 with prose only, so
@@ -51,7 +60,21 @@ class RunPod(Provider):
         self.api.close()
 
     def candidates(self, spec):
+        self._check_list_price(spec)
         return list(spec.locations), []
+
+    def _check_list_price(self, spec) -> None:
+        """The catalogue's price for the spec's GPUs on its cloud, held to the cap before renting."""
+        gpu = self.api.call("GET", f"/v2/catalog/gpus/{quote(spec.gpu, safe='')}").body or {}
+        per_gpu = (gpu.get("price") or {}).get(spec.cloud.lower())
+        if not isinstance(per_gpu, int | float):
+            raise OverPriceError(f"runpod's catalogue gives no {spec.cloud} price for {spec.gpu}, so "
+                                 f"colocate:pod.maxPricePerHr ({spec.max_price_per_hr}) cannot be held; nothing was "
+                                 "rented. Fix: check colocate:pod.gpu against GET /v2/catalog/gpus, or colocate:pod.cloud")
+        price = round(per_gpu * spec.gpu_count, 4)
+        if price > spec.max_price_per_hr:
+            raise OverPriceError(f"runpod lists {spec.gpu} x{spec.gpu_count} on {spec.cloud} at ${price}/h, above "
+                                 f"colocate:pod.maxPricePerHr ${spec.max_price_per_hr}/h; nothing was rented. {PRICE_FIX}")
 
     def create(self, spec, location: str, token: str) -> str:
         body = {
@@ -81,7 +104,19 @@ class RunPod(Provider):
                 raise self._refused_everywhere(spec, location) from None
             why = f"403 forbidden: {detail}" if exc.status == 403 else f"400 not placed: {detail}"
             raise CapacityError(f"{location}: {why}", [(location, spec.gpu, why)]) from None
-        return str(reply.body["id"])
+        pod_id = str(reply.body["id"])
+        cost = reply.body.get("cost")
+        if isinstance(cost, int | float) and cost > spec.max_price_per_hr:
+            # The billed rate can exceed the list price (disk, a price change since the look-up).
+            try:
+                self.destroy(pod_id)
+                left = f"pod {pod_id} was deleted"
+            except ProviderError as exc:
+                left = (f"deleting pod {pod_id} failed ({exc}): it may be billing. Run `.venv/bin/python "
+                        f"scripts/pod.py sweep --stack {spec.stack} --destroy`")
+            raise OverPriceError(f"runpod created {spec.name} in {location} at ${cost}/h, above "
+                                 f"colocate:pod.maxPricePerHr ${spec.max_price_per_hr}/h; {left}. {PRICE_FIX}")
+        return pod_id
 
     def _refused_everywhere(self, spec, last: str) -> FatalError:
         """Every data centre refused: a FatalError (not "no capacity") that reads the last detail as the spec says."""
@@ -124,7 +159,6 @@ class RunPod(Provider):
         return self._info(self.api.call("GET", f"/v2/pods/{pod_id}").body, port=None)
 
     def destroy(self, pod_id: str) -> bool:
-        from .errors import NotFoundError
         try:
             self.api.call("DELETE", f"/v2/pods/{pod_id}", ok=(200, 204))
             return True

@@ -31,7 +31,7 @@ import time
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 from openapi_core import Config, OpenAPI
@@ -246,6 +246,10 @@ class FakeRunPod(FakeApi):
         self.public_ip = True  # False: a running pod gets no public ip and port (a Community host without one)
         self.lost_create_replies = 0  # the next k creates land but answer 503 (a reply lost on the way)
         self.on_create = None  # called with the pod's id once a create has landed, before it is answered
+        # The catalogue's list price per GPU and cloud ($/h); a pod is billed that times its count, plus
+        # extra_cost (what the list does not show: disk, a price changed since the look-up).
+        self.gpu_prices: dict[str, dict[str, float]] = {"NVIDIA GeForce RTX 4090": {"secure": 0.69, "community": 0.34}}
+        self.extra_cost = 0.0
         self.pods: dict[str, dict] = {}
         self.polls: dict[str, int] = {}
         self.ids = (f"fakepod{n:04d}" for n in itertools.count(1))
@@ -294,6 +298,12 @@ class FakeRunPod(FakeApi):
     def route(self, method, path, query, body):
         if path == "/v2/pods" and method == "GET":
             return 200, {"pods": [self._view(p) for p in self.live()]}, {}, "application/json"
+        if path.startswith("/v2/catalog/gpus/") and method == "GET":
+            gpu_id = unquote(path[len("/v2/catalog/gpus/"):])
+            price = self.gpu_prices.get(gpu_id, {"secure": 0.69, "community": 0.34})
+            return 200, {"id": gpu_id, "name": gpu_id.removeprefix("NVIDIA GeForce "), "pool": None,
+                         "manufacturer": "NVIDIA", "memory": 24, "secure": True, "community": True,
+                         "price": dict(price), "maxCount": {"secure": 8, "community": 4}}, {}, "application/json"
         if path == "/v2/pods" and method == "POST":
             dc = (body.get("dataCenterIds") or ["?"])[0]
             if dc in self.refusals:
@@ -308,7 +318,9 @@ class FakeRunPod(FakeApi):
                 "mounts": {}, "ports": body.get("ports", []), "env": body.get("env", {}), "registry": None,
                 "gpu": {"id": body["gpu"]["id"], "count": body["gpu"].get("count", 1)},
                 "cloud": body.get("cloud", "SECURE"), "dataCenterId": dc, "cudaVersion": "12.9",
-                "ssh": {"proxy": None, "direct": None}, "template": None, "cost": 0.69, "locked": False,
+                "ssh": {"proxy": None, "direct": None}, "template": None, "locked": False,
+                "cost": round(self.gpu_prices.get(body["gpu"]["id"], {"secure": 0.69, "community": 0.34})[
+                    body.get("cloud", "SECURE").lower()] * body["gpu"].get("count", 1) + self.extra_cost, 4),
                 "globalNetworking": {"enabled": False}, "runtime": None, "createdAt": _now(), "startedAt": None,
             }
             self.polls[pod_id] = 0
