@@ -153,9 +153,8 @@ def _placement_host_change(before: CellPlan, after: CellPlan) -> str | None:
     replaced = before.pods[a.pod_index].triggers() != after.pods[a.pod_index].triggers()
     if not replaced and a.hostname == b.hostname:
         return None
-    new_port = f"<the new pod {a.pod_index}'s public port>" if replaced else f"<pod {a.pod_index}'s public port>"
     why = f"pod {a.pod_index} is replaced" if replaced else "its DNS name changes"
-    return (f"placement host changes from {b.describe()} to {a.hostname}:{new_port} "
+    return (f"placement host changes from {b.describe()} to {a.describe(new=replaced)} "
             f"({why}; Cloudflare probes the new address)")
 
 

@@ -89,13 +89,32 @@ class PlacementHost:
     hostname: str
     pod_index: int = 0
     from_output: str = POD_PORT_FROM_OUTPUT
+    # On zone-dns the record's name carries the pod's instance (``instance_host``): its provider.
+    instance_of: str = ""
 
     def value(self, created: dict) -> str:
         """``host:port`` for pod ``pod_index``'s ``pod.py create`` output."""
-        return f"{self.hostname}:{created['port']}"
+        host = instance_host(self.hostname, self.instance_of, created["id"]) if self.instance_of else self.hostname
+        return f"{host}:{created['port']}"
 
-    def describe(self) -> str:
-        return f"{self.hostname}:<pod {self.pod_index}'s public port>"
+    def describe(self, new: bool = False) -> str:
+        """What ``value`` will be, in words (``new``: of the pod that replaces pod ``pod_index``)."""
+        whose = f"{'the new ' if new else ''}pod {self.pod_index}'s"
+        where = f"<{whose} instance>.{self.hostname}" if self.instance_of else self.hostname
+        return f"{where}:<{whose} public port>"
+
+
+def instance_label(provider: str, pod_id: str) -> str:
+    """A DNS label derived from the pod's instance (provider and id): a replacement, a new instance,
+    never gets its predecessor's hostname. Addresses are reused across instances (Vast.ai says so),
+    and a record's TTL and the Worker's URL list change at different times: under one name, the
+    Worker could dial a new address on an old port, another tenant's."""
+    return "i" + hashlib.sha256(f"{provider}:{pod_id}".encode()).hexdigest()[:12]
+
+
+def instance_host(base: str, provider: str, pod_id: str) -> str:
+    """Pod ``pod_id``'s hostname under the plan's ``base`` (``pod_hostname``): ``<instance label>.<base>``."""
+    return f"{instance_label(provider, pod_id)}.{base}"
 
 
 def placement_mode(setting: str, path: str) -> str:
@@ -325,7 +344,7 @@ class PodPlan:
         """
         scheme = "https" if self.mtls else "http"
         if self.path == PATH_ZONE_DNS:
-            return f"{scheme}://{self.pod_hostname}:{created['port']}"
+            return f"{scheme}://{self.host(created)}:{created['port']}"
         if self.path == PATH_PROVIDER_PROXY:
             return runpod_proxy_url(created["id"], self.settings.port)
         return f"{scheme}://localhost:{created['port']}"
@@ -335,10 +354,20 @@ class PodPlan:
         """Whether the hop to this pod is mutual TLS (``hop_is_mtls``)."""
         return hop_is_mtls(self.settings.provider, self.path, self.settings.hop)
 
+    def host(self, created: dict) -> str:
+        """On ``zone-dns``, the DNS-only record's name for the instance ``created`` (``pod.py``'s output):
+        ``instance_host`` under ``pod_hostname``, so every new instance has a name of its own."""
+        assert self.pod_hostname is not None, "only a zone-dns pod has a hostname"
+        return instance_host(self.pod_hostname, self.settings.provider, str(created["id"]))
+
     @property
     def tls_name(self) -> str:
-        """The name the pod's certificate carries: the one the Worker fetches it by."""
-        return (self.pod_hostname or "localhost") if self.mtls else ""
+        """The name the pod's certificate carries: the one the Worker fetches it by. On ``zone-dns``
+        the instance's label is known only once it exists, after its certificate was issued, so the
+        certificate names every label under ``pod_hostname`` (``*.``): one level, that pod's slot only."""
+        if not self.mtls:
+            return ""
+        return f"*.{self.pod_hostname}" if self.path == PATH_ZONE_DNS and self.pod_hostname else "localhost"
 
     def spec(self) -> dict:
         """The JSON request ``scripts/pod.py create --spec`` receives. Holds no secret."""
@@ -686,7 +715,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     placement_host = None
     if mode == PLACEMENT_POD:
         pod = pods[0]
-        placement_host = PlacementHost(pod.pod_hostname or "localhost", pod.index)
+        placement_host = PlacementHost(pod.pod_hostname or "localhost", pod.index,
+                                       instance_of=settings.pod.provider if pod.pod_hostname else "")
         placement = {"host": placement_host.describe()}
     elif mode == PLACEMENT_SMART:
         placement = {"mode": "smart"}

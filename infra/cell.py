@@ -206,7 +206,7 @@ class Cell(pulumi.ComponentResource):
                 self.pod_dns.append(cloudflare.DnsRecord(
                     dns_name,
                     zone_id=plan.worker.zone_id,
-                    name=pod.pod_hostname,
+                    name=info.apply(pod.host),  # the instance's own name: a replacement never reuses it
                     type="A",
                     content=info.apply(lambda p: p["ip"]),
                     proxied=False,

@@ -9,7 +9,7 @@ import pulumi
 import pytest
 
 from colocate import catalogue, fleet, outputs, stackfile
-from colocate.plan import COMPATIBILITY_DATE, worker_modules
+from colocate.plan import COMPATIBILITY_DATE, instance_host, worker_modules
 from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, plain, run_program, stack_config, unsecret
 
 STACKS = sorted(
@@ -43,7 +43,8 @@ def expected_placement(raw: dict, region) -> dict:
     zone-dns, the region's cloud hint elsewhere."""
     if raw.get("zone"):
         active = next(g for g in raw["generations"] if g["status"] == "active")
-        return {"host": f"pod-{active['name'].replace('.', '-')}.{raw['zone']['name']}:41234"}
+        base = f"pod-{active['name'].replace('.', '-')}.{raw['zone']['name']}"
+        return {"host": f"{instance_host(base, raw['pod']['provider'], 'pod-123')}:41234"}
     return {"region": region.placement_region}
 
 
@@ -78,7 +79,7 @@ def test_worker_declared_from_the_region(deployed):
     expected = {"local-hostname": "https://localhost:41234",
                 "provider-proxy": "https://pod-123-8000.proxy.runpod.net",
                 # a zone's pod (Vast.ai here) is reached over mutual TLS
-                "zone-dns": f"https://pod-{active['name'].replace('.', '-')}.{(raw.get('zone') or {}).get('name')}:41234"}
+                "zone-dns": f"https://{expected_placement(raw, region).get('host')}"}
     path = run.resolved[outputs.POD_PATH]
     assert bindings["POD_URLS"]["text"] == f'["{expected[path]}"]'
     assert path == {"local": "local-hostname", "runpod": "provider-proxy", "vastai": "zone-dns"}[raw["pod"]["provider"]]
@@ -248,10 +249,10 @@ def test_zone_gives_custom_domain_and_dns_only_pod_hostname():
     assert dns_args.name == "apac-jp-pod-dns-0"
     dns = dns_args.inputs
     assert dns["proxied"] is False and dns["type"] == "A" and dns["content"] == "203.0.113.7"
-    assert dns["name"] == "pod-apac-jp-g1.example.com"
+    assert dns["name"] == instance_host("pod-apac-jp-g1.example.com", "runpod", "pod-123")  # the instance's own
     bindings, _ = bindings_of(run)
     # The pod's public port comes from the create output (providers map ports).
-    assert bindings["POD_URLS"]["text"] == '["https://pod-apac-jp-g1.example.com:41234"]'
+    assert bindings["POD_URLS"]["text"] == f'["https://{dns["name"]}:41234"]'
     assert run.resolved[outputs.WORKER_URL] == "https://infer.example.com"
     assert run.resolved[outputs.POD_PATH] == "zone-dns"
     assert "--pod-path zone-dns" in run.mocks.one(COMMAND, "-probe").inputs["create"]

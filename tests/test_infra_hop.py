@@ -10,6 +10,7 @@ import json
 import pytest
 
 from colocate import fleet, stackfile
+from colocate.plan import instance_host
 from colocate.pods import podtls
 from tests.support.pulumi_mocks import mock_pem, plain, run_program, stack_config, unsecret
 
@@ -155,4 +156,5 @@ def test_hop_token_declares_no_certificates_and_binds_none():
     run = run_program("apac-jp", config, keys)
     assert not any(run.mocks.of_type(t) for t in (KEY, CA, LEAF, MTLS, TRUST))
     assert "POD_TLS" not in _bindings(run)
-    assert json.loads(_bindings(run)["POD_URLS"]["text"]) == ["http://pod-apac-jp-g1.example.com:41234"]
+    host = instance_host("pod-apac-jp-g1.example.com", "runpod", "pod-123")
+    assert json.loads(_bindings(run)["POD_URLS"]["text"]) == [f"http://{host}:41234"]  # the instance's own name

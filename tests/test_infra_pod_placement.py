@@ -8,6 +8,7 @@ import pulumi
 import pytest
 
 from colocate import outputs
+from colocate.plan import instance_host
 from tests.support.pulumi_mocks import POD_STDOUT, RecordingMocks, run_program, stack_config
 from tests.test_infra_cell import placement_of
 
@@ -22,7 +23,8 @@ def test_placement_host_is_pod_0s_record_and_the_port_its_create_printed():
     run = run_program("apac-jp", config, keys)
     record = run.mocks.one(DNS, "-pod-dns-0").inputs
     host = f"{record['name']}:{POD_STDOUT['port']}"
-    assert record["name"] == "pod-apac-jp-g1.example.com" and record["proxied"] is False
+    assert record["name"] == instance_host("pod-apac-jp-g1.example.com", "runpod", POD_STDOUT["id"])
+    assert record["proxied"] is False
     assert placement_of(run) == {"host": host}
     assert run.resolved[outputs.PLACEMENT_MODE] == "pod" and run.resolved[outputs.PLACEMENT_HOST] == host
     probe = run.mocks.one(COMMAND, "-probe").inputs["create"]
@@ -64,7 +66,7 @@ def test_placement_is_applied_by_the_settings_call_after_each_upload():
     is_secret, env = unsecret(cmd["environment"])
     assert is_secret and env == {"CLOUDFLARE_API_TOKEN": "cf-token-s3cret"}
     assert "cf-token-s3cret" not in cmd["create"] + cmd["stdin"]
-    host = "pod-apac-jp-g1.example.com:41234"
+    host = f"{instance_host('pod-apac-jp-g1.example.com', 'runpod', POD_STDOUT['id'])}:41234"
     # Re-applied when the block, what the upload carries, a pod or the Worker's hop certificate
     # changes; never on the script's modified_on, which the settings call itself may bump.
     assert cmd["triggers"][0] == f'{{"host": "{host}"}}' and len(cmd["triggers"]) == 4

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from colocate import outputs
+from colocate.plan import instance_host
 from tests.support.pulumi_mocks import SECRET_VALUES, plain, run_program, stack_config, unsecret
 
 COMMAND = "command:local:Command"
@@ -142,12 +143,13 @@ def test_the_pod_token_is_declared_only_as_the_pods_secret_environment():
 def test_with_a_zone_each_pod_has_its_own_dns_only_record():
     run = deploy(2, zone={"id": "f" * 32, "name": "example.com"})
     records = {r.name: r.inputs for r in run.mocks.of_type("cloudflare:index/dnsRecord:DnsRecord")}
+    host = functools.partial(instance_host, provider="runpod")
     assert {n: (i["name"], i["content"], i["proxied"]) for n, i in records.items()} == {
-        "us-east-pod-dns-0": ("pod-us-east-g1.example.com", "203.0.113.7", False),
-        "us-east-pod-dns-1": ("pod-us-east-g1-p1.example.com", "203.0.113.8", False)}
+        "us-east-pod-dns-0": (host("pod-us-east-g1.example.com", pod_id="pod-123"), "203.0.113.7", False),
+        "us-east-pod-dns-1": (host("pod-us-east-g1-p1.example.com", pod_id="pod-123-1"), "203.0.113.8", False)}
     bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
-    assert json.loads(bindings["POD_URLS"]["text"]) == ["https://pod-us-east-g1.example.com:41234",
-                                                        "https://pod-us-east-g1-p1.example.com:41235"]
+    assert json.loads(bindings["POD_URLS"]["text"]) == [f"https://{records['us-east-pod-dns-0']['name']}:41234",
+                                                        f"https://{records['us-east-pod-dns-1']['name']}:41235"]
 
 
 @pytest.fixture

@@ -378,19 +378,22 @@ def test_worker_reaches_the_pod_by_dns_name_on_its_public_port_with_a_zone():
     zoned = cell(raw_for(zone=ZONE))
     assert zoned.pod.path == "zone-dns" and zoned.probe.pod_path == "zone-dns"
     # A RunPod pod on a zone serves mutual TLS (colocate:pod.hop auto): the Worker fetches https.
-    assert zoned.pod.worker_url(created) == "https://pod-apac-jp-g1.example.com:41234"
+    # The record's name carries the instance: a replacement (a new id) never shares it.
+    host = plan.instance_host("pod-apac-jp-g1.example.com", "runpod", "abc123xyz")
+    assert zoned.pod.worker_url(created) == f"https://{host}:41234" and zoned.pod.host(created) == host
+    assert zoned.pod.host({**created, "id": "abc124"}) != host and host.endswith(".pod-apac-jp-g1.example.com")
 
 
 def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     runpod_zoned = cell(raw_for(zone=ZONE))
-    assert runpod_zoned.mtls and runpod_zoned.pod.tls_name == "pod-apac-jp-g1.example.com"
+    assert runpod_zoned.mtls and runpod_zoned.pod.tls_name == "*.pod-apac-jp-g1.example.com"  # each instance's name
     assert runpod_zoned.worker.binding("POD_TLS").type == "mtls_certificate"
     # The Worker's external fetch trusts the cell's CA only through the zone's origin trust store.
     assert runpod_zoned.worker.compatibility_flags == ("cots_on_external_fetch",)
     assert "hop=mtls" in runpod_zoned.pod.identity()
     # Vast.ai (always on a zone) carries the bundle in its env object as RunPod does.
     vast = cell(raw_for("apac-tw", "vastai"))
-    assert vast.mtls and vast.pod.tls_name == "pod-apac-tw-g1.example.com" and "hop=mtls" in vast.pod.identity()
+    assert vast.mtls and vast.pod.tls_name == "*.pod-apac-tw-g1.example.com" and "hop=mtls" in vast.pod.identity()
     assert vast.worker.binding("POD_TLS").type == "mtls_certificate"
     # RunPod's proxy ends TLS itself: only `token`, said knowingly, gets that hop (next test).
     p = cell(raw_for())
@@ -427,7 +430,8 @@ def test_the_api_docs_are_off_on_every_hop():
 def test_hop_token_turns_mutual_tls_off_knowingly_and_renames_the_pods():
     mtls = cell(raw_for(zone=ZONE))
     token = cell(raw_for(zone=ZONE, pod={"provider": "runpod", "hop": "token"}))
-    assert not token.mtls and token.pod.worker_url({"port": 41234}) == "http://pod-apac-jp-g1.example.com:41234"
+    host = plan.instance_host("pod-apac-jp-g1.example.com", "runpod", "p1")
+    assert not token.mtls and token.pod.worker_url({"id": "p1", "port": 41234}) == f"http://{host}:41234"
     assert token.pod.name != mtls.pod.name  # a pod cannot change how it serves while it runs
 
 

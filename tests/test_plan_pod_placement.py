@@ -13,10 +13,11 @@ def test_pod_mode_places_by_pod_0s_dns_name_and_the_port_from_its_output():
     p = cell(raw_for("apac-jp", "runpod", zone=ZONE, worker={"subdomain": "acme", "placement": "pod"}))
     w = p.worker
     assert p.pod.path == plan.PATH_ZONE_DNS and w.placement_mode == "pod"
-    assert w.placement_host == plan.PlacementHost("pod-apac-jp-g1.example.com", 0, plan.POD_PORT_FROM_OUTPUT)
+    assert w.placement_host == plan.PlacementHost("pod-apac-jp-g1.example.com", 0, plan.POD_PORT_FROM_OUTPUT, "runpod")
+    host = plan.instance_host("pod-apac-jp-g1.example.com", "runpod", "x")  # pod 0's record: its instance's name
     # The port is the provider's mapped one, read from pod 0's create output, not colocate:pod.port.
-    assert w.placement_args({"id": "x", "port": 41234, "ip": "203.0.113.9"}) == {"host": "pod-apac-jp-g1.example.com:41234"}
-    assert w.placement == {"host": "pod-apac-jp-g1.example.com:<pod 0's public port>"}
+    assert w.placement_args({"id": "x", "port": 41234, "ip": "203.0.113.9"}) == {"host": f"{host}:41234"}
+    assert w.placement == {"host": "<pod 0's instance>.pod-apac-jp-g1.example.com:<pod 0's public port>"}
     with pytest.raises(ValueError, match="pod 0's create output"):
         w.placement_args()
     argv = p.probe.argv(w.url, ["AP-JP-1"], "pod-apac-jp-g1.example.com:41234")
@@ -72,9 +73,9 @@ def test_a_renewal_shows_that_the_placement_host_follows_the_new_pod():
     before, after = plain(zone_raw()), plain(zone_raw(renewal=1))
     lines = [str(a) for a in migration.diff(before, after)]
     moved = [line for line in lines if "placement host" in line]
-    assert moved == ["  update   Worker colocate-t: placement host changes from pod-apac-jp-g1.example.com:<pod 0's "
-                     "public port> to pod-apac-jp-g1.example.com:<the new pod 0's public port> (pod 0 is replaced; "
-                     "Cloudflare probes the new address)"]
+    assert moved == ["  update   Worker colocate-t: placement host changes from <pod 0's instance>.pod-apac-jp-g1."
+                     "example.com:<pod 0's public port> to <the new pod 0's instance>.pod-apac-jp-g1.example.com:"
+                     "<the new pod 0's public port> (pod 0 is replaced; Cloudflare probes the new address)"]
     # Nothing replaced, nothing said.
     assert not [a for a in migration.diff(before, plain(zone_raw())) if "placement" in a.detail]
 
@@ -84,5 +85,5 @@ def test_a_migration_shows_the_new_generations_pod_name():
     after = dict(raw, generations=[{"name": "apac-jp.g1", "region": "apac-jp", "status": "draining"},
                                    {"name": "apac-jp.g2", "region": "apac-jp", "status": "active"}])
     lines = [str(a) for a in migration.diff(plain(raw), plain(after)) if "placement host" in a.detail]
-    assert len(lines) == 1 and "from pod-apac-jp-g1.example.com:<pod 0's public port> to " \
-                                "pod-apac-jp-g2.example.com:<the new pod 0's public port>" in lines[0]
+    assert len(lines) == 1 and "from <pod 0's instance>.pod-apac-jp-g1.example.com:<pod 0's public port> to " \
+                                "<the new pod 0's instance>.pod-apac-jp-g2.example.com:<the new pod 0's public port>" in lines[0]

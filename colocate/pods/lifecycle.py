@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..plan import instance_host
 from . import podtls
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
@@ -236,9 +237,12 @@ def _place(spec: PodSpec, provider: Provider, token: str, lost: list[str]) -> tu
 def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: bool, unknown: bool) -> dict:
     """Wait for ``pod_id`` to serve, then make it the only live pod of the name. ``unknown``: other
     pods of the name may exist (unanswered creates, or several found at adoption)."""
+    tls = getattr(provider, "checker", None)
+    if tls is not None and tls[1].startswith("*."):  # zone-dns: the instance's own name under the slot's
+        tls = (tls[0], instance_host(tls[1][2:], provider.name, pod_id))
     try:
         info = wait_ready(lambda: _scheme(spec, provider.describe(pod_id)), spec.ready_timeout_s, log=log,
-                          no_address_fix=provider.no_address_fix(spec), tls=getattr(provider, "checker", None))
+                          no_address_fix=provider.no_address_fix(spec), tls=tls)
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
         # One list per create, even without a lost reply: a pod of this name that is not the one
         # returned is on no record and would bill. If the list fails, the ready pod is still

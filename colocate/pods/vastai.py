@@ -1,7 +1,8 @@
 """Vast.ai (``console.vast.ai`` REST, ``/api/v0``).
 
 Offers are searched once for the whole region (``geolocation`` in the region's countries,
-the GPU, ``reliability``, ``direct_port_count`` >= 1, ``disk_space`` >= the disk,
+the GPU, ``reliability``, ``direct_port_count`` >= 1, ``static_ip`` (the DNS record keeps the
+address create saw), ``disk_space`` >= the disk,
 ``cuda_max_good`` >= the CUDA floor, rentable, verified, ``dph_total`` <= the cap with
 ``allocated_storage`` = the disk, so the price held to the cap is the one rented; with
 ``cloud`` SECURE, the default, only datacenter hosts: ``datacenter`` = true, Vast.ai's Secure
@@ -54,6 +55,9 @@ class VastAI(Provider):
             "geolocation": {"in": list(spec.locations)},
             "reliability": {"gte": spec.min_reliability},
             "direct_port_count": {"gte": 1},
+            # The DNS record holds the address create saw: Vast.ai sets PUBLIC_IPADDR at start and does
+            # not update it when the address changes, and addresses pass to other machines and instances.
+            "static_ip": {"eq": True},
             "disk_space": {"gte": spec.disk_gb},  # a host short on disk refuses the rent
             **({"cuda_max_good": {"gte": cuda}} if cuda is not None else {}),
             "rentable": {"eq": True},
@@ -74,17 +78,17 @@ class VastAI(Provider):
                if country(o.get("geolocation")) in spec.locations and o.get("gpu_name") == spec.gpu
                and float(o.get("dph_total") or 1e9) <= spec.max_price_per_hr
                and float(o.get("reliability") or 0) >= spec.min_reliability
-               and int(o.get("direct_port_count") or 0) >= 1
+               and int(o.get("direct_port_count") or 0) >= 1 and o.get("static_ip") is True
                and float(o.get("disk_space") or 0) >= spec.disk_gb
                and (cuda is None or float(o.get("cuda_max_good") or 0) >= cuda)]
         fit.sort(key=lambda o: float(o["dph_total"]))
         floor = f"CUDA >= {spec.min_cuda_version}, " if cuda is not None else ""
         hosts = "verified datacenter hosts" if spec.cloud == "SECURE" else "verified hosts"
         empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
-                  f"with a {spec.disk_gb} GB disk, {floor}direct port, {hosts}; colocate:pod.cloud COMMUNITY "
+                  f"with a {spec.disk_gb} GB disk, {floor}direct port, static ip, {hosts}; colocate:pod.cloud COMMUNITY "
                   "admits other hosts)" if spec.cloud == "SECURE" else
                   f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
-                  f"with a {spec.disk_gb} GB disk, {floor}direct port, {hosts})")
+                  f"with a {spec.disk_gb} GB disk, {floor}direct port, static ip, {hosts})")
                  for loc in spec.locations if not any(country(o.get("geolocation")) == loc for o in fit)]
         return fit[:MAX_OFFERS_TRIED], empty
 

@@ -371,14 +371,14 @@ HOURS_PER_MONTH = 30 * 24
 
 def offer(offer_id: int, country: str, price: float, gpu: str = "RTX 4090", reliability: float = 0.995,
           direct_ports: int = 10, city: str = "Taipei", cuda: float = 12.9, disk_space: float = 500.0,
-          storage_cost: float = 0.0, datacenter: bool = True) -> dict:
+          storage_cost: float = 0.0, datacenter: bool = True, static_ip: bool = True) -> dict:
     """An offer; ``price`` is its $/h without disk (``dph_base``), so with the default storage_cost of 0
     its dph_total is ``price`` at any disk size."""
     return {"id": offer_id, "ask_contract_id": offer_id, "gpu_name": gpu, "num_gpus": 1, "geolocation": f"{city}, {country}",
             "dph_base": price, "storage_cost": storage_cost, "dph_total": _dph(price, storage_cost, DEFAULT_ALLOCATED_GB),
             "reliability": reliability, "direct_port_count": direct_ports, "rentable": True, "verified": True,
             "verification": "verified", "public_ipaddr": "127.0.0.1", "machine_id": offer_id * 10,
-            "cuda_max_good": cuda, "disk_space": disk_space, "datacenter": datacenter}
+            "cuda_max_good": cuda, "disk_space": disk_space, "datacenter": datacenter, "static_ip": static_ip}
 
 
 def _dph(base: float, storage_cost: float, disk_gb: float) -> float:
