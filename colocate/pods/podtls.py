@@ -18,6 +18,9 @@ OpenSSL reads the non-PEM text before the first ``-----BEGIN`` in pieces of at m
 variables for the end of the file: whatever variables come before ours can hide it. This is not
 theoretical: a clean CI machine's environment hid the bundle from the stand-in, with "PEM lib".
 
+An image whose entrypoint is ``podstart.sh`` (pod/Dockerfile) takes the same arguments and writes the
+bundle to files on tmpfs before vLLM starts, so no variable can hide it (docs/pods.md).
+
 The stand-in (``colocate.pods.standin``) serves its TLS through ``server_context`` below, the
 same calls uvicorn makes for vLLM's flags, reading the same variable the same way.
 """
