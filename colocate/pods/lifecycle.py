@@ -108,7 +108,7 @@ def rent(spec: PodSpec) -> dict:
         pod_id, adopted, unknown = _acquire(spec, provider, token)
     finally:
         provider.close()
-    out = {"id": pod_id, "provider": spec.provider, "name": spec.name}
+    out: dict[str, str | bool] = {"id": pod_id, "provider": spec.provider, "name": spec.name}
     if adopted:
         out["adopted"] = True
     if unknown:
@@ -116,7 +116,7 @@ def rent(spec: PodSpec) -> dict:
     return out
 
 
-def wait(spec: PodSpec, rented: dict) -> dict:
+def wait(spec: PodSpec, rented: object) -> dict:
     """Wait for the pod ``rent`` recorded (``rented``: its output) to serve; the output is ``create``'s.
     A recorded pod that is gone or dead (deleted by hand, reclaimed, or destroyed by a failed wait)
     is replaced under the same name: adopt one of the name, else place one (``pod.py delete`` of the
