@@ -48,8 +48,8 @@ def test_start_edits_ledger_and_region_keeping_comments_and_order(stacks, capsys
     # The digest covers the pod token's fingerprint, which plan does not read: shown as *.
     assert "create   pod colocate-apac-jp-apac-tw-g2-p0-*:" in out and "delete   pod colocate-apac-jp-apac-jp-g1-p0-*:" in out
     # With a zone the cell places by its pod (auto): the move shows pod 0's new address.
-    assert ("placement host changes from pod-apac-jp-g1.example.com:<pod 0's public port> to "
-            "pod-apac-tw-g2.example.com:<the new pod 0's public port>") in out
+    assert ("placement host changes from <pod 0's instance>.pod-apac-jp-g1.example.com:<pod 0's public port> to "
+            "<the new pod 0's instance>.pod-apac-tw-g2.example.com:<the new pod 0's public port>") in out
     assert "bind     binding DRAINING_GENERATION: apac-jp.g1" in out
     assert "Worker TPE -> state NRT: 2,181 km, floor 22 ms" in out
 
@@ -60,7 +60,8 @@ ZONE_LINES = "\n  colocate:zone:\n    id: 0123456789abcdef0123456789abcdef\n    
 def with_zone_and_gpu(stacks, stack, gpu=None):
     """The stack file with a zone (Vast.ai pods need one) and, if given, another pod.gpu."""
     path = stacks / f"Pulumi.{stack}.yaml"
-    text = path.read_text().rstrip("\n") + ZONE_LINES
+    # With a zone, the stack file's own comment says to remove `hop: token` (mutual TLS then).
+    text = path.read_text().replace("    hop: token\n", "").rstrip("\n") + ZONE_LINES
     if gpu is not None:
         text = text.replace("gpu: NVIDIA GeForce RTX 4090", f"gpu: {gpu}")
     path.write_text(text)
