@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pod_providers import env, fake_runpod, make_spec, stack_file, write_spec  # noqa: F401
+from tests.test_pod_providers import env, fake_runpod, fake_vast, make_spec, offer, stack_file, write_spec  # noqa: F401
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,6 +118,20 @@ def test_killed_while_its_create_is_in_flight_the_next_up_adopts_the_pod_and_des
     assert rented["id"] == ready["id"] == landed and rented.get("adopted") and live(fake_runpod) == [landed]
     destroy(rented)
     assert live(fake_runpod) == []
+
+
+@pytest.mark.parametrize("command", ["rent", "create"])
+def test_vastai_killed_while_its_rent_is_in_flight_the_next_up_adopts_it_and_destroy_deletes_it(
+        fake_vast, env, command):  # noqa: F811
+    fake_vast.offers = [offer(91, "TW", 0.30), offer(92, "TW", 0.35)]
+    spec = write_spec(env, make_spec("apac-tw", "vastai"))
+    landed = killed_while_creating(fake_vast, command, "--spec", spec)
+    assert [str(i["id"]) for i in fake_vast.live()] == [landed]
+    rented, ready = next_up(spec)
+    assert rented["id"] == ready["id"] == landed and rented.get("adopted")
+    assert len(fake_vast.calls("PUT", "/api/v0/asks/")) == 1  # never a second GPU
+    destroy(rented)
+    assert fake_vast.live() == []
 
 
 @pytest.mark.parametrize("command", ["rent", "create"])

@@ -404,6 +404,7 @@ class FakeVast(FakeApi):
         self.rent_refusals: dict[int, tuple[int, dict]] = {}  # offer id -> (status, body) its rent answers
         self.ready_after = 1
         self.dies_after: int | None = None  # actual_status becomes "exited" after this many GETs
+        self.on_create = None  # called with the instance's id once a rent has landed, before it is answered
         self.instances: dict[int, dict] = {}
         self.polls: dict[int, int] = {}
         self.ids = itertools.count(700001)
@@ -456,6 +457,8 @@ class FakeVast(FakeApi):
                                    "_args": body.get("args") or []}
             self.polls[iid] = 0
             self.taken.add(ask)
+            if self.on_create is not None:
+                self.on_create(str(iid))
             return 200, {"success": True, "new_contract": iid}, {}, "application/json"
         if path.startswith("/api/v0/instances/"):
             iid = int(path.rsplit("/", 1)[1])
