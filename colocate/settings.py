@@ -91,7 +91,7 @@ SCHEMA: tuple[Key, ...] = (
         "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
         "readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal "
         "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
-        "mutual TLS between the Worker and the pod, or the pod token alone)."),
+        "mutual TLS between the Worker and the pod, or the pod token alone; auto refuses RunPod without colocate:zone)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
