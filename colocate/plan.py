@@ -510,6 +510,14 @@ class CellPlan:
         """The pods in the Worker's POD_URLS: all but those draining (colocate:scale.draining)."""
         return tuple(p for p in self.pods if p.in_rotation)
 
+    @property
+    def sweep_provider(self) -> str | None:
+        """The provider whose pods of this stack that no declared pod holds are deleted after each
+        change of the pods (a rent killed mid-request whose spec then changed: docs/pods.md, "Never
+        orphan"); None without pods, and for local stand-ins, which are this machine's processes."""
+        s = self.pod_settings
+        return s.provider if self.pods and s is not None and s.provider != "local" else None
+
 
 def module_closure(directory: Path, main: str) -> tuple[Module, ...]:
     """``main`` and every module it imports, transitively: main first, then by name (the

@@ -306,16 +306,15 @@ class Cell(pulumi.ComponentResource):
                                                                  *self.pod_waits]),
         )
         # The stack's pods that no declared pod holds are deleted once the Worker no longer names
-        # them: re-run whenever a pod changes (its ids in the command). Not with a local provider
-        # outside the sandbox, whose pods are this machine's processes.
+        # them (plan.sweep_provider): re-run whenever a pod changes (its ids are in the command).
         self.sweep = None
-        if plan.pods and plan.pod_settings is not None and plan.pod_settings.provider != "local":
+        if plan.sweep_provider is not None:
+            provider = plan.sweep_provider
             keep = pulumi.Output.all(*[c.stdout for c in self.pod_commands], *[c.stdout for c in self.pod_waits]).apply(
                 lambda outs: sorted({json.loads(o)["id"] for o in outs}))
             self.sweep = local.Command(
                 f"{name}-pod-sweep",
-                create=keep.apply(lambda ids: " ".join([POD_SWEEP.format(stack=plan.stack),
-                                                        "--provider", plan.pod_settings.provider,
+                create=keep.apply(lambda ids: " ".join([POD_SWEEP.format(stack=plan.stack), "--provider", provider,
                                                         *[f"--keep {i}" for i in ids]])),
                 environment=dict(args["pod_environment"]),
                 dir=".",
