@@ -198,3 +198,13 @@ def test_a_wait_whose_recorded_pod_is_gone_places_one_under_the_name_and_delete_
     assert code == 0 and ready["id"] != rented["id"] and live(fake_runpod) == [ready["id"]], err
     out = destroy(rented)  # the rent's record names the old id; the name finds the new pod
     assert out["already_gone"] is True and out["also_deleted"] == [ready["id"]] and live(fake_runpod) == []
+
+
+def test_wait_refuses_a_document_without_this_specs_rented_pod(fake_runpod, env):  # noqa: F811
+    spec = make_spec("apac-jp", "runpod")
+    for doc, says in (({**spec}, "spec.rented is missing"),
+                      ({**spec, "rented": {"id": "x", "provider": "runpod", "name": "colocate-t1-other"}},
+                       "is not this spec's")):
+        code, out, err = pod_py("wait", "--spec", "-", stdin=json.dumps(doc))
+        assert code == 2 and out is None and says in err and "Fix:" in err, err
+    assert fake_runpod.calls("POST", "/v2/pods") == []
