@@ -573,3 +573,15 @@ def test_runpod_community_cloud_with_a_zone_is_refused_before_any_pod():
     raw.pop("zone")
     raw["pod"]["hop"] = "token"
     assert cell(raw).pod.path == "provider-proxy"
+
+
+@pytest.mark.parametrize("stack", ["apac-jp", "eu-west", "us-east"])
+def test_the_sandbox_runs_a_zoneless_runpod_stacks_pods_over_mutual_tls(stack, tmp_path):
+    """The stack says `hop: token` for its cloud path (RunPod's proxy); its local stand-ins get `auto`'s mutual TLS."""
+    from colocate.sandbox.launch import Launch, build_plan
+
+    assert stackfile.read_config(stack)[0]["pod"]["hop"] == "token"
+    text = stackfile.path_of(stack).read_text().rstrip("\n") + "\n  colocate:worker:\n    subdomain: acme\n"
+    (tmp_path / f"Pulumi.{stack}.yaml").write_text(text)
+    cell_plan, _ = build_plan(Launch(stack, str(tmp_path), None, None, (), False))
+    assert cell_plan.pod_settings.provider == "local" and cell_plan.mtls and cell_plan.pod.tls_name == "localhost"

@@ -65,6 +65,8 @@ def _member_outputs(index: int, stack: str, stacks_dir: Path) -> dict:
         raise ConfigError(key, stack, "is a fleet stack, not a cell", f"pulumi config rm --path '{key}'")
     raw.update(_placeholders(raw))
     pod = dict(raw.get("pod") or {})
+    if pod.get("provider") != "local":
+        pod.pop("hop", None)  # chosen for the cloud path (launch.build_plan): local pods get `auto`'s mutual TLS
     pod["provider"] = "local"  # the sandbox never rents a GPU (the cell's up says so too)
     raw["pod"] = pod
     names = frozenset(secret_names) | frozenset(settings_mod.ALWAYS_SECRET)

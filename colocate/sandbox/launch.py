@@ -51,6 +51,9 @@ def build_plan(launch: Launch) -> tuple[CellPlan, list[str]]:
         notes.append(f"colocate:pod.provider is {pod.get('provider', settings_mod.POD_DEFAULTS['provider'])!r}: "
                      "the sandbox never rents a GPU, it runs the local stand-in pod instead")
         pod["provider"] = "local"
+        # The stack's hop was chosen for its cloud path (`token`: RunPod's proxy cannot carry mutual
+        # TLS); the stand-ins serve what `auto` gives a local pod, mutual TLS, as a zoned cloud pod does.
+        pod.pop("hop", None)
         raw["pod"] = pod
     names = frozenset(secret_names) | frozenset(settings_mod.ALWAYS_SECRET)
     s = settings_mod.parse(raw, launch.stack, secrets=names, env={}, allow_split_state=launch.force_split)
