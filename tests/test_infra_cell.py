@@ -433,3 +433,16 @@ def test_preview_refuses_runpod_community_cloud_behind_a_zone():
                                               r"colocate:pod\.cloud SECURE"):
         run_program("apac-jp", config, keys, mocks=mocks)
     assert mocks.of_type(COMMAND) == []  # no pod was declared
+
+
+def test_every_stack_rents_then_waits_for_its_pods_and_sweeps_cloud_strays_after_the_worker(deployed):
+    stack, raw, run = deployed
+    commands = {r.name: r.inputs for r in run.mocks.of_type(COMMAND)}
+    assert "pod.py rent" in commands[f"{stack}-pod-0"]["create"]
+    assert "pod.py wait" in commands[f"{stack}-pod-0-ready"]["create"]
+    sweep = commands.get(f"{stack}-pod-sweep")
+    if raw["pod"]["provider"] == "local":
+        assert sweep is None  # a local stand-in is this machine's process, not a rented GPU
+    else:
+        assert sweep["create"] == (f".venv/bin/python scripts/pod.py sweep --stack {stack} --destroy "
+                                   f"--provider {raw['pod']['provider']} --keep pod-123")
