@@ -208,3 +208,17 @@ def test_wait_refuses_a_document_without_this_specs_rented_pod(fake_runpod, env)
         code, out, err = pod_py("wait", "--spec", "-", stdin=json.dumps(doc))
         assert code == 2 and out is None and says in err and "Fix:" in err, err
     assert fake_runpod.calls("POST", "/v2/pods") == []
+
+
+def test_a_wait_whose_recorded_pod_exited_destroys_it_and_places_another(fake_vast, env):  # noqa: F811
+    fake_vast.offers = [offer(95, "TW", 0.30), offer(96, "TW", 0.35)]
+    spec = make_spec("apac-tw", "vastai")
+    code, rented, err = pod_py("rent", "--spec", write_spec(env, spec))
+    assert code == 0, err
+    first = int(rented["id"])
+    fake_vast.instances[first]["actual_status"] = "exited"  # it will never run again
+    code, ready, err = pod_py("wait", "--spec", "-", stdin=json.dumps({**spec, "rented": rented}))
+    assert code == 0 and "will never serve" in err, err
+    assert fake_vast.instances[first].get("_destroyed")  # not left stopped, holding its disk
+    assert [str(i["id"]) for i in fake_vast.live()] == [ready["id"]] and ready["id"] != rented["id"]
+    assert ready["name"] == spec["name"]  # the replacement carries the name the rent's delete looks for

@@ -130,6 +130,8 @@ def wait(spec: PodSpec, rented: object) -> dict:
         pod_id, adopted, unknown = str(rented.get("id") or ""), bool(rented.get("adopted")), bool(rented.get("unknown"))
         try:
             gone = provider.describe(pod_id).state == DEAD if pod_id else True
+            if gone and pod_id:  # it will never serve, and a stopped pod can still bill its disk
+                log(f"destroying {pod_id}: it will never serve" if provider.destroy(pod_id) else f"{pod_id}: already gone")
         except NotFoundError:
             gone = True
         if gone:
