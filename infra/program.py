@@ -10,15 +10,17 @@ import os
 
 import pulumi
 
-from colocate import fleet, outputs
+from colocate import fleet, outputs, preflight as preflight_mod
 from colocate.errors import ConfigError
-from colocate.plan import PATH_LOCAL_HOSTNAME, PLACEMENT_POD, CellPlan, plan_cell
+from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell
 from colocate.settings import NS, PROVIDER_SECRET, Settings, parse
 
 from . import fleet as fleet_program
 from .cell import Cell, CellArgs
 from .errors import ProgramError
-from .stackconfig import check_zone, live_migration_tag, raw_config, require_api_token
+from .stackconfig import TOKEN_KEY, check_zone, live_migration_tag, raw_config, require_api_token
+
+PREFLIGHT_ENV = "COLOCATE_PREFLIGHT"  # "off" skips the token check (to debug the check itself)
 
 
 def load_settings() -> tuple[Settings, dict[str, pulumi.Output[str]]]:
@@ -54,6 +56,39 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     return cell_plan, secrets
 
 
+def _under_mocks() -> bool:
+    """Whether the program runs under ``pulumi.runtime.set_mocks`` (the tests), not an engine."""
+    monitor = getattr(pulumi.runtime.settings.SETTINGS, "monitor", None)
+    return type(monitor).__name__ == "MockMonitor"
+
+
+def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
+    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls,
+                               trust_store=cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS)
+
+
+def preflight(cell_plan: CellPlan) -> None:
+    """The token's permissions and the zone's features, before any resource (a pod first of all)
+    is declared, in preview and up alike (colocate/preflight.py). Under the test mocks it runs
+    only against a server named by CLOUDFLARE_API_BASE."""
+    if os.environ.get(PREFLIGHT_ENV, "").lower() == "off":
+        pulumi.log.warn(f"{PREFLIGHT_ENV}=off: the Cloudflare token's permissions are not checked before pods are rented")
+        return
+    base = os.environ.get(preflight_mod.BASE_ENV)
+    if base is None and _under_mocks():
+        return
+    base = base or preflight_mod.API_BASE
+    token = pulumi.runtime.get_config(TOKEN_KEY) or os.environ.get("CLOUDFLARE_API_TOKEN", "")
+    get = preflight_mod.http_get(base, token)
+    try:
+        problems = preflight_mod.check(shape_of(cell_plan), cell_plan.worker.account_id, cell_plan.worker.zone_id, get)
+    except OSError as err:
+        raise ProgramError(f"preflight: Cloudflare's API ({base}) could not be read to check the token's permissions "
+                           f"({err}). Fix: check the network and run again; {PREFLIGHT_ENV}=off skips the check") from None
+    if problems:
+        raise ProgramError(preflight_mod.message(problems))
+
+
 def require_https(url: str) -> str:
     """The fallback API is called with the owner's key and the clients' prompts: never in
     plain text. (The sandbox's local fallback is http; the sandbox never runs this program.)"""
@@ -81,6 +116,7 @@ def main() -> dict[str, pulumi.Input]:
     if is_fleet_stack():
         return fleet_program.main()
     cell_plan, secrets = plan()
+    preflight(cell_plan)
     secrets = {**secrets, "fallbackUrl": secrets["fallbackUrl"].apply(require_https)}
     pod_env = {}
     key_name, env_name = PROVIDER_SECRET.get(cell_plan.pod_settings.provider, (None, None))
