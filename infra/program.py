@@ -7,20 +7,25 @@ before any resource is declared.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pulumi
+import pulumi_cloudflare as cloudflare
 
-from colocate import fleet, outputs, preflight as preflight_mod
+from colocate import fleet, outputs, preflight as preflight_mod, scaler
 from colocate.errors import ConfigError
 from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell
-from colocate.settings import NS, PROVIDER_SECRET, Settings, parse
+from colocate.scaler import SCALE_STEP_ENV
+from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse
 
 from . import fleet as fleet_program
 from .cell import Cell, CellArgs
 from .errors import ProgramError
-from .stackconfig import TOKEN_KEY, check_zone, live_migration_tag, raw_config, require_api_token
+from .stackconfig import TOKEN_KEY, check_zone, field, live_migration_tag, raw_config, require_api_token
 
 PREFLIGHT_ENV = "COLOCATE_PREFLIGHT"  # "off" skips the token check (to debug the check itself)
+SCALE_FROM_ENV = "COLOCATE_SCALE_FROM"  # "stack": apply the stack file's scale.pods, not the generation's
+WORKER_URL_ENV = "COLOCATE_WORKER_URL"  # where the live Worker is read (tests: a local one; default the plan's URL)
 
 
 def load_settings() -> tuple[Settings, dict[str, pulumi.Output[str]]]:
@@ -37,10 +42,18 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     settings, secrets = load_settings()
     if settings.zone is not None:
         check_zone(settings.zone)
+    tag = live_migration_tag(settings.account_id, settings.worker.name)
     try:
-        cell_plan = plan_cell(settings, live_migration_tag=live_migration_tag(settings.account_id, settings.worker.name))
+        cell_plan = plan_cell(settings, live_migration_tag=tag)
+        if settings.scale is not None:
+            scale = live_scale(settings, cell_plan)
+            if scale != settings.scale:
+                settings = replace(settings, scale=scale, pod=replace(settings.pod, count=scale.declared))
+                cell_plan = plan_cell(settings, live_migration_tag=tag)
     except ConfigError as err:
         raise ProgramError(str(err)) from None
+    if os.environ.get(SCALE_STEP_ENV) == "1":  # the scaling controller's update: a softened probe
+        cell_plan = replace(cell_plan, probe=replace(cell_plan.probe, step=True))
     if cell_plan.worker.placement_mode == PLACEMENT_POD and cell_plan.pod_path == PATH_LOCAL_HOSTNAME:
         # The plan lets the sandbox place by its stand-in (localhost); a deployed Worker
         # would have Cloudflare probe "localhost", which is no place at all.
@@ -54,6 +67,52 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     if settings.credential_warning:
         pulumi.log.warn(settings.credential_warning)
     return cell_plan, secrets
+
+
+def script_exists(account_id: str, script: str) -> bool:
+    """Whether Cloudflare has the Worker (cloudflare:index/getWorkersScripts, as live_migration_tag)."""
+    found = cloudflare.get_workers_scripts(account_id=account_id)
+    return any(field(entry, "id") == script for entry in found.results or [])
+
+
+def live_scale(settings: Settings, cell_plan: CellPlan) -> ScaleSettings:
+    """The pod count to declare: the one the scaling controller recorded in the live generation
+    (``desired`` of ``GET /_colocate/scale``), which any checkout's ``pulumi up`` reads, so none
+    applies a stale stack file (deleting the controller's pods undrained, or undoing a drain).
+    The stack file's ``scale.pods``/``.draining`` count only where no controller recorded one:
+    before the Worker exists (a first deploy) or in a generation it has not written yet. A
+    Worker that exists but cannot be read stops the update: guessing could delete serving pods."""
+    scale = settings.scale
+    assert scale is not None
+    if os.environ.get(SCALE_FROM_ENV) == "stack":
+        pulumi.log.warn(f"{SCALE_FROM_ENV}=stack: applying the stack file's colocate:scale.pods {scale.pods} and "
+                        f".draining {scale.draining}, not the count the scaling controller recorded")
+        return scale
+    override = os.environ.get(WORKER_URL_ENV)
+    if override is None and _under_mocks():
+        return scale
+    if override is None and not script_exists(settings.account_id, cell_plan.worker.script_name):
+        return scale  # a first deploy: nothing recorded anywhere yet
+    url = (override or cell_plan.worker.url).rstrip("/")
+    token = pulumi.runtime.get_config(f"{NS}:readToken") or ""
+    try:
+        state = scaler.CellClient(url, token).state()
+    except (OSError, ValueError) as err:
+        raise ProgramError(
+            f"{NS}:scale: the scaling controller's pod count could not be read from {url}/_colocate/scale ({err}); "
+            f"applying the stack file's {scale.pods}+{scale.draining} could delete pods that serve, undrained. Fix: check "
+            f"that the Worker answers (.venv/bin/python scripts/probe.py {url}), or, knowing no controller runs, "
+            f"{SCALE_FROM_ENV}=stack pulumi up") from None
+    desired = scaler.desired_of(state)
+    if desired is None:
+        return scale
+    pods = min(max(desired[0], scale.min), scale.max)
+    draining = max(0, min(desired[1], MAX_PODS - pods))
+    if (pods, draining) != (scale.pods, scale.draining):
+        pulumi.log.info(f"{NS}:scale: {pods} pod(s) in rotation and {draining} draining, as the scaling controller "
+                        f"recorded in generation {state.get('generation')} (the stack file says {scale.pods}+"
+                        f"{scale.draining})")
+    return replace(scale, pods=pods, draining=draining)
 
 
 def _under_mocks() -> bool:
