@@ -213,6 +213,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.REGION: cell_plan.region.name,  # what a fleet stack reads
         outputs.ACCOUNT_ID: cell_plan.worker.account_id,
         outputs.BUDGET_E2E_MS: cell_plan.probe.budgets.get("e2e"),
+        outputs.HOP_NOT_AFTER: cell.hop.not_after() if cell.hop is not None else None,
     }
     for key, value in exports.items():
         pulumi.export(key, value)

@@ -18,7 +18,7 @@ from .. import stackfile
 from ..scaler import CellClient, existing, routed_of, scale_values
 from . import supervisor
 from .launch import Launch
-from .statedir import LAUNCH_FILE, READY_FILE
+from .statedir import LAUNCH_FILE, PODS_FILE, READY_FILE
 
 
 class SandboxDeployer:
@@ -29,13 +29,16 @@ class SandboxDeployer:
         self.stacks_dir = Path(launch.stacks_dir)
 
     def declared(self) -> tuple[int, int]:
+        """The pods the sandbox holds (its pods file, which every apply rewrites; the ready
+        file keeps the first up's) and the pods its Worker routes to."""
         try:
             ready = json.loads((self.state_dir / READY_FILE).read_text())
+            pods = json.loads((self.state_dir / PODS_FILE).read_text()).get("pods") or []
         except (OSError, ValueError):  # not running: what the stack file says
             raw, _ = stackfile.read_config(self.stack, self.stacks_dir)
             return scale_values(raw.get("scale"))
         client = CellClient(ready["worker_url"], ready["token"])
-        return existing(len(ready.get("pods") or []), routed_of(client))
+        return existing(len(pods), routed_of(client))
 
     def deploy(self, pods: int, draining: int) -> None:
         stackfile.write_config(self.stack, {"scale.pods": pods, "scale.draining": draining}, self.stacks_dir)

@@ -1,6 +1,6 @@
 // A generation's migration streams: the successor stages the exporter's pages in its own SQLite
 // and merges them a chunk at a time, so what it holds in memory is bounded by a page, whatever
-// the generation's size (issue 48.10: 200,000 keys and 30 days of usage), and an import cut short
+// the generation's size (here 200,000 keys and 30 days of usage), and an import cut short
 // resumes without counting anything twice. The real object and SQL (support/objects.js).
 import { test } from "node:test";
 import assert from "node:assert/strict";
