@@ -185,3 +185,12 @@ def test_the_lease_is_renewed_through_a_drain_wait():
     ctl.step()
     assert done.is_set() and stack.applied[-1] == (1, 0)
     assert cell.renewals - renewals_before >= 2, cell.renewals  # 1.2 s of waiting, a renewal every 0.1 s
+
+
+def test_what_exists_is_the_pods_made_and_the_live_rotation():
+    from colocate.scaler import existing
+
+    assert existing(3, 2) == (2, 1)  # three pods made, the Worker routes to two: one drains
+    assert existing(2, None) == (2, 0)  # the rotation unknown: every pod made serves
+    assert existing(1, 4) == (1, 0)  # a Worker of a newer update than the outputs read: never more than exist
+    assert existing(0, 0) == (0, 0)
