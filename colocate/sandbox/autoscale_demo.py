@@ -54,6 +54,7 @@ BOOT_S = float(capacity.BOOT_S)  # of the day: a real pod's image pull and model
 DRAIN_S = 1800.0  # of the day: the longest a draining pod's requests may take before it is deleted anyway
 REMEMBER_MS = 300  # the front door passes over a cell without pods for this long (wall ms; 5000 in the stack)
 WARMUP = 3
+WARMUP_S = 30.0  # wall seconds a cell's warm-up may keep failing before the demo gives up
 WORKERS_PER_SITE = 8
 # ~1,290 characters of prompt: the stand-in counts four a token, so a request carries ~330 tokens.
 BODY = {"model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "max_tokens": 16,
@@ -161,6 +162,7 @@ class Demo:
         self.errors: list[str] = []
         self.out: dict = {}
         self.measured: dict | None = None  # the day's figures, once the day ran
+        self.failure: str | None = None  # why the day was not measured
 
     # --- before the day -----------------------------------------------------------------------
 
@@ -209,13 +211,21 @@ class Demo:
         return json.loads((Path(state_dir) / READY_FILE).read_text())
 
     def warm_up(self) -> None:
+        """WARMUP answered requests per cell; one that fails is sent again for up to WARMUP_S (a
+        cell just up may still be swapping its Worker), then the failure is named with its reason."""
         session = requests.Session()
         for cell in CELLS:
             url = self.ready(cell)["worker_url"]
-            for _ in range(WARMUP):
+            deadline = time.monotonic() + WARMUP_S
+            answered = 0
+            while answered < WARMUP:
                 s, _ = _one(session, url, self.out["key"], 0.0, cell, time.monotonic())
-                if not s.ok:
-                    raise SandboxError(f"warm-up request to {cell} failed: {s.backend}")
+                if s.ok:
+                    answered += 1
+                elif time.monotonic() > deadline:
+                    raise SandboxError(f"warm-up request to {cell} ({url}) failed for {WARMUP_S:g} s: {s.why}")
+                else:
+                    time.sleep(0.5)
 
     def controller(self, cell: str) -> Controller:
         ready = self.ready(cell)
@@ -340,12 +350,10 @@ def run(state_dir: Path | None = None, *, shape_file: Path | None = None, prices
                  else day.default_shape(CELLS))
         price = day.parse_prices(prices) if prices else PRICES
     except OSError as exc:
-        print(f"demo-autoscale: --shape {shape_file}: {exc.strerror}. Fix: give a CSV file of "
-              f"cell,hour,requests_per_minute", file=sys.stderr)
-        return 2
+        return _refused(f"--shape {shape_file}: {exc.strerror}. Fix: give a CSV file of cell,hour,requests_per_minute",
+                        as_json)
     except ConfigError as exc:
-        print(f"demo-autoscale: {exc}", file=sys.stderr)
-        return 2
+        return _refused(str(exc), as_json)
     demo = Demo(state_dir or supervisor.default_state_dir("demo-autoscale"), shape, price, day_s, sent)
     # With --json only the JSON goes to stdout; the story goes to stderr. A day that was measured
     # prints its JSON whatever fails after it (the plot, stopping the fleet): a run of
@@ -357,9 +365,19 @@ def run(state_dir: Path | None = None, *, shape_file: Path | None = None, prices
         except Exception as exc:  # noqa: BLE001 - said, with the measured day's figures if there are any
             print(f"demo-autoscale: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             code, out = 1, demo.measured
-    if as_json and out is not None:
-        print(json.dumps(out), file=real_stdout, flush=True)
+            demo.failure = demo.failure or f"{type(exc).__name__}: {exc}"
+    if as_json:  # one JSON object, always: the day's figures, or why there are none
+        print(json.dumps(out if out is not None else {"error": demo.failure or "the day was not measured"}),
+              file=real_stdout, flush=True)
     return code
+
+
+def _refused(why: str, as_json: bool) -> int:
+    """Bad input: exit 2 with the reason on stderr (and, with --json, as the one JSON object)."""
+    print(f"demo-autoscale: {why}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": why}), flush=True)
+    return 2
 
 
 def _run(demo: Demo) -> tuple[int, dict | None]:
@@ -408,6 +426,7 @@ def _run(demo: Demo) -> tuple[int, dict | None]:
         return (0 if out["failed"] == 0 else 1), out
     except (ConfigError, SandboxError) as exc:
         print(f"demo-autoscale: {exc}", file=sys.stderr)
+        demo.failure = str(exc)
         return 2, None
     finally:
         try:
