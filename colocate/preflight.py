@@ -176,7 +176,8 @@ def _verify(get: Getter, account_id: str) -> tuple[str | None, str | None, list[
     for verify, own in (("/user/tokens/verify", "/user/tokens/{id}"),
                         (f"/accounts/{account_id}/tokens/verify", f"/accounts/{account_id}/tokens/{{id}}")):
         status, body = get(verify)
-        result = body.get("result") if isinstance(body.get("result"), dict) else {}
+        found = body.get("result")
+        result: dict = found if isinstance(found, dict) else {}
         if status == 200 and result.get("id"):
             if result.get("status") != "active":
                 return None, None, [Problem(f"cloudflare:apiToken: the token is {result.get('status')!r}, not active",
