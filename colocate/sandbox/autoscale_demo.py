@@ -188,6 +188,10 @@ class Demo:
                 "scale": {"min": 0, "max": MAX_PODS, "target": TARGET_RPM / self.per, "upAfterS": UP_AFTER_S,
                           "downAfterS": DOWN_AFTER_S, "policy": "cost", "pods": self.initial_pods(cell)},
                 "fallbackPrice": {"input": self.prices.api_per_1m, "output": self.prices.api_per_1m},
+                # Every site's users share the fleet's one key, and the front door sends a cell without
+                # pods' users to another cell: one cell may hold every site's requests at once. The
+                # key's in-flight limit (8 a cell by default) is not what this day measures.
+                "keys": {"defaults": {"maxParallel": len(CELLS) * WORKERS_PER_SITE}},
             }, self.stacks_dir)
 
     def budget(self, cell: str) -> float:
