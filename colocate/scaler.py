@@ -246,6 +246,15 @@ class Controller:
                                 None)
             self.record(decision, pods, draining)
             return decision
+        want = desired_of(state) if state is not None else None
+        if (want is not None and want != (pods, draining) and self.policy.min <= want[0] <= self.policy.max
+                and sum(want) <= self.policy.max):
+            # A change recorded but not made, or not all of it: an update that failed or was cut,
+            # or a controller killed mid-change. The generation's count is what every `pulumi up`
+            # applies, so it is made first, before anything new is decided.
+            self.say(f"scale: the recorded count {want[0]}+{want[1]} is not what exists ({pods}+{draining}): applying it")
+            self.deployer.deploy(*want)
+            pods, draining = want
         if draining:  # a scale-down that a previous controller (or a failed pass) did not finish
             self.finish_drain(pods, draining, state)
             draining = 0

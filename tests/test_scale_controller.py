@@ -194,3 +194,16 @@ def test_what_exists_is_the_pods_made_and_the_live_rotation():
     assert existing(2, None) == (2, 0)  # the rotation unknown: every pod made serves
     assert existing(1, 4) == (1, 0)  # a Worker of a newer update than the outputs read: never more than exist
     assert existing(0, 0) == (0, 0)
+
+
+def test_a_change_recorded_but_not_made_is_made_before_anything_new():
+    """A controller killed after recording a drain (1 + 1 leaving) but before its update: the next
+    one finds 2 serving, applies the recorded count, drains, and deletes the pod."""
+    cell = Cell()
+    cell.desired = {"pods": 1, "draining": 1, "owner": "dead"}
+    stack = Stack(cell=cell)
+    stack.exists = (2, 0)
+    ctl, tick = make(cell, stack)
+    passes(ctl, tick, 1)
+    assert stack.applied == [(1, 1), (1, 0)] and stack.exists == (1, 0)
+    assert desired_of(cell.state()) == (1, 0)
