@@ -251,10 +251,14 @@ class Controller:
                 and sum(want) <= self.policy.max):
             # A change recorded but not made, or not all of it: an update that failed or was cut,
             # or a controller killed mid-change. The generation's count is what every `pulumi up`
-            # applies, so it is made first, before anything new is decided.
-            self.say(f"scale: the recorded count {want[0]}+{want[1]} is not what exists ({pods}+{draining}): applying it")
-            self.deployer.deploy(*want)
-            pods, draining = want
+            # applies, so it is made first, before anything new is decided; a pod beyond it that
+            # serves now leaves by a drain, never by a delete.
+            target = (want[0], max(0, pods + draining - want[0]))
+            self.say(f"scale: the recorded count {want[0]}+{want[1]} is not what exists ({pods}+{draining}): "
+                     f"making it ({target[0]}+{target[1]})")
+            if target != (pods, draining):
+                self.deployer.deploy(*target)
+            pods, draining = target
         if draining:  # a scale-down that a previous controller (or a failed pass) did not finish
             self.finish_drain(pods, draining, state)
             draining = 0

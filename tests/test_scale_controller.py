@@ -207,3 +207,15 @@ def test_a_change_recorded_but_not_made_is_made_before_anything_new():
     passes(ctl, tick, 1)
     assert stack.applied == [(1, 1), (1, 0)] and stack.exists == (1, 0)
     assert desired_of(cell.state()) == (1, 0)
+
+
+def test_a_recorded_count_below_what_serves_is_reached_by_a_drain_not_a_delete():
+    """Two pods serve (someone applied the stack file's count); the generation says one: the second drains first."""
+    cell = Cell()
+    cell.desired = {"pods": 1, "draining": 0, "owner": "c0"}
+    cell.inflight = {"1": 0}
+    stack = Stack(cell=cell)
+    stack.exists = (2, 0)
+    ctl, tick = make(cell, stack)
+    passes(ctl, tick, 1)
+    assert stack.applied == [(1, 1), (1, 0)]  # out of rotation first, deleted after its requests
