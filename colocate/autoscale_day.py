@@ -35,9 +35,11 @@ MIN_PEAK_POD_SHARE = 0.95
 SHAPE_HEADER = ("cell", "hour", "requests_per_minute")
 SHAPE_FIX = "one line `cell,hour,requests_per_minute` per cell and local hour 0-23, e.g. `apac-jp,20,520`"
 
-# Requests per minute by local hour: a consumer app's day, quiet at night, busy in the evening.
-DEFAULT_DAY = (60, 40, 25, 20, 20, 30, 60, 110, 160, 190, 200, 210, 230, 220, 210, 210, 230, 280, 380, 480, 520, 450,
-               300, 130)
+# Requests per minute by local hour: a consumer app's day, quiet at night, busy in the evening. Its
+# evening needs two pods of the default profile's measured capacity (colocate/capacity.py: 584 a
+# minute), the night none.
+DEFAULT_DAY = (120, 80, 50, 40, 40, 60, 120, 220, 320, 380, 400, 420, 460, 440, 420, 420, 460, 560, 760, 960, 1040, 900,
+               600, 260)
 
 
 @dataclass(frozen=True)

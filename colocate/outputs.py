@@ -24,6 +24,7 @@ PROBE_TOKEN = "probeToken"  # an older release's single token: read where the ne
 OPERATOR_TOKENS = {"READ_TOKEN": READ_TOKEN, "ADMIN_TOKEN": ADMIN_TOKEN, "EXCHANGE_TOKEN": EXCHANGE_TOKEN}  # by Worker binding
 REGION = "region"  # the cell's region: a fleet stack reads it (with workerName, workerUrl, accountId)
 ACCOUNT_ID = "accountId"  # the cell's Cloudflare account: a fleet binds only Workers of its own account
+HOP_NOT_AFTER = "hopCertsNotAfter"  # the pod hop's earliest certificate's end (null: no mutual TLS): colocate/certexpiry.py
 BUDGET_E2E_MS = "budgetE2eMs"  # the cell's colocate:budgets.e2e (null: none): a fleet sends its users no farther
 CELLS = "cells"  # a fleet stack's members: [{name, stack, region, workerName, workerUrl}]
 
@@ -31,5 +32,5 @@ ALL = (WORKER_URL, WORKER_NAME, POD_ID, POD_LOCATION, POD_COST_PER_HR, POD_URL, 
        PODS_COST_PER_HR, POD_PATH, ACTIVE_GENERATION,
        ACTIVE_HINT, DRAINING_GENERATION, PLACEMENT, PLACEMENT_MODE, PLACEMENT_HOST, PROBE_VERDICT, READ_TOKEN,
        ADMIN_TOKEN, EXCHANGE_TOKEN,
-       REGION, ACCOUNT_ID, BUDGET_E2E_MS)
+       REGION, ACCOUNT_ID, BUDGET_E2E_MS, HOP_NOT_AFTER)
 FLEET_ALL = (WORKER_URL, WORKER_NAME, CELLS)

@@ -461,24 +461,31 @@ class ProbePlan:
 
     pod_path: str = PATH_ZONE_DNS  # reported by the probe next to the measured pod_rtt
     placement_mode: str = PLACEMENT_TARGETED  # reported by the probe; pod mode adds the pod check
+    # A scaling step's update (colocate/scaler.py): the probe reports but cannot fail it, and waits
+    # for nothing to settle: the step runs under the load that called for it, placement unchanged.
+    step: bool = False
 
-    def argv(self, url: str, pod_locations: list[str], placement_host: str | None = None) -> list[str]:
+    def argv(self, url: str, pod_locations: list[str], placement_host: str | None = None,
+             hop_not_after: str | None = None) -> list[str]:
         """The post-deploy probe's arguments (the read token travels in COLOCATE_READ_TOKEN);
         one --pod-location per pod, in index order; ``placement_host`` (pod mode) is the
-        ``host:port`` Cloudflare was given."""
+        ``host:port`` Cloudflare was given; ``hop_not_after`` the hop certificates' earliest end."""
         args = ["scripts/probe.py", url, "--expect-region", self.region, "--samples", str(self.samples)]
         for location in pod_locations:
             args += ["--pod-location", location]
         args += ["--pod-path", self.pod_path, "--placement-mode", self.placement_mode]
         if placement_host:
             args += ["--placement-host", placement_host]
+        if hop_not_after:
+            args += ["--hop-not-after", hop_not_after]
         for name, ms in sorted(self.budgets.items()):
             args += ["--budget", f"{name}={ms:g}"]
-        args += ["--wait", str(PROBE_WAIT_S)]
-        if self.placement_mode != PLACEMENT_SMART:  # smart placement learns from traffic: nothing to wait for
+        if not self.step:
+            args += ["--wait", str(PROBE_WAIT_S)]
+        if self.placement_mode != PLACEMENT_SMART and not self.step:  # smart placement learns from traffic
             args += ["--settle", str(PROBE_SETTLE_S)]
         args += ["--json", "-"]
-        if not self.enforce:
+        if not self.enforce or self.step:
             args.append("--warn-only")  # report, but let the deploy finish
         return args
 

@@ -6,16 +6,28 @@ One pass (``Controller.step``): read ``GET /_colocate/scale`` (cumulative reques
 by backend, in flight per pod), decide, record the decision in the generation, and, when the
 count changes, act through a ``Deployer``:
 
-* up: ``colocate:scale.pods`` = n, then the owner's update (``pulumi up``): each new pod is
-  created and healthy before the Worker's POD_URLS gains it, so no request waits for a boot;
-  until then the pods that run, the next cell or the fallback serve.
+* up: the desired count (``pods`` = n) into the generation, then the owner's update (``pulumi
+  up``): each new pod is created and healthy before the Worker's POD_URLS gains it, so no
+  request waits for a boot; until then the pods that run, the next cell or the fallback serve.
 * down: first ``draining`` = the pods leaving (declared, out of POD_URLS), update, wait until
   the generation reads 0 requests in flight on them (bounded by ``drain_timeout_s``), then
   ``pods`` = n, ``draining`` = 0, update: the pods are deleted only after their requests end.
 
+The desired count lives in the generation (``desired`` of ``/_colocate/scale``), not only in a
+stack file: the Pulumi program reads it at every ``up``, from any checkout (infra/program.py),
+so a person's ``pulumi up`` applies the controller's count and never undoes a drain. The
+stack file's ``scale.pods`` is written too, as the seed of a first deploy.
+
+What the controller decides from is what exists (``Deployer.declared``: the pods of the last
+completed update, and the ones the live Worker routes to), never the config it wrote: a failed
+update leaves config ahead of the pods. A failed update backs off (``BACKOFF_S`` doubling up to
+``BACKOFF_MAX_S`` of the controller's clock) instead of running again every pass. A scaling
+step's update softens the post-deploy probe (``SCALE_STEP_ENV``: it reports and cannot fail the
+step, and waits for no placement to settle): the step runs under the very load that called for it.
+
 Only the lock's holder acts or records: a lease in the generation (``/_colocate/scale/lock``),
-renewed while the controller lives and during every update. A controller that dies leaves the
-stack as its last completed update declared, and the lease expires; the next one finishes a
+renewed through the whole pass: every update and the drain's wait. A controller that dies leaves
+the stack as its last completed update declared, and the lease expires; the next one finishes a
 drain it finds half done. Only the deployer differs between the sandbox and the cloud.
 """
 
@@ -24,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -39,16 +52,25 @@ from .scale import Decision, Policy, Sample, decide
 HISTORY_S = 3 * 3600  # samples kept: more than any window a policy uses
 DRAIN_TIMEOUT_S = 300.0
 DRAIN_SETTLE_S = 2.5  # a draining pod reads 0 twice this far apart (isolates sync within ~1 s of a change)
+BACKOFF_S = 60.0  # after a failed update: the first retry waits this long (controller clock), then doubles
+BACKOFF_MAX_S = 3600.0  # ... up to this: a provider out of GPUs for hours is asked hourly, not every pass
+SCALE_STEP_ENV = "COLOCATE_SCALE_STEP"  # set for the controller's `pulumi up`: the program softens the probe
 
 
 class Deployer(Protocol):
     """Makes the stack declare a count and runs its owner's update."""
 
     def declared(self) -> tuple[int, int]:
-        """(pods in rotation, pods draining) as the stack declares them now."""
+        """(pods in rotation, pods draining) as they exist now: the pods of the last completed
+        update and the live Worker's rotation, not the config last written."""
 
     def deploy(self, pods: int, draining: int) -> None:
         """Write colocate:scale.pods and .draining and run the update (blocks until done)."""
+
+
+def backoff_s(failures: int, base: float = BACKOFF_S, cap: float = BACKOFF_MAX_S) -> float:
+    """The wait before the next update after ``failures`` failed ones in a row: base, 2 x base, ... cap."""
+    return 0.0 if failures <= 0 else min(cap, base * 2 ** (failures - 1))
 
 
 class CellClient:
@@ -87,9 +109,21 @@ class CellClient:
             raise OSError(f"POST /_colocate/scale/lock answered {status}: {body}")
         return status == 200, body.get("lock")
 
-    def record(self, owner: str, decision: dict) -> bool:
-        status, _ = self._call("/_colocate/scale", {"owner": owner, "decision": decision})
+    def record(self, owner: str, decision: dict, desired: tuple[int, int] | None = None) -> bool:
+        """Record a decision; with ``desired`` (pods, draining), also the count every ``pulumi up`` applies."""
+        body: dict = {"owner": owner, "decision": decision}
+        if desired is not None:
+            body["desired"] = {"pods": desired[0], "draining": desired[1]}
+        status, _ = self._call("/_colocate/scale", body)
         return status == 200
+
+
+def desired_of(state: dict) -> tuple[int, int] | None:
+    """(pods, draining) the controller last asked for, from ``GET /_colocate/scale``; None when none did."""
+    d = state.get("desired")
+    if not isinstance(d, dict) or not isinstance(d.get("pods"), int) or not isinstance(d.get("draining"), int):
+        return None
+    return d["pods"], d["draining"]
 
 
 def sample_of(state: dict, at: float) -> Sample:
@@ -122,7 +156,10 @@ class Controller:
     say: Callable[[str], None] = print
     samples: list[Sample] = field(default_factory=list)
     last: dict | None = None  # the last decision recorded
-    unsettled: bool = False  # an update failed: the stack's config may be ahead of what exists
+    backoff_s: float = BACKOFF_S
+    backoff_max_s: float = BACKOFF_MAX_S
+    failures: int = 0  # failed updates in a row
+    retry_at: float | None = None  # controller clock: no update before this (after a failure)
 
     # --- the lock ---
 
@@ -174,47 +211,73 @@ class Controller:
         self.samples = [s for s in self.samples if now - s.at <= HISTORY_S]
         return state
 
-    def record(self, decision: Decision, running: int, draining: int, acting: str | None = None) -> None:
+    def record(self, decision: Decision, running: int, draining: int, acting: str | None = None,
+               desired: tuple[int, int] | None = None) -> bool:
         entry = {**decision.as_json(), "running": running, "draining": draining, "policy": self.policy.policy,
                  "min": self.policy.min, "max": self.policy.max}
         if acting:
             entry["acting"] = acting
-        if self.client.record(self.owner, entry):
+        if self.client.record(self.owner, entry, desired):
             self.last = entry
+            return True
+        return False
+
+    def apply(self, decision: Decision, running: int, pods: int, draining: int, acting: str) -> None:
+        """The desired count into the generation (where every `pulumi up` reads it), then the
+        update. A count the generation did not take (the lease lost meanwhile) is not applied."""
+        if not self.record(decision, running, draining, acting=acting, desired=(pods, draining)):
+            raise OSError(f"the generation did not record the desired count {pods}+{draining} (lock lost?): not applied")
+        self.deployer.deploy(pods, draining)
 
     def step(self) -> Decision | None:
-        """Observe, decide, record, act. None when another controller holds the lock."""
+        """Observe, decide, record, act. None when another controller holds the lock. The lease
+        is renewed through the whole pass: the updates and the drain's wait."""
         if not self.hold():
             return None
+        with self._renewing():
+            return self._step()
+
+    def _step(self) -> Decision:
         state = self.observe()
         pods, draining = self.deployer.declared()
-        if self.unsettled:  # the last update failed: run it again before deciding anything new
-            with self._renewing():
-                self.deployer.deploy(pods, draining)
-            self.unsettled = False
-        if draining:  # a scale-down that a previous controller did not finish
+        now = self.clock()
+        if self.retry_at is not None and now < self.retry_at:
+            decision = Decision(pods, f"the last update failed: backing off, next try in {self.retry_at - now:.0f} s",
+                                None)
+            self.record(decision, pods, draining)
+            return decision
+        want = desired_of(state) if state is not None else None
+        if (want is not None and want != (pods, draining) and self.policy.min <= want[0] <= self.policy.max
+                and sum(want) <= self.policy.max):
+            # A change recorded but not made, or not all of it: an update that failed or was cut,
+            # or a controller killed mid-change. The generation's count is what every `pulumi up`
+            # applies, so it is made first, before anything new is decided; a pod beyond it that
+            # serves now leaves by a drain, never by a delete.
+            target = (want[0], max(0, pods + draining - want[0]))
+            self.say(f"scale: the recorded count {want[0]}+{want[1]} is not what exists ({pods}+{draining}): "
+                     f"making it ({target[0]}+{target[1]})")
+            if target != (pods, draining):
+                self.deployer.deploy(*target)
+            pods, draining = target
+        if draining:  # a scale-down that a previous controller (or a failed pass) did not finish
             self.finish_drain(pods, draining, state)
+            draining = 0
         decision = decide(self.samples, self.policy, pods, self.clock())
         if decision.desired == pods:
-            self.record(decision, pods, 0)
+            self.record(decision, pods, 0, desired=(pods, 0))
             return decision
+        self.say(f"scale: {decision.reason}")
         if decision.desired > pods:
-            self.record(decision, pods, 0, acting=f"up {pods} -> {decision.desired}")
-            self.say(f"scale: {decision.reason}")
-            with self._renewing():
-                self.deployer.deploy(decision.desired, 0)
+            self.apply(decision, pods, decision.desired, 0, f"up {pods} -> {decision.desired}")
         else:
-            self.record(decision, pods, 0, acting=f"drain {pods} -> {decision.desired}")
-            self.say(f"scale: {decision.reason}")
-            with self._renewing():
-                self.deployer.deploy(decision.desired, pods - decision.desired)
+            self.apply(decision, pods, decision.desired, pods - decision.desired, f"drain {pods} -> {decision.desired}")
             self.finish_drain(decision.desired, pods - decision.desired, None)
         self.record(decision, decision.desired, 0)
-        self.hold()
         return decision
 
     def finish_drain(self, pods: int, draining: int, state: dict | None) -> None:
-        """Wait until the draining pods have no request in flight (or the timeout), then delete them."""
+        """Wait until the draining pods have no request in flight (or the timeout), then delete
+        them. Runs inside ``step``'s renewal: a drain's wait (up to 300 s) outlasts a lease."""
         deadline = time.monotonic() + self.drain_timeout_s
         quiet_since = None
         while True:
@@ -234,8 +297,8 @@ class Controller:
                          f"after {self.drain_timeout_s:g} s: deleting them anyway")
                 break
             self.sleep(0.5)
-        with self._renewing():
-            self.deployer.deploy(pods, 0)
+        self.apply(Decision(pods, f"{draining} pod(s) drained: deleting them", None), pods, pods, 0,
+                   f"delete {draining} drained")
         self.say(f"scale: {draining} pod(s) drained and deleted; {pods} serve")
 
     def run(self, interval_s: float, steps: int | None = None, stop: threading.Event | None = None) -> None:
@@ -246,9 +309,15 @@ class Controller:
             while steps is None or n < steps:
                 try:
                     self.step()
-                except Exception as err:  # noqa: BLE001 - an update failed; the cell serves as it was, the next pass retries
-                    self.unsettled = True
-                    self.say(f"scale: the update failed ({type(err).__name__}: {err}); retrying on the next pass")
+                except Exception as err:  # noqa: BLE001 - an update failed; the cell serves as it was, a later pass retries
+                    self.failures += 1
+                    wait = backoff_s(self.failures, self.backoff_s, self.backoff_max_s)
+                    self.retry_at = self.clock() + wait
+                    self.say(f"scale: the update failed ({type(err).__name__}: {err}); failure {self.failures} in a row: "
+                             f"the next update in {wait:g} s at the earliest")
+                else:
+                    if self.retry_at is not None and self.clock() >= self.retry_at:
+                        self.failures, self.retry_at = 0, None  # a pass that acted after the wait went through
                 n += 1
                 if stop.wait(interval_s):
                     break
@@ -265,24 +334,57 @@ def scale_values(raw_scale: dict | None) -> tuple[int, int]:
     return int(s.get("min", 1) if pods is None else pods), int(s.get("draining", 0) or 0)
 
 
-class PulumiDeployer:
-    """The cloud: ``pulumi.automation`` sets the two keys in the stack's config and runs ``pulumi up``."""
+def existing(total: int, routed: int | None) -> tuple[int, int]:
+    """(in rotation, draining) from the pods that exist and the live Worker's rotation (None:
+    unknown, all of them)."""
+    routed = total if routed is None else max(0, min(int(routed), total))
+    return routed, total - routed
 
-    def __init__(self, stack: str, work_dir: Path, say: Callable[[str], None] = print):
+
+def routed_of(client: CellClient | None) -> int | None:
+    """How many pods the live Worker routes to (``routed_pods``); None when it cannot be read."""
+    if client is None:
+        return None
+    try:
+        value = client.state().get("routed_pods")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+class PulumiDeployer:
+    """The cloud: ``pulumi.automation`` sets the two keys in the stack's config (the first
+    deploy's seed; the program reads the generation's count) and runs ``pulumi up`` as a scaling
+    step (``SCALE_STEP_ENV``)."""
+
+    def __init__(self, stack: str, work_dir: Path, say: Callable[[str], None] = print, client: CellClient | None = None):
         from pulumi import automation as auto  # the CLI must be installed; imported only here
 
         self.auto = auto
         self.stack = auto.select_stack(stack_name=stack, work_dir=str(work_dir))
         self.say = say
+        self.client = client
 
     def declared(self) -> tuple[int, int]:
-        value = self.stack.get_all_config().get("colocate:scale")
-        return scale_values(json.loads(value.value) if value else None)
+        """The pods the last completed update made (its ``podIds``), and the live Worker's rotation."""
+        ids = self.stack.outputs().get("podIds")
+        if ids is None:  # never deployed: what the config seeds
+            value = self.stack.get_all_config().get("colocate:scale")
+            return scale_values(json.loads(value.value) if value else None)
+        return existing(len(ids.value or []), routed_of(self.client))
 
     def deploy(self, pods: int, draining: int) -> None:
         self.stack.set_config("colocate:scale.pods", self.auto.ConfigValue(str(pods)), path=True)
         self.stack.set_config("colocate:scale.draining", self.auto.ConfigValue(str(draining)), path=True)
-        result = self.stack.up(on_output=lambda line: self.say(line.rstrip()))
+        before = os.environ.get(SCALE_STEP_ENV)
+        os.environ[SCALE_STEP_ENV] = "1"  # the CLI and the program it runs inherit it
+        try:
+            result = self.stack.up(on_output=lambda line: self.say(line.rstrip()))
+        finally:
+            if before is None:
+                os.environ.pop(SCALE_STEP_ENV, None)
+            else:
+                os.environ[SCALE_STEP_ENV] = before
         self.say(f"scale: pulumi up {result.summary.result}: {json.dumps(result.summary.resource_changes or {})}")
 
 

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+from .capacity import pod_capacity
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .errors import ConfigError, MissingSetting
 from .ledger import Ledger
@@ -43,7 +44,7 @@ POD_DEFAULTS = {
     "maxPricePerHr": 0.8,
     "cloud": "SECURE",
     "minReliability": 0.98,
-    "readyTimeoutS": 900,
+    "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/capacity.py BOOT_S)
     "computeMs": 95,
     "count": 1,
     "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
@@ -75,7 +76,8 @@ KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens
 # colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
 # pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
 # (declared, out of rotation until their requests finish); the owner writes the rest.
-SCALE_DEFAULTS = {"min": 1, "max": 2, "target": 60, "upAfterS": 120, "downAfterS": 900, "policy": "latency",
+# target: one pod's capacity, the knee of the default pod profile (colocate/capacity.py), not a guess.
+SCALE_DEFAULTS = {"min": 1, "max": 2, "target": pod_capacity(), "upAfterS": 120, "downAfterS": 900, "policy": "latency",
                   "pods": None, "draining": 0}
 SCALE_POLICIES = ("latency", "cost")
 
@@ -105,7 +107,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
     Key("scale", "object", {},
         "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, "
-        "target (requests per minute one pod serves within budget), upAfterS and downAfterS (how long demand must hold "
+        "target (requests per minute one pod serves within budget; default the pod profile's knee), upAfterS and "
+        "downAfterS (how long demand must hold "
         "before pods are added or removed), policy (latency: enough pods for the traffic; cost: a pod only while it costs "
         "less than colocate:fallbackPrice for the same tokens); pods and draining are written by scripts/scale.py."),
     Key("zone", "object", {},

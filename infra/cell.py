@@ -296,8 +296,10 @@ class Cell(pulumi.ComponentResource):
         # measured truth. Re-runs whenever the Worker or any pod changes.
         self.probe = local.Command(
             f"{name}-probe",
-            create=pulumi.Output.all(pulumi.Output.from_input(self.placement_host), *pod_infos).apply(
-                lambda args: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in args[1:]], args[0])])),
+            create=pulumi.Output.all(pulumi.Output.from_input(self.placement_host),
+                                     self.hop.not_after() if self.hop is not None else None, *pod_infos).apply(
+                lambda args: " ".join([PYTHON, *plan.probe.argv(w.url, [p["location"] for p in args[2:]], args[0],
+                                                                 hop_not_after=args[1] or None)])),
             environment=probe_env,
             triggers=[w.content_hash(), bindings_text, json.dumps(w.placement, sort_keys=True),
                       *[c.stdout for c in self.pod_waits]],

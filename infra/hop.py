@@ -53,6 +53,7 @@ class HopCredentials:
         self.name, self.plan = name, plan
         self.suffix = resource_suffix(plan.pod_settings.renewal if plan.pod_settings else 0)
         self.opts = pulumi.ResourceOptions(parent=parent)
+        self.leaf_ends: list[pulumi.Output[str]] = []  # every leaf's validity_end_time (RFC 3339)
         self.ca_key = self._key(f"{name}-hop-ca-key")
         self.ca = tls.SelfSignedCert(
             f"{name}-hop-ca{self.suffix}",
@@ -126,7 +127,12 @@ class HopCredentials:
             early_renewal_hours=EARLY_RENEWAL_HOURS,
             opts=self.opts,
         )
+        self.leaf_ends.append(cert.validity_end_time)
         return key, cert
+
+    def not_after(self) -> pulumi.Output[str]:
+        """The earliest end of the hop's leaves (colocate/certexpiry.py warns and fails before it)."""
+        return pulumi.Output.all(*self.leaf_ends).apply(lambda ends: min((e for e in ends if e), default=""))
 
     def pod(self, pod: PodPlan) -> tuple[dict[str, pulumi.Output[str]], pulumi.Output[str]]:
         """Pod ``pod``'s certificate: (scripts/pod.py's environment for it, the certificate's fingerprint)."""

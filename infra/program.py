@@ -7,18 +7,25 @@ before any resource is declared.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pulumi
+import pulumi_cloudflare as cloudflare
 
-from colocate import fleet, outputs
+from colocate import fleet, outputs, preflight as preflight_mod, scaler
 from colocate.errors import ConfigError
-from colocate.plan import PATH_LOCAL_HOSTNAME, PLACEMENT_POD, CellPlan, plan_cell
-from colocate.settings import NS, PROVIDER_SECRET, Settings, parse
+from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell
+from colocate.scaler import SCALE_STEP_ENV
+from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse
 
 from . import fleet as fleet_program
 from .cell import Cell, CellArgs
 from .errors import ProgramError
-from .stackconfig import check_zone, live_migration_tag, raw_config, require_api_token
+from .stackconfig import TOKEN_KEY, check_zone, field, live_migration_tag, raw_config, require_api_token
+
+PREFLIGHT_ENV = "COLOCATE_PREFLIGHT"  # "off" skips the token check (to debug the check itself)
+SCALE_FROM_ENV = "COLOCATE_SCALE_FROM"  # "stack": apply the stack file's scale.pods, not the generation's
+WORKER_URL_ENV = "COLOCATE_WORKER_URL"  # where the live Worker is read (tests: a local one; default the plan's URL)
 
 
 def load_settings() -> tuple[Settings, dict[str, pulumi.Output[str]]]:
@@ -35,10 +42,18 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     settings, secrets = load_settings()
     if settings.zone is not None:
         check_zone(settings.zone)
+    tag = live_migration_tag(settings.account_id, settings.worker.name)
     try:
-        cell_plan = plan_cell(settings, live_migration_tag=live_migration_tag(settings.account_id, settings.worker.name))
+        cell_plan = plan_cell(settings, live_migration_tag=tag)
+        if settings.scale is not None:
+            scale = live_scale(settings, cell_plan)
+            if scale != settings.scale:
+                settings = replace(settings, scale=scale, pod=replace(settings.pod, count=scale.declared))
+                cell_plan = plan_cell(settings, live_migration_tag=tag)
     except ConfigError as err:
         raise ProgramError(str(err)) from None
+    if os.environ.get(SCALE_STEP_ENV) == "1":  # the scaling controller's update: a softened probe
+        cell_plan = replace(cell_plan, probe=replace(cell_plan.probe, step=True))
     if cell_plan.worker.placement_mode == PLACEMENT_POD and cell_plan.pod_path == PATH_LOCAL_HOSTNAME:
         # The plan lets the sandbox place by its stand-in (localhost); a deployed Worker
         # would have Cloudflare probe "localhost", which is no place at all.
@@ -52,6 +67,85 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     if settings.credential_warning:
         pulumi.log.warn(settings.credential_warning)
     return cell_plan, secrets
+
+
+def script_exists(account_id: str, script: str) -> bool:
+    """Whether Cloudflare has the Worker (cloudflare:index/getWorkersScripts, as live_migration_tag)."""
+    found = cloudflare.get_workers_scripts(account_id=account_id)
+    return any(field(entry, "id") == script for entry in found.results or [])
+
+
+def live_scale(settings: Settings, cell_plan: CellPlan) -> ScaleSettings:
+    """The pod count to declare: the one the scaling controller recorded in the live generation
+    (``desired`` of ``GET /_colocate/scale``), which any checkout's ``pulumi up`` reads, so none
+    applies a stale stack file (deleting the controller's pods undrained, or undoing a drain).
+    The stack file's ``scale.pods``/``.draining`` count only where no controller recorded one:
+    before the Worker exists (a first deploy) or in a generation it has not written yet. A
+    Worker that exists but cannot be read stops the update: guessing could delete serving pods."""
+    scale = settings.scale
+    assert scale is not None
+    if os.environ.get(SCALE_FROM_ENV) == "stack":
+        pulumi.log.warn(f"{SCALE_FROM_ENV}=stack: applying the stack file's colocate:scale.pods {scale.pods} and "
+                        f".draining {scale.draining}, not the count the scaling controller recorded")
+        return scale
+    override = os.environ.get(WORKER_URL_ENV)
+    if override is None and _under_mocks():
+        return scale
+    if override is None and not script_exists(settings.account_id, cell_plan.worker.script_name):
+        return scale  # a first deploy: nothing recorded anywhere yet
+    url = (override or cell_plan.worker.url).rstrip("/")
+    token = pulumi.runtime.get_config(f"{NS}:readToken") or ""
+    try:
+        state = scaler.CellClient(url, token).state()
+    except (OSError, ValueError) as err:
+        raise ProgramError(
+            f"{NS}:scale: the scaling controller's pod count could not be read from {url}/_colocate/scale ({err}); "
+            f"applying the stack file's {scale.pods}+{scale.draining} could delete pods that serve, undrained. Fix: check "
+            f"that the Worker answers (.venv/bin/python scripts/probe.py {url}), or, knowing no controller runs, "
+            f"{SCALE_FROM_ENV}=stack pulumi up") from None
+    desired = scaler.desired_of(state)
+    if desired is None:
+        return scale
+    pods = min(max(desired[0], scale.min), scale.max)
+    draining = max(0, min(desired[1], MAX_PODS - pods))
+    if (pods, draining) != (scale.pods, scale.draining):
+        pulumi.log.info(f"{NS}:scale: {pods} pod(s) in rotation and {draining} draining, as the scaling controller "
+                        f"recorded in generation {state.get('generation')} (the stack file says {scale.pods}+"
+                        f"{scale.draining})")
+    return replace(scale, pods=pods, draining=draining)
+
+
+def _under_mocks() -> bool:
+    """Whether the program runs under ``pulumi.runtime.set_mocks`` (the tests), not an engine."""
+    monitor = getattr(pulumi.runtime.settings.SETTINGS, "monitor", None)
+    return type(monitor).__name__ == "MockMonitor"
+
+
+def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
+    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls,
+                               trust_store=cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS)
+
+
+def preflight(cell_plan: CellPlan) -> None:
+    """The token's permissions and the zone's features, before any resource (a pod first of all)
+    is declared, in preview and up alike (colocate/preflight.py). Under the test mocks it runs
+    only against a server named by CLOUDFLARE_API_BASE."""
+    if os.environ.get(PREFLIGHT_ENV, "").lower() == "off":
+        pulumi.log.warn(f"{PREFLIGHT_ENV}=off: the Cloudflare token's permissions are not checked before pods are rented")
+        return
+    base = os.environ.get(preflight_mod.BASE_ENV)
+    if base is None and _under_mocks():
+        return
+    base = base or preflight_mod.API_BASE
+    token = pulumi.runtime.get_config(TOKEN_KEY) or os.environ.get("CLOUDFLARE_API_TOKEN", "")
+    get = preflight_mod.http_get(base, token)
+    try:
+        problems = preflight_mod.check(shape_of(cell_plan), cell_plan.worker.account_id, cell_plan.worker.zone_id, get)
+    except OSError as err:
+        raise ProgramError(f"preflight: Cloudflare's API ({base}) could not be read to check the token's permissions "
+                           f"({err}). Fix: check the network and run again; {PREFLIGHT_ENV}=off skips the check") from None
+    if problems:
+        raise ProgramError(preflight_mod.message(problems))
 
 
 def require_https(url: str) -> str:
@@ -81,6 +175,7 @@ def main() -> dict[str, pulumi.Input]:
     if is_fleet_stack():
         return fleet_program.main()
     cell_plan, secrets = plan()
+    preflight(cell_plan)
     secrets = {**secrets, "fallbackUrl": secrets["fallbackUrl"].apply(require_https)}
     pod_env = {}
     key_name, env_name = PROVIDER_SECRET.get(cell_plan.pod_settings.provider, (None, None))
@@ -118,6 +213,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.REGION: cell_plan.region.name,  # what a fleet stack reads
         outputs.ACCOUNT_ID: cell_plan.worker.account_id,
         outputs.BUDGET_E2E_MS: cell_plan.probe.budgets.get("e2e"),
+        outputs.HOP_NOT_AFTER: cell.hop.not_after() if cell.hop is not None else None,
     }
     for key, value in exports.items():
         pulumi.export(key, value)

@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 
 from colocate import (  # noqa: E402
     admin,
+    capacity,
     cost,
     outputs as names,  # noqa: E402
     settings,
@@ -63,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-per-hr", type=float, metavar="USD", help="the pods' $/hr together (default: podsCostPerHr)")
     p.add_argument("--hours", type=float, metavar="H", help="hours the pods ran in the window (default: the window's)")
     p.add_argument("--capacity-rpm", type=float, metavar="N",
-                   help="requests per minute one pod can serve (measure it, e.g. make bench); gives the utilisation")
+                   help="requests per minute one pod can serve; gives the utilisation (default: the knee of the "
+                        "default pod profile, colocate/capacity.py; measure yours with make bench-pod)")
     p.add_argument(
         "--price", metavar="IN,OUT", help="the fallback's $ per 1M input,output tokens (default: colocate:fallbackPrice)"
     )
@@ -201,8 +203,13 @@ def _run(args: argparse.Namespace) -> int:
                             f"pass --cost-per-hr USD (the stack's {names.PODS_COST_PER_HR} output) or --stack S")
     # A window shorter than the days asked (a sandbox up for minutes): volumes per day of what ran.
     span_days = min(days, hours / 24) if hours > 0 else days
+    capacity_rpm = args.capacity_rpm
+    if capacity_rpm is None:  # a pod's capacity from its profile's knee, not a guess
+        knee, where = capacity.knee_rps()
+        capacity_rpm = round(knee * 60, 1)
+        notes.append(f"capacity {capacity_rpm:g} req/min a pod: {where}; pass --capacity-rpm for your own pods")
     r = cost.report(rows, cost_per_hr=cost_per_hr, hours=hours, window_days=span_days or days, price=price,
-                    cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=args.capacity_rpm, today=today,
+                    cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=capacity_rpm, today=today,
                     caps=caps)
     r.notes[:0] = notes
     if args.json:

@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
                         "runs at pod 0 (default: the stack's placementMode output)")
     p.add_argument("--placement-host", metavar="HOST:PORT",
                    help="pod mode: the address Cloudflare places by (default: the stack's placementHost output)")
+    p.add_argument("--hop-not-after", metavar="RFC3339",
+                   help="when the pod hop's earliest certificate ends: a warning 30 days ahead, a failed check 7 days "
+                        "ahead (default: the stack's hopCertsNotAfter output; colocate/certexpiry.py)")
     p.add_argument("--model", help="model for the routed request (default: the first of GET /v1/models)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
@@ -156,6 +159,7 @@ def _probe(args: argparse.Namespace) -> int:
     mint_token = os.environ.get(admin.TOKEN_ENVS["admin"])  # only to mint the routed samples' key
     pod_path, samples, worker_placement = args.pod_path, args.samples, args.placement_mode
     placement_host = args.placement_host
+    hop_not_after = args.hop_not_after
     cell = _sandbox_cell(args)
     if cell is not None:  # a running sandbox: its files say what a deployed stack's outputs say
         cfg, region, budget_list = _from_stack(args, region, budget_list, cell)
@@ -175,6 +179,7 @@ def _probe(args: argparse.Namespace) -> int:
             mint_token = mint_token or out.admin_token
             worker_placement = worker_placement or out.placement_mode
             placement_host = placement_host or out.placement_host
+            hop_not_after = hop_not_after or out.hop_not_after
             if not locations:
                 locations = list(out.pod_locations) or ([out.pod_location] if out.pod_location else [])
         if not worker_placement and pod_path:  # not given, or a stack deployed before placementMode: its config says
@@ -216,8 +221,29 @@ def _probe(args: argparse.Namespace) -> int:
               f"the new placement yet. Check again in a few minutes: .venv/bin/python scripts/probe.py "
               f"{f'--stack {args.stack}' if args.stack else url}",
               file=sys.stderr)
-    return _emit(args, report.table(result), report.to_json(result, args.warn_only),
-                 result.ok or result.provisional, plot)
+    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, report.table(result),
+                                             report.to_json(result, args.warn_only))
+    return _emit(args, table, doc, (result.ok or result.provisional) and certs_ok, plot)
+
+
+def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc: dict) -> tuple[str, dict, bool]:
+    """The hop certificates' verdict (colocate/certexpiry.py) added to the table and the JSON;
+    False when they end within FAIL_DAYS (the check fails, as a budget does)."""
+    if not not_after:
+        return table, doc, True
+    from datetime import UTC, datetime
+
+    from colocate import certexpiry
+
+    try:
+        verdict = certexpiry.check(not_after, datetime.now(UTC), stack)
+    except ValueError:
+        raise UsageError("--hop-not-after", not_after, "is not an RFC 3339 time", "e.g. 2027-03-06T06:00:00Z") from None
+    doc = {**doc, "hop_certificates": verdict.as_json()}
+    mark = {certexpiry.OK: "ok", certexpiry.WARN: "WARN", certexpiry.FAIL: "FAIL"}[verdict.level]
+    if verdict.level != certexpiry.OK:
+        print(f"probe: {verdict.message}", file=sys.stderr)
+    return table + f"hop certificates: {mark}: {verdict.message}\n", doc, verdict.level != certexpiry.FAIL
 
 
 def _emit(args: argparse.Namespace, table: str, doc: dict, ok: bool, plot) -> int:
@@ -371,6 +397,7 @@ def _live(args: argparse.Namespace) -> int:
     region = catalogue.region(args.expect_region, key="--expect-region") if args.expect_region else None
     url, token = args.url, args.token or admin.token_from_env(os.environ, "read")
     locations, worker_placement = list(args.pod_location), None
+    hop_not_after = args.hop_not_after
     cell = _sandbox_cell(args)
     if cell is not None:
         cfg, region, budget_list = _from_stack(args, region, budget_list, cell)
@@ -382,9 +409,10 @@ def _live(args: argparse.Namespace) -> int:
     elif args.stack:
         cfg, region, budget_list = _from_stack(args, region, budget_list)
         worker_placement = cfg.worker_placement
-        if not (url and token):
+        if not (url and token and hop_not_after):
             out = _deployed_outputs(args.stack)
             url, token = url or out.worker_url, token or out.read_token
+            hop_not_after = hop_not_after or out.hop_not_after
             locations = locations or list(out.pod_locations) or ([out.pod_location] if out.pod_location else [])
     if not url:
         raise UsageError("URL", None, "no Worker URL", "give it as the first argument, or --stack S")
@@ -397,7 +425,8 @@ def _live(args: argparse.Namespace) -> int:
     body = live.to_json(result, args.warn_only)
     if scale_doc is not None:
         body["scale"] = scale_doc
-    return _emit(args, live.table(result) + scale_line, body, result.ok, lambda path: live.write_plot(result, path))
+    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, live.table(result) + scale_line, body)
+    return _emit(args, table, body, result.ok and certs_ok, lambda path: live.write_plot(result, path))
 
 
 def _fetch_scale(url: str, token: str, timeout_s: float) -> dict | None:

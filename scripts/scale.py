@@ -71,7 +71,9 @@ def cell_of(args, stacks_dir: Path):
     cost = outs.get("podsCostPerHr")
     ids = outs.get("podIds")
     per_pod = cost.value / len(ids.value) if cost and cost.value and ids and ids.value else None
-    return CellClient(url.value, token), deployer, per_pod
+    client = CellClient(url.value, token)
+    deployer.client = client  # what exists: the pods of the last update and the live Worker's rotation
+    return client, deployer, per_pod
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"scale.py: the cell cannot be read: {err}", file=sys.stderr)
             return 1
         pods, draining = deployer.declared()
-        print(json.dumps({"declared": {"pods": pods, "draining": draining}, "decision": state.get("decision"),
+        print(json.dumps({"declared": {"pods": pods, "draining": draining}, "desired": state.get("desired"),
+                          "decision": state.get("decision"),
                           "lock": state.get("lock"), "inflight": state.get("inflight"), "backends": state.get("backends")},
                          indent=2))
         return 0

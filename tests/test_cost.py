@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from colocate import cost, settings
+from colocate import capacity, cost, settings
 from colocate.errors import ConfigError
 from scripts import cost as cli
 from tests.support.workerd import SECRETS, chat, running_cell
@@ -137,6 +137,9 @@ def test_cli_reads_the_routers_usage(cell, capsys, monkeypatch, tmp_path):
     assert doc["pods_cost"] == pytest.approx(12.0) and doc["fallback_price_per_m"] == {"input": 0.15, "output": 0.6}
     assert doc["break_even_tokens_per_day"] == pytest.approx(12 / doc["blended_price_per_m"] * 1e6, rel=1e-3)
     assert (tmp_path / "c.png").exists()
+    # a pod's capacity is the default profile's knee unless given (colocate/capacity.py), and said so
+    assert doc["capacity_rpm"] == capacity.pod_capacity() and doc["utilisation"] is not None
+    assert any("rtx4090-qwen2.5-7b-int4" in n for n in doc["notes"])
     code, out, _ = _run(capsys, "--url", cell.url, "--cost-per-hr", "0.5", "--since", "1d")
     assert code == 0 and "served by pods" in out and "set colocate:fallbackPrice" in out
 

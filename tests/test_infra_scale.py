@@ -51,3 +51,92 @@ def test_the_draining_pod_is_the_last_one_and_keeps_its_name():
     draining, urls, _ = deploy(1, 1)
     assert draining["us-east-pod-1"]["stdin"] == serving["us-east-pod-1"]["stdin"]
     assert urls == ["https://pod-123-8000.proxy.runpod.net"]
+
+
+# --- one source of truth: the generation's desired count, read by every `pulumi up` ---
+
+class FakeWorker:
+    """GET /_colocate/scale as the Worker answers it (admin.js scaleState), with a read token."""
+
+    def __init__(self, desired, status=200):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake = self
+        self.desired, self.status, self.auth = desired, status, []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                fake.auth.append(self.headers.get("authorization"))
+                body = json.dumps({"generation": "us-east.g2", "routed_pods": 1, "backends": {}, "inflight": {},
+                                   "desired": fake.desired}).encode()
+                self.send_response(fake.status if self.path == "/_colocate/scale" else 404)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def deploy_from(monkeypatch, worker, pods=1, draining=0, env=None):
+    monkeypatch.setenv("COLOCATE_WORKER_URL", worker.url)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    return deploy(pods, draining)
+
+
+def test_an_up_from_any_checkout_applies_the_generations_count_not_its_stack_file(monkeypatch):
+    """The stack file of another checkout says 3 pods; the controller drained to 1 + 1 leaving: that is what is declared."""
+    worker = FakeWorker({"pods": 1, "draining": 1, "owner": "c1", "at": 1})
+    try:
+        commands, urls, _ = deploy_from(monkeypatch, worker, pods=3)
+    finally:
+        worker.close()
+    assert sorted(commands) == ["us-east-pod-0", "us-east-pod-1"] and len(urls) == 1  # pod 1 drains, pod 2 is gone
+    assert worker.auth == ["Bearer read-token-s3cret"]  # the read token: GET needs no more
+
+
+def test_without_a_recorded_count_the_stack_file_seeds_it(monkeypatch):
+    worker = FakeWorker(None)  # a generation no controller wrote yet (a new one after a migration, say)
+    try:
+        commands, urls, _ = deploy_from(monkeypatch, worker, pods=2)
+    finally:
+        worker.close()
+    assert sorted(commands) == ["us-east-pod-0", "us-east-pod-1"] and len(urls) == 2
+
+
+def test_a_worker_that_cannot_be_read_stops_the_update_and_names_the_way_out(monkeypatch):
+    import pulumi
+    import pytest
+
+    worker = FakeWorker(None, status=503)
+    try:
+        with pytest.raises(pulumi.RunError) as err:
+            deploy_from(monkeypatch, worker, pods=2)
+        msg = str(err.value)
+        assert "colocate:scale" in msg and "could delete pods that serve" in msg and "COLOCATE_SCALE_FROM=stack" in msg
+        commands, _, _ = deploy_from(monkeypatch, worker, pods=2, env={"COLOCATE_SCALE_FROM": "stack"})
+        assert len(commands) == 2
+    finally:
+        worker.close()
+
+
+def test_a_scaling_steps_probe_reports_and_cannot_fail_the_step(monkeypatch):
+    monkeypatch.setenv("COLOCATE_SCALE_STEP", "1")
+    _, _, run = deploy(1, 0)
+    probe = next(r.inputs["create"] for r in run.mocks.of_type(COMMAND) if "probe.py" in r.inputs.get("create", ""))
+    assert "--warn-only" in probe and "--settle" not in probe and "--wait" not in probe
+    monkeypatch.delenv("COLOCATE_SCALE_STEP")
+    _, _, run = deploy(1, 0)
+    probe = next(r.inputs["create"] for r in run.mocks.of_type(COMMAND) if "probe.py" in r.inputs.get("create", ""))
+    assert "--wait" in probe

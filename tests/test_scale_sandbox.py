@@ -209,3 +209,20 @@ def test_a_controller_killed_mid_change_leaves_the_cell_serving_and_nothing_orph
     assert SandboxDeployer("sandbox", cell["state_dir"]).declared() == (1, 0)
     assert poll(lambda: alive(pod1), lambda a: not a, timeout_s=10) is False
     assert chat(cell)[0] == 200
+
+
+def test_the_desired_count_is_the_lock_holders_and_bounded(cell):
+    """Last in this file: it leaves a desired count recorded. Only the holder writes it, 0 to 8 pods in all."""
+    a, b = cell["client"], CellClient(cell["ready"]["worker_url"], cell["ready"]["token"])
+    assert a.lock("a", 30)[0]
+    decision = {"desired": 1, "running": 1, "reason": "test"}
+    assert not b.record("b", decision, (2, 0))
+    assert a.record("a", decision, (1, 1))
+    desired = cell["client"].state()["desired"]
+    assert (desired["pods"], desired["draining"], desired["owner"]) == (1, 1, "a")
+    for bad in ({"pods": 9, "draining": 0}, {"pods": 5, "draining": 4}, {"pods": -1, "draining": 0}, {"pods": "2"}):
+        r = request(cell["ready"]["worker_url"], "POST", "/_colocate/scale",
+                    {"owner": "a", "decision": decision, "desired": bad},
+                    {"authorization": f"Bearer {cell['ready']['token']}"})
+        assert r.status == 400 and b"invalid_desired" in r.body, bad
+    a.lock("a", 0, release=True)

@@ -30,6 +30,7 @@ class StackOutputs:
     placement_mode: str | None = None  # placementMode: pod | targeted | smart
     placement_host: str | None = None  # placementHost: pod mode's host:port
     admin_token: str | None = None  # adminToken (an older stack's probeToken)
+    hop_not_after: str | None = None  # hopCertsNotAfter: the pod hop's earliest certificate end (mutual TLS)
 
     def __repr__(self) -> str:  # never print the token
         return (f"StackOutputs(worker_url={self.worker_url!r}, pod_location={self.pod_location!r}, "
@@ -67,7 +68,7 @@ def read_outputs(stack: str, cwd: Path = stackfile.ROOT, pulumi: str = "pulumi")
     legacy = text(names.PROBE_TOKEN)  # a stack deployed by the release before the split credentials
     return StackOutputs(text(names.WORKER_URL), text(names.READ_TOKEN) or legacy, text(names.POD_LOCATION),
                         locations, text(names.POD_PATH), text(names.PLACEMENT_MODE), text(names.PLACEMENT_HOST),
-                        text(names.ADMIN_TOKEN) or legacy)
+                        text(names.ADMIN_TOKEN) or legacy, text(names.HOP_NOT_AFTER))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ Each cell's users send the day's shape in their local time (peaks hours apart), 
 compressed into ``day_s`` seconds; each cell has its own controller, the kit's
 ``colocate.scaler.Controller``, driving its pods through the sandbox's apply
 (``SandboxDeployer``), with a clock that runs at the day's speed. A pod's boot is compressed
-with the day: ``BOOT_S`` of the day before the apply that creates it, billed from then.
+with the day: ``BOOT_S`` of the day (a real pod's 20 minutes, ``colocate/capacity.py``) before
+the apply that creates it, billed from then. A pod serves ``TARGET_RPM``, the knee of the default
+pod profile (``capacity.pod_capacity``), not a guess.
 
 Before the day each cell answers ``WARMUP`` requests at its own address, as a cell that ran
 yesterday has: the cost policy prices its deferred users at what its requests carried.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import requests
 
-from .. import autoscale_day as day, settings as settings_mod, stackfile
+from .. import autoscale_day as day, capacity, settings as settings_mod, stackfile
 from ..errors import ConfigError
 from ..scaler import CellClient, Controller, policy_of
 from . import fleet, supervisor
@@ -43,15 +45,16 @@ UTC_OFFSET = {"apac-jp": 9, "eu-west": 1, "us-east": -5}  # the cells' local tim
 DAY_S = 150.0  # the day, compressed: 1 hour = 6.25 s
 SENT = 900  # requests sent over the day (about 6 a second on this 2-core machine)
 MAX_PODS = 2
-TARGET_RPM = 300.0  # what one stand-in pod is taken to serve within the budget, requests/minute of the day
+TARGET_RPM = capacity.pod_capacity()  # one pod's knee (default profile), requests/minute of the day
 PRICES = day.Prices(pod_per_hr=0.60, api_per_1m=0.30)
 UP_AFTER_S, DOWN_AFTER_S = 1800, 3600  # of the day
 INTERVAL_S = 1800.0  # of the day between controller passes
 STALE_AFTER_S = 4 * 3600.0  # of the day: a pass blocked in an apply (seconds here, hours of the day) is no outage
-BOOT_S = 600.0  # of the day: image pull and model load, before the apply that creates the pod
+BOOT_S = float(capacity.BOOT_S)  # of the day: a real pod's image pull and model load, before the apply creates it
 DRAIN_S = 1800.0  # of the day: the longest a draining pod's requests may take before it is deleted anyway
 REMEMBER_MS = 300  # the front door passes over a cell without pods for this long (wall ms; 5000 in the stack)
 WARMUP = 3
+WARMUP_S = 30.0  # wall seconds a cell's warm-up may keep failing before the demo gives up
 WORKERS_PER_SITE = 8
 # ~1,290 characters of prompt: the stand-in counts four a token, so a request carries ~330 tokens.
 BODY = {"model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "max_tokens": 16,
@@ -158,6 +161,8 @@ class Demo:
         self.served: list[day.Served] = []
         self.errors: list[str] = []
         self.out: dict = {}
+        self.measured: dict | None = None  # the day's figures, once the day ran
+        self.failure: str | None = None  # why the day was not measured
 
     # --- before the day -----------------------------------------------------------------------
 
@@ -183,6 +188,10 @@ class Demo:
                 "scale": {"min": 0, "max": MAX_PODS, "target": TARGET_RPM / self.per, "upAfterS": UP_AFTER_S,
                           "downAfterS": DOWN_AFTER_S, "policy": "cost", "pods": self.initial_pods(cell)},
                 "fallbackPrice": {"input": self.prices.api_per_1m, "output": self.prices.api_per_1m},
+                # Every site's users share the fleet's one key, and the front door sends a cell without
+                # pods' users to another cell: one cell may hold every site's requests at once. The
+                # key's in-flight limit (8 a cell by default) is not what this day measures.
+                "keys": {"defaults": {"maxParallel": len(CELLS) * WORKERS_PER_SITE}},
             }, self.stacks_dir)
 
     def budget(self, cell: str) -> float:
@@ -206,13 +215,21 @@ class Demo:
         return json.loads((Path(state_dir) / READY_FILE).read_text())
 
     def warm_up(self) -> None:
+        """WARMUP answered requests per cell; one that fails is sent again for up to WARMUP_S (a
+        cell just up may still be swapping its Worker), then the failure is named with its reason."""
         session = requests.Session()
         for cell in CELLS:
             url = self.ready(cell)["worker_url"]
-            for _ in range(WARMUP):
+            deadline = time.monotonic() + WARMUP_S
+            answered = 0
+            while answered < WARMUP:
                 s, _ = _one(session, url, self.out["key"], 0.0, cell, time.monotonic())
-                if not s.ok:
-                    raise SandboxError(f"warm-up request to {cell} failed: {s.backend}")
+                if s.ok:
+                    answered += 1
+                elif time.monotonic() > deadline:
+                    raise SandboxError(f"warm-up request to {cell} ({url}) failed for {WARMUP_S:g} s: {s.why}")
+                else:
+                    time.sleep(0.5)
 
     def controller(self, cell: str) -> Controller:
         ready = self.ready(cell)
@@ -337,20 +354,34 @@ def run(state_dir: Path | None = None, *, shape_file: Path | None = None, prices
                  else day.default_shape(CELLS))
         price = day.parse_prices(prices) if prices else PRICES
     except OSError as exc:
-        print(f"demo-autoscale: --shape {shape_file}: {exc.strerror}. Fix: give a CSV file of "
-              f"cell,hour,requests_per_minute", file=sys.stderr)
-        return 2
+        return _refused(f"--shape {shape_file}: {exc.strerror}. Fix: give a CSV file of cell,hour,requests_per_minute",
+                        as_json)
     except ConfigError as exc:
-        print(f"demo-autoscale: {exc}", file=sys.stderr)
-        return 2
+        return _refused(str(exc), as_json)
     demo = Demo(state_dir or supervisor.default_state_dir("demo-autoscale"), shape, price, day_s, sent)
-    # With --json only the JSON goes to stdout; the story goes to stderr.
+    # With --json only the JSON goes to stdout; the story goes to stderr. A day that was measured
+    # prints its JSON whatever fails after it (the plot, stopping the fleet): a run of
+    # `--shape F --json` right after a plain one once ended in a traceback and no JSON.
     real_stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):
-        code, out = _run(demo)
-    if as_json and out is not None:
-        print(json.dumps(out), file=real_stdout, flush=True)
+        try:
+            code, out = _run(demo)
+        except Exception as exc:  # noqa: BLE001 - said, with the measured day's figures if there are any
+            print(f"demo-autoscale: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            code, out = 1, demo.measured
+            demo.failure = demo.failure or f"{type(exc).__name__}: {exc}"
+    if as_json:  # one JSON object, always: the day's figures, or why there are none
+        print(json.dumps(out if out is not None else {"error": demo.failure or "the day was not measured"}),
+              file=real_stdout, flush=True)
     return code
+
+
+def _refused(why: str, as_json: bool) -> int:
+    """Bad input: exit 2 with the reason on stderr (and, with --json, as the one JSON object)."""
+    print(f"demo-autoscale: {why}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": why}), flush=True)
+    return 2
 
 
 def _run(demo: Demo) -> tuple[int, dict | None]:
@@ -370,7 +401,7 @@ def _run(demo: Demo) -> tuple[int, dict | None]:
         demo.warm_up()
         say("The day (UTC hours; each controller's decisions as they happen).")
         demo.run_day()
-        out = demo.report()
+        out = demo.measured = demo.report()
         say("The day's bill ($), and who served its requests.")
         print(demo.table(out))
         cost = out["cost"]
@@ -386,8 +417,11 @@ def _run(demo: Demo) -> tuple[int, dict | None]:
         verdicts = day.verdicts(out)
         for ok, text in verdicts:
             print(f"    {'PASS' if ok else 'FAIL'}  {text}")
-        png = demo.plot(demo.state_dir / "demo-autoscale.png", out)
-        print(f"\n    plot: {png}")
+        try:
+            png = demo.plot(demo.state_dir / "demo-autoscale.png", out)
+            print(f"\n    plot: {png}")
+        except Exception as exc:  # noqa: BLE001 - a plot that cannot be drawn costs the picture, not the day
+            print(f"\n    plot: not drawn ({type(exc).__name__}: {exc})")
         print(f"\n    {out['requests']} requests, {out['failed']} failed")
         for s in [s for s in demo.served if not s.ok][:10]:  # what a failure was, not only that it was
             print(f"      failed: {s.at_h:.1f} h from {s.home}, cell {s.cell or '-'}, backend {s.backend or '-'}, "
@@ -396,8 +430,13 @@ def _run(demo: Demo) -> tuple[int, dict | None]:
         return (0 if out["failed"] == 0 else 1), out
     except (ConfigError, SandboxError) as exc:
         print(f"demo-autoscale: {exc}", file=sys.stderr)
+        demo.failure = str(exc)
         return 2, None
     finally:
-        with fleet.deferred_signals():
-            fleet.down(demo.fleet_dir)
-        print(f"\n    fleet stopped; its state is kept in {demo.state_dir}", flush=True)
+        try:
+            with fleet.deferred_signals():
+                fleet.down(demo.fleet_dir)
+            print(f"\n    fleet stopped; its state is kept in {demo.state_dir}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - said; the day's figures are printed anyway
+            print(f"\n    the fleet could not be stopped ({type(exc).__name__}: {exc}): .venv/bin/python "
+                  f"scripts/sandbox.py down --state-dir {demo.fleet_dir}", flush=True)

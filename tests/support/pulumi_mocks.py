@@ -51,6 +51,9 @@ def mock_pem(kind: str, name: str) -> str:
     return f"-----BEGIN {kind}-----\n{name}\n-----END {kind}-----\n"
 
 
+MOCK_NOT_AFTER = "2027-03-06T06:00:00Z"  # what pulumi-tls computes from validity_period_hours at create
+
+
 def tls_outputs(typ: str, name: str) -> dict:
     """What pulumi-tls's resources compute: keys, a request, certificates, each naming its resource."""
     if typ == "tls:index/privateKey:PrivateKey":
@@ -59,7 +62,7 @@ def tls_outputs(typ: str, name: str) -> dict:
     if typ == "tls:index/certRequest:CertRequest":
         return {"certRequestPem": mock_pem("CERTIFICATE REQUEST", name)}
     if typ in ("tls:index/selfSignedCert:SelfSignedCert", "tls:index/locallySignedCert:LocallySignedCert"):
-        return {"certPem": mock_pem("CERTIFICATE", name)}
+        return {"certPem": mock_pem("CERTIFICATE", name), "validityEndTime": MOCK_NOT_AFTER}
     return {}
 
 

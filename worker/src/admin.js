@@ -449,7 +449,13 @@ async function scaleLock(request, env, cfg) {
   return jsonResponse(res.granted ? 200 : 409, res, noStore);
 }
 
-/** {owner, decision: {desired, running, reason, ...}}: recorded only for the lock's holder (409 otherwise). */
+const MAX_SCALE_PODS = 8; // colocate/settings.py MAX_PODS
+
+/**
+ * {owner, decision: {desired, running, reason, ...}, desired?: {pods, draining}}: recorded only
+ * for the lock's holder (409 otherwise). `desired` is the count every `pulumi up` applies
+ * (infra/program.py reads it back from GET /_colocate/scale).
+ */
 async function scaleRecord(request, env, cfg) {
   const body = await jsonBody(request);
   const owner = ownerOf(body);
@@ -458,6 +464,13 @@ async function scaleRecord(request, env, cfg) {
       || d.reason.length > 500) {
     throw new HttpError(400, "invalid_decision", "decision must be {desired: int, running: int, reason: text up to 500 characters, ...}");
   }
-  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg));
+  const want = body.desired;
+  const count = (n) => Number.isInteger(n) && n >= 0 && n <= MAX_SCALE_PODS;
+  if (want !== undefined && (!want || typeof want !== "object" || !count(want.pods) || !count(want.draining)
+      || want.pods + want.draining > MAX_SCALE_PODS)) {
+    throw new HttpError(400, "invalid_desired", `desired must be {pods: int, draining: int}, together 0 to ${MAX_SCALE_PODS}`);
+  }
+  const desired = want === undefined ? null : { pods: want.pods, draining: want.draining };
+  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg), desired);
   return jsonResponse(res.recorded ? 200 : 409, res, noStore);
 }

@@ -10,7 +10,11 @@
 // Migration: while a generation drains, the Worker passes its name in `info`. The first
 // call that names a draining generation this object has not imported yet copies that
 // generation's whole state (exportAll, page by page: override, keys, usage, counters) inside
-// blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once.
+// blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once. Memory
+// stays bounded by a page: each page is staged into this object's own SQLite (import_stage,
+// one transaction per page, with the cursor), then merged from there a chunk at a time in one
+// transaction. An import cut short (the isolate's time or memory limit, an error) resumes from
+// the staged cursor; the merge is all or nothing, so nothing is counted twice.
 // The router also calls `importFrom` before it purges a draining generation, so nothing
 // is lost even if no request touched the new generation in between. Once exported, a
 // generation forwards the usage batches that still reach it (isolates of the previous
@@ -60,27 +64,14 @@ const EXPORT_PARTS = [
   ["peers", `SELECT ${EXCHANGE.columns} FROM peer_counters`, EXCHANGE.of],
   ["leases", `SELECT ${LEASE.columns} FROM key_lease`, LEASE.of],
   ["fleet_cells", "SELECT v FROM meta WHERE k = 'fleet_cells'", (r) => Number(r.v)],
+  // The scaling controller's desired pod count (colocate/scaler.py), which `pulumi up` reads.
+  ["scale_desired", "SELECT v FROM meta WHERE k = 'scale_desired'", (r) => r.v],
 ];
-
-/**
- * A draining generation's whole state, read page by page (`exportAll`) and imported in one
- * transaction by the caller: a read cut short imports nothing, so a retry counts nothing twice.
- */
-export async function exportedState(other, successor) {
-  const data = {};
-  let cursor = null;
-  do {
-    const page = await other.exportAll(successor, cursor);
-    data.forced = page.forced;
-    // A page of one table ({part, rows}): an object still running the version before.
-    for (const [name, rows] of page.parts ?? [[page.part, page.rows]]) {
-      const into = (data[name] ??= []);
-      for (const row of rows) into.push(row);
-    }
-    cursor = page.next;
-  } while (cursor);
-  return data;
-}
+// Staged pages of an import in progress: one row per exported row, as JSON, in export order.
+const STAGE_TABLE = "CREATE TABLE IF NOT EXISTS import_stage (part TEXT NOT NULL, row TEXT NOT NULL)";
+export const MERGE_ROWS = 2000; // staged rows read back per chunk of the merge
+// The most rows the import holds in memory at once (a page, or a chunk of the merge): a test reads it.
+export const importMemory = { peakRows: 0 };
 
 // Breaker, not Generation: a Durable Object class name is pinned by the deployed migrations.
 export class Breaker extends DurableObject {
@@ -175,49 +166,146 @@ export class Breaker extends DurableObject {
       const ns = this.env.BREAKER;
       const id = ns.idFromName(from);
       const other = info.drainingHint ? ns.get(id, { locationHint: info.drainingHint }) : ns.get(id);
-      this.importState(from, await exportedState(other, info.generation));
+      await this.importPaged(from, other, info.generation);
     });
   }
 
+  /**
+   * Stage `from`'s export page by page (each page and the cursor after it in one transaction),
+   * then merge. A previous attempt's staged pages are kept and the export resumes at its cursor.
+   */
+  async importPaged(from, other, successor) {
+    this.sql.exec(STAGE_TABLE);
+    const progressKey = `importing:${from}`;
+    const progress = parseJson(this.meta(progressKey));
+    if (!progress) this.sql.exec("DELETE FROM import_stage");
+    let cursor = progress ? progress.next : null;
+    let forced = progress ? progress.forced : null;
+    if (!progress || cursor) {
+      do {
+        const page = await other.exportAll(successor, cursor);
+        // A page of one table ({part, rows}): an object still running the version before.
+        const parts = page.parts ?? [[page.part, page.rows]];
+        importMemory.peakRows = Math.max(importMemory.peakRows, parts.reduce((n, [, rows]) => n + rows.length, 0));
+        this.ctx.storage.transactionSync(() => {
+          this.stage(parts);
+          this.setMeta(progressKey, JSON.stringify({ next: page.next, forced: page.forced }));
+        });
+        cursor = page.next;
+        forced = page.forced;
+      } while (cursor);
+    }
+    this.mergeStaged(from, forced);
+  }
+
+  /** Rows of export parts ([[name, rows], ...]) into import_stage, one statement a part. */
+  stage(parts) {
+    for (const [name, rows] of parts) {
+      if (rows.length) {
+        this.sql.exec("INSERT INTO import_stage (part, row) SELECT ?, value FROM json_each(?)", name,
+          JSON.stringify(rows.map((r) => JSON.stringify(r))));
+      }
+    }
+  }
+
+  /** The staged rows of `part`, MERGE_ROWS at a time, in export order. */
+  eachStaged(part, fn) {
+    let after = 0;
+    for (;;) {
+      const chunk = this.sql.exec("SELECT rowid AS id, row FROM import_stage WHERE part = ? AND rowid > ? ORDER BY rowid LIMIT ?",
+        part, after, MERGE_ROWS).toArray();
+      if (!chunk.length) return;
+      importMemory.peakRows = Math.max(importMemory.peakRows, chunk.length);
+      fn(chunk.map((r) => JSON.parse(r.row)));
+      after = chunk[chunk.length - 1].id;
+    }
+  }
+
+  /** A whole export at once ({forced, keys: [...], usage: [...], ...}): bench/scale.py's bulk seed. */
   importState(from, data) {
+    this.sql.exec(STAGE_TABLE);
     this.ctx.storage.transactionSync(() => {
-      if (data.forced && this.meta("forced") === null) this.setMeta("forced", data.forced);
+      this.sql.exec("DELETE FROM import_stage");
+      this.stage(EXPORT_PARTS.map(([name]) => [name, data[name] ?? []]));
+    });
+    this.mergeStaged(from, data.forced ?? null);
+  }
+
+  /** Merge the staged export into this generation, in one transaction, a chunk at a time. */
+  mergeStaged(from, forced) {
+    this.ctx.storage.transactionSync(() => {
+      if (forced && this.meta("forced") === null) this.setMeta("forced", forced);
+      const has = (part) => this.sql.exec("SELECT 1 FROM import_stage WHERE part = ? LIMIT 1", part).toArray().length > 0;
       let rev = this.rev();
-      for (const k of data.keys) {
-        const added = this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-          k.id, k.hash, k.prefix, k.name, k.rpm, k.tpm, k.monthly_tokens, k.max_parallel ?? 0, k.created_at, k.expires_at,
-          k.revoked_at, k.fallback_microusd_day ?? 0, rev + 1).rowsWritten;
-        if (added) rev += 1;
-      }
+      this.eachStaged("keys", (keys) => {
+        for (const k of keys) {
+          const added = this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+            k.id, k.hash, k.prefix, k.name, k.rpm, k.tpm, k.monthly_tokens, k.max_parallel ?? 0, k.created_at, k.expires_at,
+            k.revoked_at, k.fallback_microusd_day ?? 0, rev + 1).rowsWritten;
+          if (added) rev += 1;
+        }
+      });
       this.setMeta("rev", rev);
-      for (const u of data.usage) {
-        this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-          u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0);
-      }
+      this.eachStaged("usage", (usage) => {
+        for (const u of usage) {
+          this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
+            u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0);
+        }
+      });
       // The cell's daily fallback spend follows from the daily rows, the imported ones included.
       this.sql.exec("DELETE FROM fallback_spend");
       this.sql.exec(`INSERT INTO fallback_spend (day, microusd) SELECT day, SUM(fallback_microusd) FROM usage_daily
         GROUP BY day HAVING SUM(fallback_microusd) > 0`);
       // A schema-2 exporter has no month totals: they follow from its daily rows.
-      const months = data.months ?? monthsOf(data.usage);
-      for (const m of months) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens);
-      for (const w of data.windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
-      for (const r of data.seg_minute || []) this.addSeg("seg_minute", "minute", r); // a generation from before has none
-      for (const r of data.seg_hour || []) this.addSeg("seg_hour", "hour", r);
-      // An exporter of schema 3 has no totals: they follow from what it kept.
-      const totals = data.seg_total ?? [...data.seg_minute || [], ...data.seg_hour || []].map((r) => r.slice(1));
-      for (const [colo, pod, segment, hist] of totals) this.addTotal(colo, pod, segment, hist);
-      for (const f of data.inflight ?? []) {
-        this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
-          ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
+      const monthsPart = has("months") ? "months" : "usage";
+      if (monthsPart === "months") {
+        this.eachStaged("months", (months) => { for (const m of months) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens); });
+      } else {
+        this.eachStaged("usage", (usage) => { for (const m of monthsOf(usage)) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens); });
       }
-      if (data.peers && data.peers.length) this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(data.peers));
+      this.eachStaged("windows", (windows) => {
+        for (const w of windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
+      });
+      this.eachStaged("seg_minute", (rows) => { for (const r of rows) this.addSeg("seg_minute", "minute", r); });
+      this.eachStaged("seg_hour", (rows) => { for (const r of rows) this.addSeg("seg_hour", "hour", r); });
+      // An exporter of schema 3 has no totals: they follow from what it kept.
+      if (has("seg_total")) {
+        this.eachStaged("seg_total", (rows) => { for (const [colo, pod, segment, hist] of rows) this.addTotal(colo, pod, segment, hist); });
+      } else {
+        for (const part of ["seg_minute", "seg_hour"]) {
+          this.eachStaged(part, (rows) => { for (const r of rows) this.addTotal(r[1], r[2], r[3], r[4]); });
+        }
+      }
+      this.eachStaged("inflight", (rows) => {
+        for (const f of rows) {
+          this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
+            ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
+        }
+      });
+      this.eachStaged("peers", (rows) => this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(rows)));
       // A fleet's leases go on holding in the successor until the ledger reaches it.
-      if (data.leases && data.leases.length) this.sql.exec(UPSERT_LEASES, Date.now(), JSON.stringify(data.leases));
-      const cells = (data.fleet_cells ?? [])[0];
+      this.eachStaged("leases", (rows) => this.sql.exec(UPSERT_LEASES, Date.now(), JSON.stringify(rows)));
+      const first = (part) => {
+        const row = this.sql.exec("SELECT row FROM import_stage WHERE part = ? ORDER BY rowid LIMIT 1", part).toArray()[0];
+        return row ? JSON.parse(row.row) : null;
+      };
+      const cells = first("fleet_cells");
       if (cells && this.meta("fleet_cells") === null) this.setMeta("fleet_cells", cells);
-      // A fleet's exchange reads this generation from its own sequence: every imported counter is news.
-      this.markChanged([...new Set([...months.map((m) => m.key_id), ...data.windows.map((w) => w.key_id)])]);
+      const desired = first("scale_desired");
+      if (desired && this.meta("scale_desired") === null) this.setMeta("scale_desired", desired);
+      // A fleet's exchange reads this generation from its own sequence: every imported counter is
+      // news. Each key once, by key id, a chunk at a time.
+      let last = "";
+      for (;;) {
+        const ids = this.sql.exec(`SELECT DISTINCT json_extract(row, '$.key_id') AS k FROM import_stage
+          WHERE part IN (?, 'windows') AND json_extract(row, '$.key_id') > ? ORDER BY k LIMIT ?`, monthsPart, last, MERGE_ROWS)
+          .toArray().map((r) => r.k);
+        if (!ids.length) break;
+        this.markChanged(ids);
+        last = ids[ids.length - 1];
+      }
+      this.sql.exec("DELETE FROM import_stage");
+      this.setMeta(`importing:${from}`, null);
       this.setMeta(`imported:${from}`, Date.now());
     });
   }
@@ -582,7 +670,8 @@ export class Breaker extends DurableObject {
       Date.now() - INFLIGHT_KEEP_MS)) {
       inflight[r.pod] = r.n;
     }
-    return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")) };
+    return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")),
+      desired: parseJson(this.meta("scale_desired")) };
   }
 
   scaleLockRow() {
@@ -608,12 +697,18 @@ export class Breaker extends DurableObject {
     return { granted, lock: this.scaleLockRow() };
   }
 
-  /** Record a decision of the lock's holder (the last one is what status and the probe show). */
-  async scaleRecord(owner, decision, info) {
+  /**
+   * Record a decision of the lock's holder (the last one is what status and the probe show),
+   * and with `desired` ({pods, draining}) the count every `pulumi up` applies.
+   */
+  async scaleRecord(owner, decision, info, desired = null) {
     await this.readThrough(info);
     const held = this.scaleLockRow();
     if (!held || held.owner !== owner) return { recorded: false, lock: held };
-    this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
+    this.ctx.storage.transactionSync(() => {
+      this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
+      if (desired) this.setMeta("scale_desired", JSON.stringify({ ...desired, owner, at: Date.now() }));
+    });
     return { recorded: true, lock: held };
   }
 

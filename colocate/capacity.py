@@ -1,0 +1,55 @@
+"""What one pod can do, as the scaling policy, ``demo-autoscale`` and ``cost.py`` assume it: its
+capacity (the knee of its GPU+model profile) and its boot time. Pure: no I/O.
+
+* ``pod_capacity(profile)``: requests per minute one pod serves while its TTFT p99 stays within
+  the capacity planner's budget (``profiles.DEFAULT_TTFT_P99_BUDGET_MS``): the profile's
+  ``knee_rps`` (measured on the stand-in's engine in virtual time, ``make bench-pod``) once it is
+  fitted, else the highest rate of the profile's published sweep within that budget (the RTX
+  4090 sweep: 9.73 req/s at concurrency 32, TTFT p99 938 ms; at 48, 1,483 ms). The knee holds
+  for the sweep's workload (256 tokens in, ~100 out); answers longer than that take more of a pod.
+* ``BOOT_S``: from create to the first token on a fresh host, 20 minutes: the pinned
+  ``vllm/vllm-openai:*-cu129`` image is ~11 GB compressed, the weights ~5 GB, and operators
+  report 15 to 20 minutes (the fourth real-cloud review, 2026-12). The longer end, because a
+  pod that boots slower than planned is a pod paid for and not yet serving.
+  ``colocate:pod.readyTimeoutS`` (1,800 s by default) covers it with room for a slow pull.
+"""
+
+from __future__ import annotations
+
+from .pods import profiles
+
+BOOT_S = 20 * 60
+BOOT_SOURCE = "~11 GB image + ~5 GB weights: operators report 15-20 min from create to a first token on a fresh host"
+DEFAULT_PROFILE = profiles.DEFAULT_PROFILE
+
+
+class NoCapacity(ValueError):
+    """A profile with neither a fitted knee nor a sweep to read one from (``oracle``: no limit at all)."""
+
+
+def sweep_knee_rps(profile: profiles.Profile, budget_ms: float = profiles.DEFAULT_TTFT_P99_BUDGET_MS) -> float | None:
+    """The highest request rate of the profile's published sweep whose TTFT p99 is within ``budget_ms``."""
+    if profile.sweep is None:
+        return None
+    within = [p.req_s for p in profile.sweep.points if p.ttft_p99_ms is not None and p.ttft_p99_ms <= budget_ms]
+    return max(within) if within else None
+
+
+def knee_rps(profile_name: str = DEFAULT_PROFILE) -> tuple[float, str]:
+    """(requests/s at the knee, where the figure comes from) for ``profile_name``."""
+    try:
+        p = profiles.get(profile_name)
+    except ValueError as err:
+        raise NoCapacity(str(err)) from None
+    if p.knee_rps > 0:
+        return p.knee_rps, f"{p.name}: knee of the stand-in's engine (profiles.knee_rps)"
+    knee = sweep_knee_rps(p)
+    if knee is None:
+        raise NoCapacity(f"pod profile {p.name!r} has no knee: it models no limit (oracle) or no sweep")
+    return knee, (f"{p.name}: the highest rate of its published sweep with TTFT p99 within "
+                  f"{profiles.DEFAULT_TTFT_P99_BUDGET_MS:g} ms")
+
+
+def pod_capacity(profile_name: str = DEFAULT_PROFILE) -> float:
+    """Requests per minute one pod of ``profile_name`` serves within budget (its knee x 60)."""
+    return round(knee_rps(profile_name)[0] * 60, 1)

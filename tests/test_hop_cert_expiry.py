@@ -1,0 +1,75 @@
+"""The pod hop's certificates never lapse unseen (colocate/certexpiry.py): the stack exports the
+earliest leaf's end (hopCertsNotAfter), the post-deploy probe is handed it, and the probe (and
+the live view) warn 30 days ahead and fail 7 days ahead, naming the way out."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from colocate import certexpiry
+from tests.support import fake_cell
+from tests.support.pulumi_mocks import MOCK_NOT_AFTER, run_program, stack_config
+
+ROOT = Path(__file__).resolve().parent.parent
+NOW = datetime(2026, 12, 6, tzinfo=UTC)
+ZONE = {"id": "f" * 32, "name": "example.com"}
+
+
+def at(days: float) -> str:
+    return (NOW + timedelta(days=days)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.parametrize(("days", "level"), [(90, "ok"), (30.5, "ok"), (30, "warn"), (8, "warn"), (7, "fail"),
+                                             (0.5, "fail"), (-2, "fail")])
+def test_the_verdict_warns_30_days_ahead_and_fails_7(days, level):
+    v = certexpiry.check(at(days), NOW, "us-east")
+    assert v.level == level
+    if level != "ok":
+        assert "pulumi up -s us-east" in v.message and "rolling replacement" in v.message
+    if days < 0:
+        assert "expired" in v.message and "fallback" in v.message
+
+
+def test_the_stack_exports_the_earliest_leaf_end_and_hands_it_to_the_probe():
+    config, keys = stack_config("us-east", overrides={"zone": ZONE, "pod": {"provider": "runpod"}})
+    run = run_program("us-east", config, keys)
+    assert run.resolved["hopCertsNotAfter"] == MOCK_NOT_AFTER
+    probe = next(r.inputs["create"] for r in run.mocks.of_type("command:local:Command")
+                 if "probe.py" in r.inputs.get("create", ""))
+    assert f"--hop-not-after {MOCK_NOT_AFTER}" in probe
+
+
+def test_a_token_hop_has_no_certificates_to_watch():
+    config, keys = stack_config("us-east", overrides={"zone": ZONE, "pod": {"provider": "runpod", "hop": "token"}})
+    run = run_program("us-east", config, keys)
+    assert run.resolved["hopCertsNotAfter"] is None
+    probe = next(r.inputs["create"] for r in run.mocks.of_type("command:local:Command")
+                 if "probe.py" in r.inputs.get("create", ""))
+    assert "--hop-not-after" not in probe
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("probe_script_certs", ROOT / "scripts" / "probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("days", "code", "level"), [(60, 0, "ok"), (20, 0, "warn"), (3, 1, "fail")])
+def test_the_probe_judges_the_certificates_beside_its_budgets(probe, capsys, monkeypatch, days, code, level):
+    monkeypatch.setenv("COLOCATE_CLIENT_KEY", "clc_given")
+    not_after = (datetime.now(UTC) + timedelta(days=days)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with fake_cell.serve() as cell:
+        got = probe.main([cell.url, "--token", "probe-secret", "--samples", "3", "--pod-location", "AP-JP-1",
+                          "--hop-not-after", not_after, "--json", "-"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert got == code, err
+    assert doc["hop_certificates"]["level"] == level and doc["hop_certificates"]["not_after"] == not_after
+    assert ("hop certificates: FAIL" in err) is (level == "fail") and ("expire in" in err) is (level != "ok")
