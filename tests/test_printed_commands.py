@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from colocate import cli
 from colocate.probe.errors import UsageError
 from tests.support import pysource
 
@@ -67,6 +68,13 @@ def test_printed_commands_name_the_venv_python(path):
     assert bad == [], f"{path.relative_to(ROOT)}: print `.venv/bin/python scripts/...` instead: {bad}"
 
 
+def test_a_suggested_command_runs_from_any_directory(tmp_path):
+    printed = cli.script("sandbox.py")
+    assert printed.startswith(str(ROOT)) and printed.endswith(str(ROOT / "scripts" / "sandbox.py"))
+    proc = subprocess.run(f"{printed} --help", shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "sandbox.py up" in proc.stdout, proc.stderr
+
+
 def test_a_missing_token_does_not_print_none():
     assert str(UsageError("--token", None, "no read token", "set X")) == "--token: no read token. Fix: set X"
     assert "'abc'" in str(UsageError("--budget", "abc", "bad", "fix"))
@@ -96,10 +104,10 @@ def test_a_sandbox_stack_is_deployed_by_the_sandboxs_own_apply(stacks, capsys):
 
     assert migrate.main(["start", "--stack", "sandbox", "--to", "apac-tw", "--stacks-dir", str(stacks)]) == 0
     out = capsys.readouterr().out
-    assert "Next: `.venv/bin/python scripts/sandbox.py apply --stack sandbox`" in out, out
-    assert "pulumi up -s" not in out and "`.venv/bin/python scripts/migrate.py finish --stack sandbox`" in out
+    assert f"Next: `{cli.script('sandbox.py')} apply --stack sandbox`" in out, out
+    assert "pulumi up -s" not in out and f"`{cli.script('migrate.py')} finish --stack sandbox`" in out
     assert migrate.main(["finish", "--stack", "sandbox", "--stacks-dir", str(stacks)]) == 0
-    assert "Next: `.venv/bin/python scripts/sandbox.py apply --stack sandbox`" in capsys.readouterr().out
+    assert f"Next: `{cli.script('sandbox.py')} apply --stack sandbox`" in capsys.readouterr().out
 
 
 def test_a_cloud_stack_is_deployed_by_pulumi_up(stacks, capsys):
@@ -107,4 +115,4 @@ def test_a_cloud_stack_is_deployed_by_pulumi_up(stacks, capsys):
 
     assert migrate.main(["start", "--stack", "us-east", "--to", "eu-west", "--stacks-dir", str(stacks)]) == 0
     out = capsys.readouterr().out
-    assert "Next: `pulumi up -s us-east`" in out and "`.venv/bin/python scripts/migrate.py finish --stack us-east`" in out
+    assert "Next: `pulumi up -s us-east`" in out and f"`{cli.script('migrate.py')} finish --stack us-east`" in out
