@@ -19,15 +19,18 @@
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
 new pod before deleting the old one and swaps workerd without dropping a request;
-``status`` prints what runs and whether it is healthy; ``down`` stops everything. A
-``down``, ``status`` or ``apply`` that finds no sandbox where it looked exits 1 (``apply``: 2)
-and names the sandboxes that do run. With
+``status`` prints what runs and whether it is healthy; ``down`` stops everything. A second
+``up`` with the same options, or a ``down`` of a stopped sandbox, exits 0 with a one-line note.
+A ``status`` or ``apply`` that finds no sandbox where it looked exits 1 (``apply``: 2), as does a
+``down`` where no sandbox was ever started while one runs elsewhere; each names the sandboxes
+that do run. With
 ``--fleet F`` (a fleet stack, docs/fleet.md) each acts on every member cell and the front
 door: ``up --fleet`` prints one JSON object with an entry URL per client site, the cells and
 one client key that works fleet-wide. Exit 0 on
-success, 1 when ``status`` finds the sandbox unhealthy or nothing running, ``down`` finds nothing
-to stop or ``demo`` fails a step, 2 on a usage
-or configuration error (including a second ``up``). See docs/sandbox.md.
+success, 1 when ``status`` finds the sandbox unhealthy or nothing running, ``down`` finds no
+sandbox ever started where it looked while one runs elsewhere, or ``demo`` fails a step, 2 on a
+usage or configuration error (including an ``up`` with other options of a sandbox that runs).
+Printed commands name this script by absolute path: they run as pasted anywhere. See docs/sandbox.md.
 """
 
 # A Ctrl-C while Python loads the kit is held until the imports are done, then ends the
