@@ -112,16 +112,13 @@ def send(f: Fleet, cell: str, key: str, n: int) -> list:
 
 
 def paced(f: Fleet, cell: str, key: str, per_s: float, seconds: float, log: list, stop=None,
-          count: int | None = None, before: float = float("inf")) -> None:
+          before: float = float("inf")) -> None:
     """Requests to ``cell`` at ``per_s`` for ``seconds`` (never faster; slower when the
-    machine is: the bounds below hold whatever the rate), or ``count`` requests however long
-    they take; none started after ``before`` (time.monotonic()); (sent, cell, status, the cell
-    that answered) into ``log``."""
+    machine is: the bounds below hold whatever the rate), none started after ``before``
+    (time.monotonic()); (sent, cell, status, the cell that answered) into ``log``."""
     start = time.monotonic()
     i = 0
-    while ((i < count) if count is not None else (time.monotonic() - start < seconds)) and not (stop and stop()):
-        if time.monotonic() >= before:
-            break
+    while time.monotonic() - start < seconds and time.monotonic() < before and not (stop and stop()):
         wait = start + i / per_s - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -151,9 +148,7 @@ def minute(fl) -> dict:
     moved_at = []
 
     def move() -> None:
-        # 12 requests (40 % of the limit), all in apac-jp, counted rather than timed: a loaded
-        # machine makes them slower, never fewer.
-        paced(fl, A, mover, 1, 12, logs["move"], count=12, before=before)
+        paced(fl, A, mover, 1, 12, logs["move"], before=before)  # ~12 requests: 40 % of the limit, all in apac-jp
         moved_at.append(time.monotonic())
         # Then all of it to eu-west at the same rate until the fleet has admitted the limit.
         admitted = lambda: sum(1 for _, _, s, _ in logs["move"] if s == 200)  # noqa: E731
