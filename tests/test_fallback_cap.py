@@ -202,6 +202,9 @@ def test_a_keys_default_month_costs_no_more_than_the_cap_allows():
     s = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 5}), "t", secrets=SECRETS)
     assert s.key_defaults["monthly_tokens"] == 15_500_000
     assert settings.monthly_tokens_within_cap(s.fallback_cap, s.fallback_price) == 15_500_000
+    from colocate import plan
+
+    assert plan.plan_cell(s).worker.binding("DEFAULT_MONTHLY_TOKENS").text == "15500000"  # what the Worker gives a key
     # The per-key cap, when tighter, is what one key is held to; a generous cap keeps the default.
     tight = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 5, "keyUsdPerDay": 1}), "t", secrets=SECRETS)
     assert tight.key_defaults["monthly_tokens"] == 3_100_000
