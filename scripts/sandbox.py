@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import cli, stackfile
+from colocate import stackfile
+from colocate.cli import Parser, subcommands  # main's own `cli` flag is another thing
 from colocate.errors import ConfigError
 from colocate.sandbox import errors as supervisor_errors, fleet as sandbox_fleet, supervisor
 from colocate.sandbox.errors import SandboxError
@@ -72,9 +73,9 @@ DEFAULT_STACK = "sandbox"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = cli.Parser(prog="sandbox.py", description=__doc__.split("\n\n")[0],
-                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    sub = cli.subcommands(p, dest="cmd", required=True)
+    p = Parser(prog="sandbox.py", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = subcommands(p, dest="cmd", required=True)
 
     def where(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--stack", default=DEFAULT_STACK, help=f"stack name (default {DEFAULT_STACK})")
