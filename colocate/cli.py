@@ -38,8 +38,16 @@ class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors read like the kit's other errors and exit 2:
     an unknown flag is named with the closest one it knows (``--stak`` → ``--stack``)."""
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # Kept for error(): a flag that is required may be missing because it was mistyped.
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         prefix = "unrecognized arguments: "
+        mistyped = [a for a in getattr(self, "_given", []) if a.startswith("--") and a.split("=", 1)[0] not in _options(self)]
+        if message.startswith("the following arguments are required") and mistyped:
+            message = prefix + " ".join(mistyped)  # `--too apac-jp` is why `--to` is missing: name the typo
         if message.startswith(prefix):
             words = message[len(prefix):].split()
             flags = [w for w in words if w.startswith("-")]

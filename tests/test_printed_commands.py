@@ -75,6 +75,19 @@ def test_a_suggested_command_runs_from_any_directory(tmp_path):
     assert proc.returncode == 0 and "sandbox.py up" in proc.stdout, proc.stderr
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["sandbox.py", "down", "--stat-dir", "/tmp/x"], "sandbox.py: --stat-dir: unknown flag. Fix: did you mean `--state-dir`?"),
+    (["sandbox.py", "stauts"], "sandbox.py: 'stauts': unknown command. Fix: did you mean `status`?"),
+    (["migrate.py", "start", "--stack", "s", "--too", "apac-jp"],
+     "migrate.py start: --too: unknown flag. Fix: did you mean `--to`?"),
+    (["probe.py", "--sampels", "3"], "probe.py: --sampels: unknown flag. Fix: did you mean `--samples`?"),
+])
+def test_a_typo_is_answered_with_what_was_meant_in_the_kits_shape(argv, said):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith(said), proc.stderr
+
+
 def test_a_missing_token_does_not_print_none():
     assert str(UsageError("--token", None, "no read token", "set X")) == "--token: no read token. Fix: set X"
     assert "'abc'" in str(UsageError("--budget", "abc", "bad", "fix"))
