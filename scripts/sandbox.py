@@ -62,7 +62,7 @@ from colocate.cli import Parser, subcommands  # main's own `cli` flag is another
 from colocate.errors import ConfigError
 from colocate.sandbox import errors as supervisor_errors, fleet as sandbox_fleet, supervisor
 from colocate.sandbox.errors import SandboxError
-from colocate.sandbox.statedir import LAUNCH_FILE, LOGS_DIR, READY_FILE, read_json  # noqa: E402
+from colocate.sandbox.statedir import FLEET_OUT_FILE, LAUNCH_FILE, LOGS_DIR, READY_FILE, read_json  # noqa: E402
 
 if _held:
     print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
@@ -292,9 +292,18 @@ def _fleet_command(args, fleet: str, state_dir: Path) -> int:
                            "force a split on one cell with `up --stack CELL --force-split`")
     if args.cmd == "up":
         try:
-            out = sandbox_fleet.up(fleet, state_dir=state_dir, stacks_dir=args.stacks_dir,
-                                   sandboxes_dir=args.sandboxes_dir, client_sites=tuple(args.client_site),
-                                   stretch=args.stretch, rtt=tuple(args.rtt), timeout_s=args.timeout)
+            try:
+                out = sandbox_fleet.up(fleet, state_dir=state_dir, stacks_dir=args.stacks_dir,
+                                       sandboxes_dir=args.sandboxes_dir, client_sites=tuple(args.client_site),
+                                       stretch=args.stretch, rtt=tuple(args.rtt), timeout_s=args.timeout)
+            except supervisor_errors.AlreadyRunning as exc:
+                ready = read_json(Path(state_dir).resolve() / FLEET_OUT_FILE) if exc.same else None
+                if not ready:
+                    raise
+                print(json.dumps(ready, indent=2, sort_keys=True), flush=True)
+                print(f"sandbox.py up: the fleet {fleet} already runs in {ready['state_dir']} as asked; nothing started. "
+                      f"Next: `{CMD} status {where}`", file=sys.stderr)
+                return 0
             if _swallowed:
                 raise KeyboardInterrupt
             print(json.dumps(out, indent=2, sort_keys=True), flush=True)
