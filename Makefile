@@ -15,16 +15,19 @@ export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
+# Quiet when all goes well: one line each; an installer's own errors still show.
 $(STAMP_PY): requirements.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	touch $@
+	@echo "setup: .venv from requirements.txt"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	@$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@touch $@
 
 $(STAMP_NPM): package.json package-lock.json
-	npm ci --no-audit --no-fund
-	node_modules/.bin/workerd --version
-	touch $@
+	@echo "setup: node_modules from package-lock.json (workerd, the Workers types, tsc)"
+	@npm ci --no-audit --no-fund --loglevel=error
+	@node_modules/.bin/workerd --version >/dev/null
+	@touch $@
 
 # wrk is the benchmarks' load generator (compiled, so it is not the bottleneck), from
 # Debian's packages, installed only when absent; the benchmark's own tests use it too.
@@ -47,35 +50,29 @@ prometheus:
 	  { apt-get update -qq && apt-get install -y -qq prometheus; } >/dev/null 2>&1 || \
 	  echo "prometheus could not be installed: the Prometheus test will be skipped"; }
 
-test: setup wrk valgrind prometheus lint test-js test-py
+# Every suite runs through tests/suites.py: its whole output goes to .colocate/test-logs/, the
+# terminal gets one line per suite (and the ten slowest tests, and the skips) and every failure;
+# a failing run keeps its failures in .colocate/test-failures/<UTC time>.txt, named on the last
+# line. The options (workers, order) are in tests/suites.py; docs/testing.md says why.
+test: setup wrk valgrind prometheus
+	@$(PY) -m tests.suites lint js py
 
 # ruff (ruff.toml), the Worker's JSDoc types against workers-types (worker/tsconfig.json),
 # and mypy over the kit's Python (mypy.ini).
 lint: setup
-	$(VENV)/bin/ruff check .
-	node_modules/.bin/tsc -p worker/tsconfig.json
-	$(VENV)/bin/mypy
-
-# On two cores: six workers for the whole suite (its real-process tests mostly wait on emulated
-# delays: the CPU stays near 1.2 cores busy at four), four for the inner loop (CPU-bound: more
-# workers only add collection). One test file per worker at a time (a file's module fixtures
-# start once), longest first (tests/conftest.py); the ten slowest tests are printed so that a
-# regression shows. See docs/testing.md.
-PYTEST_OPTS := --dist loadfile --no-loadscope-reorder --durations=10
-PYTEST_PAR := -n 6 $(PYTEST_OPTS)
-PYTEST_FAST := -n 4 $(PYTEST_OPTS)
+	@$(PY) -m tests.suites lint
 
 test-py: setup
-	$(PY) -m pytest $(PYTEST_PAR)
+	@$(PY) -m tests.suites py
 
 # The inner loop: pure, Pulumi-mock and fake-server tests (no sandbox cell; a few short workerd starts).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_FAST)
+	@$(PY) -m tests.suites fast
 
 # The test files only: worker/test/support/ holds what they share (the generation object's
 # in-memory storage).
 test-js: setup
-	node --test --test-concurrency=4 worker/test/*.test.js
+	@$(PY) -m tests.suites js
 
 demo: setup
 	$(PY) scripts/sandbox.py demo

@@ -60,7 +60,7 @@ def planning_settings(raw: dict, stack: str) -> Settings:
         worker["subdomain"] = "planning"
     raw["worker"] = worker
     secrets = set(ALWAYS_SECRET) | {key for key, _ in PROVIDER_SECRET.values()}
-    return parse(raw, stack, secrets=secrets)
+    return parse(raw, stack, secrets=secrets, require_cap=False)  # spends nothing; `pulumi preview` asks for the cap
 
 
 def state_site(settings: Settings, generation_name: str) -> str | None:

@@ -125,9 +125,11 @@ SCHEMA: tuple[Key, ...] = (
         "platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports "
         "the pods' cost alone."),
     Key("fallbackCap", "object", {},
-        "Optional. The most the fallback API may cost per UTC day at colocate:fallbackPrice (which it needs), in $: "
-        "{cellUsdPerDay, keyUsdPerDay}, for the whole cell and for each client key (0 or unset = no cap). Past one, the "
-        "fallback is not called: 429 insufficient_quota naming the cap, Retry-After to the day's end."),
+        "Required (cellUsdPerDay). The most the fallback API may cost per UTC day at colocate:fallbackPrice (which a cap "
+        "above 0 needs), in $: {cellUsdPerDay, keyUsdPerDay}, for the whole cell and for each client key (0 = no cap, "
+        "chosen knowingly; keyUsdPerDay unset = no per-key cap). Past one, the fallback is not called: 429 "
+        "insufficient_quota naming the cap, Retry-After to the day's end. A finite cap also bounds keys.defaults."
+        "monthlyTokens."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
     Key("readToken", "string", None,
         "Operator credential that reads: the probe, the live view, the breaker, the key list, usage.", secret=True),
@@ -419,6 +421,28 @@ def parse_fallback_price(raw: object) -> tuple[float, float] | None:
 
 
 FALLBACK_CAP_FIELDS = ("cellUsdPerDay", "keyUsdPerDay")
+# The cap README step 4 and the refusal suggest: about one pod-day at the default
+# colocate:pod.maxPricePerHr ($0.80 x 24 h = $19.20), so the fallback can at most double a
+# one-pod cell's daily bill.
+SUGGESTED_CELL_CAP_USD = 20
+# A key's monthly tokens, bought at the fallback's price, may cost no more than its cap
+# allows over the longest month.
+MONTH_DAYS = 31
+
+
+def require_fallback_cap(raw: object) -> None:
+    """A cell's fallback spend has a daily cap the operator chose: a number, or 0 knowingly.
+    Unset, it would be bounded only by each key's monthly tokens (a billion by default)."""
+    key = f"{NS}:fallbackCap.{FALLBACK_CAP_FIELDS[0]}"
+    if isinstance(raw, dict) and raw.get(FALLBACK_CAP_FIELDS[0]) is not None:
+        return
+    raise MissingSetting(
+        key, None,
+        "the fallback API's daily spend needs a cap the operator chose (unset, a cell's fallback spend is bounded "
+        "only by each key's monthly tokens)",
+        f"pulumi config set --path {key} {SUGGESTED_CELL_CAP_USD} (about one pod-day at the default $0.80/h; a cap "
+        f"counts spend at {NS}:fallbackPrice, so set its .input and .output too), or pulumi config set --path {key} 0 "
+        "to run with no cap, knowingly")
 
 
 def parse_fallback_cap(raw: object, fallback_price: tuple[float, float] | None) -> tuple[float, float]:
@@ -499,9 +523,11 @@ def parse_zone(raw: object) -> ZoneSettings | None:
     )
 
 
-def parse_key_defaults(raw: object) -> dict[str, int]:
+def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),
+                       fallback_price: tuple[float, float] | None = None) -> dict[str, int]:
     """``colocate:keys.defaults`` by the Worker's field name; ``defaultMaxParallel`` is the older name of
-    ``defaults.maxParallel``."""
+    ``defaults.maxParallel``. With a finite ``colocate:fallbackCap`` and a price, ``monthlyTokens``
+    is at most what the cap allows (monthly_tokens_within_cap): derived when unset, refused above."""
     raw = dict(raw) if isinstance(raw, dict) else raw
     older = raw.pop("defaultMaxParallel", None) if isinstance(raw, dict) else None
     _merged({"keys": raw}, "keys")  # refuses a key other than defaults
@@ -514,7 +540,37 @@ def parse_key_defaults(raw: object) -> dict[str, int]:
         raise ConfigError(f"{NS}:keys.defaults.{unknown[0]}", given[unknown[0]], "unknown key",
                           f"use only {', '.join(KEY_LIMIT_DEFAULTS)}")
     merged = {**KEY_LIMIT_DEFAULTS, **({"maxParallel": older} if older is not None else {}), **given}
-    return {KEY_LIMIT_FIELDS[k]: _number(f"{NS}:keys.defaults.{k}", v, integer=True, strict=False) for k, v in merged.items()}
+    out = {KEY_LIMIT_FIELDS[k]: _number(f"{NS}:keys.defaults.{k}", v, integer=True, strict=False) for k, v in merged.items()}
+    bound = monthly_tokens_within_cap(cap, fallback_price)
+    if bound is None:
+        return out
+    if "monthlyTokens" not in given:
+        out["monthly_tokens"] = min(out["monthly_tokens"], bound)  # derived: the cap's worth, at most the default
+    elif out["monthly_tokens"] == 0 or out["monthly_tokens"] > bound:
+        which, usd = cast(tuple, tightest_cap(cap))  # a bound implies a cap
+        raise ConfigError(
+            f"{NS}:keys.defaults.monthlyTokens", given["monthlyTokens"],
+            f"a key's month of tokens at {NS}:fallbackPrice (${max(fallback_price or (0, 0)):g} per 1M) may cost "
+            f"no more than {MONTH_DAYS} days of {NS}:fallbackCap.{which} (${usd:g} a day) allow",
+            f"pulumi config set --path {NS}:keys.defaults.monthlyTokens {bound} (or less), or leave it unset: it is "
+            f"then derived from the cap")
+    return out
+
+
+def monthly_tokens_within_cap(cap: tuple[float, float], fallback_price: tuple[float, float] | None) -> int | None:
+    """The most tokens a key may have a month so that, all bought from the fallback at its dearer
+    price, they cost no more than MONTH_DAYS days of the tightest cap that applies to a key (its
+    own, else the cell's). None when there is no finite cap or no price to count with."""
+    tightest = tightest_cap(cap)
+    if tightest is None or not fallback_price or max(fallback_price) <= 0:
+        return None
+    return int(tightest[1] * MONTH_DAYS * 1e6 / max(fallback_price))
+
+
+def tightest_cap(cap: tuple[float, float]) -> tuple[str, float] | None:
+    """The fallbackCap field that bounds one key's spend first, and its $ a day; None: no cap."""
+    named = [(f, c) for f, c in zip(FALLBACK_CAP_FIELDS, cap, strict=True) if c > 0]
+    return min(named, key=lambda fc: fc[1]) if named else None
 
 
 def parse_operator_tokens(secrets: frozenset[str] | set[str]) -> tuple[dict[str, str], str | None]:
@@ -541,6 +597,7 @@ def parse(
     env: dict | None = None,
     *,
     allow_split_state: bool = False,
+    require_cap: bool = True,
 ) -> Settings:
     """Validate one stack's raw ``colocate:*`` values (keys without the namespace).
 
@@ -548,7 +605,8 @@ def parse(
     ``env`` is consulted for provider API keys (RUNPOD_API_KEY, VASTAI_API_KEY).
     ``allow_split_state`` skips the one check that keeps state and compute together. Only
     the sandbox's demo passes it, to show what a hand-rolled move does; the Pulumi
-    program never does.
+    program never does. ``require_cap=False`` accepts a stack without
+    ``colocate:fallbackCap``: only for planning that spends nothing (``migrate.py plan``).
     """
     env = env or {}
     unknown = sorted(set(raw) - set(KEYS))
@@ -604,11 +662,13 @@ def parse(
         )
     fallback_model = parse_fallback_model(raw.get("fallbackModel"))
     fallback_price = parse_fallback_price(raw.get("fallbackPrice"))
+    if require_cap:
+        require_fallback_cap(raw.get("fallbackCap"))
     fallback_cap = parse_fallback_cap(raw.get("fallbackCap"), fallback_price)
     scale = parse_scale(raw, fallback_price)
     if scale is not None:
         pod = replace(pod, count=scale.declared)
-    key_defaults = parse_key_defaults(raw.get("keys"))
+    key_defaults = parse_key_defaults(raw.get("keys"), fallback_cap, fallback_price)
     return Settings(
         stack=stack,
         region=cell_region,

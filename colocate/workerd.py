@@ -80,6 +80,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERD_BIN = ROOT / "node_modules" / ".bin" / "workerd"
 MAIN_SERVICE = "main"
 SOCKET_NAME = "http"
+STARTUP_TIMEOUT_S = 30.0  # how long start() waits for a first answer before calling it hung
+UNDER_LAUNCHER_FACTOR = 10  # the same under a launcher that slows workerd (valgrind: 40 x)
 NETWORK_SERVICE = "colocate-net"
 OUTBOUND_SERVICE = "colocate-outbound"
 STORAGE_SERVICE = "colocate-do-storage"
@@ -359,7 +361,7 @@ class Workerd:
     """
 
     def __init__(self, directory: Path | str | None = None, *, host: str = "127.0.0.1", sock: socket.socket | None = None,
-                 port: int | None = None, socket_name: str = SOCKET_NAME, startup_timeout_s: float = 30.0,
+                 port: int | None = None, socket_name: str = SOCKET_NAME, startup_timeout_s: float | None = None,
                  launcher: Sequence[str] = (), extra_args: Sequence[str] = (), v8_flags: Sequence[str] = ()):
         if sock is None and port is None:
             sock = listening_socket(host)
@@ -367,7 +369,9 @@ class Workerd:
         self.host = host
         self.port: int = sock.getsockname()[1] if sock is not None else int(port or 0)  # one of them is set
         self.socket_name = socket_name
-        self.startup_timeout_s = startup_timeout_s
+        # Only a hang's bound (readiness is polled): 30 s natively; under a launcher (valgrind runs
+        # workerd 40 times slower) a start on a loaded machine took longer than 30 s.
+        self.startup_timeout_s = startup_timeout_s or (STARTUP_TIMEOUT_S * (UNDER_LAUNCHER_FACTOR if launcher else 1))
         self._tmp = None
         if directory is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="colocate-workerd-")

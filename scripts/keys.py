@@ -40,15 +40,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import admin  # noqa: E402
+from colocate import admin, cli  # noqa: E402
 from colocate.admin import AdminClient, AdminError, Refused, resolve  # noqa: E402
 from colocate.errors import ColocateError, ScriptError  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="keys.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = cli.Parser(prog="keys.py", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = cli.subcommands(p, dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--stack", help="the stack (a running sandbox of it, else its deployed outputs); "
@@ -154,7 +154,7 @@ class UsageError(ScriptError):
 
 def finish_command(args: argparse.Namespace, *rest: str) -> str:
     """The exact keys.py command line for this fleet (with the directories it was given)."""
-    parts = [".venv/bin/python", "scripts/keys.py", *rest, "--stack", args.stack]
+    parts = [cli.script("keys.py"), *rest, "--stack", args.stack]
     if args.stacks_dir:
         parts += ["--stacks-dir", str(args.stacks_dir)]
     if args.sandboxes_dir:
@@ -381,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.env:
             print(f"export OPENAI_BASE_URL={shlex.quote(target.url.rstrip('/') + '/v1')}\n"
                   f"export OPENAI_API_KEY={shlex.quote(made['key'])}")
+            print(f"created {made['id']} ({made['name']}) on {target.url}; {limits_line(made, args)}", file=sys.stderr)
         else:
             print(made["key"])
             print(f"created {made['id']} ({made['name']}) on {target.url}: the key above is shown only once; "

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import requests  # noqa: E402
 
-from colocate import admin, migration, stackfile  # noqa: E402
+from colocate import admin, cli, migration, stackfile  # noqa: E402
 from colocate.errors import ConfigError, UnsupportedProvider  # noqa: E402
 from colocate.ledger import UNKNOWN_REGION, Ledger  # noqa: E402
 from colocate.plan import MIGRATIONS  # noqa: E402
@@ -56,7 +56,7 @@ def _observed(path: str | None) -> str | None:
     return (data.get("placement") or {}).get("state")
 
 
-MIGRATE = ".venv/bin/python scripts/migrate.py"  # printed commands run as printed from the project root
+MIGRATE = cli.script("migrate.py")  # printed commands run as printed, from any directory
 
 
 def _deploy_cmd(stack: str, stacks_dir: Path, raw: dict) -> str:
@@ -184,8 +184,8 @@ GPU_HELP = ("GPU under the target provider's name (default: the stack's GPU, tra
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="migrate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = cli.Parser(prog="migrate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = cli.subcommands(p, dest="command", required=True)
 
     def stack_args(sp):
         sp.add_argument("--stack", required=True, help="stack name: stacks/Pulumi.<stack>.yaml")

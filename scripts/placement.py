@@ -20,7 +20,6 @@ CLOUDFLARE_API_BASE (default https://api.cloudflare.com/client/v4).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from colocate import cli  # noqa: E402
 from colocate.errors import ScriptError  # noqa: E402
 
 API_BASE = "https://api.cloudflare.com/client/v4"
@@ -120,8 +120,8 @@ def apply(account: str, script: str, placement: dict, token: str, base: str = AP
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="placement.py", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = cli.Parser(prog="placement.py", description=__doc__.split("\n\n")[0])
+    sub = cli.subcommands(p, dest="command", required=True)
     a = sub.add_parser("apply", help="set the script's placement from the JSON block on stdin")
     a.add_argument("--account", required=True)
     a.add_argument("--script", required=True)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import catalogue, stackfile  # noqa: E402
+from colocate import catalogue, cli, stackfile  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
 from colocate.plan import POD_PATHS, placement_mode  # noqa: E402
 from colocate.probe import budgets, connections, keys, outputs, report, sample  # noqa: E402
@@ -48,8 +48,8 @@ MAX_SAMPLES = 1000
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="probe.py", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url", nargs="?", metavar="URL", help="the Worker's base URL (default: the stack's workerUrl output)")
     p.add_argument("--token", help=f"the read token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
     p.add_argument("--key", help=f"client key for the routed samples; prefer {keys.KEY_ENV}. Without one the probe "

@@ -19,15 +19,18 @@
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
 new pod before deleting the old one and swaps workerd without dropping a request;
-``status`` prints what runs and whether it is healthy; ``down`` stops everything. A
-``down``, ``status`` or ``apply`` that finds no sandbox where it looked exits 1 (``apply``: 2)
-and names the sandboxes that do run. With
+``status`` prints what runs and whether it is healthy; ``down`` stops everything. A second
+``up`` with the same options, or a ``down`` of a stopped sandbox, exits 0 with a one-line note.
+A ``status`` or ``apply`` that finds no sandbox where it looked exits 1 (``apply``: 2), as does a
+``down`` where no sandbox was ever started while one runs elsewhere; each names the sandboxes
+that do run. With
 ``--fleet F`` (a fleet stack, docs/fleet.md) each acts on every member cell and the front
 door: ``up --fleet`` prints one JSON object with an entry URL per client site, the cells and
 one client key that works fleet-wide. Exit 0 on
-success, 1 when ``status`` finds the sandbox unhealthy or nothing running, ``down`` finds nothing
-to stop or ``demo`` fails a step, 2 on a usage
-or configuration error (including a second ``up``). See docs/sandbox.md.
+success, 1 when ``status`` finds the sandbox unhealthy or nothing running, ``down`` finds no
+sandbox ever started where it looked while one runs elsewhere, or ``demo`` fails a step, 2 on a
+usage or configuration error (including an ``up`` with other options of a sandbox that runs).
+Printed commands name this script by absolute path: they run as pasted anywhere. See docs/sandbox.md.
 """
 
 # A Ctrl-C while Python loads the kit is held until the imports are done, then ends the
@@ -55,10 +58,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from colocate import stackfile
+from colocate.cli import Parser, subcommands  # main's own `cli` flag is another thing
 from colocate.errors import ConfigError
 from colocate.sandbox import errors as supervisor_errors, fleet as sandbox_fleet, supervisor
 from colocate.sandbox.errors import SandboxError
-from colocate.sandbox.statedir import LOGS_DIR  # noqa: E402
+from colocate.sandbox.statedir import FLEET_OUT_FILE, LAUNCH_FILE, LOGS_DIR, READY_FILE, read_json  # noqa: E402
 
 if _held:
     print("sandbox.py: interrupted while loading, before doing anything", file=sys.stderr)
@@ -69,9 +73,9 @@ DEFAULT_STACK = "sandbox"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sandbox.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(prog="sandbox.py", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = subcommands(p, dest="cmd", required=True)
 
     def where(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--stack", default=DEFAULT_STACK, help=f"stack name (default {DEFAULT_STACK})")
@@ -143,8 +147,8 @@ def _where_flags(args, state_dir: Path, stack: str | None = None) -> str:
     return supervisor.where_command(state_dir, stack or getattr(args, "stack", None) or DEFAULT_STACK)
 
 
-def _others(exclude: Path | None = None) -> str:
-    return supervisor.where_sandboxes_run(exclude)
+def _others(exclude: Path | None = None, verb: str = "status") -> str:
+    return supervisor.where_sandboxes_run(exclude, verb)
 
 
 def _state_dir(args) -> Path:
@@ -170,6 +174,19 @@ def _up_summary(out: dict, args) -> str:
     use = (f"; client key {key}: OpenAI(base_url=\"{out['worker_url']}/v1\", api_key=\"{key}\")" if key else "")
     return (f"sandbox.py up: stack {out['stack']} ({out['region']}) serves at {out['worker_url']}{use}. "
             f"Next: `{CMD} status {where}`, then `{CMD} down {where}`")
+
+
+def _up_again(exc: supervisor_errors.AlreadyRunning, args, state_dir: Path) -> int:
+    """A second ``up`` of what already runs, as it was started: the running cell's JSON and a
+    one-line note, exit 0. Started otherwise (another site, geography or stacks directory): refused."""
+    ready = read_json(Path(state_dir).resolve() / READY_FILE) if exc.same else None
+    if not ready:
+        raise exc
+    print(json.dumps(ready, indent=2, sort_keys=True), flush=True)
+    where = _where_flags(args, Path(ready["state_dir"]), ready.get("stack"))
+    print(f"sandbox.py up: stack {ready.get('stack')} already runs in {ready['state_dir']} as asked; nothing started. "
+          f"Next: `{CMD} status {where}`, or `{CMD} apply {where}` to deploy a changed stack file", file=sys.stderr)
+    return 0
 
 
 def _unhealthy_parts(out: dict) -> list[str]:
@@ -275,9 +292,18 @@ def _fleet_command(args, fleet: str, state_dir: Path) -> int:
                            "force a split on one cell with `up --stack CELL --force-split`")
     if args.cmd == "up":
         try:
-            out = sandbox_fleet.up(fleet, state_dir=state_dir, stacks_dir=args.stacks_dir,
-                                   sandboxes_dir=args.sandboxes_dir, client_sites=tuple(args.client_site),
-                                   stretch=args.stretch, rtt=tuple(args.rtt), timeout_s=args.timeout)
+            try:
+                out = sandbox_fleet.up(fleet, state_dir=state_dir, stacks_dir=args.stacks_dir,
+                                       sandboxes_dir=args.sandboxes_dir, client_sites=tuple(args.client_site),
+                                       stretch=args.stretch, rtt=tuple(args.rtt), timeout_s=args.timeout)
+            except supervisor_errors.AlreadyRunning as exc:
+                ready = read_json(Path(state_dir).resolve() / FLEET_OUT_FILE) if exc.same else None
+                if not ready:
+                    raise
+                print(json.dumps(ready, indent=2, sort_keys=True), flush=True)
+                print(f"sandbox.py up: the fleet {fleet} already runs in {ready['state_dir']} as asked; nothing started. "
+                      f"Next: `{CMD} status {where}`", file=sys.stderr)
+                return 0
             if _swallowed:
                 raise KeyboardInterrupt
             print(json.dumps(out, indent=2, sort_keys=True), flush=True)
@@ -376,9 +402,12 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
                                    "site. Fix: give it once, or run a fleet (--fleet F) for one entry per site")
             state_dir = _state_dir(args)
             try:
-                out = supervisor.up(args.stack, state_dir=state_dir, stacks_dir=args.stacks_dir,
-                                    client_site=(args.client_site or [None])[0], stretch=args.stretch, rtt=tuple(args.rtt),
-                                    force_split=args.force_split, timeout_s=args.timeout)
+                try:
+                    out = supervisor.up(args.stack, state_dir=state_dir, stacks_dir=args.stacks_dir,
+                                        client_site=(args.client_site or [None])[0], stretch=args.stretch,
+                                        rtt=tuple(args.rtt), force_split=args.force_split, timeout_s=args.timeout)
+                except supervisor_errors.AlreadyRunning as exc:
+                    return _up_again(exc, args, state_dir)
                 if _swallowed:
                     raise KeyboardInterrupt  # the user did press Ctrl-C during up
                 print(json.dumps(out, indent=2, sort_keys=True), flush=True)
@@ -398,12 +427,22 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             return 0
         if args.cmd == "down":
             state_dir = _state_dir(args)
+            ran_here = (Path(state_dir) / LAUNCH_FILE).exists()  # before down: a sandbox was started here once
             out = supervisor.down(state_dir, quiet=True)
             print(json.dumps(out, sort_keys=True))
             if out["was_running"]:
                 print(f"sandbox.py down: stopped the sandbox in {out['state_dir']}", file=sys.stderr)
                 return 0
-            print(f"sandbox.py down: nothing was running in {out['state_dir']}: nothing stopped; {_others(state_dir)}",
+            others = _others(state_dir, "down")
+            if ran_here or not supervisor.running_sandboxes():
+                # Stopping what is stopped succeeds, as `docker compose down` does: a script's trap
+                # or a second `down` is not an error.
+                print(f"sandbox.py down: nothing runs in {out['state_dir']} (already stopped)"
+                      + ("" if ran_here else f"; {others}"), file=sys.stderr)
+                return 0
+            # No sandbox was ever started here while one runs elsewhere: most likely the wrong
+            # directory (a forgotten --state-dir), so say which `down` was meant.
+            print(f"sandbox.py down: no sandbox was ever started in {out['state_dir']}: nothing stopped; {others}",
                   file=sys.stderr)
             return 1
         if args.cmd == "status":

@@ -134,7 +134,8 @@ def test_a_key_may_hold_a_cap_of_its_own(monkeypatch, capsys):
     """keys.py create --fallback-usd-per-day: the key's own cap, in place of the cell's per-key one."""
     from scripts import keys
 
-    raw = {"fallbackPrice": {"input": PRICE, "output": PRICE}, "fallbackCap": {"keyUsdPerDay": round(10 * COST, 2)}}
+    raw = {"fallbackPrice": {"input": PRICE, "output": PRICE},
+           "fallbackCap": {"cellUsdPerDay": 0, "keyUsdPerDay": round(10 * COST, 2)}}
     own = round(0.5 * COST, 2)
     with running_cell({"stateTtlMs": 60_000}, split_tokens=True, **raw) as cell:
         monkeypatch.setenv("COLOCATE_ADMIN_TOKEN", OPERATOR_TOKENS["adminToken"])
@@ -167,6 +168,79 @@ def test_a_cap_needs_the_fallbacks_price_and_names_each_bad_field():
         settings.parse_fallback_cap({"dailyUsd": 5}, price)
     with pytest.raises(ConfigError, match=r"colocate:fallbackCap.*must be a mapping"):
         settings.parse_fallback_cap(5, price)
+
+
+def cell_raw(**extra) -> dict:
+    raw = {"region": "us-east", "generations": [{"name": "us-east.g1", "region": "us-east", "status": "active"}],
+           "accountId": "0" * 32, "pod": {"provider": "runpod"}, "worker": {"subdomain": "acme"},
+           "fallbackModel": "gpt-4o-mini", "fallbackPrice": {"input": 2.5, "output": 10}}
+    return {**raw, **extra}
+
+
+SECRETS = frozenset(settings.ALWAYS_SECRET) | {"runpodApiKey"}
+
+
+@pytest.mark.parametrize("cap", [None, {}, {"keyUsdPerDay": 5}])
+def test_a_cell_without_a_daily_cap_is_refused_naming_the_key_a_value_and_zero_as_the_knowing_choice(cap):
+    raw = cell_raw(**({} if cap is None else {"fallbackCap": cap}))
+    with pytest.raises(ConfigError) as err:
+        settings.parse(raw, "t", secrets=SECRETS)
+    assert err.value.key == "colocate:fallbackCap.cellUsdPerDay" and err.value.exit_code == 2
+    assert "pulumi config set --path colocate:fallbackCap.cellUsdPerDay 20" in err.value.fix
+    assert "colocate:fallbackCap.cellUsdPerDay 0 to run with no cap, knowingly" in err.value.fix
+    # Planning a move spends nothing, so it does not ask (pulumi preview does).
+    assert settings.parse(raw, "t", secrets=SECRETS, require_cap=False).fallback_cap[0] == 0.0
+
+
+def test_zero_is_no_cap_chosen_knowingly_and_leaves_the_key_defaults_as_they_are():
+    s = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 0}), "t", secrets=SECRETS)
+    assert s.fallback_cap == (0.0, 0.0) and s.key_defaults["monthly_tokens"] == 1_000_000_000
+
+
+def test_a_keys_default_month_costs_no_more_than_the_cap_allows():
+    # $5 a day for 31 days at the dearer price ($10 per 1M out) is 15.5M tokens.
+    s = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 5}), "t", secrets=SECRETS)
+    assert s.key_defaults["monthly_tokens"] == 15_500_000
+    assert settings.monthly_tokens_within_cap(s.fallback_cap, s.fallback_price) == 15_500_000
+    from colocate import plan
+
+    assert plan.plan_cell(s).worker.binding("DEFAULT_MONTHLY_TOKENS").text == "15500000"  # what the Worker gives a key
+    # The per-key cap, when tighter, is what one key is held to; a generous cap keeps the default.
+    tight = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 5, "keyUsdPerDay": 1}), "t", secrets=SECRETS)
+    assert tight.key_defaults["monthly_tokens"] == 3_100_000
+    loose = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 10_000}), "t", secrets=SECRETS)
+    assert loose.key_defaults["monthly_tokens"] == settings.KEY_LIMIT_DEFAULTS["monthlyTokens"]
+    # An explicit default within the cap stands; above it (or unlimited) it is refused with the bound.
+    at = cell_raw(fallbackCap={"cellUsdPerDay": 5}, keys={"defaults": {"monthlyTokens": 15_500_000}})
+    assert settings.parse(at, "t", secrets=SECRETS).key_defaults["monthly_tokens"] == 15_500_000
+    for too_many in (15_500_001, 0):
+        over = cell_raw(fallbackCap={"cellUsdPerDay": 5}, keys={"defaults": {"monthlyTokens": too_many}})
+        with pytest.raises(ConfigError) as err:
+            settings.parse(over, "t", secrets=SECRETS)
+        assert err.value.key == "colocate:keys.defaults.monthlyTokens" and err.value.value == too_many
+        assert "colocate:fallbackCap.cellUsdPerDay ($5 a day)" in err.value.problem
+        assert "pulumi config set --path colocate:keys.defaults.monthlyTokens 15500000" in err.value.fix
+
+
+def test_preview_refuses_a_stack_without_a_cap_before_declaring_anything():
+    import pulumi
+
+    from tests.support.pulumi_mocks import RecordingMocks, run_program, stack_config
+
+    config, keys = stack_config("apac-jp", drop=("fallbackCap",))
+    mocks = RecordingMocks()
+    with pytest.raises(pulumi.RunError) as err:
+        run_program("apac-jp", config, keys, mocks=mocks)
+    assert str(err.value).startswith("colocate:fallbackCap.cellUsdPerDay: the fallback API's daily spend needs a cap")
+    assert not mocks.resources  # no pod rented, no Worker uploaded
+
+
+@pytest.mark.parametrize("stack", ["apac-jp", "apac-tw", "eu-west", "us-east", "sandbox"])
+def test_every_shipped_cell_names_a_finite_cap_and_its_price(stack):
+    from colocate import stackfile
+
+    raw, _ = stackfile.read_config(stack)
+    assert raw["fallbackCap"]["cellUsdPerDay"] > 0 and set(raw["fallbackPrice"]) == {"input", "output"}
 
 
 def test_cost_shows_todays_fallback_spend_against_the_caps():

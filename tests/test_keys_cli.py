@@ -55,6 +55,22 @@ def test_a_key_made_without_limits_gets_the_cells_finite_defaults_and_says_so(ce
     assert (row["rpm"], row["tpm"], row["monthly_tokens"], row["max_parallel"]) == (3000, 0, 1_000_000_000, 8)
 
 
+def test_create_env_prints_only_the_exports_on_stdout_and_the_limits_on_stderr(cell, token, capsys):
+    code, out, err = run(capsys, "create", "--url", cell.url, "--name", "env-bot", "--rpm", "7", "--env")
+    assert code == 0
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
+    assert set(exports) == {"OPENAI_BASE_URL", "OPENAI_API_KEY"} and exports["OPENAI_API_KEY"].startswith("clc_")
+    assert exports["OPENAI_API_KEY"] not in err  # shown once, where eval takes it
+    assert "env-bot" in err and "limits: rpm 7, tpm 3000000 (default)" in err
+
+
+def test_a_flag_typo_is_named_with_the_flag_meant():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "keys.py"), "create", "--name", "x", "--rmp", "5"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "keys.py: --rmp: unknown flag. Fix: did you mean `--rpm`? (`keys.py --help` lists the flags)"
+
+
 def test_max_parallel_is_set_and_listed(cell, token, capsys):
     code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "par-bot", "--max-parallel", "3", "--json")
     assert code == 0 and json.loads(out)["max_parallel"] == 3

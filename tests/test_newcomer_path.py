@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 README_BLOCK = re.compile(r"\*\*Call it from your app\.\*\*.*?```sh\n(.*?)```", re.S)
-PRINTED_COMMAND = re.compile(r"`(\.venv/bin/python scripts/[^`]*)`")
+PRINTED_COMMAND = re.compile(r"`(\S*\.venv/bin/python \S*scripts/[^`]*)`")  # relative, or absolute (works anywhere)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,10 @@ def test_the_readmes_block_runs_as_written_in_a_fresh_clone(clone, tmp_path):
     assert status.returncode == 1 and json.loads(status.stdout)["running"] is False  # the block's `down` stopped it
     for hint in _hints(status.stderr):
         assert f"--state-dir {mine}" in hint, hint
+    # A printed command works pasted anywhere: the block's `down` hint, run again from elsewhere, is a no-op.
+    down = next(h for h in hints if " down " in h)
+    again = subprocess.run(down, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "(already stopped)" in again.stderr, again.stderr
 
 
 @pytest.fixture(scope="module")

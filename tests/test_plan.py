@@ -23,6 +23,7 @@ def raw_for(region="apac-jp", provider="runpod", **extra):
         "pod": {"provider": provider},
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
+        "fallbackCap": {"cellUsdPerDay": 0},  # no cap, knowingly: the cap's own tests set one
     }
     if provider == "vastai":  # Vast.ai pods are reached through a DNS-only record on a zone
         raw["zone"] = ZONE

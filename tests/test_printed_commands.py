@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from colocate import cli
 from colocate.probe.errors import UsageError
 from tests.support import pysource
 
@@ -67,6 +68,26 @@ def test_printed_commands_name_the_venv_python(path):
     assert bad == [], f"{path.relative_to(ROOT)}: print `.venv/bin/python scripts/...` instead: {bad}"
 
 
+def test_a_suggested_command_runs_from_any_directory(tmp_path):
+    printed = cli.script("sandbox.py")
+    assert printed.startswith(str(ROOT)) and printed.endswith(str(ROOT / "scripts" / "sandbox.py"))
+    proc = subprocess.run(f"{printed} --help", shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "sandbox.py up" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["sandbox.py", "down", "--stat-dir", "/tmp/x"], "sandbox.py: --stat-dir: unknown flag. Fix: did you mean `--state-dir`?"),
+    (["sandbox.py", "stauts"], "sandbox.py: 'stauts': unknown command. Fix: did you mean `status`?"),
+    (["migrate.py", "start", "--stack", "s", "--too", "apac-jp"],
+     "migrate.py start: --too: unknown flag. Fix: did you mean `--to`?"),
+    (["probe.py", "--sampels", "3"], "probe.py: --sampels: unknown flag. Fix: did you mean `--samples`?"),
+])
+def test_a_typo_is_answered_with_what_was_meant_in_the_kits_shape(argv, said):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith(said), proc.stderr
+
+
 def test_a_missing_token_does_not_print_none():
     assert str(UsageError("--token", None, "no read token", "set X")) == "--token: no read token. Fix: set X"
     assert "'abc'" in str(UsageError("--budget", "abc", "bad", "fix"))
@@ -96,10 +117,10 @@ def test_a_sandbox_stack_is_deployed_by_the_sandboxs_own_apply(stacks, capsys):
 
     assert migrate.main(["start", "--stack", "sandbox", "--to", "apac-tw", "--stacks-dir", str(stacks)]) == 0
     out = capsys.readouterr().out
-    assert "Next: `.venv/bin/python scripts/sandbox.py apply --stack sandbox`" in out, out
-    assert "pulumi up -s" not in out and "`.venv/bin/python scripts/migrate.py finish --stack sandbox`" in out
+    assert f"Next: `{cli.script('sandbox.py')} apply --stack sandbox`" in out, out
+    assert "pulumi up -s" not in out and f"`{cli.script('migrate.py')} finish --stack sandbox`" in out
     assert migrate.main(["finish", "--stack", "sandbox", "--stacks-dir", str(stacks)]) == 0
-    assert "Next: `.venv/bin/python scripts/sandbox.py apply --stack sandbox`" in capsys.readouterr().out
+    assert f"Next: `{cli.script('sandbox.py')} apply --stack sandbox`" in capsys.readouterr().out
 
 
 def test_a_cloud_stack_is_deployed_by_pulumi_up(stacks, capsys):
@@ -107,4 +128,4 @@ def test_a_cloud_stack_is_deployed_by_pulumi_up(stacks, capsys):
 
     assert migrate.main(["start", "--stack", "us-east", "--to", "eu-west", "--stacks-dir", str(stacks)]) == 0
     out = capsys.readouterr().out
-    assert "Next: `pulumi up -s us-east`" in out and "`.venv/bin/python scripts/migrate.py finish --stack us-east`" in out
+    assert "Next: `pulumi up -s us-east`" in out and f"`{cli.script('migrate.py')} finish --stack us-east`" in out

@@ -61,6 +61,9 @@ def test_a_short_day_answers_every_request_and_its_totals_are_the_sums_of_its_ce
     assert set(out["served"]) == {"pod", "cell", "fallback"}
     assert sum(out["served"].values()) == out["requests"] - out["failed"]
     assert f"{out['requests']} requests, 0 failed" in r.stderr and "PASS  " in r.stderr
+    # Each thing said once: three cells started and applied at every step, one note that the
+    # sandbox runs its stand-in in place of the stacks' RunPod pods.
+    assert r.stderr.count("colocate:pod.provider is 'runpod'") == 1, r.stderr[-3000:]
     png = state / "demo-autoscale.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert fleet.what_runs(state / "fleet") == []

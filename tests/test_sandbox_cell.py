@@ -185,17 +185,26 @@ def test_cli_up_second_up_and_down(stacks, state_dir):
     summary = up.stderr.strip().splitlines()[-1]
     assert summary.startswith("sandbox.py up: stack sandbox") and cell["worker_url"] in summary
     assert f'OpenAI(base_url="{cell["worker_url"]}/v1", api_key="{cell["key"]}")' in summary
-    assert f"Next: `.venv/bin/python scripts/sandbox.py status --stack sandbox --state-dir {state_dir}`" in summary
+    assert f"Next: `{supervisor.SANDBOX_CMD} status --stack sandbox --state-dir {state_dir}`" in summary
+    # A second identical up succeeds with a one-line note and the running cell's JSON; another one is refused.
     again = subprocess.run(base + ["up", *where, "--stacks-dir", str(stacks)], capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "already running" in again.stderr and again.stdout == ""
+    assert again.returncode == 0 and json.loads(again.stdout)["worker_url"] == cell["worker_url"], again.stderr
+    assert again.stderr.count("\n") == 1 and "already runs in" in again.stderr and "nothing started" in again.stderr
+    other = subprocess.run(base + ["up", *where, "--stacks-dir", str(stacks), "--client-site", "NRT"],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and "already running" in other.stderr and other.stdout == ""
     status = subprocess.run(base + ["status", *where], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout
     assert json.loads(status.stdout)["healthy"] is True
-    assert f"runs at {cell['worker_url']}, healthy. Next: `.venv/bin/python scripts/sandbox.py down" in status.stderr
+    assert f"runs at {cell['worker_url']}, healthy. Next: `{supervisor.SANDBOX_CMD} down" in status.stderr
     down = subprocess.run(base + ["down", *where], capture_output=True, text=True, timeout=60)
     assert down.returncode == 0
     assert json.loads(down.stdout)["was_running"] is True and "stopped the sandbox" in down.stderr
     assert not any(supervisor.alive(p) for p in cell["pids"].values())
+    # Stopping what is stopped succeeds: a second down (a script's trap) is not an error.
+    twice = subprocess.run(base + ["down", *where], capture_output=True, text=True, timeout=60)
+    assert twice.returncode == 0 and json.loads(twice.stdout)["was_running"] is False
+    assert twice.stderr.strip() == f"sandbox.py down: nothing runs in {state_dir} (already stopped)"
 
 
 def test_bad_stack_fails_before_anything_starts(stacks, state_dir, capsys):
@@ -295,9 +304,9 @@ def test_down_and_status_tell_a_typo_and_an_empty_state_dir_from_a_sandbox(tmp_p
         assert code == 2 and out == "", err
         assert "--stack 'sandbx': unknown stack" in err and "sandbox" in err
     empty = tmp_path / "empty"
-    code, out, err = _cli(["down", "--state-dir", str(empty)], capsys)
-    assert code == 1 and json.loads(out)["was_running"] is False
-    assert f"nothing was running in {empty}" in err
+    code, out, err = _cli(["down", "--state-dir", str(empty)], capsys)  # nothing to stop, nothing runs elsewhere
+    assert code == 0 and json.loads(out)["was_running"] is False
+    assert f"nothing runs in {empty} (already stopped); no sandbox runs" in err
     code, out, err = _cli(["status", "--state-dir", str(empty)], capsys)
     assert code == 1 and json.loads(out)["running"] is False and f"nothing runs in {empty}" in err
     assert f"up --stack sandbox --state-dir {empty}" in err  # how to start it there, not somewhere else
@@ -318,7 +327,8 @@ def test_status_without_a_stack_lists_the_sandboxes_that_run(stacks, tmp_path, c
         # `down` of another (valid) stack stops nothing, says so, and names the one that runs
         code, out, err = _cli(["down", "--stack", "sandbox"], capsys)
         assert code == 1 and json.loads(out)["was_running"] is False
-        assert "nothing was running" in err and "mine" in err
+        assert "no sandbox was ever started in" in err and "nothing stopped" in err
+        assert f"{running} (`{supervisor.SANDBOX_CMD} down --stack sandbox --state-dir {running}`)" in err, err
         assert supervisor.status(running)["healthy"] is True
     finally:
         supervisor.down(running, quiet=True)

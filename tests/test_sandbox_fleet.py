@@ -183,9 +183,13 @@ def test_a_cell_without_pods_is_named_by_status_and_its_users_go_to_the_next_cel
     assert "cell apac-jp" not in res.stderr
 
 
-def test_a_second_up_is_refused_and_names_down(running):
+def test_a_second_up_as_asked_succeeds_and_one_asking_otherwise_is_refused_naming_down(running):
+    same = cli("up", "--fleet", "fleet", "--stacks-dir", str(running["stacks"]), "--sandboxes-dir",
+               str(running["sandboxes"]), *(a for s in SITES for a in ("--client-site", s)))
+    assert same.returncode == 0 and json.loads(same.stdout) == running["out"], same.stderr
+    assert same.stderr.count("\n") == 1 and "already runs in" in same.stderr and "nothing started" in same.stderr
     res = cli("up", "--fleet", "fleet", "--stacks-dir", str(running["stacks"]), "--sandboxes-dir",
-              str(running["sandboxes"]))
+              str(running["sandboxes"]))  # other client sites than it runs with
     assert res.returncode == 2 and "already runs" in res.stderr and "down --fleet fleet" in res.stderr, res.stderr
     assert cli("status", *running["where"]).returncode == 1  # us-east still has no pod; nothing else changed
     assert call(running["out"]["entries"]["NRT"], running["out"]["key"]).headers["x-colocate-cell"] == "apac-jp"

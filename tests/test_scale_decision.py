@@ -22,6 +22,7 @@ def raw(**over) -> dict:
         "pod": {"provider": "runpod", "hop": "token"},  # no zone: the open hop, knowingly
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
+        "fallbackCap": {"cellUsdPerDay": 0},  # no cap, knowingly: the cap's own tests set one
         "fallbackPrice": {"input": 0.15, "output": 0.6},
         "scale": {"min": 0, "max": 4, "target": 60},
     }

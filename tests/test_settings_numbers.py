@@ -21,6 +21,7 @@ def parse(**over):
         "pod": {"provider": "runpod"},
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
+        "fallbackCap": {"cellUsdPerDay": 0},  # no cap, knowingly: the cap's own tests set one
     }
     for name, value in over.items():  # "pod.maxPricePerHr" sets one nested key
         top, _, sub = name.partition(".")

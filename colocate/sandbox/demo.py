@@ -136,8 +136,17 @@ def _probe_says(result: dict) -> str:
 
 
 def deadline_ms(e2e_after: list[float]) -> int:
-    """The tightest round deadline every post-migration request met."""
-    return int(math.ceil(max(e2e_after) / DEADLINE_STEP_MS) * DEADLINE_STEP_MS) if e2e_after else 0
+    """The tightest round deadline 90 % of the post-migration requests met (their p90, between
+    ranks): one request that a busy machine held up does not move it past phase 1's fastest."""
+    return int(math.ceil(p90(e2e_after) / DEADLINE_STEP_MS) * DEADLINE_STEP_MS) if e2e_after else 0
+
+
+def p90(values: list[float]) -> float:
+    ranked = sorted(values)
+    at = 0.9 * (len(ranked) - 1)
+    low = int(at)
+    high = min(low + 1, len(ranked) - 1)
+    return ranked[low] + (ranked[high] - ranked[low]) * (at - low)
 
 
 def miss_rate(e2e: list[float], deadline: float) -> float | None:
@@ -357,8 +366,8 @@ def run(state_dir: Path | None = None, samples: int = 10, client_site: str = CLI
     pod_rtt_new  the same on a new connection: TCP, the TLS handshake, then the request.
     miss {deadline} ms  the share of requests slower than {deadline} ms end to end, the deadline a client
            (or a router in front of it) would fall back to a paid API at. {deadline} ms is the next multiple of
-           {DEADLINE_STEP_MS} ms above the slowest request after the migration ({max(after):.0f} ms), so phase 3 meets it
-           by construction; {phase1(before, deadline, client_site)}
+           {DEADLINE_STEP_MS} ms above 90 % of the requests after the migration (p90 {p90(after):.0f} ms), so phase 3
+           meets it (its row says for how many); {phase1(before, deadline, client_site)}
     router fallbk  the share the router itself sent to the fallback (x-colocate-backend: fallback),
            at colocate:worker.deadlineMs.""")
         png = demo.plot(demo.state_dir / PROBES_DIR / DEMO_PLOT_FILE, deadline)

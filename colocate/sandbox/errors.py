@@ -30,7 +30,13 @@ class GeographyError(SandboxError, ValueError):
 
 
 class AlreadyRunning(SandboxError):
-    """Raised by ``up`` when the state directory's lock is held by a running sandbox."""
+    """Raised by ``up`` when the state directory's lock is held by a running sandbox. ``same``:
+    it was started with the same launch (stack, stacks directory, sites, geography), so the
+    ``up`` asked for already holds."""
+
+    def __init__(self, message: str, *, same: bool = False):
+        super().__init__(message)
+        self.same = same
 
 
 class OtherStack(SandboxError):

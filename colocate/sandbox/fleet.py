@@ -94,8 +94,10 @@ def up(fleet_stack: str, *, state_dir: Path | None = None, stacks_dir: Path = st
     state_dir = Path(state_dir or Path(launch.sandboxes_dir) / fleet_stack).resolve()
     cells = [(m, launch.cell_dir(m.stack).resolve()) for m in plan.members]
     if is_fleet_dir(state_dir) and what_runs(state_dir):
+        record = read_object(state_dir / FLEET_LAUNCH_FILE) or {}
         raise AlreadyRunning(f"the fleet {fleet_stack} already runs in {state_dir} ({', '.join(what_runs(state_dir))}); "
-                             f"run `{supervisor.SANDBOX_CMD} down --fleet {fleet_stack} --state-dir {state_dir}` first")
+                             f"run `{supervisor.SANDBOX_CMD} down --fleet {fleet_stack} --state-dir {state_dir}` first",
+                             same={k: record.get(k) for k in launch.as_json()} == launch.as_json())
     for m, cell_dir in cells:
         if cell_dir == state_dir:
             raise ConfigError("--state-dir", str(state_dir), f"is member {m.name}'s state directory",

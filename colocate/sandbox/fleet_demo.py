@@ -191,7 +191,8 @@ class Demo:
         return [(ph, row, self.tally.rows[(ph, row)]) for ph, row in keys]
 
     def table(self) -> str:
-        head = f"    {'phase':<22}{'client':<20}{'served by':<22}{'backend':<18}{'e2e p50/p90 ms':>15}{'n':>5}{'failed':>8}"
+        # "served by" fits a transition's two cells with their counts ("eu-west 41, apac-jp 15").
+        head = f"    {'phase':<22}{'client':<20}{'served by':<26}{'backend':<18}{'e2e p50/p90 ms':>15}{'n':>5}{'failed':>8}"
         lines = [head, "    " + "-" * (len(head) - 4)]
         for ph, row, v in self.rows():
             ok = [s for s in v if s.ok]
@@ -202,7 +203,7 @@ class Demo:
             back = ", ".join(f"{b}" + (f" {k}" if len(backends) > 1 else "") for b, k in backends.most_common())
             p50, p90 = p(e2e, 50), p(e2e, 90)
             e = f"{p50:.0f}/{p90:.0f}" if p50 is not None else "n/a"
-            lines.append(f"    {ph:<22}{row:<20}{served or '-':<22}{back or '-':<18}{e:>15}{len(v):>5}{len(v) - len(ok):>8}")
+            lines.append(f"    {ph:<22}{row:<20}{served or '-':<25} {back or '-':<18}{e:>15}{len(v):>5}{len(v) - len(ok):>8}")
         return "\n".join(lines)
 
     def hop_costs(self, n: int = HOP_SAMPLES) -> str:

@@ -46,12 +46,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..cli import script
 from .errors import OtherStack
 
 ROOT = Path(__file__).resolve().parents[2]
 # fallbackUrl is the fallback's URL, known at start
 SANDBOX_SECRETS = ("podToken", "readToken", "adminToken", "exchangeToken", "fallbackApiKey")
-SANDBOX_CMD = ".venv/bin/python scripts/sandbox.py"  # every command we print runs as printed from the root
+SANDBOX_CMD = script("sandbox.py")  # every command we print runs as printed, from any directory
 SANDBOXES_DIR = ROOT / ".colocate" / "sandbox"
 
 
@@ -172,12 +173,13 @@ def where_command(state_dir: Path, stack: str | None = None) -> str:
     return f"--stack {stack} --state-dir {state_dir}"
 
 
-def where_sandboxes_run(exclude: Path | None = None) -> str:
-    """One sentence for a command that found no sandbox where it looked: where sandboxes do run."""
+def where_sandboxes_run(exclude: Path | None = None, verb: str = "status") -> str:
+    """One sentence for a command that found no sandbox where it looked: where sandboxes do run,
+    each with the command (``verb``: the one the user ran, e.g. ``down``) that names it."""
     runs = [d for d in running_sandboxes() if exclude is None or d.resolve() != Path(exclude).resolve()]
     if not runs:
         return "no sandbox runs under .colocate/sandbox/ or in a --state-dir `up` was given"
-    return "sandboxes that run: " + ", ".join(f"{d} (`{SANDBOX_CMD} status {where_command(d)}`)" for d in runs)
+    return "sandboxes that run: " + ", ".join(f"{d} (`{SANDBOX_CMD} {verb} {where_command(d)}`)" for d in runs)
 
 
 def log_line(msg: str, who: str = "sandbox") -> None:

@@ -89,14 +89,14 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         site(client_site, "--client-site")
     _, notes = build_plan(launch)  # a bad stack fails here too
     check_owner(state_dir, stack)
-    for note in notes:
-        log_line(note)
     (state_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     fd = try_lock(state_dir)
     if fd is None:
         pids = ", ".join(f"{k} {v}" for k, v in recorded_pids(state_dir).items() if v)
         raise AlreadyRunning(f"a sandbox is already running in {state_dir} (pids {pids or 'unknown'}); "
-                             f"run `{SANDBOX_CMD} down --state-dir {state_dir}` first")
+                             f"run `{SANDBOX_CMD} down --state-dir {state_dir}` first",
+                             same=(read_json(state_dir / LAUNCH_FILE) or {}) == launch.as_json())
+    say_once(notes)
     launched = False
     try:
         remember(state_dir)
@@ -143,6 +143,18 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         raise
 
 
+_said: set[str] = set()
+
+
+def say_once(notes: list[str]) -> None:
+    """A plan's notes, each once per process: a demo that starts and applies many cells of the
+    same kind (demo-autoscale: three cells, each applied at every scaling step) says it once."""
+    for note in notes:
+        if note not in _said:
+            _said.add(note)
+            log_line(note)
+
+
 def stop_runner(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S + CHILD_TIMEOUT_S) -> bool:
     """Stop the runner ``up`` launched, even one that has not said who it is yet: while the
     lock is held (by the launcher or the runner), wait for the runner's own run.json and stop
@@ -176,8 +188,7 @@ def apply(stack: str, *, state_dir: Path | None = None, stacks_dir: Path | None 
     launch = Launch(stack, str(Path(stacks_dir or old.stacks_dir).resolve()), old.client_site, old.stretch, old.rtt,
                     force_split)
     _, notes = build_plan(launch)  # a bad stack fails here, and the running cell is untouched
-    for note in notes:
-        log_line(note)
+    say_once(notes)
     handed = False
     try:
         with deferred_signals():  # the hand-over is whole: the launch file and the signal, or neither

@@ -1,0 +1,151 @@
+"""`make test`, `make test-fast`, `make lint`: run each suite with its whole output in a log file,
+print one line per suite (and the slowest tests, and the skips), and every failure's output.
+
+    python -m tests.suites lint js py      (make test)
+    python -m tests.suites fast            (make test-fast)
+
+Each failing run keeps its failures in a file of its own, `.colocate/test-failures/<UTC time>.txt`
+(never overwritten by a later run, so a failure seen once can be read later), named on the last
+line. Exit 0 when every suite passed, 1 otherwise. docs/testing.md says why each option is set.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = str(ROOT / ".venv" / "bin" / "python")
+LOGS = ROOT / ".colocate" / "test-logs"
+FAILURES = ROOT / ".colocate" / "test-failures"
+SHOWN_PER_SUITE = 80  # failure lines printed per suite; the file holds them all
+
+# Six workers for the whole suite, four for the inner loop; one file per worker at a time, longest
+# first (tests/conftest.py); the ten slowest tests printed so that a regression shows.
+PYTEST = ["-m", "pytest", "-q", "--dist", "loadfile", "--no-loadscope-reorder", "--durations=10", "-rfEs"]
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    log: str
+
+
+SUITES: dict[str, list[Step]] = {
+    "lint": [Step("ruff", [str(ROOT / ".venv" / "bin" / "ruff"), "check", "--quiet", "."], "lint"),
+             Step("tsc", [str(ROOT / "node_modules" / ".bin" / "tsc"), "-p", "worker/tsconfig.json"], "lint"),
+             Step("mypy", [str(ROOT / ".venv" / "bin" / "mypy")], "lint")],
+    # The dot reporter prints one character per test and, at the end, each failure with its error.
+    "js": [Step("node", ["node", "--test", "--test-concurrency=4", "--test-reporter=dot",
+                         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "worker" / "test").glob("*.test.js"))],
+                "node")],
+    "py": [Step("pytest", [PY, *PYTEST, "-n", "6"], "pytest")],
+    "fast": [Step("pytest (not slow)", [PY, *PYTEST, "-n", "4", "-m", "not slow"], "pytest-fast")],
+}
+
+
+def run(step: Step) -> tuple[int, str, float]:
+    """Run one step with its output going straight to its log (`tail -f` shows it live)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    path = LOGS / f"{step.log}.log"
+    t0 = time.monotonic()
+    with open(path, "a") as log:
+        log.write(f"$ {' '.join(step.argv)}\n")
+        log.flush()
+        start = log.tell()
+        code = subprocess.run(step.argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT).returncode
+    with open(path, errors="replace") as log:
+        log.seek(start)
+        return code, log.read(), time.monotonic() - t0
+
+
+def pytest_summary(out: str) -> tuple[str, list[str], str]:
+    """(the final counts line, the lines worth printing when it passed, the failures' text)."""
+    lines = out.rstrip().splitlines()
+    counts = lines[-1].strip("= ") if lines else "no output"
+    shown = []
+    if (start := _index(lines, r"=+ slowest \d+ durations =+")) is not None:
+        shown += [ln for ln in lines[start + 1:start + 12] if re.match(r"\d+\.\d+s ", ln)]
+    shown += [ln for ln in lines if ln.startswith("SKIPPED")]
+    failed = ""
+    begin = _index(lines, r"=+ (FAILURES|ERRORS) =+")
+    if begin is not None:  # the tracebacks and captured output, up to the next section; then the one-line list
+        end = next((i for i in range(begin + 1, len(lines)) if re.fullmatch(r"=+ (slowest|short test summary).*=+",
+                                                                             lines[i].strip())), len(lines))
+        failed = "\n".join([*lines[begin:end], *(ln for ln in lines[end:] if ln.startswith(("FAILED ", "ERROR ")))])
+    return counts, shown, failed
+
+
+def node_summary(out: str) -> tuple[str, str]:
+    """(the counts, the failures' text: the dot reporter's "Failed tests:" section)."""
+    marks = "".join(ln.strip() for ln in out.splitlines() if re.fullmatch(r"[.X]+", ln.strip()))  # a dot per test
+    # The dot reporter marks a skipped test as it marks a passing one.
+    line = f"{len(marks)} tests, {marks.count('X') or 'none'} failed" if marks else ""
+    at = out.find("Failed tests:")
+    return line, (out[at:].strip() if at >= 0 else "")
+
+
+def _shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def _index(lines: list[str], pattern: str) -> int | None:
+    return next((i for i, ln in enumerate(lines) if re.fullmatch(pattern, ln.strip())), None)
+
+
+def _short(text: str, limit: int = SHOWN_PER_SUITE) -> str:
+    lines = text.splitlines()
+    return "\n".join(lines if len(lines) <= limit else [*lines[:limit], f"... ({len(lines) - limit} more lines in the file)"])
+
+
+def main(argv: list[str], suites: dict[str, list[Step]] = SUITES) -> int:
+    wanted = argv or ["lint", "js", "py"]
+    unknown = [w for w in wanted if w not in suites]
+    if unknown:
+        print(f"suites.py: {unknown[0]!r}: unknown suite. Fix: one of {', '.join(suites)}", file=sys.stderr)
+        return 2
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for name in {s.log for w in wanted for s in suites[w]}:
+        (LOGS / f"{name}.log").unlink(missing_ok=True)
+    failures: list[tuple[str, str]] = []
+    t0 = time.monotonic()
+    for suite in wanted:
+        for step in suites[suite]:
+            code, out, took = run(step)
+            log = _shown(LOGS / f"{step.log}.log")
+            if step.log == "lint":
+                failed = out.strip() if code else ""
+                line = "passed" if not code else f"FAILED (exit {code})"
+            elif step.log == "node":
+                line, failed = node_summary(out)
+                failed = failed or ("" if not code else "\n".join(out.rstrip().splitlines()[-60:]))
+            else:
+                line, shown, failed = pytest_summary(out)
+                failed = failed or ("" if not code else "\n".join(out.rstrip().splitlines()[-60:]))
+            print(f"{step.name}: {line or ('passed' if not code else f'exit {code}')} ({took:.0f} s; log: {log})",
+                  flush=True)
+            if step.log.startswith("pytest"):
+                for ln in shown:
+                    print(f"  {ln}")
+            if code:
+                failures.append((step.name, failed or f"exit {code} and no output; see {log}"))
+                print(_short(failures[-1][1]), flush=True)
+    took = time.monotonic() - t0
+    if not failures:
+        print(f"all passed: {', '.join(wanted)} in {took:.0f} s")
+        return 0
+    FAILURES.mkdir(parents=True, exist_ok=True)
+    path = FAILURES / f"{stamp}.txt"
+    path.write_text("".join(f"==== {name} (run started {stamp}; its whole output: {LOGS}/)\n{text}\n\n"
+                            for name, text in failures))
+    print(f"FAILED: {', '.join(n for n, _ in failures)} in {took:.0f} s; every failure's output is in {path}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""tests/suites.py, the driver of `make test`: one line per passing suite, every failure's output
+on the terminal and in a file of its own that the last line names, exit 1 on any failure. Real
+pytest and node runs of small test files written here."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import suites
+
+pytestmark = pytest.mark.slow
+
+PY_TESTS = '''
+import sys
+import pytest
+
+def test_ok():
+    pass
+
+def test_bad():
+    print("said on stdout")
+    print("said on stderr", file=sys.stderr)
+    assert 1 == 2
+
+@pytest.mark.skip(reason="no wrk here")
+def test_skipped():
+    pass
+'''
+JS_TESTS = '''
+const test = require("node:test");
+const assert = require("node:assert");
+test("passes", () => {});
+test("fails here", () => { assert.equal(1, 2); });
+'''
+
+
+@pytest.fixture
+def where(tmp_path, monkeypatch):
+    monkeypatch.setattr(suites, "LOGS", tmp_path / "logs")
+    monkeypatch.setattr(suites, "FAILURES", tmp_path / "failures")
+    (tmp_path / "test_x.py").write_text(PY_TESTS)
+    (tmp_path / "x.test.cjs").write_text(JS_TESTS)
+    return tmp_path
+
+
+def steps(where, *, failing: bool) -> dict[str, list[suites.Step]]:
+    py = [suites.PY, *suites.PYTEST, "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", str(where),
+          str(where / "test_x.py")]
+    js = ["node", "--test", "--test-reporter=dot", *([] if failing else ["--test-name-pattern", "passes"]),
+          str(where / "x.test.cjs")]
+    if not failing:
+        py += ["-k", "not bad"]
+    return {"x": [suites.Step("pytest", py, "pytest"), suites.Step("node", js, "node")]}
+
+
+def test_a_passing_run_prints_a_line_per_suite_and_the_skips(where, capsys):
+    assert suites.main(["x"], steps(where, failing=False)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"pytest: 1 passed, 1 skipped, 1 deselected in [\d.]+s \(\d+ s; log: .*pytest\.log\)", out[0]), out
+    # then the slowest tests (those over 5 ms: how many depends on the machine's load) and the skip
+    indented = out[1:-2]
+    assert all(re.match(r"  (\d+\.\d+s (setup|call|teardown) |SKIPPED)", ln) for ln in indented), out
+    assert [ln for ln in indented if "SKIPPED" in ln and "no wrk here" in ln]
+    assert re.fullmatch(r"node: 2 tests, none failed \(\d+ s; log: .*node\.log\)", out[-2]), out
+    assert out[-1].startswith("all passed: x in")
+    assert not (where / "failures").exists()
+
+
+def test_a_failing_run_keeps_each_failures_output_in_a_file_it_names_last(where, capsys):
+    assert suites.main(["x"], steps(where, failing=True)) == 1
+    out = capsys.readouterr().out
+    last = out.rstrip().splitlines()[-1]
+    assert "node: 1 tests, 1 failed" in out or "node: 2 tests, 1 failed" in out
+    assert last.startswith("FAILED: pytest, node in ") and "every failure's output is in " in last
+    kept = sorted((where / "failures").glob("*.txt"))
+    assert len(kept) == 1 and last.endswith(str(kept[0]))
+    text = kept[0].read_text()
+    # pytest's traceback with the test's captured output, and its one-line entry; node's error
+    assert "def test_bad():" in text and "said on stdout" in text and "said on stderr" in text
+    assert re.search(r"^FAILED \S*test_x\.py::test_bad", text, re.M), text
+    assert "fails here" in text and "AssertionError" in text and "passes" not in text.split("==== node")[1]
+    assert "said on stdout" in out  # and on the terminal too
+    # A later run never overwrites it: each failing run keeps its own file.
+    import time
+
+    time.sleep(1.1)  # the file is named by the second the run started
+    assert suites.main(["x"], steps(where, failing=True)) == 1
+    assert len(list((where / "failures").glob("*.txt"))) == 2
+
+
+def test_an_unknown_suite_is_a_usage_error(capsys):
+    assert suites.main(["pyy"]) == 2
+    assert "'pyy': unknown suite. Fix: one of lint, js, py, fast" in capsys.readouterr().err
