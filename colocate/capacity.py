@@ -16,15 +16,14 @@ capacity (the knee of its GPU+model profile) and its boot time. Pure: no I/O.
 
 from __future__ import annotations
 
+from .errors import NoCapacity
 from .pods import profiles
 
 BOOT_S = 20 * 60
 BOOT_SOURCE = "~11 GB image + ~5 GB weights: operators report 15-20 min from create to a first token on a fresh host"
 DEFAULT_PROFILE = profiles.DEFAULT_PROFILE
-
-
-class NoCapacity(ValueError):
-    """A profile with neither a fitted knee nor a sweep to read one from (``oracle``: no limit at all)."""
+_FIX = ("name a profile with a knee in colocate:pod.profile (" + ", ".join(n for n in profiles.PROFILES if n != "oracle")
+        + "), or set colocate:scale.target yourself")
 
 
 def sweep_knee_rps(profile: profiles.Profile, budget_ms: float = profiles.DEFAULT_TTFT_P99_BUDGET_MS) -> float | None:
@@ -40,12 +39,12 @@ def knee_rps(profile_name: str = DEFAULT_PROFILE) -> tuple[float, str]:
     try:
         p = profiles.get(profile_name)
     except ValueError as err:
-        raise NoCapacity(str(err)) from None
+        raise NoCapacity(profile_name, str(err), _FIX) from None
     if p.knee_rps > 0:
         return p.knee_rps, f"{p.name}: knee of the stand-in's engine (profiles.knee_rps)"
     knee = sweep_knee_rps(p)
     if knee is None:
-        raise NoCapacity(f"pod profile {p.name!r} has no knee: it models no limit (oracle) or no sweep")
+        raise NoCapacity(p.name, "this pod profile has no knee: it models no limit (oracle) or no sweep", _FIX)
     return knee, (f"{p.name}: the highest rate of its published sweep with TTFT p99 within "
                   f"{profiles.DEFAULT_TTFT_P99_BUDGET_MS:g} ms")
 

@@ -7,7 +7,8 @@ bad configuration or input, 1 for a failure of the world (a provider, a network)
     │   ├── UnknownRegion      a region name the catalogue does not hold
     │   ├── UnsupportedProvider  a GPU provider that cannot serve the region
     │   ├── MissingSetting     a required key (accountId, a secret) is not set
-    │   └── LedgerError        the generation ledger is inconsistent, or a transition is illegal
+    │   ├── LedgerError        the generation ledger is inconsistent, or a transition is illegal
+    │   └── NoCapacity         the pod's profile has no knee to plan capacity from
     ├── ProgramError           Pulumi program layer (infra/errors.py): a ``pulumi.RunError``, shown without a trace
     ├── ScriptError            runtime layer (scripts/ and what they run)
     │   ├── PodError           colocate/pods/errors.py: provider, readiness and pod TLS errors (its own tree)
@@ -62,6 +63,13 @@ class MissingSetting(ConfigError):
 
 class LedgerError(ConfigError):
     """Raised for an inconsistent generation ledger or an illegal migration step."""
+
+
+class NoCapacity(ConfigError):
+    """Raised when the pod's profile has no knee to plan capacity from (``oracle``, or an unknown name)."""
+
+    def __init__(self, value: object, problem: str, fix: str):
+        super().__init__("colocate:pod.profile", value, problem, fix)
 
 
 class ScriptError(ColocateError):

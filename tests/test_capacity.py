@@ -41,5 +41,5 @@ def test_the_policy_the_demo_and_the_ready_wait_take_them():
 
     assert settings.SCALE_DEFAULTS["target"] == capacity.pod_capacity()
     assert settings.parse_scale({"scale": {"max": 2}}, None).target == capacity.pod_capacity()
-    assert autoscale_demo.TARGET_RPM == capacity.pod_capacity() and autoscale_demo.BOOT_S == capacity.BOOT_S == 1200
+    assert capacity.pod_capacity() == autoscale_demo.TARGET_RPM and autoscale_demo.BOOT_S == capacity.BOOT_S == 1200
     assert settings.POD_DEFAULTS["readyTimeoutS"] >= capacity.BOOT_S + 600  # room for a slow pull
