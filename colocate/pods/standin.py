@@ -70,6 +70,8 @@ import ipaddress
 import json
 import math
 import os
+import queue
+import random
 import signal
 import ssl
 import sys
@@ -80,12 +82,12 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from . import podtls
+from . import engine as eng, podtls, profiles
 from .errors import PodError
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
-FAULT_MODES = ("ok", "error", "hang", "slow", "hostile")
+FAULT_MODES = ("ok", "error", "hang", "slow", "slow_tokens", "hostile")
 ATTACKS = ("usage_inflated", "usage_hidden", "headers", "redirect", "oversized")
 OVERSIZED_BYTES = 64 * 1024 * 1024  # four times the router's cap on an answer (forward.js MAX_ANSWER_BYTES)
 INFLATED = 10**300
@@ -102,6 +104,7 @@ _HANG_CAP_S = 300.0  # a hang with no delay lasts until shutdown, but never long
 # {"error": {"message", "type", "param", "code": <status>}} (vLLM >= 0.10's ErrorResponse).
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: a bigger n is refused
 MAX_MODEL_LEN = 8192  # the kit's pods run with --max-model-len 8192 (PodSpec.vllm_args)
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")  # vLLM's ResponseFormat types
 _TRUE = {"1", "on", "t", "true", "y", "yes"}  # pydantic's lax bool strings (stream: "yes" is True)
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
@@ -161,9 +164,10 @@ def _as_bool(body: dict, field: str) -> bool | None:
     raise _invalid(field, "Input should be a valid boolean", value)
 
 
-def validate(body, chat: bool, served: str | None) -> dict:
+def validate(body, chat: bool, served: str | None, count=None, max_model_len: int = MAX_MODEL_LEN) -> dict:
     """The request as vLLM would take it (``stream`` etc. coerced), or Refused.
-    ``served``: the one model name served, or None to serve any name."""
+    ``served``: the one model name served, or None to serve any name; ``count``: the prompt's
+    tokens (default ``prompt_tokens``, four characters a token)."""
     if not isinstance(body, dict):
         raise Refused("1 validation error for request: Input should be a valid dictionary or object")
     if chat:
@@ -186,8 +190,18 @@ def validate(body, chat: bool, served: str | None) -> dict:
     if model is not None and not isinstance(model, str):
         raise _invalid("model", "Input should be a valid string", model)
     out = dict(body)
-    for field in ("max_tokens", "max_completion_tokens", "n"):
+    for field in ("max_tokens", "max_completion_tokens", "n", "min_tokens"):
         out[field] = _as_int(body, field)
+    out["ignore_eos"] = _as_bool(body, "ignore_eos")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
+        raise _invalid("stop", "Input should be a string or a list of strings", stop)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
+            raise _invalid("response_format", f"type should be one of {', '.join(map(repr, RESPONSE_FORMATS))}", fmt)
+        if fmt["type"] == "json_schema" and not isinstance((fmt.get("json_schema") or {}).get("schema", {}), dict):
+            raise _invalid("response_format.json_schema.schema", "Input should be a valid dictionary", fmt)
     for field in ("temperature", "top_p"):
         out[field] = _as_float(body, field)
     out["stream"] = _as_bool(body, "stream")
@@ -203,6 +217,13 @@ def validate(body, chat: bool, served: str | None) -> dict:
     max_tokens = (out["max_completion_tokens"] if chat else None) or out["max_tokens"]
     if max_tokens is not None and max_tokens < 1:
         raise Refused(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", type_="BadRequestError")
+    min_tokens = out["min_tokens"]
+    if min_tokens is not None and min_tokens < 0:
+        raise Refused(f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens",
+                      type_="BadRequestError")
+    if min_tokens and max_tokens is not None and min_tokens > max_tokens:
+        raise Refused(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+                      "min_tokens", type_="BadRequestError")
     n = 1 if out["n"] is None else out["n"]
     if n < 1:
         raise Refused(f"n must be at least 1, got {n}.", "n", type_="BadRequestError")
@@ -216,15 +237,15 @@ def validate(body, chat: bool, served: str | None) -> dict:
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise Refused(f"top_p must be in (0, 1], got {top_p}.", "top_p", type_="BadRequestError")
     # vLLM's context check (OpenAIServing._validate_input), on the stand-in's token estimate.
-    inputs = prompt_tokens(out)
-    if inputs >= MAX_MODEL_LEN:
-        raise Refused(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has "
+    inputs = (count or prompt_tokens)(out)
+    if inputs >= max_model_len:
+        raise Refused(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
                       f"{inputs} input tokens. Please reduce the length of the input messages.", "input_tokens",
                       type_="BadRequestError")
-    if max_tokens is not None and inputs + max_tokens > MAX_MODEL_LEN:
+    if max_tokens is not None and inputs + max_tokens > max_model_len:
         raise Refused(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                      f"context length is {MAX_MODEL_LEN} tokens and your request has {inputs} input tokens "
-                      f"({max_tokens} > {MAX_MODEL_LEN} - {inputs}).", "max_tokens", type_="BadRequestError")
+                      f"context length is {max_model_len} tokens and your request has {inputs} input tokens "
+                      f"({max_tokens} > {max_model_len} - {inputs}).", "max_tokens", type_="BadRequestError")
     return out
 
 
@@ -239,6 +260,137 @@ OPEN_ROUTES = {"/invocations": "POST", "/tokenize": "POST", "/detokenize": "POST
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
+# ---- the engine in real time ------------------------------------------------------------------
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py), in seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, edge in enumerate(self.buckets):
+            if value <= edge:
+                self.counts[i] += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = [f'{name}_bucket{{{labels},le="{edge}"}} {float(n)}' for edge, n in zip(self.buckets, self.counts, strict=True)]
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.count)}')
+        return [*out, f"{name}_count{{{labels}}} {float(self.count)}", f"{name}_sum{{{labels}}} {self.sum}"]
+
+
+class Ticket:
+    """A request in the engine, as its handler sees it: each token's (index, finished) as its step ends."""
+
+    def __init__(self, rid: str):
+        self.id = rid
+        self.tokens: queue.Queue[tuple[int, bool]] = queue.Queue()
+
+
+class EngineRunner:
+    """One engine, stepped in real time by a thread of its own: it schedules a step, waits the
+    step's duration (times the ``slow_tokens`` factor), then hands out the tokens the step made."""
+
+    def __init__(self, profile: profiles.Profile, seed: int | None = None):
+        self.profile = profile
+        self.engine = eng.Engine(profile)
+        self.rng = random.Random(seed)
+        self.factor = 1.0
+        self._cond = threading.Condition()
+        self._tickets: dict[str, Ticket] = {}
+        self._last: dict[str, float] = {}  # request id -> when its last token was handed out
+        self._arrived: dict[str, float] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self._stopping = threading.Event()
+
+    def start(self, stopping: threading.Event) -> None:
+        self._stopping = stopping
+        threading.Thread(target=self._run, name="standin-engine", daemon=True).start()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def submit(self, prompt: list[int], length: int, salt: str | None) -> Ticket:
+        ticket = Ticket(uuid.uuid4().hex)
+        with self._cond:
+            self.engine.add(eng.Request(ticket.id, prompt, length, salt=salt))
+            self._tickets[ticket.id] = ticket
+            self._arrived[ticket.id] = time.monotonic()
+            self._cond.notify_all()
+        return ticket
+
+    def abort(self, ticket: Ticket) -> None:
+        with self._cond:
+            self.engine.abort(ticket.id)
+            self._forget(ticket.id)
+
+    def _forget(self, rid: str) -> None:
+        self._tickets.pop(rid, None)
+        self._last.pop(rid, None)
+        self._arrived.pop(rid, None)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            with self._cond:
+                if not self.engine.busy:
+                    self._cond.wait(0.5)
+                    continue
+                started = time.monotonic()
+                step = self.engine.step()
+            # Time passes by the step, from when it started: a step's own bookkeeping is not extra time.
+            self._stopping.wait(max(0.0, started + step.duration_s * self.factor - time.monotonic()))
+            now = time.monotonic()
+            with self._cond:
+                for rid, index, finished in step.made:
+                    ticket = self._tickets.get(rid)
+                    if ticket is None:
+                        continue
+                    if index == 0:
+                        self.ttft.observe(now - self._arrived.get(rid, now))
+                    else:
+                        self.itl.observe(now - self._last.get(rid, now))
+                    self._last[rid] = now
+                    ticket.tokens.put((index, finished))
+                    if finished:
+                        self._forget(rid)
+
+    def metrics(self, model: str) -> str:
+        with self._cond:
+            e = self.engine
+            return prometheus_text(model, len(e.running), len(e.waiting), e.kv.usage, e.kv.queries, e.kv.hits,
+                                   e.preemptions, self.ttft, self.itl)
+
+
+def prometheus_text(model: str, running: int, waiting: int, kv_usage: float, queries: int, hits: int,
+                    preemptions: int, ttft: Histogram, itl: Histogram) -> str:
+    """vLLM's /metrics (V1 names) in Prometheus text; counters carry ``_total``, as prometheus_client writes them."""
+    labels = f'engine="0",model_name="{model}"'
+
+    def one(name: str, kind: str, help_: str, value: float) -> list[str]:
+        sample = f"{name}_total" if kind == "counter" else name
+        return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{sample}{{{labels}}} {float(value)}"]
+
+    lines = [*one("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", running),
+             *one("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", waiting),
+             *one("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", kv_usage),
+             *one("vllm:prefix_cache_queries", "counter",
+                  "Prefix cache queries, in terms of number of queried tokens.", queries),
+             *one("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", hits),
+             *one("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", preemptions)]
+    for name, help_, hist in (("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft),
+                              ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itl)):
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name, labels)]
+    return "\n".join(lines) + "\n"
+
+
 class StandinServer(ThreadingHTTPServer):
     """The HTTP server plus the stand-in's state (fault, request count)."""
 
@@ -249,7 +401,11 @@ class StandinServer(ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(self, host: str, port: int, *, compute_ms: float, token: str | None, model: str, name: str = "standin",
-                 any_model: bool = True, tls: ssl.SSLContext | None = None, log=None):
+                 any_model: bool = True, tls: ssl.SSLContext | None = None, log=None,
+                 profile: str | profiles.Profile = "oracle", seed: int | None = None):
+        self.profile = profile if isinstance(profile, profiles.Profile) else profiles.get(profile)
+        # The oracle answers in compute_ms in each handler; a real profile runs one engine for all.
+        self.engine = None if self.profile.oracle_ms is not None else EngineRunner(self.profile, seed)
         self.tls = tls
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.control: _ControlServer | None = None
@@ -260,7 +416,7 @@ class StandinServer(ThreadingHTTPServer):
         self.name = name
         self.stopping = threading.Event()
         self._lock = threading.Lock()
-        self._fault = {"mode": "ok", "delay_ms": 0}
+        self._fault: dict = {"mode": "ok", "delay_ms": 0}
         self._redirected = 0
         self._requests = 0
         self.seen_headers: list[dict[str, str]] = []  # the last 16 inference requests' headers (in-process tests)
@@ -312,6 +468,12 @@ class StandinServer(ThreadingHTTPServer):
         with self._lock:
             return self._requests
 
+    def metrics(self) -> str:
+        """``GET /metrics``: the engine's gauges, counters and histograms (the oracle has no engine: zeros)."""
+        if self.engine is not None:
+            return self.engine.metrics(self.model)
+        return prometheus_text(self.model, 0, 0, 0.0, 0, 0, 0, Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS))
+
     def count_request(self, headers=None) -> None:
         with self._lock:
             self._requests += 1
@@ -344,18 +506,28 @@ class StandinServer(ThreadingHTTPServer):
         with self._lock:
             return dict(self._fault)
 
-    def set_fault(self, mode: str, delay_ms: float = 0, attack: str | None = None) -> None:
+    def set_fault(self, mode: str, delay_ms: float = 0, attack: str | None = None, factor: float | None = None) -> None:
         if mode not in FAULT_MODES:
             raise ValueError(f"fault mode {mode!r} is not one of {', '.join(FAULT_MODES)}")
+        if (mode == "slow_tokens") != (factor is not None):
+            raise ValueError(f"factor {factor!r}: mode slow_tokens takes a factor >= 1 (the token rate is divided by it), "
+                             "other modes none")
+        if factor is not None and not (isinstance(factor, (int, float)) and 1 <= factor <= 1000):
+            raise ValueError(f"factor must be a number from 1 to 1000 (got {factor!r})")
         delay = float(delay_ms)
         if delay < 0:
             raise ValueError(f"delay_ms must be >= 0 (got {delay_ms!r})")
         if (mode == "hostile") != (attack is not None) or (attack is not None and attack not in ATTACKS):
             raise ValueError(f"attack {attack!r}: mode hostile takes one of {', '.join(ATTACKS)}, other modes none")
         with self._lock:
-            self._fault = {"mode": mode, "delay_ms": delay, **({"attack": attack} if attack else {})}
+            self._fault = {"mode": mode, "delay_ms": delay, **({"attack": attack} if attack else {}),
+                           **({"factor": float(factor)} if factor is not None else {})}
+        if self.engine is not None:
+            self.engine.factor = float(factor) if factor is not None else 1.0
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
+        if self.engine is not None:
+            self.engine.start(self.stopping)
         if self.control is not None:
             threading.Thread(target=self.control.serve_forever, kwargs={"poll_interval": poll_interval},
                              name=f"standin-control-{self.control.port}", daemon=True).start()
@@ -364,6 +536,8 @@ class StandinServer(ThreadingHTTPServer):
     def stop(self) -> None:
         """Wake any hanging request, stop serving and close the socket."""
         self.stopping.set()
+        if self.engine is not None:
+            self.engine.wake()
         self.shutdown()
         self.server_close()
         if self.control is not None:
@@ -426,10 +600,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    def _send_text(self, status: int, text: str) -> None:
+    def _send_text(self, status: int, text: str, content_type: str = "text/plain; charset=utf-8") -> None:
         data = text.encode()
         self.send_response(status)
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("x-standin", self.server.name)
         self.end_headers()
@@ -489,7 +663,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _compute(self, fraction: float = 1.0) -> None:
         if self.server.compute_ms > 0:
-            self.server.stopping.wait(self.server.compute_ms * fraction / 1000.0)
+            factor = self.server.fault.get("factor", 1.0)  # slow_tokens: the oracle's tokens come F times slower
+            self.server.stopping.wait(self.server.compute_ms * fraction * factor / 1000.0)
 
     # ---- routes ---------------------------------------------------------
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
@@ -510,6 +685,10 @@ class _Handler(BaseHTTPRequestHandler):
             if self._apply_fault():
                 self._send_json(200, {"object": "list", "data": [
                     {"id": self.server.model, "object": "model", "created": int(time.time()), "owned_by": "colocate"}]})
+            return
+        if path == "/metrics":
+            if self._apply_fault():
+                self._send_text(200, self.server.metrics(), "text/plain; version=0.0.4; charset=utf-8")
             return
         if OPEN_ROUTES.get(path) == "GET":
             return self._open_route(path, b"")
@@ -551,7 +730,15 @@ class _Handler(BaseHTTPRequestHandler):
                 parsed = json.loads(raw or b"null")
             except ValueError:
                 raise Refused("JSON decode error: the request body is not valid JSON") from None
-            body = validate(parsed, chat, None if self.server.any_model else self.server.model)
+            runner = self.server.engine
+            ids: list[int] = []
+
+            def count(out: dict) -> int:
+                ids[:] = eng.tokenize(_prompt_text(out, chat))
+                return len(ids)
+
+            body = validate(parsed, chat, None if self.server.any_model else self.server.model,
+                            *((count, self.server.profile.max_model_len) if runner is not None else ()))
             self.server.seen_bodies = [*self.server.seen_bodies[-15:], parsed]
         except Refused as exc:
             return self._send_json(exc.status, exc.body())
@@ -568,6 +755,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._oversized_stream(chat) if body.get("stream") else self._oversized()
         options = body.get("stream_options")
         model = body.get("model") or self.server.model
+        if runner is not None:
+            return self._engine_answer(runner, chat, body, model, ids, attack)
         tokens = _reply_tokens(body, chat, (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens") or 8)
         usage = _usage(body, tokens)
         if attack == "usage_inflated":
@@ -587,6 +776,110 @@ class _Handler(BaseHTTPRequestHandler):
             answer["prompt_logprobs"] = [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "hi"}},
                                          {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "usage"}}]
         self._send_json(200, answer, extra)
+
+    def _engine_answer(self, runner: EngineRunner, chat: bool, body: dict, model: str, prompt: list[int],
+                       attack: str | None) -> None:
+        """The answer as the engine makes it: a stream sends each token as its step ends; a JSON
+        answer goes out at the last token."""
+        profile = runner.profile
+        max_tokens = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
+        with runner._cond:
+            length, finish = eng.answer_length(profile, runner.rng, max_tokens, body.get("min_tokens") or 0,
+                                               bool(body.get("ignore_eos")), room=profile.max_model_len - len(prompt))
+        pieces = answer_pieces(length, body.get("response_format"), bool(body.get("ignore_eos")))
+        pieces, finish = _cut_at_stop(pieces, finish, body.get("stop"), body.get("min_tokens") or 0)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        ticket = runner.submit(prompt, len(pieces), salt)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(pieces), "total_tokens": len(prompt) + len(pieces)}
+        if attack == "usage_inflated":
+            usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
+        extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        created = int(time.time())
+        if body.get("stream"):
+            wants_usage = (body.get("stream_options") or {}).get("include_usage")
+            return self._stream_tokens(runner, ticket, chat, model, rid, created, pieces, finish,
+                                       usage if wants_usage else None, extra)
+        if not self._wait_tokens(runner, ticket, len(pieces), lambda _i: None):
+            return
+        text = "".join(pieces)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
+                  else {"index": 0, "text": text, "finish_reason": finish})
+        answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                  "model": model, "choices": [choice], "usage": usage}
+        if attack == "usage_hidden":
+            answer["prompt_logprobs"] = [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "hi"}},
+                                         {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "usage"}}]
+        self._send_json(200, answer, extra)
+
+    def _wait_tokens(self, runner: EngineRunner, ticket: Ticket, n: int, emit) -> bool:
+        """Call ``emit(index)`` for each of the ``n`` tokens as the engine makes it; False (the
+        request aborted) if the server stops or ``emit`` finds the client gone."""
+        got = 0
+        while got < n:
+            try:
+                index, finished = ticket.tokens.get(timeout=0.5)
+            except queue.Empty:
+                if self.server.stopping.is_set():
+                    runner.abort(ticket)
+                    self.close_connection = True
+                    return False
+                continue
+            got = index + 1
+            try:
+                emit(index)
+            except (BrokenPipeError, ConnectionResetError):
+                runner.abort(ticket)  # vLLM aborts a request whose client left: its blocks are freed
+                self.close_connection = True
+                self.server.count_stream("cut")
+                return False
+            if finished:
+                break
+        return True
+
+    def _stream_tokens(self, runner: EngineRunner, ticket: Ticket, chat: bool, model: str, rid: str, created: int,
+                       pieces: list[str], finish: str, usage: dict | None, extra: dict | None) -> None:
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("x-standin", self.server.name)
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+        except (BrokenPipeError, ConnectionResetError):
+            runner.abort(ticket)
+            self.close_connection = True
+            return
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def emit(i: int) -> None:
+            last = i == len(pieces) - 1
+            if chat:
+                delta = {"role": "assistant", "content": pieces[i]} if i == 0 else {"content": pieces[i]}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish if last else None}
+            else:
+                choice = {"index": 0, "text": pieces[i], "finish_reason": finish if last else None}
+            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if usage is not None:
+                chunk["usage"] = None
+            self._write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        if not self._wait_tokens(runner, ticket, len(pieces), emit):
+            return
+        try:
+            if usage is not None:
+                final = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+                self._write_chunk(f"data: {json.dumps(final)}\n\n".encode())
+            self._write_chunk(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            self.server.count_stream("cut")
+            return
+        self.server.count_stream("completed")
 
     def _oversized(self) -> None:
         """A JSON answer of OVERSIZED_BYTES, chunked (no length to refuse it by), until the client leaves."""
@@ -633,7 +926,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(403, "stand-in controls are local only", "forbidden")
         try:
             body = json.loads(raw or b"{}")
-            self.server.set_fault(body.get("mode", "ok"), body.get("delay_ms", 0) or 0, body.get("attack"))
+            self.server.set_fault(body.get("mode", "ok"), body.get("delay_ms", 0) or 0, body.get("attack"), body.get("factor"))
         except (ValueError, TypeError, AttributeError) as exc:
             return self._error(400, f"bad fault request: {exc}", "invalid_fault")
         self._send_json(200, {"fault": self.server.fault})
@@ -701,6 +994,80 @@ class _ControlHandler(_Handler):
         super().do_POST()
 
 
+def _prompt_text(body: dict, chat: bool) -> str:
+    """What the engine tokenizes: the chat template's text, or the completion's prompt."""
+    if chat:
+        return eng.chat_text(body.get("messages") or [])
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return " ".join(p if isinstance(p, str) else " ".join(map(str, p)) if isinstance(p, list) else str(p)
+                        for p in prompt)
+    return str(prompt)
+
+
+# The answer's words: each a token in any 150k-entry BPE (a common word with its leading space).
+_WORDS = ("This", " is", " the", " colocate", " stand", "-in", " answering", " from", " loopback", ".", " It",
+          " models", " a", " vLLM", " pod", " step", " by", " step", ",", " one", " token", " at", " a", " time")
+
+
+def answer_pieces(n: int, fmt: dict | None = None, ignore_eos: bool = False) -> list[str]:
+    """``n`` tokens of answer text. ``response_format`` json_object or json_schema: a JSON value
+    (an object of one string field, or the schema's required fields), closed by its last token,
+    as guided decoding does; an answer cut short by ``max_tokens`` is cut JSON, as in vLLM."""
+    kind = (fmt or {}).get("type") if isinstance(fmt, dict) else None
+    if kind in ("json_object", "json_schema"):
+        schema = ((fmt or {}).get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if schema and (schema.get("type") != "object" or schema.get("required") or schema.get("properties")):
+            text = json.dumps(_instance(schema))
+            pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+            if ignore_eos and n > len(pieces):
+                pieces += [" "] * (n - len(pieces))  # whitespace after the value: still valid JSON
+            return pieces[:n]
+        head, tail = ['{"', "answer", '":', ' "'], ['"}']
+        body = [(_WORDS[i % len(_WORDS)]).replace('"', "") for i in range(max(0, n - len(head) - len(tail)))]
+        return ([*head, *body, *tail])[:n]
+    return [_WORDS[i % len(_WORDS)] for i in range(n)]
+
+
+def _instance(schema: dict):
+    """A small value that satisfies a JSON schema's common keywords."""
+    if "enum" in schema and schema["enum"]:
+        return schema["enum"][0]
+    if "const" in schema:
+        return schema["const"]
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        return {k: _instance(props.get(k) or {}) for k in schema.get("required") or props}
+    if kind == "array":
+        return [_instance(schema.get("items") or {}) for _ in range(schema.get("minItems") or 0)]
+    if kind in ("integer", "number"):
+        return schema.get("minimum", 0)
+    if kind == "boolean":
+        return True
+    if kind == "null":
+        return None
+    return "x" * (schema.get("minLength") or 0) if kind == "string" else ""
+
+
+def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple[list[str], str]:
+    """vLLM's stop strings: the answer ends before the first one found (not before ``min_tokens``)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    text = ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        if i + 1 < min_tokens:
+            continue
+        for s in stops:
+            if s and s in text:
+                keep = text[:text.index(s)]
+                cut = pieces[:i + 1]
+                cut[-1] = keep[len(text) - len(piece):] if len(keep) > len(text) - len(piece) else ""
+                return cut, "stop"
+    return pieces, finish
+
+
 def _usage(body: dict, tokens: list[str]) -> dict:
     # About four characters a token: enough for limits and usage accounting to have numbers.
     prompt = prompt_tokens(body)
@@ -715,12 +1082,14 @@ def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
 @contextlib.contextmanager
 def serve(compute_ms: float = DEFAULT_COMPUTE_MS, token: str | None = None, model: str = DEFAULT_MODEL,
           host: str = "127.0.0.1", port: int = 0, name: str = "standin", any_model: bool = True,
-          tls: ssl.SSLContext | None = None, log=None) -> Iterator[StandinServer]:
+          tls: ssl.SSLContext | None = None, log=None, profile: str | profiles.Profile = "oracle",
+          seed: int | None = None) -> Iterator[StandinServer]:
     """Run a stand-in in a background thread for the ``with`` block; the port is closed on exit.
     ``tls``: serve mutual TLS with this context (``podtls.server_context``); ``log``: where its
-    lines go (default stderr)."""
+    lines go (default stderr); ``profile``: a name of ``profiles.PROFILES`` (default ``oracle``:
+    every request in ``compute_ms``), ``seed`` the engine's answer lengths."""
     server = StandinServer(host, port, compute_ms=compute_ms, token=token, model=model, name=name, any_model=any_model,
-                           tls=tls, log=log)
+                           tls=tls, log=log, profile=profile, seed=seed)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               name=f"standin-{server.port}", daemon=True)
     thread.start()
@@ -747,6 +1116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="standin", help="echoed in the x-standin response header")
     p.add_argument("--only-model", action="store_true",
                    help="answer another model name with vLLM's 404 (default: any name is served)")
+    p.add_argument("--profile", default="oracle", choices=sorted(profiles.PROFILES),
+                   help="the GPU and model the stand-in behaves as (colocate.pods.profiles; default oracle: "
+                        "every request in --compute-ms)")
+    p.add_argument("--seed", type=int, help="seed of the answer lengths (default: random)")
     p.add_argument("--port-file", type=Path, help="also write {url, port, pid} here once listening")
     args = p.parse_args(argv)
     if args.compute_ms < 0:
@@ -760,7 +1133,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
-                               model=args.model, name=args.name, any_model=not args.only_model, tls=tls)
+                               model=args.model, name=args.name, any_model=not args.only_model, tls=tls,
+                               profile=args.profile, seed=args.seed)
     except OSError as exc:
         print(f"standin: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
