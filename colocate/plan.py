@@ -391,6 +391,7 @@ class PodPlan:
             "min_reliability": s.min_reliability,
             "ready_timeout_s": s.ready_timeout_s,
             "compute_ms": s.compute_ms,
+            "profile": s.profile,
             "index": self.index,
             "path": self.path,
             "tls_name": self.tls_name,
@@ -413,6 +414,8 @@ class PodPlan:
                  f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
         if s.provider == "local":  # the stand-in's compute time; a GPU pod ignores it
             ident.append(f"computeMs={s.compute_ms}")
+            if s.profile != "oracle":  # the default adds nothing: names of pods placed before stay
+                ident.append(f"profile={s.profile}")
         if self.mtls:  # the pod's start command and certificate
             ident.append("hop=mtls")
         if s.renewal:

@@ -17,6 +17,7 @@ from .capacity import pod_capacity
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .errors import ConfigError, MissingSetting
 from .ledger import Ledger
+from .pods.profiles import PROFILES
 
 NS = "colocate"
 # pod_rtt: the pod hop on the Worker's pooled connection; pod_rtt_new: on a new one (colocate/probe/connections.py).
@@ -46,6 +47,9 @@ POD_DEFAULTS = {
     "minReliability": 0.98,
     "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/capacity.py BOOT_S)
     "computeMs": 95,
+    # The local stand-in's GPU and model (colocate.pods.profiles): oracle answers in computeMs at any
+    # load; rtx4090-qwen2.5-7b-int4 behaves as the kit's default pod does under load (docs/pods.md).
+    "profile": "oracle",
     "count": 1,
     "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
     "hop": "auto",  # how the Worker reaches the pod: mutual TLS where it can (docs/pods.md "Who can reach the pod")
@@ -91,7 +95,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("pod", "object", POD_DEFAULTS,
         "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
         "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
-        "readyTimeoutS, computeMs (local only), count (pods in the cell, spread over the region's locations), renewal "
+        "readyTimeoutS, computeMs (local only), profile (local only: the stand-in's GPU and model, "
+        "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
         "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
         "mutual TLS between the Worker and the pod, or the pod token alone; auto refuses RunPod without colocate:zone)."),
     Key("worker", "object", WORKER_DEFAULTS,
@@ -179,6 +184,7 @@ class PodSettings:
     min_cuda_version: str = str(POD_DEFAULTS["minCudaVersion"])  # "" = no floor
     renewal: int = 0  # part of the pods' identity: a new value re-places them
     hop: str = "auto"  # colocate:pod.hop (HOPS)
+    profile: str = str(POD_DEFAULTS["profile"])  # colocate:pod.profile: the local stand-in's (pods.profiles)
 
 
 MAX_PODS = 8
@@ -319,6 +325,7 @@ def parse_pod(raw: dict) -> PodSettings:
         min_cuda_version=_cuda_version(k + "minCudaVersion", p["minCudaVersion"]),
         renewal=_number(k + "renewal", p["renewal"], integer=True, strict=False),
         hop=_string(k + "hop", p["hop"], HOPS),
+        profile=_string(k + "profile", p["profile"], tuple(sorted(PROFILES))),
     )
 
 

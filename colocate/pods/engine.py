@@ -218,11 +218,40 @@ class Step:
     preempted: list[str]
 
 
+class Frontend:
+    """The API server's queue: how long a new request waits before the engine sees it, from the
+    output token rate of the last ``WINDOW_S`` seconds (the server's busy share, rho)."""
+
+    WINDOW_S = 2.0
+    MAX_RHO = 0.98
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self._made: deque[tuple[float, int]] = deque()
+        self._count = 0
+
+    def tokens(self, now: float, n: int) -> None:
+        if n and self.profile.frontend_ms_per_token:
+            self._made.append((now, n))
+            self._count += n
+        while self._made and self._made[0][0] < now - self.WINDOW_S:
+            self._count -= self._made.popleft()[1]
+
+    def rho(self, now: float) -> float:
+        self.tokens(now, 0)
+        return min(self.MAX_RHO, self._count / self.WINDOW_S * self.profile.frontend_ms_per_token / 1000.0)
+
+    def delay_s(self, now: float) -> float:
+        rho = self.rho(now)
+        return self.profile.frontend_queue_ms * rho * rho / (1.0 - rho) / 1000.0
+
+
 class Engine:
     """vLLM's engine core, modelled: ``add`` requests, call ``step`` while ``busy``."""
 
     def __init__(self, profile: Profile, prefix_caching: bool = True):
         self.profile = profile
+        self.frontend = Frontend(profile)
         self.kv = KVCacheManager(profile.kv_blocks, prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -397,6 +426,7 @@ def simulate(profile: Profile, *, requests: int, input_tokens: int, output_token
     engine = Engine(profile)
     given = iter(prompts) if prompts is not None else None
     arrivals: list[tuple[float, int]] = []  # (time, request index)
+    admitted: list[tuple[float, int, float]] = []  # (past the API server, index, arrival)
     sent = 0
     clock = 0.0
     if rate is not None:
@@ -413,20 +443,24 @@ def simulate(profile: Profile, *, requests: int, input_tokens: int, output_token
     done: list[tuple[float, float, float, int]] = []
     steps = 0
     limit = 50 * requests * (output_tokens + input_tokens) + 1000  # bounded: no run spins forever
-    while (arrivals or engine.busy) and steps < limit:
+    while (arrivals or admitted or engine.busy) and steps < limit:
         while arrivals and arrivals[0][0] <= clock:
             at, i = heapq.heappop(arrivals)
+            heapq.heappush(admitted, (at + engine.frontend.delay_s(at), i, at))
+        while admitted and admitted[0][0] <= clock:
+            _t, i, at = heapq.heappop(admitted)
             prompt = next(given) if given is not None else _prompt(rng, input_tokens)
             n, _reason = answer_length(profile, rng, output_tokens, ignore_eos=ignore_eos)
             rid = f"r{i}"
             engine.add(Request(rid, prompt, n, arrival=at))
             meta[rid] = (at, [], n)
         if not engine.busy:
-            clock = arrivals[0][0]
+            clock = min([*(a[0] for a in arrivals[:1]), *(a[0] for a in admitted[:1])])
             continue
         step = engine.step()
         steps += 1
         clock += step.duration_s
+        engine.frontend.tokens(clock, len(step.made))
         for rid, _idx, finished in step.made:
             meta[rid][1].append(clock)
             if finished:

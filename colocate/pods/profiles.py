@@ -64,6 +64,11 @@ class Profile:
     decode_ms_per_seq: float
     prefill_ms_per_token: float
     attention_ms_per_1k_kv: float = 0.0
+    # The API server in front of the engine (one Python process: detokenizing, streaming): a new
+    # request reaches the engine after frontend_queue_ms x rho^2 / (1 - rho), the mean queue of an
+    # M/M/1 server at utilisation rho = output tokens/s x frontend_ms_per_token / 1000.
+    frontend_ms_per_token: float = 0.0
+    frontend_queue_ms: float = 0.0
     gpu_memory_utilization: float = 0.9
     non_kv_gib: float = 1.5  # activations, CUDA graphs, the sampler: what vLLM's profiling run keeps out of the cache
     max_model_len: int = 8192

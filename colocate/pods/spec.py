@@ -51,6 +51,7 @@ class PodSpec:
     index: int  # the pod's place in the cell (colocate:pod.count)
     path: str  # how the Worker reaches it (plan.POD_PATHS): RunPod exposes an HTTP port for its proxy
     tls_name: str  # the name on the pod's certificate when the hop is mutual TLS; "" = plain HTTP
+    profile: str = "oracle"  # the local stand-in's GPU and model (colocate.pods.profiles); a GPU pod ignores it
 
     @property
     def mtls(self) -> bool:
@@ -67,6 +68,8 @@ class PodSpec:
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
+        if isinstance(data.get("profile"), str):  # optional: specs written before it serve the oracle
+            fields["profile"] = data["profile"]
         spec = cls(**fields)
         spec._check()
         return spec

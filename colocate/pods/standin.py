@@ -304,6 +304,7 @@ class EngineRunner:
         self.factor = 1.0
         self._cond = threading.Condition()
         self._tickets: dict[str, Ticket] = {}
+        self._pending: list[tuple[float, eng.Request]] = []
         self._last: dict[str, float] = {}  # request id -> when its last token was handed out
         self._arrived: dict[str, float] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -321,14 +322,29 @@ class EngineRunner:
     def submit(self, prompt: list[int], length: int, salt: str | None) -> Ticket:
         ticket = Ticket(uuid.uuid4().hex)
         with self._cond:
-            self.engine.add(eng.Request(ticket.id, prompt, length, salt=salt))
+            now = time.monotonic()
+            # Past the API server's queue first (Frontend), then into the engine's waiting queue.
+            due = now + self.engine.frontend.delay_s(now) * self.factor
+            self._pending.append((due, eng.Request(ticket.id, prompt, length, salt=salt)))
             self._tickets[ticket.id] = ticket
-            self._arrived[ticket.id] = time.monotonic()
+            self._arrived[ticket.id] = now
             self._cond.notify_all()
         return ticket
 
+    def _admit(self, now: float) -> float | None:
+        """Move the requests past the API server into the engine; when the next one is due."""
+        keep = []
+        for due, req in self._pending:
+            if due <= now:
+                self.engine.add(req)
+            else:
+                keep.append((due, req))
+        self._pending = keep
+        return min((due for due, _r in keep), default=None)
+
     def abort(self, ticket: Ticket) -> None:
         with self._cond:
+            self._pending = [(due, r) for due, r in self._pending if r.id != ticket.id]
             self.engine.abort(ticket.id)
             self._forget(ticket.id)
 
@@ -340,8 +356,9 @@ class EngineRunner:
     def _run(self) -> None:
         while not self._stopping.is_set():
             with self._cond:
+                next_due = self._admit(time.monotonic())
                 if not self.engine.busy:
-                    self._cond.wait(0.5)
+                    self._cond.wait(0.5 if next_due is None else max(0.0, min(0.5, next_due - time.monotonic())))
                     continue
                 started = time.monotonic()
                 step = self.engine.step()
@@ -349,6 +366,7 @@ class EngineRunner:
             self._stopping.wait(max(0.0, started + step.duration_s * self.factor - time.monotonic()))
             now = time.monotonic()
             with self._cond:
+                self.engine.frontend.tokens(now, len(step.made))
                 for rid, index, finished in step.made:
                     ticket = self._tickets.get(rid)
                     if ticket is None:
@@ -1052,19 +1070,26 @@ def _instance(schema: dict):
 
 
 def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple[list[str], str]:
-    """vLLM's stop strings: the answer ends before the first one found (not before ``min_tokens``)."""
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    """vLLM's stop strings: looked for in each new token's text (with the tail before it) once
+    ``min_tokens`` are made; the answer ends before the stop string, the token holding it counted."""
+    stops = [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]
     text = ""
     for i, piece in enumerate(pieces):
+        start = len(text)
         text += piece
         if i + 1 < min_tokens:
             continue
-        for s in stops:
-            if s and s in text:
-                keep = text[:text.index(s)]
-                cut = pieces[:i + 1]
-                cut[-1] = keep[len(text) - len(piece):] if len(keep) > len(text) - len(piece) else ""
-                return cut, "stop"
+        found = [at for s in stops if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if found:
+            keep = text[:min(found)]
+            cut = [*pieces[:i], ""]
+            # The kept text, re-cut along the pieces it spans (the stop string may start in an earlier one).
+            out, pos = [], 0
+            for p in cut[:-1]:
+                out.append(keep[pos:pos + len(p)])
+                pos += len(p)
+            out.append(keep[pos:])
+            return out, "stop"
     return pieces, finish
 
 

@@ -1,0 +1,255 @@
+"""The stand-in's engine (colocate.pods.engine), pure: vLLM v1's scheduler over a profile's numbers, in virtual time."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from colocate.pods import engine, profiles
+from colocate.pods.engine import BLOCK_SIZE, Engine, Request
+
+P = profiles.get(profiles.DEFAULT_PROFILE)
+
+
+def small(**kw) -> profiles.Profile:
+    """The default profile with a KV cache of ``kv_tokens`` (from its bytes per token) and other knobs changed."""
+    kv_tokens = kw.pop("kv_tokens", None)
+    p = dataclasses.replace(P, **kw)
+    if kv_tokens is not None:
+        free = p.gpu_memory_gib * profiles.GIB * p.gpu_memory_utilization - p.weight_gb * 1e9 - p.non_kv_gib * profiles.GIB
+        p = dataclasses.replace(p, kv_bytes_per_token=int(free // kv_tokens))
+        assert abs(p.kv_cache_tokens - kv_tokens) <= BLOCK_SIZE
+    return p
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1 << 30) for _ in range(n)]
+
+
+def run(e: Engine, limit: int = 100_000) -> list[engine.Step]:
+    steps = []
+    while e.busy and len(steps) < limit:
+        steps.append(e.step())
+    assert not e.busy
+    return steps
+
+
+def first_token_step(steps: list[engine.Step], rid: str) -> int:
+    return next(i for i, s in enumerate(steps) if any(r == rid and idx == 0 for r, idx, _f in s.made))
+
+
+# ---- the profile's memory ---------------------------------------------------------------------
+
+def test_the_kv_cache_is_what_the_gpu_holds_after_the_weights():
+    # 24 GiB x 0.9, less 4.5 GB of weights and 1.5 GiB of activations, at 56 KiB a token (Qwen2.5-7B's 28 layers x 4 KV heads).
+    expected = (24 * 0.9 - 1.5) * 2**30 - 4.5e9
+    assert P.kv_bytes_per_token == 57344
+    assert P.kv_cache_tokens == pytest.approx(expected / 57344, abs=BLOCK_SIZE)
+    assert P.kv_cache_tokens % BLOCK_SIZE == 0 and P.kv_blocks == P.kv_cache_tokens // BLOCK_SIZE
+    more = dataclasses.replace(P, gpu_memory_utilization=0.95)
+    assert more.kv_cache_tokens > P.kv_cache_tokens
+
+
+def test_each_profile_decodes_no_faster_than_its_physical_floor():
+    for p in profiles.PROFILES.values():
+        if p.oracle_ms is None:
+            assert p.step_ms(1, 0) >= p.decode_floor_ms, p.name
+    assert P.decode_floor_ms == pytest.approx(4.5e9 / 1008e9 * 1000)
+
+
+def test_unknown_profile_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown pod profile 'h100'.*oracle"):
+        profiles.get("h100")
+
+
+# ---- the scheduler's budgets ------------------------------------------------------------------
+
+def test_a_step_stays_within_the_token_budget_and_the_sequence_cap():
+    p = small(max_num_batched_tokens=512, max_num_seqs=6)
+    e = Engine(p)
+    for i in range(20):
+        e.add(Request(f"r{i}", prompt(300, i), 20))
+    steps = run(e)
+    assert all(sum(s.scheduled.values()) <= 512 for s in steps)
+    assert all(len(s.scheduled) <= 6 for s in steps)
+    assert max(len(s.scheduled) for s in steps) == 6  # the cap was reached, so it was what held them back
+    assert e.finished == 20
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_across_steps():
+    p = small(max_num_batched_tokens=256)
+    e = Engine(p)
+    e.add(Request("long", prompt(1000), 3))
+    steps = run(e)
+    # ceil(1000 / 256) = 4 steps of prefill, the first token made by the fourth, then one token a step.
+    assert [s.prefill_tokens for s in steps[:4]] == [256, 256, 256, 232]
+    assert first_token_step(steps, "long") == 3 and len(steps) == 6
+
+
+def test_decodes_go_first_and_a_new_prompt_takes_what_budget_is_left():
+    p = small(max_num_batched_tokens=100)
+    e = Engine(p)
+    for i in range(10):
+        e.add(Request(f"d{i}", prompt(8, i), 50))
+    e.step()  # ten short prompts in one step
+    e.add(Request("big", prompt(500, 99), 5))
+    s = e.step()
+    assert s.decodes == 10 and s.scheduled["big"] == 90
+
+
+def test_a_step_takes_longer_with_a_bigger_batch():
+    assert P.step_ms(32, 0) > P.step_ms(8, 0) > P.step_ms(1, 0)
+    assert P.step_ms(1, 2000) > P.step_ms(1, 200)
+
+
+# ---- the KV cache: full, preemption, prefix caching ------------------------------------------------
+
+def test_when_the_cache_is_full_new_requests_wait():
+    p = small(kv_tokens=64 * BLOCK_SIZE)  # 64 blocks
+    e = Engine(p)
+    for i in range(6):
+        e.add(Request(f"r{i}", prompt(200, i), 4))  # 13 blocks each: four fit, not five
+    e.step()
+    assert len(e.running) == 4 and len(e.waiting) == 2
+    assert e.kv.usage > 0.8
+    run(e)
+    assert e.finished == 6 and e.kv.usage == 0.0
+
+
+def test_running_requests_are_preempted_when_their_answers_outgrow_the_cache():
+    p = small(kv_tokens=20 * BLOCK_SIZE)
+    e = Engine(p)
+    for i in range(3):
+        e.add(Request(f"r{i}", prompt(90, i), 100))  # 6 blocks each to start, 12 by the end
+    steps = run(e)
+    assert e.preemptions > 0 and any(s.preempted for s in steps)
+    assert e.finished == 3  # each still ends, its prompt recomputed
+
+
+def test_a_repeated_prefix_skips_its_prefill():
+    e = Engine(P)
+    shared = prompt(400)
+    e.add(Request("a", shared + prompt(20, 1), 2))
+    run(e)
+    e.add(Request("b", shared + prompt(20, 2), 2))
+    s = e.step()
+    # 400 tokens = 25 full blocks cached; b prefills only its own 20.
+    assert s.prefill_tokens == 20
+    assert e.kv.hits == 400 and e.kv.queries == 840
+
+
+def test_the_whole_prompt_is_never_a_hit():
+    e = Engine(P)
+    same = prompt(320)  # exactly 20 blocks
+    for rid in ("a", "b"):
+        e.add(Request(rid, same, 1))
+        steps = run(e)
+    assert steps[0].prefill_tokens == BLOCK_SIZE  # the last block is computed again
+
+
+def test_a_salt_keeps_prefixes_apart():
+    e = Engine(P)
+    shared = prompt(400)
+    e.add(Request("a", shared, 1, salt="key-a"))
+    run(e)
+    e.add(Request("b", shared, 1, salt="key-b"))
+    assert e.step().prefill_tokens == 400 and e.kv.hits == 0
+    e.add(Request("c", shared, 1, salt="key-a"))
+    assert e.step().prefill_tokens == BLOCK_SIZE
+
+
+def test_least_recently_used_prefixes_are_evicted_first():
+    p = small(kv_tokens=40 * BLOCK_SIZE)
+    e = Engine(p)
+    a, b, c = prompt(320, 1), prompt(320, 2), prompt(320, 3)  # 20 blocks each (+1 for the answer)
+    for rid, pr in (("a", a), ("b", b)):
+        e.add(Request(rid, pr, 1))
+        run(e)
+    e.add(Request("a2", a, 1))  # a used again: b is now the least recently used
+    run(e)
+    e.add(Request("c", c, 1))  # needs 21 blocks: some cached ones must go
+    run(e)
+    hits = e.kv.hits
+    e.add(Request("a3", a, 1))
+    run(e)
+    assert e.kv.hits - hits == 304  # a survived whole (19 blocks; the last is computed again)
+    hits = e.kv.hits
+    e.add(Request("b2", b, 1))
+    run(e)
+    assert e.kv.hits - hits < 304  # b lost its blocks
+
+
+def test_an_aborted_request_frees_its_blocks():
+    e = Engine(P)
+    e.add(Request("gone", prompt(500), 100))
+    e.step()
+    assert e.kv.usage > 0
+    e.abort("gone")
+    assert not e.busy and e.kv.usage == 0.0
+
+
+# ---- an answer's length, as vLLM takes the request --------------------------------------------------
+
+def test_answer_length_follows_max_min_and_ignore_eos():
+    rng = random.Random(0)
+    assert engine.answer_length(P, rng, 600, ignore_eos=True) == (600, "length")
+    lengths = [engine.answer_length(P, rng, 128)[0] for _ in range(2000)]
+    assert max(lengths) == 128 and min(lengths) >= 1
+    assert any(n < 128 for n in lengths)  # the model's end of sequence comes first, sometimes
+    assert all(engine.answer_length(P, rng, 300, min_tokens=250)[0] >= 250 for _ in range(200))
+    n, reason = engine.answer_length(P, rng, None, room=40)
+    assert n <= 40 and reason in ("stop", "length")
+    # Seeded: the same seed, the same lengths.
+    assert [engine.answer_length(P, random.Random(7), 500) for _ in range(3)] == \
+        [engine.answer_length(P, random.Random(7), 500) for _ in range(3)]
+
+
+def test_the_token_estimate_is_near_four_characters_a_token_on_english():
+    text = ("The router sends each request to the pod with the fewest requests in flight, and a pod that "
+            "fails is taken out of rotation until its breaker closes again. Operators read the numbers "
+            "from the probe, which measures what users feel: the time to the first token and between tokens.")
+    ratio = len(text) / len(engine.tokenize(text))
+    assert 3.5 <= ratio <= 5.0, ratio
+    assert engine.tokenize("a 2024 b") == engine.tokenize("a 2024 b")
+    assert len(engine.tokenize("2024")) == 4  # Qwen's digits: one token each
+
+
+# ---- virtual time: the calibration and the knee -------------------------------------------------------
+
+def test_a_virtual_sweep_runs_in_well_under_a_second_per_point():
+    import time
+
+    t = time.process_time()
+    r = engine.simulate(P, requests=100, input_tokens=256, output_tokens=128, concurrency=16)
+    assert len(r.requests) == 100
+    assert time.process_time() - t < 2.0
+
+
+@pytest.mark.parametrize("point", P.sweep.points if P.sweep else (), ids=lambda pt: f"c{pt.concurrency}")
+def test_the_default_profile_reproduces_its_cited_sweep_within_20_percent(point):
+    sweep = P.sweep
+    assert sweep is not None
+    r = engine.simulate(P, requests=sweep.prompts, input_tokens=sweep.input_tokens,
+                        output_tokens=sweep.output_tokens, concurrency=point.concurrency)
+    assert r.req_s == pytest.approx(point.req_s, rel=0.2)
+    assert r.output_tok_s == pytest.approx(point.output_tok_s, rel=0.2)
+    assert r.ttft_ms(50) == pytest.approx(point.ttft_p50_ms, rel=0.2)
+
+
+def test_the_published_knee_is_the_engines():
+    for p in profiles.PROFILES.values():
+        if p.oracle_ms is None:
+            k = engine.knee(p)
+            assert k.rate == pytest.approx(p.knee_rps, rel=0.05), p.name
+            assert k.ttft_p99_ms <= profiles.DEFAULT_TTFT_P99_BUDGET_MS
+            # Just past the knee, the budget is broken.
+            past = engine.simulate(p, requests=400, input_tokens=p.sweep.input_tokens if p.sweep else 256,
+                                   output_tokens=p.sweep.output_tokens if p.sweep else 128, rate=k.rate * 1.15)
+            assert past.ttft_ms(99) > profiles.DEFAULT_TTFT_P99_BUDGET_MS * 0.8
+
+
+def test_a_tighter_budget_gives_a_lower_knee():
+    assert engine.knee(P, 200).rate < engine.knee(P, 1000).rate

@@ -1,0 +1,150 @@
+"""The stand-in under a real profile, as a process: tokens over time, the slow_tokens fault,
+vLLM's /metrics, what vLLM refuses. Times are asserted as lower bounds (a busy machine only adds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from colocate.pods import profiles, standin
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = profiles.get(profiles.DEFAULT_PROFILE)
+MODEL = "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pod():
+    """A stand-in process under the default profile, serving one model only, as a real pod does."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "POD_TOKEN": "t"}
+    proc = subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port", "0", "--profile", PROFILE.name,
+                             "--model", MODEL, "--only-model", "--seed", "1"], stdout=subprocess.PIPE, env=env, cwd=ROOT)
+    try:
+        line = proc.stdout.readline() if proc.stdout else b""
+        assert line, "the stand-in did not start"
+        yield json.loads(line)["url"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def post(url, body, stream=False):
+    return requests.post(url + "/v1/chat/completions", json={"model": MODEL, **body}, stream=stream, timeout=60,
+                         headers={"Authorization": "Bearer t"})
+
+
+def token_times(url, body) -> tuple[float, list[float], list[dict]]:
+    t0 = time.monotonic()
+    times, chunks = [], []
+    with post(url, {**body, "stream": True}, stream=True) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                times.append(time.monotonic())
+                chunks.append(json.loads(line[6:]))
+    return t0, times, chunks
+
+
+EXACT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40, "min_tokens": 40, "ignore_eos": True}
+
+
+def test_a_stream_emits_its_tokens_one_step_apart(pod):
+    t0, times, chunks = token_times(pod, EXACT)
+    assert len(times) == 40 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # 39 decode steps of one sequence each: no faster than the profile's step, and so no faster than physics.
+    assert times[-1] - times[0] >= 39 * PROFILE.step_ms(1, 0) / 1000 * 0.95
+    assert PROFILE.step_ms(1, 0) >= PROFILE.decode_floor_ms
+
+
+def test_a_non_streamed_answer_is_sent_at_its_last_token(pod):
+    t0 = time.monotonic()
+    r = post(pod, {**EXACT, "max_tokens": 60, "min_tokens": 60})
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert elapsed >= 60 * PROFILE.step_ms(1, 0) / 1000 * 0.95
+
+
+def test_slow_tokens_divides_the_token_rate(pod):
+    _t, times, _c = token_times(pod, EXACT)
+    normal = times[-1] - times[0]
+    control = pod  # without TLS the control routes are on the pod's own port
+    assert requests.post(control + "/_standin/fault", json={"mode": "slow_tokens", "factor": 3}, timeout=5).ok
+    try:
+        _t, times, _c = token_times(pod, EXACT)
+        slow = times[-1] - times[0]
+    finally:
+        requests.post(control + "/_standin/fault", json={"mode": "ok"}, timeout=5)
+    assert slow >= 3 * 39 * PROFILE.step_ms(1, 0) / 1000 * 0.95
+    assert slow > 2 * normal
+    bad = requests.post(control + "/_standin/fault", json={"mode": "slow_tokens"}, timeout=5)
+    assert bad.status_code == 400 and "factor" in bad.json()["error"]["message"]
+
+
+def test_metrics_use_vllms_names(pod):
+    long = {"messages": [{"role": "system", "content": "You answer briefly. " * 60},
+                         {"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert post(pod, long).status_code == 200
+    assert post(pod, long).status_code == 200  # the same prompt again: its prefix is cached
+    text = requests.get(pod + "/metrics", timeout=5).text
+    samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count"):
+        assert name in samples, name
+    assert "# TYPE vllm:prefix_cache_hits counter" in text
+    assert samples["vllm:prefix_cache_hits_total"] >= 300  # most of the second prompt
+    assert samples["vllm:time_to_first_token_seconds_count"] >= 2
+    assert 0.0 <= samples["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+def test_an_unknown_model_is_vllms_404(pod):
+    r = post(pod, {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    assert r.json()["error"] == {"message": "The model `gpt-4o` does not exist.", "type": "NotFoundError",
+                                 "param": "model", "code": 404}
+
+
+def test_max_tokens_and_stop_end_the_answer(pod):
+    r = post(pod, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    assert r.json()["usage"]["completion_tokens"] <= 5
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "ignore_eos": True, "stop": [" answering"]}
+    body = post(pod, ask).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["content"] == "This is the colocate stand-in"
+    assert body["usage"]["completion_tokens"] == 7  # the token holding the stop string is made, not sent
+    # Not before min_tokens: the next " answering" ends it (the answer's words repeat every 24 tokens).
+    body = post(pod, {**ask, "min_tokens": 20}).json()
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 31
+    assert body["choices"][0]["message"]["content"].count(" answering") == 1
+
+
+def test_json_object_answers_are_json(pod):
+    r = post(pod, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                   "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["city", "n"]}
+    r = post(pod, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"city", "n"}
+    r = post(pod, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}})
+    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+
+
+def test_in_process_oracle_stays_the_default():
+    with standin.serve(compute_ms=1) as server:
+        assert server.profile.name == "oracle" and server.engine is None
+        text = requests.get(server.url + "/metrics", timeout=5).text
+        assert "vllm:num_requests_running" in text
