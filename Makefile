@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -118,6 +118,10 @@ bench-fleet-exchange: setup
 # A key's limit across three cells, by lease: admitted / limit per case, and the state wait (docs/fleet.md).
 bench-fleet-limits: setup
 	$(PY) -m bench.fleet_limits
+
+# A concurrency sweep against one OpenAI-compatible server (default: the stand-in, --profile), with its knee (docs/pods.md).
+bench-pod: setup
+	$(PY) -m bench.pod --compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

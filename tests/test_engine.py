@@ -246,9 +246,20 @@ def test_the_published_knee_is_the_engines():
             assert k.rate == pytest.approx(p.knee_rps, rel=0.05), p.name
             assert k.ttft_p99_ms <= profiles.DEFAULT_TTFT_P99_BUDGET_MS
             # Just past the knee, the budget is broken.
-            past = engine.simulate(p, requests=400, input_tokens=p.sweep.input_tokens if p.sweep else 256,
-                                   output_tokens=p.sweep.output_tokens if p.sweep else 128, rate=k.rate * 1.15)
+            past = engine.simulate(p, requests=300, input_tokens=profiles.KNEE_INPUT_TOKENS,
+                                   output_tokens=profiles.KNEE_OUTPUT_TOKENS, rate=k.rate * 1.3)
             assert past.ttft_ms(99) > profiles.DEFAULT_TTFT_P99_BUDGET_MS * 0.8
+
+
+def test_the_a100_profile_matches_its_sources_summary():
+    p, claims = profiles.A100_LLAMA8B, profiles.A100_CLAIMS
+    kw = {"input_tokens": claims["input_tokens"], "output_tokens": claims["output_tokens"], "ignore_eos": True}
+    one = engine.simulate(p, requests=20, concurrency=1, **kw)
+    eight = engine.simulate(p, requests=160, concurrency=8, **kw)
+    assert 1000 / one.itl_ms(50) == pytest.approx(claims["single_stream_tok_s"], rel=0.05)
+    assert eight.output_tok_s / one.output_tok_s == pytest.approx(claims["throughput_gain_c8"], rel=0.1)
+    assert eight.itl_ms(50) < 1.5 * one.itl_ms(50)  # "almost no latency cost"
+    assert p.decode_floor_ms / p.step_ms(1, 0) == pytest.approx(0.77, abs=0.03)  # 77 % of the bandwidth ceiling
 
 
 def test_a_tighter_budget_gives_a_lower_knee():

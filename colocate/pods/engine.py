@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .profiles import BLOCK_SIZE, DEFAULT_TTFT_P99_BUDGET_MS, Profile
+from .profiles import BLOCK_SIZE, DEFAULT_TTFT_P99_BUDGET_MS, KNEE_INPUT_TOKENS, KNEE_OUTPUT_TOKENS, Profile
 
 # ---- the prompt's tokens ---------------------------------------------------------------------
 # No tokenizer can be downloaded here, so prompts are cut into tokens the way a byte-level BPE
@@ -480,13 +480,12 @@ class Knee:
 
 
 def knee(profile: Profile, ttft_p99_budget_ms: float = DEFAULT_TTFT_P99_BUDGET_MS, *,
-         input_tokens: int | None = None, output_tokens: int | None = None, requests: int = 400,
+         input_tokens: int | None = None, output_tokens: int | None = None, requests: int = 300,
          seed: int = 0) -> Knee:
     """The highest Poisson request rate whose TTFT p99 stays within the budget (bisection over
-    virtual-time runs of ``requests`` requests; the profile's sweep workload by default)."""
-    sweep = profile.sweep
-    inp = input_tokens or (sweep.input_tokens if sweep else 256)
-    out = output_tokens or (sweep.output_tokens if sweep else 128)
+    virtual-time runs of ``requests`` requests; by default the workload of ``Profile.knee_rps``)."""
+    inp = input_tokens or KNEE_INPUT_TOKENS
+    out = output_tokens or KNEE_OUTPUT_TOKENS
 
     def run(rate: float) -> Result:
         return simulate(profile, requests=requests, input_tokens=inp, output_tokens=out, rate=rate, seed=seed)
@@ -494,7 +493,7 @@ def knee(profile: Profile, ttft_p99_budget_ms: float = DEFAULT_TTFT_P99_BUDGET_M
     lo, hi = 0.0, 1.0
     while run(hi).ttft_ms(99) <= ttft_p99_budget_ms and hi < 10_000:
         lo, hi = hi, hi * 2
-    for _ in range(12):
+    for _ in range(8):  # to 1/256 of the bracket
         mid = (lo + hi) / 2
         if run(mid).ttft_ms(99) <= ttft_p99_budget_ms:
             lo = mid

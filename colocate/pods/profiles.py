@@ -10,7 +10,8 @@ length or load, for tests that need speed.
 Public names: ``PROFILES`` (name -> Profile), ``DEFAULT_PROFILE`` (the kit's pod),
 ``ORACLE``, ``get(name)``, ``DEFAULT_TTFT_P99_BUDGET_MS`` and, per profile, ``knee_rps`` (the
 highest Poisson request rate of the profile's sweep workload whose TTFT p99 stays within that
-budget; checked against ``engine.knee`` by tests/test_engine.py) and ``decode_floor_ms``.
+budget; checked against ``engine.knee`` by tests/test_engine.py), ``decode_floor_ms`` and
+``knee_rpm`` (the same, per minute: the autoscaler's unit).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ BLOCK_SIZE = 16  # vLLM's KV-cache block: 16 tokens
 # The TTFT p99 a pod may reach at its knee. 1 s: a chat UI's first words within a second (the
 # probe's new TTFT segment uses its own budget; this is the capacity planner's).
 DEFAULT_TTFT_P99_BUDGET_MS = 1000.0
+# The workload a profile's knee_rps is measured on: a short chat turn (the cited 4090 sweep's shape).
+KNEE_INPUT_TOKENS, KNEE_OUTPUT_TOKENS = 256, 128
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,9 @@ class Profile:
     answer_median_tokens: float = 150.0
     answer_sigma: float = 0.6
     sweep: Sweep | None = None
-    knee_rps: float = 0.0  # at DEFAULT_TTFT_P99_BUDGET_MS, on the sweep's workload (engine.knee)
+    # Requests/s at the knee: Poisson arrivals of KNEE_INPUT_TOKENS in, max KNEE_OUTPUT_TOKENS out, TTFT p99
+    # within DEFAULT_TTFT_P99_BUDGET_MS (engine.knee; tests/test_engine.py checks the figure).
+    knee_rps: float = 0.0
     notes: str = ""
     oracle_ms: float | None = None  # set: no engine, every request takes this long (the stand-in of old)
     extra: dict = field(default_factory=dict)
@@ -87,6 +92,10 @@ class Profile:
     def decode_floor_ms(self) -> float:
         """The physical floor of one decode step: every weight read once from GPU memory."""
         return self.weight_gb / self.bandwidth_gb_s * 1000.0
+
+    @property
+    def knee_rpm(self) -> float:
+        return self.knee_rps * 60.0
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -170,11 +179,35 @@ RTX4090_QWEN7B_INT4 = _add(Profile(
     name="rtx4090-qwen2.5-7b-int4", gpu="RTX 4090 24 GB", model="Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4",
     gpu_memory_gib=24.0, bandwidth_gb_s=1008.0, weight_gb=4.5,
     kv_bytes_per_token=28 * 4 * 128 * 2 * 2,  # 28 layers, 4 KV heads, head dim 128, K and V, FP16: 56 KiB
-    step_base_ms=16.5, decode_ms_per_seq=0.30, prefill_ms_per_token=0.075,
-    answer_median_tokens=150.0, answer_sigma=0.75,
-    sweep=RTX4090_SWEEP, knee_rps=0.0,
+    step_base_ms=14.5, decode_ms_per_seq=0.38, prefill_ms_per_token=0.10,
+    frontend_ms_per_token=0.72, frontend_queue_ms=110.0,
+    answer_median_tokens=130.0, answer_sigma=0.86,
+    sweep=RTX4090_SWEEP, knee_rps=8.78,
     notes="timing fitted to a Mistral-7B (FP16) sweep on the same GPU; conservative for INT4",
 ))
+
+A100_SOURCE = ('John Musgrave, "vLLM throughput-latency sweep on NVIDIA A100" '
+               "(https://johnmusgrave.com/p/vllm-throughput-latency-sweep-on): one A100 40GB, vLLM 0.23.0 defaults, "
+               "meta-llama/Llama-3.1-8B-Instruct BF16; vllm bench serve, random 1,024 tokens in, 128 out with "
+               "--ignore-eos, --max-concurrency C, C x 20 prompts. Its summary: one request decodes at about 75 "
+               "tokens/s (77 % of the bandwidth ceiling); concurrency 8 gives 6.6x the throughput at almost no "
+               "latency cost; the knee sits at 8")
+
+# A second GPU: the full table of the source above was not reachable here, so the profile is fitted to
+# the two figures its summary states (A100_CLAIMS) and the rest follows from the model.
+A100_LLAMA8B = _add(Profile(
+    name="a100-40gb-llama3.1-8b", gpu="A100 40GB", model="meta-llama/Llama-3.1-8B-Instruct",
+    gpu_memory_gib=40.0, bandwidth_gb_s=1555.0, weight_gb=16.06,
+    kv_bytes_per_token=32 * 8 * 128 * 2 * 2,  # 32 layers, 8 KV heads, head dim 128, K and V, BF16: 128 KiB
+    # A prompt token costs less than its FLOPs alone (0.05 ms at 62 % of 312 TFLOPS): in a mixed step the
+    # prompt shares the decode's read of the weights, which this linear model folds into the coefficient.
+    step_base_ms=13.2, decode_ms_per_seq=0.10, prefill_ms_per_token=0.04,
+    answer_median_tokens=130.0, answer_sigma=0.86,
+    knee_rps=56.62,
+    notes="fitted to the two figures of its source's summary (A100_CLAIMS); no API-server queue modelled",
+))
+# (concurrency 1: decode tokens/s of one stream; concurrency 8: output throughput / concurrency 1's)
+A100_CLAIMS = {"single_stream_tok_s": 75.0, "throughput_gain_c8": 6.6, "input_tokens": 1024, "output_tokens": 128}
 
 ORACLE = _add(Profile(
     name="oracle", gpu="none", model="standin/qwen2.5-7b-instruct-gptq-int4", gpu_memory_gib=0.0,
