@@ -62,7 +62,8 @@ def test_a_stream_emits_its_tokens_one_step_apart(pod):
     t0, times, chunks = token_times(pod, EXACT)
     assert len(times) == 40 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     # 39 decode steps of one sequence each: no faster than the profile's step, and so no faster than physics.
-    assert times[-1] - times[0] >= 39 * PROFILE.step_ms(1, 0) / 1000 * 0.95
+    # (A late step's lag is made up by the next ones, up to CATCH_UP_S.)
+    assert times[-1] - times[0] >= 39 * PROFILE.step_ms(1, 0) / 1000 - standin.CATCH_UP_S
     assert PROFILE.step_ms(1, 0) >= PROFILE.decode_floor_ms
 
 
@@ -72,7 +73,7 @@ def test_a_non_streamed_answer_is_sent_at_its_last_token(pod):
     elapsed = time.monotonic() - t0
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    assert elapsed >= 60 * PROFILE.step_ms(1, 0) / 1000 * 0.95
+    assert elapsed >= 60 * PROFILE.step_ms(1, 0) / 1000 - standin.CATCH_UP_S
 
 
 def test_slow_tokens_divides_the_token_rate(pod):
@@ -85,7 +86,7 @@ def test_slow_tokens_divides_the_token_rate(pod):
         slow = times[-1] - times[0]
     finally:
         requests.post(control + "/_standin/fault", json={"mode": "ok"}, timeout=5)
-    assert slow >= 3 * 39 * PROFILE.step_ms(1, 0) / 1000 * 0.95
+    assert slow >= 3 * 39 * PROFILE.step_ms(1, 0) / 1000 - standin.CATCH_UP_S
     assert slow > 2 * normal
     bad = requests.post(control + "/_standin/fault", json={"mode": "slow_tokens"}, timeout=5)
     assert bad.status_code == 400 and "factor" in bad.json()["error"]["message"]

@@ -2,8 +2,12 @@
 
 It answers what the router forwards to a real vLLM pod, with the same auth rule
 (``Authorization: Bearer <POD_TOKEN>`` on ``/v1/*``, ``/health`` open, like vLLM's
-``--api-key``), and spends ``compute_ms`` (default 95 ms, what the INT4 GPTQ-Marlin
-model took per request on an RTX 4090) per request instead of running a model.
+``--api-key``). How long an answer takes depends on the profile (``colocate.pods.profiles``):
+``oracle`` (the default) spends ``compute_ms`` (95 ms) per request whatever its length or load; a GPU
+profile (``rtx4090-qwen2.5-7b-int4``, ...) runs every request through one engine modelled on vLLM's
+scheduler (``colocate.pods.engine``), stepped in real time by a thread of its own (``EngineRunner``):
+a stream sends each token when its step ends, a JSON answer goes out at its last token, and
+``GET /metrics`` reports the engine under vLLM's names (docs/pods.md, "The local stand-in").
 
 Routes:
     GET  /health                 200, no body, as vLLM answers (no auth)
@@ -14,7 +18,8 @@ Routes:
                                  (OpenAI's documented shape, which vLLM follows); JSON answers always
                                  carry ``usage``
     POST /v1/completions         JSON, or SSE with "stream": true
-    POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N}, or
+    POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N}, {"mode": "slow_tokens",
+                                 "factor": F} (every step, so every token, F times slower), or
                                  {"mode": "hostile", "attack": A} (loopback clients only; below)
     GET  /_standin/stats         {"requests": N, "streams": {"completed": N, "cut": N}, "redirected": N,
                                  "fault": {...}} (loopback clients only; a cut stream lost its client
@@ -56,9 +61,10 @@ to ``"usage"`` last; ``headers`` adds ``Set-Cookie`` and ``Access-Control-Allow-
 leaves), or to a streamed request an event stream of that size at about 3 MB/s (a pod that streams
 on and on: 64 KiB every 20 ms; a stream the client leaves counts as ``cut``). ``{"mode": "ok"}`` ends it.
 
-CLI: ``python -m colocate.pods.standin --host 127.0.0.1 --port 0 --compute-ms 95 --model NAME
-[--port-file PATH]`` prints one JSON line ``{"url": ..., "port": ...}`` once listening and
-stops cleanly on SIGTERM/SIGINT. In-process: ``with serve(compute_ms=5, token="t") as pod: pod.url``.
+CLI: ``python -m colocate.pods.standin --host 127.0.0.1 --port 0 [--profile NAME] [--seed N]
+--compute-ms 95 --model NAME [--only-model] [--port-file PATH]`` prints one JSON line
+``{"url": ..., "port": ...}`` once listening and stops cleanly on SIGTERM/SIGINT. In-process:
+``with serve(compute_ms=5, token="t", profile="oracle") as pod: pod.url``.
 """
 
 from __future__ import annotations
@@ -293,6 +299,9 @@ class Ticket:
         self.tokens: queue.Queue[tuple[int, bool]] = queue.Queue()
 
 
+CATCH_UP_S = 0.05
+
+
 class EngineRunner:
     """One engine, stepped in real time by a thread of its own: it schedules a step, waits the
     step's duration (times the ``slow_tokens`` factor), then hands out the tokens the step made."""
@@ -354,16 +363,21 @@ class EngineRunner:
         self._arrived.pop(rid, None)
 
     def _run(self) -> None:
+        ended: float | None = None
         while not self._stopping.is_set():
             with self._cond:
                 next_due = self._admit(time.monotonic())
                 if not self.engine.busy:
+                    ended = None
                     self._cond.wait(0.5 if next_due is None else max(0.0, min(0.5, next_due - time.monotonic())))
                     continue
-                started = time.monotonic()
+                now = time.monotonic()
+                # Back to back, a step starts when the last one ended, not when this thread got round to it:
+                # handing out tokens and a busy machine's lag are not GPU time (up to CATCH_UP_S of it).
+                started = ended if ended is not None and now - ended < CATCH_UP_S else now
                 step = self.engine.step()
-            # Time passes by the step, from when it started: a step's own bookkeeping is not extra time.
-            self._stopping.wait(max(0.0, started + step.duration_s * self.factor - time.monotonic()))
+            ended = started + step.duration_s * self.factor
+            self._stopping.wait(max(0.0, ended - time.monotonic()))
             now = time.monotonic()
             with self._cond:
                 self.engine.frontend.tokens(now, len(step.made))
