@@ -25,7 +25,8 @@ REQUIRED: dict[str, type | tuple[type, ...]] = {
     "name": str, "stack": str, "region": str, "generation": str, "provider": str, "locations": list,
     "gpu": str, "gpu_count": int, "image": str, "min_cuda_version": str, "model": str, "port": int, "disk_gb": int,
     "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
-    "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str}
+    "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str,
+    "profile": str}
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,6 @@ class PodSpec:
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
-        if isinstance(data.get("profile"), str):  # optional: specs written before it serve the oracle
-            fields["profile"] = data["profile"]
         spec = cls(**fields)
         spec._check()
         return spec
