@@ -837,8 +837,8 @@ class _Handler(BaseHTTPRequestHandler):
         text = "".join(pieces)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
                   else {"index": 0, "text": text, "finish_reason": finish})
-        answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                  "model": model, "choices": [choice], "usage": usage}
+        answer: dict[str, object] = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                     "created": created, "model": model, "choices": [choice], "usage": usage}
         if attack == "usage_hidden":
             answer["prompt_logprobs"] = [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "hi"}},
                                          {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "usage"}}]
