@@ -149,3 +149,15 @@ def test_in_process_oracle_stays_the_default():
         assert server.profile.name == "oracle" and server.engine is None
         text = requests.get(server.url + "/metrics", timeout=5).text
         assert "vllm:num_requests_running" in text
+
+
+def test_slow_tokens_slows_the_oracle_too():
+    with standin.serve(compute_ms=100) as server:
+        server.set_fault("slow_tokens", factor=3)
+        t0 = time.monotonic()
+        r = requests.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                          timeout=10)
+        assert r.status_code == 200 and time.monotonic() - t0 >= 0.3
+        assert server.fault == {"mode": "slow_tokens", "delay_ms": 0.0, "factor": 3.0}
+        with pytest.raises(ValueError, match="factor must be a number from 1 to 1000"):
+            server.set_fault("slow_tokens", factor=0.5)
