@@ -17,7 +17,7 @@ the profile's engine in virtual time (colocate.pods.engine.simulate) instead of 
 
     python bench/pod.py [--url URL --key-env VAR --model NAME] [--profile rtx4090-qwen2.5-7b-int4]
         [--concurrency 4,8,16,32,48] [--prompts 300] [--input-tokens 256] [--output-tokens 128]
-        [--budget-ms 1000] [--compare] [--virtual] [--json PATH|-]
+        [--ignore-eos] [--budget-ms 1000] [--compare] [--virtual] [--json PATH|-]
 """
 
 from __future__ import annotations
@@ -68,9 +68,13 @@ class Target:
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
 
-    def stream(self, conn: http.client.HTTPConnection, text: str, max_tokens: int) -> tuple[float, list[float]]:
+    def stream(self, conn: http.client.HTTPConnection, text: str, max_tokens: int,
+               ignore_eos: bool = False) -> tuple[float, list[float]]:
         """One streamed chat request: (sent at, each content token's arrival time)."""
-        body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True}
+        body: dict[str, object] = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                                   "stream": True}
+        if ignore_eos:  # vLLM's extra sampling fields: exactly max_tokens tokens
+            body.update(ignore_eos=True, min_tokens=max_tokens)
         if self.model:
             body["model"] = self.model
         headers = {"content-type": "application/json", **({"authorization": f"Bearer {self.key}"} if self.key else {})}
@@ -96,7 +100,7 @@ class Target:
 
 
 def run_point(target: Target, concurrency: int, prompts: int, input_tokens: int, output_tokens: int,
-              seed: int) -> dict:
+              seed: int, ignore_eos: bool = False) -> dict:
     rng = random.Random(seed)
     texts = [prompt(rng, input_tokens) for _ in range(prompts)]
     lock = threading.Lock()
@@ -112,7 +116,7 @@ def run_point(target: Target, concurrency: int, prompts: int, input_tokens: int,
                         return
                     text = texts.pop()
                 try:
-                    got = target.stream(conn, text, output_tokens)
+                    got = target.stream(conn, text, output_tokens, ignore_eos)
                 except (OSError, RuntimeError, http.client.HTTPException) as exc:
                     with lock:
                         errors.append(str(exc))
@@ -143,9 +147,9 @@ def run_point(target: Target, concurrency: int, prompts: int, input_tokens: int,
 
 
 def virtual_point(profile: profiles.Profile, concurrency: int, prompts: int, input_tokens: int, output_tokens: int,
-                  seed: int) -> dict:
+                  seed: int, ignore_eos: bool = False) -> dict:
     r = engine.simulate(profile, requests=prompts, input_tokens=input_tokens, output_tokens=output_tokens,
-                        concurrency=concurrency, seed=seed)
+                        concurrency=concurrency, seed=seed, ignore_eos=ignore_eos)
     return {"concurrency": concurrency, "requests": len(r.requests), "errors": 0, "seconds": round(r.duration_s, 2),
             "req_s": r.req_s, "output_tok_s": r.output_tok_s, "ttft_p50_ms": r.ttft_ms(50),
             "ttft_p99_ms": r.ttft_ms(99), "itl_p50_ms": r.itl_ms(50), "itl_p99_ms": r.itl_ms(99)}
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=300, help="requests per point (the cited sweep's 300)")
     p.add_argument("--input-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="every answer exactly --output-tokens long (vLLM's "
+                   "ignore_eos, as guidellm and vllm bench serve --ignore-eos ask)")
     p.add_argument("--budget-ms", type=float, default=profiles.DEFAULT_TTFT_P99_BUDGET_MS)
     p.add_argument("--compare", action="store_true", help="check each point against the profile's cited sweep (±20 %%)")
     p.add_argument("--virtual", action="store_true", help="the profile's engine in virtual time, no HTTP")
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.virtual:
             where = f"profile {profile.name}, virtual time"
-            points = [virtual_point(profile, c, a.prompts, a.input_tokens, a.output_tokens, a.seed) for c in levels]
+            points = [virtual_point(profile, c, a.prompts, a.input_tokens, a.output_tokens, a.seed, a.ignore_eos)
+                      for c in levels]
         else:
             url = a.url
             if url is None:
@@ -216,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             where = url if a.url else f"stand-in --profile {profile.name} at {url}"
             target = Target(url, os.environ.get(a.key_env) if a.key_env else None, a.model)
             for c in levels:
-                points.append(run_point(target, c, a.prompts, a.input_tokens, a.output_tokens, a.seed + c))
+                points.append(run_point(target, c, a.prompts, a.input_tokens, a.output_tokens, a.seed + c,
+                                        a.ignore_eos))
                 print(f"  concurrency {c}: done in {points[-1]['seconds']} s", file=sys.stderr, flush=True)
     finally:
         if proc is not None:
