@@ -99,3 +99,16 @@ def test_dead_pid_shows_as_dead_and_delete_cleans_up(env, capsys):
     assert code == 0 and st["state"] == "dead"
     code, res, _ = run(capsys, ["delete", "--id", out["id"]])
     assert code == 0 and local.Local().list_pods() == []
+
+
+def test_a_local_pod_runs_the_profile_its_spec_names(env, capsys):
+    spec = {**make_spec("us-east", "local"), "profile": "rtx4090-qwen2.5-7b-int4"}
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 0, err
+    url = f"http://127.0.0.1:{out['port']}"
+    r = requests.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "min_tokens": 20})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+    metrics = requests.get(url + "/metrics", timeout=5).text
+    ttft_count = next(line for line in metrics.splitlines() if line.startswith("vllm:time_to_first_token_seconds_count"))
+    assert ttft_count.endswith(" 1.0")  # the engine served it (the oracle counts nothing)
