@@ -340,6 +340,11 @@ class EngineRunner:
             self._cond.notify_all()
         return ticket
 
+    def answer_length(self, max_tokens: int | None, min_tokens: int, ignore_eos: bool, room: int) -> tuple[int, str]:
+        """The answer's length and finish reason (engine.answer_length), from the engine's seeded draws."""
+        with self._cond:
+            return eng.answer_length(self.profile, self.rng, max_tokens, min_tokens, ignore_eos, room=room)
+
     def _admit(self, now: float) -> float | None:
         """Move the requests past the API server into the engine; when the next one is due."""
         keep = []
@@ -815,9 +820,8 @@ class _Handler(BaseHTTPRequestHandler):
         answer goes out at the last token."""
         profile = runner.profile
         max_tokens = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
-        with runner._cond:
-            length, finish = eng.answer_length(profile, runner.rng, max_tokens, body.get("min_tokens") or 0,
-                                               bool(body.get("ignore_eos")), room=profile.max_model_len - len(prompt))
+        length, finish = runner.answer_length(max_tokens, body.get("min_tokens") or 0, bool(body.get("ignore_eos")),
+                                              room=profile.max_model_len - len(prompt))
         pieces = answer_pieces(length, body.get("response_format"), bool(body.get("ignore_eos")))
         pieces, finish = _cut_at_stop(pieces, finish, body.get("stop"), body.get("min_tokens") or 0)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
