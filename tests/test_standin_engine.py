@@ -140,8 +140,9 @@ def test_json_object_answers_are_json(pod):
     r = post(pod, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
     assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"city", "n"}
-    r = post(pod, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}})
-    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+    for bad in ({"type": "yaml"}, {"type": "json_schema", "json_schema": "x"}, "json"):
+        r = post(pod, {"messages": [{"role": "user", "content": "hi"}], "response_format": bad})
+        assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
 
 
 def test_in_process_oracle_stays_the_default():

@@ -206,8 +206,9 @@ def validate(body, chat: bool, served: str | None, count=None, max_model_len: in
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
             raise _invalid("response_format", f"type should be one of {', '.join(map(repr, RESPONSE_FORMATS))}", fmt)
-        if fmt["type"] == "json_schema" and not isinstance((fmt.get("json_schema") or {}).get("schema", {}), dict):
-            raise _invalid("response_format.json_schema.schema", "Input should be a valid dictionary", fmt)
+        spec = fmt.get("json_schema")
+        if fmt["type"] == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict)):
+            raise _invalid("response_format.json_schema", "Input should be an object with a schema object", fmt)
     for field in ("temperature", "top_p"):
         out[field] = _as_float(body, field)
     out["stream"] = _as_bool(body, "stream")
