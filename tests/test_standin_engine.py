@@ -162,3 +162,21 @@ def test_slow_tokens_slows_the_oracle_too():
         assert server.fault == {"mode": "slow_tokens", "delay_ms": 0.0, "factor": 3.0}
         with pytest.raises(ValueError, match="factor must be a number from 1 to 1000"):
             server.set_fault("slow_tokens", factor=0.5)
+
+
+def test_json_answers_close_their_value_whatever_length_was_drawn():
+    schema = {"type": "object", "required": [f"field_{i}" for i in range(12)],
+              "properties": {f"field_{i}": {"type": "string", "minLength": 3} for i in range(12)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    pieces, finish = standin.answer_pieces(3, "stop", fmt, cap=500)  # a short draw: the value still closes
+    assert finish == "stop" and set(json.loads("".join(pieces))) == set(schema["required"])
+    pieces, finish = standin.answer_pieces(500, "length", fmt, cap=500)  # ignore_eos: whitespace after it
+    assert finish == "length" and len(pieces) == 500 and json.loads("".join(pieces))
+    pieces, finish = standin.answer_pieces(10, "stop", fmt, cap=10)  # max_tokens cuts it, as in vLLM
+    assert finish == "length" and len(pieces) == 10
+    pieces, _f = standin.answer_pieces(2, "stop", {"type": "json_object"}, cap=None)
+    assert json.loads("".join(pieces)) == {"answer": ""}
+    with standin.serve(compute_ms=0) as oracle:
+        r = requests.post(oracle.url + "/v1/chat/completions", timeout=5, json={
+            "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})
+        assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)

@@ -796,6 +796,9 @@ class _Handler(BaseHTTPRequestHandler):
         if runner is not None:
             return self._engine_answer(runner, chat, body, model, ids, attack)
         tokens = _reply_tokens(body, chat, (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens") or 8)
+        if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text":
+            cap = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
+            tokens, _finish = answer_pieces(len(_reply_tokens({}, chat, 9)), "stop", body["response_format"], cap)
         usage = _usage(body, tokens)
         if attack == "usage_inflated":
             usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
@@ -823,7 +826,8 @@ class _Handler(BaseHTTPRequestHandler):
         max_tokens = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
         length, finish = runner.answer_length(max_tokens, body.get("min_tokens") or 0, bool(body.get("ignore_eos")),
                                               room=profile.max_model_len - len(prompt))
-        pieces = answer_pieces(length, body.get("response_format"), bool(body.get("ignore_eos")))
+        cap = max_tokens if max_tokens is not None else profile.max_model_len - len(prompt)
+        pieces, finish = answer_pieces(length, finish, body.get("response_format"), cap)
         pieces, finish = _cut_at_stop(pieces, finish, body.get("stop"), body.get("min_tokens") or 0)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         ticket = runner.submit(prompt, len(pieces), salt)
@@ -1047,23 +1051,28 @@ _WORDS = ("This", " is", " the", " colocate", " stand", "-in", " answering", " f
           " models", " a", " vLLM", " pod", " step", " by", " step", ",", " one", " token", " at", " a", " time")
 
 
-def answer_pieces(n: int, fmt: dict | None = None, ignore_eos: bool = False) -> list[str]:
-    """``n`` tokens of answer text. ``response_format`` json_object or json_schema: a JSON value
-    (an object of one string field, or the schema's required fields), closed by its last token,
-    as guided decoding does; an answer cut short by ``max_tokens`` is cut JSON, as in vLLM."""
-    kind = (fmt or {}).get("type") if isinstance(fmt, dict) else None
-    if kind in ("json_object", "json_schema"):
-        schema = ((fmt or {}).get("json_schema") or {}).get("schema") if kind == "json_schema" else None
-        if schema and (schema.get("type") != "object" or schema.get("required") or schema.get("properties")):
-            text = json.dumps(_instance(schema))
-            pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
-            if ignore_eos and n > len(pieces):
-                pieces += [" "] * (n - len(pieces))  # whitespace after the value: still valid JSON
-            return pieces[:n]
+def answer_pieces(length: int, finish: str, fmt: dict | None = None, cap: int | None = None) -> tuple[list[str], str]:
+    """The answer's tokens and finish reason, from its drawn ``length`` (engine.answer_length).
+    ``response_format`` json_object or json_schema: a JSON value (an object of one string field of
+    about ``length`` tokens, or the schema's required fields) whose last token closes it, as guided
+    decoding ends there; ``cap`` (max_tokens) cuts it, and cut JSON it stays, as in vLLM."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("json_object", "json_schema"):
+        return [_WORDS[i % len(_WORDS)] for i in range(length)], finish
+    spec = (fmt or {}).get("json_schema") if kind == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    run_on = finish == "length" and cap is not None and length >= cap  # ignore_eos, or cut by max_tokens
+    if schema and (schema.get("type") != "object" or schema.get("required") or schema.get("properties")):
+        text = json.dumps(_instance(schema))
+        pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    else:
         head, tail = ['{"', "answer", '":', ' "'], ['"}']
-        body = [(_WORDS[i % len(_WORDS)]).replace('"', "") for i in range(max(0, n - len(head) - len(tail)))]
-        return ([*head, *body, *tail])[:n]
-    return [_WORDS[i % len(_WORDS)] for i in range(n)]
+        pieces = [*head, *(_WORDS[i % len(_WORDS)] for i in range(max(0, length - 5))), *tail]
+    if run_on and cap is not None and len(pieces) < cap:
+        pieces += [" "] * (cap - len(pieces))  # ignore_eos: whitespace after the value, still valid JSON
+    if cap is not None and len(pieces) > cap:
+        return pieces[:cap], "length"
+    return pieces, "length" if run_on else "stop"
 
 
 def _instance(schema: dict):
