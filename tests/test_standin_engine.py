@@ -180,3 +180,16 @@ def test_json_answers_close_their_value_whatever_length_was_drawn():
         r = requests.post(oracle.url + "/v1/chat/completions", timeout=5, json={
             "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})
         assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+
+
+def test_the_oracle_takes_min_tokens_and_ignore_eos():
+    with standin.serve(compute_ms=0) as oracle:
+        def ask(**extra):
+            body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+            return requests.post(oracle.url + "/v1/chat/completions", json=body, timeout=5).json()
+
+        assert ask(max_tokens=600)["usage"]["completion_tokens"] == 9  # its end of sequence comes at nine
+        long = ask(max_tokens=600, min_tokens=600, ignore_eos=True)
+        assert long["usage"]["completion_tokens"] == 600 and long["choices"][0]["finish_reason"] == "length"
+        assert ask(max_tokens=50, min_tokens=30)["usage"]["completion_tokens"] == 30
+        assert ask(max_tokens=3)["usage"]["completion_tokens"] == 3

@@ -804,12 +804,14 @@ class _Handler(BaseHTTPRequestHandler):
             usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
         extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
         if body.get("stream"):
-            return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None, extra)
+            return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None, extra,
+                                "length" if body.get("ignore_eos") else "stop")
         self._compute()
         text = "".join(tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat
-                  else {"index": 0, "text": text, "finish_reason": "stop"})
+        finish = "length" if body.get("ignore_eos") else "stop"
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
+                  else {"index": 0, "text": text, "finish_reason": finish})
         answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                   "model": model, "choices": [choice], "usage": usage}
         if attack == "usage_hidden":
@@ -972,7 +974,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, f"bad fault request: {exc}", "invalid_fault")
         self._send_json(200, {"fault": self.server.fault})
 
-    def _stream(self, chat: bool, model: str, tokens: list[str], usage: dict | None = None, extra: dict | None = None) -> None:
+    def _stream(self, chat: bool, model: str, tokens: list[str], usage: dict | None = None, extra: dict | None = None,
+                finish: str = "stop") -> None:
         """SSE; with ``usage`` (the client asked ``include_usage``) every chunk has
         ``"usage": null`` and one more chunk, ``choices: []`` with the usage, precedes [DONE]."""
         self.send_response(200)
@@ -992,10 +995,10 @@ class _Handler(BaseHTTPRequestHandler):
                 last = i == len(tokens) - 1
                 if chat:
                     delta = {"role": "assistant", "content": tok} if i == 0 else {"content": tok}
-                    choice = {"index": 0, "delta": delta, "finish_reason": "stop" if last else None}
+                    choice = {"index": 0, "delta": delta, "finish_reason": finish if last else None}
                     obj = "chat.completion.chunk"
                 else:
-                    choice = {"index": 0, "text": tok, "finish_reason": "stop" if last else None}
+                    choice = {"index": 0, "text": tok, "finish_reason": finish if last else None}
                     obj = "text_completion"
                 chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
                 if usage is not None:
@@ -1128,8 +1131,13 @@ def _usage(body: dict, tokens: list[str]) -> dict:
 
 
 def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
+    """The oracle's answer: nine words, ended early by ``max_tokens``; ``min_tokens`` and
+    ``ignore_eos`` (vLLM's) make it longer, the words going round."""
     words = ["This", " is", " the", " colocate", " stand-in", " answering", " from", " loopback", "."]
-    return words[: max(1, min(max_tokens, len(words)))]
+    n = min(max_tokens, max(len(words), body.get("min_tokens") or 0))
+    if body.get("ignore_eos"):
+        n = max_tokens
+    return [*words, *(_WORDS[i % len(_WORDS)] for i in range(max(0, n - len(words))))][: max(1, n)]
 
 
 @contextlib.contextmanager
