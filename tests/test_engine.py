@@ -264,3 +264,21 @@ def test_the_a100_profile_matches_its_sources_summary():
 
 def test_a_tighter_budget_gives_a_lower_knee():
     assert engine.knee(P, 200, requests=150).rate < engine.knee(P, 1000, requests=150).rate
+
+
+def test_a_next_turn_finds_the_answer_it_carries_back():
+    e = Engine(P)
+    first = engine.tokenize(engine.chat_text([{"role": "user", "content": "Tell me about pods. " * 20}]))
+    answer_text = " ".join(["word"] * 64)
+    answer = engine.tokenize(answer_text)
+    e.add(Request("t1", first, len(answer), output_ids=answer))
+    run(e)
+    second = engine.tokenize(engine.chat_text([{"role": "user", "content": "Tell me about pods. " * 20},
+                                               {"role": "assistant", "content": answer_text},
+                                               {"role": "user", "content": "And then?"}]))
+    assert second[:len(first) + len(answer)] == first + answer  # the template keeps the history's tokens
+    hits = e.kv.hits
+    e.add(Request("t2", second, 1))
+    run(e)
+    # Every full block of the first prompt and its answer is a hit (the last partial one is not).
+    assert e.kv.hits - hits == (len(first) + len(answer)) // BLOCK_SIZE * BLOCK_SIZE

@@ -192,6 +192,9 @@ class Request:
     cached_blocks: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    # The answer's token ids, when known: its blocks are then found again when a next turn's prompt
+    # carries the answer back (a chat's history), as vLLM's are.
+    output_ids: list[int] = field(default_factory=list, repr=False)
     _hashes: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -202,8 +205,10 @@ class Request:
         """The hashes of the first ``blocks`` full blocks of prompt and output (computed once each)."""
         if len(self._hashes) < blocks:
             end = blocks * BLOCK_SIZE
-            # Output tokens stand for themselves: their ids need only be stable for the block hashes.
-            tokens = self.prompt[:end] + [-(i + 1) for i in range(max(0, end - len(self.prompt)))]
+            # Output tokens without known ids stand for themselves: ids need only be stable for the hashes.
+            made = max(0, end - len(self.prompt))
+            tokens = self.prompt[:end] + [self.output_ids[i] if i < len(self.output_ids) else -(i + 1)
+                                          for i in range(made)]
             self._hashes = block_hashes(tokens, self.salt, self._hashes)
         return self._hashes[:blocks]
 

@@ -329,13 +329,13 @@ class EngineRunner:
         with self._cond:
             self._cond.notify_all()
 
-    def submit(self, prompt: list[int], length: int, salt: str | None) -> Ticket:
+    def submit(self, prompt: list[int], length: int, salt: str | None, output_ids: list[int] | None = None) -> Ticket:
         ticket = Ticket(uuid.uuid4().hex)
         with self._cond:
             now = time.monotonic()
             # Past the API server's queue first (Frontend), then into the engine's waiting queue.
             due = now + self.engine.frontend.delay_s(now) * self.factor
-            self._pending.append((due, eng.Request(ticket.id, prompt, length, salt=salt)))
+            self._pending.append((due, eng.Request(ticket.id, prompt, length, salt=salt, output_ids=output_ids or [])))
             self._tickets[ticket.id] = ticket
             self._arrived[ticket.id] = now
             self._cond.notify_all()
@@ -832,7 +832,8 @@ class _Handler(BaseHTTPRequestHandler):
         pieces, finish = answer_pieces(length, finish, body.get("response_format"), cap)
         pieces, finish = _cut_at_stop(pieces, finish, body.get("stop"), body.get("min_tokens") or 0)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        ticket = runner.submit(prompt, len(pieces), salt)
+        # The answer's ids as the next turn's prompt will tokenize them (template: the text, then <|im_end|>).
+        ticket = runner.submit(prompt, len(pieces), salt, eng.tokenize("".join(pieces))[:len(pieces)])
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(pieces), "total_tokens": len(prompt) + len(pieces)}
         if attack == "usage_inflated":
             usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
