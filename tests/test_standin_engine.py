@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from colocate.pods import profiles, standin
+from colocate.pods import engine, profiles, standin
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = profiles.get(profiles.DEFAULT_PROFILE)
@@ -92,20 +92,29 @@ def test_slow_tokens_divides_the_token_rate(pod):
     assert bad.status_code == 400 and "factor" in bad.json()["error"]["message"]
 
 
+def scrape(url) -> tuple[str, dict[str, float]]:
+    text = requests.get(url + "/metrics", timeout=5).text
+    return text, {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+
+
 def test_metrics_use_vllms_names(pod):
-    long = {"messages": [{"role": "system", "content": "You answer briefly. " * 60},
-                         {"role": "user", "content": "hi"}], "max_tokens": 2}
+    messages = [{"role": "system", "content": "You answer briefly. " * 60}, {"role": "user", "content": "hi"}]
+    long = {"messages": messages, "max_tokens": 2}
     assert post(pod, long).status_code == 200
+    _text, before = scrape(pod)
     assert post(pod, long).status_code == 200  # the same prompt again: its prefix is cached
-    text = requests.get(pod + "/metrics", timeout=5).text
-    samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    text, samples = scrape(pod)
+    prompt = len(engine.tokenize(engine.chat_text(messages)))
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count"):
         assert name in samples, name
     assert "# TYPE vllm:prefix_cache_hits counter" in text
-    assert samples["vllm:prefix_cache_hits_total"] >= 300  # most of the second prompt
+    # Every full block of the prompt but the one holding its last token (computed again, as in vLLM).
+    assert samples["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == \
+        (prompt - 1) // 16 * 16
+    assert samples["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == prompt
     assert samples["vllm:time_to_first_token_seconds_count"] >= 2
     assert 0.0 <= samples["vllm:kv_cache_usage_perc"] <= 1.0
 
