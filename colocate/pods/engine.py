@@ -31,8 +31,8 @@ from .profiles import BLOCK_SIZE, DEFAULT_TTFT_P99_BUDGET_MS, KNEE_INPUT_TOKENS,
 # with a 150k vocabulary (Qwen2.5's) cuts English: its pre-tokenizer's pieces (a word with its
 # leading space, one digit, a run of punctuation), each piece one token when it is a common word's
 # length (up to 8 characters with the space), longer pieces one token per 4 characters. Qwen's
-# special tokens (<|im_start|> ...) are one token each. It gives 3.6 characters a token on
-# docs/pods.md (prose with code) and 4.4 on plain English (tests/test_engine.py), where BPE vocabularies
+# special tokens (<|im_start|> ...) are one token each. It gives 3.3 characters a token on
+# docs/pods.md (prose, code, tables) and 4.4 on plain English (tests/test_engine.py), where BPE vocabularies
 # of this size give about 4 on English: within about 15 %, by that yardstick only (no tokenizer can
 # be downloaded here to measure against Qwen's own).
 _PIECE = re.compile(r"<\|[a-z_]+\|>|'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+|\d| ?[^\s\w]+|\s+", re.UNICODE)
