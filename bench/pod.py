@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"against {profile.sweep.source.split(' (')[0]}: worst error {worst:.0%} "
               f"({'within' if ok else 'outside'} {TOLERANCE:.0%})")
         return 0 if ok else 1
+    if a.compare:
+        print(f"{profile.name} has no cited sweep table to compare with ({profile.notes})")
     return 0
 
 
