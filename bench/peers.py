@@ -21,7 +21,7 @@ the project's .venv). A peer that cannot be installed or started is left out of 
 table, with the reason printed.
 
 Usage: .venv/bin/python -m bench.peers [--rounds 3] [--seconds 3] [--clients 1,32]
-       [--peers portkey,litellm] [--json PATH]
+       [--peers portkey,litellm|none] [--json PATH]
 Exit: 0 done (the acceptance reported, not enforced), 2 setup failure (wrk, node or the
 router missing; a peer that fails is reported and skipped, not fatal).
 """
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
     p.add_argument("--seconds", type=float, default=3.0, help="length of each wrk run (default 3)")
     p.add_argument("--clients", default="1,32", help="client counts, the first for p50, the last for throughput (default 1,32)")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"which peers (default {','.join(PEERS)})")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"which peers, or none (default {','.join(PEERS)})")
     p.add_argument("--json", type=Path, help="also write the result as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--clients {args.clients!r}: not a comma-separated list of whole numbers")
     if not clients or clients[0] < 1 or clients[-1] > 256:
         p.error(f"--clients {args.clients!r}: use whole numbers 1..256")
-    peers = tuple(x.strip() for x in args.peers.split(",") if x.strip())
+    peers = tuple(x.strip() for x in args.peers.split(",") if x.strip() and x.strip() != "none")
     unknown = [x for x in peers if x not in PEERS]
     if unknown:
         p.error(f"--peers: unknown {', '.join(unknown)}; use {', '.join(PEERS)}")
