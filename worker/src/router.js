@@ -395,9 +395,17 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
 /** The client's response: `body` with the status and headers of `from` (a Response of ours,
  * or an upstream's `clientInit`), plus ours and the key's x-ratelimit `limits` headers. */
 function finish(body, from, backend, timing, t0, limits = []) {
-  const res = new Response(body, from);
   timing.total = now() - t0;
   recordRequest(backend, timing); // the live view's histograms: memory only, carried by the next sync
+  if (!(from instanceof Response)) {
+    // an upstream's clientInit: our headers join its record, and the Response is built once
+    const h = from.headers;
+    h["x-colocate-backend"] = backend;
+    h["server-timing"] = serverTiming(timing);
+    for (const [name, value] of limits) h[name] = value;
+    return new Response(body, from);
+  }
+  const res = new Response(body, from);
   res.headers.set("x-colocate-backend", backend);
   res.headers.set("server-timing", serverTiming(timing));
   for (const [name, value] of limits) res.headers.set(name, value);
