@@ -150,8 +150,9 @@ def profile(target: str, worker_src: Path | None, seconds: float, clients: int, 
                     ws.call("Profiler.enable")
                     ws.call("Profiler.setSamplingInterval", {"interval": 50})
                     ws.call("Profiler.start")
-                    run = harness.wrk_run(w.url, clients, seconds, headers)
+                    run = harness.measured(w.proc.pid, lambda: harness.wrk_run(w.url, clients, seconds, headers))
                     prof = ws.call("Profiler.stop")["profile"]
+                    prof["cpu_us_per_req"] = run["cpu_us_per_req"]  # the process's own, from /proc (compare())
             finally:
                 ws.close()
     return prof, run["n"]
@@ -166,14 +167,22 @@ def _key(name: str) -> str:
 def compare(before: Path, seconds: float, clients: int, rounds: int) -> tuple[dict, dict]:
     """Self time per request of each function, for bare, the router from ``before`` and the
     router here, profiled in turn ``rounds`` times (the order rotated): {target: {fn: median
-    µs}}, and {target: median requests}."""
+    µs}}, and {target: median requests}. A function's µs per request is its share of the
+    profile's busy samples times the process's CPU per request in that run (/proc): the
+    sampler counts wall time, which a loaded machine stretches, the share it keeps."""
     targets = (("bare", "bare", None), ("before", "router", before), ("after", "router", None))
     got: dict = {t[0]: [] for t in targets}
     served: dict = {t[0]: [] for t in targets}
     for r in range(rounds):
         for name, target, src in harness.rotated(targets, r):
             prof, n = profile(target, src, seconds, clients)
-            got[name].append({_key(fn): us for us, _share, fn in self_times(prof, n)})
+            rows = [(share, _key(fn)) for _us, share, fn in self_times(prof, n)]
+            busy = sum(share for share, fn in rows if fn != "(idle)") or 1.0
+            by_fn: dict = collections.defaultdict(float)
+            for share, fn in rows:
+                if fn != "(idle)":
+                    by_fn[fn] += share / busy * (prof["cpu_us_per_req"] or 0.0)
+            got[name].append(dict(by_fn))
             served[name].append(n)
     out = {}
     for name, runs in got.items():
@@ -186,14 +195,14 @@ def compare_table(costs: dict, served: dict, top: int) -> str:
     def total(t):
         return sum(us for fn, us in costs[t].items() if fn != "(idle)")
 
-    rows = ["| function (self time, µs per request) | bare | router before | router after |", "|---|---:|---:|---:|"]
+    rows = ["| function (self time, µs of CPU per request) | bare | router before | router after |", "|---|---:|---:|---:|"]
     def largest(fn):
         return -max(costs["before"].get(fn, 0), costs["after"].get(fn, 0))
 
     order = sorted(set(costs["before"]) | set(costs["after"]), key=largest)
     for fn in [f for f in order if f != "(idle)"][:top]:
         rows.append(f"| `{fn}` | " + " | ".join(f"{costs[t].get(fn, 0):.1f}" for t in ("bare", "before", "after")) + " |")
-    rows.append("| all but idle | " + " | ".join(f"{total(t):.1f}" for t in ("bare", "before", "after")) + " |")
+    rows.append("| the process's CPU per request | " + " | ".join(f"{total(t):.1f}" for t in ("bare", "before", "after")) + " |")
     rows.append("| requests profiled (median) | " + " | ".join(f"{served[t]:,.0f}" for t in ("bare", "before", "after")) + " |")
     return "\n".join(rows)
 
