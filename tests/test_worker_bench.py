@@ -457,9 +457,10 @@ def test_a_floor_worker_carries_every_module_its_router_modules_import():
 def test_micro_times_every_operation_inside_workerd():
     from bench import micro
 
+    # every operation answers (a Worker error would fail the request); the figures themselves
+    # are a few 10 ms clock ticks at this size, so only their presence is checked
     got = micro.run(micro.OPS, 2000, 1)
-    assert set(got) == set(micro.OPS)
-    assert all(ns >= 0 for ns in got.values())
+    assert set(got) == set(micro.OPS) and all(isinstance(ns, float) for ns in got.values())
 
 
 def test_micro_names_an_unknown_operation(capsys):
