@@ -36,7 +36,7 @@ def run(ops: tuple[str, ...], n: int, repeat: int) -> dict:
     plan = harness.bench_plan(5000)
     with harness.floor_worker(lambda port: harness.floor_config(plan.worker.compatibility_date, "micro.js", {}, port,
                                                                 ("routes.js", "forward.js"))) as w:
-        return {op: statistics.median(cost_ns(w.url, w.proc.pid, op, n) for _ in range(repeat)) for op in ops}
+        return {op: statistics.median(cost_ns(w.url, w.process.pid, op, n) for _ in range(repeat)) for op in ops}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -233,7 +233,7 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def measured(pid: int | None, run) -> dict:
-    before = tree_cpu_seconds(pid) if pid else None
+    before = tree_cpu_seconds(pid) if pid else 0.0
     out = run()
     if pid:
         out["cpu_us_per_req"] = round((tree_cpu_seconds(pid) - before) * 1e6 / out["n"], 1) if out["n"] else None
@@ -254,7 +254,7 @@ def run(rounds: int, seconds: float, clients: tuple[int, ...], peers: tuple[str,
         router = stack.enter_context(harness.router_worker(plan, values, None))
         key = harness.mint_key(router.url, secrets.probe_token)
         urls = {"direct": pod_urls[0], "colocate": router.url}
-        pids: dict[str, int | None] = {"direct": None, "colocate": router.proc.pid}
+        pids: dict[str, int | None] = {"direct": None, "colocate": router.process.pid}
         hdrs = {"direct": harness.direct_headers(secrets.pod_token), "colocate": harness.router_headers(key)}
         harness.check_router(router.url, hdrs["colocate"])
         for name in peers:

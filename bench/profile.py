@@ -150,7 +150,7 @@ def profile(target: str, worker_src: Path | None, seconds: float, clients: int, 
                     ws.call("Profiler.enable")
                     ws.call("Profiler.setSamplingInterval", {"interval": 50})
                     ws.call("Profiler.start")
-                    run = harness.measured(w.proc.pid, lambda: harness.wrk_run(w.url, clients, seconds, headers))
+                    run = harness.measured(w.process.pid, lambda: harness.wrk_run(w.url, clients, seconds, headers))
                     prof = ws.call("Profiler.stop")["profile"]
                     prof["cpu_us_per_req"] = run["cpu_us_per_req"]  # the process's own, from /proc (compare())
             finally:
