@@ -53,7 +53,7 @@ PORTKEY_VERSION = "1.15.2"  # npm @portkey-ai/gateway
 LITELLM_VERSION = "1.106.12"
 PEERS = ("portkey", "litellm")
 TARGETS = ("direct", "colocate", *PEERS)
-# The acceptance of issue 51.3, in the same run: colocate against Portkey's gateway.
+# The acceptance, judged in the same run: colocate against Portkey's gateway.
 ACCEPT = {"added_p50_vs_portkey": 0.5, "cpu_vs_portkey": 0.25}
 
 
