@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -87,6 +87,10 @@ demo-autoscale: setup
 
 bench: setup wrk
 	$(PY) -m bench.router
+
+# colocate, Portkey's gateway and LiteLLM's proxy on one pod; the peers install into bench/.peers (docs/benchmarks.md).
+bench-peers: setup wrk
+	$(PY) -m bench.peers
 
 bench-ladder: setup wrk
 	$(PY) -m bench.ladder

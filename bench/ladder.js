@@ -11,7 +11,11 @@
 //   held-request  the request's body, sent on as bytes (what a retry or the fallback resends)
 //   held-answer   the pod's answer, returned from its bytes (what usage metering reads)
 //   held-both     both
+// and two ways to read a request body as JSON (credential plus the body, parsed, sent on):
+//   parse-bytes   arrayBuffer(), TextDecoder, JSON.parse; the bytes sent (what the router does)
+//   parse-text    text(), JSON.parse; the string sent (the runtime decodes and encodes)
 
+const decoder = new TextDecoder();
 let pods = null;
 let next = 0;
 
@@ -22,6 +26,17 @@ export default {
     const req = new Request(pods[next++ % pods.length] + url.pathname + url.search, request);
     req.headers.set("authorization", `Bearer ${env.POD_TOKEN}`);
     if (env.RUNG === "credential") return fetch(req);
+    if (env.RUNG === "parse-bytes" || env.RUNG === "parse-text") {
+      let body;
+      if (env.RUNG === "parse-bytes") {
+        body = new Uint8Array(await req.arrayBuffer());
+        JSON.parse(decoder.decode(body));
+      } else {
+        body = await req.text();
+        JSON.parse(body);
+      }
+      return fetch(req.url, { method: req.method, headers: req.headers, body });
+    }
     if (env.RUNG.startsWith("held-")) {
       const res = env.RUNG === "held-answer" ? await fetch(req)
         : await fetch(req.url, { method: req.method, headers: req.headers, body: await req.arrayBuffer() });

@@ -14,6 +14,8 @@ Beside the climb, run here and counted by bench/instructions.py when named in --
     held-request  credential + the request body read whole, sent as bytes (bench/ladder.js)
     held-answer   credential + the answer read whole, returned as bytes   (bench/ladder.js)
     held-both     credential + both                                       (bench/ladder.js)
+    parse-bytes   credential + the body as bytes, decoded, parsed, sent on (bench/ladder.js)
+    parse-text    credential + the body as text, parsed, sent on as text   (bench/ladder.js)
 
 Each rung is its own workerd process; CPU per request comes from its /proc/<pid>/stat
 around each load run. Reported per rung: req/s and CPU µs per request (medians over
@@ -46,7 +48,7 @@ RUNGS = ("bare", "credential", "headers", "deadline", "contract", "router")
 # Not steps of the climb, measured beside it: bare plus the runtime's pipe that tells a
 # Worker when a stream has ended (bench/ends.js), the price of balancing several pods; and
 # credential plus one held body, or both (bench/ladder.js), the price of retries and metering.
-EXTRA = ("ends", "held-request", "held-answer", "held-both")
+EXTRA = ("ends", "held-request", "held-answer", "held-both", "parse-bytes", "parse-text")
 
 
 def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, port: int) -> str:

@@ -6,8 +6,13 @@ self time per answered request. Sampling inflates everything: compare rows betwe
 runs (router against bare, a candidate against main), not the totals.
 
 Usage: .venv/bin/python -m bench.profile [--bare | --contract] [--worker-src DIR] [--seconds 4]
-       [--clients 32] [--top 30] [--out PATH.cpuprofile]
-The .cpuprofile file opens in Chrome DevTools (Performance tab) for a flame chart.
+       [--clients 32] [--top 30] [--out PATH.cpuprofile] [--heap]
+       .venv/bin/python -m bench.profile --compare DIR [--rounds 3] [--seconds 4] [--clients 32] [--top 30]
+``--compare DIR`` profiles bare, the router from DIR (worker/src before a change) and this
+router in turn, ``--rounds`` times, and prints a markdown table of each function's self
+time per request (medians, functions matched by name and file): docs/benchmarks.md's table.
+``--heap``: bytes allocated per request by function instead (V8's sampling heap profiler,
+objects already collected included). The .cpuprofile file opens in Chrome DevTools (Performance tab) for a flame chart.
 """
 
 from __future__ import annotations
@@ -98,8 +103,23 @@ def self_times(profile: dict, requests: int) -> list[tuple[float, float, str]]:
     return [(us / max(1, requests), us / total, name) for name, us in acc.most_common()]
 
 
-def profile(target: str, worker_src: Path | None, seconds: float, clients: int) -> tuple[dict, int]:
-    """Profile ``target``: "router", "bare" or "contract" (the bench's floors)."""
+def heap_bytes(profile: dict, requests: int) -> list[tuple[float, float, str]]:
+    """(bytes allocated per request, share, "function file:line") from a sampling heap
+    profile (HeapProfiler.stopSampling), largest first."""
+    acc: collections.Counter = collections.Counter()
+    todo = [profile["head"]]
+    while todo:
+        n = todo.pop()
+        todo.extend(n.get("children", []))
+        cf = n["callFrame"]
+        acc[f"{cf['functionName'] or '(anonymous)'} {cf['url'].rsplit('/', 1)[-1]}:{cf['lineNumber'] + 1}"] += n["selfSize"]
+    total = sum(acc.values()) or 1
+    return [(b / max(1, requests), b / total, name) for name, b in acc.most_common() if b]
+
+
+def profile(target: str, worker_src: Path | None, seconds: float, clients: int, heap: bool = False) -> tuple[dict, int]:
+    """Profile ``target``: "router", "bare" or "contract" (the bench's floors); with ``heap``,
+    V8's sampling heap profiler (every allocation, collected or not) instead of the CPU's."""
     harness.require_tools()
     plan = harness.bench_plan(5000, worker_src)
     compat = plan.worker.compatibility_date
@@ -120,14 +140,71 @@ def profile(target: str, worker_src: Path | None, seconds: float, clients: int) 
             harness.wrk_run(w.url, clients, 1, headers)  # warm
             ws = _WebSocket("127.0.0.1", port, f"/{wd.MAIN_SERVICE}")
             try:
-                ws.call("Profiler.enable")
-                ws.call("Profiler.setSamplingInterval", {"interval": 50})
-                ws.call("Profiler.start")
-                run = harness.wrk_run(w.url, clients, seconds, headers)
-                prof = ws.call("Profiler.stop")["profile"]
+                if heap:
+                    ws.call("HeapProfiler.enable")
+                    ws.call("HeapProfiler.startSampling", {"samplingInterval": 256, "includeObjectsCollectedByMajorGC": True,
+                                                           "includeObjectsCollectedByMinorGC": True})
+                    run = harness.wrk_run(w.url, clients, seconds, headers)
+                    prof = ws.call("HeapProfiler.stopSampling")["profile"]
+                else:
+                    ws.call("Profiler.enable")
+                    ws.call("Profiler.setSamplingInterval", {"interval": 50})
+                    ws.call("Profiler.start")
+                    run = harness.measured(w.process.pid, lambda: harness.wrk_run(w.url, clients, seconds, headers))
+                    prof = ws.call("Profiler.stop")["profile"]
+                    prof["cpu_us_per_req"] = run["cpu_us_per_req"]  # the process's own, from /proc (compare())
             finally:
                 ws.close()
     return prof, run["n"]
+
+
+def _key(name: str) -> str:
+    """A row's function without its line: the same function in two copies of the source."""
+    fn, _, where = name.rpartition(" ")
+    return f"{fn} {where.split(':')[0]}" if where.split(":")[0] else fn
+
+
+def compare(before: Path, seconds: float, clients: int, rounds: int) -> tuple[dict, dict]:
+    """Self time per request of each function, for bare, the router from ``before`` and the
+    router here, profiled in turn ``rounds`` times (the order rotated): {target: {fn: median
+    µs}}, and {target: median requests}. A function's µs per request is its share of the
+    profile's busy samples times the process's CPU per request in that run (/proc): the
+    sampler counts wall time, which a loaded machine stretches, the share it keeps."""
+    targets = (("bare", "bare", None), ("before", "router", before), ("after", "router", None))
+    got: dict = {t[0]: [] for t in targets}
+    served: dict = {t[0]: [] for t in targets}
+    for r in range(rounds):
+        for name, target, src in harness.rotated(targets, r):
+            prof, n = profile(target, src, seconds, clients)
+            rows = [(share, _key(fn)) for _us, share, fn in self_times(prof, n)]
+            busy = sum(share for share, fn in rows if fn != "(idle)") or 1.0
+            by_fn: dict = collections.defaultdict(float)
+            for share, fn in rows:
+                if fn != "(idle)":
+                    by_fn[fn] += share / busy * (prof["cpu_us_per_req"] or 0.0)
+            got[name].append(dict(by_fn))
+            served[name].append(n)
+    out = {}
+    for name, runs in got.items():
+        fns = set().union(*runs)
+        out[name] = {fn: harness.median(run.get(fn, 0.0) for run in runs) for fn in fns}
+    return out, {name: harness.median(ns) for name, ns in served.items()}
+
+
+def compare_table(costs: dict, served: dict, top: int) -> str:
+    def total(t):
+        return sum(us for fn, us in costs[t].items() if fn != "(idle)")
+
+    rows = ["| function (self time, µs of CPU per request) | bare | router before | router after |", "|---|---:|---:|---:|"]
+    def largest(fn):
+        return -max(costs["before"].get(fn, 0), costs["after"].get(fn, 0))
+
+    order = sorted(set(costs["before"]) | set(costs["after"]), key=largest)
+    for fn in [f for f in order if f != "(idle)"][:top]:
+        rows.append(f"| `{fn}` | " + " | ".join(f"{costs[t].get(fn, 0):.1f}" for t in ("bare", "before", "after")) + " |")
+    rows.append("| the process's CPU per request | " + " | ".join(f"{total(t):.1f}" for t in ("bare", "before", "after")) + " |")
+    rows.append("| requests profiled (median) | " + " | ".join(f"{served[t]:,.0f}" for t in ("bare", "before", "after")) + " |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,15 +217,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", type=Path, help="also write the raw profile (.cpuprofile, for Chrome DevTools)")
+    p.add_argument("--heap", action="store_true",
+                   help="bytes allocated per request by function (V8's sampling heap profiler), not CPU time")
+    p.add_argument("--compare", type=Path, metavar="DIR",
+                   help="profile bare, the router from DIR (a copy of worker/src before a change) and this router, in turn, "
+                        "--rounds times: a markdown table of self time per request, medians")
+    p.add_argument("--rounds", type=int, default=3, help="with --compare: rounds (default 3)")
     args = p.parse_args(argv)
+    if args.compare is not None:
+        if not args.compare.is_dir():
+            p.error(f"--compare {args.compare}: not a directory; pass a copy of worker/src")
+        try:
+            costs, served = compare(args.compare, args.seconds, args.clients, args.rounds)
+        except (harness.BenchError, wd.WorkerdError) as exc:
+            print(f"bench.profile: {exc}", file=sys.stderr)
+            return exc.exit_code
+        print(compare_table(costs, served, args.top))
+        return 0
     try:
         target = "bare" if args.bare else "contract" if args.contract else "router"
-        prof, n = profile(target, args.worker_src, args.seconds, args.clients)
+        prof, n = profile(target, args.worker_src, args.seconds, args.clients, args.heap)
     except (harness.BenchError, wd.WorkerdError) as exc:
         print(f"bench.profile: {exc}", file=sys.stderr)
         return exc.exit_code
     if args.out:
         args.out.write_text(json.dumps(prof))
+    if args.heap:
+        print(f"{target}: {n} requests at {args.clients} clients; bytes allocated per request (sampled)")
+        for b, share, name in heap_bytes(prof, n)[:args.top]:
+            print(f"{b:9.0f} B   {share:6.1%}  {name}")
+        return 0
     print(f"{target}: {n} requests at {args.clients} clients; self time per request")
     for us, share, name in self_times(prof, n)[:args.top]:
         print(f"{us:9.2f} us  {share:6.1%}  {name}")

@@ -314,6 +314,29 @@ def test_profile_self_times_are_summed_per_function_and_divided_by_requests():
     assert rows[1] == (5.0, 0.2, "(anonymous) body.js:13")
 
 
+def test_profile_compare_scales_each_share_of_busy_samples_by_the_processs_cpu(monkeypatch, tmp_path):
+    from bench import profile as bench_profile
+
+    def fake(target, src, seconds, clients):
+        # bare: all busy time in fetch; the router: 3 of 8 busy samples in readBody
+        frames = [{"functionName": "(idle)", "url": "", "lineNumber": -1},
+                  {"functionName": "fetch", "url": "", "lineNumber": -1},
+                  {"functionName": "readBody", "url": "file:///x/body.js", "lineNumber": 15 if src else 20}]
+        samples = [1, 2, 2, 2] if target == "bare" else [1, 2, 2, 3, 3, 2, 2, 2, 3]
+        prof = {"nodes": [{"id": i + 1, "callFrame": f} for i, f in enumerate(frames)], "samples": samples,
+                "timeDeltas": [50] * len(samples), "cpu_us_per_req": 100.0 if target == "bare" else (200.0 if src else 160.0)}
+        return prof, 1000
+
+    monkeypatch.setattr(bench_profile, "profile", fake)
+    costs, served = bench_profile.compare(tmp_path, 1, 32, rounds=3)
+    assert costs["bare"] == {"fetch": 100.0}
+    assert costs["before"] == {"fetch": 125.0, "readBody body.js": 75.0}  # 5 and 3 of 8 busy samples x 200 µs
+    assert costs["after"] == {"fetch": 100.0, "readBody body.js": 60.0}
+    text = bench_profile.compare_table(costs, served, top=5)
+    assert "| `readBody body.js` | 0.0 | 75.0 | 60.0 |" in text
+    assert "| the process's CPU per request | 100.0 | 200.0 | 160.0 |" in text
+
+
 def test_instruction_total_comes_from_the_summary_or_totals_line():
     from bench.instructions import total_instructions
 
@@ -429,3 +452,20 @@ def test_a_floor_worker_carries_every_module_its_router_modules_import():
     for src in mods.values():
         for dep in harness.MODULE_IMPORT.findall(src):
             assert dep in mods
+
+
+def test_micro_times_every_operation_inside_workerd():
+    from bench import micro
+
+    # every operation answers (a Worker error would fail the request); the figures themselves
+    # are a few 10 ms clock ticks at this size, so only their presence is checked
+    got = micro.run(micro.OPS, 2000, 1)
+    assert set(got) == set(micro.OPS) and all(isinstance(ns, float) for ns in got.values())
+
+
+def test_micro_names_an_unknown_operation(capsys):
+    from bench import micro
+
+    with pytest.raises(SystemExit) as exc:
+        micro.main(["--ops", "url,nope"])
+    assert exc.value.code == 2 and "--ops 'url,nope': use some of" in capsys.readouterr().err

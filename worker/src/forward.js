@@ -42,12 +42,20 @@ export function podFetch(env) {
 // fallback's account-wide rate limits) says reaches the client: no Set-Cookie, no CORS.
 const CLIENT_ALLOWED = ["content-type", "cache-control", "retry-after", "x-request-id"];
 
-/** The upstream answer's status and allowed headers, as a client's Response init. */
+/**
+ * The upstream answer's status and allowed headers, as a client's Response init. The
+ * headers are a plain record: the router adds its own to it and the Response is built with
+ * all of them at once (a Headers object here, then set() on the Response, cost one native
+ * call per header on every request).
+ * @returns {{status: number, statusText: string, headers: Record<string, string>}}
+ */
 export function clientInit(res) {
-  const headers = new Headers();
+  /** @type {Record<string, string>} */
+  const headers = {};
+  const from = res.headers;
   for (const k of CLIENT_ALLOWED) {
-    const v = res.headers.get(k);
-    if (v !== null) headers.set(k, v);
+    const v = from.get(k);
+    if (v !== null) headers[k] = v;
   }
   return { status: res.status, statusText: res.statusText, headers };
 }
@@ -173,6 +181,20 @@ export async function fallbackBytes(res) {
 const encoder = new TextEncoder();
 const ASK_USAGE = encoder.encode('"stream_options":{"include_usage":true},');
 
+// Each key's `"cache_salt":"<key id>",` field, encoded once per isolate rather than on every
+// request (bounded like keys.js's remembered digests).
+const saltFields = new Map();
+
+function saltField(salt) {
+  let f = saltFields.get(salt);
+  if (f === undefined) {
+    if (saltFields.size >= 1024) saltFields.clear();
+    f = encoder.encode(`"cache_salt":${JSON.stringify(salt)},`);
+    saltFields.set(salt, f);
+  }
+  return f;
+}
+
 /**
  * The body sent upstream: the client's bytes, with `model` replaced (the fallback's
  * FALLBACK_MODEL), `stream_options.include_usage` set when the router asks for a
@@ -186,7 +208,7 @@ const ASK_USAGE = encoder.encode('"stream_options":{"include_usage":true},');
 export function upstreamBody(bytes, json, model, askUsage, salt = null) {
   if (!json || (!model && !askUsage && salt === null)) return bytes;
   if (!model && (salt === null || json.cache_salt === undefined) && (!askUsage || json.stream_options === undefined)) {
-    const saltBytes = salt === null ? null : encoder.encode(`"cache_salt":${JSON.stringify(salt)},`);
+    const saltBytes = salt === null ? null : saltField(salt);
     const add = (saltBytes ? saltBytes.length : 0) + (askUsage ? ASK_USAGE.length : 0);
     const at = bytes.indexOf(0x7b) + 1; // after "{" (and any BOM or blanks before it)
     const out = new Uint8Array(bytes.length + add);

@@ -15,7 +15,7 @@ import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from ".
 import { provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
-import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup } from "./routes.js";
+import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
   served, wantedDigest, withdraw,
@@ -38,7 +38,8 @@ export async function handle(request, env, ctx, deps = {}) {
   const fetchImpl = deps.fetch || fetch;
   const hop = deps.fetch || podFetch(env);
   try {
-    const url = new URL(request.url);
+    // Routed paths need only the path and query; the admin endpoints read the whole URL.
+    const url = pathAndQuery(request.url);
     const r = lookup(url.pathname);
     if (!r) throw new HttpError(404, "not_found", `no route for ${url.pathname}`);
     if (!r.methods.includes(request.method)) {
@@ -51,7 +52,7 @@ export async function handle(request, env, ctx, deps = {}) {
       learnColo(ctx, request, fetchImpl); // once per isolate, in the background, after the first answer
       return res;
     }
-    return await handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop);
+    return await handleAdmin(request, env, ctx, cfg, new URL(request.url), r, fetchImpl, hop);
   } catch (err) {
     releaseSlot(request); // a request that fails after admission gives its slot back
     if (err instanceof HttpError && err.holdMs) await new Promise((resolve) => setTimeout(resolve, err.holdMs));
@@ -394,9 +395,17 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
 /** The client's response: `body` with the status and headers of `from` (a Response of ours,
  * or an upstream's `clientInit`), plus ours and the key's x-ratelimit `limits` headers. */
 function finish(body, from, backend, timing, t0, limits = []) {
-  const res = new Response(body, from);
   timing.total = now() - t0;
   recordRequest(backend, timing); // the live view's histograms: memory only, carried by the next sync
+  if (!(from instanceof Response)) {
+    // an upstream's clientInit: our headers join its record, and the Response is built once
+    const h = from.headers;
+    h["x-colocate-backend"] = backend;
+    h["server-timing"] = serverTiming(timing);
+    for (const [name, value] of limits) h[name] = value;
+    return new Response(body, from);
+  }
+  const res = new Response(body, from);
   res.headers.set("x-colocate-backend", backend);
   res.headers.set("server-timing", serverTiming(timing));
   for (const [name, value] of limits) res.headers.set(name, value);
