@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from colocate import admin
+from colocate.cli import ROOT
 from scripts import keys
 from tests.support.fleet import Fleet, running_fleet
 from tests.support.workerd import SECRETS, auth, request
@@ -212,7 +213,8 @@ def test_a_cell_down_during_create_is_named_and_the_printed_command_finishes(fl,
     assert "cell eu-west:" in err and "NOT in: eu-west" in err and "in: apac-jp" in err
     finish = re.search(r"to finish, once those cells answer: (.+)", err).group(1)
     argv = shlex.split(finish)
-    assert argv[:3] == [".venv/bin/python", "scripts/keys.py", "sync"]
+    # Absolute paths (colocate/cli.script), so the line works pasted in any directory.
+    assert argv[:3] == [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "scripts" / "keys.py"), "sync"]
     assert statuses(fl, key) == {"apac-jp": 200, "eu-west": 401}
     code, out, _ = run("list")
     assert code == 1  # the cells disagree, and it says so

@@ -346,7 +346,8 @@ def test_ctrl_c_during_the_demo_leaves_nothing_running(tmp_path, delay):
         if not python_was_starting(res):
             assert res.returncode in (0, 130), res.stderr[-2000:]
         if res.returncode == 130:
-            assert "nothing it started is running" in res.stderr, res.stderr[-2000:]
+            # A loaded machine may still be importing at the signal: "before doing anything".
+            assert "nothing it started is running" in res.stderr or "before doing anything" in res.stderr, res.stderr[-2000:]
         assert_no_traceback_of_ours(res)
         assert_nothing_runs(tmp_path)
     finally:
