@@ -172,7 +172,7 @@ def test_a_cap_needs_the_fallbacks_price_and_names_each_bad_field():
 
 def cell_raw(**extra) -> dict:
     raw = {"region": "us-east", "generations": [{"name": "us-east.g1", "region": "us-east", "status": "active"}],
-           "accountId": "0" * 32, "pod": {"provider": "runpod"}, "worker": {"subdomain": "acme"},
+           "accountId": "0" * 32, "pod": {"provider": "runpod", "hop": "token"}, "worker": {"subdomain": "acme"},
            "fallbackModel": "gpt-4o-mini", "fallbackPrice": {"input": 2.5, "output": 10}}
     return {**raw, **extra}
 
