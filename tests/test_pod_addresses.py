@@ -1,4 +1,4 @@
-"""A pod's address and name (issue 48.6, 48.7): Vast.ai pods only on static addresses (the DNS
+"""A pod's address and name: Vast.ai pods only on static addresses (the DNS
 record keeps the address create saw), and each instance reachable under a name of its own, so a
 replacement never shares a hostname with its predecessor. Against the fakes, held to the specs."""
 

@@ -1,4 +1,4 @@
-"""RunPod's price is held to ``colocate:pod.maxPricePerHr`` (issue 48.9): v2's create has no price
+"""RunPod's price is held to ``colocate:pod.maxPricePerHr``: v2's create has no price
 field, so the catalogue's list price is checked before renting, and the create's billed ``cost``
 after it (a pod above the cap is deleted). Against the fake RunPod, held to the v2 spec."""
 

@@ -1,4 +1,4 @@
-"""Readiness's certificate opens GET /health and nothing else (issue 47.7).
+"""Readiness's certificate opens GET /health and nothing else.
 
 Real stand-in pods serving mutual TLS: one that trusts the readiness CA (the sandbox's, which
 enforces ``podtls.allows``) and one whose bundle carries only the cell's CA (the cloud's form:
@@ -59,7 +59,7 @@ def test_readiness_gets_get_health_only_and_the_worker_gets_the_rest(creds, tmp_
     with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=ctx, log=lambda _l: None) as pod:
         check, worker, ca = creds.check, creds.worker, creds.ca.cert_pem
         assert _call(pod.port, check, ca, "GET", "/health") == 200
-        # The attack of issue 47.7: the readiness certificate, with and without the token.
+        # The attack: the readiness certificate, with and without the token.
         for token in (None, TOKEN):
             assert _call(pod.port, check, ca, "POST", "/invocations", token) == 403
             assert _call(pod.port, check, ca, "GET", "/metrics", token) == 403

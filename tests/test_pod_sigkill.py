@@ -1,4 +1,4 @@
-"""A `pod.py` killed with SIGKILL at any phase leaves no pod billing off the record (issue 48.1).
+"""A `pod.py` killed with SIGKILL at any phase leaves no pod billing off the record.
 
 pulumi-command cancels a create (Ctrl-C, `pulumi cancel`, a timeout) with SIGKILL: no handler
 runs. Each test kills a real `scripts/pod.py` process against the fake RunPod (held to the v2

@@ -1,5 +1,5 @@
 """The pod's start command (colocate/pods/podstart.sh, pod/Dockerfile's entrypoint) loads the TLS
-bundle whatever the provider puts in the environment (issue 48.8).
+bundle whatever the provider puts in the environment.
 
 It is run here as the image runs it (``/bin/sh podstart.sh <vLLM's args>``) with a fake ``vllm`` on
 PATH that records its argv and loads the files it is pointed at, as uvicorn does for vLLM's flags.
