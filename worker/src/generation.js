@@ -886,10 +886,13 @@ export class Breaker extends DurableObject {
    * the same id and digest again answers the stored row; an id or digest already held
    * with the other half different is a conflict. One transaction, so two imports race safely.
    */
-  async importKey(row, info) {
+  async importKey(row, info, fleetCells = null) {
     await this.readThrough(info);
     let outcome = "created";
     this.ctx.storage.transactionSync(() => {
+      // A fleet's key before the exchange's first round: the fleet's size makes leasesOf give
+      // the default share at once (the exchange sets it, and keeps it current, from then on).
+      if (fleetCells && this.meta("fleet_cells") === null) this.setMeta("fleet_cells", fleetCells);
       const held = this.sql.exec("SELECT id, hash FROM client_keys WHERE id = ? OR hash = ?", row.id, row.hash).toArray();
       if (held.length) {
         outcome = held.some((h) => h.id === row.id && h.hash === row.hash) ? "exists" : "conflict";
