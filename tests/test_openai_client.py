@@ -94,7 +94,7 @@ def test_routed_answers_carry_openais_rate_limit_headers(cell):
 
 
 def test_over_rpm_retry_after_and_the_reset_header_agree_within_a_minute(cell):
-    """Issue 50.3: an rpm 2 key over its limit: retry-after and x-ratelimit-reset-requests
+    """An rpm 2 key over its limit: retry-after and x-ratelimit-reset-requests
     agree within 1 s and neither exceeds 60 s, read through the openai client."""
     c = client(cell, cell.create_key("two", rpm=2)["key"])
     for _ in range(2):

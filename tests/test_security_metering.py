@@ -1,6 +1,7 @@
-"""Issue 47, "every token a pod makes is paid for by the key that asked for it": each attack
-of the issue through the real Worker in workerd, with the stand-in pod (its hostile modes),
-and its exact expected answer. The pure parts: worker/test/metering.test.js."""
+"""Every token a pod makes is paid for by the key that asked for it: each metering attack
+(prompt lists, budgets, streams cut, the fallback's fields) through the real Worker in
+workerd, with the stand-in pod (its hostile modes), and its exact expected answer. The
+pure parts: worker/test/metering.test.js."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_a_prompt_list_is_counted_per_prompt_and_a_long_one_is_refused(cell):
 def test_max_completion_tokens_on_completions_is_refused_naming_the_fix(cell):
     made = cell.create_key("mct", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)
     before = cell.pod.requests
-    res = routed(cell, made["key"], "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 9, "max_completion_tokens": 1})
+    body = {"model": "m", "prompt": "hi", "max_tokens": 9, "max_completion_tokens": 1}
+    res = routed(cell, made["key"], "/v1/completions", body)
     err = res.json()["error"]
     assert res.status == 400 and err["param"] == "max_completion_tokens" and "send max_tokens instead" in err["message"]
     assert cell.pod.requests == before

@@ -91,7 +91,7 @@ const HANDLERS = {
 export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const roles = await authorise(request, cfg, r.roles[request.method]);
   // Pod hosts (addresses) only to the admin credential: a read-only answer names pods by
-  // index, so the token monitoring holds does not hand out where the pods are (issue 47.8).
+  // index, so the token monitoring holds does not hand out where the pods are.
   const hosts = roles.includes("admin");
   return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl, hop, hosts);
 }

@@ -98,7 +98,7 @@ function resetText(ms) {
  * OpenAI's rate-limit headers for a key's requests and tokens per minute, as [name, value]
  * pairs (only for the limits the key has), with this request counted when `admitted`.
  * x-ratelimit-reset-* is when the window admits the next request (0s while some remains):
- * on a 429 the same wait as its Retry-After, at most a minute (issue 50.3). `reserved`:
+ * on a 429 the same wait as its Retry-After, at most a minute. `reserved`:
  * tokens the key's requests in flight reserved, counted as used until they settle.
  * Clients and SDKs read them to pace themselves (docs/worker.md, "Using it").
  */

@@ -74,7 +74,7 @@ test("OpenAI's x-ratelimit headers: the key's limits, what is left with this req
   assert.deepEqual(rateHeaders(key(), est, t, true), []); // no limit, no headers
 });
 
-test("over rpm, Retry-After and x-ratelimit-reset-requests say the same wait, never past a minute (issue 50.3)", () => {
+test("over rpm, Retry-After and x-ratelimit-reset-requests say the same wait, never past a minute", () => {
   const m = 10;
   for (const into of [0, 1, 17_000, 43_500, 59_999]) {
     const t = m * WINDOW_MS + into;

@@ -1,4 +1,4 @@
-// What a request may cost, end to end in Node (issue 47): the router against the real
+// What a request may cost, end to end in Node: the router against the real
 // generation object (SQLite in memory, test/support/objects.js) and a fake fetch. The same
 // attacks through workerd and the stand-in pod: tests/test_security_metering.py.
 import { test } from "node:test";
