@@ -154,3 +154,41 @@ def test_read_only_answers_name_pods_by_index_without_hosts():
             assert as_read.status == 200 and host.encode() not in as_read.body, path
             assert [p["index"] for p in as_read.json().get("pods") or as_read.json()["breaker"]["pods"]] == [0]
             assert host.encode() in request(c.url, "GET", path, headers=admin).body, path
+
+
+def test_a_new_fleet_key_is_within_the_fleet_bound_from_its_first_request():
+    """rpm 30, used at once from two cells at 5 requests a second each, before the fleet's
+    exchange has run a round (its first comes a minute after the first use): at most 33
+    admitted in the minute, since each cell learnt the fleet's size when the key was
+    imported (without it: 60, each cell admitting the whole limit)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from colocate import admin
+    from tests.support.fleet import running_fleet
+    from tests.support.minutes import fresh_minute
+
+    cells = {"apac-jp": "NRT", "eu-west": "FRA"}
+    with running_fleet(tuple(cells), remember_ms=0, exchange_ms=60_000) as f:
+        key = admin.new_key()
+        row = admin.key_row(key, "fresh", rpm=30)
+        for c in f.cells:  # as keys.py create --stack <fleet> imports it
+            res = request(c.url, "POST", "/_colocate/keys/replica", body={**row, "fleet_cells": len(f.cells)}, headers=auth())
+            assert res.status == 201, res.body
+        fresh_minute(25)
+        began = int(time.time() // 60)
+
+        def paced(colo: str) -> list[int]:
+            start, out = time.monotonic(), []
+            for i in range(100):  # 5 a second for 20 s (slower on a loaded machine: the bound holds anyway)
+                wait = start + i / 5 - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                out.append(f.call(colo, "POST", "/v1/chat/completions", headers={"authorization": f"Bearer {key}"}).status)
+            return out
+
+        with ThreadPoolExecutor(2) as pool:
+            statuses = [s for got in pool.map(paced, cells.values()) for s in got]
+        assert int(time.time() // 60) == began, "the run crossed a minute boundary (a loaded machine): rerun"
+    assert set(statuses) <= {200, 429}
+    assert statuses.count(200) <= 33, statuses.count(200)
+    assert statuses.count(200) >= 28  # and the key got about its limit (each cell's default share: 16)
