@@ -212,3 +212,22 @@ test("live-view labels are bounded per minute: past the bound a client colo fold
   assert.equal(labels.size, MAX_LABELS + 1); // MAX_LABELS labels, and "0" for the rest
   assert.ok(labels.has("0"));
 });
+
+test("a reservation reaches the other isolates with the next sync, and goes when it settles", async () => {
+  const { COUNTER, INFLIGHT } = await import("../src/payloads.js");
+  const env = envFor("m-iso");
+  const { id } = await withKey(env.BREAKER, "m-iso", { monthly_tokens: 50 });
+  const object = await env.BREAKER.instance("m-iso");
+  const info = (isolate) => ({ generation: "m-iso", isolate, keys: [id], ttlMs: 2000, haveRev: -1 });
+  const row = (n, tokens) => {
+    const r = INFLIGHT.zero(id);
+    r[INFLIGHT.n] = n;
+    r[INFLIGHT.tokens] = tokens;
+    return r;
+  };
+  await object.sync(info("iso_a"), { inflight: [row(1, 700)] });
+  assert.equal((await object.sync(info("iso_b"), null)).counts[id][COUNTER.reserved], 700);
+  assert.equal((await object.sync(info("iso_a"), null)).counts[id]?.[COUNTER.reserved] ?? 0, 0); // its own is not added back
+  await object.sync(info("iso_a"), { inflight: [row(0, 0)] });
+  assert.equal((await object.sync(info("iso_b"), null)).counts[id]?.[COUNTER.reserved] ?? 0, 0);
+});
