@@ -634,6 +634,9 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         plain += [("DRAINING_GENERATION", state.draining.name), ("DRAINING_HINT", state.draining_hint)]
     plain += [
         ("DEADLINE_MS", str(w.deadline_ms)),
+        ("STALL_MS", str(w.stall_ms)),
+        ("MIN_TOKENS_PER_S", repr(w.min_tokens_per_s)),
+        ("BALANCE", w.balance),
         ("MAX_BODY_BYTES", str(w.max_body_bytes)),
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),

@@ -62,7 +62,15 @@ WORKER_DEFAULTS = {
     "name": "",  # empty: colocate-<stack>
     "subdomain": "",  # the account's workers.dev subdomain (needed without a zone)
     "placement": "auto",  # pod on the zone-dns path, targeted elsewhere (docs/pods.md "Placement")
-    "deadlineMs": 2000,
+    "deadlineMs": 2000,  # to a pod's first token (docs/worker.md "Routing")
+    # After the first token: no byte for stallMs is a stall (the pod's failure), and an answer
+    # slower than minTokensPerS a choice counts towards marking its pod slow ("Pace"). The default
+    # profile (RTX 4090, Qwen2.5-7B INT4: a step of 14.5 + 0.30 ms a sequence, colocate/pods/profiles.py)
+    # makes 67 tokens/s a sequence alone and 30 at a batch of 64; a third of its light-load rate
+    # (the stand-in's slow_tokens 3) is 22. 25 lies between: a slow pod is under it, a loaded one not.
+    "stallMs": 2000,
+    "minTokensPerS": 25,
+    "balance": "load",  # BALANCES
     "maxBodyBytes": 1_048_576,
     "failureThreshold": 3,
     "openMs": 30_000,
@@ -84,6 +92,10 @@ KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens
 SCALE_DEFAULTS = {"min": 1, "max": 2, "target": pod_capacity(), "upAfterS": 120, "downAfterS": 900, "policy": "latency",
                   "pods": None, "draining": 0}
 SCALE_POLICIES = ("latency", "cost")
+# colocate:worker.balance: how the Worker picks among healthy pods (worker/src/pods.js POLICIES).
+# load: the cell's requests in flight there (all isolates) and what the pod reports (vLLM's
+# /metrics: running, waiting, KV cache); least_busy: this isolate's requests in flight only.
+BALANCES = ("load", "least_busy")
 
 SCHEMA: tuple[Key, ...] = (
     Key("region", "string", None,
@@ -101,7 +113,9 @@ SCHEMA: tuple[Key, ...] = (
         "mutual TLS between the Worker and the pod, or the pod token alone; auto refuses RunPod without colocate:zone)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
-        "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
+        "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
+        "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
+        "pod slow), balance (load | least_busy), maxBodyBytes, "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion."),
     Key("keys", "object", KEYS_DEFAULTS,
@@ -210,6 +224,9 @@ class WorkerSettings:
     state_ttl_ms: int
     migration_tag: str
     allow_class_deletion: bool
+    stall_ms: int = 2000
+    min_tokens_per_s: float = 25.0
+    balance: str = "load"
 
 
 @dataclass(frozen=True)
@@ -389,7 +406,17 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         state_ttl_ms=_number(k + "stateTtlMs", w["stateTtlMs"], integer=True, strict=False),
         migration_tag=tag,
         allow_class_deletion=w["allowClassDeletion"],
+        stall_ms=_number(k + "stallMs", w["stallMs"], integer=True),
+        min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
+        balance=_balance(k + "balance", w["balance"]),
     )
+
+
+def _balance(key: str, value: object) -> str:
+    if value not in BALANCES:
+        raise ConfigError(key, value, f"must be one of {', '.join(BALANCES)}",
+                          f"pulumi config set --path {key} load (or least_busy: each isolate's own in-flight counts only)")
+    return str(value)
 
 
 def parse_budgets(raw: object, key: str = f"{NS}:budgets") -> dict[str, float]:

@@ -586,3 +586,14 @@ def test_the_sandbox_runs_a_zoneless_runpod_stacks_pods_over_mutual_tls(stack, t
     (tmp_path / f"Pulumi.{stack}.yaml").write_text(text)
     cell_plan, _ = build_plan(Launch(stack, str(tmp_path), None, None, (), False))
     assert cell_plan.pod_settings.provider == "local" and cell_plan.mtls and cell_plan.pod.tls_name == "localhost"
+
+
+def test_the_workers_pace_and_balance_reach_it_as_bindings_and_a_bad_policy_names_its_key():
+    c = cell(raw_for(worker={"subdomain": "acme", "stallMs": 1500, "minTokensPerS": 12.5, "balance": "least_busy"}))
+    texts = {b.name: b.text for b in c.worker.bindings if b.type == "plain_text"}
+    assert (texts["STALL_MS"], texts["MIN_TOKENS_PER_S"], texts["BALANCE"]) == ("1500", "12.5", "least_busy")
+    defaults = {b.name: b.text for b in cell(raw_for(worker={"subdomain": "acme"})).worker.bindings if b.type == "plain_text"}
+    assert (defaults["STALL_MS"], defaults["MIN_TOKENS_PER_S"], defaults["BALANCE"]) == ("2000", "25.0", "load")
+    with pytest.raises(ConfigError) as e:
+        cell(raw_for(worker={"subdomain": "acme", "balance": "fastest"}))
+    assert "colocate:worker.balance" in str(e.value) and "least_busy" in str(e.value)

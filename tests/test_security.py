@@ -94,7 +94,9 @@ def test_inflated_usage_is_capped_by_what_the_request_allows(cell, key):
 
 def test_hidden_usage_is_read_from_the_top_level(cell, key):
     cell.pod.set_fault("hostile", attack="usage_hidden")
-    data = body(max_tokens=4)
+    # vLLM writes prompt_logprobs only when asked, and such a request is read whole, not
+    # assembled from a stream (forward.js streamable): where the hidden "usage" can be.
+    data = body(max_tokens=4, prompt_logprobs=1)
     res = call(cell, key, data)
     assert res.status == 200 and res.json()["prompt_logprobs"][-1]["2"]["decoded_token"] == "usage"
     row = usage_row(cell, key, 1)
@@ -126,11 +128,33 @@ def test_a_redirect_is_not_followed_and_the_fallback_serves(cell, key):
 
 def test_an_oversized_answer_is_cut_and_the_fallback_serves(cell, key):
     cell.pod.set_fault("hostile", attack="oversized")
-    res = call(cell, key, body(), timeout=60)
+    # Read whole (a request with prompt_logprobs is not streamed): past 16 MiB it is a failure
+    # before any answer, so the fallback serves.
+    res = call(cell, key, body(prompt_logprobs=1), timeout=60)
     assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
     assert len(res.body) < 4096 and res.json()["object"] == "chat.completion"
     row = usage_row(cell, key, 1)
     assert (row["pod_requests"], row["fallback_requests"]) == (0, 1)
+
+
+def test_an_oversized_stream_for_an_assembled_answer_is_cut_counted_and_not_bought_again():
+    # A cell of its own: the stand-in's oversized stream may run on after the cut (seen in
+    # workerd with the assembled answer's BYOB reader), holding the module's pod.
+    with running_cell({"deadlineMs": DEADLINE_MS, "stateTtlMs": 60_000}, compute_ms=5, split_tokens=True) as cell:
+        _oversized_assembled(cell, cell.create_key("sec"))
+
+
+def _oversized_assembled(cell, key):
+    cell.pod.set_fault("hostile", attack="oversized")
+    before = cell.fallback.requests
+    # Asked as a stream for a client that asked none: past what max_tokens allows (usage.js
+    # streamCap) after its first token, the answer has begun: a 502, counted within max_tokens.
+    res = call(cell, key, body(max_tokens=4), timeout=60)
+    assert res.status == 502 and res.headers["x-colocate-backend"] == "pod-0"
+    assert res.json()["error"]["code"] == "upstream_broken"
+    assert cell.fallback.requests == before
+    row = usage_row(cell, key, 1)
+    assert (row["pod_requests"], row["fallback_requests"]) == (1, 0) and row["completion_tokens"] <= 4
 
 
 def stream_cut(cell, key, data: bytes) -> tuple[int, bytes, bool]:

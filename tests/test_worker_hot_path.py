@@ -138,7 +138,8 @@ def test_warm_routed_requests_make_one_pod_subrequest_and_no_object_call():
         assert 1 <= cold_calls <= COLD_OBJECT_CALLS, cold_body  # >= 1: the counter does see the object
         # Background, once: the isolate's own /cdn-cgi/trace (the live view's colo, after its first
         # answer) and the object's (its view's colo). Every other subrequest is the request's own.
-        cold_seen = [s for s in cold_seen if not s[2].startswith("/cdn-cgi/trace")]
+        # And the pod's load (GET /metrics, at most once a second per pod: pods.js metricsDue).
+        cold_seen = [s for s in cold_seen if not s[2].startswith("/cdn-cgi/trace") and s[2] != "/metrics"]
         assert [(m, h) for m, h, _ in cold_seen] == [("POST", POD_HOST)]
 
         kinds = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"model": "m", "prompt": "hi"}),
@@ -150,7 +151,9 @@ def test_warm_routed_requests_make_one_pod_subrequest_and_no_object_call():
         calls, body, seen = _counts(w, out)
         traces = [s for s in seen if s[2].startswith("/cdn-cgi/trace")]
         assert len(traces) <= 2, traces  # once per isolate and once per object, never per request
-        seen = [s for s in seen if not s[2].startswith("/cdn-cgi/trace")]
+        scrapes = [s for s in seen if s[2] == "/metrics"]
+        assert len(scrapes) <= 2 + int(elapsed), scrapes  # the pod's load: once a second at most, never per request
+        seen = [s for s in seen if not s[2].startswith("/cdn-cgi/trace") and s[2] != "/metrics"]
         assert calls - minted - cold_calls == 0, f"the warm hot path called the object: {body}"
         # Usage reaches the object in the background, batched: at most one flush a second of
         # traffic (FLUSH_MAX_MS; a loaded machine stretches the loop), never one call per request.

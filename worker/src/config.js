@@ -7,6 +7,7 @@
 
 import { ConfigurationError } from "./errors.js";
 import { MAX_TOKENS } from "./validate.js";
+import { DEFAULT_POLICY, POLICIES } from "./pods.js";
 
 const cache = new WeakMap();
 
@@ -130,6 +131,15 @@ function fallbackFieldList(env) {
   return Object.freeze(list);
 }
 
+/** BALANCE: the balancing policy's name (pods.js POLICIES); absent: the default. */
+function balance(env) {
+  const name = env.BALANCE === undefined ? DEFAULT_POLICY : env.BALANCE;
+  if (!Object.hasOwn(POLICIES, name)) {
+    throw new ConfigurationError("BALANCE", `must be one of ${Object.keys(POLICIES).join(", ")} (got ${JSON.stringify(name)})`);
+  }
+  return name;
+}
+
 /** @returns the checked configuration for this env (cached per env object). */
 export function readConfig(env) {
   let cfg = cache.get(env);
@@ -142,6 +152,11 @@ export function readConfig(env) {
     drainingGeneration: text(env, "DRAINING_GENERATION", { required: false }) || null,
     drainingHint: text(env, "DRAINING_HINT", { required: false }),
     deadlineMs: int(env, "DEADLINE_MS", { min: 1 }),
+    // After the first token: a stall is this long without a byte; a pace below this many
+    // tokens a second (a choice) marks an answer slow (docs/worker.md, "Pace").
+    stallMs: optionalInt(env, "STALL_MS", int(env, "DEADLINE_MS", { min: 1 }), { min: 1 }),
+    minTokensPerS: optionalNumber(env, "MIN_TOKENS_PER_S", 25),
+    balance: balance(env),
     maxBodyBytes: int(env, "MAX_BODY_BYTES", { min: 1 }),
     failureThreshold: int(env, "FAILURE_THRESHOLD", { min: 1 }),
     openMs: int(env, "OPEN_MS", { min: 1 }),

@@ -97,20 +97,34 @@ export function isStream(res) {
 }
 
 /**
- * Try the pod within `deadlineMs`. A streamed (SSE) answer to a request that asked for a
- * stream (`streamed`) counts as served once its headers arrive and is then passed through
- * chunk by chunk; any other answer must be complete within the deadline (so a pod that
- * stalls mid-body still falls back), and within MAX_ANSWER_BYTES, an event stream the
- * request did not ask for included.
- * @returns {Promise<{ok: true, response: Response, stream: boolean, bytes?: ArrayBuffer} | {ok: false, reason: string}>}
+ * Try the pod. `deadlineMs` bounds the time to its first token: the headers and the first
+ * data event of a stream (vLLM sends a stream's headers at once and its first event after
+ * prefill, so the event, not the headers, is the first token). After it, the stream is
+ * watched for stalls (`Pace`): no new byte for `stallMs` while the router waits for one is
+ * a stall, however long the answer. `mode`:
+ * - "stream": the client asked for a stream; served once the first event has arrived, then
+ *   passed on (`pace.body` / `pace.stream`);
+ * - "assemble": the client asked for none and the router asked the pod for a stream
+ *   (`upstreamBody`); the whole stream is read here (at most `streamCap` bytes) for
+ *   assemble.js to rebuild the JSON answer from;
+ * - "whole": a non-streamed answer, complete within `deadlineMs` and MAX_ANSWER_BYTES.
+ * A pod that answers a stream request with JSON (an OpenAI-compatible server without
+ * streaming) is read whole, as in "whole". A failure after the first token carries
+ * `started: true` (and the bytes read so far): it is the pod's, but the request has begun
+ * and is not bought again (docs/worker.md, "Routing").
+ * @returns {Promise<any>}
  */
-export async function tryPod(fetchImpl, url, init, deadlineMs, streamed = false) {
+export async function tryPod(fetchImpl, url, init, deadlineMs, mode = "whole", stallMs = deadlineMs, streamCap = MAX_STREAM_READ,
+  minTokensPerS = 25) {
   const ac = new AbortController();
   let expired = false;
+  let reader = null;
   const timer = setTimeout(() => {
     expired = true;
     ac.abort();
+    if (reader !== null) reader.cancel(new Error("deadline")).catch(() => {}); // whatever the runtime does with the signal
   }, deadlineMs);
+  let pace = null;
   try {
     init.signal = ac.signal; // init is this call's own object: no copy
     init.redirect = "manual";
@@ -119,7 +133,27 @@ export async function tryPod(fetchImpl, url, init, deadlineMs, streamed = false)
       await res.body?.cancel().catch(() => {});
       return { ok: false, reason: `status_${res.status}` };
     }
-    if (streamed && isStream(res)) return { ok: true, response: res, stream: true };
+    if (mode !== "whole" && res.body && isStream(res)) {
+      // An assembled answer is read in windows where the runtime can (readAtLeast: one
+      // JavaScript turn per window, not per token); a stream passed on, chunk by chunk.
+      let windows = mode === "assemble" && WINDOWS;
+      try {
+        reader = windows ? res.body.getReader({ mode: "byob" }) : res.body.getReader();
+      } catch {
+        windows = false; // not a byte stream: read it chunk by chunk
+        reader = res.body.getReader();
+      }
+      const first = await firstEvent(reader, windows);
+      clearTimeout(timer);
+      if (first === null) return { ok: false, reason: expired ? "deadline" : "empty_stream" };
+      pace = new Pace(reader, stallMs, first, !windows);
+      pace.abort = () => ac.abort(); // a cut also ends the pod's request
+      if (mode === "stream") return { ok: true, response: res, stream: true, pace };
+      const cap = Math.min(streamCap, MAX_STREAM_READ);
+      const all = windows ? await pace.readWindows(cap, minTokensPerS) : await pace.readAll(cap);
+      if (all.reason !== null) return { ok: false, reason: all.reason, started: true, bytes: all.bytes, pace };
+      return { ok: true, response: res, bytes: all.bytes, stream: false, assembled: true, pace };
+    }
     const bytes = await readCapped(res, MAX_ANSWER_BYTES);
     return { ok: true, response: res, bytes, stream: false }; // headers from `response`, body in `bytes`
   } catch (err) {
@@ -127,6 +161,253 @@ export async function tryPod(fetchImpl, url, init, deadlineMs, streamed = false)
     return { ok: false, reason: expired ? "deadline" : "unreachable" };
   } finally {
     clearTimeout(timer);
+  }
+}
+
+// The most stream an assembled answer reads (and less when the request allows fewer
+// tokens: usage.js streamCap): its JSON is at most MAX_ANSWER_BYTES, and a stream spends
+// about as much again per token on each event's envelope.
+export const MAX_STREAM_READ = 2 * MAX_ANSWER_BYTES;
+
+// workerd's BYOB readers have readAtLeast (Node's, in the unit tests, do not).
+const WINDOWS = typeof ReadableStreamBYOBReader === "function" && "readAtLeast" in ReadableStreamBYOBReader.prototype;
+
+/** The bytes up to and including the first chunk that carries a data event; null: the stream ended first. */
+async function firstEvent(reader, byob = false) {
+  let got = null;
+  for (;;) {
+    const { done, value } = await (byob ? reader.read(new Uint8Array(FIRST_READ)) : reader.read());
+    if (done) return null;
+    got = got === null ? value : concat([got, value], got.byteLength + value.byteLength);
+    if (hasData(got)) return got;
+  }
+}
+
+const FIRST_READ = 16384;
+const D = 0x64; // "d" of "data:"
+
+function hasData(b) {
+  for (let i = b.indexOf(D); i >= 0 && i + 4 < b.length; i = b.indexOf(D, i + 1)) {
+    if (b[i + 1] === 0x61 && b[i + 2] === 0x74 && b[i + 3] === 0x61 && b[i + 4] === 0x3a && (i === 0 || b[i - 1] === 10)) return true;
+  }
+  return false;
+}
+
+function concat(chunks, size) {
+  const out = new Uint8Array(size);
+  let at = 0;
+  for (const c of chunks) {
+    out.set(c, at);
+    at += c.byteLength;
+  }
+  return out;
+}
+
+const LF = 10;
+const WINDOW_TOKENS = 32; // events a window of an assembled answer's stream holds (Pace.readWindows)
+
+/** Line feeds in `b`: an SSE data event is one line and a blank one (JSON carries no raw newline). */
+function lines(b) {
+  let n = 0;
+  for (let i = b.indexOf(LF); i >= 0; i = b.indexOf(LF, i + 1)) n++;
+  return n;
+}
+
+/** The event that ends a client's stream whose pod stalled: OpenAI's error shape, which OpenAI's SDKs raise. */
+export function stallEvent(stallMs) {
+  const error = { message: `the pod sent nothing for ${stallMs} ms in the middle of the answer: cut here`,
+    type: "server_error", code: "upstream_stalled" };
+  return encoder.encode(`data: ${JSON.stringify({ error })}\n\n`);
+}
+
+/**
+ * The pace of a pod's stream after its first token: stalls (nothing for `stallMs` while
+ * the router waits for the next chunk; time spent waiting on the client's side, which
+ * holds the stream back, is not the pod's), and the token rate, from the events read and
+ * the time spent waiting for them. One timer a `stallMs` period, not one per chunk; the
+ * per-chunk cost is two clock reads and a scan for line feeds.
+ */
+export class Pace {
+  constructor(reader, stallMs, first, watch = true) {
+    this.reader = reader;
+    this.stallMs = stallMs;
+    this.first = first;
+    this.lines = lines(first);
+    this.waitMs = 0; // time spent waiting for the pod's chunks after the first
+    this.since = Date.now(); // when the current wait began (or the last chunk arrived)
+    this.waiting = false;
+    this.stalled = false;
+    this.ended = false;
+    this.told = false; // the stall event was handed on
+    this.onTick = null; // called each period with this (router.js judges the rate mid-stream)
+    this.timer = watch ? setTimeout(() => this.tick(), stallMs) : null;
+  }
+
+  tick() {
+    this.timer = null;
+    if (this.ended) return;
+    const idle = Date.now() - this.since;
+    if (this.waiting && idle >= this.stallMs) {
+      this.stalled = true;
+      this.reader.cancel(new Error("stalled")).catch(() => {});
+      return;
+    }
+    if (this.onTick) this.onTick(this);
+    this.timer = setTimeout(() => this.tick(), this.waiting ? Math.max(1, this.stallMs - idle) : this.stallMs);
+  }
+
+  end() {
+    this.ended = true;
+    if (this.timer !== null) clearTimeout(this.timer);
+    this.timer = null;
+  }
+
+  /** Events read so far (the first's included). */
+  get events() {
+    return this.lines >> 1;
+  }
+
+  /** The next chunk: the first one, then the pod's; after a stall, the stall event once, then the end. */
+  async read() {
+    if (this.first !== null) {
+      const value = this.first;
+      this.first = null;
+      return { done: false, value };
+    }
+    if (this.ended) return this.tell();
+    const t = Date.now();
+    this.since = t;
+    this.waiting = true;
+    let r;
+    try {
+      r = await this.reader.read();
+    } catch (err) {
+      this.end();
+      if (this.stalled) return this.tell();
+      throw err;
+    } finally {
+      this.waiting = false;
+    }
+    const now = Date.now();
+    this.waitMs += now - t;
+    this.since = now;
+    if (r.done) {
+      this.end();
+      return this.tell();
+    }
+    this.lines += lines(r.value);
+    return r;
+  }
+
+  tell() {
+    if (this.stalled && !this.told) {
+      this.told = true;
+      return { done: false, value: stallEvent(this.stallMs) };
+    }
+    return { done: true, value: undefined };
+  }
+
+  cancel(reason) {
+    this.end();
+    return this.reader.cancel(reason);
+  }
+
+  /** The stream as a body whose reader is this (usage.js stripStream reads it chunk by chunk). */
+  get body() {
+    const self = this;
+    return /** @type {any} */ ({ getReader: () => ({ read: () => self.read(), cancel: (r) => self.cancel(r), releaseLock() {} }) });
+  }
+
+  /** The stream as a ReadableStream (for a tee: usage.js tapStream). */
+  stream() {
+    return new ReadableStream({
+      pull: async (c) => {
+        const r = await this.read();
+        if (r.done) c.close();
+        else c.enqueue(r.value);
+      },
+      cancel: (reason) => this.cancel(reason),
+    }, { highWaterMark: 0 });
+  }
+
+  /**
+   * The rest of the stream read in windows (a BYOB reader's readAtLeast): about
+   * WINDOW_TOKENS events' bytes a read (from the first event's size), so a short answer is
+   * one read and a long one a read every few dozen tokens. Each window must arrive within
+   * STALL_MS + 4 × its time at `minTokensPerS`: nothing for that long, or a pod under a
+   * quarter of that rate over a whole window, is a stall. As readAll.
+   */
+  async readWindows(cap, minTokensPerS) {
+    const chunks = [this.first];
+    let size = this.first.byteLength;
+    this.first = null;
+    const windowBytes = Math.max(4096, Math.min(65536, size * WINDOW_TOKENS));
+    const allowMs = this.stallMs + Math.ceil((4000 * WINDOW_TOKENS) / Math.max(minTokensPerS, 0.001));
+    let reason = null;
+    try {
+      for (;;) {
+        const want = Math.min(windowBytes, cap + 1 - size);
+        if (want <= 0) {
+          reason = "oversized";
+          break;
+        }
+        const t = Date.now();
+        const timer = setTimeout(() => {
+          this.stalled = true;
+          this.reader.cancel(new Error("stalled")).catch(() => {});
+        }, allowMs);
+        let r;
+        try {
+          r = await this.reader.readAtLeast(want, new Uint8Array(want));
+        } finally {
+          clearTimeout(timer);
+        }
+        this.waitMs += Date.now() - t;
+        if (this.stalled) {
+          reason = "stalled";
+          break;
+        }
+        if (r.value && r.value.byteLength) {
+          this.lines += lines(r.value);
+          chunks.push(r.value);
+          size += r.value.byteLength;
+        }
+        if (r.done) break;
+      }
+    } catch {
+      reason = this.stalled ? "stalled" : "broken";
+    }
+    if (reason === "oversized") await this.reader.cancel(new Error("oversized")).catch(() => {});
+    this.end();
+    return { bytes: concat(chunks, size), reason };
+  }
+
+  /** The rest of the stream in one array, or why not: {bytes, reason: null | "stalled" | "broken" | "oversized"}. */
+  async readAll(cap) {
+    const chunks = [];
+    let size = 0;
+    let reason = null;
+    try {
+      for (;;) {
+        const r = await this.read();
+        if (r.done) break;
+        if (this.told) {
+          reason = "stalled";
+          break;
+        }
+        size += r.value.byteLength;
+        if (size > cap) {
+          reason = "oversized";
+          await this.cancel(new Error("oversized")).catch(() => {});
+          break;
+        }
+        chunks.push(r.value);
+      }
+    } catch {
+      reason = "broken";
+    }
+    this.end();
+    return { bytes: concat(chunks, chunks.reduce((n, c) => n + c.byteLength, 0)), reason };
   }
 }
 
@@ -180,6 +461,20 @@ export async function fallbackBytes(res) {
 
 const encoder = new TextEncoder();
 const ASK_USAGE = encoder.encode('"stream_options":{"include_usage":true},');
+const ASK_STREAM = encoder.encode('"stream":true,');
+
+/**
+ * Whether a request the client did not stream is asked of the pod as a stream and
+ * assembled (assemble.js): every chat or legacy completion, but those whose streamed form
+ * vLLM refuses or writes differently: `best_of` above `n` (vLLM streams only the n it
+ * returns) and `prompt_logprobs` (a non-streamed answer's field a stream does not carry).
+ */
+export function streamable(json) {
+  if (!json || json.stream === true) return false;
+  if (json.prompt_logprobs !== undefined && json.prompt_logprobs !== null) return false;
+  const n = Number.isInteger(json.n) ? json.n : 1;
+  return !(Number.isInteger(json.best_of) && json.best_of > n);
+}
 
 // Each key's `"cache_salt":"<key id>",` field, encoded once per isolate rather than on every
 // request (bounded like keys.js's remembered digests).
@@ -198,18 +493,21 @@ function saltField(salt) {
 /**
  * The body sent upstream: the client's bytes, with `model` replaced (the fallback's
  * FALLBACK_MODEL), `stream_options.include_usage` set when the router asks for a
- * stream's usage that the client did not ask for, and, to a pod, the key's `cache_salt`
- * (vLLM keeps prefix-cache entries of different salts apart, so one key cannot time
- * another's prompts; a client's own `cache_salt` is replaced). Without a model to replace
- * and without the client's `cache_salt` (or its `stream_options`, when usage is asked),
- * the fields are spliced in after the opening brace (the body is a JSON object, so never
- * empty): the client's bytes are not re-encoded.
+ * stream's usage that the client did not ask for, `stream: true` when the router asks
+ * for a stream the client did not (`streamIt`, with usage), and, to a pod, the key's
+ * `cache_salt` (vLLM keeps prefix-cache entries of different salts apart, so one key
+ * cannot time another's prompts; a client's own `cache_salt` is replaced). When none of
+ * the fields it sets is in the client's body (and no model is replaced), they are spliced
+ * in after the opening brace (the body is a JSON object, so never empty): the client's
+ * bytes are not re-encoded.
  */
-export function upstreamBody(bytes, json, model, askUsage, salt = null) {
-  if (!json || (!model && !askUsage && salt === null)) return bytes;
-  if (!model && (salt === null || json.cache_salt === undefined) && (!askUsage || json.stream_options === undefined)) {
+export function upstreamBody(bytes, json, model, askUsage, salt = null, streamIt = false) {
+  if (!json || (!model && !askUsage && salt === null && !streamIt)) return bytes;
+  const usage = askUsage || streamIt;
+  if (!model && (salt === null || json.cache_salt === undefined) && (!usage || json.stream_options === undefined)
+    && (!streamIt || json.stream === undefined)) {
     const saltBytes = salt === null ? null : saltField(salt);
-    const add = (saltBytes ? saltBytes.length : 0) + (askUsage ? ASK_USAGE.length : 0);
+    const add = (saltBytes ? saltBytes.length : 0) + (usage ? ASK_USAGE.length : 0) + (streamIt ? ASK_STREAM.length : 0);
     const at = bytes.indexOf(0x7b) + 1; // after "{" (and any BOM or blanks before it)
     const out = new Uint8Array(bytes.length + add);
     out.set(bytes.subarray(0, at));
@@ -218,7 +516,11 @@ export function upstreamBody(bytes, json, model, askUsage, salt = null) {
       out.set(saltBytes, to);
       to += saltBytes.length;
     }
-    if (askUsage) {
+    if (streamIt) {
+      out.set(ASK_STREAM, to);
+      to += ASK_STREAM.length;
+    }
+    if (usage) {
       out.set(ASK_USAGE, to);
       to += ASK_USAGE.length;
     }
@@ -227,7 +529,8 @@ export function upstreamBody(bytes, json, model, askUsage, salt = null) {
   }
   const body = { ...json };
   if (model) body.model = model;
-  if (askUsage) body.stream_options = { ...json.stream_options, include_usage: true };
+  if (streamIt) body.stream = true;
+  if (usage) body.stream_options = { ...(json.stream_options || {}), include_usage: true };
   if (salt !== null) body.cache_salt = salt;
   return encoder.encode(JSON.stringify(body));
 }

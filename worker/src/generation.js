@@ -21,7 +21,7 @@
 // Worker version finishing their work during a deploy) to its successor.
 
 import { DurableObject } from "cloudflare:workers";
-import { FORCE_VALUES, grantTrial, initial, needsWitness, record } from "./machine.js";
+import { FORCE_VALUES, grantTrial, initial, initialPace, needsWitness, record, recordPace } from "./machine.js";
 import { dayOf, minuteOf } from "./limits.js";
 import {
   ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
@@ -79,6 +79,7 @@ export class Breaker extends DurableObject {
     super(ctx, env);
     this.sql = ctx.storage.sql;
     this.coloOnce = null;
+    this.pace = new Map(); // pod URL -> pace streak and slow mark (machine.js): soft state, re-learnt in seconds after a restart
     this.purged = false; // set by purge(): no tables until the next use
     ctx.blockConcurrencyWhile(async () => this.load());
   }
@@ -560,7 +561,47 @@ export class Breaker extends DurableObject {
     // default share from it (router.js), as the ledger counts it, not the whole limit.
     const fleet = leases ? { leases, fleet_cells: Number(this.meta("fleet_cells")) } : {};
     return { ...delta, pods, counts, ...fleet, ...(spent ? { spent } : {}), forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
-      imported, at: now, colo: this.coloOnce };
+      imported, at: now, colo: this.coloOnce, ...this.podLoads(info, now) };
+  }
+
+  /**
+   * What balancing reads (pods.js): `others`, the requests the cell's other isolates have in
+   * flight per pod index as of their last sync (the caller's own are fresher in its memory),
+   * and `slow`, the pods marked slow until when, with any pod whose streak has begun (until 0).
+   */
+  podLoads(info, now) {
+    const out = {};
+    if (info && info.isolate !== undefined) {
+      const others = {};
+      let any = false;
+      for (const r of this.sql.exec("SELECT pod, SUM(n) AS n FROM pod_inflight WHERE isolate != ? AND at >= ? GROUP BY pod",
+        String(info.isolate ?? ""), now - INFLIGHT_KEEP_MS)) {
+        others[r.pod] = r.n;
+        any = true;
+      }
+      if (any) out.others = others;
+    }
+    let slow = null;
+    for (const [pod, p] of this.pace) {
+      if (p.until > now || p.n > 0) (slow ??= {})[pod] = p.until > now ? p.until : 0;
+      else this.pace.delete(pod);
+    }
+    if (slow) out.slow = slow;
+    return out;
+  }
+
+  /** One pace verdict on an answer of `pod` (machine.js recordPace): `slow` or not, from `from.key`. */
+  async reportPace(pod, slow, info, from = null) {
+    await this.readThrough(info);
+    const before = this.pace.get(pod) ?? initialPace();
+    const next = recordPace(before, slow, Date.now(), info, from);
+    if (next !== before) this.pace.set(pod, next);
+    return { marked: next.until > before.until, view: this.loadedView(info) };
+  }
+
+  /** The view an outcome's answer carries: without key counters, with the caller's pod loads. */
+  loadedView(info) {
+    return { ...this.view(info.haveRev ?? -1), ...this.podLoads(info, Date.now()) };
   }
 
   /** What the fallback's answers cost the cell on `day` (one row by primary key). */
@@ -845,7 +886,7 @@ export class Breaker extends DurableObject {
     const before = this.podRow(pod);
     const next = record(before, ok, Date.now(), info, from);
     if (next !== before) this.savePod(pod, next);
-    return { from: before.state, to: next.state, witness: needsWitness(next, info), view: this.view(info.haveRev ?? -1) };
+    return { from: before.state, to: next.state, witness: needsWitness(next, info), view: this.loadedView(info) };
   }
 
   /** The half-open trial slot of `pod`: at most one holder per lease. */
@@ -853,7 +894,7 @@ export class Breaker extends DurableObject {
     await this.readThrough(info);
     const { granted, snap } = grantTrial(this.podRow(pod), Date.now(), info);
     if (granted) this.savePod(pod, snap);
-    return { granted, view: this.view(info.haveRev ?? -1) };
+    return { granted, view: this.loadedView(info) };
   }
 
   async setForce(force, info) {

@@ -99,3 +99,28 @@ export function record(snap, ok, now, cfg, from = null) {
   }
   return { ...snap, failures, updated_at: now, failure_keys: sources };
 }
+
+// --- pace: a pod that starts answers but makes tokens too slowly (docs/worker.md, "Pace") ---
+//
+// Not a breaker state: a slow pod still serves, and its requests are not bought from the
+// fallback; it is only passed over by balancing while another pod is not slow. A pace
+// report is a verdict on one answer of at least PACE_MIN_TOKENS tokens a choice (router.js):
+// "slow" below colocate:worker.minTokensPerS, "ok" at or above. FAILURE_THRESHOLD slow
+// verdicts in a row from at least two keys mark the pod slow for OPEN_MS; an "ok" verdict
+// forgets the streak. So one key's tiny requests cannot mark a pod (they are too short to
+// be judged) and a long answer never does (its length is not its pace).
+
+/** @returns {{n: number, keys: string[], until: number}} */
+export function initialPace() {
+  return { n: 0, keys: [], until: 0 };
+}
+
+/** One pace verdict (`slow` or not) from `from` (a key id, or none) at `now`. */
+export function recordPace(p, slow, now, cfg, from = null) {
+  if (!slow) return p.n === 0 ? p : { ...p, n: 0, keys: [] };
+  const source = sourceOf(from);
+  const keys = p.keys.includes(source) || p.keys.length >= MAX_SOURCES ? p.keys : [...p.keys, source];
+  const n = p.n + 1;
+  if (n >= cfg.failureThreshold && keys.length >= 2) return { n: 0, keys: [], until: now + cfg.openMs };
+  return { ...p, n, keys };
+}

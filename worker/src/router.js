@@ -9,19 +9,22 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
+import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, streamable, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
+import { assembleBytes } from "./assemble.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from "./limits.js";
 import { provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
-import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
+import {
+  POLICIES, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, putMetrics, started, unhurried, worthReporting,
+} from "./pods.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, reservedHere,
-  scheduleFlush, served, wantedDigest, withdraw,
+  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, reportPace, requestTrial,
+  reservedHere, scheduleFlush, served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
-import { capUsage, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer } from "./usage.js";
+import { capUsage, contentChars, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc } from "./usage.js";
 import { fallbackFields, validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
@@ -229,7 +232,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const askUsage = streamed && !wantUsage;
   const guess = (chars) => estimateUsage(json, chars);
   // A stream past what the request can produce is cut there (usage.js streamCap).
-  const cap = streamed ? streamCap(json, bytes.length, cfg.maxModelLen) : Infinity;
+  const cap = streamed || (json !== null && streamable(json)) ? streamCap(json, bytes.length, cfg.maxModelLen) : Infinity;
   const counted = (body, done) => (askUsage ? stripStream(body, done, guess, cap) : tapStream(body, wantUsage, done, guess, cap));
   // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
   // request's fate says whose it was, with the key it came from.
@@ -244,14 +247,32 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const urls = cfg.podUrls;
   const tried = new Set();
   const suspects = []; // pods that failed this request, not reported yet
+  // A client that asked for no stream is served from the pod's stream all the same, its
+  // answer assembled (assemble.js), so the pod is judged by its first token and its pace.
+  const assemble = !streamed && streamable(json);
+  const mode = streamed ? "stream" : assemble ? "assemble" : "whole";
+  const chat = url.pathname === "/v1/chat/completions";
+  const n = json === null ? 1 : Math.max(Number.isInteger(json.n) ? json.n : 1, 1);
   // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
-  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id);
+  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id, assemble);
+  const policy = POLICIES[cfg.balance];
+  const info = { keyId: key.id, path: url.pathname, json };
+  // The pace of an answer after its first token (pods.js paceVerdict): judged once, mid-stream
+  // when it is already slow, else at its end; reported only when it says something.
+  const judge = (podUrl, pace, view) => {
+    if (pace.judged) return;
+    const verdict = paceVerdict(pace, n, cfg.minTokensPerS);
+    if (verdict === null) return;
+    pace.judged = true;
+    if (verdict === "slow" || (view.slow !== undefined && podUrl in view.slow)) reportPace(env, ctx, cfg, podUrl, verdict === "slow", from);
+  };
   // At most two pods: the chosen one, and another healthy one if the first failed
-  // before sending a byte and time is left.
+  // before its first token and time is left.
   for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {
     const view = cache.entry(gen).view; // reports and trials may have refreshed it
-    const c = candidates(urls, view, Date.now(), cfg, tried);
-    let index = leastBusy(urls, c.pods);
+    const at = Date.now();
+    const c = candidates(urls, view, at, cfg, tried);
+    let index = c.pods.length ? policy(urls, unhurried(urls, c.pods, view, at), loadsOf(view), info) : -1;
     let trial = false;
     if (index < 0 && c.trials.length) {
       const pick = c.trials[Math.floor(Math.random() * c.trials.length)];
@@ -269,19 +290,32 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     if (deadline <= 0) break;
     tried.add(index);
     const podUrl = urls[index];
+    // The pods' own load, for the next picks: every candidate's, so a pod passed over is not
+    // judged on an old report (at most one scrape per pod a second, pods.js metricsDue).
+    if (attempt === 0 && policy === leastLoaded) {
+      for (const i of c.pods) if (metricsDue(urls[i], at)) ctx.waitUntil(scrapeMetrics(hop, urls[i], cfg));
+    }
     const t = now();
     started(podUrl);
     const res = await tryPod(hop, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
       body: podBody,
-    }, deadline, streamed);
+    }, deadline, mode, cfg.stallMs, cap, cfg.minTokensPerS);
     timing.upstream += now() - t;
+    const backend = `pod-${index}`;
     if (res.ok) {
       // Another pod served what the first failed: that failure was the first pod's.
       blame(suspects, "pod");
       if (trial || worthReporting(view, podUrl, true)) report(env, ctx, cfg, podUrl, true, from);
-      const backend = `pod-${index}`;
+      if (res.assembled) {
+        finished(podUrl);
+        const a = assembleBytes(res.bytes, chat);
+        judge(podUrl, res.pace, view);
+        if (a.error) return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, "error_event");
+        meter(backend, usageOfDoc(a.answer, guess));
+        return finish(a.bytes, assembledInit(res.response), backend, timing, t0, limits);
+      }
       if (!res.stream) {
         finished(podUrl);
         // A pod's 4xx (but 404: no such model) comes after it read, and vLLM tokenised, the
@@ -291,17 +325,29 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
           : status >= 400 && status < 500 && status !== 404 ? guess(0) : null);
         return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
-      const tap = counted(res.response.body, (usage) => {
+      const pace = res.pace;
+      if (pace) pace.onTick = (p) => judge(podUrl, p, view);
+      const tap = counted(pace ? (askUsage ? pace.body : pace.stream()) : res.response.body, (usage) => {
         finished(podUrl);
         meter(backend, usage);
+        if (!pace) return;
+        // A stall after the first token is the pod's failure; the client saw the cut (forward.js stallEvent).
+        if (pace.stalled) report(env, ctx, cfg, podUrl, false, from, witness);
+        else judge(podUrl, pace, view);
       });
       ctx.waitUntil(tap.piped);
       return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
     }
     finished(podUrl);
-    suspects.push(podUrl);
     const { reason } = /** @type {{reason: string}} */ (res);
     log(env, "pod_failed", { reason, pod: index, generation: gen });
+    if (res.started) {
+      // The answer had begun: it is not bought again (docs/worker.md, "Routing"). A pod that
+      // failed before it, as in any answer another pod began, failed on its own account.
+      blame(suspects, "pod");
+      return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, reason);
+    }
+    suspects.push(podUrl);
     if (reason === "deadline") break; // no time is left for another pod
   }
 
@@ -417,6 +463,49 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
   } catch {
     // the request's context has ended: the next sync of this isolate carries it
   }
+}
+
+/**
+ * An assembled answer whose pod failed after its first token (a stall, a broken or
+ * oversized stream, an error event): 502 `upstream_stalled` or `upstream_broken`, never
+ * the fallback (the answer had begun, and a slow long answer is not bought twice). What
+ * was generated counts, estimated from the text read; the failure is the pod's (reported
+ * with the key: two keys, or a health check, open its breaker).
+ */
+function brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, bytes, meter, guess, timing, t0, limits, reason) {
+  report(env, ctx, cfg, podUrl, false, from, witness);
+  meter(backend, guess(bytes ? contentChars(new TextDecoder().decode(bytes)) : 0));
+  const stalled = reason === "stalled";
+  const error = errorResponse(502, stalled ? "upstream_stalled" : "upstream_broken", stalled
+    ? `the pod stopped sending the answer for ${cfg.stallMs} ms after it had begun; retry the request`
+    : `the pod's answer broke off after it had begun (${reason}); retry the request`, {}, "server_error");
+  return finish(error.body, error, backend, timing, t0, limits);
+}
+
+/** An assembled answer's init: JSON, with the pod's request id (the stream's other headers are a stream's). */
+function assembledInit(res) {
+  const headers = new Headers({ "content-type": "application/json" });
+  const id = res.headers.get("x-request-id");
+  if (id !== null) headers.set("x-request-id", id);
+  return { status: res.status, statusText: res.statusText, headers };
+}
+
+/** GET <pod>/metrics in the background: vLLM's load gauges for balancing (pods.js putMetrics). */
+async function scrapeMetrics(fetchImpl, podUrl, cfg) {
+  const ac = new AbortController();
+  const timer = setTimeout(() => ac.abort(), cfg.deadlineMs);
+  let text = null;
+  try {
+    const res = await fetchImpl(podUrl + "/metrics", { headers: { authorization: `Bearer ${cfg.podToken}` }, signal: ac.signal,
+      redirect: "manual" });
+    if (res.ok) text = await res.text();
+    else await res.body?.cancel().catch(() => {});
+  } catch {
+    // unreachable: no metrics; the breaker hears of it from requests
+  } finally {
+    clearTimeout(timer);
+  }
+  putMetrics(podUrl, text, Date.now());
 }
 
 /** The client's response: `body` with the status and headers of `from` (a Response of ours,

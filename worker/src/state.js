@@ -626,6 +626,23 @@ export async function requestTrial(env, cfg, podUrl) {
  * answers that the streak waits for a witness, `witness(podUrl)` (a health check) runs in
  * the same background task. Returns that task's promise.
  */
+/**
+ * One pace verdict on an answer of `podUrl` (`slow` or not; machine.js recordPace), in the
+ * background; the answer's view is cached, so a pod marked slow is passed over at once.
+ */
+export function reportPace(env, ctx, cfg, podUrl, slow, from = null) {
+  const gen = cfg.activeGeneration;
+  const task = Promise.resolve()
+    .then(() => activeStub(env, cfg).reportPace(podUrl, slow, infoOf(cfg), from))
+    .then((res) => {
+      if (res.marked) log(env, "pod_slow", { generation: gen, pod: new URL(podUrl).host });
+      cache.put(gen, res.view, Date.now());
+    })
+    .catch((err) => log(env, "report_failed", { generation: gen, error: String(err && err.message) }));
+  ctx.waitUntil(task);
+  return task;
+}
+
 export function report(env, ctx, cfg, podUrl, ok, from = null, witness = null) {
   const gen = cfg.activeGeneration;
   const task = Promise.resolve()

@@ -55,7 +55,11 @@ function parseAnswer(buffer) {
  * without a usage event is estimated.
  */
 export function usageOfAnswer(buffer, estimate) {
-  const doc = parseAnswer(buffer);
+  return usageOfDoc(parseAnswer(buffer), estimate);
+}
+
+/** The same, of an answer already parsed (assemble.js builds one from a stream); null: none. */
+export function usageOfDoc(doc, estimate) {
   const found = doc === null ? null : fromUsage(doc.usage);
   if (found) return found;
   let chars = 0;
@@ -340,6 +344,23 @@ function endsEvent(b) {
   return n >= 2 && b[n - 1] === LF && (b[n - 2] === LF || (n >= 4 && b[n - 2] === CR && b[n - 3] === LF));
 }
 
+const BRACE = 0x7b;
+
+/** Whether `b` holds `"usage"`, blanks, `:`, blanks, `{` (USAGE_OBJECT on bytes, not decoded). */
+export function hasUsageObject(b) {
+  for (let i = b.indexOf(BRACE); i >= 0; i = b.indexOf(BRACE, i + 1)) {
+    let j = i - 1;
+    while (j >= 0 && (b[j] === 32 || b[j] === 9 || b[j] === LF || b[j] === CR)) j--;
+    if (j < 0 || b[j] !== 0x3a) continue; // ":"
+    j--;
+    while (j >= 0 && (b[j] === 32 || b[j] === 9 || b[j] === LF || b[j] === CR)) j--;
+    // `"usage"`, read backwards
+    if (j >= 6 && b[j] === 0x22 && b[j - 1] === 0x65 && b[j - 2] === 0x67 && b[j - 3] === 0x61 && b[j - 4] === 0x73
+      && b[j - 5] === 0x75 && b[j - 6] === 0x22) return true;
+  }
+  return false;
+}
+
 async function pumpStripping(body, writable, done, estimate, cap) {
   const reader = body.getReader();
   const writer = writable.getWriter();
@@ -347,15 +368,17 @@ async function pumpStripping(body, writable, done, estimate, cap) {
   const enc = new TextEncoder();
   let usage = null;
   let carry = ""; // the start of an event whose end has not arrived yet
-  const tail = []; // the last texts passed on, for an estimate
-  let tailChars = 0;
-  let total = 0; // characters passed on
+  // The last bytes passed on, for an estimate: kept as the upstream's chunks and decoded
+  // once, at the end, so the common chunk is never decoded.
+  const tail = [];
+  let tailBytes = 0;
+  let total = 0; // bytes passed on
   let read = 0; // bytes read from the upstream
-  const keep = (text) => {
-    tail.push(text);
-    tailChars += text.length;
-    total += text.length;
-    while (tailChars - tail[0].length >= TAIL_BYTES) tailChars -= tail.shift().length;
+  const keep = (bytes) => {
+    tail.push(bytes);
+    tailBytes += bytes.byteLength;
+    total += bytes.byteLength;
+    while (tailBytes - tail[0].byteLength >= TAIL_BYTES) tailBytes -= tail.shift().byteLength;
   };
   // Whole events in `text`, without the usage event.
   const events = (text) => {
@@ -374,8 +397,10 @@ async function pumpStripping(body, writable, done, estimate, cap) {
       }
       kept += ev;
     }
-    if (kept) keep(kept);
-    return kept ? enc.encode(kept) : null;
+    if (!kept) return null;
+    const out = enc.encode(kept);
+    keep(out);
+    return out;
   };
   // One write in flight while the next chunk is read: the client's side keeps moving
   // without a turn of waiting per chunk, and a client that stops reading stops the pump
@@ -398,13 +423,14 @@ async function pumpStripping(body, writable, done, estimate, cap) {
         await send(streamCut(cap));
         break;
       }
-      const text = dec.decode(value, { stream: true });
       let out;
-      if (carry === "" && endsEvent(value) && !USAGE_OBJECT.test(text)) {
-        keep(text);
-        out = value; // the common chunk: whole events, no usage: the same bytes
+      // The common chunk: whole events, no usage object: the same bytes, never decoded (a
+      // chunk that ends an event leaves the decoder with nothing pending).
+      if (carry === "" && endsEvent(value) && !hasUsageObject(value)) {
+        keep(value);
+        out = value;
       } else {
-        const all = carry + text;
+        const all = carry + dec.decode(value, { stream: true });
         const at = lastEventEnd(all);
         carry = all.slice(at);
         out = at > 0 ? events(all.slice(0, at)) : null;
@@ -423,8 +449,14 @@ async function pumpStripping(body, writable, done, estimate, cap) {
     await writer.abort(err).catch(() => {});
   }
   if (usage) return done(usage);
-  const text = tail.join("");
-  return done(estimate(Math.round(contentChars(text) * (total / Math.max(1, text.length)))));
+  const bytes = new Uint8Array(tailBytes);
+  let at = 0;
+  for (const c of tail) {
+    bytes.set(c, at);
+    at += c.byteLength;
+  }
+  const text = dec.decode(bytes);
+  return done(estimate(Math.round(contentChars(text) * (total / Math.max(1, tailBytes)))));
 }
 
 /** Settles when `promise` does or after `ms`, whichever comes first; the timer is cleared. */

@@ -53,6 +53,8 @@ function ctx() {
 function fakeFetch(podBehaviour) {
   const seen = [];
   const f = async (url, init = {}) => {
+    // The router asks pods for their load now and then (pods.js metricsDue): these pods have no /metrics.
+    if (url.endsWith("/metrics")) return new Response("not found", { status: 404 });
     seen.push({ url, auth: new Headers(init.headers).get("authorization"), body: init.body });
     if (url.startsWith("http://pod")) return podBehaviour(init, url);
     return new Response(JSON.stringify({ served: "fallback" }), { headers: { "content-type": "application/json" } });
@@ -211,15 +213,31 @@ test("once a stream has started, a pod failure is not retried elsewhere: the cli
   assert.equal(podCalls(seen), 1);
 });
 
-test("an event stream answering a request that asked for none is read whole: a broken one is a pod failure, retried", async () => {
+test("a client that asked for no stream: a pod stream broken after its first event is a 502 of that pod, not bought again", async () => {
   const env = envFor("router-unasked", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
   const key = await withKey(env.BREAKER, "router-unasked");
   const enc = new TextEncoder();
   const broken = () => new Response(new ReadableStream({
-    start(c) { c.enqueue(enc.encode('data: {"choices":[]}\n\n')); },
+    start(c) { c.enqueue(enc.encode('data: {"id":"x","choices":[{"index":0,"delta":{"content":"abcd"}}]}\n\n')); },
     pull(c) { c.error(new Error("pod died mid-stream")); },
   }), { headers: { "content-type": "text/event-stream" } });
   const { f, seen } = fakeFetch(broken);
+  const c = ctx();
+  const r = await handle(chat(key), env, c, { fetch: f });
+  assert.equal(r.status, 502);
+  assert.match(r.headers.get("x-colocate-backend"), /^pod-[01]$/);
+  assert.equal((await r.json()).error.code, "upstream_broken");
+  assert.equal(seen.filter((x) => x.url.includes("/v1/")).length, 1); // one pod, no fallback
+  assert.equal(seen.filter((x) => x.url.startsWith("https://fb")).length, 0);
+  await c.settle();
+  const rows = await podRows(env, "router-unasked");
+  assert.equal(Object.values(rows).reduce((a, p) => a + p.failures, 0), 1); // the pod's failure, reported
+});
+
+test("a client that asked for no stream: a pod stream that ends before any event is a failure, retried, then the fallback", async () => {
+  const env = envFor("router-empty", { POD_URLS: '["http://pod-a.test", "http://pod-b.test"]' });
+  const key = await withKey(env.BREAKER, "router-empty");
+  const { f, seen } = fakeFetch(() => new Response(": keep-alive\n\n", { headers: { "content-type": "text/event-stream" } }));
   const r = await handle(chat(key), env, ctx(), { fetch: f });
   assert.equal(r.headers.get("x-colocate-backend"), "fallback");
   assert.deepEqual(await r.json(), { served: "fallback" });
