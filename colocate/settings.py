@@ -69,7 +69,10 @@ WORKER_DEFAULTS = {
     "stateTtlMs": 2_000,
     "migrationTag": "",
     "allowClassDeletion": False,
+    "balance": "least-busy",  # how a pod is picked: least-busy, or prefix (affinity; docs/worker.md "Prefix affinity")
+    "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
 }
+BALANCES = ("least-busy", "prefix")
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
 # A new key's limits when its creator names none: finite, so no key is unbounded by
@@ -103,7 +106,8 @@ SCHEMA: tuple[Key, ...] = (
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
-        "from Cloudflare), allowClassDeletion."),
+        "from Cloudflare), allowClassDeletion, balance (least-busy | prefix: a conversation's turns to the pod holding "
+        "its prefix), prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
         "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
@@ -206,6 +210,8 @@ class WorkerSettings:
     state_ttl_ms: int
     migration_tag: str
     allow_class_deletion: bool
+    balance: str = "least-busy"
+    prefix_bound: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -384,6 +390,8 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         state_ttl_ms=_number(k + "stateTtlMs", w["stateTtlMs"], integer=True, strict=False),
         migration_tag=tag,
         allow_class_deletion=w["allowClassDeletion"],
+        balance=_string(k + "balance", w["balance"], BALANCES),
+        prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),
     )
 
 

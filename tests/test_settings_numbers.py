@@ -46,6 +46,7 @@ NUMBER_KEYS = {
     "worker.failureThreshold": (lambda s: s.worker.failure_threshold, "5", 5),
     "worker.openMs": (lambda s: s.worker.open_ms, "10000", 10000),
     "worker.stateTtlMs": (lambda s: s.worker.state_ttl_ms, "0", 0),
+    "worker.prefixBound": (lambda s: s.worker.prefix_bound, "1.25", 1.25),
     "probe.samples": (lambda s: s.samples, "40", 40),
     "budgets.e2e": (lambda s: s.budgets["e2e"], "612.5", 612.5),
     "budgets.state": (lambda s: s.budgets["state"], "25", 25.0),

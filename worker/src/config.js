@@ -110,6 +110,24 @@ function fallbackSpend(env) {
   return Object.freeze({ price, cellMicroUsd: cell, keyMicroUsd: key });
 }
 
+const BALANCES = ["least-busy", "prefix"];
+
+/** BALANCE (colocate:worker.balance): how a pod is picked among the healthy ones; absent: least-busy. */
+function balance(env) {
+  const v = env.BALANCE === undefined ? "least-busy" : env.BALANCE;
+  if (!BALANCES.includes(v)) throw new ConfigurationError("BALANCE", `must be one of ${BALANCES.join(", ")} (got ${JSON.stringify(v)})`);
+  return v;
+}
+
+/** PREFIX_BOUND (colocate:worker.prefixBound): prefix affinity's load bound c, a number > 1; absent 1.5. */
+function prefixBound(env) {
+  const raw = env.PREFIX_BOUND;
+  if (raw === undefined) return 1.5;
+  const n = Number(raw);
+  if (raw === "" || !Number.isFinite(n) || n <= 1) throw new ConfigurationError("PREFIX_BOUND", `must be a number > 1 (got ${JSON.stringify(raw)})`);
+  return n;
+}
+
 /** @returns the checked configuration for this env (cached per env object). */
 export function readConfig(env) {
   let cfg = cache.get(env);
@@ -137,6 +155,8 @@ export function readConfig(env) {
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
     fallbackSpend: fallbackSpend(env),
     podUrls: podUrls(env),
+    balance: balance(env),
+    prefixBound: prefixBound(env),
     fallbackUrl: baseUrl(env, "FALLBACK_URL", true),
     podToken: text(env, "POD_TOKEN", { secret: true }),
     fallbackApiKey: text(env, "FALLBACK_API_KEY", { secret: true }),

@@ -14,7 +14,8 @@ import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest 
 import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from "./limits.js";
 import { provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
-import { blameOf, candidates, finished, healthDue, leastBusy, started, worthReporting } from "./pods.js";
+import { blameOf, candidates, finished, healthDue, inflightOf, leastBusy, started, worthReporting } from "./pods.js";
+import { pickPrefix, prefixHash } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
@@ -242,7 +243,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {
     const view = cache.entry(gen).view; // reports and trials may have refreshed it
     const c = candidates(urls, view, Date.now(), cfg, tried);
-    let index = leastBusy(urls, c.pods);
+    let index = cfg.balance === "prefix" ? byPrefix(urls, c.pods, key.id, json, cfg) : leastBusy(urls, c.pods);
     let trial = false;
     if (index < 0 && c.trials.length) {
       const pick = c.trials[Math.floor(Math.random() * c.trials.length)];
@@ -346,6 +347,17 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   timing.fallback = now() - t;
   meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
   return finish(body, clientInit(res), "fallback", timing, t0, limits);
+}
+
+// --- prefix affinity (affinity.js; docs/worker.md "Prefix affinity") ---
+
+const loadsHere = { urls: /** @type {readonly string[] | null} */ (null), loads: new Float64Array(0) };
+
+/** The pod holding the request's prefix, within the load bound (loads: this isolate's requests in flight). */
+function byPrefix(urls, indexes, keyId, json, cfg) {
+  if (loadsHere.urls !== urls) Object.assign(loadsHere, { urls, loads: new Float64Array(urls.length) });
+  for (const i of indexes) loadsHere.loads[i] = inflightOf(urls[i]);
+  return pickPrefix(urls, indexes, loadsHere.loads, prefixHash(keyId, json), cfg.prefixBound);
 }
 
 /**
