@@ -124,8 +124,9 @@ SCHEMA: tuple[Key, ...] = (
         "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and "
         "reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
     Key("fleet", "object", {},
-        "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs}. Set, it makes the stack"
-        " a front door over those cells instead of a cell."),
+        "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs, affinity (nearest | "
+        "conversation: a conversation stays in one cell within budget)}. Set, it makes the stack a front door over those "
+        "cells instead of a cell."),
     Key("fallbackModel", "string", None,
         "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model "
         "unchanged (only when the fallback serves the pod's model)."),
