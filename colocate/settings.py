@@ -69,10 +69,10 @@ WORKER_DEFAULTS = {
     "stateTtlMs": 2_000,
     "migrationTag": "",
     "allowClassDeletion": False,
-    "balance": "least-busy",  # how a pod is picked: least-busy, or prefix (affinity; docs/worker.md "Prefix affinity")
+    "balance": "least-busy",  # how a pod is picked: least-busy, prefix (affinity; docs/worker.md "Prefix affinity"), random
     "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
 }
-BALANCES = ("least-busy", "prefix")
+BALANCES = ("least-busy", "prefix", "random")
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
 # A new key's limits when its creator names none: finite, so no key is unbounded by
@@ -107,7 +107,7 @@ SCHEMA: tuple[Key, ...] = (
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion, balance (least-busy | prefix: a conversation's turns to the pod holding "
-        "its prefix), prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
+        "its prefix | random: a baseline), prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
         "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),

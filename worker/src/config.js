@@ -110,7 +110,7 @@ function fallbackSpend(env) {
   return Object.freeze({ price, cellMicroUsd: cell, keyMicroUsd: key });
 }
 
-const BALANCES = ["least-busy", "prefix"];
+const BALANCES = ["least-busy", "prefix", "random"];
 
 /** BALANCE (colocate:worker.balance): how a pod is picked among the healthy ones; absent: least-busy. */
 function balance(env) {

@@ -243,7 +243,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {
     const view = cache.entry(gen).view; // reports and trials may have refreshed it
     const c = candidates(urls, view, Date.now(), cfg, tried);
-    let index = cfg.balance === "prefix" ? byPrefix(urls, c.pods, key.id, json, cfg) : leastBusy(urls, c.pods);
+    let index = pick(cfg, urls, c.pods, key.id, json);
     let trial = false;
     if (index < 0 && c.trials.length) {
       const pick = c.trials[Math.floor(Math.random() * c.trials.length)];
@@ -352,6 +352,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
 // --- prefix affinity (affinity.js; docs/worker.md "Prefix affinity") ---
 
 const loadsHere = { urls: /** @type {readonly string[] | null} */ (null), loads: new Float64Array(0) };
+
+/** The pod for a request among the healthy `indexes` (colocate:worker.balance). */
+function pick(cfg, urls, indexes, keyId, json) {
+  if (cfg.balance === "prefix") return byPrefix(urls, indexes, keyId, json, cfg);
+  if (cfg.balance === "random") return indexes.length ? indexes[Math.floor(Math.random() * indexes.length)] : -1; // a baseline (bench/prefix.py)
+  return leastBusy(urls, indexes);
+}
 
 /** The pod holding the request's prefix, within the load bound (loads: this isolate's requests in flight). */
 function byPrefix(urls, indexes, keyId, json, cfg) {

@@ -85,7 +85,7 @@ test("BALANCE=prefix counts what affinity sent and what the load bound shed", as
 });
 
 test("a bad BALANCE or PREFIX_BOUND is a 500 naming the binding", async () => {
-  for (const [over, name] of [[{ BALANCE: "random" }, "BALANCE"], [{ PREFIX_BOUND: "1" }, "PREFIX_BOUND"], [{ PREFIX_BOUND: "x" }, "PREFIX_BOUND"]]) {
+  for (const [over, name] of [[{ BALANCE: "fastest" }, "BALANCE"], [{ PREFIX_BOUND: "1" }, "PREFIX_BOUND"], [{ PREFIX_BOUND: "x" }, "PREFIX_BOUND"]]) {
     const env = envFor("prefix-d", over);
     const res = await handle(chat("clc_x", [{ role: "user", content: "x" }]), env, ctx(), { fetch: fetchOk });
     assert.equal(res.status, 500);
