@@ -21,7 +21,7 @@ from .pods.profiles import PROFILES
 
 NS = "colocate"
 # pod_rtt: the pod hop on the Worker's pooled connection; pod_rtt_new: on a new one (colocate/probe/connections.py).
-SEGMENTS = ("e2e", "state", "state_rtt", "upstream", "pod_rtt", "pod_rtt_new", "fallback", "total")
+SEGMENTS = ("e2e", "state", "state_rtt", "upstream", "pod_rtt", "pod_rtt_new", "fallback", "total", "ttft", "itl")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ WORKER_DEFAULTS = {
 }
 BALANCES = ("least-busy", "prefix", "random")
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
-BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
+# ttft and itl: a streamed answer's first token and the mean gap between its tokens, as the probe's
+# client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
+BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40, "ttft": 1000, "itl": 100}
 # A new key's limits when its creator names none: finite, so no key is unbounded by
 # accident (docs/worker.md, "Limits"). 0 for one of them means no limit.
 KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8}
@@ -112,7 +114,7 @@ SCHEMA: tuple[Key, ...] = (
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
         "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
-        "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
+        "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total, ttft, itl)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
     Key("scale", "object", {},
         "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, "
