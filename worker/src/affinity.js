@@ -120,8 +120,8 @@ export function capOf(total, k, bound = DEFAULT_BOUND) {
   return cap > MIN_CAP ? cap : MIN_CAP;
 }
 
-/** How the last pick went: by affinity (the point's own pod), or shed to another by its load. */
-export const counts = { affinity: 0, shed: 0 };
+/** The picks so far, and how the last went: by affinity (the point's own pod), or shed to another by load. */
+export const counts = { affinity: 0, shed: 0, lastShed: false };
 
 /**
  * The pod for a request (a policy: urls, candidate indexes, loads, the request's point):
@@ -161,12 +161,14 @@ export function pickPrefix(urls, indexes, loads, h, bound = DEFAULT_BOUND) {
     if (load + 1 <= cap) {
       if (round === 0) counts.affinity++;
       else counts.shed++;
+      counts.lastShed = round > 0;
       return i;
     }
     if (least < 0 || load < (loads[least] || 0)) least = i;
     refused |= 1 << best;
   }
   counts.shed++;
+  counts.lastShed = true;
   return least;
 }
 

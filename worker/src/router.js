@@ -15,7 +15,7 @@ import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from ".
 import { provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, inflightOf, leastBusy, started, worthReporting } from "./pods.js";
-import { pickPrefix, prefixHash } from "./affinity.js";
+import { counts as picks, pickPrefix, prefixHash } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
@@ -27,7 +27,7 @@ import { validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
 import { fallbackCapRefusal } from "./spendcap.js";
-import { learnColo, recordRequest } from "./histogram.js";
+import { learnColo, recordPick, recordRequest, recordStream } from "./histogram.js";
 
 /**
  * @param {Request} request
@@ -243,7 +243,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   for (let attempt = 0; attempt < 2 && tried.size < urls.length; attempt++) {
     const view = cache.entry(gen).view; // reports and trials may have refreshed it
     const c = candidates(urls, view, Date.now(), cfg, tried);
-    let index = pick(cfg, urls, c.pods, key.id, json);
+    let index = pick(cfg, urls, c.pods, key.id, json, timing.client);
     let trial = false;
     if (index < 0 && c.trials.length) {
       const pick = c.trials[Math.floor(Math.random() * c.trials.length)];
@@ -279,9 +279,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
         meter(backend, json !== null && res.response.ok ? usageOfAnswer(res.bytes, guess) : null);
         return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
-      const tap = counted(res.response.body, (usage) => {
+      const first = { at: -1 };
+      const tap = counted(firstByte(res.response.body, first), (usage) => {
         finished(podUrl);
         meter(backend, usage);
+        streamEnded(backend, timing.client, first, t0, usage);
       });
       ctx.waitUntil(tap.piped);
       return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
@@ -330,7 +332,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   blame(suspects, blameOf(suspects.length, res.status));
   if (streamed && isStream(res) && res.body) {
     timing.fallback = now() - t;
-    const tap = counted(res.body, (usage) => meter("fallback", usage));
+    const first = { at: -1 };
+    const tap = counted(firstByte(res.body, first), (usage) => {
+      meter("fallback", usage);
+      streamEnded("fallback", timing.client, first, t0, usage);
+    });
     ctx.waitUntil(tap.piped);
     return finish(tap.body, clientInit(res), "fallback", timing, t0, limits);
   }
@@ -354,8 +360,12 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
 const loadsHere = { urls: /** @type {readonly string[] | null} */ (null), loads: new Float64Array(0) };
 
 /** The pod for a request among the healthy `indexes` (colocate:worker.balance). */
-function pick(cfg, urls, indexes, keyId, json) {
-  if (cfg.balance === "prefix") return byPrefix(urls, indexes, keyId, json, cfg);
+function pick(cfg, urls, indexes, keyId, json, client) {
+  if (cfg.balance === "prefix") {
+    const index = byPrefix(urls, indexes, keyId, json, cfg);
+    if (index >= 0) recordPick(index, picks.lastShed, client); // the live view's share sent by affinity
+    return index;
+  }
   if (cfg.balance === "random") return indexes.length ? indexes[Math.floor(Math.random() * indexes.length)] : -1; // a baseline (bench/prefix.py)
   return leastBusy(urls, indexes);
 }
@@ -365,6 +375,23 @@ function byPrefix(urls, indexes, keyId, json, cfg) {
   if (loadsHere.urls !== urls) Object.assign(loadsHere, { urls, loads: new Float64Array(urls.length) });
   for (const i of indexes) loadsHere.loads[i] = inflightOf(urls[i]);
   return pickPrefix(urls, indexes, loadsHere.loads, prefixHash(keyId, json), cfg.prefixBound);
+}
+
+// --- a stream's time to first byte and the gap between its tokens (the live view's ttft, itl) ---
+
+/** `body` as it is, with the time its first chunk arrived in `first.at` (ms, timing.js `now`). */
+function firstByte(body, first) {
+  return body.pipeThrough(new TransformStream({
+    transform(chunk, c) {
+      if (first.at < 0) first.at = now();
+      c.enqueue(chunk);
+    },
+  }));
+}
+
+/** A stream has ended: its ttft from the request's start `t0`, its itl over its completion tokens. */
+function streamEnded(backend, client, first, t0, usage) {
+  if (first.at >= 0) recordStream(backend, client, first.at - t0, now() - first.at, usage ? usage.completion : 0);
 }
 
 /**

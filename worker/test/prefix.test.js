@@ -92,3 +92,52 @@ test("a bad BALANCE or PREFIX_BOUND is a 500 naming the binding", async () => {
     assert.match((await res.json()).error.message, new RegExp(name));
   }
 });
+
+test("a streamed answer records its ttft and itl, and a prefix pick its kind, for the live view", async () => {
+  const { recorder } = await import("../src/histogram.js");
+  const env = envFor("prefix-e");
+  const key = await withKey(env.BREAKER, "prefix-e");
+  recorder.take("X"); // what earlier tests left
+  // Every row the recorder hands out from now on: a sync of any isolate state may carry them (state.js PARTS.hist).
+  const taken = [];
+  const take = recorder.take;
+  recorder.take = function (colo) {
+    const rows = take.call(this, colo);
+    taken.push(...rows);
+    return rows;
+  };
+  const events = [
+    'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+    'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', 'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n',
+    'data: {"choices":[{"index":0,"delta":{"content":"c"}}]}\n\n',
+    'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}\n\n', "data: [DONE]\n\n",
+  ];
+  const sse = () => new Response(new ReadableStream({
+    async pull(c) {
+      const e = events[c.i = (c.i ?? -1) + 1];
+      if (e === undefined) return c.close();
+      await new Promise((r) => setTimeout(r, 5));
+      c.enqueue(new TextEncoder().encode(e));
+    },
+  }), { headers: { "content-type": "text/event-stream" } });
+  const pending = [];
+  const c = { waitUntil: (p) => pending.push(p) };
+  const req = new Request("https://w.test/v1/chat/completions", {
+    method: "POST", body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "stream" }], stream: true }),
+    headers: { authorization: `Bearer ${key}` },
+  });
+  const res = await handle(req, env, c, { fetch: async (url) => (url.startsWith("http://pod") ? sse() : new Response("{}")) });
+  assert.equal(res.status, 200);
+  assert.match(await res.text(), /"content":"c"/);
+  await Promise.all(pending);
+  recorder.take("X");
+  recorder.take = take;
+  const rows = taken;
+  const pod = res.headers.get("x-colocate-backend").slice(4);
+  const segs = rows.filter((r) => r[2] === pod).map((r) => r[3]).sort();
+  assert.deepEqual(segs, ["affinity", "fallback", "itl", "state", "total", "ttft", "upstream"]);
+  const { decode, percentile } = await import("../src/histogram.js");
+  const ttft = percentile(decode(rows.find((r) => r[2] === pod && r[3] === "ttft")[4]), 50);
+  const total = percentile(decode(rows.find((r) => r[2] === pod && r[3] === "total")[4]), 50);
+  assert.ok(ttft >= total, `ttft ${ttft} (first byte) >= total ${total} (headers)`);
+});
