@@ -7,7 +7,7 @@ question and answer) plus a new question, after a think time. Every turn is a st
 completion whose answer is `--answer` tokens (``max_tokens`` with ``ignore_eos``, as vLLM's
 benchmarks fix output lengths), so policies are compared on the same work.
 
-For each policy (``colocate:worker.balance``: random, least-busy, prefix) and each load (a
+For each policy (``colocate:worker.balance``: random, least_busy, prefix) and each load (a
 fraction of the cell's capacity), a fresh sandbox cell of ``--pods`` stand-in pods (their prefix
 caches empty) serves the same workload (same seed). Reported per run: TTFT p50/p99 (the first
 content token of the stream), end-to-end p50, throughput (turns and output tokens a second), the
@@ -22,7 +22,7 @@ workload's mean uncached prompt and answer length, or ``--capacity``.
 ``--url URL --key KEY`` drives any OpenAI-compatible URL once instead (a cell, a pod, a real
 vLLM): no sandbox, no policy, the same table.
 
-Usage: .venv/bin/python -m bench.prefix [--policies random,least-busy,prefix] [--loads 0.5,0.8]
+Usage: .venv/bin/python -m bench.prefix [--policies random,least_busy,prefix] [--loads 0.5,0.8]
        [--pods 4] [--seconds 60] [--warmup 15] [--capacity RPS] [--json PATH|-]
 Exit: 0 done (goals are printed, not enforced), 2 usage error or setup failure.
 """
@@ -46,7 +46,7 @@ from pathlib import Path
 import requests
 
 PATH = "/v1/chat/completions"
-POLICIES = ("random", "least-busy", "prefix")
+POLICIES = ("random", "least_busy", "prefix")
 LOADS = (0.5, 0.8)
 # Short words, each one token with its leading space in a byte-level BPE (and in the stand-in's
 # tokenizer, colocate.pods.engine.tokenize): a text of N words is about N tokens.

@@ -69,10 +69,10 @@ WORKER_DEFAULTS = {
     "stateTtlMs": 2_000,
     "migrationTag": "",
     "allowClassDeletion": False,
-    "balance": "least-busy",  # how a pod is picked: least-busy, prefix (affinity; docs/worker.md "Prefix affinity"), random
+    "balance": "least_busy",  # how a pod is picked: least_busy, prefix (affinity; docs/worker.md "Prefix affinity"), random
     "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
 }
-BALANCES = ("least-busy", "prefix", "random")
+BALANCES = ("least_busy", "prefix", "random")
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 # ttft and itl: a streamed answer's first token and the mean gap between its tokens, as the probe's
 # client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
@@ -108,7 +108,7 @@ SCHEMA: tuple[Key, ...] = (
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs, maxBodyBytes, "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
-        "from Cloudflare), allowClassDeletion, balance (least-busy | prefix: a conversation's turns to the pod holding "
+        "from Cloudflare), allowClassDeletion, balance (least_busy | prefix: a conversation's turns to the pod holding "
         "its prefix | random: a baseline), prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
@@ -213,7 +213,7 @@ class WorkerSettings:
     state_ttl_ms: int
     migration_tag: str
     allow_class_deletion: bool
-    balance: str = "least-busy"
+    balance: str = "least_busy"
     prefix_bound: float = 1.5
 
 

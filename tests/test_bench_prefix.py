@@ -52,9 +52,9 @@ def test_the_summary_counts_turns_per_pod_the_same_pod_share_and_goals():
     assert [p["prefix_cache_hit_rate"] for p in s.pods] == [0.75, None]
     assert s.same_pod == 0.5  # conversation 0 stayed, conversation 1 moved
     assert s.ttft_p50_ms == 110.0 and s.turns_per_s == 0.4
-    other = prefix.summarise("least-busy", 0.8, 1.0, [T(0, 0, 1, 200, 400, 900, 10, "pod-0")], (0, 10), 2)
+    other = prefix.summarise("least_busy", 0.8, 1.0, [T(0, 0, 1, 200, 400, 900, 10, "pod-0")], (0, 10), 2)
     lines = prefix.goals([s, other], 0.8)
-    assert lines[0].startswith("TTFT p50: prefix 110.0 vs least-busy 400.0 = 0.28x") and lines[0].endswith("ok")
+    assert lines[0].startswith("TTFT p50: prefix 110.0 vs least_busy 400.0 = 0.28x") and lines[0].endswith("ok")
     assert any(line.startswith("most-loaded pod: 1.5x") and line.endswith("MISSED") for line in lines)
     assert "prefix" in prefix.table([s, other]) and "75%" in prefix.table([s, other])
 

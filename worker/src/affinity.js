@@ -172,6 +172,30 @@ export function pickPrefix(urls, indexes, loads, h, bound = DEFAULT_BOUND) {
   return least;
 }
 
+const scratch = { loads: new Float64Array(16) };
+
+/**
+ * The `prefix` balancing policy in pods.js's interface (urls, indexes, loads, info) -> index:
+ * a candidate's load is the cell's requests in flight there (this isolate's now, the others' as
+ * of their sync), or what the pod reports running and waiting when that is more; `info` is the
+ * request ({keyId, json}) and may carry `prefixBound` (c; colocate:worker.prefixBound).
+ * @param {readonly string[]} urls
+ * @param {readonly number[]} indexes
+ * @param {{here(i: number, urls: readonly string[]): number, others(i: number): number,
+ *   pod?(i: number, urls: readonly string[]): {running: number, waiting: number} | null}} loads
+ * @param {{keyId: string, json: any, prefixBound?: number}} info
+ */
+export function prefixPolicy(urls, indexes, loads, info) {
+  if (scratch.loads.length < urls.length) scratch.loads = new Float64Array(urls.length);
+  const l = scratch.loads;
+  for (const i of indexes) {
+    const cell = loads.here(i, urls) + loads.others(i);
+    const p = loads.pod ? loads.pod(i, urls) : null;
+    l[i] = p !== null && p.running + p.waiting > cell ? p.running + p.waiting : cell;
+  }
+  return pickPrefix(urls, indexes, l, prefixHash(info.keyId, info.json), info.prefixBound ?? DEFAULT_BOUND);
+}
+
 /** The candidates in the point's order, best first (tests, and the fleet's front door). */
 export function order(names, indexes, h) {
   const seeds = seedsOf(names);

@@ -110,11 +110,11 @@ function fallbackSpend(env) {
   return Object.freeze({ price, cellMicroUsd: cell, keyMicroUsd: key });
 }
 
-const BALANCES = ["least-busy", "prefix", "random"];
+const BALANCES = ["least_busy", "prefix", "random"];
 
-/** BALANCE (colocate:worker.balance): how a pod is picked among the healthy ones; absent: least-busy. */
+/** BALANCE (colocate:worker.balance): how a pod is picked among the healthy ones; absent: least_busy. */
 function balance(env) {
-  const v = env.BALANCE === undefined ? "least-busy" : env.BALANCE;
+  const v = env.BALANCE === undefined ? "least_busy" : env.BALANCE;
   if (!BALANCES.includes(v)) throw new ConfigurationError("BALANCE", `must be one of ${BALANCES.join(", ")} (got ${JSON.stringify(v)})`);
   return v;
 }

@@ -15,7 +15,7 @@ import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from ".
 import { provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import { blameOf, candidates, finished, healthDue, inflightOf, leastBusy, started, worthReporting } from "./pods.js";
-import { counts as picks, pickPrefix, prefixHash } from "./affinity.js";
+import { counts as picks, prefixPolicy } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
@@ -357,24 +357,18 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
 
 // --- prefix affinity (affinity.js; docs/worker.md "Prefix affinity") ---
 
-const loadsHere = { urls: /** @type {readonly string[] | null} */ (null), loads: new Float64Array(0) };
+// What this isolate knows of each pod's load: its own requests in flight (pods.js).
+const LOADS_HERE = Object.freeze({ here: (i, urls) => inflightOf(urls[i]), others: () => 0 });
 
 /** The pod for a request among the healthy `indexes` (colocate:worker.balance). */
 function pick(cfg, urls, indexes, keyId, json, client) {
   if (cfg.balance === "prefix") {
-    const index = byPrefix(urls, indexes, keyId, json, cfg);
+    const index = prefixPolicy(urls, indexes, LOADS_HERE, { keyId, json, prefixBound: cfg.prefixBound });
     if (index >= 0) recordPick(index, picks.lastShed, client); // the live view's share sent by affinity
     return index;
   }
   if (cfg.balance === "random") return indexes.length ? indexes[Math.floor(Math.random() * indexes.length)] : -1; // a baseline (bench/prefix.py)
   return leastBusy(urls, indexes);
-}
-
-/** The pod holding the request's prefix, within the load bound (loads: this isolate's requests in flight). */
-function byPrefix(urls, indexes, keyId, json, cfg) {
-  if (loadsHere.urls !== urls) Object.assign(loadsHere, { urls, loads: new Float64Array(urls.length) });
-  for (const i of indexes) loadsHere.loads[i] = inflightOf(urls[i]);
-  return pickPrefix(urls, indexes, loadsHere.loads, prefixHash(keyId, json), cfg.prefixBound);
 }
 
 // --- a stream's time to first byte and the gap between its tokens (the live view's ttft, itl) ---

@@ -203,3 +203,20 @@ test("the share sent by affinity and shed by load is counted", () => {
   assert.notEqual(pickPrefix(URLS, ALL, full, h), first);
   assert.deepEqual([counts.affinity - a, counts.shed - s], [1, 1]);
 });
+
+test("the prefix policy in pods.js's interface: the cell's in-flight counts, or what the pod reports when that is more", async () => {
+  const { prefixPolicy } = await import("../src/affinity.js");
+  const body = { messages: [{ role: "user", content: "policy" }] };
+  const h = prefixHash("key_p", body);
+  const [first, second] = order(URLS, ALL, h);
+  const idle = { here: () => 0, others: () => 0, pod: () => null };
+  assert.equal(prefixPolicy(URLS, ALL, idle, { keyId: "key_p", json: body }), first);
+  // the other isolates' requests count: 30 there against 1 elsewhere sheds it (c 1.5: cap ceil(1.5 x 34 / 4) = 13)
+  const busyElsewhere = { here: () => 0, others: (i) => (i === first ? 30 : 1), pod: () => null };
+  assert.notEqual(prefixPolicy(URLS, ALL, busyElsewhere, { keyId: "key_p", json: body }), first);
+  // so does what the pod reports, when it is more than the cell's counts
+  const podBusy = { here: () => 0, others: () => 1, pod: (i) => (i === first ? { running: 25, waiting: 5 } : null) };
+  assert.equal(prefixPolicy(URLS, ALL, podBusy, { keyId: "key_p", json: body }), second);
+  // a looser bound keeps it
+  assert.equal(prefixPolicy(URLS, ALL, busyElsewhere, { keyId: "key_p", json: body, prefixBound: 4 }), first);
+});
