@@ -231,6 +231,7 @@ def prefix_counters(metrics_text: str) -> dict[str, float] | None:
 
 
 def scrape(url: str | None, timeout_s: float = 5) -> dict[str, float] | None:
+    """A pod's counters from its own /metrics (reachable from here: --url, a plain stand-in)."""
     if not url:
         return None
     try:
@@ -238,6 +239,19 @@ def scrape(url: str | None, timeout_s: float = 5) -> dict[str, float] | None:
     except requests.RequestException:
         return None
     return prefix_counters(r.text) if r.status_code == 200 else None
+
+
+def scrape_cell(worker_url: str, read_token: str, pods: int, timeout_s: float = 10) -> list[dict | None]:
+    """Every pod's counters as the cell's Worker read them over the pod hop (``pod_prefix`` of
+    ``GET /_colocate/live``): the sandbox's pods answer only the Worker's client certificate."""
+    try:
+        r = requests.get(worker_url + "/_colocate/live", params={"since": int(time.time() * 1000)},
+                         headers={"Authorization": f"Bearer {read_token}"}, timeout=timeout_s)
+        got = r.json().get("pod_prefix") or [] if r.status_code == 200 else []
+    except (requests.RequestException, ValueError):
+        got = []
+    by = {p["index"]: {"hits": float(p["hits"]), "queries": float(p["queries"])} for p in got if isinstance(p, dict)}
+    return [by.get(i) for i in range(pods)]
 
 
 # ---- one run's summary ----------------------------------------------------------------------
@@ -374,10 +388,11 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
         stacks = Path(tmp) / "stacks"
         stacks.mkdir()
         (stacks / "Pulumi.sandbox.yaml").write_text(stackfile.path_of("sandbox").read_text())
-        worker: dict = {"balance": policy, "deadlineMs": 60_000}
+        raw, _ = stackfile.read_config("sandbox", stacks)
+        worker: dict = {**(raw.get("worker") or {}), "balance": policy, "deadlineMs": 60_000}
         if bound is not None:
             worker["prefixBound"] = bound
-        stackfile.write_config("sandbox", {"pod": {"provider": "local", "count": pods, **extra_pod}, "worker": worker,
+        stackfile.write_config("sandbox", {"pod": {**(raw.get("pod") or {}), "count": pods, **extra_pod}, "worker": worker,
                                            "keys": {"defaults": {"rpm": 0, "tpm": 0, "monthlyTokens": 0, "maxParallel": 0}}},
                                stacks)
         state_dir = Path(tmp) / "state"
@@ -388,13 +403,13 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
             admin = AdminClient(Target(cell["worker_url"], cell["token"], "sandbox"))
             keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)["key"]
                     for a in load.apps]
-            controls = [p.get("control") or p.get("address") for p in sorted(cell["pods"], key=lambda p: p["index"])]
-            before = [scrape(c) for c in controls]
+            before = scrape_cell(cell["worker_url"], cell["read_token"], pods)
             turns, _ = drive(cell["worker_url"], keys, load, stop_after_s=seconds)
-            after = [scrape(c) for c in controls]
+            after = scrape_cell(cell["worker_url"], cell["read_token"], pods)
         finally:
             supervisor.down(state_dir, quiet=True)
-    hits = [None if a is None or b is None else {k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+    # a pod that reported nothing before had served nothing yet: its counters started at 0
+    hits = [None if a is None else {k: a[k] - (b or {}).get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
     return turns, hits, seconds
 
 
@@ -407,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=15, help="turns sent before this are left out of the numbers")
     p.add_argument("--capacity", type=float, help="the cell's requests a second at 100 %% (default: the engine's knee)")
     p.add_argument("--profile", help="the stand-in profile the capacity is computed for (default: the stand-in's default)")
-    p.add_argument("--pod-config", default="{}", help="JSON merged into colocate:pod for the cell (e.g. a profile)")
+    p.add_argument("--pod-config", default="{}", help="JSON merged into colocate:pod for the cell (default: the --profile)")
     p.add_argument("--bound", type=float, help="colocate:worker.prefixBound for the prefix runs")
     p.add_argument("--apps", type=int, default=3)
     p.add_argument("--answer", type=int, default=200, help="answer tokens per turn")
@@ -429,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         print("prefix: need loads in (0, 2], at least one policy, 1..16 pods, 0 <= --warmup < --seconds <= 3600",
               file=sys.stderr)
         return 2
+    if "profile" not in extra_pod and not args.url:
+        try:
+            from colocate.pods import profiles
+
+            extra_pod["profile"] = args.profile or profiles.DEFAULT_PROFILE
+        except ImportError:
+            pass  # a stand-in without profiles: the cell's own
     question_mean = 75.0  # the workload's question tokens, (30 + 120) / 2
     probe = workload(seed=args.seed, seconds=600, rate_per_s=1, apps=args.apps, answer_tokens=args.answer,
                      think_s=args.think)
