@@ -50,7 +50,8 @@ CLIENT_SITE = "NRT"
 TOKEN_VARIABLES = ("COLOCATE_ADMIN_TOKEN", "COLOCATE_READ_TOKEN", "COLOCATE_PROBE_TOKEN")
 DEADLINE_STEP_MS = 50  # the deadline is a round number: the next multiple of this above phase 3's slowest e2e
 # The demo's table, top to bottom: what the user sees first, then where it goes.
-TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt", "pod_rtt_new")
+# ttft and itl: the probe's streamed answers of about 200 tokens, beside the 1-token "ping" of e2e.
+TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt", "pod_rtt_new", "ttft", "itl")
 # Both the probe's: pod_rtt the Worker's GET /health of pod 0 on its pooled connection, as requests
 # find it; pod_rtt_new the same on a new connection (TCP, the mutual-TLS handshake, then the request),
 # made by the sandbox closing the pod hop's connections first (colocate/probe/connections.py).
@@ -210,7 +211,8 @@ class Demo:
         out = self.state_dir / PROBES_DIR / f"{phase.label}.json"
         out.unlink(missing_ok=True)
         print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples "
-              f"+ {self.samples} on new pod connections", flush=True)
+              f"+ {self.samples} on new pod connections + {max(1, self.samples // 5)} streamed answers of about 200 tokens",
+              flush=True)
         # The probe reads with the read token and mints its own short-lived client key with the
         # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
@@ -219,7 +221,7 @@ class Demo:
         # budgets), so the commands it prints name this sandbox's stack and its stack directory.
         with subprocess.Popen(
             [sys.executable, str(PROBE), "--state-dir", str(self.state_dir), "--samples", str(self.samples),
-             "--json", str(out)],
+             "--streams", str(max(1, self.samples // 5)), "--json", str(out)],
             env={k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}, cwd=supervisor.ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ) as proc:
@@ -247,6 +249,8 @@ class Demo:
         print(f"    e2e p50 {_ms(seg['e2e']['p50'])} ms; the router waited on state (state) p50 "
               f"{_ms(seg['state']['p50'])} ms; state_rtt p50 {_ms(seg['state_rtt']['p50'])} ms; "
               f"Worker at {place.get('ran')}, state object at {place.get('state')}")
+        print(f"    a 200-token streamed answer: first token (ttft) p50 {_ms(seg['ttft']['p50'])} ms, then one every "
+              f"{_ms(seg['itl']['p50'])} ms (itl p50)")
         return result
 
     def migrate(self, *args: str) -> None:
