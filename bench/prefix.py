@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--apps", type=int, default=3)
     p.add_argument("--answer", type=int, default=200, help="answer tokens per turn")
     p.add_argument("--think", type=float, default=4.0, help="mean think time between turns, seconds")
+    p.add_argument("--turns", default="2-8", help="turns per conversation, LO-HI (uniform)")
     p.add_argument("--seed", type=int, default=49)
     p.add_argument("--url", help="drive this OpenAI-compatible URL once (no cell); with --key")
     p.add_argument("--key", help="the client key for --url (or COLOCATE_CLIENT_KEY)")
@@ -439,6 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefix: --loads is fractions like 0.5,0.8 and --pod-config JSON ({exc})", file=sys.stderr)
         return 2
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    lo, _, hi = args.turns.partition("-")
+    try:
+        turns = (int(lo), int(hi or lo))
+    except ValueError:
+        turns = (0, 0)
+    if not 1 <= turns[0] <= turns[1] <= 64:
+        print(f"prefix: --turns {args.turns!r}: expected LO-HI with 1 <= LO <= HI <= 64, e.g. 2-8", file=sys.stderr)
+        return 2
     if not (loads and all(0 < x <= 2 for x in loads) and policies and 1 <= args.pods <= 16
             and 0 <= args.warmup < args.seconds <= 3600 and isinstance(extra_pod, dict)):
         print("prefix: need loads in (0, 2], at least one policy, 1..16 pods, 0 <= --warmup < --seconds <= 3600",
@@ -453,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             pass  # a stand-in without profiles: the cell's own
     question_mean = 75.0  # the workload's question tokens, (30 + 120) / 2
     probe = workload(seed=args.seed, seconds=600, rate_per_s=1, apps=args.apps, answer_tokens=args.answer,
-                     think_s=args.think)
+                     think_s=args.think, turns=turns)
     if args.capacity is not None:
         cap = args.capacity
     elif args.url:
@@ -475,9 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         rate = cap * loads[0]
         load = workload(seed=args.seed, seconds=args.seconds, rate_per_s=rate / probe.mean_turns(), apps=args.apps,
-                        answer_tokens=args.answer, think_s=args.think)
-        turns, _ = drive(args.url.rstrip("/"), [key], load, stop_after_s=args.seconds)
-        rows.append(summarise("url", loads[0], rate, turns, window, args.pods))
+                        answer_tokens=args.answer, think_s=args.think, turns=turns)
+        sent, _ = drive(args.url.rstrip("/"), [key], load, stop_after_s=args.seconds)
+        rows.append(summarise("url", loads[0], rate, sent, window, args.pods))
     else:
         from colocate.errors import ConfigError
         from colocate.sandbox.errors import SandboxError
@@ -485,17 +494,18 @@ def main(argv: list[str] | None = None) -> int:
         for lf in loads:
             rate = cap * lf
             load = workload(seed=args.seed, seconds=args.seconds, rate_per_s=rate / probe.mean_turns(), apps=args.apps,
-                            answer_tokens=args.answer, think_s=args.think)
+                            answer_tokens=args.answer, think_s=args.think, turns=turns)
             for policy in policies:
                 print(f"prefix: {policy} at {100 * lf:.0f} % ({rate:.2f} turns/s, {len(load.conversations)} conversations)",
                       file=sys.stderr)
                 try:
-                    turns, hits, _ = run_cell(policy, args.pods, load, args.seconds, extra_pod,
-                                              args.bound if policy == "prefix" else None)
+                    sent, hits, _ = run_cell(policy, args.pods, load, args.seconds, extra_pod,
+                                             args.bound if policy == "prefix" else None)
                 except (ConfigError, SandboxError) as exc:
                     print(f"prefix: {exc}", file=sys.stderr)
                     return exc.exit_code
-                rows.append(summarise(policy, lf, rate, turns, window, args.pods, hits))
+                rows.append(summarise(policy, lf, rate, sent, window, args.pods, hits))
+                print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)  # each run as it ends
     print(table(rows))
     verdicts = [g for lf in loads for g in goals(rows, lf) if lf == max(loads)]
     for line in verdicts:

@@ -138,6 +138,7 @@ test("a streamed answer records its ttft and itl, and a prefix pick its kind, fo
   assert.deepEqual(segs, ["affinity", "fallback", "itl", "state", "total", "ttft", "upstream"]);
   const { decode, percentile } = await import("../src/histogram.js");
   const ttft = percentile(decode(rows.find((r) => r[2] === pod && r[3] === "ttft")[4]), 50);
-  const total = percentile(decode(rows.find((r) => r[2] === pod && r[3] === "total")[4]), 50);
-  assert.ok(ttft >= total, `ttft ${ttft} (first byte) >= total ${total} (headers)`);
+  const upstream = percentile(decode(rows.find((r) => r[2] === pod && r[3] === "upstream")[4]), 50);
+  // the first event comes after the pod was asked: ttft holds the upstream's wait (within a bucket's 1.08 %)
+  assert.ok(ttft >= upstream * 0.98 && ttft > 0, `ttft ${ttft} >= upstream ${upstream}`);
 });
