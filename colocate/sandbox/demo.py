@@ -50,8 +50,7 @@ CLIENT_SITE = "NRT"
 TOKEN_VARIABLES = ("COLOCATE_ADMIN_TOKEN", "COLOCATE_READ_TOKEN", "COLOCATE_PROBE_TOKEN")
 DEADLINE_STEP_MS = 50  # the deadline is a round number: the next multiple of this above phase 3's slowest e2e
 # The demo's table, top to bottom: what the user sees first, then where it goes.
-# ttft and itl: the probe's streamed answers of about 200 tokens, beside the 1-token "ping" of e2e.
-TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt", "pod_rtt_new", "ttft", "itl")
+TABLE_ROWS = ("e2e", "total", "state", "upstream", "state_rtt", "pod_rtt", "pod_rtt_new")
 # Both the probe's: pod_rtt the Worker's GET /health of pod 0 on its pooled connection, as requests
 # find it; pod_rtt_new the same on a new connection (TCP, the mutual-TLS handshake, then the request),
 # made by the sandbox closing the pod hop's connections first (colocate/probe/connections.py).
