@@ -392,8 +392,7 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
         worker: dict = {**(raw.get("worker") or {}), "balance": policy, "deadlineMs": 60_000}
         if bound is not None:
             worker["prefixBound"] = bound
-        stackfile.write_config("sandbox", {"pod": {**(raw.get("pod") or {}), "count": pods, **extra_pod}, "worker": worker,
-                                           "keys": {"defaults": {"rpm": 0, "tpm": 0, "monthlyTokens": 0, "maxParallel": 0}}},
+        stackfile.write_config("sandbox", {"pod": {**(raw.get("pod") or {}), "count": pods, **extra_pod}, "worker": worker},
                                stacks)
         state_dir = Path(tmp) / "state"
         cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
@@ -401,8 +400,8 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
             if on_ready:
                 on_ready(cell)
             admin = AdminClient(Target(cell["worker_url"], cell["token"], "sandbox"))
-            keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)["key"]
-                    for a in load.apps]
+            # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
+            keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0)["key"] for a in load.apps]
             before = scrape_cell(cell["worker_url"], cell["read_token"], pods)
             turns, _ = drive(cell["worker_url"], keys, load, stop_after_s=seconds)
             after = scrape_cell(cell["worker_url"], cell["read_token"], pods)
