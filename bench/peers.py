@@ -57,7 +57,7 @@ TARGETS = ("direct", "colocate", *PEERS)
 ACCEPT = {"added_p50_vs_portkey": 0.5, "cpu_vs_portkey": 0.25}
 
 
-class PeerUnavailable(Exception):
+class PeerUnavailable(harness.BenchError):
     """A peer could not be installed or started: it is left out, with this reason."""
 
 

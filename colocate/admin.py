@@ -193,9 +193,11 @@ class AdminClient:
     def list_keys(self) -> list[dict]:
         return self._call("GET", "/_colocate/keys")["keys"]
 
-    def import_key(self, row: dict) -> dict:
-        """Store a key row made elsewhere (id, hash, prefix, name, limits, times); a repeat is a no-op."""
-        return self._call("POST", "/_colocate/keys/replica", row)
+    def import_key(self, row: dict, fleet_cells: int | None = None) -> dict:
+        """Store a key row made elsewhere (id, hash, prefix, name, limits, times); a repeat is a no-op.
+        ``fleet_cells``: the fleet's size, so a cell the exchange has not reached yet admits the
+        key within its default share of the key's limits from its first request."""
+        return self._call("POST", "/_colocate/keys/replica", row if fleet_cells is None else {**row, "fleet_cells": fleet_cells})
 
     def key_digests(self) -> list[dict]:
         """Every key row with its digest (never the key)."""

@@ -20,6 +20,7 @@ bad configuration or input, 1 for a failure of the world (a provider, a network)
     │   ├── Failed             scripts/placement.py: Cloudflare refused the placement or reports another one
     │   │   └── BadInput       the input (stdin, the token's variable) is wrong; exit 2
     │   └── BenchError         bench/harness.py: a benchmark's setup failed; exit 2
+    │       └── PeerUnavailable  bench/peers.py: a peer could not be installed or started (left out, named)
     └── SandboxError           sandbox layer (colocate/sandbox/, colocate/workerd.py): exit 2 (its own tree)
         └── WorkerdError       colocate/workerd.py: workerd is missing, did not start, or lacks a binding value
 

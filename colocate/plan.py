@@ -618,6 +618,11 @@ def hint_of(gen: Generation) -> str:
 OPERATOR_BINDINGS = {"read": "READ_TOKEN", "admin": "ADMIN_TOKEN", "exchange": "EXCHANGE_TOKEN"}
 
 
+# The context the kit's pods serve (vLLM --max-model-len, colocate/pods/spec.py), bound as the
+# Worker's MAX_MODEL_LEN: what a request may cost is bounded by it (docs/worker.md, "What a request may cost").
+MAX_MODEL_LEN = 8192
+
+
 def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_DNS) -> tuple[Binding, ...]:
     w = settings.worker
     plain = [
@@ -639,7 +644,11 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),
         ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
         ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
+        # What a request may cost is bounded by the context the pods serve (worker/src/usage.js).
+        ("MAX_MODEL_LEN", str(MAX_MODEL_LEN)),
     ]
+    if settings.fallback_fields:
+        plain.append(("FALLBACK_FIELDS", json.dumps(list(settings.fallback_fields))))
     if settings.fallback_model:
         plain.append(("FALLBACK_MODEL", settings.fallback_model))
     if settings.fallback_price is not None:

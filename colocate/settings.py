@@ -142,6 +142,10 @@ SCHEMA: tuple[Key, ...] = (
         "chosen knowingly; keyUsdPerDay unset = no per-key cap). Past one, the fallback is not called: 429 "
         "insufficient_quota naming the cap, Retry-After to the day's end. A finite cap also bounds keys.defaults."
         "monthlyTokens."),
+    Key("fallbackFields", "array", [],
+        "Optional. Request fields the fallback API may receive beyond each endpoint's allowlist (the OpenAI fields the "
+        "pods serve too), e.g. [\"store\", \"metadata\", \"service_tier\"]: those keep prompts in, or bill above "
+        "colocate:fallbackPrice, the owner's account, so they are dropped unless listed (docs/worker.md)."),
     Key("podToken", "string", None, "Bearer token the pod checks (vLLM --api-key).", secret=True),
     Key("readToken", "string", None,
         "Operator credential that reads: the probe, the live view, the breaker, the key list, usage.", secret=True),
@@ -257,6 +261,7 @@ class Settings:
     secrets: frozenset[str] = field(default_factory=frozenset)
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
     fallback_cap: tuple[float, float] = (0.0, 0.0)  # $ per UTC day of the fallback, (cell, each key); 0: no cap
+    fallback_fields: tuple[str, ...] = ()  # colocate:fallbackFields: request fields the fallback may also receive
     # colocate:keys.defaults, by the Worker's field name (rpm, tpm, monthly_tokens, max_parallel)
     key_defaults: dict[str, int] = field(default_factory=lambda: {KEY_LIMIT_FIELDS[k]: v for k, v in KEY_LIMIT_DEFAULTS.items()})
     # role -> the settings key whose secret the Worker binds for it (probeToken on an old stack)
@@ -461,6 +466,23 @@ def require_fallback_cap(raw: object) -> None:
         f"pulumi config set --path {key} {SUGGESTED_CELL_CAP_USD} (about one pod-day at the default $0.80/h; a cap "
         f"counts spend at {NS}:fallbackPrice, so set its .input and .output too), or pulumi config set --path {key} 0 "
         "to run with no cap, knowingly")
+
+
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_fallback_fields(raw: object) -> tuple[str, ...]:
+    """``colocate:fallbackFields``: request field names the fallback may receive beyond the Worker's allowlist."""
+    key = f"{NS}:fallbackFields"
+    fix = f"pulumi config set --path '{key}[0]' store (one field name per entry), or pulumi config rm {key}"
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(key, raw, "must be a list of request field names", fix)
+    for i, name in enumerate(raw):
+        if not isinstance(name, str) or not _FIELD_NAME.fullmatch(name):
+            raise ConfigError(f"{key}[{i}]", name, "must be a request field name (letters, digits, _)", fix)
+    return tuple(dict.fromkeys(raw))
 
 
 def parse_fallback_cap(raw: object, fallback_price: tuple[float, float] | None) -> tuple[float, float]:
@@ -683,6 +705,7 @@ def parse(
     if require_cap:
         require_fallback_cap(raw.get("fallbackCap"))
     fallback_cap = parse_fallback_cap(raw.get("fallbackCap"), fallback_price)
+    fallback_fields = parse_fallback_fields(raw.get("fallbackFields"))
     scale = parse_scale(raw, fallback_price)
     if scale is not None:
         pod = replace(pod, count=scale.declared)
@@ -702,6 +725,7 @@ def parse(
         secrets=frozenset(secrets),
         fallback_price=fallback_price,
         fallback_cap=fallback_cap,
+        fallback_fields=fallback_fields,
         key_defaults=key_defaults,
         operator_secrets=operator,
         credential_warning=credential_warning,

@@ -194,7 +194,7 @@ def fleet_create(args, cells, targets) -> int:
     row = admin.key_row(key, args.name, rpm=args.rpm, tpm=args.tpm, monthly_tokens=args.monthly_tokens,
                         max_parallel=args.max_parallel, expires_in_s=args.expires_in,
                         fallback_microusd_day=fallback_cap(args))
-    stored, failed = admin.fan_out(targets, lambda c: c.import_key(row))
+    stored, failed = admin.fan_out(targets, lambda c: c.import_key(row, fleet_cells=len(cells)))
     have = [c for c in cells if c in stored]
     if failed and not have and all(isinstance(e, Refused) and e.status == 400 for e in failed.values()):
         # Every cell refused the input itself (a bad name or limit): a usage error, nothing made.

@@ -15,6 +15,13 @@ def cell():
         yield c
 
 
+def seconds_of(reset: str) -> int:
+    """OpenAI's duration form ("0s", "43s", "1m0s") in seconds."""
+    minutes, _, seconds = reset.rstrip("s").rpartition("m")
+    assert reset.endswith("s"), reset
+    return int(minutes or 0) * 60 + int(seconds)
+
+
 def client(cell, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=cell.url + "/v1", api_key=key, max_retries=0, timeout=30)
 
@@ -72,10 +79,9 @@ def test_routed_answers_carry_openais_rate_limit_headers(cell):
     assert [h["x-ratelimit-remaining-requests"] for h in seen] == ["2", "1", "0"]  # this request counted
     assert all(h["x-ratelimit-limit-tokens"] == "1000000" for h in seen)
     assert int(seen[0]["x-ratelimit-remaining-tokens"]) > int(seen[2]["x-ratelimit-remaining-tokens"])  # tokens spent
-    for h in seen:  # OpenAI's duration form: the window is empty again within two minutes
-        reset = h["x-ratelimit-reset-requests"]
-        minutes, _, seconds = reset.rstrip("s").rpartition("m")
-        assert reset.endswith("s") and 0 < int(minutes or 0) * 60 + int(seconds) <= 120, reset
+    # OpenAI's duration form: when the window admits the next request (0s while some remains)
+    assert [h["x-ratelimit-reset-requests"] == "0s" for h in seen] == [True, True, False]
+    assert 0 < seconds_of(seen[2]["x-ratelimit-reset-requests"]) <= 60
     with pytest.raises(openai.RateLimitError) as exc:
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     refused = exc.value.response.headers
@@ -85,3 +91,17 @@ def test_routed_answers_carry_openais_rate_limit_headers(cell):
     free = c.with_options(api_key=unlimited).chat.completions.with_raw_response.create(
         model="m", messages=[{"role": "user", "content": "hi"}])
     assert not any(name.startswith("x-ratelimit-") for name in free.headers)
+
+
+def test_over_rpm_retry_after_and_the_reset_header_agree_within_a_minute(cell):
+    """An rpm 2 key over its limit: retry-after and x-ratelimit-reset-requests
+    agree within 1 s and neither exceeds 60 s, read through the openai client."""
+    c = client(cell, cell.create_key("two", rpm=2)["key"])
+    for _ in range(2):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    for _ in range(3):  # refused each time, however far into the minute
+        with pytest.raises(openai.RateLimitError) as exc:
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        h = exc.value.response.headers
+        retry, reset = int(h["retry-after"]), seconds_of(h["x-ratelimit-reset-requests"])
+        assert abs(retry - reset) <= 1 and 1 <= retry <= 60 and reset <= 60, (h["retry-after"], h["x-ratelimit-reset-requests"])

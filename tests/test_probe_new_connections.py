@@ -98,3 +98,17 @@ def test_a_sandbox_control_that_does_not_answer_ends_the_run_with_the_fix():
         connections.HopControl(f"http://127.0.0.1:{port}", 2.0).cut()
     assert f"http://127.0.0.1:{port}/_sandbox/pod-hop/cut failed" in str(e.value)
     assert "scripts/sandbox.py status" in str(e.value)
+
+
+def test_a_read_only_answer_without_hosts_counts_only_when_every_hop_took_a_new_connection():
+    def hostless(new_ports, hop_ports=("41001", "41002")):
+        s = _probe(36.0, 37.0, new_ports=new_ports)
+        for e in s.body["pods"]:
+            del e["host"]
+        s.hop_ports = frozenset(hop_ports)
+        return s
+
+    every = hostless({"41001", "41002"})
+    assert [report.new_rtt(every, e) for e in report.pod_entries(every)] == [36.0, 37.0]
+    one = hostless({"41001"})
+    assert [report.new_rtt(one, e) for e in report.pod_entries(one)] == [None, None]

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import catalogue
 from ..errors import ConfigError
-from ..plan import POD_PATHS
+from ..plan import MAX_MODEL_LEN, POD_PATHS
 from . import podtls
 from .errors import PodConfigError
 
@@ -108,7 +108,7 @@ class PodSpec:
         """
         args = ["--model", self.model, "--quantization", "gptq_marlin", "--host", "0.0.0.0",
                 "--port", str(self.port), "--served-model-name", self.model,
-                "--max-model-len", "8192", "--gpu-memory-utilization", "0.90"]
+                "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.90"]
         # The API docs (/docs, /redoc, /openapi.json) are nobody's job on any hop.
         args.append("--disable-fastapi-docs")
         if self.mtls:

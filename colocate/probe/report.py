@@ -149,8 +149,12 @@ def pod_entries(s: Sample) -> list[dict]:
 
 
 def new_rtt(s: Sample, entry: dict) -> float | None:
-    """A pod's health check on a new connection: answered, and its hop accepted a connection meanwhile."""
-    if entry.get("ok") is not True or port_of(entry.get("host")) not in s.new_ports:
+    """A pod's health check on a new connection: answered, and its hop accepted a connection meanwhile.
+    A read-only answer names pods by index, without their hosts: then its check counts only
+    when every hop accepted one."""
+    port = port_of(entry.get("host"))
+    shown = port in s.new_ports if port is not None else bool(s.hop_ports) and s.new_ports >= s.hop_ports
+    if entry.get("ok") is not True or not shown:
         return None
     return _number(entry.get("rtt_ms"))
 

@@ -70,6 +70,7 @@ class Sample:
     body_problem: str | None = None  # probe: why the body is unusable
     cf_placement: str | None = None  # the response's cf-placement header (remote-XXX / local-XXX), if any
     new_ports: frozenset[str] = frozenset()  # probe on new connections: the pod hops that accepted one meanwhile
+    hop_ports: frozenset[str] = frozenset()  # ... and every pod hop the sandbox counts
     ttft_ms: float | None = None  # stream: the first token's arrival, from the request's start
     itl_ms: float | None = None  # stream: the mean gap between its tokens, (last - first) / (tokens - 1)
     tokens: int = 0  # stream: content chunks received (one a token from vLLM)
@@ -289,7 +290,9 @@ def new_connection_probe(sampler: Sampler, hops: HopControl) -> Sample:
     Worker checks its pods, and ``new_ports`` says which hops accepted a connection meanwhile."""
     before = hops.cut()
     s = sampler.probe(POD_ONLY)
-    s.new_ports = opened(before, hops.counts())
+    after = hops.counts()
+    s.new_ports = opened(before, after)
+    s.hop_ports = frozenset(after)
     return s
 
 

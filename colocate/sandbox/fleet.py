@@ -187,12 +187,12 @@ def fleet_key(state_dir: Path, cells: dict[str, dict]) -> dict:
     path = Path(state_dir) / FLEET_KEY_FILE
     stored = read_object(path) or {}
     if stored.get("key") and stored.get("row"):
-        held, failed = admin.fan_out(targets, lambda c: c.import_key(stored["row"]))
+        held, failed = admin.fan_out(targets, lambda c: c.import_key(stored["row"], fleet_cells=len(cells)))
         if not failed and not any(r.get("revoked_at") or r.get("revoked") for r in held.values()):
             return {"key": stored["key"], "id": stored["row"]["id"]}
     key = admin.new_key()
     row = admin.key_row(key, KEY_NAME)
-    _, failed = admin.fan_out(targets, lambda c: c.import_key(row))
+    _, failed = admin.fan_out(targets, lambda c: c.import_key(row, fleet_cells=len(cells)))
     if failed:
         cell, why = next(iter(failed.items()))
         raise StartupFailed(f"the fleet's client key could not be imported into cell {cell}: {why}")

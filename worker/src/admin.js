@@ -39,6 +39,7 @@ const HOLDER = { read: "READ_TOKEN", admin: "ADMIN_TOKEN", exchange: "EXCHANGE_T
  * Refuse a request whose bearer credential does not open `role` ("read", "admin" or
  * "exchange"): 401 when it is no operator credential at all, 403 when it is one that
  * holds less (a read-only token asking to mint a key). Every comparison is constant-time.
+ * Returns the roles the credential holds.
  */
 export async function authorise(request, cfg, role) {
   const header = request.headers.get("authorization") || "";
@@ -48,7 +49,7 @@ export async function authorise(request, cfg, role) {
   const held = Object.keys(HOLDER).filter((r) => cfg.tokens[r] !== undefined);
   const digests = await Promise.all(held.map((r) => digestOfToken(cfg.tokens[r])));
   const matched = held.filter((r, i) => sameDigest(given, digests[i]));
-  if (matched.some((r) => OPENS[role].includes(r))) return;
+  if (matched.some((r) => OPENS[role].includes(r))) return matched;
   if (matched.length) {
     throw new HttpError(403, "forbidden", `this credential cannot ${request.method} ${new URL(request.url).pathname}: it needs ${HOLDER[role]}`);
   }
@@ -73,14 +74,14 @@ async function jsonBody(request) {
 }
 
 const HANDLERS = {
-  probe: (request, env, cfg, url, r, fetchImpl, hop) => probe(request, env, cfg, url, fetchImpl, hop),
-  breaker: (request, env, cfg) => breaker(request, env, cfg),
+  probe: (request, env, cfg, url, r, fetchImpl, hop, hosts) => probe(request, env, cfg, url, fetchImpl, hop, hosts),
+  breaker: (request, env, cfg, url, r, fetchImpl, hop, hosts) => breaker(request, env, cfg, hosts),
   purge: (request, env, cfg) => purge(request, env, cfg),
   keys: (request, env, cfg) => (request.method === "POST" ? createKey(request, env, cfg) : listKeys(env, cfg)),
   revoke: (request, env, cfg, url, r) => revokeKey(env, cfg, r.param),
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
-  live: (request, env, cfg, url, r, fetchImpl, hop) => live(env, cfg, url, hop),
+  live: (request, env, cfg, url, r, fetchImpl, hop, hosts) => live(env, cfg, url, hosts, hop),
   scale: (request, env, cfg) => (request.method === "POST" ? scaleRecord(request, env, cfg) : scaleState(env, cfg)),
   scale_lock: (request, env, cfg) => scaleLock(request, env, cfg),
   metrics: (request, env, cfg, url, r, fetchImpl, hop) => metrics(env, cfg, hop),
@@ -89,8 +90,11 @@ const HANDLERS = {
 };
 
 export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop) {
-  await authorise(request, cfg, r.roles[request.method]);
-  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl, hop);
+  const roles = await authorise(request, cfg, r.roles[request.method]);
+  // Pod hosts (addresses) only to the admin credential: a read-only answer names pods by
+  // index, so the token monitoring holds does not hand out where the pods are.
+  const hosts = roles.includes("admin");
+  return HANDLERS[r.kind](request, env, cfg, url, r, fetchImpl, hop, hosts);
 }
 
 const noStore = { "cache-control": "no-store" };
@@ -120,8 +124,8 @@ async function fallbackCheck(cfg, fetchImpl) {
 }
 
 /** The breaker as operators read it: pod 0's machine state and the override, plus every pod. */
-function breakerView(cfg, view) {
-  const pods = cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host, ...podSnap(view, u) }));
+function breakerView(cfg, view, hosts) {
+  const pods = cfg.podUrls.map((u, index) => ({ index, ...(hosts ? { host: new URL(u).host } : {}), ...podSnap(view, u) }));
   // A cell scaled to zero routes to no pod: its machine reads closed, with the override as set.
   const { state, failures, opened_at, trial_at } = pods[0] ?? { state: "closed", failures: 0, opened_at: null, trial_at: null };
   return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
@@ -134,23 +138,24 @@ function checkPods(cfg, hop) {
 }
 
 /** The probe's `pods` list from those checks. */
-function podEntries(cfg, pods) {
-  return pods.map((p, index) => ({ index, host: new URL(cfg.podUrls[index]).host, rtt_ms: round(p.ms), ok: p.ok, status: p.status }));
+function podEntries(cfg, pods, hosts) {
+  return pods.map((p, index) => ({ index, ...(hosts ? { host: new URL(cfg.podUrls[index]).host } : {}), rtt_ms: round(p.ms), ok: p.ok,
+    status: p.status }));
 }
 
 /** The pods' health checks alone (`?only=pods`): the probe's new-connection samples time the
  * pod hop, and a split cell's state round trip would only make them slower to take. */
-async function probePods(cfg, hop, t0) {
+async function probePods(cfg, hop, t0, hosts) {
   const pods = await checkPods(cfg, hop);
-  const body = { generation: cfg.activeGeneration, region: cfg.region, pods: podEntries(cfg, pods) };
+  const body = { generation: cfg.activeGeneration, region: cfg.region, pods: podEntries(cfg, pods, hosts) };
   const timing = serverTiming({ pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, POD_PROBE_METRICS);
   return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
 
-async function probe(request, env, cfg, url, fetchImpl, hop) {
+async function probe(request, env, cfg, url, fetchImpl, hop, hosts) {
   const t0 = now();
   const only = url.searchParams.get("only");
-  if (only === "pods") return probePods(cfg, hop, t0);
+  if (only === "pods") return probePods(cfg, hop, t0, hosts);
   if (only !== null) throw new HttpError(400, "invalid_field", `query "only" must be "pods" (got ${JSON.stringify(only)})`);
   // The first touch of a new generation: stubFor passes ACTIVE_HINT as locationHint.
   const stub = activeStub(env, cfg);
@@ -181,16 +186,16 @@ async function probe(request, env, cfg, url, fetchImpl, hop) {
     hint: cfg.activeHint,
     draining_generation: cfg.drainingGeneration,
     region: cfg.region,
-    pod_host: pods.length ? new URL(cfg.podUrls[0]).host : null,
-    pods: podEntries(cfg, pods),
-    breaker: breakerView(cfg, view),
+    pod_host: pods.length && hosts ? new URL(cfg.podUrls[0]).host : null,
+    pods: podEntries(cfg, pods, hosts),
+    breaker: breakerView(cfg, view, hosts),
   };
   if (fallback) body.fallback = fallback;
   const timing = serverTiming({ state_rtt: stateRtt, pod_rtt: pods.length ? pods[0].ms : 0, total: now() - t0 }, PROBE_METRICS);
   return jsonResponse(200, body, { "server-timing": timing, ...noStore });
 }
 
-async function breaker(request, env, cfg) {
+async function breaker(request, env, cfg, hosts) {
   const stub = activeStub(env, cfg);
   let view;
   if (request.method === "PUT") {
@@ -203,7 +208,7 @@ async function breaker(request, env, cfg) {
     view = await stub.sync(infoOf(cfg), null);
   }
   const entry = cache.put(cfg.activeGeneration, view, Date.now());
-  return jsonResponse(200, { generation: cfg.activeGeneration, breaker: breakerView(cfg, entry.view) }, noStore);
+  return jsonResponse(200, { generation: cfg.activeGeneration, breaker: breakerView(cfg, entry.view, hosts) }, noStore);
 }
 
 async function purge(request, env, cfg) {
@@ -283,8 +288,14 @@ function timeOf(body, field, nullable) {
  */
 async function importKey(request, env, cfg) {
   const body = await jsonBody(request);
-  const unknown = Object.keys(body).filter((k) => !IMPORT_FIELDS.includes(k));
-  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use ${IMPORT_FIELDS.join(", ")}`);
+  const unknown = Object.keys(body).filter((k) => !IMPORT_FIELDS.includes(k) && k !== "fleet_cells");
+  if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use ${IMPORT_FIELDS.join(", ")}, fleet_cells`);
+  // The fleet's size (keys.py on a fleet): a cell the exchange has not reached yet learns it
+  // here, so the key is admitted within its default share from its first request.
+  const cells = body.fleet_cells ?? null;
+  if (cells !== null && !(Number.isInteger(cells) && cells >= 2 && cells <= 64)) {
+    throw new HttpError(400, "invalid_field", `field "fleet_cells" must be the fleet's number of cells, 2 to 64 (got ${JSON.stringify(cells)})`);
+  }
   const row = {
     id: fieldMatching(body, "id", ID_RE, "a key id: key_ and 12 hex digits"),
     hash: fieldMatching(body, "hash", HASH_RE, "the key's SHA-256 as 64 lower-case hex digits"),
@@ -294,7 +305,7 @@ async function importKey(request, env, cfg) {
     created_at: timeOf(body, "created_at", false),
     expires_at: timeOf(body, "expires_at", true),
   };
-  const { outcome, row: stored } = await activeStub(env, cfg).importKey(row, infoOf(cfg));
+  const { outcome, row: stored } = await activeStub(env, cfg).importKey(row, infoOf(cfg), cells);
   if (outcome === "conflict") {
     throw new HttpError(409, "key_conflict", `this cell already holds key id ${row.id} or its digest with a different other half: `
       + "the fleet's copies disagree; compare them with scripts/keys.py list --stack <fleet>");
@@ -341,7 +352,7 @@ function spendView(cfg, spent) {
   return { day: spent.day, usd: s.price ? spent.microusd / 1e6 : null, cell_cap_usd: usd(s.cellMicroUsd), key_cap_usd: usd(s.keyMicroUsd) };
 }
 
-async function live(env, cfg, url, hop) {
+async function live(env, cfg, url, hosts, hop) {
   const t = Date.now();
   const raw = url.searchParams.get("since");
   const since = raw === null ? t - LIVE_DEFAULT_MS : Number(raw);
@@ -365,7 +376,7 @@ async function live(env, cfg, url, hop) {
   }
   return jsonResponse(200, {
     generation: cfg.activeGeneration, draining_generation: cfg.drainingGeneration, region: cfg.region,
-    pods: cfg.podUrls.map((u, index) => ({ index, host: new URL(u).host })),
+    pods: cfg.podUrls.map((u, index) => (hosts ? { index, host: new URL(u).host } : { index })),
     since: from, now: t, buckets: LIVE_BUCKETS, minutes, hours, fallback_spend: spendView(cfg, spent),
     pod_prefix: await caches,
   }, noStore);

@@ -6,6 +6,7 @@
 // never echoing a secret.
 
 import { ConfigurationError } from "./errors.js";
+import { MAX_TOKENS } from "./validate.js";
 
 const cache = new WeakMap();
 
@@ -110,6 +111,25 @@ function fallbackSpend(env) {
   return Object.freeze({ price, cellMicroUsd: cell, keyMicroUsd: key });
 }
 
+/**
+ * FALLBACK_FIELDS (colocate:fallbackFields): a JSON array of request fields the fallback
+ * may also receive beyond each endpoint's allowlist (validate.js `fallbackFields`); absent: none.
+ */
+function fallbackFieldList(env) {
+  const raw = env.FALLBACK_FIELDS;
+  if (raw === undefined) return Object.freeze([]);
+  let list;
+  try {
+    list = JSON.parse(raw);
+  } catch {
+    list = null;
+  }
+  if (!Array.isArray(list) || !list.every((f) => typeof f === "string" && /^[A-Za-z_][A-Za-z0-9_]*$/.test(f))) {
+    throw new ConfigurationError("FALLBACK_FIELDS", `must be a JSON array of field names (got ${JSON.stringify(raw)})`);
+  }
+  return Object.freeze(list);
+}
+
 const BALANCES = ["least_busy", "prefix", "random"];
 
 /** BALANCE (colocate:worker.balance): how a pod is picked among the healthy ones; absent: least_busy. */
@@ -152,6 +172,10 @@ export function readConfig(env) {
       max_parallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
       fallback_microusd_day: 0, // none of its own: the cell's per-key cap holds
     }),
+    // The context the pods serve (--max-model-len, colocate/pods/spec.py): what a request
+    // may cost is bounded by it (usage.js usageCeiling). Absent: validate.js's max_tokens cap.
+    maxModelLen: optionalInt(env, "MAX_MODEL_LEN", MAX_TOKENS + 1, { min: 2 }),
+    fallbackFields: fallbackFieldList(env),
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
     fallbackSpend: fallbackSpend(env),
     podUrls: podUrls(env),

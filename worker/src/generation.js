@@ -394,7 +394,7 @@ export class Breaker extends DurableObject {
 
   /**
    * {id: COUNTER row} for the ids asked (absent: all zero): this cell's own counters,
-   * plus the other isolates' requests in flight. Three indexed reads, whatever the number
+   * plus the other isolates' requests in flight and their reserved tokens. Four indexed reads, whatever the number
    * of keys. In a fleet the other cells' counters are not added: each cell's share is its
    * lease (leasesOf).
    */
@@ -408,6 +408,11 @@ export class Breaker extends DurableObject {
         WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
     JSON.stringify(ids), info.isolate ?? "", fresh)) {
       if (r.n > 0) slot(r.key_id)[COUNTER.inflight] = r.n;
+    }
+    for (const r of this.sql.exec(`SELECT key_id, SUM(tokens) AS tokens FROM key_reserved
+        WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
+    JSON.stringify(ids), info.isolate ?? "", fresh)) {
+      if (r.tokens > 0) slot(r.key_id)[COUNTER.reserved] = r.tokens;
     }
     if (info.capKeys) {
       for (const r of this.sql.exec(`SELECT key_id, fallback_microusd FROM usage_daily
@@ -622,16 +627,23 @@ export class Breaker extends DurableObject {
       this.markChanged([...changed]);
       if (batch.inflight && batch.inflight.length) {
         const isolate = String(info.isolate ?? "");
-        for (const [keyId, n] of batch.inflight) {
+        for (const [keyId, n, tokens] of batch.inflight) {
           if (n > 0) {
             this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
               ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, keyId, isolate, n, now);
           } else {
             this.sql.exec("DELETE FROM key_inflight WHERE key_id = ? AND isolate = ?", keyId, isolate);
           }
+          if (tokens > 0) { // a row of a Worker from before reservations has none
+            this.sql.exec(`INSERT INTO key_reserved (key_id, isolate, tokens, at) VALUES (?, ?, ?, ?)
+              ON CONFLICT (key_id, isolate) DO UPDATE SET tokens = excluded.tokens, at = excluded.at`, keyId, isolate, tokens, now);
+          } else {
+            this.sql.exec("DELETE FROM key_reserved WHERE key_id = ? AND isolate = ?", keyId, isolate);
+          }
         }
       }
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      this.sql.exec("DELETE FROM key_reserved WHERE at < ?", now - INFLIGHT_KEEP_MS);
       for (const r of batch.backends || []) {
         this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
           ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
@@ -874,10 +886,13 @@ export class Breaker extends DurableObject {
    * the same id and digest again answers the stored row; an id or digest already held
    * with the other half different is a conflict. One transaction, so two imports race safely.
    */
-  async importKey(row, info) {
+  async importKey(row, info, fleetCells = null) {
     await this.readThrough(info);
     let outcome = "created";
     this.ctx.storage.transactionSync(() => {
+      // A fleet's key before the exchange's first round: the fleet's size makes leasesOf give
+      // the default share at once (the exchange sets it, and keeps it current, from then on).
+      if (fleetCells && this.meta("fleet_cells") === null) this.setMeta("fleet_cells", fleetCells);
       const held = this.sql.exec("SELECT id, hash FROM client_keys WHERE id = ? OR hash = ?", row.id, row.hash).toArray();
       if (held.length) {
         outcome = held.some((h) => h.id === row.id && h.hash === row.hash) ? "exists" : "conflict";

@@ -56,6 +56,9 @@ export const LIVE = Object.freeze([...ROUTED, ...STREAMED, ...PICKS]);
 const AT = Object.fromEntries(LIVE.map((s, i) => [s, i * BUCKETS]));
 const MINUTE_MS = 60000;
 const MAX_MINUTES = 180; // unsynced minutes an isolate keeps (the object unreachable for hours: oldest dropped)
+// Labels (pod, or pod@client colo) one minute holds per isolate: every pod of a cell from
+// every Cloudflare colo a front door runs in fits (about 330 colos, 2026-12); more are folded.
+export const MAX_LABELS = 512;
 
 /** The bucket of a duration in ms (NaN and negatives count as 0). */
 export function bucketOf(ms) {
@@ -234,10 +237,18 @@ export class Recorder {
     return s;
   }
 
-  /** The counts of `pod` this minute (LIVE.length histograms end to end). */
+  /**
+   * The counts of `pod` this minute (LIVE.length histograms end to end), `pod` being
+   * "<pod>@<client colo>" behind a front door. Past MAX_LABELS a minute, a new label is
+   * counted under its pod alone, so no caller can grow the rows without bound.
+   */
   of(t, pod) {
     const req = this.slot(t).req;
     let counts = req.get(pod);
+    if (counts === undefined && req.size >= MAX_LABELS) {
+      const at = pod.indexOf("@");
+      if (at >= 0) return this.of(t, pod.slice(0, at));
+    }
     if (counts === undefined) {
       counts = new Uint32Array(LIVE.length * BUCKETS);
       req.set(pod, counts);

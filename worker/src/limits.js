@@ -84,13 +84,11 @@ export function msUntilBelow(prev, cur, limit, t) {
   return WINDOW_MS - into + Math.ceil((1 - limit / cur) * WINDOW_MS) + 1;
 }
 
-/** Milliseconds from `t` until the window holds none of the counted requests (or tokens). */
-function msUntilEmpty(prev, cur, t) {
-  const rest = WINDOW_MS - (t % WINDOW_MS);
-  return cur > 0 ? rest + WINDOW_MS : prev > 0 ? rest : 0;
-}
+// A sliding minute admits again within a minute of any moment (unless other isolates
+// admitted past the limit meanwhile): Retry-After and x-ratelimit-reset-* never say more.
+const MAX_WAIT_MS = WINDOW_MS;
 
-/** OpenAI's duration form for x-ratelimit-reset-*: "0s", "12s", "1m30s". */
+/** OpenAI's duration form for x-ratelimit-reset-*: "0s", "12s", "1m0s". */
 function resetText(ms) {
   const s = Math.ceil(ms / 1000);
   return s < 60 ? `${s}s` : `${Math.floor(s / 60)}m${s % 60}s`;
@@ -99,20 +97,23 @@ function resetText(ms) {
 /**
  * OpenAI's rate-limit headers for a key's requests and tokens per minute, as [name, value]
  * pairs (only for the limits the key has), with this request counted when `admitted`.
+ * x-ratelimit-reset-* is when the window admits the next request (0s while some remains):
+ * on a 429 the same wait as its Retry-After, at most a minute. `reserved`:
+ * tokens the key's requests in flight reserved, counted as used until they settle.
  * Clients and SDKs read them to pace themselves (docs/worker.md, "Using it").
  */
-export function rateHeaders(key, est, t, admitted) {
+export function rateHeaders(key, est, t, admitted, reserved = 0) {
   const out = [];
   if (key.rpm > 0) {
     const used = est.req + (admitted ? 1 : 0);
     out.push(["x-ratelimit-limit-requests", String(key.rpm)],
       ["x-ratelimit-remaining-requests", String(Math.max(0, Math.floor(key.rpm - used)))],
-      ["x-ratelimit-reset-requests", resetText(msUntilEmpty(est.prevReq, est.curReq + (admitted ? 1 : 0), t))]);
+      ["x-ratelimit-reset-requests", resetText(Math.min(MAX_WAIT_MS, msUntilBelow(est.prevReq, est.curReq + (admitted ? 1 : 0), key.rpm, t)))]);
   }
   if (key.tpm > 0) {
     out.push(["x-ratelimit-limit-tokens", String(key.tpm)],
-      ["x-ratelimit-remaining-tokens", String(Math.max(0, Math.floor(key.tpm - est.tok)))],
-      ["x-ratelimit-reset-tokens", resetText(msUntilEmpty(est.prevTok, est.curTok, t))]);
+      ["x-ratelimit-remaining-tokens", String(Math.max(0, Math.floor(key.tpm - est.tok - reserved)))],
+      ["x-ratelimit-reset-tokens", resetText(Math.min(MAX_WAIT_MS, msUntilBelow(est.prevTok, est.curTok, key.tpm, t)))]);
   }
   return out;
 }
@@ -122,9 +123,9 @@ export function rateHeaders(key, est, t, admitted) {
  * {type, code, message, retryAfterS} (HTTP 429). `inflight`: its requests in flight in
  * every isolate as far as this one knows.
  */
-export function refusal(key, est, monthTokens, t, inflight = 0) {
+export function refusal(key, est, monthTokens, t, inflight = 0, reserved = 0) {
   // Retry-After: when the window will admit the next request (not the end of the minute).
-  const wait = (prev, cur, limit) => Math.max(1, Math.ceil(msUntilBelow(prev, cur, limit, t) / 1000));
+  const wait = (prev, cur, limit) => Math.max(1, Math.ceil(Math.min(MAX_WAIT_MS, msUntilBelow(prev, cur, limit, t)) / 1000));
   if (key.rpm > 0 && est.req >= key.rpm) {
     return { type: "requests", code: "rate_limit_exceeded", retryAfterS: wait(est.prevReq, est.curReq, key.rpm),
       message: `rate limit reached: ${key.rpm} requests per minute for this key` };
@@ -136,6 +137,16 @@ export function refusal(key, est, monthTokens, t, inflight = 0) {
   if (key.monthly_tokens > 0 && monthTokens >= key.monthly_tokens) {
     return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: Math.max(1, Math.ceil(msToNextMonth(t) / 1000)),
       message: `monthly token budget used: ${key.monthly_tokens} tokens this month for this key` };
+  }
+  // Under both, but not once the key's requests in flight use what they reserved: the
+  // reservations settle when those requests end, so Retry-After is 1 s (docs/worker.md,
+  // "What a request may cost").
+  if (reserved > 0 && ((key.tpm > 0 && est.tok + reserved >= key.tpm)
+      || (key.monthly_tokens > 0 && monthTokens + reserved >= key.monthly_tokens))) {
+    const which = key.tpm > 0 && est.tok + reserved >= key.tpm ? `${key.tpm} tokens per minute` : `${key.monthly_tokens} tokens this month`;
+    return { type: "tokens", code: "tokens_reserved", retryAfterS: 1,
+      message: `rate limit reached: this key's requests in flight may use the rest of its ${which} (${reserved} tokens reserved); `
+        + "retry when they finish" };
   }
   if (key.max_parallel > 0 && inflight >= key.max_parallel) {
     return { type: "requests", code: "too_many_parallel_requests", retryAfterS: 1,
@@ -152,13 +163,15 @@ export function refusal(key, est, monthTokens, t, inflight = 0) {
  * until served, a request is taken to cost what this cell's requests of the key cost on
  * average this minute. Retry-After is 1 s: the lease may grow within a round or two.
  */
-export function leaseRefusal(key, lease, est, monthTokens) {
+export function leaseRefusal(key, lease, est, monthTokens, reserved = 0) {
   if (lease.req !== null && est.req + 1 > lease.req) {
     return { type: "requests", code: "rate_limit_exceeded", retryAfterS: 1, byLease: true,
       message: `rate limit reached: this cell's share of ${key.rpm} requests per minute for this key is in use` };
   }
   const perRequest = est.req > 0 ? est.tok / est.req : 0;
-  if (lease.tok !== null && (est.tok >= lease.tok || est.tok + perRequest > lease.tok)) {
+  const tok = est.tok + reserved; // what the requests in flight reserved counts as used
+  monthTokens += reserved;
+  if (lease.tok !== null && (tok >= lease.tok || tok + perRequest > lease.tok)) {
     return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: 1, byLease: true,
       message: `rate limit reached: this cell's share of ${key.tpm} tokens per minute for this key is in use` };
   }

@@ -17,7 +17,8 @@ export const SHAPES = /** @type {const} */ ({
     ["prev_tok", "tokens in bucket minute - 1"],
     ["month_tokens", "tokens this UTC month"],
     ["inflight", "requests in flight in the other isolates (as of their last sync)"],
-    ["day_fallback_microusd", "the fallback's cost of this key's requests on the UTC day of minute, in millionths of a dollar"]
+    ["day_fallback_microusd", "the fallback's cost of this key's requests on the UTC day of minute, in millionths of a dollar"],
+    ["reserved", "tokens the other isolates' requests in flight may still use, reserved at admission (as of their last sync)"]
   ],
   "exchange": [
     ["key_id", "the client key's id"],
@@ -55,7 +56,8 @@ export const SHAPES = /** @type {const} */ ({
   ],
   "inflight": [
     ["key_id", "the client key's id"],
-    ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"]
+    ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"],
+    ["tokens", "the tokens those requests reserved at admission (their ceilings, usage.js usageCeiling)"]
   ],
   "hist": [
     ["at", "the minute (ms / 60000), or the hour (ms / 3600000) in seg_hour"],

@@ -18,12 +18,12 @@ import { blameOf, candidates, finished, healthDue, inflightOf, leastBusy, starte
 import { counts as picks, prefixPolicy } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, scheduleFlush,
-  served, wantedDigest, withdraw,
+  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, requestTrial, reservedHere,
+  scheduleFlush, served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
 import { capUsage, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer } from "./usage.js";
-import { validateBody } from "./validate.js";
+import { fallbackFields, validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
 import { fallbackCapRefusal } from "./spendcap.js";
@@ -146,24 +146,27 @@ function releaseSlot(request) {
 }
 
 /**
- * Refuse a request over one of the key's limits (429 with Retry-After), else admit it: returns
- * when, and the x-ratelimit headers of its answer.
+ * Refuse a request over one of the key's limits (429 with Retry-After), else admit it,
+ * reserving `reserve` tokens (what it may cost at most) until it is metered: returns when,
+ * and the x-ratelimit headers of its answer.
  */
-function enforceLimits(request, cfg, key) {
+function enforceLimits(request, cfg, key, reserve) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
   const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
   const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
   const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
+  // What the key's requests in flight may still use (docs/worker.md, "What a request may cost").
+  const reserved = key.tpm > 0 || key.monthly_tokens > 0 ? reservedHere(gen, key.id) + (g ? g[COUNTER.reserved] ?? 0 : 0) : 0;
   // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none). A
   // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets the
   // default share until its next sync brings the lease back: the share the ledger counts for
   // a cell without a lease row, never the key's whole limit.
   const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen));
-  const no = refusal(key, est, month, t, inflight) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month));
+  const no = refusal(key, est, month, t, inflight, reserved) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month, reserved));
   if (no) {
-    const headers = Object.fromEntries(rateHeaders(key, est, t, false));
+    const headers = Object.fromEntries(rateHeaders(key, est, t, false, reserved));
     headers["retry-after"] = String(no.retryAfterS);
     const err = new HttpError(429, no.code, no.message, headers, no.type);
     // Refused by this cell's share alone while the key is under its limit: another cell's
@@ -172,15 +175,15 @@ function enforceLimits(request, cfg, key) {
     else err.holdMs = holdFor(key.id, t);
     throw err;
   }
-  const release = admit(cfg, key, t);
+  const release = admit(cfg, key, t, reserve);
   if (release) slots.set(request, release);
-  return { at: t, headers: rateHeaders(key, est, t, true) };
+  return { at: t, headers: rateHeaders(key, est, t, true, reserved) };
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const t0 = now();
   // `client`: the colo a fleet's front door received the request in (the live view's client colo)
-  const timing = { state: 0, upstream: 0, fallback: 0, total: 0, client: request.headers.get(CLIENT_COLO_HEADER) };
+  const timing = { state: 0, upstream: 0, fallback: 0, total: 0, client: null };
   const gen = cfg.activeGeneration;
   // The warm path awaits nothing until the body: a fresh view and a known key are sync.
   let entry = freshEntry(env, ctx, cfg);
@@ -196,13 +199,19 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   if (r.json) {
     bytes = await readBody(request, cfg.maxBodyBytes);
     json = parseJsonObject(bytes);
-    validateBody(url.pathname, json);
+    validateBody(url.pathname, json, cfg.maxModelLen);
   }
+  // The most this request can cost (usage.js usageCeiling): reserved at admission, and
+  // what the upstream's report is believed up to.
+  const ceiling = json === null ? null : usageCeiling(json, bytes.length, cfg.maxModelLen);
+  // The live view's client colo is the front door's word, taken only with its token
+  // (a client's own header would add labels at will).
+  if (request.headers.has(CLIENT_COLO_HEADER) && (await fromFrontDoor(request, cfg))) timing.client = request.headers.get(CLIENT_COLO_HEADER);
   // The pod's deadline starts now: a slow upload is the client's time, not the pod's.
   const t1 = bytes === null ? t0 : now();
   let admitted;
   try {
-    admitted = enforceLimits(request, cfg, key);
+    admitted = enforceLimits(request, cfg, key, ceiling === null ? 0 : ceiling.prompt + ceiling.completion);
   } catch (err) {
     throw err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
   }
@@ -212,7 +221,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   // byte). What an upstream reports is believed only up to what the request allows.
   const meter = (backend, usage) => {
     releaseSlot(request);
-    meterServed(env, ctx, cfg, key.id, backend, json === null ? usage : ceiled(env, backend, usage, json, bytes.length));
+    meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, ceiling));
   };
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
@@ -221,7 +230,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const askUsage = streamed && !wantUsage;
   const guess = (chars) => estimateUsage(json, chars);
   // A stream past what the request can produce is cut there (usage.js streamCap).
-  const cap = streamed ? streamCap(json, bytes.length) : Infinity;
+  const cap = streamed ? streamCap(json, bytes.length, cfg.maxModelLen) : Infinity;
   const counted = (body, done) => (askUsage ? stripStream(body, done, guess, cap) : tapStream(body, wantUsage, done, guess, cap));
   // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
   // request's fate says whose it was, with the key it came from.
@@ -276,7 +285,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       const backend = `pod-${index}`;
       if (!res.stream) {
         finished(podUrl);
-        meter(backend, json !== null && res.response.ok ? usageOfAnswer(res.bytes, guess) : null);
+        // A pod's 4xx (but 404: no such model) comes after it read, and vLLM tokenised, the
+        // prompt: that work is charged at the prompt's estimate (docs/worker.md, "What a request may cost").
+        const status = res.response.status;
+        meter(backend, json === null ? null : res.response.ok ? usageOfAnswer(res.bytes, guess)
+          : status >= 400 && status < 500 && status !== 404 ? guess(0) : null);
         return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
       const first = { at: -1 };
@@ -319,7 +332,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     res = await callFallback(fetchImpl, cfg.fallbackUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.fallbackApiKey),
-      body: bytes === null ? null : upstreamBody(bytes, json, cfg.fallbackModel, askUsage),
+      body: bytes === null ? null : fallbackBody(env, url.pathname, bytes, json, cfg, askUsage),
     });
   } catch (err) {
     timing.fallback = now() - t;
@@ -415,9 +428,23 @@ function healthWitness(env, ctx, cfg, podUrl, fetchImpl) {
   });
 }
 
+/**
+ * The fallback's body: only the fields the owner agreed to send it (validate.js
+ * `fallbackFields`, plus colocate:fallbackFields); the fields left out are logged by name.
+ */
+function fallbackBody(env, pathname, bytes, json, cfg, askUsage) {
+  const allowed = fallbackFields(pathname, json, cfg.fallbackFields);
+  if (allowed.dropped.length === 0) return upstreamBody(bytes, json, cfg.fallbackModel, askUsage);
+  log(env, "fallback_fields_dropped", { fields: allowed.dropped.slice(0, 8).map((f) => f.slice(0, 40)), count: allowed.dropped.length });
+  const body = { ...allowed.json };
+  if (cfg.fallbackModel) body.model = cfg.fallbackModel;
+  if (askUsage) body.stream_options = { ...json.stream_options, include_usage: true };
+  return new TextEncoder().encode(JSON.stringify(body));
+}
+
 /** `usage` within what the request allows; a cut is logged (a pod that over-reports is broken or hostile). */
-function ceiled(env, backend, usage, json, bodyBytes) {
-  const u = capUsage(usage, usageCeiling(json, bodyBytes));
+function ceiled(env, backend, usage, ceiling) {
+  const u = capUsage(usage, ceiling);
   if (u && u.capped) log(env, "usage_capped", { backend, prompt: u.prompt, completion: u.completion });
   return u;
 }

@@ -19,6 +19,8 @@
 //                 older than the previous minute are deleted on every sync (by index)
 //   key_inflight  per key and isolate: requests in flight as of that isolate's last sync
 //                 (the input of max_parallel); rows of silent isolates expire (by index)
+//   key_reserved  per key and isolate: tokens its requests in flight reserved at admission
+//                 (the input of tpm and monthly_tokens while they run); expire as key_inflight
 //   seg_minute    live segment histograms (histogram.js) per minute, colo, pod and segment:
 //                 for the routed segments `colo` is where the Worker ran and `pod` the pod
 //                 index or "fallback"; for `sync` `colo` is the state object's and `pod` the
@@ -74,6 +76,8 @@ export const SCHEMA = [
      requests INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, minute))`,
   `CREATE TABLE IF NOT EXISTS key_inflight (
      key_id TEXT NOT NULL, isolate TEXT NOT NULL, n INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
+  `CREATE TABLE IF NOT EXISTS key_reserved (
+     key_id TEXT NOT NULL, isolate TEXT NOT NULL, tokens INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
   // The primary keys lead with the time, so the window reads and the roll-up deletes are index ranges.
   `CREATE TABLE IF NOT EXISTS seg_minute (
      minute INTEGER NOT NULL, colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL,
@@ -112,6 +116,7 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS client_keys_rev ON client_keys (rev)`,
   `CREATE INDEX IF NOT EXISTS rate_window_minute ON rate_window (minute)`,
   `CREATE INDEX IF NOT EXISTS key_inflight_at ON key_inflight (at)`,
+  `CREATE INDEX IF NOT EXISTS key_reserved_at ON key_reserved (at)`,
   `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
 ];
 

@@ -320,13 +320,15 @@ const PARTS = {
     restore: () => takeInflightMoved(true),
   },
   inflight: {
-    // Every key with requests in flight here, and those that went to 0 since the last
-    // sync: the object's row of a silent isolate expires (2 x TTL), so a live one renews it.
+    // Every key with requests in flight (or tokens reserved) here, and those that went to 0
+    // since the last sync: the object's row of a silent isolate expires (2 x TTL), so a
+    // live one renews it.
     has: (p) => p.inflightChanged.size > 0,
     take: (p) => {
       const rows = [];
-      for (const [id, n] of p.inflight) rows.push(inflightRow(id, n));
-      for (const id of p.inflightChanged) if (!p.inflight.has(id)) rows.push(inflightRow(id, 0));
+      for (const [id, n] of p.inflight) rows.push(inflightRow(id, n, p.reserved.get(id) ?? 0));
+      for (const [id, tokens] of p.reserved) if (!p.inflight.has(id)) rows.push(inflightRow(id, 0, tokens));
+      for (const id of p.inflightChanged) if (!p.inflight.has(id) && !p.reserved.has(id)) rows.push(inflightRow(id, 0, 0));
       p.inflightChanged.clear();
       return rows.length ? rows : null;
     },
@@ -334,9 +336,10 @@ const PARTS = {
   },
 };
 
-function inflightRow(id, n) {
+function inflightRow(id, n, tokens) {
   const row = INFLIGHT.zero(id);
   row[INFLIGHT.n] = n;
+  row[INFLIGHT.tokens] = tokens;
   return row;
 }
 
@@ -354,7 +357,7 @@ function takeMap(p, name) {
 function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
-    p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(),
+    p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(),
       served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null };
     pending.set(gen, p);
   }
@@ -487,27 +490,46 @@ export function inflightHere(gen, keyId) {
   return p ? p.inflight.get(keyId) ?? 0 : 0;
 }
 
+/** Tokens this isolate's requests in flight of a key reserved at admission (not yet settled). */
+export function reservedHere(gen, keyId) {
+  const p = pending.get(gen);
+  return p ? p.reserved.get(keyId) ?? 0 : 0;
+}
+
 /**
  * A request was admitted for a key: it counts against the limits at once, and its
- * counters are asked for from now on. A key with max_parallel holds a slot until
- * `release` (returned; idempotent) is called; others get null.
+ * counters are asked for from now on. A key with max_parallel holds a slot, and a key
+ * with tpm or monthly_tokens holds `reserve` tokens (what the request may cost at most),
+ * until `release` (returned; idempotent) is called, in the same turn as its usage is
+ * recorded (`served`): the limits see the reservation, then the real usage, never neither.
+ * A key with neither gets null.
  */
-export function admit(cfg, key, t) {
+export function admit(cfg, key, t, reserve = 0) {
   const p = pendingOf(cfg.activeGeneration);
   p.podUrls = cfg.podUrls; // the indexes the `pods` part reports in-flight counts by
   p.served.set(key.id, t);
   addWindow(p, key.id, minuteOf(t), 1, 0);
   addUsage(p, dayOf(t), key.id, { requests: 1 });
-  if (!(key.max_parallel > 0)) return null;
-  p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
+  const slot = key.max_parallel > 0;
+  const tokens = reserve > 0 && (key.tpm > 0 || key.monthly_tokens > 0) ? reserve : 0;
+  if (!slot && tokens === 0) return null;
+  if (slot) p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
+  if (tokens > 0) p.reserved.set(key.id, (p.reserved.get(key.id) ?? 0) + tokens);
   p.inflightChanged.add(key.id);
   let held = true;
   return () => {
     if (!held) return;
     held = false;
-    const n = (p.inflight.get(key.id) ?? 1) - 1;
-    if (n > 0) p.inflight.set(key.id, n);
-    else p.inflight.delete(key.id);
+    if (slot) {
+      const n = (p.inflight.get(key.id) ?? 1) - 1;
+      if (n > 0) p.inflight.set(key.id, n);
+      else p.inflight.delete(key.id);
+    }
+    if (tokens > 0) {
+      const r = (p.reserved.get(key.id) ?? tokens) - tokens;
+      if (r > 0) p.reserved.set(key.id, r);
+      else p.reserved.delete(key.id);
+    }
     p.inflightChanged.add(key.id);
   };
 }

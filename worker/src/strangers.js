@@ -13,9 +13,15 @@ import { HttpError } from "./errors.js";
 // queue takes (LOOKUP_WAITING_MAX waiting, 400 digests a second looked up).
 export const GUESS_BURST = 100; // unknown keys one address may present at once
 export const GUESS_EVERY_MS = 100; // and one more each 100 ms after that
-const ADDRESSES_MAX = 4096; // addresses held; past it the longest-held is forgotten
+// Every address together, in this isolate: what rotating addresses (a /64 holds 2^64) can
+// still take. Real keys give their look-up back, so only guesses use it up; the queue takes
+// LOOKUP_WAITING_MAX waiting and about 400 a second looked up.
+export const TOTAL_BURST = 1000;
+export const TOTAL_EVERY_MS = 5; // 200 a second
+const ADDRESSES_MAX = 4096; // addresses held; past it the longest-held is forgotten (the total still holds)
 
-const buckets = new Map(); // address -> {tokens, at}
+const buckets = new Map(); // address (IPv6: its /64) -> {tokens, at}
+const total = { tokens: TOTAL_BURST, at: 0 };
 
 /** The caller's address as Cloudflare's edge sets it (a client cannot: the edge overwrites it). */
 export function clientAddress(request) {
@@ -23,19 +29,41 @@ export function clientAddress(request) {
 }
 
 /**
- * Take one look-up from `address`'s budget at `t` (ms), or refuse: 429
- * `too_many_unknown_keys` with Retry-After, before any hashing or look-up.
+ * The budget an address draws on: an IPv4 address itself, an IPv6 address's /64 (one
+ * subscriber's prefix: its 2^64 addresses are one caller), as "a:b:c:d::/64".
+ */
+export function addressBucket(address) {
+  if (!address.includes(":")) return address;
+  const mapped = /^::ffff:(\d+\.\d+\.\d+\.\d+)$/i.exec(address); // an IPv4 address written as IPv6
+  if (mapped) return mapped[1];
+  const [head, tail = null] = address.toLowerCase().split("::");
+  const left = head === "" ? [] : head.split(":");
+  const right = tail === null || tail === "" ? [] : tail.split(":");
+  const groups = tail === null ? left : [...left, ...new Array(Math.max(0, 8 - left.length - right.length)).fill("0"), ...right];
+  return groups.slice(0, 4).map((g) => (parseInt(g, 16) || 0).toString(16)).join(":") + "::/64";
+}
+
+function refill(b, t, burst, every) {
+  b.tokens = Math.min(burst, b.tokens + Math.max(0, t - b.at) / every);
+  b.at = t;
+}
+
+/**
+ * Take one look-up from `address`'s budget (its /64 for IPv6) and from the isolate's total
+ * at `t` (ms), or refuse: 429 `too_many_unknown_keys` with Retry-After, before any
+ * hashing or look-up.
  */
 export function takeLookup(address, t) {
-  let b = buckets.get(address);
+  const key = addressBucket(address);
+  let b = buckets.get(key);
   if (b === undefined) {
     if (buckets.size >= ADDRESSES_MAX) buckets.delete(buckets.keys().next().value);
     b = { tokens: GUESS_BURST, at: t };
-    buckets.set(address, b);
+    buckets.set(key, b);
   } else {
-    b.tokens = Math.min(GUESS_BURST, b.tokens + (t - b.at) / GUESS_EVERY_MS);
-    b.at = t;
+    refill(b, t, GUESS_BURST, GUESS_EVERY_MS);
   }
+  refill(total, t, TOTAL_BURST, TOTAL_EVERY_MS);
   if (b.tokens < 1) {
     const wait = Math.max(1, Math.ceil(((1 - b.tokens) * GUESS_EVERY_MS) / 1000));
     throw new HttpError(429, "too_many_unknown_keys",
@@ -43,11 +71,19 @@ export function takeLookup(address, t) {
       + `retry in ${wait} s `
       + "with a key from scripts/keys.py create", { "retry-after": String(wait) });
   }
+  if (total.tokens < 1) {
+    const wait = Math.max(1, Math.ceil(((1 - total.tokens) * TOTAL_EVERY_MS) / 1000));
+    throw new HttpError(429, "too_many_unknown_keys",
+      `too many unknown API keys at this edge: at most ${TOTAL_BURST} at once and ${1000 / TOTAL_EVERY_MS} a second from every `
+      + `address together; retry in ${wait} s with a key from scripts/keys.py create`, { "retry-after": String(wait) });
+  }
   b.tokens -= 1;
+  total.tokens -= 1;
 }
 
-/** A look-up that found a real key: its token goes back to the address. */
+/** A look-up that found a real key: its token goes back to the address and to the total. */
 export function returnLookup(address) {
-  const b = buckets.get(address);
+  const b = buckets.get(addressBucket(address));
   if (b !== undefined) b.tokens = Math.min(GUESS_BURST, b.tokens + 1);
+  total.tokens = Math.min(TOTAL_BURST, total.tokens + 1);
 }

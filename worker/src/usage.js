@@ -70,22 +70,45 @@ export function usageOfAnswer(buffer, estimate) {
   return estimate(chars);
 }
 
-// validate.js's largest max_tokens: a request without one may be answered up to this.
+// validate.js's largest max_tokens: a request without one may be answered up to this,
+// unless the cell binds the context its pods serve (MAX_MODEL_LEN, from the plan).
 const MAX_COMPLETION_TOKENS = 131_072;
+
+/**
+ * How many prompts a request carries: a `/v1/completions` prompt list (strings, or lists
+ * of token ids) is one generation per entry on vLLM; anything else is one.
+ */
+export function promptCount(json) {
+  const p = json ? json.prompt : undefined;
+  if (!Array.isArray(p) || p.length === 0) return 1;
+  return typeof p[0] === "string" || Array.isArray(p[0]) ? p.length : 1;
+}
+
+/**
+ * The completion tokens one sequence may have: the limit the endpoint honours (chat:
+ * `max_completion_tokens`, else `max_tokens`, as vLLM reads them; completions:
+ * `max_tokens` only, vLLM ignores `max_completion_tokens` there), never past the served
+ * context `maxModelLen`.
+ */
+export function perSequence(json, maxModelLen = MAX_COMPLETION_TOKENS) {
+  const chat = !!json && json.messages !== undefined;
+  const max = json ? (chat ? (json.max_completion_tokens ?? json.max_tokens) : json.max_tokens) : undefined;
+  return Math.min(Number.isInteger(max) && max > 0 ? max : maxModelLen, maxModelLen);
+}
 
 /**
  * The most usage a request can truly have: no more prompt tokens than its body has bytes
  * (every token of a prompt, a chat template's included, is written with at least one
- * byte of the JSON body, whose quoting and keys add more than a template does), and no
- * more completion tokens than `max_tokens` (or `max_completion_tokens`) × `n` (or
- * `best_of`, when larger).
+ * byte of the JSON body, whose quoting and keys add more than a template does) nor than
+ * the served context holds for each of its prompts, and no more completion tokens than
+ * prompts × `n` (or `best_of`, when larger) × the tokens one sequence may have
+ * (`perSequence`).
  */
-export function usageCeiling(json, bodyBytes) {
-  const max = json ? (json.max_completion_tokens ?? json.max_tokens) : undefined;
-  const per = Number.isInteger(max) && max > 0 ? max : MAX_COMPLETION_TOKENS;
+export function usageCeiling(json, bodyBytes, maxModelLen = MAX_COMPLETION_TOKENS) {
   const n = Math.max(json && Number.isInteger(json.n) && json.n > 0 ? json.n : 1,
     json && Number.isInteger(json.best_of) && json.best_of > 0 ? json.best_of : 1);
-  return { prompt: bodyBytes, completion: per * n };
+  const prompts = promptCount(json);
+  return { prompt: Math.min(bodyBytes, prompts * maxModelLen), completion: perSequence(json, maxModelLen) * n * prompts };
 }
 
 // A streamed answer's largest size: room for every token the request allows at 4 KiB an
@@ -98,8 +121,8 @@ const STREAM_EVENT_BYTES = 4096;
 export const MAX_STREAM_BYTES = 256 * 1024 * 1024;
 
 /** The most bytes a streamed answer to this request may have (see above). */
-export function streamCap(json, bodyBytes) {
-  return Math.min(MAX_STREAM_BYTES, 65_536 + usageCeiling(json, bodyBytes).completion * STREAM_EVENT_BYTES);
+export function streamCap(json, bodyBytes, maxModelLen = MAX_COMPLETION_TOKENS) {
+  return Math.min(MAX_STREAM_BYTES, 65_536 + usageCeiling(json, bodyBytes, maxModelLen).completion * STREAM_EVENT_BYTES);
 }
 
 const encoder = new TextEncoder();
@@ -171,6 +194,9 @@ const Identity = typeof IdentityTransformStream === "function" ? IdentityTransfo
 const COUNT_EVERY_MS = 1000;
 // A read this long may have left more in the branch: the next one follows at once.
 const FULL_READ = 4096;
+// When the client's side ends early, the counting branch may read on this long: what the
+// tee already holds takes a few turns, and what the pod sends meanwhile it did make.
+export const DRAIN_MS = 250;
 
 /**
  * Pass a stream through unchanged and call `done(usage | null)` once when it ends or is
@@ -203,9 +229,12 @@ export function tapStream(body, wantUsage, done, estimate = null, cap = Infinity
   // pipe that cancelled its own branch would wait for that before it settles.
   const delivered = toClient.pipeTo(ts.writable, { preventCancel: true, signal: cut.signal }).then(() => true, (err) => {
     // The client went away, the pod's stream broke, or it was cut. Cancelling both
-    // branches cancels the pod's stream, so the pod is not left generating for nobody.
+    // branches cancels the pod's stream, so the pod is not left generating for nobody;
+    // the counting branch first reads what the tee holds (every byte the client was sent
+    // is there) for DRAIN_MS, so a client that leaves just before the usage event is
+    // counted from what the pod made until then (readTail).
     toClient.cancel(err).catch(() => {});
-    reader.cancel(err).catch(() => {});
+    setTimeout(() => reader.cancel(err).catch(() => {}), DRAIN_MS);
     return false;
   });
   const counted = readTail(reader, delivered, cap, () => cut.abort());
@@ -225,8 +254,10 @@ export function tapStream(body, wantUsage, done, estimate = null, cap = Infinity
 // bytes read}. The tail keeps references to the last chunks; they are joined once, at the end.
 async function readTail(reader, delivered, cap = Infinity, onCap = () => {}) {
   let flowing = true;
-  delivered.then(() => {
+  let goneAt = -1; // when the client's side ended early: what the tee holds is read for DRAIN_MS more
+  delivered.then((ok) => {
     flowing = false; // the client has everything (or has gone): read the rest without pausing
+    if (!ok) goneAt = Date.now();
   });
   const tail = []; // the last chunks, at least TAIL_BYTES of them when there are that many
   let size = 0;
@@ -236,6 +267,12 @@ async function readTail(reader, delivered, cap = Infinity, onCap = () => {}) {
     for (;;) {
       // Even the first read waits: a stream shorter than the pause is read once it has ended.
       if (flowing && !full) await firstOf(delivered, COUNT_EVERY_MS);
+      if (goneAt >= 0 && Date.now() - goneAt > DRAIN_MS) {
+        // A source that never waits (a hostile one) could keep this loop in microtasks: the
+        // timer set where the client left might never run, so the bound is checked here too.
+        reader.cancel(new Error("client_gone")).catch(() => {});
+        break;
+      }
       const { done, value } = await reader.read();
       if (done) break;
       tail.push(value);
@@ -245,6 +282,7 @@ async function readTail(reader, delivered, cap = Infinity, onCap = () => {}) {
       full = value.byteLength >= FULL_READ;
       if (total > cap) {
         onCap();
+        reader.cancel(new Error("stream_too_large")).catch(() => {});
         break;
       }
     }

@@ -89,11 +89,22 @@ const COMPLETIONS = {
   suffix: [(v) => typeof v === "string", "a string"],
 };
 
+export const MAX_PROMPTS = 64; // prompts in one /v1/completions list: each is n generations on the pod
+// A token of the pods' tokenizers spells at most this many characters (the longest are runs
+// of blanks or punctuation): a prompt longer than context x this cannot fit whatever it says.
+export const MAX_CHARS_PER_TOKEN = 16;
+export const MAX_SCHEMA_CHARS = 32_768; // a guided-decoding schema (or grammar) the pod compiles, as JSON
+// vLLM's guided-decoding fields (and OpenAI's response_format json_schema): the pod compiles each into a grammar.
+const GUIDED = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"];
+
 /**
  * Refuse a body that is not a chat completion (`/v1/chat/completions`) or a completion
- * request: throws HttpError 400 with `param`. `json` is a parsed JSON object.
+ * request: throws HttpError 400 with `param`. `json` is a parsed JSON object;
+ * `maxModelLen` the context the pods serve (MAX_MODEL_LEN): what could never fit in it is
+ * refused here, as the pod would refuse it after tokenising it (docs/worker.md, "What a
+ * request may cost").
  */
-export function validateBody(pathname, json) {
+export function validateBody(pathname, json, maxModelLen = MAX_TOKENS + 1) {
   // Depth and finiteness first: the rules below may print a value, and must not walk a deep one.
   for (const k in json) walk(json[k], k);
   const chat = pathname === "/v1/chat/completions";
@@ -117,6 +128,103 @@ export function validateBody(pathname, json) {
   }
   if (chat) checkMessages(json.messages);
   else checkPrompt(json.prompt);
+  checkCost(json, chat, maxModelLen);
+}
+
+/**
+ * What the pod would refuse once it had done the work (a prompt that cannot fit its
+ * context, a limit the endpoint ignores, work no counted token pays for), refused first.
+ */
+function checkCost(json, chat, maxModelLen) {
+  if (!chat && json.max_completion_tokens != null) {
+    throw bad("max_completion_tokens", "unsupported_parameter",
+      "max_completion_tokens is not read by /v1/completions (vLLM ignores it there, and would generate up to max_tokens): "
+      + "send max_tokens instead");
+  }
+  if (!chat && Array.isArray(json.prompt) && (typeof json.prompt[0] === "string" || Array.isArray(json.prompt[0]))
+      && json.prompt.length > MAX_PROMPTS) {
+    throw bad("prompt", "invalid_value",
+      `prompt lists at most ${MAX_PROMPTS} prompts (got ${json.prompt.length}): send the rest in further requests`);
+  }
+  const limit = chat ? (json.max_completion_tokens != null ? "max_completion_tokens" : "max_tokens") : "max_tokens";
+  const max = json[limit] ?? 0;
+  if (max >= maxModelLen) {
+    throw bad(limit, "context_length_exceeded",
+      `${limit} is ${max}, but the pods serve a context of ${maxModelLen} tokens, prompt included: send at most ${maxModelLen - 1}`);
+  }
+  // The fewest tokens the longest prompt can be: its characters / MAX_CHARS_PER_TOKEN.
+  const least = Math.ceil(longestPrompt(json, chat) / MAX_CHARS_PER_TOKEN);
+  if (max > 0 ? least + max > maxModelLen : least >= maxModelLen) { // vLLM's own test, with the fewest tokens
+    const what = chat ? "messages" : "prompt";
+    throw bad(what, "context_length_exceeded",
+      `${what} is at least ${least} tokens${max ? ` and ${limit} ${max}` : ""}, more than the pods' context of ${maxModelLen} tokens: `
+      + `shorten it${max ? ` or lower ${limit}` : ""}`);
+  }
+  if (json.prompt_logprobs != null) {
+    throw bad("prompt_logprobs", "unsupported_parameter",
+      "prompt_logprobs is not served here (a logprob for every prompt token is work no counted token pays for): remove it");
+  }
+  if (!chat && json.echo === true && json.logprobs != null) {
+    throw bad("logprobs", "unsupported_parameter",
+      "logprobs with echo asks for a logprob of every prompt token, which is not served here: remove one of them");
+  }
+  const rf = json.response_format;
+  const schemas = rf && rf.type === "json_schema" ? [["response_format", rf.json_schema]] : [];
+  for (const k of GUIDED) if (json[k] != null) schemas.push([k, json[k]]);
+  for (const [k, v] of schemas) {
+    const size = typeof v === "string" ? v.length : JSON.stringify(v ?? null).length;
+    if (size > MAX_SCHEMA_CHARS) {
+      throw bad(k, "invalid_value", `${k} is ${size} characters of JSON; the pods compile at most ${MAX_SCHEMA_CHARS}: send a smaller schema`);
+    }
+  }
+}
+
+/** Characters of the request's longest prompt: a chat's message texts together, or the longest of a prompt list. */
+function longestPrompt(json, chat) {
+  if (chat) {
+    let n = 0;
+    for (const m of json.messages) {
+      const c = m.content;
+      if (typeof c === "string") n += c.length;
+      else if (Array.isArray(c)) for (const part of c) if (typeof part.text === "string") n += part.text.length;
+    }
+    return n;
+  }
+  const p = json.prompt;
+  if (typeof p === "string") return p.length;
+  let n = 0;
+  // token ids: one token each, so a list counts MAX_CHARS_PER_TOKEN "characters" an id
+  if (isTokens(p)) return p.length * MAX_CHARS_PER_TOKEN;
+  for (const one of p) n = Math.max(n, typeof one === "string" ? one.length : one.length * MAX_CHARS_PER_TOKEN);
+  return n;
+}
+
+// The fields each endpoint sends to the fallback API (OpenAI's documented request fields the
+// pods serve too); any other field is dropped, unless colocate:fallbackFields allows it
+// (`store`, `metadata` and `service_tier` keep prompts in, or bill above, the owner's account).
+const FALLBACK_FIELDS = {
+  "/v1/chat/completions": ["model", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "presence_penalty",
+    "frequency_penalty", "stop", "seed", "logit_bias", "logprobs", "top_logprobs", "user", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "stream", "stream_options"],
+  "/v1/completions": ["model", "prompt", "max_tokens", "n", "best_of", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+    "stop", "seed", "logit_bias", "logprobs", "echo", "suffix", "user", "stream", "stream_options"],
+};
+
+/**
+ * The body the fallback may see: `json` itself when every field is allowed for `pathname`
+ * (or in `extra`, colocate:fallbackFields), else a copy without the others; `dropped`
+ * names them (sorted).
+ * @returns {{json: Record<string, unknown>, dropped: string[]}}
+ */
+export function fallbackFields(pathname, json, extra = []) {
+  const allowed = FALLBACK_FIELDS[pathname];
+  if (!allowed) return { json, dropped: [] };
+  const dropped = [];
+  for (const k in json) if (!allowed.includes(k) && !extra.includes(k)) dropped.push(k);
+  if (dropped.length === 0) return { json, dropped };
+  const out = {};
+  for (const k in json) if (!dropped.includes(k)) out[k] = json[k];
+  return { json: out, dropped: dropped.sort() };
 }
 
 function checkMessages(m) {

@@ -58,22 +58,52 @@ test("Retry-After is when the sliding window admits the next request, not the en
   assert.equal(no.retryAfterS, 11); // not 40, the time to the end of the minute
 });
 
-test("OpenAI's x-ratelimit headers: the key's limits, what is left with this request, when the window is empty", () => {
+test("OpenAI's x-ratelimit headers: the key's limits, what is left with this request, when the window admits the next", () => {
   const m = 10;
   const t = m * WINDOW_MS + 45_000;
   const est = estimate([m, 4, 500, 8, 800, 0, 0], none, t); // 8 x 0.25 + 4 = 6 requests, 800 x 0.25 + 500 = 700 tokens
   assert.deepEqual(rateHeaders(key({ rpm: 10, tpm: 1000 }), est, t, true), [
     ["x-ratelimit-limit-requests", "10"],
     ["x-ratelimit-remaining-requests", "3"],
-    ["x-ratelimit-reset-requests", "1m15s"],
+    ["x-ratelimit-reset-requests", "0s"], // room is left: the next is admitted now
     ["x-ratelimit-limit-tokens", "1000"],
     ["x-ratelimit-remaining-tokens", "300"],
-    ["x-ratelimit-reset-tokens", "1m15s"],
+    ["x-ratelimit-reset-tokens", "0s"],
   ]);
+  assert.deepEqual(rateHeaders(key({ tpm: 1000 }), est, t, true, 250)[1], ["x-ratelimit-remaining-tokens", "50"]); // reserved counts as used
   assert.deepEqual(rateHeaders(key(), est, t, true), []); // no limit, no headers
-  const quiet = estimate([m - 1, 5, 50, 0, 0, 0, 0], none, t); // only last minute's requests: gone with this one
-  assert.deepEqual(rateHeaders(key({ rpm: 10 }), quiet, t, false),
-    [["x-ratelimit-limit-requests", "10"], ["x-ratelimit-remaining-requests", "8"], ["x-ratelimit-reset-requests", "15s"]]);
+});
+
+test("over rpm, Retry-After and x-ratelimit-reset-requests say the same wait, never past a minute", () => {
+  const m = 10;
+  for (const into of [0, 1, 17_000, 43_500, 59_999]) {
+    const t = m * WINDOW_MS + into;
+    for (const [prev, cur] of [[0, 2], [2, 0], [1, 1], [2, 2], [5, 3], [0, 7]]) {
+      const est = estimate([m, cur, 0, prev, 0, 0, 0], none, t);
+      const k = key({ rpm: 2 });
+      const no = refusal(k, est, 0, t);
+      if (no === null) continue;
+      const reset = Object.fromEntries(rateHeaders(k, est, t, false))["x-ratelimit-reset-requests"];
+      const [, mm, ss] = /^(?:(\d+)m)?(\d+)s$/.exec(reset);
+      const resetS = Number(mm ?? 0) * 60 + Number(ss);
+      assert.ok(Math.abs(resetS - no.retryAfterS) <= 1, `${prev}/${cur} at ${into}: ${reset} vs ${no.retryAfterS}`);
+      assert.ok(resetS <= 60 && no.retryAfterS <= 60, `${prev}/${cur} at ${into}: ${reset}, ${no.retryAfterS}`);
+    }
+  }
+});
+
+test("requests in flight hold what they reserved: the next is refused for 1 s while they would cross tpm or the month", () => {
+  const t = 10 * WINDOW_MS;
+  const zero = { req: 0, tok: 0, prevReq: 0, curReq: 0, prevTok: 0, curTok: 0 };
+  assert.equal(refusal(key({ monthly_tokens: 50 }), zero, 0, t, 0, 49), null);
+  const no = refusal(key({ monthly_tokens: 50 }), zero, 0, t, 0, 50);
+  assert.deepEqual([no.type, no.code, no.retryAfterS], ["tokens", "tokens_reserved", 1]);
+  assert.match(no.message, /50 tokens this month \(50 tokens reserved\)/);
+  assert.equal(refusal(key({ tpm: 100 }), { ...zero, tok: 60 }, 0, t, 0, 40).code, "tokens_reserved");
+  assert.equal(refusal(key({ tpm: 100 }), { ...zero, tok: 60 }, 0, t, 0, 39), null);
+  assert.equal(refusal(key(), zero, 0, t, 0, 1e9), null); // no token limit: nothing is held
+  // already over the month's budget: the month's end, not 1 s
+  assert.equal(refusal(key({ monthly_tokens: 50 }), zero, 50, t, 0, 10).code, "insufficient_quota");
 });
 
 test("max_parallel refuses at the limit of requests in flight, with OpenAI's 429 shape; 0 means none", () => {

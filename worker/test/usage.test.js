@@ -222,7 +222,14 @@ test("usage is capped by what the request allows, and huge counts stay safe inte
   const fair = { prompt: 20, completion: 16 };
   assert.equal(capUsage(fair, ceiling), fair);
   assert.equal(capUsage(null, ceiling), null);
-  assert.deepEqual(usageCeiling({ max_completion_tokens: 4, best_of: 3, n: 1 }, 10), { prompt: 10, completion: 12 });
+  const chat = { messages: [{ role: "user", content: "hi" }] };
+  assert.deepEqual(usageCeiling({ ...chat, max_completion_tokens: 4, best_of: 3, n: 1 }, 10), { prompt: 10, completion: 12 });
+  // /v1/completions honours max_tokens only (vLLM ignores max_completion_tokens there)
+  assert.deepEqual(usageCeiling({ prompt: "hi", max_tokens: 9, max_completion_tokens: 1 }, 10, 8192), { prompt: 10, completion: 9 });
+  // a prompt list is a generation per prompt, each n times; none is past the served context
+  assert.deepEqual(usageCeiling({ prompt: ["a", "b", "c"], max_tokens: 3, n: 2 }, 1000, 8192), { prompt: 1000, completion: 18 });
+  assert.deepEqual(usageCeiling({ prompt: [[1, 2], [3]], n: 2 }, 100_000, 8192), { prompt: 16_384, completion: 2 * 2 * 8192 });
+  assert.deepEqual(usageCeiling({ prompt: [1, 2, 3] }, 10, 8192), { prompt: 10, completion: 8192 }); // one prompt of token ids
   assert.deepEqual(usageCeiling({}, 10), { prompt: 10, completion: 131072 });
 });
 
