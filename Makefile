@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -129,6 +129,10 @@ bench-fleet-limits: setup
 # A concurrency sweep against one OpenAI-compatible server (default: the stand-in, --profile), with its knee (docs/pods.md).
 bench-pod: setup
 	$(PY) -m bench.pod --compare $(ARGS)
+
+# Random, least-busy and prefix affinity on multi-turn chats, 4 stand-in pods at 50 and 80 % (docs/benchmarks.md).
+bench-prefix: setup
+	$(PY) -m bench.prefix
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

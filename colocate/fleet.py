@@ -8,7 +8,7 @@ stack's outputs (``pulumi.StackReference`` in ``infra/fleet.py``), never from a 
 
 Keys of a fleet stack (``FLEET_KEYS``)::
 
-    colocate:fleet      {cells: [stack, ...], rememberMs: 5000, exchangeMs: 1000}
+    colocate:fleet      {cells: [stack, ...], rememberMs: 5000, exchangeMs: 1000, affinity: nearest}
     colocate:accountId  the Cloudflare account
     colocate:worker     only name, subdomain and maxBodyBytes (the front door's)
     colocate:zone       optional: {id, name, workerHostname} for a custom domain
@@ -48,7 +48,10 @@ from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, migration_dec
 from .settings import CELL_SECRETS, KEYS, NS, PROVIDER_SECRET, WORKER_DEFAULTS, ZoneSettings, parse_zone
 
 KEY = f"{NS}:fleet"
-FLEET_DEFAULTS = {"cells": [], "rememberMs": 5000, "exchangeMs": 1000}
+FLEET_DEFAULTS = {"cells": [], "rememberMs": 5000, "exchangeMs": 1000, "affinity": "nearest"}
+# colocate:fleet.affinity: nearest (each request to the nearest cell that can serve it), or
+# conversation (a conversation stays in one of the cells within budget: docs/fleet.md).
+AFFINITIES = ("nearest", "conversation")
 MAX_CELLS = 16
 MAX_REMEMBER_MS = 60_000
 MIN_EXCHANGE_MS, MAX_EXCHANGE_MS = 100, 60_000
@@ -87,6 +90,7 @@ class FleetSettings:
     subdomain: str
     max_body_bytes: int
     zone: ZoneSettings | None
+    affinity: str = "nearest"  # one of AFFINITIES
 
 
 def _unset(name: str, value: object) -> bool:
@@ -156,7 +160,7 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
         raise ConfigError(
             KEY,
             fleet,
-            "must be a mapping {cells: [...], rememberMs, exchangeMs}",
+            "must be a mapping {cells: [...], rememberMs, exchangeMs, affinity}",
             f"pulumi config set --path '{KEY}.cells[0]' apac-jp",
         )
     unknown = sorted(set(fleet) - set(FLEET_DEFAULTS))
@@ -166,6 +170,10 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
     cells = parse_cells(merged["cells"], stack)
     remember = _whole(f"{KEY}.rememberMs", merged["rememberMs"], 0, MAX_REMEMBER_MS)
     exchange = _whole(f"{KEY}.exchangeMs", merged["exchangeMs"], MIN_EXCHANGE_MS, MAX_EXCHANGE_MS)
+    affinity = merged["affinity"]
+    if affinity not in AFFINITIES:
+        raise ConfigError(f"{KEY}.affinity", affinity, f"must be one of {', '.join(AFFINITIES)}",
+                          f"pulumi config set --path {KEY}.affinity conversation")
 
     account = raw.get("accountId")
     if not isinstance(account, str) or not _ACCOUNT.fullmatch(account):
@@ -204,7 +212,7 @@ def parse(raw: Mapping, stack: str, secrets: frozenset[str] | set[str] = frozens
             "the front door needs a public address: no zone and no workers.dev subdomain",
             f"pulumi config set --path {wkey}.subdomain <your-account-subdomain>, or set {NS}:zone",
         )
-    return FleetSettings(stack, account, cells, remember, exchange, name, subdomain, max_body, zone)
+    return FleetSettings(stack, account, cells, remember, exchange, name, subdomain, max_body, zone, affinity)
 
 
 @dataclass(frozen=True)
@@ -391,6 +399,7 @@ def plan_fleet(settings: FleetSettings, found: Sequence[Mapping[str, object] | N
         Binding("REMEMBER_MS", "plain_text", text=str(settings.remember_ms)),
         Binding("MAX_BODY_BYTES", "plain_text", text=str(settings.max_body_bytes)),
         Binding("EXCHANGE_MS", "plain_text", text=str(settings.exchange_ms)),
+        Binding("AFFINITY", "plain_text", text=settings.affinity),
         Binding(LEDGER_BINDING, "durable_object_namespace", class_name=LEDGER_CLASS),
         *(Binding(f"CELL_TOKEN_{i}", "secret_text", from_output=token_output(i)) for i in range(len(members))),
     )

@@ -21,7 +21,7 @@ from .pods.profiles import PROFILES
 
 NS = "colocate"
 # pod_rtt: the pod hop on the Worker's pooled connection; pod_rtt_new: on a new one (colocate/probe/connections.py).
-SEGMENTS = ("e2e", "state", "state_rtt", "upstream", "pod_rtt", "pod_rtt_new", "fallback", "total")
+SEGMENTS = ("e2e", "state", "state_rtt", "upstream", "pod_rtt", "pod_rtt_new", "fallback", "total", "ttft", "itl")
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,12 @@ WORKER_DEFAULTS = {
     "stateTtlMs": 2_000,
     "migrationTag": "",
     "allowClassDeletion": False,
+    "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
 }
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
-BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40}
+# ttft and itl: a streamed answer's first token and the mean gap between its tokens, as the probe's
+# client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
+BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40, "ttft": 1000, "itl": 100}
 # A new key's limits when its creator names none: finite, so no key is unbounded by
 # accident (docs/worker.md, "Limits"). 0 for one of them means no limit.
 KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8}
@@ -94,8 +97,10 @@ SCALE_DEFAULTS = {"min": 1, "max": 2, "target": pod_capacity(), "upAfterS": 120,
 SCALE_POLICIES = ("latency", "cost")
 # colocate:worker.balance: how the Worker picks among healthy pods (worker/src/pods.js POLICIES).
 # load: the cell's requests in flight there (all isolates) and what the pod reports (vLLM's
-# /metrics: running, waiting, KV cache); least_busy: this isolate's requests in flight only.
-BALANCES = ("load", "least_busy")
+# /metrics: running, waiting, KV cache); least_busy: this isolate's requests in flight only; prefix:
+# a conversation's turns to the pod holding its prefix (affinity.js, docs/worker.md "Prefix
+# affinity"); random: a baseline (bench/prefix.py).
+BALANCES = ("load", "least_busy", "prefix", "random")
 
 SCHEMA: tuple[Key, ...] = (
     Key("region", "string", None,
@@ -115,14 +120,15 @@ SCHEMA: tuple[Key, ...] = (
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
         "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
-        "pod slow), balance (load | least_busy), maxBodyBytes, "
+        "pod slow), maxBodyBytes, "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
-        "from Cloudflare), allowClassDeletion."),
+        "from Cloudflare), allowClassDeletion, balance (least_busy | prefix: a conversation's turns to the pod holding "
+        "its prefix | random: a baseline), prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
         "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
-        "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total)."),
+        "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total, ttft, itl)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
     Key("scale", "object", {},
         "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, "
@@ -134,8 +140,9 @@ SCHEMA: tuple[Key, ...] = (
         "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and "
         "reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
     Key("fleet", "object", {},
-        "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs}. Set, it makes the stack"
-        " a front door over those cells instead of a cell."),
+        "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs, affinity (nearest | "
+        "conversation: a conversation stays in one cell within budget)}. Set, it makes the stack a front door over those "
+        "cells instead of a cell."),
     Key("fallbackModel", "string", None,
         "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model "
         "unchanged (only when the fallback serves the pod's model)."),
@@ -227,6 +234,7 @@ class WorkerSettings:
     stall_ms: int = 2000
     min_tokens_per_s: float = 25.0
     balance: str = "load"
+    prefix_bound: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -409,6 +417,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         stall_ms=_number(k + "stallMs", w["stallMs"], integer=True),
         min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
         balance=_balance(k + "balance", w["balance"]),
+        prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),
     )
 
 

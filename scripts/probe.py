@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url", nargs="?", metavar="URL", help="the Worker's base URL (default: the stack's workerUrl output)")
     p.add_argument("--token", help=f"the read token; prefer the environment variable {TOKEN_ENV} (argv is visible to others)")
+    p.add_argument("--streams", type=int, metavar="N",
+                   help=f"streamed answers of about {sample.STREAM_TOKENS} tokens, spread over the run: their ttft and "
+                        "itl (default: --samples / 5; 0: none)")
     p.add_argument("--key", help=f"client key for the routed samples; prefer {keys.KEY_ENV}. Without one the probe "
                                  "mints a 15-minute key with the admin token (COLOCATE_ADMIN_TOKEN) and revokes it at the end")
     p.add_argument(
@@ -193,7 +196,13 @@ def _probe(args: argparse.Namespace) -> int:
     # A sandbox can close its pod hops' connections and count new ones: pod_rtt_new (colocate/probe/connections.py).
     hops = connections.HopControl(cell.control_url, args.timeout) if cell is not None and cell.control_url else None
     fresh = f" + {samples} on new pod connections" if hops else ""
-    print(f"probing {url}: warm-up, then {samples} probe{fresh} + {samples} routed requests", file=sys.stderr)
+    streams = samples // 5 if args.streams is None else args.streams
+    if not 0 <= streams <= samples:
+        raise UsageError("--streams", streams, f"must be between 0 and --samples ({samples})", "e.g. --streams 5")
+    streamed = f" + {streams} streamed answers of about {sample.STREAM_TOKENS} tokens" if streams else ""
+    if not streams:  # nothing measures them: their budgets (the kit's defaults, say) are not this run's to judge
+        budget_list = [b for b in budget_list if b.segment not in sample.STREAM_SEGMENTS]
+    print(f"probing {url}: warm-up, then {samples} probe{fresh} + {samples} routed requests{streamed}", file=sys.stderr)
     if not 0 <= args.wait <= 900:
         raise UsageError("--wait", args.wait, "must be between 0 and 900 seconds", "e.g. --wait 120")
     if not 0 <= args.settle <= 900:
@@ -207,7 +216,7 @@ def _probe(args: argparse.Namespace) -> int:
     with keys.KeyLease(url, mint_token or token, args.key or os.environ.get(keys.KEY_ENV), say=say) as lease:
         run = sample.run(url, token, samples, args.timeout, args.model, progress=say, wait_s=args.wait,
                          key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None,
-                         hops=hops)
+                         hops=hops, streams=streams)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host,
                           _migrate_flags(args, cell))
 

@@ -370,3 +370,14 @@ def test_a_cell_in_another_account_is_refused_before_any_upload():
     found[1] = {k: v for k, v in found[1].items() if k != outputs.ACCOUNT_ID}
     with pytest.raises(ConfigError, match="accountId"):
         fleet.plan_fleet(fleet.parse(raw(), "fleet"), found)
+
+
+def test_affinity_default_binding_and_refusal():
+    """colocate:fleet.affinity: nearest unless set; conversation binds AFFINITY; anything else names the key."""
+    p = fleet.plan_fleet(fleet.parse(raw(), "fleet"), [outs(c) for c in CELLS])
+    assert {x.name: x for x in p.bindings}["AFFINITY"].text == "nearest"
+    s = fleet.parse(raw(fleet={"cells": CELLS, "affinity": "conversation"}), "fleet")
+    p = fleet.plan_fleet(s, [outs(c) for c in CELLS])
+    assert {x.name: x for x in p.bindings}["AFFINITY"].text == "conversation"
+    err = refused(fleet={"cells": CELLS, "affinity": "sticky"})
+    assert err.key == "colocate:fleet.affinity" and "conversation" in err.fix and "sticky" in str(err)

@@ -31,7 +31,7 @@ def test_same_budget_twice_is_refused():
 
 def test_stack_budgets_are_p50_and_validated():
     assert budgets.from_stack({"e2e": 600}) == [budgets.Budget("e2e", 600.0)]
-    assert {b.segment for b in budgets.from_stack(None)} == {"state", "state_rtt"}  # the kit's defaults
+    assert {b.segment for b in budgets.from_stack(None)} == {"state", "state_rtt", "ttft", "itl"}  # the kit's defaults
     with pytest.raises(ConfigError, match="colocate:budgets.nope"):
         budgets.from_stack({"nope": 1})
 

@@ -42,7 +42,8 @@ def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys, monkeypat
     truth_ms = 100.0
     monkeypatch.setenv("COLOCATE_CLIENT_KEY", "clc_given")
     with fake_cell.serve(routed_delay_ms=truth_ms, state=[0, 10, 20, 30, 40], upstream=[60, 70],
-                         total=[101.5], state_rtt_ms=[2.0, 4.0], pod_rtt_ms=[9.0]) as cell:
+                         total=[101.5], state_rtt_ms=[2.0, 4.0], pod_rtt_ms=[9.0], stream_ttft_ms=60,
+                         stream_gap_ms=20, stream_tokens=6) as cell:
         code, doc, err = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "15",
                                                  "--pod-location", "AP-JP-1"])
         log = list(cell.log)
@@ -58,8 +59,11 @@ def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys, monkeypat
     # the warm-up took state_rtt 2.0 and the fallback check 4.0: the samples are 2.0 ×8, 4.0 ×7
     assert seg["state_rtt"]["p50"] == 2.0 and seg["state_rtt"]["n"] == 15 and seg["pod_rtt"]["p50"] == 9.0
     assert doc["fallback_rate"] == 0.0 and doc["connections"] == "reused"
-    # warm-up + fallback check + models + 15 probes + 15 routed, all over one connection; no key minted
-    assert len(log) == 33
+    # a streamed answer every 5th round: its first token after 60 ms, then one each 20 ms (a busy machine adds its own)
+    assert seg["ttft"]["n"] == 3 and 60 <= seg["ttft"]["p50"] < 2 * 60
+    assert seg["itl"]["n"] == 3 and 16 <= seg["itl"]["p50"] < 2 * 20  # (last - first) / 5 gaps of 20 ms each
+    # warm-up + fallback check + models + 15 probes + 15 routed + 3 streamed, all over one connection; no key minted
+    assert len(log) == 36
     assert len({s.client_port for s in log}) == 1
     assert not cell.minted
     probes = [s for s in log if s.path.startswith("/_colocate/probe")]
@@ -67,7 +71,7 @@ def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys, monkeypat
     assert [s.path for s in probes[:2]] == ["/_colocate/probe", "/_colocate/probe?fallback=1"]
     assert len(probes) == 17 and all(s.authorization == f"Bearer {TOKEN}" for s in probes)
     # the probe token stays with /_colocate, the client key with the routed paths
-    assert len(routed) == 16 and all(s.authorization == "Bearer clc_given" for s in routed)
+    assert len(routed) == 19 and all(s.authorization == "Bearer clc_given" for s in routed)
     assert json.loads(routed[1].body) == {"model": "fake-model", "messages": [{"role": "user", "content": "ping"}],
                                           "max_tokens": 1}
 
@@ -172,7 +176,7 @@ def test_5xx_samples_are_counted_and_fail_the_run(probe, capsys):
         code, doc, err = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "10",
                                                  "--pod-location", "AP-JP-1"])
     assert code == 1
-    assert doc["errors"] == {"probe": {}, "routed": {"HTTP 502": 2}}
+    assert doc["errors"] == {"probe": {}, "routed": {"HTTP 502": 2}, "stream": {}}
     assert doc["segments"]["e2e"]["n"] == 8 and doc["segments"]["state"]["n"] == 8
     assert doc["verdict"] == "2 of 10 routed requests failed (HTTP 502 ×2)"
 
@@ -454,3 +458,19 @@ def test_cf_placement_is_read_from_the_response_headers(probe, capsys):
     assert code == 0, doc["verdict"]
     assert doc["placement"]["ran"] == "NRT" and doc["placement"]["ran_source"] == "cf-placement"
     assert doc["placement"]["cf_placement"] == "remote-NRT"
+
+
+def test_streamed_answers_failing_are_a_violation_and_streams_can_be_turned_off(probe, capsys, monkeypatch):
+    monkeypatch.setenv("COLOCATE_CLIENT_KEY", "clc_given")
+    with fake_cell.serve(stream_status=503) as cell:
+        code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "4", "--streams", "2"])
+    assert code == 1 and doc["errors"]["stream"] == {"HTTP 503": 2}
+    assert "2 of 2 stream requests failed (HTTP 503 ×2)" in [v["message"] for v in doc["violations"]]
+    assert doc["segments"]["ttft"]["n"] == 0 and doc["segments"]["ttft"]["p50"] is None
+    with fake_cell.serve() as cell:
+        code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "4", "--streams", "0"])
+        streamed = [s for s in cell.log if b'"stream": true' in s.body]
+    assert code == 0 and streamed == [] and doc["segments"]["itl"]["n"] == 0
+    with fake_cell.serve() as cell:
+        code, _, err = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "4", "--streams", "5"])
+    assert code == 2 and "--streams" in err

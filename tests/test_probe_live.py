@@ -78,7 +78,7 @@ def test_a_healthy_window_holds_every_check_with_shares_per_pod():
     assert 2.5 <= r.segments["sync"]["p50"] <= 6
     assert r.placement.ran.colo == "NRT" and r.placement.state.colo == "NRT"
     out = live.to_json(r)
-    assert set(out["segments"]) == {"state", "upstream", "fallback", "total", "sync"}
+    assert set(out["segments"]) == {"state", "upstream", "fallback", "total", "ttft", "itl", "sync"}
     assert set(out["segments"]["sync"]) == {"p10", "p50", "p90", "p99", "n"}
     assert "OK: all checks hold" in live.table(r)
 
@@ -176,3 +176,31 @@ def test_a_fleets_windows_merge_exactly_per_client_colo_and_an_unreadable_cell_f
     # a cell's own live view keeps the pods apart from the client colos
     one = live.build(us, catalogue.region("us-east"))
     assert one.backends == {"pod-0": 17}
+
+
+def test_streams_ttft_and_itl_affinity_picks_and_each_pods_prefix_cache_are_shown():
+    rows = requests(M, "NRT", "0", 40) + requests(M, "NRT", "1", 20)
+    rows += [[M, "NRT", "0", "ttft", enc([120.0] * 30 + [900.0] * 10)], [M, "NRT", "0", "itl", enc([14.0] * 40)],
+             [M, "NRT", "1", "ttft", enc([300.0] * 20)], [M, "NRT", "1", "itl", enc([16.0] * 20)],
+             [M, "NRT", "0", "affinity", enc([0] * 36)], [M, "NRT", "0", "shed", enc([0] * 4)],
+             [M, "NRT", "1", "affinity", enc([0] * 20)]]
+    caches = [{"index": 0, "hits": 7500, "queries": 10000}, {"index": 1, "hits": 0, "queries": 0},
+              {"index": 2, "hits": 9, "queries": 3}]  # more hits than queries: not believed
+    r = live.build(doc(rows, pod_prefix=caches), JP, ["AP-JP-1", "AP-JP-1"],
+                   [Budget("ttft", 1000), Budget("itl", 10)])
+    assert r.segments["ttft"]["n"] == 60 and 118 <= r.segments["ttft"]["p50"] <= 302
+    assert 895 <= r.segments["ttft"]["p99"] <= 910
+    assert r.segments["itl"]["n"] == 60 and 13.8 <= r.segments["itl"]["p50"] <= 16.2
+    # budgets on ttft and itl are judged live: itl 10 ms is broken, ttft 1000 holds
+    assert [v["segment"] for v in r.violations if v["kind"] == "budget"] == ["itl"]
+    pod0, pod1 = r.pods
+    assert (pod0.affinity, pod0.shed, pod1.affinity, pod1.shed) == (36, 4, 20, 0)
+    assert pod0.prefix_cache == {"hits": 7500, "queries": 10000, "hit_rate": 0.75}
+    assert pod1.prefix_cache == {"hits": 0, "queries": 0, "hit_rate": None}
+    assert live.prefix_caches(doc(rows, pod_prefix=caches)).keys() == {0, 1}
+    assert pod0.segments["ttft"]["n"] == 40 and pod1.segments["itl"]["n"] == 20
+    text = live.table(r)
+    assert "by affinity 90%, shed by load 10%" in text and "prefix cache 75% of 10,000 tokens" in text
+    assert any(line.startswith("ttft ") for line in text.splitlines())
+    out = live.to_json(r)
+    assert out["pods"][0]["prefix_cache"]["hit_rate"] == 0.75 and out["pods"][0]["shed"] == 4

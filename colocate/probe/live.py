@@ -37,8 +37,14 @@ from .histogram import Buckets, Histogram, HistogramError, merged
 from .stats import PERCENTILES
 
 ROUTED = ("state", "upstream", "fallback", "total")
+# A streamed answer's first byte from the request's start, and the mean gap between its tokens,
+# as the Worker saw them (histogram.js STREAMED); counts of prefix-affinity picks (PICKS).
+STREAMED = ("ttft", "itl")
+PICKS = ("affinity", "shed")
 SYNC = "sync"
-SEGMENTS = (*ROUTED, SYNC)
+SEGMENTS = (*ROUTED, *STREAMED, SYNC)
+RECORDED = (*SEGMENTS, *PICKS)  # every segment a row may carry
+PER_POD = (*ROUTED, *STREAMED, *PICKS)
 # What each live segment stands for among the probe's segments (budgets, floors).
 BUDGET_ALIAS = {"state_rtt": SYNC}
 MINUTE_MS = 60_000
@@ -75,9 +81,9 @@ def rows_of(doc: Mapping) -> tuple[list[Row], Buckets]:
             raise LiveDataError(f"{field_name}: expected a list of [start, colo, who, segment, histogram] rows")
         for r in listed:
             if not (isinstance(r, list) and len(r) == len(HIST) and isinstance(r[HIST["at"]], int)
-                    and r[HIST["segment"]] in SEGMENTS):
+                    and r[HIST["segment"]] in RECORDED):
                 raise LiveDataError(f"{field_name} row {r!r}: expected [{', '.join(HIST.names)}] "
-                                    f"with segment one of {', '.join(SEGMENTS)}")
+                                    f"with segment one of {', '.join(RECORDED)}")
             row = HIST.record(r)
             try:
                 hist = Histogram.decode(row["hist"], buckets)
@@ -141,9 +147,9 @@ class Minute:
 class Merged:
     """The window's rows added up by what the verdicts read."""
 
-    segments: dict[str, Histogram] = field(default_factory=lambda: {s: Histogram() for s in SEGMENTS})
+    segments: dict[str, Histogram] = field(default_factory=lambda: {s: Histogram() for s in RECORDED})
     per_pod: dict[str, dict[str, Histogram]] = field(
-        default_factory=lambda: defaultdict(lambda: {s: Histogram() for s in ROUTED}))
+        default_factory=lambda: defaultdict(lambda: {s: Histogram() for s in PER_POD}))
     # the state object's colo -> (the Worker's colo -> its syncs there)
     sync_pairs: dict[str, dict[str, Histogram]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(Histogram)))
     state_span: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -191,6 +197,9 @@ class PodServed:
     location: str | None = None
     site: str | None = None
     status: str | None = None
+    affinity: int = 0  # requests prefix affinity sent here as the point's own pod
+    shed: int = 0  # requests the load bound shed here from another pod
+    prefix_cache: dict | None = None  # the pod's own vLLM counters: {hits, queries, hit_rate}
 
     @property
     def backend(self) -> str:
@@ -200,7 +209,8 @@ class PodServed:
         out = {"pod": self.who, "backend": self.backend, "requests": self.requests, "share": self.share,
                "segments": self.segments}
         if self.index is not None:
-            out.update(index=self.index, location=self.location, site=self.site, status=self.status)
+            out.update(index=self.index, location=self.location, site=self.site, status=self.status,
+                       affinity=self.affinity, shed=self.shed, prefix_cache=self.prefix_cache)
         return out
 
 
@@ -323,21 +333,36 @@ def _placement(doc: Mapping, m: Merged, region: catalogue.Region | None,
     return place, last_state_minute
 
 
+def prefix_caches(doc: Mapping) -> dict[int, dict]:
+    """The answer's ``pod_prefix`` ([{index, hits, queries}], each pod's own vLLM prefix-cache counters, in
+    tokens, as the Worker read them from its /metrics just now) by pod index, with the hit rate; absent: {}."""
+    out = {}
+    for p in doc.get("pod_prefix") or []:
+        if not isinstance(p, Mapping) or not isinstance(p.get("index"), int):
+            continue
+        hits, queries = p.get("hits"), p.get("queries")
+        if isinstance(hits, int | float) and isinstance(queries, int | float) and 0 <= hits <= queries:
+            out[p["index"]] = {"hits": hits, "queries": queries, "hit_rate": round(hits / queries, 4) if queries else None}
+    return out
+
+
 def _pods(m: Merged, requests: int, region: catalogue.Region | None, locations: Sequence[str],
-          buckets: Buckets) -> tuple[list[PodServed], list[dict]]:
+          buckets: Buckets, caches: Mapping[int, dict] | None = None) -> tuple[list[PodServed], list[dict]]:
     """Each pod and the fallback, and a violation per pod out of region that served requests."""
     out, violations = [], []
+    caches = caches or {}
     for who, h in sorted(m.per_pod.items(), key=lambda kv: _pod_order(kv[0])):
         n = h["total"].n
         share = round(n / requests, 4) if requests else None
-        segments = {s: h[s].summary(buckets).to_json() for s in ROUTED}
+        segments = {s: h[s].summary(buckets).to_json() for s in (*ROUTED, *STREAMED)}
         if not who.isdigit():
             out.append(PodServed(who, n, share, segments))
             continue
         index = int(who)
         loc = locations[index] if index < len(locations) else None
         psite = placement_mod.pod_site(loc, region)
-        pod = PodServed(who, n, share, segments, index, loc, psite, _status(psite, region))
+        pod = PodServed(who, n, share, segments, index, loc, psite, _status(psite, region),
+                        h["affinity"].n, h["shed"].n, caches.get(index))
         if pod.status == placement_mod.OUT and index > 0 and n:
             violations.append({"kind": "placement", "part": "pod",
                                "message": f"pod {index} in {loc} ({psite}) served {n} requests from outside "
@@ -382,7 +407,7 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
                      "state": f"segment sync (state_rtt), state colo {state.colo}",
                      "pod": f"segment upstream, pod site {place.pod.colo}"}.get(f.part, f.part)
             violations.append({"kind": "placement", "part": f.part, "message": f"{f.message} [live: {where}]"})
-    pods, pod_violations = _pods(m, requests, region, locations, buckets)
+    pods, pod_violations = _pods(m, requests, region, locations, buckets, prefix_caches(doc))
     violations += pod_violations
 
     by_worker = m.by_minute("worker")
@@ -412,7 +437,7 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
                          f"window; in the latest minute it ran in {ran.colo}")
 
     budget_list = list(budget_list)
-    live_budgets = [b for b in budget_list if b.segment in ROUTED or b.segment in BUDGET_ALIAS]
+    live_budgets = [b for b in budget_list if b.segment in ROUTED or b.segment in STREAMED or b.segment in BUDGET_ALIAS]
     for b in budget_list:
         if b not in live_budgets:
             notes.append(f"{b.segment} budget {b.ms:g} ms ({b.percentile}) is not checked live: real traffic does "
@@ -492,6 +517,8 @@ SEGMENT_LEGEND = (
     "fallback  the fallback API's answer (0 when it was not used)",
     "total     the Worker's own time for the request, from its arrival to the answer leaving it",
     "sync      each isolate's background round trip to the state object (its state_rtt)",
+    "ttft      a streamed answer's first byte from upstream, from the request's arrival at the Worker",
+    "itl       a streamed answer's mean gap between tokens (its time after the first byte over its tokens)",
 )
 UNKNOWN_COLO_WHY = {
     "worker": "the Worker's /cdn-cgi/trace did not answer, so where it ran is not known",
@@ -530,8 +557,13 @@ def table(r: LiveResult) -> str:
         if pod.index is not None:
             loc = f"{pod.location} ({pod.site})" if pod.location else "location not given (--pod-location)"
             where = f"  {loc} {(pod.status or '').replace('_', ' ')}"
+        picked = pod.affinity + pod.shed
+        picks = f"  by affinity {pod.affinity / picked:.0%}, shed by load {pod.shed / picked:.0%}" if picked else ""
+        cache = pod.prefix_cache
+        hit = (f"  prefix cache {cache['hit_rate']:.0%} of {cache['queries']:,.0f} tokens"
+               if cache and cache["hit_rate"] is not None else "")
         lines.append(f"  {pod.backend:<10}{pod.requests:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
-                     f"p90 {_num(up['p90'], 1)} ms{where}")
+                     f"p90 {_num(up['p90'], 1)} ms{where}{picks}{hit}")
     p = r.placement
     expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
                 else "unknown: no --expect-region or --stack, and the Worker reported no region")

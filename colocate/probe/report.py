@@ -123,6 +123,11 @@ def collect(run: Run) -> dict[str, list[float]]:
                 v = s.timing.durations.get(name)
             if v is not None:
                 values[name].append(v)
+    for s in run.streamed:
+        if s.ok and s.ttft_ms is not None:
+            values["ttft"].append(s.ttft_ms)
+        if s.ok and s.itl_ms is not None:
+            values["itl"].append(s.itl_ms)
     for s in run.probe_new or []:
         first = next((e for e in pod_entries(s) if e.get("index") == 0), None)
         v = new_rtt(s, first) if first else None
@@ -244,10 +249,10 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
 
     violations: list[dict] = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
     violations += budgets_mod.broken(budget_list, segments, floors)
-    errors = {"probe": _errors(run.probe), "routed": _errors(run.routed)}
+    errors = {"probe": _errors(run.probe), "routed": _errors(run.routed), "stream": _errors(run.streamed)}
     for kind, counts in errors.items():
         if counts:
-            total = len(run.probe if kind == "probe" else run.routed)
+            total = len({"probe": run.probe, "routed": run.routed, "stream": run.streamed}[kind])
             failed = sum(counts.values())
             what = ", ".join(f"{e} ×{n}" for e, n in sorted(counts.items()))
             violations.append({"kind": "errors", "part": kind, "count": failed,

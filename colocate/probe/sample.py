@@ -38,6 +38,10 @@ ROUTED_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 ROUTED_METRICS = ("state", "upstream", "fallback", "total")
 PROBE_METRICS = ("state_rtt", "pod_rtt")
+# The streamed sample: a realistic chat answer (about 200 tokens), next to the 1-token "ping".
+STREAM_TOKENS = 200
+STREAM_SEGMENTS = ("ttft", "itl")
+STREAM_PROMPT = "Explain in about 150 words how a CDN edge cache decides what to keep."
 TOKEN_HELP = "pass --token or set COLOCATE_READ_TOKEN (the stack's readToken output)"
 KEY_HELP = ("pass a live key with --key or COLOCATE_CLIENT_KEY (`.venv/bin/python scripts/keys.py create`), "
             "or give neither and the probe mints a short-lived one")
@@ -67,6 +71,9 @@ class Sample:
     cf_placement: str | None = None  # the response's cf-placement header (remote-XXX / local-XXX), if any
     new_ports: frozenset[str] = frozenset()  # probe on new connections: the pod hops that accepted one meanwhile
     hop_ports: frozenset[str] = frozenset()  # ... and every pod hop the sandbox counts
+    ttft_ms: float | None = None  # stream: the first token's arrival, from the request's start
+    itl_ms: float | None = None  # stream: the mean gap between its tokens, (last - first) / (tokens - 1)
+    tokens: int = 0  # stream: content chunks received (one a token from vLLM)
 
     @property
     def ok(self) -> bool:
@@ -108,6 +115,7 @@ class Run:
     fallback_check: Sample | None = None  # the one ?fallback=1 probe (its body's "fallback")
     settling: Settling | None = None  # --settle: how the placement was waited for
     probe_new: list[Sample] | None = None  # probes after the pod hops' connections were closed; None: not measured
+    streamed: list[Sample] = field(default_factory=list)  # realistic streamed answers: ttft, itl
 
 
 class Sampler:
@@ -173,6 +181,36 @@ class Sampler:
                       ray_colo(r.headers.get("cf-ray")), backend, cell=(r.headers.get("x-colocate-cell") or "").strip() or None,
                       cf_placement=r.headers.get("cf-placement"))
 
+    def streamed(self, model: str, max_tokens: int = STREAM_TOKENS) -> Sample:
+        """A streamed answer of about ``max_tokens`` tokens: what a chat user waits for (TTFT) and
+        the pace of its tokens (ITL), timed by the client as each event arrives."""
+        body = {"model": model, "messages": [{"role": "user", "content": STREAM_PROMPT}], "max_tokens": max_tokens,
+                "stream": True}
+        start = time.perf_counter()
+        stamps: list[float] = []
+        try:
+            with self.session.post(self.url + ROUTED_PATH, data=json.dumps(body), stream=True, timeout=self.timeout_s,
+                                   headers=self._routed_headers(**{"Content-Type": "application/json"})) as r:
+                st = timing.parse(r.headers.get("Server-Timing"), ROUTED_METRICS)
+                backend = (r.headers.get("x-colocate-backend") or "").strip().lower() or None
+                if not r.ok:
+                    _ = r.content
+                    return Sample("stream", None, r.status_code, f"HTTP {r.status_code}", st, backend=backend)
+                for line in r.iter_lines():
+                    if line.startswith(b"data: ") and line != b"data: [DONE]" and _has_content(line[6:]):
+                        stamps.append(time.perf_counter())
+        except requests.Timeout:
+            return Sample("stream", None, None, "timeout", timing.Timing())
+        except requests.RequestException:
+            return Sample("stream", None, None, "connection failed", timing.Timing())
+        e2e = (time.perf_counter() - start) * 1000
+        if not stamps:
+            return Sample("stream", e2e, r.status_code, "stream without a token", st, backend=backend)
+        ttft = (stamps[0] - start) * 1000
+        itl = (stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1) if len(stamps) > 1 else None
+        return Sample("stream", e2e, r.status_code, None, st, ray_colo(r.headers.get("cf-ray")), backend,
+                      ttft_ms=ttft, itl_ms=itl, tokens=len(stamps))
+
     def models(self) -> requests.Response:
         """``GET /v1/models`` with the client key; a 401 is Unauthorized, a transport
         failure the caller's to word (requests' own exception)."""
@@ -229,6 +267,24 @@ class Sampler:
         return s
 
 
+def _has_content(data: bytes) -> bool:
+    """Whether an SSE event's JSON carries answer text (a chat delta's content, or a completion's text)."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return False
+    for ch in (chunk.get("choices") or []) if isinstance(chunk, dict) else []:
+        if isinstance(ch, dict) and ((ch.get("delta") or {}).get("content") or ch.get("text")):
+            return True
+    return False
+
+
+def stream_rounds(samples: int, streams: int) -> set[int]:
+    """Which of ``samples`` rounds also take a streamed sample: ``streams`` of them, spread evenly."""
+    streams = max(0, min(streams, samples))
+    return {round(i * samples / streams) for i in range(streams)} if streams else set()
+
+
 def new_connection_probe(sampler: Sampler, hops: HopControl) -> Sample:
     """The pods' checks on new connections: the sandbox closes its pod hops' connections, the
     Worker checks its pods, and ``new_ports`` says which hops accepted a connection meanwhile."""
@@ -267,10 +323,11 @@ def run(url: str, token: str, samples: int, timeout_s: float, model: str | None 
         progress: Callable[[str], None] | None = None, wait_s: float = 0.0,
         key: Callable[[], str | None] | None = None, check_fallback: bool = True,
         settle_s: float = 0.0, in_region: Callable[[str], bool] | None = None,
-        hops: HopControl | None = None) -> Run:
+        hops: HopControl | None = None, streams: int = 0) -> Run:
     """Warm up, check the fallback once, learn the model, then take ``samples`` (probe, routed) pairs.
     ``settle_s`` > 0 (with ``in_region``): first wait for the placement to settle (``settle``).
     ``hops`` (a sandbox's): each round first takes one probe on new pod connections.
+    ``streams``: that many rounds, spread over the run, end with a streamed answer (``ttft``, ``itl``).
 
     ``key`` is called after the warm-up (so a key is minted only once the cell answers)."""
     with Sampler(url, token, timeout_s, key) as sampler:
@@ -282,11 +339,14 @@ def run(url: str, token: str, samples: int, timeout_s: float, model: str | None 
         fresh: list[Sample] = []
         result = Run(sampler.url, chosen, warm, fallback_check=fallback, settling=settling,
                      probe_new=fresh if hops else None)
+        streaming = stream_rounds(samples, streams)
         for i in range(samples):
             if hops:  # before the warm probe, so the round's routed request finds the connection warm again
                 fresh.append(new_connection_probe(sampler, hops))
             result.probe.append(sampler.probe())
             result.routed.append(sampler.routed(chosen))
+            if i in streaming:
+                result.streamed.append(sampler.streamed(chosen))
             if progress and ((i + 1) % 5 == 0 or i + 1 == samples):
                 progress(f"{i + 1}/{samples} samples")
         return result

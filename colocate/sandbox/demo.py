@@ -210,7 +210,8 @@ class Demo:
         out = self.state_dir / PROBES_DIR / f"{phase.label}.json"
         out.unlink(missing_ok=True)
         print(f"    probing as a user at {c['sites']['client']}: {self.samples} routed + {self.samples} probe samples "
-              f"+ {self.samples} on new pod connections", flush=True)
+              f"+ {self.samples} on new pod connections + {max(1, self.samples // 5)} streamed answers of about 200 tokens",
+              flush=True)
         # The probe reads with the read token and mints its own short-lived client key with the
         # admin token, then revokes it.
         # Its stderr (progress, the key's id, never the key) is shown as it comes: no silent wait.
@@ -219,7 +220,7 @@ class Demo:
         # budgets), so the commands it prints name this sandbox's stack and its stack directory.
         with subprocess.Popen(
             [sys.executable, str(PROBE), "--state-dir", str(self.state_dir), "--samples", str(self.samples),
-             "--json", str(out)],
+             "--streams", str(max(1, self.samples // 5)), "--json", str(out)],
             env={k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}, cwd=supervisor.ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ) as proc:
@@ -247,6 +248,8 @@ class Demo:
         print(f"    e2e p50 {_ms(seg['e2e']['p50'])} ms; the router waited on state (state) p50 "
               f"{_ms(seg['state']['p50'])} ms; state_rtt p50 {_ms(seg['state_rtt']['p50'])} ms; "
               f"Worker at {place.get('ran')}, state object at {place.get('state')}")
+        print(f"    a 200-token streamed answer: first token (ttft) p50 {_ms(seg['ttft']['p50'])} ms, then one every "
+              f"{_ms(seg['itl']['p50'])} ms (itl p50)")
         return result
 
     def migrate(self, *args: str) -> None:

@@ -62,6 +62,12 @@ class Behaviour:
     # every pod after pod 0 reports pod_rtt + its offset; len() is the number of pods
     pod_offsets_ms: list[float] = field(default_factory=lambda: [0.0])
     pod_down: tuple[int, ...] = ()  # indexes of pods whose health check fails
+    # a streamed chat request ("stream": true, counted apart from the routed ones): the first token after
+    # stream_ttft_ms, then one every stream_gap_ms, stream_tokens in all; stream_status other than 200 refuses it
+    stream_ttft_ms: float = 0.0
+    stream_gap_ms: float = 0.0
+    stream_tokens: int = 5
+    stream_status: int = 200
     fallback_check: dict | None = field(default_factory=lambda: {
         "ok": True, "status": 200, "rtt_ms": 35.0, "model": "gpt-4o-mini", "model_listed": True, "error": None})
 
@@ -84,7 +90,7 @@ class FakeCell(ThreadingHTTPServer):
         self.log: list[Seen] = []
         self.stopping = threading.Event()
         self._lock = threading.Lock()
-        self._count = {"probe": 0, "routed": 0}
+        self._count = {"probe": 0, "routed": 0, "stream": 0}
         self.minted: dict[str, dict] = {}  # key id -> the record (plaintext under "key")
 
     @property
@@ -244,6 +250,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self._key_ok():
             return
+        try:
+            streamed = json.loads(body or b"{}").get("stream") is True
+        except (ValueError, AttributeError):
+            streamed = False
+        if streamed:
+            self._stream(b)
+            return
         i = self.server.next_index("routed")
         self._sleep(b.routed_delay_ms)
         if b.fail_every and (i + 1) % b.fail_every == 0:
@@ -258,6 +271,33 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"id": f"chatcmpl-{i}", "object": "chat.completion", "model": b.model,
                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "p"},
                                       "finish_reason": "length"}]}, headers)
+
+
+    def _stream(self, b: Behaviour) -> None:
+        i = self.server.next_index("stream")
+        if b.stream_status != 200:
+            self._send(b.stream_status, {"error": {"code": "upstream_failed", "message": "injected"}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("x-colocate-backend", _pick(b.backend, i))
+        self.send_header("Transfer-Encoding", "chunked")  # the connection stays open for the next request
+        self.end_headers()
+
+        def send(data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        self._sleep(b.stream_ttft_ms)
+        for k in range(b.stream_tokens):
+            if k:
+                self._sleep(b.stream_gap_ms)
+            chunk = {"id": f"chatcmpl-s{i}", "object": "chat.completion.chunk", "model": b.model,
+                     "choices": [{"index": 0, "delta": {"content": f" t{k}"}, "finish_reason": None}]}
+            send(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        send(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
 
 
 @contextmanager

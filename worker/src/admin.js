@@ -12,6 +12,7 @@ import { podSnap } from "./pods.js";
 import { cache, activeStub, infoOf, stubFor } from "./state.js";
 import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
+import { podPrefixCaches } from "./podmetrics.js";
 import { fetchColo, rayColo } from "./trace.js";
 import { MAX_CELLS, badLeases, badRows, goodRows } from "./fleetexchange.js";
 import { now, serverTiming, POD_PROBE_METRICS, PROBE_METRICS } from "./timing.js";
@@ -80,10 +81,10 @@ const HANDLERS = {
   revoke: (request, env, cfg, url, r) => revokeKey(env, cfg, r.param),
   replica: (request, env, cfg) => (request.method === "POST" ? importKey(request, env, cfg) : keyDigests(env, cfg)),
   usage: (request, env, cfg, url) => usage(env, cfg, url),
-  live: (request, env, cfg, url, r, fetchImpl, hop, hosts) => live(env, cfg, url, hosts),
+  live: (request, env, cfg, url, r, fetchImpl, hop, hosts) => live(env, cfg, url, hosts, hop),
   scale: (request, env, cfg) => (request.method === "POST" ? scaleRecord(request, env, cfg) : scaleState(env, cfg)),
   scale_lock: (request, env, cfg) => scaleLock(request, env, cfg),
-  metrics: (request, env, cfg) => metrics(env, cfg),
+  metrics: (request, env, cfg, url, r, fetchImpl, hop) => metrics(env, cfg, hop),
   fleet_counters: (request, env, cfg, url) => fleetCounters(env, cfg, url),
   fleet_peers: (request, env, cfg, url) => (request.method === "POST" ? setPeers(request, env, cfg) : peersOf(env, cfg, url)),
 };
@@ -351,7 +352,7 @@ function spendView(cfg, spent) {
   return { day: spent.day, usd: s.price ? spent.microusd / 1e6 : null, cell_cap_usd: usd(s.cellMicroUsd), key_cap_usd: usd(s.keyMicroUsd) };
 }
 
-async function live(env, cfg, url, hosts) {
+async function live(env, cfg, url, hosts, hop) {
   const t = Date.now();
   const raw = url.searchParams.get("since");
   const since = raw === null ? t - LIVE_DEFAULT_MS : Number(raw);
@@ -359,6 +360,8 @@ async function live(env, cfg, url, hosts) {
     throw new HttpError(400, "invalid_field", `query "since" must be a time in ms since the epoch, e.g. ${t - LIVE_DEFAULT_MS} for an hour ago (got ${JSON.stringify(raw)})`);
   }
   const from = Math.max(since, t - LIVE_MAX_MS);
+  // Each pod's own prefix-cache counters (podmetrics.js), asked while the object answers.
+  const caches = podPrefixCaches(cfg, hop);
   let { minutes, hours, spent } = await activeStub(env, cfg).live(from, infoOf(cfg));
   if (t - from > LIVE_HOURLY_AFTER_MS) {
     // Fold minutes into hours here, in the Worker, rather than in the single-threaded object.
@@ -375,6 +378,7 @@ async function live(env, cfg, url, hosts) {
     generation: cfg.activeGeneration, draining_generation: cfg.drainingGeneration, region: cfg.region,
     pods: cfg.podUrls.map((u, index) => (hosts ? { index, host: new URL(u).host } : { index })),
     since: from, now: t, buckets: LIVE_BUCKETS, minutes, hours, fallback_spend: spendView(cfg, spent),
+    pod_prefix: await caches,
   }, noStore);
 }
 
@@ -382,9 +386,10 @@ async function live(env, cfg, url, hosts) {
 const LIVE_BUCKETS = Object.freeze({ low_ms: LOW_MS, per_octave: PER_OCTAVE, top: TOP, count: BUCKETS });
 
 /** The cell for Prometheus (metrics.js): cumulative histograms, counters, breaker, key counts. */
-async function metrics(env, cfg) {
+async function metrics(env, cfg, hop) {
+  const caches = podPrefixCaches(cfg, hop);
   const m = await activeStub(env, cfg).metrics(infoOf(cfg));
-  return new Response(exposition(m, cfg), { status: 200, headers: { "content-type": CONTENT_TYPE, ...noStore } });
+  return new Response(exposition(m, cfg, await caches), { status: 200, headers: { "content-type": CONTENT_TYPE, ...noStore } });
 }
 
 // --- a fleet's limits exchange (worker/src/fleetledger.js calls these; docs/fleet.md) ---

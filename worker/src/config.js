@@ -140,6 +140,15 @@ function balance(env) {
   return name;
 }
 
+/** PREFIX_BOUND (colocate:worker.prefixBound): prefix affinity's load bound c, a number > 1; absent 1.5. */
+function prefixBound(env) {
+  const raw = env.PREFIX_BOUND;
+  if (raw === undefined) return 1.5;
+  const n = Number(raw);
+  if (raw === "" || !Number.isFinite(n) || n <= 1) throw new ConfigurationError("PREFIX_BOUND", `must be a number > 1 (got ${JSON.stringify(raw)})`);
+  return n;
+}
+
 /** @returns the checked configuration for this env (cached per env object). */
 export function readConfig(env) {
   let cfg = cache.get(env);
@@ -176,6 +185,7 @@ export function readConfig(env) {
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
     fallbackSpend: fallbackSpend(env),
     podUrls: podUrls(env),
+    prefixBound: prefixBound(env),
     fallbackUrl: baseUrl(env, "FALLBACK_URL", true),
     podToken: text(env, "POD_TOKEN", { secret: true }),
     fallbackApiKey: text(env, "FALLBACK_API_KEY", { secret: true }),

@@ -5,6 +5,7 @@
 
 import CELL_RANK from "./cellrank.js";
 import { ConfigurationError } from "./errors.js";
+import { order, prefixHash } from "./affinity.js";
 
 import { DEFER_HEADER, FRONT_HEADER, LEASE_HEADER } from "./routes.js";
 
@@ -68,8 +69,14 @@ export function readFleet(env, rank = CELL_RANK) {
       order.every((i) => Number.isInteger(i) && i >= 0 && i < n);
     if (!ok) throw new ConfigurationError("cellrank.js", `the order for ${colo} is not a list of distinct cell indexes below ${n}`);
   }
+  const affinity = env.AFFINITY === undefined ? "nearest" : env.AFFINITY;
+  if (affinity !== "nearest" && affinity !== "conversation") {
+    throw new ConfigurationError("AFFINITY", `must be nearest or conversation (got ${JSON.stringify(affinity)})`);
+  }
   cfg = Object.freeze({
     cells: cells.map((c, i) => Object.freeze({ index: i, name: c.name, region: c.region, service: services[i] })),
+    names: Object.freeze(cells.map((c) => c.name)), // a conversation's order of cells hashes their names, not their indexes
+    affinity,
     rank,
     fallbackOrder: Object.freeze(cells.map((_, i) => i)),
     rememberMs: whole(env, "REMEMBER_MS", 0),
@@ -93,18 +100,40 @@ export function forget() {
 /**
  * The cells to try for a request from `colo`, at most MAX_TRIES: the ranked order with the
  * cells remembered as "no pod" moved to the end (never dropped: if all are remembered, the
- * nearest is asked again rather than refusing).
+ * nearest is asked again rather than refusing). With AFFINITY conversation and the request's
+ * `point` (conversationPoint), the able ranked cells, all within the e2e budget from `colo`, in
+ * the point's rendezvous order instead: a conversation stays in one cell while that cell is
+ * within budget of where its requests arrive and has pods, whichever colo or isolate they reach.
+ * @param {number | null} [point]
  */
-export function choose(cfg, colo, t = Date.now()) {
-  const order = (typeof colo === "string" && cfg.rank[colo.toUpperCase()]) || cfg.fallbackOrder;
+export function choose(cfg, colo, t = Date.now(), point = null) {
+  const ranked = (typeof colo === "string" && cfg.rank[colo.toUpperCase()]) || cfg.fallbackOrder;
   const able = [];
   const passed = [];
-  for (const i of order) {
+  for (const i of ranked) {
     const until = noPodUntil.get(cfg.cells[i].name);
     if (until !== undefined && until > t) passed.push(i);
     else able.push(i);
   }
-  return able.concat(passed).slice(0, MAX_TRIES).map((i) => cfg.cells[i]);
+  const first = cfg.affinity === "conversation" && point !== null && able.length > 1 ? order(cfg.names, able, point) : able;
+  return first.concat(passed).slice(0, MAX_TRIES).map((i) => cfg.cells[i]);
+}
+
+/**
+ * A routed request's conversation point for the front door (affinity.js prefixHash), salted by
+ * the presented bearer token (the front door knows no key ids; the token never leaves this
+ * function), or null: AFFINITY nearest, no body, or a body that is not JSON (the cell refuses it).
+ * @param {Uint8Array | null} body
+ */
+export function conversationPoint(cfg, request, body) {
+  if (cfg.affinity !== "conversation" || body === null) return null;
+  let json;
+  try {
+    json = JSON.parse(new TextDecoder().decode(body));
+  } catch {
+    return null;
+  }
+  return prefixHash(request.headers.get("authorization") || "", json);
 }
 
 /**

@@ -13,6 +13,7 @@
 //   CELL_TOKEN_<i>  secret: cell i's exchange token (the ledger's calls to the cell, and `defer`)
 //   LEDGER        Durable Object namespace of FleetLedger (fleetledger.js): the limits exchange
 //   EXCHANGE_MS   the exchange period
+//   AFFINITY      nearest (default), or conversation: a conversation stays in one cell within budget
 //
 // The contract with a cell (worker/src/router.js): a request carrying
 // `x-colocate-fallback: defer` and the cell's exchange token in `x-colocate-front` that finds no pod able to serve it is answered at once with
@@ -24,7 +25,7 @@
 import { readBody } from "./body.js";
 import { ConfigurationError, HttpError, errorResponse, log } from "./errors.js";
 import {
-  CELL_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, choose, isLeaseElsewhere, isNoPod, others, readFleet, remember,
+  CELL_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, choose, conversationPoint, isLeaseElsewhere, isNoPod, others, readFleet, remember,
 } from "./fleetfront.js";
 import { pokeLedger } from "./fleetexchange.js";
 import { CLIENT_COLO_HEADER, lookup } from "./routes.js";
@@ -60,7 +61,7 @@ async function route(request, env, ctx) {
   // Buffered once, bounded, so a second cell can be sent the same bytes.
   const body = r.json ? await readBody(request, cfg.maxBodyBytes) : null;
   const colo = request.cf && request.cf.colo;
-  const tries = choose(cfg, colo);
+  const tries = choose(cfg, colo, Date.now(), conversationPoint(cfg, request, body)); // AFFINITY conversation: its cell
   const deferring = tries.length - 1; // the ranked cells but the last may answer "no pod"
   let refused = null; // the latest refusal by a cell's lease: the answer if no later cell gives one
   for (let k = 0; k < tries.length; k++) {

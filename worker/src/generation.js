@@ -30,7 +30,7 @@ import {
 import { counts as countsAnything, monthOf, provisionalLease } from "./fleetexchange.js";
 import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
-import { ROUTED, SYNC, mergeEncoded } from "./histogram.js";
+import { LIVE, SYNC, mergeEncoded } from "./histogram.js";
 
 const LEGACY_KV_KEY = "breaker"; // schema 1 kept one KV entry: {snap, adopted_from}
 const POD_ROW_TTL_MS = 24 * 3600 * 1000; // health rows of pods gone for a day are dropped
@@ -38,7 +38,7 @@ const MINUTE_MS = 60000;
 const HOUR_MS = 3600000;
 const SEG_MINUTES_KEEP = 7 * 24 * 60; // minutes kept as minutes; older ones roll up into hours
 const SEG_HOURS_KEEP = 35 * 24; // hours kept
-const SEG_NAMES = new Set([...ROUTED, SYNC]);
+const SEG_NAMES = new Set([...LIVE, SYNC]);
 export const DELTA_ROWS = 500; // key rows per answer; `more: true` asks the isolate to sync again
 // An isolate further behind than this many revisions drops its few looked-up keys and
 // starts from the current revision (cheaper than paging through every change since).

@@ -43,6 +43,17 @@ export const RELATIVE_ERROR = (2 ** (1 / PER_OCTAVE) - 1) / (2 ** (1 / PER_OCTAV
 /** The routed segments, in Server-Timing order; `sync` is the isolate's own round trip. */
 export const ROUTED = Object.freeze(["state", "upstream", "fallback", "total"]);
 export const SYNC = "sync";
+/**
+ * A streamed answer's segments, recorded when it ends: `ttft` (the request's start to the
+ * upstream's first byte, as the Worker saw it) and `itl` (the mean gap between its tokens).
+ * `affinity` and `shed` count requests only (each a 0 in bucket 0): a prefix-affinity pick sent
+ * to the point's own pod, and one shed by the load bound (docs/worker.md, "Prefix affinity").
+ */
+export const STREAMED = Object.freeze(["ttft", "itl"]);
+export const PICKS = Object.freeze(["affinity", "shed"]);
+/** Every segment a request's row may carry, in the recorder's layout. */
+export const LIVE = Object.freeze([...ROUTED, ...STREAMED, ...PICKS]);
+const AT = Object.fromEntries(LIVE.map((s, i) => [s, i * BUCKETS]));
 const MINUTE_MS = 60000;
 const MAX_MINUTES = 180; // unsynced minutes an isolate keeps (the object unreachable for hours: oldest dropped)
 // Labels (pod, or pod@client colo) one minute holds per isolate: every pod of a cell from
@@ -227,21 +238,32 @@ export class Recorder {
   }
 
   /**
-   * A routed request's segments ({state, upstream, fallback, total} in ms), served by `pod`
-   * ("<pod>@<client colo>" behind a front door). Past MAX_LABELS a minute, a new label is
+   * The counts of `pod` this minute (LIVE.length histograms end to end), `pod` being
+   * "<pod>@<client colo>" behind a front door. Past MAX_LABELS a minute, a new label is
    * counted under its pod alone, so no caller can grow the rows without bound.
    */
-  request(t, pod, timing) {
+  of(t, pod) {
     const req = this.slot(t).req;
     let counts = req.get(pod);
     if (counts === undefined && req.size >= MAX_LABELS) {
       const at = pod.indexOf("@");
-      if (at >= 0) return this.request(t, pod.slice(0, at), timing);
+      if (at >= 0) return this.of(t, pod.slice(0, at));
     }
     if (counts === undefined) {
-      counts = new Uint32Array(ROUTED.length * BUCKETS);
+      counts = new Uint32Array(LIVE.length * BUCKETS);
       req.set(pod, counts);
     }
+    return counts;
+  }
+
+  /** One value of a LIVE segment (a stream's ttft or itl in ms; an affinity or shed pick: 0). */
+  one(t, pod, segment, ms) {
+    this.of(t, pod)[AT[segment] + bucketOf(ms)]++;
+  }
+
+  /** A routed request's segments ({state, upstream, fallback, total} in ms), served by `pod`. */
+  request(t, pod, timing) {
+    const counts = this.of(t, pod);
     counts[bucketOf(timing.state)]++;
     counts[BUCKETS + bucketOf(timing.upstream)]++;
     counts[2 * BUCKETS + bucketOf(timing.fallback)]++;
@@ -270,9 +292,9 @@ export class Recorder {
     const where = colo || "unknown";
     for (const [minute, s] of this.minutes) {
       for (const [pod, counts] of s.req) {
-        for (let i = 0; i < ROUTED.length; i++) {
+        for (let i = 0; i < LIVE.length; i++) {
           const enc = encode(counts, i * BUCKETS);
-          if (enc) rows.push(HIST.of({ at: minute, colo: where, who: pod, segment: ROUTED[i], hist: enc }));
+          if (enc) rows.push(HIST.of({ at: minute, colo: where, who: pod, segment: LIVE[i], hist: enc }));
         }
       }
       for (const [k, counts] of s.sync) {
@@ -295,11 +317,11 @@ export class Recorder {
         const k = colo + "|" + who;
         s.sync.set(k, decode(enc, s.sync.get(k) || empty()));
       } else {
-        const i = ROUTED.indexOf(segment);
+        const i = LIVE.indexOf(segment);
         if (i < 0) continue;
         let counts = s.req.get(who);
         if (counts === undefined) {
-          counts = new Uint32Array(ROUTED.length * BUCKETS);
+          counts = new Uint32Array(LIVE.length * BUCKETS);
           s.req.set(who, counts);
         }
         const h = decode(enc);
@@ -357,7 +379,27 @@ const CLIENT_COLO = /^[A-Z]{3}$/;
  */
 export function recordRequest(backend, timing) {
   if (backend === "none") return;
+  recorder.request(Date.now(), whoOf(backend, timing.client), timing);
+}
+
+/** The recorder's `who` of a backend ("pod-<i>" or "fallback"), with the client's colo behind a front door. */
+function whoOf(backend, client) {
   const pod = backend === "fallback" ? backend : backend.slice(4);
-  const c = timing.client;
-  recorder.request(Date.now(), c && CLIENT_COLO.test(c) ? pod + "@" + c : pod, timing);
+  return client && CLIENT_COLO.test(client) ? pod + "@" + client : pod;
+}
+
+/**
+ * A streamed answer's end: `ttftMs` from the request's start to its first byte from upstream,
+ * and its completion tokens over the time since, as the mean gap between tokens (none for one token).
+ */
+export function recordStream(backend, client, ttftMs, afterFirstMs, tokens) {
+  const t = Date.now();
+  const who = whoOf(backend, client);
+  recorder.one(t, who, "ttft", ttftMs);
+  if (tokens > 1) recorder.one(t, who, "itl", afterFirstMs / (tokens - 1));
+}
+
+/** A prefix-affinity pick for pod `index`: to the point's own pod, or shed by the load bound. */
+export function recordPick(index, shed, client) {
+  recorder.one(Date.now(), whoOf("pod-" + index, client), shed ? "shed" : "affinity", 0);
 }

@@ -11,7 +11,7 @@
 // buckets (within 1.08 %): the Worker keeps no exact sum. Labels name pods by index and
 // colos by IATA code; never a key, a digest or a URL.
 
-import { BUCKETS, EDGES, REPS, TOP, decode } from "./histogram.js";
+import { BUCKETS, EDGES, PICKS, REPS, TOP, decode, total } from "./histogram.js";
 import { CLOSED, HALF_OPEN, OPEN } from "./machine.js";
 
 export const CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8";
@@ -54,16 +54,27 @@ function family(out, name, type, help) {
 
 /**
  * The exposition of one cell. `m` is the object's answer ({segments: [[colo, who, segment,
- * text]], served, keys, pods, forced}); `cfg` names the pods and the generation.
+ * text]], served, keys, pods, forced}); `cfg` names the pods and the generation; `caches` each
+ * pod's own prefix-cache counters ([{index, hits, queries}], podmetrics.js).
  */
-export function exposition(m, cfg) {
+export function exposition(m, cfg, caches = []) {
   const out = [];
   family(out, "colocate_segment_seconds", "histogram",
-    "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo).");
+    "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo); ttft, itl: streamed answers' first byte and mean gap between tokens.");
   // One series per (segment, backend, colo): a fleet's client colos ("0@NRT") are added
   // together here, so the series stay as few as the cell's pods and colos.
   const series = new Map();
+  const picks = new Map(); // "pod-<i>|affinity" -> requests (prefix affinity's picks: counts, not durations)
   for (const [colo, who, segment, text] of m.segments) {
+    if (PICKS.includes(segment)) {
+      try {
+        const k = `pod-${who.split("@")[0]}|${segment}`;
+        picks.set(k, (picks.get(k) || 0) + total(decode(text)));
+      } catch {
+        // as below
+      }
+      continue;
+    }
     const pod = segment === "sync" ? who : who.split("@")[0];
     const base = segment === "sync"
       ? { segment, backend: "state", colo: pod, state_colo: colo }
@@ -99,6 +110,18 @@ export function exposition(m, cfg) {
   out.push(...failures);
   family(out, "colocate_breaker_forced", "gauge", "The operator's override of every pod's breaker: 1 for the one set (none: no override).");
   for (const s of ["open", "closed"]) out.push(`colocate_breaker_forced${labels({ state: s })} ${m.forced === s ? 1 : 0}`);
+  family(out, "colocate_balance_picks_total", "counter",
+    "Requests colocate:worker.balance prefix sent to their prefix's own pod (by=affinity) or shed to another by the load bound (by=load).");
+  for (const k of [...picks.keys()].sort()) {
+    const [backend, by] = k.split("|");
+    out.push(`colocate_balance_picks_total${labels({ backend, by: by === "shed" ? "load" : "affinity" })} ${picks.get(k)}`);
+  }
+  family(out, "colocate_pod_prefix_cache_hits_total", "counter",
+    "Prompt tokens each pod found in its prefix cache, as the pod reports (vllm:prefix_cache_hits), since it started.");
+  for (const c of caches) out.push(`colocate_pod_prefix_cache_hits_total${labels({ pod: c.index })} ${c.hits}`);
+  family(out, "colocate_pod_prefix_cache_queries_total", "counter",
+    "Prompt tokens each pod looked up in its prefix cache, as the pod reports (vllm:prefix_cache_queries), since it started.");
+  for (const c of caches) out.push(`colocate_pod_prefix_cache_queries_total${labels({ pod: c.index })} ${c.queries}`);
   family(out, "colocate_keys", "gauge", "Client API keys by state (counts only).");
   const k = m.keys;
   out.push(`colocate_keys${labels({ state: "active" })} ${k.active}`);

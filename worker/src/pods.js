@@ -5,6 +5,7 @@
 // last reported metrics, which are plain values in module scope.
 
 import { CLOSED, route } from "./machine.js";
+import { prefixPolicy } from "./affinity.js";
 
 const inflight = new Map(); // pod URL -> requests this isolate has in flight there
 let podsMoved = false; // a count changed since the sync last took them (state.js `pods` part)
@@ -122,8 +123,13 @@ export function leastLoaded(urls, indexes, loads = LOADS) {
   return best;
 }
 
-/** The policies by their colocate:worker.balance name (BALANCE binding). */
-export const POLICIES = Object.freeze({ load: leastLoaded, least_busy: leastBusy });
+/** random: any candidate, each equally likely (a baseline for bench/prefix.py). */
+function anyOf(_urls, indexes) {
+  return indexes.length ? indexes[Math.floor(Math.random() * indexes.length)] : -1;
+}
+
+/** The policies by their colocate:worker.balance name (BALANCE binding); prefix: affinity.js. */
+export const POLICIES = Object.freeze({ load: leastLoaded, least_busy: leastBusy, prefix: prefixPolicy, random: anyOf });
 export const DEFAULT_POLICY = "load";
 
 /** The loads of a view (its `others`, from the generation object) for a policy. */

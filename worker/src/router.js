@@ -18,6 +18,7 @@ import { COUNTER } from "./payloads.js";
 import {
   POLICIES, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, putMetrics, started, unhurried, worthReporting,
 } from "./pods.js";
+import { counts as picks } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, reportPace, requestTrial,
@@ -29,7 +30,7 @@ import { fallbackFields, validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
 import { fallbackCapRefusal } from "./spendcap.js";
-import { learnColo, recordRequest } from "./histogram.js";
+import { learnColo, recordPick, recordRequest, recordStream } from "./histogram.js";
 
 /**
  * @param {Request} request
@@ -256,7 +257,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
   const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id, assemble);
   const policy = POLICIES[cfg.balance];
-  const info = { keyId: key.id, path: url.pathname, json };
+  const info = { keyId: key.id, path: url.pathname, json, prefixBound: cfg.prefixBound };
   // The pace of an answer after its first token (pods.js paceVerdict): judged once, mid-stream
   // when it is already slow, else at its end; reported only when it says something.
   const judge = (podUrl, pace, view) => {
@@ -273,6 +274,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const at = Date.now();
     const c = candidates(urls, view, at, cfg, tried);
     let index = c.pods.length ? policy(urls, unhurried(urls, c.pods, view, at), loadsOf(view), info) : -1;
+    if (cfg.balance === "prefix" && index >= 0) recordPick(index, picks.lastShed, timing.client); // the live view's share sent by affinity
     let trial = false;
     if (index < 0 && c.trials.length) {
       const pick = c.trials[Math.floor(Math.random() * c.trials.length)];
@@ -327,9 +329,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       }
       const pace = res.pace;
       if (pace) pace.onTick = (p) => judge(podUrl, p, view);
+      const first = { at: now() }; // tryPod returns a stream once its first event has arrived
       const tap = counted(pace ? (askUsage ? pace.body : pace.stream()) : res.response.body, (usage) => {
         finished(podUrl);
         meter(backend, usage);
+        streamEnded(backend, timing.client, first, t0, usage);
         if (!pace) return;
         // A stall after the first token is the pod's failure; the client saw the cut (forward.js stallEvent).
         if (pace.stalled) report(env, ctx, cfg, podUrl, false, from, witness);
@@ -388,7 +392,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   blame(suspects, blameOf(suspects.length, res.status));
   if (streamed && isStream(res) && res.body) {
     timing.fallback = now() - t;
-    const tap = counted(res.body, (usage) => meter("fallback", usage));
+    const first = { at: now() }; // the fallback's headers: its first byte as near as the Worker sees it
+    const tap = counted(res.body, (usage) => {
+      meter("fallback", usage);
+      streamEnded("fallback", timing.client, first, t0, usage);
+    });
     ctx.waitUntil(tap.piped);
     return finish(tap.body, clientInit(res), "fallback", timing, t0, limits);
   }
@@ -405,6 +413,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   timing.fallback = now() - t;
   meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
   return finish(body, clientInit(res), "fallback", timing, t0, limits);
+}
+
+// --- a stream's time to first byte and the gap between its tokens (the live view's ttft, itl) ---
+
+/** A stream has ended: its ttft from the request's start `t0`, its itl over its completion tokens. */
+function streamEnded(backend, client, first, t0, usage) {
+  if (first.at >= 0) recordStream(backend, client, first.at - t0, now() - first.at, usage ? usage.completion : 0);
 }
 
 /**

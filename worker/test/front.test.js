@@ -1,6 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { MAX_TRIES, choose, forget, isNoPod, readFleet, remember } from "../src/fleetfront.js";
+import { MAX_TRIES, choose, conversationPoint, forget, isNoPod, readFleet, remember } from "../src/fleetfront.js";
 import front from "../src/front.js";
 import { forgetPoke } from "../src/fleetexchange.js";
 
@@ -334,4 +334,94 @@ test("a lease refusal and the other cells unreachable: the client gets the refus
   assert.equal(res.headers.get("x-colocate-cell"), "apac-jp");
   assert.equal(calls[0].length, 1);
   forget();
+});
+
+// --- AFFINITY conversation: a conversation stays in its cell (docs/fleet.md) -------------
+
+const turn = (c, k, auth = "Bearer clc_x") => {
+  const messages = [{ role: "system", content: "be brief" }, { role: "user", content: `conversation ${c}` }];
+  for (let j = 0; j < k; j++) messages.push({ role: "assistant", content: `a${j}` }, { role: "user", content: `q${j}` });
+  const body = new TextEncoder().encode(JSON.stringify({ model: "m", messages }));
+  return { body, request: new Request("https://fleet.example/v1/chat/completions", { method: "POST", headers: { authorization: auth } }) };
+};
+
+test("AFFINITY conversation: a conversation's cell is the same from every colo whose budget admits it, and conversations spread", () => {
+  forget();
+  const rank = { FRA: [1, 2, 0], IAD: [2, 1, 0], CDG: [1, 2], NRT: [0] };
+  const cfg = readFleet(env({ AFFINITY: "conversation" }), rank);
+  const per = { "apac-jp": 0, "eu-west": 0, "us-east": 0 };
+  for (let c = 0; c < 300; c++) {
+    const first = turn(c, 0);
+    const p = conversationPoint(cfg, first.request, first.body);
+    const home = choose(cfg, "FRA", 0, p)[0].name;
+    per[home]++;
+    for (let k = 1; k < 4; k++) {
+      const later = turn(c, k);
+      const q = conversationPoint(cfg, later.request, later.body);
+      assert.equal(q, p); // later turns keep the point
+      assert.equal(choose(cfg, "IAD", 0, q)[0].name, home); // same cells within budget: same cell
+      // a colo whose budget leaves the home out: its own ranked cells, the home never among them
+      if (home === "apac-jp") assert.ok(names(choose(cfg, "CDG", 0, q)).every((n) => n !== "apac-jp"));
+      else assert.equal(choose(cfg, "CDG", 0, q)[0].name, home);
+      assert.deepEqual(names(choose(cfg, "NRT", 0, q)), ["apac-jp"]); // the budget cut holds
+    }
+    assert.equal(choose(cfg, "FRA", 0, p).length, MAX_TRIES);
+  }
+  for (const n of Object.values(per)) assert.ok(n > 60, JSON.stringify(per)); // each about 100
+  // another key's same conversation is placed on its own
+  let same = 0;
+  for (let c = 0; c < 300; c++) {
+    const a = turn(c, 0);
+    const b = turn(c, 0, "Bearer clc_y");
+    if (choose(cfg, "FRA", 0, conversationPoint(cfg, a.request, a.body))[0] === choose(cfg, "FRA", 0, conversationPoint(cfg, b.request, b.body))[0]) same++;
+  }
+  assert.ok(same > 50 && same < 150, `same cell for ${same} of 300 (chance: 100)`);
+});
+
+test("AFFINITY conversation: a cell with no pod is passed over, and the conversation comes back after; nearest is the default", () => {
+  forget();
+  const rank = { FRA: [1, 2, 0] };
+  const cfg = readFleet(env({ AFFINITY: "conversation" }), rank);
+  const t = turn(7, 2);
+  const p = conversationPoint(cfg, t.request, t.body);
+  const [home, next] = choose(cfg, "FRA", 1000, p);
+  remember(cfg, home, 1000);
+  const moved = choose(cfg, "FRA", 1001, p);
+  assert.equal(moved[0], next); // its next cell, while home is passed over
+  assert.ok(!moved.includes(home) || moved.at(-1) === home);
+  assert.equal(choose(cfg, "FRA", 6000, p)[0], home);
+  forget();
+  // nearest (the default): the point is not even computed, the ranked order holds
+  const near = readFleet(env(), rank);
+  assert.equal(conversationPoint(near, t.request, t.body), null);
+  assert.deepEqual(names(choose(near, "FRA", 0, 12345)), ["eu-west", "us-east"]);
+  // a body that is not JSON has no point (the cell refuses it); a bad AFFINITY names the binding
+  assert.equal(conversationPoint(cfg, t.request, new TextEncoder().encode("{nope")), null);
+  assert.throws(() => readFleet(env({ AFFINITY: "sticky" }), rank), /AFFINITY/);
+});
+
+test("AFFINITY conversation through front.js: every turn reaches the same cell from any colo", async () => {
+  forget();
+  const hits = [];
+  const cellFn = (name) => async (req) => {
+    hits.push(name);
+    await req.text();
+    return new Response('{"ok":true}', { headers: { "x-colocate-backend": "pod-0" } });
+  };
+  const e = fleetEnv([cellFn("apac-jp"), cellFn("eu-west"), cellFn("us-east")]);
+  e.AFFINITY = "conversation";
+  const cellsOf = new Set();
+  for (let c = 0; c < 12; c++) {
+    const seen = new Set();
+    for (let k = 0; k < 3; k++) {
+      const messages = [{ role: "user", content: `conv ${c}` }];
+      for (let j = 0; j < k; j++) messages.push({ role: "assistant", content: "a" }, { role: "user", content: "b" });
+      const res = await ask(e, { body: JSON.stringify({ model: "m", messages }), colo: ["NRT", "FRA", "IAD"][k] });
+      assert.equal(res.status, 200);
+      seen.add(res.headers.get("x-colocate-cell"));
+    }
+    assert.equal(seen.size, 1, `conversation ${c} moved: ${[...seen]}`);
+    cellsOf.add([...seen][0]);
+  }
+  assert.ok(cellsOf.size >= 2, "12 conversations all in one cell");
 });

@@ -38,3 +38,21 @@ test("a fleet's client colos add into one series per backend; buckets cumulative
   assert.match(out, /colocate_requests_total\{backend="fallback"\} 0/); // always there: the dashboard's share divides by it
   assert.ok(!out.includes("pod-a.example") && !out.includes("pod-b.example"), "never a URL");
 });
+
+test("streams' ttft and itl are histograms; prefix affinity's picks and each pod's own prefix-cache counters are counters", () => {
+  const segs = [["IAD", "0", "ttft", text([120, 130])], ["IAD", "0", "itl", text([14])],
+    ["IAD", "0", "affinity", text([0, 0, 0])], ["IAD", "0@NRT", "affinity", text([0])], ["IAD", "1", "shed", text([0, 0])]];
+  const out = exposition(answer(segs), cfg, [{ index: 0, hits: 750, queries: 1000 }, { index: 1, hits: 0, queries: 12 }]);
+  assert.match(out, /colocate_segment_seconds_count\{segment="ttft",backend="pod-0",colo="IAD"\} 2/);
+  assert.match(out, /colocate_segment_seconds_count\{segment="itl",backend="pod-0",colo="IAD"\} 1/);
+  assert.ok(!/segment="(affinity|shed)"/.test(out), "picks are not durations");
+  assert.match(out, /# TYPE colocate_balance_picks_total counter/);
+  assert.match(out, /colocate_balance_picks_total\{backend="pod-0",by="affinity"\} 4/);
+  assert.match(out, /colocate_balance_picks_total\{backend="pod-1",by="load"\} 2/);
+  assert.match(out, /colocate_pod_prefix_cache_hits_total\{pod="0"\} 750/);
+  assert.match(out, /colocate_pod_prefix_cache_queries_total\{pod="1"\} 12/);
+  // no pod reported: the families are declared, with no series
+  const none = exposition(answer([]), cfg);
+  assert.match(none, /# TYPE colocate_pod_prefix_cache_hits_total counter/);
+  assert.ok(!/colocate_pod_prefix_cache_hits_total\{/.test(none));
+});

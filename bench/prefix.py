@@ -1,0 +1,522 @@
+"""Prefix affinity measured: multi-turn chats through a cell of stand-in pods, policy by policy.
+
+The workload is what chat apps send (issue 49): a few apps, each with its system prompt of
+1,000 to 3,000 tokens and its own client key; conversations arrive as a Poisson process, each
+sends 2 to 8 turns, and each turn resends the whole history (system prompt, every earlier
+question and answer) plus a new question, after a think time. Every turn is a streamed chat
+completion whose answer is `--answer` tokens (``max_tokens`` with ``ignore_eos``, as vLLM's
+benchmarks fix output lengths), so policies are compared on the same work.
+
+For each policy (``colocate:worker.balance``: random, least_busy, prefix) and each load (a
+fraction of the cell's capacity), a fresh sandbox cell of ``--pods`` stand-in pods (their prefix
+caches empty) serves the same workload (same seed). Reported per run: TTFT p50/p99 (the first
+content token of the stream), end-to-end p50, throughput (turns and output tokens a second), the
+prefix-cache hit rate each pod reports on its ``/metrics`` (vLLM's ``vllm:prefix_cache_hits`` over
+``vllm:prefix_cache_queries``, tokens), and the most-loaded pod's prompt tokens against the mean.
+
+Capacity: the requests a second the cell serves with TTFT p99 within the profile's budget when
+every turn must prefill what no policy can reuse (the history; each pod soon holds every app's
+system prompt): ``--pods`` x the stand-in engine's knee (``colocate.pods.engine.knee``) at the
+workload's mean uncached prompt and answer length, or ``--capacity``.
+
+``--url URL --key KEY`` drives any OpenAI-compatible URL once instead (a cell, a pod, a real
+vLLM): no sandbox, no policy, the same table.
+
+Usage: .venv/bin/python -m bench.prefix [--policies random,least_busy,prefix] [--loads 0.5,0.8]
+       [--pods 4] [--seconds 60] [--warmup 15] [--capacity RPS] [--json PATH|-]
+Exit: 0 done (goals are printed, not enforced), 2 usage error or setup failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import requests
+
+PATH = "/v1/chat/completions"
+POLICIES = ("random", "least_busy", "prefix")
+LOADS = (0.5, 0.8)
+# Short words, each one token with its leading space in a byte-level BPE (and in the stand-in's
+# tokenizer, colocate.pods.engine.tokenize): a text of N words is about N tokens.
+WORDS = ("the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are", "as",
+         "with", "his", "they", "at", "be", "this", "have", "from", "or", "one", "had", "by", "word", "but",
+         "not", "what", "all", "were", "we", "when", "your", "can", "said", "there", "use", "an", "each",
+         "which", "she", "do", "how", "their", "if", "will", "up", "other", "about", "out", "many", "then",
+         "them", "these", "so", "some", "her", "would", "make", "like", "him", "into", "time", "has", "look",
+         "two", "more", "write", "go", "see", "number", "no", "way", "could", "people", "my", "than", "first",
+         "water", "been", "call", "who", "oil", "its", "now", "find", "long", "down", "day", "did", "get",
+         "come", "made", "may", "part")
+# What the issue asks of prefix affinity at 80 % load, against the best other policy.
+GOALS = {"ttft_p50": 0.5, "ttft_p99": 0.8, "throughput": 0.95, "max_over_mean": 1.3}
+
+
+def text(rng: random.Random, tokens: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(tokens))
+
+
+# ---- the workload (pure, seeded) -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class App:
+    name: str
+    system: str
+    system_tokens: int
+
+
+@dataclass(frozen=True)
+class Conversation:
+    index: int
+    app: int
+    at_s: float  # arrival after the run's start
+    questions: tuple[str, ...]  # one per turn
+    think_s: tuple[float, ...]  # before each turn after the first
+
+
+@dataclass(frozen=True)
+class Workload:
+    apps: tuple[App, ...]
+    conversations: tuple[Conversation, ...]
+    answer_tokens: int
+
+    def mean_turns(self) -> float:
+        return statistics.fmean(len(c.questions) for c in self.conversations) if self.conversations else 0.0
+
+    def mean_uncached_tokens(self, question_tokens: float) -> float:
+        """A turn's mean prompt past its app's system prompt: what a pod without this conversation must prefill."""
+        per = []
+        for c in self.conversations:
+            for k in range(len(c.questions)):
+                per.append(question_tokens * (k + 1) + self.answer_tokens * k)
+        return statistics.fmean(per) if per else question_tokens
+
+
+def workload(*, seed: int, seconds: float, rate_per_s: float, apps: int = 3, answer_tokens: int = 200,
+             turns: tuple[int, int] = (2, 8), system_tokens: tuple[int, int] = (1000, 3000),
+             question_tokens: tuple[int, int] = (30, 120), think_s: float = 4.0) -> Workload:
+    """Conversations arriving at ``rate_per_s`` (Poisson) for ``seconds``, each over one of ``apps`` apps."""
+    rng = random.Random(seed)
+    app_list = []
+    for a in range(apps):
+        n = rng.randint(*system_tokens)
+        app_list.append(App(f"app-{a}", f"You are assistant {a} of the colocate benchmark. " + text(rng, n), n))
+    convs: list[Conversation] = []
+    t = 0.0
+    while rate_per_s > 0:
+        t += rng.expovariate(rate_per_s)
+        if t >= seconds:
+            break
+        n = rng.randint(*turns)
+        qs = tuple(f"question {len(convs)}.{k}: " + text(rng, rng.randint(*question_tokens)) for k in range(n))
+        thinks = tuple(rng.expovariate(1 / think_s) for _ in range(n - 1))
+        convs.append(Conversation(len(convs), rng.randrange(apps), t, qs, thinks))
+    return Workload(tuple(app_list), tuple(convs), answer_tokens)
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    sent_s: float  # after the run's start
+    status: int | None
+    ttft_ms: float | None
+    e2e_ms: float | None
+    tokens: int  # content chunks received (one per token from vLLM and the stand-in)
+    backend: str | None
+    error: str | None = None
+
+
+def stream_turn(session: requests.Session, url: str, key: str, body: dict, timeout_s: float) -> tuple[Turn, str]:
+    """One streamed chat turn: its timing and the answer's text."""
+    t0 = time.perf_counter()
+    parts: list[str] = []
+    ttft = None
+    try:
+        with session.post(url + PATH, json=body, headers={"Authorization": f"Bearer {key}"}, stream=True,
+                          timeout=timeout_s) as r:
+            backend = r.headers.get("x-colocate-backend")
+            if r.status_code != 200:
+                return Turn(0, 0, 0, r.status_code, None, None, 0, backend, r.text[:200]), ""
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                try:
+                    chunk = json.loads(line[6:])
+                except ValueError:
+                    continue
+                for ch in chunk.get("choices") or []:
+                    piece = (ch.get("delta") or {}).get("content") or ch.get("text")
+                    if piece:
+                        if ttft is None:
+                            ttft = (time.perf_counter() - t0) * 1000
+                        parts.append(piece)
+            e2e = (time.perf_counter() - t0) * 1000
+            return Turn(0, 0, 0, 200, ttft, e2e, len(parts), backend), "".join(parts)
+    except requests.RequestException as exc:
+        return Turn(0, 0, 0, None, None, None, 0, None, type(exc).__name__), ""
+
+
+def drive(url: str, keys: Sequence[str], load: Workload, *, model: str = "bench", timeout_s: float = 120,
+          stop_after_s: float | None = None) -> tuple[list[Turn], float]:
+    """Run every conversation of ``load`` in real time (a thread each, started at its arrival);
+    no turn starts after ``stop_after_s``. Returns the turns and the run's length in seconds."""
+    turns: list[Turn] = []
+    lock = threading.Lock()
+    start = time.monotonic()
+    limit = stop_after_s if stop_after_s is not None else math.inf
+    local = threading.local()
+
+    def one(c: Conversation) -> None:
+        s = getattr(local, "s", None) or requests.Session()
+        local.s = s
+        app = load.apps[c.app]
+        messages: list[dict] = [{"role": "system", "content": app.system}]
+        for k, q in enumerate(c.questions):
+            if k:
+                time.sleep(c.think_s[k - 1])
+            sent = time.monotonic() - start
+            if sent > limit:
+                return
+            messages.append({"role": "user", "content": q})
+            body = {"model": model, "messages": messages, "stream": True, "max_tokens": load.answer_tokens,
+                    "ignore_eos": True}
+            t, answer = stream_turn(s, url, keys[c.app % len(keys)], body, timeout_s)
+            t.conversation, t.turn, t.sent_s = c.index, k, sent
+            with lock:
+                turns.append(t)
+            if t.status != 200:
+                return  # a conversation whose turn failed ends, as a user would retry later
+            messages.append({"role": "assistant", "content": answer})
+
+    threads = []
+    for c in load.conversations:
+        wait = c.at_s - (time.monotonic() - start)
+        if wait > 0:
+            time.sleep(wait)
+        if time.monotonic() - start > limit:
+            break
+        th = threading.Thread(target=one, args=(c,), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join(timeout=max(1.0, timeout_s * 10))
+    return turns, time.monotonic() - start
+
+
+# ---- what the pods report -----------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^(vllm:prefix_cache_(?:hits|queries))(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def prefix_counters(metrics_text: str) -> dict[str, float] | None:
+    """vLLM's prefix-cache counters from a /metrics text ({hits, queries} in tokens), or None when absent."""
+    out: dict[str, float] = {}
+    for name, value in _SAMPLE.findall(metrics_text):
+        k = name.rsplit("_", 1)[1]
+        out[k] = out.get(k, 0.0) + float(value)
+    return out if {"hits", "queries"} <= out.keys() else None
+
+
+def scrape(url: str | None, timeout_s: float = 5) -> dict[str, float] | None:
+    """A pod's counters from its own /metrics (reachable from here: --url, a plain stand-in)."""
+    if not url:
+        return None
+    try:
+        r = requests.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+    except requests.RequestException:
+        return None
+    return prefix_counters(r.text) if r.status_code == 200 else None
+
+
+def scrape_cell(worker_url: str, read_token: str, pods: int, timeout_s: float = 10) -> list[dict | None]:
+    """Every pod's counters as the cell's Worker read them over the pod hop (``pod_prefix`` of
+    ``GET /_colocate/live``): the sandbox's pods answer only the Worker's client certificate."""
+    try:
+        r = requests.get(worker_url + "/_colocate/live", params={"since": int(time.time() * 1000)},
+                         headers={"Authorization": f"Bearer {read_token}"}, timeout=timeout_s)
+        got = r.json().get("pod_prefix") or [] if r.status_code == 200 else []
+    except (requests.RequestException, ValueError):
+        got = []
+    by = {p["index"]: {"hits": float(p["hits"]), "queries": float(p["queries"])} for p in got if isinstance(p, dict)}
+    return [by.get(i) for i in range(pods)]
+
+
+# ---- one run's summary ----------------------------------------------------------------------
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    pos = q / 100 * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return round(s[lo] + (s[hi] - s[lo]) * (pos - lo), 1)
+
+
+@dataclass
+class Summary:
+    policy: str
+    load: float | None
+    rate_per_s: float  # offered turns a second
+    turns: int
+    failed: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    e2e_p50_ms: float | None
+    turns_per_s: float
+    tokens_per_s: float
+    pods: list[dict] = field(default_factory=list)  # per pod: turns, prompt share, hit rate
+    max_over_mean: float | None = None  # the most-loaded pod's turns over the mean
+    same_pod: float | None = None  # turns after the first on their previous turn's pod
+
+
+def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], window: tuple[float, float],
+              pods: int, hits: Sequence[dict | None] = ()) -> Summary:
+    lo, hi = window
+    inside = [t for t in turns if lo <= t.sent_s < hi]
+    good = [t for t in inside if t.status == 200]
+    span = max(1e-9, hi - lo)
+    per = [0] * pods
+    for t in good:
+        if t.backend and t.backend.startswith("pod-"):
+            i = int(t.backend[4:])
+            if 0 <= i < pods:
+                per[i] += 1
+    mean = statistics.fmean(per) if pods else 0
+    prev: dict[int, str | None] = {}
+    kept = later = 0
+    for t in sorted(turns, key=lambda t: (t.conversation, t.turn)):
+        if t.turn > 0 and t.conversation in prev and t.status == 200:
+            later += 1
+            kept += prev[t.conversation] == t.backend
+        prev[t.conversation] = t.backend
+    pod_rows = []
+    for i in range(pods):
+        h = hits[i] if i < len(hits) else None
+        rate_i = round(h["hits"] / h["queries"], 3) if h and h.get("queries") else None
+        pod_rows.append({"pod": i, "turns": per[i], "prefix_cache_hit_rate": rate_i})
+    return Summary(
+        policy=policy, load=load, rate_per_s=round(rate, 3), turns=len(inside), failed=len(inside) - len(good),
+        ttft_p50_ms=pct([t.ttft_ms for t in good if t.ttft_ms is not None], 50),
+        ttft_p99_ms=pct([t.ttft_ms for t in good if t.ttft_ms is not None], 99),
+        e2e_p50_ms=pct([t.e2e_ms for t in good if t.e2e_ms is not None], 50),
+        turns_per_s=round(len(good) / span, 3), tokens_per_s=round(sum(t.tokens for t in good) / span, 1),
+        pods=pod_rows, max_over_mean=round(max(per) / mean, 3) if mean else None,
+        same_pod=round(kept / later, 3) if later else None,
+    )
+
+
+def goals(rows: Sequence[Summary], load: float) -> list[str]:
+    """The issue's targets at ``load``: prefix against the best other policy."""
+    at = [r for r in rows if r.load == load]
+    mine = next((r for r in at if r.policy == "prefix"), None)
+    others = [r for r in at if r.policy != "prefix"]
+    if mine is None or not others or mine.ttft_p50_ms is None:
+        return []
+    out = []
+
+    def best(attr: str, low: bool) -> Summary | None:
+        have = [r for r in others if getattr(r, attr) is not None]
+        return (min if low else max)(have, key=lambda r: getattr(r, attr)) if have else None
+
+    for attr, goal, low, name in (("ttft_p50_ms", GOALS["ttft_p50"], True, "TTFT p50"),
+                                  ("ttft_p99_ms", GOALS["ttft_p99"], True, "TTFT p99"),
+                                  ("turns_per_s", GOALS["throughput"], False, "throughput")):
+        b = best(attr, low)
+        if b is None or not getattr(b, attr):
+            continue
+        ratio = getattr(mine, attr) / getattr(b, attr)
+        ok = ratio <= goal if low else ratio >= goal
+        out.append(f"{name}: prefix {getattr(mine, attr)} vs {b.policy} {getattr(b, attr)} = {ratio:.2f}x "
+                   f"(goal {'<=' if low else '>='} {goal}x) {'ok' if ok else 'MISSED'}")
+    if mine.max_over_mean is not None:
+        ok = mine.max_over_mean <= GOALS["max_over_mean"]
+        out.append(f"most-loaded pod: {mine.max_over_mean}x the mean (goal <= {GOALS['max_over_mean']}x) "
+                   f"{'ok' if ok else 'MISSED'}")
+    return out
+
+
+def table(rows: Sequence[Summary]) -> str:
+    head = (f"{'policy':11} {'load':>5} {'turns/s':>8} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'e2e p50':>8} "
+            f"{'max/mean':>8} {'same pod':>8} {'failed':>6}  prefix-cache hit rate per pod")
+    lines = [head]
+    for r in rows:
+        hit = " ".join("-" if p["prefix_cache_hit_rate"] is None else f"{100 * p['prefix_cache_hit_rate']:.0f}%"
+                       for p in r.pods)
+        load = "-" if r.load is None else f"{100 * r.load:.0f}%"
+        f = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
+        lines.append(f"{r.policy:11} {load:>5} {r.turns_per_s:8.2f} {r.tokens_per_s:7.0f} {f(r.ttft_p50_ms):>9} "
+                     f"{f(r.ttft_p99_ms):>9} {f(r.e2e_p50_ms):>8} {'-' if r.max_over_mean is None else r.max_over_mean:>8} "
+                     f"{'-' if r.same_pod is None else r.same_pod:>8} {r.failed:6d}  {hit}")
+    return "\n".join(lines)
+
+
+# ---- the cell ---------------------------------------------------------------------------
+
+def capacity(pods: int, load: Workload, question_tokens: float, profile: str | None) -> float:
+    """The cell's requests a second at the knee (module doc); ValueError when the engine is absent."""
+    try:
+        from colocate.pods import engine, profiles  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise ValueError("this checkout's stand-in has no engine (colocate.pods.engine): pass --capacity RPS") from exc
+    prof = profiles.get(profile or profiles.DEFAULT_PROFILE)
+    k = engine.knee(prof, input_tokens=round(load.mean_uncached_tokens(question_tokens)), output_tokens=load.answer_tokens)
+    return pods * k.rate
+
+
+def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
+             on_ready: Callable[[dict], None] | None = None) -> tuple[list[Turn], list[dict | None], float]:
+    """One fresh sandbox cell under ``policy``: the workload through it, and each pod's counters (after less before)."""
+    from colocate import stackfile
+    from colocate.admin import AdminClient, Target
+    from colocate.sandbox import supervisor
+
+    with tempfile.TemporaryDirectory(prefix="colocate-prefix-") as tmp:
+        stacks = Path(tmp) / "stacks"
+        stacks.mkdir()
+        (stacks / "Pulumi.sandbox.yaml").write_text(stackfile.path_of("sandbox").read_text())
+        raw, _ = stackfile.read_config("sandbox", stacks)
+        worker: dict = {**(raw.get("worker") or {}), "balance": policy, "deadlineMs": 60_000}
+        if bound is not None:
+            worker["prefixBound"] = bound
+        stackfile.write_config("sandbox", {"pod": {**(raw.get("pod") or {}), "count": pods, **extra_pod}, "worker": worker},
+                               stacks)
+        state_dir = Path(tmp) / "state"
+        cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+        try:
+            if on_ready:
+                on_ready(cell)
+            admin = AdminClient(Target(cell["worker_url"], cell["token"], "sandbox"))
+            # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
+            keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0)["key"] for a in load.apps]
+            before = scrape_cell(cell["worker_url"], cell["read_token"], pods)
+            turns, _ = drive(cell["worker_url"], keys, load, stop_after_s=seconds)
+            after = scrape_cell(cell["worker_url"], cell["read_token"], pods)
+        finally:
+            supervisor.down(state_dir, quiet=True)
+    # a pod that reported nothing before had served nothing yet: its counters started at 0
+    hits = [None if a is None else {k: a[k] - (b or {}).get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
+    return turns, hits, seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default=",".join(POLICIES), help="colocate:worker.balance values, comma-separated")
+    p.add_argument("--loads", default=",".join(str(x) for x in LOADS), help="fractions of the cell's capacity")
+    p.add_argument("--pods", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=60, help="conversations arrive for this long; turns after it are not sent")
+    p.add_argument("--warmup", type=float, default=15, help="turns sent before this are left out of the numbers")
+    p.add_argument("--capacity", type=float, help="the cell's requests a second at 100 %% (default: the engine's knee)")
+    p.add_argument("--profile", help="the stand-in profile the capacity is computed for (default: the stand-in's default)")
+    p.add_argument("--pod-config", default="{}", help="JSON merged into colocate:pod for the cell (default: the --profile)")
+    p.add_argument("--bound", type=float, help="colocate:worker.prefixBound for the prefix runs")
+    p.add_argument("--apps", type=int, default=3)
+    p.add_argument("--answer", type=int, default=200, help="answer tokens per turn")
+    p.add_argument("--think", type=float, default=4.0, help="mean think time between turns, seconds")
+    p.add_argument("--turns", default="2-8", help="turns per conversation, LO-HI (uniform)")
+    p.add_argument("--seed", type=int, default=49)
+    p.add_argument("--url", help="drive this OpenAI-compatible URL once (no cell); with --key")
+    p.add_argument("--key", help="the client key for --url (or COLOCATE_CLIENT_KEY)")
+    p.add_argument("--json", metavar="PATH|-")
+    args = p.parse_args(argv)
+    try:
+        loads = [float(x) for x in args.loads.split(",") if x.strip()]
+        extra_pod = json.loads(args.pod_config)
+    except ValueError as exc:
+        print(f"prefix: --loads is fractions like 0.5,0.8 and --pod-config JSON ({exc})", file=sys.stderr)
+        return 2
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    lo, _, hi = args.turns.partition("-")
+    try:
+        turns = (int(lo), int(hi or lo))
+    except ValueError:
+        turns = (0, 0)
+    if not 1 <= turns[0] <= turns[1] <= 64:
+        print(f"prefix: --turns {args.turns!r}: expected LO-HI with 1 <= LO <= HI <= 64, e.g. 2-8", file=sys.stderr)
+        return 2
+    if not (loads and all(0 < x <= 2 for x in loads) and policies and 1 <= args.pods <= 16
+            and 0 <= args.warmup < args.seconds <= 3600 and isinstance(extra_pod, dict)):
+        print("prefix: need loads in (0, 2], at least one policy, 1..16 pods, 0 <= --warmup < --seconds <= 3600",
+              file=sys.stderr)
+        return 2
+    if "profile" not in extra_pod and not args.url:
+        try:
+            from colocate.pods import profiles
+
+            extra_pod["profile"] = args.profile or profiles.DEFAULT_PROFILE
+        except ImportError:
+            pass  # a stand-in without profiles: the cell's own
+    question_mean = 75.0  # the workload's question tokens, (30 + 120) / 2
+    probe = workload(seed=args.seed, seconds=600, rate_per_s=1, apps=args.apps, answer_tokens=args.answer,
+                     think_s=args.think, turns=turns)
+    if args.capacity is not None:
+        cap = args.capacity
+    elif args.url:
+        cap = 1.0
+    else:
+        try:
+            cap = capacity(args.pods, probe, question_mean, args.profile)
+        except ValueError as exc:
+            print(f"prefix: {exc}", file=sys.stderr)
+            return 2
+    rows: list[Summary] = []
+    window = (args.warmup, args.seconds)
+    if args.url:
+        import os
+
+        key = args.key or os.environ.get("COLOCATE_CLIENT_KEY")
+        if not key:
+            print("prefix: --url needs --key or COLOCATE_CLIENT_KEY", file=sys.stderr)
+            return 2
+        rate = cap * loads[0]
+        load = workload(seed=args.seed, seconds=args.seconds, rate_per_s=rate / probe.mean_turns(), apps=args.apps,
+                        answer_tokens=args.answer, think_s=args.think, turns=turns)
+        sent, _ = drive(args.url.rstrip("/"), [key], load, stop_after_s=args.seconds)
+        rows.append(summarise("url", loads[0], rate, sent, window, args.pods))
+    else:
+        from colocate.errors import ConfigError
+        from colocate.sandbox.errors import SandboxError
+
+        for lf in loads:
+            rate = cap * lf
+            load = workload(seed=args.seed, seconds=args.seconds, rate_per_s=rate / probe.mean_turns(), apps=args.apps,
+                            answer_tokens=args.answer, think_s=args.think, turns=turns)
+            for policy in policies:
+                print(f"prefix: {policy} at {100 * lf:.0f} % ({rate:.2f} turns/s, {len(load.conversations)} conversations)",
+                      file=sys.stderr)
+                try:
+                    sent, hits, _ = run_cell(policy, args.pods, load, args.seconds, extra_pod,
+                                             args.bound if policy == "prefix" else None)
+                except (ConfigError, SandboxError) as exc:
+                    print(f"prefix: {exc}", file=sys.stderr)
+                    return exc.exit_code
+                rows.append(summarise(policy, lf, rate, sent, window, args.pods, hits))
+                print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)  # each run as it ends
+    print(table(rows))
+    verdicts = [g for lf in loads for g in goals(rows, lf) if lf == max(loads)]
+    for line in verdicts:
+        print(line)
+    out = {"options": vars(args) | {"json": None, "key": None}, "capacity_per_s": round(cap, 3),
+           "rows": [asdict(r) for r in rows], "goals": verdicts}
+    if args.json == "-":
+        print(json.dumps(out, indent=2))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

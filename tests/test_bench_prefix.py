@@ -1,0 +1,88 @@
+"""bench/prefix.py: the multi-turn workload, the driver against a real stand-in, and the summary."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import threading
+
+from bench import prefix
+from colocate.pods import standin
+
+
+def test_the_workload_is_seeded_poisson_conversations_over_apps_with_long_system_prompts():
+    w = prefix.workload(seed=1, seconds=600, rate_per_s=0.5)
+    assert w == prefix.workload(seed=1, seconds=600, rate_per_s=0.5)  # the same seed, the same work
+    assert w != prefix.workload(seed=2, seconds=600, rate_per_s=0.5)
+    assert len(w.apps) == 3
+    for app in w.apps:
+        assert 1000 <= app.system_tokens <= 3000
+        assert len(app.system.split()) >= app.system_tokens  # one word a token, plus the preamble
+    n = len(w.conversations)
+    assert 240 <= n <= 360  # Poisson: 300 expected, 3.5 standard deviations either side
+    gaps = [b.at_s - a.at_s for a, b in zip(w.conversations, w.conversations[1:], strict=False)]
+    assert 1.6 <= statistics.fmean(gaps) <= 2.4  # exponential gaps of mean 2 s
+    assert all(2 <= len(c.questions) <= 8 and len(c.think_s) == len(c.questions) - 1 for c in w.conversations)
+    assert {c.app for c in w.conversations} == {0, 1, 2}
+    assert 4.5 <= w.mean_turns() <= 5.5
+    # a turn past the system prompt carries the questions and answers before it
+    assert w.mean_uncached_tokens(75) > 75 + w.answer_tokens
+
+
+def test_vllm_prefix_counters_are_read_from_metrics_text():
+    text = ("# HELP vllm:prefix_cache_hits_total Prefix cache hits, in tokens.\n"
+            "# TYPE vllm:prefix_cache_hits_total counter\n"
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1536.0\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2048.0\n'
+            'vllm:num_requests_running{model_name="m"} 3.0\n')
+    assert prefix.prefix_counters(text) == {"hits": 1536.0, "queries": 2048.0}
+    assert prefix.prefix_counters("vllm:prefix_cache_hits 1\nvllm:prefix_cache_queries 4\n") == {"hits": 1.0, "queries": 4.0}
+    assert prefix.prefix_counters("vllm:num_requests_running 1\n") is None
+
+
+def test_the_summary_counts_turns_per_pod_the_same_pod_share_and_goals():
+    T = prefix.Turn
+    turns = [T(0, 0, 1, 200, 100, 900, 10, "pod-0"), T(0, 1, 5, 200, 50, 800, 10, "pod-0"),
+             T(1, 0, 2, 200, 120, 950, 10, "pod-1"), T(1, 1, 6, 200, 300, 999, 10, "pod-0"),
+             T(2, 0, 3, None, None, None, 0, None, "ConnectionError"), T(3, 0, 99, 200, 1, 1, 1, "pod-1")]
+    s = prefix.summarise("prefix", 0.8, 1.0, turns, (0, 10), 2, [{"hits": 30, "queries": 40}, None])
+    assert (s.turns, s.failed) == (5, 1)  # the turn at 99 s is outside the window
+    assert [p["turns"] for p in s.pods] == [3, 1] and s.max_over_mean == 1.5
+    assert [p["prefix_cache_hit_rate"] for p in s.pods] == [0.75, None]
+    assert s.same_pod == 0.5  # conversation 0 stayed, conversation 1 moved
+    assert s.ttft_p50_ms == 110.0 and s.turns_per_s == 0.4
+    other = prefix.summarise("least_busy", 0.8, 1.0, [T(0, 0, 1, 200, 400, 900, 10, "pod-0")], (0, 10), 2)
+    lines = prefix.goals([s, other], 0.8)
+    assert lines[0].startswith("TTFT p50: prefix 110.0 vs least_busy 400.0 = 0.28x") and lines[0].endswith("ok")
+    assert any(line.startswith("most-loaded pod: 1.5x") and line.endswith("MISSED") for line in lines)
+    assert "prefix" in prefix.table([s, other]) and "75%" in prefix.table([s, other])
+
+
+def test_the_driver_streams_every_turn_with_the_history_growing():
+    seen: list[dict] = []
+    lock = threading.Lock()
+    with standin.serve(compute_ms=5) as pod:
+        load = prefix.workload(seed=3, seconds=2, rate_per_s=2, think_s=0.05, answer_tokens=8)
+        assert load.conversations
+        session_post = prefix.requests.Session.post
+
+        def recording_post(self, url, json=None, **kw):  # noqa: A002 - requests' own name
+            with lock:
+                seen.append(copy.deepcopy(json))  # the driver appends to its history after sending
+            return session_post(self, url, json=json, **kw)
+
+        prefix.requests.Session.post = recording_post
+        try:
+            turns, _ = prefix.drive(pod.url, ["k"], load, timeout_s=30)
+        finally:
+            prefix.requests.Session.post = session_post
+    assert len(turns) == sum(len(c.questions) for c in load.conversations)
+    assert all(t.status == 200 and t.ttft_ms is not None and t.ttft_ms <= t.e2e_ms and t.tokens > 0 for t in turns)
+    by_conv: dict[str, list[int]] = {}
+    for body in seen:
+        assert body["stream"] is True and body["messages"][0]["role"] == "system"
+        by_conv.setdefault(body["messages"][1]["content"], []).append(len(body["messages"]))
+    for lengths in by_conv.values():
+        assert sorted(lengths) == [2 + 2 * k for k in range(len(lengths))]  # system, then q/a pairs and the new question
+    assert json.dumps(turns[0].__dict__)
