@@ -1,6 +1,6 @@
 """Prefix affinity measured: multi-turn chats through a cell of stand-in pods, policy by policy.
 
-The workload is what chat apps send (issue 49): a few apps, each with its system prompt of
+The workload is what chat apps send: a few apps, each with its system prompt of
 1,000 to 3,000 tokens and its own client key; conversations arrive as a Poisson process, each
 sends 2 to 8 turns, and each turn resends the whole history (system prompt, every earlier
 question and answer) plus a new question, after a think time. Every turn is a streamed chat
