@@ -122,8 +122,9 @@ SCHEMA: tuple[Key, ...] = (
         "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
         "pod slow), maxBodyBytes, "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
-        "from Cloudflare), allowClassDeletion, balance (load: the cell's counts and the pods' reports | least_busy | prefix: a conversation's turns to the pod holding "
-        "its prefix | random: a baseline), prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
+        "from Cloudflare), allowClassDeletion, balance (load: the cell's counts and the pods' reports | least_busy | "
+        "prefix: a conversation's turns to the pod holding its prefix | random: a baseline), prefixBound (prefix's "
+        "load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
         "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
