@@ -59,10 +59,15 @@ def left_the_pod_mb(pod_url: str) -> float | None:
     return round(sum(int(n) for n in re.findall(r"bytes_acked:(\d+)", out)) / 1e6, 2)
 
 
+# The sandbox pods' --max-model-len less room for the prompt (colocate/plan.py MAX_MODEL_LEN).
+MAX_TOKENS = plan_mod.MAX_MODEL_LEN - 64
+
+
 def _request(port: int, key: str, rcvbuf: int | None, tokens: int) -> socket.socket:
-    # The request allows as many tokens as the pod streams events: the router cuts a stream
-    # past what its request can produce (docs/worker.md), and this one is not an attack.
-    body = json.dumps({**json.loads(harness.STREAM_USAGE_BODY), "max_tokens": tokens}).encode()
+    # The request allows as many tokens as the pod streams events, up to what the pods' context
+    # admits (the router refuses more at the edge): the router cuts a stream past what its
+    # request can produce in bytes (docs/worker.md), and this one is not an attack.
+    body = json.dumps({**json.loads(harness.STREAM_USAGE_BODY), "max_tokens": min(tokens, MAX_TOKENS)}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
