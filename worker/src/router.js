@@ -499,9 +499,10 @@ function brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, bytes, mete
 
 /** An assembled answer's init: JSON, with the pod's request id (the stream's other headers are a stream's). */
 function assembledInit(res) {
-  const headers = new Headers({ "content-type": "application/json" });
+  /** @type {Record<string, string>} */
+  const headers = { "content-type": "application/json" }; // a record, as clientInit's: finish adds ours to it
   const id = res.headers.get("x-request-id");
-  if (id !== null) headers.set("x-request-id", id);
+  if (id !== null) headers["x-request-id"] = id;
   return { status: res.status, statusText: res.statusText, headers };
 }
 
