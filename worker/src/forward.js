@@ -467,7 +467,8 @@ const ASK_STREAM = encoder.encode('"stream":true,');
  * Whether a request the client did not stream is asked of the pod as a stream and
  * assembled (assemble.js): every chat or legacy completion, but those whose streamed form
  * vLLM refuses or writes differently: `best_of` above `n` (vLLM streams only the n it
- * returns) and `prompt_logprobs` (a non-streamed answer's field a stream does not carry).
+ * returns) and `prompt_logprobs` (a non-streamed answer's field a stream does not carry;
+ * validate.js refuses it today, this keeps the rule if that changes).
  */
 export function streamable(json) {
   if (!json || json.stream === true) return false;
