@@ -96,10 +96,13 @@ test("a client that asked for no stream is served from the pod's stream, the ans
 });
 
 test("the deadline is the first token's: a long answer past it is the pod's; a first token past it goes to the fallback", async () => {
-  const env = envFor("pace-deadline", { STATE_TTL_MS: "50" });
+  // Margins a busy machine keeps: the first event comes at once (well within the deadline),
+  // each gap is a tenth of STALL_MS, and the whole answer is 1.5 x the deadline (its pace,
+  // 13 tokens a second, is not what this test judges: MIN_TOKENS_PER_S under it).
+  const env = envFor("pace-deadline", { STATE_TTL_MS: "50", DEADLINE_MS: "1000", STALL_MS: "1000", MIN_TOKENS_PER_S: "5" });
   const key = await withKey(env.BREAKER, "pace-deadline");
-  // 20 events 30 ms apart: ~600 ms, twice DEADLINE_MS, but each token well within STALL_MS.
-  const long = fakeFetch(() => podStream({ tokens: 20, gapMs: 30 }));
+  // 20 events 75 ms apart: ~1.5 s, past DEADLINE_MS, but each token well within STALL_MS.
+  const long = fakeFetch(() => podStream({ tokens: 20, gapMs: 75 }));
   const c = ctx();
   for (const stream of [false, true]) {
     const r = await handle(post(key, { model: "m", messages: msg, stream }), env, c, { fetch: long.f });
@@ -111,7 +114,7 @@ test("the deadline is the first token's: a long answer past it is the pod's; a f
   await c.settle();
   assert.deepEqual((await env.BREAKER.instance("pace-deadline")).view().pods, {}); // no failure counted
   // Headers at once, the first event after the deadline: a miss, served by the fallback.
-  const late = fakeFetch(() => podStream({ firstMs: 600 }));
+  const late = fakeFetch(() => podStream({ firstMs: 1600 }));
   const r = await handle(post(key, { model: "m", messages: msg }), env, c, { fetch: late.f });
   assert.equal(r.headers.get("x-colocate-backend"), "fallback");
 });
