@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -15,6 +16,10 @@ def test_a_sweep_over_http_measures_tokens_and_finds_the_knee(tmp_path, capsys):
     with standin.serve(profile="rtx4090-qwen2.5-7b-int4", seed=3) as server:
         assert bench.main(["--url", server.url, "--concurrency", "1,4", "--prompts", "4", "--input-tokens", "64",
                            "--output-tokens", "8", "--budget-ms", "5000", "--json", str(out)]) == 0
+        # The client is done at [DONE]; the pod's thread counts the stream after its last write.
+        deadline = time.monotonic() + 10
+        while server.streams["completed"] < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
         stats = server.streams
     points = json.loads(out.read_text())["points"]
     assert [p["concurrency"] for p in points] == [1, 4] and all(p["requests"] == 4 and not p["errors"] for p in points)

@@ -133,8 +133,9 @@ def test_probe_cli_reports_state_left_behind_and_the_pod_hop_on_new_connections(
     assert result["placement"]["state"] == "IAD" and result["placement"]["ran"] == "TPE"
     assert result["segments"]["state_rtt"]["p50"] >= MODEL.rtt_ms("TPE", "IAD") - 1
     # by URL alone nothing can close the Worker's pod connections or count them: no number is called new;
-    # every probe and routed request rode the pooled connection (at most the first opened it)
-    assert opened <= 1 and result["segments"]["pod_rtt"]["n"] == 4, (opened, result["values_ms"]["pod_rtt"])
+    # every probe and routed request rode the pooled connection (at most the first opened it, and
+    # the router's background /metrics scrape, which can run beside a request in flight, a second)
+    assert opened <= 2 and result["segments"]["pod_rtt"]["n"] == 4, (opened, result["values_ms"]["pod_rtt"])
     assert result["segments"]["pod_rtt_new"]["n"] == 0 and result["new_connections"]["measured"] is False
     assert "Cloudflare reuses a connection" in result["new_connections"]["why"]
     # the sandbox: before each of 4 more probes it closes the hop's connections; each new one is a handshake
