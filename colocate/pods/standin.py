@@ -912,18 +912,7 @@ class _Handler(BaseHTTPRequestHandler):
 
         if not self._wait_tokens(runner, ticket, len(pieces), emit):
             return
-        try:
-            if usage is not None:
-                final = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
-                self._write_chunk(f"data: {json.dumps(final)}\n\n".encode())
-            self._write_chunk(b"data: [DONE]\n\n")
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-            self.server.count_stream("cut")
-            return
-        self.server.count_stream("completed")
+        self._end_stream({"id": rid, "object": obj, "created": created, "model": model}, usage)
 
     def _oversized(self) -> None:
         """A JSON answer of OVERSIZED_BYTES, chunked (no length to refuse it by), until the client leaves."""
@@ -1007,10 +996,19 @@ class _Handler(BaseHTTPRequestHandler):
                 self._write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
                 if not last:
                     self._compute(0.5 / max(1, len(tokens) - 1))
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            self.server.count_stream("cut")
+            return
+        self._end_stream({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                          "model": model}, usage)
+
+    def _end_stream(self, head: dict, usage: dict | None) -> None:
+        """A stream's end: the usage chunk (``choices: []``) when the client asked for it, [DONE],
+        the last chunk; counted ``completed``, or ``cut`` when the client has gone."""
+        try:
             if usage is not None:
-                final: dict[str, object] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                         "created": created, "model": model, "choices": [], "usage": usage}
-                self._write_chunk(f"data: {json.dumps(final)}\n\n".encode())
+                self._write_chunk(f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n".encode())
             self._write_chunk(b"data: [DONE]\n\n")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
