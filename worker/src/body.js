@@ -49,6 +49,11 @@ export async function readUpTo(stream, cap) {
     }
     chunks.push(value);
   }
+  return concat(chunks, size);
+}
+
+/** `chunks` joined into one array of `size` bytes. */
+export function concat(chunks, size) {
   const out = new Uint8Array(size);
   let at = 0;
   for (const c of chunks) {

@@ -1,7 +1,7 @@
 // @ts-check
 // Forwarding to the pod and to the fallback API.
 
-import { readUpTo } from "./body.js";
+import { concat, readUpTo } from "./body.js";
 import { HttpError } from "./errors.js";
 
 // Client headers that travel upstream (to the pod and to the fallback API, which is called
@@ -191,16 +191,6 @@ function hasData(b) {
     if (b[i + 1] === 0x61 && b[i + 2] === 0x74 && b[i + 3] === 0x61 && b[i + 4] === 0x3a && (i === 0 || b[i - 1] === 10)) return true;
   }
   return false;
-}
-
-function concat(chunks, size) {
-  const out = new Uint8Array(size);
-  let at = 0;
-  for (const c of chunks) {
-    out.set(c, at);
-    at += c.byteLength;
-  }
-  return out;
 }
 
 const LF = 10;
