@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -133,6 +133,11 @@ bench-pod: setup
 # Random, least-busy and prefix affinity on multi-turn chats, 4 stand-in pods at 50 and 80 % (docs/benchmarks.md).
 bench-prefix: setup
 	$(PY) -m bench.prefix
+
+# Non-streamed answers of 50 to 1,500 tokens through the sandbox cell at concurrency 1 and at the knee,
+# against the profile's model: all served by the pod, no breaker opened (docs/benchmarks.md).
+bench-answers: setup
+	$(PY) -m bench.answers $(ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

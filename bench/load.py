@@ -4,7 +4,12 @@ not a throughput tool; bench/router.py uses wrk for that)."""
 
 from __future__ import annotations
 
+from colocate.settings import POD_DEFAULTS
+
 MAX_IN_FLIGHT = 32  # the pool's threads: at most this many requests of one Load are in flight
+# The model the sandbox's pods serve unless a stack names another (colocate:pod.model): a pod
+# answers any other name with vLLM's 404.
+MODEL = str(POD_DEFAULTS["model"])
 
 
 class Load:
@@ -14,13 +19,13 @@ class Load:
     request's wall time in the same order as it finished."""
 
     def __init__(self, url: str, key: str, rate_per_s: float = 50, max_s: float = 180,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, model: str = MODEL):
         import threading
 
         self.url = url + "/v1/chat/completions"
         self.key = key
         self.headers = {**(headers or {}), "Authorization": f"Bearer {key}"}
-        self.rate, self.max_s = rate_per_s, max_s
+        self.rate, self.max_s, self.model = rate_per_s, max_s, model
         self.results: list[tuple[int | None, str | None, str]] = []
         self.latencies_ms: list[float] = []
         self.started: list[float] = []  # each request's start (time.monotonic()), same order
@@ -36,7 +41,7 @@ class Load:
         pool_local.s = s
         import time
 
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         t0 = time.monotonic()
         try:
             r = s.post(self.url, json=body, timeout=90, headers=self.headers)

@@ -414,7 +414,7 @@ class PodPlan:
                  f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
         if s.provider == "local":  # the stand-in's compute time; a GPU pod ignores it
             ident.append(f"computeMs={s.compute_ms}")
-            if s.profile != "oracle":  # the default adds nothing: names of pods placed before stay
+            if s.profile != "oracle":  # the first profile adds nothing: names of pods placed before stay
                 ident.append(f"profile={s.profile}")
         if self.mtls:  # the pod's start command and certificate
             ident.append("hop=mtls")

@@ -17,7 +17,7 @@ from .capacity import pod_capacity
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .errors import ConfigError, MissingSetting
 from .ledger import Ledger
-from .pods.profiles import PROFILES
+from .pods.profiles import DEFAULT_PROFILE, PROFILES
 
 NS = "colocate"
 # pod_rtt: the pod hop on the Worker's pooled connection; pod_rtt_new: on a new one (colocate/probe/connections.py).
@@ -47,9 +47,9 @@ POD_DEFAULTS = {
     "minReliability": 0.98,
     "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/capacity.py BOOT_S)
     "computeMs": 95,
-    # The local stand-in's GPU and model (colocate.pods.profiles): oracle answers in computeMs at any
-    # load; rtx4090-qwen2.5-7b-int4 behaves as the kit's default pod does under load (docs/pods.md).
-    "profile": "oracle",
+    # The local stand-in's GPU and model (colocate.pods.profiles): the kit's default pod as it behaves
+    # under load (docs/pods.md); "oracle" answers anything in computeMs at any load, for tests that need speed.
+    "profile": DEFAULT_PROFILE,
     "count": 1,
     "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
     "hop": "auto",  # how the Worker reaches the pod: mutual TLS where it can (docs/pods.md "Who can reach the pod")

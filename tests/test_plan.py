@@ -190,8 +190,10 @@ def test_pod_names_stay_as_they_were_placed_until_the_owner_renews_them():
     assert [p.with_token_fingerprint(token).name for p in pods] == [
         "colocate-t-apac-jp-g1-p0-2432ea", "colocate-t-apac-jp-g1-p1-2432ea"]
     # A local pod is reached over mutual TLS: "hop=mtls" is in its identity.
-    local = cell(raw_for("us-east", "local", pod={"provider": "local", "image": old})).pod
+    local = cell(raw_for("us-east", "local", pod={"provider": "local", "image": old, "profile": "oracle"})).pod
     assert local.name == "colocate-t-us-east-g1-p0-79556c"
+    # The stand-in's profile is what the local pod is: another one (the default now) is a new pod.
+    assert cell(raw_for("us-east", "local", pod={"provider": "local", "image": old})).pod.name != local.name
     assert cell(raw_for(pod={"provider": "runpod", "renewal": 0, "image": old})).pod.name == pods[0].name
     names = {cell(raw_for(pod={"provider": "runpod", "renewal": n})).pod.with_token_fingerprint(token).name
              for n in range(4)}

@@ -17,7 +17,7 @@ from colocate import stackfile
 from colocate.sandbox import demokey, statedir, supervisor
 from colocate.sandbox.errors import AlreadyRunning, OtherStack
 from colocate.sandbox.geography import Geography
-from tests.support.sandbox import sandbox_stacks
+from tests.support.sandbox import MODEL as POD_MODEL, sandbox_stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def _split(stacks):
 def test_routed_request_probe_and_headers(stacks, state_dir):
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, client_site="NRT")
     assert cell["sites"] == {**cell["sites"], "client": "NRT", "edge": "IAD", "pod": "IAD", "placement": "remote-IAD"}
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps({"model": POD_MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     req = urllib.request.Request(cell["worker_url"] + "/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json", "authorization": f"Bearer {cell['key']}"})
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -286,7 +286,7 @@ def test_openai_client_uses_the_printed_key(stacks, state_dir):
     openai = pytest.importorskip("openai")
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     client = openai.OpenAI(base_url=cell["worker_url"] + "/v1", api_key=cell["key"], max_retries=0)
-    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    reply = client.chat.completions.create(model=POD_MODEL, messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content
 
 

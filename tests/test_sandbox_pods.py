@@ -91,8 +91,8 @@ def test_apply_replaces_pods_one_at_a_time_and_changes_the_count_with_no_failed_
     key = load_key(cell)["key"]
     with Load(cell["worker_url"], key, rate_per_s=40) as load:
         time.sleep(2)
-        # A new model replaces every pod: pod 0 first, then pod 1, each new one serving before the old goes.
-        pod = {"provider": "local", "computeMs": 20, "count": 2, "model": "Qwen/Qwen2.5-7B-Instruct-AWQ-v2"}
+        # A renewal replaces every pod: pod 0 first, then pod 1, each new one serving before the old goes.
+        pod = {"provider": "local", "computeMs": 20, "count": 2, "renewal": 1}
         stackfile.write_config("sandbox", {"pod": pod}, stacks)
         after = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
         time.sleep(2)

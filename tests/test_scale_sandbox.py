@@ -22,7 +22,7 @@ from colocate.sandbox import supervisor
 from colocate.sandbox.scaling import SandboxDeployer
 from colocate.scale import Policy
 from colocate.scaler import CellClient, Controller
-from tests.support.sandbox import client_key, sandbox_stacks
+from tests.support.sandbox import MODEL, client_key, sandbox_stacks
 from tests.support.workerd import request
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def cell(tmp_path_factory):
 
 def chat(cell, stream: bool = False) -> tuple[int, str, bytes]:
     r = request(cell["ready"]["worker_url"], "POST", "/v1/chat/completions",
-                {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream},
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream},
                 {"authorization": f"Bearer {cell['key']}"}, timeout=60)
     return r.status, r.headers.get("x-colocate-backend"), r.body
 

@@ -26,7 +26,7 @@ def pod():
     """A stand-in process under the default profile, serving one model only, as a real pod does."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "POD_TOKEN": "t"}
     proc = subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port", "0", "--profile", PROFILE.name,
-                             "--model", MODEL, "--only-model", "--seed", "1"], stdout=subprocess.PIPE, env=env, cwd=ROOT)
+                             "--model", MODEL, "--seed", "1"], stdout=subprocess.PIPE, env=env, cwd=ROOT)
     try:
         line = proc.stdout.readline() if proc.stdout else b""
         assert line, "the stand-in did not start"

@@ -420,15 +420,29 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 1 << 30) for _ in range(n)]
 
 
+def poisson_arrivals(rng: random.Random, rate: float, requests: int) -> list[float]:
+    """``requests`` arrival times (s) of a Poisson process at ``rate`` a second, from ``rng``."""
+    out, t = [], 0.0
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
 def simulate(profile: Profile, *, requests: int, input_tokens: int, output_tokens: int,
              concurrency: int | None = None, rate: float | None = None, seed: int = 0,
-             ignore_eos: bool = False, prompts: Iterable[list[int]] | None = None) -> Result:
+             ignore_eos: bool = False, prompts: Iterable[list[int]] | None = None,
+             arrivals_s: Sequence[float] | None = None) -> Result:
     """Run ``requests`` requests through an engine in virtual time: a closed loop of
     ``concurrency`` clients (each sends its next request when its answer ends, as vLLM's
-    benchmark_serving with ``--max-concurrency``), or Poisson arrivals at ``rate`` per second.
-    Prompts of ``input_tokens`` random tokens (no shared prefix), ``max_tokens = output_tokens``."""
-    if (concurrency is None) == (rate is None):
-        raise ValueError("simulate: give concurrency or rate, not both")
+    benchmark_serving with ``--max-concurrency``), or Poisson arrivals at ``rate`` per second
+    (``poisson_arrivals`` drawn from ``seed``), or arrivals at the times ``arrivals_s`` (s): the
+    model of a schedule that was really sent. Prompts of ``input_tokens`` random
+    tokens (no shared prefix), ``max_tokens = output_tokens``."""
+    if (concurrency is None) == (rate is None and arrivals_s is None):
+        raise ValueError("simulate: give concurrency, rate or arrivals_s")
+    if arrivals_s is not None:
+        requests = len(arrivals_s)
     rng = random.Random(seed)
     engine = Engine(profile)
     given = iter(prompts) if prompts is not None else None
@@ -436,10 +450,8 @@ def simulate(profile: Profile, *, requests: int, input_tokens: int, output_token
     admitted: list[tuple[float, int, float]] = []  # (past the API server, index, arrival)
     sent = 0
     clock = 0.0
-    if rate is not None:
-        t = 0.0
-        for i in range(requests):
-            t += rng.expovariate(rate)
+    if rate is not None or arrivals_s is not None:
+        for i, t in enumerate(arrivals_s if arrivals_s is not None else poisson_arrivals(rng, rate or 0.0, requests)):
             heapq.heappush(arrivals, (t, i))
         sent = requests
     else:
@@ -473,7 +485,7 @@ def simulate(profile: Profile, *, requests: int, input_tokens: int, output_token
             if finished:
                 at, times, n = meta.pop(rid)
                 done.append((at, times[0], times[-1], n))
-                if rate is None and sent < requests:
+                if concurrency is not None and sent < requests:
                     heapq.heappush(arrivals, (clock, sent))
                     sent += 1
     return Result(done, clock)

@@ -33,10 +33,10 @@ a negative ``temperature``, ``top_p`` outside (0, 1] are 400 ``BadRequestError``
 ``param``, and so is a prompt plus ``max_tokens`` over the pods' 8192-token context (the prompt
 counted at four characters a token); a body nested past Python's recursion limit is vLLM's bare 500. What pydantic's lax
 mode takes is taken (``stream: "yes"``, ``temperature: "0.5"``), and a missing ``model`` means
-the served one, as in vLLM. Another model name is vLLM's 404 ``NotFoundError`` only with
-``any_model=False`` (CLI ``--only-model``): by default any name is served, because the sandbox's
-fallback serves whatever the client names (``fallbackModel: passthrough``) and tests and load
-generators name models freely.
+the served one, as in vLLM. Another model name is vLLM's 404 ``NotFoundError``, as a real pod
+answers, from the CLI (the sandbox's pods); ``--any-model`` serves any name, as the sandbox's
+fallback does (``fallbackModel: passthrough``: an API that serves many models). In-process,
+``serve()`` defaults to any name (``any_model=True``), for router tests that name models freely.
 
 Routes vLLM answers without its key, mirrored so that tests can show who reaches them:
 ``POST /invocations`` (a completion, like SageMaker's route in vLLM), ``POST /tokenize``,
@@ -62,7 +62,7 @@ leaves), or to a streamed request an event stream of that size at about 3 MB/s (
 on and on: 64 KiB every 20 ms; a stream the client leaves counts as ``cut``). ``{"mode": "ok"}`` ends it.
 
 CLI: ``python -m colocate.pods.standin --host 127.0.0.1 --port 0 [--profile NAME] [--seed N]
---compute-ms 95 --model NAME [--only-model] [--port-file PATH]`` prints one JSON line
+--compute-ms 95 --model NAME [--any-model] [--port-file PATH]`` prints one JSON line
 ``{"url": ..., "port": ...}`` once listening and stops cleanly on SIGTERM/SIGINT. In-process:
 ``with serve(compute_ms=5, token="t", profile="oracle") as pod: pod.url``.
 """
@@ -1174,8 +1174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS, help="time spent per request (default 95)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--name", default="standin", help="echoed in the x-standin response header")
-    p.add_argument("--only-model", action="store_true",
-                   help="answer another model name with vLLM's 404 (default: any name is served)")
+    p.add_argument("--any-model", action="store_true",
+                   help="serve any model name, as a gateway would (the sandbox's fallback); by default another "
+                        "name is vLLM's 404, as a real pod answers")
     p.add_argument("--profile", default="oracle", choices=sorted(profiles.PROFILES),
                    help="the GPU and model the stand-in behaves as (colocate.pods.profiles; default oracle: "
                         "every request in --compute-ms)")
@@ -1193,7 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
-                               model=args.model, name=args.name, any_model=not args.only_model, tls=tls,
+                               model=args.model, name=args.name, any_model=args.any_model, tls=tls,
                                profile=args.profile, seed=args.seed)
     except OSError as exc:
         print(f"standin: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)

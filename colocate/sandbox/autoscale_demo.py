@@ -57,7 +57,7 @@ WARMUP = 3
 WARMUP_S = 30.0  # wall seconds a cell's warm-up may keep failing before the demo gives up
 WORKERS_PER_SITE = 8
 # ~1,290 characters of prompt: the stand-in counts four a token, so a request carries ~330 tokens.
-BODY = {"model": "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "max_tokens": 16,
+BODY = {"model": settings_mod.POD_DEFAULTS["model"], "max_tokens": 16,
         "messages": [{"role": "user", "content": "Summarise the history of the Tokaido road. " * 30}]}
 
 

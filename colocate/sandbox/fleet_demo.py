@@ -32,6 +32,7 @@ import requests
 
 from .. import stackfile
 from ..errors import ConfigError
+from ..settings import POD_DEFAULTS
 from . import fleet, supervisor
 from .demo import say
 from .errors import SandboxError
@@ -45,7 +46,8 @@ LOST = "apac-jp"  # the cell whose pods die
 LOST_SITE = "NRT"
 RETURN_WAIT_S = 60.0  # bounded: how long phase 3 waits for Tokyo to be served at home again
 HOP_SAMPLES = 5  # per cell: the pod hop's pooled and new-connection checks after the story
-BODY = {"model": "Qwen/Qwen2.5-7B-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+# The fleet's stacks leave colocate:pod.model at its default: a pod answers any other name 404.
+BODY = {"model": POD_DEFAULTS["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
 def _timing(header: str | None) -> dict[str, float]:

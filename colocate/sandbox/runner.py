@@ -95,7 +95,7 @@ class Runner:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         proc = self._spawn("fallback", [sys.executable, "-m", "colocate.pods.standin", "--host", "127.0.0.1", "--port", "0",
                                         "--compute-ms", str(FALLBACK_COMPUTE_MS), "--model", FALLBACK_MODEL,
-                                        "--name", "fallback", "--port-file", str(port_file)], env=env)
+                                        "--any-model", "--name", "fallback", "--port-file", str(port_file)], env=env)
         deadline = time.monotonic() + CHILD_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
             info = read_json(port_file)

@@ -5,15 +5,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from bench.load import Load  # noqa: F401  (the tests' load generator lives with the benchmarks)
+# The tests' load generator lives with the benchmarks; MODEL: the name the sandbox's pods serve
+# (any other is vLLM's 404).
+from bench.load import MODEL, Load  # noqa: F401
 from colocate import stackfile
 
 
 def sandbox_stacks(directory: Path, compute_ms: int) -> Path:
-    """Copy stacks/Pulumi.sandbox.yaml into ``directory`` with the pod's compute time set."""
+    """Copy stacks/Pulumi.sandbox.yaml into ``directory`` with the oracle pod (every answer in
+    ``compute_ms``, at any load): for tests of the cell's mechanics, not of a pod's timing."""
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(stackfile.path_of("sandbox"), stackfile.path_of("sandbox", directory))
-    stackfile.write_config("sandbox", {"pod": {"provider": "local", "computeMs": compute_ms}}, directory)
+    stackfile.write_config("sandbox", {"pod": {"provider": "local", "profile": "oracle", "computeMs": compute_ms}},
+                           directory)
     return directory
 
 
