@@ -176,7 +176,7 @@ def serial(client: Client, prof: profiles.Profile, rng: random.Random, length: i
 
 def at_knee(client: Client, prof: profiles.Profile, rng: random.Random, length: int, seconds: float,
             prompt_tokens: int, seed: int) -> Run:
-    rate = engine.knee(prof, input_tokens=prompt_tokens, output_tokens=length, requests=120, seed=seed).rate
+    rate = engine.knee(prof, input_tokens=prompt_tokens, output_tokens=length, seed=seed, ignore_eos=True).rate
     n = max(4, min(MAX_KNEE_REQUESTS, round(rate * seconds)))
     times = engine.poisson_arrivals(random.Random(seed), rate, n)
     texts = [prompt(rng, prompt_tokens) for _ in range(n)]

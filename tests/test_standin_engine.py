@@ -3,6 +3,7 @@ vLLM's /metrics, what vLLM refuses. Times are asserted as lower bounds (a busy m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -202,3 +203,55 @@ def test_the_oracle_takes_min_tokens_and_ignore_eos():
         assert long["usage"]["completion_tokens"] == 600 and long["choices"][0]["finish_reason"] == "length"
         assert ask(max_tokens=50, min_tokens=30)["usage"]["completion_tokens"] == 30
         assert ask(max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_a_request_whose_client_left_while_it_waited_leaves_the_queue():
+    """vLLM aborts a request whose client disconnects, queued or running: a router that gave up at
+    its first-token deadline must not leave the pod prefilling for nobody. max_num_seqs run; the
+    rest wait; the waiting ones' clients leave; they leave the queue while every running one runs on."""
+    import socket
+    from urllib.parse import urlsplit
+
+    seqs = PROFILE.max_num_seqs
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True,
+                       "max_tokens": 1500, "min_tokens": 1500, "ignore_eos": True}).encode()
+    with standin.serve(token="t", model=MODEL, profile=PROFILE.name, seed=1) as pod:
+        u = urlsplit(pod.url)
+        socks = []
+        try:
+            for _ in range(seqs + 3):
+                s = socket.create_connection((u.hostname, u.port), timeout=10)
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: pod\r\nAuthorization: Bearer t\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                socks.append(s)
+            deadline = time.monotonic() + 30
+            while scrape(pod.url)[1]["vllm:num_requests_waiting"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert scrape(pod.url)[1]["vllm:num_requests_waiting"] == 3
+            # The waiting ones: no token yet (the running ones had theirs within a few steps).
+            time.sleep(1.0)
+            waiting = []
+            for s in socks:
+                s.settimeout(0.2)
+                got = b""
+                with contextlib.suppress(TimeoutError):
+                    while b"data: {" not in got:
+                        chunk = s.recv(65536)
+                        if not chunk:
+                            break
+                        got += chunk
+                if b"data: {" not in got:
+                    waiting.append(s)
+            assert len(waiting) == 3
+            for s in waiting:
+                s.close()
+            deadline = time.monotonic() + 20
+            while scrape(pod.url)[1]["vllm:num_requests_waiting"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            _text, now = scrape(pod.url)
+            # Aborted, not admitted: a 1,500-token answer runs for tens of seconds, so every running
+            # one still runs and none of the three took a place.
+            assert (now["vllm:num_requests_waiting"], now["vllm:num_requests_running"]) == (0, seqs)
+        finally:
+            for s in socks:
+                s.close()

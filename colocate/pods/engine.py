@@ -500,14 +500,17 @@ class Knee:
 
 def knee(profile: Profile, ttft_p99_budget_ms: float = DEFAULT_TTFT_P99_BUDGET_MS, *,
          input_tokens: int | None = None, output_tokens: int | None = None, requests: int = 300,
-         seed: int = 0) -> Knee:
+         seed: int = 0, ignore_eos: bool = False) -> Knee:
     """The highest Poisson request rate whose TTFT p99 stays within the budget (bisection over
-    virtual-time runs of ``requests`` requests; by default the workload of ``Profile.knee_rps``)."""
+    virtual-time runs of ``requests`` requests; by default the workload of ``Profile.knee_rps``).
+    ``ignore_eos``: every answer exactly ``output_tokens`` long (else at most, as the profile's
+    lengths fall)."""
     inp = input_tokens or KNEE_INPUT_TOKENS
     out = output_tokens or KNEE_OUTPUT_TOKENS
 
     def run(rate: float) -> Result:
-        return simulate(profile, requests=requests, input_tokens=inp, output_tokens=out, rate=rate, seed=seed)
+        return simulate(profile, requests=requests, input_tokens=inp, output_tokens=out, rate=rate, seed=seed,
+                        ignore_eos=ignore_eos)
 
     lo, hi = 0.0, 1.0
     while run(hi).ttft_ms(99) <= ttft_p99_budget_ms and hi < 10_000:

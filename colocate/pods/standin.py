@@ -78,7 +78,9 @@ import math
 import os
 import queue
 import random
+import select
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -844,7 +846,7 @@ class _Handler(BaseHTTPRequestHandler):
             wants_usage = (body.get("stream_options") or {}).get("include_usage")
             return self._stream_tokens(runner, ticket, chat, model, rid, created, pieces, finish,
                                        usage if wants_usage else None, extra)
-        if not self._wait_tokens(runner, ticket, len(pieces), lambda _i: None):
+        if not self._wait_tokens(runner, ticket, len(pieces), lambda _i: None, streamed=False):
             return
         text = "".join(pieces)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
@@ -856,7 +858,23 @@ class _Handler(BaseHTTPRequestHandler):
                                          {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "usage"}}]
         self._send_json(200, answer, extra)
 
-    def _wait_tokens(self, runner: EngineRunner, ticket: Ticket, n: int, emit) -> bool:
+    def _client_gone(self) -> bool:
+        """Whether the client closed its connection while its request waits: vLLM's API server
+        listens for the disconnect and aborts the request (``with_cancellation``, a streaming
+        response's disconnect listener), so a router that gave up at its deadline frees the queue.
+        An HTTP/1.1 client sends nothing while it waits for its answer: on a TLS connection any
+        byte is its close_notify; on a plain one, the end of the stream."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if not readable:
+                return False
+            if isinstance(self.connection, ssl.SSLSocket):
+                return True
+            return socket.socket.recv(self.connection, 1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _wait_tokens(self, runner: EngineRunner, ticket: Ticket, n: int, emit, streamed: bool = True) -> bool:
         """Call ``emit(index)`` for each of the ``n`` tokens as the engine makes it; False (the
         request aborted) if the server stops or ``emit`` finds the client gone."""
         got = 0
@@ -867,6 +885,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.server.stopping.is_set():
                     runner.abort(ticket)
                     self.close_connection = True
+                    return False
+                if self._client_gone():  # while it waits in the queue or between tokens
+                    runner.abort(ticket)
+                    self.close_connection = True
+                    if streamed:
+                        self.server.count_stream("cut")
                     return False
                 continue
             got = index + 1
