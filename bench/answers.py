@@ -69,6 +69,11 @@ class Run:
     def expected_p50(self) -> float:
         return engine.percentile(sorted(self.model_ms), 50) + self.overhead_ms
 
+    def p90s(self) -> tuple[float, float]:
+        """(measured p90, model p90 + overhead): the tail, shown beside the goal's p50."""
+        return (engine.percentile(sorted(self.e2e_ms), 90),
+                engine.percentile(sorted(self.model_ms), 90) + self.overhead_ms)
+
     @property
     def off(self) -> float:
         return self.measured_p50 / self.expected_p50 - 1 if self.expected_p50 else float("inf")
@@ -210,10 +215,11 @@ def overhead(client: Client, prof: profiles.Profile, rng: random.Random, n: int,
 
 def table(runs: list[Run]) -> str:
     rows = [f"{'answer':>6}  {'load':<14} {'sent':>4} {'pod':>4} {'fallback':>8} {'failed':>6} "
-            f"{'e2e p50':>9} {'model+router':>12} {'off':>6}  within 25 %"]
+            f"{'e2e p50':>9} {'model+router':>12} {'off':>6}  {'p90: e2e / model+router':>23}  within 25 %"]
     for r in runs:
         rows.append(f"{r.length:>6}  {r.load:<14} {r.sent:>4} {r.by_pod:>4} {r.by_fallback:>8} {len(r.failed):>6} "
-                    f"{r.measured_p50:>9,.0f} {r.expected_p50:>12,.0f} {100 * r.off:>+5.0f}%  {'yes' if r.ok else 'NO'}")
+                    f"{r.measured_p50:>9,.0f} {r.expected_p50:>12,.0f} {100 * r.off:>+5.0f}%  "
+                    f"{'{:,.0f} / {:,.0f}'.format(*r.p90s()):>23}  {'yes' if r.ok else 'NO'}")
     return "\n".join(rows)
 
 
