@@ -133,3 +133,38 @@ def test_one_pod_of_two_killed_mid_load_costs_no_request(stacks, state_dir):
     assert not load.failures(), f"{len(load.failures())} of {len(load.results)} failed: {load.failures()[:5]}"
     assert len(load.results) - killed_at > 100
     assert "pod-0" in _backends(load.results[killed_at + 40:]), "pod 0 carried the load after the kill"
+
+
+def test_a_pod_of_the_default_profile_at_a_third_of_its_token_rate_is_passed_over(tmp_path, state_dir):
+    """The stand-in's slow_tokens fault (factor 3) on pod 0 of two default-profile pods, the cell's
+    default pace rule (colocate:worker.minTokensPerS 25, three slow answers from two keys): a few
+    answers, then every new request goes to pod 1; neither is bought from the fallback."""
+    import requests
+
+    from tests.support.sandbox import MODEL, client_key
+
+    d = sandbox_stacks(tmp_path / "stacks", compute_ms=20)
+    stackfile.write_config("sandbox", {"pod": {"provider": "local", "count": 2}}, d)  # the default profile
+    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=d)
+    pods = sorted(cell["pods"], key=lambda p: p["index"])
+    req = urllib.request.Request(pods[0]["control"] + "/_standin/fault", method="POST",
+                                 data=json.dumps({"mode": "slow_tokens", "factor": 3}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=5).close()
+    keys = [client_key(cell, f"pace-{i}", rpm=0, tpm=0, max_parallel=0)["key"] for i in range(2)]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 40, "min_tokens": 40, "ignore_eos": True}
+    backends: list[str] = []
+    t0 = time.monotonic()
+    for i in range(60):  # bounded; ties between idle pods are random until pod 0 is marked
+        with requests.post(cell["worker_url"] + "/v1/chat/completions", json=body, stream=True, timeout=60,
+                           headers={"Authorization": f"Bearer {keys[i % 2]}"}) as r:
+            assert r.status_code == 200, r.text
+            assert sum(1 for line in r.iter_lines() if line.startswith(b"data: {")) >= 40
+            backends.append(r.headers["x-colocate-backend"])
+        if backends[-10:] == ["pod-1"] * 10 and backends.count("pod-0") >= 3:
+            break
+    took = time.monotonic() - t0
+    assert backends[-10:] == ["pod-1"] * 10, backends
+    assert 3 <= backends.count("pod-0") <= 10, backends  # marked after a few slow answers
+    print(f"pod 0 passed over after {backends.count('pod-0')} of its answers, {took:.1f} s of traffic")
