@@ -162,10 +162,12 @@ def pods(count: int, delay_ms: float, token: str | None, slots: int = 0, chunks:
 
 
 def bench_plan(deadline_ms: int, worker_src: Path | None = None):
-    """The sandbox stack's plan (the cloud's Worker), with the bench's deadline; with
-    ``worker_src`` the same module names read from another directory (a candidate cut)."""
+    """The sandbox stack's plan (the cloud's Worker), with the bench's deadline, which is
+    also its stall limit (as the contract floor's: under valgrind a JIT compile on the
+    router's thread can outlast the sandbox's 2 s and cut a stream); with ``worker_src``
+    the same module names read from another directory (a candidate cut)."""
     raw, secrets = stackfile.read_config("sandbox")
-    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms}
+    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms, "stallMs": deadline_ms}
     s = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | set(settings_mod.ALWAYS_SECRET))
     plan = plan_mod.plan_cell(s)
     if worker_src is None:

@@ -172,7 +172,11 @@ export const MAX_STREAM_READ = 2 * MAX_ANSWER_BYTES;
 // workerd's BYOB readers have readAtLeast (Node's, in the unit tests, do not).
 const WINDOWS = typeof ReadableStreamBYOBReader === "function" && "readAtLeast" in ReadableStreamBYOBReader.prototype;
 
-/** The bytes up to and including the first chunk that carries a data event; null: the stream ended first. */
+/**
+ * The bytes up to and including the first chunk that carries a data event; null: the stream
+ * ended first. A BYOB read fills a FIRST_READ buffer whose unused rest the first window of
+ * an assembled answer reads into (Pace.readWindows): a short answer is one buffer, never copied.
+ */
 async function firstEvent(reader, byob = false) {
   let got = null;
   for (;;) {
@@ -183,7 +187,10 @@ async function firstEvent(reader, byob = false) {
   }
 }
 
-const FIRST_READ = 16384;
+// The first read's buffer (and room for an assembled answer's first window after it): a
+// short answer's whole stream (about 110 bytes an event) fits, and 8 KB costs less to
+// allocate and zero than the 16 KB first read and 4 KB window it replaces.
+const FIRST_READ = 8192;
 const D = 0x64; // "d" of "data:"
 
 function hasData(b) {
@@ -328,15 +335,23 @@ export class Pace {
    * quarter of that rate over a whole window, is a stall. As readAll.
    */
   async readWindows(cap, minTokensPerS) {
-    const chunks = [this.first];
-    let size = this.first.byteLength;
+    const first = this.first;
+    const chunks = [];
+    let size = first.byteLength;
     this.first = null;
     const windowBytes = Math.max(4096, Math.min(65536, size * WINDOW_TOKENS));
     const allowMs = this.stallMs + Math.ceil((4000 * WINDOW_TOKENS) / Math.max(minTokensPerS, 0.001));
+    // The first window reads into the rest of the first read's buffer (when it was one
+    // read and has room): the bytes so far stay where they are, and a short answer ends
+    // as one array with no copy. `head`: the buffer's view of everything read so far.
+    let spare = first.byteOffset === 0 && first.buffer.byteLength - size >= 1024 ? first.buffer.byteLength - size : 0;
+    let head = first;
+    const saved = spare ? first.slice() : null; // the first bytes, should a cut read not give the buffer back
     let reason = null;
     try {
       for (;;) {
-        const want = Math.min(windowBytes, cap + 1 - size);
+        // A window is never more than windowBytes: its time allowance is WINDOW_TOKENS events'.
+        const want = Math.min(spare ? Math.min(spare, windowBytes) : windowBytes, cap + 1 - size);
         if (want <= 0) {
           reason = "oversized";
           break;
@@ -346,20 +361,29 @@ export class Pace {
           this.stalled = true;
           this.reader.cancel(new Error("stalled")).catch(() => {});
         }, allowMs);
+        const into = spare ? new Uint8Array(head.buffer, head.byteLength, want) : new Uint8Array(want);
         let r;
         try {
-          r = await this.reader.readAtLeast(want, new Uint8Array(want));
+          r = await this.reader.readAtLeast(want, into);
         } finally {
           clearTimeout(timer);
         }
         this.waitMs += Date.now() - t;
+        if (spare) {
+          // The read took the buffer over (a BYOB read transfers it): the bytes before
+          // the window are in the buffer it gives back, or, when it gave none, lost.
+          spare = 0;
+          const back = r.value ? r.value.buffer : null;
+          head = back !== null && back.byteLength >= size ? new Uint8Array(back, 0, size) : saved;
+        }
         if (this.stalled) {
           reason = "stalled";
           break;
         }
         if (r.value && r.value.byteLength) {
           this.lines += lines(r.value);
-          chunks.push(r.value);
+          if (r.value.buffer === head.buffer && r.value.byteOffset === head.byteLength) head = new Uint8Array(head.buffer, 0, size + r.value.byteLength);
+          else chunks.push(r.value);
           size += r.value.byteLength;
         }
         if (r.done) break;
@@ -367,9 +391,10 @@ export class Pace {
     } catch {
       reason = this.stalled ? "stalled" : "broken";
     }
+    if (head.byteLength === 0) head = saved; // the read that took the buffer threw
     if (reason === "oversized") await this.reader.cancel(new Error("oversized")).catch(() => {});
     this.end();
-    return { bytes: concat(chunks, size), reason };
+    return { bytes: chunks.length ? concat([head, ...chunks], size) : head, reason };
   }
 
   /** The rest of the stream in one array, or why not: {bytes, reason: null | "stalled" | "broken" | "oversized"}. */
