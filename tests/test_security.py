@@ -147,14 +147,15 @@ def test_an_oversized_stream_for_an_assembled_answer_is_cut_counted_and_not_boug
 def _oversized_assembled(cell, key):
     cell.pod.set_fault("hostile", attack="oversized")
     before = cell.fallback.requests
-    # Asked as a stream for a client that asked none: past what max_tokens allows (usage.js
-    # streamCap) after its first token, the answer has begun: a 502, counted within max_tokens.
-    res = call(cell, key, body(max_tokens=4), timeout=60)
+    # Asked as a stream for a client that asked none (an answer longer than the router asks
+    # whole, router.js WHOLE_MAX_TOKENS): past what max_tokens allows (usage.js streamCap) after
+    # its first token, the answer has begun: a 502, counted within max_tokens.
+    res = call(cell, key, body(max_tokens=32), timeout=60)
     assert res.status == 502 and res.headers["x-colocate-backend"] == "pod-0"
     assert res.json()["error"]["code"] == "upstream_broken"
     assert cell.fallback.requests == before
     row = usage_row(cell, key, 1)
-    assert (row["pod_requests"], row["fallback_requests"]) == (1, 0) and row["completion_tokens"] <= 4
+    assert (row["pod_requests"], row["fallback_requests"]) == (1, 0) and row["completion_tokens"] <= 32
 
 
 def stream_cut(cell, key, data: bytes) -> tuple[int, bytes, bool]:

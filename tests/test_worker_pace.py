@@ -32,6 +32,7 @@ class PacedPod(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Paced)
         self.tokens, self.gap_s, self.stall_after = tokens, gap_s, stall_after
         self.requests = 0
+        self.whole = 0  # requests asked without a stream: answered as one JSON body at the last token
         self.lock = threading.Lock()
 
     @property
@@ -55,7 +56,9 @@ class _Paced(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             self.server.requests += 1
-        assert body["stream"] is True  # every answer is asked as a stream
+            self.server.whole += body.get("stream") is not True
+        if body.get("stream") is not True:
+            return self._whole()
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -78,6 +81,21 @@ class _Paced(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
 
+    def _whole(self) -> None:
+        pod = self.server
+        time.sleep(pod.gap_s * (pod.tokens - 1))  # as vLLM: the body once the last token is made
+        n = pod.tokens - 1
+        answer = {"id": "chatcmpl-p", "object": "chat.completion", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "t " * n}, "finish_reason": "length"}],
+                  "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.wfile.write(data)
+
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
@@ -99,8 +117,8 @@ def paced_cell(pods: list[PacedPod], worker: dict) -> Iterator[Cell]:
         yield cell
 
 
-def chat(key: str, stream: bool) -> dict:
-    return {"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream},
+def chat(key: str, stream: bool, **fields) -> dict:
+    return {"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields},
             "headers": {"authorization": f"Bearer {key}"}}
 
 
@@ -151,3 +169,22 @@ def test_a_long_non_streamed_answer_past_the_deadline_is_the_pods_and_counts_aga
         assert cell.fallback.requests == before
         snap = cell.breaker()
         assert snap["pods"][0]["state"] == "closed" and snap["pods"][0]["failures"] == 0
+
+
+def test_a_short_non_streamed_answer_is_asked_whole_with_a_tokens_allowance_past_the_deadline():
+    """At most WHOLE_MAX_TOKENS (16): asked of the pod as one body, within deadlineMs plus one token
+    at minTokensPerS for each it may have (router.js wholeMs); longer ones are streamed and assembled."""
+    pod = PacedPod(17, 0.06)  # 16 tokens, the whole body after about 0.96 s: past the 500 ms deadline
+    worker = {"stateTtlMs": 0, "deadlineMs": 500, "stallMs": 500, "failureThreshold": 1, "minTokensPerS": 10}
+    with paced_cell([pod], worker) as cell:
+        key = cell.create_key("k", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)["key"]
+        before = cell.fallback.requests
+        res = request(cell.url, "POST", "/v1/chat/completions", **chat(key, stream=False, max_tokens=16))
+        assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0", res.body[:200]
+        assert res.json()["usage"]["completion_tokens"] == 16 and pod.whole == 1
+        # 17 tokens may be more than the router asks whole: a stream, assembled.
+        res = request(cell.url, "POST", "/v1/chat/completions", **chat(key, stream=False, max_tokens=17))
+        assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0" and pod.whole == 1
+        assert res.json()["object"] == "chat.completion"
+        assert cell.fallback.requests == before
+        assert cell.breaker()["pods"][0]["state"] == "closed"

@@ -249,9 +249,15 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const tried = new Set();
   const suspects = []; // pods that failed this request, not reported yet
   // A client that asked for no stream is served from the pod's stream all the same, its
-  // answer assembled (assemble.js), so the pod is judged by its first token and its pace.
-  const assemble = !streamed && streamable(json);
+  // answer assembled (assemble.js), so the pod is judged by its first token and its pace;
+  // but an answer of at most WHOLE_MAX_TOKENS is asked whole, within the first-token deadline
+  // plus a token's allowance at the pace rule's rate for each token it may have (wholeMs):
+  // one body costs the runtime a third less than a stream's events (docs/benchmarks.md), and
+  // so short an answer has no pace to judge.
+  const short = !streamed && ceiling !== null && ceiling.completion <= WHOLE_MAX_TOKENS;
+  const assemble = !streamed && !short && streamable(json);
   const mode = streamed ? "stream" : assemble ? "assemble" : "whole";
+  const budgetMs = short ? wholeMs(cfg, ceiling.completion) : cfg.deadlineMs;
   const chat = url.pathname === "/v1/chat/completions";
   const n = json === null ? 1 : Math.max(Number.isInteger(json.n) ? json.n : 1, 1);
   // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
@@ -288,7 +294,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       if (trial) index = pick;
     }
     if (index < 0) break;
-    const deadline = cfg.deadlineMs - (now() - t1);
+    const deadline = budgetMs - (now() - t1);
     if (deadline <= 0) break;
     tried.add(index);
     const podUrl = urls[index];
@@ -464,6 +470,14 @@ function fallbackBody(env, pathname, bytes, json, cfg, askUsage) {
 }
 
 /** `usage` within what the request allows; a cut is logged (a pod that over-reports is broken or hostile). */
+// The longest non-streamed answer asked of the pod whole (see `short` in routed).
+export const WHOLE_MAX_TOKENS = 16;
+
+/** A whole answer's time: the first-token deadline, plus each token it may have at the pace rule's rate. */
+export function wholeMs(cfg, completionTokens) {
+  return cfg.deadlineMs + Math.ceil((completionTokens * 1000) / Math.max(cfg.minTokensPerS, 1));
+}
+
 function ceiled(env, backend, usage, ceiling) {
   const u = capUsage(usage, ceiling);
   if (u && u.capped) log(env, "usage_capped", { backend, prompt: u.prompt, completion: u.completion });
