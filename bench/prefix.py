@@ -19,17 +19,28 @@ every turn must prefill what no policy can reuse (the history; each pod soon hol
 system prompt): ``--pods`` x the stand-in engine's knee (``colocate.pods.engine.knee``) at the
 workload's mean uncached prompt and answer length, or ``--capacity``.
 
+``--isolates N`` (N > 1) serves every run from N isolates instead of the cell's one: a
+second workerd runs the cell's own config (the same Worker bytes, plan, pods, hops and emulated
+network) with its edge Worker defined N times, each its own isolate (workerd gives every Worker
+definition an isolate of its own; ``inherit`` would share one) on its own port, all over one
+object host, as isolates in one colo share their generation object; the driver sends each turn to
+an isolate drawn at random, as an edge spreads requests. Those runs skip the emulated
+client -> edge hop (the front proxy fronts the cell's own workerd).
+``across`` is the ``same pod`` share of the turns that another isolate than their previous
+turn's routed.
+
 ``--url URL --key KEY`` drives any OpenAI-compatible URL once instead (a cell, a pod, a real
 vLLM): no sandbox, no policy, the same table.
 
 Usage: .venv/bin/python -m bench.prefix [--policies random,least_busy,prefix] [--loads 0.5,0.8]
-       [--pods 4] [--seconds 60] [--warmup 15] [--capacity RPS] [--json PATH|-]
+       [--pods 4] [--seconds 60] [--warmup 15] [--capacity RPS] [--isolates N] [--json PATH|-]
 Exit: 0 done (goals are printed, not enforced), 2 usage error or setup failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -39,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,6 +70,8 @@ WORDS = ("the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was",
          "water", "been", "call", "who", "oil", "its", "now", "find", "long", "down", "day", "did", "get",
          "come", "made", "may", "part")
 # What the issue asks of prefix affinity at 80 % load, against the best other policy.
+# Longer than an isolate's flush of what it recorded (worker/src/state.js FLUSH_MAX_MS = 1 s).
+SYNC_S = 2.5
 GOALS = {"ttft_p50": 0.5, "ttft_p99": 0.8, "throughput": 0.95, "max_over_mean": 1.3}
 
 
@@ -137,6 +150,7 @@ class Turn:
     tokens: int  # content chunks received (one per token from vLLM and the stand-in)
     backend: str | None
     error: str | None = None
+    isolate: int | None = None  # which of the URLs (isolates) the turn went to
 
 
 def stream_turn(session: requests.Session, url: str, key: str, body: dict, timeout_s: float) -> tuple[Turn, str]:
@@ -169,10 +183,13 @@ def stream_turn(session: requests.Session, url: str, key: str, body: dict, timeo
         return Turn(0, 0, 0, None, None, None, 0, None, type(exc).__name__), ""
 
 
-def drive(url: str, keys: Sequence[str], load: Workload, *, model: str = "bench", timeout_s: float = 120,
-          stop_after_s: float | None = None) -> tuple[list[Turn], float]:
+def drive(url: str | Sequence[str], keys: Sequence[str], load: Workload, *, model: str = "bench",
+          timeout_s: float = 120, stop_after_s: float | None = None, seed: int = 0) -> tuple[list[Turn], float]:
     """Run every conversation of ``load`` in real time (a thread each, started at its arrival);
-    no turn starts after ``stop_after_s``. Returns the turns and the run's length in seconds."""
+    no turn starts after ``stop_after_s``. Several URLs (isolates): each turn goes to one drawn at
+    random (seeded). Returns the turns and the run's length in seconds."""
+    urls = [url] if isinstance(url, str) else list(url)
+    pick = random.Random(seed)
     turns: list[Turn] = []
     lock = threading.Lock()
     start = time.monotonic()
@@ -193,8 +210,10 @@ def drive(url: str, keys: Sequence[str], load: Workload, *, model: str = "bench"
             messages.append({"role": "user", "content": q})
             body = {"model": model, "messages": messages, "stream": True, "max_tokens": load.answer_tokens,
                     "ignore_eos": True}
-            t, answer = stream_turn(s, url, keys[c.app % len(keys)], body, timeout_s)
-            t.conversation, t.turn, t.sent_s = c.index, k, sent
+            with lock:
+                which = pick.randrange(len(urls))
+            t, answer = stream_turn(s, urls[which], keys[c.app % len(keys)], body, timeout_s)
+            t.conversation, t.turn, t.sent_s, t.isolate = c.index, k, sent, which
             with lock:
                 turns.append(t)
             if t.status != 200:
@@ -254,6 +273,28 @@ def scrape_cell(worker_url: str, read_token: str, pods: int, timeout_s: float = 
     return [by.get(i) for i in range(pods)]
 
 
+_PICK = re.compile(r'^colocate_balance_picks_total\{[^}]*by="(affinity|load)"[^}]*\}\s+([0-9.eE+-]+)\s*$', re.M)
+
+
+def picks(metrics_text: str) -> dict[str, float]:
+    """The prefix policy's picks from the cell's Prometheus text: {"affinity": sent to the
+    prefix's own pod, "load": shed to another by the load bound}, summed over pods."""
+    out = {"affinity": 0.0, "load": 0.0}
+    for by, value in _PICK.findall(metrics_text):
+        out[by] += float(value)
+    return out
+
+
+def scrape_picks(worker_url: str, read_token: str, timeout_s: float = 10) -> dict[str, float] | None:
+    """The cell's picks (``GET /_colocate/metrics``: every isolate's, as of its last sync)."""
+    try:
+        r = requests.get(worker_url + "/_colocate/metrics", headers={"Authorization": f"Bearer {read_token}"},
+                         timeout=timeout_s)
+    except requests.RequestException:
+        return None
+    return picks(r.text) if r.status_code == 200 else None
+
+
 # ---- one run's summary ----------------------------------------------------------------------
 
 def pct(values: Sequence[float], q: float) -> float | None:
@@ -281,10 +322,13 @@ class Summary:
     pods: list[dict] = field(default_factory=list)  # per pod: turns, prompt share, hit rate
     max_over_mean: float | None = None  # the most-loaded pod's turns over the mean
     same_pod: float | None = None  # turns after the first on their previous turn's pod
+    same_pod_across: float | None = None  # of those, the ones another isolate than the previous turn's routed
+    across_turns: int = 0  # how many turns that is
+    shed: float | None = None  # the prefix policy's picks shed by the load bound (the cell's counters)
 
 
 def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], window: tuple[float, float],
-              pods: int, hits: Sequence[dict | None] = ()) -> Summary:
+              pods: int, hits: Sequence[dict | None] = (), shed: dict[str, float] | None = None) -> Summary:
     lo, hi = window
     inside = [t for t in turns if lo <= t.sent_s < hi]
     good = [t for t in inside if t.status == 200]
@@ -296,13 +340,17 @@ def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], w
             if 0 <= i < pods:
                 per[i] += 1
     mean = statistics.fmean(per) if pods else 0
-    prev: dict[int, str | None] = {}
-    kept = later = 0
+    prev: dict[int, Turn] = {}
+    kept = later = kept_across = across = 0
     for t in sorted(turns, key=lambda t: (t.conversation, t.turn)):
-        if t.turn > 0 and t.conversation in prev and t.status == 200:
+        before = prev.get(t.conversation)
+        if t.turn > 0 and before is not None and t.status == 200:
             later += 1
-            kept += prev[t.conversation] == t.backend
-        prev[t.conversation] = t.backend
+            kept += before.backend == t.backend
+            if t.isolate is not None and before.isolate is not None and t.isolate != before.isolate:
+                across += 1
+                kept_across += before.backend == t.backend
+        prev[t.conversation] = t
     pod_rows = []
     for i in range(pods):
         h = hits[i] if i < len(hits) else None
@@ -316,6 +364,8 @@ def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], w
         turns_per_s=round(len(good) / span, 3), tokens_per_s=round(sum(t.tokens for t in good) / span, 1),
         pods=pod_rows, max_over_mean=round(max(per) / mean, 3) if mean else None,
         same_pod=round(kept / later, 3) if later else None,
+        same_pod_across=round(kept_across / across, 3) if across else None, across_turns=across,
+        shed=round(shed["load"] / (shed["load"] + shed["affinity"]), 3) if shed and shed["load"] + shed["affinity"] else None,
     )
 
 
@@ -351,7 +401,7 @@ def goals(rows: Sequence[Summary], load: float) -> list[str]:
 
 def table(rows: Sequence[Summary]) -> str:
     head = (f"{'policy':11} {'load':>5} {'turns/s':>8} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'e2e p50':>8} "
-            f"{'max/mean':>8} {'same pod':>8} {'failed':>6}  prefix-cache hit rate per pod")
+            f"{'max/mean':>8} {'same pod':>8} {'across':>6} {'shed':>5} {'failed':>6}  prefix-cache hit rate per pod")
     lines = [head]
     for r in rows:
         hit = " ".join("-" if p["prefix_cache_hit_rate"] is None else f"{100 * p['prefix_cache_hit_rate']:.0f}%"
@@ -360,7 +410,9 @@ def table(rows: Sequence[Summary]) -> str:
         f = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
         lines.append(f"{r.policy:11} {load:>5} {r.turns_per_s:8.2f} {r.tokens_per_s:7.0f} {f(r.ttft_p50_ms):>9} "
                      f"{f(r.ttft_p99_ms):>9} {f(r.e2e_p50_ms):>8} {'-' if r.max_over_mean is None else r.max_over_mean:>8} "
-                     f"{'-' if r.same_pod is None else r.same_pod:>8} {r.failed:6d}  {hit}")
+                     f"{'-' if r.same_pod is None else r.same_pod:>8} "
+                     f"{'-' if r.same_pod_across is None else r.same_pod_across:>6} {'-' if r.shed is None else r.shed:>5} "
+                     f"{r.failed:6d}  {hit}")
     return "\n".join(lines)
 
 
@@ -377,9 +429,90 @@ def capacity(pods: int, load: Workload, question_tokens: float, profile: str | N
     return pods * k.rate
 
 
+_EDGE = '(name = "edge", worker = '  # colocate.sandbox.config's edge service, as colocate.workerd writes it
+
+
+def _closing(text: str, start: int) -> int:
+    """Just past the parenthesis closing the one at or after ``start`` in Cap'n Proto text (strings skipped)."""
+    depth, i, quoted = 0, start, False
+    while i < len(text):
+        ch = text[i]
+        if quoted:
+            if ch == "\\":
+                i += 1
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise ValueError("the config's edge service has no closing parenthesis")
+
+
+def isolates_config(text: str, isolates: int, objects_from: Path, objects_to: Path) -> tuple[str, list[str]]:
+    """A sandbox cell's workerd config (colocate/sandbox/config.py) with its edge Worker defined
+    ``isolates`` times, byte for byte (``edge``, ``edge-1``, ...: workerd runs each Worker definition
+    in an isolate of its own), each on a socket of its own, and its object hosts storing under
+    ``objects_to``: the config and its socket names, in isolate order. ValueError when the text is
+    not such a config."""
+    from colocate import workerd as wd
+
+    start = text.find(_EDGE)
+    if start < 0 or text.find(_EDGE, start + 1) >= 0:
+        raise ValueError("expected one edge service in the sandbox's workerd config")
+    end = _closing(text, start)
+    edge = text[start:end]
+    copies = [edge] + [edge.replace(_EDGE, f'(name = "edge-{k}", worker = ', 1) for k in range(1, isolates)]
+    text = text[:start] + ",\n    ".join(copies) + text[end:]
+    old = wd.capnp_text(str(Path(objects_from).resolve()))[:-1]  # the disk services' paths, open-ended
+    if old not in text:
+        raise ValueError(f"the sandbox's workerd config stores no objects under {objects_from}")
+    text = text.replace(old, wd.capnp_text(str(Path(objects_to).resolve()))[:-1])
+    at = text.rfind("sockets = [")
+    if at < 0:
+        raise ValueError("the sandbox's workerd config has no sockets")
+    names = [f"http-{k}" for k in range(isolates)]
+    socks = ",\n    ".join(wd.socket_capnp(n, 0, "edge" if k == 0 else f"edge-{k}")[1] for k, n in enumerate(names))
+    return text[:at] + f"sockets = [\n    {socks}\n  ]\n);\n", names
+
+
+@contextlib.contextmanager
+def isolates_of(cell: dict, isolates: int, directory: Path) -> Iterator[list[str]]:
+    """The cell's Worker served by ``isolates`` isolates beside its own (isolates_config): their
+    URLs, while the block runs. They share one object host of their own (empty: the block's keys
+    are made through them), and reach the cell's pods, fallback and control through its network."""
+    from colocate import workerd as wd
+    from colocate.sandbox.statedir import OBJECTS_DIR, WORKERD_CONFIG_FILE
+
+    state_dir = Path(cell["state_dir"])
+    objects = directory / "objects"
+    for site in (state_dir / OBJECTS_DIR).iterdir():
+        if site.is_dir():
+            (objects / site.name).mkdir(parents=True, exist_ok=True)
+    text, names = isolates_config((state_dir / WORKERD_CONFIG_FILE).read_text(), isolates, state_dir / OBJECTS_DIR,
+                                  objects)
+    socks = {n: wd.listening_socket() for n in names[1:]}
+    w = wd.Workerd(directory, socket_name=names[0])
+    try:
+        w.start(text, extra_sockets=socks)
+        yield [w.url] + [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks.values()]
+    finally:
+        w.close()
+        for s in socks.values():
+            s.close()
+
+
 def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
-             on_ready: Callable[[dict], None] | None = None) -> tuple[list[Turn], list[dict | None], float]:
-    """One fresh sandbox cell under ``policy``: the workload through it, and each pod's counters (after less before)."""
+             on_ready: Callable[[dict], None] | None = None, isolates: int = 1,
+             seed: int = 0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None]:
+    """One fresh sandbox cell under ``policy``: the workload through it (through ``isolates``
+    isolates when more than one, isolates_of), each pod's counters and the cell's picks (after
+    less before)."""
     from colocate import stackfile
     from colocate.admin import AdminClient, Target
     from colocate.sandbox import supervisor
@@ -399,17 +532,25 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
         try:
             if on_ready:
                 on_ready(cell)
-            admin = AdminClient(Target(cell["worker_url"], cell["token"], "sandbox"))
-            # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
-            keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0)["key"] for a in load.apps]
-            before = scrape_cell(cell["worker_url"], cell["read_token"], pods)
-            turns, _ = drive(cell["worker_url"], keys, load, stop_after_s=seconds)
-            after = scrape_cell(cell["worker_url"], cell["read_token"], pods)
+            with contextlib.ExitStack() as more:
+                urls = [cell["worker_url"]]
+                if isolates > 1:
+                    urls = more.enter_context(isolates_of(cell, isolates, Path(tmp) / "isolates"))
+                admin = AdminClient(Target(urls[0], cell["token"], "sandbox"))
+                # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
+                keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0)["key"] for a in load.apps]
+                before = scrape_cell(urls[0], cell["read_token"], pods)
+                picked = scrape_picks(urls[0], cell["read_token"])
+                turns, _ = drive(urls, keys, load, stop_after_s=seconds, seed=seed)
+                after = scrape_cell(urls[0], cell["read_token"], pods)
+                time.sleep(SYNC_S)  # every isolate's last picks reach the object
+                now = scrape_picks(urls[0], cell["read_token"])
         finally:
             supervisor.down(state_dir, quiet=True)
     # a pod that reported nothing before had served nothing yet: its counters started at 0
     hits = [None if a is None else {k: a[k] - (b or {}).get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
-    return turns, hits, seconds
+    shed = {k: now[k] - picked[k] for k in now} if now is not None and picked is not None else None
+    return turns, hits, shed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=float, help="the cell's requests a second at 100 %% (default: the engine's knee)")
     p.add_argument("--profile", help="the stand-in profile the capacity is computed for (default: the stand-in's default)")
     p.add_argument("--pod-config", default="{}", help="JSON merged into colocate:pod for the cell (default: the --profile)")
+    p.add_argument("--isolates", type=int, default=1, help="serve each run from this many isolates (module doc)")
     p.add_argument("--bound", type=float, help="colocate:worker.prefixBound for the prefix runs")
     p.add_argument("--apps", type=int, default=3)
     p.add_argument("--answer", type=int, default=200, help="answer tokens per turn")
@@ -447,9 +589,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= turns[0] <= turns[1] <= 64:
         print(f"prefix: --turns {args.turns!r}: expected LO-HI with 1 <= LO <= HI <= 64, e.g. 2-8", file=sys.stderr)
         return 2
-    if not (loads and all(0 < x <= 2 for x in loads) and policies and 1 <= args.pods <= 16
+    if not (loads and all(0 < x <= 2 for x in loads) and policies and 1 <= args.pods <= 16 and 1 <= args.isolates <= 16
             and 0 <= args.warmup < args.seconds <= 3600 and isinstance(extra_pod, dict)):
-        print("prefix: need loads in (0, 2], at least one policy, 1..16 pods, 0 <= --warmup < --seconds <= 3600",
+        print("prefix: need loads in (0, 2], at least one policy, 1..16 pods, 1..16 isolates, "
+              "0 <= --warmup < --seconds <= 3600",
               file=sys.stderr)
         return 2
     if "profile" not in extra_pod and not args.url:
@@ -498,12 +641,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"prefix: {policy} at {100 * lf:.0f} % ({rate:.2f} turns/s, {len(load.conversations)} conversations)",
                       file=sys.stderr)
                 try:
-                    sent, hits, _ = run_cell(policy, args.pods, load, args.seconds, extra_pod,
-                                             args.bound if policy == "prefix" else None)
+                    sent, hits, shed = run_cell(policy, args.pods, load, args.seconds, extra_pod,
+                                             args.bound if policy == "prefix" else None, isolates=args.isolates,
+                                             seed=args.seed)
                 except (ConfigError, SandboxError) as exc:
                     print(f"prefix: {exc}", file=sys.stderr)
                     return exc.exit_code
-                rows.append(summarise(policy, lf, rate, sent, window, args.pods, hits))
+                rows.append(summarise(policy, lf, rate, sent, window, args.pods, hits,
+                                      shed if policy == "prefix" else None))
                 print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)  # each run as it ends
     print(table(rows))
     verdicts = [g for lf in loads for g in goals(rows, lf) if lf == max(loads)]

@@ -7,6 +7,8 @@ import json
 import statistics
 import threading
 
+import pytest
+
 from bench import prefix
 from colocate.pods import standin
 
@@ -86,3 +88,84 @@ def test_the_driver_streams_every_turn_with_the_history_growing():
     for lengths in by_conv.values():
         assert sorted(lengths) == [2 + 2 * k for k in range(len(lengths))]  # system, then q/a pairs and the new question
     assert json.dumps(turns[0].__dict__)
+
+
+def test_the_summary_counts_same_pod_across_isolates_and_the_shed_share():
+    T = prefix.Turn
+    turns = [T(0, 0, 1, 200, 1, 1, 1, "pod-0", isolate=0), T(0, 1, 2, 200, 1, 1, 1, "pod-0", isolate=1),
+             T(0, 2, 3, 200, 1, 1, 1, "pod-0", isolate=1), T(1, 0, 1, 200, 1, 1, 1, "pod-1", isolate=2),
+             T(1, 1, 2, 200, 1, 1, 1, "pod-2", isolate=3)]
+    s = prefix.summarise("prefix", 0.8, 1.0, turns, (0, 10), 4, shed={"affinity": 9, "load": 1})
+    assert s.same_pod == round(2 / 3, 3)  # 0.1 and 0.2 stayed, 1.1 moved
+    assert (s.across_turns, s.same_pod_across) == (2, 0.5)  # 0.1 and 1.1 changed isolate; one of them stayed
+    assert s.shed == 0.1
+    assert prefix.summarise("random", 0.8, 1.0, turns[:1], (0, 10), 4).same_pod_across is None
+    text = ('colocate_balance_picks_total{backend="pod-0",by="affinity"} 7\n'
+            'colocate_balance_picks_total{backend="pod-1",by="affinity"} 2\n'
+            'colocate_balance_picks_total{backend="pod-1",by="load"} 1\n'
+            'colocate_requests_total{backend="pod-1"} 10\n')
+    assert prefix.picks(text) == {"affinity": 9.0, "load": 1.0}
+
+
+CONFIG = '''# Generated
+using Workerd = import "/workerd/workerd.capnp";
+
+const config :Workerd.Config = (
+  services = [
+    (name = "edge", worker = (
+  modules = [
+    (name = "index.js", esModule = "export default { fetch() { return new Response(\\"(\\\\\\" ))\\") } };")
+  ],
+  bindings = [(name = "X", durableObjectNamespace = (className = "B", serviceName = "state-IAD"))]
+)),
+    (name = "state-IAD", worker = (modules = [], durableObjectStorage = (localDisk = "disk-IAD"))),
+    (name = "disk-IAD", disk = (path = "/s/objects/IAD", writable = true))
+  ],
+  sockets = [
+    (name = "http", address = "127.0.0.1:0", http = (), service = "edge")
+  ]
+);
+'''
+
+
+def test_the_isolates_config_defines_the_edge_worker_once_per_isolate_with_a_socket_each():
+    from pathlib import Path
+
+    text, names = prefix.isolates_config(CONFIG, 3, Path("/s/objects"), Path("/t/objects"))
+    assert names == ["http-0", "http-1", "http-2"]
+    edge = CONFIG[CONFIG.index('(name = "edge"'):CONFIG.index(',\n    (name = "state-IAD"')]
+    assert text.count(edge) == 1  # byte for byte, its string's parentheses and escapes included
+    for k in (1, 2):
+        assert text.count(edge.replace('"edge"', f'"edge-{k}"', 1)) == 1
+    assert text.count("esModule") == 3 and text.count('(name = "state-IAD"') == 1  # one object host for all
+    assert '"/t/objects/IAD"' in text and "/s/objects" not in text
+    for k, n in enumerate(names):
+        assert f'(name = "{n}", address = "127.0.0.1:0", http = (), service = "{"edge" if k == 0 else f"edge-{k}"}")' in text
+    assert '(name = "http",' not in text and text.endswith("  ]\n);\n")
+    for bad in (CONFIG.replace('(name = "edge"', '(name = "front"'), CONFIG + CONFIG):
+        try:
+            prefix.isolates_config(bad, 2, Path("/s/objects"), Path("/t/objects"))
+        except ValueError:
+            continue
+        raise AssertionError("a config without exactly one edge service was accepted")
+
+
+@pytest.mark.slow
+def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_bound():
+    """Issue 49: turns after the first land on their conversation's previous pod, whichever of 4
+    isolates routes them. Few conversations at once (at most 6 requests in flight over 4 pods),
+    so no pod reaches the bound's floor (affinity.js MIN_CAP = 4) unless 4 of 6 hash to one."""
+    from colocate.pods import profiles
+
+    load = prefix.workload(seed=7, seconds=8, rate_per_s=0.75, turns=(6, 6), answer_tokens=16, think_s=0.3,
+                           system_tokens=(200, 400))
+    assert 3 <= len(load.conversations) <= 12
+    turns, hits, shed = prefix.run_cell("prefix", 4, load, 60, {"profile": profiles.DEFAULT_PROFILE}, None,
+                                        isolates=4, seed=7)
+    s = prefix.summarise("prefix", None, 0.0, turns, (0, 60), 4, hits, shed)
+    assert s.failed == 0 and s.turns == 6 * len(load.conversations)
+    assert {t.isolate for t in turns} == {0, 1, 2, 3}  # every isolate routed turns
+    assert len({t.backend for t in turns}) >= 2  # the conversations spread over the pods
+    assert s.across_turns >= 10  # turns another isolate routed than the previous turn's
+    assert s.same_pod >= 0.9 and s.same_pod_across >= 0.9, s
+    assert all(h is not None and h["queries"] > 0 for h in hits if h)  # the pods' own counters were read
