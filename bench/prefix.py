@@ -295,6 +295,26 @@ def scrape_picks(worker_url: str, read_token: str, timeout_s: float = 10) -> dic
     return picks(r.text) if r.status_code == 200 else None
 
 
+_TTFT = re.compile(r"^vllm:time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def pod_ttfts(cell: dict, timeout_s: float = 5) -> list[dict[str, float] | None]:
+    """Each sandbox pod's own TTFT counters ({sum in s, count}: vllm:time_to_first_token_seconds, from
+    its arrival at the API server to its first token, queue included), read from the pod directly
+    over its mutual TLS with the Worker's certificate (no emulated hop)."""
+    hop = Path(cell["state_dir"]) / "hop"
+    out: list[dict[str, float] | None] = []
+    for pod in cell["pods"]:
+        try:
+            r = requests.get(pod["address"].replace("//127.0.0.1:", "//localhost:") + "/metrics", timeout=timeout_s,
+                             cert=(str(hop / "worker.pem"), str(hop / "worker.key")), verify=str(hop / "ca.pem"))
+            got = {k: float(v) for k, v in _TTFT.findall(r.text)} if r.status_code == 200 else {}
+        except (requests.RequestException, OSError, ValueError):
+            got = {}
+        out.append(got if {"sum", "count"} <= got.keys() else None)
+    return out
+
+
 # ---- one run's summary ----------------------------------------------------------------------
 
 def pct(values: Sequence[float], q: float) -> float | None:
@@ -325,10 +345,16 @@ class Summary:
     same_pod_across: float | None = None  # of those, the ones another isolate than the previous turn's routed
     across_turns: int = 0  # how many turns that is
     shed: float | None = None  # the prefix policy's picks shed by the load bound (the cell's counters)
+    # Where the first token's time goes (means, ms): the client's, the pods' own (arrival at the API
+    # server to first token), and of that the API server's queue as the profile models it.
+    ttft_mean_ms: float | None = None
+    pod_ttft_mean_ms: float | None = None
+    api_queue_ms: float | None = None
 
 
 def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], window: tuple[float, float],
-              pods: int, hits: Sequence[dict | None] = (), shed: dict[str, float] | None = None) -> Summary:
+              pods: int, hits: Sequence[dict | None] = (), shed: dict[str, float] | None = None,
+              pod_ttft: Sequence[dict | None] = (), profile: str | None = None) -> Summary:
     lo, hi = window
     inside = [t for t in turns if lo <= t.sent_s < hi]
     good = [t for t in inside if t.status == 200]
@@ -356,24 +382,58 @@ def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], w
         h = hits[i] if i < len(hits) else None
         rate_i = round(h["hits"] / h["queries"], 3) if h and h.get("queries") else None
         pod_rows.append({"pod": i, "turns": per[i], "prefix_cache_hit_rate": rate_i})
+    ttfts = [t.ttft_ms for t in good if t.ttft_ms is not None]
+    tokens_per_s = sum(t.tokens for t in good) / span
+    seen = [p for p in pod_ttft if p and p.get("count")]
     return Summary(
         policy=policy, load=load, rate_per_s=round(rate, 3), turns=len(inside), failed=len(inside) - len(good),
         ttft_p50_ms=pct([t.ttft_ms for t in good if t.ttft_ms is not None], 50),
         ttft_p99_ms=pct([t.ttft_ms for t in good if t.ttft_ms is not None], 99),
         e2e_p50_ms=pct([t.e2e_ms for t in good if t.e2e_ms is not None], 50),
-        turns_per_s=round(len(good) / span, 3), tokens_per_s=round(sum(t.tokens for t in good) / span, 1),
+        turns_per_s=round(len(good) / span, 3), tokens_per_s=round(tokens_per_s, 1),
         pods=pod_rows, max_over_mean=round(max(per) / mean, 3) if mean else None,
         same_pod=round(kept / later, 3) if later else None,
         same_pod_across=round(kept_across / across, 3) if across else None, across_turns=across,
         shed=round(shed["load"] / (shed["load"] + shed["affinity"]), 3) if shed and shed["load"] + shed["affinity"] else None,
+        ttft_mean_ms=round(statistics.fmean(ttfts), 1) if ttfts else None,
+        pod_ttft_mean_ms=round(1000 * sum(p["sum"] for p in seen) / sum(p["count"] for p in seen), 1) if seen else None,
+        api_queue_ms=api_queue_ms(profile, tokens_per_s / pods) if profile and pods else None,
     )
+
+
+def api_queue_ms(profile: str, tokens_per_s: float) -> float | None:
+    """The stand-in's API-server queue (engine.Frontend) at a pod's output rate: the same for every policy."""
+    try:
+        from colocate.pods import profiles
+    except ImportError:
+        return None
+    prof = profiles.get(profile)
+    if not prof.frontend_ms_per_token:
+        return None
+    rho = min(0.98, tokens_per_s * prof.frontend_ms_per_token / 1000)
+    return round(prof.frontend_queue_ms * rho * rho / (1 - rho), 1)
+
+
+def breakdown(rows: Sequence[Summary]) -> str:
+    """Where each run's mean TTFT goes: the hops (the client's less the pods' own), the pods' API
+    queue (modelled) and their engine (queue for a step, then the step that prefills the turn)."""
+    lines = [f"{'policy':11} {'load':>5} {'TTFT mean':>9} {'hops':>6} {'pod':>6} {'API queue':>9} {'engine':>6}  (ms)"]
+    for r in rows:
+        if r.ttft_mean_ms is None or r.pod_ttft_mean_ms is None:
+            continue
+        f = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
+        load = "-" if r.load is None else f"{100 * r.load:.0f}%"
+        engine = None if r.api_queue_ms is None else r.pod_ttft_mean_ms - r.api_queue_ms
+        lines.append(f"{r.policy:11} {load:>5} {f(r.ttft_mean_ms):>9} {f(r.ttft_mean_ms - r.pod_ttft_mean_ms):>6} "
+                     f"{f(r.pod_ttft_mean_ms):>6} {f(r.api_queue_ms):>9} {f(engine):>6}")
+    return "\n".join(lines)
 
 
 def goals(rows: Sequence[Summary], load: float) -> list[str]:
     """The issue's targets at ``load``: prefix against the best other policy."""
     at = [r for r in rows if r.load == load]
     mine = next((r for r in at if r.policy == "prefix"), None)
-    others = [r for r in at if r.policy != "prefix"]
+    others = [r for r in at if not r.policy.startswith("prefix")]
     if mine is None or not others or mine.ttft_p50_ms is None:
         return []
     out = []
@@ -508,11 +568,11 @@ def isolates_of(cell: dict, isolates: int, directory: Path) -> Iterator[list[str
 
 
 def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
-             on_ready: Callable[[dict], None] | None = None, isolates: int = 1,
-             seed: int = 0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None]:
+             on_ready: Callable[[dict], None] | None = None, isolates: int = 1, seed: int = 0,
+             warmup: float = 0.0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None, list[dict | None]]:
     """One fresh sandbox cell under ``policy``: the workload through it (through ``isolates``
     isolates when more than one, isolates_of), each pod's counters and the cell's picks (after
-    less before)."""
+    less before), and each pod's own TTFT counters from ``warmup`` seconds on (pod_ttfts)."""
     from colocate import stackfile
     from colocate.admin import AdminClient, Target
     from colocate.sandbox import supervisor
@@ -541,7 +601,14 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
                 keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0)["key"] for a in load.apps]
                 before = scrape_cell(urls[0], cell["read_token"], pods)
                 picked = scrape_picks(urls[0], cell["read_token"])
-                turns, _ = drive(urls, keys, load, stop_after_s=seconds, seed=seed)
+                at_warmup: list[list[dict | None]] = []
+                timer = threading.Timer(warmup, lambda: at_warmup.append(pod_ttfts(cell)))
+                timer.start()
+                try:
+                    turns, _ = drive(urls, keys, load, stop_after_s=seconds, seed=seed)
+                finally:
+                    timer.cancel()
+                ttft_end = pod_ttfts(cell)
                 after = scrape_cell(urls[0], cell["read_token"], pods)
                 time.sleep(SYNC_S)  # every isolate's last picks reach the object
                 now = scrape_picks(urls[0], cell["read_token"])
@@ -550,12 +617,15 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
     # a pod that reported nothing before had served nothing yet: its counters started at 0
     hits = [None if a is None else {k: a[k] - (b or {}).get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
     shed = {k: now[k] - picked[k] for k in now} if now is not None and picked is not None else None
-    return turns, hits, shed
+    start = at_warmup[0] if at_warmup else [None] * len(ttft_end)
+    pod_ttft = [None if e is None else {k: e[k] - (b or {}).get(k, 0.0) for k in e} for e, b in zip(ttft_end, start, strict=True)]
+    return turns, hits, shed, pod_ttft
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default=",".join(POLICIES), help="colocate:worker.balance values, comma-separated")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="colocate:worker.balance values, comma-separated; prefix@C: prefix with bound C")
     p.add_argument("--loads", default=",".join(str(x) for x in LOADS), help="fractions of the cell's capacity")
     p.add_argument("--pods", type=int, default=4)
     p.add_argument("--seconds", type=float, default=60, help="conversations arrive for this long; turns after it are not sent")
@@ -581,6 +651,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefix: --loads is fractions like 0.5,0.8 and --pod-config JSON ({exc})", file=sys.stderr)
         return 2
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    for policy in policies:
+        name, at, bound = policy.partition("@")
+        try:
+            ok = not at or (name == "prefix" and float(bound) > 1)
+        except ValueError:
+            ok = False
+        if not ok:
+            print(f"prefix: --policies {policy!r}: a bound goes with prefix only and is a number > 1, e.g. prefix@2",
+                  file=sys.stderr)
+            return 2
     lo, _, hi = args.turns.partition("-")
     try:
         turns = (int(lo), int(hi or lo))
@@ -641,16 +721,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"prefix: {policy} at {100 * lf:.0f} % ({rate:.2f} turns/s, {len(load.conversations)} conversations)",
                       file=sys.stderr)
                 try:
-                    sent, hits, shed = run_cell(policy, args.pods, load, args.seconds, extra_pod,
-                                             args.bound if policy == "prefix" else None, isolates=args.isolates,
-                                             seed=args.seed)
+                    name, _, at = policy.partition("@")  # prefix@2: the prefix policy with bound 2
+                    bound = float(at) if at else args.bound if name == "prefix" else None
+                    sent, hits, shed, pod_ttft = run_cell(name, args.pods, load, args.seconds, extra_pod, bound,
+                                                          isolates=args.isolates, seed=args.seed, warmup=args.warmup)
                 except (ConfigError, SandboxError) as exc:
                     print(f"prefix: {exc}", file=sys.stderr)
                     return exc.exit_code
                 rows.append(summarise(policy, lf, rate, sent, window, args.pods, hits,
-                                      shed if policy == "prefix" else None))
+                                      shed if name == "prefix" else None, pod_ttft, extra_pod.get("profile")))
                 print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)  # each run as it ends
     print(table(rows))
+    if any(r.pod_ttft_mean_ms is not None for r in rows):
+        print(breakdown(rows))
     verdicts = [g for lf in loads for g in goals(rows, lf) if lf == max(loads)]
     for line in verdicts:
         print(line)

@@ -160,12 +160,40 @@ def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_
     load = prefix.workload(seed=7, seconds=8, rate_per_s=0.75, turns=(6, 6), answer_tokens=16, think_s=0.3,
                            system_tokens=(200, 400))
     assert 3 <= len(load.conversations) <= 12
-    turns, hits, shed = prefix.run_cell("prefix", 4, load, 60, {"profile": profiles.DEFAULT_PROFILE}, None,
-                                        isolates=4, seed=7)
-    s = prefix.summarise("prefix", None, 0.0, turns, (0, 60), 4, hits, shed)
+    turns, hits, shed, pod_ttft = prefix.run_cell("prefix", 4, load, 60, {"profile": profiles.DEFAULT_PROFILE}, None,
+                                                  isolates=4, seed=7)
+    s = prefix.summarise("prefix", None, 0.0, turns, (0, 60), 4, hits, shed, pod_ttft, profiles.DEFAULT_PROFILE)
     assert s.failed == 0 and s.turns == 6 * len(load.conversations)
     assert {t.isolate for t in turns} == {0, 1, 2, 3}  # every isolate routed turns
     assert len({t.backend for t in turns}) >= 2  # the conversations spread over the pods
     assert s.across_turns >= 10  # turns another isolate routed than the previous turn's
     assert s.same_pod >= 0.9 and s.same_pod_across >= 0.9, s
     assert all(h is not None and h["queries"] > 0 for h in hits if h)  # the pods' own counters were read
+    assert s.shed == 0.0  # under the bound: every pick went to the prefix's own pod
+    # the pods' own first-token time is part of the client's (the hops and the router are the rest)
+    assert s.pod_ttft_mean_ms is not None and 0 < s.pod_ttft_mean_ms < s.ttft_mean_ms
+
+
+def test_the_ttft_breakdown_takes_the_pods_own_ttft_and_the_modelled_api_queue_from_the_clients():
+    from colocate.pods import profiles
+
+    prof = profiles.get(profiles.DEFAULT_PROFILE)
+    rho = 590 * prof.frontend_ms_per_token / 1000
+    assert prefix.api_queue_ms(prof.name, 590) == round(prof.frontend_queue_ms * rho * rho / (1 - rho), 1)
+    assert prefix.api_queue_ms(prof.name, 0) == 0.0
+    T = prefix.Turn
+    turns = [T(0, 0, 1, 200, 100, 900, 100, "pod-0"), T(1, 0, 2, 200, 140, 900, 100, "pod-1")]
+    pods = [{"sum": 0.08, "count": 1}, {"sum": 0.1, "count": 1}, None, {"sum": 0.0, "count": 0}]
+    s = prefix.summarise("prefix", 0.8, 1.0, turns, (0, 10), 4, pod_ttft=pods, profile=prof.name)
+    assert (s.ttft_mean_ms, s.pod_ttft_mean_ms) == (120.0, 90.0)  # pods without turns count for nothing
+    assert s.api_queue_ms == prefix.api_queue_ms(prof.name, 20 / 4)
+    row = prefix.breakdown([s]).splitlines()[1].split()
+    assert row[:5] == ["prefix", "80%", "120", "30", "90"]
+    assert float(row[6]) == round(90 - s.api_queue_ms)
+    assert prefix.breakdown([prefix.summarise("random", 0.8, 1.0, turns, (0, 10), 4)]).count("\n") == 0  # no pod figures
+
+
+def test_a_bound_goes_with_the_prefix_policy_only(capsys):
+    for bad in ("random@2", "prefix@1", "prefix@x"):
+        assert prefix.main(["--policies", bad, "--capacity", "1"]) == 2
+        assert "prefix@2" in capsys.readouterr().err
