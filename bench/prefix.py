@@ -56,6 +56,8 @@ from pathlib import Path
 
 import requests
 
+from bench.load import MODEL  # the name the sandbox's pods serve (any other is vLLM's 404)
+
 PATH = "/v1/chat/completions"
 POLICIES = ("random", "least_busy", "prefix")
 LOADS = (0.5, 0.8)
@@ -183,7 +185,7 @@ def stream_turn(session: requests.Session, url: str, key: str, body: dict, timeo
         return Turn(0, 0, 0, None, None, None, 0, None, type(exc).__name__), ""
 
 
-def drive(url: str | Sequence[str], keys: Sequence[str], load: Workload, *, model: str = "bench",
+def drive(url: str | Sequence[str], keys: Sequence[str], load: Workload, *, model: str = MODEL,
           timeout_s: float = 120, stop_after_s: float | None = None, seed: int = 0) -> tuple[list[Turn], float]:
     """Run every conversation of ``load`` in real time (a thread each, started at its arrival);
     no turn starts after ``stop_after_s``. Several URLs (isolates): each turn goes to one drawn at

@@ -152,9 +152,9 @@ def test_the_isolates_config_defines_the_edge_worker_once_per_isolate_with_a_soc
 
 @pytest.mark.slow
 def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_bound():
-    """Issue 49: turns after the first land on their conversation's previous pod, whichever of 4
-    isolates routes them. Few conversations at once (at most 6 requests in flight over 4 pods),
-    so no pod reaches the bound's floor (affinity.js MIN_CAP = 4) unless 4 of 6 hash to one."""
+    """Turns after the first land on their conversation's previous pod, whichever of 4 isolates
+    routes them. A few conversations at once (7, one request each at most, over 4 pods), so a pod
+    reaches the bound's floor (affinity.js MIN_CAP = 4) only when 4 of them are in flight on it."""
     from colocate.pods import profiles
 
     load = prefix.workload(seed=7, seconds=8, rate_per_s=0.75, turns=(6, 6), answer_tokens=16, think_s=0.3,
@@ -167,9 +167,14 @@ def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_
     assert {t.isolate for t in turns} == {0, 1, 2, 3}  # every isolate routed turns
     assert len({t.backend for t in turns}) >= 2  # the conversations spread over the pods
     assert s.across_turns >= 10  # turns another isolate routed than the previous turn's
-    assert s.same_pod >= 0.9 and s.same_pod_across >= 0.9, s
-    assert all(h is not None and h["queries"] > 0 for h in hits if h)  # the pods' own counters were read
-    assert s.shed == 0.0  # under the bound: every pick went to the prefix's own pod
+    # Under its bound a turn stays on its pod; a turn the bound shed (rare here: it takes 4 of these
+    # conversations in flight on one pod) moves, and so does the turn after it, back to its own pod.
+    later = sum(1 for t in turns if t.turn > 0)
+    assert shed is not None and shed["load"] <= 3, shed
+    assert (1 - s.same_pod) * later - 2 * shed["load"] <= 0.1 * later, s
+    assert (1 - s.same_pod_across) * s.across_turns - 2 * shed["load"] <= 0.1 * s.across_turns, s
+    served = {int(t.backend[4:]) for t in turns}
+    assert all(hits[i] is not None and hits[i]["queries"] > 0 for i in served)  # the pods' own counters were read
     # the pods' own first-token time is part of the client's (the hops and the router are the rest)
     assert s.pod_ttft_mean_ms is not None and 0 < s.pod_ttft_mean_ms < s.ttft_mean_ms
 
