@@ -38,6 +38,7 @@ from pathlib import Path
 
 import requests
 
+from bench.pod import counts
 from colocate.pods import engine, profiles
 
 LENGTHS = (50, 200, 600, 1500)
@@ -233,13 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=46)
     p.add_argument("--json", help="also write the runs as JSON here ('-': stdout)")
     args = p.parse_args(argv)
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--lengths must be whole numbers of tokens, comma-separated (got {args.lengths!r}); e.g. 50,200")
-    if not lengths or min(lengths) < 1 or max(lengths) + args.input_tokens > 8192:
-        p.error(f"--lengths {args.lengths!r}: each from 1 to {8192 - args.input_tokens} (the pods' 8,192-token context "
-                f"less --input-tokens)")
+    lengths = counts(p, "--lengths", args.lengths)
+    context = profiles.get(profiles.DEFAULT_PROFILE).max_model_len
+    if max(lengths) + args.input_tokens > context:
+        p.error(f"--lengths {args.lengths!r}: each at most {context - args.input_tokens} (the pods' {context:,}-token "
+                f"context less --input-tokens)")
     if args.serial < 1 or args.knee_seconds < 0:
         p.error(f"--serial must be at least 1 (got {args.serial}) and --knee-seconds at least 0 (got {args.knee_seconds})")
 

@@ -49,6 +49,17 @@ TOLERANCE = 0.20
 REQUEST_TIMEOUT_S = 300.0
 
 
+def counts(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """``flag``'s comma-separated whole numbers, each at least 1, or the parser's usage error naming it."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        p.error(f"{flag} takes whole numbers of at least 1 separated by commas (got {text!r}); e.g. 4,8,16")
+    return out
+
+
 def prompt(rng: random.Random, tokens: int) -> str:
     return "".join(" " + rng.choice(WORDS) for _ in range(max(1, tokens - TEMPLATE_TOKENS))).strip()
 
@@ -200,12 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the points as JSON here ('-': stdout)")
     a = p.parse_args(argv)
-    try:
-        levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--concurrency takes numbers separated by commas (got {a.concurrency!r})")
-    if not levels or min(levels) < 1 or a.prompts < 1 or a.input_tokens < 1 or a.output_tokens < 1:
-        p.error("--concurrency, --prompts, --input-tokens and --output-tokens must be >= 1")
+    levels = counts(p, "--concurrency", a.concurrency)
+    if a.prompts < 1 or a.input_tokens < 1 or a.output_tokens < 1:
+        p.error("--prompts, --input-tokens and --output-tokens must be >= 1")
     if a.url and not loopback(a.url):
         p.error(f"--url {a.url}: loopback only (tunnel a remote server to 127.0.0.1, e.g. ssh -L)")
     profile = profiles.get(a.profile)

@@ -31,4 +31,4 @@ def test_bad_lengths_are_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         answers.main(["--lengths", "50,lots"])
     assert exc.value.code == 2
-    assert "--lengths must be whole numbers" in capsys.readouterr().err
+    assert "--lengths takes whole numbers" in capsys.readouterr().err

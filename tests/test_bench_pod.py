@@ -41,7 +41,8 @@ def test_a_virtual_sweep_compares_with_the_cited_one(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--url", "http://10.0.0.7:8000"], "loopback only"),
-    (["--concurrency", "4,x"], "--concurrency takes numbers"),
+    (["--concurrency", "4,x"], "--concurrency takes whole numbers"),
+    (["--concurrency", "0"], "--concurrency takes whole numbers"),
     (["--prompts", "0"], "must be >= 1"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
