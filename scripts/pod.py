@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 
 from colocate import stackfile  # noqa: E402
 from colocate.errors import ScriptError  # noqa: E402
-from colocate.pods import lifecycle, spec as podspec, stackkeys  # noqa: E402
+from colocate.pods import lifecycle, spec as podspec, stackkeys, stop  # noqa: E402
 from colocate.pods.errors import FatalError, PodConfigError, PodError  # noqa: E402
 from colocate.settings import PROVIDER_SECRET  # noqa: E402
 
@@ -169,8 +169,9 @@ def _delete(args) -> dict:
 
 
 def _on_sigterm(signum, frame):
-    # Turn SIGTERM into an exception so create's cleanup (destroy what it made) runs.
-    raise KeyboardInterrupt(f"signal {signum}")
+    # A stop at the lifecycle's next safe point, where create's cleanup (destroy what it made)
+    # runs; never an exception from here, which could land inside the HTTP client (colocate/pods/stop.py).
+    stop.request()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -367,6 +367,29 @@ def test_sigterm_during_readiness_destroys_the_pod(fake_runpod, env):
     assert fake_runpod.live() == []
 
 
+def test_sigterm_while_the_create_is_answered_destroys_the_pod_it_made(fake_runpod, env):
+    """The signal lands while pod.py waits for the create's answer (inside the HTTP client): it
+    stops at the next safe point, after the answer, and destroys the pod it made (stop.py)."""
+    fake_runpod.ready_after = 10_000
+    spec_file = write_spec(env, make_spec("apac-jp", "runpod", readyTimeoutS=60))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "pod.py"), "create", "--spec", spec_file],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy(), cwd=ROOT, text=True)
+
+    def signal_then_answer(_pod_id):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the signal arrives while pod.py reads the answer
+
+    fake_runpod.on_create = signal_then_answer
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 130 and out == "" and "interrupted" in err, err[-2000:]
+    assert fake_runpod.live() == []
+
+
 def test_sweep_keeps_the_current_pod_and_ignores_other_stacks(fake_runpod, env, capsys):
     _, keep, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", gen=2))])
     _, other, _ = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-jp", "runpod", stack="t1-b"))])

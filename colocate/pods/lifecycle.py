@@ -26,7 +26,7 @@ import os
 import sys
 
 from ..plan import instance_host
-from . import podtls
+from . import podtls, stop
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
 from .readiness import wait_ready
@@ -157,6 +157,7 @@ def _acquire(spec: PodSpec, provider: Provider, token: str) -> tuple[str, bool, 
     lost: list[str] = []  # creates that went unanswered: each may have landed, now or later, under spec.name
     try:
         pod_id, attempts = _place(spec, provider, token, lost)
+        stop.check()  # a SIGTERM during the create: it landed, and is destroyed by its name below
     except BaseException as exc:  # includes KeyboardInterrupt / SystemExit from SIGTERM
         # Interrupted while a create was in flight, or a create went unanswered: it may have
         # landed without us learning its id. Find it by its name and destroy it.

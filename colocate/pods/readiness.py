@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import requests
 
+from . import stop
 from .base import DEAD, RUNNING, PodInfo
 from .errors import NotFoundError, NotReadyError, RetryableError
 
@@ -113,4 +114,4 @@ def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NotReadyError(f"not ready after {timeout_s:g}s (last: {last})")
-        time.sleep(min(poll_s, remaining))
+        stop.sleep(min(poll_s, remaining))
