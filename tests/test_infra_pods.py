@@ -30,10 +30,12 @@ def baseline(count: int):
 
 
 def pods_of(run) -> dict[str, dict]:
-    """Pod commands by resource name: what the engine diffs (stdin and triggers)."""
+    """Pod commands by resource name, in pod index order (the program registers them as their
+    inputs resolve, in any order): what the engine diffs (stdin and triggers)."""
+    pods = [r for r in run.mocks.of_type(COMMAND) if "-pod-" in r.name and "pod.py rent" in r.inputs["create"]]
     return {r.name: {"stdin": r.inputs["stdin"], "triggers": plain(r.inputs["triggers"]),
                      "create": r.inputs["create"], "delete": r.inputs["delete"]}
-            for r in run.mocks.of_type(COMMAND) if "-pod-" in r.name and "pod.py rent" in r.inputs["create"]}
+            for r in sorted(pods, key=lambda r: int(r.name.rsplit("-", 1)[1]))}
 
 
 def test_growing_the_count_adds_only_the_new_pods_byte_identical_elsewhere():
