@@ -210,14 +210,22 @@ def test_a_refusal_by_lease_is_marked_for_the_front_door_only_and_another_cell_s
     assert to_b("forged").status == 200 and call(fl, A, key).status == 200
     for c in (A, B):
         until(lambda c=c: view(fl, c, kid), lambda v: (v["own"] or [0, 0])[COUNTER["req"]] >= 1)
-    # ... then apac-jp takes 11 more, and the ledger leases the unused part toward it.
-    assert [r.status for r in send(fl, A, key, 11)] == [200] * 11
-    got = until(lambda: view(fl, B, kid), lambda v: peer("req")(v) >= 12 and lease("req")(v) != default_share(limit))
-    assert peer("req")(got) == 12 and lease("req")(got) < default_share(limit), got
-    # To eu-west's own address, once its share is in use (the key at most at 12 + 16 of 30):
+    # ... then 11 more from apac-jp's entry. apac-jp serves them while its lease lasts, and the
+    # ledger leases the unused part toward it; but a round that saw eu-west's first request
+    # before apac-jp's leased it toward eu-west (weighted by recent use), and then the front
+    # door sends the rest there (a loaded machine's slower flush makes that round likelier).
+    # Either way every one is served, each counted where it was served (x-colocate-cell).
+    burst = send(fl, A, key, 11)
+    assert [r.status for r in burst] == [200] * 11
+    at_a = 1 + sum(r.headers["x-colocate-cell"] == A for r in burst)
+    got = until(lambda: view(fl, B, kid), lambda v: peer("req")(v) >= at_a and lease("req")(v) != default_share(limit))
+    assert peer("req")(got) == at_a and lease("req")(got) <= cap(limit) - at_a, (at_a, got)
+    if at_a == 12:
+        assert lease("req")(got) < default_share(limit), got  # the unused part leased toward apac-jp
+    # To eu-west's own address, once its share is in use (the key still under its 30):
     # a client's own x-colocate-front, not eu-west's exchange token, gets a plain 429.
     statuses = []
-    for _ in range(default_share(limit)):  # bounded: eu-west's share is at most the default
+    for _ in range(cap(limit)):  # bounded: eu-west's share is at most the cap
         statuses.append(to_b("forged"))
         if statuses[-1].status != 200:
             break
