@@ -4,8 +4,8 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { objectNamespace } from "./support/objects.js";
+import { createKey } from "./support/keys.js";
 import { handle } from "../src/router.js";
-import { keyHash, newKey } from "../src/keys.js";
 import { fallbackFields, validateBody } from "../src/validate.js";
 import { addressBucket, takeLookup } from "../src/strangers.js";
 import { Recorder, MAX_LABELS } from "../src/histogram.js";
@@ -13,14 +13,6 @@ import { tapStream } from "../src/usage.js";
 
 const { Breaker } = await import("../src/generation.js");
 
-async function withKey(ns, gen, limits = {}) {
-  const key = newKey();
-  const object = await ns.instance(gen);
-  const id = `key_${(await object.listKeys({ generation: gen })).length}`;
-  await object.createKey({ id, hash: await keyHash(key), prefix: key.slice(0, 12), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
-    max_parallel: 0, created_at: Date.now(), expires_at: null, ...limits }, { generation: gen });
-  return { key, id };
-}
 
 function envFor(gen, over = {}) {
   const env = {
@@ -53,7 +45,7 @@ async function counted(env, gen, id) {
 
 test("a prompt list is counted as prompts x n x max_tokens; past 64 prompts it is refused at the edge", async () => {
   const env = envFor("m-list");
-  const { key, id } = await withKey(env.BREAKER, "m-list");
+  const { key, id } = await createKey(env.BREAKER, "m-list");
   const c = ctx();
   // a hostile pod claims far more than the request can make: the ceiling holds it
   const f = async () => usageOf(1e12, 1e12);
@@ -70,7 +62,7 @@ test("a prompt list is counted as prompts x n x max_tokens; past 64 prompts it i
 
 test("without max_tokens the ceiling is the pods' context, not 131,072", async () => {
   const env = envFor("m-ctx");
-  const { key, id } = await withKey(env.BREAKER, "m-ctx");
+  const { key, id } = await createKey(env.BREAKER, "m-ctx");
   const c = ctx();
   await handle(post(key, "/v1/chat/completions", { model: "m", messages: [{ role: "user", content: "hi" }] }), env, c,
     { fetch: async () => usageOf(1, 1e12) });
@@ -80,7 +72,7 @@ test("without max_tokens the ceiling is the pods' context, not 131,072", async (
 
 test("a pod's 400 after tokenising is charged the prompt's estimate; its 404 is not", async () => {
   const env = envFor("m-4xx");
-  const { key, id } = await withKey(env.BREAKER, "m-4xx");
+  const { key, id } = await createKey(env.BREAKER, "m-4xx");
   const c = ctx();
   const text = "y".repeat(3998); // JSON of the messages: 3,998 + 39 characters -> 1,010 tokens at four a token
   const messages = [{ role: "user", content: text }];
@@ -95,7 +87,7 @@ test("a pod's 400 after tokenising is charged the prompt's estimate; its 404 is 
 
 test("a 50-token budget hit by 8 requests at once spends at most 50 + one request's ceiling", async () => {
   const env = envFor("m-race");
-  const { key, id } = await withKey(env.BREAKER, "m-race", { monthly_tokens: 50, max_parallel: 8 });
+  const { key, id } = await createKey(env.BREAKER, "m-race", { monthly_tokens: 50, max_parallel: 8 });
   const c = ctx();
   let release;
   const gate = new Promise((resolve) => { release = resolve; });
@@ -151,7 +143,7 @@ test("the fallback gets only the allowlisted fields, plus those the operator all
   assert.deepEqual(fallbackFields("/v1/chat/completions", chat, ["store", "metadata"]).dropped, ["service_tier", "top_k"]);
   // through the router: the pod (ours) gets the body unchanged, the fallback the allowlist
   const env = envFor("m-fb", { POD_URLS: "[]", FALLBACK_FIELDS: '["metadata"]' });
-  const { key } = await withKey(env.BREAKER, "m-fb");
+  const { key } = await createKey(env.BREAKER, "m-fb");
   const seen = [];
   const f = async (url, init) => {
     seen.push(JSON.parse(new TextDecoder().decode(init.body)));
@@ -216,7 +208,7 @@ test("live-view labels are bounded per minute: past the bound a client colo fold
 test("a reservation reaches the other isolates with the next sync, and goes when it settles", async () => {
   const { COUNTER, INFLIGHT } = await import("../src/payloads.js");
   const env = envFor("m-iso");
-  const { id } = await withKey(env.BREAKER, "m-iso", { monthly_tokens: 50 });
+  const { id } = await createKey(env.BREAKER, "m-iso", { monthly_tokens: 50 });
   const object = await env.BREAKER.instance("m-iso");
   const info = (isolate) => ({ generation: "m-iso", isolate, keys: [id], ttlMs: 2000, haveRev: -1 });
   const row = (n, tokens) => {

@@ -3,22 +3,14 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { objectNamespace } from "./support/objects.js";
+import { withKey } from "./support/keys.js";
 import { handle } from "../src/router.js";
-import { keyHash, newKey } from "../src/keys.js";
 import { counts } from "../src/affinity.js";
 
 const { Breaker } = await import("../src/generation.js");
 
 const PODS = ["http://pod-a.test", "http://pod-b.test", "http://pod-c.test", "http://pod-d.test"];
 
-async function withKey(ns, gen) {
-  const key = newKey();
-  const object = await ns.instance(gen);
-  const id = `key_${(await object.listKeys({ generation: gen })).length}`;
-  await object.createKey({ id, hash: await keyHash(key), prefix: key.slice(0, 12), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
-    max_parallel: 0, created_at: Date.now(), expires_at: null }, { generation: gen });
-  return key;
-}
 
 function envFor(gen, over = {}) {
   const env = {

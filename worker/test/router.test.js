@@ -4,22 +4,15 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { objectNamespace } from "./support/objects.js";
+import { withKey } from "./support/keys.js";
 import { handle } from "../src/router.js";
-import { keyHash, newKey } from "../src/keys.js";
+import { newKey } from "../src/keys.js";
 import { parseServerTiming } from "../src/timing.js";
 import { blameOf } from "../src/pods.js";
 
 const { Breaker } = await import("../src/generation.js"); // after objects.js registered "cloudflare:workers"
 
 /** A key of generation `gen`, made by the object itself (its createKey, as admin.js calls it). */
-async function withKey(ns, gen, limits = {}) {
-  const key = newKey();
-  const object = await ns.instance(gen);
-  const id = `key_${(await object.listKeys({ generation: gen })).length}`;
-  await object.createKey({ id, hash: await keyHash(key), prefix: key.slice(0, 12), name: "t", rpm: 0, tpm: 0, monthly_tokens: 0,
-    max_parallel: 0, created_at: Date.now(), expires_at: null, ...limits }, { generation: gen });
-  return key;
-}
 
 /** Pod `url`'s breaker row in the object's storage (absent: closed, no failures). */
 async function podRow(env, gen, url) {
