@@ -102,7 +102,7 @@ def test_dead_pid_shows_as_dead_and_delete_cleans_up(env, capsys):
 
 
 def test_a_local_pod_runs_the_profile_its_spec_names(env, capsys):
-    spec = {**make_spec("us-east", "local"), "profile": "rtx4090-qwen2.5-7b-int4"}
+    spec = make_spec("us-east", "local", profile="rtx4090-qwen2.5-7b-int4")
     code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
     assert code == 0, err
     url = f"http://127.0.0.1:{out['port']}"

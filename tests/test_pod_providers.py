@@ -32,6 +32,8 @@ def make_spec(region: str, provider: str, stack: str = "t1", gen: int = 1, **ove
                            model=d["model"], port=d["port"], disk_gb=d["diskGb"], max_price_per_hr=d["maxPricePerHr"],
                            cloud=d["cloud"], min_reliability=d["minReliability"], ready_timeout_s=d["readyTimeoutS"],
                            compute_ms=d["computeMs"], min_cuda_version=d["minCudaVersion"],
+                           # The providers' mechanics, not the pod's timing: a local pod answers in computeMs.
+                           profile=over.get("profile", "oracle"),
                            # The providers' placement, not the hop: tests/test_pod_hop.py covers mutual TLS.
                            hop=over.get("hop", "token"))
     generation = f"{region}.g{gen}"
