@@ -90,3 +90,18 @@ def test_relative_links_resolve_inside_the_project():
 )
 def test_the_patterns_catch_what_they_should(line, pattern, hit):
     assert bool(offence(pattern, line)) is hit
+
+
+# What a newcomer needs before the real-cloud path, each named in the README ("What you need
+# first, in order"), and the README kept short enough to read first: mechanisms live in docs/.
+PREREQUISITES = ("PULUMI_CONFIG_PASSPHRASE", "wrangler@", "zone", "workers.dev subdomain",
+                 "colocate:fallbackCap.cellUsdPerDay", "RUNPOD_API_KEY", "VASTAI_API_KEY")
+README_MAX_BYTES = 25_000
+
+
+def test_the_readme_is_short_and_names_every_real_cloud_prerequisite():
+    text = (ROOT / "README.md").read_text()
+    size = len(text.encode())
+    assert size <= README_MAX_BYTES, f"README.md is {size:,} bytes; move mechanisms to docs/ (limit {README_MAX_BYTES:,})"
+    missing = [p for p in PREREQUISITES if p not in text]
+    assert not missing, f"README.md does not name {missing}"
