@@ -139,8 +139,10 @@ test("a pod making tokens below minTokensPerS is marked slow by two keys, and ne
   const { f, seen } = fakeFetch((url) => podStream(url.startsWith("http://pod-a") ? { tokens: 41, gapMs: 15 } : { tokens: 41 }));
   const c = ctx();
   const toA = () => seen.filter((x) => x.url.startsWith("http://pod-a")).length;
-  // Until pod-a has served FAILURE_THRESHOLD (2) answers, each key's once at least (ties are random: bounded).
-  for (let i = 0; i < 60 && toA() < 4; i++) {
+  const slowUntil = async () => (await env.BREAKER.instance("pace-slow")).view().slow?.["http://pod-a.test"] ?? 0;
+  // Until pod-a is marked slow: FAILURE_THRESHOLD (2) slow answers in a row from both keys
+  // (ties are random, so bounded; each round's settle waits for the once-a-second sync).
+  for (let i = 0; i < 40 && (await slowUntil()) <= Date.now(); i++) {
     const r = await handle(post(keys[i % 2], { model: "m", messages: msg }), env, c, { fetch: f });
     assert.equal(r.status, 200);
     await r.text();
@@ -148,6 +150,7 @@ test("a pod making tokens below minTokensPerS is marked slow by two keys, and ne
   }
   const view = (await env.BREAKER.instance("pace-slow")).view();
   assert.ok(view.slow && view.slow["http://pod-a.test"] > Date.now(), JSON.stringify(view.slow));
+  assert.ok(toA() >= 2, `pod-a served ${toA()}`); // marked by its own answers, not before it served any
   const before = toA();
   for (let i = 0; i < 10; i++) await (await handle(post(keys[i % 2], { model: "m", messages: msg }), env, c, { fetch: f })).text();
   assert.equal(toA(), before); // all ten went to pod-b
