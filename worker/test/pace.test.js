@@ -37,12 +37,13 @@ const usageEvent = (p, c) => `data: {"id":"chatcmpl-1","object":"chat.completion
 /** A pod stream: `firstMs` before the first event, then `tokens` events `gapMs` apart (0: at once), `stallAfter` events then silence. */
 function podStream({ firstMs = 0, tokens = 3, gapMs = 0, stallAfter = Infinity } = {}) {
   let i = 0;
+  let silence = null; // a stalled pod's timer: cleared when the router cancels the stream, so no test waits it out
   return new Response(new ReadableStream({
     async pull(c) {
       if (i === 0 && firstMs) await sleep(firstMs);
       else if (i > 0 && gapMs) await sleep(gapMs);
       if (i >= stallAfter) {
-        await sleep(60_000); // a pod that stops sending; the router cancels this stream
+        await new Promise((r) => { silence = setTimeout(r, 60_000); }); // a pod that stops sending
         return;
       }
       if (i < tokens) c.enqueue(enc.encode(chunk(i, i === 0 ? "" : `t${i} `, i === tokens - 1 ? "stop" : "")));
@@ -51,6 +52,9 @@ function podStream({ firstMs = 0, tokens = 3, gapMs = 0, stallAfter = Infinity }
         c.close();
       }
       i++;
+    },
+    cancel() {
+      clearTimeout(silence);
     },
   }), { headers: { "content-type": "text/event-stream" } });
 }
