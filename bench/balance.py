@@ -62,14 +62,7 @@ def batch_pods(count: int, model: tuple[float, float, int]) -> Iterator[list[str
             raise harness.BenchError("the batching pod (bench/batchpod.mjs) did not start")
         yield json.loads(line)["urls"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+        harness.stop(proc)
 
 
 def policy_plan(policy: str):

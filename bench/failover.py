@@ -16,7 +16,6 @@ Exit: 0 done (no goal is enforced), 2 usage error or setup failure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -25,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
 from bench.load import Load
 from colocate import stackfile
 from colocate.admin import AdminClient, Target
@@ -100,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         share = "-" if w["fallback_share"] is None else f"{100 * w['fallback_share']:.1f} %"
         print(f"{name:22} {w['requests']:5d} requests  {w['failed']:3d} failed  fallback {share:>7}  "
               f"p50 {w['p50_ms']} ms  p99 {w['p99_ms']} ms  served by {', '.join(w['backends'])}")
-    if args.json == "-":
-        print(json.dumps(out, indent=2))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    harness.write_json(args.json, out)
     return 0
 
 

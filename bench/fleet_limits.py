@@ -238,11 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         print(str(err), file=sys.stderr)
         return err.exit_code
     print(render(rows))
-    if args.json == "-":
-        print(json.dumps(rows, indent=1))
-    elif args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    harness.write_json(args.json, rows, indent=1)
     return 0
 
 

@@ -147,18 +147,35 @@ def pods(count: int, delay_ms: float, token: str | None, slots: int = 0, chunks:
         args += ["--token", token]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        line = proc.stdout.readline()
+        line = proc.stdout.readline() if proc.stdout else ""
         if not line:
             raise BenchError("the bench pod (bench/pod.mjs) did not start")
         yield json.loads(line)["urls"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
+
+
+STOP_WAIT_S = 10.0  # how long a pod process gets to end on SIGTERM before SIGKILL
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """A pod process the bench started, ended: SIGTERM, then SIGKILL after STOP_WAIT_S; its pipe closed."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout:
         proc.stdout.close()
+
+
+def write_json(dest: str | None, doc, indent: int = 2) -> None:
+    """``--json``: "-" prints the document on stdout, a path writes it there, None does nothing."""
+    if dest == "-":
+        print(json.dumps(doc, indent=indent))
+    elif dest:
+        Path(dest).write_text(json.dumps(doc, indent=indent) + "\n")
 
 
 def bench_plan(deadline_ms: int, worker_src: Path | None = None):

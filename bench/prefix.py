@@ -56,6 +56,7 @@ from pathlib import Path
 
 import requests
 
+from bench import harness
 from bench.load import MODEL  # the name the sandbox's pods serve (any other is vLLM's 404)
 
 PATH = "/v1/chat/completions"
@@ -741,10 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     out = {"options": vars(args) | {"json": None, "key": None}, "capacity_per_s": round(cap, 3),
            "rows": [asdict(r) for r in rows], "goals": verdicts}
-    if args.json == "-":
-        print(json.dumps(out, indent=2))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    harness.write_json(args.json, out)
     return 0
 
 

@@ -469,3 +469,23 @@ def test_micro_names_an_unknown_operation(capsys):
     with pytest.raises(SystemExit) as exc:
         micro.main(["--ops", "url,nope"])
     assert exc.value.code == 2 and "--ops 'url,nope': use some of" in capsys.readouterr().err
+
+
+def test_json_goes_to_stdout_for_a_dash_to_a_file_for_a_path_and_nowhere_for_none(tmp_path, capsys):
+    doc = {"rows": [1, 2], "goal": "met"}
+    harness.write_json("-", doc)
+    assert json.loads(capsys.readouterr().out) == doc
+    harness.write_json(str(tmp_path / "out.json"), doc, indent=1)
+    assert json.loads((tmp_path / "out.json").read_text()) == doc and capsys.readouterr().out == ""
+    harness.write_json(None, doc)
+    assert capsys.readouterr().out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_stop_kills_a_pod_process_that_ignores_sigterm(monkeypatch):
+    # A child that ignores SIGTERM and says so: stop() must still end it (SIGKILL after its wait).
+    code = "import signal,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    monkeypatch.setattr(harness, "STOP_WAIT_S", 0.2)
+    harness.stop(proc)
+    assert proc.returncode == -9 and proc.stdout.closed
