@@ -417,6 +417,10 @@ def api_queue_ms(profile: str, tokens_per_s: float) -> float | None:
     return round(prof.frontend_queue_ms * rho * rho / (1 - rho), 1)
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
 def breakdown(rows: Sequence[Summary]) -> str:
     """Where each run's mean TTFT goes: the hops (the client's less the pods' own), the pods' API
     queue (modelled) and their engine (queue for a step, then the step that prefills the turn)."""
@@ -424,11 +428,10 @@ def breakdown(rows: Sequence[Summary]) -> str:
     for r in rows:
         if r.ttft_mean_ms is None or r.pod_ttft_mean_ms is None:
             continue
-        f = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
         load = "-" if r.load is None else f"{100 * r.load:.0f}%"
         engine = None if r.api_queue_ms is None else r.pod_ttft_mean_ms - r.api_queue_ms
-        lines.append(f"{r.policy:11} {load:>5} {f(r.ttft_mean_ms):>9} {f(r.ttft_mean_ms - r.pod_ttft_mean_ms):>6} "
-                     f"{f(r.pod_ttft_mean_ms):>6} {f(r.api_queue_ms):>9} {f(engine):>6}")
+        lines.append(f"{r.policy:11} {load:>5} {_ms(r.ttft_mean_ms):>9} {_ms(r.ttft_mean_ms - r.pod_ttft_mean_ms):>6} "
+                     f"{_ms(r.pod_ttft_mean_ms):>6} {_ms(r.api_queue_ms):>9} {_ms(engine):>6}")
     return "\n".join(lines)
 
 
@@ -470,9 +473,8 @@ def table(rows: Sequence[Summary]) -> str:
         hit = " ".join("-" if p["prefix_cache_hit_rate"] is None else f"{100 * p['prefix_cache_hit_rate']:.0f}%"
                        for p in r.pods)
         load = "-" if r.load is None else f"{100 * r.load:.0f}%"
-        f = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
-        lines.append(f"{r.policy:11} {load:>5} {r.turns_per_s:8.2f} {r.tokens_per_s:7.0f} {f(r.ttft_p50_ms):>9} "
-                     f"{f(r.ttft_p99_ms):>9} {f(r.e2e_p50_ms):>8} {'-' if r.max_over_mean is None else r.max_over_mean:>8} "
+        lines.append(f"{r.policy:11} {load:>5} {r.turns_per_s:8.2f} {r.tokens_per_s:7.0f} {_ms(r.ttft_p50_ms):>9} "
+                     f"{_ms(r.ttft_p99_ms):>9} {_ms(r.e2e_p50_ms):>8} {'-' if r.max_over_mean is None else r.max_over_mean:>8} "
                      f"{'-' if r.same_pod is None else r.same_pod:>8} "
                      f"{'-' if r.same_pod_across is None else r.same_pod_across:>6} {'-' if r.shed is None else r.shed:>5} "
                      f"{r.failed:6d}  {hit}")

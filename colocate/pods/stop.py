@@ -23,12 +23,6 @@ def request() -> None:
     _requested = True
 
 
-def clear() -> None:
-    """Forget a request (in-process tests)."""
-    global _requested
-    _requested = False
-
-
 def check() -> None:
     """Raise KeyboardInterrupt if a stop was requested."""
     if _requested:

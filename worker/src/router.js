@@ -469,7 +469,6 @@ function fallbackBody(env, pathname, bytes, json, cfg, askUsage) {
   return new TextEncoder().encode(JSON.stringify(body));
 }
 
-/** `usage` within what the request allows; a cut is logged (a pod that over-reports is broken or hostile). */
 // The longest non-streamed answer asked of the pod whole (see `short` in routed).
 export const WHOLE_MAX_TOKENS = 16;
 
@@ -478,6 +477,7 @@ export function wholeMs(cfg, completionTokens) {
   return cfg.deadlineMs + Math.ceil((completionTokens * 1000) / Math.max(cfg.minTokensPerS, 1));
 }
 
+/** `usage` within what the request allows; a cut is logged (a pod that over-reports is broken or hostile). */
 function ceiled(env, backend, usage, ceiling) {
   const u = capUsage(usage, ceiling);
   if (u && u.capped) log(env, "usage_capped", { backend, prompt: u.prompt, completion: u.completion });
