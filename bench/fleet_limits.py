@@ -8,15 +8,17 @@ FRA and IAD (each served by its own cell). Every case is one key with one limit,
 through the front door at a fixed rate split over two or three cells, in fixed proportions
 or shifting (all of the key's traffic moves to the next cell every ``--seconds``/4 s). The
 cases run side by side inside one UTC minute, so no rpm or tpm window slides during a
-case. Each key is used once in each of its cells two minutes before (so each cell's
-isolate holds it: a known key's requests are what ``state`` measures), and a key with no
-limit keeps every isolate warm until the end.
+case. Each key is used once in every cell two minutes before (so each cell's isolate holds
+it, including a cell the front door tries for a case that does not send there: a known
+key's requests are what ``state`` measures), and a key with no limit keeps every isolate
+warm until the end.
 
 Prints, per case: the limit, the cells and pattern, the rate asked (x the limit), what was
 admitted (requests, or tokens for tpm and monthly tokens), admitted / limit, the refusals
 while the key was under its limit (a 429 answered while what the fleet had admitted of the
-key, plus that request, was still within L), and the routers' Server-Timing ``state`` p99
-over the case's requests. Exit 0; 2 on a setup failure.
+key, plus that request, was still within L), the admitted requests another cell than the
+user's served (the front door's retry: one more cell call and that cell's distance), and
+the routers' Server-Timing ``state`` p99 over the case's requests. Exit 0; 2 on a setup failure.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
 
         keys = [keys_for(urls, auth, f"bench-limits-{i}", {case.limit: case.value}) for i, case in enumerate(CASES)]
         # Each cell's isolate learns each key (a look-up), and the ledger tells every cell the fleet's size.
-        for (key, _), case in zip(keys, CASES, strict=True):
-            for cell in case.cells:
+        # Every cell, not only the case's: the front door may send a request to any of them.
+        for key, _ in keys:
+            for cell in CELLS:
                 call(key, cell, "rpm")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -148,7 +151,7 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
         time.sleep(left + 0.3)
         minute = int(time.time() // 60)
         results: dict[str, dict[str, Any]] = {c.name: {"ok": 0, "tokens": 0, "sent": 0, "under": 0, "state": [],
-                                              "codes": {}} for c in CASES}
+                                              "codes": {}, "away": 0} for c in CASES}
         lock = threading.Lock()
         start = time.monotonic()
 
@@ -183,6 +186,7 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
                     r["state"].append(state_ms(res))
                     if res.status_code == 200:
                         r["ok"] += 1
+                        r["away"] += res.headers.get("x-colocate-cell", cell) != cell
                         if case.limit != "rpm":
                             r["tokens"] += res.json()["usage"]["total_tokens"]
                     elif res.status_code == 429:
@@ -210,15 +214,16 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
             admitted = r["ok"] if case.limit == "rpm" else r["tokens"]
             out.append({"case": case.name, "limit": case.limit, "value": case.value, "asked_x": round(case.asked, 2),
                         "sent": r["sent"], "admitted": admitted, "admitted_over_limit": round(admitted / case.value, 3),
-                        "refused_under_limit": r["under"], "state_p99_ms": p99(r["state"]), "codes": r["codes"]})
+                        "refused_under_limit": r["under"], "elsewhere": r["away"], "state_p99_ms": p99(r["state"]),
+                        "codes": r["codes"]})
         return out
 
 
 def render(rows: list[dict]) -> str:
-    lines = [f"{'case':44} {'sent':>5} {'admitted':>9} {'admitted/L':>10} {'refused<L':>9} {'state p99':>9}"]
+    lines = [f"{'case':44} {'sent':>5} {'admitted':>9} {'admitted/L':>10} {'refused<L':>9} {'elsewhere':>9} {'state p99':>9}"]
     for r in rows:
         lines.append(f"{r['case']:44} {r['sent']:>5} {r['admitted']:>9} {r['admitted_over_limit']:>10.3f}"
-                     f" {r['refused_under_limit']:>9} {r['state_p99_ms']:>6.0f} ms")
+                     f" {r['refused_under_limit']:>9} {r['elsewhere']:>9} {r['state_p99_ms']:>6.0f} ms")
     worst = max(r["admitted_over_limit"] for r in rows)
     lines.append(f"worst admitted/L {worst:.3f} (bound 1.10); state p99 {max(r['state_p99_ms'] for r in rows):.0f} ms")
     return "\n".join(lines)

@@ -179,11 +179,16 @@ export function weights(seen) {
 }
 
 /**
- * The leases the ledger may send now, toward `targets`: decreases at once; increases only
- * within cap - what the other cells may still admit, where a cell may admit up to the
- * larger of what it has used and the largest lease it may still be using (`held`: an
- * older, larger lease stays held until the cell has certainly stopped using it). So the
- * sum over cells of max(used, held) never passes the cap. Returns {lease, held} per cell.
+ * The leases the ledger may send now, toward `targets`: increases only within cap - what
+ * the other cells may still admit, where a cell may admit up to the larger of what it has
+ * used and the largest lease it may still be using (`held`: an older, larger lease stays
+ * held until the cell has certainly stopped using it). So the sum over cells of
+ * max(used, held) never passes the cap. Decreases at once, but never so far that what the
+ * cells may admit under the new leases, the sum of max(used, lease), falls below the limit:
+ * until a decrease lands, the ledger holds the old lease against the cap, so an increase
+ * elsewhere waits for it, and a deeper cut would leave a key refused by every cell while
+ * under its limit (the front door tries each). A lease then moves by at least the slack per
+ * landing (about two rounds). Returns {lease, held} per cell.
  */
 export function grant(limit, used, held, current, targets) {
   const cap = limit + slackOf(limit);
@@ -198,6 +203,14 @@ export function grant(limit, used, held, current, targets) {
     const room = Math.floor(cap - others + 1e-9);
     lease[j] = Math.max(current[j], Math.min(targets[j], room));
     hold[j] = Math.max(hold[j], lease[j]);
+  }
+  // Give back what the cuts took, the deepest cut first, never above the current lease.
+  const cut = [...lease.keys()].filter((j) => lease[j] < current[j])
+    .sort((a, b) => current[b] - lease[b] - (current[a] - lease[a]) || a - b);
+  for (const j of cut) {
+    const short = Math.ceil(limit - lease.reduce((a, x, k) => a + Math.max(used[k], x), 0) - 1e-9);
+    if (short <= 0) break;
+    lease[j] = Math.min(current[j], Math.max(lease[j], Math.ceil(used[j] - 1e-9)) + short);
   }
   return { lease, held: hold };
 }

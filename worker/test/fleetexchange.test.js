@@ -124,19 +124,125 @@ test("weights: a cell that used the key lately weighs as four idle ones", () => 
   assert.deepEqual(weights([{ at: 1 }, { at: 2 }]), [4, 4]);
 });
 
-test("grant: a decrease at once; an increase only within what the other cells may still admit", () => {
-  // B's lease falls from 16 to 11 but B may still use 16 until the ledger is sure it stopped.
+test("grant: an increase only within what the other cells may still admit; a decrease at once, down to the limit", () => {
+  // B's lease is to fall from 16 to 11, but B may still use 16 until the ledger is sure it
+  // stopped, so A may grow by 1 only: B falls to 13, where A 17 + B 13 still admit 30.
   const g = grant(30, [10, 0], [16, 16], [16, 16], [22, 11]);
-  assert.deepEqual(g.lease, [17, 11]);
+  assert.deepEqual(g.lease, [17, 13]);
   assert.deepEqual(g.held, [17, 16]);
   assert.ok(Math.max(10, g.held[0]) + Math.max(0, g.held[1]) <= 33);
-  // Once B's 16 is no longer held, A gets its target.
-  assert.deepEqual(grant(30, [10, 0], [17, 11], [17, 11], [22, 11]).lease, [22, 11]);
+  // Once B's 16 is no longer held, A grows by what B gave; once B's 13 has landed, both reach their targets.
+  assert.deepEqual(grant(30, [10, 0], [17, 16], [17, 13], [22, 11]).lease, [17, 13]);
+  assert.deepEqual(grant(30, [10, 0], [17, 13], [17, 13], [22, 11]).lease, [20, 11]);
+  assert.deepEqual(grant(30, [10, 0], [20, 11], [20, 11], [22, 11]).lease, [22, 11]);
   // Used counts too: a cell over its lease (it refuses) still holds what it used.
   assert.deepEqual(grant(30, [20, 12], [20, 12], [20, 12], [25, 8]).lease, [21, 8]);
   // Nothing is granted past the cap even when targets ask for it; nothing is taken below current but by a decrease.
   const tight = grant(10, [0, 0, 0], [10, 10, 10], [3, 3, 3], [9, 1, 1]);
-  assert.deepEqual(tight.lease, [3, 1, 1]);
+  assert.deepEqual(tight.lease, [3, 3, 3]);
+  // A cut that leaves the cells the limit is made at once.
+  assert.deepEqual(grant(30, [0, 0], [30, 3], [30, 3], [16, 17]).lease, [27, 3]);
+});
+
+test("grant, any state: never past the cap, never below the limit, and a move's leases reach their targets", () => {
+  let seed = 7;
+  const rand = () => ((seed = Math.imul(seed, 48271) % 2147483647) & 0x7fffffff) / 2147483647;
+  for (let i = 0; i < 3000; i++) {
+    const limit = [1, 3, 10, 30, 600][i % 5];
+    const cap = limit + slackOf(limit);
+    const n = 2 + (i % 3);
+    // A state the ledger can be in: what the cells may admit, max(used, held), within the cap.
+    const used = Array.from({ length: n }, () => Math.floor(rand() * cap / n));
+    const current = used.map((u) => u + Math.floor(rand() * (cap / n - u + 1)));
+    const held = current.map((c) => c + Math.floor(rand() * 2));
+    if (sum(held.map((h, j) => Math.max(used[j], h))) > cap) continue;
+    const targets = fairShares(limit, used, used.map(() => 1 + 3 * Math.floor(rand() * 2)));
+    const g = grant(limit, used, held, current, targets);
+    const state = `${limit} used ${used} held ${held} current ${current} targets ${targets} -> ${g.lease}`;
+    assert.ok(sum(g.held.map((h, j) => Math.max(used[j], h, g.lease[j]))) <= cap, state);
+    assert.ok(g.lease.every((x) => Number.isInteger(x) && x >= 0), state);
+    const before = sum(current.map((c, j) => Math.max(used[j], c)));
+    assert.ok(sum(g.lease.map((x, j) => Math.max(used[j], x))) >= Math.min(limit, before) - 1e-9, state);
+    // Each cut and each increase moves toward its target, never past it.
+    g.lease.forEach((x, j) => assert.ok(x === current[j] || (x - current[j]) * (targets[j] - current[j]) > 0, state));
+  }
+  // A key that leaves cell A for B: each round's leases land before the next, and they reach the targets.
+  for (const limit of [3, 10, 30, 600]) {
+    let current = [limit, slackOf(limit)];
+    let rounds = 0;
+    for (; rounds < 100; rounds++) {
+      const next = grant(limit, [0, 0], current, current, [slackOf(limit), limit]).lease;
+      if (next.every((x, j) => x === current[j])) break;
+      current = next;
+    }
+    assert.deepEqual(current, [slackOf(limit), limit], `${limit}`);
+    assert.ok(rounds <= 2 * Math.ceil(limit / slackOf(limit)), `${limit}: ${rounds} landings`);
+  }
+});
+
+/**
+ * A key with rpm 30 sent 1 request a second to cell A, then to cell B, through a front door
+ * that tries the other cell when one refuses by its lease; the ledger's round every second
+ * (fairShares, weights, grant) sees the cells' counts `lagS` late, a lease reaches its cell
+ * half a second after its round and lands 2 s after it (stateTtlMs 1000 plus the margin).
+ * Returns the requests refused while the key was under its limit.
+ */
+function refusedUnderLimit(moveAtS, lagS) {
+  const L = 30;
+  let sent = [defaultShare(L, 2), defaultShare(L, 2)];
+  let held = [...sent];
+  const until = [0, 0];
+  const applied = [...sent];
+  const arriving = [];
+  const count = [0, 0];
+  const history = [];
+  const lastMoved = [-Infinity, -Infinity];
+  let seenCount = [0, 0];
+  let admitted = 0;
+  let refused = 0;
+  for (let t = 0; t < 50; t = Math.round((t + 0.1) * 10) / 10) {
+    for (const a of arriving.filter((x) => x.at <= t)) applied[a.cell] = a.lease;
+    arriving.splice(0, arriving.length, ...arriving.filter((x) => x.at > t));
+    if (Math.round(t * 10) % 10 === 3 && admitted < L) {
+      const near = t < moveAtS ? 0 : 1;
+      const cell = [near, 1 - near].find((c) => count[c] + 1 <= applied[c]);
+      if (cell === undefined) refused += 1;
+      else {
+        count[cell] += 1;
+        admitted += 1;
+      }
+    }
+    history.push([t, [...count]]);
+    if (Math.round(t * 10) % 10 === 0) {
+      const seen = (history.filter(([at]) => at <= t - lagS).at(-1) ?? [0, [0, 0]])[1];
+      for (let c = 0; c < 2; c++) if (seen[c] !== seenCount[c]) lastMoved[c] = t;
+      seenCount = seen;
+      const kept = [0, 1].map((c) => (until[c] <= t ? sent[c] : Math.max(held[c], sent[c])));
+      const w = weights(lastMoved.map((at) => (t - at <= 2 ? { at } : undefined)));
+      const g = grant(L, seen, kept, sent, fairShares(L, seen, w));
+      for (let c = 0; c < 2; c++) {
+        if (g.lease[c] === sent[c]) {
+          if (until[c] <= t) held[c] = sent[c];
+          continue;
+        }
+        held[c] = Math.max(kept[c], g.lease[c]);
+        sent[c] = g.lease[c];
+        until[c] = t + 2;
+        arriving.push({ cell: c, lease: g.lease[c], at: t + 0.5 });
+      }
+    }
+  }
+  assert.equal(admitted, L);
+  return refused;
+}
+
+test("a key that moves cell is never refused under its limit while the ledger hands its lease over", () => {
+  // Cut at once to its target, A's lease left a move after 13 or 15 s (counts 2 s late) or
+  // after 25 s (0.5 s late) refused once under the limit: A had used its new lease, and B's
+  // growth waited for A's old one to land.
+  for (const lagS of [0.5, 1, 1.5, 2, 2.5]) {
+    for (const moveAtS of [5, 10, 12, 13, 15, 20, 25]) assert.equal(refusedUnderLimit(moveAtS, lagS), 0, `${moveAtS} s, lag ${lagS} s`);
+  }
 });
 
 test("pushed rows are checked field by field", () => {
