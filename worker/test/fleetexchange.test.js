@@ -151,9 +151,10 @@ test("grant, any state: never past the cap, never below the limit, and a move's 
     const limit = [1, 3, 10, 30, 600][i % 5];
     const cap = limit + slackOf(limit);
     const n = 2 + (i % 3);
-    // A state the ledger can be in: what the cells may admit, max(used, held), within the cap.
-    const used = Array.from({ length: n }, () => Math.floor(rand() * cap / n));
-    const current = used.map((u) => u + Math.floor(rand() * (cap / n - u + 1)));
+    // A state the ledger can be in: what the cells may admit, max(used, held), within the cap;
+    // used is a sliding estimate (fractional), at times past a cell's lease.
+    const used = Array.from({ length: n }, () => rand() * cap / n * 1.2);
+    const current = used.map(() => Math.floor(rand() * (cap / n + 2)));
     const held = current.map((c) => c + Math.floor(rand() * 2));
     if (sum(held.map((h, j) => Math.max(used[j], h))) > cap) continue;
     const targets = fairShares(limit, used, used.map(() => 1 + 3 * Math.floor(rand() * 2)));
