@@ -1,6 +1,7 @@
 """How close a key's limit holds across the fleet's cells, by lease (docs/fleet.md, "Limits across cells").
 
     .venv/bin/python -m bench.fleet_limits [--seconds 50] [--json PATH|-]
+    .venv/bin/python -m bench.fleet_limits --move RPM     # one key moving cell: how its lease follows
 
 Three real cells (apac-jp, eu-west, us-east) and the front door in one workerd
 (bench/front.py's fleet, the kit's default exchange period and state TTL), users at NRT,
@@ -89,11 +90,11 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-def keys_for(urls: dict, auth: dict, name: str, limits: dict) -> tuple[str, str]:
+def keys_for(urls: dict, auth: dict, name: str, limits: dict, cells: tuple[str, ...] = CELLS) -> tuple[str, str]:
     """A key made here and imported into every cell (as keys.py does): (key, id)."""
     key = admin.new_key()
     row = admin.key_row(key, name, **limits)
-    for cell in CELLS:
+    for cell in cells:
         res = requests.post(urls[cell] + "/_colocate/keys/replica", json=row, headers=auth, timeout=30)
         if res.status_code != 201:
             raise harness.BenchError(f"{cell} refused the key: {res.status_code} {res.text}")
@@ -219,6 +220,65 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
         return out
 
 
+def move(limit: int, seconds: float = 40.0, log=lambda _m: None) -> dict:
+    """A key that moves cell at its limit's pace (``--move``): 3 requests through apac-jp's
+    entry, 8 s idle, then one every 60 / limit s (at least 1 s apart) through eu-west's
+    for ``seconds``; each cell's lease of the key every ~7 s (the cell's own view), when
+    eu-west's first reaches 75 % and 90 % of the limit, and the refusals (each under the
+    limit here: the key never sends faster than its limit)."""
+    secrets = harness.Secrets.fresh()
+    auth = {"authorization": f"Bearer {secrets.probe_token}"}
+    a, b = CELLS[0], CELLS[1]
+    with (
+        harness.pods(1, 0, secrets.pod_token) as pod_urls,
+        harness.pods(1, 0, None) as fallback,
+        fleet_worker(pod_urls[0], fallback[0], secrets, DEADLINE_MS, regions=(a, b), remember_ms=0) as (w, urls),
+    ):
+        def call(key: str, cell: str) -> int:
+            headers = {"authorization": f"Bearer {key}", CF_BLOB_HEADER: json.dumps({"colo": COLO[cell]})}
+            return requests.get(w.url + "/v1/models", headers=headers, timeout=30).status_code
+
+        def lease(cell: str, kid: str) -> int | None:
+            got = requests.get(urls[cell] + f"/_colocate/fleet/peers?key={kid}", headers=auth, timeout=30).json()
+            return (got.get("lease") or {}).get("req") if got.get("fleet_cells") == 2 else None
+
+        key, kid = keys_for(urls, auth, "bench-move", {"rpm": limit}, cells=(a, b))
+        deadline = time.monotonic() + 30
+        while lease(a, kid) is None or lease(b, kid) is None:  # the ledger has told both cells the fleet's size
+            if time.monotonic() > deadline:
+                raise harness.BenchError("the ledger did not reach both cells within 30 s")
+            call(key, a)
+            time.sleep(0.5)
+        for _ in range(3):
+            call(key, a)
+            time.sleep(1)
+        time.sleep(8)
+        log(f"leases before the move: {a} {lease(a, kid)}, {b} {lease(b, kid)}")
+        every = max(1.0, 60 / limit)
+        start = time.monotonic()
+        timeline: list[tuple[float, int | None, int | None]] = []
+        reached: dict[float, float] = {}
+        refused = sent = 0
+        while (t := time.monotonic() - start) < seconds:
+            refused += call(key, b) == 429
+            sent += 1
+            la, lb = lease(a, kid), lease(b, kid)
+            for frac in (0.75, 0.9):
+                if frac not in reached and lb is not None and lb >= frac * limit:
+                    reached[frac] = round(t, 1)
+            if not timeline or t - timeline[-1][0] >= 7:
+                timeline.append((round(t, 1), la, lb))
+            time.sleep(max(0.0, start + sent * every - time.monotonic()))
+        return {"limit": limit, "sent": sent, "refused": refused, "reached_s": reached, "timeline": timeline}
+
+
+def render_move(r: dict) -> str:
+    steps = "  ".join(f"{t:.0f}s {la}/{lb}" for t, la, lb in r["timeline"])
+    reached = ", ".join(f"{int(f * 100)} % after {s} s" for f, s in sorted(r["reached_s"].items())) or "neither 75 % nor 90 %"
+    return (f"rpm {r['limit']}: leases apac-jp/eu-west as the key moved  {steps}\n"
+            f"eu-west's lease: {reached}; {r['sent']} requests sent to it, {r['refused']} refused")
+
+
 def render(rows: list[dict]) -> str:
     lines = [f"{'case':44} {'sent':>5} {'admitted':>9} {'admitted/L':>10} {'refused<L':>9} {'elsewhere':>9} {'state p99':>9}"]
     for r in rows:
@@ -233,7 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=50.0, help="how long every case sends (inside one minute, at most 55)")
     ap.add_argument("--json", help="also write the rows as JSON to PATH (- for stdout)")
+    ap.add_argument("--move", type=int, metavar="RPM", help="instead: one key with this rpm moving cell (move())")
     args = ap.parse_args(argv)
+    if args.move is not None:
+        if args.move < 10:
+            print(f"--move {args.move}: give an rpm of at least 10 (75 % of it must be a whole request)", file=sys.stderr)
+            return 2
+        try:
+            got = move(args.move, log=lambda m: print(m, file=sys.stderr))
+        except harness.BenchError as err:
+            print(str(err), file=sys.stderr)
+            return err.exit_code
+        print(render_move(got))
+        harness.write_json(args.json, got, indent=1)
+        return 0
     if not 4 <= args.seconds <= 55:
         print(f"--seconds must be 4..55 so the run fits in one minute (got {args.seconds})", file=sys.stderr)
         return 2
