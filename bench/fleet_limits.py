@@ -295,30 +295,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON to PATH (- for stdout)")
     ap.add_argument("--move", type=int, metavar="RPM", help="instead: one key with this rpm moving cell (move())")
     args = ap.parse_args(argv)
-    if args.move is not None:
-        if args.move < 10:
-            print(f"--move {args.move}: give an rpm of at least 10 (75 % of it must be a whole request)", file=sys.stderr)
-            return 2
-        try:
-            got = move(args.move, log=lambda m: print(m, file=sys.stderr))
-        except harness.BenchError as err:
-            print(str(err), file=sys.stderr)
-            return err.exit_code
-        print(render_move(got))
-        harness.write_json(args.json, got, indent=1)
-        return 0
-    if not 4 <= args.seconds <= 55:
+    if args.move is not None and args.move < 10:
+        print(f"--move {args.move}: give an rpm of at least 10 (75 % of it must be a whole request)", file=sys.stderr)
+        return 2
+    if args.move is None and not 4 <= args.seconds <= 55:
         print(f"--seconds must be 4..55 so the run fits in one minute (got {args.seconds})", file=sys.stderr)
         return 2
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     try:
-        rows = run(args.seconds, log=lambda m: print(m, file=sys.stderr))
+        got: Any = move(args.move, log=log) if args.move is not None else run(args.seconds, log=log)
     except harness.BenchError as err:
         print(str(err), file=sys.stderr)
         return err.exit_code
-    print(render(rows))
-    harness.write_json(args.json, rows, indent=1)
+    print(render_move(got) if args.move is not None else render(got))
+    harness.write_json(args.json, got, indent=1)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
