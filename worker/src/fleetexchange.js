@@ -187,8 +187,8 @@ export function weights(seen) {
  * cells may admit under the new leases, the sum of max(used, lease), falls below the limit:
  * until a decrease lands, the ledger holds the old lease against the cap, so an increase
  * elsewhere waits for it, and a deeper cut would leave a key refused by every cell while
- * under its limit (the front door tries each). A lease then moves by at least the slack per
- * landing (about two rounds). Returns {lease, held} per cell.
+ * under its limit (the front door tries each). A share then moves by about the slack each
+ * time a cut lands (docs/fleet.md). Returns {lease, held} per cell.
  */
 export function grant(limit, used, held, current, targets) {
   const cap = limit + slackOf(limit);
