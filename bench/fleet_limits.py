@@ -90,6 +90,16 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
+def front_call(front_url: str, key: str, cell: str, limit: str) -> requests.Response:
+    """One request of ``key`` through the front door from ``cell``'s users' colo: a model list
+    for an rpm case (no tokens), else a chat completion (its tokens count)."""
+    headers = {"authorization": f"Bearer {key}", CF_BLOB_HEADER: json.dumps({"colo": COLO[cell]})}
+    if limit == "rpm":
+        return requests.get(front_url + "/v1/models", headers=headers, timeout=30)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    return requests.post(front_url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
 def keys_for(urls: dict, auth: dict, name: str, limits: dict, cells: tuple[str, ...] = CELLS) -> tuple[str, str]:
     """A key made here and imported into every cell (as keys.py does): (key, id)."""
     key = admin.new_key()
@@ -110,11 +120,7 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
         fleet_worker(pod_urls[0], fallback[0], secrets, DEADLINE_MS, regions=CELLS, remember_ms=0) as (w, urls),
     ):
         def call(key: str, cell: str, limit: str) -> requests.Response:
-            headers = {"authorization": f"Bearer {key}", CF_BLOB_HEADER: json.dumps({"colo": COLO[cell]})}
-            if limit == "rpm":
-                return requests.get(w.url + "/v1/models", headers=headers, timeout=30)
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-            return requests.post(w.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+            return front_call(w.url, key, cell, limit)
 
         keys = [keys_for(urls, auth, f"bench-limits-{i}", {case.limit: case.value}) for i, case in enumerate(CASES)]
         # Each cell's isolate learns each key (a look-up), and the ledger tells every cell the fleet's size.
@@ -235,8 +241,7 @@ def move(limit: int, seconds: float = 40.0, log=lambda _m: None) -> dict:
         fleet_worker(pod_urls[0], fallback[0], secrets, DEADLINE_MS, regions=(a, b), remember_ms=0) as (w, urls),
     ):
         def call(key: str, cell: str) -> int:
-            headers = {"authorization": f"Bearer {key}", CF_BLOB_HEADER: json.dumps({"colo": COLO[cell]})}
-            return requests.get(w.url + "/v1/models", headers=headers, timeout=30).status_code
+            return front_call(w.url, key, cell, "rpm").status_code
 
         def lease(cell: str, kid: str) -> int | None:
             got = requests.get(urls[cell] + f"/_colocate/fleet/peers?key={kid}", headers=auth, timeout=30).json()
@@ -310,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render_move(got) if args.move is not None else render(got))
     harness.write_json(args.json, got, indent=1)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
