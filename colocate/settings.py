@@ -79,7 +79,7 @@ WORKER_DEFAULTS = {
     "allowClassDeletion": False,
     "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
 }
-PROBE_DEFAULTS = {"samples": 25, "enforce": False}
+PROBE_DEFAULTS = {"samples": 25, "enforce": False, "maxFallbackShare": 0.10}
 # ttft and itl: a streamed answer's first token and the mean gap between its tokens, as the probe's
 # client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40, "ttft": 1000, "itl": 100}
@@ -130,7 +130,9 @@ SCHEMA: tuple[Key, ...] = (
         "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
         "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total, ttft, itl)."),
-    Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
+    Key("probe", "object", PROBE_DEFAULTS,
+        "Post-deploy probe: samples, enforce (a failed check fails pulumi up), maxFallbackShare (the probe and the "
+        "live view fail above it)."),
     Key("scale", "object", {},
         "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, "
         "target (requests per minute one pod serves within budget; default the pod profile's knee), upAfterS and "
@@ -279,6 +281,7 @@ class Settings:
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
     fallback_cap: tuple[float, float] = (0.0, 0.0)  # $ per UTC day of the fallback, (cell, each key); 0: no cap
     fallback_fields: tuple[str, ...] = ()  # colocate:fallbackFields: request fields the fallback may also receive
+    max_fallback_share: float = 0.10  # colocate:probe.maxFallbackShare: the probe and the live view fail above it
     # colocate:keys.defaults, by the Worker's field name (rpm, tpm, monthly_tokens, max_parallel)
     key_defaults: dict[str, int] = field(default_factory=lambda: {KEY_LIMIT_FIELDS[k]: v for k, v in KEY_LIMIT_DEFAULTS.items()})
     # role -> the settings key whose secret the Worker binds for it (probeToken on an old stack)
@@ -716,6 +719,7 @@ def parse(
             "must be true or false",
             "pulumi config set --path colocate:probe.enforce true",
         )
+    max_fallback_share = _number(f"{NS}:probe.maxFallbackShare", probe["maxFallbackShare"], strict=False, maximum=1)
     worker = parse_worker(raw, stack)
     zone = parse_zone(raw.get("zone"))
     if zone is None and not worker.subdomain:
@@ -746,6 +750,7 @@ def parse(
         budgets=parse_budgets(raw.get("budgets")),
         samples=samples,
         enforce=probe["enforce"],
+        max_fallback_share=max_fallback_share,
         zone=zone,
         fallback_model=fallback_model,
         secrets=frozenset(secrets),

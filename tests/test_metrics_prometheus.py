@@ -8,6 +8,8 @@ import hashlib
 import json
 import math
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -70,6 +72,8 @@ def test_a_real_prometheus_scrapes_the_cell_and_agrees_with_the_clients(cell, tm
         assert cell.call("PUT", "/_colocate/breaker", body={"force": "open"}, headers=auth()).status == 200
         assert set(send(30)) == {200}
         assert cell.call("PUT", "/_colocate/breaker", body={"force": None}, headers=auth()).status == 200
+        # streamed answers: the dashboard's ttft and itl panels by backend read them
+        assert {cell.call("POST", "/v1/chat/completions", body=chat(stream=True)).status for _ in range(5)} == {200}
         seen = {b: {s: [] for s in ROUTED} for b in ("pod-0", "fallback")}
         for res in cell.responses:  # every routed answer of this cell, the earlier test's too
             if "x-colocate-backend" in res.headers:
@@ -110,3 +114,41 @@ def test_a_real_prometheus_scrapes_the_cell_and_agrees_with_the_clients(cell, tm
             assert "$" not in e, e
             answered += bool(prom.query(e))  # raises PrometheusError naming the expression on a bad one
         assert answered >= len(exprs) - 2  # all but the breaker's not-closed pods (none) have data
+
+
+ALERTS = ROOT / "docs" / "grafana" / "alerts.yml"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs Debian's prometheus package (promtool; make prometheus)")
+def test_the_fallback_share_alert_pages_for_a_cell_whose_pods_do_not_serve_and_only_then(tmp_path):
+    """promtool's own rule tests: three cells' counters over 10 minutes. `down` has a pod in rotation
+    and the fallback answers 1 request a second of 2 (50 %); `ok` 1 of 100 (1 %); `zero` routes to no
+    pod (no breaker series: scaled to zero) and everything is the fallback's."""
+    series = [
+        {"series": 'colocate_requests_total{cell="down",backend="pod-0"}', "values": "0+60x10"},
+        {"series": 'colocate_requests_total{cell="down",backend="fallback"}', "values": "0+60x10"},
+        {"series": 'colocate_breaker_state{cell="down",pod="0",state="closed"}', "values": "1x10"},
+        {"series": 'colocate_requests_total{cell="ok",backend="pod-0"}', "values": "0+5940x10"},
+        {"series": 'colocate_requests_total{cell="ok",backend="fallback"}', "values": "0+60x10"},
+        {"series": 'colocate_breaker_state{cell="ok",pod="0",state="closed"}', "values": "1x10"},
+        {"series": 'colocate_requests_total{cell="zero",backend="fallback"}', "values": "0+60x10"},
+    ]
+    fired = {"eval_time": "9m", "alertname": "ColocateFallbackShareHigh",
+             "exp_alerts": [{"exp_labels": {"cell": "down", "severity": "page"},
+                             "exp_annotations": {"summary": "down: the fallback answers 50% of requests",
+                                                 "description": "The pods are not serving and every request is bought "
+                                                                "from the paid API. Check `scripts/probe.py --stack down "
+                                                                "--live` and `scripts/pod.py status`."}}]}
+    not_yet = {"eval_time": "1m", "alertname": "ColocateFallbackShareHigh", "exp_alerts": []}  # `for: 2m`
+    spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [fired, not_yet]}]}
+    (tmp_path / "alerts.test.yml").write_text(json.dumps(spec))  # JSON is YAML
+    proc = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts.test.yml")], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # and the rule fails the test when it would page the healthy cell: the test can fail
+    fired["exp_alerts"][0]["exp_labels"]["cell"] = "ok"
+    (tmp_path / "alerts.test.yml").write_text(json.dumps(spec))
+    wrong = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts.test.yml")], capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert wrong.returncode != 0

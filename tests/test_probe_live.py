@@ -67,7 +67,7 @@ def test_the_same_buckets_and_text_as_the_worker():
 def test_a_healthy_window_holds_every_check_with_shares_per_pod():
     rows = (requests(M, "NRT", "0", 300) + requests(M, "NRT", "1", 100) + requests(M + 1, "NRT", "0", 50)
             + [sync(M, "NRT", "NRT", [3, 4, 5] * 20), sync(M + 1, "NRT", "NRT", [3, 4] * 10)])
-    rows.append([M + 1, "NRT", "fallback", "total", enc([400] * 10)])
+    rows.append([M, "NRT", "fallback", "total", enc([400] * 10)])  # 2 % of its minute: within the share
     r = live.build(doc(rows), JP, ["AP-JP-1", "AP-JP-1"], [Budget("state", 25), Budget("state_rtt", 40)])
     assert r.ok, r.violations
     assert r.requests == 460

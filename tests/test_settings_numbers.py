@@ -50,6 +50,7 @@ NUMBER_KEYS = {
     "worker.minTokensPerS": (lambda s: s.worker.min_tokens_per_s, "12.5", 12.5),
     "worker.prefixBound": (lambda s: s.worker.prefix_bound, "1.25", 1.25),
     "probe.samples": (lambda s: s.samples, "40", 40),
+    "probe.maxFallbackShare": (lambda s: s.max_fallback_share, "0.25", 0.25),
     "budgets.e2e": (lambda s: s.budgets["e2e"], "612.5", 612.5),
     "budgets.state": (lambda s: s.budgets["state"], "25", 25.0),
 }
