@@ -115,7 +115,8 @@ SCHEMA: tuple[Key, ...] = (
         "readyTimeoutS, computeMs (local only), profile (local only: the stand-in's GPU and model, "
         "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
         "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
-        "mutual TLS between the Worker and the pod, or the pod token alone; auto refuses RunPod without colocate:zone)."),
+        "auto is mutual TLS on colocate:zone and the pod token behind the pod's guard on RunPod's proxy; token is "
+        "refused on a zone)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
@@ -138,8 +139,9 @@ SCHEMA: tuple[Key, ...] = (
         "before pods are added or removed), policy (latency: enough pods for the traffic; cost: a pod only while it costs "
         "less than colocate:fallbackPrice for the same tokens); pods and draining are written by scripts/scale.py."),
     Key("zone", "object", {},
-        "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and "
-        "reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
+        "Optional Cloudflare zone: {id, name, workerHostname, podHostname, acmeServer (the ACME directory of the pods' "
+        "certificates, DNS-01 on the zone; default Let's Encrypt)}. Without it the Worker is on workers.dev and reaches "
+        "a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
     Key("fleet", "object", {},
         "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs, affinity (nearest | "
         "conversation: a conversation stays in one cell within budget)}. Set, it makes the stack a front door over those "
@@ -238,12 +240,18 @@ class WorkerSettings:
     prefix_bound: float = 1.5
 
 
+# The ACME directory that issues the pods' publicly trusted certificates on the zone (DNS-01):
+# Let's Encrypt's production directory (letsencrypt.org/docs/acme-protocol-updates).
+ACME_SERVER = "https://acme-v02.api.letsencrypt.org/directory"
+
+
 @dataclass(frozen=True)
 class ZoneSettings:
     id: str
     name: str
     worker_hostname: str
     pod_hostname: str
+    acme_server: str = ACME_SERVER  # colocate:zone.acmeServer
 
 
 @dataclass(frozen=True)
@@ -581,12 +589,24 @@ def parse_zone(raw: object) -> ZoneSettings | None:
     if not isinstance(zid, str) or not re.fullmatch(r"[0-9a-f]{32}", zid):
         raise ConfigError(key + ".id", zid, "a zone id is 32 hex characters", "copy it from the zone's overview page")
     name = _string(key + ".name", raw.get("name"))
+    unknown = sorted(set(raw) - set(ZONE_FIELDS))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", raw[unknown[0]], "unknown key", f"use only {', '.join(ZONE_FIELDS)}")
+    acme = raw.get("acmeServer") or ACME_SERVER
+    if not isinstance(acme, str) or not acme.startswith("https://"):
+        raise ConfigError(key + ".acmeServer", acme, "must be the https:// URL of an ACME directory whose certificates "
+                          "are publicly trusted (the Worker verifies the pods with public trust)",
+                          f"pulumi config rm --path {key}.acmeServer (Let's Encrypt: {ACME_SERVER})")
     return ZoneSettings(
         id=zid,
         name=name,
         worker_hostname=raw.get("workerHostname") or f"infer.{name}",
         pod_hostname=raw.get("podHostname") or f"pod-{{generation}}.{name}",
+        acme_server=acme,
     )
+
+
+ZONE_FIELDS = ("id", "name", "workerHostname", "podHostname", "acmeServer")
 
 
 def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),

@@ -161,7 +161,7 @@ class Cell(pulumi.ComponentResource):
         fingerprint = pulumi.Output.unsecret(pulumi.Output.from_input(secrets["podToken"]).apply(token_fingerprint))
         # The hop's certificates (infra/hop.py) when it is mutual TLS: each pod gets its own, by
         # environment; its fingerprint joins the pod's identity (a re-issued one replaces the pod).
-        self.hop = HopCredentials(name, plan, self) if plan.mtls else None
+        self.hop = HopCredentials(name, plan, self, args["cloudflare_token"]) if plan.mtls else None
         for pod in plan.pods:
             hop_env: dict[str, pulumi.Output[str]] = {}
             declared = fingerprint.apply(pod.with_token_fingerprint)
@@ -246,9 +246,7 @@ class Cell(pulumi.ComponentResource):
             # (Breaker) or that another Worker binds (a fleet's front door) unless forced;
             # destroy deletes the class's objects with it (docs/worker.md, "Destroy").
             force=True,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[
-                *self.pod_waits, *self.pod_dns,
-                *([self.hop.trust_store] if self.hop is not None and self.hop.trust_store is not None else [])]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*self.pod_waits, *self.pod_dns]),
         )
 
         # The placement block, applied after every upload of the script: the upload itself

@@ -122,8 +122,10 @@ def _under_mocks() -> bool:
 
 
 def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
-    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls,
-                               trust_store=cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS)
+    acme = cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS
+    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls, acme=acme,
+                               acme_names=tuple(p.tls_name for p in cell_plan.pods) if acme else (),
+                               acme_server=cell_plan.acme_server or "")
 
 
 def preflight(cell_plan: CellPlan) -> None:
