@@ -94,7 +94,9 @@ def live_scale(settings: Settings, cell_plan: CellPlan) -> ScaleSettings:
     if override is None and not script_exists(settings.account_id, cell_plan.worker.script_name):
         return scale  # a first deploy: nothing recorded anywhere yet
     url = (override or cell_plan.worker.url).rstrip("/")
-    token = pulumi.runtime.get_config(f"{NS}:readToken") or ""
+    # The role that reads: readToken, or on a stack still on the one old token (deprecated,
+    # settings.credential_warning), probeToken, which the Worker binds then (plan.worker_bindings).
+    token = pulumi.runtime.get_config(f"{NS}:{settings.operator_secrets['read']}") or ""
     try:
         state = scaler.CellClient(url, token).state()
     except (OSError, ValueError) as err:
