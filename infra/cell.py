@@ -212,7 +212,12 @@ class Cell(pulumi.ComponentResource):
                     proxied=False,
                     ttl=60,
                     comment=f"colocate {plan.stack}: pod {pod.index} of generation {pod.generation}",
-                    opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases),
+                    # A new instance has a new name: the record is replaced, not renamed in place (only
+                    # zone_id forces that in the provider's schema), new before old, and the old one is
+                    # deleted at the end of the update, after the Worker names the new one: the old pod
+                    # stays reachable until nothing sends to it (colocate.rollout).
+                    opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases, replace_on_changes=["name"],
+                                                delete_before_replace=not rollout.CREATE_BEFORE_DELETE),
                 ))
             if pod.in_rotation:  # a draining pod stays declared, out of POD_URLS (colocate:scale)
                 worker_urls.append(info.apply(pod.worker_url))

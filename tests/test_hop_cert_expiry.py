@@ -73,3 +73,11 @@ def test_the_probe_judges_the_certificates_beside_its_budgets(probe, capsys, mon
     assert got == code, err
     assert doc["hop_certificates"]["level"] == level and doc["hop_certificates"]["not_after"] == not_after
     assert ("hop certificates: FAIL" in err) is (level == "fail") and ("expire in" in err) is (level != "ok")
+
+
+def test_the_way_out_says_how_pods_are_replaced_as_colocate_rollout_does():
+    from colocate import rollout
+
+    message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC)).message
+    assert rollout.ONE_AT_A_TIME is False and "one at a time" not in message
+    assert "side by side" in message and rollout.CREATE_BEFORE_DELETE

@@ -264,3 +264,27 @@ def unsecret(value):
 
 def plain(value):
     return unsecret(value)[1]
+
+
+@dataclass
+class Declared:
+    """A resource as the program constructed it: its object, type, name and resource options (which the
+    mock engine does not see: replace_on_changes, delete_before_replace, depends_on)."""
+
+    resource: pulumi.Resource
+    typ: str
+    name: str
+    opts: pulumi.ResourceOptions
+
+
+def record_options(monkeypatch) -> list[Declared]:
+    """Every CustomResource the program constructs from now on, with its options, in construction order."""
+    seen: list[Declared] = []
+    original = pulumi.CustomResource.__init__
+
+    def spy(self, t, name, props=None, opts=None, *args, **kwargs):
+        seen.append(Declared(self, t, name, opts or pulumi.ResourceOptions()))
+        return original(self, t, name, props, opts, *args, **kwargs)
+
+    monkeypatch.setattr(pulumi.CustomResource, "__init__", spy)
+    return seen
