@@ -1,4 +1,5 @@
-"""RunPod, REST v2 only (``/v2/pods``; v1 was retired on 2026-11-15).
+"""RunPod, REST v2 only (``/v2/pods``). v1 is gone: "REST API v1 is deprecated and will be retired on
+December 1, 2026" (RunPod's migration guide, docs.runpod.io/api-reference-v2/migrate-from-v1).
 
 One data centre at a time, in catalogue order: ``dataCenterIds`` holds exactly one id per
 create, so a refusal in the first is retried in the second and never elsewhere. Refusals follow
