@@ -308,10 +308,18 @@ def token_fingerprint(token: str) -> str:
     return hashlib.sha256(TOKEN_FINGERPRINT_PREFIX + token.encode()).hexdigest()[:8]
 
 
-def pod_name(stack: str, generation: str, index: int, identity: list[str]) -> str:
-    """``colocate-<stack>-<generation>-p<i>-<digest of the identity>`` (sweep's pattern)."""
+def pod_scope(organization: str, project: str) -> str:
+    """Six hex digits naming the Pulumi organization and project a stack belongs to: two projects (or
+    organizations) with a stack of the same name on one provider account keep apart (sweep, adoption)."""
+    return hashlib.sha256(f"colocate pod scope v1\0{organization}\0{project}".encode()).hexdigest()[:6]
+
+
+def pod_name(stack: str, generation: str, index: int, identity: list[str], scope: str = "") -> str:
+    """``colocate-<stack>-<scope>-<generation>-p<i>-<digest of the identity>`` (sweep's pattern; without
+    a scope, the sandbox's and earlier releases', ``colocate-<stack>-<generation>-...``)."""
     digest = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:6]
-    return f"colocate-{stack}-{generation}-p{index}-{digest}".replace(".", "-").replace("_", "-").lower()
+    scoped = f"{stack}-{scope}" if scope else stack
+    return f"colocate-{scoped}-{generation}-p{index}-{digest}".replace(".", "-").replace("_", "-").lower()
 
 
 @dataclass(frozen=True)
@@ -337,6 +345,7 @@ class PodPlan:
     # False while the pod drains before a scale-down (colocate:scale.draining): still
     # declared and running, no longer in the Worker's POD_URLS. Not part of the identity.
     in_rotation: bool = True
+    scope: str = ""  # pod_scope(organization, project) in the cloud; "" in the sandbox
 
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
@@ -393,6 +402,7 @@ class PodPlan:
             "port": s.port,
             "disk_gb": s.disk_gb,
             "max_price_per_hr": s.max_price_per_hr,
+            "max_transfer_per_gb": s.max_transfer_per_gb,
             "cloud": s.cloud,
             "min_reliability": s.min_reliability,
             "ready_timeout_s": s.ready_timeout_s,
@@ -449,7 +459,7 @@ class PodPlan:
 
     def with_derived_name(self) -> PodPlan:
         """This pod named after its identity (``pod_name``)."""
-        return replace(self, name=pod_name(self.stack, self.generation, self.index, self.identity()))
+        return replace(self, name=pod_name(self.stack, self.generation, self.index, self.identity(), self.scope))
 
 
 PROBE_WAIT_S = 120  # a new route or custom domain can take a while to answer after a deploy
@@ -511,6 +521,7 @@ class CellPlan:
     pod_settings: PodSettings | None = None  # what every pod is made of, even with none
     # The ACME directory that issues the pods' certificates (DNS-01 on colocate:zone); None off zone-dns.
     acme_server: str | None = None
+    scope: str = ""  # pod_scope of the stack's organization and project, in every pod's name
 
     @property
     def mtls(self) -> bool:
@@ -700,8 +711,12 @@ def check_worker_limits(worker: WorkerPlan) -> None:
         {b.name: binding_key(b) for b in worker.bindings}, "colocate:worker.name")
 
 
-def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None) -> CellPlan:
+def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None,
+              scope: str = "") -> CellPlan:
     """Derive the whole cell from validated settings.
+
+    ``scope`` (``pod_scope``: the Pulumi program passes its organization's and project's) goes into
+    every pod's name, so sweeps and adoption never reach another project's stack of the same name.
 
     ``live_migration_tag`` is the tag Cloudflare reports for the Worker ("" when it has
     none or does not exist); None (the sandbox, or Cloudflare unreachable) falls back to
@@ -738,6 +753,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             if path == PATH_ZONE_DNS and settings.zone is not None else None,
             path=path,
             in_rotation=settings.scale is None or i < settings.scale.pods,
+            scope=scope,
         ).with_derived_name()
         for i in range(settings.pod.count)
     )
@@ -792,4 +808,5 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement_mode=mode,
     )
     return CellPlan(settings.stack, reg, worker, state, pods, probe, pod_path=path, pod_settings=settings.pod,
-                    acme_server=settings.zone.acme_server if path == PATH_ZONE_DNS and settings.zone else None)
+                    acme_server=settings.zone.acme_server if path == PATH_ZONE_DNS and settings.zone else None,
+                    scope=scope)

@@ -33,8 +33,10 @@ PYTHON = ".venv/bin/python"
 POD_RENT = f"{PYTHON} scripts/pod.py rent --spec -"
 POD_WAIT = f"{PYTHON} scripts/pod.py wait --spec -"
 # After every change of the pods, delete the stack's pods that no declared pod holds (a rent
-# killed mid-request whose spec has since changed, so no later rent adopts it by name).
-POD_SWEEP = f"{PYTHON} scripts/pod.py sweep --stack {{stack}} --destroy"
+# killed mid-request whose spec has since changed, so no later rent adopts it by name); at
+# `pulumi destroy`, every pod of the stack's scope (its delete keeps none): also one from a rent
+# killed before it printed its pod's id, which no other resource holds.
+POD_SWEEP = f"{PYTHON} scripts/pod.py sweep --stack {{stack}} --scope {{scope}} --destroy"
 # The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON). pulumi-command
 # runs it with the environment saved at create; --stack lets it use the stack's current
 # provider key first (a rotated key: docs/pods.md, "Rotating a provider key").
@@ -317,10 +319,11 @@ class Cell(pulumi.ComponentResource):
             provider = plan.sweep_provider
             keep = pulumi.Output.all(*[c.stdout for c in self.pod_commands], *[c.stdout for c in self.pod_waits]).apply(
                 lambda outs: sorted({json.loads(o)["id"] for o in outs}))
+            sweep = POD_SWEEP.format(stack=plan.stack, scope=plan.scope or "''")
             self.sweep = local.Command(
                 f"{name}-pod-sweep",
-                create=keep.apply(lambda ids: " ".join([POD_SWEEP.format(stack=plan.stack), "--provider", provider,
-                                                        *[f"--keep {i}" for i in ids]])),
+                create=keep.apply(lambda ids: " ".join([sweep, "--provider", provider, *[f"--keep {i}" for i in ids]])),
+                delete=f"{sweep} --provider {provider}",
                 environment=dict(args["pod_environment"]),
                 dir=".",
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, *self.pod_waits]),

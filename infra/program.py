@@ -14,7 +14,7 @@ import pulumi_cloudflare as cloudflare
 
 from colocate import fleet, outputs, preflight as preflight_mod, scaler
 from colocate.errors import ConfigError
-from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell
+from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell, pod_scope
 from colocate.scaler import SCALE_STEP_ENV
 from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse
 
@@ -43,13 +43,15 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     if settings.zone is not None:
         check_zone(settings.zone)
     tag = live_migration_tag(settings.account_id, settings.worker.name)
+    # Two projects or organizations with a stack of this name on one provider account keep apart.
+    scope = pod_scope(pulumi.get_organization(), pulumi.get_project())
     try:
-        cell_plan = plan_cell(settings, live_migration_tag=tag)
+        cell_plan = plan_cell(settings, live_migration_tag=tag, scope=scope)
         if settings.scale is not None:
             scale = live_scale(settings, cell_plan)
             if scale != settings.scale:
                 settings = replace(settings, scale=scale, pod=replace(settings.pod, count=scale.declared))
-                cell_plan = plan_cell(settings, live_migration_tag=tag)
+                cell_plan = plan_cell(settings, live_migration_tag=tag, scope=scope)
     except ConfigError as err:
         raise ProgramError(str(err)) from None
     if os.environ.get(SCALE_STEP_ENV) == "1":  # the scaling controller's update: a softened probe
@@ -218,6 +220,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.ACCOUNT_ID: cell_plan.worker.account_id,
         outputs.BUDGET_E2E_MS: cell_plan.probe.budgets.get("e2e"),
         outputs.HOP_NOT_AFTER: cell.hop.not_after() if cell.hop is not None else None,
+        outputs.POD_SCOPE: cell_plan.scope,
     }
     for key, value in exports.items():
         pulumi.export(key, value)

@@ -30,7 +30,7 @@ def test_the_verdict_warns_30_days_ahead_and_fails_7(days, level):
     v = certexpiry.check(at(days), NOW, "us-east")
     assert v.level == level
     if level != "ok":
-        assert "pulumi up -s us-east" in v.message and "rolling replacement" in v.message
+        assert "pulumi up -s us-east" in v.message and "side by side" in v.message
     if days < 0:
         assert "expired" in v.message and "fallback" in v.message
 

@@ -444,8 +444,24 @@ def test_every_stack_rents_then_waits_for_its_pods_and_sweeps_cloud_strays_after
     if raw["pod"]["provider"] == "local":
         assert sweep is None  # a local stand-in is this machine's process, not a rented GPU
     else:
-        assert sweep["create"] == (f".venv/bin/python scripts/pod.py sweep --stack {stack} --destroy "
-                                   f"--provider {raw['pod']['provider']} --keep pod-123")
+        scope = run.resolved["podScope"]
+        sweep_cmd = f".venv/bin/python scripts/pod.py sweep --stack {stack} --scope {scope} --destroy"
+        assert sweep["create"] == f"{sweep_cmd} --provider {raw['pod']['provider']} --keep pod-123"
+        # `pulumi destroy` deletes every pod of the stack's scope, also one a killed rent left with no record.
+        assert sweep["delete"] == f"{sweep_cmd} --provider {raw['pod']['provider']}"
+        assert all(json.loads(r.inputs["stdin"])["name"].startswith(f"colocate-{stack}-{scope}-")
+                   for r in run.mocks.of_type(COMMAND) if "pod.py rent" in r.inputs.get("create", ""))
+
+
+def test_pod_names_are_scoped_by_the_pulumi_organization_and_project(monkeypatch):
+    """Two projects (or organizations) with a stack `us-east` on one RunPod account name their pods apart."""
+    from colocate.plan import pod_scope
+
+    config, keys = stack_config("us-east")
+    run = run_program("us-east", config, keys)
+    scope = run.resolved["podScope"]
+    assert scope == pod_scope(pulumi.get_organization(), "colocate") != pod_scope(pulumi.get_organization(), "other")
+    assert scope != pod_scope("another-org", "colocate") and len(scope) == 6
 
 
 @pytest.mark.parametrize("stack,overrides", [("apac-tw", {}), ("apac-jp", {"zone": {"id": "f" * 32, "name": "example.com"},
