@@ -43,6 +43,10 @@ POD_DEFAULTS = {
     "port": 8000,
     "diskGb": 40,
     "maxPricePerHr": 0.8,
+    # Vast.ai bills traffic per GB on top of the hour (offers' inet_down_cost, inet_up_cost): a boot pulls
+    # about 16 GB (the image, ~11, and the weights, ~5), so $0.02/GB holds it to $0.32, under half an hour
+    # of the price cap; the answers a pod sends are text (colocate/pods/vastai.py).
+    "maxTransferPerGb": 0.02,
     "cloud": "SECURE",
     "minReliability": 0.98,
     "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/capacity.py BOOT_S)
@@ -111,7 +115,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS,
         "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
-        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
+        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, maxTransferPerGb (Vast.ai: the "
+        "most a host may charge per GB down or up), cloud, minReliability, "
         "readyTimeoutS, computeMs (local only), profile (local only: the stand-in's GPU and model, "
         "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
         "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
@@ -213,6 +218,7 @@ class PodSettings:
     renewal: int = 0  # part of the pods' identity: a new value re-places them
     hop: str = "auto"  # colocate:pod.hop (HOPS)
     profile: str = str(POD_DEFAULTS["profile"])  # colocate:pod.profile: the local stand-in's (pods.profiles)
+    max_transfer_per_gb: float = float(cast(float, POD_DEFAULTS["maxTransferPerGb"]))  # colocate:pod.maxTransferPerGb
 
 
 MAX_PODS = 8
@@ -356,6 +362,7 @@ def parse_pod(raw: dict) -> PodSettings:
         port=_number(k + "port", p["port"], integer=True),
         disk_gb=_number(k + "diskGb", p["diskGb"], integer=True),
         max_price_per_hr=float(_number(k + "maxPricePerHr", p["maxPricePerHr"])),
+        max_transfer_per_gb=float(_number(k + "maxTransferPerGb", p["maxTransferPerGb"], strict=False)),
         cloud=_string(k + "cloud", p["cloud"], ("SECURE", "COMMUNITY")),
         min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False, maximum=1)),
         ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
