@@ -42,7 +42,7 @@ def check(not_after: str, now: datetime, stack: str | None = None) -> Expiry:
     days = (parse(not_after) - now).total_seconds() / 86400
     where = f" -s {stack}" if stack else ""
     renew = (f"run `pulumi up{where}` now: inside the last {WARN_DAYS} days it re-issues them, and the pods are "
-             "replaced one at a time, each new one healthy before its predecessor goes (a rolling replacement)")
+             "replaced side by side, every new one healthy and named by the Worker before the old ones go")
     if days <= 0:
         return Expiry(FAIL, not_after, days, f"the pod hop's certificates expired {-days:.1f} days ago: the Worker "
                       f"cannot reach its pods and every request goes to the fallback; {renew}")

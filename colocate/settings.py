@@ -43,6 +43,10 @@ POD_DEFAULTS = {
     "port": 8000,
     "diskGb": 40,
     "maxPricePerHr": 0.8,
+    # Vast.ai bills traffic per GB on top of the hour (offers' inet_down_cost, inet_up_cost): a boot pulls
+    # about 16 GB (the image, ~11, and the weights, ~5), so $0.02/GB holds it to $0.32, under half an hour
+    # of the price cap; the answers a pod sends are text (colocate/pods/vastai.py).
+    "maxTransferPerGb": 0.02,
     "cloud": "SECURE",
     "minReliability": 0.98,
     "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/capacity.py BOOT_S)
@@ -111,11 +115,13 @@ SCHEMA: tuple[Key, ...] = (
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS,
         "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
-        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
+        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, maxTransferPerGb (Vast.ai: the "
+        "most a host may charge per GB down or up), cloud, minReliability, "
         "readyTimeoutS, computeMs (local only), profile (local only: the stand-in's GPU and model, "
         "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
         "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
-        "mutual TLS between the Worker and the pod, or the pod token alone; auto refuses RunPod without colocate:zone)."),
+        "auto is mutual TLS on colocate:zone and the pod token behind the pod's guard on RunPod's proxy; token is "
+        "refused on a zone)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
@@ -140,8 +146,9 @@ SCHEMA: tuple[Key, ...] = (
         "before pods are added or removed), policy (latency: enough pods for the traffic; cost: a pod only while it costs "
         "less than colocate:fallbackPrice for the same tokens); pods and draining are written by scripts/scale.py."),
     Key("zone", "object", {},
-        "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and "
-        "reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
+        "Optional Cloudflare zone: {id, name, workerHostname, podHostname, acmeServer (the ACME directory of the pods' "
+        "certificates, DNS-01 on the zone; default Let's Encrypt)}. Without it the Worker is on workers.dev and reaches "
+        "a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
     Key("fleet", "object", {},
         "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs, affinity (nearest | "
         "conversation: a conversation stays in one cell within budget)}. Set, it makes the stack a front door over those "
@@ -213,6 +220,7 @@ class PodSettings:
     renewal: int = 0  # part of the pods' identity: a new value re-places them
     hop: str = "auto"  # colocate:pod.hop (HOPS)
     profile: str = str(POD_DEFAULTS["profile"])  # colocate:pod.profile: the local stand-in's (pods.profiles)
+    max_transfer_per_gb: float = float(cast(float, POD_DEFAULTS["maxTransferPerGb"]))  # colocate:pod.maxTransferPerGb
 
 
 MAX_PODS = 8
@@ -240,12 +248,18 @@ class WorkerSettings:
     prefix_bound: float = 1.5
 
 
+# The ACME directory that issues the pods' publicly trusted certificates on the zone (DNS-01):
+# Let's Encrypt's production directory (letsencrypt.org/docs/acme-protocol-updates).
+ACME_SERVER = "https://acme-v02.api.letsencrypt.org/directory"
+
+
 @dataclass(frozen=True)
 class ZoneSettings:
     id: str
     name: str
     worker_hostname: str
     pod_hostname: str
+    acme_server: str = ACME_SERVER  # colocate:zone.acmeServer
 
 
 @dataclass(frozen=True)
@@ -351,6 +365,7 @@ def parse_pod(raw: dict) -> PodSettings:
         port=_number(k + "port", p["port"], integer=True),
         disk_gb=_number(k + "diskGb", p["diskGb"], integer=True),
         max_price_per_hr=float(_number(k + "maxPricePerHr", p["maxPricePerHr"])),
+        max_transfer_per_gb=float(_number(k + "maxTransferPerGb", p["maxTransferPerGb"], strict=False)),
         cloud=_string(k + "cloud", p["cloud"], ("SECURE", "COMMUNITY")),
         min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False, maximum=1)),
         ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
@@ -584,12 +599,24 @@ def parse_zone(raw: object) -> ZoneSettings | None:
     if not isinstance(zid, str) or not re.fullmatch(r"[0-9a-f]{32}", zid):
         raise ConfigError(key + ".id", zid, "a zone id is 32 hex characters", "copy it from the zone's overview page")
     name = _string(key + ".name", raw.get("name"))
+    unknown = sorted(set(raw) - set(ZONE_FIELDS))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", raw[unknown[0]], "unknown key", f"use only {', '.join(ZONE_FIELDS)}")
+    acme = raw.get("acmeServer") or ACME_SERVER
+    if not isinstance(acme, str) or not acme.startswith("https://"):
+        raise ConfigError(key + ".acmeServer", acme, "must be the https:// URL of an ACME directory whose certificates "
+                          "are publicly trusted (the Worker verifies the pods with public trust)",
+                          f"pulumi config rm --path {key}.acmeServer (Let's Encrypt: {ACME_SERVER})")
     return ZoneSettings(
         id=zid,
         name=name,
         worker_hostname=raw.get("workerHostname") or f"infer.{name}",
         pod_hostname=raw.get("podHostname") or f"pod-{{generation}}.{name}",
+        acme_server=acme,
     )
+
+
+ZONE_FIELDS = ("id", "name", "workerHostname", "podHostname", "acmeServer")
 
 
 def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),

@@ -14,7 +14,7 @@ import pulumi_cloudflare as cloudflare
 
 from colocate import fleet, outputs, preflight as preflight_mod, scaler
 from colocate.errors import ConfigError
-from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell
+from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell, pod_scope
 from colocate.scaler import SCALE_STEP_ENV
 from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse
 
@@ -43,13 +43,15 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     if settings.zone is not None:
         check_zone(settings.zone)
     tag = live_migration_tag(settings.account_id, settings.worker.name)
+    # Two projects or organizations with a stack of this name on one provider account keep apart.
+    scope = pod_scope(pulumi.get_organization(), pulumi.get_project())
     try:
-        cell_plan = plan_cell(settings, live_migration_tag=tag)
+        cell_plan = plan_cell(settings, live_migration_tag=tag, scope=scope)
         if settings.scale is not None:
             scale = live_scale(settings, cell_plan)
             if scale != settings.scale:
                 settings = replace(settings, scale=scale, pod=replace(settings.pod, count=scale.declared))
-                cell_plan = plan_cell(settings, live_migration_tag=tag)
+                cell_plan = plan_cell(settings, live_migration_tag=tag, scope=scope)
     except ConfigError as err:
         raise ProgramError(str(err)) from None
     if os.environ.get(SCALE_STEP_ENV) == "1":  # the scaling controller's update: a softened probe
@@ -94,7 +96,9 @@ def live_scale(settings: Settings, cell_plan: CellPlan) -> ScaleSettings:
     if override is None and not script_exists(settings.account_id, cell_plan.worker.script_name):
         return scale  # a first deploy: nothing recorded anywhere yet
     url = (override or cell_plan.worker.url).rstrip("/")
-    token = pulumi.runtime.get_config(f"{NS}:readToken") or ""
+    # The role that reads: readToken, or on a stack still on the one old token (deprecated,
+    # settings.credential_warning), probeToken, which the Worker binds then (plan.worker_bindings).
+    token = pulumi.runtime.get_config(f"{NS}:{settings.operator_secrets['read']}") or ""
     try:
         state = scaler.CellClient(url, token).state()
     except (OSError, ValueError) as err:
@@ -122,8 +126,10 @@ def _under_mocks() -> bool:
 
 
 def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
-    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls,
-                               trust_store=cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS)
+    acme = cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS
+    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls, acme=acme,
+                               acme_names=tuple(p.tls_name for p in cell_plan.pods) if acme else (),
+                               acme_server=cell_plan.acme_server or "")
 
 
 def preflight(cell_plan: CellPlan) -> None:
@@ -214,6 +220,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.ACCOUNT_ID: cell_plan.worker.account_id,
         outputs.BUDGET_E2E_MS: cell_plan.probe.budgets.get("e2e"),
         outputs.HOP_NOT_AFTER: cell.hop.not_after() if cell.hop is not None else None,
+        outputs.POD_SCOPE: cell_plan.scope,
     }
     for key, value in exports.items():
         pulumi.export(key, value)

@@ -30,7 +30,7 @@ def test_the_verdict_warns_30_days_ahead_and_fails_7(days, level):
     v = certexpiry.check(at(days), NOW, "us-east")
     assert v.level == level
     if level != "ok":
-        assert "pulumi up -s us-east" in v.message and "rolling replacement" in v.message
+        assert "pulumi up -s us-east" in v.message and "side by side" in v.message
     if days < 0:
         assert "expired" in v.message and "fallback" in v.message
 
@@ -45,7 +45,7 @@ def test_the_stack_exports_the_earliest_leaf_end_and_hands_it_to_the_probe():
 
 
 def test_a_token_hop_has_no_certificates_to_watch():
-    config, keys = stack_config("us-east", overrides={"zone": ZONE, "pod": {"provider": "runpod", "hop": "token"}})
+    config, keys = stack_config("us-east")  # RunPod's proxy: the pod token behind the pod's guard
     run = run_program("us-east", config, keys)
     assert run.resolved["hopCertsNotAfter"] is None
     probe = next(r.inputs["create"] for r in run.mocks.of_type("command:local:Command")
@@ -73,3 +73,11 @@ def test_the_probe_judges_the_certificates_beside_its_budgets(probe, capsys, mon
     assert got == code, err
     assert doc["hop_certificates"]["level"] == level and doc["hop_certificates"]["not_after"] == not_after
     assert ("hop certificates: FAIL" in err) is (level == "fail") and ("expire in" in err) is (level != "ok")
+
+
+def test_the_way_out_says_how_pods_are_replaced_as_colocate_rollout_does():
+    from colocate import rollout
+
+    message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC)).message
+    assert rollout.ONE_AT_A_TIME is False and "one at a time" not in message
+    assert "side by side" in message and rollout.CREATE_BEFORE_DELETE

@@ -205,8 +205,8 @@ def test_a_pod_is_in_state_before_anything_waits_on_it():
         assert [json.loads(t) for t in plain(wait["triggers"])] == [rented]  # a new rent is a new wait
     # After the update, the stack's pods that no declared pod holds are deleted.
     sweep = by_name["us-east-pod-sweep"]["create"]
-    assert sweep == ".venv/bin/python scripts/pod.py sweep --stack us-east --destroy --provider runpod " \
-                    "--keep pod-123 --keep pod-123-1"
+    assert sweep == f".venv/bin/python scripts/pod.py sweep --stack us-east --scope {run.resolved['podScope']} " \
+                    "--destroy --provider runpod --keep pod-123 --keep pod-123-1"
 
 
 def test_pod_0_keeps_the_resource_it_had_as_the_only_pod(declared_options):

@@ -140,3 +140,23 @@ def test_a_scaling_steps_probe_reports_and_cannot_fail_the_step(monkeypatch):
     _, _, run = deploy(1, 0)
     probe = next(r.inputs["create"] for r in run.mocks.of_type(COMMAND) if "probe.py" in r.inputs.get("create", ""))
     assert "--wait" in probe
+
+
+def test_a_scaled_stack_still_on_the_legacy_probe_token_reads_its_worker_with_it(monkeypatch):
+    """Only colocate:probeToken set (deprecated, it stands in for the three operator tokens): the
+    program reads the controller's count with it, as the Worker then accepts, not with an empty token."""
+    from tests.support.pulumi_mocks import SECRET_VALUES
+
+    secrets = {k: v for k, v in SECRET_VALUES.items() if k not in ("readToken", "adminToken", "exchangeToken")}
+    secrets["probeToken"] = "probe-token-s3cret"
+    worker = FakeWorker({"pods": 2, "draining": 0, "owner": "c1", "at": 1})
+    monkeypatch.setenv("COLOCATE_WORKER_URL", worker.url)
+    try:
+        config, keys = stack_config("us-east", overrides={"pod": {"provider": "runpod"},
+                                                          "scale": {**SCALE, "pods": 1, "draining": 0}}, secrets=secrets)
+        run = run_program("us-east", config, keys)
+    finally:
+        worker.close()
+    assert worker.auth == ["Bearer probe-token-s3cret"]
+    assert sorted(r.name for r in run.mocks.of_type(COMMAND) if "pod.py rent" in r.inputs["create"]) == [
+        "us-east-pod-0", "us-east-pod-1"]

@@ -60,8 +60,7 @@ ZONE_LINES = "\n  colocate:zone:\n    id: 0123456789abcdef0123456789abcdef\n    
 def with_zone_and_gpu(stacks, stack, gpu=None):
     """The stack file with a zone (Vast.ai pods need one) and, if given, another pod.gpu."""
     path = stacks / f"Pulumi.{stack}.yaml"
-    # With a zone, the stack file's own comment says to remove `hop: token` (mutual TLS then).
-    text = path.read_text().replace("    hop: token\n", "").rstrip("\n") + ZONE_LINES
+    text = path.read_text().rstrip("\n") + ZONE_LINES  # with a zone: mutual TLS
     if gpu is not None:
         text = text.replace("gpu: NVIDIA GeForce RTX 4090", f"gpu: {gpu}")
     path.write_text(text)

@@ -28,9 +28,6 @@ def raw_for(region="apac-jp", provider="runpod", **extra):
     if provider == "vastai":  # Vast.ai pods are reached through a DNS-only record on a zone
         raw["zone"] = ZONE
     raw.update(extra)
-    if isinstance(raw["pod"], dict) and raw["pod"].get("provider") == "runpod" and "zone" not in raw:
-        # RunPod without a zone is refused under hop `auto`: these plans say `token` knowingly.
-        raw["pod"] = {"hop": "token", **raw["pod"]}
     return raw
 
 
@@ -391,51 +388,49 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     runpod_zoned = cell(raw_for(zone=ZONE))
     assert runpod_zoned.mtls and runpod_zoned.pod.tls_name == "*.pod-apac-jp-g1.example.com"  # each instance's name
     assert runpod_zoned.worker.binding("POD_TLS").type == "mtls_certificate"
-    # The Worker's external fetch trusts the cell's CA only through the zone's origin trust store.
-    assert runpod_zoned.worker.compatibility_flags == ("cots_on_external_fetch",)
+    # The pods' certificates are publicly trusted (ACME on the zone): no flag puts the script's
+    # external fetches (the fallback, /cdn-cgi/trace) on the zone's Custom Origin Trust Store.
+    assert runpod_zoned.worker.compatibility_flags == () and runpod_zoned.acme_server.startswith("https://acme-v02.")
     assert "hop=mtls" in runpod_zoned.pod.identity()
     # Vast.ai (always on a zone) carries the bundle in its env object as RunPod does.
     vast = cell(raw_for("apac-tw", "vastai"))
     assert vast.mtls and vast.pod.tls_name == "*.pod-apac-tw-g1.example.com" and "hop=mtls" in vast.pod.identity()
     assert vast.worker.binding("POD_TLS").type == "mtls_certificate"
-    # RunPod's proxy ends TLS itself: only `token`, said knowingly, gets that hop (next test).
+    # RunPod's proxy ends TLS itself: the pod token behind the pod's guard, over HTTPS to the proxy.
     p = cell(raw_for())
-    assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ()
+    assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == () and p.acme_server is None
+    assert plan.pod_guarded("runpod", p.pod_path, "auto") and not plan.pod_guarded("runpod", "zone-dns", "auto")
     assert "POD_TLS" not in {b.name for b in p.worker.bindings}
+    assert p.pod.worker_url({"id": "abc", "port": 1}).startswith("https://abc-8000.proxy.runpod.net")
     local = cell(raw_for("us-east", "local"))
-    assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts the CA itself
+    assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts its roots itself
 
 
-def test_runpod_without_a_zone_is_refused_under_hop_auto_naming_the_key_and_both_fixes():
-    raw = raw_for(pod={"provider": "runpod"})
-    del raw["pod"]["hop"]  # raw_for says `token` for zoneless RunPod; the default is `auto`
-    for hop in ({}, {"hop": "auto"}):
-        raw["pod"] = {"provider": "runpod", **hop}
-        with pytest.raises(ConfigError) as err:
-            cell(raw)
-        assert err.value.key == "colocate:pod.hop" and err.value.value == "auto"
-        assert "/invocations" in err.value.problem and "internet" in err.value.problem
-        assert "colocate:zone" in err.value.fix and "colocate:pod.hop token" in err.value.fix
-    raw["pod"]["hop"] = "token"
-    assert cell(raw).pod.path == "provider-proxy" and not cell(raw).mtls  # said knowingly: planned
+def test_runpod_without_a_zone_takes_the_guarded_token_hop_and_refuses_mtls_naming_the_key():
+    for hop in ({}, {"hop": "auto"}, {"hop": "token"}):
+        c = cell(raw_for(pod={"provider": "runpod", **hop}))
+        assert c.pod.path == "provider-proxy" and not c.mtls and plan.pod_guarded("runpod", c.pod_path, c.pod_settings.hop)
+    with pytest.raises(ConfigError) as err:
+        cell(raw_for(pod={"provider": "runpod", "hop": "mtls"}))
+    assert err.value.key == "colocate:pod.hop" and err.value.value == "mtls"
+    assert "colocate:zone" in err.value.fix
+
+
+@pytest.mark.parametrize("provider,region", [("runpod", "apac-jp"), ("vastai", "apac-tw")])
+def test_hop_token_on_a_zone_is_refused_it_would_be_plain_http_on_a_public_port(provider, region):
+    with pytest.raises(ConfigError) as err:
+        cell(raw_for(region, provider, zone=ZONE, pod={"provider": provider, "hop": "token"}))
+    assert err.value.key == "colocate:pod.hop" and err.value.value == "token"
+    assert "plain HTTP" in err.value.problem and "pulumi config rm --path colocate:pod.hop" in err.value.fix
 
 
 def test_the_api_docs_are_off_on_every_hop():
     from colocate.pods.spec import PodSpec
-    for raw in (raw_for(), raw_for(zone=ZONE), raw_for(zone=ZONE, pod={"provider": "runpod", "hop": "token"}),
-                raw_for("apac-tw", "vastai")):
+    for raw in (raw_for(), raw_for(zone=ZONE), raw_for("apac-tw", "vastai")):
         pod = cell(raw).pod
         args = PodSpec.from_dict(pod.spec()).vllm_args()
         assert "--disable-fastapi-docs" in args, (pod.path, pod.mtls)
         assert ("--ssl-cert-reqs" in args) == pod.mtls
-
-
-def test_hop_token_turns_mutual_tls_off_knowingly_and_renames_the_pods():
-    mtls = cell(raw_for(zone=ZONE))
-    token = cell(raw_for(zone=ZONE, pod={"provider": "runpod", "hop": "token"}))
-    host = plan.instance_host("pod-apac-jp-g1.example.com", "runpod", "p1")
-    assert not token.mtls and token.pod.worker_url({"id": "p1", "port": 41234}) == f"http://{host}:41234"
-    assert token.pod.name != mtls.pod.name  # a pod cannot change how it serves while it runs
 
 
 def test_hop_mtls_where_it_cannot_be_carried_is_refused_naming_the_key_and_the_fix():
@@ -572,18 +567,17 @@ def test_runpod_community_cloud_with_a_zone_is_refused_before_any_pod():
         cell(raw)
     assert err.value.key == "colocate:pod.cloud" and "public ip" in str(err.value)
     assert "colocate:pod.cloud SECURE" in str(err.value)
-    # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there (hop `token`, knowingly).
+    # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there.
     raw.pop("zone")
-    raw["pod"]["hop"] = "token"
     assert cell(raw).pod.path == "provider-proxy"
 
 
 @pytest.mark.parametrize("stack", ["apac-jp", "eu-west", "us-east"])
 def test_the_sandbox_runs_a_zoneless_runpod_stacks_pods_over_mutual_tls(stack, tmp_path):
-    """The stack says `hop: token` for its cloud path (RunPod's proxy); its local stand-ins get `auto`'s mutual TLS."""
+    """The stack's cloud path is RunPod's proxy (the guarded token hop); its local stand-ins get `auto`'s mutual TLS."""
     from colocate.sandbox.launch import Launch, build_plan
 
-    assert stackfile.read_config(stack)[0]["pod"]["hop"] == "token"
+    assert "hop" not in stackfile.read_config(stack)[0]["pod"]
     text = stackfile.path_of(stack).read_text().rstrip("\n") + "\n  colocate:worker:\n    subdomain: acme\n"
     (tmp_path / f"Pulumi.{stack}.yaml").write_text(text)
     cell_plan, _ = build_plan(Launch(stack, str(tmp_path), None, None, (), False))

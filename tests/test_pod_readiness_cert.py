@@ -57,7 +57,7 @@ def test_the_sandbox_readiness_certificate_is_signed_by_a_ca_of_its_own(creds):
 def test_readiness_gets_get_health_only_and_the_worker_gets_the_rest(creds, tmp_path):
     ctx = _ctx(tmp_path, creds.pod_env()[podtls.BUNDLE_ENV])
     with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=ctx, log=lambda _l: None) as pod:
-        check, worker, ca = creds.check, creds.worker, creds.ca.cert_pem
+        check, worker, ca = creds.check, creds.worker, creds.public.cert_pem  # the pod is verified by its public root
         assert _call(pod.port, check, ca, "GET", "/health") == 200
         # The attack: the readiness certificate, with and without the token.
         for token in (None, TOKEN):
@@ -77,19 +77,19 @@ def test_a_pod_that_does_not_trust_readiness_refuses_it_in_the_handshake_and_rea
         creds, tmp_path):
     cloud_bundle = podtls.bundle(creds.pod.cert_pem, creds.pod.key_pem, creds.ca.cert_pem)  # infra/hop.py's form
     assert creds.check_ca.cert_pem.strip() not in cloud_bundle
-    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.ca.cert_pem)
+    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.public.cert_pem)
     lines: list[str] = []
     with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=_ctx(tmp_path, cloud_bundle), log=lines.append) as pod:
         ok, said = readiness.health(f"https://127.0.0.1:{pod.port}", timeout=5, tls=(checker, hopcerts.POD_NAME))
         assert ok and said.startswith("serving (it refused the readiness certificate"), said
         with pytest.raises((ssl.SSLError, ConnectionError)):
-            _call(pod.port, creds.check, creds.ca.cert_pem, "POST", "/invocations", TOKEN)
+            _call(pod.port, creds.check, creds.public.cert_pem, "POST", "/invocations", TOKEN)
         assert pod.requests == 0
     assert any("refused a TLS handshake" in line for line in lines)
 
 
 def test_readiness_is_not_fooled_by_a_pod_of_another_ca_or_a_port_that_never_serves(creds, tmp_path):
-    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.ca.cert_pem)
+    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.public.cert_pem)
     other = LocalCA.create("someone else's CA")
     leaf = other.server(hopcerts.POD_NAME)
     foreign = _ctx(tmp_path, podtls.bundle(leaf.cert_pem, leaf.key_pem, other.cert_pem))
@@ -111,3 +111,22 @@ def test_the_policy_reads_the_issuer_the_handshake_verified():
                          ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
         assert not podtls.allows(readiness_cert, method, path)
         assert podtls.allows(worker_cert, method, path)
+
+
+def test_the_sandbox_emulates_the_clouds_trust_the_pods_certificate_public_the_workers_the_cells(creds):
+    """As in the cloud (infra/hop.py): the pod's server certificate chains to a (stand-in) public root,
+    the Worker trusts that root for the pods and never the cell's CA, which signs only the Worker's
+    client certificate and is the only caller CA a cloud pod's bundle carries."""
+    from cryptography import x509
+
+    def issuer(pem):
+        return x509.load_pem_x509_certificate(pem.encode()).issuer
+
+    def subject(pem):
+        return x509.load_pem_x509_certificate(pem.encode()).subject
+
+    assert issuer(creds.pod.cert_pem) == subject(creds.public.cert_pem) != subject(creds.ca.cert_pem)
+    assert issuer(creds.worker.cert_pem) == subject(creds.ca.cert_pem)
+    client = creds.worker_client()
+    assert client.ca_pem == creds.public.cert_pem and creds.ca.cert_pem not in client.ca_pem
+    assert json.loads(creds.pod_env()[podtls.CHECK_ENV])["ca"] == creds.public.cert_pem

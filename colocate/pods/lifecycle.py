@@ -27,7 +27,7 @@ import sys
 
 from ..plan import instance_host
 from . import podtls, stop
-from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack
+from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack, scope_of
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
 from .readiness import wait_ready
 from .spec import PodSpec
@@ -298,20 +298,31 @@ def status(provider_name: str, pod_id: str) -> dict:
     return {"provider": provider_name, **info.as_dict()}
 
 
-def sweep(stack: str, providers: list[str], keep: list[str], destroy: bool) -> dict:
-    found, destroyed = [], []
+def sweep(stack: str, providers: list[str], keep: list[str], destroy: bool, scope: str | None = None) -> dict:
+    """The stack's pods but ``keep``. With ``scope`` (the stack's ``podScope``), only pods of that scope or
+    of none; without, every scope is listed but only unscoped names are destroyed: a pod of another
+    scope may be another project's stack of the same name."""
+    found, destroyed, held = [], [], []
     for name in providers:
         provider = provider_for(name)
         try:
             for pod in provider.list_pods():
-                if belongs_to_stack(pod.name, stack) and pod.id not in keep:
-                    found.append({"provider": name, **pod.as_dict()})
-                    if destroy:
-                        provider.destroy(pod.id)
-                        destroyed.append(pod.id)
-                        log(f"destroyed stray {name} pod {pod.id} ({pod.name})")
-                    else:
-                        log(f"stray {name} pod {pod.id} ({pod.name}, {pod.raw_state}); --destroy removes it")
+                if not belongs_to_stack(pod.name, stack, scope) or pod.id in keep:
+                    continue
+                found.append({"provider": name, **pod.as_dict()})
+                if destroy and (scope is not None or scope_of(pod.name, stack) == ""):
+                    provider.destroy(pod.id)
+                    destroyed.append(pod.id)
+                    log(f"destroyed stray {name} pod {pod.id} ({pod.name})")
+                elif destroy:
+                    held.append(pod.id)
+                    log(f"not destroying {name} pod {pod.id} ({pod.name}): its scope may be another project's; "
+                        f"pass --scope $(pulumi stack output podScope --stack {stack}) to delete this stack's")
+                else:
+                    log(f"stray {name} pod {pod.id} ({pod.name}, {pod.raw_state}); --destroy removes it")
         finally:
             provider.close()
-    return {"stack": stack, "strays": found, "destroyed": destroyed, "kept": keep}
+    out = {"stack": stack, "strays": found, "destroyed": destroyed, "kept": keep}
+    if held:
+        out["held"] = held
+    return out

@@ -53,6 +53,7 @@ class PodSpec:
     path: str  # how the Worker reaches it (plan.POD_PATHS): RunPod exposes an HTTP port for its proxy
     tls_name: str  # the name on the pod's certificate when the hop is mutual TLS; "" = plain HTTP
     profile: str = "oracle"  # the local stand-in's GPU and model (colocate.pods.profiles); a GPU pod ignores it
+    max_transfer_per_gb: float = 0.02  # Vast.ai: the most an offer may charge per GB down or up (settings' default)
 
     @property
     def mtls(self) -> bool:
@@ -69,7 +70,11 @@ class PodSpec:
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
-        spec = cls(**fields)
+        transfer = data.get("max_transfer_per_gb", cls.max_transfer_per_gb)  # absent from specs of earlier releases
+        if isinstance(transfer, bool) or not isinstance(transfer, int | float) or transfer < 0:
+            raise PodConfigError(f"spec.max_transfer_per_gb: wrong type (got {transfer!r}). "
+                                 "Fix: regenerate the spec from the plan")
+        spec = cls(**fields, max_transfer_per_gb=float(transfer))
         spec._check()
         return spec
 

@@ -260,8 +260,8 @@ def _pod_ok(state_dir: Path, address: str) -> bool:
     """A pod's ``/health`` at its own address; over mutual TLS with the readiness certificate, as pod.py checks it."""
     if not address.startswith("https://"):
         return http_ok(address + "/health", timeout=5)[0]
-    check = hopcerts.load(state_dir).check
-    ctx = podtls.client_context(check.cert_pem, check.key_pem, hopcerts.load(state_dir).ca.cert_pem)
+    creds = hopcerts.load(state_dir)
+    ctx = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.public.cert_pem)
     return tls_health(address, 5, ctx, hopcerts.POD_NAME)[0]
 
 

@@ -241,6 +241,8 @@ class FakeRunPod(FakeApi):
         super().__init__(runpod_openapi(), pod_token)
         self.capacity: dict[str, bool] = {}  # data centre -> has capacity (default True)
         self.refusals: dict[str, tuple[int, str]] = {}  # data centre -> (status, detail) every create there answers
+        # data centre asked -> where RunPod puts the pod: dataCenterIds are "preferred data centers" (v2)
+        self.placed_in: dict[str, str] = {}
         self.ready_after = 1  # GETs of a pod before it is RUNNING
         self.healthy = True  # whether the pod's server answers /health 200
         self.public_ip = True  # False: a running pod gets no public ip and port (a Community host without one)
@@ -317,7 +319,7 @@ class FakeRunPod(FakeApi):
                 "image": body["image"], "args": body.get("args", ""), "disk": body.get("disk", 20),
                 "mounts": {}, "ports": body.get("ports", []), "env": body.get("env", {}), "registry": None,
                 "gpu": {"id": body["gpu"]["id"], "count": body["gpu"].get("count", 1)},
-                "cloud": body.get("cloud", "SECURE"), "dataCenterId": dc, "cudaVersion": "12.9",
+                "cloud": body.get("cloud", "SECURE"), "dataCenterId": self.placed_in.get(dc, dc), "cudaVersion": "12.9",
                 "ssh": {"proxy": None, "direct": None}, "template": None, "locked": False,
                 "cost": round(self.gpu_prices.get(body["gpu"]["id"], {"secure": 0.69, "community": 0.34})[
                     body.get("cloud", "SECURE").lower()] * body["gpu"].get("count", 1) + self.extra_cost, 4),
@@ -371,14 +373,15 @@ HOURS_PER_MONTH = 30 * 24
 
 def offer(offer_id: int, country: str, price: float, gpu: str = "RTX 4090", reliability: float = 0.995,
           direct_ports: int = 10, city: str = "Taipei", cuda: float = 12.9, disk_space: float = 500.0,
-          storage_cost: float = 0.0, datacenter: bool = True, static_ip: bool = True) -> dict:
+          storage_cost: float = 0.0, datacenter: bool = True, static_ip: bool = True, inet_cost: float = 0.005) -> dict:
     """An offer; ``price`` is its $/h without disk (``dph_base``), so with the default storage_cost of 0
     its dph_total is ``price`` at any disk size."""
     return {"id": offer_id, "ask_contract_id": offer_id, "gpu_name": gpu, "num_gpus": 1, "geolocation": f"{city}, {country}",
             "dph_base": price, "storage_cost": storage_cost, "dph_total": _dph(price, storage_cost, DEFAULT_ALLOCATED_GB),
             "reliability": reliability, "direct_port_count": direct_ports, "rentable": True, "verified": True,
             "verification": "verified", "public_ipaddr": "127.0.0.1", "machine_id": offer_id * 10,
-            "cuda_max_good": cuda, "disk_space": disk_space, "datacenter": datacenter, "static_ip": static_ip}
+            "cuda_max_good": cuda, "disk_space": disk_space, "datacenter": datacenter, "static_ip": static_ip,
+            "inet_down_cost": inet_cost, "inet_up_cost": inet_cost}
 
 
 def _dph(base: float, storage_cost: float, disk_gb: float) -> float:

@@ -300,8 +300,18 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const podUrl = urls[index];
     // The pods' own load, for the next picks: every candidate's, so a pod passed over is not
     // judged on an old report (at most one scrape per pod a second, pods.js metricsDue).
+    // At most METRICS_PER_REQUEST of them ride on one request (the rest on the next ones): a request
+    // has six connections open at once, and its inference fetch must never wait for one
+    // (docs/worker.md, "Subrequests per request").
     if (attempt === 0 && policy === leastLoaded) {
-      for (const i of c.pods) if (metricsDue(urls[i], at)) ctx.waitUntil(scrapeMetrics(hop, urls[i], cfg));
+      let scrapes = 0;
+      for (const i of c.pods) {
+        if (scrapes >= METRICS_PER_REQUEST) break;
+        if (metricsDue(urls[i], at)) {
+          scrapes++;
+          ctx.waitUntil(scrapeMetrics(hop, urls[i], cfg));
+        }
+      }
     }
     const t = now();
     started(podUrl);
@@ -468,6 +478,10 @@ function fallbackBody(env, pathname, bytes, json, cfg, askUsage) {
   if (askUsage) body.stream_options = { ...json.stream_options, include_usage: true };
   return new TextEncoder().encode(JSON.stringify(body));
 }
+
+// The pods' /metrics reads one request may start: with the inference fetch, a failed one's health
+// witness and the isolate's first trace, at most five connections are open at once (six allowed).
+export const METRICS_PER_REQUEST = 2;
 
 // The longest non-streamed answer asked of the pod whole (see `short` in routed).
 export const WHOLE_MAX_TOKENS = 16;
