@@ -107,10 +107,13 @@ def test_the_probe_fails_when_the_fallback_answers_over_the_share_and_keeps_its_
 
 
 def test_the_setting_is_a_share_from_0_to_1():
+    from tests.test_settings_numbers import parse
+
     assert settings.PROBE_DEFAULTS["maxFallbackShare"] == fallbackshare.DEFAULT_MAX_SHARE
+    assert parse(**{"probe.maxFallbackShare": "0.25"}).max_fallback_share == 0.25
     for bad in (-0.1, 1.5, "half", True):
         with pytest.raises(ConfigError, match="probe.maxFallbackShare"):
-            settings._number("colocate:probe.maxFallbackShare", bad, strict=False, maximum=1)
+            parse(**{"probe.maxFallbackShare": bad})
 
 
 @pytest.mark.slow

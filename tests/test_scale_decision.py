@@ -81,11 +81,12 @@ def test_a_bad_scale_is_refused_naming_the_key_and_the_fix(over, key, fix):
 
 def test_placement_pod_is_refused_when_pod_0_may_not_exist():
     zone = {"id": "f" * 32, "name": "example.com"}
+    pod = {"provider": "runpod"}  # on a zone the hop is mutual TLS (token is refused there)
     with pytest.raises(ConfigError) as err:
-        plan.plan_cell(parse(zone=zone, worker={"subdomain": "acme", "placement": "pod"}))
+        plan.plan_cell(parse(zone=zone, pod=pod, worker={"subdomain": "acme", "placement": "pod"}))
     assert err.value.key == "colocate:worker.placement" and "colocate:scale.min 1" in str(err.value)
-    assert plan.plan_cell(parse(zone=zone)).worker.placement_mode == "targeted"  # auto
-    assert plan.plan_cell(parse(zone=zone, scale={"min": 1, "max": 2})).worker.placement_mode == "pod"
+    assert plan.plan_cell(parse(zone=zone, pod=pod)).worker.placement_mode == "targeted"  # auto
+    assert plan.plan_cell(parse(zone=zone, pod=pod, scale={"min": 1, "max": 2})).worker.placement_mode == "pod"
 
 
 # --- the decision ---

@@ -37,6 +37,7 @@ NUMBER_KEYS = {
     "pod.diskGb": (lambda s: s.pod.disk_gb, "60", 60),
     "pod.maxPricePerHr": (lambda s: s.pod.max_price_per_hr, "0.6", 0.6),
     "pod.minReliability": (lambda s: s.pod.min_reliability, "0.95", 0.95),
+    "pod.maxTransferPerGb": (lambda s: s.pod.max_transfer_per_gb, "0.05", 0.05),
     "pod.readyTimeoutS": (lambda s: s.pod.ready_timeout_s, "1200", 1200),
     "pod.computeMs": (lambda s: s.pod.compute_ms, "0", 0),
     "pod.count": (lambda s: s.pod.count, "3", 3),

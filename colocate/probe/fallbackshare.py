@@ -18,7 +18,7 @@ from ..settings import PROBE_DEFAULTS
 DEFAULT_MAX_SHARE = float(PROBE_DEFAULTS["maxFallbackShare"])
 MIN_FALLBACK = 3
 FIX = ("check the pods: `.venv/bin/python scripts/probe.py --stack <stack>` (pod health, breakers), "
-       "`scripts/pod.py status`; raise colocate:probe.maxFallbackShare only if this share is intended")
+       "`.venv/bin/python scripts/pod.py status`; raise colocate:probe.maxFallbackShare only if this share is intended")
 
 
 @dataclass(frozen=True)
