@@ -7,11 +7,14 @@ reaches "serving" on both; inference and /metrics answer only the Worker's certi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
 import socket
 import ssl
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,7 +99,7 @@ def test_readiness_is_not_fooled_by_a_pod_of_another_ca_or_a_port_that_never_ser
     with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=foreign, log=lambda _l: None) as pod:
         ok, said = readiness.health(f"https://127.0.0.1:{pod.port}", timeout=5, tls=(checker, hopcerts.POD_NAME))
         assert not ok and "not the cell's" in said
-    # vLLM binds its port before its engine is up; a connection then waits in the backlog, unanswered.
+    # A port that takes the connection and never answers (a hung server) is not ready either.
     with contextlib.closing(socket.create_server(("127.0.0.1", 0))) as silent:
         port = silent.getsockname()[1]
         ok, said = readiness.health(f"https://127.0.0.1:{port}", timeout=0.5, tls=(checker, hopcerts.POD_NAME))
@@ -111,3 +114,53 @@ def test_the_policy_reads_the_issuer_the_handshake_verified():
                          ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
         assert not podtls.allows(readiness_cert, method, path)
         assert podtls.allows(worker_cert, method, path)
+
+
+@contextlib.contextmanager
+def asyncio_tls_server(ctx: ssl.SSLContext) -> Iterator[int]:
+    """A server on asyncio's TLS, as uvicorn (vLLM's server) serves: it refuses a client certificate
+    it does not trust by closing the connection, with no TLS alert. It answers 200 to anyone else."""
+    loop = asyncio.new_event_loop()
+
+    async def handle(reader, writer):
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+        loop.close()
+
+
+def test_a_pod_on_asyncio_tls_that_closes_without_an_alert_is_serving_and_still_refuses_readiness(creds, tmp_path):
+    """vLLM's uvicorn closes on an untrusted client certificate with no alert; readiness read that
+    close (RemoteDisconnected) as "not ready" and a cloud pod on a mutual-TLS hop never passed."""
+    cloud_bundle = podtls.bundle(creds.pod.cert_pem, creds.pod.key_pem, creds.ca.cert_pem)  # infra/hop.py's form
+    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.ca.cert_pem)
+    with asyncio_tls_server(_ctx(tmp_path, cloud_bundle)) as port:
+        with pytest.raises(http.client.RemoteDisconnected):  # what the server does to readiness's certificate
+            _call(port, creds.check, creds.ca.cert_pem, "GET", "/health")
+        ok, said = readiness.health(f"https://127.0.0.1:{port}", timeout=5, tls=(checker, hopcerts.POD_NAME))
+        assert ok and said.startswith("serving (it refused the readiness certificate"), said
+        assert _call(port, creds.worker, creds.ca.cert_pem, "GET", "/health") == 200  # the Worker's is admitted
+
+
+def test_a_port_bound_but_not_listening_is_not_ready(creds):
+    """vLLM binds its port before the engine loads and listens only once it is up: until then a
+    connection is refused."""
+    checker = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.ca.cert_pem)
+    with contextlib.closing(socket.socket()) as bound:
+        bound.bind(("127.0.0.1", 0))
+        ok, said = readiness.health(f"https://127.0.0.1:{bound.getsockname()[1]}", timeout=2,
+                                    tls=(checker, hopcerts.POD_NAME))
+        assert not ok and said == "health: ConnectionRefusedError", said

@@ -47,10 +47,13 @@ def health(url: str, timeout: float, tls: tuple[ssl.SSLContext, str] | None = No
 def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str) -> tuple[bool, str]:
     """``GET /health`` over mutual TLS to the URL's address, the certificate checked for ``name``.
 
-    A pod that proves the cell's certificate for ``name`` and then refuses ours (an alert, or a
-    close: the alert can be lost to the reset when the request was already sent) is serving:
-    vLLM trusts only the Worker's CA, never readiness's (podtls.READINESS_CA), and its TLS runs
-    only once its engine is up. A pod that admits ours (the stand-in) must answer 200."""
+    A pod that proves the cell's certificate for ``name`` and then refuses ours is serving: vLLM
+    trusts only the Worker's CA, never readiness's (podtls.READINESS_CA), and its port refuses
+    connections until its engine is up (it is bound, not listening, while the engine loads). Its
+    server (uvicorn, on asyncio's TLS) refuses a client certificate by closing the connection with
+    no alert: the request then meets a close before any status line (``RemoteDisconnected``), a
+    reset, or the alert where a server sends one (the stand-in). A pod that admits ours (the
+    stand-in) must answer 200. A pod that holds the connection open without a word is not ready."""
     parts = urlsplit(url)
     shook = False
     try:
@@ -65,9 +68,15 @@ def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str) -> tupl
         return False, f"health: the pod's certificate is not the cell's for {name} ({exc.verify_message})"
     except (OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or type(exc).__name__
-        if shook and not isinstance(exc, TimeoutError | http.client.HTTPException):
+        if shook and refused_after_handshake(exc):
             return True, f"serving (it refused the readiness certificate: {reason})"
         return False, f"health: {reason}"
+
+
+def refused_after_handshake(exc: BaseException) -> bool:
+    """Whether ``exc``, met after our handshake completed, is the server refusing our certificate:
+    a close before any status line, a reset, or a TLS alert; never a timeout or a garbled answer."""
+    return isinstance(exc, http.client.RemoteDisconnected | ConnectionResetError | BrokenPipeError | ssl.SSLError)
 
 
 def no_address_grace() -> float:
