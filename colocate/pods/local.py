@@ -91,7 +91,7 @@ class Local(Provider):
             env = podtls.environment(self.pod_tls, env)  # first, as the clouds' create requests carry it
         argv = [sys.executable, "-m", "colocate.pods.standin", "--host", "127.0.0.1", "--port", "0",
                 "--compute-ms", str(spec.compute_ms), "--model", spec.model, "--name", spec.name,
-                "--profile", spec.profile,
+                "--profile", spec.profile, "--max-model-len", str(spec.max_model_len),
                 "--port-file", str(port_file)]
         with open(self.dir / f"{spec.name}.log", "ab") as log:
             # posix_spawn with setsid: a detached process in its own session (delete kills the group),

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -778,7 +779,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return len(ids)
 
             body = validate(parsed, chat, None if self.server.any_model else self.server.model,
-                            *((count, self.server.profile.max_model_len) if runner is not None else ()))
+                            count if runner is not None else None, self.server.profile.max_model_len)
             self.server.seen_bodies = [*self.server.seen_bodies[-15:], parsed]
         except Refused as exc:
             return self._send_json(exc.status, exc.body())
@@ -1205,10 +1206,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the GPU and model the stand-in behaves as (colocate.pods.profiles; default oracle: "
                         "every request in --compute-ms)")
     p.add_argument("--seed", type=int, help="seed of the answer lengths (default: random)")
+    p.add_argument("--max-model-len", type=int, help="the context, prompt included, as vLLM's flag (default: the profile's)")
     p.add_argument("--port-file", type=Path, help="also write {url, port, pid} here once listening")
     args = p.parse_args(argv)
     if args.compute_ms < 0:
         p.error(f"--compute-ms must be >= 0 (got {args.compute_ms})")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error(f"--max-model-len must be >= 1 (got {args.max_model_len})")
+    profile = profiles.get(args.profile)
+    if args.max_model_len:
+        profile = dataclasses.replace(profile, max_model_len=args.max_model_len)
     token = os.environ.get("POD_TOKEN") or None  # never from argv: argv is visible to every user
     try:
         # As vLLM does with its --ssl-* flags: the material comes from the environment (podtls).
@@ -1219,7 +1226,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
                                model=args.model, name=args.name, any_model=args.any_model, tls=tls,
-                               profile=args.profile, seed=args.seed)
+                               profile=profile, seed=args.seed)
     except OSError as exc:
         print(f"standin: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
