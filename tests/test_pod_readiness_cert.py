@@ -21,6 +21,7 @@ import pytest
 
 from colocate.localca import LocalCA
 from colocate.pods import podtls, readiness, standin
+from colocate.pods.guard.colocate_pod_guard import readiness_token
 from colocate.sandbox import hopcerts
 
 pytestmark = pytest.mark.slow
@@ -61,19 +62,24 @@ def test_readiness_gets_get_health_only_and_the_worker_gets_the_rest(creds, tmp_
     ctx = _ctx(tmp_path, creds.pod_env()[podtls.BUNDLE_ENV])
     with standin.serve(compute_ms=1, token=TOKEN, name="pod", tls=ctx, log=lambda _l: None) as pod:
         check, worker, ca = creds.check, creds.worker, creds.ca.cert_pem
-        assert _call(pod.port, check, ca, "GET", "/health") == 200
-        # The attack: the readiness certificate, with and without the token.
-        for token in (None, TOKEN):
+        ready = readiness_token(TOKEN)
+        assert _call(pod.port, check, ca, "GET", "/health", ready) == 200
+        # The attack: the readiness certificate, with no token, the readiness token, the pod token.
+        for token in (None, ready, TOKEN):
             assert _call(pod.port, check, ca, "POST", "/invocations", token) == 403
             assert _call(pod.port, check, ca, "GET", "/metrics", token) == 403
             assert _call(pod.port, check, ca, "POST", "/v1/completions", token) == 403
             assert _call(pod.port, check, ca, "GET", "/v1/models", token) == 403
-        # The Worker's certificate opens what it did before (its routes need the token as ever).
-        assert _call(pod.port, worker, ca, "GET", "/health") == 200
-        assert _call(pod.port, worker, ca, "GET", "/metrics") == 200
+        # The Worker's certificate opens the router's routes, with the pod token (the pod's guard);
+        # the readiness token opens /health alone.
+        assert _call(pod.port, worker, ca, "GET", "/health", TOKEN) == 200
+        assert _call(pod.port, worker, ca, "GET", "/metrics", TOKEN) == 200
         assert _call(pod.port, worker, ca, "POST", "/v1/completions", TOKEN) == 200
         assert _call(pod.port, worker, ca, "POST", "/v1/completions") == 401
-        assert pod.requests == 2  # the Worker's two /v1/completions; none of readiness's reached a route
+        assert _call(pod.port, worker, ca, "GET", "/health", ready) == 200
+        for method, path in (("POST", "/v1/completions"), ("GET", "/metrics"), ("GET", "/v1/models")):
+            assert _call(pod.port, worker, ca, method, path, ready) == 401
+        assert pod.requests == 1  # the Worker's admitted /v1/completions: no refused request reached a route
 
 
 def test_a_pod_that_does_not_trust_readiness_refuses_it_in_the_handshake_and_readiness_reads_that_as_serving(

@@ -93,6 +93,7 @@ from pathlib import Path
 
 from . import engine as eng, podtls, profiles
 from .errors import PodError
+from .guard import colocate_pod_guard
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
@@ -626,6 +627,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(403, f"this client certificate does not open {self.path.split('?', 1)[0]}: "
                         "the readiness certificate gets GET /health only", "forbidden")
             return False
+        # The pod's guard, as a real pod runs it in front of vLLM (podstart.sh's --middleware): with a
+        # token, only the router's routes with it (or the readiness token for /health). Not the
+        # stand-in's own controls, which vLLM does not have.
+        if self.server.token is not None and not self.path.startswith("/_standin/"):
+            refusal = colocate_pod_guard.decide(self.command, self.path, self.headers.get("Authorization"),
+                                                self.server.token)
+            if refusal is not None:
+                self.close_connection = True  # the refused request's body is never read
+                self._send_json(*refusal)
+                return False
         return True
 
     # ---- plumbing -------------------------------------------------------

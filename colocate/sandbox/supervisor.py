@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .. import stackfile
 from ..pods import podtls
+from ..pods.guard.colocate_pod_guard import readiness_token
 from ..pods.local import alive
 from ..pods.readiness import tls_health
 from . import hopcerts
@@ -257,12 +258,14 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
 
 
 def _pod_ok(state_dir: Path, address: str) -> bool:
-    """A pod's ``/health`` at its own address; over mutual TLS with the readiness certificate, as pod.py checks it."""
+    """A pod's ``/health`` at its own address with the readiness token (and, over mutual TLS, the
+    readiness certificate), as pod.py checks it."""
+    token = readiness_token(load_secrets(state_dir)["podToken"])
     if not address.startswith("https://"):
-        return http_ok(address + "/health", timeout=5)[0]
+        return http_ok(address + "/health", {"authorization": f"Bearer {token}"}, timeout=5)[0]
     check = hopcerts.load(state_dir).check
     ctx = podtls.client_context(check.cert_pem, check.key_pem, hopcerts.load(state_dir).ca.cert_pem)
-    return tls_health(address, 5, ctx, hopcerts.POD_NAME)[0]
+    return tls_health(address, 5, ctx, hopcerts.POD_NAME, token=token)[0]
 
 
 def status(state_dir: Path) -> dict:
