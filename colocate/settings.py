@@ -395,6 +395,10 @@ def _engine(k: str, provider: str, command: object, url: object) -> dict[str, st
                 or parts.query or parts.username:
             raise ConfigError(k + "url", url, "must be the server's scheme, host and port, nothing else",
                               f"pulumi config set --path {k}url https://localhost:8000 (https on a mutual-TLS hop)")
+        if parts.hostname not in ("localhost", "::1") and not parts.hostname.startswith("127."):
+            raise ConfigError(k + "url", url, "must be on this machine (localhost or 127.x): the sandbox's pod "
+                              "is reached by name localhost, on this machine's loopback",
+                              f"run the server here and pulumi config set --path {k}url https://localhost:{port}")
     return {"command": str(command), "url": str(url)}
 
 
