@@ -60,4 +60,4 @@ def vllm_command(state_dir: Path, spec: PodSpec, model: str | None = None, extra
     if "tls" in made:
         env.insert(0, f"COLOCATE_POD_TLS=\"$(cat {shlex.quote(str(made['tls']))})\"")
     args = [model or spec.model, *spec.serve_args(host, port), *extra]
-    return " ".join([*env, shlex.quote(str(PODSTART)), shlex.join(args)])
+    return " ".join(["env", *env, "/bin/sh", shlex.quote(str(PODSTART)), shlex.join(args)])
