@@ -221,7 +221,7 @@ class PodSettings:
     renewal: int = 0  # part of the pods' identity: a new value re-places them
     hop: str = "auto"  # colocate:pod.hop (HOPS)
     profile: str = str(POD_DEFAULTS["profile"])  # colocate:pod.profile: the local stand-in's (pods.profiles)
-    max_model_len: int = int(POD_DEFAULTS["maxModelLen"])  # colocate:pod.maxModelLen
+    max_model_len: int = 8192  # colocate:pod.maxModelLen (POD_DEFAULTS)
     command: str = ""  # colocate:pod.command (local): the pod is this command, not the stand-in
     url: str = ""  # colocate:pod.url (local): where that command, or a server the user runs, serves
 

@@ -93,7 +93,9 @@ def _is_standin(pid: int) -> bool:
 def _ours(rec: dict) -> bool:
     """Whether the record's command still runs as the process this provider started."""
     pid = rec.get("pid")
-    return bool(pid) and alive(pid) and (rec.get("started") is None or started_at(pid) == rec.get("started"))
+    if not isinstance(pid, int) or not alive(pid):
+        return False
+    return rec.get("started") is None or started_at(pid) == rec.get("started")
 
 
 class Local(Provider):

@@ -3,9 +3,9 @@ model of the default model's shape, started through the kit's own start path (po
 cell's certificate bundle, the pod token, the kit's arguments), behind a sandbox cell whose pod
 is that server (tests/vllm_cpu/server.py). One vLLM for the whole run.
 
-Checks marked ``xfail(strict=True)`` name a mismatch of issue 57 that another workstream fixes
-(the Worker's metering, the assembled answer's shape): they fail today, and once fixed their
-strict mark fails the run until it is removed.
+Checks marked ``xfail(strict=True)`` are known mismatches between the router and the real engine
+(the Worker's metering of a left answer and of a refused request, the assembled answer's fields):
+they fail today, and once fixed their strict mark fails the run until it is removed.
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ def routed(cell, key: str, path: str, body: dict, timeout_s: float = 120) -> tup
     return status, json.loads(raw), headers
 
 
-def usage_of(cell, key_id: str, requests: int, timeout_s: float = 30) -> dict:
-    """The key's usage as the cell recorded it, once ``requests`` requests are in (bounded)."""
+def usage_of(cell, key_id: str, requests: int, completion: int = 0, timeout_s: float = 30) -> dict:
+    """The key's usage as the cell recorded it, once ``requests`` requests and ``completion`` tokens are in
+    (bounded): a request is counted when admitted, its tokens when it settles."""
     auth = {"authorization": f"Bearer {cell.ready['read_token']}"}
     deadline = time.monotonic() + timeout_s
     while True:
@@ -105,7 +106,7 @@ def usage_of(cell, key_id: str, requests: int, timeout_s: float = 30) -> dict:
         with urllib.request.urlopen(req, timeout=30) as r:
             rows = [row for row in json.loads(r.read())["usage"] if row["key_id"] == key_id]
         total = {k: sum(row[k] for row in rows) for k in ("requests", "prompt_tokens", "completion_tokens")}
-        if total["requests"] >= requests or time.monotonic() > deadline:
+        if (total["requests"] >= requests and total["completion_tokens"] >= completion) or time.monotonic() > deadline:
             return total
         time.sleep(0.2)
 
@@ -213,7 +214,7 @@ def test_every_endpoint_and_stream_shape_is_metered_as_vllm_counted_it(vllm_cell
         assert isinstance(answer, dict)
         usage = answer["usage"]
         assert len(answer["choices"]) == n
-    counted = usage_of(vllm_cell, key["id"], 1)
+    counted = usage_of(vllm_cell, key["id"], 1, EXACT["max_tokens"] * n)
     assert counted["requests"] == 1
     assert counted["completion_tokens"] == EXACT["max_tokens"] * n
     assert counted["prompt_tokens"] == prompt > 0
@@ -253,8 +254,8 @@ def test_a_client_that_leaves_a_stream_stops_the_pods_generation(vllm_cell, key)
     assert 0 < made < LONG["max_tokens"], made  # cancelled: vLLM stopped before the answer's end
 
 
-@pytest.mark.xfail(strict=True, reason="issue 57 item 3: the router reads a left non-streamed answer to its end "
-                                       "(the Worker's hang-ups: the meter workstream)")
+@pytest.mark.xfail(strict=True, reason="the router reads a left non-streamed answer to its end: "
+                                       "the Worker's handling of client hang-ups fixes it")
 def test_a_client_that_leaves_a_non_streamed_answer_stops_the_pods_generation(vllm_cell, key):
     made = _tokens_made_after_leaving(vllm_cell, key["key"], stream=False)
     assert 0 < made < LONG["max_tokens"], made
@@ -272,15 +273,19 @@ def test_vllms_errors_reach_the_client_in_openais_shape(vllm_cell, key):
     assert status == 400 and answer["error"]["message"] and answer["error"]["type"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 57 item 2: a request vLLM refuses is charged at its ceiling "
-                                       "(the Worker's metering: the meter workstream)")
+@pytest.mark.xfail(strict=True, reason="a request vLLM refuses is charged at its ceiling: "
+                                       "the Worker's metering fixes it")
 def test_a_request_vllm_refuses_is_charged_nothing(vllm_cell, key):
     long_prompt = " ".join(["sea"] * 9000)  # over the context in vLLM's tokens, under the Worker's 16-chars-a-token bound
     status, answer, _ = routed(vllm_cell, key["key"], "/v1/completions",
                                {"model": vllm_cell.spec.model, "prompt": long_prompt, "max_tokens": 4})
     assert status == 400, answer
-    counted = usage_of(vllm_cell, key["id"], 1)
-    assert counted["prompt_tokens"] == 0 and counted["completion_tokens"] == 0, counted
+    # A request that settles after it: once its tokens are counted, the refused one has settled too.
+    _, after, _ = routed(vllm_cell, key["key"], "/v1/completions", {"model": vllm_cell.spec.model, "prompt": "sea", **EXACT})
+    counted = usage_of(vllm_cell, key["id"], 2, EXACT["max_tokens"])
+    refused = {"prompt": counted["prompt_tokens"] - after["usage"]["prompt_tokens"],
+               "completion": counted["completion_tokens"] - after["usage"]["completion_tokens"]}
+    assert refused == {"prompt": 0, "completion": 0}, refused
 
 
 # ---- metrics: what the router reads, read by the router's own code ---------------------------------
@@ -314,8 +319,8 @@ def test_a_long_non_streamed_answer_comes_back_whole(vllm_cell, key):
     assert answer["usage"]["completion_tokens"] == EXACT["max_tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 57 item 4: the assembled answer lacks fields vLLM writes "
-                                       "(the answer shapes: the shapes workstream)")
+@pytest.mark.xfail(strict=True, reason="the assembled answer lacks fields vLLM writes: "
+                                       "the router's answer shapes fix it")
 def test_the_assembled_answer_has_the_fields_vllms_own_answer_has(vllm_cell, key):
     body = {"model": vllm_cell.spec.model, "messages": MESSAGES, **EXACT}
     _, own = pod_call(vllm_cell, "POST", "/v1/chat/completions", vllm_cell.token, body)
