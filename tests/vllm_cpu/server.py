@@ -9,7 +9,6 @@ changed, and a sandbox cell whose pod is that server (``colocate:pod.url``).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -111,7 +110,6 @@ def vllm_cell(directory: Path) -> Iterator[VllmCell]:
         took = time.monotonic() - t0
         print(f"test-vllm: vLLM listened after {listening:.0f} s; the cell was up in front of it after {took:.0f} s",
               file=sys.stderr, flush=True)
-        record(directory, vllm_listening_s=round(listening, 1), cell_up_s=round(took, 1))
         yield VllmCell(ready, state_dir, stacks, spec, port, load_secrets(state_dir)["podToken"], hopcerts.load(state_dir),
                        process, log, took)
     finally:
@@ -119,8 +117,3 @@ def vllm_cell(directory: Path) -> Iterator[VllmCell]:
             supervisor.down(state_dir, quiet=True)
         stop(process)
 
-
-def record(directory: Path, **figures) -> None:
-    path = directory / "figures.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**data, **figures}))

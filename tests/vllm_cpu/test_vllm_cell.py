@@ -337,3 +337,11 @@ def test_the_pods_key_is_on_no_filesystem_while_vllm_runs(vllm_cell):
     fds = Path(f"/proc/{vllm_cell.process.pid}/fd")
     targets = [str(p.readlink()) for p in fds.iterdir() if "colocate-tls." in str(p.readlink())]
     assert len(targets) == 3 and all(t.endswith(" (deleted)") for t in targets), targets
+
+
+def test_status_sees_the_engine_and_no_process_of_its_own(vllm_cell):
+    from colocate.sandbox import supervisor
+
+    status = supervisor.status(vllm_cell.state_dir)
+    assert status["healthy"] is True and status["health"]["pod"] is True, status
+    assert "pod" not in status["pids"]  # vLLM is the user's server here: `down` never signals it
