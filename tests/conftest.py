@@ -42,8 +42,8 @@ def pytest_sessionfinish(session, exitstatus):
 LONGEST_FIRST = (
     "test_sandbox_fleet.py", "test_fleet_limits.py", "test_worker_bench.py", "test_live_drift.py",
     "test_sandbox_signals.py", "test_scale_sandbox.py", "test_sandbox_demo.py", "test_sandbox_cell.py",
-    "test_security.py", "test_sandbox_autoscale.py", "test_sandbox_pods.py", "test_worker_keys.py",
-    "test_worker_instructions.py", "test_migration_e2e.py", "test_newcomer_path.py", "test_pod_providers.py",
+    "test_security.py", "test_sandbox_autoscale.py", "test_sandbox_pods.py", "test_sandbox_engine.py",
+    "test_worker_keys.py", "test_worker_instructions.py", "test_migration_e2e.py", "test_newcomer_path.py", "test_pod_providers.py",
     "test_worker_pods.py", "test_infra_errors.py",
 )
 
