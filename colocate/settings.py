@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from .capacity import pod_capacity
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
@@ -57,7 +58,13 @@ POD_DEFAULTS = {
     "count": 1,
     "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
     "hop": "auto",  # how the Worker reaches the pod: mutual TLS where it can (docs/pods.md "Who can reach the pod")
+    "maxModelLen": 8192,  # vLLM's --max-model-len: the context, prompt included; the router's ceilings follow it
+    # local only: an OpenAI-compatible server of the user's as the sandbox's pod (docs/sandbox.md "Your own engine")
+    "command": "",
+    "url": "",
 }
+# colocate:pod.maxModelLen's bounds: vLLM's block (16 tokens) at least; Qwen2.5's longest context (YaRN) at most.
+MAX_MODEL_LEN_RANGE = (16, 131072)
 # colocate:pod.hop. mtls: the pod admits only the Worker's client certificate; token: plain HTTP
 # (HTTPS to RunPod's proxy) behind POD_TOKEN alone; auto: mtls wherever the provider and path can
 # carry it (colocate.plan.hop_is_mtls).
@@ -121,7 +128,9 @@ SCHEMA: tuple[Key, ...] = (
         "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
         "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
         "auto is mutual TLS on colocate:zone and the pod token behind the pod's guard on RunPod's proxy; token is "
-        "refused on a zone)."),
+        "refused on a zone), maxModelLen (vLLM's --max-model-len: the context, prompt included; the router's "
+        "ceilings follow it), command and url (local only: an OpenAI-compatible server as the sandbox's pod, started "
+        "by the sandbox or already running at url)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
@@ -221,6 +230,9 @@ class PodSettings:
     hop: str = "auto"  # colocate:pod.hop (HOPS)
     profile: str = str(POD_DEFAULTS["profile"])  # colocate:pod.profile: the local stand-in's (pods.profiles)
     max_transfer_per_gb: float = float(cast(float, POD_DEFAULTS["maxTransferPerGb"]))  # colocate:pod.maxTransferPerGb
+    max_model_len: int = 8192  # colocate:pod.maxModelLen (POD_DEFAULTS)
+    command: str = ""  # colocate:pod.command (local): the pod is this command, not the stand-in
+    url: str = ""  # colocate:pod.url (local): where that command, or a server the user runs, serves
 
 
 MAX_PODS = 8
@@ -375,7 +387,36 @@ def parse_pod(raw: dict) -> PodSettings:
         renewal=_number(k + "renewal", p["renewal"], integer=True, strict=False),
         hop=_string(k + "hop", p["hop"], HOPS),
         profile=_string(k + "profile", p["profile"], tuple(sorted(PROFILES))),
+        max_model_len=_number(k + "maxModelLen", p["maxModelLen"], integer=True, strict=False,
+                              minimum=MAX_MODEL_LEN_RANGE[0], maximum=MAX_MODEL_LEN_RANGE[1]),
+        **_engine(k, provider, p["command"], p["url"]),
     )
+
+
+def _engine(k: str, provider: str, command: object, url: object) -> dict[str, str]:
+    """colocate:pod.command and .url: a server of the user's as the sandbox's pod (local only)."""
+    for key, value in (("command", command), ("url", url)):
+        if not isinstance(value, str):
+            raise ConfigError(k + key, value, "must be text", f"pulumi config set --path {k}{key} <text>")
+        if value and provider != "local":
+            raise ConfigError(k + key, value, f"runs the pod on this machine, which only the sandbox does "
+                              f"(colocate:pod.provider is {provider})",
+                              f"pulumi config rm --path {k}{key}, or pulumi config set --path {k}provider local")
+    if url:
+        parts = urlsplit(str(url))
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port or parts.path.strip("/") \
+                or parts.query or parts.username:
+            raise ConfigError(k + "url", url, "must be the server's scheme, host and port, nothing else",
+                              f"pulumi config set --path {k}url https://localhost:8000 (https on a mutual-TLS hop)")
+        if parts.hostname not in ("localhost", "::1") and not parts.hostname.startswith("127."):
+            raise ConfigError(k + "url", url, "must be on this machine (localhost or 127.x): the sandbox's pod "
+                              "is reached by name localhost, on this machine's loopback",
+                              f"run the server here and pulumi config set --path {k}url https://localhost:{port}")
+    return {"command": str(command), "url": str(url)}
 
 
 # RunPod's minCudaVersion pattern (^\d+\.\d+$, ASCII digits). Vast.ai's offers carry the same

@@ -116,7 +116,7 @@ def test_runpod_happy_path_pins_the_data_centre_and_waits_for_health(fake_runpod
     assert code == 0, err
     assert set(out) >= {"id", "provider", "location", "url", "cost_per_hr", "gpu", "name", "ip", "port"}
     assert out["provider"] == "runpod" and out["location"] == "AP-JP-1" and out["name"] == "colocate-t1-apac-jp-g1"
-    assert requests.get(out["url"] + "/health", timeout=5).status_code == 200
+    assert requests.get(out["url"] + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).status_code == 200
     sent = fake_runpod.calls("POST", "/v2/pods")
     assert len(sent) == 1 and sent[0]["dataCenterIds"] == ["AP-JP-1"] and sent[0]["ports"] == ["8000/tcp"]
     assert sent[0]["env"] == {"VLLM_API_KEY": TOKEN} and "--quantization gptq_marlin" in sent[0]["args"]
@@ -559,7 +559,7 @@ def test_runpod_without_a_zone_exposes_http_and_reports_the_proxy_address(fake_r
     sent = fake_runpod.calls("POST", "/v2/pods")
     assert sent[-1]["ports"] == ["8000/http"]
     assert out["url"] == fake_runpod.proxy_template.format(pod_id=out["id"], port=8000)
-    assert requests.get(out["url"] + "/health", timeout=5).status_code == 200
+    assert requests.get(out["url"] + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).status_code == 200
 
 
 def test_the_real_proxy_address_form():

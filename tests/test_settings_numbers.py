@@ -42,6 +42,7 @@ NUMBER_KEYS = {
     "pod.computeMs": (lambda s: s.pod.compute_ms, "0", 0),
     "pod.count": (lambda s: s.pod.count, "3", 3),
     "pod.renewal": (lambda s: s.pod.renewal, "0", 0),
+    "pod.maxModelLen": (lambda s: s.pod.max_model_len, "32768", 32768),
     "worker.deadlineMs": (lambda s: s.worker.deadline_ms, "1500", 1500),
     "worker.maxBodyBytes": (lambda s: s.worker.max_body_bytes, "2048", 2048),
     "worker.failureThreshold": (lambda s: s.worker.failure_threshold, "5", 5),

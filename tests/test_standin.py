@@ -30,11 +30,14 @@ def auth(token="s3cret"):
     return {"Authorization": f"Bearer {token}"}
 
 
-def test_health_is_open_and_models_need_the_token(pod):
+def test_health_and_models_need_the_token(pod):
+    # The pod's guard (colocate_pod_guard, in front of vLLM and of the stand-in alike): vLLM's own 401 body.
     r = requests.get(pod.url + "/health", timeout=5)
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    r = requests.get(pod.url + "/health", headers=auth(), timeout=5)
     assert (r.status_code, r.content) == (200, b"")  # vLLM answers its /health with no body
     r = requests.get(pod.url + "/v1/models", timeout=5)
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
     r = requests.get(pod.url + "/v1/models", headers=auth("wrong"), timeout=5)
     assert r.status_code == 401
     r = requests.get(pod.url + "/v1/models", headers=auth(), timeout=5)
@@ -58,7 +61,7 @@ def test_chat_completion_takes_compute_time_and_counts(pod):
         body = r.json()
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
         assert slow.requests == 1
-    requests.get(pod.url + "/health", timeout=5)
+    requests.get(pod.url + "/health", headers=auth(), timeout=5)
     assert pod.requests == 0  # health checks are not inference requests
 
 
@@ -205,7 +208,7 @@ def test_a_body_nested_past_the_recursion_limit_is_vllms_bare_500(pod):
     deep = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     r = requests.post(pod.url + "/v1/chat/completions", data=deep, headers=auth(), timeout=5)
     assert r.status_code == 500 and r.text == "Internal Server Error"
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 200  # and it still serves
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 200  # and it still serves
 
 
 def test_fault_injection_error_slow_hang_and_back(pod):
@@ -213,16 +216,16 @@ def test_fault_injection_error_slow_hang_and_back(pod):
     r = requests.post(pod.url + "/_standin/fault", json={"mode": "error"}, timeout=5)
     assert r.json()["fault"]["mode"] == "error"
     assert requests.post(pod.url + "/v1/chat/completions", json=msg, headers=auth(), timeout=5).status_code == 500
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 500
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 500
     pod.set_fault("slow", delay_ms=150)
     t0 = time.monotonic()
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 200
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 200
     assert time.monotonic() - t0 >= 0.15
     pod.set_fault("hang")
     with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.get(pod.url + "/health", timeout=0.3)
+        requests.get(pod.url + "/health", headers=auth(), timeout=0.3)
     pod.set_fault("ok")
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 200
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 200
     r = requests.post(pod.url + "/_standin/fault", json={"mode": "explode"}, timeout=5)
     assert r.status_code == 400 and "explode" in r.json()["error"]["message"]
 

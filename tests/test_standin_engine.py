@@ -94,7 +94,7 @@ def test_slow_tokens_divides_the_token_rate(pod):
 
 
 def scrape(url) -> tuple[str, dict[str, float]]:
-    text = requests.get(url + "/metrics", timeout=5).text
+    text = requests.get(url + "/metrics", headers={"Authorization": "Bearer t"}, timeout=5).text
     return text, {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line and not line.startswith("#")}
 

@@ -29,6 +29,7 @@ from ..plan import instance_host
 from . import podtls, stop
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack, scope_of
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
+from .guard.colocate_pod_guard import readiness_token
 from .readiness import wait_ready
 from .spec import PodSpec
 
@@ -244,8 +245,10 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
     if tls is not None and tls[1].startswith("*."):  # zone-dns: the instance's own name under the slot's
         tls = (tls[0], instance_host(tls[1][2:], provider.name, pod_id))
     try:
+        pod_token = os.environ.get("POD_TOKEN", "")  # only its one-way derivative goes to readiness
         info = wait_ready(lambda: _scheme(spec, provider.describe(pod_id)), spec.ready_timeout_s, log=log,
-                          no_address_fix=provider.no_address_fix(spec), tls=tls)
+                          no_address_fix=provider.no_address_fix(spec), tls=tls,
+                          token=readiness_token(pod_token) if pod_token else None)
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
         # One list per create, even without a lost reply: a pod of this name that is not the one
         # returned is on no record and would bill. If the list fails, the ready pod is still

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -92,6 +93,7 @@ from pathlib import Path
 
 from . import engine as eng, podtls, profiles
 from .errors import PodError
+from .guard import colocate_pod_guard
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
@@ -625,6 +627,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(403, f"this client certificate does not open {self.path.split('?', 1)[0]}: "
                         "the readiness certificate gets GET /health only", "forbidden")
             return False
+        # The pod's guard, as a real pod runs it in front of vLLM (podstart.sh's --middleware): with a
+        # token, only the router's routes with it (or the readiness token for /health). Not the
+        # stand-in's own controls, which vLLM does not have.
+        if self.server.token is not None and not self.path.startswith("/_standin/"):
+            refusal = colocate_pod_guard.decide(self.command, self.path, self.headers.get("Authorization"),
+                                                self.server.token)
+            if refusal is not None:
+                self.close_connection = True  # the refused request's body is never read
+                self._send_json(*refusal)
+                return False
         return True
 
     # ---- plumbing -------------------------------------------------------
@@ -778,7 +790,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return len(ids)
 
             body = validate(parsed, chat, None if self.server.any_model else self.server.model,
-                            *((count, self.server.profile.max_model_len) if runner is not None else ()))
+                            count if runner is not None else None, self.server.profile.max_model_len)
             self.server.seen_bodies = [*self.server.seen_bodies[-15:], parsed]
         except Refused as exc:
             return self._send_json(exc.status, exc.body())
@@ -1205,10 +1217,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the GPU and model the stand-in behaves as (colocate.pods.profiles; default oracle: "
                         "every request in --compute-ms)")
     p.add_argument("--seed", type=int, help="seed of the answer lengths (default: random)")
+    p.add_argument("--max-model-len", type=int, help="the context, prompt included, as vLLM's flag (default: the profile's)")
     p.add_argument("--port-file", type=Path, help="also write {url, port, pid} here once listening")
     args = p.parse_args(argv)
     if args.compute_ms < 0:
         p.error(f"--compute-ms must be >= 0 (got {args.compute_ms})")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error(f"--max-model-len must be >= 1 (got {args.max_model_len})")
+    profile = profiles.get(args.profile)
+    if args.max_model_len:
+        profile = dataclasses.replace(profile, max_model_len=args.max_model_len)
     token = os.environ.get("POD_TOKEN") or None  # never from argv: argv is visible to every user
     try:
         # As vLLM does with its --ssl-* flags: the material comes from the environment (podtls).
@@ -1219,7 +1237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
                                model=args.model, name=args.name, any_model=args.any_model, tls=tls,
-                               profile=args.profile, seed=args.seed)
+                               profile=profile, seed=args.seed)
     except OSError as exc:
         print(f"standin: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

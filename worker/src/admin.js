@@ -99,13 +99,13 @@ export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop
 
 const noStore = { "cache-control": "no-store" };
 
-async function health(fetchImpl, url, deadlineMs, headers) {
+async function health(fetchImpl, url, deadlineMs, headers, json = true) {
   const t = now();
   try {
     const init = { signal: AbortSignal.timeout(deadlineMs) };
     if (headers) init.headers = headers;
     const res = await fetchImpl(url, init);
-    const body = res.ok && headers ? await res.json().catch(() => null) : (await res.body?.cancel().catch(() => {}), null);
+    const body = res.ok && json ? await res.json().catch(() => null) : (await res.body?.cancel().catch(() => {}), null);
     return { ms: now() - t, ok: res.status === 200, status: res.status, body };
   } catch {
     return { ms: now() - t, ok: false, status: null, body: null };
@@ -132,9 +132,10 @@ function breakerView(cfg, view, hosts) {
     imported: view.imported, pods };
 }
 
-/** Every pod's GET /health over the pod hop, in POD_URLS order. */
+/** Every pod's GET /health over the pod hop, in POD_URLS order, with the pod token (the pod's guard opens /health to it). */
 function checkPods(cfg, hop) {
-  return Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null)));
+  const auth = { authorization: `Bearer ${cfg.podToken}` };
+  return Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, auth, false)));
 }
 
 /** The probe's `pods` list from those checks. */

@@ -429,13 +429,14 @@ export class Pace {
 /**
  * Whether `GET <pod>/health` answers within `ms` without a failure status: a witness with
  * no key for the breaker. Any answer but a failure (even 404 from a pod without the route)
- * says the pod is up.
+ * says the pod is up. It carries the pod token: the pod's guard opens /health to it alone
+ * (colocate/pods/guard/colocate_pod_guard.py), and a 401 is a failure.
  */
-export async function healthOk(fetchImpl, podUrl, ms) {
+export async function healthOk(fetchImpl, podUrl, ms, token) {
   const ac = new AbortController();
   const timer = setTimeout(() => ac.abort(), ms);
   try {
-    const res = await fetchImpl(podUrl + "/health", { signal: ac.signal, redirect: "manual" });
+    const res = await fetchImpl(podUrl + "/health", { headers: { authorization: `Bearer ${token}` }, signal: ac.signal, redirect: "manual" });
     await res.body?.cancel().catch(() => {});
     return !isPodFailure(res.status);
   } catch {

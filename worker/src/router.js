@@ -460,7 +460,7 @@ function fromFrontDoor(request, cfg) {
  * (at most one check per pod per isolate a second, pods.js `healthDue`).
  */
 function healthWitness(env, ctx, cfg, podUrl, fetchImpl) {
-  return healthOk(fetchImpl, podUrl, cfg.deadlineMs).then((ok) => {
+  return healthOk(fetchImpl, podUrl, cfg.deadlineMs, cfg.podToken).then((ok) => {
     return ok ? null : report(env, ctx, cfg, podUrl, false, { key: null, health: true });
   });
 }

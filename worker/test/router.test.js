@@ -302,7 +302,9 @@ test("one key whose requests fail on a pod that is healthy otherwise never opens
   const row = await podRow(env, "router-blame", "http://pod.test");
   assert.equal(row.state, "closed");
   assert.equal(row.failures, 6);
-  assert.ok(seen.some((s) => s.url === "http://pod.test/health")); // the witness was asked
+  // The witness was asked, with the pod token: the pod's guard opens /health to it alone.
+  assert.ok(seen.some((s) => s.url === "http://pod.test/health"));
+  assert.ok(seen.filter((s) => s.url.endsWith("/health")).every((s) => s.auth === "Bearer pt"));
   const fallbackBefore = seen.filter((s) => s.url.startsWith("https://fb")).length;
   for (let i = 0; i < 5; i++) assert.equal((await handle(chat(good), env, c, { fetch: f })).headers.get("x-colocate-backend"), "pod-0");
   assert.equal(seen.filter((s) => s.url.startsWith("https://fb")).length, fallbackBefore);
