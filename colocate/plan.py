@@ -239,6 +239,25 @@ def hop_is_mtls(provider: str, path: str, setting: str) -> bool:
     return True
 
 
+# The stock image's name: its entrypoint is `vllm serve`, with no pod guard (pod/Dockerfile adds it).
+STOCK_IMAGE = "vllm/vllm-openai"
+
+
+def check_guard_image(provider: str, path: str, setting: str, image: str) -> None:
+    """Refuse the stock image where only the pod's guard keeps strangers out (RunPod's proxy): its
+    ``vllm serve`` answers ``/invocations``, ``/tokenize`` and ``/metrics`` to whoever learns the
+    pod's URL. The kit's image (pod/Dockerfile) always runs the guard."""
+    repository = image.split("@", 1)[0].rsplit(":", 1)[0] if "/" in image else image
+    if pod_guarded(provider, path, setting) and repository.removeprefix("docker.io/") == STOCK_IMAGE:
+        raise ConfigError("colocate:pod.image", image,
+                          "without colocate:zone the pod is reached through RunPod's proxy, where only the pod's guard "
+                          "keeps strangers off vLLM's routes that its --api-key leaves open (/invocations, /tokenize, "
+                          "/metrics), and the stock image has no guard",
+                          "build pod/Dockerfile, push it to a public registry and `pulumi config set --path "
+                          "colocate:pod.image <registry>/colocate-vllm:v0.33.0-cu129` (docs/pods.md, \"The pod's "
+                          "guard\"), or set colocate:zone (mutual TLS, any image)")
+
+
 def pod_guarded(provider: str, path: str, setting: str) -> bool:
     """Whether the pod must run its guard (vLLM ``--middleware``: only the router's routes, only
     with the pod token; readiness's token reaches /health alone): every cloud pod no client
@@ -744,6 +763,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     path = pod_path(settings.pod.provider, settings.zone is not None)
     check_pod_cloud(settings.pod.provider, path, settings.pod.cloud)
     hop_is_mtls(settings.pod.provider, path, settings.pod.hop)  # refuses a hop the path cannot carry
+    check_guard_image(settings.pod.provider, path, settings.pod.hop, settings.pod.image)
     locations = reg.locations(settings.pod.provider)
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts

@@ -13,6 +13,7 @@ import pytest
 
 from colocate import certexpiry
 from tests.support import fake_cell
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import MOCK_NOT_AFTER, run_program, stack_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,9 @@ def test_the_stack_exports_the_earliest_leaf_end_and_hands_it_to_the_probe():
 
 
 def test_a_token_hop_has_no_certificates_to_watch():
-    config, keys = stack_config("us-east")  # RunPod's proxy: the pod token behind the pod's guard
+    # RunPod's proxy (the stack without its zone): the pod token behind the pod's guard (the kit's image)
+    config, keys = stack_config("us-east", drop=("zone",),
+                                overrides={"pod": {"provider": "runpod", "image": GUARDED_IMAGE}})
     run = run_program("us-east", config, keys)
     assert run.resolved["hopCertsNotAfter"] is None
     probe = next(r.inputs["create"] for r in run.mocks.of_type("command:local:Command")

@@ -12,6 +12,7 @@ import pytest
 
 from colocate import fleet, stackfile
 from colocate.pods import podtls
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import mock_pem, plain, run_program, stack_config, unsecret
 
 WORKER = "cloudflare:index/workersScript:WorkersScript"
@@ -184,8 +185,8 @@ def test_hop_token_on_a_zone_is_refused_never_plain_http():
     assert "pulumi config rm --path colocate:pod.hop" in str(err.value)
 
 
-def test_the_zoneless_runpod_stacks_declare_no_certificates_and_reach_the_proxy_over_https():
-    config, keys = stack_config("apac-jp")
+def test_a_zoneless_runpod_stack_declares_no_certificates_and_reaches_the_proxy_over_https():
+    config, keys = stack_config("apac-jp", drop=("zone",), overrides={"pod": {"provider": "runpod", "image": GUARDED_IMAGE}})
     run = run_program("apac-jp", config, keys)
     assert not any(run.mocks.of_type(t) for t in (KEY, CA, LEAF, MTLS, TRUST, ACME_CERT))
     assert "POD_TLS" not in _bindings(run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import plain, run_program, stack_config
 
 COMMAND = "command:local:Command"
@@ -15,8 +16,9 @@ SCALE = {"min": 0, "max": 3, "target": 60}
 
 
 def deploy(pods: int, draining: int = 0):
-    pod = {"provider": "runpod"}
-    config, keys = stack_config("us-east", overrides={"pod": pod, "scale": {**SCALE, "pods": pods, "draining": draining}})
+    pod = {"provider": "runpod", "image": GUARDED_IMAGE}  # RunPod's proxy: the stack without its zone
+    config, keys = stack_config("us-east", drop=("zone",),
+                                overrides={"pod": pod, "scale": {**SCALE, "pods": pods, "draining": draining}})
     run = run_program("us-east", config, keys)
     commands = {r.name: r.inputs for r in run.mocks.of_type(COMMAND) if "pod.py rent" in r.inputs["create"]}
     bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}

@@ -11,6 +11,7 @@ from ruamel.yaml import YAML
 from colocate import catalogue, fleet, plan, settings, stackfile
 from colocate.errors import ConfigError, MissingSetting
 from colocate.projectfile import PROJECT_FILE, declared
+from tests.support.images import GUARDED_IMAGE, guarded
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey", "vastaiApiKey"})
 
@@ -28,7 +29,7 @@ def raw_for(region="apac-jp", provider="runpod", **extra):
     if provider == "vastai":  # Vast.ai pods are reached through a DNS-only record on a zone
         raw["zone"] = ZONE
     raw.update(extra)
-    return raw
+    return guarded(raw)
 
 
 ZONE = {"id": "a" * 32, "name": "example.com"}
@@ -132,7 +133,7 @@ def test_pod_name_is_deterministic_and_triggers_cover_identity():
     a, b = cell(raw_for()), cell(raw_for())
     assert a.pod.name == b.pod.name and a.pod.name.startswith("colocate-t-apac-jp-g1-")
     assert a.pod.triggers() == b.pod.triggers()
-    other = cell(raw_for(pod={"provider": "runpod", "image": "vllm/vllm-openai:v0.12.0"}))
+    other = cell(raw_for(pod={"provider": "runpod", "image": GUARDED_IMAGE.replace("v0.33.0", "v0.12.0")}))
     assert other.pod.triggers() != a.pod.triggers()
     # A replacement never shares its name with the pod it replaces (create would adopt it).
     assert other.pod.name != a.pod.name and other.pod.name.startswith("colocate-t-apac-jp-g1-")
@@ -177,21 +178,22 @@ def test_placement_criteria_and_settings_a_gpu_pod_ignores_keep_the_running_pod(
 
 
 def test_pod_names_stay_as_they_were_placed_until_the_owner_renews_them():
-    # Names computed before pod.renewal existed (a stack upgraded to this kit keeps its
-    # pods): a key left at 0 must not join the identity. Each raise names the pods anew.
-    # The image those pods were placed with (the default then), so the names are the ones they got.
+    # A key left at 0 (renewal, here) must not join the identity, so a stack upgraded to this kit
+    # keeps its pods; each raise names the pods anew. A zoned RunPod cell on the stock image, as
+    # this release names it (a zoneless one on the stock image is refused since the pod's guard:
+    # plan.check_guard_image, so the names such cells had are not kept).
     old = "vllm/vllm-openai:v0.11.0"
-    pods = cell(raw_for(pod={"provider": "runpod", "count": 2, "image": old})).pods
-    assert [p.name for p in pods] == ["colocate-t-apac-jp-g1-p0-f0efa0", "colocate-t-apac-jp-g1-p1-f0efa0"]
+    pods = cell(raw_for(zone=ZONE, pod={"provider": "runpod", "count": 2, "image": old})).pods
+    assert [p.name for p in pods] == ["colocate-t-apac-jp-g1-p0-264fdf", "colocate-t-apac-jp-g1-p1-264fdf"]
     token = plan.token_fingerprint("pod-token-0123456789abcdef")
     assert [p.with_token_fingerprint(token).name for p in pods] == [
-        "colocate-t-apac-jp-g1-p0-2432ea", "colocate-t-apac-jp-g1-p1-2432ea"]
+        "colocate-t-apac-jp-g1-p0-89634f", "colocate-t-apac-jp-g1-p1-89634f"]
     # A local pod is reached over mutual TLS: "hop=mtls" is in its identity.
     local = cell(raw_for("us-east", "local", pod={"provider": "local", "image": old, "profile": "oracle"})).pod
     assert local.name == "colocate-t-us-east-g1-p0-79556c"
     # The stand-in's profile is what the local pod is: another one (the default now) is a new pod.
     assert cell(raw_for("us-east", "local", pod={"provider": "local", "image": old})).pod.name != local.name
-    assert cell(raw_for(pod={"provider": "runpod", "renewal": 0, "image": old})).pod.name == pods[0].name
+    assert cell(raw_for(zone=ZONE, pod={"provider": "runpod", "renewal": 0, "image": old})).pod.name == pods[0].name
     names = {cell(raw_for(pod={"provider": "runpod", "renewal": n})).pod.with_token_fingerprint(token).name
              for n in range(4)}
     assert len(names) == 4
@@ -571,17 +573,20 @@ def test_runpod_community_cloud_with_a_zone_is_refused_before_any_pod():
     assert "colocate:pod.cloud SECURE" in str(err.value)
     # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there.
     raw.pop("zone")
-    assert cell(raw).pod.path == "provider-proxy"
+    assert cell(guarded(raw)).pod.path == "provider-proxy"
 
 
 @pytest.mark.parametrize("stack", ["apac-jp", "eu-west", "us-east"])
-def test_the_sandbox_runs_a_zoneless_runpod_stacks_pods_over_mutual_tls(stack, tmp_path):
-    """The stack's cloud path is RunPod's proxy (the guarded token hop); its local stand-ins get `auto`'s mutual TLS."""
+def test_the_shipped_runpod_stacks_are_zoned_and_their_sandbox_pods_mutual_tls(stack, tmp_path):
+    """No shipped stack leaves vLLM to its guard alone: each RunPod stack's cloud path is its zone's
+    (mutual TLS, any image); its local stand-ins get `auto`'s mutual TLS too."""
     from colocate.sandbox.launch import Launch, build_plan
 
-    assert "hop" not in stackfile.read_config(stack)[0]["pod"]
-    text = stackfile.path_of(stack).read_text().rstrip("\n") + "\n  colocate:worker:\n    subdomain: acme\n"
-    (tmp_path / f"Pulumi.{stack}.yaml").write_text(text)
+    raw = stackfile.read_config(stack)[0]
+    assert "hop" not in raw["pod"] and raw["zone"]["name"]
+    cloud = plan.plan_cell(settings.parse({**raw, "accountId": "0" * 32}, stack, secrets=SECRETS))
+    assert cloud.pod.path == plan.PATH_ZONE_DNS and cloud.mtls
+    (tmp_path / f"Pulumi.{stack}.yaml").write_text(stackfile.path_of(stack).read_text())
     cell_plan, _ = build_plan(Launch(stack, str(tmp_path), None, None, (), False))
     assert cell_plan.pod_settings.provider == "local" and cell_plan.mtls and cell_plan.pod.tls_name == "localhost"
 

@@ -10,6 +10,7 @@ import pytest
 
 from colocate import plan, scale, settings
 from colocate.errors import ConfigError
+from tests.support.images import GUARDED_IMAGE
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"})
 
@@ -19,7 +20,7 @@ def raw(**over) -> dict:
         "region": "apac-jp",
         "generations": [{"name": "apac-jp.g1", "region": "apac-jp", "status": "active"}],
         "accountId": "0123456789abcdef0123456789abcdef",
-        "pod": {"provider": "runpod", "hop": "token"},  # no zone: the open hop, knowingly
+        "pod": {"provider": "runpod", "image": GUARDED_IMAGE},  # no zone: RunPod's proxy, the kit's image (guarded)
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
         "fallbackCap": {"cellUsdPerDay": 0},  # no cap, knowingly: the cap's own tests set one
