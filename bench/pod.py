@@ -392,8 +392,9 @@ def show(a: argparse.Namespace, profile: profiles.Profile, sweep: profiles.Sweep
             row += f"   {pt['errors']} errors: {pt.get('first_error')}"
         print(row)
     k = knee(points, a.budget_ms)
+    at = (lambda lv: f"{lv:g} req/s offered") if unit == "req/s" else (lambda lv: f"concurrency {lv:g}")
     print(f"knee (TTFT p99 <= {a.budget_ms:.0f} ms): " +
-          (f"{k['req_s']:.2f} req/s at {unit} {k['level']:g}" if k else "none of the points"))
+          (f"{k['req_s']:.2f} req/s at {at(k['level'])}" if k else "none of the points"))
     if a.compare and sweep is not None:
         print(f"against {sweep.name}: worst error {worst:.0%} ({'within' if worst <= TOLERANCE else 'outside'} "
               f"{TOLERANCE:.0%})")

@@ -27,7 +27,7 @@ def test_a_sweep_over_http_measures_tokens_and_finds_the_knee(tmp_path, capsys):
     for p in points:
         assert p["ttft_p50_ms"] > 0 and p["output_tok_s"] > 0 and p["itl_p50_ms"] > 0
     printed = capsys.readouterr().out
-    assert "knee (TTFT p99 <= 5000 ms):" in printed and "at conc" in printed
+    assert "knee (TTFT p99 <= 5000 ms):" in printed and "at concurrency" in printed
 
 
 def test_compare_replays_both_published_sweeps_and_prints_each_points_ratio(tmp_path, capsys):
