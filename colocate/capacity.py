@@ -3,9 +3,10 @@ capacity (the knee of its GPU+model profile) and its boot time. Pure: no I/O.
 
 * ``pod_capacity(profile)``: requests per minute one pod serves while its TTFT p99 stays within
   the capacity planner's budget (``profiles.DEFAULT_TTFT_P99_BUDGET_MS``): the profile's
-  ``knee_rps`` (the stand-in's engine in virtual time, Poisson arrivals of 256-token prompts,
-  answers of at most 128: ~100 on average) when it has one, else the highest rate of the
-  profile's published sweeps within that budget. Answers longer than that take more of a pod.
+  ``knee_rps`` (the stand-in's engine in virtual time, a minute of Poisson arrivals of 256-token
+  prompts, answers of at most 128: ~100 on average, the median pace held to the router's 25
+  tokens/s) when it has one, else the highest rate of the profile's published sweeps within that
+  budget. Answers longer than that take more of a pod.
 * ``BOOT_S``: from create to the first token on a fresh host, 20 minutes: the pinned
   ``vllm/vllm-openai:*-cu129`` image is ~11 GB compressed, the weights ~5 GB, and operators
   report 15 to 20 minutes (the fourth real-cloud review, 2026-12). The longer end, because a

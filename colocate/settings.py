@@ -66,8 +66,8 @@ WORKER_DEFAULTS = {
     # After the first token: no byte for stallMs is a stall (the pod's failure), and an answer
     # slower than minTokensPerS a choice counts towards marking its pod slow ("Pace"). 25 is a pace a
     # reader keeps up with, under what the default profile (RTX 4090, Qwen2.5-7B INT4,
-    # colocate/pods/profiles.py) makes a sequence alone (169 tokens/s) or at a batch of 64 (76); at
-    # its knee, where prompts fill its steps, it makes ~15 and is passed over while a pod is not.
+    # colocate/pods/profiles.py) makes a sequence alone (169 tokens/s) or at a batch of 64 (76); its
+    # knee is held to this pace (profiles.DEFAULT_TPOT_P50_BUDGET_MS), so a pod at capacity is not marked.
     "stallMs": 2000,
     "minTokensPerS": 25,
     "balance": "load",  # BALANCES

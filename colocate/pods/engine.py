@@ -24,7 +24,15 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .profiles import BLOCK_SIZE, DEFAULT_TTFT_P99_BUDGET_MS, KNEE_INPUT_TOKENS, KNEE_OUTPUT_TOKENS, Profile
+from .profiles import (
+    BLOCK_SIZE,
+    DEFAULT_TPOT_P50_BUDGET_MS,
+    DEFAULT_TTFT_P99_BUDGET_MS,
+    KNEE_INPUT_TOKENS,
+    KNEE_OUTPUT_TOKENS,
+    KNEE_SECONDS,
+    Profile,
+)
 
 # ---- the prompt's tokens ---------------------------------------------------------------------
 # No tokenizer can be downloaded here, so prompts are cut into tokens the way a byte-level BPE
@@ -541,26 +549,37 @@ class Knee:
     output_tok_s: float
 
 
+def knee_requests(rate: float) -> int:
+    """Requests in a knee run at ``rate``: KNEE_SECONDS of arrivals, at least 300. A run shorter than
+    its answers hides an overload: its queue has not built up by the time the arrivals stop."""
+    return max(300, math.ceil(rate * KNEE_SECONDS))
+
+
 def knee(profile: Profile, ttft_p99_budget_ms: float = DEFAULT_TTFT_P99_BUDGET_MS, *,
-         input_tokens: int | None = None, output_tokens: int | None = None, requests: int = 300,
-         seed: int = 0, ignore_eos: bool = False) -> Knee:
-    """The highest Poisson request rate whose TTFT p99 stays within the budget (bisection over
-    virtual-time runs of ``requests`` requests; by default the workload of ``Profile.knee_rps``).
+         input_tokens: int | None = None, output_tokens: int | None = None, requests: int | None = None,
+         seed: int = 0, ignore_eos: bool = False, tpot_p50_budget_ms: float = DEFAULT_TPOT_P50_BUDGET_MS) -> Knee:
+    """The highest Poisson request rate whose TTFT p99 stays within the budget and whose median
+    TPOT within ``tpot_p50_budget_ms`` (vLLM's scheduler runs decodes first, so an overloaded pod's
+    pace falls before its first token does); bisection over virtual-time runs of ``requests``
+    requests, by default ``knee_requests(rate)``; by default the workload of ``Profile.knee_rps``.
     ``ignore_eos``: every answer exactly ``output_tokens`` long (else at most, as the profile's
     lengths fall)."""
     inp = input_tokens or KNEE_INPUT_TOKENS
     out = output_tokens or KNEE_OUTPUT_TOKENS
 
     def run(rate: float) -> Result:
-        return simulate(profile, requests=requests, input_tokens=inp, output_tokens=out, rate=rate, seed=seed,
-                        ignore_eos=ignore_eos)
+        return simulate(profile, requests=requests or knee_requests(rate), input_tokens=inp, output_tokens=out,
+                        rate=rate, seed=seed, ignore_eos=ignore_eos)
+
+    def within(r: Result) -> bool:
+        return r.ttft_ms(99) <= ttft_p99_budget_ms and r.tpot_ms(50) <= tpot_p50_budget_ms
 
     lo, hi = 0.0, 1.0
-    while run(hi).ttft_ms(99) <= ttft_p99_budget_ms and hi < 10_000:
+    while within(run(hi)) and hi < 10_000:
         lo, hi = hi, hi * 2
     for _ in range(8):  # to 1/256 of the bracket
         mid = (lo + hi) / 2
-        if run(mid).ttft_ms(99) <= ttft_p99_budget_ms:
+        if within(run(mid)):
             lo = mid
         else:
             hi = mid
