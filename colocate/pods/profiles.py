@@ -1,17 +1,19 @@
 """What a GPU pod serving one model can do: the numbers the stand-in's engine (``engine.py``) runs on.
 
-A profile is data: the GPU (memory, bandwidth), the model (weight bytes, KV-cache bytes per token),
-vLLM's serving knobs (``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
-``max_num_batched_tokens``) and the step-time coefficients fitted to a published sweep, which is
-kept beside them (``Sweep``) with its source so that a test and ``make bench-pod`` can check the
-fit. ``oracle`` is the stand-in of old: every request answered in a fixed 95 ms, whatever its
-length or load, for tests that need speed.
+A profile is data: the GPU (memory, bandwidth, tensor throughput, and the share of the bandwidth
+its reads reach), the model (weight bytes, parameters, KV-cache bytes per token), the server
+(``Server``: its kernels' share of the tensor throughput and its CPU time per step, sequence and
+request, and its API queue) and vLLM's serving knobs. Both RTX 4090 sweeps published
+(``MISTRAL7B_SWEEP``, ``LLAMA3_8B_SWEEP``, kept with their sources) are fitted with one GPU and a
+server each, so a test and ``make bench-pod`` can check the fit; the kit's INT4 pod is derived from
+them (``marlin_int4``). ``oracle`` is the stand-in of old: every request answered in a fixed 95 ms,
+whatever its length or load, for tests that need speed.
 
-Public names: ``PROFILES`` (name -> Profile), ``DEFAULT_PROFILE`` (the kit's pod),
-``ORACLE``, ``get(name)``, ``DEFAULT_TTFT_P99_BUDGET_MS`` and, per profile, ``knee_rps`` (the
-highest Poisson request rate of the profile's sweep workload whose TTFT p99 stays within that
-budget; checked against ``engine.knee`` by tests/test_engine.py), ``decode_floor_ms`` and
-``knee_rpm`` (the same, per minute: the autoscaler's unit).
+Public names: ``PROFILES`` (name -> Profile), ``DEFAULT_PROFILE`` (the kit's pod), ``ORACLE``,
+``get(name)``, ``DEFAULT_TTFT_P99_BUDGET_MS``, ``DEFAULT_TPOT_P50_BUDGET_MS`` and, per profile,
+``knee_rps`` (the highest Poisson request rate of the knee workload within both budgets; checked
+against ``engine.knee`` by tests/test_engine.py), ``decode_floor_ms`` and ``knee_rpm`` (the same,
+per minute: the autoscaler's unit).
 """
 
 from __future__ import annotations
