@@ -134,7 +134,7 @@ bench-fleet-exchange: setup
 bench-fleet-limits: setup
 	$(PY) -m bench.fleet_limits
 
-# A concurrency sweep against one OpenAI-compatible server (default: the stand-in, --profile), with its knee (docs/pods.md).
+# Both published RTX 4090 sweeps replayed on their fitted profiles in virtual time, each point's ratio (docs/pods.md).
 bench-pod: setup
 	$(PY) -m bench.pod --compare $(ARGS)
 

@@ -409,16 +409,17 @@ def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], w
 
 
 def api_queue_ms(profile: str, tokens_per_s: float) -> float | None:
-    """The stand-in's API-server queue (engine.Frontend) at a pod's output rate: the same for every policy."""
+    """The stand-in's API server (engine.Frontend) at a pod's output rate: its own time for a request
+    and its queue behind the streams it serves; the same for every policy."""
     try:
-        from colocate.pods import profiles
+        from colocate.pods import engine, profiles
     except ImportError:
         return None
     prof = profiles.get(profile)
-    if not prof.frontend_ms_per_token:
+    if prof.oracle_ms is not None:
         return None
-    rho = min(0.98, tokens_per_s * prof.frontend_ms_per_token / 1000)
-    return round(prof.frontend_queue_ms * rho * rho / (1 - rho), 1)
+    rho = tokens_per_s * prof.frontend_ms_per_token / 1000
+    return round(prof.server.request_ms + engine.queue_ms(prof, rho), 1)
 
 
 def _ms(v: float | None) -> str:

@@ -75,10 +75,10 @@ WORKER_DEFAULTS = {
     "placement": "auto",  # pod on the zone-dns path, targeted elsewhere (docs/pods.md "Placement")
     "deadlineMs": 2000,  # to a pod's first token (docs/worker.md "Routing")
     # After the first token: no byte for stallMs is a stall (the pod's failure), and an answer
-    # slower than minTokensPerS a choice counts towards marking its pod slow ("Pace"). The default
-    # profile (RTX 4090, Qwen2.5-7B INT4: a step of 14.5 + 0.30 ms a sequence, colocate/pods/profiles.py)
-    # makes 67 tokens/s a sequence alone and 30 at a batch of 64; a third of its light-load rate
-    # (the stand-in's slow_tokens 3) is 22. 25 lies between: a slow pod is under it, a loaded one not.
+    # slower than minTokensPerS a choice counts towards marking its pod slow ("Pace"). 25 is a pace a
+    # reader keeps up with, under what the default profile (RTX 4090, Qwen2.5-7B INT4,
+    # colocate/pods/profiles.py) makes a sequence alone (169 tokens/s) or at a batch of 64 (76); its
+    # knee is held to this pace (profiles.DEFAULT_TPOT_P50_BUDGET_MS), so a pod at capacity is not marked.
     "stallMs": 2000,
     "minTokensPerS": 25,
     "balance": "load",  # BALANCES
