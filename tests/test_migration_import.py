@@ -83,12 +83,3 @@ def test_status_says_how_far_the_import_is_and_finish_waits_for_it(stacks, monke
     raw, _ = stackfile.read_config("sandbox", stacks)
     assert [g["status"] for g in raw["generations"]] == ["retired", "active"]
 
-
-def test_finish_refuses_when_the_cell_cannot_be_asked_and_writes_nothing(stacks, monkeypatch, capsys):
-    stackfile.write_config("sandbox", {"generations": MOVED}, stacks)
-    before = (stacks / "Pulumi.sandbox.yaml").read_bytes()
-    monkeypatch.setenv("COLOCATE_READ_TOKEN", "t")
-    url = "http://127.0.0.1:9"  # discard: nothing answers
-    assert migrate.main(["finish", "--stack", "sandbox", "--stacks-dir", str(stacks), "--url", url]) == 2
-    assert "did not answer" in capsys.readouterr().err
-    assert (stacks / "Pulumi.sandbox.yaml").read_bytes() == before
