@@ -14,13 +14,15 @@ rows, workerd is killed (SIGKILL) and started again on the same storage; the req
 for the restart alone. The run ends when the active generation says it imported g1.
 
 Reported: seeding time; the import's time (first request to done, the restart included) and
-rows a second; the rows merged when workerd was killed, when it started again (a resume
-starts from its cursor, not from zero) and ALARM_ALONE_S later with no call to the object
-(its alarm goes on by itself, read from its SQLite file); requests sent during the import, how many failed,
-and their state wait (Server-Timing); then, read from the objects' SQLite files once workerd
-has stopped, each table's rows in g2 against g1's, and the client key's requests
-(seeded + sent, each once). Exit 0 when no request failed, the import completed and every
-count matches; 1 otherwise. Bounded: --timeout.
+rows a second; the rows merged when workerd was killed, when it started again (a resume starts
+from its cursor, not from zero) and ALARM_ALONE_S later with no call to the object (its alarm
+goes on by itself, read from its SQLite file); the requests sent during the import, how many
+failed, their state wait (Server-Timing) and their time end to end (here the router and the
+object share workerd's process, so a chunk's merge can delay a request; in the cloud it delays
+only that object's calls); then, read from the objects' SQLite files once workerd has stopped,
+each table's rows in g2 against g1's, and the client key's requests (seeded + sent, each once).
+Exit 0 when no request failed, the import completed and every count matches; 1 otherwise.
+Bounded: --timeout.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ class Load:
     results: list[int | None] = field(default_factory=list)  # each request's status (None: no answer)
     failures: list[tuple[int | None, bytes]] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)  # Server-Timing state, ms
+    e2e: list[float] = field(default_factory=list)  # each answered request, as the client timed it, ms
 
 
 def load(port: int, key: str, rate: float, state: Load) -> None:
@@ -182,6 +185,8 @@ def load(port: int, key: str, rate: float, state: Load) -> None:
         except OSError as exc:
             status, hdrs, raw = None, {}, repr(exc).encode()
         state.results.append(status)
+        if status is not None:
+            state.e2e.append((time.monotonic() - t) * 1000)
         if status != 200:
             state.failures.append((status, raw[:200]))
         for part in hdrs.get("server-timing", "").split(","):
@@ -325,6 +330,7 @@ def run(opts: argparse.Namespace, log=print) -> dict:
         "requests": len(state.results), "failed": len(state.failures), "failures": state.failures[:5],
         "state_wait_p50_ms": pct(waits, 0.5), "state_wait_p99_ms": pct(waits, 0.99),
         "state_wait_max_ms": max(waits, default=None),
+        "e2e_p50_ms": round(pct(state.e2e, 0.5) or 0, 1), "e2e_p99_ms": round(pct(state.e2e, 0.99) or 0, 1),
         "client_requests": {"seeded": CLIENT_REQUESTS_BEFORE, "sent": len(state.results), "counted": counted},
         "tables": {"g1": g1, "g2": g2}, "timeline": timeline,
     }
@@ -350,7 +356,8 @@ def render(r: dict) -> str:
         f"  killed at {r['killed_at_rows']} rows, started again after {r['down_s']} s at {r['resumed_at_rows']} rows, "
         f"{alone} {ALARM_ALONE_S} s later with no call (the object's alarm alone)",
         f"  {r['requests']} requests during the import, {r['failed']} failed; state wait p50 {r['state_wait_p50_ms']} ms, "
-        f"p99 {r['state_wait_p99_ms']} ms, max {r['state_wait_max_ms']} ms",
+        f"p99 {r['state_wait_p99_ms']} ms, max {r['state_wait_max_ms']} ms; "
+        f"end to end p50 {r['e2e_p50_ms']} ms, p99 {r['e2e_p99_ms']} ms",
         f"  the client key: {c['seeded']} requests before + {c['sent']} sent = {c['counted']} counted",
         f"  rows g1 -> g2: {r['tables']}",
         f"  {'OK' if r['ok'] else 'FAILED'}",
