@@ -166,7 +166,7 @@ class Load:
     stop: threading.Event = field(default_factory=threading.Event)
     pause: threading.Event = field(default_factory=threading.Event)
     results: list[int | None] = field(default_factory=list)  # each request's status (None: no answer)
-    failures: list[tuple[int | None, bytes]] = field(default_factory=list)
+    failures: list[tuple[int | None, str]] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)  # Server-Timing state, ms
     e2e: list[float] = field(default_factory=list)  # each answered request, as the client timed it, ms
 
@@ -188,7 +188,7 @@ def load(port: int, key: str, rate: float, state: Load) -> None:
         if status is not None:
             state.e2e.append((time.monotonic() - t) * 1000)
         if status != 200:
-            state.failures.append((status, raw[:200]))
+            state.failures.append((status, raw[:200].decode(errors="replace")))
         for part in hdrs.get("server-timing", "").split(","):
             name, _, rest = part.strip().partition(";")
             if name == "state" and "dur=" in rest:
