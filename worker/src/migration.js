@@ -26,7 +26,7 @@ import { KEY_COLUMNS, IMPORT_INFLIGHT, IMPORT_LEASES, IMPORT_PEERS, UPSERT_MONTH
 import { EXCHANGE, LEASE } from "./payloads.js";
 
 export const EXPORT_ROWS = 5000; // rows of one export page, from as many parts as fit
-export const MERGE_ROWS = 1000; // rows merged per transaction: what a concurrent call may wait behind
+export const MERGE_ROWS = 500; // rows merged per transaction: what a concurrent call may wait behind
 export const PUMP_SLICE_MS = 10_000; // one alarm's run; the next alarm goes on at once
 const PULL_IDS = 100; // keys per exportKeys call
 const RANGE_PAGES = 200; // exportRange pages one whole-table read takes at most
