@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers bench-migration lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -146,6 +146,11 @@ bench-prefix: setup
 # against the profile's model: all served by the pod, no breaker opened (docs/benchmarks.md).
 bench-answers: setup
 	$(PY) -m bench.answers $(ARGS)
+
+# A migration of 200,000 keys and 500,000 seg_minute rows in workerd, with requests during it and
+# workerd killed mid-import (docs/migration.md); tests/test_migration_import.py runs a tenth of it.
+bench-migration: setup
+	$(PY) -m bench.migration $(ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

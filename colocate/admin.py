@@ -206,6 +206,10 @@ class AdminClient:
     def revoke_key(self, key_id: str) -> dict:
         return self._call("POST", f"/_colocate/keys/{key_id}/revoke")
 
+    def breaker(self) -> dict:
+        """{generation, breaker}: the override, pods and the migration's import (``imported``, ``importing``)."""
+        return self._call("GET", "/_colocate/breaker")
+
     def usage(self, *, since: str | None = None, until: str | None = None, key_id: str | None = None) -> dict:
         params = {k: v for k, v in (("from", since), ("to", until), ("key", key_id)) if v}
         return self._call("GET", "/_colocate/usage", params=params)

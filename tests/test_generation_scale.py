@@ -244,32 +244,38 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
 
 def test_a_migration_pages_the_export_and_imports_every_row(tmp_path):
     # A generation's history is read a page at a time (at most EXPORT_ROWS rows a call, from
-    # as many tables as fit), never in one answer that could pass what an RPC carries, nor in
-    # a call per table; the successor imports it all.
-    rows = 5000 + 1234  # more than one page (generation.js EXPORT_ROWS)
+    # as many tables as fit, each row with its rowid: the cursor), never in one answer that
+    # could pass what an RPC carries, nor in a call per table; the successor imports it all,
+    # in the background once it is more than a page (its alarm), serving meanwhile.
+    rows = 5000 + 1234  # more than one page (migration.js EXPORT_ROWS)
     with driven_cell({"stateTtlMs": 60_000}, with_key=False) as c:
         g0, g1, g2 = "us-east.p0", "us-east.p1", "us-east.p2"
         c.one("sync", {"generation": g0, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g0)
         empty = c.one("exportAll", None, None, gen=g0)  # a small generation: one call, every table
-        assert empty["next"] is None and [rows for _, rows in empty["parts"]] == [[]] * 12
-        assert [name for name, _ in empty["parts"]][:2] == ["keys", "usage"]
+        assert empty["next"] is None and [(len(r), len(ids)) for _, r, ids in empty["parts"]] == [(0, 0)] * 10
+        assert [name for name, _, _ in empty["parts"]][:2] == ["keys", "leases"]
         usage = [[TODAY, f"key_{i:012d}", 1, 2, 3, 1, 0, 0] for i in range(rows)]
         c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []}, {"usage": usage}, gen=g1)
         page = c.one("exportAll", None, None, gen=g1)
-        assert [(name, len(r)) for name, r in page["parts"]] == [("keys", 0), ("usage", 5000)]
-        assert page["next"] == {"part": 1, "offset": 5000}
+        assert [(name, len(r)) for name, r, _ in page["parts"]] == [
+            ("keys", 0), ("leases", 0), ("peers", 0), ("windows", 0), ("inflight", 0), ("months", 5000)]
+        assert page["next"] == {"part": 5, "after": page["parts"][-1][2][-1]}
         pages = [page]
         while pages[-1]["next"] and len(pages) < 20:
             pages.append(c.one("exportAll", None, pages[-1]["next"], gen=g1))
         assert pages[-1]["next"] is None
-        sizes = [sum(len(r) for _, r in p["parts"]) for p in pages]
+        sizes = [sum(len(r) for _, r, _ in p["parts"]) for p in pages]
         assert all(n == 5000 for n in sizes[:-1]) and 0 < sizes[-1] <= 5000  # every page full but the last
-        assert pages[1]["parts"][0][0] == "usage" and len(pages[1]["parts"][0][1]) == rows - 5000  # the cut table goes on
-        got = [r["key_id"] for p in pages for name, rs in p["parts"] if name == "usage" for r in rs]
+        got = [r["key_id"] for p in pages for name, rs, _ in p["parts"] if name == "usage" for r in rs]
         assert sorted(got) == sorted(u[1] for u in usage)
-        # The successor's read-through takes every page, in one import.
+        # The successor answers at once and imports every page by its alarm.
         view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g2)
-        assert view["imported"] == [g1]
+        assert view["imported"] == [] and view["importing"][0]["total"] == 2 * rows  # key_month's rows and usage's
+        deadline = time.monotonic() + 60
+        while g1 not in view["imported"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g2)
+        assert view["imported"] == [g1] and "importing" not in view
         moved = c.one("usage", {"from": TODAY, "to": TODAY, "key": f"key_{rows - 1:012d}"}, {"generation": g2}, gen=g2)
         assert [(u["requests"], u["prompt_tokens"]) for u in moved] == [(1, 2)]
         everything = c.one("usage", {"from": TODAY, "to": TODAY}, {"generation": g2}, gen=g2)

@@ -124,12 +124,26 @@ def test_a_vastai_pod_without_a_gpu_key_rents_the_default_gpu_under_vastai_s_nam
 
 def test_finish_retires_and_plans_the_purge(stacks, capsys):
     assert run(stacks, "start", "--stack", "us-east", "--to", "apac-jp") == 0
-    assert run(stacks, "finish", "--stack", "us-east") == 0
+    assert run(stacks, "finish", "--skip-import-check", "--stack", "us-east") == 0
     raw, _ = stackfile.read_config("us-east", stacks)
     assert [g["status"] for g in raw["generations"]] == ["retired", "active"]
     out = capsys.readouterr().out
     assert "unbind   binding DRAINING_GENERATION: was us-east.g1" in out
     assert "purge    generation us-east.g1" in out
+
+
+def test_finish_refuses_while_the_cell_cannot_say_how_far_the_import_is(stacks, monkeypatch, capsys):
+    # The import's progress is the cell's to tell (tests/test_migration_import.py asks a real one).
+    assert run(stacks, "status", "--stack", "us-east") == 0  # nothing to ask with no move under way
+    assert "no move under way; active us-east.g1" in capsys.readouterr().out
+    assert run(stacks, "start", "--stack", "us-east", "--to", "apac-jp") == 0
+    path = stacks / "Pulumi.us-east.yaml"
+    snapshot = path.read_bytes()
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", "t")
+    assert run(stacks, "finish", "--stack", "us-east", "--url", "http://127.0.0.1:9") == 2  # discard: nothing answers
+    assert "did not answer" in capsys.readouterr().err
+    assert run(stacks, "status", "--stack", "us-east", "--url", "http://127.0.0.1:9") == 2
+    assert path.read_bytes() == snapshot
 
 
 @pytest.mark.parametrize("argv, message", [

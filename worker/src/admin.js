@@ -129,7 +129,7 @@ function breakerView(cfg, view, hosts) {
   // A cell scaled to zero routes to no pod: its machine reads closed, with the override as set.
   const { state, failures, opened_at, trial_at } = pods[0] ?? { state: "closed", failures: 0, opened_at: null, trial_at: null };
   return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
-    imported: view.imported, pods };
+    imported: view.imported, importing: view.importing ?? [], pods };
 }
 
 /** Every pod's GET /health over the pod hop, in POD_URLS order, with the pod token (the pod's guard opens /health to it). */
@@ -223,7 +223,13 @@ async function purge(request, env, cfg) {
   }
   const hint = gen === cfg.drainingGeneration ? cfg.drainingHint : "";
   // Copy first: keys, limits and usage of the purged generation live on in the active one.
-  await activeStub(env, cfg).importFrom({ ...infoOf(cfg), draining: gen, drainingHint: hint });
+  const copy = await activeStub(env, cfg).importFrom({ ...infoOf(cfg), draining: gen, drainingHint: hint });
+  if (!copy.imported) {
+    const p = copy.progress;
+    const far = p ? `${p.rows} of ${p.total} rows` : "nothing yet";
+    throw new HttpError(409, "import_incomplete", `refusing to purge ${gen}: ${cfg.activeGeneration} has imported ${far} of it; `
+      + "retry once `migrate.py status` says the import is done", { "retry-after": "30" });
+  }
   const result = await stubFor(env, gen, hint).purge();
   cache.drop(gen);
   return jsonResponse(200, { generation: gen, purged: true, copied_to: cfg.activeGeneration, ...result });

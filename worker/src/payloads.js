@@ -204,6 +204,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {Record<string, number[]>} counts  COUNTER rows of the keys asked for
  * @property {string | null} forced
  * @property {string[]} imported
+ * @property {{from: string, rows: number, total: number, part: string | null, started: number}[]} [importing]  migrations under way: how far each import is
  * @property {number} at
  * @property {string | null} [colo]
  * @property {Record<string, object>} [leases]  in a fleet: this cell's leases of the keys asked for

@@ -2,7 +2,7 @@
 // The generation object's SQLite schema: every piece of routed state a cell keeps.
 //
 // One object per generation holds it all, so the generation-rename migration moves all
-// of it at once (generation.js `exportAll` / `importState`):
+// of it (migration.js):
 //
 //   meta          k/v: schema version, the operator override, the keys revision, which
 //                 generations were imported (each once)
@@ -43,6 +43,9 @@
 //                 reads one row; rebuilt from usage_daily when a generation is imported)
 //   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
 //                 last sync (a scale-down waits for its draining pods to read 0)
+//   import_pulled per generation being imported (migration.js) and key: the keys whose rows
+//                 were fetched ahead of the import because a call needed them; the paged
+//                 import skips their rows (each row is added once). Emptied when it is done.
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
@@ -98,6 +101,7 @@ export const SCHEMA = [
      PRIMARY KEY (hour, colo, pod, segment))`,
   `CREATE TABLE IF NOT EXISTS seg_total (
      colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL, PRIMARY KEY (colo, pod, segment))`,
+  `CREATE TABLE IF NOT EXISTS import_pulled (src TEXT NOT NULL, key_id TEXT NOT NULL, PRIMARY KEY (src, key_id))`,
 ];
 
 // Columns added since a table was first created: [table, column, declaration]. An object
@@ -118,6 +122,8 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS key_inflight_at ON key_inflight (at)`,
   `CREATE INDEX IF NOT EXISTS key_reserved_at ON key_reserved (at)`,
   `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
+  // A migration fetches a key's rows ahead of its import (migration.js): its usage by index.
+  `CREATE INDEX IF NOT EXISTS usage_daily_key ON usage_daily (key_id)`,
 ];
 
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at, "
@@ -168,6 +174,15 @@ export const UPSERT_LEASES = `INSERT INTO key_lease (${LEASE.columns}, at)
 // Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
 export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET seq = excluded.seq`;
+
+// What a migration imports of the replaced kind (a lease, the peers' sum, an isolate's requests
+// in flight): a row this generation already holds was written after the move began, so it stays.
+export const IMPORT_PEERS = `INSERT INTO peer_counters (${EXCHANGE.columns}, at)
+  SELECT ${all(EXCHANGE)}, ? FROM json_each(?) WHERE true ON CONFLICT (key_id) DO NOTHING`;
+export const IMPORT_LEASES = `INSERT INTO key_lease (${LEASE.columns}, at)
+  SELECT ${all(LEASE)}, ? FROM json_each(?) WHERE true ON CONFLICT (key_id) DO NOTHING`;
+export const IMPORT_INFLIGHT = `INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
+  ON CONFLICT (key_id, isolate) DO NOTHING`;
 
 export const UPSERT_POD = `INSERT INTO pod_health (pod, state, failures, opened_at, trial_at, updated_at, failure_keys)
   VALUES (?, ?, ?, ?, ?, ?, ?)
