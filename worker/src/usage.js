@@ -67,7 +67,7 @@ export function usageOfDoc(doc, estimate) {
   for (const c of choices) {
     if (!c || typeof c !== "object") continue;
     const m = c.message && typeof c.message === "object" ? c.message : null;
-    for (const v of [c.text, m && m.content, m && m.reasoning_content]) if (typeof v === "string") chars += v.length;
+    for (const v of [c.text, m && m.content, m && (m.reasoning ?? m.reasoning_content)]) if (typeof v === "string") chars += v.length;
     const calls = m && Array.isArray(m.tool_calls) ? m.tool_calls : [];
     for (const t of calls) if (t && t.function && typeof t.function.arguments === "string") chars += t.function.arguments.length;
   }
@@ -145,7 +145,7 @@ export function capUsage(usage, ceiling) {
 }
 
 // A string value of a field that carries generated text, in an SSE event's JSON.
-const CONTENT = /"(?:content|text|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
+const CONTENT = /"(?:content|text|reasoning|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
 
 /** Characters of generated text (content, text, tool arguments) in SSE text; JSON escapes count as written. */
 export function contentChars(text) {

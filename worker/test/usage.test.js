@@ -193,6 +193,10 @@ test("the estimate: four characters a token, of the prompt as JSON and of the st
   assert.equal(u.estimated, true);
   assert.equal(estimateUsage({ prompt: "abcd" }, 0).prompt, 2); // '"abcd"' is six characters
   assert.equal(contentChars(sse({ choices: [{ delta: { content: "ab\"c", tool_calls: [{ function: { arguments: "{}" } }] } }] })), 7);
+  // a reasoning model's text: vLLM 0.32 streams `reasoning`, older versions `reasoning_content`
+  assert.equal(contentChars(sse({ choices: [{ delta: { reasoning: "hmm" } }] }) + sse({ choices: [{ delta: { reasoning_content: "ok" } }] })), 5);
+  const answer = { choices: [{ message: { content: null, reasoning: "x".repeat(40) } }] };
+  assert.equal(usageOfAnswer(new TextEncoder().encode(JSON.stringify(answer)), (chars) => ({ completion: chars })).completion, 40);
 });
 
 test("a usage string inside the answer cannot hide or replace the top-level usage", () => {
