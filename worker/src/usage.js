@@ -9,6 +9,8 @@
 // client's stream. A stream that ends (or is cut) without one is estimated from its text:
 // `estimateUsage` (docs/worker.md, "Streams and tokens").
 
+import { shortestPromptTokens } from "./validate.js";
+
 const decoder = new TextDecoder();
 const TAIL_BYTES = 16384; // the last events of a stream; a usage event is a few hundred bytes
 
@@ -91,13 +93,15 @@ export function promptCount(json) {
 /**
  * The completion tokens one sequence may have: the limit the endpoint honours (chat:
  * `max_completion_tokens`, else `max_tokens`, as vLLM reads them; completions:
- * `max_tokens` only, vLLM ignores `max_completion_tokens` there), never past the served
- * context `maxModelLen`.
+ * `max_tokens` only, vLLM ignores `max_completion_tokens` there), cut as vLLM cuts it to
+ * what fits beside the prompt in the served context `maxModelLen` (the context less the
+ * fewest tokens the request's shortest prompt can be, validate.js).
  */
 export function perSequence(json, maxModelLen = MAX_COMPLETION_TOKENS) {
   const chat = !!json && json.messages !== undefined;
   const max = json ? (chat ? (json.max_completion_tokens ?? json.max_tokens) : json.max_tokens) : undefined;
-  return Math.min(Number.isInteger(max) && max > 0 ? max : maxModelLen, maxModelLen);
+  const room = Math.max(maxModelLen - (json ? shortestPromptTokens(json, chat) : 0), 1);
+  return Math.min(Number.isInteger(max) && max > 0 ? max : maxModelLen, room);
 }
 
 /**
