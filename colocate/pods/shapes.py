@@ -1,6 +1,6 @@
 """What vLLM writes, as the stand-in writes it: answers, stream events, errors, ``/v1/models``.
 
-vLLM is the reference (DESIGN.md, "The real engine is the reference"): every shape here is
+vLLM is the reference for everything but timing and faults: every shape here is
 vLLM 0.32's (``vllm/entrypoints/openai/chat_completion/protocol.py``, ``completion/protocol.py``,
 ``serve/engine/protocol.py``, and their ``serving.py`` generators), keys in its order, null
 where vLLM writes null and absent where it leaves a key out, so that a client, the router's

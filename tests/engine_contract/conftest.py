@@ -4,7 +4,7 @@
 once with the oracle and once with the default GPU profile) or ``vllm`` (a live vLLM: its URL,
 token and served model from ``COLOCATE_ENGINE_URL``, ``COLOCATE_ENGINE_TOKEN`` and
 ``COLOCATE_ENGINE_MODEL``; ``make test-vllm`` starts one). The same tests run on both, so the
-stand-in writes what vLLM writes (DESIGN.md, "The real engine is the reference").
+stand-in writes what vLLM writes (docs/pods.md, "The local stand-in").
 """
 
 from __future__ import annotations
