@@ -72,4 +72,5 @@ def test_the_stand_in_serves_the_context_it_is_given():
         res = conn.getresponse()
         answer = json.loads(res.read())
         conn.close()
-    assert res.status == 400 and "maximum context length is 1024 tokens" in answer["error"]["message"], answer
+    # vLLM's own refusal of a limit past the context (tests/engine_contract checks the words against vLLM)
+    assert res.status == 400 and "cannot be greater than max_model_len=1024" in answer["error"]["message"], answer

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 
 def get(engine, path: str, token: str | None) -> tuple[int, bytes]:
-    parts = urlsplit(engine.base_url)
+    parts = urlsplit(engine.url)
     conn = (http.client.HTTPSConnection(parts.hostname, parts.port, context=engine.tls, timeout=30) if engine.tls
             else http.client.HTTPConnection(parts.hostname, parts.port, timeout=30))
     try:

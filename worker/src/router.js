@@ -328,7 +328,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       if (trial || worthReporting(view, podUrl, true)) report(env, ctx, cfg, podUrl, true, from);
       if (res.assembled) {
         finished(podUrl);
-        const a = assembleBytes(res.bytes, chat);
+        const a = assembleBytes(res.bytes, chat, json);
         judge(podUrl, res.pace, view);
         if (a.error) return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, "error_event");
         meter(backend, usageOfDoc(a.answer, guess));

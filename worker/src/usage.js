@@ -9,6 +9,8 @@
 // client's stream. A stream that ends (or is cut) without one is estimated from its text:
 // `estimateUsage` (docs/worker.md, "Streams and tokens").
 
+import { shortestPromptTokens } from "./validate.js";
+
 const decoder = new TextDecoder();
 const TAIL_BYTES = 16384; // the last events of a stream; a usage event is a few hundred bytes
 
@@ -67,7 +69,7 @@ export function usageOfDoc(doc, estimate) {
   for (const c of choices) {
     if (!c || typeof c !== "object") continue;
     const m = c.message && typeof c.message === "object" ? c.message : null;
-    for (const v of [c.text, m && m.content, m && m.reasoning_content]) if (typeof v === "string") chars += v.length;
+    for (const v of [c.text, m && m.content, m && (m.reasoning ?? m.reasoning_content)]) if (typeof v === "string") chars += v.length;
     const calls = m && Array.isArray(m.tool_calls) ? m.tool_calls : [];
     for (const t of calls) if (t && t.function && typeof t.function.arguments === "string") chars += t.function.arguments.length;
   }
@@ -91,13 +93,15 @@ export function promptCount(json) {
 /**
  * The completion tokens one sequence may have: the limit the endpoint honours (chat:
  * `max_completion_tokens`, else `max_tokens`, as vLLM reads them; completions:
- * `max_tokens` only, vLLM ignores `max_completion_tokens` there), never past the served
- * context `maxModelLen`.
+ * `max_tokens` only, vLLM ignores `max_completion_tokens` there), cut as vLLM cuts it to
+ * what fits beside the prompt in the served context `maxModelLen` (the context less the
+ * fewest tokens the request's shortest prompt can be, validate.js).
  */
 export function perSequence(json, maxModelLen = MAX_COMPLETION_TOKENS) {
   const chat = !!json && json.messages !== undefined;
   const max = json ? (chat ? (json.max_completion_tokens ?? json.max_tokens) : json.max_tokens) : undefined;
-  return Math.min(Number.isInteger(max) && max > 0 ? max : maxModelLen, maxModelLen);
+  const room = Math.max(maxModelLen - (json ? shortestPromptTokens(json, chat) : 0), 1);
+  return Math.min(Number.isInteger(max) && max > 0 ? max : maxModelLen, room);
 }
 
 /**
@@ -145,7 +149,7 @@ export function capUsage(usage, ceiling) {
 }
 
 // A string value of a field that carries generated text, in an SSE event's JSON.
-const CONTENT = /"(?:content|text|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
+const CONTENT = /"(?:content|text|reasoning|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
 
 /** Characters of generated text (content, text, tool arguments) in SSE text; JSON escapes count as written. */
 export function contentChars(text) {

@@ -60,14 +60,14 @@ test("a prompt list is counted as prompts x n x max_tokens; past 64 prompts it i
   assert.equal((await no.json()).error.param, "prompt");
 });
 
-test("without max_tokens the ceiling is the pods' context, not 131,072", async () => {
+test("without max_tokens the ceiling is what fits beside the prompt in the pods' context, not 131,072", async () => {
   const env = envFor("m-ctx");
   const { key, id } = await createKey(env.BREAKER, "m-ctx");
   const c = ctx();
   await handle(post(key, "/v1/chat/completions", { model: "m", messages: [{ role: "user", content: "hi" }] }), env, c,
     { fetch: async () => usageOf(1, 1e12) });
   await c.settle();
-  assert.equal((await counted(env, "m-ctx", id))[2], 8192);
+  assert.equal((await counted(env, "m-ctx", id))[2], 8191); // "hi" is at least one token
 });
 
 test("a pod's 400 after tokenising is charged the prompt's estimate; its 404 is not", async () => {
@@ -123,8 +123,15 @@ test("max_completion_tokens on /v1/completions is refused, naming the field and 
 test("what could never fit the context is refused before a pod tokenises it", () => {
   const big = { model: "m", prompt: "x".repeat(900_000) };
   assert.throws(() => validateBody("/v1/completions", big, 8192), (e) => e.param === "prompt" && e.code === "context_length_exceeded");
-  assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8192 }, 8192), (e) => e.param === "max_tokens");
-  validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8191 }, 8192);
+  // vLLM refuses a limit past the context and cuts any other to what fits (its 200): so does the edge
+  assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8193 }, 8192),
+    (e) => e.param === "max_tokens" && e.status === 400);
+  validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8192 }, 8192);
+  validateBody("/v1/completions", { model: "m", prompt: "x".repeat(16 * 8000), max_tokens: 8192 }, 8192);
+  assert.throws(() => validateBody("/v1/chat/completions", { model: "m", messages: [{ role: "user", content: "hi" }], max_completion_tokens: 8193 },
+    8192), (e) => e.param === "max_completion_tokens");
+  assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: Array(8192).fill(5) }, 8192), (e) => e.param === "prompt");
+  validateBody("/v1/completions", { model: "m", prompt: Array(8191).fill(5) }, 8192);
   assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", prompt_logprobs: 5 }, 8192), (e) => e.param === "prompt_logprobs");
   assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", echo: true, logprobs: 1 }, 8192), (e) => e.param === "logprobs");
   validateBody("/v1/completions", { model: "m", prompt: "hi", echo: true }, 8192);

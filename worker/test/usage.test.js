@@ -193,6 +193,10 @@ test("the estimate: four characters a token, of the prompt as JSON and of the st
   assert.equal(u.estimated, true);
   assert.equal(estimateUsage({ prompt: "abcd" }, 0).prompt, 2); // '"abcd"' is six characters
   assert.equal(contentChars(sse({ choices: [{ delta: { content: "ab\"c", tool_calls: [{ function: { arguments: "{}" } }] } }] })), 7);
+  // a reasoning model's text: vLLM 0.32 streams `reasoning`, older versions `reasoning_content`
+  assert.equal(contentChars(sse({ choices: [{ delta: { reasoning: "hmm" } }] }) + sse({ choices: [{ delta: { reasoning_content: "ok" } }] })), 5);
+  const answer = { choices: [{ message: { content: null, reasoning: "x".repeat(40) } }] };
+  assert.equal(usageOfAnswer(new TextEncoder().encode(JSON.stringify(answer)), (chars) => ({ completion: chars })).completion, 40);
 });
 
 test("a usage string inside the answer cannot hide or replace the top-level usage", () => {
@@ -226,10 +230,15 @@ test("usage is capped by what the request allows, and huge counts stay safe inte
   assert.deepEqual(usageCeiling({ ...chat, max_completion_tokens: 4, best_of: 3, n: 1 }, 10), { prompt: 10, completion: 12 });
   // /v1/completions honours max_tokens only (vLLM ignores max_completion_tokens there)
   assert.deepEqual(usageCeiling({ prompt: "hi", max_tokens: 9, max_completion_tokens: 1 }, 10, 8192), { prompt: 10, completion: 9 });
-  // a prompt list is a generation per prompt, each n times; none is past the served context
+  // a prompt list is a generation per prompt, each n times; none is past what fits beside its
+  // prompt in the served context (vLLM cuts max_tokens there): the shortest prompt bounds them all
   assert.deepEqual(usageCeiling({ prompt: ["a", "b", "c"], max_tokens: 3, n: 2 }, 1000, 8192), { prompt: 1000, completion: 18 });
-  assert.deepEqual(usageCeiling({ prompt: [[1, 2], [3]], n: 2 }, 100_000, 8192), { prompt: 16_384, completion: 2 * 2 * 8192 });
-  assert.deepEqual(usageCeiling({ prompt: [1, 2, 3] }, 10, 8192), { prompt: 10, completion: 8192 }); // one prompt of token ids
+  assert.deepEqual(usageCeiling({ prompt: [[1, 2], [3]], n: 2 }, 100_000, 8192), { prompt: 16_384, completion: 2 * 2 * (8192 - 1) });
+  assert.deepEqual(usageCeiling({ prompt: [1, 2, 3] }, 10, 8192), { prompt: 10, completion: 8192 - 3 }); // one prompt of token ids
+  assert.deepEqual(usageCeiling({ prompt: [1, 2, 3], max_tokens: 8192 }, 10, 8192), { prompt: 10, completion: 8192 - 3 });
+  assert.deepEqual(usageCeiling({ ...chat, max_tokens: 8192 }, 10, 8192), { prompt: 10, completion: 8191 }); // "hi": at least 1 token
+  const long = { messages: [{ role: "user", content: "x".repeat(16 * 8000) }], max_tokens: 8192 };
+  assert.deepEqual(usageCeiling(long, 200_000, 8192).completion, 192); // 8,000 tokens at least: 192 fit beside them
   assert.deepEqual(usageCeiling({}, 10), { prompt: 10, completion: 131072 });
 });
 
