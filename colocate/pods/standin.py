@@ -245,8 +245,13 @@ def validate(body, chat: bool, served: str | None, count=None, max_model_len: in
     top_p = out["top_p"]
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise Refused(f"top_p must be in (0, 1], got {top_p}.", "top_p", type_="BadRequestError")
-    # vLLM's context check (OpenAIServing._validate_input), on the stand-in's token estimate.
-    inputs = (count or prompt_tokens)(out)
+    # vLLM's context check (OpenAIServing._validate_input), on the stand-in's token estimate; each
+    # prompt of a completion's list is a request of its own there, checked alone.
+    prompts = out.get("prompt")
+    if not chat and count is None and isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
+        inputs = max(prompt_tokens({"prompt": p}) for p in prompts)
+    else:
+        inputs = (count or prompt_tokens)(out)
     if inputs >= max_model_len:
         raise Refused(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
                       f"{inputs} input tokens. Please reduce the length of the input messages.", "input_tokens",
@@ -802,6 +807,7 @@ class _Handler(BaseHTTPRequestHandler):
             cap = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
             tokens, _finish = answer_pieces(len(_reply_tokens({}, chat, 9)), "stop", body["response_format"], cap)
         usage = _usage(body, tokens)
+        tokens = _echoed(body, chat, tokens)
         if attack == "usage_inflated":
             usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
         extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
@@ -837,6 +843,7 @@ class _Handler(BaseHTTPRequestHandler):
         # The answer's ids as the next turn's prompt will tokenize them (template: the text, then <|im_end|>).
         ticket = runner.submit(prompt, len(pieces), salt, eng.tokenize("".join(pieces))[:len(pieces)])
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(pieces), "total_tokens": len(prompt) + len(pieces)}
+        pieces = _echoed(body, chat, pieces)
         if attack == "usage_inflated":
             usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
         extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
@@ -1059,6 +1066,14 @@ class _ControlHandler(_Handler):
         if not self.path.startswith("/_standin/"):
             return self._error(404, "the control port serves /_standin/* only", "not_found")
         super().do_POST()
+
+
+def _echoed(body: dict, chat: bool, pieces: list[str]) -> list[str]:
+    """A completion's ``echo``: vLLM writes the prompt back before the answer's first token, in the
+    first chunk of a stream (each prompt of a list in its own choice; here, as one choice, all of them)."""
+    if chat or body.get("echo") is not True or not pieces:
+        return pieces
+    return [_prompt_text(body, chat) + pieces[0], *pieces[1:]]
 
 
 def _prompt_text(body: dict, chat: bool) -> str:
