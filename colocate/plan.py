@@ -646,6 +646,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),
         ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
         ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
+        ("DEFAULT_MAX_PARALLEL_TOKENS", str(settings.key_defaults["max_parallel_tokens"])),
         # What a request may cost is bounded by the context the pods serve (worker/src/usage.js).
         ("MAX_MODEL_LEN", str(MAX_MODEL_LEN)),
     ]

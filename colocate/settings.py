@@ -84,10 +84,15 @@ PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 # client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40, "ttft": 1000, "itl": 100}
 # A new key's limits when its creator names none: finite, so no key is unbounded by
-# accident (docs/worker.md, "Limits"). 0 for one of them means no limit.
-KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8}
+# accident (docs/worker.md, "Limits"). 0 for one of them means no limit. maxParallelTokens: the
+# prompt tokens of a key's requests waiting for a pod's first token, at once; one context of the
+# default pod (its --max-model-len), so one key's prompts queue at most one context's prefill
+# ahead of other keys (docs/worker.md, "Busy is not broken").
+KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8,
+                      "maxParallelTokens": PROFILES[DEFAULT_PROFILE].max_model_len}
 KEYS_DEFAULTS = {"defaults": KEY_LIMIT_DEFAULTS}
-KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens", "maxParallel": "max_parallel"}
+KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens", "maxParallel": "max_parallel",
+                    "maxParallelTokens": "max_parallel_tokens"}
 # colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
 # pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
 # (declared, out of rotation until their requests finish); the owner writes the rest.
@@ -126,8 +131,9 @@ SCHEMA: tuple[Key, ...] = (
         "prefix: a conversation's turns to the pod holding its prefix | random: a baseline), prefixBound (prefix's "
         "load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
-        "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
-        "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
+        "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens (prompt tokens not yet begun at "
+        "a pod, at once)}, the limits of a key created without them (0 = no limit; defaultMaxParallel, the older name of "
+        "defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
         "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total, ttft, itl)."),
     Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
@@ -599,7 +605,8 @@ def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),
     _merged({"keys": raw}, "keys")  # refuses a key other than defaults
     given = cast(dict, raw or {}).get("defaults") or {}  # _merged refused anything but a mapping
     if not isinstance(given, dict):
-        raise ConfigError(f"{NS}:keys.defaults", given, "must be a mapping {rpm, tpm, monthlyTokens, maxParallel}",
+        raise ConfigError(f"{NS}:keys.defaults", given,
+                          "must be a mapping {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens}",
                           f"pulumi config set --path {NS}:keys.defaults.maxParallel 8")
     unknown = sorted(set(given) - set(KEY_LIMIT_DEFAULTS))
     if unknown:

@@ -176,6 +176,7 @@ export function readConfig(env) {
       tpm: optionalInt(env, "DEFAULT_TPM", 0, { min: 0 }),
       monthly_tokens: optionalInt(env, "DEFAULT_MONTHLY_TOKENS", 0, { min: 0 }),
       max_parallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
+      max_parallel_tokens: optionalInt(env, "DEFAULT_MAX_PARALLEL_TOKENS", 0, { min: 0 }),
       fallback_microusd_day: 0, // none of its own: the cell's per-key cap holds
     }),
     // The context the pods serve (--max-model-len, colocate/pods/spec.py): what a request
