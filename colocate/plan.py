@@ -638,6 +638,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("MIN_TOKENS_PER_S", repr(w.min_tokens_per_s)),
         ("BALANCE", w.balance),
         ("MAX_BODY_BYTES", str(w.max_body_bytes)),
+        ("BODY_TIMEOUT_MS", str(w.body_timeout_ms)),
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),

@@ -72,6 +72,8 @@ WORKER_DEFAULTS = {
     "minTokensPerS": 25,
     "balance": "load",  # BALANCES
     "maxBodyBytes": 1_048_576,
+    # A body must arrive this long after its headers: a slow upload holds its key's slot.
+    "bodyTimeoutMs": 10_000,
     "failureThreshold": 3,
     "openMs": 30_000,
     "stateTtlMs": 2_000,
@@ -125,7 +127,7 @@ SCHEMA: tuple[Key, ...] = (
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
         "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
-        "pod slow), maxBodyBytes, "
+        "pod slow), maxBodyBytes, bodyTimeoutMs (a body not all there this long after its headers gets a 408), "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion, balance (load: the cell's counts and the pods' reports | least_busy | "
         "prefix: a conversation's turns to the pod holding its prefix | random: a baseline), prefixBound (prefix's "
@@ -239,6 +241,7 @@ class WorkerSettings:
     migration_tag: str
     allow_class_deletion: bool
     stall_ms: int = 2000
+    body_timeout_ms: int = 10_000
     min_tokens_per_s: float = 25.0
     balance: str = "load"
     prefix_bound: float = 1.5
@@ -422,6 +425,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         migration_tag=tag,
         allow_class_deletion=w["allowClassDeletion"],
         stall_ms=_number(k + "stallMs", w["stallMs"], integer=True),
+        body_timeout_ms=_number(k + "bodyTimeoutMs", w["bodyTimeoutMs"], integer=True),
         min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
         balance=_balance(k + "balance", w["balance"]),
         prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),

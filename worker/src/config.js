@@ -167,6 +167,8 @@ export function readConfig(env) {
     minTokensPerS: optionalNumber(env, "MIN_TOKENS_PER_S", 25),
     balance: balance(env),
     maxBodyBytes: int(env, "MAX_BODY_BYTES", { min: 1 }),
+    // A request's body must have arrived this long after its headers (a slow upload holds its key's slot).
+    bodyTimeoutMs: optionalInt(env, "BODY_TIMEOUT_MS", 10_000, { min: 1 }),
     failureThreshold: int(env, "FAILURE_THRESHOLD", { min: 1 }),
     openMs: int(env, "OPEN_MS", { min: 1 }),
     stateTtlMs: int(env, "STATE_TTL_MS", { min: 0 }),
