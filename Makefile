@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers bench-busy lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -138,6 +138,11 @@ bench-prefix: setup
 # against the profile's model: all served by the pod, no breaker opened (docs/benchmarks.md).
 bench-answers: setup
 	$(PY) -m bench.answers $(ARGS)
+
+# Keys filling the pod's prefill queue with long prompts against a quiet key, in the sandbox cell on the
+# default profile: who served the quiet key, and whether a breaker opened (docs/benchmarks.md).
+bench-busy: setup
+	$(PY) -m bench.busy $(ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .colocate
