@@ -233,7 +233,7 @@ def running_cell(worker: dict | None = None, generations: list[dict] | None = No
             cell.admin_token = OPERATOR_TOKENS["adminToken"]
         if with_key:
             # The cell's own key has no limits (colocate:keys.defaults would give it some): tests send freely.
-            cell.key = cell.create_key("test", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)["key"]
+            cell.key = cell.create_key("test", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0, max_parallel_tokens=0)["key"]
         yield cell
 
 
