@@ -1,4 +1,4 @@
-"""Admission through the real Worker in workerd (issue 58): a request is admitted only when its
+"""Admission through the real Worker in workerd: a request is admitted only when its
 own most fits each of its key's limits (OpenAI's rule), a key's uploads hold its own slots and
 are bounded in time, and sizes the client chose (``echo`` of long prompts) are never the pod's
 failure. The pure parts: worker/test/limits.test.js, worker/test/metering.test.js."""
@@ -36,7 +36,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def test_a_request_that_can_never_fit_a_token_limit_is_a_400_naming_the_limit_and_the_fix(cell):
-    # issue 58: a 50-token monthly key was admitted for a request the router reserved at 24,207
+    # a 50-token monthly key was once admitted for a request the router reserved at 24,207
     tiny = client(cell, cell.create_key("tiny", monthly_tokens=50)["key"])
     with pytest.raises(openai.BadRequestError) as exc:
         tiny.chat.completions.create(model="m", messages=HI, max_tokens=1)
@@ -105,7 +105,7 @@ def test_a_keys_uploads_hold_its_own_slots_and_a_slow_one_is_refused_in_time(cel
     try:
         time.sleep(0.3)  # both are in the router, waiting for their bodies
         # A third upload of the key is refused at once, before any of its body is read: its key's
-        # two slots are held by the first two (issue 58: 150 such uploads, 184 MB in one isolate).
+        # two slots are held by the first two (once: 150 such uploads, 184 MB in one isolate).
         third = _upload(cell.url, made["key"], 900_000, b"")
         t0 = time.monotonic()
         status, body = _status(third)
@@ -129,7 +129,7 @@ def test_echo_of_long_prompts_is_the_clients_size_and_never_the_pods_failure(cel
     body = {"model": "m", "prompt": prompts, "echo": True, "max_tokens": 1}
     keys = [cell.create_key(f"echo-{i}", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0, max_parallel_tokens=0)["key"]
             for i in range(2)]
-    # issue 58: three of these from two keys opened the breaker (502 oversized, charged to the pod)
+    # three of these from two keys once opened the breaker (502 oversized, charged to the pod)
     for i in range(3):
         res = request(cell.url, "POST", "/v1/completions", body=body, headers={"authorization": f"Bearer {keys[i % 2]}"})
         assert res.status == 200, res.body[:300]

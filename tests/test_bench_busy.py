@@ -1,4 +1,4 @@
-"""Issue 58's done-when, in a sandbox cell on the default profile (bench.busy): one key, then two,
+"""Busy is not broken, in a sandbox cell on the default profile (bench.busy): one key, then two,
 sending long prompts at their limits (the cell's default limits) leave a quiet key's requests on
 the pod (at most 5 % by the fallback) and every breaker closed. On main the quiet key was served
 by the fallback and the breaker opened within seconds."""

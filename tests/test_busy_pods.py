@@ -1,4 +1,4 @@
-"""Busy is not broken (issue 58), through the real Worker in workerd: a pod whose queue makes
+"""Busy is not broken, through the real Worker in workerd: a pod whose queue makes
 requests miss their first-token deadline while it answers its health check is never charged
 for it, one whose health check fails still is, and a key's prompts waiting for their first token
 are bounded (max_parallel_tokens). The stand-in on the default profile models vLLM's prefill
@@ -31,7 +31,7 @@ def send(url: str, key: str, text: str, max_tokens: int = 1) -> tuple[int, str |
 def test_misses_behind_a_queue_from_two_keys_leave_the_breaker_closed():
     # A 400 ms deadline: behind the queue of eight 5k-token prompts (about 4 s of prefill on the
     # default profile) most requests miss it and go to the fallback. On main, three misses from
-    # two keys opened the breaker for every key (issue 58's finding 1).
+    # two keys opened the breaker for every key.
     with running_cell({"deadlineMs": 400, "stateTtlMs": 2_000}, profile=profiles.DEFAULT_PROFILE) as cell:
         keys = [cell.create_key(f"long-{i}", **UNLIMITED, max_parallel_tokens=0)["key"] for i in range(2)]
         since = int(time.time() * 1000) - 60_000

@@ -1,4 +1,4 @@
-// Busy is not broken (issue 58): a first-token deadline miss is judged by the pod's health check
+// Busy is not broken: a first-token deadline miss is judged by the pod's health check
 // and its queue (busy.js), a key's prompts not yet begun are bounded (max_parallel_tokens), and
 // a short answer behind a queue is judged by its first token. Against the real generation
 // object (support/objects.js) and a fake fetch; in workerd: tests/test_busy_pods.py.

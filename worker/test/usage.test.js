@@ -236,7 +236,7 @@ test("usage is capped by what the request allows, and huge counts stay safe inte
 test("a stream past its cap is cut: the router's pump ends it with an error event at the cap, the tap cancels it", async () => {
   assert.equal(streamCap({ max_tokens: 4, n: 2 }, 100), 65_536 + 8 * 4096);
   assert.equal(streamCap({}, 100), 256 * 1024 * 1024); // 131,072 tokens at 4 KiB is past the ceiling
-  // echo: each choice's first event carries its prompts back, a size the client chose (issue 58:
+  // echo: each choice's first event carries its prompts back, a size the client chose (once
   // 64 prompts of 15 KB with max_tokens 1 passed a cap of 64 KiB + 64 x 4 KiB)
   const body = 64 * 15_000;
   const echoed = { prompt: Array(64).fill("p"), echo: true, max_tokens: 1 };
