@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers bench-migration lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers bench-migration bench-busy lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -151,6 +151,11 @@ bench-answers: setup
 # workerd killed mid-import (docs/migration.md); tests/test_migration_import.py runs a tenth of it.
 bench-migration: setup
 	$(PY) -m bench.migration $(ARGS)
+
+# Keys filling the pod's prefill queue with long prompts against a quiet key, in the sandbox cell on the
+# default profile: who served the quiet key, and whether a breaker opened (docs/benchmarks.md).
+bench-busy: setup
+	$(PY) -m bench.busy $(ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

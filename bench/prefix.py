@@ -608,7 +608,8 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
                     urls = more.enter_context(isolates_of(cell, isolates, Path(tmp) / "isolates"))
                 admin = AdminClient(Target(urls[0], cell["token"], "sandbox"))
                 # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
-                keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0)["key"] for a in load.apps]
+                keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0, max_parallel_tokens=0)["key"]
+                        for a in load.apps]
                 before = scrape_cell(urls[0], cell["read_token"], pods)
                 picked = scrape_picks(urls[0], cell["read_token"])
                 at_warmup: list[list[dict | None]] = []

@@ -685,6 +685,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("MIN_TOKENS_PER_S", repr(w.min_tokens_per_s)),
         ("BALANCE", w.balance),
         ("MAX_BODY_BYTES", str(w.max_body_bytes)),
+        ("BODY_TIMEOUT_MS", str(w.body_timeout_ms)),
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),
@@ -693,6 +694,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),
         ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
         ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
+        ("DEFAULT_MAX_PARALLEL_TOKENS", str(settings.key_defaults["max_parallel_tokens"])),
         # What a request may cost is bounded by the context the pods serve (worker/src/usage.js).
         ("MAX_MODEL_LEN", str(settings.pod.max_model_len)),
     ]

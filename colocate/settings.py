@@ -83,6 +83,8 @@ WORKER_DEFAULTS = {
     "minTokensPerS": 25,
     "balance": "load",  # BALANCES
     "maxBodyBytes": 1_048_576,
+    # A body must arrive this long after its headers: a slow upload holds its key's slot.
+    "bodyTimeoutMs": 10_000,
     "failureThreshold": 3,
     "openMs": 30_000,
     "stateTtlMs": 2_000,
@@ -95,10 +97,15 @@ PROBE_DEFAULTS = {"samples": 25, "enforce": False, "maxFallbackShare": 0.10}
 # client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40, "ttft": 1000, "itl": 100}
 # A new key's limits when its creator names none: finite, so no key is unbounded by
-# accident (docs/worker.md, "Limits"). 0 for one of them means no limit.
-KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8}
+# accident (docs/worker.md, "Limits"). 0 for one of them means no limit. maxParallelTokens: the
+# prompt tokens of a key's requests waiting for a pod's first token, at once; one context of the
+# default pod (its --max-model-len), so one key's prompts queue at most one context's prefill
+# ahead of other keys (docs/worker.md, "Busy is not broken").
+KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8,
+                      "maxParallelTokens": PROFILES[DEFAULT_PROFILE].max_model_len}
 KEYS_DEFAULTS = {"defaults": KEY_LIMIT_DEFAULTS}
-KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens", "maxParallel": "max_parallel"}
+KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens", "maxParallel": "max_parallel",
+                    "maxParallelTokens": "max_parallel_tokens"}
 # colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
 # pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
 # (declared, out of rotation until their requests finish); the owner writes the rest.
@@ -135,14 +142,15 @@ SCHEMA: tuple[Key, ...] = (
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
         "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
-        "pod slow), maxBodyBytes, "
+        "pod slow), maxBodyBytes, bodyTimeoutMs (a body not all there this long after its headers gets a 408), "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion, balance (load: the cell's counts and the pods' reports | least_busy | "
         "prefix: a conversation's turns to the pod holding its prefix | random: a baseline), prefixBound (prefix's "
         "load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
-        "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
-        "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
+        "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens (prompt tokens not yet begun at "
+        "a pod, at once)}, the limits of a key created without them (0 = no limit; defaultMaxParallel, the older name of "
+        "defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
         "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total, ttft, itl)."),
     Key("probe", "object", PROBE_DEFAULTS,
@@ -255,6 +263,7 @@ class WorkerSettings:
     migration_tag: str
     allow_class_deletion: bool
     stall_ms: int = 2000
+    body_timeout_ms: int = 10_000
     min_tokens_per_s: float = 25.0
     balance: str = "load"
     prefix_bound: float = 1.5
@@ -475,6 +484,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         migration_tag=tag,
         allow_class_deletion=w["allowClassDeletion"],
         stall_ms=_number(k + "stallMs", w["stallMs"], integer=True),
+        body_timeout_ms=_number(k + "bodyTimeoutMs", w["bodyTimeoutMs"], integer=True),
         min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
         balance=_balance(k + "balance", w["balance"]),
         prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),
@@ -670,7 +680,8 @@ def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),
     _merged({"keys": raw}, "keys")  # refuses a key other than defaults
     given = cast(dict, raw or {}).get("defaults") or {}  # _merged refused anything but a mapping
     if not isinstance(given, dict):
-        raise ConfigError(f"{NS}:keys.defaults", given, "must be a mapping {rpm, tpm, monthlyTokens, maxParallel}",
+        raise ConfigError(f"{NS}:keys.defaults", given,
+                          "must be a mapping {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens}",
                           f"pulumi config set --path {NS}:keys.defaults.maxParallel 8")
     unknown = sorted(set(given) - set(KEY_LIMIT_DEFAULTS))
     if unknown:

@@ -206,9 +206,11 @@ def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
         keys_before = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
     with driven_cell({"stateTtlMs": 60_000}, storage_dir=store, with_key=False) as c:
         keys_after = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
-        added = {"max_parallel": None, "fallback_microusd_day": None}  # columns added since schema 2, 0 for old rows
+        # columns added since schema 2: 0 for old rows (max_parallel_tokens: none, the cell's default holds)
+        added = {"max_parallel": None, "fallback_microusd_day": None, "max_parallel_tokens": None}
         assert [{**k, **added} for k in keys_after] == [{**k, **added} for k in keys_before]
-        assert all(k["max_parallel"] == 0 and k["fallback_microusd_day"] == 0 for k in keys_after)
+        assert all(k["max_parallel"] == 0 and k["fallback_microusd_day"] == 0 and k["max_parallel_tokens"] is None
+                   for k in keys_after)
         after = request(c.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]
         added = ("estimated_tokens", "fallback_microusd")  # columns added since schema 2, 0 for old rows
         assert [{k: v for k, v in r.items() if k not in added} for r in after] == before
@@ -227,7 +229,7 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
     with driven_cell({"stateTtlMs": 60_000}, with_key=False) as c:
         g1, g2 = "us-east.m1", "us-east.m2"
         row = {"id": "key_aaaaaaaaaaaa", "hash": "ab" * 32, "prefix": "clc_xxxxxx", "name": "moved", "rpm": 0, "tpm": 0,
-               "monthly_tokens": 100, "max_parallel": 2, "created_at": 1, "expires_at": None}
+               "monthly_tokens": 100, "max_parallel": 2, "max_parallel_tokens": 4096, "created_at": 1, "expires_at": None}
         c.one("createKey", row, {"generation": g1}, gen=g1)
         c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []},
               {"usage": [[TODAY, row["id"], 4, 30, 20, 4, 0, 5]]}, gen=g1)
@@ -235,7 +237,8 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
         assert view["imported"] == [g1]
         assert view["counts"][row["id"]][COUNTER["month_tokens"]] == 50
         found = c.one("lookupKeys", ["ab" * 32], {"generation": g2}, gen=g2)["keys"]
-        assert [(k["id"], k["max_parallel"], k["monthly_tokens"]) for k in found] == [(row["id"], 2, 100)]
+        assert [(k["id"], k["max_parallel"], k["max_parallel_tokens"], k["monthly_tokens"]) for k in found] == [
+            (row["id"], 2, 4096, 100)]
         usage = c.one("usage", {"from": TODAY, "to": TODAY, "key": row["id"]}, {"generation": g2}, gen=g2)
         assert [(u["requests"], u["prompt_tokens"], u["completion_tokens"], u["estimated_tokens"]) for u in usage] == [
             (4, 30, 20, 5)

@@ -106,10 +106,13 @@ def test_a_stack_with_no_operator_token_is_refused_naming_the_first_missing():
 
 def test_new_keys_get_finite_default_limits_and_the_older_name_still_counts():
     p = cell(raw_for())
-    names = ("DEFAULT_RPM", "DEFAULT_TPM", "DEFAULT_MONTHLY_TOKENS", "DEFAULT_MAX_PARALLEL")
-    assert [p.worker.binding(n).text for n in names] == ["3000", "3000000", "1000000000", "8"]
-    s = settings.parse(raw_for(keys={"defaults": {"rpm": 0, "maxParallel": 2}}), "t", secrets=SECRETS, env={})
-    assert s.key_defaults == {"rpm": 0, "tpm": 3_000_000, "monthly_tokens": 1_000_000_000, "max_parallel": 2}
+    names = ("DEFAULT_RPM", "DEFAULT_TPM", "DEFAULT_MONTHLY_TOKENS", "DEFAULT_MAX_PARALLEL", "DEFAULT_MAX_PARALLEL_TOKENS")
+    # max_parallel_tokens: one context of the default pod (its --max-model-len)
+    assert [p.worker.binding(n).text for n in names] == ["3000", "3000000", "1000000000", "8", "8192"]
+    s = settings.parse(raw_for(keys={"defaults": {"rpm": 0, "maxParallel": 2, "maxParallelTokens": 4096}}), "t", secrets=SECRETS,
+                       env={})
+    assert s.key_defaults == {"rpm": 0, "tpm": 3_000_000, "monthly_tokens": 1_000_000_000, "max_parallel": 2,
+                              "max_parallel_tokens": 4096}
     assert settings.parse(raw_for(keys={"defaultMaxParallel": 5}), "t", secrets=SECRETS, env={}).key_defaults["max_parallel"] == 5
     with pytest.raises(ConfigError) as err:
         settings.parse(raw_for(keys={"defaults": {"rpm": -1}}), "t", secrets=SECRETS, env={})

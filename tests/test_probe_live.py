@@ -78,7 +78,7 @@ def test_a_healthy_window_holds_every_check_with_shares_per_pod():
     assert 2.5 <= r.segments["sync"]["p50"] <= 6
     assert r.placement.ran.colo == "NRT" and r.placement.state.colo == "NRT"
     out = live.to_json(r)
-    assert set(out["segments"]) == {"state", "upstream", "fallback", "total", "ttft", "itl", "sync"}
+    assert set(out["segments"]) == {"state", "upstream", "fallback", "total", "ttft", "itl", "queue", "sync"}
     assert set(out["segments"]["sync"]) == {"p10", "p50", "p90", "p99", "n"}
     assert "OK: all checks hold" in live.table(r)
 

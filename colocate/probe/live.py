@@ -41,10 +41,12 @@ ROUTED = ("state", "upstream", "fallback", "total")
 # as the Worker saw them (histogram.js STREAMED); counts of prefix-affinity picks (PICKS).
 STREAMED = ("ttft", "itl")
 PICKS = ("affinity", "shed")
+# A pod request's wait for its first token: its place in the pod's queue (histogram.js QUEUED).
+QUEUED = ("queue",)
 SYNC = "sync"
-SEGMENTS = (*ROUTED, *STREAMED, SYNC)
+SEGMENTS = (*ROUTED, *STREAMED, *QUEUED, SYNC)
 RECORDED = (*SEGMENTS, *PICKS)  # every segment a row may carry
-PER_POD = (*ROUTED, *STREAMED, *PICKS)
+PER_POD = (*ROUTED, *STREAMED, *QUEUED, *PICKS)
 # What each live segment stands for among the probe's segments (budgets, floors).
 BUDGET_ALIAS = {"state_rtt": SYNC}
 MINUTE_MS = 60_000
@@ -363,7 +365,7 @@ def _pods(m: Merged, requests: int, region: catalogue.Region | None, locations: 
     for who, h in sorted(m.per_pod.items(), key=lambda kv: _pod_order(kv[0])):
         n = h["total"].n
         share = round(n / requests, 4) if requests else None
-        segments = {s: h[s].summary(buckets).to_json() for s in (*ROUTED, *STREAMED)}
+        segments = {s: h[s].summary(buckets).to_json() for s in (*ROUTED, *STREAMED, *QUEUED)}
         if not who.isdigit():
             out.append(PodServed(who, n, share, segments))
             continue
@@ -556,6 +558,7 @@ SEGMENT_LEGEND = (
     "sync      each isolate's background round trip to the state object (its state_rtt)",
     "ttft      a pod's streamed answer: its first byte, from the request's arrival at the Worker",
     "itl       a pod's streamed answer: the mean gap between its tokens (the fallback's streams are apart, below)",
+    "queue     a pod request's wait for its first token: the prompts ahead of it in the pod's queue and its own prefill",
 )
 UNKNOWN_COLO_WHY = {
     "worker": "the Worker's /cdn-cgi/trace did not answer, so where it ran is not known",

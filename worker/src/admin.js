@@ -22,7 +22,8 @@ const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$/;
 const DAY_RE = /^\d{4}-\d{2}-\d{2}$/;
 // fallback_microusd_day: the key's own cap on the fallback's spend per UTC day, in millionths
 // of a dollar (0: colocate:fallbackCap.keyUsdPerDay, the cell's cap for every key).
-const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens", "max_parallel", "fallback_microusd_day"];
+// max_parallel_tokens: prompt tokens of the key's requests not yet begun at a pod, at once.
+const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens", "max_parallel", "max_parallel_tokens", "fallback_microusd_day"];
 
 /** Constant-time comparison: both sides are hashed to equal length, then every character is compared. */
 export async function tokenMatches(given, expected) {

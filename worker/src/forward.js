@@ -111,11 +111,12 @@ export function isStream(res) {
  * A pod that answers a stream request with JSON (an OpenAI-compatible server without
  * streaming) is read whole, as in "whole". A failure after the first token carries
  * `started: true` (and the bytes read so far): it is the pod's, but the request has begun
- * and is not bought again (docs/worker.md, "Routing").
+ * and is not bought again (docs/worker.md, "Routing"). `onFirst` is called when a stream's
+ * first event arrives (the caller learns a whole answer's first token when it returns).
  * @returns {Promise<any>}
  */
 export async function tryPod(fetchImpl, url, init, deadlineMs, mode = "whole", stallMs = deadlineMs, streamCap = MAX_STREAM_READ,
-  minTokensPerS = 25) {
+  minTokensPerS = 25, onFirst = null) {
   const ac = new AbortController();
   let expired = false;
   let reader = null;
@@ -146,6 +147,7 @@ export async function tryPod(fetchImpl, url, init, deadlineMs, mode = "whole", s
       const first = await firstEvent(reader, windows);
       clearTimeout(timer);
       if (first === null) return { ok: false, reason: expired ? "deadline" : "empty_stream" };
+      if (onFirst !== null) onFirst(); // the prompt's prefill is done: its queue is behind it
       pace = new Pace(reader, stallMs, first, !windows);
       pace.abort = () => ac.abort(); // a cut also ends the pod's request
       if (mode === "stream") return { ok: true, response: res, stream: true, pace };
@@ -331,8 +333,10 @@ export class Pace {
    * The rest of the stream read in windows (a BYOB reader's readAtLeast): about
    * WINDOW_TOKENS events' bytes a read (from the first event's size), so a short answer is
    * one read and a long one a read every few dozen tokens. Each window must arrive within
-   * STALL_MS + 4 × its time at `minTokensPerS`: nothing for that long, or a pod under a
-   * quarter of that rate over a whole window, is a stall. As readAll.
+   * STALL_MS + 8 × its time at `minTokensPerS`: nothing for that long, or a pod under an
+   * eighth of that rate over a whole window, is a stall. A busy pod is slower than its rate
+   * but not that slow: the default profile's longest step (a full prefill chunk of other
+   * requests' prompts beside a full batch) takes 231 ms, 4.3 tokens/s. As readAll.
    */
   async readWindows(cap, minTokensPerS) {
     const first = this.first;
@@ -340,7 +344,7 @@ export class Pace {
     let size = first.byteLength;
     this.first = null;
     const windowBytes = Math.max(4096, Math.min(65536, size * WINDOW_TOKENS));
-    const allowMs = this.stallMs + Math.ceil((4000 * WINDOW_TOKENS) / Math.max(minTokensPerS, 0.001));
+    const allowMs = this.stallMs + Math.ceil((8000 * WINDOW_TOKENS) / Math.max(minTokensPerS, 0.001));
     // The first window reads into the rest of the first read's buffer (when it was one
     // read and has room): the bytes so far stay where they are, and a short answer ends
     // as one array with no copy. `head`: the buffer's view of everything read so far.

@@ -289,8 +289,8 @@ export class Breaker extends DurableObject {
 
   /**
    * {id: COUNTER row} for the ids asked (absent: all zero): this cell's own counters,
-   * plus the other isolates' requests in flight and their reserved tokens. Four indexed reads, whatever the number
-   * of keys. In a fleet the other cells' counters are not added: each cell's share is its
+   * plus the other isolates' requests in flight, their reserved tokens and their prompts not
+   * begun at a pod. Five indexed reads, whatever the number of keys. In a fleet the other cells' counters are not added: each cell's share is its
    * lease (leasesOf).
    */
   countsOf(ids, info, now) {
@@ -308,6 +308,11 @@ export class Breaker extends DurableObject {
         WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
     JSON.stringify(ids), info.isolate ?? "", fresh)) {
       if (r.tokens > 0) slot(r.key_id)[COUNTER.reserved] = r.tokens;
+    }
+    for (const r of this.sql.exec(`SELECT key_id, SUM(tokens) AS tokens FROM key_prompt
+        WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
+    JSON.stringify(ids), info.isolate ?? "", fresh)) {
+      if (r.tokens > 0) slot(r.key_id)[COUNTER.prompt_inflight] = r.tokens;
     }
     if (info.capKeys) {
       for (const r of this.sql.exec(`SELECT key_id, fallback_microusd FROM usage_daily
@@ -570,7 +575,7 @@ export class Breaker extends DurableObject {
       this.markChanged([...changed]);
       if (batch.inflight && batch.inflight.length) {
         const isolate = String(info.isolate ?? "");
-        for (const [keyId, n, tokens] of batch.inflight) {
+        for (const [keyId, n, tokens, prompt] of batch.inflight) {
           if (n > 0) {
             this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
               ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, keyId, isolate, n, now);
@@ -583,10 +588,17 @@ export class Breaker extends DurableObject {
           } else {
             this.sql.exec("DELETE FROM key_reserved WHERE key_id = ? AND isolate = ?", keyId, isolate);
           }
+          if (prompt > 0) { // a row of a Worker from before max_parallel_tokens has none
+            this.sql.exec(`INSERT INTO key_prompt (key_id, isolate, tokens, at) VALUES (?, ?, ?, ?)
+              ON CONFLICT (key_id, isolate) DO UPDATE SET tokens = excluded.tokens, at = excluded.at`, keyId, isolate, prompt, now);
+          } else {
+            this.sql.exec("DELETE FROM key_prompt WHERE key_id = ? AND isolate = ?", keyId, isolate);
+          }
         }
       }
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_reserved WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      this.sql.exec("DELETE FROM key_prompt WHERE at < ?", now - INFLIGHT_KEEP_MS);
       for (const r of batch.backends || []) {
         this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
           ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
@@ -827,9 +839,9 @@ export class Breaker extends DurableObject {
 
   /** A new key row at the next revision (inside the caller's transaction). */
   insertKey(row) {
-    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
       row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
-      row.expires_at, null, row.fallback_microusd_day ?? 0, this.bumpRev());
+      row.expires_at, null, row.fallback_microusd_day ?? 0, row.max_parallel_tokens ?? null, this.bumpRev());
   }
 
   /**
@@ -863,14 +875,16 @@ export class Breaker extends DurableObject {
   }
 
   keyRow(id) {
-    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, fallback_microusd_day, created_at, expires_at, revoked_at
+    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, max_parallel_tokens, fallback_microusd_day, created_at,
+      expires_at, revoked_at
       FROM client_keys WHERE id = ?`, id).toArray()[0] ?? null;
   }
 
   async listKeys(info) {
     await this.readThrough(info);
     const pending = await pendingRows(this, "keys");
-    return withPendingKeys(this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, fallback_microusd_day, created_at, expires_at, revoked_at
+    return withPendingKeys(this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, max_parallel_tokens,
+      fallback_microusd_day, created_at, expires_at, revoked_at
       FROM client_keys ORDER BY created_at, id`).toArray(), pending().map(({ hash, ...row }) => row));
   }
 
@@ -967,7 +981,8 @@ function parseJson(text) {
 /** A key row as isolates hold it: `revoked` tells a holder to drop it. */
 function keyView(r) {
   return { id: r.id, hash: r.hash, name: r.name, rpm: r.rpm, tpm: r.tpm, monthly_tokens: r.monthly_tokens,
-    max_parallel: r.max_parallel, fallback_microusd_day: r.fallback_microusd_day, expires_at: r.expires_at, rev: r.rev,
+    max_parallel: r.max_parallel, max_parallel_tokens: r.max_parallel_tokens, fallback_microusd_day: r.fallback_microusd_day,
+    expires_at: r.expires_at, rev: r.rev,
     revoked: r.revoked_at !== null };
 }
 

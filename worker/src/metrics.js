@@ -60,7 +60,7 @@ function family(out, name, type, help) {
 export function exposition(m, cfg, caches = []) {
   const out = [];
   family(out, "colocate_segment_seconds", "histogram",
-    "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo); ttft, itl: streamed answers' first byte and mean gap between tokens.");
+    "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo); ttft, itl: streamed answers' first byte and mean gap between tokens; queue: a pod request's wait for its first token.");
   // One series per (segment, backend, colo): a fleet's client colos ("0@NRT") are added
   // together here, so the series stay as few as the cell's pods and colos.
   const series = new Map();

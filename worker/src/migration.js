@@ -380,9 +380,9 @@ export function mergeRows(g, part, rows) {
   if (name === "keys") {
     let rev = g.rev();
     for (const k of rows) {
-      const added = sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+      const added = sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
         k.id, k.hash, k.prefix, k.name, k.rpm ?? 0, k.tpm ?? 0, k.monthly_tokens ?? 0, k.max_parallel ?? 0, k.created_at,
-        k.expires_at ?? null, k.revoked_at ?? null, k.fallback_microusd_day ?? 0, rev + 1).rowsWritten;
+        k.expires_at ?? null, k.revoked_at ?? null, k.fallback_microusd_day ?? 0, k.max_parallel_tokens ?? null, rev + 1).rowsWritten;
       if (added) rev += 1;
     }
     g.setMeta("rev", rev);

@@ -18,7 +18,8 @@ export const SHAPES = /** @type {const} */ ({
     ["month_tokens", "tokens this UTC month"],
     ["inflight", "requests in flight in the other isolates (as of their last sync)"],
     ["day_fallback_microusd", "the fallback's cost of this key's requests on the UTC day of minute, in millionths of a dollar"],
-    ["reserved", "tokens the other isolates' requests in flight may still use, reserved at admission (as of their last sync)"]
+    ["reserved", "tokens the other isolates' requests in flight may still use, reserved at admission (as of their last sync)"],
+    ["prompt_inflight", "prompt tokens of the other isolates' requests in flight that no pod has begun answering (as of their last sync)"]
   ],
   "exchange": [
     ["key_id", "the client key's id"],
@@ -57,7 +58,8 @@ export const SHAPES = /** @type {const} */ ({
   "inflight": [
     ["key_id", "the client key's id"],
     ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"],
-    ["tokens", "the tokens those requests reserved at admission (their ceilings, usage.js usageCeiling)"]
+    ["tokens", "the tokens those requests reserved at admission (their ceilings, usage.js usageCeiling)"],
+    ["prompt", "the prompt tokens of those requests that no pod has begun answering (max_parallel_tokens)"]
   ],
   "hist": [
     ["at", "the minute (ms / 60000), or the hour (ms / 3600000) in seg_hour"],
@@ -154,6 +156,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string} [OPEN_MS]
  * @property {string} [STATE_TTL_MS]
  * @property {string} [DEFAULT_MAX_PARALLEL]
+ * @property {string} [DEFAULT_MAX_PARALLEL_TOKENS]
+ * @property {string} [BODY_TIMEOUT_MS]
  */
 
 /**

@@ -12,17 +12,19 @@ import { ConfigurationError, HttpError, errorResponse, log, redact } from "./err
 import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, streamable, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { assembleBytes } from "./assemble.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from "./limits.js";
+import { estimate, leaseRefusal, mostTokens, neverFits, rateHeaders, refusal, underFleetLimit } from "./limits.js";
 import { provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import {
-  POLICIES, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, putMetrics, started, unhurried, worthReporting,
+  POLICIES, begunAt, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, queuedAt, started, unhurried,
+  worthReporting,
 } from "./pods.js";
+import { judgeMiss, podBusy, scrapeMetrics } from "./busy.js";
 import { counts as picks } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, reportPace, requestTrial,
-  reservedHere, scheduleFlush, served, wantedDigest, withdraw,
+  admit, cache, currentView, findKey, freshEntry, hold, inflightHere, pendingCounter, pendingMonthTokens, promptHere, report, reportPace,
+  requestTrial, reservedHere, scheduleFlush, served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
 import { capUsage, contentChars, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc } from "./usage.js";
@@ -30,7 +32,7 @@ import { fallbackFields, validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
 import { fallbackCapRefusal } from "./spendcap.js";
-import { learnColo, recordPick, recordRequest, recordStream } from "./histogram.js";
+import { learnColo, recordPick, recordQueue, recordRequest, recordStream } from "./histogram.js";
 
 /**
  * @param {Request} request
@@ -149,25 +151,39 @@ function releaseSlot(request) {
 }
 
 /**
- * Refuse a request over one of the key's limits (429 with Retry-After), else admit it,
- * reserving `reserve` tokens (what it may cost at most) until it is metered: returns when,
- * and the x-ratelimit headers of its answer.
+ * Refuse a request over one of the key's limits (429 with Retry-After; 400 when it can never
+ * fit one), else admit it. Before its body is read (`ask` null) only a limit already used
+ * up refuses, and the key's max_parallel slot is taken, so a key's uploads in flight are
+ * its own limit's. Once the body is known, `ask` ({tokens, prompt}: its most tokens and
+ * its prompt's, limits.js) is checked against each limit beside what is used and reserved,
+ * and the request admitted, reserving them: returns when, and the x-ratelimit headers of
+ * its answer.
  */
-function enforceLimits(request, cfg, key, reserve) {
+function enforceLimits(request, cfg, key, ask = null, json = null) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
   const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
   const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
-  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
+  const held = ask !== null && slots.has(request); // its own slot, taken before the body, is not another's
+  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) - (held ? 1 : 0) : 0;
   // What the key's requests in flight may still use (docs/worker.md, "What a request may cost").
   const reserved = key.tpm > 0 || key.monthly_tokens > 0 ? reservedHere(gen, key.id) + (g ? g[COUNTER.reserved] ?? 0 : 0) : 0;
+  const promptLimit = key.max_parallel_tokens ?? cfg.keyDefaults.max_parallel_tokens;
+  const asked = {
+    tokens: ask === null ? 0 : ask.tokens, prompt: ask === null ? 0 : ask.prompt, promptLimit,
+    promptInflight: promptLimit > 0 ? promptHere(gen, key.id) + (g ? g[COUNTER.prompt_inflight] ?? 0 : 0) : 0,
+  };
+  if (ask !== null) {
+    const never = neverFits(key, asked, json);
+    if (never) throw new HttpError(400, "request_too_large", never.message, {}, "invalid_request_error", never.param);
+  }
   // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none). A
   // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets the
   // default share until its next sync brings the lease back: the share the ledger counts for
   // a cell without a lease row, never the key's whole limit.
   const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen));
-  const no = refusal(key, est, month, t, inflight, reserved) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month, reserved));
+  const no = refusal(key, est, month, t, inflight, reserved, asked) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month, reserved));
   if (no) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false, reserved));
     headers["retry-after"] = String(no.retryAfterS);
@@ -178,7 +194,12 @@ function enforceLimits(request, cfg, key, reserve) {
     else err.holdMs = holdFor(key.id, t);
     throw err;
   }
-  const release = admit(cfg, key, t, reserve);
+  if (ask === null) {
+    const slot = hold(cfg, key);
+    if (slot) slots.set(request, slot);
+    return null;
+  }
+  const release = admit(cfg, key, t, ask.tokens, promptLimit > 0 ? ask.prompt : 0, slots.get(request) ?? null);
   if (release) slots.set(request, release);
   return { at: t, headers: rateHeaders(key, est, t, true, reserved) };
 }
@@ -200,7 +221,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   let bytes = null;
   let json = null;
   if (r.json) {
-    bytes = await readBody(request, cfg.maxBodyBytes);
+    // The key's slot before its body: an upload in flight is its key's (bounded in time too).
+    try {
+      enforceLimits(request, cfg, key);
+    } catch (err) {
+      throw err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+    }
+    bytes = await readBody(request, cfg.maxBodyBytes, cfg.bodyTimeoutMs);
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json, cfg.maxModelLen);
   }
@@ -214,7 +241,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const t1 = bytes === null ? t0 : now();
   let admitted;
   try {
-    admitted = enforceLimits(request, cfg, key, ceiling === null ? 0 : ceiling.prompt + ceiling.completion);
+    admitted = enforceLimits(request, cfg, key, ceiling === null ? { tokens: 0, prompt: 0 }
+      : { tokens: mostTokens(json, ceiling, cfg.maxModelLen), prompt: ceiling.prompt }, json);
   } catch (err) {
     throw err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
   }
@@ -239,9 +267,14 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   // request's fate says whose it was, with the key it came from.
   const from = { key: key.id };
   const witness = (podUrl) => healthWitness(env, ctx, cfg, podUrl, hop);
+  // A first-token deadline miss is judged apart (busy.js): a busy pod is not a broken one.
+  let missed = null; // {url, ahead}: the pod that missed, and this isolate's requests waiting there before it
   const blame = (suspects, verdict) => {
-    if (verdict === "pod") for (const s of suspects) report(env, ctx, cfg, s, false, from, witness);
-    else for (const s of suspects) if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
+    for (const s of suspects) {
+      if (missed !== null && s === missed.url) judgeMiss(env, ctx, cfg, s, from, missed.ahead, verdict, hop, witness);
+      else if (verdict === "pod") report(env, ctx, cfg, s, false, from, witness);
+      else if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
+    }
   };
 
   const path = url.pathname + url.search;
@@ -257,6 +290,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const short = !streamed && ceiling !== null && ceiling.completion <= WHOLE_MAX_TOKENS;
   const assemble = !streamed && !short && streamable(json);
   const mode = streamed ? "stream" : assemble ? "assemble" : "whole";
+  const assemblable = short && streamable(json);
   const budgetMs = short ? wholeMs(cfg, ceiling.completion) : cfg.deadlineMs;
   const chat = url.pathname === "/v1/chat/completions";
   const n = json === null ? 1 : Math.max(Number.isInteger(json.n) ? json.n : 1, 1);
@@ -294,10 +328,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       if (trial) index = pick;
     }
     if (index < 0) break;
-    const deadline = budgetMs - (now() - t1);
+    const podUrl = urls[index];
+    // A short answer is asked whole of a pod with no queue only: behind a queue its tokens come
+    // at the queue's pace, so it is streamed and assembled, judged by its first token (busy.js).
+    const asMode = mode === "whole" && short && assemblable && podBusy(podUrl, at) ? "assemble" : mode;
+    const deadline = (asMode === mode ? budgetMs : cfg.deadlineMs) - (now() - t1);
     if (deadline <= 0) break;
     tried.add(index);
-    const podUrl = urls[index];
     // The pods' own load, for the next picks: every candidate's, so a pod passed over is not
     // judged on an old report (at most one scrape per pod a second, pods.js metricsDue).
     // At most METRICS_PER_REQUEST of them ride on one request (the rest on the next ones): a request
@@ -315,13 +352,25 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     }
     const t = now();
     started(podUrl);
+    // Until its first token the request waits in the pod's queue, and its prompt holds its
+    // key's max_parallel_tokens; the live view's `queue` is that wait.
+    const ahead = queuedAt(podUrl);
+    let waited = -1;
+    const begin = () => {
+      if (waited >= 0) return;
+      waited = now() - t;
+      begunAt(podUrl);
+      slots.get(request)?.begun?.();
+    };
     const res = await tryPod(hop, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
-      body: podBody,
-    }, deadline, mode, cfg.stallMs, cap, cfg.minTokensPerS);
+      body: asMode === mode ? podBody : upstreamBody(bytes, json, null, askUsage, key.id, true),
+    }, deadline, asMode, cfg.stallMs, cap, cfg.minTokensPerS, begin);
+    begin(); // a whole answer's end, or an attempt that ended before any token
     timing.upstream += now() - t;
     const backend = `pod-${index}`;
+    if (res.ok || res.started || res.reason === "deadline") recordQueue(backend, timing.client, waited);
     if (res.ok) {
       // Another pod served what the first failed: that failure was the first pod's.
       blame(suspects, "pod");
@@ -368,7 +417,10 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, reason);
     }
     suspects.push(podUrl);
-    if (reason === "deadline") break; // no time is left for another pod
+    if (reason === "deadline") {
+      missed = { url: podUrl, ahead };
+      break; // no time is left for another pod
+    }
   }
 
   if (request.headers.get(DEFER_HEADER) === "defer" && (await fromFrontDoor(request, cfg))) {
@@ -532,24 +584,6 @@ function assembledInit(res) {
   const id = res.headers.get("x-request-id");
   if (id !== null) headers["x-request-id"] = id;
   return { status: res.status, statusText: res.statusText, headers };
-}
-
-/** GET <pod>/metrics in the background: vLLM's load gauges for balancing (pods.js putMetrics). */
-async function scrapeMetrics(fetchImpl, podUrl, cfg) {
-  const ac = new AbortController();
-  const timer = setTimeout(() => ac.abort(), cfg.deadlineMs);
-  let text = null;
-  try {
-    const res = await fetchImpl(podUrl + "/metrics", { headers: { authorization: `Bearer ${cfg.podToken}` }, signal: ac.signal,
-      redirect: "manual" });
-    if (res.ok) text = await res.text();
-    else await res.body?.cancel().catch(() => {});
-  } catch {
-    // unreachable: no metrics; the breaker hears of it from requests
-  } finally {
-    clearTimeout(timer);
-  }
-  putMetrics(podUrl, text, Date.now());
 }
 
 /** The client's response: `body` with the status and headers of `from` (a Response of ours,

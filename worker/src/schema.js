@@ -21,6 +21,8 @@
 //                 (the input of max_parallel); rows of silent isolates expire (by index)
 //   key_reserved  per key and isolate: tokens its requests in flight reserved at admission
 //                 (the input of tpm and monthly_tokens while they run); expire as key_inflight
+//   key_prompt    per key and isolate: prompt tokens of its requests in flight that no pod
+//                 has begun answering (the input of max_parallel_tokens); expire as key_inflight
 //   seg_minute    live segment histograms (histogram.js) per minute, colo, pod and segment:
 //                 for the routed segments `colo` is where the Worker ran and `pod` the pod
 //                 index or "fallback"; for `sync` `colo` is the state object's and `pod` the
@@ -52,7 +54,7 @@
 
 import { EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
 
-export const SCHEMA_VERSION = "6";
+export const SCHEMA_VERSION = "7";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -64,7 +66,7 @@ export const SCHEMA = [
      rpm INTEGER NOT NULL DEFAULT 0, tpm INTEGER NOT NULL DEFAULT 0, monthly_tokens INTEGER NOT NULL DEFAULT 0,
      created_at INTEGER NOT NULL, expires_at INTEGER, revoked_at INTEGER,
      max_parallel INTEGER NOT NULL DEFAULT 0, rev INTEGER NOT NULL DEFAULT 0,
-     fallback_microusd_day INTEGER NOT NULL DEFAULT 0)`,
+     fallback_microusd_day INTEGER NOT NULL DEFAULT 0, max_parallel_tokens INTEGER)`,
   `CREATE TABLE IF NOT EXISTS usage_daily (
      day TEXT NOT NULL, key_id TEXT NOT NULL,
      requests INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
@@ -80,6 +82,8 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS key_inflight (
      key_id TEXT NOT NULL, isolate TEXT NOT NULL, n INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
   `CREATE TABLE IF NOT EXISTS key_reserved (
+     key_id TEXT NOT NULL, isolate TEXT NOT NULL, tokens INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
+  `CREATE TABLE IF NOT EXISTS key_prompt (
      key_id TEXT NOT NULL, isolate TEXT NOT NULL, tokens INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
   // The primary keys lead with the time, so the window reads and the roll-up deletes are index ranges.
   `CREATE TABLE IF NOT EXISTS seg_minute (
@@ -111,6 +115,8 @@ export const ADDED_COLUMNS = [
   ["client_keys", "max_parallel", "INTEGER NOT NULL DEFAULT 0"],
   ["client_keys", "fallback_microusd_day", "INTEGER NOT NULL DEFAULT 0"],
   ["client_keys", "rev", "INTEGER NOT NULL DEFAULT 0"],
+  // NULL for a key made before it: the cell's default (DEFAULT_MAX_PARALLEL_TOKENS) holds for it.
+  ["client_keys", "max_parallel_tokens", "INTEGER"],
   ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
 ];
@@ -121,15 +127,17 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS rate_window_minute ON rate_window (minute)`,
   `CREATE INDEX IF NOT EXISTS key_inflight_at ON key_inflight (at)`,
   `CREATE INDEX IF NOT EXISTS key_reserved_at ON key_reserved (at)`,
+  `CREATE INDEX IF NOT EXISTS key_prompt_at ON key_prompt (at)`,
   `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
   // A migration fetches a key's rows ahead of its import (migration.js): its usage by index.
   `CREATE INDEX IF NOT EXISTS usage_daily_key ON usage_daily (key_id)`,
 ];
 
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at, "
-  + "fallback_microusd_day";
+  + "fallback_microusd_day, max_parallel_tokens";
 // What an isolate holds of a key (no prefix, no timestamps it does not use).
-export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at, fallback_microusd_day";
+export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at, fallback_microusd_day, "
+  + "max_parallel_tokens";
 // A sync's usage rows carry usage_daily's columns, in payloads.js USAGE's order.
 export const USAGE_COLUMNS = USAGE.columns;
 

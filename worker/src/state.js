@@ -320,15 +320,17 @@ const PARTS = {
     restore: () => takeInflightMoved(true),
   },
   inflight: {
-    // Every key with requests in flight (or tokens reserved) here, and those that went to 0
+    // Every key with requests in flight (or tokens reserved, or prompts not begun) here, and those that went to 0
     // since the last sync: the object's row of a silent isolate expires (2 x TTL), so a
     // live one renews it.
     has: (p) => p.inflightChanged.size > 0,
     take: (p) => {
       const rows = [];
-      for (const [id, n] of p.inflight) rows.push(inflightRow(id, n, p.reserved.get(id) ?? 0));
-      for (const [id, tokens] of p.reserved) if (!p.inflight.has(id)) rows.push(inflightRow(id, 0, tokens));
-      for (const id of p.inflightChanged) if (!p.inflight.has(id) && !p.reserved.has(id)) rows.push(inflightRow(id, 0, 0));
+      const row = (id) => inflightRow(id, p.inflight.get(id) ?? 0, p.reserved.get(id) ?? 0, p.prompt.get(id) ?? 0);
+      for (const id of p.inflight.keys()) rows.push(row(id));
+      for (const id of p.reserved.keys()) if (!p.inflight.has(id)) rows.push(row(id));
+      for (const id of p.prompt.keys()) if (!p.inflight.has(id) && !p.reserved.has(id)) rows.push(row(id));
+      for (const id of p.inflightChanged) if (!p.inflight.has(id) && !p.reserved.has(id) && !p.prompt.has(id)) rows.push(row(id));
       p.inflightChanged.clear();
       return rows.length ? rows : null;
     },
@@ -336,10 +338,11 @@ const PARTS = {
   },
 };
 
-function inflightRow(id, n, tokens) {
+function inflightRow(id, n, tokens, prompt) {
   const row = INFLIGHT.zero(id);
   row[INFLIGHT.n] = n;
   row[INFLIGHT.tokens] = tokens;
+  row[INFLIGHT.prompt] = prompt;
   return row;
 }
 
@@ -357,7 +360,7 @@ function takeMap(p, name) {
 function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
-    p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(),
+    p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(), prompt: new Map(),
       served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null };
     pending.set(gen, p);
   }
@@ -490,6 +493,12 @@ export function inflightHere(gen, keyId) {
   return p ? p.inflight.get(keyId) ?? 0 : 0;
 }
 
+/** Prompt tokens of a key's requests in flight here that no pod has begun answering yet. */
+export function promptHere(gen, keyId) {
+  const p = pending.get(gen);
+  return p ? p.prompt.get(keyId) ?? 0 : 0;
+}
+
 /** Tokens this isolate's requests in flight of a key reserved at admission (not yet settled). */
 export function reservedHere(gen, keyId) {
   const p = pending.get(gen);
@@ -497,29 +506,64 @@ export function reservedHere(gen, keyId) {
 }
 
 /**
- * A request was admitted for a key: it counts against the limits at once, and its
- * counters are asked for from now on. A key with max_parallel holds a slot, and a key
- * with tpm or monthly_tokens holds `reserve` tokens (what the request may cost at most),
- * until `release` (returned; idempotent) is called, in the same turn as its usage is
- * recorded (`served`): the limits see the reservation, then the real usage, never neither.
- * A key with neither gets null.
+ * A key's max_parallel slot, taken before its request's body is read (the key is known
+ * from the header), so one key's uploads in flight are bounded by its own limit: the
+ * release (idempotent) frees it; `admit` takes it over. A key without max_parallel: null.
  */
-export function admit(cfg, key, t, reserve = 0) {
+export function hold(cfg, key) {
+  if (!(key.max_parallel > 0)) return null;
   const p = pendingOf(cfg.activeGeneration);
-  p.podUrls = cfg.podUrls; // the indexes the `pods` part reports in-flight counts by
-  p.served.set(key.id, t);
-  addWindow(p, key.id, minuteOf(t), 1, 0);
-  addUsage(p, dayOf(t), key.id, { requests: 1 });
-  const slot = key.max_parallel > 0;
-  const tokens = reserve > 0 && (key.tpm > 0 || key.monthly_tokens > 0) ? reserve : 0;
-  if (!slot && tokens === 0) return null;
-  if (slot) p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
-  if (tokens > 0) p.reserved.set(key.id, (p.reserved.get(key.id) ?? 0) + tokens);
+  p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
   p.inflightChanged.add(key.id);
   let held = true;
   return () => {
     if (!held) return;
     held = false;
+    const n = (p.inflight.get(key.id) ?? 1) - 1;
+    if (n > 0) p.inflight.set(key.id, n);
+    else p.inflight.delete(key.id);
+    p.inflightChanged.add(key.id);
+  };
+}
+
+/**
+ * A request was admitted for a key: it counts against the limits at once, and its
+ * counters are asked for from now on. A key with max_parallel holds a slot (`held`, from
+ * `hold`, or one taken here), a key with tpm or monthly_tokens holds `reserve` tokens (what
+ * the request may cost at most), and `prompt` tokens (its prompt at most, for
+ * max_parallel_tokens) are held until its answer begins at a pod: `release` (returned;
+ * idempotent) frees all of them, in the same turn as its usage is recorded (`served`), so
+ * the limits see the reservation, then the real usage, never neither; `release.begun` frees
+ * the prompt tokens alone, when the pod's first token arrives. Nothing held: null.
+ */
+export function admit(cfg, key, t, reserve = 0, prompt = 0, held = null) {
+  const p = pendingOf(cfg.activeGeneration);
+  p.podUrls = cfg.podUrls; // the indexes the `pods` part reports in-flight counts by
+  p.served.set(key.id, t);
+  addWindow(p, key.id, minuteOf(t), 1, 0);
+  addUsage(p, dayOf(t), key.id, { requests: 1 });
+  const slot = held === null && key.max_parallel > 0;
+  const tokens = reserve > 0 && (key.tpm > 0 || key.monthly_tokens > 0) ? reserve : 0;
+  if (!slot && tokens === 0 && prompt <= 0) return held;
+  if (slot) p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
+  if (tokens > 0) p.reserved.set(key.id, (p.reserved.get(key.id) ?? 0) + tokens);
+  if (prompt > 0) p.prompt.set(key.id, (p.prompt.get(key.id) ?? 0) + prompt);
+  p.inflightChanged.add(key.id);
+  let waiting = prompt > 0;
+  const begun = () => {
+    if (!waiting) return;
+    waiting = false;
+    const r = (p.prompt.get(key.id) ?? prompt) - prompt;
+    if (r > 0) p.prompt.set(key.id, r);
+    else p.prompt.delete(key.id);
+    p.inflightChanged.add(key.id);
+  };
+  let open = true;
+  const release = () => {
+    if (!open) return;
+    open = false;
+    begun();
+    if (held !== null) held();
     if (slot) {
       const n = (p.inflight.get(key.id) ?? 1) - 1;
       if (n > 0) p.inflight.set(key.id, n);
@@ -532,6 +576,8 @@ export function admit(cfg, key, t, reserve = 0) {
     }
     p.inflightChanged.add(key.id);
   };
+  release.begun = begun;
+  return release;
 }
 
 /**

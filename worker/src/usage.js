@@ -128,9 +128,17 @@ export function usageCeiling(json, bodyBytes, maxModelLen = MAX_COMPLETION_TOKEN
 const STREAM_EVENT_BYTES = 4096;
 export const MAX_STREAM_BYTES = 256 * 1024 * 1024;
 
-/** The most bytes a streamed answer to this request may have (see above). */
+// `echo` (legacy completions) writes each prompt back in the first event of each of its
+// choices (vLLM's completion stream). A prompt sent as text comes back in no more bytes than
+// it was sent in; one sent as token ids in at most 48 a body byte (an id takes two bytes,
+// "5,", and decodes to at most 16 characters, validate.js's longest token, each at most 6
+// bytes as JSON writes it, "\u0001").
+const ECHO_BYTES_PER_BODY_BYTE = 48;
+
+/** The most bytes a streamed answer to this request may have (see above): sizes the client chose are the client's. */
 export function streamCap(json, bodyBytes, maxModelLen = MAX_COMPLETION_TOKENS) {
-  return Math.min(MAX_STREAM_BYTES, 65_536 + usageCeiling(json, bodyBytes, maxModelLen).completion * STREAM_EVENT_BYTES);
+  const echo = json && json.echo === true ? Math.max(json.n ?? 1, json.best_of ?? 1, 1) * bodyBytes * ECHO_BYTES_PER_BODY_BYTE : 0;
+  return Math.min(MAX_STREAM_BYTES, 65_536 + usageCeiling(json, bodyBytes, maxModelLen).completion * STREAM_EVENT_BYTES + echo);
 }
 
 const encoder = new TextEncoder();

@@ -245,6 +245,12 @@ test("usage is capped by what the request allows, and huge counts stay safe inte
 test("a stream past its cap is cut: the router's pump ends it with an error event at the cap, the tap cancels it", async () => {
   assert.equal(streamCap({ max_tokens: 4, n: 2 }, 100), 65_536 + 8 * 4096);
   assert.equal(streamCap({}, 100), 256 * 1024 * 1024); // 131,072 tokens at 4 KiB is past the ceiling
+  // echo: each choice's first event carries its prompts back, a size the client chose (once
+  // 64 prompts of 15 KB with max_tokens 1 passed a cap of 64 KiB + 64 x 4 KiB)
+  const body = 64 * 15_000;
+  const echoed = { prompt: Array(64).fill("p"), echo: true, max_tokens: 1 };
+  assert.ok(streamCap(echoed, body, 8192) >= 65_536 + 64 * 4096 + body, String(streamCap(echoed, body, 8192)));
+  assert.equal(streamCap({ ...echoed, n: 2 }, 1000, 8192) - streamCap({ ...echoed, n: 2, echo: false }, 1000, 8192), 2 * 1000 * 48);
   // Events past FULL_READ (4 KiB): the counting branch reads on at once instead of once a
   // second, so the cap is reached in a few reads, not seconds (the test's time, not its outcome).
   const event = enc(sse({ choices: [{ delta: { content: "x".repeat(5000) } }] }));
