@@ -108,10 +108,11 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
     if zone:  # the cloud's path: the Worker trusts the cell's CA through the zone's store
         trust = m.one(TRUST).inputs
         assert trust == {"zoneId": zone["id"], "certificate": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
-        assert w["compatibilityFlags"] == ["cots_on_external_fetch"]
+        assert w["compatibilityFlags"] == ["enable_request_signal", "cots_on_external_fetch"]
         assert all(u.startswith("https://") for u in json.loads(_bindings(run)["POD_URLS"]["text"]))
     else:
-        assert m.of_type(TRUST) == [] and "compatibilityFlags" not in w
+        # a client's hang-up reaches the router (Request.signal) on every cell
+        assert m.of_type(TRUST) == [] and w["compatibilityFlags"] == ["enable_request_signal"]
 
 
 def _leaks(value, path: str, inside_secret: bool = False):

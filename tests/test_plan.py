@@ -392,7 +392,7 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     assert runpod_zoned.mtls and runpod_zoned.pod.tls_name == "*.pod-apac-jp-g1.example.com"  # each instance's name
     assert runpod_zoned.worker.binding("POD_TLS").type == "mtls_certificate"
     # The Worker's external fetch trusts the cell's CA only through the zone's origin trust store.
-    assert runpod_zoned.worker.compatibility_flags == ("cots_on_external_fetch",)
+    assert runpod_zoned.worker.compatibility_flags == ("enable_request_signal", "cots_on_external_fetch")
     assert "hop=mtls" in runpod_zoned.pod.identity()
     # Vast.ai (always on a zone) carries the bundle in its env object as RunPod does.
     vast = cell(raw_for("apac-tw", "vastai"))
@@ -400,10 +400,11 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     assert vast.worker.binding("POD_TLS").type == "mtls_certificate"
     # RunPod's proxy ends TLS itself: only `token`, said knowingly, gets that hop (next test).
     p = cell(raw_for())
-    assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ()
+    assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ("enable_request_signal",)
     assert "POD_TLS" not in {b.name for b in p.worker.bindings}
     local = cell(raw_for("us-east", "local"))
-    assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts the CA itself
+    # the sandbox's workerd trusts the CA itself: no trust-store flag
+    assert local.mtls and local.worker.compatibility_flags == ("enable_request_signal",)
 
 
 def test_runpod_without_a_zone_is_refused_under_hop_auto_naming_the_key_and_both_fixes():
