@@ -15,8 +15,9 @@ Routes:
     POST /v1/chat/completions    JSON, or SSE with "stream": true (one chunk per token, then [DONE]);
                                  ``stream_options.include_usage``: every chunk carries ``"usage": null``
                                  and a last chunk before [DONE] has ``"choices": []`` and the usage
-                                 (OpenAI's documented shape, which vLLM follows); JSON answers always
-                                 carry ``usage``
+                                 (OpenAI's documented shape, which vLLM follows); with
+                                 ``continuous_usage_stats`` too, every chunk carries the usage so far,
+                                 as vLLM's does; JSON answers always carry ``usage``
     POST /v1/completions         JSON, or SSE with "stream": true
     POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N}, {"mode": "slow_tokens",
                                  "factor": F} (every step, so every token, F times slower), or
@@ -319,6 +320,11 @@ class EngineRunner:
         self._pending: list[tuple[float, eng.Request]] = []
         self._last: dict[str, float] = {}  # request id -> when its last token was handed out
         self._arrived: dict[str, float] = {}
+        self._prompts: dict[str, int] = {}  # request id -> its prompt's tokens
+        # vLLM's vllm:prompt_tokens and vllm:generation_tokens counters: a prompt counted when its
+        # prefill is done (its first token made), every token made, an aborted request's included
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self._stopping = threading.Event()
@@ -340,6 +346,7 @@ class EngineRunner:
             self._pending.append((due, eng.Request(ticket.id, prompt, length, salt=salt, output_ids=output_ids or [])))
             self._tickets[ticket.id] = ticket
             self._arrived[ticket.id] = now
+            self._prompts[ticket.id] = len(prompt)
             self._cond.notify_all()
         return ticket
 
@@ -369,6 +376,7 @@ class EngineRunner:
         self._tickets.pop(rid, None)
         self._last.pop(rid, None)
         self._arrived.pop(rid, None)
+        self._prompts.pop(rid, None)
 
     def _run(self) -> None:
         ended: float | None = None
@@ -393,7 +401,9 @@ class EngineRunner:
                     ticket = self._tickets.get(rid)
                     if ticket is None:
                         continue
+                    self.generation_tokens += 1
                     if index == 0:
+                        self.prompt_tokens += self._prompts.get(rid, 0)
                         self.ttft.observe(now - self._arrived.get(rid, now))
                     else:
                         self.itl.observe(now - self._last.get(rid, now))
@@ -406,11 +416,12 @@ class EngineRunner:
         with self._cond:
             e = self.engine
             return prometheus_text(model, len(e.running), len(e.waiting), e.kv.usage, e.kv.queries, e.kv.hits,
-                                   e.preemptions, self.ttft, self.itl)
+                                   e.preemptions, self.ttft, self.itl, self.prompt_tokens, self.generation_tokens)
 
 
 def prometheus_text(model: str, running: int, waiting: int, kv_usage: float, queries: int, hits: int,
-                    preemptions: int, ttft: Histogram, itl: Histogram) -> str:
+                    preemptions: int, ttft: Histogram, itl: Histogram, prompt_tokens: int = 0,
+                    generation_tokens: int = 0) -> str:
     """vLLM's /metrics (V1 names) in Prometheus text; counters carry ``_total``, as prometheus_client writes them."""
     labels = f'engine="0",model_name="{model}"'
 
@@ -424,7 +435,9 @@ def prometheus_text(model: str, running: int, waiting: int, kv_usage: float, que
              *one("vllm:prefix_cache_queries", "counter",
                   "Prefix cache queries, in terms of number of queried tokens.", queries),
              *one("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", hits),
-             *one("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", preemptions)]
+             *one("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", preemptions),
+             *one("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", prompt_tokens),
+             *one("vllm:generation_tokens", "counter", "Number of generation tokens processed.", generation_tokens)]
     for name, help_, hist in (("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft),
                               ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itl)):
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name, labels)]
@@ -807,7 +820,8 @@ class _Handler(BaseHTTPRequestHandler):
         extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
         if body.get("stream"):
             return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None, extra,
-                                "length" if body.get("ignore_eos") else "stop")
+                                "length" if body.get("ignore_eos") else "stop",
+                                bool((options or {}).get("include_usage") and (options or {}).get("continuous_usage_stats")))
         self._compute()
         text = "".join(tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
@@ -843,9 +857,10 @@ class _Handler(BaseHTTPRequestHandler):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         created = int(time.time())
         if body.get("stream"):
-            wants_usage = (body.get("stream_options") or {}).get("include_usage")
+            options = body.get("stream_options") or {}
             return self._stream_tokens(runner, ticket, chat, model, rid, created, pieces, finish,
-                                       usage if wants_usage else None, extra)
+                                       usage if options.get("include_usage") else None, extra,
+                                       bool(options.get("include_usage") and options.get("continuous_usage_stats")))
         if not self._wait_tokens(runner, ticket, len(pieces), lambda _i: None, streamed=False):
             return
         text = "".join(pieces)
@@ -906,7 +921,8 @@ class _Handler(BaseHTTPRequestHandler):
         return True
 
     def _stream_tokens(self, runner: EngineRunner, ticket: Ticket, chat: bool, model: str, rid: str, created: int,
-                       pieces: list[str], finish: str, usage: dict | None, extra: dict | None) -> None:
+                       pieces: list[str], finish: str, usage: dict | None, extra: dict | None,
+                       continuous: bool = False) -> None:
         try:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -931,7 +947,7 @@ class _Handler(BaseHTTPRequestHandler):
                 choice = {"index": 0, "text": pieces[i], "finish_reason": finish if last else None}
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if usage is not None:
-                chunk["usage"] = None
+                chunk["usage"] = _so_far(usage, i + 1) if continuous else None
             self._write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
 
         if not self._wait_tokens(runner, ticket, len(pieces), emit):
@@ -989,7 +1005,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"fault": self.server.fault})
 
     def _stream(self, chat: bool, model: str, tokens: list[str], usage: dict | None = None, extra: dict | None = None,
-                finish: str = "stop") -> None:
+                finish: str = "stop", continuous: bool = False) -> None:
         """SSE; with ``usage`` (the client asked ``include_usage``) every chunk has
         ``"usage": null`` and one more chunk, ``choices: []`` with the usage, precedes [DONE]."""
         self.send_response(200)
@@ -1016,7 +1032,7 @@ class _Handler(BaseHTTPRequestHandler):
                     obj = "text_completion"
                 chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
                 if usage is not None:
-                    chunk["usage"] = None
+                    chunk["usage"] = _so_far(usage, i + 1) if continuous else None
                 self._write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
                 if not last:
                     self._compute(0.5 / max(1, len(tokens) - 1))
@@ -1145,6 +1161,13 @@ def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple
             out.append(keep[pos:])
             return out, "stop"
     return pieces, finish
+
+
+def _so_far(usage: dict, made: int) -> dict:
+    """vLLM's continuous usage: the prompt's tokens and the ``made`` so far, in vLLM's key order."""
+    prompt = usage["prompt_tokens"]
+    completion = min(made, usage["completion_tokens"])
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
 
 def _usage(body: dict, tokens: list[str]) -> dict:
