@@ -28,6 +28,15 @@
 
 Both stream: bodies are relayed chunk by chunk as they arrive (SSE passes unbuffered).
 
+A client that leaves is passed on, as Cloudflare's edge cancels a Worker's request when its
+client disconnects: from the moment a relay connects upstream until the answer has been
+relayed, it watches its client's connection, and when the client closes it (or resets it),
+the relay resets its own connection upstream (``ClientWatch``). workerd sees a closed
+connection only as a reset, or when it next writes to it (a FIN while it waits for its own
+answer goes unnoticed, seen in workerd 1.20261117.1); a reset cancels the request and fires its
+abort signal (``Request.signal``), as the platform does, so the router's hang-up handling runs
+here as it does in the cloud.
+
 The front server answers malformed HTTP as Cloudflare's edge does, before the Worker sees it,
 with the status the edge uses and a JSON body in OpenAI's error shape (never HTML, an internal
 address or exception text): 400 for a bad request line, target, header or body framing, 413 for
@@ -46,7 +55,9 @@ import ipaddress
 import json
 import re
 import secrets
+import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -192,6 +203,54 @@ def sleep_ms(ms: float) -> None:
         time.sleep(ms / 1000.0)
 
 
+WATCH_POLL_S = 0.1  # how often a relay looks at its client's connection while the exchange runs
+
+
+class ClientWatch:
+    """While a relay's exchange runs, its client's connection is watched: a client that closes
+    it (EOF) or resets it has left, and the upstream connection is reset (SO_LINGER 0: an RST,
+    not a FIN), which workerd takes as the request's cancellation. Bytes from the client (a
+    pipelined next request) end the watch: it is still there. ``gone`` tells the relay not to
+    answer anyone."""
+
+    def __init__(self, client: socket.socket, upstream: socket.socket):
+        self.client = client
+        self.upstream = upstream
+        self.gone = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="client-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            try:
+                readable, _, _ = select.select([self.client], [], [], WATCH_POLL_S)
+                if not readable:
+                    continue
+                left = self.client.recv(1, socket.MSG_PEEK) == b""
+            except (OSError, ValueError):
+                left = True
+            if not left:
+                return
+            if self._done.is_set():
+                return
+            self.gone = True
+            reset(self.upstream)
+            return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+
+def reset(sock: socket.socket) -> None:
+    """End a connection with an RST once it is closed, and wake whatever reads it now."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)  # a blocked recv returns at once; nothing is sent yet
+
+
 class Relay(BaseHTTPRequestHandler):
     """Shared request reading and streaming response relay."""
 
@@ -318,11 +377,12 @@ class Relay(BaseHTTPRequestHandler):
         the whole body (the Worker's 413 for a body over its limit) and close; that answer is
         relayed, not turned into a broken pipe."""
         sleep_ms(before_ms)
-        sender = sock = resp = None
+        sender = sock = resp = watch = None
         try:
             try:
                 sock = socket.create_connection((host, port), timeout=UPSTREAM_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                watch = ClientWatch(self.connection, sock)
                 head = [f"{self.command} {path} HTTP/1.1"] + [f"{k}: {v}" for k, v in headers]
                 head += [f"content-length: {len(body)}"] if body is not None else []
                 head.append("connection: close")
@@ -335,6 +395,9 @@ class Relay(BaseHTTPRequestHandler):
                 resp = http.client.HTTPResponse(sock, method=self.command)
                 resp.begin()
             except (OSError, http.client.HTTPException, UnicodeError) as exc:
+                if watch is not None and watch.gone:  # the client left: nobody to answer
+                    self.close_connection = True
+                    return
                 self._upstream_failed(host, port, exc)
                 return
             sleep_ms(after_ms)
@@ -360,6 +423,9 @@ class Relay(BaseHTTPRequestHandler):
             while True:
                 data = resp.read1(65536)
                 if not data:
+                    if watch is not None and watch.gone:
+                        self.close_connection = True
+                        return
                     break
                 if chunked:
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -371,7 +437,11 @@ class Relay(BaseHTTPRequestHandler):
                 self.wfile.flush()
         except CLIENT_LEFT:
             self.close_connection = True
+            if sock is not None:
+                reset(sock)  # the client left mid-answer: the upstream is told as it would be on the platform
         finally:
+            if watch is not None:
+                watch.stop()
             if resp is not None:
                 resp.close()  # the socket's file: the socket closes only once it is closed too
             if sock is not None:
