@@ -52,6 +52,7 @@ const lastEvent = (p, c) => `data: ${head},"choices":[],${usage(p, c)}}\n\n`;
 function pod({ prompt = 40, tokens = 50, gapMs = 20, firstMs = 0, made = { events: 0, aborted: false }, asked = () => {} } = {}) {
   return async (url, init) => {
     if (url.endsWith("/metrics")) return new Response("", { status: 404 });
+    if (url.endsWith("/health")) return new Response("");
     if (!url.startsWith("http://pod")) return new Response("{}", { headers: { "content-type": "application/json" } });
     asked();
     const signal = init.signal;
@@ -224,4 +225,33 @@ test("the fallback's usage is counted as it reports it, past the pods' context, 
   await handle(post(key, body), env, c, { fetch: answer(1e12, 1e12) });
   await c.settle();
   assert.deepEqual(await counted(env, "h-fbusage", id), [2, 24_003 + JSON.stringify(body).length, 15]);
+});
+
+test("a hang-up while a second pod is tried: that pod's request is aborted, the ceiling charged, the slot free", async () => {
+  const env = envFor("h-retry", { POD_URLS: '["http://pod.test/a","http://pod.test/b"]' });
+  const { key, id } = await createKey(env.BREAKER, "h-retry", { max_parallel: 1 });
+  const c = ctx();
+  const made = { events: 0, aborted: false };
+  let asked;
+  const slow = pod({ firstMs: 1500, made, asked: () => asked() });
+  // whichever pod is picked first fails at once (a 503 before any token); the other is slow to start
+  let first = null;
+  const f = async (url, init) => {
+    if (url.startsWith("http://pod.test/") && !url.endsWith("/metrics") && !url.endsWith("/health")) {
+      first ??= url.slice(0, 17);
+      if (url.startsWith(first)) return new Response("busy", { status: 503 });
+    }
+    return slow(url, init);
+  };
+  const ac = new AbortController();
+  const body = { model: "m", messages: msg, stream: true, max_tokens: 100 };
+  const pending = handle(post(key, body, ac.signal), env, c, { fetch: f });
+  await new Promise((resolve) => { asked = resolve; });
+  ac.abort();
+  assert.equal(made.aborted, true, "the second pod's request is aborted with the client's");
+  const next = await handle(post(key, { model: "m", messages: msg, max_tokens: 5 }), env, c, { fetch: pod({ tokens: 5 }) });
+  assert.equal(next.status, 200);
+  await pending.catch(() => {});
+  await c.settle();
+  assert.deepEqual(await counted(env, "h-retry", id), [2, JSON.stringify(body).length + 40, 100 + 5]);
 });
