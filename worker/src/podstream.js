@@ -50,9 +50,12 @@ function spells(b, at, word) {
  * one is. A key spelt `"usage"` with its quotes unescaped is JSON's structure, never text.
  */
 export function lastUsageAt(b, from, to) {
-  for (let g = b.lastIndexOf(G, to - 1); g >= from + 4; g = b.lastIndexOf(G, g - 1)) {
+  // A loop, not lastIndexOf: the key is a few dozen bytes from an event's end, and a call
+  // into the runtime's search costs more than that many comparisons.
+  for (let g = to - 1; g >= from + 4; g--) {
+    if (b[g] !== G) continue;
     const k = g - 4; // the opening quote of "usage"
-    if (k < from || b[g + 2] !== QUOTE || !spells(b, k, USAGE)) continue;
+    if (b[g + 2] !== QUOTE || !spells(b, k, USAGE)) continue;
     let o = g + 3;
     while (o < to && blank(b[o])) o++;
     if (b[o] !== COLON) continue;
@@ -71,6 +74,26 @@ export function lastUsageAt(b, from, to) {
 
 function blank(c) {
   return c === 32 || c === 9 || c === LF || c === CR;
+}
+
+/**
+ * Whether the event b[from, to) whose usage key starts at `key` is a stream's last usage event
+ * (`"choices":[]`). vLLM writes `choices` just before `usage`: `],` there settles it (`[],`
+ * yes, `}],` no) without a scan; another order is scanned for.
+ */
+function isLast(b, from, key) {
+  let a = key - 1;
+  while (a > from && blank(b[a])) a--;
+  if (b[a] === COMMA) {
+    a--;
+    while (a > from && blank(b[a])) a--;
+    if (b[a] === END_BRACKET) {
+      a--;
+      while (a > from && blank(b[a])) a--;
+      return b[a] === BRACKET;
+    }
+  }
+  return noChoices(b, from, key);
 }
 
 /** Whether the event b[from, to) has `"choices":[]` (the last usage event of a stream). */
@@ -162,12 +185,12 @@ export class Tally {
     if (this.perChoice !== null) {
       eachEvent(b, 0, b.length, (s, e) => {
         const at = lastUsageAt(b, s, e);
-        if (at) this.seen(b, at[1], at[2], noChoices(b, s, at[0]), s, e);
+        if (at) this.seen(b, at[1], at[2], isLast(b, s, at[0]), s, e);
       });
       return;
     }
     const at = lastUsageAt(b, 0, b.length);
-    if (at) this.seen(b, at[1], at[2], noChoices(b, Math.max(0, b.lastIndexOf(LF, at[0])), at[0]));
+    if (at) this.seen(b, at[1], at[2], isLast(b, Math.max(0, b.lastIndexOf(LF, at[0])), at[0]));
   }
 
   /**
@@ -230,20 +253,32 @@ export function clientEvents(b, want, tally) {
     if (tally.perChoice !== null) {
       eachEvent(b, 0, b.length, (s, e) => {
         const at = lastUsageAt(b, s, e);
-        if (at) tally.seen(b, at[1], at[2], noChoices(b, s, at[0]), s, e);
+        if (at) tally.seen(b, at[1], at[2], isLast(b, s, at[0]), s, e);
       });
     } else {
       const at = lastUsageAt(b, 0, b.length);
-      if (at) tally.seen(b, at[1], at[2], noChoices(b, Math.max(0, b.lastIndexOf(LF, at[0])), at[0]));
+      if (at) tally.seen(b, at[1], at[2], isLast(b, Math.max(0, b.lastIndexOf(LF, at[0])), at[0]));
     }
     return b;
+  }
+  // The common chunk: one event (its first blank line is its end), its usage cut out.
+  const end = b.indexOf(LF);
+  if (end >= 0 && end + 2 === b.length && b[end + 1] === LF) {
+    const at = lastUsageAt(b, 0, b.length);
+    if (at === null) return b;
+    const last = isLast(b, 0, at[0]);
+    tally.seen(b, at[1], at[2], last, 0, b.length, true);
+    if (last) return want.usage ? b : null;
+    let a = at[0];
+    while (a > 0 && blank(b[a - 1])) a--;
+    if (b[a - 1] === COMMA) return spliced(b, a - 1, at[2]);
   }
   /** @type {number[]} */
   const cuts = []; // [from, to) ranges taken out
   eachEvent(b, 0, b.length, (s, e) => {
     const at = lastUsageAt(b, s, e);
     if (at === null) return;
-    const last = noChoices(b, s, at[0]);
+    const last = isLast(b, s, at[0]);
     tally.seen(b, at[1], at[2], last, s, e, true); // `b` itself is not written: an event changes
     if (last) {
       if (!want.usage) cuts.push(s, e);
@@ -273,6 +308,14 @@ export function clientEvents(b, want, tally) {
     at = cuts[i + 1];
   }
   out.set(b.subarray(at), to);
+  return out;
+}
+
+/** `b` without b[from, to). */
+function spliced(b, from, to) {
+  const out = new Uint8Array(b.length - (to - from));
+  out.set(b.subarray(0, from));
+  out.set(b.subarray(to), from);
   return out;
 }
 

@@ -78,14 +78,18 @@ export class Tab {
   /**
    * What the upstream asked last has made, as far as the router knows: its usage so far, plus,
    * for an answer being assembled, the events that arrived since its last read at the pace
-   * read so far (forward.js Pace.unread); where it reported nothing, the ceiling.
+   * read so far (forward.js Pace.unread), in tokens at the answer's tokens per event so far;
+   * where it reported nothing, the ceiling.
    */
   known() {
     const u = this.tally === null ? null : this.tally.usage();
     const ceiling = this.askCeiling;
     if (u === null) return ceiling === null ? null : { prompt: ceiling.prompt, completion: ceiling.completion, estimated: true };
     const unread = this.pace === null ? 0 : this.pace.unread(Date.now());
-    return unread > 0 ? { prompt: u.prompt, completion: u.completion + unread, estimated: true } : u;
+    if (unread <= 0) return u;
+    // events to tokens at the answer's own ratio so far (a server may put several tokens in an event)
+    const perEvent = Math.max(1, u.completion / Math.max(1, this.pace.events - 1));
+    return { prompt: u.prompt, completion: u.completion + Math.round(unread * perEvent), estimated: true };
   }
 }
 
