@@ -319,76 +319,88 @@ function spliced(b, from, to) {
   return out;
 }
 
-// workerd's byte stream (Cloudflare's IdentityTransformStream); Node (the unit tests) has only the standard one.
-const Identity = typeof IdentityTransformStream === "function" ? IdentityTransformStream : TransformStream;
-
 /**
  * Pass a pod's stream (`source.read()`, forward.js Pace) to the client as it asked for it
  * (`want`: {usage, continuous}), counting in `tally`; call `done(usage | null)` once, when it
  * ends or is cut (the client left, the pod broke, or past `cap` bytes: cut there with
  * usage.js `streamCut`): the usage known by then (`tally.usage()`; null when the pod reported
- * none, its generated text's characters then in `tally.chars`).
+ * none, its generated text's characters then in `tally.chars`). `piped` settles then.
  *
- * One JavaScript turn per chunk, as the stall watch already takes: read, cut, write, with
- * one write in flight while the next chunk is read (a client that stops reading stops the
- * pump a chunk later). Only a chunk that ends mid-event waits for the rest of its event.
+ * The client's body is a pull stream (highWaterMark 0): the runtime asks for a chunk when the
+ * client can take one, and each pull reads the pod's next chunk, cuts it and hands it over,
+ * one JavaScript turn per chunk, as the stall watch already takes; no tee, no writes to
+ * await. A client that stops reading stops the pulls; one that leaves cancels the stream,
+ * which cancels the pod's. Only a chunk that ends mid-event waits for the rest of its event.
  */
 export function pumpPod(source, want, tally, cap, done) {
-  const ts = new Identity();
-  return { body: ts.readable, piped: pump(source, ts.writable, want, tally, cap, done) };
-}
-
-async function pump(source, writable, want, tally, cap, done) {
-  const writer = writable.getWriter();
   let carry = null; // the start of an event whose end has not arrived yet
   let read = 0;
-  let writing = null;
-  const send = async (out) => {
-    if (writing) await writing;
-    writing = writer.write(out);
-    writing.catch(() => {}); // a failed write is seen where it is awaited
+  let finished = false;
+  let settle;
+  const piped = new Promise((resolve) => { settle = resolve; });
+  const finish = () => {
+    if (finished) return;
+    finished = true;
+    settle(done(tally.usage()));
   };
-  try {
-    for (;;) {
-      const { done: end, value } = await source.read();
-      if (end) break;
-      read += value.byteLength;
-      if (read > cap) {
-        // Past what the request can produce: the rest is never read, the client is told.
-        await source.cancel(new Error("stream_too_large")).catch(() => {});
-        carry = null;
-        await send(streamCut(cap));
-        break;
+  const counted = (b) => {
+    const out = clientEvents(b, want, tally);
+    if (tally.events === 0) tally.chars += contentChars(decoder.decode(b));
+    return out;
+  };
+  const body = new ReadableStream({
+    async pull(c) {
+      try {
+        for (;;) {
+          const { done: end, value } = await source.read();
+          if (end) {
+            const out = carry === null ? null : counted(carry);
+            carry = null;
+            if (out !== null) c.enqueue(out);
+            c.close();
+            finish();
+            return;
+          }
+          read += value.byteLength;
+          if (read > cap) {
+            // Past what the request can produce: the rest is never read, the client is told.
+            await source.cancel(new Error("stream_too_large")).catch(() => {});
+            c.enqueue(streamCut(cap));
+            c.close();
+            finish();
+            return;
+          }
+          let b = value;
+          if (carry !== null) {
+            b = new Uint8Array(carry.byteLength + value.byteLength);
+            b.set(carry);
+            b.set(value, carry.byteLength);
+            carry = null;
+          }
+          const whole = wholeEvents(b);
+          if (whole < b.length) {
+            carry = b.slice(whole);
+            b = b.subarray(0, whole);
+          }
+          if (b.byteLength === 0) continue;
+          const out = counted(b);
+          if (out !== null) {
+            c.enqueue(out);
+            return;
+          }
+        }
+      } catch (err) {
+        // The pod's stream broke (or was cancelled for a hang-up): the client's ends with it;
+        // what the pod reported by then is counted.
+        c.error(err);
+        finish();
       }
-      let b = value;
-      if (carry !== null) {
-        b = new Uint8Array(carry.byteLength + value.byteLength);
-        b.set(carry);
-        b.set(value, carry.byteLength);
-        carry = null;
-      }
-      const whole = wholeEvents(b);
-      if (whole < b.length) {
-        carry = b.slice(whole);
-        b = b.subarray(0, whole);
-      }
-      if (b.byteLength === 0) continue;
-      const out = clientEvents(b, want, tally);
-      if (tally.events === 0) tally.chars += contentChars(decoder.decode(b));
-      if (out !== null) await send(out);
-    }
-    if (carry !== null) {
-      const out = clientEvents(carry, want, tally);
-      if (tally.events === 0) tally.chars += contentChars(decoder.decode(carry));
-      if (out !== null) await send(out);
-    }
-    if (writing) await writing;
-    await writer.close();
-  } catch (err) {
-    // The client went away (the write failed) or the pod's stream broke: stop both sides, so
-    // the pod is not left generating for nobody; what it reported by then is counted.
-    await source.cancel(err).catch(() => {});
-    await writer.abort(err).catch(() => {});
-  }
-  return done(tally.usage());
+    },
+    cancel(reason) {
+      // The client went away: the pod's request is cancelled, so it is not left generating for nobody.
+      finish();
+      return source.cancel(reason).catch(() => {});
+    },
+  }, { highWaterMark: 0 });
+  return { body, piped };
 }
