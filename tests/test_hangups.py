@@ -269,3 +269,13 @@ def test_through_the_edge_a_stream_abandoned_before_its_first_token_frees_its_sl
     assert counted["prompt_tokens"] == len(json.dumps(body)) and counted["completion_tokens"] == 500, counted
     slot_is_free(cell, made_key["key"])
 
+
+
+def test_through_the_edge_a_hang_up_during_the_upload_charges_nothing_and_holds_no_slot(cell, edge):
+    """The edge streams the body to the Worker as it arrives, as Cloudflare's does, and resets
+    its connection when the client leaves halfway."""
+    made_key = key_of(cell, "edge-upload")
+    abandon(edge, made_key["key"], long_answer(False, 100, "x" * 200_000), after_s=0.3, upload_only=True, reset=False)
+    slot_is_free(cell, made_key["key"])
+    counted = usage_of(cell, made_key["id"])  # only the slot's check was served
+    assert counted["requests"] == 1 and counted["pod_requests"] == 1, counted
