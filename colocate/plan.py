@@ -31,6 +31,12 @@ GENERATION_BINDING = "BREAKER"
 # allow_custom_ports (the pod listens on :8000) is the default from 2024-09-02;
 # the date is also the newest the pinned workerd (1.20261117.1) accepts.
 COMPATIBILITY_DATE = "2026-11-01"
+# Flags every cell's Worker runs with. enable_request_signal: a client's disconnect reaches the
+# router as the request's abort signal (`Request.signal`), so it cancels the pod's work, meters
+# what was made and frees the key's slot (docs/worker.md, "A client that hangs up"). It has no
+# default date (workerd's compatibility-date.capnp: "the compat flag has no default enable
+# date"): set by name, in the cloud and in workerd alike.
+WORKER_COMPATIBILITY_FLAGS = ("enable_request_signal",)
 # The kit's Durable Object migrations, in order. Tags are applied once each. Cloudflare
 # reports the tag a script last applied (the Workers scripts list, `migration_tag`): the
 # program reads it at plan time and sends only the steps after it (``migration_decision``).
@@ -158,8 +164,8 @@ class WorkerPlan:
     url: str  # where clients (and the probe) reach the Worker
     placement_mode: str = PLACEMENT_TARGETED  # pod | targeted | smart (auto already resolved)
     placement_host: PlacementHost | None = None  # pod mode only
-    # None is set by the kit: a flag such as cots_on_external_fetch would put every external fetch of
-    # the script (the fallback, /cdn-cgi/trace) on the zone's Custom Origin Trust Store (docs/worker.md).
+    # WORKER_COMPATIBILITY_FLAGS only: a flag such as cots_on_external_fetch would put every external
+    # fetch of the script (the fallback, /cdn-cgi/trace) on the zone's Custom Origin Trust Store (docs/worker.md).
     compatibility_flags: tuple[str, ...] = ()
 
     def placement_args(self, pod0: dict | None = None) -> dict:
@@ -815,6 +821,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         main_module=MAIN_MODULE,
         modules=worker_modules(worker_dir),
         compatibility_date=COMPATIBILITY_DATE,
+        compatibility_flags=WORKER_COMPATIBILITY_FLAGS,
         placement=placement,
         bindings=worker_bindings(settings, state, path),
         migrations=decision.migrations,

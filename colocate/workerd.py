@@ -222,6 +222,8 @@ def worker_capnp(worker: WorkerPlan, values: Mapping[str, str], *, storage_servi
         f"compatibilityDate = {capnp_text(worker.compatibility_date)}",
         f"bindings = {bindings}",
     ]
+    if worker.compatibility_flags:  # the plan's, as uploaded: the cloud and workerd run the same flags
+        fields.append(f"compatibilityFlags = [{', '.join(capnp_text(f) for f in worker.compatibility_flags)}]")
     if host_objects:
         fields.append(
             f"durableObjectNamespaces = [(className = {capnp_text(BREAKER_CLASS)}, "

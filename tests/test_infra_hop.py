@@ -135,7 +135,7 @@ def test_no_declared_resource_changes_what_the_zone_trusts_for_other_hostnames(d
     _, _, run = deployed
     m = run.mocks
     assert m.of_type(TRUST) == []
-    assert "compatibilityFlags" not in m.one(WORKER).inputs
+    assert m.one(WORKER).inputs["compatibilityFlags"] == ["enable_request_signal"]  # a client's hang-up reaches the router
     zone_types = {r.typ for r in m.resources if "zoneId" in r.inputs}
     assert zone_types <= {"cloudflare:index/dnsRecord:DnsRecord", "cloudflare:index/workersCustomDomain:WorkersCustomDomain"}
 

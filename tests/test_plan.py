@@ -395,7 +395,7 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     assert runpod_zoned.worker.binding("POD_TLS").type == "mtls_certificate"
     # The pods' certificates are publicly trusted (ACME on the zone): no flag puts the script's
     # external fetches (the fallback, /cdn-cgi/trace) on the zone's Custom Origin Trust Store.
-    assert runpod_zoned.worker.compatibility_flags == () and runpod_zoned.acme_server.startswith("https://acme-v02.")
+    assert runpod_zoned.worker.compatibility_flags == ("enable_request_signal",) and runpod_zoned.acme_server.startswith("https://acme-v02.")
     assert "hop=mtls" in runpod_zoned.pod.identity()
     # Vast.ai (always on a zone) carries the bundle in its env object as RunPod does.
     vast = cell(raw_for("apac-tw", "vastai"))
@@ -403,12 +403,14 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     assert vast.worker.binding("POD_TLS").type == "mtls_certificate"
     # RunPod's proxy ends TLS itself: the pod token behind the pod's guard, over HTTPS to the proxy.
     p = cell(raw_for())
-    assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == () and p.acme_server is None
+    assert not p.mtls and p.pod.tls_name == "" and p.acme_server is None
+    assert p.worker.compatibility_flags == ("enable_request_signal",)
     assert plan.pod_guarded("runpod", p.pod_path, "auto") and not plan.pod_guarded("runpod", "zone-dns", "auto")
     assert "POD_TLS" not in {b.name for b in p.worker.bindings}
     assert p.pod.worker_url({"id": "abc", "port": 1}).startswith("https://abc-8000.proxy.runpod.net")
     local = cell(raw_for("us-east", "local"))
-    assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts its roots itself
+    # the sandbox's workerd trusts its roots itself
+    assert local.mtls and local.worker.compatibility_flags == ("enable_request_signal",)
 
 
 def test_runpod_without_a_zone_takes_the_guarded_token_hop_and_refuses_mtls_naming_the_key():

@@ -65,18 +65,18 @@ def test_max_completion_tokens_on_completions_is_refused_naming_the_fix(cell):
     assert cell.pod.requests == before
 
 
-def test_a_prompt_over_the_context_is_refused_at_the_edge_and_a_pods_400_is_charged(cell):
+def test_a_prompt_over_the_context_is_refused_at_the_edge_and_a_pods_400_is_charged_what_it_reports(cell):
     made = cell.create_key("ctx", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)
     before = cell.pod.requests
     huge = routed(cell, made["key"], "/v1/completions", {"model": "m", "prompt": "x " * 450_000})  # 900 KB
     assert huge.status == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
     assert cell.pod.requests == before  # never reached the pod
     # Past the context by the pod's count but not surely by the edge's: the pod tokenises it
-    # and answers 400, which is charged the prompt's estimate, at most the context.
+    # and answers 400 with no usage, as vLLM does: charged nothing, counted as a request (rpm).
     over = routed(cell, made["key"], "/v1/completions", {"model": "m", "prompt": "word " * 8_000})
     assert over.status == 400 and cell.pod.requests == before + 1
     counted = usage_of(cell, made["id"], 1)  # a request refused at the edge is not admitted, so not counted
-    assert counted["requests"] == 1 and counted["prompt_tokens"] == 8192 and counted["completion_tokens"] == 0
+    assert counted["requests"] == 1 and counted["prompt_tokens"] == 0 and counted["completion_tokens"] == 0
 
 
 def test_without_max_tokens_a_hostile_pod_is_believed_up_to_the_context(cell):

@@ -407,6 +407,11 @@ class EngineRunner:
         self._pending: list[tuple[float, eng.Request]] = []
         self._last: dict[str, float] = {}  # request id -> when its last token was handed out
         self._arrived: dict[str, float] = {}
+        self._prompts: dict[str, int] = {}  # request id -> its prompt's tokens
+        # vLLM's vllm:prompt_tokens and vllm:generation_tokens counters: a prompt counted when its
+        # prefill is done (its first token made), every token made, an aborted request's included
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self.ttft = vllm_metrics.Histogram(vllm_metrics.TTFT_BUCKETS)
         self.itl = vllm_metrics.Histogram(vllm_metrics.ITL_BUCKETS)
         self._stopping = threading.Event()
@@ -429,6 +434,7 @@ class EngineRunner:
             self._pending.append((due, eng.Request(ticket.id, prompt, length, salt=salt, output_ids=output_ids or [])))
             self._tickets[ticket.id] = ticket
             self._arrived[ticket.id] = now
+            self._prompts[ticket.id] = len(prompt)
             self._cond.notify_all()
         return ticket
 
@@ -458,6 +464,7 @@ class EngineRunner:
         self._tickets.pop(rid, None)
         self._last.pop(rid, None)
         self._arrived.pop(rid, None)
+        self._prompts.pop(rid, None)
 
     def _run(self) -> None:
         ended: float | None = None
@@ -482,7 +489,9 @@ class EngineRunner:
                     ticket = self._tickets.get(rid)
                     if ticket is None:
                         continue
+                    self.generation_tokens += 1
                     if index == 0:
+                        self.prompt_tokens += self._prompts.get(rid, 0)
                         self.ttft.observe(now - self._arrived.get(rid, now))
                     else:
                         self.itl.observe(now - self._last.get(rid, now))
@@ -500,7 +509,8 @@ class EngineRunner:
                     "vllm:prefix_cache_queries": e.kv.queries, "vllm:prefix_cache_hits": e.kv.hits,
                     "vllm:prompt_tokens_cached": e.kv.hits, "vllm:prompt_tokens_cached_by_source": {"device": e.kv.hits},
                     "vllm:num_preemptions": e.preemptions, "vllm:time_to_first_token_seconds": self.ttft,
-                    "vllm:inter_token_latency_seconds": self.itl}
+                    "vllm:inter_token_latency_seconds": self.itl, "vllm:prompt_tokens": self.prompt_tokens,
+                    "vllm:generation_tokens": self.generation_tokens}
 
 
 class StandinServer(ThreadingHTTPServer):

@@ -99,22 +99,36 @@ export function parseStream(payloads, chat) {
   const n = payloads.length;
   if (n < 4) return { events: parseEvents(payloads), template: null };
   const key = chat ? '"content":"' : '"text":"';
-  const mid = payloads[n >> 1];
+  // A pod's events carry their usage so far (continuous usage, podstream.js), which changes
+  // with every event: the template is compared without it (`usageAt`); the answer's usage is
+  // the last usage event's, parsed with the rest.
+  let mid = payloads[n >> 1];
+  const cut = usageAt(mid);
+  if (cut >= 0) mid = mid.slice(0, cut) + "}";
   const at = mid.indexOf(key);
   // No backslash anywhere: every quote is a string's edge, so the one `"content":"` is a key.
   if (at < 0 || mid.indexOf(key, at + 1) >= 0 || mid.indexOf("\\") >= 0) return { events: parseEvents(payloads), template: null };
   const from = at + key.length;
   const pre = mid.slice(0, from);
   const post = mid.slice(mid.indexOf('"', from));
+  const body = post.slice(0, -1); // without the event's closing brace
   const a = pre.length;
   /** @type {any[]} */
   const events = new Array(n);
   const rest = []; // positions of the events parsed
+  // The last event with a usage object is parsed, whatever its shape: its usage is the answer's.
+  let last = n;
+  if (cut >= 0) for (last = n - 1; last > 0 && payloads[last].indexOf('"usage":{') < 0; last--);
   for (let i = 0; i < n; i++) {
     const p = payloads[i];
-    const b = p.length - post.length;
+    if (i === last) {
+      rest.push(i);
+      continue;
+    }
+    const u = cut >= 0 ? usageAt(p) : -1;
+    const b = u >= 0 ? u - body.length : p.length - post.length;
     // slice and ===, not startsWith/endsWith: ten times fewer instructions on sliced strings
-    if (b >= a && p.slice(0, a) === pre && p.slice(b) === post) {
+    if (b >= a && p.slice(0, a) === pre && (u >= 0 ? p.slice(b, u) === body : p.slice(b) === post)) {
       const s = p.slice(a, b);
       if (!CLEAN.test(s)) {
         events[i] = s;
@@ -131,6 +145,16 @@ export function parseStream(payloads, chat) {
   if (template === null || !plain(template, chat) || text(template, chat) !== "\u0000") return { events: parseEvents(payloads), template: null };
   for (let k = 0; k < rest.length; k++) events[rest[k]] = parsed[k];
   return { events, template };
+}
+
+/**
+ * Where an event's trailing usage object begins (its `,"usage":{`), when it is the event's last
+ * field and holds no object (vLLM's continuous usage); else -1.
+ * @param {string} p
+ */
+function usageAt(p) {
+  const i = p.lastIndexOf(',"usage":{');
+  return i >= 0 && p.indexOf("}", i) === p.length - 2 && p.charCodeAt(p.length - 1) === 125 ? i : -1;
 }
 
 /** Whether a parsed event is one choice's content and nothing else an answer takes from it. */

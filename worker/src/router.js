@@ -27,7 +27,11 @@ import {
   requestTrial, reservedHere, scheduleFlush, served, wantedDigest, withdraw,
 } from "./state.js";
 import { now, serverTiming } from "./timing.js";
-import { capUsage, contentChars, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc } from "./usage.js";
+import {
+  capUsage, contentChars, estimateUsage, promptCount, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc, usageOfJson,
+} from "./usage.js";
+import { openTab } from "./tab.js";
+import { pumpPod } from "./podstream.js";
 import { fallbackFields, validateBody } from "./validate.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
@@ -248,21 +252,25 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   }
   const limits = admitted.headers;
   scheduleFlush(env, ctx, cfg);
-  // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
-  // byte). What an upstream reports is believed only up to what the request allows.
-  const meter = (backend, usage) => {
+  // Metering ends the request, once (tab.js): its max_parallel slot is freed then (a stream's,
+  // at its last byte), or when the client hangs up. What an upstream reports is believed only
+  // up to what the request allows: a pod, the context it serves; the fallback (the operator's
+  // own account, billed as it reports), the body's bytes and the completion limit.
+  const fbCeiling = json === null ? null : usageCeiling(json, bytes.length);
+  const tab = openTab(request, ctx, (backend, usage) => {
     releaseSlot(request);
-    meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, ceiling));
-  };
+    if (backend !== null) meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, backend === "fallback" ? fbCeiling : ceiling));
+  }, ceiling, json !== null && Number.isInteger(json.n) && json.n > 1 ? json.n : 1, promptCount(json));
+  const meter = (backend, usage) => tab.settle(backend, usage);
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
   const streamed = !!(json && json.stream === true);
   const wantUsage = streamed && !!json.stream_options && json.stream_options.include_usage === true;
   const askUsage = streamed && !wantUsage;
-  const guess = (chars) => estimateUsage(json, chars);
+  const guess = (chars, c = ceiling) => estimateUsage(json, chars, c);
   // A stream past what the request can produce is cut there (usage.js streamCap).
   const cap = streamed || (json !== null && streamable(json)) ? streamCap(json, bytes.length, cfg.maxModelLen) : Infinity;
-  const counted = (body, done) => (askUsage ? stripStream(body, done, guess, cap) : tapStream(body, wantUsage, done, guess, cap));
+  const counted = (body, done, estimate = guess) => (askUsage ? stripStream(body, done, estimate, cap) : tapStream(body, wantUsage, done, estimate, cap));
   // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
   // request's fate says whose it was, with the key it came from.
   const from = { key: key.id };
@@ -295,7 +303,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const chat = url.pathname === "/v1/chat/completions";
   const n = json === null ? 1 : Math.max(Number.isInteger(json.n) ? json.n : 1, 1);
   // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
-  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id, assemble);
+  // A pod's stream is asked for continuous usage (podstream.js): a cut is charged what the pod made.
+  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id, assemble, true);
   const policy = POLICIES[cfg.balance];
   const info = { keyId: key.id, path: url.pathname, json, prefixBound: cfg.prefixBound };
   // The pace of an answer after its first token (pods.js paceVerdict): judged once, mid-stream
@@ -352,6 +361,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     }
     const t = now();
     started(podUrl);
+    const backend = `pod-${index}`;
+    tab.ask(backend);
     // Until its first token the request waits in the pod's queue, and its prompt holds its
     // key's max_parallel_tokens; the live view's `queue` is that wait.
     const ahead = queuedAt(podUrl);
@@ -365,11 +376,10 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const res = await tryPod(hop, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken),
-      body: asMode === mode ? podBody : upstreamBody(bytes, json, null, askUsage, key.id, true),
-    }, deadline, asMode, cfg.stallMs, cap, cfg.minTokensPerS, begin);
+      body: asMode === mode ? podBody : upstreamBody(bytes, json, null, askUsage, key.id, true, true),
+    }, deadline, asMode, cfg.stallMs, cap, cfg.minTokensPerS, tab, begin);
     begin(); // a whole answer's end, or an attempt that ended before any token
     timing.upstream += now() - t;
-    const backend = `pod-${index}`;
     if (res.ok || res.started || res.reason === "deadline") recordQueue(backend, timing.client, waited);
     if (res.ok) {
       // Another pod served what the first failed: that failure was the first pod's.
@@ -379,31 +389,36 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
         finished(podUrl);
         const a = assembleBytes(res.bytes, chat, json);
         judge(podUrl, res.pace, view);
-        if (a.error) return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, "error_event");
+        if (a.error) return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, "error_event", tab.tally);
         meter(backend, usageOfDoc(a.answer, guess));
         return finish(a.bytes, assembledInit(res.response), backend, timing, t0, limits);
       }
       if (!res.stream) {
         finished(podUrl);
-        // A pod's 4xx (but 404: no such model) comes after it read, and vLLM tokenised, the
-        // prompt: that work is charged at the prompt's estimate (docs/worker.md, "What a request may cost").
-        const status = res.response.status;
-        meter(backend, json === null ? null : res.response.ok ? usageOfAnswer(res.bytes, guess)
-          : status >= 400 && status < 500 && status !== 404 ? guess(0) : null);
+        // A request the pod refuses (a 4xx) is charged what the pod reports: vLLM reports no
+        // usage with a 400, so nothing (it still counts as a request). docs/worker.md, "What a request may cost".
+        meter(backend, json === null ? null : res.response.ok ? usageOfAnswer(res.bytes, guess) : usageOfJson(res.bytes));
         return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
       const pace = res.pace;
       if (pace) pace.onTick = (p) => judge(podUrl, p, view);
       const first = { at: now() }; // tryPod returns a stream once its first event has arrived
-      const tap = counted(pace ? (askUsage ? pace.body : pace.stream()) : res.response.body, (usage) => {
+      // The pod's stream carries usage on every event (continuous usage): the client gets the
+      // events it asked for, and a cut is charged what the pod had made (podstream.js).
+      const want = { usage: wantUsage, continuous: wantUsage && json.stream_options.continuous_usage_stats === true };
+      const tally = tab.tally;
+      const ended = (usage) => {
         finished(podUrl);
+        usage ??= guess(tally.chars);
         meter(backend, usage);
         streamEnded(backend, timing.client, first, t0, usage);
         if (!pace) return;
         // A stall after the first token is the pod's failure; the client saw the cut (forward.js stallEvent).
         if (pace.stalled) report(env, ctx, cfg, podUrl, false, from, witness);
         else judge(podUrl, pace, view);
-      });
+      };
+      const tap = pace ? pumpPod(pace, want, tally, cap, ended) : counted(res.response.body, ended);
+      tab.pumping = true;
       ctx.waitUntil(tap.piped);
       return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
     }
@@ -414,7 +429,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       // The answer had begun: it is not bought again (docs/worker.md, "Routing"). A pod that
       // failed before it, as in any answer another pod began, failed on its own account.
       blame(suspects, "pod");
-      return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, reason);
+      return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, reason, tab.tally);
     }
     suspects.push(podUrl);
     if (reason === "deadline") {
@@ -428,7 +443,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     // cell (docs/fleet.md). From anyone else the header is ignored: a client that could
     // defer would be served by no one yet have its request withdrawn from its limits.
     blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
-    releaseSlot(request);
+    tab.settle(null, null);
     withdraw(cfg, key.id, admitted.at); // the next cell counts it: the fleet's limits count it once
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
@@ -437,17 +452,21 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   if (capped) {
     // Past the day's cap the fallback is not called: the request is refused, not bought.
     blame(suspects, blameOf(suspects.length, null));
-    releaseSlot(request);
+    tab.settle(null, null);
     const no = errorResponse(429, "fallback_spend_cap", capped.message, { "retry-after": String(capped.retryAfterS) }, "insufficient_quota");
     return finish(no.body, no, "none", timing, t0, limits);
   }
   const t = now();
   let res;
+  tab.ask("fallback", fbCeiling);
+  const stop = new AbortController(); // the client hung up: the fallback's work stops (tab.js)
+  tab.cancel = () => stop.abort();
   try {
     res = await callFallback(fetchImpl, cfg.fallbackUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.fallbackApiKey),
       body: bytes === null ? null : fallbackBody(env, url.pathname, bytes, json, cfg, askUsage),
+      signal: stop.signal,
     });
   } catch (err) {
     timing.fallback = now() - t;
@@ -464,7 +483,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const tap = counted(res.body, (usage) => {
       meter("fallback", usage);
       streamEnded("fallback", timing.client, first, t0, usage);
-    });
+    }, (chars) => guess(chars, fbCeiling));
+    tab.pumping = true;
     ctx.waitUntil(tap.piped);
     return finish(tap.body, clientInit(res), "fallback", timing, t0, limits);
   }
@@ -479,7 +499,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     return finish(error.body, error, "fallback", timing, t0, limits);
   }
   timing.fallback = now() - t;
-  meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
+  meter("fallback", res.ok && json !== null ? usageOfAnswer(body, (chars) => guess(chars, fbCeiling)) : null);
   return finish(body, clientInit(res), "fallback", timing, t0, limits);
 }
 
@@ -564,12 +584,13 @@ function meterServed(env, ctx, cfg, keyId, backend, usage) {
  * An assembled answer whose pod failed after its first token (a stall, a broken or
  * oversized stream, an error event): 502 `upstream_stalled` or `upstream_broken`, never
  * the fallback (the answer had begun, and a slow long answer is not bought twice). What
- * was generated counts, estimated from the text read; the failure is the pod's (reported
+ * was generated counts: what the pod reported by then (`tally`, its continuous usage), else
+ * estimated from the text read; the failure is the pod's (reported
  * with the key: two keys, or a health check, open its breaker).
  */
-function brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, bytes, meter, guess, timing, t0, limits, reason) {
+function brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, bytes, meter, guess, timing, t0, limits, reason, tally = null) {
   report(env, ctx, cfg, podUrl, false, from, witness);
-  meter(backend, guess(bytes ? contentChars(new TextDecoder().decode(bytes)) : 0));
+  meter(backend, (tally && tally.usage()) ?? guess(bytes ? contentChars(new TextDecoder().decode(bytes)) : 0));
   const stalled = reason === "stalled";
   const error = errorResponse(502, stalled ? "upstream_stalled" : "upstream_broken", stalled
     ? `the pod stopped sending the answer for ${cfg.stallMs} ms after it had begun; retry the request`

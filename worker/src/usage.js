@@ -168,11 +168,15 @@ export function contentChars(text) {
 }
 
 /**
- * The estimate for a stream whose upstream reported no usage (or that was cut before it
- * did): about four characters a token, of the request's `messages` (or `prompt`) as JSON
- * and of the streamed text. Marked `estimated` for the usage report.
+ * The estimate for an answer whose upstream reported no usage (or that was cut before it
+ * did): about four characters a token of the streamed text; the prompt at `ceiling`'s
+ * (nothing is known of it: the body's bytes, every token being at least one), or without
+ * one at four characters a token of the request's `messages` (or `prompt`) as JSON. Marked
+ * `estimated` for the usage report.
  */
-export function estimateUsage(json, streamedChars) {
+export function estimateUsage(json, streamedChars, ceiling = null) {
+  const completion = Math.ceil(streamedChars / 4);
+  if (ceiling !== null) return { prompt: ceiling.prompt, completion, estimated: true };
   let promptChars = 0;
   try {
     const p = json ? (json.messages ?? json.prompt) : undefined;
@@ -180,7 +184,7 @@ export function estimateUsage(json, streamedChars) {
   } catch {
     // cannot happen for a validated body; an estimate is never worth a failure
   }
-  return { prompt: Math.ceil(promptChars / 4), completion: Math.ceil(streamedChars / 4), estimated: true };
+  return { prompt: Math.ceil(promptChars / 4), completion, estimated: true };
 }
 
 /** Usage in the last SSE data event that has one, or null. */

@@ -70,7 +70,7 @@ test("without max_tokens the ceiling is what fits beside the prompt in the pods'
   assert.equal((await counted(env, "m-ctx", id))[2], 8191); // "hi" is at least one token
 });
 
-test("a pod's 400 after tokenising is charged the prompt's estimate; its 404 is not", async () => {
+test("a request the pod refuses is charged what the pod reports (vLLM's 400: nothing), and counts as a request", async () => {
   const env = envFor("m-4xx");
   const { key, id } = await createKey(env.BREAKER, "m-4xx");
   const c = ctx();
@@ -81,8 +81,12 @@ test("a pod's 400 after tokenising is charged the prompt's estimate; its 404 is 
   const r = await handle(post(key, "/v1/chat/completions", { model: "m", messages }), env, c, { fetch: refuse(400) });
   assert.equal(r.status, 400);
   await handle(post(key, "/v1/chat/completions", { model: "m", messages }), env, c, { fetch: refuse(404) });
+  // a server that reports usage with its refusal is believed (within the ceiling)
+  const reported = async () => new Response(JSON.stringify({ error: { message: "no" }, usage: { prompt_tokens: 9, completion_tokens: 0 } }),
+    { status: 400, headers: { "content-type": "application/json" } });
+  await handle(post(key, "/v1/chat/completions", { model: "m", messages }), env, c, { fetch: reported });
   await c.settle();
-  assert.deepEqual(await counted(env, "m-4xx", id), [2, Math.ceil(JSON.stringify(messages).length / 4), 0]);
+  assert.deepEqual(await counted(env, "m-4xx", id), [3, 9, 0]);
 });
 
 test("a budget hit by 8 requests at once admits only what fits it whole: each request's own most is checked", async () => {

@@ -261,7 +261,7 @@ test("a stream without include_usage: the pod is asked for usage, the client doe
   });
   const r = await handle(post(key, { model: "m", messages: msg, stream: true }), env, c, { fetch: f });
   assert.equal(await r.text(), events + "data: [DONE]\n\n");
-  assert.deepEqual(sent.stream_options, { include_usage: true });
+  assert.deepEqual(sent.stream_options, { include_usage: true, continuous_usage_stats: true });
   await c.settle();
   assert.deepEqual(flushed(env), [1, 7]);
   // A client that asked gets the usage event, as sent
