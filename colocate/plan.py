@@ -28,6 +28,7 @@ BREAKER_CLASS = "Breaker"
 # Its namespace's binding is named after the class; the upgrade tests run earlier Workers,
 # which read env.BREAKER, on today's bindings, so the name stays.
 GENERATION_BINDING = "BREAKER"
+WORKER_HASH_BINDING = "WORKER_HASH"  # the content hash of the modules uploaded beside it
 # allow_custom_ports (the pod listens on :8000) is the default from 2024-09-02;
 # the date is also the newest the pinned workerd (1.20261117.1) accepts.
 COMPATIBILITY_DATE = "2026-11-01"
@@ -180,10 +181,15 @@ class WorkerPlan:
         return next(b for b in self.bindings if b.name == name)
 
     def content_hash(self) -> str:
-        h = hashlib.sha256()
-        for m in self.modules:
-            h.update(m.name.encode() + b"\0" + m.content().encode() + b"\0")
-        return h.hexdigest()[:16]
+        return modules_hash(self.modules)
+
+
+def modules_hash(modules: tuple[Module, ...]) -> str:
+    """The Worker's content hash: its modules' names and bytes (``WorkerPlan.content_hash``)."""
+    h = hashlib.sha256()
+    for m in modules:
+        h.update(m.name.encode() + b"\0" + m.content().encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -469,6 +475,9 @@ class PodPlan:
             ident.append("hop=mtls")
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
+        replaced = s.replaced_count(self.index)
+        if replaced:  # the keeper's replacements of this pod alone (colocate/keeper.py)
+            ident.append(f"replaced={replaced}")
         if self.token_fingerprint:
             ident.append(f"podToken=sha256:{self.token_fingerprint}")
         if self.tls_fingerprint:
@@ -814,16 +823,20 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement = {"mode": "smart"}
     else:
         placement = {"region": reg.placement_region}
+    modules = worker_modules(worker_dir)
     worker = WorkerPlan(
         account_id=settings.account_id,
         zone_id=settings.zone.id if settings.zone else None,
         script_name=settings.worker.name,
         main_module=MAIN_MODULE,
-        modules=worker_modules(worker_dir),
+        modules=modules,
         compatibility_date=COMPATIBILITY_DATE,
         compatibility_flags=WORKER_COMPATIBILITY_FLAGS,
         placement=placement,
-        bindings=worker_bindings(settings, state, path),
+        # The Worker says which code it runs (GET /_colocate/scale's worker_hash): a controller
+        # whose checkout would upload other code refuses to act (colocate/keeper.py).
+        bindings=(*worker_bindings(settings, state, path), Binding(WORKER_HASH_BINDING, "plain_text",
+                                                                  text=modules_hash(modules))),
         migrations=decision.migrations,
         pending_migrations=decision.pending,
         migration_warning=decision.warning,

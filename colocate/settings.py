@@ -57,6 +57,9 @@ POD_DEFAULTS = {
     "profile": DEFAULT_PROFILE,
     "count": 1,
     "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
+    # {pod index: n}: the keeper's replacements of one pod each (scripts/scale.py writes it; the
+    # generation's record wins at every `pulumi up`): part of that pod's identity only.
+    "replaced": {},
     "hop": "auto",  # how the Worker reaches the pod: mutual TLS where it can (docs/pods.md "Who can reach the pod")
     "maxModelLen": 8192,  # vLLM's --max-model-len: the context, prompt included; the router's ceilings follow it
     # local only: an OpenAI-compatible server of the user's as the sandbox's pod (docs/sandbox.md "Your own engine")
@@ -133,7 +136,8 @@ SCHEMA: tuple[Key, ...] = (
         "most a host may charge per GB down or up), cloud, minReliability, "
         "readyTimeoutS, computeMs (local only), profile (local only: the stand-in's GPU and model, "
         "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
-        "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
+        "(raise by one to replace every pod, and the hop's certificates, with new ones), replaced ({pod index: n}: the "
+        "keeper's replacements of single pods, written by scripts/scale.py), hop (auto | mtls | token: "
         "auto is mutual TLS on colocate:zone and the pod token behind the pod's guard on RunPod's proxy; token is "
         "refused on a zone), maxModelLen (vLLM's --max-model-len: the context, prompt included; the router's "
         "ceilings follow it), command and url (local only: an OpenAI-compatible server as the sandbox's pod, started "
@@ -241,6 +245,11 @@ class PodSettings:
     max_model_len: int = 8192  # colocate:pod.maxModelLen (POD_DEFAULTS)
     command: str = ""  # colocate:pod.command (local): the pod is this command, not the stand-in
     url: str = ""  # colocate:pod.url (local): where that command, or a server the user runs, serves
+    replaced: tuple[tuple[int, int], ...] = ()  # colocate:pod.replaced as (index, n) pairs, n > 0, index order
+
+    def replaced_count(self, index: int) -> int:
+        """How often the keeper replaced pod ``index`` (0: never): part of that pod's name."""
+        return dict(self.replaced).get(index, 0)
 
 
 MAX_PODS = 8
@@ -399,6 +408,7 @@ def parse_pod(raw: dict) -> PodSettings:
         max_model_len=_number(k + "maxModelLen", p["maxModelLen"], integer=True, strict=False,
                               minimum=MAX_MODEL_LEN_RANGE[0], maximum=MAX_MODEL_LEN_RANGE[1]),
         **_engine(k, provider, p["command"], p["url"]),
+        replaced=parse_replaced(k + "replaced", p["replaced"]),
     )
 
 
@@ -426,6 +436,29 @@ def _engine(k: str, provider: str, command: object, url: object) -> dict[str, st
                               "is reached by name localhost, on this machine's loopback",
                               f"run the server here and pulumi config set --path {k}url https://localhost:{port}")
     return {"command": str(command), "url": str(url)}
+
+
+def parse_replaced(key: str, value: object) -> tuple[tuple[int, int], ...]:
+    """colocate:pod.replaced: {pod index: how often the keeper replaced it}, as sorted (index, n)
+    pairs with n > 0. Indices come as numbers or digit text (a YAML or JSON mapping's keys)."""
+    fix = (f"leave it to scripts/scale.py, which writes it; by hand: pulumi config set --path '{key}[\"1\"]' 2 "
+           f"(pod 1 replaced twice), or pulumi config rm --path {key}")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ConfigError(key, value, "must be a mapping of pod index to a count", fix)
+    out = {}
+    for raw_index, raw_n in value.items():
+        text = str(raw_index).strip()
+        if isinstance(raw_index, bool) or not text.isdigit() or int(text) >= MAX_PODS:
+            raise ConfigError(f"{key}.{raw_index}", raw_n, f"a pod index is 0 to {MAX_PODS - 1}", fix)
+        try:
+            n = _number(f"{key}.{raw_index}", raw_n, integer=True, strict=False)
+        except ConfigError as err:
+            raise ConfigError(err.key, raw_n, err.problem, fix) from None
+        if n:
+            out[int(text)] = n
+    return tuple(sorted(out.items()))
 
 
 # RunPod's minCudaVersion pattern (^\d+\.\d+$, ASCII digits). Vast.ai's offers carry the same

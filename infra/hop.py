@@ -17,8 +17,9 @@ secret environment (``POD_TLS``, ``POD_CHECK_TLS``: never argv) and Cloudflare o
 MtlsCertificate's secret input; the ACME provider gets the Cloudflare token only as a secret.
 ``colocate:pod.renewal`` rotates everything: the resources carry it in their names, so a new value
 creates a new CA and new keys (and the pods, whose identity holds them, are replaced with them) and
-deletes the old ones at the end of the update. A ``pulumi up`` within a certificate's last 30 days
-re-issues it (``early_renewal_hours``, ACME's ``min_days_remaining``).
+deletes the old ones at the end of the update. A ``pulumi up`` within a certificate's last 14 days
+re-issues it (``early_renewal_hours``, ACME's ``min_days_remaining``); from 30 days left the keeper
+renews them one role at a time with targeted updates (``hopCerts`` names each role's end).
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ import pulumi_cloudflare as cloudflare
 import pulumi_tls as tls
 import pulumiverse_acme as acme
 
+from colocate import certexpiry
 from colocate.plan import PATH_ZONE_DNS, CellPlan, PodPlan, cert_fingerprint
 from colocate.pods import podtls
 
 ALGORITHM, CURVE = "ECDSA", "P256"
 CA_HOURS = 5 * 365 * 24  # the CA outlives its leaves; the trust store holds it
 LEAF_HOURS = 90 * 24
-# A `pulumi up` within the last 30 days of a leaf re-issues it; a pod whose certificate is
-# re-issued is replaced (its identity holds the certificate's fingerprint).
-EARLY_RENEWAL_HOURS = 30 * 24
+# A `pulumi up` within the last 14 days of a leaf re-issues it; a pod whose certificate is
+# re-issued is replaced (its identity holds the certificate's fingerprint). The keeper renews each
+# from 30 days left, one pod at a time (colocate/keeper.py): this is the backstop of a cell nobody
+# keeps, and leaves the keeper's days 60 to 76 to itself, so a scaling step there renews nothing.
+EARLY_RENEWAL_HOURS = certexpiry.AUTO_RENEW_DAYS * 24
 ORGANIZATION = "colocate"
 # DNS-01 through Cloudflare's API with the stack's token (lego's "cloudflare" provider; the token's
 # Zone Read and DNS Edit on the zone are what a zoned cell needs anyway: colocate/preflight.py).
@@ -63,7 +67,7 @@ class HopCredentials:
         self.name, self.plan = name, plan
         self.suffix = resource_suffix(plan.pod_settings.renewal if plan.pod_settings else 0)
         self.opts = pulumi.ResourceOptions(parent=parent)
-        self.leaf_ends: list[pulumi.Output[str]] = []  # every leaf's validity_end_time (RFC 3339)
+        self.leaf_ends: dict[str, pulumi.Output[str]] = {}  # role -> its leaf's end (RFC 3339)
         self.ca_key = self._key(f"{name}-hop-ca-key")
         self.ca = tls.SelfSignedCert(
             f"{name}-hop-ca{self.suffix}",
@@ -145,12 +149,24 @@ class HopCredentials:
             early_renewal_hours=EARLY_RENEWAL_HOURS,
             opts=self.opts,
         )
-        self.leaf_ends.append(cert.validity_end_time)
+        self.leaf_ends[role] = cert.validity_end_time
         return key, cert
 
     def not_after(self) -> pulumi.Output[str]:
         """The earliest end of the hop's leaves (colocate/certexpiry.py warns and fails before it)."""
-        return pulumi.Output.all(*self.leaf_ends).apply(lambda ends: min((e for e in ends if e), default=""))
+        return pulumi.Output.all(*self.leaf_ends.values()).apply(lambda ends: min((e for e in ends if e), default=""))
+
+    def by_role(self) -> pulumi.Output[dict]:
+        """When each role's certificate ends, as the keeper renews them (colocate/keeper.py): ``cell``
+        (the Worker's and the readiness check's, renewed together: no pod holds them) and ``pod-<i>``."""
+        roles = list(self.leaf_ends)
+
+        def group(ends: list) -> dict:
+            named = dict(zip(roles, ends, strict=True))
+            cell = [named.pop(r) for r in ("worker", "check") if r in named]
+            return {"cell": min((e for e in cell if e), default=None), **named}
+
+        return pulumi.Output.all(*self.leaf_ends.values()).apply(group)
 
     def _public_leaf(self, role: str, dns_name: str) -> tuple[tls.PrivateKey, pulumi.Output[str]]:
         """A key of the stack's, and a publicly trusted certificate for ``dns_name`` (with its chain)
@@ -172,7 +188,7 @@ class HopCredentials:
             min_days_remaining=EARLY_RENEWAL_HOURS // 24,
             opts=self.acme_opts,
         )
-        self.leaf_ends.append(cert.certificate_not_after)
+        self.leaf_ends[role] = cert.certificate_not_after
         chain = pulumi.Output.all(cert.certificate_pem, cert.issuer_pem).apply(
             lambda a: "".join(p if p.endswith("\n") else p + "\n" for p in a if p))
         return key, chain

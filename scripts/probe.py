@@ -235,9 +235,22 @@ def _probe(args: argparse.Namespace) -> int:
               f"the new placement yet. Check again in a few minutes: .venv/bin/python scripts/probe.py "
               f"{f'--stack {args.stack}' if args.stack else url}",
               file=sys.stderr)
-    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, report.table(result),
-                                             report.to_json(result, args.warn_only))
+    table, doc = _keeper(_fetch_scale(url, token, args.timeout), report.table(result), report.to_json(result, args.warn_only))
+    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, table, doc)
     return _emit(args, table, doc, (result.ok or result.provisional) and certs_ok, plot)
+
+
+def _keeper(scale: dict | None, table: str, doc: dict) -> tuple[str, dict]:
+    """The keeper's last pass (colocate/keeper.py) as the generation holds it: one line and the JSON's
+    ``keeper`` (each pod's verdict, the alerts, the last events). Shown, not judged: its alerts page
+    through /_colocate/metrics and the keeper's exit status."""
+    from colocate import keeper
+
+    record = (scale or {}).get("keeper")
+    if not isinstance(record, dict):
+        return table, doc
+    shown = {k: record.get(k) for k in ("at", "pods", "alerts", "replacements")}
+    return table + keeper.summary(record), {**doc, "keeper": {**shown, "events": (record.get("events") or [])[-3:]}}
 
 
 def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc: dict) -> tuple[str, dict, bool]:
@@ -443,7 +456,8 @@ def _live(args: argparse.Namespace) -> int:
     body = live.to_json(result, args.warn_only)
     if scale_doc is not None:
         body["scale"] = scale_doc
-    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, live.table(result) + scale_line, body)
+    table, body = _keeper(scale, live.table(result) + scale_line, body)
+    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, table, body)
     return _emit(args, table, body, result.ok and certs_ok, lambda path: live.write_plot(result, path))
 
 

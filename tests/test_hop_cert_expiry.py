@@ -78,9 +78,13 @@ def test_the_probe_judges_the_certificates_beside_its_budgets(probe, capsys, mon
     assert ("hop certificates: FAIL" in err) is (level == "fail") and ("expire in" in err) is (level != "ok")
 
 
-def test_the_way_out_says_how_pods_are_replaced_as_colocate_rollout_does():
+def test_the_way_out_says_the_keeper_renews_one_pod_at_a_time_and_an_up_all_at_once_as_colocate_rollout_does():
     from colocate import rollout
+    from infra.hop import EARLY_RENEWAL_HOURS
 
-    message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC)).message
-    assert rollout.ONE_AT_A_TIME is False and "one at a time" not in message
-    assert "side by side" in message and rollout.CREATE_BEFORE_DELETE
+    message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC), "us-east").message
+    assert "scripts/scale.py run --stack us-east" in message and "one pod at a time" in message
+    assert f"inside the last {EARLY_RENEWAL_HOURS // 24} days" in message and "all at once" in message
+    assert rollout.ONE_AT_A_TIME is False and "side by side" in message and rollout.CREATE_BEFORE_DELETE
+    # the keeper's window opens before any `pulumi up` would re-issue them all
+    assert certexpiry.RENEW_DAYS > EARLY_RENEWAL_HOURS // 24

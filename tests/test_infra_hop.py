@@ -124,7 +124,7 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
             challenge_secret, challenges = unsecret(cert["dnsChallenges"])
             assert challenge_secret
             assert challenges == [{"provider": "cloudflare", "config": {"CF_DNS_API_TOKEN": "cf-token-s3cret"}}]
-            assert cert["minDaysRemaining"] == 30
+            assert cert["minDaysRemaining"] == 14  # the keeper renews from 30, a pod at a time; an up, all, from 14
         assert all(u.startswith("https://") for u in json.loads(_bindings(run)["POD_URLS"]["text"]))
 
 

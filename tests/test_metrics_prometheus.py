@@ -152,3 +152,39 @@ def test_the_fallback_share_alert_pages_for_a_cell_whose_pods_do_not_serve_and_o
     wrong = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts.test.yml")], capture_output=True,
                            text=True, timeout=60, check=False)
     assert wrong.returncode != 0
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs Debian's prometheus package (promtool; make prometheus)")
+def test_the_keepers_alerts_page_for_the_cell_that_raised_one_and_for_a_keeper_that_stopped(tmp_path):
+    """Two cells over 30 minutes: `stuck` raises replace_failed from minute 3 and its keeper stops
+    recording at minute 5 (10 minutes without a pass at minute 16, then `for: 5m`); `ok` raises
+    nothing and records a pass every minute."""
+    series = [{"series": f'colocate_keeper_alert{{cell="{cell}",alert="{name}"}}',
+               "values": "0 0 0 1x27" if (cell, name) == ("stuck", "replace_failed") else "0x30"}
+              for cell in ("stuck", "ok") for name in ("replace_failed", "update_failing", "stack_locked", "stale_checkout")]
+    series += [{"series": 'colocate_keeper_last_pass_timestamp_seconds{cell="ok"}', "values": "0+60x30"},
+               {"series": 'colocate_keeper_last_pass_timestamp_seconds{cell="stuck"}', "values": "0+60x5 300x25"}]
+    raised = {"eval_time": "4m", "alertname": "ColocateKeeperAlert",
+              "exp_alerts": [{"exp_labels": {"cell": "stuck", "alert": "replace_failed", "severity": "page"},
+                              "exp_annotations": {"summary": "stuck: the keeper raised replace_failed",
+                                                  "description": "The keeper cannot mend this alone. `scripts/scale.py "
+                                                                 "status --stack stuck` shows its record and the message; "
+                                                                 "docs/pods.md, \"The keeper\", says what each means."}}]}
+    stopped = {"eval_time": "22m", "alertname": "ColocateKeeperStopped",
+               "exp_alerts": [{"exp_labels": {"cell": "stuck", "severity": "ticket"},
+                               "exp_annotations": {"summary": "stuck: the keeper has not passed for 17m 0s",
+                                                   "description": "Nothing checks the cell's pods or renews its "
+                                                                  "certificates. Start it again: `scripts/scale.py run "
+                                                                  "--stack stuck` under systemd or cron."}}]}
+    not_yet = {"eval_time": "20m", "alertname": "ColocateKeeperStopped", "exp_alerts": []}  # pending: `for: 5m`
+    spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [raised, stopped, not_yet]}]}
+    (tmp_path / "keeper.test.yml").write_text(json.dumps(spec))
+    proc = subprocess.run(["promtool", "test", "rules", str(tmp_path / "keeper.test.yml")], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    raised["exp_alerts"][0]["exp_labels"]["cell"] = "ok"  # the test can fail: the healthy cell does not page
+    (tmp_path / "keeper.test.yml").write_text(json.dumps(spec))
+    wrong = subprocess.run(["promtool", "test", "rules", str(tmp_path / "keeper.test.yml")], capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert wrong.returncode != 0

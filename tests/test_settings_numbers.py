@@ -9,6 +9,7 @@ import pytest
 
 from colocate import settings
 from colocate.errors import ConfigError
+from tests.support.images import GUARDED_IMAGE
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"})
 
@@ -18,7 +19,7 @@ def parse(**over):
         "region": "apac-jp",
         "generations": [{"name": "apac-jp.g1", "region": "apac-jp", "status": "active"}],
         "accountId": "0123456789abcdef0123456789abcdef",
-        "pod": {"provider": "runpod"},
+        "pod": {"provider": "runpod", "image": GUARDED_IMAGE},  # RunPod's proxy: the kit's image (the guard)
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
         "fallbackCap": {"cellUsdPerDay": 0},  # no cap, knowingly: the cap's own tests set one

@@ -283,7 +283,8 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         notes.append(f"the Worker reports CELL_REGION {', '.join(sorted(told))}, but {region.name} was expected: "
                      "is this the right stack's URL?")
     pod_fail = [b for b in (s.body for s in run.probe if s.ok and s.body) if b.get("pod_ok") is False]
-    renew = "; to replace it, raise colocate:pod.renewal by one and run pulumi up (not pulumi up --replace)"
+    renew = ("; the keeper (.venv/bin/python scripts/scale.py run) replaces it alone; without it, raise "
+             "colocate:pod.renewal by one and run pulumi up, which replaces every pod (not pulumi up --replace)")
     if pod_fail:
         statuses = ", ".join(sorted({str(b.get("pod_status")) for b in pod_fail}))
         msg = f"pod health check failed in {len(pod_fail)} of {len(run.probe)} probes (pod_status {statuses})"

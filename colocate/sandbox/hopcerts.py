@@ -96,3 +96,25 @@ def _make(d: Path) -> None:
         os.rename(tmp, d)
     except OSError:  # another process made it first: use theirs
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pod_leaf_end(state_dir: Path) -> float:
+    """When the pods' server certificate (the one a new pod gets) ends, as a POSIX time."""
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate((Path(state_dir) / DIR / f"{FILES['pod']}.pem").read_bytes()) \
+        .not_valid_after_utc.timestamp()
+
+
+def reissue_pod(state_dir: Path, not_after=None) -> None:
+    """A new server certificate for the pods the runner creates from now on (running pods keep
+    theirs: a pod reads its certificate once, at start). ``not_after``: when it ends (default 90
+    days). The key is written before the certificate, each by rename, in the keeper's process,
+    while no pod is being created (it holds the controllers' lease)."""
+    creds = load(state_dir)
+    leaf = creds.public.server(POD_NAME, not_after=not_after)
+    d = Path(state_dir) / DIR
+    for suffix, text in ((".key", leaf.key_pem), (".pem", leaf.cert_pem)):
+        tmp = d / f".{FILES['pod']}{suffix}.{os.getpid()}"
+        _write(tmp, text)
+        os.replace(tmp, d / f"{FILES['pod']}{suffix}")

@@ -363,6 +363,33 @@ class FakeRunPod(FakeApi):
     def _view(pod: dict) -> dict:
         return json.loads(json.dumps(pod))
 
+    # -- what happens to a pod after deploy (the keeper's cases) ----------------
+    def set_status(self, pod_id: str, status: str) -> None:
+        """The pod goes EXITED (its container stopped) or ERROR, as v2's PodStatus enum lists them;
+        its server stops answering."""
+        with self.lock:
+            self.pods[pod_id].update(status=status, runtime=None)
+            self.stop_backend(pod_id)
+
+    def reset(self, pod_id: str) -> int:
+        """A host reset: the pod comes back RUNNING with its TCP port mapped anew (a new public port,
+        as ``runtime.ports`` then reports). Returns the new public port."""
+        with self.lock:
+            pod = self.pods[pod_id]
+            self.stop_backend(pod_id)
+            env = {**self.platform_env, **pod["env"]} if isinstance(pod["env"], dict) else None
+            server = self.start_backend(pod_id, env, pod["args"])
+            self.proxy_ports[pod_id] = server.port
+            private = int(pod["ports"][0].split("/")[0]) if pod["ports"] else 8000
+            pod["runtime"] = {"uptime": 1, "ports": [{"private": private, "public": server.port, "type": "tcp",
+                                                      "ip": "127.0.0.1"}]}
+            return server.port
+
+    def move(self, pod_id: str, data_center: str) -> None:
+        """The pod reported in another data centre (``dataCenterId``)."""
+        with self.lock:
+            self.pods[pod_id]["dataCenterId"] = data_center
+
 
 # ---------------------------------------------------------------------------- Vast.ai
 # The search schema's allocated_storage: "Default is 8GB". Vast.ai bills disk as storage_cost
@@ -513,6 +540,25 @@ class FakeVast(FakeApi):
                 "application/json",
             )
         return 404, {"success": False, "error": "not_found", "msg": f"no fake route {method} {path}"}, {}, "application/json"
+
+
+    # -- what happens to an instance after deploy (the keeper's cases) ----------
+    def set_status(self, iid: str | int, status: str) -> None:
+        """``actual_status`` becomes exited, offline or unknown (the host went away); nothing answers."""
+        with self.lock:
+            self.instances[int(iid)]["actual_status"] = status
+            self.stop_backend(str(iid))
+
+    def readdress(self, iid: str | int) -> int:
+        """The instance running again at another address (its port mapped anew). Returns the new port."""
+        with self.lock:
+            inst = self.instances[int(iid)]
+            self.stop_backend(str(iid))
+            env = {**self.platform_env, **inst["_env"]} if isinstance(inst["_env"], dict) else None
+            args = inst["_args"]
+            server = self.start_backend(str(iid), env, " ".join(args) if isinstance(args, list) else str(args))
+            inst.update(actual_status="running", ports={"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(server.port)}]})
+            return server.port
 
 
 def _public(inst: dict) -> dict:

@@ -70,8 +70,8 @@ async function digestOfToken(token) {
   return d;
 }
 
-async function jsonBody(request) {
-  return parseJsonObject(await readBody(request, ADMIN_BODY_LIMIT));
+async function jsonBody(request, limit = ADMIN_BODY_LIMIT) {
+  return parseJsonObject(await readBody(request, limit));
 }
 
 const HANDLERS = {
@@ -450,7 +450,10 @@ const MAX_LOCK_MS = 3_600_000;
 /** The scaling signals, the lock and the last decision, with the pods this version routes to. */
 async function scaleState(env, cfg) {
   const state = await activeStub(env, cfg).scaleState(infoOf(cfg));
-  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length }, noStore);
+  // worker_hash: the content hash of the modules this version runs (WORKER_HASH, colocate/plan.py),
+  // which a controller compares with its checkout's before it deploys anything (colocate/keeper.py).
+  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length,
+    worker_hash: env.WORKER_HASH ?? null }, noStore);
 }
 
 function ownerOf(body) {
@@ -474,14 +477,25 @@ async function scaleLock(request, env, cfg) {
 }
 
 const MAX_SCALE_PODS = 8; // colocate/settings.py MAX_PODS
+const SCALE_BODY_LIMIT = 16384;
+const KEEPER_MAX_CHARS = 12000; // the keeper's record (colocate/keeper.py Record.as_json) as stored
+
+/** {pod index: times replaced} (colocate:pod.replaced), or a 400 naming the field. */
+function replacedOf(value) {
+  const ok = value && typeof value === "object" && !Array.isArray(value)
+    && Object.entries(value).every(([i, n]) => /^[0-7]$/.test(i) && Number.isInteger(n) && n >= 0 && n <= 1_000_000);
+  if (!ok) throw new HttpError(400, "invalid_desired", "desired.replaced must be {pod index 0-7: times replaced, a whole number >= 0}");
+  return value;
+}
 
 /**
- * {owner, decision: {desired, running, reason, ...}, desired?: {pods, draining}}: recorded only
- * for the lock's holder (409 otherwise). `desired` is the count every `pulumi up` applies
- * (infra/program.py reads it back from GET /_colocate/scale).
+ * {owner, decision: {desired, running, reason, ...}, desired?: {pods, draining, replaced?},
+ * keeper?: {...}}: recorded only for the lock's holder (409 otherwise). `desired` is what every
+ * `pulumi up` applies (infra/program.py reads it back from GET /_colocate/scale); `keeper` the
+ * keeper's last pass, which the live view and /_colocate/metrics show.
  */
 async function scaleRecord(request, env, cfg) {
-  const body = await jsonBody(request);
+  const body = await jsonBody(request, SCALE_BODY_LIMIT);
   const owner = ownerOf(body);
   const d = body.decision;
   if (!d || typeof d !== "object" || !Number.isInteger(d.desired) || !Number.isInteger(d.running) || typeof d.reason !== "string"
@@ -494,7 +508,12 @@ async function scaleRecord(request, env, cfg) {
       || want.pods + want.draining > MAX_SCALE_PODS)) {
     throw new HttpError(400, "invalid_desired", `desired must be {pods: int, draining: int}, together 0 to ${MAX_SCALE_PODS}`);
   }
-  const desired = want === undefined ? null : { pods: want.pods, draining: want.draining };
-  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg), desired);
+  const desired = want === undefined ? null : { pods: want.pods, draining: want.draining,
+    ...(want.replaced === undefined ? {} : { replaced: replacedOf(want.replaced) }) };
+  const keeper = body.keeper ?? null;
+  if (keeper !== null && (typeof keeper !== "object" || Array.isArray(keeper) || JSON.stringify(keeper).length > KEEPER_MAX_CHARS)) {
+    throw new HttpError(400, "invalid_keeper", `keeper must be the keeper's record, an object of at most ${KEEPER_MAX_CHARS} characters as JSON`);
+  }
+  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg), desired, keeper);
   return jsonResponse(res.recorded ? 200 : 409, res, noStore);
 }

@@ -638,7 +638,7 @@ export class Breaker extends DurableObject {
       inflight[r.pod] = r.n;
     }
     return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")),
-      desired: parseJson(this.meta("scale_desired")) };
+      desired: parseJson(this.meta("scale_desired")), keeper: parseJson(this.meta("keeper")) };
   }
 
   scaleLockRow() {
@@ -666,15 +666,20 @@ export class Breaker extends DurableObject {
 
   /**
    * Record a decision of the lock's holder (the last one is what status and the probe show),
-   * and with `desired` ({pods, draining}) the count every `pulumi up` applies.
+   * with `desired` ({pods, draining, replaced?}) what every `pulumi up` applies (a desired
+   * without `replaced` keeps the one recorded), and with `keeper` the keeper's last pass.
    */
-  async scaleRecord(owner, decision, info, desired = null) {
+  async scaleRecord(owner, decision, info, desired = null, keeper = null) {
     await this.readThrough(info);
     const held = this.scaleLockRow();
     if (!held || held.owner !== owner) return { recorded: false, lock: held };
     this.ctx.storage.transactionSync(() => {
       this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
-      if (desired) this.setMeta("scale_desired", JSON.stringify({ ...desired, owner, at: Date.now() }));
+      if (desired) {
+        const replaced = desired.replaced ?? parseJson(this.meta("scale_desired"))?.replaced;
+        this.setMeta("scale_desired", JSON.stringify({ ...desired, ...(replaced ? { replaced } : {}), owner, at: Date.now() }));
+      }
+      if (keeper) this.setMeta("keeper", JSON.stringify({ ...keeper, owner, at: Date.now() }));
     });
     return { recorded: true, lock: held };
   }
@@ -773,6 +778,7 @@ export class Breaker extends DurableObject {
       keys,
       pods: this.sql.exec("SELECT pod, state, failures FROM pod_health").toArray(),
       forced: this.meta("forced"),
+      keeper: parseJson(this.meta("keeper")),
     };
   }
 
