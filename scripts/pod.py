@@ -47,7 +47,7 @@ from colocate.pods import lifecycle, spec as podspec, stackkeys, stop  # noqa: E
 from colocate.pods.errors import FatalError, PodConfigError, PodError  # noqa: E402
 from colocate.settings import PROVIDER_SECRET  # noqa: E402
 
-PROVIDERS = ("runpod", "vastai", "local")
+PROVIDERS = ("runpod", "vastai", "local", "existing")
 REFUSED_KEY = (401, 403)  # the provider's answer to a revoked or wrong key
 
 
