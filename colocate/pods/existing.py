@@ -76,8 +76,8 @@ class Existing(Provider):
         return [], []
 
     def create(self, spec, candidate, token: str) -> str:
-        raise PodConfigError(f"{spec.name} is an existing endpoint: the kit never creates one. Fix: run scripts/pod.py "
-                             "rent and wait, which record and check it")
+        raise PodConfigError(f"{spec.name} is an existing endpoint: the kit never creates one. Fix: run "
+                             ".venv/bin/python scripts/pod.py rent and wait, which record and check it")
 
     def describe(self, pod_id: str) -> PodInfo:
         host, _, port = pod_id.rpartition(":")
