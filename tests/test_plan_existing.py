@@ -132,3 +132,11 @@ def test_the_cell_runs_exactly_its_endpoints():
         cell(raw)
     with pytest.raises(ConfigError, match=r"endpoints\[1\].*endpoint 0 again"):
         cell(existing([BY_IP, dict(BY_IP)]))
+
+
+def test_the_sandbox_runs_a_stand_in_for_each_endpoint():
+    from colocate.sandbox.launch import Launch, build_plan
+
+    p, notes = build_plan(Launch("apac-tw-own", str(plan.ROOT / "stacks"), None, None, (), False))
+    assert p.pod_path == plan.PATH_LOCAL_HOSTNAME and len(p.pods) == 1 and p.pods[0].endpoint is None
+    assert any("stand-in pod instead of each endpoint" in n and "colocate:pod.url" in n for n in notes)
