@@ -205,7 +205,7 @@ def instructions(spec: PodSpec, d: Path) -> str:
     else:  # the box's own TLS server (https://host:port) forwards to vLLM on 127.0.0.1:8000
         ports, args = "127.0.0.1:8000:8000", spec.serve_args("0.0.0.0", 8000)
         behind = f"then point your TLS server for https://{e['host']}:{e['port']} at http://127.0.0.1:8000"
-    run = " ".join([*env, "docker run -d --name colocate-pod --gpus all -p", ports,
+    run = " ".join([*env, "docker run -d --name colocate-pod --restart unless-stopped --gpus all -p", ports,
                     *[f"-e {v.split('=', 1)[0]}" for v in env], shlex.quote(spec.image), shlex.quote(spec.model),
                     shlex.join(args)])
     return (f"endpoint {spec.index} ({e['host']}:{e['port']}) does not serve this cell's credentials yet. They are in "
