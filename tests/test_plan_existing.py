@@ -140,3 +140,16 @@ def test_the_sandbox_runs_a_stand_in_for_each_endpoint():
     p, notes = build_plan(Launch("apac-tw-own", str(plan.ROOT / "stacks"), None, None, (), False))
     assert p.pod_path == plan.PATH_LOCAL_HOSTNAME and len(p.pods) == 1 and p.pods[0].endpoint is None
     assert any("stand-in pod instead of each endpoint" in n and "colocate:pod.url" in n for n in notes)
+
+
+def test_migrate_plan_checks_and_forgets_an_endpoint_never_creates_nor_deletes_it():
+    from colocate import migration
+
+    before = cell(existing([BY_IP]))
+    after = cell(existing([{**BY_IP, "port": 9443, "costPerHr": 0.5}]))
+    actions = migration.diff(before, after)
+    verbs = {a.verb: a for a in actions}
+    assert "create" not in verbs and "delete" not in verbs
+    assert "https://pod-apac-tw-g1.example.com:9443 (TPE), waited for" in verbs["check"].detail
+    assert "keeps running: the kit never deletes it" in verbs["forget"].detail
+    assert verbs["cost"].detail.startswith("$0.50/hr, your own figure")
