@@ -99,6 +99,7 @@ def test_until_the_box_serves_them_the_credentials_wait_in_private_files_with_th
     assert (d / existing.TLS_FILE).read_text() == podtls.bundle_from_env()
     said = capsys.readouterr().err
     assert "another certificate" in said and f"scp -rp {d} <user>@127.0.0.1:colocate-pod" in said
+    assert 'COLOCATE_POD_TLS="$(cat ~/colocate-pod/pod-tls.pem)"' in said and "podstart.sh" in said
     assert "docker run" in said and "-e COLOCATE_POD_TLS" in said and TOKEN not in said
     # Installed (the box restarted with them): the same check passes and removes the copy.
     with standin.serve(compute_ms=1, token=TOKEN, tls=_box(env, pki["leaf"], pki["cell"].cert_pem),
@@ -174,3 +175,30 @@ def test_pod_py_never_deletes_an_endpoint():
     with pytest.raises(PodConfigError):
         lifecycle.provider_for("existing").destroy(f"{NAME}:8443")
     assert lifecycle.provider_for("existing").list_pods() == []  # a sweep finds nothing of it to delete
+
+
+def test_the_printed_start_command_without_docker_runs_as_pasted_and_leaves_no_copy(env, pki, tmp_path, capsys):
+    """The bare form of the printed install (a checkout of the kit on the box, vLLM on PATH): read the files,
+    remove them, exec podstart.sh with the bundle; a fake vllm (tests/test_pod_start.py) loads what it gets."""
+    from tests.test_pod_start import FAKE_VLLM
+
+    spec = _spec(8443, timeout=0.1)
+    with pytest.raises(NotReadyError):
+        lifecycle.wait(spec, lifecycle.rent(spec))  # nothing serves: the files and the commands are printed
+    bare = next(line for line in capsys.readouterr().err.splitlines() if "podstart.sh" in line and "(export" in line)
+    bare = bare[bare.index("(export"):]
+    home, checkout, bin_dir = tmp_path / "home", tmp_path / "checkout", tmp_path / "bin"
+    for d in (home, checkout, bin_dir):
+        d.mkdir()
+    subprocess.run(["cp", "-rp", str(existing.credentials_dir(spec)), str(home / "colocate-pod")], check=True)  # as scp -rp
+    (checkout / "colocate").symlink_to(ROOT / "colocate")
+    (bin_dir / "vllm").write_text(FAKE_VLLM.format(python=sys.executable))
+    (bin_dir / "vllm").chmod(0o755)
+    out = tmp_path / "vllm.json"
+    run = subprocess.run(["/bin/sh", "-c", f"{bare}\nwait"], cwd=checkout, timeout=60, capture_output=True, text=True,
+                         env={"HOME": str(home), "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_VLLM_OUT": str(out)})
+    assert run.returncode == 0, run.stderr + (checkout / "colocate-pod.log").read_text()
+    seen = json.loads(out.read_text())
+    assert seen["loaded"] and not seen["bundle_in_env"] and seen["guard"].endswith("colocate_pod_guard.py"), seen
+    assert seen["ca"].strip() == pki["cell"].cert_pem.strip()  # the box admits the Worker's CA, and only it
+    assert not (home / "colocate-pod").exists()

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 # must get none of them. (method, path, JSON body)
 STRANGER_PROBES = (("GET", "/metrics", None), ("POST", "/tokenize", {"prompt": "colocate"}), ("GET", "/v1/models", None))
 TOKEN_FILE, TLS_FILE = "pod-token", "pod-tls.pem"
-BOX_DIR = "colocate-pod"  # where the printed commands put the files on the box
+BOX_DIR = "~/colocate-pod"  # where the printed commands put the files on the box
 SERVING, WAITING, UNSAFE = "serving", "waiting", "unsafe"
 
 
@@ -208,12 +208,17 @@ def instructions(spec: PodSpec, d: Path) -> str:
     run = " ".join([*env, "docker run -d --name colocate-pod --restart unless-stopped --gpus all -p", ports,
                     *[f"-e {v.split('=', 1)[0]}" for v in env], shlex.quote(spec.image), shlex.quote(spec.model),
                     shlex.join(args)])
+    # read, then removed, then vLLM: in that order inside one background shell
+    bare = " ".join(["(export", *env, f"&& rm -r {BOX_DIR} && exec /bin/sh colocate/pods/podstart.sh",
+                     shlex.quote(spec.model), shlex.join(args if spec.mtls else spec.serve_args("127.0.0.1", 8000)),
+                     ") >colocate-pod.log 2>&1 &"])
     return (f"endpoint {spec.index} ({e['host']}:{e['port']}) does not serve this cell's credentials yet. They are in "
             f"{d} (mode 0600). Copy them to the box and serve with them there ({behind}):\n"
-            f"  scp -rp {shlex.quote(str(d))} <user>@{box}:{BOX_DIR}\n"
+            f"  scp -rp {shlex.quote(str(d))} <user>@{box}:{BOX_DIR.removeprefix('~/')}\n"
             f"  on the box: {run} && rm -r {BOX_DIR}\n"
-            f"(colocate:pod.image must be the kit's image, pod/Dockerfile: its start command loads the bundle and runs "
-            f"the pod's guard.) This check waits until the box serves them, then removes {d}.")
+            f"  or, with vLLM installed and a checkout of this kit on the box, from that checkout: {bare}\n"
+            f"(colocate:pod.image must be the kit's image, pod/Dockerfile: its start command, podstart.sh, loads the "
+            f"bundle and runs the pod's guard.) This check waits until the box serves them, then removes {d}.")
 
 
 def wait(spec: PodSpec, rented: object, clock: Callable[[], float] = time.monotonic) -> dict:
