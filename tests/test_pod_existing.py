@@ -202,3 +202,18 @@ def test_the_printed_start_command_without_docker_runs_as_pasted_and_leaves_no_c
     assert seen["loaded"] and not seen["bundle_in_env"] and seen["guard"].endswith("colocate_pod_guard.py"), seen
     assert seen["ca"].strip() == pki["cell"].cert_pem.strip()  # the box admits the Worker's CA, and only it
     assert not (home / "colocate-pod").exists()
+
+
+@pytest.mark.parametrize("mtls", [True, False])
+def test_a_box_that_never_answers_fails_the_check_with_what_it_saw_and_nothing_deleted(env, mtls):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = _spec(port, timeout=0.3, **({} if mtls else {"host": "localhost", "ip": ""}), mtls=mtls)
+    with pytest.raises(NotReadyError) as err:
+        lifecycle.create(spec)
+    said = str(err.value)
+    assert f"endpoint 0 (https://{spec.endpoint['host']}:{port}) did not serve" in said
+    assert ("no TLS 1.3 handshake" if mtls else "no answer") in said and "the kit deleted nothing" in said
