@@ -87,7 +87,7 @@ class RunningPod:
     location: str | None = None
     locations: tuple[str, ...] = ()  # the region's locations for its provider
     proxied: bool = False  # reached through the provider's proxy: its public address is not what the Worker uses
-    kept: bool = False  # an endpoint the team runs (provider existing): judged and reported, never replaced
+    own: bool = False  # a server the keeper did not start (provider existing: the team's box): judged, never replaced or renewed
 
 
 @dataclass(frozen=True)
@@ -96,22 +96,22 @@ class Verdict:
     id: str
     state: str
     detail: str
-    kept: bool = False  # RunningPod.kept: its verdict is reported, never acted on
+    own: bool = False  # RunningPod.own: its verdict is reported, never acted on
 
     @property
     def replace(self) -> bool:
-        return self.state in REPLACE_AT_ONCE and not self.kept
+        return self.state in REPLACE_AT_ONCE and not self.own
 
     def as_json(self) -> dict:
         out = {"index": self.index, "id": self.id, "state": self.state, "detail": self.detail[:200]}
-        return {**out, "kept": True} if self.kept else out
+        return {**out, "own": True} if self.own else out
 
 
 def judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Mapping | None) -> Verdict:
     """One pod's verdict from its provider's answer and the Worker's health check of it (None: not
     checked, e.g. a draining pod the Worker no longer routes to)."""
     v = _judge(pod, describe, health)
-    return changed(v, kept=True) if pod.kept else v
+    return changed(v, own=True) if pod.own else v
 
 
 def _judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Mapping | None) -> Verdict:
@@ -126,7 +126,7 @@ def _judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: M
     if pod.locations and info.location and info.location not in pod.locations:
         return Verdict(pod.index, pod.id, MISPLACED,
                        f"{pod.id} runs in {info.location}, outside the region's {', '.join(pod.locations)}")
-    if info.state == RUNNING and not pod.proxied and not pod.kept and pod.ip and (info.ip, info.port) != (pod.ip, pod.port):
+    if info.state == RUNNING and not pod.proxied and not pod.own and pod.ip and (info.ip, info.port) != (pod.ip, pod.port):
         return Verdict(pod.index, pod.id, REMAPPED, f"{pod.id} runs at {info.ip}:{info.port}, recorded at "
                        f"{pod.ip}:{pod.port}: the Worker still sends to the old address")
     if health is not None and health.get("ok") is False:
@@ -309,7 +309,7 @@ class Keeper:
         now = self.clock()
         out = []
         for v in verdicts:
-            if v.kept:
+            if v.own:
                 if v.state != OK:
                     self.say(f"keeper: pod {v.index} ({v.id}) is {v.state}: it is an endpoint you run, never replaced by "
                              "the kit; the Worker routes around it meanwhile. Mend it on the box")
@@ -379,7 +379,7 @@ class Keeper:
             return None
         self.record.certs = dict(certs)
         # An endpoint's certificate is installed by its operator: any `pulumi up` re-issues it (infra/hop.py).
-        serving = {f"pod-{v.index}" for v in verdicts if v.state == OK and not v.kept}
+        serving = {f"pod-{v.index}" for v in verdicts if v.state == OK and not v.own}
         role = due_role({r: e for r, e in certs.items() if r == CELL_ROLE or r in serving}, self.clock(), self.renew_days)
         if role is None:
             return None

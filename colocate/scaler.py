@@ -509,7 +509,7 @@ class PulumiDeployer:
             addr = addresses[i] if i < len(addresses) and isinstance(addresses[i], dict) else {}
             out.append(RunningPod(i, str(pod_id), provider, addr.get("ip"), addr.get("port"),
                                   locations[i] if i < len(locations) else None, allowed,
-                                  proxied=path == "provider-proxy", kept=provider == catalogue.EXISTING))
+                                  proxied=path == "provider-proxy", own=provider == catalogue.EXISTING))
         return out
 
     def describe(self, pod: RunningPod) -> PodInfo:

@@ -231,7 +231,7 @@ def test_an_endpoint_the_team_runs_is_judged_and_reported_but_never_replaced_nor
     # cell's are in their last 30 days. The kit renews what it holds (the cell's) and touches no box.
     pods = Pods(certs={"cell": end(20), "pod-0": end(10), "pod-1": end(10)})
     pods.running = [RunningPod(i, f"gpu{i}.example.com:8443", "existing", f"gpu{i}.example.com", 8443, "TPE",
-                               ("TPE", "KHH", "HKG"), kept=True) for i in range(2)]
+                               ("TPE", "KHH", "HKG"), own=True) for i in range(2)]
     pods.dead.add(0)  # a provider that said so would not be believed either: an endpoint is the team's to mend
     gen = Generation(worker_hash="h1")
     gen.health = {"pods": [{"index": 0, "ok": True, "status": 200}, {"index": 1, "ok": False, "status": None}]}
@@ -242,10 +242,10 @@ def test_an_endpoint_the_team_runs_is_judged_and_reported_but_never_replaced_nor
         assert ctl.run(0, steps=1) == []
         t["now"] += 60
     assert pods.replaced == [] and pods.renewed == ["cell"]
-    assert [(p["index"], p["state"], p.get("kept")) for p in gen.keeper["pods"]] == [(0, DEAD, True),
+    assert [(p["index"], p["state"], p.get("own")) for p in gen.keeper["pods"]] == [(0, DEAD, True),
                                                                                      (1, UNHEALTHY, True)]
     assert any("pod 1 (gpu1.example.com:8443) is unhealthy: it is an endpoint you run, never replaced" in s for s in said)
     # An endpoint's address is declared: an answer elsewhere is not a remap the keeper would chase.
-    moved = RunningPod(0, "gpu0.example.com:8443", "existing", "gpu0.example.com", 8443, "TPE", ("TPE",), kept=True)
+    moved = RunningPod(0, "gpu0.example.com:8443", "existing", "gpu0.example.com", 8443, "TPE", ("TPE",), own=True)
     verdict = judge(moved, lambda _p: PodInfo(moved.id, "", RUNNING, "declared", None, "other", 1), None)
     assert verdict.state == OK and not verdict.replace

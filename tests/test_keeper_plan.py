@@ -174,7 +174,7 @@ def test_pulumi_yaml_and_the_settings_agree_on_replaced():
     assert settings.POD_DEFAULTS["replaced"] == {}
 
 
-def test_the_cloud_deployer_marks_the_teams_endpoints_kept_and_their_colos_as_their_region():
+def test_the_cloud_deployer_marks_the_teams_endpoints_own_and_their_colos_as_their_region():
     class Endpoints(Stack):
         name = "apac-tw-own"
 
@@ -188,5 +188,5 @@ def test_the_cloud_deployer_marks_the_teams_endpoints_kept_and_their_colos_as_th
             return {k: type("O", (), {"value": v})() for k, v in out.items()}
 
     (pod,) = deployer(Endpoints()).pods()
-    assert pod.kept and pod.provider == "existing" and pod.locations == ("TPE", "KHH", "HKG")
+    assert pod.own and pod.provider == "existing" and pod.locations == ("TPE", "KHH", "HKG")
     assert deployer(Endpoints()).describe(pod).raw_state.startswith("declared")  # no provider account to ask
