@@ -83,10 +83,14 @@ class PodSpec:
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
         for key, (typ, default) in OPTIONAL.items():
-            value = data.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, typ) or (key == "max_transfer_per_gb" and value < 0):
-                raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
-            fields[key] = float(value) if key == "max_transfer_per_gb" else value
+            given: Any = data.get(key, default)
+            if isinstance(given, bool) or not isinstance(given, typ):
+                raise PodConfigError(f"spec.{key}: wrong type (got {given!r}). Fix: regenerate the spec from the plan")
+            fields[key] = given
+        transfer = float(fields["max_transfer_per_gb"])
+        if transfer < 0:
+            raise PodConfigError(f"spec.max_transfer_per_gb: negative (got {transfer!r}). Fix: regenerate the spec from the plan")
+        fields["max_transfer_per_gb"] = transfer
         spec = cls(**fields)
         spec._check()
         return spec
