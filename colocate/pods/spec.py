@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from .. import catalogue
 from ..catalogue import EXISTING
@@ -87,9 +87,13 @@ class PodSpec:
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
         for key, (typ, default) in OPTIONAL.items():
             given: Any = data.get(key, default)
-            if isinstance(given, bool) or not isinstance(given, typ) or (key == "max_transfer_per_gb" and cast(float, given) < 0):
+            if isinstance(given, bool) or not isinstance(given, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {given!r}). Fix: regenerate the spec from the plan")
-            fields[key] = float(cast(float, given)) if key == "max_transfer_per_gb" else given
+            fields[key] = given
+        transfer = float(fields["max_transfer_per_gb"])
+        if transfer < 0:
+            raise PodConfigError(f"spec.max_transfer_per_gb: negative (got {transfer!r}). Fix: regenerate the spec from the plan")
+        fields["max_transfer_per_gb"] = transfer
         fields["endpoint"] = _endpoint(fields["endpoint"])
         spec = cls(**fields)
         spec._check()
