@@ -5,7 +5,9 @@ the Cloudflare colos that count as in-region, and the GPU locations per provider
 Sources: placement targets and DO hints from cloudflare-docs (``workers/configuration/placement``,
 ``durable-objects/reference/data-location``); RunPod
 data-centre ids from RunPod's public data-centre list (check with
-``GET /v2/catalog/datacenters``); Vast.ai ``geolocation`` is a country code.
+``GET /v2/catalog/datacenters``); Vast.ai ``geolocation`` is a country code. An endpoint the team
+already runs (provider ``existing``) says where it is by the Cloudflare colo nearest it, one of
+the region's in-region colos: the same check a rented pod's location gets, in a provider-neutral word.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 from . import geo
 from .errors import ConfigError, UnknownRegion, UnsupportedProvider
 
-PROVIDERS = ("runpod", "vastai", "local")
+EXISTING = "existing"  # an endpoint the team already runs: declared, checked, never rented or deleted
+PROVIDERS = ("runpod", "vastai", "local", EXISTING)
 
 # Location hints that host Durable Objects. `sam`, `afr` and `me` are valid hint
 # names but host nothing today: objects hinted there land elsewhere
@@ -48,11 +51,14 @@ class Region:
         return tuple(p for p in PROVIDERS if self.gpu_locations.get(p))
 
     def locations(self, provider: str) -> tuple[str, ...]:
-        """Ordered GPU locations of ``provider`` here; raises UnsupportedProvider."""
+        """Ordered GPU locations of ``provider`` here; raises UnsupportedProvider. An existing
+        endpoint's location is a colo of the region (``in_region_colos``): where the box stands."""
         if provider not in PROVIDERS:
             raise UnsupportedProvider(
                 "colocate:pod.provider", provider, "unknown GPU provider", f"use one of {', '.join(PROVIDERS)}"
             )
+        if provider == EXISTING:
+            return self.in_region_colos
         locations = self.gpu_locations.get(provider, ())
         if not locations:
             why = self.refusals.get(provider, f"{provider} has no location in {self.name}")
@@ -65,7 +71,10 @@ class Region:
         return locations
 
     def site_of(self, location: str) -> str:
-        """The colo that stands for a GPU location (the edge site when the catalogue has none)."""
+        """The colo that stands for a GPU location (the edge site when the catalogue has none); an
+        existing endpoint's location is a colo already."""
+        if location in self.in_region_colos:
+            return location
         return self.location_sites.get(location, self.edge_site)
 
     def is_in_region(self, colo_code: str | None) -> bool:

@@ -41,14 +41,20 @@ def parse(not_after: str) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
-def check(not_after: str, now: datetime, stack: str | None = None) -> Expiry:
-    """The verdict on the hop's earliest certificate, with the way out when it is near."""
+def check(not_after: str, now: datetime, stack: str | None = None, endpoints: bool = False) -> Expiry:
+    """The verdict on the hop's earliest certificate, with the way out when it is near. ``endpoints``: the
+    pods are endpoints the team runs (provider existing), whose certificates no keeper can install."""
     days = (parse(not_after) - now).total_seconds() / 86400
     where = f" -s {stack}" if stack else ""
     keeper = f".venv/bin/python scripts/scale.py run{where.replace(' -s', ' --stack')}"
     renew = (f"the keeper (`{keeper}`) renews them from {RENEW_DAYS} days left, one pod at a time, each new pod "
              f"serving before the next old one goes; without it, `pulumi up{where}` inside the last {AUTO_RENEW_DAYS} "
              "days re-issues them all at once, every pod replaced side by side")
+    if endpoints:
+        renew = (f"your endpoints serve the certificates the kit issued them: `pulumi up{where}` re-issues theirs from "
+                 f"{RENEW_DAYS} days left and waits until each box serves its new one, printing where the credentials "
+                 "are and the commands that install them (docs/pods.md, \"An endpoint you already run\"); the keeper "
+                 "renews the cell's own")
     if days <= 0:
         return Expiry(FAIL, not_after, days, f"the pod hop's certificates expired {-days:.1f} days ago: the Worker "
                       f"cannot reach its pods and every request goes to the fallback; {renew}")

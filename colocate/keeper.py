@@ -20,7 +20,8 @@ Each pass, before anything is deployed:
    alone: ``colocate:pod.replaced`` counts pod i's replacements into its name, recorded in the
    generation first (so every `pulumi up`, from any checkout, declares the same name), and the
    deployer replaces that pod's resources and those depending on them, never another pod's. A
-   preempted interruptible pod is one more dead pod.
+   preempted interruptible pod is one more dead pod. An endpoint the team runs (provider ``existing``)
+   is judged and reported the same way, and never replaced: its operator mends it.
 3. **The certificates.** A role whose certificate has ``RENEW_DAYS`` or fewer left (day 60 of 90)
    is renewed, one role a pass, after any replacement: the cell's own leaves (the Worker's client
    certificate, the readiness check's: no pod is replaced) first, then pod by pod (a pod that does
@@ -42,7 +43,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as changed
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -86,6 +87,7 @@ class RunningPod:
     location: str | None = None
     locations: tuple[str, ...] = ()  # the region's locations for its provider
     proxied: bool = False  # reached through the provider's proxy: its public address is not what the Worker uses
+    own: bool = False  # a server the keeper did not start (provider existing: the team's box): judged, never replaced or renewed
 
 
 @dataclass(frozen=True)
@@ -94,18 +96,25 @@ class Verdict:
     id: str
     state: str
     detail: str
+    own: bool = False  # RunningPod.own: its verdict is reported, never acted on
 
     @property
     def replace(self) -> bool:
-        return self.state in REPLACE_AT_ONCE
+        return self.state in REPLACE_AT_ONCE and not self.own
 
     def as_json(self) -> dict:
-        return {"index": self.index, "id": self.id, "state": self.state, "detail": self.detail[:200]}
+        out = {"index": self.index, "id": self.id, "state": self.state, "detail": self.detail[:200]}
+        return {**out, "own": True} if self.own else out
 
 
 def judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Mapping | None) -> Verdict:
     """One pod's verdict from its provider's answer and the Worker's health check of it (None: not
     checked, e.g. a draining pod the Worker no longer routes to)."""
+    v = _judge(pod, describe, health)
+    return changed(v, own=True) if pod.own else v
+
+
+def _judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Mapping | None) -> Verdict:
     try:
         info = describe(pod)
     except NotFoundError as exc:
@@ -117,7 +126,7 @@ def judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Ma
     if pod.locations and info.location and info.location not in pod.locations:
         return Verdict(pod.index, pod.id, MISPLACED,
                        f"{pod.id} runs in {info.location}, outside the region's {', '.join(pod.locations)}")
-    if info.state == RUNNING and not pod.proxied and pod.ip and (info.ip, info.port) != (pod.ip, pod.port):
+    if info.state == RUNNING and not pod.proxied and not pod.own and pod.ip and (info.ip, info.port) != (pod.ip, pod.port):
         return Verdict(pod.index, pod.id, REMAPPED, f"{pod.id} runs at {info.ip}:{info.port}, recorded at "
                        f"{pod.ip}:{pod.port}: the Worker still sends to the old address")
     if health is not None and health.get("ok") is False:
@@ -300,6 +309,11 @@ class Keeper:
         now = self.clock()
         out = []
         for v in verdicts:
+            if v.own:
+                if v.state != OK:
+                    self.say(f"keeper: pod {v.index} ({v.id}) is {v.state}: it is an endpoint you run, never replaced by "
+                             "the kit; the Worker routes around it meanwhile. Mend it on the box")
+                continue
             if not (v.replace or (v.state == UNHEALTHY and self.streaks.get(v.index, 0) >= UNHEALTHY_PASSES)):
                 continue
             if now < self.record.retry_at.get(v.index, 0.0):
@@ -364,7 +378,8 @@ class Keeper:
             self.say(f"keeper: the certificates could not be read ({exc})")
             return None
         self.record.certs = dict(certs)
-        serving = {f"pod-{v.index}" for v in verdicts if v.state == OK}
+        # An endpoint's certificate is installed by its operator: any `pulumi up` re-issues it (infra/hop.py).
+        serving = {f"pod-{v.index}" for v in verdicts if v.state == OK and not v.own}
         role = due_role({r: e for r, e in certs.items() if r == CELL_ROLE or r in serving}, self.clock(), self.renew_days)
         if role is None:
             return None

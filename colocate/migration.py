@@ -22,7 +22,7 @@ PLANNING_ACCOUNT = "0" * 32  # planning never deploys; a stack may not have its 
 
 @dataclass(frozen=True)
 class Action:
-    verb: str  # create | delete | update | bind | unbind | purge | probe | keep | cost
+    verb: str  # create | delete | update | bind | unbind | purge | probe | keep | cost | check | forget (an endpoint)
     what: str
     detail: str
 
@@ -90,12 +90,18 @@ def diff(before: CellPlan, after: CellPlan) -> list[Action]:
         if bp and ap and bp.triggers() == ap.triggers():
             actions.append(Action("keep", f"pod {shown(ap)}", "unchanged"))
             continue
-        if ap:
+        if ap and ap.endpoint is not None:  # the team's box: checked, never rented
+            actions.append(Action("check", f"pod {shown(ap)}", f"your endpoint {ap.worker_url({})} "
+                                  f"({ap.endpoint.location}), waited for before the Worker uses it"))
+        elif ap:
             created += 1
             actions.append(Action("create", f"pod {shown(ap)}", f"{ap.settings.provider} in {ap.region} "
                                   f"({', '.join(ap.locations)}), reached by {ap.path}, "
                                   "health-checked before anything is deleted"))
-        if bp:
+        if bp and bp.endpoint is not None:
+            actions.append(Action("forget", f"pod {shown(bp)}", f"your endpoint {bp.worker_url({})} keeps running: "
+                                  "the kit never deletes it"))
+        elif bp:
             actions.append(Action("delete", f"pod {shown(bp)}", f"{bp.settings.provider} in {bp.region}, "
                                   "at the end of the update, after the Worker uses the new pods"))
     cap = after.pod.settings.max_price_per_hr
@@ -103,8 +109,13 @@ def diff(before: CellPlan, after: CellPlan) -> list[Action]:
     # Replaced pods are deleted at the end of the update: old and new bill together until then.
     peak = len(before.pods) + created
     during = f"; during the update {peak} pods run, up to ${cap * peak:.2f}/hr" if peak > n else ""
-    actions.append(Action("cost", f"{n} pod{'s' if n > 1 else ''}",
-                          f"at most ${cap * n:.2f}/hr (cap ${cap:.2f}/hr each){during}"))
+    if after.pods and all(p.endpoint is not None for p in after.pods):
+        own = sum(p.endpoint.cost_per_hr for p in after.pods if p.endpoint is not None)
+        actions.append(Action("cost", f"{n} pod{'s' if n > 1 else ''}", f"${own:.2f}/hr, your own figure "
+                              "(colocate:pod.endpoints[].costPerHr)"))
+    else:
+        actions.append(Action("cost", f"{n} pod{'s' if n > 1 else ''}",
+                              f"at most ${cap * n:.2f}/hr (cap ${cap:.2f}/hr each){during}"))
     host_move = _placement_host_change(before, after)
     if host_move:
         actions.append(Action("update", f"Worker {after.worker.script_name}", host_move))

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import cloudflare_limits, geo
-from .catalogue import Region, region as lookup_region
+from .catalogue import EXISTING, Region, region as lookup_region
+from .endpoints import Endpoint, anycast
 from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Generation
 from .settings import LEGACY_TOKEN, PodSettings, Settings
@@ -124,17 +125,26 @@ def instance_host(base: str, provider: str, pod_id: str) -> str:
     return f"{instance_label(provider, pod_id)}.{base}"
 
 
-def placement_mode(setting: str, path: str) -> str:
+def placement_mode(setting: str, path: str, pod0_host: str = "") -> str:
     """The placement mode a cell runs under, from ``colocate:worker.placement`` and the pod path.
 
     ``auto`` is ``pod`` where the pod has a DNS-only record of its own (``zone-dns``) and
     ``targeted`` elsewhere. ``pod`` needs a single-homed address: RunPod's proxy hostnames
     are anycast and shared, which Cloudflare's placement probes cannot locate (changelog
     2026-01-22, "not suitable for anycasted or multicasted resources"), so it is refused
-    there. ``local-hostname`` (the sandbox) takes it; the Pulumi program refuses it there.
+    there. ``local-hostname`` (the sandbox) takes it; the Pulumi program refuses it there. An existing
+    endpoint (``endpoint``) is a box of its own at its name (``pod0_host``), unless that name is a
+    provider's shared proxy (``endpoints.anycast``).
     """
+    single = path == PATH_ZONE_DNS or (path == PATH_ENDPOINT and not anycast(pod0_host))
     if setting == "auto":
-        return PLACEMENT_POD if path == PATH_ZONE_DNS else PLACEMENT_TARGETED
+        return PLACEMENT_POD if single else PLACEMENT_TARGETED
+    if setting == PLACEMENT_POD and path == PATH_ENDPOINT and not single:
+        raise ConfigError("colocate:worker.placement", setting,
+                          f"pod 0 is reached at {pod0_host}, a provider's shared proxy (anycast): Cloudflare's placement "
+                          "probes cannot locate it (they are for single-homed hosts)",
+                          "pulumi config set --path colocate:worker.placement targeted (the region's cloud hint), or "
+                          "declare the box by its own address (colocate:pod.endpoints[0].ip on colocate:zone)")
     if setting == PLACEMENT_POD and path == PATH_PROVIDER_PROXY:
         raise ConfigError("colocate:worker.placement", setting,
                           "the pod is reached through RunPod's proxy hostname, which is anycast and shared by "
@@ -204,7 +214,10 @@ class StatePlan:
 PATH_ZONE_DNS = "zone-dns"  # a DNS-only A record on colocate:zone, straight to the pod's public port
 PATH_PROVIDER_PROXY = "provider-proxy"  # RunPod's HTTPS proxy hostname (through Cloudflare and RunPod's balancer)
 PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that resolves to 127.0.0.1
-POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
+# An endpoint the team already runs (provider existing): its own name, or the kit's DNS-only record
+# on the zone for its ip, on its own port, always https (colocate/endpoints.py).
+PATH_ENDPOINT = "endpoint"
+POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME, PATH_ENDPOINT)
 # Paths on which the Worker reaches the pod itself, so the hop can be mutual TLS end to end
 # (docs/pods.md, "Who can reach the pod"): the pod serves a publicly trusted certificate for its
 # name on the zone (ACME DNS-01, infra/hop.py) and admits only a client certificate of the cell's
@@ -212,12 +225,13 @@ POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
 # POD_TLS binding. Nothing in the zone trusts the cell's CA. RunPod's proxy terminates TLS itself
 # and speaks HTTP to the pod: no client certificate can reach the pod that way, and the pod's
 # guard (vLLM --middleware: the router's routes only, with the pod token) keeps strangers out.
-MTLS_PATHS = (PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS)
+MTLS_PATHS = (PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PATH_ENDPOINT)
 # Providers whose create request can carry the pod's TLS bundle (multi-line PEM) in the pod's
 # environment: RunPod's `env` is a JSON object, and so is Vast.ai's as its API takes it (its
 # OpenAPI spec says a string of Docker flags; docs/pods.md). A new provider joins this list
-# only once it can; until then a mutual-TLS hop to it is refused by name.
-MTLS_PROVIDERS = ("local", "runpod", "vastai")
+# only once it can; until then a mutual-TLS hop to it is refused by name. An existing endpoint's
+# operator installs the bundle the kit writes (colocate/pods/existing.py).
+MTLS_PROVIDERS = ("local", "runpod", "vastai", EXISTING)
 POD_TLS_BINDING = "POD_TLS"
 POD_TLS_FROM_OUTPUT = "pod.tls"  # marks the binding whose value is the Worker's client certificate
 
@@ -259,6 +273,8 @@ def check_guard_image(provider: str, path: str, setting: str, image: str) -> Non
     """Refuse the stock image where only the pod's guard keeps strangers out (RunPod's proxy): its
     ``vllm serve`` answers ``/invocations``, ``/tokenize`` and ``/metrics`` to whoever learns the
     pod's URL. The kit's image (pod/Dockerfile) always runs the guard."""
+    if provider == EXISTING:  # the kit starts nothing there; its readiness check refuses an unguarded box
+        return
     repository = image.split("@", 1)[0].rsplit(":", 1)[0] if "/" in image else image
     if pod_guarded(provider, path, setting) and repository.removeprefix("docker.io/") == STOCK_IMAGE:
         raise ConfigError("colocate:pod.image", image,
@@ -289,6 +305,8 @@ def pod_path(provider: str, zoned: bool) -> str:
     """Which path the Worker takes to a pod; refuses a provider with no hostname when no zone is set."""
     if provider == "local":
         return PATH_LOCAL_HOSTNAME
+    if provider == EXISTING:
+        return PATH_ENDPOINT
     if zoned:
         return PATH_ZONE_DNS
     if provider == "runpod":
@@ -311,6 +329,14 @@ def check_pod_cloud(provider: str, path: str, cloud: str) -> None:
                           "Community Cloud host may have none (RunPod's REST v2 cannot ask for one)",
                           "pulumi config set --path colocate:pod.cloud SECURE, or remove colocate:zone (the "
                           "Worker then uses RunPod's proxy hostname, which needs no public ip)")
+
+
+def endpoint_named(endpoint: Endpoint, settings: Settings, generation: str, index: int) -> Endpoint:
+    """An endpoint with the name the Worker fetches: its own host, or for an ip the kit's DNS-only record
+    on the zone, named as a rented pod's slot (``pod_hostname_of``; settings refused an ip without a zone)."""
+    if endpoint.host or settings.zone is None:
+        return endpoint
+    return replace(endpoint, host=pod_hostname_of(settings.zone.pod_hostname, generation, index))
 
 
 def pod_hostname_of(template: str, generation: str, index: int) -> str:
@@ -377,6 +403,9 @@ class PodPlan:
     # declared and running, no longer in the Worker's POD_URLS. Not part of the identity.
     in_rotation: bool = True
     scope: str = ""  # pod_scope(organization, project) in the cloud; "" in the sandbox
+    # provider existing: the endpoint this pod is, its ``host`` the name the Worker fetches (the
+    # declared one, or the kit's record on the zone for its ip). None for a pod the kit rents.
+    endpoint: Endpoint | None = None
 
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
@@ -388,6 +417,8 @@ class PodPlan:
         ``provider-proxy``: RunPod's proxy hostname on the pod's own (internal) port.
         ``local-hostname``: ``localhost`` on the stand-in's port.
         """
+        if self.endpoint is not None:  # always https: the box's TLS (mutual, or its own)
+            return f"https://{self.endpoint.host}:{self.endpoint.port}"
         scheme = "https" if self.mtls else "http"
         if self.path == PATH_ZONE_DNS:
             return f"{scheme}://{self.host(created)}:{created['port']}"
@@ -413,6 +444,8 @@ class PodPlan:
         certificate names every label under ``pod_hostname`` (``*.``): one level, that pod's slot only."""
         if not self.mtls:
             return ""
+        if self.endpoint is not None:  # known before it serves: the certificate names it exactly
+            return self.endpoint.host
         return f"*.{self.pod_hostname}" if self.path == PATH_ZONE_DNS and self.pod_hostname else "localhost"
 
     def spec(self) -> dict:
@@ -430,7 +463,7 @@ class PodPlan:
             "image": s.image,
             "min_cuda_version": s.min_cuda_version,
             "model": s.model,
-            "port": s.port,
+            "port": self.endpoint.port if self.endpoint is not None else s.port,
             "disk_gb": s.disk_gb,
             "max_price_per_hr": s.max_price_per_hr,
             "max_transfer_per_gb": s.max_transfer_per_gb,
@@ -445,7 +478,14 @@ class PodPlan:
             "max_model_len": s.max_model_len,
             "command": s.command,
             "url": s.url,
+            "endpoint": self.endpoint_spec() if self.endpoint is not None else None,
         }
+
+    def endpoint_spec(self) -> dict:
+        """An existing endpoint as ``scripts/pod.py`` checks it (colocate/pods/existing.py)."""
+        e = self.endpoint
+        assert e is not None
+        return {"host": e.host, "ip": e.ip, "port": e.port, "location": e.location, "cost_per_hr": e.cost_per_hr}
 
     def identity(self) -> list[str]:
         """What makes the pod the pod it is: everything its create request fixes for its
@@ -460,8 +500,14 @@ class PodPlan:
         pods placed before the key existed stay as they are.
         """
         s = self.settings
-        ident = [self.region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, self.generation,
-                 f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
+        if self.endpoint is not None:  # what the Worker reaches and how; the box is the team's, not a spec's
+            e = self.endpoint
+            ident = [self.region, s.provider, self.generation, f"endpoint={e.host}:{e.port}", f"path={self.path}"]
+            if e.ip:
+                ident.append(f"ip={e.ip}")
+        else:
+            ident = [self.region, s.provider, s.gpu, str(s.gpu_count), s.image, s.model, self.generation,
+                     f"port={s.port}", f"diskGb={s.disk_gb}", f"cloud={s.cloud}", f"path={self.path}"]
         if s.provider == "local":  # the stand-in's compute time; a GPU pod ignores it
             ident.append(f"computeMs={s.compute_ms}")
             if s.profile != "oracle":  # the first profile adds nothing: names of pods placed before stay
@@ -475,7 +521,7 @@ class PodPlan:
             ident.append("hop=mtls")
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
-        replaced = s.replaced_count(self.index)
+        replaced = 0 if self.endpoint is not None else s.replaced_count(self.index)  # the kit replaces no endpoint
         if replaced:  # the keeper's replacements of this pod alone (colocate/keeper.py)
             ident.append(f"replaced={replaced}")
         if self.token_fingerprint:
@@ -585,9 +631,10 @@ class CellPlan:
     def sweep_provider(self) -> str | None:
         """The provider whose pods of this stack that no declared pod holds are deleted after each
         change of the pods (a rent killed mid-request whose spec then changed: docs/pods.md, "Never
-        orphan"); None without pods, and for local stand-ins, which are this machine's processes."""
+        orphan"); None without pods, for local stand-ins, which are this machine's processes, and for
+        existing endpoints, which the kit never deletes."""
         s = self.pod_settings
-        return s.provider if self.pods and s is not None and s.provider != "local" else None
+        return s.provider if self.pods and s is not None and s.provider not in ("local", EXISTING) else None
 
 
 def module_closure(directory: Path, main: str) -> tuple[Module, ...]:
@@ -782,6 +829,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     hop_is_mtls(settings.pod.provider, path, settings.pod.hop)  # refuses a hop the path cannot carry
     check_guard_image(settings.pod.provider, path, settings.pod.hop, settings.pod.image)
     locations = reg.locations(settings.pod.provider)
+    endpoints = [endpoint_named(e, settings, gen, i) for i, e in enumerate(settings.pod.endpoints)]
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts
     # the pod that the replacement's `delete` is about to remove.
@@ -793,19 +841,22 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             region=reg.name,
             generation=gen,
             settings=settings.pod,
-            # Pod i prefers the region's i-th location (spread), the others stay as capacity fallbacks.
-            locations=locations[i % len(locations):] + locations[:i % len(locations)],
-            pod_hostname=pod_hostname_of(settings.zone.pod_hostname, gen, i)
+            # Pod i prefers the region's i-th location (spread), the others stay as capacity fallbacks;
+            # an endpoint is where it is.
+            locations=(endpoints[i].location,) if endpoints else
+            locations[i % len(locations):] + locations[:i % len(locations)],
+            pod_hostname=endpoints[i].host if endpoints else pod_hostname_of(settings.zone.pod_hostname, gen, i)
             if path == PATH_ZONE_DNS and settings.zone is not None else None,
             path=path,
             in_rotation=settings.scale is None or i < settings.scale.pods,
             scope=scope,
+            endpoint=endpoints[i] if endpoints else None,
         ).with_derived_name()
         for i in range(settings.pod.count)
     )
     decision = migration_decision(live_migration_tag, settings.worker.migration_tag, script=settings.worker.name,
                                   allow_class_deletion=settings.worker.allow_class_deletion)
-    mode = placement_mode(settings.worker.placement, path)
+    mode = placement_mode(settings.worker.placement, path, endpoints[0].host if endpoints else "")
     if mode == PLACEMENT_POD and settings.scale is not None and settings.scale.min == 0:
         # Pod 0 comes and goes with demand: the Worker cannot follow an address that may not exist.
         if settings.worker.placement == PLACEMENT_POD:
@@ -817,7 +868,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     if mode == PLACEMENT_POD:
         pod = pods[0]
         placement_host = PlacementHost(pod.pod_hostname or "localhost", pod.index,
-                                       instance_of=settings.pod.provider if pod.pod_hostname else "")
+                                       instance_of=settings.pod.provider if pod.pod_hostname and path == PATH_ZONE_DNS
+                                       else "")
         placement = {"host": placement_host.describe()}
     elif mode == PLACEMENT_SMART:
         placement = {"mode": "smart"}
@@ -847,7 +899,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement_host=placement_host,
     )
     check_worker_limits(worker)
-    pod_site = reg.site_of(locations[0])  # pod 0's preferred location, whether or not it runs now
+    pod_site = reg.site_of(pods[0].locations[0] if pods else locations[0])  # pod 0's, whether or not it runs now
     probe = ProbePlan(
         region=reg.name,
         expected_colos=reg.in_region_colos,
@@ -859,5 +911,6 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement_mode=mode,
     )
     return CellPlan(settings.stack, reg, worker, state, pods, probe, pod_path=path, pod_settings=settings.pod,
-                    acme_server=settings.zone.acme_server if path == PATH_ZONE_DNS and settings.zone else None,
+                    acme_server=settings.zone.acme_server if path in (PATH_ZONE_DNS, PATH_ENDPOINT) and settings.zone
+                    else None,
                     scope=scope)

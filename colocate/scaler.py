@@ -509,7 +509,7 @@ class PulumiDeployer:
             addr = addresses[i] if i < len(addresses) and isinstance(addresses[i], dict) else {}
             out.append(RunningPod(i, str(pod_id), provider, addr.get("ip"), addr.get("port"),
                                   locations[i] if i < len(locations) else None, allowed,
-                                  proxied=path == "provider-proxy"))
+                                  proxied=path == "provider-proxy", own=provider == catalogue.EXISTING))
         return out
 
     def describe(self, pod: RunningPod) -> PodInfo:
@@ -545,7 +545,7 @@ class PulumiDeployer:
         """Re-issue the role's certificates (``--replace``) and update what holds them: pod i, whose
         certificate is in its name, is replaced alone; the cell's leaves replace no pod."""
         outs = self.stack.outputs()
-        public = (outs[outputs.POD_PATH].value if outputs.POD_PATH in outs else None) == "zone-dns"
+        public = (outs[outputs.POD_PATH].value if outputs.POD_PATH in outs else None) in ("zone-dns", "endpoint")
         pod = json.loads(self._config().get("pod") or "{}")
         certs = urns.hop_certificates(self._project(), self.stack.name, role, int(pod.get("renewal") or 0), public)
         self._up(target=certs, replace=certs, target_dependents=True)

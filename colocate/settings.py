@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from . import endpoints as endpoints_mod
 from .capacity import pod_capacity
-from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
+from .catalogue import EXISTING, PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
+from .endpoints import Endpoint
 from .errors import ConfigError, MissingSetting
 from .ledger import Ledger
 from .pods.profiles import DEFAULT_PROFILE, PROFILES
@@ -65,6 +67,8 @@ POD_DEFAULTS = {
     # local only: an OpenAI-compatible server of the user's as the sandbox's pod (docs/sandbox.md "Your own engine")
     "command": "",
     "url": "",
+    # provider existing only: the endpoints the team already runs, one pod each (colocate/endpoints.py)
+    "endpoints": [],
 }
 # colocate:pod.maxModelLen's bounds: vLLM's block (16 tokens) at least; Qwen2.5's longest context (YaRN) at most.
 MAX_MODEL_LEN_RANGE = (16, 131072)
@@ -131,9 +135,9 @@ SCHEMA: tuple[Key, ...] = (
         "scripts/migrate.py."),
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS,
-        "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
-        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, maxTransferPerGb (Vast.ai: the "
-        "most a host may charge per GB down or up), cloud, minReliability, "
+        "GPU pod: provider (runpod | vastai | local | existing: endpoints you already run), gpu, gpuCount, image, "
+        "minCudaVersion (the host's lowest acceptable CUDA, major.minor: the image's CUDA build), model, port, diskGb, "
+        "maxPricePerHr, maxTransferPerGb (Vast.ai: the most a host may charge per GB down or up), cloud, minReliability, "
         "readyTimeoutS, computeMs (local only), profile (local only: the stand-in's GPU and model, "
         "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
         "(raise by one to replace every pod, and the hop's certificates, with new ones), replaced ({pod index: n}: the "
@@ -141,7 +145,9 @@ SCHEMA: tuple[Key, ...] = (
         "auto is mutual TLS on colocate:zone and the pod token behind the pod's guard on RunPod's proxy; token is "
         "refused on a zone), maxModelLen (vLLM's --max-model-len: the context, prompt included; the router's "
         "ceilings follow it), command and url (local only: an OpenAI-compatible server as the sandbox's pod, started "
-        "by the sandbox or already running at url)."),
+        "by the sandbox or already running at url), endpoints (existing only: [{host or ip, port, location, costPerHr}], "
+        "one pod each: a DNS name you own or a public ip the kit names on colocate:zone, the Cloudflare colo nearest "
+        "the box, its $/hr; never created, replaced or deleted by the kit)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
@@ -246,6 +252,7 @@ class PodSettings:
     command: str = ""  # colocate:pod.command (local): the pod is this command, not the stand-in
     url: str = ""  # colocate:pod.url (local): where that command, or a server the user runs, serves
     replaced: tuple[tuple[int, int], ...] = ()  # colocate:pod.replaced as (index, n) pairs, n > 0, index order
+    endpoints: tuple[Endpoint, ...] = ()  # colocate:pod.endpoints (provider existing): one pod each, index order
 
     def replaced_count(self, index: int) -> int:
         """How often the keeper replaced pod ``index`` (0: never): part of that pod's name."""
@@ -400,7 +407,7 @@ def parse_pod(raw: dict) -> PodSettings:
         min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False, maximum=1)),
         ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
         compute_ms=_number(k + "computeMs", p["computeMs"], integer=True, strict=False),
-        count=_pod_count(k + "count", p["count"]),
+        count=len(p["endpoints"] or ()) if provider == EXISTING else _pod_count(k + "count", p["count"]),
         min_cuda_version=_cuda_version(k + "minCudaVersion", p["minCudaVersion"]),
         renewal=_number(k + "renewal", p["renewal"], integer=True, strict=False),
         hop=_string(k + "hop", p["hop"], HOPS),
@@ -409,7 +416,29 @@ def parse_pod(raw: dict) -> PodSettings:
                               minimum=MAX_MODEL_LEN_RANGE[0], maximum=MAX_MODEL_LEN_RANGE[1]),
         **_engine(k, provider, p["command"], p["url"]),
         replaced=parse_replaced(k + "replaced", p["replaced"]),
+        endpoints=_endpoints(k, provider, p, raw.get("pod") or {}),
     )
+
+
+def _endpoints(k: str, provider: str, p: dict, given: dict) -> tuple[Endpoint, ...]:
+    """colocate:pod.endpoints: the pods of an ``existing`` cell, and only of one; their number is its count."""
+    found = endpoints_mod.parse(p["endpoints"], _number(k + "port", p["port"], integer=True))
+    if provider != EXISTING:
+        if found:
+            raise ConfigError(k + "endpoints", p["endpoints"], f"are served by provider {EXISTING}, not {provider}",
+                              f"pulumi config set --path {k}provider {EXISTING}, or pulumi config rm --path {k}endpoints")
+        return ()
+    if not found:
+        raise MissingSetting(k + "endpoints", None, f"provider {EXISTING} serves the endpoints you declare, and none is",
+                             f"pulumi config set --path '{k}endpoints[0].host' <the box's DNS name> (and .port, "
+                             ".location; docs/pods.md, \"An endpoint you already run\")")
+    if len(found) > MAX_PODS:
+        raise ConfigError(k + "endpoints", len(found), f"a cell runs at most {MAX_PODS} pods",
+                          "split the endpoints over several cells")
+    if "count" in given and _number(k + "count", given["count"], integer=True) != len(found):
+        raise ConfigError(k + "count", given["count"], f"an {EXISTING} cell runs one pod per endpoint ({len(found)})",
+                          f"pulumi config rm --path {k}count")
+    return found
 
 
 def _engine(k: str, provider: str, command: object, url: object) -> dict[str, str]:
@@ -436,6 +465,16 @@ def _engine(k: str, provider: str, command: object, url: object) -> dict[str, st
                               "is reached by name localhost, on this machine's loopback",
                               f"run the server here and pulumi config set --path {k}url https://localhost:{port}")
     return {"command": str(command), "url": str(url)}
+
+
+def _existing(pod: PodSettings, cell_region: Region, zone: ZoneSettings | None, raw: dict) -> PodSettings:
+    """An ``existing`` cell: its endpoints in the region and named where the Worker can reach them, the
+    hop resolved for them (``endpoints.resolve_hop``), and no pod count the kit would change."""
+    endpoints_mod.check(pod.endpoints, cell_region.name, cell_region.in_region_colos, zone.name if zone else None)
+    if raw.get("scale"):
+        raise ConfigError(f"{NS}:scale", raw["scale"], f"the pods of an {EXISTING} cell are the endpoints you run: "
+                          "the kit adds and removes none", f"pulumi config rm {NS}:scale")
+    return replace(pod, hop=endpoints_mod.resolve_hop(pod.endpoints, pod.hop, zone.name if zone else None))
 
 
 def parse_replaced(key: str, value: object) -> tuple[tuple[int, int], ...]:
@@ -834,6 +873,8 @@ def parse(
     max_fallback_share = _number(f"{NS}:probe.maxFallbackShare", probe["maxFallbackShare"], strict=False, maximum=1)
     worker = parse_worker(raw, stack)
     zone = parse_zone(raw.get("zone"))
+    if pod.provider == EXISTING:
+        pod = _existing(pod, cell_region, zone, raw)
     if zone is None and not worker.subdomain:
         raise MissingSetting(
             f"{NS}:worker.subdomain",

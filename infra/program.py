@@ -14,7 +14,7 @@ import pulumi_cloudflare as cloudflare
 
 from colocate import fleet, outputs, preflight as preflight_mod, scaler
 from colocate.errors import ConfigError
-from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell, pod_scope
+from colocate.plan import PATH_ENDPOINT, PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell, pod_scope
 from colocate.scaler import SCALE_STEP_ENV
 from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse, parse_replaced
 
@@ -157,7 +157,7 @@ def _under_mocks() -> bool:
 
 
 def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
-    acme = cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS
+    acme = cell_plan.mtls and cell_plan.pod_path in (PATH_ZONE_DNS, PATH_ENDPOINT)
     return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls, acme=acme,
                                acme_names=tuple(p.tls_name for p in cell_plan.pods) if acme else (),
                                acme_server=cell_plan.acme_server or "")

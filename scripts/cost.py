@@ -6,8 +6,10 @@
 
 The usage comes from the Worker (GET /_colocate/usage, read token): a running sandbox of the
 stack, else the deployed stack (`pulumi stack output`), or --url with COLOCATE_READ_TOKEN.
-The pods' $/hr is the stack's podsCostPerHr output (what the providers reported); a sandbox's
-stand-in reports no price, so there it is colocate:pod.maxPricePerHr x pod.count, and said so.
+The pods' $/hr is the stack's podsCostPerHr output (what the providers reported; for endpoints the
+team runs, the sum of their colocate:pod.endpoints[].costPerHr, the team's own figure, 0 unless set,
+and said so); a sandbox's stand-in reports no price, so there it is colocate:pod.maxPricePerHr x
+pod.count (an existing cell's declared figures), and said so.
 The hours are the window's, or since the sandbox's pods started; --hours overrides.
 The fallback's price is colocate:fallbackPrice {input, output} in $ per 1M tokens.
 Exit 0 with the report, 2 on a usage error or an unreachable target. See docs/probe.md, "Cost".
@@ -191,6 +193,15 @@ def _run(args: argparse.Namespace) -> int:
         hours = window_h
         notes.append(f"assumes the pods ran the whole {days}-day window; pass --hours if they did not")
     cost_per_hr, source = args.cost_per_hr, "--cost-per-hr"
+    own = pod is not None and pod.provider == settings.EXISTING
+    if own and cost_per_hr is None:
+        assert pod is not None
+        declared = sum(e.cost_per_hr for e in pod.endpoints)
+        notes.append("the pods are endpoints you run: their cost is your own figure, colocate:pod.endpoints[].costPerHr"
+                     + (" (unset: 0, so they look free here; set each to what its box costs you an hour)"
+                        if declared == 0 else f" (${declared:g}/hr together), not a provider's bill"))
+        if target.source != "stack":  # a deployed stack's podsCostPerHr is the figure it declared
+            cost_per_hr, source = declared, "colocate:pod.endpoints[].costPerHr"
     if cost_per_hr is None:
         if target.source == "sandbox" and pod is not None:
             cost_per_hr = pod.max_price_per_hr * pod.count

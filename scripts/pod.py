@@ -20,6 +20,9 @@ region), 1 when the provider fails (capacity, readiness, refusals).
                             the kept ones; the stack must exist (exit 2 otherwise). --scope (the stack's
                             podScope output) leaves another project's stack of the same name alone
 
+An existing endpoint (provider existing: a box the team runs) is recorded by rent and checked by wait,
+and never created or deleted: delete exits 2 and sweep finds none (colocate/pods/existing.py).
+
 create/delete/status read keys from the environment only: RUNPOD_API_KEY, VASTAI_API_KEY
 (pulumi up passes them). sweep finds the stack's provider key as `pulumi up` does: the
 stack's secret colocate:<provider>ApiKey through `pulumi config get --show-secrets` when
@@ -47,7 +50,7 @@ from colocate.pods import lifecycle, spec as podspec, stackkeys, stop  # noqa: E
 from colocate.pods.errors import FatalError, PodConfigError, PodError  # noqa: E402
 from colocate.settings import PROVIDER_SECRET  # noqa: E402
 
-PROVIDERS = ("runpod", "vastai", "local")
+PROVIDERS = ("runpod", "vastai", "local", "existing")
 REFUSED_KEY = (401, 403)  # the provider's answer to a revoked or wrong key
 
 

@@ -35,8 +35,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from colocate import catalogue, cli, stackfile  # noqa: E402
+from colocate.catalogue import EXISTING  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
-from colocate.plan import POD_PATHS, placement_mode  # noqa: E402
+from colocate.plan import PATH_ENDPOINT, POD_PATHS, placement_mode  # noqa: E402
 from colocate.probe import budgets, connections, fallbackshare, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
 from colocate.probe.placement import PLACEMENT_MODES  # noqa: E402
@@ -236,7 +237,7 @@ def _probe(args: argparse.Namespace) -> int:
               f"{f'--stack {args.stack}' if args.stack else url}",
               file=sys.stderr)
     table, doc = _keeper(_fetch_scale(url, token, args.timeout), report.table(result), report.to_json(result, args.warn_only))
-    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, table, doc)
+    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, table, doc, pod_path == PATH_ENDPOINT)
     return _emit(args, table, doc, (result.ok or result.provisional) and certs_ok, plot)
 
 
@@ -253,9 +254,11 @@ def _keeper(scale: dict | None, table: str, doc: dict) -> tuple[str, dict]:
     return table + keeper.summary(record), {**doc, "keeper": {**shown, "events": (record.get("events") or [])[-3:]}}
 
 
-def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc: dict) -> tuple[str, dict, bool]:
+def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc: dict,
+                      endpoints: bool = False) -> tuple[str, dict, bool]:
     """The hop certificates' verdict (colocate/certexpiry.py) added to the table and the JSON;
-    False when they end within FAIL_DAYS (the check fails, as a budget does)."""
+    False when they end within FAIL_DAYS (the check fails, as a budget does). ``endpoints``: the pods
+    are endpoints the team runs, whose certificates their operator installs."""
     if not not_after:
         return table, doc, True
     from datetime import UTC, datetime
@@ -263,7 +266,7 @@ def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc:
     from colocate import certexpiry
 
     try:
-        verdict = certexpiry.check(not_after, datetime.now(UTC), stack)
+        verdict = certexpiry.check(not_after, datetime.now(UTC), stack, endpoints=endpoints)
     except ValueError:
         raise UsageError("--hop-not-after", not_after, "is not an RFC 3339 time", "e.g. 2027-03-06T06:00:00Z") from None
     doc = {**doc, "hop_certificates": verdict.as_json()}
@@ -457,8 +460,19 @@ def _live(args: argparse.Namespace) -> int:
     if scale_doc is not None:
         body["scale"] = scale_doc
     table, body = _keeper(scale, live.table(result) + scale_line, body)
-    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, table, body)
+    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, table, body, _endpoints(args))
     return _emit(args, table, body, result.ok and certs_ok, lambda path: live.write_plot(result, path))
+
+
+def _endpoints(args: argparse.Namespace) -> bool:
+    """Whether the stack's pods are endpoints the team runs (colocate:pod.provider existing)."""
+    if not args.stack:
+        return False
+    try:
+        pod = stackfile.read_config(args.stack, args.stacks_dir)[0].get("pod")
+    except ConfigError:
+        return False
+    return isinstance(pod, dict) and pod.get("provider") == EXISTING
 
 
 def _max_share(args: argparse.Namespace, cfg) -> float:

@@ -163,3 +163,25 @@ def test_cli_as_a_subprocess_prints_help():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "cost.py"), "--help"], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0 and "--since" in out.stdout and "--plot" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("figure", [0.35, None])
+def test_endpoints_the_team_runs_cost_their_declared_figure_and_say_whose_it_is(cell, capsys, monkeypatch, tmp_path,
+                                                                                 figure):
+    from colocate import stackfile
+
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", SECRETS["PROBE_TOKEN"])
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    stackfile.path_of("apac-tw-own", stacks).write_bytes(stackfile.path_of("apac-tw-own").read_bytes())
+    endpoint = {"ip": "203.0.113.7", "port": 8443, "location": "TPE", **({"costPerHr": figure} if figure else {})}
+    stackfile.write_config("apac-tw-own", {"pod": {"provider": "existing", "endpoints": [endpoint]}}, stacks)
+    code, out, err = _run(capsys, "--url", cell.url, "--stack", "apac-tw-own", "--stacks-dir", str(stacks), "--since",
+                          "1d", "--hours", "10", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["cost_per_hr"] == (figure or 0) and doc["pods_cost"] == pytest.approx(10 * (figure or 0))
+    assert doc["cost_source"] == "colocate:pod.endpoints[].costPerHr"
+    note = next(n for n in doc["notes"] if "endpoints you run" in n)
+    assert ("look free here" in note) == (figure is None)

@@ -224,3 +224,28 @@ def test_an_update_that_replaced_nothing_is_a_failure_and_an_unreadable_cell_dep
     ctl, gen, _ = make(pods, Unread(worker_hash="h1"))
     ctl.step()
     assert pods.replaced == [] and "cannot be read" in gen.decisions[-1]["reason"]
+
+
+def test_an_endpoint_the_team_runs_is_judged_and_reported_but_never_replaced_nor_its_certificate_renewed():
+    # provider existing: the Worker cannot reach endpoint 1 for many passes, and endpoint 0's certificate and the
+    # cell's are in their last 30 days. The kit renews what it holds (the cell's) and touches no box.
+    pods = Pods(certs={"cell": end(20), "pod-0": end(10), "pod-1": end(10)})
+    pods.running = [RunningPod(i, f"gpu{i}.example.com:8443", "existing", f"gpu{i}.example.com", 8443, "TPE",
+                               ("TPE", "KHH", "HKG"), own=True) for i in range(2)]
+    pods.dead.add(0)  # a provider that said so would not be believed either: an endpoint is the team's to mend
+    gen = Generation(worker_hash="h1")
+    gen.health = {"pods": [{"index": 0, "ok": True, "status": 200}, {"index": 1, "ok": False, "status": None}]}
+    said = []
+    ctl, gen, t = make(pods, gen)
+    ctl.keeper.say = said.append
+    for _ in range(4):
+        assert ctl.run(0, steps=1) == []
+        t["now"] += 60
+    assert pods.replaced == [] and pods.renewed == ["cell"]
+    assert [(p["index"], p["state"], p.get("own")) for p in gen.keeper["pods"]] == [(0, DEAD, True),
+                                                                                     (1, UNHEALTHY, True)]
+    assert any("pod 1 (gpu1.example.com:8443) is unhealthy: it is an endpoint you run, never replaced" in s for s in said)
+    # An endpoint's address is declared: an answer elsewhere is not a remap the keeper would chase.
+    moved = RunningPod(0, "gpu0.example.com:8443", "existing", "gpu0.example.com", 8443, "TPE", ("TPE",), own=True)
+    verdict = judge(moved, lambda _p: PodInfo(moved.id, "", RUNNING, "declared", None, "other", 1), None)
+    assert verdict.state == OK and not verdict.replace

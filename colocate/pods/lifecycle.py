@@ -25,8 +25,9 @@ from __future__ import annotations
 import os
 import sys
 
+from ..catalogue import EXISTING
 from ..plan import instance_host
-from . import podtls, stop
+from . import existing, podtls, stop
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack, scope_of
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
 from .guard.colocate_pod_guard import readiness_token
@@ -44,11 +45,12 @@ def log(line: str) -> None:
 
 
 def provider_for(name: str, token: str = "") -> Provider:
+    from .existing import Existing
     from .local import Local
     from .runpod import RunPod
     from .vastai import VastAI
 
-    classes = {"runpod": RunPod, "vastai": VastAI, "local": Local}
+    classes = {"runpod": RunPod, "vastai": VastAI, "local": Local, EXISTING: Existing}
     if name not in classes:
         raise PodConfigError(f"provider {name!r} is not one of {', '.join(classes)}")
     return classes[name](token)
@@ -91,6 +93,8 @@ def _provider(spec: PodSpec) -> tuple[Provider, str]:
 
 def create(spec: PodSpec) -> dict:
     """Rent (or adopt) and wait, in one process: ``rent`` then ``wait`` without a record between them."""
+    if spec.provider == EXISTING:  # checked, never rented nor destroyed
+        return existing.create(spec)
     provider, token = _provider(spec)
     try:
         pod_id, adopted, unknown = _acquire(spec, provider, token)
@@ -104,6 +108,8 @@ def rent(spec: PodSpec) -> dict:
     pod's id and name) is what the stack records before the long readiness wait: a `pulumi up`
     cancelled during that wait (pulumi-command kills the command with SIGKILL, so no handler runs)
     leaves a pod the stack's state holds, and `pulumi destroy` deletes it."""
+    if spec.provider == EXISTING:
+        return existing.rent(spec)
     provider, token = _provider(spec)
     try:
         pod_id, adopted, unknown = _acquire(spec, provider, token)
@@ -123,6 +129,8 @@ def wait(spec: PodSpec, rented: object) -> dict:
     is replaced under the same name: adopt one of the name, else place one (``pod.py delete`` of the
     rent deletes every live pod of the recorded name). A pod that never serves is destroyed, as
     ``create`` does: the next ``pulumi up`` places a new one here."""
+    if spec.provider == EXISTING:
+        return existing.wait(spec, rented)
     if not isinstance(rented, dict) or rented.get("name") != spec.name or rented.get("provider") != spec.provider:
         raise PodConfigError(f"wait: the rented pod {rented!r} is not this spec's ({spec.provider} {spec.name}). "
                              "Fix: pass the spec with `rented` set to the JSON `pod.py rent` printed for it")

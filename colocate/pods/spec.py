@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import catalogue
+from ..catalogue import EXISTING
 from ..errors import ConfigError
 from ..plan import MAX_MODEL_LEN, POD_PATHS
 from . import podtls
@@ -30,7 +31,7 @@ REQUIRED: dict[str, type | tuple[type, ...]] = {
 # Keys a spec of an older kit may lack, with the value it meant.
 OPTIONAL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "max_model_len": (int, MAX_MODEL_LEN), "command": (str, ""), "url": (str, ""),
-    "max_transfer_per_gb": ((int, float), 0.02)}
+    "max_transfer_per_gb": ((int, float), 0.02), "endpoint": ((dict, type(None)), None)}
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class PodSpec:
     max_model_len: int = MAX_MODEL_LEN  # vLLM's --max-model-len (colocate:pod.maxModelLen)
     command: str = ""  # local: the sandbox's pod is this command (colocate:pod.command), not the stand-in
     url: str = ""  # local: where that command, or a server the user runs, serves (colocate:pod.url)
+    # existing: {host, ip, port, location, cost_per_hr} (plan.PodPlan.endpoint_spec); None for a pod the kit rents
+    endpoint: dict | None = None
 
     @property
     def mtls(self) -> bool:
@@ -91,6 +94,7 @@ class PodSpec:
         if transfer < 0:
             raise PodConfigError(f"spec.max_transfer_per_gb: negative (got {transfer!r}). Fix: regenerate the spec from the plan")
         fields["max_transfer_per_gb"] = transfer
+        fields["endpoint"] = _endpoint(fields["endpoint"])
         spec = cls(**fields)
         spec._check()
         return spec
@@ -121,6 +125,13 @@ class PodSpec:
             raise PodConfigError(f"spec.ready_timeout_s: {self.ready_timeout_s} must be > 0")
         if self.max_model_len < 1:
             raise PodConfigError(f"spec.max_model_len: {self.max_model_len} must be > 0. Fix: colocate:pod.maxModelLen")
+        if (self.endpoint is not None) != (self.provider == EXISTING):
+            raise PodConfigError(f"spec.endpoint: {'missing' if self.endpoint is None else 'set'} for provider "
+                                 f"{self.provider}. Fix: regenerate the spec from the plan")
+        if self.endpoint is not None and (list(self.locations) != [self.endpoint["location"]]
+                                          or self.port != self.endpoint["port"]):
+            raise PodConfigError(f"spec.endpoint: {self.endpoint!r} disagrees with the spec's locations and port. "
+                                 "Fix: regenerate the spec from the plan")
         if self.engine and self.provider != "local":
             raise PodConfigError(f"spec.command/url: a server of the user's is a sandbox pod, not a {self.provider} one. "
                                  "Fix: regenerate the spec from the plan")
@@ -146,6 +157,24 @@ class PodSpec:
         if self.mtls:
             args += podtls.vllm_args()
         return args
+
+
+ENDPOINT_FIELDS: dict[str, type | tuple[type, ...]] = {"host": str, "ip": str, "port": int, "location": str,
+                                                       "cost_per_hr": (int, float)}
+
+
+def _endpoint(value: object) -> dict | None:
+    """``spec.endpoint``: what the plan says of an existing endpoint (its host the name the Worker fetches)."""
+    if value is None:
+        return None
+    fields: dict[str, Any] = dict(value) if isinstance(value, dict) else {}
+    ok = set(fields) == set(ENDPOINT_FIELDS) and all(
+        isinstance(fields[k], t) and not isinstance(fields[k], bool) for k, t in ENDPOINT_FIELDS.items())
+    if not ok or not fields["host"] or ":" in fields["host"] or not 0 < fields["port"] < 65536:
+        raise PodConfigError(f"spec.endpoint: {value!r} is not {{host, ip, port, location, cost_per_hr}}. "
+                             "Fix: regenerate the spec from the plan")
+    return fields
+
 
 def load(source: str) -> PodSpec:
     """Read a spec from a file path or ``-`` (stdin)."""

@@ -35,6 +35,11 @@ ZONES = {"f" * 32: "example.com", "0" * 32: "example.com"}
 def pod_stdout(spec: dict) -> dict:
     """What `pod.py create` prints for a spec: pod 0 is POD_STDOUT, pod i gets its own id,
     address and its preferred location (the first of the spec's list)."""
+    if spec.get("provider") == "existing":  # the team's box: everything pod.py prints is declared
+        from colocate.pods import existing
+        from colocate.pods.spec import PodSpec
+
+        return existing.result(PodSpec.from_dict(spec))
     i = spec.get("index", 0)
     if i == 0:
         return dict(POD_STDOUT)

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from colocate.localca import LocalCA
-from colocate.pods import podtls, readiness
+from colocate.pods import existing, podtls, readiness
 from colocate.pods.guard.colocate_pod_guard import readiness_token
 from colocate.sandbox import hopcerts
 from tests.support.sandbox import client_key
@@ -120,7 +120,8 @@ def key(vllm_cell) -> dict:
 
 def test_readiness_takes_vllms_refusal_of_its_certificate_for_serving(vllm_cell):
     cell = vllm_cell
-    checker = podtls.client_context(cell.hop.check.cert_pem, cell.hop.check.key_pem, cell.hop.ca.cert_pem)
+    # the pod is checked by the public root, as a cloud pod's publicly trusted certificate is (hopcerts)
+    checker = podtls.client_context(cell.hop.check.cert_pem, cell.hop.check.key_pem, cell.hop.public.cert_pem)
     ok, said = readiness.health(f"https://127.0.0.1:{cell.port}", timeout=10, tls=(checker, hopcerts.POD_NAME),
                                 token=readiness_token(cell.token))
     assert ok and said.startswith("serving (it refused the readiness certificate"), said
@@ -128,6 +129,24 @@ def test_readiness_takes_vllms_refusal_of_its_certificate_for_serving(vllm_cell)
         pod_call(cell, "GET", "/health", readiness_token(cell.token), ctx=checker)
     log = (cell.state_dir / "logs" / "pod.log").read_text()
     assert "serving (it refused the readiness certificate: RemoteDisconnected)" in log  # how the cell's `up` passed
+
+
+def test_an_existing_endpoint_check_sees_vllms_certificate_then_its_refusal(vllm_cell):
+    """provider existing (colocate/pods/existing.py): vLLM started by the kit's start command with the cloud's
+    bundle is a team's box on mutual TLS: its certificate is seen in a TLS 1.3 handshake, then it refuses the
+    readiness certificate; a box serving another certificate for the name is not this stack's yet."""
+    cell = vllm_cell
+    ctx = podtls.client_context(cell.hop.check.cert_pem, cell.hop.check.key_pem, cell.hop.public.cert_pem)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    bundle = podtls.bundle(cell.hop.pod.cert_pem, cell.hop.pod.key_pem, cell.hop.ca.cert_pem)
+    ready = readiness_token(cell.token)
+    state, seen = existing.check_mtls("127.0.0.1", cell.port, hopcerts.POD_NAME, ctx, existing.leaf_der(bundle), ready, 10)
+    assert (state, seen) == (existing.SERVING, "serving this stack's certificate (it refused the readiness certificate: "
+                                               "RemoteDisconnected)")
+    other = cell.hop.public.server(hopcerts.POD_NAME)
+    state, seen = existing.check_mtls("127.0.0.1", cell.port, hopcerts.POD_NAME, ctx, existing.leaf_der(
+        podtls.bundle(other.cert_pem, other.key_pem, cell.hop.ca.cert_pem)), ready, 10)
+    assert state == existing.WAITING and "another certificate" in seen
 
 
 def test_the_readiness_token_opens_health_alone(vllm_cell):
