@@ -601,7 +601,7 @@ def test_the_workers_pace_and_balance_reach_it_as_bindings_and_a_bad_policy_name
     texts = {b.name: b.text for b in c.worker.bindings if b.type == "plain_text"}
     assert (texts["STALL_MS"], texts["MIN_TOKENS_PER_S"], texts["BALANCE"]) == ("1500", "12.5", "least_busy")
     defaults = {b.name: b.text for b in cell(raw_for(worker={"subdomain": "acme"})).worker.bindings if b.type == "plain_text"}
-    assert (defaults["STALL_MS"], defaults["MIN_TOKENS_PER_S"], defaults["BALANCE"]) == ("2000", "25.0", "load")
+    assert (defaults["STALL_MS"], defaults["MIN_TOKENS_PER_S"], defaults["BALANCE"]) == ("2000", "25.0", "prefix")
     with pytest.raises(ConfigError) as e:
         cell(raw_for(worker={"subdomain": "acme", "balance": "fastest"}))
     assert "colocate:worker.balance" in str(e.value) and "least_busy" in str(e.value)
