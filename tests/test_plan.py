@@ -341,6 +341,14 @@ def test_every_stack_file_plans(tmp_path):
         assert p.pod.region == p.state.active.region == raw["region"]
 
 
+def test_every_region_of_the_catalogue_has_a_stack_file_to_start_from():
+    stacks = {p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")}
+    assert set(catalogue.REGIONS) <= stacks, f"regions without stacks/Pulumi.<region>.yaml: {set(catalogue.REGIONS) - stacks}"
+    for name in catalogue.REGIONS:
+        raw, _ = stackfile.read_config(name)
+        assert raw["region"] == name and raw.get("zone"), f"stacks/Pulumi.{name}.yaml: the region's cell, on a zone"
+
+
 def test_split_state_is_only_possible_on_explicit_request():
     split = raw_for("apac-tw", "vastai", generations=[{"name": "us-east.g1", "region": "us-east", "status": "active"}])
     with pytest.raises(ConfigError):
