@@ -577,12 +577,14 @@ def isolates_of(cell: dict, isolates: int, directory: Path) -> Iterator[list[str
             s.close()
 
 
-def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
+def run_cell(policy: str | None, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
              on_ready: Callable[[dict], None] | None = None, isolates: int = 1, seed: int = 0,
              warmup: float = 0.0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None, list[dict | None]]:
     """One fresh sandbox cell under ``policy``: the workload through it (through ``isolates``
     isolates when more than one, isolates_of), each pod's counters and the cell's picks (after
-    less before), and each pod's own TTFT counters from ``warmup`` seconds on (pod_ttfts)."""
+    less before), and each pod's own TTFT counters from ``warmup`` seconds on (pod_ttfts).
+    ``policy`` None keeps the shipped stack's Worker settings as they are (its policy, its deadline);
+    a policy also lifts the deadline, so that a bench's overload is measured, not sent to the fallback."""
     from colocate import stackfile
     from colocate.admin import AdminClient, Target
     from colocate.sandbox import supervisor
@@ -592,7 +594,9 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
         stacks.mkdir()
         (stacks / "Pulumi.sandbox.yaml").write_text(stackfile.path_of("sandbox").read_text())
         raw, _ = stackfile.read_config("sandbox", stacks)
-        worker: dict = {**(raw.get("worker") or {}), "balance": policy, "deadlineMs": 60_000}
+        worker: dict = {**(raw.get("worker") or {})}
+        if policy is not None:
+            worker |= {"balance": policy, "deadlineMs": 60_000}
         if bound is not None:
             worker["prefixBound"] = bound
         stackfile.write_config("sandbox", {"pod": {**(raw.get("pod") or {}), "count": pods, **extra_pod}, "worker": worker},
