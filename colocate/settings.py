@@ -84,7 +84,8 @@ WORKER_DEFAULTS = {
     # knee is held to this pace (profiles.DEFAULT_TPOT_P50_BUDGET_MS), so a pod at capacity is not marked.
     "stallMs": 2000,
     "minTokensPerS": 25,
-    # A conversation's turns to the pod holding its prefix: it measured best (docs/benchmarks.md, "Prefix affinity").
+    # A conversation's turns to the pod holding its prefix: the lowest TTFT and e2e p50 measured
+    # (docs/benchmarks.md, "Prefix affinity").
     "balance": "prefix",  # BALANCES
     "maxBodyBytes": 1_048_576,
     # A body must arrive this long after its headers: a slow upload holds its key's slot.
