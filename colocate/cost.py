@@ -343,7 +343,8 @@ def table(r: CostReport) -> str:
         f"  pods' cost per 1M tokens      {_money(r.pods_cost_per_m)}",
         f"  fallback price                {price}",
         f"  pods' tokens at that price    {_money(r.pods_tokens_at_fallback_price)}"
-        + (f"  (the cell {'saved' if r.saving >= 0 else 'cost'} {_money(abs(r.saving))})" if r.saving is not None else ""),
+        + (f"  (the cell {'saved' if r.saving >= 0 else 'cost'} {_money(abs(r.saving))}"
+           f"{'' if r.saving >= 0 else ' more'})" if r.saving is not None else ""),
         f"  fallback's own spend          {_money(r.fallback_spend)}",
         f"  fallback today (UTC)          {_money(r.today_fallback_spend)} of {_cap(r.caps[0])} (cell); "
         f"highest key {_money(r.today_top_key_spend)} of {_cap(r.caps[1])}",

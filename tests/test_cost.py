@@ -118,6 +118,19 @@ def test_amounts_under_a_cent_are_written_as_they_are():
     assert line == "fallback spend 2026-12-07 (UTC): $0.0004 of $0.001 a day for the cell; each key no cap"
 
 
+def test_the_pods_cost_and_what_they_saved_or_cost_more_are_told_apart():
+    """11 s of a sandbox: the pods cost $0.0025, their tokens $0.00011 at the fallback's price. The
+    line said "(the cell cost $0.0023)" below "pods $0.0025": two costs of the cell in one report."""
+    r = cost.report([row("2026-12-07", "a", 111, 150, 3, 0)], cost_per_hr=0.8, hours=11 / 3600, window_days=1,
+                    price=PRICE)
+    text = cost.table(r)
+    assert "pods              $0.0024 = $0.8/hr x 11 s" in text, text
+    assert "(the cell cost $0.0023 more)" in text, text
+    cheap = cost.report([row("2026-12-07", "a", 10**9, 10**9, 3, 0)], cost_per_hr=0.8, hours=1, window_days=1,
+                        price=PRICE)
+    assert "(the cell saved $749.20)" in cost.table(cheap)
+
+
 def test_without_a_price_only_the_pods_cost():
     r = cost.report([row("2026-12-01", "a", 300, 100, 3, 0)], cost_per_hr=1, hours=2, window_days=1, price=None)
     assert r.break_even_tokens_per_day is None and r.cheaper is None
