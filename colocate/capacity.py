@@ -6,7 +6,8 @@ capacity (the knee of its GPU+model profile) and its boot time. Pure: no I/O.
   ``knee_rps`` (the stand-in's engine in virtual time, a minute of Poisson arrivals of 256-token
   prompts, answers of at most 128: ~100 on average, the median pace held to the router's 25
   tokens/s) when it has one, else the highest rate of the profile's published sweeps within that
-  budget. Answers longer than that take more of a pod.
+  budget. Answers longer than that take more of a pod: ``knee_request_tokens(profile)`` is the size of
+  the knee's requests, for a utilisation counted in tokens (``colocate/cost.py``).
 * ``BOOT_S``: from create to the first token on a fresh host, 20 minutes: the pinned
   ``vllm/vllm-openai:*-cu129`` image is ~11 GB compressed, the weights ~5 GB, and operators
   report 15 to 20 minutes (the fourth real-cloud review, 2026-12). The longer end, because a
@@ -45,6 +46,15 @@ def knee_rps(profile_name: str = DEFAULT_PROFILE) -> tuple[float, str]:
         raise NoCapacity(p.name, "this pod profile has no knee: it models no limit (oracle) or no sweep", _FIX)
     return knee, (f"{p.name}: the highest rate of its published sweep with TTFT p99 within "
                   f"{profiles.DEFAULT_TTFT_P99_BUDGET_MS:g} ms")
+
+
+def knee_request_tokens(profile_name: str = DEFAULT_PROFILE) -> float | None:
+    """A request of the knee's workload in tokens, prompt and mean answer (256 + ~100 on the default
+    profile); None when the knee is a published sweep's (its requests are the sweep's)."""
+    p = profiles.get(profile_name)
+    if p.knee_rps <= 0:
+        return None
+    return profiles.KNEE_INPUT_TOKENS + p.answer_mean_tokens(profiles.KNEE_OUTPUT_TOKENS)
 
 
 def pod_capacity(profile_name: str = DEFAULT_PROFILE) -> float:

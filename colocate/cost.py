@@ -10,15 +10,24 @@ Pure: no I/O, no Pulumi. ``scripts/cost.py`` gathers the inputs:
     price            ``colocate:fallbackPrice``: $ per 1M input and output tokens at the fallback
     caps             ``colocate:fallbackCap``: the fallback's daily spend caps (cell, each key), $
 
-A usage row counts tokens per key and day, not per backend: its tokens are split between
-pods and fallback in proportion to the requests each served that day (exact when a key's
-requests of a day all went one way, the common case; an estimate otherwise, and said so).
+A usage row counts tokens per key and day, not per backend, and what the fallback's answers
+cost at the cell's price (``fallback_microusd``, counted by the Worker from each answer's usage,
+the figure its caps hold). The fallback's own spend is that count. A row's tokens are split
+between pods and fallback so that the fallback's share costs what the Worker counted (exact when
+a key's requests of a day all went one way, the common case; the prompt/completion mix an
+estimate otherwise, and said so); by requests where the Worker counted nothing (no price set
+when it served, or another price given here).
 
 The answers: the pods' cost over the window; tokens and requests by pods and by fallback;
 the pods' cost per 1M tokens; what the pods' tokens would have cost at the fallback's
 price; the fallback's own spend, and today's as the Worker counted it against the caps; the
 break-even volume (tokens/day from which the cell is cheaper than sending everything to the
-API, at the window's input/output mix); and, given a capacity, the pods' utilisation.
+API, at the window's input/output mix); and, given a capacity, the pods' utilisation: their
+requests against it, or, when the capacity says how large its requests were (a profile's knee:
+256 tokens in, about 100 out), their tokens against its tokens, since a pod fills with tokens,
+not requests (a 5,000-token prompt is fourteen of the knee's requests). When the fallback served a
+large share of the requests of pods that were far from full, the report says so: the fallback was
+then bought for another reason than capacity (a pod down, deadlines missed).
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ HOURS_PER_MONTH = 730.0  # 365 x 24 / 12, the providers' own monthly figure
 MIN_SCALE_HOURS = 1.0
 DAYS_PER_MONTH = HOURS_PER_MONTH / 24
 MILLION = 1_000_000
+# Past this share of requests to the fallback while the pods were under half full, the report
+# says the fallback was not bought for want of capacity (the probe's maxFallbackShare default).
+FALLBACK_SHARE_NOTE = 0.10
 
 
 @dataclass(frozen=True)
@@ -92,11 +104,29 @@ class UsageError(ScriptError, ValueError):
     exit_code = 2
 
 
-def split_usage(rows: Iterable[Mapping]) -> tuple[Served, Served, list[str], dict[str, float]]:
-    """(by pods, by fallback, notes, tokens per day) from usage rows."""
+def dollars(usd: float) -> str:
+    """``$1,234.50``, ``$0.02``; under a cent, the digits that say it: ``$0.001``, ``$0.000004``."""
+    if usd == 0 or abs(usd) >= 0.01:
+        return f"${usd:,.2f}"
+    places = -math.floor(math.log10(abs(usd))) + 1  # two significant digits
+    return "$" + f"{usd:.{places}f}".rstrip("0")
+
+
+def counted_spend(rows: Iterable[Mapping]) -> float | None:
+    """The fallback's spend the Worker counted over ``rows`` (their ``fallback_microusd``), in $;
+    None when no row carries it (a Worker that does not count it)."""
+    counted = [r.get("fallback_microusd") for r in rows]
+    ok = [v for v in counted if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return sum(ok) / MILLION if ok else None
+
+
+def split_usage(rows: Iterable[Mapping], price: Price | None = None) -> tuple[Served, Served, list[str], dict[str, float]]:
+    """(by pods, by fallback, notes, tokens per day) from usage rows. With ``price`` (the one the
+    Worker counted ``fallback_microusd`` at), a row's fallback share of its tokens is the share of
+    their cost at that price the Worker counted for the fallback; else its share of the requests."""
     pod = [0, 0.0, 0.0]
     fb = [0, 0.0, 0.0]
-    mixed = 0
+    mixed = by_cost = 0
     per_day: dict[str, float] = {}
     for i, r in enumerate(rows):
         vals = {}
@@ -107,7 +137,13 @@ def split_usage(rows: Iterable[Mapping]) -> tuple[Served, Served, list[str], dic
             vals[f] = v
         served = vals["pod_requests"] + vals["fallback_requests"]
         share = vals["pod_requests"] / served if served else 1.0  # tokens without a served request: none, in practice
-        if 0 < share < 1:
+        spent = r.get("fallback_microusd")
+        whole = price.of(vals["prompt_tokens"], vals["completion_tokens"]) * MILLION if price else 0.0
+        if 0 < share < 1 and whole > 0 and isinstance(spent, int) and not isinstance(spent, bool) and spent > 0:
+            # The Worker rounds each answer's cost up to a millionth of a dollar: never past the whole.
+            share = 1 - min(1.0, spent / whole)
+            by_cost += 1
+        if 0 < vals["pod_requests"] < served:
             mixed += 1
         for acc, s in ((pod, share), (fb, 1 - share)):
             acc[1] += vals["prompt_tokens"] * s
@@ -117,8 +153,12 @@ def split_usage(rows: Iterable[Mapping]) -> tuple[Served, Served, list[str], dic
         day = str(r.get("day"))
         per_day[day] = per_day.get(day, 0.0) + vals["prompt_tokens"] + vals["completion_tokens"]
     notes = []
-    if mixed:
-        notes.append(f"{mixed} key-days were served partly by the fallback: their tokens are split between pods "
+    if by_cost:
+        notes.append(f"{by_cost} key-days were served partly by the fallback: their tokens are split between pods "
+                     "and fallback so that the fallback's part costs what the Worker counted for its answers (usage "
+                     "rows count tokens per key and day, not per backend)")
+    if mixed - by_cost:
+        notes.append(f"{mixed - by_cost} key-days were served partly by the fallback: their tokens are split between pods "
                      "and fallback by requests (usage rows count tokens per key and day, not per backend)")
     return Served(pod[0], pod[1], pod[2]), Served(fb[0], fb[1], fb[2]), notes, per_day
 
@@ -145,6 +185,7 @@ class CostReport:
     blended_price_per_m: float | None
     utilisation: float | None
     capacity_rpm: float | None
+    capacity_tokens_per_request: float | None  # the capacity's request size: utilisation in tokens
     pod_count: int
     notes: list[str] = field(default_factory=list)
     # Today's fallback spend as the Worker counted it (usage rows' fallback_microusd), the
@@ -182,19 +223,23 @@ class CostReport:
 def report(rows: Iterable[Mapping], *, cost_per_hr: float, hours: float, window_days: float,
            price: Price | None, cost_source: str = "podsCostPerHr", pod_count: int = 1,
            capacity_rpm: float | None = None, today: str | None = None,
-           caps: tuple[float, float] = (0.0, 0.0)) -> CostReport:
-    """The cost report of one window (see the module docstring)."""
+           caps: tuple[float, float] = (0.0, 0.0), price_counted: bool = True,
+           capacity_tokens_per_request: float | None = None) -> CostReport:
+    """The cost report of one window (see the module docstring). ``price_counted``: ``price`` is
+    the one the Worker counted the fallback's spend at (the stack's colocate:fallbackPrice), so
+    its count is the fallback's spend; False for another price (``--price``): spend at that price."""
     if not (math.isfinite(cost_per_hr) and cost_per_hr >= 0):
         raise ValueError(f"cost_per_hr {cost_per_hr!r}: must be a number of $/hr >= 0")
     if not (math.isfinite(hours) and hours >= 0) or not window_days > 0:
         raise ValueError(f"hours {hours!r} / window_days {window_days!r}: must be >= 0 / > 0")
     rows = list(rows)
-    pods, fb, notes, per_day = split_usage(rows)
+    pods, fb, notes, per_day = split_usage(rows, price if price_counted else None)
     spent_today, top_key = today_spend(rows, today)
     pods_cost = cost_per_hr * hours
     per_m = pods_cost / pods.tokens * MILLION if pods.tokens > 0 else None
     at_price = price.of(pods.prompt_tokens, pods.completion_tokens) if price else None
-    fb_spend = price.of(fb.prompt_tokens, fb.completion_tokens) if price else None
+    counted = counted_spend(rows) if price and price_counted else None
+    fb_spend = counted if counted is not None else price.of(fb.prompt_tokens, fb.completion_tokens) if price else None
     all_prompt = pods.prompt_tokens + fb.prompt_tokens
     all_completion = pods.completion_tokens + fb.completion_tokens
     blended = price.blended(all_prompt, all_completion) if price else None
@@ -208,7 +253,16 @@ def report(rows: Iterable[Mapping], *, cost_per_hr: float, hours: float, window_
     util = None
     if capacity_rpm:
         could = capacity_rpm * 60 * hours * max(pod_count, 1)
-        util = pods.requests / could if could > 0 else None
+        if capacity_tokens_per_request:
+            could *= capacity_tokens_per_request
+        did = pods.tokens if capacity_tokens_per_request else pods.requests
+        util = did / could if could > 0 else None
+    served = pods.requests + fb.requests
+    if util is not None and served and fb.requests / served > FALLBACK_SHARE_NOTE and util < 0.5:
+        notes.append(f"the fallback served {fb.requests / served:.0%} of the requests while the pods were "
+                     f"{util:.0%} busy over {duration(hours)}: not for want of capacity on average (a pod down or "
+                     "out of rotation, deadlines missed, or a burst the pods could not take: scripts/probe.py "
+                     "--live shows which)")
     if price is None:
         notes.append("colocate:fallbackPrice is not set: no comparison with the API "
                      "(pulumi config set --path colocate:fallbackPrice.input 0.15, and .output)")
@@ -219,7 +273,8 @@ def report(rows: Iterable[Mapping], *, cost_per_hr: float, hours: float, window_
         tokens_per_day=tokens_per_day, today_tokens=per_day.get(today) if today else None,
         break_even_tokens_per_day=break_even, monthly_cell_cost=cost_per_hr * HOURS_PER_MONTH,
         monthly_api_cost_at_volume=monthly_api, blended_price_per_m=blended, utilisation=util,
-        capacity_rpm=capacity_rpm, pod_count=pod_count, notes=notes,
+        capacity_rpm=capacity_rpm, capacity_tokens_per_request=capacity_tokens_per_request, pod_count=pod_count,
+        notes=notes,
         today_fallback_spend=spent_today, today_top_key_spend=top_key, caps=caps,
     )
 
@@ -251,7 +306,8 @@ def to_json(r: CostReport) -> dict:
         "monthly_cell_cost": round(r.monthly_cell_cost, 2),
         "monthly_api_cost_at_volume": _r(r.monthly_api_cost_at_volume),
         "blended_price_per_m": _r(r.blended_price_per_m),
-        "capacity_rpm": r.capacity_rpm, "utilisation": None if r.utilisation is None else round(r.utilisation, 6),
+        "capacity_rpm": r.capacity_rpm, "capacity_tokens_per_request": r.capacity_tokens_per_request,
+        "utilisation": None if r.utilisation is None else round(r.utilisation, 6),
         "fallback_spend_today": _r(r.today_fallback_spend), "fallback_top_key_spend_today": _r(r.today_top_key_spend),
         "fallback_cap_cell_per_day": r.caps[0] or None, "fallback_cap_key_per_day": r.caps[1] or None,
         "notes": r.notes,
@@ -263,11 +319,18 @@ def _r(v: float | None) -> float | None:
 
 
 def _money(v: float | None) -> str:
-    return "n/a" if v is None else f"${v:,.2f}"
+    return "n/a" if v is None else dollars(v)
+
+
+def _capacity(r: CostReport) -> str:
+    if not r.capacity_tokens_per_request:
+        return f"{r.capacity_rpm:g} req/min"
+    return (f"{r.capacity_rpm * r.capacity_tokens_per_request:,.0f} tokens/min ({r.capacity_rpm:g} req/min of "
+            f"{r.capacity_tokens_per_request:,.0f} tokens)")
 
 
 def _cap(usd: float) -> str:
-    return f"${usd:,.2f} a day" if usd > 0 else "no cap"
+    return f"{dollars(usd)} a day" if usd > 0 else "no cap"
 
 
 def table(r: CostReport) -> str:
@@ -280,7 +343,8 @@ def table(r: CostReport) -> str:
         f"  pods' cost per 1M tokens      {_money(r.pods_cost_per_m)}",
         f"  fallback price                {price}",
         f"  pods' tokens at that price    {_money(r.pods_tokens_at_fallback_price)}"
-        + (f"  (the cell {'saved' if r.saving >= 0 else 'cost'} {_money(abs(r.saving))})" if r.saving is not None else ""),
+        + (f"  (the cell {'saved' if r.saving >= 0 else 'cost'} {_money(abs(r.saving))}"
+           f"{'' if r.saving >= 0 else ' more'})" if r.saving is not None else ""),
         f"  fallback's own spend          {_money(r.fallback_spend)}",
         f"  fallback today (UTC)          {_money(r.today_fallback_spend)} of {_cap(r.caps[0])} (cell); "
         f"highest key {_money(r.today_top_key_spend)} of {_cap(r.caps[1])}",
@@ -292,7 +356,7 @@ def table(r: CostReport) -> str:
         f"{_money(r.monthly_api_cost_at_volume)}",
         "  utilisation                   " + ("n/a (pass --capacity-rpm: requests/min one pod can serve)"
                                               if r.utilisation is None
-                                              else f"{r.utilisation:.2%} of {r.capacity_rpm:g} req/min x {r.pod_count} pods"),
+                                              else f"{r.utilisation:.2%} of {_capacity(r)} x {r.pod_count} pods"),
     ]
     if r.notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in r.notes]

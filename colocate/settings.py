@@ -88,7 +88,9 @@ WORKER_DEFAULTS = {
     # knee is held to this pace (profiles.DEFAULT_TPOT_P50_BUDGET_MS), so a pod at capacity is not marked.
     "stallMs": 2000,
     "minTokensPerS": 25,
-    "balance": "load",  # BALANCES
+    # A conversation's turns to the pod holding its prefix: the lowest TTFT and e2e p50 measured
+    # (docs/benchmarks.md, "Prefix affinity").
+    "balance": "prefix",  # BALANCES
     "maxBodyBytes": 1_048_576,
     # A body must arrive this long after its headers: a slow upload holds its key's slot.
     "bodyTimeoutMs": 10_000,
@@ -121,11 +123,11 @@ SCALE_DEFAULTS = {"min": 1, "max": 2, "target": pod_capacity(), "upAfterS": 120,
                   "pods": None, "draining": 0}
 SCALE_POLICIES = ("latency", "cost")
 # colocate:worker.balance: how the Worker picks among healthy pods (worker/src/pods.js POLICIES).
-# load: the cell's requests in flight there (all isolates) and what the pod reports (vLLM's
-# /metrics: running, waiting, KV cache); least_busy: this isolate's requests in flight only; prefix:
-# a conversation's turns to the pod holding its prefix (affinity.js, docs/worker.md "Prefix
-# affinity"); random: a baseline (bench/prefix.py).
-BALANCES = ("load", "least_busy", "prefix", "random")
+# prefix: a conversation's turns to the pod holding its prefix, within a load bound (affinity.js,
+# docs/worker.md "Prefix affinity"); load: the cell's requests in flight there (all isolates) and
+# what the pod reports (vLLM's /metrics: running, waiting, KV cache); least_busy: this isolate's
+# requests in flight only; random: a baseline (bench/prefix.py).
+BALANCES = ("prefix", "load", "least_busy", "random")
 
 SCHEMA: tuple[Key, ...] = (
     Key("region", "string", None,
@@ -154,9 +156,9 @@ SCHEMA: tuple[Key, ...] = (
         "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
         "pod slow), maxBodyBytes, bodyTimeoutMs (a body not all there this long after its headers gets a 408), "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
-        "from Cloudflare), allowClassDeletion, balance (load: the cell's counts and the pods' reports | least_busy | "
-        "prefix: a conversation's turns to the pod holding its prefix | random: a baseline), prefixBound (prefix's "
-        "load bound c > 1: no pod past c x the mean load)."),
+        "from Cloudflare), allowClassDeletion, balance (prefix, the default: a conversation's turns to the pod "
+        "holding its prefix | load: the cell's counts and the pods' reports | least_busy | random: a baseline), "
+        "prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens (prompt tokens not yet begun at "
         "a pod, at once)}, the limits of a key created without them (0 = no limit; defaultMaxParallel, the older name of "
@@ -281,8 +283,8 @@ class WorkerSettings:
     stall_ms: int = 2000
     body_timeout_ms: int = 10_000
     min_tokens_per_s: float = 25.0
-    balance: str = "load"
-    prefix_bound: float = 1.5
+    balance: str = str(WORKER_DEFAULTS["balance"])
+    prefix_bound: float = float(cast(float, WORKER_DEFAULTS["prefixBound"]))
 
 
 # The ACME directory that issues the pods' publicly trusted certificates on the zone (DNS-01):

@@ -37,7 +37,7 @@ from colocate import (  # noqa: E402
     settings,
     stackfile,
 )
-from colocate.errors import ColocateError, ConfigError, ScriptError  # noqa: E402
+from colocate.errors import ColocateError, ConfigError, NoCapacity, ScriptError  # noqa: E402
 from colocate.probe import sandbox as probe_sandbox  # noqa: E402
 from colocate.sandbox.statedir import local_pod_records  # noqa: E402
 
@@ -214,14 +214,19 @@ def _run(args: argparse.Namespace) -> int:
                             f"pass --cost-per-hr USD (the stack's {names.PODS_COST_PER_HR} output) or --stack S")
     # A window shorter than the days asked (a sandbox up for minutes): volumes per day of what ran.
     span_days = min(days, hours / 24) if hours > 0 else days
-    capacity_rpm = args.capacity_rpm
-    if capacity_rpm is None:  # a pod's capacity from its profile's knee, not a guess
-        knee, where = capacity.knee_rps()
-        capacity_rpm = round(knee * 60, 1)
-        notes.append(f"capacity {capacity_rpm:g} req/min a pod: {where}; pass --capacity-rpm for your own pods")
+    capacity_rpm, request_tokens = args.capacity_rpm, None
+    if capacity_rpm is None:  # a pod's capacity from its profile's knee, not a guess: the sandbox's own
+        profile = pod.profile if pod is not None and pod.provider == "local" else capacity.DEFAULT_PROFILE
+        try:
+            knee, where = capacity.knee_rps(profile)
+        except NoCapacity as exc:
+            notes.append(f"no capacity to count utilisation by: {exc}; pass --capacity-rpm")
+        else:
+            capacity_rpm, request_tokens = round(knee * 60, 1), capacity.knee_request_tokens(profile)
+            notes.append(f"capacity {capacity_rpm:g} req/min a pod: {where}; pass --capacity-rpm for your own pods")
     r = cost.report(rows, cost_per_hr=cost_per_hr, hours=hours, window_days=span_days or days, price=price,
                     cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=capacity_rpm, today=today,
-                    caps=caps)
+                    caps=caps, price_counted=not args.price, capacity_tokens_per_request=request_tokens)
     r.notes[:0] = notes
     if args.json:
         print(json.dumps({**cost.to_json(r), "since_day": since_day, "until_day": today, "url": target.url}, indent=2))

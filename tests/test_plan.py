@@ -341,6 +341,14 @@ def test_every_stack_file_plans(tmp_path):
         assert p.pod.region == p.state.active.region == raw["region"]
 
 
+def test_every_region_of_the_catalogue_has_a_stack_file_to_start_from():
+    stacks = {p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")}
+    assert set(catalogue.REGIONS) <= stacks, f"regions without stacks/Pulumi.<region>.yaml: {set(catalogue.REGIONS) - stacks}"
+    for name in catalogue.REGIONS:
+        raw, _ = stackfile.read_config(name)
+        assert raw["region"] == name and raw.get("zone"), f"stacks/Pulumi.{name}.yaml: the region's cell, on a zone"
+
+
 def test_split_state_is_only_possible_on_explicit_request():
     split = raw_for("apac-tw", "vastai", generations=[{"name": "us-east.g1", "region": "us-east", "status": "active"}])
     with pytest.raises(ConfigError):
@@ -601,7 +609,7 @@ def test_the_workers_pace_and_balance_reach_it_as_bindings_and_a_bad_policy_name
     texts = {b.name: b.text for b in c.worker.bindings if b.type == "plain_text"}
     assert (texts["STALL_MS"], texts["MIN_TOKENS_PER_S"], texts["BALANCE"]) == ("1500", "12.5", "least_busy")
     defaults = {b.name: b.text for b in cell(raw_for(worker={"subdomain": "acme"})).worker.bindings if b.type == "plain_text"}
-    assert (defaults["STALL_MS"], defaults["MIN_TOKENS_PER_S"], defaults["BALANCE"]) == ("2000", "25.0", "load")
+    assert (defaults["STALL_MS"], defaults["MIN_TOKENS_PER_S"], defaults["BALANCE"]) == ("2000", "25.0", "prefix")
     with pytest.raises(ConfigError) as e:
         cell(raw_for(worker={"subdomain": "acme", "balance": "fastest"}))
     assert "colocate:worker.balance" in str(e.value) and "least_busy" in str(e.value)

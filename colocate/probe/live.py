@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC
 
 from .. import catalogue
+from ..cost import dollars
 from ..payloads import HIST
 from . import budgets as budgets_mod, fallbackshare, placement as placement_mod
 from .errors import TargetError
@@ -515,12 +516,12 @@ def spend_line(spend: dict | None) -> str | None:
         return None
     if spend["usd"] is None:
         return f"fallback spend {spend['day']} (UTC): not counted (set colocate:fallbackPrice)"
-    return (f"fallback spend {spend['day']} (UTC): ${spend['usd']:,.2f} of {_cap(spend['cell_cap_usd'])} for the cell; "
+    return (f"fallback spend {spend['day']} (UTC): {dollars(spend['usd'])} of {_cap(spend['cell_cap_usd'])} for the cell; "
             f"each key {_cap(spend['key_cap_usd'])}")
 
 
 def _cap(usd: float | None) -> str:
-    return "no cap" if usd is None else f"${usd:,.2f} a day"
+    return "no cap" if usd is None else f"{dollars(usd)} a day"
 
 
 def _timeline_point(t: Minute, buckets: Buckets) -> TimelinePoint:
