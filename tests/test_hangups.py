@@ -27,7 +27,7 @@ from colocate.sandbox.geography import Geography, Sites
 from colocate.sandbox.pinning import Pins
 from colocate.sandbox.proxies import Network, NetworkServers
 from colocate.sandbox.statedir import PINS_FILE
-from tests.support.workerd import auth, running_cell
+from tests.support.workerd import SECRETS, auth, running_cell
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,10 @@ def edge(cell):
 # --- what the pod made, what the cell metered ---------------------------------------------
 
 def pod_tokens(cell) -> tuple[int, int]:
-    """The pod's vllm:prompt_tokens and vllm:generation_tokens counters."""
-    with urllib.request.urlopen(cell.pod.url + "/metrics", timeout=10) as r:
+    """The pod's vllm:prompt_tokens and vllm:generation_tokens counters, read as the router reads
+    them: the pod's guard opens /metrics to the pod token only."""
+    req = urllib.request.Request(cell.pod.url + "/metrics", headers={"authorization": f"Bearer {SECRETS['POD_TOKEN']}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     def one(name: str) -> int:
         m = re.search(rf"^{name}_total{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
