@@ -18,6 +18,7 @@ import pytest
 
 from colocate import stackfile
 from colocate.errors import ConfigError
+from colocate.pods import podtls
 from colocate.pods.local import alive
 from colocate.sandbox import engine, supervisor
 from tests.support.sandbox import MODEL, client_key, sandbox_stacks
@@ -99,8 +100,9 @@ def test_a_server_the_user_runs_is_waited_for_served_and_never_stopped(tmp_path,
     assert str(made["tls"]) in command and str(made["token"]) in command and "PRIVATE KEY" not in command
     assert oct(made["tls"].stat().st_mode & 0o777) == "0o600" and oct(made["tls"].parent.stat().st_mode & 0o777) == "0o700"
     # The user starts their server with those files (here the stand-in, as vLLM would be started by the command).
-    env = {**os.environ, "COLOCATE_POD_TLS": made["tls"].read_text(), "POD_TOKEN": made["token"].read_text(),
-           "PYTHONPATH": str(ROOT)}
+    # COLOCATE_POD_TLS first: OpenSSL reads it back from /proc/self/environ, where variables before it can hide it
+    env = podtls.environment(made["tls"].read_text(), {**os.environ, "POD_TOKEN": made["token"].read_text(),
+                                                        "PYTHONPATH": str(ROOT)})
     server = subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port", str(port), "--model", MODEL,
                                "--compute-ms", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
