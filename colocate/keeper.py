@@ -16,7 +16,10 @@ Each pass, before anything is deployed:
    knows no such pod), ``remapped`` (running at another address than the one recorded: a RunPod
    reset maps the public port anew), ``misplaced`` (its location is outside the region) are
    replaced at once; ``unhealthy`` (the provider says it runs, the Worker cannot reach it) after
-   ``UNHEALTHY_PASSES`` passes in a row. Each replacement is one targeted update of those pods
+   ``UNHEALTHY_PASSES`` passes in a row. A server of the user's (the sandbox's ``colocate:pod.url``)
+   is judged by the Worker's health check alone and never replaced or renewed: the keeper did not
+   start it and cannot start another (``down`` says so; its owner starts it again). Each
+   replacement is one targeted update of those pods
    alone: ``colocate:pod.replaced`` counts pod i's replacements into its name, recorded in the
    generation first (so every `pulumi up`, from any checkout, declares the same name), and the
    deployer replaces that pod's resources and those depending on them, never another pod's. A
@@ -52,6 +55,7 @@ from .pods.base import DEAD, RUNNING, PodInfo
 from .pods.errors import NotFoundError, PodError
 
 OK, GONE, REMAPPED, MISPLACED, UNHEALTHY, UNKNOWN = "ok", "gone", "remapped", "misplaced", "unhealthy", "unknown"
+DOWN = "down"  # a server of the user's that the Worker cannot reach: only its owner can start it
 REPLACE_AT_ONCE = (DEAD, GONE, REMAPPED, MISPLACED)  # what the provider's own answer proves
 CERTIFICATE = "certificate"  # a replacement's reason when a pod's certificate is renewed
 UNHEALTHY_PASSES = 2  # the Worker's view alone: this many passes in a row before a boot is bought
@@ -86,6 +90,7 @@ class RunningPod:
     location: str | None = None
     locations: tuple[str, ...] = ()  # the region's locations for its provider
     proxied: bool = False  # reached through the provider's proxy: its public address is not what the Worker uses
+    own: bool = False  # a server of the user's (colocate:pod.url): never replaced, whatever its state
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class Verdict:
     id: str
     state: str
     detail: str
+    own: bool = False  # the user's own server: neither replaced nor renewed
 
     @property
     def replace(self) -> bool:
@@ -106,6 +112,8 @@ class Verdict:
 def judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Mapping | None) -> Verdict:
     """One pod's verdict from its provider's answer and the Worker's health check of it (None: not
     checked, e.g. a draining pod the Worker no longer routes to)."""
+    if pod.own:
+        return judge_own(pod, health)
     try:
         info = describe(pod)
     except NotFoundError as exc:
@@ -126,6 +134,18 @@ def judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Ma
         return Verdict(pod.index, pod.id, UNHEALTHY, f"{pod.provider} reports {pod.id} {info.raw_state}, but the Worker's "
                        f"health check answered {said}" + (f" (breaker {breaker})" if breaker else ""))
     return Verdict(pod.index, pod.id, OK, f"{info.raw_state}")
+
+
+def judge_own(pod: RunningPod, health: Mapping | None) -> Verdict:
+    """A server of the user's: its provider record says only where it is (the keeper started nothing),
+    so the Worker's health check alone says whether it serves; ``down`` is never replaced."""
+    where = f"{pod.ip}:{pod.port}" if pod.ip and pod.port else pod.id
+    if health is not None and health.get("ok") is False:
+        said = health.get("status") or "nothing"
+        return Verdict(pod.index, pod.id, DOWN, f"the user's own server at {where} (colocate:pod.url) answered the "
+                       f"Worker's health check {said}: the keeper replaces no server it did not start; start it "
+                       "again (docs/sandbox.md, \"Your own engine\")", own=True)
+    return Verdict(pod.index, pod.id, OK, f"the user's own server at {where}", own=True)
 
 
 def health_view(probe: Mapping | None) -> dict[int, dict]:
@@ -364,7 +384,7 @@ class Keeper:
             self.say(f"keeper: the certificates could not be read ({exc})")
             return None
         self.record.certs = dict(certs)
-        serving = {f"pod-{v.index}" for v in verdicts if v.state == OK}
+        serving = {f"pod-{v.index}" for v in verdicts if v.state == OK and not v.own}  # a user's server: its owner's
         role = due_role({r: e for r, e in certs.items() if r == CELL_ROLE or r in serving}, self.clock(), self.renew_days)
         if role is None:
             return None
