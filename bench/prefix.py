@@ -312,17 +312,20 @@ _TTFT = re.compile(r"^vllm:time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})?
 def pod_ttfts(cell: dict, timeout_s: float = 5) -> list[dict[str, float] | None]:
     """Each sandbox pod's own TTFT counters ({sum in s, count}: vllm:time_to_first_token_seconds, from
     its arrival at the API server to its first token, queue included), read from the pod directly
-    over its mutual TLS with the Worker's certificate (no emulated hop)."""
+    over its mutual TLS with the Worker's certificate (no emulated hop), trusting the root that
+    signs the pods' server certificate (the sandbox's public root, not the cell's CA)."""
+    from colocate.sandbox import hopcerts
     from colocate.sandbox.statedir import load_secrets
 
-    hop = Path(cell["state_dir"]) / "hop"
+    hop = Path(cell["state_dir"]) / hopcerts.DIR
+    worker, public = (hop / hopcerts.FILES["worker"], hop / f"{hopcerts.FILES['public']}.pem")
     auth = {"Authorization": f"Bearer {load_secrets(Path(cell['state_dir']))['podToken']}"}  # the pod's guard
     out: list[dict[str, float] | None] = []
     for pod in cell["pods"]:
         try:
             r = requests.get(pod["address"].replace("//127.0.0.1:", "//localhost:") + "/metrics", timeout=timeout_s,
                              headers=auth,
-                             cert=(str(hop / "worker.pem"), str(hop / "worker.key")), verify=str(hop / "ca.pem"))
+                             cert=(f"{worker}.pem", f"{worker}.key"), verify=str(public))
             got = {k: float(v) for k, v in _TTFT.findall(r.text)} if r.status_code == 200 else {}
         except (requests.RequestException, OSError, ValueError):
             got = {}

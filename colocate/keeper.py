@@ -16,7 +16,10 @@ Each pass, before anything is deployed:
    knows no such pod), ``remapped`` (running at another address than the one recorded: a RunPod
    reset maps the public port anew), ``misplaced`` (its location is outside the region) are
    replaced at once; ``unhealthy`` (the provider says it runs, the Worker cannot reach it) after
-   ``UNHEALTHY_PASSES`` passes in a row. Each replacement is one targeted update of those pods
+   ``UNHEALTHY_PASSES`` passes in a row. A server of the user's (the sandbox's ``colocate:pod.url``)
+   is judged by the Worker's health check alone and never replaced or renewed: the keeper did not
+   start it and cannot start another (``down`` says so; its owner starts it again). Each
+   replacement is one targeted update of those pods
    alone: ``colocate:pod.replaced`` counts pod i's replacements into its name, recorded in the
    generation first (so every `pulumi up`, from any checkout, declares the same name), and the
    deployer replaces that pod's resources and those depending on them, never another pod's. A
@@ -43,7 +46,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace as changed
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -53,6 +56,7 @@ from .pods.base import DEAD, RUNNING, PodInfo
 from .pods.errors import NotFoundError, PodError
 
 OK, GONE, REMAPPED, MISPLACED, UNHEALTHY, UNKNOWN = "ok", "gone", "remapped", "misplaced", "unhealthy", "unknown"
+DOWN = "down"  # a server of the user's that the Worker cannot reach: only its owner can start it
 REPLACE_AT_ONCE = (DEAD, GONE, REMAPPED, MISPLACED)  # what the provider's own answer proves
 CERTIFICATE = "certificate"  # a replacement's reason when a pod's certificate is renewed
 UNHEALTHY_PASSES = 2  # the Worker's view alone: this many passes in a row before a boot is bought
@@ -87,7 +91,8 @@ class RunningPod:
     location: str | None = None
     locations: tuple[str, ...] = ()  # the region's locations for its provider
     proxied: bool = False  # reached through the provider's proxy: its public address is not what the Worker uses
-    own: bool = False  # a server the keeper did not start (provider existing: the team's box): judged, never replaced or renewed
+    # a server the keeper did not start (colocate:pod.url, provider existing): judged by health, never replaced or renewed
+    own: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,11 +115,8 @@ class Verdict:
 def judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Mapping | None) -> Verdict:
     """One pod's verdict from its provider's answer and the Worker's health check of it (None: not
     checked, e.g. a draining pod the Worker no longer routes to)."""
-    v = _judge(pod, describe, health)
-    return changed(v, own=True) if pod.own else v
-
-
-def _judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Mapping | None) -> Verdict:
+    if pod.own:
+        return judge_own(pod, health)
     try:
         info = describe(pod)
     except NotFoundError as exc:
@@ -126,7 +128,7 @@ def _judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: M
     if pod.locations and info.location and info.location not in pod.locations:
         return Verdict(pod.index, pod.id, MISPLACED,
                        f"{pod.id} runs in {info.location}, outside the region's {', '.join(pod.locations)}")
-    if info.state == RUNNING and not pod.proxied and not pod.own and pod.ip and (info.ip, info.port) != (pod.ip, pod.port):
+    if info.state == RUNNING and not pod.proxied and pod.ip and (info.ip, info.port) != (pod.ip, pod.port):
         return Verdict(pod.index, pod.id, REMAPPED, f"{pod.id} runs at {info.ip}:{info.port}, recorded at "
                        f"{pod.ip}:{pod.port}: the Worker still sends to the old address")
     if health is not None and health.get("ok") is False:
@@ -135,6 +137,18 @@ def _judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: M
         return Verdict(pod.index, pod.id, UNHEALTHY, f"{pod.provider} reports {pod.id} {info.raw_state}, but the Worker's "
                        f"health check answered {said}" + (f" (breaker {breaker})" if breaker else ""))
     return Verdict(pod.index, pod.id, OK, f"{info.raw_state}")
+
+
+def judge_own(pod: RunningPod, health: Mapping | None) -> Verdict:
+    """A server of the user's: its provider record says only where it is (the keeper started nothing),
+    so the Worker's health check alone says whether it serves; ``down`` is never replaced."""
+    where = f"{pod.ip}:{pod.port}" if pod.ip and pod.port else pod.id
+    if health is not None and health.get("ok") is False:
+        said = health.get("status") or "nothing"
+        return Verdict(pod.index, pod.id, DOWN, f"the server you run at {where} (colocate:pod.url or colocate:pod.endpoints) "
+                       f"answered the Worker's health check {said}: the keeper replaces no server it did not start; "
+                       "start it again on its host (docs/pods.md, docs/sandbox.md)", own=True)
+    return Verdict(pod.index, pod.id, OK, f"the server you run at {where}", own=True)
 
 
 def health_view(probe: Mapping | None) -> dict[int, dict]:
@@ -311,8 +325,8 @@ class Keeper:
         for v in verdicts:
             if v.own:
                 if v.state != OK:
-                    self.say(f"keeper: pod {v.index} ({v.id}) is {v.state}: it is an endpoint you run, never replaced by "
-                             "the kit; the Worker routes around it meanwhile. Mend it on the box")
+                    self.say(f"keeper: pod {v.index} ({v.id}) is {v.state}: it is a server you run, never replaced by "
+                             "the kit; the Worker routes around it meanwhile. Mend it on its host")
                 continue
             if not (v.replace or (v.state == UNHEALTHY and self.streaks.get(v.index, 0) >= UNHEALTHY_PASSES)):
                 continue
@@ -378,7 +392,7 @@ class Keeper:
             self.say(f"keeper: the certificates could not be read ({exc})")
             return None
         self.record.certs = dict(certs)
-        # An endpoint's certificate is installed by its operator: any `pulumi up` re-issues it (infra/hop.py).
+        # A server the keeper did not start holds its operator's certificate: any `pulumi up` re-issues it (infra/hop.py).
         serving = {f"pod-{v.index}" for v in verdicts if v.state == OK and not v.own}
         role = due_role({r: e for r, e in certs.items() if r == CELL_ROLE or r in serving}, self.clock(), self.renew_days)
         if role is None:

@@ -13,7 +13,8 @@ whose process is gone is dead, as an exited cloud pod), replaces pod i by raisin
 ``colocate:pod.replaced`` count in the stack file and applying (the runner creates the renamed pod,
 moves the Worker to it, then deletes the old one), and reads each pod's certificate from the pod
 itself. A pod's renewal gives new pods a new certificate first; the cell's own leaves are made once
-per state directory and are not the keeper's.
+per state directory and are not the keeper's. A server of the user's (``colocate:pod.url``, or a pod
+the local provider recorded as one) is marked ``own``: the keeper never replaces it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..settings import parse_replaced
 from . import hopcerts, supervisor
 from .launch import Launch
 from .pods import recorded_pods
-from .statedir import LAUNCH_FILE, LOCAL_PODS_DIR, PODS_FILE, READY_FILE
+from .statedir import LAUNCH_FILE, LOCAL_PODS_DIR, PODS_FILE, READY_FILE, local_pod_record, read_json
 
 
 class SandboxDeployer:
@@ -65,14 +66,17 @@ class SandboxDeployer:
 
     # --- the keeper's (colocate/keeper.py) ---
 
-    def _region(self) -> str:
-        raw, _ = stackfile.read_config(self.stack, self.stacks_dir)
-        return str(raw.get("region"))
-
     def pods(self) -> list[RunningPod]:
-        allowed = tuple(catalogue.region(self._region(), key="colocate:region").locations("local"))
+        raw, _ = stackfile.read_config(self.stack, self.stacks_dir)
+        allowed = tuple(catalogue.region(str(raw.get("region")), key="colocate:region").locations("local"))
+        url = bool((raw.get("pod") or {}).get("url"))
         return [RunningPod(int(p.get("index", 0)), str(p["id"]), "local", p.get("ip"), p.get("port"), p.get("location"),
-                           allowed) for p in recorded_pods(self.state_dir)]
+                           allowed, own=url or self._users(p)) for p in recorded_pods(self.state_dir)]
+
+    def _users(self, pod: dict) -> bool:
+        """Whether the local provider recorded the pod as a server of the user's (at a url it did not start)."""
+        record = read_json(local_pod_record(self.state_dir, str(pod.get("name", ""))))
+        return record is not None and record.get("engine") == "url"
 
     def describe(self, pod: RunningPod) -> PodInfo:
         provider = Local()

@@ -2,10 +2,6 @@
 model of the default model's shape, started through the kit's own start path (podstart.sh, the
 cell's certificate bundle, the pod token, the kit's arguments), behind a sandbox cell whose pod
 is that server (tests/vllm_cpu/server.py). One vLLM for the whole run.
-
-Checks marked ``xfail(strict=True)`` are known mismatches between the router and the real engine
-(the Worker's metering of a left answer and of a refused request, the assembled answer's fields):
-they fail today, and once fixed their strict mark fails the run until it is removed.
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ def pod_call(cell, method: str, path: str, token: str | None = None, body: dict 
 
 
 def worker_ctx(cell) -> ssl.SSLContext:
-    return podtls.client_context(cell.hop.worker.cert_pem, cell.hop.worker.key_pem, cell.hop.ca.cert_pem)
+    return podtls.client_context(cell.hop.worker.cert_pem, cell.hop.worker.key_pem, cell.hop.public.cert_pem)
 
 
 def metrics(cell) -> str:
@@ -163,7 +159,7 @@ def test_no_client_certificate_or_one_of_another_ca_gets_no_http_answer(vllm_cel
     stranger = LocalCA.create("stranger CA").client("stranger")
     for leaf in (None, stranger):
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.load_verify_locations(cadata=vllm_cell.hop.ca.cert_pem)
+        ctx.load_verify_locations(cadata=vllm_cell.hop.public.cert_pem)
         if leaf is not None:
             ctx.load_cert_chain(*_files(vllm_cell.state_dir, leaf))
         with pytest.raises((ssl.SSLError, ConnectionError, http.client.RemoteDisconnected, OSError)):
@@ -273,8 +269,6 @@ def test_a_client_that_leaves_a_stream_stops_the_pods_generation(vllm_cell, key)
     assert 0 < made < LONG["max_tokens"], made  # cancelled: vLLM stopped before the answer's end
 
 
-@pytest.mark.xfail(strict=True, reason="the router reads a left non-streamed answer to its end: "
-                                       "the Worker's handling of client hang-ups fixes it")
 def test_a_client_that_leaves_a_non_streamed_answer_stops_the_pods_generation(vllm_cell, key):
     made = _tokens_made_after_leaving(vllm_cell, key["key"], stream=False)
     assert 0 < made < LONG["max_tokens"], made
@@ -292,8 +286,6 @@ def test_vllms_errors_reach_the_client_in_openais_shape(vllm_cell, key):
     assert status == 400 and answer["error"]["message"] and answer["error"]["type"]
 
 
-@pytest.mark.xfail(strict=True, reason="a request vLLM refuses is charged at its ceiling: "
-                                       "the Worker's metering fixes it")
 def test_a_request_vllm_refuses_is_charged_nothing(vllm_cell, key):
     long_prompt = " ".join(["sea"] * 9000)  # over the context in vLLM's tokens, under the Worker's 16-chars-a-token bound
     status, answer, _ = routed(vllm_cell, key["key"], "/v1/completions",
@@ -338,8 +330,6 @@ def test_a_long_non_streamed_answer_comes_back_whole(vllm_cell, key):
     assert answer["usage"]["completion_tokens"] == EXACT["max_tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason="the assembled answer lacks fields vLLM writes: "
-                                       "the router's answer shapes fix it")
 def test_the_assembled_answer_has_the_fields_vllms_own_answer_has(vllm_cell, key):
     body = {"model": vllm_cell.spec.model, "messages": MESSAGES, **EXACT}
     _, own = pod_call(vllm_cell, "POST", "/v1/chat/completions", vllm_cell.token, body)

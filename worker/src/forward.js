@@ -465,6 +465,10 @@ export class Pace {
  * no key for the breaker. Any answer but a failure (even 404 from a pod without the route)
  * says the pod is up. It carries the pod token: the pod's guard opens /health to it alone
  * (colocate/pods/guard/colocate_pod_guard.py), and a 401 is a failure.
+ * @param {(url: string, init: RequestInit) => Promise<Response>} fetchImpl
+ * @param {string} podUrl
+ * @param {number} ms
+ * @param {string} token  the pod token (required: without it a guarded pod answers 401)
  */
 export async function healthOk(fetchImpl, podUrl, ms, token) {
   const ac = new AbortController();

@@ -224,6 +224,19 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   if (key instanceof Promise) key = await key;
   let bytes = null;
   let json = null;
+  // The most this request can cost (usage.js usageCeiling): reserved at admission, and what an
+  // upstream's report is believed up to: a pod, the context it serves; the fallback (the
+  // operator's own account, billed as it reports), the body's bytes and the completion limit.
+  let ceiling = null;
+  let fbCeiling = null;
+  // Metering ends the request, once (tab.js): its max_parallel slot is freed then (a stream's,
+  // at its last byte), or when the client hangs up. The tab is opened with the slot, before the
+  // body: a client that leaves mid-upload frees its slot there and is charged nothing (no
+  // upstream was asked), as nothing after the read it was waiting on runs.
+  const tab = openTab(request, ctx, (backend, usage) => {
+    releaseSlot(request);
+    if (backend !== null) meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, backend === "fallback" ? fbCeiling : ceiling));
+  }, null);
   if (r.json) {
     // The key's slot before its body: an upload in flight is its key's (bounded in time too).
     try {
@@ -234,10 +247,10 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     bytes = await readBody(request, cfg.maxBodyBytes, cfg.bodyTimeoutMs);
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json, cfg.maxModelLen);
+    ceiling = usageCeiling(json, bytes.length, cfg.maxModelLen);
+    fbCeiling = usageCeiling(json, bytes.length);
+    tab.know(ceiling, Number.isInteger(json.n) && json.n > 1 ? json.n : 1, promptCount(json));
   }
-  // The most this request can cost (usage.js usageCeiling): reserved at admission, and
-  // what the upstream's report is believed up to.
-  const ceiling = json === null ? null : usageCeiling(json, bytes.length, cfg.maxModelLen);
   // The live view's client colo is the front door's word, taken only with its token
   // (a client's own header would add labels at will).
   if (request.headers.has(CLIENT_COLO_HEADER) && (await fromFrontDoor(request, cfg))) timing.client = request.headers.get(CLIENT_COLO_HEADER);
@@ -252,15 +265,6 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   }
   const limits = admitted.headers;
   scheduleFlush(env, ctx, cfg);
-  // Metering ends the request, once (tab.js): its max_parallel slot is freed then (a stream's,
-  // at its last byte), or when the client hangs up. What an upstream reports is believed only
-  // up to what the request allows: a pod, the context it serves; the fallback (the operator's
-  // own account, billed as it reports), the body's bytes and the completion limit.
-  const fbCeiling = json === null ? null : usageCeiling(json, bytes.length);
-  const tab = openTab(request, ctx, (backend, usage) => {
-    releaseSlot(request);
-    if (backend !== null) meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, backend === "fallback" ? fbCeiling : ceiling));
-  }, ceiling, json !== null && Number.isInteger(json.n) && json.n > 1 ? json.n : 1, promptCount(json));
   const meter = (backend, usage) => tab.settle(backend, usage);
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").

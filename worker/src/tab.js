@@ -45,6 +45,14 @@ export class Tab {
     this.hungUp = false;
   }
 
+  /** The request's body is read: its ceiling, its n (or best_of) and its prompt count. */
+  know(ceiling, choices = 1, prompts = 1) {
+    this.ceiling = ceiling;
+    this.askCeiling = ceiling;
+    this.choices = choices;
+    this.prompts = prompts;
+  }
+
   /** Meter the request once (later calls do nothing). */
   settle(backend, usage) {
     if (this.settled) return;
@@ -99,7 +107,7 @@ export class Tab {
  * @param {Request} request
  * @param {{waitUntil(p: Promise<unknown>): void}} ctx
  */
-export function openTab(request, ctx, onSettle, ceiling, choices, prompts) {
+export function openTab(request, ctx, onSettle, ceiling, choices = 1, prompts = 1) {
   const tab = new Tab(onSettle, ceiling, choices, prompts);
   const signal = request.signal;
   if (signal) signal.addEventListener("abort", () => tab.hangUp(ctx), { once: true });

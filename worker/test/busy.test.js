@@ -50,6 +50,15 @@ test("a miss is broken when the health check fails, busy behind a queue, idle ot
   assert.equal(await missVerdict(cfg, "http://v5.test", 0, async (url) => new Response("", { status: url.endsWith("/metrics") ? 404 : 200 })), "idle");
 });
 
+test("the miss's health check carries the pod token: the pod's guard answers 401 without it", async () => {
+  // As colocate_pod_guard.py: /health and /metrics open to the pod token only.
+  const guarded = async (url, init) => (init?.headers?.authorization === "Bearer pt"
+    ? new Response(url.endsWith("/metrics") ? "vllm:num_requests_waiting 4\n" : "")
+    : new Response('{"error":"Unauthorized"}', { status: 401 }));
+  assert.equal(await missVerdict(cfg, "http://g1.test", 0, guarded), "busy");
+  assert.equal(await missVerdict(cfg, "http://g2.test", 1, guarded), "busy");
+});
+
 test("a pod is busy while this isolate's requests there wait for their first token", () => {
   const url = "http://q.test";
   assert.equal(podBusy(url, Date.now()), false);

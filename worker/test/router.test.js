@@ -384,9 +384,11 @@ test("unknown keys arriving together share look-up calls (the cold isolate's syn
   assert.equal(lookups.reduce((n, x) => n + x[2].length, 0) + riding.length, 60);
   assert.equal(new Set([...lookups.flatMap((x) => x[2]), ...riding]).size, 60);
   const before = env.BREAKER.calls.length;
-  assert.equal((await handle(chat(keys[7]), env, c, { fetch: f })).status, 200); // held now: no call
-  assert.equal((await handle(chat(junk[7]), env, c, { fetch: f })).status, 401); // remembered: no call
-  assert.equal(env.BREAKER.calls.length, before);
+  assert.equal((await handle(chat(keys[7]), env, c, { fetch: f })).status, 200); // held now: not asked again
+  assert.equal((await handle(chat(junk[7]), env, c, { fetch: f })).status, 401); // remembered: not asked again
+  // The burst's usage flushes may sync meanwhile (later under load); no call asks after a key.
+  const asked = env.BREAKER.calls.slice(before).filter((x) => x[0] === "lookupKeys" || (x[0] === "sync" && (x[2] || {}).lookup?.length));
+  assert.deepEqual(asked, []);
   await c.settle();
 });
 
