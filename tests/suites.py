@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,10 @@ SUITES: dict[str, list[Step]] = {
     "vllm": [Step("pytest (vLLM)", [PY, "-m", "pytest", "-q", "-p", "no:xdist", "--durations=10", "-rfEs",
                                      "tests/vllm_cpu", "tests/engine_contract"], "pytest-vllm")],
 }
+
+# Suites that leave a core idle (the linters run one at a time, node's tests wait on timers) run beside
+# each other from the start; pytest's workers take every core, so it starts once they are done.
+BESIDE = {"lint", "js"}
 
 
 def run(step: Step) -> tuple[int, str, float]:
@@ -118,27 +123,11 @@ def main(argv: list[str], suites: dict[str, list[Step]] = SUITES) -> int:
         (LOGS / f"{name}.log").unlink(missing_ok=True)
     failures: list[tuple[str, str]] = []
     t0 = time.monotonic()
-    for suite in wanted:
-        for step in suites[suite]:
-            code, out, took = run(step)
-            log = _shown(LOGS / f"{step.log}.log")
-            if step.log == "lint":
-                failed = out.strip() if code else ""
-                line = "passed" if not code else f"FAILED (exit {code})"
-            elif step.log == "node":
-                line, failed = node_summary(out)
-                failed = failed or ("" if not code else "\n".join(out.rstrip().splitlines()[-60:]))
-            else:
-                line, shown, failed = pytest_summary(out)
-                failed = failed or ("" if not code else "\n".join(out.rstrip().splitlines()[-60:]))
-            print(f"{step.name}: {line or ('passed' if not code else f'exit {code}')} ({took:.0f} s; log: {log})",
-                  flush=True)
-            if step.log.startswith("pytest"):
-                for ln in shown:
-                    print(f"  {ln}")
-            if code:
-                failures.append((step.name, failed or f"exit {code} and no output; see {log}"))
-                print(_short(failures[-1][1]), flush=True)
+    with ThreadPoolExecutor() as pool:
+        # The suites that run BESIDE each other start at once; their lines still print in order.
+        started = {w: pool.submit(lambda w=w: [run(step) for step in suites[w]]) for w in wanted if w in BESIDE}
+        for suite in wanted:
+            _report(suite, suites[suite], started[suite].result() if suite in started else None, failures)
     took = time.monotonic() - t0
     if not failures:
         print(f"all passed: {', '.join(wanted)} in {took:.0f} s")
@@ -149,6 +138,32 @@ def main(argv: list[str], suites: dict[str, list[Step]] = SUITES) -> int:
                             for name, text in failures))
     print(f"FAILED: {', '.join(n for n, _ in failures)} in {took:.0f} s; every failure's output is in {path}")
     return 1
+
+
+def _report(suite: str, steps: list[Step], results: list[tuple[int, str, float]] | None,
+            failures: list[tuple[str, str]]) -> None:
+    """Run ``steps`` one after another (or take the ``results`` of a run beside the others) and
+    print a line each; each failure's output goes on the terminal and into ``failures``."""
+    for i, step in enumerate(steps):
+        code, out, took = results[i] if results is not None else run(step)
+        log = _shown(LOGS / f"{step.log}.log")
+        if step.log == "lint":
+            failed = out.strip() if code else ""
+            line = "passed" if not code else f"FAILED (exit {code})"
+        elif step.log == "node":
+            line, failed = node_summary(out)
+            failed = failed or ("" if not code else "\n".join(out.rstrip().splitlines()[-60:]))
+        else:
+            line, shown, failed = pytest_summary(out)
+            failed = failed or ("" if not code else "\n".join(out.rstrip().splitlines()[-60:]))
+        print(f"{step.name}: {line or ('passed' if not code else f'exit {code}')} ({took:.0f} s; log: {log})",
+              flush=True)
+        if step.log.startswith("pytest"):
+            for ln in shown:
+                print(f"  {ln}")
+        if code:
+            failures.append((step.name, failed or f"exit {code} and no output; see {log}"))
+            print(_short(failures[-1][1]), flush=True)
 
 
 if __name__ == "__main__":
