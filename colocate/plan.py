@@ -649,6 +649,8 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         # What a request may cost is bounded by the context the pods serve (worker/src/usage.js).
         ("MAX_MODEL_LEN", str(MAX_MODEL_LEN)),
     ]
+    if w.content_parts:
+        plain.append(("CONTENT_PARTS", json.dumps(list(w.content_parts))))
     if settings.fallback_fields:
         plain.append(("FALLBACK_FIELDS", json.dumps(list(settings.fallback_fields))))
     if settings.fallback_model:

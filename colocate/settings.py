@@ -78,7 +78,11 @@ WORKER_DEFAULTS = {
     "migrationTag": "",
     "allowClassDeletion": False,
     "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
+    "contentParts": [],  # media content part types the pods may be sent besides text (CONTENT_PARTS)
 }
+# colocate:worker.contentParts: the chat content parts a cell may pass to its pods besides text
+# (worker/src/podfields.js MEDIA_PARTS). The pod fetches a URL part's media itself.
+CONTENT_PARTS = ("image_url", "input_audio", "audio_url", "video_url")
 PROBE_DEFAULTS = {"samples": 25, "enforce": False}
 # ttft and itl: a streamed answer's first token and the mean gap between its tokens, as the probe's
 # client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
@@ -124,7 +128,8 @@ SCHEMA: tuple[Key, ...] = (
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion, balance (load: the cell's counts and the pods' reports | least_busy | "
         "prefix: a conversation's turns to the pod holding its prefix | random: a baseline), prefixBound (prefix's "
-        "load bound c > 1: no pod past c x the mean load)."),
+        "load bound c > 1: no pod past c x the mean load), contentParts (chat content part types the pods may be sent "
+        "besides text: image_url, input_audio, audio_url, video_url; the pod fetches a URL part's media)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel}, the limits of a key created without them "
         "(0 = no limit; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
@@ -236,6 +241,7 @@ class WorkerSettings:
     min_tokens_per_s: float = 25.0
     balance: str = "load"
     prefix_bound: float = 1.5
+    content_parts: tuple[str, ...] = ()  # colocate:worker.contentParts (CONTENT_PARTS)
 
 
 @dataclass(frozen=True)
@@ -419,7 +425,16 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
         balance=_balance(k + "balance", w["balance"]),
         prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),
+        content_parts=_content_parts(k + "contentParts", w["contentParts"]),
     )
+
+
+def _content_parts(key: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v in CONTENT_PARTS for v in value):
+        raise ConfigError(key, value, f"must be a list of content part types from {', '.join(CONTENT_PARTS)}",
+                          f"pulumi config set --path '{key}[0]' image_url (the pod then fetches the images clients name), "
+                          f"or pulumi config rm --path {key} (text only)")
+    return tuple(dict.fromkeys(value))
 
 
 def _balance(key: str, value: object) -> str:

@@ -8,6 +8,7 @@
 import { ConfigurationError } from "./errors.js";
 import { MAX_TOKENS } from "./validate.js";
 import { DEFAULT_POLICY, POLICIES } from "./pods.js";
+import { MEDIA_PARTS } from "./podfields.js";
 
 const cache = new WeakMap();
 
@@ -131,6 +132,26 @@ function fallbackFieldList(env) {
   return Object.freeze(list);
 }
 
+/**
+ * CONTENT_PARTS (colocate:worker.contentParts): a JSON array of the media content part types
+ * the pods may be sent besides text (podfields.js MEDIA_PARTS); absent: none.
+ * @returns {ReadonlySet<string>}
+ */
+function contentParts(env) {
+  const raw = env.CONTENT_PARTS;
+  if (raw === undefined) return new Set();
+  let list;
+  try {
+    list = JSON.parse(raw);
+  } catch {
+    list = null;
+  }
+  if (!Array.isArray(list) || !list.every((t) => MEDIA_PARTS.includes(t))) {
+    throw new ConfigurationError("CONTENT_PARTS", `must be a JSON array of ${MEDIA_PARTS.join(", ")} (got ${JSON.stringify(raw)})`);
+  }
+  return new Set(list);
+}
+
 /** BALANCE: the balancing policy's name (pods.js POLICIES); absent: the default. */
 function balance(env) {
   const name = env.BALANCE === undefined ? DEFAULT_POLICY : env.BALANCE;
@@ -182,6 +203,7 @@ export function readConfig(env) {
     // may cost is bounded by it (usage.js usageCeiling). Absent: validate.js's max_tokens cap.
     maxModelLen: optionalInt(env, "MAX_MODEL_LEN", MAX_TOKENS + 1, { min: 2 }),
     fallbackFields: fallbackFieldList(env),
+    contentParts: contentParts(env),
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
     fallbackSpend: fallbackSpend(env),
     podUrls: podUrls(env),
