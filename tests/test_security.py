@@ -280,6 +280,61 @@ def test_each_key_gets_its_own_prefix_cache_salt_and_cannot_choose_another(cell,
     assert usage_row(cell, key, 2)["pod_requests"] == 2
 
 
+# --- what a pod is sent of a client's request (worker/src/podfields.js) --------------------
+
+# vLLM's engine fields a client could once pass to the pod (docs/worker.md, "what the pods are sent").
+ENGINE_FIELDS = {
+    "chat_template": "{{ 'x' }}", "chat_template_kwargs": {"enable_thinking": True}, "mm_processor_kwargs": {"fps": 1},
+    "media_io_kwargs": {"video": {"num_frames": 1}}, "guided_regex": "a+", "guided_grammar": 'root ::= "a"',
+    "structured_outputs": {"regex": "a+"}, "guided_decoding_backend": "xgrammar",
+    "kv_transfer_params": {"do_remote_decode": True}, "priority": -100, "logits_processors": ["x.y"], "vllm_xargs": {"a": 1},
+    "request_id": "victim", "allowed_token_ids": [1],
+    "bad_words": ["no"], "truncate_prompt_tokens": 1, "documents": [{"title": "t", "text": "x"}], "prompt_embeds": "UEsDBA==",
+}
+MEDIA = {
+    "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}, "audio_url": {"url": "https://example.com/a.wav"},
+    "video_url": {"url": "https://example.com/v.mp4"}, "input_audio": {"data": "AAAA", "format": "wav"},
+    "image_embeds": "UEsDBA==",
+}
+
+
+def test_vllm_engine_fields_and_media_parts_never_reach_a_pod(cell, key):
+    before = cell.pod.requests
+    for field, value in ENGINE_FIELDS.items():
+        res = call(cell, key, body(**{field: value}))
+        assert res.status == 400, (field, res.body)
+        assert (res.json()["error"]["param"], res.json()["error"]["code"]) == (field, "unsupported_parameter"), res.body
+    for kind, value in MEDIA.items():
+        content = [{"type": "text", "text": "what is this?"}, {"type": kind, kind: value}]
+        res = call(cell, key, json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode())
+        assert res.status == 400 and res.json()["error"]["param"] == "messages[0].content[1].type", (kind, res.body)
+    assert cell.pod.requests == before  # nothing reached the pod, and nothing was counted
+    # OpenAI's own fields the pods do not serve are dropped, so a client written for OpenAI is served.
+    res = call(cell, key, body(store=True, metadata={"a": "b"}, top_k=5))
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0", res.body
+    seen = cell.pod.seen_bodies[-1]
+    assert "store" not in seen and "metadata" not in seen and seen["top_k"] == 5, seen
+    assert usage_row(cell, key, 1)["requests"] == 1
+
+
+def test_the_engine_request_id_is_the_routers_and_the_query_string_stays_in_the_worker(cell, key):
+    path = "/v1/chat/completions?api-version=2024-02-01&stream=true"
+    sent = {"authorization": f"Bearer {key['key']}", "content-type": "application/json", "x-request-id": "victim-request"}
+    res = request(cell.url, "POST", path, body=body(), headers=sent)
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0", res.body
+    seen = cell.pod.seen_headers[-1]
+    assert seen["x-request-id"] != "victim-request" and len(seen["x-request-id"]) == 36, seen
+    assert cell.pod.seen_paths[-1] == "/v1/chat/completions"
+    # Each request its own id: one client cannot name another's request at the engine.
+    assert request(cell.url, "POST", path, body=body(), headers=sent).status == 200
+    assert cell.pod.seen_headers[-1]["x-request-id"] != seen["x-request-id"]
+    cell.pod.set_fault("error")
+    res = request(cell.url, "POST", path, body=body(), headers=sent)
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback", res.body
+    assert cell.fallback.seen_paths[-1] == "/v1/chat/completions"
+    assert "x-request-id" not in cell.fallback.seen_headers[-1]
+
+
 # --- least privilege for operators -------------------------------------------------------
 
 @pytest.mark.parametrize(("method", "path", "allowed"), [

@@ -27,6 +27,7 @@ import {
 import { now, serverTiming } from "./timing.js";
 import { capUsage, contentChars, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc } from "./usage.js";
 import { fallbackFields, validateBody } from "./validate.js";
+import { podFields } from "./podfields.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
 import { fallbackCapRefusal } from "./spendcap.js";
@@ -204,6 +205,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json, cfg.maxModelLen);
   }
+  // What a pod is sent: the fields and content parts it serves (podfields.js); a 400 names any other.
+  const pod = json === null ? null : podFields(url.pathname, json, cfg.contentParts);
   // The most this request can cost (usage.js usageCeiling): reserved at admission, and
   // what the upstream's report is believed up to.
   const ceiling = json === null ? null : usageCeiling(json, bytes.length, cfg.maxModelLen);
@@ -244,7 +247,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     else for (const s of suspects) if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
   };
 
-  const path = url.pathname + url.search;
+  // The client's query string stays here: neither upstream is asked anything but the route.
+  const path = url.pathname;
   const urls = cfg.podUrls;
   const tried = new Set();
   const suspects = []; // pods that failed this request, not reported yet
@@ -261,7 +265,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const chat = url.pathname === "/v1/chat/completions";
   const n = json === null ? 1 : Math.max(Number.isInteger(json.n) ? json.n : 1, 1);
   // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
-  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id, assemble);
+  const podBody = bytes === null ? null : pod.dropped.length === 0 ? upstreamBody(bytes, json, null, askUsage, key.id, assemble)
+    : droppedForPod(env, pod, askUsage, key.id, assemble);
+  // The engine's request id is the router's own, never the client's X-Request-Id (vLLM keys
+  // its requests by it: a client's could name, and collide with, another key's request).
+  const requestId = crypto.randomUUID();
   const policy = POLICIES[cfg.balance];
   const info = { keyId: key.id, path: url.pathname, json, prefixBound: cfg.prefixBound };
   // The pace of an answer after its first token (pods.js paceVerdict): judged once, mid-stream
@@ -307,7 +315,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     started(podUrl);
     const res = await tryPod(hop, podUrl + path, {
       method: request.method,
-      headers: upstreamHeaders(request.headers, cfg.podToken),
+      headers: upstreamHeaders(request.headers, cfg.podToken, requestId),
       body: podBody,
     }, deadline, mode, cfg.stallMs, cap, cfg.minTokensPerS);
     timing.upstream += now() - t;
@@ -467,6 +475,12 @@ function fallbackBody(env, pathname, bytes, json, cfg, askUsage) {
   if (cfg.fallbackModel) body.model = cfg.fallbackModel;
   if (askUsage) body.stream_options = { ...json.stream_options, include_usage: true };
   return new TextEncoder().encode(JSON.stringify(body));
+}
+
+/** A pod's body without the OpenAI fields it does not serve (podfields.js), which are logged by name. */
+function droppedForPod(env, pod, askUsage, salt, streamIt) {
+  log(env, "pod_fields_dropped", { fields: pod.dropped.slice(0, 8) });
+  return upstreamBody(new TextEncoder().encode(JSON.stringify(pod.json)), pod.json, null, askUsage, salt, streamIt);
 }
 
 // The longest non-streamed answer asked of the pod whole (see `short` in routed).

@@ -69,7 +69,7 @@ test("closed: the pod serves with its token; the second request waits on nothing
   const r1 = await handle(chat(key), env, c, { fetch: f });
   assert.equal(r1.status, 200);
   assert.equal(r1.headers.get("x-colocate-backend"), "pod-0");
-  assert.equal(seen[0].url, "http://pod.test/v1/chat/completions?x=1");
+  assert.equal(seen[0].url, "http://pod.test/v1/chat/completions"); // the client's query string stays in the Worker
   assert.equal(seen[0].auth, "Bearer pt"); // the client's key never travels upstream
   assert.deepEqual(env.BREAKER.calls[0], ["get", "router-a", "enam"]);
   const before = env.BREAKER.calls.length;
