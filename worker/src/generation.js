@@ -31,6 +31,7 @@ import { counts as countsAnything, monthOf, provisionalLease } from "./fleetexch
 import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
 import { fetchColo } from "./trace.js";
 import { LIVE, SYNC, mergeEncoded } from "./histogram.js";
+import { BITS_PER_KEY, addDigest, filterFor } from "./keyfilter.js";
 
 const LEGACY_KV_KEY = "breaker"; // schema 1 kept one KV entry: {snap, adopted_from}
 const POD_ROW_TTL_MS = 24 * 3600 * 1000; // health rows of pods gone for a day are dropped
@@ -81,6 +82,8 @@ export class Breaker extends DurableObject {
     this.coloOnce = null;
     this.pace = new Map(); // pod URL -> pace streak and slow mark (machine.js): soft state, re-learnt in seconds after a restart
     this.purged = false; // set by purge(): no tables until the next use
+    this.keyBits = null; // the key filter (keyfilter.js), built on first use, then kept up to date
+    this.keyRoom = 0; // keys it may still take at its rate before it is built again, larger
     ctx.blockConcurrencyWhile(async () => this.load());
   }
 
@@ -306,6 +309,7 @@ export class Breaker extends DurableObject {
         last = ids[ids.length - 1];
       }
       this.sql.exec("DELETE FROM import_stage");
+      this.keyBits = null; // the imported keys: built again on next use
       this.setMeta(`importing:${from}`, null);
       this.setMeta(`imported:${from}`, Date.now());
     });
@@ -634,6 +638,8 @@ export class Breaker extends DurableObject {
     if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, now);
     /** @type {import("./payloads.js").SyncAnswer} */
     const view = this.view(info.haveRev ?? -1, info);
+    // An isolate starting its key list gets the key filter too (keyfilter.js): later key rows reach it as deltas.
+    if ((info.haveRev ?? -1) < 0 || view.reset) view.key_filter = this.keyFilter();
     // A stale isolate's request with a key it does not hold: found in the same round trip.
     if (Array.isArray(info.lookup) && info.lookup.length) view.found = this.byDigest(info.lookup, info);
     return view;
@@ -915,8 +921,28 @@ export class Breaker extends DurableObject {
     return this.keyRow(row.id);
   }
 
+  /**
+   * The key filter of every key not revoked (keyfilter.js): one read of the key table the
+   * first time, then each key stored is added; built again, larger, once it holds more keys
+   * than it was sized for.
+   */
+  keyFilter() {
+    if (this.keyBits === null || this.keyRoom <= 0) {
+      const n = this.sql.exec("SELECT COUNT(*) AS n FROM client_keys WHERE revoked_at IS NULL").one().n;
+      const bytes = filterFor(n);
+      for (const r of this.sql.exec("SELECT hash FROM client_keys WHERE revoked_at IS NULL")) addDigest(bytes, r.hash);
+      this.keyBits = bytes;
+      this.keyRoom = (bytes.length * 8) / BITS_PER_KEY - n;
+    }
+    return this.keyBits;
+  }
+
   /** A new key row at the next revision (inside the caller's transaction). */
   insertKey(row) {
+    if (this.keyBits !== null) {
+      addDigest(this.keyBits, row.hash);
+      this.keyRoom -= 1;
+    }
     this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
       row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
       row.expires_at, null, row.fallback_microusd_day ?? 0, this.bumpRev());
@@ -1018,6 +1044,7 @@ export class Breaker extends DurableObject {
       || this.sql.exec("SELECT COUNT(*) AS n FROM client_keys").one().n > 0;
     await this.ctx.storage.deleteAll();
     this.purged = true;
+    this.keyBits = null;
     return { had_state: had };
   }
 }

@@ -210,6 +210,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {number} [fleet_cells]  in a fleet: its size, for the default share of a key not asked for yet
  * @property {{day: string, microusd: number}} [spent]  the fallback's cost to the cell today (with `capCell`)
  * @property {{keys: object[], counts: Record<string, number[]>}} [found]  the look-up's answer
+ * @property {Uint8Array} [key_filter]  to an isolate starting its key list: keyfilter.js's filter of the keys
  */
 
 /**

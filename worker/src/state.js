@@ -182,7 +182,7 @@ const lookups = new Map(); // generation -> {waiting: Set of digests, busy, call
 function lookupsOf(gen) {
   let l = lookups.get(gen);
   if (!l) {
-    l = { waiting: new Set(), busy: false, calls: [] };
+    l = { waiting: new Set(), vouched: new Set(), busy: false, calls: [] };
     lookups.set(gen, l);
   }
   return l;
@@ -210,14 +210,16 @@ const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
  * call (each waits by polling plain data, never on another request's promise), so a
  * flood of bad keys makes at most a few object calls a second. The wait is `state`.
  */
-export async function findKey(env, cfg, entry, digest, timing) {
+export async function findKey(env, cfg, entry, digest, timing, vouched = false) {
   const gen = cfg.activeGeneration;
   let rec = entry.keys ? entry.keys.get(digest) : undefined;
   if (rec) return rec;
   if (cache.isKnownBad(gen, digest, Date.now())) return null;
   const l = lookupsOf(gen);
-  if (!l.waiting.has(digest) && l.waiting.size >= LOOKUP_WAITING_MAX) throw lookupBusy();
+  // A digest the key filter vouches for (keyfilter.js) is looked up first, queue full or not.
+  if (!vouched && !l.waiting.has(digest) && l.waiting.size >= LOOKUP_WAITING_MAX) throw lookupBusy();
   l.waiting.add(digest);
+  if (vouched) l.vouched.add(digest);
   const t = now();
   try {
     for (;;) {
@@ -240,6 +242,7 @@ export async function findKey(env, cfg, entry, digest, timing) {
     }
   } finally {
     l.waiting.delete(digest);
+    l.vouched.delete(digest);
     timing.state += now() - t;
   }
 }
@@ -248,11 +251,14 @@ export async function findKey(env, cfg, entry, digest, timing) {
 async function lookupCall(env, cfg, l, digest) {
   const gen = cfg.activeGeneration;
   l.waiting.delete(digest);
-  const digests = [digest];
-  for (const d of l.waiting) {
-    if (digests.length >= LOOKUP_BATCH) break;
-    digests.push(d);
+  const picked = new Set([digest]); // ours, then the vouched-for, then the rest in arrival order
+  for (const from of [l.vouched, l.waiting]) {
+    for (const d of from) {
+      if (picked.size >= LOOKUP_BATCH) break;
+      if (l.waiting.has(d)) picked.add(d);
+    }
   }
+  const digests = [...picked];
   for (const d of digests) l.waiting.delete(d);
   l.busy = true;
   l.calls.push(Date.now());
