@@ -29,7 +29,7 @@ import { capUsage, contentChars, estimateUsage, streamCap, stripStream, tapStrea
 import { fallbackFields, validateBody } from "./validate.js";
 import { podFields } from "./podfields.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
-import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
+import { clientAddress, returnLookup, takeLookup, takeTotal } from "./strangers.js";
 import { fallbackCapRefusal } from "./spendcap.js";
 import { learnColo, recordPick, recordRequest, recordStream } from "./histogram.js";
 
@@ -101,12 +101,16 @@ function authenticate(request, env, cfg, entry, timing) {
 async function authenticateSlow(request, presented, env, cfg, entry, timing) {
   // A key this isolate has not accepted yet costs a hash and maybe a look-up: the caller's
   // address pays for it from its budget (strangers.js), and gets it back if the key is real.
+  // A digest the key filter does not vouch for also draws on the isolate's total, so guesses
+  // from rotating addresses use up only that, never a real key's look-up.
   const address = clientAddress(request);
   takeLookup(address, Date.now());
   const digest = await digestOf(presented);
-  const key = await findKey(env, cfg, entry, digest, timing);
+  const vouched = cache.mayBeKey(cfg.activeGeneration, digest) === true;
+  if (!vouched) takeTotal(Date.now());
+  const key = await findKey(env, cfg, entry, digest, timing, vouched);
   if (!key || !sameDigest(key.hash, digest)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
-  returnLookup(address);
+  returnLookup(address, !vouched);
   remember(presented, digest);
   return usable(key);
 }
