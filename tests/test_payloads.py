@@ -70,6 +70,6 @@ def test_a_declaration_that_is_not_json_is_refused_naming_the_file(tmp_path):
 
 def test_a_row_to_send_is_built_by_name():
     row = USAGE.row(day="2026-12-05", key_id="key_0123456789ab", requests=3)
-    assert row == ["2026-12-05", "key_0123456789ab", 3, 0, 0, 0, 0, 0, 0]
+    assert row == ["2026-12-05", "key_0123456789ab", 3, *[0] * (len(USAGE.names) - 3)]
     with pytest.raises(KeyError, match="usage has no column 'prompt'"):
         USAGE.row(prompt=1)

@@ -24,11 +24,12 @@ import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, initialPace, needsWitness, record, recordPace } from "./machine.js";
 import { dayOf, minuteOf } from "./limits.js";
 import {
-  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
+  ADDED_COLUMNS, BULK_MONTH, BULK_REFUSALS, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { counts as countsAnything, monthOf, provisionalLease } from "./fleetexchange.js";
-import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
+import { REASONS, REFUSAL_KEYS } from "./refusals.js";
 import { fetchColo } from "./trace.js";
 import { LIVE, SYNC, mergeEncoded } from "./histogram.js";
 import { BITS_PER_KEY, addDigest, filterFor } from "./keyfilter.js";
@@ -67,6 +68,7 @@ const EXPORT_PARTS = [
   ["fleet_cells", "SELECT v FROM meta WHERE k = 'fleet_cells'", (r) => Number(r.v)],
   // The scaling controller's desired pod count (colocate/scaler.py), which `pulumi up` reads.
   ["scale_desired", "SELECT v FROM meta WHERE k = 'scale_desired'", (r) => r.v],
+  ["refusals", "SELECT key_id, reason, n FROM refusal_total", (r) => [r.key_id, r.reason, r.n]],
 ];
 // Staged pages of an import in progress: one row per exported row, as JSON, in export order.
 const STAGE_TABLE = "CREATE TABLE IF NOT EXISTS import_stage (part TEXT NOT NULL, row TEXT NOT NULL)";
@@ -253,7 +255,7 @@ export class Breaker extends DurableObject {
       this.eachStaged("usage", (usage) => {
         for (const u of usage) {
           this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-            u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0);
+            u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0, u.refused ?? 0);
         }
       });
       // The cell's daily fallback spend follows from the daily rows, the imported ones included.
@@ -286,6 +288,7 @@ export class Breaker extends DurableObject {
             ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
         }
       });
+      this.eachStaged("refusals", (rows) => this.sql.exec(BULK_REFUSALS, JSON.stringify(rows)));
       this.eachStaged("peers", (rows) => this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(rows)));
       // A fleet's leases go on holding in the successor until the ledger reaches it.
       this.eachStaged("leases", (rows) => this.sql.exec(UPSERT_LEASES, Date.now(), JSON.stringify(rows)));
@@ -691,6 +694,12 @@ export class Breaker extends DurableObject {
       }
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_reserved WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      if (batch.refusals && batch.refusals.length) {
+        // Labels stay the fixed set whatever an isolate sends (a newer Worker's reason is "other" here).
+        const rows = batch.refusals.map((r) => [String(r[REFUSAL.key_id]), REASONS.includes(r[REFUSAL.reason]) ? r[REFUSAL.reason] : "other",
+          Math.max(0, Number(r[REFUSAL.n]) | 0)]);
+        this.sql.exec(BULK_REFUSALS, JSON.stringify(rows));
+      }
       for (const r of batch.backends || []) {
         this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
           ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
@@ -857,7 +866,23 @@ export class Breaker extends DurableObject {
           COALESCE(SUM(revoked_at IS NOT NULL), 0) AS revoked FROM client_keys`, now).one(),
       pods: this.sql.exec("SELECT pod, state, failures FROM pod_health").toArray(),
       forced: this.meta("forced"),
+      refusals: this.refusalCounts(),
     };
+  }
+
+  /**
+   * Each key's refusals by reason since the generation began ([key_id, reason, n]): the
+   * REFUSAL_KEYS keys refused most by name, the others together as key "other" (bounded labels).
+   */
+  refusalCounts() {
+    const top = this.sql.exec(`SELECT key_id FROM refusal_total GROUP BY key_id ORDER BY SUM(n) DESC, key_id LIMIT ?`, REFUSAL_KEYS)
+      .toArray().map((r) => r.key_id);
+    const list = JSON.stringify(top);
+    const named = this.sql.exec(`SELECT key_id, reason, n FROM refusal_total WHERE key_id IN (SELECT value FROM json_each(?))
+      ORDER BY key_id, reason`, list).toArray().map((r) => [r.key_id, r.reason, r.n]);
+    const rest = this.sql.exec(`SELECT reason, SUM(n) AS n FROM refusal_total WHERE key_id NOT IN (SELECT value FROM json_each(?))
+      GROUP BY reason ORDER BY reason`, list).toArray().map((r) => ["other", r.reason, r.n]);
+    return [...named, ...rest];
   }
 
   podRow(pod) {
@@ -1007,7 +1032,7 @@ export class Breaker extends DurableObject {
       args.push(query.key);
     }
     return this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-        u.fallback_requests, u.estimated_tokens, u.fallback_microusd FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
+        u.fallback_requests, u.estimated_tokens, u.fallback_microusd, u.refused FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
         ORDER BY u.day, u.key_id`,
     ...args).toArray();
   }

@@ -46,7 +46,13 @@ export const SHAPES = /** @type {const} */ ({
     ["pod_requests", "requests a pod answered"],
     ["fallback_requests", "requests the fallback answered"],
     ["estimated_tokens", "tokens counted from streamed text (no usage in the answer)"],
-    ["fallback_microusd", "what the fallback's answers cost at FALLBACK_PRICE, in millionths of a dollar"]
+    ["fallback_microusd", "what the fallback's answers cost at FALLBACK_PRICE, in millionths of a dollar"],
+    ["refused", "requests refused with a 429 (a limit, a lease, the fallback's spend cap)"]
+  ],
+  "refusal": [
+    ["key_id", "the client key's id"],
+    ["reason", "the limit that refused it: refusals.js REASONS"],
+    ["n", "refusals since the last sync"]
   ],
   "window": [
     ["key_id", "the client key's id"],
@@ -123,6 +129,8 @@ export const USAGE = shape(SHAPES.usage);
 export const WINDOW = shape(SHAPES.window);
 /** A sync batch's `inflight` row. */
 export const INFLIGHT = shape(SHAPES.inflight);
+/** A sync batch's `refusals` row: one key's 429s for one reason (refusal_total's columns). */
+export const REFUSAL = shape(SHAPES.refusal);
 /** A sync batch's `hist` row (seg_minute's), and GET /_colocate/live's `minutes` and `hours`. */
 export const HIST = shape(SHAPES.hist);
 /** A sync batch's `backends` row: the scaling controller's demand signal (backend_total). */
@@ -190,6 +198,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {any[][]} [usage]  USAGE rows
  * @property {any[][]} [windows]  WINDOW rows
  * @property {any[][]} [inflight]  INFLIGHT rows
+ * @property {any[][]} [refusals]  REFUSAL rows
  * @property {any[][]} [hist]  [minute, colo, pod, segment, "index:count,..."]
  */
 

@@ -41,15 +41,17 @@
 //   fallback_spend per UTC day: what the fallback's answers cost the whole cell (the sum of
 //                 usage_daily.fallback_microusd, kept as one row so the cell's daily cap
 //                 reads one row; rebuilt from usage_daily when a generation is imported)
+//   refusal_total per key and reason (refusals.js REASONS): the key's 429s since the
+//                 generation began (GET /_colocate/metrics); each day's are usage_daily.refused
 //   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
 //                 last sync (a scale-down waits for its draining pods to read 0)
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
 
-import { EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
+import { EXCHANGE, LEASE, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 
-export const SCHEMA_VERSION = "6";
+export const SCHEMA_VERSION = "7";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -67,7 +69,9 @@ export const SCHEMA = [
      requests INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
      completion_tokens INTEGER NOT NULL DEFAULT 0, pod_requests INTEGER NOT NULL DEFAULT 0,
      fallback_requests INTEGER NOT NULL DEFAULT 0, estimated_tokens INTEGER NOT NULL DEFAULT 0,
-     fallback_microusd INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key_id))`,
+     fallback_microusd INTEGER NOT NULL DEFAULT 0, refused INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key_id))`,
+  `CREATE TABLE IF NOT EXISTS refusal_total (key_id TEXT NOT NULL, reason TEXT NOT NULL, n INTEGER NOT NULL,
+     PRIMARY KEY (key_id, reason))`,
   `CREATE TABLE IF NOT EXISTS fallback_spend (day TEXT PRIMARY KEY, microusd INTEGER NOT NULL DEFAULT 0)`,
   `CREATE TABLE IF NOT EXISTS key_month (
      key_id TEXT NOT NULL, month TEXT NOT NULL, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, month))`,
@@ -109,6 +113,7 @@ export const ADDED_COLUMNS = [
   ["client_keys", "rev", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
+  ["usage_daily", "refused", "INTEGER NOT NULL DEFAULT 0"],
 ];
 
 // Created after ADDED_COLUMNS (an index on a column an old table lacks would fail).
@@ -165,6 +170,9 @@ export const UPSERT_LEASES = `INSERT INTO key_lease (${LEASE.columns}, at)
   SELECT ${all(LEASE)}, ? FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET ${[...LEASE.names.filter((n) => n !== "key_id"), "at"].map((n) => `${n} = excluded.${n}`)
     .join(", ")}`;
+// A key's refusals by reason (payloads.js REFUSAL), added up.
+export const BULK_REFUSALS = `INSERT INTO refusal_total (${REFUSAL.columns}) SELECT ${all(REFUSAL)} FROM json_each(?) WHERE true
+  ON CONFLICT (key_id, reason) DO UPDATE SET n = n + excluded.n`;
 // Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
 export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET seq = excluded.seq`;

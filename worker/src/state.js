@@ -23,7 +23,7 @@ import { dayOf, minuteOf } from "./limits.js";
 import { healthDue, inflightMoved, inflightOf, takeInflightMoved } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
-import { BACKEND, COUNTER, INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -311,6 +311,12 @@ const PARTS = {
       for (const w of rows) addWindow(p, w[WINDOW.key_id], w[WINDOW.minute], w[WINDOW.requests], w[WINDOW.tokens]);
     },
   },
+  // Each key's 429s by reason (refusals.js): Prometheus' per-key counts (each day's total rides on `usage`).
+  refusals: {
+    has: (p) => p.refusals.size > 0,
+    take: (p) => takeMap(p, "refusals"),
+    restore: (p, rows) => { for (const r of rows) addRefusal(p, r[REFUSAL.key_id], r[REFUSAL.reason], r[REFUSAL.n]); },
+  },
   // The scaling controller's signals (colocate/scaler.py): requests and tokens by backend,
   // and this isolate's requests in flight per pod index (every pod, whenever one changed).
   backends: {
@@ -364,7 +370,7 @@ function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
     p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(),
-      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null };
+      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null, refusals: new Map() };
     pending.set(gen, p);
   }
   return p;
@@ -411,6 +417,27 @@ function addUsage(p, day, keyId, deltas) {
     const m = day.slice(0, 7) + "|" + keyId;
     p.month.set(m, (p.month.get(m) ?? 0) + tokens);
   }
+}
+
+function addRefusal(p, keyId, reason, n) {
+  const k = keyId + "|" + reason;
+  let row = p.refusals.get(k);
+  if (!row) {
+    row = REFUSAL.zero(keyId, reason);
+    p.refusals.set(k, row);
+  }
+  row[REFUSAL.n] += n;
+}
+
+/**
+ * A key was refused a request (a 429) for `reason` (refusals.js REASONS) at `t`: counted in
+ * its usage row of the day and by reason, carried by the next sync (never a sync of its own:
+ * the caller plans the flush).
+ */
+export function refused(cfg, keyId, reason, t) {
+  const p = pendingOf(cfg.activeGeneration);
+  addUsage(p, dayOf(t), keyId, { refused: 1 });
+  addRefusal(p, keyId, reason, 1);
 }
 
 function addBackend(p, backend, req, prompt, completion) {
