@@ -22,8 +22,9 @@ import { counts as picks } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, reportPace, requestTrial,
-  reservedHere, scheduleFlush, served, wantedDigest, withdraw,
+  refused, reservedHere, scheduleFlush, served, wantedDigest, withdraw,
 } from "./state.js";
+import { reasonOf } from "./refusals.js";
 import { now, serverTiming } from "./timing.js";
 import { capUsage, contentChars, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc } from "./usage.js";
 import { fallbackFields, validateBody } from "./validate.js";
@@ -177,6 +178,7 @@ function enforceLimits(request, cfg, key, reserve) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false, reserved));
     headers["retry-after"] = String(no.retryAfterS);
     const err = new HttpError(429, no.code, no.message, headers, no.type);
+    err.reason = reasonOf(no);
     // Refused by this cell's share alone while the key is under its limit: another cell's
     // share may admit it. Only the front door can ask another cell (routed checks its token).
     if (no.byLease && request.headers.has(FRONT_HEADER) && underFleetLimit(key, lease, est, month, t)) err.elsewhere = { keyId: key.id, t };
@@ -223,7 +225,12 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   try {
     admitted = enforceLimits(request, cfg, key, ceiling === null ? 0 : ceiling.prompt + ceiling.completion);
   } catch (err) {
-    throw err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+    const no = err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+    // Counted per key and reason, unless the front door tries another cell (the client is not refused yet).
+    if (no instanceof HttpError && no.reason !== undefined && no.headers[LEASE_HEADER] !== "elsewhere") {
+      countRefusal(env, ctx, cfg, key.id, no.reason);
+    }
+    throw no;
   }
   const limits = admitted.headers;
   scheduleFlush(env, ctx, cfg);
@@ -388,6 +395,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     // Past the day's cap the fallback is not called: the request is refused, not bought.
     blame(suspects, blameOf(suspects.length, null));
     releaseSlot(request);
+    countRefusal(env, ctx, cfg, key.id, "fallback_cap");
     const no = errorResponse(429, "fallback_spend_cap", capped.message, { "retry-after": String(capped.retryAfterS) }, "insufficient_quota");
     return finish(no.body, no, "none", timing, t0, limits);
   }
@@ -500,6 +508,12 @@ function ceiled(env, backend, usage, ceiling) {
   const u = capUsage(usage, ceiling);
   if (u && u.capped) log(env, "usage_capped", { backend, prompt: u.prompt, completion: u.completion });
   return u;
+}
+
+/** Count a refusal (a 429) against its key and reason, carried by the next sync (refusals.js). */
+function countRefusal(env, ctx, cfg, keyId, reason) {
+  refused(cfg, keyId, reason, Date.now());
+  scheduleFlush(env, ctx, cfg);
 }
 
 /** Count a served request against its key (usage, tokens) and plan the flush. */
