@@ -28,7 +28,7 @@ import {
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
 import { counts as countsAnything, monthOf, provisionalLease } from "./fleetexchange.js";
-import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, EXCHANGE, FALLBACK_HELD, HIST, LEASE, POD_INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 import { REASONS, REFUSAL_KEYS } from "./refusals.js";
 import { fetchColo } from "./trace.js";
 import { LIVE, SYNC, mergeEncoded } from "./histogram.js";
@@ -427,6 +427,11 @@ export class Breaker extends DurableObject {
           WHERE day = ? AND key_id IN (SELECT value FROM json_each(?)) AND fallback_microusd > 0`, dayOf(now), JSON.stringify(ids))) {
         slot(r.key_id)[COUNTER.day_fallback_microusd] = r.fallback_microusd;
       }
+      for (const r of this.sql.exec(`SELECT key_id, SUM(microusd) AS m FROM fallback_held
+          WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
+      JSON.stringify(ids), info.isolate ?? "", fresh)) {
+        if (r.m > 0) slot(r.key_id)[COUNTER.fallback_reserved] = r.m;
+      }
     }
     return counts;
   }
@@ -563,7 +568,7 @@ export class Breaker extends DurableObject {
     const counts = info ? this.countsOf(info.keys, info, now) : {};
     const leases = info ? this.leasesOf(info.keys, now) : null;
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
-    const spent = info && info.capCell ? this.spentOn(dayOf(now)) : null;
+    const spent = info && info.capCell ? { ...this.spentOn(dayOf(now)), reserved: this.heldElsewhere(info, now) } : null;
     // In a fleet, its size too: a key whose lease an isolate has not asked for yet gets the
     // default share from it (router.js), as the ledger counts it, not the whole limit.
     const fleet = leases ? { leases, fleet_cells: Number(this.meta("fleet_cells")) } : {};
@@ -609,6 +614,13 @@ export class Breaker extends DurableObject {
   /** The view an outcome's answer carries: without key counters, with the caller's pod loads. */
   loadedView(info) {
     return { ...this.view(info.haveRev ?? -1), ...this.podLoads(info, Date.now()) };
+  }
+
+  /** What the other isolates' fallback requests in flight reserved, all keys together (fresh rows only). */
+  heldElsewhere(info, now) {
+    const fresh = now - 2 * Math.max(info.ttlMs ?? 0, 1000);
+    return this.sql.exec("SELECT COALESCE(SUM(microusd), 0) AS m FROM fallback_held WHERE isolate != ? AND at >= ?",
+      info.isolate ?? "", fresh).one().m;
   }
 
   /** What the fallback's answers cost the cell on `day` (one row by primary key). */
@@ -692,6 +704,18 @@ export class Breaker extends DurableObject {
           }
         }
       }
+      if (batch.fallback_held && batch.fallback_held.length) {
+        const isolate = String(info.isolate ?? "");
+        for (const r of batch.fallback_held) {
+          const m = Math.max(0, Number(r[FALLBACK_HELD.microusd]) || 0);
+          if (m > 0) {
+            this.sql.exec(`INSERT INTO fallback_held (key_id, isolate, microusd, at) VALUES (?, ?, ?, ?)
+              ON CONFLICT (key_id, isolate) DO UPDATE SET microusd = excluded.microusd, at = excluded.at`,
+            String(r[FALLBACK_HELD.key_id]), isolate, m, now);
+          } else this.sql.exec("DELETE FROM fallback_held WHERE key_id = ? AND isolate = ?", String(r[FALLBACK_HELD.key_id]), isolate);
+        }
+      }
+      this.sql.exec("DELETE FROM fallback_held WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_reserved WHERE at < ?", now - INFLIGHT_KEEP_MS);
       if (batch.refusals && batch.refusals.length) {

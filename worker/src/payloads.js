@@ -18,7 +18,8 @@ export const SHAPES = /** @type {const} */ ({
     ["month_tokens", "tokens this UTC month"],
     ["inflight", "requests in flight in the other isolates (as of their last sync)"],
     ["day_fallback_microusd", "the fallback's cost of this key's requests on the UTC day of minute, in millionths of a dollar"],
-    ["reserved", "tokens the other isolates' requests in flight may still use, reserved at admission (as of their last sync)"]
+    ["reserved", "tokens the other isolates' requests in flight may still use, reserved at admission (as of their last sync)"],
+    ["fallback_reserved", "what the other isolates' fallback requests of this key in flight may still cost, in millionths of a dollar"]
   ],
   "exchange": [
     ["key_id", "the client key's id"],
@@ -48,6 +49,10 @@ export const SHAPES = /** @type {const} */ ({
     ["estimated_tokens", "tokens counted from streamed text (no usage in the answer)"],
     ["fallback_microusd", "what the fallback's answers cost at FALLBACK_PRICE, in millionths of a dollar"],
     ["refused", "requests refused with a 429 (a limit, a lease, the fallback's spend cap)"]
+  ],
+  "fallback_held": [
+    ["key_id", "the client key's id"],
+    ["microusd", "what this isolate's fallback requests of the key in flight may still cost (0: none, the row goes)"]
   ],
   "refusal": [
     ["key_id", "the client key's id"],
@@ -129,6 +134,8 @@ export const USAGE = shape(SHAPES.usage);
 export const WINDOW = shape(SHAPES.window);
 /** A sync batch's `inflight` row. */
 export const INFLIGHT = shape(SHAPES.inflight);
+/** A sync batch's `fallback_held` row: a key's fallback spend reserved in this isolate (fallback_held's columns). */
+export const FALLBACK_HELD = shape(SHAPES.fallback_held);
 /** A sync batch's `refusals` row: one key's 429s for one reason (refusal_total's columns). */
 export const REFUSAL = shape(SHAPES.refusal);
 /** A sync batch's `hist` row (seg_minute's), and GET /_colocate/live's `minutes` and `hours`. */
@@ -199,6 +206,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {any[][]} [windows]  WINDOW rows
  * @property {any[][]} [inflight]  INFLIGHT rows
  * @property {any[][]} [refusals]  REFUSAL rows
+ * @property {any[][]} [fallback_held]  FALLBACK_HELD rows
  * @property {any[][]} [hist]  [minute, colo, pod, segment, "index:count,..."]
  */
 
@@ -217,7 +225,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string | null} [colo]
  * @property {Record<string, object>} [leases]  in a fleet: this cell's leases of the keys asked for
  * @property {number} [fleet_cells]  in a fleet: its size, for the default share of a key not asked for yet
- * @property {{day: string, microusd: number}} [spent]  the fallback's cost to the cell today (with `capCell`)
+ * @property {{day: string, microusd: number, reserved?: number}} [spent]  the fallback's cost to the cell today, and what
+ *   the other isolates' fallback requests in flight reserved (with `capCell`)
  * @property {{keys: object[], counts: Record<string, number[]>}} [found]  the look-up's answer
  * @property {Uint8Array} [key_filter]  to an isolate starting its key list: keyfilter.js's filter of the keys
  */

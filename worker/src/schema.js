@@ -41,6 +41,8 @@
 //   fallback_spend per UTC day: what the fallback's answers cost the whole cell (the sum of
 //                 usage_daily.fallback_microusd, kept as one row so the cell's daily cap
 //                 reads one row; rebuilt from usage_daily when a generation is imported)
+//   fallback_held per key and isolate: what its fallback requests in flight may still cost
+//                 (reserved when the fallback is called, spendcap.js); expire as key_inflight
 //   refusal_total per key and reason (refusals.js REASONS): the key's 429s since the
 //                 generation began (GET /_colocate/metrics); each day's are usage_daily.refused
 //   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
@@ -70,6 +72,8 @@ export const SCHEMA = [
      completion_tokens INTEGER NOT NULL DEFAULT 0, pod_requests INTEGER NOT NULL DEFAULT 0,
      fallback_requests INTEGER NOT NULL DEFAULT 0, estimated_tokens INTEGER NOT NULL DEFAULT 0,
      fallback_microusd INTEGER NOT NULL DEFAULT 0, refused INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key_id))`,
+  `CREATE TABLE IF NOT EXISTS fallback_held (
+     key_id TEXT NOT NULL, isolate TEXT NOT NULL, microusd INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
   `CREATE TABLE IF NOT EXISTS refusal_total (key_id TEXT NOT NULL, reason TEXT NOT NULL, n INTEGER NOT NULL,
      PRIMARY KEY (key_id, reason))`,
   `CREATE TABLE IF NOT EXISTS fallback_spend (day TEXT PRIMARY KEY, microusd INTEGER NOT NULL DEFAULT 0)`,
@@ -123,6 +127,7 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS key_inflight_at ON key_inflight (at)`,
   `CREATE INDEX IF NOT EXISTS key_reserved_at ON key_reserved (at)`,
   `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
+  `CREATE INDEX IF NOT EXISTS fallback_held_at ON fallback_held (at)`,
 ];
 
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at, "

@@ -23,7 +23,7 @@ import { dayOf, minuteOf } from "./limits.js";
 import { healthDue, inflightMoved, inflightOf, takeInflightMoved } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
-import { BACKEND, COUNTER, INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, FALLBACK_HELD, INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -311,6 +311,19 @@ const PARTS = {
       for (const w of rows) addWindow(p, w[WINDOW.key_id], w[WINDOW.minute], w[WINDOW.requests], w[WINDOW.tokens]);
     },
   },
+  // What this isolate's fallback requests in flight may still cost, per key (spendcap.js): every
+  // key with a reservation, and those that went to 0 since the last sync (a silent isolate's rows expire).
+  fallback_held: {
+    has: (p) => p.fbChanged.size > 0,
+    take: (p) => {
+      if (p.fbChanged.size === 0 && p.fbHeld.size === 0) return null; // every sync renews the rows in flight
+      const rows = [];
+      for (const id of new Set([...p.fbHeld.keys(), ...p.fbChanged])) rows.push([id, p.fbHeld.get(id) ?? 0]);
+      p.fbChanged.clear();
+      return rows;
+    },
+    restore: (p, rows) => { for (const r of rows) p.fbChanged.add(r[FALLBACK_HELD.key_id]); },
+  },
   // Each key's 429s by reason (refusals.js): Prometheus' per-key counts (each day's total rides on `usage`).
   refusals: {
     has: (p) => p.refusals.size > 0,
@@ -370,7 +383,8 @@ function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
     p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(),
-      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null, refusals: new Map() };
+      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null, refusals: new Map(),
+      fbHeld: new Map(), fbChanged: new Set(), fbHeldAll: 0 };
     pending.set(gen, p);
   }
   return p;
@@ -517,6 +531,46 @@ export function spentToday(gen, keyId, t) {
   return n;
 }
 
+/**
+ * The fallback is about to be called for a key: what the request may cost at most
+ * (`microusd`, spendcap.js) counts against the key's and the cell's daily caps from now, in
+ * this isolate at once and in the others from the next sync, until `release` (returned;
+ * idempotent) is called in the same turn as the answer's real cost is recorded (`served`).
+ */
+export function reserveFallback(cfg, keyId, microusd) {
+  const p = pendingOf(cfg.activeGeneration);
+  p.fbHeld.set(keyId, (p.fbHeld.get(keyId) ?? 0) + microusd);
+  p.fbHeldAll += microusd;
+  p.fbChanged.add(keyId);
+  let held = true;
+  return () => {
+    if (!held) return;
+    held = false;
+    const r = (p.fbHeld.get(keyId) ?? microusd) - microusd;
+    if (r > 0) p.fbHeld.set(keyId, r);
+    else p.fbHeld.delete(keyId);
+    p.fbHeldAll = Math.max(0, p.fbHeldAll - microusd);
+    p.fbChanged.add(keyId);
+  };
+}
+
+/**
+ * What fallback requests in flight may still cost (millionths of a dollar): the key's, or
+ * with null the whole cell's, here now plus the other isolates' as of the last sync.
+ */
+export function fallbackReserved(gen, keyId) {
+  const p = pending.get(gen);
+  let n = p ? (keyId === null ? p.fbHeldAll : p.fbHeld.get(keyId) ?? 0) : 0;
+  if (keyId === null) {
+    const s = spentByGen.get(gen);
+    n += (s && s.reserved) || 0;
+  } else {
+    const g = cache.count(gen, keyId);
+    n += (g && g[COUNTER.fallback_reserved]) || 0;
+  }
+  return n;
+}
+
 /** Requests of a key in flight in this isolate now. */
 export function inflightHere(gen, keyId) {
   const p = pending.get(gen);
@@ -581,15 +635,15 @@ export function withdraw(cfg, keyId, t) {
 
 /**
  * A request finished: who served it and its usage ({prompt, completion, estimated?} or
- * null); estimated usage (counted from streamed text) is also added to estimated_tokens.
+ * null); estimated usage (counted from streamed text) is also added to estimated_tokens. A
+ * fallback answer costs its tokens at `price` (its model's, colocate:fallbackModels, else FALLBACK_PRICE).
  */
-export function served(cfg, keyId, t, backend, usage) {
+export function served(cfg, keyId, t, backend, usage, price = cfg.fallbackSpend.price) {
   const p = pendingOf(cfg.activeGeneration);
   const prompt = usage ? usage.prompt : 0;
   const completion = usage ? usage.completion : 0;
   const estimated = usage && usage.estimated ? prompt + completion : 0;
   const fallback = backend === "fallback" ? 1 : 0;
-  const price = cfg.fallbackSpend.price;
   // $ per 1M tokens is millionths of a dollar per token
   const cost = fallback && price ? Math.ceil(prompt * price.input + completion * price.output) : 0;
   addUsage(p, dayOf(t), keyId, { prompt_tokens: prompt, completion_tokens: completion, pod_requests: 1 - fallback,
