@@ -22,7 +22,7 @@ import { counts as picks } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, reportPace, requestTrial,
-  refused, reservedHere, scheduleFlush, served, wantedDigest, withdraw,
+  refused, reserveFallback, reservedHere, scheduleFlush, served, wantedDigest, withdraw,
 } from "./state.js";
 import { reasonOf } from "./refusals.js";
 import { now, serverTiming } from "./timing.js";
@@ -31,7 +31,7 @@ import { fallbackFields, validateBody } from "./validate.js";
 import { podFields } from "./podfields.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup, takeTotal } from "./strangers.js";
-import { fallbackCapRefusal } from "./spendcap.js";
+import { fallbackCapRefusal, fallbackModel, fallbackShare, worstCost } from "./spendcap.js";
 import { learnColo, recordPick, recordRequest, recordStream } from "./histogram.js";
 
 /**
@@ -154,6 +154,12 @@ function releaseSlot(request) {
   if (release) release();
 }
 
+/** A fallback reservation ends with the request's slot: when it is metered, or fails. */
+function holdFallback(request, release) {
+  const slot = slots.get(request);
+  slots.set(request, slot ? () => { slot(); release(); } : release);
+}
+
 /**
  * Refuse a request over one of the key's limits (429 with Retry-After), else admit it,
  * reserving `reserve` tokens (what it may cost at most) until it is metered: returns when,
@@ -236,9 +242,10 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   scheduleFlush(env, ctx, cfg);
   // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
   // byte). What an upstream reports is believed only up to what the request allows.
+  let fbPrice = cfg.fallbackSpend.price; // the fallback's price for this request's model (spendcap.js)
   const meter = (backend, usage) => {
     releaseSlot(request);
-    meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, ceiling));
+    meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, ceiling), fbPrice);
   };
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
@@ -390,7 +397,21 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }
-  const capped = fallbackCapRefusal(cfg, key, Date.now());
+  // The fallback's money (spendcap.js): a model it may be sent, and room under its caps for
+  // the most this request may cost, reserved until the answer's real cost is counted.
+  const buy = fallbackModel(cfg, json);
+  if (!buy.ok) {
+    blame(suspects, blameOf(suspects.length, null));
+    releaseSlot(request);
+    const no = errorResponse(404, "model_not_found", `no pod could serve this request, and the fallback is not sent model `
+      + `${JSON.stringify(String(json.model).slice(0, 64))}: it serves ${[...cfg.fallbackModels.keys()].slice(0, 8).join(", ")} `
+      + "(colocate:fallbackModels)", {}, "invalid_request_error", "model");
+    return finish(no.body, no, "none", timing, t0, limits);
+  }
+  const worst = bytes === null ? 0 : worstCost(buy.price, bytes.length, ceiling.completion);
+  const capped = fallbackCapRefusal(cfg, key, Date.now(), worst, fallbackShare(cfg, key));
+  if (!capped && worst > 0) holdFallback(request, reserveFallback(cfg, key.id, worst));
+  fbPrice = buy.price;
   if (capped) {
     // Past the day's cap the fallback is not called: the request is refused, not bought.
     blame(suspects, blameOf(suspects.length, null));
@@ -516,9 +537,9 @@ function countRefusal(env, ctx, cfg, keyId, reason) {
   scheduleFlush(env, ctx, cfg);
 }
 
-/** Count a served request against its key (usage, tokens) and plan the flush. */
-function meterServed(env, ctx, cfg, keyId, backend, usage) {
-  served(cfg, keyId, Date.now(), backend, usage);
+/** Count a served request against its key (usage, tokens; a fallback answer's cost at `price`) and plan the flush. */
+function meterServed(env, ctx, cfg, keyId, backend, usage, price) {
+  served(cfg, keyId, Date.now(), backend, usage, price);
   try {
     scheduleFlush(env, ctx, cfg);
   } catch {
