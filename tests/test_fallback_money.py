@@ -14,7 +14,7 @@ import pytest
 from colocate import settings, stackfile
 from colocate.errors import ConfigError
 from colocate.pods import standin
-from tests.support.workerd import OPERATOR_TOKENS, auth, cell_plan, request, running_cell
+from tests.support.workerd import OPERATOR_TOKENS, SECRETS, auth, cell_plan, request, running_cell
 
 PRICE = 100_000.0  # $ per 1M tokens: $0.10 a token, so a few answers reach a cap
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -133,3 +133,46 @@ def test_a_key_made_without_a_cap_gets_the_default_and_cannot_spend_the_cells():
         got = [chat(cell, key) for _ in range(3)]
         assert [a.headers["x-colocate-backend"] for a in got] == ["fallback", "fallback", "none"], [a.body for a in got]
         assert "for this key (the key's fallback_microusd_day)" in got[-1].json()["error"]["message"]
+
+
+# --- a key's cap across a fleet's cells ------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_keys_fallback_cap_holds_across_the_fleets_cells():
+    """A key whose fallback is bought in two cells at once (each cell's own address, the pods of
+    both failing): the fleet's ledger leases its daily cap L to the cells as it does monthly
+    tokens, so together they spend at most L + 10 % (docs/fleet.md), not L in each cell."""
+    from tests.support.fleet import running_fleet
+    from tests.test_fleet_limits import make_key, told
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    worst = (len(body) + 1) * PRICE
+    cap = round(6 * worst)  # millionths of a dollar: room for a few worst cases per cell
+    with running_fleet(("apac-jp", "eu-west"), remember_ms=0, exchange_ms=250, fallbackPrice={"input": PRICE, "output": PRICE},
+                       fallbackCap={"cellUsdPerDay": 0}) as f:
+        told(f)
+        key, kid = make_key(f, fallback_microusd_day=cap)
+        for c in f.cells:
+            c.pod.set_fault("error")
+        answers = []
+        for _ in range(60):  # bounded: each cell stops at its share
+            for c in f.cells:
+                answers.append(request(c.url, "POST", "/v1/chat/completions", body=body,
+                                       headers={"authorization": f"Bearer {key}", "content-type": "application/json"}))
+            if all(a.status == 429 for a in answers[-2 * len(f.cells):]):
+                break
+        assert {a.status for a in answers} <= {200, 429}
+        assert all(a.json()["error"]["code"] == "fallback_spend_cap" for a in answers if a.status == 429)
+
+        def usage_in(c) -> tuple[int, int]:
+            rows = request(c.url, "GET", f"/_colocate/usage?key={kid}", headers=auth(SECRETS["PROBE_TOKEN"])).json()["usage"]
+            return sum(r["fallback_requests"] for r in rows), sum(r["fallback_microusd"] for r in rows)
+
+        bought = sum(a.status == 200 for a in answers)
+        deadline = time.monotonic() + 15  # each cell's isolate flushes within a second
+        while sum(usage_in(c)[0] for c in f.cells) < bought and time.monotonic() < deadline:
+            time.sleep(0.2)
+        total = sum(usage_in(c)[1] for c in f.cells)
+        assert total <= cap + max(cap // 10, 1), (total, cap, [usage_in(c) for c in f.cells])
+        assert total >= cap // 3, (total, cap)  # and the key got a good part of its cap
+

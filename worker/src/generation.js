@@ -27,7 +27,7 @@ import {
   ADDED_COLUMNS, BULK_MONTH, BULK_REFUSALS, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
 } from "./schema.js";
-import { counts as countsAnything, monthOf, provisionalLease } from "./fleetexchange.js";
+import { counts as countsAnything, fallbackCapOf, monthOf, provisionalLease } from "./fleetexchange.js";
 import { BACKEND, COUNTER, EXCHANGE, FALLBACK_HELD, HIST, LEASE, POD_INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 import { REASONS, REFUSAL_KEYS } from "./refusals.js";
 import { fetchColo } from "./trace.js";
@@ -445,19 +445,21 @@ export class Breaker extends DurableObject {
    * refusal by lease can tell the front door the key is under its limit and may be served
    * elsewhere (router.js). null for a lone cell.
    */
-  leasesOf(ids, now) {
+  leasesOf(ids, now, keyCap = 0) {
     const n = Number(this.meta("fleet_cells") || 0);
     if (!n) return null;
     const leases = {};
     if (!ids || ids.length === 0) return leases;
     const month = monthOf(now);
-    for (const r of this.sql.exec(`SELECT k.id, k.rpm, k.tpm, k.monthly_tokens, l.req, l.tok, l.month, l.month_tokens,
+    const day = dayOf(now);
+    for (const r of this.sql.exec(`SELECT k.id, k.rpm, k.tpm, k.monthly_tokens, k.fallback_microusd_day, l.req, l.tok, l.month,
+        l.month_tokens, l.day, l.fallback_microusd,
         p.minute AS p_minute, p.req AS p_req, p.tok AS p_tok, p.prev_req AS p_prev_req, p.prev_tok AS p_prev_tok,
         p.month AS p_month, p.month_tokens AS p_month_tokens
         FROM client_keys k LEFT JOIN key_lease l ON l.key_id = k.id LEFT JOIN peer_counters p ON p.key_id = k.id
         WHERE k.id IN (SELECT value FROM json_each(?))`,
     JSON.stringify(ids))) {
-      const fallback = provisionalLease(r, n); // the default shares of the key's limits
+      const fallback = provisionalLease(r, n, keyCap); // the default shares of the key's limits
       if (fallback === undefined) continue; // no limit to apportion
       const held = r.month !== null; // a row: the ledger apportioned this key here
       let peers = null;
@@ -473,6 +475,8 @@ export class Breaker extends DurableObject {
         req: r.rpm > 0 && held && r.req !== null ? r.req : fallback.req,
         tok: r.tpm > 0 && held && r.tok !== null ? r.tok : fallback.tok,
         month_tokens: r.monthly_tokens > 0 && r.month === month && r.month_tokens !== null ? r.month_tokens : fallback.month_tokens,
+        fallback_microusd: fallbackCapOf(r, keyCap) > 0 && r.day === day && r.fallback_microusd !== null ? r.fallback_microusd
+          : fallback.fallback_microusd,
         peers,
       };
     }
@@ -505,20 +509,28 @@ export class Breaker extends DurableObject {
     const more = marks.length > CHANGED_ROWS;
     if (more) marks.length = CHANGED_ROWS;
     const now = Date.now();
+    const ids = JSON.stringify(marks.map((r) => r.key_id));
     const own = this.ownCounts(marks.map((r) => r.key_id), now);
     const month = monthOf(now);
+    const day = dayOf(now);
+    const spent = new Map(this.sql.exec(`SELECT key_id, fallback_microusd FROM usage_daily WHERE day = ?
+      AND key_id IN (SELECT value FROM json_each(?))`, day, ids).toArray().map((r) => [r.key_id, r.fallback_microusd]));
     const rows = marks.map(({ key_id: id }) => {
       const c = own[id] ?? COUNTER.zero(minuteOf(now));
       const row = EXCHANGE.zero(id);
       for (const name of SHARED) row[EXCHANGE[name]] = c[COUNTER[name]];
       row[EXCHANGE.month] = month;
+      row[EXCHANGE.day] = day;
+      row[EXCHANGE.fallback_microusd] = spent.get(id) ?? 0;
       return row;
     });
     // The ledger apportions each key's limits: it learns them here, with how long this
     // cell's isolates may go on using a lease after it is replaced (their view's TTL).
     const limits = {};
-    for (const k of this.sql.exec("SELECT id, rpm, tpm, monthly_tokens FROM client_keys WHERE id IN (SELECT value FROM json_each(?))",
-      JSON.stringify(marks.map((r) => r.key_id)))) limits[k.id] = { rpm: k.rpm, tpm: k.tpm, monthly_tokens: k.monthly_tokens };
+    for (const k of this.sql.exec(`SELECT id, rpm, tpm, monthly_tokens, fallback_microusd_day FROM client_keys
+        WHERE id IN (SELECT value FROM json_each(?))`, ids)) {
+      limits[k.id] = { rpm: k.rpm, tpm: k.tpm, monthly_tokens: k.monthly_tokens, fallback_microusd_day: fallbackCapOf(k, info.keyCap ?? 0) };
+    }
     return { generation: info.generation, cursor: more ? marks[marks.length - 1].seq : seq, more, reset: from !== since, rows,
       limits, ttl_ms: info.ttlMs ?? null };
   }
@@ -549,7 +561,7 @@ export class Breaker extends DurableObject {
     await this.readThrough(info);
     const r = this.sql.exec(`SELECT ${EXCHANGE.columns}, at FROM peer_counters WHERE key_id = ?`, id).toArray()[0] ?? null;
     const now = Date.now();
-    const leases = this.leasesOf([id], now);
+    const leases = this.leasesOf([id], now, info.keyCap ?? 0);
     return { key_id: id, peers: r, own: this.ownCounts([id], now)[id] ?? null, lease: leases ? leases[id] ?? null : null,
       fleet_cells: Number(this.meta("fleet_cells") || 0) || null };
   }
@@ -566,7 +578,7 @@ export class Breaker extends DurableObject {
     }
     const delta = this.keyDelta(haveRev);
     const counts = info ? this.countsOf(info.keys, info, now) : {};
-    const leases = info ? this.leasesOf(info.keys, now) : null;
+    const leases = info ? this.leasesOf(info.keys, now, info.keyCap ?? 0) : null;
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
     const spent = info && info.capCell ? { ...this.spentOn(dayOf(now)), reserved: this.heldElsewhere(info, now) } : null;
     // In a fleet, its size too: a key whose lease an isolate has not asked for yet gets the
@@ -819,7 +831,7 @@ export class Breaker extends DurableObject {
       WHERE hash IN (SELECT value FROM json_each(?)) AND revoked_at IS NULL`, list).toArray().map(keyView);
     const ids = keys.map((k) => k.id);
     const now = Date.now();
-    const leases = this.leasesOf(ids, now);
+    const leases = this.leasesOf(ids, now, info.keyCap ?? 0);
     return { keys, counts: this.countsOf(ids, info, now), ...(leases ? { leases } : {}) };
   }
 

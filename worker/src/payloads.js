@@ -29,14 +29,18 @@ export const SHAPES = /** @type {const} */ ({
     ["prev_req", "requests in bucket minute - 1"],
     ["prev_tok", "tokens in bucket minute - 1"],
     ["month", "the UTC month of month_tokens, YYYY-MM"],
-    ["month_tokens", "tokens in month"]
+    ["month_tokens", "tokens in month"],
+    ["day", "the UTC day of fallback_microusd, YYYY-MM-DD (\"\": none)"],
+    ["fallback_microusd", "what the fallback's answers of the key cost on day, in millionths of a dollar"]
   ],
   "lease": [
     ["key_id", "the client key's id"],
     ["req", "this cell's share of the key's rpm (null: no rpm limit)"],
     ["tok", "this cell's share of the key's tpm (null: no tpm limit)"],
     ["month", "the UTC month of month_tokens, YYYY-MM"],
-    ["month_tokens", "this cell's share of the key's monthly tokens in month (null: no monthly limit)"]
+    ["month_tokens", "this cell's share of the key's monthly tokens in month (null: no monthly limit)"],
+    ["day", "the UTC day of fallback_microusd, YYYY-MM-DD (\"\": none)"],
+    ["fallback_microusd", "this cell's share of the key's daily fallback cap on day, millionths of a dollar (null: no cap)"]
   ],
   "usage": [
     ["day", "the UTC day, YYYY-MM-DD"],
@@ -197,6 +201,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string[]} [lookup]  digests to look up in the same round trip
  * @property {boolean} [capCell]  the cell's fallback spend is capped: the answer carries `spent`
  * @property {boolean} [capKeys]  each key's fallback spend is capped: its counters carry day_fallback_microusd
+ * @property {number} [keyCap]  colocate:fallbackCap.keyUsdPerDay in millionths of a dollar: a key without a cap of its own has it
  */
 
 /**
@@ -239,7 +244,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {boolean} more
  * @property {boolean} reset
  * @property {any[][]} rows  EXCHANGE rows
- * @property {Record<string, {rpm: number, tpm: number, monthly_tokens: number}>} [limits]  each key's limits, for the ledger
+ * @property {Record<string, {rpm: number, tpm: number, monthly_tokens: number, fallback_microusd_day?: number}>} [limits]
+ *   each key's limits for the ledger (fallback_microusd_day: its daily fallback cap as this cell holds it: its own, else the cell's)
  * @property {number | null} [ttl_ms]  how long this cell's isolates may go on using a lease after it is replaced
  */
 

@@ -33,8 +33,8 @@
 //                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
 //   peer_counters per key: the other cells of a fleet together, as the exchange last
 //                 pushed them (minute buckets and month): the operator's view, never usage
-//   key_lease     per key: this cell's lease in a fleet (its share of rpm, tpm and the
-//                 month's tokens), as the exchange last pushed it; with meta `fleet_cells`
+//   key_lease     per key: this cell's lease in a fleet (its share of rpm, tpm, the month's
+//                 tokens and the day's fallback cap), as the exchange last pushed it; with meta `fleet_cells`
 //   backend_total per backend (pod-<i>, fallback, none): requests and tokens since the
 //                 generation began; the scaling controller's demand signal (rates are
 //                 differences between its reads)
@@ -94,9 +94,10 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS peer_counters (
      key_id TEXT PRIMARY KEY, minute INTEGER NOT NULL, req INTEGER NOT NULL, tok INTEGER NOT NULL,
      prev_req INTEGER NOT NULL, prev_tok INTEGER NOT NULL, month TEXT NOT NULL, month_tokens INTEGER NOT NULL,
-     at INTEGER NOT NULL)`,
+     at INTEGER NOT NULL, day TEXT NOT NULL DEFAULT '', fallback_microusd INTEGER NOT NULL DEFAULT 0)`,
   `CREATE TABLE IF NOT EXISTS key_lease (
-     key_id TEXT PRIMARY KEY, req INTEGER, tok INTEGER, month TEXT NOT NULL, month_tokens INTEGER, at INTEGER NOT NULL)`,
+     key_id TEXT PRIMARY KEY, req INTEGER, tok INTEGER, month TEXT NOT NULL, month_tokens INTEGER, at INTEGER NOT NULL,
+     day TEXT NOT NULL DEFAULT '', fallback_microusd INTEGER)`,
   `CREATE TABLE IF NOT EXISTS backend_total (
      backend TEXT PRIMARY KEY, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS pod_inflight (
@@ -118,6 +119,10 @@ export const ADDED_COLUMNS = [
   ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "refused", "INTEGER NOT NULL DEFAULT 0"],
+  ["peer_counters", "day", "TEXT NOT NULL DEFAULT ''"],
+  ["peer_counters", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
+  ["key_lease", "day", "TEXT NOT NULL DEFAULT ''"],
+  ["key_lease", "fallback_microusd", "INTEGER"],
 ];
 
 // Created after ADDED_COLUMNS (an index on a column an old table lacks would fail).

@@ -9,6 +9,7 @@
 // (usage_daily.fallback_microusd, fallback_spend), so it moves with it.
 
 import { cache, fallbackReserved, spentToday } from "./state.js";
+import { provisionalLease } from "./fleetexchange.js";
 
 const DAY_MS = 86_400_000;
 
@@ -43,7 +44,8 @@ export function worstCost(price, bodyBytes, completion) {
  * for today; null: a lone cell, or no lease of it yet (the key's own cap holds).
  */
 export function fallbackShare(cfg, key) {
-  const lease = cache.lease(cfg.activeGeneration, key.id);
+  const gen = cfg.activeGeneration;
+  const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen), cfg.fallbackSpend.keyMicroUsd);
   return lease && lease.fallback_microusd != null ? lease.fallback_microusd : null;
 }
 

@@ -73,6 +73,7 @@ export function infoOf(cfg, keys = []) {
     keys,
     capCell: cfg.fallbackSpend.cellMicroUsd > 0,
     capKeys: cfg.fallbackSpend.price !== null, // a key may hold a cap of its own
+    keyCap: cfg.fallbackSpend.price !== null ? cfg.fallbackSpend.keyMicroUsd : 0, // a fleet leases each key's cap
   };
 }
 
