@@ -34,7 +34,7 @@ export function dayOf(t) {
 }
 
 /** A row of the release before, brought to the current shape (no day: nothing spent); others as they are. */
-export function current(row, shape) {
+export function upgradeRow(row, shape) {
   if (!Array.isArray(row)) return row;
   if (shape === EXCHANGE && row.length === OLD_EXCHANGE) return [...row, "", 0];
   if (shape === LEASE && row.length === OLD_LEASE) return [...row, "", null];
@@ -130,19 +130,31 @@ export function defaultShare(limit, n) {
 }
 
 /**
- * A cell's lease of a key the ledger has not apportioned there: the default share of each
- * limit the key has, no peers known (the object's leasesOf, and an isolate holding a key
- * whose lease it has not been brought yet). undefined for a lone cell (`cells` 0) or a key
- * without limits.
+ * The least the ledger counts a cell as admitting of a limit, whatever its lease: what an
+ * isolate may admit of a key it holds but whose lease it does not (it forgot the key's lease
+ * after SERVED_KEEP_MS idle, state.js; the ledger may have cut the lease since), until its next
+ * sync brings the lease. A share of the slack, so a key alone in one cell still gets ≥ 90 % of
+ * its limit there, and at most the default share (0 where the cells' floors would pass the cap).
  */
-export function provisionalLease(key, cells, keyCap = 0) {
+export function floorShare(limit, n) {
+  if (n < 2) return defaultShare(limit, Math.max(n, 1));
+  return Math.min(defaultShare(limit, n), Math.max(1, Math.floor(slackOf(limit) / (n - 1))));
+}
+
+/**
+ * A cell's lease of a key the ledger has not apportioned there: `share` (the default share,
+ * as the ledger counts a cell without a lease row; floorShare for an isolate that holds the
+ * key but not its lease) of each limit the key has, no peers known. undefined for a lone
+ * cell (`cells` 0) or a key without limits.
+ */
+export function provisionalLease(key, cells, keyCap = 0, share = defaultShare) {
   const fallback = fallbackCapOf(key, keyCap);
   if (!cells || !(key.rpm > 0 || key.tpm > 0 || key.monthly_tokens > 0 || fallback > 0)) return undefined;
   return {
-    req: key.rpm > 0 ? defaultShare(key.rpm, cells) : null,
-    tok: key.tpm > 0 ? defaultShare(key.tpm, cells) : null,
-    month_tokens: key.monthly_tokens > 0 ? defaultShare(key.monthly_tokens, cells) : null,
-    fallback_microusd: fallback > 0 ? defaultShare(fallback, cells) : null,
+    req: key.rpm > 0 ? share(key.rpm, cells) : null,
+    tok: key.tpm > 0 ? share(key.tpm, cells) : null,
+    month_tokens: key.monthly_tokens > 0 ? share(key.monthly_tokens, cells) : null,
+    fallback_microusd: fallback > 0 ? share(fallback, cells) : null,
     peers: null,
   };
 }

@@ -27,7 +27,9 @@
 import { DurableObject } from "cloudflare:workers";
 import { log } from "./errors.js";
 import { readFleet } from "./fleetfront.js";
-import { MAX_ROWS, aligned, current, dayOf, defaultShare, fairShares, grant, monthOf, rowProblem, sumRows, weights } from "./fleetexchange.js";
+import {
+  MAX_ROWS, aligned, dayOf, defaultShare, fairShares, floorShare, grant, monthOf, rowProblem, sumRows, upgradeRow, weights,
+} from "./fleetexchange.js";
 import { WINDOW_MS, minuteOf } from "./limits.js";
 import { EXCHANGE, LEASE } from "./payloads.js";
 import { now } from "./timing.js";
@@ -179,7 +181,7 @@ export class FleetLedger extends DurableObject {
         }
         if (Number.isSafeInteger(body.ttl_ms)) this.sql.exec("UPDATE cells SET ttl_ms = ? WHERE cell = ?", body.ttl_ms, cell.name);
         for (let i = 0; i < body.rows.length; i++) {
-          const r = current(body.rows[i], EXCHANGE); // a cell of the release before sends no day of fallback spend
+          const r = upgradeRow(body.rows[i], EXCHANGE); // a cell of the release before sends no day of fallback spend
           if (rowProblem(r, i) !== null) {
             stats.dropped += 1; // a broken row is left out, never the cell's whole page
             continue;
@@ -291,6 +293,7 @@ export class FleetLedger extends DurableObject {
             for (const x of next) x[col] = x[heldCol] = null;
             continue;
           }
+          const floor = floorShare(limit, n);
           const used = [];
           const current = [];
           const kept = []; // the largest lease each cell may still be using
@@ -308,8 +311,9 @@ export class FleetLedger extends DurableObject {
             const landed = row && row.sent === 1 && row.until !== null && row.until <= t;
             current.push(lease);
             kept.push(!row || landed ? lease : Math.max(row[heldCol] ?? lease, lease));
-            // Not told the fleet's size for sure yet: a lone cell, it may admit up to the limit.
-            hold.push(told(cells.get(cell.name)) ? kept.at(-1) : limit);
+            // Not told the fleet's size for sure yet: a lone cell, it may admit up to the limit;
+            // told, at least its floor share, what an isolate that forgot the lease admits (fleetexchange.js floorShare).
+            hold.push(told(cells.get(cell.name)) ? Math.max(kept.at(-1), floor) : limit);
           }
           const g = grant(limit, used, hold, current, fairShares(limit, used, weight));
           next.forEach((x, j) => {

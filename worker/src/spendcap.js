@@ -9,7 +9,7 @@
 // (usage_daily.fallback_microusd, fallback_spend), so it moves with it.
 
 import { cache, fallbackReserved, spentToday } from "./state.js";
-import { provisionalLease } from "./fleetexchange.js";
+import { floorShare, provisionalLease } from "./fleetexchange.js";
 
 const DAY_MS = 86_400_000;
 
@@ -41,11 +41,11 @@ export function worstCost(price, bodyBytes, completion) {
 
 /**
  * In a fleet, this cell's share of the key's daily fallback cap (its lease, fleetexchange.js),
- * for today; null: a lone cell, or no lease of it yet (the key's own cap holds).
+ * for today (its floor share while this isolate holds no lease of it); null: a lone cell.
  */
 export function fallbackShare(cfg, key) {
   const gen = cfg.activeGeneration;
-  const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen), cfg.fallbackSpend.keyMicroUsd);
+  const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen), cfg.fallbackSpend.keyMicroUsd, floorShare);
   return lease && lease.fallback_microusd != null ? lease.fallback_microusd : null;
 }
 

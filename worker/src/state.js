@@ -653,6 +653,21 @@ export function served(cfg, keyId, t, backend, usage, price = cfg.fallbackSpend.
   if (prompt + completion > 0) addWindow(p, keyId, minuteOf(t), 0, prompt + completion);
 }
 
+let soonAt = -Infinity; // the last syncSoon of this isolate
+
+/**
+ * A sync now, in the background (at most one each SOON_MS per isolate): for a key admitted on
+ * its floor share, whose lease this isolate does not hold (router.js), so the lease arrives in
+ * one round trip rather than with the next flush.
+ */
+export function syncSoon(env, ctx, cfg) {
+  const t = Date.now();
+  if (t - soonAt < SOON_MS) return;
+  soonAt = t;
+  ctx.waitUntil(sync(env, cfg).catch((err) => log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message) })));
+}
+const SOON_MS = 100;
+
 /** Make sure the pending deltas reach the object soon, without delaying any response. */
 export function scheduleFlush(env, ctx, cfg) {
   const gen = cfg.activeGeneration;

@@ -1,7 +1,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
-  aligned, badLeases, badRows, current, defaultShare, fairShares, goodRows, grant, monthOf, rowProblem, slackOf, sumRows, weights,
+  aligned, badLeases, badRows, defaultShare, fairShares, floorShare, goodRows, grant, monthOf, rowProblem, slackOf, sumRows, upgradeRow, weights,
 } from "../src/fleetexchange.js";
 import { WINDOW_MS, estimate, leaseRefusal, minuteOf, refusal, underFleetLimit } from "../src/limits.js";
 import { COUNTER, EXCHANGE, LEASE } from "../src/payloads.js";
@@ -116,6 +116,24 @@ test("fair shares: a key alone in one cell settles at >= 90 % of its limit there
       assert.ok(shares.slice(1).every((x) => x >= 1), `${n} cells, ${limit}: ${shares}`);
     }
   }
+});
+
+test("floor share: what an isolate that forgot a key's lease admits, which the ledger counts for every cell", () => {
+  assert.deepEqual([[30, 3], [10, 3], [10, 2], [600, 3], [1, 3], [3, 2]].map(([l, n]) => floorShare(l, n)), [1, 1, 1, 30, 0, 1]);
+  for (const limit of [10, 30, 600, 3_000_000]) {
+    for (const n of [2, 3, 5]) {
+      const f = floorShare(limit, n);
+      assert.ok(f <= defaultShare(limit, n), `${limit} ${n}`);
+      // A key alone in one cell, the others held at their floor: still >= 90 % of its limit there
+      // (a small limit over many cells: no less than the unit each idle cell gets anyway, fairShares).
+      assert.ok(limit + slackOf(limit) - (n - 1) * f >= Math.min(0.9 * limit, limit + slackOf(limit) - (n - 1)), `${limit} ${n}`);
+    }
+  }
+  // The grant never passes the cap with every cell held at least at its floor (fleetledger.js apportion).
+  const L = 30;
+  const f = floorShare(L, 3);
+  const g = grant(L, [25, 0, 0], [25, f, f].map((h) => Math.max(h, f)), [25, 4, 4], [31, 1, 1]);
+  assert.ok(Math.max(25, g.held[0]) + Math.max(f, g.held[1]) + Math.max(f, g.held[2]) <= L + slackOf(L), String(g.held));
 });
 
 test("weights: a cell that used the key lately weighs as four idle ones", () => {
@@ -254,7 +272,7 @@ test("pushed rows are checked field by field", () => {
   assert.match(rowProblem(row("a", M, 1, 2, 0, 0, "2026-12", 0, "Monday"), 0), /\[8\] must be a day YYYY-MM-DD or ""/);
   assert.match(rowProblem(row("a", M, 1, 2, 0, 0, "2026-12", 0, "", -5), 0), /\[9\] must be a whole number >= 0/);
   // A row of the release before (no day of fallback spend) is read as spending none.
-  assert.deepEqual(current(row("a", M, 1, 2).slice(0, 8), EXCHANGE), [...row("a", M, 1, 2).slice(0, 8), "", 0]);
+  assert.deepEqual(upgradeRow(row("a", M, 1, 2).slice(0, 8), EXCHANGE), [...row("a", M, 1, 2).slice(0, 8), "", 0]);
   assert.match(rowProblem(row("a", M, -1, 2), 0), /field "rows\[0\]"\[2\] must be a whole number >= 0 \(got -1\)/);
   assert.match(rowProblem(row("a", M, 1, 2, 0, 0, "Dec"), 0), /\[6\] must be a month YYYY-MM/);
   // One row past 2^53 is dropped, not the batch.
@@ -273,7 +291,7 @@ test("pushed leases are checked field by field", () => {
   assert.equal(badLeases([lease]), null);
   assert.match(badLeases([[...lease.slice(0, 5), "today", 1]]), /\[5\] must be a day YYYY-MM-DD/);
   assert.match(badLeases([[...lease.slice(0, 6), -1]]), /\[6\] must be a whole number >= 0 or null/);
-  assert.deepEqual(current(lease.slice(0, 5), LEASE), [...lease.slice(0, 5), "", null]); // a ledger of the release before
+  assert.deepEqual(upgradeRow(lease.slice(0, 5), LEASE), [...lease.slice(0, 5), "", null]); // a ledger of the release before
   assert.match(badLeases("x"), /field "leases" must be an array/);
   assert.match(badLeases([lease, [1]]), /field "leases\[1\]" must be \[key_id/);
   assert.match(badLeases([["nope", 1, 1, "2026-12", 1, "", null]]), /"leases\[0\]"\[0\] must be a key id/);
