@@ -13,7 +13,7 @@ import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, 
 import { assembleBytes } from "./assemble.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from "./limits.js";
-import { provisionalLease } from "./fleetexchange.js";
+import { floorShare, provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import {
   POLICIES, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, putMetrics, started, unhurried, worthReporting,
@@ -22,7 +22,7 @@ import { counts as picks } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
   admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, reportPace, requestTrial,
-  refused, reserveFallback, reservedHere, scheduleFlush, served, wantedDigest, withdraw,
+  refused, reserveFallback, reservedHere, scheduleFlush, served, syncSoon, wantedDigest, withdraw,
 } from "./state.js";
 import { reasonOf } from "./refusals.js";
 import { now, serverTiming } from "./timing.js";
@@ -175,10 +175,11 @@ function enforceLimits(request, cfg, key, reserve) {
   // What the key's requests in flight may still use (docs/worker.md, "What a request may cost").
   const reserved = key.tpm > 0 || key.monthly_tokens > 0 ? reservedHere(gen, key.id) + (g ? g[COUNTER.reserved] ?? 0 : 0) : 0;
   // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none). A
-  // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets the
-  // default share until its next sync brings the lease back: the share the ledger counts for
-  // a cell without a lease row, never the key's whole limit.
-  const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen));
+  // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets its
+  // floor share until a sync, started at once, brings the lease back: the least the ledger
+  // counts for any cell (it may have cut the lease since), never the key's whole limit.
+  const held = cache.lease(gen, key.id);
+  const lease = held ?? provisionalLease(key, cache.fleetCells(gen), 0, floorShare);
   const no = refusal(key, est, month, t, inflight, reserved) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month, reserved));
   if (no) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false, reserved));
@@ -193,7 +194,7 @@ function enforceLimits(request, cfg, key, reserve) {
   }
   const release = admit(cfg, key, t, reserve);
   if (release) slots.set(request, release);
-  return { at: t, headers: rateHeaders(key, est, t, true, reserved) };
+  return { at: t, headers: rateHeaders(key, est, t, true, reserved), floor: held === undefined && lease !== undefined };
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
@@ -239,6 +240,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     throw no;
   }
   const limits = admitted.headers;
+  if (admitted.floor) syncSoon(env, ctx, cfg); // the key's lease, in the background, now that it is asked for
   scheduleFlush(env, ctx, cfg);
   // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
   // byte). What an upstream reports is believed only up to what the request allows.
