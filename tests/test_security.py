@@ -95,9 +95,9 @@ def test_inflated_usage_is_capped_by_what_the_request_allows(cell, key):
 
 def test_hidden_usage_is_read_from_the_top_level(cell, key):
     cell.pod.set_fault("hostile", attack="usage_hidden")
-    # A request read whole, not assembled from a stream (best_of above n: forward.js
-    # streamable), where a hostile pod's answer can hide a "usage" after the real one.
-    data = body(max_tokens=4, best_of=2)
+    # A request read whole, not assembled from a stream (an answer of at most 16 tokens:
+    # router.js WHOLE_MAX_TOKENS), where a hostile pod's answer can hide a "usage" after the real one.
+    data = body(max_tokens=4)
     res = call(cell, key, data)
     assert res.status == 200 and res.json()["prompt_logprobs"][-1]["2"]["decoded_token"] == "usage"
     row = usage_row(cell, key, 1)
@@ -129,9 +129,9 @@ def test_a_redirect_is_not_followed_and_the_fallback_serves(cell, key):
 
 def test_an_oversized_answer_is_cut_and_the_fallback_serves(cell, key):
     cell.pod.set_fault("hostile", attack="oversized")
-    # Read whole (best_of above n is not streamed): past 16 MiB it is a failure before any
-    # answer, so the fallback serves.
-    res = call(cell, key, body(best_of=2), timeout=60)
+    # Read whole (an answer of at most 16 tokens is not streamed): past 16 MiB it is a failure
+    # before any answer, so the fallback serves.
+    res = call(cell, key, body(), timeout=60)
     assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
     assert len(res.body) < 4096 and res.json()["object"] == "chat.completion"
     row = usage_row(cell, key, 1)
