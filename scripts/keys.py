@@ -176,6 +176,10 @@ def limits_line(row: dict, args: argparse.Namespace) -> str:
     """The key's limits, and which came from the cell's colocate:keys.defaults."""
     given = {"rpm": args.rpm, "tpm": args.tpm, "monthly_tokens": args.monthly_tokens, "max_parallel": args.max_parallel}
     parts = [f"{name} {row.get(name) or 'no limit'}{'' if given[name] is not None else ' (default)'}" for name in given]
+    own = row.get("fallback_microusd_day") or 0
+    parts.append(f"fallback ${own / 1e6:g} a day" if own else "fallback: the cell's per-key cap")
+    if args.fallback_usd_per_day is None:
+        parts[-1] += " (default)"
     return "limits: " + ", ".join(parts) + "; (default) = the cell's colocate:keys.defaults, 0 = no limit"
 
 

@@ -85,6 +85,7 @@ export class Breaker extends DurableObject {
     this.pace = new Map(); // pod URL -> pace streak and slow mark (machine.js): soft state, re-learnt in seconds after a restart
     this.purged = false; // set by purge(): no tables until the next use
     this.keyBits = null; // the key filter (keyfilter.js), built on first use, then kept up to date
+    this.heldAny = null; // whether fallback_held has a row (null: not read yet): none, no sync reads it
     this.keyRoom = 0; // keys it may still take at its rate before it is built again, larger
     ctx.blockConcurrencyWhile(async () => this.load());
   }
@@ -427,10 +428,12 @@ export class Breaker extends DurableObject {
           WHERE day = ? AND key_id IN (SELECT value FROM json_each(?)) AND fallback_microusd > 0`, dayOf(now), JSON.stringify(ids))) {
         slot(r.key_id)[COUNTER.day_fallback_microusd] = r.fallback_microusd;
       }
-      for (const r of this.sql.exec(`SELECT key_id, SUM(microusd) AS m FROM fallback_held
-          WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
-      JSON.stringify(ids), info.isolate ?? "", fresh)) {
-        if (r.m > 0) slot(r.key_id)[COUNTER.fallback_reserved] = r.m;
+      if (this.anyHeld()) {
+        for (const r of this.sql.exec(`SELECT key_id, SUM(microusd) AS m FROM fallback_held
+            WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
+        JSON.stringify(ids), info.isolate ?? "", fresh)) {
+          if (r.m > 0) slot(r.key_id)[COUNTER.fallback_reserved] = r.m;
+        }
       }
     }
     return counts;
@@ -628,8 +631,15 @@ export class Breaker extends DurableObject {
     return { ...this.view(info.haveRev ?? -1), ...this.podLoads(info, Date.now()) };
   }
 
+  /** Whether any fallback request is held in flight (read once, then kept as rows come and go). */
+  anyHeld() {
+    this.heldAny ??= this.sql.exec("SELECT 1 FROM fallback_held LIMIT 1").toArray().length > 0;
+    return this.heldAny;
+  }
+
   /** What the other isolates' fallback requests in flight reserved, all keys together (fresh rows only). */
   heldElsewhere(info, now) {
+    if (!this.anyHeld()) return 0;
     const fresh = now - 2 * Math.max(info.ttlMs ?? 0, 1000);
     return this.sql.exec("SELECT COALESCE(SUM(microusd), 0) AS m FROM fallback_held WHERE isolate != ? AND at >= ?",
       info.isolate ?? "", fresh).one().m;
@@ -717,6 +727,7 @@ export class Breaker extends DurableObject {
         }
       }
       if (batch.fallback_held && batch.fallback_held.length) {
+        this.heldAny = null; // read again below
         const isolate = String(info.isolate ?? "");
         for (const r of batch.fallback_held) {
           const m = Math.max(0, Number(r[FALLBACK_HELD.microusd]) || 0);
@@ -727,7 +738,7 @@ export class Breaker extends DurableObject {
           } else this.sql.exec("DELETE FROM fallback_held WHERE key_id = ? AND isolate = ?", String(r[FALLBACK_HELD.key_id]), isolate);
         }
       }
-      this.sql.exec("DELETE FROM fallback_held WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      if (this.anyHeld() && this.sql.exec("DELETE FROM fallback_held WHERE at < ?", now - INFLIGHT_KEEP_MS).rowsWritten) this.heldAny = null;
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_reserved WHERE at < ?", now - INFLIGHT_KEEP_MS);
       if (batch.refusals && batch.refusals.length) {
@@ -1106,6 +1117,7 @@ export class Breaker extends DurableObject {
     await this.ctx.storage.deleteAll();
     this.purged = true;
     this.keyBits = null;
+    this.heldAny = null;
     return { had_state: had };
   }
 }
