@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers bench-migration bench-busy lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -64,6 +64,14 @@ lint: setup
 
 test-py: setup
 	@$(PY) -m tests.suites py
+
+# The cell against a real vLLM: its CPU build in a venv of its own and a tiny random-weight model
+# of the default model's shape, both cached per machine (~/.cache/colocate), then tests/vllm_cpu/
+# and tests/engine_contract/ against one vLLM started through the kit's own start path
+# (docs/testing.md, "The real engine").
+test-vllm: setup
+	@$(PY) -m tests.vllm_cpu.tinymodel >/dev/null
+	@COLOCATE_ENGINE=vllm $(PY) -m tests.suites vllm
 
 # The inner loop: pure, Pulumi-mock and fake-server tests (no sandbox cell; a few short workerd starts).
 test-fast: setup
@@ -126,7 +134,7 @@ bench-fleet-exchange: setup
 bench-fleet-limits: setup
 	$(PY) -m bench.fleet_limits
 
-# A concurrency sweep against one OpenAI-compatible server (default: the stand-in, --profile), with its knee (docs/pods.md).
+# Both published RTX 4090 sweeps replayed on their fitted profiles in virtual time, each point's ratio (docs/pods.md).
 bench-pod: setup
 	$(PY) -m bench.pod --compare $(ARGS)
 
@@ -138,6 +146,16 @@ bench-prefix: setup
 # against the profile's model: all served by the pod, no breaker opened (docs/benchmarks.md).
 bench-answers: setup
 	$(PY) -m bench.answers $(ARGS)
+
+# A migration of 200,000 keys and 500,000 seg_minute rows in workerd, with requests during it and
+# workerd killed mid-import (docs/migration.md); tests/test_migration_import.py runs a tenth of it.
+bench-migration: setup
+	$(PY) -m bench.migration $(ARGS)
+
+# Keys filling the pod's prefill queue with long prompts against a quiet key, in the sandbox cell on the
+# default profile: who served the quiet key, and whether a breaker opened (docs/benchmarks.md).
+bench-busy: setup
+	$(PY) -m bench.busy $(ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .colocate

@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             admin = AdminClient(Target(cell["worker_url"], cell["token"], "sandbox"))
-            key = admin.create_key("answers-bench", rpm=0, tpm=0, max_parallel=0)["key"]
+            key = admin.create_key("answers-bench", rpm=0, tpm=0, max_parallel=0, max_parallel_tokens=0)["key"]
             client = Client(cell["worker_url"], key, pod.model)
             with BreakerWatch(cell["worker_url"], cell["read_token"]) as watch:
                 over = overhead(client, prof, rng, args.serial, args.input_tokens)

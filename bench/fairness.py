@@ -151,7 +151,7 @@ def phase(port: int, b_key: str, flood_key: str | None, connections: int, second
 
 
 # Keys with no limit but the one measured (colocate:keys.defaults would otherwise apply).
-NO_LIMITS = {"rpm": 0, "tpm": 0, "monthly_tokens": 0, "max_parallel": 0}
+NO_LIMITS = {"rpm": 0, "tpm": 0, "monthly_tokens": 0, "max_parallel": 0, "max_parallel_tokens": 0}
 
 
 def mint(port: int, probe: str, body: dict) -> str:

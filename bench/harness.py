@@ -410,7 +410,8 @@ def mint_key(url: str, probe_token: str) -> str:
     from colocate.admin import AdminClient, Target
 
     # No limits: the bench measures the router, not a key's limits (colocate:keys.defaults are finite).
-    return AdminClient(Target(url, probe_token, "url")).create_key("bench", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)["key"]
+    return AdminClient(Target(url, probe_token, "url")).create_key("bench", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0,
+                                                                   max_parallel_tokens=0)["key"]
 
 
 def state_distance(url: str, probe_token: str, samples: int = 5) -> dict:

@@ -5,7 +5,8 @@ import { pathAndQuery } from "./routes.js";
 import { clientInit, upstreamHeaders } from "./forward.js";
 import { parseJsonObject } from "./body.js";
 import { validateBody } from "./validate.js";
-import { usageOfAnswer } from "./usage.js";
+import { hasUsageObject, usageOfAnswer } from "./usage.js";
+import { Tally, clientEvents } from "./podstream.js";
 import { serverTiming } from "./timing.js";
 import { recordRequest } from "./histogram.js";
 
@@ -19,6 +20,13 @@ const ANSWER = encoder.encode(JSON.stringify({ id: "chatcmpl-bench", object: "ch
   choices: [{ index: 0, message: { role: "assistant", content: "ok ok ok ok" }, finish_reason: "stop" }],
   usage: { prompt_tokens: 4, completion_tokens: 4, total_tokens: 8 } }));
 const estimate = () => null;
+// a pod's event (vLLM 0.32's shape), without and with its continuous usage
+const EVENT = '{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench","choices":[{"index":0,'
+  + '"delta":{"content":" token"},"logprobs":null,"finish_reason":null}]';
+const PLAIN_EVENT = encoder.encode(`data: ${EVENT}}\n\n`);
+const USAGE_EVENT = encoder.encode(`data: ${EVENT},"usage":{"prompt_tokens":4,"total_tokens":9,"completion_tokens":5}}\n\n`);
+const NO_USAGE = { usage: false, continuous: false };
+const tally = new Tally();
 const SERVER_TIMING = "state;dur=0, upstream;dur=1.25, fallback;dur=0, total;dur=1.5";
 
 const OPS = {
@@ -59,6 +67,10 @@ const OPS = {
     recordRequest("pod-0", { state: 0, upstream: 1.25, fallback: 0, total: 1.5, client: null });
     return 1;
   },
+  // a pod stream's event: what the router did per chunk before (a search for a usage object,
+  // none found), and what it does now (the event's continuous usage found from its end and cut out)
+  eventscan: () => (hasUsageObject(PLAIN_EVENT) ? 1 : 0),
+  eventcut: () => clientEvents(USAGE_EVENT, NO_USAGE, tally).length,
   record: () => {
     const init = clientInit(upstream);
     init.headers["x-colocate-backend"] = "pod-0";

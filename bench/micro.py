@@ -18,7 +18,8 @@ from colocate.workerd import WorkerdError
 
 from . import harness
 
-OPS = ("url", "cut", "salt", "saltcached", "headers", "record", "parse", "usage", "upstream", "timing", "histogram")
+OPS = ("url", "cut", "salt", "saltcached", "headers", "record", "parse", "usage", "upstream", "timing", "histogram",
+       "eventscan", "eventcut")
 
 
 def cost_ns(url: str, pid: int, op: str, n: int) -> float:
@@ -34,7 +35,7 @@ def cost_ns(url: str, pid: int, op: str, n: int) -> float:
 
 def run(ops: tuple[str, ...], n: int, repeat: int) -> dict:
     plan = harness.bench_plan(5000)
-    modules = ("routes.js", "forward.js", "body.js", "validate.js", "usage.js", "timing.js", "histogram.js")
+    modules = ("routes.js", "forward.js", "body.js", "validate.js", "usage.js", "timing.js", "histogram.js", "podstream.js")
     with harness.floor_worker(lambda port: harness.floor_config(plan.worker.compatibility_date, "micro.js", {}, port,
                                                                 modules)) as w:
         return {op: statistics.median(cost_ns(w.url, w.process.pid, op, n) for _ in range(repeat)) for op in ops}

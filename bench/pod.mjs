@@ -3,7 +3,8 @@
 // Node's http server, Nagle off: the bench must measure the router, not a slow pod.
 // POST with `"stream": true` in the body answers Server-Sent Events (a first chunk at
 // once, the rest on later turns of the event loop, a usage chunk when the body asks
-// `"include_usage": true`, then [DONE]); anything else a small chat.completion JSON.
+// `"include_usage": true`, then [DONE]; with `"continuous_usage_stats": true` as well, the
+// usage so far on every chunk, as vLLM writes it); anything else a small chat.completion JSON.
 // Bench-only; --token makes it answer 401 to a wrong bearer.
 //
 // --slots K bounds how many requests each pod works on at once (the rest queue, in
@@ -39,6 +40,9 @@ const JSON_BODY = JSON.stringify({
 });
 const USAGE_CHUNK = `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [], usage: { prompt_tokens: 4, completion_tokens: 8, total_tokens: 12 } })}\n\n`;
 const CHUNK = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ` } }] })}\n\n`;
+// vLLM's continuous usage: the same chunk with the usage so far last (its key order)
+const USAGE_SO_FAR = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ` } }],
+  usage: { prompt_tokens: 4, total_tokens: 5 + i, completion_tokens: i + 1 } })}\n\n`;
 
 let answered = 0; // all listeners together; GET /__bench/count reads it
 let smallestBody = null; // bytes of the smallest request body answered (the bench's prompt size reached us)
@@ -56,10 +60,11 @@ function answer(req, res, body) {
   if (req.method === "POST" && /"stream"\s*:\s*true/.test(body)) {
     res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
     const usage = /"include_usage"\s*:\s*true/.test(body);
+    const soFar = usage && /"continuous_usage_stats"\s*:\s*true/.test(body);
     let i = 0;
     const more = () => {
       if (i < chunks) {
-        res.write(CHUNK(i++));
+        res.write(soFar ? USAGE_SO_FAR(i++) : CHUNK(i++));
         if (chunkMs > 0) setTimeout(more, chunkMs);
         else setImmediate(more);
       } else {

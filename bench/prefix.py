@@ -305,11 +305,15 @@ def pod_ttfts(cell: dict, timeout_s: float = 5) -> list[dict[str, float] | None]
     """Each sandbox pod's own TTFT counters ({sum in s, count}: vllm:time_to_first_token_seconds, from
     its arrival at the API server to its first token, queue included), read from the pod directly
     over its mutual TLS with the Worker's certificate (no emulated hop)."""
+    from colocate.sandbox.statedir import load_secrets
+
     hop = Path(cell["state_dir"]) / "hop"
+    auth = {"Authorization": f"Bearer {load_secrets(Path(cell['state_dir']))['podToken']}"}  # the pod's guard
     out: list[dict[str, float] | None] = []
     for pod in cell["pods"]:
         try:
             r = requests.get(pod["address"].replace("//127.0.0.1:", "//localhost:") + "/metrics", timeout=timeout_s,
+                             headers=auth,
                              cert=(str(hop / "worker.pem"), str(hop / "worker.key")), verify=str(hop / "ca.pem"))
             got = {k: float(v) for k, v in _TTFT.findall(r.text)} if r.status_code == 200 else {}
         except (requests.RequestException, OSError, ValueError):
@@ -405,16 +409,17 @@ def summarise(policy: str, load: float | None, rate: float, turns: list[Turn], w
 
 
 def api_queue_ms(profile: str, tokens_per_s: float) -> float | None:
-    """The stand-in's API-server queue (engine.Frontend) at a pod's output rate: the same for every policy."""
+    """The stand-in's API server (engine.Frontend) at a pod's output rate: its own time for a request
+    and its queue behind the streams it serves; the same for every policy."""
     try:
-        from colocate.pods import profiles
+        from colocate.pods import engine, profiles
     except ImportError:
         return None
     prof = profiles.get(profile)
-    if not prof.frontend_ms_per_token:
+    if prof.oracle_ms is not None:
         return None
-    rho = min(0.98, tokens_per_s * prof.frontend_ms_per_token / 1000)
-    return round(prof.frontend_queue_ms * rho * rho / (1 - rho), 1)
+    rho = tokens_per_s * prof.frontend_ms_per_token / 1000
+    return round(prof.server.request_ms + engine.queue_ms(prof, rho), 1)
 
 
 def _ms(v: float | None) -> str:
@@ -603,7 +608,8 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
                     urls = more.enter_context(isolates_of(cell, isolates, Path(tmp) / "isolates"))
                 admin = AdminClient(Target(urls[0], cell["token"], "sandbox"))
                 # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
-                keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0)["key"] for a in load.apps]
+                keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0, max_parallel_tokens=0)["key"]
+                        for a in load.apps]
                 before = scrape_cell(urls[0], cell["read_token"], pods)
                 picked = scrape_picks(urls[0], cell["read_token"])
                 at_warmup: list[list[dict | None]] = []

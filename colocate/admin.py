@@ -180,11 +180,12 @@ class AdminClient:
 
     def create_key(self, name: str, *, rpm: int | None = None, tpm: int | None = None, monthly_tokens: int | None = None,
                    max_parallel: int | None = None, expires_in_s: int | None = None,
-                   fallback_microusd_day: int | None = None) -> dict:
+                   fallback_microusd_day: int | None = None, max_parallel_tokens: int | None = None) -> dict:
         """A limit None: the cell's default (colocate:keys.defaults); 0: no limit. ``fallback_microusd_day``:
-        the key's own cap on the fallback's spend per UTC day (None or 0: colocate:fallbackCap.keyUsdPerDay)."""
+        the key's own cap on the fallback's spend per UTC day (None or 0: colocate:fallbackCap.keyUsdPerDay).
+        ``max_parallel_tokens``: prompt tokens of its requests not yet begun at a pod, at once."""
         limits = {"rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens, "max_parallel": max_parallel,
-                  "fallback_microusd_day": fallback_microusd_day}
+                  "max_parallel_tokens": max_parallel_tokens, "fallback_microusd_day": fallback_microusd_day}
         body = {"name": name, **{k: v for k, v in limits.items() if v is not None}}
         if expires_in_s is not None:
             body["expires_in_s"] = expires_in_s
@@ -205,6 +206,10 @@ class AdminClient:
 
     def revoke_key(self, key_id: str) -> dict:
         return self._call("POST", f"/_colocate/keys/{key_id}/revoke")
+
+    def breaker(self) -> dict:
+        """{generation, breaker}: the override, pods and the migration's import (``imported``, ``importing``)."""
+        return self._call("GET", "/_colocate/breaker")
 
     def usage(self, *, since: str | None = None, until: str | None = None, key_id: str | None = None) -> dict:
         params = {k: v for k, v in (("from", since), ("to", until), ("key", key_id)) if v}
@@ -231,19 +236,19 @@ def key_hash(key: str) -> str:
 
 def key_row(key: str, name: str, *, rpm: int | None = None, tpm: int | None = None, monthly_tokens: int | None = None,
             max_parallel: int | None = None, expires_in_s: int | None = None, now_ms: int | None = None,
-            fallback_microusd_day: int | None = None) -> dict:
+            fallback_microusd_day: int | None = None, max_parallel_tokens: int | None = None) -> dict:
     """The row every cell imports for ``key``: its digest and display prefix, never the key. A
     limit None is left out: each cell gives it its colocate:keys.defaults."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     row = {"id": new_key_id(), "hash": key_hash(key), "prefix": key[:len(KEY_PREFIX) + 6], "name": name,
            "created_at": now_ms, "expires_at": now_ms + expires_in_s * 1000 if expires_in_s else None}
     limits = {"rpm": rpm, "tpm": tpm, "monthly_tokens": monthly_tokens, "max_parallel": max_parallel,
-              "fallback_microusd_day": fallback_microusd_day}
+              "max_parallel_tokens": max_parallel_tokens, "fallback_microusd_day": fallback_microusd_day}
     return {**row, **{k: v for k, v in limits.items() if v is not None}}
 
 
 IMPORT_FIELDS = ("id", "hash", "prefix", "name", "rpm", "tpm", "monthly_tokens", "max_parallel", "created_at", "expires_at",
-                 "fallback_microusd_day")
+                 "fallback_microusd_day", "max_parallel_tokens")
 
 
 def fleet_cells(stack: str, stacks_dir: Path | None = None) -> tuple[str, ...] | None:

@@ -36,10 +36,10 @@ SHAPE_HEADER = ("cell", "hour", "requests_per_minute")
 SHAPE_FIX = "one line `cell,hour,requests_per_minute` per cell and local hour 0-23, e.g. `apac-jp,20,520`"
 
 # Requests per minute by local hour: a consumer app's day, quiet at night, busy in the evening. Its
-# evening needs two pods of the default profile's measured capacity (colocate/capacity.py: 584 a
-# minute), the night none.
-DEFAULT_DAY = (120, 80, 50, 40, 40, 60, 120, 220, 320, 380, 400, 420, 460, 440, 420, 420, 460, 560, 760, 960, 1040, 900,
-               600, 260)
+# evening needs two pods of the default profile's measured capacity (colocate/capacity.py: 1,339 a
+# minute), its night none (under the cost policy's ~100 a minute where a pod costs what the API would).
+DEFAULT_DAY = (120, 80, 50, 40, 40, 60, 120, 260, 520, 720, 790, 850, 920, 890, 850, 850, 920, 1120, 1570, 1970,
+               2170, 1840, 1180, 460)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@ capacity (the knee of its GPU+model profile) and its boot time. Pure: no I/O.
 
 * ``pod_capacity(profile)``: requests per minute one pod serves while its TTFT p99 stays within
   the capacity planner's budget (``profiles.DEFAULT_TTFT_P99_BUDGET_MS``): the profile's
-  ``knee_rps`` (measured on the stand-in's engine in virtual time, ``make bench-pod``) once it is
-  fitted, else the highest rate of the profile's published sweep within that budget (the RTX
-  4090 sweep: 9.73 req/s at concurrency 32, TTFT p99 938 ms; at 48, 1,483 ms). The knee holds
-  for the sweep's workload (256 tokens in, ~100 out); answers longer than that take more of a pod.
+  ``knee_rps`` (the stand-in's engine in virtual time, a minute of Poisson arrivals of 256-token
+  prompts, answers of at most 128: ~100 on average, the median pace held to the router's 25
+  tokens/s) when it has one, else the highest rate of the profile's published sweeps within that
+  budget. Answers longer than that take more of a pod.
 * ``BOOT_S``: from create to the first token on a fresh host, 20 minutes: the pinned
   ``vllm/vllm-openai:*-cu129`` image is ~11 GB compressed, the weights ~5 GB, and operators
   report 15 to 20 minutes (the fourth real-cloud review, 2026-12). The longer end, because a
@@ -27,10 +27,8 @@ _FIX = ("name a profile with a knee in colocate:pod.profile (" + ", ".join(n for
 
 
 def sweep_knee_rps(profile: profiles.Profile, budget_ms: float = profiles.DEFAULT_TTFT_P99_BUDGET_MS) -> float | None:
-    """The highest request rate of the profile's published sweep whose TTFT p99 is within ``budget_ms``."""
-    if profile.sweep is None:
-        return None
-    within = [p.req_s for p in profile.sweep.points if p.ttft_p99_ms is not None and p.ttft_p99_ms <= budget_ms]
+    """The highest request rate of the profile's published sweeps whose TTFT p99 is within ``budget_ms``."""
+    within = [p.req_s for s in profile.sweeps for p in s.points if p.ttft_p99_ms is not None and p.ttft_p99_ms <= budget_ms]
     return max(within) if within else None
 
 

@@ -1,12 +1,14 @@
-"""When the pod hop's certificates lapse, said before they do (docs/pods.md, "Certificates never
-lapse unseen"). Pure: no I/O.
+"""When the pod hop's certificates lapse, said before they do (docs/pods.md, "Certificates renew
+themselves"). Pure: no I/O.
 
 The hop's leaves (infra/hop.py: each pod's server certificate, the Worker's client certificate,
-the readiness check's) live 90 days, and pulumi-tls re-issues one only when a `pulumi up` runs in
-its last 30 days (``early_renewal_hours``); nothing renews them on their own. A cell nobody
-updates stops reaching its pods on day 90 and sends all its traffic to the fallback. The stack
-exports the earliest leaf's not-after (``hopCertsNotAfter``); the post-deploy probe and the live
-view (``probe.py``) judge it: a warning 30 days ahead, a failed check 7 days ahead.
+the readiness check's) live 90 days. From day 60 (``RENEW_DAYS`` left) the keeper renews them,
+the cell's own first, then one pod at a time (colocate/keeper.py). A `pulumi up` re-issues what
+is left only in the last ``AUTO_RENEW_DAYS`` (``early_renewal_hours``, ACME's
+``min_days_remaining``), all at once: the backstop of a cell nobody keeps, which would otherwise
+stop reaching its pods on day 90. The stack exports the earliest leaf's not-after
+(``hopCertsNotAfter``) and each role's (``hopCerts``); the post-deploy probe and the live view
+(``probe.py``) judge the earliest: a warning ``WARN_DAYS`` ahead, a failed check ``FAIL_DAYS`` ahead.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-WARN_DAYS = 30  # = infra/hop.py EARLY_RENEWAL_HOURS: from here a `pulumi up` re-issues them
+RENEW_DAYS = 30  # the keeper renews a certificate from here (day 60 of 90), one pod at a time
+AUTO_RENEW_DAYS = 14  # = infra/hop.py EARLY_RENEWAL_HOURS: from here any `pulumi up` re-issues them all
+WARN_DAYS = 30
 FAIL_DAYS = 7
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -41,8 +45,10 @@ def check(not_after: str, now: datetime, stack: str | None = None) -> Expiry:
     """The verdict on the hop's earliest certificate, with the way out when it is near."""
     days = (parse(not_after) - now).total_seconds() / 86400
     where = f" -s {stack}" if stack else ""
-    renew = (f"run `pulumi up{where}` now: inside the last {WARN_DAYS} days it re-issues them, and the pods are "
-             "replaced one at a time, each new one healthy before its predecessor goes (a rolling replacement)")
+    keeper = f".venv/bin/python scripts/scale.py run{where.replace(' -s', ' --stack')}"
+    renew = (f"the keeper (`{keeper}`) renews them from {RENEW_DAYS} days left, one pod at a time, each new pod "
+             f"serving before the next old one goes; without it, `pulumi up{where}` inside the last {AUTO_RENEW_DAYS} "
+             "days re-issues them all at once, every pod replaced side by side")
     if days <= 0:
         return Expiry(FAIL, not_after, days, f"the pod hop's certificates expired {-days:.1f} days ago: the Worker "
                       f"cannot reach its pods and every request goes to the fallback; {renew}")

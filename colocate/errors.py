@@ -17,6 +17,8 @@ bad configuration or input, 1 for a failure of the world (a provider, a network)
     │   ├── UsageError         colocate/cost.py: a usage row the cost report cannot read; scripts/keys.py: a
     │   │                      command keys.py cannot do for the stack; scripts/pod.py: a flag argparse refuses; exit 2
     │   ├── CostError          scripts/cost.py: the report cannot be made; exit 2
+    │   ├── KeeperError        colocate/keeper.py: a pass could not do what it decided
+    │   │   └── StackLocked    the owner's update found the Pulumi stack locked
     │   ├── Failed             scripts/placement.py: Cloudflare refused the placement or reports another one
     │   │   └── BadInput       the input (stdin, the token's variable) is wrong; exit 2
     │   └── BenchError         bench/harness.py: a benchmark's setup failed; exit 2

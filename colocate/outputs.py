@@ -25,6 +25,10 @@ OPERATOR_TOKENS = {"READ_TOKEN": READ_TOKEN, "ADMIN_TOKEN": ADMIN_TOKEN, "EXCHAN
 REGION = "region"  # the cell's region: a fleet stack reads it (with workerName, workerUrl, accountId)
 ACCOUNT_ID = "accountId"  # the cell's Cloudflare account: a fleet binds only Workers of its own account
 HOP_NOT_AFTER = "hopCertsNotAfter"  # the pod hop's earliest certificate's end (null: no mutual TLS): colocate/certexpiry.py
+POD_SCOPE = "podScope"  # plan.pod_scope of the stack's organization and project, in its pods' names: `pod.py sweep --scope`
+WORKER_CONTENT_HASH = "workerContentHash"  # plan.WorkerPlan.content_hash of the modules uploaded (the Worker says it too)
+POD_ADDRESSES = "podAddresses"  # every pod's {ip, port} as its create saw them, index order: the keeper's "remapped"
+HOP_CERTS = "hopCerts"  # {cell, pod-<i>: not-after} of the hop's certificates (null: no mutual TLS): the keeper renews them
 BUDGET_E2E_MS = "budgetE2eMs"  # the cell's colocate:budgets.e2e (null: none): a fleet sends its users no farther
 CELLS = "cells"  # a fleet stack's members: [{name, stack, region, workerName, workerUrl}]
 
@@ -32,5 +36,5 @@ ALL = (WORKER_URL, WORKER_NAME, POD_ID, POD_LOCATION, POD_COST_PER_HR, POD_URL, 
        PODS_COST_PER_HR, POD_PATH, ACTIVE_GENERATION,
        ACTIVE_HINT, DRAINING_GENERATION, PLACEMENT, PLACEMENT_MODE, PLACEMENT_HOST, PROBE_VERDICT, READ_TOKEN,
        ADMIN_TOKEN, EXCHANGE_TOKEN,
-       REGION, ACCOUNT_ID, BUDGET_E2E_MS, HOP_NOT_AFTER)
+       REGION, ACCOUNT_ID, BUDGET_E2E_MS, HOP_NOT_AFTER, POD_SCOPE, WORKER_CONTENT_HASH, POD_ADDRESSES, HOP_CERTS)
 FLEET_ALL = (WORKER_URL, WORKER_NAME, CELLS)

@@ -28,9 +28,16 @@ BREAKER_CLASS = "Breaker"
 # Its namespace's binding is named after the class; the upgrade tests run earlier Workers,
 # which read env.BREAKER, on today's bindings, so the name stays.
 GENERATION_BINDING = "BREAKER"
+WORKER_HASH_BINDING = "WORKER_HASH"  # the content hash of the modules uploaded beside it
 # allow_custom_ports (the pod listens on :8000) is the default from 2024-09-02;
 # the date is also the newest the pinned workerd (1.20261117.1) accepts.
 COMPATIBILITY_DATE = "2026-11-01"
+# Flags every cell's Worker runs with. enable_request_signal: a client's disconnect reaches the
+# router as the request's abort signal (`Request.signal`), so it cancels the pod's work, meters
+# what was made and frees the key's slot (docs/worker.md, "A client that hangs up"). It has no
+# default date (workerd's compatibility-date.capnp: "the compat flag has no default enable
+# date"): set by name, in the cloud and in workerd alike.
+WORKER_COMPATIBILITY_FLAGS = ("enable_request_signal",)
 # The kit's Durable Object migrations, in order. Tags are applied once each. Cloudflare
 # reports the tag a script last applied (the Workers scripts list, `migration_tag`): the
 # program reads it at plan time and sends only the steps after it (``migration_decision``).
@@ -158,7 +165,9 @@ class WorkerPlan:
     url: str  # where clients (and the probe) reach the Worker
     placement_mode: str = PLACEMENT_TARGETED  # pod | targeted | smart (auto already resolved)
     placement_host: PlacementHost | None = None  # pod mode only
-    compatibility_flags: tuple[str, ...] = ()  # POD_TLS_COMPATIBILITY_FLAGS on a mutual-TLS zone-dns hop
+    # WORKER_COMPATIBILITY_FLAGS only: a flag such as cots_on_external_fetch would put every external
+    # fetch of the script (the fallback, /cdn-cgi/trace) on the zone's Custom Origin Trust Store (docs/worker.md).
+    compatibility_flags: tuple[str, ...] = ()
 
     def placement_args(self, pod0: dict | None = None) -> dict:
         """The placement block as uploaded; pod mode needs pod 0's create output."""
@@ -172,10 +181,15 @@ class WorkerPlan:
         return next(b for b in self.bindings if b.name == name)
 
     def content_hash(self) -> str:
-        h = hashlib.sha256()
-        for m in self.modules:
-            h.update(m.name.encode() + b"\0" + m.content().encode() + b"\0")
-        return h.hexdigest()[:16]
+        return modules_hash(self.modules)
+
+
+def modules_hash(modules: tuple[Module, ...]) -> str:
+    """The Worker's content hash: its modules' names and bytes (``WorkerPlan.content_hash``)."""
+    h = hashlib.sha256()
+    for m in modules:
+        h.update(m.name.encode() + b"\0" + m.content().encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -192,10 +206,12 @@ PATH_PROVIDER_PROXY = "provider-proxy"  # RunPod's HTTPS proxy hostname (through
 PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that resolves to 127.0.0.1
 POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME)
 # Paths on which the Worker reaches the pod itself, so the hop can be mutual TLS end to end
-# (docs/pods.md, "Who can reach the pod"): the pod serves TLS and admits only a client
-# certificate of the cell's CA; the Worker presents one through its POD_TLS binding.
-# RunPod's proxy terminates TLS itself and speaks HTTP to the pod: no client certificate
-# can reach the pod that way.
+# (docs/pods.md, "Who can reach the pod"): the pod serves a publicly trusted certificate for its
+# name on the zone (ACME DNS-01, infra/hop.py) and admits only a client certificate of the cell's
+# CA; the Worker verifies the pod with public trust and presents its certificate through its
+# POD_TLS binding. Nothing in the zone trusts the cell's CA. RunPod's proxy terminates TLS itself
+# and speaks HTTP to the pod: no client certificate can reach the pod that way, and the pod's
+# guard (vLLM --middleware: the router's routes only, with the pod token) keeps strangers out.
 MTLS_PATHS = (PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS)
 # Providers whose create request can carry the pod's TLS bundle (multi-line PEM) in the pod's
 # environment: RunPod's `env` is a JSON object, and so is Vast.ai's as its API takes it (its
@@ -204,26 +220,22 @@ MTLS_PATHS = (PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS)
 MTLS_PROVIDERS = ("local", "runpod", "vastai")
 POD_TLS_BINDING = "POD_TLS"
 POD_TLS_FROM_OUTPUT = "pod.tls"  # marks the binding whose value is the Worker's client certificate
-# On zone-dns the Worker's fetch to the pod is an external (grey-cloud) subrequest, whose origin
-# certificate Cloudflare checks against the public CAs unless this flag lets the zone's Custom
-# Origin Trust Store (the cell's CA, declared by the stack) apply.
-POD_TLS_COMPATIBILITY_FLAGS = ("cots_on_external_fetch",)
 
 
 def hop_is_mtls(provider: str, path: str, setting: str) -> bool:
-    """Whether the hop to the pods is mutual TLS (``colocate:pod.hop``): ``auto`` wherever the
-    path and the provider can carry it, ``token`` never; ``mtls`` where they cannot is refused."""
+    """Whether the hop to the pods is mutual TLS (``colocate:pod.hop``).
+
+    ``auto``: mutual TLS wherever the path and the provider can carry it; on RunPod's proxy, the
+    pod token behind the pod's guard. ``mtls`` where it cannot be is refused, and so is ``token``
+    on a zone: the pod's port is public there, and a token hop would be plain HTTP on it."""
     possible = path in MTLS_PATHS and provider in MTLS_PROVIDERS
-    if setting == "auto" and path == PATH_PROVIDER_PROXY:
-        # RunPod's proxy ends TLS and speaks HTTP to the pod, whose vLLM routes outside /v1
-        # (/invocations, /tokenize, /metrics, ...) answer without the token: the pod would be
-        # on the internet. Only an operator who says so (`token`) gets that hop.
+    if setting == "token" and path == PATH_ZONE_DNS:
         raise ConfigError("colocate:pod.hop", setting,
-                          "without colocate:zone the Worker reaches a RunPod pod through RunPod's public proxy, "
-                          "which cannot carry mutual TLS: the pod's routes that vLLM's --api-key leaves open "
-                          "(/invocations, /tokenize, /metrics, ...) would answer anyone on the internet",
-                          "set colocate:zone (id and name: the pods are then reached by a DNS-only record over "
-                          "mutual TLS), or, knowingly, pulumi config set --path colocate:pod.hop token")
+                          "on colocate:zone the Worker reaches the pod at its public address, and a token hop would "
+                          "send every prompt and the pod token there in plain HTTP; mutual TLS there needs nothing "
+                          "from the zone but DNS (the pod's certificate is publicly trusted, issued by ACME DNS-01)",
+                          "pulumi config rm --path colocate:pod.hop (auto: mutual TLS), or remove colocate:zone on a "
+                          "RunPod cell (RunPod's proxy, with the pod's guard)")
     if setting != "mtls":
         return setting == "auto" and possible
     if path == PATH_PROVIDER_PROXY:
@@ -231,13 +243,38 @@ def hop_is_mtls(provider: str, path: str, setting: str) -> bool:
                           "without colocate:zone the Worker reaches the pod through RunPod's proxy, which ends the "
                           "TLS itself and speaks HTTP to the pod: no client certificate can reach it",
                           "set colocate:zone (the Worker then reaches the pod by a DNS-only record, over mutual TLS), "
-                          "or pulumi config set --path colocate:pod.hop auto")
+                          "or pulumi config set --path colocate:pod.hop auto (the pod token behind the pod's guard)")
     if not possible:
         raise ConfigError("colocate:pod.hop", setting,
                           f"a {provider} pod cannot be given its TLS certificate and key",
-                          f"use a pod.provider among {', '.join(MTLS_PROVIDERS)}, or, knowingly, pulumi config "
-                          "set --path colocate:pod.hop token (plain HTTP to the pod behind colocate:podToken alone)")
+                          f"use a pod.provider among {', '.join(MTLS_PROVIDERS)}")
     return True
+
+
+# The stock image's name: its entrypoint is `vllm serve`, with no pod guard (pod/Dockerfile adds it).
+STOCK_IMAGE = "vllm/vllm-openai"
+
+
+def check_guard_image(provider: str, path: str, setting: str, image: str) -> None:
+    """Refuse the stock image where only the pod's guard keeps strangers out (RunPod's proxy): its
+    ``vllm serve`` answers ``/invocations``, ``/tokenize`` and ``/metrics`` to whoever learns the
+    pod's URL. The kit's image (pod/Dockerfile) always runs the guard."""
+    repository = image.split("@", 1)[0].rsplit(":", 1)[0] if "/" in image else image
+    if pod_guarded(provider, path, setting) and repository.removeprefix("docker.io/") == STOCK_IMAGE:
+        raise ConfigError("colocate:pod.image", image,
+                          "without colocate:zone the pod is reached through RunPod's proxy, where only the pod's guard "
+                          "keeps strangers off vLLM's routes that its --api-key leaves open (/invocations, /tokenize, "
+                          "/metrics), and the stock image has no guard",
+                          "build pod/Dockerfile, push it to a public registry and `pulumi config set --path "
+                          "colocate:pod.image <registry>/colocate-vllm:v0.33.0-cu129` (docs/pods.md, \"The pod's "
+                          "guard\"), or set colocate:zone (mutual TLS, any image)")
+
+
+def pod_guarded(provider: str, path: str, setting: str) -> bool:
+    """Whether the pod must run its guard (vLLM ``--middleware``: only the router's routes, only
+    with the pod token; readiness's token reaches /health alone): every cloud pod no client
+    certificate protects. The only such path is RunPod's proxy (``hop_is_mtls`` refuses the rest)."""
+    return provider != "local" and not hop_is_mtls(provider, path, setting)
 
 
 RUNPOD_PROXY_TEMPLATE = "https://{pod_id}-{port}.proxy.runpod.net"
@@ -302,10 +339,18 @@ def token_fingerprint(token: str) -> str:
     return hashlib.sha256(TOKEN_FINGERPRINT_PREFIX + token.encode()).hexdigest()[:8]
 
 
-def pod_name(stack: str, generation: str, index: int, identity: list[str]) -> str:
-    """``colocate-<stack>-<generation>-p<i>-<digest of the identity>`` (sweep's pattern)."""
+def pod_scope(organization: str, project: str) -> str:
+    """Six hex digits naming the Pulumi organization and project a stack belongs to: two projects (or
+    organizations) with a stack of the same name on one provider account keep apart (sweep, adoption)."""
+    return hashlib.sha256(f"colocate pod scope v1\0{organization}\0{project}".encode()).hexdigest()[:6]
+
+
+def pod_name(stack: str, generation: str, index: int, identity: list[str], scope: str = "") -> str:
+    """``colocate-<stack>-<scope>-<generation>-p<i>-<digest of the identity>`` (sweep's pattern; without
+    a scope, the sandbox's and earlier releases', ``colocate-<stack>-<generation>-...``)."""
     digest = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:6]
-    return f"colocate-{stack}-{generation}-p{index}-{digest}".replace(".", "-").replace("_", "-").lower()
+    scoped = f"{stack}-{scope}" if scope else stack
+    return f"colocate-{scoped}-{generation}-p{index}-{digest}".replace(".", "-").replace("_", "-").lower()
 
 
 @dataclass(frozen=True)
@@ -331,6 +376,7 @@ class PodPlan:
     # False while the pod drains before a scale-down (colocate:scale.draining): still
     # declared and running, no longer in the Worker's POD_URLS. Not part of the identity.
     in_rotation: bool = True
+    scope: str = ""  # pod_scope(organization, project) in the cloud; "" in the sandbox
 
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
@@ -387,6 +433,7 @@ class PodPlan:
             "port": s.port,
             "disk_gb": s.disk_gb,
             "max_price_per_hr": s.max_price_per_hr,
+            "max_transfer_per_gb": s.max_transfer_per_gb,
             "cloud": s.cloud,
             "min_reliability": s.min_reliability,
             "ready_timeout_s": s.ready_timeout_s,
@@ -395,6 +442,9 @@ class PodPlan:
             "index": self.index,
             "path": self.path,
             "tls_name": self.tls_name,
+            "max_model_len": s.max_model_len,
+            "command": s.command,
+            "url": s.url,
         }
 
     def identity(self) -> list[str]:
@@ -416,10 +466,18 @@ class PodPlan:
             ident.append(f"computeMs={s.compute_ms}")
             if s.profile != "oracle":  # the first profile adds nothing: names of pods placed before stay
                 ident.append(f"profile={s.profile}")
+        if s.max_model_len != MAX_MODEL_LEN:  # the default adds nothing: names of pods placed before stay
+            ident.append(f"maxModelLen={s.max_model_len}")
+        if s.command or s.url:  # the sandbox's pod is a server of the user's
+            engine = hashlib.sha256("\0".join((s.command, s.url)).encode()).hexdigest()[:12]
+            ident.append(f"engine={engine}")
         if self.mtls:  # the pod's start command and certificate
             ident.append("hop=mtls")
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
+        replaced = s.replaced_count(self.index)
+        if replaced:  # the keeper's replacements of this pod alone (colocate/keeper.py)
+            ident.append(f"replaced={replaced}")
         if self.token_fingerprint:
             ident.append(f"podToken=sha256:{self.token_fingerprint}")
         if self.tls_fingerprint:
@@ -443,7 +501,7 @@ class PodPlan:
 
     def with_derived_name(self) -> PodPlan:
         """This pod named after its identity (``pod_name``)."""
-        return replace(self, name=pod_name(self.stack, self.generation, self.index, self.identity()))
+        return replace(self, name=pod_name(self.stack, self.generation, self.index, self.identity(), self.scope))
 
 
 PROBE_WAIT_S = 120  # a new route or custom domain can take a while to answer after a deploy
@@ -503,6 +561,9 @@ class CellPlan:
     probe: ProbePlan
     pod_path: str = PATH_ZONE_DNS  # how the Worker reaches the pods (one of POD_PATHS), even with none
     pod_settings: PodSettings | None = None  # what every pod is made of, even with none
+    # The ACME directory that issues the pods' certificates (DNS-01 on colocate:zone); None off zone-dns.
+    acme_server: str | None = None
+    scope: str = ""  # pod_scope of the stack's organization and project, in every pod's name
 
     @property
     def mtls(self) -> bool:
@@ -618,8 +679,9 @@ def hint_of(gen: Generation) -> str:
 OPERATOR_BINDINGS = {"read": "READ_TOKEN", "admin": "ADMIN_TOKEN", "exchange": "EXCHANGE_TOKEN"}
 
 
-# The context the kit's pods serve (vLLM --max-model-len, colocate/pods/spec.py), bound as the
-# Worker's MAX_MODEL_LEN: what a request may cost is bounded by it (docs/worker.md, "What a request may cost").
+# The context the kit's pods serve by default (colocate:pod.maxModelLen: vLLM --max-model-len,
+# colocate/pods/spec.py), bound as the Worker's MAX_MODEL_LEN: what a request may cost is bounded by
+# it (docs/worker.md, "What a request may cost").
 MAX_MODEL_LEN = 8192
 
 
@@ -638,6 +700,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("MIN_TOKENS_PER_S", repr(w.min_tokens_per_s)),
         ("BALANCE", w.balance),
         ("MAX_BODY_BYTES", str(w.max_body_bytes)),
+        ("BODY_TIMEOUT_MS", str(w.body_timeout_ms)),
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),
@@ -646,8 +709,9 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),
         ("DEFAULT_MONTHLY_TOKENS", str(settings.key_defaults["monthly_tokens"])),
         ("DEFAULT_MAX_PARALLEL", str(settings.key_defaults["max_parallel"])),
+        ("DEFAULT_MAX_PARALLEL_TOKENS", str(settings.key_defaults["max_parallel_tokens"])),
         # What a request may cost is bounded by the context the pods serve (worker/src/usage.js).
-        ("MAX_MODEL_LEN", str(MAX_MODEL_LEN)),
+        ("MAX_MODEL_LEN", str(settings.pod.max_model_len)),
     ]
     if w.content_parts:
         plain.append(("CONTENT_PARTS", json.dumps(list(w.content_parts))))
@@ -701,8 +765,12 @@ def check_worker_limits(worker: WorkerPlan) -> None:
         {b.name: binding_key(b) for b in worker.bindings}, "colocate:worker.name")
 
 
-def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None) -> CellPlan:
+def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migration_tag: str | None = None,
+              scope: str = "") -> CellPlan:
     """Derive the whole cell from validated settings.
+
+    ``scope`` (``pod_scope``: the Pulumi program passes its organization's and project's) goes into
+    every pod's name, so sweeps and adoption never reach another project's stack of the same name.
 
     ``live_migration_tag`` is the tag Cloudflare reports for the Worker ("" when it has
     none or does not exist); None (the sandbox, or Cloudflare unreachable) falls back to
@@ -720,7 +788,8 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
     gen = ledger.active.name
     path = pod_path(settings.pod.provider, settings.zone is not None)
     check_pod_cloud(settings.pod.provider, path, settings.pod.cloud)
-    mtls = hop_is_mtls(settings.pod.provider, path, settings.pod.hop)
+    hop_is_mtls(settings.pod.provider, path, settings.pod.hop)  # refuses a hop the path cannot carry
+    check_guard_image(settings.pod.provider, path, settings.pod.hop, settings.pod.image)
     locations = reg.locations(settings.pod.provider)
     # The name carries a digest of what identifies the pod (PodPlan.identity): a replacement
     # (say, a new image in the same generation) gets a new name, so `create` never adopts
@@ -739,6 +808,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
             if path == PATH_ZONE_DNS and settings.zone is not None else None,
             path=path,
             in_rotation=settings.scale is None or i < settings.scale.pods,
+            scope=scope,
         ).with_derived_name()
         for i in range(settings.pod.count)
     )
@@ -762,16 +832,20 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         placement = {"mode": "smart"}
     else:
         placement = {"region": reg.placement_region}
+    modules = worker_modules(worker_dir)
     worker = WorkerPlan(
         account_id=settings.account_id,
         zone_id=settings.zone.id if settings.zone else None,
         script_name=settings.worker.name,
         main_module=MAIN_MODULE,
-        modules=worker_modules(worker_dir),
+        modules=modules,
         compatibility_date=COMPATIBILITY_DATE,
-        compatibility_flags=POD_TLS_COMPATIBILITY_FLAGS if mtls and path == PATH_ZONE_DNS else (),
+        compatibility_flags=WORKER_COMPATIBILITY_FLAGS,
         placement=placement,
-        bindings=worker_bindings(settings, state, path),
+        # The Worker says which code it runs (GET /_colocate/scale's worker_hash): a controller
+        # whose checkout would upload other code refuses to act (colocate/keeper.py).
+        bindings=(*worker_bindings(settings, state, path), Binding(WORKER_HASH_BINDING, "plain_text",
+                                                                  text=modules_hash(modules))),
         migrations=decision.migrations,
         pending_migrations=decision.pending,
         migration_warning=decision.warning,
@@ -793,4 +867,6 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         pod_path=path,
         placement_mode=mode,
     )
-    return CellPlan(settings.stack, reg, worker, state, pods, probe, pod_path=path, pod_settings=settings.pod)
+    return CellPlan(settings.stack, reg, worker, state, pods, probe, pod_path=path, pod_settings=settings.pod,
+                    acme_server=settings.zone.acme_server if path == PATH_ZONE_DNS and settings.zone else None,
+                    scope=scope)

@@ -1,9 +1,10 @@
 """Preflight: before any pod is rented, the Cloudflare API token has every permission the stack
-uses, and the zone has what the pod hop's trust store needs (docs/pods.md, "Preflight").
+uses, and the zone lets the pods' certificates be issued without changing what it trusts for its
+other hostnames (docs/pods.md, "Preflight").
 
 Without it a token that lacks one permission fails `pulumi up` at the first resource that
-needs it, and the resources that need the SSL permissions (the Worker's mTLS certificate, the
-zone's Custom Origin Trust Store) are declared beside pod 0: a GPU is already billing.
+needs it, and the resources that need the SSL permissions (the Worker's mTLS certificate) are
+declared beside pod 0: a GPU is already billing.
 
 What each piece of a cell needs, from Cloudflare's API reference ("Accepted Permissions" of
 each endpoint, developers.cloudflare.com/api, checked 2026-12-06):
@@ -15,20 +16,21 @@ each endpoint, developers.cloudflare.com/api, checked 2026-12-06):
   the pods' DNS-only records).
 * a mutual-TLS hop: ``SSL and Certificates Write`` on the account (``POST
   /accounts/{id}/mtls_certificates``, the Worker's client certificate).
-* a mutual-TLS hop on a zone's DNS-only records: ``SSL and Certificates Write`` on the zone
-  (``POST /zones/{id}/acm/custom_trust_store``) and Advanced Certificate Manager on the zone
-  ("To get access to Custom Origin Trust Store, Advanced Certificate Manager must be enabled
-  on the zone", developers.cloudflare.com/ssl/origin-configuration/custom-origin-trust-store;
-  error 1450 without it).
+* a mutual-TLS hop on a zone's DNS-only records: nothing more. The pods' certificates are
+  issued by ACME with a DNS-01 challenge (a TXT record: ``DNS Write``), and nothing is put in
+  the zone's Custom Origin Trust Store, which would make Cloudflare ignore the public CAs for
+  every origin of the zone ("Cloudflare will ignore all default publicly trusted CAs",
+  developers.cloudflare.com/ssl/origin-configuration/custom-origin-trust-store). The zone's
+  CAA records (``GET /zones/{id}/dns_records?type=CAA``) must let the ACME directory issue for
+  the pods' names: where they do not, the fix is a CAA record on the pods' names alone, never
+  one at a name above them, which would let that CA issue for the zone's other hostnames.
 
 How the check asks (``check``): ``GET /user/tokens/verify`` (an account-owned token:
 ``GET /accounts/{id}/tokens/verify``) says whether the token is active and gives its id; the
 token's own policies (``GET /user/tokens/{id}``, or the account's) say what it may do, when
 the token may read itself. Most tokens may not (that takes "API Tokens Read"): each
 permission is then tried with a read the permission allows, which is refused (403) without
-it. A read proves the Read half of a Write permission only; the message says so. The zone's
-trust store list (``GET /zones/{id}/acm/custom_trust_store``) answers error 1450 where the
-zone lacks Advanced Certificate Manager.
+it. A read proves the Read half of a Write permission only; the message says so.
 
 Pure apart from ``http_get`` (urllib, overridable), so tests run it against a local server.
 """
@@ -43,7 +45,9 @@ from dataclasses import dataclass
 
 API_BASE = "https://api.cloudflare.com/client/v4"
 BASE_ENV = "CLOUDFLARE_API_BASE"  # tests point the check at a local server
-ACM_ERROR = 1450  # Cloudflare's code when the zone lacks Advanced Certificate Manager
+# The CAA identifier of the ACME directories the kit knows (RFC 8659): Let's Encrypt's.
+CAA_DOMAINS = {"https://acme-v02.api.letsencrypt.org/directory": "letsencrypt.org",
+               "https://acme-staging-v02.api.letsencrypt.org/directory": "letsencrypt.org"}
 TIMEOUT_S = 10.0
 
 
@@ -68,8 +72,6 @@ ZONE_READ = Need("Zone Read", "Zone / Zone / Read", "zone", "the zone check befo
 DNS = Need("DNS Write", "Zone / DNS / Edit", "zone", "the pods' DNS-only records", "/zones/{zone}/dns_records?per_page=1")
 MTLS = Need("SSL and Certificates Write", "Account / SSL and Certificates / Edit", "account",
             "the Worker's client certificate for the pod hop (mtls_certificates)", "/accounts/{account}/mtls_certificates")
-TRUST = Need("SSL and Certificates Write", "Zone / SSL and Certificates / Edit", "zone",
-             "the zone's Custom Origin Trust Store holding the pod hop's CA", "/zones/{zone}/acm/custom_trust_store")
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ class Shape:
 
     zone: bool  # colocate:zone is set (zone check, pod DNS records, maybe a custom domain)
     mtls: bool  # the pod hop is mutual TLS (an mTLS certificate on the account)
-    trust_store: bool  # ... through the zone's DNS-only records (a Custom Origin Trust Store)
+    acme: bool = False  # ... with the pods' certificates issued by ACME DNS-01 on the zone
+    acme_names: tuple[str, ...] = ()  # the names they are issued for (``*.<pod slot>``)
+    acme_server: str = ""
 
 
 def needs(shape: Shape) -> tuple[Need, ...]:
@@ -88,8 +92,6 @@ def needs(shape: Shape) -> tuple[Need, ...]:
         out += [ZONE_READ, DNS]
     if shape.mtls:
         out.append(MTLS)
-    if shape.trust_store:
-        out.append(TRUST)
     return tuple(out)
 
 
@@ -123,11 +125,6 @@ def _json(raw: bytes) -> dict:
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
-
-
-def _codes(body: dict) -> set[int]:
-    return {int(e.get("code", 0)) for e in body.get("errors") or [] if isinstance(e, dict)
-            and isinstance(e.get("code"), int | str) and str(e.get("code")).isdigit()}
 
 
 def _key_covers(key: str, want: str) -> bool:
@@ -204,7 +201,7 @@ def check(shape: Shape, account_id: str, zone_id: str | None, get: Getter) -> li
                 missing.append(need)
             continue
         st, answer = get(need.path(account_id, zone_id))
-        if st in (401, 403) and ACM_ERROR not in _codes(answer):  # 1450: allowed, but the zone lacks ACM (below)
+        if st in (401, 403):
             missing.append(need)
     for need in missing:
         where = "the account" if need.scope == "account" else "the zone"
@@ -213,15 +210,67 @@ def check(shape: Shape, account_id: str, zone_id: str | None, get: Getter) -> li
             f"edit the token (My Profile > API Tokens) and add {need.dashboard}"
             + ("" if isinstance(policies, list) else
                " (checked with a read the permission allows: the token could not read its own policies)")))
-    if shape.trust_store and TRUST not in missing:
-        st, body = get(TRUST.path(account_id, zone_id))
-        if ACM_ERROR in _codes(body):
-            problems.append(Problem(
-                f"colocate:zone: zone {zone_id} has no Advanced Certificate Manager, which the Custom Origin Trust "
-                "Store holding the pod hop's CA needs (Cloudflare error 1450)",
-                "enable Advanced Certificate Manager on the zone (SSL/TLS > Edge Certificates), or run the pods "
-                "with pulumi config set --path colocate:pod.hop token"))
+    if shape.acme and DNS not in missing:
+        problems += caa_problems(shape, zone_id, get)
     return problems
+
+
+def _caa_records(get: Getter, zone_id: str | None) -> list[tuple[str, str, str]]:
+    """The zone's CAA records as (name, tag, value), read with the DNS permission."""
+    status, body = get(f"/zones/{zone_id}/dns_records?type=CAA&per_page=5000")
+    if status != 200:
+        return []
+    out = []
+    for rec in body.get("result") or []:
+        if not isinstance(rec, dict):
+            continue
+        found = rec.get("data")
+        data: dict = found if isinstance(found, dict) else {}
+        tag, value = data.get("tag"), data.get("value")
+        if tag is None:  # "0 issue \"letsencrypt.org\"" in content
+            parts = str(rec.get("content") or "").split(None, 2)
+            tag, value = (parts[1], parts[2].strip('"')) if len(parts) == 3 else (None, None)
+        if tag:
+            out.append((str(rec.get("name") or "").rstrip(".").lower(), str(tag).lower(), str(value or "")))
+    return out
+
+
+def caa_allows(records: list[tuple[str, str, str]], name: str, ca_domain: str) -> tuple[bool, str]:
+    """Whether CAA lets ``ca_domain`` issue for ``name`` (RFC 8659: the closest name up the tree that has
+    CAA records decides; a wildcard follows ``issuewild`` where that name has any, else ``issue``):
+    (allowed, the name whose records decided, "" when none)."""
+    wildcard = name.startswith("*.")
+    labels = (name[2:] if wildcard else name).lower().split(".")
+    for i in range(len(labels) - 1):
+        at = ".".join(labels[i:])
+        here = [(t, v) for n, t, v in records if n == at]
+        if not here:
+            continue
+        tags = {"issuewild"} if wildcard and any(t == "issuewild" for t, _ in here) else {"issue"}
+        values = [v.split(";", 1)[0].strip().lower() for t, v in here if t in tags]
+        return ca_domain in values, at
+    return True, ""
+
+
+def caa_problems(shape: Shape, zone_id: str | None, get: Getter) -> list[Problem]:
+    """Where the zone's CAA records keep the ACME directory from issuing the pods' certificates."""
+    ca_domain = CAA_DOMAINS.get(shape.acme_server)
+    if ca_domain is None or not shape.acme_names:
+        return []  # another directory's CAA identifier is not known here: the issuance says
+    records = _caa_records(get, zone_id)
+    out = []
+    for name in shape.acme_names:
+        ok, at = caa_allows(records, name, ca_domain)
+        if ok:
+            continue
+        slot = name[2:] if name.startswith("*.") else name
+        out.append(Problem(
+            f"colocate:zone: the CAA records at {at} do not let {ca_domain} issue for {name}, so the pods' "
+            f"certificates cannot be issued (the pods would never serve); adding {ca_domain} at {at} would let it "
+            f"issue for every hostname under {at}, changing what the zone trusts for names that are not the cell's",
+            f"add CAA records on {slot} itself, which apply to the pods' names only: `0 issuewild \"{ca_domain}\"` "
+            f"and `0 issue \"{ca_domain}\"` (DNS > Records > Add record, type CAA, name {slot})"))
+    return out
 
 
 def message(problems: list[Problem]) -> str:

@@ -5,10 +5,14 @@
 - A pod is identified by its name (``PodPlan.identity()`` is in it): the same name at the same
   index keeps the pod; another name replaces it.
 - Create before delete: the new pod serves, and the Worker uses it, before the pod it replaces
-  is deleted, so a replacement never leaves an index without a pod.
+  is deleted, so a replacement never leaves an index without a pod. On a zone the new pod's
+  record is a new record (its instance's name), made beside the old one, which stays until the
+  end of the update: the old pod is reachable by its name until the Worker has moved.
 - All at once: every new pod is rented and waited for side by side (a real pod takes 15 to 20
   minutes to a first token, FACTS; one after another, N pods took N boots). The Worker switches
   once every new pod serves: one WorkersScript carries POD_URLS, and an update changes it once.
+  What must go one pod at a time (a dead pod, a certificate's renewal) the keeper does with one
+  targeted update per pod (colocate/keeper.py).
 - Indices beyond ``pod.count`` are removed last, after the Worker no longer names them.
 
 Pure: no Pulumi import, no I/O.

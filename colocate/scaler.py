@@ -29,6 +29,11 @@ Only the lock's holder acts or records: a lease in the generation (``/_colocate/
 renewed through the whole pass: every update and the drain's wait. A controller that dies leaves
 the stack as its last completed update declared, and the lease expires; the next one finishes a
 drain it finds half done. Only the deployer differs between the sandbox and the cloud.
+
+With a ``keeper`` (colocate/keeper.py) every pass first keeps the cell: it refuses to deploy from a
+checkout whose Worker is not the running one, replaces a dead, remapped or misplaced pod alone and
+renews certificates one pod at a time; a pass that did either deploys nothing else. A cell without
+``colocate:scale`` (``policy`` None) is kept and never scaled.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from . import catalogue, outputs, urns
+from .keeper import Keeper, RunningPod, StackLocked
+from .pods.base import PodInfo
 from .scale import Decision, Policy, Sample, decide
 
 HISTORY_S = 3 * 3600  # samples kept: more than any window a policy uses
@@ -109,13 +117,27 @@ class CellClient:
             raise OSError(f"POST /_colocate/scale/lock answered {status}: {body}")
         return status == 200, body.get("lock")
 
-    def record(self, owner: str, decision: dict, desired: tuple[int, int] | None = None) -> bool:
-        """Record a decision; with ``desired`` (pods, draining), also the count every ``pulumi up`` applies."""
+    def record(self, owner: str, decision: dict, desired: tuple[int, int] | None = None,
+               replaced: dict[int, int] | None = None, keeper: dict | None = None) -> bool:
+        """Record a decision; with ``desired`` (pods, draining), also the count every ``pulumi up`` applies,
+        with ``replaced`` its colocate:pod.replaced, and with ``keeper`` the keeper's last pass."""
         body: dict = {"owner": owner, "decision": decision}
         if desired is not None:
             body["desired"] = {"pods": desired[0], "draining": desired[1]}
+            if replaced is not None:
+                body["desired"]["replaced"] = {str(k): v for k, v in sorted(replaced.items())}
+        if keeper is not None:
+            body["keeper"] = keeper
         status, _ = self._call("/_colocate/scale", body)
         return status == 200
+
+    def probe(self) -> dict | None:
+        """The Worker's health check of each pod and their breakers (``GET /_colocate/probe``); None when unread."""
+        try:
+            status, body = self._call("/_colocate/probe")
+        except (OSError, ValueError):
+            return None
+        return body if status == 200 else None
 
 
 def desired_of(state: dict) -> tuple[int, int] | None:
@@ -146,7 +168,7 @@ def draining_inflight(state: dict, first: int) -> int:
 class Controller:
     client: CellClient
     deployer: Deployer
-    policy: Policy
+    policy: Policy | None  # None: a cell of a fixed count, kept and never scaled
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{id(object())}")
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
@@ -160,6 +182,7 @@ class Controller:
     backoff_max_s: float = BACKOFF_MAX_S
     failures: int = 0  # failed updates in a row
     retry_at: float | None = None  # controller clock: no update before this (after a failure)
+    keeper: Keeper | None = None
 
     # --- the lock ---
 
@@ -212,12 +235,15 @@ class Controller:
         return state
 
     def record(self, decision: Decision, running: int, draining: int, acting: str | None = None,
-               desired: tuple[int, int] | None = None) -> bool:
-        entry = {**decision.as_json(), "running": running, "draining": draining, "policy": self.policy.policy,
-                 "min": self.policy.min, "max": self.policy.max}
+               desired: tuple[int, int] | None = None, replaced: dict[int, int] | None = None) -> bool:
+        entry = {**decision.as_json(), "running": running, "draining": draining}
+        if self.policy is not None:
+            entry.update(policy=self.policy.policy, min=self.policy.min, max=self.policy.max)
         if acting:
             entry["acting"] = acting
-        if self.client.record(self.owner, entry, desired):
+        extra = {k: v for k, v in (("replaced", replaced),
+                                   ("keeper", self.keeper.as_json() if self.keeper is not None else None)) if v is not None}
+        if self.client.record(self.owner, entry, desired, **extra):
             self.last = entry
             return True
         return False
@@ -240,10 +266,31 @@ class Controller:
     def _step(self) -> Decision:
         state = self.observe()
         pods, draining = self.deployer.declared()
+        if self.keeper is not None:
+            if state is None:  # which code runs cannot be known, nor whether a pod is what failed
+                decision = Decision(pods, "the cell cannot be read: nothing is deployed this pass", None)
+                self.record(decision, pods, draining)
+                return decision
+            self.keeper.load(state)
+            refused = self.keeper.refusal(state)
+            if refused is not None:  # nothing is deployed from a checkout whose Worker is not the running one
+                self.say(f"keeper: refusing to deploy: {refused}")
+                decision = Decision(pods, f"refusing to deploy: {refused}"[:500], None)
+                self.record(decision, pods, draining)
+                return decision
         now = self.clock()
         if self.retry_at is not None and now < self.retry_at:
             decision = Decision(pods, f"the last update failed: backing off, next try in {self.retry_at - now:.0f} s",
                                 None)
+            self.record(decision, pods, draining)
+            return decision
+        if self.keeper is not None:
+            kept = self.keep(state, pods, draining)
+            if kept is not None:  # one update a pass: scaling waits for the next one
+                self.record(kept, pods, draining)
+                return kept
+        if self.policy is None:
+            decision = Decision(pods, f"a fixed count of {pods} pod(s): kept, not scaled", None)
             self.record(decision, pods, draining)
             return decision
         want = desired_of(state) if state is not None else None
@@ -275,6 +322,30 @@ class Controller:
         self.record(decision, decision.desired, 0)
         return decision
 
+    def keep(self, state: dict | None, pods: int, draining: int) -> Decision | None:
+        """The keeper's part of the pass (colocate/keeper.py): replace the pods in rotation that died,
+        moved or left the region, alone; else renew the next certificate due. The decision recorded
+        when it deployed, None when it did not."""
+        assert self.keeper is not None
+        verdicts = [v for v in self.keeper.check(self.client.probe()) if v.index < pods]
+        bad = self.keeper.to_replace(verdicts)
+        if bad:
+            want = desired_of(state or {}) or (pods, draining)
+            which = ", ".join(f"pod {v.index} {v.state}" for v in bad)
+            entry = Decision(pods, f"replacing {which} alone", None)
+
+            def post(counts: dict[int, int]) -> bool:
+                return self.record(entry, pods, draining, acting=f"replace {which}", desired=want, replaced=counts)
+
+            self.keeper.replace(bad, self.keeper.replaced_map((state or {}).get("desired")), post)
+            self.keeper.update_done()
+            return Decision(pods, f"replaced {which} alone", None)
+        role = self.keeper.renew_due(verdicts)
+        if role is not None:
+            self.keeper.update_done()
+            return Decision(pods, f"renewed {role}'s certificate", None)
+        return None
+
     def finish_drain(self, pods: int, draining: int, state: dict | None) -> None:
         """Wait until the draining pods have no request in flight (or the timeout), then delete
         them. Runs inside ``step``'s renewal: a drain's wait (up to 300 s) outlasts a lease."""
@@ -301,28 +372,47 @@ class Controller:
                    f"delete {draining} drained")
         self.say(f"scale: {draining} pod(s) drained and deleted; {pods} serve")
 
-    def run(self, interval_s: float, steps: int | None = None, stop: threading.Event | None = None) -> None:
-        """Pass every ``interval_s`` (``steps`` times, or until ``stop``); the lease is released at the end."""
+    def run(self, interval_s: float, steps: int | None = None, stop: threading.Event | None = None,
+            stop_on_alert: bool = False) -> list[dict]:
+        """Pass every ``interval_s`` (``steps`` times, or until ``stop``, or with ``stop_on_alert`` until
+        the keeper raises an alert); the lease is released at the end. The keeper's alerts standing
+        after the last pass are returned (scripts/scale.py exits 3 on any)."""
         stop = stop or threading.Event()
         n = 0
+        alerts: list[dict] = []
         try:
             while steps is None or n < steps:
                 try:
                     self.step()
                 except Exception as err:  # noqa: BLE001 - an update failed; the cell serves as it was, a later pass retries
-                    self.failures += 1
-                    wait = backoff_s(self.failures, self.backoff_s, self.backoff_max_s)
-                    self.retry_at = self.clock() + wait
-                    self.say(f"scale: the update failed ({type(err).__name__}: {err}); failure {self.failures} in a row: "
-                             f"the next update in {wait:g} s at the earliest")
+                    self.failed(err)
                 else:
                     if self.retry_at is not None and self.clock() >= self.retry_at:
                         self.failures, self.retry_at = 0, None  # a pass that acted after the wait went through
                 n += 1
-                if stop.wait(interval_s):
+                alerts = self.keeper.alerts() if self.keeper is not None else []
+                for alert in alerts:
+                    self.say(f"keeper: ALERT {alert['name']}: {alert['message']}")
+                if (alerts and stop_on_alert) or stop.wait(interval_s):
                     break
         finally:
             self.release()
+        return alerts
+
+    def failed(self, err: Exception) -> None:
+        """After a failed pass: back off (a locked stack is asked again after the first wait, not
+        later and later), and record the failure where the operator's tools read it."""
+        locked = isinstance(err, StackLocked)
+        self.failures += 1
+        wait = self.backoff_s if locked else backoff_s(self.failures, self.backoff_s, self.backoff_max_s)
+        self.retry_at = self.clock() + wait
+        self.say(f"scale: the update failed ({type(err).__name__}: {err}); failure {self.failures} in a row: "
+                 f"the next update in {wait:g} s at the earliest")
+        if self.keeper is not None:
+            self.keeper.update_failed(err)
+            with contextlib.suppress(OSError):  # the record is the alert's carrier: try, the next pass records again
+                pods, draining = self.deployer.declared()
+                self.record(Decision(pods, f"the update failed: {type(err).__name__}: {err}"[:500], None), pods, draining)
 
 
 # --- deployers ---
@@ -376,16 +466,89 @@ class PulumiDeployer:
     def deploy(self, pods: int, draining: int) -> None:
         self.stack.set_config("colocate:scale.pods", self.auto.ConfigValue(str(pods)), path=True)
         self.stack.set_config("colocate:scale.draining", self.auto.ConfigValue(str(draining)), path=True)
+        self._up()
+
+    def _up(self, **targeted) -> None:
+        """``pulumi up`` as a scaling step (``targeted``: target, replace, target_dependents). A stack
+        another update holds, or a killed CLI left locked, raises ``StackLocked``."""
         before = os.environ.get(SCALE_STEP_ENV)
         os.environ[SCALE_STEP_ENV] = "1"  # the CLI and the program it runs inherit it
         try:
-            result = self.stack.up(on_output=lambda line: self.say(line.rstrip()))
+            result = self.stack.up(on_output=lambda line: self.say(line.rstrip()), **targeted)
+        except self.auto.ConcurrentUpdateError as exc:
+            raise StackLocked(f"the stack {self.stack.name} is locked: another `pulumi up` runs, or one was killed and "
+                              f"left its lock (`pulumi cancel`); {str(exc).strip()[-300:]}") from None
         finally:
             if before is None:
                 os.environ.pop(SCALE_STEP_ENV, None)
             else:
                 os.environ[SCALE_STEP_ENV] = before
         self.say(f"scale: pulumi up {result.summary.result}: {json.dumps(result.summary.resource_changes or {})}")
+
+    # --- the keeper's (colocate/keeper.py) ---
+
+    def _config(self) -> dict:
+        return {k.removeprefix("colocate:"): v.value for k, v in self.stack.get_all_config().items()
+                if k.startswith("colocate:") and not v.secret}
+
+    def _project(self) -> str:
+        return self.stack.workspace.project_settings().name
+
+    def pods(self) -> list[RunningPod]:
+        """The pods of the last completed update (``podIds``, ``podAddresses``, ``podLocations``)."""
+        outs = {k: v.value for k, v in self.stack.outputs().items()}
+        ids, addresses = outs.get(outputs.POD_IDS) or [], outs.get(outputs.POD_ADDRESSES) or []
+        locations, path = outs.get(outputs.POD_LOCATIONS) or [], outs.get(outputs.POD_PATH)
+        cfg = self._config()
+        pod = json.loads(cfg["pod"]) if isinstance(cfg.get("pod"), str) else {}
+        provider = pod.get("provider", "runpod")
+        region = catalogue.region(cfg.get("region"), key="colocate:region")
+        allowed = tuple(region.locations(provider))
+        out = []
+        for i, pod_id in enumerate(ids):
+            addr = addresses[i] if i < len(addresses) and isinstance(addresses[i], dict) else {}
+            out.append(RunningPod(i, str(pod_id), provider, addr.get("ip"), addr.get("port"),
+                                  locations[i] if i < len(locations) else None, allowed,
+                                  proxied=path == "provider-proxy"))
+        return out
+
+    def describe(self, pod: RunningPod) -> PodInfo:
+        from .pods.lifecycle import provider_for
+        from .settings import PROVIDER_SECRET
+
+        key_name, env_name = PROVIDER_SECRET.get(pod.provider, ("", ""))
+        if env_name and not os.environ.get(env_name):  # the stack's secret, as its pods' commands get it
+            value = self.stack.get_all_config().get(f"colocate:{key_name}")
+            if value is not None and value.value:
+                os.environ[env_name] = value.value
+        provider = provider_for(pod.provider)
+        try:
+            if hasattr(provider, "serve_port"):  # Vast.ai maps the pod's own port: which one it serves on
+                provider.serve_port = json.loads(self._config().get("pod") or "{}").get("port", 8000)
+            return provider.describe(pod.id)
+        finally:
+            provider.close()
+
+    def replace(self, indices, replaced) -> None:
+        """Pod i's count into the stack file (the seed; the generation's wins), then one update of
+        those pods' rents and what depends on them: their waits, DNS records, the Worker, never another pod."""
+        for i in indices:
+            self.stack.set_config(f'colocate:pod.replaced["{i}"]', self.auto.ConfigValue(str(replaced[i])), path=True)
+        project = self._project()
+        self._up(target=[urns.pod_rent(project, self.stack.name, i) for i in indices], target_dependents=True)
+
+    def certificates(self) -> dict[str, str | None]:
+        value = self.stack.outputs().get(outputs.HOP_CERTS)
+        return dict(value.value or {}) if value else {}
+
+    def renew(self, role: str) -> None:
+        """Re-issue the role's certificates (``--replace``) and update what holds them: pod i, whose
+        certificate is in its name, is replaced alone; the cell's leaves replace no pod."""
+        outs = self.stack.outputs()
+        public = (outs[outputs.POD_PATH].value if outputs.POD_PATH in outs else None) == "zone-dns"
+        pod = json.loads(self._config().get("pod") or "{}")
+        certs = urns.hop_certificates(self._project(), self.stack.name, role, int(pod.get("renewal") or 0), public)
+        self._up(target=certs, replace=certs, target_dependents=True)
 
 
 def lease_ttl(interval_s: float) -> float:

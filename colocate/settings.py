@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from .capacity import pod_capacity
 from .catalogue import PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
@@ -43,6 +44,10 @@ POD_DEFAULTS = {
     "port": 8000,
     "diskGb": 40,
     "maxPricePerHr": 0.8,
+    # Vast.ai bills traffic per GB on top of the hour (offers' inet_down_cost, inet_up_cost): a boot pulls
+    # about 16 GB (the image, ~11, and the weights, ~5), so $0.02/GB holds it to $0.32, under half an hour
+    # of the price cap; the answers a pod sends are text (colocate/pods/vastai.py).
+    "maxTransferPerGb": 0.02,
     "cloud": "SECURE",
     "minReliability": 0.98,
     "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/capacity.py BOOT_S)
@@ -52,8 +57,17 @@ POD_DEFAULTS = {
     "profile": DEFAULT_PROFILE,
     "count": 1,
     "renewal": 0,  # raised by one to re-place every pod (docs/pods.md "Getting a new pod")
+    # {pod index: n}: the keeper's replacements of one pod each (scripts/scale.py writes it; the
+    # generation's record wins at every `pulumi up`): part of that pod's identity only.
+    "replaced": {},
     "hop": "auto",  # how the Worker reaches the pod: mutual TLS where it can (docs/pods.md "Who can reach the pod")
+    "maxModelLen": 8192,  # vLLM's --max-model-len: the context, prompt included; the router's ceilings follow it
+    # local only: an OpenAI-compatible server of the user's as the sandbox's pod (docs/sandbox.md "Your own engine")
+    "command": "",
+    "url": "",
 }
+# colocate:pod.maxModelLen's bounds: vLLM's block (16 tokens) at least; Qwen2.5's longest context (YaRN) at most.
+MAX_MODEL_LEN_RANGE = (16, 131072)
 # colocate:pod.hop. mtls: the pod admits only the Worker's client certificate; token: plain HTTP
 # (HTTPS to RunPod's proxy) behind POD_TOKEN alone; auto: mtls wherever the provider and path can
 # carry it (colocate.plan.hop_is_mtls).
@@ -64,14 +78,16 @@ WORKER_DEFAULTS = {
     "placement": "auto",  # pod on the zone-dns path, targeted elsewhere (docs/pods.md "Placement")
     "deadlineMs": 2000,  # to a pod's first token (docs/worker.md "Routing")
     # After the first token: no byte for stallMs is a stall (the pod's failure), and an answer
-    # slower than minTokensPerS a choice counts towards marking its pod slow ("Pace"). The default
-    # profile (RTX 4090, Qwen2.5-7B INT4: a step of 14.5 + 0.30 ms a sequence, colocate/pods/profiles.py)
-    # makes 67 tokens/s a sequence alone and 30 at a batch of 64; a third of its light-load rate
-    # (the stand-in's slow_tokens 3) is 22. 25 lies between: a slow pod is under it, a loaded one not.
+    # slower than minTokensPerS a choice counts towards marking its pod slow ("Pace"). 25 is a pace a
+    # reader keeps up with, under what the default profile (RTX 4090, Qwen2.5-7B INT4,
+    # colocate/pods/profiles.py) makes a sequence alone (169 tokens/s) or at a batch of 64 (76); its
+    # knee is held to this pace (profiles.DEFAULT_TPOT_P50_BUDGET_MS), so a pod at capacity is not marked.
     "stallMs": 2000,
     "minTokensPerS": 25,
     "balance": "load",  # BALANCES
     "maxBodyBytes": 1_048_576,
+    # A body must arrive this long after its headers: a slow upload holds its key's slot.
+    "bodyTimeoutMs": 10_000,
     "failureThreshold": 3,
     "openMs": 30_000,
     "stateTtlMs": 2_000,
@@ -83,18 +99,22 @@ WORKER_DEFAULTS = {
 # colocate:worker.contentParts: the chat content parts a cell may pass to its pods besides text
 # (worker/src/podfields.js MEDIA_PARTS). The pod fetches a URL part's media itself.
 CONTENT_PARTS = ("image_url", "input_audio", "audio_url", "video_url")
-PROBE_DEFAULTS = {"samples": 25, "enforce": False}
+PROBE_DEFAULTS = {"samples": 25, "enforce": False, "maxFallbackShare": 0.10}
 # ttft and itl: a streamed answer's first token and the mean gap between its tokens, as the probe's
 # client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
 BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40, "ttft": 1000, "itl": 100}
 # A new key's limits when its creator names none: finite, so no key is unbounded by
-# accident (docs/worker.md, "Limits"). 0 for one of them means no limit.
-# fallbackUsdPerDay: each key's own cap on the fallback's spend a UTC day ($; counted at
-# colocate:fallbackPrice), a tenth of the suggested cell cap: one key alone cannot spend the cell's.
-KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8, "fallbackUsdPerDay": 2}
+# accident (docs/worker.md, "Limits"). 0 for one of them means no limit. maxParallelTokens: the
+# prompt tokens of a key's requests waiting for a pod's first token, at once; one context of the
+# default pod (its --max-model-len), so one key's prompts queue at most one context's prefill
+# ahead of other keys (docs/worker.md, "Busy is not broken"). fallbackUsdPerDay: each key's own
+# cap on the fallback's spend a UTC day ($; counted at colocate:fallbackPrice), a tenth of the
+# suggested cell cap: one key alone cannot spend the cell's.
+KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8,
+                      "maxParallelTokens": PROFILES[DEFAULT_PROFILE].max_model_len, "fallbackUsdPerDay": 2}
 KEYS_DEFAULTS = {"defaults": KEY_LIMIT_DEFAULTS}
 KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens", "maxParallel": "max_parallel",
-                    "fallbackUsdPerDay": "fallback_microusd_day"}
+                    "maxParallelTokens": "max_parallel_tokens", "fallbackUsdPerDay": "fallback_microusd_day"}
 # colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
 # pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
 # (declared, out of rotation until their requests finish); the owner writes the rest.
@@ -118,28 +138,36 @@ SCHEMA: tuple[Key, ...] = (
     Key("accountId", "string", None, "Cloudflare account id (32 hex characters)."),
     Key("pod", "object", POD_DEFAULTS,
         "GPU pod: provider (runpod | vastai | local), gpu, gpuCount, image, minCudaVersion (the host's lowest acceptable "
-        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, cloud, minReliability, "
+        "CUDA, major.minor: the image's CUDA build), model, port, diskGb, maxPricePerHr, maxTransferPerGb (Vast.ai: the "
+        "most a host may charge per GB down or up), cloud, minReliability, "
         "readyTimeoutS, computeMs (local only), profile (local only: the stand-in's GPU and model, "
         "colocate.pods.profiles), count (pods in the cell, spread over the region's locations), renewal "
-        "(raise by one to replace every pod, and the hop's certificates, with new ones), hop (auto | mtls | token: "
-        "mutual TLS between the Worker and the pod, or the pod token alone; auto refuses RunPod without colocate:zone)."),
+        "(raise by one to replace every pod, and the hop's certificates, with new ones), replaced ({pod index: n}: the "
+        "keeper's replacements of single pods, written by scripts/scale.py), hop (auto | mtls | token: "
+        "auto is mutual TLS on colocate:zone and the pod token behind the pod's guard on RunPod's proxy; token is "
+        "refused on a zone), maxModelLen (vLLM's --max-model-len: the context, prompt included; the router's "
+        "ceilings follow it), command and url (local only: an OpenAI-compatible server as the sandbox's pod, started "
+        "by the sandbox or already running at url)."),
     Key("worker", "object", WORKER_DEFAULTS,
         "Router Worker: name, subdomain (the account's workers.dev subdomain, needed without colocate:zone), placement "
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
         "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
-        "pod slow), maxBodyBytes, "
+        "pod slow), maxBodyBytes, bodyTimeoutMs (a body not all there this long after its headers gets a 408), "
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion, balance (load: the cell's counts and the pods' reports | least_busy | "
         "prefix: a conversation's turns to the pod holding its prefix | random: a baseline), prefixBound (prefix's "
         "load bound c > 1: no pod past c x the mean load), contentParts (chat content part types the pods may be sent "
         "besides text: image_url, input_audio, audio_url, video_url; the pod fetches a URL part's media)."),
     Key("keys", "object", KEYS_DEFAULTS,
-        "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel, fallbackUsdPerDay}, the limits of a key created "
-        "without them (0 = no limit; fallbackUsdPerDay: the key's own cap on the fallback's spend a UTC day, in $ at "
-        "colocate:fallbackPrice; defaultMaxParallel, the older name of defaults.maxParallel, is still read)."),
+        "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens (prompt tokens not yet begun at "
+        "a pod, at once), fallbackUsdPerDay (the key's own cap on the fallback's spend a UTC day, in $ at "
+        "colocate:fallbackPrice)}, the limits of a key created without them (0 = no limit; defaultMaxParallel, the older "
+        "name of defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
         "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total, ttft, itl)."),
-    Key("probe", "object", PROBE_DEFAULTS, "Post-deploy probe: samples, enforce (a failed check fails pulumi up)."),
+    Key("probe", "object", PROBE_DEFAULTS,
+        "Post-deploy probe: samples, enforce (a failed check fails pulumi up), maxFallbackShare (the probe and the "
+        "live view fail above it)."),
     Key("scale", "object", {},
         "Optional. Pods follow demand instead of colocate:pod.count (refused together): min (0 = scale to zero), max, "
         "target (requests per minute one pod serves within budget; default the pod profile's knee), upAfterS and "
@@ -147,8 +175,9 @@ SCHEMA: tuple[Key, ...] = (
         "before pods are added or removed), policy (latency: enough pods for the traffic; cost: a pod only while it costs "
         "less than colocate:fallbackPrice for the same tokens); pods and draining are written by scripts/scale.py."),
     Key("zone", "object", {},
-        "Optional Cloudflare zone: {id, name, workerHostname, podHostname}. Without it the Worker is on workers.dev and "
-        "reaches a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
+        "Optional Cloudflare zone: {id, name, workerHostname, podHostname, acmeServer (the ACME directory of the pods' "
+        "certificates, DNS-01 on the zone; default Let's Encrypt)}. Without it the Worker is on workers.dev and reaches "
+        "a RunPod pod through RunPod's proxy hostname; Vast.ai pods need it."),
     Key("fleet", "object", {},
         "A fleet stack only (docs/fleet.md): {cells: [cell stack names], rememberMs, exchangeMs, affinity (nearest | "
         "conversation: a conversation stays in one cell within budget)}. Set, it makes the stack a front door over those "
@@ -224,6 +253,15 @@ class PodSettings:
     renewal: int = 0  # part of the pods' identity: a new value re-places them
     hop: str = "auto"  # colocate:pod.hop (HOPS)
     profile: str = str(POD_DEFAULTS["profile"])  # colocate:pod.profile: the local stand-in's (pods.profiles)
+    max_transfer_per_gb: float = float(cast(float, POD_DEFAULTS["maxTransferPerGb"]))  # colocate:pod.maxTransferPerGb
+    max_model_len: int = 8192  # colocate:pod.maxModelLen (POD_DEFAULTS)
+    command: str = ""  # colocate:pod.command (local): the pod is this command, not the stand-in
+    url: str = ""  # colocate:pod.url (local): where that command, or a server the user runs, serves
+    replaced: tuple[tuple[int, int], ...] = ()  # colocate:pod.replaced as (index, n) pairs, n > 0, index order
+
+    def replaced_count(self, index: int) -> int:
+        """How often the keeper replaced pod ``index`` (0: never): part of that pod's name."""
+        return dict(self.replaced).get(index, 0)
 
 
 MAX_PODS = 8
@@ -246,10 +284,16 @@ class WorkerSettings:
     migration_tag: str
     allow_class_deletion: bool
     stall_ms: int = 2000
+    body_timeout_ms: int = 10_000
     min_tokens_per_s: float = 25.0
     balance: str = "load"
     prefix_bound: float = 1.5
     content_parts: tuple[str, ...] = ()  # colocate:worker.contentParts (CONTENT_PARTS)
+
+
+# The ACME directory that issues the pods' publicly trusted certificates on the zone (DNS-01):
+# Let's Encrypt's production directory (letsencrypt.org/docs/acme-protocol-updates).
+ACME_SERVER = "https://acme-v02.api.letsencrypt.org/directory"
 
 
 @dataclass(frozen=True)
@@ -258,6 +302,7 @@ class ZoneSettings:
     name: str
     worker_hostname: str
     pod_hostname: str
+    acme_server: str = ACME_SERVER  # colocate:zone.acmeServer
 
 
 @dataclass(frozen=True)
@@ -295,6 +340,7 @@ class Settings:
     fallback_fields: tuple[str, ...] = ()  # colocate:fallbackFields: request fields the fallback may also receive
     # colocate:fallbackModels with passthrough: model -> its own ($ per 1M input, output), or None (fallbackPrice's)
     fallback_models: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    max_fallback_share: float = 0.10  # colocate:probe.maxFallbackShare: the probe and the live view fail above it
     # colocate:keys.defaults, by the Worker's field name (rpm, tpm, monthly_tokens, max_parallel)
     key_defaults: dict[str, int] = field(default_factory=lambda: {KEY_LIMIT_FIELDS[k]: v for k, v in KEY_LIMIT_DEFAULTS.items()})
     # role -> the settings key whose secret the Worker binds for it (probeToken on an old stack)
@@ -364,6 +410,7 @@ def parse_pod(raw: dict) -> PodSettings:
         port=_number(k + "port", p["port"], integer=True),
         disk_gb=_number(k + "diskGb", p["diskGb"], integer=True),
         max_price_per_hr=float(_number(k + "maxPricePerHr", p["maxPricePerHr"])),
+        max_transfer_per_gb=float(_number(k + "maxTransferPerGb", p["maxTransferPerGb"], strict=False)),
         cloud=_string(k + "cloud", p["cloud"], ("SECURE", "COMMUNITY")),
         min_reliability=float(_number(k + "minReliability", p["minReliability"], strict=False, maximum=1)),
         ready_timeout_s=_number(k + "readyTimeoutS", p["readyTimeoutS"], integer=True),
@@ -373,7 +420,60 @@ def parse_pod(raw: dict) -> PodSettings:
         renewal=_number(k + "renewal", p["renewal"], integer=True, strict=False),
         hop=_string(k + "hop", p["hop"], HOPS),
         profile=_string(k + "profile", p["profile"], tuple(sorted(PROFILES))),
+        max_model_len=_number(k + "maxModelLen", p["maxModelLen"], integer=True, strict=False,
+                              minimum=MAX_MODEL_LEN_RANGE[0], maximum=MAX_MODEL_LEN_RANGE[1]),
+        **_engine(k, provider, p["command"], p["url"]),
+        replaced=parse_replaced(k + "replaced", p["replaced"]),
     )
+
+
+def _engine(k: str, provider: str, command: object, url: object) -> dict[str, str]:
+    """colocate:pod.command and .url: a server of the user's as the sandbox's pod (local only)."""
+    for key, value in (("command", command), ("url", url)):
+        if not isinstance(value, str):
+            raise ConfigError(k + key, value, "must be text", f"pulumi config set --path {k}{key} <text>")
+        if value and provider != "local":
+            raise ConfigError(k + key, value, f"runs the pod on this machine, which only the sandbox does "
+                              f"(colocate:pod.provider is {provider})",
+                              f"pulumi config rm --path {k}{key}, or pulumi config set --path {k}provider local")
+    if url:
+        parts = urlsplit(str(url))
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port or parts.path.strip("/") \
+                or parts.query or parts.username:
+            raise ConfigError(k + "url", url, "must be the server's scheme, host and port, nothing else",
+                              f"pulumi config set --path {k}url https://localhost:8000 (https on a mutual-TLS hop)")
+        if parts.hostname not in ("localhost", "::1") and not parts.hostname.startswith("127."):
+            raise ConfigError(k + "url", url, "must be on this machine (localhost or 127.x): the sandbox's pod "
+                              "is reached by name localhost, on this machine's loopback",
+                              f"run the server here and pulumi config set --path {k}url https://localhost:{port}")
+    return {"command": str(command), "url": str(url)}
+
+
+def parse_replaced(key: str, value: object) -> tuple[tuple[int, int], ...]:
+    """colocate:pod.replaced: {pod index: how often the keeper replaced it}, as sorted (index, n)
+    pairs with n > 0. Indices come as numbers or digit text (a YAML or JSON mapping's keys)."""
+    fix = (f"leave it to scripts/scale.py, which writes it; by hand: pulumi config set --path '{key}[\"1\"]' 2 "
+           f"(pod 1 replaced twice), or pulumi config rm --path {key}")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ConfigError(key, value, "must be a mapping of pod index to a count", fix)
+    out = {}
+    for raw_index, raw_n in value.items():
+        text = str(raw_index).strip()
+        if isinstance(raw_index, bool) or not text.isdigit() or int(text) >= MAX_PODS:
+            raise ConfigError(f"{key}.{raw_index}", raw_n, f"a pod index is 0 to {MAX_PODS - 1}", fix)
+        try:
+            n = _number(f"{key}.{raw_index}", raw_n, integer=True, strict=False)
+        except ConfigError as err:
+            raise ConfigError(err.key, raw_n, err.problem, fix) from None
+        if n:
+            out[int(text)] = n
+    return tuple(sorted(out.items()))
 
 
 # RunPod's minCudaVersion pattern (^\d+\.\d+$, ASCII digits). Vast.ai's offers carry the same
@@ -432,6 +532,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         migration_tag=tag,
         allow_class_deletion=w["allowClassDeletion"],
         stall_ms=_number(k + "stallMs", w["stallMs"], integer=True),
+        body_timeout_ms=_number(k + "bodyTimeoutMs", w["bodyTimeoutMs"], integer=True),
         min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
         balance=_balance(k + "balance", w["balance"]),
         prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),
@@ -633,12 +734,24 @@ def parse_zone(raw: object) -> ZoneSettings | None:
     if not isinstance(zid, str) or not re.fullmatch(r"[0-9a-f]{32}", zid):
         raise ConfigError(key + ".id", zid, "a zone id is 32 hex characters", "copy it from the zone's overview page")
     name = _string(key + ".name", raw.get("name"))
+    unknown = sorted(set(raw) - set(ZONE_FIELDS))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", raw[unknown[0]], "unknown key", f"use only {', '.join(ZONE_FIELDS)}")
+    acme = raw.get("acmeServer") or ACME_SERVER
+    if not isinstance(acme, str) or not acme.startswith("https://"):
+        raise ConfigError(key + ".acmeServer", acme, "must be the https:// URL of an ACME directory whose certificates "
+                          "are publicly trusted (the Worker verifies the pods with public trust)",
+                          f"pulumi config rm --path {key}.acmeServer (Let's Encrypt: {ACME_SERVER})")
     return ZoneSettings(
         id=zid,
         name=name,
         worker_hostname=raw.get("workerHostname") or f"infer.{name}",
         pod_hostname=raw.get("podHostname") or f"pod-{{generation}}.{name}",
+        acme_server=acme,
     )
+
+
+ZONE_FIELDS = ("id", "name", "workerHostname", "podHostname", "acmeServer")
 
 
 def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),
@@ -652,7 +765,7 @@ def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),
     given = cast(dict, raw or {}).get("defaults") or {}  # _merged refused anything but a mapping
     if not isinstance(given, dict):
         raise ConfigError(f"{NS}:keys.defaults", given,
-                          "must be a mapping {rpm, tpm, monthlyTokens, maxParallel, fallbackUsdPerDay}",
+                          "must be a mapping {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens, fallbackUsdPerDay}",
                           f"pulumi config set --path {NS}:keys.defaults.maxParallel 8")
     unknown = sorted(set(given) - set(KEY_LIMIT_DEFAULTS))
     if unknown:
@@ -777,6 +890,7 @@ def parse(
             "must be true or false",
             "pulumi config set --path colocate:probe.enforce true",
         )
+    max_fallback_share = _number(f"{NS}:probe.maxFallbackShare", probe["maxFallbackShare"], strict=False, maximum=1)
     worker = parse_worker(raw, stack)
     zone = parse_zone(raw.get("zone"))
     if zone is None and not worker.subdomain:
@@ -812,6 +926,7 @@ def parse(
         budgets=parse_budgets(raw.get("budgets")),
         samples=samples,
         enforce=probe["enforce"],
+        max_fallback_share=max_fallback_share,
         zone=zone,
         fallback_model=fallback_model,
         secrets=frozenset(secrets),

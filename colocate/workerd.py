@@ -18,8 +18,8 @@ Building blocks, composable for bigger configs (the sandbox hosts the same
     external_service(name, host, port, inject_headers=None)
     network_service(name)              loopback-and-public network (the default outbound here)
     pod_tls_service(name, client)      the same network, its https presenting the Worker's client
-                                       certificate and trusting only the cell's CA: what the
-                                       plan's ``mtls_certificate`` binding (POD_TLS) is here
+                                       certificate and trusting only the pods' public root: what
+                                       the plan's ``mtls_certificate`` binding (POD_TLS) is here
     disk_service(name, path)           writable directory for ``durableObjectStorage.localDisk``
                                        (the generation object uses SQLite, which workerd offers
                                        only on localDisk; ``inMemory`` has the KV API alone)
@@ -48,11 +48,14 @@ take the port. ``free_port()`` (bind 0, read, close) is there for configs whose 
 must be known before starting; it has the usual small race.
 
 The pod hop. The plan's ``mtls_certificate`` binding (``POD_TLS``) is, in the cloud, an
-uploaded client certificate whose ``fetch`` presents it. Here it is a service binding to
-``pod_tls_service``: a network service whose ``tlsOptions`` carry the client keypair and the
-cell's CA as the only trusted root (checked in workerd 1.20261117.1: the keypair is presented
-to a server that asks for a client certificate, and a server certificate of another CA or for
-another name fails the fetch). Given no ``HopClient``, the binding goes to the worker's own
+uploaded client certificate whose ``fetch`` presents it and verifies the server with public trust,
+as the global ``fetch`` does. Here it is a service binding to ``pod_tls_service``: a network
+service whose ``tlsOptions`` carry the client keypair and the sandbox's stand-in for the public
+CAs as the only trusted root (checked in workerd 1.20261117.1: the keypair is presented to a
+server that asks for a client certificate, and a server certificate of another CA, the cell's
+own included, or for another name fails the fetch). ``network_service(public_roots=...)`` gives
+the Worker's other fetches (the fallback) the same public trust and nothing else. Given no
+``HopClient``, the binding goes to the worker's own
 outbound, so harnesses whose stand-ins serve plain HTTP keep working; the sandbox always gives one.
 
 The rendered config holds secret values: it is written with mode 0600, and is never
@@ -101,7 +104,9 @@ class BindingValueMissing(WorkerdError):
 
 @dataclass(frozen=True)
 class HopClient:
-    """The Worker's side of the pod hop: its client certificate and key, and the CA it trusts (PEM)."""
+    """The Worker's side of the pod hop: its client certificate and key (of the cell's CA), and the
+    root it verifies the pods' server certificates by (PEM): the public CAs in the cloud, the
+    sandbox's stand-in for them here (colocate/sandbox/hopcerts.py), never the cell's CA."""
 
     cert_pem: str
     key_pem: str
@@ -217,6 +222,8 @@ def worker_capnp(worker: WorkerPlan, values: Mapping[str, str], *, storage_servi
         f"compatibilityDate = {capnp_text(worker.compatibility_date)}",
         f"bindings = {bindings}",
     ]
+    if worker.compatibility_flags:  # the plan's, as uploaded: the cloud and workerd run the same flags
+        fields.append(f"compatibilityFlags = [{', '.join(capnp_text(f) for f in worker.compatibility_flags)}]")
     if host_objects:
         fields.append(
             f"durableObjectNamespaces = [(className = {capnp_text(BREAKER_CLASS)}, "
@@ -245,8 +252,14 @@ def external_service(name: str, host: str, port: int, inject_headers: Mapping[st
     )
 
 
-def network_service(name: str = NETWORK_SERVICE) -> tuple[str, str]:
-    return name, f'(name = {capnp_text(name)}, network = (allow = ["public", "private", "local"]))'
+def network_service(name: str = NETWORK_SERVICE, public_roots: Sequence[str] = ()) -> tuple[str, str]:
+    """The loopback-and-public network; with ``public_roots`` its https trusts those roots (the
+    sandbox's stand-in for the public CAs) and no other: no private CA of the cell's."""
+    if not public_roots:
+        return name, f'(name = {capnp_text(name)}, network = (allow = ["public", "private", "local"]))'
+    roots = ", ".join(capnp_text(r) for r in public_roots)
+    return name, (f'(name = {capnp_text(name)}, network = (allow = ["public", "private", "local"], '
+                  f"tlsOptions = (trustBrowserCas = false, trustedCertificates = [{roots}])))")
 
 
 def pod_tls_service(name: str, client: HopClient) -> tuple[str, str]:
@@ -296,8 +309,9 @@ def with_v8_flags(config: str, flags: Sequence[str]) -> str:
 
 def render_config(worker: WorkerPlan, values: Mapping[str, str], *, port: int, storage_dir: Path | str | None = None,
                   global_outbound: tuple[str, int] | None = None, inject_headers: Mapping[str, str] | None = None,
-                  pod_tls: HopClient | None = None) -> str:
-    """A complete workerd config running ``worker`` on 127.0.0.1:``port``; ``pod_tls`` makes the pod hop mutual TLS."""
+                  pod_tls: HopClient | None = None, public_roots: Sequence[str] = ()) -> str:
+    """A complete workerd config running ``worker`` on 127.0.0.1:``port``; ``pod_tls`` makes the pod hop mutual
+    TLS; ``public_roots`` are the roots the Worker's own https fetches trust (network_service)."""
     services = []
     if pod_tls is not None:
         services.append(pod_tls_service(POD_TLS_SERVICE, pod_tls))
@@ -307,7 +321,7 @@ def render_config(worker: WorkerPlan, values: Mapping[str, str], *, port: int, s
     else:
         if inject_headers:
             raise ValueError("inject_headers applies to the global_outbound hop: pass global_outbound too")
-        services.append(network_service())
+        services.append(network_service(public_roots=public_roots))
         outbound = NETWORK_SERVICE
     storage = None
     if storage_dir is not None:
@@ -392,13 +406,15 @@ class Workerd:
     def serve(cls, worker: WorkerPlan, values: Mapping[str, str], *, directory: Path | str | None = None,
               storage_dir: Path | str | None = None, global_outbound: tuple[str, int] | None = None,
               inject_headers: Mapping[str, str] | None = None, launcher: Sequence[str] = (),
-              v8_flags: Sequence[str] = (), pod_tls: HopClient | None = None) -> Workerd:
+              v8_flags: Sequence[str] = (), pod_tls: HopClient | None = None,
+              public_roots: Sequence[str] = ()) -> Workerd:
         """Render ``worker`` for a fresh port and start it: ``with Workerd.serve(plan.worker, values) as w``."""
         w = cls(directory, launcher=launcher, v8_flags=v8_flags)
         try:
             # SQLite (the generation object's storage) needs localDisk storage in workerd.
             w.start(render_config(worker, values, port=w.port, storage_dir=storage_dir or w.directory / "objects",
-                                  global_outbound=global_outbound, inject_headers=inject_headers, pod_tls=pod_tls))
+                                  global_outbound=global_outbound, inject_headers=inject_headers, pod_tls=pod_tls,
+                                  public_roots=public_roots))
         except BaseException:
             w.close()
             raise

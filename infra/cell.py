@@ -33,8 +33,10 @@ PYTHON = ".venv/bin/python"
 POD_RENT = f"{PYTHON} scripts/pod.py rent --spec -"
 POD_WAIT = f"{PYTHON} scripts/pod.py wait --spec -"
 # After every change of the pods, delete the stack's pods that no declared pod holds (a rent
-# killed mid-request whose spec has since changed, so no later rent adopts it by name).
-POD_SWEEP = f"{PYTHON} scripts/pod.py sweep --stack {{stack}} --destroy"
+# killed mid-request whose spec has since changed, so no later rent adopts it by name); at
+# `pulumi destroy`, every pod of the stack's scope (its delete keeps none): also one from a rent
+# killed before it printed its pod's id, which no other resource holds.
+POD_SWEEP = f"{PYTHON} scripts/pod.py sweep --stack {{stack}} --scope {{scope}} --destroy"
 # The delete reads the pod id from PULUMI_COMMAND_STDOUT (the create's JSON). pulumi-command
 # runs it with the environment saved at create; --stack lets it use the stack's current
 # provider key first (a rotated key: docs/pods.md, "Rotating a provider key").
@@ -161,7 +163,7 @@ class Cell(pulumi.ComponentResource):
         fingerprint = pulumi.Output.unsecret(pulumi.Output.from_input(secrets["podToken"]).apply(token_fingerprint))
         # The hop's certificates (infra/hop.py) when it is mutual TLS: each pod gets its own, by
         # environment; its fingerprint joins the pod's identity (a re-issued one replaces the pod).
-        self.hop = HopCredentials(name, plan, self) if plan.mtls else None
+        self.hop = HopCredentials(name, plan, self, args["cloudflare_token"]) if plan.mtls else None
         for pod in plan.pods:
             hop_env: dict[str, pulumi.Output[str]] = {}
             declared = fingerprint.apply(pod.with_token_fingerprint)
@@ -212,7 +214,12 @@ class Cell(pulumi.ComponentResource):
                     proxied=False,
                     ttl=60,
                     comment=f"colocate {plan.stack}: pod {pod.index} of generation {pod.generation}",
-                    opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases),
+                    # A new instance has a new name: the record is replaced, not renamed in place (only
+                    # zone_id forces that in the provider's schema), new before old, and the old one is
+                    # deleted at the end of the update, after the Worker names the new one: the old pod
+                    # stays reachable until nothing sends to it (colocate.rollout).
+                    opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases, replace_on_changes=["name"],
+                                                delete_before_replace=not rollout.CREATE_BEFORE_DELETE),
                 ))
             if pod.in_rotation:  # a draining pod stays declared, out of POD_URLS (colocate:scale)
                 worker_urls.append(info.apply(pod.worker_url))
@@ -246,9 +253,7 @@ class Cell(pulumi.ComponentResource):
             # (Breaker) or that another Worker binds (a fleet's front door) unless forced;
             # destroy deletes the class's objects with it (docs/worker.md, "Destroy").
             force=True,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[
-                *self.pod_waits, *self.pod_dns,
-                *([self.hop.trust_store] if self.hop is not None and self.hop.trust_store is not None else [])]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*self.pod_waits, *self.pod_dns]),
         )
 
         # The placement block, applied after every upload of the script: the upload itself
@@ -314,10 +319,11 @@ class Cell(pulumi.ComponentResource):
             provider = plan.sweep_provider
             keep = pulumi.Output.all(*[c.stdout for c in self.pod_commands], *[c.stdout for c in self.pod_waits]).apply(
                 lambda outs: sorted({json.loads(o)["id"] for o in outs}))
+            sweep = POD_SWEEP.format(stack=plan.stack, scope=plan.scope or "''")
             self.sweep = local.Command(
                 f"{name}-pod-sweep",
-                create=keep.apply(lambda ids: " ".join([POD_SWEEP.format(stack=plan.stack), "--provider", provider,
-                                                        *[f"--keep {i}" for i in ids]])),
+                create=keep.apply(lambda ids: " ".join([sweep, "--provider", provider, *[f"--keep {i}" for i in ids]])),
+                delete=f"{sweep} --provider {provider}",
                 environment=dict(args["pod_environment"]),
                 dir=".",
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[self.worker, *self.pod_waits]),

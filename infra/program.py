@@ -14,9 +14,9 @@ import pulumi_cloudflare as cloudflare
 
 from colocate import fleet, outputs, preflight as preflight_mod, scaler
 from colocate.errors import ConfigError
-from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell
+from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell, pod_scope
 from colocate.scaler import SCALE_STEP_ENV
-from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse
+from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse, parse_replaced
 
 from . import fleet as fleet_program
 from .cell import Cell, CellArgs
@@ -43,13 +43,18 @@ def plan() -> tuple[CellPlan, dict[str, pulumi.Output[str]]]:
     if settings.zone is not None:
         check_zone(settings.zone)
     tag = live_migration_tag(settings.account_id, settings.worker.name)
+    # Two projects or organizations with a stack of this name on one provider account keep apart.
+    scope = pod_scope(pulumi.get_organization(), pulumi.get_project())
     try:
-        cell_plan = plan_cell(settings, live_migration_tag=tag)
+        cell_plan = plan_cell(settings, live_migration_tag=tag, scope=scope)
+        state = live_state(settings, cell_plan)
+        before = settings
         if settings.scale is not None:
-            scale = live_scale(settings, cell_plan)
-            if scale != settings.scale:
-                settings = replace(settings, scale=scale, pod=replace(settings.pod, count=scale.declared))
-                cell_plan = plan_cell(settings, live_migration_tag=tag)
+            scale = live_scale(settings, state)
+            settings = replace(settings, scale=scale, pod=replace(settings.pod, count=scale.declared))
+        settings = replace(settings, pod=replace(settings.pod, replaced=live_replaced(settings, state)))
+        if settings != before:
+            cell_plan = plan_cell(settings, live_migration_tag=tag, scope=scope)
     except ConfigError as err:
         raise ProgramError(str(err)) from None
     if os.environ.get(SCALE_STEP_ENV) == "1":  # the scaling controller's update: a softened probe
@@ -75,35 +80,50 @@ def script_exists(account_id: str, script: str) -> bool:
     return any(field(entry, "id") == script for entry in found.results or [])
 
 
-def live_scale(settings: Settings, cell_plan: CellPlan) -> ScaleSettings:
-    """The pod count to declare: the one the scaling controller recorded in the live generation
-    (``desired`` of ``GET /_colocate/scale``), which any checkout's ``pulumi up`` reads, so none
-    applies a stale stack file (deleting the controller's pods undrained, or undoing a drain).
-    The stack file's ``scale.pods``/``.draining`` count only where no controller recorded one:
-    before the Worker exists (a first deploy) or in a generation it has not written yet. A
-    Worker that exists but cannot be read stops the update: guessing could delete serving pods."""
-    scale = settings.scale
-    assert scale is not None
+def live_state(settings: Settings, cell_plan: CellPlan) -> dict | None:
+    """The live generation's ``GET /_colocate/scale``: what the controller recorded for every `pulumi
+    up` to apply (``desired``: the pod count and ``replaced``, the keeper's replacements of single
+    pods), so no checkout applies a stale stack file (deleting the controller's pods undrained,
+    undoing a drain, or renaming a pod the keeper replaced back to a name no pod carries). None where
+    nothing can be recorded yet: before the Worker exists (a first deploy), under the test mocks,
+    and with ``COLOCATE_SCALE_FROM=stack``. A Worker that exists but cannot be read stops the update
+    of a scaled cell (guessing could delete serving pods); a fixed cell's goes on from its stack file
+    with a warning (at worst a pod the keeper replaced is replaced once more)."""
     if os.environ.get(SCALE_FROM_ENV) == "stack":
-        pulumi.log.warn(f"{SCALE_FROM_ENV}=stack: applying the stack file's colocate:scale.pods {scale.pods} and "
-                        f".draining {scale.draining}, not the count the scaling controller recorded")
-        return scale
+        pulumi.log.warn(f"{SCALE_FROM_ENV}=stack: applying the stack file's colocate:scale and colocate:pod.replaced, "
+                        "not what the scaling controller recorded")
+        return None
     override = os.environ.get(WORKER_URL_ENV)
     if override is None and _under_mocks():
-        return scale
+        return None
     if override is None and not script_exists(settings.account_id, cell_plan.worker.script_name):
-        return scale  # a first deploy: nothing recorded anywhere yet
+        return None  # a first deploy: nothing recorded anywhere yet
     url = (override or cell_plan.worker.url).rstrip("/")
-    token = pulumi.runtime.get_config(f"{NS}:readToken") or ""
+    # The role that reads: readToken, or on a stack still on the one old token (deprecated,
+    # settings.credential_warning), probeToken, which the Worker binds then (plan.worker_bindings).
+    token = pulumi.runtime.get_config(f"{NS}:{settings.operator_secrets['read']}") or ""
     try:
-        state = scaler.CellClient(url, token).state()
+        return scaler.CellClient(url, token).state()
     except (OSError, ValueError) as err:
+        if settings.scale is None:
+            pulumi.log.warn(f"{NS}:pod.replaced: what the keeper recorded could not be read from {url}/_colocate/scale "
+                            f"({err}); applying the stack file's")
+            return None
+        scale = settings.scale
         raise ProgramError(
             f"{NS}:scale: the scaling controller's pod count could not be read from {url}/_colocate/scale ({err}); "
             f"applying the stack file's {scale.pods}+{scale.draining} could delete pods that serve, undrained. Fix: check "
             f"that the Worker answers (.venv/bin/python scripts/probe.py {url}), or, knowing no controller runs, "
             f"{SCALE_FROM_ENV}=stack pulumi up") from None
-    desired = scaler.desired_of(state)
+
+
+def live_scale(settings: Settings, state: dict | None) -> ScaleSettings:
+    """The pod count to declare: the one the scaling controller recorded in the live generation
+    (``desired``), clamped to the policy. The stack file's ``scale.pods``/``.draining`` count only
+    where no controller recorded one (``state`` None, or a generation it has not written yet)."""
+    scale = settings.scale
+    assert scale is not None
+    desired = scaler.desired_of(state) if state is not None else None
     if desired is None:
         return scale
     pods = min(max(desired[0], scale.min), scale.max)
@@ -115,6 +135,21 @@ def live_scale(settings: Settings, cell_plan: CellPlan) -> ScaleSettings:
     return replace(scale, pods=pods, draining=draining)
 
 
+def live_replaced(settings: Settings, state: dict | None) -> tuple[tuple[int, int], ...]:
+    """colocate:pod.replaced to declare: per pod, the larger of the stack file's count and the one the
+    keeper recorded in the generation (counts only grow: the larger is the later)."""
+    counts = dict(settings.pod.replaced)
+    recorded = ((state or {}).get("desired") or {}).get("replaced")
+    if isinstance(recorded, dict):
+        try:
+            live = dict(parse_replaced(f"{NS}:pod.replaced", recorded))
+        except ConfigError:
+            live = {}
+        for index, n in live.items():
+            counts[index] = max(counts.get(index, 0), n)
+    return tuple(sorted(counts.items()))
+
+
 def _under_mocks() -> bool:
     """Whether the program runs under ``pulumi.runtime.set_mocks`` (the tests), not an engine."""
     monitor = getattr(pulumi.runtime.settings.SETTINGS, "monitor", None)
@@ -122,8 +157,10 @@ def _under_mocks() -> bool:
 
 
 def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
-    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls,
-                               trust_store=cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS)
+    acme = cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS
+    return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls, acme=acme,
+                               acme_names=tuple(p.tls_name for p in cell_plan.pods) if acme else (),
+                               acme_server=cell_plan.acme_server or "")
 
 
 def preflight(cell_plan: CellPlan) -> None:
@@ -214,6 +251,12 @@ def main() -> dict[str, pulumi.Input]:
         outputs.ACCOUNT_ID: cell_plan.worker.account_id,
         outputs.BUDGET_E2E_MS: cell_plan.probe.budgets.get("e2e"),
         outputs.HOP_NOT_AFTER: cell.hop.not_after() if cell.hop is not None else None,
+        outputs.POD_SCOPE: cell_plan.scope,
+        # What the keeper reads (colocate/keeper.py): the code this update uploads, where each pod was
+        # when it served (a pod found elsewhere was remapped), and when each role's certificate ends.
+        outputs.WORKER_CONTENT_HASH: cell_plan.worker.content_hash(),
+        outputs.POD_ADDRESSES: cell.pods.apply(lambda pods: [{"ip": p.get("ip"), "port": p.get("port")} for p in pods]),
+        outputs.HOP_CERTS: cell.hop.by_role() if cell.hop is not None else None,
     }
     for key, value in exports.items():
         pulumi.export(key, value)

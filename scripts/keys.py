@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens per UTC calendar month (0: no limit; default: colocate:keys.defaults)")
     c.add_argument("--max-parallel", type=int, default=None,
                    help="requests in flight at once (0: no limit; default: colocate:keys.defaults)")
+    c.add_argument("--max-parallel-tokens", type=int, default=None,
+                   help="prompt tokens of its requests not yet begun at a pod, at once (one a byte of the body; "
+                        "0: no limit; default: colocate:keys.defaults)")
     c.add_argument("--fallback-usd-per-day", type=float, default=None, metavar="USD",
                    help="the key's own cap on the fallback's spend per UTC day (default: colocate:fallbackCap.keyUsdPerDay)")
     c.add_argument("--expires-in", type=int, metavar="SECONDS", help="the key stops working after this long")
@@ -120,14 +123,15 @@ def keys_table(keys: list[dict]) -> str:
             limit(k["tpm"]),
             limit(k["monthly_tokens"]),
             limit(k.get("max_parallel", 0)),
+            "default" if k.get("max_parallel_tokens") is None else limit(k["max_parallel_tokens"]),
             _when(k["created_at"]),
             _when(k["expires_at"]),
             "revoked " + _when(k["revoked_at"]) if k["revoked_at"] else "active",
         ]
         for k in keys
     ]
-    return _table(["id", "name", "key", "rpm", "tpm", "monthly", "parallel", "created (UTC)", "expires", "status"], rows,
-                  {3, 4, 5, 6})
+    return _table(["id", "name", "key", "rpm", "tpm", "monthly", "parallel", "prompt tokens", "created (UTC)", "expires",
+                   "status"], rows, {3, 4, 5, 6, 7})
 
 
 def usage_table(rows: list[dict]) -> str:
@@ -174,7 +178,8 @@ def report_failed(
 
 def limits_line(row: dict, args: argparse.Namespace) -> str:
     """The key's limits, and which came from the cell's colocate:keys.defaults."""
-    given = {"rpm": args.rpm, "tpm": args.tpm, "monthly_tokens": args.monthly_tokens, "max_parallel": args.max_parallel}
+    given = {"rpm": args.rpm, "tpm": args.tpm, "monthly_tokens": args.monthly_tokens, "max_parallel": args.max_parallel,
+             "max_parallel_tokens": args.max_parallel_tokens}
     parts = [f"{name} {row.get(name) or 'no limit'}{'' if given[name] is not None else ' (default)'}" for name in given]
     own = row.get("fallback_microusd_day") or 0
     parts.append(f"fallback ${own / 1e6:g} a day" if own else "fallback: the cell's per-key cap")
@@ -197,7 +202,7 @@ def fleet_create(args, cells, targets) -> int:
     key = admin.new_key()
     row = admin.key_row(key, args.name, rpm=args.rpm, tpm=args.tpm, monthly_tokens=args.monthly_tokens,
                         max_parallel=args.max_parallel, expires_in_s=args.expires_in,
-                        fallback_microusd_day=fallback_cap(args))
+                        fallback_microusd_day=fallback_cap(args), max_parallel_tokens=args.max_parallel_tokens)
     stored, failed = admin.fan_out(targets, lambda c: c.import_key(row, fleet_cells=len(cells)))
     have = [c for c in cells if c in stored]
     if failed and not have and all(isinstance(e, Refused) and e.status == 400 for e in failed.values()):
@@ -380,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cmd == "create":
         made = client.create_key(args.name, rpm=args.rpm, tpm=args.tpm, monthly_tokens=args.monthly_tokens,
                                  max_parallel=args.max_parallel, expires_in_s=args.expires_in,
-                                 fallback_microusd_day=fallback_cap(args))
+                                 fallback_microusd_day=fallback_cap(args), max_parallel_tokens=args.max_parallel_tokens)
         if args.json:
             print(json.dumps(made, indent=2))
         elif args.env:

@@ -3,13 +3,18 @@
 
     migrate.py plan   --stack S [--to REGION [--provider P] [--gpu NAME]] [--probe-json FILE]
     migrate.py start  --stack S --to REGION [--provider P] [--gpu NAME]
-    migrate.py finish --stack S
+    migrate.py status --stack S [--url URL]
+    migrate.py finish --stack S [--url URL] [--skip-import-check]
 
 ``start`` makes a new generation in REGION active, the old one draining, and sets
 ``colocate:region`` (with ``--provider``, also ``pod.provider`` and ``pod.gpu`` under the new
 provider's name for the same GPU); ``finish`` retires the draining generation. Both edit
 ``stacks/Pulumi.<stack>.yaml`` in place (comments and key order kept, atomic write) and
 print what the next ``pulumi up`` does. An illegal step changes nothing and exits 2.
+``status`` asks the cell how far the new generation's import of the draining one is
+(GET /_colocate/breaker with the read token: the stack's running sandbox, its deployed
+outputs, or --url with COLOCATE_READ_TOKEN); ``finish`` asks the same and refuses until the
+import is complete.
 
 The cell's own Pulumi steps also call:
     migrate.py record-tag --stack S --tag TAG    record an applied Durable Object migration tag
@@ -30,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import requests  # noqa: E402
 
 from colocate import admin, cli, migration, stackfile  # noqa: E402
-from colocate.errors import ConfigError, UnsupportedProvider  # noqa: E402
+from colocate.errors import ColocateError, ConfigError, LedgerError, UnsupportedProvider  # noqa: E402
 from colocate.ledger import UNKNOWN_REGION, Ledger  # noqa: E402
 from colocate.plan import MIGRATIONS  # noqa: E402
 from colocate.sandbox.statedir import LAUNCH_FILE  # noqa: E402
@@ -59,18 +64,28 @@ def _observed(path: str | None) -> str | None:
 MIGRATE = cli.script("migrate.py")  # printed commands run as printed, from any directory
 
 
+def _running_sandbox(stack: str, stacks_dir: Path) -> Path | None:
+    """The state directory of a running sandbox of this stack file, if one runs."""
+    from colocate.sandbox import statedir
+
+    wanted = Path(stacks_dir).resolve()
+    for state_dir in statedir.running_sandboxes():
+        launch = statedir.read_json(state_dir / LAUNCH_FILE) or {}
+        if launch.get("stack") == stack and Path(launch.get("stacks_dir", "")).resolve() == wanted:
+            return state_dir
+    return None
+
+
 def _deploy_cmd(stack: str, stacks_dir: Path, raw: dict) -> str:
     """The command that deploys this stack file: the sandbox's own apply for a cell that runs
     (or can only run) in the sandbox, `pulumi up` for a cloud cell."""
-    from colocate.sandbox import statedir, supervisor
+    from colocate.sandbox import supervisor
     from colocate.settings import POD_DEFAULTS
 
-    wanted = Path(stacks_dir).resolve()
-    for state_dir in supervisor.running_sandboxes():
-        launch = statedir.read_json(state_dir / LAUNCH_FILE) or {}
-        if launch.get("stack") == stack and Path(launch.get("stacks_dir", "")).resolve() == wanted:
-            where = f"--stack {stack}" if state_dir == supervisor.default_state_dir(stack) else f"--state-dir {state_dir}"
-            return f"`{supervisor.SANDBOX_CMD} apply {where}` (the sandbox's `pulumi up`)"
+    state_dir = _running_sandbox(stack, stacks_dir)
+    if state_dir is not None:
+        where = f"--stack {stack}" if state_dir == supervisor.default_state_dir(stack) else f"--state-dir {state_dir}"
+        return f"`{supervisor.SANDBOX_CMD} apply {where}` (the sandbox's `pulumi up`)"
     if (raw.get("pod") or {}).get("provider", POD_DEFAULTS["provider"]) == "local":
         return f"`{supervisor.SANDBOX_CMD} apply --stack {stack}` (a local pod runs only in the sandbox)"
     return f"`pulumi up -s {stack}`"
@@ -139,10 +154,65 @@ def cmd_start(args) -> int:
     return 0
 
 
+def _import_state(args, raw: dict, ledger: Ledger) -> dict:
+    """How far the active generation's import of the draining one is, as the cell says:
+    {done, rows, total, part} (rows and total None once done)."""
+    assert ledger.draining is not None
+    state_dir = None if args.url else _running_sandbox(args.stack, args.stacks_dir)
+    target = (admin.sandbox_target(state_dir, "read") if state_dir else None) or admin.resolve(
+        url=args.url, stack=args.stack, role="read")
+    answer = admin.AdminClient(target).breaker()
+    active, draining = ledger.active.name, ledger.draining.name
+    if answer.get("generation") != active:
+        raise LedgerError("colocate:generations", active, f"the cell at {target.url} runs generation "
+                          f"{answer.get('generation')}, not the ledger's active one",
+                          f"deploy the start first ({_deploy_cmd(args.stack, args.stacks_dir, raw)})")
+    b = answer.get("breaker") or {}
+    if draining in (b.get("imported") or []):
+        return {"done": True, "rows": None, "total": None, "part": None}
+    mine = next((p for p in b.get("importing") or [] if p.get("from") == draining), None)
+    if mine is None:
+        raise LedgerError("colocate:generations", draining, f"the cell at {target.url} has not begun importing it",
+                          f"deploy the start first ({_deploy_cmd(args.stack, args.stacks_dir, raw)}): its Worker names "
+                          "the draining generation, and its first request starts the import")
+    return {"done": False, "rows": mine["rows"], "total": mine["total"], "part": mine.get("part")}
+
+
+def _far(state: dict, active: str, draining: str) -> str:
+    total = state["total"] or 0
+    share = f" ({100 * state['rows'] // total} %)" if total else ""
+    return (f"{active} has imported {state['rows']:,} of {total:,} rows{share} of {draining}"
+            + (f", now {state['part']}" if state.get("part") else ""))
+
+
+def cmd_status(args) -> int:
+    raw, ledger = _load(args)
+    if ledger.draining is None:
+        print(f"Stack {args.stack}: no move under way; active {ledger.active.name}.")
+        return 0
+    state = _import_state(args, raw, ledger)
+    active, draining = ledger.active.name, ledger.draining.name
+    if state["done"]:
+        print(f"Stack {args.stack}: {active} has imported all of {draining}. "
+              f"Next: `{MIGRATE} finish --stack {args.stack}` retires {draining}.")
+    else:
+        print(f"Stack {args.stack}: {_far(state, active, draining)}. The cell serves meanwhile; "
+              f"`{MIGRATE} finish --stack {args.stack}` waits for the rest.")
+    return 0
+
+
 def cmd_finish(args) -> int:
     raw, ledger = _load(args)
     new_ledger = ledger.finish(args.stack)
     assert ledger.draining is not None  # finish() refuses a ledger with no draining generation
+    if not args.skip_import_check:
+        state = _import_state(args, raw, ledger)
+        if not state["done"]:
+            raise LedgerError("colocate:generations", ledger.draining.name,
+                              f"{_far(state, ledger.active.name, ledger.draining.name)}: retiring it now would purge "
+                              "what has not moved yet",
+                              f"wait until `{MIGRATE} status --stack {args.stack}` says the import is complete, then run "
+                              "finish again")
     after = migration.with_ledger(raw, new_ledger)
     _report(args.stack, raw, after, None, f"Finishing: {ledger.draining.name} retires.")
     stackfile.write_config(args.stack, {"generations": new_ledger.as_config()}, args.stacks_dir)
@@ -204,8 +274,15 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--provider", choices=("runpod", "vastai", "local"), help="GPU provider in the target region")
     sp.add_argument("--gpu", help=GPU_HELP)
     sp.set_defaults(func=cmd_start)
-    sp = sub.add_parser("finish", help="end a move: the draining generation retires")
+    sp = sub.add_parser("status", help="how far the new generation's import of the draining one is")
     stack_args(sp)
+    sp.add_argument("--url", help="the Worker's URL (with COLOCATE_READ_TOKEN); default: the stack's sandbox or outputs")
+    sp.set_defaults(func=cmd_status)
+    sp = sub.add_parser("finish", help="end a move: the draining generation retires (once its import is complete)")
+    stack_args(sp)
+    sp.add_argument("--url", help="the Worker's URL (with COLOCATE_READ_TOKEN); default: the stack's sandbox or outputs")
+    sp.add_argument("--skip-import-check", action="store_true",
+                    help="retire without asking the cell (the Worker's purge still refuses an incomplete import)")
     sp.set_defaults(func=cmd_finish)
     sp = sub.add_parser("record-tag", help="record an applied migration tag (run by the cell after deploy)")
     stack_args(sp)
@@ -228,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f"add --provider {err.fix.split()[-1]} to move the pod to a provider that serves {args.to}")
         print(f"migrate.py: {err}", file=sys.stderr)
         return err.exit_code
-    except ConfigError as err:
+    except ColocateError as err:  # ConfigError, and AdminError when the cell cannot be asked
         print(f"migrate.py: {err}", file=sys.stderr)
         return err.exit_code
 

@@ -15,9 +15,10 @@ region), 1 when the provider fails (capacity, readiness, refusals).
                             with --stack, the stack's current provider key is tried first (as sweep finds
                             it), then the environment's (the key saved at create, maybe since revoked)
   status --id ID            the pod's current state
-  sweep --stack S [--provider P] [--keep ID ...] [--destroy] [--stacks-dir DIR]
-                            pods named colocate-<S>-<region>-g<N>[-p<i>]-<digest> other than the
-                            kept ones; the stack must exist (exit 2 otherwise)
+  sweep --stack S [--scope X] [--provider P] [--keep ID ...] [--destroy] [--stacks-dir DIR]
+                            pods named colocate-<S>[-<scope>]-<region>-g<N>[-p<i>]-<digest> other than
+                            the kept ones; the stack must exist (exit 2 otherwise). --scope (the stack's
+                            podScope output) leaves another project's stack of the same name alone
 
 create/delete/status read keys from the environment only: RUNPOD_API_KEY, VASTAI_API_KEY
 (pulumi up passes them). sweep finds the stack's provider key as `pulumi up` does: the
@@ -85,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="repeatable; default: local, the stack's provider, and every provider whose API key is set")
     w.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help=argparse.SUPPRESS)
     w.add_argument("--keep", action="append", default=[], help="pod id to keep (repeatable)")
+    w.add_argument("--scope", help="the stack's pod scope (pulumi stack output podScope): other scopes are left alone")
     w.add_argument("--destroy", action="store_true")
     return p
 
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             providers, keys = _sweep_providers(args)
             with stackkeys.keys_in_environment(keys):
-                out = lifecycle.sweep(args.stack, providers, args.keep, args.destroy)
+                out = lifecycle.sweep(args.stack, providers, args.keep, args.destroy, args.scope)
     except PodError as exc:
         print(f"pod.py {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 from colocate import catalogue, cli, stackfile  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
 from colocate.plan import POD_PATHS, placement_mode  # noqa: E402
-from colocate.probe import budgets, connections, keys, outputs, report, sample  # noqa: E402
+from colocate.probe import budgets, connections, fallbackshare, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
 from colocate.probe.placement import PLACEMENT_MODES  # noqa: E402
 from colocate.sandbox.statedir import FLEET_OUT_FILE  # noqa: E402
@@ -98,6 +98,10 @@ def parser() -> argparse.ArgumentParser:
                         "row (a placement just set or changed); a placement check that fails when it never settled is "
                         "PROVISIONAL: exit 0, rerun later (the post-deploy probe passes --settle)")
     p.add_argument("--warn-only", action="store_true", help="report failed checks but exit 0")
+    p.add_argument("--max-fallback-share", type=float, metavar="SHARE",
+                   help="fail when the fallback answers more than this share (0 to 1) while pods are in rotation "
+                        "(default: the stack's colocate:probe.maxFallbackShare, else "
+                        f"{fallbackshare.DEFAULT_MAX_SHARE:g})")
     p.add_argument("--live", action="store_true",
                    help="read real traffic instead of sampling: per-segment percentiles, shares and colos recorded by the "
                         "Worker (GET /_colocate/live), with the same verdicts and exit codes")
@@ -152,6 +156,7 @@ def _probe(args: argparse.Namespace) -> int:
     if args.live:
         return _live(args)
     budget_list = budgets.from_flags(args.budget)  # validate flags before any request
+    max_share = _max_share(args, None)
     if args.samples is not None and not 1 <= args.samples <= MAX_SAMPLES:
         raise UsageError("--samples", args.samples, f"must be between 1 and {MAX_SAMPLES}", "e.g. --samples 25")
     if not args.timeout > 0:
@@ -166,7 +171,7 @@ def _probe(args: argparse.Namespace) -> int:
     cell = _sandbox_cell(args)
     if cell is not None:  # a running sandbox: its files say what a deployed stack's outputs say
         cfg, region, budget_list = _from_stack(args, region, budget_list, cell)
-        samples = samples or cfg.samples
+        samples, max_share = samples or cfg.samples, _max_share(args, cfg)
         url, token, pod_path = url or cell.url, token or cell.read_token, pod_path or cell.pod_path
         mint_token = mint_token or cell.token  # the sandbox's admin token, to mint the samples' key
         locations = locations or list(cell.pod_locations)
@@ -175,7 +180,7 @@ def _probe(args: argparse.Namespace) -> int:
             region = catalogue.region(cell.region, key=f"the region of the sandbox in {cell.state_dir}")
     elif args.stack:
         cfg, region, budget_list = _from_stack(args, region, budget_list)
-        samples = samples or cfg.samples
+        samples, max_share = samples or cfg.samples, _max_share(args, cfg)
         if not (url and token and locations and pod_path):  # the post-deploy step passes them all: no CLI call
             out = _deployed_outputs(args.stack)
             url, token, pod_path = url or out.worker_url, token or out.read_token, pod_path or out.pod_path
@@ -218,7 +223,7 @@ def _probe(args: argparse.Namespace) -> int:
                          key=lease.get, settle_s=settle_s, in_region=region.is_in_region if region else None,
                          hops=hops, streams=streams)
     result = report.build(run, region, locations, budget_list, worker_placement, pod_path, placement_host,
-                          _migrate_flags(args, cell))
+                          _migrate_flags(args, cell), max_share)
 
     def plot(path):
         from colocate.probe import plot  # matplotlib only when asked for
@@ -230,9 +235,22 @@ def _probe(args: argparse.Namespace) -> int:
               f"the new placement yet. Check again in a few minutes: .venv/bin/python scripts/probe.py "
               f"{f'--stack {args.stack}' if args.stack else url}",
               file=sys.stderr)
-    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, report.table(result),
-                                             report.to_json(result, args.warn_only))
+    table, doc = _keeper(_fetch_scale(url, token, args.timeout), report.table(result), report.to_json(result, args.warn_only))
+    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, table, doc)
     return _emit(args, table, doc, (result.ok or result.provisional) and certs_ok, plot)
+
+
+def _keeper(scale: dict | None, table: str, doc: dict) -> tuple[str, dict]:
+    """The keeper's last pass (colocate/keeper.py) as the generation holds it: one line and the JSON's
+    ``keeper`` (each pod's verdict, the alerts, the last events). Shown, not judged: its alerts page
+    through /_colocate/metrics and the keeper's exit status."""
+    from colocate import keeper
+
+    record = (scale or {}).get("keeper")
+    if not isinstance(record, dict):
+        return table, doc
+    shown = {k: record.get(k) for k in ("at", "pods", "alerts", "replacements")}
+    return table + keeper.summary(record), {**doc, "keeper": {**shown, "events": (record.get("events") or [])[-3:]}}
 
 
 def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc: dict) -> tuple[str, dict, bool]:
@@ -397,6 +415,7 @@ def _live(args: argparse.Namespace) -> int:
     from colocate.probe import live
 
     budget_list = budgets.from_flags(args.budget)
+    max_share = _max_share(args, None)
     try:
         since_ms = live.parse_since(args.since)
     except ValueError as exc:
@@ -410,14 +429,14 @@ def _live(args: argparse.Namespace) -> int:
     cell = _sandbox_cell(args)
     if cell is not None:
         cfg, region, budget_list = _from_stack(args, region, budget_list, cell)
-        worker_placement = cfg.worker_placement
+        worker_placement, max_share = cfg.worker_placement, _max_share(args, cfg)
         url, token = url or cell.url, token or cell.read_token
         locations = locations or list(cell.pod_locations)
         if region is None and cell.region:
             region = catalogue.region(cell.region, key=f"the region of the sandbox in {cell.state_dir}")
     elif args.stack:
         cfg, region, budget_list = _from_stack(args, region, budget_list)
-        worker_placement = cfg.worker_placement
+        worker_placement, max_share = cfg.worker_placement, _max_share(args, cfg)
         if not (url and token and hop_not_after):
             out = _deployed_outputs(args.stack)
             url, token = url or out.worker_url, token or out.read_token
@@ -429,13 +448,27 @@ def _live(args: argparse.Namespace) -> int:
     if not token:
         raise UsageError("--token", None, "no read token", f"set {TOKEN_ENV} (or pass --token, or --stack S)")
     doc = _fetch_live(url, token, since_ms, args.timeout)
-    result = live.build(doc, region, locations, budget_list, worker_placement, url)
-    scale_line, scale_doc = live.scale_summary(_fetch_scale(url, token, args.timeout))
+    scale = _fetch_scale(url, token, args.timeout)
+    routed = scale.get("routed_pods") if isinstance(scale, dict) else None
+    result = live.build(doc, region, locations, budget_list, worker_placement, url, max_share,
+                        routed if isinstance(routed, int) and not isinstance(routed, bool) else None)
+    scale_line, scale_doc = live.scale_summary(scale)
     body = live.to_json(result, args.warn_only)
     if scale_doc is not None:
         body["scale"] = scale_doc
-    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, live.table(result) + scale_line, body)
+    table, body = _keeper(scale, live.table(result) + scale_line, body)
+    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, table, body)
     return _emit(args, table, body, result.ok and certs_ok, lambda path: live.write_plot(result, path))
+
+
+def _max_share(args: argparse.Namespace, cfg) -> float:
+    """--max-fallback-share, else the stack's colocate:probe.maxFallbackShare, else the default; checked."""
+    given = args.max_fallback_share
+    if given is None:
+        return cfg.max_fallback_share if cfg is not None else fallbackshare.DEFAULT_MAX_SHARE
+    if not 0 <= given <= 1:
+        raise UsageError("--max-fallback-share", given, "must be a share from 0 to 1", "e.g. --max-fallback-share 0.1")
+    return given
 
 
 def _fetch_scale(url: str, token: str, timeout_s: float) -> dict | None:

@@ -6,6 +6,7 @@
     sandbox.py apply  [--stack S] [--state-dir DIR] [--stacks-dir DIR] [--force-split]
     sandbox.py down   [--stack S] [--state-dir DIR]
     sandbox.py status [--stack S] [--state-dir DIR]     (neither: every sandbox that runs)
+    sandbox.py pod-command [--stack S] [--state-dir DIR] [--model M] [-- VLLM_ARGS ...]
 
 --stack defaults to ``sandbox`` (stacks/Pulumi.sandbox.yaml) and --state-dir to
 .colocate/sandbox/<stack>/; a sandbox started with --state-dir DIR is named by the same
@@ -19,7 +20,9 @@
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
 new pod before deleting the old one and swaps workerd without dropping a request;
-``status`` prints what runs and whether it is healthy; ``down`` stops everything. A second
+``status`` prints what runs and whether it is healthy; ``down`` stops everything;
+``pod-command`` prints the command that starts vLLM as the cell's pod at ``colocate:pod.url``,
+with the cell's certificates and pod token (read from files in the state directory). A second
 ``up`` with the same options, or a ``down`` of a stopped sandbox, exits 0 with a one-line note.
 A ``status`` or ``apply`` that finds no sandbox where it looked exits 1 (``apply``: 2), as does a
 ``down`` where no sandbox was ever started while one runs elsewhere; each names the sandboxes
@@ -112,6 +115,12 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--fleet", metavar="F", help="a fleet: every member cell, then the front door (exit 1 if a part is unhealthy)"
     )
+    pc = sub.add_parser("pod-command", help="print the command that starts vLLM as the cell's pod at colocate:pod.url, "
+                                            "with the cell's certificates and token (docs/sandbox.md)")
+    where(pc)
+    pc.add_argument("--stacks-dir", type=Path, default=stackfile.STACKS_DIR, help="where Pulumi.<stack>.yaml lives")
+    pc.add_argument("--model", help="the model vLLM loads (default colocate:pod.model); it serves it as colocate:pod.model")
+    pc.add_argument("extra", nargs="*", metavar="VLLM_ARGS", help="more arguments for vLLM, after --")
     d = sub.add_parser("demo", help="a cell moved the hand-rolled way, then by migration, seen from Tokyo (make demo)")
     d.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo/)")
     d.add_argument("--samples", type=int, default=10, help="probe samples per step (default 10: enough for the p50/p90 table)")
@@ -252,6 +261,22 @@ def _interrupted(signum, _frame):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _pod_command(args) -> str:
+    """``pod-command``: the stack's pod 0 as vLLM started by hand at colocate:pod.url (a server the sandbox
+    does not start or stop: `up` waits for it, `down` leaves it running)."""
+    from colocate.pods.spec import PodSpec
+    from colocate.sandbox import engine
+    from colocate.sandbox.launch import Launch, build_plan
+
+    state_dir = Path(args.state_dir or supervisor.default_state_dir(args.stack)).resolve()
+    plan, _ = build_plan(Launch(args.stack, str(Path(args.stacks_dir).resolve()), None, None, (), False))
+    if not plan.pods or not plan.pods[0].settings.url or plan.pods[0].settings.command:
+        raise UnknownStack(f"{args.stack}: colocate:pod.url is not set (or colocate:pod.command is: the sandbox starts "
+                           "that itself). Fix: pulumi config set --path colocate:pod.url https://localhost:8000 on the "
+                           "stack, then run this again")
+    return engine.vllm_command(state_dir, PodSpec.from_dict(plan.pods[0].spec()), args.model, tuple(args.extra))
 
 
 def _fleet_of(args) -> str | None:
@@ -466,6 +491,9 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             state_dir = Path(demo_dir) / autoscale_demo.FLEET  # what an interrupt reports on
             return autoscale_demo.run(demo_dir, shape_file=args.shape, prices=args.prices, as_json=args.json,
                                       day_s=args.day_seconds, sent=args.requests)
+        if args.cmd == "pod-command":
+            print(_pod_command(args))
+            return 0
         if args.cmd == "demo":
             from colocate.sandbox import demo
 

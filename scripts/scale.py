@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
-"""The scaling controller of a cell with ``colocate:scale`` (docs/pods.md, "Scaling with demand").
+"""The controller that keeps a cell alive and, with ``colocate:scale``, scales it (docs/pods.md,
+"The keeper" and "Scaling with demand").
 
     scale.py run    --stack S [--interval 15] [--steps N] [--drain-timeout 300]       a real stack: pulumi.automation
     scale.py run    --stack S --sandbox [--state-dir DIR] [--interval 5] [--steps N]  a running sandbox: sandbox.py apply
-    scale.py status --stack S [--sandbox [--state-dir DIR]]                            the last decision and the lock
+    scale.py status --stack S [--sandbox [--state-dir DIR]]                            the last decision, the keeper, the lock
 
-``run`` passes every ``--interval`` seconds: it reads the cell's signals
-(``/_colocate/scale``), decides (colocate/scale.py) and, holding the generation's lock, makes
-the stack declare the new count. The cloud needs the Pulumi CLI, logged in to the stack's
-backend, and reads the Worker's URL and admin token from the stack's outputs
-(``COLOCATE_ADMIN_TOKEN`` in the environment overrides the token). Exit 2 on bad input, 1 when
-the cell cannot be reached at all.
+``run`` passes every ``--interval`` seconds, holding the generation's lock: it keeps the cell
+(colocate/keeper.py: refuses to deploy from a checkout whose Worker is not the running one,
+replaces a dead, remapped or misplaced pod alone, renews certificates one pod at a time), then
+reads the cell's signals (``/_colocate/scale``), decides (colocate/scale.py) and makes the stack
+declare the new count. A cell without ``colocate:scale`` is kept, not scaled. The cloud needs the
+Pulumi CLI, logged in to the stack's backend, and the provider's API key (RUNPOD_API_KEY,
+VASTAI_API_KEY, or the stack's secret), and reads the Worker's URL and admin token from the
+stack's outputs (``COLOCATE_ADMIN_TOKEN`` in the environment overrides the token). Exit 2 on bad
+input, 1 when the cell cannot be reached at all, 3 as soon as the keeper raises an alert (a pod it
+cannot replace, failing updates, a stack lock left behind, a checkout it refuses): a supervisor
+restarting it, or cron, sees the alert.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import settings as settings_mod, stackfile  # noqa: E402
+from colocate import plan as plan_mod, settings as settings_mod, stackfile  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
+from colocate.keeper import Keeper  # noqa: E402
 from colocate.sandbox.statedir import READY_FILE  # noqa: E402
 from colocate.scaler import CellClient, Controller, PulumiDeployer, lease_ttl, policy_of  # noqa: E402
 
@@ -35,11 +42,7 @@ from colocate.scaler import CellClient, Controller, PulumiDeployer, lease_ttl, p
 def scale_settings(stack: str, stacks_dir: Path):
     raw, _ = stackfile.read_config(stack, stacks_dir)
     fallback_price = settings_mod.parse_fallback_price(raw.get("fallbackPrice"))
-    scale = settings_mod.parse_scale(raw, fallback_price)
-    if scale is None:
-        raise ConfigError("colocate:scale", None, f"stack {stack} has no scaling policy: it runs colocate:pod.count pods",
-                          "pulumi config set --path colocate:scale.max 2 (and min, target, ...; README), then "
-                          "pulumi config rm --path colocate:pod.count")
+    scale = settings_mod.parse_scale(raw, fallback_price)  # None: a fixed count, kept and not scaled
     pod = settings_mod.parse_pod({k: v for k, v in raw.items() if k == "pod"})
     return scale, fallback_price, pod.max_price_per_hr
 
@@ -108,15 +111,31 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         pods, draining = deployer.declared()
         print(json.dumps({"declared": {"pods": pods, "draining": draining}, "desired": state.get("desired"),
-                          "decision": state.get("decision"),
+                          "decision": state.get("decision"), "keeper": state.get("keeper"),
+                          "worker_hash": state.get("worker_hash"), "checkout_hash": checkout_hash(),
                           "lock": state.get("lock"), "inflight": state.get("inflight"), "backends": state.get("backends")},
                          indent=2))
         return 0
-    policy = policy_of(scale, fallback_price, per_pod or price_cap)
+    policy = policy_of(scale, fallback_price, per_pod or price_cap) if scale is not None else None
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    keeper = Keeper(deployer, checkout_hash(), say=say)
     ctl = Controller(client, deployer, policy, lock_ttl_s=lease_ttl(args.interval), drain_timeout_s=args.drain_timeout,
-                     say=lambda line: print(line, flush=True))
-    ctl.run(args.interval, steps=args.steps)
+                     say=say, keeper=keeper)
+    if policy is None:
+        say(f"scale: stack {args.stack} has no colocate:scale: keeping its pods, not scaling them")
+    alerts = ctl.run(args.interval, steps=args.steps, stop_on_alert=True)
+    if alerts:
+        print(f"scale.py: stopped on the keeper's alert(s): {', '.join(a['name'] for a in alerts)}", file=sys.stderr)
+        return ALERT_EXIT
     return 0
+
+
+ALERT_EXIT = 3
+
+
+def checkout_hash() -> str:
+    """The content hash of the Worker this checkout would upload (colocate/plan.py WorkerPlan.content_hash)."""
+    return plan_mod.modules_hash(plan_mod.worker_modules())
 
 
 if __name__ == "__main__":

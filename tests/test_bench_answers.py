@@ -21,9 +21,11 @@ def test_long_non_streamed_answers_are_served_by_the_pod_at_the_profiles_pace(tm
     assert doc["breakers_opened"] == []
     [run] = doc["runs"]
     assert (run["sent"], run["by_pod"], run["by_fallback"], run["failed"]) == (2, 2, 0, [])
-    # 600 tokens take the profile's 600 decode steps (about 9 s): load only makes them slower.
+    # 600 tokens take the profile's 600 decode steps (about 3.6 s on the RTX 4090 INT4 pod, the old instant
+    # pod's 95 ms at most): load only makes them slower.
     model = engine.percentile(sorted(run["model_ms"]), 50)
-    assert model > 5_000 and run["measured_p50"] >= 0.9 * model, (run["measured_p50"], model)
+    floor = 600 * profiles.get(profiles.DEFAULT_PROFILE).step_ms(1, 0)
+    assert model > floor > 20 * 95 and run["measured_p50"] >= 0.9 * model, (run["measured_p50"], model, floor)
     assert "every one stayed closed" in capsys.readouterr().out
 
 

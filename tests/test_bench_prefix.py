@@ -180,12 +180,13 @@ def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_
 
 
 def test_the_ttft_breakdown_takes_the_pods_own_ttft_and_the_modelled_api_queue_from_the_clients():
-    from colocate.pods import profiles
+    from colocate.pods import engine, profiles
 
     prof = profiles.get(profiles.DEFAULT_PROFILE)
     rho = 590 * prof.frontend_ms_per_token / 1000
-    assert prefix.api_queue_ms(prof.name, 590) == round(prof.frontend_queue_ms * rho * rho / (1 - rho), 1)
-    assert prefix.api_queue_ms(prof.name, 0) == 0.0
+    assert prefix.api_queue_ms(prof.name, 590) == round(prof.server.request_ms + engine.queue_ms(prof, rho), 1)
+    assert prefix.api_queue_ms(prof.name, 0) == prof.server.request_ms  # the API server's own time, no queue
+    assert prefix.api_queue_ms("oracle", 590) is None
     T = prefix.Turn
     turns = [T(0, 0, 1, 200, 100, 900, 100, "pod-0"), T(1, 0, 2, 200, 140, 900, 100, "pod-1")]
     pods = [{"sum": 0.08, "count": 1}, {"sum": 0.1, "count": 1}, None, {"sum": 0.0, "count": 0}]

@@ -15,6 +15,7 @@ from colocate import settings
 from colocate.errors import ConfigError
 from colocate.pods import standin
 from colocate.probe import live
+from tests.support.images import GUARDED_IMAGE
 from tests.support.workerd import OPERATOR_TOKENS, auth, cell_plan, request, running_cell
 
 PRICE = 100_000.0  # $ per 1M tokens, in and out: $0.10 a token, so a few requests reach a cap
@@ -179,7 +180,8 @@ def test_a_cap_needs_the_fallbacks_price_and_names_each_bad_field():
 
 def cell_raw(**extra) -> dict:
     raw = {"region": "us-east", "generations": [{"name": "us-east.g1", "region": "us-east", "status": "active"}],
-           "accountId": "0" * 32, "pod": {"provider": "runpod", "hop": "token"}, "worker": {"subdomain": "acme"},
+           "accountId": "0" * 32, "pod": {"provider": "runpod", "hop": "token", "image": GUARDED_IMAGE},
+           "worker": {"subdomain": "acme"},
            "fallbackModel": "gpt-4o-mini", "fallbackPrice": {"input": 2.5, "output": 10}}
     return {**raw, **extra}
 

@@ -206,9 +206,11 @@ def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
         keys_before = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
     with driven_cell({"stateTtlMs": 60_000}, storage_dir=store, with_key=False) as c:
         keys_after = request(c.url, "GET", "/_colocate/keys", headers=auth()).json()["keys"]
-        added = {"max_parallel": None, "fallback_microusd_day": None}  # columns added since schema 2, 0 for old rows
+        # columns added since schema 2: 0 for old rows (max_parallel_tokens: none, the cell's default holds)
+        added = {"max_parallel": None, "fallback_microusd_day": None, "max_parallel_tokens": None}
         assert [{**k, **added} for k in keys_after] == [{**k, **added} for k in keys_before]
-        assert all(k["max_parallel"] == 0 and k["fallback_microusd_day"] == 0 for k in keys_after)
+        assert all(k["max_parallel"] == 0 and k["fallback_microusd_day"] == 0 and k["max_parallel_tokens"] is None
+                   for k in keys_after)
         after = request(c.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]
         added = ("estimated_tokens", "fallback_microusd", "refused")  # columns added since schema 2, 0 for old rows
         assert [{k: v for k, v in r.items() if k not in added} for r in after] == before
@@ -227,7 +229,7 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
     with driven_cell({"stateTtlMs": 60_000}, with_key=False) as c:
         g1, g2 = "us-east.m1", "us-east.m2"
         row = {"id": "key_aaaaaaaaaaaa", "hash": "ab" * 32, "prefix": "clc_xxxxxx", "name": "moved", "rpm": 0, "tpm": 0,
-               "monthly_tokens": 100, "max_parallel": 2, "created_at": 1, "expires_at": None}
+               "monthly_tokens": 100, "max_parallel": 2, "max_parallel_tokens": 4096, "created_at": 1, "expires_at": None}
         c.one("createKey", row, {"generation": g1}, gen=g1)
         c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []},
               {"usage": [[TODAY, row["id"], 4, 30, 20, 4, 0, 5]]}, gen=g1)
@@ -235,7 +237,8 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
         assert view["imported"] == [g1]
         assert view["counts"][row["id"]][COUNTER["month_tokens"]] == 50
         found = c.one("lookupKeys", ["ab" * 32], {"generation": g2}, gen=g2)["keys"]
-        assert [(k["id"], k["max_parallel"], k["monthly_tokens"]) for k in found] == [(row["id"], 2, 100)]
+        assert [(k["id"], k["max_parallel"], k["max_parallel_tokens"], k["monthly_tokens"]) for k in found] == [
+            (row["id"], 2, 4096, 100)]
         usage = c.one("usage", {"from": TODAY, "to": TODAY, "key": row["id"]}, {"generation": g2}, gen=g2)
         assert [(u["requests"], u["prompt_tokens"], u["completion_tokens"], u["estimated_tokens"]) for u in usage] == [
             (4, 30, 20, 5)
@@ -244,32 +247,38 @@ def test_a_migration_keeps_usage_month_totals_and_keys(tmp_path):
 
 def test_a_migration_pages_the_export_and_imports_every_row(tmp_path):
     # A generation's history is read a page at a time (at most EXPORT_ROWS rows a call, from
-    # as many tables as fit), never in one answer that could pass what an RPC carries, nor in
-    # a call per table; the successor imports it all.
-    rows = 5000 + 1234  # more than one page (generation.js EXPORT_ROWS)
+    # as many tables as fit, each row with its rowid: the cursor), never in one answer that
+    # could pass what an RPC carries, nor in a call per table; the successor imports it all,
+    # in the background once it is more than a page (its alarm), serving meanwhile.
+    rows = 5000 + 1234  # more than one page (migration.js EXPORT_ROWS)
     with driven_cell({"stateTtlMs": 60_000}, with_key=False) as c:
         g0, g1, g2 = "us-east.p0", "us-east.p1", "us-east.p2"
         c.one("sync", {"generation": g0, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g0)
         empty = c.one("exportAll", None, None, gen=g0)  # a small generation: one call, every table
-        assert empty["next"] is None and [rows for _, rows in empty["parts"]] == [[]] * 13
-        assert [name for name, _ in empty["parts"]][:2] == ["keys", "usage"]
+        assert empty["next"] is None and [(len(r), len(ids)) for _, r, ids in empty["parts"]] == [(0, 0)] * 11
+        assert [name for name, _, _ in empty["parts"]][:2] == ["keys", "leases"]
         usage = [[TODAY, f"key_{i:012d}", 1, 2, 3, 1, 0, 0] for i in range(rows)]
         c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []}, {"usage": usage}, gen=g1)
         page = c.one("exportAll", None, None, gen=g1)
-        assert [(name, len(r)) for name, r in page["parts"]] == [("keys", 0), ("usage", 5000)]
-        assert page["next"] == {"part": 1, "offset": 5000}
+        assert [(name, len(r)) for name, r, _ in page["parts"]] == [
+            ("keys", 0), ("leases", 0), ("peers", 0), ("windows", 0), ("inflight", 0), ("months", 5000)]
+        assert page["next"] == {"part": 5, "after": page["parts"][-1][2][-1]}
         pages = [page]
         while pages[-1]["next"] and len(pages) < 20:
             pages.append(c.one("exportAll", None, pages[-1]["next"], gen=g1))
         assert pages[-1]["next"] is None
-        sizes = [sum(len(r) for _, r in p["parts"]) for p in pages]
+        sizes = [sum(len(r) for _, r, _ in p["parts"]) for p in pages]
         assert all(n == 5000 for n in sizes[:-1]) and 0 < sizes[-1] <= 5000  # every page full but the last
-        assert pages[1]["parts"][0][0] == "usage" and len(pages[1]["parts"][0][1]) == rows - 5000  # the cut table goes on
-        got = [r["key_id"] for p in pages for name, rs in p["parts"] if name == "usage" for r in rs]
+        got = [r["key_id"] for p in pages for name, rs, _ in p["parts"] if name == "usage" for r in rs]
         assert sorted(got) == sorted(u[1] for u in usage)
-        # The successor's read-through takes every page, in one import.
+        # The successor answers at once and imports every page by its alarm.
         view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g2)
-        assert view["imported"] == [g1]
+        assert view["imported"] == [] and view["importing"][0]["total"] == 2 * rows  # key_month's rows and usage's
+        deadline = time.monotonic() + 60
+        while g1 not in view["imported"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            view = c.one("sync", {"generation": g2, "draining": g1, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g2)
+        assert view["imported"] == [g1] and "importing" not in view
         moved = c.one("usage", {"from": TODAY, "to": TODAY, "key": f"key_{rows - 1:012d}"}, {"generation": g2}, gen=g2)
         assert [(u["requests"], u["prompt_tokens"]) for u in moved] == [(1, 2)]
         everything = c.one("usage", {"from": TODAY, "to": TODAY}, {"generation": g2}, gen=g2)

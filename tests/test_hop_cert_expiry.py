@@ -13,6 +13,7 @@ import pytest
 
 from colocate import certexpiry
 from tests.support import fake_cell
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import MOCK_NOT_AFTER, run_program, stack_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ def test_the_verdict_warns_30_days_ahead_and_fails_7(days, level):
     v = certexpiry.check(at(days), NOW, "us-east")
     assert v.level == level
     if level != "ok":
-        assert "pulumi up -s us-east" in v.message and "rolling replacement" in v.message
+        assert "pulumi up -s us-east" in v.message and "side by side" in v.message
     if days < 0:
         assert "expired" in v.message and "fallback" in v.message
 
@@ -45,7 +46,9 @@ def test_the_stack_exports_the_earliest_leaf_end_and_hands_it_to_the_probe():
 
 
 def test_a_token_hop_has_no_certificates_to_watch():
-    config, keys = stack_config("us-east", overrides={"zone": ZONE, "pod": {"provider": "runpod", "hop": "token"}})
+    # RunPod's proxy (the stack without its zone): the pod token behind the pod's guard (the kit's image)
+    config, keys = stack_config("us-east", drop=("zone",),
+                                overrides={"pod": {"provider": "runpod", "image": GUARDED_IMAGE}})
     run = run_program("us-east", config, keys)
     assert run.resolved["hopCertsNotAfter"] is None
     probe = next(r.inputs["create"] for r in run.mocks.of_type("command:local:Command")
@@ -73,3 +76,15 @@ def test_the_probe_judges_the_certificates_beside_its_budgets(probe, capsys, mon
     assert got == code, err
     assert doc["hop_certificates"]["level"] == level and doc["hop_certificates"]["not_after"] == not_after
     assert ("hop certificates: FAIL" in err) is (level == "fail") and ("expire in" in err) is (level != "ok")
+
+
+def test_the_way_out_says_the_keeper_renews_one_pod_at_a_time_and_an_up_all_at_once_as_colocate_rollout_does():
+    from colocate import rollout
+    from infra.hop import EARLY_RENEWAL_HOURS
+
+    message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC), "us-east").message
+    assert "scripts/scale.py run --stack us-east" in message and "one pod at a time" in message
+    assert f"inside the last {EARLY_RENEWAL_HOURS // 24} days" in message and "all at once" in message
+    assert rollout.ONE_AT_A_TIME is False and "side by side" in message and rollout.CREATE_BEFORE_DELETE
+    # the keeper's window opens before any `pulumi up` would re-issue them all
+    assert certexpiry.RENEW_DAYS > EARLY_RENEWAL_HOURS // 24

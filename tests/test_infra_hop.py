@@ -1,7 +1,8 @@
 """The pod hop's credentials as the stack declares them, under the Pulumi mocks: for every stack in
 stacks/ (and a RunPod cell on a zone, the cloud's mutual-TLS path), the CA and certificates
-(pulumi-tls), the Worker's MtlsCertificate and its POD_TLS binding, each pod's bundle by
-environment, and no private key anywhere but in a secret."""
+(pulumi-tls), the pods' publicly trusted certificates on a zone (pulumiverse-acme, DNS-01), the
+Worker's MtlsCertificate and its POD_TLS binding, each pod's bundle by environment, nothing that
+changes what the zone trusts, and no private key anywhere but in a secret."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import json
 import pytest
 
 from colocate import fleet, stackfile
-from colocate.plan import instance_host
 from colocate.pods import podtls
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import mock_pem, plain, run_program, stack_config, unsecret
 
 WORKER = "cloudflare:index/workersScript:WorkersScript"
 COMMAND = "command:local:Command"
 MTLS = "cloudflare:index/mtlsCertificate:MtlsCertificate"
 TRUST = "cloudflare:index/customOriginTrustStore:CustomOriginTrustStore"
+ACME_CERT = "acme:index/certificate:Certificate"
+ACME_ACCOUNT = "acme:index/registration:Registration"
+ACME_PROVIDER = "pulumi:providers:acme"
 KEY = "tls:index/privateKey:PrivateKey"
 CA = "tls:index/selfSignedCert:SelfSignedCert"
 LEAF = "tls:index/locallySignedCert:LocallySignedCert"
@@ -59,7 +63,7 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
     m = run.mocks
     pods = _pod_commands(run)
     if not _mtls_expected(stack, overrides):
-        assert not any(m.of_type(t) for t in (KEY, CA, LEAF, CSR, MTLS, TRUST))
+        assert not any(m.of_type(t) for t in (KEY, CA, LEAF, CSR, MTLS, TRUST, ACME_CERT, ACME_ACCOUNT))
         assert "POD_TLS" not in _bindings(run)
         for cmd in pods:
             _, env = unsecret(cmd.inputs["environment"])
@@ -72,9 +76,12 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
         assert ca["maxPathLength"] == 0
     assert cas[f"{stack}-hop-check-ca"]["subject"]["commonName"].endswith(podtls.READINESS_CA)
     assert not cas[f"{stack}-hop-ca"]["subject"]["commonName"].endswith(podtls.READINESS_CA)
+    zone = {**stackfile.read_config(stack)[0], **overrides}.get("zone")
     leaves = {r.name: r.inputs for r in m.of_type(LEAF)}
-    # One leaf for the Worker, one per pod, signed by the cell's CA; readiness's by a CA of its own.
-    assert set(leaves) == {f"{stack}-hop-worker", f"{stack}-hop-check", *(f"{stack}-hop-pod-{i}" for i in range(len(pods)))}
+    # One leaf for the Worker, signed by the cell's CA; readiness's by a CA of its own; on a zone each
+    # pod's is publicly trusted (ACME), in the sandbox stack a leaf of the cell's CA.
+    pod_leaves = set() if zone else {f"{stack}-hop-pod-{i}" for i in range(len(pods))}
+    assert set(leaves) == {f"{stack}-hop-worker", f"{stack}-hop-check", *pod_leaves}
     for name, leaf in leaves.items():
         ca = f"{stack}-hop-check-ca" if name.endswith("-hop-check") else f"{stack}-hop-ca"
         assert leaf["caCertPem"] == mock_pem("CERTIFICATE", ca)
@@ -94,24 +101,43 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
         is_secret, env = unsecret(cmd.inputs["environment"])
         assert is_secret
         # The pod trusts the cell's CA only: vLLM cannot hold readiness to /health, so it never admits it.
-        assert env[podtls.BUNDLE_ENV] == podtls.bundle(mock_pem("CERTIFICATE", f"{stack}-hop-pod-{i}"),
-                                                       mock_pem("PRIVATE KEY", f"{stack}-hop-pod-{i}-key"),
+        served = mock_pem("CERTIFICATE", f"{stack}-hop-pod-{i}")
+        if zone:  # the publicly trusted leaf and its issuer's chain
+            served += mock_pem("CERTIFICATE", f"{stack}-hop-pod-{i} issuer")
+        assert env[podtls.BUNDLE_ENV] == podtls.bundle(served, mock_pem("PRIVATE KEY", f"{stack}-hop-pod-{i}-key"),
                                                        mock_pem("CERTIFICATE", f"{stack}-hop-ca"))
         assert mock_pem("CERTIFICATE", f"{stack}-hop-check-ca") not in env[podtls.BUNDLE_ENV]
         check = json.loads(env[podtls.CHECK_ENV])
+        # Readiness checks a zone pod's certificate against the public roots ("ca" empty), as the Worker does.
         assert check == {"cert": mock_pem("CERTIFICATE", f"{stack}-hop-check"),
                          "key": mock_pem("PRIVATE KEY", f"{stack}-hop-check-key"),
-                         "ca": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
+                         "ca": "" if zone else mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
         assert "cert=sha256:" in " ".join(plain(cmd.inputs["triggers"]))  # a re-issued certificate replaces the pod
-    w = m.one(WORKER).inputs
-    zone = {**stackfile.read_config(stack)[0], **overrides}.get("zone")
-    if zone:  # the cloud's path: the Worker trusts the cell's CA through the zone's store
-        trust = m.one(TRUST).inputs
-        assert trust == {"zoneId": zone["id"], "certificate": mock_pem("CERTIFICATE", f"{stack}-hop-ca")}
-        assert w["compatibilityFlags"] == ["cots_on_external_fetch"]
+    if zone:  # the cloud's path: ACME DNS-01 on the zone, with the stack's token as a secret, renewed by `pulumi up`
+        account = m.one(ACME_ACCOUNT)
+        assert m.one(ACME_PROVIDER).inputs["serverUrl"] == "https://acme-v02.api.letsencrypt.org/directory"
+        for cmd in pods:
+            spec = json.loads(cmd.inputs["stdin"])
+            cert = m.one(ACME_CERT, f"-hop-pod-{spec['index']}").inputs
+            assert cert["certificateRequestPem"] == mock_pem("CERTIFICATE REQUEST", f"{stack}-hop-pod-{spec['index']}-csr")
+            assert cert["accountKeyPem"] == account.inputs["accountKeyPem"]
+            challenge_secret, challenges = unsecret(cert["dnsChallenges"])
+            assert challenge_secret
+            assert challenges == [{"provider": "cloudflare", "config": {"CF_DNS_API_TOKEN": "cf-token-s3cret"}}]
+            assert cert["minDaysRemaining"] == 14  # the keeper renews from 30, a pod at a time; an up, all, from 14
         assert all(u.startswith("https://") for u in json.loads(_bindings(run)["POD_URLS"]["text"]))
-    else:
-        assert m.of_type(TRUST) == [] and "compatibilityFlags" not in w
+
+
+def test_no_declared_resource_changes_what_the_zone_trusts_for_other_hostnames(deployed):
+    """No Custom Origin Trust Store (Cloudflare then ignores the public CAs for every origin of the zone)
+    and no cots_on_external_fetch (the Worker's fallback and trace fetches would check public hosts
+    against it): the only things on the zone are the pods' own records and their ACME challenges."""
+    _, _, run = deployed
+    m = run.mocks
+    assert m.of_type(TRUST) == []
+    assert m.one(WORKER).inputs["compatibilityFlags"] == ["enable_request_signal"]  # a client's hang-up reaches the router
+    zone_types = {r.typ for r in m.resources if "zoneId" in r.inputs}
+    assert zone_types <= {"cloudflare:index/dnsRecord:DnsRecord", "cloudflare:index/workersCustomDomain:WorkersCustomDomain"}
 
 
 def _leaks(value, path: str, inside_secret: bool = False):
@@ -143,7 +169,7 @@ def test_renewal_rotates_the_ca_and_every_key_with_the_pods():
     before = run_program("apac-jp", config, keys)
     config, keys = stack_config("apac-jp", overrides={"zone": ZONE, "pod": {"provider": "runpod", "renewal": 1}})
     after = run_program("apac-jp", config, keys)
-    hop_types = (KEY, CA, LEAF, CSR, MTLS, TRUST)
+    hop_types = (KEY, CA, LEAF, CSR, MTLS, ACME_CERT, ACME_ACCOUNT)
     old = {r.name for r in before.mocks.resources if r.typ in hop_types}
     new = {r.name for r in after.mocks.resources if r.typ in hop_types}
     assert old and not old & new and all(n.endswith("-r1") for n in new)
@@ -151,10 +177,17 @@ def test_renewal_rotates_the_ca_and_every_key_with_the_pods():
     assert spec[0]["name"] != spec[1]["name"]
 
 
-def test_hop_token_declares_no_certificates_and_binds_none():
+def test_hop_token_on_a_zone_is_refused_never_plain_http():
+    """On a zone the pod's port is public: a token hop would carry prompts and the pod token in plain HTTP."""
     config, keys = stack_config("apac-jp", overrides={"zone": ZONE, "pod": {"provider": "runpod", "hop": "token"}})
+    with pytest.raises(Exception, match="colocate:pod.hop.*plain HTTP") as err:
+        run_program("apac-jp", config, keys)
+    assert "pulumi config rm --path colocate:pod.hop" in str(err.value)
+
+
+def test_a_zoneless_runpod_stack_declares_no_certificates_and_reaches_the_proxy_over_https():
+    config, keys = stack_config("apac-jp", drop=("zone",), overrides={"pod": {"provider": "runpod", "image": GUARDED_IMAGE}})
     run = run_program("apac-jp", config, keys)
-    assert not any(run.mocks.of_type(t) for t in (KEY, CA, LEAF, MTLS, TRUST))
+    assert not any(run.mocks.of_type(t) for t in (KEY, CA, LEAF, MTLS, TRUST, ACME_CERT))
     assert "POD_TLS" not in _bindings(run)
-    host = instance_host("pod-apac-jp-g1.example.com", "runpod", "pod-123")
-    assert json.loads(_bindings(run)["POD_URLS"]["text"]) == [f"http://{host}:41234"]  # the instance's own name
+    assert all(u.startswith("https://") and ".proxy.runpod.net" in u for u in json.loads(_bindings(run)["POD_URLS"]["text"]))

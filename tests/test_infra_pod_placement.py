@@ -9,6 +9,7 @@ import pytest
 
 from colocate import outputs
 from colocate.plan import instance_host
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import POD_STDOUT, RecordingMocks, run_program, stack_config
 from tests.test_infra_cell import placement_of
 
@@ -32,7 +33,8 @@ def test_placement_host_is_pod_0s_record_and_the_port_its_create_printed():
 
 
 def test_targeted_cells_export_their_mode_and_no_host():
-    config, keys = stack_config("apac-jp")  # RunPod's proxy path: auto is targeted
+    # RunPod's proxy path (the stack without its zone, on the kit's image): auto is targeted
+    config, keys = stack_config("apac-jp", drop=("zone",), overrides={"pod": {"provider": "runpod", "image": GUARDED_IMAGE}})
     run = run_program("apac-jp", config, keys)
     assert run.resolved[outputs.PLACEMENT_MODE] == "targeted" and run.resolved[outputs.PLACEMENT_HOST] is None
     assert "--placement-mode targeted" in run.mocks.one(COMMAND, "-probe").inputs["create"]
@@ -41,7 +43,9 @@ def test_targeted_cells_export_their_mode_and_no_host():
 
 @pytest.mark.parametrize("stack, why", [("apac-jp", "anycast"), ("sandbox", "localhost")])
 def test_pod_mode_without_a_single_homed_address_stops_before_any_resource(stack, why):
-    config, keys = stack_config(stack, overrides={"worker": {"subdomain": "acme", "placement": "pod"}})
+    unzoned = {"drop": ("zone",), "pod": {"provider": "runpod", "image": GUARDED_IMAGE}} if stack == "apac-jp" else {}
+    config, keys = stack_config(stack, drop=unzoned.pop("drop", ()),
+                                overrides={"worker": {"subdomain": "acme", "placement": "pod"}, **unzoned})
     mocks = RecordingMocks()
     with pytest.raises(pulumi.RunError) as err:
         run_program(stack, config, keys, mocks=mocks)

@@ -10,6 +10,7 @@ import pytest
 
 from colocate import outputs
 from colocate.plan import instance_host
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import SECRET_VALUES, plain, run_program, stack_config, unsecret
 
 COMMAND = "command:local:Command"
@@ -17,8 +18,10 @@ WORKER = "cloudflare:index/workersScript:WorkersScript"
 
 
 def deploy(count: int, stack: str = "us-east", pod: dict | None = None, secrets: dict | None = None, **kwargs):
-    pod = {"provider": "runpod", "count": count, **(pod or {})}
-    config, keys = stack_config(stack, overrides={"pod": pod, **kwargs}, secrets=secrets)
+    """The stack without its zone, on RunPod's proxy (the kit's image: the pod's guard), unless ``kwargs`` give one."""
+    pod = {"provider": "runpod", "count": count, "image": GUARDED_IMAGE, **(pod or {})}
+    config, keys = stack_config(stack, overrides={"pod": pod, **kwargs}, secrets=secrets,
+                                drop=() if "zone" in kwargs else ("zone",))
     return run_program(stack, config, keys)
 
 
@@ -80,7 +83,7 @@ def test_pods_are_spread_over_the_regions_locations():
 
 
 def test_an_image_change_replaces_every_pod_and_each_gets_a_new_name():
-    old, new = pods_of(baseline(3)), pods_of(deploy(3, pod={"image": "vllm/vllm-openai:v0.12.0"}))
+    old, new = pods_of(baseline(3)), pods_of(deploy(3, pod={"image": GUARDED_IMAGE.replace("v0.33.0", "v0.12.0")}))
     assert list(old) == list(new)
     for name in old:
         assert old[name]["triggers"] != new[name]["triggers"], name
@@ -205,8 +208,8 @@ def test_a_pod_is_in_state_before_anything_waits_on_it():
         assert [json.loads(t) for t in plain(wait["triggers"])] == [rented]  # a new rent is a new wait
     # After the update, the stack's pods that no declared pod holds are deleted.
     sweep = by_name["us-east-pod-sweep"]["create"]
-    assert sweep == ".venv/bin/python scripts/pod.py sweep --stack us-east --destroy --provider runpod " \
-                    "--keep pod-123 --keep pod-123-1"
+    assert sweep == f".venv/bin/python scripts/pod.py sweep --stack us-east --scope {run.resolved['podScope']} " \
+                    "--destroy --provider runpod --keep pod-123 --keep pod-123-1"
 
 
 def test_pod_0_keeps_the_resource_it_had_as_the_only_pod(declared_options):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import plain, run_program, stack_config
 
 COMMAND = "command:local:Command"
@@ -15,8 +16,9 @@ SCALE = {"min": 0, "max": 3, "target": 60}
 
 
 def deploy(pods: int, draining: int = 0):
-    pod = {"provider": "runpod"}
-    config, keys = stack_config("us-east", overrides={"pod": pod, "scale": {**SCALE, "pods": pods, "draining": draining}})
+    pod = {"provider": "runpod", "image": GUARDED_IMAGE}  # RunPod's proxy: the stack without its zone
+    config, keys = stack_config("us-east", drop=("zone",),
+                                overrides={"pod": pod, "scale": {**SCALE, "pods": pods, "draining": draining}})
     run = run_program("us-east", config, keys)
     commands = {r.name: r.inputs for r in run.mocks.of_type(COMMAND) if "pod.py rent" in r.inputs["create"]}
     bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
@@ -140,3 +142,23 @@ def test_a_scaling_steps_probe_reports_and_cannot_fail_the_step(monkeypatch):
     _, _, run = deploy(1, 0)
     probe = next(r.inputs["create"] for r in run.mocks.of_type(COMMAND) if "probe.py" in r.inputs.get("create", ""))
     assert "--wait" in probe
+
+
+def test_a_scaled_stack_still_on_the_legacy_probe_token_reads_its_worker_with_it(monkeypatch):
+    """Only colocate:probeToken set (deprecated, it stands in for the three operator tokens): the
+    program reads the controller's count with it, as the Worker then accepts, not with an empty token."""
+    from tests.support.pulumi_mocks import SECRET_VALUES
+
+    secrets = {k: v for k, v in SECRET_VALUES.items() if k not in ("readToken", "adminToken", "exchangeToken")}
+    secrets["probeToken"] = "probe-token-s3cret"
+    worker = FakeWorker({"pods": 2, "draining": 0, "owner": "c1", "at": 1})
+    monkeypatch.setenv("COLOCATE_WORKER_URL", worker.url)
+    try:
+        config, keys = stack_config("us-east", overrides={"pod": {"provider": "runpod"},
+                                                          "scale": {**SCALE, "pods": 1, "draining": 0}}, secrets=secrets)
+        run = run_program("us-east", config, keys)
+    finally:
+        worker.close()
+    assert worker.auth == ["Bearer probe-token-s3cret"]
+    assert sorted(r.name for r in run.mocks.of_type(COMMAND) if "pod.py rent" in r.inputs["create"]) == [
+        "us-east-pod-0", "us-east-pod-1"]

@@ -82,6 +82,17 @@ def test_max_parallel_is_set_and_listed(cell, token, capsys):
     assert code != 0 and "max_parallel" in err and "-1" in err
 
 
+def test_max_parallel_tokens_is_set_listed_and_defaults_to_the_cells(cell, token, capsys):
+    code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "prompt-bot", "--max-parallel-tokens", "4096", "--json")
+    assert code == 0 and json.loads(out)["max_parallel_tokens"] == 4096
+    code, out, err = run(capsys, "create", "--url", cell.url, "--name", "prompt-default")
+    assert code == 0 and "max_parallel_tokens 8192 (default)" in err  # colocate:keys.defaults: one context
+    code, out, _ = run(capsys, "list", "--url", cell.url)
+    header = out.splitlines()[0]
+    row = next(line for line in out.splitlines() if "prompt-bot" in line)
+    assert "prompt tokens" in header and " 4096 " in row
+
+
 def test_list_json_revoke_and_usage(cell, token, capsys):
     code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "tmp", "--json")
     made = json.loads(out)

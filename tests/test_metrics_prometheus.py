@@ -8,6 +8,8 @@ import hashlib
 import json
 import math
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -70,6 +72,8 @@ def test_a_real_prometheus_scrapes_the_cell_and_agrees_with_the_clients(cell, tm
         assert cell.call("PUT", "/_colocate/breaker", body={"force": "open"}, headers=auth()).status == 200
         assert set(send(30)) == {200}
         assert cell.call("PUT", "/_colocate/breaker", body={"force": None}, headers=auth()).status == 200
+        # streamed answers: the dashboard's ttft and itl panels by backend read them
+        assert {cell.call("POST", "/v1/chat/completions", body=chat(stream=True)).status for _ in range(5)} == {200}
         seen = {b: {s: [] for s in ROUTED} for b in ("pod-0", "fallback")}
         for res in cell.responses:  # every routed answer of this cell, the earlier test's too
             if "x-colocate-backend" in res.headers:
@@ -110,3 +114,77 @@ def test_a_real_prometheus_scrapes_the_cell_and_agrees_with_the_clients(cell, tm
             assert "$" not in e, e
             answered += bool(prom.query(e))  # raises PrometheusError naming the expression on a bad one
         assert answered >= len(exprs) - 2  # all but the breaker's not-closed pods (none) have data
+
+
+ALERTS = ROOT / "docs" / "grafana" / "alerts.yml"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs Debian's prometheus package (promtool; make prometheus)")
+def test_the_fallback_share_alert_pages_for_a_cell_whose_pods_do_not_serve_and_only_then(tmp_path):
+    """promtool's own rule tests: three cells' counters over 10 minutes. `down` has a pod in rotation
+    and the fallback answers 1 request a second of 2 (50 %); `ok` 1 of 100 (1 %); `zero` routes to no
+    pod (no breaker series: scaled to zero) and everything is the fallback's."""
+    series = [
+        {"series": 'colocate_requests_total{cell="down",backend="pod-0"}', "values": "0+60x10"},
+        {"series": 'colocate_requests_total{cell="down",backend="fallback"}', "values": "0+60x10"},
+        {"series": 'colocate_breaker_state{cell="down",pod="0",state="closed"}', "values": "1x10"},
+        {"series": 'colocate_requests_total{cell="ok",backend="pod-0"}', "values": "0+5940x10"},
+        {"series": 'colocate_requests_total{cell="ok",backend="fallback"}', "values": "0+60x10"},
+        {"series": 'colocate_breaker_state{cell="ok",pod="0",state="closed"}', "values": "1x10"},
+        {"series": 'colocate_requests_total{cell="zero",backend="fallback"}', "values": "0+60x10"},
+    ]
+    fired = {"eval_time": "9m", "alertname": "ColocateFallbackShareHigh",
+             "exp_alerts": [{"exp_labels": {"cell": "down", "severity": "page"},
+                             "exp_annotations": {"summary": "down: the fallback answers 50% of requests",
+                                                 "description": "The pods are not serving and every request is bought "
+                                                                "from the paid API. Check `scripts/probe.py --stack down "
+                                                                "--live` and `scripts/pod.py status`."}}]}
+    not_yet = {"eval_time": "1m", "alertname": "ColocateFallbackShareHigh", "exp_alerts": []}  # `for: 2m`
+    spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [fired, not_yet]}]}
+    (tmp_path / "alerts.test.yml").write_text(json.dumps(spec))  # JSON is YAML
+    proc = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts.test.yml")], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # and the rule fails the test when it would page the healthy cell: the test can fail
+    fired["exp_alerts"][0]["exp_labels"]["cell"] = "ok"
+    (tmp_path / "alerts.test.yml").write_text(json.dumps(spec))
+    wrong = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts.test.yml")], capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert wrong.returncode != 0
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs Debian's prometheus package (promtool; make prometheus)")
+def test_the_keepers_alerts_page_for_the_cell_that_raised_one_and_for_a_keeper_that_stopped(tmp_path):
+    """Two cells over 30 minutes: `stuck` raises replace_failed from minute 3 and its keeper stops
+    recording at minute 5 (10 minutes without a pass at minute 16, then `for: 5m`); `ok` raises
+    nothing and records a pass every minute."""
+    series = [{"series": f'colocate_keeper_alert{{cell="{cell}",alert="{name}"}}',
+               "values": "0 0 0 1x27" if (cell, name) == ("stuck", "replace_failed") else "0x30"}
+              for cell in ("stuck", "ok") for name in ("replace_failed", "update_failing", "stack_locked", "stale_checkout")]
+    series += [{"series": 'colocate_keeper_last_pass_timestamp_seconds{cell="ok"}', "values": "0+60x30"},
+               {"series": 'colocate_keeper_last_pass_timestamp_seconds{cell="stuck"}', "values": "0+60x5 300x25"}]
+    raised = {"eval_time": "4m", "alertname": "ColocateKeeperAlert",
+              "exp_alerts": [{"exp_labels": {"cell": "stuck", "alert": "replace_failed", "severity": "page"},
+                              "exp_annotations": {"summary": "stuck: the keeper raised replace_failed",
+                                                  "description": "The keeper cannot mend this alone. `scripts/scale.py "
+                                                                 "status --stack stuck` shows its record and the message; "
+                                                                 "docs/pods.md, \"The keeper\", says what each means."}}]}
+    stopped = {"eval_time": "22m", "alertname": "ColocateKeeperStopped",
+               "exp_alerts": [{"exp_labels": {"cell": "stuck", "severity": "ticket"},
+                               "exp_annotations": {"summary": "stuck: the keeper has not passed for 17m 0s",
+                                                   "description": "Nothing checks the cell's pods or renews its "
+                                                                  "certificates. Start it again: `scripts/scale.py run "
+                                                                  "--stack stuck` under systemd or cron."}}]}
+    not_yet = {"eval_time": "20m", "alertname": "ColocateKeeperStopped", "exp_alerts": []}  # pending: `for: 5m`
+    spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [raised, stopped, not_yet]}]}
+    (tmp_path / "keeper.test.yml").write_text(json.dumps(spec))
+    proc = subprocess.run(["promtool", "test", "rules", str(tmp_path / "keeper.test.yml")], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    raised["exp_alerts"][0]["exp_labels"]["cell"] = "ok"  # the test can fail: the healthy cell does not page
+    (tmp_path / "keeper.test.yml").write_text(json.dumps(spec))
+    wrong = subprocess.run(["promtool", "test", "rules", str(tmp_path / "keeper.test.yml")], capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert wrong.returncode != 0

@@ -29,9 +29,8 @@ def run(stacks, *argv):
 
 def test_start_edits_ledger_and_region_keeping_comments_and_order(stacks, capsys):
     path = stacks / "Pulumi.apac-jp.yaml"
-    # Vast.ai pods need a zone (a Worker cannot fetch their IP address): the operator has one.
-    path.write_text(path.read_text().rstrip("\n") + "\n  colocate:zone:\n    id: 0123456789abcdef0123456789abcdef\n"
-                    "    name: example.com\n")
+    # Vast.ai pods need a zone (a Worker cannot fetch their IP address): the stack has one.
+    assert "colocate:zone:" in path.read_text()
     before = path.read_text()
     assert run(stacks, "start", "--stack", "apac-jp", "--to", "apac-tw", "--provider", "vastai") == 0
     after = path.read_text()
@@ -60,8 +59,9 @@ ZONE_LINES = "\n  colocate:zone:\n    id: 0123456789abcdef0123456789abcdef\n    
 def with_zone_and_gpu(stacks, stack, gpu=None):
     """The stack file with a zone (Vast.ai pods need one) and, if given, another pod.gpu."""
     path = stacks / f"Pulumi.{stack}.yaml"
-    # With a zone, the stack file's own comment says to remove `hop: token` (mutual TLS then).
-    text = path.read_text().replace("    hop: token\n", "").rstrip("\n") + ZONE_LINES
+    text = path.read_text()
+    if "colocate:zone:" not in text:  # the shipped RunPod stacks have one already
+        text = text.rstrip("\n") + ZONE_LINES  # with a zone: mutual TLS
     if gpu is not None:
         text = text.replace("gpu: NVIDIA GeForce RTX 4090", f"gpu: {gpu}")
     path.write_text(text)
@@ -124,12 +124,26 @@ def test_a_vastai_pod_without_a_gpu_key_rents_the_default_gpu_under_vastai_s_nam
 
 def test_finish_retires_and_plans_the_purge(stacks, capsys):
     assert run(stacks, "start", "--stack", "us-east", "--to", "apac-jp") == 0
-    assert run(stacks, "finish", "--stack", "us-east") == 0
+    assert run(stacks, "finish", "--skip-import-check", "--stack", "us-east") == 0
     raw, _ = stackfile.read_config("us-east", stacks)
     assert [g["status"] for g in raw["generations"]] == ["retired", "active"]
     out = capsys.readouterr().out
     assert "unbind   binding DRAINING_GENERATION: was us-east.g1" in out
     assert "purge    generation us-east.g1" in out
+
+
+def test_finish_refuses_while_the_cell_cannot_say_how_far_the_import_is(stacks, monkeypatch, capsys):
+    # The import's progress is the cell's to tell (tests/test_migration_import.py asks a real one).
+    assert run(stacks, "status", "--stack", "us-east") == 0  # nothing to ask with no move under way
+    assert "no move under way; active us-east.g1" in capsys.readouterr().out
+    assert run(stacks, "start", "--stack", "us-east", "--to", "apac-jp") == 0
+    path = stacks / "Pulumi.us-east.yaml"
+    snapshot = path.read_bytes()
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", "t")
+    assert run(stacks, "finish", "--stack", "us-east", "--url", "http://127.0.0.1:9") == 2  # discard: nothing answers
+    assert "did not answer" in capsys.readouterr().err
+    assert run(stacks, "status", "--stack", "us-east", "--url", "http://127.0.0.1:9") == 2
+    assert path.read_bytes() == snapshot
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -196,4 +210,4 @@ def test_cli_runs_as_a_subprocess(stacks):
     proc = subprocess.run([sys.executable, "scripts/migrate.py", "plan", "--stack", "us-east", "--to", "eu-west",
                            "--stacks-dir", str(stacks)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "placement aws:us-east-1 -> aws:eu-west-1" in proc.stdout
+    assert "placement host changes from <pod 0's instance>.pod-us-east-g1.example.com" in proc.stdout

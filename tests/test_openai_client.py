@@ -34,16 +34,21 @@ def test_chat_completion_and_models(cell):
 
 
 def test_streaming_with_usage_is_metered(cell):
-    made = cell.create_key("stream", tpm=1)
+    ask = {"model": "client/model", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+           "stream_options": {"include_usage": True}, "max_tokens": 5}
+    raw = client(cell, cell.key).chat.completions.with_raw_response.create(**ask)
+    list(raw.parse())
+    # A tpm that admits the request's most (its body's bytes as the client sends it, and max_tokens) and five tokens more.
+    made = cell.create_key("stream", tpm=len(raw.http_request.content) + 5 + 5)
     c = client(cell, made["key"])
-    chunks = list(c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}],
-                                            stream=True, stream_options={"include_usage": True}, max_tokens=5))
+    chunks = list(c.chat.completions.create(**ask))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text
-    # The pod (as vLLM) reports usage in a final chunk; the router counted it against tpm=1.
-    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+    # The pod (as vLLM) reports usage in a final chunk (more than 5 tokens); the router counted it
+    # against the tpm, so the same request no longer fits beside it.
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 5
     with pytest.raises(openai.RateLimitError) as exc:
-        c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}])
+        list(c.chat.completions.create(**ask))
     assert exc.value.type == "tokens"
 
 

@@ -48,10 +48,11 @@ def test_every_column_a_reader_or_writer_names_is_declared():
 
 
 def test_a_row_of_another_shape_is_refused_naming_the_columns():
-    row = [7, 1, 10, 0, 0, 10, 0, 0, 0, 0]
+    row = [7, 1, 10, 0, 0, 10, 0, 0, 0, 0, 0]
     assert COUNTER.record(row)["req"] == 1 and row[COUNTER["month_tokens"]] == 10
-    with pytest.raises(ValueError, match=r"a counter row has 10 columns \(minute, req, tok, prev_req, prev_tok, month_tokens, "
-                                         r"inflight, day_fallback_microusd, reserved, fallback_reserved\), got 9"):
+    with pytest.raises(ValueError, match=r"a counter row has 11 columns \(minute, req, tok, prev_req, prev_tok, month_tokens, "
+                                         r"inflight, day_fallback_microusd, reserved, prompt_inflight, "
+                                         r"fallback_reserved\), got 10"):
         COUNTER.record(row[:-1])
     misspelt = "requests"  # a window's column, not the exchange's
     with pytest.raises(KeyError, match="exchange has no column 'requests'"):

@@ -11,6 +11,7 @@ from ruamel.yaml import YAML
 from colocate import catalogue, fleet, plan, settings, stackfile
 from colocate.errors import ConfigError, MissingSetting
 from colocate.projectfile import PROJECT_FILE, declared
+from tests.support.images import GUARDED_IMAGE, guarded
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey", "vastaiApiKey"})
 
@@ -28,10 +29,7 @@ def raw_for(region="apac-jp", provider="runpod", **extra):
     if provider == "vastai":  # Vast.ai pods are reached through a DNS-only record on a zone
         raw["zone"] = ZONE
     raw.update(extra)
-    if isinstance(raw["pod"], dict) and raw["pod"].get("provider") == "runpod" and "zone" not in raw:
-        # RunPod without a zone is refused under hop `auto`: these plans say `token` knowingly.
-        raw["pod"] = {"hop": "token", **raw["pod"]}
-    return raw
+    return guarded(raw)
 
 
 ZONE = {"id": "a" * 32, "name": "example.com"}
@@ -108,10 +106,13 @@ def test_a_stack_with_no_operator_token_is_refused_naming_the_first_missing():
 
 def test_new_keys_get_finite_default_limits_and_the_older_name_still_counts():
     p = cell(raw_for())
-    names = ("DEFAULT_RPM", "DEFAULT_TPM", "DEFAULT_MONTHLY_TOKENS", "DEFAULT_MAX_PARALLEL")
-    assert [p.worker.binding(n).text for n in names] == ["3000", "3000000", "1000000000", "8"]
-    s = settings.parse(raw_for(keys={"defaults": {"rpm": 0, "maxParallel": 2}}), "t", secrets=SECRETS, env={})
+    names = ("DEFAULT_RPM", "DEFAULT_TPM", "DEFAULT_MONTHLY_TOKENS", "DEFAULT_MAX_PARALLEL", "DEFAULT_MAX_PARALLEL_TOKENS")
+    # max_parallel_tokens: one context of the default pod (its --max-model-len)
+    assert [p.worker.binding(n).text for n in names] == ["3000", "3000000", "1000000000", "8", "8192"]
+    s = settings.parse(raw_for(keys={"defaults": {"rpm": 0, "maxParallel": 2, "maxParallelTokens": 4096}}), "t", secrets=SECRETS,
+                       env={})
     assert s.key_defaults == {"rpm": 0, "tpm": 3_000_000, "monthly_tokens": 1_000_000_000, "max_parallel": 2,
+                              "max_parallel_tokens": 4096,
                               "fallback_microusd_day": 0 if s.fallback_price is None else 2_000_000}
     assert settings.parse(raw_for(keys={"defaultMaxParallel": 5}), "t", secrets=SECRETS, env={}).key_defaults["max_parallel"] == 5
     with pytest.raises(ConfigError) as err:
@@ -136,7 +137,7 @@ def test_pod_name_is_deterministic_and_triggers_cover_identity():
     a, b = cell(raw_for()), cell(raw_for())
     assert a.pod.name == b.pod.name and a.pod.name.startswith("colocate-t-apac-jp-g1-")
     assert a.pod.triggers() == b.pod.triggers()
-    other = cell(raw_for(pod={"provider": "runpod", "image": "vllm/vllm-openai:v0.12.0"}))
+    other = cell(raw_for(pod={"provider": "runpod", "image": GUARDED_IMAGE.replace("v0.33.0", "v0.12.0")}))
     assert other.pod.triggers() != a.pod.triggers()
     # A replacement never shares its name with the pod it replaces (create would adopt it).
     assert other.pod.name != a.pod.name and other.pod.name.startswith("colocate-t-apac-jp-g1-")
@@ -181,21 +182,22 @@ def test_placement_criteria_and_settings_a_gpu_pod_ignores_keep_the_running_pod(
 
 
 def test_pod_names_stay_as_they_were_placed_until_the_owner_renews_them():
-    # Names computed before pod.renewal existed (a stack upgraded to this kit keeps its
-    # pods): a key left at 0 must not join the identity. Each raise names the pods anew.
-    # The image those pods were placed with (the default then), so the names are the ones they got.
+    # A key left at 0 (renewal, here) must not join the identity, so a stack upgraded to this kit
+    # keeps its pods; each raise names the pods anew. A zoned RunPod cell on the stock image, as
+    # this release names it (a zoneless one on the stock image is refused since the pod's guard:
+    # plan.check_guard_image, so the names such cells had are not kept).
     old = "vllm/vllm-openai:v0.11.0"
-    pods = cell(raw_for(pod={"provider": "runpod", "count": 2, "image": old})).pods
-    assert [p.name for p in pods] == ["colocate-t-apac-jp-g1-p0-f0efa0", "colocate-t-apac-jp-g1-p1-f0efa0"]
+    pods = cell(raw_for(zone=ZONE, pod={"provider": "runpod", "count": 2, "image": old})).pods
+    assert [p.name for p in pods] == ["colocate-t-apac-jp-g1-p0-264fdf", "colocate-t-apac-jp-g1-p1-264fdf"]
     token = plan.token_fingerprint("pod-token-0123456789abcdef")
     assert [p.with_token_fingerprint(token).name for p in pods] == [
-        "colocate-t-apac-jp-g1-p0-2432ea", "colocate-t-apac-jp-g1-p1-2432ea"]
+        "colocate-t-apac-jp-g1-p0-89634f", "colocate-t-apac-jp-g1-p1-89634f"]
     # A local pod is reached over mutual TLS: "hop=mtls" is in its identity.
     local = cell(raw_for("us-east", "local", pod={"provider": "local", "image": old, "profile": "oracle"})).pod
     assert local.name == "colocate-t-us-east-g1-p0-79556c"
     # The stand-in's profile is what the local pod is: another one (the default now) is a new pod.
     assert cell(raw_for("us-east", "local", pod={"provider": "local", "image": old})).pod.name != local.name
-    assert cell(raw_for(pod={"provider": "runpod", "renewal": 0, "image": old})).pod.name == pods[0].name
+    assert cell(raw_for(zone=ZONE, pod={"provider": "runpod", "renewal": 0, "image": old})).pod.name == pods[0].name
     names = {cell(raw_for(pod={"provider": "runpod", "renewal": n})).pod.with_token_fingerprint(token).name
              for n in range(4)}
     assert len(names) == 4
@@ -392,51 +394,51 @@ def test_the_hop_is_mutual_tls_wherever_the_provider_and_path_can_carry_it():
     runpod_zoned = cell(raw_for(zone=ZONE))
     assert runpod_zoned.mtls and runpod_zoned.pod.tls_name == "*.pod-apac-jp-g1.example.com"  # each instance's name
     assert runpod_zoned.worker.binding("POD_TLS").type == "mtls_certificate"
-    # The Worker's external fetch trusts the cell's CA only through the zone's origin trust store.
-    assert runpod_zoned.worker.compatibility_flags == ("cots_on_external_fetch",)
+    # The pods' certificates are publicly trusted (ACME on the zone): no flag puts the script's
+    # external fetches (the fallback, /cdn-cgi/trace) on the zone's Custom Origin Trust Store.
+    assert runpod_zoned.worker.compatibility_flags == ("enable_request_signal",) and runpod_zoned.acme_server.startswith("https://acme-v02.")
     assert "hop=mtls" in runpod_zoned.pod.identity()
     # Vast.ai (always on a zone) carries the bundle in its env object as RunPod does.
     vast = cell(raw_for("apac-tw", "vastai"))
     assert vast.mtls and vast.pod.tls_name == "*.pod-apac-tw-g1.example.com" and "hop=mtls" in vast.pod.identity()
     assert vast.worker.binding("POD_TLS").type == "mtls_certificate"
-    # RunPod's proxy ends TLS itself: only `token`, said knowingly, gets that hop (next test).
+    # RunPod's proxy ends TLS itself: the pod token behind the pod's guard, over HTTPS to the proxy.
     p = cell(raw_for())
-    assert not p.mtls and p.pod.tls_name == "" and p.worker.compatibility_flags == ()
+    assert not p.mtls and p.pod.tls_name == "" and p.acme_server is None
+    assert p.worker.compatibility_flags == ("enable_request_signal",)
+    assert plan.pod_guarded("runpod", p.pod_path, "auto") and not plan.pod_guarded("runpod", "zone-dns", "auto")
     assert "POD_TLS" not in {b.name for b in p.worker.bindings}
+    assert p.pod.worker_url({"id": "abc", "port": 1}).startswith("https://abc-8000.proxy.runpod.net")
     local = cell(raw_for("us-east", "local"))
-    assert local.mtls and local.worker.compatibility_flags == ()  # the sandbox's workerd trusts the CA itself
+    # the sandbox's workerd trusts its roots itself
+    assert local.mtls and local.worker.compatibility_flags == ("enable_request_signal",)
 
 
-def test_runpod_without_a_zone_is_refused_under_hop_auto_naming_the_key_and_both_fixes():
-    raw = raw_for(pod={"provider": "runpod"})
-    del raw["pod"]["hop"]  # raw_for says `token` for zoneless RunPod; the default is `auto`
-    for hop in ({}, {"hop": "auto"}):
-        raw["pod"] = {"provider": "runpod", **hop}
-        with pytest.raises(ConfigError) as err:
-            cell(raw)
-        assert err.value.key == "colocate:pod.hop" and err.value.value == "auto"
-        assert "/invocations" in err.value.problem and "internet" in err.value.problem
-        assert "colocate:zone" in err.value.fix and "colocate:pod.hop token" in err.value.fix
-    raw["pod"]["hop"] = "token"
-    assert cell(raw).pod.path == "provider-proxy" and not cell(raw).mtls  # said knowingly: planned
+def test_runpod_without_a_zone_takes_the_guarded_token_hop_and_refuses_mtls_naming_the_key():
+    for hop in ({}, {"hop": "auto"}, {"hop": "token"}):
+        c = cell(raw_for(pod={"provider": "runpod", **hop}))
+        assert c.pod.path == "provider-proxy" and not c.mtls and plan.pod_guarded("runpod", c.pod_path, c.pod_settings.hop)
+    with pytest.raises(ConfigError) as err:
+        cell(raw_for(pod={"provider": "runpod", "hop": "mtls"}))
+    assert err.value.key == "colocate:pod.hop" and err.value.value == "mtls"
+    assert "colocate:zone" in err.value.fix
+
+
+@pytest.mark.parametrize("provider,region", [("runpod", "apac-jp"), ("vastai", "apac-tw")])
+def test_hop_token_on_a_zone_is_refused_it_would_be_plain_http_on_a_public_port(provider, region):
+    with pytest.raises(ConfigError) as err:
+        cell(raw_for(region, provider, zone=ZONE, pod={"provider": provider, "hop": "token"}))
+    assert err.value.key == "colocate:pod.hop" and err.value.value == "token"
+    assert "plain HTTP" in err.value.problem and "pulumi config rm --path colocate:pod.hop" in err.value.fix
 
 
 def test_the_api_docs_are_off_on_every_hop():
     from colocate.pods.spec import PodSpec
-    for raw in (raw_for(), raw_for(zone=ZONE), raw_for(zone=ZONE, pod={"provider": "runpod", "hop": "token"}),
-                raw_for("apac-tw", "vastai")):
+    for raw in (raw_for(), raw_for(zone=ZONE), raw_for("apac-tw", "vastai")):
         pod = cell(raw).pod
         args = PodSpec.from_dict(pod.spec()).vllm_args()
         assert "--disable-fastapi-docs" in args, (pod.path, pod.mtls)
         assert ("--ssl-cert-reqs" in args) == pod.mtls
-
-
-def test_hop_token_turns_mutual_tls_off_knowingly_and_renames_the_pods():
-    mtls = cell(raw_for(zone=ZONE))
-    token = cell(raw_for(zone=ZONE, pod={"provider": "runpod", "hop": "token"}))
-    host = plan.instance_host("pod-apac-jp-g1.example.com", "runpod", "p1")
-    assert not token.mtls and token.pod.worker_url({"id": "p1", "port": 41234}) == f"http://{host}:41234"
-    assert token.pod.name != mtls.pod.name  # a pod cannot change how it serves while it runs
 
 
 def test_hop_mtls_where_it_cannot_be_carried_is_refused_naming_the_key_and_the_fix():
@@ -533,12 +535,14 @@ def test_a_class_deletion_needs_the_explicit_opt_in(monkeypatch):
 
 def test_pod_py_reads_exactly_the_spec_the_plan_writes():
     # scripts/pod.py re-validates the JSON at its edge; the two field lists must not drift.
-    from dataclasses import fields
+    from dataclasses import MISSING, fields
 
-    from colocate.pods.spec import REQUIRED, PodSpec
+    from colocate.pods.spec import OPTIONAL, REQUIRED, PodSpec
 
     written = set(cell(raw_for()).pod.spec())
-    assert written == set(REQUIRED) == {f.name for f in fields(PodSpec)}
+    assert written == set(REQUIRED) | set(OPTIONAL) == {f.name for f in fields(PodSpec)}
+    # a field a spec of an earlier release lacks has a default pod.py falls back to
+    assert all(f.default is not MISSING for f in fields(PodSpec) if f.name not in REQUIRED)
     assert PodSpec.from_dict(cell(raw_for()).pod.spec()).locations == ("AP-JP-1",)
 
 
@@ -573,20 +577,22 @@ def test_runpod_community_cloud_with_a_zone_is_refused_before_any_pod():
         cell(raw)
     assert err.value.key == "colocate:pod.cloud" and "public ip" in str(err.value)
     assert "colocate:pod.cloud SECURE" in str(err.value)
-    # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there (hop `token`, knowingly).
+    # Without a zone RunPod's proxy needs no public ip: Community Cloud is fine there.
     raw.pop("zone")
-    raw["pod"]["hop"] = "token"
-    assert cell(raw).pod.path == "provider-proxy"
+    assert cell(guarded(raw)).pod.path == "provider-proxy"
 
 
 @pytest.mark.parametrize("stack", ["apac-jp", "eu-west", "us-east"])
-def test_the_sandbox_runs_a_zoneless_runpod_stacks_pods_over_mutual_tls(stack, tmp_path):
-    """The stack says `hop: token` for its cloud path (RunPod's proxy); its local stand-ins get `auto`'s mutual TLS."""
+def test_the_shipped_runpod_stacks_are_zoned_and_their_sandbox_pods_mutual_tls(stack, tmp_path):
+    """No shipped stack leaves vLLM to its guard alone: each RunPod stack's cloud path is its zone's
+    (mutual TLS, any image); its local stand-ins get `auto`'s mutual TLS too."""
     from colocate.sandbox.launch import Launch, build_plan
 
-    assert stackfile.read_config(stack)[0]["pod"]["hop"] == "token"
-    text = stackfile.path_of(stack).read_text().rstrip("\n") + "\n  colocate:worker:\n    subdomain: acme\n"
-    (tmp_path / f"Pulumi.{stack}.yaml").write_text(text)
+    raw = stackfile.read_config(stack)[0]
+    assert "hop" not in raw["pod"] and raw["zone"]["name"]
+    cloud = plan.plan_cell(settings.parse({**raw, "accountId": "0" * 32}, stack, secrets=SECRETS))
+    assert cloud.pod.path == plan.PATH_ZONE_DNS and cloud.mtls
+    (tmp_path / f"Pulumi.{stack}.yaml").write_text(stackfile.path_of(stack).read_text())
     cell_plan, _ = build_plan(Launch(stack, str(tmp_path), None, None, (), False))
     assert cell_plan.pod_settings.provider == "local" and cell_plan.mtls and cell_plan.pod.tls_name == "localhost"
 

@@ -1,7 +1,9 @@
 """The pod hop is mutual TLS: the Worker (real workerd) reaches the pod only with its client
-certificate and only a pod with the cell's certificate; a stranger on the pod's port gets no
-model answer on any route; a wrong or expired certificate on either side fails closed with a
-log line, and the fallback serves."""
+certificate (of the cell's CA) and only a pod whose certificate is publicly trusted for its name
+(a sandbox root stands in for the public CAs, as in the sandbox); a stranger on the pod's port
+gets no model answer on any route; a wrong or expired certificate on either side, or a pod
+certificate of the cell's own CA, fails closed, and the fallback serves. The Worker's other
+fetches (the fallback) are on the same public trust and never on the cell's CA."""
 
 from __future__ import annotations
 
@@ -42,8 +44,14 @@ def worker_leaf(ca):
 
 
 @pytest.fixture(scope="module")
-def worker_client(ca, worker_leaf) -> HopClient:
-    return HopClient(worker_leaf.cert_pem, worker_leaf.key_pem, ca.cert_pem)
+def public() -> LocalCA:
+    """Stands in for the public CAs (in the cloud: the ACME directory's chain, infra/hop.py)."""
+    return LocalCA.create("test public root")
+
+
+@pytest.fixture(scope="module")
+def worker_client(public, worker_leaf) -> HopClient:
+    return HopClient(worker_leaf.cert_pem, worker_leaf.key_pem, public.cert_pem)
 
 
 def _server_context(tmp: Path, ca: LocalCA, leaf) -> ssl.SSLContext:
@@ -56,20 +64,22 @@ def _server_context(tmp: Path, ca: LocalCA, leaf) -> ssl.SSLContext:
 
 
 @contextlib.contextmanager
-def _cell(pod_ctx: ssl.SSLContext, client: HopClient):
-    """A stand-in pod serving mutual TLS, a plain fallback, and workerd with the sandbox plan whose
-    POD_TLS binding presents ``client``; the pod's log lines (its refused handshakes) in ``cell.pod_log``."""
+def _cell(pod_ctx: ssl.SSLContext, client: HopClient, fallback_tls: ssl.SSLContext | None = None):
+    """A stand-in pod serving mutual TLS, a fallback (plain, or over ``fallback_tls``), and workerd with
+    the sandbox plan whose POD_TLS binding presents ``client`` and whose own fetches trust only the
+    client's public root; the pod's log lines (its refused handshakes) in ``cell.pod_log``."""
     plan = cell_plan()
     lines: list[str] = []
     with contextlib.ExitStack() as stack:
         pod = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["POD_TOKEN"], name="pod", tls=pod_ctx,
                                                 log=lines.append))
         fb = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME,
-                                               name="fallback"))
+                                               name="fallback", tls=fallback_tls))
         w = stack.enter_context(Workerd())
         url = f"https://localhost:{pod.port}"
-        w.start(render_config(plan.worker, values_for(url, fb.url), port=w.port, storage_dir=w.directory / "objects",
-                              pod_tls=client))
+        fb_url = f"https://localhost:{fb.port}" if fallback_tls is not None else fb.url
+        w.start(render_config(plan.worker, values_for(url, fb_url), port=w.port, storage_dir=w.directory / "objects",
+                              pod_tls=client, public_roots=[client.ca_pem]))
         cell = Cell(w, [pod], fb, plan)
         cell.pod_log = lines
         cell.key = cell.create_key("hop")["key"]
@@ -77,9 +87,9 @@ def _cell(pod_ctx: ssl.SSLContext, client: HopClient):
 
 
 @pytest.fixture(scope="module")
-def good(ca, worker_client, tmp_path_factory):
+def good(ca, public, worker_client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hop-good")
-    with _cell(_server_context(tmp, ca, ca.server("localhost")), worker_client) as cell:
+    with _cell(_server_context(tmp, ca, public.server("localhost")), worker_client) as cell:
         yield cell
 
 
@@ -95,12 +105,13 @@ def _tls(ca_pem: str | None = None, leaf=None) -> ssl.SSLContext:
     return ctx
 
 
-def _https(port: int, method: str, path: str, ctx: ssl.SSLContext, body: dict | None = None) -> tuple[int, bytes]:
+def _https(port: int, method: str, path: str, ctx: ssl.SSLContext, body: dict | None = None,
+           token: str = SECRETS["POD_TOKEN"]) -> tuple[int, bytes]:
     """One request over TLS (raises on a refused handshake)."""
     conn = http.client.HTTPSConnection("localhost", port, context=ctx, timeout=10)
     try:
         data = json.dumps(body).encode() if body is not None else None
-        conn.request(method, path, body=data, headers={"authorization": f"Bearer {SECRETS['POD_TOKEN']}",
+        conn.request(method, path, body=data, headers={"authorization": f"Bearer {token}",
                                                        "content-type": "application/json"})
         res = conn.getresponse()
         return res.status, res.read()
@@ -139,23 +150,26 @@ def test_the_worker_reaches_its_pod_over_mutual_tls(good):
     assert good.pod.requests >= 1
 
 
-ROUTES = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/health")] + \
-    [(method, path) for path, method in standin.OPEN_ROUTES.items()]
+# The router's routes (the pod's guard opens them to the pod token), and vLLM's routes it never uses.
+ROUTES = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics")]
+UNUSED = [(method, path) for path, method in standin.OPEN_ROUTES.items() if path != "/metrics"]
 
 
-@pytest.mark.parametrize("method,path", ROUTES)
-def test_a_stranger_gets_no_answer_on_any_route(good, ca, worker_leaf, method, path):
+@pytest.mark.parametrize("method,path", ROUTES + UNUSED)
+def test_a_stranger_gets_no_answer_on_any_route(good, public, worker_leaf, method, path):
     port = good.pod.port
     body = chat() if method == "POST" else None
-    # The Worker's credential opens every route the pod has (so the refusals below are the hop's doing) ...
-    status, _ = _https(port, method, path, _tls(ca.cert_pem, worker_leaf), body)
-    assert status == 200, (method, path)
+    # The Worker's credential opens the router's routes (so the refusals below are the hop's doing), and
+    # the pod's guard answers 404 on the routes vLLM has and the router never uses, whoever asks ...
+    status, _ = _https(port, method, path, _tls(public.cert_pem, worker_leaf), body)
+    assert status == (200 if (method, path) in ROUTES else 404), (method, path)
     # ... plain HTTP with the pod token gets no HTTP answer at all ...
     assert not _plain(port, method, path).startswith(b"HTTP/"), (method, path)
-    # ... and neither does TLS without a client certificate, nor with one of another CA.
-    for leaf in (None, LocalCA.create("stranger CA").client("stranger")):
+    # ... and neither does TLS without a client certificate, nor with one of another CA, nor with a
+    # publicly trusted one (anyone can get one of those).
+    for leaf in (None, LocalCA.create("stranger CA").client("stranger"), public.client("stranger")):
         with pytest.raises((ssl.SSLError, ConnectionError, http.client.RemoteDisconnected, OSError)):
-            _https(port, method, path, _tls(ca.cert_pem, leaf), body)
+            _https(port, method, path, _tls(public.cert_pem, leaf), body)
 
 
 def test_the_pod_logs_each_refused_handshake(good):
@@ -167,30 +181,58 @@ def test_the_pod_logs_each_refused_handshake(good):
     assert any(line.startswith("standin: refused a TLS handshake from 127.0.0.1") for line in good.pod_log[before:])
 
 
-def test_an_expired_worker_certificate_fails_closed_and_the_fallback_serves(ca, tmp_path):
+def test_an_expired_worker_certificate_fails_closed_and_the_fallback_serves(ca, public, tmp_path):
     old = ca.client("colocate worker", not_before=PAST, not_after=PAST + datetime.timedelta(days=1))
-    with _cell(_server_context(tmp_path, ca, ca.server("localhost")), HopClient(old.cert_pem, old.key_pem, ca.cert_pem)) as cell:
+    with _cell(_server_context(tmp_path, ca, public.server("localhost")),
+               HopClient(old.cert_pem, old.key_pem, public.cert_pem)) as cell:
         res = cell.call("POST", "/v1/chat/completions", body=chat())
         assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback", res.headers
         assert cell.pod.requests == 0
         assert "certificate has expired" in _wait_log(cell.pod_log, "certificate has expired")
 
 
-@pytest.mark.parametrize("which", ["expired", "other CA", "other name"])
-def test_a_pod_without_the_cells_certificate_is_refused_and_the_fallback_serves(ca, worker_client, tmp_path, which):
+@pytest.mark.parametrize("which", ["expired", "other CA", "other name", "the cell's CA"])
+def test_a_pod_without_a_publicly_trusted_certificate_for_its_name_is_refused_and_the_fallback_serves(
+        ca, public, worker_client, tmp_path, which):
     if which == "expired":
-        leaf, issuer = ca.server("localhost", not_before=PAST, not_after=PAST + datetime.timedelta(days=1)), ca
-    elif which == "other CA":
-        issuer = LocalCA.create("impostor CA")  # a pod (or the next renter of its address) with its own CA
-        leaf = issuer.server("localhost")
-    else:
-        leaf, issuer = ca.server("pod-elsewhere.example"), ca
-    with _cell(_server_context(tmp_path, issuer, leaf), worker_client) as cell:
+        leaf = public.server("localhost", not_before=PAST, not_after=PAST + datetime.timedelta(days=1))
+    elif which == "other CA":  # a pod (or the next renter of its address) with its own CA
+        leaf = LocalCA.create("impostor CA").server("localhost")
+    elif which == "other name":
+        leaf = public.server("pod-elsewhere.example")
+    else:  # the cell's CA signs only the Worker's client certificate: the Worker never trusts it for a pod
+        leaf = ca.server("localhost")
+    with _cell(_server_context(tmp_path, ca, leaf), worker_client) as cell:
         res = cell.call("POST", "/v1/chat/completions", body=chat())
         assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback", res.headers
         assert cell.pod.requests == 0  # not one byte of the request reached it
         log = cell.worker.log_text()
         assert "certificate" in log.lower(), log[-2000:]
+
+
+def _fallback_tls(tmp: Path, leaf) -> ssl.SSLContext:
+    """A public API's server side: its certificate, no client certificate asked."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with podtls.client_files(leaf.cert_pem, leaf.key_pem, leaf.cert_pem) as (pair, _):
+        ctx.load_cert_chain(*pair)
+    return ctx
+
+
+@pytest.mark.parametrize("signed_by", ["public", "cell"])
+def test_the_fallback_call_verifies_the_apis_public_certificate_never_the_cells_ca(
+        ca, public, worker_client, tmp_path, signed_by):
+    """The pod is down (its certificate is the cell CA's, which the Worker refuses), so the fallback is
+    called over TLS: a publicly trusted chain serves; one of the cell's CA, present in the Worker's own
+    credential, is refused: the cell's CA is trusted for nothing the Worker fetches."""
+    issuer = public if signed_by == "public" else ca
+    with _cell(_server_context(tmp_path, ca, ca.server("localhost")), worker_client,
+               fallback_tls=_fallback_tls(tmp_path, issuer.server("localhost"))) as cell:
+        res = cell.call("POST", "/v1/chat/completions", body=chat())
+        assert cell.pod.requests == 0 and res.headers["x-colocate-backend"] == "fallback", res.headers
+        if signed_by == "public":
+            assert res.status == 200 and cell.fallback.requests == 1, res.body
+        else:
+            assert res.status >= 500 and cell.fallback.requests == 0, (res.status, res.body)
 
 
 def test_a_pod_process_serves_tls_from_its_environment_as_vllm_does(ca, tmp_path):
@@ -214,7 +256,7 @@ def test_a_pod_process_serves_tls_from_its_environment_as_vllm_does(ca, tmp_path
         res = request(info["control_url"], "POST", "/_standin/fault", body={"mode": "error"})
         assert res.status == 200 and res.json()["fault"]["mode"] == "error"
         assert _https(info["port"], "GET", "/health", _tls(ca.cert_pem, caller))[0] == 500
-        assert request(info["control_url"], "GET", "/health").status == 404  # the control port is not a back door
+        assert request(info["control_url"], "GET", "/health").status in (401, 404)  # the control port is not a back door
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -281,7 +323,7 @@ def test_runpod_create_carries_the_bundle_first_and_vllms_tls_flags_and_readines
     assert hop_env.key_pem not in err and "PRIVATE KEY" not in err
     # The pod it brought up admits the cell's callers only: a caller without a certificate is refused.
     port = out["port"]
-    assert _https(port, "GET", "/health", _tls(ca.cert_pem, ca.client("colocate worker")))[0] == 200
+    assert _https(port, "GET", "/health", _tls(ca.cert_pem, ca.client("colocate worker")), token=TOKEN)[0] == 200
     with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
         _https(port, "GET", "/health", _tls(ca.cert_pem))
 
@@ -322,6 +364,6 @@ def test_vastai_create_carries_the_bundle_first_in_its_env_object_and_serves_mut
     assert "--disable-fastapi-docs" in sent["args"]
     assert hop_env.key_pem not in err and "PRIVATE KEY" not in err
     port = out["port"]
-    assert _https(port, "GET", "/health", _tls(ca.cert_pem, ca.client("colocate worker")))[0] == 200
+    assert _https(port, "GET", "/health", _tls(ca.cert_pem, ca.client("colocate worker")), token=TOKEN)[0] == 200
     with pytest.raises((ssl.SSLError, ConnectionError, OSError)):  # no client certificate: refused in the handshake
         _https(port, "GET", "/health", _tls(ca.cert_pem))

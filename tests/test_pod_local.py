@@ -109,6 +109,6 @@ def test_a_local_pod_runs_the_profile_its_spec_names(env, capsys):
     r = requests.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "min_tokens": 20})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
-    metrics = requests.get(url + "/metrics", timeout=5).text
+    metrics = requests.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).text
     ttft_count = next(line for line in metrics.splitlines() if line.startswith("vllm:time_to_first_token_seconds_count"))
     assert ttft_count.endswith(" 1.0")  # the engine served it (the oracle counts nothing)

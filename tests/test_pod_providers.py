@@ -35,12 +35,15 @@ def make_spec(region: str, provider: str, stack: str = "t1", gen: int = 1, **ove
                            # The providers' mechanics, not the pod's timing: a local pod answers in computeMs.
                            profile=over.get("profile", "oracle"),
                            # The providers' placement, not the hop: tests/test_pod_hop.py covers mutual TLS.
-                           hop=over.get("hop", "token"))
+                           hop="auto" if over.get("hop", "token") == "token" else over["hop"])
     generation = f"{region}.g{gen}"
     plan = PodPlan(index=0, name=f"colocate-{stack}-{generation}".replace(".", "-"), stack=stack, region=region,
                    generation=generation, settings=settings,
                    locations=catalogue.region(region).locations(provider), pod_hostname=None)
-    return plan.spec()
+    spec = plan.spec()
+    if over.get("hop", "token") == "token":
+        spec["tls_name"] = ""  # a plain-HTTP pod: the providers' mechanics (a zone refuses it in the plan)
+    return spec
 
 
 @pytest.fixture
@@ -113,7 +116,7 @@ def test_runpod_happy_path_pins_the_data_centre_and_waits_for_health(fake_runpod
     assert code == 0, err
     assert set(out) >= {"id", "provider", "location", "url", "cost_per_hr", "gpu", "name", "ip", "port"}
     assert out["provider"] == "runpod" and out["location"] == "AP-JP-1" and out["name"] == "colocate-t1-apac-jp-g1"
-    assert requests.get(out["url"] + "/health", timeout=5).status_code == 200
+    assert requests.get(out["url"] + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).status_code == 200
     sent = fake_runpod.calls("POST", "/v2/pods")
     assert len(sent) == 1 and sent[0]["dataCenterIds"] == ["AP-JP-1"] and sent[0]["ports"] == ["8000/tcp"]
     assert sent[0]["env"] == {"VLLM_API_KEY": TOKEN} and "--quantization gptq_marlin" in sent[0]["args"]
@@ -556,7 +559,7 @@ def test_runpod_without_a_zone_exposes_http_and_reports_the_proxy_address(fake_r
     sent = fake_runpod.calls("POST", "/v2/pods")
     assert sent[-1]["ports"] == ["8000/http"]
     assert out["url"] == fake_runpod.proxy_template.format(pod_id=out["id"], port=8000)
-    assert requests.get(out["url"] + "/health", timeout=5).status_code == 200
+    assert requests.get(out["url"] + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).status_code == 200
 
 
 def test_the_real_proxy_address_form():
@@ -576,3 +579,48 @@ def test_a_running_pod_without_a_public_address_fails_fast_with_the_fix(fake_run
     assert code == 1 and out is None and time.monotonic() - t < 120
     assert "no public address" in err and "pulumi config set --path colocate:pod.cloud SECURE" in err
     assert "destroyed" in err and fake_runpod.live() == []
+
+
+def test_runpod_a_pod_placed_outside_the_region_is_deleted_and_the_next_location_tried(fake_runpod, env, capsys):
+    """v2's dataCenterIds are preferred data centers: RunPod may put the pod elsewhere. The first create
+    lands in EU-RO-1 (outside apac-jp): it is deleted at once and the next location of the region is tried."""
+    locations = catalogue.region("us-east").locations("runpod")
+    fake_runpod.placed_in = {locations[0]: "EU-RO-1"}
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod"))])
+    assert code == 0, err
+    assert out["location"] == locations[1] and [p["id"] for p in fake_runpod.live()] == [out["id"]]
+    assert "placed in EU-RO-1, outside us-east" in err
+    assert [b["dataCenterIds"] for b in fake_runpod.calls("POST", "/v2/pods")] == [[locations[0]], [locations[1]]]
+    # Nowhere in the region: nothing is left running, and the table says where each one landed.
+    fake_runpod.placed_in = {loc: "EU-RO-1" for loc in locations}
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("us-east", "runpod", stack="t2"))])
+    assert code == 1 and out is None and "EU-RO-1" in err
+    assert [p["id"] for p in fake_runpod.live()] == [fake_runpod.live()[0]["id"]]  # only the first stack's
+
+
+def test_vastai_offers_are_capped_on_traffic_as_well_as_the_hour(fake_vast, env, capsys):
+    """Each boot pulls ~16 GB: an offer that bills traffic above colocate:pod.maxTransferPerGb ($0.02/GB by
+    default) is neither asked for nor rented, even if the server returns it. No `type` is sent: on-demand
+    is the spec's default (its enum lists "ondemand"; the official client sends "on-demand")."""
+    fake_vast.ignored_filters = {"inet_down_cost", "inet_up_cost"}
+    fake_vast.offers = [offer(81, "TW", 0.20, inet_cost=0.20), offer(82, "TW", 0.40)]
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai"))])
+    assert code == 0, err
+    search = fake_vast.calls("POST", "/api/v0/bundles")[0]
+    assert search["inet_down_cost"] == {"lte": 0.02} and search["inet_up_cost"] == {"lte": 0.02}
+    assert "type" not in search
+    assert out["cost_per_hr"] == 0.40 and fake_vast.calls("PUT", "/api/v0/asks/81") == []
+    fake_vast.offers = [offer(83, "TW", 0.20, inet_cost=0.20)]
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, make_spec("apac-tw", "vastai", stack="t2"))])
+    assert code == 1 and "$0.02/GB of traffic" in err
+
+
+def test_the_vast_specs_type_enum_is_what_the_kit_relies_on():
+    import yaml
+
+    from tests.support.fake_providers import SPECS
+
+    spec = yaml.safe_load((SPECS / "vastai-openapi.yaml").read_text())
+    body = spec["paths"]["/api/v0/bundles"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    kind = body["properties"]["type"]
+    assert "ondemand" in kind["enum"] and "on-demand" not in kind["enum"] and "Default" in kind["description"]

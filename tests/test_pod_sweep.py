@@ -145,3 +145,45 @@ def test_delete_falls_back_to_the_saved_key_and_names_the_fix_when_every_key_is_
     assert "refused every key tried (pulumi config, environment RUNPOD_API_KEY)" in err
     assert "pulumi config set --secret colocate:runpodApiKey <current key>" in err and "may still be billing" in err
     assert [p["id"] for p in fake_runpod.live()] == [created["id"]]
+
+
+OURS, THEIRS = "abc123", "def456"  # plan.pod_scope of two projects, each with a stack t1 on one account
+
+
+def scoped_spec(index: int, scope: str) -> dict:
+    spec = make_spec("apac-jp", "runpod")
+    return {**spec, "index": index, "name": f"colocate-t1-{scope}-apac-jp-g1-p{index}-{DIGEST}"}
+
+
+def test_destroys_sweep_deletes_every_pod_of_its_scope_and_leaves_another_projects_stack_of_that_name(
+        fake_runpod, env, capsys):  # noqa: F811
+    """`pulumi destroy` runs the sweep Command's delete (no --keep): every pod of the stack's scope goes, one
+    a killed rent left on no record included, and a pod named before scopes; another project's `t1` stays."""
+    ours = run(capsys, ["create", "--spec", write_spec(env, scoped_spec(0, OURS))])[1]
+    lost = run(capsys, ["create", "--spec", write_spec(env, scoped_spec(1, OURS))])[1]  # on no record
+    old = run(capsys, ["create", "--spec", write_spec(env, pod_spec(0))])[1]  # named before scopes
+    theirs = run(capsys, ["create", "--spec", write_spec(env, scoped_spec(0, THEIRS))])[1]
+    code, out, err = run(capsys, sweep_argv(env, "--scope", OURS, "--destroy", "--provider", "runpod"))
+    assert code == 0, err
+    assert sorted(out["destroyed"]) == sorted([ours["id"], lost["id"], old["id"]])
+    assert [p["id"] for p in fake_runpod.live()] == [theirs["id"]]
+
+
+def test_a_sweep_without_a_scope_lists_every_scope_but_destroys_only_unscoped_names(fake_runpod, env, capsys):  # noqa: F811
+    theirs = run(capsys, ["create", "--spec", write_spec(env, scoped_spec(0, THEIRS))])[1]
+    old = run(capsys, ["create", "--spec", write_spec(env, pod_spec(0))])[1]
+    code, out, err = run(capsys, sweep_argv(env, "--destroy"))
+    assert code == 0 and {s["id"] for s in out["strays"]} == {theirs["id"], old["id"]}
+    assert out["destroyed"] == [old["id"]] and out["held"] == [theirs["id"]]
+    assert "--scope $(pulumi stack output podScope --stack t1)" in err
+    assert [p["id"] for p in fake_runpod.live()] == [theirs["id"]]
+
+
+def test_scope_of_reads_the_stacks_names_old_and_new():
+    from colocate.pods.base import belongs_to_stack, scope_of
+
+    assert scope_of("colocate-t1-abc123-apac-jp-g1-p0-0a1b2c", "t1") == "abc123"
+    assert scope_of("colocate-t1-apac-jp-g1-p0-0a1b2c", "t1") == ""
+    assert scope_of("colocate-t1-b-apac-jp-g1-p0-0a1b2c", "t1") is None  # stack t1-b's
+    assert belongs_to_stack("colocate-t1-abc123-apac-jp-g1-p0-0a1b2c", "t1", "abc123")
+    assert not belongs_to_stack("colocate-t1-def456-apac-jp-g1-p0-0a1b2c", "t1", "abc123")

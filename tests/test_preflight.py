@@ -1,7 +1,8 @@
 """Preflight (colocate/preflight.py): before any pod is rented, the Cloudflare token has each
-permission the stack's shape uses and the zone has Advanced Certificate Manager where the trust
-store needs it. Against a local fake of Cloudflare's API (port 0), written from its reference:
-``/user/tokens/verify``, the token's own record, the reads each permission allows, error 1450."""
+permission the stack's shape uses, and the zone's CAA records let the pods' certificates be issued
+without a change that would widen who may issue for the zone's other hostnames. Against a local
+fake of Cloudflare's API (port 0), written from its reference: ``/user/tokens/verify``, the token's
+own record, the reads each permission allows, the zone's DNS records of type CAA."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ ACCOUNT = "0123456789abcdef0123456789abcdef"
 ZONE_ID = "f" * 32
 TOKEN = "cf-token-s3cret"
 ZONE = {"id": ZONE_ID, "name": "example.com"}
-FULL = preflight.Shape(zone=True, mtls=True, trust_store=True)
+LE = "https://acme-v02.api.letsencrypt.org/directory"
+FULL = preflight.Shape(zone=True, mtls=True, acme=True, acme_names=("*.pod-us-east-g1.example.com",), acme_server=LE)
 ALL = {"Workers Scripts Write", "Zone Read", "DNS Write", "SSL and Certificates Write"}
 
 
@@ -27,8 +29,8 @@ class FakeCloudflare:
     """What Cloudflare answers a token: ``grants`` the permission names it holds (account and zone
     alike); ``self_readable`` whether it may read its own record; ``acm`` the zone's ACM."""
 
-    def __init__(self, grants=ALL, self_readable=True, acm=True, status="active", account_owned=False):
-        self.grants, self.self_readable, self.acm, self.status = set(grants), self_readable, acm, status
+    def __init__(self, grants=ALL, self_readable=True, caa=(), status="active", account_owned=False):
+        self.grants, self.self_readable, self.caa, self.status = set(grants), self_readable, list(caa), status
         self.account_owned = account_owned
         self.paths: list[str] = []
         self.auth: set[str] = set()
@@ -89,15 +91,17 @@ class FakeCloudflare:
             return self.ok({"id": "tok1", "status": self.status, "policies": policies})
         needs = {f"/accounts/{ACCOUNT}/workers/scripts": "Workers Scripts Write", f"/zones/{ZONE_ID}": "Zone Read",
                  f"/zones/{ZONE_ID}/dns_records?per_page=1": "DNS Write",
-                 f"/accounts/{ACCOUNT}/mtls_certificates": "SSL and Certificates Write",
-                 f"/zones/{ZONE_ID}/acm/custom_trust_store": "SSL and Certificates Write"}
+                 f"/accounts/{ACCOUNT}/mtls_certificates": "SSL and Certificates Write"}
         if path in needs:
             if needs[path] not in self.grants:
                 return self.refused()
-            if path.endswith("custom_trust_store") and not self.acm:
-                return 403, {"success": False, "errors": [{"code": 1450, "message": "Advanced Certificate Manager "
-                                                           "is required"}], "result": None}
             return self.ok([])
+        if path == f"/zones/{ZONE_ID}/dns_records?type=CAA&per_page=5000":  # as the API lists a CAA record
+            if "DNS Write" not in self.grants:
+                return self.refused()
+            return self.ok([{"id": f"r{i}", "type": "CAA", "name": name, "content": f'0 {tag} "{value}"',
+                             "data": {"flags": 0, "tag": tag, "value": value}, "proxied": False, "ttl": 1}
+                            for i, (name, tag, value) in enumerate(self.caa)])
         return 404, {"success": False, "errors": [{"code": 7003, "message": "No route"}]}
 
 
@@ -118,12 +122,15 @@ def check(fake, shape=FULL, token=TOKEN):
 
 
 def test_the_scopes_follow_the_stack_shape():
-    assert [n.permission for n in preflight.needs(preflight.Shape(False, False, False))] == ["Workers Scripts Write"]
-    assert [n.permission for n in preflight.needs(preflight.Shape(True, False, False))] == [
+    assert [n.permission for n in preflight.needs(preflight.Shape(False, False))] == ["Workers Scripts Write"]
+    assert [n.permission for n in preflight.needs(preflight.Shape(True, False))] == [
         "Workers Scripts Write", "Zone Read", "DNS Write"]
+    # A zoned mutual-TLS cell: the account's SSL permission (the Worker's client certificate), nothing
+    # on the zone's SSL (no trust store: the pods' certificates are publicly trusted, issued by DNS-01).
     full = preflight.needs(FULL)
-    assert [(n.permission, n.scope) for n in full[-2:]] == [("SSL and Certificates Write", "account"),
-                                                            ("SSL and Certificates Write", "zone")]
+    assert [(n.permission, n.scope) for n in full] == [
+        ("Workers Scripts Write", "account"), ("Zone Read", "zone"), ("DNS Write", "zone"),
+        ("SSL and Certificates Write", "account")]
 
 
 @pytest.mark.parametrize("readable", [True, False], ids=["policies", "probes"])
@@ -146,22 +153,48 @@ def test_each_missing_permission_is_named_with_its_fix(fake_cf, readable, lackin
 
 
 def test_the_documented_old_token_cannot_deploy_a_zoned_mtls_cell(fake_cf):
-    """The README's former list (Workers Scripts edit, Zone read, DNS edit) lacks both SSL scopes."""
+    """The README's former list (Workers Scripts edit, Zone read, DNS edit) lacks the account's SSL scope."""
     fake = fake_cf(grants={"Workers Scripts Write", "Zone Read", "DNS Write"})
     problems = check(fake)
     assert [str(p).split(" (needed")[0] for p in problems] == [
-        "cloudflare:apiToken: the token lacks SSL and Certificates Write on the account",
-        "cloudflare:apiToken: the token lacks SSL and Certificates Write on the zone"]
-    assert check(fake, preflight.Shape(zone=True, mtls=False, trust_store=False)) == []
+        "cloudflare:apiToken: the token lacks SSL and Certificates Write on the account"]
+    assert check(fake, preflight.Shape(zone=True, mtls=False)) == []
+
+
+@pytest.mark.parametrize("caa", [
+    [],  # no CAA anywhere: any CA may issue
+    [("example.com", "issue", "letsencrypt.org")],
+    [("example.com", "issue", "pki.goog"), ("pod-us-east-g1.example.com", "issuewild", "letsencrypt.org")],
+    [("example.com", "issuewild", "letsencrypt.org; validationmethods=dns-01")],
+], ids=["none", "apex-allows", "slot-allows", "apex-wild-allows"])
+def test_caa_that_lets_the_acme_directory_issue_for_the_pods_names_passes(fake_cf, caa):
+    assert check(fake_cf(caa=caa)) == []
 
 
 @pytest.mark.parametrize("readable", [True, False], ids=["policies", "probes"])
-def test_a_zone_without_advanced_certificate_manager_is_refused_before_the_trust_store(fake_cf, readable):
-    fake = fake_cf(acm=False, self_readable=readable)
+def test_caa_that_keeps_the_pods_certificates_out_is_refused_without_widening_the_zones_trust(fake_cf, readable):
+    """The zone's apex allows only another CA: the fix is a CAA record on the pods' slot itself, never
+    letsencrypt.org at the apex, which would let it issue for every hostname of the zone."""
+    fake = fake_cf(caa=[("example.com", "issue", "pki.goog"), ("example.com", "issuewild", "digicert.com")],
+                   self_readable=readable)
     problems = check(fake)
-    assert len(problems) == 1 and "Advanced Certificate Manager" in str(problems[0])
-    assert "1450" in str(problems[0]) and "colocate:pod.hop token" in str(problems[0])
-    assert check(fake, preflight.Shape(zone=True, mtls=True, trust_store=False)) == []  # no trust store, no ACM
+    assert len(problems) == 1
+    text = str(problems[0])
+    assert "colocate:zone" in text and "*.pod-us-east-g1.example.com" in text
+    assert "every hostname under example.com" in text and "names that are not the cell's" in text
+    assert 'CAA records on pod-us-east-g1.example.com itself' in text and '0 issuewild "letsencrypt.org"' in text
+    assert check(fake, preflight.Shape(zone=True, mtls=True)) == []  # no ACME names: nothing to issue
+
+
+def test_caa_follows_rfc_8659s_tree_climbing_and_issuewild():
+    records = [("example.com", "issue", "letsencrypt.org"), ("pod-x.example.com", "issue", "pki.goog")]
+    # The closest name with CAA decides: the slot's own record wins over the apex's.
+    assert preflight.caa_allows(records, "*.pod-x.example.com", "letsencrypt.org") == (False, "pod-x.example.com")
+    assert preflight.caa_allows(records, "*.pod-y.example.com", "letsencrypt.org") == (True, "example.com")
+    # A wildcard follows issuewild where that name has one, whatever issue says.
+    wild = [("example.com", "issue", "letsencrypt.org"), ("example.com", "issuewild", ";")]
+    assert preflight.caa_allows(wild, "*.pod-x.example.com", "letsencrypt.org") == (False, "example.com")
+    assert preflight.caa_allows([], "*.pod-x.example.com", "letsencrypt.org") == (True, "")
 
 
 def test_an_account_owned_token_is_verified_on_its_account(fake_cf):
@@ -179,7 +212,7 @@ def test_a_bad_or_inactive_token_says_so_first(fake_cf):
 
 
 def test_wildcards_and_denies_in_policies():
-    need = preflight.TRUST
+    need = preflight.DNS
     allow = {"effect": "allow", "permission_groups": [{"name": need.permission}],
              "resources": {"com.cloudflare.api.account.zone.*": "*"}}
     assert preflight.granted([allow], need, ACCOUNT, ZONE_ID)
@@ -187,7 +220,8 @@ def test_wildcards_and_denies_in_policies():
     assert not preflight.granted([allow, deny], need, ACCOUNT, ZONE_ID)
     account_only = {**allow, "resources": {"com.cloudflare.api.account.*": "*"}}
     assert not preflight.granted([account_only], need, ACCOUNT, ZONE_ID)  # an account wildcard is not its zones
-    assert preflight.granted([account_only], preflight.MTLS, ACCOUNT, ZONE_ID)
+    ssl = {**account_only, "permission_groups": [{"name": preflight.MTLS.permission}]}
+    assert preflight.granted([ssl], preflight.MTLS, ACCOUNT, ZONE_ID)
     other_account = {**allow, "resources": {"com.cloudflare.api.account.abc": {"com.cloudflare.api.account.zone.*": "*"}}}
     assert not preflight.granted([other_account], need, ACCOUNT, ZONE_ID)
 
@@ -199,8 +233,8 @@ def _program(monkeypatch, fake, overrides):
 
 
 def test_the_program_stops_before_any_resource_when_a_scope_is_missing(fake_cf, monkeypatch):
-    """A RunPod cell on a zone (mutual TLS through the trust store): the token lacks the zone's SSL
-    permission, so nothing is declared, least of all a pod."""
+    """A RunPod cell on a zone (mutual TLS, its certificates by DNS-01): the token lacks the zone's
+    DNS permission, so nothing is declared, least of all a pod."""
     fake = fake_cf(grants=ALL - {"DNS Write"})
     overrides = {"zone": ZONE, "pod": {"provider": "runpod"}}
     monkeypatch.setenv(preflight.BASE_ENV, fake.url)

@@ -63,9 +63,10 @@ def test_e2e_and_server_timing_match_the_injected_truth(probe, capsys, monkeypat
     # at 560 ms: far enough apart that a busy machine's own delays cannot make one look like another
     assert seg["ttft"]["n"] == 3 and 60 <= seg["ttft"]["p50"] < 300
     assert seg["itl"]["n"] == 3 and 95 <= seg["itl"]["p50"] < 200  # (last - first) / 5 gaps of 100 ms each
-    # warm-up + fallback check + models + 15 probes + 15 routed + 3 streamed, all over one connection; no key minted
-    assert len(log) == 36
-    assert len({s.client_port for s in log}) == 1
+    # warm-up + fallback check + models + 15 probes + 15 routed + 3 streamed, all over one connection, then the
+    # keeper's record (GET /_colocate/scale); no key minted
+    assert len(log) == 37 and log[-1].path == "/_colocate/scale"
+    assert len({s.client_port for s in log[:-1]}) == 1  # the samples' one connection
     assert not cell.minted
     probes = [s for s in log if s.path.startswith("/_colocate/probe")]
     routed = [s for s in log if s.path.startswith("/v1/")]

@@ -39,7 +39,7 @@ def test_without_a_key_one_is_minted_used_and_revoked_and_never_shown(probe, cap
     assert len(routed) == 4 and all(s.authorization == f"Bearer {rec['key']}" for s in routed)
     # minted after the warm-up (the cell answers first), revoked after the last sample
     paths = [s.path for s in log]
-    assert paths.index("/_colocate/keys") == 1 and paths[-1] == "/_colocate/keys/key1/revoke"
+    assert paths.index("/_colocate/keys") == 1 and paths[-2:] == ["/_colocate/keys/key1/revoke", "/_colocate/scale"]
     shown = json.dumps(doc) + err
     assert rec["key"] not in shown and TOKEN not in shown
     assert "minted client key key1" in err and "revoked client key key1" in err
@@ -119,7 +119,7 @@ def test_a_second_pod_outside_the_region_or_never_healthy_fails(probe, capsys):
     parts = {(v["kind"], v["part"]) for v in doc["violations"]}
     assert parts == {("placement", "pod-1"), ("pod_health", "pod-2")}
     sick = next(v for v in doc["violations"] if v["kind"] == "pod_health")
-    assert "raise colocate:pod.renewal by one" in sick["message"]  # the safe way to a new pod
+    assert "raise colocate:pod.renewal by one" in sick["message"] and "scripts/scale.py run" in sick["message"]
 
 
 def test_a_failed_fallback_check_is_a_violation(probe, capsys):

@@ -67,7 +67,7 @@ def test_the_same_buckets_and_text_as_the_worker():
 def test_a_healthy_window_holds_every_check_with_shares_per_pod():
     rows = (requests(M, "NRT", "0", 300) + requests(M, "NRT", "1", 100) + requests(M + 1, "NRT", "0", 50)
             + [sync(M, "NRT", "NRT", [3, 4, 5] * 20), sync(M + 1, "NRT", "NRT", [3, 4] * 10)])
-    rows.append([M + 1, "NRT", "fallback", "total", enc([400] * 10)])
+    rows.append([M, "NRT", "fallback", "total", enc([400] * 10)])  # 2 % of its minute: within the share
     r = live.build(doc(rows), JP, ["AP-JP-1", "AP-JP-1"], [Budget("state", 25), Budget("state_rtt", 40)])
     assert r.ok, r.violations
     assert r.requests == 460
@@ -78,7 +78,7 @@ def test_a_healthy_window_holds_every_check_with_shares_per_pod():
     assert 2.5 <= r.segments["sync"]["p50"] <= 6
     assert r.placement.ran.colo == "NRT" and r.placement.state.colo == "NRT"
     out = live.to_json(r)
-    assert set(out["segments"]) == {"state", "upstream", "fallback", "total", "ttft", "itl", "sync"}
+    assert set(out["segments"]) == {"state", "upstream", "fallback", "total", "ttft", "itl", "queue", "sync"}
     assert set(out["segments"]["sync"]) == {"p10", "p50", "p90", "p99", "n"}
     assert "OK: all checks hold" in live.table(r)
 

@@ -50,7 +50,7 @@ def _network(targets: dict[str, str]):
 def _outbound(servers, host: str) -> tuple[int, str, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", servers.outbound.port, timeout=10)
     try:
-        conn.request("GET", "/health", headers={"host": host, SITE_HEADER: EDGE})
+        conn.request("GET", "/health", headers={"host": host, SITE_HEADER: EDGE, "authorization": "Bearer t"})
         r = conn.getresponse()
         return r.status, r.getheader("content-type", ""), r.read()
     finally:

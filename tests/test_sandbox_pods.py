@@ -135,20 +135,28 @@ def test_one_pod_of_two_killed_mid_load_costs_no_request(stacks, state_dir):
     assert "pod-0" in _backends(load.results[killed_at + 40:]), "pod 0 carried the load after the kill"
 
 
-def test_a_pod_of_the_default_profile_at_a_third_of_its_token_rate_is_passed_over(tmp_path, state_dir):
-    """The stand-in's slow_tokens fault (factor 3) on pod 0 of two default-profile pods, the cell's
-    default pace rule (colocate:worker.minTokensPerS 25, three slow answers from two keys): a few
-    answers, then every new request goes to pod 1; neither is bought from the fallback."""
+def test_a_pod_of_the_default_profile_under_the_default_pace_is_passed_over(tmp_path, state_dir):
+    """The stand-in's slow_tokens fault on pod 0 of two default-profile pods, slowing its tokens to
+    85 % of the cell's default pace rule (colocate:worker.minTokensPerS 25, three slow answers from
+    two keys): a few answers, then every new request goes to pod 1; neither is bought from the fallback."""
+    import math
+
     import requests
 
+    from colocate import settings
+    from colocate.pods import profiles
     from tests.support.sandbox import MODEL, client_key
+
+    prof = profiles.get(profiles.DEFAULT_PROFILE)
+    alone = 1000 / prof.step_ms(1, 0, 60)  # tokens/s of one answer on an idle pod (169 on the RTX 4090 INT4 pod)
+    factor = math.ceil(alone / (0.85 * settings.WORKER_DEFAULTS["minTokensPerS"]))
 
     d = sandbox_stacks(tmp_path / "stacks", compute_ms=20)
     stackfile.write_config("sandbox", {"pod": {"provider": "local", "count": 2}}, d)  # the default profile
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=d)
     pods = sorted(cell["pods"], key=lambda p: p["index"])
     req = urllib.request.Request(pods[0]["control"] + "/_standin/fault", method="POST",
-                                 data=json.dumps({"mode": "slow_tokens", "factor": 3}).encode(),
+                                 data=json.dumps({"mode": "slow_tokens", "factor": factor}).encode(),
                                  headers={"Content-Type": "application/json"})
     urllib.request.urlopen(req, timeout=5).close()
     keys = [client_key(cell, f"pace-{i}", rpm=0, tpm=0, max_parallel=0)["key"] for i in range(2)]

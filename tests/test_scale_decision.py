@@ -10,6 +10,7 @@ import pytest
 
 from colocate import plan, scale, settings
 from colocate.errors import ConfigError
+from tests.support.images import GUARDED_IMAGE
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"})
 
@@ -19,7 +20,7 @@ def raw(**over) -> dict:
         "region": "apac-jp",
         "generations": [{"name": "apac-jp.g1", "region": "apac-jp", "status": "active"}],
         "accountId": "0123456789abcdef0123456789abcdef",
-        "pod": {"provider": "runpod", "hop": "token"},  # no zone: the open hop, knowingly
+        "pod": {"provider": "runpod", "image": GUARDED_IMAGE},  # no zone: RunPod's proxy, the kit's image (guarded)
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
         "fallbackCap": {"cellUsdPerDay": 0},  # no cap, knowingly: the cap's own tests set one
@@ -81,11 +82,12 @@ def test_a_bad_scale_is_refused_naming_the_key_and_the_fix(over, key, fix):
 
 def test_placement_pod_is_refused_when_pod_0_may_not_exist():
     zone = {"id": "f" * 32, "name": "example.com"}
+    pod = {"provider": "runpod"}  # on a zone the hop is mutual TLS (token is refused there)
     with pytest.raises(ConfigError) as err:
-        plan.plan_cell(parse(zone=zone, worker={"subdomain": "acme", "placement": "pod"}))
+        plan.plan_cell(parse(zone=zone, pod=pod, worker={"subdomain": "acme", "placement": "pod"}))
     assert err.value.key == "colocate:worker.placement" and "colocate:scale.min 1" in str(err.value)
-    assert plan.plan_cell(parse(zone=zone)).worker.placement_mode == "targeted"  # auto
-    assert plan.plan_cell(parse(zone=zone, scale={"min": 1, "max": 2})).worker.placement_mode == "pod"
+    assert plan.plan_cell(parse(zone=zone, pod=pod)).worker.placement_mode == "targeted"  # auto
+    assert plan.plan_cell(parse(zone=zone, pod=pod, scale={"min": 1, "max": 2})).worker.placement_mode == "pod"
 
 
 # --- the decision ---

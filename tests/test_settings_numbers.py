@@ -9,6 +9,7 @@ import pytest
 
 from colocate import settings
 from colocate.errors import ConfigError
+from tests.support.images import GUARDED_IMAGE
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"})
 
@@ -18,7 +19,7 @@ def parse(**over):
         "region": "apac-jp",
         "generations": [{"name": "apac-jp.g1", "region": "apac-jp", "status": "active"}],
         "accountId": "0123456789abcdef0123456789abcdef",
-        "pod": {"provider": "runpod"},
+        "pod": {"provider": "runpod", "image": GUARDED_IMAGE},  # RunPod's proxy: the kit's image (the guard)
         "worker": {"subdomain": "acme"},
         "fallbackModel": "gpt-4o-mini",
         "fallbackCap": {"cellUsdPerDay": 0},  # no cap, knowingly: the cap's own tests set one
@@ -37,19 +38,23 @@ NUMBER_KEYS = {
     "pod.diskGb": (lambda s: s.pod.disk_gb, "60", 60),
     "pod.maxPricePerHr": (lambda s: s.pod.max_price_per_hr, "0.6", 0.6),
     "pod.minReliability": (lambda s: s.pod.min_reliability, "0.95", 0.95),
+    "pod.maxTransferPerGb": (lambda s: s.pod.max_transfer_per_gb, "0.05", 0.05),
     "pod.readyTimeoutS": (lambda s: s.pod.ready_timeout_s, "1200", 1200),
     "pod.computeMs": (lambda s: s.pod.compute_ms, "0", 0),
     "pod.count": (lambda s: s.pod.count, "3", 3),
     "pod.renewal": (lambda s: s.pod.renewal, "0", 0),
+    "pod.maxModelLen": (lambda s: s.pod.max_model_len, "32768", 32768),
     "worker.deadlineMs": (lambda s: s.worker.deadline_ms, "1500", 1500),
     "worker.maxBodyBytes": (lambda s: s.worker.max_body_bytes, "2048", 2048),
     "worker.failureThreshold": (lambda s: s.worker.failure_threshold, "5", 5),
     "worker.openMs": (lambda s: s.worker.open_ms, "10000", 10000),
     "worker.stateTtlMs": (lambda s: s.worker.state_ttl_ms, "0", 0),
     "worker.stallMs": (lambda s: s.worker.stall_ms, "3000", 3000),
+    "worker.bodyTimeoutMs": (lambda s: s.worker.body_timeout_ms, "30000", 30000),
     "worker.minTokensPerS": (lambda s: s.worker.min_tokens_per_s, "12.5", 12.5),
     "worker.prefixBound": (lambda s: s.worker.prefix_bound, "1.25", 1.25),
     "probe.samples": (lambda s: s.samples, "40", 40),
+    "probe.maxFallbackShare": (lambda s: s.max_fallback_share, "0.25", 0.25),
     "budgets.e2e": (lambda s: s.budgets["e2e"], "612.5", 612.5),
     "budgets.state": (lambda s: s.budgets["state"], "25", 25.0),
 }

@@ -1,4 +1,6 @@
-"""The local stand-in pod: OpenAI-compatible routes, auth like vLLM's --api-key, faults, CLI."""
+"""The local stand-in pod: auth like vLLM's --api-key, what it counts, faults, CLI. What it
+writes (answers, streams, errors, /v1/models, /metrics) is checked against vLLM itself by
+tests/engine_contract, which runs the same tests on the stand-in and on a live vLLM."""
 
 from __future__ import annotations
 
@@ -30,11 +32,14 @@ def auth(token="s3cret"):
     return {"Authorization": f"Bearer {token}"}
 
 
-def test_health_is_open_and_models_need_the_token(pod):
+def test_health_and_models_need_the_token(pod):
+    # The pod's guard (colocate_pod_guard, in front of vLLM and of the stand-in alike): vLLM's own 401 body.
     r = requests.get(pod.url + "/health", timeout=5)
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    r = requests.get(pod.url + "/health", headers=auth(), timeout=5)
     assert (r.status_code, r.content) == (200, b"")  # vLLM answers its /health with no body
     r = requests.get(pod.url + "/v1/models", timeout=5)
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}  # vLLM's middleware, not an ErrorResponse
     r = requests.get(pod.url + "/v1/models", headers=auth("wrong"), timeout=5)
     assert r.status_code == 401
     r = requests.get(pod.url + "/v1/models", headers=auth(), timeout=5)
@@ -58,7 +63,7 @@ def test_chat_completion_takes_compute_time_and_counts(pod):
         body = r.json()
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
         assert slow.requests == 1
-    requests.get(pod.url + "/health", timeout=5)
+    requests.get(pod.url + "/health", headers=auth(), timeout=5)
     assert pod.requests == 0  # health checks are not inference requests
 
 
@@ -94,22 +99,6 @@ def _sse(pod, path, body):
     return [json.loads(e[len(b"data: "):]) for e in events[:-1]]
 
 
-@pytest.mark.parametrize("path,extra", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-                                        ("/v1/completions", {"prompt": "x"})])
-def test_include_usage_adds_a_final_usage_chunk_like_vllm(pod, path, extra):
-    chunks = _sse(pod, path, {"model": "m1", "stream": True, "stream_options": {"include_usage": True}, **extra})
-    *tokens, last = chunks
-    assert last["choices"] == [] and last["id"] == tokens[0]["id"]
-    usage = last["usage"]
-    assert usage["completion_tokens"] == len(tokens) and usage["prompt_tokens"] > 0
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert all(c["usage"] is None and c["choices"] for c in tokens), "the other chunks carry usage: null"
-    # Without the option (or with it false) nothing about usage is streamed.
-    for options in ({}, {"stream_options": {"include_usage": False}}):
-        plain = _sse(pod, path, {"model": "m1", "stream": True, **options, **extra})
-        assert all(c["choices"] and "usage" not in c for c in plain)
-
-
 def test_non_streamed_answers_carry_usage_and_stream_options_need_stream(pod):
     body = {"model": "m1", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
     r = requests.post(pod.url + "/v1/chat/completions", json=body, headers=auth(), timeout=5)
@@ -129,45 +118,14 @@ def test_bad_requests_get_json_errors(pod):
     assert r.status_code == 404
 
 
-# What vLLM (v0.11, the default image) refuses, as it answers: pydantic's type errors are 400
-# "Bad Request"; SamplingParams' checks are 400 "BadRequestError" naming the parameter.
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
-REFUSED = [
-    ("/v1/chat/completions", {"model": "m1"}, "Bad Request", None, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "Bad Request", None, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": ["hi"]}, "Bad Request", None, "messages"),
-    ("/v1/completions", {"model": "m1"}, "Bad Request", None, "prompt"),
-    ("/v1/completions", {"model": "m1", "prompt": {"a": 1}}, "Bad Request", None, "prompt"),
-    ("/v1/chat/completions", {**CHAT, "model": 7}, "Bad Request", None, "model"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, "BadRequestError", "max_tokens", "at least 1, got -1"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "BadRequestError", "max_tokens", "at least 1, got 0"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -5}, "BadRequestError", "max_tokens", "got -5"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "BadRequestError", "max_tokens", "at least 1"),
-    ("/v1/chat/completions", json.dumps(CHAT)[:-1].encode() + b', "max_tokens": 1e309}', "Bad Request", None, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": "lots"}, "Bad Request", None, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "n": 1000000}, "BadRequestError", "n", "at most 16384"),
-    ("/v1/chat/completions", {**CHAT, "n": 0}, "BadRequestError", "n", "at least 1"),
-    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "Bad Request", None, "temperature"),
-    ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, "BadRequestError", "temperature", "non-negative"),
-    ("/v1/chat/completions", {**CHAT, "top_p": 0}, "BadRequestError", "top_p", "(0, 1]"),
-    ("/v1/chat/completions", {**CHAT, "stream": "maybe"}, "Bad Request", None, "stream"),
-    ("/v1/chat/completions", {**CHAT, "stream": [True]}, "Bad Request", None, "stream"),
-    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": "yes"}, "Bad Request", None, "stream_options"),
-    ("/v1/chat/completions", [CHAT], "Bad Request", None, "dictionary"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**12}, "BadRequestError", "max_tokens", "maximum context length is 8192"),
-    ("/v1/completions", {"prompt": "x" * 40_000}, "BadRequestError", "input_tokens", "maximum context length is 8192"),
-]
 
 
-@pytest.mark.parametrize("path, body, type_, param, text", REFUSED)
-def test_refuses_what_vllm_refuses_with_its_error_shape(pod, path, body, type_, param, text):
+@pytest.mark.parametrize("body", [{"model": "m1"}, {**CHAT, "max_tokens": -1}, {**CHAT, "max_tokens": 10**12}])
+def test_a_refused_request_counts_and_starts_nothing(pod, body):
     before = pod.requests
-    sent = {"data": body} if isinstance(body, bytes) else {"json": body}  # 1e309 is not JSON Python writes
-    r = requests.post(pod.url + path, **sent, headers=auth(), timeout=5)
-    assert r.status_code == 400, (body, r.text)
-    err = r.json()["error"]
-    assert err == {"message": err["message"], "type": type_, "param": param, "code": 400}
-    assert text in err["message"]
+    r = requests.post(pod.url + "/v1/chat/completions", json=body, headers=auth(), timeout=5)
+    assert r.status_code == 400, r.text
     assert pod.requests == before + 1  # counted like any inference request, but nothing was generated
     assert pod.streams == {"completed": 0, "cut": 0}
 
@@ -176,7 +134,8 @@ def test_a_model_it_does_not_serve_is_404_only_when_told_to_serve_one_name():
     with standin.serve(compute_ms=0, model="served/one", any_model=False) as strict:
         r = requests.post(strict.url + "/v1/chat/completions", json={**CHAT, "model": "other"}, timeout=5)
         assert r.status_code == 404 and r.json()["error"] == {
-            "message": "The model `other` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+            "message": "The model `other` does not exist. Valid aliases: served/one.", "type": "NotFoundError", "param": "model",
+            "code": 404}
         for body in ({**CHAT, "model": "served/one"}, {"messages": CHAT["messages"]}):  # no model: the served one
             r = requests.post(strict.url + "/v1/chat/completions", json=body, timeout=5)
             assert r.status_code == 200 and r.json()["model"] == "served/one", r.text
@@ -205,7 +164,7 @@ def test_a_body_nested_past_the_recursion_limit_is_vllms_bare_500(pod):
     deep = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     r = requests.post(pod.url + "/v1/chat/completions", data=deep, headers=auth(), timeout=5)
     assert r.status_code == 500 and r.text == "Internal Server Error"
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 200  # and it still serves
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 200  # and it still serves
 
 
 def test_fault_injection_error_slow_hang_and_back(pod):
@@ -213,16 +172,16 @@ def test_fault_injection_error_slow_hang_and_back(pod):
     r = requests.post(pod.url + "/_standin/fault", json={"mode": "error"}, timeout=5)
     assert r.json()["fault"]["mode"] == "error"
     assert requests.post(pod.url + "/v1/chat/completions", json=msg, headers=auth(), timeout=5).status_code == 500
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 500
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 500
     pod.set_fault("slow", delay_ms=150)
     t0 = time.monotonic()
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 200
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 200
     assert time.monotonic() - t0 >= 0.15
     pod.set_fault("hang")
     with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.get(pod.url + "/health", timeout=0.3)
+        requests.get(pod.url + "/health", headers=auth(), timeout=0.3)
     pod.set_fault("ok")
-    assert requests.get(pod.url + "/health", timeout=5).status_code == 200
+    assert requests.get(pod.url + "/health", headers=auth(), timeout=5).status_code == 200
     r = requests.post(pod.url + "/_standin/fault", json={"mode": "explode"}, timeout=5)
     assert r.status_code == 400 and "explode" in r.json()["error"]["message"]
 

@@ -2,6 +2,7 @@
 operator endpoints answer, how many object calls a flood of bad keys costs, and how far a
 burst across two isolates can overshoot a limit."""
 
+import json
 import secrets
 import time
 
@@ -103,16 +104,17 @@ def test_requests_per_minute_429_with_retry_after(cell):
 
 
 def test_tokens_per_minute_and_the_monthly_budget_count_the_answers_usage(cell):
-    made = cell.create_key("tpm", tpm=10)
-    first = cell.call("POST", "/v1/chat/completions", body={**chat(), "max_tokens": 30}, headers=bearer(made["key"]))
+    body = {**chat(), "max_tokens": 30}
+    most = len(json.dumps(body)) + 30  # the body's bytes (a prompt token is at most one) and max_tokens
+    made = cell.create_key("tpm", tpm=most + 5)
+    first = cell.call("POST", "/v1/chat/completions", body=body, headers=bearer(made["key"]))
     assert first.status == 200 and first.json()["usage"]["total_tokens"] >= 10
-    res = cell.call("POST", "/v1/chat/completions", body=chat(), headers=bearer(made["key"]))
+    # the same request no longer fits beside what the first used
+    res = cell.call("POST", "/v1/chat/completions", body=body, headers=bearer(made["key"]))
     assert res.status == 429 and openai_error(res)["type"] == "tokens"
-    budget = cell.create_key("month", monthly_tokens=10)
-    assert (
-        cell.call("POST", "/v1/chat/completions", body={**chat(), "max_tokens": 30}, headers=bearer(budget["key"])).status == 200
-    )
-    res = cell.call("POST", "/v1/chat/completions", body=chat(), headers=bearer(budget["key"]))
+    budget = cell.create_key("month", monthly_tokens=most + 5)
+    assert cell.call("POST", "/v1/chat/completions", body=body, headers=bearer(budget["key"])).status == 200
+    res = cell.call("POST", "/v1/chat/completions", body=body, headers=bearer(budget["key"]))
     err = openai_error(res)
     assert res.status == 429 and err["type"] == "insufficient_quota" and int(res.headers["retry-after"]) >= 1
 

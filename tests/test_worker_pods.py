@@ -129,9 +129,10 @@ def test_a_usage_stream_reaches_its_client_as_it_comes_and_its_tokens_are_counte
     # Usage asked: the router reads its own copy of the stream in batches, pausing up to a
     # second between them. The pod sends the first token after 1.5 s and the last 1.5 s
     # later: the client must get them as they come, not when the router's copy is read,
-    # and the usage event at the end must still be counted (tpm=1: the next call is over).
+    # and the usage event at the end must still be counted (tpm 8,192: a request without
+    # max_tokens may use the whole context, so the next one no longer fits beside it).
     with running_cell(runtime(), pods=1, compute_ms=3000) as cell:
-        key = cell.create_key("paced", tpm=1)["key"]
+        key = cell.create_key("paced", tpm=8192)["key"]
         arrivals, parts = [], []
         with open_stream(cell, USAGE, key) as res:
             while part := res.read1(65536):

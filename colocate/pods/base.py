@@ -76,12 +76,25 @@ class Provider:
         pass
 
 
-def belongs_to_stack(name: str | None, stack: str) -> bool:
-    """``colocate-<stack>-<region>-g<N>-p<i>-<digest>`` exactly: stack ``a`` must not claim stack ``a-b``'s pods."""
+def scope_of(name: str | None, stack: str) -> str | None:
+    """The scope (``plan.pod_scope``) a pod named for ``stack`` carries: ``colocate-<stack>-<scope>-<region>-g<N>
+    -p<i>-<digest>``; "" for a name without one (``colocate-<stack>-<region>-...``: the sandbox's, and every
+    pod named before scopes); None for a pod that is not the stack's (stack ``a`` never claims stack ``a-b``'s)."""
     if not name or not name.startswith(f"colocate-{stack}-"):
-        return False
+        return None
     rest = name[len(f"colocate-{stack}-"):]
-    return any(re.fullmatch(re.escape(r) + r"-g\d+(-p\d+)?(-[0-9a-f]{6})?", rest) for r in catalogue.REGIONS)
+    for r in catalogue.REGIONS:
+        m = re.fullmatch(r"(?:([0-9a-f]{6})-)?" + re.escape(r) + r"-g\d+(-p\d+)?(-[0-9a-f]{6})?", rest)
+        if m:
+            return m.group(1) or ""
+    return None
+
+
+def belongs_to_stack(name: str | None, stack: str, scope: str | None = None) -> bool:
+    """Whether a pod of this name is the stack's: with ``scope``, a name of that scope or of none (named
+    before scopes: still found, so it is deleted); without, a name of the stack in any scope."""
+    found = scope_of(name, stack)
+    return found is not None and (scope is None or found in ("", scope))
 
 
 def api_key(env_var: str, config_key: str) -> str:

@@ -24,7 +24,15 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .profiles import BLOCK_SIZE, DEFAULT_TTFT_P99_BUDGET_MS, KNEE_INPUT_TOKENS, KNEE_OUTPUT_TOKENS, Profile
+from .profiles import (
+    BLOCK_SIZE,
+    DEFAULT_TPOT_P50_BUDGET_MS,
+    DEFAULT_TTFT_P99_BUDGET_MS,
+    KNEE_INPUT_TOKENS,
+    KNEE_OUTPUT_TOKENS,
+    KNEE_SECONDS,
+    Profile,
+)
 
 # ---- the prompt's tokens ---------------------------------------------------------------------
 # No tokenizer can be downloaded here, so prompts are cut into tokens the way a byte-level BPE
@@ -249,8 +257,14 @@ class Frontend:
         return min(self.MAX_RHO, self._count / self.WINDOW_S * self.profile.frontend_ms_per_token / 1000.0)
 
     def delay_s(self, now: float) -> float:
-        rho = self.rho(now)
-        return self.profile.frontend_queue_ms * rho * rho / (1.0 - rho) / 1000.0
+        """The API server's own time for a new request, plus its wait behind the tokens it streams."""
+        return self.profile.server.request_ms / 1000.0 + queue_ms(self.profile, self.rho(now)) / 1000.0
+
+
+def queue_ms(profile: Profile, rho: float) -> float:
+    """The API server's mean queue at busy share ``rho``: ``frontend_queue_ms x rho^k / (1 - rho)``."""
+    rho = min(Frontend.MAX_RHO, rho)
+    return profile.frontend_queue_ms * rho ** profile.server.frontend_queue_power / (1.0 - rho)
 
 
 class Engine:
@@ -382,10 +396,12 @@ def answer_length(profile: Profile, rng: random.Random, max_tokens: int | None, 
 
 @dataclass
 class Result:
-    """One simulated run: per request, arrival, first token, last token and token count."""
+    """One simulated run: per request, arrival, first token, last token and token count; and every
+    gap between two tokens of one stream (s), as vLLM's benchmark_serving pools them."""
 
     requests: list[tuple[float, float, float, int]]
     duration_s: float
+    gaps: list[float] = field(default_factory=list)
 
     def _ttfts(self) -> list[float]:
         return sorted(first - arrival for arrival, first, _last, _n in self.requests)
@@ -402,8 +418,13 @@ class Result:
         return 1000.0 * percentile(self._ttfts(), q)
 
     def itl_ms(self, q: float) -> float:
-        gaps = sorted((last - first) / (n - 1) for _a, first, last, n in self.requests if n > 1)
-        return 1000.0 * percentile(gaps, q) if gaps else 0.0
+        """The q-th percentile of every gap between two tokens of a stream (benchmark_serving's ITL)."""
+        return 1000.0 * percentile(sorted(self.gaps), q) if self.gaps else 0.0
+
+    def tpot_ms(self, q: float) -> float:
+        """The q-th percentile of each request's mean gap, (last - first) / (tokens - 1) (its TPOT)."""
+        per = sorted((last - first) / (n - 1) for _a, first, last, n in self.requests if n > 1)
+        return 1000.0 * percentile(per, q) if per else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -429,19 +450,44 @@ def poisson_arrivals(rng: random.Random, rate: float, requests: int) -> list[flo
     return out
 
 
-def simulate(profile: Profile, *, requests: int, input_tokens: int, output_tokens: int,
+def benchmark_serving_arrivals(rate: float, requests: int, seed: int = 42) -> list[float]:
+    """The send times (s) of vLLM's benchmark_serving at ``--request-rate rate --seed seed``
+    (burstiness 1): the first at 0, then each after ``numpy.random.gamma(1, 1/rate)``, numpy's global
+    generator seeded with ``seed``. Its legacy MT19937, seeded by init_genrand, draws the same doubles
+    as Python's own Mersenne Twister given that state, and a gamma of shape 1 is ``-log(1 - u)``."""
+    mt = [seed & 0xFFFFFFFF]
+    for i in range(1, 624):
+        mt.append((1812433253 * (mt[-1] ^ (mt[-1] >> 30)) + i) & 0xFFFFFFFF)
+    rng = random.Random()
+    rng.setstate((3, (*mt, 624), None))
+    out, t = [0.0], 0.0
+    for _ in range(requests - 1):
+        t += -math.log(1.0 - rng.random()) / rate
+        out.append(t)
+    return out[:requests]
+
+
+def simulate(profile: Profile, *, requests: int = 0, input_tokens: int = 0, output_tokens: int = 0,
              concurrency: int | None = None, rate: float | None = None, seed: int = 0,
              ignore_eos: bool = False, prompts: Iterable[list[int]] | None = None,
-             arrivals_s: Sequence[float] | None = None) -> Result:
+             arrivals_s: Sequence[float] | None = None, lengths: Sequence[tuple[int, int]] | None = None) -> Result:
     """Run ``requests`` requests through an engine in virtual time: a closed loop of
     ``concurrency`` clients (each sends its next request when its answer ends, as vLLM's
     benchmark_serving with ``--max-concurrency``), or Poisson arrivals at ``rate`` per second
     (``poisson_arrivals`` drawn from ``seed``), or arrivals at the times ``arrivals_s`` (s): the
     model of a schedule that was really sent. Prompts of ``input_tokens`` random
-    tokens (no shared prefix), ``max_tokens = output_tokens``."""
+    tokens (no shared prefix), ``max_tokens = output_tokens``; or, with ``lengths``, request i
+    has ``lengths[i] = (prompt tokens, answer tokens)`` and its answer is exactly that long (a
+    dataset's requests capped at their reference answers, as benchmark_serving sends ShareGPT)."""
     if (concurrency is None) == (rate is None and arrivals_s is None):
         raise ValueError("simulate: give concurrency, rate or arrivals_s")
+    if lengths is not None:
+        requests = len(lengths)
+        input_tokens = max((i for i, _o in lengths), default=0)
+        output_tokens = max((o for _i, o in lengths), default=0)
     if arrivals_s is not None:
+        if lengths is not None and len(arrivals_s) != len(lengths):
+            raise ValueError(f"simulate: {len(arrivals_s)} arrivals for {len(lengths)} requests")
         requests = len(arrivals_s)
     rng = random.Random(seed)
     engine = Engine(profile)
@@ -460,6 +506,7 @@ def simulate(profile: Profile, *, requests: int, input_tokens: int, output_token
         sent = min(concurrency or 1, requests)
     meta: dict[str, tuple[float, list[float], int]] = {}
     done: list[tuple[float, float, float, int]] = []
+    gaps: list[float] = []
     steps = 0
     limit = 50 * requests * (output_tokens + input_tokens) + 1000  # bounded: no run spins forever
     while (arrivals or admitted or engine.busy) and steps < limit:
@@ -468,8 +515,11 @@ def simulate(profile: Profile, *, requests: int, input_tokens: int, output_token
             heapq.heappush(admitted, (at + engine.frontend.delay_s(at), i, at))
         while admitted and admitted[0][0] <= clock:
             _t, i, at = heapq.heappop(admitted)
-            prompt = next(given) if given is not None else _prompt(rng, input_tokens)
-            n, _reason = answer_length(profile, rng, output_tokens, ignore_eos=ignore_eos)
+            if lengths is not None:
+                prompt, n = _prompt(rng, lengths[i][0]), lengths[i][1]
+            else:
+                prompt = next(given) if given is not None else _prompt(rng, input_tokens)
+                n, _reason = answer_length(profile, rng, output_tokens, ignore_eos=ignore_eos)
             rid = f"r{i}"
             engine.add(Request(rid, prompt, n, arrival=at))
             meta[rid] = (at, [], n)
@@ -485,10 +535,11 @@ def simulate(profile: Profile, *, requests: int, input_tokens: int, output_token
             if finished:
                 at, times, n = meta.pop(rid)
                 done.append((at, times[0], times[-1], n))
+                gaps.extend(b - a for a, b in zip(times, times[1:], strict=False))
                 if concurrency is not None and sent < requests:
                     heapq.heappush(arrivals, (clock, sent))
                     sent += 1
-    return Result(done, clock)
+    return Result(done, clock, gaps)
 
 
 @dataclass(frozen=True)
@@ -498,26 +549,37 @@ class Knee:
     output_tok_s: float
 
 
+def knee_requests(rate: float) -> int:
+    """Requests in a knee run at ``rate``: KNEE_SECONDS of arrivals, at least 300. A run shorter than
+    its answers hides an overload: its queue has not built up by the time the arrivals stop."""
+    return max(300, math.ceil(rate * KNEE_SECONDS))
+
+
 def knee(profile: Profile, ttft_p99_budget_ms: float = DEFAULT_TTFT_P99_BUDGET_MS, *,
-         input_tokens: int | None = None, output_tokens: int | None = None, requests: int = 300,
-         seed: int = 0, ignore_eos: bool = False) -> Knee:
-    """The highest Poisson request rate whose TTFT p99 stays within the budget (bisection over
-    virtual-time runs of ``requests`` requests; by default the workload of ``Profile.knee_rps``).
+         input_tokens: int | None = None, output_tokens: int | None = None, requests: int | None = None,
+         seed: int = 0, ignore_eos: bool = False, tpot_p50_budget_ms: float = DEFAULT_TPOT_P50_BUDGET_MS) -> Knee:
+    """The highest Poisson request rate whose TTFT p99 stays within the budget and whose median
+    TPOT within ``tpot_p50_budget_ms`` (vLLM's scheduler runs decodes first, so an overloaded pod's
+    pace falls before its first token does); bisection over virtual-time runs of ``requests``
+    requests, by default ``knee_requests(rate)``; by default the workload of ``Profile.knee_rps``.
     ``ignore_eos``: every answer exactly ``output_tokens`` long (else at most, as the profile's
     lengths fall)."""
     inp = input_tokens or KNEE_INPUT_TOKENS
     out = output_tokens or KNEE_OUTPUT_TOKENS
 
     def run(rate: float) -> Result:
-        return simulate(profile, requests=requests, input_tokens=inp, output_tokens=out, rate=rate, seed=seed,
-                        ignore_eos=ignore_eos)
+        return simulate(profile, requests=requests or knee_requests(rate), input_tokens=inp, output_tokens=out,
+                        rate=rate, seed=seed, ignore_eos=ignore_eos)
+
+    def within(r: Result) -> bool:
+        return r.ttft_ms(99) <= ttft_p99_budget_ms and r.tpot_ms(50) <= tpot_p50_budget_ms
 
     lo, hi = 0.0, 1.0
-    while run(hi).ttft_ms(99) <= ttft_p99_budget_ms and hi < 10_000:
+    while within(run(hi)) and hi < 10_000:
         lo, hi = hi, hi * 2
     for _ in range(8):  # to 1/256 of the bracket
         mid = (lo + hi) / 2
-        if run(mid).ttft_ms(99) <= ttft_p99_budget_ms:
+        if within(run(mid)):
             lo = mid
         else:
             hi = mid

@@ -5,6 +5,7 @@ is drawn in colocate/errors.py.
     ├── PodConfigError        bad spec, missing key or token, a provider that cannot serve the region (exit 2)
     │   └── PodTlsError       podtls.py: the pod hop's certificates are missing or do not load
     ├── Refused               standin.py: the stand-in answers a request vLLM would refuse (an HTTP answer, not an exit)
+    ├── ClientGone            standin.py: the client left while its answer was made (its sequences are aborted)
     └── ProviderError         the provider said no, or never answered (exit 1)
         ├── RetryableError    429, 5xx or a timeout that outlived the bounded retries
         ├── CapacityError     no capacity in any of the region's locations; ``.attempts`` is the table
@@ -72,3 +73,7 @@ def format_attempts(attempts: list[tuple[str, str, str]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+class ClientGone(PodError):
+    """The stand-in's client left (or the server stops) while its answer was being made."""

@@ -27,8 +27,9 @@ import sys
 
 from ..plan import instance_host
 from . import podtls, stop
-from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack
+from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack, scope_of
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
+from .guard.colocate_pod_guard import readiness_token
 from .readiness import wait_ready
 from .spec import PodSpec
 
@@ -244,8 +245,10 @@ def _ready_or_destroy(spec: PodSpec, provider: Provider, pod_id: str, adopted: b
     if tls is not None and tls[1].startswith("*."):  # zone-dns: the instance's own name under the slot's
         tls = (tls[0], instance_host(tls[1][2:], provider.name, pod_id))
     try:
+        pod_token = os.environ.get("POD_TOKEN", "")  # only its one-way derivative goes to readiness
         info = wait_ready(lambda: _scheme(spec, provider.describe(pod_id)), spec.ready_timeout_s, log=log,
-                          no_address_fix=provider.no_address_fix(spec), tls=tls)
+                          no_address_fix=provider.no_address_fix(spec), tls=tls,
+                          token=readiness_token(pod_token) if pod_token else None)
         log(f"ready: {info.id} at {info.url} ({info.location}, ${info.cost_per_hr}/h)")
         # One list per create, even without a lost reply: a pod of this name that is not the one
         # returned is on no record and would bill. If the list fails, the ready pod is still
@@ -298,20 +301,31 @@ def status(provider_name: str, pod_id: str) -> dict:
     return {"provider": provider_name, **info.as_dict()}
 
 
-def sweep(stack: str, providers: list[str], keep: list[str], destroy: bool) -> dict:
-    found, destroyed = [], []
+def sweep(stack: str, providers: list[str], keep: list[str], destroy: bool, scope: str | None = None) -> dict:
+    """The stack's pods but ``keep``. With ``scope`` (the stack's ``podScope``), only pods of that scope or
+    of none; without, every scope is listed but only unscoped names are destroyed: a pod of another
+    scope may be another project's stack of the same name."""
+    found, destroyed, held = [], [], []
     for name in providers:
         provider = provider_for(name)
         try:
             for pod in provider.list_pods():
-                if belongs_to_stack(pod.name, stack) and pod.id not in keep:
-                    found.append({"provider": name, **pod.as_dict()})
-                    if destroy:
-                        provider.destroy(pod.id)
-                        destroyed.append(pod.id)
-                        log(f"destroyed stray {name} pod {pod.id} ({pod.name})")
-                    else:
-                        log(f"stray {name} pod {pod.id} ({pod.name}, {pod.raw_state}); --destroy removes it")
+                if not belongs_to_stack(pod.name, stack, scope) or pod.id in keep:
+                    continue
+                found.append({"provider": name, **pod.as_dict()})
+                if destroy and (scope is not None or scope_of(pod.name, stack) == ""):
+                    provider.destroy(pod.id)
+                    destroyed.append(pod.id)
+                    log(f"destroyed stray {name} pod {pod.id} ({pod.name})")
+                elif destroy:
+                    held.append(pod.id)
+                    log(f"not destroying {name} pod {pod.id} ({pod.name}): its scope may be another project's; "
+                        f"pass --scope $(pulumi stack output podScope --stack {stack}) to delete this stack's")
+                else:
+                    log(f"stray {name} pod {pod.id} ({pod.name}, {pod.raw_state}); --destroy removes it")
         finally:
             provider.close()
-    return {"stack": stack, "strays": found, "destroyed": destroyed, "kept": keep}
+    out = {"stack": stack, "strays": found, "destroyed": destroyed, "kept": keep}
+    if held:
+        out["held"] = held
+    return out

@@ -106,16 +106,24 @@ def server_context(source: str = SOURCE) -> ssl.SSLContext:
     return ctx
 
 
-CHECK_ENV = "POD_CHECK_TLS"  # scripts/pod.py's own credential for readiness: JSON {"cert", "key", "ca"} (PEM)
+# scripts/pod.py's own credential for readiness: JSON {"cert", "key", "ca"} (PEM; "ca" "" = the public roots)
+CHECK_ENV = "POD_CHECK_TLS"
 BUNDLE_ENV = "POD_TLS"  # scripts/pod.py's input: the pod's bundle(), handed to the pod as COLOCATE_POD_TLS
 
 
 def client_context(cert_pem: str, key_pem: str, ca_pem: str) -> ssl.SSLContext:
-    """A client that presents ``cert_pem`` and trusts only ``ca_pem``, checking the server's name."""
+    """A client that presents ``cert_pem`` and trusts only ``ca_pem``, checking the server's name;
+    ``ca_pem`` "" trusts the public roots (certifi's, as ``requests`` does): a cloud pod's
+    certificate on a zone is publicly trusted (infra/hop.py)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED by default
-    with client_files(cert_pem, key_pem, ca_pem) as (pair, ca):
+    with client_files(cert_pem, key_pem, ca_pem or "") as (pair, ca):
         ctx.load_cert_chain(*pair)  # read into memory: the files go when the block ends
-        ctx.load_verify_locations(ca)
+        if ca_pem:
+            ctx.load_verify_locations(ca)
+        else:
+            import certifi
+
+            ctx.load_verify_locations(certifi.where())
     return ctx
 
 
@@ -127,7 +135,8 @@ def checker_from_env(environ=os.environ) -> ssl.SSLContext:
     try:
         data = json.loads(raw) if raw else None
         ok = isinstance(data, dict) and all(isinstance(data.get(k), str) and "-----BEGIN" in data[k]
-                                            for k in ("cert", "key", "ca"))
+                                            for k in ("cert", "key")) and isinstance(data.get("ca"), str) and (
+            data["ca"] == "" or "-----BEGIN" in data["ca"])
     except ValueError:
         ok = False
     if not ok or not isinstance(data, dict):

@@ -1,9 +1,12 @@
 """Wait until a pod serves: provider state running, address known, then ``GET /health`` answers 200.
 
 The health check goes to the URL the Worker will use (the public ip and mapped port;
-a DNS-only hostname resolves to the same address). On a mutual-TLS hop it presents the
-readiness certificate and checks that the pod's certificate is the cell's, for the name the
-Worker will use (``tls``: a client context and that name). Progress lines go to stderr.
+a DNS-only hostname resolves to the same address). It carries the readiness token (``token``:
+``colocate_pod_guard.readiness_token`` of the pod token), which the pod's guard admits to
+``GET /health`` and nothing else: readiness never holds a credential that runs inference. On a
+mutual-TLS hop it presents the readiness certificate and checks that the pod's certificate is
+the cell's, for the name the Worker will use (``tls``: a client context and that name).
+Progress lines go to stderr.
 Poll interval: ``COLOCATE_POD_POLL_S`` (default 5 s). A pod that runs but has no address
 ``COLOCATE_POD_NO_ADDRESS_S`` (default 60 s) after it first ran fails at once when the
 provider says it may never get one (``Provider.no_address_fix``), instead of at the timeout.
@@ -34,30 +37,36 @@ def poll_interval() -> float:
         return 5.0
 
 
-def health(url: str, timeout: float, tls: tuple[ssl.SSLContext, str] | None = None) -> tuple[bool, str]:
+def health(url: str, timeout: float, tls: tuple[ssl.SSLContext, str] | None = None,
+           token: str | None = None) -> tuple[bool, str]:
     if tls is not None:
-        return tls_health(url, timeout, *tls)
+        return tls_health(url, timeout, *tls, token=token)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with requests.get(url + "/health", timeout=timeout, allow_redirects=False) as r:
+        with requests.get(url + "/health", headers=headers, timeout=timeout, allow_redirects=False) as r:
             return r.status_code == 200, f"health {r.status_code}"
     except requests.RequestException as exc:
         return False, f"health: {type(exc).__name__}"
 
 
-def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str) -> tuple[bool, str]:
+def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str, token: str | None = None) -> tuple[bool, str]:
     """``GET /health`` over mutual TLS to the URL's address, the certificate checked for ``name``.
 
-    A pod that proves the cell's certificate for ``name`` and then refuses ours (an alert, or a
-    close: the alert can be lost to the reset when the request was already sent) is serving:
-    vLLM trusts only the Worker's CA, never readiness's (podtls.READINESS_CA), and its TLS runs
-    only once its engine is up. A pod that admits ours (the stand-in) must answer 200."""
+    A pod that proves the cell's certificate for ``name`` and then refuses ours is serving: vLLM
+    trusts only the Worker's CA, never readiness's (podtls.READINESS_CA), and its port refuses
+    connections until its engine is up (it is bound, not listening, while the engine loads). Its
+    server (uvicorn, on asyncio's TLS) refuses a client certificate by closing the connection with
+    no alert: the request then meets a close before any status line (``RemoteDisconnected``), a
+    reset, or the alert where a server sends one (the stand-in). A pod that admits ours (the
+    stand-in) must answer 200. A pod that holds the connection open without a word is not ready."""
     parts = urlsplit(url)
     shook = False
     try:
         with (socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout) as raw,
               ctx.wrap_socket(raw, server_hostname=name) as conn):
             shook = True
-            conn.sendall(f"GET /health HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
+            auth = f"Authorization: Bearer {token}\r\n" if token else ""
+            conn.sendall(f"GET /health HTTP/1.1\r\nHost: {name}\r\n{auth}Connection: close\r\n\r\n".encode())
             resp = http.client.HTTPResponse(conn)
             resp.begin()
             return resp.status == 200, f"health {resp.status}"
@@ -65,9 +74,15 @@ def tls_health(url: str, timeout: float, ctx: ssl.SSLContext, name: str) -> tupl
         return False, f"health: the pod's certificate is not the cell's for {name} ({exc.verify_message})"
     except (OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or type(exc).__name__
-        if shook and not isinstance(exc, TimeoutError | http.client.HTTPException):
+        if shook and refused_after_handshake(exc):
             return True, f"serving (it refused the readiness certificate: {reason})"
         return False, f"health: {reason}"
+
+
+def refused_after_handshake(exc: BaseException) -> bool:
+    """Whether ``exc``, met after our handshake completed, is the server refusing our certificate:
+    a close before any status line, a reset, or a TLS alert; never a timeout or a garbled answer."""
+    return isinstance(exc, http.client.RemoteDisconnected | ConnectionResetError | BrokenPipeError | ssl.SSLError)
 
 
 def no_address_grace() -> float:
@@ -78,7 +93,8 @@ def no_address_grace() -> float:
 
 
 def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll_s: float | None = None,
-               no_address_fix: str | None = None, tls: tuple[ssl.SSLContext, str] | None = None) -> PodInfo:
+               no_address_fix: str | None = None, tls: tuple[ssl.SSLContext, str] | None = None,
+               token: str | None = None) -> PodInfo:
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     poll_s = poll_interval() if poll_s is None else poll_s
     start = time.monotonic()
@@ -97,7 +113,7 @@ def wait_ready(describe: Callable[[], PodInfo], timeout_s: float, log=None, poll
             if info.state == DEAD:
                 raise NotReadyError(f"pod {info.id} is {info.raw_state}: it will never serve")
             if info.state == RUNNING and info.url:
-                ok, last = health(info.url, timeout=max(0.5, min(5.0, deadline - time.monotonic())), tls=tls)
+                ok, last = health(info.url, timeout=max(0.5, min(5.0, deadline - time.monotonic())), tls=tls, token=token)
                 log(f"[{elapsed:6.1f}s] {info.id}: {info.raw_state} at {info.url}, {last}")
                 if ok:
                     return info

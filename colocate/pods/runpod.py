@@ -1,7 +1,10 @@
-"""RunPod, REST v2 only (``/v2/pods``; v1 was retired on 2026-11-15).
+"""RunPod, REST v2 only (``/v2/pods``). v1 is gone: "REST API v1 is deprecated and will be retired on
+December 1, 2026" (RunPod's migration guide, docs.runpod.io/api-reference-v2/migrate-from-v1).
 
 One data centre at a time, in catalogue order: ``dataCenterIds`` holds exactly one id per
-create, so a refusal in the first is retried in the second and never elsewhere. Refusals follow
+create, so a refusal in the first is retried in the second and never elsewhere. v2 calls them
+"preferred data centers": the created pod's ``dataCenterId`` is checked against the region's
+locations, and a pod placed elsewhere is deleted at once (the next location is tried). Refusals follow
 the createPod table of the v2 spec: 400 ("could not be placed", or a broken rule: capacity has no
 code of its own) and 403 (this key or account cannot use the pool) move on to the next data
 centre; when every data centre refused, the error gives the last ``detail`` and says it may be a
@@ -105,6 +108,18 @@ class RunPod(Provider):
             why = f"403 forbidden: {detail}" if exc.status == 403 else f"400 not placed: {detail}"
             raise CapacityError(f"{location}: {why}", [(location, spec.gpu, why)]) from None
         pod_id = str(reply.body["id"])
+        placed = reply.body.get("dataCenterId")
+        if placed not in spec.locations:
+            # v2's dataCenterIds are "preferred data centers": a pod outside the region is deleted at
+            # once and the walk moves on (never another region, whatever RunPod prefers).
+            why = f"placed in {placed or 'no data centre'}, outside {spec.region} ({', '.join(spec.locations)})"
+            try:
+                self.destroy(pod_id)
+                why += f"; pod {pod_id} was deleted"
+            except ProviderError as exc:
+                raise FatalError(f"runpod {why}, and deleting pod {pod_id} failed ({exc}): it may be billing. Run "
+                                 f"`.venv/bin/python scripts/pod.py sweep --stack {spec.stack} --destroy`") from None
+            raise CapacityError(f"{location}: {why}", [(location, spec.gpu, why)])
         cost = reply.body.get("cost")
         if isinstance(cost, int | float) and cost > spec.max_price_per_hr:
             # The billed rate can exceed the list price (disk, a price change since the look-up).

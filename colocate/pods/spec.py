@@ -27,6 +27,10 @@ REQUIRED: dict[str, type | tuple[type, ...]] = {
     "max_price_per_hr": (int, float), "cloud": str, "min_reliability": (int, float),
     "ready_timeout_s": (int, float), "compute_ms": (int, float), "index": int, "path": str, "tls_name": str,
     "profile": str}
+# Keys a spec of an older kit may lack, with the value it meant.
+OPTIONAL: dict[str, tuple[type | tuple[type, ...], object]] = {
+    "max_model_len": (int, MAX_MODEL_LEN), "command": (str, ""), "url": (str, ""),
+    "max_transfer_per_gb": ((int, float), 0.02)}
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,19 @@ class PodSpec:
     path: str  # how the Worker reaches it (plan.POD_PATHS): RunPod exposes an HTTP port for its proxy
     tls_name: str  # the name on the pod's certificate when the hop is mutual TLS; "" = plain HTTP
     profile: str = "oracle"  # the local stand-in's GPU and model (colocate.pods.profiles); a GPU pod ignores it
+    max_transfer_per_gb: float = 0.02  # Vast.ai: the most an offer may charge per GB down or up (settings' default)
+    max_model_len: int = MAX_MODEL_LEN  # vLLM's --max-model-len (colocate:pod.maxModelLen)
+    command: str = ""  # local: the sandbox's pod is this command (colocate:pod.command), not the stand-in
+    url: str = ""  # local: where that command, or a server the user runs, serves (colocate:pod.url)
 
     @property
     def mtls(self) -> bool:
         return bool(self.tls_name)
+
+    @property
+    def engine(self) -> bool:
+        """Whether the local pod is a server of the user's (a command, or one already running) rather than the stand-in."""
+        return bool(self.command or self.url)
 
     @classmethod
     def from_dict(cls, data: object) -> PodSpec:
@@ -69,6 +82,15 @@ class PodSpec:
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
+        for key, (typ, default) in OPTIONAL.items():
+            given: Any = data.get(key, default)
+            if isinstance(given, bool) or not isinstance(given, typ):
+                raise PodConfigError(f"spec.{key}: wrong type (got {given!r}). Fix: regenerate the spec from the plan")
+            fields[key] = given
+        transfer = float(fields["max_transfer_per_gb"])
+        if transfer < 0:
+            raise PodConfigError(f"spec.max_transfer_per_gb: negative (got {transfer!r}). Fix: regenerate the spec from the plan")
+        fields["max_transfer_per_gb"] = transfer
         spec = cls(**fields)
         spec._check()
         return spec
@@ -97,24 +119,33 @@ class PodSpec:
                                  "Fix: colocate:pod.minCudaVersion, then regenerate the spec from the plan")
         if self.ready_timeout_s <= 0:
             raise PodConfigError(f"spec.ready_timeout_s: {self.ready_timeout_s} must be > 0")
+        if self.max_model_len < 1:
+            raise PodConfigError(f"spec.max_model_len: {self.max_model_len} must be > 0. Fix: colocate:pod.maxModelLen")
+        if self.engine and self.provider != "local":
+            raise PodConfigError(f"spec.command/url: a server of the user's is a sandbox pod, not a {self.provider} one. "
+                                 "Fix: regenerate the spec from the plan")
 
     def vllm_args(self) -> list[str]:
-        """Arguments for vLLM's OpenAI-compatible server (the image's entrypoint).
+        """Arguments for vLLM's OpenAI-compatible server (the image's entrypoint): the model, positionally
+        (vLLM's ``--model`` is deprecated), then ``serve_args``."""
+        return [self.model, *self.serve_args("0.0.0.0", self.port)]
+
+    def serve_args(self, host: str, port: int) -> list[str]:
+        """Everything after the model: how the kit's pod serves it, on ``host``:``port``.
 
         The token is not here: it travels as the env variable ``VLLM_API_KEY``, which vLLM
         treats exactly like ``--api-key`` and which keeps it out of the container's argv.
         On a mutual-TLS hop vLLM serves TLS from ``COLOCATE_POD_TLS`` and refuses a caller
         without a client certificate of the cell's CA (``podtls``). Its API docs are off on every hop.
         """
-        args = ["--model", self.model, "--quantization", "gptq_marlin", "--host", "0.0.0.0",
-                "--port", str(self.port), "--served-model-name", self.model,
-                "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.90"]
+        args = ["--quantization", "gptq_marlin", "--host", host, "--port", str(port),
+                "--served-model-name", self.model, "--max-model-len", str(self.max_model_len),
+                "--gpu-memory-utilization", "0.90"]
         # The API docs (/docs, /redoc, /openapi.json) are nobody's job on any hop.
         args.append("--disable-fastapi-docs")
         if self.mtls:
             args += podtls.vllm_args()
         return args
-
 
 def load(source: str) -> PodSpec:
     """Read a spec from a file path or ``-`` (stdin)."""

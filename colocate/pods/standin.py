@@ -9,14 +9,14 @@ scheduler (``colocate.pods.engine``), stepped in real time by a thread of its ow
 a stream sends each token when its step ends, a JSON answer goes out at its last token, and
 ``GET /metrics`` reports the engine under vLLM's names (docs/pods.md, "The local stand-in").
 
+What it writes is what vLLM 0.32 writes (``colocate.pods.shapes``, ``colocate.pods.vllm_metrics``):
+answers, stream events, errors, ``/v1/models`` and ``/metrics``, key for key, differing only in timing
+and in the generated text; tests/engine_contract checks the same against a live vLLM.
+
 Routes:
     GET  /health                 200, no body, as vLLM answers (no auth)
     GET  /v1/models              the one model
-    POST /v1/chat/completions    JSON, or SSE with "stream": true (one chunk per token, then [DONE]);
-                                 ``stream_options.include_usage``: every chunk carries ``"usage": null``
-                                 and a last chunk before [DONE] has ``"choices": []`` and the usage
-                                 (OpenAI's documented shape, which vLLM follows); JSON answers always
-                                 carry ``usage``
+    POST /v1/chat/completions    JSON, or SSE with "stream": true (one event per token, then [DONE])
     POST /v1/completions         JSON, or SSE with "stream": true
     POST /_standin/fault         {"mode": "ok"|"error"|"hang"|"slow", "delay_ms": N}, {"mode": "slow_tokens",
                                  "factor": F} (every step, so every token, F times slower), or
@@ -25,18 +25,13 @@ Routes:
                                  "fault": {...}} (loopback clients only; a cut stream lost its client
                                  before [DONE]; ``redirected``: requests that followed the redirect attack)
 
-Inference routes refuse what vLLM refuses, as vLLM answers (``validate``): a body that is not
-JSON or not an object, a missing or malformed ``messages``/``prompt``, a field of the wrong type
-(``stream: "maybe"``, ``temperature: "hot"``) are 400 ``{"error": {"message", "type": "Bad
-Request", "param": null, "code": 400}}``; ``max_tokens`` < 1, ``n`` outside 1..16384,
-a negative ``temperature``, ``top_p`` outside (0, 1] are 400 ``BadRequestError`` naming the
-``param``, and so is a prompt plus ``max_tokens`` over the pods' 8192-token context (the prompt
-counted at four characters a token); a body nested past Python's recursion limit is vLLM's bare 500. What pydantic's lax
-mode takes is taken (``stream: "yes"``, ``temperature: "0.5"``), and a missing ``model`` means
-the served one, as in vLLM. Another model name is vLLM's 404 ``NotFoundError``, as a real pod
-answers, from the CLI (the sandbox's pods); ``--any-model`` serves any name, as the sandbox's
-fallback does (``fallbackModel: passthrough``: an API that serves many models). In-process,
-``serve()`` defaults to any name (``any_model=True``), for router tests that name models freely.
+Inference routes refuse what vLLM refuses, in its order and with its bodies (``validate``), and
+take what pydantic's lax mode takes (``stream: "yes"``, ``temperature: "0.5"``); a missing
+``model`` means the served one; a body nested past Python's recursion limit is vLLM's bare 500.
+Another model name is vLLM's 404, as a real pod answers, from the CLI (the sandbox's pods);
+``--any-model`` serves any name, as the sandbox's fallback does (``fallbackModel: passthrough``:
+an API that serves many models). In-process, ``serve()`` defaults to any name
+(``any_model=True``), for router tests that name models freely.
 
 Routes vLLM answers without its key, mirrored so that tests can show who reaches them:
 ``POST /invocations`` (a completion, like SageMaker's route in vLLM), ``POST /tokenize``,
@@ -71,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -87,11 +83,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from . import engine as eng, podtls, profiles
-from .errors import PodError
+from . import engine as eng, podtls, profiles, shapes, vllm_metrics
+from .errors import ClientGone, PodError
+from .guard import colocate_pod_guard
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
@@ -104,47 +102,70 @@ _HANG_CAP_S = 300.0  # a hang with no delay lasts until shutdown, but never long
 
 
 # ---- what vLLM refuses ------------------------------------------------------
-# vLLM's OpenAI server (v0.11, the kit's default image) parses a body with pydantic first: a
-# field of the wrong type, a missing required field or bad JSON is a 400 with type
-# "Bad Request" (its RequestValidationError handler). Then it checks the model (404
-# "NotFoundError" for a name it does not serve; a missing model means the served one), then
-# the sampling parameters (400 "BadRequestError": SamplingParams._verify_args). Errors are
-# {"error": {"message", "type", "param", "code": <status>}} (vLLM >= 0.10's ErrorResponse).
+# vLLM's OpenAI server (0.32, colocate.pods.shapes) takes a body in stages, and the stand-in in
+# the same order: pydantic parses it (a wrong type, a missing field, bad JSON: 400 "Bad Request"
+# with pydantic's error as Python prints it, `param` its location); the request's own validators;
+# the model (404 "NotFoundError" for a name it does not serve; a missing model means the served
+# one); the renderer (tools without a parser, an empty prompt, a limit past the context, a
+# prompt that does not fit); then the sampling parameters (SamplingParams._verify_args). Those
+# after parsing are 400 "BadRequestError", `param` set where vLLM names one.
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: a bigger n is refused
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 MAX_MODEL_LEN = 8192  # the kit's pods run with --max-model-len 8192 (PodSpec.vllm_args)
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")  # vLLM's ResponseFormat types
 _TRUE = {"1", "on", "t", "true", "y", "yes"}  # pydantic's lax bool strings (stream: "yes" is True)
 _FALSE = {"0", "off", "f", "false", "n", "no"}
+# What pydantic reports for a chat message that is not an object: one error per message type it tried.
+_MESSAGE_TYPES = ("ChatCompletionDeveloperMessageParam", "ChatCompletionSystemMessageParam", "ChatCompletionUserMessageParam",
+                  "ChatCompletionAssistantMessageParam", "ChatCompletionToolMessageParam",
+                  "ChatCompletionFunctionMessageParam", "CustomChatCompletionMessageParam")
 
 
 class Refused(PodError):
-    """A request vLLM would refuse: ``status``, ``type`` and ``param`` as vLLM answers them."""
+    """A request vLLM would refuse, with the body vLLM answers (``shapes.error``) and its status."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, type_: str = "Bad Request"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, type_: str = "BadRequestError",
+                 payload: dict | None = None):
         super().__init__(message)
-        self.status, self.type, self.param = status, type_, param
+        self.status = status
+        self.payload = payload or shapes.error(message, type_, param, status)
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
+        return self.payload
 
 
-def _invalid(field: str, what: str, value) -> Refused:
-    return Refused(f"1 validation error for request: {field}: {what} (got {json.dumps(value)[:80]})")
+def _pydantic(kind: str, loc: str, msg: str, value, ctx: dict | None = None) -> Refused:
+    payload = shapes.validation_error(kind, loc, msg, value, ctx)
+    return Refused(payload["error"]["message"], payload=payload)
+
+
+def _pydantic_all(errors: list[tuple[str, str, str, object]]) -> Refused:
+    """Several errors for one field (a union pydantic tried branch by branch), as vLLM lists them."""
+    lines = "".join(f"  { {'type': k, 'loc': loc, 'msg': m, 'input': shapes.summarized(v)} }\n" for k, loc, m, v in errors)
+    message = f"{len(errors)} validation errors:\n{lines}".rstrip()
+    return Refused(message, payload=shapes.error(message, "Bad Request", errors[0][1], 400))
 
 
 def _as_int(body: dict, field: str) -> int | None:
     value = body.get(field)
+    loc = f"body.{field}"
     if value is None:
         return None
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
         return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        return int(value.strip())
-    raise _invalid(field, "Input should be a valid integer", value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _pydantic("finite_number", loc, "Input should be a finite number", value)
+        if value.is_integer():
+            return int(value)
+        raise _pydantic("int_from_float", loc, "Input should be a valid integer, got a number with a fractional part", value)
+    if isinstance(value, str):
+        if value.strip().lstrip("+-").isdigit():
+            return int(value.strip())
+        raise _pydantic("int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer", value)
+    raise _pydantic("int_type", loc, "Input should be a valid integer", value)
 
 
 def _as_float(body: dict, field: str) -> float | None:
@@ -157,110 +178,189 @@ def _as_float(body: dict, field: str) -> float | None:
         try:
             return float(value.strip())
         except ValueError:
-            pass
-    raise _invalid(field, "Input should be a valid number", value)
+            raise _pydantic("float_parsing", f"body.{field}",
+                            "Input should be a valid number, unable to parse string as a number", value) from None
+    raise _pydantic("float_type", f"body.{field}", "Input should be a valid number", value)
 
 
-def _as_bool(body: dict, field: str) -> bool | None:
+def _as_bool(body: dict, field: str, loc: str | None = None) -> bool | None:
     value = body.get(field)
+    loc = loc or f"body.{field}"
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise _invalid(field, "Input should be a valid boolean", value)
+    if isinstance(value, (str, int)):
+        raise _pydantic("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)
+    raise _pydantic("bool_type", loc, "Input should be a valid boolean", value)
+
+
+def _prompts(body: dict, chat: bool) -> list:
+    """A completion's prompts (a string, strings, or token ids: each one prompt); chat: its messages, one prompt."""
+    if chat:
+        return [body.get("messages")]
+    p = body.get("prompt")
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        return list(p)
+    return [p]
 
 
 def validate(body, chat: bool, served: str | None, count=None, max_model_len: int = MAX_MODEL_LEN) -> dict:
-    """The request as vLLM would take it (``stream`` etc. coerced), or Refused.
-    ``served``: the one model name served, or None to serve any name; ``count``: the prompt's
-    tokens (default ``prompt_tokens``, four characters a token)."""
+    """The request as vLLM would take it (``stream`` etc. coerced), or Refused (see above).
+    ``served``: the one model name served, or None to serve any name; ``count(prompt)``: one
+    prompt's tokens (default ``prompt_tokens``). The answer's limit per prompt, cut to what
+    fits beside it as vLLM cuts it, is in ``out["_limits"]``, each prompt's tokens in
+    ``out["_prompt_tokens"]``."""
     if not isinstance(body, dict):
-        raise Refused("1 validation error for request: Input should be a valid dictionary or object")
+        raise _pydantic("model_attributes_type", "body", "Input should be a valid dictionary or object to extract fields from",
+                        body)
+    # pydantic, field by field
+    messages = prompt = None
     if chat:
         messages = body.get("messages")
-        if messages is None:
-            raise Refused("1 validation error for request: messages: Field required")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                     for m in messages):
-            raise _invalid("messages", "Input should be a list of messages, each an object with a role", messages)
+        if "messages" not in body:
+            raise _pydantic("missing", "body.messages", "Field required", body)
+        if not isinstance(messages, list):
+            raise _pydantic("list_type", "body.messages", "Input should be a valid list", messages)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                errors = [("dict_type", f"body.messages.{i}.{t}", "Input should be a valid dictionary", m)
+                          for t in _MESSAGE_TYPES]
+                raise _pydantic_all([*errors, ("model_attributes_type", f"body.messages.{i}.Message",
+                                               "Input should be a valid dictionary or object to extract fields from", m)])
     else:
         prompt = body.get("prompt")
-        if prompt is None:
-            raise Refused("Either prompt or prompt_embeds must be provided and non-empty.")
-        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
-            all(isinstance(p, str) for p in prompt) or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
-            or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)))
-        if not ok:
-            raise _invalid("prompt", "Input should be a string, a list of strings or a list of token ids", prompt)
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise _pydantic_all([("list_type", "body.prompt", "Input should be a valid list", prompt)] * 2
+                                + [("string_type", "body.prompt", "Input should be a valid string", prompt),
+                                   ("list_type", "body.prompt", "Input should be a valid list", prompt)])
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _invalid("model", "Input should be a valid string", model)
+        raise _pydantic("string_type", "body.model", "Input should be a valid string", model)
     out = dict(body)
-    for field in ("max_tokens", "max_completion_tokens", "n", "min_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "n", "min_tokens", "top_logprobs" if chat else "logprobs"):
         out[field] = _as_int(body, field)
-    out["ignore_eos"] = _as_bool(body, "ignore_eos")
+    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        out[field] = _as_float(body, field)
+    for field in ("stream", "ignore_eos", "echo", *(("logprobs",) if chat else ())):
+        out[field] = _as_bool(body, field)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
-        raise _invalid("stop", "Input should be a string or a list of strings", stop)
+        raise _pydantic_all([("string_type", "body.stop", "Input should be a valid string", stop),
+                             ("list_type", "body.stop", "Input should be a valid list", stop)])
     fmt = body.get("response_format")
     if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
-            raise _invalid("response_format", f"type should be one of {', '.join(map(repr, RESPONSE_FORMATS))}", fmt)
-        spec = fmt.get("json_schema")
-        if fmt["type"] == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict)):
-            raise _invalid("response_format.json_schema", "Input should be an object with a schema object", fmt)
-    for field in ("temperature", "top_p"):
-        out[field] = _as_float(body, field)
-    out["stream"] = _as_bool(body, "stream")
+        spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+        if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS or (
+                fmt["type"] == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict))):
+            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+            raise _pydantic("literal_error", "body.response_format.type",
+                            "Input should be 'text', 'json_object' or 'json_schema'", kind)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _invalid("stream_options", "Input should be a valid dictionary or object", options)
-    if options and not out["stream"]:
-        raise Refused("Stream options can only be defined when `stream=True`.", "stream_options")
+        raise _pydantic("model_attributes_type", "body.stream_options",
+                        "Input should be a valid dictionary or object to extract fields from", options)
     if options:
-        out["stream_options"] = {**options, "include_usage": _as_bool(options, "include_usage")}
+        out["stream_options"] = {**options, **{k: _as_bool(options, k, f"body.stream_options.{k}")
+                                               for k in ("include_usage", "continuous_usage_stats")}}
+    # the request's validators
+    tools, tool_choice = body.get("tools"), body.get("tool_choice")
+    if chat and tools == []:
+        raise Refused(shapes.invalid("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                                     "entirely.", "tools"), "tools")
+    if chat and tool_choice not in (None, "none") and not tools:
+        raise Refused(shapes.invalid("When using `tool_choice`, `tools` must be set.", "tool_choice"), "tool_choice")
+    if options and not out["stream"]:
+        raise Refused(shapes.invalid("Stream options can only be defined when `stream=True`.", "stream_options"),
+                      "stream_options")
+    # the model
     if model and served is not None and model != served:
-        raise Refused(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
-    max_tokens = (out["max_completion_tokens"] if chat else None) or out["max_tokens"]
-    if max_tokens is not None and max_tokens < 1:
-        raise Refused(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", type_="BadRequestError")
-    min_tokens = out["min_tokens"]
-    if min_tokens is not None and min_tokens < 0:
-        raise Refused(f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens",
-                      type_="BadRequestError")
-    if min_tokens and max_tokens is not None and min_tokens > max_tokens:
-        raise Refused(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
-                      "min_tokens", type_="BadRequestError")
+        raise Refused(f"The model `{model}` does not exist. Valid aliases: {served}.", "model", 404, "NotFoundError")
+    # the renderer: the kit's pods run no tool parser (PodSpec.vllm_args)
+    if chat and tools and tool_choice != "none":
+        if tool_choice in (None, "auto"):
+            raise Refused('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        named = isinstance(tool_choice, dict)
+        desc = f'function "{(tool_choice.get("function") or {}).get("name")}"' if named else f'"{tool_choice}"'
+        raise Refused(f"tool_choice={desc} requires --tool-call-parser to be set")
+    if chat and not messages:
+        raise Refused("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    if not chat:
+        if prompt is None or prompt == "":
+            raise Refused(shapes.invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt"), "prompt")
+        if prompt == []:
+            raise Refused("You must pass at least one prompt")
+    limit_field = "max_completion_tokens" if chat and out["max_completion_tokens"] is not None else "max_tokens"
+    asked = out[limit_field]
+    if asked is not None and asked > max_model_len:
+        raise Refused(shapes.invalid(f"{limit_field}={asked} cannot be greater than max_model_len={max_model_len}. "
+                                     "Please request fewer output tokens.", limit_field, asked), limit_field)
+    prompts = _prompts(out, chat)
+    counts = [(count or prompt_tokens)(p) for p in prompts]
+    for p, n_in in zip(prompts, counts, strict=True):
+        if n_in > max_model_len:
+            # vLLM's tokenizer stops one token past the context: a longer text reads "at least" that
+            shown = n_in if _is_ids(p) else max_model_len + 1
+            least = "at least " if shown == max_model_len + 1 else ""
+            raise Refused(shapes.invalid(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                                         f"prompt contains {least}{shown} input tokens, which exceeds this limit even without "
+                                         "any output tokens. Please reduce the length of the input prompt.",
+                                         "input_tokens", shown), "input_tokens")
+    # what fits beside each prompt: vLLM cuts the limit there (get_max_tokens)
+    limits = [min(asked, max_model_len - n_in) if asked is not None else max_model_len - n_in for n_in in counts]
+    # the sampling parameters
     n = 1 if out["n"] is None else out["n"]
     if n < 1:
-        raise Refused(f"n must be at least 1, got {n}.", "n", type_="BadRequestError")
+        raise Refused(f"n must be at least 1, got {n}.")
     if n > MAX_N:
-        raise Refused(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
-                      "environment variable.", "n", type_="BadRequestError")
+        raise Refused(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES environment "
+                      "variable.")
+    for field in ("presence_penalty", "frequency_penalty"):
+        v = out[field]
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise Refused(f"{field} must be in [-2, 2], got {v}.")
     temperature = out["temperature"]
-    if temperature is not None and not temperature >= 0.0:  # NaN too
-        raise Refused(f"temperature must be non-negative, got {temperature}.", "temperature", type_="BadRequestError")
+    for bad, what in ((temperature is not None and not math.isfinite(temperature), "a finite number"),
+                      (temperature is not None and temperature < 0.0, "non-negative"),
+                      (temperature is not None and temperature > 2.0, "in [0, 2]")):
+        if bad:
+            raise Refused(shapes.invalid(f"temperature must be {what}, got {temperature}.", "temperature", temperature),
+                          "temperature")
     top_p = out["top_p"]
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise Refused(f"top_p must be in (0, 1], got {top_p}.", "top_p", type_="BadRequestError")
-    # vLLM's context check (OpenAIServing._validate_input), on the stand-in's token estimate.
-    inputs = (count or prompt_tokens)(out)
-    if inputs >= max_model_len:
-        raise Refused(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-                      f"{inputs} input tokens. Please reduce the length of the input messages.", "input_tokens",
-                      type_="BadRequestError")
-    if max_tokens is not None and inputs + max_tokens > max_model_len:
-        raise Refused(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                      f"context length is {max_model_len} tokens and your request has {inputs} input tokens "
-                      f"({max_tokens} > {max_model_len} - {inputs}).", "max_tokens", type_="BadRequestError")
+        raise Refused(shapes.invalid(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p), "top_p")
+    max_tokens = min(limits)
+    if max_tokens < 1:
+        raise Refused(shapes.invalid(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens), "max_tokens")
+    min_tokens = out["min_tokens"] or 0
+    if min_tokens < 0:
+        raise Refused(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if min_tokens > max_tokens:
+        raise Refused(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    wanted = ((out["top_logprobs"] or 0) if out["logprobs"] else None) if chat else out["logprobs"]
+    if wanted is not None and wanted > MAX_LOGPROBS:
+        raise Refused(shapes.invalid(f"Requested sample logprobs of {wanted}, which is greater than max allowed: {MAX_LOGPROBS}",
+                                     "logprobs", wanted), "logprobs")
+    out["n"] = n
+    out["_limits"] = limits
+    out["_prompt_tokens"] = counts
     return out
 
 
-def prompt_tokens(body: dict) -> int:
-    """The stand-in's token count for the prompt: about four characters a token."""
-    return max(1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4)
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def prompt_tokens(prompt) -> int:
+    """The oracle's token count for one prompt: token ids one each, else about four characters a
+    token of its JSON (a chat's messages, a completion's string). A body counts its whole prompt."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("messages") or prompt.get("prompt")
+    if _is_ids(prompt) and prompt:
+        return len(prompt)
+    return max(1, len(json.dumps(prompt)) // 4)
 
 
 # Routes vLLM serves without checking --api-key (its security guide), each with what it answers.
@@ -270,36 +370,24 @@ HANDSHAKE_TIMEOUT_S = 10.0
 
 
 # ---- the engine in real time ------------------------------------------------------------------
-# vLLM's histogram buckets (vllm/v1/metrics/loggers.py), in seconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        out = [f'{name}_bucket{{{labels},le="{edge}"}} {float(n)}' for edge, n in zip(self.buckets, self.counts, strict=True)]
-        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.count)}')
-        return [*out, f"{name}_count{{{labels}}} {float(self.count)}", f"{name}_sum{{{labels}}} {self.sum}"]
-
-
 class Ticket:
-    """A request in the engine, as its handler sees it: each token's (index, finished) as its step ends."""
+    """A sequence in the engine, as its handler sees it: each token's (choice, index, finished) as
+    its step ends, put on ``tokens`` (shared by the sequences of one request: its n choices)."""
 
-    def __init__(self, rid: str):
+    def __init__(self, rid: str, sink: queue.Queue | None = None, choice: int = 0):
         self.id = rid
-        self.tokens: queue.Queue[tuple[int, bool]] = queue.Queue()
+        self.choice = choice
+        self.tokens: queue.Queue[tuple[int, int, bool]] = sink if sink is not None else queue.Queue()
+
+
+@dataclass
+class _Choice:
+    """One choice of an answer: its tokens' text, finish and stop reasons, and (echo) the prompt before it."""
+
+    pieces: list[str]
+    finish: str
+    stop_reason: str | None = None
+    prefix: str = ""
 
 
 CATCH_UP_S = 0.05
@@ -319,8 +407,13 @@ class EngineRunner:
         self._pending: list[tuple[float, eng.Request]] = []
         self._last: dict[str, float] = {}  # request id -> when its last token was handed out
         self._arrived: dict[str, float] = {}
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
+        self._prompts: dict[str, int] = {}  # request id -> its prompt's tokens
+        # vLLM's vllm:prompt_tokens and vllm:generation_tokens counters: a prompt counted when its
+        # prefill is done (its first token made), every token made, an aborted request's included
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = vllm_metrics.Histogram(vllm_metrics.TTFT_BUCKETS)
+        self.itl = vllm_metrics.Histogram(vllm_metrics.ITL_BUCKETS)
         self._stopping = threading.Event()
 
     def start(self, stopping: threading.Event) -> None:
@@ -331,8 +424,9 @@ class EngineRunner:
         with self._cond:
             self._cond.notify_all()
 
-    def submit(self, prompt: list[int], length: int, salt: str | None, output_ids: list[int] | None = None) -> Ticket:
-        ticket = Ticket(uuid.uuid4().hex)
+    def submit(self, prompt: list[int], length: int, salt: str | None, output_ids: list[int] | None = None,
+               sink: queue.Queue | None = None, choice: int = 0) -> Ticket:
+        ticket = Ticket(uuid.uuid4().hex, sink, choice)
         with self._cond:
             now = time.monotonic()
             # Past the API server's queue first (Frontend), then into the engine's waiting queue.
@@ -340,6 +434,7 @@ class EngineRunner:
             self._pending.append((due, eng.Request(ticket.id, prompt, length, salt=salt, output_ids=output_ids or [])))
             self._tickets[ticket.id] = ticket
             self._arrived[ticket.id] = now
+            self._prompts[ticket.id] = len(prompt)
             self._cond.notify_all()
         return ticket
 
@@ -369,6 +464,7 @@ class EngineRunner:
         self._tickets.pop(rid, None)
         self._last.pop(rid, None)
         self._arrived.pop(rid, None)
+        self._prompts.pop(rid, None)
 
     def _run(self) -> None:
         ended: float | None = None
@@ -393,42 +489,28 @@ class EngineRunner:
                     ticket = self._tickets.get(rid)
                     if ticket is None:
                         continue
+                    self.generation_tokens += 1
                     if index == 0:
+                        self.prompt_tokens += self._prompts.get(rid, 0)
                         self.ttft.observe(now - self._arrived.get(rid, now))
                     else:
                         self.itl.observe(now - self._last.get(rid, now))
                     self._last[rid] = now
-                    ticket.tokens.put((index, finished))
+                    ticket.tokens.put((ticket.choice, index, finished))
                     if finished:
                         self._forget(rid)
 
-    def metrics(self, model: str) -> str:
+    def metrics(self) -> dict:
+        """The engine's part of ``/metrics`` (vllm_metrics.exposition's values)."""
         with self._cond:
             e = self.engine
-            return prometheus_text(model, len(e.running), len(e.waiting), e.kv.usage, e.kv.queries, e.kv.hits,
-                                   e.preemptions, self.ttft, self.itl)
-
-
-def prometheus_text(model: str, running: int, waiting: int, kv_usage: float, queries: int, hits: int,
-                    preemptions: int, ttft: Histogram, itl: Histogram) -> str:
-    """vLLM's /metrics (V1 names) in Prometheus text; counters carry ``_total``, as prometheus_client writes them."""
-    labels = f'engine="0",model_name="{model}"'
-
-    def one(name: str, kind: str, help_: str, value: float) -> list[str]:
-        sample = f"{name}_total" if kind == "counter" else name
-        return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{sample}{{{labels}}} {float(value)}"]
-
-    lines = [*one("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", running),
-             *one("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", waiting),
-             *one("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", kv_usage),
-             *one("vllm:prefix_cache_queries", "counter",
-                  "Prefix cache queries, in terms of number of queried tokens.", queries),
-             *one("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", hits),
-             *one("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", preemptions)]
-    for name, help_, hist in (("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft),
-                              ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itl)):
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name, labels)]
-    return "\n".join(lines) + "\n"
+            return {"vllm:num_requests_running": len(e.running), "vllm:num_requests_waiting": len(e.waiting),
+                    "vllm:num_requests_waiting_by_reason": {"capacity": len(e.waiting)}, "vllm:kv_cache_usage_perc": e.kv.usage,
+                    "vllm:prefix_cache_queries": e.kv.queries, "vllm:prefix_cache_hits": e.kv.hits,
+                    "vllm:prompt_tokens_cached": e.kv.hits, "vllm:prompt_tokens_cached_by_source": {"device": e.kv.hits},
+                    "vllm:num_preemptions": e.preemptions, "vllm:time_to_first_token_seconds": self.ttft,
+                    "vllm:inter_token_latency_seconds": self.itl, "vllm:prompt_tokens": self.prompt_tokens,
+                    "vllm:generation_tokens": self.generation_tokens}
 
 
 class StandinServer(ThreadingHTTPServer):
@@ -463,6 +545,10 @@ class StandinServer(ThreadingHTTPServer):
         self.seen_paths: list[str] = []  # and their request targets, query included
         self.seen_bodies: list[dict] = []  # and the last 16 bodies that parsed
         self._streams = {"completed": 0, "cut": 0}
+        self._counts: dict = {"vllm:prompt_tokens": 0, "vllm:generation_tokens": 0,
+                              "vllm:prompt_tokens_by_source": {"local_compute": 0}}
+        self._finished: dict[str, int] = {}
+        self.started_at = time.time()
         super().__init__((host, port), _Handler)
         if tls is not None:
             self.control = _ControlServer(self)
@@ -510,10 +596,23 @@ class StandinServer(ThreadingHTTPServer):
             return self._requests
 
     def metrics(self) -> str:
-        """``GET /metrics``: the engine's gauges, counters and histograms (the oracle has no engine: zeros)."""
+        """``GET /metrics``: vLLM's families (vllm_metrics), with the engine's gauges, counters and
+        histograms and the server's own counts of tokens and finished requests (the oracle has no engine)."""
+        with self._lock:
+            values: dict = {"vllm:engine_sleep_state": {"awake": 1.0}, **self._counts,
+                            "vllm:request_success": dict(self._finished)}
         if self.engine is not None:
-            return self.engine.metrics(self.model)
-        return prometheus_text(self.model, 0, 0, 0.0, 0, 0, 0, Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS))
+            values.update(self.engine.metrics())
+        return vllm_metrics.exposition(self.model, values, self.started_at)
+
+    def count_answer(self, prompt_tokens: int, choices: list) -> None:
+        """An answer sent whole or streamed to its end: its tokens and each choice's finish reason."""
+        with self._lock:
+            self._counts["vllm:prompt_tokens"] += prompt_tokens
+            self._counts["vllm:prompt_tokens_by_source"]["local_compute"] += prompt_tokens
+            self._counts["vllm:generation_tokens"] += sum(len(c.pieces) for c in choices)
+            for c in choices:
+                self._finished[c.finish] = self._finished.get(c.finish, 0) + 1
 
     def count_request(self, headers=None, path: str | None = None) -> None:
         with self._lock:
@@ -628,11 +727,21 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(403, f"this client certificate does not open {self.path.split('?', 1)[0]}: "
                         "the readiness certificate gets GET /health only", "forbidden")
             return False
+        # The pod's guard, as a real pod runs it in front of vLLM (podstart.sh's --middleware): with a
+        # token, only the router's routes with it (or the readiness token for /health). Not the
+        # stand-in's own controls, which vLLM does not have.
+        if self.server.token is not None and not self.path.startswith("/_standin/"):
+            refusal = colocate_pod_guard.decide(self.command, self.path, self.headers.get("Authorization"),
+                                                self.server.token)
+            if refusal is not None:
+                self.close_connection = True  # the refused request's body is never read
+                self._send_json(*refusal)
+                return False
         return True
 
     # ---- plumbing -------------------------------------------------------
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
-        data = json.dumps(body).encode()
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()  # as vLLM (Starlette) spells JSON
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -724,14 +833,14 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/v1/models":
             self.server.count_request()
             if not self._authorised():
-                return self._error(401, "Unauthorized", "invalid_api_key")
+                return self._send_json(401, shapes.UNAUTHORIZED)
             if self._apply_fault():
-                self._send_json(200, {"object": "list", "data": [
-                    {"id": self.server.model, "object": "model", "created": int(time.time()), "owned_by": "colocate"}]})
+                self._send_json(200, shapes.models(self.server.model, self.server.profile.max_model_len, int(time.time()),
+                                                   uuid.uuid4().hex[:16]))
             return
         if path == "/metrics":
             if self._apply_fault():
-                self._send_text(200, self.server.metrics(), "text/plain; version=0.0.4; charset=utf-8")
+                self._send_text(200, self.server.metrics(), "text/plain; version=1.0.0; charset=utf-8")
             return
         if OPEN_ROUTES.get(path) == "GET":
             return self._open_route(path, b"")
@@ -744,7 +853,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._apply_fault():
             return
         self._compute()
-        self._send_json(200, {"route": path, "model": self.server.model, "text": "".join(_reply_tokens({}, False, 8)),
+        self._send_json(200, {"route": path, "model": self.server.model, "text": "".join(_reply_tokens(0, False, 8)[0]),
                               "note": "vLLM answers this route without --api-key"})
 
     def do_POST(self) -> None:  # noqa: N802
@@ -766,22 +875,24 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, f"no route {path}", "not_found")
         self.server.count_request(self.headers, self.path)
         if not self._authorised():
-            return self._error(401, "Unauthorized", "invalid_api_key")
+            return self._send_json(401, shapes.UNAUTHORIZED)
         chat = path == "/v1/chat/completions"
         try:
             try:
                 parsed = json.loads(raw or b"null")
-            except ValueError:
-                raise Refused("JSON decode error: the request body is not valid JSON") from None
+            except json.JSONDecodeError as exc:
+                raise _pydantic("json_invalid", f"body.{exc.pos}", "JSON decode error", {}, {"error": exc.msg}) from None
+            except ValueError:  # not UTF-8
+                raise _pydantic("json_invalid", "body.0", "JSON decode error", {}, {"error": "Expecting value"}) from None
             runner = self.server.engine
-            ids: list[int] = []
+            prompt_ids: list[list[int]] = []
 
-            def count(out: dict) -> int:
-                ids[:] = eng.tokenize(_prompt_text(out, chat))
-                return len(ids)
+            def count(prompt) -> int:
+                prompt_ids.append(_prompt_ids(prompt, chat))
+                return len(prompt_ids[-1])
 
             body = validate(parsed, chat, None if self.server.any_model else self.server.model,
-                            *((count, self.server.profile.max_model_len) if runner is not None else ()))
+                            count if runner is not None else None, self.server.profile.max_model_len)
             self.server.seen_bodies = [*self.server.seen_bodies[-15:], parsed]
         except Refused as exc:
             return self._send_json(exc.status, exc.body())
@@ -796,70 +907,155 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_json(307, {"redirect": True}, {"Location": "/_standin/redirected"})
         if attack == "oversized":
             return self._oversized_stream(chat) if body.get("stream") else self._oversized()
-        options = body.get("stream_options")
-        model = body.get("model") or self.server.model
-        if runner is not None:
-            return self._engine_answer(runner, chat, body, model, ids, attack)
-        tokens = _reply_tokens(body, chat, (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens") or 8)
-        if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text":
-            cap = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
-            tokens, _finish = answer_pieces(len(_reply_tokens({}, chat, 9)), "stop", body["response_format"], cap)
-        usage = _usage(body, tokens)
-        if attack == "usage_inflated":
-            usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
-        extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
-        if body.get("stream"):
-            return self._stream(chat, model, tokens, usage if (options or {}).get("include_usage") else None, extra,
-                                "length" if body.get("ignore_eos") else "stop")
-        self._compute()
-        text = "".join(tokens)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        finish = "length" if body.get("ignore_eos") else "stop"
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": text, "finish_reason": finish})
-        answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                  "model": model, "choices": [choice], "usage": usage}
-        if attack == "usage_hidden":
-            # vLLM's order: prompt_logprobs after usage; the last prompt token decodes to "usage".
-            answer["prompt_logprobs"] = [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "hi"}},
-                                         {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "usage"}}]
-        self._send_json(200, answer, extra)
+        self._answer(runner, chat, body, prompt_ids, attack)
 
-    def _engine_answer(self, runner: EngineRunner, chat: bool, body: dict, model: str, prompt: list[int],
-                       attack: str | None) -> None:
-        """The answer as the engine makes it: a stream sends each token as its step ends; a JSON
-        answer goes out at the last token."""
-        profile = runner.profile
-        max_tokens = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
-        length, finish = runner.answer_length(max_tokens, body.get("min_tokens") or 0, bool(body.get("ignore_eos")),
-                                              room=profile.max_model_len - len(prompt))
-        cap = max_tokens if max_tokens is not None else profile.max_model_len - len(prompt)
-        pieces, finish = answer_pieces(length, finish, body.get("response_format"), cap)
-        pieces, finish = _cut_at_stop(pieces, finish, body.get("stop"), body.get("min_tokens") or 0)
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        # The answer's ids as the next turn's prompt will tokenize them (template: the text, then <|im_end|>).
-        ticket = runner.submit(prompt, len(pieces), salt, eng.tokenize("".join(pieces))[:len(pieces)])
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(pieces), "total_tokens": len(prompt) + len(pieces)}
-        if attack == "usage_inflated":
-            usage = {"prompt_tokens": INFLATED, "completion_tokens": INFLATED, "total_tokens": 2 * INFLATED}
-        extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
+    def _answer(self, runner: EngineRunner | None, chat: bool, body: dict, prompt_ids: list[list[int]],
+                attack: str | None) -> None:
+        """The answer vLLM would write (colocate.pods.shapes), each token sent as the engine (or
+        the oracle's clock) makes it: a stream event per token, or the JSON answer at the last."""
+        model = body.get("model") or self.server.model
+        choices = self._plan(runner, chat, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         created = int(time.time())
+        extra = {"Set-Cookie": "session=standin; Path=/", "Access-Control-Allow-Origin": "*"} if attack == "headers" else None
+        tickets: list[Ticket] | None = None
+        if runner is not None:
+            # One sequence per choice, as vLLM runs n (and each prompt of a list) as sequences of their own.
+            sink: queue.Queue = queue.Queue()
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            tickets = [runner.submit(prompt_ids[i // body["n"]], len(c.pieces), salt,
+                                     eng.tokenize("".join(c.pieces))[:len(c.pieces)], sink=sink, choice=i)
+                       for i, c in enumerate(choices)]
+        timeline = self._engine_timeline(runner, tickets) if runner is not None and tickets is not None \
+            else self._oracle_timeline(choices)
         if body.get("stream"):
-            wants_usage = (body.get("stream_options") or {}).get("include_usage")
-            return self._stream_tokens(runner, ticket, chat, model, rid, created, pieces, finish,
-                                       usage if wants_usage else None, extra)
-        if not self._wait_tokens(runner, ticket, len(pieces), lambda _i: None, streamed=False):
+            return self._send_stream(chat, rid, created, model, body, choices, timeline, attack, extra)
+        try:
+            for _made in timeline:
+                pass
+        except ClientGone:
             return
-        text = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": text, "finish_reason": finish})
-        answer: dict[str, object] = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                     "created": created, "model": model, "choices": [choice], "usage": usage}
+        texts = [c.prefix + "".join(c.pieces) for c in choices]
+        out = [{"text": t, "finish": c.finish, "stop_reason": c.stop_reason, "logprobs": self._logprobs(chat, body, c.pieces, 0)}
+               for t, c in zip(texts, choices, strict=True)]
+        made = sum(len(c.pieces) for c in choices)
+        fp = shapes.fingerprint(self.server.model, self.server.profile.max_model_len)
+        build = shapes.chat_answer if chat else shapes.completion_answer
+        answer = build(rid, created, model, out, sum(body["_prompt_tokens"]), made, fp)
+        if attack == "usage_inflated":
+            answer["usage"] = {**answer["usage"], "prompt_tokens": INFLATED, "completion_tokens": INFLATED,
+                               "total_tokens": 2 * INFLATED}
         if attack == "usage_hidden":
+            # vLLM writes prompt_logprobs after usage; here the last prompt token decodes to "usage".
             answer["prompt_logprobs"] = [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "hi"}},
                                          {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "usage"}}]
         self._send_json(200, answer, extra)
+        self.server.count_answer(sum(body["_prompt_tokens"]), choices)
+
+    def _plan(self, runner: EngineRunner | None, chat: bool, body: dict) -> list[_Choice]:
+        """Each choice's tokens, finish reason and stop reason: per prompt, ``n`` of them (index prompt * n + j)."""
+        fmt = body.get("response_format")
+        guided = isinstance(fmt, dict) and fmt.get("type") != "text"
+        min_tokens, ignore_eos = body.get("min_tokens") or 0, bool(body.get("ignore_eos"))
+        prompts = _prompts(body, chat)
+        out = []
+        for p, limit in zip(prompts, body["_limits"], strict=True):
+            prefix = p if not chat and body.get("echo") and isinstance(p, str) else ""
+            for _j in range(body["n"]):
+                if runner is not None:
+                    length, finish = runner.answer_length(limit, min_tokens, ignore_eos, room=limit)
+                    pieces, finish = answer_pieces(length, finish, fmt, limit)
+                elif guided:
+                    pieces, finish = answer_pieces(len(_WORDS_ORACLE), "stop", fmt, limit)
+                else:
+                    pieces, finish = _reply_tokens(min_tokens, ignore_eos, limit)
+                pieces, finish, stop_reason = _cut_at_stop(pieces, finish, body.get("stop"), min_tokens)
+                out.append(_Choice(pieces, finish, stop_reason, prefix))
+        return out
+
+    def _oracle_timeline(self, choices: list[_Choice]):
+        """The oracle's clock: half of compute_ms to the first token, the rest spread over the others;
+        yields (choice, token index) as each is made, the choices in turn, as one engine step makes them."""
+        longest = max(len(c.pieces) for c in choices)
+        self._compute(0.5)
+        for k in range(longest):
+            for i, c in enumerate(choices):
+                if k < len(c.pieces):
+                    yield i, k
+            if k < longest - 1:
+                self._compute(0.5 / max(1, longest - 1))
+
+    def _engine_timeline(self, runner: EngineRunner, tickets: list[Ticket]):
+        """(choice, token index) as the engine hands each out; ClientGone (every sequence aborted)
+        if the server stops or the client leaves while it waits."""
+        left = len(tickets)
+        sink = tickets[0].tokens
+        try:
+            while left:
+                try:
+                    choice, index, finished = sink.get(timeout=0.5)
+                except queue.Empty:
+                    if self.server.stopping.is_set() or self._client_gone():  # while it waits in the queue or between tokens
+                        raise ClientGone() from None
+                    continue
+                yield choice, index
+                if finished:
+                    left -= 1
+        except BaseException:
+            for t in tickets:
+                runner.abort(t)  # vLLM aborts a request whose client left: its blocks are freed
+            self.close_connection = True
+            raise
+
+    def _logprobs(self, chat: bool, body: dict, pieces: list[str], first: int, offset: int = 0) -> dict | None:
+        if chat:
+            return shapes.chat_logprobs(pieces, first, body.get("top_logprobs") or 0) if body.get("logprobs") else None
+        return None if body.get("logprobs") is None else shapes.completion_logprobs(pieces, first, offset, body["logprobs"])
+
+    def _send_stream(self, chat: bool, rid: str, created: int, model: str, body: dict, choices: list[_Choice], timeline,
+                     attack: str | None, extra: dict | None) -> None:
+        """SSE as vLLM streams it (shapes.Stream): chat opens each choice with its role; one event per
+        token; the finish on the last; the usage event when asked; [DONE]. Counted ``completed``, or
+        ``cut`` when the client left first."""
+        fp = shapes.fingerprint(self.server.model, self.server.profile.max_model_len)
+        stream = shapes.Stream(chat, rid, created, model, body["_prompt_tokens"], body["n"], body.get("stream_options"), fp)
+        offsets = [len(c.prefix) for c in choices]
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("x-standin", self.server.name)
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            opened = False
+            for i, k in timeline:
+                if not opened:
+                    for e in stream.opening():
+                        self._write_chunk(e)
+                    opened = True
+                c = choices[i]
+                piece = c.pieces[k]
+                last = k == len(c.pieces) - 1
+                text = (c.prefix + piece) if k == 0 else piece
+                lp = self._logprobs(chat, body, [piece], k, offsets[i])
+                offsets[i] += len(piece)
+                self._write_chunk(stream.token(i, text, c.finish if last else None, c.stop_reason if last else None, lp))
+            closing = stream.closing()
+            if attack == "usage_inflated" and stream.include_usage:
+                head = json.loads(closing[0][len(b"data: "):])
+                head["usage"] = {"prompt_tokens": INFLATED, "total_tokens": 2 * INFLATED, "completion_tokens": INFLATED}
+                closing = [shapes.event(head), *closing[1:]]
+            for e in closing:
+                self._write_chunk(e)
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, ClientGone):
+            self.close_connection = True
+            self.server.count_stream("cut")
+            return
+        self.server.count_stream("completed")
+        self.server.count_answer(sum(body["_prompt_tokens"]), choices)
 
     def _client_gone(self) -> bool:
         """Whether the client closed its connection while its request waits: vLLM's API server
@@ -876,70 +1072,6 @@ class _Handler(BaseHTTPRequestHandler):
             return socket.socket.recv(self.connection, 1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
-
-    def _wait_tokens(self, runner: EngineRunner, ticket: Ticket, n: int, emit, streamed: bool = True) -> bool:
-        """Call ``emit(index)`` for each of the ``n`` tokens as the engine makes it; False (the
-        request aborted) if the server stops or ``emit`` finds the client gone."""
-        got = 0
-        while got < n:
-            try:
-                index, finished = ticket.tokens.get(timeout=0.5)
-            except queue.Empty:
-                if self.server.stopping.is_set():
-                    runner.abort(ticket)
-                    self.close_connection = True
-                    return False
-                if self._client_gone():  # while it waits in the queue or between tokens
-                    runner.abort(ticket)
-                    self.close_connection = True
-                    if streamed:
-                        self.server.count_stream("cut")
-                    return False
-                continue
-            got = index + 1
-            try:
-                emit(index)
-            except (BrokenPipeError, ConnectionResetError):
-                runner.abort(ticket)  # vLLM aborts a request whose client left: its blocks are freed
-                self.close_connection = True
-                self.server.count_stream("cut")
-                return False
-            if finished:
-                break
-        return True
-
-    def _stream_tokens(self, runner: EngineRunner, ticket: Ticket, chat: bool, model: str, rid: str, created: int,
-                       pieces: list[str], finish: str, usage: dict | None, extra: dict | None) -> None:
-        try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.send_header("x-standin", self.server.name)
-            for k, v in (extra or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-        except (BrokenPipeError, ConnectionResetError):
-            runner.abort(ticket)
-            self.close_connection = True
-            return
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def emit(i: int) -> None:
-            last = i == len(pieces) - 1
-            if chat:
-                delta = {"role": "assistant", "content": pieces[i]} if i == 0 else {"content": pieces[i]}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish if last else None}
-            else:
-                choice = {"index": 0, "text": pieces[i], "finish_reason": finish if last else None}
-            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            if usage is not None:
-                chunk["usage"] = None
-            self._write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
-
-        if not self._wait_tokens(runner, ticket, len(pieces), emit):
-            return
-        self._end_stream({"id": rid, "object": obj, "created": created, "model": model}, usage)
 
     def _oversized(self) -> None:
         """A JSON answer of OVERSIZED_BYTES, chunked (no length to refuse it by), until the client leaves."""
@@ -991,60 +1123,6 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, f"bad fault request: {exc}", "invalid_fault")
         self._send_json(200, {"fault": self.server.fault})
 
-    def _stream(self, chat: bool, model: str, tokens: list[str], usage: dict | None = None, extra: dict | None = None,
-                finish: str = "stop") -> None:
-        """SSE; with ``usage`` (the client asked ``include_usage``) every chunk has
-        ``"usage": null`` and one more chunk, ``choices: []`` with the usage, precedes [DONE]."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("x-standin", self.server.name)
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        created = int(time.time())
-        # Time to first token is most of the compute; the rest is spread over the tokens.
-        self._compute(0.5)
-        try:
-            for i, tok in enumerate(tokens):
-                last = i == len(tokens) - 1
-                if chat:
-                    delta = {"role": "assistant", "content": tok} if i == 0 else {"content": tok}
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish if last else None}
-                    obj = "chat.completion.chunk"
-                else:
-                    choice = {"index": 0, "text": tok, "finish_reason": finish if last else None}
-                    obj = "text_completion"
-                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-                if usage is not None:
-                    chunk["usage"] = None
-                self._write_chunk(f"data: {json.dumps(chunk)}\n\n".encode())
-                if not last:
-                    self._compute(0.5 / max(1, len(tokens) - 1))
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-            self.server.count_stream("cut")
-            return
-        self._end_stream({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                          "model": model}, usage)
-
-    def _end_stream(self, head: dict, usage: dict | None) -> None:
-        """A stream's end: the usage chunk (``choices: []``) when the client asked for it, [DONE],
-        the last chunk; counted ``completed``, or ``cut`` when the client has gone."""
-        try:
-            if usage is not None:
-                self._write_chunk(f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n".encode())
-            self._write_chunk(b"data: [DONE]\n\n")
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-            self.server.count_stream("cut")
-            return
-        self.server.count_stream("completed")
-
     def _write_chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
@@ -1064,15 +1142,13 @@ class _ControlHandler(_Handler):
         super().do_POST()
 
 
-def _prompt_text(body: dict, chat: bool) -> str:
-    """What the engine tokenizes: the chat template's text, or the completion's prompt."""
+def _prompt_ids(prompt, chat: bool) -> list[int]:
+    """The engine's tokens of one prompt: a chat's template text, a completion's string, or its token ids."""
     if chat:
-        return eng.chat_text(body.get("messages") or [])
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        return " ".join(p if isinstance(p, str) else " ".join(map(str, p)) if isinstance(p, list) else str(p)
-                        for p in prompt)
-    return str(prompt)
+        return eng.tokenize(eng.chat_text(prompt or []))
+    if _is_ids(prompt):
+        return list(prompt)
+    return eng.tokenize(str(prompt))
 
 
 # The answer's words: each a token in any 150k-entry BPE (a common word with its leading space).
@@ -1126,9 +1202,10 @@ def _instance(schema: dict):
     return "x" * (schema.get("minLength") or 0) if kind == "string" else ""
 
 
-def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple[list[str], str]:
+def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple[list[str], str, str | None]:
     """vLLM's stop strings: looked for in each new token's text (with the tail before it) once
-    ``min_tokens`` are made; the answer ends before the stop string, the token holding it counted."""
+    ``min_tokens`` are made; the answer ends before the stop string, the token holding it counted,
+    finish "stop" and stop_reason the string found (None when none was)."""
     stops = [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]
     text = ""
     for i, piece in enumerate(pieces):
@@ -1136,9 +1213,9 @@ def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple
         text += piece
         if i + 1 < min_tokens:
             continue
-        found = [at for s in stops if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        found = sorted((at, s) for s in stops if (at := text.find(s, max(0, start - len(s) + 1))) >= 0)
         if found:
-            keep = text[:min(found)]
+            keep = text[:found[0][0]]
             cut = [*pieces[:i], ""]
             # The kept text, re-cut along the pieces it spans (the stop string may start in an earlier one).
             out, pos = [], 0
@@ -1146,24 +1223,21 @@ def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple
                 out.append(keep[pos:pos + len(p)])
                 pos += len(p)
             out.append(keep[pos:])
-            return out, "stop"
-    return pieces, finish
+            return out, "stop", found[0][1]
+    return pieces, finish, None
 
 
-def _usage(body: dict, tokens: list[str]) -> dict:
-    # About four characters a token: enough for limits and usage accounting to have numbers.
-    prompt = prompt_tokens(body)
-    return {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
+# The oracle's answer: nine words, then (min_tokens, ignore_eos) the answer's words going round.
+_WORDS_ORACLE = ("This", " is", " the", " colocate", " stand-in", " answering", " from", " loopback", ".")
 
 
-def _reply_tokens(body: dict, chat: bool, max_tokens: int) -> list[str]:
-    """The oracle's answer: nine words, ended early by ``max_tokens``; ``min_tokens`` and
-    ``ignore_eos`` (vLLM's) make it longer, the words going round."""
-    words = ["This", " is", " the", " colocate", " stand-in", " answering", " from", " loopback", "."]
-    n = min(max_tokens, max(len(words), body.get("min_tokens") or 0))
-    if body.get("ignore_eos"):
-        n = max_tokens
-    return [*words, *(_WORDS[i % len(_WORDS)] for i in range(max(0, n - len(words))))][: max(1, n)]
+def _reply_tokens(min_tokens: int, ignore_eos: bool, limit: int) -> tuple[list[str], str]:
+    """The oracle's answer and finish reason: it ends after nine words ("stop"), or later for
+    ``min_tokens``; ``ignore_eos`` runs to the limit; the limit cuts it ("length"), as in vLLM."""
+    natural = limit if ignore_eos else max(len(_WORDS_ORACLE), min_tokens)
+    n = min(natural, limit)
+    words = [*_WORDS_ORACLE, *(_WORDS[i % len(_WORDS)] for i in range(max(0, n - len(_WORDS_ORACLE))))][:n]
+    return words, "length" if ignore_eos or natural > limit else "stop"
 
 
 @contextlib.contextmanager
@@ -1208,10 +1282,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the GPU and model the stand-in behaves as (colocate.pods.profiles; default oracle: "
                         "every request in --compute-ms)")
     p.add_argument("--seed", type=int, help="seed of the answer lengths (default: random)")
+    p.add_argument("--max-model-len", type=int, help="the context, prompt included, as vLLM's flag (default: the profile's)")
     p.add_argument("--port-file", type=Path, help="also write {url, port, pid} here once listening")
     args = p.parse_args(argv)
     if args.compute_ms < 0:
         p.error(f"--compute-ms must be >= 0 (got {args.compute_ms})")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error(f"--max-model-len must be >= 1 (got {args.max_model_len})")
+    profile = profiles.get(args.profile)
+    if args.max_model_len:
+        profile = dataclasses.replace(profile, max_model_len=args.max_model_len)
     token = os.environ.get("POD_TOKEN") or None  # never from argv: argv is visible to every user
     try:
         # As vLLM does with its --ssl-* flags: the material comes from the environment (podtls).
@@ -1222,7 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = StandinServer(args.host, args.port, compute_ms=args.compute_ms, token=token,
                                model=args.model, name=args.name, any_model=args.any_model, tls=tls,
-                               profile=args.profile, seed=args.seed)
+                               profile=profile, seed=args.seed)
     except OSError as exc:
         print(f"standin: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ Offers are searched once for the whole region (``geolocation`` in the region's c
 the GPU, ``reliability``, ``direct_port_count`` >= 1, ``static_ip`` (the DNS record keeps the
 address create saw), ``disk_space`` >= the disk,
 ``cuda_max_good`` >= the CUDA floor, rentable, verified, ``dph_total`` <= the cap with
-``allocated_storage`` = the disk, so the price held to the cap is the one rented; with
+``allocated_storage`` = the disk, so the price held to the cap is the one rented,
+``inet_down_cost`` and ``inet_up_cost`` <= ``maxTransferPerGb`` (traffic is billed per GB); with
 ``cloud`` SECURE, the default, only datacenter hosts: ``datacenter`` = true, Vast.ai's Secure
 Cloud, hosts in certified data centres rather than a stranger's machine at home),
 re-checked here (the country is the last part of an offer's ``geolocation``, e.g.
@@ -69,7 +70,11 @@ class VastAI(Provider):
             # must be held against the price of the disk create rents.
             "allocated_storage": spec.disk_gb,
             "dph_total": {"lte": spec.max_price_per_hr},
-            "type": "ondemand",
+            # Traffic is billed per GB beside the hour, and each boot pulls ~16 GB (colocate:pod.maxTransferPerGb).
+            "inet_down_cost": {"lte": spec.max_transfer_per_gb},
+            "inet_up_cost": {"lte": spec.max_transfer_per_gb},
+            # No "type": on-demand pricing is its default (the spec's enum says "ondemand ... Default"; the
+            # official client sends "on-demand", which the same spec's enum does not list).
             "limit": 50,
         }
         offers = self.api.call("POST", "/api/v0/bundles/", json_body=query).body.get("offers") or []
@@ -80,15 +85,18 @@ class VastAI(Provider):
                and float(o.get("reliability") or 0) >= spec.min_reliability
                and int(o.get("direct_port_count") or 0) >= 1 and o.get("static_ip") is True
                and float(o.get("disk_space") or 0) >= spec.disk_gb
+               and float(o.get("inet_down_cost", 1e9) or 0) <= spec.max_transfer_per_gb
+               and float(o.get("inet_up_cost", 1e9) or 0) <= spec.max_transfer_per_gb
                and (cuda is None or float(o.get("cuda_max_good") or 0) >= cuda)]
         fit.sort(key=lambda o: float(o["dph_total"]))
         floor = f"CUDA >= {spec.min_cuda_version}, " if cuda is not None else ""
         hosts = "verified datacenter hosts" if spec.cloud == "SECURE" else "verified hosts"
+        traffic = f"<= ${spec.max_transfer_per_gb}/GB of traffic"
         empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
-                  f"with a {spec.disk_gb} GB disk, {floor}direct port, static ip, {hosts}; colocate:pod.cloud COMMUNITY "
-                  "admits other hosts)" if spec.cloud == "SECURE" else
+                  f"with a {spec.disk_gb} GB disk, {traffic}, {floor}direct port, static ip, {hosts}; colocate:pod.cloud "
+                  "COMMUNITY admits other hosts)" if spec.cloud == "SECURE" else
                   f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
-                  f"with a {spec.disk_gb} GB disk, {floor}direct port, static ip, {hosts})")
+                  f"with a {spec.disk_gb} GB disk, {traffic}, {floor}direct port, static ip, {hosts})")
                  for loc in spec.locations if not any(country(o.get("geolocation")) == loc for o in fit)]
         return fit[:MAX_OFFERS_TRIED], empty
 

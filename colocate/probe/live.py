@@ -31,7 +31,7 @@ from datetime import UTC
 
 from .. import catalogue
 from ..payloads import HIST
-from . import budgets as budgets_mod, placement as placement_mod
+from . import budgets as budgets_mod, fallbackshare, placement as placement_mod
 from .errors import TargetError
 from .histogram import Buckets, Histogram, HistogramError, merged
 from .stats import PERCENTILES
@@ -41,10 +41,12 @@ ROUTED = ("state", "upstream", "fallback", "total")
 # as the Worker saw them (histogram.js STREAMED); counts of prefix-affinity picks (PICKS).
 STREAMED = ("ttft", "itl")
 PICKS = ("affinity", "shed")
+# A pod request's wait for its first token: its place in the pod's queue (histogram.js QUEUED).
+QUEUED = ("queue",)
 SYNC = "sync"
-SEGMENTS = (*ROUTED, *STREAMED, SYNC)
+SEGMENTS = (*ROUTED, *STREAMED, *QUEUED, SYNC)
 RECORDED = (*SEGMENTS, *PICKS)  # every segment a row may carry
-PER_POD = (*ROUTED, *STREAMED, *PICKS)
+PER_POD = (*ROUTED, *STREAMED, *QUEUED, *PICKS)
 # What each live segment stands for among the probe's segments (budgets, floors).
 BUDGET_ALIAS = {"state_rtt": SYNC}
 MINUTE_MS = 60_000
@@ -137,6 +139,7 @@ class Minute:
     start_ms: int
     span_ms: int
     requests: int = 0
+    fallback: int = 0  # of the requests, those the fallback answered
     worker: Counter = field(default_factory=Counter)
     state: Counter = field(default_factory=Counter)
     total: Histogram = field(default_factory=Histogram)
@@ -147,7 +150,9 @@ class Minute:
 class Merged:
     """The window's rows added up by what the verdicts read."""
 
+    # ttft and itl here are the pods' own; the fallback's streams are apart (fallback_streamed)
     segments: dict[str, Histogram] = field(default_factory=lambda: {s: Histogram() for s in RECORDED})
+    fallback_streamed: dict[str, Histogram] = field(default_factory=lambda: {s: Histogram() for s in STREAMED})
     per_pod: dict[str, dict[str, Histogram]] = field(
         default_factory=lambda: defaultdict(lambda: {s: Histogram() for s in PER_POD}))
     # the state object's colo -> (the Worker's colo -> its syncs there)
@@ -159,7 +164,10 @@ class Merged:
     def of(cls, rows: Iterable[Row]) -> Merged:
         m = cls()
         for r in rows:
-            m.segments[r.segment].add(r.hist)
+            if r.segment in STREAMED and r.who == "fallback":
+                m.fallback_streamed[r.segment].add(r.hist)
+            else:
+                m.segments[r.segment].add(r.hist)
             t = m.minutes.setdefault(r.start_ms, Minute(r.start_ms, r.span_ms))  # hours count as their first minute
             n = r.hist.n
             if r.segment == SYNC:
@@ -173,6 +181,7 @@ class Merged:
                 if r.segment == "total":
                     t.worker[r.colo] += n
                     t.requests += n
+                    t.fallback += n if r.who == "fallback" else 0
                     t.total.add(r.hist)
         return m
 
@@ -286,6 +295,8 @@ class LiveResult:
     # The fallback's spend today (UTC) against its caps, $ ({day, usd, cell_cap_usd, key_cap_usd});
     # None from a Worker that does not report it.
     fallback_spend: dict | None = None
+    fallback_streams: dict[str, dict] = field(default_factory=dict)  # the fallback's ttft, itl ({} if none)
+    max_fallback_share: float = fallbackshare.DEFAULT_MAX_SHARE
 
     @property
     def ok(self) -> bool:
@@ -354,7 +365,7 @@ def _pods(m: Merged, requests: int, region: catalogue.Region | None, locations: 
     for who, h in sorted(m.per_pod.items(), key=lambda kv: _pod_order(kv[0])):
         n = h["total"].n
         share = round(n / requests, 4) if requests else None
-        segments = {s: h[s].summary(buckets).to_json() for s in (*ROUTED, *STREAMED)}
+        segments = {s: h[s].summary(buckets).to_json() for s in (*ROUTED, *STREAMED, *QUEUED)}
         if not who.isdigit():
             out.append(PodServed(who, n, share, segments))
             continue
@@ -373,8 +384,10 @@ def _pods(m: Merged, requests: int, region: catalogue.Region | None, locations: 
 
 def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str] = (),
           budget_list: Iterable[budgets_mod.Budget] = (), worker_placement: str | None = None,
-          url: str | None = None) -> LiveResult:
-    """Merge the window's rows and judge them (see the module docstring)."""
+          url: str | None = None, max_fallback_share: float = fallbackshare.DEFAULT_MAX_SHARE,
+          routed_pods: int | None = None) -> LiveResult:
+    """Merge the window's rows and judge them (see the module docstring). ``routed_pods``: the pods the
+    Worker routes to (``GET /_colocate/scale``), where known: with none, the fallback serves by design."""
     rows, buckets = rows_of(doc)
     since = int(doc.get("since") or 0)
     until = int(doc.get("now") or (max((r.start_ms + r.span_ms for r in rows), default=since)))
@@ -409,6 +422,9 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
             violations.append({"kind": "placement", "part": f.part, "message": f"{f.message} [live: {where}]"})
     pods, pod_violations = _pods(m, requests, region, locations, buckets, prefix_caches(doc))
     violations += pod_violations
+    share_violation, share_notes = _fallback_share(m, max_fallback_share, routed_pods)
+    violations = ([share_violation] if share_violation else []) + violations  # first: the rest follows from it
+    notes += share_notes
 
     by_worker = m.by_minute("worker")
     seen_worker: Counter = Counter()
@@ -455,7 +471,28 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
         timeline=[_timeline_point(t, buckets) for _, t in sorted(m.minutes.items())],
         histograms={s: h for s, h in m.segments.items() if h.n},
         fallback_spend=spend_of(doc),
+        fallback_streams={s: h.summary(buckets).to_json() for s, h in m.fallback_streamed.items()} if any(
+            h.n for h in m.fallback_streamed.values()) else {},
+        max_fallback_share=max_fallback_share,
     )
+
+
+def _fallback_share(m: Merged, max_share: float, routed_pods: int | None) -> tuple[dict | None, list[str]]:
+    """The fallback's share judged on the latest minute with requests (as placement is: a minute of pods
+    down fails the view, and the minute after they serve again clears it); over the whole window, a note."""
+    busy = [t for t in m.minutes.values() if t.requests]
+    if not busy:
+        return None, []
+    last = max(busy, key=lambda t: t.start_ms)
+    latest = fallbackshare.Share(last.fallback, last.requests, f"the latest minute's requests ({_clock(last.start_ms)})")
+    window = fallbackshare.Share(sum(t.fallback for t in busy), sum(t.requests for t in busy), "the window's requests")
+    notes = [n for n in (latest.note(max_share, routed_pods),) if n]
+    violation = latest.violation(max_share, routed_pods)
+    if violation is None and routed_pods != 0 and window.violation(max_share) is not None:
+        notes.append(f"the fallback served {window.share:.0%} of the window's requests ({window.fallback} of "
+                     f"{window.total}), more than colocate:probe.maxFallbackShare {max_share:.0%}; the latest minute "
+                     "is within it")
+    return violation, notes
 
 
 def spend_of(doc: Mapping) -> dict | None:
@@ -507,6 +544,8 @@ def to_json(r: LiveResult, warn_only: bool = False) -> dict:
         "notes": r.notes, "timeline": [t.to_json() for t in r.timeline], "warn_only": warn_only,
         "relative_error": round(r.buckets.relative_error, 5),
         "fallback_spend": r.fallback_spend,
+        "fallback_streams": r.fallback_streams,
+        "max_fallback_share": r.max_fallback_share,
     }
 
 
@@ -517,8 +556,9 @@ SEGMENT_LEGEND = (
     "fallback  the fallback API's answer (0 when it was not used)",
     "total     the Worker's own time for the request, from its arrival to the answer leaving it",
     "sync      each isolate's background round trip to the state object (its state_rtt)",
-    "ttft      a streamed answer's first byte from upstream, from the request's arrival at the Worker",
-    "itl       a streamed answer's mean gap between tokens (its time after the first byte over its tokens)",
+    "ttft      a pod's streamed answer: its first byte, from the request's arrival at the Worker",
+    "itl       a pod's streamed answer: the mean gap between its tokens (the fallback's streams are apart, below)",
+    "queue     a pod request's wait for its first token: the prompts ahead of it in the pod's queue and its own prefill",
 )
 UNKNOWN_COLO_WHY = {
     "worker": "the Worker's /cdn-cgi/trace did not answer, so where it ran is not known",
@@ -549,7 +589,8 @@ def table(r: LiveResult) -> str:
         row += f"{(f'{ratio:.2f}x' if ratio is not None else '-') if name in r.floors else '':>11}"
         row += "  " + ", ".join(marks.get(name, []))
         lines.append(row.rstrip())
-    lines += ["", *SEGMENT_LEGEND, "", "served by (who answered the routed requests; a pod's location and region check)"]
+    lines += ["", *SEGMENT_LEGEND, "", "served by (who answered the routed requests; a pod's location and region check; "
+                                     f"the view fails when the fallback answers over {r.max_fallback_share:.0%} of a minute)"]
     for pod in r.pods:
         share = "n/a" if pod.share is None else f"{pod.share:.1%}"
         up = pod.segments["upstream"]
@@ -562,8 +603,10 @@ def table(r: LiveResult) -> str:
         cache = pod.prefix_cache
         hit = (f"  prefix cache {cache['hit_rate']:.0%} of {cache['queries']:,.0f} tokens"
                if cache and cache["hit_rate"] is not None else "")
+        streams = (f"  ttft p50 {_num(pod.segments['ttft']['p50'], 1)} ms, itl p50 {_num(pod.segments['itl']['p50'], 1)} ms"
+                   if pod.segments["ttft"]["n"] else "")
         lines.append(f"  {pod.backend:<10}{pod.requests:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
-                     f"p90 {_num(up['p90'], 1)} ms{where}{picks}{hit}")
+                     f"p90 {_num(up['p90'], 1)} ms{where}{picks}{hit}{streams}")
     p = r.placement
     expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
                 else "unknown: no --expect-region or --stack, and the Worker reported no region")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import outputs as names, stackfile
 from ..errors import ConfigError
+from . import fallbackshare
 from .errors import OutputsError, UsageError
 
 PULUMI_TIMEOUT_S = 120
@@ -77,6 +78,7 @@ class StackConfig:
     budgets: object  # raw colocate:budgets (validated by budgets.from_stack)
     samples: int | None
     worker_placement: str | None
+    max_fallback_share: float = fallbackshare.DEFAULT_MAX_SHARE  # colocate:probe.maxFallbackShare
 
 
 def read_config(stack: str, stacks_dir: Path = stackfile.STACKS_DIR) -> StackConfig:
@@ -91,4 +93,8 @@ def read_config(stack: str, stacks_dir: Path = stackfile.STACKS_DIR) -> StackCon
     if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
         raise UsageError("--stack", stack, f"colocate:probe.samples is {samples!r}, not a whole number above 0",
                          "pulumi config set --path colocate:probe.samples 25")
-    return StackConfig(raw.get("region"), raw.get("budgets"), samples, worker.get("placement") or "auto")
+    share = probe.get("maxFallbackShare", fallbackshare.DEFAULT_MAX_SHARE)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise UsageError("--stack", stack, f"colocate:probe.maxFallbackShare is {share!r}, not a share from 0 to 1",
+                         "pulumi config set --path colocate:probe.maxFallbackShare 0.1")
+    return StackConfig(raw.get("region"), raw.get("budgets"), samples, worker.get("placement") or "auto", float(share))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import catalogue
 from ..settings import SEGMENTS
-from . import budgets as budgets_mod, placement as placement_mod
+from . import budgets as budgets_mod, fallbackshare, placement as placement_mod
 from .connections import NOT_MEASURED, port_of
 from .sample import PROBE_METRICS, ROUTED_METRICS, Run, Sample
 from .stats import PERCENTILES, summary
@@ -43,6 +43,9 @@ class Result:
     fallback_check: dict | None = None  # the Worker's one check of the fallback, as it reported it
     settling: dict | None = None  # --settle: {settled, seconds, colos}
     new_connections: dict = field(default_factory=dict)  # how pod_rtt_new was measured, or why not
+    # ttft and itl of the streams the fallback answered: apart, so the segments above are the pods' own
+    fallback_streams: dict = field(default_factory=dict)
+    max_fallback_share: float = fallbackshare.DEFAULT_MAX_SHARE
 
     @property
     def ok(self) -> bool:
@@ -123,10 +126,10 @@ def collect(run: Run) -> dict[str, list[float]]:
                 v = s.timing.durations.get(name)
             if v is not None:
                 values[name].append(v)
-    for s in run.streamed:
-        if s.ok and s.ttft_ms is not None:
+    for s in run.streamed:  # the pods' streams: the fallback's are apart (fallback_streams)
+        if s.ok and s.backend != "fallback" and s.ttft_ms is not None:
             values["ttft"].append(s.ttft_ms)
-        if s.ok and s.itl_ms is not None:
+        if s.ok and s.backend != "fallback" and s.itl_ms is not None:
             values["itl"].append(s.itl_ms)
     for s in run.probe_new or []:
         first = next((e for e in pod_entries(s) if e.get("index") == 0), None)
@@ -211,6 +214,15 @@ def new_connections_of(run: Run, values: list[float]) -> tuple[dict, str | None]
     return out, note
 
 
+def fallback_streams(run: Run) -> dict:
+    """ttft and itl of the streamed samples the fallback answered ({} when it answered none)."""
+    ours = [s for s in run.streamed if s.ok and s.backend == "fallback"]
+    if not ours:
+        return {}
+    return {"ttft": summary([s.ttft_ms for s in ours if s.ttft_ms is not None]),
+            "itl": summary([s.itl_ms for s in ours if s.itl_ms is not None])}
+
+
 def fallback_of(run: Run) -> tuple[dict | None, str | None]:
     """The Worker's fallback check and, when there is none to read, why."""
     s = run.fallback_check
@@ -226,7 +238,8 @@ def fallback_of(run: Run) -> tuple[dict | None, str | None]:
 
 def build(run: Run, region: catalogue.Region | None, pod_location: str | list[str] | None,
           budget_list: list[budgets_mod.Budget], worker_placement: str | None = None,
-          pod_path: str | None = None, placement_host: str | None = None, migrate_flags: str | None = None) -> Result:
+          pod_path: str | None = None, placement_host: str | None = None, migrate_flags: str | None = None,
+          max_fallback_share: float = fallbackshare.DEFAULT_MAX_SHARE) -> Result:
     locations = [pod_location] if isinstance(pod_location, str) else list(pod_location or [])
     pod_location = locations[0] if locations else None
     values = collect(run)
@@ -247,7 +260,13 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
     p50 = {name: seg["p50"] for name, seg in segments.items()}
     found = placement_mod.findings(place, p50, worker_placement, migrate_flags)
 
-    violations: list[dict] = [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
+    violations: list[dict] = []
+    served = [s for s in [*run.routed, *run.streamed] if s.ok and s.backend]
+    share = fallbackshare.Share(sum(s.backend == "fallback" for s in served), len(served), "the probe's answers")
+    share_violation = share.violation(max_fallback_share)
+    if share_violation:  # first: it is what the rest (a ttft budget with no pod data) follows from
+        violations.append(share_violation)
+    violations += [{"kind": "placement", "part": f.part, "message": f.message} for f in found if f.fails]
     violations += budgets_mod.broken(budget_list, segments, floors)
     errors = {"probe": _errors(run.probe), "routed": _errors(run.routed), "stream": _errors(run.streamed)}
     for kind, counts in errors.items():
@@ -264,7 +283,8 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
         notes.append(f"the Worker reports CELL_REGION {', '.join(sorted(told))}, but {region.name} was expected: "
                      "is this the right stack's URL?")
     pod_fail = [b for b in (s.body for s in run.probe if s.ok and s.body) if b.get("pod_ok") is False]
-    renew = "; to replace it, raise colocate:pod.renewal by one and run pulumi up (not pulumi up --replace)"
+    renew = ("; the keeper (.venv/bin/python scripts/scale.py run) replaces it alone; without it, raise "
+             "colocate:pod.renewal by one and run pulumi up, which replaces every pod (not pulumi up --replace)")
     if pod_fail:
         statuses = ", ".join(sorted({str(b.get("pod_status")) for b in pod_fail}))
         msg = f"pod health check failed in {len(pod_fail)} of {len(run.probe)} probes (pod_status {statuses})"
@@ -321,7 +341,8 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
                   settling=None if run.settling is None else {"settled": run.settling.settled,
                                                               "seconds": run.settling.seconds,
                                                               "colos": run.settling.colos},
-                  new_connections=new_connections)
+                  new_connections=new_connections, fallback_streams=fallback_streams(run),
+                  max_fallback_share=max_fallback_share)
 
 
 def to_json(r: Result, warn_only: bool = False) -> dict:
@@ -354,6 +375,8 @@ def to_json(r: Result, warn_only: bool = False) -> dict:
         "settling": r.settling,
         "provisional": r.provisional,
         "new_connections": r.new_connections,
+        "fallback_streams": r.fallback_streams,
+        "max_fallback_share": r.max_fallback_share,
     }
 
 
@@ -389,7 +412,13 @@ def table(r: Result) -> str:
         lines.append(row.rstrip())
     total = sum(r.backends.values())
     rate = "n/a" if r.fallback_rate is None else f"{r.fallback_rate:.0%}"
-    lines += ["", f"fallback rate {rate} ({r.backends.get('fallback', 0)}/{total} answered by the fallback)", ""]
+    lines += ["", f"fallback rate {rate} ({r.backends.get('fallback', 0)}/{total} answered by the fallback; "
+                  f"the probe fails above {r.max_fallback_share:.0%})"]
+    if r.fallback_streams:
+        fs = r.fallback_streams
+        lines.append(f"the fallback's streams (not in ttft and itl above, which are the pods'): ttft p50 "
+                     f"{_num(fs['ttft']['p50'], 1)} ms, itl p50 {_num(fs['itl']['p50'], 1)} ms, {fs['ttft']['n']} streams")
+    lines.append("")
     p = r.placement
     expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
                 else "unknown: no --expect-region or --stack, and the Worker reported no region")

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..plan import CellPlan
+from ..pods import podtls
 from . import hopcerts
+from .engine import pod_bundle
 from .errors import StartupFailed
 from .statedir import (
     LEGACY_POD_FILE,
@@ -53,11 +55,17 @@ def create_pod(state_dir: Path, plan: CellPlan, token: str, index: int = 0) -> d
     """Pod ``index`` of the plan, through ``scripts/pod.py create`` (its own process: a failed
     create cleans up only what it made itself)."""
     pod = plan.pods[index]
+    spec = pod.spec()
+    hop = hopcerts.load(state_dir).pod_env() if pod.mtls else {}
+    engine = bool(spec["command"] or spec["url"])
+    if engine and pod.mtls:  # a real engine gets the cloud's bundle: it cannot hold readiness to /health
+        hop[podtls.BUNDLE_ENV] = pod_bundle(state_dir)
     with open(log_path(state_dir, "pod"), "ab") as log:
         proc = subprocess.run([sys.executable, str(POD_SCRIPT), "create", "--spec", "-"],
-                              input=json.dumps(pod.spec()).encode(), stdout=subprocess.PIPE, stderr=log,
-                              env={**_pod_env(state_dir, token), **(hopcerts.load(state_dir).pod_env() if pod.mtls else {})},
-                              cwd=ROOT, timeout=POD_TIMEOUT_S)
+                              input=json.dumps(spec).encode(), stdout=subprocess.PIPE, stderr=log,
+                              env={**_pod_env(state_dir, token), **hop}, cwd=ROOT,
+                              # an engine's own readiness wait (minutes for a real one) within this bound
+                              timeout=spec["ready_timeout_s"] + POD_TIMEOUT_S if engine else POD_TIMEOUT_S)
     if proc.returncode != 0:
         raise StartupFailed(f"the create of pod {index} ({pod.name}, scripts/pod.py create) exited {proc.returncode}; "
                             f"see {log_path(state_dir, 'pod')}")
@@ -130,6 +138,7 @@ def delete_local_pods(state_dir: Path) -> list[str]:
 
 
 def pod_pid(state_dir: Path, created: dict) -> int | None:
+    """The pod's process, if this machine runs one the sandbox started (not a server at a url of the user's)."""
     record = read_json(local_pod_record(state_dir, created.get("name", "")))
     return record.get("pid") if record else None
 

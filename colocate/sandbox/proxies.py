@@ -26,7 +26,18 @@
                     connection. The Worker reaches the pod through its POD_TLS binding (a
                     workerd network service), not through the outbound proxy.
 
-Both stream: bodies are relayed chunk by chunk as they arrive (SSE passes unbuffered).
+Both stream: bodies are relayed chunk by chunk as they arrive (SSE passes unbuffered), and the
+front proxy sends a request's body to workerd as the client uploads it (its framing checked first,
+a malformed chunk answered 400 there), as Cloudflare's edge hands a Worker its request at once.
+
+A client that leaves is passed on, as Cloudflare's edge cancels a Worker's request when its
+client disconnects: from the moment a relay connects upstream until the answer has been
+relayed, it watches its client's connection, and when the client closes it (or resets it),
+the relay resets its own connection upstream (``ClientWatch``). workerd sees a closed
+connection only as a reset, or when it next writes to it (a FIN while it waits for its own
+answer goes unnoticed, seen in workerd 1.20261117.1); a reset cancels the request and fires its
+abort signal (``Request.signal``), as the platform does, so the router's hang-up handling runs
+here as it does in the cloud.
 
 The front server answers malformed HTTP as Cloudflare's edge does, before the Worker sees it,
 with the status the edge uses and a JSON body in OpenAI's error shape (never HTML, an internal
@@ -46,7 +57,9 @@ import ipaddress
 import json
 import re
 import secrets
+import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -192,6 +205,54 @@ def sleep_ms(ms: float) -> None:
         time.sleep(ms / 1000.0)
 
 
+WATCH_POLL_S = 0.1  # how often a relay looks at its client's connection while the exchange runs
+
+
+class ClientWatch:
+    """While a relay's exchange runs, its client's connection is watched: a client that closes
+    it (EOF) or resets it has left, and the upstream connection is reset (SO_LINGER 0: an RST,
+    not a FIN), which workerd takes as the request's cancellation. Bytes from the client (a
+    pipelined next request) end the watch: it is still there. ``gone`` tells the relay not to
+    answer anyone."""
+
+    def __init__(self, client: socket.socket, upstream: socket.socket):
+        self.client = client
+        self.upstream = upstream
+        self.gone = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="client-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            try:
+                readable, _, _ = select.select([self.client], [], [], WATCH_POLL_S)
+                if not readable:
+                    continue
+                left = self.client.recv(1, socket.MSG_PEEK) == b""
+            except (OSError, ValueError):
+                left = True
+            if not left:
+                return
+            if self._done.is_set():
+                return
+            self.gone = True
+            reset(self.upstream)
+            return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+
+def reset(sock: socket.socket) -> None:
+    """End a connection with an RST once it is closed, and wake whatever reads it now."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)  # a blocked recv returns at once; nothing is sent yet
+
+
 class Relay(BaseHTTPRequestHandler):
     """Shared request reading and streaming response relay."""
 
@@ -215,9 +276,9 @@ class Relay(BaseHTTPRequestHandler):
             raise BadRequest(400, "Content-Length must be one whole number of bytes", "invalid_content_length")
         return int(next(iter(parts)))
 
-    def _read_body(self) -> bytes | None:
-        """The whole body (None when there is none); raises BadRequest for bad framing or size,
-        or a CLIENT_LEFT error when the client goes away mid-body."""
+    def _framing(self) -> tuple[str, int]:
+        """How the body is framed, checked before any of it is read: ("none", 0), ("length", N)
+        or ("chunked", 0); raises BadRequest for a framing refused, or a length over the limit."""
         codings = [c.strip().lower() for v in self.headers.get_all("Transfer-Encoding") or [] for c in v.split(",")]
         codings = [c for c in codings if c]
         length = self._content_length()
@@ -227,18 +288,28 @@ class Relay(BaseHTTPRequestHandler):
             if length is not None:  # both framings at once: the classic smuggling shape (RFC 9112 section 6.1)
                 raise BadRequest(400, "a request cannot carry both Content-Length and Transfer-Encoding",
                                  "invalid_content_length")
-            return self._read_chunked()
+            return "chunked", 0
         if length is None or length == 0:
-            return None
+            return "none", 0
         if length > MAX_REQUEST_BODY:
             raise BadRequest(413)
-        data = self.rfile.read(length)
-        if len(data) < length:
-            raise ConnectionAbortedError("client closed mid-body")
-        return data
+        return "length", length
 
-    def _read_chunked(self) -> bytes:
-        chunks = []
+    def _body_pieces(self, framing: tuple[str, int]):
+        """The body as it arrives, piece by piece; raises BadRequest for a malformed chunk or a
+        chunked body over the limit, or a CLIENT_LEFT error when the client goes away mid-body."""
+        kind, length = framing
+        if kind == "length":
+            left = length
+            while left:
+                data = self.rfile.read1(min(left, 65536))
+                if not data:
+                    raise ConnectionAbortedError("client closed mid-body")
+                left -= len(data)
+                yield data
+            return
+        if kind != "chunked":
+            return
         total = 0
         while True:
             line = self.rfile.readline(1024)
@@ -252,16 +323,23 @@ class Relay(BaseHTTPRequestHandler):
                 for _ in range(100):  # trailers, bounded
                     if self.rfile.readline(MAX_HEADER_BYTES) in (b"\r\n", b"\n", b""):
                         break
-                return b"".join(chunks)
+                return
             total += size
             if total > MAX_REQUEST_BODY:
                 raise BadRequest(413)
             data = self.rfile.read(size)
             if len(data) < size:
                 raise ConnectionAbortedError("client closed mid-body")
-            chunks.append(data)
+            yield data
             if self.rfile.readline(3) not in (b"\r\n", b"\n"):
                 raise BadRequest(400, "malformed chunk in a chunked body", "invalid_chunked_body")
+
+    def _read_body(self) -> bytes | None:
+        """The whole body (None when there is none); raises as _framing and _body_pieces do."""
+        framing = self._framing()
+        if framing[0] == "none":
+            return None
+        return b"".join(self._body_pieces(framing))
 
     def _body_or_error(self) -> bytes | None | bool:
         """The request body, or False after answering an error for it."""
@@ -311,30 +389,55 @@ class Relay(BaseHTTPRequestHandler):
         self._refuse(BadRequest(int(code)))
 
     def _relay(self, host: str, port: int, path: str, headers: list[tuple[str, str]], body: bytes | None,
-               before_ms: float, after_ms: float, extra_response: dict[str, str] | None = None) -> None:
+               before_ms: float, after_ms: float, extra_response: dict[str, str] | None = None,
+               framing: tuple[str, int] | None = None) -> None:
         """Forward to host:port after ``before_ms``; start the response ``after_ms`` after it arrives.
 
         The body is sent while the response is read: an upstream may answer before it has read
         the whole body (the Worker's 413 for a body over its limit) and close; that answer is
-        relayed, not turned into a broken pipe."""
+        relayed, not turned into a broken pipe. With ``framing`` (_framing's), the body is not
+        in ``body`` but read from the client as it arrives and sent on at once, as Cloudflare's
+        edge streams a request body to the Worker: a client that leaves mid-body resets the
+        upstream connection, a malformed chunk is answered 400 here."""
         sleep_ms(before_ms)
         sender = sock = resp = None
+        watch: list[ClientWatch] = []  # started once the whole request is read (a streamed body: by its sender)
+        failed: list[BaseException] = []  # the streamed body's own failure: BadRequest, or the client gone
         try:
             try:
                 sock = socket.create_connection((host, port), timeout=UPSTREAM_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 head = [f"{self.command} {path} HTTP/1.1"] + [f"{k}: {v}" for k, v in headers]
-                head += [f"content-length: {len(body)}"] if body is not None else []
+                if framing is not None and framing[0] == "chunked":
+                    head.append("transfer-encoding: chunked")
+                elif framing is not None and framing[0] == "length":
+                    head.append(f"content-length: {framing[1]}")
+                elif body is not None:
+                    head.append(f"content-length: {len(body)}")
                 head.append("connection: close")
                 raw_head = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
-                if body is None or len(body) <= 65536:
+                if framing is not None and framing[0] != "none":
+                    sock.sendall(raw_head)
+                    sender = threading.Thread(target=self._send_body, args=(sock, framing, watch, failed), daemon=True)
+                    sender.start()
+                elif body is None or len(body) <= 65536:
                     sock.sendall(raw_head + (body or b""))
+                    watch.append(ClientWatch(self.connection, sock))
                 else:
+                    watch.append(ClientWatch(self.connection, sock))
                     sender = threading.Thread(target=_send_quietly, args=(sock, raw_head + body), daemon=True)
                     sender.start()
                 resp = http.client.HTTPResponse(sock, method=self.command)
                 resp.begin()
             except (OSError, http.client.HTTPException, UnicodeError) as exc:
+                if sender is not None:
+                    sender.join(timeout=5)  # its failure, if it reset the connection, is known then
+                if failed and isinstance(failed[0], BadRequest):
+                    self._refuse(failed[0])
+                    return
+                if failed or (watch and watch[0].gone):  # the client left: nobody to answer
+                    self.close_connection = True
+                    return
                 self._upstream_failed(host, port, exc)
                 return
             sleep_ms(after_ms)
@@ -358,8 +461,17 @@ class Relay(BaseHTTPRequestHandler):
             if no_body:
                 return
             while True:
-                data = resp.read1(65536)
+                try:
+                    data = resp.read1(65536)
+                except (OSError, http.client.HTTPException, ValueError):
+                    # The upstream's answer broke off (or was reset for a client that left): the
+                    # client's answer ends unfinished, as the platform ends it.
+                    self.close_connection = True
+                    return
                 if not data:
+                    if failed or (watch and watch[0].gone):
+                        self.close_connection = True
+                        return
                     break
                 if chunked:
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -371,13 +483,43 @@ class Relay(BaseHTTPRequestHandler):
                 self.wfile.flush()
         except CLIENT_LEFT:
             self.close_connection = True
+            if sock is not None:
+                reset(sock)  # the client left mid-answer: the upstream is told as it would be on the platform
         finally:
+            if sender is not None and framing is not None and sender.is_alive():
+                # Answered before the client finished its body (the Worker's 413): this
+                # connection cannot carry another request; closing it ends the sender's read.
+                self.close_connection = True
+            for w in watch:
+                w.stop()
             if resp is not None:
                 resp.close()  # the socket's file: the socket closes only once it is closed too
             if sock is not None:
                 sock.close()
-            if sender is not None:
+            if sender is not None and not (framing is not None and self.close_connection):
                 sender.join(timeout=5)
+
+    def _send_body(self, sock: socket.socket, framing: tuple[str, int], watch: list, failed: list) -> None:
+        """Send the client's body upstream as it arrives (chunked bodies re-chunked as read),
+        then watch the client; a malformed body or a client gone mid-body resets upstream."""
+        chunked = framing[0] == "chunked"
+        pieces = self._body_pieces(framing)
+        while True:
+            try:
+                piece = next(pieces, None)
+            except (BadRequest, OSError) as exc:  # the client's side: a bad body, or it left mid-body
+                failed.append(exc)
+                reset(sock)
+                return
+            try:
+                if piece is None:
+                    if chunked:
+                        sock.sendall(b"0\r\n\r\n")
+                    break
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            except OSError:
+                return  # the upstream answered (and closed) before taking the whole body: its answer is relayed
+        watch.append(ClientWatch(self.connection, sock))
 
     def _upstream_failed(self, host: str, port: int, exc: BaseException) -> None:
         # Who did not answer and why goes to the log (runner.log); the client gets no address
@@ -442,11 +584,9 @@ class FrontHandler(Relay):
         net = self.network
         try:
             path = self._check_request()
+            framing = self._framing()  # the body itself is streamed to the Worker as it arrives
         except BadRequest as exc:
             self._refuse(exc)
-            return
-        body = self._body_or_error()
-        if body is False:
             return
         target = net.enter()
         if target is None:
@@ -462,7 +602,7 @@ class FrontHandler(Relay):
             headers += [("cf-ray", ray), ("cf-placement", placement), ("cf-connecting-ip", self.client_address[0]),
                         ("host", self.headers.get("host", "localhost"))]
             host, port = target
-            self._relay(host, port, path, headers, body, half, half, {"cf-ray": ray, "cf-placement": placement})
+            self._relay(host, port, path, headers, None, half, half, {"cf-ray": ray, "cf-placement": placement}, framing)
         finally:
             net.leave()
 

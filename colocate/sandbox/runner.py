@@ -164,7 +164,7 @@ class Runner:
         if not pod["worker_url"].startswith("https://"):
             return
         site = sites_for(plan, launch, pod.get("location", "local")).pod
-        hop = PodHop(self.network, site, ("127.0.0.1", int(pod["port"])))
+        hop = PodHop(self.network, site, (pod.get("ip") or "127.0.0.1", int(pod["port"])))
         self.hops[pod["id"]] = hop
         pod["worker_url"] = f"https://localhost:{hop.port}"
 
@@ -289,6 +289,7 @@ class Runner:
         geography = self.network.geography
         state = plan.state
         pod_pids = {("pod" if p["index"] == 0 else f"pod-{p['index']}"): pod_pid(self.state_dir, p) for p in pods}
+        pod_pids = {name: pid for name, pid in pod_pids.items() if pid}  # a server at a url of the user's has none
         return {
             "stack": plan.stack,
             "region": plan.region.name,

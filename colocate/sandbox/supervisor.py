@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .. import stackfile
 from ..pods import podtls
+from ..pods.guard.colocate_pod_guard import readiness_token
 from ..pods.local import alive
 from ..pods.readiness import tls_health
 from . import hopcerts
@@ -75,6 +76,7 @@ __all__ = [
 ]
 
 UP_TIMEOUT_S = 90.0
+ENGINE_PROGRESS_S = 15.0  # how often `up` says how a pod of the user's engine is coming along
 STOP_TIMEOUT_S = 20.0
 
 
@@ -87,8 +89,11 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
     Geography.from_args(stretch, rtt)  # a bad --stretch/--rtt fails here, before anything starts
     if client_site:
         site(client_site, "--client-site")
-    _, notes = build_plan(launch)  # a bad stack fails here too
+    plan, notes = build_plan(launch)  # a bad stack fails here too
     check_owner(state_dir, stack)
+    engines = [p for p in plan.pods if p.settings.command or p.settings.url]
+    if engines:  # a real engine starts in minutes: `up` waits its readiness (colocate:pod.readyTimeoutS)
+        timeout_s = max(timeout_s, UP_TIMEOUT_S + max(p.settings.ready_timeout_s for p in engines))
     (state_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     fd = try_lock(state_dir)
     if fd is None:
@@ -121,6 +126,7 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         os.close(fd)  # the runner holds the lock from now on
         fd = None
         deadline = time.monotonic() + timeout_s
+        said = time.monotonic()
         while time.monotonic() < deadline:
             ready = read_json(state_dir / READY_FILE)
             if ready:
@@ -129,6 +135,10 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
             if failed or not alive(runner):
                 why = (failed or {}).get("error") or "the runner exited"
                 raise StartupFailed(f"sandbox did not come up: {why}. Logs: {state_dir / LOGS_DIR}")
+            if engines and time.monotonic() - said >= ENGINE_PROGRESS_S:
+                said = time.monotonic()
+                log_line(f"waiting for your engine ({timeout_s - (deadline - said):.0f} of at most {timeout_s:.0f} s): "
+                         f"{last_line(log_path(state_dir, 'pod')) or 'starting'}")
             time.sleep(0.1)
         raise StartupFailed(f"sandbox did not come up within {timeout_s:.0f} s. Logs: {state_dir / LOGS_DIR}")
     except BaseException:
@@ -153,6 +163,17 @@ def say_once(notes: list[str]) -> None:
         if note not in _said:
             _said.add(note)
             log_line(note)
+
+
+def last_line(path: Path) -> str:
+    """The last line of a log (its last 4 KB read), or ""."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, 2) - 4096))
+            lines = fh.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:200] if lines else ""
 
 
 def stop_runner(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S + CHILD_TIMEOUT_S) -> bool:
@@ -257,12 +278,14 @@ def down(state_dir: Path, quiet: bool = False) -> dict:
 
 
 def _pod_ok(state_dir: Path, address: str) -> bool:
-    """A pod's ``/health`` at its own address; over mutual TLS with the readiness certificate, as pod.py checks it."""
+    """A pod's ``/health`` at its own address with the readiness token (and, over mutual TLS, the
+    readiness certificate), as pod.py checks it."""
+    token = readiness_token(load_secrets(state_dir)["podToken"])
     if not address.startswith("https://"):
-        return http_ok(address + "/health", timeout=5)[0]
-    check = hopcerts.load(state_dir).check
-    ctx = podtls.client_context(check.cert_pem, check.key_pem, hopcerts.load(state_dir).ca.cert_pem)
-    return tls_health(address, 5, ctx, hopcerts.POD_NAME)[0]
+        return http_ok(address + "/health", {"authorization": f"Bearer {token}"}, timeout=5)[0]
+    creds = hopcerts.load(state_dir)
+    ctx = podtls.client_context(creds.check.cert_pem, creds.check.key_pem, creds.public.cert_pem)
+    return tls_health(address, 5, ctx, hopcerts.POD_NAME, token=token)[0]
 
 
 def status(state_dir: Path) -> dict:

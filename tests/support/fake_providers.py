@@ -241,6 +241,8 @@ class FakeRunPod(FakeApi):
         super().__init__(runpod_openapi(), pod_token)
         self.capacity: dict[str, bool] = {}  # data centre -> has capacity (default True)
         self.refusals: dict[str, tuple[int, str]] = {}  # data centre -> (status, detail) every create there answers
+        # data centre asked -> where RunPod puts the pod: dataCenterIds are "preferred data centers" (v2)
+        self.placed_in: dict[str, str] = {}
         self.ready_after = 1  # GETs of a pod before it is RUNNING
         self.healthy = True  # whether the pod's server answers /health 200
         self.public_ip = True  # False: a running pod gets no public ip and port (a Community host without one)
@@ -317,7 +319,7 @@ class FakeRunPod(FakeApi):
                 "image": body["image"], "args": body.get("args", ""), "disk": body.get("disk", 20),
                 "mounts": {}, "ports": body.get("ports", []), "env": body.get("env", {}), "registry": None,
                 "gpu": {"id": body["gpu"]["id"], "count": body["gpu"].get("count", 1)},
-                "cloud": body.get("cloud", "SECURE"), "dataCenterId": dc, "cudaVersion": "12.9",
+                "cloud": body.get("cloud", "SECURE"), "dataCenterId": self.placed_in.get(dc, dc), "cudaVersion": "12.9",
                 "ssh": {"proxy": None, "direct": None}, "template": None, "locked": False,
                 "cost": round(self.gpu_prices.get(body["gpu"]["id"], {"secure": 0.69, "community": 0.34})[
                     body.get("cloud", "SECURE").lower()] * body["gpu"].get("count", 1) + self.extra_cost, 4),
@@ -361,6 +363,33 @@ class FakeRunPod(FakeApi):
     def _view(pod: dict) -> dict:
         return json.loads(json.dumps(pod))
 
+    # -- what happens to a pod after deploy (the keeper's cases) ----------------
+    def set_status(self, pod_id: str, status: str) -> None:
+        """The pod goes EXITED (its container stopped) or ERROR, as v2's PodStatus enum lists them;
+        its server stops answering."""
+        with self.lock:
+            self.pods[pod_id].update(status=status, runtime=None)
+            self.stop_backend(pod_id)
+
+    def reset(self, pod_id: str) -> int:
+        """A host reset: the pod comes back RUNNING with its TCP port mapped anew (a new public port,
+        as ``runtime.ports`` then reports). Returns the new public port."""
+        with self.lock:
+            pod = self.pods[pod_id]
+            self.stop_backend(pod_id)
+            env = {**self.platform_env, **pod["env"]} if isinstance(pod["env"], dict) else None
+            server = self.start_backend(pod_id, env, pod["args"])
+            self.proxy_ports[pod_id] = server.port
+            private = int(pod["ports"][0].split("/")[0]) if pod["ports"] else 8000
+            pod["runtime"] = {"uptime": 1, "ports": [{"private": private, "public": server.port, "type": "tcp",
+                                                      "ip": "127.0.0.1"}]}
+            return server.port
+
+    def move(self, pod_id: str, data_center: str) -> None:
+        """The pod reported in another data centre (``dataCenterId``)."""
+        with self.lock:
+            self.pods[pod_id]["dataCenterId"] = data_center
+
 
 # ---------------------------------------------------------------------------- Vast.ai
 # The search schema's allocated_storage: "Default is 8GB". Vast.ai bills disk as storage_cost
@@ -371,14 +400,15 @@ HOURS_PER_MONTH = 30 * 24
 
 def offer(offer_id: int, country: str, price: float, gpu: str = "RTX 4090", reliability: float = 0.995,
           direct_ports: int = 10, city: str = "Taipei", cuda: float = 12.9, disk_space: float = 500.0,
-          storage_cost: float = 0.0, datacenter: bool = True, static_ip: bool = True) -> dict:
+          storage_cost: float = 0.0, datacenter: bool = True, static_ip: bool = True, inet_cost: float = 0.005) -> dict:
     """An offer; ``price`` is its $/h without disk (``dph_base``), so with the default storage_cost of 0
     its dph_total is ``price`` at any disk size."""
     return {"id": offer_id, "ask_contract_id": offer_id, "gpu_name": gpu, "num_gpus": 1, "geolocation": f"{city}, {country}",
             "dph_base": price, "storage_cost": storage_cost, "dph_total": _dph(price, storage_cost, DEFAULT_ALLOCATED_GB),
             "reliability": reliability, "direct_port_count": direct_ports, "rentable": True, "verified": True,
             "verification": "verified", "public_ipaddr": "127.0.0.1", "machine_id": offer_id * 10,
-            "cuda_max_good": cuda, "disk_space": disk_space, "datacenter": datacenter, "static_ip": static_ip}
+            "cuda_max_good": cuda, "disk_space": disk_space, "datacenter": datacenter, "static_ip": static_ip,
+            "inet_down_cost": inet_cost, "inet_up_cost": inet_cost}
 
 
 def _dph(base: float, storage_cost: float, disk_gb: float) -> float:
@@ -510,6 +540,25 @@ class FakeVast(FakeApi):
                 "application/json",
             )
         return 404, {"success": False, "error": "not_found", "msg": f"no fake route {method} {path}"}, {}, "application/json"
+
+
+    # -- what happens to an instance after deploy (the keeper's cases) ----------
+    def set_status(self, iid: str | int, status: str) -> None:
+        """``actual_status`` becomes exited, offline or unknown (the host went away); nothing answers."""
+        with self.lock:
+            self.instances[int(iid)]["actual_status"] = status
+            self.stop_backend(str(iid))
+
+    def readdress(self, iid: str | int) -> int:
+        """The instance running again at another address (its port mapped anew). Returns the new port."""
+        with self.lock:
+            inst = self.instances[int(iid)]
+            self.stop_backend(str(iid))
+            env = {**self.platform_env, **inst["_env"]} if isinstance(inst["_env"], dict) else None
+            args = inst["_args"]
+            server = self.start_backend(str(iid), env, " ".join(args) if isinstance(args, list) else str(args))
+            inst.update(actual_status="running", ports={"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(server.port)}]})
+            return server.port
 
 
 def _public(inst: dict) -> dict:

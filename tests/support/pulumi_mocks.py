@@ -63,7 +63,16 @@ def tls_outputs(typ: str, name: str) -> dict:
         return {"certRequestPem": mock_pem("CERTIFICATE REQUEST", name)}
     if typ in ("tls:index/selfSignedCert:SelfSignedCert", "tls:index/locallySignedCert:LocallySignedCert"):
         return {"certPem": mock_pem("CERTIFICATE", name), "validityEndTime": MOCK_NOT_AFTER}
+    if typ == ACME_CERTIFICATE:  # pulumiverse-acme: the leaf, its issuer's chain, and when it ends
+        return {"certificatePem": mock_pem("CERTIFICATE", name), "issuerPem": mock_pem("CERTIFICATE", f"{name} issuer"),
+                "certificateNotAfter": MOCK_NOT_AFTER, "certificateDomain": name}
+    if typ == ACME_REGISTRATION:
+        return {"registrationUrl": f"https://acme.example/acct/{name}"}
     return {}
+
+
+ACME_CERTIFICATE = "acme:index/certificate:Certificate"
+ACME_REGISTRATION = "acme:index/registration:Registration"
 
 
 class UndeletableScript(Exception):
@@ -179,20 +188,9 @@ def stack_config(stack: str, *, overrides: dict | None = None, drop: tuple[str, 
     worker = dict(raw.get("worker") or {})
     worker.setdefault("subdomain", "acme")
     raw["worker"] = worker
-    stack_hop = (raw.get("pod") or {}).get("hop")
-    if stack_hop == "token" and "zone" not in raw and "zone" in (overrides or {}) and "pod" not in (overrides or {}):
-        # Giving a zoneless RunPod stack a zone follows the stack file's own comment: remove
-        # `hop: token`, so the pods are reached over mutual TLS.
-        raw["pod"] = {k: v for k, v in raw["pod"].items() if k != "hop"}
-        stack_hop = None
     raw.update(overrides or {})
     for key in drop:
         raw.pop(key, None)
-    pod = raw.get("pod")
-    if stack_hop and isinstance(pod, dict) and "hop" not in pod and "zone" not in raw:
-        # A test that replaces the pod block keeps the stack file's knowing choice of hop
-        # (RunPod without a zone is refused under `auto`: colocate.plan.hop_is_mtls).
-        raw["pod"] = {**pod, "hop": stack_hop}
     config = {f"colocate:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in raw.items()}
     secret_values = dict(SECRET_VALUES if secrets is None else secrets)
     for k, v in secret_values.items():
@@ -266,3 +264,27 @@ def unsecret(value):
 
 def plain(value):
     return unsecret(value)[1]
+
+
+@dataclass
+class Declared:
+    """A resource as the program constructed it: its object, type, name and resource options (which the
+    mock engine does not see: replace_on_changes, delete_before_replace, depends_on)."""
+
+    resource: pulumi.Resource
+    typ: str
+    name: str
+    opts: pulumi.ResourceOptions
+
+
+def record_options(monkeypatch) -> list[Declared]:
+    """Every CustomResource the program constructs from now on, with its options, in construction order."""
+    seen: list[Declared] = []
+    original = pulumi.CustomResource.__init__
+
+    def spy(self, t, name, props=None, opts=None, *args, **kwargs):
+        seen.append(Declared(self, t, name, opts or pulumi.ResourceOptions()))
+        return original(self, t, name, props, opts, *args, **kwargs)
+
+    monkeypatch.setattr(pulumi.CustomResource, "__init__", spy)
+    return seen

@@ -211,15 +211,17 @@ class Cell:
 @contextlib.contextmanager
 def running_cell(worker: dict | None = None, generations: list[dict] | None = None, *, compute_ms: float = 5,
                  storage_dir: Path | None = None, with_key: bool = True, pods: int = 1, split_tokens: bool = False,
-                 **raw_overrides) -> Iterator[Cell]:
+                 profile: str = "oracle", **raw_overrides) -> Iterator[Cell]:
     """A stand-in pod and fallback (separate tokens) and workerd running the sandbox plan,
     with a client key (``cell.key``) that routed calls carry. Objects are stored on disk
     (``storage_dir``, default inside workerd's directory): workerd offers SQLite to
-    Durable Objects only with localDisk storage."""
+    Durable Objects only with localDisk storage. ``profile``: the pods' (colocate.pods.profiles;
+    the default, oracle, answers in ``compute_ms`` at any load)."""
     plan = cell_plan(worker, generations, split_tokens=split_tokens, **raw_overrides)
     with contextlib.ExitStack() as stack:
         names = ["pod"] if pods == 1 else [f"pod-{i}" for i in range(pods)]
-        started = [stack.enter_context(standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name=n)) for n in names]
+        started = [stack.enter_context(standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name=n, profile=profile))
+                   for n in names]
         fb = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME,
                                                name="fallback"))
         w = stack.enter_context(Workerd())
@@ -231,7 +233,7 @@ def running_cell(worker: dict | None = None, generations: list[dict] | None = No
             cell.admin_token = OPERATOR_TOKENS["adminToken"]
         if with_key:
             # The cell's own key has no limits (colocate:keys.defaults would give it some): tests send freely.
-            cell.key = cell.create_key("test", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)["key"]
+            cell.key = cell.create_key("test", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0, max_parallel_tokens=0)["key"]
         yield cell
 
 

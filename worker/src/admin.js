@@ -23,7 +23,8 @@ const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$/;
 const DAY_RE = /^\d{4}-\d{2}-\d{2}$/;
 // fallback_microusd_day: the key's own cap on the fallback's spend per UTC day, in millionths
 // of a dollar (0: colocate:fallbackCap.keyUsdPerDay, the cell's cap for every key).
-const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens", "max_parallel", "fallback_microusd_day"];
+// max_parallel_tokens: prompt tokens of the key's requests not yet begun at a pod, at once.
+const LIMIT_FIELDS = ["rpm", "tpm", "monthly_tokens", "max_parallel", "max_parallel_tokens", "fallback_microusd_day"];
 
 /** Constant-time comparison: both sides are hashed to equal length, then every character is compared. */
 export async function tokenMatches(given, expected) {
@@ -70,8 +71,8 @@ async function digestOfToken(token) {
   return d;
 }
 
-async function jsonBody(request) {
-  return parseJsonObject(await readBody(request, ADMIN_BODY_LIMIT));
+async function jsonBody(request, limit = ADMIN_BODY_LIMIT) {
+  return parseJsonObject(await readBody(request, limit));
 }
 
 const HANDLERS = {
@@ -100,13 +101,13 @@ export async function handleAdmin(request, env, ctx, cfg, url, r, fetchImpl, hop
 
 const noStore = { "cache-control": "no-store" };
 
-async function health(fetchImpl, url, deadlineMs, headers) {
+async function health(fetchImpl, url, deadlineMs, headers, json = true) {
   const t = now();
   try {
     const init = { signal: AbortSignal.timeout(deadlineMs) };
     if (headers) init.headers = headers;
     const res = await fetchImpl(url, init);
-    const body = res.ok && headers ? await res.json().catch(() => null) : (await res.body?.cancel().catch(() => {}), null);
+    const body = res.ok && json ? await res.json().catch(() => null) : (await res.body?.cancel().catch(() => {}), null);
     return { ms: now() - t, ok: res.status === 200, status: res.status, body };
   } catch {
     return { ms: now() - t, ok: false, status: null, body: null };
@@ -130,12 +131,13 @@ function breakerView(cfg, view, hosts) {
   // A cell scaled to zero routes to no pod: its machine reads closed, with the override as set.
   const { state, failures, opened_at, trial_at } = pods[0] ?? { state: "closed", failures: 0, opened_at: null, trial_at: null };
   return { state, failures, opened_at, trial_at, forced: view.forced, updated_at: view.forced_at,
-    imported: view.imported, pods };
+    imported: view.imported, importing: view.importing ?? [], pods };
 }
 
-/** Every pod's GET /health over the pod hop, in POD_URLS order. */
+/** Every pod's GET /health over the pod hop, in POD_URLS order, with the pod token (the pod's guard opens /health to it). */
 function checkPods(cfg, hop) {
-  return Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, null)));
+  const auth = { authorization: `Bearer ${cfg.podToken}` };
+  return Promise.all(cfg.podUrls.map((u) => health(hop, u + "/health", cfg.deadlineMs, auth, false)));
 }
 
 /** The probe's `pods` list from those checks. */
@@ -223,7 +225,13 @@ async function purge(request, env, cfg) {
   }
   const hint = gen === cfg.drainingGeneration ? cfg.drainingHint : "";
   // Copy first: keys, limits and usage of the purged generation live on in the active one.
-  await activeStub(env, cfg).importFrom({ ...infoOf(cfg), draining: gen, drainingHint: hint });
+  const copy = await activeStub(env, cfg).importFrom({ ...infoOf(cfg), draining: gen, drainingHint: hint });
+  if (!copy.imported) {
+    const p = copy.progress;
+    const far = p ? `${p.rows} of ${p.total} rows` : "nothing yet";
+    throw new HttpError(409, "import_incomplete", `refusing to purge ${gen}: ${cfg.activeGeneration} has imported ${far} of it; `
+      + "retry once `migrate.py status` says the import is done", { "retry-after": "30" });
+  }
   const result = await stubFor(env, gen, hint).purge();
   cache.drop(gen);
   return jsonResponse(200, { generation: gen, purged: true, copied_to: cfg.activeGeneration, ...result });
@@ -446,7 +454,10 @@ const MAX_LOCK_MS = 3_600_000;
 /** The scaling signals, the lock and the last decision, with the pods this version routes to. */
 async function scaleState(env, cfg) {
   const state = await activeStub(env, cfg).scaleState(infoOf(cfg));
-  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length }, noStore);
+  // worker_hash: the content hash of the modules this version runs (WORKER_HASH, colocate/plan.py),
+  // which a controller compares with its checkout's before it deploys anything (colocate/keeper.py).
+  return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length,
+    worker_hash: env.WORKER_HASH ?? null }, noStore);
 }
 
 function ownerOf(body) {
@@ -470,14 +481,25 @@ async function scaleLock(request, env, cfg) {
 }
 
 const MAX_SCALE_PODS = 8; // colocate/settings.py MAX_PODS
+const SCALE_BODY_LIMIT = 16384;
+const KEEPER_MAX_CHARS = 12000; // the keeper's record (colocate/keeper.py Record.as_json) as stored
+
+/** {pod index: times replaced} (colocate:pod.replaced), or a 400 naming the field. */
+function replacedOf(value) {
+  const ok = value && typeof value === "object" && !Array.isArray(value)
+    && Object.entries(value).every(([i, n]) => /^[0-7]$/.test(i) && Number.isInteger(n) && n >= 0 && n <= 1_000_000);
+  if (!ok) throw new HttpError(400, "invalid_desired", "desired.replaced must be {pod index 0-7: times replaced, a whole number >= 0}");
+  return value;
+}
 
 /**
- * {owner, decision: {desired, running, reason, ...}, desired?: {pods, draining}}: recorded only
- * for the lock's holder (409 otherwise). `desired` is the count every `pulumi up` applies
- * (infra/program.py reads it back from GET /_colocate/scale).
+ * {owner, decision: {desired, running, reason, ...}, desired?: {pods, draining, replaced?},
+ * keeper?: {...}}: recorded only for the lock's holder (409 otherwise). `desired` is what every
+ * `pulumi up` applies (infra/program.py reads it back from GET /_colocate/scale); `keeper` the
+ * keeper's last pass, which the live view and /_colocate/metrics show.
  */
 async function scaleRecord(request, env, cfg) {
-  const body = await jsonBody(request);
+  const body = await jsonBody(request, SCALE_BODY_LIMIT);
   const owner = ownerOf(body);
   const d = body.decision;
   if (!d || typeof d !== "object" || !Number.isInteger(d.desired) || !Number.isInteger(d.running) || typeof d.reason !== "string"
@@ -490,7 +512,12 @@ async function scaleRecord(request, env, cfg) {
       || want.pods + want.draining > MAX_SCALE_PODS)) {
     throw new HttpError(400, "invalid_desired", `desired must be {pods: int, draining: int}, together 0 to ${MAX_SCALE_PODS}`);
   }
-  const desired = want === undefined ? null : { pods: want.pods, draining: want.draining };
-  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg), desired);
+  const desired = want === undefined ? null : { pods: want.pods, draining: want.draining,
+    ...(want.replaced === undefined ? {} : { replaced: replacedOf(want.replaced) }) };
+  const keeper = body.keeper ?? null;
+  if (keeper !== null && (typeof keeper !== "object" || Array.isArray(keeper) || JSON.stringify(keeper).length > KEEPER_MAX_CHARS)) {
+    throw new HttpError(400, "invalid_keeper", `keeper must be the keeper's record, an object of at most ${KEEPER_MAX_CHARS} characters as JSON`);
+  }
+  const res = await activeStub(env, cfg).scaleRecord(owner, d, infoOf(cfg), desired, keeper);
   return jsonResponse(res.recorded ? 200 : 409, res, noStore);
 }

@@ -9,21 +9,46 @@ function tooLarge(limit) {
   return new HttpError(413, "payload_too_large", `request body is larger than MAX_BODY_BYTES (${limit} bytes)`);
 }
 
+function tooSlow(ms) {
+  return new HttpError(408, "request_timeout", `the request body did not arrive within ${ms} ms of its headers (BODY_TIMEOUT_MS, `
+    + "colocate:worker.bodyTimeoutMs): send it at once, or a smaller one");
+}
+
 /**
  * The whole body as bytes, refusing more than `limit`: by Content-Length before
- * reading, and by counting while reading when it is absent (chunked uploads).
+ * reading, and by counting while reading when it is absent (chunked uploads). A body not
+ * all there within `timeoutMs` is refused (408): a slow upload holds its key's slot and the
+ * isolate's memory, so it is bounded in time as well as size.
  */
-export async function readBody(request, limit) {
+export async function readBody(request, limit, timeoutMs = 0) {
   const declared = request.headers.get("content-length");
+  let n = -1;
   if (declared !== null) {
-    const n = Number(declared);
+    n = Number(declared);
     if (!Number.isInteger(n) || n < 0) throw new HttpError(400, "invalid_content_length", "Content-Length is not a whole number");
     if (n > limit) throw tooLarge(limit);
-    // The runtime enforces the declared length, so the native read is safe and cheaper.
-    return new Uint8Array(await request.arrayBuffer());
   }
   if (!request.body) return new Uint8Array(0);
-  const body = await readUpTo(request.body, limit);
+  let timer = null;
+  let reader = null;
+  // The runtime enforces a declared length, so the native read is safe and cheaper.
+  const reading = n >= 0 ? request.arrayBuffer().then((b) => new Uint8Array(b)) : readUpTo(request.body, limit, (r) => { reader = r; });
+  if (!(timeoutMs > 0)) return bodyOrTooLarge(await reading, limit);
+  const late = new Promise((_resolve, reject) => {
+    timer = setTimeout(() => {
+      if (reader !== null) reader.cancel().catch(() => {});
+      reject(tooSlow(timeoutMs));
+    }, timeoutMs);
+  });
+  reading.catch(() => {}); // a read cut by the timeout fails after the answer has gone
+  try {
+    return bodyOrTooLarge(await Promise.race([reading, late]), limit);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+function bodyOrTooLarge(body, limit) {
   if (body === null) throw tooLarge(limit);
   return body;
 }
@@ -33,10 +58,12 @@ export async function readBody(request, limit) {
  * they pass `cap`. For bodies whose length is not declared, where only counting bounds them.
  * @param {ReadableStream<Uint8Array>} stream
  * @param {number} cap
+ * @param {((reader: ReadableStreamDefaultReader<Uint8Array>) => void) | null} [onReader]  told the reader (to cancel it)
  * @returns {Promise<Uint8Array | null>}
  */
-export async function readUpTo(stream, cap) {
+export async function readUpTo(stream, cap, onReader = null) {
   const reader = stream.getReader();
+  if (onReader) onReader(reader);
   const chunks = [];
   let size = 0;
   for (;;) {

@@ -211,6 +211,8 @@ export function readConfig(env) {
     minTokensPerS: optionalNumber(env, "MIN_TOKENS_PER_S", 25),
     balance: balance(env),
     maxBodyBytes: int(env, "MAX_BODY_BYTES", { min: 1 }),
+    // A request's body must have arrived this long after its headers (a slow upload holds its key's slot).
+    bodyTimeoutMs: optionalInt(env, "BODY_TIMEOUT_MS", 10_000, { min: 1 }),
     failureThreshold: int(env, "FAILURE_THRESHOLD", { min: 1 }),
     openMs: int(env, "OPEN_MS", { min: 1 }),
     stateTtlMs: int(env, "STATE_TTL_MS", { min: 0 }),
@@ -220,6 +222,7 @@ export function readConfig(env) {
       tpm: optionalInt(env, "DEFAULT_TPM", 0, { min: 0 }),
       monthly_tokens: optionalInt(env, "DEFAULT_MONTHLY_TOKENS", 0, { min: 0 }),
       max_parallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
+      max_parallel_tokens: optionalInt(env, "DEFAULT_MAX_PARALLEL_TOKENS", 0, { min: 0 }),
       // its own daily fallback cap (colocate:keys.defaults.fallbackUsdPerDay); 0: the cell's per-key cap holds
       fallback_microusd_day: optionalInt(env, "DEFAULT_FALLBACK_MICROUSD", 0, { min: 0 }),
     }),

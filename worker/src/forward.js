@@ -113,11 +113,14 @@ export function isStream(res) {
  * A pod that answers a stream request with JSON (an OpenAI-compatible server without
  * streaming) is read whole, as in "whole". A failure after the first token carries
  * `started: true` (and the bytes read so far): it is the pod's, but the request has begun
- * and is not bought again (docs/worker.md, "Routing").
+ * and is not bought again (docs/worker.md, "Routing"). `tab` (tab.js), when given, can cancel
+ * the request (the client hung up), and its tally counts what an assembled answer reports.
+ * `onFirst` is called when a stream's first event arrives (the caller learns a whole answer's
+ * first token when it returns).
  * @returns {Promise<any>}
  */
 export async function tryPod(fetchImpl, url, init, deadlineMs, mode = "whole", stallMs = deadlineMs, streamCap = MAX_STREAM_READ,
-  minTokensPerS = 25) {
+  minTokensPerS = 25, tab = null, onFirst = null) {
   const ac = new AbortController();
   let expired = false;
   let reader = null;
@@ -126,6 +129,12 @@ export async function tryPod(fetchImpl, url, init, deadlineMs, mode = "whole", s
     ac.abort();
     if (reader !== null) reader.cancel(new Error("deadline")).catch(() => {}); // whatever the runtime does with the signal
   }, deadlineMs);
+  if (tab !== null) {
+    tab.cancel = () => {
+      ac.abort();
+      if (reader !== null) reader.cancel(new Error("client_gone")).catch(() => {});
+    };
+  }
   let pace = null;
   try {
     init.signal = ac.signal; // init is this call's own object: no copy
@@ -148,9 +157,14 @@ export async function tryPod(fetchImpl, url, init, deadlineMs, mode = "whole", s
       const first = await firstEvent(reader, windows);
       clearTimeout(timer);
       if (first === null) return { ok: false, reason: expired ? "deadline" : "empty_stream" };
+      if (onFirst !== null) onFirst(); // the prompt's prefill is done: its queue is behind it
       pace = new Pace(reader, stallMs, first, !windows);
       pace.abort = () => ac.abort(); // a cut also ends the pod's request
       if (mode === "stream") return { ok: true, response: res, stream: true, pace };
+      if (tab !== null) {
+        pace.tally = tab.tally;
+        tab.pace = pace;
+      }
       const cap = Math.min(streamCap, MAX_STREAM_READ);
       const all = windows ? await pace.readWindows(cap, minTokensPerS) : await pace.readAll(cap);
       if (all.reason !== null) return { ok: false, reason: all.reason, started: true, bytes: all.bytes, pace };
@@ -239,7 +253,20 @@ export class Pace {
     this.ended = false;
     this.told = false; // the stall event was handed on
     this.onTick = null; // called each period with this (router.js judges the rate mid-stream)
+    /** @type {import("./podstream.js").Tally | null} */
+    this.tally = null; // an assembled answer's reads report here what the pod made (readWindows, readAll)
+    this.readAt = this.since; // when the last window arrived
     this.timer = watch ? setTimeout(() => this.tick(), stallMs) : null;
+  }
+
+  /**
+   * Events an assembled answer's pod has likely sent since its last window was read, at the
+   * pace read so far, at most a window's (WINDOW_TOKENS): a read cancelled midway gives back
+   * none of its bytes, so a client that hangs up is charged these as made (tab.js).
+   */
+  unread(now) {
+    if (this.ended || this.waitMs <= 0) return 0;
+    return Math.min(WINDOW_TOKENS, Math.round(((now - this.readAt) * Math.max(0, this.events - 1)) / this.waitMs));
   }
 
   tick() {
@@ -333,8 +360,10 @@ export class Pace {
    * The rest of the stream read in windows (a BYOB reader's readAtLeast): about
    * WINDOW_TOKENS events' bytes a read (from the first event's size), so a short answer is
    * one read and a long one a read every few dozen tokens. Each window must arrive within
-   * STALL_MS + 4 × its time at `minTokensPerS`: nothing for that long, or a pod under a
-   * quarter of that rate over a whole window, is a stall. As readAll.
+   * STALL_MS + 8 × its time at `minTokensPerS`: nothing for that long, or a pod under an
+   * eighth of that rate over a whole window, is a stall. A busy pod is slower than its rate
+   * but not that slow: the default profile's longest step (a full prefill chunk of other
+   * requests' prompts beside a full batch) takes 231 ms, 4.3 tokens/s. As readAll.
    */
   async readWindows(cap, minTokensPerS) {
     const first = this.first;
@@ -342,12 +371,13 @@ export class Pace {
     let size = first.byteLength;
     this.first = null;
     const windowBytes = Math.max(4096, Math.min(65536, size * WINDOW_TOKENS));
-    const allowMs = this.stallMs + Math.ceil((4000 * WINDOW_TOKENS) / Math.max(minTokensPerS, 0.001));
+    const allowMs = this.stallMs + Math.ceil((8000 * WINDOW_TOKENS) / Math.max(minTokensPerS, 0.001));
     // The first window reads into the rest of the first read's buffer (when it was one
     // read and has room): the bytes so far stay where they are, and a short answer ends
     // as one array with no copy. `head`: the buffer's view of everything read so far.
     let spare = first.byteOffset === 0 && first.buffer.byteLength - size >= 1024 ? first.buffer.byteLength - size : 0;
     let head = first;
+    if (this.tally !== null) this.tally.feed(first);
     const saved = spare ? first.slice() : null; // the first bytes, should a cut read not give the buffer back
     let reason = null;
     try {
@@ -370,7 +400,8 @@ export class Pace {
         } finally {
           clearTimeout(timer);
         }
-        this.waitMs += Date.now() - t;
+        this.readAt = Date.now();
+        this.waitMs += this.readAt - t;
         if (spare) {
           // The read took the buffer over (a BYOB read transfers it): the bytes before
           // the window are in the buffer it gives back, or, when it gave none, lost.
@@ -384,6 +415,7 @@ export class Pace {
         }
         if (r.value && r.value.byteLength) {
           this.lines += lines(r.value);
+          if (this.tally !== null) this.tally.feed(r.value);
           if (r.value.buffer === head.buffer && r.value.byteOffset === head.byteLength) head = new Uint8Array(head.buffer, 0, size + r.value.byteLength);
           else chunks.push(r.value);
           size += r.value.byteLength;
@@ -419,6 +451,8 @@ export class Pace {
           break;
         }
         chunks.push(r.value);
+        if (this.tally !== null) this.tally.feed(r.value);
+        this.readAt = Date.now();
       }
     } catch {
       reason = "broken";
@@ -431,13 +465,14 @@ export class Pace {
 /**
  * Whether `GET <pod>/health` answers within `ms` without a failure status: a witness with
  * no key for the breaker. Any answer but a failure (even 404 from a pod without the route)
- * says the pod is up.
+ * says the pod is up. It carries the pod token: the pod's guard opens /health to it alone
+ * (colocate/pods/guard/colocate_pod_guard.py), and a 401 is a failure.
  */
-export async function healthOk(fetchImpl, podUrl, ms) {
+export async function healthOk(fetchImpl, podUrl, ms, token) {
   const ac = new AbortController();
   const timer = setTimeout(() => ac.abort(), ms);
   try {
-    const res = await fetchImpl(podUrl + "/health", { signal: ac.signal, redirect: "manual" });
+    const res = await fetchImpl(podUrl + "/health", { headers: { authorization: `Bearer ${token}` }, signal: ac.signal, redirect: "manual" });
     await res.body?.cancel().catch(() => {});
     return !isPodFailure(res.status);
   } catch {
@@ -478,6 +513,7 @@ export async function fallbackBytes(res) {
 
 const encoder = new TextEncoder();
 const ASK_USAGE = encoder.encode('"stream_options":{"include_usage":true},');
+const ASK_CONTINUOUS = encoder.encode('"stream_options":{"include_usage":true,"continuous_usage_stats":true},');
 const ASK_STREAM = encoder.encode('"stream":true,');
 
 /**
@@ -517,15 +553,18 @@ function saltField(salt) {
  * cannot time another's prompts; a client's own `cache_salt` is replaced). When none of
  * the fields it sets is in the client's body (and no model is replaced), they are spliced
  * in after the opening brace (the body is a JSON object, so never empty): the client's
- * bytes are not re-encoded.
+ * bytes are not re-encoded. `continuous` (a pod's stream): usage on every event as well
+ * (`continuous_usage_stats`, podstream.js), whether or not the client asked for usage.
  */
-export function upstreamBody(bytes, json, model, askUsage, salt = null, streamIt = false) {
-  if (!json || (!model && !askUsage && salt === null && !streamIt)) return bytes;
-  const usage = askUsage || streamIt;
+export function upstreamBody(bytes, json, model, askUsage, salt = null, streamIt = false, continuous = false) {
+  const keep = continuous && (streamIt || (!!json && json.stream === true));
+  if (!json || (!model && !askUsage && salt === null && !streamIt && !keep)) return bytes;
+  const usage = askUsage || streamIt || keep;
+  const ask = keep ? ASK_CONTINUOUS : ASK_USAGE;
   if (!model && (salt === null || json.cache_salt === undefined) && (!usage || json.stream_options === undefined)
     && (!streamIt || json.stream === undefined)) {
     const saltBytes = salt === null ? null : saltField(salt);
-    const add = (saltBytes ? saltBytes.length : 0) + (usage ? ASK_USAGE.length : 0) + (streamIt ? ASK_STREAM.length : 0);
+    const add = (saltBytes ? saltBytes.length : 0) + (usage ? ask.length : 0) + (streamIt ? ASK_STREAM.length : 0);
     const at = bytes.indexOf(0x7b) + 1; // after "{" (and any BOM or blanks before it)
     const out = new Uint8Array(bytes.length + add);
     out.set(bytes.subarray(0, at));
@@ -539,8 +578,8 @@ export function upstreamBody(bytes, json, model, askUsage, salt = null, streamIt
       to += ASK_STREAM.length;
     }
     if (usage) {
-      out.set(ASK_USAGE, to);
-      to += ASK_USAGE.length;
+      out.set(ask, to);
+      to += ask.length;
     }
     out.set(bytes.subarray(at), to);
     return out;
@@ -548,7 +587,10 @@ export function upstreamBody(bytes, json, model, askUsage, salt = null, streamIt
   const body = { ...json };
   if (model) body.model = model;
   if (streamIt) body.stream = true;
-  if (usage) body.stream_options = { ...(json.stream_options || {}), include_usage: true };
+  if (usage) {
+    body.stream_options = { ...(json.stream_options || {}), include_usage: true };
+    if (keep) body.stream_options.continuous_usage_stats = true;
+  }
   if (salt !== null) body.cache_salt = salt;
   return encoder.encode(JSON.stringify(body));
 }

@@ -8,15 +8,12 @@
 // `view` the isolate caches (state.js), so the hot path reads nothing from here.
 //
 // Migration: while a generation drains, the Worker passes its name in `info`. The first
-// call that names a draining generation this object has not imported yet copies that
-// generation's whole state (exportAll, page by page: override, keys, usage, counters) inside
-// blockConcurrencyWhile, merges it, and records `imported:<name>` so it happens once. Memory
-// stays bounded by a page: each page is staged into this object's own SQLite (import_stage,
-// one transaction per page, with the cursor), then merged from there a chunk at a time in one
-// transaction. An import cut short (the isolate's time or memory limit, an error) resumes from
-// the staged cursor; the merge is all or nothing, so nothing is counted twice.
-// The router also calls `importFrom` before it purges a draining generation, so nothing
-// is lost even if no request touched the new generation in between. Once exported, a
+// call that names it takes its head (one round trip: override, spend, sizes) and starts
+// importing its rows in the background (migration.js: paged, each chunk its own
+// transaction with the cursor, driven by this object's alarm, resumed after a reset); the
+// calls meanwhile are served at once, fetching the rows of the keys they need ahead of the
+// import. `imported:<name>` records the end. The router's purge of a draining generation
+// asks `importFrom` first and is refused until the import is done. Once exported, a
 // generation forwards the usage batches that still reach it (isolates of the previous
 // Worker version finishing their work during a deploy) to its successor.
 
@@ -25,7 +22,7 @@ import { FORCE_VALUES, grantTrial, initial, initialPace, needsWitness, record, r
 import { dayOf, minuteOf } from "./limits.js";
 import {
   ADDED_COLUMNS, BULK_MONTH, BULK_REFUSALS, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
-  SCHEMA_VERSION, UPSERT_LEASES, UPSERT_MONTH, UPSERT_PEERS, UPSERT_POD, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS,
+  SCHEMA_VERSION, UPSERT_LEASES, UPSERT_PEERS, UPSERT_POD,
 } from "./schema.js";
 import { counts as countsAnything, fallbackCapOf, monthOf, provisionalLease } from "./fleetexchange.js";
 import { BACKEND, COUNTER, EXCHANGE, FALLBACK_HELD, HIST, LEASE, POD_INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
@@ -33,6 +30,13 @@ import { REASONS, REFUSAL_KEYS } from "./refusals.js";
 import { fetchColo } from "./trace.js";
 import { LIVE, SYNC, mergeEncoded } from "./histogram.js";
 import { BITS_PER_KEY, addDigest, filterFor } from "./keyfilter.js";
+import { log } from "./errors.js";
+import {
+  MERGE_ROWS, PARTS, PUMP_SLICE_MS, exportHead, exportKeys, exportPage, exportRange, importingView, keyCounts, kick,
+  mergeRows, pendingKeyCounts, pendingRows, progressOf, pullKeys, pump, retryDelay, running, startImport,
+} from "./migration.js";
+
+export { EXPORT_ROWS, MERGE_ROWS, importMemory } from "./migration.js";
 
 const LEGACY_KV_KEY = "breaker"; // schema 1 kept one KV entry: {snap, adopted_from}
 const POD_ROW_TTL_MS = 24 * 3600 * 1000; // health rows of pods gone for a day are dropped
@@ -51,30 +55,7 @@ export const CHANGED_ROWS = 2000; // own-counter rows per answer to a fleet's ex
 // The counter columns a fleet's exchange carries: those both shapes name.
 const SHARED = COUNTER.names.filter((n) => /** @type {readonly string[]} */ (EXCHANGE.names).includes(n));
 
-export const EXPORT_ROWS = 5000; // rows of one exportAll page, from as many tables as fit
-// What exportAll pages through, in order: [name in the import, query, row shape or null].
-/** @type {Array<[string, string, ((r: any) => unknown) | null]>} */
-const EXPORT_PARTS = [
-  ["keys", `SELECT ${KEY_COLUMNS} FROM client_keys`, null],
-  ["usage", `SELECT ${USAGE_COLUMNS} FROM usage_daily`, null],
-  ["months", "SELECT key_id, month, tokens FROM key_month", null],
-  ["windows", "SELECT key_id, minute, requests, tokens FROM rate_window", null],
-  ["seg_minute", "SELECT minute, colo, pod, segment, hist FROM seg_minute", (r) => [r.minute, r.colo, r.pod, r.segment, r.hist]],
-  ["seg_hour", "SELECT hour, colo, pod, segment, hist FROM seg_hour", (r) => [r.hour, r.colo, r.pod, r.segment, r.hist]],
-  ["seg_total", "SELECT colo, pod, segment, hist FROM seg_total", (r) => [r.colo, r.pod, r.segment, r.hist]],
-  ["inflight", "SELECT key_id, isolate, n, at FROM key_inflight", null],
-  ["peers", `SELECT ${EXCHANGE.columns} FROM peer_counters`, EXCHANGE.of],
-  ["leases", `SELECT ${LEASE.columns} FROM key_lease`, LEASE.of],
-  ["fleet_cells", "SELECT v FROM meta WHERE k = 'fleet_cells'", (r) => Number(r.v)],
-  // The scaling controller's desired pod count (colocate/scaler.py), which `pulumi up` reads.
-  ["scale_desired", "SELECT v FROM meta WHERE k = 'scale_desired'", (r) => r.v],
-  ["refusals", "SELECT key_id, reason, n FROM refusal_total", (r) => [r.key_id, r.reason, r.n]],
-];
-// Staged pages of an import in progress: one row per exported row, as JSON, in export order.
-const STAGE_TABLE = "CREATE TABLE IF NOT EXISTS import_stage (part TEXT NOT NULL, row TEXT NOT NULL)";
-export const MERGE_ROWS = 2000; // staged rows read back per chunk of the merge
-// The most rows the import holds in memory at once (a page, or a chunk of the merge): a test reads it.
-export const importMemory = { peakRows: 0 };
+const IMPORT_WAIT_MS = 5000; // how long importFrom (the purge's question) lets the import run before it answers
 
 // Breaker, not Generation: a Durable Object class name is pinned by the deployed migrations.
 export class Breaker extends DurableObject {
@@ -87,6 +68,14 @@ export class Breaker extends DurableObject {
     this.keyBits = null; // the key filter (keyfilter.js), built on first use, then kept up to date
     this.heldAny = null; // whether fallback_held has a row (null: not read yet): none, no sync reads it
     this.keyRoom = 0; // keys it may still take at its rate before it is built again, larger
+    this.known = new Set(); // generations imported, or being imported (migration.js)
+    this.importing = null; // the generations being imported, as storage says (migration.js running)
+    this.kicked = false; // the alarm was checked since this instance began
+    this.heads = null; // generation -> the promise of its import's head, while it is taken
+    this.pumping = null; // the import's run in progress (migration.js pump), shared by callers
+    this.hold = null; // a read that needs the import still (migration.js pendingKeyCounts)
+    this.failures = 0; // the import's failed runs in a row (the alarm waits longer after each)
+    this.lastError = null;
     ctx.blockConcurrencyWhile(async () => this.load());
   }
 
@@ -163,197 +152,99 @@ export class Breaker extends DurableObject {
     await this.load();
   }
 
-  /** Copy a draining generation's state once (see the header). */
+  /**
+   * The migration's part in every call (see the header): the first call naming a draining
+   * generation not imported yet starts its import (waiting for its head only); after a
+   * reset, the first call makes sure the alarm goes on with an import under way.
+   */
   async readThrough(info) {
     await this.unpurge();
     const from = info && info.draining;
-    if (!from || from === info.generation || this.meta(`imported:${from}`) !== null) return;
-    await this.ctx.blockConcurrencyWhile(async () => {
-      if (this.meta(`imported:${from}`) !== null) return;
-      const ns = this.env.BREAKER;
-      const id = ns.idFromName(from);
-      const other = info.drainingHint ? ns.get(id, { locationHint: info.drainingHint }) : ns.get(id);
-      await this.importPaged(from, other, info.generation);
-    });
+    if (from && from !== info.generation && !this.known.has(from)) {
+      if (this.meta(`imported:${from}`) === null && !progressOf(this, from)) {
+        await startImport(this, from, info.generation, info.drainingHint || null);
+      }
+      this.known.add(from);
+    }
+    if (!this.kicked && running(this).length) {
+      this.kicked = true;
+      await kick(this);
+    }
+  }
+
+  /** The alarm runs the imports under way, a slice at a time (migration.js). */
+  async alarm() {
+    const { done, failed } = await pump(this, Date.now() + PUMP_SLICE_MS);
+    if (failed) log(this.env, "import_failed", { failures: this.failures, error: this.lastError });
+    if (!done) await this.ctx.storage.setAlarm(Date.now() + retryDelay(failed ? this.failures : 0));
   }
 
   /**
-   * Stage `from`'s export page by page (each page and the cursor after it in one transaction),
-   * then merge. A previous attempt's staged pages are kept and the export resumes at its cursor.
+   * A whole export at once ({forced, keys: [...], usage: [...], seg_minute: [...], ...}, rows
+   * as exportAll's pages carry them), merged MERGE_ROWS rows a transaction: a bench's or
+   * test's bulk seed (bench/scale.py, bench/migration.py), reachable through the namespace only.
    */
-  async importPaged(from, other, successor) {
-    this.sql.exec(STAGE_TABLE);
-    const progressKey = `importing:${from}`;
-    const progress = parseJson(this.meta(progressKey));
-    if (!progress) this.sql.exec("DELETE FROM import_stage");
-    let cursor = progress ? progress.next : null;
-    let forced = progress ? progress.forced : null;
-    if (!progress || cursor) {
-      do {
-        const page = await other.exportAll(successor, cursor);
-        // A page of one table ({part, rows}): an object still running the version before.
-        const parts = page.parts ?? [[page.part, page.rows]];
-        importMemory.peakRows = Math.max(importMemory.peakRows, parts.reduce((n, [, rows]) => n + rows.length, 0));
-        this.ctx.storage.transactionSync(() => {
-          this.stage(parts);
-          this.setMeta(progressKey, JSON.stringify({ next: page.next, forced: page.forced }));
-        });
-        cursor = page.next;
-        forced = page.forced;
-      } while (cursor);
-    }
-    this.mergeStaged(from, forced);
-  }
-
-  /** Rows of export parts ([[name, rows], ...]) into import_stage, one statement a part. */
-  stage(parts) {
-    for (const [name, rows] of parts) {
-      if (rows.length) {
-        this.sql.exec("INSERT INTO import_stage (part, row) SELECT ?, value FROM json_each(?)", name,
-          JSON.stringify(rows.map((r) => JSON.stringify(r))));
-      }
-    }
-  }
-
-  /** The staged rows of `part`, MERGE_ROWS at a time, in export order. */
-  eachStaged(part, fn) {
-    let after = 0;
-    for (;;) {
-      const chunk = this.sql.exec("SELECT rowid AS id, row FROM import_stage WHERE part = ? AND rowid > ? ORDER BY rowid LIMIT ?",
-        part, after, MERGE_ROWS).toArray();
-      if (!chunk.length) return;
-      importMemory.peakRows = Math.max(importMemory.peakRows, chunk.length);
-      fn(chunk.map((r) => JSON.parse(r.row)));
-      after = chunk[chunk.length - 1].id;
-    }
-  }
-
-  /** A whole export at once ({forced, keys: [...], usage: [...], ...}): bench/scale.py's bulk seed. */
   importState(from, data) {
-    this.sql.exec(STAGE_TABLE);
-    this.ctx.storage.transactionSync(() => {
-      this.sql.exec("DELETE FROM import_stage");
-      this.stage(EXPORT_PARTS.map(([name]) => [name, data[name] ?? []]));
+    if (data.forced && this.meta("forced") === null) this.setMeta("forced", data.forced);
+    PARTS.forEach(([name], part) => {
+      const rows = data[name] ?? [];
+      for (let i = 0; i < rows.length; i += MERGE_ROWS) {
+        this.ctx.storage.transactionSync(() => mergeRows(this, part, rows.slice(i, i + MERGE_ROWS)));
+      }
     });
-    this.mergeStaged(from, data.forced ?? null);
+    this.setMeta(`imported:${from}`, Date.now());
   }
 
-  /** Merge the staged export into this generation, in one transaction, a chunk at a time. */
-  mergeStaged(from, forced) {
-    this.ctx.storage.transactionSync(() => {
-      if (forced && this.meta("forced") === null) this.setMeta("forced", forced);
-      const has = (part) => this.sql.exec("SELECT 1 FROM import_stage WHERE part = ? LIMIT 1", part).toArray().length > 0;
-      let rev = this.rev();
-      this.eachStaged("keys", (keys) => {
-        for (const k of keys) {
-          const added = this.sql.exec(`INSERT OR IGNORE INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-            k.id, k.hash, k.prefix, k.name, k.rpm, k.tpm, k.monthly_tokens, k.max_parallel ?? 0, k.created_at, k.expires_at,
-            k.revoked_at, k.fallback_microusd_day ?? 0, rev + 1).rowsWritten;
-          if (added) rev += 1;
-        }
-      });
-      this.setMeta("rev", rev);
-      this.eachStaged("usage", (usage) => {
-        for (const u of usage) {
-          this.sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-            u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0, u.refused ?? 0);
-        }
-      });
-      // The cell's daily fallback spend follows from the daily rows, the imported ones included.
-      this.sql.exec("DELETE FROM fallback_spend");
-      this.sql.exec(`INSERT INTO fallback_spend (day, microusd) SELECT day, SUM(fallback_microusd) FROM usage_daily
-        GROUP BY day HAVING SUM(fallback_microusd) > 0`);
-      // A schema-2 exporter has no month totals: they follow from its daily rows.
-      const monthsPart = has("months") ? "months" : "usage";
-      if (monthsPart === "months") {
-        this.eachStaged("months", (months) => { for (const m of months) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens); });
-      } else {
-        this.eachStaged("usage", (usage) => { for (const m of monthsOf(usage)) this.sql.exec(UPSERT_MONTH, m.key_id, m.month, m.tokens); });
-      }
-      this.eachStaged("windows", (windows) => {
-        for (const w of windows) this.sql.exec(UPSERT_WINDOW, w.key_id, w.minute, w.requests, w.tokens);
-      });
-      this.eachStaged("seg_minute", (rows) => { for (const r of rows) this.addSeg("seg_minute", "minute", r); });
-      this.eachStaged("seg_hour", (rows) => { for (const r of rows) this.addSeg("seg_hour", "hour", r); });
-      // An exporter of schema 3 has no totals: they follow from what it kept.
-      if (has("seg_total")) {
-        this.eachStaged("seg_total", (rows) => { for (const [colo, pod, segment, hist] of rows) this.addTotal(colo, pod, segment, hist); });
-      } else {
-        for (const part of ["seg_minute", "seg_hour"]) {
-          this.eachStaged(part, (rows) => { for (const r of rows) this.addTotal(r[1], r[2], r[3], r[4]); });
-        }
-      }
-      this.eachStaged("inflight", (rows) => {
-        for (const f of rows) {
-          this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
-            ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, f.key_id, f.isolate, f.n, f.at);
-        }
-      });
-      this.eachStaged("refusals", (rows) => this.sql.exec(BULK_REFUSALS, JSON.stringify(rows)));
-      this.eachStaged("peers", (rows) => this.sql.exec(UPSERT_PEERS, Date.now(), JSON.stringify(rows)));
-      // A fleet's leases go on holding in the successor until the ledger reaches it.
-      this.eachStaged("leases", (rows) => this.sql.exec(UPSERT_LEASES, Date.now(), JSON.stringify(rows)));
-      const first = (part) => {
-        const row = this.sql.exec("SELECT row FROM import_stage WHERE part = ? ORDER BY rowid LIMIT 1", part).toArray()[0];
-        return row ? JSON.parse(row.row) : null;
-      };
-      const cells = first("fleet_cells");
-      if (cells && this.meta("fleet_cells") === null) this.setMeta("fleet_cells", cells);
-      const desired = first("scale_desired");
-      if (desired && this.meta("scale_desired") === null) this.setMeta("scale_desired", desired);
-      // A fleet's exchange reads this generation from its own sequence: every imported counter is
-      // news. Each key once, by key id, a chunk at a time.
-      let last = "";
-      for (;;) {
-        const ids = this.sql.exec(`SELECT DISTINCT json_extract(row, '$.key_id') AS k FROM import_stage
-          WHERE part IN (?, 'windows') AND json_extract(row, '$.key_id') > ? ORDER BY k LIMIT ?`, monthsPart, last, MERGE_ROWS)
-          .toArray().map((r) => r.k);
-        if (!ids.length) break;
-        this.markChanged(ids);
-        last = ids[ids.length - 1];
-      }
-      this.sql.exec("DELETE FROM import_stage");
-      this.keyBits = null; // the imported keys: built again on next use
-      this.setMeta(`importing:${from}`, null);
-      this.setMeta(`imported:${from}`, Date.now());
-    });
+  // --- the migration, the exporter's side (migration.js; a successor calls these) ---
+
+  /** The head of an export: override, spend, sizes; from now on batches go on to `successor`. */
+  async exportHead(successor) {
+    await this.unpurge();
+    return exportHead(this, successor);
   }
 
   /**
-   * Everything a successor generation takes over (pod health stays: the pods change), one
-   * page at a time: at most EXPORT_ROWS rows a call, from as many tables as fit (a
-   * generation's whole history in one answer could pass the size an RPC carries; a call per
-   * table would cost a small generation one round trip per table, an ocean each for a
-   * migration's first request). `parts` is [[name, rows], ...] in EXPORT_PARTS order, a
-   * table cut short continues on the next page; `cursor` is the previous page's `next`;
-   * null starts over. From the first page on, usage batches that reach this generation go
-   * on to `successor`.
+   * A page of the export after `cursor` ({part, after}; null: from the start): at most
+   * EXPORT_ROWS rows from as many parts as fit, each row with its rowid. Pod health stays
+   * (the pods change with the region).
    */
   async exportAll(successor = null, cursor = null) {
     await this.unpurge();
     if (successor) this.setMeta("successor", successor);
-    /** @type {{part: number, offset: number} | null} */
-    let at = cursor ?? { part: 0, offset: 0 };
-    let room = EXPORT_ROWS;
-    /** @type {Array<[string, unknown[]]>} */
-    const parts = [];
-    while (at && room > 0) {
-      const [name, query, shape] = EXPORT_PARTS[at.part];
-      const rows = this.sql.exec(`${query} ORDER BY rowid LIMIT ? OFFSET ?`, room + 1, at.offset).toArray();
-      const more = rows.length > room;
-      if (more) rows.length = room;
-      parts.push([name, shape ? rows.map(shape) : rows]);
-      room -= rows.length;
-      at = more ? { part: at.part, offset: at.offset + rows.length }
-        : at.part + 1 < EXPORT_PARTS.length ? { part: at.part + 1, offset: 0 } : null;
-    }
-    return { forced: this.meta("forced"), parts, next: at };
+    return exportPage(this, cursor);
   }
 
-  /** Import a named generation now (the router calls this before purging it). */
+  /** Every row of these keys (by id or digest) in the keyed parts: what a successor needs ahead of its import. */
+  async exportKeys(ids, digests) {
+    await this.unpurge();
+    return exportKeys(this, ids.map(String).slice(0, 1000), digests.map(String).slice(0, 1000));
+  }
+
+  /** A page of one part's rows after rowid `after`, filtered (a successor's whole-table read). */
+  async exportRange(name, after, filter) {
+    await this.unpurge();
+    return exportRange(this, name, after, filter);
+  }
+
+  /** Key counts after rowid `after`, but for the ids in `exclude` (a successor's metrics). */
+  async keyCounts(after, exclude, now) {
+    await this.unpurge();
+    return keyCounts(this, after, exclude, now);
+  }
+
+  /**
+   * Import a named generation (the router asks before it purges it): starts it if needed,
+   * lets it run up to IMPORT_WAIT_MS, then answers {imported, progress} (progress: rows
+   * merged of total, while it runs).
+   */
   async importFrom(info) {
     await this.readThrough(info);
-    return { imported: this.meta(`imported:${info.draining}`) !== null };
+    const from = info.draining;
+    if (this.meta(`imported:${from}`) === null && progressOf(this, from)) {
+      await Promise.race([pump(this, Date.now() + IMPORT_WAIT_MS), new Promise((resolve) => setTimeout(resolve, IMPORT_WAIT_MS))]);
+    }
+    const progress = importingView(this).find((p) => p.from === from) ?? null;
+    return { imported: this.meta(`imported:${from}`) !== null, progress };
   }
 
   /**
@@ -403,8 +294,8 @@ export class Breaker extends DurableObject {
 
   /**
    * {id: COUNTER row} for the ids asked (absent: all zero): this cell's own counters,
-   * plus the other isolates' requests in flight and their reserved tokens. Four indexed reads, whatever the number
-   * of keys. In a fleet the other cells' counters are not added: each cell's share is its
+   * plus the other isolates' requests in flight, their reserved tokens and their prompts not
+   * begun at a pod. Five indexed reads, whatever the number of keys. In a fleet the other cells' counters are not added: each cell's share is its
    * lease (leasesOf).
    */
   countsOf(ids, info, now) {
@@ -422,6 +313,11 @@ export class Breaker extends DurableObject {
         WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
     JSON.stringify(ids), info.isolate ?? "", fresh)) {
       if (r.tokens > 0) slot(r.key_id)[COUNTER.reserved] = r.tokens;
+    }
+    for (const r of this.sql.exec(`SELECT key_id, SUM(tokens) AS tokens FROM key_prompt
+        WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
+    JSON.stringify(ids), info.isolate ?? "", fresh)) {
+      if (r.tokens > 0) slot(r.key_id)[COUNTER.prompt_inflight] = r.tokens;
     }
     if (info.capKeys) {
       for (const r of this.sql.exec(`SELECT key_id, fallback_microusd FROM usage_daily
@@ -511,6 +407,7 @@ export class Breaker extends DurableObject {
       .toArray();
     const more = marks.length > CHANGED_ROWS;
     if (more) marks.length = CHANGED_ROWS;
+    await pullKeys(this, marks.map((r) => r.key_id));
     const now = Date.now();
     const ids = JSON.stringify(marks.map((r) => r.key_id));
     const own = this.ownCounts(marks.map((r) => r.key_id), now);
@@ -545,6 +442,8 @@ export class Breaker extends DurableObject {
    */
   async setPeers(rows, info, leases = [], cells = null) {
     await this.readThrough(info);
+    // Their rows first, if a migration has not brought them yet: the import must not replace these.
+    await pullKeys(this, [...rows.map((r) => r[EXCHANGE.key_id]), ...leases.map((l) => l[LEASE.key_id])]);
     const keep = rows.filter(countsAnything);
     const gone = rows.filter((r) => !countsAnything(r)).map((r) => r[EXCHANGE.key_id]);
     this.ctx.storage.transactionSync(() => {
@@ -562,6 +461,7 @@ export class Breaker extends DurableObject {
    */
   async peersOf(id, info) {
     await this.readThrough(info);
+    await pullKeys(this, [id]);
     const r = this.sql.exec(`SELECT ${EXCHANGE.columns}, at FROM peer_counters WHERE key_id = ?`, id).toArray()[0] ?? null;
     const now = Date.now();
     const leases = this.leasesOf([id], now, info.keyCap ?? 0);
@@ -587,8 +487,10 @@ export class Breaker extends DurableObject {
     // In a fleet, its size too: a key whose lease an isolate has not asked for yet gets the
     // default share from it (router.js), as the ledger counts it, not the whole limit.
     const fleet = leases ? { leases, fleet_cells: Number(this.meta("fleet_cells")) } : {};
+    // A migration under way: how far its import is (the probe and migrate.py show it).
+    const importing = this.importing === null || this.importing.length ? importingView(this) : [];
     return { ...delta, pods, counts, ...fleet, ...(spent ? { spent } : {}), forced: this.meta("forced"), forced_at: Number(this.meta("forced_at")) || null,
-      imported, at: now, colo: this.coloOnce, ...this.podLoads(info, now) };
+      imported, ...(importing.length ? { importing } : {}), at: now, colo: this.coloOnce, ...this.podLoads(info, now) };
   }
 
   /**
@@ -662,13 +564,15 @@ export class Breaker extends DurableObject {
     const successor = this.meta("successor");
     if (batch && successor && successor !== info.generation) {
       // Late usage from the previous version's isolates: counted where the state now lives.
-      try {
-        const next = this.env.BREAKER.get(this.env.BREAKER.idFromName(successor));
-        await next.sync({ ...info, generation: successor, draining: null, haveRev: -1, keys: [] }, batch);
-        batch = null;
-      } catch {
-        // the successor is unreachable: keep the batch here rather than lose it
-      }
+      // Unreachable, the call fails and the isolate keeps the batch for its next sync: written
+      // here, it could land behind the successor's import cursor and never be counted.
+      const next = this.env.BREAKER.get(this.env.BREAKER.idFromName(successor));
+      await next.sync({ ...info, generation: successor, draining: null, haveRev: -1, keys: [] }, batch);
+      batch = null;
+    }
+    if (this.importing === null || this.importing.length) {
+      // A migration under way: the rows of the keys this isolate asks about come first.
+      await pullKeys(this, Array.isArray(info.keys) ? info.keys : [], Array.isArray(info.lookup) ? info.lookup : []);
     }
     const now = Date.now();
     if (batch) this.apply(batch, info, now);
@@ -711,7 +615,7 @@ export class Breaker extends DurableObject {
       this.markChanged([...changed]);
       if (batch.inflight && batch.inflight.length) {
         const isolate = String(info.isolate ?? "");
-        for (const [keyId, n, tokens] of batch.inflight) {
+        for (const [keyId, n, tokens, prompt] of batch.inflight) {
           if (n > 0) {
             this.sql.exec(`INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
               ON CONFLICT (key_id, isolate) DO UPDATE SET n = excluded.n, at = excluded.at`, keyId, isolate, n, now);
@@ -723,6 +627,12 @@ export class Breaker extends DurableObject {
               ON CONFLICT (key_id, isolate) DO UPDATE SET tokens = excluded.tokens, at = excluded.at`, keyId, isolate, tokens, now);
           } else {
             this.sql.exec("DELETE FROM key_reserved WHERE key_id = ? AND isolate = ?", keyId, isolate);
+          }
+          if (prompt > 0) { // a row of a Worker from before max_parallel_tokens has none
+            this.sql.exec(`INSERT INTO key_prompt (key_id, isolate, tokens, at) VALUES (?, ?, ?, ?)
+              ON CONFLICT (key_id, isolate) DO UPDATE SET tokens = excluded.tokens, at = excluded.at`, keyId, isolate, prompt, now);
+          } else {
+            this.sql.exec("DELETE FROM key_prompt WHERE key_id = ? AND isolate = ?", keyId, isolate);
           }
         }
       }
@@ -741,6 +651,7 @@ export class Breaker extends DurableObject {
       if (this.anyHeld() && this.sql.exec("DELETE FROM fallback_held WHERE at < ?", now - INFLIGHT_KEEP_MS).rowsWritten) this.heldAny = null;
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_reserved WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      this.sql.exec("DELETE FROM key_prompt WHERE at < ?", now - INFLIGHT_KEEP_MS);
       if (batch.refusals && batch.refusals.length) {
         // Labels stay the fixed set whatever an isolate sends (a newer Worker's reason is "other" here).
         const rows = batch.refusals.map((r) => [String(r[REFUSAL.key_id]), REASONS.includes(r[REFUSAL.reason]) ? r[REFUSAL.reason] : "other",
@@ -786,7 +697,7 @@ export class Breaker extends DurableObject {
       inflight[r.pod] = r.n;
     }
     return { at: Date.now(), backends, inflight, lock: this.scaleLockRow(), decision: parseJson(this.meta("scale_decision")),
-      desired: parseJson(this.meta("scale_desired")) };
+      desired: parseJson(this.meta("scale_desired")), keeper: parseJson(this.meta("keeper")) };
   }
 
   scaleLockRow() {
@@ -814,15 +725,20 @@ export class Breaker extends DurableObject {
 
   /**
    * Record a decision of the lock's holder (the last one is what status and the probe show),
-   * and with `desired` ({pods, draining}) the count every `pulumi up` applies.
+   * with `desired` ({pods, draining, replaced?}) what every `pulumi up` applies (a desired
+   * without `replaced` keeps the one recorded), and with `keeper` the keeper's last pass.
    */
-  async scaleRecord(owner, decision, info, desired = null) {
+  async scaleRecord(owner, decision, info, desired = null, keeper = null) {
     await this.readThrough(info);
     const held = this.scaleLockRow();
     if (!held || held.owner !== owner) return { recorded: false, lock: held };
     this.ctx.storage.transactionSync(() => {
       this.setMeta("scale_decision", JSON.stringify({ ...decision, owner, at: Date.now() }));
-      if (desired) this.setMeta("scale_desired", JSON.stringify({ ...desired, owner, at: Date.now() }));
+      if (desired) {
+        const replaced = desired.replaced ?? parseJson(this.meta("scale_desired"))?.replaced;
+        this.setMeta("scale_desired", JSON.stringify({ ...desired, ...(replaced ? { replaced } : {}), owner, at: Date.now() }));
+      }
+      if (keeper) this.setMeta("keeper", JSON.stringify({ ...keeper, owner, at: Date.now() }));
     });
     return { recorded: true, lock: held };
   }
@@ -833,6 +749,7 @@ export class Breaker extends DurableObject {
    */
   async lookupKeys(digests, info) {
     await this.readThrough(info);
+    await pullKeys(this, [], (Array.isArray(digests) ? digests : [digests]).slice(0, 1000).map(String));
     return { rev: this.rev(), ...this.byDigest(digests, info) };
   }
 
@@ -905,15 +822,23 @@ export class Breaker extends DurableObject {
   async metrics(info) {
     await this.readThrough(info);
     const now = Date.now();
+    // A migration under way: with what its import has not brought yet.
+    const pendingKeys = await pendingKeyCounts(this, now);
+    const pendingSegs = await pendingRows(this, "seg_total");
+    const keys = this.sql.exec(`SELECT COUNT(*) AS total,
+        COALESCE(SUM(revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)), 0) AS active,
+        COALESCE(SUM(revoked_at IS NOT NULL), 0) AS revoked FROM client_keys`, now).one();
+    for (const k of ["total", "active", "revoked"]) keys[k] += pendingKeys[k];
+    const segments = sumHists(this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray()
+      .map((r) => [r.colo, r.pod, r.segment, r.hist]), pendingSegs(), 3);
     return {
-      segments: this.sql.exec("SELECT colo, pod, segment, hist FROM seg_total").toArray().map((r) => [r.colo, r.pod, r.segment, r.hist]),
+      segments,
       served: this.sql.exec("SELECT backend, requests, prompt_tokens, completion_tokens FROM backend_total").toArray(),
-      keys: this.sql.exec(`SELECT COUNT(*) AS total,
-          COALESCE(SUM(revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)), 0) AS active,
-          COALESCE(SUM(revoked_at IS NOT NULL), 0) AS revoked FROM client_keys`, now).one(),
+      keys,
       pods: this.sql.exec("SELECT pod, state, failures FROM pod_health").toArray(),
       forced: this.meta("forced"),
       refusals: this.refusalCounts(),
+      keeper: parseJson(this.meta("keeper")),
     };
   }
 
@@ -1015,9 +940,9 @@ export class Breaker extends DurableObject {
       addDigest(this.keyBits, row.hash);
       this.keyRoom -= 1;
     }
-    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+    this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
       row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
-      row.expires_at, null, row.fallback_microusd_day ?? 0, this.bumpRev());
+      row.expires_at, null, row.fallback_microusd_day ?? 0, row.max_parallel_tokens ?? null, this.bumpRev());
   }
 
   /**
@@ -1027,6 +952,7 @@ export class Breaker extends DurableObject {
    */
   async importKey(row, info, fleetCells = null) {
     await this.readThrough(info);
+    await pullKeys(this, [String(row.id)], [String(row.hash)]);
     let outcome = "created";
     this.ctx.storage.transactionSync(() => {
       // A fleet's key before the exchange's first round: the fleet's size makes leasesOf give
@@ -1045,22 +971,27 @@ export class Breaker extends DurableObject {
   /** Every key row with its digest (never the key): what a fleet's cells compare and copy. */
   async keyDigests(info) {
     await this.readThrough(info);
-    return this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys ORDER BY created_at, id`).toArray();
+    const pending = await pendingRows(this, "keys");
+    return withPendingKeys(this.sql.exec(`SELECT ${KEY_COLUMNS} FROM client_keys ORDER BY created_at, id`).toArray(), pending());
   }
 
   keyRow(id) {
-    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, fallback_microusd_day, created_at, expires_at, revoked_at
+    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, max_parallel_tokens, fallback_microusd_day, created_at,
+      expires_at, revoked_at
       FROM client_keys WHERE id = ?`, id).toArray()[0] ?? null;
   }
 
   async listKeys(info) {
     await this.readThrough(info);
-    return this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, fallback_microusd_day, created_at, expires_at, revoked_at
-      FROM client_keys ORDER BY created_at, id`).toArray();
+    const pending = await pendingRows(this, "keys");
+    return withPendingKeys(this.sql.exec(`SELECT id, prefix, name, rpm, tpm, monthly_tokens, max_parallel, max_parallel_tokens,
+      fallback_microusd_day, created_at, expires_at, revoked_at
+      FROM client_keys ORDER BY created_at, id`).toArray(), pending().map(({ hash, ...row }) => row));
   }
 
   async revokeKey(id, info) {
     await this.readThrough(info);
+    await pullKeys(this, [String(id)]); // a key a migration has not brought yet is revoked here, and stays so
     if (!this.keyRow(id)) return null;
     this.ctx.storage.transactionSync(() => {
       const changed = this.sql.exec("UPDATE client_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", Date.now(), id).rowsWritten;
@@ -1077,20 +1008,38 @@ export class Breaker extends DurableObject {
     if (query.key) {
       where += " AND u.key_id = ?";
       args.push(query.key);
+      await pullKeys(this, [String(query.key)]);
     }
-    return this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
+    // A migration under way: with the daily rows its import has not brought yet, added.
+    const pending = query.key ? () => [] : await pendingRows(this, "usage", { from: query.from, to: query.to });
+    const rows = this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
         u.fallback_requests, u.estimated_tokens, u.fallback_microusd, u.refused FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
         ORDER BY u.day, u.key_id`,
     ...args).toArray();
+    const more = pending();
+    if (!more.length) return rows;
+    const by = new Map(rows.map((r) => [`${r.day}|${r.key_id}`, r]));
+    for (const u of more) {
+      const k = `${u.day}|${u.key_id}`;
+      const r = by.get(k);
+      if (!r) by.set(k, { day: u.day, key_id: u.key_id, name: this.keyRow(u.key_id)?.name ?? null, ...countsOfUsage(u) });
+      else for (const [c, n] of Object.entries(countsOfUsage(u))) r[c] += n;
+    }
+    return [...by.values()].sort((a, b) => (a.day < b.day ? -1 : a.day > b.day ? 1 : a.key_id < b.key_id ? -1 : a.key_id > b.key_id ? 1 : 0));
   }
 
   /** The live histograms from `since` (ms) on: minute rows, and hour rows older than those. */
   async live(since, info) {
     await this.readThrough(info);
+    const minute = Math.floor(since / MINUTE_MS);
+    const hour = Math.floor(since / HOUR_MS);
+    // A migration under way: with the histograms its import has not brought yet, added.
+    const pendingMinutes = await pendingRows(this, "seg_minute", { since: minute });
+    const pendingHours = await pendingRows(this, "seg_hour", { since: hour });
     const rows = (sql, ...args) => this.sql.exec(sql, ...args).toArray().map((r) => [r.t, r.colo, r.pod, r.segment, r.hist]);
     return {
-      minutes: rows("SELECT minute AS t, colo, pod, segment, hist FROM seg_minute WHERE minute >= ?", Math.floor(since / MINUTE_MS)),
-      hours: rows("SELECT hour AS t, colo, pod, segment, hist FROM seg_hour WHERE hour >= ?", Math.floor(since / HOUR_MS)),
+      minutes: sumHists(rows("SELECT minute AS t, colo, pod, segment, hist FROM seg_minute WHERE minute >= ?", minute), pendingMinutes(), 4),
+      hours: sumHists(rows("SELECT hour AS t, colo, pod, segment, hist FROM seg_hour WHERE hour >= ?", hour), pendingHours(), 4),
       spent: this.spentOn(dayOf(Date.now())),
     };
   }
@@ -1118,6 +1067,8 @@ export class Breaker extends DurableObject {
     this.purged = true;
     this.keyBits = null;
     this.heldAny = null;
+    this.known = new Set();
+    this.importing = null;
     return { had_state: had };
   }
 }
@@ -1133,8 +1084,25 @@ function parseJson(text) {
 /** A key row as isolates hold it: `revoked` tells a holder to drop it. */
 function keyView(r) {
   return { id: r.id, hash: r.hash, name: r.name, rpm: r.rpm, tpm: r.tpm, monthly_tokens: r.monthly_tokens,
-    max_parallel: r.max_parallel, fallback_microusd_day: r.fallback_microusd_day, expires_at: r.expires_at, rev: r.rev,
+    max_parallel: r.max_parallel, max_parallel_tokens: r.max_parallel_tokens, fallback_microusd_day: r.fallback_microusd_day,
+    expires_at: r.expires_at, rev: r.rev,
     revoked: r.revoked_at !== null };
+}
+
+/**
+ * Histogram rows ([...key, hist], the key `width` columns) with `more` added in: rows of the
+ * same key summed (a migration's rows not imported yet, added to a read).
+ */
+function sumHists(rows, more, width) {
+  if (!more.length) return rows;
+  const by = new Map(rows.map((r) => [JSON.stringify(r.slice(0, width)), r]));
+  for (const r of more) {
+    const k = JSON.stringify(r.slice(0, width));
+    const prev = by.get(k);
+    const merged = mergedText(prev ? { hist: prev[width] } : undefined, r[width]);
+    if (merged) by.set(k, [...r.slice(0, width), merged]);
+  }
+  return [...by.values()];
 }
 
 /** Two histogram texts summed; "" when both are empty, null when `hist` is malformed. */
@@ -1146,19 +1114,22 @@ function mergedText(prev, hist) {
   }
 }
 
+/** The counted columns of an exported usage row (USAGE's after the row's key). */
+function countsOfUsage(u) {
+  const out = {};
+  for (const n of USAGE.names.slice(USAGE.requests)) out[n] = u[n] ?? 0;
+  return out;
+}
+
+/** Key rows with a migration's rows not imported yet (`more`), by id, in created_at, id order. */
+function withPendingKeys(rows, more) {
+  if (!more.length) return rows;
+  const have = new Set(rows.map((r) => r.id));
+  const all = [...rows, ...more.filter((r) => !have.has(r.id))];
+  return all.sort((a, b) => a.created_at - b.created_at || (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+}
+
 /** A batch usage row; a row of a Worker from before a column was added gets 0 for it. */
 function usageRow(u) {
   return u.length >= USAGE.length ? u : [...u, ...new Array(USAGE.length - u.length).fill(0)];
-}
-
-/** Month totals from daily rows (an import from an exporter that had none). */
-function monthsOf(usage) {
-  const by = new Map();
-  for (const u of usage) {
-    const k = u.key_id + "|" + u.day.slice(0, 7);
-    const row = by.get(k) ?? { key_id: u.key_id, month: u.day.slice(0, 7), tokens: 0 };
-    row.tokens += u.prompt_tokens + u.completion_tokens;
-    by.set(k, row);
-  }
-  return [...by.values()];
 }

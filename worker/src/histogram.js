@@ -51,8 +51,14 @@ export const SYNC = "sync";
  */
 export const STREAMED = Object.freeze(["ttft", "itl"]);
 export const PICKS = Object.freeze(["affinity", "shed"]);
+/**
+ * `queue`: a pod request's wait from its dispatch to the pod's first token (its prompt's
+ * place in the pod's queue and its prefill; a whole short answer's end; a deadline miss at
+ * the deadline): where one key's long prompts show (docs/worker.md, "Busy is not broken").
+ */
+export const QUEUED = Object.freeze(["queue"]);
 /** Every segment a request's row may carry, in the recorder's layout. */
-export const LIVE = Object.freeze([...ROUTED, ...STREAMED, ...PICKS]);
+export const LIVE = Object.freeze([...ROUTED, ...STREAMED, ...PICKS, ...QUEUED]);
 const AT = Object.fromEntries(LIVE.map((s, i) => [s, i * BUCKETS]));
 const MINUTE_MS = 60000;
 const MAX_MINUTES = 180; // unsynced minutes an isolate keeps (the object unreachable for hours: oldest dropped)
@@ -397,6 +403,11 @@ export function recordStream(backend, client, ttftMs, afterFirstMs, tokens) {
   const who = whoOf(backend, client);
   recorder.one(t, who, "ttft", ttftMs);
   if (tokens > 1) recorder.one(t, who, "itl", afterFirstMs / (tokens - 1));
+}
+
+/** A pod request's wait for its first token, `ms` (`backend` "pod-<i>"; a negative wait is not recorded). */
+export function recordQueue(backend, client, ms) {
+  if (ms >= 0) recorder.one(Date.now(), whoOf(backend, client), "queue", ms);
 }
 
 /** A prefix-affinity pick for pod `index`: to the point's own pod, or shed by the load bound. */

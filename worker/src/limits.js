@@ -12,6 +12,7 @@
 // other isolates' is as of their last sync.
 
 import { COUNTER } from "./payloads.js";
+import { promptCount } from "./usage.js";
 
 export const WINDOW_MS = 60_000;
 
@@ -118,12 +119,61 @@ export function rateHeaders(key, est, t, admitted, reserved = 0) {
   return out;
 }
 
+// What a request asks of its key's limits, once its body is known (nothing before it):
+//   tokens          the most it can cost (`mostTokens`): what tpm and monthly_tokens check it
+//                   for, as OpenAI checks a request's prompt and max_tokens against its limits
+//   prompt          its prompt tokens at most (usage.js usageCeiling): max_parallel_tokens's
+//   promptInflight  the key's prompt tokens in flight already, not begun at a pod
+//   promptLimit     the key's max_parallel_tokens (a key made before it had one: the cell's default)
+export const NO_ASK = Object.freeze({ tokens: 0, prompt: 0, promptInflight: 0, promptLimit: 0 });
+
+/**
+ * The most tokens a request can be counted (its reservation and what admission checks):
+ * its ceiling's prompt and completion, and never past the context for each prompt and
+ * sequence, since vLLM fits a sequence's prompt and answer in `maxModelLen` (it clamps
+ * max_tokens to what fits): a request without max_tokens asks one context, not two.
+ */
+export function mostTokens(json, ceiling, maxModelLen) {
+  const n = Math.max(json && Number.isInteger(json.n) && json.n > 0 ? json.n : 1,
+    json && Number.isInteger(json.best_of) && json.best_of > 0 ? json.best_of : 1);
+  return Math.min(ceiling.prompt + ceiling.completion, promptCount(json) * n * maxModelLen);
+}
+
+/**
+ * Whether a request can never fit one of its key's limits, however long it waits: null, or
+ * {param, message} (a 400 naming the limit and the fix). `ask` as for `refusal`, `json` the
+ * body (which field to name).
+ */
+export function neverFits(key, ask, json) {
+  const chat = !!json && json.messages !== undefined;
+  const promptParam = chat ? "messages" : "prompt";
+  const answerParam = chat && json.max_completion_tokens !== undefined && json.max_completion_tokens !== null ? "max_completion_tokens" : "max_tokens";
+  const most = `this request may use ${ask.tokens} tokens (its prompt, at most one token a byte of the body, and ${answerParam} for each answer)`;
+  for (const [limit, what, setting] of [[key.tpm, "tokens per minute", "tpm"], [key.monthly_tokens, "tokens a month", "monthly_tokens"]]) {
+    if (limit > 0 && ask.tokens > limit) {
+      const param = ask.prompt >= limit ? promptParam : answerParam;
+      return { param, message: `${most}, more than this key's ${limit} ${what} (its ${setting}): `
+        + (param === answerParam ? `set ${answerParam} to at most ${Math.max(1, limit - ask.prompt)}` : "send a shorter prompt")
+        + ", or ask the operator for a larger limit" };
+    }
+  }
+  const mpt = ask.promptLimit;
+  if (mpt > 0 && ask.prompt > mpt) {
+    return { param: promptParam, message: `this request's prompt may be ${ask.prompt} tokens (one a byte of the body, at most the `
+      + `context for each prompt), more than this key's max_parallel_tokens (${mpt} prompt tokens in flight at once): send a shorter `
+      + "prompt or fewer prompts a request, or ask the operator for a larger max_parallel_tokens" };
+  }
+  return null;
+}
+
 /**
  * Whether a key may send one more request now: null, or the refusal
  * {type, code, message, retryAfterS} (HTTP 429). `inflight`: its requests in flight in
- * every isolate as far as this one knows.
+ * every isolate as far as this one knows; `reserved`: what they reserved. `ask`: what this
+ * request asks (NO_ASK before its body is read: then only a limit already used up refuses).
+ * A request that can never fit is `neverFits`'s, checked first.
  */
-export function refusal(key, est, monthTokens, t, inflight = 0, reserved = 0) {
+export function refusal(key, est, monthTokens, t, inflight = 0, reserved = 0, ask = NO_ASK) {
   // Retry-After: when the window will admit the next request (not the end of the minute).
   const wait = (prev, cur, limit) => Math.max(1, Math.ceil(Math.min(MAX_WAIT_MS, msUntilBelow(prev, cur, limit, t)) / 1000));
   if (key.rpm > 0 && est.req >= key.rpm) {
@@ -144,15 +194,42 @@ export function refusal(key, est, monthTokens, t, inflight = 0, reserved = 0) {
   if (reserved > 0 && ((key.tpm > 0 && est.tok + reserved >= key.tpm)
       || (key.monthly_tokens > 0 && monthTokens + reserved >= key.monthly_tokens))) {
     const which = key.tpm > 0 && est.tok + reserved >= key.tpm ? `${key.tpm} tokens per minute` : `${key.monthly_tokens} tokens this month`;
-    return { type: "tokens", code: "tokens_reserved", retryAfterS: 1,
-      message: `rate limit reached: this key's requests in flight may use the rest of its ${which} (${reserved} tokens reserved); `
-        + "retry when they finish" };
+    return reservedRefusal(which, reserved);
+  }
+  // This request's own most must fit beside what was used and reserved.
+  const asked = ask.tokens;
+  if (asked > 0 && key.tpm > 0 && est.tok + reserved + asked > key.tpm) {
+    if (reserved > 0 && est.tok + asked <= key.tpm) return reservedRefusal(`${key.tpm} tokens per minute`, reserved);
+    const room = key.tpm - reserved - asked; // >= 0: a request over the limit alone is neverFits's
+    return { type: "tokens", code: "rate_limit_exceeded", retryAfterS: wait(est.prevTok, est.curTok, room + 1),
+      message: `rate limit reached: ${key.tpm} tokens per minute for this key, ${Math.ceil(est.tok + reserved)} used or reserved, `
+        + `and this request may use ${asked}: retry later, or lower max_tokens` };
+  }
+  if (asked > 0 && key.monthly_tokens > 0 && monthTokens + reserved + asked > key.monthly_tokens) {
+    if (reserved > 0 && monthTokens + asked <= key.monthly_tokens) return reservedRefusal(`${key.monthly_tokens} tokens this month`, reserved);
+    return { type: "insufficient_quota", code: "insufficient_quota", retryAfterS: Math.max(1, Math.ceil(msToNextMonth(t) / 1000)),
+      message: `monthly token budget: this request may use ${asked} tokens and this key has ${Math.max(0, key.monthly_tokens - monthTokens)} `
+        + `of its ${key.monthly_tokens} left this month: lower max_tokens (or send a shorter prompt)` };
   }
   if (key.max_parallel > 0 && inflight >= key.max_parallel) {
     return { type: "requests", code: "too_many_parallel_requests", retryAfterS: 1,
       message: `too many requests in flight: ${key.max_parallel} at a time for this key` };
   }
+  // The key's prompts waiting for a pod's first token (max_parallel_tokens): one key cannot
+  // fill a pod's prefill queue for everyone (docs/worker.md, "Busy is not broken").
+  const mpt = ask.promptLimit;
+  if (mpt > 0 && (ask.promptInflight >= mpt || ask.promptInflight + ask.prompt > mpt)) {
+    return { type: "tokens", code: "too_many_parallel_tokens", retryAfterS: 1,
+      message: `too many prompt tokens in flight: this key's requests not yet begun at a pod hold ${ask.promptInflight} of its `
+        + `${mpt} (max_parallel_tokens)${ask.prompt > 0 ? ` and this request's prompt may be ${ask.prompt}` : ""}; retry when they begin` };
+  }
   return null;
+}
+
+function reservedRefusal(which, reserved) {
+  return { type: "tokens", code: "tokens_reserved", retryAfterS: 1,
+    message: `rate limit reached: this key's requests in flight may use the rest of its ${which} (${reserved} tokens reserved); `
+      + "retry when they finish" };
 }
 
 /**

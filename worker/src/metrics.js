@@ -61,7 +61,7 @@ function family(out, name, type, help) {
 export function exposition(m, cfg, caches = []) {
   const out = [];
   family(out, "colocate_segment_seconds", "histogram",
-    "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo); ttft, itl: streamed answers' first byte and mean gap between tokens.");
+    "Server-Timing segments of routed requests by backend and the Worker's colo; segment sync: the isolates' round trips to the state object (state_colo); ttft, itl: streamed answers' first byte and mean gap between tokens; queue: a pod request's wait for its first token.");
   // One series per (segment, backend, colo): a fleet's client colos ("0@NRT") are added
   // together here, so the series stay as few as the cell's pods and colos.
   const series = new Map();
@@ -133,5 +133,28 @@ export function exposition(m, cfg, caches = []) {
   out.push(`colocate_keys${labels({ state: "expired" })} ${k.total - k.active - k.revoked}`);
   family(out, "colocate_generation_info", "gauge", "The active generation (and the draining one, if any) of this cell.");
   out.push(`colocate_generation_info${labels({ generation: cfg.activeGeneration, draining: cfg.drainingGeneration ?? "", region: cfg.region ?? "" })} 1`);
+  if (m.keeper && typeof m.keeper === "object") keeperLines(out, m.keeper);
   return out.join("\n") + "\n";
+}
+
+// What the keeper raises (colocate/keeper.py ALERTS, the same names): each is exposed, 0 or 1, so a
+// rule needs no absent(); docs/grafana/alerts.yml pages on any of them.
+export const KEEPER_ALERTS = ["replace_failed", "update_failing", "stack_locked", "stale_checkout"];
+const count = (v) => (Number.isFinite(v) && v >= 0 ? v : 0);
+
+/** The keeper's last pass as the generation holds it (colocate/keeper.py Record): alerts, pod verdicts, replacements. */
+function keeperLines(out, k) {
+  const raised = new Set((Array.isArray(k.alerts) ? k.alerts : []).map((a) => a && a.name));
+  family(out, "colocate_keeper_alert", "gauge", "1 while the keeper raises this alert (a pod it cannot replace, failing updates, a stack lock held too long, a checkout other than the running Worker's).");
+  for (const name of KEEPER_ALERTS) out.push(`colocate_keeper_alert${labels({ alert: name })} ${raised.has(name) ? 1 : 0}`);
+  family(out, "colocate_keeper_last_pass_timestamp_seconds", "gauge", "When the keeper last recorded a pass (an old value: no keeper runs).");
+  out.push(`colocate_keeper_last_pass_timestamp_seconds ${count(k.at) / 1000}`);
+  family(out, "colocate_keeper_pod_state", "gauge", "Each pod as the keeper last found it (ok, dead, gone, remapped, misplaced, unhealthy, unknown): 1 for the state it is in.");
+  for (const p of Array.isArray(k.pods) ? k.pods : []) {
+    if (p && Number.isInteger(p.index) && typeof p.state === "string") out.push(`colocate_keeper_pod_state${labels({ pod: p.index, state: p.state })} 1`);
+  }
+  family(out, "colocate_keeper_replacements_total", "counter", "Pods the keeper replaced alone, by pod index and why (dead, gone, remapped, misplaced, unhealthy, certificate).");
+  for (const r of Array.isArray(k.replacements) ? k.replacements : []) {
+    if (r && Number.isInteger(r.pod) && typeof r.reason === "string") out.push(`colocate_keeper_replacements_total${labels({ pod: r.pod, reason: r.reason })} ${count(r.n)}`);
+  }
 }

@@ -19,6 +19,7 @@ export const SHAPES = /** @type {const} */ ({
     ["inflight", "requests in flight in the other isolates (as of their last sync)"],
     ["day_fallback_microusd", "the fallback's cost of this key's requests on the UTC day of minute, in millionths of a dollar"],
     ["reserved", "tokens the other isolates' requests in flight may still use, reserved at admission (as of their last sync)"],
+    ["prompt_inflight", "prompt tokens of the other isolates' requests in flight that no pod has begun answering (as of their last sync)"],
     ["fallback_reserved", "what the other isolates' fallback requests of this key in flight may still cost, in millionths of a dollar"]
   ],
   "exchange": [
@@ -72,7 +73,8 @@ export const SHAPES = /** @type {const} */ ({
   "inflight": [
     ["key_id", "the client key's id"],
     ["n", "its requests in flight in this isolate now (0: none, the object's row goes)"],
-    ["tokens", "the tokens those requests reserved at admission (their ceilings, usage.js usageCeiling)"]
+    ["tokens", "the tokens those requests reserved at admission (their ceilings, usage.js usageCeiling)"],
+    ["prompt", "the prompt tokens of those requests that no pod has begun answering (max_parallel_tokens)"]
   ],
   "hist": [
     ["at", "the minute (ms / 60000), or the hour (ms / 3600000) in seg_hour"],
@@ -173,6 +175,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string} [OPEN_MS]
  * @property {string} [STATE_TTL_MS]
  * @property {string} [DEFAULT_MAX_PARALLEL]
+ * @property {string} [DEFAULT_MAX_PARALLEL_TOKENS]
+ * @property {string} [BODY_TIMEOUT_MS]
  */
 
 /**
@@ -226,6 +230,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {Record<string, number[]>} counts  COUNTER rows of the keys asked for
  * @property {string | null} forced
  * @property {string[]} imported
+ * @property {{from: string, rows: number, total: number, part: string | null, started: number}[]} [importing]  migrations under way: how far each import is
  * @property {number} at
  * @property {string | null} [colo]
  * @property {Record<string, object>} [leases]  in a fleet: this cell's leases of the keys asked for

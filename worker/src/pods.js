@@ -278,6 +278,7 @@ export function blameOf(failedPods, status) {
 
 const HEALTH_EVERY_MS = 1000; // at most one health check per pod per isolate this often
 const healthAt = new Map(); // pod URL -> when this isolate last checked it
+const healthSaid = new Map(); // pod URL -> what the last check said (true: answered)
 
 /** Whether a health check of `url` may run now (and, if so, that it is running). */
 export function healthDue(url, now) {
@@ -285,4 +286,43 @@ export function healthDue(url, now) {
   if (last !== undefined && now - last < HEALTH_EVERY_MS) return false;
   healthAt.set(url, now);
   return true;
+}
+
+/** A health check of `url` answered (`ok`) or not. */
+export function healthSeen(url, ok) {
+  healthSaid.set(url, ok);
+}
+
+/** What the last health check of `url` said (undefined: none yet). */
+export function lastHealth(url) {
+  return healthSaid.get(url);
+}
+
+// --- the pods' queues as this isolate sees them (busy.js) ---
+
+const unbegun = new Map(); // pod URL -> this isolate's requests sent there, their first token not yet arrived
+
+/** This isolate's requests at `url` still waiting for their first token. */
+export function waitingAt(url) {
+  return unbegun.get(url) || 0;
+}
+
+/** A request is sent to `url`: how many of this isolate's requests wait there ahead of it. */
+export function queuedAt(url) {
+  const ahead = unbegun.get(url) || 0;
+  unbegun.set(url, ahead + 1);
+  return ahead;
+}
+
+/** A request sent to `url` has its first token (or its attempt ended). */
+export function begunAt(url) {
+  const n = (unbegun.get(url) || 1) - 1;
+  if (n <= 0) unbegun.delete(url);
+  else unbegun.set(url, n);
+}
+
+/** Requests the pod itself says are waiting for the engine (vLLM's num_requests_waiting), or null when unknown or stale. */
+export function podWaiting(url, now) {
+  const m = metrics.get(url);
+  return m === undefined || m.missing || now - m.at > METRICS_FRESH_MS ? null : m.waiting;
 }

@@ -12,27 +12,33 @@ import { ConfigurationError, HttpError, errorResponse, log, redact } from "./err
 import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, streamable, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
 import { assembleBytes } from "./assemble.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
-import { estimate, leaseRefusal, rateHeaders, refusal, underFleetLimit } from "./limits.js";
+import { estimate, leaseRefusal, mostTokens, neverFits, rateHeaders, refusal, underFleetLimit } from "./limits.js";
 import { floorShare, provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import {
-  POLICIES, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, putMetrics, started, unhurried, worthReporting,
+  POLICIES, begunAt, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, queuedAt, started, unhurried,
+  worthReporting,
 } from "./pods.js";
+import { judgeMiss, podBusy, scrapeMetrics } from "./busy.js";
 import { counts as picks } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, freshEntry, inflightHere, pendingCounter, pendingMonthTokens, report, reportPace, requestTrial,
-  refused, reserveFallback, reservedHere, scheduleFlush, served, syncSoon, wantedDigest, withdraw,
+  admit, cache, currentView, findKey, freshEntry, hold, inflightHere, pendingCounter, pendingMonthTokens, promptHere, refused, report,
+  reportPace, requestTrial, reservedHere, scheduleFlush, served, syncSoon, wantedDigest, withdraw,
 } from "./state.js";
 import { reasonOf } from "./refusals.js";
 import { now, serverTiming } from "./timing.js";
-import { capUsage, contentChars, estimateUsage, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc } from "./usage.js";
+import {
+  capUsage, contentChars, estimateUsage, promptCount, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc, usageOfJson,
+} from "./usage.js";
+import { openTab } from "./tab.js";
+import { pumpPod } from "./podstream.js";
 import { fallbackFields, validateBody } from "./validate.js";
 import { podFields } from "./podfields.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup, takeTotal } from "./strangers.js";
 import { fallbackCapRefusal, fallbackModel, fallbackShare, worstCost } from "./spendcap.js";
-import { learnColo, recordPick, recordRequest, recordStream } from "./histogram.js";
+import { learnColo, recordPick, recordQueue, recordRequest, recordStream } from "./histogram.js";
 
 /**
  * @param {Request} request
@@ -154,33 +160,41 @@ function releaseSlot(request) {
   if (release) release();
 }
 
-/** A fallback reservation ends with the request's slot: when it is metered, or fails. */
-function holdFallback(request, release) {
-  const slot = slots.get(request);
-  slots.set(request, slot ? () => { slot(); release(); } : release);
-}
-
 /**
- * Refuse a request over one of the key's limits (429 with Retry-After), else admit it,
- * reserving `reserve` tokens (what it may cost at most) until it is metered: returns when,
- * and the x-ratelimit headers of its answer.
+ * Refuse a request over one of the key's limits (429 with Retry-After; 400 when it can never
+ * fit one), else admit it. Before its body is read (`ask` null) only a limit already used
+ * up refuses, and the key's max_parallel slot is taken, so a key's uploads in flight are
+ * its own limit's. Once the body is known, `ask` ({tokens, prompt}: its most tokens and
+ * its prompt's, limits.js) is checked against each limit beside what is used and reserved,
+ * and the request admitted, reserving them: returns when, and the x-ratelimit headers of
+ * its answer.
  */
-function enforceLimits(request, cfg, key, reserve) {
+function enforceLimits(request, cfg, key, ask = null, json = null) {
   const t = Date.now();
   const gen = cfg.activeGeneration;
   const g = cache.count(gen, key.id);
   const est = estimate(g, pendingCounter(gen, key.id), t);
   const month = (g ? g[COUNTER.month_tokens] : 0) + pendingMonthTokens(gen, key.id, t);
-  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) : 0;
+  const held = ask !== null && slots.has(request); // its own slot, taken before the body, is not another's
+  const inflight = key.max_parallel > 0 ? inflightHere(gen, key.id) + (g ? g[COUNTER.inflight] : 0) - (held ? 1 : 0) : 0;
   // What the key's requests in flight may still use (docs/worker.md, "What a request may cost").
   const reserved = key.tpm > 0 || key.monthly_tokens > 0 ? reservedHere(gen, key.id) + (g ? g[COUNTER.reserved] ?? 0 : 0) : 0;
+  const promptLimit = key.max_parallel_tokens ?? cfg.keyDefaults.max_parallel_tokens;
+  const asked = {
+    tokens: ask === null ? 0 : ask.tokens, prompt: ask === null ? 0 : ask.prompt, promptLimit,
+    promptInflight: promptLimit > 0 ? promptHere(gen, key.id) + (g ? g[COUNTER.prompt_inflight] ?? 0 : 0) : 0,
+  };
+  if (ask !== null) {
+    const never = neverFits(key, asked, json);
+    if (never) throw new HttpError(400, "request_too_large", never.message, {}, "invalid_request_error", never.param);
+  }
   // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none). A
   // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets its
   // floor share until a sync, started at once, brings the lease back: the least the ledger
   // counts for any cell (it may have cut the lease since), never the key's whole limit.
-  const held = cache.lease(gen, key.id);
-  const lease = held ?? provisionalLease(key, cache.fleetCells(gen), 0, floorShare);
-  const no = refusal(key, est, month, t, inflight, reserved) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month, reserved));
+  const leased = cache.lease(gen, key.id);
+  const lease = leased ?? provisionalLease(key, cache.fleetCells(gen), 0, floorShare);
+  const no = refusal(key, est, month, t, inflight, reserved, asked) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month, reserved));
   if (no) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false, reserved));
     headers["retry-after"] = String(no.retryAfterS);
@@ -192,9 +206,13 @@ function enforceLimits(request, cfg, key, reserve) {
     else err.holdMs = holdFor(key.id, t);
     throw err;
   }
-  const release = admit(cfg, key, t, reserve);
-  if (release) slots.set(request, release);
-  return { at: t, headers: rateHeaders(key, est, t, true, reserved), floor: held === undefined && lease !== undefined };
+  if (ask === null) {
+    const slot = hold(cfg, key);
+    if (slot) slots.set(request, slot);
+    return null;
+  }
+  slots.set(request, admit(cfg, key, t, ask.tokens, promptLimit > 0 ? ask.prompt : 0, slots.get(request) ?? null));
+  return { at: t, headers: rateHeaders(key, est, t, true, reserved), floor: leased === undefined && lease !== undefined };
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
@@ -214,7 +232,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   let bytes = null;
   let json = null;
   if (r.json) {
-    bytes = await readBody(request, cfg.maxBodyBytes);
+    // The key's slot before its body: an upload in flight is its key's (bounded in time too).
+    try {
+      enforceLimits(request, cfg, key);
+    } catch (err) {
+      throw await refusedHere(env, ctx, cfg, request, key, err);
+    }
+    bytes = await readBody(request, cfg.maxBodyBytes, cfg.bodyTimeoutMs);
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json, cfg.maxModelLen);
   }
@@ -230,41 +254,50 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const t1 = bytes === null ? t0 : now();
   let admitted;
   try {
-    admitted = enforceLimits(request, cfg, key, ceiling === null ? 0 : ceiling.prompt + ceiling.completion);
+    admitted = enforceLimits(request, cfg, key, ceiling === null ? { tokens: 0, prompt: 0 }
+      : { tokens: mostTokens(json, ceiling, cfg.maxModelLen), prompt: ceiling.prompt }, json);
   } catch (err) {
-    const no = err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
-    // Counted per key and reason, unless the front door tries another cell (the client is not refused yet).
-    if (no instanceof HttpError && no.reason !== undefined && no.headers[LEASE_HEADER] !== "elsewhere") {
-      countRefusal(env, ctx, cfg, key.id, no.reason);
-    }
-    throw no;
+    throw await refusedHere(env, ctx, cfg, request, key, err);
   }
   const limits = admitted.headers;
   if (admitted.floor) syncSoon(env, ctx, cfg); // the key's lease, in the background, now that it is asked for
   scheduleFlush(env, ctx, cfg);
-  // Metering ends the request: its max_parallel slot is freed then (a stream's, at its last
-  // byte). What an upstream reports is believed only up to what the request allows.
-  let fbPrice = cfg.fallbackSpend.price; // the fallback's price for this request's model (spendcap.js)
-  const meter = (backend, usage) => {
+  // Metering ends the request, once (tab.js): its max_parallel slot and its reservations are
+  // freed then (a stream's, at its last byte), or when the client hangs up. What an upstream
+  // reports is believed only up to what the request allows: a pod, the context it serves; the
+  // fallback (the operator's own account, billed as it reports), the body's bytes and the
+  // completion limit, priced for the model it was sent (spendcap.js).
+  const fbCeiling = json === null ? null : usageCeiling(json, bytes.length);
+  let fbPrice = cfg.fallbackSpend.price;
+  const tab = openTab(request, ctx, (backend, usage) => {
     releaseSlot(request);
-    meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, ceiling), fbPrice);
-  };
+    if (backend !== null) {
+      meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, backend === "fallback" ? fbCeiling : ceiling),
+        fbPrice);
+    }
+  }, ceiling, json !== null && Number.isInteger(json.n) && json.n > 1 ? json.n : 1, promptCount(json));
+  const meter = (backend, usage) => tab.settle(backend, usage);
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
   const streamed = !!(json && json.stream === true);
   const wantUsage = streamed && !!json.stream_options && json.stream_options.include_usage === true;
   const askUsage = streamed && !wantUsage;
-  const guess = (chars) => estimateUsage(json, chars);
+  const guess = (chars, c = ceiling) => estimateUsage(json, chars, c);
   // A stream past what the request can produce is cut there (usage.js streamCap).
   const cap = streamed || (json !== null && streamable(json)) ? streamCap(json, bytes.length, cfg.maxModelLen) : Infinity;
-  const counted = (body, done) => (askUsage ? stripStream(body, done, guess, cap) : tapStream(body, wantUsage, done, guess, cap));
+  const counted = (body, done, estimate = guess) => (askUsage ? stripStream(body, done, estimate, cap) : tapStream(body, wantUsage, done, estimate, cap));
   // Breaker blame (docs/worker.md, "Whose failure"): a pod's failure is reported once the
   // request's fate says whose it was, with the key it came from.
   const from = { key: key.id };
   const witness = (podUrl) => healthWitness(env, ctx, cfg, podUrl, hop);
+  // A first-token deadline miss is judged apart (busy.js): a busy pod is not a broken one.
+  let missed = null; // {url, ahead}: the pod that missed, and this isolate's requests waiting there before it
   const blame = (suspects, verdict) => {
-    if (verdict === "pod") for (const s of suspects) report(env, ctx, cfg, s, false, from, witness);
-    else for (const s of suspects) if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
+    for (const s of suspects) {
+      if (missed !== null && s === missed.url) judgeMiss(env, ctx, cfg, s, from, missed.ahead, verdict, hop, witness);
+      else if (verdict === "pod") report(env, ctx, cfg, s, false, from, witness);
+      else if (healthDue(s, Date.now())) ctx.waitUntil(witness(s));
+    }
   };
 
   // The client's query string stays here: neither upstream is asked anything but the route.
@@ -281,12 +314,16 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const short = !streamed && ceiling !== null && ceiling.completion <= WHOLE_MAX_TOKENS;
   const assemble = !streamed && !short && streamable(json);
   const mode = streamed ? "stream" : assemble ? "assemble" : "whole";
+  const assemblable = short && streamable(json);
   const budgetMs = short ? wholeMs(cfg, ceiling.completion) : cfg.deadlineMs;
   const chat = url.pathname === "/v1/chat/completions";
   const n = json === null ? 1 : Math.max(Number.isInteger(json.n) ? json.n : 1, 1);
   // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
-  const podBody = bytes === null ? null : pod.dropped.length === 0 ? upstreamBody(bytes, json, null, askUsage, key.id, assemble)
-    : droppedForPod(env, pod, askUsage, key.id, assemble);
+  // What a pod is sent: its fields only (podfields.js, those dropped logged by name). A pod's
+  // stream is asked for continuous usage (podstream.js): a cut is charged what the pod made.
+  const forPod = pod === null || pod.dropped.length === 0 ? bytes : droppedForPod(env, pod);
+  const podJson = pod === null ? json : pod.json;
+  const podBody = bytes === null ? null : upstreamBody(forPod, podJson, null, askUsage, key.id, assemble, true);
   // The engine's request id is the router's own, never the client's X-Request-Id (vLLM keys
   // its requests by it: a client's could name, and collide with, another key's request).
   const requestId = nextRequestId();
@@ -322,57 +359,88 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       if (trial) index = pick;
     }
     if (index < 0) break;
-    const deadline = budgetMs - (now() - t1);
+    const podUrl = urls[index];
+    // A short answer is asked whole of a pod with no queue only: behind a queue its tokens come
+    // at the queue's pace, so it is streamed and assembled, judged by its first token (busy.js).
+    const asMode = mode === "whole" && short && assemblable && podBusy(podUrl, at) ? "assemble" : mode;
+    const deadline = (asMode === mode ? budgetMs : cfg.deadlineMs) - (now() - t1);
     if (deadline <= 0) break;
     tried.add(index);
-    const podUrl = urls[index];
     // The pods' own load, for the next picks: every candidate's, so a pod passed over is not
     // judged on an old report (at most one scrape per pod a second, pods.js metricsDue).
+    // At most METRICS_PER_REQUEST of them ride on one request (the rest on the next ones): a request
+    // has six connections open at once, and its inference fetch must never wait for one
+    // (docs/worker.md, "Subrequests per request").
     if (attempt === 0 && policy === leastLoaded) {
-      for (const i of c.pods) if (metricsDue(urls[i], at)) ctx.waitUntil(scrapeMetrics(hop, urls[i], cfg));
+      let scrapes = 0;
+      for (const i of c.pods) {
+        if (scrapes >= METRICS_PER_REQUEST) break;
+        if (metricsDue(urls[i], at)) {
+          scrapes++;
+          ctx.waitUntil(scrapeMetrics(hop, urls[i], cfg));
+        }
+      }
     }
     const t = now();
     started(podUrl);
+    const backend = `pod-${index}`;
+    tab.ask(backend);
+    // Until its first token the request waits in the pod's queue, and its prompt holds its
+    // key's max_parallel_tokens; the live view's `queue` is that wait.
+    const ahead = queuedAt(podUrl);
+    let waited = -1;
+    const begin = () => {
+      if (waited >= 0) return;
+      waited = now() - t;
+      begunAt(podUrl);
+      slots.get(request)?.begun?.();
+    };
     const res = await tryPod(hop, podUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.podToken, requestId),
-      body: podBody,
-    }, deadline, mode, cfg.stallMs, cap, cfg.minTokensPerS);
+      body: asMode === mode ? podBody : upstreamBody(forPod, podJson, null, askUsage, key.id, true, true),
+    }, deadline, asMode, cfg.stallMs, cap, cfg.minTokensPerS, tab, begin);
+    begin(); // a whole answer's end, or an attempt that ended before any token
     timing.upstream += now() - t;
-    const backend = `pod-${index}`;
+    if (res.ok || res.started || res.reason === "deadline") recordQueue(backend, timing.client, waited);
     if (res.ok) {
       // Another pod served what the first failed: that failure was the first pod's.
       blame(suspects, "pod");
       if (trial || worthReporting(view, podUrl, true)) report(env, ctx, cfg, podUrl, true, from);
       if (res.assembled) {
         finished(podUrl);
-        const a = assembleBytes(res.bytes, chat);
+        const a = assembleBytes(res.bytes, chat, json);
         judge(podUrl, res.pace, view);
-        if (a.error) return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, "error_event");
+        if (a.error) return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, "error_event", tab.tally);
         meter(backend, usageOfDoc(a.answer, guess));
         return finish(a.bytes, assembledInit(res.response), backend, timing, t0, limits);
       }
       if (!res.stream) {
         finished(podUrl);
-        // A pod's 4xx (but 404: no such model) comes after it read, and vLLM tokenised, the
-        // prompt: that work is charged at the prompt's estimate (docs/worker.md, "What a request may cost").
-        const status = res.response.status;
-        meter(backend, json === null ? null : res.response.ok ? usageOfAnswer(res.bytes, guess)
-          : status >= 400 && status < 500 && status !== 404 ? guess(0) : null);
+        // A request the pod refuses (a 4xx) is charged what the pod reports: vLLM reports no
+        // usage with a 400, so nothing (it still counts as a request). docs/worker.md, "What a request may cost".
+        meter(backend, json === null ? null : res.response.ok ? usageOfAnswer(res.bytes, guess) : usageOfJson(res.bytes));
         return finish(res.bytes, clientInit(res.response), backend, timing, t0, limits);
       }
       const pace = res.pace;
       if (pace) pace.onTick = (p) => judge(podUrl, p, view);
       const first = { at: now() }; // tryPod returns a stream once its first event has arrived
-      const tap = counted(pace ? (askUsage ? pace.body : pace.stream()) : res.response.body, (usage) => {
+      // The pod's stream carries usage on every event (continuous usage): the client gets the
+      // events it asked for, and a cut is charged what the pod had made (podstream.js).
+      const want = { usage: wantUsage, continuous: wantUsage && json.stream_options.continuous_usage_stats === true };
+      const tally = tab.tally;
+      const ended = (usage) => {
         finished(podUrl);
+        usage ??= guess(tally.chars);
         meter(backend, usage);
         streamEnded(backend, timing.client, first, t0, usage);
         if (!pace) return;
         // A stall after the first token is the pod's failure; the client saw the cut (forward.js stallEvent).
         if (pace.stalled) report(env, ctx, cfg, podUrl, false, from, witness);
         else judge(podUrl, pace, view);
-      });
+      };
+      const tap = pace ? pumpPod(pace, want, tally, cap, ended) : counted(res.response.body, ended);
+      tab.pumping = true;
       ctx.waitUntil(tap.piped);
       return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
     }
@@ -383,10 +451,13 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       // The answer had begun: it is not bought again (docs/worker.md, "Routing"). A pod that
       // failed before it, as in any answer another pod began, failed on its own account.
       blame(suspects, "pod");
-      return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, reason);
+      return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, reason, tab.tally);
     }
     suspects.push(podUrl);
-    if (reason === "deadline") break; // no time is left for another pod
+    if (reason === "deadline") {
+      missed = { url: podUrl, ahead };
+      break; // no time is left for another pod
+    }
   }
 
   if (request.headers.get(DEFER_HEADER) === "defer" && (await fromFrontDoor(request, cfg))) {
@@ -394,7 +465,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     // cell (docs/fleet.md). From anyone else the header is ignored: a client that could
     // defer would be served by no one yet have its request withdrawn from its limits.
     blame(suspects, blameOf(suspects.length, null)); // the next cell's outcome is not ours to know
-    releaseSlot(request);
+    tab.settle(null, null);
     withdraw(cfg, key.id, admitted.at); // the next cell counts it: the fleet's limits count it once
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
@@ -410,25 +481,29 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       + "(colocate:fallbackModels)", {}, "invalid_request_error", "model");
     return finish(no.body, no, "none", timing, t0, limits);
   }
-  const worst = bytes === null ? 0 : worstCost(buy.price, bytes.length, ceiling.completion);
+  const worst = bytes === null ? 0 : worstCost(buy.price, bytes.length, fbCeiling.completion);
   const capped = fallbackCapRefusal(cfg, key, Date.now(), worst, fallbackShare(cfg, key));
-  if (!capped && worst > 0) holdFallback(request, reserveFallback(cfg, key.id, worst));
+  if (!capped) slots.get(request)?.fallback?.(worst); // with the request's own reservation (state.js admit)
   fbPrice = buy.price;
   if (capped) {
     // Past the day's cap the fallback is not called: the request is refused, not bought.
     blame(suspects, blameOf(suspects.length, null));
-    releaseSlot(request);
+    tab.settle(null, null);
     countRefusal(env, ctx, cfg, key.id, "fallback_cap");
     const no = errorResponse(429, "fallback_spend_cap", capped.message, { "retry-after": String(capped.retryAfterS) }, "insufficient_quota");
     return finish(no.body, no, "none", timing, t0, limits);
   }
   const t = now();
   let res;
+  tab.ask("fallback", fbCeiling);
+  const stop = new AbortController(); // the client hung up: the fallback's work stops (tab.js)
+  tab.cancel = () => stop.abort();
   try {
     res = await callFallback(fetchImpl, cfg.fallbackUrl + path, {
       method: request.method,
       headers: upstreamHeaders(request.headers, cfg.fallbackApiKey),
       body: bytes === null ? null : fallbackBody(env, url.pathname, bytes, json, cfg, askUsage),
+      signal: stop.signal,
     });
   } catch (err) {
     timing.fallback = now() - t;
@@ -445,7 +520,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const tap = counted(res.body, (usage) => {
       meter("fallback", usage);
       streamEnded("fallback", timing.client, first, t0, usage);
-    });
+    }, (chars) => guess(chars, fbCeiling));
+    tab.pumping = true;
     ctx.waitUntil(tap.piped);
     return finish(tap.body, clientInit(res), "fallback", timing, t0, limits);
   }
@@ -460,7 +536,7 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     return finish(error.body, error, "fallback", timing, t0, limits);
   }
   timing.fallback = now() - t;
-  meter("fallback", res.ok && json !== null ? usageOfAnswer(body, guess) : null);
+  meter("fallback", res.ok && json !== null ? usageOfAnswer(body, (chars) => guess(chars, fbCeiling)) : null);
   return finish(body, clientInit(res), "fallback", timing, t0, limits);
 }
 
@@ -482,6 +558,16 @@ async function leaseElsewhere(request, cfg, err) {
   return err;
 }
 
+/**
+ * A refusal by enforceLimits, counted per key and reason (refusals.js) unless the front door
+ * tries another cell with it (the client is not refused yet).
+ */
+async function refusedHere(env, ctx, cfg, request, key, err) {
+  const no = err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+  if (no instanceof HttpError && no.reason !== undefined && no.headers[LEASE_HEADER] !== "elsewhere") countRefusal(env, ctx, cfg, key.id, no.reason);
+  return no;
+}
+
 /** Whether the request carries this cell's exchange token, as only its fleet's front door sends it. */
 function fromFrontDoor(request, cfg) {
   const token = request.headers.get(FRONT_HEADER);
@@ -493,7 +579,7 @@ function fromFrontDoor(request, cfg) {
  * (at most one check per pod per isolate a second, pods.js `healthDue`).
  */
 function healthWitness(env, ctx, cfg, podUrl, fetchImpl) {
-  return healthOk(fetchImpl, podUrl, cfg.deadlineMs).then((ok) => {
+  return healthOk(fetchImpl, podUrl, cfg.deadlineMs, cfg.podToken).then((ok) => {
     return ok ? null : report(env, ctx, cfg, podUrl, false, { key: null, health: true });
   });
 }
@@ -513,9 +599,9 @@ function fallbackBody(env, pathname, bytes, json, cfg, askUsage) {
 }
 
 /** A pod's body without the OpenAI fields it does not serve (podfields.js), which are logged by name. */
-function droppedForPod(env, pod, askUsage, salt, streamIt) {
+function droppedForPod(env, pod) {
   log(env, "pod_fields_dropped", { fields: pod.dropped.slice(0, 8) });
-  return upstreamBody(new TextEncoder().encode(JSON.stringify(pod.json)), pod.json, null, askUsage, salt, streamIt);
+  return new TextEncoder().encode(JSON.stringify(pod.json));
 }
 
 // The pods' request ids: 128 random bits each, from a pool crypto.getRandomValues refills every
@@ -536,6 +622,10 @@ function nextRequestId() {
   for (let i = from; i < from + ID_BYTES; i++) id += HEX2[idPool[i]];
   return id;
 }
+
+// The pods' /metrics reads one request may start: with the inference fetch, a failed one's health
+// witness and the isolate's first trace, at most five connections are open at once (six allowed).
+export const METRICS_PER_REQUEST = 2;
 
 // The longest non-streamed answer asked of the pod whole (see `short` in routed).
 export const WHOLE_MAX_TOKENS = 16;
@@ -572,12 +662,13 @@ function meterServed(env, ctx, cfg, keyId, backend, usage, price) {
  * An assembled answer whose pod failed after its first token (a stall, a broken or
  * oversized stream, an error event): 502 `upstream_stalled` or `upstream_broken`, never
  * the fallback (the answer had begun, and a slow long answer is not bought twice). What
- * was generated counts, estimated from the text read; the failure is the pod's (reported
+ * was generated counts: what the pod reported by then (`tally`, its continuous usage), else
+ * estimated from the text read; the failure is the pod's (reported
  * with the key: two keys, or a health check, open its breaker).
  */
-function brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, bytes, meter, guess, timing, t0, limits, reason) {
+function brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, bytes, meter, guess, timing, t0, limits, reason, tally = null) {
   report(env, ctx, cfg, podUrl, false, from, witness);
-  meter(backend, guess(bytes ? contentChars(new TextDecoder().decode(bytes)) : 0));
+  meter(backend, (tally && tally.usage()) ?? guess(bytes ? contentChars(new TextDecoder().decode(bytes)) : 0));
   const stalled = reason === "stalled";
   const error = errorResponse(502, stalled ? "upstream_stalled" : "upstream_broken", stalled
     ? `the pod stopped sending the answer for ${cfg.stallMs} ms after it had begun; retry the request`
@@ -592,24 +683,6 @@ function assembledInit(res) {
   const id = res.headers.get("x-request-id");
   if (id !== null) headers["x-request-id"] = id;
   return { status: res.status, statusText: res.statusText, headers };
-}
-
-/** GET <pod>/metrics in the background: vLLM's load gauges for balancing (pods.js putMetrics). */
-async function scrapeMetrics(fetchImpl, podUrl, cfg) {
-  const ac = new AbortController();
-  const timer = setTimeout(() => ac.abort(), cfg.deadlineMs);
-  let text = null;
-  try {
-    const res = await fetchImpl(podUrl + "/metrics", { headers: { authorization: `Bearer ${cfg.podToken}` }, signal: ac.signal,
-      redirect: "manual" });
-    if (res.ok) text = await res.text();
-    else await res.body?.cancel().catch(() => {});
-  } catch {
-    // unreachable: no metrics; the breaker hears of it from requests
-  } finally {
-    clearTimeout(timer);
-  }
-  putMetrics(podUrl, text, Date.now());
 }
 
 /** The client's response: `body` with the status and headers of `from` (a Response of ours,

@@ -2,7 +2,7 @@
 // The generation object's SQLite schema: every piece of routed state a cell keeps.
 //
 // One object per generation holds it all, so the generation-rename migration moves all
-// of it at once (generation.js `exportAll` / `importState`):
+// of it (migration.js):
 //
 //   meta          k/v: schema version, the operator override, the keys revision, which
 //                 generations were imported (each once)
@@ -21,6 +21,8 @@
 //                 (the input of max_parallel); rows of silent isolates expire (by index)
 //   key_reserved  per key and isolate: tokens its requests in flight reserved at admission
 //                 (the input of tpm and monthly_tokens while they run); expire as key_inflight
+//   key_prompt    per key and isolate: prompt tokens of its requests in flight that no pod
+//                 has begun answering (the input of max_parallel_tokens); expire as key_inflight
 //   seg_minute    live segment histograms (histogram.js) per minute, colo, pod and segment:
 //                 for the routed segments `colo` is where the Worker ran and `pod` the pod
 //                 index or "fallback"; for `sync` `colo` is the state object's and `pod` the
@@ -47,13 +49,16 @@
 //                 generation began (GET /_colocate/metrics); each day's are usage_daily.refused
 //   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
 //                 last sync (a scale-down waits for its draining pods to read 0)
+//   import_pulled per generation being imported (migration.js) and key: the keys whose rows
+//                 were fetched ahead of the import because a call needed them; the paged
+//                 import skips their rows (each row is added once). Emptied when it is done.
 //
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
 
 import { EXCHANGE, LEASE, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 
-export const SCHEMA_VERSION = "7";
+export const SCHEMA_VERSION = "8";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -65,7 +70,7 @@ export const SCHEMA = [
      rpm INTEGER NOT NULL DEFAULT 0, tpm INTEGER NOT NULL DEFAULT 0, monthly_tokens INTEGER NOT NULL DEFAULT 0,
      created_at INTEGER NOT NULL, expires_at INTEGER, revoked_at INTEGER,
      max_parallel INTEGER NOT NULL DEFAULT 0, rev INTEGER NOT NULL DEFAULT 0,
-     fallback_microusd_day INTEGER NOT NULL DEFAULT 0)`,
+     fallback_microusd_day INTEGER NOT NULL DEFAULT 0, max_parallel_tokens INTEGER)`,
   `CREATE TABLE IF NOT EXISTS usage_daily (
      day TEXT NOT NULL, key_id TEXT NOT NULL,
      requests INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
@@ -85,6 +90,8 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS key_inflight (
      key_id TEXT NOT NULL, isolate TEXT NOT NULL, n INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
   `CREATE TABLE IF NOT EXISTS key_reserved (
+     key_id TEXT NOT NULL, isolate TEXT NOT NULL, tokens INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
+  `CREATE TABLE IF NOT EXISTS key_prompt (
      key_id TEXT NOT NULL, isolate TEXT NOT NULL, tokens INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
   // The primary keys lead with the time, so the window reads and the roll-up deletes are index ranges.
   `CREATE TABLE IF NOT EXISTS seg_minute (
@@ -107,6 +114,7 @@ export const SCHEMA = [
      PRIMARY KEY (hour, colo, pod, segment))`,
   `CREATE TABLE IF NOT EXISTS seg_total (
      colo TEXT NOT NULL, pod TEXT NOT NULL, segment TEXT NOT NULL, hist TEXT NOT NULL, PRIMARY KEY (colo, pod, segment))`,
+  `CREATE TABLE IF NOT EXISTS import_pulled (src TEXT NOT NULL, key_id TEXT NOT NULL, PRIMARY KEY (src, key_id))`,
 ];
 
 // Columns added since a table was first created: [table, column, declaration]. An object
@@ -116,8 +124,11 @@ export const ADDED_COLUMNS = [
   ["client_keys", "max_parallel", "INTEGER NOT NULL DEFAULT 0"],
   ["client_keys", "fallback_microusd_day", "INTEGER NOT NULL DEFAULT 0"],
   ["client_keys", "rev", "INTEGER NOT NULL DEFAULT 0"],
+  // NULL for a key made before it: the cell's default (DEFAULT_MAX_PARALLEL_TOKENS) holds for it.
+  ["client_keys", "max_parallel_tokens", "INTEGER"],
   ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
+  // Schema 8: a key's refusals, and the day's fallback spend in the fleet's rows and leases.
   ["usage_daily", "refused", "INTEGER NOT NULL DEFAULT 0"],
   ["peer_counters", "day", "TEXT NOT NULL DEFAULT ''"],
   ["peer_counters", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
@@ -131,14 +142,18 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS rate_window_minute ON rate_window (minute)`,
   `CREATE INDEX IF NOT EXISTS key_inflight_at ON key_inflight (at)`,
   `CREATE INDEX IF NOT EXISTS key_reserved_at ON key_reserved (at)`,
+  `CREATE INDEX IF NOT EXISTS key_prompt_at ON key_prompt (at)`,
   `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
+  // A migration fetches a key's rows ahead of its import (migration.js): its usage by index.
+  `CREATE INDEX IF NOT EXISTS usage_daily_key ON usage_daily (key_id)`,
   `CREATE INDEX IF NOT EXISTS fallback_held_at ON fallback_held (at)`,
 ];
 
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at, "
-  + "fallback_microusd_day";
+  + "fallback_microusd_day, max_parallel_tokens";
 // What an isolate holds of a key (no prefix, no timestamps it does not use).
-export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at, fallback_microusd_day";
+export const KEY_VIEW_COLUMNS = "id, hash, name, rpm, tpm, monthly_tokens, max_parallel, expires_at, rev, revoked_at, fallback_microusd_day, "
+  + "max_parallel_tokens";
 // A sync's usage rows carry usage_daily's columns, in payloads.js USAGE's order.
 export const USAGE_COLUMNS = USAGE.columns;
 
@@ -186,6 +201,15 @@ export const BULK_REFUSALS = `INSERT INTO refusal_total (${REFUSAL.columns}) SEL
 // Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
 export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET seq = excluded.seq`;
+
+// What a migration imports of the replaced kind (a lease, the peers' sum, an isolate's requests
+// in flight): a row this generation already holds was written after the move began, so it stays.
+export const IMPORT_PEERS = `INSERT INTO peer_counters (${EXCHANGE.columns}, at)
+  SELECT ${all(EXCHANGE)}, ? FROM json_each(?) WHERE true ON CONFLICT (key_id) DO NOTHING`;
+export const IMPORT_LEASES = `INSERT INTO key_lease (${LEASE.columns}, at)
+  SELECT ${all(LEASE)}, ? FROM json_each(?) WHERE true ON CONFLICT (key_id) DO NOTHING`;
+export const IMPORT_INFLIGHT = `INSERT INTO key_inflight (key_id, isolate, n, at) VALUES (?, ?, ?, ?)
+  ON CONFLICT (key_id, isolate) DO NOTHING`;
 
 export const UPSERT_POD = `INSERT INTO pod_health (pod, state, failures, opened_at, trial_at, updated_at, failure_keys)
   VALUES (?, ?, ?, ?, ?, ?, ?)

@@ -5,7 +5,7 @@
 // Checked when the router decides to call the fallback, never on a pod's path: a request is
 // admitted only if what it may cost at most fits beside what was spent today and what the
 // fallback requests in flight reserved, and its worst case is then reserved until its real
-// cost is counted (state.js `reserveFallback`, `served`). Spend is kept in the generation
+// cost is counted (state.js `admit`'s release.fallback, `served`). Spend is kept in the generation
 // (usage_daily.fallback_microusd, fallback_spend), so it moves with it.
 
 import { cache, fallbackReserved, spentToday } from "./state.js";

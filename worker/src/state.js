@@ -346,15 +346,17 @@ const PARTS = {
     restore: () => takeInflightMoved(true),
   },
   inflight: {
-    // Every key with requests in flight (or tokens reserved) here, and those that went to 0
+    // Every key with requests in flight (or tokens reserved, or prompts not begun) here, and those that went to 0
     // since the last sync: the object's row of a silent isolate expires (2 x TTL), so a
     // live one renews it.
     has: (p) => p.inflightChanged.size > 0,
     take: (p) => {
       const rows = [];
-      for (const [id, n] of p.inflight) rows.push(inflightRow(id, n, p.reserved.get(id) ?? 0));
-      for (const [id, tokens] of p.reserved) if (!p.inflight.has(id)) rows.push(inflightRow(id, 0, tokens));
-      for (const id of p.inflightChanged) if (!p.inflight.has(id) && !p.reserved.has(id)) rows.push(inflightRow(id, 0, 0));
+      const row = (id) => inflightRow(id, p.inflight.get(id) ?? 0, p.reserved.get(id) ?? 0, p.prompt.get(id) ?? 0);
+      for (const id of p.inflight.keys()) rows.push(row(id));
+      for (const id of p.reserved.keys()) if (!p.inflight.has(id)) rows.push(row(id));
+      for (const id of p.prompt.keys()) if (!p.inflight.has(id) && !p.reserved.has(id)) rows.push(row(id));
+      for (const id of p.inflightChanged) if (!p.inflight.has(id) && !p.reserved.has(id) && !p.prompt.has(id)) rows.push(row(id));
       p.inflightChanged.clear();
       return rows.length ? rows : null;
     },
@@ -362,10 +364,11 @@ const PARTS = {
   },
 };
 
-function inflightRow(id, n, tokens) {
+function inflightRow(id, n, tokens, prompt) {
   const row = INFLIGHT.zero(id);
   row[INFLIGHT.n] = n;
   row[INFLIGHT.tokens] = tokens;
+  row[INFLIGHT.prompt] = prompt;
   return row;
 }
 
@@ -383,7 +386,7 @@ function takeMap(p, name) {
 function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
-    p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(),
+    p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(), prompt: new Map(),
       served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null, refusals: new Map(),
       fbHeld: new Map(), fbChanged: new Set(), fbHeldAll: 0 };
     pending.set(gen, p);
@@ -533,29 +536,6 @@ export function spentToday(gen, keyId, t) {
 }
 
 /**
- * The fallback is about to be called for a key: what the request may cost at most
- * (`microusd`, spendcap.js) counts against the key's and the cell's daily caps from now, in
- * this isolate at once and in the others from the next sync, until `release` (returned;
- * idempotent) is called in the same turn as the answer's real cost is recorded (`served`).
- */
-export function reserveFallback(cfg, keyId, microusd) {
-  const p = pendingOf(cfg.activeGeneration);
-  p.fbHeld.set(keyId, (p.fbHeld.get(keyId) ?? 0) + microusd);
-  p.fbHeldAll += microusd;
-  p.fbChanged.add(keyId);
-  let held = true;
-  return () => {
-    if (!held) return;
-    held = false;
-    const r = (p.fbHeld.get(keyId) ?? microusd) - microusd;
-    if (r > 0) p.fbHeld.set(keyId, r);
-    else p.fbHeld.delete(keyId);
-    p.fbHeldAll = Math.max(0, p.fbHeldAll - microusd);
-    p.fbChanged.add(keyId);
-  };
-}
-
-/**
  * What fallback requests in flight may still cost (millionths of a dollar): the key's, or
  * with null the whole cell's, here now plus the other isolates' as of the last sync.
  */
@@ -578,6 +558,12 @@ export function inflightHere(gen, keyId) {
   return p ? p.inflight.get(keyId) ?? 0 : 0;
 }
 
+/** Prompt tokens of a key's requests in flight here that no pod has begun answering yet. */
+export function promptHere(gen, keyId) {
+  const p = pending.get(gen);
+  return p ? p.prompt.get(keyId) ?? 0 : 0;
+}
+
 /** Tokens this isolate's requests in flight of a key reserved at admission (not yet settled). */
 export function reservedHere(gen, keyId) {
   const p = pending.get(gen);
@@ -585,29 +571,67 @@ export function reservedHere(gen, keyId) {
 }
 
 /**
- * A request was admitted for a key: it counts against the limits at once, and its
- * counters are asked for from now on. A key with max_parallel holds a slot, and a key
- * with tpm or monthly_tokens holds `reserve` tokens (what the request may cost at most),
- * until `release` (returned; idempotent) is called, in the same turn as its usage is
- * recorded (`served`): the limits see the reservation, then the real usage, never neither.
- * A key with neither gets null.
+ * A key's max_parallel slot, taken before its request's body is read (the key is known
+ * from the header), so one key's uploads in flight are bounded by its own limit: the
+ * release (idempotent) frees it; `admit` takes it over. A key without max_parallel: null.
  */
-export function admit(cfg, key, t, reserve = 0) {
+export function hold(cfg, key) {
+  if (!(key.max_parallel > 0)) return null;
   const p = pendingOf(cfg.activeGeneration);
-  p.podUrls = cfg.podUrls; // the indexes the `pods` part reports in-flight counts by
-  p.served.set(key.id, t);
-  addWindow(p, key.id, minuteOf(t), 1, 0);
-  addUsage(p, dayOf(t), key.id, { requests: 1 });
-  const slot = key.max_parallel > 0;
-  const tokens = reserve > 0 && (key.tpm > 0 || key.monthly_tokens > 0) ? reserve : 0;
-  if (!slot && tokens === 0) return null;
-  if (slot) p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
-  if (tokens > 0) p.reserved.set(key.id, (p.reserved.get(key.id) ?? 0) + tokens);
+  p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
   p.inflightChanged.add(key.id);
   let held = true;
   return () => {
     if (!held) return;
     held = false;
+    const n = (p.inflight.get(key.id) ?? 1) - 1;
+    if (n > 0) p.inflight.set(key.id, n);
+    else p.inflight.delete(key.id);
+    p.inflightChanged.add(key.id);
+  };
+}
+
+/**
+ * A request was admitted for a key: it counts against the limits at once, and its
+ * counters are asked for from now on. A key with max_parallel holds a slot (`held`, from
+ * `hold`, or one taken here), a key with tpm or monthly_tokens holds `reserve` tokens (what
+ * the request may cost at most), and `prompt` tokens (its prompt at most, for
+ * max_parallel_tokens) are held until its answer begins at a pod. `release` (returned;
+ * idempotent) frees all it holds, in the same turn as its usage is recorded (`served`), so
+ * the limits see the reservation, then the real usage, never neither; `release.begun` frees
+ * the prompt tokens alone, when the pod's first token arrives; `release.fallback(microusd)`
+ * adds, when the fallback is about to be called, the most its answer may cost (spendcap.js)
+ * against the key's and the cell's daily caps, here at once and in the other isolates from
+ * the next sync, freed with the rest. One reservation per request, whatever it holds.
+ */
+export function admit(cfg, key, t, reserve = 0, prompt = 0, held = null) {
+  const p = pendingOf(cfg.activeGeneration);
+  p.podUrls = cfg.podUrls; // the indexes the `pods` part reports in-flight counts by
+  p.served.set(key.id, t);
+  addWindow(p, key.id, minuteOf(t), 1, 0);
+  addUsage(p, dayOf(t), key.id, { requests: 1 });
+  const slot = held === null && key.max_parallel > 0;
+  const tokens = reserve > 0 && (key.tpm > 0 || key.monthly_tokens > 0) ? reserve : 0;
+  if (slot) p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
+  if (tokens > 0) p.reserved.set(key.id, (p.reserved.get(key.id) ?? 0) + tokens);
+  if (prompt > 0) p.prompt.set(key.id, (p.prompt.get(key.id) ?? 0) + prompt);
+  if (slot || tokens > 0 || prompt > 0) p.inflightChanged.add(key.id);
+  let waiting = prompt > 0;
+  const begun = () => {
+    if (!waiting) return;
+    waiting = false;
+    const r = (p.prompt.get(key.id) ?? prompt) - prompt;
+    if (r > 0) p.prompt.set(key.id, r);
+    else p.prompt.delete(key.id);
+    p.inflightChanged.add(key.id);
+  };
+  let open = true;
+  let spend = 0; // the fallback's worst case, held
+  const release = () => {
+    if (!open) return;
+    open = false;
+    begun();
+    if (held !== null) held();
     if (slot) {
       const n = (p.inflight.get(key.id) ?? 1) - 1;
       if (n > 0) p.inflight.set(key.id, n);
@@ -618,8 +642,24 @@ export function admit(cfg, key, t, reserve = 0) {
       if (r > 0) p.reserved.set(key.id, r);
       else p.reserved.delete(key.id);
     }
-    p.inflightChanged.add(key.id);
+    if (slot || tokens > 0) p.inflightChanged.add(key.id);
+    if (spend > 0) {
+      const r = (p.fbHeld.get(key.id) ?? spend) - spend;
+      if (r > 0) p.fbHeld.set(key.id, r);
+      else p.fbHeld.delete(key.id);
+      p.fbHeldAll = Math.max(0, p.fbHeldAll - spend);
+      p.fbChanged.add(key.id);
+    }
   };
+  release.begun = begun;
+  release.fallback = (/** @type {number} */ microusd) => {
+    if (!open || !(microusd > 0)) return;
+    spend += microusd;
+    p.fbHeld.set(key.id, (p.fbHeld.get(key.id) ?? 0) + microusd);
+    p.fbHeldAll += microusd;
+    p.fbChanged.add(key.id);
+  };
+  return release;
 }
 
 /**

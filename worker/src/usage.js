@@ -9,6 +9,8 @@
 // client's stream. A stream that ends (or is cut) without one is estimated from its text:
 // `estimateUsage` (docs/worker.md, "Streams and tokens").
 
+import { shortestPromptTokens } from "./validate.js";
+
 const decoder = new TextDecoder();
 const TAIL_BYTES = 16384; // the last events of a stream; a usage event is a few hundred bytes
 
@@ -67,7 +69,7 @@ export function usageOfDoc(doc, estimate) {
   for (const c of choices) {
     if (!c || typeof c !== "object") continue;
     const m = c.message && typeof c.message === "object" ? c.message : null;
-    for (const v of [c.text, m && m.content, m && m.reasoning_content]) if (typeof v === "string") chars += v.length;
+    for (const v of [c.text, m && m.content, m && (m.reasoning ?? m.reasoning_content)]) if (typeof v === "string") chars += v.length;
     const calls = m && Array.isArray(m.tool_calls) ? m.tool_calls : [];
     for (const t of calls) if (t && t.function && typeof t.function.arguments === "string") chars += t.function.arguments.length;
   }
@@ -91,13 +93,15 @@ export function promptCount(json) {
 /**
  * The completion tokens one sequence may have: the limit the endpoint honours (chat:
  * `max_completion_tokens`, else `max_tokens`, as vLLM reads them; completions:
- * `max_tokens` only, vLLM ignores `max_completion_tokens` there), never past the served
- * context `maxModelLen`.
+ * `max_tokens` only, vLLM ignores `max_completion_tokens` there), cut as vLLM cuts it to
+ * what fits beside the prompt in the served context `maxModelLen` (the context less the
+ * fewest tokens the request's shortest prompt can be, validate.js).
  */
 export function perSequence(json, maxModelLen = MAX_COMPLETION_TOKENS) {
   const chat = !!json && json.messages !== undefined;
   const max = json ? (chat ? (json.max_completion_tokens ?? json.max_tokens) : json.max_tokens) : undefined;
-  return Math.min(Number.isInteger(max) && max > 0 ? max : maxModelLen, maxModelLen);
+  const room = Math.max(maxModelLen - (json ? shortestPromptTokens(json, chat) : 0), 1);
+  return Math.min(Number.isInteger(max) && max > 0 ? max : maxModelLen, room);
 }
 
 /**
@@ -124,9 +128,17 @@ export function usageCeiling(json, bodyBytes, maxModelLen = MAX_COMPLETION_TOKEN
 const STREAM_EVENT_BYTES = 4096;
 export const MAX_STREAM_BYTES = 256 * 1024 * 1024;
 
-/** The most bytes a streamed answer to this request may have (see above). */
+// `echo` (legacy completions) writes each prompt back in the first event of each of its
+// choices (vLLM's completion stream). A prompt sent as text comes back in no more bytes than
+// it was sent in; one sent as token ids in at most 48 a body byte (an id takes two bytes,
+// "5,", and decodes to at most 16 characters, validate.js's longest token, each at most 6
+// bytes as JSON writes it, "\u0001").
+const ECHO_BYTES_PER_BODY_BYTE = 48;
+
+/** The most bytes a streamed answer to this request may have (see above): sizes the client chose are the client's. */
 export function streamCap(json, bodyBytes, maxModelLen = MAX_COMPLETION_TOKENS) {
-  return Math.min(MAX_STREAM_BYTES, 65_536 + usageCeiling(json, bodyBytes, maxModelLen).completion * STREAM_EVENT_BYTES);
+  const echo = json && json.echo === true ? Math.max(json.n ?? 1, json.best_of ?? 1, 1) * bodyBytes * ECHO_BYTES_PER_BODY_BYTE : 0;
+  return Math.min(MAX_STREAM_BYTES, 65_536 + usageCeiling(json, bodyBytes, maxModelLen).completion * STREAM_EVENT_BYTES + echo);
 }
 
 const encoder = new TextEncoder();
@@ -145,7 +157,7 @@ export function capUsage(usage, ceiling) {
 }
 
 // A string value of a field that carries generated text, in an SSE event's JSON.
-const CONTENT = /"(?:content|text|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
+const CONTENT = /"(?:content|text|reasoning|reasoning_content|arguments)"[ \t]*:[ \t]*"((?:[^"\\]|\\.)*)"/g;
 
 /** Characters of generated text (content, text, tool arguments) in SSE text; JSON escapes count as written. */
 export function contentChars(text) {
@@ -156,11 +168,15 @@ export function contentChars(text) {
 }
 
 /**
- * The estimate for a stream whose upstream reported no usage (or that was cut before it
- * did): about four characters a token, of the request's `messages` (or `prompt`) as JSON
- * and of the streamed text. Marked `estimated` for the usage report.
+ * The estimate for an answer whose upstream reported no usage (or that was cut before it
+ * did): about four characters a token of the streamed text; the prompt at `ceiling`'s
+ * (nothing is known of it: the body's bytes, every token being at least one), or without
+ * one at four characters a token of the request's `messages` (or `prompt`) as JSON. Marked
+ * `estimated` for the usage report.
  */
-export function estimateUsage(json, streamedChars) {
+export function estimateUsage(json, streamedChars, ceiling = null) {
+  const completion = Math.ceil(streamedChars / 4);
+  if (ceiling !== null) return { prompt: ceiling.prompt, completion, estimated: true };
   let promptChars = 0;
   try {
     const p = json ? (json.messages ?? json.prompt) : undefined;
@@ -168,7 +184,7 @@ export function estimateUsage(json, streamedChars) {
   } catch {
     // cannot happen for a validated body; an estimate is never worth a failure
   }
-  return { prompt: Math.ceil(promptChars / 4), completion: Math.ceil(streamedChars / 4), estimated: true };
+  return { prompt: Math.ceil(promptChars / 4), completion, estimated: true };
 }
 
 /** Usage in the last SSE data event that has one, or null. */

@@ -146,19 +146,22 @@ function checkCost(json, chat, maxModelLen) {
     throw bad("prompt", "invalid_value",
       `prompt lists at most ${MAX_PROMPTS} prompts (got ${json.prompt.length}): send the rest in further requests`);
   }
+  // vLLM refuses a limit past the context, and a prompt that fills it; anything else it
+  // clamps to what fits beside the prompt and answers (vllm/renderers/params.py,
+  // entrypoints/serve/utils/api_utils.py get_max_tokens, v0.32). The edge refuses exactly those.
   const limit = chat ? (json.max_completion_tokens != null ? "max_completion_tokens" : "max_tokens") : "max_tokens";
   const max = json[limit] ?? 0;
-  if (max >= maxModelLen) {
+  if (max > maxModelLen) {
     throw bad(limit, "context_length_exceeded",
-      `${limit} is ${max}, but the pods serve a context of ${maxModelLen} tokens, prompt included: send at most ${maxModelLen - 1}`);
+      `${limit} is ${max}, but the pods serve a context of ${maxModelLen} tokens, prompt included: send at most ${maxModelLen}`
+      + " (a smaller one is cut to what fits beside the prompt)");
   }
   // The fewest tokens the longest prompt can be: its characters / MAX_CHARS_PER_TOKEN.
-  const least = Math.ceil(longestPrompt(json, chat) / MAX_CHARS_PER_TOKEN);
-  if (max > 0 ? least + max > maxModelLen : least >= maxModelLen) { // vLLM's own test, with the fewest tokens
+  const least = leastPromptTokens(json, chat);
+  if (least >= maxModelLen) {
     const what = chat ? "messages" : "prompt";
     throw bad(what, "context_length_exceeded",
-      `${what} is at least ${least} tokens${max ? ` and ${limit} ${max}` : ""}, more than the pods' context of ${maxModelLen} tokens: `
-      + `shorten it${max ? ` or lower ${limit}` : ""}`);
+      `${what} is at least ${least} tokens, which fills the pods' context of ${maxModelLen} tokens with no room for an answer: shorten it`);
   }
   if (json.prompt_logprobs != null) {
     throw bad("prompt_logprobs", "unsupported_parameter",
@@ -179,12 +182,32 @@ function checkCost(json, chat, maxModelLen) {
   }
 }
 
+/** The fewest tokens the request's longest prompt can be (at most MAX_CHARS_PER_TOKEN characters a token). */
+function leastPromptTokens(json, chat) {
+  return Math.ceil(longestPrompt(json, chat) / MAX_CHARS_PER_TOKEN);
+}
+
+/**
+ * The fewest tokens the request's shortest prompt can be (a chat has one): 0 when the
+ * body is not a chat or completion request validateBody accepts.
+ */
+export function shortestPromptTokens(json, chat) {
+  if (chat) return Array.isArray(json.messages) ? leastPromptTokens(json, true) : 0;
+  const p = json.prompt;
+  if (typeof p === "string") return Math.ceil(p.length / MAX_CHARS_PER_TOKEN);
+  if (!Array.isArray(p) || p.length === 0) return 0;
+  if (isTokens(p)) return p.length; // token ids: one token each
+  let n = Infinity;
+  for (const one of p) n = Math.min(n, typeof one === "string" ? Math.ceil(one.length / MAX_CHARS_PER_TOKEN) : Array.isArray(one) ? one.length : 0);
+  return n;
+}
+
 /** Characters of the request's longest prompt: a chat's message texts together, or the longest of a prompt list. */
 function longestPrompt(json, chat) {
   if (chat) {
     let n = 0;
     for (const m of json.messages) {
-      const c = m.content;
+      const c = m !== null && typeof m === "object" ? m.content : undefined;
       if (typeof c === "string") n += c.length;
       else if (Array.isArray(c)) for (const part of c) if (typeof part.text === "string") n += part.text.length;
     }

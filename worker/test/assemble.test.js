@@ -1,8 +1,10 @@
 // The JSON answer assembled from a pod's stream (assemble.js) against the answer vLLM writes
-// for the same request without `stream`. Fixtures (test/fixtures/answers/): each NAME.sse is a
-// stream in vLLM 0.10's shape (chunks serialised with exclude_unset, the usage event last,
-// `[DONE]`), and NAME.json the non-streamed answer of the same generation, in its field order
-// (vllm/entrypoints/openai/protocol.py ChatCompletionResponse, CompletionResponse).
+// for the same request without `stream`. Fixtures (test/fixtures/answers/): each NAME.sse is
+// a live vLLM 0.32's stream of one request and NAME.json its non-streamed answer to the same
+// request, greedy or seeded so that both make the same tokens (tests/engine_contract/
+// capture_answers.py records them; docs/testing.md says how). chat-tools is written by hand
+// in the shape vLLM streams a tool call (a tool parser's deltas, as captured with hermes), as
+// no engine here can finish one.
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { readFileSync, readdirSync } from "node:fs";
@@ -11,20 +13,28 @@ import { assemble, assembleBytes, parseEvents, parseStream, ssePayloads } from "
 const dir = new URL("./fixtures/answers/", import.meta.url);
 const names = readdirSync(dir).filter((f) => f.endsWith(".sse")).map((f) => f.slice(0, -4));
 
-test("there are fixtures of both endpoints, n > 1, tool calls, reasoning and logprobs", () => {
-  assert.ok(names.some((n) => n.startsWith("chat-")) && names.some((n) => n.startsWith("text-")));
-  assert.ok(names.length >= 5);
+test("there are fixtures of both endpoints, n > 1, tool calls, reasoning, logprobs, stop strings and echo", () => {
+  for (const n of ["chat-plain", "chat-n2-logprobs", "chat-reasoning", "chat-tools", "chat-stop", "text-n2-logprobs", "text-echo"]) {
+    assert.ok(names.includes(n), n);
+  }
 });
 
+/** The fixture's request (what shapes the answer besides the stream: tool_choice, return_token_ids). */
+const REQUESTS = { "chat-tools": { tool_choice: "required" } };
+
 for (const name of names) {
-  test(`${name}: the assembled answer is the pod's non-streamed answer, field by field, in its order`, () => {
+  test(`${name}: the assembled answer is vLLM's non-streamed answer, field by field, in its order`, () => {
     const sse = readFileSync(new URL(`${name}.sse`, dir));
-    const expected = readFileSync(new URL(`${name}.json`, dir), "utf8").trim();
-    const { bytes, answer, error } = assembleBytes(new Uint8Array(sse), name.startsWith("chat-"));
+    const whole = JSON.parse(readFileSync(new URL(`${name}.json`, dir), "utf8"));
+    const { bytes, answer, error } = assembleBytes(new Uint8Array(sse), name.startsWith("chat-"), REQUESTS[name] ?? {});
     assert.equal(error, null);
-    assert.deepEqual(answer, JSON.parse(expected));
+    // Two requests: their ids and times differ, and so do the ids vLLM gives tool calls.
+    const expected = { ...whole, id: answer.id, created: answer.created };
+    expected.choices.forEach((c, i) => (c.message?.tool_calls ?? []).forEach((t, k) => (t.id = answer.choices[i].message.tool_calls[k].id)));
+    assert.deepEqual(answer, expected);
+    assert.deepEqual(Object.keys(answer), Object.keys(whole));
     // The same bytes but for number spelling: Python writes -2.0 where JavaScript writes -2.
-    assert.equal(new TextDecoder().decode(bytes), JSON.stringify(JSON.parse(expected)));
+    assert.equal(new TextDecoder().decode(bytes), JSON.stringify(expected));
   });
 }
 
@@ -142,4 +152,30 @@ test("legacy completions: text events of one shape are strings too", () => {
   assert.equal(strings, 4);
   assert.equal(JSON.stringify(fast.answer), JSON.stringify(slow.answer));
   assert.equal(fast.answer.choices[0].text, "abcd");
+});
+
+test("reasoning is kept whether the stream spells it `reasoning` (vLLM 0.32) or `reasoning_content` (older)", () => {
+  for (const key of ["reasoning", "reasoning_content"]) {
+    const ev = (delta, finish = null) => JSON.stringify({ id: "c1", object: "chat.completion.chunk", created: 7, model: "m",
+      choices: [{ index: 0, delta, logprobs: null, finish_reason: finish }] });
+    const payloads = [ev({ role: "assistant", content: "" }), ev({ [key]: "Let me " }), ev({ [key]: "think." }), ev({ content: "Hi" }),
+      ev({ content: "!" }, "stop")];
+    const { answer } = assemble(parseEvents(payloads), true);
+    assert.equal(answer.choices[0].message.reasoning, "Let me think.", key);
+    assert.equal(answer.choices[0].message.content, "Hi!");
+    assert.ok(!("reasoning_content" in answer.choices[0].message));
+  }
+});
+
+test("token ids asked for (return_token_ids) are joined per choice, and the template path keeps them", () => {
+  const ev = (text, ids, finish = null) => JSON.stringify({ id: "cmpl-1", object: "text_completion", created: 7, model: "m",
+    choices: [{ index: 0, text, logprobs: null, finish_reason: finish, stop_reason: null, prompt_token_ids: text === "a" ? [9, 8] : null,
+      token_ids: ids }] });
+  const payloads = [ev("a", [1]), ev("b", [2]), ev("c", [3]), ev("d", [4]), ev("e", [5], "length")];
+  const { fast, slow } = both(payloads, false);
+  assert.equal(JSON.stringify(fast.answer), JSON.stringify(slow.answer));
+  assert.deepEqual(slow.answer.choices[0].token_ids, [1, 2, 3, 4, 5]);
+  assert.equal(slow.answer.choices[0].prompt_token_ids, null); // not asked: null, as vLLM writes it
+  const asked = assemble(parseEvents(payloads), false, null, { return_token_ids: true }).answer;
+  assert.deepEqual(asked.choices[0].prompt_token_ids, [9, 8]);
 });

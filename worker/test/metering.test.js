@@ -60,17 +60,17 @@ test("a prompt list is counted as prompts x n x max_tokens; past 64 prompts it i
   assert.equal((await no.json()).error.param, "prompt");
 });
 
-test("without max_tokens the ceiling is the pods' context, not 131,072", async () => {
+test("without max_tokens the ceiling is what fits beside the prompt in the pods' context, not 131,072", async () => {
   const env = envFor("m-ctx");
   const { key, id } = await createKey(env.BREAKER, "m-ctx");
   const c = ctx();
   await handle(post(key, "/v1/chat/completions", { model: "m", messages: [{ role: "user", content: "hi" }] }), env, c,
     { fetch: async () => usageOf(1, 1e12) });
   await c.settle();
-  assert.equal((await counted(env, "m-ctx", id))[2], 8192);
+  assert.equal((await counted(env, "m-ctx", id))[2], 8191); // "hi" is at least one token
 });
 
-test("a pod's 400 after tokenising is charged the prompt's estimate; its 404 is not", async () => {
+test("a request the pod refuses is charged what the pod reports (vLLM's 400: nothing), and counts as a request", async () => {
   const env = envFor("m-4xx");
   const { key, id } = await createKey(env.BREAKER, "m-4xx");
   const c = ctx();
@@ -81,13 +81,19 @@ test("a pod's 400 after tokenising is charged the prompt's estimate; its 404 is 
   const r = await handle(post(key, "/v1/chat/completions", { model: "m", messages }), env, c, { fetch: refuse(400) });
   assert.equal(r.status, 400);
   await handle(post(key, "/v1/chat/completions", { model: "m", messages }), env, c, { fetch: refuse(404) });
+  // a server that reports usage with its refusal is believed (within the ceiling)
+  const reported = async () => new Response(JSON.stringify({ error: { message: "no" }, usage: { prompt_tokens: 9, completion_tokens: 0 } }),
+    { status: 400, headers: { "content-type": "application/json" } });
+  await handle(post(key, "/v1/chat/completions", { model: "m", messages }), env, c, { fetch: reported });
   await c.settle();
-  assert.deepEqual(await counted(env, "m-4xx", id), [2, Math.ceil(JSON.stringify(messages).length / 4), 0]);
+  assert.deepEqual(await counted(env, "m-4xx", id), [3, 9, 0]);
 });
 
-test("a 50-token budget hit by 8 requests at once spends at most 50 + one request's ceiling", async () => {
+test("a budget hit by 8 requests at once admits only what fits it whole: each request's own most is checked", async () => {
   const env = envFor("m-race");
-  const { key, id } = await createKey(env.BREAKER, "m-race", { monthly_tokens: 50, max_parallel: 8 });
+  const body = { model: "m", prompt: ["a", "b"], max_tokens: 100, n: 4 };
+  const most = JSON.stringify(body).length + 2 * 4 * 100; // the body's bytes, and 2 prompts x 4 answers x 100
+  const { key, id } = await createKey(env.BREAKER, "m-race", { monthly_tokens: most + 100, max_parallel: 8 });
   const c = ctx();
   let release;
   const gate = new Promise((resolve) => { release = resolve; });
@@ -96,8 +102,6 @@ test("a 50-token budget hit by 8 requests at once spends at most 50 + one reques
     await gate;
     return usageOf(1e12, 1e12);
   };
-  const body = { model: "m", prompt: ["a", "b"], max_tokens: 100, n: 4 };
-  const bytes = JSON.stringify(body).length;
   const pending = Array.from({ length: 8 }, () => handle(post(key, "/v1/completions", body), env, c, { fetch: f }));
   await new Promise((resolve) => setTimeout(resolve, 50));
   release();
@@ -105,12 +109,46 @@ test("a 50-token budget hit by 8 requests at once spends at most 50 + one reques
   await c.settle();
   const ok = answers.filter((a) => a.status === 200).length;
   assert.equal(ok, 1);
-  for (const a of answers.filter((x) => x.status === 429)) assert.equal((await a.json()).error.code, "tokens_reserved");
+  // refused while the first holds its reservation, or (on a slow machine, arriving after it was
+  // metered) for what it used: either way never admitted past the budget
+  for (const a of answers.filter((x) => x.status === 429)) assert.match((await a.json()).error.code, /^(tokens_reserved|insufficient_quota)$/);
   const [, prompt, completion] = await counted(env, "m-race", id);
-  assert.ok(prompt + completion <= 50 + bytes + 2 * 4 * 100, String(prompt + completion));
-  // settled: the next request sees the real usage (past the budget), no reservation
+  assert.ok(prompt + completion <= most + 100, String(prompt + completion)); // never past the budget
+  // settled: the next request sees the real usage, and what is left cannot hold its most
   const after = await handle(post(key, "/v1/completions", body), env, c, { fetch: f });
-  assert.equal((await after.json()).error.code, "insufficient_quota");
+  const err = (await after.json()).error;
+  assert.equal(after.status, 429);
+  assert.equal(err.code, "insufficient_quota");
+  assert.match(err.message, new RegExp(`this request may use ${most} tokens and this key has \\d+ of its ${most + 100} left`));
+});
+
+test("a request over a limit it could never fit is a 400 naming the limit and the fix, before any pod", async () => {
+  const env = envFor("m-never");
+  const month = await createKey(env.BREAKER, "m-never", { monthly_tokens: 500 });
+  const tpm = await createKey(env.BREAKER, "m-never", { tpm: 600 });
+  const tiny = await createKey(env.BREAKER, "m-never", { monthly_tokens: 50 });
+  const c = ctx();
+  let asked = 0;
+  const f = async () => {
+    asked += 1;
+    return usageOf(10, 10);
+  };
+  const chat = { model: "m", messages: [{ role: "user", content: "hi" }] }; // no max_tokens: up to the context
+  for (const [key, limit, setting] of [[month.key, 500, "monthly_tokens"], [tpm.key, 600, "tpm"]]) {
+    const res = await handle(post(key, "/v1/chat/completions", chat), env, c, { fetch: f });
+    const err = (await res.json()).error;
+    assert.equal(res.status, 400);
+    assert.deepEqual([err.code, err.param, err.type], ["request_too_large", "max_tokens", "invalid_request_error"]);
+    assert.match(err.message, new RegExp(`may use 8192 tokens .* more than this key's ${limit} .*\\(its ${setting}\\): set max_tokens to at most \\d+`));
+  }
+  // a budget smaller than the body itself (a prompt token is at most a byte): the prompt is at fault
+  const small = await handle(post(tiny.key, "/v1/chat/completions", { ...chat, max_tokens: 1 }), env, c, { fetch: f });
+  assert.deepEqual([small.status, (await small.json()).error.param], [400, "messages"]);
+  // within the limit once max_tokens says so
+  const fits = await handle(post(month.key, "/v1/chat/completions", { ...chat, max_tokens: 5 }), env, c, { fetch: f });
+  assert.equal(fits.status, 200);
+  assert.equal(asked, 1);
+  await c.settle();
 });
 
 test("max_completion_tokens on /v1/completions is refused, naming the field and the fix", () => {
@@ -123,8 +161,15 @@ test("max_completion_tokens on /v1/completions is refused, naming the field and 
 test("what could never fit the context is refused before a pod tokenises it", () => {
   const big = { model: "m", prompt: "x".repeat(900_000) };
   assert.throws(() => validateBody("/v1/completions", big, 8192), (e) => e.param === "prompt" && e.code === "context_length_exceeded");
-  assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8192 }, 8192), (e) => e.param === "max_tokens");
-  validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8191 }, 8192);
+  // vLLM refuses a limit past the context and cuts any other to what fits (its 200): so does the edge
+  assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8193 }, 8192),
+    (e) => e.param === "max_tokens" && e.status === 400);
+  validateBody("/v1/completions", { model: "m", prompt: "hi", max_tokens: 8192 }, 8192);
+  validateBody("/v1/completions", { model: "m", prompt: "x".repeat(16 * 8000), max_tokens: 8192 }, 8192);
+  assert.throws(() => validateBody("/v1/chat/completions", { model: "m", messages: [{ role: "user", content: "hi" }], max_completion_tokens: 8193 },
+    8192), (e) => e.param === "max_completion_tokens");
+  assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: Array(8192).fill(5) }, 8192), (e) => e.param === "prompt");
+  validateBody("/v1/completions", { model: "m", prompt: Array(8191).fill(5) }, 8192);
   assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", prompt_logprobs: 5 }, 8192), (e) => e.param === "prompt_logprobs");
   assert.throws(() => validateBody("/v1/completions", { model: "m", prompt: "hi", echo: true, logprobs: 1 }, 8192), (e) => e.param === "logprobs");
   validateBody("/v1/completions", { model: "m", prompt: "hi", echo: true }, 8192);

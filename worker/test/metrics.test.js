@@ -56,3 +56,18 @@ test("streams' ttft and itl are histograms; prefix affinity's picks and each pod
   assert.match(none, /# TYPE colocate_pod_prefix_cache_hits_total counter/);
   assert.ok(!/colocate_pod_prefix_cache_hits_total\{/.test(none));
 });
+
+test("the keeper's last pass: every alert 0 or 1, the pods' verdicts, replacements by pod and reason; nothing without a keeper", () => {
+  const keeper = { at: 1_800_000_000_000, alerts: [{ name: "replace_failed", pod: 1, message: "3 failures" }],
+    pods: [{ index: 0, state: "ok" }, { index: 1, state: "dead" }],
+    replacements: [{ pod: 1, reason: "dead", n: 2 }, { pod: 0, reason: "certificate", n: 1 }] };
+  const out = exposition({ ...answer([]), keeper }, cfg);
+  assert.match(out, /colocate_keeper_alert\{alert="replace_failed"\} 1/);
+  for (const name of ["update_failing", "stack_locked", "stale_checkout"]) assert.match(out, new RegExp(`colocate_keeper_alert\\{alert="${name}"\\} 0`));
+  assert.match(out, /colocate_keeper_last_pass_timestamp_seconds 1800000000/);
+  assert.match(out, /colocate_keeper_pod_state\{pod="1",state="dead"\} 1/);
+  assert.match(out, /# TYPE colocate_keeper_replacements_total counter/);
+  assert.match(out, /colocate_keeper_replacements_total\{pod="1",reason="dead"\} 2/);
+  assert.match(out, /colocate_keeper_replacements_total\{pod="0",reason="certificate"\} 1/);
+  assert.ok(!exposition(answer([]), cfg).includes("colocate_keeper_"), "no keeper ran: no series to page on");
+});

@@ -127,7 +127,7 @@ test("a streamed answer records its ttft and itl, and a prefix pick its kind, fo
   const rows = taken;
   const pod = res.headers.get("x-colocate-backend").slice(4);
   const segs = rows.filter((r) => r[2] === pod).map((r) => r[3]).sort();
-  assert.deepEqual(segs, ["affinity", "fallback", "itl", "state", "total", "ttft", "upstream"]);
+  assert.deepEqual(segs, ["affinity", "fallback", "itl", "queue", "state", "total", "ttft", "upstream"]);
   const { decode, percentile } = await import("../src/histogram.js");
   const ttft = percentile(decode(rows.find((r) => r[2] === pod && r[3] === "ttft")[4]), 50);
   const upstream = percentile(decode(rows.find((r) => r[2] === pod && r[3] === "upstream")[4]), 50);

@@ -193,6 +193,10 @@ test("the estimate: four characters a token, of the prompt as JSON and of the st
   assert.equal(u.estimated, true);
   assert.equal(estimateUsage({ prompt: "abcd" }, 0).prompt, 2); // '"abcd"' is six characters
   assert.equal(contentChars(sse({ choices: [{ delta: { content: "ab\"c", tool_calls: [{ function: { arguments: "{}" } }] } }] })), 7);
+  // a reasoning model's text: vLLM 0.32 streams `reasoning`, older versions `reasoning_content`
+  assert.equal(contentChars(sse({ choices: [{ delta: { reasoning: "hmm" } }] }) + sse({ choices: [{ delta: { reasoning_content: "ok" } }] })), 5);
+  const answer = { choices: [{ message: { content: null, reasoning: "x".repeat(40) } }] };
+  assert.equal(usageOfAnswer(new TextEncoder().encode(JSON.stringify(answer)), (chars) => ({ completion: chars })).completion, 40);
 });
 
 test("a usage string inside the answer cannot hide or replace the top-level usage", () => {
@@ -226,16 +230,27 @@ test("usage is capped by what the request allows, and huge counts stay safe inte
   assert.deepEqual(usageCeiling({ ...chat, max_completion_tokens: 4, best_of: 3, n: 1 }, 10), { prompt: 10, completion: 12 });
   // /v1/completions honours max_tokens only (vLLM ignores max_completion_tokens there)
   assert.deepEqual(usageCeiling({ prompt: "hi", max_tokens: 9, max_completion_tokens: 1 }, 10, 8192), { prompt: 10, completion: 9 });
-  // a prompt list is a generation per prompt, each n times; none is past the served context
+  // a prompt list is a generation per prompt, each n times; none is past what fits beside its
+  // prompt in the served context (vLLM cuts max_tokens there): the shortest prompt bounds them all
   assert.deepEqual(usageCeiling({ prompt: ["a", "b", "c"], max_tokens: 3, n: 2 }, 1000, 8192), { prompt: 1000, completion: 18 });
-  assert.deepEqual(usageCeiling({ prompt: [[1, 2], [3]], n: 2 }, 100_000, 8192), { prompt: 16_384, completion: 2 * 2 * 8192 });
-  assert.deepEqual(usageCeiling({ prompt: [1, 2, 3] }, 10, 8192), { prompt: 10, completion: 8192 }); // one prompt of token ids
+  assert.deepEqual(usageCeiling({ prompt: [[1, 2], [3]], n: 2 }, 100_000, 8192), { prompt: 16_384, completion: 2 * 2 * (8192 - 1) });
+  assert.deepEqual(usageCeiling({ prompt: [1, 2, 3] }, 10, 8192), { prompt: 10, completion: 8192 - 3 }); // one prompt of token ids
+  assert.deepEqual(usageCeiling({ prompt: [1, 2, 3], max_tokens: 8192 }, 10, 8192), { prompt: 10, completion: 8192 - 3 });
+  assert.deepEqual(usageCeiling({ ...chat, max_tokens: 8192 }, 10, 8192), { prompt: 10, completion: 8191 }); // "hi": at least 1 token
+  const long = { messages: [{ role: "user", content: "x".repeat(16 * 8000) }], max_tokens: 8192 };
+  assert.deepEqual(usageCeiling(long, 200_000, 8192).completion, 192); // 8,000 tokens at least: 192 fit beside them
   assert.deepEqual(usageCeiling({}, 10), { prompt: 10, completion: 131072 });
 });
 
 test("a stream past its cap is cut: the router's pump ends it with an error event at the cap, the tap cancels it", async () => {
   assert.equal(streamCap({ max_tokens: 4, n: 2 }, 100), 65_536 + 8 * 4096);
   assert.equal(streamCap({}, 100), 256 * 1024 * 1024); // 131,072 tokens at 4 KiB is past the ceiling
+  // echo: each choice's first event carries its prompts back, a size the client chose (once
+  // 64 prompts of 15 KB with max_tokens 1 passed a cap of 64 KiB + 64 x 4 KiB)
+  const body = 64 * 15_000;
+  const echoed = { prompt: Array(64).fill("p"), echo: true, max_tokens: 1 };
+  assert.ok(streamCap(echoed, body, 8192) >= 65_536 + 64 * 4096 + body, String(streamCap(echoed, body, 8192)));
+  assert.equal(streamCap({ ...echoed, n: 2 }, 1000, 8192) - streamCap({ ...echoed, n: 2, echo: false }, 1000, 8192), 2 * 1000 * 48);
   // Events past FULL_READ (4 KiB): the counting branch reads on at once instead of once a
   // second, so the cap is reached in a few reads, not seconds (the test's time, not its outcome).
   const event = enc(sse({ choices: [{ delta: { content: "x".repeat(5000) } }] }));

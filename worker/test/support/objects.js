@@ -56,19 +56,23 @@ class SqlStorage {
   }
 }
 
-/** The object's ctx: SQL storage, the KV calls generation.js makes, transactions, blockConcurrencyWhile. */
+/** The object's ctx: SQL storage, the KV calls generation.js makes, transactions, the alarm, blockConcurrencyWhile. */
 function memoryContext() {
   const sql = new SqlStorage();
   const kv = new Map();
   let pending = Promise.resolve();
   let depth = 0;
+  let alarm = null; // ms, or null: the namespace's `alarm(name)` runs it, as the runtime would when due
   return {
     storage: {
       sql,
+      async getAlarm() { return alarm; },
+      async setAlarm(t) { alarm = Number(t); },
+      async deleteAlarm() { alarm = null; },
       async get(key) { return structuredClone(kv.get(key)); },
       async put(key, value) { kv.set(key, structuredClone(value)); },
       async delete(key) { return kv.delete(key); },
-      async deleteAll() { kv.clear(); sql.db.close(); sql.db = new SQL.Database(); },
+      async deleteAll() { kv.clear(); alarm = null; sql.db.close(); sql.db = new SQL.Database(); },
       transactionSync(fn) {
         const name = `t${depth++}`;
         sql.db.exec(`SAVEPOINT ${name}`);
@@ -98,7 +102,9 @@ function memoryContext() {
  * A namespace of real objects of `ObjectClass` (one per name, made on first use with the
  * bindings in `ns.env`; by default the namespace alone, as BREAKER).
  * `calls` records ["get", name, locationHint] and [method, name, ...args] for every RPC;
- * `instance(name)` is the object itself, for a test's setup and its reading of the storage.
+ * `instance(name)` is the object itself, for a test's setup and its reading of the storage;
+ * `alarm(name)` runs its alarm if one is set (cleared first, as the runtime does), answering
+ * whether one ran; `reset(name)` makes a new instance over the same storage (an eviction).
  */
 export function objectNamespace(ObjectClass) {
   const objects = new Map();
@@ -126,10 +132,23 @@ export function objectNamespace(ObjectClass) {
       };
     },
   });
+  const alarm = async (name) => {
+    const { ctx } = made(name);
+    if ((await ctx.storage.getAlarm()) === null) return false;
+    await ctx.storage.deleteAlarm();
+    await (await instance(name)).alarm();
+    return true;
+  };
+  const reset = (name) => {
+    const { ctx } = made(name);
+    objects.set(name, { ctx, object: new ObjectClass(ctx, ns.env) });
+  };
   const ns = {
     env: null,
     calls,
     instance,
+    alarm,
+    reset,
     idFromName: (name) => ({ name, toString: () => name }),
     get: (id, opts) => {
       calls.push(["get", id.name, opts?.locationHint]);
