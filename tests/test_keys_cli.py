@@ -49,7 +49,7 @@ def test_a_key_made_without_limits_gets_the_cells_finite_defaults_and_says_so(ce
     code, out, err = run(capsys, "create", "--url", cell.url, "--name", "plain-bot", "--tpm", "0")
     assert code == 0 and out.startswith("clc_")
     assert ("limits: rpm 3000 (default), tpm no limit, monthly_tokens 1000000000 (default), max_parallel 8 (default), "
-            "fallback $2 a day (default)") in err
+            "max_parallel_tokens 8192 (default), fallback $2 a day (default)") in err
     code, out, _ = run(capsys, "list", "--url", cell.url, "--json")
     row = next(k for k in json.loads(out)["keys"] if k["name"] == "plain-bot")
     assert (row["rpm"], row["tpm"], row["monthly_tokens"], row["max_parallel"]) == (3000, 0, 1_000_000_000, 8)
