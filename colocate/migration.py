@@ -55,6 +55,8 @@ def planning_settings(raw: dict, stack: str) -> Settings:
     raw.setdefault("accountId", PLANNING_ACCOUNT)
     # Planning shows pods, placement and bindings; the fallback's model changes none of them.
     raw.setdefault("fallbackModel", FALLBACK_PASSTHROUGH)
+    if raw["fallbackModel"] == FALLBACK_PASSTHROUGH:
+        raw.setdefault("fallbackModels", ["planning"])  # passthrough names its models; planning buys none
     worker = dict(raw.get("worker") or {})
     if not worker.get("subdomain") and not raw.get("zone"):
         worker["subdomain"] = "planning"

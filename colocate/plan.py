@@ -760,6 +760,8 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         # What a request may cost is bounded by the context the pods serve (worker/src/usage.js).
         ("MAX_MODEL_LEN", str(settings.pod.max_model_len)),
     ]
+    if w.content_parts:
+        plain.append(("CONTENT_PARTS", json.dumps(list(w.content_parts))))
     if settings.fallback_fields:
         plain.append(("FALLBACK_FIELDS", json.dumps(list(settings.fallback_fields))))
     if settings.fallback_model:
@@ -768,7 +770,13 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         # The fallback's spend is counted at this price, and capped per day (colocate:fallbackCap).
         plain.append(("FALLBACK_PRICE", json.dumps({"input": settings.fallback_price[0], "output": settings.fallback_price[1]})))
         cell_cap, key_cap = settings.fallback_cap
-        plain += [("FALLBACK_CELL_CAP_USD", repr(cell_cap)), ("FALLBACK_KEY_CAP_USD", repr(key_cap))]
+        plain += [("FALLBACK_CELL_CAP_USD", repr(cell_cap)), ("FALLBACK_KEY_CAP_USD", repr(key_cap)),
+                  # a new key's own daily cap (colocate:keys.defaults.fallbackUsdPerDay), in millionths of a dollar
+                  ("DEFAULT_FALLBACK_MICROUSD", str(settings.key_defaults["fallback_microusd_day"]))]
+    if settings.fallback_models:
+        # passthrough: the client models the fallback may be sent, each with its own price or null (FALLBACK_PRICE's)
+        plain.append(("FALLBACK_MODELS", json.dumps({m: None if p is None else {"input": p[0], "output": p[1]}
+                                                     for m, p in settings.fallback_models.items()})))
     bindings = [Binding(GENERATION_BINDING, "durable_object_namespace", class_name=BREAKER_CLASS)]
     bindings += [Binding(name, "plain_text", text=value) for name, value in plain]
     bindings.append(Binding("POD_URLS", "plain_text", from_output=POD_URLS_FROM_OUTPUT))
@@ -787,7 +795,8 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
 
 
 # The setting behind each binding whose value can grow (named when a limit refuses it).
-BINDING_KEYS = {"FALLBACK_MODEL": "colocate:fallbackModel", "POD_URLS": "colocate:pod.count"}
+BINDING_KEYS = {"FALLBACK_MODEL": "colocate:fallbackModel", "FALLBACK_MODELS": "colocate:fallbackModels",
+                "POD_URLS": "colocate:pod.count"}
 
 
 def binding_key(binding: Binding) -> str:

@@ -100,7 +100,11 @@ WORKER_DEFAULTS = {
     "migrationTag": "",
     "allowClassDeletion": False,
     "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
+    "contentParts": [],  # media content part types the pods may be sent besides text (CONTENT_PARTS)
 }
+# colocate:worker.contentParts: the chat content parts a cell may pass to its pods besides text
+# (worker/src/podfields.js MEDIA_PARTS). The pod fetches a URL part's media itself.
+CONTENT_PARTS = ("image_url", "input_audio", "audio_url", "video_url")
 PROBE_DEFAULTS = {"samples": 25, "enforce": False, "maxFallbackShare": 0.10}
 # ttft and itl: a streamed answer's first token and the mean gap between its tokens, as the probe's
 # client sees them (docs/probe.md): generous for a 7B model on one GPU, seen from anywhere.
@@ -109,12 +113,14 @@ BUDGET_DEFAULTS = {"state": 25, "state_rtt": 40, "ttft": 1000, "itl": 100}
 # accident (docs/worker.md, "Limits"). 0 for one of them means no limit. maxParallelTokens: the
 # prompt tokens of a key's requests waiting for a pod's first token, at once; one context of the
 # default pod (its --max-model-len), so one key's prompts queue at most one context's prefill
-# ahead of other keys (docs/worker.md, "Busy is not broken").
+# ahead of other keys (docs/worker.md, "Busy is not broken"). fallbackUsdPerDay: each key's own
+# cap on the fallback's spend a UTC day ($; counted at colocate:fallbackPrice), a tenth of the
+# suggested cell cap: one key alone cannot spend the cell's.
 KEY_LIMIT_DEFAULTS = {"rpm": 3000, "tpm": 3_000_000, "monthlyTokens": 1_000_000_000, "maxParallel": 8,
-                      "maxParallelTokens": PROFILES[DEFAULT_PROFILE].max_model_len}
+                      "maxParallelTokens": PROFILES[DEFAULT_PROFILE].max_model_len, "fallbackUsdPerDay": 2}
 KEYS_DEFAULTS = {"defaults": KEY_LIMIT_DEFAULTS}
 KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens", "maxParallel": "max_parallel",
-                    "maxParallelTokens": "max_parallel_tokens"}
+                    "maxParallelTokens": "max_parallel_tokens", "fallbackUsdPerDay": "fallback_microusd_day"}
 # colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
 # pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
 # (declared, out of rotation until their requests finish); the owner writes the rest.
@@ -158,11 +164,14 @@ SCHEMA: tuple[Key, ...] = (
         "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion, balance (prefix, the default: a conversation's turns to the pod "
         "holding its prefix | load: the cell's counts and the pods' reports | least_busy | random: a baseline), "
-        "prefixBound (prefix's load bound c > 1: no pod past c x the mean load)."),
+        "prefixBound (prefix's load bound c > 1: no pod past c x the mean load), contentParts (chat content part types "
+        "the pods may be sent besides text: image_url, input_audio, audio_url, video_url; the pod fetches a URL part's "
+        "media)."),
     Key("keys", "object", KEYS_DEFAULTS,
         "Client keys: defaults {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens (prompt tokens not yet begun at "
-        "a pod, at once)}, the limits of a key created without them (0 = no limit; defaultMaxParallel, the older name of "
-        "defaults.maxParallel, is still read)."),
+        "a pod, at once), fallbackUsdPerDay (the key's own cap on the fallback's spend a UTC day, in $ at "
+        "colocate:fallbackPrice)}, the limits of a key created without them (0 = no limit; defaultMaxParallel, the older "
+        "name of defaults.maxParallel, is still read)."),
     Key("budgets", "object", BUDGET_DEFAULTS,
         "Latency budgets in ms per segment (e2e, state, state_rtt, upstream, pod_rtt, fallback, total, ttft, itl)."),
     Key("probe", "object", PROBE_DEFAULTS,
@@ -184,7 +193,11 @@ SCHEMA: tuple[Key, ...] = (
         "cells instead of a cell."),
     Key("fallbackModel", "string", None,
         "Required. The model name sent to the fallback API (e.g. gpt-4o-mini), or passthrough to send the client's model "
-        "unchanged (only when the fallback serves the pod's model)."),
+        "unchanged, for the models colocate:fallbackModels names only."),
+    Key("fallbackModels", "object", {},
+        "With fallbackModel passthrough, required: the client models the fallback may be sent, a list (each priced at "
+        "colocate:fallbackPrice) or a mapping of model to {input, output} in $ per 1M tokens (a price each). Any other "
+        "model gets 404 model_not_found when no pod can serve it."),
     Key("fallbackPrice", "object", {},
         "Optional. The fallback API's price in $ per 1M tokens, {input, output}, as its pricing page lists it (e.g. "
         "platform.openai.com/docs/pricing for gpt-4o-mini). scripts/cost.py compares the cell with it; unset, it reports "
@@ -285,6 +298,7 @@ class WorkerSettings:
     min_tokens_per_s: float = 25.0
     balance: str = str(WORKER_DEFAULTS["balance"])
     prefix_bound: float = float(cast(float, WORKER_DEFAULTS["prefixBound"]))
+    content_parts: tuple[str, ...] = ()  # colocate:worker.contentParts (CONTENT_PARTS)
 
 
 # The ACME directory that issues the pods' publicly trusted certificates on the zone (DNS-01):
@@ -334,6 +348,8 @@ class Settings:
     fallback_price: tuple[float, float] | None = None  # $ per 1M (input, output) tokens; None: not set
     fallback_cap: tuple[float, float] = (0.0, 0.0)  # $ per UTC day of the fallback, (cell, each key); 0: no cap
     fallback_fields: tuple[str, ...] = ()  # colocate:fallbackFields: request fields the fallback may also receive
+    # colocate:fallbackModels with passthrough: model -> its own ($ per 1M input, output), or None (fallbackPrice's)
+    fallback_models: dict[str, tuple[float, float] | None] = field(default_factory=dict)
     max_fallback_share: float = 0.10  # colocate:probe.maxFallbackShare: the probe and the live view fail above it
     # colocate:keys.defaults, by the Worker's field name (rpm, tpm, monthly_tokens, max_parallel)
     key_defaults: dict[str, int] = field(default_factory=lambda: {KEY_LIMIT_FIELDS[k]: v for k, v in KEY_LIMIT_DEFAULTS.items()})
@@ -562,7 +578,16 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
         balance=_balance(k + "balance", w["balance"]),
         prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),
+        content_parts=_content_parts(k + "contentParts", w["contentParts"]),
     )
+
+
+def _content_parts(key: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v in CONTENT_PARTS for v in value):
+        raise ConfigError(key, value, f"must be a list of content part types from {', '.join(CONTENT_PARTS)}",
+                          f"pulumi config set --path '{key}[0]' image_url (the pod then fetches the images clients name), "
+                          f"or pulumi config rm --path {key} (text only)")
+    return tuple(dict.fromkeys(value))
 
 
 def _balance(key: str, value: object) -> str:
@@ -599,9 +624,36 @@ def parse_fallback_model(value: object) -> str:
     return "" if value == FALLBACK_PASSTHROUGH else value
 
 
-def parse_fallback_price(raw: object) -> tuple[float, float] | None:
-    """``colocate:fallbackPrice`` {input, output} in $ per 1M tokens; None when unset."""
-    key = f"{NS}:fallbackPrice"
+_MODEL_NAME = re.compile(r"[^\s]{1,256}")
+
+
+def parse_fallback_models(raw: object, fallback_model: str) -> dict[str, tuple[float, float] | None]:
+    """``colocate:fallbackModels``: the client models a passthrough fallback may be sent, each with its
+    own price or None (priced at colocate:fallbackPrice); required with passthrough, refused without."""
+    key = f"{NS}:fallbackModels"
+    fix = (f"pulumi config set --path '{key}[0]' <model> (priced at {NS}:fallbackPrice), or pulumi config set --path "
+           f"{key}.<model>.input <$ per 1M> and .output (a price each)")
+    if raw is None or raw == {} or raw == []:
+        if fallback_model == "":
+            raise MissingSetting(key, raw, f"{NS}:fallbackModel is {FALLBACK_PASSTHROUGH}: the fallback is sent the client's "
+                                 "model, so the models it may be sent (and their price) must be named", fix)
+        return {}
+    if fallback_model != "":
+        raise ConfigError(key, raw, f"is read only with {NS}:fallbackModel {FALLBACK_PASSTHROUGH} (it is {fallback_model!r})",
+                          f"pulumi config rm {key}, or pulumi config set {NS}:fallbackModel {FALLBACK_PASSTHROUGH}")
+    items = [(m, None) for m in raw] if isinstance(raw, list) else list(raw.items()) if isinstance(raw, dict) else None
+    if items is None:
+        raise ConfigError(key, raw, "must be a list of model names or a mapping of model to {input, output}", fix)
+    out: dict[str, tuple[float, float] | None] = {}
+    for name, price in items:
+        if not isinstance(name, str) or not _MODEL_NAME.fullmatch(name):
+            raise ConfigError(key, name, "must be a model name (no blanks, at most 256 characters)", fix)
+        out[name] = None if price is None else parse_fallback_price(price, f"{key}.{name}")
+    return out
+
+
+def parse_fallback_price(raw: object, key: str = f"{NS}:fallbackPrice") -> tuple[float, float] | None:
+    """``colocate:fallbackPrice`` (or a passthrough model's price) {input, output} in $ per 1M tokens; None when unset."""
     if raw is None or raw == {}:
         return None
     if not isinstance(raw, dict) or set(raw) != {"input", "output"}:
@@ -755,14 +807,22 @@ def parse_key_defaults(raw: object, cap: tuple[float, float] = (0.0, 0.0),
     given = cast(dict, raw or {}).get("defaults") or {}  # _merged refused anything but a mapping
     if not isinstance(given, dict):
         raise ConfigError(f"{NS}:keys.defaults", given,
-                          "must be a mapping {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens}",
+                          "must be a mapping {rpm, tpm, monthlyTokens, maxParallel, maxParallelTokens, fallbackUsdPerDay}",
                           f"pulumi config set --path {NS}:keys.defaults.maxParallel 8")
     unknown = sorted(set(given) - set(KEY_LIMIT_DEFAULTS))
     if unknown:
         raise ConfigError(f"{NS}:keys.defaults.{unknown[0]}", given[unknown[0]], "unknown key",
                           f"use only {', '.join(KEY_LIMIT_DEFAULTS)}")
     merged = {**KEY_LIMIT_DEFAULTS, **({"maxParallel": older} if older is not None else {}), **given}
+    usd = float(_number(f"{NS}:keys.defaults.fallbackUsdPerDay", merged.pop("fallbackUsdPerDay"), strict=False))
     out = {KEY_LIMIT_FIELDS[k]: _number(f"{NS}:keys.defaults.{k}", v, integer=True, strict=False) for k, v in merged.items()}
+    if usd > 0 and fallback_price is None and "fallbackUsdPerDay" in given:
+        raise ConfigError(f"{NS}:keys.defaults.fallbackUsdPerDay", given["fallbackUsdPerDay"],
+                          f"a key's fallback cap counts its spend at {NS}:fallbackPrice, which is not set",
+                          f"pulumi config set --path {NS}:fallbackPrice.input <$ per 1M> and .output <$ per 1M>, "
+                          f"or pulumi config rm --path {NS}:keys.defaults.fallbackUsdPerDay")
+    # In millionths of a dollar, as the Worker counts spend; without a price no spend is counted, so no cap.
+    out["fallback_microusd_day"] = round(usd * 1e6) if fallback_price is not None else 0
     bound = monthly_tokens_within_cap(cap, fallback_price)
     if bound is None:
         return out
@@ -886,7 +946,12 @@ def parse(
             f"or set {NS}:zone",
         )
     fallback_model = parse_fallback_model(raw.get("fallbackModel"))
+    fallback_models = parse_fallback_models(raw.get("fallbackModels"), fallback_model)
     fallback_price = parse_fallback_price(raw.get("fallbackPrice"))
+    priced = [p for p in fallback_models.values() if p is not None]
+    if fallback_price is None and priced:
+        # Each passthrough model priced, none by colocate:fallbackPrice: the dearest bounds what the caps derive.
+        fallback_price = (max(p[0] for p in priced), max(p[1] for p in priced))
     if require_cap:
         require_fallback_cap(raw.get("fallbackCap"))
     fallback_cap = parse_fallback_cap(raw.get("fallbackCap"), fallback_price)
@@ -912,6 +977,7 @@ def parse(
         fallback_price=fallback_price,
         fallback_cap=fallback_cap,
         fallback_fields=fallback_fields,
+        fallback_models=fallback_models,
         key_defaults=key_defaults,
         operator_secrets=operator,
         credential_warning=credential_warning,

@@ -112,7 +112,8 @@ def test_new_keys_get_finite_default_limits_and_the_older_name_still_counts():
     s = settings.parse(raw_for(keys={"defaults": {"rpm": 0, "maxParallel": 2, "maxParallelTokens": 4096}}), "t", secrets=SECRETS,
                        env={})
     assert s.key_defaults == {"rpm": 0, "tpm": 3_000_000, "monthly_tokens": 1_000_000_000, "max_parallel": 2,
-                              "max_parallel_tokens": 4096}
+                              "max_parallel_tokens": 4096,
+                              "fallback_microusd_day": 0 if s.fallback_price is None else 2_000_000}
     assert settings.parse(raw_for(keys={"defaultMaxParallel": 5}), "t", secrets=SECRETS, env={}).key_defaults["max_parallel"] == 5
     with pytest.raises(ConfigError) as err:
         settings.parse(raw_for(keys={"defaults": {"rpm": -1}}), "t", secrets=SECRETS, env={})
@@ -526,7 +527,7 @@ def test_fallback_model_is_required_with_an_explicit_passthrough():
         cell(raw_for(fallbackModel=" gpt-4o-mini"))
     named = cell(raw_for(fallbackModel="gpt-4o-mini")).worker.binding("FALLBACK_MODEL")
     assert named.text == "gpt-4o-mini"
-    passthrough = cell(raw_for(fallbackModel="passthrough"))
+    passthrough = cell(raw_for(fallbackModel="passthrough", fallbackModels=["client/model"]))
     assert "FALLBACK_MODEL" not in {b.name for b in passthrough.worker.bindings}
 
 

@@ -542,6 +542,7 @@ class StandinServer(ThreadingHTTPServer):
         self._redirected = 0
         self._requests = 0
         self.seen_headers: list[dict[str, str]] = []  # the last 16 inference requests' headers (in-process tests)
+        self.seen_paths: list[str] = []  # and their request targets, query included
         self.seen_bodies: list[dict] = []  # and the last 16 bodies that parsed
         self._streams = {"completed": 0, "cut": 0}
         self._counts: dict = {"vllm:prompt_tokens": 0, "vllm:generation_tokens": 0,
@@ -613,11 +614,13 @@ class StandinServer(ThreadingHTTPServer):
             for c in choices:
                 self._finished[c.finish] = self._finished.get(c.finish, 0) + 1
 
-    def count_request(self, headers=None) -> None:
+    def count_request(self, headers=None, path: str | None = None) -> None:
         with self._lock:
             self._requests += 1
             if headers is not None:
                 self.seen_headers = [*self.seen_headers[-15:], {k.lower(): v for k, v in headers.items()}]
+            if path is not None:
+                self.seen_paths = [*self.seen_paths[-15:], path]
 
     @property
     def streams(self) -> dict:
@@ -870,7 +873,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path in ("/health", "/v1/models"):
                 return self._error(405, f"{path} takes GET", "method_not_allowed", headers={"Allow": "GET"})
             return self._error(404, f"no route {path}", "not_found")
-        self.server.count_request(self.headers)
+        self.server.count_request(self.headers, self.path)
         if not self._authorised():
             return self._send_json(401, shapes.UNAUTHORIZED)
         chat = path == "/v1/chat/completions"

@@ -34,7 +34,7 @@ SECRET_SETTINGS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackA
 OPERATOR_TOKENS = {"readToken": "read-token-5b1e93c07d24", "adminToken": "admin-token-e4a8260f1c37",
                    "exchangeToken": "exchange-token-91d3c5a7e802"}
 ROOT = Path(__file__).resolve().parent.parent.parent
-FALLBACK_MODEL_NAME = "fallback/model"
+FALLBACK_MODEL_NAME = "sandbox/fallback"  # the sandbox stack's colocate:fallbackModel (colocate/sandbox/runner.py)
 
 
 def cell_plan(worker: dict | None = None, generations: list[dict] | None = None, stack: str = "sandbox",

@@ -14,7 +14,8 @@ import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { podPrefixCaches } from "./podmetrics.js";
 import { fetchColo, rayColo } from "./trace.js";
-import { MAX_CELLS, badLeases, badRows, goodRows } from "./fleetexchange.js";
+import { MAX_CELLS, badLeases, badRows, goodRows, upgradeRow } from "./fleetexchange.js";
+import { EXCHANGE, LEASE } from "./payloads.js";
 import { now, serverTiming, POD_PROBE_METRICS, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
@@ -419,6 +420,9 @@ async function setPeers(request, env, cfg) {
   const body = parseJsonObject(await readBody(request, PEERS_BODY_LIMIT));
   const unknown = Object.keys(body).filter((k) => !["rows", "leases", "cells"].includes(k));
   if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use rows, leases, cells`);
+  // A ledger of the release before sends rows without the fallback's day and spend.
+  if (Array.isArray(body.rows)) body.rows = body.rows.map((r) => upgradeRow(r, EXCHANGE));
+  if (Array.isArray(body.leases)) body.leases = body.leases.map((r) => upgradeRow(r, LEASE));
   const bad = badRows(body.rows) ?? (body.leases === undefined ? null : badLeases(body.leases));
   if (bad) throw new HttpError(400, "invalid_field", bad);
   const cells = body.cells ?? null;

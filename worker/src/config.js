@@ -8,6 +8,7 @@
 import { ConfigurationError } from "./errors.js";
 import { MAX_TOKENS } from "./validate.js";
 import { DEFAULT_POLICY, POLICIES } from "./pods.js";
+import { MEDIA_PARTS } from "./podfields.js";
 
 const cache = new WeakMap();
 
@@ -131,6 +132,49 @@ function fallbackFieldList(env) {
   return Object.freeze(list);
 }
 
+/**
+ * CONTENT_PARTS (colocate:worker.contentParts): a JSON array of the media content part types
+ * the pods may be sent besides text (podfields.js MEDIA_PARTS); absent: none.
+ * @returns {ReadonlySet<string>}
+ */
+function contentParts(env) {
+  const raw = env.CONTENT_PARTS;
+  if (raw === undefined) return new Set();
+  let list;
+  try {
+    list = JSON.parse(raw);
+  } catch {
+    list = null;
+  }
+  if (!Array.isArray(list) || !list.every((t) => MEDIA_PARTS.includes(t))) {
+    throw new ConfigurationError("CONTENT_PARTS", `must be a JSON array of ${MEDIA_PARTS.join(", ")} (got ${JSON.stringify(raw)})`);
+  }
+  return new Set(list);
+}
+
+/**
+ * FALLBACK_MODELS (colocate:fallbackModels): with no FALLBACK_MODEL (passthrough), the client
+ * models the fallback may be sent, a JSON object of model -> {input, output} ($ per 1M tokens)
+ * or null (priced at FALLBACK_PRICE). Passthrough without it is refused: any model could be bought.
+ * @returns {ReadonlyMap<string, {input: number, output: number} | null> | null}  null: a named FALLBACK_MODEL
+ */
+function fallbackModels(env, named) {
+  const raw = env.FALLBACK_MODELS;
+  if (named) return null;
+  let doc;
+  try {
+    doc = raw === undefined ? undefined : JSON.parse(raw);
+  } catch {
+    doc = null;
+  }
+  const priced = (p) => p === null || (p && typeof p === "object" && [p.input, p.output].every((v) => Number.isFinite(v) && v >= 0));
+  if (doc === undefined || doc === null || typeof doc !== "object" || Array.isArray(doc) || !Object.values(doc).every(priced)) {
+    throw new ConfigurationError("FALLBACK_MODELS", "must name the models a passthrough fallback may be sent, "
+      + `{"model": {"input": n, "output": n} | null} (got ${JSON.stringify(raw ?? null)}); or set FALLBACK_MODEL`);
+  }
+  return new Map(Object.entries(doc));
+}
+
 /** BALANCE: the balancing policy's name (pods.js POLICIES); absent: the default. */
 function balance(env) {
   const name = env.BALANCE === undefined ? DEFAULT_POLICY : env.BALANCE;
@@ -179,13 +223,16 @@ export function readConfig(env) {
       monthly_tokens: optionalInt(env, "DEFAULT_MONTHLY_TOKENS", 0, { min: 0 }),
       max_parallel: optionalInt(env, "DEFAULT_MAX_PARALLEL", 0, { min: 0 }),
       max_parallel_tokens: optionalInt(env, "DEFAULT_MAX_PARALLEL_TOKENS", 0, { min: 0 }),
-      fallback_microusd_day: 0, // none of its own: the cell's per-key cap holds
+      // its own daily fallback cap (colocate:keys.defaults.fallbackUsdPerDay); 0: the cell's per-key cap holds
+      fallback_microusd_day: optionalInt(env, "DEFAULT_FALLBACK_MICROUSD", 0, { min: 0 }),
     }),
     // The context the pods serve (--max-model-len, colocate/pods/spec.py): what a request
     // may cost is bounded by it (usage.js usageCeiling). Absent: validate.js's max_tokens cap.
     maxModelLen: optionalInt(env, "MAX_MODEL_LEN", MAX_TOKENS + 1, { min: 2 }),
     fallbackFields: fallbackFieldList(env),
+    contentParts: contentParts(env),
     fallbackModel: text(env, "FALLBACK_MODEL", { required: false }) || null,
+    fallbackModels: fallbackModels(env, Boolean(text(env, "FALLBACK_MODEL", { required: false }))),
     fallbackSpend: fallbackSpend(env),
     podUrls: podUrls(env),
     prefixBound: prefixBound(env),

@@ -7,16 +7,18 @@ import { HttpError } from "./errors.js";
 // Client headers that travel upstream (to the pod and to the fallback API, which is called
 // with the owner's key): what an OpenAI-compatible server reads from a request, nothing that
 // names the client's account (OpenAI-Organization, OpenAI-Project), its cookies, the front
-// door's credential or Cloudflare's headers. The credential is the router's own.
-const UPSTREAM_ALLOWED = ["content-type", "accept", "accept-encoding", "user-agent", "x-request-id"];
+// door's credential, Cloudflare's headers or its X-Request-Id (vLLM's engine request id).
+// The credential, and a pod's request id, are the router's own.
+const UPSTREAM_ALLOWED = ["content-type", "accept", "accept-encoding", "user-agent"];
 
-export function upstreamHeaders(incoming, token) {
+export function upstreamHeaders(incoming, token, requestId = null) {
   const h = new Headers();
   for (const k of UPSTREAM_ALLOWED) {
     const v = incoming.get(k);
     if (v !== null) h.set(k, v);
   }
   h.set("authorization", `Bearer ${token}`);
+  if (requestId !== null) h.set("x-request-id", requestId);
   return h;
 }
 

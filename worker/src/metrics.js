@@ -9,10 +9,11 @@
 // by `le` does not miss), so series of backends, colos and cells add up exactly. The counts
 // are cumulative since the generation began (seg_total). `_sum` is estimated from the
 // buckets (within 1.08 %): the Worker keeps no exact sum. Labels name pods by index and
-// colos by IATA code; never a key, a digest or a URL.
+// colos by IATA code, keys by id (bounded: the keys refused most); never a key, a digest or a URL.
 
 import { BUCKETS, EDGES, PICKS, REPS, TOP, decode, total } from "./histogram.js";
 import { CLOSED, HALF_OPEN, OPEN } from "./machine.js";
+import { REFUSAL_KEYS } from "./refusals.js";
 
 export const CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8";
 const STATES = [CLOSED, OPEN, HALF_OPEN];
@@ -122,6 +123,9 @@ export function exposition(m, cfg, caches = []) {
   family(out, "colocate_pod_prefix_cache_queries_total", "counter",
     "Prompt tokens each pod looked up in its prefix cache, as the pod reports (vllm:prefix_cache_queries), since it started.");
   for (const c of caches) out.push(`colocate_pod_prefix_cache_queries_total${labels({ pod: c.index })} ${c.queries}`);
+  family(out, "colocate_refusals_total", "counter",
+    `Requests refused with a 429, by key id (the ${REFUSAL_KEYS} refused most; key=other: the rest) and reason (the limit that refused).`);
+  for (const [key, reason, n] of m.refusals ?? []) out.push(`colocate_refusals_total${labels({ key, reason })} ${n}`);
   family(out, "colocate_keys", "gauge", "Client API keys by state (counts only).");
   const k = m.keys;
   out.push(`colocate_keys${labels({ state: "active" })} ${k.active}`);
