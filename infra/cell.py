@@ -18,9 +18,9 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate import cloudflare_limits, rollout
+from colocate.cell import cloudflare_limits, rollout
+from colocate.cell.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 from colocate.errors import ConfigError
-from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
 from .errors import ProgramError
 from .hop import HopCredentials
@@ -147,7 +147,7 @@ class Cell(pulumi.ComponentResource):
 
         # The pods, two Commands each (rent, then wait: POD_RENT), index in name and triggers:
         # changing pod.count adds or removes only the pods concerned. A change of what identifies
-        # them (triggers) replaces them as colocate.rollout says (the sandbox's apply does the
+        # them (triggers) replaces them as colocate.cell.rollout says (the sandbox's apply does the
         # same): create-before-delete, every pod at once (each waits only for itself), and the
         # engine deletes the replaced pods at the end of the update, after the Worker points at
         # the new ones (docs/pods.md: what it costs).
@@ -221,7 +221,7 @@ class Cell(pulumi.ComponentResource):
                     # A new instance has a new name: the record is replaced, not renamed in place (only
                     # zone_id forces that in the provider's schema), new before old, and the old one is
                     # deleted at the end of the update, after the Worker names the new one: the old pod
-                    # stays reachable until nothing sends to it (colocate.rollout).
+                    # stays reachable until nothing sends to it (colocate.cell.rollout).
                     opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases, replace_on_changes=["name"],
                                                 delete_before_replace=not rollout.CREATE_BEFORE_DELETE),
                 ))

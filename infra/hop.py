@@ -31,8 +31,8 @@ import pulumi_cloudflare as cloudflare
 import pulumi_tls as tls
 import pulumiverse_acme as acme
 
-from colocate import certexpiry
-from colocate.plan import PATH_ENDPOINT, PATH_ZONE_DNS, CellPlan, PodPlan, cert_fingerprint
+from colocate.cell import certexpiry
+from colocate.cell.plan import PATH_ENDPOINT, PATH_ZONE_DNS, CellPlan, PodPlan, cert_fingerprint
 from colocate.pods import podtls
 
 ALGORITHM, CURVE = "ECDSA", "P256"
@@ -40,12 +40,12 @@ CA_HOURS = 5 * 365 * 24  # the CA outlives its leaves; the trust store holds it
 LEAF_HOURS = 90 * 24
 # A `pulumi up` within the last 14 days of a leaf re-issues it; a pod whose certificate is
 # re-issued is replaced (its identity holds the certificate's fingerprint). The keeper renews each
-# from 30 days left, one pod at a time (colocate/keeper.py): this is the backstop of a cell nobody
+# from 30 days left, one pod at a time (colocate/scaling/keeper.py): this is the backstop of a cell nobody
 # keeps, and leaves the keeper's days 60 to 76 to itself, so a scaling step there renews nothing.
 EARLY_RENEWAL_HOURS = certexpiry.AUTO_RENEW_DAYS * 24
 ORGANIZATION = "colocate"
 # DNS-01 through Cloudflare's API with the stack's token (lego's "cloudflare" provider; the token's
-# Zone Read and DNS Edit on the zone are what a zoned cell needs anyway: colocate/preflight.py).
+# Zone Read and DNS Edit on the zone are what a zoned cell needs anyway: colocate/cell/preflight.py).
 DNS_PROVIDER = "cloudflare"
 DNS_TOKEN_VAR = "CF_DNS_API_TOKEN"
 
@@ -153,11 +153,11 @@ class HopCredentials:
         return key, cert
 
     def not_after(self) -> pulumi.Output[str]:
-        """The earliest end of the hop's leaves (colocate/certexpiry.py warns and fails before it)."""
+        """The earliest end of the hop's leaves (colocate/cell/certexpiry.py warns and fails before it)."""
         return pulumi.Output.all(*self.leaf_ends.values()).apply(lambda ends: min((e for e in ends if e), default=""))
 
     def by_role(self) -> pulumi.Output[dict]:
-        """When each role's certificate ends, as the keeper renews them (colocate/keeper.py): ``cell``
+        """When each role's certificate ends, as the keeper renews them (colocate/scaling/keeper.py): ``cell``
         (the Worker's and the readiness check's, renewed together: no pod holds them) and ``pod-<i>``."""
         roles = list(self.leaf_ends)
 

@@ -29,17 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import (  # noqa: E402
-    admin,
-    capacity,
-    cost,
-    outputs as names,  # noqa: E402
-    settings,
-    stackfile,
-)
+from colocate import admin, stackfile
+from colocate.cell import capacity, outputs as names, settings
 from colocate.errors import ColocateError, ConfigError, NoCapacity, ScriptError  # noqa: E402
 from colocate.probe import sandbox as probe_sandbox  # noqa: E402
 from colocate.sandbox.statedir import local_pod_records  # noqa: E402
+from colocate.scaling import cost
 
 DAY_S = 86_400
 PULUMI_TIMEOUT_S = 120
@@ -67,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hours", type=float, metavar="H", help="hours the pods ran in the window (default: the window's)")
     p.add_argument("--capacity-rpm", type=float, metavar="N",
                    help="requests per minute one pod can serve; gives the utilisation (default: the knee of the "
-                        "default pod profile, colocate/capacity.py; measure yours with make bench-pod)")
+                        "default pod profile, colocate/cell/capacity.py; measure yours with make bench-pod)")
     p.add_argument(
         "--price", metavar="IN,OUT", help="the fallback's $ per 1M input,output tokens (default: colocate:fallbackPrice)"
     )

@@ -5,7 +5,7 @@ stdout: exactly one JSON object. stderr: logs and progress. Exit 0 on success, 2
 usage or configuration error (bad spec, missing key, a provider that cannot serve the
 region), 1 when the provider fails (capacity, readiness, refusals).
 
-  create --spec FILE|-      spec = JSON of colocate.plan.PodPlan.spec(); token from env POD_TOKEN
+  create --spec FILE|-      spec = JSON of colocate.cell.plan.PodPlan.spec(); token from env POD_TOKEN
                             (rent + wait in one process)
   rent --spec FILE|-        adopt or place the spec's pod, without waiting: {"id","provider","name"}
   wait --spec FILE|-        the spec with "rented" = rent's output: wait until that pod serves
@@ -45,10 +45,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from colocate import stackfile  # noqa: E402
+from colocate.cell.settings import PROVIDER_SECRET  # noqa: E402
 from colocate.errors import ScriptError  # noqa: E402
 from colocate.pods import lifecycle, spec as podspec, stackkeys, stop  # noqa: E402
 from colocate.pods.errors import FatalError, PodConfigError, PodError  # noqa: E402
-from colocate.settings import PROVIDER_SECRET  # noqa: E402
 
 PROVIDERS = ("runpod", "vastai", "local", "existing")
 REFUSED_KEY = (401, 403)  # the provider's answer to a revoked or wrong key

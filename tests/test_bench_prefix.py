@@ -185,7 +185,7 @@ def test_on_the_shipped_settings_nine_in_ten_later_turns_land_on_their_previous_
     balancing set), 24 multi-turn conversations: at least 90 % of the turns after a conversation's
     first are served by the pod that served its turn before, where its prefix is cached. (With
     `balance: load`, 27 % of them in a run here.)"""
-    from colocate import settings
+    from colocate.cell import settings
 
     assert "balance" not in (_shipped_worker() or {})  # the default decides
     whole = prefix.workload(seed=11, seconds=60, rate_per_s=3, turns=(4, 6), answer_tokens=16, think_s=0.3,

@@ -1,4 +1,4 @@
-"""docs/configuration.md gives every key of colocate/settings.py with its true default.
+"""docs/configuration.md gives every key of colocate/cell/settings.py with its true default.
 
 The table is parsed as a reader sees it: a row names one key or several (`colocate:pod.gpu` /
 `.gpuCount`), and its default column gives one default per key, separated by " / " (or one for
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from colocate import settings
-from colocate.fleet import FLEET_DEFAULTS
+from colocate.cell import settings
+from colocate.fleet.plan import FLEET_DEFAULTS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 # Objects documented one row per field: colocate:<object>.<field>.

@@ -1,4 +1,4 @@
-"""The cell's cost against the fallback API: colocate/cost.py (pure) and scripts/cost.py against a real router."""
+"""The cell's cost against the fallback API: colocate/scaling/cost.py (pure) and scripts/cost.py against a real router."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from colocate import capacity, cost, settings
+from colocate.cell import capacity, settings
 from colocate.errors import ConfigError
+from colocate.scaling import cost
 from scripts import cost as cli
 from tests.support.workerd import SECRETS, chat, running_cell
 
@@ -207,7 +208,7 @@ def test_cli_reads_the_routers_usage(cell, capsys, monkeypatch, tmp_path):
     assert doc["pods_cost"] == pytest.approx(12.0) and doc["fallback_price_per_m"] == {"input": 0.15, "output": 0.6}
     assert doc["break_even_tokens_per_day"] == pytest.approx(12 / doc["blended_price_per_m"] * 1e6, rel=1e-3)
     assert (tmp_path / "c.png").exists()
-    # a pod's capacity is the default profile's knee unless given (colocate/capacity.py), and said so
+    # a pod's capacity is the default profile's knee unless given (colocate/cell/capacity.py), and said so
     assert doc["capacity_rpm"] == capacity.pod_capacity() and doc["utilisation"] is not None
     assert any("rtx4090-qwen2.5-7b-int4" in n for n in doc["notes"])
     code, out, _ = _run(capsys, "--url", cell.url, "--cost-per-hr", "0.5", "--since", "1d")

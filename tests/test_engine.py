@@ -348,7 +348,7 @@ def test_a_knee_run_is_long_enough_for_an_overload_to_show():
 
 
 def test_a_pod_at_its_knee_keeps_the_routers_default_pace():
-    from colocate import settings
+    from colocate.cell import settings
 
     assert settings.WORKER_DEFAULTS["minTokensPerS"] == 1000 / profiles.DEFAULT_TPOT_P50_BUDGET_MS
     r = knee_run(P.name, P.knee_rps)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from colocate import settings
+from colocate.cell import settings
 from colocate.errors import ConfigError
 from colocate.pods import standin
 from colocate.probe import live
@@ -211,7 +211,7 @@ def test_a_keys_default_month_costs_no_more_than_the_cap_allows():
     s = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 5}), "t", secrets=SECRETS)
     assert s.key_defaults["monthly_tokens"] == 15_500_000
     assert settings.monthly_tokens_within_cap(s.fallback_cap, s.fallback_price) == 15_500_000
-    from colocate import plan
+    from colocate.cell import plan
 
     assert plan.plan_cell(s).worker.binding("DEFAULT_MONTHLY_TOKENS").text == "15500000"  # what the Worker gives a key
     # The per-key cap, when tighter, is what one key is held to; a generous cap keeps the default.
@@ -253,7 +253,7 @@ def test_every_shipped_cell_names_a_finite_cap_and_its_price(stack):
 
 
 def test_cost_shows_todays_fallback_spend_against_the_caps():
-    from colocate import cost
+    from colocate.scaling import cost
 
     rows = [{"day": "2026-12-05", "key_id": k, "requests": 2, "prompt_tokens": 20, "completion_tokens": 8, "pod_requests": 0,
              "fallback_requests": 2, "estimated_tokens": 0, "fallback_microusd": spent} for k, spent in

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from colocate import settings, stackfile
+from colocate import stackfile
+from colocate.cell import settings
 from colocate.errors import ConfigError
 from colocate.pods import standin
 from tests.support.workerd import OPERATOR_TOKENS, SECRETS, auth, cell_plan, request, running_cell

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from colocate import admin
-from colocate.payloads import COUNTER, EXCHANGE
+from colocate.cell.payloads import COUNTER, EXCHANGE
 from tests.support.fleet import Fleet, running_fleet
 from tests.support.minutes import fresh_minute
 from tests.support.workerd import SECRETS, auth, request

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from colocate.payloads import COUNTER, EXCHANGE
+from colocate.cell.payloads import COUNTER, EXCHANGE
 from tests.support.workerd import ROOT, auth, chat, driven_cell, request, twin_cell
 
 pytestmark = pytest.mark.slow

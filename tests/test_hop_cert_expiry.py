@@ -1,4 +1,4 @@
-"""The pod hop's certificates never lapse unseen (colocate/certexpiry.py): the stack exports the
+"""The pod hop's certificates never lapse unseen (colocate/cell/certexpiry.py): the stack exports the
 earliest leaf's end (hopCertsNotAfter), the post-deploy probe is handed it, and the probe (and
 the live view) warn 30 days ahead and fail 7 days ahead, naming the way out."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate import certexpiry
+from colocate.cell import certexpiry
 from tests.support import fake_cell
 from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import MOCK_NOT_AFTER, run_program, stack_config
@@ -79,7 +79,7 @@ def test_the_probe_judges_the_certificates_beside_its_budgets(probe, capsys, mon
 
 
 def test_the_way_out_says_the_keeper_renews_one_pod_at_a_time_and_an_up_all_at_once_as_colocate_rollout_does():
-    from colocate import rollout
+    from colocate.cell import rollout
     from infra.hop import EARLY_RENEWAL_HOURS
 
     message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC), "us-east").message

@@ -8,8 +8,10 @@ import json
 import pulumi
 import pytest
 
-from colocate import catalogue, fleet, outputs, stackfile
-from colocate.plan import COMPATIBILITY_DATE, instance_host, worker_modules
+from colocate import stackfile
+from colocate.cell import catalogue, outputs
+from colocate.cell.plan import COMPATIBILITY_DATE, instance_host, worker_modules
+from colocate.fleet import plan as fleet
 from tests.support.pulumi_mocks import (
     SECRET_VALUES,
     RecordingMocks,
@@ -231,7 +233,7 @@ def test_nothing_pending_sends_no_migrations_block():
 
 
 def test_one_pending_step_after_the_live_tag(monkeypatch):
-    from colocate import plan
+    from colocate.cell import plan
 
     monkeypatch.setattr(plan, "MIGRATIONS", plan.MIGRATIONS + (("v2", {"new_sqlite_classes": ["Usage"]}),))
     config, keys = stack_config("apac-jp")
@@ -488,7 +490,7 @@ def test_every_stack_rents_then_waits_for_its_pods_and_sweeps_cloud_strays_after
 
 def test_pod_names_are_scoped_by_the_pulumi_organization_and_project(monkeypatch):
     """Two projects (or organizations) with a stack `us-east` on one RunPod account name their pods apart."""
-    from colocate.plan import pod_scope
+    from colocate.cell.plan import pod_scope
 
     config, keys = stack_config("us-east")
     run = run_program("us-east", config, keys)

@@ -10,7 +10,7 @@ import json
 import pulumi
 import pytest
 
-from colocate import outputs, plan
+from colocate.cell import outputs, plan
 from tests.support.pulumi_mocks import plain, run_program, stack_config, unsecret
 
 STACK = "apac-tw-own"

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from colocate import fleet, stackfile
+from colocate import stackfile
+from colocate.fleet import plan as fleet
 from colocate.pods import podtls
 from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import mock_pem, plain, run_program, stack_config, unsecret

@@ -12,7 +12,10 @@ from datetime import UTC, datetime, timedelta
 from pulumi.automation._cmd import CommandResult
 from pulumi.automation.errors import ConcurrentUpdateError, create_command_error
 
-from colocate.keeper import (
+from colocate.pods.base import RUNNING, PodInfo
+from colocate.pods.errors import NotFoundError
+from colocate.scaling.controller import BACKOFF_S, Controller
+from colocate.scaling.keeper import (
     DEAD,
     DOWN,
     OK,
@@ -25,9 +28,6 @@ from colocate.keeper import (
     health_view,
     judge,
 )
-from colocate.pods.base import RUNNING, PodInfo
-from colocate.pods.errors import NotFoundError
-from colocate.scaler import BACKOFF_S, Controller
 from tests.support.keeping import Generation
 
 NOW = datetime(2027, 1, 1, tzinfo=UTC).timestamp()

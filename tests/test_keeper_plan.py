@@ -15,10 +15,10 @@ import pytest
 from pulumi.automation._cmd import CommandResult
 from pulumi.automation.errors import create_command_error
 
-from colocate import plan as plan_mod, settings, urns
+from colocate.cell import plan as plan_mod, settings, urns
 from colocate.errors import ConfigError
-from colocate.keeper import StackLocked
-from colocate.scaler import PulumiDeployer
+from colocate.scaling.controller import PulumiDeployer
+from colocate.scaling.keeper import StackLocked
 from tests.support.pulumi_mocks import plain, record_options, run_program, stack_config
 from tests.test_infra_scale import FakeWorker
 from tests.test_settings_numbers import parse

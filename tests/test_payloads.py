@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from colocate import payloads
-from colocate.payloads import COUNTER, EXCHANGE, SHAPES, USAGE
+from colocate.cell import payloads
+from colocate.cell.payloads import COUNTER, EXCHANGE, SHAPES, USAGE
 from tests.support.workerd import ROOT
 
 SHAPE_NAMES = {"COUNTER": "counter", "EXCHANGE": "exchange", "USAGE": "usage", "WINDOW": "window", "INFLIGHT": "inflight",

@@ -8,8 +8,10 @@ import re
 import pytest
 from ruamel.yaml import YAML
 
-from colocate import catalogue, fleet, plan, settings, stackfile
+from colocate import stackfile
+from colocate.cell import catalogue, plan, settings
 from colocate.errors import ConfigError, MissingSetting
+from colocate.fleet import plan as fleet
 from colocate.projectfile import PROJECT_FILE, declared
 from tests.support.images import GUARDED_IMAGE, guarded
 
@@ -555,7 +557,7 @@ def test_pod_py_reads_exactly_the_spec_the_plan_writes():
 
 
 def test_migrate_plan_lists_every_pod_and_the_cost_cap():
-    from colocate import migration
+    from colocate.cell import migration
 
     raw = raw_for("us-east", pod={"provider": "runpod", "count": 2})
     before = settings.parse(raw, "t", secrets=SECRETS)
@@ -572,7 +574,7 @@ def test_migrate_plan_lists_every_pod_and_the_cost_cap():
 
 
 def test_planning_does_not_need_the_fallback_model():
-    from colocate import migration
+    from colocate.cell import migration
 
     raw = raw_for()
     del raw["fallbackModel"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from colocate import geo, plan, settings
+from colocate.cell import geo, plan, settings
 from colocate.errors import ConfigError, MissingSetting
 from colocate.pods.spec import PodSpec
 from tests.test_plan import SECRETS, ZONE, raw_for
@@ -143,7 +143,7 @@ def test_the_sandbox_runs_a_stand_in_for_each_endpoint():
 
 
 def test_migrate_plan_checks_and_forgets_an_endpoint_never_creates_nor_deletes_it():
-    from colocate import migration
+    from colocate.cell import migration
 
     before = cell(existing([BY_IP]))
     after = cell(existing([{**BY_IP, "port": 9443, "costPerHr": 0.5}]))

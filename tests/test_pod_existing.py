@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from colocate.localca import LocalCA
-from colocate.plan import ROOT
+from colocate.cell.plan import ROOT
 from colocate.pods import existing, lifecycle, podtls, standin
 from colocate.pods.errors import NotReadyError, PodConfigError
 from colocate.pods.spec import PodSpec
+from colocate.sandbox.localca import LocalCA
 
 pytestmark = pytest.mark.slow
 TOKEN = "pod-token-of-the-existing-test"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from colocate import catalogue
+from colocate.cell import catalogue
 from colocate.probe import live
 from colocate.probe.budgets import Budget
 from colocate.probe.histogram import DEFAULT_BUCKETS, Buckets, Histogram, HistogramError

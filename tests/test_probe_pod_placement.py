@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from colocate import catalogue
+from colocate.cell import catalogue
 from colocate.probe import placement as pl
 from tests.support import fake_cell
 from tests.test_probe_cli import TOKEN, fake_pulumi, probe, run_json, stack_file  # noqa: F401 (fixture)

@@ -123,11 +123,11 @@ def test_the_keeper_never_replaces_a_server_the_user_runs_when_it_is_down_or_unr
     replacement after two passes. This one the keeper did not start and cannot start again: it says
     `down` and replaces nothing, pass after pass, nor when the sandbox's record of it is lost (for a
     pod the kit started, `gone`: replaced at once). Back up, it is `ok` again."""
-    from colocate import plan as plan_mod
-    from colocate.keeper import DOWN, OK, Keeper
+    from colocate.cell import plan as plan_mod
     from colocate.sandbox.pods import recorded_pods
     from colocate.sandbox.scaling import SandboxDeployer
-    from colocate.scaler import CellClient, Controller
+    from colocate.scaling.controller import CellClient, Controller
+    from colocate.scaling.keeper import DOWN, OK, Keeper
 
     port = _free_port()
     stacks = stacks_with(tmp_path, url=f"https://localhost:{port}", readyTimeoutS=30)
@@ -195,7 +195,7 @@ def test_a_server_that_never_serves_fails_up_within_its_ready_timeout(tmp_path, 
     ({"provider": "local", "url": "https://localhost:8000/v1"}, "scheme, host and port"),
 ])
 def test_an_engine_setting_that_cannot_work_is_refused_naming_the_key(pod, problem):
-    from colocate import plan, settings
+    from colocate.cell import plan, settings
 
     raw = raw_for()
     raw["pod"] = pod

@@ -7,7 +7,7 @@ capacity (the knee of its GPU+model profile) and its boot time. Pure: no I/O.
   prompts, answers of at most 128: ~100 on average, the median pace held to the router's 25
   tokens/s) when it has one, else the highest rate of the profile's published sweeps within that
   budget. Answers longer than that take more of a pod: ``knee_request_tokens(profile)`` is the size of
-  the knee's requests, for a utilisation counted in tokens (``colocate/cost.py``).
+  the knee's requests, for a utilisation counted in tokens (``colocate/scaling/cost.py``).
 * ``BOOT_S``: from create to the first token on a fresh host, 20 minutes: the pinned
   ``vllm/vllm-openai:*-cu129`` image is ~11 GB compressed, the weights ~5 GB, and operators
   report 15 to 20 minutes (the fourth real-cloud review, 2026-12). The longer end, because a
@@ -17,8 +17,8 @@ capacity (the knee of its GPU+model profile) and its boot time. Pure: no I/O.
 
 from __future__ import annotations
 
-from .errors import NoCapacity
-from .pods import profiles
+from ..errors import NoCapacity
+from ..pods import profiles
 
 BOOT_S = 20 * 60
 BOOT_SOURCE = "~11 GB image + ~5 GB weights: operators report 15-20 min from create to a first token on a fresh host"

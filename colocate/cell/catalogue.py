@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError, UnknownRegion, UnsupportedProvider
 from . import geo
-from .errors import ConfigError, UnknownRegion, UnsupportedProvider
 
 EXISTING = "existing"  # an endpoint the team already runs: declared, checked, never rented or deleted
 PROVIDERS = ("runpod", "vastai", "local", EXISTING)

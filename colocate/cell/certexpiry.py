@@ -3,7 +3,7 @@ themselves"). Pure: no I/O.
 
 The hop's leaves (infra/hop.py: each pod's server certificate, the Worker's client certificate,
 the readiness check's) live 90 days. From day 60 (``RENEW_DAYS`` left) the keeper renews them,
-the cell's own first, then one pod at a time (colocate/keeper.py). A `pulumi up` re-issues what
+the cell's own first, then one pod at a time (colocate/scaling/keeper.py). A `pulumi up` re-issues what
 is left only in the last ``AUTO_RENEW_DAYS`` (``early_renewal_hours``, ACME's
 ``min_days_remaining``), all at once: the backstop of a cell nobody keeps, which would otherwise
 stop reaching its pods on day 90. The stack exports the earliest leaf's not-after

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 from collections.abc import Iterable, Mapping
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SOURCE = "developers.cloudflare.com/workers/platform/limits"
 ENV_VAR_BYTES = 5 * 1024  # each plain_text, json or secret_text binding's value

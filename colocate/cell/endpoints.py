@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 KEY = "colocate:pod.endpoints"
 FIELDS = ("host", "ip", "port", "location", "costPerHr")

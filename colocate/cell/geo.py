@@ -16,7 +16,7 @@ from pathlib import Path
 FIBRE_KM_PER_MS = 200.0
 DEFAULT_STRETCH = 1.55
 EARTH_RADIUS_KM = 6371.0088
-COLOS_FILE = Path(__file__).parent / "data" / "cloudflare-colos.json"
+COLOS_FILE = Path(__file__).parents[1] / "data" / "cloudflare-colos.json"
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from ..errors import LedgerError
 from .catalogue import region as lookup_region
-from .errors import LedgerError
 
 KEY = "colocate:generations"
 ACTIVE, DRAINING, RETIRED = "active", "draining", "retired"

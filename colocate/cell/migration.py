@@ -1,7 +1,7 @@
 """Migration planning: what the next ``pulumi up`` does when the ledger moves. Pure.
 
 A Durable Object never moves; state moves by a new generation first touched from the
-target region. ``start`` and ``finish`` are ledger transitions (colocate.ledger); this
+target region. ``start`` and ``finish`` are ledger transitions (colocate.cell.ledger); this
 module turns a before/after pair of cell plans into the actions a person reviews,
 and the state round trip before and after, from the physical floor.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..errors import ConfigError
 from . import geo
 from .catalogue import gpu_name, gpu_names, region as lookup_region
-from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Ledger
 from .plan import CellPlan, plan_cell
 from .settings import ALWAYS_SECRET, FALLBACK_PASSTHROUGH, NS, POD_DEFAULTS, PROVIDER_SECRET, Settings, default_gpu, parse

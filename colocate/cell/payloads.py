@@ -4,7 +4,7 @@ A sync's counter rows, a fleet's exchange rows and a sync batch's usage, window 
 in-flight rows are arrays; their columns are named once, in ``SHAPES`` of that file, and
 Python reads the rows by the same names::
 
-    from colocate.payloads import COUNTER
+    from colocate.cell.payloads import COUNTER
     counts = view["counts"][key_id]
     counts[COUNTER["inflight"]]          # requests in flight in the other isolates
     COUNTER.record(counts)["req"]        # the same row as a dict
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent / "worker" / "src" / "payloads.js"
+SOURCE = Path(__file__).resolve().parents[2] / "worker" / "src" / "payloads.js"
 _SHAPES_RE = re.compile(r"^export const SHAPES = /\*\* @type \{const\} \*/ \((\{.*?^\})\);$", re.M | re.S)
 
 

@@ -13,14 +13,14 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..errors import ConfigError
 from . import cloudflare_limits, geo
 from .catalogue import EXISTING, Region, region as lookup_region
 from .endpoints import Endpoint, anycast
-from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Generation
 from .settings import LEGACY_TOKEN, PodSettings, Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER_DIR = ROOT / "worker" / "src"
 MAIN_MODULE = "index.js"
 # The generation object's class keeps its first name: a Durable Object class name is pinned by
@@ -68,7 +68,7 @@ class Binding:
 @dataclass(frozen=True)
 class Module:
     """One ES module of an upload: read from ``path``, or ``text`` made by the plan (the
-    fleet's ranking, ``colocate.fleet.rank_module``)."""
+    fleet's ranking, ``colocate.fleet.plan.rank_module``)."""
 
     name: str
     path: Path | None
@@ -215,7 +215,7 @@ PATH_ZONE_DNS = "zone-dns"  # a DNS-only A record on colocate:zone, straight to 
 PATH_PROVIDER_PROXY = "provider-proxy"  # RunPod's HTTPS proxy hostname (through Cloudflare and RunPod's balancer)
 PATH_LOCAL_HOSTNAME = "local-hostname"  # the sandbox: localhost, a name that resolves to 127.0.0.1
 # An endpoint the team already runs (provider existing): its own name, or the kit's DNS-only record
-# on the zone for its ip, on its own port, always https (colocate/endpoints.py).
+# on the zone for its ip, on its own port, always https (colocate/cell/endpoints.py).
 PATH_ENDPOINT = "endpoint"
 POD_PATHS = (PATH_ZONE_DNS, PATH_PROVIDER_PROXY, PATH_LOCAL_HOSTNAME, PATH_ENDPOINT)
 # Paths on which the Worker reaches the pod itself, so the hop can be mutual TLS end to end
@@ -522,7 +522,7 @@ class PodPlan:
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
         replaced = 0 if self.endpoint is not None else s.replaced_count(self.index)  # the kit replaces no endpoint
-        if replaced:  # the keeper's replacements of this pod alone (colocate/keeper.py)
+        if replaced:  # the keeper's replacements of this pod alone (colocate/scaling/keeper.py)
             ident.append(f"replaced={replaced}")
         if self.token_fingerprint:
             ident.append(f"podToken=sha256:{self.token_fingerprint}")
@@ -568,7 +568,7 @@ class ProbePlan:
 
     pod_path: str = PATH_ZONE_DNS  # reported by the probe next to the measured pod_rtt
     placement_mode: str = PLACEMENT_TARGETED  # reported by the probe; pod mode adds the pod check
-    # A scaling step's update (colocate/scaler.py): the probe reports but cannot fail it, and waits
+    # A scaling step's update (colocate/scaling/controller.py): the probe reports but cannot fail it, and waits
     # for nothing to settle: the step runs under the load that called for it, placement unchanged.
     step: bool = False
 
@@ -683,7 +683,7 @@ def migration_decision(live: str | None, file_tag: str = "", *, script: str = ""
     exist yet or has applied none, None when it could not be read (offline), in which case
     the stack file's ``colocate:worker.migrationTag`` is the fallback. When both are known
     and differ, Cloudflare wins and the decision carries a warning. ``migrations``: another
-    script's list (a fleet's front door, ``colocate.fleet.LEDGER_MIGRATIONS``); default the cell's.
+    script's list (a fleet's front door, ``colocate.fleet.plan.LEDGER_MIGRATIONS``); default the cell's.
     """
     all_steps = MIGRATIONS if migrations is None else migrations
     tags = [t for t, _ in all_steps]
@@ -895,7 +895,7 @@ def plan_cell(settings: Settings, worker_dir: Path = WORKER_DIR, *, live_migrati
         compatibility_flags=WORKER_COMPATIBILITY_FLAGS,
         placement=placement,
         # The Worker says which code it runs (GET /_colocate/scale's worker_hash): a controller
-        # whose checkout would upload other code refuses to act (colocate/keeper.py).
+        # whose checkout would upload other code refuses to act (colocate/scaling/keeper.py).
         bindings=(*worker_bindings(settings, state, path), Binding(WORKER_HASH_BINDING, "plain_text",
                                                                   text=modules_hash(modules))),
         migrations=decision.migrations,

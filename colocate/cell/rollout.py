@@ -12,7 +12,7 @@
   minutes to a first token, FACTS; one after another, N pods took N boots). The Worker switches
   once every new pod serves: one WorkersScript carries POD_URLS, and an update changes it once.
   What must go one pod at a time (a dead pod, a certificate's renewal) the keeper does with one
-  targeted update per pod (colocate/keeper.py).
+  targeted update per pod (colocate/scaling/keeper.py).
 - Indices beyond ``pod.count`` are removed last, after the Worker no longer names them.
 
 Pure: no Pulumi import, no I/O.

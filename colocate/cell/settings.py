@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from ..errors import ConfigError, MissingSetting
+from ..pods.profiles import DEFAULT_PROFILE, PROFILES
 from . import endpoints as endpoints_mod
 from .capacity import pod_capacity
 from .catalogue import EXISTING, PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .endpoints import Endpoint
-from .errors import ConfigError, MissingSetting
 from .ledger import Ledger
-from .pods.profiles import DEFAULT_PROFILE, PROFILES
 
 NS = "colocate"
 # pod_rtt: the pod hop on the Worker's pooled connection; pod_rtt_new: on a new one (colocate/probe/connections.py).
@@ -52,7 +52,7 @@ POD_DEFAULTS = {
     "maxTransferPerGb": 0.02,
     "cloud": "SECURE",
     "minReliability": 0.98,
-    "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/capacity.py BOOT_S)
+    "readyTimeoutS": 1800,  # covers a real pod's boot: 15-20 min to a first token (colocate/cell/capacity.py BOOT_S)
     "computeMs": 95,
     # The local stand-in's GPU and model (colocate.pods.profiles): the kit's default pod as it behaves
     # under load (docs/pods.md); "oracle" answers anything in computeMs at any load, for tests that need speed.
@@ -67,14 +67,14 @@ POD_DEFAULTS = {
     # local only: an OpenAI-compatible server of the user's as the sandbox's pod (docs/sandbox.md "Your own engine")
     "command": "",
     "url": "",
-    # provider existing only: the endpoints the team already runs, one pod each (colocate/endpoints.py)
+    # provider existing only: the endpoints the team already runs, one pod each (colocate/cell/endpoints.py)
     "endpoints": [],
 }
 # colocate:pod.maxModelLen's bounds: vLLM's block (16 tokens) at least; Qwen2.5's longest context (YaRN) at most.
 MAX_MODEL_LEN_RANGE = (16, 131072)
 # colocate:pod.hop. mtls: the pod admits only the Worker's client certificate; token: plain HTTP
 # (HTTPS to RunPod's proxy) behind POD_TOKEN alone; auto: mtls wherever the provider and path can
-# carry it (colocate.plan.hop_is_mtls).
+# carry it (colocate.cell.plan.hop_is_mtls).
 HOPS = ("auto", "mtls", "token")
 WORKER_DEFAULTS = {
     "name": "",  # empty: colocate-<stack>
@@ -124,7 +124,7 @@ KEY_LIMIT_FIELDS = {"rpm": "rpm", "tpm": "tpm", "monthlyTokens": "monthly_tokens
 # colocate:scale (docs/pods.md "Scaling with demand"). Unset: the cell runs colocate:pod.count
 # pods. Set: scripts/scale.py decides the count and writes `pods` (in rotation) and `draining`
 # (declared, out of rotation until their requests finish); the owner writes the rest.
-# target: one pod's capacity, the knee of the default pod profile (colocate/capacity.py), not a guess.
+# target: one pod's capacity, the knee of the default pod profile (colocate/cell/capacity.py), not a guess.
 SCALE_DEFAULTS = {"min": 1, "max": 2, "target": pod_capacity(), "upAfterS": 120, "downAfterS": 900, "policy": "latency",
                   "pods": None, "draining": 0}
 SCALE_POLICIES = ("latency", "cost")
@@ -277,7 +277,7 @@ class PodSettings:
 MAX_PODS = 8
 # colocate:worker.placement. pod: placement.host = pod 0's DNS-only hostname and public port;
 # targeted: the region's cloud hint; smart: Smart Placement; auto: pod where the pod has a
-# DNS-only record (zone-dns), targeted elsewhere (colocate.plan.placement_mode).
+# DNS-only record (zone-dns), targeted elsewhere (colocate.cell.plan.placement_mode).
 PLACEMENTS = ("auto", "pod", "targeted", "smart")
 
 
@@ -896,7 +896,7 @@ def parse(
         raise ConfigError(f"{NS}:{unknown[0]}", raw[unknown[0]], "unknown key",
                           "colocate:region is the only region setting; see the README's table of keys")
     fleet = raw.get("fleet")
-    if isinstance(fleet, dict) and fleet:  # colocate/fleet.py parses a fleet stack
+    if isinstance(fleet, dict) and fleet:  # colocate/fleet/plan.py parses a fleet stack
         raise ConfigError(f"{NS}:fleet", fleet, f"stack {stack} is a fleet (a front door over cells), not a cell",
                           f"use a member cell's stack ({', '.join(map(str, fleet.get('cells') or [])) or 'none listed'}); "
                           "docs/fleet.md says what a fleet stack does")

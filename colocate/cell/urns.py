@@ -26,7 +26,7 @@ def pod_rent(project: str, stack: str, index: int) -> str:
 
 
 def hop_certificates(project: str, stack: str, role: str, renewal: int, public: bool) -> list[str]:
-    """The certificates of a keeper's role (colocate/keeper.py): ``cell`` is the Worker's client
+    """The certificates of a keeper's role (colocate/scaling/keeper.py): ``cell`` is the Worker's client
     certificate and the readiness check's (the cell's CA signs both), ``pod-<i>`` pod i's server
     certificate (ACME's on the zone, the cell CA's elsewhere)."""
     suffix = f"-r{renewal}" if renewal else ""

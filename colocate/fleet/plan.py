@@ -41,11 +41,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import cloudflare_limits, geo, outputs, stackfile
-from .catalogue import Region, region as lookup_region
-from .errors import ConfigError, MissingSetting
-from .plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, migration_decision, module_closure
-from .settings import CELL_SECRETS, KEYS, NS, PROVIDER_SECRET, WORKER_DEFAULTS, ZoneSettings, parse_zone
+from .. import stackfile
+from ..cell import cloudflare_limits, geo, outputs
+from ..cell.catalogue import Region, region as lookup_region
+from ..cell.plan import COMPATIBILITY_DATE, WORKER_DIR, Binding, Module, migration_decision, module_closure
+from ..cell.settings import CELL_SECRETS, KEYS, NS, PROVIDER_SECRET, WORKER_DEFAULTS, ZoneSettings, parse_zone
+from ..errors import ConfigError, MissingSetting
 
 KEY = f"{NS}:fleet"
 FLEET_DEFAULTS = {"cells": [], "rememberMs": 5000, "exchangeMs": 1000, "affinity": "nearest"}
@@ -63,7 +64,7 @@ FLEET_KEYS = ("fleet", "accountId", "worker", "zone")
 FRONT_WORKER_KEYS = ("name", "subdomain", "maxBodyBytes")
 FRONT_MAIN_MODULE = "frontindex.js"  # exports front.js's handler and the FleetLedger class
 RANK_MODULE = "cellrank.js"  # the ranking; the plan's replaces the kit's empty one
-# What the fleet reads from each member stack (names in colocate/outputs.py).
+# What the fleet reads from each member stack (names in colocate/cell/outputs.py).
 MEMBER_OUTPUTS = (outputs.WORKER_NAME, outputs.WORKER_URL, outputs.REGION, outputs.ACCOUNT_ID)
 # Read when present: a cell deployed by an older kit lacks it (then no cell is cut for its users).
 OPTIONAL_MEMBER_OUTPUTS = (outputs.BUDGET_E2E_MS,)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .fleet import LEDGER_CLASS, FleetPlan
-from .workerd import BindingValueMissing, capnp_text
+from ..workerd import BindingValueMissing, capnp_text
+from .plan import LEDGER_CLASS, FleetPlan
 
 CF_BLOB_HEADER = "cf-blob"
 

@@ -1,4 +1,4 @@
-"""The ``existing`` provider: an endpoint the team already runs (colocate/endpoints.py), as
+"""The ``existing`` provider: an endpoint the team already runs (colocate/cell/endpoints.py), as
 ``scripts/pod.py`` sees it. The kit never creates, replaces or deletes it.
 
 ``rent`` records the endpoint (its id is ``<host>:<port>``; no network). ``wait`` is the readiness
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import requests
 
-from ..catalogue import EXISTING
+from ..cell.catalogue import EXISTING
 from . import podtls, stop
 from .base import RUNNING, PodInfo, Provider
 from .errors import NotReadyError, PodConfigError

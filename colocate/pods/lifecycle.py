@@ -7,7 +7,7 @@ any later step fails (or the process is interrupted): pulumi-command keeps the o
 create only when it exits 0, so a pod left behind here would bill with no record.
 
 Adopting is sound because the name carries a digest of everything that fixes what a pod is
-(``colocate.plan.PodPlan.identity``: image, GPU, port, disk, path, token, ...): a live pod of
+(``colocate.cell.plan.PodPlan.identity``: image, GPU, port, disk, path, token, ...): a live pod of
 that name is this spec's pod, and only the placement criteria (price cap, reliability) may
 differ, which apply to the next placement only. One case it cannot tell apart, as the spec
 is identical too: `pulumi up --replace` of a pod keeps its name, so its create adopts the
@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ..catalogue import EXISTING
-from ..plan import instance_host
+from ..cell.catalogue import EXISTING
+from ..cell.plan import instance_host
 from . import existing, podtls, stop
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack, scope_of
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from urllib.parse import quote
 
-from ..plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
+from ..cell.plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
 from . import podtls
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
 from .errors import CapacityError, FatalError, NotFoundError, OverPriceError, ProviderError, format_attempts

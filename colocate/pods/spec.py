@@ -1,4 +1,4 @@
-"""The create request: the JSON of ``colocate.plan.PodPlan.spec()``, checked again at the edge.
+"""The create request: the JSON of ``colocate.cell.plan.PodPlan.spec()``, checked again at the edge.
 
 The spec is re-checked against the catalogue so a hand-written or stale spec cannot
 place a pod outside the cell's region: its provider must serve the region, and its
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import catalogue
-from ..catalogue import EXISTING
+from ..cell import catalogue
+from ..cell.catalogue import EXISTING
+from ..cell.plan import MAX_MODEL_LEN, POD_PATHS
 from ..errors import ConfigError
-from ..plan import MAX_MODEL_LEN, POD_PATHS
 from . import podtls
 from .errors import PodConfigError
 
@@ -80,7 +80,7 @@ class PodSpec:
             raise PodConfigError(f"spec: expected a JSON object (PodPlan.spec()), got {type(data).__name__}")
         for key, typ in REQUIRED.items():
             if key not in data:
-                raise PodConfigError(f"spec.{key}: missing. Fix: pass the JSON of colocate.plan.PodPlan.spec()")
+                raise PodConfigError(f"spec.{key}: missing. Fix: pass the JSON of colocate.cell.plan.PodPlan.spec()")
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")

@@ -16,8 +16,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .. import fleet as fleet_mod
-from ..catalogue import Region
+from ..cell.catalogue import Region
+from ..fleet import plan as fleet_mod
 from .histogram import DEFAULT_BUCKETS, Buckets, Histogram
 from .live import ROUTED, SEGMENTS, SYNC, LiveDataError, rows_of
 from .stats import PERCENTILES
@@ -175,7 +175,7 @@ def build(stack: str, windows: Sequence[CellWindow], since_ms: int) -> FleetLive
 
 def _region_of(name: object) -> Region | None:
     """The region a cell reports about itself (its live answer), when it is one the catalogue knows."""
-    from .. import catalogue
+    from ..cell import catalogue
     from ..errors import ConfigError
 
     try:

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC
 
-from .. import catalogue
-from ..cost import dollars
-from ..payloads import HIST
+from ..cell import catalogue
+from ..cell.payloads import HIST
+from ..scaling.cost import dollars
 from . import budgets as budgets_mod, fallbackshare, placement as placement_mod
 from .errors import TargetError
 from .histogram import Buckets, Histogram, HistogramError, merged

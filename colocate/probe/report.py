@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .. import catalogue
-from ..settings import SEGMENTS
+from ..cell import catalogue
+from ..cell.settings import SEGMENTS
 from . import budgets as budgets_mod, fallbackshare, placement as placement_mod
 from .connections import NOT_MEASURED, port_of
 from .sample import PROBE_METRICS, ROUTED_METRICS, Run, Sample

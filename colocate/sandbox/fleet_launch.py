@@ -11,9 +11,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import fleet as fleet_mod, outputs, settings as settings_mod, stackfile
+from .. import stackfile
+from ..cell import outputs, settings as settings_mod
+from ..cell.plan import plan_cell
 from ..errors import ConfigError
-from ..plan import plan_cell
+from ..fleet import plan as fleet_mod
 from .geography import Geography, site
 from .launch import local_pod
 from .statedir import SANDBOX_CMD, STACKS_DIR, default_state_dir

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import settings as settings_mod, stackfile
-from ..plan import CellPlan, plan_cell
+from .. import stackfile
+from ..cell import settings as settings_mod
+from ..cell.plan import CellPlan, plan_cell
 from .geography import FALLBACK_SITE, Sites, landing_site, site, worker_site
 from .pinning import Pins
 

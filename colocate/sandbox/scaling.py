@@ -1,4 +1,4 @@
-"""The scaling controller's deployer in the sandbox: the same ``colocate.scaler.Controller``
+"""The scaling controller's deployer in the sandbox: the same ``colocate.scaling.controller.Controller``
 as in the cloud, with ``sandbox.py apply`` (the sandbox's ``pulumi up``) in place of Pulumi.
 
 It writes ``colocate:scale.pods`` and ``.draining`` into the stack file the running sandbox
@@ -8,7 +8,7 @@ Worker's POD_URLS first and is deleted by the next apply. What exists (``declare
 from the running sandbox (its pods) and its Worker (the pods it routes to), not the stack file:
 an apply that failed leaves the file ahead of the pods.
 
-For the keeper (colocate/keeper.py) it describes the pods through the ``local`` provider (a stand-in
+For the keeper (colocate/scaling/keeper.py) it describes the pods through the ``local`` provider (a stand-in
 whose process is gone is dead, as an exited cloud pod), replaces pod i by raising its
 ``colocate:pod.replaced`` count in the stack file and applying (the runner creates the renamed pod,
 moves the Worker to it, then deletes the old one), and reads each pod's certificate from the pod
@@ -28,13 +28,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import catalogue, stackfile
-from ..keeper import RENEW_DAYS, RunningPod, days_left
+from .. import stackfile
+from ..cell import catalogue
+from ..cell.settings import parse_replaced
 from ..pods.base import PodInfo
 from ..pods.local import Local
 from ..pods.podtls import client_context
-from ..scaler import CellClient, existing, routed_of, scale_values
-from ..settings import parse_replaced
+from ..scaling.controller import CellClient, existing, routed_of, scale_values
+from ..scaling.keeper import RENEW_DAYS, RunningPod, days_left
 from . import hopcerts, supervisor
 from .launch import Launch
 from .pods import recorded_pods
@@ -64,7 +65,7 @@ class SandboxDeployer:
         stackfile.write_config(self.stack, {"scale.pods": pods, "scale.draining": draining}, self.stacks_dir)
         supervisor.apply(self.stack, state_dir=self.state_dir, stacks_dir=self.stacks_dir)
 
-    # --- the keeper's (colocate/keeper.py) ---
+    # --- the keeper's (colocate/scaling/keeper.py) ---
 
     def pods(self) -> list[RunningPod]:
         raw, _ = stackfile.read_config(self.stack, self.stacks_dir)

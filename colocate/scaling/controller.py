@@ -1,4 +1,4 @@
-"""The scaling controller: reads the cell's signals, asks ``colocate.scale.decide`` and makes
+"""The scaling controller: reads the cell's signals, asks ``colocate.scaling.policy.decide`` and makes
 the stack declare the count it decided, with Pulumi (or the sandbox's apply) the owner of
 every pod.
 
@@ -30,7 +30,7 @@ renewed through the whole pass: every update and the drain's wait. A controller 
 the stack as its last completed update declared, and the lease expires; the next one finishes a
 drain it finds half done. Only the deployer differs between the sandbox and the cloud.
 
-With a ``keeper`` (colocate/keeper.py) every pass first keeps the cell: it refuses to deploy from a
+With a ``keeper`` (colocate/scaling/keeper.py) every pass first keeps the cell: it refuses to deploy from a
 checkout whose Worker is not the running one, replaces a dead, remapped or misplaced pod alone and
 renews certificates one pod at a time; a pass that did either deploys nothing else. A cell without
 ``colocate:scale`` (``policy`` None) is kept and never scaled.
@@ -52,10 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import catalogue, outputs, urns
+from ..cell import catalogue, outputs, urns
+from ..pods.base import PodInfo
 from .keeper import Keeper, RunningPod, StackLocked
-from .pods.base import PodInfo
-from .scale import Decision, Policy, Sample, decide
+from .policy import Decision, Policy, Sample, decide
 
 HISTORY_S = 3 * 3600  # samples kept: more than any window a policy uses
 DRAIN_TIMEOUT_S = 300.0
@@ -323,7 +323,7 @@ class Controller:
         return decision
 
     def keep(self, state: dict | None, pods: int, draining: int) -> Decision | None:
-        """The keeper's part of the pass (colocate/keeper.py): replace the pods in rotation that died,
+        """The keeper's part of the pass (colocate/scaling/keeper.py): replace the pods in rotation that died,
         moved or left the region, alone; else renew the next certificate due. The decision recorded
         when it deployed, None when it did not."""
         assert self.keeper is not None
@@ -485,7 +485,7 @@ class PulumiDeployer:
                 os.environ[SCALE_STEP_ENV] = before
         self.say(f"scale: pulumi up {result.summary.result}: {json.dumps(result.summary.resource_changes or {})}")
 
-    # --- the keeper's (colocate/keeper.py) ---
+    # --- the keeper's (colocate/scaling/keeper.py) ---
 
     def _config(self) -> dict:
         return {k.removeprefix("colocate:"): v.value for k, v in self.stack.get_all_config().items()
@@ -513,8 +513,8 @@ class PulumiDeployer:
         return out
 
     def describe(self, pod: RunningPod) -> PodInfo:
-        from .pods.lifecycle import provider_for
-        from .settings import PROVIDER_SECRET
+        from ..cell.settings import PROVIDER_SECRET
+        from ..pods.lifecycle import provider_for
 
         key_name, env_name = PROVIDER_SECRET.get(pod.provider, ("", ""))
         if env_name and not os.environ.get(env_name):  # the stack's secret, as its pods' commands get it

@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .errors import ScriptError
+from ..errors import ScriptError
 
 HOURS_PER_MONTH = 730.0  # 365 x 24 / 12, the providers' own monthly figure
 # The shortest window scaled to tokens per day: a day is 24 hours of traffic, and less than an

@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 HOURS = 24
 DAY_S = 86_400
@@ -36,7 +36,7 @@ SHAPE_HEADER = ("cell", "hour", "requests_per_minute")
 SHAPE_FIX = "one line `cell,hour,requests_per_minute` per cell and local hour 0-23, e.g. `apac-jp,20,520`"
 
 # Requests per minute by local hour: a consumer app's day, quiet at night, busy in the evening. Its
-# evening needs two pods of the default profile's measured capacity (colocate/capacity.py: 1,339 a
+# evening needs two pods of the default profile's measured capacity (colocate/cell/capacity.py: 1,339 a
 # minute), its night none (under the cost policy's ~100 a minute where a pod costs what the API would).
 DEFAULT_DAY = (120, 80, 50, 40, 40, 60, 120, 260, 520, 720, 790, 850, 920, 890, 850, 850, 920, 1120, 1570, 1970,
                2170, 1840, 1180, 460)
@@ -154,7 +154,7 @@ def schedule(shape: dict[str, tuple[float, ...]], offsets: dict[str, int], per: 
 
 
 def pods_needed(rpm: float, target: float, prices: Prices, tokens_per_request: float, max_pods: int) -> int:
-    """The cost policy's count for a steady ``rpm`` (colocate/scale.py ``need``): pod k runs while
+    """The cost policy's count for a steady ``rpm`` (colocate/scaling/policy.py ``need``): pod k runs while
     the requests it would take cost more at the API than its hour."""
     n = 0
     for k in range(1, max_pods + 1):

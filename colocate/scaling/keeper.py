@@ -1,5 +1,5 @@
 """The keeper: what runs reconciled with what is declared, one pass at a time, inside the scaling
-controller's pass and under its lease (colocate/scaler.py ``Controller.step``; docs/pods.md, "The
+controller's pass and under its lease (colocate/scaling/controller.py ``Controller.step``; docs/pods.md, "The
 keeper"). ``local.Command`` has no read step, so `pulumi refresh` finds nothing wrong with a pod
 that died after deploy: the keeper is what looks.
 
@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
-from . import certexpiry
-from .errors import ScriptError
-from .pods.base import DEAD, RUNNING, PodInfo
-from .pods.errors import NotFoundError, PodError
+from ..cell import certexpiry
+from ..errors import ScriptError
+from ..pods.base import DEAD, RUNNING, PodInfo
+from ..pods.errors import NotFoundError, PodError
 
 OK, GONE, REMAPPED, MISPLACED, UNHEALTHY, UNKNOWN = "ok", "gone", "remapped", "misplaced", "unhealthy", "unknown"
 DOWN = "down"  # a server of the user's that the Worker cannot reach: only its owner can start it

@@ -1,7 +1,7 @@
 """How many pods a cell should run: a pure decision from what the cell measured.
 
 ``decide(samples, policy, current, now)`` is the whole policy (no I/O, no clock): the
-controller (``colocate/scaler.py``) reads the generation's counters into ``Sample``s, asks
+controller (``colocate/scaling/controller.py``) reads the generation's counters into ``Sample``s, asks
 this module, and acts. A sample holds the cell's cumulative counters at one moment
 (requests and tokens by backend: ``pod-<i>``, ``fallback``, ``none``) and the requests in
 flight per pod then; rates come from the differences between consecutive samples, so a

@@ -2,7 +2,7 @@
 
 Each cell is the real router (the sandbox stack's plan with its region, ledger and Worker
 name overridden) with its own Breaker namespace and storage and its own stand-in pod;
-one stand-in fallback serves them all. The front door is ``colocate.fleet.plan_fleet``'s
+one stand-in fallback serves them all. The front door is ``colocate.fleet.plan.plan_fleet``'s
 plan, its modules read from disk. Its socket parses ``request.cf`` from the ``cf-blob``
 request header (workerd's ``cfBlobHeader``), which is how a test says which colo a
 request arrived at: locally ``request.cf`` has no colo.
@@ -21,8 +21,10 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from colocate import fleet, outputs, workerd as wd
-from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
+from colocate import workerd as wd
+from colocate.cell import outputs
+from colocate.fleet import plan as fleet
+from colocate.fleet.workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 from colocate.pods import standin
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Response, auth, cell_plan, request, values_for
 

@@ -107,9 +107,9 @@ class OverLimit(Exception):
 
 def refuse_over_limits(name: str, inputs: dict) -> None:
     """Cloudflare's published limits on an upload (developers.cloudflare.com/workers/platform/limits,
-    the numbers colocate/cloudflare_limits.py holds): an environment variable (plain text,
+    the numbers colocate/cell/cloudflare_limits.py holds): an environment variable (plain text,
     json, secret) over 5 KB, or more than 64 of them (Workers Free)."""
-    from colocate import cloudflare_limits
+    from colocate.cell import cloudflare_limits
 
     bindings = inputs.get("bindings") or []
     if isinstance(bindings, dict):

@@ -19,10 +19,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from colocate.localca import LocalCA
 from colocate.pods import existing, podtls, readiness
 from colocate.pods.guard.colocate_pod_guard import readiness_token
 from colocate.sandbox import hopcerts
+from colocate.sandbox.localca import LocalCA
 from tests.support.sandbox import client_key
 from tests.support.vllm_routes import NEVER_USED, ROUTER_USES
 

@@ -677,7 +677,7 @@ export class Breaker extends DurableObject {
     });
   }
 
-  // --- scaling (colocate/scaler.py reads and records through admin.js /_colocate/scale) ---
+  // --- scaling (colocate/scaling/controller.py reads and records through admin.js /_colocate/scale) ---
 
   /**
    * The controller's signals and what controllers recorded: cumulative requests and

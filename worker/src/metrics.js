@@ -137,12 +137,12 @@ export function exposition(m, cfg, caches = []) {
   return out.join("\n") + "\n";
 }
 
-// What the keeper raises (colocate/keeper.py ALERTS, the same names): each is exposed, 0 or 1, so a
+// What the keeper raises (colocate/scaling/keeper.py ALERTS, the same names): each is exposed, 0 or 1, so a
 // rule needs no absent(); docs/grafana/alerts.yml pages on any of them.
 export const KEEPER_ALERTS = ["replace_failed", "update_failing", "stack_locked", "stale_checkout"];
 const count = (v) => (Number.isFinite(v) && v >= 0 ? v : 0);
 
-/** The keeper's last pass as the generation holds it (colocate/keeper.py Record): alerts, pod verdicts, replacements. */
+/** The keeper's last pass as the generation holds it (colocate/scaling/keeper.py Record): alerts, pod verdicts, replacements. */
 function keeperLines(out, k) {
   const raised = new Set((Array.isArray(k.alerts) ? k.alerts : []).map((a) => a && a.name));
   family(out, "colocate_keeper_alert", "gauge", "1 while the keeper raises this alert (a pod it cannot replace, failing updates, a stack lock held too long, a checkout other than the running Worker's).");

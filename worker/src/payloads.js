@@ -3,7 +3,7 @@
 // object (a sync's batch and answer), between a cell and a fleet's exchange, and what the
 // operator endpoints answer. Rows are arrays (a sync stays small); their columns are named
 // here and every reader and writer goes through these names, in JavaScript and in Python
-// (colocate/payloads.py reads SHAPES from this file). docs/worker.md "Adding a counter".
+// (colocate/cell/payloads.py reads SHAPES from this file). docs/worker.md "Adding a counter".
 //
 // SHAPES is JSON as well as JavaScript inside its parentheses (double quotes, no trailing
 // commas, no comments): each shape is its columns in order, [name, meaning].
@@ -154,7 +154,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
 // --- the shapes of the objects that cross a boundary (JSDoc; tsc checks their use) ---
 
 /**
- * The cell Worker's bindings (colocate/plan.py `worker_bindings` generates them; config.js
+ * The cell Worker's bindings (colocate/cell/plan.py `worker_bindings` generates them; config.js
  * reads and checks them). Numbers arrive as text.
  * @typedef {object} Env
  * @property {DurableObjectNamespace<import("./generation.js").Breaker>} BREAKER  the generation objects (class Breaker)
@@ -180,7 +180,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  */
 
 /**
- * The fleet front door's bindings (colocate/fleet.py generates them; fleetfront.js reads them).
+ * The fleet front door's bindings (colocate/fleet/plan.py generates them; fleetfront.js reads them).
  * @typedef {object} FrontEnv
  * @property {DurableObjectNamespace<import("./fleetledger.js").FleetLedger>} LEDGER  the limits exchange
  * @property {string} CELLS  the member cells, JSON

@@ -331,7 +331,7 @@ const PARTS = {
     take: (p) => takeMap(p, "refusals"),
     restore: (p, rows) => { for (const r of rows) addRefusal(p, r[REFUSAL.key_id], r[REFUSAL.reason], r[REFUSAL.n]); },
   },
-  // The scaling controller's signals (colocate/scaler.py): requests and tokens by backend,
+  // The scaling controller's signals (colocate/scaling/controller.py): requests and tokens by backend,
   // and this isolate's requests in flight per pod index (every pod, whenever one changed).
   backends: {
     has: (p) => p.backends.size > 0,

@@ -5,7 +5,7 @@
 // once: when its answer ends, when it is cut, or when its client hangs up. On Cloudflare's
 // edge (and in workerd) a client's disconnect cancels the request's own promise and its
 // subrequests, so nothing after the `await` it was waiting on ever runs; the disconnect also
-// fires the request's abort signal (compatibility flag `enable_request_signal`, colocate/plan.py
+// fires the request's abort signal (compatibility flag `enable_request_signal`, colocate/cell/plan.py
 // WORKER_COMPATIBILITY_FLAGS), and the tab settles from there: the upstream's work is
 // cancelled, what it made is metered (its usage so far: podstream.js Tally; where nothing is
 // known, the request's ceiling) and the slot freed, at once (docs/worker.md, "Every token,
