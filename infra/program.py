@@ -17,8 +17,8 @@ from colocate.cell.plan import PATH_ENDPOINT, PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS
 from colocate.cell.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse, parse_replaced
 from colocate.errors import ConfigError
 from colocate.fleet import plan as fleet
-from colocate.scaling import controller as scaler
-from colocate.scaling.controller import SCALE_STEP_ENV
+from colocate.scaling import signals
+from colocate.scaling.signals import SCALE_STEP_ENV
 
 from . import fleet as fleet_program
 from .cell import Cell, CellArgs
@@ -105,7 +105,7 @@ def live_state(settings: Settings, cell_plan: CellPlan) -> dict | None:
     # settings.credential_warning), probeToken, which the Worker binds then (plan.worker_bindings).
     token = pulumi.runtime.get_config(f"{NS}:{settings.operator_secrets['read']}") or ""
     try:
-        return scaler.CellClient(url, token).state()
+        return signals.CellClient(url, token).state()
     except (OSError, ValueError) as err:
         if settings.scale is None:
             pulumi.log.warn(f"{NS}:pod.replaced: what the keeper recorded could not be read from {url}/_colocate/scale "
@@ -125,7 +125,7 @@ def live_scale(settings: Settings, state: dict | None) -> ScaleSettings:
     where no controller recorded one (``state`` None, or a generation it has not written yet)."""
     scale = settings.scale
     assert scale is not None
-    desired = scaler.desired_of(state) if state is not None else None
+    desired = signals.desired_of(state) if state is not None else None
     if desired is None:
         return scale
     pods = min(max(desired[0], scale.min), scale.max)

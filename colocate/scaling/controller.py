@@ -45,8 +45,6 @@ import os
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,13 +54,13 @@ from ..cell import catalogue, outputs, urns
 from ..pods.base import PodInfo
 from .keeper import Keeper, RunningPod, StackLocked
 from .policy import Decision, Policy, Sample, decide
+from .signals import SCALE_STEP_ENV, CellClient, desired_of, draining_inflight, sample_of
 
 HISTORY_S = 3 * 3600  # samples kept: more than any window a policy uses
 DRAIN_TIMEOUT_S = 300.0
 DRAIN_SETTLE_S = 2.5  # a draining pod reads 0 twice this far apart (isolates sync within ~1 s of a change)
 BACKOFF_S = 60.0  # after a failed update: the first retry waits this long (controller clock), then doubles
 BACKOFF_MAX_S = 3600.0  # ... up to this: a provider out of GPUs for hours is asked hourly, not every pass
-SCALE_STEP_ENV = "COLOCATE_SCALE_STEP"  # set for the controller's `pulumi up`: the program softens the probe
 
 
 class Deployer(Protocol):
@@ -79,89 +77,6 @@ class Deployer(Protocol):
 def backoff_s(failures: int, base: float = BACKOFF_S, cap: float = BACKOFF_MAX_S) -> float:
     """The wait before the next update after ``failures`` failed ones in a row: base, 2 x base, ... cap."""
     return 0.0 if failures <= 0 else min(cap, base * 2 ** (failures - 1))
-
-
-class CellClient:
-    """The Worker's scaling endpoints, with the admin token (never in argv or logs): reading the
-    signals takes the read token, the lock and the records the admin one."""
-
-    def __init__(self, url: str, token: str, timeout_s: float = 10.0):
-        self.url = url.rstrip("/")
-        self._token = token
-        self.timeout_s = timeout_s
-
-    def _call(self, path: str, body: dict | None = None) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, method="POST" if body is not None else "GET",
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"authorization": f"Bearer {self._token}", "content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            text = err.read()
-            try:
-                return err.code, json.loads(text)
-            except ValueError:
-                return err.code, {"error": text[:200].decode(errors="replace")}
-
-    def state(self) -> dict:
-        status, body = self._call("/_colocate/scale")
-        if status != 200:
-            raise OSError(f"GET /_colocate/scale answered {status}: {body}")
-        return body
-
-    def lock(self, owner: str, ttl_s: float, release: bool = False) -> tuple[bool, dict | None]:
-        status, body = self._call("/_colocate/scale/lock", {"owner": owner, "ttl_ms": max(1, int(ttl_s * 1000)),
-                                                             "release": release})
-        if status not in (200, 409):
-            raise OSError(f"POST /_colocate/scale/lock answered {status}: {body}")
-        return status == 200, body.get("lock")
-
-    def record(self, owner: str, decision: dict, desired: tuple[int, int] | None = None,
-               replaced: dict[int, int] | None = None, keeper: dict | None = None) -> bool:
-        """Record a decision; with ``desired`` (pods, draining), also the count every ``pulumi up`` applies,
-        with ``replaced`` its colocate:pod.replaced, and with ``keeper`` the keeper's last pass."""
-        body: dict = {"owner": owner, "decision": decision}
-        if desired is not None:
-            body["desired"] = {"pods": desired[0], "draining": desired[1]}
-            if replaced is not None:
-                body["desired"]["replaced"] = {str(k): v for k, v in sorted(replaced.items())}
-        if keeper is not None:
-            body["keeper"] = keeper
-        status, _ = self._call("/_colocate/scale", body)
-        return status == 200
-
-    def probe(self) -> dict | None:
-        """The Worker's health check of each pod and their breakers (``GET /_colocate/probe``); None when unread."""
-        try:
-            status, body = self._call("/_colocate/probe")
-        except (OSError, ValueError):
-            return None
-        return body if status == 200 else None
-
-
-def desired_of(state: dict) -> tuple[int, int] | None:
-    """(pods, draining) the controller last asked for, from ``GET /_colocate/scale``; None when none did."""
-    d = state.get("desired")
-    if not isinstance(d, dict) or not isinstance(d.get("pods"), int) or not isinstance(d.get("draining"), int):
-        return None
-    return d["pods"], d["draining"]
-
-
-def sample_of(state: dict, at: float) -> Sample:
-    """A decision sample from the generation's answer, stamped with the controller's clock."""
-    backends = state.get("backends") or {}
-    return Sample(
-        at=at,
-        requests={b: int(v.get("requests", 0)) for b, v in backends.items()},
-        tokens={b: (int(v.get("prompt_tokens", 0)), int(v.get("completion_tokens", 0))) for b, v in backends.items()},
-        inflight={str(k): int(v) for k, v in (state.get("inflight") or {}).items()},
-    )
-
-
-def draining_inflight(state: dict, first: int) -> int:
-    """Requests in flight on pods ``first`` and up (the ones leaving)."""
-    return sum(int(n) for k, n in (state.get("inflight") or {}).items() if int(k) >= first)
 
 
 @dataclass
