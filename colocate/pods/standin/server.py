@@ -87,9 +87,9 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from . import engine as eng, podtls, profiles, shapes, vllm_metrics
-from .errors import ClientGone, PodError
-from .guard import colocate_pod_guard
+from .. import engine as eng, podtls, profiles, shapes, vllm_metrics
+from ..errors import ClientGone, PodError
+from ..guard import colocate_pod_guard
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
