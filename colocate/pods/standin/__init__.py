@@ -9,22 +9,19 @@ only pretending to infer (docs/pods.md, "The local stand-in"). Its seams:
 ``python -m colocate.pods.standin`` runs ``server.main``; in-process, ``serve()``.
 """
 
+from .answers import answer_pieces
+from .refusals import Refused, prompt_tokens, validate
+from .runner import CATCH_UP_S, EngineRunner
 from .server import (
     ATTACKS,
-    CATCH_UP_S,
     DEFAULT_COMPUTE_MS,
     DEFAULT_MODEL,
     FAULT_MODES,
     OPEN_ROUTES,
     OVERSIZED_BYTES,
-    EngineRunner,
-    Refused,
     StandinServer,
-    answer_pieces,
     main,
-    prompt_tokens,
     serve,
-    validate,
 )
 
 __all__ = ["ATTACKS", "CATCH_UP_S", "DEFAULT_COMPUTE_MS", "DEFAULT_MODEL", "FAULT_MODES", "OPEN_ROUTES", "OVERSIZED_BYTES",

@@ -70,10 +70,8 @@ import dataclasses
 import hmac
 import ipaddress
 import json
-import math
 import os
 import queue
-import random
 import select
 import signal
 import socket
@@ -83,13 +81,15 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from .. import engine as eng, podtls, profiles, shapes, vllm_metrics
-from ..errors import ClientGone, PodError
+from ..errors import ClientGone
 from ..guard import colocate_pod_guard
+from .answers import WORDS_ORACLE, Choice, answer_pieces, cut_at_stop, prompt_token_ids, reply_tokens
+from .refusals import Refused, prompt_list, pydantic_error, validate
+from .runner import EngineRunner, Ticket
 
 DEFAULT_COMPUTE_MS = 95.0
 DEFAULT_MODEL = "standin/qwen2.5-7b-instruct-gptq-int4"
@@ -101,416 +101,10 @@ MAX_BODY = 8 * 1024 * 1024
 _HANG_CAP_S = 300.0  # a hang with no delay lasts until shutdown, but never longer than this
 
 
-# ---- what vLLM refuses ------------------------------------------------------
-# vLLM's OpenAI server (0.32, colocate.pods.shapes) takes a body in stages, and the stand-in in
-# the same order: pydantic parses it (a wrong type, a missing field, bad JSON: 400 "Bad Request"
-# with pydantic's error as Python prints it, `param` its location); the request's own validators;
-# the model (404 "NotFoundError" for a name it does not serve; a missing model means the served
-# one); the renderer (tools without a parser, an empty prompt, a limit past the context, a
-# prompt that does not fit); then the sampling parameters (SamplingParams._verify_args). Those
-# after parsing are 400 "BadRequestError", `param` set where vLLM names one.
-MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: a bigger n is refused
-MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
-MAX_MODEL_LEN = 8192  # the kit's pods run with --max-model-len 8192 (PodSpec.vllm_args)
-RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")  # vLLM's ResponseFormat types
-_TRUE = {"1", "on", "t", "true", "y", "yes"}  # pydantic's lax bool strings (stream: "yes" is True)
-_FALSE = {"0", "off", "f", "false", "n", "no"}
-# What pydantic reports for a chat message that is not an object: one error per message type it tried.
-_MESSAGE_TYPES = ("ChatCompletionDeveloperMessageParam", "ChatCompletionSystemMessageParam", "ChatCompletionUserMessageParam",
-                  "ChatCompletionAssistantMessageParam", "ChatCompletionToolMessageParam",
-                  "ChatCompletionFunctionMessageParam", "CustomChatCompletionMessageParam")
-
-
-class Refused(PodError):
-    """A request vLLM would refuse, with the body vLLM answers (``shapes.error``) and its status."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, type_: str = "BadRequestError",
-                 payload: dict | None = None):
-        super().__init__(message)
-        self.status = status
-        self.payload = payload or shapes.error(message, type_, param, status)
-
-    def body(self) -> dict:
-        return self.payload
-
-
-def _pydantic(kind: str, loc: str, msg: str, value, ctx: dict | None = None) -> Refused:
-    payload = shapes.validation_error(kind, loc, msg, value, ctx)
-    return Refused(payload["error"]["message"], payload=payload)
-
-
-def _pydantic_all(errors: list[tuple[str, str, str, object]]) -> Refused:
-    """Several errors for one field (a union pydantic tried branch by branch), as vLLM lists them."""
-    lines = "".join(f"  { {'type': k, 'loc': loc, 'msg': m, 'input': shapes.summarized(v)} }\n" for k, loc, m, v in errors)
-    message = f"{len(errors)} validation errors:\n{lines}".rstrip()
-    return Refused(message, payload=shapes.error(message, "Bad Request", errors[0][1], 400))
-
-
-def _as_int(body: dict, field: str) -> int | None:
-    value = body.get(field)
-    loc = f"body.{field}"
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise _pydantic("finite_number", loc, "Input should be a finite number", value)
-        if value.is_integer():
-            return int(value)
-        raise _pydantic("int_from_float", loc, "Input should be a valid integer, got a number with a fractional part", value)
-    if isinstance(value, str):
-        if value.strip().lstrip("+-").isdigit():
-            return int(value.strip())
-        raise _pydantic("int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer", value)
-    raise _pydantic("int_type", loc, "Input should be a valid integer", value)
-
-
-def _as_float(body: dict, field: str) -> float | None:
-    value = body.get(field)
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            raise _pydantic("float_parsing", f"body.{field}",
-                            "Input should be a valid number, unable to parse string as a number", value) from None
-    raise _pydantic("float_type", f"body.{field}", "Input should be a valid number", value)
-
-
-def _as_bool(body: dict, field: str, loc: str | None = None) -> bool | None:
-    value = body.get(field)
-    loc = loc or f"body.{field}"
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    if isinstance(value, (str, int)):
-        raise _pydantic("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)
-    raise _pydantic("bool_type", loc, "Input should be a valid boolean", value)
-
-
-def _prompts(body: dict, chat: bool) -> list:
-    """A completion's prompts (a string, strings, or token ids: each one prompt); chat: its messages, one prompt."""
-    if chat:
-        return [body.get("messages")]
-    p = body.get("prompt")
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        return list(p)
-    return [p]
-
-
-def validate(body, chat: bool, served: str | None, count=None, max_model_len: int = MAX_MODEL_LEN) -> dict:
-    """The request as vLLM would take it (``stream`` etc. coerced), or Refused (see above).
-    ``served``: the one model name served, or None to serve any name; ``count(prompt)``: one
-    prompt's tokens (default ``prompt_tokens``). The answer's limit per prompt, cut to what
-    fits beside it as vLLM cuts it, is in ``out["_limits"]``, each prompt's tokens in
-    ``out["_prompt_tokens"]``."""
-    if not isinstance(body, dict):
-        raise _pydantic("model_attributes_type", "body", "Input should be a valid dictionary or object to extract fields from",
-                        body)
-    # pydantic, field by field
-    messages = prompt = None
-    if chat:
-        messages = body.get("messages")
-        if "messages" not in body:
-            raise _pydantic("missing", "body.messages", "Field required", body)
-        if not isinstance(messages, list):
-            raise _pydantic("list_type", "body.messages", "Input should be a valid list", messages)
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                errors = [("dict_type", f"body.messages.{i}.{t}", "Input should be a valid dictionary", m)
-                          for t in _MESSAGE_TYPES]
-                raise _pydantic_all([*errors, ("model_attributes_type", f"body.messages.{i}.Message",
-                                               "Input should be a valid dictionary or object to extract fields from", m)])
-    else:
-        prompt = body.get("prompt")
-        if prompt is not None and not isinstance(prompt, (str, list)):
-            raise _pydantic_all([("list_type", "body.prompt", "Input should be a valid list", prompt)] * 2
-                                + [("string_type", "body.prompt", "Input should be a valid string", prompt),
-                                   ("list_type", "body.prompt", "Input should be a valid list", prompt)])
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _pydantic("string_type", "body.model", "Input should be a valid string", model)
-    out = dict(body)
-    for field in ("max_tokens", "max_completion_tokens", "n", "min_tokens", "top_logprobs" if chat else "logprobs"):
-        out[field] = _as_int(body, field)
-    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        out[field] = _as_float(body, field)
-    for field in ("stream", "ignore_eos", "echo", *(("logprobs",) if chat else ())):
-        out[field] = _as_bool(body, field)
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
-        raise _pydantic_all([("string_type", "body.stop", "Input should be a valid string", stop),
-                             ("list_type", "body.stop", "Input should be a valid list", stop)])
-    fmt = body.get("response_format")
-    if fmt is not None:
-        spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
-        if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS or (
-                fmt["type"] == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict))):
-            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise _pydantic("literal_error", "body.response_format.type",
-                            "Input should be 'text', 'json_object' or 'json_schema'", kind)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _pydantic("model_attributes_type", "body.stream_options",
-                        "Input should be a valid dictionary or object to extract fields from", options)
-    if options:
-        out["stream_options"] = {**options, **{k: _as_bool(options, k, f"body.stream_options.{k}")
-                                               for k in ("include_usage", "continuous_usage_stats")}}
-    # the request's validators
-    tools, tool_choice = body.get("tools"), body.get("tool_choice")
-    if chat and tools == []:
-        raise Refused(shapes.invalid("`tools` must not be an empty array. Either provide at least one tool or omit the field "
-                                     "entirely.", "tools"), "tools")
-    if chat and tool_choice not in (None, "none") and not tools:
-        raise Refused(shapes.invalid("When using `tool_choice`, `tools` must be set.", "tool_choice"), "tool_choice")
-    if options and not out["stream"]:
-        raise Refused(shapes.invalid("Stream options can only be defined when `stream=True`.", "stream_options"),
-                      "stream_options")
-    # the model
-    if model and served is not None and model != served:
-        raise Refused(f"The model `{model}` does not exist. Valid aliases: {served}.", "model", 404, "NotFoundError")
-    # the renderer: the kit's pods run no tool parser (PodSpec.vllm_args)
-    if chat and tools and tool_choice != "none":
-        if tool_choice in (None, "auto"):
-            raise Refused('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
-        named = isinstance(tool_choice, dict)
-        desc = f'function "{(tool_choice.get("function") or {}).get("name")}"' if named else f'"{tool_choice}"'
-        raise Refused(f"tool_choice={desc} requires --tool-call-parser to be set")
-    if chat and not messages:
-        raise Refused("Cannot apply chat template to an empty conversation. Provide at least one message.")
-    if not chat:
-        if prompt is None or prompt == "":
-            raise Refused(shapes.invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt"), "prompt")
-        if prompt == []:
-            raise Refused("You must pass at least one prompt")
-    limit_field = "max_completion_tokens" if chat and out["max_completion_tokens"] is not None else "max_tokens"
-    asked = out[limit_field]
-    if asked is not None and asked > max_model_len:
-        raise Refused(shapes.invalid(f"{limit_field}={asked} cannot be greater than max_model_len={max_model_len}. "
-                                     "Please request fewer output tokens.", limit_field, asked), limit_field)
-    prompts = _prompts(out, chat)
-    counts = [(count or prompt_tokens)(p) for p in prompts]
-    for p, n_in in zip(prompts, counts, strict=True):
-        if n_in > max_model_len:
-            # vLLM's tokenizer stops one token past the context: a longer text reads "at least" that
-            shown = n_in if _is_ids(p) else max_model_len + 1
-            least = "at least " if shown == max_model_len + 1 else ""
-            raise Refused(shapes.invalid(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                                         f"prompt contains {least}{shown} input tokens, which exceeds this limit even without "
-                                         "any output tokens. Please reduce the length of the input prompt.",
-                                         "input_tokens", shown), "input_tokens")
-    # what fits beside each prompt: vLLM cuts the limit there (get_max_tokens)
-    limits = [min(asked, max_model_len - n_in) if asked is not None else max_model_len - n_in for n_in in counts]
-    # the sampling parameters
-    n = 1 if out["n"] is None else out["n"]
-    if n < 1:
-        raise Refused(f"n must be at least 1, got {n}.")
-    if n > MAX_N:
-        raise Refused(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES environment "
-                      "variable.")
-    for field in ("presence_penalty", "frequency_penalty"):
-        v = out[field]
-        if v is not None and not -2.0 <= v <= 2.0:
-            raise Refused(f"{field} must be in [-2, 2], got {v}.")
-    temperature = out["temperature"]
-    for bad, what in ((temperature is not None and not math.isfinite(temperature), "a finite number"),
-                      (temperature is not None and temperature < 0.0, "non-negative"),
-                      (temperature is not None and temperature > 2.0, "in [0, 2]")):
-        if bad:
-            raise Refused(shapes.invalid(f"temperature must be {what}, got {temperature}.", "temperature", temperature),
-                          "temperature")
-    top_p = out["top_p"]
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise Refused(shapes.invalid(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p), "top_p")
-    max_tokens = min(limits)
-    if max_tokens < 1:
-        raise Refused(shapes.invalid(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens), "max_tokens")
-    min_tokens = out["min_tokens"] or 0
-    if min_tokens < 0:
-        raise Refused(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
-    if min_tokens > max_tokens:
-        raise Refused(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
-    wanted = ((out["top_logprobs"] or 0) if out["logprobs"] else None) if chat else out["logprobs"]
-    if wanted is not None and wanted > MAX_LOGPROBS:
-        raise Refused(shapes.invalid(f"Requested sample logprobs of {wanted}, which is greater than max allowed: {MAX_LOGPROBS}",
-                                     "logprobs", wanted), "logprobs")
-    out["n"] = n
-    out["_limits"] = limits
-    out["_prompt_tokens"] = counts
-    return out
-
-
-def _is_ids(prompt) -> bool:
-    return isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-
-
-def prompt_tokens(prompt) -> int:
-    """The oracle's token count for one prompt: token ids one each, else about four characters a
-    token of its JSON (a chat's messages, a completion's string). A body counts its whole prompt."""
-    if isinstance(prompt, dict):
-        prompt = prompt.get("messages") or prompt.get("prompt")
-    if _is_ids(prompt) and prompt:
-        return len(prompt)
-    return max(1, len(json.dumps(prompt)) // 4)
-
-
 # Routes vLLM serves without checking --api-key (its security guide), each with what it answers.
 OPEN_ROUTES = {"/invocations": "POST", "/tokenize": "POST", "/detokenize": "POST", "/pooling": "POST",
                "/classify": "POST", "/score": "POST", "/rerank": "POST", "/metrics": "GET", "/docs": "GET"}
 HANDSHAKE_TIMEOUT_S = 10.0
-
-
-# ---- the engine in real time ------------------------------------------------------------------
-class Ticket:
-    """A sequence in the engine, as its handler sees it: each token's (choice, index, finished) as
-    its step ends, put on ``tokens`` (shared by the sequences of one request: its n choices)."""
-
-    def __init__(self, rid: str, sink: queue.Queue | None = None, choice: int = 0):
-        self.id = rid
-        self.choice = choice
-        self.tokens: queue.Queue[tuple[int, int, bool]] = sink if sink is not None else queue.Queue()
-
-
-@dataclass
-class _Choice:
-    """One choice of an answer: its tokens' text, finish and stop reasons, and (echo) the prompt before it."""
-
-    pieces: list[str]
-    finish: str
-    stop_reason: str | None = None
-    prefix: str = ""
-
-
-CATCH_UP_S = 0.05
-
-
-class EngineRunner:
-    """One engine, stepped in real time by a thread of its own: it schedules a step, waits the
-    step's duration (times the ``slow_tokens`` factor), then hands out the tokens the step made."""
-
-    def __init__(self, profile: profiles.Profile, seed: int | None = None):
-        self.profile = profile
-        self.engine = eng.Engine(profile)
-        self.rng = random.Random(seed)
-        self.factor = 1.0
-        self._cond = threading.Condition()
-        self._tickets: dict[str, Ticket] = {}
-        self._pending: list[tuple[float, eng.Request]] = []
-        self._last: dict[str, float] = {}  # request id -> when its last token was handed out
-        self._arrived: dict[str, float] = {}
-        self._prompts: dict[str, int] = {}  # request id -> its prompt's tokens
-        # vLLM's vllm:prompt_tokens and vllm:generation_tokens counters: a prompt counted when its
-        # prefill is done (its first token made), every token made, an aborted request's included
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = vllm_metrics.Histogram(vllm_metrics.TTFT_BUCKETS)
-        self.itl = vllm_metrics.Histogram(vllm_metrics.ITL_BUCKETS)
-        self._stopping = threading.Event()
-
-    def start(self, stopping: threading.Event) -> None:
-        self._stopping = stopping
-        threading.Thread(target=self._run, name="standin-engine", daemon=True).start()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def submit(self, prompt: list[int], length: int, salt: str | None, output_ids: list[int] | None = None,
-               sink: queue.Queue | None = None, choice: int = 0) -> Ticket:
-        ticket = Ticket(uuid.uuid4().hex, sink, choice)
-        with self._cond:
-            now = time.monotonic()
-            # Past the API server's queue first (Frontend), then into the engine's waiting queue.
-            due = now + self.engine.frontend.delay_s(now) * self.factor
-            self._pending.append((due, eng.Request(ticket.id, prompt, length, salt=salt, output_ids=output_ids or [])))
-            self._tickets[ticket.id] = ticket
-            self._arrived[ticket.id] = now
-            self._prompts[ticket.id] = len(prompt)
-            self._cond.notify_all()
-        return ticket
-
-    def answer_length(self, max_tokens: int | None, min_tokens: int, ignore_eos: bool, room: int) -> tuple[int, str]:
-        """The answer's length and finish reason (engine.answer_length), from the engine's seeded draws."""
-        with self._cond:
-            return eng.answer_length(self.profile, self.rng, max_tokens, min_tokens, ignore_eos, room=room)
-
-    def _admit(self, now: float) -> float | None:
-        """Move the requests past the API server into the engine; when the next one is due."""
-        keep = []
-        for due, req in self._pending:
-            if due <= now:
-                self.engine.add(req)
-            else:
-                keep.append((due, req))
-        self._pending = keep
-        return min((due for due, _r in keep), default=None)
-
-    def abort(self, ticket: Ticket) -> None:
-        with self._cond:
-            self._pending = [(due, r) for due, r in self._pending if r.id != ticket.id]
-            self.engine.abort(ticket.id)
-            self._forget(ticket.id)
-
-    def _forget(self, rid: str) -> None:
-        self._tickets.pop(rid, None)
-        self._last.pop(rid, None)
-        self._arrived.pop(rid, None)
-        self._prompts.pop(rid, None)
-
-    def _run(self) -> None:
-        ended: float | None = None
-        while not self._stopping.is_set():
-            with self._cond:
-                next_due = self._admit(time.monotonic())
-                if not self.engine.busy:
-                    ended = None
-                    self._cond.wait(0.5 if next_due is None else max(0.0, min(0.5, next_due - time.monotonic())))
-                    continue
-                now = time.monotonic()
-                # Back to back, a step starts when the last one ended, not when this thread got round to it:
-                # handing out tokens and a busy machine's lag are not GPU time (up to CATCH_UP_S of it).
-                started = ended if ended is not None and now - ended < CATCH_UP_S else now
-                step = self.engine.step()
-            ended = started + step.duration_s * self.factor
-            self._stopping.wait(max(0.0, ended - time.monotonic()))
-            now = time.monotonic()
-            with self._cond:
-                self.engine.frontend.tokens(now, len(step.made))
-                for rid, index, finished in step.made:
-                    ticket = self._tickets.get(rid)
-                    if ticket is None:
-                        continue
-                    self.generation_tokens += 1
-                    if index == 0:
-                        self.prompt_tokens += self._prompts.get(rid, 0)
-                        self.ttft.observe(now - self._arrived.get(rid, now))
-                    else:
-                        self.itl.observe(now - self._last.get(rid, now))
-                    self._last[rid] = now
-                    ticket.tokens.put((ticket.choice, index, finished))
-                    if finished:
-                        self._forget(rid)
-
-    def metrics(self) -> dict:
-        """The engine's part of ``/metrics`` (vllm_metrics.exposition's values)."""
-        with self._cond:
-            e = self.engine
-            return {"vllm:num_requests_running": len(e.running), "vllm:num_requests_waiting": len(e.waiting),
-                    "vllm:num_requests_waiting_by_reason": {"capacity": len(e.waiting)}, "vllm:kv_cache_usage_perc": e.kv.usage,
-                    "vllm:prefix_cache_queries": e.kv.queries, "vllm:prefix_cache_hits": e.kv.hits,
-                    "vllm:prompt_tokens_cached": e.kv.hits, "vllm:prompt_tokens_cached_by_source": {"device": e.kv.hits},
-                    "vllm:num_preemptions": e.preemptions, "vllm:time_to_first_token_seconds": self.ttft,
-                    "vllm:inter_token_latency_seconds": self.itl, "vllm:prompt_tokens": self.prompt_tokens,
-                    "vllm:generation_tokens": self.generation_tokens}
 
 
 class StandinServer(ThreadingHTTPServer):
@@ -853,7 +447,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._apply_fault():
             return
         self._compute()
-        self._send_json(200, {"route": path, "model": self.server.model, "text": "".join(_reply_tokens(0, False, 8)[0]),
+        self._send_json(200, {"route": path, "model": self.server.model, "text": "".join(reply_tokens(0, False, 8)[0]),
                               "note": "vLLM answers this route without --api-key"})
 
     def do_POST(self) -> None:  # noqa: N802
@@ -881,14 +475,14 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 parsed = json.loads(raw or b"null")
             except json.JSONDecodeError as exc:
-                raise _pydantic("json_invalid", f"body.{exc.pos}", "JSON decode error", {}, {"error": exc.msg}) from None
+                raise pydantic_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {}, {"error": exc.msg}) from None
             except ValueError:  # not UTF-8
-                raise _pydantic("json_invalid", "body.0", "JSON decode error", {}, {"error": "Expecting value"}) from None
+                raise pydantic_error("json_invalid", "body.0", "JSON decode error", {}, {"error": "Expecting value"}) from None
             runner = self.server.engine
             prompt_ids: list[list[int]] = []
 
             def count(prompt) -> int:
-                prompt_ids.append(_prompt_ids(prompt, chat))
+                prompt_ids.append(prompt_token_ids(prompt, chat))
                 return len(prompt_ids[-1])
 
             body = validate(parsed, chat, None if self.server.any_model else self.server.model,
@@ -952,12 +546,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, answer, extra)
         self.server.count_answer(sum(body["_prompt_tokens"]), choices)
 
-    def _plan(self, runner: EngineRunner | None, chat: bool, body: dict) -> list[_Choice]:
+    def _plan(self, runner: EngineRunner | None, chat: bool, body: dict) -> list[Choice]:
         """Each choice's tokens, finish reason and stop reason: per prompt, ``n`` of them (index prompt * n + j)."""
         fmt = body.get("response_format")
         guided = isinstance(fmt, dict) and fmt.get("type") != "text"
         min_tokens, ignore_eos = body.get("min_tokens") or 0, bool(body.get("ignore_eos"))
-        prompts = _prompts(body, chat)
+        prompts = prompt_list(body, chat)
         out = []
         for p, limit in zip(prompts, body["_limits"], strict=True):
             prefix = p if not chat and body.get("echo") and isinstance(p, str) else ""
@@ -966,14 +560,14 @@ class _Handler(BaseHTTPRequestHandler):
                     length, finish = runner.answer_length(limit, min_tokens, ignore_eos, room=limit)
                     pieces, finish = answer_pieces(length, finish, fmt, limit)
                 elif guided:
-                    pieces, finish = answer_pieces(len(_WORDS_ORACLE), "stop", fmt, limit)
+                    pieces, finish = answer_pieces(len(WORDS_ORACLE), "stop", fmt, limit)
                 else:
-                    pieces, finish = _reply_tokens(min_tokens, ignore_eos, limit)
-                pieces, finish, stop_reason = _cut_at_stop(pieces, finish, body.get("stop"), min_tokens)
-                out.append(_Choice(pieces, finish, stop_reason, prefix))
+                    pieces, finish = reply_tokens(min_tokens, ignore_eos, limit)
+                pieces, finish, stop_reason = cut_at_stop(pieces, finish, body.get("stop"), min_tokens)
+                out.append(Choice(pieces, finish, stop_reason, prefix))
         return out
 
-    def _oracle_timeline(self, choices: list[_Choice]):
+    def _oracle_timeline(self, choices: list[Choice]):
         """The oracle's clock: half of compute_ms to the first token, the rest spread over the others;
         yields (choice, token index) as each is made, the choices in turn, as one engine step makes them."""
         longest = max(len(c.pieces) for c in choices)
@@ -1012,7 +606,7 @@ class _Handler(BaseHTTPRequestHandler):
             return shapes.chat_logprobs(pieces, first, body.get("top_logprobs") or 0) if body.get("logprobs") else None
         return None if body.get("logprobs") is None else shapes.completion_logprobs(pieces, first, offset, body["logprobs"])
 
-    def _send_stream(self, chat: bool, rid: str, created: int, model: str, body: dict, choices: list[_Choice], timeline,
+    def _send_stream(self, chat: bool, rid: str, created: int, model: str, body: dict, choices: list[Choice], timeline,
                      attack: str | None, extra: dict | None) -> None:
         """SSE as vLLM streams it (shapes.Stream): chat opens each choice with its role; one event per
         token; the finish on the last; the usage event when asked; [DONE]. Counted ``completed``, or
@@ -1140,104 +734,6 @@ class _ControlHandler(_Handler):
         if not self.path.startswith("/_standin/"):
             return self._error(404, "the control port serves /_standin/* only", "not_found")
         super().do_POST()
-
-
-def _prompt_ids(prompt, chat: bool) -> list[int]:
-    """The engine's tokens of one prompt: a chat's template text, a completion's string, or its token ids."""
-    if chat:
-        return eng.tokenize(eng.chat_text(prompt or []))
-    if _is_ids(prompt):
-        return list(prompt)
-    return eng.tokenize(str(prompt))
-
-
-# The answer's words: each a token in any 150k-entry BPE (a common word with its leading space).
-_WORDS = ("This", " is", " the", " colocate", " stand", "-in", " answering", " from", " loopback", ".", " It",
-          " models", " a", " vLLM", " pod", " step", " by", " step", ",", " one", " token", " at", " a", " time")
-
-
-def answer_pieces(length: int, finish: str, fmt: dict | None = None, cap: int | None = None) -> tuple[list[str], str]:
-    """The answer's tokens and finish reason, from its drawn ``length`` (engine.answer_length).
-    ``response_format`` json_object or json_schema: a JSON value (an object of one string field of
-    about ``length`` tokens, or the schema's required fields) whose last token closes it, as guided
-    decoding ends there; ``cap`` (max_tokens) cuts it, and cut JSON it stays, as in vLLM."""
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind not in ("json_object", "json_schema"):
-        return [_WORDS[i % len(_WORDS)] for i in range(length)], finish
-    spec = (fmt or {}).get("json_schema") if kind == "json_schema" else None
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    run_on = finish == "length" and cap is not None and length >= cap  # ignore_eos, or cut by max_tokens
-    if schema and (schema.get("type") != "object" or schema.get("required") or schema.get("properties")):
-        text = json.dumps(_instance(schema))
-        pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
-    else:
-        head, tail = ['{"', "answer", '":', ' "'], ['"}']
-        pieces = [*head, *(_WORDS[i % len(_WORDS)] for i in range(max(0, length - 5))), *tail]
-    if run_on and cap is not None and len(pieces) < cap:
-        pieces += [" "] * (cap - len(pieces))  # ignore_eos: whitespace after the value, still valid JSON
-    if cap is not None and len(pieces) > cap:
-        return pieces[:cap], "length"
-    return pieces, "length" if run_on else "stop"
-
-
-def _instance(schema: dict):
-    """A small value that satisfies a JSON schema's common keywords."""
-    if "enum" in schema and schema["enum"]:
-        return schema["enum"][0]
-    if "const" in schema:
-        return schema["const"]
-    kind = schema.get("type")
-    kind = kind[0] if isinstance(kind, list) and kind else kind
-    if kind == "object" or "properties" in schema:
-        props = schema.get("properties") or {}
-        return {k: _instance(props.get(k) or {}) for k in schema.get("required") or props}
-    if kind == "array":
-        return [_instance(schema.get("items") or {}) for _ in range(schema.get("minItems") or 0)]
-    if kind in ("integer", "number"):
-        return schema.get("minimum", 0)
-    if kind == "boolean":
-        return True
-    if kind == "null":
-        return None
-    return "x" * (schema.get("minLength") or 0) if kind == "string" else ""
-
-
-def _cut_at_stop(pieces: list[str], finish: str, stop, min_tokens: int) -> tuple[list[str], str, str | None]:
-    """vLLM's stop strings: looked for in each new token's text (with the tail before it) once
-    ``min_tokens`` are made; the answer ends before the stop string, the token holding it counted,
-    finish "stop" and stop_reason the string found (None when none was)."""
-    stops = [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]
-    text = ""
-    for i, piece in enumerate(pieces):
-        start = len(text)
-        text += piece
-        if i + 1 < min_tokens:
-            continue
-        found = sorted((at, s) for s in stops if (at := text.find(s, max(0, start - len(s) + 1))) >= 0)
-        if found:
-            keep = text[:found[0][0]]
-            cut = [*pieces[:i], ""]
-            # The kept text, re-cut along the pieces it spans (the stop string may start in an earlier one).
-            out, pos = [], 0
-            for p in cut[:-1]:
-                out.append(keep[pos:pos + len(p)])
-                pos += len(p)
-            out.append(keep[pos:])
-            return out, "stop", found[0][1]
-    return pieces, finish, None
-
-
-# The oracle's answer: nine words, then (min_tokens, ignore_eos) the answer's words going round.
-_WORDS_ORACLE = ("This", " is", " the", " colocate", " stand-in", " answering", " from", " loopback", ".")
-
-
-def _reply_tokens(min_tokens: int, ignore_eos: bool, limit: int) -> tuple[list[str], str]:
-    """The oracle's answer and finish reason: it ends after nine words ("stop"), or later for
-    ``min_tokens``; ``ignore_eos`` runs to the limit; the limit cuts it ("length"), as in vLLM."""
-    natural = limit if ignore_eos else max(len(_WORDS_ORACLE), min_tokens)
-    n = min(natural, limit)
-    words = [*_WORDS_ORACLE, *(_WORDS[i % len(_WORDS)] for i in range(max(0, n - len(_WORDS_ORACLE))))][:n]
-    return words, "length" if ignore_eos or natural > limit else "stop"
 
 
 @contextlib.contextmanager
