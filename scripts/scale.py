@@ -63,7 +63,7 @@ def cell_of(args, stacks_dir: Path):
         return CellClient(ready["worker_url"], ready["token"]), SandboxDeployer(args.stack, state_dir), None
     if shutil.which("pulumi") is None:
         raise ConfigError("--stack", args.stack, "the Pulumi CLI is not on PATH: the controller runs `pulumi up` through it",
-                          "install it (README, Running against the real clouds, step 1), or act on a sandbox with --sandbox")
+                          "install it (README, \"Deploy one cell\", step 5), or act on a sandbox with --sandbox")
     deployer = PulumiDeployer(args.stack, ROOT)
     outs = deployer.stack.outputs()
     url = outs.get("workerUrl")

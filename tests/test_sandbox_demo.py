@@ -100,11 +100,11 @@ def test_the_bars_carry_state_rtt_and_the_probes_verdict(story):
     assert demo_plot.tick(split).splitlines()[:2] == ["2 split", "state_rtt 198 ms"]
 
 
-def test_the_readmes_copy_of_the_table_has_the_demos_rows_and_columns(story):
-    readme = (ROOT / "README.md").read_text()
-    shown = readme[readme.index("```\nsegment ") + 4:]
+def test_the_docs_copy_of_the_table_has_the_demos_rows_and_columns(story):
+    doc = (ROOT / "docs" / "sandbox.md").read_text()
+    shown = doc[doc.index("```\nsegment ") + 4:]
     shown = shown[:shown.index("```")].splitlines()
-    # The deadline row names the deadline of the run the README shows (the demo picks it per run).
+    # The deadline row names the deadline of the run the doc shows (the demo picks it per run).
     deadline = int(re.search(r"^miss (\d+) ms", "\n".join(shown), re.M).group(1))
     printed = [line[4:] for line in story.table(deadline).splitlines()]
     assert shown[0] == printed[0] and shown[1] == printed[1]  # the headings, as printed

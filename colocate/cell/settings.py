@@ -1,7 +1,7 @@
 """Stack settings: the ``colocate:*`` keys, their defaults, and their validation.
 
 ``SCHEMA`` is the single list of keys; ``Pulumi.yaml`` declares the same keys (a test
-keeps the two equal) and the README's table is written from it. ``parse`` turns the raw
+keeps the two equal) and docs/configuration.md's table is written from it. ``parse`` turns the raw
 values of one stack into a validated ``Settings`` or raises a ``ConfigError`` that
 names the key, the value and the fix. Only ``colocate:region`` names a region.
 """
@@ -364,7 +364,7 @@ def _merged(raw: dict, name: str) -> dict:
     if value is None:
         return dict(KEYS[name].default)
     if not isinstance(value, dict):
-        raise ConfigError(f"{NS}:{name}", value, "must be a mapping", f"see the README's table for {NS}:{name}")
+        raise ConfigError(f"{NS}:{name}", value, "must be a mapping", f"see docs/configuration.md for {NS}:{name}")
     unknown = sorted(set(value) - set(KEYS[name].default)) if KEYS[name].default else []
     if unknown:
         raise ConfigError(f"{NS}:{name}.{unknown[0]}", value[unknown[0]], "unknown key",
@@ -665,7 +665,7 @@ def parse_fallback_price(raw: object, key: str = f"{NS}:fallbackPrice") -> tuple
 
 
 FALLBACK_CAP_FIELDS = ("cellUsdPerDay", "keyUsdPerDay")
-# The cap README step 4 and the refusal suggest: about one pod-day at the default
+# The cap the README's minimal stack file and the refusal suggest: about one pod-day at the default
 # colocate:pod.maxPricePerHr ($0.80 x 24 h = $19.20), so the fallback can at most double a
 # one-pod cell's daily bill.
 SUGGESTED_CELL_CAP_USD = 20
@@ -771,7 +771,7 @@ def parse_zone(raw: object) -> ZoneSettings | None:
         return None
     key = f"{NS}:zone"
     if not isinstance(raw, dict):
-        raise ConfigError(key, raw, "must be a mapping {id, name, workerHostname, podHostname}", "see the README")
+        raise ConfigError(key, raw, "must be a mapping {id, name, workerHostname, podHostname}", "see docs/configuration.md")
     zid = raw.get("id")
     if not isinstance(zid, str) or not re.fullmatch(r"[0-9a-f]{32}", zid):
         raise ConfigError(key + ".id", zid, "a zone id is 32 hex characters", "copy it from the zone's overview page")
@@ -894,7 +894,7 @@ def parse(
     unknown = sorted(set(raw) - set(KEYS))
     if unknown:
         raise ConfigError(f"{NS}:{unknown[0]}", raw[unknown[0]], "unknown key",
-                          "colocate:region is the only region setting; see the README's table of keys")
+                          "colocate:region is the only region setting; docs/configuration.md lists every key")
     fleet = raw.get("fleet")
     if isinstance(fleet, dict) and fleet:  # colocate/fleet/plan.py parses a fleet stack
         raise ConfigError(f"{NS}:fleet", fleet, f"stack {stack} is a fleet (a front door over cells), not a cell",
