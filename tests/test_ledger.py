@@ -95,3 +95,11 @@ def test_adopted_generation_of_unknown_region_is_accepted_and_can_move():
 def test_round_trip_through_config():
     moved = ONE.start("apac-tw")
     assert Ledger.parse(moved.as_config()) == moved
+
+
+def test_an_empty_ledger_says_what_to_write_in_the_stack_file():
+    # Its fix once named `migrate.py init`, a command migrate.py never had.
+    with pytest.raises(LedgerError) as err:
+        Ledger.parse([])
+    said = str(err.value)
+    assert "stacks/Pulumi.<stack>.yaml" in said and "status: active" in said and "init" not in said

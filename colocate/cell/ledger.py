@@ -48,7 +48,7 @@ class Ledger:
         if not isinstance(raw, list) or not raw:
             raise LedgerError(
                 KEY, raw, "the ledger must be a non-empty list of {name, region, status}",
-                "run `.venv/bin/python scripts/migrate.py init --stack <stack>` or add "
+                "set colocate:generations in stacks/Pulumi.<stack>.yaml to "
                 "[{name: <region>.g1, region: <region>, status: active}]",
             )
         gens = []
