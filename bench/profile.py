@@ -10,7 +10,8 @@ Usage: .venv/bin/python -m bench.profile [--bare | --contract] [--worker-src DIR
        .venv/bin/python -m bench.profile --compare DIR [--rounds 3] [--seconds 4] [--clients 32] [--top 30]
 ``--compare DIR`` profiles bare, the router from DIR (worker/src before a change) and this
 router in turn, ``--rounds`` times, and prints a markdown table of each function's self
-time per request (medians, functions matched by name and file): docs/benchmarks.md's table.
+time per request (medians, functions matched by name and file); docs/benchmarks.md ("CPU time and
+latency") says what it found.
 ``--heap``: bytes allocated per request by function instead (V8's sampling heap profiler,
 objects already collected included). The .cpuprofile file opens in Chrome DevTools (Performance tab) for a flame chart.
 """

@@ -156,7 +156,7 @@ def minute(fl) -> dict:
 
     def move() -> None:
         # 12 requests, 40 % of the limit, all in apac-jp: the move that once found apac-jp's lease
-        # cut to what it had used while eu-west's had not grown yet (docs/testing.md).
+        # cut to what it had used while eu-west's had not grown yet (docs/fleet.md, "How the ledger apportions").
         paced(fl, A, mover, 1, 13, logs["move"], before=before, count=12)
         moved_at.append(time.monotonic())
         # Then all of it to eu-west at the same rate until the fleet has admitted the limit.

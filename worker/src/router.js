@@ -609,7 +609,7 @@ function droppedForPod(env, pod) {
 }
 
 // The pods' request ids: 128 random bits each, from a pool crypto.getRandomValues refills every
-// ID_BATCH requests (crypto.randomUUID on every request cost about 13k instructions, docs/benchmarks.md).
+// ID_BATCH requests (crypto.randomUUID on every request cost about 13k instructions).
 const ID_BYTES = 16;
 const ID_BATCH = 256;
 const HEX2 = Array.from({ length: 256 }, (_, i) => i.toString(16).padStart(2, "0"));
