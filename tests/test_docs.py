@@ -22,6 +22,7 @@ ISSUE = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w/.-])#\d{1,6}\b")
 # Before a "#N" on its line: a repository ("owner/name", "pulumi-cloudflare") or "PR".
 REPOSITORY = re.compile(r"[\w.-]+/[\w.-]+|\w+-[\w-]+|\bPR\b")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+ANCHORED = re.compile(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)")  # [x](file.md#anchor) and [x](#anchor)
 
 
 def tracked_text_files() -> list[Path]:
@@ -72,6 +73,50 @@ def test_relative_links_resolve_inside_the_project():
                 if not resolved.is_relative_to(ROOT) or not resolved.exists():
                     broken.append(f"{path.relative_to(ROOT)}:{number}: {target}")
     assert not broken, "links to files that are not in the project:\n" + "\n".join(broken)
+
+
+def slugs(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-',
+    a repeated heading's anchor suffixed -1, -2..."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not (m := re.match(r"#{1,6} +(.*?) *#*$", line)):
+            continue
+        text = re.sub(r"`|\*\*|\[([^]]*)\]\([^)]*\)", lambda g: g.group(1) or "", m.group(1))
+        slug = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_link_to_a_section_names_a_heading_of_its_file():
+    broken = []
+    for path in [p for p in tracked_text_files() if p.suffix == ".md"]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for target, anchor in ANCHORED.findall(line):
+                if re.match(r"[a-z]+:", target or ""):
+                    continue
+                file = (path.parent / target).resolve() if target else path
+                if file.exists() and anchor not in slugs(file):
+                    broken.append(f"{path.relative_to(ROOT)}:{number}: {target}#{anchor}")
+    assert not broken, "links to a section their file does not have:\n" + "\n".join(broken)
+
+
+# docs/ says what is true now, briefly: each figure once, in benchmarks.md (docs/testing.md).
+DOCS_MAX_LINES, DOC_MAX_LINES, BENCHMARKS_MAX_LINES = 3000, 500, 360
+
+
+def test_the_docs_stay_short_enough_to_read_in_an_evening():
+    lines = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "docs").glob("*.md")}
+    assert sum(lines.values()) <= DOCS_MAX_LINES, f"docs/ is {sum(lines.values())} lines (at most {DOCS_MAX_LINES})"
+    long = {n: c for n, c in lines.items() if c > DOC_MAX_LINES}
+    assert not long, f"over {DOC_MAX_LINES} lines: {long}"
+    assert lines["benchmarks.md"] <= BENCHMARKS_MAX_LINES, f"benchmarks.md is {lines['benchmarks.md']} lines"
 
 
 @pytest.mark.parametrize(
