@@ -150,7 +150,7 @@ class Cell(pulumi.ComponentResource):
         # them (triggers) replaces them as colocate.cell.rollout says (the sandbox's apply does the
         # same): create-before-delete, every pod at once (each waits only for itself), and the
         # engine deletes the replaced pods at the end of the update, after the Worker points at
-        # the new ones (docs/pods.md: what it costs).
+        # the new ones (docs/pods.md, "Several pods: count changes and rolling replacement").
         # Any other input change re-runs the rent (no `update`), which adopts the live pod of
         # the same name. A pod reads its token once, at start, so a rotated colocate:podToken
         # must rename and replace it: the token's fingerprint joins the identity. Only that
