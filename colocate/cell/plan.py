@@ -35,9 +35,9 @@ WORKER_HASH_BINDING = "WORKER_HASH"  # the content hash of the modules uploaded 
 COMPATIBILITY_DATE = "2026-11-01"
 # Flags every cell's Worker runs with. enable_request_signal: a client's disconnect reaches the
 # router as the request's abort signal (`Request.signal`), so it cancels the pod's work, meters
-# what was made and frees the key's slot (docs/worker.md, "A client that hangs up"). It has no
-# default date (workerd's compatibility-date.capnp: "the compat flag has no default enable
-# date"): set by name, in the cloud and in workerd alike.
+# what was made and frees the key's slot (docs/worker.md, "Every token, whoever hangs up"). It
+# has no default date (workerd's compatibility-date.capnp: "the compat flag has no default
+# enable date"): set by name, in the cloud and in workerd alike.
 WORKER_COMPATIBILITY_FLAGS = ("enable_request_signal",)
 # The kit's Durable Object migrations, in order. Tags are applied once each. Cloudflare
 # reports the tag a script last applied (the Workers scripts list, `migration_tag`): the

@@ -140,7 +140,8 @@ function usable(key) {
 // A key refused again within a second of its last refusal here has its 429 held back this
 // long: a client that re-sends at once instead of honouring Retry-After then costs the
 // isolate a few refusals a second per connection, not thousands, so it cannot take the
-// router's CPU from other keys (docs/worker.md, "Requests in flight"). A timer costs no CPU.
+// router's CPU from other keys (docs/worker.md, "A client that ignores Retry-After"). A timer
+// costs no CPU.
 const REFUSAL_HOLD_MS = 250;
 const refusedAt = new Map(); // key id -> when this isolate last refused it (bounded)
 
