@@ -270,7 +270,19 @@ def router_worker(plan, values: Mapping[str, str], far_state_ms: float | None,
 # --- measurement ------------------------------------------------------------------------
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
+    """The CPU time of a process's threads, in seconds: the sum of its threads' run times in ns
+    (/proc/PID/task/TID/schedstat), else utime + stime in clock ticks. Ticks are 10 ms: a 1 s
+    run of the bare Worker on a loaded machine can spend less than one, and a ratio to it
+    would divide by zero."""
+    if os.path.exists(f"/proc/{pid}/schedstat"):  # the kernel keeps schedstats (CONFIG_SCHED_INFO)
+        total = 0
+        for task in os.scandir(f"/proc/{pid}/task"):
+            try:
+                with open(f"{task.path}/schedstat") as fh:
+                    total += int(fh.read().split()[0])
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+        return total / 1e9
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14, 15 of proc(5)

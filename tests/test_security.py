@@ -51,8 +51,10 @@ def call(cell, key, data: bytes, headers: dict | None = None, **kw):
 
 
 def usage_row(cell, key, requests: int, timeout_s: float = 15.0) -> dict:
-    """The key's usage row once it holds `requests` requests (isolates flush within a second);
-    then a little longer, so a request counted twice would show."""
+    """The key's usage row once it holds `requests` requests, each with the backend that served
+    it (isolates flush within a second); then a little longer, so a request counted twice would
+    show. A request is counted at admission and its backend (or a deferred one's withdrawal)
+    when it ends: under load the two can reach the generation in different syncs."""
     deadline = time.monotonic() + timeout_s
     row: dict = {}
     while time.monotonic() < deadline:
@@ -61,7 +63,7 @@ def usage_row(cell, key, requests: int, timeout_s: float = 15.0) -> dict:
         rows = res.json()["usage"]
         row = {k: sum(r[k] for r in rows) for k in ("requests", "prompt_tokens", "completion_tokens", "pod_requests",
                                                      "fallback_requests", "estimated_tokens")} if rows else {}
-        if row.get("requests", 0) >= requests:
+        if row.get("requests", 0) >= requests and row["requests"] == row["pod_requests"] + row["fallback_requests"]:
             time.sleep(1.2)
             again = request(cell.url, "GET", f"/_colocate/usage?key={key['id']}", headers=auth(READ)).json()["usage"]
             assert sum(r["requests"] for r in again) == requests

@@ -192,8 +192,11 @@ class Demo:
                 "fallbackPrice": {"input": self.prices.api_per_1m, "output": self.prices.api_per_1m},
                 # Every site's users share the fleet's one key, and the front door sends a cell without
                 # pods' users to another cell: one cell may hold every site's requests at once. The
-                # key's in-flight limit (8 a cell by default) is not what this day measures.
-                "keys": {"defaults": {"maxParallel": len(CELLS) * WORKERS_PER_SITE}},
+                # key's in-flight limits (8 requests, and 8,192 prompt tokens waiting for a pod, a cell
+                # by default) are not what this day measures: slow pods (a loaded machine) keep more
+                # of its requests waiting at once. Each request's prompt counts at most its body's bytes.
+                "keys": {"defaults": {"maxParallel": len(CELLS) * WORKERS_PER_SITE,
+                                      "maxParallelTokens": len(CELLS) * WORKERS_PER_SITE * len(json.dumps(BODY))}},
             }, self.stacks_dir)
 
     def budget(self, cell: str) -> float:

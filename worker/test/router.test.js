@@ -30,7 +30,7 @@ const synced = (env) => env.BREAKER.calls.filter((c) => c[0] === "sync" && c[3])
 function envFor(gen, over = {}) {
   const env = {
     BREAKER: objectNamespace(Breaker), CELL_REGION: "us-east", ACTIVE_GENERATION: gen, ACTIVE_HINT: "enam",
-    DEADLINE_MS: "200", MAX_BODY_BYTES: "1000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000", STATE_TTL_MS: "60000",
+    DEADLINE_MS: "60000", MAX_BODY_BYTES: "1000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000", STATE_TTL_MS: "60000",
     POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb", FALLBACK_MODEL: "fb-model",
     ...over,
   };
@@ -339,31 +339,46 @@ test("a request that fails on two pods, or that the fallback refuses too, is not
 test("max_parallel: a key's requests in flight here are capped with OpenAI's 429; a slot frees when its answer is done", async () => {
   const env = envFor("router-parallel", { FAILURE_THRESHOLD: "100" });
   const key = await withKey(env.BREAKER, "router-parallel", { max_parallel: 2 });
-  const gates = [];
-  const { f } = fakeFetch(() => new Promise((resolve) => gates.push(() => resolve(json()))));
+  // Each request's pod answer waits for its own gate, opened by the request's name: the
+  // requests reach the pod in whatever order the key's look-up and the schedule give them.
+  const gates = new Map();
+  const { f } = fakeFetch((init) => new Promise((resolve) => {
+    gates.set(JSON.parse(new TextDecoder().decode(init.body)).messages[0].content, () => resolve(json()));
+  }));
+  const named = (name) => post(key, { model: "m", messages: [{ role: "user", content: name }] });
+  const atPod = async (...names) => {
+    for (let i = 0; i < 2000 && !names.every((n) => gates.has(n)); i++) await new Promise((r) => setTimeout(r, 5));
+    assert.deepEqual(names.filter((n) => !gates.has(n)), []); // every one reached the pod
+  };
+  const open = (name) => {
+    gates.get(name)();
+    gates.delete(name);
+  };
   const c = ctx();
-  const first = handle(chat(key), env, c, { fetch: f });
-  const second = handle(chat(key), env, c, { fetch: f });
-  while (gates.length < 2) await new Promise((r) => setTimeout(r, 1));
-  const third = await handle(chat(key), env, c, { fetch: f });
+  const first = handle(named("first"), env, c, { fetch: f });
+  const second = handle(named("second"), env, c, { fetch: f });
+  await atPod("first", "second");
+  const third = await handle(named("third"), env, c, { fetch: f });
   assert.equal(third.status, 429);
   assert.equal(third.headers.get("retry-after"), "1");
   assert.deepEqual((await third.json()).error, { message: "too many requests in flight: 2 at a time for this key",
     type: "requests", code: "too_many_parallel_requests" });
-  gates.shift()();
+  open("first");
   assert.equal((await first).status, 200);
-  const fourth = handle(chat(key), env, c, { fetch: f });
-  while (gates.length < 2) await new Promise((r) => setTimeout(r, 1));
-  for (const g of gates.splice(0)) g();
+  const fourth = handle(named("fourth"), env, c, { fetch: f });
+  await atPod("fourth");
+  open("second");
+  open("fourth");
   assert.equal((await second).status, 200);
   assert.equal((await fourth).status, 200);
   // A failure after admission gives the slot back too (pod and fallback both unreachable).
   const broken = () => Promise.reject(new Error("down"));
-  for (let i = 0; i < 3; i++) assert.ok((await handle(chat(key), env, c, { fetch: broken })).status >= 500);
-  const again = handle(chat(key), env, c, { fetch: f });
-  const again2 = handle(chat(key), env, c, { fetch: f });
-  while (gates.length < 2) await new Promise((r) => setTimeout(r, 1));
-  for (const g of gates.splice(0)) g();
+  for (let i = 0; i < 3; i++) assert.ok((await handle(named("broken"), env, c, { fetch: broken })).status >= 500);
+  const again = handle(named("again"), env, c, { fetch: f });
+  const again2 = handle(named("again2"), env, c, { fetch: f });
+  await atPod("again", "again2");
+  open("again");
+  open("again2");
   assert.deepEqual([(await again).status, (await again2).status], [200, 200]);
   await c.settle();
 });
