@@ -71,7 +71,9 @@ test("a pod is busy while this isolate's requests there wait for their first tok
 });
 
 test("two keys' deadline misses behind a queue, with the pod's health answering, are no failure of the pod", async () => {
-  const env = envFor("busy-a");
+  // A deadline long enough that all six wait at the pod before the first misses, however slow the
+  // machine: at 100 ms, a loaded run sent them one after another, each to an idle pod (each miss its key's).
+  const env = envFor("busy-a", { DEADLINE_MS: "2000" });
   const keys = [await createKey(env.BREAKER, "busy-a", { max_parallel_tokens: 0 }), await createKey(env.BREAKER, "busy-a",
     { max_parallel_tokens: 0 })];
   const c = ctx();
