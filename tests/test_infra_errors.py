@@ -115,3 +115,15 @@ def test_changing_only_the_region_is_refused_with_the_migrate_command():
 def test_no_key_can_split_pod_worker_and_state(overrides, key):
     msg = refused("apac-jp", overrides=overrides)
     assert key in msg
+
+
+def test_the_program_runs_under_mocks_after_a_test_that_left_no_event_loop():
+    # asyncio.run() ends by setting no loop; a Pulumi mock run later in the same worker found none
+    # ("There is no current event loop", test_infra_existing in make test's shared workers).
+    import asyncio
+
+    from tests.support.pulumi_mocks import run_program, stack_config
+
+    asyncio.run(asyncio.sleep(0))
+    config, keys = stack_config("apac-jp")
+    assert run_program("apac-jp", config, keys).exports

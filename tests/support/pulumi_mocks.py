@@ -225,6 +225,12 @@ def run_program(stack: str, config: dict, secret_keys: list[str], *, scripts: di
     from infra.program import main
 
     _freeze_imports()
+    # Pulumi's test runner takes the thread's current loop: an earlier test in this worker that
+    # ran asyncio.run() (vLLM-like TLS servers, the bench clients) leaves none set.
+    try:
+        asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        asyncio.set_event_loop(asyncio.new_event_loop())
     mocks = mocks or RecordingMocks(scripts)
     mocks.scripts_fail = mocks.scripts_fail or scripts_fail
     pulumi.runtime.set_all_config(config, secret_keys)
