@@ -20,25 +20,34 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def imports_of(path: Path, name: str) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, names imported from it) for every import of module ``name`` at ``path``,
+    anywhere in its body; relative imports resolved against ``name``."""
+    is_pkg = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(pysource.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            found.append((node.lineno, origin, [a.name for a in node.names]))
+    return found
+
+
 def import_graph(*packages: Path) -> dict[str, set[str]]:
     """Each module of ``packages`` -> the modules of ``packages`` it imports, anywhere in its body."""
     files = {_module_name(p, package): p for package in packages for p in sorted(package.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
-        is_pkg = path.name == "__init__.py"
         targets: set[str] = set()
-        for node in ast.walk(pysource.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".") if is_pkg else name.split(".")[:-1]
-                    base = base[: len(base) - (node.level - 1)]
-                    origin = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    origin = node.module or ""
-                targets.add(origin)
-                targets.update(f"{origin}.{a.name}" for a in node.names)  # `from pkg import module`
+        for _line, origin, names in imports_of(path, name):
+            targets.add(origin)
+            targets.update(f"{origin}.{n}" for n in names)  # `from pkg import module`
         graph[name] = {t for t in targets if t in files and t != name}
     return graph
 
@@ -132,22 +141,12 @@ def imports_with_lines(package: Path) -> dict[str, list[tuple[str, int, str]]]:
     out: dict[str, list[tuple[str, int, str]]] = {}
     for path in sorted(package.rglob("*.py")):
         name = _module_name(path, package)
-        is_pkg = path.name == "__init__.py"
         rel = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
         found: list[tuple[str, int, str]] = []
-        for node in ast.walk(pysource.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found += [(rel, node.lineno, a.name) for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".") if is_pkg else name.split(".")[:-1]
-                    base = base[: len(base) - (node.level - 1)]
-                    origin = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    origin = node.module or ""
-                found.append((rel, node.lineno, origin))
-                found += [(rel, node.lineno, f"{origin}.{a.name}") for a in node.names if origin in ("colocate", )
-                          or origin.startswith("colocate.")]
+        for line, origin, names in imports_of(path, name):
+            found.append((rel, line, origin))
+            if origin == "colocate" or origin.startswith("colocate."):
+                found += [(rel, line, f"{origin}.{n}") for n in names]
         out[name] = found
     return out
 
