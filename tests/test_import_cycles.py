@@ -24,7 +24,7 @@ def imports_of(path: Path, name: str) -> list[tuple[int, str, list[str]]]:
     """(line, imported module, names imported from it) for every import of module ``name`` at ``path``,
     anywhere in its body; relative imports resolved against ``name``."""
     is_pkg = path.name == "__init__.py"
-    found = []
+    found: list[tuple[int, str, list[str]]] = []
     for node in ast.walk(pysource.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name, []) for a in node.names]
