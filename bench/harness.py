@@ -138,12 +138,13 @@ def require_tools() -> None:
 
 @contextlib.contextmanager
 def pods(count: int, delay_ms: float, token: str | None, slots: int = 0, chunks: int = 8,
-         chunk_ms: float = 0.0) -> Iterator[list[str]]:
+         chunk_ms: float = 0.0, pad: int = 0) -> Iterator[list[str]]:
     """``count`` bench pods (one Node process, one listener each, at most ``slots``
     requests in work per pod, 0 = unbounded; streams of ``chunks`` events, ``chunk_ms``
-    apart, 0 = on the next turn of the pod's event loop); yields their URLs."""
+    apart, 0 = on the next turn of the pod's event loop, each event's content ``pad``
+    characters longer); yields their URLs."""
     args = ["node", str(HERE / "pod.mjs"), "--count", str(count), "--delay-ms", str(delay_ms), "--slots", str(slots),
-            "--chunks", str(chunks), "--chunk-ms", str(chunk_ms)]
+            "--chunks", str(chunks), "--chunk-ms", str(chunk_ms), "--pad", str(pad)]
     if token:
         args += ["--token", token]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
