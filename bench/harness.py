@@ -180,13 +180,15 @@ def write_json(dest: str | None, doc, indent: int = 2) -> None:
         Path(dest).write_text(json.dumps(doc, indent=indent) + "\n")
 
 
-def bench_plan(deadline_ms: int, worker_src: Path | None = None):
+def bench_plan(deadline_ms: int, worker_src: Path | None = None, balance: str | None = None):
     """The sandbox stack's plan (the cloud's Worker), with the bench's deadline, which is
     also its stall limit (as the contract floor's: under valgrind a JIT compile on the
     router's thread can outlast the sandbox's 2 s and cut a stream); with ``worker_src``
-    the same module names read from another directory (a candidate cut)."""
+    the same module names read from another directory (a candidate cut); with ``balance``
+    that policy (colocate:worker.balance) instead of the stack's."""
     raw, secrets = stackfile.read_config("sandbox")
-    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms, "stallMs": deadline_ms}
+    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms, "stallMs": deadline_ms,
+                     **({"balance": balance} if balance else {})}
     s = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | set(settings_mod.ALWAYS_SECRET))
     plan = plan_mod.plan_cell(s)
     if worker_src is None:
@@ -361,6 +363,7 @@ class Options:
     worker_src: Path | None = None
     client_key: str | None = None  # for routed requests once they need one (router_headers)
     prompt_bytes: int = 0  # a system message of this many bytes in every request (chat_body)
+    balance: str | None = None  # colocate:worker.balance; None: the stack's (the cells' default)
 
 
 def check_router(url: str, headers: Mapping[str, str]) -> str:
@@ -572,7 +575,7 @@ def versions() -> dict:
 
 def run(opts: Options, log=lambda _msg: None) -> dict:
     require_tools()
-    plan = bench_plan(opts.deadline_ms, opts.worker_src)
+    plan = bench_plan(opts.deadline_ms, opts.worker_src, opts.balance)
     secrets = Secrets.fresh()
     machine = versions()
     series = [run_series(opts, plan, secrets, n, log) for n in opts.pods]

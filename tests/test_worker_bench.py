@@ -53,11 +53,13 @@ def test_streams_asking_for_usage_reach_several_pods_and_carry_it(tmp_path):
     out = tmp_path / "bench.json"
     # Paced like tokens (12 events 5 ms apart): the router's counting branch then reads
     # what arrived in between, and the usage event must still reach every client.
+    # least_busy spreads them: under the cells' default (prefix) the bench's identical requests stay on one pod
     rc = bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--sse-requests", "16", "--pods", "2",
-                            "--sse-usage", "--sse-chunks", "12", "--sse-chunk-ms", "5", "--quiet", "--json", str(out)])
+                            "--balance", "least_busy", "--sse-usage", "--sse-chunks", "12", "--sse-chunk-ms", "5", "--quiet",
+                            "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert result["options"]["sse_usage"] is True
+    assert result["options"]["sse_usage"] is True and result["options"]["balance"] == "least_busy"
     assert (result["options"]["sse_chunks"], result["options"]["sse_chunk_ms"]) == (12, 5)
     (series,) = result["series"]
     (r,) = series["levels"][0]["rounds"]
