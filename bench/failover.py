@@ -1,7 +1,7 @@
 """Benchmark a pod's death under load: the sandbox with two pods, one killed with SIGKILL.
 
-Runs the sandbox stack (a private copy of stacks/Pulumi.sandbox.yaml with pod.count 2 and
-the stand-in's compute time) on loopback, sends an open-loop load of routed requests with
+Runs the sandbox stack (a private copy of stacks/Pulumi.sandbox.yaml with pod.count 2, the
+stand-in's compute time and worker.balance load, so both pods serve) on loopback, sends an open-loop load of routed requests with
 a client key (bench/load.py), kills pod 1's process with SIGKILL after ``--kill-after``
 seconds, and keeps the load on for ``--seconds`` in all. Reports the requests that
 failed, the fallback's share, and p50/p99 before and after the kill (the first second
@@ -54,7 +54,10 @@ def run(args) -> dict:
         stacks = Path(tmp) / "stacks"
         stacks.mkdir()
         (stacks / "Pulumi.sandbox.yaml").write_text(stackfile.path_of("sandbox").read_text())
-        stackfile.write_config("sandbox", {"pod": {"provider": "local", "computeMs": args.compute_ms, "count": 2}}, stacks)
+        # balance load: both pods serve, so the one killed had requests in flight (the bench's requests are
+        # all alike, and the cells' default, prefix, keeps them on one pod below its load bound, perhaps not pod 1).
+        stackfile.write_config("sandbox", {"pod": {"provider": "local", "computeMs": args.compute_ms, "count": 2},
+                                           "worker.balance": "load"}, stacks)
         state_dir = Path(tmp) / "state"
         cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
         try:
@@ -69,9 +72,13 @@ def run(args) -> dict:
         finally:
             supervisor.down(state_dir, quiet=True)
     failover_end = killed_at + int(args.rate)  # the first second after the kill
+    before = window(results, latencies, 0, killed_at)
+    if "pod-1" not in before["backends"]:
+        raise SandboxError(f"pod 1 served none of the {killed_at} requests before its kill (served by "
+                           f"{', '.join(before['backends']) or 'nothing'}): its death would measure nothing")
     return {
         "options": vars(args) | {"json": None},
-        "before": window(results, latencies, 0, killed_at),
+        "before": before,
         "failover_first_second": window(results, latencies, killed_at, failover_end),
         "after": window(results, latencies, failover_end, len(results)),
         "total": window(results, latencies, 0, len(results)),

@@ -74,7 +74,9 @@ def one_mode(mode: str, opts) -> dict:
         keys = []
         for i in range(2):  # two clients: a breaker opens on failures seen from two keys (docs/worker.md)
             key = new_key()
-            row = key_row(key, f"failover-{i}")
+            # No parallel limit: a hung pod holds each request for the deadline, so 15 req/s a key
+            # would pass the cells' default maxParallel (8) and measure the key's limit (429), not the failover.
+            row = key_row(key, f"failover-{i}", max_parallel=0, max_parallel_tokens=0)
             for r in REGIONS:
                 AdminClient(Target(urls[r], secrets.probe_token, r)).import_key(row)
             keys.append(key)

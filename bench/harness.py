@@ -138,12 +138,13 @@ def require_tools() -> None:
 
 @contextlib.contextmanager
 def pods(count: int, delay_ms: float, token: str | None, slots: int = 0, chunks: int = 8,
-         chunk_ms: float = 0.0) -> Iterator[list[str]]:
+         chunk_ms: float = 0.0, pad: int = 0) -> Iterator[list[str]]:
     """``count`` bench pods (one Node process, one listener each, at most ``slots``
     requests in work per pod, 0 = unbounded; streams of ``chunks`` events, ``chunk_ms``
-    apart, 0 = on the next turn of the pod's event loop); yields their URLs."""
+    apart, 0 = on the next turn of the pod's event loop, each event's content ``pad``
+    characters longer); yields their URLs."""
     args = ["node", str(HERE / "pod.mjs"), "--count", str(count), "--delay-ms", str(delay_ms), "--slots", str(slots),
-            "--chunks", str(chunks), "--chunk-ms", str(chunk_ms)]
+            "--chunks", str(chunks), "--chunk-ms", str(chunk_ms), "--pad", str(pad)]
     if token:
         args += ["--token", token]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -179,13 +180,15 @@ def write_json(dest: str | None, doc, indent: int = 2) -> None:
         Path(dest).write_text(json.dumps(doc, indent=indent) + "\n")
 
 
-def bench_plan(deadline_ms: int, worker_src: Path | None = None):
+def bench_plan(deadline_ms: int, worker_src: Path | None = None, balance: str | None = None):
     """The sandbox stack's plan (the cloud's Worker), with the bench's deadline, which is
     also its stall limit (as the contract floor's: under valgrind a JIT compile on the
     router's thread can outlast the sandbox's 2 s and cut a stream); with ``worker_src``
-    the same module names read from another directory (a candidate cut)."""
+    the same module names read from another directory (a candidate cut); with ``balance``
+    that policy (colocate:worker.balance) instead of the stack's."""
     raw, secrets = stackfile.read_config("sandbox")
-    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms, "stallMs": deadline_ms}
+    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms, "stallMs": deadline_ms,
+                     **({"balance": balance} if balance else {})}
     s = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | set(settings_mod.ALWAYS_SECRET))
     plan = plan_mod.plan_cell(s)
     if worker_src is None:
@@ -372,6 +375,7 @@ class Options:
     worker_src: Path | None = None
     client_key: str | None = None  # for routed requests once they need one (router_headers)
     prompt_bytes: int = 0  # a system message of this many bytes in every request (chat_body)
+    balance: str | None = None  # colocate:worker.balance; None: the stack's (the cells' default)
 
 
 def check_router(url: str, headers: Mapping[str, str]) -> str:
@@ -583,7 +587,7 @@ def versions() -> dict:
 
 def run(opts: Options, log=lambda _msg: None) -> dict:
     require_tools()
-    plan = bench_plan(opts.deadline_ms, opts.worker_src)
+    plan = bench_plan(opts.deadline_ms, opts.worker_src, opts.balance)
     secrets = Secrets.fresh()
     machine = versions()
     series = [run_series(opts, plan, secrets, n, log) for n in opts.pods]

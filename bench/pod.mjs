@@ -16,9 +16,11 @@
 // smallest POST body shows that a bench's prompt (--prompt-bytes) reached the pod whole.
 //
 // --chunks N --chunk-ms MS: a stream has N events, MS apart (a real pod sends one per token);
-// --chunk-ms 0 (default) sends them on successive turns of the event loop.
+// --chunk-ms 0 (default) sends them on successive turns of the event loop. --pad C adds C
+// characters to each event's content (a large event, as vLLM's with top logprobs is).
 //
-// Usage: node bench/pod.mjs [--count N] [--delay-ms MS] [--slots K] [--chunks N] [--chunk-ms MS] [--token T]
+// Usage: node bench/pod.mjs [--count N] [--delay-ms MS] [--slots K] [--chunks N] [--chunk-ms MS] [--pad C]
+//        [--token T]
 // Prints one JSON line {"urls": [...]} once every listener is up; SIGTERM stops it.
 
 import http from "node:http";
@@ -30,6 +32,7 @@ const count = Number(args.count ?? 1);
 const delayMs = Number(args["delay-ms"] ?? 0);
 const chunks = Number(args.chunks ?? 8);
 const chunkMs = Number(args["chunk-ms"] ?? 0);
+const pad = "x".repeat(Number(args.pad ?? 0));
 const token = args.token ?? null;
 const slots = Number(args.slots ?? 0);
 
@@ -39,9 +42,9 @@ const JSON_BODY = JSON.stringify({
   usage: { prompt_tokens: 4, completion_tokens: 4, total_tokens: 8 },
 });
 const USAGE_CHUNK = `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [], usage: { prompt_tokens: 4, completion_tokens: 8, total_tokens: 12 } })}\n\n`;
-const CHUNK = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ` } }] })}\n\n`;
+const CHUNK = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ${pad}` } }] })}\n\n`;
 // vLLM's continuous usage: the same chunk with the usage so far last (its key order)
-const USAGE_SO_FAR = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ` } }],
+const USAGE_SO_FAR = (i) => `data: ${JSON.stringify({ id: "chatcmpl-bench", object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `t${i} ${pad}` } }],
   usage: { prompt_tokens: 4, total_tokens: 5 + i, completion_tokens: i + 1 } })}\n\n`;
 
 let answered = 0; // all listeners together; GET /__bench/count reads it

@@ -12,9 +12,11 @@ medians over rounds: the router's added p50/p99 and SSE TTFB/TTLB vs the bare Wo
 throughput and CPU ratios (also router vs contract floor, and contract floor vs bare),
 and the goals (met/missed; reported, not enforced).
 
-Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1`` runs one series per pod
-count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);
-``--pod-slots`` bounds each pod's concurrent work, so that more pods means more capacity.
+Several pods: ``--pods 1,2,4 --pod-delay-ms 95 --pod-slots 1 --balance load`` runs one series
+per pod count, each with that many bench pods in POD_URLS (the bare Worker takes them in turn);
+``--pod-slots`` bounds each pod's concurrent work, so that more pods means more capacity. The
+bench's requests are all alike, so the cells' default policy (prefix) keeps them on one pod until
+its load bound moves them: ``--balance load`` (or least_busy) spreads them.
 Streams that ask for their usage (``stream_options.include_usage``, which the router then
 reads from each stream's last event): ``--sse-usage``. Streams like a real pod's, one
 event per token: ``--sse-chunks 100 --sse-chunk-ms 20`` (the default is 8 events at once).
@@ -27,7 +29,7 @@ passes the sandbox's Python outbound proxy, so compare only its state numbers.
 
 Usage: .venv/bin/python -m bench.router [--rounds 5] [--seconds 3]
        [--clients 1,32] [--no-stream] [--sse-usage] [--prompt-bytes 0] [--sse-requests 3000]
-       [--sse-chunks 8] [--sse-chunk-ms 0] [--pods 1]
+       [--sse-chunks 8] [--sse-chunk-ms 0] [--pods 1] [--balance prefix|load|least_busy|random]
        [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
 Exit: 0 done (goals reported, not enforced), 2 usage error or setup failure.
 Needs wrk (`make bench` installs it with apt-get when absent) and node.
@@ -41,6 +43,7 @@ import sys
 from pathlib import Path
 
 from bench import harness
+from colocate.cell import settings as settings_mod
 from colocate.errors import ConfigError
 from colocate.workerd import WorkerdError
 
@@ -147,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sse-chunk-ms", type=float, default=0.0,
                    help="the bench pods send a stream's events this far apart, like tokens (default 0: at once)")
     p.add_argument("--pods", type=_ints("--pods", 1, 8), default=(1,), help="pod counts, one series each (default 1)")
+    p.add_argument("--balance", choices=settings_mod.BALANCES,
+                   help="the router's balancing policy (default: the cells' default, prefix, which keeps this "
+                        "bench's identical requests on one pod until its load bound moves them; load or least_busy "
+                        "spread them over --pods)")
     p.add_argument("--pod-delay-ms", type=float, default=0.0, help="the bench pods answer after this long (default 0)")
     p.add_argument("--pod-slots", type=int, default=0, help="requests each pod works on at once, 0 = unbounded (default 0)")
     p.add_argument("--deadline-ms", type=int, default=5000, help="the router's DEADLINE_MS (default 5000)")
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         far_state_ms=args.far_state_ms,
         worker_src=args.worker_src,
         prompt_bytes=args.prompt_bytes,
+        balance=args.balance,
     )
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:

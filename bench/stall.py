@@ -1,8 +1,9 @@
 """A client that stops reading mid-stream: what the router holds for it, and what it passes.
 
-The router tees a stream whose client asked for its usage (worker/src/usage.js). A tee
-keeps what one branch has not read yet, so this measures two things, with the router
-behind one bench pod that sends a long usage stream at once (``--chunks`` events):
+The router passes a pod's stream to its client through a pull stream (worker/src/podstream.js
+pumpPod) that reads the pod when the client can take a chunk. This measures two things, with
+the router behind one bench pod that sends a long usage stream at once (``--chunks`` events,
+each ``--pad`` characters of content longer, as vLLM's events with top logprobs are):
 
     stall   a client reads the headers, stops for ``--stall-s`` seconds (its socket's
             receive buffer kept small), then reads the rest. Reported: workerd's memory
@@ -13,12 +14,15 @@ behind one bench pod that sends a long usage stream at once (``--chunks`` events
             speed. Reported: time to the last byte and the largest gap between reads,
             so a router that holds the client's bytes back shows.
 
-Every answer must end with its usage event and ``[DONE]``. ``--worker-src DIR`` measures a
-candidate copy of worker/src. Imports no Pulumi.
+Each stream stays within what its request can produce (worker/src/usage.js streamCap: 4 KiB
+an allowed token, the usage the router asks the pod for on every event included): no more
+events than the pods' context admits tokens, each under 4 KiB. Every answer must end with its
+usage event and ``[DONE]``. ``--worker-src DIR`` measures a candidate copy of worker/src.
+Imports no Pulumi.
 
-Usage: .venv/bin/python -m bench.stall [--chunks 200000] [--stall-s 4] [--burst-chunks 8000]
+Usage: .venv/bin/python -m bench.stall [--chunks 8000] [--pad 3000] [--stall-s 4] [--burst-chunks 8000]
        [--worker-src DIR] [--json PATH]
-Exit: 0 done, 2 setup failure (node missing, a process not starting, a stream cut short).
+Exit: 0 done, 2 usage error or setup failure (node missing, a process not starting, a stream cut short).
 """
 
 from __future__ import annotations
@@ -61,13 +65,16 @@ def left_the_pod_mb(pod_url: str) -> float | None:
 
 # The sandbox pods' --max-model-len less room for the prompt (colocate/cell/plan.py MAX_MODEL_LEN).
 MAX_TOKENS = plan_mod.MAX_MODEL_LEN - 64
+# The bytes the router allows a stream per token its request may produce (worker/src/usage.js
+# STREAM_EVENT_BYTES), less room for the rest of a bench pod's event (its JSON and the usage so far).
+MAX_PAD = 4096 - 256
 
 
 def _request(port: int, key: str, rcvbuf: int | None, tokens: int) -> socket.socket:
-    # The request allows as many tokens as the pod streams events, up to what the pods' context
-    # admits (the router refuses more at the edge): the router cuts a stream past what its
-    # request can produce in bytes (docs/worker.md), and this one is not an attack.
-    body = json.dumps({**json.loads(harness.STREAM_USAGE_BODY), "max_tokens": min(tokens, MAX_TOKENS)}).encode()
+    # The request allows as many tokens as the pod streams events (main() keeps them within
+    # what the pods' context admits; the router refuses more at the edge): the router cuts a
+    # stream past what its request can produce in bytes (docs/worker.md), and this one is not an attack.
+    body = json.dumps({**json.loads(harness.STREAM_USAGE_BODY), "max_tokens": tokens}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -90,7 +97,8 @@ def _whole(data: bytes, what: str) -> None:
     # chunked transfer: the last event, then the terminating zero-length chunk
     tail = data[-400:]
     if END not in tail or b'"usage":{' not in tail:
-        raise harness.BenchError(f"{what}: the stream did not end with its usage event and [DONE]")
+        raise harness.BenchError(f"{what}: the stream did not end with its usage event and [DONE]; it ended "
+                                 f"{data[-160:].decode(errors='replace')!r}")
 
 
 def stall(port: int, pid: int, pod_url: str, key: str, stall_s: float, tokens: int) -> dict:
@@ -123,14 +131,15 @@ def burst(port: int, key: str, tokens: int) -> dict:
             "max_gap_ms": round(max(gaps, default=0) * 1000, 1)}
 
 
-def run(chunks: int, stall_s: float, burst_chunks: int, worker_src: Path | None, log=lambda _m: None) -> dict:
+def run(chunks: int, pad: int, stall_s: float, burst_chunks: int, worker_src: Path | None,
+        log=lambda _m: None) -> dict:
     harness.require_node()
     secrets = harness.Secrets.fresh()
     plan = harness.bench_plan(5000, worker_src)
-    out = {"machine": harness.versions(), "chunks": chunks, "burst_chunks": burst_chunks}
-    for name, n in (("stall", chunks), ("burst", burst_chunks)):
+    out = {"machine": harness.versions(), "chunks": chunks, "pad": pad, "burst_chunks": burst_chunks}
+    for name, n, p in (("stall", chunks, pad), ("burst", burst_chunks, 0)):
         # One pod process per shape: the pod's byte count then covers this measurement only.
-        with harness.pods(1, 0, secrets.pod_token, chunks=n) as pod_urls, harness.pods(1, 0, None) as fallback:
+        with harness.pods(1, 0, secrets.pod_token, chunks=n, pad=p) as pod_urls, harness.pods(1, 0, None) as fallback:
             values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
             with harness.router_worker(plan, values, None) as router:
                 key = harness.mint_key(router.url, secrets.probe_token)
@@ -146,7 +155,8 @@ def table(result: dict) -> str:
     left = "-" if s["left_the_pod_mb"] is None else f"{s['left_the_pod_mb']:g} MB"
     return "\n".join([
         f"a client that stalls ({result['machine']['workerd']}; usage streams, one pod)",
-        f"stall: {s['answer_mb']:g} MB answer, client stopped {s['stall_s']:g} s: workerd RSS +{s['rss_growth_mb']:g} MB "
+        f"stall: {s['answer_mb']:g} MB answer ({result['chunks']} events), client stopped {s['stall_s']:g} s: "
+        f"workerd RSS +{s['rss_growth_mb']:g} MB "
         f"(from {s['rss_start_mb']:g}), {left} had left the pod; the rest read in {s['rest_read_s']:g} s",
         f"burst: {b['answer_mb']:g} MB answer at once: last byte after {b['ttlb_ms']:g} ms, largest gap between reads "
         f"{b['max_gap_ms']:g} ms",
@@ -155,18 +165,30 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.stall", description=__doc__.split("\n\n")[0])
-    p.add_argument("--chunks", type=int, default=200_000, help="events in the stalled stream (default 200000, ~25 MB)")
+    p.add_argument("--chunks", type=int, default=8000,
+                   help=f"events in the stalled stream, at most {MAX_TOKENS} (default 8000; ~25 MB with --pad 3000)")
+    p.add_argument("--pad", type=int, default=3000,
+                   help=f"characters added to each stalled event's content, at most {MAX_PAD} (default 3000)")
     p.add_argument("--stall-s", type=float, default=4.0, help="how long the client stops reading (default 4)")
-    p.add_argument("--burst-chunks", type=int, default=8000, help="events in the full-speed stream (default 8000, ~1 MB)")
+    p.add_argument("--burst-chunks", type=int, default=8000,
+                   help=f"events in the full-speed stream, at most {MAX_TOKENS} (default 8000, ~1 MB)")
     p.add_argument("--worker-src", type=Path, help="read the router's modules from this directory (a candidate)")
     p.add_argument("--json", type=Path, help="also write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    harness.check_args(p, (("--chunks", args.chunks, 1), ("--stall-s", args.stall_s, 0),
+    harness.check_args(p, (("--chunks", args.chunks, 1), ("--pad", args.pad, 0), ("--stall-s", args.stall_s, 0),
                            ("--burst-chunks", args.burst_chunks, 1)), args.worker_src)
+    # A pod that streams more than its request can produce is cut by the router (usage.js streamCap),
+    # so a stream past these bounds measures the cut, not a stalled client.
+    for name, value in (("--chunks", args.chunks), ("--burst-chunks", args.burst_chunks)):
+        if value > MAX_TOKENS:
+            p.error(f"{name} must be at most {MAX_TOKENS} (got {value}): a stream has no more events than its request "
+                    f"may have tokens, the pods' context less the prompt; make the answer larger with --pad")
+    if args.pad > MAX_PAD:
+        p.error(f"--pad must be at most {MAX_PAD} (got {args.pad}): the router allows a stream 4 KiB a token")
     log = harness.progress(args.quiet)
-    return harness.report("bench.stall", lambda: run(args.chunks, args.stall_s, args.burst_chunks, args.worker_src, log),
-                          table, args.json)
+    return harness.report("bench.stall", lambda: run(args.chunks, args.pad, args.stall_s, args.burst_chunks,
+                                                     args.worker_src, log), table, args.json)
 
 
 if __name__ == "__main__":

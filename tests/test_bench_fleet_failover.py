@@ -32,6 +32,18 @@ def test_a_pod_that_errors_under_load_moves_tokyo_to_the_next_cell_with_nothing_
     assert set(m["after"]["served_by"]) == {"eu-west"}
 
 
+def test_a_pod_that_hangs_under_load_fails_nothing_the_keys_being_unlimited(capsys):
+    # Each request to the hung pod holds for the 2 s deadline: 10 req/s a key keep ~20 in flight,
+    # past the cells' default maxParallel (8), so a bench key with the defaults got 429s.
+    assert bench.main(["--mode", "hang", "--rate", "20", "--seconds", "5", "--fault-after", "1.5",
+                       "--window", "2", "--quiet", "--json", "-"]) == 0
+    import json
+
+    m = json.loads(capsys.readouterr().out)["modes"][0]
+    assert m["total"]["failed"] == 0 and m["fallback_answers"] == 0
+    assert m["total"]["served_by"].get("eu-west", 0) > 0
+
+
 def test_a_bad_mode_is_named_and_exits_2():
     r = subprocess.run([sys.executable, "-m", "bench.fleet_failover", "--mode", "melt"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)

@@ -54,11 +54,13 @@ def test_streams_asking_for_usage_reach_several_pods_and_carry_it(tmp_path):
     out = tmp_path / "bench.json"
     # Paced like tokens (12 events 5 ms apart): the router's counting branch then reads
     # what arrived in between, and the usage event must still reach every client.
+    # least_busy spreads them: under the cells' default (prefix) the bench's identical requests stay on one pod
     rc = bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--sse-requests", "16", "--pods", "2",
-                            "--sse-usage", "--sse-chunks", "12", "--sse-chunk-ms", "5", "--quiet", "--json", str(out)])
+                            "--balance", "least_busy", "--sse-usage", "--sse-chunks", "12", "--sse-chunk-ms", "5", "--quiet",
+                            "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert result["options"]["sse_usage"] is True
+    assert result["options"]["sse_usage"] is True and result["options"]["balance"] == "least_busy"
     assert (result["options"]["sse_chunks"], result["options"]["sse_chunk_ms"]) == (12, 5)
     (series,) = result["series"]
     (r,) = series["levels"][0]["rounds"]
@@ -289,23 +291,33 @@ def test_stall_bench_measures_a_stalled_client_and_a_burst_through_the_router(tm
     from bench import stall
 
     out = tmp_path / "stall.json"
-    assert stall.main(["--chunks", "20000", "--stall-s", "0.3", "--burst-chunks", "400", "--quiet", "--json", str(out)]) == 0
+    # The default shape, fewer events: each padded event with the usage the router asks the pod for
+    # stays within the router's per-token allowance (usage.js streamCap), so the stream is not cut.
+    assert stall.main(["--chunks", "1000", "--stall-s", "0.3", "--burst-chunks", "400", "--quiet",
+                       "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     s, b = result["stall"], result["burst"]
-    # ~125 bytes an event, and bench.stall refuses an answer without its usage event and [DONE]
-    assert s["answer_mb"] > 2.4 and 0.04 < b["answer_mb"] < 0.06
+    # ~3 KB a padded event, ~125 bytes a plain one; bench.stall refuses an answer without its usage event and [DONE]
+    assert 2.9 < s["answer_mb"] < 3.4 and 0.04 < b["answer_mb"] < 0.06
     assert s["rss_start_mb"] > 0 and s["rest_read_s"] >= 0 and b["ttlb_ms"] >= b["max_gap_ms"] >= 0
     if shutil.which("ss"):
-        assert 0 < s["left_the_pod_mb"] <= s["answer_mb"] + 0.1  # the pod's bytes, headers included
+        assert 0 < s["left_the_pod_mb"] <= s["answer_mb"] * 1.1 + 0.1  # the pod's bytes: the usage it adds, headers
     assert "a client that stalls" in capsys.readouterr().out
 
 
-def test_stall_bench_names_a_bad_value(capsys):
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--stall-s", "-1"], "--stall-s must be at least 0 (got -1.0)"),
+    # more events than the request may have tokens: the router would cut the stream, not measure a stall
+    (["--chunks", "200000"], "--chunks must be at most 8128 (got 200000)"),
+    (["--burst-chunks", "9000"], "--burst-chunks must be at most 8128 (got 9000)"),
+    (["--pad", "4000"], "--pad must be at most 3840 (got 4000)"),
+])
+def test_stall_bench_names_a_bad_value(argv, said, capsys):
     from bench import stall
 
     with pytest.raises(SystemExit) as exc:
-        stall.main(["--stall-s", "-1"])
-    assert exc.value.code == 2 and "--stall-s must be at least 0 (got -1.0)" in capsys.readouterr().err
+        stall.main(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_profile_self_times_are_summed_per_function_and_divided_by_requests():
