@@ -23,7 +23,9 @@ def runtime(**over):
 
 
 def test_concurrent_requests_spread_over_the_pods():
-    with running_cell(runtime(), pods=2, compute_ms=150) as cell:
+    # balance load: its fewest-in-flight choice is the subject. Prefix (the default) keeps one
+    # conversation on its pod up to its load bound: 12 and 4 of 16 here, at the assertion's edge (its spread: affinity.test.js).
+    with running_cell(runtime(balance="load"), pods=2, compute_ms=150) as cell:
         cell.call("GET", "/v1/models")  # warm
         before = [p.requests for p in cell.pods]
         with concurrent.futures.ThreadPoolExecutor(8) as ex:
