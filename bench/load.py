@@ -13,10 +13,10 @@ MODEL = str(POD_DEFAULTS["model"])
 
 
 class Load:
-    """A bounded open-loop load of routed chat requests carrying a client key: one request
-    every 1/rate s on a pool of MAX_IN_FLIGHT threads until stopped or ``max_s`` passed. Each result
-    is (status or None, x-colocate-backend, error text); ``latencies_ms`` holds each
-    request's wall time in the same order as it finished."""
+    """A bounded open-loop load of routed chat requests carrying a client key, each a new
+    conversation: one request every 1/rate s on a pool of MAX_IN_FLIGHT threads until stopped or
+    ``max_s`` passed. Each result is (status or None, x-colocate-backend, error text);
+    ``latencies_ms`` holds each request's wall time in the same order as it finished."""
 
     def __init__(self, url: str, key: str, rate_per_s: float = 50, max_s: float = 180,
                  headers: dict[str, str] | None = None, model: str = MODEL):
@@ -32,6 +32,7 @@ class Load:
         self.cells: list[str | None] = []  # the fleet cell that served it (x-colocate-cell), same order
         self.stop = threading.Event()
         self._lock = threading.Lock()
+        self._sent = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _one(self, pool_local) -> None:
@@ -41,7 +42,12 @@ class Load:
         pool_local.s = s
         import time
 
-        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        # Each request opens a conversation of its own, as different users do: with balance
+        # prefix (the default) one repeated conversation would stay on one pod.
+        with self._lock:
+            self._sent += 1
+            n = self._sent
+        body = {"model": self.model, "messages": [{"role": "user", "content": f"hi, conversation {n}"}], "max_tokens": 1}
         t0 = time.monotonic()
         try:
             r = s.post(self.url, json=body, timeout=90, headers=self.headers)

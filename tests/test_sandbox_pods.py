@@ -160,12 +160,14 @@ def test_a_pod_of_the_default_profile_under_the_default_pace_is_passed_over(tmp_
                                  headers={"Content-Type": "application/json"})
     urllib.request.urlopen(req, timeout=5).close()
     keys = [client_key(cell, f"pace-{i}", rpm=0, tpm=0, max_parallel=0)["key"] for i in range(2)]
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "max_tokens": 40, "min_tokens": 40, "ignore_eos": True}
+    body = {"model": MODEL, "stream": True, "max_tokens": 40, "min_tokens": 40, "ignore_eos": True}
     backends: list[str] = []
     t0 = time.monotonic()
-    for i in range(60):  # bounded; ties between idle pods are random until pod 0 is marked
-        with requests.post(cell["worker_url"] + "/v1/chat/completions", json=body, stream=True, timeout=60,
+    for i in range(60):  # bounded; each conversation's pod is its prefix's until pod 0 is marked
+        # A conversation each, as users send: prefix affinity (the default) keeps one conversation on one
+        # pod, so one repeated chat per key would give pod 0 one key's slow answers, never the two it takes.
+        chat = {**body, "messages": [{"role": "user", "content": f"hi, conversation {i}"}]}
+        with requests.post(cell["worker_url"] + "/v1/chat/completions", json=chat, stream=True, timeout=60,
                            headers={"Authorization": f"Bearer {keys[i % 2]}"}) as r:
             assert r.status_code == 200, r.text
             assert sum(1 for line in r.iter_lines() if line.startswith(b"data: {")) >= 40

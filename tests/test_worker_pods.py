@@ -23,7 +23,9 @@ def runtime(**over):
 
 
 def test_concurrent_requests_spread_over_the_pods():
-    with running_cell(runtime(), pods=2, compute_ms=150) as cell:
+    # balance load: its fewest-in-flight choice is the subject. Prefix (the default) keeps one
+    # conversation on its pod up to its load bound: 12 and 4 of 16 here, at the assertion's edge (its spread: affinity.test.js).
+    with running_cell(runtime(balance="load"), pods=2, compute_ms=150) as cell:
         cell.call("GET", "/v1/models")  # warm
         before = [p.requests for p in cell.pods]
         with concurrent.futures.ThreadPoolExecutor(8) as ex:
@@ -35,13 +37,19 @@ def test_concurrent_requests_spread_over_the_pods():
         assert min(served) >= 4, served  # fewest-in-flight keeps both busy
 
 
+def conversation(i: int) -> dict:
+    """The opening turn of conversation ``i``: users send different ones, so prefix affinity
+    (the default balance) spreads them over the pods, where one conversation stays on one pod."""
+    return {**chat(), "messages": [{"role": "user", "content": f"hello, this is conversation {i}"}]}
+
+
 def test_a_dead_pod_costs_no_request_its_breaker_opens_alone():
     with running_cell(runtime(), pods=2, compute_ms=1) as cell:
         cell.pods[0].set_fault("error")
         res = []
-        # Ties are broken at random: go on until pod 0 was tried failureThreshold times (bounded).
+        # Each conversation's pod is its prefix's: go on until pod 0 was tried failureThreshold times (bounded).
         while cell.pods[0].requests < 2 and len(res) < 200:
-            res.append(cell.call("POST", "/v1/chat/completions", body=chat()))
+            res.append(cell.call("POST", "/v1/chat/completions", body=conversation(len(res))))
         assert cell.pods[0].requests >= 2
         assert [r.status for r in res] == [200] * len(res)
         assert {r.headers["x-colocate-backend"] for r in res} == {"pod-1"}  # retried there, never the fallback
@@ -106,8 +114,10 @@ def open_stream(cell, extra: dict, key: str | None = None) -> Iterator[http.clie
 def test_a_stream_holds_its_pod_until_its_last_byte_then_lets_it_go(extra):
     # Each stream lasts 500 ms at the pod (half before the first token, half spread over
     # the rest; its headers come at once); a request sent while it runs must go to the
-    # other pod, every time.
-    with running_cell(runtime(), pods=2, compute_ms=500) as cell:
+    # other pod, every time. The subject is the pod's count of requests in flight, which
+    # balance `load` shows directly (prefix keeps a conversation on its pod below the load
+    # bound, so it would send the second request beside the first whatever the count).
+    with running_cell(runtime(balance="load"), pods=2, compute_ms=500) as cell:
         for _ in range(5):
             with open_stream(cell, extra) as stream:
                 busy = stream.getheader("x-colocate-backend")
