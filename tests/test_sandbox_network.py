@@ -1,9 +1,13 @@
-"""The sandbox's outbound network refuses what Cloudflare refuses: a fetch to an IP literal."""
+"""The sandbox's outbound network refuses what Cloudflare refuses: a fetch to an IP literal;
+and its state hop survives a client that resets a connection mid-request."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import socket
+import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,12 +41,12 @@ def test_ip_literal_and_local_url():
 
 
 @contextlib.contextmanager
-def _network(targets: dict[str, str]):
+def _network(targets: dict[str, str], pins: type[Pins] = Pins):
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         net = Network(Geography(same_site_ms=0.0), Sites(client=EDGE, edge=EDGE, pod=EDGE, fallback=EDGE),
-                      Pins(Path(tmp) / PINS_FILE), dict(targets))
+                      pins(Path(tmp) / PINS_FILE), dict(targets))
         with NetworkServers(net) as servers:
             yield net, servers, Path(tmp)
 
@@ -97,3 +101,60 @@ def test_a_worker_with_an_ip_literal_pod_url_fails_in_the_sandbox(tmp_path, lite
         assert probe["pod_ok"] is False
     else:
         assert pod0["ok"] is True and pod0["status"] == 200, probe
+
+
+class _FirstTouchHeld(Pins):
+    """The pin table, its first look-up held until released: a look-up still under way."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.asked, self.release = threading.Event(), threading.Event()
+        self._first = threading.Lock()
+
+    def touch(self, name: str, edge: str, hint: str = "") -> tuple[str, bool]:
+        if self._first.acquire(blocking=False):
+            self.asked.set()
+            self.release.wait(30)
+        return super().touch(name, edge, hint)
+
+
+def _reset(url: str, raw: bytes) -> socket.socket:
+    """A connection that has sent ``raw``; closing it sends a reset, as a client that gives up may."""
+    host, port = url.split("://")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.sendall(raw)
+    return sock
+
+
+@pytest.mark.slow
+def test_a_request_reset_during_the_first_state_look_up_leaves_the_state_reachable(tmp_path):
+    """The Worker's first state call asks the sandbox where the object lives. A client that
+    resets that request meanwhile ends it in workerd, and with it every promise it made: a
+    later request that waited on that look-up would fail, and so would every state call of
+    the isolate after it (500 here, 503 state_unavailable to a client's key)."""
+    plan = cell_plan()
+    probe = {"authorization": f"Bearer {SECRETS['PROBE_TOKEN']}"}
+    with standin.serve(compute_ms=1, token=SECRETS["POD_TOKEN"]) as pod, \
+            standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], name="fallback") as fb:
+        pod_url, fallback_url = local_url(pod.url), local_url(fb.url)
+        targets = {pod_url.split("://")[1]: EDGE, fallback_url.split("://")[1]: EDGE}
+        with _network(targets, pins=_FirstTouchHeld) as (net, servers, tmp):
+            held = net.pins
+            assert isinstance(held, _FirstTouchHeld)
+            text = config_mod.compose(plan, values=values_for(pod_url, fallback_url), edge_site=EDGE, state_sites=[EDGE],
+                                      outbound=("127.0.0.1", servers.outbound.port), objects_dir=tmp / "objects")
+            (tmp / "objects" / EDGE).mkdir(parents=True, exist_ok=True)
+            with Workerd(tmp_path / "workerd", socket_name=config_mod.SOCKET_NAME) as w:
+                w.start(text)
+                try:
+                    first = _reset(w.url, b"GET /_colocate/probe HTTP/1.1\r\nhost: cell\r\nauthorization: "
+                                   + probe["authorization"].encode() + b"\r\n\r\n")
+                    assert held.asked.wait(30)  # its state call is asking where the object lives
+                    first.close()  # a reset: workerd ends that request
+                    # Answered while the first look-up is still held: nothing waits on the ended request.
+                    after = [request(w.url, path="/_colocate/probe", headers=probe, timeout=30) for _ in range(2)]
+                finally:
+                    held.release.set()
+    assert [a.status for a in after] == [200, 200], [a.body[:300] for a in after]
+    assert [a.json()["state_colo"] for a in after] == [EDGE, EDGE]  # the object answered, where it was pinned

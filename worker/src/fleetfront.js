@@ -161,6 +161,22 @@ export function isNoPod(res) {
   return res.status === 503 && res.headers.get("x-colocate-backend") === "none";
 }
 
+/**
+ * Whether a deferred cell's answer says it could not reach its state object before routing
+ * (router.js: 503 `state_unavailable`, no `x-colocate-backend`): nothing was admitted there or
+ * sent to a pod, so another cell may serve it. Only that code: `key_lookup_busy` (a flood of
+ * unknown keys at that edge) stays with the client, so a flood is not passed on to the next cell.
+ * @param {Response} res @param {string} text its body
+ */
+export function isStateUnavailable(res, text) {
+  if (res.status !== 503 || res.headers.has("x-colocate-backend")) return false;
+  try {
+    return JSON.parse(text)?.error?.code === "state_unavailable";
+  } catch {
+    return false;
+  }
+}
+
 /** A cell's refusal by its lease alone, of a key under its fleet-wide limit (router.js): another cell may admit it. */
 export function isLeaseElsewhere(res) {
   return res.status === 429 && res.headers.get(LEASE_HEADER) === "elsewhere";

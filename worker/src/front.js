@@ -20,12 +20,14 @@
 // 503 `no_pod` and `x-colocate-backend: none` instead of spending the paid fallback; a
 // request carrying the token that the cell's lease of its key refuses while the key is under
 // its fleet-wide limit is answered at once with 429 and `x-colocate-lease: elsewhere`, and
-// the front door tries the other cells (docs/fleet.md, "A key that moves").
+// the front door tries the other cells (docs/fleet.md, "A key that moves"). A deferred cell
+// that answers 503 `state_unavailable` (its state object unreachable before routing) is
+// passed for the next cell too, and not remembered.
 
 import { readBody } from "./body.js";
 import { ConfigurationError, HttpError, errorResponse, log } from "./errors.js";
 import {
-  CELL_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, choose, conversationPoint, isLeaseElsewhere, isNoPod, others, readFleet, remember,
+  CELL_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, choose, conversationPoint, isLeaseElsewhere, isNoPod, isStateUnavailable, others, readFleet, remember,
 } from "./fleetfront.js";
 import { pokeLedger } from "./fleetexchange.js";
 import { CLIENT_COLO_HEADER, lookup } from "./routes.js";
@@ -101,6 +103,15 @@ async function route(request, env, ctx) {
       if (res.headers.get("x-colocate-pods-tried") === "0") remember(cfg, cell);
       if (res.body) ctx.waitUntil(res.body.cancel().catch(() => {}));
       continue; // that cell's time stays in `front`: the client paid it on the way here
+    }
+    if (defer && res.status === 503 && !res.headers.has("x-colocate-backend")) {
+      // Its state unreachable: the next cell may serve (not remembered: one isolate's moment).
+      const text = await res.text();
+      if (isStateUnavailable(res, text)) {
+        log(env, "cell_state_unavailable", { cell: cell.name });
+        continue;
+      }
+      res = new Response(text, res);
     }
     if (more && isLeaseElsewhere(res)) {
       // The key is under its limit and this cell's share is in use: every other cell, each

@@ -185,6 +185,29 @@ test("the last cell unreachable: 502 in OpenAI's shape", async () => {
   forget();
 });
 
+test("a deferred cell whose state is unreachable is passed for the next cell; the last cell's, and a busy key look-up, pass through", async () => {
+  forget();
+  const stateDown = async () => new Response('{"error":{"message":"the cell\'s state is unreachable; retry shortly","type":"server_error","code":"state_unavailable"}}',
+    { status: 503, headers: { "retry-after": "1", "content-type": "application/json" } });
+  const e = fleetEnv([stateDown, served(), served()]);
+  const res = await ask(e, { colo: "NRT" });
+  assert.equal(res.status, 200);
+  assert.equal(res.headers.get("x-colocate-cell"), "eu-west");
+  assert.deepEqual(names(choose(readFleet(e), "NRT")), ["apac-jp", "eu-west"]); // not remembered
+  const last = await ask(fleetEnv([stateDown, stateDown, served()]), { colo: "NRT" });
+  assert.equal(last.status, 503);
+  assert.equal(last.headers.get("x-colocate-cell"), "eu-west");
+  assert.equal((await last.json()).error.code, "state_unavailable");
+  // A flood of unknown keys at one cell is not passed on to the next.
+  const busy = async () => new Response('{"error":{"code":"key_lookup_busy"}}', { status: 503, headers: { "retry-after": "1" } });
+  const refused = await ask(fleetEnv([busy, served(), served()]), { colo: "NRT" });
+  assert.equal(refused.status, 503);
+  assert.equal(refused.headers.get("x-colocate-cell"), "apac-jp");
+  assert.equal(refused.headers.get("retry-after"), "1");
+  assert.equal((await refused.json()).error.code, "key_lookup_busy");
+  forget();
+});
+
 test("a cell's own error passes through with the cell named", async () => {
   forget();
   const unauthorised = async () => new Response('{"error":{"code":"invalid_api_key"}}', { status: 401 });

@@ -20,26 +20,26 @@ import product, { Breaker as ProductBreaker } from "./index.js";
 export * from "./index.js";
 
 const PREFIX = "__SANDBOX_";
-const pins = new Map(); // generation name -> Promise<{site, rtt_ms}>; pins never move
+const pins = new Map(); // generation name -> {site, rtt_ms}, plain data; pins never move
 const envs = new WeakMap();
 
 function sleep(ms) {
   return ms > 0 ? new Promise((resolve) => setTimeout(resolve, ms)) : Promise.resolve();
 }
 
-function pinOf(env, name, hint) {
-  let pin = pins.get(name);
-  if (!pin) {
-    const q = new URLSearchParams({ name, edge: env.__SANDBOX_EDGE_SITE, hint: hint || "" });
-    pin = env.__SANDBOX_CONTROL.fetch(`http://sandbox-control/_sandbox/pin?${q}`).then(async (r) => {
-      const body = await r.json();
-      if (!r.ok) throw new Error(`sandbox: cannot place ${name}: ${body.error?.message ?? r.status}`);
-      return body;
-    });
-    pin.catch(() => pins.delete(name)); // a failed look-up is retried by the next call
-    pins.set(name, pin);
-  }
-  return pin;
+// Each request asks until one answer is kept, and never awaits another request's promise:
+// workerd ties a promise to the request that made it, so a shared look-up whose request
+// ended first (a client's reset) would fail every later state call of the isolate with
+// "a request that has since ended". The control's touch is idempotent: first touch pins.
+async function pinOf(env, name, hint) {
+  const known = pins.get(name);
+  if (known) return known;
+  const q = new URLSearchParams({ name, edge: env.__SANDBOX_EDGE_SITE, hint: hint || "" });
+  const r = await env.__SANDBOX_CONTROL.fetch(`http://sandbox-control/_sandbox/pin?${q}`);
+  const body = await r.json();
+  if (!r.ok) throw new Error(`sandbox: cannot place ${name}: ${body.error?.message ?? r.status}`);
+  pins.set(name, body);
+  return body;
 }
 
 function hostAt(env, site) {
