@@ -17,6 +17,7 @@ from . import cloudflare_limits, geo
 from .catalogue import Region, region as lookup_region
 from .errors import ConfigError
 from .ledger import UNKNOWN_REGION, Generation
+from .market import PodMarket
 from .settings import LEGACY_TOKEN, PodSettings, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -378,6 +379,11 @@ class PodPlan:
     in_rotation: bool = True
     scope: str = ""  # pod_scope(organization, project) in the cloud; "" in the sandbox
 
+    @property
+    def market(self) -> PodMarket:
+        """How this pod is rented (colocate:pod.market; colocate/market.py)."""
+        return self.settings.market_of(self.index)
+
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
 
@@ -445,6 +451,9 @@ class PodPlan:
             "max_model_len": s.max_model_len,
             "command": s.command,
             "url": s.url,
+            "market": self.market.market,
+            "on_demand_fallback": self.market.on_demand_fallback,
+            "bid_per_hr": s.bid_per_hr,
         }
 
     def identity(self) -> list[str]:
@@ -473,6 +482,8 @@ class PodPlan:
             ident.append(f"engine={engine}")
         if self.mtls:  # the pod's start command and certificate
             ident.append("hop=mtls")
+        if self.market.interruptible:  # a running pod cannot change how it is rented (on demand adds nothing)
+            ident.append(f"market={self.market.market}")
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
         replaced = s.replaced_count(self.index)

@@ -14,12 +14,18 @@ pod's capacity taken at ``DOWN_BAND`` of its target, so demand that hovers at a 
 the larger count). A window that the samples do not cover (the controller just started, or
 the signal had a gap) changes nothing in its direction, and a signal older than
 ``stale_after_s`` changes nothing at all: a controller that cannot see the cell holds.
+
+Counts are of pods declared: a policy with ``spare`` interruptible pods (colocate/market.py,
+SpotHedge's over-provisioning) runs that many more than the demand needs whenever it needs any,
+so the count goes 0, 1 + spare, 2 + spare, ...; the demand's windows decide as without them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from .market import INTERRUPTIBLE, needed_of, with_spare
 
 LATENCY, COST = "latency", "cost"
 DEFERRED = "none"  # the backend of a request a fleet's front door took to another cell: no tokens here
@@ -63,6 +69,11 @@ class Policy:
     pod_price_per_hr: float = 0.0  # what one pod bills (the providers' report, or the price cap)
     api_price: tuple[float, float] = (0.0, 0.0)  # $ per 1M (input, output) tokens at the fallback
     stale_after_s: float = STALE_AFTER_S
+    spare: int = 0  # interruptible pods run beyond the need whenever any runs (colocate:pod.spare)
+
+    def declared(self, needed: int) -> int:
+        """Pods declared when ``needed`` serve the demand (with the spare ones)."""
+        return with_spare(needed, INTERRUPTIBLE, self.spare)
 
 
 @dataclass(frozen=True)
@@ -150,9 +161,11 @@ def _window(ivs: list[Interval], now: float, seconds: float) -> list[Interval] |
 def decide(samples: list[Sample], policy: Policy, current: int, now: float) -> Decision:
     """The pods the cell should run (``desired``) and why, given the counters seen so far,
     the pods it runs (``current``) and the time. Pure: the same input, the same answer."""
-    bounded = min(max(current, policy.min), policy.max)
+    needed_now = needed_of(current, INTERRUPTIBLE, policy.spare)
+    bounded = policy.declared(min(max(needed_now, policy.min), policy.max))
     if bounded != current:
-        return Decision(bounded, f"{current} pods is outside colocate:scale {policy.min}..{policy.max}", None)
+        spare = f" and {policy.spare} spare" if policy.spare else ""
+        return Decision(bounded, f"{current} pods is outside colocate:scale {policy.min}..{policy.max}{spare}", None)
     latest = max((s.at for s in samples), default=None)
     if latest is None or now - latest > policy.stale_after_s:
         seen = "no signal yet" if latest is None else f"no signal for {now - latest:.0f} s"
@@ -167,11 +180,17 @@ def decide(samples: list[Sample], policy: Policy, current: int, now: float) -> D
     up = _window(ivs, now, policy.up_after_s)
     if up is not None:
         n = min(min(need(iv, policy) for iv in up), policy.max)
-        if n > current:
-            return Decision(n, f"{what} needs {n} pods for {policy.up_after_s:g} s: up from {current}", demand)
+        if policy.declared(n) > current:
+            return Decision(policy.declared(n), f"{what} needs {n} pods for {policy.up_after_s:g} s{_spare(policy, n)}: "
+                            f"up from {current}", demand)
     down = _window(ivs, now, policy.down_after_s)
     if down is not None:
         n = max(max(need(iv, policy, DOWN_BAND) for iv in down), policy.min)
-        if n < current:
-            return Decision(n, f"{what} needs at most {n} pods for {policy.down_after_s:g} s: down from {current}", demand)
+        if policy.declared(n) < current:
+            return Decision(policy.declared(n), f"{what} needs at most {n} pods for {policy.down_after_s:g} s"
+                            f"{_spare(policy, n)}: down from {current}", demand)
     return Decision(current, f"{what}: {current} pods hold", demand)
+
+
+def _spare(policy: Policy, n: int) -> str:
+    return f" (+{policy.spare} spare)" if policy.spare and n > 0 else ""

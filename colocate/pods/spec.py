@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import catalogue
 from ..errors import ConfigError
+from ..market import RUNPOD_HAS_NONE
 from ..plan import MAX_MODEL_LEN, POD_PATHS
 from . import podtls
 from .errors import PodConfigError
@@ -30,7 +31,8 @@ REQUIRED: dict[str, type | tuple[type, ...]] = {
 # Keys a spec of an older kit may lack, with the value it meant.
 OPTIONAL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "max_model_len": (int, MAX_MODEL_LEN), "command": (str, ""), "url": (str, ""),
-    "max_transfer_per_gb": ((int, float), 0.02)}
+    "max_transfer_per_gb": ((int, float), 0.02), "market": (str, "ondemand"), "on_demand_fallback": (bool, False),
+    "bid_per_hr": ((int, float), 0.3)}
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,13 @@ class PodSpec:
     max_model_len: int = MAX_MODEL_LEN  # vLLM's --max-model-len (colocate:pod.maxModelLen)
     command: str = ""  # local: the sandbox's pod is this command (colocate:pod.command), not the stand-in
     url: str = ""  # local: where that command, or a server the user runs, serves (colocate:pod.url)
+    market: str = "ondemand"  # ondemand | interruptible (colocate/market.py pod_market)
+    on_demand_fallback: bool = False  # interruptible: rent on demand when no interruptible capacity is left (mix)
+    bid_per_hr: float = 0.3  # interruptible: the bid, $/h (Vast.ai's create `price`)
+
+    @property
+    def interruptible(self) -> bool:
+        return self.market == "interruptible"
 
     @property
     def mtls(self) -> bool:
@@ -83,10 +92,15 @@ class PodSpec:
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
         for key, (typ, default) in OPTIONAL.items():
-            value = data.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, typ) or (key == "max_transfer_per_gb" and value < 0):
-                raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
-            fields[key] = float(value) if key == "max_transfer_per_gb" else value
+            given: Any = data.get(key, default)
+            if (isinstance(given, bool) and typ is not bool) or not isinstance(given, typ):
+                raise PodConfigError(f"spec.{key}: wrong type (got {given!r}). Fix: regenerate the spec from the plan")
+            fields[key] = given
+        for key in ("max_transfer_per_gb", "bid_per_hr"):  # $ amounts: never negative
+            amount = float(fields[key])
+            if amount < 0:
+                raise PodConfigError(f"spec.{key}: negative (got {amount!r}). Fix: regenerate the spec from the plan")
+            fields[key] = amount
         spec = cls(**fields)
         spec._check()
         return spec
@@ -117,6 +131,15 @@ class PodSpec:
             raise PodConfigError(f"spec.ready_timeout_s: {self.ready_timeout_s} must be > 0")
         if self.max_model_len < 1:
             raise PodConfigError(f"spec.max_model_len: {self.max_model_len} must be > 0. Fix: colocate:pod.maxModelLen")
+        if self.market not in ("ondemand", "interruptible"):
+            raise PodConfigError(f"spec.market: {self.market!r} is not ondemand or interruptible. Fix: regenerate the spec "
+                                 "from the plan (colocate/market.py pod_market)")
+        if self.interruptible and self.provider == "runpod":
+            raise PodConfigError(f"spec.market: interruptible on runpod: {RUNPOD_HAS_NONE}. Fix: pulumi config set --path "
+                                 "colocate:pod.market ondemand, or colocate:pod.provider vastai")
+        if self.interruptible and not 0 < self.bid_per_hr <= self.max_price_per_hr:
+            raise PodConfigError(f"spec.bid_per_hr: {self.bid_per_hr} must be above 0 and at most max_price_per_hr "
+                                 f"({self.max_price_per_hr}). Fix: colocate:pod.bidPerHr")
         if self.engine and self.provider != "local":
             raise PodConfigError(f"spec.command/url: a server of the user's is a sandbox pod, not a {self.provider} one. "
                                  "Fix: regenerate the spec from the plan")
