@@ -145,11 +145,11 @@ function keeperLines(out, k) {
   for (const name of KEEPER_ALERTS) out.push(`colocate_keeper_alert${labels({ alert: name })} ${raised.has(name) ? 1 : 0}`);
   family(out, "colocate_keeper_last_pass_timestamp_seconds", "gauge", "When the keeper last recorded a pass (an old value: no keeper runs).");
   out.push(`colocate_keeper_last_pass_timestamp_seconds ${count(k.at) / 1000}`);
-  family(out, "colocate_keeper_pod_state", "gauge", "Each pod as the keeper last found it (ok, dead, gone, remapped, misplaced, unhealthy, unknown): 1 for the state it is in.");
+  family(out, "colocate_keeper_pod_state", "gauge", "Each pod as the keeper last found it (ok, dead, preempted, gone, remapped, misplaced, unhealthy, unknown): 1 for the state it is in.");
   for (const p of Array.isArray(k.pods) ? k.pods : []) {
     if (p && Number.isInteger(p.index) && typeof p.state === "string") out.push(`colocate_keeper_pod_state${labels({ pod: p.index, state: p.state })} 1`);
   }
-  family(out, "colocate_keeper_replacements_total", "counter", "Pods the keeper replaced alone, by pod index and why (dead, gone, remapped, misplaced, unhealthy, certificate).");
+  family(out, "colocate_keeper_replacements_total", "counter", "Pods the keeper replaced alone, by pod index and why (dead, preempted, gone, remapped, misplaced, unhealthy, certificate).");
   for (const r of Array.isArray(k.replacements) ? k.replacements : []) {
     if (r && Number.isInteger(r.pod) && typeof r.reason === "string") out.push(`colocate_keeper_replacements_total${labels({ pod: r.pod, reason: r.reason })} ${count(r.n)}`);
   }
