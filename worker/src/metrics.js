@@ -11,7 +11,7 @@
 // buckets (within 1.08 %): the Worker keeps no exact sum. Labels name pods by index and
 // colos by IATA code; never a key, a digest or a URL.
 
-import { BUCKETS, EDGES, PICKS, REPS, TOP, decode, total } from "./histogram.js";
+import { BUCKETS, CUTS, EDGES, PICKS, REPS, TOP, decode, total } from "./histogram.js";
 import { CLOSED, HALF_OPEN, OPEN } from "./machine.js";
 
 export const CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8";
@@ -65,7 +65,17 @@ export function exposition(m, cfg, caches = []) {
   // together here, so the series stay as few as the cell's pods and colos.
   const series = new Map();
   const picks = new Map(); // "pod-<i>|affinity" -> requests (prefix affinity's picks: counts, not durations)
+  const cuts = new Map(); // "pod-<i>" -> streams cut after their first token (counts, not durations)
   for (const [colo, who, segment, text] of m.segments) {
+    if (CUTS.includes(segment)) {
+      try {
+        const k = `pod-${who.split("@")[0]}`;
+        cuts.set(k, (cuts.get(k) || 0) + total(decode(text)));
+      } catch {
+        // as below
+      }
+      continue;
+    }
     if (PICKS.includes(segment)) {
       try {
         const k = `pod-${who.split("@")[0]}|${segment}`;
@@ -116,6 +126,9 @@ export function exposition(m, cfg, caches = []) {
     const [backend, by] = k.split("|");
     out.push(`colocate_balance_picks_total${labels({ backend, by: by === "shed" ? "load" : "affinity" })} ${picks.get(k)}`);
   }
+  family(out, "colocate_streams_cut_total", "counter",
+    "Streams a pod broke off or stalled after their first token (a preempted pod's), each ended with an error event in OpenAI's shape and charged what was sent.");
+  for (const k of [...cuts.keys()].sort()) out.push(`colocate_streams_cut_total${labels({ backend: k })} ${cuts.get(k)}`);
   family(out, "colocate_pod_prefix_cache_hits_total", "counter",
     "Prompt tokens each pod found in its prefix cache, as the pod reports (vllm:prefix_cache_hits), since it started.");
   for (const c of caches) out.push(`colocate_pod_prefix_cache_hits_total${labels({ pod: c.index })} ${c.hits}`);
