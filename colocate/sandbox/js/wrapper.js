@@ -20,26 +20,27 @@ import product, { Breaker as ProductBreaker } from "./index.js";
 export * from "./index.js";
 
 const PREFIX = "__SANDBOX_";
-const pins = new Map(); // generation name -> Promise<{site, rtt_ms}>; pins never move
+// generation name -> {site, rtt_ms}, once the control endpoint answered: plain data, never a
+// promise. A promise made in one request and awaited by another can never settle once its
+// request ended (workerd's handle_cross_request_promise_resolution): a first caller that hung
+// up mid-look-up left every later call of the isolate failing. Callers that arrive together
+// each ask (the pin is made on first touch and never moves: they get the same answer).
+const pins = new Map();
 const envs = new WeakMap();
 
 function sleep(ms) {
   return ms > 0 ? new Promise((resolve) => setTimeout(resolve, ms)) : Promise.resolve();
 }
 
-function pinOf(env, name, hint) {
-  let pin = pins.get(name);
-  if (!pin) {
-    const q = new URLSearchParams({ name, edge: env.__SANDBOX_EDGE_SITE, hint: hint || "" });
-    pin = env.__SANDBOX_CONTROL.fetch(`http://sandbox-control/_sandbox/pin?${q}`).then(async (r) => {
-      const body = await r.json();
-      if (!r.ok) throw new Error(`sandbox: cannot place ${name}: ${body.error?.message ?? r.status}`);
-      return body;
-    });
-    pin.catch(() => pins.delete(name)); // a failed look-up is retried by the next call
-    pins.set(name, pin);
-  }
-  return pin;
+async function pinOf(env, name, hint) {
+  const known = pins.get(name);
+  if (known) return known;
+  const q = new URLSearchParams({ name, edge: env.__SANDBOX_EDGE_SITE, hint: hint || "" });
+  const r = await env.__SANDBOX_CONTROL.fetch(`http://sandbox-control/_sandbox/pin?${q}`);
+  const body = await r.json();
+  if (!r.ok) throw new Error(`sandbox: cannot place ${name}: ${body.error?.message ?? r.status}`);
+  pins.set(name, body);
+  return body;
 }
 
 function hostAt(env, site) {
