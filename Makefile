@@ -141,7 +141,7 @@ bench-fleet-limits: setup
 bench-pod: setup
 	$(PY) -m bench.pod --compare $(ARGS)
 
-# Random, least-busy and prefix affinity on multi-turn chats, 4 stand-in pods at 50 and 80 % (docs/benchmarks.md).
+# Every balancing policy on multi-turn chats, 2 stand-in pods at 80 % of their knee for 180 s (docs/benchmarks.md).
 bench-prefix: setup
 	$(PY) -m bench.prefix
 

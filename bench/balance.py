@@ -40,7 +40,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from colocate import plan as plan_mod, settings as settings_mod, stackfile
+from colocate import stackfile
+from colocate.cell import plan as plan_mod, settings as settings_mod
 from colocate.workerd import Workerd
 
 from . import harness

@@ -32,7 +32,7 @@ import threading
 import time
 
 from bench.harness import Secrets, bench_plan, pods
-from colocate import plan as plan_mod
+from colocate.cell import plan as plan_mod
 from colocate.workerd import Workerd
 
 FLOOD_PROCESSES = 2  # the flood's client processes (threads in each)

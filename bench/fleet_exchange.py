@@ -32,7 +32,7 @@ import requests
 from bench import harness
 from bench.front import fleet_worker
 from colocate import admin
-from colocate.fleet_workerd import CF_BLOB_HEADER
+from colocate.fleet.workerd import CF_BLOB_HEADER
 
 CELLS = ("apac-jp", "eu-west")
 COLO = {"apac-jp": "NRT", "eu-west": "FRA"}

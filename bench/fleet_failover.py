@@ -1,7 +1,7 @@
 """Benchmark a cell losing all its pods under load, through the fleet's front door.
 
 One workerd runs two cells (apac-jp, eu-west: the router, the cloud's bytes) and the front
-door over them (colocate/fleet.py's plan, its bytes); each cell has its own stand-in pod
+door over them (colocate/fleet/plan.py's plan, its bytes); each cell has its own stand-in pod
 (colocate.pods.standin, ``--compute-ms`` per request) and one stand-in plays the paid
 fallback API. Two client keys (one fleet key each, made once and imported into both
 cells as `keys.py --stack <fleet>` does) send an open-loop load of ``--rate`` requests/s in
@@ -36,7 +36,7 @@ from bench import harness
 from bench.front import fleet_worker
 from bench.load import Load
 from colocate.admin import AdminClient, Target, key_row, new_key
-from colocate.fleet_workerd import CF_BLOB_HEADER
+from colocate.fleet.workerd import CF_BLOB_HEADER
 from colocate.pods import standin
 
 REGIONS = ("apac-jp", "eu-west")

@@ -1,6 +1,6 @@
 """How close a key's limit holds across the fleet's cells, by lease (docs/fleet.md, "Limits across cells").
 
-    .venv/bin/python -m bench.fleet_limits [--seconds 50] [--json PATH|-]
+    .venv/bin/python -m bench.fleet_limits [--seconds 50] [--idle] [--json PATH|-]
     .venv/bin/python -m bench.fleet_limits --move RPM     # one key moving cell: how its lease follows
 
 Three real cells (apac-jp, eu-west, us-east) and the front door in one workerd
@@ -19,7 +19,10 @@ admitted (requests, or tokens for tpm and monthly tokens), admitted / limit, the
 while the key was under its limit (a 429 answered while what the fleet had admitted of the
 key, plus that request, was still within L), the admitted requests another cell than the
 user's served (the front door's retry: one more cell call and that cell's distance), and
-the routers' Server-Timing ``state`` p99 over the case's requests. Exit 0; 2 on a setup failure.
+the routers' Server-Timing ``state`` p99 over the case's requests. ``--idle``: the keys are left
+idle until every isolate has forgotten their counters and leases (state.js SERVED_KEEP_MS), and
+the cases send to the cells' own addresses (no front door to retry elsewhere): a key coming back
+to a cell that cut its lease meanwhile. Exit 0; 2 on a setup failure.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import requests
 from bench import harness
 from bench.front import fleet_worker
 from colocate import admin
-from colocate.fleet_workerd import CF_BLOB_HEADER
+from colocate.fleet.workerd import CF_BLOB_HEADER
 
 CELLS = ("apac-jp", "eu-west", "us-east")
 COLO = {"apac-jp": "NRT", "eu-west": "FRA", "us-east": "IAD"}
@@ -111,7 +114,10 @@ def keys_for(urls: dict, auth: dict, name: str, limits: dict, cells: tuple[str, 
     return key, row["id"]
 
 
-def run(seconds: float, log=lambda _m: None) -> list[dict]:
+IDLE_S = 125  # past state.js SERVED_KEEP_MS (120 s): every isolate has forgotten the keys' leases
+
+
+def run(seconds: float, log=lambda _m: None, idle: bool = False) -> list[dict]:
     secrets = harness.Secrets.fresh()
     auth = {"authorization": f"Bearer {secrets.probe_token}"}
     with (
@@ -120,6 +126,8 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
         fleet_worker(pod_urls[0], fallback[0], secrets, DEADLINE_MS, regions=CELLS, remember_ms=0) as (w, urls),
     ):
         def call(key: str, cell: str, limit: str) -> requests.Response:
+            if idle and limit == "rpm":  # the cell's own address
+                return requests.get(urls[cell] + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=30)
             return front_call(w.url, key, cell, limit)
 
         keys = [keys_for(urls, auth, f"bench-limits-{i}", {case.limit: case.value}) for i, case in enumerate(CASES)]
@@ -154,6 +162,8 @@ def run(seconds: float, log=lambda _m: None) -> list[dict]:
         # The look-ups above counted against the keys' limits: start in the minute after the
         # next, so they are out of every case's sliding window too.
         left = 120 - time.time() % 60
+        if idle:  # then the next minute's start
+            left = IDLE_S + (60 - (time.time() + IDLE_S) % 60)
         log(f"waiting {left:.0f} s for the minute after the next to start")
         time.sleep(left + 0.3)
         minute = int(time.time() // 60)
@@ -299,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=50.0, help="how long every case sends (inside one minute, at most 55)")
     ap.add_argument("--json", help="also write the rows as JSON to PATH (- for stdout)")
     ap.add_argument("--move", type=int, metavar="RPM", help="instead: one key with this rpm moving cell (move())")
+    ap.add_argument("--idle", action="store_true",
+                    help="keys idle past the isolates' memory of them, rpm cases to the cells' own addresses")
     args = ap.parse_args(argv)
     if args.move is not None and args.move < 10:
         print(f"--move {args.move}: give an rpm of at least 10 (75 % of it must be a whole request)", file=sys.stderr)
@@ -308,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     try:
-        got: Any = move(args.move, log=log) if args.move is not None else run(args.seconds, log=log)
+        got: Any = move(args.move, log=log) if args.move is not None else run(args.seconds, log=log, idle=args.idle)
     except harness.BenchError as err:
         print(str(err), file=sys.stderr)
         return err.exit_code

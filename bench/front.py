@@ -1,7 +1,7 @@
 """Benchmark the fleet's front door against calling its cell directly, in one workerd.
 
 One workerd process runs two cells (the router, the sandbox stack's plan, the cloud's
-bytes; regions us-east and eu-west) and the front door over them (colocate/fleet.py's plan,
+bytes; regions us-east and eu-west) and the front door over them (colocate/fleet/plan.py's plan,
 its bytes), each cell with its own socket and the front door with a socket that takes the
 request's colo from the ``cf-blob`` header. Requests say they arrived at IAD, so the front
 door picks the us-east cell first and sends it the request with the defer header: the
@@ -31,15 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from colocate import (
-    fleet,
-    outputs,
-    plan as plan_mod,
-    settings as settings_mod,
-    stackfile,
-    workerd as wd,
-)
-from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
+from colocate import stackfile, workerd as wd
+from colocate.cell import outputs, plan as plan_mod, settings as settings_mod
+from colocate.fleet import plan as fleet
+from colocate.fleet.workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 
 REGIONS = ("us-east", "eu-west")
 COLO = "IAD"  # nearest to us-east: the front door's first choice

@@ -32,7 +32,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from colocate import plan as plan_mod, settings as settings_mod, stackfile
+from colocate import stackfile
+from colocate.cell import plan as plan_mod, settings as settings_mod
 from colocate.errors import ScriptError
 from colocate.workerd import (
     MAIN_SERVICE,

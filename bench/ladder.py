@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from colocate import plan as plan_mod
+from colocate.cell import plan as plan_mod
 
 from . import harness
 

@@ -4,7 +4,7 @@ not a throughput tool; bench/router.py uses wrk for that)."""
 
 from __future__ import annotations
 
-from colocate.settings import POD_DEFAULTS
+from colocate.cell.settings import POD_DEFAULTS
 
 MAX_IN_FLIGHT = 32  # the pool's threads: at most this many requests of one Load are in flight
 # The model the sandbox's pods serve unless a stack names another (colocate:pod.model): a pod

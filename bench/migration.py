@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.harness import Secrets, cpu_seconds
-from colocate import admin, plan as plan_mod, settings as settings_mod, stackfile, workerd as wd
+from colocate import admin, stackfile, workerd as wd
+from colocate.cell import plan as plan_mod, settings as settings_mod
 from colocate.pods import standin
 from colocate.probe.histogram import Histogram
 

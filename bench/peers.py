@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from colocate import plan as plan_mod
+from colocate.cell import plan as plan_mod
 
 from . import harness
 

@@ -2,12 +2,13 @@
 
 The workload is what chat apps send: a few apps, each with its system prompt of
 1,000 to 3,000 tokens and its own client key; conversations arrive as a Poisson process, each
-sends 2 to 8 turns, and each turn resends the whole history (system prompt, every earlier
+sends 4 to 12 turns (``--turns``), and each turn resends the whole history (system prompt, every earlier
 question and answer) plus a new question, after a think time. Every turn is a streamed chat
 completion whose answer is `--answer` tokens (``max_tokens`` with ``ignore_eos``, as vLLM's
 benchmarks fix output lengths), so policies are compared on the same work.
 
-For each policy (``colocate:worker.balance``: random, least_busy, prefix) and each load (a
+For each policy (``colocate:worker.balance``: random, least_busy, load, prefix; ``prefix@C`` is prefix
+with ``colocate:worker.prefixBound`` C) and each load (a
 fraction of the cell's capacity), a fresh sandbox cell of ``--pods`` stand-in pods (their prefix
 caches empty) serves the same workload (same seed). Reported per run: TTFT p50/p99 (the first
 content token of the stream), end-to-end p50, throughput (turns and output tokens a second), the
@@ -32,8 +33,11 @@ turn's routed.
 ``--url URL --key KEY`` drives any OpenAI-compatible URL once instead (a cell, a pod, a real
 vLLM): no sandbox, no policy, the same table.
 
-Usage: .venv/bin/python -m bench.prefix [--policies random,least_busy,prefix] [--loads 0.5,0.8]
-       [--pods 4] [--seconds 60] [--warmup 15] [--capacity RPS] [--isolates N] [--json PATH|-]
+The defaults are the run docs/benchmarks.md shows ("Prefix affinity"): every policy on 2 pods at
+80 % load, conversations arriving for 180 s, the first 60 s left out.
+
+Usage: .venv/bin/python -m bench.prefix [--policies random,least_busy,load,prefix] [--loads 0.8]
+       [--pods 2] [--seconds 180] [--warmup 60] [--turns 4-12] [--capacity RPS] [--isolates N] [--json PATH|-]
 Exit: 0 done (goals are printed, not enforced), 2 usage error or setup failure.
 """
 
@@ -60,8 +64,12 @@ from bench import harness
 from bench.load import MODEL  # the name the sandbox's pods serve (any other is vLLM's 404)
 
 PATH = "/v1/chat/completions"
-POLICIES = ("random", "least_busy", "prefix")
-LOADS = (0.5, 0.8)
+POLICIES = ("random", "least_busy", "load", "prefix")
+LOADS = (0.8,)
+TURNS = "4-12"
+# Two pods: at 80 % of their knee the cell streams about 2,200 tokens a second through the emulated
+# hops, what these two shared cores carry with room to spare (docs/benchmarks.md); four would need 4,300.
+PODS = 2
 # Short words, each one token with its leading space in a byte-level BPE (and in the stand-in's
 # tokenizer, colocate.pods.engine.tokenize): a text of N words is about N tokens.
 WORDS = ("the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are", "as",
@@ -304,17 +312,20 @@ _TTFT = re.compile(r"^vllm:time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})?
 def pod_ttfts(cell: dict, timeout_s: float = 5) -> list[dict[str, float] | None]:
     """Each sandbox pod's own TTFT counters ({sum in s, count}: vllm:time_to_first_token_seconds, from
     its arrival at the API server to its first token, queue included), read from the pod directly
-    over its mutual TLS with the Worker's certificate (no emulated hop)."""
+    over its mutual TLS with the Worker's certificate (no emulated hop), trusting the root that
+    signs the pods' server certificate (the sandbox's public root, not the cell's CA)."""
+    from colocate.sandbox import hopcerts
     from colocate.sandbox.statedir import load_secrets
 
-    hop = Path(cell["state_dir"]) / "hop"
+    hop = Path(cell["state_dir"]) / hopcerts.DIR
+    worker, public = (hop / hopcerts.FILES["worker"], hop / f"{hopcerts.FILES['public']}.pem")
     auth = {"Authorization": f"Bearer {load_secrets(Path(cell['state_dir']))['podToken']}"}  # the pod's guard
     out: list[dict[str, float] | None] = []
     for pod in cell["pods"]:
         try:
             r = requests.get(pod["address"].replace("//127.0.0.1:", "//localhost:") + "/metrics", timeout=timeout_s,
                              headers=auth,
-                             cert=(str(hop / "worker.pem"), str(hop / "worker.key")), verify=str(hop / "ca.pem"))
+                             cert=(f"{worker}.pem", f"{worker}.key"), verify=str(public))
             got = {k: float(v) for k, v in _TTFT.findall(r.text)} if r.status_code == 200 else {}
         except (requests.RequestException, OSError, ValueError):
             got = {}
@@ -577,12 +588,14 @@ def isolates_of(cell: dict, isolates: int, directory: Path) -> Iterator[list[str
             s.close()
 
 
-def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
+def run_cell(policy: str | None, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
              on_ready: Callable[[dict], None] | None = None, isolates: int = 1, seed: int = 0,
              warmup: float = 0.0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None, list[dict | None]]:
     """One fresh sandbox cell under ``policy``: the workload through it (through ``isolates``
     isolates when more than one, isolates_of), each pod's counters and the cell's picks (after
-    less before), and each pod's own TTFT counters from ``warmup`` seconds on (pod_ttfts)."""
+    less before), and each pod's own TTFT counters from ``warmup`` seconds on (pod_ttfts).
+    ``policy`` None keeps the shipped stack's Worker settings as they are (its policy, its deadline);
+    a policy also lifts the deadline, so that a bench's overload is measured, not sent to the fallback."""
     from colocate import stackfile
     from colocate.admin import AdminClient, Target
     from colocate.sandbox import supervisor
@@ -592,7 +605,9 @@ def run_cell(policy: str, pods: int, load: Workload, seconds: float, extra_pod: 
         stacks.mkdir()
         (stacks / "Pulumi.sandbox.yaml").write_text(stackfile.path_of("sandbox").read_text())
         raw, _ = stackfile.read_config("sandbox", stacks)
-        worker: dict = {**(raw.get("worker") or {}), "balance": policy, "deadlineMs": 60_000}
+        worker: dict = {**(raw.get("worker") or {})}
+        if policy is not None:
+            worker |= {"balance": policy, "deadlineMs": 60_000}
         if bound is not None:
             worker["prefixBound"] = bound
         stackfile.write_config("sandbox", {"pod": {**(raw.get("pod") or {}), "count": pods, **extra_pod}, "worker": worker},
@@ -638,9 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="colocate:worker.balance values, comma-separated; prefix@C: prefix with bound C")
     p.add_argument("--loads", default=",".join(str(x) for x in LOADS), help="fractions of the cell's capacity")
-    p.add_argument("--pods", type=int, default=4)
-    p.add_argument("--seconds", type=float, default=60, help="conversations arrive for this long; turns after it are not sent")
-    p.add_argument("--warmup", type=float, default=15, help="turns sent before this are left out of the numbers")
+    p.add_argument("--pods", type=int, default=PODS)
+    p.add_argument("--seconds", type=float, default=180, help="conversations arrive for this long; turns after it are not sent")
+    p.add_argument("--warmup", type=float, default=60, help="turns sent before this are left out of the numbers")
     p.add_argument("--capacity", type=float, help="the cell's requests a second at 100 %% (default: the engine's knee)")
     p.add_argument("--profile", help="the stand-in profile the capacity is computed for (default: the stand-in's default)")
     p.add_argument("--pod-config", default="{}", help="JSON merged into colocate:pod for the cell (default: the --profile)")
@@ -649,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--apps", type=int, default=3)
     p.add_argument("--answer", type=int, default=200, help="answer tokens per turn")
     p.add_argument("--think", type=float, default=4.0, help="mean think time between turns, seconds")
-    p.add_argument("--turns", default="2-8", help="turns per conversation, LO-HI (uniform)")
+    p.add_argument("--turns", default=TURNS, help="turns per conversation, LO-HI (uniform)")
     p.add_argument("--seed", type=int, default=49)
     p.add_argument("--url", help="drive this OpenAI-compatible URL once (no cell); with --key")
     p.add_argument("--key", help="the client key for --url (or COLOCATE_CLIENT_KEY)")

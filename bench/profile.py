@@ -27,7 +27,8 @@ import struct
 import sys
 from pathlib import Path
 
-from colocate import plan as plan_mod, workerd as wd
+from colocate import workerd as wd
+from colocate.cell import plan as plan_mod
 
 from . import harness
 

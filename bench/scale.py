@@ -35,8 +35,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.harness import Secrets, bench_plan, cpu_seconds
-from colocate import plan as plan_mod, workerd as wd
-from colocate.payloads import INFLIGHT, USAGE, WINDOW
+from colocate import workerd as wd
+from colocate.cell import plan as plan_mod
+from colocate.cell.payloads import INFLIGHT, USAGE, WINDOW
 from colocate.pods import standin
 
 HERE = Path(__file__).resolve().parent

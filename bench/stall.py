@@ -35,7 +35,7 @@ from itertools import pairwise
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from colocate import plan as plan_mod
+from colocate.cell import plan as plan_mod
 
 from . import harness
 
@@ -59,7 +59,7 @@ def left_the_pod_mb(pod_url: str) -> float | None:
     return round(sum(int(n) for n in re.findall(r"bytes_acked:(\d+)", out)) / 1e6, 2)
 
 
-# The sandbox pods' --max-model-len less room for the prompt (colocate/plan.py MAX_MODEL_LEN).
+# The sandbox pods' --max-model-len less room for the prompt (colocate/cell/plan.py MAX_MODEL_LEN).
 MAX_TOKENS = plan_mod.MAX_MODEL_LEN - 64
 
 

@@ -1,7 +1,7 @@
 """A client for the Worker's operator endpoints (client keys, usage), and where to find them.
 
 ``scripts/keys.py`` and the sandbox use it; the endpoints are documented in docs/worker.md.
-For a fleet stack (``colocate.fleet.is_fleet``) it finds every member cell the same way and
+For a fleet stack (``colocate.fleet.plan.is_fleet``) it finds every member cell the same way and
 replicates keys to them: a key is made here once (the Worker's format) and only its
 SHA-256 is imported into each cell (``POST /_colocate/keys/replica``); ``plan_sync`` says
 what copies and revocations make the cells agree again.
@@ -253,8 +253,9 @@ IMPORT_FIELDS = ("id", "hash", "prefix", "name", "rpm", "tpm", "monthly_tokens",
 
 def fleet_cells(stack: str, stacks_dir: Path | None = None) -> tuple[str, ...] | None:
     """The member cell stacks of ``stack`` when its stack file makes it a fleet, else None."""
-    from . import fleet, stackfile
+    from . import stackfile
     from .errors import ConfigError
+    from .fleet import plan as fleet
 
     try:
         raw, _ = stackfile.read_config(stack, stacks_dir or stackfile.STACKS_DIR)

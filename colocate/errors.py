@@ -14,10 +14,10 @@ bad configuration or input, 1 for a failure of the world (a provider, a network)
     │   ├── PodError           colocate/pods/errors.py: provider, readiness and pod TLS errors (its own tree)
     │   ├── ProbeError         colocate/probe/errors.py: the probe could not run; exit 2 (its own tree)
     │   ├── AdminError         colocate/admin.py: the operator endpoints; exit 2, or 1 for a refusal the caller can act on
-    │   ├── UsageError         colocate/cost.py: a usage row the cost report cannot read; scripts/keys.py: a
+    │   ├── UsageError         colocate/scaling/cost.py: a usage row the cost report cannot read; scripts/keys.py: a
     │   │                      command keys.py cannot do for the stack; scripts/pod.py: a flag argparse refuses; exit 2
     │   ├── CostError          scripts/cost.py: the report cannot be made; exit 2
-    │   ├── KeeperError        colocate/keeper.py: a pass could not do what it decided
+    │   ├── KeeperError        colocate/scaling/keeper.py: a pass could not do what it decided
     │   │   └── StackLocked    the owner's update found the Pulumi stack locked
     │   ├── Failed             scripts/placement.py: Cloudflare refused the placement or reports another one
     │   │   └── BadInput       the input (stdin, the token's variable) is wrong; exit 2

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from .fleet import FLEET_KEYS
-from .settings import NS, SCHEMA
+from .cell.settings import NS, SCHEMA
+from .fleet.plan import FLEET_KEYS
 
 # The types project.json's simpleConfigType accepts and the kit declares ("array" needs
 # `items`, which the ledger's objects cannot be described by, so it is left untyped too).

@@ -15,8 +15,8 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
+from .cell.settings import NS
 from .errors import ConfigError
-from .settings import NS
 
 ROOT = Path(__file__).resolve().parent.parent
 STACKS_DIR = ROOT / "stacks"

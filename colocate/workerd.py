@@ -2,7 +2,7 @@
 
 The cloud and this module consume the same plan: the modules are read from disk
 (the bytes the Pulumi program uploads), the compatibility date and the bindings are
-the plan's (``colocate.plan.worker_bindings``), never hand-copied. Values the plan
+the plan's (``colocate.cell.plan.worker_bindings``), never hand-copied. Values the plan
 cannot hold (secrets, the pod's URL known only once the pod exists) come in
 ``values``, keyed by binding name (``POD_TOKEN``, ``POD_URLS``), by settings key
 (``podToken``) or by output name (``pod.urls``). Imports no Pulumi.
@@ -76,7 +76,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plan import BREAKER_CLASS, Binding, WorkerPlan
+from .cell.plan import BREAKER_CLASS, Binding, WorkerPlan
 from .sandbox.errors import SandboxError
 
 ROOT = Path(__file__).resolve().parent.parent

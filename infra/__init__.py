@@ -1,1 +1,1 @@
-"""Pulumi components: they declare what a ``colocate.plan.CellPlan`` says and decide nothing."""
+"""Pulumi components: they declare what a ``colocate.cell.plan.CellPlan`` says and decide nothing."""

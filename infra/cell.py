@@ -18,9 +18,9 @@ import pulumi
 import pulumi_cloudflare as cloudflare
 from pulumi_command import local
 
-from colocate import cloudflare_limits, rollout
+from colocate.cell import cloudflare_limits, rollout
+from colocate.cell.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 from colocate.errors import ConfigError
-from colocate.plan import POD_URLS_FROM_OUTPUT, Binding, CellPlan, binding_key, pod_urls_text, token_fingerprint
 
 from .errors import ProgramError
 from .hop import HopCredentials
@@ -147,7 +147,7 @@ class Cell(pulumi.ComponentResource):
 
         # The pods, two Commands each (rent, then wait: POD_RENT), index in name and triggers:
         # changing pod.count adds or removes only the pods concerned. A change of what identifies
-        # them (triggers) replaces them as colocate.rollout says (the sandbox's apply does the
+        # them (triggers) replaces them as colocate.cell.rollout says (the sandbox's apply does the
         # same): create-before-delete, every pod at once (each waits only for itself), and the
         # engine deletes the replaced pods at the end of the update, after the Worker points at
         # the new ones (docs/pods.md: what it costs).
@@ -174,10 +174,14 @@ class Cell(pulumi.ComponentResource):
             after = [j for j in (rollout.created_after(pod.index),) if j is not None]
             environment = {"POD_TOKEN": secrets["podToken"], **args["pod_environment"], **hop_env}
             replace_opts = dict(parent=self, delete_before_replace=not rollout.CREATE_BEFORE_DELETE)
+            if pod.endpoint is not None and pod.endpoint.ip:  # the team's box by its address: named on the zone
+                self.pod_dns.append(self._endpoint_record(name, plan, pod))
             command = local.Command(
                 cmd_name,
                 create=POD_RENT,
-                delete=POD_DELETE.format(stack=plan.stack),
+                # An existing endpoint is the team's: no delete, so `pulumi destroy` and a replacement
+                # leave it running (its rent records it, its wait checks it: colocate/pods/existing.py).
+                delete=None if pod.endpoint is not None else POD_DELETE.format(stack=plan.stack),
                 stdin=declared.apply(lambda p: json.dumps(p.spec(), sort_keys=True)),
                 environment=environment,
                 triggers=declared.apply(lambda p: p.triggers()),
@@ -203,7 +207,7 @@ class Cell(pulumi.ComponentResource):
             # How the Worker reaches the pod (plan: pod.path). zone-dns: a DNS-only record on
             # the pod's own port (not proxied: a proxied record would be anycast);
             # provider-proxy and local-hostname need no resource.
-            if pod.pod_hostname:
+            if pod.pod_hostname and pod.endpoint is None:
                 dns_name, dns_aliases = _named(name, pod.index, "pod-dns")
                 self.pod_dns.append(cloudflare.DnsRecord(
                     dns_name,
@@ -217,7 +221,7 @@ class Cell(pulumi.ComponentResource):
                     # A new instance has a new name: the record is replaced, not renamed in place (only
                     # zone_id forces that in the provider's schema), new before old, and the old one is
                     # deleted at the end of the update, after the Worker names the new one: the old pod
-                    # stays reachable until nothing sends to it (colocate.rollout).
+                    # stays reachable until nothing sends to it (colocate.cell.rollout).
                     opts=pulumi.ResourceOptions(parent=self, aliases=dns_aliases, replace_on_changes=["name"],
                                                 delete_before_replace=not rollout.CREATE_BEFORE_DELETE),
                 ))
@@ -334,3 +338,20 @@ class Cell(pulumi.ComponentResource):
         self.probe_result = self.probe.stdout.apply(lambda out: json.loads(out) if out else {})
         self.register_outputs({"workerUrl": self.worker_url, "pod": self.pod, "pods": self.pods,
                                "probe": self.probe_result, "placementHost": self.placement_host})
+
+    def _endpoint_record(self, name: str, plan: CellPlan, pod) -> cloudflare.DnsRecord:
+        """The DNS-only record that names an existing endpoint's ip on the zone (the Worker cannot fetch an IP
+        literal): known from the plan, so it exists before the box is checked; the box's, not the kit's, to
+        move (a changed ip updates it in place)."""
+        assert pod.endpoint is not None
+        return cloudflare.DnsRecord(
+            f"{name}-endpoint-dns-{pod.index}",
+            zone_id=plan.worker.zone_id,
+            name=pod.endpoint.host,
+            type="AAAA" if ":" in pod.endpoint.ip else "A",
+            content=pod.endpoint.ip,
+            proxied=False,  # a proxied record would be anycast: placement could not find the box
+            ttl=60,
+            comment=f"colocate {plan.stack}: endpoint {pod.index} (the team's own box)",
+            opts=pulumi.ResourceOptions(parent=self),
+        )

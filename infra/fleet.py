@@ -2,7 +2,7 @@
 
 A fleet stack (``colocate:fleet`` set; ``infra/program.py`` dispatches here) reads each
 member cell's outputs with ``pulumi.StackReference`` (its Worker's name, URL and region),
-plans the front door from them (``colocate.fleet.plan_fleet``: the refusals and the
+plans the front door from them (``colocate.fleet.plan.plan_fleet``: the refusals and the
 ranking are decided there) and declares one ``WorkersScript`` with **no placement**, a
 service binding to each cell's Worker by script name, and its public address as a cell
 has one (``infra.cell.public_route``). Nothing in a cell stack changes.
@@ -10,7 +10,7 @@ has one (``infra.cell.public_route``). Nothing in a cell stack changes.
 The limits exchange (``FleetLedger``, a Durable Object of the front door) calls each cell's
 operator endpoints, so each cell's ``exchangeToken`` (a secret output) is read by its
 StackReference and bound as the secret ``CELL_TOKEN_<i>``; the class is created by the
-front door's own migration list (``colocate.fleet.LEDGER_MIGRATIONS``), from the tag
+front door's own migration list (``colocate.fleet.plan.LEDGER_MIGRATIONS``), from the tag
 Cloudflare reports for the script, as a cell's Breaker is.
 """
 
@@ -22,8 +22,10 @@ from typing import TypedDict
 import pulumi
 import pulumi_cloudflare as cloudflare
 
-from colocate import cloudflare_limits, fleet, outputs, stackfile
+from colocate import stackfile
+from colocate.cell import cloudflare_limits, outputs
 from colocate.errors import ConfigError
+from colocate.fleet import plan as fleet
 
 from .cell import by_name, module_files, public_route
 from .errors import ProgramError

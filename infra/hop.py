@@ -31,8 +31,8 @@ import pulumi_cloudflare as cloudflare
 import pulumi_tls as tls
 import pulumiverse_acme as acme
 
-from colocate import certexpiry
-from colocate.plan import PATH_ZONE_DNS, CellPlan, PodPlan, cert_fingerprint
+from colocate.cell import certexpiry
+from colocate.cell.plan import PATH_ENDPOINT, PATH_ZONE_DNS, CellPlan, PodPlan, cert_fingerprint
 from colocate.pods import podtls
 
 ALGORITHM, CURVE = "ECDSA", "P256"
@@ -40,12 +40,12 @@ CA_HOURS = 5 * 365 * 24  # the CA outlives its leaves; the trust store holds it
 LEAF_HOURS = 90 * 24
 # A `pulumi up` within the last 14 days of a leaf re-issues it; a pod whose certificate is
 # re-issued is replaced (its identity holds the certificate's fingerprint). The keeper renews each
-# from 30 days left, one pod at a time (colocate/keeper.py): this is the backstop of a cell nobody
+# from 30 days left, one pod at a time (colocate/scaling/keeper.py): this is the backstop of a cell nobody
 # keeps, and leaves the keeper's days 60 to 76 to itself, so a scaling step there renews nothing.
 EARLY_RENEWAL_HOURS = certexpiry.AUTO_RENEW_DAYS * 24
 ORGANIZATION = "colocate"
 # DNS-01 through Cloudflare's API with the stack's token (lego's "cloudflare" provider; the token's
-# Zone Read and DNS Edit on the zone are what a zoned cell needs anyway: colocate/preflight.py).
+# Zone Read and DNS Edit on the zone are what a zoned cell needs anyway: colocate/cell/preflight.py).
 DNS_PROVIDER = "cloudflare"
 DNS_TOKEN_VAR = "CF_DNS_API_TOKEN"
 
@@ -111,7 +111,7 @@ class HopCredentials:
         )
         # zone-dns: the pods' certificates come from ACME, publicly trusted (readiness checks them
         # against the public roots: "ca" empty); elsewhere (the sandbox stack) from the cell's CA.
-        self.public = plan.pod_path == PATH_ZONE_DNS
+        self.public = plan.pod_path in (PATH_ZONE_DNS, PATH_ENDPOINT)
         self.acme_opts: pulumi.ResourceOptions | None = None
         self.acme_account: acme.Registration | None = None
         if self.public:
@@ -153,11 +153,11 @@ class HopCredentials:
         return key, cert
 
     def not_after(self) -> pulumi.Output[str]:
-        """The earliest end of the hop's leaves (colocate/certexpiry.py warns and fails before it)."""
+        """The earliest end of the hop's leaves (colocate/cell/certexpiry.py warns and fails before it)."""
         return pulumi.Output.all(*self.leaf_ends.values()).apply(lambda ends: min((e for e in ends if e), default=""))
 
     def by_role(self) -> pulumi.Output[dict]:
-        """When each role's certificate ends, as the keeper renews them (colocate/keeper.py): ``cell``
+        """When each role's certificate ends, as the keeper renews them (colocate/scaling/keeper.py): ``cell``
         (the Worker's and the readiness check's, renewed together: no pod holds them) and ``pod-<i>``."""
         roles = list(self.leaf_ends)
 
@@ -168,7 +168,8 @@ class HopCredentials:
 
         return pulumi.Output.all(*self.leaf_ends.values()).apply(group)
 
-    def _public_leaf(self, role: str, dns_name: str) -> tuple[tls.PrivateKey, pulumi.Output[str]]:
+    def _public_leaf(self, role: str, dns_name: str, renew_days: int = EARLY_RENEWAL_HOURS // 24,
+                     ) -> tuple[tls.PrivateKey, pulumi.Output[str]]:
         """A key of the stack's, and a publicly trusted certificate for ``dns_name`` (with its chain)
         from the ACME directory, by DNS-01 on the zone: the key never leaves the stack."""
         assert self.acme_account is not None and self.acme_opts is not None
@@ -185,7 +186,7 @@ class HopCredentials:
             certificate_request_pem=request.cert_request_pem,
             dns_challenges=[acme.CertificateDnsChallengeArgs(
                 provider=DNS_PROVIDER, config={DNS_TOKEN_VAR: _secret(self.dns_token)})],
-            min_days_remaining=EARLY_RENEWAL_HOURS // 24,
+            min_days_remaining=renew_days,
             opts=self.acme_opts,
         )
         self.leaf_ends[role] = cert.certificate_not_after
@@ -196,7 +197,10 @@ class HopCredentials:
     def pod(self, pod: PodPlan) -> tuple[dict[str, pulumi.Output[str]], pulumi.Output[str]]:
         """Pod ``pod``'s certificate: (scripts/pod.py's environment for it, the certificate's fingerprint)."""
         if self.public:
-            key, chain = self._public_leaf(f"pod-{pod.index}", pod.tls_name)
+            # An existing endpoint's is installed by its operator and renewed by no keeper: any `pulumi up`
+            # from the probe's first warning re-issues it, and waits until the box serves the new one.
+            renew = certexpiry.RENEW_DAYS if pod.endpoint is not None else EARLY_RENEWAL_HOURS // 24
+            key, chain = self._public_leaf(f"pod-{pod.index}", pod.tls_name, renew)
         else:
             key, cert = self._leaf(f"pod-{pod.index}", pod.tls_name, "server_auth", [pod.tls_name])
             chain = cert.cert_pem

@@ -12,11 +12,13 @@ from dataclasses import replace
 import pulumi
 import pulumi_cloudflare as cloudflare
 
-from colocate import fleet, outputs, preflight as preflight_mod, scaler
+from colocate.cell import outputs, preflight as preflight_mod
+from colocate.cell.plan import PATH_ENDPOINT, PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell, pod_scope
+from colocate.cell.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse, parse_replaced
 from colocate.errors import ConfigError
-from colocate.plan import PATH_LOCAL_HOSTNAME, PATH_ZONE_DNS, PLACEMENT_POD, CellPlan, plan_cell, pod_scope
-from colocate.scaler import SCALE_STEP_ENV
-from colocate.settings import MAX_PODS, NS, PROVIDER_SECRET, ScaleSettings, Settings, parse, parse_replaced
+from colocate.fleet import plan as fleet
+from colocate.scaling import signals
+from colocate.scaling.signals import SCALE_STEP_ENV
 
 from . import fleet as fleet_program
 from .cell import Cell, CellArgs
@@ -103,7 +105,7 @@ def live_state(settings: Settings, cell_plan: CellPlan) -> dict | None:
     # settings.credential_warning), probeToken, which the Worker binds then (plan.worker_bindings).
     token = pulumi.runtime.get_config(f"{NS}:{settings.operator_secrets['read']}") or ""
     try:
-        return scaler.CellClient(url, token).state()
+        return signals.CellClient(url, token).state()
     except (OSError, ValueError) as err:
         if settings.scale is None:
             pulumi.log.warn(f"{NS}:pod.replaced: what the keeper recorded could not be read from {url}/_colocate/scale "
@@ -123,7 +125,7 @@ def live_scale(settings: Settings, state: dict | None) -> ScaleSettings:
     where no controller recorded one (``state`` None, or a generation it has not written yet)."""
     scale = settings.scale
     assert scale is not None
-    desired = scaler.desired_of(state) if state is not None else None
+    desired = signals.desired_of(state) if state is not None else None
     if desired is None:
         return scale
     pods = min(max(desired[0], scale.min), scale.max)
@@ -157,7 +159,7 @@ def _under_mocks() -> bool:
 
 
 def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
-    acme = cell_plan.mtls and cell_plan.pod_path == PATH_ZONE_DNS
+    acme = cell_plan.mtls and cell_plan.pod_path in (PATH_ZONE_DNS, PATH_ENDPOINT)
     return preflight_mod.Shape(zone=cell_plan.worker.zone_id is not None, mtls=cell_plan.mtls, acme=acme,
                                acme_names=tuple(p.tls_name for p in cell_plan.pods) if acme else (),
                                acme_server=cell_plan.acme_server or "")
@@ -165,7 +167,7 @@ def shape_of(cell_plan: CellPlan) -> preflight_mod.Shape:
 
 def preflight(cell_plan: CellPlan) -> None:
     """The token's permissions and the zone's features, before any resource (a pod first of all)
-    is declared, in preview and up alike (colocate/preflight.py). Under the test mocks it runs
+    is declared, in preview and up alike (colocate/cell/preflight.py). Under the test mocks it runs
     only against a server named by CLOUDFLARE_API_BASE."""
     if os.environ.get(PREFLIGHT_ENV, "").lower() == "off":
         pulumi.log.warn(f"{PREFLIGHT_ENV}=off: the Cloudflare token's permissions are not checked before pods are rented")
@@ -202,7 +204,7 @@ def _total_cost(pods: list[dict]) -> float | None:
 
 
 def is_fleet_stack() -> bool:
-    """A stack whose colocate:fleet is set is a fleet stack (colocate/fleet.py)."""
+    """A stack whose colocate:fleet is set is a fleet stack (colocate/fleet/plan.py)."""
     return fleet.is_fleet({"fleet": pulumi.Config(NS).get_object("fleet")})
 
 
@@ -252,7 +254,7 @@ def main() -> dict[str, pulumi.Input]:
         outputs.BUDGET_E2E_MS: cell_plan.probe.budgets.get("e2e"),
         outputs.HOP_NOT_AFTER: cell.hop.not_after() if cell.hop is not None else None,
         outputs.POD_SCOPE: cell_plan.scope,
-        # What the keeper reads (colocate/keeper.py): the code this update uploads, where each pod was
+        # What the keeper reads (colocate/scaling/keeper.py): the code this update uploads, where each pod was
         # when it served (a pod found elsewhere was remapped), and when each role's certificate ends.
         outputs.WORKER_CONTENT_HASH: cell_plan.worker.content_hash(),
         outputs.POD_ADDRESSES: cell.pods.apply(lambda pods: [{"ip": p.get("ip"), "port": p.get("port")} for p in pods]),

@@ -13,8 +13,8 @@ import os
 import pulumi
 import pulumi_cloudflare as cloudflare
 
+from colocate.cell.settings import KEYS, NS, PROVIDER_SECRET, ZoneSettings
 from colocate.errors import MissingSetting
-from colocate.settings import KEYS, NS, PROVIDER_SECRET, ZoneSettings
 
 from .errors import ProgramError
 

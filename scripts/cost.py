@@ -6,8 +6,10 @@
 
 The usage comes from the Worker (GET /_colocate/usage, read token): a running sandbox of the
 stack, else the deployed stack (`pulumi stack output`), or --url with COLOCATE_READ_TOKEN.
-The pods' $/hr is the stack's podsCostPerHr output (what the providers reported); a sandbox's
-stand-in reports no price, so there it is colocate:pod.maxPricePerHr x pod.count, and said so.
+The pods' $/hr is the stack's podsCostPerHr output (what the providers reported; for endpoints the
+team runs, the sum of their colocate:pod.endpoints[].costPerHr, the team's own figure, 0 unless set,
+and said so); a sandbox's stand-in reports no price, so there it is colocate:pod.maxPricePerHr x
+pod.count (an existing cell's declared figures), and said so.
 The hours are the window's, or since the sandbox's pods started; --hours overrides.
 The fallback's price is colocate:fallbackPrice {input, output} in $ per 1M tokens.
 Exit 0 with the report, 2 on a usage error or an unreachable target. See docs/probe.md, "Cost".
@@ -27,17 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import (  # noqa: E402
-    admin,
-    capacity,
-    cost,
-    outputs as names,  # noqa: E402
-    settings,
-    stackfile,
-)
-from colocate.errors import ColocateError, ConfigError, ScriptError  # noqa: E402
+from colocate import admin, stackfile
+from colocate.cell import capacity, outputs as names, settings
+from colocate.errors import ColocateError, ConfigError, NoCapacity, ScriptError  # noqa: E402
 from colocate.probe import sandbox as probe_sandbox  # noqa: E402
 from colocate.sandbox.statedir import local_pod_records  # noqa: E402
+from colocate.scaling import cost
 
 DAY_S = 86_400
 PULUMI_TIMEOUT_S = 120
@@ -65,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hours", type=float, metavar="H", help="hours the pods ran in the window (default: the window's)")
     p.add_argument("--capacity-rpm", type=float, metavar="N",
                    help="requests per minute one pod can serve; gives the utilisation (default: the knee of the "
-                        "default pod profile, colocate/capacity.py; measure yours with make bench-pod)")
+                        "default pod profile, colocate/cell/capacity.py; measure yours with make bench-pod)")
     p.add_argument(
         "--price", metavar="IN,OUT", help="the fallback's $ per 1M input,output tokens (default: colocate:fallbackPrice)"
     )
@@ -191,6 +188,15 @@ def _run(args: argparse.Namespace) -> int:
         hours = window_h
         notes.append(f"assumes the pods ran the whole {days}-day window; pass --hours if they did not")
     cost_per_hr, source = args.cost_per_hr, "--cost-per-hr"
+    own = pod is not None and pod.provider == settings.EXISTING
+    if own and cost_per_hr is None:
+        assert pod is not None
+        declared = sum(e.cost_per_hr for e in pod.endpoints)
+        notes.append("the pods are endpoints you run: their cost is your own figure, colocate:pod.endpoints[].costPerHr"
+                     + (" (unset: 0, so they look free here; set each to what its box costs you an hour)"
+                        if declared == 0 else f" (${declared:g}/hr together), not a provider's bill"))
+        if target.source != "stack":  # a deployed stack's podsCostPerHr is the figure it declared
+            cost_per_hr, source = declared, "colocate:pod.endpoints[].costPerHr"
     if cost_per_hr is None:
         if target.source == "sandbox" and pod is not None:
             cost_per_hr = pod.max_price_per_hr * pod.count
@@ -203,14 +209,19 @@ def _run(args: argparse.Namespace) -> int:
                             f"pass --cost-per-hr USD (the stack's {names.PODS_COST_PER_HR} output) or --stack S")
     # A window shorter than the days asked (a sandbox up for minutes): volumes per day of what ran.
     span_days = min(days, hours / 24) if hours > 0 else days
-    capacity_rpm = args.capacity_rpm
-    if capacity_rpm is None:  # a pod's capacity from its profile's knee, not a guess
-        knee, where = capacity.knee_rps()
-        capacity_rpm = round(knee * 60, 1)
-        notes.append(f"capacity {capacity_rpm:g} req/min a pod: {where}; pass --capacity-rpm for your own pods")
+    capacity_rpm, request_tokens = args.capacity_rpm, None
+    if capacity_rpm is None:  # a pod's capacity from its profile's knee, not a guess: the sandbox's own
+        profile = pod.profile if pod is not None and pod.provider == "local" else capacity.DEFAULT_PROFILE
+        try:
+            knee, where = capacity.knee_rps(profile)
+        except NoCapacity as exc:
+            notes.append(f"no capacity to count utilisation by: {exc}; pass --capacity-rpm")
+        else:
+            capacity_rpm, request_tokens = round(knee * 60, 1), capacity.knee_request_tokens(profile)
+            notes.append(f"capacity {capacity_rpm:g} req/min a pod: {where}; pass --capacity-rpm for your own pods")
     r = cost.report(rows, cost_per_hr=cost_per_hr, hours=hours, window_days=span_days or days, price=price,
                     cost_source=source, pod_count=pod.count if pod else 1, capacity_rpm=capacity_rpm, today=today,
-                    caps=caps)
+                    caps=caps, price_counted=not args.price, capacity_tokens_per_request=request_tokens)
     r.notes[:0] = notes
     if args.json:
         print(json.dumps({**cost.to_json(r), "since_day": since_day, "until_day": today, "url": target.url}, indent=2))

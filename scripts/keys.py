@@ -139,15 +139,15 @@ def usage_table(rows: list[dict]) -> str:
         served = r["pod_requests"] + r["fallback_requests"]
         return f"{100 * r['fallback_requests'] / served:.1f} %" if served else "-"
 
-    body = [[r["day"], r["name"] or r["key_id"], r["requests"], r["prompt_tokens"], r["completion_tokens"],
+    body = [[r["day"], r["name"] or r["key_id"], r["requests"], r.get("refused", 0), r["prompt_tokens"], r["completion_tokens"],
              r["pod_requests"], r["fallback_requests"], share(r)] for r in rows]
     if rows:
-        total = {k: sum(r[k] for r in rows) for k in ("requests", "prompt_tokens", "completion_tokens", "pod_requests",
-                                                     "fallback_requests")}
-        body.append(["total", "", total["requests"], total["prompt_tokens"], total["completion_tokens"],
+        total = {k: sum(r.get(k, 0) for r in rows) for k in ("requests", "refused", "prompt_tokens", "completion_tokens",
+                                                            "pod_requests", "fallback_requests")}
+        body.append(["total", "", total["requests"], total["refused"], total["prompt_tokens"], total["completion_tokens"],
                      total["pod_requests"], total["fallback_requests"], share(total)])
-    return _table(["day", "key", "requests", "prompt tok", "completion tok", "pod", "fallback", "fallback share"],
-                  body, {2, 3, 4, 5, 6, 7})
+    return _table(["day", "key", "requests", "refused", "prompt tok", "completion tok", "pod", "fallback", "fallback share"],
+                  body, {2, 3, 4, 5, 6, 7, 8})
 
 
 class UsageError(ScriptError):
@@ -181,6 +181,10 @@ def limits_line(row: dict, args: argparse.Namespace) -> str:
     given = {"rpm": args.rpm, "tpm": args.tpm, "monthly_tokens": args.monthly_tokens, "max_parallel": args.max_parallel,
              "max_parallel_tokens": args.max_parallel_tokens}
     parts = [f"{name} {row.get(name) or 'no limit'}{'' if given[name] is not None else ' (default)'}" for name in given]
+    own = row.get("fallback_microusd_day") or 0
+    parts.append(f"fallback ${own / 1e6:g} a day" if own else "fallback: the cell's per-key cap")
+    if args.fallback_usd_per_day is None:
+        parts[-1] += " (default)"
     return "limits: " + ", ".join(parts) + "; (default) = the cell's colocate:keys.defaults, 0 = no limit"
 
 
@@ -288,7 +292,7 @@ def fleet_list(args, cells, targets) -> int:
     return 1 if failed or uneven else 0
 
 
-USAGE_SUMS = ("requests", "prompt_tokens", "completion_tokens", "pod_requests", "fallback_requests")
+USAGE_SUMS = ("requests", "refused", "prompt_tokens", "completion_tokens", "pod_requests", "fallback_requests")
 
 
 def fleet_usage_rows(cells, answers: dict[str, dict]) -> list[dict]:
@@ -300,7 +304,7 @@ def fleet_usage_rows(cells, answers: dict[str, dict]) -> list[dict]:
             names[r["key_id"]] = r["name"] or r["key_id"]
             acc = per.setdefault((r["key_id"], cell), dict.fromkeys(USAGE_SUMS, 0))
             for f in USAGE_SUMS:
-                acc[f] += r[f]
+                acc[f] += r.get(f, 0)  # a cell of the release before has no `refused`
     out = []
     for key_id in sorted({k for k, _ in per}):
         mine = [(c, per[(key_id, c)]) for c in cells if (key_id, c) in per]
@@ -318,8 +322,9 @@ def fleet_usage(args, cells, targets) -> int:
     if args.json:
         print(json.dumps({"usage": rows, "cells": answers, "failed": {c: str(e) for c, e in failed.items()}}, indent=2))
     else:
-        print(_table(["key", "cell", "requests", "prompt tok", "completion tok", "pod", "fallback"],
-                     [[r["name"] or r["key_id"], r["cell"], *(r[f] for f in USAGE_SUMS)] for r in rows], {2, 3, 4, 5, 6}), end="")
+        print(_table(["key", "cell", "requests", "refused", "prompt tok", "completion tok", "pod", "fallback"],
+                     [[r["name"] or r["key_id"], r["cell"], *(r[f] for f in USAGE_SUMS)] for r in rows], {2, 3, 4, 5, 6, 7}),
+              end="")
     if failed:
         report_failed(args, failed, list(answers), "usage read", None)
         return 1

@@ -34,10 +34,11 @@ sys.path.insert(0, str(ROOT))
 
 import requests  # noqa: E402
 
-from colocate import admin, cli, migration, stackfile  # noqa: E402
+from colocate import admin, cli, stackfile
+from colocate.cell import migration  # noqa: E402
+from colocate.cell.ledger import UNKNOWN_REGION, Ledger  # noqa: E402
+from colocate.cell.plan import MIGRATIONS  # noqa: E402
 from colocate.errors import ColocateError, ConfigError, LedgerError, UnsupportedProvider  # noqa: E402
-from colocate.ledger import UNKNOWN_REGION, Ledger  # noqa: E402
-from colocate.plan import MIGRATIONS  # noqa: E402
 from colocate.sandbox.statedir import LAUNCH_FILE  # noqa: E402
 
 
@@ -79,8 +80,8 @@ def _running_sandbox(stack: str, stacks_dir: Path) -> Path | None:
 def _deploy_cmd(stack: str, stacks_dir: Path, raw: dict) -> str:
     """The command that deploys this stack file: the sandbox's own apply for a cell that runs
     (or can only run) in the sandbox, `pulumi up` for a cloud cell."""
+    from colocate.cell.settings import POD_DEFAULTS
     from colocate.sandbox import supervisor
-    from colocate.settings import POD_DEFAULTS
 
     state_dir = _running_sandbox(stack, stacks_dir)
     if state_dir is not None:

@@ -5,7 +5,7 @@ stdout: exactly one JSON object. stderr: logs and progress. Exit 0 on success, 2
 usage or configuration error (bad spec, missing key, a provider that cannot serve the
 region), 1 when the provider fails (capacity, readiness, refusals).
 
-  create --spec FILE|-      spec = JSON of colocate.plan.PodPlan.spec(); token from env POD_TOKEN
+  create --spec FILE|-      spec = JSON of colocate.cell.plan.PodPlan.spec(); token from env POD_TOKEN
                             (rent + wait in one process)
   rent --spec FILE|-        adopt or place the spec's pod, without waiting: {"id","provider","name"}
   wait --spec FILE|-        the spec with "rented" = rent's output: wait until that pod serves
@@ -19,6 +19,9 @@ region), 1 when the provider fails (capacity, readiness, refusals).
                             pods named colocate-<S>[-<scope>]-<region>-g<N>[-p<i>]-<digest> other than
                             the kept ones; the stack must exist (exit 2 otherwise). --scope (the stack's
                             podScope output) leaves another project's stack of the same name alone
+
+An existing endpoint (provider existing: a box the team runs) is recorded by rent and checked by wait,
+and never created or deleted: delete exits 2 and sweep finds none (colocate/pods/existing.py).
 
 create/delete/status read keys from the environment only: RUNPOD_API_KEY, VASTAI_API_KEY
 (pulumi up passes them). sweep finds the stack's provider key as `pulumi up` does: the
@@ -42,12 +45,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from colocate import stackfile  # noqa: E402
+from colocate.cell.settings import PROVIDER_SECRET  # noqa: E402
 from colocate.errors import ScriptError  # noqa: E402
 from colocate.pods import lifecycle, spec as podspec, stackkeys, stop  # noqa: E402
 from colocate.pods.errors import FatalError, PodConfigError, PodError  # noqa: E402
-from colocate.settings import PROVIDER_SECRET  # noqa: E402
 
-PROVIDERS = ("runpod", "vastai", "local")
+PROVIDERS = ("runpod", "vastai", "local", "existing")
 REFUSED_KEY = (401, 403)  # the provider's answer to a revoked or wrong key
 
 

@@ -34,9 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import catalogue, cli, stackfile  # noqa: E402
+from colocate import cli, stackfile  # noqa: E402
+from colocate.cell import catalogue
+from colocate.cell.catalogue import EXISTING  # noqa: E402
+from colocate.cell.plan import PATH_ENDPOINT, POD_PATHS, placement_mode  # noqa: E402
 from colocate.errors import ConfigError  # noqa: E402
-from colocate.plan import POD_PATHS, placement_mode  # noqa: E402
 from colocate.probe import budgets, connections, fallbackshare, keys, outputs, report, sample  # noqa: E402
 from colocate.probe.errors import ProbeError, UsageError  # noqa: E402
 from colocate.probe.placement import PLACEMENT_MODES  # noqa: E402
@@ -88,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
                    help="pod mode: the address Cloudflare places by (default: the stack's placementHost output)")
     p.add_argument("--hop-not-after", metavar="RFC3339",
                    help="when the pod hop's earliest certificate ends: a warning 30 days ahead, a failed check 7 days "
-                        "ahead (default: the stack's hopCertsNotAfter output; colocate/certexpiry.py)")
+                        "ahead (default: the stack's hopCertsNotAfter output; colocate/cell/certexpiry.py)")
     p.add_argument("--model", help="model for the routed request (default: the first of GET /v1/models)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
@@ -236,15 +238,15 @@ def _probe(args: argparse.Namespace) -> int:
               f"{f'--stack {args.stack}' if args.stack else url}",
               file=sys.stderr)
     table, doc = _keeper(_fetch_scale(url, token, args.timeout), report.table(result), report.to_json(result, args.warn_only))
-    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, table, doc)
+    table, doc, certs_ok = _hop_certificates(hop_not_after, args.stack, table, doc, pod_path == PATH_ENDPOINT)
     return _emit(args, table, doc, (result.ok or result.provisional) and certs_ok, plot)
 
 
 def _keeper(scale: dict | None, table: str, doc: dict) -> tuple[str, dict]:
-    """The keeper's last pass (colocate/keeper.py) as the generation holds it: one line and the JSON's
+    """The keeper's last pass (colocate/scaling/keeper.py) as the generation holds it: one line and the JSON's
     ``keeper`` (each pod's verdict, the alerts, the last events). Shown, not judged: its alerts page
     through /_colocate/metrics and the keeper's exit status."""
-    from colocate import keeper
+    from colocate.scaling import keeper
 
     record = (scale or {}).get("keeper")
     if not isinstance(record, dict):
@@ -253,17 +255,19 @@ def _keeper(scale: dict | None, table: str, doc: dict) -> tuple[str, dict]:
     return table + keeper.summary(record), {**doc, "keeper": {**shown, "events": (record.get("events") or [])[-3:]}}
 
 
-def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc: dict) -> tuple[str, dict, bool]:
-    """The hop certificates' verdict (colocate/certexpiry.py) added to the table and the JSON;
-    False when they end within FAIL_DAYS (the check fails, as a budget does)."""
+def _hop_certificates(not_after: str | None, stack: str | None, table: str, doc: dict,
+                      endpoints: bool = False) -> tuple[str, dict, bool]:
+    """The hop certificates' verdict (colocate/cell/certexpiry.py) added to the table and the JSON;
+    False when they end within FAIL_DAYS (the check fails, as a budget does). ``endpoints``: the pods
+    are endpoints the team runs, whose certificates their operator installs."""
     if not not_after:
         return table, doc, True
     from datetime import UTC, datetime
 
-    from colocate import certexpiry
+    from colocate.cell import certexpiry
 
     try:
-        verdict = certexpiry.check(not_after, datetime.now(UTC), stack)
+        verdict = certexpiry.check(not_after, datetime.now(UTC), stack, endpoints=endpoints)
     except ValueError:
         raise UsageError("--hop-not-after", not_after, "is not an RFC 3339 time", "e.g. 2027-03-06T06:00:00Z") from None
     doc = {**doc, "hop_certificates": verdict.as_json()}
@@ -457,8 +461,19 @@ def _live(args: argparse.Namespace) -> int:
     if scale_doc is not None:
         body["scale"] = scale_doc
     table, body = _keeper(scale, live.table(result) + scale_line, body)
-    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, table, body)
+    table, body, certs_ok = _hop_certificates(hop_not_after, args.stack, table, body, _endpoints(args))
     return _emit(args, table, body, result.ok and certs_ok, lambda path: live.write_plot(result, path))
+
+
+def _endpoints(args: argparse.Namespace) -> bool:
+    """Whether the stack's pods are endpoints the team runs (colocate:pod.provider existing)."""
+    if not args.stack:
+        return False
+    try:
+        pod = stackfile.read_config(args.stack, args.stacks_dir)[0].get("pod")
+    except ConfigError:
+        return False
+    return isinstance(pod, dict) and pod.get("provider") == EXISTING
 
 
 def _max_share(args: argparse.Namespace, cfg) -> float:

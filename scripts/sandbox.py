@@ -299,7 +299,7 @@ def _fleet_of(args) -> str | None:
     stack = getattr(args, "stack", None)
     if not stack:
         return None
-    from colocate import fleet as fleet_cfg
+    from colocate.fleet import plan as fleet_cfg
 
     stacks_dir = getattr(args, "stacks_dir", None) or stackfile.STACKS_DIR
     if stackfile.path_of(stack, stacks_dir).exists():

@@ -7,9 +7,9 @@
     scale.py status --stack S [--sandbox [--state-dir DIR]]                            the last decision, the keeper, the lock
 
 ``run`` passes every ``--interval`` seconds, holding the generation's lock: it keeps the cell
-(colocate/keeper.py: refuses to deploy from a checkout whose Worker is not the running one,
+(colocate/scaling/keeper.py: refuses to deploy from a checkout whose Worker is not the running one,
 replaces a dead, remapped or misplaced pod alone, renews certificates one pod at a time), then
-reads the cell's signals (``/_colocate/scale``), decides (colocate/scale.py) and makes the stack
+reads the cell's signals (``/_colocate/scale``), decides (colocate/scaling/policy.py) and makes the stack
 declare the new count. A cell without ``colocate:scale`` is kept, not scaled. The cloud needs the
 Pulumi CLI, logged in to the stack's backend, and the provider's API key (RUNPOD_API_KEY,
 VASTAI_API_KEY, or the stack's secret), and reads the Worker's URL and admin token from the
@@ -32,11 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from colocate import plan as plan_mod, settings as settings_mod, stackfile  # noqa: E402
+from colocate import stackfile  # noqa: E402
+from colocate.cell import plan as plan_mod, settings as settings_mod
 from colocate.errors import ConfigError  # noqa: E402
-from colocate.keeper import Keeper  # noqa: E402
 from colocate.sandbox.statedir import READY_FILE  # noqa: E402
-from colocate.scaler import CellClient, Controller, PulumiDeployer, lease_ttl, policy_of  # noqa: E402
+from colocate.scaling.controller import CellClient, Controller, PulumiDeployer, lease_ttl, policy_of  # noqa: E402
+from colocate.scaling.keeper import Keeper  # noqa: E402
 
 
 def scale_settings(stack: str, stacks_dir: Path):
@@ -134,7 +135,7 @@ ALERT_EXIT = 3
 
 
 def checkout_hash() -> str:
-    """The content hash of the Worker this checkout would upload (colocate/plan.py WorkerPlan.content_hash)."""
+    """The content hash of the Worker this checkout would upload (colocate/cell/plan.py WorkerPlan.content_hash)."""
     return plan_mod.modules_hash(plan_mod.worker_modules())
 
 

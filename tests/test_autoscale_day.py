@@ -1,4 +1,4 @@
-"""The compressed day's arithmetic (colocate/autoscale_day.py): the shape CSV and --prices, the
+"""The compressed day's arithmetic (colocate/scaling/day.py): the shape CSV and --prices, the
 send schedule, pod-hours, the three-way bill and the done-when verdicts. Pure and fast; the
 demo itself runs in tests/test_sandbox_autoscale.py. A bad --shape through the CLI is refused
 before anything starts."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import autoscale_day as day, scale
 from colocate.errors import ConfigError
+from colocate.scaling import day as day, policy as scale
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = ("apac-jp", "eu-west", "us-east")

@@ -60,7 +60,10 @@ def test_a_peer_that_cannot_be_installed_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(peers.shutil, "which", lambda _name: None)
     with pytest.raises(peers.PeerUnavailable, match="npm is not installed"):
         peers.portkey_entry()
-    # a venv whose pip cannot install: the reason is pip's own last lines
+    # a venv whose pip cannot install: the reason is pip's own last lines. pip is refused the
+    # index (PIP_NO_INDEX, which it honours as --no-index) so that it fails at once, not after
+    # asking the network for a version that does not exist.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setattr(peers, "LITELLM_VERSION", "0.0.0-no-such-version")
     monkeypatch.setattr(peers.sys, "executable", sys.executable)
     with pytest.raises(peers.PeerUnavailable, match=r"pip install litellm\[proxy\] failed"):

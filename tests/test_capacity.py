@@ -1,5 +1,5 @@
 """A pod's capacity and boot time as the scaling policy, demo-autoscale and cost.py assume them
-(colocate/capacity.py): the knee of the pod's profile, not a guessed 300 requests a minute, and a
+(colocate/cell/capacity.py): the knee of the pod's profile, not a guessed 300 requests a minute, and a
 real pod's 20-minute boot, which colocate:pod.readyTimeoutS covers."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from colocate import capacity, settings
+from colocate.cell import capacity, settings
 from colocate.pods import profiles
 
 

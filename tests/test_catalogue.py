@@ -3,7 +3,7 @@
 
 import pytest
 
-from colocate import catalogue, geo
+from colocate.cell import catalogue, geo
 from colocate.errors import UnknownRegion, UnsupportedProvider
 
 REQUIRED = ("apac-tw", "apac-jp", "us-east", "us-west", "eu-west")

@@ -1,15 +1,17 @@
-"""The cell's cost against the fallback API: colocate/cost.py (pure) and scripts/cost.py against a real router."""
+"""The cell's cost against the fallback API: colocate/scaling/cost.py (pure) and scripts/cost.py against a real router."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
-from colocate import capacity, cost, settings
+from colocate.cell import capacity, settings
 from colocate.errors import ConfigError
+from colocate.scaling import cost
 from scripts import cost as cli
 from tests.support.workerd import SECRETS, chat, running_cell
 
@@ -59,6 +61,75 @@ def test_mixed_days_split_tokens_by_requests_and_say_so():
     r = cost.report([row("2026-12-01", "a", 300, 100, 3, 1)], cost_per_hr=1, hours=1, window_days=1, price=PRICE)
     assert r.pods.prompt_tokens == pytest.approx(225) and r.fallback.completion_tokens == pytest.approx(25)
     assert any("split between pods and fallback by requests" in n for n in r.notes)
+
+
+def test_the_fallbacks_spend_is_what_the_worker_counted_and_today_is_part_of_the_window():
+    """A key-day where the pods wrote long answers and the fallback short ones (the sandbox's fallback
+    answers in a few tokens): split by requests, two thirds of the pods' tokens were priced as the
+    fallback's, a spend over twice what the Worker counted against the cap for the same day."""
+    pod_answers, fb_answers = 10 * 600, 20 * 9  # 10 pod requests of 600 tokens, 20 fallback ones of 9
+    prompts = 30 * 100
+    spent = math.ceil(20 * (100 * 0.15 + 9 * 0.60))  # microusd, as the Worker counts each answer (rounded up)
+    today = {**row("2026-12-07", "a", prompts, pod_answers + fb_answers, 10, 20), "fallback_microusd": spent}
+    r = cost.report([today], cost_per_hr=0.8, hours=1, window_days=1, price=PRICE, today="2026-12-07")
+    assert r.fallback_spend == pytest.approx(spent / 1e6) == r.today_fallback_spend
+    # the two lines add up: the pods' tokens at the fallback's price and the fallback's own spend are all the tokens
+    assert r.pods_tokens_at_fallback_price + r.fallback_spend == pytest.approx(PRICE.of(prompts, pod_answers + fb_answers))
+    assert r.fallback.requests == 20 and r.fallback.tokens < 0.2 * (prompts + pod_answers + fb_answers)
+    earlier = {**row("2026-12-06", "a", 1000, 1000, 0, 5), "fallback_microusd": 750}
+    both = cost.report([earlier, today], cost_per_hr=0.8, hours=48, window_days=2, price=PRICE, today="2026-12-07")
+    assert both.fallback_spend == pytest.approx((spent + 750) / 1e6) and both.fallback_spend > both.today_fallback_spend
+    # at a price other than the one the Worker counted at (--price), the spend is that price's
+    other = cost.report([today], cost_per_hr=0.8, hours=1, window_days=1, price=cost.Price(1, 1), price_counted=False)
+    assert other.fallback_spend == pytest.approx(other.fallback.tokens / 1e6)
+
+
+def test_utilisation_counts_the_tokens_a_pod_fills_with_and_a_fallback_share_it_cannot_explain_is_said():
+    """A pod kept busy with 5,000-token prompts (bench.busy's shape) is full at a fourteenth of the
+    knee's requests: counted in requests it looked 7 % busy while the fallback took two thirds."""
+    rpm, size = capacity.pod_capacity(), capacity.knee_request_tokens()
+    assert 350 <= size <= 360  # 256 in, about 100 out
+    minutes = 6
+    per_min = rpm * size / 5001  # as many 5,000-token prompts a minute as the knee's tokens
+    pod_requests = round(per_min * minutes)
+    rows = [{**row("2026-12-07", "a", pod_requests * 5000 + 2 * pod_requests * 30, pod_requests + 2 * pod_requests * 8,
+                   pod_requests, 2 * pod_requests), "fallback_microusd": 2 * pod_requests * math.ceil(30 * 0.15 + 8 * 0.6)}]
+    full = cost.report(rows, cost_per_hr=0.8, hours=minutes / 60, window_days=1, price=PRICE, capacity_rpm=rpm,
+                       capacity_tokens_per_request=size)
+    assert 0.9 <= full.utilisation <= 1.1, full.utilisation
+    assert not any("not for want of capacity" in n for n in full.notes)
+    assert f"of {rpm * size:,.0f} tokens/min ({rpm:g} req/min of {size:,.0f} tokens) x 1 pods" in cost.table(full)
+    idle = cost.report(rows, cost_per_hr=0.8, hours=10, window_days=1, price=PRICE, capacity_rpm=rpm,
+                       capacity_tokens_per_request=size)
+    assert idle.utilisation < 0.1
+    assert any(n.startswith("the fallback served 67% of the requests while the pods were 1% busy over 10 h")
+               for n in idle.notes), idle.notes
+
+
+def test_amounts_under_a_cent_are_written_as_they_are():
+    assert [cost.dollars(v) for v in (0, 0.001, 0.0012345, 0.000004, 0.02, 1234.5)] == [
+        "$0.00", "$0.001", "$0.0012", "$0.000004", "$0.02", "$1,234.50"]
+    r = cost.report([{**row("2026-12-07", "a", 100, 10, 0, 1), "fallback_microusd": 21}], cost_per_hr=0.8, hours=1,
+                    window_days=1, price=PRICE, today="2026-12-07", caps=(0.001, 0.0005))
+    text = cost.table(r)
+    assert "$0.000021 of $0.001 a day (cell); highest key $0.000021 of $0.0005 a day" in text, text
+    from colocate.probe import live
+
+    line = live.spend_line({"day": "2026-12-07", "usd": 0.0004, "cell_cap_usd": 0.001, "key_cap_usd": None})
+    assert line == "fallback spend 2026-12-07 (UTC): $0.0004 of $0.001 a day for the cell; each key no cap"
+
+
+def test_the_pods_cost_and_what_they_saved_or_cost_more_are_told_apart():
+    """11 s of a sandbox: the pods cost $0.0025, their tokens $0.00011 at the fallback's price. The
+    line said "(the cell cost $0.0023)" below "pods $0.0025": two costs of the cell in one report."""
+    r = cost.report([row("2026-12-07", "a", 111, 150, 3, 0)], cost_per_hr=0.8, hours=11 / 3600, window_days=1,
+                    price=PRICE)
+    text = cost.table(r)
+    assert "pods              $0.0024 = $0.8/hr x 11 s" in text, text
+    assert "(the cell cost $0.0023 more)" in text, text
+    cheap = cost.report([row("2026-12-07", "a", 10**9, 10**9, 3, 0)], cost_per_hr=0.8, hours=1, window_days=1,
+                        price=PRICE)
+    assert "(the cell saved $749.20)" in cost.table(cheap)
 
 
 def test_without_a_price_only_the_pods_cost():
@@ -137,7 +208,7 @@ def test_cli_reads_the_routers_usage(cell, capsys, monkeypatch, tmp_path):
     assert doc["pods_cost"] == pytest.approx(12.0) and doc["fallback_price_per_m"] == {"input": 0.15, "output": 0.6}
     assert doc["break_even_tokens_per_day"] == pytest.approx(12 / doc["blended_price_per_m"] * 1e6, rel=1e-3)
     assert (tmp_path / "c.png").exists()
-    # a pod's capacity is the default profile's knee unless given (colocate/capacity.py), and said so
+    # a pod's capacity is the default profile's knee unless given (colocate/cell/capacity.py), and said so
     assert doc["capacity_rpm"] == capacity.pod_capacity() and doc["utilisation"] is not None
     assert any("rtx4090-qwen2.5-7b-int4" in n for n in doc["notes"])
     code, out, _ = _run(capsys, "--url", cell.url, "--cost-per-hr", "0.5", "--since", "1d")
@@ -163,3 +234,25 @@ def test_cli_as_a_subprocess_prints_help():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "cost.py"), "--help"], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0 and "--since" in out.stdout and "--plot" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("figure", [0.35, None])
+def test_endpoints_the_team_runs_cost_their_declared_figure_and_say_whose_it_is(cell, capsys, monkeypatch, tmp_path,
+                                                                                 figure):
+    from colocate import stackfile
+
+    monkeypatch.setenv("COLOCATE_READ_TOKEN", SECRETS["PROBE_TOKEN"])
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    stackfile.path_of("apac-tw-own", stacks).write_bytes(stackfile.path_of("apac-tw-own").read_bytes())
+    endpoint = {"ip": "203.0.113.7", "port": 8443, "location": "TPE", **({"costPerHr": figure} if figure else {})}
+    stackfile.write_config("apac-tw-own", {"pod": {"provider": "existing", "endpoints": [endpoint]}}, stacks)
+    code, out, err = _run(capsys, "--url", cell.url, "--stack", "apac-tw-own", "--stacks-dir", str(stacks), "--since",
+                          "1d", "--hours", "10", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["cost_per_hr"] == (figure or 0) and doc["pods_cost"] == pytest.approx(10 * (figure or 0))
+    assert doc["cost_source"] == "colocate:pod.endpoints[].costPerHr"
+    note = next(n for n in doc["notes"] if "endpoints you run" in n)
+    assert ("look free here" in note) == (figure is None)

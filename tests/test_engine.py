@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -315,18 +316,26 @@ def test_the_default_pod_serves_16_short_turns_a_second_within_the_budget():
     assert r.ttft_ms(99) < profiles.DEFAULT_TTFT_P99_BUDGET_MS
 
 
-def test_the_published_knee_is_the_engines():
-    for p in profiles.PROFILES.values():
-        if p.oracle_ms is None:
-            k = engine.knee(p)
-            assert k.rate == pytest.approx(p.knee_rps, rel=0.05), p.name
-            assert k.ttft_p99_ms <= profiles.DEFAULT_TTFT_P99_BUDGET_MS
-            # Just past the knee, a budget is broken: the first token's, or the pace's.
-            rate = k.rate * 1.3
-            past = engine.simulate(p, requests=engine.knee_requests(rate), input_tokens=profiles.KNEE_INPUT_TOKENS,
-                                   output_tokens=profiles.KNEE_OUTPUT_TOKENS, rate=rate)
-            assert (past.ttft_ms(99) > profiles.DEFAULT_TTFT_P99_BUDGET_MS
-                    or past.tpot_ms(50) > profiles.DEFAULT_TPOT_P50_BUDGET_MS), p.name
+@functools.cache  # deterministic (seed 0): the tests that ask for the same run share it
+def knee_run(name: str, rate: float) -> engine.Result:
+    return engine.simulate(profiles.get(name), requests=engine.knee_requests(rate), input_tokens=profiles.KNEE_INPUT_TOKENS,
+                           output_tokens=profiles.KNEE_OUTPUT_TOKENS, rate=rate)
+
+
+def within_budgets(r: engine.Result) -> bool:
+    return r.ttft_ms(99) <= profiles.DEFAULT_TTFT_P99_BUDGET_MS and r.tpot_ms(50) <= profiles.DEFAULT_TPOT_P50_BUDGET_MS
+
+
+@pytest.mark.parametrize("name", [n for n, p in profiles.PROFILES.items() if p.oracle_ms is None])
+def test_the_published_knee_is_the_engines(name):
+    """The engine's knee lies within 5 % above the published one: every budget holds at the published
+    rate and one breaks 5 % past it. Two runs at the edges of the band, not engine.knee()'s bisection
+    of the whole curve (a dozen runs each; test_a_tighter_budget_gives_a_lower_knee runs that)."""
+    p = profiles.get(name)
+    at = knee_run(name, p.knee_rps)
+    assert within_budgets(at), (at.ttft_ms(99), at.tpot_ms(50))
+    past = knee_run(name, p.knee_rps * 1.05)
+    assert not within_budgets(past), (past.ttft_ms(99), past.tpot_ms(50))
 
 
 def test_a_knee_run_is_long_enough_for_an_overload_to_show():
@@ -335,15 +344,14 @@ def test_a_knee_run_is_long_enough_for_an_overload_to_show():
     short = engine.simulate(P, requests=300, input_tokens=256, output_tokens=128, rate=34)
     minute = engine.simulate(P, requests=engine.knee_requests(34), input_tokens=256, output_tokens=128, rate=34)
     assert engine.knee_requests(34) == 34 * 60 and short.ttft_ms(99) < minute.ttft_ms(99)
-    assert minute.ttft_ms(99) > profiles.DEFAULT_TTFT_P99_BUDGET_MS and engine.knee(P).rate < 34
+    assert minute.ttft_ms(99) > profiles.DEFAULT_TTFT_P99_BUDGET_MS and P.knee_rps < 34
 
 
 def test_a_pod_at_its_knee_keeps_the_routers_default_pace():
-    from colocate import settings
+    from colocate.cell import settings
 
     assert settings.WORKER_DEFAULTS["minTokensPerS"] == 1000 / profiles.DEFAULT_TPOT_P50_BUDGET_MS
-    r = engine.simulate(P, requests=engine.knee_requests(P.knee_rps), input_tokens=256, output_tokens=128,
-                        rate=P.knee_rps)
+    r = knee_run(P.name, P.knee_rps)
     assert r.tpot_ms(50) <= profiles.DEFAULT_TPOT_P50_BUDGET_MS and r.ttft_ms(99) <= profiles.DEFAULT_TTFT_P99_BUDGET_MS
 
 

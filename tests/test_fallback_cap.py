@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from colocate import settings
+from colocate.cell import settings
 from colocate.errors import ConfigError
 from colocate.pods import standin
 from colocate.probe import live
@@ -23,20 +23,25 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 MAX_TOKENS = 4
 # One fallback answer's cost: the stand-in fallback reports these tokens (colocate.pods.standin).
 COST = (standin.prompt_tokens({"messages": MESSAGES}) + MAX_TOKENS) * PRICE / 1e6
-KEY_CAP, CELL_CAP = round(1.5 * COST, 2), round(3.5 * COST, 2)
+BODY = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": MAX_TOKENS}).encode()
+# What the router reserves for one before calling the fallback (spendcap.js worstCost): every
+# body byte a prompt token, and max_tokens. A request goes only if that fits beside the spend.
+WORST = (len(BODY) + MAX_TOKENS) * PRICE / 1e6
+KEY_CAP, CELL_CAP = round(WORST + 1.5 * COST, 2), round(WORST + 3.5 * COST, 2)
+# The keys here have no cap of their own (the stack's keys.defaults gives one): the cell's per-key cap holds.
+NO_OWN_CAP = {"defaults": {"fallbackUsdPerDay": 0}}
 DAY_S = 86_400
 
 
 @pytest.fixture(scope="module")
 def cell():
     with running_cell({"stateTtlMs": 60_000}, split_tokens=True, fallbackPrice={"input": PRICE, "output": PRICE},
-                      fallbackCap={"cellUsdPerDay": CELL_CAP, "keyUsdPerDay": KEY_CAP}) as c:
+                      fallbackCap={"cellUsdPerDay": CELL_CAP, "keyUsdPerDay": KEY_CAP}, keys=NO_OWN_CAP) as c:
         yield c
 
 
 def chat(cell, key):
-    data = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": MAX_TOKENS}).encode()
-    return request(cell.url, "POST", "/v1/chat/completions", body=data,
+    return request(cell.url, "POST", "/v1/chat/completions", body=BODY,
                    headers={"authorization": f"Bearer {key['key']}", "content-type": "application/json"})
 
 
@@ -44,11 +49,12 @@ def seconds_to_day_end() -> int:
     return math.ceil(DAY_S - time.time() % DAY_S)
 
 
-def refused_by(res, who: str, cap: float, field: str, before: int, after: int) -> None:
+def refused_by(res, who: str, cap: float, field: str, before: int, after: int, used: float = 2 * COST) -> None:
     assert res.status == 429 and res.headers["x-colocate-backend"] == "none"
     assert res.json()["error"] == {
-        "message": f"no pod could serve this request, and the fallback API's spend cap for today is reached: ${cap:.2f} a day "
-                   f"for {who} (colocate:fallbackCap.{field}); retry when a pod is back, or after 00:00 UTC",
+        "message": f"no pod could serve this request, and the fallback API's spend cap for today leaves no room for it: "
+                   f"${cap:.2f} a day for {who} (colocate:fallbackCap.{field}), ${used:.2f} spent or reserved, this request up "
+                   f"to ${WORST:.2f}; retry when a pod is back, or after 00:00 UTC",
         "type": "insufficient_quota", "code": "fallback_spend_cap"}
     assert after - 1 <= int(res.headers["retry-after"]) <= before + 1
 
@@ -73,7 +79,7 @@ def test_the_fallback_stops_at_each_keys_cap_then_at_the_cells_and_pods_still_se
         # Key b: two answers bring the cell to 4 answers, past its cap; key c, new, is refused by the cell's.
         assert [chat(cell, b).status for _ in range(2)] == [200, 200]
         before = seconds_to_day_end()
-        refused_by(chat(cell, c), "this cell", CELL_CAP, "cellUsdPerDay", before, seconds_to_day_end())
+        refused_by(chat(cell, c), "this cell", CELL_CAP, "cellUsdPerDay", before, seconds_to_day_end(), 4 * COST)
         assert cell.fallback.requests == fallback_calls + 4  # a refusal never reaches the fallback
         # The live view shows the day's spend against the caps.
         deadline = time.monotonic() + 15
@@ -112,9 +118,9 @@ def test_the_days_spend_moves_with_the_generation(tmp_path):
     g1 = [{"name": "us-east.g1", "region": "us-east", "status": "active"}]
     moved = [{"name": "us-east.g1", "region": "us-east", "status": "draining"},
              {"name": "us-east.g2", "region": "us-east", "status": "active"}]
-    key_cap, cell_cap = round(1.5 * COST, 2), round(1.9 * COST, 2)  # two answers pass both
+    key_cap, cell_cap = round(WORST + 1.5 * COST, 2), round(WORST + 1.9 * COST, 2)  # two answers pass both
     raw = {"fallbackPrice": {"input": PRICE, "output": PRICE},
-           "fallbackCap": {"cellUsdPerDay": cell_cap, "keyUsdPerDay": key_cap}}
+           "fallbackCap": {"cellUsdPerDay": cell_cap, "keyUsdPerDay": key_cap}, "keys": NO_OWN_CAP}
     with running_cell({"stateTtlMs": 300}, generations=g1, storage_dir=tmp_path / "do", split_tokens=True, **raw) as cell:
         a, b = cell.create_key("moved-a"), cell.create_key("moved-b")
         cell.pod.set_fault("error")
@@ -136,8 +142,8 @@ def test_a_key_may_hold_a_cap_of_its_own(monkeypatch, capsys):
     from scripts import keys
 
     raw = {"fallbackPrice": {"input": PRICE, "output": PRICE},
-           "fallbackCap": {"cellUsdPerDay": 0, "keyUsdPerDay": round(10 * COST, 2)}}
-    own = round(0.5 * COST, 2)
+           "fallbackCap": {"cellUsdPerDay": 0, "keyUsdPerDay": round(WORST + 10 * COST, 2)}, "keys": NO_OWN_CAP}
+    own = round(WORST + 0.5 * COST, 2)
     with running_cell({"stateTtlMs": 60_000}, split_tokens=True, **raw) as cell:
         monkeypatch.setenv("COLOCATE_ADMIN_TOKEN", OPERATOR_TOKENS["adminToken"])
         assert keys.main(["create", "--url", cell.url, "--name", "own-cap", "--fallback-usd-per-day", str(own), "--json"]) == 0
@@ -150,8 +156,9 @@ def test_a_key_may_hold_a_cap_of_its_own(monkeypatch, capsys):
         before = seconds_to_day_end()
         res = chat(cell, made)
         assert res.status == 429 and res.json()["error"]["message"] == (
-            f"no pod could serve this request, and the fallback API's spend cap for today is reached: ${own:.2f} a day "
-            "for this key (the key's fallback_microusd_day); retry when a pod is back, or after 00:00 UTC")
+            f"no pod could serve this request, and the fallback API's spend cap for today leaves no room for it: ${own:.2f} "
+            f"a day for this key (the key's fallback_microusd_day), ${COST:.2f} spent or reserved, this request up to "
+            f"${WORST:.2f}; retry when a pod is back, or after 00:00 UTC")
         assert seconds_to_day_end() - 1 <= int(res.headers["retry-after"]) <= before + 1
         other = cell.create_key("cell-cap")  # no cap of its own: the cell's per-key one, not reached
         assert [chat(cell, other).headers["x-colocate-backend"] for _ in range(2)] == ["fallback", "fallback"]
@@ -204,7 +211,7 @@ def test_a_keys_default_month_costs_no_more_than_the_cap_allows():
     s = settings.parse(cell_raw(fallbackCap={"cellUsdPerDay": 5}), "t", secrets=SECRETS)
     assert s.key_defaults["monthly_tokens"] == 15_500_000
     assert settings.monthly_tokens_within_cap(s.fallback_cap, s.fallback_price) == 15_500_000
-    from colocate import plan
+    from colocate.cell import plan
 
     assert plan.plan_cell(s).worker.binding("DEFAULT_MONTHLY_TOKENS").text == "15500000"  # what the Worker gives a key
     # The per-key cap, when tighter, is what one key is held to; a generous cap keeps the default.
@@ -246,7 +253,7 @@ def test_every_shipped_cell_names_a_finite_cap_and_its_price(stack):
 
 
 def test_cost_shows_todays_fallback_spend_against_the_caps():
-    from colocate import cost
+    from colocate.scaling import cost
 
     rows = [{"day": "2026-12-05", "key_id": k, "requests": 2, "prompt_tokens": 20, "completion_tokens": 8, "pod_requests": 0,
              "fallback_requests": 2, "estimated_tokens": 0, "fallback_microusd": spent} for k, spent in

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from colocate import plan, settings
+from colocate.cell import plan, settings
 from colocate.errors import ConfigError
 from colocate.pods.spec import PodSpec
 from tests.support.workerd import cell_plan

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from colocate import settings
+from colocate.cell import settings
 from colocate.errors import ConfigError
 from colocate.probe import fallbackshare, live, report
 from colocate.probe.histogram import Histogram

@@ -8,7 +8,9 @@ import json
 import pulumi
 import pytest
 
-from colocate import fleet, outputs, projectfile, stackfile
+from colocate import projectfile, stackfile
+from colocate.cell import outputs
+from colocate.fleet import plan as fleet
 from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, run_program, stack_config, unsecret
 
 WORKER = "cloudflare:index/workersScript:WorkersScript"
@@ -280,7 +282,7 @@ def test_the_mocks_refuse_what_the_cloud_would_when_the_program_does_not(monkeyp
     monkeypatch.setattr(fleet, "check_accounts", lambda settings, members: None)
     with pytest.raises(Exception, match="no Worker colocate-eu-west in account"):
         deploy({**STACKS, "eu-west": {**cell_outputs("eu-west"), outputs.ACCOUNT_ID: "f" * 32}})
-    from colocate import cloudflare_limits
+    from colocate.cell import cloudflare_limits
 
     monkeypatch.setattr(cloudflare_limits, "check_worker", lambda *a, **k: None)
     monkeypatch.setattr(fleet, "json_text", lambda value: json.dumps(value) + " " * 6000)  # CELLS past 5 KB

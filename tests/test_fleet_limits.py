@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from colocate import admin
-from colocate.payloads import COUNTER, EXCHANGE
+from colocate.cell.payloads import COUNTER, EXCHANGE
 from tests.support.fleet import Fleet, running_fleet
 from tests.support.minutes import fresh_minute
 from tests.support.workerd import SECRETS, auth, request
@@ -51,6 +51,12 @@ def default_share(limit: int, cells: int = 2) -> int:
 def fl() -> Fleet:
     with running_fleet((A, B), remember_ms=0, exchange_ms=EXCHANGE_MS) as f:
         told(f)
+        # A key each cell's isolate holds from now, then leaves idle for the module's length: by
+        # its test (the last), every isolate has forgotten its lease (state.js SERVED_KEEP_MS).
+        key, kid = make_key(f, rpm=30)
+        for c in f.cells:
+            assert request(c.url, "GET", "/v1/models", headers={"authorization": f"Bearer {key}"}).status == 200
+        f.dormant = (key, kid, time.monotonic())  # type: ignore[attr-defined]
         yield f
 
 
@@ -375,6 +381,36 @@ def test_the_exchange_endpoints_need_the_exchange_token_and_name_bad_fields(fl):
     again = request(url, "GET", f"/_colocate/fleet/counters?since={first['cursor']}", headers=auth()).json()
     assert again["rows"] == [] or all(r[0] for r in again["rows"])
     assert json.dumps(first).count(SECRETS["PROBE_TOKEN"]) == 0
+
+
+# --- a key whose lease the isolates forgot ---------------------------------------------------
+
+def test_a_key_idle_past_its_isolates_memory_that_moves_cell_stays_within_the_cap(fl):
+    """rpm 30, idle in both cells for longer than an isolate keeps a key's lease (SERVED_KEEP_MS,
+    2 min: the module's earlier tests run meanwhile), then 10 requests/s to apac-jp's own address,
+    then to eu-west's: eu-west's isolate admits the key on its floor share until its sync brings
+    the lease the ledger cut meanwhile, so the fleet admits at most the cap in the minute."""
+    key, _kid, made = fl.dormant
+    time.sleep(max(0.0, made + 125 - time.monotonic()))
+    fresh_minute(45)
+    before = time.monotonic() + (60 - time.time() % 60) - 2
+    log = []
+    headers = {"authorization": f"Bearer {key}"}
+    for cell, seconds in ((A, 12), (B, 28)):
+        start = time.monotonic()
+        i = 0
+        while time.monotonic() - start < seconds and time.monotonic() < before:
+            if i % 20 == 0:
+                fl.call(COLO[A])  # the front door in use: the ledger's rounds go on (it pokes the ledger)
+            wait = start + i / 10 - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            log.append((cell, request(fl.cell(cell).url, "GET", "/v1/models", headers=headers).status))
+            i += 1
+    ok = [c for c, s in log if s == 200]
+    assert {s for _, s in log} <= {200, 429}
+    assert len(ok) <= cap(30), (len(ok), {c: ok.count(c) for c in (A, B)})
+    assert len(ok) >= 30 - 3, (len(ok), {c: ok.count(c) for c in (A, B)})  # and it got about its limit
 
 
 # --- (d) a cell down during the exchange ---------------------------------------------------

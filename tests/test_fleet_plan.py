@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from colocate import catalogue, cloudflare_limits, fleet, geo, outputs, settings
+from colocate.cell import catalogue, cloudflare_limits, geo, outputs, settings
 from colocate.errors import ConfigError, MissingSetting
+from colocate.fleet import plan as fleet
 
 ACCOUNT = "0123456789abcdef0123456789abcdef"
 CELLS = ["apac-jp", "eu-west", "us-east"]

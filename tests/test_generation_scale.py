@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from colocate.payloads import COUNTER, EXCHANGE
+from colocate.cell.payloads import COUNTER, EXCHANGE
 from tests.support.workerd import ROOT, auth, chat, driven_cell, request, twin_cell
 
 pytestmark = pytest.mark.slow
@@ -212,9 +212,9 @@ def test_a_schema_2_object_upgrades_in_place_without_loss(tmp_path):
         assert all(k["max_parallel"] == 0 and k["fallback_microusd_day"] == 0 and k["max_parallel_tokens"] is None
                    for k in keys_after)
         after = request(c.url, "GET", "/_colocate/usage", headers=auth()).json()["usage"]
-        added = ("estimated_tokens", "fallback_microusd")  # columns added since schema 2, 0 for old rows
+        added = ("estimated_tokens", "fallback_microusd", "refused")  # columns added since schema 2, 0 for old rows
         assert [{k: v for k, v in r.items() if k not in added} for r in after] == before
-        assert all(r["fallback_microusd"] == 0 for r in after)
+        assert all(r["fallback_microusd"] == 0 and r["refused"] == 0 for r in after)
         mine = [r for r in after if r["key_id"] == kept["id"]]
         tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in mine)
         assert tokens > 0
@@ -255,7 +255,7 @@ def test_a_migration_pages_the_export_and_imports_every_row(tmp_path):
         g0, g1, g2 = "us-east.p0", "us-east.p1", "us-east.p2"
         c.one("sync", {"generation": g0, "haveRev": -1, "isolate": "i", "keys": []}, None, gen=g0)
         empty = c.one("exportAll", None, None, gen=g0)  # a small generation: one call, every table
-        assert empty["next"] is None and [(len(r), len(ids)) for _, r, ids in empty["parts"]] == [(0, 0)] * 10
+        assert empty["next"] is None and [(len(r), len(ids)) for _, r, ids in empty["parts"]] == [(0, 0)] * 11
         assert [name for name, _, _ in empty["parts"]][:2] == ["keys", "leases"]
         usage = [[TODAY, f"key_{i:012d}", 1, 2, 3, 1, 0, 0] for i in range(rows)]
         c.one("sync", {"generation": g1, "haveRev": -1, "isolate": "i", "keys": []}, {"usage": usage}, gen=g1)

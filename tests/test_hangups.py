@@ -27,7 +27,7 @@ from colocate.sandbox.geography import Geography, Sites
 from colocate.sandbox.pinning import Pins
 from colocate.sandbox.proxies import Network, NetworkServers
 from colocate.sandbox.statedir import PINS_FILE
-from tests.support.workerd import auth, running_cell
+from tests.support.workerd import SECRETS, auth, running_cell
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,10 @@ def edge(cell):
 # --- what the pod made, what the cell metered ---------------------------------------------
 
 def pod_tokens(cell) -> tuple[int, int]:
-    """The pod's vllm:prompt_tokens and vllm:generation_tokens counters."""
-    with urllib.request.urlopen(cell.pod.url + "/metrics", timeout=10) as r:
+    """The pod's vllm:prompt_tokens and vllm:generation_tokens counters, read as the router reads
+    them: the pod's guard opens /metrics to the pod token only."""
+    req = urllib.request.Request(cell.pod.url + "/metrics", headers={"authorization": f"Bearer {SECRETS['POD_TOKEN']}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     def one(name: str) -> int:
         m = re.search(rf"^{name}_total{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
@@ -138,6 +140,19 @@ def abandon(port: int, key: str, body: dict, *, events: int = 0, after_s: float 
         leave(sock, reset)
 
 
+def tokens_seen(got: bytes) -> int:
+    """The tokens the client received: its events whose content is not empty (vLLM's first
+    event, role only, has "content":""). A token split across two reads is not counted."""
+    return len(re.findall(rb'"content": ?"[^"]', got))
+
+
+def charged_the_pods_count(counted: int, seen: int, made: int) -> bool:
+    """Charged the pod's last continuous usage the router read: at least what reached the
+    client, at most what the pod made (what it makes after the cut, before it notices, is
+    not seen, more of it the more loaded the machine: docs/worker.md)."""
+    return 0 < seen <= counted <= made
+
+
 def slot_is_free(cell, key: str) -> None:
     """A second after the hang-up, the max_parallel 1 key is admitted again."""
     time.sleep(1.0)
@@ -169,7 +184,7 @@ def test_a_stream_cut_mid_answer_is_charged_the_pods_count_and_frees_its_slot(ce
     assert prompt == 7034 and 28 <= made < 1000, (prompt, made)  # the pod stopped with the client
     counted = usage_of(cell, made_key["id"])
     assert counted["prompt_tokens"] == prompt, counted
-    assert within(counted["completion_tokens"], made), (counted, made)
+    assert charged_the_pods_count(counted["completion_tokens"], tokens_seen(got), made), (counted, tokens_seen(got), made)
     slot_is_free(cell, made_key["key"])
 
 
@@ -193,8 +208,9 @@ def test_a_stream_abandoned_before_its_first_token_is_charged_its_ceiling_and_fr
         before = pod_still(cell)
         abandon(cell.worker.port, made_key["key"], body, after_s=0.5)
         # The router left at once; the stand-in's slow fault starts the answer after its delay
-        # all the same, and stops at its first write (vLLM would not start it at all).
-        assert pod_still(cell)[1] - before[1] <= 1
+        # all the same, and stops once its writes fail (vLLM would not start it at all): a few
+        # tokens on a loaded machine, never the answer.
+        assert pod_still(cell)[1] - before[1] < body["max_tokens"] // 10
     finally:
         cell.pod.set_fault("ok")
     counted = usage_of(cell, made_key["id"])
@@ -248,12 +264,13 @@ def test_through_the_edge_a_non_streamed_answer_abandoned_stops_the_pod_and_free
 def test_through_the_edge_a_stream_abandoned_mid_answer_is_charged_the_pods_count(cell, edge):
     made_key = key_of(cell, "edge-stream")
     before = pod_still(cell)
-    abandon(edge, made_key["key"], long_answer(True, 1000, "7" * 7000), events=30, reset=False)
+    got = abandon(edge, made_key["key"], long_answer(True, 1000, "7" * 7000), events=30, reset=False)
     after = pod_still(cell)
     prompt, made = after[0] - before[0], after[1] - before[1]
     assert prompt == 7034 and made < 1000, (prompt, made)
     counted = usage_of(cell, made_key["id"])
-    assert counted["prompt_tokens"] == prompt and within(counted["completion_tokens"], made), (counted, made)
+    assert counted["prompt_tokens"] == prompt, counted
+    assert charged_the_pods_count(counted["completion_tokens"], tokens_seen(got), made), (counted, tokens_seen(got), made)
     slot_is_free(cell, made_key["key"])
 
 

@@ -1,4 +1,4 @@
-"""The pod hop's certificates never lapse unseen (colocate/certexpiry.py): the stack exports the
+"""The pod hop's certificates never lapse unseen (colocate/cell/certexpiry.py): the stack exports the
 earliest leaf's end (hopCertsNotAfter), the post-deploy probe is handed it, and the probe (and
 the live view) warn 30 days ahead and fail 7 days ahead, naming the way out."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate import certexpiry
+from colocate.cell import certexpiry
 from tests.support import fake_cell
 from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import MOCK_NOT_AFTER, run_program, stack_config
@@ -79,7 +79,7 @@ def test_the_probe_judges_the_certificates_beside_its_budgets(probe, capsys, mon
 
 
 def test_the_way_out_says_the_keeper_renews_one_pod_at_a_time_and_an_up_all_at_once_as_colocate_rollout_does():
-    from colocate import rollout
+    from colocate.cell import rollout
     from infra.hop import EARLY_RENEWAL_HOURS
 
     message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC), "us-east").message
@@ -88,3 +88,19 @@ def test_the_way_out_says_the_keeper_renews_one_pod_at_a_time_and_an_up_all_at_o
     assert rollout.ONE_AT_A_TIME is False and "side by side" in message and rollout.CREATE_BEFORE_DELETE
     # the keeper's window opens before any `pulumi up` would re-issue them all
     assert certexpiry.RENEW_DAYS > EARLY_RENEWAL_HOURS // 24
+
+
+def test_endpoints_the_team_runs_are_told_that_an_up_re_issues_theirs_and_waits_for_the_box(probe, capsys, monkeypatch):
+    # provider existing: no keeper can install a box's certificate; an up re-issues it from the first warning
+    # (infra/hop.py: the endpoints' ACME min_days_remaining is RENEW_DAYS) and waits until the box serves it.
+    message = certexpiry.check(MOCK_NOT_AFTER, datetime(2027, 3, 1, tzinfo=UTC), "apac-tw-own", endpoints=True).message
+    assert f"`pulumi up -s apac-tw-own` re-issues theirs from {certexpiry.RENEW_DAYS} days left" in message
+    assert "waits until each box serves its new one" in message and "replaced" not in message
+    monkeypatch.setenv("COLOCATE_CLIENT_KEY", "clc_given")
+    not_after = (datetime.now(UTC) + timedelta(days=20)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with fake_cell.serve() as cell:
+        assert probe.main([cell.url, "--token", "probe-secret", "--samples", "3", "--pod-location", "TPE",
+                           "--expect-region", "apac-tw", "--pod-path", "endpoint", "--hop-not-after", not_after,
+                           "--json", "-"]) in (0, 1)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["hop_certificates"]["level"] == "warn" and "your endpoints" in doc["hop_certificates"]["message"]

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from colocate import plan as plan_mod
+from colocate.cell import plan as plan_mod
 from colocate.pods import standin
 from colocate.workerd import Workerd, render_config
 from tests.support.workerd import FALLBACK_MODEL_NAME, ROOT, SECRETS, Cell, auth, cell_plan, running_cell, values_for

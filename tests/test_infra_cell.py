@@ -8,9 +8,19 @@ import json
 import pulumi
 import pytest
 
-from colocate import catalogue, fleet, outputs, stackfile
-from colocate.plan import COMPATIBILITY_DATE, instance_host, worker_modules
-from tests.support.pulumi_mocks import SECRET_VALUES, RecordingMocks, plain, run_program, stack_config, unsecret
+from colocate import stackfile
+from colocate.cell import catalogue, outputs
+from colocate.cell.plan import COMPATIBILITY_DATE, instance_host, worker_modules
+from colocate.fleet import plan as fleet
+from tests.support.pulumi_mocks import (
+    SECRET_VALUES,
+    RecordingMocks,
+    plain,
+    pod_stdout,
+    run_program,
+    stack_config,
+    unsecret,
+)
 
 STACKS = sorted(
     p.name[len("Pulumi.") : -len(".yaml")]
@@ -38,9 +48,20 @@ def placement_of(run) -> dict:
     return json.loads(run.mocks.one(COMMAND, "-placement").inputs["stdin"])
 
 
+def endpoint_address(raw: dict, i: int = 0) -> str:
+    """An existing endpoint's host:port as the Worker fetches it: its own name, or the kit's on the zone."""
+    e = raw["pod"]["endpoints"][i]
+    active = next(g for g in raw["generations"] if g["status"] == "active")
+    first, _, rest = f"pod-{active['name'].replace('.', '-')}.{raw['zone']['name']}".partition(".") if "ip" in e else ("", "", "")
+    host = e.get("host") or (f"{first}-p{i}.{rest}" if i else f"{first}.{rest}")
+    return f"{host}:{e.get('port', 8000)}"
+
+
 def expected_placement(raw: dict, region) -> dict:
     """auto: pod 0's DNS-only name and the port from its create output (the mocks' 41234) on
-    zone-dns, the region's cloud hint elsewhere."""
+    zone-dns, an existing endpoint's own address, the region's cloud hint elsewhere."""
+    if raw["pod"].get("provider") == "existing":
+        return {"host": endpoint_address(raw)}
     if raw.get("zone"):
         active = next(g for g in raw["generations"] if g["status"] == "active")
         base = f"pod-{active['name'].replace('.', '-')}.{raw['zone']['name']}"
@@ -79,11 +100,14 @@ def test_worker_declared_from_the_region(deployed):
     expected = {"local-hostname": "https://localhost:41234",
                 "provider-proxy": "https://pod-123-8000.proxy.runpod.net",
                 # a zone's pod (Vast.ai here) is reached over mutual TLS
-                "zone-dns": f"https://{expected_placement(raw, region).get('host')}"}
+                "zone-dns": f"https://{expected_placement(raw, region).get('host')}",
+                # the team's own box: always https, at its own address
+                "endpoint": f"https://{expected_placement(raw, region).get('host')}"}
     path = run.resolved[outputs.POD_PATH]
     assert bindings["POD_URLS"]["text"] == f'["{expected[path]}"]'
     unzoned = {"local": "local-hostname", "runpod": "provider-proxy"}
-    assert path == ("zone-dns" if raw.get("zone") else unzoned[raw["pod"]["provider"]])
+    assert path == ("endpoint" if raw["pod"]["provider"] == "existing" else
+                    "zone-dns" if raw.get("zone") else unzoned[raw["pod"]["provider"]])
 
 
 def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
@@ -99,7 +123,7 @@ def test_secrets_are_secret_bindings_and_secret_inputs(deployed):
     env_secret, env = unsecret(pod["environment"])
     assert env_secret and env["POD_TOKEN"] == SECRET_VALUES["podToken"]
     for field in ("create", "delete", "stdin"):
-        assert not any(v in json.dumps(pod[field]) for v in SECRET_VALUES.values()), field
+        assert not any(v in json.dumps(pod.get(field)) for v in SECRET_VALUES.values()), field
 
 
 def test_secrets_stay_secret_in_outputs(deployed):
@@ -121,11 +145,16 @@ def test_pod_command_is_replaced_on_identity_change_and_deletes_from_stdout(depl
     pod = run.mocks.one(COMMAND, "-pod-0").inputs
     spec = json.loads(pod["stdin"])
     assert pod["create"] == ".venv/bin/python scripts/pod.py rent --spec -"
-    assert pod["delete"] == f".venv/bin/python scripts/pod.py delete --stack {stack}"  # its current key first
     assert spec["region"] == region.name and spec["generation"] == active["name"]
-    assert spec["locations"] == list(region.locations(spec["provider"]))
     assert spec["name"].startswith(f"colocate-{stack}-")
     triggers = plain(pod["triggers"])
+    if spec["provider"] == "existing":  # the team's box: no delete, so `pulumi destroy` leaves it running
+        assert "delete" not in pod and spec["locations"] == [raw["pod"]["endpoints"][0]["location"]]
+        for identity in (region.name, active["name"], f"endpoint={endpoint_address(raw)}"):
+            assert identity in triggers
+        return
+    assert pod["delete"] == f".venv/bin/python scripts/pod.py delete --stack {stack}"  # its current key first
+    assert spec["locations"] == list(region.locations(spec["provider"]))
     for identity in (region.name, spec["gpu"], spec["image"], active["name"]):
         assert identity in triggers
 
@@ -136,13 +165,12 @@ def test_probe_runs_after_worker_and_pod_and_reruns_when_either_changes(deployed
     create = probe["create"]
     assert create.startswith(".venv/bin/python scripts/probe.py https://")
     assert f"--expect-region {raw['region']}" in create
-    assert "--pod-location AP-JP-1" in create and "--wait 120" in create and "--json -" in create
+    made = pod_stdout(json.loads(run.mocks.one(COMMAND, "-pod-0").inputs["stdin"]))  # what pod 0's wait printed
+    assert f"--pod-location {made['location']}" in create and "--wait 120" in create and "--json -" in create
     assert "--settle 300" in create  # a new placement is waited for, never failed on before it applies
     assert ("--warn-only" in create) != bool((raw.get("probe") or {}).get("enforce", False))
     triggers = plain(probe["triggers"])
-    assert json.dumps(json.loads(triggers[-1])) == json.dumps(
-        {"id": "pod-123", "provider": "runpod", "location": "AP-JP-1", "url": "http://203.0.113.7:41234",
-         "cost_per_hr": 0.69, "gpu": "NVIDIA GeForce RTX 4090", "name": "x", "ip": "203.0.113.7", "port": 41234})
+    assert json.loads(triggers[-1]) == made
     env_secret, env = unsecret(probe["environment"])
     # The probe reads, and mints its routed samples' short-lived key: never the exchange token.
     assert env_secret and env == {"COLOCATE_READ_TOKEN": SECRET_VALUES["readToken"],
@@ -168,11 +196,15 @@ def test_outputs(deployed):
     stack, raw, run = deployed
     region = catalogue.region(raw["region"])
     r = run.resolved
-    assert r[outputs.POD_ID] == "pod-123" and r[outputs.POD_COST_PER_HR] == 0.69
-    assert r[outputs.POD_LOCATION] == "AP-JP-1"
+    made = pod_stdout(json.loads(run.mocks.one(COMMAND, "-pod-0").inputs["stdin"]))
+    assert r[outputs.POD_ID] == made["id"] and r[outputs.POD_COST_PER_HR] == made["cost_per_hr"]
+    assert r[outputs.POD_LOCATION] == made["location"]
+    if raw["pod"]["provider"] == "existing":  # the team's own figure and place, as declared
+        assert (made["cost_per_hr"], made["location"]) == (raw["pod"]["endpoints"][0]["costPerHr"],
+                                                           raw["pod"]["endpoints"][0]["location"])
     assert r[outputs.ACTIVE_HINT] == region.location_hint
     assert r[outputs.PLACEMENT] == expected_placement(raw, region)
-    assert r[outputs.PLACEMENT_MODE] == ("pod" if raw.get("zone") else "targeted")
+    assert r[outputs.PLACEMENT_MODE] == ("pod" if raw.get("zone") or raw["pod"]["provider"] == "existing" else "targeted")
     assert r[outputs.PLACEMENT_HOST] == expected_placement(raw, region).get("host")
     assert r[outputs.PROBE_VERDICT] == "all checks hold"
 
@@ -201,7 +233,7 @@ def test_nothing_pending_sends_no_migrations_block():
 
 
 def test_one_pending_step_after_the_live_tag(monkeypatch):
-    from colocate import plan
+    from colocate.cell import plan
 
     monkeypatch.setattr(plan, "MIGRATIONS", plan.MIGRATIONS + (("v2", {"new_sqlite_classes": ["Usage"]}),))
     config, keys = stack_config("apac-jp")
@@ -443,8 +475,9 @@ def test_every_stack_rents_then_waits_for_its_pods_and_sweeps_cloud_strays_after
     assert "pod.py rent" in commands[f"{stack}-pod-0"]["create"]
     assert "pod.py wait" in commands[f"{stack}-pod-0-ready"]["create"]
     sweep = commands.get(f"{stack}-pod-sweep")
-    if raw["pod"]["provider"] == "local":
-        assert sweep is None  # a local stand-in is this machine's process, not a rented GPU
+    if raw["pod"]["provider"] in ("local", "existing"):
+        # a local stand-in is this machine's process, an existing endpoint the team's box: not rented GPUs
+        assert sweep is None
     else:
         scope = run.resolved["podScope"]
         sweep_cmd = f".venv/bin/python scripts/pod.py sweep --stack {stack} --scope {scope} --destroy"
@@ -457,7 +490,7 @@ def test_every_stack_rents_then_waits_for_its_pods_and_sweeps_cloud_strays_after
 
 def test_pod_names_are_scoped_by_the_pulumi_organization_and_project(monkeypatch):
     """Two projects (or organizations) with a stack `us-east` on one RunPod account name their pods apart."""
-    from colocate.plan import pod_scope
+    from colocate.cell.plan import pod_scope
 
     config, keys = stack_config("us-east")
     run = run_program("us-east", config, keys)

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from colocate import fleet, stackfile
+from colocate import stackfile
+from colocate.fleet import plan as fleet
 from colocate.pods import podtls
 from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import mock_pem, plain, run_program, stack_config, unsecret
@@ -36,11 +37,15 @@ CASES = [(s, {}) for s in CELL_STACKS] + [
 
 
 def _mtls_expected(stack: str, overrides: dict) -> bool:
-    """The rule, from the stack file: the sandbox's local pods, and RunPod or Vast.ai on a zone
-    (RunPod's proxy ends TLS before the pod)."""
+    """The rule, from the stack file: the sandbox's local pods, RunPod or Vast.ai on a zone (RunPod's proxy
+    ends TLS before the pod), and endpoints the team runs whose every name is on the zone (an ip it names there)."""
     raw = {**stackfile.read_config(stack)[0], **overrides}
-    provider = (raw.get("pod") or {}).get("provider", "runpod")
-    return provider == "local" or (provider in ("runpod", "vastai") and bool(raw.get("zone")))
+    pod = raw.get("pod") or {}
+    provider = pod.get("provider", "runpod")
+    zone = (raw.get("zone") or {}).get("name")
+    if provider == "existing":
+        return bool(zone) and all("ip" in e or e["host"].endswith("." + zone) for e in pod["endpoints"])
+    return provider == "local" or (provider in ("runpod", "vastai") and bool(zone))
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{s}{'+zone' if o else ''}{'x2' if 'pod' in o else ''}" for s, o in CASES])
@@ -124,7 +129,9 @@ def test_the_stack_declares_the_hops_certificates_exactly_when_the_hop_is_mutual
             challenge_secret, challenges = unsecret(cert["dnsChallenges"])
             assert challenge_secret
             assert challenges == [{"provider": "cloudflare", "config": {"CF_DNS_API_TOKEN": "cf-token-s3cret"}}]
-            assert cert["minDaysRemaining"] == 14  # the keeper renews from 30, a pod at a time; an up, all, from 14
+            # the keeper renews from 30, a pod at a time; an up, all, from 14; the team's box from 30 at any up
+            # (no keeper can install it there: the up waits until the box serves the new one)
+            assert cert["minDaysRemaining"] == (30 if spec["provider"] == "existing" else 14)
         assert all(u.startswith("https://") for u in json.loads(_bindings(run)["POD_URLS"]["text"]))
 
 

@@ -7,8 +7,8 @@ import json
 import pulumi
 import pytest
 
-from colocate import outputs
-from colocate.plan import instance_host
+from colocate.cell import outputs
+from colocate.cell.plan import instance_host
 from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import POD_STDOUT, RecordingMocks, run_program, stack_config
 from tests.test_infra_cell import placement_of

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from colocate import outputs
-from colocate.plan import instance_host
+from colocate.cell import outputs
+from colocate.cell.plan import instance_host
 from tests.support.images import GUARDED_IMAGE
 from tests.support.pulumi_mocks import SECRET_VALUES, plain, run_program, stack_config, unsecret
 

@@ -12,8 +12,12 @@ from datetime import UTC, datetime, timedelta
 from pulumi.automation._cmd import CommandResult
 from pulumi.automation.errors import ConcurrentUpdateError, create_command_error
 
-from colocate.keeper import (
+from colocate.pods.base import RUNNING, PodInfo
+from colocate.pods.errors import NotFoundError
+from colocate.scaling.controller import BACKOFF_S, Controller
+from colocate.scaling.keeper import (
     DEAD,
+    DOWN,
     OK,
     UNHEALTHY,
     Keeper,
@@ -24,8 +28,6 @@ from colocate.keeper import (
     health_view,
     judge,
 )
-from colocate.pods.base import RUNNING, PodInfo
-from colocate.scaler import BACKOFF_S, Controller
 from tests.support.keeping import Generation
 
 NOW = datetime(2027, 1, 1, tzinfo=UTC).timestamp()
@@ -176,6 +178,27 @@ def test_certificates_are_renewed_one_role_a_pass_the_cells_first_and_never_a_po
     assert due_role({"pod-3": end(31)}, NOW) is None
 
 
+def test_a_server_of_the_users_is_judged_by_the_workers_health_alone_and_never_replaced_nor_renewed():
+    class Mine(Pods):
+        def describe(self, pod):
+            if pod.own:  # its record lost: for a pod the kit started, gone (replaced at once)
+                raise NotFoundError("no record")
+            return super().describe(pod)
+
+    pods = Mine(certs={"pod-0": end(10), "pod-1": end(10)})
+    pods.running[0] = RunningPod(0, "local-mine", "local", "localhost", 8000, "local", ("local",), own=True)
+    gen = Generation(worker_hash="h1")
+    gen.health = {"pods": [{"index": 0, "ok": False, "status": None}, {"index": 1, "ok": True, "status": 200}]}
+    ctl, gen, _ = make(pods, gen)
+    for _ in range(3):
+        ctl.step()
+    assert pods.replaced == [] and pods.renewed == ["pod-1"]  # the kit's own pod is renewed; the user's never
+    assert gen.keeper["pods"][0]["state"] == DOWN and "localhost:8000" in gen.keeper["pods"][0]["detail"]
+    gen.health["pods"][0] = {"index": 0, "ok": True, "status": 200}
+    ctl.step()
+    assert gen.keeper["pods"][0]["state"] == OK and pods.replaced == [] and pods.renewed == ["pod-1"]
+
+
 def test_a_restarted_keeper_goes_on_counting_from_the_record():
     record = Record(failures={1: 2}, update_failures=1, locked_since=5.0)
     again = Record.from_json(record.as_json(NOW))
@@ -224,3 +247,28 @@ def test_an_update_that_replaced_nothing_is_a_failure_and_an_unreadable_cell_dep
     ctl, gen, _ = make(pods, Unread(worker_hash="h1"))
     ctl.step()
     assert pods.replaced == [] and "cannot be read" in gen.decisions[-1]["reason"]
+
+
+def test_an_endpoint_the_team_runs_is_judged_and_reported_but_never_replaced_nor_its_certificate_renewed():
+    # provider existing: the Worker cannot reach endpoint 1 for many passes, and endpoint 0's certificate and the
+    # cell's are in their last 30 days. The kit renews what it holds (the cell's) and touches no box.
+    pods = Pods(certs={"cell": end(20), "pod-0": end(10), "pod-1": end(10)})
+    pods.running = [RunningPod(i, f"gpu{i}.example.com:8443", "existing", f"gpu{i}.example.com", 8443, "TPE",
+                               ("TPE", "KHH", "HKG"), own=True) for i in range(2)]
+    pods.dead.add(0)  # a provider that said so would not be believed either: an endpoint is the team's to mend
+    gen = Generation(worker_hash="h1")
+    gen.health = {"pods": [{"index": 0, "ok": True, "status": 200}, {"index": 1, "ok": False, "status": None}]}
+    said = []
+    ctl, gen, t = make(pods, gen)
+    ctl.keeper.say = said.append
+    for _ in range(4):
+        assert ctl.run(0, steps=1) == []
+        t["now"] += 60
+    assert pods.replaced == [] and pods.renewed == ["cell"]
+    # Judged by the Worker's health alone, as every server the kit did not start (colocate:pod.url too).
+    assert [(p["index"], p["state"], p.get("own")) for p in gen.keeper["pods"]] == [(0, OK, True), (1, DOWN, True)]
+    assert any("pod 1 (gpu1.example.com:8443) is down: it is a server you run, never replaced" in s for s in said)
+    # An endpoint's address is declared: an answer elsewhere is not a remap the keeper would chase.
+    moved = RunningPod(0, "gpu0.example.com:8443", "existing", "gpu0.example.com", 8443, "TPE", ("TPE",), own=True)
+    verdict = judge(moved, lambda _p: PodInfo(moved.id, "", RUNNING, "declared", None, "other", 1), None)
+    assert verdict.state == OK and not verdict.replace

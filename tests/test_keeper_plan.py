@@ -15,10 +15,10 @@ import pytest
 from pulumi.automation._cmd import CommandResult
 from pulumi.automation.errors import create_command_error
 
-from colocate import plan as plan_mod, settings, urns
+from colocate.cell import plan as plan_mod, settings, urns
 from colocate.errors import ConfigError
-from colocate.keeper import StackLocked
-from colocate.scaler import PulumiDeployer
+from colocate.scaling.controller import PulumiDeployer
+from colocate.scaling.keeper import StackLocked
 from tests.support.pulumi_mocks import plain, record_options, run_program, stack_config
 from tests.test_infra_scale import FakeWorker
 from tests.test_settings_numbers import parse
@@ -172,3 +172,21 @@ def test_a_locked_stack_is_stack_locked_naming_pulumi_cancel():
 
 def test_pulumi_yaml_and_the_settings_agree_on_replaced():
     assert settings.POD_DEFAULTS["replaced"] == {}
+
+
+def test_the_cloud_deployer_marks_the_teams_endpoints_own_and_their_colos_as_their_region():
+    class Endpoints(Stack):
+        name = "apac-tw-own"
+
+        def get_all_config(self):
+            value = lambda v: type("V", (), {"value": v, "secret": False})()  # noqa: E731
+            return {"colocate:pod": value(json.dumps({"provider": "existing"})), "colocate:region": value("apac-tw")}
+
+        def outputs(self):
+            out = {"podIds": ["pod-apac-tw-g1.example.com:8443"], "podLocations": ["TPE"], "podPath": "endpoint",
+                   "podAddresses": [{"ip": "203.0.113.7", "port": 8443}]}
+            return {k: type("O", (), {"value": v})() for k, v in out.items()}
+
+    (pod,) = deployer(Endpoints()).pods()
+    assert pod.own and pod.provider == "existing" and pod.locations == ("TPE", "KHH", "HKG")
+    assert deployer(Endpoints()).describe(pod).raw_state.startswith("declared")  # no provider account to ask

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from colocate.keeper import DEAD, GONE, MISPLACED, REMAPPED, Keeper
-from colocate.scaler import Controller
+from colocate.scaling.controller import Controller
+from colocate.scaling.keeper import DEAD, GONE, MISPLACED, REMAPPED, Keeper
 from tests.support.fake_providers import offer
 from tests.support.keeping import Generation, ProviderCell, pod_plans
 from tests.test_pod_providers import env, fake_runpod, fake_vast  # noqa: F401 - fixtures

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import pytest
 
-from colocate import plan as plan_mod, stackfile
-from colocate.keeper import CERTIFICATE, DEAD, Keeper, days_left
+from colocate import stackfile
+from colocate.cell import plan as plan_mod
 from colocate.pods.local import alive
 from colocate.sandbox import hopcerts, supervisor
 from colocate.sandbox.pods import recorded_pods
 from colocate.sandbox.scaling import SandboxDeployer
-from colocate.scaler import CellClient, Controller
+from colocate.scaling.controller import CellClient, Controller
+from colocate.scaling.keeper import CERTIFICATE, DEAD, Keeper, days_left
 from tests.support.sandbox import Load, load_key, sandbox_stacks
 from tests.support.workerd import request
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from colocate.scaler import CellClient
+from colocate.scaling.controller import CellClient
 from tests.support.workerd import SECRETS, auth, cell_plan, running_cell
 
 pytestmark = pytest.mark.slow

@@ -48,8 +48,8 @@ def test_create_prints_the_key_once_and_it_works(cell, token, capsys):
 def test_a_key_made_without_limits_gets_the_cells_finite_defaults_and_says_so(cell, token, capsys):
     code, out, err = run(capsys, "create", "--url", cell.url, "--name", "plain-bot", "--tpm", "0")
     assert code == 0 and out.startswith("clc_")
-    assert ("limits: rpm 3000 (default), tpm no limit, monthly_tokens 1000000000 (default), max_parallel 8 (default)"
-            in err)
+    assert ("limits: rpm 3000 (default), tpm no limit, monthly_tokens 1000000000 (default), max_parallel 8 (default), "
+            "max_parallel_tokens 8192 (default), fallback $2 a day (default)") in err
     code, out, _ = run(capsys, "list", "--url", cell.url, "--json")
     row = next(k for k in json.loads(out)["keys"] if k["name"] == "plain-bot")
     assert (row["rpm"], row["tpm"], row["monthly_tokens"], row["max_parallel"]) == (3000, 0, 1_000_000_000, 8)
@@ -119,6 +119,30 @@ def test_list_json_revoke_and_usage(cell, token, capsys):
     assert rows[0]["requests"] == 2 and rows[0]["name"] == "tmp"
     code, out, _ = run(capsys, "usage", "--url", cell.url, "--key", made["id"])
     assert code == 0 and "tmp" in out and out.splitlines()[-1].startswith("total")
+
+
+def test_a_keys_refusals_are_counted_in_usage_and_in_the_metrics_by_reason(cell, token, capsys):
+    import time
+
+    code, out, _ = run(capsys, "create", "--url", cell.url, "--name", "noisy", "--rpm", "2", "--json")
+    made = json.loads(out)
+    answers = [cell.call("POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {made['key']}"})
+               for _ in range(5)]
+    refused = sum(a.status == 429 for a in answers)
+    assert refused >= 3 and all(a.json()["error"]["code"] == "rate_limit_exceeded" for a in answers if a.status == 429)
+    deadline = time.monotonic() + 10  # the isolate flushes within a second
+    while time.monotonic() < deadline:
+        code, out, _ = run(capsys, "usage", "--url", cell.url, "--key", made["id"], "--json")
+        rows = json.loads(out)["usage"]
+        if rows and rows[0]["refused"] == refused:
+            break
+        time.sleep(0.1)
+    assert rows[0]["refused"] == refused and rows[0]["requests"] == 5 - refused, rows
+    code, out, _ = run(capsys, "usage", "--url", cell.url, "--key", made["id"])
+    head, row = out.splitlines()[0].split(), out.splitlines()[1].split()
+    assert head[:4] == ["day", "key", "requests", "refused"] and row[1:4] == ["noisy", str(5 - refused), str(refused)], out
+    text = cell.call("GET", "/_colocate/metrics", headers={"authorization": f"Bearer {SECRETS['PROBE_TOKEN']}"}).body.decode()
+    assert f'colocate_refusals_total{{key="{made["id"]}",reason="rpm"}} {refused}' in text, text[-2000:]
 
 
 def test_errors_exit_codes_and_messages(cell, token, capsys, monkeypatch):

@@ -2,8 +2,8 @@
 
 import pytest
 
+from colocate.cell.ledger import Ledger
 from colocate.errors import ConfigError, LedgerError, UnknownRegion
-from colocate.ledger import Ledger
 
 
 def ledger(*entries):

@@ -1,4 +1,4 @@
-"""colocate:pod.market (colocate/market.py): which pods are rented on demand and which interruptible,
+"""colocate:pod.market (colocate/cell/market.py): which pods are rented on demand and which interruptible,
 the spare pods, the settings that choose them and what the plan declares. Pure and fast: settings.parse,
 plan_cell, PodSpec and scale.decide only."""
 
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from colocate import market, plan, scale, settings
+from colocate.cell import market, plan, settings
 from colocate.errors import ConfigError
 from colocate.pods.errors import PodConfigError
 from colocate.pods.spec import PodSpec
+from colocate.scaling import policy as scale
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "vastaiApiKey", "runpodApiKey"})
 ZONE = {"id": "f" * 32, "name": "example.com"}

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from colocate import migration, stackfile
-from colocate.ledger import Ledger
-from colocate.settings import POD_DEFAULTS
+from colocate import stackfile
+from colocate.cell import migration
+from colocate.cell.ledger import Ledger
+from colocate.cell.settings import POD_DEFAULTS
 from scripts import migrate
 
 ROOT = stackfile.ROOT

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from colocate import payloads
-from colocate.payloads import COUNTER, EXCHANGE, SHAPES, USAGE
+from colocate.cell import payloads
+from colocate.cell.payloads import COUNTER, EXCHANGE, SHAPES, USAGE
 from tests.support.workerd import ROOT
 
 SHAPE_NAMES = {"COUNTER": "counter", "EXCHANGE": "exchange", "USAGE": "usage", "WINDOW": "window", "INFLIGHT": "inflight",
@@ -48,10 +48,11 @@ def test_every_column_a_reader_or_writer_names_is_declared():
 
 
 def test_a_row_of_another_shape_is_refused_naming_the_columns():
-    row = [7, 1, 10, 0, 0, 10, 0, 0, 0, 0]
+    row = [7, 1, 10, 0, 0, 10, 0, 0, 0, 0, 0]
     assert COUNTER.record(row)["req"] == 1 and row[COUNTER["month_tokens"]] == 10
-    with pytest.raises(ValueError, match=r"a counter row has 10 columns \(minute, req, tok, prev_req, prev_tok, month_tokens, "
-                                         r"inflight, day_fallback_microusd, reserved, prompt_inflight\), got 9"):
+    with pytest.raises(ValueError, match=r"a counter row has 11 columns \(minute, req, tok, prev_req, prev_tok, month_tokens, "
+                                         r"inflight, day_fallback_microusd, reserved, prompt_inflight, "
+                                         r"fallback_reserved\), got 10"):
         COUNTER.record(row[:-1])
     misspelt = "requests"  # a window's column, not the exchange's
     with pytest.raises(KeyError, match="exchange has no column 'requests'"):
@@ -70,6 +71,6 @@ def test_a_declaration_that_is_not_json_is_refused_naming_the_file(tmp_path):
 
 def test_a_row_to_send_is_built_by_name():
     row = USAGE.row(day="2026-12-05", key_id="key_0123456789ab", requests=3)
-    assert row == ["2026-12-05", "key_0123456789ab", 3, 0, 0, 0, 0, 0, 0]
+    assert row == ["2026-12-05", "key_0123456789ab", 3, *[0] * (len(USAGE.names) - 3)]
     with pytest.raises(KeyError, match="usage has no column 'prompt'"):
         USAGE.row(prompt=1)

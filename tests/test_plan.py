@@ -8,8 +8,10 @@ import re
 import pytest
 from ruamel.yaml import YAML
 
-from colocate import catalogue, fleet, plan, settings, stackfile
+from colocate import stackfile
+from colocate.cell import catalogue, plan, settings
 from colocate.errors import ConfigError, MissingSetting
+from colocate.fleet import plan as fleet
 from colocate.projectfile import PROJECT_FILE, declared
 from tests.support.images import GUARDED_IMAGE, guarded
 
@@ -112,7 +114,8 @@ def test_new_keys_get_finite_default_limits_and_the_older_name_still_counts():
     s = settings.parse(raw_for(keys={"defaults": {"rpm": 0, "maxParallel": 2, "maxParallelTokens": 4096}}), "t", secrets=SECRETS,
                        env={})
     assert s.key_defaults == {"rpm": 0, "tpm": 3_000_000, "monthly_tokens": 1_000_000_000, "max_parallel": 2,
-                              "max_parallel_tokens": 4096}
+                              "max_parallel_tokens": 4096,
+                              "fallback_microusd_day": 0 if s.fallback_price is None else 2_000_000}
     assert settings.parse(raw_for(keys={"defaultMaxParallel": 5}), "t", secrets=SECRETS, env={}).key_defaults["max_parallel"] == 5
     with pytest.raises(ConfigError) as err:
         settings.parse(raw_for(keys={"defaults": {"rpm": -1}}), "t", secrets=SECRETS, env={})
@@ -341,6 +344,14 @@ def test_every_stack_file_plans(tmp_path):
         assert p.pod.region == p.state.active.region == raw["region"]
 
 
+def test_every_region_of_the_catalogue_has_a_stack_file_to_start_from():
+    stacks = {p.name[len("Pulumi."):-len(".yaml")] for p in stackfile.STACKS_DIR.glob("Pulumi.*.yaml")}
+    assert set(catalogue.REGIONS) <= stacks, f"regions without stacks/Pulumi.<region>.yaml: {set(catalogue.REGIONS) - stacks}"
+    for name in catalogue.REGIONS:
+        raw, _ = stackfile.read_config(name)
+        assert raw["region"] == name and raw.get("zone"), f"stacks/Pulumi.{name}.yaml: the region's cell, on a zone"
+
+
 def test_split_state_is_only_possible_on_explicit_request():
     split = raw_for("apac-tw", "vastai", generations=[{"name": "us-east.g1", "region": "us-east", "status": "active"}])
     with pytest.raises(ConfigError):
@@ -518,7 +529,7 @@ def test_fallback_model_is_required_with_an_explicit_passthrough():
         cell(raw_for(fallbackModel=" gpt-4o-mini"))
     named = cell(raw_for(fallbackModel="gpt-4o-mini")).worker.binding("FALLBACK_MODEL")
     assert named.text == "gpt-4o-mini"
-    passthrough = cell(raw_for(fallbackModel="passthrough"))
+    passthrough = cell(raw_for(fallbackModel="passthrough", fallbackModels=["client/model"]))
     assert "FALLBACK_MODEL" not in {b.name for b in passthrough.worker.bindings}
 
 
@@ -546,7 +557,7 @@ def test_pod_py_reads_exactly_the_spec_the_plan_writes():
 
 
 def test_migrate_plan_lists_every_pod_and_the_cost_cap():
-    from colocate import migration
+    from colocate.cell import migration
 
     raw = raw_for("us-east", pod={"provider": "runpod", "count": 2})
     before = settings.parse(raw, "t", secrets=SECRETS)
@@ -563,7 +574,7 @@ def test_migrate_plan_lists_every_pod_and_the_cost_cap():
 
 
 def test_planning_does_not_need_the_fallback_model():
-    from colocate import migration
+    from colocate.cell import migration
 
     raw = raw_for()
     del raw["fallbackModel"]
@@ -601,7 +612,7 @@ def test_the_workers_pace_and_balance_reach_it_as_bindings_and_a_bad_policy_name
     texts = {b.name: b.text for b in c.worker.bindings if b.type == "plain_text"}
     assert (texts["STALL_MS"], texts["MIN_TOKENS_PER_S"], texts["BALANCE"]) == ("1500", "12.5", "least_busy")
     defaults = {b.name: b.text for b in cell(raw_for(worker={"subdomain": "acme"})).worker.bindings if b.type == "plain_text"}
-    assert (defaults["STALL_MS"], defaults["MIN_TOKENS_PER_S"], defaults["BALANCE"]) == ("2000", "25.0", "load")
+    assert (defaults["STALL_MS"], defaults["MIN_TOKENS_PER_S"], defaults["BALANCE"]) == ("2000", "25.0", "prefix")
     with pytest.raises(ConfigError) as e:
         cell(raw_for(worker={"subdomain": "acme", "balance": "fastest"}))
     assert "colocate:worker.balance" in str(e.value) and "least_busy" in str(e.value)

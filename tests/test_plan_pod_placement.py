@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from colocate import migration, plan
+from colocate.cell import migration, plan
 from colocate.errors import ConfigError
 from tests.test_plan import ZONE, cell, raw_for
 

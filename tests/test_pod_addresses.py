@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from colocate import plan
-from colocate.localca import LocalCA
+from colocate.cell import plan
 from colocate.pods import podtls
+from colocate.sandbox.localca import LocalCA
 from tests.test_pod_providers import env, fake_runpod, fake_vast, make_spec, offer, run, write_spec  # noqa: F401
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate.localca import LocalCA
 from colocate.pods import podtls, standin
+from colocate.sandbox.localca import LocalCA
 from colocate.workerd import HopClient, Workerd, render_config
 from tests.support.fake_providers import FakeRunPod, FakeVast
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Cell, cell_plan, chat, request, values_for

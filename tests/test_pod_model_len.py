@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from colocate import plan, settings
+from colocate.cell import plan, settings
 from colocate.errors import ConfigError
 from colocate.pods import profiles, standin
 from colocate.pods.spec import PodSpec

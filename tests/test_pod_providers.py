@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from colocate import catalogue
-from colocate.plan import PodPlan
-from colocate.settings import POD_DEFAULTS, PodSettings
+from colocate.cell import catalogue
+from colocate.cell.plan import PodPlan
+from colocate.cell.settings import POD_DEFAULTS, PodSettings
 from tests.support.fake_providers import API_KEY, FakeRunPod, FakeVast, offer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -563,7 +563,7 @@ def test_runpod_without_a_zone_exposes_http_and_reports_the_proxy_address(fake_r
 
 
 def test_the_real_proxy_address_form():
-    from colocate.plan import runpod_proxy_url
+    from colocate.cell.plan import runpod_proxy_url
 
     assert runpod_proxy_url("abc123", 8000) == "https://abc123-8000.proxy.runpod.net"
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from colocate.localca import LocalCA
 from colocate.pods import podtls, readiness, standin
 from colocate.pods.guard.colocate_pod_guard import readiness_token
 from colocate.sandbox import hopcerts
+from colocate.sandbox.localca import LocalCA
 
 pytestmark = pytest.mark.slow
 TOKEN = "pod-token-for-the-readiness-test"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate.localca import LocalCA
 from colocate.pods import podtls
+from colocate.sandbox.localca import LocalCA
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

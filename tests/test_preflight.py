@@ -1,4 +1,4 @@
-"""Preflight (colocate/preflight.py): before any pod is rented, the Cloudflare token has each
+"""Preflight (colocate/cell/preflight.py): before any pod is rented, the Cloudflare token has each
 permission the stack's shape uses, and the zone's CAA records let the pods' certificates be issued
 without a change that would widen who may issue for the zone's other hostnames. Against a local
 fake of Cloudflare's API (port 0), written from its reference: ``/user/tokens/verify``, the token's
@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pulumi
 import pytest
 
-from colocate import preflight
+from colocate.cell import preflight
 from tests.support.pulumi_mocks import run_program, stack_config
 
 ACCOUNT = "0123456789abcdef0123456789abcdef"

@@ -383,6 +383,12 @@ def test_pod_failing_every_health_check_fails_the_run(probe, capsys):
     assert doc["violations"][0]["kind"] == "pod_health"
     assert "raise colocate:pod.renewal by one" in doc["violations"][0]["message"]
     assert doc["verdict"].startswith("pod health check failed in 2 of 2 probes (pod_status 503)")
+    # an endpoint the team runs is mended on the box: nothing of the kit replaces it
+    with fake_cell.serve(pod_ok=False) as cell:
+        code, doc, _ = run_json(probe, capsys, [cell.url, "--token", TOKEN, "--samples", "2", "--pod-location", "NRT",
+                                               "--pod-path", "endpoint"])
+    message = next(v["message"] for v in doc["violations"] if v["kind"] == "pod_health")
+    assert code == 1 and "an endpoint you run, which the kit never replaces" in message and "renewal" not in message
 
 
 def test_fake_cell_leaves_nothing_listening():

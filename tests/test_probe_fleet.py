@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import catalogue, fleet
+from colocate.cell import catalogue
+from colocate.fleet import plan as fleet
 from colocate.probe import keys as probe_keys
 from tests.support.fleet import Fleet, running_fleet
 from tests.support.site_proxy import site

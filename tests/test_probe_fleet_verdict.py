@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import catalogue, fleet
+from colocate.cell import catalogue
+from colocate.fleet import plan as fleet
 from colocate.probe import fleet as fp, timing
 from colocate.probe.errors import UsageError
 from colocate.probe.sample import ROUTED_METRICS, Sample

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from colocate import catalogue
+from colocate.cell import catalogue
 from colocate.probe import live
 from colocate.probe.budgets import Budget
 from colocate.probe.histogram import DEFAULT_BUCKETS, Buckets, Histogram, HistogramError
@@ -173,6 +173,13 @@ def test_a_fleets_windows_merge_exactly_per_client_colo_and_an_unreadable_cell_f
     assert any("not the nearest cell apac-jp" in n for n in r.notes)
     assert r.requests == 57 and r.segments["total"]["n"] == 57 and r.segments["sync"]["n"] == 5
     assert "by client colo" in fleet_live.table(r) and fleet_live.to_json(r)["colos"][0]["colo"] == "NRT"
+    # every segment a cell records is merged (a pod request's queue, a stream's ttft and itl); pick counts are not latencies
+    more = doc([[M, "NRT", "0@NRT", "total", enc([30] * 3)], [M, "NRT", "0@NRT", "queue", enc([12] * 3)],
+                [M, "NRT", "0@NRT", "ttft", enc([40] * 2)], [M, "NRT", "0@NRT", "affinity", enc([1] * 3)]], region="apac-jp")
+    r = fleet_live.build("fl", [fleet_live.CellWindow("apac-jp", None, more), fleet_live.CellWindow("us-east", None, us)],
+                         (M - 5) * 60000)
+    assert r.ok and r.segments["queue"]["n"] == 3 and r.segments["ttft"]["n"] == 2 and r.segments["total"]["n"] == 20
+    assert r.cells[0].segments["queue"]["n"] == 3 and "queue" in fleet_live.table(r)
     # a cell's own live view keeps the pods apart from the client colos
     one = live.build(us, catalogue.region("us-east"))
     assert one.backends == {"pod-0": 17}

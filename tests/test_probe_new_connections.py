@@ -28,7 +28,7 @@ def _run(probe_new):
 
 
 def _build(run, budget_list=()):
-    from colocate import catalogue
+    from colocate.cell import catalogue
 
     return report.build(run, catalogue.region("us-east"), ["local", "local"], list(budget_list))
 
@@ -75,7 +75,7 @@ def test_a_pod_rtt_budget_judges_the_pooled_connection_and_pod_rtt_new_has_its_o
 
 
 def test_the_floor_of_a_new_connection_is_three_round_trips():
-    from colocate import catalogue
+    from colocate.cell import catalogue
     from colocate.probe import placement
 
     p = placement.observe([{"worker_colo": "NRT", "state_colo": "NRT"}], [], catalogue.region("apac-jp"), "US-GA-1")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from colocate import catalogue, geo
+from colocate.cell import catalogue, geo
 from colocate.probe import placement as pl
 
 JP = catalogue.region("apac-jp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from colocate import catalogue
+from colocate.cell import catalogue
 from colocate.probe import placement as pl
 from tests.support import fake_cell
 from tests.test_probe_cli import TOKEN, fake_pulumi, probe, run_json, stack_file  # noqa: F401 (fixture)
@@ -96,3 +96,17 @@ def test_cli_fails_a_pod_mode_worker_away_from_the_pod(probe, capsys):  # noqa: 
         )
     assert code == 1 and doc["placement"]["at_pod"] is False
     assert any("pod placement" in v["message"] for v in doc["violations"])
+
+
+def test_an_endpoint_the_team_runs_is_placed_and_judged_by_its_colo():
+    # provider existing: pod 0's location is the colo nearest the box (Kaohsiung), its address its own name.
+    own = "gpu1.team.example.org:8443"
+    beside = pl.observe([body(worker_colo="KHH", region="apac-tw", state_colo="TPE", pod_host=own)], ["KHH"], TW, "KHH",
+                        "pod", own)
+    assert (beside.pod.colo, beside.pod.status, beside.at_pod, beside.host_change) == ("KHH", pl.IN, True, None)
+    assert beside.ok and beside.floors()["pod_rtt"] == 0.0
+    away = pl.observe([body(worker_colo="NRT", region="apac-tw", state_colo="TPE", pod_host=own)], ["NRT"], TW, "KHH",
+                      "pod", own)
+    assert away.at_pod is False and not away.ok  # 2,000 km from the box, and outside the region
+    elsewhere = pl.observe([body(worker_colo="TPE", region="apac-tw", state_colo="TPE")], ["TPE"], TW, "NRT", "pod", own)
+    assert elsewhere.pod.status == pl.OUT and not elsewhere.ok  # a box whose colo is another region's

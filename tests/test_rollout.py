@@ -1,9 +1,9 @@
-"""colocate/rollout.py: the one pod replacement policy. The pure steps, and the Pulumi Cell
+"""colocate/cell/rollout.py: the one pod replacement policy. The pure steps, and the Pulumi Cell
 declaring the same policy (the sandbox's Runner.apply carrying it out is exercised with real
 pods in tests/test_sandbox_pods.py)."""
 
-from colocate import rollout
-from colocate.rollout import ADD, KEEP, REMOVE, REPLACE, Step, rollout as steps_of
+from colocate.cell import rollout
+from colocate.cell.rollout import ADD, KEEP, REMOVE, REPLACE, Step, rollout as steps_of
 from tests.test_infra_pods import declared_options, deploy  # noqa: F401 - the fixture is used by name
 
 

@@ -82,7 +82,7 @@ def test_routed_request_probe_and_headers(stacks, state_dir):
         assert (state_dir / "logs" / f"{name}.log").exists()
     # the config carries the product modules (rendered by colocate.workerd) and the sandbox entry
     text = (state_dir / "workerd.capnp").read_text()
-    from colocate.plan import worker_modules
+    from colocate.cell.plan import worker_modules
     assert all(m.content().splitlines()[0] in text for m in worker_modules()) and "__sandbox_entry.js" in text
 
 

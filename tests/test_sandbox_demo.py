@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate import plan, settings
+from colocate.cell import plan, settings
 from colocate.errors import ConfigError
 from colocate.sandbox import demo, supervisor
 from colocate.sandbox.geography import Geography

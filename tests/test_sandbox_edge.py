@@ -147,6 +147,62 @@ def test_a_big_body_gets_the_workers_413_either_way(edge, framing, mb):
         assert "MAX_BODY_BYTES" in err["message"]  # the Worker's own answer, not the edge's
 
 
+@contextlib.contextmanager
+def _answers_early(status_line: bytes = b"HTTP/1.1 413 Payload Too Large"):
+    """An upstream that answers as soon as it has the request's head (as the Worker answers a body
+    over its limit) and then reads whatever follows until the edge closes: its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def answer(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            body = b'{"error":{"message":"too large","type":"invalid_request_error","code":"payload_too_large"}}'
+            conn.sendall(status_line + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                         + b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            while conn.recv(65536):
+                pass
+
+    def serve():
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                threading.Thread(target=answer, args=(listener.accept()[0],), daemon=True).start()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        t.join(timeout=10)
+        listener.close()
+
+
+def test_a_body_still_arriving_after_an_early_answer_ends_quietly():
+    """The upstream answers before the body is all there (the Worker's 413) and the client goes on
+    sending it: the edge relays the answer and closes, and its body sender, waiting on the client
+    when the connection closed under it, ends quietly (no thread exception). Which of the sender's
+    reads meets the closed connection is the scheduler's choice: a few connections try several."""
+    head = request_bytes("POST", "/v1/chat/completions", [("Transfer-Encoding", "chunked")])
+    with _answers_early() as upstream, _front(("127.0.0.1", upstream)) as port:
+        for _ in range(6):
+            with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+                sock.sendall(head + b"4\r\n{}{}\r\n")
+                resp = http.client.HTTPResponse(sock)
+                resp.begin()
+                assert resp.status == 413, resp.status
+                resp.read()
+                time.sleep(0.1)  # the edge has closed its side; its sender still waits on the client
+                with contextlib.suppress(OSError):
+                    for piece in (b"1\r\n", b"x\r\n") * 3:
+                        sock.sendall(piece)
+                        time.sleep(0.02)
+        time.sleep(0.2)  # the senders' last reads have returned
+
+
 @pytest.mark.parametrize("value", ["abc", "-1", "1e3", "10, 12", " "])
 def test_a_content_length_that_is_not_a_number_is_400_at_once(edge, value):
     port, key = edge

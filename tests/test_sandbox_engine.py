@@ -18,6 +18,7 @@ import pytest
 
 from colocate import stackfile
 from colocate.errors import ConfigError
+from colocate.pods import podtls
 from colocate.pods.local import alive
 from colocate.sandbox import engine, supervisor
 from tests.support.sandbox import MODEL, client_key, sandbox_stacks
@@ -99,8 +100,9 @@ def test_a_server_the_user_runs_is_waited_for_served_and_never_stopped(tmp_path,
     assert str(made["tls"]) in command and str(made["token"]) in command and "PRIVATE KEY" not in command
     assert oct(made["tls"].stat().st_mode & 0o777) == "0o600" and oct(made["tls"].parent.stat().st_mode & 0o777) == "0o700"
     # The user starts their server with those files (here the stand-in, as vLLM would be started by the command).
-    env = {**os.environ, "COLOCATE_POD_TLS": made["tls"].read_text(), "POD_TOKEN": made["token"].read_text(),
-           "PYTHONPATH": str(ROOT)}
+    # COLOCATE_POD_TLS first: OpenSSL reads it back from /proc/self/environ, where variables before it can hide it
+    env = podtls.environment(made["tls"].read_text(), {**os.environ, "POD_TOKEN": made["token"].read_text(),
+                                                        "PYTHONPATH": str(ROOT)})
     server = subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port", str(port), "--model", MODEL,
                                "--compute-ms", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
@@ -114,6 +116,66 @@ def test_a_server_the_user_runs_is_waited_for_served_and_never_stopped(tmp_path,
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=20)
+
+
+def test_the_keeper_never_replaces_a_server_the_user_runs_when_it_is_down_or_unrecorded(tmp_path, state_dir):
+    """The user's server stops: the Worker's health check fails, which on a pod the kit started means a
+    replacement after two passes. This one the keeper did not start and cannot start again: it says
+    `down` and replaces nothing, pass after pass, nor when the sandbox's record of it is lost (for a
+    pod the kit started, `gone`: replaced at once). Back up, it is `ok` again."""
+    from colocate.cell import plan as plan_mod
+    from colocate.sandbox.pods import recorded_pods
+    from colocate.sandbox.scaling import SandboxDeployer
+    from colocate.scaling.controller import CellClient, Controller
+    from colocate.scaling.keeper import DOWN, OK, Keeper
+
+    port = _free_port()
+    stacks = stacks_with(tmp_path, url=f"https://localhost:{port}", readyTimeoutS=30)
+    made = engine.files(state_dir, mtls=True)
+    # COLOCATE_POD_TLS first: OpenSSL reads it back from /proc/self/environ, where variables before it can hide it
+    env = podtls.environment(made["tls"].read_text(), {**os.environ, "POD_TOKEN": made["token"].read_text(),
+                                                        "PYTHONPATH": str(ROOT)})
+
+    def serve() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "colocate.pods.standin", "--port", str(port), "--model", MODEL,
+                                 "--compute-ms", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    def stop(server: subprocess.Popen) -> None:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=20)
+
+    server = serve()
+    try:
+        ready = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
+        before = recorded_pods(state_dir)
+        client = CellClient(ready["worker_url"], ready["token"])
+        lines: list[str] = []
+        keeper = Keeper(SandboxDeployer("sandbox", state_dir), plan_mod.modules_hash(plan_mod.worker_modules()),
+                        say=lines.append)
+        ctl = Controller(client, keeper.deployer, None, owner="keeper-test", lock_ttl_s=60, say=lines.append, keeper=keeper)
+        stop(server)
+        for _ in range(3):  # one more than a pod the kit started is given
+            ctl.step()
+        (state_dir / "pods" / f"{before[0]['name']}.json").unlink()  # the sandbox's record of it, lost
+        ctl.step()
+        kept = client.state()["keeper"]
+        assert [v["state"] for v in kept["pods"]] == [DOWN], kept["pods"]
+        assert f"localhost:{port}" in kept["pods"][0]["detail"] or f"127.0.0.1:{port}" in kept["pods"][0]["detail"]
+        assert "replaces no server it did not start" in kept["pods"][0]["detail"]
+        assert kept["events"] == [] and not any("replacing" in line for line in lines), (kept["events"], lines)
+        assert [p["id"] for p in recorded_pods(state_dir)] == [p["id"] for p in before]
+        assert "replaced" not in (stackfile.read_config("sandbox", stacks)[0].get("pod") or {})
+        server = serve()
+        deadline = time.monotonic() + 30
+        while client.probe()["pods"][0].get("ok") is not True and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ctl.step()
+        ctl.release()
+        assert [v["state"] for v in client.state()["keeper"]["pods"]] == [OK]
+    finally:
+        if server.poll() is None:
+            stop(server)
 
 
 def test_a_server_that_never_serves_fails_up_within_its_ready_timeout(tmp_path, state_dir):
@@ -133,7 +195,7 @@ def test_a_server_that_never_serves_fails_up_within_its_ready_timeout(tmp_path, 
     ({"provider": "local", "url": "https://localhost:8000/v1"}, "scheme, host and port"),
 ])
 def test_an_engine_setting_that_cannot_work_is_refused_naming_the_key(pod, problem):
-    from colocate import plan, settings
+    from colocate.cell import plan, settings
 
     raw = raw_for()
     raw["pod"] = pod

@@ -23,8 +23,9 @@ import openai
 import pytest
 import requests
 
-from colocate import fleet as fleet_cfg, stackfile
-from colocate.catalogue import region
+from colocate import stackfile
+from colocate.cell.catalogue import region
+from colocate.fleet import plan as fleet_cfg
 from colocate.sandbox import fleet, supervisor
 from tests.support.sandbox import MODEL
 from tests.test_sandbox_signals import assert_no_traceback_of_ours, interrupt, python_was_starting, sandbox_processes

@@ -2,7 +2,7 @@
 
 import pytest
 
-from colocate import catalogue, geo
+from colocate.cell import catalogue, geo
 from colocate.sandbox.errors import GeographyError
 from colocate.sandbox.geography import HINT_SITES, SAME_SITE_MS, Geography, Sites, area_of, landing_site, parse_override
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import catalogue, stackfile
+from colocate import stackfile
+from colocate.cell import catalogue
 from colocate.sandbox import supervisor
 from colocate.sandbox.geography import Geography, landing_site, worker_site
 from tests.support.sandbox import sandbox_stacks

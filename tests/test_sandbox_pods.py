@@ -143,7 +143,7 @@ def test_a_pod_of_the_default_profile_under_the_default_pace_is_passed_over(tmp_
 
     import requests
 
-    from colocate import settings
+    from colocate.cell import settings
     from colocate.pods import profiles
     from tests.support.sandbox import MODEL, client_key
 

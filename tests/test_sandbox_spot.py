@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import spot_day
 from colocate.sandbox import fleet
+from colocate.scaling import spot_day
 from tests.test_sandbox_autoscale import processes_mentioning
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from colocate.scale import Policy
-from colocate.scaler import BACKOFF_MAX_S, BACKOFF_S, Controller, backoff_s, desired_of
+from colocate.scaling.controller import BACKOFF_MAX_S, BACKOFF_S, Controller, backoff_s, desired_of
+from colocate.scaling.policy import Policy
 
 
 class Cell:
@@ -188,7 +188,7 @@ def test_the_lease_is_renewed_through_a_drain_wait():
 
 
 def test_what_exists_is_the_pods_made_and_the_live_rotation():
-    from colocate.scaler import existing
+    from colocate.scaling.controller import existing
 
     assert existing(3, 2) == (2, 1)  # three pods made, the Worker routes to two: one drains
     assert existing(2, None) == (2, 0)  # the rotation unknown: every pod made serves

@@ -1,4 +1,4 @@
-"""colocate:scale's settings and the pure scaling decision (colocate/scale.py), on a table of
+"""colocate:scale's settings and the pure scaling decision (colocate/scaling/policy.py), on a table of
 traffic shapes: a step, a spike shorter than upAfterS, a slow ramp, a day, an outage of the
 signal. Pure and fast: no process, no clock."""
 
@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from colocate import plan, scale, settings
+from colocate.cell import plan, settings
 from colocate.errors import ConfigError
+from colocate.scaling import policy as scale
 from tests.support.images import GUARDED_IMAGE
 
 SECRETS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackApiKey", "runpodApiKey"})

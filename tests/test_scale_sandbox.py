@@ -20,8 +20,8 @@ from colocate import stackfile
 from colocate.pods.local import alive
 from colocate.sandbox import supervisor
 from colocate.sandbox.scaling import SandboxDeployer
-from colocate.scale import Policy
-from colocate.scaler import CellClient, Controller
+from colocate.scaling.controller import CellClient, Controller
+from colocate.scaling.policy import Policy
 from tests.support.sandbox import MODEL, client_key, sandbox_stacks
 from tests.support.workerd import request
 

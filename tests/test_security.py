@@ -8,12 +8,12 @@ router believes").
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
 import pytest
 
-from colocate.pods import standin
 from tests.support.workerd import OPERATOR_TOKENS, SECRETS, auth, request, running_cell
 
 pytestmark = pytest.mark.slow
@@ -94,9 +94,9 @@ def test_inflated_usage_is_capped_by_what_the_request_allows(cell, key):
 
 def test_hidden_usage_is_read_from_the_top_level(cell, key):
     cell.pod.set_fault("hostile", attack="usage_hidden")
-    # A request read whole, not assembled from a stream (best_of above n: forward.js
-    # streamable), where a hostile pod's answer can hide a "usage" after the real one.
-    data = body(max_tokens=4, best_of=2)
+    # A request read whole, not assembled from a stream (an answer of at most 16 tokens:
+    # router.js WHOLE_MAX_TOKENS), where a hostile pod's answer can hide a "usage" after the real one.
+    data = body(max_tokens=4)
     res = call(cell, key, data)
     assert res.status == 200 and res.json()["prompt_logprobs"][-1]["2"]["decoded_token"] == "usage"
     row = usage_row(cell, key, 1)
@@ -128,9 +128,9 @@ def test_a_redirect_is_not_followed_and_the_fallback_serves(cell, key):
 
 def test_an_oversized_answer_is_cut_and_the_fallback_serves(cell, key):
     cell.pod.set_fault("hostile", attack="oversized")
-    # Read whole (best_of above n is not streamed): past 16 MiB it is a failure before any
-    # answer, so the fallback serves.
-    res = call(cell, key, body(best_of=2), timeout=60)
+    # Read whole (an answer of at most 16 tokens is not streamed): past 16 MiB it is a failure
+    # before any answer, so the fallback serves.
+    res = call(cell, key, body(), timeout=60)
     assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback"
     assert len(res.body) < 4096 and res.json()["object"] == "chat.completion"
     row = usage_row(cell, key, 1)
@@ -180,38 +180,25 @@ def stream_cut(cell, key, data: bytes) -> tuple[int, bytes, bool]:
 @pytest.mark.parametrize("include_usage", [False, True], ids=["router-asks-usage", "client-asks-usage"])
 def test_a_stream_past_what_the_request_can_produce_is_cut_and_counted(cell, key, include_usage):
     """A pod that streams on and on (about 3 MB/s, up to 64 MiB) past 64 KiB + 4 KiB per allowed
-    token: the router's own pump (it strips the usage event it asked for) cuts at that cap and
-    ends with an error event; the native pipe (the client asked for usage) is cut within about a
-    second of passing it, its connection ending without the last chunk. Either way the pod's
-    stream is cancelled and the request counted once, within max_tokens."""
+    token: every pod stream passes through the router's own pump (podstream.js pumpPod: it takes
+    the continuous usage it asked for out of the client's events, whether or not the client asked
+    for usage), which cuts at that cap and ends with an error event. The pod's stream is cancelled
+    and the request counted once, within max_tokens."""
     cell.pod.set_fault("hostile", attack="oversized")
     cut_before = cell.pod.streams["cut"]
     data = body(max_tokens=4, stream=True, **({"stream_options": {"include_usage": True}} if include_usage else {}))
     status, got, ended = stream_cut(cell, key, data)
     cap = 65_536 + 4 * 4096
     assert status == 200
-    if include_usage:
-        assert not ended and cap < len(got) < standin.OVERSIZED_BYTES // 2  # half would take ten seconds
-    else:
-        events = [e for e in got.split(b"\n\n") if e]
-        assert ended and len(got) <= cap + len(events[-1]) + 2
-        assert json.loads(events[-1].removeprefix(b"data: ")) == {"error": {
-            "message": f"the upstream's stream passed {cap} bytes, more than this request can produce: cut here",
-            "type": "server_error", "code": "stream_too_large"}}
+    events = [e for e in got.split(b"\n\n") if e]
+    assert ended and len(got) <= cap + len(events[-1]) + 2
+    assert json.loads(events[-1].removeprefix(b"data: ")) == {"error": {
+        "message": f"the upstream's stream passed {cap} bytes, more than this request can produce: cut here",
+        "type": "server_error", "code": "stream_too_large"}}
     deadline = time.monotonic() + 15
     while cell.pod.streams["cut"] == cut_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cell.pod.streams["cut"] == cut_before + 1  # the pod's stream was cancelled, not read to its end
-    if include_usage:
-        # A response that ends in an error ends the request's context, and the flush it planned
-        # with it: a later sync of the isolate carries the count (here, made by another key's
-        # requests; the isolate plans its next flush at most 5 s after the lost one).
-        cell.pod.set_fault("ok")
-        carrier = cell.create_key("sec-carrier")
-        deadline = time.monotonic() + 20
-        while usage_row(cell, key, 1)["pod_requests"] == 0 and time.monotonic() < deadline:
-            assert call(cell, carrier, body()).status == 200
-            time.sleep(0.5)
     row = usage_row(cell, key, 1)
     assert (row["pod_requests"], row["completion_tokens"]) == (1, 4)  # estimated from the text, within max_tokens
     assert row["estimated_tokens"] == row["prompt_tokens"] + 4
@@ -278,6 +265,61 @@ def test_each_key_gets_its_own_prefix_cache_salt_and_cannot_choose_another(cell,
     salts = [b.get("cache_salt") for b in cell.pod.seen_bodies[-4:]]
     assert salts == [key["id"], key["id"], other["id"], other["id"]]
     assert usage_row(cell, key, 2)["pod_requests"] == 2
+
+
+# --- what a pod is sent of a client's request (worker/src/podfields.js) --------------------
+
+# vLLM's engine fields a client could once pass to the pod (docs/worker.md, "what the pods are sent").
+ENGINE_FIELDS = {
+    "chat_template": "{{ 'x' }}", "chat_template_kwargs": {"enable_thinking": True}, "mm_processor_kwargs": {"fps": 1},
+    "media_io_kwargs": {"video": {"num_frames": 1}}, "guided_regex": "a+", "guided_grammar": 'root ::= "a"',
+    "structured_outputs": {"regex": "a+"}, "guided_decoding_backend": "xgrammar",
+    "kv_transfer_params": {"do_remote_decode": True}, "priority": -100, "logits_processors": ["x.y"], "vllm_xargs": {"a": 1},
+    "request_id": "victim", "allowed_token_ids": [1],
+    "bad_words": ["no"], "truncate_prompt_tokens": 1, "documents": [{"title": "t", "text": "x"}], "prompt_embeds": "UEsDBA==",
+}
+MEDIA = {
+    "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}, "audio_url": {"url": "https://example.com/a.wav"},
+    "video_url": {"url": "https://example.com/v.mp4"}, "input_audio": {"data": "AAAA", "format": "wav"},
+    "image_embeds": "UEsDBA==",
+}
+
+
+def test_vllm_engine_fields_and_media_parts_never_reach_a_pod(cell, key):
+    before = cell.pod.requests
+    for field, value in ENGINE_FIELDS.items():
+        res = call(cell, key, body(**{field: value}))
+        assert res.status == 400, (field, res.body)
+        assert (res.json()["error"]["param"], res.json()["error"]["code"]) == (field, "unsupported_parameter"), res.body
+    for kind, value in MEDIA.items():
+        content = [{"type": "text", "text": "what is this?"}, {"type": kind, kind: value}]
+        res = call(cell, key, json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode())
+        assert res.status == 400 and res.json()["error"]["param"] == "messages[0].content[1].type", (kind, res.body)
+    assert cell.pod.requests == before  # nothing reached the pod, and nothing was counted
+    # OpenAI's own fields the pods do not serve are dropped, so a client written for OpenAI is served.
+    res = call(cell, key, body(store=True, metadata={"a": "b"}, top_k=5))
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0", res.body
+    seen = cell.pod.seen_bodies[-1]
+    assert "store" not in seen and "metadata" not in seen and seen["top_k"] == 5, seen
+    assert usage_row(cell, key, 1)["requests"] == 1
+
+
+def test_the_engine_request_id_is_the_routers_and_the_query_string_stays_in_the_worker(cell, key):
+    path = "/v1/chat/completions?api-version=2024-02-01&stream=true"
+    sent = {"authorization": f"Bearer {key['key']}", "content-type": "application/json", "x-request-id": "victim-request"}
+    res = request(cell.url, "POST", path, body=body(), headers=sent)
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "pod-0", res.body
+    seen = cell.pod.seen_headers[-1]
+    assert re.fullmatch(r"[0-9a-f]{32}", seen["x-request-id"]), seen  # 128 random bits, never the client's
+    assert cell.pod.seen_paths[-1] == "/v1/chat/completions"
+    # Each request its own id: one client cannot name another's request at the engine.
+    assert request(cell.url, "POST", path, body=body(), headers=sent).status == 200
+    assert cell.pod.seen_headers[-1]["x-request-id"] != seen["x-request-id"]
+    cell.pod.set_fault("error")
+    res = request(cell.url, "POST", path, body=body(), headers=sent)
+    assert res.status == 200 and res.headers["x-colocate-backend"] == "fallback", res.body
+    assert cell.fallback.seen_paths[-1] == "/v1/chat/completions"
+    assert "x-request-id" not in cell.fallback.seen_headers[-1]
 
 
 # --- least privilege for operators -------------------------------------------------------
@@ -349,3 +391,50 @@ def test_a_flood_of_guessed_keys_from_one_address_is_refused_and_real_keys_still
     assert (real.status, real.headers["x-colocate-backend"]) == (200, "pod-0")
     assert again.status == 200
     assert usage_row(cell, key, 2)["requests"] == 2
+
+
+async def _flood(url: str, keys: list[str], data: bytes, at_once: int) -> list[tuple[int, bytes]]:
+    """Each key in one POST from its own IPv6 /64, ``at_once`` connections in flight: (status, body)."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(i: int) -> tuple[int, bytes]:
+        async with gate:
+            reader, writer = await asyncio.open_connection(host, port)
+            head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {keys[i]}\r\n"
+                    f"cf-connecting-ip: 2001:db8:{i >> 16:x}:{i & 0xffff:x}::1\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(data)}\r\nconnection: close\r\n\r\n")
+            writer.write(head.encode() + data)
+            raw = await asyncio.wait_for(reader.read(), 60)
+            writer.close()
+            status = int(raw.split(b" ", 2)[1])
+            payload = raw.split(b"\r\n\r\n", 1)[1]
+            if b"transfer-encoding: chunked" in raw.split(b"\r\n\r\n", 1)[0].lower():
+                payload = payload.split(b"\r\n", 1)[1].rsplit(b"\r\n0\r\n", 1)[0]
+            return status, payload
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(keys)))))
+
+
+def test_guesses_from_rotating_addresses_never_starve_a_real_key_new_to_the_isolate(cell, key):
+    """Each guess from its own /64 (the per-address budget never applies), 1,500 at once: past
+    the isolate's total (1,000 at once, 200 a second) guesses get 429, but a real key new to
+    this isolate is vouched for by its key filter (keyfilter.js) and looked up all the same."""
+    import asyncio
+    import secrets
+
+    fresh = cell.create_key("sec-rotating")  # never presented here: its first request is a look-up
+    # The isolate learns of it with its next sync (a routed request flushes within a second).
+    assert call(cell, key, body()).status == 200
+    time.sleep(1.5)
+    n, real_at = 3000, 2000
+    keys = [fresh["key"] if i == real_at else "clc_" + secrets.token_urlsafe(24)[:32] for i in range(n)]
+    answers = asyncio.run(_flood(cell.url, keys, body(), 1500))
+    status, payload = answers[real_at]
+    assert status == 200, payload
+    codes = [json.loads(p)["error"]["code"] for i, (_, p) in enumerate(answers) if i != real_at]
+    assert set(codes) <= {"invalid_api_key", "too_many_unknown_keys"}, set(codes)
+    assert usage_row(cell, fresh, 1)["requests"] == 1

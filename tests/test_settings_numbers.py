@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from colocate import settings
+from colocate.cell import settings
 from colocate.errors import ConfigError
 from tests.support.images import GUARDED_IMAGE
 

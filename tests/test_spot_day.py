@@ -1,4 +1,4 @@
-"""demo-spot's arithmetic (colocate/spot_day.py): the preemption rate its source gives, pod lives,
+"""demo-spot's arithmetic (colocate/scaling/spot_day.py): the preemption rate its source gives, pod lives,
 the day's bill three ways, cut streams apart from failures, the fallback against its cap, the
 verdicts. Pure and fast; the demo itself runs in tests/test_sandbox_spot.py."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from colocate import spot_day
-from colocate.autoscale_day import Prices, Served
+from colocate.scaling import spot_day
+from colocate.scaling.day import Prices, Served
 
 PRICES = Prices(pod_per_hr=0.6, api_per_1m=0.3)
 

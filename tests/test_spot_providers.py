@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from colocate.keeper import DEAD, PREEMPTED, Keeper
 from colocate.pods import lifecycle, spec as spec_mod
 from colocate.pods.base import PodInfo
 from colocate.pods.errors import CapacityError, PodConfigError
 from colocate.pods.vastai import OUTBID, spread
-from colocate.scaler import Controller
+from colocate.scaling.controller import Controller
+from colocate.scaling.keeper import DEAD, PREEMPTED, Keeper
 from tests.support.fake_providers import offer
 from tests.support.keeping import Generation, ProviderCell, pod_plans, spec_of
 from tests.test_pod_providers import env, fake_runpod, fake_vast, make_spec  # noqa: F401 - fixtures

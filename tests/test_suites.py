@@ -93,3 +93,17 @@ def test_a_failing_run_keeps_each_failures_output_in_a_file_it_names_last(where,
 def test_an_unknown_suite_is_a_usage_error(capsys):
     assert suites.main(["pyy"]) == 2
     assert "'pyy': unknown suite. Fix: one of lint, js, py, fast" in capsys.readouterr().err
+
+
+def test_steps_beside_each_other_start_at_once_and_print_in_order(where, capsys):
+    # "a" waits (30 s at most) for a file only "b" makes: run one after the other, "a" fails.
+    made = where / "made-by-b"
+    waits = (f"import pathlib, sys, time\nfor _ in range(300):\n    if pathlib.Path({str(made)!r}).exists(): sys.exit(0)\n"
+             "    time.sleep(0.1)\nsys.exit(1)")
+    makes = f"import pathlib; pathlib.Path({str(made)!r}).touch(); print('made it')"
+    steps = {"a": [suites.Step("waits", [suites.PY, "-c", waits], "lint", beside=True),
+                   suites.Step("then", [suites.PY, "-c", "print('after waits')"], "then")],
+             "b": [suites.Step("makes", [suites.PY, "-c", makes], "b", beside=True)]}
+    assert suites.main(["a", "b"], steps) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split(" (")[0] for ln in out[:3]] == ["waits: passed", "then: after waits", "makes: made it"], out

@@ -46,7 +46,8 @@ def test_pod_errors_open_the_breaker_too():
 
 @pytest.mark.parametrize("fallback_model", ["passthrough", FALLBACK_MODEL_NAME])
 def test_fallback_gets_its_key_and_model(fallback_model):
-    with running_cell(runtime(), fallbackModel=fallback_model) as cell:
+    extra = {"fallbackModels": ["client/model"]} if fallback_model == "passthrough" else {}  # passthrough names its models
+    with running_cell(runtime(), fallbackModel=fallback_model, **extra) as cell:
         named = fallback_model != "passthrough"
         assert ("FALLBACK_MODEL" in {b.name for b in cell.plan.worker.bindings}) == named
         cell.pod.set_fault("error")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import plan as plan_mod, workerd as wd
+from colocate import workerd as wd
+from colocate.cell import plan as plan_mod
 from tests.support.workerd import SECRETS, cell_plan, request
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from tests.support.workerd import SECRETS, auth, cell_plan, chat, request, value
 
 pytestmark = pytest.mark.slow
 OPEN_AT_ONCE = 6  # Cloudflare's simultaneous open connections per request
-PODS = 8  # colocate.settings.MAX_PODS
+PODS = 8  # colocate.cell.settings.MAX_PODS
 METRICS_DELAY_S = 1.5  # a slow /metrics: each read holds its connection this long
 ANSWER = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "client/model",
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from colocate import workerd
-from colocate.plan import worker_modules
+from colocate.cell.plan import worker_modules
 from tests.support.workerd import SECRETS, auth, cell_plan, outbound, request, values_for
 
 pytestmark = pytest.mark.slow  # real workerd processes

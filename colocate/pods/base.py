@@ -7,7 +7,7 @@ import re
 import ssl
 from dataclasses import asdict, dataclass
 
-from .. import catalogue
+from ..cell import catalogue
 from .errors import PodConfigError
 
 # Normalised states: the orchestration only needs these.

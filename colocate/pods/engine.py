@@ -10,7 +10,7 @@ taken from the profile (``Profile.step_ms``) instead of a GPU.
 
 Nothing here sleeps or reads a clock: ``Engine.step()`` returns the step's duration and the tokens
 it made, and the caller advances time. The stand-in's engine thread waits that long in real time
-(``standin.py``); ``simulate`` and ``knee`` run it in virtual time, a sweep in milliseconds.
+(``standin/``); ``simulate`` and ``knee`` run it in virtual time, a sweep in milliseconds.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ is drawn in colocate/errors.py.
     PodError                  anything that stops a pod operation (a ScriptError)
     ├── PodConfigError        bad spec, missing key or token, a provider that cannot serve the region (exit 2)
     │   └── PodTlsError       podtls.py: the pod hop's certificates are missing or do not load
-    ├── Refused               standin.py: the stand-in answers a request vLLM would refuse (an HTTP answer, not an exit)
-    ├── ClientGone            standin.py: the client left while its answer was made (its sequences are aborted)
+    ├── Refused               standin/:   the stand-in answers a request vLLM would refuse (an HTTP answer, not an exit)
+    ├── ClientGone            standin/:   the client left while its answer was made (its sequences are aborted)
     └── ProviderError         the provider said no, or never answered (exit 1)
         ├── RetryableError    429, 5xx or a timeout that outlived the bounded retries
         ├── CapacityError     no capacity in any of the region's locations; ``.attempts`` is the table

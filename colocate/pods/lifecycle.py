@@ -7,7 +7,7 @@ any later step fails (or the process is interrupted): pulumi-command keeps the o
 create only when it exits 0, so a pod left behind here would bill with no record.
 
 Adopting is sound because the name carries a digest of everything that fixes what a pod is
-(``colocate.plan.PodPlan.identity``: image, GPU, port, disk, path, token, ...): a live pod of
+(``colocate.cell.plan.PodPlan.identity``: image, GPU, port, disk, path, token, ...): a live pod of
 that name is this spec's pod, and only the placement criteria (price cap, reliability) may
 differ, which apply to the next placement only. One case it cannot tell apart, as the spec
 is identical too: `pulumi up --replace` of a pod keeps its name, so its create adopts the
@@ -26,8 +26,9 @@ import dataclasses
 import os
 import sys
 
-from ..plan import instance_host
-from . import podtls, stop
+from ..cell.catalogue import EXISTING
+from ..cell.plan import instance_host
+from . import existing, podtls, stop
 from .base import DEAD, RUNNING, PodInfo, Provider, belongs_to_stack, scope_of
 from .errors import CapacityError, NotFoundError, PodConfigError, ProviderError, RetryableError, format_attempts
 from .guard.colocate_pod_guard import readiness_token
@@ -45,11 +46,12 @@ def log(line: str) -> None:
 
 
 def provider_for(name: str, token: str = "") -> Provider:
+    from .existing import Existing
     from .local import Local
     from .runpod import RunPod
     from .vastai import VastAI
 
-    classes = {"runpod": RunPod, "vastai": VastAI, "local": Local}
+    classes = {"runpod": RunPod, "vastai": VastAI, "local": Local, EXISTING: Existing}
     if name not in classes:
         raise PodConfigError(f"provider {name!r} is not one of {', '.join(classes)}")
     return classes[name](token)
@@ -92,6 +94,8 @@ def _provider(spec: PodSpec) -> tuple[Provider, str]:
 
 def create(spec: PodSpec) -> dict:
     """Rent (or adopt) and wait, in one process: ``rent`` then ``wait`` without a record between them."""
+    if spec.provider == EXISTING:  # checked, never rented nor destroyed
+        return existing.create(spec)
     provider, token = _provider(spec)
     try:
         pod_id, adopted, unknown = _acquire(spec, provider, token)
@@ -105,6 +109,8 @@ def rent(spec: PodSpec) -> dict:
     pod's id and name) is what the stack records before the long readiness wait: a `pulumi up`
     cancelled during that wait (pulumi-command kills the command with SIGKILL, so no handler runs)
     leaves a pod the stack's state holds, and `pulumi destroy` deletes it."""
+    if spec.provider == EXISTING:
+        return existing.rent(spec)
     provider, token = _provider(spec)
     try:
         pod_id, adopted, unknown = _acquire(spec, provider, token)
@@ -124,6 +130,8 @@ def wait(spec: PodSpec, rented: object) -> dict:
     is replaced under the same name: adopt one of the name, else place one (``pod.py delete`` of the
     rent deletes every live pod of the recorded name). A pod that never serves is destroyed, as
     ``create`` does: the next ``pulumi up`` places a new one here."""
+    if spec.provider == EXISTING:
+        return existing.wait(spec, rented)
     if not isinstance(rented, dict) or rented.get("name") != spec.name or rented.get("provider") != spec.provider:
         raise PodConfigError(f"wait: the rented pod {rented!r} is not this spec's ({spec.provider} {spec.name}). "
                              "Fix: pass the spec with `rented` set to the JSON `pod.py rent` printed for it")
@@ -160,7 +168,7 @@ def _acquire(spec: PodSpec, provider: Provider, token: str) -> tuple[str, bool, 
     try:
         pod_id, attempts = _place(spec, provider, token, lost)
         if pod_id is None and spec.interruptible and spec.on_demand_fallback:
-            # colocate:pod.market mix: no interruptible capacity left in the region, so on demand (colocate/market.py)
+            # colocate:pod.market mix: no interruptible capacity left in the region, so on demand (colocate/cell/market.py)
             log(f"no interruptible capacity for {spec.gpu} in {spec.region}: renting {spec.name} on demand "
                 f"(colocate:pod.market mix), at most ${spec.max_price_per_hr}/h")
             pod_id, more = _place(dataclasses.replace(spec, market="ondemand"), provider, token, lost)

@@ -31,7 +31,7 @@ BLOCK_SIZE = 16  # vLLM's KV-cache block: 16 tokens
 # probe's new TTFT segment uses its own budget; this is the capacity planner's).
 DEFAULT_TTFT_P99_BUDGET_MS = 1000.0
 # The median pace a pod keeps at its knee: a token every 40 ms a sequence, the router's default
-# minTokensPerS (25, colocate.settings), so a pod at its capacity is never one the router marks slow.
+# minTokensPerS (25, colocate.cell.settings), so a pod at its capacity is never one the router marks slow.
 DEFAULT_TPOT_P50_BUDGET_MS = 40.0
 # The workload a profile's knee_rps is measured on: a short chat turn (the cited 4090 sweep's shape).
 KNEE_INPUT_TOKENS, KNEE_OUTPUT_TOKENS = 256, 128
@@ -331,7 +331,7 @@ def marlin_int4(gpu: Gpu, server: Server, *, linear_params_b: float, lm_head_par
                    **kw)
 
 
-# The kit's default pod (colocate.settings: RTX 4090, Qwen2.5-7B-Instruct GPTQ-Int4, --max-model-len 8192):
+# The kit's default pod (colocate.cell.settings: RTX 4090, Qwen2.5-7B-Instruct GPTQ-Int4, --max-model-len 8192):
 # 6.53 B parameters in the 28 layers' linear layers, 0.545 B in the output layer and as many in the input
 # embedding (untied); 28 layers, 4 KV heads of 128: 56 KiB of KV cache a token.
 RTX4090_QWEN7B_INT4 = _add(marlin_int4(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from urllib.parse import quote
 
-from ..plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
+from ..cell.plan import PATH_PROVIDER_PROXY, RUNPOD_PROXY_TEMPLATE, runpod_proxy_url
 from . import podtls
 from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
 from .errors import CapacityError, FatalError, NotFoundError, OverPriceError, ProviderError, format_attempts
@@ -195,7 +195,7 @@ class RunPod(Provider):
         return PodInfo(id=str(pod["id"]), name=pod.get("name", ""), state=_STATES.get(status, STARTING),
                        raw_state=status, location=pod.get("dataCenterId"), ip=ip, port=public,
                        cost_per_hr=pod.get("cost"), gpu=(pod.get("gpu") or {}).get("id"), proxy_url=proxy,
-                       market="ondemand")  # v2 rents no other kind (colocate/market.py)
+                       market="ondemand")  # v2 rents no other kind (colocate/cell/market.py)
 
 
 def _private_port(pod: dict) -> tuple[int | None, str | None]:

@@ -1,4 +1,4 @@
-"""The create request: the JSON of ``colocate.plan.PodPlan.spec()``, checked again at the edge.
+"""The create request: the JSON of ``colocate.cell.plan.PodPlan.spec()``, checked again at the edge.
 
 The spec is re-checked against the catalogue so a hand-written or stale spec cannot
 place a pod outside the cell's region: its provider must serve the region, and its
@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import catalogue
+from ..cell import catalogue
+from ..cell.catalogue import EXISTING
+from ..cell.market import RUNPOD_HAS_NONE
+from ..cell.plan import MAX_MODEL_LEN, POD_PATHS
 from ..errors import ConfigError
-from ..market import RUNPOD_HAS_NONE
-from ..plan import MAX_MODEL_LEN, POD_PATHS
 from . import podtls
 from .errors import PodConfigError
 
@@ -32,7 +33,7 @@ REQUIRED: dict[str, type | tuple[type, ...]] = {
 OPTIONAL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "max_model_len": (int, MAX_MODEL_LEN), "command": (str, ""), "url": (str, ""),
     "max_transfer_per_gb": ((int, float), 0.02), "market": (str, "ondemand"), "on_demand_fallback": (bool, False),
-    "bid_per_hr": ((int, float), 0.3)}
+    "bid_per_hr": ((int, float), 0.3), "endpoint": ((dict, type(None)), None)}
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ class PodSpec:
     max_model_len: int = MAX_MODEL_LEN  # vLLM's --max-model-len (colocate:pod.maxModelLen)
     command: str = ""  # local: the sandbox's pod is this command (colocate:pod.command), not the stand-in
     url: str = ""  # local: where that command, or a server the user runs, serves (colocate:pod.url)
-    market: str = "ondemand"  # ondemand | interruptible (colocate/market.py pod_market)
+    # existing: {host, ip, port, location, cost_per_hr} (plan.PodPlan.endpoint_spec); None for a pod the kit rents
+    endpoint: dict | None = None
+    market: str = "ondemand"  # ondemand | interruptible (colocate/cell/market.py pod_market)
     on_demand_fallback: bool = False  # interruptible: rent on demand when no interruptible capacity is left (mix)
     bid_per_hr: float = 0.3  # interruptible: the bid, $/h (Vast.ai's create `price`)
 
@@ -86,7 +89,7 @@ class PodSpec:
             raise PodConfigError(f"spec: expected a JSON object (PodPlan.spec()), got {type(data).__name__}")
         for key, typ in REQUIRED.items():
             if key not in data:
-                raise PodConfigError(f"spec.{key}: missing. Fix: pass the JSON of colocate.plan.PodPlan.spec()")
+                raise PodConfigError(f"spec.{key}: missing. Fix: pass the JSON of colocate.cell.plan.PodPlan.spec()")
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {value!r}). Fix: regenerate the spec from the plan")
@@ -101,6 +104,7 @@ class PodSpec:
             if amount < 0:
                 raise PodConfigError(f"spec.{key}: negative (got {amount!r}). Fix: regenerate the spec from the plan")
             fields[key] = amount
+        fields["endpoint"] = _endpoint(fields["endpoint"])
         spec = cls(**fields)
         spec._check()
         return spec
@@ -133,13 +137,20 @@ class PodSpec:
             raise PodConfigError(f"spec.max_model_len: {self.max_model_len} must be > 0. Fix: colocate:pod.maxModelLen")
         if self.market not in ("ondemand", "interruptible"):
             raise PodConfigError(f"spec.market: {self.market!r} is not ondemand or interruptible. Fix: regenerate the spec "
-                                 "from the plan (colocate/market.py pod_market)")
+                                 "from the plan (colocate/cell/market.py pod_market)")
         if self.interruptible and self.provider == "runpod":
             raise PodConfigError(f"spec.market: interruptible on runpod: {RUNPOD_HAS_NONE}. Fix: pulumi config set --path "
                                  "colocate:pod.market ondemand, or colocate:pod.provider vastai")
         if self.interruptible and not 0 < self.bid_per_hr <= self.max_price_per_hr:
             raise PodConfigError(f"spec.bid_per_hr: {self.bid_per_hr} must be above 0 and at most max_price_per_hr "
                                  f"({self.max_price_per_hr}). Fix: colocate:pod.bidPerHr")
+        if (self.endpoint is not None) != (self.provider == EXISTING):
+            raise PodConfigError(f"spec.endpoint: {'missing' if self.endpoint is None else 'set'} for provider "
+                                 f"{self.provider}. Fix: regenerate the spec from the plan")
+        if self.endpoint is not None and (list(self.locations) != [self.endpoint["location"]]
+                                          or self.port != self.endpoint["port"]):
+            raise PodConfigError(f"spec.endpoint: {self.endpoint!r} disagrees with the spec's locations and port. "
+                                 "Fix: regenerate the spec from the plan")
         if self.engine and self.provider != "local":
             raise PodConfigError(f"spec.command/url: a server of the user's is a sandbox pod, not a {self.provider} one. "
                                  "Fix: regenerate the spec from the plan")
@@ -165,6 +176,24 @@ class PodSpec:
         if self.mtls:
             args += podtls.vllm_args()
         return args
+
+
+ENDPOINT_FIELDS: dict[str, type | tuple[type, ...]] = {"host": str, "ip": str, "port": int, "location": str,
+                                                       "cost_per_hr": (int, float)}
+
+
+def _endpoint(value: object) -> dict | None:
+    """``spec.endpoint``: what the plan says of an existing endpoint (its host the name the Worker fetches)."""
+    if value is None:
+        return None
+    fields: dict[str, Any] = dict(value) if isinstance(value, dict) else {}
+    ok = set(fields) == set(ENDPOINT_FIELDS) and all(
+        isinstance(fields[k], t) and not isinstance(fields[k], bool) for k, t in ENDPOINT_FIELDS.items())
+    if not ok or not fields["host"] or ":" in fields["host"] or not 0 < fields["port"] < 65536:
+        raise PodConfigError(f"spec.endpoint: {value!r} is not {{host, ip, port, location, cost_per_hr}}. "
+                             "Fix: regenerate the spec from the plan")
+    return fields
+
 
 def load(source: str) -> PodSpec:
     """Read a spec from a file path or ``-`` (stdin)."""

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import stackfile
+from ..cell.settings import NS, POD_DEFAULTS, PROVIDER_SECRET
 from ..errors import ConfigError
-from ..settings import NS, POD_DEFAULTS, PROVIDER_SECRET
 from .errors import PodConfigError
 
 PULUMI_TIMEOUT_S = 60

@@ -16,7 +16,7 @@ becomes ``running``: such an instance is reported dead and destroyed. On a mutua
 create request carries the pod's TLS bundle as the first variable of ``env`` (a JSON object)
 and vLLM's TLS flags in ``args`` (``podtls``), as RunPod's does.
 
-Interruptible pods (``colocate:pod.market``, colocate/market.py) are rented by bid: the search
+Interruptible pods (``colocate:pod.market``, colocate/cell/market.py) are rented by bid: the search
 asks ``type: bid`` and ``min_bid`` <= ``bidPerHr`` (no on-demand price cap), the create carries
 ``price`` = ``bidPerHr`` ("Bid price per machine (in $/hour). Only for interruptible instances",
 the spec's createInstance), and a host then runs the highest bidder: an outbid instance is

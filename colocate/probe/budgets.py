@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..settings import SEGMENTS, parse_budgets
+from ..cell.settings import SEGMENTS, parse_budgets
 from .errors import UsageError
 from .placement import NEAR_ZERO_MS
 from .stats import PERCENTILES
@@ -62,7 +62,7 @@ def from_flags(values: Iterable[str]) -> list[Budget]:
 
 
 def from_stack(raw: object) -> list[Budget]:
-    """The stack's ``colocate:budgets`` (validated by colocate.settings; defaults when unset)."""
+    """The stack's ``colocate:budgets`` (validated by colocate.cell.settings; defaults when unset)."""
     return [Budget(name, ms) for name, ms in parse_budgets(raw).items()]
 
 

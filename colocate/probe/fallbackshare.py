@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..settings import PROBE_DEFAULTS
+from ..cell.settings import PROBE_DEFAULTS
 
 DEFAULT_MAX_SHARE = float(PROBE_DEFAULTS["maxFallbackShare"])
 MIN_FALLBACK = 3

@@ -8,7 +8,7 @@ door ran in (its Server-Timing ``front;desc="NRT"``), e2e and the segments
 (``front, state, upstream, fallback, total``).
 
 The expectation is computed the way the front door computes its choice: the cells ranked by
-``colocate.fleet.rank`` of that colo over the cells' regions (the same floor model and the
+``colocate.fleet.plan.rank`` of that colo over the cells' regions (the same floor model and the
 same data as its ``CELL_RANK`` binding), filtered by health. A cell is healthy when its own
 ``GET /_colocate/probe`` (probe token) answers and shows at least one pod that its breakers
 let through and that answers ``/health``; unreachable or not found is not healthy. Health is
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from .. import fleet as fleet_mod, geo
-from ..catalogue import Region
+from ..cell import geo
+from ..cell.catalogue import Region
+from ..fleet import plan as fleet_mod
 from .errors import TargetError, Unauthorized, Unreachable, UsageError
 from .placement import distance_km
 from .sample import MODELS_PATH, Sample, Sampler
@@ -397,7 +398,7 @@ def sample_site(site: Site, key: str, samples: int, timeout_s: float, model: str
 
 
 def _region(name: str | None, key: str) -> Region | None:
-    from ..catalogue import region as lookup
+    from ..cell.catalogue import region as lookup
     from ..errors import ConfigError
 
     if not isinstance(name, str) or not name:

@@ -16,10 +16,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .. import fleet as fleet_mod
-from ..catalogue import Region
+from ..cell.catalogue import Region
+from ..fleet import plan as fleet_mod
 from .histogram import DEFAULT_BUCKETS, Buckets, Histogram
-from .live import ROUTED, SYNC, LiveDataError, rows_of
+from .live import ROUTED, SEGMENTS, SYNC, LiveDataError, rows_of
 from .stats import PERCENTILES
 
 
@@ -112,7 +112,10 @@ def _num(v: float | None, digits: int = 0) -> str:
 
 def build(stack: str, windows: Sequence[CellWindow], since_ms: int) -> FleetLive:
     """Merge every cell's window (see the module docstring)."""
-    fleet_segments = {s: Histogram() for s in (*ROUTED, SYNC)}
+    # The fleet and each cell: every latency segment a cell records (live.SEGMENTS: the routed ones,
+    # a stream's ttft and itl, the pods' queue, sync); per colo, the routed ones. Pick counts
+    # (affinity, shed) are no latencies: the cells' own views show them.
+    fleet_segments = {s: Histogram() for s in SEGMENTS}
     # colo -> cell -> segment -> histogram
     at: dict[str, dict[str, dict[str, Histogram]]] = defaultdict(lambda: defaultdict(lambda: {s: Histogram() for s in ROUTED}))
     cells, violations = [], []
@@ -134,11 +137,13 @@ def build(stack: str, windows: Sequence[CellWindow], since_ms: int) -> FleetLive
         if b != buckets and rows:
             raise LiveDataError(f"cell {w.name}: buckets {b} differ from the other cells' {buckets}: deploy one Worker version")
         until = max(until, int(w.doc.get("now") or until))
-        mine = {s: Histogram() for s in (*ROUTED, SYNC)}
+        mine = {s: Histogram() for s in SEGMENTS}
         for r in rows:
+            if r.segment not in mine:
+                continue
             mine[r.segment].add(r.hist)
             fleet_segments[r.segment].add(r.hist)
-            if r.segment != SYNC:
+            if r.segment in ROUTED:
                 at[r.client or r.colo][w.name][r.segment].add(r.hist)
         summary = {s: h.summary(b).to_json() for s, h in mine.items()}
         cells.append(CellSummary(w.name, regions[-1].name if regions[-1] else None, mine["total"].n, summary, None))
@@ -170,7 +175,7 @@ def build(stack: str, windows: Sequence[CellWindow], since_ms: int) -> FleetLive
 
 def _region_of(name: object) -> Region | None:
     """The region a cell reports about itself (its live answer), when it is one the catalogue knows."""
-    from .. import catalogue
+    from ..cell import catalogue
     from ..errors import ConfigError
 
     try:
@@ -196,7 +201,7 @@ def table(r: FleetLive) -> str:
              f"real traffic from {_clock(r.since_ms)} to {_clock(r.until_ms)}: {r.requests} routed requests in "
              f"{len(r.cells)} cells; percentiles within {r.buckets.relative_error:.1%} of exact", "",
              "the fleet (every cell's histograms added)", head, "-" * len(head)]
-    lines += [_seg_row(s, r.segments[s]) for s in (*ROUTED, SYNC)]
+    lines += [_seg_row(s, r.segments[s]) for s in SEGMENTS]
     lines += ["", "by client colo (where the front door received them), the cells that served: total"]
     for c in r.colos:
         near = f"nearest cell {c.nearest}" if c.nearest else "nearest cell unknown"

@@ -29,8 +29,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC
 
-from .. import catalogue
-from ..payloads import HIST
+from ..cell import catalogue
+from ..cell.payloads import HIST
+from ..scaling.cost import dollars
 from . import budgets as budgets_mod, fallbackshare, placement as placement_mod
 from .errors import TargetError
 from .histogram import Buckets, Histogram, HistogramError, merged
@@ -519,12 +520,12 @@ def spend_line(spend: dict | None) -> str | None:
         return None
     if spend["usd"] is None:
         return f"fallback spend {spend['day']} (UTC): not counted (set colocate:fallbackPrice)"
-    return (f"fallback spend {spend['day']} (UTC): ${spend['usd']:,.2f} of {_cap(spend['cell_cap_usd'])} for the cell; "
+    return (f"fallback spend {spend['day']} (UTC): {dollars(spend['usd'])} of {_cap(spend['cell_cap_usd'])} for the cell; "
             f"each key {_cap(spend['key_cap_usd'])}")
 
 
 def _cap(usd: float | None) -> str:
-    return "no cap" if usd is None else f"${usd:,.2f} a day"
+    return "no cap" if usd is None else f"{dollars(usd)} a day"
 
 
 def _timeline_point(t: Minute, buckets: Buckets) -> TimelinePoint:

@@ -1,7 +1,7 @@
 """Reading a deployed stack's outputs and config for ``probe.py --stack``.
 
 Outputs come from ``pulumi stack output --json --show-secrets --stack S`` run in the repo
-root (the output names are the constants in ``colocate.outputs``); config (region, budgets,
+root (the output names are the constants in ``colocate.cell.outputs``); config (region, budgets,
 samples, placement mode) from ``stacks/Pulumi.<S>.yaml`` via ``colocate.stackfile``. The
 command's stdout holds secrets: it is parsed, never echoed, not even in an error.
 """
@@ -13,7 +13,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import outputs as names, stackfile
+from .. import stackfile
+from ..cell import outputs as names
 from ..errors import ConfigError
 from . import fallbackshare
 from .errors import OutputsError, UsageError

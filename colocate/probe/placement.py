@@ -10,7 +10,7 @@ Four parts, each named by a colo:
 Each is ``in_region``, ``out_of_region`` or ``unknown``; unknown is reported as unknown, never
 as fine. The Worker and the state object must be known and in region for the placement check
 to hold; an unknown pod location is reported but does not fail it (a stand-alone probe may
-not know it). Floors (``colocate.geo.floor_ms``) are per hop: ``state_rtt`` =
+not know it). Floors (``colocate.cell.geo.floor_ms``) are per hop: ``state_rtt`` =
 Worker ↔ state object, ``pod_rtt`` and ``upstream`` = Worker ↔ pod site.
 
 The placement mode (``pod``, ``targeted``, ``smart``) is reported. In pod mode Cloudflare
@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .. import catalogue, geo
+from ..cell import catalogue, geo
 
 IN, OUT, UNKNOWN = "in_region", "out_of_region", "unknown"
 NEAR_ZERO_MS = 1.0  # a floor below this is "the same place": ratio shown as "-"

@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .. import catalogue
-from ..settings import SEGMENTS
+from ..cell import catalogue
+from ..cell.settings import SEGMENTS
 from . import budgets as budgets_mod, fallbackshare, placement as placement_mod
 from .connections import NOT_MEASURED, port_of
 from .sample import PROBE_METRICS, ROUTED_METRICS, Run, Sample
@@ -285,6 +285,9 @@ def build(run: Run, region: catalogue.Region | None, pod_location: str | list[st
     pod_fail = [b for b in (s.body for s in run.probe if s.ok and s.body) if b.get("pod_ok") is False]
     renew = ("; the keeper (.venv/bin/python scripts/scale.py run) replaces it alone; without it, raise "
              "colocate:pod.renewal by one and run pulumi up, which replaces every pod (not pulumi up --replace)")
+    if pod_path == "endpoint":  # provider existing: the team's box, which nothing of the kit replaces
+        renew = ("; it is an endpoint you run, which the kit never replaces: check the box (its vLLM, its TLS, the pod "
+                 "token; docs/pods.md, \"An endpoint you already run\")")
     if pod_fail:
         statuses = ", ".join(sorted({str(b.get("pod_status")) for b in pod_fail}))
         msg = f"pod health check failed in {len(pod_fail)} of {len(run.probe)} probes (pod_status {statuses})"

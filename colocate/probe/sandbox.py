@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..plan import PATH_LOCAL_HOSTNAME
+from ..cell.plan import PATH_LOCAL_HOSTNAME
 from ..sandbox.statedir import LAUNCH_FILE, READY_FILE, SANDBOX_CMD, default_state_dir, where_command, where_sandboxes_run
 from .errors import UsageError
 

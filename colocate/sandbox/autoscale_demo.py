@@ -4,15 +4,15 @@ The fleet of ``demo-fleet`` (three cells behind one front door, users at NRT, FR
 with ``colocate:scale`` (the cost policy, 0 to 2 pods a cell) in copies of its stack files.
 Each cell's users send the day's shape in their local time (peaks hours apart), the day
 compressed into ``day_s`` seconds; each cell has its own controller, the kit's
-``colocate.scaler.Controller``, driving its pods through the sandbox's apply
+``colocate.scaling.controller.Controller``, driving its pods through the sandbox's apply
 (``SandboxDeployer``), with a clock that runs at the day's speed. A pod's boot is compressed
-with the day: ``BOOT_S`` of the day (a real pod's 20 minutes, ``colocate/capacity.py``) before
+with the day: ``BOOT_S`` of the day (a real pod's 20 minutes, ``colocate/cell/capacity.py``) before
 the apply that creates it, billed from then. A pod serves ``TARGET_RPM``, the knee of the default
 pod profile (``capacity.pod_capacity``), not a guess.
 
 Before the day each cell answers ``WARMUP`` requests at its own address, as a cell that ran
 yesterday has: the cost policy prices its deferred users at what its requests carried.
-Those are not part of the day's figures. The figures are ``colocate/autoscale_day.py``'s.
+Those are not part of the day's figures. The figures are ``colocate/scaling/day.py``'s.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from pathlib import Path
 
 import requests
 
-from .. import autoscale_day as day, capacity, settings as settings_mod, stackfile
+from .. import stackfile
+from ..cell import capacity, settings as settings_mod
 from ..errors import ConfigError
-from ..scaler import CellClient, Controller, policy_of
+from ..scaling import day as day
+from ..scaling.controller import CellClient, Controller, policy_of
 from . import fleet, supervisor
 from .demo import say
 from .errors import SandboxError

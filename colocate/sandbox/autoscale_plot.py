@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .. import autoscale_day as day
+from ..scaling import day as day
 from .demo_plot import plt
 
 COLOURS = {"pod": "tab:blue", "cell": "tab:purple", "fallback": "tab:orange"}

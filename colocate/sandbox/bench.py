@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from ..plan import CellPlan
+from ..cell.plan import CellPlan
 from ..workerd import Workerd
 from . import config as config_mod
 from .geography import Geography, Sites

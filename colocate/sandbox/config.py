@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from .. import workerd as wd
-from ..plan import BREAKER_CLASS, CellPlan
+from ..cell.plan import BREAKER_CLASS, CellPlan
 from .errors import SandboxError
 from .proxies import SITE_HEADER
 

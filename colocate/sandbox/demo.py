@@ -34,7 +34,8 @@ from pathlib import Path
 
 import requests
 
-from .. import settings, stackfile
+from .. import stackfile
+from ..cell import settings
 from ..errors import ConfigError
 from . import supervisor
 from .errors import SandboxError

@@ -31,8 +31,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import admin, fleet as fleet_mod, stackfile
+from .. import admin, stackfile
 from ..errors import ConfigError
+from ..fleet import plan as fleet_mod
 from ..pods.local import alive
 from . import supervisor
 from .errors import AlreadyRunning, NotRunning, StartupFailed

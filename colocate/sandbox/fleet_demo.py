@@ -31,8 +31,8 @@ from pathlib import Path
 import requests
 
 from .. import stackfile
+from ..cell.settings import POD_DEFAULTS
 from ..errors import ConfigError
-from ..settings import POD_DEFAULTS
 from . import fleet, supervisor
 from .demo import say
 from .errors import SandboxError

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import fleet as fleet_mod
-from ..fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
+from ..fleet import plan as fleet_mod
+from ..fleet.workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 from ..workerd import config_capnp, disk_service as wd_disk_service, external_service, worker_service
 from . import proxies
 from .errors import SandboxError, StartupFailed

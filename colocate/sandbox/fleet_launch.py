@@ -11,10 +11,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import fleet as fleet_mod, outputs, settings as settings_mod, stackfile
+from .. import stackfile
+from ..cell import outputs, settings as settings_mod
+from ..cell.plan import plan_cell
 from ..errors import ConfigError
-from ..plan import plan_cell
+from ..fleet import plan as fleet_mod
 from .geography import Geography, site
+from .launch import local_pod
 from .statedir import SANDBOX_CMD, STACKS_DIR, default_state_dir
 
 PLACEHOLDER_ACCOUNT = "0" * 32  # the sandbox never calls Cloudflare
@@ -65,10 +68,8 @@ def _member_outputs(index: int, stack: str, stacks_dir: Path) -> dict:
         raise ConfigError(key, stack, "is a fleet stack, not a cell", f"pulumi config rm --path '{key}'")
     raw.update(_placeholders(raw))
     pod = dict(raw.get("pod") or {})
-    if pod.get("provider") != "local":
-        pod.pop("hop", None)  # chosen for the cloud path (launch.build_plan): local pods get `auto`'s mutual TLS
-    pod["provider"] = "local"  # the sandbox never rents a GPU (the cell's up says so too)
-    raw["pod"] = pod
+    # The sandbox never rents a GPU (the cell's up says so too): the cloud's hop and endpoints give way to stand-ins.
+    raw["pod"] = local_pod(pod) if pod.get("provider") != "local" else pod
     names = frozenset(secret_names) | frozenset(settings_mod.ALWAYS_SECRET)
     plan = plan_cell(settings_mod.parse(raw, stack, secrets=names, env={}))
     return {outputs.WORKER_NAME: plan.worker.script_name, outputs.WORKER_URL: f"http://sandbox.invalid/{stack}",

@@ -1,6 +1,6 @@
 """The sandbox's emulated geography: sites, the round-trip model, and where objects land.
 
-Sites are Cloudflare colos (IATA codes, coordinates from ``colocate.geo``). The round
+Sites are Cloudflare colos (IATA codes, coordinates from ``colocate.cell.geo``). The round
 trip between two sites is
 
     rtt(a, b) = override(a, b)                                  when one is given
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .. import geo
+from ..cell import geo
 from .errors import GeographyError
 
 SAME_SITE_MS = 10.0

@@ -24,9 +24,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..localca import Leaf, LocalCA
 from ..pods import podtls
 from ..workerd import HopClient
+from .localca import Leaf, LocalCA
 
 DIR = "hop"
 POD_NAME = "localhost"  # what PodPlan.tls_name is for a local pod

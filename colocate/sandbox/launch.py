@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import settings as settings_mod, stackfile
-from ..plan import CellPlan, plan_cell
+from .. import stackfile
+from ..cell import settings as settings_mod
+from ..cell.plan import CellPlan, plan_cell
 from .geography import FALLBACK_SITE, Sites, landing_site, site, worker_site
 from .pinning import Pins
 
@@ -47,19 +48,28 @@ def build_plan(launch: Launch) -> tuple[CellPlan, list[str]]:
     notes = []
     raw.setdefault("accountId", PLACEHOLDER_ACCOUNT)
     pod = dict(raw.get("pod") or {})
-    if pod.get("provider", settings_mod.POD_DEFAULTS["provider"]) != "local":
-        notes.append(f"colocate:pod.provider is {pod.get('provider', settings_mod.POD_DEFAULTS['provider'])!r}: "
-                     "the sandbox never rents a GPU, it runs the local stand-in pod instead")
-        pod["provider"] = "local"
-        # The stack's hop was chosen for its cloud path (`token`: RunPod's proxy cannot carry mutual
-        # TLS); the stand-ins serve what `auto` gives a local pod, mutual TLS, as a zoned cloud pod does.
-        pod.pop("hop", None)
-        raw["pod"] = pod
+    provider = pod.get("provider", settings_mod.POD_DEFAULTS["provider"])
+    if provider != "local":
+        notes.append(f"colocate:pod.provider is {provider!r}: the sandbox never rents a GPU, it runs the local "
+                     "stand-in pod instead" + (" of each endpoint (your own engine: colocate:pod.url, docs/sandbox.md)"
+                                               if provider == settings_mod.EXISTING else ""))
+        raw["pod"] = local_pod(pod)
     names = frozenset(secret_names) | frozenset(settings_mod.ALWAYS_SECRET)
     s = settings_mod.parse(raw, launch.stack, secrets=names, env={}, allow_split_state=launch.force_split)
     if launch.force_split:
         notes.append(SPLIT_WARNING)
     return plan_cell(s), notes
+
+
+def local_pod(pod: dict) -> dict:
+    """A cloud stack's ``colocate:pod`` as the sandbox runs it: the local stand-in, one for each endpoint of an
+    ``existing`` cell. The stack's hop was chosen for its cloud path (``token``: RunPod's proxy, or a box's own
+    TLS); the stand-ins serve what ``auto`` gives a local pod, mutual TLS, as a zoned cloud pod does."""
+    out = {k: v for k, v in pod.items() if k not in ("hop", "endpoints")}
+    if pod.get("provider") == settings_mod.EXISTING and isinstance(pod.get("endpoints"), list):
+        out["count"] = len(pod["endpoints"]) or 1
+    out["provider"] = "local"
+    return out
 
 
 def sites_for(plan: CellPlan, launch: Launch, pod_location: str) -> Sites:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..plan import CellPlan
+from ..cell.plan import CellPlan
 from ..pods import podtls
 from . import hopcerts
 from .engine import pod_bundle

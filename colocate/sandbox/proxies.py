@@ -511,6 +511,10 @@ class Relay(BaseHTTPRequestHandler):
                 failed.append(exc)
                 reset(sock)
                 return
+            except ValueError:
+                # The upstream answered before the body was all read (the Worker's 413) and the
+                # handler has closed the client's connection under this read: nothing left to send.
+                return
             try:
                 if piece is None:
                     if chunked:

@@ -23,8 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..plan import POD_URLS_FROM_OUTPUT, CellPlan, pod_urls_text
-from ..rollout import ADD, REMOVE, REPLACE, rollout
+from ..cell.plan import POD_URLS_FROM_OUTPUT, CellPlan, pod_urls_text
+from ..cell.rollout import ADD, REMOVE, REPLACE, rollout
 from . import config as config_mod, hopcerts
 from .demokey import demo_key
 from .errors import StartupFailed
@@ -210,7 +210,7 @@ class Runner:
 
     def apply(self) -> dict:
         """The sandbox's `pulumi up` on a running cell: re-plan from the stack file and change
-        the pods as ``colocate.rollout`` says, the policy Pulumi carries out for ``Cell``: one
+        the pods as ``colocate.cell.rollout`` says, the policy Pulumi carries out for ``Cell``: one
         at a time, new pod i serving and used by the Worker before old pod i is deleted."""
         launch = Launch.from_json(read_json(self.state_dir / LAUNCH_FILE) or {})
         plan, _ = build_plan(launch)

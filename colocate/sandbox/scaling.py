@@ -1,4 +1,4 @@
-"""The scaling controller's deployer in the sandbox: the same ``colocate.scaler.Controller``
+"""The scaling controller's deployer in the sandbox: the same ``colocate.scaling.controller.Controller``
 as in the cloud, with ``sandbox.py apply`` (the sandbox's ``pulumi up``) in place of Pulumi.
 
 It writes ``colocate:scale.pods`` and ``.draining`` into the stack file the running sandbox
@@ -8,12 +8,13 @@ Worker's POD_URLS first and is deleted by the next apply. What exists (``declare
 from the running sandbox (its pods) and its Worker (the pods it routes to), not the stack file:
 an apply that failed leaves the file ahead of the pods.
 
-For the keeper (colocate/keeper.py) it describes the pods through the ``local`` provider (a stand-in
+For the keeper (colocate/scaling/keeper.py) it describes the pods through the ``local`` provider (a stand-in
 whose process is gone is dead, as an exited cloud pod), replaces pod i by raising its
 ``colocate:pod.replaced`` count in the stack file and applying (the runner creates the renamed pod,
 moves the Worker to it, then deletes the old one), and reads each pod's certificate from the pod
 itself. A pod's renewal gives new pods a new certificate first; the cell's own leaves are made once
-per state directory and are not the keeper's.
+per state directory and are not the keeper's. A server of the user's (``colocate:pod.url``, or a pod
+the local provider recorded as one) is marked ``own``: the keeper never replaces it.
 """
 
 from __future__ import annotations
@@ -27,17 +28,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import catalogue, stackfile
-from ..keeper import RENEW_DAYS, RunningPod, days_left
+from .. import stackfile
+from ..cell import catalogue
+from ..cell.settings import parse_replaced
 from ..pods.base import PodInfo
 from ..pods.local import Local
 from ..pods.podtls import client_context
-from ..scaler import CellClient, existing, routed_of, scale_values
-from ..settings import parse_replaced
+from ..scaling.controller import CellClient, existing, routed_of, scale_values
+from ..scaling.keeper import RENEW_DAYS, RunningPod, days_left
 from . import hopcerts, supervisor
 from .launch import Launch
 from .pods import recorded_pods
-from .statedir import LAUNCH_FILE, LOCAL_PODS_DIR, PODS_FILE, READY_FILE
+from .statedir import LAUNCH_FILE, LOCAL_PODS_DIR, PODS_FILE, READY_FILE, local_pod_record, read_json
 
 
 class SandboxDeployer:
@@ -63,16 +65,19 @@ class SandboxDeployer:
         stackfile.write_config(self.stack, {"scale.pods": pods, "scale.draining": draining}, self.stacks_dir)
         supervisor.apply(self.stack, state_dir=self.state_dir, stacks_dir=self.stacks_dir)
 
-    # --- the keeper's (colocate/keeper.py) ---
-
-    def _region(self) -> str:
-        raw, _ = stackfile.read_config(self.stack, self.stacks_dir)
-        return str(raw.get("region"))
+    # --- the keeper's (colocate/scaling/keeper.py) ---
 
     def pods(self) -> list[RunningPod]:
-        allowed = tuple(catalogue.region(self._region(), key="colocate:region").locations("local"))
+        raw, _ = stackfile.read_config(self.stack, self.stacks_dir)
+        allowed = tuple(catalogue.region(str(raw.get("region")), key="colocate:region").locations("local"))
+        url = bool((raw.get("pod") or {}).get("url"))
         return [RunningPod(int(p.get("index", 0)), str(p["id"]), "local", p.get("ip"), p.get("port"), p.get("location"),
-                           allowed) for p in recorded_pods(self.state_dir)]
+                           allowed, own=url or self._users(p)) for p in recorded_pods(self.state_dir)]
+
+    def _users(self, pod: dict) -> bool:
+        """Whether the local provider recorded the pod as a server of the user's (at a url it did not start)."""
+        record = read_json(local_pod_record(self.state_dir, str(pod.get("name", ""))))
+        return record is not None and record.get("engine") == "url"
 
     def describe(self, pod: RunningPod) -> PodInfo:
         provider = Local()

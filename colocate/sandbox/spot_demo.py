@@ -17,7 +17,7 @@ at its next pass and replaces it alone, the replacement booting for 20 minutes o
 
 ``Biller`` samples what each cell is billed for: its pods that serve or drain (a preempted one no more)
 and the pods being rented (from the decision, through the boot, until the apply that creates them
-returns). The figures and the verdicts are colocate/spot_day.py's.
+returns). The figures and the verdicts are colocate/scaling/spot_day.py's.
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ from pathlib import Path
 
 import requests
 
-from .. import autoscale_day as day, settings as settings_mod, spot_day, stackfile
+from .. import stackfile
+from ..cell import settings as settings_mod
+from ..cell.market import INTERRUPTIBLE
+from ..cell.plan import modules_hash, worker_modules
 from ..errors import ConfigError
-from ..keeper import Keeper
-from ..market import INTERRUPTIBLE
-from ..plan import modules_hash, worker_modules
 from ..pods.base import DEAD
 from ..pods.local import Local
-from ..scaler import CellClient, Controller, policy_of
+from ..scaling import day, spot_day
+from ..scaling.controller import CellClient, Controller, policy_of
+from ..scaling.keeper import Keeper
 from . import autoscale_demo as base, fleet, supervisor
 from .demo import say
 from .errors import SandboxError

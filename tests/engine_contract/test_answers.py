@@ -98,10 +98,21 @@ def test_max_tokens_past_what_fits_is_cut_to_fit_not_refused(engine):
     assert status == 200, a
     assert a["usage"]["prompt_tokens"] == ctx - 6 and a["usage"]["completion_tokens"] == 6
     assert a["choices"][0]["finish_reason"] == "length"
-    # A prompt near the context (vLLM's tokenizer: about 8,160 tokens; the stand-in's counts differ): what is left is made.
-    status, a = engine.post("/v1/chat/completions", chat(engine, messages=[{"role": "user", "content": "hi " * (ctx - 42)}],
+    # A chat prompt near the context: what is left is made. Its length in tokens is the engine's
+    # tokenizer's (Qwen's in the stand-in, the tiny model's own in vLLM), so it is measured first.
+    def prompt_tokens(n: int) -> int:
+        status, a = engine.post("/v1/chat/completions", chat(engine, messages=[{"role": "user", "content": "hi " * n}],
+                                                             max_tokens=1))
+        assert status == 200, a
+        return a["usage"]["prompt_tokens"]
+
+    short, longer = prompt_tokens(100), prompt_tokens(1100)
+    per = (longer - short) / 1000
+    n = int((ctx - 40 - (short - 100 * per)) / per)  # about 40 tokens short of the context
+    status, a = engine.post("/v1/chat/completions", chat(engine, messages=[{"role": "user", "content": "hi " * n}],
                                                          max_tokens=ctx, ignore_eos=True))
     assert status == 200, a
+    assert ctx - 60 < a["usage"]["prompt_tokens"] < ctx, (a["usage"], per)
     assert a["usage"]["total_tokens"] == ctx and a["choices"][0]["finish_reason"] == "length"
 
 

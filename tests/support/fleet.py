@@ -2,7 +2,7 @@
 
 Each cell is the real router (the sandbox stack's plan with its region, ledger and Worker
 name overridden) with its own Breaker namespace and storage and its own stand-in pod;
-one stand-in fallback serves them all. The front door is ``colocate.fleet.plan_fleet``'s
+one stand-in fallback serves them all. The front door is ``colocate.fleet.plan.plan_fleet``'s
 plan, its modules read from disk. Its socket parses ``request.cf`` from the ``cf-blob``
 request header (workerd's ``cfBlobHeader``), which is how a test says which colo a
 request arrived at: locally ``request.cf`` has no colo.
@@ -21,8 +21,10 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from colocate import fleet, outputs, workerd as wd
-from colocate.fleet_workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
+from colocate import workerd as wd
+from colocate.cell import outputs
+from colocate.fleet import plan as fleet
+from colocate.fleet.workerd import CF_BLOB_HEADER, cf_socket, front_worker_capnp
 from colocate.pods import standin
 from tests.support.workerd import FALLBACK_MODEL_NAME, SECRETS, Response, auth, cell_plan, request, values_for
 
@@ -111,10 +113,11 @@ def generation(region: str) -> list[dict]:
 @contextlib.contextmanager
 def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), *, compute_ms: float = 2,
                   remember_ms: int = 5000, worker: dict | None = None, exchange_ms: int = 1000,
-                  unreachable: tuple[str, ...] = (), budgets: dict[str, float] | None = None) -> Iterator[Fleet]:
+                  unreachable: tuple[str, ...] = (), budgets: dict[str, float] | None = None, **raw_overrides) -> Iterator[Fleet]:
     """workerd with the front door on its main socket and each cell on its own socket.
     ``unreachable``: cells whose service binding leads to a closed port (a cell that is down).
-    ``budgets``: cells' e2e budgets in ms, as their stacks export them (the ranking's cut)."""
+    ``budgets``: cells' e2e budgets in ms, as their stacks export them (the ranking's cut).
+    ``raw_overrides``: other ``colocate:*`` values of every cell (e.g. ``fallbackPrice``)."""
     with contextlib.ExitStack() as stack:
         fb = stack.enter_context(standin.serve(compute_ms=1, token=SECRETS["FALLBACK_API_KEY"], model=FALLBACK_MODEL_NAME,
                                                name="fallback"))
@@ -126,7 +129,7 @@ def running_fleet(regions: tuple[str, ...] = ("apac-jp", "eu-west", "us-east"), 
         found = []
         for region in regions:
             name = f"colocate-{region}"
-            plan = cell_plan({"name": name, **(worker or {})}, generation(region), region=region)
+            plan = cell_plan({"name": name, **(worker or {})}, generation(region), region=region, **raw_overrides)
             pod = stack.enter_context(standin.serve(compute_ms=compute_ms, token=SECRETS["POD_TOKEN"], name=f"pod-{region}"))
             disk = f"disk-{region}"
             lit = wd.worker_capnp(plan.worker, values_for(pod.url, fb.url), storage_service=disk,

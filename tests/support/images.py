@@ -1,6 +1,6 @@
 """Pod images the tests name. A RunPod pod without colocate:zone is reached through RunPod's proxy,
 where only the pod's guard keeps strangers out, so the plan refuses the stock image there
-(colocate/plan.py ``check_guard_image``): tests of such cells run the kit's image (pod/Dockerfile)."""
+(colocate/cell/plan.py ``check_guard_image``): tests of such cells run the kit's image (pod/Dockerfile)."""
 
 GUARDED_IMAGE = "registry.example.com/colocate-vllm:v0.33.0-cu129"
 

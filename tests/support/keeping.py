@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from colocate import catalogue
-from colocate.keeper import RunningPod
-from colocate.plan import PodPlan
+from colocate.cell import catalogue
+from colocate.cell.plan import PodPlan
+from colocate.cell.settings import POD_DEFAULTS, PodSettings
 from colocate.pods import lifecycle
 from colocate.pods.base import PodInfo
 from colocate.pods.spec import PodSpec
-from colocate.settings import POD_DEFAULTS, PodSettings
+from colocate.scaling.keeper import RunningPod
 
 
 class Generation:

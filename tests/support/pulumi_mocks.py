@@ -35,6 +35,11 @@ ZONES = {"f" * 32: "example.com", "0" * 32: "example.com"}
 def pod_stdout(spec: dict) -> dict:
     """What `pod.py create` prints for a spec: pod 0 is POD_STDOUT, pod i gets its own id,
     address and its preferred location (the first of the spec's list)."""
+    if spec.get("provider") == "existing":  # the team's box: everything pod.py prints is declared
+        from colocate.pods import existing
+        from colocate.pods.spec import PodSpec
+
+        return existing.result(PodSpec.from_dict(spec))
     i = spec.get("index", 0)
     if i == 0:
         return dict(POD_STDOUT)
@@ -102,9 +107,9 @@ class OverLimit(Exception):
 
 def refuse_over_limits(name: str, inputs: dict) -> None:
     """Cloudflare's published limits on an upload (developers.cloudflare.com/workers/platform/limits,
-    the numbers colocate/cloudflare_limits.py holds): an environment variable (plain text,
+    the numbers colocate/cell/cloudflare_limits.py holds): an environment variable (plain text,
     json, secret) over 5 KB, or more than 64 of them (Workers Free)."""
-    from colocate import cloudflare_limits
+    from colocate.cell import cloudflare_limits
 
     bindings = inputs.get("bindings") or []
     if isinstance(bindings, dict):

@@ -1,7 +1,7 @@
 """A client site on loopback: a tiny HTTP proxy that forwards every request to the front
 door with ``cf-blob: {"colo": CODE}`` added, so a URL behaves like a user whose request
 Cloudflare accepted at that colo (locally ``request.cf`` comes only from that header,
-``colocate/fleet_workerd.py``). The probe is handed the proxy's URL as a ``--client-site``.
+``colocate/fleet/workerd.py``). The probe is handed the proxy's URL as a ``--client-site``.
 
 Port 0, one thread per client connection (keep-alive, so the probe's reused connection is
 reused here too), one upstream connection per client connection. It stops when the
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from colocate.fleet_workerd import CF_BLOB_HEADER
+from colocate.fleet.workerd import CF_BLOB_HEADER
 
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "proxy-connection"}
 

@@ -1,8 +1,8 @@
 """Fixtures for the Worker tests: a cell (stand-in pod + stand-in fallback + workerd)
 configured from the sandbox stack's plan, and a small HTTP client.
 
-The plan comes from ``stacks/Pulumi.sandbox.yaml`` through ``colocate.settings.parse``
-and ``colocate.plan.plan_cell``, as the Pulumi program builds it; only runtime numbers
+The plan comes from ``stacks/Pulumi.sandbox.yaml`` through ``colocate.cell.settings.parse``
+and ``colocate.cell.plan.plan_cell``, as the Pulumi program builds it; only runtime numbers
 (``colocate:worker``) and the generation ledger are overridden in the raw config.
 """
 
@@ -19,7 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from colocate import plan as plan_mod, settings as settings_mod, stackfile
+from colocate import stackfile
+from colocate.cell import plan as plan_mod, settings as settings_mod
 from colocate.pods import standin
 from colocate.workerd import Workerd, render_config
 
@@ -34,7 +35,7 @@ SECRET_SETTINGS = frozenset({"podToken", "probeToken", "fallbackUrl", "fallbackA
 OPERATOR_TOKENS = {"readToken": "read-token-5b1e93c07d24", "adminToken": "admin-token-e4a8260f1c37",
                    "exchangeToken": "exchange-token-91d3c5a7e802"}
 ROOT = Path(__file__).resolve().parent.parent.parent
-FALLBACK_MODEL_NAME = "fallback/model"
+FALLBACK_MODEL_NAME = "sandbox/fallback"  # the sandbox stack's colocate:fallbackModel (colocate/sandbox/runner.py)
 
 
 def cell_plan(worker: dict | None = None, generations: list[dict] | None = None, stack: str = "sandbox",

@@ -2,10 +2,6 @@
 model of the default model's shape, started through the kit's own start path (podstart.sh, the
 cell's certificate bundle, the pod token, the kit's arguments), behind a sandbox cell whose pod
 is that server (tests/vllm_cpu/server.py). One vLLM for the whole run.
-
-Checks marked ``xfail(strict=True)`` are known mismatches between the router and the real engine
-(the Worker's metering of a left answer and of a refused request, the assembled answer's fields):
-they fail today, and once fixed their strict mark fails the run until it is removed.
 """
 
 from __future__ import annotations
@@ -23,10 +19,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from colocate.localca import LocalCA
-from colocate.pods import podtls, readiness
+from colocate.pods import existing, podtls, readiness
 from colocate.pods.guard.colocate_pod_guard import readiness_token
 from colocate.sandbox import hopcerts
+from colocate.sandbox.localca import LocalCA
 from tests.support.sandbox import client_key
 from tests.support.vllm_routes import NEVER_USED, ROUTER_USES
 
@@ -51,7 +47,7 @@ def pod_call(cell, method: str, path: str, token: str | None = None, body: dict 
 
 
 def worker_ctx(cell) -> ssl.SSLContext:
-    return podtls.client_context(cell.hop.worker.cert_pem, cell.hop.worker.key_pem, cell.hop.ca.cert_pem)
+    return podtls.client_context(cell.hop.worker.cert_pem, cell.hop.worker.key_pem, cell.hop.public.cert_pem)
 
 
 def metrics(cell) -> str:
@@ -120,7 +116,8 @@ def key(vllm_cell) -> dict:
 
 def test_readiness_takes_vllms_refusal_of_its_certificate_for_serving(vllm_cell):
     cell = vllm_cell
-    checker = podtls.client_context(cell.hop.check.cert_pem, cell.hop.check.key_pem, cell.hop.ca.cert_pem)
+    # the pod is checked by the public root, as a cloud pod's publicly trusted certificate is (hopcerts)
+    checker = podtls.client_context(cell.hop.check.cert_pem, cell.hop.check.key_pem, cell.hop.public.cert_pem)
     ok, said = readiness.health(f"https://127.0.0.1:{cell.port}", timeout=10, tls=(checker, hopcerts.POD_NAME),
                                 token=readiness_token(cell.token))
     assert ok and said.startswith("serving (it refused the readiness certificate"), said
@@ -128,6 +125,24 @@ def test_readiness_takes_vllms_refusal_of_its_certificate_for_serving(vllm_cell)
         pod_call(cell, "GET", "/health", readiness_token(cell.token), ctx=checker)
     log = (cell.state_dir / "logs" / "pod.log").read_text()
     assert "serving (it refused the readiness certificate: RemoteDisconnected)" in log  # how the cell's `up` passed
+
+
+def test_an_existing_endpoint_check_sees_vllms_certificate_then_its_refusal(vllm_cell):
+    """provider existing (colocate/pods/existing.py): vLLM started by the kit's start command with the cloud's
+    bundle is a team's box on mutual TLS: its certificate is seen in a TLS 1.3 handshake, then it refuses the
+    readiness certificate; a box serving another certificate for the name is not this stack's yet."""
+    cell = vllm_cell
+    ctx = podtls.client_context(cell.hop.check.cert_pem, cell.hop.check.key_pem, cell.hop.public.cert_pem)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    bundle = podtls.bundle(cell.hop.pod.cert_pem, cell.hop.pod.key_pem, cell.hop.ca.cert_pem)
+    ready = readiness_token(cell.token)
+    state, seen = existing.check_mtls("127.0.0.1", cell.port, hopcerts.POD_NAME, ctx, existing.leaf_der(bundle), ready, 10)
+    assert (state, seen) == (existing.SERVING, "serving this stack's certificate (it refused the readiness certificate: "
+                                               "RemoteDisconnected)")
+    other = cell.hop.public.server(hopcerts.POD_NAME)
+    state, seen = existing.check_mtls("127.0.0.1", cell.port, hopcerts.POD_NAME, ctx, existing.leaf_der(
+        podtls.bundle(other.cert_pem, other.key_pem, cell.hop.ca.cert_pem)), ready, 10)
+    assert state == existing.WAITING and "another certificate" in seen
 
 
 def test_the_readiness_token_opens_health_alone(vllm_cell):
@@ -144,7 +159,7 @@ def test_no_client_certificate_or_one_of_another_ca_gets_no_http_answer(vllm_cel
     stranger = LocalCA.create("stranger CA").client("stranger")
     for leaf in (None, stranger):
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.load_verify_locations(cadata=vllm_cell.hop.ca.cert_pem)
+        ctx.load_verify_locations(cadata=vllm_cell.hop.public.cert_pem)
         if leaf is not None:
             ctx.load_cert_chain(*_files(vllm_cell.state_dir, leaf))
         with pytest.raises((ssl.SSLError, ConnectionError, http.client.RemoteDisconnected, OSError)):
@@ -254,8 +269,6 @@ def test_a_client_that_leaves_a_stream_stops_the_pods_generation(vllm_cell, key)
     assert 0 < made < LONG["max_tokens"], made  # cancelled: vLLM stopped before the answer's end
 
 
-@pytest.mark.xfail(strict=True, reason="the router reads a left non-streamed answer to its end: "
-                                       "the Worker's handling of client hang-ups fixes it")
 def test_a_client_that_leaves_a_non_streamed_answer_stops_the_pods_generation(vllm_cell, key):
     made = _tokens_made_after_leaving(vllm_cell, key["key"], stream=False)
     assert 0 < made < LONG["max_tokens"], made
@@ -273,8 +286,6 @@ def test_vllms_errors_reach_the_client_in_openais_shape(vllm_cell, key):
     assert status == 400 and answer["error"]["message"] and answer["error"]["type"]
 
 
-@pytest.mark.xfail(strict=True, reason="a request vLLM refuses is charged at its ceiling: "
-                                       "the Worker's metering fixes it")
 def test_a_request_vllm_refuses_is_charged_nothing(vllm_cell, key):
     long_prompt = " ".join(["sea"] * 9000)  # over the context in vLLM's tokens, under the Worker's 16-chars-a-token bound
     status, answer, _ = routed(vllm_cell, key["key"], "/v1/completions",
@@ -319,8 +330,6 @@ def test_a_long_non_streamed_answer_comes_back_whole(vllm_cell, key):
     assert answer["usage"]["completion_tokens"] == EXACT["max_tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason="the assembled answer lacks fields vLLM writes: "
-                                       "the router's answer shapes fix it")
 def test_the_assembled_answer_has_the_fields_vllms_own_answer_has(vllm_cell, key):
     body = {"model": vllm_cell.spec.model, "messages": MESSAGES, **EXACT}
     _, own = pod_call(vllm_cell, "POST", "/v1/chat/completions", vllm_cell.token, body)

@@ -14,7 +14,8 @@ import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { podPrefixCaches } from "./podmetrics.js";
 import { fetchColo, rayColo } from "./trace.js";
-import { MAX_CELLS, badLeases, badRows, goodRows } from "./fleetexchange.js";
+import { MAX_CELLS, badLeases, badRows, goodRows, upgradeRow } from "./fleetexchange.js";
+import { EXCHANGE, LEASE } from "./payloads.js";
 import { now, serverTiming, POD_PROBE_METRICS, PROBE_METRICS } from "./timing.js";
 
 const ADMIN_BODY_LIMIT = 4096;
@@ -419,6 +420,9 @@ async function setPeers(request, env, cfg) {
   const body = parseJsonObject(await readBody(request, PEERS_BODY_LIMIT));
   const unknown = Object.keys(body).filter((k) => !["rows", "leases", "cells"].includes(k));
   if (unknown.length) throw new HttpError(400, "invalid_field", `unknown field "${unknown[0]}": use rows, leases, cells`);
+  // A ledger of the release before sends rows without the fallback's day and spend.
+  if (Array.isArray(body.rows)) body.rows = body.rows.map((r) => upgradeRow(r, EXCHANGE));
+  if (Array.isArray(body.leases)) body.leases = body.leases.map((r) => upgradeRow(r, LEASE));
   const bad = badRows(body.rows) ?? (body.leases === undefined ? null : badLeases(body.leases));
   if (bad) throw new HttpError(400, "invalid_field", bad);
   const cells = body.cells ?? null;
@@ -442,7 +446,7 @@ function round(ms) {
   return Math.round(ms * 100) / 100;
 }
 
-// --- scaling (colocate/scaler.py) ---
+// --- scaling (colocate/scaling/controller.py) ---
 
 const OWNER_RE = /^[A-Za-z0-9][A-Za-z0-9 ._:@-]{0,127}$/;
 const MAX_LOCK_MS = 3_600_000;
@@ -450,8 +454,8 @@ const MAX_LOCK_MS = 3_600_000;
 /** The scaling signals, the lock and the last decision, with the pods this version routes to. */
 async function scaleState(env, cfg) {
   const state = await activeStub(env, cfg).scaleState(infoOf(cfg));
-  // worker_hash: the content hash of the modules this version runs (WORKER_HASH, colocate/plan.py),
-  // which a controller compares with its checkout's before it deploys anything (colocate/keeper.py).
+  // worker_hash: the content hash of the modules this version runs (WORKER_HASH, colocate/cell/plan.py),
+  // which a controller compares with its checkout's before it deploys anything (colocate/scaling/keeper.py).
   return jsonResponse(200, { ...state, generation: cfg.activeGeneration, routed_pods: cfg.podUrls.length,
     worker_hash: env.WORKER_HASH ?? null }, noStore);
 }
@@ -476,9 +480,9 @@ async function scaleLock(request, env, cfg) {
   return jsonResponse(res.granted ? 200 : 409, res, noStore);
 }
 
-const MAX_SCALE_PODS = 8; // colocate/settings.py MAX_PODS
+const MAX_SCALE_PODS = 8; // colocate/cell/settings.py MAX_PODS
 const SCALE_BODY_LIMIT = 16384;
-const KEEPER_MAX_CHARS = 12000; // the keeper's record (colocate/keeper.py Record.as_json) as stored
+const KEEPER_MAX_CHARS = 12000; // the keeper's record (colocate/scaling/keeper.py Record.as_json) as stored
 
 /** {pod index: times replaced} (colocate:pod.replaced), or a 400 naming the field. */
 function replacedOf(value) {

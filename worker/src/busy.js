@@ -46,7 +46,7 @@ export function podBusy(podUrl, now) {
 export async function missVerdict(cfg, podUrl, ahead, fetchImpl) {
   let healthy = lastHealth(podUrl);
   if (healthDue(podUrl, Date.now())) {
-    healthy = await healthOk(fetchImpl, podUrl, cfg.deadlineMs);
+    healthy = await healthOk(fetchImpl, podUrl, cfg.deadlineMs, cfg.podToken);
     healthSeen(podUrl, healthy);
   }
   if (healthy === false) return "broken";

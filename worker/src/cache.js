@@ -16,6 +16,8 @@
 // current revision with no keys: it never downloads the list. Promises, stubs and
 // streams are bound to the request that made them in workerd and never live here.
 
+import { addDigest, mayHold } from "./keyfilter.js";
+
 export const NEGATIVE_MAX = 4096; // digests known not to be keys, per generation (bounded)
 export const KEYS_MAX = 50_000; // keys held per generation; the oldest looked-up goes first
 
@@ -56,9 +58,12 @@ export class ViewCache {
       return e;
     }
     const next = e ?? { view, rev: -1, keys: null, counts: new Map(), leases: new Map(), negative: new Map(), at: -Infinity,
-      refreshAt: null };
+      refreshAt: null, filter: null };
     next.view = view;
     next.refreshAt = null;
+    // The key filter comes with the answer that starts the key list; every later key row is added to it.
+    if (view.key_filter) next.filter = view.key_filter;
+    if (next.filter !== null && Array.isArray(view.keys)) for (const row of view.keys) addDigest(next.filter, row.hash);
     if (Array.isArray(view.keys)) {
       if (next.keys === null || view.reset) {
         next.keys = new Map();
@@ -96,6 +101,15 @@ export class ViewCache {
     // whose creation we already passed (and, not holding it, ignored).
     if (res.rev >= e.rev) for (const d of digests) if (!found.has(d)) this.forget(gen, d, now, ttlMs);
     return found;
+  }
+
+  /**
+   * Whether a digest may be a key of the generation (its key filter, keyfilter.js): false
+   * only when no key this isolate could know of has it; null without a filter yet.
+   */
+  mayBeKey(gen, digest) {
+    const e = this.entries.get(gen);
+    return e && e.filter ? mayHold(e.filter, digest) : null;
   }
 
   /** The counters of a key as of the last answer that carried them, or undefined. */

@@ -28,6 +28,8 @@ export class HttpError extends Error {
     this.holdMs = undefined;
     /** @type {{keyId: string, t: number} | undefined} a refusal by a fleet cell's lease alone (router.js) */
     this.elsewhere = undefined;
+    /** @type {string | undefined} a key's 429: why (refusals.js REASONS), counted per key */
+    this.reason = undefined;
   }
 }
 

@@ -17,10 +17,28 @@ const SHAPE_TEXT = `[${EXCHANGE.columns}]`;
 export const MAX_ROWS = 5000; // rows per push (a body of at most ~400 KB)
 const KEY_ID = /^key_[0-9a-f]{12}$/;
 const MONTH = /^\d{4}-\d{2}$/;
+const DAY = /^(\d{4}-\d{2}-\d{2})?$/; // "": no day counted
+// Rows of the release before the fleet's fallback caps end at month_tokens: a cell or ledger of
+// either version reads the other's during a deploy (no day, no fallback spend).
+const OLD_EXCHANGE = EXCHANGE.day;
+const OLD_LEASE = LEASE.day;
 
 /** "YYYY-MM" (UTC) of t. */
 export function monthOf(t) {
   return new Date(t).toISOString().slice(0, 7);
+}
+
+/** "YYYY-MM-DD" (UTC) of t. */
+export function dayOf(t) {
+  return new Date(t).toISOString().slice(0, 10);
+}
+
+/** A row of the release before, brought to the current shape (no day: nothing spent); others as they are. */
+export function upgradeRow(row, shape) {
+  if (!Array.isArray(row)) return row;
+  if (shape === EXCHANGE && row.length === OLD_EXCHANGE) return [...row, "", 0];
+  if (shape === LEASE && row.length === OLD_LEASE) return [...row, "", null];
+  return row;
 }
 
 /**
@@ -40,8 +58,10 @@ export function aligned(row, m) {
  */
 export function sumRows(id, rows, now) {
   const month = monthOf(now);
+  const day = dayOf(now);
   const out = EXCHANGE.zero(id, minuteOf(now));
   out[EXCHANGE.month] = month;
+  out[EXCHANGE.day] = day;
   for (const r of rows) {
     const a = aligned(r, out[EXCHANGE.minute]);
     out[EXCHANGE.req] += a[0];
@@ -49,9 +69,10 @@ export function sumRows(id, rows, now) {
     out[EXCHANGE.prev_req] += a[2];
     out[EXCHANGE.prev_tok] += a[3];
     if (r[EXCHANGE.month] === month) out[EXCHANGE.month_tokens] += r[EXCHANGE.month_tokens];
+    if (r[EXCHANGE.day] === day) out[EXCHANGE.fallback_microusd] += r[EXCHANGE.fallback_microusd];
   }
   // A sum stays a safe integer, as every row a cell accepts must be.
-  for (const j of [EXCHANGE.req, EXCHANGE.tok, EXCHANGE.prev_req, EXCHANGE.prev_tok, EXCHANGE.month_tokens]) {
+  for (const j of [EXCHANGE.req, EXCHANGE.tok, EXCHANGE.prev_req, EXCHANGE.prev_tok, EXCHANGE.month_tokens, EXCHANGE.fallback_microusd]) {
     out[j] = Math.min(out[j], Number.MAX_SAFE_INTEGER);
   }
   return out;
@@ -60,7 +81,7 @@ export function sumRows(id, rows, now) {
 /** Whether a row counts anything (an all-zero peer row is deleted, not stored). */
 export function counts(row) {
   const E = EXCHANGE;
-  return Boolean(row[E.req] || row[E.tok] || row[E.prev_req] || row[E.prev_tok] || row[E.month_tokens]);
+  return Boolean(row[E.req] || row[E.tok] || row[E.prev_req] || row[E.prev_tok] || row[E.month_tokens] || row[E.fallback_microusd]);
 }
 
 /** null when `rows` (a push's body field) is an array of at most MAX_ROWS, else the message naming the field. */
@@ -78,11 +99,14 @@ export function rowProblem(r, i) {
     return `${at}[${EXCHANGE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[EXCHANGE.key_id])})`;
   }
   for (let j = 0; j < EXCHANGE.length; j++) {
-    if (j === EXCHANGE.key_id || j === EXCHANGE.month) continue;
+    if (j === EXCHANGE.key_id || j === EXCHANGE.month || j === EXCHANGE.day) continue;
     if (!Number.isSafeInteger(r[j]) || r[j] < 0) return `${at}[${j}] must be a whole number >= 0 (got ${JSON.stringify(r[j])})`;
   }
   if (typeof r[EXCHANGE.month] !== "string" || !MONTH.test(r[EXCHANGE.month])) {
     return `${at}[${EXCHANGE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[EXCHANGE.month])})`;
+  }
+  if (typeof r[EXCHANGE.day] !== "string" || !DAY.test(r[EXCHANGE.day])) {
+    return `${at}[${EXCHANGE.day}] must be a day YYYY-MM-DD or "" (got ${JSON.stringify(r[EXCHANGE.day])})`;
   }
   return null;
 }
@@ -106,19 +130,42 @@ export function defaultShare(limit, n) {
 }
 
 /**
- * A cell's lease of a key the ledger has not apportioned there: the default share of each
- * limit the key has, no peers known (the object's leasesOf, and an isolate holding a key
- * whose lease it has not been brought yet). undefined for a lone cell (`cells` 0) or a key
- * without limits.
+ * The least the ledger counts a cell as admitting of a limit, whatever its lease: what an
+ * isolate may admit of a key it holds but whose lease it does not (it forgot the key's lease
+ * after SERVED_KEEP_MS idle, state.js; the ledger may have cut the lease since), until its next
+ * sync brings the lease. A share of the slack, so a key alone in one cell still gets ≥ 90 % of
+ * its limit there, and at most the default share (0 where the cells' floors would pass the cap).
  */
-export function provisionalLease(key, cells) {
-  if (!cells || !(key.rpm > 0 || key.tpm > 0 || key.monthly_tokens > 0)) return undefined;
+export function floorShare(limit, n) {
+  if (n < 2) return defaultShare(limit, Math.max(n, 1));
+  return Math.min(defaultShare(limit, n), Math.max(1, Math.floor(slackOf(limit) / (n - 1))));
+}
+
+/**
+ * A cell's lease of a key the ledger has not apportioned there: `share` (the default share,
+ * as the ledger counts a cell without a lease row; floorShare for an isolate that holds the
+ * key but not its lease) of each limit the key has, no peers known. undefined for a lone
+ * cell (`cells` 0) or a key without limits.
+ */
+export function provisionalLease(key, cells, keyCap = 0, share = defaultShare) {
+  const fallback = fallbackCapOf(key, keyCap);
+  if (!cells || !(key.rpm > 0 || key.tpm > 0 || key.monthly_tokens > 0 || fallback > 0)) return undefined;
   return {
-    req: key.rpm > 0 ? defaultShare(key.rpm, cells) : null,
-    tok: key.tpm > 0 ? defaultShare(key.tpm, cells) : null,
-    month_tokens: key.monthly_tokens > 0 ? defaultShare(key.monthly_tokens, cells) : null,
+    req: key.rpm > 0 ? share(key.rpm, cells) : null,
+    tok: key.tpm > 0 ? share(key.tpm, cells) : null,
+    month_tokens: key.monthly_tokens > 0 ? share(key.monthly_tokens, cells) : null,
+    fallback_microusd: fallback > 0 ? share(fallback, cells) : null,
     peers: null,
   };
+}
+
+/**
+ * A key's daily cap on the fallback's spend as a cell holds it (millionths of a dollar): its
+ * own (fallback_microusd_day), else the cell's per-key cap `keyCap` (0: none); what the
+ * ledger apportions across the fleet as it does a monthly budget (spendcap.js reads the share).
+ */
+export function fallbackCapOf(key, keyCap = 0) {
+  return key.fallback_microusd_day > 0 ? key.fallback_microusd_day : keyCap;
 }
 
 /**
@@ -229,13 +276,16 @@ export function badLeases(leases) {
     if (typeof r[LEASE.key_id] !== "string" || !KEY_ID.test(r[LEASE.key_id])) {
       return `${at}[${LEASE.key_id}] must be a key id: key_ and 12 hex digits (got ${JSON.stringify(r[LEASE.key_id])})`;
     }
-    for (const j of [LEASE.req, LEASE.tok, LEASE.month_tokens]) {
+    for (const j of [LEASE.req, LEASE.tok, LEASE.month_tokens, LEASE.fallback_microusd]) {
       if (r[j] !== null && (!Number.isSafeInteger(r[j]) || r[j] < 0)) {
         return `${at}[${j}] must be a whole number >= 0 or null (got ${JSON.stringify(r[j])})`;
       }
     }
     if (typeof r[LEASE.month] !== "string" || !MONTH.test(r[LEASE.month])) {
       return `${at}[${LEASE.month}] must be a month YYYY-MM (got ${JSON.stringify(r[LEASE.month])})`;
+    }
+    if (typeof r[LEASE.day] !== "string" || !DAY.test(r[LEASE.day])) {
+      return `${at}[${LEASE.day}] must be a day YYYY-MM-DD or "" (got ${JSON.stringify(r[LEASE.day])})`;
     }
   }
   return null;

@@ -27,7 +27,9 @@
 import { DurableObject } from "cloudflare:workers";
 import { log } from "./errors.js";
 import { readFleet } from "./fleetfront.js";
-import { MAX_ROWS, aligned, defaultShare, fairShares, grant, monthOf, rowProblem, sumRows, weights } from "./fleetexchange.js";
+import {
+  MAX_ROWS, aligned, dayOf, defaultShare, fairShares, floorShare, grant, monthOf, rowProblem, sumRows, upgradeRow, weights,
+} from "./fleetexchange.js";
 import { WINDOW_MS, minuteOf } from "./limits.js";
 import { EXCHANGE, LEASE } from "./payloads.js";
 import { now } from "./timing.js";
@@ -40,8 +42,11 @@ export const GRACE_MARGIN_MS = 1000;
 // A cell that sent a key's counters this recently is using the key (fleetexchange.js weights).
 export const ACTIVE_MS = 2000;
 const UNKNOWN_TTL_MS = 60_000; // a cell whose TTL the ledger has not learnt yet (never pulled)
-// The three limits a lease shares: [limit's column in key_limits, the lease's columns].
-const RESOURCES = [["rpm", "req", "held_req"], ["tpm", "tok", "held_tok"], ["monthly_tokens", "month_tokens", "held_month_tokens"]];
+// The limits a lease shares: [limit's column in key_limits, the lease's columns, the period a
+// count or lease holds for (null: the sliding minute)]. `fallback`: the key's daily cap on the
+// fallback's spend, in millionths of a dollar (its own, else its cell's per-key cap).
+const RESOURCES = [["rpm", "req", "held_req", null], ["tpm", "tok", "held_tok", null],
+  ["monthly_tokens", "month_tokens", "held_month_tokens", "month"], ["fallback", "fallback_microusd", "held_fallback_microusd", "day"]];
 
 const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -83,6 +88,13 @@ export class FleetLedger extends DurableObject {
       const have = this.sql.exec("SELECT * FROM cells LIMIT 0").columnNames;
       for (const [col, decl] of [["ttl_ms", "INTEGER"], ["told_n", "INTEGER"], ["told_until", "INTEGER"]]) {
         if (!have.includes(col)) this.sql.exec(`ALTER TABLE cells ADD COLUMN ${col} ${decl}`);
+      }
+      // ... and since the fleet's fallback caps (a key's day of fallback spend, leased as a month's tokens are).
+      for (const [table, col, decl] of [["key_limits", "fallback", "INTEGER NOT NULL DEFAULT 0"],
+        ["leases", "day", "TEXT NOT NULL DEFAULT ''"], ["leases", "fallback_microusd", "INTEGER"],
+        ["leases", "held_fallback_microusd", "INTEGER"], ["counters", "day", "TEXT NOT NULL DEFAULT ''"],
+        ["counters", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"]]) {
+        if (!this.sql.exec(`SELECT * FROM ${table} LIMIT 0`).columnNames.includes(col)) this.sql.exec(`ALTER TABLE ${table} ADD COLUMN ${col} ${decl}`);
       }
     });
   }
@@ -163,13 +175,13 @@ export class FleetLedger extends DurableObject {
           this.sql.exec("UPDATE cells SET told_n = NULL WHERE cell = ?", cell.name);
         }
         for (const [id, l] of Object.entries(body.limits ?? {})) {
-          this.sql.exec(`INSERT INTO key_limits (key_id, rpm, tpm, monthly_tokens) VALUES (?, ?, ?, ?) ON CONFLICT (key_id)
-            DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, monthly_tokens = excluded.monthly_tokens`, id, l.rpm, l.tpm,
-            l.monthly_tokens);
+          this.sql.exec(`INSERT INTO key_limits (key_id, rpm, tpm, monthly_tokens, fallback) VALUES (?, ?, ?, ?, ?) ON CONFLICT (key_id)
+            DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, monthly_tokens = excluded.monthly_tokens, fallback = excluded.fallback`,
+          id, l.rpm, l.tpm, l.monthly_tokens, Number.isSafeInteger(l.fallback_microusd_day) ? l.fallback_microusd_day : 0);
         }
         if (Number.isSafeInteger(body.ttl_ms)) this.sql.exec("UPDATE cells SET ttl_ms = ? WHERE cell = ?", body.ttl_ms, cell.name);
         for (let i = 0; i < body.rows.length; i++) {
-          const r = body.rows[i];
+          const r = upgradeRow(body.rows[i], EXCHANGE); // a cell of the release before sends no day of fallback spend
           if (rowProblem(r, i) !== null) {
             stats.dropped += 1; // a broken row is left out, never the cell's whole page
             continue;
@@ -239,7 +251,8 @@ export class FleetLedger extends DurableObject {
    */
   apportion(cfg, touched, t) {
     const due = this.sql.exec(`SELECT DISTINCT key_id FROM leases WHERE until <= ?
-      AND (held_req > req OR held_tok > tok OR held_month_tokens > month_tokens)`, t).toArray();
+      AND (held_req > req OR held_tok > tok OR held_month_tokens > month_tokens OR held_fallback_microusd > fallback_microusd)`, t)
+      .toArray();
     const keys = new Set(touched);
     for (const r of due) keys.add(r.key_id);
     const n = cfg.cells.length;
@@ -259,44 +272,48 @@ export class FleetLedger extends DurableObject {
     }
     if (keys.size === 0) return 0;
     const month = monthOf(t);
+    const day = dayOf(t);
     const m = minuteOf(t);
     const w = 1 - (t - m * WINDOW_MS) / WINDOW_MS; // the previous minute's weight in the sliding estimate
     let changed = 0;
     this.ctx.storage.transactionSync(() => {
       for (const id of keys) {
-        const limits = this.sql.exec("SELECT rpm, tpm, monthly_tokens FROM key_limits WHERE key_id = ?", id).toArray()[0];
-        if (!limits || !(limits.rpm > 0 || limits.tpm > 0 || limits.monthly_tokens > 0)) continue;
+        const limits = this.sql.exec("SELECT rpm, tpm, monthly_tokens, fallback FROM key_limits WHERE key_id = ?", id).toArray()[0];
+        if (!limits || !(limits.rpm > 0 || limits.tpm > 0 || limits.monthly_tokens > 0 || limits.fallback > 0)) continue;
         const own = new Map(this.sql.exec(`SELECT cell, ${EXCHANGE.columns} FROM counters WHERE key_id = ?`, id).toArray()
           .map((r) => [r.cell, r]));
         const held = new Map(this.sql.exec("SELECT * FROM leases WHERE key_id = ?", id).toArray().map((r) => [r.cell, r]));
         const next = cfg.cells.map(() => ({ same: true }));
         const seen = this.active.get(id);
         const weight = weights(cfg.cells.map((c) => (seen ? seen.get(c.name) : undefined)));
-        for (const [limitCol, col, heldCol] of RESOURCES) {
+        for (const [limitCol, col, heldCol, periodCol] of RESOURCES) {
+          const period = periodCol === "month" ? month : day; // a count and a lease hold for this period only
           const limit = limits[limitCol];
           if (!(limit > 0)) {
             for (const x of next) x[col] = x[heldCol] = null;
             continue;
           }
+          const floor = floorShare(limit, n);
           const used = [];
           const current = [];
           const kept = []; // the largest lease each cell may still be using
           const hold = []; // what each cell may admit up to, as far as the ledger can be sure
           for (const cell of cfg.cells) {
             const c = own.get(cell.name);
-            if (col === "month_tokens") used.push(c && c.month === month ? c.month_tokens : 0);
+            if (periodCol !== null) used.push(c && c[periodCol] === period ? c[col] : 0);
             else {
               const a = c ? aligned(EXCHANGE.of(c), m) : [0, 0, 0, 0];
               used.push(col === "req" ? a[0] + a[2] * w : a[1] + a[3] * w);
             }
             const r = held.get(cell.name);
-            const row = r && r.month === month && r[col] !== null ? r : null;
+            const row = r && (periodCol === null || r[periodCol] === period) && r.month === month && r[col] !== null ? r : null;
             const lease = row ? row[col] : defaultShare(limit, n);
             const landed = row && row.sent === 1 && row.until !== null && row.until <= t;
             current.push(lease);
             kept.push(!row || landed ? lease : Math.max(row[heldCol] ?? lease, lease));
-            // Not told the fleet's size for sure yet: a lone cell, it may admit up to the limit.
-            hold.push(told(cells.get(cell.name)) ? kept.at(-1) : limit);
+            // Not told the fleet's size for sure yet: a lone cell, it may admit up to the limit;
+            // told, at least its floor share, what an isolate that forgot the lease admits (fleetexchange.js floorShare).
+            hold.push(told(cells.get(cell.name)) ? Math.max(kept.at(-1), floor) : limit);
           }
           const g = grant(limit, used, hold, current, fairShares(limit, used, weight));
           next.forEach((x, j) => {
@@ -308,16 +325,18 @@ export class FleetLedger extends DurableObject {
         cfg.cells.forEach((cell, j) => {
           const x = next[j];
           const r = held.get(cell.name);
-          const same = x.same && (!r || r.month === month);
+          const same = x.same && (!r || (r.month === month && r.day === day));
           // Unchanged and already sent: nothing owed, its landing time stays; else owed again.
           const sent = same && (!r || r.sent === 1) ? 1 : 0;
           const until = sent && r ? r.until : null;
           this.sql.exec(`INSERT INTO leases (cell, key_id, month, req, tok, month_tokens, held_req, held_tok, held_month_tokens,
-              until, sent) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (cell, key_id) DO UPDATE SET month = excluded.month,
+              day, fallback_microusd, held_fallback_microusd, until, sent) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+              ON CONFLICT (cell, key_id) DO UPDATE SET month = excluded.month,
               req = excluded.req, tok = excluded.tok, month_tokens = excluded.month_tokens, held_req = excluded.held_req,
-              held_tok = excluded.held_tok, held_month_tokens = excluded.held_month_tokens, until = excluded.until,
-              sent = excluded.sent`, cell.name, id, month, x.req, x.tok, x.month_tokens, x.held_req, x.held_tok,
-          x.held_month_tokens, until, sent);
+              held_tok = excluded.held_tok, held_month_tokens = excluded.held_month_tokens, day = excluded.day,
+              fallback_microusd = excluded.fallback_microusd, held_fallback_microusd = excluded.held_fallback_microusd,
+              until = excluded.until, sent = excluded.sent`, cell.name, id, month, x.req, x.tok, x.month_tokens, x.held_req,
+          x.held_tok, x.held_month_tokens, day, x.fallback_microusd, x.held_fallback_microusd, until, sent);
           if (!same) changed += 1;
         });
       }

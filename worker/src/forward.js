@@ -7,16 +7,18 @@ import { HttpError } from "./errors.js";
 // Client headers that travel upstream (to the pod and to the fallback API, which is called
 // with the owner's key): what an OpenAI-compatible server reads from a request, nothing that
 // names the client's account (OpenAI-Organization, OpenAI-Project), its cookies, the front
-// door's credential or Cloudflare's headers. The credential is the router's own.
-const UPSTREAM_ALLOWED = ["content-type", "accept", "accept-encoding", "user-agent", "x-request-id"];
+// door's credential, Cloudflare's headers or its X-Request-Id (vLLM's engine request id).
+// The credential, and a pod's request id, are the router's own.
+const UPSTREAM_ALLOWED = ["content-type", "accept", "accept-encoding", "user-agent"];
 
-export function upstreamHeaders(incoming, token) {
+export function upstreamHeaders(incoming, token, requestId = null) {
   const h = new Headers();
   for (const k of UPSTREAM_ALLOWED) {
     const v = incoming.get(k);
     if (v !== null) h.set(k, v);
   }
   h.set("authorization", `Bearer ${token}`);
+  if (requestId !== null) h.set("x-request-id", requestId);
   return h;
 }
 
@@ -475,6 +477,10 @@ export class Pace {
  * no key for the breaker. Any answer but a failure (even 404 from a pod without the route)
  * says the pod is up. It carries the pod token: the pod's guard opens /health to it alone
  * (colocate/pods/guard/colocate_pod_guard.py), and a 401 is a failure.
+ * @param {(url: string, init: RequestInit) => Promise<Response>} fetchImpl
+ * @param {string} podUrl
+ * @param {number} ms
+ * @param {string} token  the pod token (required: without it a guarded pod answers 401)
  */
 export async function healthOk(fetchImpl, podUrl, ms, token) {
   const ac = new AbortController();

@@ -5,7 +5,7 @@
 // request to the nearest one that can serve; see docs/fleet.md.
 //
 // The ranking is the module cellrank.js ({colo: [cell index, ...]} nearest first; a colo it
-// lacks uses 0..n-1), made by colocate/fleet.py's plan. Bindings (from `plan_fleet` too):
+// lacks uses 0..n-1), made by colocate/fleet/plan.py's plan. Bindings (from `plan_fleet` too):
 //   CELLS         json: [{name, region}], index = position
 //   CELL_<i>      service: cell i's router Worker
 //   REMEMBER_MS   how long a cell that answered "no pod" is passed over (0: never)

@@ -21,13 +21,15 @@ import { DurableObject } from "cloudflare:workers";
 import { FORCE_VALUES, grantTrial, initial, initialPace, needsWitness, record, recordPace } from "./machine.js";
 import { dayOf, minuteOf } from "./limits.js";
 import {
-  ADDED_COLUMNS, BULK_MONTH, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
+  ADDED_COLUMNS, BULK_MONTH, BULK_REFUSALS, BULK_USAGE, BULK_WINDOW, INDEXES, KEY_COLUMNS, KEY_VIEW_COLUMNS, MARK_CHANGED, SCHEMA,
   SCHEMA_VERSION, UPSERT_LEASES, UPSERT_PEERS, UPSERT_POD,
 } from "./schema.js";
-import { counts as countsAnything, monthOf, provisionalLease } from "./fleetexchange.js";
-import { BACKEND, COUNTER, EXCHANGE, HIST, LEASE, POD_INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { counts as countsAnything, fallbackCapOf, monthOf, provisionalLease } from "./fleetexchange.js";
+import { BACKEND, COUNTER, EXCHANGE, FALLBACK_HELD, HIST, LEASE, POD_INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
+import { REASONS, REFUSAL_KEYS } from "./refusals.js";
 import { fetchColo } from "./trace.js";
 import { LIVE, SYNC, mergeEncoded } from "./histogram.js";
+import { BITS_PER_KEY, addDigest, filterFor } from "./keyfilter.js";
 import { log } from "./errors.js";
 import {
   MERGE_ROWS, PARTS, PUMP_SLICE_MS, exportHead, exportKeys, exportPage, exportRange, importingView, keyCounts, kick,
@@ -63,6 +65,9 @@ export class Breaker extends DurableObject {
     this.coloOnce = null;
     this.pace = new Map(); // pod URL -> pace streak and slow mark (machine.js): soft state, re-learnt in seconds after a restart
     this.purged = false; // set by purge(): no tables until the next use
+    this.keyBits = null; // the key filter (keyfilter.js), built on first use, then kept up to date
+    this.heldAny = null; // whether fallback_held has a row (null: not read yet): none, no sync reads it
+    this.keyRoom = 0; // keys it may still take at its rate before it is built again, larger
     this.known = new Set(); // generations imported, or being imported (migration.js)
     this.importing = null; // the generations being imported, as storage says (migration.js running)
     this.kicked = false; // the alarm was checked since this instance began
@@ -319,6 +324,13 @@ export class Breaker extends DurableObject {
           WHERE day = ? AND key_id IN (SELECT value FROM json_each(?)) AND fallback_microusd > 0`, dayOf(now), JSON.stringify(ids))) {
         slot(r.key_id)[COUNTER.day_fallback_microusd] = r.fallback_microusd;
       }
+      if (this.anyHeld()) {
+        for (const r of this.sql.exec(`SELECT key_id, SUM(microusd) AS m FROM fallback_held
+            WHERE key_id IN (SELECT value FROM json_each(?)) AND isolate != ? AND at >= ? GROUP BY key_id`,
+        JSON.stringify(ids), info.isolate ?? "", fresh)) {
+          if (r.m > 0) slot(r.key_id)[COUNTER.fallback_reserved] = r.m;
+        }
+      }
     }
     return counts;
   }
@@ -332,19 +344,21 @@ export class Breaker extends DurableObject {
    * refusal by lease can tell the front door the key is under its limit and may be served
    * elsewhere (router.js). null for a lone cell.
    */
-  leasesOf(ids, now) {
+  leasesOf(ids, now, keyCap = 0) {
     const n = Number(this.meta("fleet_cells") || 0);
     if (!n) return null;
     const leases = {};
     if (!ids || ids.length === 0) return leases;
     const month = monthOf(now);
-    for (const r of this.sql.exec(`SELECT k.id, k.rpm, k.tpm, k.monthly_tokens, l.req, l.tok, l.month, l.month_tokens,
+    const day = dayOf(now);
+    for (const r of this.sql.exec(`SELECT k.id, k.rpm, k.tpm, k.monthly_tokens, k.fallback_microusd_day, l.req, l.tok, l.month,
+        l.month_tokens, l.day, l.fallback_microusd,
         p.minute AS p_minute, p.req AS p_req, p.tok AS p_tok, p.prev_req AS p_prev_req, p.prev_tok AS p_prev_tok,
         p.month AS p_month, p.month_tokens AS p_month_tokens
         FROM client_keys k LEFT JOIN key_lease l ON l.key_id = k.id LEFT JOIN peer_counters p ON p.key_id = k.id
         WHERE k.id IN (SELECT value FROM json_each(?))`,
     JSON.stringify(ids))) {
-      const fallback = provisionalLease(r, n); // the default shares of the key's limits
+      const fallback = provisionalLease(r, n, keyCap); // the default shares of the key's limits
       if (fallback === undefined) continue; // no limit to apportion
       const held = r.month !== null; // a row: the ledger apportioned this key here
       let peers = null;
@@ -360,6 +374,8 @@ export class Breaker extends DurableObject {
         req: r.rpm > 0 && held && r.req !== null ? r.req : fallback.req,
         tok: r.tpm > 0 && held && r.tok !== null ? r.tok : fallback.tok,
         month_tokens: r.monthly_tokens > 0 && r.month === month && r.month_tokens !== null ? r.month_tokens : fallback.month_tokens,
+        fallback_microusd: fallbackCapOf(r, keyCap) > 0 && r.day === day && r.fallback_microusd !== null ? r.fallback_microusd
+          : fallback.fallback_microusd,
         peers,
       };
     }
@@ -393,20 +409,28 @@ export class Breaker extends DurableObject {
     if (more) marks.length = CHANGED_ROWS;
     await pullKeys(this, marks.map((r) => r.key_id));
     const now = Date.now();
+    const ids = JSON.stringify(marks.map((r) => r.key_id));
     const own = this.ownCounts(marks.map((r) => r.key_id), now);
     const month = monthOf(now);
+    const day = dayOf(now);
+    const spent = new Map(this.sql.exec(`SELECT key_id, fallback_microusd FROM usage_daily WHERE day = ?
+      AND key_id IN (SELECT value FROM json_each(?))`, day, ids).toArray().map((r) => [r.key_id, r.fallback_microusd]));
     const rows = marks.map(({ key_id: id }) => {
       const c = own[id] ?? COUNTER.zero(minuteOf(now));
       const row = EXCHANGE.zero(id);
       for (const name of SHARED) row[EXCHANGE[name]] = c[COUNTER[name]];
       row[EXCHANGE.month] = month;
+      row[EXCHANGE.day] = day;
+      row[EXCHANGE.fallback_microusd] = spent.get(id) ?? 0;
       return row;
     });
     // The ledger apportions each key's limits: it learns them here, with how long this
     // cell's isolates may go on using a lease after it is replaced (their view's TTL).
     const limits = {};
-    for (const k of this.sql.exec("SELECT id, rpm, tpm, monthly_tokens FROM client_keys WHERE id IN (SELECT value FROM json_each(?))",
-      JSON.stringify(marks.map((r) => r.key_id)))) limits[k.id] = { rpm: k.rpm, tpm: k.tpm, monthly_tokens: k.monthly_tokens };
+    for (const k of this.sql.exec(`SELECT id, rpm, tpm, monthly_tokens, fallback_microusd_day FROM client_keys
+        WHERE id IN (SELECT value FROM json_each(?))`, ids)) {
+      limits[k.id] = { rpm: k.rpm, tpm: k.tpm, monthly_tokens: k.monthly_tokens, fallback_microusd_day: fallbackCapOf(k, info.keyCap ?? 0) };
+    }
     return { generation: info.generation, cursor: more ? marks[marks.length - 1].seq : seq, more, reset: from !== since, rows,
       limits, ttl_ms: info.ttlMs ?? null };
   }
@@ -440,7 +464,7 @@ export class Breaker extends DurableObject {
     await pullKeys(this, [id]);
     const r = this.sql.exec(`SELECT ${EXCHANGE.columns}, at FROM peer_counters WHERE key_id = ?`, id).toArray()[0] ?? null;
     const now = Date.now();
-    const leases = this.leasesOf([id], now);
+    const leases = this.leasesOf([id], now, info.keyCap ?? 0);
     return { key_id: id, peers: r, own: this.ownCounts([id], now)[id] ?? null, lease: leases ? leases[id] ?? null : null,
       fleet_cells: Number(this.meta("fleet_cells") || 0) || null };
   }
@@ -457,9 +481,9 @@ export class Breaker extends DurableObject {
     }
     const delta = this.keyDelta(haveRev);
     const counts = info ? this.countsOf(info.keys, info, now) : {};
-    const leases = info ? this.leasesOf(info.keys, now) : null;
+    const leases = info ? this.leasesOf(info.keys, now, info.keyCap ?? 0) : null;
     const imported = this.sql.exec("SELECT k FROM meta WHERE k LIKE 'imported:%'").toArray().map((r) => r.k.slice(9));
-    const spent = info && info.capCell ? this.spentOn(dayOf(now)) : null;
+    const spent = info && info.capCell ? { ...this.spentOn(dayOf(now)), reserved: this.heldElsewhere(info, now) } : null;
     // In a fleet, its size too: a key whose lease an isolate has not asked for yet gets the
     // default share from it (router.js), as the ledger counts it, not the whole limit.
     const fleet = leases ? { leases, fleet_cells: Number(this.meta("fleet_cells")) } : {};
@@ -509,6 +533,20 @@ export class Breaker extends DurableObject {
     return { ...this.view(info.haveRev ?? -1), ...this.podLoads(info, Date.now()) };
   }
 
+  /** Whether any fallback request is held in flight (read once, then kept as rows come and go). */
+  anyHeld() {
+    this.heldAny ??= this.sql.exec("SELECT 1 FROM fallback_held LIMIT 1").toArray().length > 0;
+    return this.heldAny;
+  }
+
+  /** What the other isolates' fallback requests in flight reserved, all keys together (fresh rows only). */
+  heldElsewhere(info, now) {
+    if (!this.anyHeld()) return 0;
+    const fresh = now - 2 * Math.max(info.ttlMs ?? 0, 1000);
+    return this.sql.exec("SELECT COALESCE(SUM(microusd), 0) AS m FROM fallback_held WHERE isolate != ? AND at >= ?",
+      info.isolate ?? "", fresh).one().m;
+  }
+
   /** What the fallback's answers cost the cell on `day` (one row by primary key). */
   spentOn(day) {
     const row = this.sql.exec("SELECT microusd FROM fallback_spend WHERE day = ?", day).toArray()[0];
@@ -541,6 +579,8 @@ export class Breaker extends DurableObject {
     if (batch && batch.hist && batch.hist.length) this.addHist(batch.hist, now);
     /** @type {import("./payloads.js").SyncAnswer} */
     const view = this.view(info.haveRev ?? -1, info);
+    // An isolate starting its key list gets the key filter too (keyfilter.js): later key rows reach it as deltas.
+    if ((info.haveRev ?? -1) < 0 || view.reset) view.key_filter = this.keyFilter();
     // A stale isolate's request with a key it does not hold: found in the same round trip.
     if (Array.isArray(info.lookup) && info.lookup.length) view.found = this.byDigest(info.lookup, info);
     return view;
@@ -596,9 +636,28 @@ export class Breaker extends DurableObject {
           }
         }
       }
+      if (batch.fallback_held && batch.fallback_held.length) {
+        this.heldAny = null; // read again below
+        const isolate = String(info.isolate ?? "");
+        for (const r of batch.fallback_held) {
+          const m = Math.max(0, Number(r[FALLBACK_HELD.microusd]) || 0);
+          if (m > 0) {
+            this.sql.exec(`INSERT INTO fallback_held (key_id, isolate, microusd, at) VALUES (?, ?, ?, ?)
+              ON CONFLICT (key_id, isolate) DO UPDATE SET microusd = excluded.microusd, at = excluded.at`,
+            String(r[FALLBACK_HELD.key_id]), isolate, m, now);
+          } else this.sql.exec("DELETE FROM fallback_held WHERE key_id = ? AND isolate = ?", String(r[FALLBACK_HELD.key_id]), isolate);
+        }
+      }
+      if (this.anyHeld() && this.sql.exec("DELETE FROM fallback_held WHERE at < ?", now - INFLIGHT_KEEP_MS).rowsWritten) this.heldAny = null;
       this.sql.exec("DELETE FROM key_inflight WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_reserved WHERE at < ?", now - INFLIGHT_KEEP_MS);
       this.sql.exec("DELETE FROM key_prompt WHERE at < ?", now - INFLIGHT_KEEP_MS);
+      if (batch.refusals && batch.refusals.length) {
+        // Labels stay the fixed set whatever an isolate sends (a newer Worker's reason is "other" here).
+        const rows = batch.refusals.map((r) => [String(r[REFUSAL.key_id]), REASONS.includes(r[REFUSAL.reason]) ? r[REFUSAL.reason] : "other",
+          Math.max(0, Number(r[REFUSAL.n]) | 0)]);
+        this.sql.exec(BULK_REFUSALS, JSON.stringify(rows));
+      }
       for (const r of batch.backends || []) {
         this.sql.exec(`INSERT INTO backend_total (backend, requests, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)
           ON CONFLICT (backend) DO UPDATE SET requests = requests + excluded.requests,
@@ -618,7 +677,7 @@ export class Breaker extends DurableObject {
     });
   }
 
-  // --- scaling (colocate/scaler.py reads and records through admin.js /_colocate/scale) ---
+  // --- scaling (colocate/scaling/controller.py reads and records through admin.js /_colocate/scale) ---
 
   /**
    * The controller's signals and what controllers recorded: cumulative requests and
@@ -700,7 +759,7 @@ export class Breaker extends DurableObject {
       WHERE hash IN (SELECT value FROM json_each(?)) AND revoked_at IS NULL`, list).toArray().map(keyView);
     const ids = keys.map((k) => k.id);
     const now = Date.now();
-    const leases = this.leasesOf(ids, now);
+    const leases = this.leasesOf(ids, now, info.keyCap ?? 0);
     return { keys, counts: this.countsOf(ids, info, now), ...(leases ? { leases } : {}) };
   }
 
@@ -778,8 +837,24 @@ export class Breaker extends DurableObject {
       keys,
       pods: this.sql.exec("SELECT pod, state, failures FROM pod_health").toArray(),
       forced: this.meta("forced"),
+      refusals: this.refusalCounts(),
       keeper: parseJson(this.meta("keeper")),
     };
+  }
+
+  /**
+   * Each key's refusals by reason since the generation began ([key_id, reason, n]): the
+   * REFUSAL_KEYS keys refused most by name, the others together as key "other" (bounded labels).
+   */
+  refusalCounts() {
+    const top = this.sql.exec(`SELECT key_id FROM refusal_total GROUP BY key_id ORDER BY SUM(n) DESC, key_id LIMIT ?`, REFUSAL_KEYS)
+      .toArray().map((r) => r.key_id);
+    const list = JSON.stringify(top);
+    const named = this.sql.exec(`SELECT key_id, reason, n FROM refusal_total WHERE key_id IN (SELECT value FROM json_each(?))
+      ORDER BY key_id, reason`, list).toArray().map((r) => [r.key_id, r.reason, r.n]);
+    const rest = this.sql.exec(`SELECT reason, SUM(n) AS n FROM refusal_total WHERE key_id NOT IN (SELECT value FROM json_each(?))
+      GROUP BY reason ORDER BY reason`, list).toArray().map((r) => ["other", r.reason, r.n]);
+    return [...named, ...rest];
   }
 
   podRow(pod) {
@@ -843,8 +918,28 @@ export class Breaker extends DurableObject {
     return this.keyRow(row.id);
   }
 
+  /**
+   * The key filter of every key not revoked (keyfilter.js): one read of the key table the
+   * first time, then each key stored is added; built again, larger, once it holds more keys
+   * than it was sized for.
+   */
+  keyFilter() {
+    if (this.keyBits === null || this.keyRoom <= 0) {
+      const n = this.sql.exec("SELECT COUNT(*) AS n FROM client_keys WHERE revoked_at IS NULL").one().n;
+      const bytes = filterFor(n);
+      for (const r of this.sql.exec("SELECT hash FROM client_keys WHERE revoked_at IS NULL")) addDigest(bytes, r.hash);
+      this.keyBits = bytes;
+      this.keyRoom = (bytes.length * 8) / BITS_PER_KEY - n;
+    }
+    return this.keyBits;
+  }
+
   /** A new key row at the next revision (inside the caller's transaction). */
   insertKey(row) {
+    if (this.keyBits !== null) {
+      addDigest(this.keyBits, row.hash);
+      this.keyRoom -= 1;
+    }
     this.sql.exec(`INSERT INTO client_keys (${KEY_COLUMNS}, rev) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
       row.id, row.hash, row.prefix, row.name, row.rpm, row.tpm, row.monthly_tokens, row.max_parallel ?? 0, row.created_at,
       row.expires_at, null, row.fallback_microusd_day ?? 0, row.max_parallel_tokens ?? null, this.bumpRev());
@@ -918,7 +1013,7 @@ export class Breaker extends DurableObject {
     // A migration under way: with the daily rows its import has not brought yet, added.
     const pending = query.key ? () => [] : await pendingRows(this, "usage", { from: query.from, to: query.to });
     const rows = this.sql.exec(`SELECT u.day, u.key_id, k.name, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-        u.fallback_requests, u.estimated_tokens, u.fallback_microusd FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
+        u.fallback_requests, u.estimated_tokens, u.fallback_microusd, u.refused FROM usage_daily u LEFT JOIN client_keys k ON k.id = u.key_id WHERE ${where}
         ORDER BY u.day, u.key_id`,
     ...args).toArray();
     const more = pending();
@@ -970,6 +1065,8 @@ export class Breaker extends DurableObject {
       || this.sql.exec("SELECT COUNT(*) AS n FROM client_keys").one().n > 0;
     await this.ctx.storage.deleteAll();
     this.purged = true;
+    this.keyBits = null;
+    this.heldAny = null;
     this.known = new Set();
     this.importing = null;
     return { had_state: had };

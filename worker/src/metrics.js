@@ -9,10 +9,11 @@
 // by `le` does not miss), so series of backends, colos and cells add up exactly. The counts
 // are cumulative since the generation began (seg_total). `_sum` is estimated from the
 // buckets (within 1.08 %): the Worker keeps no exact sum. Labels name pods by index and
-// colos by IATA code; never a key, a digest or a URL.
+// colos by IATA code, keys by id (bounded: the keys refused most); never a key, a digest or a URL.
 
 import { BUCKETS, CUTS, EDGES, PICKS, REPS, TOP, decode, total } from "./histogram.js";
 import { CLOSED, HALF_OPEN, OPEN } from "./machine.js";
+import { REFUSAL_KEYS } from "./refusals.js";
 
 export const CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8";
 const STATES = [CLOSED, OPEN, HALF_OPEN];
@@ -135,6 +136,9 @@ export function exposition(m, cfg, caches = []) {
   family(out, "colocate_pod_prefix_cache_queries_total", "counter",
     "Prompt tokens each pod looked up in its prefix cache, as the pod reports (vllm:prefix_cache_queries), since it started.");
   for (const c of caches) out.push(`colocate_pod_prefix_cache_queries_total${labels({ pod: c.index })} ${c.queries}`);
+  family(out, "colocate_refusals_total", "counter",
+    `Requests refused with a 429, by key id (the ${REFUSAL_KEYS} refused most; key=other: the rest) and reason (the limit that refused).`);
+  for (const [key, reason, n] of m.refusals ?? []) out.push(`colocate_refusals_total${labels({ key, reason })} ${n}`);
   family(out, "colocate_keys", "gauge", "Client API keys by state (counts only).");
   const k = m.keys;
   out.push(`colocate_keys${labels({ state: "active" })} ${k.active}`);
@@ -146,12 +150,12 @@ export function exposition(m, cfg, caches = []) {
   return out.join("\n") + "\n";
 }
 
-// What the keeper raises (colocate/keeper.py ALERTS, the same names): each is exposed, 0 or 1, so a
+// What the keeper raises (colocate/scaling/keeper.py ALERTS, the same names): each is exposed, 0 or 1, so a
 // rule needs no absent(); docs/grafana/alerts.yml pages on any of them.
 export const KEEPER_ALERTS = ["replace_failed", "update_failing", "stack_locked", "stale_checkout"];
 const count = (v) => (Number.isFinite(v) && v >= 0 ? v : 0);
 
-/** The keeper's last pass as the generation holds it (colocate/keeper.py Record): alerts, pod verdicts, replacements. */
+/** The keeper's last pass as the generation holds it (colocate/scaling/keeper.py Record): alerts, pod verdicts, replacements. */
 function keeperLines(out, k) {
   const raised = new Set((Array.isArray(k.alerts) ? k.alerts : []).map((a) => a && a.name));
   family(out, "colocate_keeper_alert", "gauge", "1 while the keeper raises this alert (a pod it cannot replace, failing updates, a stack lock held too long, a checkout other than the running Worker's).");

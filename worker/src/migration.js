@@ -22,7 +22,7 @@
 // When the cursor passes the last part, `imported:<name>` is recorded; until then the
 // router's purge of that generation is refused (admin.js) and `migrate.py finish` refuses.
 
-import { KEY_COLUMNS, IMPORT_INFLIGHT, IMPORT_LEASES, IMPORT_PEERS, UPSERT_MONTH, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS } from "./schema.js";
+import { BULK_REFUSALS, KEY_COLUMNS, IMPORT_INFLIGHT, IMPORT_LEASES, IMPORT_PEERS, UPSERT_MONTH, UPSERT_USAGE, UPSERT_WINDOW, USAGE_COLUMNS } from "./schema.js";
 import { EXCHANGE, LEASE } from "./payloads.js";
 
 export const EXPORT_ROWS = 5000; // rows of one export page, from as many parts as fit
@@ -50,6 +50,7 @@ export const PARTS = [
   ["inflight", "key_inflight", "key_id, isolate, n, at", "key_id", null],
   ["months", "key_month", "key_id, month, tokens", "key_id", null],
   ["usage", "usage_daily", USAGE_COLUMNS, "key_id", null],
+  ["refusals", "refusal_total", "key_id, reason, n", "key_id", null],
   ["seg_total", "seg_total", "colo, pod, segment, hist", null, (r) => [r.colo, r.pod, r.segment, r.hist]],
   ["seg_hour", "seg_hour", "hour, colo, pod, segment, hist", null, seg("hour")],
   ["seg_minute", "seg_minute", "minute, colo, pod, segment, hist", null, seg("minute")],
@@ -386,6 +387,7 @@ export function mergeRows(g, part, rows) {
       if (added) rev += 1;
     }
     g.setMeta("rev", rev);
+    g.keyBits = null; // the key filter (keyfilter.js): built again with these keys on next use
   } else if (name === "leases") {
     sql.exec(IMPORT_LEASES, now, JSON.stringify(rows.map(LEASE.of)));
   } else if (name === "peers") {
@@ -399,8 +401,10 @@ export function mergeRows(g, part, rows) {
   } else if (name === "usage") {
     for (const u of rows) {
       sql.exec(UPSERT_USAGE, u.day, u.key_id, u.requests, u.prompt_tokens, u.completion_tokens, u.pod_requests,
-        u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0);
+        u.fallback_requests, u.estimated_tokens ?? 0, u.fallback_microusd ?? 0, u.refused ?? 0);
     }
+  } else if (name === "refusals") {
+    sql.exec(BULK_REFUSALS, JSON.stringify(rows.map((r) => [r.key_id, r.reason, r.n])));
   } else if (name === "seg_total") {
     for (const [colo, pod, segment, hist] of rows) g.addTotal(colo, pod, segment, hist);
   } else if (name === "seg_hour") {

@@ -3,7 +3,7 @@
 // object (a sync's batch and answer), between a cell and a fleet's exchange, and what the
 // operator endpoints answer. Rows are arrays (a sync stays small); their columns are named
 // here and every reader and writer goes through these names, in JavaScript and in Python
-// (colocate/payloads.py reads SHAPES from this file). docs/worker.md "Adding a counter".
+// (colocate/cell/payloads.py reads SHAPES from this file). docs/worker.md "Adding a counter".
 //
 // SHAPES is JSON as well as JavaScript inside its parentheses (double quotes, no trailing
 // commas, no comments): each shape is its columns in order, [name, meaning].
@@ -19,7 +19,8 @@ export const SHAPES = /** @type {const} */ ({
     ["inflight", "requests in flight in the other isolates (as of their last sync)"],
     ["day_fallback_microusd", "the fallback's cost of this key's requests on the UTC day of minute, in millionths of a dollar"],
     ["reserved", "tokens the other isolates' requests in flight may still use, reserved at admission (as of their last sync)"],
-    ["prompt_inflight", "prompt tokens of the other isolates' requests in flight that no pod has begun answering (as of their last sync)"]
+    ["prompt_inflight", "prompt tokens of the other isolates' requests in flight that no pod has begun answering (as of their last sync)"],
+    ["fallback_reserved", "what the other isolates' fallback requests of this key in flight may still cost, in millionths of a dollar"]
   ],
   "exchange": [
     ["key_id", "the client key's id"],
@@ -29,14 +30,18 @@ export const SHAPES = /** @type {const} */ ({
     ["prev_req", "requests in bucket minute - 1"],
     ["prev_tok", "tokens in bucket minute - 1"],
     ["month", "the UTC month of month_tokens, YYYY-MM"],
-    ["month_tokens", "tokens in month"]
+    ["month_tokens", "tokens in month"],
+    ["day", "the UTC day of fallback_microusd, YYYY-MM-DD (\"\": none)"],
+    ["fallback_microusd", "what the fallback's answers of the key cost on day, in millionths of a dollar"]
   ],
   "lease": [
     ["key_id", "the client key's id"],
     ["req", "this cell's share of the key's rpm (null: no rpm limit)"],
     ["tok", "this cell's share of the key's tpm (null: no tpm limit)"],
     ["month", "the UTC month of month_tokens, YYYY-MM"],
-    ["month_tokens", "this cell's share of the key's monthly tokens in month (null: no monthly limit)"]
+    ["month_tokens", "this cell's share of the key's monthly tokens in month (null: no monthly limit)"],
+    ["day", "the UTC day of fallback_microusd, YYYY-MM-DD (\"\": none)"],
+    ["fallback_microusd", "this cell's share of the key's daily fallback cap on day, millionths of a dollar (null: no cap)"]
   ],
   "usage": [
     ["day", "the UTC day, YYYY-MM-DD"],
@@ -47,7 +52,17 @@ export const SHAPES = /** @type {const} */ ({
     ["pod_requests", "requests a pod answered"],
     ["fallback_requests", "requests the fallback answered"],
     ["estimated_tokens", "tokens counted from streamed text (no usage in the answer)"],
-    ["fallback_microusd", "what the fallback's answers cost at FALLBACK_PRICE, in millionths of a dollar"]
+    ["fallback_microusd", "what the fallback's answers cost at FALLBACK_PRICE, in millionths of a dollar"],
+    ["refused", "requests refused with a 429 (a limit, a lease, the fallback's spend cap)"]
+  ],
+  "fallback_held": [
+    ["key_id", "the client key's id"],
+    ["microusd", "what this isolate's fallback requests of the key in flight may still cost (0: none, the row goes)"]
+  ],
+  "refusal": [
+    ["key_id", "the client key's id"],
+    ["reason", "the limit that refused it: refusals.js REASONS"],
+    ["n", "refusals since the last sync"]
   ],
   "window": [
     ["key_id", "the client key's id"],
@@ -125,6 +140,10 @@ export const USAGE = shape(SHAPES.usage);
 export const WINDOW = shape(SHAPES.window);
 /** A sync batch's `inflight` row. */
 export const INFLIGHT = shape(SHAPES.inflight);
+/** A sync batch's `fallback_held` row: a key's fallback spend reserved in this isolate (fallback_held's columns). */
+export const FALLBACK_HELD = shape(SHAPES.fallback_held);
+/** A sync batch's `refusals` row: one key's 429s for one reason (refusal_total's columns). */
+export const REFUSAL = shape(SHAPES.refusal);
 /** A sync batch's `hist` row (seg_minute's), and GET /_colocate/live's `minutes` and `hours`. */
 export const HIST = shape(SHAPES.hist);
 /** A sync batch's `backends` row: the scaling controller's demand signal (backend_total). */
@@ -135,7 +154,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
 // --- the shapes of the objects that cross a boundary (JSDoc; tsc checks their use) ---
 
 /**
- * The cell Worker's bindings (colocate/plan.py `worker_bindings` generates them; config.js
+ * The cell Worker's bindings (colocate/cell/plan.py `worker_bindings` generates them; config.js
  * reads and checks them). Numbers arrive as text.
  * @typedef {object} Env
  * @property {DurableObjectNamespace<import("./generation.js").Breaker>} BREAKER  the generation objects (class Breaker)
@@ -161,7 +180,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  */
 
 /**
- * The fleet front door's bindings (colocate/fleet.py generates them; fleetfront.js reads them).
+ * The fleet front door's bindings (colocate/fleet/plan.py generates them; fleetfront.js reads them).
  * @typedef {object} FrontEnv
  * @property {DurableObjectNamespace<import("./fleetledger.js").FleetLedger>} LEDGER  the limits exchange
  * @property {string} CELLS  the member cells, JSON
@@ -186,6 +205,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string[]} [lookup]  digests to look up in the same round trip
  * @property {boolean} [capCell]  the cell's fallback spend is capped: the answer carries `spent`
  * @property {boolean} [capKeys]  each key's fallback spend is capped: its counters carry day_fallback_microusd
+ * @property {number} [keyCap]  colocate:fallbackCap.keyUsdPerDay in millionths of a dollar: a key without a cap of its own has it
  */
 
 /**
@@ -194,6 +214,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {any[][]} [usage]  USAGE rows
  * @property {any[][]} [windows]  WINDOW rows
  * @property {any[][]} [inflight]  INFLIGHT rows
+ * @property {any[][]} [refusals]  REFUSAL rows
+ * @property {any[][]} [fallback_held]  FALLBACK_HELD rows
  * @property {any[][]} [hist]  [minute, colo, pod, segment, "index:count,..."]
  */
 
@@ -213,8 +235,10 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string | null} [colo]
  * @property {Record<string, object>} [leases]  in a fleet: this cell's leases of the keys asked for
  * @property {number} [fleet_cells]  in a fleet: its size, for the default share of a key not asked for yet
- * @property {{day: string, microusd: number}} [spent]  the fallback's cost to the cell today (with `capCell`)
+ * @property {{day: string, microusd: number, reserved?: number}} [spent]  the fallback's cost to the cell today, and what
+ *   the other isolates' fallback requests in flight reserved (with `capCell`)
  * @property {{keys: object[], counts: Record<string, number[]>}} [found]  the look-up's answer
+ * @property {Uint8Array} [key_filter]  to an isolate starting its key list: keyfilter.js's filter of the keys
  */
 
 /**
@@ -225,7 +249,8 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {boolean} more
  * @property {boolean} reset
  * @property {any[][]} rows  EXCHANGE rows
- * @property {Record<string, {rpm: number, tpm: number, monthly_tokens: number}>} [limits]  each key's limits, for the ledger
+ * @property {Record<string, {rpm: number, tpm: number, monthly_tokens: number, fallback_microusd_day?: number}>} [limits]
+ *   each key's limits for the ledger (fallback_microusd_day: its daily fallback cap as this cell holds it: its own, else the cell's)
  * @property {number | null} [ttl_ms]  how long this cell's isolates may go on using a lease after it is replaced
  */
 

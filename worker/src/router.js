@@ -15,7 +15,7 @@ import {
 import { assembleBytes } from "./assemble.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, leaseRefusal, mostTokens, neverFits, rateHeaders, refusal, underFleetLimit } from "./limits.js";
-import { provisionalLease } from "./fleetexchange.js";
+import { floorShare, provisionalLease } from "./fleetexchange.js";
 import { COUNTER } from "./payloads.js";
 import {
   POLICIES, begunAt, blameOf, candidates, finished, healthDue, leastLoaded, loadsOf, metricsDue, paceVerdict, queuedAt, started, unhurried,
@@ -25,9 +25,10 @@ import { judgeMiss, podBusy, scrapeMetrics } from "./busy.js";
 import { counts as picks } from "./affinity.js";
 import { CLIENT_COLO_HEADER, DEFER_HEADER, FRONT_HEADER, LEASE_HEADER, lookup, pathAndQuery } from "./routes.js";
 import {
-  admit, cache, currentView, findKey, freshEntry, hold, inflightHere, pendingCounter, pendingMonthTokens, promptHere, report, reportPace,
-  requestTrial, reservedHere, scheduleFlush, served, wantedDigest, withdraw,
+  admit, cache, currentView, findKey, freshEntry, hold, inflightHere, pendingCounter, pendingMonthTokens, promptHere, refused, report,
+  reportPace, requestTrial, reservedHere, scheduleFlush, served, syncSoon, wantedDigest, withdraw,
 } from "./state.js";
+import { reasonOf } from "./refusals.js";
 import { now, serverTiming } from "./timing.js";
 import {
   capUsage, contentChars, estimateUsage, promptCount, streamCap, stripStream, tapStream, usageCeiling, usageOfAnswer, usageOfDoc, usageOfJson,
@@ -35,9 +36,10 @@ import {
 import { openTab } from "./tab.js";
 import { pumpPod } from "./podstream.js";
 import { fallbackFields, validateBody } from "./validate.js";
+import { podFields } from "./podfields.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
-import { clientAddress, returnLookup, takeLookup } from "./strangers.js";
-import { fallbackCapRefusal } from "./spendcap.js";
+import { clientAddress, returnLookup, takeLookup, takeTotal } from "./strangers.js";
+import { fallbackCapRefusal, fallbackModel, fallbackShare, worstCost } from "./spendcap.js";
 import { learnColo, recordCut, recordPick, recordQueue, recordRequest, recordStream } from "./histogram.js";
 
 /**
@@ -108,12 +110,16 @@ function authenticate(request, env, cfg, entry, timing) {
 async function authenticateSlow(request, presented, env, cfg, entry, timing) {
   // A key this isolate has not accepted yet costs a hash and maybe a look-up: the caller's
   // address pays for it from its budget (strangers.js), and gets it back if the key is real.
+  // A digest the key filter does not vouch for also draws on the isolate's total, so guesses
+  // from rotating addresses use up only that, never a real key's look-up.
   const address = clientAddress(request);
   takeLookup(address, Date.now());
   const digest = await digestOf(presented);
-  const key = await findKey(env, cfg, entry, digest, timing);
+  const vouched = cache.mayBeKey(cfg.activeGeneration, digest) === true;
+  if (!vouched) takeTotal(Date.now());
+  const key = await findKey(env, cfg, entry, digest, timing, vouched);
   if (!key || !sameDigest(key.hash, digest)) throw new HttpError(401, "invalid_api_key", BAD_KEY);
-  returnLookup(address);
+  returnLookup(address, !vouched);
   remember(presented, digest);
   return usable(key);
 }
@@ -185,15 +191,17 @@ function enforceLimits(request, cfg, key, ask = null, json = null) {
     if (never) throw new HttpError(400, "request_too_large", never.message, {}, "invalid_request_error", never.param);
   }
   // In a fleet the cell's lease of the key bounds what it admits (a lone cell has none). A
-  // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets the
-  // default share until its next sync brings the lease back: the share the ledger counts for
-  // a cell without a lease row, never the key's whole limit.
-  const lease = cache.lease(gen, key.id) ?? provisionalLease(key, cache.fleetCells(gen));
+  // held key whose lease this isolate dropped (idle past SERVED_KEEP_MS, state.js) gets its
+  // floor share until a sync, started at once, brings the lease back: the least the ledger
+  // counts for any cell (it may have cut the lease since), never the key's whole limit.
+  const leased = cache.lease(gen, key.id);
+  const lease = leased ?? provisionalLease(key, cache.fleetCells(gen), 0, floorShare);
   const no = refusal(key, est, month, t, inflight, reserved, asked) ?? (lease === undefined ? null : leaseRefusal(key, lease, est, month, reserved));
   if (no) {
     const headers = Object.fromEntries(rateHeaders(key, est, t, false, reserved));
     headers["retry-after"] = String(no.retryAfterS);
     const err = new HttpError(429, no.code, no.message, headers, no.type);
+    err.reason = reasonOf(no);
     // Refused by this cell's share alone while the key is under its limit: another cell's
     // share may admit it. Only the front door can ask another cell (routed checks its token).
     if (no.byLease && request.headers.has(FRONT_HEADER) && underFleetLimit(key, lease, est, month, t)) err.elsewhere = { keyId: key.id, t };
@@ -205,9 +213,8 @@ function enforceLimits(request, cfg, key, ask = null, json = null) {
     if (slot) slots.set(request, slot);
     return null;
   }
-  const release = admit(cfg, key, t, ask.tokens, promptLimit > 0 ? ask.prompt : 0, slots.get(request) ?? null);
-  if (release) slots.set(request, release);
-  return { at: t, headers: rateHeaders(key, est, t, true, reserved) };
+  slots.set(request, admit(cfg, key, t, ask.tokens, promptLimit > 0 ? ask.prompt : 0, slots.get(request) ?? null));
+  return { at: t, headers: rateHeaders(key, est, t, true, reserved), floor: leased === undefined && lease !== undefined };
 }
 
 async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
@@ -226,20 +233,40 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   if (key instanceof Promise) key = await key;
   let bytes = null;
   let json = null;
+  // The most this request can cost (usage.js usageCeiling): reserved at admission, and what an
+  // upstream's report is believed up to: a pod, the context it serves; the fallback (the
+  // operator's own account, billed as it reports), the body's bytes and the completion limit.
+  let ceiling = null;
+  let fbCeiling = null;
+  // The fallback's answers are priced for the model it was sent (spendcap.js), set when it is bought.
+  let fbPrice = cfg.fallbackSpend.price;
+  // Metering ends the request, once (tab.js): its max_parallel slot and its reservations are
+  // freed then (a stream's, at its last byte), or when the client hangs up. The tab is opened
+  // with the slot, before the body: a client that leaves mid-upload frees its slot there and is
+  // charged nothing (no upstream was asked), as nothing after the read it was waiting on runs.
+  const tab = openTab(request, ctx, (backend, usage) => {
+    releaseSlot(request);
+    if (backend !== null) {
+      meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, backend === "fallback" ? fbCeiling : ceiling),
+        fbPrice);
+    }
+  }, null);
   if (r.json) {
     // The key's slot before its body: an upload in flight is its key's (bounded in time too).
     try {
       enforceLimits(request, cfg, key);
     } catch (err) {
-      throw err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+      throw await refusedHere(env, ctx, cfg, request, key, err);
     }
     bytes = await readBody(request, cfg.maxBodyBytes, cfg.bodyTimeoutMs);
     json = parseJsonObject(bytes);
     validateBody(url.pathname, json, cfg.maxModelLen);
+    ceiling = usageCeiling(json, bytes.length, cfg.maxModelLen);
+    fbCeiling = usageCeiling(json, bytes.length);
+    tab.know(ceiling, Number.isInteger(json.n) && json.n > 1 ? json.n : 1, promptCount(json));
   }
-  // The most this request can cost (usage.js usageCeiling): reserved at admission, and
-  // what the upstream's report is believed up to.
-  const ceiling = json === null ? null : usageCeiling(json, bytes.length, cfg.maxModelLen);
+  // What a pod is sent: the fields and content parts it serves (podfields.js); a 400 names any other.
+  const pod = json === null ? null : podFields(url.pathname, json, cfg.contentParts);
   // The live view's client colo is the front door's word, taken only with its token
   // (a client's own header would add labels at will).
   if (request.headers.has(CLIENT_COLO_HEADER) && (await fromFrontDoor(request, cfg))) timing.client = request.headers.get(CLIENT_COLO_HEADER);
@@ -250,19 +277,11 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     admitted = enforceLimits(request, cfg, key, ceiling === null ? { tokens: 0, prompt: 0 }
       : { tokens: mostTokens(json, ceiling, cfg.maxModelLen), prompt: ceiling.prompt }, json);
   } catch (err) {
-    throw err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+    throw await refusedHere(env, ctx, cfg, request, key, err);
   }
   const limits = admitted.headers;
+  if (admitted.floor) syncSoon(env, ctx, cfg); // the key's lease, in the background, now that it is asked for
   scheduleFlush(env, ctx, cfg);
-  // Metering ends the request, once (tab.js): its max_parallel slot is freed then (a stream's,
-  // at its last byte), or when the client hangs up. What an upstream reports is believed only
-  // up to what the request allows: a pod, the context it serves; the fallback (the operator's
-  // own account, billed as it reports), the body's bytes and the completion limit.
-  const fbCeiling = json === null ? null : usageCeiling(json, bytes.length);
-  const tab = openTab(request, ctx, (backend, usage) => {
-    releaseSlot(request);
-    if (backend !== null) meterServed(env, ctx, cfg, key.id, backend, ceiling === null ? usage : ceiled(env, backend, usage, backend === "fallback" ? fbCeiling : ceiling));
-  }, ceiling, json !== null && Number.isInteger(json.n) && json.n > 1 ? json.n : 1, promptCount(json));
   const meter = (backend, usage) => tab.settle(backend, usage);
   // Every stream is counted: the router asks for its usage event, and when the client did
   // not ask, takes it out of the client's stream (docs/worker.md, "Streams and tokens").
@@ -287,7 +306,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     }
   };
 
-  const path = url.pathname + url.search;
+  // The client's query string stays here: neither upstream is asked anything but the route.
+  const path = url.pathname;
   const urls = cfg.podUrls;
   const tried = new Set();
   const suspects = []; // pods that failed this request, not reported yet
@@ -305,8 +325,14 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
   const chat = url.pathname === "/v1/chat/completions";
   const n = json === null ? 1 : Math.max(Number.isInteger(json.n) ? json.n : 1, 1);
   // The pod's prefix cache is salted per key (forward.js upstreamBody); the fallback takes no salt.
-  // A pod's stream is asked for continuous usage (podstream.js): a cut is charged what the pod made.
-  const podBody = bytes === null ? null : upstreamBody(bytes, json, null, askUsage, key.id, assemble, true);
+  // What a pod is sent: its fields only (podfields.js, those dropped logged by name). A pod's
+  // stream is asked for continuous usage (podstream.js): a cut is charged what the pod made.
+  const forPod = pod === null || pod.dropped.length === 0 ? bytes : droppedForPod(env, pod);
+  const podJson = pod === null ? json : pod.json;
+  const podBody = bytes === null ? null : upstreamBody(forPod, podJson, null, askUsage, key.id, assemble, true);
+  // The engine's request id is the router's own, never the client's X-Request-Id (vLLM keys
+  // its requests by it: a client's could name, and collide with, another key's request).
+  const requestId = nextRequestId();
   const policy = POLICIES[cfg.balance];
   const info = { keyId: key.id, path: url.pathname, json, prefixBound: cfg.prefixBound };
   // The pace of an answer after its first token (pods.js paceVerdict): judged once, mid-stream
@@ -377,8 +403,8 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     };
     const res = await tryPod(hop, podUrl + path, {
       method: request.method,
-      headers: upstreamHeaders(request.headers, cfg.podToken),
-      body: asMode === mode ? podBody : upstreamBody(bytes, json, null, askUsage, key.id, true, true),
+      headers: upstreamHeaders(request.headers, cfg.podToken, requestId),
+      body: asMode === mode ? podBody : upstreamBody(forPod, podJson, null, askUsage, key.id, true, true),
     }, deadline, asMode, cfg.stallMs, cap, cfg.minTokensPerS, tab, begin);
     begin(); // a whole answer's end, or an attempt that ended before any token
     timing.upstream += now() - t;
@@ -462,11 +488,26 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     const none = errorResponse(503, "no_pod", "no pod of this cell can serve the request", { "x-colocate-pods-tried": String(tried.size) });
     return finish(none.body, none, "none", timing, t0);
   }
-  const capped = fallbackCapRefusal(cfg, key, Date.now());
+  // The fallback's money (spendcap.js): a model it may be sent, and room under its caps for
+  // the most this request may cost, reserved until the answer's real cost is counted.
+  const buy = fallbackModel(cfg, json);
+  if (!buy.ok) {
+    blame(suspects, blameOf(suspects.length, null));
+    releaseSlot(request);
+    const no = errorResponse(404, "model_not_found", `no pod could serve this request, and the fallback is not sent model `
+      + `${JSON.stringify(String(json.model).slice(0, 64))}: it serves ${[...cfg.fallbackModels.keys()].slice(0, 8).join(", ")} `
+      + "(colocate:fallbackModels)", {}, "invalid_request_error", "model");
+    return finish(no.body, no, "none", timing, t0, limits);
+  }
+  const worst = bytes === null ? 0 : worstCost(buy.price, bytes.length, fbCeiling.completion);
+  const capped = fallbackCapRefusal(cfg, key, Date.now(), worst, fallbackShare(cfg, key));
+  if (!capped) slots.get(request)?.fallback?.(worst); // with the request's own reservation (state.js admit)
+  fbPrice = buy.price;
   if (capped) {
     // Past the day's cap the fallback is not called: the request is refused, not bought.
     blame(suspects, blameOf(suspects.length, null));
     tab.settle(null, null);
+    countRefusal(env, ctx, cfg, key.id, "fallback_cap");
     const no = errorResponse(429, "fallback_spend_cap", capped.message, { "retry-after": String(capped.retryAfterS) }, "insufficient_quota");
     return finish(no.body, no, "none", timing, t0, limits);
   }
@@ -535,6 +576,16 @@ async function leaseElsewhere(request, cfg, err) {
   return err;
 }
 
+/**
+ * A refusal by enforceLimits, counted per key and reason (refusals.js) unless the front door
+ * tries another cell with it (the client is not refused yet).
+ */
+async function refusedHere(env, ctx, cfg, request, key, err) {
+  const no = err instanceof HttpError && err.elsewhere ? await leaseElsewhere(request, cfg, err) : err;
+  if (no instanceof HttpError && no.reason !== undefined && no.headers[LEASE_HEADER] !== "elsewhere") countRefusal(env, ctx, cfg, key.id, no.reason);
+  return no;
+}
+
 /** Whether the request carries this cell's exchange token, as only its fleet's front door sends it. */
 function fromFrontDoor(request, cfg) {
   const token = request.headers.get(FRONT_HEADER);
@@ -565,6 +616,31 @@ function fallbackBody(env, pathname, bytes, json, cfg, askUsage) {
   return new TextEncoder().encode(JSON.stringify(body));
 }
 
+/** A pod's body without the OpenAI fields it does not serve (podfields.js), which are logged by name. */
+function droppedForPod(env, pod) {
+  log(env, "pod_fields_dropped", { fields: pod.dropped.slice(0, 8) });
+  return new TextEncoder().encode(JSON.stringify(pod.json));
+}
+
+// The pods' request ids: 128 random bits each, from a pool crypto.getRandomValues refills every
+// ID_BATCH requests (crypto.randomUUID on every request cost about 13k instructions, docs/benchmarks.md).
+const ID_BYTES = 16;
+const ID_BATCH = 256;
+const HEX2 = Array.from({ length: 256 }, (_, i) => i.toString(16).padStart(2, "0"));
+let idPool = null;
+let idAt = ID_BATCH;
+
+function nextRequestId() {
+  if (idAt === ID_BATCH) {
+    idPool = crypto.getRandomValues(idPool ?? new Uint8Array(ID_BYTES * ID_BATCH));
+    idAt = 0;
+  }
+  const from = idAt++ * ID_BYTES;
+  let id = "";
+  for (let i = from; i < from + ID_BYTES; i++) id += HEX2[idPool[i]];
+  return id;
+}
+
 // The pods' /metrics reads one request may start: with the inference fetch, a failed one's health
 // witness and the isolate's first trace, at most five connections are open at once (six allowed).
 export const METRICS_PER_REQUEST = 2;
@@ -584,9 +660,15 @@ function ceiled(env, backend, usage, ceiling) {
   return u;
 }
 
-/** Count a served request against its key (usage, tokens) and plan the flush. */
-function meterServed(env, ctx, cfg, keyId, backend, usage) {
-  served(cfg, keyId, Date.now(), backend, usage);
+/** Count a refusal (a 429) against its key and reason, carried by the next sync (refusals.js). */
+function countRefusal(env, ctx, cfg, keyId, reason) {
+  refused(cfg, keyId, reason, Date.now());
+  scheduleFlush(env, ctx, cfg);
+}
+
+/** Count a served request against its key (usage, tokens; a fallback answer's cost at `price`) and plan the flush. */
+function meterServed(env, ctx, cfg, keyId, backend, usage, price) {
+  served(cfg, keyId, Date.now(), backend, usage, price);
   try {
     scheduleFlush(env, ctx, cfg);
   } catch {

@@ -16,7 +16,7 @@ export const ROUTES = {
   "/_colocate/usage": { methods: ["GET"], kind: "usage", roles: { GET: "read" } },
   "/_colocate/live": { methods: ["GET"], kind: "live", roles: { GET: "read" } },
   "/_colocate/metrics": { methods: ["GET"], kind: "metrics", roles: { GET: "read" } },
-  // The scaling controller (colocate/scaler.py) reads with the read token, takes the lock and records with the admin one.
+  // The scaling controller (colocate/scaling/controller.py) reads with the read token, takes the lock and records with the admin one.
   "/_colocate/scale": { methods: ["GET", "POST"], kind: "scale", roles: { GET: "read", POST: "admin" } },
   "/_colocate/scale/lock": { methods: ["POST"], kind: "scale_lock", roles: { POST: "admin" } },
   "/_colocate/fleet/counters": { methods: ["GET"], kind: "fleet_counters", roles: { GET: "exchange" } },

@@ -35,14 +35,18 @@
 //                 changed since its cursor by index (docs/fleet.md, "Limits across cells")
 //   peer_counters per key: the other cells of a fleet together, as the exchange last
 //                 pushed them (minute buckets and month): the operator's view, never usage
-//   key_lease     per key: this cell's lease in a fleet (its share of rpm, tpm and the
-//                 month's tokens), as the exchange last pushed it; with meta `fleet_cells`
+//   key_lease     per key: this cell's lease in a fleet (its share of rpm, tpm, the month's
+//                 tokens and the day's fallback cap), as the exchange last pushed it; with meta `fleet_cells`
 //   backend_total per backend (pod-<i>, fallback, none): requests and tokens since the
 //                 generation began; the scaling controller's demand signal (rates are
 //                 differences between its reads)
 //   fallback_spend per UTC day: what the fallback's answers cost the whole cell (the sum of
 //                 usage_daily.fallback_microusd, kept as one row so the cell's daily cap
 //                 reads one row; rebuilt from usage_daily when a generation is imported)
+//   fallback_held per key and isolate: what its fallback requests in flight may still cost
+//                 (reserved when the fallback is called, spendcap.js); expire as key_inflight
+//   refusal_total per key and reason (refusals.js REASONS): the key's 429s since the
+//                 generation began (GET /_colocate/metrics); each day's are usage_daily.refused
 //   pod_inflight  per isolate and pod index: requests in flight there as of that isolate's
 //                 last sync (a scale-down waits for its draining pods to read 0)
 //   import_pulled per generation being imported (migration.js) and key: the keys whose rows
@@ -52,9 +56,9 @@
 // Every sync reads and writes by primary key or index: no scan grows with the number of
 // keys (docs/worker.md "State").
 
-import { EXCHANGE, LEASE, USAGE, WINDOW } from "./payloads.js";
+import { EXCHANGE, LEASE, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 
-export const SCHEMA_VERSION = "7";
+export const SCHEMA_VERSION = "8";
 
 export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)`,
@@ -72,7 +76,11 @@ export const SCHEMA = [
      requests INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
      completion_tokens INTEGER NOT NULL DEFAULT 0, pod_requests INTEGER NOT NULL DEFAULT 0,
      fallback_requests INTEGER NOT NULL DEFAULT 0, estimated_tokens INTEGER NOT NULL DEFAULT 0,
-     fallback_microusd INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key_id))`,
+     fallback_microusd INTEGER NOT NULL DEFAULT 0, refused INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key_id))`,
+  `CREATE TABLE IF NOT EXISTS fallback_held (
+     key_id TEXT NOT NULL, isolate TEXT NOT NULL, microusd INTEGER NOT NULL, at INTEGER NOT NULL, PRIMARY KEY (key_id, isolate))`,
+  `CREATE TABLE IF NOT EXISTS refusal_total (key_id TEXT NOT NULL, reason TEXT NOT NULL, n INTEGER NOT NULL,
+     PRIMARY KEY (key_id, reason))`,
   `CREATE TABLE IF NOT EXISTS fallback_spend (day TEXT PRIMARY KEY, microusd INTEGER NOT NULL DEFAULT 0)`,
   `CREATE TABLE IF NOT EXISTS key_month (
      key_id TEXT NOT NULL, month TEXT NOT NULL, tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (key_id, month))`,
@@ -93,9 +101,10 @@ export const SCHEMA = [
   `CREATE TABLE IF NOT EXISTS peer_counters (
      key_id TEXT PRIMARY KEY, minute INTEGER NOT NULL, req INTEGER NOT NULL, tok INTEGER NOT NULL,
      prev_req INTEGER NOT NULL, prev_tok INTEGER NOT NULL, month TEXT NOT NULL, month_tokens INTEGER NOT NULL,
-     at INTEGER NOT NULL)`,
+     at INTEGER NOT NULL, day TEXT NOT NULL DEFAULT '', fallback_microusd INTEGER NOT NULL DEFAULT 0)`,
   `CREATE TABLE IF NOT EXISTS key_lease (
-     key_id TEXT PRIMARY KEY, req INTEGER, tok INTEGER, month TEXT NOT NULL, month_tokens INTEGER, at INTEGER NOT NULL)`,
+     key_id TEXT PRIMARY KEY, req INTEGER, tok INTEGER, month TEXT NOT NULL, month_tokens INTEGER, at INTEGER NOT NULL,
+     day TEXT NOT NULL DEFAULT '', fallback_microusd INTEGER)`,
   `CREATE TABLE IF NOT EXISTS backend_total (
      backend TEXT PRIMARY KEY, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)`,
   `CREATE TABLE IF NOT EXISTS pod_inflight (
@@ -119,6 +128,12 @@ export const ADDED_COLUMNS = [
   ["client_keys", "max_parallel_tokens", "INTEGER"],
   ["usage_daily", "estimated_tokens", "INTEGER NOT NULL DEFAULT 0"],
   ["usage_daily", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
+  // Schema 8: a key's refusals, and the day's fallback spend in the fleet's rows and leases.
+  ["usage_daily", "refused", "INTEGER NOT NULL DEFAULT 0"],
+  ["peer_counters", "day", "TEXT NOT NULL DEFAULT ''"],
+  ["peer_counters", "fallback_microusd", "INTEGER NOT NULL DEFAULT 0"],
+  ["key_lease", "day", "TEXT NOT NULL DEFAULT ''"],
+  ["key_lease", "fallback_microusd", "INTEGER"],
 ];
 
 // Created after ADDED_COLUMNS (an index on a column an old table lacks would fail).
@@ -131,6 +146,7 @@ export const INDEXES = [
   `CREATE INDEX IF NOT EXISTS key_changed_seq ON key_changed (seq)`,
   // A migration fetches a key's rows ahead of its import (migration.js): its usage by index.
   `CREATE INDEX IF NOT EXISTS usage_daily_key ON usage_daily (key_id)`,
+  `CREATE INDEX IF NOT EXISTS fallback_held_at ON fallback_held (at)`,
 ];
 
 export const KEY_COLUMNS = "id, hash, prefix, name, rpm, tpm, monthly_tokens, max_parallel, created_at, expires_at, revoked_at, "
@@ -179,6 +195,9 @@ export const UPSERT_LEASES = `INSERT INTO key_lease (${LEASE.columns}, at)
   SELECT ${all(LEASE)}, ? FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET ${[...LEASE.names.filter((n) => n !== "key_id"), "at"].map((n) => `${n} = excluded.${n}`)
     .join(", ")}`;
+// A key's refusals by reason (payloads.js REFUSAL), added up.
+export const BULK_REFUSALS = `INSERT INTO refusal_total (${REFUSAL.columns}) SELECT ${all(REFUSAL)} FROM json_each(?) WHERE true
+  ON CONFLICT (key_id, reason) DO UPDATE SET n = n + excluded.n`;
 // Each changed key its own sequence number ([[key_id, seq], ...]), so a reader pages by seq exactly.
 export const MARK_CHANGED = `INSERT INTO key_changed (key_id, seq) SELECT ${col(0)}, ${col(1)} FROM json_each(?) WHERE true
   ON CONFLICT (key_id) DO UPDATE SET seq = excluded.seq`;

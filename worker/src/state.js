@@ -23,7 +23,7 @@ import { dayOf, minuteOf } from "./limits.js";
 import { healthDue, inflightMoved, inflightOf, takeInflightMoved } from "./pods.js";
 import { now } from "./timing.js";
 import { recorder, takeHist } from "./histogram.js";
-import { BACKEND, COUNTER, INFLIGHT, USAGE, WINDOW } from "./payloads.js";
+import { BACKEND, COUNTER, FALLBACK_HELD, INFLIGHT, REFUSAL, USAGE, WINDOW } from "./payloads.js";
 
 export const cache = new ViewCache(); // module scope: lives as long as the isolate
 const ids = new Map(); // generation -> DurableObjectId (plain data, safe to keep)
@@ -73,6 +73,7 @@ export function infoOf(cfg, keys = []) {
     keys,
     capCell: cfg.fallbackSpend.cellMicroUsd > 0,
     capKeys: cfg.fallbackSpend.price !== null, // a key may hold a cap of its own
+    keyCap: cfg.fallbackSpend.price !== null ? cfg.fallbackSpend.keyMicroUsd : 0, // a fleet leases each key's cap
   };
 }
 
@@ -182,7 +183,7 @@ const lookups = new Map(); // generation -> {waiting: Set of digests, busy, call
 function lookupsOf(gen) {
   let l = lookups.get(gen);
   if (!l) {
-    l = { waiting: new Set(), busy: false, calls: [] };
+    l = { waiting: new Set(), vouched: new Set(), busy: false, calls: [] };
     lookups.set(gen, l);
   }
   return l;
@@ -210,14 +211,16 @@ const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
  * call (each waits by polling plain data, never on another request's promise), so a
  * flood of bad keys makes at most a few object calls a second. The wait is `state`.
  */
-export async function findKey(env, cfg, entry, digest, timing) {
+export async function findKey(env, cfg, entry, digest, timing, vouched = false) {
   const gen = cfg.activeGeneration;
   let rec = entry.keys ? entry.keys.get(digest) : undefined;
   if (rec) return rec;
   if (cache.isKnownBad(gen, digest, Date.now())) return null;
   const l = lookupsOf(gen);
-  if (!l.waiting.has(digest) && l.waiting.size >= LOOKUP_WAITING_MAX) throw lookupBusy();
+  // A digest the key filter vouches for (keyfilter.js) is looked up first, queue full or not.
+  if (!vouched && !l.waiting.has(digest) && l.waiting.size >= LOOKUP_WAITING_MAX) throw lookupBusy();
   l.waiting.add(digest);
+  if (vouched) l.vouched.add(digest);
   const t = now();
   try {
     for (;;) {
@@ -240,6 +243,7 @@ export async function findKey(env, cfg, entry, digest, timing) {
     }
   } finally {
     l.waiting.delete(digest);
+    l.vouched.delete(digest);
     timing.state += now() - t;
   }
 }
@@ -248,11 +252,14 @@ export async function findKey(env, cfg, entry, digest, timing) {
 async function lookupCall(env, cfg, l, digest) {
   const gen = cfg.activeGeneration;
   l.waiting.delete(digest);
-  const digests = [digest];
-  for (const d of l.waiting) {
-    if (digests.length >= LOOKUP_BATCH) break;
-    digests.push(d);
+  const picked = new Set([digest]); // ours, then the vouched-for, then the rest in arrival order
+  for (const from of [l.vouched, l.waiting]) {
+    for (const d of from) {
+      if (picked.size >= LOOKUP_BATCH) break;
+      if (l.waiting.has(d)) picked.add(d);
+    }
   }
+  const digests = [...picked];
   for (const d of digests) l.waiting.delete(d);
   l.busy = true;
   l.calls.push(Date.now());
@@ -305,7 +312,26 @@ const PARTS = {
       for (const w of rows) addWindow(p, w[WINDOW.key_id], w[WINDOW.minute], w[WINDOW.requests], w[WINDOW.tokens]);
     },
   },
-  // The scaling controller's signals (colocate/scaler.py): requests and tokens by backend,
+  // What this isolate's fallback requests in flight may still cost, per key (spendcap.js): every
+  // key with a reservation, and those that went to 0 since the last sync (a silent isolate's rows expire).
+  fallback_held: {
+    has: (p) => p.fbChanged.size > 0,
+    take: (p) => {
+      if (p.fbChanged.size === 0 && p.fbHeld.size === 0) return null; // every sync renews the rows in flight
+      const rows = [];
+      for (const id of new Set([...p.fbHeld.keys(), ...p.fbChanged])) rows.push([id, p.fbHeld.get(id) ?? 0]);
+      p.fbChanged.clear();
+      return rows;
+    },
+    restore: (p, rows) => { for (const r of rows) p.fbChanged.add(r[FALLBACK_HELD.key_id]); },
+  },
+  // Each key's 429s by reason (refusals.js): Prometheus' per-key counts (each day's total rides on `usage`).
+  refusals: {
+    has: (p) => p.refusals.size > 0,
+    take: (p) => takeMap(p, "refusals"),
+    restore: (p, rows) => { for (const r of rows) addRefusal(p, r[REFUSAL.key_id], r[REFUSAL.reason], r[REFUSAL.n]); },
+  },
+  // The scaling controller's signals (colocate/scaling/controller.py): requests and tokens by backend,
   // and this isolate's requests in flight per pod index (every pod, whenever one changed).
   backends: {
     has: (p) => p.backends.size > 0,
@@ -361,7 +387,8 @@ function pendingOf(gen) {
   let p = pending.get(gen);
   if (!p) {
     p = { usage: new Map(), windows: new Map(), month: new Map(), spend: new Map(), inflight: new Map(), inflightChanged: new Set(), reserved: new Map(), prompt: new Map(),
-      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null };
+      served: new Map(), plannedAt: -Infinity, sending: new Set(), backends: new Map(), podUrls: null, refusals: new Map(),
+      fbHeld: new Map(), fbChanged: new Set(), fbHeldAll: 0 };
     pending.set(gen, p);
   }
   return p;
@@ -408,6 +435,27 @@ function addUsage(p, day, keyId, deltas) {
     const m = day.slice(0, 7) + "|" + keyId;
     p.month.set(m, (p.month.get(m) ?? 0) + tokens);
   }
+}
+
+function addRefusal(p, keyId, reason, n) {
+  const k = keyId + "|" + reason;
+  let row = p.refusals.get(k);
+  if (!row) {
+    row = REFUSAL.zero(keyId, reason);
+    p.refusals.set(k, row);
+  }
+  row[REFUSAL.n] += n;
+}
+
+/**
+ * A key was refused a request (a 429) for `reason` (refusals.js REASONS) at `t`: counted in
+ * its usage row of the day and by reason, carried by the next sync (never a sync of its own:
+ * the caller plans the flush).
+ */
+export function refused(cfg, keyId, reason, t) {
+  const p = pendingOf(cfg.activeGeneration);
+  addUsage(p, dayOf(t), keyId, { refused: 1 });
+  addRefusal(p, keyId, reason, 1);
 }
 
 function addBackend(p, backend, req, prompt, completion) {
@@ -487,6 +535,23 @@ export function spentToday(gen, keyId, t) {
   return n;
 }
 
+/**
+ * What fallback requests in flight may still cost (millionths of a dollar): the key's, or
+ * with null the whole cell's, here now plus the other isolates' as of the last sync.
+ */
+export function fallbackReserved(gen, keyId) {
+  const p = pending.get(gen);
+  let n = p ? (keyId === null ? p.fbHeldAll : p.fbHeld.get(keyId) ?? 0) : 0;
+  if (keyId === null) {
+    const s = spentByGen.get(gen);
+    n += (s && s.reserved) || 0;
+  } else {
+    const g = cache.count(gen, keyId);
+    n += (g && g[COUNTER.fallback_reserved]) || 0;
+  }
+  return n;
+}
+
 /** Requests of a key in flight in this isolate now. */
 export function inflightHere(gen, keyId) {
   const p = pending.get(gen);
@@ -531,10 +596,13 @@ export function hold(cfg, key) {
  * counters are asked for from now on. A key with max_parallel holds a slot (`held`, from
  * `hold`, or one taken here), a key with tpm or monthly_tokens holds `reserve` tokens (what
  * the request may cost at most), and `prompt` tokens (its prompt at most, for
- * max_parallel_tokens) are held until its answer begins at a pod: `release` (returned;
- * idempotent) frees all of them, in the same turn as its usage is recorded (`served`), so
+ * max_parallel_tokens) are held until its answer begins at a pod. `release` (returned;
+ * idempotent) frees all it holds, in the same turn as its usage is recorded (`served`), so
  * the limits see the reservation, then the real usage, never neither; `release.begun` frees
- * the prompt tokens alone, when the pod's first token arrives. Nothing held: null.
+ * the prompt tokens alone, when the pod's first token arrives; `release.fallback(microusd)`
+ * adds, when the fallback is about to be called, the most its answer may cost (spendcap.js)
+ * against the key's and the cell's daily caps, here at once and in the other isolates from
+ * the next sync, freed with the rest. One reservation per request, whatever it holds.
  */
 export function admit(cfg, key, t, reserve = 0, prompt = 0, held = null) {
   const p = pendingOf(cfg.activeGeneration);
@@ -544,11 +612,10 @@ export function admit(cfg, key, t, reserve = 0, prompt = 0, held = null) {
   addUsage(p, dayOf(t), key.id, { requests: 1 });
   const slot = held === null && key.max_parallel > 0;
   const tokens = reserve > 0 && (key.tpm > 0 || key.monthly_tokens > 0) ? reserve : 0;
-  if (!slot && tokens === 0 && prompt <= 0) return held;
   if (slot) p.inflight.set(key.id, (p.inflight.get(key.id) ?? 0) + 1);
   if (tokens > 0) p.reserved.set(key.id, (p.reserved.get(key.id) ?? 0) + tokens);
   if (prompt > 0) p.prompt.set(key.id, (p.prompt.get(key.id) ?? 0) + prompt);
-  p.inflightChanged.add(key.id);
+  if (slot || tokens > 0 || prompt > 0) p.inflightChanged.add(key.id);
   let waiting = prompt > 0;
   const begun = () => {
     if (!waiting) return;
@@ -559,6 +626,7 @@ export function admit(cfg, key, t, reserve = 0, prompt = 0, held = null) {
     p.inflightChanged.add(key.id);
   };
   let open = true;
+  let spend = 0; // the fallback's worst case, held
   const release = () => {
     if (!open) return;
     open = false;
@@ -574,9 +642,23 @@ export function admit(cfg, key, t, reserve = 0, prompt = 0, held = null) {
       if (r > 0) p.reserved.set(key.id, r);
       else p.reserved.delete(key.id);
     }
-    p.inflightChanged.add(key.id);
+    if (slot || tokens > 0) p.inflightChanged.add(key.id);
+    if (spend > 0) {
+      const r = (p.fbHeld.get(key.id) ?? spend) - spend;
+      if (r > 0) p.fbHeld.set(key.id, r);
+      else p.fbHeld.delete(key.id);
+      p.fbHeldAll = Math.max(0, p.fbHeldAll - spend);
+      p.fbChanged.add(key.id);
+    }
   };
   release.begun = begun;
+  release.fallback = (/** @type {number} */ microusd) => {
+    if (!open || !(microusd > 0)) return;
+    spend += microusd;
+    p.fbHeld.set(key.id, (p.fbHeld.get(key.id) ?? 0) + microusd);
+    p.fbHeldAll += microusd;
+    p.fbChanged.add(key.id);
+  };
   return release;
 }
 
@@ -594,15 +676,15 @@ export function withdraw(cfg, keyId, t) {
 
 /**
  * A request finished: who served it and its usage ({prompt, completion, estimated?} or
- * null); estimated usage (counted from streamed text) is also added to estimated_tokens.
+ * null); estimated usage (counted from streamed text) is also added to estimated_tokens. A
+ * fallback answer costs its tokens at `price` (its model's, colocate:fallbackModels, else FALLBACK_PRICE).
  */
-export function served(cfg, keyId, t, backend, usage) {
+export function served(cfg, keyId, t, backend, usage, price = cfg.fallbackSpend.price) {
   const p = pendingOf(cfg.activeGeneration);
   const prompt = usage ? usage.prompt : 0;
   const completion = usage ? usage.completion : 0;
   const estimated = usage && usage.estimated ? prompt + completion : 0;
   const fallback = backend === "fallback" ? 1 : 0;
-  const price = cfg.fallbackSpend.price;
   // $ per 1M tokens is millionths of a dollar per token
   const cost = fallback && price ? Math.ceil(prompt * price.input + completion * price.output) : 0;
   addUsage(p, dayOf(t), keyId, { prompt_tokens: prompt, completion_tokens: completion, pod_requests: 1 - fallback,
@@ -610,6 +692,21 @@ export function served(cfg, keyId, t, backend, usage) {
   addBackend(p, backend, 1, prompt, completion);
   if (prompt + completion > 0) addWindow(p, keyId, minuteOf(t), 0, prompt + completion);
 }
+
+let soonAt = -Infinity; // the last syncSoon of this isolate
+
+/**
+ * A sync now, in the background (at most one each SOON_MS per isolate): for a key admitted on
+ * its floor share, whose lease this isolate does not hold (router.js), so the lease arrives in
+ * one round trip rather than with the next flush.
+ */
+export function syncSoon(env, ctx, cfg) {
+  const t = Date.now();
+  if (t - soonAt < SOON_MS) return;
+  soonAt = t;
+  ctx.waitUntil(sync(env, cfg).catch((err) => log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message) })));
+}
+const SOON_MS = 100;
 
 /** Make sure the pending deltas reach the object soon, without delaying any response. */
 export function scheduleFlush(env, ctx, cfg) {

@@ -5,6 +5,11 @@
 // first time. A key this isolate already accepted never comes here (router.js
 // `authenticate`): the warm path does no work for it. Per isolate, because the queue it
 // protects is per isolate; a key that is found gives its look-up back.
+//
+// Rotating addresses (a /64 holds 2^64, a flood can use thousands) meet the isolate's total
+// instead, which only a digest the isolate's key filter does not vouch for draws on
+// (keyfilter.js: a guess, or a key created since this isolate's last sync): no rate of
+// guesses leaves a real key without a look-up.
 
 import { HttpError } from "./errors.js";
 
@@ -13,8 +18,8 @@ import { HttpError } from "./errors.js";
 // queue takes (LOOKUP_WAITING_MAX waiting, 400 digests a second looked up).
 export const GUESS_BURST = 100; // unknown keys one address may present at once
 export const GUESS_EVERY_MS = 100; // and one more each 100 ms after that
-// Every address together, in this isolate: what rotating addresses (a /64 holds 2^64) can
-// still take. Real keys give their look-up back, so only guesses use it up; the queue takes
+// Every address together, in this isolate, for digests the key filter does not vouch for:
+// what rotating addresses (a /64 holds 2^64) can still take. The queue takes
 // LOOKUP_WAITING_MAX waiting and about 400 a second looked up.
 export const TOTAL_BURST = 1000;
 export const TOTAL_EVERY_MS = 5; // 200 a second
@@ -49,9 +54,8 @@ function refill(b, t, burst, every) {
 }
 
 /**
- * Take one look-up from `address`'s budget (its /64 for IPv6) and from the isolate's total
- * at `t` (ms), or refuse: 429 `too_many_unknown_keys` with Retry-After, before any
- * hashing or look-up.
+ * Take one look-up from `address`'s budget (its /64 for IPv6) at `t` (ms), or refuse: 429
+ * `too_many_unknown_keys` with Retry-After, before any hashing or look-up.
  */
 export function takeLookup(address, t) {
   const key = addressBucket(address);
@@ -63,7 +67,6 @@ export function takeLookup(address, t) {
   } else {
     refill(b, t, GUESS_BURST, GUESS_EVERY_MS);
   }
-  refill(total, t, TOTAL_BURST, TOTAL_EVERY_MS);
   if (b.tokens < 1) {
     const wait = Math.max(1, Math.ceil(((1 - b.tokens) * GUESS_EVERY_MS) / 1000));
     throw new HttpError(429, "too_many_unknown_keys",
@@ -71,19 +74,28 @@ export function takeLookup(address, t) {
       + `retry in ${wait} s `
       + "with a key from scripts/keys.py create", { "retry-after": String(wait) });
   }
+  b.tokens -= 1;
+}
+
+/**
+ * Take one look-up from the isolate's total at `t`, for a digest its key filter does not
+ * vouch for, or refuse: 429 `too_many_unknown_keys` (a key created since this isolate's
+ * last sync meets it only during a flood, and is vouched for after the next sync).
+ */
+export function takeTotal(t) {
+  refill(total, t, TOTAL_BURST, TOTAL_EVERY_MS);
   if (total.tokens < 1) {
     const wait = Math.max(1, Math.ceil(((1 - total.tokens) * TOTAL_EVERY_MS) / 1000));
     throw new HttpError(429, "too_many_unknown_keys",
       `too many unknown API keys at this edge: at most ${TOTAL_BURST} at once and ${1000 / TOTAL_EVERY_MS} a second from every `
       + `address together; retry in ${wait} s with a key from scripts/keys.py create`, { "retry-after": String(wait) });
   }
-  b.tokens -= 1;
   total.tokens -= 1;
 }
 
-/** A look-up that found a real key: its token goes back to the address and to the total. */
-export function returnLookup(address) {
+/** A look-up that found a real key: its token goes back to the address, and to the total if it took one. */
+export function returnLookup(address, fromTotal = true) {
   const b = buckets.get(addressBucket(address));
   if (b !== undefined) b.tokens = Math.min(GUESS_BURST, b.tokens + 1);
-  total.tokens = Math.min(TOTAL_BURST, total.tokens + 1);
+  if (fromTotal) total.tokens = Math.min(TOTAL_BURST, total.tokens + 1);
 }

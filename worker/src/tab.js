@@ -5,7 +5,7 @@
 // once: when its answer ends, when it is cut, or when its client hangs up. On Cloudflare's
 // edge (and in workerd) a client's disconnect cancels the request's own promise and its
 // subrequests, so nothing after the `await` it was waiting on ever runs; the disconnect also
-// fires the request's abort signal (compatibility flag `enable_request_signal`, colocate/plan.py
+// fires the request's abort signal (compatibility flag `enable_request_signal`, colocate/cell/plan.py
 // WORKER_COMPATIBILITY_FLAGS), and the tab settles from there: the upstream's work is
 // cancelled, what it made is metered (its usage so far: podstream.js Tally; where nothing is
 // known, the request's ceiling) and the slot freed, at once (docs/worker.md, "Every token,
@@ -43,6 +43,14 @@ export class Tab {
     this.pumping = false; // the client's stream has left: its pump settles the tab
     this.settled = false;
     this.hungUp = false;
+  }
+
+  /** The request's body is read: its ceiling, its n (or best_of) and its prompt count. */
+  know(ceiling, choices = 1, prompts = 1) {
+    this.ceiling = ceiling;
+    this.askCeiling = ceiling;
+    this.choices = choices;
+    this.prompts = prompts;
   }
 
   /** Meter the request once (later calls do nothing). */
@@ -99,7 +107,7 @@ export class Tab {
  * @param {Request} request
  * @param {{waitUntil(p: Promise<unknown>): void}} ctx
  */
-export function openTab(request, ctx, onSettle, ceiling, choices, prompts) {
+export function openTab(request, ctx, onSettle, ceiling, choices = 1, prompts = 1) {
   const tab = new Tab(onSettle, ceiling, choices, prompts);
   const signal = request.signal;
   if (signal) signal.addEventListener("abort", () => tab.hangUp(ctx), { once: true });

@@ -122,9 +122,10 @@ export function usageCeiling(json, bodyBytes, maxModelLen = MAX_COMPLETION_TOKEN
 // A streamed answer's largest size: room for every token the request allows at 4 KiB an
 // event (vLLM's event with 20 top logprobs is about 3 KiB), plus 64 KiB, and never past
 // MAX_STREAM_BYTES. Past it the stream is cut, the pod's stream cancelled, and what was
-// streamed counted: the router's own pump (stripStream) cuts at the cap and ends with an
-// error event (`streamCut`); the native pipe (tapStream) is read every second, so it is cut
-// within a second of passing the cap, its connection simply ending.
+// streamed counted: the router's own pumps (a pod's stream, podstream.js pumpPod; a fallback
+// stream whose usage the router asked, stripStream) cut at the cap and end with an error event
+// (`streamCut`); the native pipe (tapStream: a fallback stream the client asked usage for) is
+// read every second, so it is cut within a second of passing the cap, its connection simply ending.
 const STREAM_EVENT_BYTES = 4096;
 export const MAX_STREAM_BYTES = 256 * 1024 * 1024;
 

@@ -17,7 +17,7 @@ function envFor(gen, over = {}) {
   const env = {
     BREAKER: objectNamespace(Breaker), CELL_REGION: "us-east", ACTIVE_GENERATION: gen, ACTIVE_HINT: "enam",
     DEADLINE_MS: "100", MAX_BODY_BYTES: "100000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000", STATE_TTL_MS: "60000",
-    POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb",
+    POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb", FALLBACK_MODEL: "fb-model",
     ...over,
   };
   env.BREAKER.env = env;
@@ -48,6 +48,15 @@ test("a miss is broken when the health check fails, busy behind a queue, idle ot
     ? new Response("vllm:num_requests_waiting 0\n") : new Response(""))), "idle");
   // a pod that says nothing of its queue and answers its health check: idle, as before
   assert.equal(await missVerdict(cfg, "http://v5.test", 0, async (url) => new Response("", { status: url.endsWith("/metrics") ? 404 : 200 })), "idle");
+});
+
+test("the miss's health check carries the pod token: the pod's guard answers 401 without it", async () => {
+  // As colocate_pod_guard.py: /health and /metrics open to the pod token only.
+  const guarded = async (url, init) => (init?.headers?.authorization === "Bearer pt"
+    ? new Response(url.endsWith("/metrics") ? "vllm:num_requests_waiting 4\n" : "")
+    : new Response('{"error":"Unauthorized"}', { status: 401 }));
+  assert.equal(await missVerdict(cfg, "http://g1.test", 0, guarded), "busy");
+  assert.equal(await missVerdict(cfg, "http://g2.test", 1, guarded), "busy");
 });
 
 test("a pod is busy while this isolate's requests there wait for their first token", () => {

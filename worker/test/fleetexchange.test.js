@@ -1,15 +1,15 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
-  aligned, badLeases, badRows, defaultShare, fairShares, goodRows, grant, monthOf, rowProblem, slackOf, sumRows, weights,
+  aligned, badLeases, badRows, defaultShare, fairShares, floorShare, goodRows, grant, monthOf, rowProblem, slackOf, sumRows, upgradeRow, weights,
 } from "../src/fleetexchange.js";
 import { WINDOW_MS, estimate, leaseRefusal, minuteOf, refusal, underFleetLimit } from "../src/limits.js";
-import { COUNTER } from "../src/payloads.js";
+import { COUNTER, EXCHANGE, LEASE } from "../src/payloads.js";
 
 const T = Date.UTC(2026, 11, 4, 12, 0, 30); // 30 s into a minute
 const M = minuteOf(T);
-const row = (cell, minute, req, tok, prevReq = 0, prevTok = 0, month = "2026-12", monthTokens = 0) =>
-  ["key_0123456789ab", minute, req, tok, prevReq, prevTok, month, monthTokens];
+const row = (cell, minute, req, tok, prevReq = 0, prevTok = 0, month = "2026-12", monthTokens = 0, day = "2026-12-04", fb = 0) =>
+  ["key_0123456789ab", minute, req, tok, prevReq, prevTok, month, monthTokens, day, fb];
 
 test("a row from an older minute moves into the previous bucket, then out", () => {
   assert.deepEqual(aligned(row("a", M, 5, 50, 2, 20), M), [5, 50, 2, 20]);
@@ -18,10 +18,10 @@ test("a row from an older minute moves into the previous bucket, then out", () =
 });
 
 test("the others' sum aligns each cell's row to now and keeps only this month's tokens", () => {
-  const rows = [row("a", M, 3, 30, 1, 10, "2026-12", 100), row("b", M - 1, 4, 40, 9, 90, "2026-12", 7),
-    row("c", M, 1, 1, 0, 0, "2026-11", 5000)];
-  assert.deepEqual(sumRows("key_0123456789ab", rows, T), ["key_0123456789ab", M, 4, 31, 5, 50, "2026-12", 107]);
-  assert.deepEqual(sumRows("key_0123456789ab", [], T), ["key_0123456789ab", M, 0, 0, 0, 0, "2026-12", 0]);
+  const rows = [row("a", M, 3, 30, 1, 10, "2026-12", 100, "2026-12-04", 7), row("b", M - 1, 4, 40, 9, 90, "2026-12", 7, "2026-12-04", 5),
+    row("c", M, 1, 1, 0, 0, "2026-11", 5000, "2026-12-03", 900)];
+  assert.deepEqual(sumRows("key_0123456789ab", rows, T), ["key_0123456789ab", M, 4, 31, 5, 50, "2026-12", 107, "2026-12-04", 12]);
+  assert.deepEqual(sumRows("key_0123456789ab", [], T), ["key_0123456789ab", M, 0, 0, 0, 0, "2026-12", 0, "2026-12-04", 0]);
   assert.equal(monthOf(T), "2026-12");
 });
 
@@ -116,6 +116,24 @@ test("fair shares: a key alone in one cell settles at >= 90 % of its limit there
       assert.ok(shares.slice(1).every((x) => x >= 1), `${n} cells, ${limit}: ${shares}`);
     }
   }
+});
+
+test("floor share: what an isolate that forgot a key's lease admits, which the ledger counts for every cell", () => {
+  assert.deepEqual([[30, 3], [10, 3], [10, 2], [600, 3], [1, 3], [3, 2]].map(([l, n]) => floorShare(l, n)), [1, 1, 1, 30, 0, 1]);
+  for (const limit of [10, 30, 600, 3_000_000]) {
+    for (const n of [2, 3, 5]) {
+      const f = floorShare(limit, n);
+      assert.ok(f <= defaultShare(limit, n), `${limit} ${n}`);
+      // A key alone in one cell, the others held at their floor: still >= 90 % of its limit there
+      // (a small limit over many cells: no less than the unit each idle cell gets anyway, fairShares).
+      assert.ok(limit + slackOf(limit) - (n - 1) * f >= Math.min(0.9 * limit, limit + slackOf(limit) - (n - 1)), `${limit} ${n}`);
+    }
+  }
+  // The grant never passes the cap with every cell held at least at its floor (fleetledger.js apportion).
+  const L = 30;
+  const f = floorShare(L, 3);
+  const g = grant(L, [25, 0, 0], [25, f, f].map((h) => Math.max(h, f)), [25, 4, 4], [31, 1, 1]);
+  assert.ok(Math.max(25, g.held[0]) + Math.max(f, g.held[1]) + Math.max(f, g.held[2]) <= L + slackOf(L), String(g.held));
 });
 
 test("weights: a cell that used the key lately weighs as four idle ones", () => {
@@ -250,7 +268,11 @@ test("pushed rows are checked field by field", () => {
   assert.equal(badRows([row("a", M, 1, 2, 3, 4, "2026-12", 5)]), null);
   assert.match(badRows({}), /field "rows" must be an array/);
   assert.match(rowProblem([1], 0), /field "rows\[0\]" must be \[key_id/);
-  assert.match(rowProblem(["key_x", M, 0, 0, 0, 0, "2026-12", 0], 1), /field "rows\[1\]"\[0\] must be a key id/);
+  assert.match(rowProblem(["key_x", M, 0, 0, 0, 0, "2026-12", 0, "", 0], 1), /field "rows\[1\]"\[0\] must be a key id/);
+  assert.match(rowProblem(row("a", M, 1, 2, 0, 0, "2026-12", 0, "Monday"), 0), /\[8\] must be a day YYYY-MM-DD or ""/);
+  assert.match(rowProblem(row("a", M, 1, 2, 0, 0, "2026-12", 0, "", -5), 0), /\[9\] must be a whole number >= 0/);
+  // A row of the release before (no day of fallback spend) is read as spending none.
+  assert.deepEqual(upgradeRow(row("a", M, 1, 2).slice(0, 8), EXCHANGE), [...row("a", M, 1, 2).slice(0, 8), "", 0]);
   assert.match(rowProblem(row("a", M, -1, 2), 0), /field "rows\[0\]"\[2\] must be a whole number >= 0 \(got -1\)/);
   assert.match(rowProblem(row("a", M, 1, 2, 0, 0, "Dec"), 0), /\[6\] must be a month YYYY-MM/);
   // One row past 2^53 is dropped, not the batch.
@@ -265,12 +287,15 @@ test("pushed rows are checked field by field", () => {
 });
 
 test("pushed leases are checked field by field", () => {
-  const lease = ["key_0123456789ab", 3, null, "2026-12", 100];
+  const lease = ["key_0123456789ab", 3, null, "2026-12", 100, "2026-12-04", 5000];
   assert.equal(badLeases([lease]), null);
+  assert.match(badLeases([[...lease.slice(0, 5), "today", 1]]), /\[5\] must be a day YYYY-MM-DD/);
+  assert.match(badLeases([[...lease.slice(0, 6), -1]]), /\[6\] must be a whole number >= 0 or null/);
+  assert.deepEqual(upgradeRow(lease.slice(0, 5), LEASE), [...lease.slice(0, 5), "", null]); // a ledger of the release before
   assert.match(badLeases("x"), /field "leases" must be an array/);
   assert.match(badLeases([lease, [1]]), /field "leases\[1\]" must be \[key_id/);
-  assert.match(badLeases([["nope", 1, 1, "2026-12", 1]]), /"leases\[0\]"\[0\] must be a key id/);
-  assert.match(badLeases([["key_0123456789ab", -1, 1, "2026-12", 1]]), /"leases\[0\]"\[1\] must be a whole number >= 0 or null \(got -1\)/);
-  assert.match(badLeases([["key_0123456789ab", 1, 1.5, "2026-12", 1]]), /\[2\] must be a whole number/);
-  assert.match(badLeases([["key_0123456789ab", 1, 1, "Dec", 1]]), /\[3\] must be a month YYYY-MM/);
+  assert.match(badLeases([["nope", 1, 1, "2026-12", 1, "", null]]), /"leases\[0\]"\[0\] must be a key id/);
+  assert.match(badLeases([["key_0123456789ab", -1, 1, "2026-12", 1, "", null]]), /"leases\[0\]"\[1\] must be a whole number >= 0 or null \(got -1\)/);
+  assert.match(badLeases([["key_0123456789ab", 1, 1.5, "2026-12", 1, "", null]]), /\[2\] must be a whole number/);
+  assert.match(badLeases([["key_0123456789ab", 1, 1, "Dec", 1, "", null]]), /\[3\] must be a month YYYY-MM/);
 });

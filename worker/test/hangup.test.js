@@ -21,7 +21,7 @@ function envFor(gen, over = {}) {
   const env = {
     BREAKER: objectNamespace(Breaker), CELL_REGION: "us-east", ACTIVE_GENERATION: gen, ACTIVE_HINT: "enam",
     DEADLINE_MS: "2000", STALL_MS: "2000", MAX_BODY_BYTES: "400000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000", STATE_TTL_MS: "60000",
-    POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb",
+    POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb", FALLBACK_MODEL: "fb-model",
     MAX_MODEL_LEN: "8192", ...over,
   };
   env.BREAKER.env = env;
@@ -254,4 +254,31 @@ test("a hang-up while a second pod is tried: that pod's request is aborted, the 
   await pending.catch(() => {});
   await c.settle();
   assert.deepEqual(await counted(env, "h-retry", id), [2, JSON.stringify(body).length + 40, 100 + 5]);
+});
+
+test("a hang-up during the upload: the slot taken before the body is freed at once, and nothing is charged", async () => {
+  const env = envFor("h-upload", { BODY_TIMEOUT_MS: "60000" });
+  const { key, id } = await createKey(env.BREAKER, "h-upload", { max_parallel: 1 });
+  const c = ctx();
+  const ac = new AbortController();
+  // Half a body, then nothing: the runtime holds the read open until the client's connection goes.
+  const half = enc.encode(JSON.stringify({ model: "m", messages: [{ role: "user", content: "x".repeat(20_000) }] }).slice(0, 10_000));
+  let uploading;
+  const upload = new ReadableStream({ start(ctl) { uploading = ctl; ctl.enqueue(half); } });
+  let asked = 0;
+  const pending = handle(new Request("https://w.test/v1/chat/completions", { method: "POST", body: upload, duplex: "half", signal: ac.signal,
+    headers: { authorization: `Bearer ${key}`, "content-type": "application/json" } }), env, c,
+  { fetch: pod({ asked: () => { asked++; } }) });
+  pending.catch(() => {});
+  await sleep(50);
+  const held = await handle(post(key, { model: "m", messages: msg, max_tokens: 5 }), env, c, { fetch: pod({ tokens: 5 }) });
+  assert.equal(held.status, 429, "the upload holds the key's one slot");
+  ac.abort();
+  const next = await handle(post(key, { model: "m", messages: msg, max_tokens: 5 }), env, c, { fetch: pod({ tokens: 5 }) });
+  assert.equal(next.status, 200, "the slot was freed on the hang-up");
+  await c.settle();
+  assert.equal(asked, 0, "no upstream was asked for the abandoned upload");
+  assert.deepEqual(await counted(env, "h-upload", id), [1, 40, 5], "only the request served is counted");
+  uploading.error(new Error("client gone")); // Node keeps the read (and its body timer) open until the stream ends
+  await pending.catch(() => {});
 });

@@ -37,7 +37,7 @@ const env = {
   BREAKER: {}, CELL_REGION: "us-east", ACTIVE_GENERATION: "us-east.g1", ACTIVE_HINT: "enam",
   DEADLINE_MS: "300", MAX_BODY_BYTES: "100", FAILURE_THRESHOLD: "3", OPEN_MS: "1000", STATE_TTL_MS: "0",
   POD_URLS: '["http://127.0.0.1:9/"]', POD_TOKEN: "pod-secret", FALLBACK_URL: "https://api.example.com/",
-  FALLBACK_API_KEY: "fb-secret", PROBE_TOKEN: "probe-secret",
+  FALLBACK_API_KEY: "fb-secret", PROBE_TOKEN: "probe-secret", FALLBACK_MODEL: "fb-model",
 };
 
 test("config parses numbers and trims URLs; a bad binding is named without its secret", () => {

@@ -174,7 +174,7 @@ test("while the import runs, calls get the rows they need from the draining gene
   const next = ns.get(ns.idFromName("g2"));
   const cold = await next.sync(info({ capCell: true }), null);
   assert.equal(cold.forced, "open"); // the operator's override holds from the first answer
-  assert.deepEqual(cold.spent, { day: DAY, microusd: 700 }); // so does the cell's fallback spend today
+  assert.deepEqual(cold.spent, { day: DAY, microusd: 700, reserved: 0 }); // so does the cell's fallback spend today
   const g2 = await ns.instance("g2");
   const pumping = ns.alarm("g2"); // the import, stopped at its first page
   assert.equal(g2.ctx.storage.sql.exec("SELECT COUNT(*) AS n FROM client_keys").one().n, 0);
@@ -230,7 +230,7 @@ test("through the router: a key of the draining generation is served during the 
   const env = { BREAKER, CELL_REGION: "us-east", ACTIVE_GENERATION: "g2", ACTIVE_HINT: "enam", DRAINING_GENERATION: "g1",
     DRAINING_HINT: "enam", DEADLINE_MS: "2000", MAX_BODY_BYTES: "10000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000",
     STATE_TTL_MS: "60000", POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test",
-    FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb" };
+    FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb", FALLBACK_MODEL: "fb-model" };
   BREAKER.env = env;
   const old = await BREAKER.instance("g1");
   const key = newKey();

@@ -18,7 +18,7 @@ test("every shape names each column once, with its meaning, and indexes it by na
     shape.names.forEach((n, i) => assert.equal(shape[n], i));
     assert.equal(shape.zero().length, shape.length);
   }
-  assert.deepEqual(EXCHANGE.zero("key_0123456789ab", M), ["key_0123456789ab", M, 0, 0, 0, 0, 0, 0]);
+  assert.deepEqual(EXCHANGE.zero("key_0123456789ab", M), ["key_0123456789ab", M, 0, 0, 0, 0, 0, 0, 0, 0]);
   assert.deepEqual(WINDOW.of({ tokens: 7, key_id: "k", requests: 2, minute: M }), ["k", M, 2, 7]);
 });
 
@@ -28,11 +28,12 @@ test("the exchange's writer and reader agree: a summed row is read back by name 
   cell[EXCHANGE.tok] = 30;
   cell[EXCHANGE.month] = "2026-12";
   cell[EXCHANGE.month_tokens] = 40;
+  cell[EXCHANGE.day] = "";
   const sum = sumRows("key_0123456789ab", [cell, cell], T);
   assert.equal(rowProblem(sum, 0), null);
   assert.deepEqual([sum[EXCHANGE.req], sum[EXCHANGE.tok], sum[EXCHANGE.month_tokens]], [6, 60, 80]);
   // A lease row built by name passes the cell's check; one of another length is refused naming the columns.
-  const lease = LEASE.of({ key_id: "key_0123456789ab", req: 3, tok: null, month: "2026-12", month_tokens: 100 });
+  const lease = LEASE.of({ key_id: "key_0123456789ab", req: 3, tok: null, month: "2026-12", month_tokens: 100, day: "", fallback_microusd: null });
   assert.equal(badLeases([lease]), null);
   assert.match(badLeases([lease.slice(0, -1)]), new RegExp(`must be \\[${LEASE.names.join(", ")}\\]`));
 });

@@ -16,7 +16,7 @@ function envFor(gen, over = {}) {
   const env = {
     BREAKER: objectNamespace(Breaker), CELL_REGION: "us-east", ACTIVE_GENERATION: gen, ACTIVE_HINT: "enam",
     DEADLINE_MS: "500", MAX_BODY_BYTES: "100000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000", STATE_TTL_MS: "60000",
-    POD_URLS: JSON.stringify(PODS), POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb",
+    POD_URLS: JSON.stringify(PODS), POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb", FALLBACK_MODEL: "fb-model",
     BALANCE: "prefix", ...over,
   };
   env.BREAKER.env = env;

@@ -31,7 +31,7 @@ function envFor(gen, over = {}) {
   const env = {
     BREAKER: objectNamespace(Breaker), CELL_REGION: "us-east", ACTIVE_GENERATION: gen, ACTIVE_HINT: "enam",
     DEADLINE_MS: "200", MAX_BODY_BYTES: "1000", FAILURE_THRESHOLD: "2", OPEN_MS: "60000", STATE_TTL_MS: "60000",
-    POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb",
+    POD_URLS: '["http://pod.test"]', POD_TOKEN: "pt", FALLBACK_URL: "https://fb.test", FALLBACK_API_KEY: "fk", PROBE_TOKEN: "prb", FALLBACK_MODEL: "fb-model",
     ...over,
   };
   env.BREAKER.env = env; // the objects see the Worker's bindings, as in workerd
@@ -69,7 +69,7 @@ test("closed: the pod serves with its token; the second request waits on nothing
   const r1 = await handle(chat(key), env, c, { fetch: f });
   assert.equal(r1.status, 200);
   assert.equal(r1.headers.get("x-colocate-backend"), "pod-0");
-  assert.equal(seen[0].url, "http://pod.test/v1/chat/completions?x=1");
+  assert.equal(seen[0].url, "http://pod.test/v1/chat/completions"); // the client's query string stays in the Worker
   assert.equal(seen[0].auth, "Bearer pt"); // the client's key never travels upstream
   assert.deepEqual(env.BREAKER.calls[0], ["get", "router-a", "enam"]);
   const before = env.BREAKER.calls.length;
@@ -401,9 +401,11 @@ test("unknown keys arriving together share look-up calls (the cold isolate's syn
   assert.equal(lookups.reduce((n, x) => n + x[2].length, 0) + riding.length, 60);
   assert.equal(new Set([...lookups.flatMap((x) => x[2]), ...riding]).size, 60);
   const before = env.BREAKER.calls.length;
-  assert.equal((await handle(chat(keys[7]), env, c, { fetch: f })).status, 200); // held now: no call
-  assert.equal((await handle(chat(junk[7]), env, c, { fetch: f })).status, 401); // remembered: no call
-  assert.equal(env.BREAKER.calls.length, before);
+  assert.equal((await handle(chat(keys[7]), env, c, { fetch: f })).status, 200); // held now: not asked again
+  assert.equal((await handle(chat(junk[7]), env, c, { fetch: f })).status, 401); // remembered: not asked again
+  // The burst's usage flushes may sync meanwhile (later under load); no call asks after a key.
+  const asked = env.BREAKER.calls.slice(before).filter((x) => x[0] === "lookupKeys" || (x[0] === "sync" && (x[2] || {}).lookup?.length));
+  assert.deepEqual(asked, []);
   await c.settle();
 });
 
@@ -428,7 +430,7 @@ test("a key refused again within a second has its 429 held back, so re-sending a
   await c.settle();
 });
 
-test("in a fleet, a held key whose lease this isolate dropped gets the default share until its sync brings the lease back", async () => {
+test("in a fleet, a held key whose lease this isolate dropped gets its floor share until a sync, started at once, brings the lease back", async () => {
   const gen = "router-fleet-idle-key";
   const env = envFor(gen);
   const object = await env.BREAKER.instance(gen);
@@ -444,10 +446,17 @@ test("in a fleet, a held key whose lease this isolate dropped gets the default s
   const { cache } = await import("../src/state.js");
   cache.dropCounts(gen, [id]);
   assert.equal(cache.lease(gen, id), undefined);
+  // rpm 10 over two cells: the cap is 11; the ledger may have cut this cell's lease while the
+  // isolate did not ask for it, never below the floor share, 1 (fleetexchange.js floorShare),
+  // so the isolate admits that much, and asks for the lease at once.
+  const syncs = env.BREAKER.calls.filter((x) => x[0] === "sync").length;
+  assert.equal((await handle(chat(key), env, c, { fetch: f })).status, 200);
+  assert.equal(env.BREAKER.calls.filter((x) => x[0] === "sync").length, syncs + 1); // not the flush a second later
+  await c.settle();
+  // The lease back (here the default share floor(11 / 2) = 5, no ledger row yet): 5 in all, then refused.
+  assert.equal(cache.lease(gen, id).req, 5);
   const statuses = [];
-  for (let i = 0; i < 8; i++) statuses.push((await handle(chat(key), env, c, { fetch: f })).status);
-  // rpm 10 over two cells: the cap is 11, the default share floor(11 / 2) = 5 (fleetexchange.js
-  // defaultShare), what the ledger counts for this cell; not the key's whole limit.
-  assert.deepEqual(statuses, [200, 200, 200, 200, 200, 429, 429, 429]);
+  for (let i = 0; i < 6; i++) statuses.push((await handle(chat(key), env, c, { fetch: f })).status);
+  assert.deepEqual(statuses, [200, 200, 200, 429, 429, 429]);
   await c.settle();
 });

@@ -18,7 +18,7 @@ The pod token is ``VLLM_API_KEY``: without one the guard refuses everything.
 
 The file is standalone (the standard library only): pod/Dockerfile copies it into the image beside
 the start command (colocate/pods/podstart.sh, which passes the flag), on ``PYTHONPATH``; the
-stand-in applies the same ``decide`` (colocate/pods/standin.py).
+stand-in applies the same ``decide`` (colocate/pods/standin/).
 """
 
 from __future__ import annotations
