@@ -58,8 +58,14 @@ def test_the_verdicts_hold_or_fail_on_each_done_when_figure():
     assert [ok for ok, _ in spot_day.verdicts(out)] == [True, True, True, True]
     slow = day("interruptible", [served("pod-0", ttft=130.0)] * 9 + [served("fallback", tokens=10**6)], 10.0, 0.21)
     out = spot_day.report({"ondemand": od, "interruptible": slow}, PRICES, 1000)
-    # $300 of fallback: over the cell's $20 cap, and the bill far over 0.55x; p99 1.3x
-    assert [ok for ok, _ in spot_day.verdicts(out)] == [False, True, False, False]
+    # $300 of the day's fallback ($0.30 of the requests sent): within the cap scaled as the spend is
+    # ($20 x 1000), over $20 itself (said); the bill far over 0.55x; p99 1.3x
+    assert [ok for ok, _ in spot_day.verdicts(out)] == [False, True, True, False]
+    assert "against $20 itself over in a" in spot_day.verdicts(out)[2][1]
+    # $30,000 of the day's ($30 sent): over the Worker's cap as it counted it
+    over = day("interruptible", [served("pod-0", ttft=100.0)] * 9 + [served("fallback", tokens=10**8)], 10.0, 0.21)
+    out = spot_day.report({"ondemand": od, "interruptible": over}, PRICES, 1000)
+    assert [ok for ok, _ in spot_day.verdicts(out)][2] is False
     failed = day("interruptible", [served("pod-0", ttft=100.0)] * 9 + [served("-", ok=False, ttft=None)], 10.0, 0.21)
     out = spot_day.report({"ondemand": od, "interruptible": failed}, PRICES, 1000)
     assert [ok for ok, _ in spot_day.verdicts(out)] == [True, False, True, True]

@@ -17,12 +17,14 @@ neighbour cells) and a last resort no spot system has: the paid API, under its d
   which drains the highest indices first), the others interruptible; one of those that finds no
   interruptible capacity is rented on demand instead (SkyPilot's ``dynamic_ondemand_fallback``).
 
-``spare`` interruptible pods are added to any count above zero (SpotHedge's over-provisioning):
-they serve like the others, so one preemption leaves the cell its capacity; they cost their
-hours, which is why the default is 0 and the fallback and the fleet carry a preempted pod's
-share. Spreading: pod i prefers the region's i-th location (plan.py), and an interruptible
-Vast.ai pod prefers a host and a country no live pod of its stack holds, never a host where
-one of them was outbid (colocate/pods/vastai.py).
+Up to ``spare`` interruptible pods are added to any count above zero (SpotHedge's
+over-provisioning): they serve like the others, so one preemption leaves the cell its capacity.
+They cost their hours, so the cost policy runs them only while they pay: while the fallback's
+expected spend on a preempted pod's share through its replacement's boot, at
+``PREEMPTIONS_PER_HOUR``, is above a spare's hour (colocate/scaling/policy.py ``hedge``); at night
+the fleet's other cells and the fallback carry it. Spreading: pod i prefers the region's i-th
+location (plan.py), and an interruptible Vast.ai pod prefers a host and a country no live pod of
+its stack holds, never a host where one of them was outbid (colocate/pods/vastai.py).
 
 RunPod's REST v2 has no interruptible pods (its ``CreatePodRequest`` takes no bid and no
 interruptible field, and admits no property it does not list): ``interruptible`` and ``mix``
@@ -36,6 +38,12 @@ from dataclasses import dataclass
 ONDEMAND, INTERRUPTIBLE, MIX = "ondemand", "interruptible", "mix"
 MARKETS = (ONDEMAND, INTERRUPTIBLE, MIX)
 PROVIDERS = {"vastai": MARKETS, "local": MARKETS, "runpod": (ONDEMAND,)}  # the markets each provider's API can rent
+# How often an interruptible GPU pod is taken back: the single-node trace SkyPilot published with "Can't
+# Be Late" (Wu et al., NSDI 2024), four AWS p3.2xlarge spot instances for a week (colocate/scaling/spot_day.py
+# says how it was counted). Vast.ai publishes no rate; the cost policy hedges spare pods at this one.
+PREEMPTIONS_PER_HOUR = 202 / 431.2  # 0.468 an instance-hour: a mean life of 2.1 hours
+PREEMPTION_SOURCE = ("skypilot-org/spot-traces preemption/1-node/aws-04-22-2023 (commit 221da1a; Wu et al., NSDI 2024): "
+                     "202 preemptions in 431.2 hours of four AWS p3.2xlarge spot instances, 2023-04-22 to 04-29")
 RUNPOD_HAS_NONE = ("RunPod's REST v2 has no interruptible pods: its createPod body (CreatePodRequest) takes no bid "
                    "or interruptible field and admits no other property")
 

@@ -808,7 +808,7 @@ def parse_scale(raw: dict, fallback_price: tuple[float, float] | None, spare: in
     if high + spare > MAX_PODS:
         raise ConfigError(k + "max", high, f"with {spare} spare pods ({NS}:pod.spare) a cell would run more than {MAX_PODS}",
                           f"pulumi config set --path {k}max {MAX_PODS - spare}")
-    lo_pods, hi_pods = market_mod.with_spare(low, market_mod.INTERRUPTIBLE, spare), high + spare
+    lo_pods, hi_pods = low, high + spare  # the cost policy runs its spare pods only while they pay
     pods = lo_pods if v["pods"] is None else _number(k + "pods", v["pods"], integer=True, strict=False, maximum=MAX_PODS)
     if not lo_pods <= pods <= hi_pods:
         raise ConfigError(k + "pods", pods, f"must be within {k}min..{k}max ({lo_pods}..{hi_pods}"

@@ -3,8 +3,9 @@
 The fleet, its users and their day are ``demo-autoscale``'s (colocate/sandbox/autoscale_demo.py: three
 cells, the cost policy, 0 to 2 pods a cell, a pod's 20-minute boot compressed with the day), run twice
 in real workerd with stand-in pods: first every pod on demand, then every pod interruptible
-(``colocate:pod.market interruptible``, no spare pod: the fleet and the capped fallback carry a
-preempted pod's share while its replacement boots). Each request is a stream (its client times its
+(``colocate:pod.market interruptible``, ``SPARE`` spare pod a cell, run while it pays: SpotHedge's
+over-provisioning, colocate/scaling/policy.py ``hedge``; otherwise the fleet and the capped fallback
+carry a preempted pod's share while its replacement boots). Each request is a stream (its client times its
 first token, and sees how it ends). On both days each cell's controller keeps its cell too (the
 keeper, colocate/keeper.py), passing every ``KEEP_INTERVAL_S`` of the day.
 
@@ -51,7 +52,8 @@ from .pods import recorded_pods
 from .scaling import SandboxDeployer
 from .statedir import LOCAL_PODS_DIR
 
-KEEP_INTERVAL_S = 300.0  # of the day between a controller's passes: a preempted pod is found within 5 minutes
+KEEP_INTERVAL_S = 60.0  # of the day between a controller's passes: a preempted pod is found within a minute of it
+SPARE = 1  # colocate:pod.spare on the interruptible day
 SAMPLE_S = 0.05  # wall seconds between the biller's samples (0.5 minute of the default day)
 ON_DEMAND_PER_HR = base.PRICES.pod_per_hr  # demo-autoscale's $0.60/h
 STREAM_BODY = {**base.BODY, "stream": True, "stream_options": {"include_usage": True}}
@@ -254,6 +256,7 @@ class SpotDay(base.Demo):
             raw, _ = stackfile.read_config(cell, self.stacks_dir)
             defaults = {**((raw.get("keys") or {}).get("defaults") or {}), "maxParallelTokens": 0}
             stackfile.write_config(cell, {"pod.provider": "local", "pod.market": self.market,
+                                          "pod.spare": SPARE if self.market == INTERRUPTIBLE else 0,
                                           "keys": {"defaults": defaults}}, self.stacks_dir)
 
     def cell_say(self, cell: str):
@@ -265,7 +268,8 @@ class SpotDay(base.Demo):
         ready = self.ready(cell)
         raw, _ = stackfile.read_config(cell, self.stacks_dir)
         price = settings_mod.parse_fallback_price(raw.get("fallbackPrice"))
-        policy = policy_of(settings_mod.parse_scale(raw, price), price, self.pod_per_hr / self.per)
+        spare = SPARE if self.market == INTERRUPTIBLE else 0
+        policy = policy_of(settings_mod.parse_scale(raw, price, spare), price, self.pod_per_hr / self.per, spare)
         policy = dataclasses.replace(policy, stale_after_s=base.STALE_AFTER_S)
         say_ = self.cell_say(cell)
 

@@ -30,11 +30,11 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..cell.market import PREEMPTION_SOURCE, PREEMPTIONS_PER_HOUR
 from .day import HOURS, Prices, Served, money, pod_hours
 
-PREEMPTIONS_PER_HOUR = 202 / 431.2  # 0.468: the trace's preemptions per instance-hour (module docstring)
-PREEMPTION_SOURCE = ("skypilot-org/spot-traces preemption/1-node/aws-04-22-2023 (commit 221da1a; Wu et al., NSDI 2024): "
-                     "202 preemptions in 431.2 hours of four AWS p3.2xlarge spot instances, 2023-04-22 to 04-29")
+__all__ = ["PREEMPTIONS_PER_HOUR", "PREEMPTION_SOURCE"]  # the rate the day draws lives with the market policy
+
 INTERRUPTIBLE_SHARE = 0.35  # of the on-demand price: the middle of Vast.ai's published 50-80 % saving
 SPEC_EXAMPLE_SHARE = round(0.111111 / 0.234567, 3)  # the Vast.ai spec's example offer: min_bid / dph_total = 0.474
 PRICE_SOURCE = ('Vast.ai\'s Rental Types FAQ ("Interruptible (Low Priority) ... Saves 50-80% on costs"); the spec\'s '
@@ -129,7 +129,9 @@ def verdicts(out: dict) -> list[tuple[bool, str]]:
     """The done-when figures of the two days, each with whether it holds."""
     od, spot = out["days"]["ondemand"], out["days"]["interruptible"]
     fb = spot["fallback"]
+    per = int(out["per"])
     over = {c: v for c, v in fb["usd_by_cell"].items() if v > fb["cap_usd_per_cell"]}
+    over_scaled = {c: v for c, v in fb["usd_by_cell"].items() if v > fb["cap_usd_per_cell"] * per}
     p99 = out["ttft_p99_ratio"]
     failed = od["failed"] + spot["failed"]
     return [
@@ -138,8 +140,13 @@ def verdicts(out: dict) -> list[tuple[bool, str]]:
          f"(${od['cost']['autoscaled']:.2f}); at most {MAX_COST_RATIO}"),
         (failed == 0, f"{od['requests'] + spot['requests']} requests, {failed} failed; {spot['cut']} stream(s) cut "
                       f"mid-answer by {spot['preemptions']} preemption(s), each ended with an error event"),
-        (not over, "fallback spend a cell: " + ", ".join(f"{c} ${v:.2f}" for c, v in fb["usd_by_cell"].items())
-         + f" against its cap ${fb['cap_usd_per_cell']:g}"),
+        # Like with like: the Worker capped what it spent ($ of the requests sent); the figures are
+        # that spend x per (the day's), so the cap is scaled the same way. The full-scale reading, the
+        # day's spend against the cap as written, is said beside it (and the stricter).
+        (not over_scaled, "fallback spend a cell, x" + f"{per:,}" + ": " + ", ".join(
+            f"{c} ${v:.2f}" for c, v in fb["usd_by_cell"].items()) + f" against its cap scaled the same way "
+         f"(${fb['cap_usd_per_cell']:g} x {per:,}); against ${fb['cap_usd_per_cell']:g} itself "
+         + ("held" if not over else "over in " + ", ".join(sorted(over)))),
         (p99 is not None and p99 <= MAX_TTFT_P99_RATIO,
          f"TTFT p99 on pods {_num(spot['ttft_ms']['p99'])} ms against {_num(od['ttft_ms']['p99'])} ms on demand: "
          f"{'n/a' if p99 is None else f'{p99:.2f}'} x; at most {MAX_TTFT_P99_RATIO}"),
