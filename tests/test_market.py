@@ -210,3 +210,54 @@ def test_without_spare_the_decision_is_what_it_was():
     plain = scale.Policy(min=0, max=3, target_rpm=60, up_after_s=60, down_after_s=300)
     d = scale.decide(steady(100, 120), plain, 0, 120)
     assert d.desired == 2 and "spare" not in d.reason
+
+
+def priced(rpm: float, until: float, prompt: int = 1000) -> list[scale.Sample]:
+    """``steady`` whose requests carry ``prompt`` tokens each: the cost policy can price them."""
+    return [scale.Sample(at=s.at, requests=s.requests, tokens={"pod-0": (s.requests["pod-0"] * prompt, 0)})
+            for s in steady(rpm, until)]
+
+
+# $1 per 1M tokens, 1,000 a request: $0.001 a request at the fallback; a pod $0.5/h, 60 req/min
+HEDGED = scale.Policy(min=0, max=3, target_rpm=60, up_after_s=60, down_after_s=300, policy=scale.COST,
+                      pod_price_per_hr=0.5, api_price=(1.0, 1.0), spare=1,
+                      preemptions_per_hr=market.PREEMPTIONS_PER_HOUR)
+
+
+def test_the_cost_policy_runs_its_spare_pod_only_while_it_pays():
+    # 60 req/min: a preempted pod's share at the fallback for its 20-minute boot, 0.468 times an hour,
+    # is $0.56 an hour of risk against the spare's $0.5: it runs
+    d = scale.decide(priced(60, 120), HEDGED, 0, 120)
+    assert d.desired == 2 and "+1 spare" in d.reason
+    # 20 req/min: one pod still pays ($1.2/h at the API), its risk ($0.19/h) does not buy a spare
+    assert scale.decide(priced(20, 120), HEDGED, 0, 120).desired == 1
+    # and the spare leaves once the demand no longer pays for it; the serving pod stays
+    assert scale.decide(priced(20, 400), HEDGED, 2, 400).desired == 1
+    # a count with or without its spare is within bounds: neither is changed without a signal
+    assert scale.decide([], HEDGED, 1, 0).desired == 1 and scale.decide([], HEDGED, 4, 0).desired == 4
+
+
+def test_the_controller_hedges_at_the_published_rate_only_with_spare_pods():
+    from colocate.cell.settings import ScaleSettings
+    from colocate.scaling.controller import policy_of
+    s = ScaleSettings(min=0, max=2, target=60, up_after_s=60, down_after_s=300, policy=scale.COST, pods=0)
+    assert policy_of(s, (1.0, 1.0), 0.5, spare=1).preemptions_per_hr == pytest.approx(0.468, abs=0.001)
+    assert policy_of(s, (1.0, 1.0), 0.5).preemptions_per_hr == 0.0
+
+
+def sparse(until: float, every: int = 5) -> list[scale.Sample]:
+    """A pass every 10 s and one request every ``every`` passes: 1.2 req/min, most intervals empty."""
+    return [scale.Sample(at=t, requests={"pod-0": t // (10 * every)}, tokens={"pod-0": (0, 0)})
+            for t in range(0, int(until) + 1, 10)]
+
+
+def test_passes_more_frequent_than_the_arrivals_still_see_the_demand():
+    slow = scale.Policy(min=0, max=2, target_rpm=1, up_after_s=120, down_after_s=600)
+    # every 10-s interval of the window: one of five holds a request, the least need is 0
+    assert scale.decide(sparse(300), slow, 0, 300).desired == 0
+    # judged over minutes, each holds a request or two: a pod at least
+    spaced = scale.Policy(min=0, max=2, target_rpm=1, up_after_s=120, down_after_s=600, min_interval_s=60)
+    assert scale.decide(sparse(300), spaced, 0, 300).desired == 1
+    # a gap longer than the signal's staleness is still a gap: nothing is measured across it
+    gapped = [s for s in sparse(300) if not 100 < s.at < 200]
+    assert all(not (iv.start < 150 < iv.end) for iv in scale.intervals(gapped, 30, 60))

@@ -162,7 +162,7 @@ SCHEMA: tuple[Key, ...] = (
         "ceilings follow it), command and url (local only: an OpenAI-compatible server as the sandbox's pod, started "
         "by the sandbox or already running at url), market (ondemand | interruptible | mix: where pods are rented; "
         "interruptible and mix need vastai or local), onDemandFloor (mix: pods 0..n-1 on demand), spare (interruptible "
-        "pods run beyond the need whenever any runs), bidPerHr (an interruptible pod's bid in $/h, at most "
+        "pods run beyond the need, under the cost policy while they pay), bidPerHr (an interruptible pod's bid in $/h, at most "
         "maxPricePerHr), endpoints (existing only: [{host or ip, port, location, costPerHr}], "
         "one pod each: a DNS name you own or a public ip the kit names on colocate:zone, the Cloudflare colo nearest "
         "the box, its $/hr; never created, replaced or deleted by the kit)."),

@@ -270,7 +270,9 @@ class SpotDay(base.Demo):
         price = settings_mod.parse_fallback_price(raw.get("fallbackPrice"))
         spare = SPARE if self.market == INTERRUPTIBLE else 0
         policy = policy_of(settings_mod.parse_scale(raw, price, spare), price, self.pod_per_hr / self.per, spare)
-        policy = dataclasses.replace(policy, stale_after_s=base.STALE_AFTER_S)
+        # The keeper passes every minute of the day, the demand is judged over demo-autoscale's passes (30
+        # minutes of it): a minute holds ~0.1 request sent, and most minutes none.
+        policy = dataclasses.replace(policy, stale_after_s=base.STALE_AFTER_S, min_interval_s=base.INTERVAL_S)
         say_ = self.cell_say(cell)
 
         def said(line: str) -> None:  # the controller's own lines, only when something went wrong
@@ -389,6 +391,13 @@ def print_day(f: dict, demo: SpotDay) -> None:
     print(f"    {f['requests']} requests, {f['failed']} failed, {f['cut']} cut mid-answer; {f['preemptions']} preemption(s), "
           f"{f['replaced']} replaced; {f['pod_hours']} pod-hours; fallback {100 * (f['fallback']['share'] or 0):.1f} %",
           flush=True)
+    by_fallback = [s for s in demo.served if s.backend == "fallback"]
+    if by_fallback:  # where the fallback's spend comes from: which cell bought it, at which hours of the day
+        cells = sorted({s.cell or "-" for s in by_fallback})
+        print("      by the fallback: " + ", ".join(
+            f"{c} {sum(1 for s in by_fallback if (s.cell or '-') == c)} (hours "
+            + " ".join(f"{h:.1f}" for h in sorted(s.at_h for s in by_fallback if (s.cell or '-') == c)) + ")"
+            for c in cells), flush=True)
     for s in failures[:10]:
         print(f"      failed: {s.at_h:.1f} h from {s.home}, cell {s.cell or '-'}, backend {s.backend or '-'}: {s.why}")
 

@@ -77,6 +77,7 @@ class Policy:
     # the fallback's (the replacement's boot; the keeper finds a preempted pod within one pass)
     preemptions_per_hr: float = 0.0
     gap_h: float = BOOT_S / 3600
+    min_interval_s: float = 0.0  # demand is measured over intervals at least this long (``intervals``)
 
     def declared(self, needed: int, rpm: float | None = None, per_req: float = 0.0) -> int:
         """Pods declared when ``needed`` serve ``rpm`` (with the spare ones that pay, ``hedge``)."""
@@ -120,21 +121,26 @@ class Decision:
                 "demand_rpm": None if self.demand_rpm is None else round(self.demand_rpm, 2)}
 
 
-def intervals(samples: list[Sample], stale_after_s: float) -> list[Interval]:
+def intervals(samples: list[Sample], stale_after_s: float, min_span_s: float = 0.0) -> list[Interval]:
     """Demand between consecutive samples (time order). A gap longer than ``stale_after_s``
     or counters that went backwards (a new generation) yields no interval there.
 
     Tokens per request are those of the requests the cell served in the interval; a request
     deferred to another cell has no tokens here, so an interval of deferrals alone (a cell at
     zero in a fleet) takes the cell's average since the generation began: its users' requests
-    are priced as they were when it served them."""
+    are priced as they were when it served them.
+
+    ``min_span_s``: consecutive samples are merged (from the latest back) until an interval spans
+    that long: a pass more frequent than the demand's arrivals (the keeper's) would otherwise see
+    intervals of no request at all, and the way up (the least need of a window) would never rise."""
     out = []
     ordered = sorted(samples, key=lambda s: s.at)
-    for a, b in zip(ordered, ordered[1:], strict=False):
+    pairs = _spaced(ordered, stale_after_s, min_span_s) if min_span_s > 0 else zip(ordered, ordered[1:], strict=False)
+    for a, b in pairs:
         dt = b.at - a.at
         dr = b.total_requests() - a.total_requests()
         (pa, ca), (pb, cb) = a.total_tokens(), b.total_tokens()
-        if dt <= 0 or dt > stale_after_s or dr < 0 or pb < pa or cb < ca:
+        if dt <= 0 or (dt > stale_after_s and min_span_s <= 0) or dr < 0 or pb < pa or cb < ca:
             continue
         served = b.served_requests() - a.served_requests()
         if served <= 0:  # priced at the cell's history (0 when it never served one)
@@ -142,6 +148,23 @@ def intervals(samples: list[Sample], stale_after_s: float) -> list[Interval]:
         out.append(Interval(a.at, b.at, dr * 60.0 / dt, (pb - pa) / served if served else 0.0,
                             (cb - ca) / served if served else 0.0))
     return out
+
+
+def _spaced(ordered: list[Sample], stale_after_s: float, min_span_s: float) -> list[tuple[Sample, Sample]]:
+    """Consecutive samples merged into pairs at least ``min_span_s`` apart, from the latest back;
+    nothing is measured across a gap longer than ``stale_after_s`` (the pair before it may be shorter)."""
+    pairs: list[tuple[Sample, Sample]] = []
+    end = ordered[-1] if ordered else None
+    for s, after in zip(reversed(ordered[:-1]), reversed(ordered[1:]), strict=False):
+        assert end is not None
+        if after.at - s.at > stale_after_s:  # a gap: close what runs up to it, start again before it
+            if end is not after:
+                pairs.append((after, end))
+            end = s
+        elif end.at - s.at >= min_span_s:
+            pairs.append((s, end))
+            end = s
+    return pairs[::-1]
 
 
 def need(iv: Interval, policy: Policy, band: float = 1.0) -> int:
@@ -194,7 +217,7 @@ def decide(samples: list[Sample], policy: Policy, current: int, now: float) -> D
     if latest is None or now - latest > policy.stale_after_s:
         seen = "no signal yet" if latest is None else f"no signal for {now - latest:.0f} s"
         return Decision(current, f"{seen}: holding {current} pods", None)
-    ivs = intervals(samples, policy.stale_after_s)
+    ivs = intervals(samples, policy.stale_after_s, policy.min_interval_s)
     if not ivs or ivs[-1].end < latest:
         why = "one sample so far" if len(samples) < 2 else "the counters restarted or skipped"
         return Decision(current, f"{why}: holding {current} pods", None)
