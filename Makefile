@@ -11,7 +11,7 @@ STAMP_NPM := node_modules/.installed
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 
-.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers bench-migration bench-busy lint clean
+.PHONY: setup wrk valgrind prometheus test test-fast test-vllm test-py test-js demo demo-fleet demo-autoscale demo-spot bench bench-ladder bench-instructions bench-stall bench-balance bench-failover bench-scale bench-fairness bench-front bench-fleet-failover bench-fleet-exchange bench-fleet-limits bench-pod bench-peers bench-prefix bench-answers bench-migration bench-busy lint clean
 
 setup: $(STAMP_PY) $(STAMP_NPM)
 
@@ -92,6 +92,9 @@ demo-fleet: setup
 # A compressed day of three cells whose pods follow demand, priced three ways (docs/pods.md).
 demo-autoscale: setup
 	$(PY) scripts/sandbox.py demo-autoscale
+
+demo-spot: setup
+	$(PY) scripts/sandbox.py demo-spot
 
 bench: setup wrk
 	$(PY) -m bench.router

@@ -16,6 +16,7 @@
     sandbox.py apply|down|status --fleet F       (or --stack F: a fleet stack acts on the whole fleet)
     sandbox.py demo-fleet [--state-dir DIR] [--samples N]
     sandbox.py demo-autoscale [--state-dir DIR] [--json] [--shape FILE] [--prices POD_PER_HR,API_PER_1M]
+    sandbox.py demo-spot [--state-dir DIR] [--json] [--shape FILE] [--seed N]
 
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
@@ -139,6 +140,15 @@ def parser() -> argparse.ArgumentParser:
                     help="a pod's $ per hour and the API's $ per 1M tokens (default 0.6,0.3)")
     da.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
     da.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
+    ds = sub.add_parser("demo-spot", help="demo-autoscale's day on demand, then on interruptible pods preempted at a "
+                                          "published rate, priced against each other (make demo-spot)")
+    ds.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo-spot/)")
+    ds.add_argument("--json", action="store_true", help="print both days' figures as one JSON object (the story to stderr)")
+    ds.add_argument("--shape", type=Path, metavar="FILE",
+                    help="the day: a CSV of cell,hour,requests_per_minute (hours 0-23 in the cell's local time)")
+    ds.add_argument("--seed", type=int, default=1, help="the seed of the pods' lives (default 1)")
+    ds.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
+    ds.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
     return p
 
 
@@ -491,6 +501,13 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             state_dir = Path(demo_dir) / autoscale_demo.FLEET  # what an interrupt reports on
             return autoscale_demo.run(demo_dir, shape_file=args.shape, prices=args.prices, as_json=args.json,
                                       day_s=args.day_seconds, sent=args.requests)
+        if args.cmd == "demo-spot":
+            from colocate.sandbox import spot_demo
+
+            demo_dir = args.state_dir or supervisor.default_state_dir("demo-spot")
+            state_dir = Path(demo_dir)  # what an interrupt reports on
+            return spot_demo.run(demo_dir, shape_file=args.shape, as_json=args.json, day_s=args.day_seconds,
+                                 sent=args.requests, seed=args.seed)
         if args.cmd == "pod-command":
             print(_pod_command(args))
             return 0

@@ -43,9 +43,9 @@ from colocate.scaling.keeper import Keeper  # noqa: E402
 def scale_settings(stack: str, stacks_dir: Path):
     raw, _ = stackfile.read_config(stack, stacks_dir)
     fallback_price = settings_mod.parse_fallback_price(raw.get("fallbackPrice"))
-    scale = settings_mod.parse_scale(raw, fallback_price)  # None: a fixed count, kept and not scaled
     pod = settings_mod.parse_pod({k: v for k, v in raw.items() if k == "pod"})
-    return scale, fallback_price, pod.max_price_per_hr
+    scale = settings_mod.parse_scale(raw, fallback_price, pod.spare_pods)  # None: a fixed count, kept and not scaled
+    return scale, fallback_price, pod
 
 
 def cell_of(args, stacks_dir: Path):
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run" and (args.interval <= 0 or (args.steps is not None and args.steps < 1)):
             raise ConfigError("--interval/--steps", f"{args.interval}/{args.steps}", "must be positive",
                               "--interval 15 --steps 10, or leave --steps out")
-        scale, fallback_price, price_cap = scale_settings(args.stack, args.stacks_dir)
+        scale, fallback_price, pod = scale_settings(args.stack, args.stacks_dir)
         client, deployer, per_pod = cell_of(args, args.stacks_dir)
     except ConfigError as err:
         print(f"scale.py: {err}", file=sys.stderr)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                           "lock": state.get("lock"), "inflight": state.get("inflight"), "backends": state.get("backends")},
                          indent=2))
         return 0
-    policy = policy_of(scale, fallback_price, per_pod or price_cap) if scale is not None else None
+    policy = policy_of(scale, fallback_price, per_pod or pod.price_cap, pod.spare_pods) if scale is not None else None
     say = lambda line: print(line, flush=True)  # noqa: E731
     keeper = Keeper(deployer, checkout_hash(), say=say)
     ctl = Controller(client, deployer, policy, lock_ttl_s=lease_ttl(args.interval), drain_timeout_s=args.drain_timeout,

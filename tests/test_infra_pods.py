@@ -226,3 +226,18 @@ def test_the_post_deploy_probe_gets_every_pods_location_in_index_order():
     locations = plain(run.resolved[outputs.POD_LOCATIONS])
     assert create.count("--pod-location ") == 3
     assert " ".join(f"--pod-location {loc}" for loc in locations) in create
+
+
+def test_a_mix_declares_what_the_market_policy_says_and_a_spare_pod_beside_the_count():
+    # apac-tw on Vast.ai (its zone kept): pod 0 on demand, the others interruptible with their bid, and a spare
+    run = deploy(2, stack="apac-tw", pod={"provider": "vastai", "gpu": "RTX 4090", "image": GUARDED_IMAGE,
+                                          "market": "mix", "onDemandFloor": 1, "spare": 1, "bidPerHr": 0.25},
+                 zone={"id": "f" * 32, "name": "example.com"})
+    specs = [json.loads(p["stdin"]) for p in pods_of(run).values()]
+    assert [(s["index"], s["market"], s["on_demand_fallback"]) for s in specs] == [
+        (0, "ondemand", False), (1, "interruptible", True), (2, "interruptible", True)]
+    assert {s["bid_per_hr"] for s in specs} == {0.25}
+    triggers = [p["triggers"] for p in pods_of(run).values()]
+    assert ["market=interruptible" in t for t in triggers] == [False, True, True]
+    bindings = {b["name"]: b for b in plain(run.mocks.one(WORKER).inputs["bindings"])}
+    assert len(json.loads(bindings["POD_URLS"]["text"])) == 3  # the spare pod serves like the others

@@ -112,3 +112,25 @@ def test_a_local_pod_runs_the_profile_its_spec_names(env, capsys):
     metrics = requests.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).text
     ttft_count = next(line for line in metrics.splitlines() if line.startswith("vllm:time_to_first_token_seconds_count"))
     assert ttft_count.endswith(" 1.0")  # the engine served it (the oracle counts nothing)
+
+
+def test_the_sandboxs_host_preempts_an_interruptible_stand_in_at_once_never_an_on_demand_one(env, capsys):
+    spec = make_spec("us-east", "local")
+    spec["market"] = "interruptible"
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, spec)])
+    assert code == 0 and out["market"] == "interruptible", err
+    provider = local.Local()
+    pid = json.loads((env / "state" / "pods" / f"{out['name']}.json").read_text())["pid"]
+    assert provider.preempt(out["id"]) is True
+    info = provider.describe(out["id"])  # what the keeper reads: dead, preempted, interruptible
+    assert (info.state, info.raw_state, info.market) == ("dead", local.PREEMPTED, "interruptible")
+    deadline = time.monotonic() + 10
+    while local.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not local.alive(pid) and port_closed(out["port"])  # killed, not asked to stop
+    assert provider.preempt(out["id"]) is False  # once
+    assert provider.destroy(out["id"]) is True  # the keeper's update deletes the record
+    od = make_spec("us-east", "local", stack="t2")
+    code, out, err = run(capsys, ["create", "--spec", write_spec(env, od)])
+    assert code == 0 and out["market"] == "ondemand" and provider.preempt(out["id"]) is False
+    assert provider.describe(out["id"]).state == "running"

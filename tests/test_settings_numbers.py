@@ -44,6 +44,9 @@ NUMBER_KEYS = {
     "pod.count": (lambda s: s.pod.count, "3", 3),
     "pod.renewal": (lambda s: s.pod.renewal, "0", 0),
     "pod.maxModelLen": (lambda s: s.pod.max_model_len, "32768", 32768),
+    "pod.onDemandFloor": (lambda s: s.pod.on_demand_floor, "2", 2),
+    "pod.spare": (lambda s: s.pod.spare, "0", 0),  # above 0 only beside market interruptible or mix (test_market.py)
+    "pod.bidPerHr": (lambda s: s.pod.bid_per_hr, "0.25", 0.25),
     "worker.deadlineMs": (lambda s: s.worker.deadline_ms, "1500", 1500),
     "worker.maxBodyBytes": (lambda s: s.worker.max_body_bytes, "2048", 2048),
     "worker.failureThreshold": (lambda s: s.worker.failure_threshold, "5", 5),

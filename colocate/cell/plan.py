@@ -18,6 +18,7 @@ from . import cloudflare_limits, geo
 from .catalogue import EXISTING, Region, region as lookup_region
 from .endpoints import Endpoint, anycast
 from .ledger import UNKNOWN_REGION, Generation
+from .market import PodMarket
 from .settings import LEGACY_TOKEN, PodSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -407,6 +408,11 @@ class PodPlan:
     # declared one, or the kit's record on the zone for its ip). None for a pod the kit rents.
     endpoint: Endpoint | None = None
 
+    @property
+    def market(self) -> PodMarket:
+        """How this pod is rented (colocate:pod.market; colocate/cell/market.py)."""
+        return self.settings.market_of(self.index)
+
     def worker_url(self, created: dict) -> str:
         """The URL the Worker uses for the pod, from ``pod.py create``'s output.
 
@@ -478,6 +484,9 @@ class PodPlan:
             "max_model_len": s.max_model_len,
             "command": s.command,
             "url": s.url,
+            "market": self.market.market,
+            "on_demand_fallback": self.market.on_demand_fallback,
+            "bid_per_hr": s.bid_per_hr,
             "endpoint": self.endpoint_spec() if self.endpoint is not None else None,
         }
 
@@ -519,6 +528,8 @@ class PodPlan:
             ident.append(f"engine={engine}")
         if self.mtls:  # the pod's start command and certificate
             ident.append("hop=mtls")
+        if self.market.interruptible:  # a running pod cannot change how it is rented (on demand adds nothing)
+            ident.append(f"market={self.market.market}")
         if s.renewal:
             ident.append(f"renewal={s.renewal}")
         replaced = 0 if self.endpoint is not None else s.replaced_count(self.index)  # the kit replaces no endpoint

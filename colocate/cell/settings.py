@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError, MissingSetting
 from ..pods.profiles import DEFAULT_PROFILE, PROFILES
-from . import endpoints as endpoints_mod
+from . import endpoints as endpoints_mod, market as market_mod
 from .capacity import pod_capacity
 from .catalogue import EXISTING, PROVIDERS, Region, check_gpu, gpu_name, region as lookup_region
 from .endpoints import Endpoint
@@ -67,6 +67,13 @@ POD_DEFAULTS = {
     # local only: an OpenAI-compatible server of the user's as the sandbox's pod (docs/sandbox.md "Your own engine")
     "command": "",
     "url": "",
+    # Where pods are rented (colocate/cell/market.py): ondemand | interruptible | mix. onDemandFloor: mix's pods
+    # 0..n-1 on demand; spare: interruptible pods beyond the need (SpotHedge's over-provisioning); bidPerHr:
+    # an interruptible pod's bid, what Vast.ai bills it (its create's `price`), at most maxPricePerHr.
+    "market": "ondemand",
+    "onDemandFloor": 1,
+    "spare": 0,
+    "bidPerHr": 0.3,
     # provider existing only: the endpoints the team already runs, one pod each (colocate/cell/endpoints.py)
     "endpoints": [],
 }
@@ -153,7 +160,10 @@ SCHEMA: tuple[Key, ...] = (
         "auto is mutual TLS on colocate:zone and the pod token behind the pod's guard on RunPod's proxy; token is "
         "refused on a zone), maxModelLen (vLLM's --max-model-len: the context, prompt included; the router's "
         "ceilings follow it), command and url (local only: an OpenAI-compatible server as the sandbox's pod, started "
-        "by the sandbox or already running at url), endpoints (existing only: [{host or ip, port, location, costPerHr}], "
+        "by the sandbox or already running at url), market (ondemand | interruptible | mix: where pods are rented; "
+        "interruptible and mix need vastai or local), onDemandFloor (mix: pods 0..n-1 on demand), spare (interruptible "
+        "pods run beyond the need, under the cost policy while they pay), bidPerHr (an interruptible pod's bid in $/h, at most "
+        "maxPricePerHr), endpoints (existing only: [{host or ip, port, location, costPerHr}], "
         "one pod each: a DNS name you own or a public ip the kit names on colocate:zone, the Cloudflare colo nearest "
         "the box, its $/hr; never created, replaced or deleted by the kit)."),
     Key("worker", "object", WORKER_DEFAULTS,
@@ -267,11 +277,29 @@ class PodSettings:
     command: str = ""  # colocate:pod.command (local): the pod is this command, not the stand-in
     url: str = ""  # colocate:pod.url (local): where that command, or a server the user runs, serves
     replaced: tuple[tuple[int, int], ...] = ()  # colocate:pod.replaced as (index, n) pairs, n > 0, index order
+    market: str = "ondemand"  # colocate:pod.market (colocate/cell/market.py MARKETS)
+    on_demand_floor: int = 1  # colocate:pod.onDemandFloor: mix's pods 0..n-1 on demand
+    spare: int = 0  # colocate:pod.spare: interruptible pods beyond the need
+    bid_per_hr: float = 0.3  # colocate:pod.bidPerHr: an interruptible pod's bid, $/h
     endpoints: tuple[Endpoint, ...] = ()  # colocate:pod.endpoints (provider existing): one pod each, index order
 
     def replaced_count(self, index: int) -> int:
         """How often the keeper replaced pod ``index`` (0: never): part of that pod's name."""
         return dict(self.replaced).get(index, 0)
+
+    def market_of(self, index: int) -> market_mod.PodMarket:
+        """Pod ``index``'s market (colocate/cell/market.py ``pod_market``)."""
+        return market_mod.pod_market(self.market, self.on_demand_floor, index)
+
+    @property
+    def spare_pods(self) -> int:
+        """The spare interruptible pods run beside any that serve the demand (none on demand)."""
+        return 0 if self.market == market_mod.ONDEMAND else self.spare
+
+    @property
+    def price_cap(self) -> float:
+        """What one pod bills at most, $/h: the bid where every pod is interruptible, else the on-demand cap."""
+        return self.bid_per_hr if self.market == market_mod.INTERRUPTIBLE else self.max_price_per_hr
 
 
 MAX_PODS = 8
@@ -434,8 +462,31 @@ def parse_pod(raw: dict) -> PodSettings:
                               minimum=MAX_MODEL_LEN_RANGE[0], maximum=MAX_MODEL_LEN_RANGE[1]),
         **_engine(k, provider, p["command"], p["url"]),
         replaced=parse_replaced(k + "replaced", p["replaced"]),
+        **_market(k, provider, p),
         endpoints=_endpoints(k, provider, p, raw.get("pod") or {}),
     )
+
+
+def _market(k: str, provider: str, p: dict) -> dict[str, Any]:
+    """colocate:pod.market and its knobs (colocate/cell/market.py)."""
+    market = _string(k + "market", p["market"], market_mod.MARKETS)
+    if market not in market_mod.PROVIDERS.get(provider, (market_mod.ONDEMAND,)):
+        raise ConfigError(k + "market", market, f"{market_mod.RUNPOD_HAS_NONE} (colocate:pod.provider is {provider})",
+                          f"pulumi config set --path {k}market ondemand, or pulumi config set --path {k}provider vastai "
+                          "(Vast.ai rents interruptible instances by bid)")
+    floor = _number(k + "onDemandFloor", p["onDemandFloor"], integer=True, strict=False, maximum=MAX_PODS)
+    spare = _number(k + "spare", p["spare"], integer=True, strict=False, maximum=MAX_PODS - 1)
+    if spare and market == market_mod.ONDEMAND:
+        raise ConfigError(k + "spare", spare, "spare pods are interruptible ones run as a safeguard against preemption, "
+                          f"and {k}market is ondemand", f"pulumi config rm --path {k}spare, or pulumi config set --path "
+                          f"{k}market interruptible (or mix)")
+    bid = float(_number(k + "bidPerHr", p["bidPerHr"]))
+    cap = float(_number(k + "maxPricePerHr", p["maxPricePerHr"]))
+    if market != market_mod.ONDEMAND and bid > cap:
+        raise ConfigError(k + "bidPerHr", bid, f"an interruptible pod bid above {k}maxPricePerHr ({cap:g}) costs more "
+                          "than an on-demand one may", f"pulumi config set --path {k}bidPerHr {cap / 2:g} (or raise "
+                          f"{k}maxPricePerHr)")
+    return {"market": market, "on_demand_floor": floor, "spare": spare, "bid_per_hr": bid}
 
 
 def _endpoints(k: str, provider: str, p: dict, given: dict) -> tuple[Endpoint, ...]:
@@ -459,7 +510,7 @@ def _endpoints(k: str, provider: str, p: dict, given: dict) -> tuple[Endpoint, .
     return found
 
 
-def _engine(k: str, provider: str, command: object, url: object) -> dict[str, str]:
+def _engine(k: str, provider: str, command: object, url: object) -> dict[str, Any]:  # Any: ** beside typed fields
     """colocate:pod.command and .url: a server of the user's as the sandbox's pod (local only)."""
     for key, value in (("command", command), ("url", url)):
         if not isinstance(value, str):
@@ -727,8 +778,9 @@ def parse_fallback_cap(raw: object, fallback_price: tuple[float, float] | None) 
     return (cell, per_key)
 
 
-def parse_scale(raw: dict, fallback_price: tuple[float, float] | None) -> ScaleSettings | None:
-    """``colocate:scale``; None when unset (the cell runs ``colocate:pod.count`` pods)."""
+def parse_scale(raw: dict, fallback_price: tuple[float, float] | None, spare: int = 0) -> ScaleSettings | None:
+    """``colocate:scale``; None when unset (the cell runs ``colocate:pod.count`` pods). ``spare``: the
+    interruptible pods run beside any that serve (colocate/cell/market.py), counted in ``pods``."""
     key = f"{NS}:scale"
     value = raw.get("scale")
     if value is None or value == {}:
@@ -753,10 +805,15 @@ def parse_scale(raw: dict, fallback_price: tuple[float, float] | None) -> ScaleS
         raise ConfigError(k + "policy", policy, f"the cost policy weighs a pod against {NS}:fallbackPrice, which is not set",
                           f"pulumi config set --path {NS}:fallbackPrice.input <$ per 1M> and .output <$ per 1M>, "
                           f"or pulumi config set --path {k}policy latency")
-    pods = low if v["pods"] is None else _number(k + "pods", v["pods"], integer=True, strict=False, maximum=MAX_PODS)
-    if not low <= pods <= high:
-        raise ConfigError(k + "pods", pods, f"must be within {k}min..{k}max ({low}..{high})",
-                          f"pulumi config set --path {k}pods {min(max(pods, low), high)} (scripts/scale.py writes it)")
+    if high + spare > MAX_PODS:
+        raise ConfigError(k + "max", high, f"with {spare} spare pods ({NS}:pod.spare) a cell would run more than {MAX_PODS}",
+                          f"pulumi config set --path {k}max {MAX_PODS - spare}")
+    lo_pods, hi_pods = low, high + spare  # the cost policy runs its spare pods only while they pay
+    pods = lo_pods if v["pods"] is None else _number(k + "pods", v["pods"], integer=True, strict=False, maximum=MAX_PODS)
+    if not lo_pods <= pods <= hi_pods:
+        raise ConfigError(k + "pods", pods, f"must be within {k}min..{k}max ({lo_pods}..{hi_pods}"
+                          + (f", with {spare} spare" if spare else "") + ")",
+                          f"pulumi config set --path {k}pods {min(max(pods, lo_pods), hi_pods)} (scripts/scale.py writes it)")
     draining = _number(k + "draining", v["draining"], integer=True, strict=False, maximum=MAX_PODS - pods)
     return ScaleSettings(
         min=low, max=high, target=float(_number(k + "target", v["target"])),
@@ -956,9 +1013,15 @@ def parse(
         require_fallback_cap(raw.get("fallbackCap"))
     fallback_cap = parse_fallback_cap(raw.get("fallbackCap"), fallback_price)
     fallback_fields = parse_fallback_fields(raw.get("fallbackFields"))
-    scale = parse_scale(raw, fallback_price)
+    scale = parse_scale(raw, fallback_price, pod.spare_pods)
     if scale is not None:
         pod = replace(pod, count=scale.declared)
+    else:  # a fixed count, and the spare interruptible pods beside it
+        if pod.count + pod.spare_pods > MAX_PODS:
+            raise ConfigError(f"{NS}:pod.spare", pod.spare, f"{NS}:pod.count {pod.count} and {pod.spare} spare pods are "
+                              f"more than the {MAX_PODS} a cell runs", f"pulumi config set --path {NS}:pod.spare "
+                              f"{max(0, MAX_PODS - pod.count)}, or split the traffic over several cells")
+        pod = replace(pod, count=market_mod.with_spare(pod.count, pod.market, pod.spare))
     key_defaults = parse_key_defaults(raw.get("keys"), fallback_cap, fallback_price)
     return Settings(
         stack=stack,

@@ -27,6 +27,8 @@ class PodInfo:
     gpu: str | None = None
     proxy_url: str | None = None  # a provider's HTTPS proxy for the pod (RunPod), when that is the path
     scheme: str = "http"  # "https" when the pod serves mutual TLS (the spec's tls_name)
+    market: str | None = None  # ondemand | interruptible, as the provider reports it (None: it does not say)
+    host: str | None = None  # the machine it runs on, where the provider says (a failure domain: Vast.ai's machine_id)
 
     @property
     def url(self) -> str | None:

@@ -22,6 +22,7 @@ every pod of the name whenever a create went unanswered.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -67,7 +68,7 @@ def pod_token(provider: str) -> str:
 def result(spec: PodSpec, provider: str, info: PodInfo, adopted: bool) -> dict:
     out = {"id": info.id, "provider": provider, "location": info.location, "url": info.url,
            "cost_per_hr": info.cost_per_hr, "gpu": info.gpu or spec.gpu, "name": spec.name,
-           "ip": info.ip, "port": info.port}
+           "ip": info.ip, "port": info.port, "market": info.market or spec.market}
     if adopted:
         out["adopted"] = True
     return out
@@ -166,6 +167,12 @@ def _acquire(spec: PodSpec, provider: Provider, token: str) -> tuple[str, bool, 
     lost: list[str] = []  # creates that went unanswered: each may have landed, now or later, under spec.name
     try:
         pod_id, attempts = _place(spec, provider, token, lost)
+        if pod_id is None and spec.interruptible and spec.on_demand_fallback:
+            # colocate:pod.market mix: no interruptible capacity left in the region, so on demand (colocate/cell/market.py)
+            log(f"no interruptible capacity for {spec.gpu} in {spec.region}: renting {spec.name} on demand "
+                f"(colocate:pod.market mix), at most ${spec.max_price_per_hr}/h")
+            pod_id, more = _place(dataclasses.replace(spec, market="ondemand"), provider, token, lost)
+            attempts += more
         stop.check()  # a SIGTERM during the create: it landed, and is destroyed by its name below
     except BaseException as exc:  # includes KeyboardInterrupt / SystemExit from SIGTERM
         # Interrupted while a create was in flight, or a create went unanswered: it may have

@@ -12,6 +12,11 @@ pod gets (``VLLM_API_KEY``, ``COLOCATE_POD_TLS`` on a mutual-TLS hop) and where 
 (``COLOCATE_POD_HOST``, ``COLOCATE_POD_PORT``, and ``COLOCATE_POD_ARGS``: the kit's vLLM arguments
 after the model); delete stops it, and only it (its pid and start time are recorded). A server at
 ``url`` that the sandbox did not start is never signalled: delete forgets it.
+
+The sandbox emulates a market (colocate:pod.market): a stand-in records how it was rented, and
+``preempt`` is its host taking an interruptible one back, as a cloud does: the record says
+``preempted`` (``describe`` reports it dead, as Vast.ai reports an outbid instance) and its process
+is killed at once (SIGKILL: its connections are cut mid-answer, nothing is said to its clients).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .errors import NotFoundError, PodConfigError, ProviderError
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "local-"
+PREEMPTED = "preempted"  # the raw state of a stand-in its emulated host took back
 
 
 def state_dir() -> Path:
@@ -138,7 +144,7 @@ class Local(Provider):
                 (os.POSIX_SPAWN_DUP2, log.fileno(), 2)])
         pod_id = PREFIX + spec.name
         record = {"id": pod_id, "name": spec.name, "pid": pid, "port": None, "url": None,
-                  "model": spec.model, "created": time.time()}
+                  "model": spec.model, "created": time.time(), "market": spec.market}
         self._write(spec.name, record)  # written first: a crash from here on leaves a file sweep can find
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -197,11 +203,27 @@ class Local(Provider):
 
     def _info(self, rec: dict) -> PodInfo:
         engine = rec.get("engine")
-        up = True if engine == "url" else _ours(rec) if engine == "command" else alive(rec["pid"])
+        preempted = bool(rec.get("preempted"))
+        up = not preempted and (True if engine == "url" else _ours(rec) if engine == "command" else alive(rec["pid"]))
+        down = PREEMPTED if preempted else "exited"
         return PodInfo(id=rec["id"], name=rec["name"], state=RUNNING if up else DEAD,
-                       raw_state=("serving at its url" if engine == "url" else "running") if up else "exited",
+                       raw_state=("serving at its url" if engine == "url" else "running") if up else down,
                        location="local", ip=(rec.get("ip") or "127.0.0.1") if rec.get("port") else None,
-                       port=rec.get("port"), cost_per_hr=0.0, gpu="your engine" if engine else "stand-in")
+                       port=rec.get("port"), cost_per_hr=0.0, gpu="your engine" if engine else "stand-in",
+                       market=rec.get("market") or "ondemand", host="local")
+
+    def preempt(self, pod_id: str) -> bool:
+        """The host takes an interruptible stand-in back: recorded first (``describe`` says
+        ``preempted``), then its process group killed at once. False when it was not running, or is
+        not interruptible (an on-demand pod is never preempted)."""
+        rec = self._record(pod_id)
+        if rec.get("market") != "interruptible" or rec.get("engine") or rec.get("preempted") or not alive(rec["pid"]):
+            return False
+        self._write(rec["name"], {**rec, "preempted": True})
+        if _is_standin(rec["pid"]):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec["pid"], signal.SIGKILL)
+        return True
 
     def describe(self, pod_id: str) -> PodInfo:
         return self._info(self._record(pod_id))

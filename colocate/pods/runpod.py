@@ -194,7 +194,8 @@ class RunPod(Provider):
             proxy = runpod_proxy_url(str(pod["id"]), private, os.environ.get("RUNPOD_PROXY_TEMPLATE") or RUNPOD_PROXY_TEMPLATE)
         return PodInfo(id=str(pod["id"]), name=pod.get("name", ""), state=_STATES.get(status, STARTING),
                        raw_state=status, location=pod.get("dataCenterId"), ip=ip, port=public,
-                       cost_per_hr=pod.get("cost"), gpu=(pod.get("gpu") or {}).get("id"), proxy_url=proxy)
+                       cost_per_hr=pod.get("cost"), gpu=(pod.get("gpu") or {}).get("id"), proxy_url=proxy,
+                       market="ondemand")  # v2 rents no other kind (colocate/cell/market.py)
 
 
 def _private_port(pod: dict) -> tuple[int | None, str | None]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..cell import catalogue
 from ..cell.catalogue import EXISTING
+from ..cell.market import RUNPOD_HAS_NONE
 from ..cell.plan import MAX_MODEL_LEN, POD_PATHS
 from ..errors import ConfigError
 from . import podtls
@@ -31,7 +32,8 @@ REQUIRED: dict[str, type | tuple[type, ...]] = {
 # Keys a spec of an older kit may lack, with the value it meant.
 OPTIONAL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "max_model_len": (int, MAX_MODEL_LEN), "command": (str, ""), "url": (str, ""),
-    "max_transfer_per_gb": ((int, float), 0.02), "endpoint": ((dict, type(None)), None)}
+    "max_transfer_per_gb": ((int, float), 0.02), "market": (str, "ondemand"), "on_demand_fallback": (bool, False),
+    "bid_per_hr": ((int, float), 0.3), "endpoint": ((dict, type(None)), None)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,13 @@ class PodSpec:
     url: str = ""  # local: where that command, or a server the user runs, serves (colocate:pod.url)
     # existing: {host, ip, port, location, cost_per_hr} (plan.PodPlan.endpoint_spec); None for a pod the kit rents
     endpoint: dict | None = None
+    market: str = "ondemand"  # ondemand | interruptible (colocate/cell/market.py pod_market)
+    on_demand_fallback: bool = False  # interruptible: rent on demand when no interruptible capacity is left (mix)
+    bid_per_hr: float = 0.3  # interruptible: the bid, $/h (Vast.ai's create `price`)
+
+    @property
+    def interruptible(self) -> bool:
+        return self.market == "interruptible"
 
     @property
     def mtls(self) -> bool:
@@ -87,13 +96,14 @@ class PodSpec:
         fields: dict[str, Any] = {k: (tuple(data[k]) if k == "locations" else data[k]) for k in REQUIRED}
         for key, (typ, default) in OPTIONAL.items():
             given: Any = data.get(key, default)
-            if isinstance(given, bool) or not isinstance(given, typ):
+            if (isinstance(given, bool) and typ is not bool) or not isinstance(given, typ):
                 raise PodConfigError(f"spec.{key}: wrong type (got {given!r}). Fix: regenerate the spec from the plan")
             fields[key] = given
-        transfer = float(fields["max_transfer_per_gb"])
-        if transfer < 0:
-            raise PodConfigError(f"spec.max_transfer_per_gb: negative (got {transfer!r}). Fix: regenerate the spec from the plan")
-        fields["max_transfer_per_gb"] = transfer
+        for key in ("max_transfer_per_gb", "bid_per_hr"):  # $ amounts: never negative
+            amount = float(fields[key])
+            if amount < 0:
+                raise PodConfigError(f"spec.{key}: negative (got {amount!r}). Fix: regenerate the spec from the plan")
+            fields[key] = amount
         fields["endpoint"] = _endpoint(fields["endpoint"])
         spec = cls(**fields)
         spec._check()
@@ -125,6 +135,15 @@ class PodSpec:
             raise PodConfigError(f"spec.ready_timeout_s: {self.ready_timeout_s} must be > 0")
         if self.max_model_len < 1:
             raise PodConfigError(f"spec.max_model_len: {self.max_model_len} must be > 0. Fix: colocate:pod.maxModelLen")
+        if self.market not in ("ondemand", "interruptible"):
+            raise PodConfigError(f"spec.market: {self.market!r} is not ondemand or interruptible. Fix: regenerate the spec "
+                                 "from the plan (colocate/cell/market.py pod_market)")
+        if self.interruptible and self.provider == "runpod":
+            raise PodConfigError(f"spec.market: interruptible on runpod: {RUNPOD_HAS_NONE}. Fix: pulumi config set --path "
+                                 "colocate:pod.market ondemand, or colocate:pod.provider vastai")
+        if self.interruptible and not 0 < self.bid_per_hr <= self.max_price_per_hr:
+            raise PodConfigError(f"spec.bid_per_hr: {self.bid_per_hr} must be above 0 and at most max_price_per_hr "
+                                 f"({self.max_price_per_hr}). Fix: colocate:pod.bidPerHr")
         if (self.endpoint is not None) != (self.provider == EXISTING):
             raise PodConfigError(f"spec.endpoint: {'missing' if self.endpoint is None else 'set'} for provider "
                                  f"{self.provider}. Fix: regenerate the spec from the plan")

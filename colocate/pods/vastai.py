@@ -15,6 +15,16 @@ stops at once naming the key. Instance state ``exited``, ``unknown`` or ``offlin
 becomes ``running``: such an instance is reported dead and destroyed. On a mutual-TLS hop the
 create request carries the pod's TLS bundle as the first variable of ``env`` (a JSON object)
 and vLLM's TLS flags in ``args`` (``podtls``), as RunPod's does.
+
+Interruptible pods (``colocate:pod.market``, colocate/cell/market.py) are rented by bid: the search
+asks ``type: bid`` and ``min_bid`` <= ``bidPerHr`` (no on-demand price cap), the create carries
+``price`` = ``bidPerHr`` ("Bid price per machine (in $/hour). Only for interruptible instances",
+the spec's createInstance), and a host then runs the highest bidder: an outbid instance is
+stopped, killing its processes (Vast.ai's rental-types FAQ), and reports ``stopped`` while its
+``intended_status`` is still ``running``, which is reported dead (``stopped (outbid)``): it
+serves nothing until it wins the host back, maybe hours later. Offers are spread over failure
+domains, SpotHedge's way: a host where one of the stack's interruptible pods was outbid is left
+out, and a host, then a country, that holds a live pod of the stack goes after those that hold none.
 """
 
 from __future__ import annotations
@@ -23,13 +33,15 @@ import json
 import os
 
 from . import podtls
-from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key
+from .base import DEAD, RUNNING, STARTING, PodInfo, Provider, api_key, belongs_to_stack
 from .errors import CapacityError, FatalError, NotFoundError
 from .http import Api, redact
 
 DEFAULT_BASE = "https://console.vast.ai"
 MAX_OFFERS_TRIED = 5
 _DEAD = ("exited", "unknown", "offline")
+_STOPPED = "stopped"  # with intended_status running: stopped by someone else (outbid, or the host's contract end)
+OUTBID = "stopped (outbid)"
 
 
 def country(geolocation: str | None) -> str:
@@ -69,36 +81,48 @@ class VastAI(Provider):
             # dph_total includes the disk, priced at allocated_storage (8 GB unless sent): the cap
             # must be held against the price of the disk create rents.
             "allocated_storage": spec.disk_gb,
-            "dph_total": {"lte": spec.max_price_per_hr},
+            # On demand: the host's price, disk included, within the cap. Interruptible: the least bid the
+            # host takes within ours (the create's `price`), priced as a bid (the search's `type`).
+            **({"type": "bid", "min_bid": {"lte": spec.bid_per_hr}} if spec.interruptible
+               else {"dph_total": {"lte": spec.max_price_per_hr}}),
             # Traffic is billed per GB beside the hour, and each boot pulls ~16 GB (colocate:pod.maxTransferPerGb).
             "inet_down_cost": {"lte": spec.max_transfer_per_gb},
             "inet_up_cost": {"lte": spec.max_transfer_per_gb},
-            # No "type": on-demand pricing is its default (the spec's enum says "ondemand ... Default"; the
-            # official client sends "on-demand", which the same spec's enum does not list).
+            # On demand no "type": on-demand pricing is its default (the spec's enum says "ondemand ... Default";
+            # the official client sends "on-demand", which the same spec's enum does not list).
             "limit": 50,
         }
         offers = self.api.call("POST", "/api/v0/bundles/", json_body=query).body.get("offers") or []
         # Trust but verify: the region guarantee must not rest on the provider's filter alone.
         fit = [o for o in offers
                if country(o.get("geolocation")) in spec.locations and o.get("gpu_name") == spec.gpu
-               and float(o.get("dph_total") or 1e9) <= spec.max_price_per_hr
+               and _price(o, spec) <= (spec.bid_per_hr if spec.interruptible else spec.max_price_per_hr)
                and float(o.get("reliability") or 0) >= spec.min_reliability
                and int(o.get("direct_port_count") or 0) >= 1 and o.get("static_ip") is True
                and float(o.get("disk_space") or 0) >= spec.disk_gb
                and float(o.get("inet_down_cost", 1e9) or 0) <= spec.max_transfer_per_gb
                and float(o.get("inet_up_cost", 1e9) or 0) <= spec.max_transfer_per_gb
                and (cuda is None or float(o.get("cuda_max_good") or 0) >= cuda)]
-        fit.sort(key=lambda o: float(o["dph_total"]))
+        if spec.interruptible:
+            fit = spread(fit, self._stack_pods(spec))
+        else:
+            fit.sort(key=lambda o: float(o["dph_total"]))
         floor = f"CUDA >= {spec.min_cuda_version}, " if cuda is not None else ""
         hosts = "verified datacenter hosts" if spec.cloud == "SECURE" else "verified hosts"
         traffic = f"<= ${spec.max_transfer_per_gb}/GB of traffic"
-        empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
+        price = (f"an interruptible bid of ${spec.bid_per_hr}/h at least the host's min_bid" if spec.interruptible
+                 else f"<= ${spec.max_price_per_hr}/h")
+        empty = [(loc, spec.gpu, f"no offer (reliability >= {spec.min_reliability}, {price} "
                   f"with a {spec.disk_gb} GB disk, {traffic}, {floor}direct port, static ip, {hosts}; colocate:pod.cloud "
                   "COMMUNITY admits other hosts)" if spec.cloud == "SECURE" else
-                  f"no offer (reliability >= {spec.min_reliability}, <= ${spec.max_price_per_hr}/h "
+                  f"no offer (reliability >= {spec.min_reliability}, {price} "
                   f"with a {spec.disk_gb} GB disk, {traffic}, {floor}direct port, static ip, {hosts})")
                  for loc in spec.locations if not any(country(o.get("geolocation")) == loc for o in fit)]
         return fit[:MAX_OFFERS_TRIED], empty
+
+    def _stack_pods(self, spec) -> list[PodInfo]:
+        """The stack's pods as Vast.ai lists them: where they run, and which were outbid."""
+        return [p for p in self.list_pods() if belongs_to_stack(p.name, spec.stack)]
 
     def _environment(self, spec, token: str) -> dict[str, str]:
         env = {"VLLM_API_KEY": token, f"-p {spec.port}:{spec.port}": "1"}
@@ -120,10 +144,14 @@ class VastAI(Provider):
             "runtype": "args",
             "args": spec.vllm_args(),
             "target_state": "running",
+            # An instance that cannot run now is not created (an interruptible one would wait, paused, for its
+            # host: the spec's default for interruptibles is false).
             "cancel_unavail": True,
+            **({"price": spec.bid_per_hr} if spec.interruptible else {}),
         }
         loc = country(offer.get("geolocation"))
-        what = f"offer {offer['id']} (${float(offer['dph_total']):.3f}/h)"
+        what = (f"offer {offer['id']} (interruptible, bid ${spec.bid_per_hr:.3f}/h, min ${_price(offer, spec):.3f}/h)"
+                if spec.interruptible else f"offer {offer['id']} (${float(offer['dph_total']):.3f}/h)")
         try:
             reply = self.api.call("PUT", f"/api/v0/asks/{offer['id']}/", json_body=body, create=True)
         except (NotFoundError, FatalError) as exc:
@@ -178,11 +206,37 @@ class VastAI(Provider):
 
     def _info(self, inst: dict) -> PodInfo:
         status = inst.get("actual_status") or inst.get("cur_state") or "loading"
-        state = DEAD if status in _DEAD else RUNNING if status == "running" else STARTING
-        return PodInfo(id=str(inst["id"]), name=inst.get("label") or "", state=state, raw_state=status,
+        bid = inst.get("is_bid") is True
+        # Stopped while it is meant to run: someone else stopped it, a higher bid (an interruptible
+        # instance) or its host (an on-demand contract's end). It serves nothing: dead.
+        stopped = status == _STOPPED and inst.get("intended_status") == "running"
+        state = DEAD if status in _DEAD or stopped else RUNNING if status == "running" else STARTING
+        raw = (OUTBID if bid else f"{status} by its host") if stopped else status
+        machine = inst.get("machine_id")
+        return PodInfo(id=str(inst["id"]), name=inst.get("label") or "", state=state, raw_state=raw,
                        location=country(inst.get("geolocation")) or None, ip=inst.get("public_ipaddr") or None,
                        port=_host_port(inst.get("ports"), self.serve_port), cost_per_hr=inst.get("dph_total"),
-                       gpu=inst.get("gpu_name"))
+                       gpu=inst.get("gpu_name"), market="interruptible" if bid else "ondemand",
+                       host=None if machine is None else str(machine))
+
+
+def _price(offer: dict, spec) -> float:
+    """What the offer would bill the spec's pod: its least bid (interruptible) or its price, disk included."""
+    return float(offer.get("min_bid" if spec.interruptible else "dph_total") or 1e9)
+
+
+def spread(offers: list[dict], stack_pods: list[PodInfo]) -> list[dict]:
+    """Interruptible offers in the order SpotHedge would try them: never a host where one of the
+    stack's pods was outbid (its bids lose there), then hosts and countries that hold none of the
+    stack's live pods before those that do (a correlated preemption takes fewer at once), each
+    group cheapest bid first."""
+    outbid = {p.host for p in stack_pods if p.raw_state == OUTBID and p.host}
+    live = [p for p in stack_pods if p.state != DEAD]
+    hosts = {p.host for p in live if p.host}
+    countries = {p.location for p in live if p.location}
+    usable = [o for o in offers if str(o.get("machine_id")) not in outbid]
+    return sorted(usable, key=lambda o: (str(o.get("machine_id")) in hosts, country(o.get("geolocation")) in countries,
+                                         float(o.get("min_bid") or 1e9)))
 
 
 def _host_port(ports, serve_port: int | None) -> int | None:

@@ -44,10 +44,13 @@ STREAMED = ("ttft", "itl")
 PICKS = ("affinity", "shed")
 # A pod request's wait for its first token: its place in the pod's queue (histogram.js QUEUED).
 QUEUED = ("queue",)
+# Counts of a pod's streams cut after their first token (it broke off or stalled: a preempted pod's
+# streams end so), each ended with an error event (histogram.js CUTS).
+CUTS = ("cut",)
 SYNC = "sync"
 SEGMENTS = (*ROUTED, *STREAMED, *QUEUED, SYNC)
-RECORDED = (*SEGMENTS, *PICKS)  # every segment a row may carry
-PER_POD = (*ROUTED, *STREAMED, *QUEUED, *PICKS)
+RECORDED = (*SEGMENTS, *PICKS, *CUTS)  # every segment a row may carry
+PER_POD = (*ROUTED, *STREAMED, *QUEUED, *PICKS, *CUTS)
 # What each live segment stands for among the probe's segments (budgets, floors).
 BUDGET_ALIAS = {"state_rtt": SYNC}
 MINUTE_MS = 60_000
@@ -210,6 +213,7 @@ class PodServed:
     affinity: int = 0  # requests prefix affinity sent here as the point's own pod
     shed: int = 0  # requests the load bound shed here from another pod
     prefix_cache: dict | None = None  # the pod's own vLLM counters: {hits, queries, hit_rate}
+    cut: int = 0  # its streams cut after their first token (broke off or stalled), each ended with an error event
 
     @property
     def backend(self) -> str:
@@ -220,7 +224,7 @@ class PodServed:
                "segments": self.segments}
         if self.index is not None:
             out.update(index=self.index, location=self.location, site=self.site, status=self.status,
-                       affinity=self.affinity, shed=self.shed, prefix_cache=self.prefix_cache)
+                       affinity=self.affinity, shed=self.shed, prefix_cache=self.prefix_cache, cut=self.cut)
         return out
 
 
@@ -374,7 +378,7 @@ def _pods(m: Merged, requests: int, region: catalogue.Region | None, locations: 
         loc = locations[index] if index < len(locations) else None
         psite = placement_mod.pod_site(loc, region)
         pod = PodServed(who, n, share, segments, index, loc, psite, _status(psite, region),
-                        h["affinity"].n, h["shed"].n, caches.get(index))
+                        h["affinity"].n, h["shed"].n, caches.get(index), h["cut"].n)
         if pod.status == placement_mod.OUT and index > 0 and n:
             violations.append({"kind": "placement", "part": "pod",
                                "message": f"pod {index} in {loc} ({psite}) served {n} requests from outside "
@@ -606,8 +610,9 @@ def table(r: LiveResult) -> str:
                if cache and cache["hit_rate"] is not None else "")
         streams = (f"  ttft p50 {_num(pod.segments['ttft']['p50'], 1)} ms, itl p50 {_num(pod.segments['itl']['p50'], 1)} ms"
                    if pod.segments["ttft"]["n"] else "")
+        cut = f"  {pod.cut} stream(s) cut mid-answer" if pod.cut else ""
         lines.append(f"  {pod.backend:<10}{pod.requests:>8} {share:>7}  upstream p50 {_num(up['p50'], 1)} "
-                     f"p90 {_num(up['p90'], 1)} ms{where}{picks}{hit}{streams}")
+                     f"p90 {_num(up['p90'], 1)} ms{where}{picks}{hit}{streams}{cut}")
     p = r.placement
     expected = (f"{p.expected_region} ({', '.join(p.in_region_colos)})" if p.expected_region
                 else "unknown: no --expect-region or --stack, and the Worker reported no region")

@@ -165,6 +165,7 @@ class Demo:
         self.out: dict = {}
         self.measured: dict | None = None  # the day's figures, once the day ran
         self.failure: str | None = None  # why the day was not measured
+        self.interval_s = INTERVAL_S  # of the day, between a controller's passes
 
     # --- before the day -----------------------------------------------------------------------
 
@@ -273,7 +274,7 @@ class Demo:
                 wait = self.clock.t0 + at_h / day.HOURS * self.day_s - time.monotonic()
                 if wait > 0 and stop.wait(wait):
                     return
-                s, _ = _one(session, url, self.out["key"], at_h, cell, self.clock.t0)
+                s = self.one(session, url, at_h, cell)
                 with lock:
                     self.served.append(s)
 
@@ -282,6 +283,10 @@ class Demo:
             t.start()
         for t in threads:
             t.join()
+
+    def one(self, session: requests.Session, url: str, at_h: float, home: str) -> day.Served:
+        """One of the day's requests, sent now."""
+        return _one(session, url, self.out["key"], at_h, home, self.clock.t0)[0]
 
     def run_day(self) -> None:
         plan = day.schedule(self.shape, UTC_OFFSET, self.per)
@@ -292,7 +297,7 @@ class Demo:
             n = self.initial_pods(c)
             self.logs[c].existing.append((0.0, n))
             self.logs[c].shown.append((0.0, n, 0))
-        threads = [threading.Thread(target=controllers[c].run, args=(self.clock.wall(INTERVAL_S),),
+        threads = [threading.Thread(target=controllers[c].run, args=(self.clock.wall(self.interval_s),),
                                     kwargs={"stop": stop}, daemon=True) for c in CELLS]
         for t in threads:
             t.start()

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..cell import catalogue, outputs, urns
+from ..cell.market import PREEMPTIONS_PER_HOUR
 from ..pods.base import PodInfo
 from .keeper import Keeper, RunningPod, StackLocked
 from .policy import Decision, Policy, Sample, decide
@@ -209,8 +210,9 @@ class Controller:
             self.record(decision, pods, draining)
             return decision
         want = desired_of(state) if state is not None else None
-        if (want is not None and want != (pods, draining) and self.policy.min <= want[0] <= self.policy.max
-                and sum(want) <= self.policy.max):
+        top = self.policy.declared(self.policy.max)
+        if (want is not None and want != (pods, draining) and self.policy.min <= want[0] <= top
+                and sum(want) <= top):
             # A change recorded but not made, or not all of it: an update that failed or was cut,
             # or a controller killed mid-change. The generation's count is what every `pulumi up`
             # applies, so it is made first, before anything new is decided; a pod beyond it that
@@ -471,8 +473,11 @@ def lease_ttl(interval_s: float) -> float:
     return max(10.0, math.ceil(3 * interval_s))
 
 
-def policy_of(scale, fallback_price: tuple[float, float] | None, pod_price_per_hr: float) -> Policy:
-    """The decision's policy from ``colocate:scale`` (``settings.ScaleSettings``) and the prices."""
+def policy_of(scale, fallback_price: tuple[float, float] | None, pod_price_per_hr: float, spare: int = 0) -> Policy:
+    """The decision's policy from ``colocate:scale`` (``settings.ScaleSettings``), the prices and the
+    spare interruptible pods (``settings.PodSettings.spare_pods``), hedged at the published
+    preemption rate (colocate/cell/market.py ``PREEMPTIONS_PER_HOUR``)."""
     return Policy(min=scale.min, max=scale.max, target_rpm=scale.target, up_after_s=scale.up_after_s,
                   down_after_s=scale.down_after_s, policy=scale.policy, pod_price_per_hr=pod_price_per_hr,
-                  api_price=fallback_price or (0.0, 0.0))
+                  api_price=fallback_price or (0.0, 0.0), spare=spare,
+                  preemptions_per_hr=PREEMPTIONS_PER_HOUR if spare else 0.0)

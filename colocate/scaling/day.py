@@ -177,6 +177,8 @@ class Served:
     tokens: int = 0  # prompt + completion, from the answer's usage
     e2e_ms: float = 0.0
     why: str | None = None  # a failure's reason: the status and the error's message, or the exception
+    ttft_ms: float | None = None  # a stream's first token as its client saw it (demo-spot)
+    cut: bool = False  # a stream that ended with an error event after its first token (demo-spot: a preemption)
 
     def by(self) -> str | None:
         """pod (the home cell's), cell (another cell's pod), fallback; None for a failure."""

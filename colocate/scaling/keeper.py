@@ -22,9 +22,13 @@ Each pass, before anything is deployed:
    replacement is one targeted update of those pods
    alone: ``colocate:pod.replaced`` counts pod i's replacements into its name, recorded in the
    generation first (so every `pulumi up`, from any checkout, declares the same name), and the
-   deployer replaces that pod's resources and those depending on them, never another pod's. A
-   preempted interruptible pod is one more dead pod. An endpoint the team runs (provider ``existing``)
-   is judged and reported the same way, and never replaced: its operator mends it.
+   deployer replaces that pod's resources and those depending on them, never another pod's. An
+   interruptible pod its provider reports dead (Vast.ai outbid or exited; the sandbox's host
+   taking it back) is ``preempted``: replaced at once the same way, the replacement rented under
+   the market policy (colocate/cell/market.py: interruptible again, on another host where the provider
+   can tell; on demand under ``mix`` when no interruptible capacity is left). An endpoint the team
+   runs (provider ``existing``) is judged and reported the same way, and never replaced: its operator
+   mends it.
 3. **The certificates.** A role whose certificate has ``RENEW_DAYS`` or fewer left (day 60 of 90)
    is renewed, one role a pass, after any replacement: the cell's own leaves (the Worker's client
    certificate, the readiness check's: no pod is replaced) first, then pod by pod (a pod that does
@@ -56,8 +60,9 @@ from ..pods.base import DEAD, RUNNING, PodInfo
 from ..pods.errors import NotFoundError, PodError
 
 OK, GONE, REMAPPED, MISPLACED, UNHEALTHY, UNKNOWN = "ok", "gone", "remapped", "misplaced", "unhealthy", "unknown"
+PREEMPTED = "preempted"  # an interruptible pod its provider reports dead (colocate/cell/market.py)
 DOWN = "down"  # a server of the user's that the Worker cannot reach: only its owner can start it
-REPLACE_AT_ONCE = (DEAD, GONE, REMAPPED, MISPLACED)  # what the provider's own answer proves
+REPLACE_AT_ONCE = (DEAD, PREEMPTED, GONE, REMAPPED, MISPLACED)  # what the provider's own answer proves
 CERTIFICATE = "certificate"  # a replacement's reason when a pod's certificate is renewed
 UNHEALTHY_PASSES = 2  # the Worker's view alone: this many passes in a row before a boot is bought
 ALERTS = ("replace_failed", "update_failing", "stack_locked", "stale_checkout")  # worker/src/metrics.js KEEPER_ALERTS
@@ -124,6 +129,9 @@ def judge(pod: RunningPod, describe: Callable[[RunningPod], PodInfo], health: Ma
     except (PodError, OSError) as exc:
         return Verdict(pod.index, pod.id, UNKNOWN, f"{pod.provider} could not be asked about {pod.id}: {exc}")
     if info.state == DEAD:
+        if info.market == "interruptible":
+            return Verdict(pod.index, pod.id, PREEMPTED, f"{pod.provider} reports interruptible {pod.id} "
+                           f"{info.raw_state}" + (f" on host {info.host}" if info.host else ""))
         return Verdict(pod.index, pod.id, DEAD, f"{pod.provider} reports {pod.id} {info.raw_state}")
     if pod.locations and info.location and info.location not in pod.locations:
         return Verdict(pod.index, pod.id, MISPLACED,

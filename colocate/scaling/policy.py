@@ -14,12 +14,21 @@ pod's capacity taken at ``DOWN_BAND`` of its target, so demand that hovers at a 
 the larger count). A window that the samples do not cover (the controller just started, or
 the signal had a gap) changes nothing in its direction, and a signal older than
 ``stale_after_s`` changes nothing at all: a controller that cannot see the cell holds.
+
+Counts are of pods declared: a policy with ``spare`` interruptible pods (colocate/cell/market.py,
+SpotHedge's over-provisioning) runs up to that many more than the demand needs whenever it needs
+any; the demand's windows decide the need as without them. Under ``latency`` the spare pods always
+run. Under ``cost`` they run only while they pay (``hedge``): while the fallback's expected spend on
+the share of the pods a preemption takes, for the replacement's boot, is above a spare's hour.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from ..cell.capacity import BOOT_S
+from ..cell.market import INTERRUPTIBLE, needed_of
 
 LATENCY, COST = "latency", "cost"
 DEFERRED = "none"  # the backend of a request a fleet's front door took to another cell: no tokens here
@@ -63,6 +72,31 @@ class Policy:
     pod_price_per_hr: float = 0.0  # what one pod bills (the providers' report, or the price cap)
     api_price: tuple[float, float] = (0.0, 0.0)  # $ per 1M (input, output) tokens at the fallback
     stale_after_s: float = STALE_AFTER_S
+    spare: int = 0  # interruptible pods run beyond the need, at most (colocate:pod.spare)
+    # the cost policy's hedge: how often an interruptible pod is preempted, and how long its share is
+    # the fallback's (the replacement's boot; the keeper finds a preempted pod within one pass)
+    preemptions_per_hr: float = 0.0
+    gap_h: float = BOOT_S / 3600
+    min_interval_s: float = 0.0  # demand is measured over intervals at least this long (``intervals``)
+
+    def declared(self, needed: int, rpm: float | None = None, per_req: float = 0.0) -> int:
+        """Pods declared when ``needed`` serve ``rpm`` (with the spare ones that pay, ``hedge``)."""
+        return needed + hedge(self, needed, rpm, per_req)
+
+
+def hedge(policy: Policy, needed: int, rpm: float | None, per_req: float) -> int:
+    """Spare pods to run beside ``needed`` serving ``rpm`` (requests costing ``per_req`` $ each at
+    the fallback). SpotHedge (arXiv 2411.01438) over-provisions so a preemption leaves the target
+    served; a spare costs its hour every hour, a preemption costs the fallback the lost pod's share
+    for ``gap_h``. Under ``cost`` a spare runs while ``needed`` pods' expected preemptions an hour
+    times that spend is above its price; under ``latency`` (or with no demand signal) always."""
+    if needed <= 0 or policy.spare <= 0:
+        return 0
+    if policy.policy == LATENCY or rpm is None:
+        return policy.spare
+    share_rpm = min(policy.target_rpm, rpm / needed)
+    lost_per_hr = needed * policy.preemptions_per_hr * policy.gap_h * share_rpm * 60 * per_req
+    return policy.spare if lost_per_hr > policy.pod_price_per_hr else 0
 
 
 @dataclass(frozen=True)
@@ -87,21 +121,26 @@ class Decision:
                 "demand_rpm": None if self.demand_rpm is None else round(self.demand_rpm, 2)}
 
 
-def intervals(samples: list[Sample], stale_after_s: float) -> list[Interval]:
+def intervals(samples: list[Sample], stale_after_s: float, min_span_s: float = 0.0) -> list[Interval]:
     """Demand between consecutive samples (time order). A gap longer than ``stale_after_s``
     or counters that went backwards (a new generation) yields no interval there.
 
     Tokens per request are those of the requests the cell served in the interval; a request
     deferred to another cell has no tokens here, so an interval of deferrals alone (a cell at
     zero in a fleet) takes the cell's average since the generation began: its users' requests
-    are priced as they were when it served them."""
+    are priced as they were when it served them.
+
+    ``min_span_s``: consecutive samples are merged (from the latest back) until an interval spans
+    that long: a pass more frequent than the demand's arrivals (the keeper's) would otherwise see
+    intervals of no request at all, and the way up (the least need of a window) would never rise."""
     out = []
     ordered = sorted(samples, key=lambda s: s.at)
-    for a, b in zip(ordered, ordered[1:], strict=False):
+    pairs = _spaced(ordered, stale_after_s, min_span_s) if min_span_s > 0 else zip(ordered, ordered[1:], strict=False)
+    for a, b in pairs:
         dt = b.at - a.at
         dr = b.total_requests() - a.total_requests()
         (pa, ca), (pb, cb) = a.total_tokens(), b.total_tokens()
-        if dt <= 0 or dt > stale_after_s or dr < 0 or pb < pa or cb < ca:
+        if dt <= 0 or (dt > stale_after_s and min_span_s <= 0) or dr < 0 or pb < pa or cb < ca:
             continue
         served = b.served_requests() - a.served_requests()
         if served <= 0:  # priced at the cell's history (0 when it never served one)
@@ -109,6 +148,23 @@ def intervals(samples: list[Sample], stale_after_s: float) -> list[Interval]:
         out.append(Interval(a.at, b.at, dr * 60.0 / dt, (pb - pa) / served if served else 0.0,
                             (cb - ca) / served if served else 0.0))
     return out
+
+
+def _spaced(ordered: list[Sample], stale_after_s: float, min_span_s: float) -> list[tuple[Sample, Sample]]:
+    """Consecutive samples merged into pairs at least ``min_span_s`` apart, from the latest back;
+    nothing is measured across a gap longer than ``stale_after_s`` (the pair before it may be shorter)."""
+    pairs: list[tuple[Sample, Sample]] = []
+    end = ordered[-1] if ordered else None
+    for s, after in zip(reversed(ordered[:-1]), reversed(ordered[1:]), strict=False):
+        assert end is not None
+        if after.at - s.at > stale_after_s:  # a gap: close what runs up to it, start again before it
+            if end is not after:
+                pairs.append((after, end))
+            end = s
+        elif end.at - s.at >= min_span_s:
+            pairs.append((s, end))
+            end = s
+    return pairs[::-1]
 
 
 def need(iv: Interval, policy: Policy, band: float = 1.0) -> int:
@@ -121,7 +177,7 @@ def need(iv: Interval, policy: Policy, band: float = 1.0) -> int:
         return math.ceil(round(iv.rpm / (policy.target_rpm * band), 9))
     # cost: pod k serves what pods 1..k-1 leave, up to its target; it runs while the API would
     # charge more than the pod's hour for those requests.
-    per_req = (iv.prompt_per_req * policy.api_price[0] + iv.completion_per_req * policy.api_price[1]) / 1e6
+    per_req = _per_req(iv, policy)
     n = 0
     for k in range(1, policy.max + 1):
         served_rpm = min(policy.target_rpm, iv.rpm - (k - 1) * policy.target_rpm)
@@ -150,14 +206,18 @@ def _window(ivs: list[Interval], now: float, seconds: float) -> list[Interval] |
 def decide(samples: list[Sample], policy: Policy, current: int, now: float) -> Decision:
     """The pods the cell should run (``desired``) and why, given the counters seen so far,
     the pods it runs (``current``) and the time. Pure: the same input, the same answer."""
-    bounded = min(max(current, policy.min), policy.max)
+    if policy.policy == LATENCY:  # its spare pods always run: a count short of them gets them
+        bounded = policy.declared(min(max(needed_of(current, INTERRUPTIBLE, policy.spare), policy.min), policy.max))
+    else:  # the cost policy's run while they pay (hedge): any count up to max + spare holds
+        bounded = min(max(current, policy.min), policy.max + (policy.spare if policy.max > 0 else 0))
     if bounded != current:
-        return Decision(bounded, f"{current} pods is outside colocate:scale {policy.min}..{policy.max}", None)
+        spare = f" and {policy.spare} spare" if policy.spare else ""
+        return Decision(bounded, f"{current} pods is outside colocate:scale {policy.min}..{policy.max}{spare}", None)
     latest = max((s.at for s in samples), default=None)
     if latest is None or now - latest > policy.stale_after_s:
         seen = "no signal yet" if latest is None else f"no signal for {now - latest:.0f} s"
         return Decision(current, f"{seen}: holding {current} pods", None)
-    ivs = intervals(samples, policy.stale_after_s)
+    ivs = intervals(samples, policy.stale_after_s, policy.min_interval_s)
     if not ivs or ivs[-1].end < latest:
         why = "one sample so far" if len(samples) < 2 else "the counters restarted or skipped"
         return Decision(current, f"{why}: holding {current} pods", None)
@@ -167,11 +227,24 @@ def decide(samples: list[Sample], policy: Policy, current: int, now: float) -> D
     up = _window(ivs, now, policy.up_after_s)
     if up is not None:
         n = min(min(need(iv, policy) for iv in up), policy.max)
-        if n > current:
-            return Decision(n, f"{what} needs {n} pods for {policy.up_after_s:g} s: up from {current}", demand)
+        want = policy.declared(n, min(iv.rpm for iv in up), _per_req(up[-1], policy))
+        if want > current:
+            return Decision(want, f"{what} needs {n} pods for {policy.up_after_s:g} s{_spare(want - n)}: "
+                            f"up from {current}", demand)
     down = _window(ivs, now, policy.down_after_s)
     if down is not None:
         n = max(max(need(iv, policy, DOWN_BAND) for iv in down), policy.min)
-        if n < current:
-            return Decision(n, f"{what} needs at most {n} pods for {policy.down_after_s:g} s: down from {current}", demand)
+        want = policy.declared(n, max(iv.rpm for iv in down) * DOWN_BAND, _per_req(down[-1], policy))
+        if want < current:
+            return Decision(want, f"{what} needs at most {n} pods for {policy.down_after_s:g} s"
+                            f"{_spare(want - n)}: down from {current}", demand)
     return Decision(current, f"{what}: {current} pods hold", demand)
+
+
+def _per_req(iv: Interval, policy: Policy) -> float:
+    """One request's cost at the fallback, $."""
+    return (iv.prompt_per_req * policy.api_price[0] + iv.completion_per_req * policy.api_price[1]) / 1e6
+
+
+def _spare(k: int) -> str:
+    return f" (+{k} spare)" if k > 0 else ""

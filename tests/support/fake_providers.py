@@ -400,13 +400,17 @@ HOURS_PER_MONTH = 30 * 24
 
 def offer(offer_id: int, country: str, price: float, gpu: str = "RTX 4090", reliability: float = 0.995,
           direct_ports: int = 10, city: str = "Taipei", cuda: float = 12.9, disk_space: float = 500.0,
-          storage_cost: float = 0.0, datacenter: bool = True, static_ip: bool = True, inet_cost: float = 0.005) -> dict:
+          storage_cost: float = 0.0, datacenter: bool = True, static_ip: bool = True, inet_cost: float = 0.005,
+          min_bid: float | None = None, machine: int | None = None) -> dict:
     """An offer; ``price`` is its $/h without disk (``dph_base``), so with the default storage_cost of 0
-    its dph_total is ``price`` at any disk size."""
+    its dph_total is ``price`` at any disk size. ``min_bid``: the least an interruptible rent may bid
+    (default: the spec's example ratio, 0.111111 of 0.234567); ``machine``: its host (default its own)."""
     return {"id": offer_id, "ask_contract_id": offer_id, "gpu_name": gpu, "num_gpus": 1, "geolocation": f"{city}, {country}",
+            "min_bid": round(price * 0.111111 / 0.234567, 6) if min_bid is None else min_bid, "is_bid": False,
             "dph_base": price, "storage_cost": storage_cost, "dph_total": _dph(price, storage_cost, DEFAULT_ALLOCATED_GB),
             "reliability": reliability, "direct_port_count": direct_ports, "rentable": True, "verified": True,
-            "verification": "verified", "public_ipaddr": "127.0.0.1", "machine_id": offer_id * 10,
+            "verification": "verified", "public_ipaddr": "127.0.0.1",
+            "machine_id": offer_id * 10 if machine is None else machine,
             "cuda_max_good": cuda, "disk_space": disk_space, "datacenter": datacenter, "static_ip": static_ip,
             "inet_down_cost": inet_cost, "inet_up_cost": inet_cost}
 
@@ -478,11 +482,16 @@ class FakeVast(FakeApi):
                     "application/json",
                 )
             o = _priced(next(o for o in self.offers if o["id"] == ask), body.get("disk", DEFAULT_ALLOCATED_GB))
+            bid = body.get("price")
+            if bid is not None and bid < o["min_bid"]:  # the host runs the higher bidder: this one never would
+                return 400, {"success": False, "error": "invalid_args",
+                             "msg": f"bid {bid} is below the machine's min_bid {o['min_bid']}"}, {}, "application/json"
             iid = next(self.ids)
             self.instances[iid] = {"id": iid, "label": body.get("label"), "actual_status": "loading",
                                    "intended_status": "running", "cur_state": "running", "next_state": "running",
                                    "gpu_name": o["gpu_name"], "num_gpus": 1, "geolocation": o["geolocation"],
-                                   "dph_total": o["dph_total"], "machine_id": o["machine_id"],
+                                   "dph_total": o["dph_total"] if bid is None else bid, "machine_id": o["machine_id"],
+                                   "is_bid": bid is not None, "min_bid": o["min_bid"],
                                    "public_ipaddr": "127.0.0.1", "ports": {}, "_env": body.get("env", ""),
                                    "_args": body.get("args") or []}
             self.polls[iid] = 0
@@ -527,14 +536,8 @@ class FakeVast(FakeApi):
                     "success": True,
                     "instances_found": len(self.live()),
                     "next_token": None,
-                    "instances": [
-                        {
-                            k: v
-                            for k, v in _public(i).items()
-                            if k in ("id", "label", "actual_status", "cur_state", "next_state", "intended_status")
-                        }
-                        for i in self.live()
-                    ],
+                    # select_cols' default is ["*"], every column (the spec's listInstances)
+                    "instances": [_public(i) for i in self.live()],
                 },
                 {},
                 "application/json",
@@ -547,6 +550,15 @@ class FakeVast(FakeApi):
         """``actual_status`` becomes exited, offline or unknown (the host went away); nothing answers."""
         with self.lock:
             self.instances[int(iid)]["actual_status"] = status
+            self.stop_backend(str(iid))
+
+    def outbid(self, iid: str | int) -> None:
+        """A higher bid takes the interruptible instance's host: it is stopped, its processes killed (Vast.ai's
+        rental-types FAQ), while the renter still means it to run (intended_status running)."""
+        with self.lock:
+            inst = self.instances[int(iid)]
+            assert inst["is_bid"], "only an interruptible instance is outbid"
+            inst["actual_status"] = "stopped"
             self.stop_backend(str(iid))
 
     def readdress(self, iid: str | int) -> int:

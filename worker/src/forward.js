@@ -234,6 +234,16 @@ export function stallEvent(stallMs) {
 }
 
 /**
+ * The event that ends a client's stream whose pod broke off after its first token (its connection
+ * lost: a pod preempted or killed): OpenAI's error shape, which OpenAI's SDKs raise.
+ */
+export function brokenEvent() {
+  const error = { message: "the pod's answer broke off after it had begun (its connection was lost): cut here; retry the request",
+    type: "server_error", code: "upstream_broken" };
+  return encoder.encode(`data: ${JSON.stringify({ error })}\n\n`);
+}
+
+/**
  * The pace of a pod's stream after its first token: stalls (nothing for `stallMs` while
  * the router waits for the next chunk; time spent waiting on the client's side, which
  * holds the stream back, is not the pod's), and the token rate, from the events read and

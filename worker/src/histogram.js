@@ -57,8 +57,13 @@ export const PICKS = Object.freeze(["affinity", "shed"]);
  * the deadline): where one key's long prompts show (docs/worker.md, "Busy is not broken").
  */
 export const QUEUED = Object.freeze(["queue"]);
+/**
+ * `cut` counts streams only (each a 0 in bucket 0): a stream whose pod broke off or stalled after
+ * its first token, ended with an error event (router.js; a preempted pod's streams end so).
+ */
+export const CUTS = Object.freeze(["cut"]);
 /** Every segment a request's row may carry, in the recorder's layout. */
-export const LIVE = Object.freeze([...ROUTED, ...STREAMED, ...PICKS, ...QUEUED]);
+export const LIVE = Object.freeze([...ROUTED, ...STREAMED, ...PICKS, ...QUEUED, ...CUTS]);
 const AT = Object.fromEntries(LIVE.map((s, i) => [s, i * BUCKETS]));
 const MINUTE_MS = 60000;
 const MAX_MINUTES = 180; // unsynced minutes an isolate keeps (the object unreachable for hours: oldest dropped)
@@ -408,6 +413,11 @@ export function recordStream(backend, client, ttftMs, afterFirstMs, tokens) {
 /** A pod request's wait for its first token, `ms` (`backend` "pod-<i>"; a negative wait is not recorded). */
 export function recordQueue(backend, client, ms) {
   if (ms >= 0) recorder.one(Date.now(), whoOf(backend, client), "queue", ms);
+}
+
+/** A stream of `backend` ("pod-<i>") cut after its first token (its pod broke off or stalled). */
+export function recordCut(backend, client) {
+  recorder.one(Date.now(), whoOf(backend, client), "cut", 0);
 }
 
 /** A prefix-affinity pick for pod `index`: to the point's own pod, or shed by the load bound. */

@@ -11,7 +11,7 @@
 // buckets (within 1.08 %): the Worker keeps no exact sum. Labels name pods by index and
 // colos by IATA code, keys by id (bounded: the keys refused most); never a key, a digest or a URL.
 
-import { BUCKETS, EDGES, PICKS, REPS, TOP, decode, total } from "./histogram.js";
+import { BUCKETS, CUTS, EDGES, PICKS, REPS, TOP, decode, total } from "./histogram.js";
 import { CLOSED, HALF_OPEN, OPEN } from "./machine.js";
 import { REFUSAL_KEYS } from "./refusals.js";
 
@@ -66,7 +66,17 @@ export function exposition(m, cfg, caches = []) {
   // together here, so the series stay as few as the cell's pods and colos.
   const series = new Map();
   const picks = new Map(); // "pod-<i>|affinity" -> requests (prefix affinity's picks: counts, not durations)
+  const cuts = new Map(); // "pod-<i>" -> streams cut after their first token (counts, not durations)
   for (const [colo, who, segment, text] of m.segments) {
+    if (CUTS.includes(segment)) {
+      try {
+        const k = `pod-${who.split("@")[0]}`;
+        cuts.set(k, (cuts.get(k) || 0) + total(decode(text)));
+      } catch {
+        // as below
+      }
+      continue;
+    }
     if (PICKS.includes(segment)) {
       try {
         const k = `pod-${who.split("@")[0]}|${segment}`;
@@ -117,6 +127,9 @@ export function exposition(m, cfg, caches = []) {
     const [backend, by] = k.split("|");
     out.push(`colocate_balance_picks_total${labels({ backend, by: by === "shed" ? "load" : "affinity" })} ${picks.get(k)}`);
   }
+  family(out, "colocate_streams_cut_total", "counter",
+    "Streams a pod broke off or stalled after their first token (a preempted pod's), each ended with an error event in OpenAI's shape and charged what was sent.");
+  for (const k of [...cuts.keys()].sort()) out.push(`colocate_streams_cut_total${labels({ backend: k })} ${cuts.get(k)}`);
   family(out, "colocate_pod_prefix_cache_hits_total", "counter",
     "Prompt tokens each pod found in its prefix cache, as the pod reports (vllm:prefix_cache_hits), since it started.");
   for (const c of caches) out.push(`colocate_pod_prefix_cache_hits_total${labels({ pod: c.index })} ${c.hits}`);
@@ -149,11 +162,11 @@ function keeperLines(out, k) {
   for (const name of KEEPER_ALERTS) out.push(`colocate_keeper_alert${labels({ alert: name })} ${raised.has(name) ? 1 : 0}`);
   family(out, "colocate_keeper_last_pass_timestamp_seconds", "gauge", "When the keeper last recorded a pass (an old value: no keeper runs).");
   out.push(`colocate_keeper_last_pass_timestamp_seconds ${count(k.at) / 1000}`);
-  family(out, "colocate_keeper_pod_state", "gauge", "Each pod as the keeper last found it (ok, dead, gone, remapped, misplaced, unhealthy, unknown): 1 for the state it is in.");
+  family(out, "colocate_keeper_pod_state", "gauge", "Each pod as the keeper last found it (ok, dead, preempted, gone, remapped, misplaced, unhealthy, unknown): 1 for the state it is in.");
   for (const p of Array.isArray(k.pods) ? k.pods : []) {
     if (p && Number.isInteger(p.index) && typeof p.state === "string") out.push(`colocate_keeper_pod_state${labels({ pod: p.index, state: p.state })} 1`);
   }
-  family(out, "colocate_keeper_replacements_total", "counter", "Pods the keeper replaced alone, by pod index and why (dead, gone, remapped, misplaced, unhealthy, certificate).");
+  family(out, "colocate_keeper_replacements_total", "counter", "Pods the keeper replaced alone, by pod index and why (dead, preempted, gone, remapped, misplaced, unhealthy, certificate).");
   for (const r of Array.isArray(k.replacements) ? k.replacements : []) {
     if (r && Number.isInteger(r.pod) && typeof r.reason === "string") out.push(`colocate_keeper_replacements_total${labels({ pod: r.pod, reason: r.reason })} ${count(r.n)}`);
   }

@@ -324,7 +324,9 @@ function spliced(b, from, to) {
  * (`want`: {usage, continuous}), counting in `tally`; call `done(usage | null)` once, when it
  * ends or is cut (the client left, the pod broke, or past `cap` bytes: cut there with
  * usage.js `streamCut`): the usage known by then (`tally.usage()`; null when the pod reported
- * none, its generated text's characters then in `tally.chars`). `piped` settles then.
+ * none, its generated text's characters then in `tally.chars`). `piped` settles then. When the
+ * pod's stream breaks, `onBreak(err)` gives the bytes that end the client's stream (an error
+ * event a client's SDK raises), or null to fail it (its client is gone).
  *
  * The client's body is a pull stream (highWaterMark 0): the runtime asks for a chunk when the
  * client can take one, and each pull reads the pod's next chunk, cuts it and hands it over,
@@ -332,7 +334,7 @@ function spliced(b, from, to) {
  * await. A client that stops reading stops the pulls; one that leaves cancels the stream,
  * which cancels the pod's. Only a chunk that ends mid-event waits for the rest of its event.
  */
-export function pumpPod(source, want, tally, cap, done) {
+export function pumpPod(source, want, tally, cap, done, onBreak = null) {
   let carry = null; // the start of an event whose end has not arrived yet
   let read = 0;
   let finished = false;
@@ -390,9 +392,14 @@ export function pumpPod(source, want, tally, cap, done) {
           }
         }
       } catch (err) {
-        // The pod's stream broke (or was cancelled for a hang-up): the client's ends with it;
-        // what the pod reported by then is counted.
-        c.error(err);
+        // The pod's stream broke (or was cancelled for a hang-up): the client's ends with it,
+        // told why where it is still there; what the pod reported by then is counted.
+        const last = onBreak === null ? null : onBreak(err);
+        if (last === null) c.error(err);
+        else {
+          c.enqueue(last);
+          c.close();
+        }
         finish();
       }
     },

@@ -9,7 +9,9 @@
 import { readBody, parseJsonObject } from "./body.js";
 import { readConfig } from "./config.js";
 import { ConfigurationError, HttpError, errorResponse, log, redact } from "./errors.js";
-import { callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, streamable, tryPod, upstreamBody, upstreamHeaders } from "./forward.js";
+import {
+  brokenEvent, callFallback, clientInit, fallbackBytes, healthOk, isStream, podFetch, streamable, tryPod, upstreamBody, upstreamHeaders,
+} from "./forward.js";
 import { assembleBytes } from "./assemble.js";
 import { bearer, digestOf, looksLikeKey, remember, rememberedDigest, sameDigest } from "./keys.js";
 import { estimate, leaseRefusal, mostTokens, neverFits, rateHeaders, refusal, underFleetLimit } from "./limits.js";
@@ -38,7 +40,7 @@ import { podFields } from "./podfields.js";
 import { handleAdmin, tokenMatches } from "./admin.js";
 import { clientAddress, returnLookup, takeLookup, takeTotal } from "./strangers.js";
 import { fallbackCapRefusal, fallbackModel, fallbackShare, worstCost } from "./spendcap.js";
-import { learnColo, recordPick, recordQueue, recordRequest, recordStream } from "./histogram.js";
+import { learnColo, recordCut, recordPick, recordQueue, recordRequest, recordStream } from "./histogram.js";
 
 /**
  * @param {Request} request
@@ -434,17 +436,26 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
       // events it asked for, and a cut is charged what the pod had made (podstream.js).
       const want = { usage: wantUsage, continuous: wantUsage && json.stream_options.continuous_usage_stats === true };
       const tally = tab.tally;
+      let broke = false; // the pod's stream broke off after its first token (a pod preempted or killed)
       const ended = (usage) => {
         finished(podUrl);
         usage ??= guess(tally.chars);
-        meter(backend, usage);
+        meter(backend, usage); // what the client was sent, however it ended
         streamEnded(backend, timing.client, first, t0, usage);
         if (!pace) return;
-        // A stall after the first token is the pod's failure; the client saw the cut (forward.js stallEvent).
-        if (pace.stalled) report(env, ctx, cfg, podUrl, false, from, witness);
-        else judge(podUrl, pace, view);
+        // A stall or a break after the first token is the pod's failure; the client saw the cut, an
+        // error event (forward.js stallEvent, brokenEvent), counted for the live view and /metrics.
+        if (pace.stalled || broke) {
+          recordCut(backend, timing.client);
+          report(env, ctx, cfg, podUrl, false, from, witness);
+        } else judge(podUrl, pace, view);
       };
-      const tap = pace ? pumpPod(pace, want, tally, cap, ended) : counted(res.response.body, ended);
+      const onBreak = () => {
+        if (tab.hungUp) return null; // the client left: nobody reads an error event
+        broke = true;
+        return brokenEvent();
+      };
+      const tap = pace ? pumpPod(pace, want, tally, cap, ended, onBreak) : counted(res.response.body, ended);
       tab.pumping = true;
       ctx.waitUntil(tap.piped);
       return finish(tap.body, clientInit(res.response), backend, timing, t0, limits);
@@ -452,12 +463,15 @@ async function routed(request, env, ctx, cfg, url, r, fetchImpl, hop) {
     finished(podUrl);
     const { reason } = /** @type {{reason: string}} */ (res);
     log(env, "pod_failed", { reason, pod: index, generation: gen });
-    if (res.started) {
+    if (res.started && reason !== "broken") {
       // The answer had begun: it is not bought again (docs/worker.md, "Routing"). A pod that
       // failed before it, as in any answer another pod began, failed on its own account.
       blame(suspects, "pod");
       return brokenAnswer(env, ctx, cfg, podUrl, from, witness, backend, res.bytes, meter, guess, timing, t0, limits, reason, tab.tally);
     }
+    // An answer being assembled whose pod broke off (its connection lost: preempted, killed) has
+    // sent its client nothing: another pod or the fallback serves it, as any failure before a
+    // first token; what the lost pod made is not the client's to pay.
     suspects.push(podUrl);
     if (reason === "deadline") {
       missed = { url: podUrl, ahead };

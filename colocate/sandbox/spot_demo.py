@@ -1,0 +1,417 @@
+"""``sandbox.py demo-spot``: ``demo-autoscale``'s day on interruptible pods, against the same day on demand.
+
+The fleet, its users and their day are ``demo-autoscale``'s (colocate/sandbox/autoscale_demo.py: three
+cells, the cost policy, 0 to 2 pods a cell, a pod's 20-minute boot compressed with the day), run twice
+in real workerd with stand-in pods: first every pod on demand, then every pod interruptible
+(``colocate:pod.market interruptible``, ``SPARE`` spare pod a cell, run while it pays: SpotHedge's
+over-provisioning, colocate/scaling/policy.py ``hedge``; otherwise the fleet and the capped fallback
+carry a preempted pod's share while its replacement boots). Each request is a stream (its client times its
+first token, and sees how it ends). On both days each cell's controller keeps its cell too (the
+keeper, colocate/keeper.py), passing every ``KEEP_INTERVAL_S`` of the day.
+
+On the interruptible day the sandbox's host preempts pods (``Market``): each interruptible pod that
+serves gets a life drawn at ``spot_day.PREEMPTIONS_PER_HOUR`` of the day; when it ends, the local
+provider reports the pod preempted and kills its process (colocate/pods/local.py ``preempt``). The
+Worker sees the hop fail at once (its requests not yet begun go to the other pod, the next cell or
+the fallback; a stream cut mid-answer ends with an error event); the keeper finds the pod preempted
+at its next pass and replaces it alone, the replacement booting for 20 minutes of the day.
+
+``Biller`` samples what each cell is billed for: its pods that serve or drain (a preempted one no more)
+and the pods being rented (from the decision, through the boot, until the apply that creates them
+returns). The figures and the verdicts are colocate/scaling/spot_day.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from .. import stackfile
+from ..cell import settings as settings_mod
+from ..cell.market import INTERRUPTIBLE
+from ..cell.plan import modules_hash, worker_modules
+from ..errors import ConfigError
+from ..pods.base import DEAD
+from ..pods.local import Local
+from ..scaling import day, spot_day
+from ..scaling.controller import CellClient, Controller, policy_of
+from ..scaling.keeper import Keeper
+from . import autoscale_demo as base, fleet, supervisor
+from .demo import say
+from .errors import SandboxError
+from .pods import recorded_pods
+from .scaling import SandboxDeployer
+from .statedir import LOCAL_PODS_DIR
+
+KEEP_INTERVAL_S = 60.0  # of the day between a controller's passes: a preempted pod is found within a minute of it
+SPARE = 1  # colocate:pod.spare on the interruptible day
+SAMPLE_S = 0.05  # wall seconds between the biller's samples (0.5 minute of the default day)
+ON_DEMAND_PER_HR = base.PRICES.pod_per_hr  # demo-autoscale's $0.60/h
+STREAM_BODY = {**base.BODY, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def local_provider(state_dir: Path) -> Local:
+    provider = Local()
+    provider.dir = Path(state_dir) / LOCAL_PODS_DIR  # where the sandbox's pod.py keeps its stand-ins
+    return provider
+
+
+def serving_ids(state_dir: Path) -> set[str]:
+    """The cell's pods that serve or drain, as billed: recorded, and not taken back by the host."""
+    provider = local_provider(state_dir)
+    out = set()
+    for p in recorded_pods(state_dir):
+        with contextlib.suppress(Exception):  # a record the apply just rewrote: the next sample reads it
+            if provider.describe(str(p["id"])).state != DEAD:
+                out.add(str(p["id"]))
+    return out
+
+
+@dataclass
+class Renting:
+    """Pods a decision rents: billed from then until they are recorded (they serve), or the apply returns."""
+
+    cell: str
+    k: int
+    before: set[str]
+
+
+class Biller(threading.Thread):
+    """Each cell's billed pods over the day, sampled every SAMPLE_S: ``billed[cell]`` is a step function of
+    (UTC hour of the day, pods billed)."""
+
+    def __init__(self, cells: dict[str, Path], clock: base.DayClock):
+        super().__init__(daemon=True)
+        self.cells, self.clock = cells, clock
+        self.renting: list[Renting] = []
+        self.billed: dict[str, list[tuple[float, int]]] = {c: [] for c in cells}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+
+    def rent(self, cell: str, k: int) -> Renting:
+        r = Renting(cell, k, serving_ids(self.cells[cell]))
+        with self.lock:
+            self.renting.append(r)
+        self.sample(cell)
+        return r
+
+    def rented(self, r: Renting) -> None:
+        with self.lock:
+            self.renting.remove(r)
+        self.sample(r.cell)
+
+    def sample(self, cell: str) -> None:
+        ids = serving_ids(self.cells[cell])
+        with self.lock:
+            booting = sum(max(0, r.k - len(ids - r.before)) for r in self.renting if r.cell == cell)
+            n, steps = len(ids) + booting, self.billed[cell]
+            if not steps or steps[-1][1] != n:
+                steps.append((self.clock.hours(), n))
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            for cell in self.cells:
+                self.sample(cell)
+
+
+class Market(threading.Thread):
+    """The sandbox's host of interruptible pods: each one that serves gets a life drawn at ``rate`` a pod-hour
+    of the day; when it ends, the local provider preempts it (recorded, then its process killed)."""
+
+    def __init__(self, cells: dict[str, Path], clock: base.DayClock, rng: random.Random, say,
+                 rate: float = spot_day.PREEMPTIONS_PER_HOUR):
+        super().__init__(daemon=True)
+        self.cells, self.clock, self.rng, self.say, self.rate = cells, clock, rng, say, rate
+        self.ends: dict[str, float] = {}  # pod id -> the UTC hour of the day its host takes it back
+        self.preempted: list[tuple[float, str, str]] = []  # (hour, cell, pod id)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            now = self.clock.hours()
+            for cell, state_dir in self.cells.items():
+                provider = local_provider(state_dir)
+                for pod_id in sorted(serving_ids(state_dir)):
+                    end = self.ends.setdefault(pod_id, now + spot_day.lifetime_h(self.rng, self.rate))
+                    if now >= end and provider.preempt(pod_id):
+                        self.preempted.append((now, cell, pod_id))
+                        self.say(cell, f"pod {pod_id.rsplit('-p', 1)[-1][:1]} preempted (its host took it back)")
+
+
+class KeeperDeployer:
+    """The keeper's deployer: ``SandboxDeployer``, with a replacement's boot compressed with the day (billed
+    from the decision, as ``BootingDeployer``'s new pods are)."""
+
+    def __init__(self, inner: SandboxDeployer, cell: str, clock: base.DayClock, biller: Biller, say):
+        self.inner, self.cell, self.clock, self.biller, self.say = inner, cell, clock, biller, say
+        self.replaced = 0
+
+    def pods(self):
+        return self.inner.pods()
+
+    def describe(self, pod):
+        return self.inner.describe(pod)
+
+    def certificates(self):
+        return self.inner.certificates()
+
+    def renew(self, role: str) -> None:
+        self.inner.renew(role)
+
+    def replace(self, indices, replaced) -> None:
+        renting = self.biller.rent(self.cell, len(indices))
+        try:
+            self.say(f"keeper: replacing pod {', '.join(map(str, indices))}: {len(indices)} pod(s) booting")
+            time.sleep(self.clock.wall(base.BOOT_S))
+            self.inner.replace(indices, replaced)
+            self.replaced += len(indices)
+        finally:
+            self.biller.rented(renting)
+
+
+class BilledBootingDeployer(base.BootingDeployer):
+    """``BootingDeployer`` whose new pods the biller counts from the decision."""
+
+    def __init__(self, inner: SandboxDeployer, clock: base.DayClock, log: base.PodLog, say, cell: str, biller: Biller):
+        super().__init__(inner, clock, log, say)
+        self.cell, self.biller = cell, biller
+
+    def deploy(self, pods: int, draining: int) -> None:
+        more = pods + draining - sum(self.inner.declared())
+        renting = self.biller.rent(self.cell, more) if more > 0 else None
+        try:
+            super().deploy(pods, draining)
+        finally:
+            if renting is not None:
+                self.biller.rented(renting)
+
+
+def stream_one(session: requests.Session, url: str, key: str, at_h: float, home: str) -> day.Served:
+    """One streamed request: its first token's time, its usage, how it ended (done, cut by an error
+    event after it began, or failed)."""
+    t = time.monotonic()
+    ttft = None
+    try:
+        with session.post(url + "/v1/chat/completions", json=STREAM_BODY, headers={"authorization": f"Bearer {key}"},
+                          timeout=30, stream=True) as r:
+            cell, backend = r.headers.get("x-colocate-cell"), r.headers.get("x-colocate-backend")
+            if r.status_code != 200:
+                return day.Served(at_h, home, False, cell, backend, e2e_ms=(time.monotonic() - t) * 1000,
+                                  why=f"HTTP {r.status_code}: {base._error_message(r)}")
+            tokens, done, error = 0, False, None
+            for line in r.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[len(b"data: "):]
+                if data == b"[DONE]":
+                    done = True
+                    break
+                doc = json.loads(data)
+                if "error" in doc:  # OpenAI's shape: what the SDK raises
+                    error = doc["error"]
+                    break
+                if doc.get("usage"):
+                    tokens = int(doc["usage"].get("total_tokens", 0))
+                if ttft is None and any((c.get("delta") or {}).get("content") for c in doc.get("choices") or []):
+                    ttft = (time.monotonic() - t) * 1000
+            e2e = (time.monotonic() - t) * 1000
+            if error is not None:
+                return day.Served(at_h, home, False, cell, backend, tokens, e2e, f"error event: {error.get('code')}",
+                                  ttft_ms=ttft, cut=True)
+            if not done:
+                return day.Served(at_h, home, False, cell, backend, tokens, e2e, "the stream ended without [DONE]",
+                                  ttft_ms=ttft)
+            return day.Served(at_h, home, True, cell, backend, tokens, e2e, ttft_ms=ttft)
+    except (requests.RequestException, ValueError) as exc:
+        return day.Served(at_h, home, False, backend=type(exc).__name__, e2e_ms=(time.monotonic() - t) * 1000,
+                          why=f"{type(exc).__name__}: {str(exc)[:200]}", ttft_ms=ttft)
+
+
+class SpotDay(base.Demo):
+    """One day of the fleet on one market (``ondemand`` or ``interruptible``)."""
+
+    def __init__(self, state_dir: Path, shape, prices: day.Prices, day_s: float, sent: int, market: str, seed: int):
+        super().__init__(state_dir, shape, prices, day_s, sent)
+        self.market, self.seed = market, seed
+        self.interval_s = KEEP_INTERVAL_S
+        self.pod_per_hr = ON_DEMAND_PER_HR * (spot_day.INTERRUPTIBLE_SHARE if market == INTERRUPTIBLE else 1.0)
+        self.keepers: dict[str, KeeperDeployer] = {}
+        self.biller: Biller | None = None
+        self.host: Market | None = None
+
+    def fresh(self) -> None:
+        super().fresh()
+        for cell in base.CELLS:  # the sandbox's local provider emulates a market: how each pod is rented
+            # Every site's users share the fleet's one key (demo-autoscale): while a cell has no pod its users'
+            # prompts wait elsewhere, and the key's prompt tokens in flight are not what this day measures.
+            raw, _ = stackfile.read_config(cell, self.stacks_dir)
+            defaults = {**((raw.get("keys") or {}).get("defaults") or {}), "maxParallelTokens": 0}
+            stackfile.write_config(cell, {"pod.provider": "local", "pod.market": self.market,
+                                          "pod.spare": SPARE if self.market == INTERRUPTIBLE else 0,
+                                          "keys": {"defaults": defaults}}, self.stacks_dir)
+
+    def cell_say(self, cell: str):
+        def say_(line: str) -> None:
+            print(f"    {self.clock.hours():5.1f} h  {cell:<8} {line}", flush=True)
+        return say_
+
+    def controller(self, cell: str) -> Controller:
+        ready = self.ready(cell)
+        raw, _ = stackfile.read_config(cell, self.stacks_dir)
+        price = settings_mod.parse_fallback_price(raw.get("fallbackPrice"))
+        spare = SPARE if self.market == INTERRUPTIBLE else 0
+        policy = policy_of(settings_mod.parse_scale(raw, price, spare), price, self.pod_per_hr / self.per, spare)
+        # The keeper passes every minute of the day, the demand is judged over demo-autoscale's passes (30
+        # minutes of it): a minute holds ~0.1 request sent, and most minutes none.
+        policy = dataclasses.replace(policy, stale_after_s=base.STALE_AFTER_S, min_interval_s=base.INTERVAL_S)
+        say_ = self.cell_say(cell)
+
+        def said(line: str) -> None:  # the controller's own lines, only when something went wrong
+            if "fail" in line or "anyway" in line or "no signal" in line:
+                say_(line)
+
+        inner = SandboxDeployer(cell, Path(ready["state_dir"]))
+        assert self.biller is not None
+        deployer = BilledBootingDeployer(inner, self.clock, self.logs[cell], say_, cell, self.biller)
+        keeping = KeeperDeployer(SandboxDeployer(cell, Path(ready["state_dir"])), cell, self.clock, self.biller, say_)
+        self.keepers[cell] = keeping
+        keeper = Keeper(keeping, modules_hash(worker_modules()), clock=self.clock.seconds, say=said)
+        return Controller(CellClient(ready["worker_url"], ready["token"]), deployer, policy, owner=f"demo-spot:{cell}",
+                          clock=self.clock.seconds, lock_ttl_s=30.0, drain_timeout_s=self.clock.wall(base.DRAIN_S),
+                          settle_s=1.0, say=said, keeper=keeper)
+
+    def one(self, session: requests.Session, url: str, at_h: float, home: str) -> day.Served:
+        return stream_one(session, url, self.out["key"], at_h, home)
+
+    def run_day(self) -> None:
+        cells = {c: Path(self.ready(c)["state_dir"]) for c in base.CELLS}
+        self.biller = Biller(cells, self.clock)
+        self.host = Market(cells, self.clock, random.Random(self.seed), lambda cell, line: self.cell_say(cell)(line))
+        self.biller.start()
+        if self.market == INTERRUPTIBLE:
+            self.host.start()
+        try:
+            super().run_day()  # the clock starts here: the biller's first samples are the day's first pods
+        finally:
+            self.host.stop.set()
+            self.biller.stop.set()
+
+    def figures(self) -> dict:
+        assert self.biller is not None and self.host is not None
+        measured = spot_day.Day(self.market, tuple(self.served), {c: list(v) for c, v in self.biller.billed.items()},
+                                self.pod_per_hr, preemptions=len(self.host.preempted),
+                                replaced=sum(k.replaced for k in self.keepers.values()))
+        raw, _ = stackfile.read_config(base.CELLS[0], self.stacks_dir)
+        cap = float((raw.get("fallbackCap") or {}).get("cellUsdPerDay") or 0)
+        return spot_day.day_figures(measured, self.prices, self.per, base.MAX_PODS, cap)
+
+
+def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = base.DAY_S, sent: int = base.SENT,
+        seed: int = 1, shape_file: Path | None = None) -> int:
+    try:
+        shape = (day.parse_shape(Path(shape_file).read_text(), base.CELLS, f"--shape {shape_file}") if shape_file
+                 else day.default_shape(base.CELLS))
+    except OSError as exc:
+        return base._refused(f"--shape {shape_file}: {exc.strerror}. Fix: give a CSV file of cell,hour,requests_per_minute",
+                             as_json)
+    except ConfigError as exc:
+        return base._refused(str(exc), as_json)
+    root = Path(state_dir or supervisor.default_state_dir("demo-spot")).resolve()
+    real_stdout = sys.stdout
+    out: dict | None = None
+    failure = None
+    with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):
+        try:
+            code, out = _run(root, shape, day_s, sent, seed)
+        except Exception as exc:  # noqa: BLE001 - said; the JSON carries it
+            print(f"demo-spot: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            code, failure = 1, f"{type(exc).__name__}: {exc}"
+    if as_json:
+        print(json.dumps(out if out is not None else {"error": failure or "the days were not measured"}), file=real_stdout,
+              flush=True)
+    return code
+
+
+def _run(root: Path, shape, day_s: float, sent: int, seed: int) -> tuple[int, dict | None]:
+    started = time.monotonic()
+    prices = base.PRICES
+    figures: dict[str, dict] = {}
+    per = day.per_request(shape, sent)
+    say(f"A day of three cells ({', '.join(base.CELLS)}) twice, compressed into {day_s:.0f} s each: every pod on demand "
+        f"(${ON_DEMAND_PER_HR:g}/h), then every pod interruptible (${ON_DEMAND_PER_HR * spot_day.INTERRUPTIBLE_SHARE:.2f}/h, "
+        f"{spot_day.INTERRUPTIBLE_SHARE:g} of it: {spot_day.PRICE_SOURCE}) and preempted "
+        f"{spot_day.PREEMPTIONS_PER_HOUR:.2f} times a pod-hour ({spot_day.PREEMPTION_SOURCE}). A pod boots in "
+        f"{base.BOOT_S / 60:.0f} min of the day; each request is a stream and stands for {per} of the day's.")
+    for market in spot_day.DAYS:
+        demo = SpotDay(root / market, shape, prices, day_s, sent, market, seed)
+        try:
+            say(f"The day on {market} pods (UTC hours; preemptions and replacements as they happen).")
+            demo.fresh()
+            demo.up()
+            demo.warm_up()
+            demo.run_day()
+            figures[market] = demo.figures()
+        except (ConfigError, SandboxError) as exc:
+            print(f"demo-spot: {exc}", file=sys.stderr)
+            return 2, None
+        finally:
+            try:
+                with fleet.deferred_signals():
+                    fleet.down(demo.fleet_dir)
+            except Exception as exc:  # noqa: BLE001 - said; the day's figures stand
+                print(f"    the fleet could not be stopped ({type(exc).__name__}: {exc}): .venv/bin/python "
+                      f"scripts/sandbox.py down --state-dir {demo.fleet_dir}", flush=True)
+        print_day(figures[market], demo)
+    out = spot_day.report(figures, prices, per)
+    say("The two days' bills ($), their failures and their pods' TTFT.")
+    print(table(out))
+    verdicts = spot_day.verdicts(out)
+    for ok, text in verdicts:
+        print(f"    {'PASS' if ok else 'FAIL'}  {text}")
+    spot = out["days"]["interruptible"]
+    print(f"\n    Priced at the Vast.ai spec example's share ({spot_day.SPEC_EXAMPLE_SHARE:g} of on demand) the same "
+          f"interruptible day is {out['cost_ratio_at_spec_example_price']:.2f} x the on-demand day.")
+    print(f"\n    {spot['requests']} requests on interruptible pods, {spot['failed']} failed, {spot['cut']} cut mid-answer "
+          f"by {spot['preemptions']} preemption(s), {spot['replaced']} pod(s) replaced by the keeper")
+    say(f"Done in {time.monotonic() - started:.0f} s.")
+    return (0 if all(ok for ok, _ in verdicts) else 1), out
+
+
+def print_day(f: dict, demo: SpotDay) -> None:
+    failures = [s for s in demo.served if not s.ok and not s.cut]
+    print(f"    {f['requests']} requests, {f['failed']} failed, {f['cut']} cut mid-answer; {f['preemptions']} preemption(s), "
+          f"{f['replaced']} replaced; {f['pod_hours']} pod-hours; fallback {100 * (f['fallback']['share'] or 0):.1f} %",
+          flush=True)
+    by_fallback = [s for s in demo.served if s.backend == "fallback"]
+    if by_fallback:  # where the fallback's spend comes from: which cell bought it, at which hours of the day
+        cells = sorted({s.cell or "-" for s in by_fallback})
+        print("      by the fallback: " + ", ".join(
+            f"{c} {sum(1 for s in by_fallback if (s.cell or '-') == c)} (hours "
+            + " ".join(f"{h:.1f}" for h in sorted(s.at_h for s in by_fallback if (s.cell or '-') == c)) + ")"
+            for c in cells), flush=True)
+    for s in failures[:10]:
+        print(f"      failed: {s.at_h:.1f} h from {s.home}, cell {s.cell or '-'}, backend {s.backend or '-'}: {s.why}")
+
+
+def table(out: dict) -> str:
+    head = (f"    {'day':<14}{'pod-h':>7}{'$/pod-h':>9}{'pods':>9}{'fallback':>10}{'total':>9}{'fixed':>9}{'API only':>10}"
+            f"{'fb share':>10}{'failed':>8}{'cut':>6}{'TTFT p50/p99 (ms)':>20}")
+    lines = [head, "    " + "-" * (len(head) - 4)]
+    for name in spot_day.DAYS:
+        d = out["days"][name]
+        c = d["cost"]
+        share = "n/a" if d["fallback"]["share"] is None else f"{100 * d['fallback']['share']:.1f} %"
+        ttft = f"{d['ttft_ms']['p50'] or 0:.0f}/{d['ttft_ms']['p99'] or 0:.0f}"
+        lines.append(f"    {name:<14}{d['pod_hours']:>7.1f}{d['pod_per_hr']:>9.2f}{c['pods']:>9.2f}{c['fallback']:>10.2f}"
+                     f"{c['autoscaled']:>9.2f}{c['fixed']:>9.2f}{c['api']:>10.2f}{share:>10}{d['failed']:>8}{d['cut']:>6}"
+                     f"{ttft:>20}")
+    return "\n".join(lines)
