@@ -132,7 +132,7 @@ def _one(session: requests.Session, url: str, key: str, at_h: float, home: str, 
         e2e = (time.monotonic() - t) * 1000
         if r.status_code != 200:
             return day.Served(at_h, home, False, r.headers.get("x-colocate-cell"), r.headers.get("x-colocate-backend"),
-                              e2e_ms=e2e, why=f"HTTP {r.status_code}: {_error_message(r)}"), t - t0
+                              e2e_ms=e2e, why=f"HTTP {r.status_code}: {error_message(r)}"), t - t0
         usage = r.json().get("usage") or {}
         return day.Served(at_h, home, True, r.headers.get("x-colocate-cell"), r.headers.get("x-colocate-backend"),
                           int(usage.get("total_tokens", 0)), e2e), t - t0
@@ -141,7 +141,7 @@ def _one(session: requests.Session, url: str, key: str, at_h: float, home: str, 
                           why=f"{type(exc).__name__}: {str(exc)[:200]}"), t - t0
 
 
-def _error_message(r: requests.Response) -> str:
+def error_message(r: requests.Response) -> str:
     """OpenAI's error shape where the answer has it, else the start of the body."""
     try:
         return str(r.json()["error"]["message"])[:200]
@@ -364,10 +364,10 @@ def run(state_dir: Path | None = None, *, shape_file: Path | None = None, prices
                  else day.default_shape(CELLS))
         price = day.parse_prices(prices) if prices else PRICES
     except OSError as exc:
-        return _refused(f"--shape {shape_file}: {exc.strerror}. Fix: give a CSV file of cell,hour,requests_per_minute",
+        return refused(f"--shape {shape_file}: {exc.strerror}. Fix: give a CSV file of cell,hour,requests_per_minute",
                         as_json)
     except ConfigError as exc:
-        return _refused(str(exc), as_json)
+        return refused(str(exc), as_json)
     demo = Demo(state_dir or supervisor.default_state_dir("demo-autoscale"), shape, price, day_s, sent)
     # With --json only the JSON goes to stdout; the story goes to stderr. A day that was measured
     # prints its JSON whatever fails after it (the plot, stopping the fleet): a run of
@@ -386,7 +386,7 @@ def run(state_dir: Path | None = None, *, shape_file: Path | None = None, prices
     return code
 
 
-def _refused(why: str, as_json: bool) -> int:
+def refused(why: str, as_json: bool) -> int:
     """Bad input: exit 2 with the reason on stderr (and, with --json, as the one JSON object)."""
     print(f"demo-autoscale: {why}", file=sys.stderr)
     if as_json:

@@ -206,7 +206,7 @@ def stream_one(session: requests.Session, url: str, key: str, at_h: float, home:
             cell, backend = r.headers.get("x-colocate-cell"), r.headers.get("x-colocate-backend")
             if r.status_code != 200:
                 return day.Served(at_h, home, False, cell, backend, e2e_ms=(time.monotonic() - t) * 1000,
-                                  why=f"HTTP {r.status_code}: {base._error_message(r)}")
+                                  why=f"HTTP {r.status_code}: {base.error_message(r)}")
             tokens, done, error = 0, False, None
             for line in r.iter_lines():
                 if not line.startswith(b"data: "):
@@ -321,10 +321,10 @@ def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = 
         shape = (day.parse_shape(Path(shape_file).read_text(), base.CELLS, f"--shape {shape_file}") if shape_file
                  else day.default_shape(base.CELLS))
     except OSError as exc:
-        return base._refused(f"--shape {shape_file}: {exc.strerror}. Fix: give a CSV file of cell,hour,requests_per_minute",
+        return base.refused(f"--shape {shape_file}: {exc.strerror}. Fix: give a CSV file of cell,hour,requests_per_minute",
                              as_json)
     except ConfigError as exc:
-        return base._refused(str(exc), as_json)
+        return base.refused(str(exc), as_json)
     root = Path(state_dir or supervisor.default_state_dir("demo-spot")).resolve()
     real_stdout = sys.stdout
     out: dict | None = None
