@@ -117,8 +117,8 @@ def paced_cell(pods: list[PacedPod], worker: dict) -> Iterator[Cell]:
         yield cell
 
 
-def chat(key: str, stream: bool, **fields) -> dict:
-    return {"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields},
+def chat(key: str, stream: bool, content: str = "hi", **fields) -> dict:
+    return {"body": {"model": "m", "messages": [{"role": "user", "content": content}], "stream": stream, **fields},
             "headers": {"authorization": f"Bearer {key}"}}
 
 
@@ -129,8 +129,11 @@ def test_a_pod_making_tokens_too_slowly_is_passed_over_once_two_keys_said_so():
         keys = [cell.create_key(f"k{i}", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)["key"] for i in range(2)]
         t0 = time.monotonic()
         backends = []
+        # A conversation each, as users send: the default balance (prefix) keeps a conversation on its pod, so
+        # one repeated chat a key put each key on one pod, and the slow pod heard from one key only.
         for i in range(40):  # ties between idle pods are random: about half go to the slow pod until it is marked
-            res = request(cell.url, "POST", "/v1/chat/completions", **chat(keys[i % 2], stream=bool(i % 3)))
+            res = request(cell.url, "POST", "/v1/chat/completions", **chat(keys[i % 2], stream=bool(i % 3),
+                                                                             content=f"conversation {i}"))
             assert res.status == 200, res.body
             backends.append(res.headers["x-colocate-backend"])
         # Marked after FAILURE_THRESHOLD (2) slow answers from both keys: a few answers, then none.
