@@ -28,6 +28,11 @@ class Family:
     engine: bool = True  # labelled engine="0" (one family is not)
 
 
+# vLLM's one request-latency bucket list (its metrics.py `request_latency_buckets`), shared by the
+# e2e, queue, inference, prefill and decode histograms.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+
 FAMILIES = (
     Family('vllm:estimated_flops_per_gpu', 'counter',
            'Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).'),
@@ -118,24 +123,19 @@ FAMILIES = (
                     40.0, 80.0)),
     Family('vllm:e2e_request_latency_seconds', 'histogram',
            'Histogram of e2e request latency in seconds.',
-           buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0)),
+           buckets=REQUEST_LATENCY_BUCKETS),
     Family('vllm:request_queue_time_seconds', 'histogram',
            'Histogram of time spent in WAITING phase for request.',
-           buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0)),
+           buckets=REQUEST_LATENCY_BUCKETS),
     Family('vllm:request_inference_time_seconds', 'histogram',
            'Histogram of time spent in RUNNING phase for request.',
-           buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0)),
+           buckets=REQUEST_LATENCY_BUCKETS),
     Family('vllm:request_prefill_time_seconds', 'histogram',
            'Histogram of time spent in PREFILL phase for request.',
-           buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0)),
+           buckets=REQUEST_LATENCY_BUCKETS),
     Family('vllm:request_decode_time_seconds', 'histogram',
            'Histogram of time spent in DECODE phase for request.',
-           buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0)),
+           buckets=REQUEST_LATENCY_BUCKETS),
     Family('vllm:request_num_preemptions', 'histogram',
            'Histogram of the number of times a request was preempted.',
            buckets=(1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)),
