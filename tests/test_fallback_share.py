@@ -158,3 +158,23 @@ def test_with_the_pod_down_the_live_view_exits_1_naming_the_share_and_the_pods_t
     assert doc["segments"]["ttft"]["n"] == 4  # the pod's four streams, and no more
     assert doc["fallback_streams"]["ttft"]["n"] >= 5
     assert "FAIL: the fallback served" in printed
+
+
+def test_an_outage_that_straddles_a_minute_fails_the_live_view_and_a_minute_of_pods_clears_it():
+    from colocate.probe.live import Merged, Minute, fallback_share
+
+    def minutes(*rows: tuple[int, int]) -> Merged:
+        m = Merged()
+        for i, (requests, fallback) in enumerate(rows):
+            m.minutes[i * 60_000] = Minute(i * 60_000, 60_000, requests=requests, fallback=fallback)
+        return m
+
+    # The pod died late in a minute: 11 of its 15 answers were the fallback's, the next minute has one so far.
+    violation, _ = fallback_share(minutes((15, 11), (1, 1)), 0.1, routed_pods=1)
+    assert violation is not None and violation["fallback"] == 12 and violation["requests"] == 16
+    assert "the latest two minutes" in violation["message"]
+    # Pods serve again: a minute of three pod answers is judged alone, and clears the view.
+    violation, notes = fallback_share(minutes((15, 11), (3, 0)), 0.1, routed_pods=1)
+    assert violation is None and "the latest minute is within it" in notes[-1]
+    # Two quiet minutes of one fallback answer each are not an alarm (fewer than MIN_FALLBACK).
+    assert fallback_share(minutes((1, 1), (1, 1)), 0.1, routed_pods=1)[0] is None

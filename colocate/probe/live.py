@@ -427,7 +427,7 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
             violations.append({"kind": "placement", "part": f.part, "message": f"{f.message} [live: {where}]"})
     pods, pod_violations = _pods(m, requests, region, locations, buckets, prefix_caches(doc))
     violations += pod_violations
-    share_violation, share_notes = _fallback_share(m, max_fallback_share, routed_pods)
+    share_violation, share_notes = fallback_share(m, max_fallback_share, routed_pods)
     violations = ([share_violation] if share_violation else []) + violations  # first: the rest follows from it
     notes += share_notes
 
@@ -482,14 +482,19 @@ def build(doc: Mapping, region: catalogue.Region | None, locations: Sequence[str
     )
 
 
-def _fallback_share(m: Merged, max_share: float, routed_pods: int | None) -> tuple[dict | None, list[str]]:
+def fallback_share(m: Merged, max_share: float, routed_pods: int | None) -> tuple[dict | None, list[str]]:
     """The fallback's share judged on the latest minute with requests (as placement is: a minute of pods
-    down fails the view, and the minute after they serve again clears it); over the whole window, a note."""
-    busy = [t for t in m.minutes.values() if t.requests]
+    down fails the view, and the minute after they serve again clears it); over the whole window, a note.
+    A latest minute of fewer than ``MIN_FALLBACK`` answers is too young to judge alone (the requests of
+    an outage that straddle a minute's boundary would leave it one answer and pass): it is judged
+    together with the busy minute before it."""
+    busy = sorted((t for t in m.minutes.values() if t.requests), key=lambda t: t.start_ms)
     if not busy:
         return None, []
-    last = max(busy, key=lambda t: t.start_ms)
-    latest = fallbackshare.Share(last.fallback, last.requests, f"the latest minute's requests ({_clock(last.start_ms)})")
+    judged = busy[-2:] if busy[-1].requests < fallbackshare.MIN_FALLBACK else busy[-1:]
+    which = (f"the latest minute's requests ({_clock(judged[-1].start_ms)})" if len(judged) == 1 else
+             f"the latest two minutes' requests ({_clock(judged[0].start_ms)} and {_clock(judged[-1].start_ms)})")
+    latest = fallbackshare.Share(sum(t.fallback for t in judged), sum(t.requests for t in judged), which)
     window = fallbackshare.Share(sum(t.fallback for t in busy), sum(t.requests for t in busy), "the window's requests")
     notes = [n for n in (latest.note(max_share, routed_pods),) if n]
     violation = latest.violation(max_share, routed_pods)
