@@ -16,7 +16,7 @@
     sandbox.py apply|down|status --fleet F       (or --stack F: a fleet stack acts on the whole fleet)
     sandbox.py demo-fleet [--state-dir DIR] [--samples N]
     sandbox.py demo-autoscale [--state-dir DIR] [--json] [--shape FILE] [--prices POD_PER_HR,API_PER_1M]
-    sandbox.py demo-spot [--state-dir DIR] [--json] [--shape FILE] [--seed N]
+    sandbox.py demo-spot [--state-dir DIR] [--json] [--shape FILE] [--seed N] [--spare N]
 
 ``up`` prints one JSON object (worker_url, pod_url, token, state_dir, sites, pids, ...);
 ``apply`` is the running cell's ``pulumi up``: it re-plans from the stack file, creates the
@@ -147,6 +147,7 @@ def parser() -> argparse.ArgumentParser:
     ds.add_argument("--shape", type=Path, metavar="FILE",
                     help="the day: a CSV of cell,hour,requests_per_minute (hours 0-23 in the cell's local time)")
     ds.add_argument("--seed", type=int, default=1, help="the seed of the pods' lives (default 1)")
+    ds.add_argument("--spare", type=int, default=1, help="colocate:pod.spare on the interruptible day (default 1)")
     ds.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
     ds.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
     return p
@@ -507,7 +508,7 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             demo_dir = args.state_dir or supervisor.default_state_dir("demo-spot")
             state_dir = Path(demo_dir)  # what an interrupt reports on
             return spot_demo.run(demo_dir, shape_file=args.shape, as_json=args.json, day_s=args.day_seconds,
-                                 sent=args.requests, seed=args.seed)
+                                 sent=args.requests, seed=args.seed, spare=args.spare)
         if args.cmd == "pod-command":
             print(_pod_command(args))
             return 0

@@ -48,3 +48,10 @@ def test_a_short_day_on_interruptible_pods_fails_nothing_but_cut_streams_and_rep
     for market in spot_day.DAYS:
         assert fleet.what_runs(state / market / "fleet") == []
     assert processes_mentioning(str(state)) == []
+
+
+def test_a_negative_spare_is_refused_naming_the_flag_and_starts_nothing(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sandbox.py"), "demo-spot", "--spare", "-1",
+                        "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--spare -1" in r.stderr and "Fix: e.g. --spare 1" in r.stderr, r.stderr
+    assert not (tmp_path / "state").exists()

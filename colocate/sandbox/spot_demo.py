@@ -239,9 +239,11 @@ def stream_one(session: requests.Session, url: str, key: str, at_h: float, home:
 class SpotDay(base.Demo):
     """One day of the fleet on one market (``ondemand`` or ``interruptible``)."""
 
-    def __init__(self, state_dir: Path, shape, prices: day.Prices, day_s: float, sent: int, market: str, seed: int):
+    def __init__(self, state_dir: Path, shape, prices: day.Prices, day_s: float, sent: int, market: str, seed: int,
+                 spare: int = SPARE):
         super().__init__(state_dir, shape, prices, day_s, sent)
         self.market, self.seed = market, seed
+        self.spare = spare if market == INTERRUPTIBLE else 0
         self.interval_s = KEEP_INTERVAL_S
         self.pod_per_hr = ON_DEMAND_PER_HR * (spot_day.INTERRUPTIBLE_SHARE if market == INTERRUPTIBLE else 1.0)
         self.keepers: dict[str, KeeperDeployer] = {}
@@ -256,7 +258,7 @@ class SpotDay(base.Demo):
             raw, _ = stackfile.read_config(cell, self.stacks_dir)
             defaults = {**((raw.get("keys") or {}).get("defaults") or {}), "maxParallelTokens": 0}
             stackfile.write_config(cell, {"pod.provider": "local", "pod.market": self.market,
-                                          "pod.spare": SPARE if self.market == INTERRUPTIBLE else 0,
+                                          "pod.spare": self.spare,
                                           "keys": {"defaults": defaults}}, self.stacks_dir)
 
     def cell_say(self, cell: str):
@@ -268,7 +270,7 @@ class SpotDay(base.Demo):
         ready = self.ready(cell)
         raw, _ = stackfile.read_config(cell, self.stacks_dir)
         price = settings_mod.parse_fallback_price(raw.get("fallbackPrice"))
-        spare = SPARE if self.market == INTERRUPTIBLE else 0
+        spare = self.spare
         policy = policy_of(settings_mod.parse_scale(raw, price, spare), price, self.pod_per_hr / self.per, spare)
         # The keeper passes every minute of the day, the demand is judged over demo-autoscale's passes (30
         # minutes of it): a minute holds ~0.1 request sent, and most minutes none.
@@ -316,7 +318,7 @@ class SpotDay(base.Demo):
 
 
 def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = base.DAY_S, sent: int = base.SENT,
-        seed: int = 1, shape_file: Path | None = None) -> int:
+        seed: int = 1, shape_file: Path | None = None, spare: int = SPARE) -> int:
     try:
         shape = (day.parse_shape(Path(shape_file).read_text(), base.CELLS, f"--shape {shape_file}") if shape_file
                  else day.default_shape(base.CELLS))
@@ -325,13 +327,16 @@ def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = 
                              as_json)
     except ConfigError as exc:
         return base.refused(str(exc), as_json)
+    if spare < 0:
+        return base.refused(f"--spare {spare}: the spare pods a cell runs on the interruptible day must be 0 or more. "
+                            "Fix: e.g. --spare 1 (the default) or --spare 0", as_json)
     root = Path(state_dir or supervisor.default_state_dir("demo-spot")).resolve()
     real_stdout = sys.stdout
     out: dict | None = None
     failure = None
     with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):
         try:
-            code, out = _run(root, shape, day_s, sent, seed)
+            code, out = _run(root, shape, day_s, sent, seed, spare)
         except Exception as exc:  # noqa: BLE001 - said; the JSON carries it
             print(f"demo-spot: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             code, failure = 1, f"{type(exc).__name__}: {exc}"
@@ -341,7 +346,7 @@ def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = 
     return code
 
 
-def _run(root: Path, shape, day_s: float, sent: int, seed: int) -> tuple[int, dict | None]:
+def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPARE) -> tuple[int, dict | None]:
     started = time.monotonic()
     prices = base.PRICES
     figures: dict[str, dict] = {}
@@ -352,7 +357,7 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int) -> tuple[int, di
         f"{spot_day.PREEMPTIONS_PER_HOUR:.2f} times a pod-hour ({spot_day.PREEMPTION_SOURCE}). A pod boots in "
         f"{base.BOOT_S / 60:.0f} min of the day; each request is a stream and stands for {per} of the day's.")
     for market in spot_day.DAYS:
-        demo = SpotDay(root / market, shape, prices, day_s, sent, market, seed)
+        demo = SpotDay(root / market, shape, prices, day_s, sent, market, seed, spare)
         try:
             say(f"The day on {market} pods (UTC hours; preemptions and replacements as they happen).")
             demo.fresh()
@@ -391,6 +396,15 @@ def print_day(f: dict, demo: SpotDay) -> None:
     print(f"    {f['requests']} requests, {f['failed']} failed, {f['cut']} cut mid-answer; {f['preemptions']} preemption(s), "
           f"{f['replaced']} replaced; {f['pod_hours']} pod-hours; fallback {100 * (f['fallback']['share'] or 0):.1f} %",
           flush=True)
+    on_pods = [s for s in demo.served if s.ok and s.ttft_ms is not None and (s.backend or "").startswith("pod-")]
+    away = [s for s in on_pods if s.cell != s.home]  # served by another cell's pods: the TTFT tail's usual cause
+    if on_pods:
+        def p99(xs: list[day.Served]) -> str:
+            v = spot_day.quantile([s.ttft_ms for s in xs if s.ttft_ms is not None], 0.99)
+            return "n/a" if v is None else f"{v:.0f} ms"
+        print(f"      on pods: {len(away)} of {len(on_pods)} ({100 * len(away) / len(on_pods):.1f} %) served by another "
+              f"cell's pods; TTFT p99 at home {p99([s for s in on_pods if s.cell == s.home])}, away {p99(away)}",
+              flush=True)
     by_fallback = [s for s in demo.served if s.backend == "fallback"]
     if by_fallback:  # where the fallback's spend comes from: which cell bought it, at which hours of the day
         cells = sorted({s.cell or "-" for s in by_fallback})
