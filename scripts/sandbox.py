@@ -150,6 +150,8 @@ def parser() -> argparse.ArgumentParser:
     ds.add_argument("--spare", type=int, default=1, help="colocate:pod.spare on the interruptible day (default 1)")
     ds.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
     ds.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
+    # tests: seconds of the day between the keepers' passes (fewer passes on a short day)
+    ds.add_argument("--keep-interval", type=float, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -508,7 +510,8 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             demo_dir = args.state_dir or supervisor.default_state_dir("demo-spot")
             state_dir = Path(demo_dir)  # what an interrupt reports on
             return spot_demo.run(demo_dir, shape_file=args.shape, as_json=args.json, day_s=args.day_seconds,
-                                 sent=args.requests, seed=args.seed, spare=args.spare)
+                                 sent=args.requests, seed=args.seed, spare=args.spare,
+                                 keep_interval_s=args.keep_interval or spot_demo.KEEP_INTERVAL_S)
         if args.cmd == "pod-command":
             print(_pod_command(args))
             return 0

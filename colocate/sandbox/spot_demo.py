@@ -240,11 +240,11 @@ class SpotDay(base.Demo):
     """One day of the fleet on one market (``ondemand`` or ``interruptible``)."""
 
     def __init__(self, state_dir: Path, shape, prices: day.Prices, day_s: float, sent: int, market: str, seed: int,
-                 spare: int = SPARE):
+                 spare: int = SPARE, keep_interval_s: float = KEEP_INTERVAL_S):
         super().__init__(state_dir, shape, prices, day_s, sent)
         self.market, self.seed = market, seed
         self.spare = spare if market == INTERRUPTIBLE else 0
-        self.interval_s = KEEP_INTERVAL_S
+        self.interval_s = keep_interval_s
         self.pod_per_hr = ON_DEMAND_PER_HR * (spot_day.INTERRUPTIBLE_SHARE if market == INTERRUPTIBLE else 1.0)
         self.keepers: dict[str, KeeperDeployer] = {}
         self.biller: Biller | None = None
@@ -318,7 +318,8 @@ class SpotDay(base.Demo):
 
 
 def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = base.DAY_S, sent: int = base.SENT,
-        seed: int = 1, shape_file: Path | None = None, spare: int = SPARE) -> int:
+        seed: int = 1, shape_file: Path | None = None, spare: int = SPARE,
+        keep_interval_s: float = KEEP_INTERVAL_S) -> int:
     try:
         shape = (day.parse_shape(Path(shape_file).read_text(), base.CELLS, f"--shape {shape_file}") if shape_file
                  else day.default_shape(base.CELLS))
@@ -336,7 +337,7 @@ def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = 
     failure = None
     with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):
         try:
-            code, out = _run(root, shape, day_s, sent, seed, spare)
+            code, out = _run(root, shape, day_s, sent, seed, spare, keep_interval_s)
         except Exception as exc:  # noqa: BLE001 - said; the JSON carries it
             print(f"demo-spot: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             code, failure = 1, f"{type(exc).__name__}: {exc}"
@@ -346,7 +347,8 @@ def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = 
     return code
 
 
-def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPARE) -> tuple[int, dict | None]:
+def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPARE,
+         keep_interval_s: float = KEEP_INTERVAL_S) -> tuple[int, dict | None]:
     started = time.monotonic()
     prices = base.PRICES
     figures: dict[str, dict] = {}
@@ -357,7 +359,7 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
         f"{spot_day.PREEMPTIONS_PER_HOUR:.2f} times a pod-hour ({spot_day.PREEMPTION_SOURCE}). A pod boots in "
         f"{base.BOOT_S / 60:.0f} min of the day; each request is a stream and stands for {per} of the day's.")
     for market in spot_day.DAYS:
-        demo = SpotDay(root / market, shape, prices, day_s, sent, market, seed, spare)
+        demo = SpotDay(root / market, shape, prices, day_s, sent, market, seed, spare, keep_interval_s)
         try:
             say(f"The day on {market} pods (UTC hours; preemptions and replacements as they happen).")
             demo.fresh()
