@@ -38,6 +38,7 @@ from openapi_core import Config, OpenAPI
 from openapi_core.testing import MockRequest, MockResponse
 
 from colocate.pods import podtls, standin
+from colocate.pods.serverloop import WakeOnShutdown
 
 SPECS = Path(__file__).resolve().parents[1] / "fixtures" / "specs"
 API_KEY = "test-provider-key-0123456789"
@@ -83,7 +84,7 @@ def _now() -> str:
 _UNSERVABLE = object()
 
 
-class FakeApi(ThreadingHTTPServer):
+class FakeApi(WakeOnShutdown, ThreadingHTTPServer):
     """Base: spec validation, auth, scripted 429s, a log of requests; subclasses implement ``route``."""
 
     daemon_threads = True
@@ -105,7 +106,7 @@ class FakeApi(ThreadingHTTPServer):
         # order is not documented): a test sets them to show what a hidden bundle does.
         self.platform_env: dict[str, str] = {}
         super().__init__(("127.0.0.1", 0), _FakeHandler)
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
