@@ -31,14 +31,18 @@ import time
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
-from openapi_core import Config, OpenAPI
-from openapi_core.testing import MockRequest, MockResponse
 
 from colocate.pods import podtls, standin
 from colocate.pods.serverloop import WakeOnShutdown
+
+# openapi_core (~0.5 s of CPU to import) is imported where a fake API validates, not at import:
+# every xdist worker imports this module while collecting, few of them run a provider test.
+if TYPE_CHECKING:
+    from openapi_core import OpenAPI
 
 SPECS = Path(__file__).resolve().parents[1] / "fixtures" / "specs"
 API_KEY = "test-provider-key-0123456789"
@@ -47,6 +51,8 @@ CAPACITY_DETAIL = ("There are no longer any instances available with the request
 
 
 def _openapi(spec: dict) -> OpenAPI:
+    from openapi_core import Config, OpenAPI
+
     config = Config(spec_validator_cls=None,
                     extra_media_type_deserializers={"application/problem+json": json.loads})
     return OpenAPI.from_dict(spec, config=config)
@@ -167,6 +173,8 @@ class FakeApi(WakeOnShutdown, ThreadingHTTPServer):
         if self.strip_trailing_slash and path.endswith("/") and len(path) > 1:
             path = path[:-1]
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        from openapi_core.testing import MockRequest
+
         req = MockRequest(self.server_url, method.lower(), path, args=query, headers=headers,
                           data=body or None, content_type=headers.get("Content-Type", "application/json"))
         try:
@@ -191,6 +199,8 @@ class FakeApi(WakeOnShutdown, ThreadingHTTPServer):
         return self._check(req, status, payload, extra, ctype)
 
     def _check(self, req, status, payload, extra, ctype):
+        from openapi_core.testing import MockResponse
+
         data = b"" if payload is None else json.dumps(payload).encode()
         try:
             self.openapi.validate_response(req, MockResponse(data, status, headers=extra, content_type=ctype))
