@@ -29,8 +29,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import requests
+from typing import TYPE_CHECKING
 
 from .errors import ScriptError
 from .sandbox.statedir import (  # not the supervisor, whose runner imports admin
@@ -40,6 +39,9 @@ from .sandbox.statedir import (  # not the supervisor, whose runner imports admi
     where_command,
     where_sandboxes_run,
 )
+
+if TYPE_CHECKING:
+    import requests
 
 # The credential each role takes from the environment; the old single token is read where
 # the role's own is unset, for one release (docs/worker.md, "Who holds what").
@@ -160,10 +162,14 @@ def resolve(*, url: str | None = None, stack: str | None = None, state_dir: Path
 
 class AdminClient:
     def __init__(self, target: Target, session: requests.Session | None = None):
+        import requests  # here: the sandbox's up, down and status import this module and never call a cell
+
         self.target = target
         self.session = session or requests.Session()
 
     def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
+        import requests
+
         try:
             res = self.session.request(method, self.target.url + path, json=body, params=params, timeout=TIMEOUT_S,
                                        headers={"authorization": f"Bearer {self.target.token}"})

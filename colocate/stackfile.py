@@ -11,9 +11,7 @@ import io
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
-
-from ruamel.yaml import YAML
+from typing import TYPE_CHECKING, Any
 
 from .cell.settings import NS
 from .errors import ConfigError
@@ -21,8 +19,15 @@ from .errors import ConfigError
 ROOT = Path(__file__).resolve().parent.parent
 STACKS_DIR = ROOT / "stacks"
 
+# ruamel.yaml is imported where a stack file is read or written: pod.py and the sandbox's
+# `down` import this module for its paths only.
+if TYPE_CHECKING:
+    from ruamel.yaml import YAML
+
 
 def _yaml() -> YAML:
+    from ruamel.yaml import YAML
+
     y = YAML()  # round-trip: keeps comments, order and quoting
     y.preserve_quotes = True
     y.indent(mapping=2, sequence=4, offset=2)

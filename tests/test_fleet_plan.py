@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import re
@@ -9,6 +10,7 @@ import re
 import pytest
 
 from colocate.cell import catalogue, cloudflare_limits, geo, outputs, settings
+from colocate.cell.plan import worker_modules
 from colocate.errors import ConfigError, MissingSetting
 from colocate.fleet import plan as fleet
 
@@ -325,6 +327,21 @@ def test_a_binding_past_cloudflares_limit_is_refused_naming_the_limit_and_the_ke
     big = [("big.js", random.Random(1).randbytes(cloudflare_limits.SCRIPT_GZIP_BYTES + 1))]
     with pytest.raises(ConfigError, match="after compression.*3 MB"):
         cloudflare_limits.check_worker("w", big, [], {}, "colocate:worker.name")
+
+
+def test_a_script_no_compression_could_take_past_the_limit_is_checked_without_compressing(monkeypatch):
+    # Compressing the Worker (~500 KB, gzip level 9) cost every plan ~0.1 s of CPU; gzip's worst
+    # case (incompressible bytes) bounds the size, so a script under the bound is never compressed.
+    for n in (0, 1, 65_536, 1 << 20):
+        data = random.Random(n).randbytes(n)
+        assert len(gzip.compress(data, mtime=0)) <= cloudflare_limits.gzip_bound(n)
+
+    def no_gzip(*_a, **_k):
+        raise AssertionError("compressed a script that cannot reach the limit")
+
+    monkeypatch.setattr(cloudflare_limits.gzip, "compress", no_gzip)
+    modules = [(m.name, m.content().encode()) for m in worker_modules()]
+    cloudflare_limits.check_worker("w", modules, [], {}, "colocate:worker.name")
 
 
 def test_member_outputs_wrong_length_is_a_bug():

@@ -35,8 +35,10 @@ def test_every_required_stack_file_exists():
     assert {"apac-tw", "apac-jp", "us-east", "sandbox"} <= set(STACKS)
 
 
-@pytest.fixture(params=STACKS)
+@pytest.fixture(scope="module", params=STACKS)
 def deployed(request):
+    """One mock run of each stack's program for every test of this module that reads it (the
+    tests only read: a run is what was declared, and declaring it again gives the same)."""
     stack = request.param
     config, secret_keys = stack_config(stack)
     raw, _ = stackfile.read_config(stack)

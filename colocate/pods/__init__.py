@@ -3,6 +3,7 @@
 Modules: ``errors`` (the PodError tree), ``http`` (a requests session with urllib3
 retries), ``spec`` (the create request, from ``PodPlan.spec()``), ``runpod``,
 ``vastai``, ``local`` (the providers), ``readiness`` (health polling),
-``standin/`` (the local OpenAI-compatible stand-in: server, refusals, runner, answers).
+``standin/`` (the local OpenAI-compatible stand-in: server, refusals, runner, answers),
+``serverloop`` (servers that sleep while idle: the stand-in's, the sandbox's relays).
 ``scripts/pod.py`` is the CLI.
 """

@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import requests
-
 from ..cell.catalogue import EXISTING
 from . import podtls, stop
 from .base import RUNNING, PodInfo, Provider
@@ -147,6 +145,8 @@ def check_mtls(connect: str, port: int, name: str, ctx: ssl.SSLContext, expected
 
 def check_token(url: str, token: str, timeout: float) -> tuple[str, str]:
     """(state, what was seen) of an endpoint behind its own TLS and the pod's guard."""
+    import requests  # here: pod.py for another provider never loads it
+
     with requests.Session() as s:
         try:
             r = s.get(url + "/health", headers={"Authorization": f"Bearer {token}"}, timeout=timeout,

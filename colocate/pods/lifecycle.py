@@ -46,15 +46,25 @@ def log(line: str) -> None:
 
 
 def provider_for(name: str, token: str = "") -> Provider:
-    from .existing import Existing
-    from .local import Local
-    from .runpod import RunPod
-    from .vastai import VastAI
+    # Each provider's module is imported only when it is used: pod.py for a local pod never
+    # loads the cloud providers' HTTP client (requests).
+    if name == "runpod":
+        from .runpod import RunPod
 
-    classes = {"runpod": RunPod, "vastai": VastAI, "local": Local, EXISTING: Existing}
-    if name not in classes:
-        raise PodConfigError(f"provider {name!r} is not one of {', '.join(classes)}")
-    return classes[name](token)
+        return RunPod(token)
+    if name == "vastai":
+        from .vastai import VastAI
+
+        return VastAI(token)
+    if name == "local":
+        from .local import Local
+
+        return Local(token)
+    if name == EXISTING:
+        from .existing import Existing
+
+        return Existing(token)
+    raise PodConfigError(f"provider {name!r} is not one of runpod, vastai, local, {EXISTING}")
 
 
 def pod_token(provider: str) -> str:

@@ -8,8 +8,9 @@
     config.py      the workerd config composed from the cell plan
     statedir.py    the state directory: its files, the lock, secrets, the owning stack
     launch.py      what ``up`` was asked for (launch.json), the plan and sites derived from it
-    processes.py   process groups, signals deferred during cleanups, stopping children, the
-                   detached runners' launch, HTTP health checks
+    processes.py   process groups, signals deferred during cleanups, stopping children, HTTP
+                   health checks
+    detach.py      the launcher ``up`` runs to start a runner detached (``-m ...detach``)
     pods.py        the cell's pods through scripts/pod.py (pods.json)
     demokey.py     the demo client key (demo-key.json)
     runner.py      the runner: starts every part, rolling apply, cleanup

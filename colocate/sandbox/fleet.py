@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +34,7 @@ from .. import admin, stackfile
 from ..errors import ConfigError
 from ..fleet import plan as fleet_mod
 from ..pods.local import alive
-from . import supervisor
+from . import detach, supervisor
 from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .fleet_front import log_fleet
 from .fleet_launch import Launch, client_sites_of, make_launch, plan_of, sandbox_stacks
@@ -159,10 +158,9 @@ def _launch_front(state_dir: Path, fd: int) -> int:
     inherits the lock: "the lock is held" = "up, the launcher or the runner lives"."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path(state_dir, "front-runner"), "ab") as log:
-        started = subprocess.run([sys.executable, "-m", "colocate.sandbox.fleet_front", "launch", str(state_dir),
-                                  "--lock-fd", str(fd)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=log, pass_fds=(fd,), start_new_session=True,
-                                 timeout=30, check=True)
+        started = subprocess.run(detach.command("colocate.sandbox.fleet_front", state_dir, fd), cwd=ROOT, env=env,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, pass_fds=(fd,),
+                                 start_new_session=True, timeout=30, check=True)
     return int(started.stdout.strip())
 
 

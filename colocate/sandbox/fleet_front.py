@@ -39,7 +39,7 @@ from .errors import SandboxError, StartupFailed
 from .fleet_launch import Launch, client_sites_of, plan_of
 from .geography import Geography, Sites, site
 from .pinning import Pins
-from .processes import CHILD_TIMEOUT_S, http_ok, launch_detached, stop_child
+from .processes import CHILD_TIMEOUT_S, http_ok, stop_child
 from .runner import WORKERD
 from .statedir import (
     ENTRY_PINS_FILE,
@@ -164,7 +164,7 @@ class _BindingHandler(proxies.Relay):
 
 
 def _serve(server: proxies.RelayServer) -> threading.Thread:
-    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     return t
 
@@ -368,11 +368,8 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser(prog="python -m colocate.sandbox.fleet_front")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "launch"):
-        sp = sub.add_parser(name, help="the front runner (started by sandbox.py up --fleet; not for direct use)")
-        sp.add_argument("state_dir", type=Path)
-        sp.add_argument("--lock-fd", type=int, required=name == "launch")
+    sp = sub.add_parser("run", help="the front runner (started by sandbox.py up --fleet; not for direct use)")
+    sp.add_argument("state_dir", type=Path)
+    sp.add_argument("--lock-fd", type=int)
     a = p.parse_args()
-    if a.cmd == "launch":
-        launch_detached("colocate.sandbox.fleet_front", a.state_dir, a.lock_fd)
     sys.exit(run(a.state_dir))

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+# cryptography is imported where a certificate is made: the sandbox's up, down and status import
+# this module (through hopcerts) and never make one.
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 DAY = datetime.timedelta(days=1)
 
@@ -27,11 +28,16 @@ def _now() -> datetime.datetime:
 
 
 def _name(common_name: str) -> x509.Name:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "colocate"),
                       x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> str:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption()).decode()
 
@@ -51,6 +57,10 @@ class LocalCA:
 
     @classmethod
     def create(cls, name: str = "colocate pod hop CA", days: int = 365) -> LocalCA:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
         cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
@@ -65,6 +75,10 @@ class LocalCA:
         return cls(cert.public_bytes(serialization.Encoding.PEM).decode(), _key_pem(key))
 
     def _issue(self, common_name: str, usage, names: tuple[str, ...], not_before, not_after) -> Leaf:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
         # The CA's key is the EC key create() made; the loader's type covers every kind of key.
         ca_key = cast(ec.EllipticCurvePrivateKey, serialization.load_pem_private_key(self.key_pem.encode(), None))
         ca_cert = x509.load_pem_x509_certificate(self.cert_pem.encode())
@@ -84,8 +98,12 @@ class LocalCA:
 
     def server(self, *names: str, not_before=None, not_after=None) -> Leaf:
         """The pod's certificate, for the names the Worker fetches it by."""
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
         return self._issue(names[0], ExtendedKeyUsageOID.SERVER_AUTH, names, not_before, not_after)
 
     def client(self, common_name: str, *, not_before=None, not_after=None) -> Leaf:
         """A caller's certificate (the Worker's, the readiness check's)."""
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
         return self._issue(common_name, ExtendedKeyUsageOID.CLIENT_AUTH, (), not_before, not_after)

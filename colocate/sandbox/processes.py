@@ -1,5 +1,5 @@
-"""Process groups, signals deferred during a cleanup, stopping a child and launching a detached
-runner, and whether a child answers over HTTP."""
+"""Process groups, signals deferred during a cleanup, stopping a child, and whether a child
+answers over HTTP (detach.py launches a runner)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -72,16 +71,6 @@ def stop_child(proc: subprocess.Popen | None, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=5)
-
-
-def launch_detached(module: str, state_dir: str, lock_fd: int) -> None:
-    """The ``launch`` step of a runner's entry (``python -m MODULE launch``): start
-    ``python -m MODULE run STATE_DIR --lock-fd FD`` (it inherits the lock), print its pid and
-    exit at once, so the caller's ``up`` learns the pid and the runner is nobody's child."""
-    child = subprocess.Popen([sys.executable, "-m", module, "run", str(state_dir), "--lock-fd", str(lock_fd)],
-                             stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr, pass_fds=(lock_fd,))
-    print(child.pid, flush=True)
-    os._exit(0)  # leave the runner running; no destructor waits on it
 
 
 def http_ok(url: str, headers: dict | None = None, timeout: float = 2.0) -> tuple[bool, int | None]:

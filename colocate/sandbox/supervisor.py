@@ -32,13 +32,13 @@ from ..pods import podtls
 from ..pods.guard.colocate_pod_guard import readiness_token
 from ..pods.local import alive
 from ..pods.readiness import tls_health
-from . import hopcerts
+from . import detach, hopcerts
 from .errors import AlreadyRunning, NotRunning, StartupFailed
 from .geography import Geography, site
 from .launch import Launch, build_plan, sites_for
 from .pinning import Pins
 from .pods import delete_local_pods, delete_recorded_pods
-from .processes import CHILD_TIMEOUT_S, deferred_signals, group_alive, http_ok, launch_detached, signal_group
+from .processes import CHILD_TIMEOUT_S, deferred_signals, group_alive, http_ok, signal_group
 from .statedir import (
     APPLY_FAILED_FILE,
     FAILED_FILE,
@@ -118,7 +118,7 @@ def up(stack: str, *, state_dir: Path | None = None, stacks_dir: Path = stackfil
         launched = True
         with open(log_path(state_dir, "runner"), "ab") as log:
             started = subprocess.run(
-                [sys.executable, "-m", "colocate.sandbox.supervisor", "launch", str(state_dir), "--lock-fd", str(fd)],
+                detach.command("colocate.sandbox.supervisor", state_dir, fd),
                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                 pass_fds=(fd,), start_new_session=True, timeout=30, check=True,
             )
@@ -337,12 +337,7 @@ if __name__ == "__main__":
     r = sub.add_parser("run", help="the runner (started by sandbox.py up; not for direct use)")
     r.add_argument("state_dir", type=Path)
     r.add_argument("--lock-fd", type=int, help="inherited fd holding the state directory's lock")
-    la = sub.add_parser("launch", help="start the runner detached and print its pid (used by up)")
-    la.add_argument("state_dir", type=Path)
-    la.add_argument("--lock-fd", type=int, required=True)
     a = p.parse_args()
-    if a.cmd == "launch":
-        launch_detached("colocate.sandbox.supervisor", a.state_dir, a.lock_fd)
     from .runner import run  # only the runner's process needs it (it imports admin, workerd's config, the proxies)
 
     sys.exit(run(a.state_dir))

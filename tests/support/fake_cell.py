@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from colocate.pods.serverloop import WakeOnShutdown
+
 
 @dataclass
 class Behaviour:
@@ -81,7 +83,7 @@ class Seen:
     body: bytes
 
 
-class FakeCell(ThreadingHTTPServer):
+class FakeCell(WakeOnShutdown, ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, behaviour: Behaviour):
@@ -303,7 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
 @contextmanager
 def serve(**behaviour) -> Iterator[FakeCell]:
     server = FakeCell(Behaviour(**behaviour))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         yield server

@@ -31,13 +31,18 @@ import time
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
-from openapi_core import Config, OpenAPI
-from openapi_core.testing import MockRequest, MockResponse
 
 from colocate.pods import podtls, standin
+from colocate.pods.serverloop import WakeOnShutdown
+
+# openapi_core (~0.5 s of CPU to import) is imported where a fake API validates, not at import:
+# every xdist worker imports this module while collecting, few of them run a provider test.
+if TYPE_CHECKING:
+    from openapi_core import OpenAPI
 
 SPECS = Path(__file__).resolve().parents[1] / "fixtures" / "specs"
 API_KEY = "test-provider-key-0123456789"
@@ -46,6 +51,8 @@ CAPACITY_DETAIL = ("There are no longer any instances available with the request
 
 
 def _openapi(spec: dict) -> OpenAPI:
+    from openapi_core import Config, OpenAPI
+
     config = Config(spec_validator_cls=None,
                     extra_media_type_deserializers={"application/problem+json": json.loads})
     return OpenAPI.from_dict(spec, config=config)
@@ -83,7 +90,7 @@ def _now() -> str:
 _UNSERVABLE = object()
 
 
-class FakeApi(ThreadingHTTPServer):
+class FakeApi(WakeOnShutdown, ThreadingHTTPServer):
     """Base: spec validation, auth, scripted 429s, a log of requests; subclasses implement ``route``."""
 
     daemon_threads = True
@@ -105,7 +112,7 @@ class FakeApi(ThreadingHTTPServer):
         # order is not documented): a test sets them to show what a hidden bundle does.
         self.platform_env: dict[str, str] = {}
         super().__init__(("127.0.0.1", 0), _FakeHandler)
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
@@ -166,6 +173,8 @@ class FakeApi(ThreadingHTTPServer):
         if self.strip_trailing_slash and path.endswith("/") and len(path) > 1:
             path = path[:-1]
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        from openapi_core.testing import MockRequest
+
         req = MockRequest(self.server_url, method.lower(), path, args=query, headers=headers,
                           data=body or None, content_type=headers.get("Content-Type", "application/json"))
         try:
@@ -190,6 +199,8 @@ class FakeApi(ThreadingHTTPServer):
         return self._check(req, status, payload, extra, ctype)
 
     def _check(self, req, status, payload, extra, ctype):
+        from openapi_core.testing import MockResponse
+
         data = b"" if payload is None else json.dumps(payload).encode()
         try:
             self.openapi.validate_response(req, MockResponse(data, status, headers=extra, content_type=ctype))
