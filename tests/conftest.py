@@ -36,7 +36,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # The longest test files, longest first (summed durations of a `make test` run, 2026-12-05;
-# `--junitxml` gives them). `make test` runs files whole on four workers (--dist loadfile)
+# `--junitxml` gives them). `make test` runs files whole on six workers (--dist loadgroup, below)
 # in collection order: starting these first keeps one of them from starting last and
 # running alone at the end. Files not named keep their order, after these.
 LONGEST_FIRST = (
@@ -48,9 +48,24 @@ LONGEST_FIRST = (
 )
 
 
+# `make test` runs with --dist loadgroup: each file is a group (its module fixtures start once, as
+# with loadfile), except the files that run Pulumi programs under the mocks, which share one group:
+# every worker that runs one pays the ~3.4 CPU-s import of pulumi_cloudflare once.
+PULUMI_GROUP = "pulumi-mocks"
+
+
+def _group(path: Path, seen: dict[Path, str]) -> str:
+    if path not in seen:
+        seen[path] = PULUMI_GROUP if "tests.support.pulumi_mocks" in path.read_text() else path.name
+    return seen[path]
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    seen: dict[Path, str] = {}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item.path, seen)))
 
 
 def pytest_collection_finish(session):
