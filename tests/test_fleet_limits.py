@@ -4,10 +4,10 @@ Two real cells behind the front door (NRT reaches apac-jp, FRA reaches eu-west),
 its own generation; every ``exchangeMs`` the ledger pulls each cell's changed counters and
 pushes each cell its leases (its share of each key's rpm, tpm and monthly tokens) with the
 others' sums (docs/fleet.md, "Limits across cells"). Here: a key's requests per minute spread
-over entries or moved between them, a refusal by lease, and what the hot path and the
-counters see meanwhile (the month's budget, a forgotten lease, the exchange's endpoints and a
-silent cell: tests/test_fleet_exchange.py). Every wait for the exchange is a bounded poll of
-the cell's own view of a key (``GET /_colocate/fleet/peers?key=``), never a fixed sleep
+over entries or moved between them, the hot path, a deferred request, a refusal by lease and
+leases following a key; the month's budget, a forgotten lease, the exchange's endpoints and a
+silent cell are in tests/test_fleet_exchange.py. Every wait for the exchange is a bounded poll
+of the cell's own view of a key (``GET /_colocate/fleet/peers?key=``), never a fixed sleep
 standing in for an assertion.
 """
 
