@@ -17,6 +17,7 @@ import pytest
 from tests.support.workerd import OPERATOR_TOKENS, auth, request, running_cell
 
 pytestmark = pytest.mark.slow
+HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +116,7 @@ def test_a_budget_hit_by_8_requests_at_once_is_never_passed(cell):
     # the threads ended: a request made now is carried by a sync that starts later, so once it is
     # counted every sync before it has landed too.
     marker = cell.create_key("race-marker", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)
-    hi = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    assert routed(cell, marker["key"], "/v1/chat/completions", hi).status == 200
+    assert routed(cell, marker["key"], "/v1/chat/completions", HI).status == 200
     assert usage_of(cell, marker["id"], 1)["requests"] == 1
     counted = usage_of(cell, made["id"], answers.count(200))
     # each request's own most is checked beside what is used and reserved: no overshoot at all
@@ -154,7 +154,11 @@ def test_a_client_colo_header_without_the_exchange_token_adds_no_live_labels(cel
     for colo in ("ZZA", "ZZB"):
         assert cell.call("POST", "/v1/chat/completions", body={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                          headers={"x-colocate-client-colo": colo}).status == 200
-    time.sleep(2.5)  # the isolate's next sync carries its histograms
+    # Their histograms were recorded before they were answered, and ride on the next sync: one that
+    # carries a later request's usage (a bounded poll) has carried them.
+    marker = cell.create_key("colo-marker", rpm=0, tpm=0, monthly_tokens=0, max_parallel=0)
+    assert routed(cell, marker["key"], "/v1/chat/completions", HI).status == 200
+    assert usage_of(cell, marker["id"], 1)["requests"] == 1
     live = cell.call("GET", "/_colocate/live", headers=auth()).json()
     assert not [row for row in live["minutes"] if "@" in row[2]], live["minutes"]
 
