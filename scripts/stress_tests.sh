@@ -18,11 +18,11 @@ PY=.venv/bin/python
 
 # signals, sandbox, migration under load, keys across isolates, the sync, hostile clients, drift
 # from live traffic, the front door; then the slow tests that wait on time: a fleet key's rpm in
-# one minute, a short autoscaled day, the Tokyo demo, instructions per rung (skipped without valgrind)
+# one minute and a lease forgotten, a short autoscaled day, the Tokyo demo, instructions per rung (skipped without valgrind)
 TESTS=(tests/test_sandbox_signals.py tests/test_sandbox_cell.py tests/test_sandbox_pods.py
        tests/test_migration_e2e.py tests/test_worker_keys.py tests/test_generation_scale.py
        tests/test_hostile_clients.py tests/test_live_drift.py tests/test_fleet_front.py
-       tests/test_fleet_limits.py tests/test_sandbox_autoscale.py tests/test_sandbox_demo.py
+       tests/test_fleet_limits.py tests/test_fleet_exchange.py tests/test_sandbox_autoscale.py tests/test_sandbox_demo.py
        tests/test_worker_instructions.py)
 
 busy=""

@@ -54,6 +54,7 @@ NUMBER_KEYS = {
     "worker.stateTtlMs": (lambda s: s.worker.state_ttl_ms, "0", 0),
     "worker.stallMs": (lambda s: s.worker.stall_ms, "3000", 3000),
     "worker.bodyTimeoutMs": (lambda s: s.worker.body_timeout_ms, "30000", 30000),
+    "worker.servedKeepMs": (lambda s: s.worker.served_keep_ms, "10000", 10000),
     "worker.minTokensPerS": (lambda s: s.worker.min_tokens_per_s, "12.5", 12.5),
     "worker.prefixBound": (lambda s: s.worker.prefix_bound, "1.25", 1.25),
     "probe.samples": (lambda s: s.samples, "40", 40),

@@ -762,6 +762,7 @@ def worker_bindings(settings: Settings, state: StatePlan, path: str = PATH_ZONE_
         ("FAILURE_THRESHOLD", str(w.failure_threshold)),
         ("OPEN_MS", str(w.open_ms)),
         ("STATE_TTL_MS", str(w.state_ttl_ms)),
+        ("SERVED_KEEP_MS", str(w.served_keep_ms)),
         ("PREFIX_BOUND", repr(w.prefix_bound)),
         ("DEFAULT_RPM", str(settings.key_defaults["rpm"])),
         ("DEFAULT_TPM", str(settings.key_defaults["tpm"])),

@@ -104,6 +104,9 @@ WORKER_DEFAULTS = {
     "failureThreshold": 3,
     "openMs": 30_000,
     "stateTtlMs": 2_000,
+    # How long an isolate asks for a key's counters and lease after serving it: the sliding
+    # minute's two buckets.
+    "servedKeepMs": 120_000,
     "migrationTag": "",
     "allowClassDeletion": False,
     "prefixBound": 1.5,  # prefix affinity's load bound c: no pod past c x the mean load
@@ -171,7 +174,8 @@ SCHEMA: tuple[Key, ...] = (
         "(auto | pod | targeted | smart; auto = pod on the zone-dns path, else targeted), deadlineMs (to a pod's first "
         "token), stallMs (no byte this long after it: a stall), minTokensPerS (a slower answer counts towards marking its "
         "pod slow), maxBodyBytes, bodyTimeoutMs (a body not all there this long after its headers gets a 408), "
-        "failureThreshold, openMs, stateTtlMs, migrationTag (optional offline fallback: the kit reads the applied tag "
+        "failureThreshold, openMs, stateTtlMs, servedKeepMs (an isolate asks for a key's counters and fleet lease this long "
+        "after serving it), migrationTag (optional offline fallback: the kit reads the applied tag "
         "from Cloudflare), allowClassDeletion, balance (prefix, the default: a conversation's turns to the pod "
         "holding its prefix | load: the cell's counts and the pods' reports | least_busy | random: a baseline), "
         "prefixBound (prefix's load bound c > 1: no pod past c x the mean load), contentParts (chat content part types "
@@ -323,6 +327,7 @@ class WorkerSettings:
     allow_class_deletion: bool
     stall_ms: int = 2000
     body_timeout_ms: int = 10_000
+    served_keep_ms: int = 120_000
     min_tokens_per_s: float = 25.0
     balance: str = str(WORKER_DEFAULTS["balance"])
     prefix_bound: float = float(cast(float, WORKER_DEFAULTS["prefixBound"]))
@@ -626,6 +631,7 @@ def parse_worker(raw: dict, stack: str) -> WorkerSettings:
         allow_class_deletion=w["allowClassDeletion"],
         stall_ms=_number(k + "stallMs", w["stallMs"], integer=True),
         body_timeout_ms=_number(k + "bodyTimeoutMs", w["bodyTimeoutMs"], integer=True),
+        served_keep_ms=_number(k + "servedKeepMs", w["servedKeepMs"], integer=True),
         min_tokens_per_s=float(_number(k + "minTokensPerS", w["minTokensPerS"])),
         balance=_balance(k + "balance", w["balance"]),
         prefix_bound=float(_number(k + "prefixBound", w["prefixBound"], minimum=1)),

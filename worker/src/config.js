@@ -216,6 +216,9 @@ export function readConfig(env) {
     failureThreshold: int(env, "FAILURE_THRESHOLD", { min: 1 }),
     openMs: int(env, "OPEN_MS", { min: 1 }),
     stateTtlMs: int(env, "STATE_TTL_MS", { min: 0 }),
+    // How long after serving a key an isolate still asks for its counters and lease (state.js);
+    // two minutes covers the sliding minute's two buckets.
+    servedKeepMs: optionalInt(env, "SERVED_KEEP_MS", 120_000, { min: 1 }),
     // The limits of a key created without them (colocate:keys.defaults); absent: none.
     keyDefaults: Object.freeze({
       rpm: optionalInt(env, "DEFAULT_RPM", 0, { min: 0 }),

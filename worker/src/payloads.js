@@ -174,6 +174,7 @@ export const POD_INFLIGHT = shape(SHAPES.pod_inflight);
  * @property {string} [FAILURE_THRESHOLD]
  * @property {string} [OPEN_MS]
  * @property {string} [STATE_TTL_MS]
+ * @property {string} [SERVED_KEEP_MS]
  * @property {string} [DEFAULT_MAX_PARALLEL]
  * @property {string} [DEFAULT_MAX_PARALLEL_TOKENS]
  * @property {string} [BODY_TIMEOUT_MS]

@@ -30,7 +30,8 @@ const ids = new Map(); // generation -> DurableObjectId (plain data, safe to kee
 const pending = new Map(); // generation -> pending deltas (see pendingOf)
 
 const FLUSH_MAX_MS = 1000; // usage reaches the object at most this long after a request
-export const SERVED_KEEP_MS = 120_000; // a key's counters are asked for this long after it was served
+// A key's counters (and fleet lease) are asked for this long after it was served:
+// config.js servedKeepMs (SERVED_KEEP_MS, colocate:worker.servedKeepMs), 120 s by default.
 export const LOOKUP_EVERY_MS = 250; // key look-ups: at most one call per isolate this often (after a burst of 2)
 const LOOKUP_BURST = 2;
 const LOOKUP_BATCH = 100; // digests per look-up call
@@ -119,12 +120,12 @@ export async function currentView(env, ctx, cfg, lookup = null) {
   }
 }
 
-/** The ids served here in the last SERVED_KEEP_MS (older ones are forgotten, counters too). */
-function servedKeys(gen, t) {
+/** The ids served here in the last `keepMs` (older ones are forgotten, counters too). */
+function servedKeys(gen, t, keepMs) {
   const p = pending.get(gen);
   if (!p) return [];
   const gone = [];
-  for (const [id, at] of p.served) if (t - at >= SERVED_KEEP_MS) gone.push(id);
+  for (const [id, at] of p.served) if (t - at >= keepMs) gone.push(id);
   for (const id of gone) p.served.delete(id);
   if (gone.length) cache.dropCounts(gen, gone);
   return [...p.served.keys()];
@@ -137,7 +138,7 @@ function servedKeys(gen, t) {
  */
 export async function sync(env, cfg, lookup = null) {
   const gen = cfg.activeGeneration;
-  const asked = servedKeys(gen, Date.now());
+  const asked = servedKeys(gen, Date.now(), cfg.servedKeepMs);
   const before = pending.get(gen);
   const flight = before ? { windows: before.windows, month: before.month, spend: before.spend } : null;
   let batch = takePending(gen);

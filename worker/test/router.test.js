@@ -445,6 +445,37 @@ test("a key refused again within a second has its 429 held back, so re-sending a
   await c.settle();
 });
 
+test("an isolate asks for a key's counters and lease for SERVED_KEEP_MS after serving it, then forgets them", async (t) => {
+  const { cache, sync } = await import("../src/state.js");
+  const { readConfig } = await import("../src/config.js");
+  const asked = (env) => env.BREAKER.calls.filter((x) => x[0] === "sync").at(-1)[2].keys;
+  t.mock.timers.enable({ apis: ["Date"], now: Date.now() }); // the clock moves only when told (timers stay real)
+  try {
+    for (const [keep, gone] of [[undefined, false], ["5000", true]]) { // absent: 120 s, the default
+      const gen = `router-served-keep-${keep}`;
+      const env = envFor(gen, keep === undefined ? {} : { SERVED_KEEP_MS: keep });
+      const object = await env.BREAKER.instance(gen);
+      await object.setPeers([], { generation: gen, haveRev: -1, isolate: "ledger", keys: [] }, [], 2); // a fleet of two cells
+      const key = await withKey(env.BREAKER, gen, { rpm: 10 });
+      const id = (await object.listKeys({ generation: gen })).find((k) => k.rpm === 10).id;
+      const c = ctx();
+      const { f } = fakeFetch(() => json());
+      assert.equal((await handle(chat(key), env, c, { fetch: f })).status, 200);
+      await c.settle();
+      t.mock.timers.tick(4999);
+      await sync(env, readConfig(env));
+      assert.deepEqual(asked(env), [id], keep);
+      assert.equal(cache.lease(gen, id).req, 5); // the default share of rpm 10's cap 11 over two cells
+      t.mock.timers.tick(1); // idle 5 s: past 5000 ms, well within 120 s
+      await sync(env, readConfig(env));
+      assert.deepEqual(asked(env), gone ? [] : [id], keep);
+      assert.equal(cache.lease(gen, id) === undefined, gone, keep);
+    }
+  } finally {
+    t.mock.timers.reset();
+  }
+});
+
 test("in a fleet, a held key whose lease this isolate dropped gets its floor share until a sync, started at once, brings the lease back", async () => {
   const gen = "router-fleet-idle-key";
   const env = envFor(gen);
