@@ -18,11 +18,12 @@ import requests
 from colocate.sandbox import supervisor
 from colocate.sandbox.statedir import PINS_FILE as PINS
 from scripts import migrate
-from tests.support.sandbox import Load, load_key, sandbox_stacks, usage_requests
+from tests.support.sandbox import Load, await_results, load_key, more_results, sandbox_stacks, usage_requests
 
 pytestmark = pytest.mark.slow
 RATE_PER_S = 50
 MAX_LOAD_S = 180  # the load stops by itself even if the test body fails to stop it
+PHASE = 25  # requests answered in each phase of the move (before, during, after) before the next step
 USAGE_WAIT_S = 30  # usage is reconciled in the object after the response (waitUntil)
 
 
@@ -61,7 +62,7 @@ def test_migration_under_load_drops_nothing_and_keeps_keys_usage_and_breaker_sta
     key = load_key(cell, "before-the-move")
     # Usage recorded in the old generation before anything moves.
     with Load(cell["worker_url"], key["key"], RATE_PER_S, MAX_LOAD_S) as warm:
-        time.sleep(1)
+        await_results(warm, more_results(warm, 10))
     assert not warm.failures(), warm.failures()[:5]
     before = _usage_at_least(cell, key["id"], len(warm.results))
     assert before >= len(warm.results) > 0
@@ -70,18 +71,21 @@ def test_migration_under_load_drops_nothing_and_keeps_keys_usage_and_breaker_sta
 
     started = time.monotonic()
     with Load(cell["worker_url"], key["key"], RATE_PER_S, MAX_LOAD_S) as load:
-        time.sleep(2)
+        # Requests answered before each step and after it (PHASE of them, half a second at 50/s), and
+        # through every deploy: the load runs on while `apply` replaces the Worker, the pod and the
+        # generation, where a lost request would be.
+        await_results(load, more_results(load, PHASE))
         assert migrate.main(["start", "--stack", "sandbox", "--to", "apac-tw", "--stacks-dir", str(stacks)]) == 0
         during = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
         assert (during["generation"], during["draining"], during["sites"]["edge"]) == ("apac-tw.g2", "us-east.g1", "TPE")
         probe = admin(during, "GET", "/_colocate/probe")  # the post-deploy probe: first touch from TPE
         assert probe["state_colo"] == "TPE" and probe["generation"] == "apac-tw.g2"
         assert probe["breaker"]["forced"] == "open", "read through from the draining generation"
-        time.sleep(2)
+        await_results(load, more_results(load, PHASE))
         assert migrate.main(["finish", "--stack", "sandbox", "--stacks-dir", str(stacks)]) == 0
         after = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
         assert after["draining"] is None and after["revision"] == during["revision"] + 1
-        time.sleep(2)
+        await_results(load, more_results(load, PHASE))
     elapsed = time.monotonic() - started
 
     results = load.results
