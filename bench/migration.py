@@ -55,7 +55,7 @@ SEED_BATCH = 20_000  # rows per importState call
 COLOS, PODS, SEGMENTS = ("IAD", "EWR", "ORD", "ATL", "MIA"), ("0", "1", "2", "fallback"), ("state", "upstream", "total")
 CLIENT_REQUESTS_BEFORE = 7  # the client key's requests today in g1
 ALARM_ALONE_S = 2.0  # after the restart, seconds without any call to the object
-AFTER_S = 10.0  # the requests go on this long after the import, for their time without it
+AFTER_S = 10.0  # the requests go on this long after the import, for their time without it (--after-s)
 
 
 def migration_plan():
@@ -315,7 +315,7 @@ def run(opts: argparse.Namespace, log=print) -> dict:
             import_s = t_done - t0
             cpu += cpu_seconds(c.w.process.pid) - cpu0
             if done:
-                time.sleep(AFTER_S)  # the same requests with the import done: what they take here anyway
+                time.sleep(opts.after_s)  # the same requests with the import done: what they take here anyway
         finally:
             state.stop.set()
             loader.join(120)
@@ -339,6 +339,7 @@ def run(opts: argparse.Namespace, log=print) -> dict:
         "state_wait_p50_ms": pct(waits, 0.5), "state_wait_p99_ms": pct(waits, 0.99),
         "state_wait_max_ms": max(waits, default=None),
         "e2e_p50_ms": round(pct(during, 0.5) or 0, 1), "e2e_p99_ms": round(pct(during, 0.99) or 0, 1),
+        "after_s": opts.after_s,
         "e2e_after_p50_ms": round(pct(after, 0.5) or 0, 1), "e2e_after_p99_ms": round(pct(after, 0.99) or 0, 1),
         "client_requests": {"seeded": CLIENT_REQUESTS_BEFORE, "sent": len(state.results), "counted": counted},
         "tables": {"g1": g1, "g2": g2}, "timeline": timeline,
@@ -368,7 +369,7 @@ def render(r: dict) -> str:
         f"state wait p50 {r['state_wait_p50_ms']} ms, "
         f"p99 {r['state_wait_p99_ms']} ms, max {r['state_wait_max_ms']} ms; "
         f"end to end p50 {r['e2e_p50_ms']} ms, p99 {r['e2e_p99_ms']} ms "
-        f"({AFTER_S:.0f} s after it: p50 {r['e2e_after_p50_ms']} ms, p99 {r['e2e_after_p99_ms']} ms)",
+        f"({r['after_s']:.0f} s after it: p50 {r['e2e_after_p50_ms']} ms, p99 {r['e2e_after_p99_ms']} ms)",
         f"  the client key: {c['seeded']} requests before + {c['sent']} sent = {c['counted']} counted",
         f"  rows g1 -> g2: {r['tables']}",
         f"  {'OK' if r['ok'] else 'FAILED'}",
@@ -382,11 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seg-rows", type=int, default=500_000, help="its seg_minute rows")
     p.add_argument("--rate", type=float, default=10.0, help="client requests a second during the import")
     p.add_argument("--restart-at", type=float, default=0.4, help="kill workerd when this share of the rows is merged")
+    p.add_argument("--after-s", type=float, default=AFTER_S, help="the requests go on this long after the import")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds of import")
     p.add_argument("--json", type=Path, help="also write the result here")
     opts = p.parse_args(argv)
-    if min(opts.keys, opts.seg_rows, opts.usage_rows) < 0 or not 0 < opts.restart_at < 1 or opts.rate <= 0:
-        p.error("--keys, --usage-rows and --seg-rows >= 0, 0 < --restart-at < 1, --rate > 0")
+    if min(opts.keys, opts.seg_rows, opts.usage_rows, opts.after_s) < 0 or not 0 < opts.restart_at < 1 or opts.rate <= 0:
+        p.error("--keys, --usage-rows, --seg-rows and --after-s >= 0, 0 < --restart-at < 1, --rate > 0")
     most = 6 * 24 * 60 * len(COLOS) * len(PODS) * len(SEGMENTS)
     if opts.seg_rows > most:
         p.error(f"--seg-rows: at most {most} (6 days of minutes x colo x pod x segment)")

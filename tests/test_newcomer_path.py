@@ -28,8 +28,11 @@ def clone(tmp_path_factory):
     for shared in (".venv", "node_modules"):
         (where / shared).symlink_to((ROOT / shared).resolve())
     yield where
+    from colocate.sandbox.statedir import STARTED_DIR
+
     for d in (where / ".colocate" / "sandbox").glob("*"):
-        _run(where, "scripts/sandbox.py", "down", "--state-dir", str(d), check=False)
+        if d.name != STARTED_DIR:  # links to state directories elsewhere, not one itself
+            _run(where, "scripts/sandbox.py", "down", "--state-dir", str(d), check=False)
 
 
 def _run(cwd: Path, *argv: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -44,13 +47,23 @@ def _hints(text: str) -> list[str]:
     return PRINTED_COMMAND.findall(text)
 
 
-def test_the_readmes_block_runs_as_written_in_a_fresh_clone(clone, tmp_path):
+@pytest.fixture(scope="module")
+def readme_block(clone, tmp_path_factory):
+    """The README's block run once as written, with a state directory of its own: it starts a cell,
+    calls it and stops it, so that directory is also where a sandbox ran and was stopped."""
     block = README_BLOCK.search((clone / "README.md").read_text()).group(1)
     assert "/tmp/my-cell" in block and "sandbox.py up" in block and "OpenAI()" in block and "sandbox.py down" in block
-    mine = tmp_path / "my-cell"
+    mine = tmp_path_factory.mktemp("readme") / "my-cell"
     script = block.replace("/tmp/my-cell", str(mine))
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
     proc = subprocess.run(["bash", "-e", "-c", script], cwd=clone, capture_output=True, text=True, timeout=300, env=env)
+    yield mine, proc
+    if proc.returncode != 0:  # it stopped before its own `down`
+        _run(clone, "scripts/sandbox.py", "down", "--state-dir", str(mine), check=False)
+
+
+def test_the_readmes_block_runs_as_written_in_a_fresh_clone(clone, readme_block, tmp_path):
+    mine, proc = readme_block
     assert proc.returncode == 0, proc.stderr
     assert "colocate stand-in" in proc.stdout  # the pod's answer, through the Worker, to the openai client
     hints = _hints(proc.stderr)
@@ -123,11 +136,11 @@ def test_cost_reads_the_sandboxs_price_and_does_not_scale_minutes_to_a_day(clone
     assert "not scaled" in volume and "too short to scale to a day (at least 1 h)" in volume, volume
 
 
-def test_after_down_every_hint_carries_the_directory(clone, cell, tmp_path):
-    gone = tmp_path / "was-here"
-    _run(clone, "scripts/sandbox.py", "up", "--state-dir", str(gone))
-    down = _run(clone, "scripts/sandbox.py", "down", "--state-dir", str(gone))
-    assert json.loads(down.stdout)["pod_deleted"] is True  # the runner deleted it: said truthfully
+def test_after_down_every_hint_carries_the_directory(clone, readme_block, cell):
+    gone, block = readme_block  # the README's block ran a cell there and stopped it with `sandbox.py down`
+    assert block.returncode == 0, block.stderr
+    down = json.loads(block.stdout.splitlines()[-1])  # its stdout: the openai client's answer, then `down`'s JSON line
+    assert down["pod_deleted"] is True  # the runner deleted it: said truthfully
     for argv in (["scripts/keys.py", "list", "--state-dir", str(gone)], ["scripts/cost.py", "--state-dir", str(gone)],
                  ["scripts/sandbox.py", "apply", "--state-dir", str(gone)],
                  ["scripts/probe.py", "--state-dir", str(gone)]):

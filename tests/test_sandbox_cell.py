@@ -37,6 +37,38 @@ def state_dir(tmp_path):
     supervisor.down(d, quiet=True)  # whatever a failed test left running
 
 
+@pytest.fixture(scope="module")
+def cell(tmp_path_factory):
+    """One running cell (clients in NRT) for the tests that only read from it: routed requests, the
+    probe, the openai client, `status` listing it. Its state directory is `mine` under a directory of
+    its own, so a test can point statedir.SANDBOXES_DIR there and find exactly this one."""
+    root = tmp_path_factory.mktemp("sandboxes")
+    stacks = sandbox_stacks(root.parent / f"{root.name}-stacks", compute_ms=5)
+    state_dir = root / "mine"
+    try:
+        yield supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, client_site="NRT")
+    finally:
+        supervisor.down(state_dir, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def split_cell(tmp_path_factory):
+    """One split cell for the tests that measure it: compute moved to Taipei (clients there too)
+    while the ledger still names us-east.g1, whose object was first touched from IAD in an earlier
+    life of the state directory (its pin; test_pin_survives_restart_and_down_leaves_nothing makes
+    that pin by a first touch and a restart)."""
+    root = tmp_path_factory.mktemp("split")
+    stacks = sandbox_stacks(root / "stacks", compute_ms=5)
+    _split(stacks)
+    state_dir = root / "state"
+    state_dir.mkdir()
+    (state_dir / "pins.json").write_text(json.dumps({"us-east.g1": {"site": "IAD", "edge": "IAD", "hint": "enam"}}))
+    try:
+        yield supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, force_split=True, client_site="TPE")
+    finally:
+        supervisor.down(state_dir, quiet=True)
+
+
 def _get(url, token=None, timeout=30):
     req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"} if token else {})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -58,8 +90,8 @@ def _split(stacks):
     stackfile.write_config("sandbox", {"region": "apac-tw"}, stacks)
 
 
-def test_routed_request_probe_and_headers(stacks, state_dir):
-    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, client_site="NRT")
+def test_routed_request_probe_and_headers(cell):
+    state_dir = Path(cell["state_dir"])
     assert cell["sites"] == {**cell["sites"], "client": "NRT", "edge": "IAD", "pod": "IAD", "placement": "remote-IAD"}
     body = json.dumps({"model": POD_MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     req = urllib.request.Request(cell["worker_url"] + "/v1/chat/completions", data=body,
@@ -86,14 +118,9 @@ def test_routed_request_probe_and_headers(stacks, state_dir):
     assert all(m.content().splitlines()[0] in text for m in worker_modules()) and "__sandbox_entry.js" in text
 
 
-def test_emulated_round_trips_match_the_model(stacks, state_dir):
+def test_emulated_round_trips_match_the_model(split_cell):
     """Worker in TPE, object first touched from IAD: state_rtt ~ rtt(TPE, IAD); pod next door ~ same-site."""
-    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
-    _probe_bodies(cell, 1)  # first touch from IAD pins us-east.g1 there
-    supervisor.down(state_dir, quiet=True)
-    _split(stacks)
-    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, force_split=True, client_site="TPE")
-    bodies = _probe_bodies(cell, 5)
+    bodies = _probe_bodies(split_cell, 5)
     assert {b["state_colo"] for b in bodies} == {"IAD"}
     assert {b["worker_colo"] for b in bodies} == {"TPE"}
     state_model = MODEL.rtt_ms("TPE", "IAD")
@@ -110,12 +137,8 @@ def _hop_connections(cell):
     return _get(f"http://127.0.0.1:{cell['ports']['outbound']}/_sandbox/pod-hop/connections")[2]["connections"]
 
 
-def test_probe_cli_reports_state_left_behind_and_the_pod_hop_on_new_connections(stacks, state_dir, tmp_path):
-    (state_dir).mkdir(parents=True)
-    # the object was first touched from IAD in an earlier life of this state directory
-    (state_dir / "pins.json").write_text(json.dumps({"us-east.g1": {"site": "IAD", "edge": "IAD", "hint": "enam"}}))
-    _split(stacks)
-    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks, force_split=True)
+def test_probe_cli_reports_state_left_behind_and_the_pod_hop_on_new_connections(split_cell, tmp_path):
+    cell, state_dir = split_cell, split_cell["state_dir"]
     (port,) = _hop_connections(cell)  # one pod, one hop
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
 
@@ -282,9 +305,8 @@ def test_demo_key_is_created_kept_0600_reused_and_replaced_when_revoked(stacks, 
         assert r.status == 200
 
 
-def test_openai_client_uses_the_printed_key(stacks, state_dir):
+def test_openai_client_uses_the_printed_key(cell):
     openai = pytest.importorskip("openai")
-    cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     client = openai.OpenAI(base_url=cell["worker_url"] + "/v1", api_key=cell["key"], max_retries=0)
     reply = client.chat.completions.create(model=POD_MODEL, messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content
@@ -315,24 +337,20 @@ def test_down_and_status_tell_a_typo_and_an_empty_state_dir_from_a_sandbox(tmp_p
     assert code == 0 and json.loads(out) == {"sandboxes": []} and "no sandbox runs" in err
 
 
-def test_status_without_a_stack_lists_the_sandboxes_that_run(stacks, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(statedir, "SANDBOXES_DIR", tmp_path / "sandboxes")
-    running = tmp_path / "sandboxes" / "mine"
-    try:
-        cell = supervisor.up("sandbox", state_dir=running, stacks_dir=stacks)
-        code, out, err = _cli(["status"], capsys)
-        assert code == 0, err
-        listed = json.loads(out)["sandboxes"]
-        assert [(s["state_dir"], s["worker_url"], s["healthy"]) for s in listed] == [(str(running), cell["worker_url"], True)]
-        assert "mine: " + cell["worker_url"] in err
-        # `down` of another (valid) stack stops nothing, says so, and names the one that runs
-        code, out, err = _cli(["down", "--stack", "sandbox"], capsys)
-        assert code == 1 and json.loads(out)["was_running"] is False
-        assert "no sandbox was ever started in" in err and "nothing stopped" in err
-        assert f"{running} (`{supervisor.SANDBOX_CMD} down --stack sandbox --state-dir {running}`)" in err, err
-        assert supervisor.status(running)["healthy"] is True
-    finally:
-        supervisor.down(running, quiet=True)
+def test_status_without_a_stack_lists_the_sandboxes_that_run(cell, capsys, monkeypatch):
+    running = Path(cell["state_dir"])  # .../sandboxes<n>/mine: the only sandbox under its parent
+    monkeypatch.setattr(statedir, "SANDBOXES_DIR", running.parent)
+    code, out, err = _cli(["status"], capsys)
+    assert code == 0, err
+    listed = json.loads(out)["sandboxes"]
+    assert [(s["state_dir"], s["worker_url"], s["healthy"]) for s in listed] == [(str(running), cell["worker_url"], True)]
+    assert "mine: " + cell["worker_url"] in err
+    # `down` of another (valid) stack stops nothing, says so, and names the one that runs
+    code, out, err = _cli(["down", "--stack", "sandbox"], capsys)
+    assert code == 1 and json.loads(out)["was_running"] is False
+    assert "no sandbox was ever started in" in err and "nothing stopped" in err
+    assert f"{running} (`{supervisor.SANDBOX_CMD} down --stack sandbox --state-dir {running}`)" in err, err
+    assert supervisor.status(running)["healthy"] is True
 
 
 def test_an_unhealthy_cell_names_its_own_stack_and_up_refuses_another_stacks_state_dir(stacks, state_dir, capsys):

@@ -179,13 +179,13 @@ def test_the_keeper_never_replaces_a_server_the_user_runs_when_it_is_down_or_unr
 
 
 def test_a_server_that_never_serves_fails_up_within_its_ready_timeout(tmp_path, state_dir):
-    stacks = stacks_with(tmp_path, command="exec sleep 600", readyTimeoutS=3)
+    stacks = stacks_with(tmp_path, command="exec sleep 600", readyTimeoutS=1)  # the least it takes: it never serves
     with pytest.raises(supervisor.StartupFailed):
         supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     records = [json.loads(p.read_text()) for p in (state_dir / "pods").glob("*.json") if not p.name.endswith(".port.json")]
     assert records == []  # the command was stopped and forgotten
     log = (state_dir / "logs" / "pod.log").read_text()
-    assert "not ready after 3s" in log
+    assert "not ready after 1s" in log
 
 
 @pytest.mark.parametrize("pod,problem", [

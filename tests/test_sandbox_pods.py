@@ -16,7 +16,7 @@ import pytest
 from colocate import stackfile
 from colocate.pods.local import alive
 from colocate.sandbox import supervisor
-from tests.support.sandbox import Load, load_key, sandbox_stacks
+from tests.support.sandbox import Load, await_results, load_key, more_results, sandbox_stacks, served_by
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,9 @@ def test_two_pods_each_its_own_process_reached_by_name(stacks, state_dir):
     assert "localhost" in cell["fallback_url"]
     key = load_key(cell)["key"]
     with Load(cell["worker_url"], key, rate_per_s=40, max_s=30) as load:
-        time.sleep(3)
+        # until both pods have answered and 40 requests are back (a second at 40/s): a pod the Worker
+        # cannot reach by its name never answers (the wait ends at its bound, the check below fails)
+        await_results(load, lambda results: len(results) >= 40 and served_by(results, "pod-0", "pod-1"))
     assert not load.failures(), load.failures()[:5]
     assert _backends(load.results) == {"pod-0", "pod-1"}, "the router balances both pods"
     for p in pods:
@@ -89,20 +91,27 @@ def test_apply_replaces_pods_one_at_a_time_and_changes_the_count_with_no_failed_
     cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
     old = {p["index"]: p for p in cell["pods"]}
     key = load_key(cell)["key"]
-    with Load(cell["worker_url"], key, rate_per_s=40) as load:
-        time.sleep(2)
+    # 20 requests a second: the load runs through every deploy (4 to 12 s an apply on a loaded
+    # machine: 1,000 requests at 40/s). Each of the four Worker swaps here holds the requests that
+    # arrive in its WAIT_UNTIL_GRACE_S (1.2 s) at the edge, 24 or more at this rate, so a request
+    # dropped at a swap still fails the check below (with the runner's pause removed, 47 of 453 did).
+    with Load(cell["worker_url"], key, rate_per_s=20) as load:
+        # Traffic on both pods before each deploy and after it: waits on what the load has seen, each
+        # at least 20 requests (a second at 20/s).
+        await_results(load, lambda results: len(results) >= 20 and served_by(results, "pod-0", "pod-1"))
         # A renewal replaces every pod: pod 0 first, then pod 1, each new one serving before the old goes.
         pod = {"provider": "local", "computeMs": 20, "count": 2, "renewal": 1}
         stackfile.write_config("sandbox", {"pod": pod}, stacks)
         after = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
-        time.sleep(2)
+        await_results(load, more_results(load, 40))
         # Count 2 -> 3 adds pod 2 only; 3 -> 1 removes pods 1 and 2 only.
         stackfile.write_config("sandbox", {"pod": {**pod, "count": 3}}, stacks)
         grown = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
-        time.sleep(1)
+        await_results(load, more_results(load, 20))
         stackfile.write_config("sandbox", {"pod": {**pod, "count": 1}}, stacks)
         shrunk = supervisor.apply("sandbox", state_dir=state_dir, stacks_dir=stacks)
-        time.sleep(1)
+        more = more_results(load, 20)
+        await_results(load, lambda results: more(results) and len(results) > 100)
     assert not load.failures(), f"{len(load.failures())} of {len(load.results)} failed: {load.failures()[:5]}"
     assert len(load.results) > 100
     new = {p["index"]: p for p in after["pods"]}
@@ -125,10 +134,13 @@ def test_one_pod_of_two_killed_mid_load_costs_no_request(stacks, state_dir):
     key = load_key(cell)["key"]
     victim = cell["pods"][1]
     with Load(cell["worker_url"], key, rate_per_s=40) as load:
-        time.sleep(2)
+        await_results(load, lambda results: len(results) >= 20 and served_by(results, "pod-0", "pod-1"))  # both in use
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = len(load.results)
-        time.sleep(5)
+        # 100 requests after the kill (2.5 s at 40/s): the requests in flight to pod 1 when it died, and
+        # the Worker's health checks of it (at most one a second, worker/src/pods.js HEALTH_EVERY_MS)
+        # failing at least twice while the load runs; a request lost to the dead pod fails the check below.
+        await_results(load, lambda results: len(results) - killed_at > 100)
     assert not alive(victim["pid"])
     assert not load.failures(), f"{len(load.failures())} of {len(load.results)} failed: {load.failures()[:5]}"
     assert len(load.results) - killed_at > 100

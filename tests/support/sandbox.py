@@ -44,3 +44,26 @@ def usage_requests(ready: dict, key_id: str) -> int:
     rows = AdminClient(Target(ready["worker_url"], ready["token"], "sandbox")).usage(
         since="2000-01-01", until="2999-12-31", key_id=key_id)["usage"]
     return sum(r["requests"] for r in rows if r["key_id"] == key_id)
+
+
+def await_results(load, done, timeout_s: float = 60) -> None:
+    """Wait (bounded, polling) until ``done(results)`` holds for a running Load's results so far:
+    a wait on what the load has seen rather than a fixed sleep sized for an idle machine. It
+    returns at the bound either way; the test's own checks then say what was missing."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done(list(load.results)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def more_results(load, n: int):
+    """A condition for await_results: n more results than ``load`` has now."""
+    start = len(load.results)
+    return lambda results: len(results) >= start + n
+
+
+def served_by(load_or_results, *backends: str) -> bool:
+    """Whether every named backend has answered a request 200 (x-colocate-backend)."""
+    results = getattr(load_or_results, "results", load_or_results)
+    return set(backends) <= {b for s, b, _ in results if s == 200}
