@@ -167,6 +167,7 @@ class Load:
 
     stop: threading.Event = field(default_factory=threading.Event)
     pause: threading.Event = field(default_factory=threading.Event)
+    paused: threading.Event = field(default_factory=threading.Event)  # set by the loader: paused, nothing in flight
     results: list[tuple[float, int | None]] = field(default_factory=list)  # each request: (its start, status; None: no answer)
     failures: list[tuple[int | None, str]] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)  # Server-Timing state, ms
@@ -179,8 +180,10 @@ def load(port: int, key: str, rate: float, state: Load) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     while not state.stop.is_set():
         if state.pause.is_set():
+            state.paused.set()
             time.sleep(0.05)
             continue
+        state.paused.clear()
         t = time.monotonic()
         try:
             status, hdrs, raw = call(port, "POST", "/v1/chat/completions", body, headers, timeout=60)
@@ -263,6 +266,17 @@ def usage_of(port: int, token: str, key_id: str) -> int:
     return sum(r["requests"] for r in json.loads(body)["usage"])
 
 
+def flushed(port: int, token: str, key_id: str, state: Load, within_s: float = 3.0) -> None:
+    """Wait (bounded) until the loader has paused and the object counts every request it sent."""
+    deadline = time.monotonic() + within_s
+    state.paused.wait(within_s)
+    while time.monotonic() < deadline:
+        with contextlib.suppress(RuntimeError, OSError):
+            if usage_of(port, token, key_id) >= CLIENT_REQUESTS_BEFORE + len(state.results):
+                return
+        time.sleep(0.05)
+
+
 def run(opts: argparse.Namespace, log=print) -> dict:
     secrets = Secrets.fresh()
     plan = migration_plan()
@@ -294,9 +308,10 @@ def run(opts: argparse.Namespace, log=print) -> dict:
                     break
                 if killed_at is None and p["rows"] is not None and p["rows"] >= opts.restart_at * p["total"]:
                     state.pause.set()
-                    # The requests in flight finish and the router flushes their usage (within 1 s):
-                    # what an isolate holds unsent dies with the process, migration or not.
-                    time.sleep(1.5)
+                    # The request in flight finishes and the router flushes their usage (within 1 s):
+                    # what an isolate holds unsent dies with the process, migration or not. Waited on,
+                    # not slept: a fixed 1.5 s let a fast machine finish the import before the crash.
+                    flushed(c.port, secrets.probe_token, client_row["id"], state)
                     killed_at = progress(c.port, secrets.probe_token)["rows"]
                     cpu += cpu_seconds(c.w.process.pid) - cpu0
                     log(f"  killing workerd at {killed_at} of {p['total']} rows ...")
