@@ -177,8 +177,9 @@ def test_live_merges_every_cells_histograms_per_client_colo(three, capsys, monke
         code = probe.main(argv)
         doc = json.loads(capsys.readouterr().out)
         colos = {c["colo"]: c for c in doc["colos"]}
-        served = {colo: next((s["requests"] for s in colos.get(colo, {}).get("served", []) if s["cell"] == HOME[colo]), 0)
-                  for colo in sent}
+        # every cell's rows for a client colo, merged (on a loaded machine the front door may pass a slow
+        # home cell over for a request: which cell served is the routing tests' concern, not this one's)
+        served = {colo: sum(s["requests"] for s in colos.get(colo, {}).get("served", [])) for colo in sent}
         if all(served[c] >= n for c, n in sent.items()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
