@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (make bench installs it)")
 # The runs below check plumbing, not speed: bench pods that answer this many ms late hold each
 # client's closed loop to a few hundred requests a second, so the Workers (and the sandbox's
-# proxy) spend a fraction of the CPU; every request still makes the whole trip.
+# proxy) spend a fraction of the CPU; every request still makes the whole trip. The router's
+# wait on state is read over 20 requests after the rounds (--state-requests; the bench's 300 are for a p99).
 POD_DELAY = "5"
 
 
@@ -25,11 +26,12 @@ POD_DELAY = "5"
 def test_small_run_measures_every_target(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = bench_router.main(["--rounds", "2", "--seconds", "1", "--clients", "1,4", "--sse-requests", "20",
-                            "--pod-delay-ms", POD_DELAY, "--quiet", "--json", str(out)])
+                            "--pod-delay-ms", POD_DELAY, "--state-requests", "20", "--quiet", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     (series,) = result["series"]
     assert series["router_backend"].startswith("pod")  # the router really served from a pod
+    assert 0 < series["router_state_ms"]["n"] <= 20  # the router's Server-Timing said how long it waited on state
     assert [lv["clients"] for lv in series["levels"]] == [1, 4]
     for lv in series["levels"]:
         assert len(lv["rounds"]) == 2
@@ -61,7 +63,7 @@ def test_streams_asking_for_usage_reach_several_pods_and_carry_it(tmp_path):
     # least_busy spreads them: under the cells' default (prefix) the bench's identical requests stay on one pod
     rc = bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--sse-requests", "16", "--pods", "2",
                             "--pod-delay-ms", POD_DELAY, "--balance", "least_busy", "--sse-usage", "--sse-chunks", "12",
-                            "--sse-chunk-ms", "5", "--quiet", "--json", str(out)])
+                            "--sse-chunk-ms", "5", "--state-requests", "20", "--quiet", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["options"]["sse_usage"] is True and result["options"]["balance"] == "least_busy"
@@ -232,7 +234,7 @@ def test_far_state_leaves_the_hot_path_at_zero(capsys):
     # The object 150 ms away (sandbox delay on that hop only): a forced round trip pays it;
     # routed requests, served from the isolate's copy, do not (their p50 stays far below).
     assert bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "1", "--no-stream", "--quiet",
-                              "--pod-delay-ms", POD_DELAY, "--far-state-ms", "150", "--json", "-"]) == 0
+                              "--pod-delay-ms", POD_DELAY, "--state-requests", "20", "--far-state-ms", "150", "--json", "-"]) == 0
     (series,) = json.loads(capsys.readouterr().out)["series"]
     assert series["far_state"]["state_colo"] == "IAD"
     assert 150 <= series["far_state"]["state_rtt_p50_ms"] < 300  # paid once, not twice
