@@ -376,6 +376,7 @@ class Options:
     client_key: str | None = None  # for routed requests once they need one (router_headers)
     prompt_bytes: int = 0  # a system message of this many bytes in every request (chat_body)
     balance: str | None = None  # colocate:worker.balance; None: the stack's (the cells' default)
+    state_requests: int = 300  # sequential requests that read the router's wait on state (state_waits)
 
 
 def check_router(url: str, headers: Mapping[str, str]) -> str:
@@ -557,7 +558,7 @@ def run_series(opts: Options, plan, secrets: Secrets, pod_count: int, log=lambda
                     levels[c].append(rd)
                     log(f"pods {pod_count} round {r + 1}/{opts.rounds} clients {c}: "
                         + ", ".join(f"{t} {rd[t]['rps']:.0f} req/s p50 {rd[t]['p50_ms']:.3f} ms" for t in TARGETS))
-            state = state_waits(router.url, hdr_router)
+            state = state_waits(router.url, hdr_router, opts.state_requests)
     return {
         "pods": pod_count,
         "pod_delay_ms": opts.pod_delay_ms,

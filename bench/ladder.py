@@ -23,7 +23,7 @@ rounds), and CPU and throughput against bare (medians of per-round ratios, so a 
 round moves every rung alike). Imports no Pulumi.
 
 Usage: .venv/bin/python -m bench.ladder [--rounds 8] [--seconds 2] [--clients 32] [--json PATH]
-           [--rungs bare,...] [--pods 1] [--request json|stream|usage]
+           [--rungs bare,...] [--pods 1] [--pod-delay-ms 0] [--request json|stream|usage]
 
 --request stream|usage runs bench/sse.mjs instead of wrk and adds each rung's time to first
 byte, and its median per-round difference from bare's.
@@ -64,9 +64,11 @@ def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, p
 
 @contextlib.contextmanager
 def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[str] = RUNGS,
-            worker_src: Path | None = None, pod_count: int = 1, chunks: int = 8) -> Iterator[tuple[dict, dict]]:
+            worker_src: Path | None = None, pod_count: int = 1, chunks: int = 8,
+            pod_delay_ms: float = 0.0) -> Iterator[tuple[dict, dict]]:
     """Each rung in ``rungs`` in its own workerd, all behind the same ``pod_count`` bench
-    pods (streams of ``chunks`` events): yields ({rung: Workerd}, {rung: request headers}).
+    pods (streams of ``chunks`` events, each answer ``pod_delay_ms`` late): yields
+    ({rung: Workerd}, {rung: request headers}).
     ``under``: Workerd's ``launcher`` and ``v8_flags`` (bench/instructions.py);
     ``worker_src``: the router's modules from another directory (a candidate cut)."""
     unknown = [r for r in rungs if r not in RUNGS + EXTRA]
@@ -76,7 +78,7 @@ def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[st
     compat = plan.worker.compatibility_date
     secrets = harness.Secrets.fresh()
     with contextlib.ExitStack() as stack:
-        pod_urls = stack.enter_context(harness.pods(pod_count, 0, secrets.pod_token, chunks=chunks))
+        pod_urls = stack.enter_context(harness.pods(pod_count, pod_delay_ms, secrets.pod_token, chunks=chunks))
         fallback = stack.enter_context(harness.pods(1, 0, None))
         pods_text = plan_mod.pod_urls_text(pod_urls)
         workers, headers = {}, {}
@@ -109,9 +111,9 @@ def load(url: str, clients: int, seconds: float, headers: Mapping[str, str], req
 
 
 def run(rounds: int, seconds: float, clients: int, rungs: Sequence[str] = RUNGS, pod_count: int = 1,
-        request: str = "json", log=lambda _m: None) -> dict:
+        request: str = "json", log=lambda _m: None, pod_delay_ms: float = 0.0) -> dict:
     harness.require_tools()
-    with started(rungs=rungs, pod_count=pod_count) as (workers, headers):
+    with started(rungs=rungs, pod_count=pod_count, pod_delay_ms=pod_delay_ms) as (workers, headers):
         for rung in rungs:  # warm, and every rung must answer 200 (wrk counts other statuses as errors)
             warm = load(workers[rung].url, clients, 1, headers[rung], request)
             if warm["errors"] or not warm["n"]:
@@ -125,7 +127,7 @@ def run(rounds: int, seconds: float, clients: int, rungs: Sequence[str] = RUNGS,
                 )
             log(f"round {i + 1}/{rounds}: " + ", ".join(f"{r} {per[r][-1]['cpu_us_per_req']} us" for r in rungs))
     out: dict[str, Any] = {"clients": clients, "rounds": rounds, "seconds": seconds, "pods": pod_count, "request": request,
-           "machine": harness.versions(), "rungs": []}
+           "pod_delay_ms": pod_delay_ms, "machine": harness.versions(), "rungs": []}
     bare = per["bare"]
     for rung in rungs:
         rs = per[rung]
@@ -146,7 +148,8 @@ def run(rounds: int, seconds: float, clients: int, rungs: Sequence[str] = RUNGS,
 def table(result: dict) -> str:
     m = result["machine"]
     streams = result["request"] != "json"
-    rows = [f"cost ladder at {result['clients']} clients, {result['request']} requests, {result['pods']} pod(s) "
+    rows = [f"cost ladder at {result['clients']} clients, {result['request']} requests, {result['pods']} pod(s)"
+            + (f" answering {result['pod_delay_ms']:g} ms late" if result.get("pod_delay_ms") else "") + " "
             f"({m['workerd']}, {m['cpus']} CPUs, load {m['loadavg_at_start'][0]:.1f} "
             f"at start; {result['rounds']} rounds x {result['seconds']:g} s, medians)",
             f"{'rung':>12} {'req/s':>8} {'cpu us/req':>10} {'cpu/bare':>9} {'req/s /bare':>11} {'errors':>6}"
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rungs", default=",".join(RUNGS),
                    help=f"comma-separated, bare first, of {','.join(RUNGS + EXTRA)} (default: the climb, {','.join(RUNGS)})")
     p.add_argument("--pods", type=int, default=1, help="bench pods behind every rung, taken in turn (default 1)")
+    p.add_argument("--pod-delay-ms", type=float, default=0.0, help="the bench pods answer after this long (default 0)")
     p.add_argument("--request", choices=REQUESTS, default="json",
                    help="chat completions under wrk (json, default), or streams under bench/sse.mjs, which also "
                         "reports time to first byte: stream, or usage (a stream that asks for its usage)")
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1), ("--clients", args.clients, 1),
-                           ("--pods", args.pods, 1)))
+                           ("--pods", args.pods, 1), ("--pod-delay-ms", args.pod_delay_ms, 0)))
     rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
     unknown = [r for r in rungs if r not in RUNGS + EXTRA]
     if unknown or not rungs or rungs[0] != "bare" or len(set(rungs)) != len(rungs):
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     log = harness.progress(args.quiet)
     return harness.report(
         "bench.ladder",
-        lambda: run(args.rounds, args.seconds, args.clients, rungs, args.pods, args.request, log),
+        lambda: run(args.rounds, args.seconds, args.clients, rungs, args.pods, args.request, log, args.pod_delay_ms),
         table,
         args.json,
     )

@@ -21,7 +21,7 @@ the project's .venv). A peer that cannot be installed or started is left out of 
 table, with the reason printed.
 
 Usage: .venv/bin/python -m bench.peers [--rounds 3] [--seconds 3] [--clients 1,32]
-       [--peers portkey,litellm|none] [--json PATH]
+       [--peers portkey,litellm|none] [--pod-delay-ms 0] [--json PATH]
 Exit: 0 done (the acceptance reported, not enforced), 2 setup failure (wrk, node or the
 router missing; a peer that fails is reported and skipped, not fatal).
 """
@@ -242,13 +242,13 @@ def measured(pid: int | None, run) -> dict:
 
 # --- a whole run -----------------------------------------------------------------------------
 
-def run(rounds: int, seconds: float, clients: tuple[int, ...], peers: tuple[str, ...], log) -> dict:
+def run(rounds: int, seconds: float, clients: tuple[int, ...], peers: tuple[str, ...], log, pod_delay_ms: float = 0.0) -> dict:
     harness.require_tools()
     plan = harness.bench_plan(5000)
     secrets = harness.Secrets.fresh()
     machine = harness.versions()
     skipped: dict[str, str] = {}
-    with harness.pods(1, 0, secrets.pod_token) as pod_urls, harness.pods(1, 0, None) as fallback, \
+    with harness.pods(1, pod_delay_ms, secrets.pod_token) as pod_urls, harness.pods(1, 0, None) as fallback, \
             tempfile.TemporaryDirectory(prefix="colocate-peers-") as tmp, contextlib.ExitStack() as stack:
         values = {"POD_URLS": plan_mod.pod_urls_text(pod_urls), "FALLBACK_URL": fallback[0], **secrets.bindings()}
         router = stack.enter_context(harness.router_worker(plan, values, None))
@@ -287,7 +287,8 @@ def run(rounds: int, seconds: float, clients: tuple[int, ...], peers: tuple[str,
         fallback_answers = harness.answered(fallback[0])
     if fallback_answers:
         raise harness.BenchError(f"the router's fallback answered {fallback_answers} requests: not the pod path")
-    return {"machine": machine, "options": {"rounds": rounds, "seconds": seconds, "clients": list(clients)},
+    return {"machine": machine, "options": {"rounds": rounds, "seconds": seconds, "clients": list(clients),
+                                           "pod_delay_ms": pod_delay_ms},
             "versions": {"portkey": PORTKEY_VERSION, "litellm": LITELLM_VERSION},
             "compatibility_date": plan.worker.compatibility_date, "skipped": skipped,
             "summary": summarise(levels, targets), "levels": {str(c): rs for c, rs in levels.items()}}
@@ -326,7 +327,8 @@ def _f(v, spec: str) -> str:
 def table(result: dict) -> str:
     m, o, s = result["machine"], result["options"], result["summary"]
     lo, hi = min(o["clients"]), max(o["clients"])
-    rows = [f"colocate and its peers, one instant bench pod ({m['workerd']}, node {m['node']}, Portkey "
+    pod = f"one bench pod answering {o['pod_delay_ms']:g} ms late" if o.get("pod_delay_ms") else "one instant bench pod"
+    rows = [f"colocate and its peers, {pod} ({m['workerd']}, node {m['node']}, Portkey "
             f"{result['versions']['portkey']}, LiteLLM {result['versions']['litellm']}; {m['cpus']} CPUs, load "
             f"{m['loadavg_at_start'][0]:.1f} at start; {o['rounds']} rounds x {o['seconds']:g} s, medians)",
             "",
@@ -364,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="length of each wrk run (default 3)")
     p.add_argument("--clients", default="1,32", help="client counts, the first for p50, the last for throughput (default 1,32)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"which peers, or none (default {','.join(PEERS)})")
+    p.add_argument("--pod-delay-ms", type=float, default=0.0, help="the bench pod answers after this long (default 0)")
     p.add_argument("--json", type=Path, help="also write the result as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
@@ -377,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in peers if x not in PEERS]
     if unknown:
         p.error(f"--peers: unknown {', '.join(unknown)}; use {', '.join(PEERS)}")
-    harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1)))
-    return harness.report("bench.peers", lambda: run(args.rounds, args.seconds, clients, peers, harness.progress(args.quiet)),
-                          table, args.json)
+    harness.check_args(p, (("--rounds", args.rounds, 1), ("--seconds", args.seconds, 1),
+                           ("--pod-delay-ms", args.pod_delay_ms, 0)))
+    return harness.report("bench.peers", lambda: run(args.rounds, args.seconds, clients, peers, harness.progress(args.quiet),
+                                                     args.pod_delay_ms), table, args.json)
 
 
 if __name__ == "__main__":

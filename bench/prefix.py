@@ -588,16 +588,12 @@ def isolates_of(cell: dict, isolates: int, directory: Path) -> Iterator[list[str
             s.close()
 
 
-def run_cell(policy: str | None, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
-             on_ready: Callable[[dict], None] | None = None, isolates: int = 1, seed: int = 0,
-             warmup: float = 0.0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None, list[dict | None]]:
-    """One fresh sandbox cell under ``policy``: the workload through it (through ``isolates``
-    isolates when more than one, isolates_of), each pod's counters and the cell's picks (after
-    less before), and each pod's own TTFT counters from ``warmup`` seconds on (pod_ttfts).
+@contextlib.contextmanager
+def fresh_cell(policy: str | None, pods: int, extra_pod: dict, bound: float | None) -> Iterator[dict]:
+    """One fresh sandbox cell of ``pods`` pods under ``policy``, down after the block.
     ``policy`` None keeps the shipped stack's Worker settings as they are (its policy, its deadline);
     a policy also lifts the deadline, so that a bench's overload is measured, not sent to the fallback."""
     from colocate import stackfile
-    from colocate.admin import AdminClient, Target
     from colocate.sandbox import supervisor
 
     with tempfile.TemporaryDirectory(prefix="colocate-prefix-") as tmp:
@@ -613,39 +609,57 @@ def run_cell(policy: str | None, pods: int, load: Workload, seconds: float, extr
         stackfile.write_config("sandbox", {"pod": {**(raw.get("pod") or {}), "count": pods, **extra_pod}, "worker": worker},
                                stacks)
         state_dir = Path(tmp) / "state"
-        cell = supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
         try:
-            if on_ready:
-                on_ready(cell)
-            with contextlib.ExitStack() as more:
-                urls = [cell["worker_url"]]
-                if isolates > 1:
-                    urls = more.enter_context(isolates_of(cell, isolates, Path(tmp) / "isolates"))
-                admin = AdminClient(Target(urls[0], cell["token"], "sandbox"))
-                # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
-                keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0, max_parallel_tokens=0)["key"]
-                        for a in load.apps]
-                before = scrape_cell(urls[0], cell["read_token"], pods)
-                picked = scrape_picks(urls[0], cell["read_token"])
-                at_warmup: list[list[dict | None]] = []
-                timer = threading.Timer(warmup, lambda: at_warmup.append(pod_ttfts(cell)))
-                timer.start()
-                try:
-                    turns, _ = drive(urls, keys, load, stop_after_s=seconds, seed=seed)
-                finally:
-                    timer.cancel()
-                ttft_end = pod_ttfts(cell)
-                after = scrape_cell(urls[0], cell["read_token"], pods)
-                time.sleep(SYNC_S)  # every isolate's last picks reach the object
-                now = scrape_picks(urls[0], cell["read_token"])
+            yield supervisor.up("sandbox", state_dir=state_dir, stacks_dir=stacks)
         finally:
             supervisor.down(state_dir, quiet=True)
+
+
+def run_on(cell: dict, pods: int, load: Workload, seconds: float, isolates: int = 1, seed: int = 0,
+           warmup: float = 0.0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None, list[dict | None]]:
+    """The workload through ``cell``'s ``pods`` pods (through ``isolates`` isolates when more than one,
+    isolates_of, with an object host of their own): the turns, each pod's counters and the routing
+    Worker's picks over the run (after less before, so a cell may serve several runs), and each pod's
+    own TTFT counters from ``warmup`` seconds on (pod_ttfts)."""
+    from colocate.admin import AdminClient, Target
+
+    with tempfile.TemporaryDirectory(prefix="colocate-prefix-isolates-") as tmp, contextlib.ExitStack() as more:
+        urls = [cell["worker_url"]]
+        if isolates > 1:
+            urls = more.enter_context(isolates_of(cell, isolates, Path(tmp)))
+        admin = AdminClient(Target(urls[0], cell["token"], "sandbox"))
+        # No rate limits (the load is the bench's to set); the month's tokens the cell's default.
+        keys = [admin.create_key(f"prefix-bench-{a.name}", rpm=0, tpm=0, max_parallel=0, max_parallel_tokens=0)["key"]
+                for a in load.apps]
+        before = scrape_cell(urls[0], cell["read_token"], pods)
+        picked = scrape_picks(urls[0], cell["read_token"])
+        at_warmup: list[list[dict | None]] = []
+        timer = threading.Timer(warmup, lambda: at_warmup.append(pod_ttfts(cell)))
+        timer.start()
+        try:
+            turns, _ = drive(urls, keys, load, stop_after_s=seconds, seed=seed)
+        finally:
+            timer.cancel()
+        ttft_end = pod_ttfts(cell)
+        after = scrape_cell(urls[0], cell["read_token"], pods)
+        time.sleep(SYNC_S)  # every isolate's last picks reach the object
+        now = scrape_picks(urls[0], cell["read_token"])
     # a pod that reported nothing before had served nothing yet: its counters started at 0
     hits = [None if a is None else {k: a[k] - (b or {}).get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
     shed = {k: now[k] - picked[k] for k in now} if now is not None and picked is not None else None
     start = at_warmup[0] if at_warmup else [None] * len(ttft_end)
     pod_ttft = [None if e is None else {k: e[k] - (b or {}).get(k, 0.0) for k in e} for e, b in zip(ttft_end, start, strict=True)]
     return turns, hits, shed, pod_ttft
+
+
+def run_cell(policy: str | None, pods: int, load: Workload, seconds: float, extra_pod: dict, bound: float | None,
+             on_ready: Callable[[dict], None] | None = None, isolates: int = 1, seed: int = 0,
+             warmup: float = 0.0) -> tuple[list[Turn], list[dict | None], dict[str, float] | None, list[dict | None]]:
+    """One fresh sandbox cell under ``policy`` (fresh_cell), the workload through it (run_on)."""
+    with fresh_cell(policy, pods, extra_pod, bound) as cell:
+        if on_ready:
+            on_ready(cell)
+        return run_on(cell, pods, load, seconds, isolates, seed, warmup)
 
 
 def main(argv: list[str] | None = None) -> int:

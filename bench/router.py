@@ -30,7 +30,7 @@ passes the sandbox's Python outbound proxy, so compare only its state numbers.
 Usage: .venv/bin/python -m bench.router [--rounds 5] [--seconds 3]
        [--clients 1,32] [--no-stream] [--sse-usage] [--prompt-bytes 0] [--sse-requests 3000]
        [--sse-chunks 8] [--sse-chunk-ms 0] [--pods 1] [--balance prefix|load|least_busy|random]
-       [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--json PATH|-]
+       [--pod-delay-ms 0] [--pod-slots 0] [--worker-src DIR] [--far-state-ms MS] [--state-requests 300] [--json PATH|-]
 Exit: 0 done (goals reported, not enforced), 2 usage error or setup failure.
 Needs wrk (`make bench` installs it with apt-get when absent) and node.
 """
@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-ms", type=int, default=5000, help="the router's DEADLINE_MS (default 5000)")
     p.add_argument("--worker-src", type=Path, help="read the router's modules from this directory (a candidate)")
     p.add_argument("--far-state-ms", type=float, help="the state object this many ms of round trip away (sandbox delay)")
+    p.add_argument("--state-requests", type=int, default=300,
+                   help="sequential requests after the rounds whose Server-Timing gives the router's wait on state (default 300)")
     p.add_argument("--json", help="write the result as JSON to PATH, or - for stdout (table then on stderr)")
     p.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
     args = p.parse_args(argv)
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("--sse-requests", args.sse_requests, 1), ("--sse-chunks", args.sse_chunks, 1),
                            ("--sse-chunk-ms", args.sse_chunk_ms, 0), ("--pod-delay-ms", args.pod_delay_ms, 0),
                            ("--pod-slots", args.pod_slots, 0), ("--deadline-ms", args.deadline_ms, 1),
-                           ("--prompt-bytes", args.prompt_bytes, 0)), args.worker_src)
+                           ("--prompt-bytes", args.prompt_bytes, 0), ("--state-requests", args.state_requests, 1)),
+                      args.worker_src)
     opts = harness.Options(
         clients=args.clients,
         rounds=args.rounds,
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_src=args.worker_src,
         prompt_bytes=args.prompt_bytes,
         balance=args.balance,
+        state_requests=args.state_requests,
     )
     log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:

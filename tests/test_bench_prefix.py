@@ -150,18 +150,30 @@ def test_the_isolates_config_defines_the_edge_worker_once_per_isolate_with_a_soc
         raise AssertionError("a config without exactly one edge service was accepted")
 
 
+@pytest.fixture(scope="module")
+def shipped_cell():
+    """One sandbox cell of 4 pods on the shipped stack file and the settings' defaults, for the two
+    tests below: each reads only its own run's counters (after less before), and the isolates' test
+    routes through an object host of its own, so neither sees the other's keys, picks or turns."""
+    with prefix.fresh_cell(None, 4, {}, None) as cell:
+        yield cell
+
+
 @pytest.mark.slow
-def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_bound():
+def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_bound(shipped_cell):
     """Turns after the first land on their conversation's previous pod, whichever of 4 isolates
     routes them. A few conversations at once (7, one request each at most, over 4 pods), so a pod
     reaches the bound's floor (affinity.js MIN_CAP = 4) only when 4 of them are in flight on it."""
+    from colocate.cell import settings
     from colocate.pods import profiles
 
+    # The shipped cell balances by prefix and its pods are the default profile: what this test is about.
+    assert settings.WORKER_DEFAULTS["balance"] == "prefix" and "balance" not in (_shipped_worker() or {})
+    assert _shipped_pod()["profile"] == profiles.DEFAULT_PROFILE
     load = prefix.workload(seed=7, seconds=8, rate_per_s=0.75, turns=(6, 6), answer_tokens=16, think_s=0.3,
                            system_tokens=(200, 400))
     assert 3 <= len(load.conversations) <= 12
-    turns, hits, shed, pod_ttft = prefix.run_cell("prefix", 4, load, 60, {"profile": profiles.DEFAULT_PROFILE}, None,
-                                                  isolates=4, seed=7)
+    turns, hits, shed, pod_ttft = prefix.run_on(shipped_cell, 4, load, 60, isolates=4, seed=7)
     s = prefix.summarise("prefix", None, 0.0, turns, (0, 60), 4, hits, shed, pod_ttft, profiles.DEFAULT_PROFILE)
     assert s.failed == 0 and s.turns == 6 * len(load.conversations)
     assert {t.isolate for t in turns} == {0, 1, 2, 3}  # every isolate routed turns
@@ -180,7 +192,7 @@ def test_affinity_holds_across_four_workerd_isolates_while_pods_are_under_their_
 
 
 @pytest.mark.slow
-def test_on_the_shipped_settings_nine_in_ten_later_turns_land_on_their_previous_turns_pod():
+def test_on_the_shipped_settings_nine_in_ten_later_turns_land_on_their_previous_turns_pod(shipped_cell):
     """A sandbox cell of 4 pods on the shipped stack file and the settings' defaults (nothing about
     balancing set), 24 multi-turn conversations: at least 90 % of the turns after a conversation's
     first are served by the pod that served its turn before, where its prefix is cached. (With
@@ -192,7 +204,7 @@ def test_on_the_shipped_settings_nine_in_ten_later_turns_land_on_their_previous_
                             system_tokens=(200, 400))
     load = prefix.Workload(whole.apps, whole.conversations[:24], whole.answer_tokens)
     assert len(load.conversations) == 24
-    turns, _hits, shed, _ = prefix.run_cell(None, 4, load, 60, {}, None)
+    turns, _hits, shed, _ = prefix.run_on(shipped_cell, 4, load, 60)
     s = prefix.summarise(settings.WORKER_DEFAULTS["balance"], None, 0.0, turns, (0, 60), 4, shed=shed)
     later = sum(1 for t in turns if t.turn > 0)
     assert s.failed == 0 and later >= 24 * 3, s
@@ -205,6 +217,13 @@ def _shipped_worker() -> dict | None:
 
     raw, _ = stackfile.read_config("sandbox")
     return raw.get("worker")
+
+
+def _shipped_pod() -> dict:
+    from colocate import stackfile
+
+    raw, _ = stackfile.read_config("sandbox")
+    return raw.get("pod") or {}
 
 
 def test_the_ttft_breakdown_takes_the_pods_own_ttft_and_the_modelled_api_queue_from_the_clients():

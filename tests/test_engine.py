@@ -367,7 +367,9 @@ def test_the_a100_profile_matches_its_sources_summary():
 
 
 def test_a_tighter_budget_gives_a_lower_knee():
-    assert engine.knee(P, 200, requests=150).rate < engine.knee(P, 1000, requests=150).rate
+    # 80 requests a run (each knee is a bisection of a dozen runs): the knees are about 31 and 77
+    # requests a second, so a knee() that ignored its budget (equal knees) still fails.
+    assert engine.knee(P, 200, requests=80).rate < engine.knee(P, 1000, requests=80).rate
 
 
 def test_a_next_turn_finds_the_answer_it_carries_back():

@@ -9,6 +9,8 @@ Every path ends with 0 live pods."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -17,10 +19,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from tests.test_pod_providers import env, fake_runpod, fake_vast, make_spec, offer, stack_file, write_spec  # noqa: F401
+from tests.test_pod_providers import env, fake_runpod, fake_vast, make_spec, offer, pod, stack_file, write_spec  # noqa: F401
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,10 +31,16 @@ POD = [sys.executable, str(ROOT / "scripts" / "pod.py")]
 
 
 def pod_py(*argv: str, stdin: str | None = None, extra_env: dict | None = None) -> tuple[int, dict | None, str]:
-    proc = subprocess.run([*POD, *argv], input=stdin, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(extra_env or {})}, cwd=ROOT)
-    out = proc.stdout.strip()
-    return proc.returncode, (json.loads(out) if out else None), proc.stderr
+    """scripts/pod.py's main in this process, as tests/test_pod_providers.py runs it: only the
+    killed command needs a process of its own (SIGKILL lands in it mid-call); what comes after
+    finds the pod through the provider alone either way, and a process start is a third of a
+    CPU-second of imports."""
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, extra_env or {}), mock.patch.object(sys, "stdin", io.StringIO(stdin or "")), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = pod.main(list(argv))
+    text = out.getvalue().strip()
+    return code, (json.loads(text) if text else None), err.getvalue()
 
 
 def start(*argv: str) -> subprocess.Popen:

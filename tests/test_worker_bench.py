@@ -15,17 +15,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (make bench installs it)")
+# The runs below check plumbing, not speed: bench pods that answer this many ms late hold each
+# client's closed loop to a few hundred requests a second, so the Workers (and the sandbox's
+# proxy) spend a fraction of the CPU; every request still makes the whole trip. The router's
+# wait on state is read over 20 requests after the rounds (--state-requests; the bench's 300 are for a p99).
+POD_DELAY = "5"
 
 
 @needs_wrk
 def test_small_run_measures_every_target(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = bench_router.main(["--rounds", "2", "--seconds", "1", "--clients", "1,4", "--sse-requests", "20",
-                            "--quiet", "--json", str(out)])
+                            "--pod-delay-ms", POD_DELAY, "--state-requests", "20", "--quiet", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     (series,) = result["series"]
     assert series["router_backend"].startswith("pod")  # the router really served from a pod
+    assert 0 < series["router_state_ms"]["n"] <= 20  # the router's Server-Timing said how long it waited on state
     assert [lv["clients"] for lv in series["levels"]] == [1, 4]
     for lv in series["levels"]:
         assert len(lv["rounds"]) == 2
@@ -56,8 +62,8 @@ def test_streams_asking_for_usage_reach_several_pods_and_carry_it(tmp_path):
     # what arrived in between, and the usage event must still reach every client.
     # least_busy spreads them: under the cells' default (prefix) the bench's identical requests stay on one pod
     rc = bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--sse-requests", "16", "--pods", "2",
-                            "--balance", "least_busy", "--sse-usage", "--sse-chunks", "12", "--sse-chunk-ms", "5", "--quiet",
-                            "--json", str(out)])
+                            "--pod-delay-ms", POD_DELAY, "--balance", "least_busy", "--sse-usage", "--sse-chunks", "12",
+                            "--sse-chunk-ms", "5", "--state-requests", "20", "--quiet", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["options"]["sse_usage"] is True and result["options"]["balance"] == "least_busy"
@@ -82,7 +88,7 @@ def test_ladder_runs_every_rung_through_the_pods_token_check(capsys):
 
     # The bench pod answers 401 to a wrong credential and wrk counts that as an error, so
     # zero errors means each rung really swapped in the pod's token and was served.
-    rc = ladder.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--quiet"])
+    rc = ladder.main(["--rounds", "1", "--seconds", "1", "--clients", "2", "--pod-delay-ms", POD_DELAY, "--quiet"])
     assert rc == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
@@ -127,7 +133,7 @@ def test_ladder_times_streams_through_two_pods_for_the_rungs_named(tmp_path):
     # warm-up with errors, so rows with answers and no errors were served as streams.
     out = tmp_path / "ladder.json"
     rc = ladder.main(["--rungs", "bare,ends,router", "--request", "usage", "--pods", "2", "--clients", "1",
-                      "--rounds", "1", "--seconds", "1", "--quiet", "--json", str(out)])
+                      "--pod-delay-ms", POD_DELAY, "--rounds", "1", "--seconds", "1", "--quiet", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert (result["request"], result["pods"]) == ("usage", 2)
@@ -228,7 +234,7 @@ def test_far_state_leaves_the_hot_path_at_zero(capsys):
     # The object 150 ms away (sandbox delay on that hop only): a forced round trip pays it;
     # routed requests, served from the isolate's copy, do not (their p50 stays far below).
     assert bench_router.main(["--rounds", "1", "--seconds", "1", "--clients", "1", "--no-stream", "--quiet",
-                              "--far-state-ms", "150", "--json", "-"]) == 0
+                              "--pod-delay-ms", POD_DELAY, "--state-requests", "20", "--far-state-ms", "150", "--json", "-"]) == 0
     (series,) = json.loads(capsys.readouterr().out)["series"]
     assert series["far_state"]["state_colo"] == "IAD"
     assert 150 <= series["far_state"]["state_rtt_p50_ms"] < 300  # paid once, not twice
