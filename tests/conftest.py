@@ -35,16 +35,20 @@ def pytest_sessionfinish(session, exitstatus):
     logging.getLogger("asyncio").disabled = True
 
 
-# The longest test files, longest first (summed durations of a `make test` run, 2026-12-05;
-# `--junitxml` gives them). `make test` runs files whole on six workers (--dist loadgroup, below)
-# in collection order: starting these first keeps one of them from starting last and
-# running alone at the end. Files not named keep their order, after these.
+# The longest test files, longest first (their wall time in a `make test` run, 2026-12-07; `--durations=0`
+# gives it). `make test` runs files whole on six workers (--dist loadgroup, below) in collection order:
+# starting these first keeps one of them from starting last and running alone at the end; the first few
+# mostly wait on time (a fresh minute, a sync, a compressed day), so they share the cores with the rest.
+# test_infra_cell.py starts the Pulumi mock group. Files not named keep their order, after these.
 LONGEST_FIRST = (
-    "test_sandbox_fleet.py", "test_fleet_limits.py", "test_worker_bench.py", "test_live_drift.py",
-    "test_sandbox_signals.py", "test_scale_sandbox.py", "test_sandbox_demo.py", "test_sandbox_cell.py",
-    "test_security.py", "test_sandbox_autoscale.py", "test_sandbox_pods.py", "test_sandbox_engine.py",
-    "test_worker_keys.py", "test_worker_instructions.py", "test_migration_e2e.py", "test_newcomer_path.py",
-    "test_pod_providers.py", "test_worker_pods.py", "test_infra_errors.py",
+    "test_fleet_limits.py", "test_fleet_exchange.py", "test_worker_bench.py", "test_live_drift.py",
+    "test_sandbox_spot.py", "test_scale_sandbox.py", "test_sandbox_fleet.py", "test_sandbox_demo.py",
+    "test_infra_cell.py", "test_sandbox_pods.py", "test_sandbox_fleet_demo.py", "test_sandbox_cell.py",
+    "test_bench_busy.py", "test_security.py", "test_sandbox_autoscale.py", "test_worker_instructions.py",
+    "test_sandbox_signals.py", "test_worker_keys.py", "test_hangups.py", "test_bench_prefix.py",
+    "test_security_metering.py", "test_keeper_sandbox.py", "test_worker_pace.py", "test_sandbox_engine.py",
+    "test_newcomer_path.py", "test_migration_import.py", "test_engine.py", "test_migration_e2e.py",
+    "test_pod_providers.py", "test_worker_pods.py",
 )
 
 
