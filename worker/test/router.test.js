@@ -445,6 +445,15 @@ test("a key refused again within a second has its 429 held back, so re-sending a
   await c.settle();
 });
 
+/** A cell of a fleet of two with a key of rpm 10 in it: {object, key, id}. */
+async function fleetKey(env, gen) {
+  const object = await env.BREAKER.instance(gen);
+  await object.setPeers([], { generation: gen, haveRev: -1, isolate: "ledger", keys: [] }, [], 2); // a fleet of two cells
+  const key = await withKey(env.BREAKER, gen, { rpm: 10 });
+  const id = (await object.listKeys({ generation: gen })).find((k) => k.rpm === 10).id;
+  return { object, key, id };
+}
+
 test("an isolate asks for a key's counters and lease for SERVED_KEEP_MS after serving it, then forgets them", async (t) => {
   const { cache, sync } = await import("../src/state.js");
   const { readConfig } = await import("../src/config.js");
@@ -454,10 +463,7 @@ test("an isolate asks for a key's counters and lease for SERVED_KEEP_MS after se
     for (const [keep, gone] of [[undefined, false], ["5000", true]]) { // absent: 120 s, the default
       const gen = `router-served-keep-${keep}`;
       const env = envFor(gen, keep === undefined ? {} : { SERVED_KEEP_MS: keep });
-      const object = await env.BREAKER.instance(gen);
-      await object.setPeers([], { generation: gen, haveRev: -1, isolate: "ledger", keys: [] }, [], 2); // a fleet of two cells
-      const key = await withKey(env.BREAKER, gen, { rpm: 10 });
-      const id = (await object.listKeys({ generation: gen })).find((k) => k.rpm === 10).id;
+      const { key, id } = await fleetKey(env, gen);
       const c = ctx();
       const { f } = fakeFetch(() => json());
       assert.equal((await handle(chat(key), env, c, { fetch: f })).status, 200);
@@ -479,10 +485,7 @@ test("an isolate asks for a key's counters and lease for SERVED_KEEP_MS after se
 test("in a fleet, a held key whose lease this isolate dropped gets its floor share until a sync, started at once, brings the lease back", async () => {
   const gen = "router-fleet-idle-key";
   const env = envFor(gen);
-  const object = await env.BREAKER.instance(gen);
-  await object.setPeers([], { generation: gen, haveRev: -1, isolate: "ledger", keys: [] }, [], 2); // a fleet of two cells
-  const key = await withKey(env.BREAKER, gen, { rpm: 10 });
-  const id = (await object.listKeys({ generation: gen })).find((k) => k.rpm === 10).id;
+  const { object, key, id } = await fleetKey(env, gen);
   const c = ctx();
   const { f } = fakeFetch(() => json());
   assert.equal((await handle(chat(key), env, c, { fetch: f })).status, 200); // found by a look-up, which carries its lease
