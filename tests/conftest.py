@@ -64,6 +64,11 @@ def _group(path: Path, seen: dict[Path, str]) -> str:
     return seen[path]
 
 
+def pytest_configure(config):
+    # xdist registers its marker only when it is loaded: `make test-vllm` runs with -p no:xdist.
+    config.addinivalue_line("markers", "xdist_group(name): the tests xdist's --dist loadgroup keeps on one worker")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
