@@ -13,7 +13,7 @@
 --state-dir DIR in every later command, and every command it prints carries it.
     sandbox.py demo   [--state-dir DIR] [--samples N] [--client-site COLO]
     sandbox.py up     --fleet F [--client-site COLO ...] [--sandboxes-dir DIR] [--stretch 1.55] [--rtt A:B=MS ...]
-    sandbox.py apply|down|status --fleet F       (or --stack F: a fleet stack acts on the whole fleet)
+    sandbox.py apply|down|status --fleet F [--sandboxes-dir DIR]  (or --stack F: a fleet stack acts on the whole fleet)
     sandbox.py demo-fleet [--state-dir DIR] [--samples N]
     sandbox.py demo-autoscale [--state-dir DIR] [--json] [--shape FILE] [--prices POD_PER_HR,API_PER_1M]
     sandbox.py demo-spot [--state-dir DIR] [--json] [--shape FILE] [--seed N] [--spare N]
@@ -105,9 +105,11 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--force-split", action="store_true", help="as for up")
     a.add_argument("--timeout", type=float, default=supervisor.UP_TIMEOUT_S, help=argparse.SUPPRESS)
     a.add_argument("--fleet", metavar="F", help="apply every member cell of a running fleet, then its front door")
+    a.add_argument("--sandboxes-dir", type=Path, help="with --fleet: where `up --fleet` was told to put it")
     dn = sub.add_parser("down", help="stop everything the sandbox started")
     where(dn)
     dn.add_argument("--fleet", metavar="F", help="stop a fleet: its front door and every member cell")
+    dn.add_argument("--sandboxes-dir", type=Path, help="with --fleet: where `up --fleet` was told to put it")
     dn.add_argument("--stacks-dir", type=Path, help="where Pulumi.<stack>.yaml lives (to tell a typo from a stack)")
     st = sub.add_parser("status", help="print what runs, with health (no --stack: every sandbox that runs)")
     st.add_argument("--stack", help="stack name (default: list every sandbox under .colocate/sandbox/)")
@@ -116,6 +118,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--fleet", metavar="F", help="a fleet: every member cell, then the front door (exit 1 if a part is unhealthy)"
     )
+    st.add_argument("--sandboxes-dir", type=Path, help="with --fleet: where `up --fleet` was told to put it")
     pc = sub.add_parser("pod-command", help="print the command that starts vLLM as the cell's pod at colocate:pod.url, "
                                             "with the cell's certificates and token (docs/sandbox.md)")
     where(pc)

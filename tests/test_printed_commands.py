@@ -129,3 +129,10 @@ def test_a_cloud_stack_is_deployed_by_pulumi_up(stacks, capsys):
     assert migrate.main(["start", "--stack", "us-east", "--to", "eu-west", "--stacks-dir", str(stacks)]) == 0
     out = capsys.readouterr().out
     assert "Next: `pulumi up -s us-east`" in out and f"`{cli.script('migrate.py')} finish --stack us-east`" in out
+
+
+@pytest.mark.parametrize("command", ["down", "status", "apply"])
+def test_a_fleet_up_put_under_sandboxes_dir_is_found_there_by_each_later_command(command, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sandbox.py"), command, "--fleet", "fl",
+                           "--sandboxes-dir", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "unknown flag" not in proc.stderr and str(tmp_path / "fl") in proc.stdout + proc.stderr, proc.stderr
