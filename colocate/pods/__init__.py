@@ -3,7 +3,6 @@
 Modules: ``errors`` (the PodError tree), ``http`` (a requests session with urllib3
 retries), ``spec`` (the create request, from ``PodPlan.spec()``), ``runpod``,
 ``vastai``, ``local`` (the providers), ``readiness`` (health polling),
-``standin/`` (the local OpenAI-compatible stand-in: server, refusals, runner, answers),
-``serverloop`` (servers that sleep while idle: the stand-in's, the sandbox's relays).
+``standin/`` (the local OpenAI-compatible stand-in: server, refusals, runner, answers).
 ``scripts/pod.py`` is the CLI.
 """

@@ -164,7 +164,7 @@ class _BindingHandler(proxies.Relay):
 
 
 def _serve(server: proxies.RelayServer) -> threading.Thread:
-    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     t.start()
     return t
 

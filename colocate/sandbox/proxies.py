@@ -67,7 +67,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from ..pods.serverloop import WakeOnShutdown
 from .errors import SandboxError
 from .geography import Geography, Sites
 from .pinning import Pins
@@ -704,7 +703,7 @@ class _OutboundHandler(Relay):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle  # noqa: N815
 
 
-class RelayServer(WakeOnShutdown, ThreadingHTTPServer):
+class RelayServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     # socketserver's default listen backlog is 5: a burst of 32 connections overflows it
@@ -735,7 +734,7 @@ class NetworkServers:
         self.network = network
         self.front = make_server(FrontHandler, network, host, front_port)
         self.outbound = make_server(_OutboundHandler, network, host, outbound_port)
-        self._threads = [threading.Thread(target=s.serve_forever, daemon=True,
+        self._threads = [threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True,
                                           name=f"sandbox-{n}") for n, s in (("front", self.front), ("outbound", self.outbound))]
         for t in self._threads:
             t.start()

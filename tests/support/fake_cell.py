@@ -24,8 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from colocate.pods.serverloop import WakeOnShutdown
-
 
 @dataclass
 class Behaviour:
@@ -83,7 +81,7 @@ class Seen:
     body: bytes
 
 
-class FakeCell(WakeOnShutdown, ThreadingHTTPServer):
+class FakeCell(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, behaviour: Behaviour):
@@ -305,7 +303,7 @@ class _Handler(BaseHTTPRequestHandler):
 @contextmanager
 def serve(**behaviour) -> Iterator[FakeCell]:
     server = FakeCell(Behaviour(**behaviour))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield server

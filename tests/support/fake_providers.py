@@ -37,7 +37,6 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import yaml
 
 from colocate.pods import podtls, standin
-from colocate.pods.serverloop import WakeOnShutdown
 
 # openapi_core (~0.5 s of CPU to import) is imported where a fake API validates, not at import:
 # every xdist worker imports this module while collecting, few of them run a provider test.
@@ -90,7 +89,7 @@ def _now() -> str:
 _UNSERVABLE = object()
 
 
-class FakeApi(WakeOnShutdown, ThreadingHTTPServer):
+class FakeApi(ThreadingHTTPServer):
     """Base: spec validation, auth, scripted 429s, a log of requests; subclasses implement ``route``."""
 
     daemon_threads = True
@@ -112,7 +111,7 @@ class FakeApi(WakeOnShutdown, ThreadingHTTPServer):
         # order is not documented): a test sets them to show what a hidden bundle does.
         self.platform_env: dict[str, str] = {}
         super().__init__(("127.0.0.1", 0), _FakeHandler)
-        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     @property
     def url(self) -> str:

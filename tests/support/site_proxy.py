@@ -19,7 +19,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from colocate.fleet.workerd import CF_BLOB_HEADER
-from colocate.pods.serverloop import WakeOnShutdown
 
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "proxy-connection"}
 
@@ -69,15 +68,12 @@ def _handler(upstream: str, colo: str) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-class _SiteServer(WakeOnShutdown, ThreadingHTTPServer):
-    daemon_threads = True
-
-
 @contextlib.contextmanager
 def site(upstream: str, colo: str, lifetime_s: float = 600.0) -> Iterator[str]:
     """The URL of a client site at ``colo`` in front of ``upstream`` (the front door's URL)."""
-    server = _SiteServer(("127.0.0.1", 0), _handler(upstream, colo))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(upstream, colo))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
     thread.start()
     stop = threading.Timer(lifetime_s, server.shutdown)  # a forgotten site still ends
     stop.daemon = True

@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 from colocate import stackfile
 from colocate.cell import plan as plan_mod, settings as settings_mod
 from colocate.pods import standin
-from colocate.pods.serverloop import WakeOnShutdown
 from colocate.workerd import Workerd, render_config
 
 # Distinct, greppable secret values: no log line or response may contain them.
@@ -239,7 +238,7 @@ def running_cell(worker: dict | None = None, generations: list[dict] | None = No
         yield cell
 
 
-class Outbound(WakeOnShutdown, ThreadingHTTPServer):
+class Outbound(ThreadingHTTPServer):
     """A stand-in for the whole outside world, used as workerd's global outbound: it
     records each request (method, path, Host, every header) and answers
     ``/cdn-cgi/trace`` with ``colo=<colo>`` and everything else with 200 {"status":"ok"}."""
@@ -283,7 +282,7 @@ class _OutboundHandler(BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def outbound(colo: str = "TST") -> Iterator[Outbound]:
     server = Outbound(colo)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     try:
         yield server

@@ -87,7 +87,6 @@ from pathlib import Path
 from .. import engine as eng, podtls, profiles, shapes, vllm_metrics
 from ..errors import ClientGone
 from ..guard import colocate_pod_guard
-from ..serverloop import WakeOnShutdown
 from .answers import WORDS_ORACLE, Choice, answer_pieces, cut_at_stop, prompt_token_ids, reply_tokens
 from .refusals import Refused, prompt_list, pydantic_error, validate
 from .runner import EngineRunner, Ticket
@@ -108,7 +107,7 @@ OPEN_ROUTES = {"/invocations": "POST", "/tokenize": "POST", "/detokenize": "POST
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
-class StandinServer(WakeOnShutdown, ThreadingHTTPServer):
+class StandinServer(ThreadingHTTPServer):
     """The HTTP server plus the stand-in's state (fault, request count)."""
 
     daemon_threads = True
@@ -282,7 +281,7 @@ class StandinServer(WakeOnShutdown, ThreadingHTTPServer):
             self.control.server_close()
 
 
-class _ControlServer(WakeOnShutdown, ThreadingHTTPServer):
+class _ControlServer(ThreadingHTTPServer):
     """``/_standin/*`` on plain loopback HTTP, beside a TLS pod port; the pod's state is shared."""
 
     daemon_threads = True
@@ -748,7 +747,8 @@ def serve(compute_ms: float = DEFAULT_COMPUTE_MS, token: str | None = None, mode
     every request in ``compute_ms``), ``seed`` the engine's answer lengths."""
     server = StandinServer(host, port, compute_ms=compute_ms, token=token, model=model, name=name, any_model=any_model,
                            tls=tls, log=log, profile=profile, seed=seed)
-    thread = threading.Thread(target=server.serve_forever, name=f"standin-{server.port}", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name=f"standin-{server.port}", daemon=True)
     thread.start()
     try:
         yield server
@@ -809,14 +809,15 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     info = {"url": server.url, "port": server.port, "control_url": server.control_url}
     if args.port_file:
         _write_port_file(args.port_file, {**info, "pid": os.getpid()})
     print(json.dumps(info), flush=True)
     try:
-        stop.wait()  # the signal handler sets it
+        while not stop.wait(0.2):
+            pass
     finally:
         server.stop()
         thread.join(timeout=10)
