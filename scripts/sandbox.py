@@ -76,6 +76,16 @@ _signal.signal(_signal.SIGINT, _loading)
 DEFAULT_STACK = "sandbox"
 
 
+def day_flags(p: argparse.ArgumentParser, demo: str, figures: str) -> None:
+    """The flags demo-autoscale and demo-spot share: where, how printed, the day's shape and, for tests, its size."""
+    p.add_argument("--state-dir", type=Path, help=f"state directory (default .colocate/sandbox/{demo}/)")
+    p.add_argument("--json", action="store_true", help=f"print {figures} as one JSON object (the story to stderr)")
+    p.add_argument("--shape", type=Path, metavar="FILE",
+                   help="the day: a CSV of cell,hour,requests_per_minute (hours 0-23 in the cell's local time)")
+    p.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
+    p.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="sandbox.py", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -135,24 +145,14 @@ def parser() -> argparse.ArgumentParser:
     df.add_argument("--samples", type=int, default=12, help="requests per client site and phase (default 12)")
     da = sub.add_parser("demo-autoscale", help="a compressed day of three cells whose pods follow demand, priced three "
                                                "ways (make demo-autoscale)")
-    da.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo-autoscale/)")
-    da.add_argument("--json", action="store_true", help="print the day's figures as one JSON object (the story to stderr)")
-    da.add_argument("--shape", type=Path, metavar="FILE",
-                    help="the day: a CSV of cell,hour,requests_per_minute (hours 0-23 in the cell's local time)")
+    day_flags(da, "demo-autoscale", "the day's figures")
     da.add_argument("--prices", metavar="POD_PER_HR,API_PER_1M",
                     help="a pod's $ per hour and the API's $ per 1M tokens (default 0.6,0.3)")
-    da.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
-    da.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
     ds = sub.add_parser("demo-spot", help="demo-autoscale's day on demand, then on interruptible pods preempted at a "
                                           "published rate, priced against each other (make demo-spot)")
-    ds.add_argument("--state-dir", type=Path, help="state directory (default .colocate/sandbox/demo-spot/)")
-    ds.add_argument("--json", action="store_true", help="print both days' figures as one JSON object (the story to stderr)")
-    ds.add_argument("--shape", type=Path, metavar="FILE",
-                    help="the day: a CSV of cell,hour,requests_per_minute (hours 0-23 in the cell's local time)")
+    day_flags(ds, "demo-spot", "both days' figures")
     ds.add_argument("--seed", type=int, default=1, help="the seed of the pods' lives (default 1)")
     ds.add_argument("--spare", type=int, default=1, help="colocate:pod.spare on the interruptible day (default 1)")
-    ds.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
-    ds.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
     # tests: seconds of the day between the keepers' passes (fewer passes on a short day)
     ds.add_argument("--keep-interval", type=float, default=None, help=argparse.SUPPRESS)
     return p
