@@ -4,6 +4,7 @@ and pod token, ``PodSpec.serve_args``), with only the model path and ``--load-fo
 changed, and a sandbox cell whose pod is that server (``colocate:pod.url``).
 
 ``VLLM_CPU_KVCACHE_SPACE`` is 1 (GiB): without it vLLM's CPU build reserves 21 GB of RAM here.
+``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0: the engine runs in vLLM's API server process (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def vllm_cell(directory: Path) -> Iterator[VllmCell]:
     spec = PodSpec.from_dict(plan.pods[0].spec())
     command = engine.vllm_command(state_dir, spec, str(model), ("--load-format", "dummy"))
     log = directory / "vllm.log"
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}", "VLLM_CPU_KVCACHE_SPACE": "1",
+           # The engine in vLLM's own process: on 2 cores its default engine process at times left the
+           # API server still until an answer ended (docs/testing.md, "The real engine").
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for var in ("PYTHONPATH", "PYTHONPYCACHEPREFIX", "VIRTUAL_ENV"):  # the kit's, not vLLM's
         env.pop(var, None)
     t0 = time.monotonic()

@@ -6,7 +6,6 @@ is that server (tests/vllm_cpu/server.py). One vLLM for the whole run.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import re
@@ -244,30 +243,10 @@ def test_every_endpoint_and_stream_shape_is_metered_as_vllm_counted_it(vllm_cell
 LONG = {"min_tokens": 3000, "max_tokens": 3000, "ignore_eos": True}
 
 
-@contextlib.contextmanager
-def kept_metrics(cell):
-    """/metrics over one connection, opened now. vLLM's CPU build here at times takes no new
-    connection while it generates (a new one waited 8.8 s, until the answer ended; a kept one
-    10 ms: docs/testing.md), so what is read during an answer is read over one made before it."""
-    conn = http.client.HTTPSConnection("localhost", cell.port, context=worker_ctx(cell), timeout=60)
-
-    def read() -> str:
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {cell.token}"})
-        res = conn.getresponse()
-        assert res.status == 200
-        return res.read().decode()
-
-    try:
-        read()
-        yield read
-    finally:
-        conn.close()
-
-
 def _leave_after_first_bytes(cell, key: str, body: dict) -> None:
     url = urlsplit(cell.ready["worker_url"])
     data = json.dumps(body).encode()
-    with kept_metrics(cell) as read_metrics, socket.create_connection((url.hostname, url.port), timeout=60) as s:
+    with socket.create_connection((url.hostname, url.port), timeout=60) as s:
         s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {key}\r\n"
                   f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
         if body.get("stream"):
@@ -276,7 +255,7 @@ def _leave_after_first_bytes(cell, key: str, body: dict) -> None:
             # The pod has begun (a non-streamed answer sends nothing before its end, so an answer
             # that comes first was not left: shown, with who answered).
             deadline = time.monotonic() + 60
-            while sample(read_metrics(), "vllm:num_requests_running") == 0:
+            while sample(metrics(cell), "vllm:num_requests_running") == 0:
                 if select.select([s], [], [], 0.05)[0]:
                     pytest.fail(f"answered before vLLM was seen running it: {s.recv(4096).decode(errors='replace')[:2000]}")
                 assert time.monotonic() < deadline, "vLLM did not run the request within 60 s, and nobody answered"
