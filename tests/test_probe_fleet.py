@@ -184,7 +184,8 @@ def test_live_merges_every_cells_histograms_per_client_colo(three, capsys, monke
             break
         time.sleep(0.5)
     assert code == 0, doc["violations"]
-    assert all(served[c] >= n for c, n in sent.items()), served
+    failed_syncs = [line for line in f.worker.log_text().splitlines() if "sync_failed" in line][-5:]
+    assert all(served[c] >= n for c, n in sent.items()), (served, failed_syncs)
     assert "XXX" not in colos
     for colo in sent:
         assert colos[colo]["nearest"] == HOME[colo]

@@ -717,15 +717,36 @@ export function scheduleFlush(env, ctx, cfg) {
   const t = Date.now();
   if (t - p.plannedAt < delay + 5000) return; // one planned flush per isolate at a time
   p.plannedAt = t;
-  const wait = delay > 0 ? new Promise((resolve) => setTimeout(resolve, delay)) : Promise.resolve();
-  ctx.waitUntil(wait
-    .then(() => {
-      p.plannedAt = -Infinity;
-      if (hasPending(p)) return sync(env, cfg).then(() => learnObjectColo(env, cfg));
-      return null;
-    })
-    .catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
+  ctx.waitUntil(flush(env, cfg, p, delay).catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
 }
+
+/**
+ * The planned flush, `delay` after the request that planned it. A failed sync puts its batch
+ * back (sync), and is tried again FLUSH_RETRIES times, 1, 2 then 4 retry periods later: an
+ * isolate that gets no further request (a cell its front door no longer sends to) would
+ * otherwise keep its usage and histograms until one comes. All within the request's
+ * waitUntil (Cloudflare's 30 s after the response).
+ */
+async function flush(env, cfg, p, delay) {
+  await sleep(delay);
+  for (let attempt = 0; ; attempt++) {
+    p.plannedAt = -Infinity; // a request from now on plans its own flush: this one may have taken its rows already
+    if (!hasPending(p)) return;
+    try {
+      await sync(env, cfg);
+    } catch (err) {
+      log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message), attempt });
+      if (attempt >= FLUSH_RETRIES) return;
+      p.plannedAt = Date.now(); // this flush is still planned: requests meanwhile leave their rows to it
+      await sleep(Math.max(delay, FLUSH_RETRY_MIN_MS) * 2 ** attempt);
+      continue;
+    }
+    await learnObjectColo(env, cfg)?.catch((err) => log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message) }));
+    return;
+  }
+}
+const FLUSH_RETRIES = 3;
+const FLUSH_RETRY_MIN_MS = 250;
 
 // --- where the object answers from (the live view's `sync` segment) ---
 

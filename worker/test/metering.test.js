@@ -268,3 +268,25 @@ test("a reservation reaches the other isolates with the next sync, and goes when
   await object.sync(info("iso_a"), { inflight: [row(0, 0)] });
   assert.equal((await object.sync(info("iso_b"), null)).counts[id]?.[COUNTER.reserved] ?? 0, 0);
 });
+
+test("a flush whose sync fails is tried again: an isolate that gets no further request still delivers its usage", async () => {
+  const env = envFor("m-retry", { STATE_TTL_MS: "200" }); // flushes 100 ms after a request
+  const { key, id } = await createKey(env.BREAKER, "m-retry");
+  const c = ctx();
+  const r = await handle(post(key, "/v1/completions", { model: "m", prompt: "a", max_tokens: 3 }), env, c, { fetch: async () => usageOf(2, 3) });
+  assert.equal(r.status, 200);
+  // the object is unreachable for the flush's first two tries (a reset, a failed round trip)
+  const object = await env.BREAKER.instance("m-retry");
+  const sync = object.sync.bind(object);
+  let failures = 2;
+  object.sync = async (...args) => {
+    if (failures > 0) {
+      failures--;
+      throw new Error("Durable Object reset because its code was updated");
+    }
+    return sync(...args);
+  };
+  await c.settle(); // no other request comes
+  assert.equal(failures, 0);
+  assert.deepEqual(await counted(env, "m-retry", id), [1, 2, 3]);
+});
