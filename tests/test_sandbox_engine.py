@@ -27,7 +27,12 @@ from tests.test_plan import SECRETS, raw_for
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 # The stand-in as a user's server: it takes the token as POD_TOKEN and serves TLS from COLOCATE_POD_TLS.
-STANDIN = (f'POD_TOKEN="$VLLM_API_KEY" PYTHONPATH={ROOT} exec {sys.executable} -m colocate.pods.standin '
+# The stand-in reads COLOCATE_POD_TLS back from /proc/self/environ, as vLLM's flags do, where variables
+# ahead of it can hide it from OpenSSL (colocate/pods/podtls.py); a shell passes its environment on in
+# its own order (dash: by hash), so the command puts the bundle first itself (`env -i`, in this order),
+# as podstart.sh's files spare vLLM. Without it the stand-in lost the bundle ("PEM lib") on a fresh clone.
+STANDIN = (f'exec env -i COLOCATE_POD_TLS="$COLOCATE_POD_TLS" VLLM_API_KEY="$VLLM_API_KEY" POD_TOKEN="$VLLM_API_KEY" '
+           f'PATH="$PATH" PYTHONPATH={ROOT} PYTHONPYCACHEPREFIX="$PYTHONPYCACHEPREFIX" {sys.executable} -m colocate.pods.standin '
            f'--host "$COLOCATE_POD_HOST" --port "$COLOCATE_POD_PORT" --model {MODEL} --compute-ms 5')
 
 
