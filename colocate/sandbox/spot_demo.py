@@ -1,13 +1,13 @@
 """``sandbox.py demo-spot``: ``demo-autoscale``'s day on interruptible pods, against the same day on demand.
 
 The fleet, its users and their day are ``demo-autoscale``'s (colocate/sandbox/autoscale_demo.py: three
-cells, the cost policy, 0 to 2 pods a cell, a pod's 20-minute boot compressed with the day), run twice
-in real workerd with stand-in pods: first every pod on demand, then every pod interruptible
-(``colocate:pod.market interruptible``, ``SPARE`` spare pod a cell, run while it pays: SpotHedge's
-over-provisioning, colocate/scaling/policy.py ``hedge``; otherwise the fleet and the capped fallback
-carry a preempted pod's share while its replacement boots). Each request is a stream (its client times its
-first token, and sees how it ends). On both days each cell's controller keeps its cell too (the
-keeper, colocate/keeper.py), passing every ``KEEP_INTERVAL_S`` of the day.
+cells, the cost policy, 0 to 2 pods a cell, a pod's 20-minute boot compressed with the day), run twice in
+real workerd with stand-in pods, side by side from one start (the same machine load on both): every pod on
+demand, and every pod interruptible (``colocate:pod.market interruptible``, ``SPARE`` spare pod a cell,
+run while it pays: SpotHedge's over-provisioning, colocate/scaling/policy.py ``hedge``; otherwise the
+fleet and the capped fallback carry a preempted pod's share while its replacement boots). Each request is
+a stream (its client times its first token, and sees how it ends). On both days each cell's controller
+keeps its cell too (the keeper, colocate/keeper.py), passing every ``KEEP_INTERVAL_S`` of the day.
 
 On the interruptible day the sandbox's host preempts pods (``Market``): each interruptible pod that
 serves gets a life drawn at ``spot_day.PREEMPTIONS_PER_HOUR`` of the day; when it ends, the local
@@ -262,8 +262,8 @@ class SpotDay(base.Demo):
                                           "keys": {"defaults": defaults}}, self.stacks_dir)
 
     def cell_say(self, cell: str):
-        def say_(line: str) -> None:
-            print(f"    {self.clock.hours():5.1f} h  {cell:<8} {line}", flush=True)
+        def say_(line: str) -> None:  # both days print at once: each line names its day
+            print(f"    {self.market[:6]:<6} {self.clock.hours():5.1f} h  {cell:<8} {line}", flush=True)
         return say_
 
     def controller(self, cell: str) -> Controller:
@@ -353,31 +353,55 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
     prices = base.PRICES
     figures: dict[str, dict] = {}
     per = day.per_request(shape, sent)
-    say(f"A day of three cells ({', '.join(base.CELLS)}) twice, compressed into {day_s:.0f} s each: every pod on demand "
-        f"(${ON_DEMAND_PER_HR:g}/h), then every pod interruptible (${ON_DEMAND_PER_HR * spot_day.INTERRUPTIBLE_SHARE:.2f}/h, "
+    say(f"A day of three cells ({', '.join(base.CELLS)}) twice at once, compressed into {day_s:.0f} s: every pod on demand "
+        f"(${ON_DEMAND_PER_HR:g}/h), and every pod interruptible (${ON_DEMAND_PER_HR * spot_day.INTERRUPTIBLE_SHARE:.2f}/h, "
         f"{spot_day.INTERRUPTIBLE_SHARE:g} of it: {spot_day.PRICE_SOURCE}) and preempted "
         f"{spot_day.PREEMPTIONS_PER_HOUR:.2f} times a pod-hour ({spot_day.PREEMPTION_SOURCE}). A pod boots in "
         f"{base.BOOT_S / 60:.0f} min of the day; each request is a stream and stands for {per} of the day's.")
-    for market in spot_day.DAYS:
-        demo = SpotDay(root / market, shape, prices, day_s, sent, market, seed, spare, keep_interval_s)
+    # Both days at once, their clocks started together: each sees the machine's load at the same
+    # moments, so their TTFT is compared under the same conditions (run one after the other, a
+    # loaded minute on one day alone showed as that day's tail).
+    demos = {m: SpotDay(root / m, shape, prices, day_s, sent, m, seed, spare, keep_interval_s) for m in spot_day.DAYS}
+    start = threading.Barrier(len(demos))
+    failed: dict[str, BaseException] = {}
+
+    def one_day(market: str) -> None:
+        demo = demos[market]
         try:
-            say(f"The day on {market} pods (UTC hours; preemptions and replacements as they happen).")
             demo.fresh()
             demo.up()
             demo.warm_up()
+            start.wait()
             demo.run_day()
             figures[market] = demo.figures()
-        except (ConfigError, SandboxError) as exc:
-            print(f"demo-spot: {exc}", file=sys.stderr)
-            return 2, None
-        finally:
+        except BaseException as exc:  # noqa: BLE001 - the main thread says it and stops both fleets
+            failed[market] = exc
+            start.abort()  # the other day does not wait for this one
+
+    say("Both days side by side, started together (UTC hours; preemptions and replacements as they happen).")
+    threads = [threading.Thread(target=one_day, args=(m,), name=f"day-{m}", daemon=True) for m in spot_day.DAYS]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for demo in demos.values():
             try:
                 with fleet.deferred_signals():
                     fleet.down(demo.fleet_dir)
             except Exception as exc:  # noqa: BLE001 - said; the day's figures stand
                 print(f"    the fleet could not be stopped ({type(exc).__name__}: {exc}): .venv/bin/python "
                       f"scripts/sandbox.py down --state-dir {demo.fleet_dir}", flush=True)
-        print_day(figures[market], demo)
+    real = {m: e for m, e in failed.items() if not isinstance(e, threading.BrokenBarrierError)}
+    for market, exc in real.items():
+        if isinstance(exc, (ConfigError, SandboxError)):
+            print(f"demo-spot: the {market} day: {exc}", file=sys.stderr)
+            return 2, None
+        raise exc
+    for market in spot_day.DAYS:
+        say(f"The day on {market} pods.")
+        print_day(figures[market], demos[market])
     out = spot_day.report(figures, prices, per)
     say("The two days' bills ($), their failures and their pods' TTFT.")
     print(table(out))
