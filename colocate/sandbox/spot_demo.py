@@ -394,11 +394,11 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
                 print(f"    the fleet could not be stopped ({type(exc).__name__}: {exc}): .venv/bin/python "
                       f"scripts/sandbox.py down --state-dir {demo.fleet_dir}", flush=True)
     real = {m: e for m, e in failed.items() if not isinstance(e, threading.BrokenBarrierError)}
-    for market, exc in real.items():
-        if isinstance(exc, (ConfigError, SandboxError)):
-            print(f"demo-spot: the {market} day: {exc}", file=sys.stderr)
+    for market, err in real.items():
+        if isinstance(err, (ConfigError, SandboxError)):
+            print(f"demo-spot: the {market} day: {err}", file=sys.stderr)
             return 2, None
-        raise exc
+        raise err
     for market in spot_day.DAYS:
         say(f"The day on {market} pods.")
         print_day(figures[market], demos[market])
