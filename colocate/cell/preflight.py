@@ -115,7 +115,8 @@ def http_get(base: str, token: str, timeout_s: float = TIMEOUT_S) -> Getter:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 return resp.status, _json(resp.read())
         except urllib.error.HTTPError as err:
-            return err.code, _json(err.read())
+            with err:  # an HTTPError holds the connection until closed
+                return err.code, _json(err.read())
     return get
 
 

@@ -78,6 +78,7 @@ def http_ok(url: str, headers: dict | None = None, timeout: float = 2.0) -> tupl
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return 200 <= r.status < 300, r.status
     except urllib.error.HTTPError as exc:
+        exc.close()  # an HTTPError holds the connection until closed
         return False, exc.code
     except (OSError, ValueError):
         return False, None

@@ -35,7 +35,8 @@ class CellClient:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as err:
-            text = err.read()
+            with err:  # an HTTPError holds the connection until closed
+                text = err.read()
             try:
                 return err.code, json.loads(text)
             except ValueError:

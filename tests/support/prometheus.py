@@ -48,7 +48,8 @@ class Prometheus:
         try:
             doc = self.api("query", query=expr)
         except urllib.error.HTTPError as exc:
-            doc = json.loads(exc.read() or b"{}")
+            with exc:  # an HTTPError holds the connection until closed
+                doc = json.loads(exc.read() or b"{}")
         if doc.get("status") != "success":
             raise PrometheusError(f"{expr}: {doc.get('errorType')}: {doc.get('error')}")
         return doc["data"]["result"]

@@ -86,7 +86,8 @@ def routed(cell, key: str, path: str, body: dict, timeout_s: float = 120) -> tup
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             raw, status, headers = r.read().decode(), r.status, dict(r.headers)
     except urllib.error.HTTPError as err:
-        raw, status, headers = err.read().decode(), err.code, dict(err.headers)
+        with err:  # an HTTPError holds the connection until closed
+            raw, status, headers = err.read().decode(), err.code, dict(err.headers)
     if body.get("stream") and status == 200:
         events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
         return status, events, headers
