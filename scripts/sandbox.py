@@ -148,8 +148,8 @@ def parser() -> argparse.ArgumentParser:
     day_flags(da, "demo-autoscale", "the day's figures")
     da.add_argument("--prices", metavar="POD_PER_HR,API_PER_1M",
                     help="a pod's $ per hour and the API's $ per 1M tokens (default 0.6,0.3)")
-    ds = sub.add_parser("demo-spot", help="demo-autoscale's day on demand, then on interruptible pods preempted at a "
-                                          "published rate, priced against each other (make demo-spot)")
+    ds = sub.add_parser("demo-spot", help="demo-autoscale's day on demand and on interruptible pods preempted at a "
+                                          "published rate, side by side, priced against each other (make demo-spot)")
     day_flags(ds, "demo-spot", "both days' figures")
     ds.add_argument("--seed", type=int, default=1, help="the seed of the pods' lives (default 1)")
     ds.add_argument("--spare", type=int, default=1, help="colocate:pod.spare on the interruptible day (default 1)")

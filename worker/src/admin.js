@@ -9,7 +9,7 @@ import { FORCE_VALUES } from "./machine.js";
 import { displayPrefix, keyHash, newKey, newKeyId, sameDigest } from "./keys.js";
 import { dayOf, monthStartDay } from "./limits.js";
 import { podSnap } from "./pods.js";
-import { cache, activeStub, infoOf, stubFor, sync } from "./state.js";
+import { cache, activeStub, infoOf, stubFor, sync, syncFailed } from "./state.js";
 import { BUCKETS, LOW_MS, PER_OCTAVE, TOP, mergeEncoded } from "./histogram.js";
 import { CONTENT_TYPE, exposition } from "./metrics.js";
 import { podPrefixCaches } from "./podmetrics.js";
@@ -371,9 +371,9 @@ async function live(env, cfg, url, hosts, hop) {
   const from = Math.max(since, t - LIVE_MAX_MS);
   // Each pod's own prefix-cache counters (podmetrics.js), asked while the object answers.
   const caches = podPrefixCaches(cfg, hop);
-  // This isolate's own rows first: they otherwise ride on its next flush, which a request's
-  // cancelled context or no further request can leave waiting (a failed sync is only logged).
-  await sync(env, cfg).catch((err) => log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message) }));
+  // This isolate's own rows first: they otherwise ride on its next flush, which may not come
+  // (no further request) in time for this answer; a failed sync is only logged.
+  await sync(env, cfg).catch(syncFailed(env, cfg.activeGeneration));
   let { minutes, hours, spent } = await activeStub(env, cfg).live(from, infoOf(cfg));
   if (t - from > LIVE_HOURLY_AFTER_MS) {
     // Fold minutes into hours here, in the Worker, rather than in the single-threaded object.

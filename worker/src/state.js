@@ -30,6 +30,8 @@ const ids = new Map(); // generation -> DurableObjectId (plain data, safe to kee
 const pending = new Map(); // generation -> pending deltas (see pendingOf)
 
 const FLUSH_MAX_MS = 1000; // usage reaches the object at most this long after a request
+const FLUSH_RETRIES = 3; // a failed flush is tried again this many times (flush)
+const FLUSH_RETRY_MIN_MS = 250;
 // A key's counters (and fleet lease) are asked for this long after it was served:
 // config.js servedKeepMs (SERVED_KEEP_MS, colocate:worker.servedKeepMs), 120 s by default.
 export const LOOKUP_EVERY_MS = 250; // key look-ups: at most one call per isolate this often (after a burst of 2)
@@ -96,7 +98,7 @@ export function freshEntry(env, ctx, cfg) {
   if (status === "stale") return null;
   if (status === "refresh") {
     cache.markRefreshing(gen, t);
-    ctx.waitUntil(sync(env, cfg).catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
+    ctx.waitUntil(sync(env, cfg).catch(syncFailed(env, gen)));
   }
   return cache.entry(gen);
 }
@@ -705,9 +707,14 @@ export function syncSoon(env, ctx, cfg) {
   const t = Date.now();
   if (t - soonAt < SOON_MS) return;
   soonAt = t;
-  ctx.waitUntil(sync(env, cfg).catch((err) => log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message) })));
+  ctx.waitUntil(sync(env, cfg).catch(syncFailed(env, cfg.activeGeneration)));
 }
 const SOON_MS = 100;
+
+/** A catch handler that logs a failed sync of `gen` (its batch is back in pending: sync). */
+export function syncFailed(env, gen, extra = {}) {
+  return (err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message), ...extra });
+}
 
 /** Make sure the pending deltas reach the object soon, without delaying any response. */
 export function scheduleFlush(env, ctx, cfg) {
@@ -717,7 +724,7 @@ export function scheduleFlush(env, ctx, cfg) {
   const t = Date.now();
   if (t - p.plannedAt < delay + 5000) return; // one planned flush per isolate at a time
   p.plannedAt = t;
-  ctx.waitUntil(flush(env, cfg, p, delay).catch((err) => log(env, "sync_failed", { generation: gen, error: String(err && err.message) })));
+  ctx.waitUntil(flush(env, cfg, p, delay).catch(syncFailed(env, gen)));
 }
 
 /**
@@ -735,18 +742,16 @@ async function flush(env, cfg, p, delay) {
     try {
       await sync(env, cfg);
     } catch (err) {
-      log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message), attempt });
+      syncFailed(env, cfg.activeGeneration, { attempt })(err);
       if (attempt >= FLUSH_RETRIES) return;
       p.plannedAt = Date.now(); // this flush is still planned: requests meanwhile leave their rows to it
       await sleep(Math.max(delay, FLUSH_RETRY_MIN_MS) * 2 ** attempt);
       continue;
     }
-    await learnObjectColo(env, cfg)?.catch((err) => log(env, "sync_failed", { generation: cfg.activeGeneration, error: String(err && err.message) }));
+    await learnObjectColo(env, cfg)?.catch(syncFailed(env, cfg.activeGeneration));
     return;
   }
 }
-const FLUSH_RETRIES = 3;
-const FLUSH_RETRY_MIN_MS = 250;
 
 // --- where the object answers from (the live view's `sync` segment) ---
 
