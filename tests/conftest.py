@@ -25,6 +25,24 @@ def vllm_cell(tmp_path_factory):
         yield cell
 
 
+@pytest.fixture
+def openai_client():
+    """Makes openai.OpenAI clients (no retries, 30 s timeout unless given) and closes them after
+    the test: an open client's pooled socket is otherwise found by a later test's garbage
+    collection, and fails that test as an unclosed-socket ResourceWarning."""
+    import openai  # here, not at collection: every pytest worker collects every file
+
+    made = []
+
+    def make(base_url: str, api_key: str, **options) -> openai.OpenAI:
+        made.append(openai.OpenAI(base_url=base_url, api_key=api_key, **{"max_retries": 0, "timeout": 30, **options}))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Quiet asyncio after the run: the Pulumi mock tests that expect a refusal raised inside
     an apply leave futures holding that RunError, which Pulumi's runtime keeps referenced until

@@ -28,14 +28,16 @@ def cell():
         yield c
 
 
-def client(cell, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cell.url + "/v1", api_key=key, max_retries=0, timeout=30)
+@pytest.fixture
+def client(openai_client):
+    """client(cell, key): an openai client of ``cell`` with ``key``, closed after the test."""
+    return lambda cell, key: openai_client(cell.url + "/v1", key)
 
 
 HI = [{"role": "user", "content": "hi"}]
 
 
-def test_a_request_that_can_never_fit_a_token_limit_is_a_400_naming_the_limit_and_the_fix(cell):
+def test_a_request_that_can_never_fit_a_token_limit_is_a_400_naming_the_limit_and_the_fix(cell, client):
     # a 50-token monthly key was once admitted for a request the router reserved at 24,207
     tiny = client(cell, cell.create_key("tiny", monthly_tokens=50)["key"])
     with pytest.raises(openai.BadRequestError) as exc:
@@ -54,7 +56,7 @@ def test_a_request_that_can_never_fit_a_token_limit_is_a_400_naming_the_limit_an
     assert cell.pod.requests == before + 1  # the refusals never reached the pod
 
 
-def test_a_request_whose_most_is_more_than_the_month_has_left_is_a_429_saying_what_is_left(cell):
+def test_a_request_whose_most_is_more_than_the_month_has_left_is_a_429_saying_what_is_left(cell, client):
     made = cell.create_key("month", monthly_tokens=6_000, tpm=0, rpm=0)
     c = client(cell, made["key"])
     # 50 tokens used (vLLM's min_tokens and ignore_eos: exactly 50), then a request whose most fits
@@ -98,7 +100,7 @@ def _status(s: socket.socket) -> tuple[int, bytes]:
     return int(head.split(b" ")[1]), rest
 
 
-def test_a_keys_uploads_hold_its_own_slots_and_a_slow_one_is_refused_in_time(cell):
+def test_a_keys_uploads_hold_its_own_slots_and_a_slow_one_is_refused_in_time(cell, client):
     made = cell.create_key("uploads", rpm=0, tpm=0, monthly_tokens=0, max_parallel=2)
     start = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 1000
     held = [_upload(cell.url, made["key"], 900_000, start) for _ in range(2)]

@@ -122,10 +122,9 @@ def test_a_cell_asked_to_defer_with_its_exchange_token_answers_no_pod(three):
     assert "state;dur=" in res.headers["server-timing"]
 
 
-def test_an_openai_client_through_the_front_door(three):
+def test_an_openai_client_through_the_front_door(three, openai_client):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=three.url + "/v1", api_key=three.key, max_retries=0, timeout=30,
-                           default_headers={"cf-blob": json.dumps({"colo": "FRA"})})
+    client = openai_client(three.url + "/v1", three.key, default_headers={"cf-blob": json.dumps({"colo": "FRA"})})
     raw = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert raw.headers["x-colocate-cell"] == "eu-west"
     out = raw.parse()
@@ -133,7 +132,7 @@ def test_an_openai_client_through_the_front_door(three):
     chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [m.id for m in client.models.list()] == [standin.DEFAULT_MODEL]
-    bad = openai.OpenAI(base_url=three.url + "/v1", api_key="clc_not-a-key", max_retries=0, timeout=30)
+    bad = openai_client(three.url + "/v1", "clc_not-a-key")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
 

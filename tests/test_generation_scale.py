@@ -143,12 +143,12 @@ def test_a_new_key_works_on_its_first_request_and_its_revocation_reaches_another
         assert took < 3 * ttl / 1000 + 1, took  # within the TTL, with room for a loaded machine
 
 
-def test_max_parallel_refuses_the_extra_request_and_an_openai_client_raises_rate_limit_error():
+def test_max_parallel_refuses_the_extra_request_and_an_openai_client_raises_rate_limit_error(openai_client):
     import openai  # here, not at collection: every pytest worker collects every file
 
     with driven_cell({"stateTtlMs": 60_000}, compute_ms=1500) as c:
         made = make_key(c, "one-at-a-time", max_parallel=1)
-        client = openai.OpenAI(base_url=c.url + "/v1", api_key=made["key"], max_retries=0, timeout=30)
+        client = openai_client(c.url + "/v1", made["key"])
         first = {}
         t = threading.Thread(target=lambda: first.setdefault("r", request(
             c.url, "POST", "/v1/chat/completions", body=chat(), headers={"authorization": f"Bearer {made['key']}"})))

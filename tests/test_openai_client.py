@@ -22,18 +22,20 @@ def seconds_of(reset: str) -> int:
     return int(minutes or 0) * 60 + int(seconds)
 
 
-def client(cell, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cell.url + "/v1", api_key=key, max_retries=0, timeout=30)
+@pytest.fixture
+def client(openai_client):
+    """client(cell, key): an openai client of ``cell`` with ``key``, closed after the test."""
+    return lambda cell, key: openai_client(cell.url + "/v1", key)
 
 
-def test_chat_completion_and_models(cell):
+def test_chat_completion_and_models(cell, client):
     c = client(cell, cell.key)
     done = c.chat.completions.create(model="client/model", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert done.choices[0].message.content and done.usage.total_tokens > 0
     assert [m.id for m in c.models.list()]
 
 
-def test_streaming_with_usage_is_metered(cell):
+def test_streaming_with_usage_is_metered(cell, client):
     ask = {"model": "client/model", "messages": [{"role": "user", "content": "hi"}], "stream": True,
            "stream_options": {"include_usage": True}, "max_tokens": 5}
     raw = client(cell, cell.key).chat.completions.with_raw_response.create(**ask)
@@ -52,7 +54,7 @@ def test_streaming_with_usage_is_metered(cell):
     assert exc.value.type == "tokens"
 
 
-def test_bad_key_is_an_authentication_error(cell):
+def test_bad_key_is_an_authentication_error(cell, client):
     c = client(cell, "clc_" + "x" * 32)
     with pytest.raises(openai.AuthenticationError) as exc:
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
@@ -61,7 +63,7 @@ def test_bad_key_is_an_authentication_error(cell):
         list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True))
 
 
-def test_over_the_limit_is_a_rate_limit_error(cell):
+def test_over_the_limit_is_a_rate_limit_error(cell, client):
     made = cell.create_key("limited", rpm=1)
     c = client(cell, made["key"])
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
@@ -71,7 +73,7 @@ def test_over_the_limit_is_a_rate_limit_error(cell):
     assert int(exc.value.response.headers["retry-after"]) >= 1
 
 
-def test_routed_answers_carry_openais_rate_limit_headers(cell):
+def test_routed_answers_carry_openais_rate_limit_headers(cell, client):
     made = cell.create_key("paced", rpm=3, tpm=1_000_000)
     c = client(cell, made["key"])
     seen = []
@@ -98,7 +100,7 @@ def test_routed_answers_carry_openais_rate_limit_headers(cell):
     assert not any(name.startswith("x-ratelimit-") for name in free.headers)
 
 
-def test_over_rpm_retry_after_and_the_reset_header_agree_within_a_minute(cell):
+def test_over_rpm_retry_after_and_the_reset_header_agree_within_a_minute(cell, client):
     """An rpm 2 key over its limit: retry-after and x-ratelimit-reset-requests
     agree within 1 s and neither exceeds 60 s, read through the openai client."""
     from tests.support.minutes import fresh_minute

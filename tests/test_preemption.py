@@ -85,8 +85,6 @@ class Cell:
     key: str
     key_id: str
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.worker.url + "/v1", api_key=self.key, max_retries=0, timeout=60)
 
     def metrics(self) -> str:
         return request(self.worker.url, "GET", "/_colocate/metrics", headers=auth()).body.decode()
@@ -125,8 +123,8 @@ def usage(cell: Cell) -> dict:
     return {k: sum(r.get(k, 0) for r in rows) for k in ("prompt_tokens", "completion_tokens", "pod_requests")}
 
 
-def test_a_stream_cut_by_a_preemption_ends_with_an_error_the_sdk_raises_is_counted_and_charged_what_was_sent(cell):
-    client = cell.client()
+def test_a_stream_cut_by_a_preemption_ends_with_an_error_the_sdk_raises_is_counted_and_charged_what_was_sent(cell, openai_client):
+    client = openai_client(cell.worker.url + "/v1", cell.key, timeout=60)
     stream = client.chat.completions.create(**answer(1500, stream=True))
     backend = stream.response.headers["x-colocate-backend"]
     victim = cell.pods[int(backend.split("-")[1])]
@@ -150,8 +148,8 @@ def test_a_stream_cut_by_a_preemption_ends_with_an_error_the_sdk_raises_is_count
     assert live.status == 200 and any(r[3] == "cut" for r in live.json()["minutes"]), live.body[:500]
 
 
-def test_answers_no_byte_of_which_was_sent_are_retried_on_the_other_pod_or_the_fallback(cell):
-    client = cell.client()
+def test_answers_no_byte_of_which_was_sent_are_retried_on_the_other_pod_or_the_fallback(cell, openai_client):
+    client = openai_client(cell.worker.url + "/v1", cell.key, timeout=60)
     results: list[tuple[str, str]] = []
     lock = threading.Lock()
 

@@ -305,9 +305,8 @@ def test_demo_key_is_created_kept_0600_reused_and_replaced_when_revoked(stacks, 
         assert r.status == 200
 
 
-def test_openai_client_uses_the_printed_key(cell):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=cell["worker_url"] + "/v1", api_key=cell["key"], max_retries=0)
+def test_openai_client_uses_the_printed_key(cell, openai_client):
+    client = openai_client(cell["worker_url"] + "/v1", cell["key"], timeout=60)
     reply = client.chat.completions.create(model=POD_MODEL, messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content
 

@@ -125,17 +125,17 @@ def test_a_client_cannot_choose_its_colo(running):
     assert res.status_code == 200 and res.headers["x-colocate-cell"] == "apac-jp"
 
 
-def test_the_fleet_key_works_through_every_entry_with_the_openai_client(running):
+def test_the_fleet_key_works_through_every_entry_with_the_openai_client(running, openai_client):
     out = running["out"]
     for s in SITES:
-        client = openai.OpenAI(base_url=out["entries"][s] + "/v1", api_key=out["key"], max_retries=0)
+        client = openai_client(out["entries"][s] + "/v1", out["key"], timeout=60)
         done = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         assert done.parse().choices[0].message.content
         assert done.headers["x-colocate-cell"] in CELLS
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert client.models.list().data
-        bad = openai.OpenAI(base_url=out["entries"][s] + "/v1", api_key="clc_" + "x" * 32, max_retries=0)
+        bad = openai_client(out["entries"][s] + "/v1", "clc_" + "x" * 32, timeout=60)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
 
