@@ -40,7 +40,7 @@ start=$(date +%s)
 for i in $(seq 1 "$runs"); do
   t0=$(date +%s)
   log="$logs/$stamp-run$i.log"
-  if ! "$PY" -m pytest -q -rfE -p no:cacheprovider -n "${STRESS_WORKERS:-6}" --dist loadgroup "${TESTS[@]}" "$@" >"$log" 2>&1; then
+  if ! "$PY" -m pytest -q -rfE -p no:cacheprovider -n "${STRESS_WORKERS:-6}" --dist loadfile "${TESTS[@]}" "$@" >"$log" 2>&1; then
     grep -E '^(FAILED|ERROR) ' "$log" >&2 || tail -n 20 "$log" >&2
     echo "stress: run $i of $runs FAILED (after $((i - 1)) passing runs); its whole output: $PWD/$log" >&2
     exit 1

@@ -54,7 +54,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # The longest test files, longest first (their wall time in a `make test` run, 2026-12-07; `--durations=0`
-# gives it). `make test` runs files whole on six workers (--dist loadgroup, below) in collection order:
+# gives it). `make test` runs files whole on six workers (--dist loadfile, below) in collection order:
 # starting these first keeps one of them from starting last and running alone at the end; the first few
 # mostly wait on time (a fresh minute, a sync, a compressed day), so they share the cores with the rest.
 # test_infra_cell.py starts the Pulumi mock group. Files not named keep their order, after these.
@@ -70,29 +70,40 @@ LONGEST_FIRST = (
 )
 
 
-# `make test` runs with --dist loadgroup: each file is a group (its module fixtures start once, as
-# with loadfile), except the files that run Pulumi programs under the mocks, which share one group:
-# every worker that runs one pays the ~3.4 CPU-s import of pulumi_cloudflare once.
+# `make test` runs with --dist loadfile, and this scheduler: each file runs whole on one worker (its
+# module fixtures start once), except the files that run Pulumi programs under the mocks, which run
+# together: every worker that runs one pays the ~3.4 CPU-s import of pulumi_cloudflare once. Not
+# --dist loadgroup with a mark per file: xdist 3.8 names a test's group in its node id, which pytest
+# 9.2 no longer lets a plugin change, so every test became a group of its own and a file's fleet or
+# cell started on several workers at once (pytest-dev/pytest-xdist#1386).
 PULUMI_GROUP = "pulumi-mocks"
 
 
-def _group(path: Path, seen: dict[Path, str]) -> str:
+def _group(nodeid: str, seen: dict[str, str]) -> str:
+    path = nodeid.split("::", 1)[0]
     if path not in seen:
-        seen[path] = PULUMI_GROUP if "tests.support.pulumi_mocks" in path.read_text() else path.name
+        seen[path] = PULUMI_GROUP if "tests.support.pulumi_mocks" in (ROOT / path).read_text() else path
     return seen[path]
 
 
-def pytest_configure(config):
-    # xdist registers its marker only when it is loaded: `make test-vllm` runs with -p no:xdist.
-    config.addinivalue_line("markers", "xdist_group(name): the tests xdist's --dist loadgroup keeps on one worker")
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: `make test-vllm` runs without xdist
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    seen: dict[str, str] = {}
+
+    class FilesWithPulumiTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid, seen)
+
+    return FilesWithPulumiTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-    seen: dict[Path, str] = {}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item.path, seen)))
 
 
 def pytest_collection_finish(session):

@@ -29,7 +29,7 @@ SHOWN_PER_SUITE = 80  # failure lines printed per suite; the file holds them all
 
 # Six workers for the whole suite, four for the inner loop; one file per worker at a time (the
 # Pulumi mock files together: tests/conftest.py), longest first; the ten slowest tests printed so that a regression shows.
-PYTEST = ["-m", "pytest", "-q", "--dist", "loadgroup", "--no-loadscope-reorder", "--durations=10", "-rfEs"]
+PYTEST = ["-m", "pytest", "-q", "--dist", "loadfile", "--no-loadscope-reorder", "--durations=10", "-rfEs"]
 
 
 @dataclass
