@@ -4,7 +4,7 @@
 #
 #   scripts/stress_tests.sh [N] [extra pytest args...]     (N defaults to 10)
 #
-# STRESS_WORKERS sets pytest's -n (default 6, as make test); BUSY=0 runs without the busy loop.
+# STRESS_WORKERS sets pytest's -n (default 8, as make test); BUSY=0 runs without the busy loop.
 # Each run's whole output goes to .colocate/stress/<start>-run<i>.log; a failing run's log is
 # named on the last line. The busy loop is a bounded Python spin (it ends by itself after
 # BUSY_MAX_S, 2 h by default) and is stopped, by its pid, when this script exits.
@@ -40,7 +40,7 @@ start=$(date +%s)
 for i in $(seq 1 "$runs"); do
   t0=$(date +%s)
   log="$logs/$stamp-run$i.log"
-  if ! "$PY" -m pytest -q -rfE -p no:cacheprovider -n "${STRESS_WORKERS:-6}" --dist loadfile "${TESTS[@]}" "$@" >"$log" 2>&1; then
+  if ! "$PY" -m pytest -q -rfE -p no:cacheprovider -n "${STRESS_WORKERS:-8}" --dist loadfile "${TESTS[@]}" "$@" >"$log" 2>&1; then
     grep -E '^(FAILED|ERROR) ' "$log" >&2 || tail -n 20 "$log" >&2
     echo "stress: run $i of $runs FAILED (after $((i - 1)) passing runs); its whole output: $PWD/$log" >&2
     exit 1

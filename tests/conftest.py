@@ -54,7 +54,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # The longest test files, longest first (their wall time in a `make test` run, 2026-12-07; `--durations=0`
-# gives it). `make test` runs files whole on six workers (--dist loadfile, below) in collection order:
+# gives it). `make test` runs files whole on eight workers (--dist loadfile, below) in collection order:
 # starting these first keeps one of them from starting last and running alone at the end; the first few
 # mostly wait on time (a fresh minute, a sync, a compressed day), so they share the cores with the rest.
 # test_infra_cell.py starts the Pulumi mock group. Files not named keep their order, after these.

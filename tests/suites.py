@@ -27,7 +27,7 @@ LOGS = ROOT / ".colocate" / "test-logs"
 FAILURES = ROOT / ".colocate" / "test-failures"
 SHOWN_PER_SUITE = 80  # failure lines printed per suite; the file holds them all
 
-# Six workers for the whole suite, four for the inner loop; one file per worker at a time (the
+# Eight workers for the whole suite, four for the inner loop; one file per worker at a time (the
 # Pulumi mock files together: tests/conftest.py), longest first; the ten slowest tests printed so that a regression shows.
 PYTEST = ["-m", "pytest", "-q", "--dist", "loadfile", "--no-loadscope-reorder", "--durations=10", "-rfEs"]
 
@@ -55,7 +55,7 @@ SUITES: dict[str, list[Step]] = {
     "js": [Step("node", ["node", "--test", "--test-concurrency=4", "--test-reporter=dot",
                          *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "worker" / "test").glob("*.test.js"))],
                 "node", beside=True)],
-    "py": [Step("collect", COLLECT, "pytest-collect", beside=True), Step("pytest", [PY, *PYTEST, "-n", "6"], "pytest")],
+    "py": [Step("collect", COLLECT, "pytest-collect", beside=True), Step("pytest", [PY, *PYTEST, "-n", "8"], "pytest")],
     "fast": [Step("collect", [*COLLECT, "-m", "not slow"], "pytest-collect", beside=True),
              Step("pytest (not slow)", [PY, *PYTEST, "-n", "4", "-m", "not slow"], "pytest-fast")],
     # make test-vllm (COLOCATE_ENGINE=vllm): one process, one vLLM for the run (docs/testing.md "The real engine").
