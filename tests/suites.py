@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,26 +36,23 @@ class Step:
     name: str
     argv: list[str]
     log: str
-    # Started with the run's other such steps as soon as it begins, not after the steps before it
-    # (its line still prints in its place): those leave a core idle; pytest's workers take every core.
-    beside: bool = False
 
 
 # pytest's workers each import every test module, and pytest rewrites each module's asserts
-# (then caches the result, as Python caches bytecode, under .venv/pycache): on a fresh clone six
+# (then caches the result, as Python caches bytecode, under .venv/pycache): on a fresh clone eight
 # workers would all rewrite and compile everything at once. One collection first fills the caches.
 COLLECT = [PY, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider"]
 
 SUITES: dict[str, list[Step]] = {
-    "lint": [Step("ruff", [str(ROOT / ".venv" / "bin" / "ruff"), "check", "--quiet", "."], "lint", beside=True),
-             Step("tsc", [str(ROOT / "node_modules" / ".bin" / "tsc"), "-p", "worker/tsconfig.json"], "lint", beside=True),
-             Step("mypy", [str(ROOT / ".venv" / "bin" / "mypy")], "lint", beside=True)],
+    "lint": [Step("ruff", [str(ROOT / ".venv" / "bin" / "ruff"), "check", "--quiet", "."], "lint"),
+             Step("tsc", [str(ROOT / "node_modules" / ".bin" / "tsc"), "-p", "worker/tsconfig.json"], "lint"),
+             Step("mypy", [str(ROOT / ".venv" / "bin" / "mypy")], "lint")],
     # The dot reporter prints one character per test and, at the end, each failure with its error.
     "js": [Step("node", ["node", "--test", "--test-concurrency=4", "--test-reporter=dot",
                          *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "worker" / "test").glob("*.test.js"))],
-                "node", beside=True)],
-    "py": [Step("collect", COLLECT, "pytest-collect", beside=True), Step("pytest", [PY, *PYTEST, "-n", "8"], "pytest")],
-    "fast": [Step("collect", [*COLLECT, "-m", "not slow"], "pytest-collect", beside=True),
+                "node")],
+    "py": [Step("collect", COLLECT, "pytest-collect"), Step("pytest", [PY, *PYTEST, "-n", "8"], "pytest")],
+    "fast": [Step("collect", [*COLLECT, "-m", "not slow"], "pytest-collect"),
              Step("pytest (not slow)", [PY, *PYTEST, "-n", "4", "-m", "not slow"], "pytest-fast")],
     # make test-vllm (COLOCATE_ENGINE=vllm): one process, one vLLM for the run (docs/testing.md "The real engine").
     "vllm": [Step("pytest (vLLM)", [PY, "-m", "pytest", "-q", "-p", "no:xdist", "--durations=10", "-rfEs",
@@ -130,10 +126,11 @@ def main(argv: list[str], suites: dict[str, list[Step]] = SUITES) -> int:
     failures: list[tuple[str, str]] = []
     t0 = time.monotonic()
     with ThreadPoolExecutor() as pool:
-        # Each suite's steps `beside` start at once, one after another within the suite.
-        started = {w: pool.submit(lambda w=w: [run(s) for s in suites[w] if s.beside]) for w in wanted}
+        # The suites side by side, each its steps in order; their lines print in suite order. A suite
+        # never waits for another's report: pytest once started only after node's tests, 12 s late.
+        started = {w: pool.submit(lambda w=w: [run(s) for s in suites[w]]) for w in wanted}
         for suite in wanted:
-            _report(suites[suite], iter(started[suite].result()), failures)
+            _report(suites[suite], started[suite].result(), failures)
     took = time.monotonic() - t0
     if not failures:
         print(f"all passed: {', '.join(wanted)} in {took:.0f} s")
@@ -146,11 +143,10 @@ def main(argv: list[str], suites: dict[str, list[Step]] = SUITES) -> int:
     return 1
 
 
-def _report(steps: list[Step], beside: Iterator[tuple[int, str, float]], failures: list[tuple[str, str]]) -> None:
-    """Run each of ``steps`` (or take its result from ``beside``, the run of those started at once)
-    and print a line each; each failure's output goes on the terminal and into ``failures``."""
-    for step in steps:
-        code, out, took = next(beside) if step.beside else run(step)
+def _report(steps: list[Step], results: list[tuple[int, str, float]], failures: list[tuple[str, str]]) -> None:
+    """Print a line for each of ``steps`` from its result (its run's code, output and seconds); each
+    failure's output goes on the terminal and into ``failures``."""
+    for step, (code, out, took) in zip(steps, results, strict=True):
         log = _shown(LOGS / f"{step.log}.log")
         if step.log == "lint":
             failed = out.strip() if code else ""

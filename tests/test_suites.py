@@ -95,15 +95,18 @@ def test_an_unknown_suite_is_a_usage_error(capsys):
     assert "'pyy': unknown suite. Fix: one of lint, js, py, fast" in capsys.readouterr().err
 
 
-def test_steps_beside_each_other_start_at_once_and_print_in_order(where, capsys):
-    # "a" waits (30 s at most) for a file only "b" makes: run one after the other, "a" fails.
+def test_suites_run_side_by_side_each_its_steps_in_order_and_print_in_order(where, capsys):
+    # "a" waits (30 s at most) for a file only "b"'s second step makes: were "b"'s later steps held
+    # back until "a" is reported (pytest once started only after node's tests), "a" would fail.
     made = where / "made-by-b"
     waits = (f"import pathlib, sys, time\nfor _ in range(300):\n    if pathlib.Path({str(made)!r}).exists(): sys.exit(0)\n"
              "    time.sleep(0.1)\nsys.exit(1)")
     makes = f"import pathlib; pathlib.Path({str(made)!r}).touch(); print('made it')"
-    steps = {"a": [suites.Step("waits", [suites.PY, "-c", waits], "lint", beside=True),
+    steps = {"a": [suites.Step("waits", [suites.PY, "-c", waits], "lint"),
                    suites.Step("then", [suites.PY, "-c", "print('after waits')"], "then")],
-             "b": [suites.Step("makes", [suites.PY, "-c", makes], "b", beside=True)]}
+             "b": [suites.Step("first", [suites.PY, "-c", "print('first of b')"], "b"),
+                   suites.Step("makes", [suites.PY, "-c", makes], "b2")]}
     assert suites.main(["a", "b"], steps) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [ln.split(" (")[0] for ln in out[:3]] == ["waits: passed", "then: after waits", "makes: made it"], out
+    assert [ln.split(" (")[0] for ln in out[:4]] == ["waits: passed", "then: after waits", "first: first of b",
+                                                     "makes: made it"], out
