@@ -5,6 +5,8 @@ pytest and node runs of small test files written here."""
 from __future__ import annotations
 
 import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -83,8 +85,6 @@ def test_a_failing_run_keeps_each_failures_output_in_a_file_it_names_last(where,
     assert "fails here" in text and "AssertionError" in text and "passes" not in text.split("==== node")[1]
     assert "said on stdout" in out  # and on the terminal too
     # A later run never overwrites it: each failing run keeps its own file.
-    import time
-
     time.sleep(1.1)  # the file is named by the second the run started
     assert suites.main(["x"], steps(where, failing=True)) == 1
     assert len(list((where / "failures").glob("*.txt"))) == 2
@@ -110,3 +110,21 @@ def test_suites_run_side_by_side_each_its_steps_in_order_and_print_in_order(wher
     out = capsys.readouterr().out.splitlines()
     assert [ln.split(" (")[0] for ln in out[:4]] == ["waits: passed", "then: after waits", "first: first of b",
                                                      "makes: made it"], out
+
+
+def test_a_step_past_its_timeout_is_stopped_with_every_process_it_started_and_fails(where, capsys):
+    # The step starts a child that would sleep a minute and records its pid, then sleeps itself.
+    pid_file = where / "child.pid"
+    hangs = ("import subprocess, sys, time\n"
+             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+             f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+             "time.sleep(60)")
+    steps = {"x": [suites.Step("hangs", [suites.PY, "-c", hangs], "hangs", timeout_s=3)]}
+    t0 = time.monotonic()
+    assert suites.main(["x"], steps) == 1
+    assert time.monotonic() - t0 < 30
+    out = capsys.readouterr().out
+    assert "hangs: stopped after 3 s, with every process it started" in out
+    child = Path("/proc") / pid_file.read_text() / "stat"
+    # gone, or a zombie nobody reaped yet (its parent was killed too): either way not running
+    assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
