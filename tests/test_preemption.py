@@ -85,7 +85,6 @@ class Cell:
     key: str
     key_id: str
 
-
     def metrics(self) -> str:
         return request(self.worker.url, "GET", "/_colocate/metrics", headers=auth()).body.decode()
 
