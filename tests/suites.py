@@ -1,9 +1,12 @@
 """`make test`, `make test-fast`, `make lint`: run each suite with its whole output in a log file,
 print one line per suite (and the slowest tests, and the skips), and every failure's output.
 
-    python -m tests.suites lint js py      (make test)
-    python -m tests.suites fast            (make test-fast)
+    python3 -m tests.suites lint js py     (make test)
+    python3 -m tests.suites fast           (make test-fast)
     python -m tests.suites vllm            (make test-vllm, with COLOCATE_ENGINE=vllm)
+
+It needs only Python's standard library: it sets up what its steps need (`.venv`, `node_modules`,
+the tools) itself, each once, beside the steps that do not need it.
 
 Each failing run keeps its failures in a file of its own, `.colocate/test-failures/<UTC time>.txt`
 (never overwritten by a later run, so a failure seen once can be read later), named on the last
@@ -19,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +45,18 @@ class Step:
     # A step past this is stopped with every process it started, and fails: a hung process (a
     # node test file that never exits, nodejs/node#54918) must not hold `make test` forever.
     timeout_s: float = 1800
+    # The set-ups (SETUPS) this step runs after.
+    needs: tuple[str, ...] = ()
+
+
+# What steps need set up, each made once (by the Makefile's rule) when a wanted step needs it, beside
+# the steps that do not: on a fresh clone node's tests run during pip's install (13 s of one core).
+SETUPS: dict[str, Step] = {
+    "venv": Step("set-up .venv", ["make", "-s", ".venv/.installed"], "setup-venv"),
+    "npm": Step("set-up node_modules", ["make", "-s", "node_modules/.installed"], "setup-npm"),
+    # wrk, valgrind, prometheus: apt-get where absent (the Makefile's rules), else nothing
+    "tools": Step("set-up wrk, valgrind, prometheus", ["make", "-s", "wrk", "valgrind", "prometheus"], "setup-tools"),
+}
 
 
 # pytest's workers each import every test module, and pytest rewrites each module's asserts
@@ -50,22 +65,37 @@ class Step:
 COLLECT = [PY, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider"]
 
 SUITES: dict[str, list[Step]] = {
-    "lint": [Step("ruff", [str(ROOT / ".venv" / "bin" / "ruff"), "check", "--quiet", "."], "lint"),
-             Step("tsc", [str(ROOT / "node_modules" / ".bin" / "tsc"), "-p", "worker/tsconfig.json"], "lint"),
-             Step("mypy", [str(ROOT / ".venv" / "bin" / "mypy")], "lint")],
+    "lint": [Step("ruff", [str(ROOT / ".venv" / "bin" / "ruff"), "check", "--quiet", "."], "lint", needs=("venv",)),
+             Step("tsc", [str(ROOT / "node_modules" / ".bin" / "tsc"), "-p", "worker/tsconfig.json"], "lint",
+                  needs=("npm",)),
+             Step("mypy", [str(ROOT / ".venv" / "bin" / "mypy")], "lint", needs=("venv",))],
     # The dot reporter prints one character per test and, at the end, each failure with its error.
     # --single-threaded (passed on to each file's process): without V8's background tasks, node 20
     # cannot deadlock in its exit's drain of them (nodejs/node#54918; a test file hung so once here).
     "js": [Step("node", ["node", "--single-threaded", "--test", "--test-concurrency=4", "--test-reporter=dot",
                          *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "worker" / "test").glob("*.test.js"))],
-                "node", timeout_s=300)],
-    "py": [Step("collect", COLLECT, "pytest-collect"), Step("pytest", [PY, *PYTEST, "-n", "8"], "pytest")],
-    "fast": [Step("collect", [*COLLECT, "-m", "not slow"], "pytest-collect"),
-             Step("pytest (not slow)", [PY, *PYTEST, "-n", "4", "-m", "not slow"], "pytest-fast")],
+                "node", timeout_s=300, needs=("npm",))],
+    # The collection needs no tools (apt-get, where they are absent, runs on beside it); pytest starts
+    # workerd, so needs node_modules.
+    "py": [Step("collect", COLLECT, "pytest-collect", needs=("venv",)),
+           Step("pytest", [PY, *PYTEST, "-n", "8"], "pytest", needs=("npm", "tools"))],
+    "fast": [Step("collect", [*COLLECT, "-m", "not slow"], "pytest-collect", needs=("venv",)),
+             Step("pytest (not slow)", [PY, *PYTEST, "-n", "4", "-m", "not slow"], "pytest-fast", needs=("npm",))],
     # make test-vllm (COLOCATE_ENGINE=vllm): one process, one vLLM for the run (docs/testing.md "The real engine").
     "vllm": [Step("pytest (vLLM)", [PY, "-m", "pytest", "-q", "-p", "no:xdist", "--durations=10", "-rfEs",
                                      "tests/vllm_cpu", "tests/engine_contract"], "pytest-vllm")],
 }
+
+
+def run_after(steps: list[Step], made: dict[str, Future], setups: dict[str, Step]) -> list[tuple[int, str, float]]:
+    """Run ``steps`` in order, each once the set-ups it needs are ``made``; after a failed set-up, none."""
+    results: list[tuple[int, str, float]] = []
+    for step in steps:
+        failed = [setups[n].name for n in step.needs if made[n].result()[0] != 0]
+        if failed:
+            return results + [(1, f"not run: {failed[0]} failed (its output is above)", 0.0)] * (len(steps) - len(results))
+        results.append(run(step))
+    return results
 
 
 def run(step: Step) -> tuple[int, str, float]:
@@ -144,21 +174,25 @@ def _short(text: str, limit: int = SHOWN_PER_SUITE) -> str:
     return "\n".join(lines if len(lines) <= limit else [*lines[:limit], f"... ({len(lines) - limit} more lines in the file)"])
 
 
-def main(argv: list[str], suites: dict[str, list[Step]] = SUITES) -> int:
+def main(argv: list[str], suites: dict[str, list[Step]] = SUITES, setups: dict[str, Step] = SETUPS) -> int:
     wanted = argv or ["lint", "js", "py"]
     unknown = [w for w in wanted if w not in suites]
     if unknown:
         print(f"suites.py: {unknown[0]!r}: unknown suite. Fix: one of {', '.join(suites)}", file=sys.stderr)
         return 2
+    needed = list(dict.fromkeys(n for w in wanted for s in suites[w] for n in s.needs))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    for name in {s.log for w in wanted for s in suites[w]}:
+    for name in {s.log for w in wanted for s in suites[w]} | {setups[n].log for n in needed}:
         (LOGS / f"{name}.log").unlink(missing_ok=True)
     failures: list[tuple[str, str]] = []
     t0 = time.monotonic()
-    with ThreadPoolExecutor() as pool:
-        # The suites side by side, each its steps in order; their lines print in suite order. A suite
-        # never waits for another's report: pytest once started only after node's tests, 12 s late.
-        started = {w: pool.submit(lambda w=w: [run(s) for s in suites[w]]) for w in wanted}
+    with ThreadPoolExecutor(len(needed) + len(wanted)) as pool:
+        # The set-ups first, then the suites side by side, each its steps in order, each step once its
+        # set-ups are made; lines print in that order. A suite never waits for another's report: pytest
+        # once started only after node's tests, 12 s late.
+        made = {n: pool.submit(run, setups[n]) for n in needed}
+        started = {w: pool.submit(run_after, suites[w], made, setups) for w in wanted}
+        _report([setups[n] for n in needed], [made[n].result() for n in needed], failures)
         for suite in wanted:
             _report(suites[suite], started[suite].result(), failures)
     took = time.monotonic() - t0
@@ -178,7 +212,7 @@ def _report(steps: list[Step], results: list[tuple[int, str, float]], failures: 
     failure's output goes on the terminal and into ``failures``."""
     for step, (code, out, took) in zip(steps, results, strict=True):
         log = _shown(LOGS / f"{step.log}.log")
-        if step.log == "lint":
+        if step.log == "lint" or step.log.startswith("setup"):
             failed = out.strip() if code else ""
             line = "passed" if not code else f"FAILED (exit {code})"
         elif step.log == "node":

@@ -128,3 +128,35 @@ def test_a_step_past_its_timeout_is_stopped_with_every_process_it_started_and_fa
     child = Path("/proc") / pid_file.read_text() / "stat"
     # gone, or a zombie nobody reaped yet (its parent was killed too): either way not running
     assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_step_runs_once_its_set_up_is_made_and_the_other_suites_run_beside_the_set_up(where, capsys):
+    # The set-up waits (30 s at most) for a file only "b" makes: were "b" held back until the set-ups
+    # are made, the set-up would fail. "a" needs the set-up, and fails unless the set-up's file is there.
+    made, set_up = where / "made-by-b", where / "set-up-done"
+    waits = (f"import pathlib, sys, time\nfor _ in range(300):\n    if pathlib.Path({str(made)!r}).exists():\n"
+             f"        pathlib.Path({str(set_up)!r}).touch(); sys.exit(0)\n    time.sleep(0.1)\nsys.exit(1)")
+    setups = {"s": suites.Step("set-up s", [suites.PY, "-c", waits], "setup-s")}
+    uses = f"import pathlib; assert pathlib.Path({str(set_up)!r}).exists(); print('it was made')"
+    makes = f"import pathlib; pathlib.Path({str(made)!r}).touch(); print('made')"
+    steps = {"a": [suites.Step("uses", [suites.PY, "-c", uses], "a", needs=("s",))],
+             "b": [suites.Step("makes", [suites.PY, "-c", makes], "b")]}
+    assert suites.main(["a", "b"], steps, setups) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split(" (")[0] for ln in out[:3]] == ["set-up s: passed", "uses: it was made", "makes: made"], out
+
+
+def test_a_failed_set_up_fails_the_steps_that_need_it_without_running_them(where, capsys):
+    ran = where / "ran"
+    setups = {"s": suites.Step("set-up s", [suites.PY, "-c", "import sys; print('pip said no'); sys.exit(3)"], "setup-s")}
+    steps = {"a": [suites.Step("first", [suites.PY, "-c", "print('first ran')"], "a"),
+                   suites.Step("needs it", [suites.PY, "-c", f"open({str(ran)!r}, 'w')"], "a2", needs=("s",)),
+                   suites.Step("after it", [suites.PY, "-c", f"open({str(ran)!r}, 'w')"], "a3")],
+             "b": [suites.Step("free", [suites.PY, "-c", "print('free ran')"], "b")]}
+    assert suites.main(["a", "b"], steps, setups) == 1
+    out = capsys.readouterr().out
+    assert not ran.exists()
+    assert "set-up s: FAILED (exit 3)" in out and "pip said no" in out
+    assert "first: first ran" in out and "free: free ran" in out
+    assert out.count("not run: set-up s failed") >= 2  # "needs it" and the step after it
+    assert out.rstrip().splitlines()[-1].startswith("FAILED: set-up s, needs it, after it in ")
