@@ -111,15 +111,40 @@ def run(step: Step) -> tuple[int, str, float]:
         try:
             code = proc.wait(timeout=step.timeout_s)
         except subprocess.TimeoutExpired:
-            for pid in _tree(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             code = proc.wait()
             log.write(f"\n{step.name}: stopped after {step.timeout_s:.0f} s, with every process it started "
                       f"(Step.timeout_s in tests/suites.py)\n")
     with open(path, errors="replace") as log:
         log.seek(start)
         return code, log.read(), time.monotonic() - t0
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it. Each is stopped as it is found, and the tree read
+    again until it holds no new process: a process caught starting a child between one read of /proc
+    and its kill would leave that child running (a loaded run did so once)."""
+    found: list[int] = []
+    while new := [p for p in _tree(pid) if p not in found]:
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        found += new
+    for p in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    # A killed process ends once it is next scheduled: wait for that (10 s at most), so that none runs on
+    # when the step is reported.
+    deadline = time.monotonic() + 10
+    while any(_running(p) for p in found) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _tree(pid: int) -> list[int]:

@@ -113,21 +113,25 @@ def test_suites_run_side_by_side_each_its_steps_in_order_and_print_in_order(wher
 
 
 def test_a_step_past_its_timeout_is_stopped_with_every_process_it_started_and_fails(where, capsys):
-    # The step starts a child that would sleep a minute and records its pid, then sleeps itself.
-    pid_file = where / "child.pid"
-    hangs = ("import subprocess, sys, time\n"
-             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-             f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-             "time.sleep(60)")
-    steps = {"x": [suites.Step("hangs", [suites.PY, "-c", hangs], "hangs", timeout_s=3)]}
+    # The step starts child after child, each to sleep a minute, recording each pid: the kill must
+    # find them all, including one started while the process tree was being read.
+    pid_file = where / "children.pid"
+    hangs = ("import subprocess, time\n"
+             f"with open({str(pid_file)!r}, 'a') as f:\n"
+             "    while True:\n"
+             "        f.write(f\"{subprocess.Popen(['sleep', '60']).pid}\\n\"); f.flush(); time.sleep(0.005)")
+    steps = {"x": [suites.Step("hangs", [suites.PY, "-c", hangs], "hangs", timeout_s=2)]}
     t0 = time.monotonic()
     assert suites.main(["x"], steps) == 1
     assert time.monotonic() - t0 < 30
     out = capsys.readouterr().out
-    assert "hangs: stopped after 3 s, with every process it started" in out
-    child = Path("/proc") / pid_file.read_text() / "stat"
-    # gone, or a zombie nobody reaped yet (its parent was killed too): either way not running
-    assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert "hangs: stopped after 2 s, with every process it started" in out
+    pids = pid_file.read_text().split()
+    assert len(pids) > 10
+    # each gone, or a zombie nobody reaped yet (its parent was killed too): either way not running
+    running = [p for p in pids if (stat := Path("/proc") / p / "stat").exists()
+               and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert running == []
 
 
 def test_a_step_runs_once_its_set_up_is_made_and_the_other_suites_run_beside_the_set_up(where, capsys):
