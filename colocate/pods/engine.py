@@ -84,10 +84,10 @@ class _Block:
 def block_hashes(tokens: Sequence[int], salt: str | None = None, known: Sequence[int] = ()) -> list[int]:
     """The chained hashes of the full 16-token blocks of ``tokens``: each hashes its parent's and its
     tokens, the first the ``cache_salt`` too (vLLM's hash_block_tokens with extra keys); ``known``:
-    the first hashes, already computed."""
+    the first hashes, already computed. ``tokens`` starts after the blocks ``known`` hashes."""
     out: list[int] = list(known)
     parent = out[-1] if out else hash(("colocate-none-hash", salt))
-    for i in range(len(out), len(tokens) // BLOCK_SIZE):
+    for i in range(len(tokens) // BLOCK_SIZE):
         parent = hash((parent, tuple(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])))
         out.append(parent)
     return out
@@ -133,10 +133,13 @@ class KVCacheManager:
     def allocate(self, req: Request, new_tokens: int, computed: Sequence[int] = ()) -> bool:
         """Room for ``new_tokens`` more of ``req`` (after ``computed`` cached blocks); False, and
         nothing changed, when there are not enough free blocks."""
-        have = self.owned.get(req.id, [])
+        have = self.owned.get(req.id)
         total = req.computed + len(computed) * BLOCK_SIZE + new_tokens
-        need = max(0, math.ceil(total / BLOCK_SIZE) - len(have) - len(computed))
-        touched_free = sum(1 for b in computed if self.blocks[b].ref == 0)
+        need = -(-total // BLOCK_SIZE) - (len(have) if have else 0) - len(computed)
+        if need <= 0 and not computed and have is not None:
+            return True  # a decode step's usual case: its token fits in the blocks it has
+        need = max(0, need)
+        touched_free = sum(1 for b in computed if self.blocks[b].ref == 0) if computed else 0
         if need > len(self.free) - touched_free:
             return False
         blocks = self.owned.setdefault(req.id, [])
@@ -212,11 +215,12 @@ class Request:
     def hashes_upto(self, blocks: int) -> list[int]:
         """The hashes of the first ``blocks`` full blocks of prompt and output (computed once each)."""
         if len(self._hashes) < blocks:
-            end = blocks * BLOCK_SIZE
-            # Output tokens without known ids stand for themselves: ids need only be stable for the hashes.
-            made = max(0, end - len(self.prompt))
-            tokens = self.prompt[:end] + [self.output_ids[i] if i < len(self.output_ids) else -(i + 1)
-                                          for i in range(made)]
+            start, end, n = len(self._hashes) * BLOCK_SIZE, blocks * BLOCK_SIZE, len(self.prompt)
+            # Only the blocks not yet hashed. Output tokens without known ids stand for themselves: ids
+            # need only be stable for the hashes.
+            ids = self.output_ids
+            tokens = self.prompt[start:end] + [ids[i] if i < len(ids) else -(i + 1)
+                                               for i in range(max(0, start - n), max(0, end - n))]
             self._hashes = block_hashes(tokens, self.salt, self._hashes)
         return self._hashes[:blocks]
 
@@ -361,7 +365,8 @@ class Engine:
                 prefill += n
             kv_tokens += req.computed + n
             req.computed += n
-            self.kv.cache_full_blocks(req)
+            if req.computed // BLOCK_SIZE > req.cached_blocks:  # a block filled up (cache_full_blocks' own test, early)
+                self.kv.cache_full_blocks(req)
             if req.computed >= req.num_tokens:  # the whole context is in: a token is sampled
                 req.output += 1
                 done = req.output >= req.max_new
@@ -438,7 +443,9 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1, 1 << 30) for _ in range(n)]
+    # randrange(1, 1 << 30)'s ids from the same draws (its getrandbits(30)), without its per-call checks
+    bits = rng.getrandbits
+    return [1 + bits(30) for _ in range(n)]
 
 
 def poisson_arrivals(rng: random.Random, rate: float, requests: int) -> list[float]:
