@@ -12,7 +12,6 @@ import string
 import time
 from urllib.parse import urlsplit
 
-import openai
 import pytest
 
 from tests.support.workerd import request, running_cell
@@ -39,6 +38,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 def test_a_request_that_can_never_fit_a_token_limit_is_a_400_naming_the_limit_and_the_fix(cell, client):
     # a 50-token monthly key was once admitted for a request the router reserved at 24,207
+    import openai
     tiny = client(cell, cell.create_key("tiny", monthly_tokens=50)["key"])
     with pytest.raises(openai.BadRequestError) as exc:
         tiny.chat.completions.create(model="m", messages=HI, max_tokens=1)
@@ -57,6 +57,7 @@ def test_a_request_that_can_never_fit_a_token_limit_is_a_400_naming_the_limit_an
 
 
 def test_a_request_whose_most_is_more_than_the_month_has_left_is_a_429_saying_what_is_left(cell, client):
+    import openai
     made = cell.create_key("month", monthly_tokens=6_000, tpm=0, rpm=0)
     c = client(cell, made["key"])
     # 50 tokens used (vLLM's min_tokens and ignore_eos: exactly 50), then a request whose most fits

@@ -1,7 +1,6 @@
 """A real OpenAI Python client (the `openai` package) against the router in workerd:
 completions with and without streaming, and clean SDK exceptions for a bad key and a limit."""
 
-import openai
 import pytest
 
 from tests.support.workerd import running_cell
@@ -36,6 +35,7 @@ def test_chat_completion_and_models(cell, client):
 
 
 def test_streaming_with_usage_is_metered(cell, client):
+    import openai
     ask = {"model": "client/model", "messages": [{"role": "user", "content": "hi"}], "stream": True,
            "stream_options": {"include_usage": True}, "max_tokens": 5}
     raw = client(cell, cell.key).chat.completions.with_raw_response.create(**ask)
@@ -55,6 +55,7 @@ def test_streaming_with_usage_is_metered(cell, client):
 
 
 def test_bad_key_is_an_authentication_error(cell, client):
+    import openai
     c = client(cell, "clc_" + "x" * 32)
     with pytest.raises(openai.AuthenticationError) as exc:
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
@@ -64,6 +65,7 @@ def test_bad_key_is_an_authentication_error(cell, client):
 
 
 def test_over_the_limit_is_a_rate_limit_error(cell, client):
+    import openai
     made = cell.create_key("limited", rpm=1)
     c = client(cell, made["key"])
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
@@ -74,6 +76,7 @@ def test_over_the_limit_is_a_rate_limit_error(cell, client):
 
 
 def test_routed_answers_carry_openais_rate_limit_headers(cell, client):
+    import openai
     made = cell.create_key("paced", rpm=3, tpm=1_000_000)
     c = client(cell, made["key"])
     seen = []
@@ -103,6 +106,8 @@ def test_routed_answers_carry_openais_rate_limit_headers(cell, client):
 def test_over_rpm_retry_after_and_the_reset_header_agree_within_a_minute(cell, client):
     """An rpm 2 key over its limit: retry-after and x-ratelimit-reset-requests
     agree within 1 s and neither exceeds 60 s, read through the openai client."""
+    import openai
+
     from tests.support.minutes import fresh_minute
 
     c = client(cell, cell.create_key("two", rpm=2)["key"])

@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import openai
 import pytest
 
 from colocate.pods import standin
@@ -123,6 +122,7 @@ def usage(cell: Cell) -> dict:
 
 
 def test_a_stream_cut_by_a_preemption_ends_with_an_error_the_sdk_raises_is_counted_and_charged_what_was_sent(cell, openai_client):
+    import openai
     client = openai_client(cell.worker.url + "/v1", cell.key, timeout=60)
     stream = client.chat.completions.create(**answer(1500, stream=True))
     backend = stream.response.headers["x-colocate-backend"]
@@ -148,6 +148,7 @@ def test_a_stream_cut_by_a_preemption_ends_with_an_error_the_sdk_raises_is_count
 
 
 def test_answers_no_byte_of_which_was_sent_are_retried_on_the_other_pod_or_the_fallback(cell, openai_client):
+    import openai
     client = openai_client(cell.worker.url + "/v1", cell.key, timeout=60)
     results: list[tuple[str, str]] = []
     lock = threading.Lock()

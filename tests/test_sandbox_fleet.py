@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import openai
 import pytest
 import requests
 
@@ -126,6 +125,7 @@ def test_a_client_cannot_choose_its_colo(running):
 
 
 def test_the_fleet_key_works_through_every_entry_with_the_openai_client(running, openai_client):
+    import openai
     out = running["out"]
     for s in SITES:
         client = openai_client(out["entries"][s] + "/v1", out["key"], timeout=60)
