@@ -53,22 +53,22 @@ def pytest_sessionfinish(session, exitstatus):
     logging.getLogger("asyncio").disabled = True
 
 
-# The longest test files, longest first: their wall time on a worker in a `make test` run (2026-12-07, a
-# per-test timeline; `--durations=0` gives it too), those waiting on the clock (a fresh minute) at their
-# worst. `make test` runs files whole on eight workers (--dist loadfile, below) in collection order:
-# starting these first keeps one of them from starting last and running alone at the end (a run's last
-# 25 s were test_openai_client.py alone while it was not named here); the first few mostly wait on time
-# (a fresh minute, a sync, a compressed day), so they share the cores with the rest.
-# test_infra_cell.py starts the Pulumi mock group (41 s in all). Files not named keep their order, after these.
+# The longest test files, about longest first (their wall time on a worker in a `make test` run, 2026-12-07:
+# a per-test timeline; `--durations=0` gives it too). `make test` runs files whole on eight workers
+# (--dist loadfile, below) in collection order: starting these first keeps one of them from starting last
+# and running alone at the end (test_openai_client.py, once not named here, ran alone for a run's last
+# 25 s); the first few mostly wait on time (a fresh minute, a sync, a compressed day), so they share the
+# cores with the rest. test_infra_cell.py starts the Pulumi mock group (41 s in all). Files not named
+# keep their order, after these.
 LONGEST_FIRST = (
-    "test_fleet_exchange.py", "test_fleet_limits.py", "test_worker_bench.py", "test_live_drift.py",
-    "test_sandbox_fleet.py", "test_scale_sandbox.py", "test_sandbox_demo.py", "test_openai_client.py",
-    "test_security.py", "test_infra_cell.py", "test_sandbox_spot.py", "test_worker_keys.py",
-    "test_sandbox_fleet_demo.py", "test_sandbox_pods.py", "test_hangups.py", "test_sandbox_signals.py",
-    "test_bench_prefix.py", "test_worker_instructions.py", "test_bench_busy.py", "test_sandbox_autoscale.py",
-    "test_sandbox_cell.py", "test_worker_pace.py", "test_security_metering.py", "test_pod_providers.py",
-    "test_worker_pods.py", "test_sandbox_engine.py", "test_keeper_sandbox.py", "test_newcomer_path.py",
-    "test_engine.py",
+    "test_fleet_limits.py", "test_fleet_exchange.py", "test_worker_bench.py", "test_live_drift.py",
+    "test_sandbox_spot.py", "test_scale_sandbox.py", "test_sandbox_fleet.py", "test_sandbox_demo.py",
+    "test_openai_client.py", "test_infra_cell.py", "test_sandbox_pods.py", "test_sandbox_fleet_demo.py",
+    "test_sandbox_cell.py", "test_bench_busy.py", "test_security.py", "test_sandbox_autoscale.py",
+    "test_worker_instructions.py", "test_sandbox_signals.py", "test_worker_keys.py", "test_hangups.py",
+    "test_bench_prefix.py", "test_security_metering.py", "test_keeper_sandbox.py", "test_worker_pace.py",
+    "test_sandbox_engine.py", "test_newcomer_path.py", "test_migration_import.py", "test_engine.py",
+    "test_migration_e2e.py", "test_pod_providers.py", "test_worker_pods.py",
 )
 
 
