@@ -443,7 +443,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
-    # randrange(1, 1 << 30)'s ids from the same draws (its getrandbits(30)), without its per-call checks
+    # randrange(1, 1 << 30)'s ids from its own draws (getrandbits(30); it redraws one in 2**30), without its checks
     bits = rng.getrandbits
     return [1 + bits(30) for _ in range(n)]
 
