@@ -153,6 +153,8 @@ def parser() -> argparse.ArgumentParser:
     day_flags(ds, "demo-spot", "both days' figures")
     ds.add_argument("--seed", type=int, default=1, help="the seed of the pods' lives (default 1)")
     ds.add_argument("--spare", type=int, default=1, help="colocate:pod.spare on the interruptible day (default 1)")
+    # tests: one day alone (colocate.scaling.spot_day.DAYS; not imported here, for every other command's start)
+    ds.add_argument("--day", choices=("ondemand", "interruptible"), help=argparse.SUPPRESS)
     # tests: seconds of the day between the keepers' passes (fewer passes on a short day)
     ds.add_argument("--keep-interval", type=float, default=None, help=argparse.SUPPRESS)
     return p
@@ -514,7 +516,8 @@ def main(argv: list[str] | None = None, *, cli: bool = False) -> int:
             state_dir = Path(demo_dir)  # what an interrupt reports on
             return spot_demo.run(demo_dir, shape_file=args.shape, as_json=args.json, day_s=args.day_seconds,
                                  sent=args.requests, seed=args.seed, spare=args.spare,
-                                 keep_interval_s=args.keep_interval or spot_demo.KEEP_INTERVAL_S)
+                                 keep_interval_s=args.keep_interval or spot_demo.KEEP_INTERVAL_S,
+                                 **({"days": (args.day,)} if args.day else {}))
         if args.cmd == "pod-command":
             print(_pod_command(args))
             return 0

@@ -319,7 +319,8 @@ class SpotDay(base.Demo):
 
 def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = base.DAY_S, sent: int = base.SENT,
         seed: int = 1, shape_file: Path | None = None, spare: int = SPARE,
-        keep_interval_s: float = KEEP_INTERVAL_S) -> int:
+        keep_interval_s: float = KEEP_INTERVAL_S, days: tuple[str, ...] = spot_day.DAYS) -> int:
+    """``days``: both (the demo), or one alone (tests: its figures, nothing compared)."""
     try:
         shape = (day.parse_shape(Path(shape_file).read_text(), base.CELLS, f"--shape {shape_file}") if shape_file
                  else day.default_shape(base.CELLS))
@@ -337,7 +338,7 @@ def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = 
     failure = None
     with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):
         try:
-            code, out = _run(root, shape, day_s, sent, seed, spare, keep_interval_s)
+            code, out = _run(root, shape, day_s, sent, seed, spare, keep_interval_s, days)
         except Exception as exc:  # noqa: BLE001 - said; the JSON carries it
             print(f"demo-spot: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             code, failure = 1, f"{type(exc).__name__}: {exc}"
@@ -348,7 +349,7 @@ def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = 
 
 
 def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPARE,
-         keep_interval_s: float = KEEP_INTERVAL_S) -> tuple[int, dict | None]:
+         keep_interval_s: float = KEEP_INTERVAL_S, days: tuple[str, ...] = spot_day.DAYS) -> tuple[int, dict | None]:
     started = time.monotonic()
     prices = base.PRICES
     figures: dict[str, dict] = {}
@@ -361,7 +362,7 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
     # Both days at once, their clocks started together: each sees the machine's load at the same
     # moments, so their TTFT is compared under the same conditions (run one after the other, a
     # loaded minute on one day alone showed as that day's tail).
-    demos = {m: SpotDay(root / m, shape, prices, day_s, sent, m, seed, spare, keep_interval_s) for m in spot_day.DAYS}
+    demos = {m: SpotDay(root / m, shape, prices, day_s, sent, m, seed, spare, keep_interval_s) for m in days}
     start = threading.Barrier(len(demos))
     failed: dict[str, BaseException] = {}
 
@@ -379,7 +380,7 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
             start.abort()  # the other day does not wait for this one
 
     say("Both days side by side, started together (UTC hours; preemptions and replacements as they happen).")
-    threads = [threading.Thread(target=one_day, args=(m,), name=f"day-{m}", daemon=True) for m in spot_day.DAYS]
+    threads = [threading.Thread(target=one_day, args=(m,), name=f"day-{m}", daemon=True) for m in days]
     try:
         for t in threads:
             t.start()
@@ -399,9 +400,13 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
             print(f"demo-spot: the {market} day: {err}", file=sys.stderr)
             return 2, None
         raise err
-    for market in spot_day.DAYS:
+    for market in days:
         say(f"The day on {market} pods.")
         print_day(figures[market], demos[market])
+    if tuple(days) != spot_day.DAYS:  # one day alone: its figures, nothing to compare them with
+        say(f"Done in {time.monotonic() - started:.0f} s.")
+        return 0, {"days": figures, "per": per, "preemptions_per_hour": round(spot_day.PREEMPTIONS_PER_HOUR, 3),
+                   "interruptible_share": spot_day.INTERRUPTIBLE_SHARE}
     out = spot_day.report(figures, prices, per)
     say("The two days' bills ($), their failures and their pods' TTFT.")
     print(table(out))
