@@ -354,7 +354,9 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
     prices = base.PRICES
     figures: dict[str, dict] = {}
     per = day.per_request(shape, sent)
-    say(f"A day of three cells ({', '.join(base.CELLS)}) twice at once, compressed into {day_s:.0f} s: every pod on demand "
+    both = tuple(days) == spot_day.DAYS
+    how = "twice at once" if both else f"on {days[0]} pods"
+    say(f"A day of three cells ({', '.join(base.CELLS)}) {how}, compressed into {day_s:.0f} s: every pod on demand "
         f"(${ON_DEMAND_PER_HR:g}/h), and every pod interruptible (${ON_DEMAND_PER_HR * spot_day.INTERRUPTIBLE_SHARE:.2f}/h, "
         f"{spot_day.INTERRUPTIBLE_SHARE:g} of it: {spot_day.PRICE_SOURCE}) and preempted "
         f"{spot_day.PREEMPTIONS_PER_HOUR:.2f} times a pod-hour ({spot_day.PREEMPTION_SOURCE}). A pod boots in "
@@ -379,7 +381,8 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
             failed[market] = exc
             start.abort()  # the other day does not wait for this one
 
-    say("Both days side by side, started together (UTC hours; preemptions and replacements as they happen).")
+    say(("Both days side by side, started together" if both else f"The {days[0]} day")
+        + " (UTC hours; preemptions and replacements as they happen).")
     threads = [threading.Thread(target=one_day, args=(m,), name=f"day-{m}", daemon=True) for m in days]
     try:
         for t in threads:
@@ -403,7 +406,7 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
     for market in days:
         say(f"The day on {market} pods.")
         print_day(figures[market], demos[market])
-    if tuple(days) != spot_day.DAYS:  # one day alone: its figures, nothing to compare them with
+    if not both:  # one day alone: its figures, nothing to compare them with
         say(f"Done in {time.monotonic() - started:.0f} s.")
         return 0, {"days": figures, "per": per, "preemptions_per_hour": round(spot_day.PREEMPTIONS_PER_HOUR, 3),
                    "interruptible_share": spot_day.INTERRUPTIBLE_SHARE}
