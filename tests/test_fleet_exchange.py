@@ -125,6 +125,9 @@ def test_the_exchange_endpoints_need_the_exchange_token_and_name_bad_fields(fl):
 def test_a_cell_that_does_not_answer_is_skipped_and_the_others_keep_exchanging():
     with running_fleet((A, B, "us-east"), remember_ms=0, exchange_ms=EXCHANGE_MS, unreachable=("us-east",)) as f:
         key, kid = make_key(f, rpm=100_000)
+        # B's view is of this minute's row: the sends and the exchange (a second or two) must fall in one
+        # minute (a run that crossed one saw 0 of A's 5)
+        fresh_minute(20)
         for cell in (A, B):
             send(f, cell, key, 1)  # held by each cell's isolate from now on
         waits = [call(f, A, key).timing()["state"] for _ in range(4)]
