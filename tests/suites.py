@@ -50,7 +50,7 @@ class Step:
 
 
 # What steps need set up, each made once (by the Makefile's rule) when a wanted step needs it, beside
-# the steps that do not: on a fresh clone node's tests run during pip's install (18-20 s of one core).
+# the steps that do not: on a fresh clone node's tests run during the venv's install.
 SETUPS: dict[str, Step] = {
     "venv": Step("set-up .venv", ["make", "-s", ".venv/.installed"], "setup-venv"),
     "npm": Step("set-up node_modules", ["make", "-s", "node_modules/.installed"], "setup-npm"),
