@@ -19,11 +19,13 @@ setup: $(STAMP_PY) $(STAMP_NPM)
 # PyPI, into the venv) installs the pins: 3 s where pip took 9-19 s on a fresh clone, every second of
 # it before the first pytest test. It compiles nothing: make's Python reads bytecode from
 # .venv/pycache only (PYTHONPYCACHEPREFIX, above). The venv keeps its pip, for what users add.
+# --system-certs: uv trusts the system's certificate store, as pip and npm do, not only its own
+# roots (without it, a proxy whose CA is only in the system's store fails: "UnknownIssuer").
 $(STAMP_PY): requirements.txt
 	@echo "setup: .venv from requirements.txt"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --disable-pip-version-check uv==0.13.10
-	@$(VENV)/bin/uv pip install --quiet --python $(PY) -r requirements.txt
+	@$(VENV)/bin/uv pip install --quiet --system-certs --python $(PY) -r requirements.txt
 	@touch $@
 
 $(STAMP_NPM): package.json package-lock.json
