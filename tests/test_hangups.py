@@ -192,9 +192,9 @@ def test_a_non_streamed_answer_abandoned_while_assembled_stops_the_pod_is_metere
     prompt, made = after[0] - before[0], after[1] - before[1]
     assert 0 < made < 1500, made  # stopped with its client, far from its 6,000 tokens
     counted = usage_of(cell, made_key["id"])
-    # charged what the router read of the pod's answer: what the pod makes after the cut, before it
-    # notices, is unseen (a loaded run made 337 where 307 were read)
-    assert counted["prompt_tokens"] == prompt and 0 < counted["completion_tokens"] <= made, (counted, prompt, made)
+    # charged what the router read of the pod's answer, most of what it made in its 2 s: what the pod
+    # makes after the cut, before it notices, is unseen (a loaded run made 337 where 307 were read)
+    assert counted["prompt_tokens"] == prompt and made // 2 <= counted["completion_tokens"] <= made, (counted, prompt, made)
     slot_is_free(cell, made_key["key"])
 
 
@@ -255,9 +255,9 @@ def test_through_the_edge_a_non_streamed_answer_abandoned_stops_the_pod_and_free
     prompt, made = after[0] - before[0], after[1] - before[1]
     assert 0 < made < 1500, made
     counted = usage_of(cell, made_key["id"])
-    # charged what the router read of the pod's answer: what the pod makes after the cut, before it
-    # notices, is unseen (a loaded run made 337 where 307 were read)
-    assert counted["prompt_tokens"] == prompt and 0 < counted["completion_tokens"] <= made, (counted, prompt, made)
+    # charged what the router read of the pod's answer, most of what it made in its 2 s: what the pod
+    # makes after the cut, before it notices, is unseen (a loaded run made 337 where 307 were read)
+    assert counted["prompt_tokens"] == prompt and made // 2 <= counted["completion_tokens"] <= made, (counted, prompt, made)
     slot_is_free(cell, made_key["key"])
 
 
