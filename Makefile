@@ -60,7 +60,7 @@ prometheus:
 # a failing run keeps its failures in .colocate/test-failures/<UTC time>.txt, named on the last
 # line. The options (workers, order) are in tests/suites.py; docs/testing.md says why. It needs only
 # the system's Python: it sets up what each step needs (.venv, node_modules, wrk, valgrind, prometheus,
-# by the rules above) beside the steps that need none of it, so node's tests run during pip's install.
+# by the rules above) beside the steps that need none of it, so node's tests run during the venv's install.
 test:
 	@$(PYTHON) -m tests.suites lint js py
 
