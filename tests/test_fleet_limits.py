@@ -30,8 +30,10 @@ from tests.support.fleet_limits import (
     default_share,
     lease,
     make_key,
+    own_requests,
     paced,
     peer,
+    peer_requests,
     send,
     told,
     until,
@@ -138,7 +140,7 @@ def test_a_known_key_waits_0_ms_on_state_in_each_cell_while_exchanges_run(fl):
     assert waits == {A: [0] * 25, B: [0] * 25}, waits
     # ... and the exchange did run meanwhile: each cell sees the other's requests.
     for cell in (A, B):
-        assert peer("req")(until(lambda c=cell: view(fl, c, kid), lambda v: peer("req")(v) >= 28)) >= 28, cell
+        assert peer_requests(until(lambda c=cell: view(fl, c, kid), lambda v: peer_requests(v) >= 28)) >= 28, cell
 
 
 # --- a deferred request counts once -------------------------------------------------------
@@ -151,13 +153,7 @@ def test_a_request_a_cell_deferred_is_counted_only_where_it_was_served(fl):
     finally:
         fl.cell(A).breaker(None)
     assert [(r.status, r.headers["x-colocate-cell"]) for r in res] == [(200, B)] * 4
-    # The counts are read across a minute's turn (this minute's plus the last): the four calls
-    # then count once wherever a loaded machine puts the turn.
-    def own(v):
-        row = v["own"] or [0] * len(COUNTER.names)
-        return row[COUNTER["req"]] + row[COUNTER["prev_req"]]
-
-    assert own(until(lambda: view(fl, B, kid), lambda v: own(v) >= 4)) == 4
+    assert own_requests(until(lambda: view(fl, B, kid), lambda v: own_requests(v) >= 4)) == 4
     # A admitted each before answering "no pod" and took it back in the same batch: the key
     # is among A's changed counters (what the ledger reads) with 0 requests.
     def in_a():
@@ -167,10 +163,7 @@ def test_a_request_a_cell_deferred_is_counted_only_where_it_was_served(fl):
     row = until(in_a, lambda r: r is not None)
     assert row is not None and row[EXCHANGE["req"]] == 0 and row[EXCHANGE["prev_req"]] == 0, row
 
-    def pushed(v):
-        return peer("req")(v) + peer("prev_req")(v)
-
-    assert pushed(until(lambda: view(fl, A, kid), lambda v: pushed(v) >= 4)) == 4
+    assert peer_requests(until(lambda: view(fl, A, kid), lambda v: peer_requests(v) >= 4)) == 4
 
 
 # --- a refusal by lease ---------------------------------------------------------------------

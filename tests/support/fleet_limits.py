@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from colocate import admin
+from colocate.cell.payloads import COUNTER
 from tests.support.fleet import Fleet
 from tests.support.workerd import auth, request
 
@@ -79,6 +80,18 @@ def until(fn, ok, within_s: float = CONVERGE_S):
 def peer(column: str):
     """A view's peers row column (payloads.js EXCHANGE, the row as pushed)."""
     return lambda v: (v["peers"] or {}).get(column, 0)
+
+
+def peer_requests(v: dict) -> int:
+    """The peers row's requests across a minute's turn (this minute's plus the last): a count
+    read after a turn a loaded machine put mid-test is still whole."""
+    return peer("req")(v) + peer("prev_req")(v)
+
+
+def own_requests(v: dict) -> int:
+    """This cell's own requests of the key, across a minute's turn as ``peer_requests``."""
+    row = v["own"] or [0] * len(COUNTER)
+    return row[COUNTER["req"]] + row[COUNTER["prev_req"]]
 
 
 def lease(field: str):
