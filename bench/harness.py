@@ -379,12 +379,12 @@ class Options:
     state_requests: int = 300  # sequential requests that read the router's wait on state (state_waits)
 
 
-def check_router(url: str, headers: Mapping[str, str]) -> str:
+def check_router(url: str, headers: Mapping[str, str], timeout_s: float = 30) -> str:
     """One routed request must be served by a pod, or the numbers would measure the fallback."""
     import http.client
 
     host, port = url.split("//", 1)[1].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         conn.request("POST", PATH, body=BODY, headers=dict(headers))
         res = conn.getresponse()

@@ -65,16 +65,17 @@ def _floor_config(rung: str, compat: str, pod_urls: list[str], pod_token: str, p
 @contextlib.contextmanager
 def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[str] = RUNGS,
             worker_src: Path | None = None, pod_count: int = 1, chunks: int = 8,
-            pod_delay_ms: float = 0.0) -> Iterator[tuple[dict, dict]]:
+            pod_delay_ms: float = 0.0, deadline_ms: int = 5000) -> Iterator[tuple[dict, dict]]:
     """Each rung in ``rungs`` in its own workerd, all behind the same ``pod_count`` bench
     pods (streams of ``chunks`` events, each answer ``pod_delay_ms`` late): yields
     ({rung: Workerd}, {rung: request headers}).
     ``under``: Workerd's ``launcher`` and ``v8_flags`` (bench/instructions.py);
-    ``worker_src``: the router's modules from another directory (a candidate cut)."""
+    ``worker_src``: the router's modules from another directory (a candidate cut);
+    ``deadline_ms``: the router's deadline and stall limit (colocate:worker.deadlineMs)."""
     unknown = [r for r in rungs if r not in RUNGS + EXTRA]
     if unknown:
         raise harness.BenchError(f"unknown rung {unknown[0]!r}: use one of {', '.join(RUNGS + EXTRA)}")
-    plan = harness.bench_plan(5000, worker_src)
+    plan = harness.bench_plan(deadline_ms, worker_src)
     compat = plan.worker.compatibility_date
     secrets = harness.Secrets.fresh()
     with contextlib.ExitStack() as stack:
@@ -95,7 +96,7 @@ def started(under: Mapping[str, Sequence[str]] | None = None, rungs: Sequence[st
         for rung in rungs:  # bare and ends forward the request as it comes: the pod's token
             headers[rung] = harness.direct_headers(secrets.pod_token) if rung in ("bare", "ends") else routed
         if "router" in workers:
-            harness.check_router(workers["router"].url, routed)
+            harness.check_router(workers["router"].url, routed, timeout_s=deadline_ms / 1000 + 30)
         yield workers, headers
 
 
