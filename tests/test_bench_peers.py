@@ -5,7 +5,9 @@ the summary arithmetic, and usage errors. Nothing here asserts a speed."""
 
 import json
 import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,7 +64,12 @@ def test_a_peer_that_cannot_be_installed_is_named(monkeypatch, tmp_path):
         peers.portkey_entry()
     # a venv whose pip cannot install: the reason is pip's own last lines. pip is refused the
     # index (PIP_NO_INDEX, which it honours as --no-index) so that it fails at once, not after
-    # asking the network for a version that does not exist.
+    # asking the network for a version that does not exist. The venv is made here without its
+    # own pip (ensurepip's install costs 9 CPU-s) and given the kit's: litellm_bin takes a venv
+    # that has a pip as made, and the pip that fails is real.
+    venv = tmp_path / ".peers" / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    (venv / "bin" / "pip").symlink_to(Path(sys.executable).parent / "pip")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setattr(peers, "LITELLM_VERSION", "0.0.0-no-such-version")
     monkeypatch.setattr(peers.sys, "executable", sys.executable)
