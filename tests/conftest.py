@@ -1,6 +1,7 @@
 """Shared pytest setup. Area fixtures live in tests/support/<area>.py and the test modules."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -73,18 +74,20 @@ LONGEST_FIRST = (
 
 
 # `make test` runs with --dist loadfile, and this scheduler: each file runs whole on one worker (its
-# module fixtures start once), except the files that run Pulumi programs under the mocks, which run
-# together: every worker that runs one pays the ~3.4 CPU-s import of pulumi_cloudflare once. Not
+# module fixtures start once), except the files that import the Pulumi program (infra/, its mocks, or a
+# test file that does), which run together: every worker that runs one pays the ~3.4 CPU-s import of
+# pulumi_cloudflare once (5 on a slower host). Not
 # --dist loadgroup with a mark per file: xdist 3.8 names a test's group in its node id, which pytest
 # 9.2 no longer lets a plugin change, so every test became a group of its own and a file's fleet or
 # cell started on several workers at once (pytest-dev/pytest-xdist#1386).
 PULUMI_GROUP = "pulumi-mocks"
+_IMPORTS_PROGRAM = re.compile(r"^\s*(?:from|import) (?:infra\b|tests\.support\.pulumi_mocks\b|tests\.test_infra_)", re.M)
 
 
 def _group(nodeid: str, seen: dict[str, str]) -> str:
     path = nodeid.split("::", 1)[0]
     if path not in seen:
-        seen[path] = PULUMI_GROUP if "tests.support.pulumi_mocks" in (ROOT / path).read_text() else path
+        seen[path] = PULUMI_GROUP if _IMPORTS_PROGRAM.search((ROOT / path).read_text()) else path
     return seen[path]
 
 
