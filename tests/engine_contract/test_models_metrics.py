@@ -53,9 +53,11 @@ def families(text: str) -> dict[str, dict]:
     return out
 
 
-# vllm:cache_config_info's labels are the engine's cache settings: their names are the contract, not their values.
+# vllm:cache_config_info's labels are the engine's cache settings: their names are the contract, not their values
+# (mamba_ssm_cache_dtype follows the model's quantization: float32 for the GPTQ model, auto for test-vllm's
+# unquantized one on a CPU without AVX-512, tests/vllm_cpu/tinymodel.py).
 CONFIG_LABELS = {"block_size", "gpu_memory_utilization", "kv_cache_max_concurrency", "kv_cache_memory_bytes",
-                 "kv_cache_size_tokens", "num_gpu_blocks", "effective_attention_block_size"}
+                 "kv_cache_size_tokens", "num_gpu_blocks", "effective_attention_block_size", "mamba_ssm_cache_dtype"}
 
 
 def test_metrics_are_vllms_families_in_prometheus_clients_spelling(engine):

@@ -1,7 +1,8 @@
 """The real engine behind a sandbox cell, once per test run: vLLM's CPU build started by hand as
 a user would (``sandbox.py pod-command``'s command: colocate/pods/podstart.sh, the cell's bundle
 and pod token, ``PodSpec.serve_args``), with only the model path and ``--load-format dummy``
-changed, and a sandbox cell whose pod is that server (``colocate:pod.url``).
+changed (and, on a CPU without AVX-512, ``--quantization gptq_marlin`` left out: tinymodel.quantized),
+and a sandbox cell whose pod is that server (``colocate:pod.url``).
 
 ``VLLM_CPU_KVCACHE_SPACE`` is 1 (GiB): without it vLLM's CPU build reserves 21 GB of RAM here.
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0: the engine runs in vLLM's API server process (docs/testing.md).
@@ -96,6 +97,11 @@ def vllm_cell(directory: Path) -> Iterator[VllmCell]:
     plan, _ = build_plan(Launch("sandbox", str(stacks), None, None, (), False))
     spec = PodSpec.from_dict(plan.pods[0].spec())
     command = engine.vllm_command(state_dir, spec, str(model), ("--load-format", "dummy"))
+    if not tinymodel.quantized():  # vLLM's AVX2 kernels have no GPTQ: the model is unquantized, so is its start
+        assert " --quantization gptq_marlin " in command, command
+        command = command.replace(" --quantization gptq_marlin ", " ")
+        print("test-vllm: this CPU has no AVX-512, so vLLM's CPU build has no GPTQ kernel: the tiny model is "
+              "unquantized and --quantization gptq_marlin is left out of the kit's start command", file=sys.stderr, flush=True)
     log = directory / "vllm.log"
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}", "VLLM_CPU_KVCACHE_SPACE": "1",
            # The engine in vLLM's own process: on 2 cores its default engine process at times left the

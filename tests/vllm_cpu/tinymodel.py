@@ -5,6 +5,8 @@ here, and none are needed: vLLM serves a local directory with ``--load-format du
 weights), so the model is a ``config.json`` of the same architecture (Qwen2ForCausalLM) with tiny
 sizes and a ``quantization_config`` like the real model's (GPTQ, 4 bits, group 128: so the pod's
 ``--quantization gptq_marlin`` stays in its arguments), a tokenizer, and the real chat template.
+On a CPU without AVX-512 the model is unquantized (``quantized()``): vLLM's CPU build has GPTQ's kernel
+(``cpu_gemm_wna16``) only in its AVX-512 libraries, and on AVX2 it loads ``_C_AVX2``, which lacks it.
 
 - The chat template is Qwen2.5-7B-Instruct's own, tools included, byte for byte:
   ``qwen2.5-instruct-chat-template.jinja`` beside this file is llama.cpp's
@@ -57,6 +59,23 @@ CONFIG = {
 }
 
 
+def quantized() -> bool:
+    """Whether vLLM's CPU build can serve GPTQ here: it loads its AVX-512 kernels (which have
+    ``cpu_gemm_wna16``) only where the CPU has AVX-512 (vllm/platforms/cpu.py ``import_kernels``)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags
+
+
+def config() -> dict:
+    """The model's config.json (less its token ids): GPTQ's quantization_config only where vLLM can serve it."""
+    if quantized():
+        return dict(CONFIG)
+    return {k: v for k, v in CONFIG.items() if k != "quantization_config"}
+
+
 def digest() -> str:
     from .venv import PINS
 
@@ -67,7 +86,7 @@ def digest() -> str:
 def model_dir() -> Path:
     from .venv import cache_root
 
-    return cache_root() / "models" / f"qwen2-tiny-{digest()}"
+    return cache_root() / "models" / f"qwen2-tiny-{digest()}{'' if quantized() else '-bf16'}"
 
 
 def ensure(venv: Path) -> Path:
@@ -125,7 +144,7 @@ def build(out: Path, venv: Path) -> None:
         "tokenizer_class": "Qwen2Tokenizer", "model_max_length": 131072, "chat_template": template,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "errors": "replace",
         "clean_up_tokenization_spaces": False, "split_special_tokens": False, "add_prefix_space": False}, indent=1))
-    (out / "config.json").write_text(json.dumps({**CONFIG, "bos_token_id": ids["<|endoftext|>"],
+    (out / "config.json").write_text(json.dumps({**config(), "bos_token_id": ids["<|endoftext|>"],
                                                  "eos_token_id": ids["<|im_end|>"]}, indent=1))
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"], "do_sample": True,
