@@ -162,7 +162,6 @@ def test_a_request_a_cell_deferred_is_counted_only_where_it_was_served(fl):
 
     row = until(in_a, lambda r: r is not None)
     assert row is not None and row[EXCHANGE["req"]] == 0 and row[EXCHANGE["prev_req"]] == 0, row
-
     assert peer_requests(until(lambda: view(fl, A, kid), lambda v: peer_requests(v) >= 4)) == 4
 
 
