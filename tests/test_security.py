@@ -451,6 +451,11 @@ def test_guesses_from_rotating_addresses_never_starve_a_real_key_new_to_the_isol
     answers = asyncio.run(_flood(cell.url, keys, body(), 1500))
     status, payload = answers[real_at]
     assert status == 200, payload
-    codes = [json.loads(p)["error"]["code"] for i, (_, p) in enumerate(answers) if i != real_at]
-    assert set(codes) <= {"invalid_api_key", "too_many_unknown_keys"}, set(codes)
+    # Every guess is refused: unknown after its look-up, over the total, or (a look-up wait past
+    # 5 s, on a loaded machine) told to retry. None is served.
+    refusals = {(401, "invalid_api_key"), (429, "too_many_unknown_keys"), (503, "key_lookup_busy")}
+    seen = {(s, json.loads(p)["error"]["code"]) for i, (s, p) in enumerate(answers) if i != real_at}
+    assert seen <= refusals, seen
+    # The flood did pass the total, and guesses were looked up: the real key was served past both.
+    assert (401, "invalid_api_key") in seen and (429, "too_many_unknown_keys") in seen, seen
     assert usage_row(cell, fresh, 1)["requests"] == 1
