@@ -53,30 +53,33 @@ def edge(cell):
 
 # --- what the pod made, what the cell metered ---------------------------------------------
 
-def pod_tokens(cell) -> tuple[int, int]:
-    """The pod's vllm:prompt_tokens and vllm:generation_tokens counters, read as the router reads
-    them: the pod's guard opens /metrics to the pod token only."""
+def pod_metrics(cell) -> dict[str, int]:
+    """The pod's vllm:prompt_tokens and vllm:generation_tokens counters and its running and waiting
+    requests, read as the router reads them: the pod's guard opens /metrics to the pod token only."""
     req = urllib.request.Request(cell.pod.url + "/metrics", headers={"authorization": f"Bearer {SECRETS['POD_TOKEN']}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     def one(name: str) -> int:
-        m = re.search(rf"^{name}_total{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
+        m = re.search(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
         assert m, f"{name} missing from the pod's /metrics"
         return int(float(m.group(1)))
-    return one("vllm:prompt_tokens"), one("vllm:generation_tokens")
+    return {name: one(name) for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                                         "vllm:num_requests_running", "vllm:num_requests_waiting")}
 
 
 def pod_still(cell, timeout_s: float = 20.0) -> tuple[int, int]:
-    """The pod's counters once they stop moving (two reads 0.5 s apart agree; bounded)."""
+    """The pod's prompt and generation counters once it holds no request and two reads 0.5 s
+    apart agree (bounded): agreeing reads alone were taken once while the engine, starved of the
+    CPU on a loaded machine, had tokens still to make for a client that had left."""
     deadline = time.monotonic() + timeout_s
-    last = pod_tokens(cell)
+    last = pod_metrics(cell)
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = pod_tokens(cell)
-        if now == last:
-            return now
+        now = pod_metrics(cell)
+        if now == last and now["vllm:num_requests_running"] == now["vllm:num_requests_waiting"] == 0:
+            break
         last = now
-    return last
+    return last["vllm:prompt_tokens_total"], last["vllm:generation_tokens_total"]
 
 
 def usage_of(cell, key_id: str, served: int = 1, timeout_s: float = 15.0) -> dict:
