@@ -17,6 +17,16 @@ same code as otherwise, just not late), and the router repeats to within about 1
 ``--concurrent-jit`` keeps V8's default, to see that spread; ``--repeat`` reports the
 median of several runs and their spread.
 
+The other thing that moves a count is the isolate's sync with its generation object
+(worker/src/state.js: while requests come, at most one a second: its deltas out, the view
+back), counted in the window with the object's side of it (the object runs in the same
+workerd). Back to back, a fast machine spreads one sync over more requests than a slow or
+loaded one: the router's count moved from 1.23 M to 1.31 M with the machine's load.
+``--every-ms N`` starts the counted requests N ms apart, so the syncs a request carries are
+set by N, not by the machine (``--every-ms 1000``: an isolate serving a request a second,
+each paying about a sync); a request that starts after its slot (the last one was still
+answering) is counted as late and reported.
+
 Each rung: start under ``valgrind --tool=callgrind``, send ``--warm`` requests (the JIT
 settles), zero the counters (callgrind_control -z), send ``--requests`` requests one
 after another on one keep-alive connection, dump (callgrind_control -d), divide.
@@ -30,7 +40,7 @@ router decodes and parses every request's JSON, the contract floor does not.
 
 Usage: .venv/bin/python -m bench.instructions [--requests 300] [--warm 1000] [--repeat 1]
        [--rungs bare,contract,router] [--request json|stream|usage] [--pods 1] [--chunks 8] [--prompt-bytes 0]
-       [--worker-src DIR] [--concurrent-jit] [--keep DIR] [--json PATH]
+       [--every-ms 0] [--worker-src DIR] [--concurrent-jit] [--keep DIR] [--json PATH]
 Exit: 0 done, 2 setup failure (valgrind or node missing, a process not starting).
 """
 
@@ -87,13 +97,24 @@ def total_instructions(text: str) -> int:
     raise harness.BenchError("the callgrind dump has neither a summary: nor a totals: line")
 
 
-def drive(url: str, headers: Mapping[str, str], n: int, body: str = harness.BODY, stream: bool = False) -> None:
+def drive(url: str, headers: Mapping[str, str], n: int, body: str = harness.BODY, stream: bool = False,
+          every_s: float = 0.0) -> int:
     """``n`` requests one after another on one keep-alive connection, each read to its
-    end; each must answer 200, and a ``stream`` must end with ``[DONE]``."""
+    end; each must answer 200, and a ``stream`` must end with ``[DONE]``. With ``every_s``,
+    request i starts ``i * every_s`` after the first (never early). Returns how many started
+    late: their slot had passed while the one before was still answering."""
     host, port = url.split("//", 1)[1].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    late = 0
     try:
-        for _ in range(n):
+        start = time.monotonic()
+        for i in range(n):
+            if every_s > 0:
+                wait = start + i * every_s - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                elif i > 0:
+                    late += 1
             conn.request("POST", harness.PATH, body=body, headers=dict(headers))
             res = conn.getresponse()
             data = res.read()
@@ -103,6 +124,7 @@ def drive(url: str, headers: Mapping[str, str], n: int, body: str = harness.BODY
                 raise harness.BenchError(f"{url} answered a stream that does not end with [DONE]: {data[-120:]!r}")
     finally:
         conn.close()
+    return late
 
 
 def _control(flag: str, pid: int) -> None:
@@ -112,12 +134,13 @@ def _control(flag: str, pid: int) -> None:
 
 
 def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requests: int, body: str = harness.BODY,
-          stream: bool = False) -> Path:
+          stream: bool = False, every_s: float = 0.0) -> tuple[Path, int]:
     """The callgrind dump of ``requests`` requests through ``w``, a workerd started under
-    ``launcher(out_dir)``, after ``warm`` requests not counted."""
+    ``launcher(out_dir)``, after ``warm`` requests not counted (back to back), and how many
+    counted requests started late for their ``every_s`` slot."""
     drive(w.url, headers, warm, body, stream)
     _control("-z", w.process.pid)
-    drive(w.url, headers, requests, body, stream)
+    late = drive(w.url, headers, requests, body, stream, every_s)
     pattern = f"{OUT_NAME}.{w.process.pid}.*"
     before = set(out_dir.glob(pattern))
     _control("-d", w.process.pid)  # returns once the process has written the dump
@@ -126,14 +149,15 @@ def count(w: Workerd, out_dir: Path, headers: Mapping[str, str], warm: int, requ
         if time.monotonic() > deadline:
             raise harness.BenchError(f"callgrind wrote no dump {pattern} in {out_dir} within 60 s")
         time.sleep(0.1)
-    return dumps[-1]
+    return dumps[-1], late
 
 
 def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_src: Path | None = None,
         keep: Path | None = None, concurrent_jit: bool = False, log=lambda _m: None, request: str = "json",
-        pod_count: int = 1, chunks: int = 8, prompt_bytes: int = 0) -> dict:
+        pod_count: int = 1, chunks: int = 8, prompt_bytes: int = 0, every_ms: int = 0) -> dict:
     require_valgrind()
     per: dict[str, list[int]] = {r: [] for r in rungs}
+    late = 0
     body = harness.chat_body(request, prompt_bytes)
     with tempfile.TemporaryDirectory(prefix="colocate-callgrind-") as tmp:
         out_dir = Path(tmp)
@@ -144,16 +168,19 @@ def run(rungs: Sequence[str], warm: int, requests: int, repeat: int = 1, worker_
             for rung in rungs:
                 under = {"launcher": launcher(out_dir), "v8_flags": () if concurrent_jit else SYNC_JIT_FLAGS}
                 with ladder.started(under, (rung,), worker_src, pod_count, chunks, deadline_ms=DEADLINE_MS) as (workers, headers):
-                    dump = count(workers[rung], out_dir, headers[rung], warm, requests, body, request != "json")
+                    dump, behind = count(workers[rung], out_dir, headers[rung], warm, requests, body, request != "json",
+                                         every_ms / 1000)
+                    late += behind
                     per[rung].append(total_instructions(dump.read_text(errors="replace")))
                     if keep is not None:  # for callgrind_annotate
                         keep.mkdir(parents=True, exist_ok=True)
                         shutil.copy(dump, keep / f"callgrind.{rung}.{i + 1}.out")
-                log(f"{rung} ({i + 1}/{repeat}): {per[rung][-1] / requests:,.0f} instructions per request")
+                log(f"{rung} ({i + 1}/{repeat}): {per[rung][-1] / requests:,.0f} instructions per request"
+                    + (f" ({behind} of {requests} late for their {every_ms} ms slot)" if behind else ""))
     out = summarise(per, warm, requests, worker_src)
     out["v8_flags"] = [] if concurrent_jit else list(SYNC_JIT_FLAGS)
     out.update(request=request, pods=pod_count, chunks=chunks if request != "json" else None, prompt_bytes=prompt_bytes,
-               body_bytes=len(body.encode()))
+               body_bytes=len(body.encode()), every_ms=every_ms or None, late=late)
     return out
 
 
@@ -185,7 +212,8 @@ def table(result: dict) -> str:
     rows = [
         f"instructions per request at 1 client, {what}, {result.get('pods', 1)} pod(s) ({m['workerd']}, {result['valgrind']}; "
         f"{result['requests']} requests counted after {result['warm']} not counted; "
-        f"median of {result['repeat']}; V8 flags: {' '.join(result.get('v8_flags') or ['(default)'])})",
+        f"median of {result['repeat']}; V8 flags: {' '.join(result.get('v8_flags') or ['(default)'])}; "
+        + (f"one every {result['every_ms']} ms, {result['late']} late)" if result.get("every_ms") else "back to back)"),
         f"{'rung':>10} {'instr/req':>11} {'spread':>7} {'vs bare':>8}",
     ]
     for r in result["rungs"]:
@@ -215,12 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-src", type=Path, help="the router's modules from this directory (a candidate cut)")
     p.add_argument("--concurrent-jit", action="store_true",
                    help="keep V8's concurrent compilation (the router's count then moves by up to 18 %% between runs)")
+    p.add_argument("--every-ms", type=int, default=0,
+                   help="counted requests start this many ms apart (default 0: back to back); see the module's doc")
     p.add_argument("--keep", type=Path, help="copy each rung's callgrind dump here (for callgrind_annotate)")
     p.add_argument("--json", type=Path, help="also write the result as JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     harness.check_args(p, (("--requests", args.requests, 1), ("--warm", args.warm, 0), ("--repeat", args.repeat, 1),
-                           ("--pods", args.pods, 1), ("--chunks", args.chunks, 1), ("--prompt-bytes", args.prompt_bytes, 0)),
+                           ("--pods", args.pods, 1), ("--chunks", args.chunks, 1), ("--prompt-bytes", args.prompt_bytes, 0),
+                           ("--every-ms", args.every_ms, 0)),
                        args.worker_src)
     rungs = tuple(r.strip() for r in args.rungs.split(",") if r.strip())
     unknown = [r for r in rungs if r not in ladder.RUNGS + ladder.EXTRA]
@@ -230,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     log = harness.progress(args.quiet)
     return harness.report("bench.instructions", lambda: run(rungs, args.warm, args.requests, args.repeat, args.worker_src,
                                                             args.keep, args.concurrent_jit, log, args.request, args.pods,
-                                                            args.chunks, args.prompt_bytes), table, args.json)
+                                                            args.chunks, args.prompt_bytes, args.every_ms), table, args.json)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -370,7 +371,7 @@ def test_instruction_total_comes_from_the_summary_or_totals_line():
 
 
 def test_instruction_summary_takes_the_median_and_its_spread():
-    from bench.instructions import summarise
+    from bench.instructions import summarise, table
 
     s = summarise({"bare": [1000, 1020, 990], "contract": [1500, 1500, 1500], "router": [2000, 1800, 2200]},
                   warm=0, requests=10)
@@ -379,6 +380,9 @@ def test_instruction_summary_takes_the_median_and_its_spread():
     assert rows["bare"]["spread"] == pytest.approx(0.03)
     assert rows["router"]["vs_bare"] == pytest.approx(2.0) and rows["router"]["spread"] == pytest.approx(0.2)
     assert s["router_vs_contract"] == pytest.approx(1.333, abs=0.001) and s["repeat"] == 3
+    s.update(valgrind="valgrind-3.19.0", request="json", pods=1)
+    assert "back to back)" in table(s).splitlines()[0]
+    assert "one every 1000 ms, 2 late)" in table({**s, "every_ms": 1000, "late": 2}).splitlines()[0]
 
 
 @pytest.mark.parametrize("kind", ["json", "stream", "usage"])
@@ -437,6 +441,45 @@ def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for()
         server.server_close()
 
 
+def test_instruction_driver_paces_its_requests_and_counts_those_that_start_late():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench import instructions
+
+    arrivals: list[float] = []
+    answer_s = [0.0]
+
+    class Answers(BaseHTTPRequestHandler):
+        def do_POST(self):
+            arrivals.append(time.monotonic())
+            self.rfile.read(int(self.headers["content-length"]))
+            time.sleep(answer_s[0])
+            body = b'{"object":"chat.completion"}'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        instructions.drive(url, {"content-type": "application/json"}, 5, every_s=0.1)
+        # never early: request i starts at least i slots after the first
+        assert all(t - arrivals[0] >= i * 0.1 - 0.005 for i, t in enumerate(arrivals)), arrivals
+        arrivals.clear()
+        answer_s[0] = 0.25  # every answer outlasts its slot: each request after the first starts late
+        assert instructions.drive(url, {"content-type": "application/json"}, 4, every_s=0.1) == 3
+        assert instructions.drive(url, {"content-type": "application/json"}, 2) == 0  # back to back: never late
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_instructions_refuses_an_unknown_rung():
     from bench import instructions
 
@@ -448,7 +491,8 @@ def test_instructions_refuses_an_unknown_rung():
 @pytest.mark.parametrize("argv, named", [(["--pods", "0"], "--pods must be at least 1"),
                                          (["--chunks", "0"], "--chunks must be at least 1"),
                                          (["--request", "ws"], "--request: invalid choice: 'ws'"),
-                                         (["--prompt-bytes", "-1"], "--prompt-bytes must be at least 0")])
+                                         (["--prompt-bytes", "-1"], "--prompt-bytes must be at least 0"),
+                                         (["--every-ms", "-1"], "--every-ms must be at least 0")])
 def test_instructions_names_a_bad_request_shape(argv, named, capsys):
     from bench import instructions
 
