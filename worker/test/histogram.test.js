@@ -1,8 +1,8 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
-  BUCKETS, EDGES, FIXED_EDGES, HIGH_MS, LOW_MS, RELATIVE_ERROR, REPS, Recorder, TOP, add, bounds, bucketOf, decode, empty, encode,
-  merge, mergeEncoded, percentile, total,
+  BUCKETS, EDGES, FIXED_EDGES, HIGH_MS, LOW_MS, RELATIVE_ERROR, REPS, Recorder, TOP, add, bounds, bucketOf, decode, decodeParts,
+  empty, encode, merge, mergeEncoded, percentile, total,
 } from "../src/histogram.js";
 
 /** numpy's default percentile of exact values (the probe's, colocate/probe/stats.py). */
@@ -77,6 +77,37 @@ test("text round-trips, runs shorten, merging sums counts, bad text names the pa
   assert.throws(() => decode("3:1,99:2"), /bad histogram part "99:2"/);
   assert.throws(() => decode("x"), /bad histogram part "x"/);
   assert.throws(() => decode(5), /must be text/);
+});
+
+test("the hand reader of encode's texts reads every text as the part-by-part reader does, and refuses what it refuses", () => {
+  let seed = 7;
+  const rand = (n) => {
+    seed = (seed * 1103515245 + 12345) % 2147483648;
+    return seed % n;
+  };
+  const outcome = (read, text) => {
+    try {
+      return Array.from(read(text));
+    } catch (err) {
+      return String(err);
+    }
+  };
+  const texts = ["~0", "~0*3", "~573", "~574", "~0,0,0", "~1,", "~,1", "~1,,2", "~00005", "~0005*2", "~00005*2", "~1*05", "~1*1e3",
+    "~1* 5", "~1*5 ", "~2*9007199254740993", "~2*999999999999999", "~2*4294967297", "~1*", "~*", "~1**2", "~1,*2", "~-1"];
+  for (let i = 0; i < 2000; i++) {
+    const h = empty();
+    for (let j = rand(40); j > 0; j--) h[rand(BUCKETS)] += 1 + (rand(3) === 0 ? rand(100000) : 0);
+    const text = encode(h);
+    if (text === "") continue; // "" is read before either reader
+    const at = 1 + rand(text.length - 1); // and the same text with one character changed, and dropped
+    texts.push(text, text.slice(0, at) + "0123456789*,x~ e-"[rand(17)] + text.slice(at + 1), text.slice(0, at) + text.slice(at + 1));
+  }
+  const refused = texts.filter((t) => typeof outcome(decodeParts, t) === "string").length;
+  assert.ok(refused > 300, `${refused} of ${texts.length} texts malformed: the check needs both kinds`);
+  for (const t of texts) assert.deepEqual(outcome(decode, t), outcome(decodeParts, t), t);
+  // a merge reads both texts into one scratch array: a text refused leaves nothing behind for the next
+  assert.throws(() => mergeEncoded("~3*7", "~3,x"), /bad histogram part "x"/);
+  assert.equal(mergeEncoded("", "~5"), "~5");
 });
 
 test("percentiles are within 1.08 % (0.25 ms below 0.25 ms) of the exact ones, bimodal mixes included", () => {
