@@ -22,10 +22,11 @@ The other thing that moves a count is the isolate's sync with its generation obj
 back), counted in the window with the object's side of it (the object runs in the same
 workerd). Back to back, a fast machine spreads one sync over more requests than a slow or
 loaded one: the router's count moved from 1.23 M to 1.31 M with the machine's load.
-``--every-ms N`` starts the counted requests N ms apart, so the syncs a request carries are
-set by N, not by the machine (``--every-ms 1000``: an isolate serving a request a second,
-each paying about a sync); a request that starts after its slot (the last one was still
-answering) is counted as late and reported.
+``--every-ms N`` starts the counted requests N ms apart: an isolate serving one every N ms,
+whose syncs spread over its requests at that rate, not at the machine's speed (a request
+that starts after its slot, the last one still answering, is counted as late and reported).
+Paced runs still differ by about 5 %: how many syncs fall in a window depends on when each
+ran. It shows what a quiet isolate pays; back to back, with --repeat, compares code.
 
 Each rung: start under ``valgrind --tool=callgrind``, send ``--warm`` requests (the JIT
 settles), zero the counters (callgrind_control -z), send ``--requests`` requests one
