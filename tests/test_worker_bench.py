@@ -1,6 +1,7 @@
 """bench/router.py (make bench): a tiny real run (wrk, the bench pod, the bare, contract and router workerd),
 the summary arithmetic, and usage errors as a subprocess. Nothing here asserts a speed."""
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -411,44 +412,12 @@ def test_wrk_and_sse_runs_carry_the_prompt_to_the_pod():
     assert seen["answered"] >= plain["n"] + 20 and seen["smallest_body"] > 8192
 
 
-def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for():
+@contextlib.contextmanager
+def json_answers(arrivals: list[float], answer_s: list[float]):
+    """A Worker on 127.0.0.1 that answers every POST with a JSON chat completion, after
+    ``answer_s[0]`` seconds, noting when each arrived: its URL."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from bench import instructions
-
-    class JsonOnly(BaseHTTPRequestHandler):  # a Worker that answered JSON to a stream request
-        def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
-            body = b'{"object":"chat.completion"}'
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), JsonOnly)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        instructions.drive(url, {"content-type": "application/json"}, 2)  # JSON asked, JSON answered
-        with pytest.raises(harness.BenchError, match=r"does not end with \[DONE\]"):
-            instructions.drive(url, {"content-type": "application/json"}, 2, harness.STREAM_BODY, stream=True)
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_instruction_driver_paces_its_requests_and_counts_those_that_start_late():
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from bench import instructions
-
-    arrivals: list[float] = []
-    answer_s = [0.0]
 
     class Answers(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -466,18 +435,34 @@ def test_instruction_driver_paces_its_requests_and_counts_those_that_start_late(
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        instructions.drive(url, {"content-type": "application/json"}, 5, every_s=0.1)
-        # never early: request i starts at least i slots after the first
-        assert all(t - arrivals[0] >= i * 0.1 - 0.005 for i, t in enumerate(arrivals)), arrivals
-        arrivals.clear()
-        answer_s[0] = 0.25  # every answer outlasts its slot: each request after the first starts late
-        assert instructions.drive(url, {"content-type": "application/json"}, 4, every_s=0.1) == 3
-        assert instructions.drive(url, {"content-type": "application/json"}, 2) == 0  # back to back: never late
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_instruction_driver_refuses_an_answer_that_is_not_the_stream_asked_for():
+    from bench import instructions
+
+    with json_answers([], [0.0]) as url:  # a Worker that answers JSON to a stream request
+        instructions.drive(url, {"content-type": "application/json"}, 2)  # JSON asked, JSON answered
+        with pytest.raises(harness.BenchError, match=r"does not end with \[DONE\]"):
+            instructions.drive(url, {"content-type": "application/json"}, 2, harness.STREAM_BODY, stream=True)
+
+
+def test_instruction_driver_paces_its_requests_and_counts_those_that_start_late():
+    from bench import instructions
+
+    arrivals: list[float] = []
+    answer_s = [0.0]
+    with json_answers(arrivals, answer_s) as url:
+        instructions.drive(url, {"content-type": "application/json"}, 5, every_s=0.1)
+        # never early: request i starts at least i slots after the first
+        assert all(t - arrivals[0] >= i * 0.1 - 0.005 for i, t in enumerate(arrivals)), arrivals
+        answer_s[0] = 0.25  # every answer outlasts its slot: each request after the first starts late
+        assert instructions.drive(url, {"content-type": "application/json"}, 4, every_s=0.1) == 3
+        assert instructions.drive(url, {"content-type": "application/json"}, 2) == 0  # back to back: never late
 
 
 def test_instructions_refuses_an_unknown_rung():
