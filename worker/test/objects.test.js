@@ -31,3 +31,33 @@ test("through the stub, a key the object made is found by its digest, and answer
   assert.deepEqual(ns.calls.map((c) => c.slice(0, 2)), [["get", "g"], ["createKey", "g"], ["lookupKeys", "g"], ["listKeys", "g"]]);
   await assert.rejects(stub.noSuchMethod(), /does not implement/);
 });
+
+test("a sync's histogram rows are stored in four statements, as adding them one by one stores them", async () => {
+  const ns = objectNamespace(Breaker);
+  const [bulk, single] = [await ns.instance("hist-bulk"), await ns.instance("hist-single")];
+  const now = Date.UTC(2026, 11, 7, 12, 0);
+  const m = Math.floor(now / 60000);
+  const before = [[m, "IAD", "0", "ttft", "~40*2"], [m - 1, "IAD", "0", "ttft", "~41"]]; // stored rows to merge into
+  const rows = [
+    [m, "IAD", "0", "ttft", "~40,3*2"], // onto a stored row
+    [m, "IAD", "0", "ttft", "~44"], // the same key twice in one batch: both count
+    [m - 1, "IAD", "0", "ttft", "~50"], // another minute, the same total
+    [m, "NRT", "fallback", "total", "~7"],
+    [m, "IAD", "0", "total", "~3,x"], // malformed: dropped, and not in the total
+    [m, "IAD", "0", "upstream", ""], // empty: nothing to add
+    [m, "IAD", "0", "nonsense", "~1"], // not a segment
+    "not a row",
+  ];
+  for (const o of [bulk, single]) for (const r of before) { o.addSeg("seg_minute", "minute", r); o.addTotal(r[1], r[2], r[3], r[4]); }
+  const statements = [];
+  const exec = bulk.sql.exec.bind(bulk.sql);
+  bulk.sql.exec = (q, ...a) => (statements.push(q), exec(q, ...a));
+  bulk.addHist(rows, now);
+  bulk.sql.exec = exec;
+  for (const r of rows.slice(0, 6)) if (single.addSeg("seg_minute", "minute", r)) single.addTotal(r[1], r[2], r[3], r[4]);
+  const table = (o, t) => o.sql.exec(`SELECT * FROM ${t} ORDER BY colo, pod, segment${t === "seg_minute" ? ", minute" : ""}`).toArray();
+  for (const t of ["seg_minute", "seg_total"]) assert.deepEqual(table(bulk, t), table(single, t), t);
+  // buckets 40: 2 + 1, 41: 1, 43: 2, 44: 1, 50: 1 (both minutes, and the key twice in the batch)
+  assert.equal(table(bulk, "seg_total").find((r) => r.pod === "0" && r.segment === "ttft").hist, "~40*3,1,2*2,1,6");
+  assert.equal(statements.filter((q) => /seg_(minute|total)/.test(q) && !/MIN\(minute\)|DELETE/.test(q)).length, 4);
+});
