@@ -76,13 +76,14 @@ _signal.signal(_signal.SIGINT, _loading)
 DEFAULT_STACK = "sandbox"
 
 
-def day_flags(p: argparse.ArgumentParser, demo: str, figures: str) -> None:
-    """The flags demo-autoscale and demo-spot share: where, how printed, the day's shape and, for tests, its size."""
+def day_flags(p: argparse.ArgumentParser, demo: str, figures: str, day_s: float) -> None:
+    """The flags demo-autoscale and demo-spot share: where, how printed, the day's shape and its length."""
     p.add_argument("--state-dir", type=Path, help=f"state directory (default .colocate/sandbox/{demo}/)")
     p.add_argument("--json", action="store_true", help=f"print {figures} as one JSON object (the story to stderr)")
     p.add_argument("--shape", type=Path, metavar="FILE",
                    help="the day: a CSV of cell,hour,requests_per_minute (hours 0-23 in the cell's local time)")
-    p.add_argument("--day-seconds", type=float, default=150.0, help=argparse.SUPPRESS)  # tests: a shorter day
+    p.add_argument("--day-seconds", type=float, default=day_s, metavar="S",
+                   help=f"wall seconds the day is compressed into (default {day_s:g})")
     p.add_argument("--requests", type=int, default=900, help=argparse.SUPPRESS)  # tests: fewer requests
 
 
@@ -145,12 +146,14 @@ def parser() -> argparse.ArgumentParser:
     df.add_argument("--samples", type=int, default=12, help="requests per client site and phase (default 12)")
     da = sub.add_parser("demo-autoscale", help="a compressed day of three cells whose pods follow demand, priced three "
                                                "ways (make demo-autoscale)")
-    day_flags(da, "demo-autoscale", "the day's figures")
+    day_flags(da, "demo-autoscale", "the day's figures", 150.0)
     da.add_argument("--prices", metavar="POD_PER_HR,API_PER_1M",
                     help="a pod's $ per hour and the API's $ per 1M tokens (default 0.6,0.3)")
     ds = sub.add_parser("demo-spot", help="demo-autoscale's day on demand and on interruptible pods preempted at a "
                                           "published rate, side by side, priced against each other (make demo-spot)")
-    day_flags(ds, "demo-spot", "both days' figures")
+    # 600: a day long enough that the sandbox's own updates (seconds each) leave a replacement's 20-minute
+    # boot about what it is (colocate/sandbox/spot_demo.py DAY_S; not imported here, for every command's start)
+    day_flags(ds, "demo-spot", "both days' figures", 600.0)
     ds.add_argument("--seed", type=int, default=1, help="the seed of the pods' lives (default 1)")
     ds.add_argument("--spare", type=int, default=1, help="colocate:pod.spare on the interruptible day (default 1)")
     # tests: one day alone (colocate.scaling.spot_day.DAYS; not imported here, for every other command's start)

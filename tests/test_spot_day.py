@@ -69,3 +69,25 @@ def test_the_verdicts_hold_or_fail_on_each_done_when_figure():
     failed = day("interruptible", [served("pod-0", ttft=100.0)] * 9 + [served("-", ok=False, ttft=None)], 10.0, 0.21)
     out = spot_day.report({"ondemand": od, "interruptible": failed}, PRICES, 1000)
     assert [ok for ok, _ in spot_day.verdicts(out)] == [True, False, True, True]
+
+
+def test_back_in_service_runs_from_each_preemption_to_its_index_serving_again():
+    preempted = [(1.0, "a", 0), (1.5, "b", 1), (2.0, "a", 1), (5.0, "a", 0), (23.9, "b", 0)]
+    replaced = [
+        (1.2, 1.7, "a", (0,)),  # a's pod 0: found at its next pass, served 42 min after it went
+        (1.1, 1.6, "b", (0,)),  # another index of b: not pod 1's
+        (2.1, 3.0, "a", (1,)),  # a's pod 1, alone
+        (4.0, 4.5, "a", (0,)),  # decided before a's second preemption of pod 0: not its replacement
+        (5.5, 6.0, "a", (0, 1)),  # ...this one is
+        (3.0, 3.4, "b", (0, 1)),  # b's pod 1, in one update with pod 0
+    ]
+    assert spot_day.back_in_service(preempted, replaced) == [42.0, 114.0, 60.0, 60.0]  # b's 23.9: the day ended
+    assert spot_day.back_in_service([], replaced) == []
+
+
+def test_the_days_figures_give_the_back_in_service_quantiles():
+    d = spot_day.Day("interruptible", (served("pod-0"),), {"a": [(0.0, 1), (10.0, 0)]}, 0.21, preemptions=3,
+                     replaced=3, back_min=(25.0, 30.0, 90.0))
+    f = spot_day.day_figures(d, PRICES, per=1000, max_pods=2, cap_usd_per_cell=20.0)
+    assert f["back_in_service_min"] == {"p50": 30.0, "p90": 90.0, "n": 3}
+    assert day("ondemand", [served("pod-0")], 10.0, 0.6)["back_in_service_min"] == {"p50": None, "p90": None, "n": 0}

@@ -52,6 +52,12 @@ from .pods import recorded_pods
 from .scaling import SandboxDeployer
 from .statedir import LOCAL_PODS_DIR
 
+# The day, compressed: 1 hour = 25 s. A sandbox update (a pod started, the Worker swapped) takes 2 to 7 s of
+# wall time on a 2-core machine; in demo-autoscale's 150 s day that is 20 to 70 minutes of the day on top of
+# each replacement's 20-minute boot, and the keeper waits behind it, so a preempted pod stayed out for hours
+# of the day, not the real ~25 minutes. 600 s keeps an update to minutes of the day (``back_in_service``).
+DAY_S = 600.0
+STRETCHED = 2.0  # a median time back in service past this x the boot: the day said not to be a real one
 KEEP_INTERVAL_S = 60.0  # of the day between a controller's passes: a preempted pod is found within a minute of it
 SPARE = 1  # colocate:pod.spare on the interruptible day
 SAMPLE_S = 0.05  # wall seconds between the biller's samples (0.5 minute of the default day)
@@ -132,7 +138,7 @@ class Market(threading.Thread):
         super().__init__(daemon=True)
         self.cells, self.clock, self.rng, self.say, self.rate = cells, clock, rng, say, rate
         self.ends: dict[str, float] = {}  # pod id -> the UTC hour of the day its host takes it back
-        self.preempted: list[tuple[float, str, str]] = []  # (hour, cell, pod id)
+        self.preempted: list[tuple[float, str, str, int]] = []  # (hour, cell, pod id, pod index)
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -142,9 +148,12 @@ class Market(threading.Thread):
                 provider = local_provider(state_dir)
                 for pod_id in sorted(serving_ids(state_dir)):
                     end = self.ends.setdefault(pod_id, now + spot_day.lifetime_h(self.rng, self.rate))
-                    if now >= end and provider.preempt(pod_id):
-                        self.preempted.append((now, cell, pod_id))
-                        self.say(cell, f"pod {pod_id.rsplit('-p', 1)[-1][:1]} preempted (its host took it back)")
+                    if now < end:
+                        continue
+                    index = next((int(p.get("index", 0)) for p in recorded_pods(state_dir) if str(p["id"]) == pod_id), -1)
+                    if provider.preempt(pod_id):
+                        self.preempted.append((now, cell, pod_id, index))
+                        self.say(cell, f"pod {index} preempted (its host took it back)")
 
 
 class KeeperDeployer:
@@ -154,6 +163,7 @@ class KeeperDeployer:
     def __init__(self, inner: SandboxDeployer, cell: str, clock: base.DayClock, biller: Biller, say):
         self.inner, self.cell, self.clock, self.biller, self.say = inner, cell, clock, biller, say
         self.replaced = 0
+        self.done: list[tuple[float, float, str, tuple[int, ...]]] = []  # (hour decided, hour serving, cell, indices)
 
     def pods(self):
         return self.inner.pods()
@@ -169,11 +179,13 @@ class KeeperDeployer:
 
     def replace(self, indices, replaced) -> None:
         renting = self.biller.rent(self.cell, len(indices))
+        start = self.clock.hours()
         try:
             self.say(f"keeper: replacing pod {', '.join(map(str, indices))}: {len(indices)} pod(s) booting")
             time.sleep(self.clock.wall(base.BOOT_S))
             self.inner.replace(indices, replaced)
             self.replaced += len(indices)
+            self.done.append((start, self.clock.hours(), self.cell, tuple(indices)))
         finally:
             self.biller.rented(renting)
 
@@ -309,15 +321,17 @@ class SpotDay(base.Demo):
 
     def figures(self) -> dict:
         assert self.biller is not None and self.host is not None
+        back = spot_day.back_in_service([(h, cell, i) for h, cell, _, i in self.host.preempted],
+                                        [r for k in self.keepers.values() for r in k.done])
         measured = spot_day.Day(self.market, tuple(self.served), {c: list(v) for c, v in self.biller.billed.items()},
                                 self.pod_per_hr, preemptions=len(self.host.preempted),
-                                replaced=sum(k.replaced for k in self.keepers.values()))
+                                replaced=sum(k.replaced for k in self.keepers.values()), back_min=tuple(back))
         raw, _ = stackfile.read_config(base.CELLS[0], self.stacks_dir)
         cap = float((raw.get("fallbackCap") or {}).get("cellUsdPerDay") or 0)
         return spot_day.day_figures(measured, self.prices, self.per, base.MAX_PODS, cap)
 
 
-def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = base.DAY_S, sent: int = base.SENT,
+def run(state_dir: Path | None = None, *, as_json: bool = False, day_s: float = DAY_S, sent: int = base.SENT,
         seed: int = 1, shape_file: Path | None = None, spare: int = SPARE,
         keep_interval_s: float = KEEP_INTERVAL_S, days: tuple[str, ...] = spot_day.DAYS) -> int:
     """``days``: both (the demo), or one alone (tests: its figures, nothing compared)."""
@@ -439,6 +453,13 @@ def print_day(f: dict, demo: SpotDay) -> None:
         print(f"      on pods: {len(away)} of {len(on_pods)} ({100 * len(away) / len(on_pods):.1f} %) served by another "
               f"cell's pods; TTFT p99 at home {p99([s for s in on_pods if s.cell == s.home])}, away {p99(away)}",
               flush=True)
+    back = f["back_in_service_min"]
+    if back["n"]:  # a real replacement: the keeper's next pass, the boot, the update (seconds to a minute)
+        boot = base.BOOT_S / 60
+        print(f"      preempted pods served again after {back['p50']:.0f} min of the day (median; p90 {back['p90']:.0f}, "
+              f"{back['n']} replaced), a {boot:.0f}-minute boot among it"
+              + (f": the sandbox's own updates stretched it, so the day is not a real one. Fix: a longer day "
+                 f"(--day-seconds, {DAY_S:.0f} s by default)" if back["p50"] > STRETCHED * boot else ""), flush=True)
     by_fallback = [s for s in demo.served if s.backend == "fallback"]
     if by_fallback:  # where the fallback's spend comes from: which cell bought it, at which hours of the day
         cells = sorted({s.cell or "-" for s in by_fallback})

@@ -68,6 +68,22 @@ class Day:
     pod_per_hr: float
     preemptions: int = 0
     replaced: int = 0
+    back_min: tuple[float, ...] = ()  # minutes of the day each preempted pod's index went unserved (``back_in_service``)
+
+
+def back_in_service(preempted: Iterable[tuple[float, str, int]],
+                    replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[float]:
+    """Minutes of the day from each preemption ((hour, cell, pod index)) until a replacement of that index in
+    that cell served again (replacements: (hour decided, hour serving, cell, indices)): the keeper's wait for
+    its next pass, the boot, the update. A preemption no replacement followed (the day ended first, or the cell scaled that pod
+    away) is left out."""
+    done = sorted(replaced, key=lambda r: r[1])
+    out = []
+    for at, cell, index in sorted(preempted):
+        back = next((end for start, end, c, ixs in done if c == cell and index in ixs and start >= at), None)
+        if back is not None:
+            out.append(round((back - at) * 60, 1))
+    return out
 
 
 def fallback_usd(served: Iterable[Served], prices: Prices, per: int) -> float:
@@ -102,6 +118,7 @@ def day_figures(d: Day, prices: Prices, per: int, max_pods: int, cap_usd_per_cel
         "fallback": {"share": round(by_fallback / len(answered), 4) if answered else None,
                      "usd_by_cell": {c: money(v) for c, v in fb.items()}, "cap_usd_per_cell": cap_usd_per_cell},
         "ttft_ms": {"p50": _ms(quantile(on_pods, 0.5)), "p99": _ms(quantile(on_pods, 0.99)), "n": len(on_pods)},
+        "back_in_service_min": {"p50": quantile(d.back_min, 0.5), "p90": quantile(d.back_min, 0.9), "n": len(d.back_min)},
         "cells": {c: {"pod_hours": round(hours[c], 2), "fallback_usd": money(fb[c])} for c in cells},
     }
 
