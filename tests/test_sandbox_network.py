@@ -158,3 +158,20 @@ def test_a_request_reset_during_the_first_state_look_up_leaves_the_state_reachab
                     held.release.set()
     assert [a.status for a in after] == [200, 200], [a.body[:300] for a in after]
     assert [a.json()["state_colo"] for a in after] == [EDGE, EDGE]  # the object answered, where it was pinned
+
+
+def test_a_deploy_swap_is_recorded_as_one_hold_from_pause_to_resume(tmp_path):
+    net = Network(Geography(same_site_ms=0.0), Sites(client=EDGE, edge=EDGE, pod=EDGE, fallback=EDGE),
+                  Pins(tmp_path / PINS_FILE), workerd=("127.0.0.1", 1))
+    assert net.enter(timeout_s=1) == ("127.0.0.1", 1)
+    assert net.pause(drain_s=0.05) is False  # one request still in flight: the drain timed out, the edge holds
+    assert net.enter(timeout_s=0.05) is None  # a new request waits (here: past its bound)
+    net.leave()
+    assert net.pause(drain_s=1) is True  # paused again before the resume: still one hold
+    net.resume(("127.0.0.1", 2))
+    assert net.enter(timeout_s=1) == ("127.0.0.1", 2)
+    [(start, end)] = net.holds
+    assert 0.05 <= end - start < 30
+    net.leave()
+    net.resume(("127.0.0.1", 2))  # a resume with no pause before it is no hold
+    assert len(net.holds) == 1

@@ -4,6 +4,7 @@ verdicts. Pure and fast; the demo itself runs in tests/test_sandbox_spot.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -91,3 +92,34 @@ def test_the_days_figures_give_the_back_in_service_quantiles():
     f = spot_day.day_figures(d, PRICES, per=1000, max_pods=2, cap_usd_per_cell=20.0)
     assert f["back_in_service_min"] == {"p50": 30.0, "p90": 90.0, "n": 3}
     assert day("ondemand", [served("pod-0")], 10.0, 0.6)["back_in_service_min"] == {"p50": None, "p90": None, "n": 0}
+
+
+def test_requests_held_by_a_sandbox_swap_are_set_apart_in_ttft():
+    rows = [served("pod-0", ttft=100.0)] * 98 + [dataclasses.replace(served("pod-0", ttft=2000.0), held=True)] * 2
+    f = day("interruptible", rows, 10.0, 0.21)
+    assert f["ttft_ms"]["p99"] == 2000.0 and f["ttft_ms"]["n"] == 100
+    assert f["ttft_ms_unheld"] == {"p50": 100.0, "p99": 100.0, "n": 98}
+    od = day("ondemand", [served("pod-0", ttft=90.0)] * 100, 10.0, 0.6)
+    out = spot_day.report({"ondemand": od, "interruptible": f}, PRICES, 1000)
+    assert out["ttft_p99_ratio"] == pytest.approx(22.222, abs=0.001) and out["ttft_p99_ratio_unheld"] == 1.111
+    assert spot_day.verdicts(out)[3][0] is False  # the verdict stays on every request
+    line = spot_day.held_line(out)
+    assert line is not None and line.startswith("2 of the interruptible day's requests on pods (0 on demand)")
+    assert "100 ms against 90 ms: 1.11 x" in line
+    assert spot_day.held_line(spot_day.report({"ondemand": od, "interruptible": od}, PRICES, 1000)) is None
+
+
+def test_a_request_is_held_when_its_wait_for_a_first_token_meets_a_hold_of_its_home_or_answering_cell():
+    from colocate.sandbox.spot_demo import mark_held
+
+    class Clock:  # a 24 s day from t0 = 1000: hour h is sent at 1000 + h
+        t0, day_s = 1000.0, 24.0
+
+    rows = [Served(2.0, "a", True, "a", "pod-0", ttft_ms=500.0),  # 1002.0 to 1002.5: meets a's hold
+            Served(2.0, "b", True, "b", "pod-0", ttft_ms=500.0),  # the same moment in b: no hold there
+            Served(3.0, "b", True, "a", "pod-0", ttft_ms=100.0),  # answered by a, after its hold
+            Served(1.0, "b", True, "a", "pod-0", ttft_ms=None, e2e_ms=1500.0),  # no first token: its whole wait
+            Served(5.0, "c", False, None, None, ttft_ms=None, e2e_ms=10.0)]  # failed, no cell
+    out = mark_held(rows, {"a": [(1002.4, 1002.9)], "c": []}, Clock())
+    assert [s.held for s in out] == [True, False, False, True, False]
+    assert out[1] is rows[1]

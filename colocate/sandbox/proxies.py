@@ -155,6 +155,10 @@ class Network:
     _gate: threading.Condition = field(default_factory=threading.Condition)
     _paused: bool = False
     _inflight: int = 0
+    # Cloudflare holds no request during a deploy (a new version takes new ones at once), so each hold
+    # is the sandbox's own: (start, end) on time.monotonic (one clock for every process of the machine)
+    holds: list[tuple[float, float]] = field(default_factory=list)
+    _held_since: float | None = None
 
     def count(self) -> None:
         with self._lock:
@@ -177,6 +181,8 @@ class Network:
         """Hold new front requests and wait until the in-flight ones are done."""
         with self._gate:
             self._paused = True
+            if self._held_since is None:
+                self._held_since = time.monotonic()
             return self._gate.wait_for(lambda: self._inflight == 0, drain_s)
 
     def resume(self, workerd: tuple[str, int], sites: Sites | None = None, targets: dict[str, str] | None = None) -> None:
@@ -186,6 +192,9 @@ class Network:
             self.targets.update(targets or {})
             self.workerd = workerd
             self._paused = False
+            if self._held_since is not None:
+                self.holds.append((self._held_since, time.monotonic()))
+                self._held_since = None
             self._gate.notify_all()
 
 

@@ -36,6 +36,7 @@ from .processes import CHILD_TIMEOUT_S, http_ok, stop_child
 from .proxies import Network, NetworkServers, PodHop, local_url
 from .statedir import (
     APPLY_FAILED_FILE,
+    EDGE_HOLDS_FILE,
     FAILED_FILE,
     LAUNCH_FILE,
     LOGS_DIR,
@@ -206,6 +207,7 @@ class Runner:
             net.resume(net.workerd)  # never leave requests held
             raise
         net.resume(("127.0.0.1", wport), sites=sites)
+        write_json(self.state_dir / EDGE_HOLDS_FILE, {"holds": [list(h) for h in net.holds]})
         return wport, state_sites
 
     def apply(self) -> dict:

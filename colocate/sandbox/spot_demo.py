@@ -50,7 +50,7 @@ from .demo import say
 from .errors import SandboxError
 from .pods import recorded_pods
 from .scaling import SandboxDeployer
-from .statedir import LOCAL_PODS_DIR
+from .statedir import EDGE_HOLDS_FILE, LOCAL_PODS_DIR, read_json
 
 # The day, compressed: 1 hour = 25 s. A sandbox update (a pod started, the Worker swapped) takes 2 to 7 s of
 # wall time on a 2-core machine; in demo-autoscale's 150 s day that is 20 to 70 minutes of the day on top of
@@ -79,6 +79,25 @@ def serving_ids(state_dir: Path) -> set[str]:
         with contextlib.suppress(Exception):  # a record the apply just rewrote: the next sample reads it
             if provider.describe(str(p["id"])).state != DEAD:
                 out.add(str(p["id"]))
+    return out
+
+
+def edge_holds(state_dir: Path) -> list[tuple[float, float]]:
+    """When a cell's edge held requests while an update swapped its Worker (time.monotonic, as the runner wrote)."""
+    return [(float(a), float(b)) for a, b in (read_json(state_dir / EDGE_HOLDS_FILE) or {}).get("holds", [])]
+
+
+def mark_held(served: list[day.Served], holds: dict[str, list[tuple[float, float]]],
+              clock: base.DayClock) -> list[day.Served]:
+    """Each request whose wait for its first token (from its send, at its hour of the day) overlapped a hold of
+    its home cell's edge or of the cell that answered it, marked ``held``."""
+    out = []
+    for s in served:
+        start = clock.t0 + s.at_h / day.HOURS * clock.day_s
+        end = start + (s.ttft_ms if s.ttft_ms is not None else s.e2e_ms) / 1000
+        cells = {s.home, s.cell} - {None}
+        held = any(a < end and b > start for c in cells for a, b in holds.get(str(c), []))
+        out.append(dataclasses.replace(s, held=held) if held else s)
     return out
 
 
@@ -321,6 +340,8 @@ class SpotDay(base.Demo):
 
     def figures(self) -> dict:
         assert self.biller is not None and self.host is not None
+        self.served = mark_held(self.served, {c: edge_holds(Path(self.ready(c)["state_dir"])) for c in base.CELLS},
+                                self.clock)
         back = spot_day.back_in_service([(h, cell, i) for h, cell, _, i in self.host.preempted],
                                         [r for k in self.keepers.values() for r in k.done])
         measured = spot_day.Day(self.market, tuple(self.served), {c: list(v) for c, v in self.biller.billed.items()},
@@ -430,6 +451,8 @@ def _run(root: Path, shape, day_s: float, sent: int, seed: int, spare: int = SPA
     verdicts = spot_day.verdicts(out)
     for ok, text in verdicts:
         print(f"    {'PASS' if ok else 'FAIL'}  {text}")
+    if (held := spot_day.held_line(out)) is not None:
+        print(f"          {held}")
     spot = out["days"]["interruptible"]
     print(f"\n    Priced at the Vast.ai spec example's share ({spot_day.SPEC_EXAMPLE_SHARE:g} of on demand) the same "
           f"interruptible day is {out['cost_ratio_at_spec_example_price']:.2f} x the on-demand day.")
@@ -451,8 +474,8 @@ def print_day(f: dict, demo: SpotDay) -> None:
             v = spot_day.quantile([s.ttft_ms for s in xs if s.ttft_ms is not None], 0.99)
             return "n/a" if v is None else f"{v:.0f} ms"
         print(f"      on pods: {len(away)} of {len(on_pods)} ({100 * len(away) / len(on_pods):.1f} %) served by another "
-              f"cell's pods; TTFT p99 at home {p99([s for s in on_pods if s.cell == s.home])}, away {p99(away)}",
-              flush=True)
+              f"cell's pods; TTFT p99 at home {p99([s for s in on_pods if s.cell == s.home])}, away {p99(away)}; "
+              f"{sum(1 for s in on_pods if s.held)} held at a cell's edge while an update swapped its Worker", flush=True)
     back = f["back_in_service_min"]
     if back["n"]:  # a real replacement: the keeper's next pass, the boot, the update (seconds to a minute)
         boot = base.BOOT_S / 60

@@ -19,6 +19,7 @@ A cell's state directory (default ``<repo>/.colocate/sandbox/<stack>/``):
     workerd.capnp      the generated config (mode 0600: it holds secret bindings)
     pods.json          what each pod's create printed, in pod index order (``pod.json``: the
                        one-pod layout of an older release, read once and removed)
+    edge-holds.json    when the edge held requests while a deploy swapped workerd (demo-spot reads it)
     pods/              scripts/pod.py's local pod state, one record per pod
     logs/              runner.log, workerd.log, fallback.log, pod.log, front-runner.log
     stacks/, probes/   the demos' stack copies and probe results (demo.png, demo-fleet.png)
@@ -71,6 +72,7 @@ PURGED_FILE = "purged.json"
 DEMO_KEY_FILE = "demo-key.json"
 WORKERD_CONFIG_FILE = "workerd.capnp"
 PODS_FILE = "pods.json"
+EDGE_HOLDS_FILE = "edge-holds.json"  # when the edge held requests while a deploy swapped workerd (proxies.Network.holds)
 LEGACY_POD_FILE = "pod.json"
 LOCAL_PODS_DIR = "pods"
 LOGS_DIR = "logs"

@@ -179,6 +179,7 @@ class Served:
     why: str | None = None  # a failure's reason: the status and the error's message, or the exception
     ttft_ms: float | None = None  # a stream's first token as its client saw it (demo-spot)
     cut: bool = False  # a stream that ended with an error event after its first token (demo-spot: a preemption)
+    held: bool = False  # it waited at a sandbox cell's edge while a deploy swapped workerd (demo-spot), as Cloudflare's does not
 
     def by(self) -> str | None:
         """pod (the home cell's), cell (another cell's pod), fallback; None for a failure."""
