@@ -59,7 +59,7 @@ def test_a_short_day_on_interruptible_pods_fails_nothing_but_cut_streams_and_rep
     # requests that met one set apart
     holds = [h for c in ("apac-jp", "eu-west", "us-east") for h in spot_demo.edge_holds(state / "interruptible" / c)]
     assert holds and all(0 < b - a < 60 for a, b in holds), holds
-    assert 0 < spot["ttft_ms_unheld"]["n"] <= spot["ttft_ms"]["n"]
+    assert spot["ttft_ms_unheld"]["n"] <= spot["ttft_ms"]["n"]
     assert spot["pod_per_hr"] == pytest.approx(spot_demo.ON_DEMAND_PER_HR * spot_day.INTERRUPTIBLE_SHARE)
     assert "preempted (its host took it back)" in r.stderr and "keeper: replacing pod" in r.stderr
     assert fleet.what_runs(state / "interruptible" / "fleet") == []
