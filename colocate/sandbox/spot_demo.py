@@ -1,7 +1,7 @@
 """``sandbox.py demo-spot``: ``demo-autoscale``'s day on interruptible pods, against the same day on demand.
 
 The fleet, its users and their day are ``demo-autoscale``'s (colocate/sandbox/autoscale_demo.py: three
-cells, the cost policy, 0 to 2 pods a cell, a pod's 20-minute boot compressed with the day), run twice in
+cells, the cost policy, 0 to 2 pods a cell, a pod's 20-minute boot compressed with the day, ``DAY_S``), run twice in
 real workerd with stand-in pods, side by side from one start (the same machine load on both): every pod on
 demand, and every pod interruptible (``colocate:pod.market interruptible``, ``SPARE`` spare pod a cell,
 run while it pays: SpotHedge's over-provisioning, colocate/scaling/policy.py ``hedge``; otherwise the
@@ -18,7 +18,9 @@ at its next pass and replaces it alone, the replacement booting for 20 minutes o
 
 ``Biller`` samples what each cell is billed for: its pods that serve or drain (a preempted one no more)
 and the pods being rented (from the decision, through the boot, until the apply that creates them
-returns). The figures and the verdicts are colocate/scaling/spot_day.py's.
+returns). The figures and the verdicts are colocate/scaling/spot_day.py's, with two of the sandbox's own: how
+long each preempted pod was out (``KeeperDeployer.done``), and which requests waited at a cell's edge while an
+update swapped its Worker (``mark_held``: the runner's ``edge-holds.json``; Cloudflare's edge holds none).
 """
 
 from __future__ import annotations
@@ -53,14 +55,14 @@ from .scaling import SandboxDeployer
 from .statedir import EDGE_HOLDS_FILE, LOCAL_PODS_DIR, read_json
 
 # The day, compressed: 1 hour = 25 s. A sandbox update (a pod started, the Worker swapped) takes 2 to 7 s of
-# wall time on a 2-core machine; in demo-autoscale's 150 s day that is 20 to 70 minutes of the day on top of
-# each replacement's 20-minute boot, and the keeper waits behind it, so a preempted pod stayed out for hours
-# of the day, not the real ~25 minutes. 600 s keeps an update to minutes of the day (``back_in_service``).
+# wall time on a 2-core machine. In demo-autoscale's 150 s day that was 20 to 70 minutes of the day on top of
+# each replacement's 20-minute boot, the keeper waiting behind the cell's other updates 40 minutes on average:
+# a preempted pod stayed out about two hours of the day. In 600 s it is back after 29-30 (``back_in_service``).
 DAY_S = 600.0
 STRETCHED = 2.0  # a median time back in service past this x the boot: the day said not to be a real one
 KEEP_INTERVAL_S = 60.0  # of the day between a controller's passes: a preempted pod is found within a minute of it
 SPARE = 1  # colocate:pod.spare on the interruptible day
-SAMPLE_S = 0.05  # wall seconds between the biller's samples (0.5 minute of the default day)
+SAMPLE_S = 0.05  # wall seconds between the biller's samples (7.5 s of the default day)
 ON_DEMAND_PER_HR = base.PRICES.pod_per_hr  # demo-autoscale's $0.60/h
 STREAM_BODY = {**base.BODY, "stream": True, "stream_options": {"include_usage": True}}
 
