@@ -183,11 +183,15 @@ def write_json(dest: str | None, doc, indent: int = 2) -> None:
 def bench_plan(deadline_ms: int, worker_src: Path | None = None, balance: str | None = None):
     """The sandbox stack's plan (the cloud's Worker), with the bench's deadline, which is
     also its stall limit (as the contract floor's: under valgrind a JIT compile on the
-    router's thread can outlast the sandbox's 2 s and cut a stream); with ``worker_src``
+    router's thread can outlast the sandbox's 2 s and cut a stream) and, when longer, its body
+    timeout (under valgrind on a loaded machine a 16 KiB body took the router past its 10 s and
+    was refused 408, colocate:worker.bodyTimeoutMs); with ``worker_src``
     the same module names read from another directory (a candidate cut); with ``balance``
     that policy (colocate:worker.balance) instead of the stack's."""
     raw, secrets = stackfile.read_config("sandbox")
-    raw["worker"] = {**(raw.get("worker") or {}), "deadlineMs": deadline_ms, "stallMs": deadline_ms,
+    worker = raw.get("worker") or {}
+    body_ms = max(deadline_ms, int(worker.get("bodyTimeoutMs", settings_mod.WORKER_DEFAULTS["bodyTimeoutMs"])))
+    raw["worker"] = {**worker, "deadlineMs": deadline_ms, "stallMs": deadline_ms, "bodyTimeoutMs": body_ms,
                      **({"balance": balance} if balance else {})}
     s = settings_mod.parse(raw, "sandbox", secrets=set(secrets) | set(settings_mod.ALWAYS_SECRET))
     plan = plan_mod.plan_cell(s)

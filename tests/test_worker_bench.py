@@ -543,3 +543,10 @@ def test_stop_kills_a_pod_process_that_ignores_sigterm(monkeypatch):
     monkeypatch.setattr(harness, "STOP_WAIT_S", 0.2)
     harness.stop(proc)
     assert proc.returncode == -9 and proc.stdout.closed
+
+
+def test_a_bench_deadline_longer_than_the_body_timeout_raises_it_too():
+    # under valgrind a slow 16 KiB upload was refused 408 at the stack's 10 s (the instruction bench's 120 s deadline)
+    names = ("DEADLINE_MS", "STALL_MS", "BODY_TIMEOUT_MS")
+    assert [harness.bench_plan(120_000).worker.binding(n).text for n in names] == ["120000"] * 3
+    assert [harness.bench_plan(5000).worker.binding(n).text for n in names] == ["5000", "5000", "10000"]
