@@ -62,7 +62,7 @@ DAY_S = 600.0
 STRETCHED = 2.0  # a median time back in service past this x the boot: the day said not to be a real one
 KEEP_INTERVAL_S = 60.0  # of the day between a controller's passes: a preempted pod is found within a minute of it
 SPARE = 1  # colocate:pod.spare on the interruptible day
-SAMPLE_S = 0.05  # wall seconds between the biller's samples (7.5 s of the default day)
+SAMPLE_S = 0.05  # wall seconds between the biller's samples (7.2 s of the default day)
 ON_DEMAND_PER_HR = base.PRICES.pod_per_hr  # demo-autoscale's $0.60/h
 STREAM_BODY = {**base.BODY, "stream": True, "stream_options": {"include_usage": True}}
 

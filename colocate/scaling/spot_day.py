@@ -97,7 +97,7 @@ def day_figures(d: Day, prices: Prices, per: int, max_pods: int, cap_usd_per_cel
     hours = {c: pod_hours(d.billed[c]) for c in cells}
     pods_usd = sum(hours.values()) * d.pod_per_hr
     fb = {c: fallback_usd([s for s in d.served if s.home == c], prices, per) for c in cells}
-    pod_served = [s for s in d.served if s.ok and s.backend and s.backend.startswith("pod-") and s.ttft_ms is not None]
+    pod_served = [s for s in d.served if s.ok and s.backend and s.backend.startswith("pod-")]
     on_pods = [s.ttft_ms for s in pod_served if s.ttft_ms is not None]
     unheld = [s.ttft_ms for s in pod_served if s.ttft_ms is not None and not s.held]
     cut = [s for s in d.served if s.cut]
@@ -136,9 +136,8 @@ def report(days: Mapping[str, dict], prices: Prices, per: int) -> dict:
     the spec example's price share."""
     od, spot = days["ondemand"], days["interruptible"]
     ratio = spot["cost"]["autoscaled"] / od["cost"]["autoscaled"] if od["cost"]["autoscaled"] else math.inf
-    p99 = (spot["ttft_ms"]["p99"] / od["ttft_ms"]["p99"]
-           if spot["ttft_ms"]["p99"] is not None and od["ttft_ms"]["p99"] else None)
-    unheld = _ratio(spot.get("ttft_ms_unheld", {}).get("p99"), od.get("ttft_ms_unheld", {}).get("p99"))
+    p99 = _ratio(spot["ttft_ms"]["p99"], od["ttft_ms"]["p99"])
+    unheld = _ratio(spot["ttft_ms_unheld"]["p99"], od["ttft_ms_unheld"]["p99"])
     at_example = spot["pod_hours"] * prices.pod_per_hr * SPEC_EXAMPLE_SHARE + spot["cost"]["fallback"]
     return {"days": dict(days), "cost_ratio": round(ratio, 3), "ttft_p99_ratio": None if p99 is None else round(p99, 3),
             "ttft_p99_ratio_unheld": None if unheld is None else round(unheld, 3),
@@ -183,8 +182,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def held_line(out: dict) -> str | None:
     """What the sandbox's own deploy holds did to the TTFT comparison (None when no request met one)."""
     od, spot = out["days"]["ondemand"], out["days"]["interruptible"]
-    held = {k: d["ttft_ms"]["n"] - d.get("ttft_ms_unheld", d["ttft_ms"])["n"] for k, d in (("od", od), ("spot", spot))}
-    if not any(held.values()) or out.get("ttft_p99_ratio_unheld") is None:
+    held = {k: d["ttft_ms"]["n"] - d["ttft_ms_unheld"]["n"] for k, d in (("od", od), ("spot", spot))}
+    if not any(held.values()) or out["ttft_p99_ratio_unheld"] is None:
         return None
     return (f"{held['spot']} of the interruptible day's requests on pods ({held['od']} on demand) waited at a sandbox "
             f"cell's edge while an update swapped its Worker, which Cloudflare's edge does not do; without them TTFT "
