@@ -137,12 +137,15 @@ def test_generation_switch_reads_through_the_draining_state(tmp_path):
              {"name": "us-east.g2", "region": "us-east", "status": "active"}]
     finished = [{"name": "us-east.g1", "region": "us-east", "status": "retired"},
                 {"name": "us-east.g3", "region": "us-east", "status": "active"}]
-    with running_cell(runtime(), generations=g1, storage_dir=tmp_path / "do") as cell:
+    # A pod's answer may take its time: under a loaded suite 300 ms (runtime()) once sent a healthy
+    # pod's /v1/models to the fallback, and this test is about whose state routes, not the deadline.
+    worker = runtime(deadlineMs=5000)
+    with running_cell(worker, generations=g1, storage_dir=tmp_path / "do") as cell:
         assert cell.call("PUT", "/_colocate/breaker", body={"force": "open"}, headers=auth()).status == 200
-        cell.restart(cell_plan(runtime(), generations=g1))  # storage survives a restart
+        cell.restart(cell_plan(worker, generations=g1))  # storage survives a restart
         assert cell.breaker()["forced"] == "open"
 
-        cell.restart(cell_plan(runtime(), generations=moved))
+        cell.restart(cell_plan(worker, generations=moved))
         assert cell.plan.worker.binding("DRAINING_GENERATION").text == "us-east.g1"
         probe = cell.call("GET", "/_colocate/probe", headers=auth()).json()
         assert probe["generation"] == "us-east.g2" and probe["draining_generation"] == "us-east.g1"
@@ -151,6 +154,7 @@ def test_generation_switch_reads_through_the_draining_state(tmp_path):
         assert res.headers["x-colocate-backend"] == "fallback"
         # The new generation now owns its state: clearing it there does not touch g1.
         cell.call("PUT", "/_colocate/breaker", body={"force": None}, headers=auth())
+        assert cell.breaker()["forced"] is None
         assert cell.call("GET", "/v1/models").headers["x-colocate-backend"] == "pod-0"
         # Purge: never the active generation; the draining one on request.
         refused = cell.call("POST", "/_colocate/purge", body={"generation": "us-east.g2"}, headers=auth())
@@ -165,5 +169,5 @@ def test_generation_switch_reads_through_the_draining_state(tmp_path):
         assert len(tables_by_object(tmp_path / "do")) == 1
 
         # Control: a generation with nothing draining starts empty (no read-through).
-        cell.restart(cell_plan(runtime(), generations=finished))
+        cell.restart(cell_plan(worker, generations=finished))
         assert cell.breaker()["forced"] is None and cell.breaker()["imported"] == []
