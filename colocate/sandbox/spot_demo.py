@@ -19,8 +19,9 @@ at its next pass and replaces it alone, the replacement booting for 20 minutes o
 ``Biller`` samples what each cell is billed for: its pods that serve or drain (a preempted one no more)
 and the pods being rented (from the decision, through the boot, until the apply that creates them
 returns). The figures and the verdicts are colocate/scaling/spot_day.py's, with two of the sandbox's own: how
-long each preempted pod was out (``KeeperDeployer.done``), and which requests waited at a cell's edge while an
-update swapped its Worker (``mark_held``: the runner's ``edge-holds.json``; Cloudflare's edge holds none).
+long each preempted pod was out, and waited for its replacement to begin (``KeeperDeployer.done``), and which
+requests waited at a cell's edge while an update swapped its Worker (``mark_held``: the runner's
+``edge-holds.json``; Cloudflare's edge holds none).
 """
 
 from __future__ import annotations
@@ -344,11 +345,13 @@ class SpotDay(base.Demo):
         assert self.biller is not None and self.host is not None
         self.served = mark_held(self.served, {c: edge_holds(Path(self.ready(c)["state_dir"])) for c in base.CELLS},
                                 self.clock)
-        back = spot_day.back_in_service([(h, cell, i) for h, cell, _, i in self.host.preempted],
-                                        [r for k in self.keepers.values() for r in k.done])
+        preempted = [(h, cell, i) for h, cell, _, i in self.host.preempted]
+        done = [r for k in self.keepers.values() for r in k.done]
         measured = spot_day.Day(self.market, tuple(self.served), {c: list(v) for c, v in self.biller.billed.items()},
                                 self.pod_per_hr, preemptions=len(self.host.preempted),
-                                replaced=sum(k.replaced for k in self.keepers.values()), back_min=tuple(back))
+                                replaced=sum(k.replaced for k in self.keepers.values()),
+                                back_min=tuple(spot_day.back_in_service(preempted, done)),
+                                waited_min=tuple(spot_day.waited_to_replace(preempted, done)))
         raw, _ = stackfile.read_config(base.CELLS[0], self.stacks_dir)
         cap = float((raw.get("fallbackCap") or {}).get("cellUsdPerDay") or 0)
         return spot_day.day_figures(measured, self.prices, self.per, base.MAX_PODS, cap)
@@ -485,6 +488,10 @@ def print_day(f: dict, demo: SpotDay) -> None:
               f"{back['n']} replaced), a {boot:.0f}-minute boot among it"
               + (f": the sandbox's own updates stretched it, so the day is not a real one. Fix: a longer day "
                  f"(--day-seconds, {DAY_S:.0f} s by default)" if back["p50"] > STRETCHED * boot else ""), flush=True)
+        waited = f["waited_to_replace_min"]
+        print(f"      each replacement began {waited['p50']:.0f} min of the day after its preemption (median; p90 "
+              f"{waited['p90']:.0f}): the keeper's next pass, and any update of the cell still running (one at a "
+              f"time: a pass waits while another boots or drains a pod)", flush=True)
     by_fallback = [s for s in demo.served if s.backend == "fallback"]
     if by_fallback:  # where the fallback's spend comes from: which cell bought it, at which hours of the day
         cells = sorted({s.cell or "-" for s in by_fallback})

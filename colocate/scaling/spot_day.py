@@ -69,21 +69,37 @@ class Day:
     preemptions: int = 0
     replaced: int = 0
     back_min: tuple[float, ...] = ()  # minutes of the day each preempted pod's index went unserved (``back_in_service``)
+    waited_min: tuple[float, ...] = ()  # minutes of the day until each replacement began (``waited_to_replace``)
 
 
-def back_in_service(preempted: Iterable[tuple[float, str, int]],
-                    replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[float]:
-    """Minutes of the day from each preemption ((hour, cell, pod index)) until a replacement of that index in
-    that cell served again (replacements: (hour decided, hour serving, cell, indices)): the keeper's wait for
-    its next pass, the boot, the update. A preemption no replacement followed (the day ended first, or the cell scaled that pod
+def replacements(preempted: Iterable[tuple[float, str, int]],
+                 replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[tuple[float, float, float]]:
+    """Each preemption ((hour, cell, pod index)) with the replacement of that index in that cell decided
+    at or after it (replacements: (hour decided, hour serving, cell, indices)): (preempted, decided,
+    serving) hours. A preemption no replacement followed (the day ended first, or the cell scaled that pod
     away) is left out."""
     done = sorted(replaced, key=lambda r: r[1])
     out = []
     for at, cell, index in sorted(preempted):
-        back = next((end for start, end, c, ixs in done if c == cell and index in ixs and start >= at), None)
-        if back is not None:
-            out.append(round((back - at) * 60, 1))
+        r = next((r for r in done if r[2] == cell and index in r[3] and r[0] >= at), None)
+        if r is not None:
+            out.append((at, r[0], r[1]))
     return out
+
+
+def back_in_service(preempted: Iterable[tuple[float, str, int]],
+                    replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[float]:
+    """Minutes of the day from each preemption until its replacement served (``replacements``): the
+    keeper's wait to begin it, then the boot and the update."""
+    return [round((end - at) * 60, 1) for at, _, end in replacements(preempted, replaced)]
+
+
+def waited_to_replace(preempted: Iterable[tuple[float, str, int]],
+                      replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[float]:
+    """Minutes of the day from each preemption until the keeper began its replacement (``replacements``):
+    its next pass, and any update of the cell still running (a cell makes one at a time, and the
+    controller's pass waits while one boots a pod or drains one)."""
+    return [round((start - at) * 60, 1) for at, start, _ in replacements(preempted, replaced)]
 
 
 def fallback_usd(served: Iterable[Served], prices: Prices, per: int) -> float:
@@ -122,9 +138,14 @@ def day_figures(d: Day, prices: Prices, per: int, max_pods: int, cap_usd_per_cel
         "ttft_ms": {"p50": _ms(quantile(on_pods, 0.5)), "p99": _ms(quantile(on_pods, 0.99)), "n": len(on_pods)},
         # the sandbox's own deploy holds (Served.held) apart: what the same day would show on Cloudflare's edge
         "ttft_ms_unheld": {"p50": _ms(quantile(unheld, 0.5)), "p99": _ms(quantile(unheld, 0.99)), "n": len(unheld)},
-        "back_in_service_min": {"p50": quantile(d.back_min, 0.5), "p90": quantile(d.back_min, 0.9), "n": len(d.back_min)},
+        "back_in_service_min": _quantiles(d.back_min),
+        "waited_to_replace_min": _quantiles(d.waited_min),
         "cells": {c: {"pod_hours": round(hours[c], 2), "fallback_usd": money(fb[c])} for c in cells},
     }
+
+
+def _quantiles(minutes: Sequence[float]) -> dict:
+    return {"p50": quantile(minutes, 0.5), "p90": quantile(minutes, 0.9), "n": len(minutes)}
 
 
 def _ms(v: float | None) -> float | None:
