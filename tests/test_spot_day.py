@@ -82,22 +82,26 @@ def test_back_in_service_runs_from_each_preemption_to_its_index_serving_again():
         (5.5, 6.0, "a", (0, 1)),  # ...this one is
         (3.0, 3.4, "b", (0, 1)),  # b's pod 1, in one update with pod 0
     ]
-    assert spot_day.back_in_service(preempted, replaced) == [42.0, 114.0, 60.0, 60.0]  # b's 23.9: the day ended
-    assert spot_day.back_in_service([], replaced) == []
-    # the same pairs, to the hour each replacement began: a's pod 0 at the next pass, b's pod 1 behind an update
-    assert spot_day.waited_to_replace(preempted, replaced) == [12.0, 90.0, 6.0, 30.0]
-    assert spot_day.replacements(preempted, replaced)[1] == (1.5, 3.0, 3.4)
+    pairs = spot_day.replacements(preempted, replaced)
+    assert pairs[1] == (1.5, 3.0, 3.4)
+    assert spot_day.back_in_service(pairs) == [42.0, 114.0, 60.0, 60.0]  # b's 23.9: the day ended
+    assert spot_day.replacements([], replaced) == []
+    # the same pairs, to the hour each replacement began (a's pod 0 at the next pass, b's pod 1 behind an
+    # update) and from then until it served
+    assert spot_day.waited_to_replace(pairs) == [12.0, 90.0, 6.0, 30.0]
+    assert spot_day.replace_took(pairs) == [30.0, 24.0, 54.0, 30.0]
 
 
-def test_the_days_figures_give_the_back_in_service_quantiles():
+def test_the_days_figures_give_each_replacements_quantiles():
     d = spot_day.Day("interruptible", (served("pod-0"),), {"a": [(0.0, 1), (10.0, 0)]}, 0.21, preemptions=3,
-                     replaced=3, back_min=(25.0, 30.0, 90.0), waited_min=(1.0, 4.0, 60.0))
+                     replaced=3, replacements=((1.0, 1.0, 1.5), (2.0, 2.5, 3.0), (3.0, 4.0, 4.25)))
     f = spot_day.day_figures(d, PRICES, per=1000, max_pods=2, cap_usd_per_cell=20.0)
-    assert f["back_in_service_min"] == {"p50": 30.0, "p90": 90.0, "n": 3}
-    assert f["waited_to_replace_min"] == {"p50": 4.0, "p90": 60.0, "n": 3}
+    assert f["back_in_service_min"] == {"p50": 60.0, "p90": 75.0, "n": 3}
+    assert f["waited_to_replace_min"] == {"p50": 30.0, "p90": 60.0, "n": 3}
+    assert f["replace_took_min"] == {"p50": 30.0, "p90": 30.0, "n": 3}
     none = {"p50": None, "p90": None, "n": 0}
     od = day("ondemand", [served("pod-0")], 10.0, 0.6)
-    assert od["back_in_service_min"] == none and od["waited_to_replace_min"] == none
+    assert od["back_in_service_min"] == od["waited_to_replace_min"] == od["replace_took_min"] == none
 
 
 def test_requests_held_by_a_sandbox_swap_are_set_apart_in_ttft():

@@ -350,8 +350,7 @@ class SpotDay(base.Demo):
         measured = spot_day.Day(self.market, tuple(self.served), {c: list(v) for c, v in self.biller.billed.items()},
                                 self.pod_per_hr, preemptions=len(self.host.preempted),
                                 replaced=sum(k.replaced for k in self.keepers.values()),
-                                back_min=tuple(spot_day.back_in_service(preempted, done)),
-                                waited_min=tuple(spot_day.waited_to_replace(preempted, done)))
+                                replacements=tuple(spot_day.replacements(preempted, done)))
         raw, _ = stackfile.read_config(base.CELLS[0], self.stacks_dir)
         cap = float((raw.get("fallbackCap") or {}).get("cellUsdPerDay") or 0)
         return spot_day.day_figures(measured, self.prices, self.per, base.MAX_PODS, cap)
@@ -488,10 +487,12 @@ def print_day(f: dict, demo: SpotDay) -> None:
               f"{back['n']} replaced), a {boot:.0f}-minute boot among it"
               + (f": the sandbox's own updates stretched it, so the day is not a real one. Fix: a longer day "
                  f"(--day-seconds, {DAY_S:.0f} s by default)" if back["p50"] > STRETCHED * boot else ""), flush=True)
-        waited = f["waited_to_replace_min"]
+        waited, took = f["waited_to_replace_min"], f["replace_took_min"]
         print(f"      each replacement began {waited['p50']:.0f} min of the day after its preemption (median; p90 "
               f"{waited['p90']:.0f}): the keeper's next pass, and any update of the cell still running (one at a "
-              f"time: a pass waits while another boots or drains a pod)", flush=True)
+              f"time: a pass waits while another boots or drains a pod); then it took {took['p50']:.0f} (median; "
+              f"p90 {took['p90']:.0f}): the boot, and the sandbox's update, its seconds compressed with the day",
+              flush=True)
     by_fallback = [s for s in demo.served if s.backend == "fallback"]
     if by_fallback:  # where the fallback's spend comes from: which cell bought it, at which hours of the day
         cells = sorted({s.cell or "-" for s in by_fallback})

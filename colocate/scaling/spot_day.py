@@ -68,8 +68,8 @@ class Day:
     pod_per_hr: float
     preemptions: int = 0
     replaced: int = 0
-    back_min: tuple[float, ...] = ()  # minutes of the day each preempted pod's index went unserved (``back_in_service``)
-    waited_min: tuple[float, ...] = ()  # minutes of the day until each replacement began (``waited_to_replace``)
+    # (preempted, replacement decided, serving) hours of each preemption replaced (``replacements``)
+    replacements: tuple[tuple[float, float, float], ...] = ()
 
 
 def replacements(preempted: Iterable[tuple[float, str, int]],
@@ -87,19 +87,22 @@ def replacements(preempted: Iterable[tuple[float, str, int]],
     return out
 
 
-def back_in_service(preempted: Iterable[tuple[float, str, int]],
-                    replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[float]:
-    """Minutes of the day from each preemption until its replacement served (``replacements``): the
-    keeper's wait to begin it, then the boot and the update."""
-    return [round((end - at) * 60, 1) for at, _, end in replacements(preempted, replaced)]
+def back_in_service(pairs: Iterable[tuple[float, float, float]]) -> list[float]:
+    """Minutes of the day from each preemption until its replacement served (``replacements``)."""
+    return [round((end - at) * 60, 1) for at, _, end in pairs]
 
 
-def waited_to_replace(preempted: Iterable[tuple[float, str, int]],
-                      replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[float]:
-    """Minutes of the day from each preemption until the keeper began its replacement (``replacements``):
-    its next pass, and any update of the cell still running (a cell makes one at a time, and the
-    controller's pass waits while one boots a pod or drains one)."""
-    return [round((start - at) * 60, 1) for at, start, _ in replacements(preempted, replaced)]
+def waited_to_replace(pairs: Iterable[tuple[float, float, float]]) -> list[float]:
+    """Minutes of the day from each preemption until the keeper began its replacement: its next pass,
+    and any update of the cell still running (a cell makes one at a time, and the controller's pass
+    waits while one boots a pod or drains one)."""
+    return [round((start - at) * 60, 1) for at, start, _ in pairs]
+
+
+def replace_took(pairs: Iterable[tuple[float, float, float]]) -> list[float]:
+    """Minutes of the day each replacement took from its beginning until it served: the boot, and the
+    update's own time (in the sandbox, its seconds of wall time compressed with the day)."""
+    return [round((end - start) * 60, 1) for _, start, end in pairs]
 
 
 def fallback_usd(served: Iterable[Served], prices: Prices, per: int) -> float:
@@ -138,8 +141,9 @@ def day_figures(d: Day, prices: Prices, per: int, max_pods: int, cap_usd_per_cel
         "ttft_ms": {"p50": _ms(quantile(on_pods, 0.5)), "p99": _ms(quantile(on_pods, 0.99)), "n": len(on_pods)},
         # the sandbox's own deploy holds (Served.held) apart: what the same day would show on Cloudflare's edge
         "ttft_ms_unheld": {"p50": _ms(quantile(unheld, 0.5)), "p99": _ms(quantile(unheld, 0.99)), "n": len(unheld)},
-        "back_in_service_min": _quantiles(d.back_min),
-        "waited_to_replace_min": _quantiles(d.waited_min),
+        "back_in_service_min": _quantiles(back_in_service(d.replacements)),
+        "waited_to_replace_min": _quantiles(waited_to_replace(d.replacements)),
+        "replace_took_min": _quantiles(replace_took(d.replacements)),
         "cells": {c: {"pod_hours": round(hours[c], 2), "fallback_usd": money(fb[c])} for c in cells},
     }
 
