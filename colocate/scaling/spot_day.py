@@ -75,7 +75,7 @@ class Day:
 def replacements(preempted: Iterable[tuple[float, str, int]],
                  replaced: Iterable[tuple[float, float, str, Sequence[int]]]) -> list[tuple[float, float, float]]:
     """Each preemption ((hour, cell, pod index)) with the replacement of that index in that cell decided
-    at or after it (replacements: (hour decided, hour serving, cell, indices)): (preempted, decided,
+    at or after it (``replaced``: (hour decided, hour serving, cell, indices)): (preempted, decided,
     serving) hours. A preemption no replacement followed (the day ended first, or the cell scaled that pod
     away) is left out."""
     done = sorted(replaced, key=lambda r: r[1])
