@@ -133,3 +133,41 @@ def test_a_request_is_held_when_its_wait_for_a_first_token_meets_a_hold_of_its_h
     out = mark_held(rows, {"a": [(1002.4, 1002.9)], "c": []}, Clock())
     assert [s.held for s in out] == [True, False, False, True, False]
     assert out[1] is rows[1]
+
+
+def test_a_replacements_boot_is_slept_short_by_the_median_update_the_cloud_would_overlap_with_it():
+    from colocate.sandbox.spot_demo import KeeperDeployer, UpdateTimer
+
+    class Clock:  # 1 second of the day is 1 ms of wall time: the 20-minute boot is 1.2 s
+        def hours(self) -> float:
+            return 0.0
+
+        def wall(self, day_seconds: float) -> float:
+            return day_seconds / 1000
+
+    class Inner:
+        def __init__(self):
+            self.calls = []
+
+        def replace(self, indices, replaced):
+            self.calls.append(tuple(indices))
+
+    class Biller:
+        def rent(self, cell, n):
+            return (cell, n)
+
+        def rented(self, renting):
+            pass
+
+    slept: list[float] = []
+    timer, inner = UpdateTimer(), Inner()
+    keeper = KeeperDeployer(inner, "a", Clock(), Biller(), lambda line: None, timer, sleep=slept.append)
+    assert timer.estimate() == 0.0
+    keeper.replace([0], {})  # nothing measured yet: the whole boot, then the update
+    assert slept == [1.2] and inner.calls == [(0,)] and len(timer.took) == 1
+    timer.took[:] = [0.3, 0.5, 0.1]
+    keeper.replace([1], {})
+    assert slept[1] == pytest.approx(0.9)  # short by the median update, 0.3 s
+    timer.took[:] = [5.0]  # an update longer than the boot: no sleep at all
+    keeper.replace([0], {})
+    assert slept[2] == 0.0 and keeper.replaced == 3 and [d[3] for d in keeper.done] == [(0,), (1,), (0,)]
