@@ -14,7 +14,8 @@ serves gets a life drawn at ``spot_day.PREEMPTIONS_PER_HOUR`` of the day; when i
 provider reports the pod preempted and kills its process (colocate/pods/local.py ``preempt``). The
 Worker sees the hop fail at once (its requests not yet begun go to the other pod, the next cell or
 the fallback; a stream cut mid-answer ends with an error event); the keeper finds the pod preempted
-at its next pass and replaces it alone, the replacement booting for 20 minutes of the day.
+at its next pass and replaces it alone, the replacement booting for 20 minutes of the day, the sandbox's
+update of a few seconds inside them as the cloud's are (``UpdateTimer``).
 
 ``Biller`` samples what each cell is billed for: its pods that serve or drain (a preempted one no more)
 and the pods being rented (from the decision, through the boot, until the apply that creates them
