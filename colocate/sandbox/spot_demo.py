@@ -60,7 +60,8 @@ from .statedir import EDGE_HOLDS_FILE, LOCAL_PODS_DIR, read_json
 # The day, compressed: 1 hour = 25 s. A sandbox update (a pod started, the Worker swapped) takes 2 to 7 s of
 # wall time on a 2-core machine. In demo-autoscale's 150 s day that was 20 to 70 minutes of the day on top of
 # each replacement's 20-minute boot, the keeper waiting behind the cell's other updates 40 minutes on average:
-# a preempted pod stayed out about two hours of the day. In 600 s it is back after 29-30 (``back_in_service``).
+# a preempted pod stayed out about two hours of the day. In 600 s, a replacement's update slept inside its boot
+# (``UpdateTimer``), it is back after 22 minutes (``back_in_service``, median).
 DAY_S = 600.0
 STRETCHED = 2.0  # a median time back in service past this x the boot: the day said not to be a real one
 KEEP_INTERVAL_S = 60.0  # of the day between a controller's passes: a preempted pod is found within a minute of it
