@@ -64,6 +64,21 @@ def test_a_short_day_on_interruptible_pods_fails_nothing_but_cut_streams_and_rep
     holds = [h for c in ("apac-jp", "eu-west", "us-east") for h in spot_demo.edge_holds(state / "interruptible" / c)]
     assert holds and all(0 < b - a < 60 for a, b in holds), holds
     assert spot["ttft_ms_unheld"]["n"] <= spot["ttft_ms"]["n"]
+    # the day as it happened, for a look past its figures: every request, each preemption and replacement,
+    # each hold (in hours of the day), and each cell's billed pods
+    record = json.loads((state / "interruptible" / spot_demo.RECORD_FILE).read_text())
+    sent = record["requests"]
+    assert len(sent) == 80 and sum(1 for q in sent if not q["ok"] and not q["cut"]) == spot["failed"]
+    assert sum(1 for q in sent if q["cut"]) == spot["cut"]
+    on_pods = [q for q in sent if q["ok"] and q["ttft_ms"] is not None and (q["backend"] or "").startswith("pod-")]
+    assert len(on_pods) == spot["ttft_ms"]["n"] and sum(not q["held"] for q in on_pods) == spot["ttft_ms_unheld"]["n"]
+    assert len(record["preempted"]) == spot["preemptions"]
+    assert {p["cell"] for p in record["preempted"]} <= set(spot["fallback"]["usd_by_cell"])
+    assert sum(len(r["pods"]) for r in record["replaced"]) >= spot["replaced"] > 0
+    assert all(r["decided_h"] <= r["serving_h"] for r in record["replaced"])
+    assert sum(len(v) for v in record["holds"].values()) == len(holds)
+    assert all(0 <= a < b for v in record["holds"].values() for a, b in v)
+    assert all(steps and min(h for h, _ in steps) >= 0 for steps in record["billed"].values())
     assert spot["pod_per_hr"] == pytest.approx(spot_demo.ON_DEMAND_PER_HR * spot_day.INTERRUPTIBLE_SHARE)
     assert "preempted (its host took it back)" in r.stderr and "keeper: replacing pod" in r.stderr
     assert fleet.what_runs(state / "interruptible" / "fleet") == []

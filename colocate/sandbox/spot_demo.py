@@ -107,6 +107,27 @@ def mark_held(served: list[day.Served], holds: dict[str, list[tuple[float, float
     return out
 
 
+# Each day's requests and its pods' events, in its state dir: what a figure hides (which requests made
+# the TTFT tail, and what the cell was doing then) is read from here.
+RECORD_FILE = "day.json"
+
+
+def day_record(served: list[day.Served], preempted: list[tuple[float, str, int]],
+               replaced: list[tuple[float, float, str, tuple[int, ...]]], holds: dict[str, list[tuple[float, float]]],
+               billed: dict[str, list[tuple[float, int]]], clock: base.DayClock) -> dict:
+    """The day as it happened, every time in hours of the day: each request (``day.Served``), each
+    preemption (cell, pod index), each replacement (decided, serving, cell, indices), each hold of a
+    cell's edge while its Worker was swapped, and each cell's billed pods."""
+    def hour(t: float) -> float:
+        return round((t - clock.t0) / clock.day_s * day.HOURS, 4)
+
+    return {"requests": [dataclasses.asdict(s) for s in served],
+            "preempted": [{"at_h": h, "cell": c, "pod": i} for h, c, i in preempted],
+            "replaced": [{"decided_h": a, "serving_h": b, "cell": c, "pods": list(ix)} for a, b, c, ix in replaced],
+            "holds": {c: [[hour(a), hour(b)] for a, b in v] for c, v in holds.items()},
+            "billed": {c: [list(step) for step in v] for c, v in billed.items()}}
+
+
 @dataclass
 class Renting:
     """Pods a decision rents: billed from then until they are recorded (they serve), or the apply returns."""
@@ -372,8 +393,8 @@ class SpotDay(base.Demo):
 
     def figures(self) -> dict:
         assert self.biller is not None and self.host is not None
-        self.served = mark_held(self.served, {c: edge_holds(Path(self.ready(c)["state_dir"])) for c in base.CELLS},
-                                self.clock)
+        holds = {c: edge_holds(Path(self.ready(c)["state_dir"])) for c in base.CELLS}
+        self.served = mark_held(self.served, holds, self.clock)
         preempted = [(h, cell, i) for h, cell, _, i in self.host.preempted]
         done = [r for k in self.keepers.values() for r in k.done]
         measured = spot_day.Day(self.market, tuple(self.served), {c: list(v) for c, v in self.biller.billed.items()},
@@ -382,6 +403,8 @@ class SpotDay(base.Demo):
                                 replacements=tuple(spot_day.replacements(preempted, done)))
         raw, _ = stackfile.read_config(base.CELLS[0], self.stacks_dir)
         cap = float((raw.get("fallbackCap") or {}).get("cellUsdPerDay") or 0)
+        (self.state_dir / RECORD_FILE).write_text(json.dumps(day_record(
+            self.served, preempted, done, holds, self.biller.billed, self.clock)) + "\n")
         return spot_day.day_figures(measured, self.prices, self.per, base.MAX_PODS, cap)
 
 
