@@ -72,6 +72,9 @@ def test_a_short_day_on_interruptible_pods_fails_nothing_but_cut_streams_and_rep
     assert sum(1 for q in sent if q["cut"]) == spot["cut"]
     on_pods = [q for q in sent if q["ok"] and q["ttft_ms"] is not None and (q["backend"] or "").startswith("pod-")]
     assert len(on_pods) == spot["ttft_ms"]["n"] and sum(not q["held"] for q in on_pods) == spot["ttft_ms_unheld"]["n"]
+    # where each TTFT went: the router's segments up to its answer's headers, within the client's wait for them
+    assert all({"state", "upstream", "total"} <= set(q["timing"]) for q in on_pods), on_pods[0]
+    assert all(q["timing"]["state"] <= q["timing"]["total"] <= q["timing"]["headers"] <= q["ttft_ms"] for q in on_pods)
     assert len(record["preempted"]) == spot["preemptions"]
     assert {p["cell"] for p in record["preempted"]} <= set(spot["fallback"]["usd_by_cell"])
     assert sum(len(r["pods"]) for r in record["replaced"]) >= spot["replaced"] > 0

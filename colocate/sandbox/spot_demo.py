@@ -47,6 +47,7 @@ from ..cell.plan import modules_hash, worker_modules
 from ..errors import ConfigError
 from ..pods.base import DEAD
 from ..pods.local import Local
+from ..probe import timing as server_timing
 from ..scaling import day, spot_day
 from ..scaling.controller import CellClient, Controller, policy_of
 from ..scaling.keeper import Keeper
@@ -286,9 +287,11 @@ def stream_one(session: requests.Session, url: str, key: str, at_h: float, home:
         with session.post(url + "/v1/chat/completions", json=STREAM_BODY, headers={"authorization": f"Bearer {key}"},
                           timeout=30, stream=True) as r:
             cell, backend = r.headers.get("x-colocate-cell"), r.headers.get("x-colocate-backend")
+            st = {**server_timing.parse(r.headers.get("server-timing")).durations,
+                  "headers": round((time.monotonic() - t) * 1000, 1)}
             if r.status_code != 200:
                 return day.Served(at_h, home, False, cell, backend, e2e_ms=(time.monotonic() - t) * 1000,
-                                  why=f"HTTP {r.status_code}: {base.error_message(r)}")
+                                  why=f"HTTP {r.status_code}: {base.error_message(r)}", timing=st)
             tokens, done, error = 0, False, None
             for line in r.iter_lines():
                 if not line.startswith(b"data: "):
@@ -308,11 +311,11 @@ def stream_one(session: requests.Session, url: str, key: str, at_h: float, home:
             e2e = (time.monotonic() - t) * 1000
             if error is not None:
                 return day.Served(at_h, home, False, cell, backend, tokens, e2e, f"error event: {error.get('code')}",
-                                  ttft_ms=ttft, cut=True)
+                                  ttft_ms=ttft, cut=True, timing=st)
             if not done:
                 return day.Served(at_h, home, False, cell, backend, tokens, e2e, "the stream ended without [DONE]",
-                                  ttft_ms=ttft)
-            return day.Served(at_h, home, True, cell, backend, tokens, e2e, ttft_ms=ttft)
+                                  ttft_ms=ttft, timing=st)
+            return day.Served(at_h, home, True, cell, backend, tokens, e2e, ttft_ms=ttft, timing=st)
     except (requests.RequestException, ValueError) as exc:
         return day.Served(at_h, home, False, backend=type(exc).__name__, e2e_ms=(time.monotonic() - t) * 1000,
                           why=f"{type(exc).__name__}: {str(exc)[:200]}", ttft_ms=ttft)

@@ -180,6 +180,9 @@ class Served:
     ttft_ms: float | None = None  # a stream's first token as its client saw it (demo-spot)
     cut: bool = False  # a stream that ended with an error event after its first token (demo-spot: a preemption)
     held: bool = False  # it waited at a sandbox cell's edge while a deploy swapped workerd (demo-spot), as Cloudflare's does not
+    # ms: the router's Server-Timing (state, upstream, total: up to its answer's headers) and the client's
+    # wait for those headers (headers), where its TTFT went (demo-spot)
+    timing: dict[str, float] | None = None
 
     def by(self) -> str | None:
         """pod (the home cell's), cell (another cell's pod), fallback; None for a failure."""
