@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate.sandbox import fleet, spot_demo
+from colocate.sandbox import fleet, spot_demo, statedir
 from colocate.scaling import spot_day
 from tests.test_sandbox_autoscale import processes_mentioning
 
@@ -66,7 +66,7 @@ def test_a_short_day_on_interruptible_pods_fails_nothing_but_cut_streams_and_rep
     assert spot["ttft_ms_unheld"]["n"] <= spot["ttft_ms"]["n"]
     # the day as it happened, for a look past its figures: every request, each preemption and replacement,
     # each hold (in hours of the day), and each cell's billed pods
-    record = json.loads((state / "interruptible" / spot_demo.RECORD_FILE).read_text())
+    record = json.loads((state / "interruptible" / statedir.DAY_RECORD_FILE).read_text())
     sent = record["requests"]
     assert len(sent) == 80 and sum(1 for q in sent if not q["ok"] and not q["cut"]) == spot["failed"]
     assert sum(1 for q in sent if q["cut"]) == spot["cut"]

@@ -56,7 +56,7 @@ from .demo import say
 from .errors import SandboxError
 from .pods import recorded_pods
 from .scaling import SandboxDeployer
-from .statedir import EDGE_HOLDS_FILE, LOCAL_PODS_DIR, read_json
+from .statedir import DAY_RECORD_FILE, EDGE_HOLDS_FILE, LOCAL_PODS_DIR, read_json
 
 # The day, compressed: 1 hour = 25 s. A sandbox update (a pod started, the Worker swapped) takes 2 to 7 s of
 # wall time on a 2-core machine. In demo-autoscale's 150 s day that was 20 to 70 minutes of the day on top of
@@ -108,17 +108,14 @@ def mark_held(served: list[day.Served], holds: dict[str, list[tuple[float, float
     return out
 
 
-# Each day's requests and its pods' events, in its state dir: what a figure hides (which requests made
-# the TTFT tail, and what the cell was doing then) is read from here.
-RECORD_FILE = "day.json"
-
-
 def day_record(served: list[day.Served], preempted: list[tuple[float, str, int]],
                replaced: list[tuple[float, float, str, tuple[int, ...]]], holds: dict[str, list[tuple[float, float]]],
                billed: dict[str, list[tuple[float, int]]], clock: base.DayClock) -> dict:
-    """The day as it happened, every time in hours of the day: each request (``day.Served``), each
-    preemption (cell, pod index), each replacement (decided, serving, cell, indices), each hold of a
-    cell's edge while its Worker was swapped, and each cell's billed pods."""
+    """The day as it happened (``DAY_RECORD_FILE`` in the day's directory: what a figure hides, such as
+    which requests made the TTFT tail and what their cell was doing then), every time in hours of the
+    day: each request (``day.Served``), each preemption (cell, pod index), each replacement (decided,
+    serving, cell, indices), each hold of a cell's edge while its Worker was swapped, and each cell's
+    billed pods."""
     def hour(t: float) -> float:
         return round((t - clock.t0) / clock.day_s * day.HOURS, 4)
 
@@ -406,7 +403,7 @@ class SpotDay(base.Demo):
                                 replacements=tuple(spot_day.replacements(preempted, done)))
         raw, _ = stackfile.read_config(base.CELLS[0], self.stacks_dir)
         cap = float((raw.get("fallbackCap") or {}).get("cellUsdPerDay") or 0)
-        (self.state_dir / RECORD_FILE).write_text(json.dumps(day_record(
+        (self.state_dir / DAY_RECORD_FILE).write_text(json.dumps(day_record(
             self.served, preempted, done, holds, self.biller.billed, self.clock)) + "\n")
         return spot_day.day_figures(measured, self.prices, self.per, base.MAX_PODS, cap)
 

@@ -23,6 +23,7 @@ A cell's state directory (default ``<repo>/.colocate/sandbox/<stack>/``):
     pods/              scripts/pod.py's local pod state, one record per pod
     logs/              runner.log, workerd.log, fallback.log, pod.log, front-runner.log
     stacks/, probes/   the demos' stack copies and probe results (demo.png, demo-fleet.png)
+    day.json           demo-spot: in each day's directory, that day as it happened (its requests, pods, holds)
 
 A fleet's state directory adds the front door's files: fleet-launch.json, fleet.lock,
 fleet.json (what ``up --fleet`` prints), fleet-key.json, front-run.json, front.json,
@@ -80,6 +81,7 @@ STACKS_DIR = "stacks"
 PROBES_DIR = "probes"
 DEMO_PLOT_FILE = "demo.png"
 FLEET_DEMO_PLOT_FILE = "demo-fleet.png"
+DAY_RECORD_FILE = "day.json"  # demo-spot: each day as it happened (spot_demo.day_record), in the day's directory
 
 FLEET_LAUNCH_FILE = "fleet-launch.json"
 FLEET_LOCK_FILE = "fleet.lock"
