@@ -29,9 +29,10 @@ Paced runs still differ by about 5 %: how many syncs fall in a window depends on
 ran. It shows what a quiet isolate pays; back to back, with --repeat, compares code.
 
 Each rung: start under ``valgrind --tool=callgrind`` with its instrumentation off (the start is
-not counted, and runs many times faster), switch it on (callgrind_control -i on), send ``--warm``
-requests (the JIT settles), zero the counters (callgrind_control -z), send ``--requests`` requests one
-after another on one keep-alive connection, dump (callgrind_control -d), divide.
+not counted, and runs many times faster), switch it on (callgrind_control --instr=on), send
+``--warm`` requests (the JIT settles), zero the counters (callgrind_control -z), send
+``--requests`` requests one after another on one keep-alive connection, dump (callgrind_control
+-d), divide.
 
 ``--request`` picks what is sent: ``json`` (a chat completion, the default), ``stream``
 (the same with ``"stream": true``: ``--chunks`` SSE events and ``[DONE]``, read to the
